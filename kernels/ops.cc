@@ -6,10 +6,10 @@
 
 #include <fmt/format.h>
 
+#include <array>
 #include <initializer_list>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "core/check.h"
 #include "kernels/backend.h"
@@ -23,14 +23,16 @@ class OpCheck {
  public:
   using Named = std::pair<const char*, const Tensor*>;
 
-  OpCheck(const char* op, const Exec& ex, std::initializer_list<Named> tensors)
-      : op_(op), ex_(ex), tensors_(tensors) {
+  OpCheck(const char* op, const Exec& ex, std::initializer_list<Named> tensors) : op_(op), ex_(ex) {
+    TROUPE_CHECK(tensors.size() <= kMaxTensors);
+    for (const Named& n : tensors) tensors_[num_tensors_++] = n;
     if (ex.device.is_cuda() && cuda_backend() == nullptr) {
       detail::check_failed(__FILE__, __LINE__, "backend",
                            fmt::format("op {} is not available on {} (this build has no CUDA backend)", op_,
                                        ex_.device));
     }
-    for (const Named& n : tensors_) {
+    for (size_t i = 0; i < num_tensors_; ++i) {
+      const Named& n = tensors_[i];
       if (n.second == nullptr) continue;  // optional tensor not given
       const Tensor& t = *n.second;
       require(t.defined(), __LINE__, "{} is undefined", n.first);
@@ -45,7 +47,8 @@ class OpCheck {
     if (__builtin_expect(cond, 1)) return;
     std::string msg = fmt::format("op {}: {}", op_, fmt::format(f, std::forward<Args>(args)...));
     const char* sep = "; ";
-    for (const Named& n : tensors_) {
+    for (size_t i = 0; i < num_tensors_; ++i) {
+      const Named& n = tensors_[i];
       msg += fmt::format("{}{} {}", sep, n.first, n.second != nullptr ? n.second->describe() : "none");
       sep = ", ";
     }
@@ -83,9 +86,11 @@ class OpCheck {
   }
 
  private:
+  static constexpr size_t kMaxTensors = 10;
   const char* op_;
   const Exec& ex_;
-  std::vector<Named> tensors_;
+  std::array<Named, kMaxTensors> tensors_{};  // fixed: no allocation per op call
+  size_t num_tensors_ = 0;
 };
 
 #define OP_REQUIRE(c, cond, ...) (c).require((cond), __LINE__, __VA_ARGS__)

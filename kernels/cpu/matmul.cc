@@ -1,10 +1,9 @@
 // kernels/cpu/matmul.cc — CPU reference of matmul (2-D and batched, with transposes) and
 // grouped matmul over per-expert row segments, forward and backward.
 //
-// Every product goes through gemm_rows(): C[M,N] = alpha * A[M,K] @ op(B) + beta * C with A
-// row-major. A transposed A is copied to row-major first (O(MK), small next to O(MNK)).
-// Loop orders keep the innermost loop on contiguous memory: i-k-j for B [K,N] and i-j-k
-// (dot products) for B stored [N,K]. Accumulation is f32.
+// Every product goes through gemm_nn(): C[M,N] = alpha * A[M,K] @ B[K,N] + beta * C, all
+// row-major, i-k-j loops with f32 accumulation. A transposed operand is copied to that
+// layout first (O(MK) or O(KN), small next to the O(MNK) product).
 #include <algorithm>
 #include <vector>
 
@@ -13,33 +12,48 @@
 namespace troupe::kernels::cpu {
 namespace {
 
-// C = alpha * A @ B + beta * C, A [M,K] row-major; B is [K,N] (b_nk false) or [N,K]
-// (b_nk true), both row-major. beta == 0 ignores C's old contents (even NaN).
-void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, const float* b, bool b_nk, float* c, float alpha,
-               float beta, std::vector<float>& acc) {
-  acc.resize(static_cast<size_t>(n));
-  for (int64_t i = 0; i < m; ++i) {
-    const float* arow = a + i * k;
-    if (!b_nk) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
+// C = alpha * A @ B + beta * C with A [M,K], B [K,N], C [M,N], all row-major. beta == 0
+// ignores C's old contents (even NaN). Blocked as i-k-j over tiles of kRowTile rows and
+// kColTile columns: the tile's accumulators stay in L1 and each B element loaded feeds
+// kRowTile multiply-adds; the innermost loop runs over contiguous columns (vectorisable).
+constexpr int64_t kRowTile = 4;
+constexpr int64_t kColTile = 256;
+
+void gemm_nn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c, float alpha, float beta) {
+  float acc[kRowTile][kColTile];
+  for (int64_t j0 = 0; j0 < n; j0 += kColTile) {
+    const int64_t nj = std::min(kColTile, n - j0);
+    for (int64_t i0 = 0; i0 < m; i0 += kRowTile) {
+      const int64_t ni = std::min(kRowTile, m - i0);
+      for (int64_t r = 0; r < ni; ++r)
+        for (int64_t j = 0; j < nj; ++j) acc[r][j] = 0.0f;
+      const float* arow = a + i0 * k;
       for (int64_t kk = 0; kk < k; ++kk) {
-        const float aik = arow[kk];
-        const float* brow = b + kk * n;
-        for (int64_t j = 0; j < n; ++j) acc[j] += aik * brow[j];
+        const float* brow = b + kk * n + j0;
+        if (ni == kRowTile) {
+          const float a0 = arow[kk], a1 = arow[k + kk], a2 = arow[2 * k + kk], a3 = arow[3 * k + kk];
+          for (int64_t j = 0; j < nj; ++j) {
+            const float bv = brow[j];
+            acc[0][j] += a0 * bv;
+            acc[1][j] += a1 * bv;
+            acc[2][j] += a2 * bv;
+            acc[3][j] += a3 * bv;
+          }
+        } else {
+          for (int64_t r = 0; r < ni; ++r) {
+            const float ar = arow[r * k + kk];
+            for (int64_t j = 0; j < nj; ++j) acc[r][j] += ar * brow[j];
+          }
+        }
       }
-    } else {
-      for (int64_t j = 0; j < n; ++j) {
-        const float* brow = b + j * k;
-        float s = 0.0f;
-        for (int64_t kk = 0; kk < k; ++kk) s += arow[kk] * brow[kk];
-        acc[j] = s;
+      for (int64_t r = 0; r < ni; ++r) {
+        float* crow = c + (i0 + r) * n + j0;
+        if (beta == 0.0f) {
+          for (int64_t j = 0; j < nj; ++j) crow[j] = alpha * acc[r][j];
+        } else {
+          for (int64_t j = 0; j < nj; ++j) crow[j] = alpha * acc[r][j] + beta * crow[j];
+        }
       }
-    }
-    float* crow = c + i * n;
-    if (beta == 0.0f) {
-      for (int64_t j = 0; j < n; ++j) crow[j] = alpha * acc[j];
-    } else {
-      for (int64_t j = 0; j < n; ++j) crow[j] = alpha * acc[j] + beta * crow[j];
     }
   }
 }
@@ -49,6 +63,17 @@ void transpose_into(const float* src, int64_t rows, int64_t cols, std::vector<fl
   dst.resize(static_cast<size_t>(rows * cols));
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+}
+
+// C = alpha * A @ B + beta * C, A [M,K] row-major; B is [K,N] (b_nk false) or [N,K]
+// (b_nk true). A [N,K] B is transposed into `scratch` first (O(NK), small next to O(MNK)).
+void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, const float* b, bool b_nk, float* c, float alpha,
+               float beta, std::vector<float>& scratch) {
+  if (b_nk) {
+    transpose_into(b, n, k, scratch);
+    b = scratch.data();
+  }
+  gemm_nn(m, n, k, a, b, c, alpha, beta);
 }
 
 }  // namespace
@@ -61,7 +86,7 @@ void matmul(const Exec&, const Tensor& a, const Tensor& b, Tensor& out, bool tra
   const bool b_shared = b.dim() == 2;
   F32In pa(a), pb(b);
   F32Out po(out, beta != 0.0f);
-  std::vector<float> acc, a_t;
+  std::vector<float> a_t, b_t;
   for (int64_t bi = 0; bi < batches; ++bi) {
     const float* ab = pa.get() + bi * m * k;
     const float* bb = pb.get() + (b_shared ? 0 : bi * k * n);
@@ -69,7 +94,11 @@ void matmul(const Exec&, const Tensor& a, const Tensor& b, Tensor& out, bool tra
       transpose_into(ab, k, m, a_t);
       ab = a_t.data();
     }
-    gemm_rows(m, n, k, ab, bb, trans_b, po.get() + bi * m * n, alpha, beta, acc);
+    if (trans_b) {
+      if (bi == 0 || !b_shared) transpose_into(bb, n, k, b_t);  // a shared b is transposed once
+      bb = b_t.data();
+    }
+    gemm_nn(m, n, k, ab, bb, po.get() + bi * m * n, alpha, beta);
   }
 }
 
