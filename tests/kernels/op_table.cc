@@ -49,7 +49,7 @@ class CpuTestDevice final : public TestDevice {
     if (t.dtype() == DType::kI32) {
       const int32_t* p = t.data<int32_t>();
       for (int64_t i = 0; i < t.numel(); ++i) h[i] = p[i];
-    } else {
+    } else if (t.numel() > 0) {
       std::vector<float> f = t.to_floats();
       for (int64_t i = 0; i < t.numel(); ++i) h[i] = f[static_cast<size_t>(i)];
     }
