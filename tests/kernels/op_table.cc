@@ -93,16 +93,47 @@ std::string compare(const HostTensor& got, const HostTensor& want, double atol, 
   return fmt::format("{}: {} of {} elements differ (worst |diff| {:.3g}){}", what, bad, want.numel(), worst, msg);
 }
 
-HostTensors make_douts(const OpCase& c, const HostTensors& outputs, uint64_t seed) {
+namespace {
+double round_to(double x, DType storage) {
+  const float f = static_cast<float>(x);
+  return storage == DType::kBF16 ? bf16_bits_to_float(float_to_bf16_bits(f)) : f;
+}
+}  // namespace
+
+HostTensors make_douts(const OpCase& c, const HostTensors& outputs, uint64_t seed, DType storage) {
   std::mt19937_64 gen(seed);
   std::uniform_real_distribution<double> u(-1.0, 1.0);
   HostTensors douts;
   for (int o : c.loss_outputs) {
     HostTensor d = HostTensor::zeros(outputs[static_cast<size_t>(o)].shape);
-    for (double& x : d.v) x = c.uniform_dout != 0.0 ? c.uniform_dout : static_cast<double>(static_cast<float>(u(gen)));
+    for (double& x : d.v) x = round_to(c.uniform_dout != 0.0 ? c.uniform_dout : u(gen), storage);
     douts.push_back(std::move(d));
   }
   return douts;
+}
+
+HostTensor round_for_storage(HostTensor h, DType storage) {
+  if (h.dtype == DType::kF32)
+    for (double& x : h.v) x = round_to(x, storage);
+  return h;
+}
+
+HostTensors inputs_for_storage(const OpCase& c, DType storage) {
+  HostTensors in = c.inputs;
+  for (size_t i = 0; i < in.size(); ++i) {
+    const bool keep = std::find(c.f32_inputs.begin(), c.f32_inputs.end(), static_cast<int>(i)) != c.f32_inputs.end();
+    if (!keep) in[i] = round_for_storage(std::move(in[i]), storage);
+  }
+  return in;
+}
+
+Tensors upload_inputs(TestDevice& dev, const OpCase& c, const HostTensors& inputs) {
+  Tensors ts;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const bool keep = std::find(c.f32_inputs.begin(), c.f32_inputs.end(), static_cast<int>(i)) != c.f32_inputs.end();
+    ts.push_back(keep ? dev.upload(inputs[i], DType::kF32) : dev.upload(inputs[i]));
+  }
+  return ts;
 }
 
 const std::vector<std::string>& forward_op_names() {
@@ -209,6 +240,7 @@ void add_elementwise_cases(std::vector<OpCase>& cases, Rng& rng) {
     OpCase c;
     c.name = fmt::format("fill/{}", dtype_name(dt));
     c.ops = {"fill"};
+    c.bf16_storage = false;  // the dtypes are the subject of the case
     const double value = dt == DType::kI32 ? 7.0 : 0.3671875;  // exact in bf16
     c.forward = [dt, value](TestDevice& dev, const Tensors&) {
       Tensor out = dev.poisoned({7, 5}, dt);
@@ -235,6 +267,7 @@ void add_elementwise_cases(std::vector<OpCase>& cases, Rng& rng) {
     OpCase c;
     c.name = fmt::format("cast/{}->{}", dtype_name(s.from), dtype_name(s.to));
     c.ops = {"cast"};
+    c.bf16_storage = false;  // the dtypes are the subject of the case
     HostTensor x = rng.uniform({6, 11});
     if (s.from == DType::kBF16)
       for (double& v : x.v) v = as_bf16(v);  // representable: the cast must be exact
@@ -537,7 +570,7 @@ void add_rmsnorm_cases(std::vector<OpCase>& cases, Rng& rng) {
     const int64_t t = rows, d = dim;
     c.inputs = {rng.uniform({t, d}, -2.0, 2.0), rng.uniform({d}, 0.5, 1.5)};
     c.forward = [t, d, eps](TestDevice& dev, const Tensors& in) {
-      Tensor y = dev.poisoned({t, d}), rstd = dev.poisoned({t});
+      Tensor y = dev.poisoned({t, d}), rstd = dev.poisoned({t}, DType::kF32);
       rmsnorm_forward(dev.exec(), in[0], in[1], eps, y, rstd);
       return HostTensors{dev.download(y), dev.download(rstd)};
     };
@@ -557,7 +590,7 @@ void add_rmsnorm_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.grad_init = {HostTensor{}, accumulate ? rng.uniform({d}) : HostTensor{}};
     const HostTensor dw_init = c.grad_init[1];
     c.backward = [t, d, eps, accumulate, dw_init](TestDevice& dev, const Tensors& in, const Tensors& douts) {
-      Tensor y = dev.poisoned({t, d}), rstd = dev.poisoned({t});
+      Tensor y = dev.poisoned({t, d}), rstd = dev.poisoned({t}, DType::kF32);
       rmsnorm_forward(dev.exec(), in[0], in[1], eps, y, rstd);
       Tensor dx = dev.poisoned({t, d});
       Tensor dw = accumulate ? dev.upload(dw_init) : dev.poisoned({d});
@@ -692,7 +725,7 @@ void add_attention_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.ops = {"attention_forward", "attention_backward"};
     c.inputs = {rng.uniform(qs, -2.0, 2.0), rng.uniform(ks, -2.0, 2.0), rng.uniform(ks)};
     c.forward = [qs, ls, scale](TestDevice& dev, const Tensors& in) {
-      Tensor out = dev.poisoned(qs), lse = dev.poisoned(ls);
+      Tensor out = dev.poisoned(qs), lse = dev.poisoned(ls, DType::kF32);
       attention_forward(dev.exec(), in[0], in[1], in[2], scale, out, lse);
       return HostTensors{dev.download(out), dev.download(lse)};
     };
@@ -729,7 +762,7 @@ void add_attention_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.grad_inputs = {0, 1, 2};
     c.loss_outputs = {0};
     c.backward = [qs, ks, ls, scale](TestDevice& dev, const Tensors& in, const Tensors& douts) {
-      Tensor out = dev.poisoned(qs), lse = dev.poisoned(ls);
+      Tensor out = dev.poisoned(qs), lse = dev.poisoned(ls, DType::kF32);
       attention_forward(dev.exec(), in[0], in[1], in[2], scale, out, lse);
       Tensor dq = dev.poisoned(qs), dk = dev.poisoned(ks), dv = dev.poisoned(ks);
       attention_backward(dev.exec(), in[0], in[1], in[2], out, lse, douts[0], scale, dq, dk, dv);
@@ -790,11 +823,13 @@ void add_router_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.ops = {"router_forward", "router_backward"};
     // The bias is large enough to change which experts win, so selection-only use of it shows.
     c.inputs = {rng.uniform({sp.tokens, sp.experts}, -2.0, 2.0), rng.uniform({sp.experts}, -0.3, 0.3)};
+    c.f32_inputs = {1};
     const RouterConfig cfg = sp.cfg;
     const bool use_bias = sp.bias;
     const int64_t t = sp.tokens, e = sp.experts, k = cfg.top_k;
     c.forward = [cfg, use_bias, t, e, k](TestDevice& dev, const Tensors& in) {
-      Tensor scores = dev.poisoned({t, e}), idx = dev.poisoned({t, k}, DType::kI32), gates = dev.poisoned({t, k});
+      Tensor scores = dev.poisoned({t, e}, DType::kF32), idx = dev.poisoned({t, k}, DType::kI32),
+             gates = dev.poisoned({t, k}, DType::kF32);
       router_forward(dev.exec(), in[0], use_bias ? &in[1] : nullptr, cfg, scores, idx, gates);
       return HostTensors{dev.download(scores), dev.download(idx), dev.download(gates)};
     };
@@ -805,7 +840,8 @@ void add_router_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.loss_outputs = sp.dscores ? std::vector<int>{0, 2} : std::vector<int>{2};
     const bool with_dscores = sp.dscores;
     c.backward = [cfg, use_bias, with_dscores, t, e, k](TestDevice& dev, const Tensors& in, const Tensors& douts) {
-      Tensor scores = dev.poisoned({t, e}), idx = dev.poisoned({t, k}, DType::kI32), gates = dev.poisoned({t, k});
+      Tensor scores = dev.poisoned({t, e}, DType::kF32), idx = dev.poisoned({t, k}, DType::kI32),
+             gates = dev.poisoned({t, k}, DType::kF32);
       router_forward(dev.exec(), in[0], use_bias ? &in[1] : nullptr, cfg, scores, idx, gates);
       Tensor dlogits = dev.poisoned({t, e});
       const Tensor& dgates = with_dscores ? douts[1] : douts[0];
@@ -826,7 +862,8 @@ void add_router_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.inputs = {logits};
     const RouterConfig cfg{3, RouterScore::kSoftmax, true};
     c.forward = [cfg](TestDevice& dev, const Tensors& in) {
-      Tensor scores = dev.poisoned({4, 6}), idx = dev.poisoned({4, 3}, DType::kI32), gates = dev.poisoned({4, 3});
+      Tensor scores = dev.poisoned({4, 6}, DType::kF32), idx = dev.poisoned({4, 3}, DType::kI32),
+             gates = dev.poisoned({4, 3}, DType::kF32);
       router_forward(dev.exec(), in[0], nullptr, cfg, scores, idx, gates);
       return HostTensors{dev.download(scores), dev.download(idx), dev.download(gates)};
     };
@@ -936,7 +973,7 @@ void add_cross_entropy_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.ops = {"cross_entropy_forward", "cross_entropy_backward"};
     c.inputs = {rng.uniform({t, v}, -3.0, 3.0), targets};
     c.forward = [t](TestDevice& dev, const Tensors& in) {
-      Tensor losses = dev.poisoned({t}), lse = dev.poisoned({t});
+      Tensor losses = dev.poisoned({t}, DType::kF32), lse = dev.poisoned({t}, DType::kF32);
       cross_entropy_forward(dev.exec(), in[0], in[1], losses, lse);
       return HostTensors{dev.download(losses), dev.download(lse)};
     };
@@ -958,7 +995,7 @@ void add_cross_entropy_cases(std::vector<OpCase>& cases, Rng& rng) {
     const bool alias = in_place;
     c.backward = [t, v, alias](TestDevice& dev, const Tensors& in, const Tensors&) {
       Tensor logits = dev.upload(dev.download(in[0]));
-      Tensor losses = dev.poisoned({t}), lse = dev.poisoned({t});
+      Tensor losses = dev.poisoned({t}, DType::kF32), lse = dev.poisoned({t}, DType::kF32);
       cross_entropy_forward(dev.exec(), logits, in[1], losses, lse);
       Tensor dlogits = alias ? logits : dev.poisoned({t, v});
       cross_entropy_backward(dev.exec(), logits, in[1], lse, 0.5f, dlogits);
@@ -987,12 +1024,13 @@ void add_adamw_cases(std::vector<OpCase>& cases, Rng& rng) {
     OpCase c;
     c.name = fmt::format("adamw_step/grad_{}/step{}", dtype_name(grad_type), cfg.step);
     c.ops = {"adamw_step"};
+    c.bf16_storage = false;  // the dtypes are the subject of the case
     c.inputs = {rng.uniform(s), grad, rng.uniform(s, -0.1, 0.1), rng.uniform(s, 0.001, 0.01)};
     c.forward = [cfg, grad_type](TestDevice& dev, const Tensors& in) {
-      Tensor param = dev.upload(dev.download(in[0]));
+      Tensor param = dev.upload(dev.download(in[0]), DType::kF32);
       Tensor grad = dev.upload(dev.download(in[1]), grad_type);
-      Tensor m = dev.upload(dev.download(in[2]));
-      Tensor v = dev.upload(dev.download(in[3]));
+      Tensor m = dev.upload(dev.download(in[2]), DType::kF32);
+      Tensor v = dev.upload(dev.download(in[3]), DType::kF32);
       adamw_step(dev.exec(), param, grad, m, v, cfg);
       return HostTensors{dev.download(param), dev.download(m), dev.download(v)};
     };
@@ -1042,7 +1080,7 @@ void add_quant_cases(std::vector<OpCase>& cases, Rng& rng) {
       c.ops = {"quantize_fp8"};
       c.inputs = {x};
       c.forward = [sp, nb](TestDevice& dev, const Tensors& in) {
-        Tensor q = dev.poisoned({sp.rows, sp.cols}, sp.fp8), scales = dev.poisoned({sp.rows, nb});
+        Tensor q = dev.poisoned({sp.rows, sp.cols}, sp.fp8), scales = dev.poisoned({sp.rows, nb}, DType::kF32);
         quantize_fp8(dev.exec(), in[0], sp.block, q, scales);
         return HostTensors{dev.download(q), dev.download(scales)};
       };
@@ -1081,6 +1119,7 @@ void add_quant_cases(std::vector<OpCase>& cases, Rng& rng) {
       c.name = fmt::format("dequantize_fp8/{}/out_{}", tag, dtype_name(out_type));
       c.ops = {"dequantize_fp8"};
       c.inputs = {q, rng.uniform({sp.rows, nb}, 1e-4, 1e-2)};
+      c.f32_inputs = {1};
       c.forward = [sp, out_type](TestDevice& dev, const Tensors& in) {
         Tensor qd = dev.upload(dev.download(in[0]), sp.fp8);
         Tensor out = dev.poisoned({sp.rows, sp.cols}, out_type);

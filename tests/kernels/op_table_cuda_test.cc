@@ -101,6 +101,9 @@ Tensors upload_all(TestDevice& dev, const HostTensors& hs) {
   return ts;
 }
 
+// The table runs with f32 float storage here; the CUDA backend's bf16 paths are compared
+// with the CPU backend by kernels_cuda_bf16_test (or set_float_storage(kBF16) on both devices).
+
 void expect_same(const OpCase& c, const HostTensors& cuda, const HostTensors& cpu, const char* what) {
   ASSERT_EQ(cuda.size(), cpu.size()) << c.name;
   for (size_t o = 0; o < cpu.size(); ++o) {
@@ -123,8 +126,8 @@ class OpTableCudaBackward : public ::testing::TestWithParam<size_t> {};
 TEST_P(OpTableCuda, ForwardMatchesCpu) {
   const OpCase& c = cases()[GetParam()];
   auto cpu = make_cpu_test_device();
-  const HostTensors want = c.forward(*cpu, upload_all(*cpu, c.inputs));
-  const HostTensors got = c.forward(*g_cuda, upload_all(*g_cuda, c.inputs));
+  const HostTensors want = c.forward(*cpu, upload_inputs(*cpu, c, c.inputs));
+  const HostTensors got = c.forward(*g_cuda, upload_inputs(*g_cuda, c, c.inputs));
   expect_same(c, got, want, "output");
 }
 
@@ -132,8 +135,8 @@ TEST_P(OpTableCudaBackward, MatchesCpu) {
   const OpCase& c = cases()[GetParam()];
   auto cpu = make_cpu_test_device();
   const HostTensors douts = make_douts(c, c.reference(c.inputs), kSeed + GetParam());
-  const HostTensors want = c.backward(*cpu, upload_all(*cpu, c.inputs), upload_all(*cpu, douts));
-  const HostTensors got = c.backward(*g_cuda, upload_all(*g_cuda, c.inputs), upload_all(*g_cuda, douts));
+  const HostTensors want = c.backward(*cpu, upload_inputs(*cpu, c, c.inputs), upload_all(*cpu, douts));
+  const HostTensors got = c.backward(*g_cuda, upload_inputs(*g_cuda, c, c.inputs), upload_all(*g_cuda, douts));
   expect_same(c, got, want, "gradient");
 }
 
