@@ -19,7 +19,9 @@ namespace {
 struct AttnDims {
   int64_t batch, seq, hq, hkv, dh;
   // Offset of row (b, s, head) in a [B,S,H,Dh] tensor with `heads` heads.
-  int64_t at(int64_t b, int64_t s, int64_t head, int64_t heads) const { return ((b * seq + s) * heads + head) * dh; }
+  int64_t at(int64_t b, int64_t s, int64_t head, int64_t heads) const {
+    return ((b * seq + s) * heads + head) * dh;
+  }
 };
 
 AttnDims attn_dims(const Tensor& q, const Tensor& k) {
@@ -27,7 +29,8 @@ AttnDims attn_dims(const Tensor& q, const Tensor& k) {
 }
 
 // dst [Dh, S] = rows (b, 0..S-1, head) of src [B,S,H,Dh], transposed.
-void gather_transposed(const float* src, const AttnDims& d, int64_t b, int64_t head, std::vector<float>& dst) {
+void gather_transposed(const float* src, const AttnDims& d, int64_t b, int64_t head,
+                       std::vector<float>& dst) {
   dst.resize(static_cast<size_t>(d.dh * d.seq));
   for (int64_t t = 0; t < d.seq; ++t) {
     const float* row = src + d.at(b, t, head, d.hkv);
@@ -48,8 +51,8 @@ void row_scores(const float* q, const std::vector<float>& kt, int64_t dh, int64_
 
 }  // namespace
 
-void attention_forward(const Exec&, const Tensor& q, const Tensor& k, const Tensor& v, float scale, Tensor& out,
-                       Tensor& lse) {
+void attention_forward(const Exec&, const Tensor& q, const Tensor& k, const Tensor& v, float scale,
+                       Tensor& out, Tensor& lse) {
   const AttnDims d = attn_dims(q, k);
   const int64_t group = d.hq / d.hkv;
   F32In pq(q), pk(k), pv(v);
@@ -90,7 +93,8 @@ void attention_forward(const Exec&, const Tensor& q, const Tensor& k, const Tens
 //   dq_s += scale dS_st k_t;  dk_t += scale dS_st q_s.
 // Query heads of one group all add into their shared kv head's dk, dv.
 void attention_backward(const Exec&, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                        const Tensor& lse, const Tensor& dout, float scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+                        const Tensor& lse, const Tensor& dout, float scale, Tensor& dq, Tensor& dk,
+                        Tensor& dv) {
   const AttnDims d = attn_dims(q, k);
   const int64_t group = d.hq / d.hkv;
   F32In pq(q), pk(k), pv(v), po(out), plse(lse), pdo(dout);

@@ -21,7 +21,9 @@ HostTensor HostTensor::zeros(const Shape& shape, DType dtype) {
   return HostTensor{shape, dtype, std::vector<double>(static_cast<size_t>(shape_numel(shape)), 0.0)};
 }
 
-HostTensor HostTensor::scalar(double x) { return HostTensor{{1}, DType::kF32, {x}}; }
+HostTensor HostTensor::scalar(double x) {
+  return HostTensor{{1}, DType::kF32, {x}};
+}
 
 namespace {
 
@@ -68,12 +70,15 @@ class CpuTestDevice final : public TestDevice {
 
 }  // namespace
 
-std::unique_ptr<TestDevice> make_cpu_test_device() { return std::make_unique<CpuTestDevice>(); }
+std::unique_ptr<TestDevice> make_cpu_test_device() {
+  return std::make_unique<CpuTestDevice>();
+}
 
 std::string compare(const HostTensor& got, const HostTensor& want, double atol, double rtol,
                     const std::string& what) {
   if (got.shape != want.shape) {
-    return fmt::format("{}: shape {} vs expected {}", what, shape_to_string(got.shape), shape_to_string(want.shape));
+    return fmt::format("{}: shape {} vs expected {}", what, shape_to_string(got.shape),
+                       shape_to_string(want.shape));
   }
   const bool exact = want.dtype == DType::kI32;
   std::string msg;
@@ -84,13 +89,15 @@ std::string compare(const HostTensor& got, const HostTensor& want, double atol, 
     const double tol = exact ? 0.0 : atol + rtol * std::fabs(w);
     const double err = std::fabs(g - w);
     if (!(err <= tol)) {  // NaN fails
-      if (bad < 5) msg += fmt::format("\n  {}[{}] = {:.9g}, expected {:.9g} (tol {:.3g})", what, i, g, w, tol);
+      if (bad < 5)
+        msg += fmt::format("\n  {}[{}] = {:.9g}, expected {:.9g} (tol {:.3g})", what, i, g, w, tol);
       ++bad;
       if (!(err <= worst)) worst = err;
     }
   }
   if (bad == 0) return "";
-  return fmt::format("{}: {} of {} elements differ (worst |diff| {:.3g}){}", what, bad, want.numel(), worst, msg);
+  return fmt::format("{}: {} of {} elements differ (worst |diff| {:.3g}){}", what, bad, want.numel(), worst,
+                     msg);
 }
 
 namespace {
@@ -121,7 +128,8 @@ HostTensor round_for_storage(HostTensor h, DType storage) {
 HostTensors inputs_for_storage(const OpCase& c, DType storage) {
   HostTensors in = c.inputs;
   for (size_t i = 0; i < in.size(); ++i) {
-    const bool keep = std::find(c.f32_inputs.begin(), c.f32_inputs.end(), static_cast<int>(i)) != c.f32_inputs.end();
+    const bool keep =
+        std::find(c.f32_inputs.begin(), c.f32_inputs.end(), static_cast<int>(i)) != c.f32_inputs.end();
     if (!keep) in[i] = round_for_storage(std::move(in[i]), storage);
   }
   return in;
@@ -130,26 +138,46 @@ HostTensors inputs_for_storage(const OpCase& c, DType storage) {
 Tensors upload_inputs(TestDevice& dev, const OpCase& c, const HostTensors& inputs) {
   Tensors ts;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    const bool keep = std::find(c.f32_inputs.begin(), c.f32_inputs.end(), static_cast<int>(i)) != c.f32_inputs.end();
+    const bool keep =
+        std::find(c.f32_inputs.begin(), c.f32_inputs.end(), static_cast<int>(i)) != c.f32_inputs.end();
     ts.push_back(keep ? dev.upload(inputs[i], DType::kF32) : dev.upload(inputs[i]));
   }
   return ts;
 }
 
 const std::vector<std::string>& forward_op_names() {
-  static const std::vector<std::string> kNames = {
-      "fill", "cast", "add", "axpby", "scale", "sum", "sum_squares", "sum_rows", "matmul", "grouped_matmul",
-      "embedding_forward", "rmsnorm_forward", "rope_forward", "attention_forward", "softmax_forward",
-      "router_forward", "moe_dispatch_plan", "moe_permute", "moe_unpermute", "swiglu_forward",
-      "cross_entropy_forward", "adamw_step", "quantize_fp8", "dequantize_fp8"};
+  static const std::vector<std::string> kNames = {"fill",
+                                                  "cast",
+                                                  "add",
+                                                  "axpby",
+                                                  "scale",
+                                                  "sum",
+                                                  "sum_squares",
+                                                  "sum_rows",
+                                                  "matmul",
+                                                  "grouped_matmul",
+                                                  "embedding_forward",
+                                                  "rmsnorm_forward",
+                                                  "rope_forward",
+                                                  "attention_forward",
+                                                  "softmax_forward",
+                                                  "router_forward",
+                                                  "moe_dispatch_plan",
+                                                  "moe_permute",
+                                                  "moe_unpermute",
+                                                  "swiglu_forward",
+                                                  "cross_entropy_forward",
+                                                  "adamw_step",
+                                                  "quantize_fp8",
+                                                  "dequantize_fp8"};
   return kNames;
 }
 
 const std::vector<std::string>& backward_op_names() {
   static const std::vector<std::string> kNames = {
-      "matmul_backward", "grouped_matmul_backward", "embedding_backward", "rmsnorm_backward", "rope_backward",
-      "attention_backward", "softmax_backward", "router_backward", "moe_permute_backward",
-      "moe_unpermute_backward", "swiglu_backward", "cross_entropy_backward"};
+      "matmul_backward",      "grouped_matmul_backward", "embedding_backward", "rmsnorm_backward",
+      "rope_backward",        "attention_backward",      "softmax_backward",   "router_backward",
+      "moe_permute_backward", "moe_unpermute_backward",  "swiglu_backward",    "cross_entropy_backward"};
   return kNames;
 }
 
@@ -157,8 +185,12 @@ const std::vector<std::string>& backward_op_names() {
 
 namespace {
 
-double as_f32(double x) { return static_cast<double>(static_cast<float>(x)); }
-double as_bf16(double x) { return bf16_bits_to_float(float_to_bf16_bits(static_cast<float>(x))); }
+double as_f32(double x) {
+  return static_cast<double>(static_cast<float>(x));
+}
+double as_bf16(double x) {
+  return bf16_bits_to_float(float_to_bf16_bits(static_cast<float>(x)));
+}
 
 class Rng {
  public:
@@ -176,7 +208,9 @@ class Rng {
     for (double& x : h.v) x = static_cast<double>(lo + below(hi - lo));
     return h;
   }
-  int64_t below(int64_t n) { return static_cast<int64_t>(std::uniform_int_distribution<uint64_t>(0, n - 1)(gen_)); }
+  int64_t below(int64_t n) {
+    return static_cast<int64_t>(std::uniform_int_distribution<uint64_t>(0, n - 1)(gen_));
+  }
   std::mt19937_64& gen() { return gen_; }
 
  private:
@@ -240,7 +274,7 @@ void add_elementwise_cases(std::vector<OpCase>& cases, Rng& rng) {
     OpCase c;
     c.name = fmt::format("fill/{}", dtype_name(dt));
     c.ops = {"fill"};
-    c.bf16_storage = false;  // the dtypes are the subject of the case
+    c.bf16_storage = false;                                    // the dtypes are the subject of the case
     const double value = dt == DType::kI32 ? 7.0 : 0.3671875;  // exact in bf16
     c.forward = [dt, value](TestDevice& dev, const Tensors&) {
       Tensor out = dev.poisoned({7, 5}, dt);
@@ -315,7 +349,8 @@ void add_elementwise_cases(std::vector<OpCase>& cases, Rng& rng) {
     };
     c.reference = [alpha, beta](const HostTensors& in) {
       HostTensor r = in[1];
-      for (int64_t i = 0; i < r.numel(); ++i) r[i] = alpha * in[0][i] + (beta == 0.0f ? 0.0 : beta * in[1][i]);
+      for (int64_t i = 0; i < r.numel(); ++i)
+        r[i] = alpha * in[0][i] + (beta == 0.0f ? 0.0 : beta * in[1][i]);
       return HostTensors{r};
     };
     cases.push_back(std::move(c));
@@ -391,7 +426,8 @@ struct MatmulSpec {
   bool accumulate_grads;
 };
 
-HostTensor reference_matmul(const HostTensor& a, const HostTensor& b, const HostTensor* c0, const MatmulSpec& s) {
+HostTensor reference_matmul(const HostTensor& a, const HostTensor& b, const HostTensor* c0,
+                            const MatmulSpec& s) {
   const int64_t batches = std::max<int64_t>(s.batch, 1);
   HostTensor out = HostTensor::zeros(s.batch ? Shape{s.batch, s.m, s.n} : Shape{s.m, s.n});
   for (int64_t bi = 0; bi < batches; ++bi) {
@@ -425,10 +461,11 @@ void add_matmul_cases(std::vector<OpCase>& cases, Rng& rng) {
   specs.push_back({2, true, 3, 4, 5, false, true, 1.5f, 1.0f, false});
   for (const MatmulSpec& s : specs) {
     OpCase c;
-    c.name = fmt::format("matmul/{}{}{}/batch{}/m{}k{}n{}{}{}", s.ta ? 't' : 'n', s.tb ? 't' : 'n',
-                         s.b_shared ? "/shared_b" : "", s.batch, s.m, s.k, s.n,
-                         s.beta != 0.0f || s.alpha != 1.0f ? fmt::format("/alpha{}beta{}", s.alpha, s.beta) : "",
-                         s.accumulate_grads ? "/accumulate" : "");
+    c.name =
+        fmt::format("matmul/{}{}{}/batch{}/m{}k{}n{}{}{}", s.ta ? 't' : 'n', s.tb ? 't' : 'n',
+                    s.b_shared ? "/shared_b" : "", s.batch, s.m, s.k, s.n,
+                    s.beta != 0.0f || s.alpha != 1.0f ? fmt::format("/alpha{}beta{}", s.alpha, s.beta) : "",
+                    s.accumulate_grads ? "/accumulate" : "");
     c.ops = {"matmul"};
     const Shape a_shape = s.ta ? Shape{s.k, s.m} : Shape{s.m, s.k};
     const Shape b_shape = s.tb ? Shape{s.n, s.k} : Shape{s.k, s.n};
@@ -475,11 +512,11 @@ void add_grouped_matmul_cases(std::vector<OpCase>& cases, Rng& rng) {
     bool trans_w, accumulate_dw;
   };
   const std::vector<Spec> specs = {
-      {{3, 0, 6, 2}, 5, 4, false, false},     // ragged, one empty expert
-      {{0, 5, 0, 4, 0}, 3, 6, true, false},   // empty first and last experts
-      {{4, 1, 0, 3}, 6, 5, false, true},      // dw accumulates
+      {{3, 0, 6, 2}, 5, 4, false, false},    // ragged, one empty expert
+      {{0, 5, 0, 4, 0}, 3, 6, true, false},  // empty first and last experts
+      {{4, 1, 0, 3}, 6, 5, false, true},     // dw accumulates
       {{2, 2, 2}, 4, 4, true, true},
-      {{0, 0, 0}, 4, 3, false, false},        // no tokens at all: dw must come out zero
+      {{0, 0, 0}, 4, 3, false, false},  // no tokens at all: dw must come out zero
   };
   for (const Spec& s : specs) {
     int64_t tokens = 0;
@@ -521,7 +558,8 @@ void add_grouped_matmul_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.backward = [s, tokens, ws, dw_init](TestDevice& dev, const Tensors& in, const Tensors& douts) {
       Tensor dx = dev.poisoned({tokens, s.k});
       Tensor dw = s.accumulate_dw ? dev.upload(dw_init) : dev.poisoned(ws);
-      grouped_matmul_backward(dev.exec(), in[0], in[1], in[2], douts[0], &dx, &dw, s.trans_w, s.accumulate_dw);
+      grouped_matmul_backward(dev.exec(), in[0], in[1], in[2], douts[0], &dx, &dw, s.trans_w,
+                              s.accumulate_dw);
       return HostTensors{dev.download(dx), dev.download(dw)};
     };
     cases.push_back(std::move(c));
@@ -563,7 +601,8 @@ void add_embedding_cases(std::vector<OpCase>& cases, Rng& rng) {
 
 void add_rmsnorm_cases(std::vector<OpCase>& cases, Rng& rng) {
   const float eps = 1e-5f;
-  for (auto [rows, dim, accumulate] : {std::tuple{6, 16, false}, std::tuple{3, 7, true}, std::tuple{1, 1, false}}) {
+  for (auto [rows, dim, accumulate] :
+       {std::tuple{6, 16, false}, std::tuple{3, 7, true}, std::tuple{1, 1, false}}) {
     OpCase c;
     c.name = fmt::format("rmsnorm/t{}d{}{}", rows, dim, accumulate ? "/accumulate_dw" : "");
     c.ops = {"rmsnorm_forward", "rmsnorm_backward"};
@@ -624,7 +663,8 @@ void add_rope_cases(std::vector<OpCase>& cases, Rng& rng) {
           const int64_t base = (t * s[1] + h) * s[2];
           for (int64_t i = 0; i < half; ++i) {
             const double angle =
-                in[1][t] * std::pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / static_cast<double>(s[2]));
+                in[1][t] * std::pow(static_cast<double>(theta),
+                                    -2.0 * static_cast<double>(i) / static_cast<double>(s[2]));
             const double x0 = in[0][base + i], x1 = in[0][base + i + half];
             out[base + i] = x0 * std::cos(angle) - x1 * std::sin(angle);
             out[base + i + half] = x0 * std::sin(angle) + x1 * std::cos(angle);
@@ -741,7 +781,8 @@ void add_attention_cases(std::vector<OpCase>& cases, Rng& rng) {
             for (int64_t j = 0; j <= i; ++j) {
               double dot = 0.0;
               for (int64_t d = 0; d < sp.dh; ++d)
-                dot += in[0][((b * sp.s + i) * sp.hq + h) * sp.dh + d] * in[1][((b * sp.s + j) * sp.hkv + hk) * sp.dh + d];
+                dot += in[0][((b * sp.s + i) * sp.hq + h) * sp.dh + d] *
+                       in[1][((b * sp.s + j) * sp.hkv + hk) * sp.dh + d];
               p[j] = dot * scale;
               mx = std::max(mx, p[j]);
             }
@@ -839,7 +880,8 @@ void add_router_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.grad_inputs = {0};
     c.loss_outputs = sp.dscores ? std::vector<int>{0, 2} : std::vector<int>{2};
     const bool with_dscores = sp.dscores;
-    c.backward = [cfg, use_bias, with_dscores, t, e, k](TestDevice& dev, const Tensors& in, const Tensors& douts) {
+    c.backward = [cfg, use_bias, with_dscores, t, e, k](TestDevice& dev, const Tensors& in,
+                                                        const Tensors& douts) {
       Tensor scores = dev.poisoned({t, e}, DType::kF32), idx = dev.poisoned({t, k}, DType::kI32),
              gates = dev.poisoned({t, k}, DType::kF32);
       router_forward(dev.exec(), in[0], use_bias ? &in[1] : nullptr, cfg, scores, idx, gates);
@@ -856,7 +898,8 @@ void add_router_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.name = "router/ties";
     c.ops = {"router_forward"};
     HostTensor logits = HostTensor::zeros({4, 6});
-    const double rows[4][6] = {{1, 1, 1, 1, 1, 1}, {0.5, 2, 0.5, 2, 2, 0.5}, {-1, 3, 3, -1, 3, 3}, {2, 1, 2, 1, 2, 1}};
+    const double rows[4][6] = {
+        {1, 1, 1, 1, 1, 1}, {0.5, 2, 0.5, 2, 2, 0.5}, {-1, 3, 3, -1, 3, 3}, {2, 1, 2, 1, 2, 1}};
     for (int64_t i = 0; i < 4; ++i)
       for (int64_t j = 0; j < 6; ++j) logits[i * 6 + j] = rows[i][j];
     c.inputs = {logits};
@@ -898,7 +941,9 @@ void add_moe_cases(std::vector<OpCase>& cases, Rng& rng) {
         moe_dispatch_plan(dev.exec(), in[0], experts, capacity, row_map, counts, offsets);
         return HostTensors{dev.download(row_map), dev.download(counts), dev.download(offsets)};
       };
-      c.reference = [experts, capacity](const HostTensors& in) { return reference_plan(in[0], experts, capacity); };
+      c.reference = [experts, capacity](const HostTensors& in) {
+        return reference_plan(in[0], experts, capacity);
+      };
       cases.push_back(std::move(c));
     }
     {
@@ -963,7 +1008,8 @@ void add_moe_cases(std::vector<OpCase>& cases, Rng& rng) {
 // ---- cross-entropy -----------------------------------------------------------------------
 
 void add_cross_entropy_cases(std::vector<OpCase>& cases, Rng& rng) {
-  for (auto [tokens, vocab, in_place] : {std::tuple{6, 11, false}, std::tuple{5, 32, true}, std::tuple{1, 2, false}}) {
+  for (auto [tokens, vocab, in_place] :
+       {std::tuple{6, 11, false}, std::tuple{5, 32, true}, std::tuple{1, 2, false}}) {
     const int64_t t = tokens, v = vocab;
     HostTensor targets = rng.ints({t}, 0, v);
     if (t > 2) targets[1] = -1;  // ignored rows: loss 0, gradient 0
@@ -1067,12 +1113,12 @@ void add_quant_cases(std::vector<OpCase>& cases, Rng& rng) {
     // below the normal range the step is absolute (2^-9 or 2^-16 in q units).
     const double q_rtol = sp.fp8 == DType::kF8E4M3 ? 1.0 / 16 : 1.0 / 8;
     const double q_atol = sp.fp8 == DType::kF8E4M3 ? 1.0 / 512 : 1.0 / 65536;
-    const std::string tag =
-        fmt::format("{}/{}x{}/block{}", dtype_name(sp.fp8), sp.rows, sp.cols, sp.block);
+    const std::string tag = fmt::format("{}/{}x{}/block{}", dtype_name(sp.fp8), sp.rows, sp.cols, sp.block);
     {
       HostTensor x = rng.uniform({sp.rows, sp.cols});
       for (int64_t r = 0; r < sp.rows; ++r)  // rows of very different magnitudes
-        for (int64_t j = 0; j < sp.cols; ++j) x[r * sp.cols + j] = as_f32(x[r * sp.cols + j] * std::pow(10.0, r - 1.0));
+        for (int64_t j = 0; j < sp.cols; ++j)
+          x[r * sp.cols + j] = as_f32(x[r * sp.cols + j] * std::pow(10.0, r - 1.0));
       if (sp.rows > 2)
         for (int64_t j = 0; j < sp.cols; ++j) x[2 * sp.cols + j] = 0.0;  // all-zero row: scale 1
       OpCase c;
@@ -1080,7 +1126,8 @@ void add_quant_cases(std::vector<OpCase>& cases, Rng& rng) {
       c.ops = {"quantize_fp8"};
       c.inputs = {x};
       c.forward = [sp, nb](TestDevice& dev, const Tensors& in) {
-        Tensor q = dev.poisoned({sp.rows, sp.cols}, sp.fp8), scales = dev.poisoned({sp.rows, nb}, DType::kF32);
+        Tensor q = dev.poisoned({sp.rows, sp.cols}, sp.fp8),
+               scales = dev.poisoned({sp.rows, nb}, DType::kF32);
         quantize_fp8(dev.exec(), in[0], sp.block, q, scales);
         return HostTensors{dev.download(q), dev.download(scales)};
       };
@@ -1130,7 +1177,8 @@ void add_quant_cases(std::vector<OpCase>& cases, Rng& rng) {
         HostTensor out = HostTensor::zeros({sp.rows, sp.cols});
         const int64_t block = sp.block == 0 ? sp.cols : sp.block;
         for (int64_t r = 0; r < sp.rows; ++r)
-          for (int64_t j = 0; j < sp.cols; ++j) out[r * sp.cols + j] = in[0][r * sp.cols + j] * in[1][r * nb + j / block];
+          for (int64_t j = 0; j < sp.cols; ++j)
+            out[r * sp.cols + j] = in[0][r * sp.cols + j] * in[1][r * nb + j / block];
         return HostTensors{out};
       };
       c.atol = 0.0;

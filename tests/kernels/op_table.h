@@ -113,7 +113,8 @@ std::string compare(const HostTensor& got, const HostTensor& want, double atol, 
 
 // Random upstream gradients (or the uniform constant) for a case's loss outputs, rounded
 // to `storage` (f32 or bf16) so that the reference sees exactly what the device does.
-HostTensors make_douts(const OpCase& c, const HostTensors& outputs, uint64_t seed, DType storage = DType::kF32);
+HostTensors make_douts(const OpCase& c, const HostTensors& outputs, uint64_t seed,
+                       DType storage = DType::kF32);
 
 // `h` as a device with float storage `storage` holds it (rounded to bf16 when bf16).
 HostTensor round_for_storage(HostTensor h, DType storage);

@@ -3,14 +3,14 @@
 // differences of that reference (in double), with f32 storage and again with bf16
 // storage (float tensors held in bf16, the CUDA backend's activation format); and checks
 // that the table covers every op.
+#include "tests/kernels/op_table.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cctype>
 #include <random>
 #include <set>
-
-#include "tests/kernels/op_table.h"
 
 namespace troupe::kernels::testing {
 namespace {
@@ -128,7 +128,8 @@ TEST_P(OpTableCpuBackward, MatchesFiniteDifferences) {
       fd[static_cast<int64_t>(p)] = (lp - lm) / (2 * h);
       got_probed[static_cast<int64_t>(p)] = got[i];
     }
-    const std::string err = compare(got_probed, fd, atol, rtol, fmt::format("{} d/d input {}", c.name, input));
+    const std::string err =
+        compare(got_probed, fd, atol, rtol, fmt::format("{} d/d input {}", c.name, input));
     EXPECT_TRUE(err.empty()) << err;
   }
 }
