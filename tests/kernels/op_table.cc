@@ -452,6 +452,9 @@ void add_matmul_cases(std::vector<OpCase>& cases, Rng& rng) {
   for (bool ta : {false, true})
     for (bool tb : {false, true}) specs.push_back({0, false, 5, 7, 3, ta, tb, 1.0f, 0.0f, false});
   specs.push_back({0, false, 1, 1, 1, false, false, 1.0f, 0.0f, false});
+  // Past the CPU kernel's 4-row and 256-column tiles, with ragged last tiles.
+  specs.push_back({0, false, 7, 5, 300, false, false, 1.0f, 0.0f, false});
+  specs.push_back({2, true, 6, 3, 260, true, true, 1.0f, 0.0f, false});
   specs.push_back({0, false, 8, 16, 12, false, true, 1.0f, 0.0f, true});
   specs.push_back({0, false, 4, 6, 5, true, false, 0.5f, -2.0f, false});  // alpha, beta: forward only
   specs.push_back({3, false, 4, 5, 6, false, false, 1.0f, 0.0f, false});
@@ -517,6 +520,7 @@ void add_grouped_matmul_cases(std::vector<OpCase>& cases, Rng& rng) {
       {{4, 1, 0, 3}, 6, 5, false, true},     // dw accumulates
       {{2, 2, 2}, 4, 4, true, true},
       {{0, 0, 0}, 4, 3, false, false},  // no tokens at all: dw must come out zero
+      {{5, 0, 9}, 3, 260, false, false},      // past the CPU kernel's row and column tiles
   };
   for (const Spec& s : specs) {
     int64_t tokens = 0;
