@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cctype>
 #include <random>
+#include <ostream>
 #include <set>
 
 namespace troupe::kernels::testing {
@@ -28,6 +29,11 @@ struct Run {
   size_t index;  // into cases()
   DType storage;
 };
+
+// How gtest prints a parameter in failure messages.
+void PrintTo(const Run& r, std::ostream* os) {
+  *os << cases()[r.index].name << " with " << dtype_name(r.storage) << " storage";
+}
 
 std::vector<Run> runs(bool backward) {
   std::vector<Run> r;
