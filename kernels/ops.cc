@@ -71,6 +71,13 @@ class OpCheck {
             shape_to_string(t.shape()));
   }
 
+  // Calls the backend entry `member` for ex.device with `args`.
+  template <typename Fn, typename... Args>
+  auto call(Fn Backend::*member, Args&&... args) const {
+    return entry(member)(std::forward<Args>(args)...);
+  }
+
+ private:
   // The backend entry for ex.device; aborts when that backend or entry does not exist.
   template <typename Fn>
   Fn entry(Fn Backend::*member) const {
@@ -85,7 +92,6 @@ class OpCheck {
     return b->*member;
   }
 
- private:
   static constexpr size_t kMaxTensors = 10;
   const char* op_;
   const Exec& ex_;
@@ -105,13 +111,13 @@ class OpCheck {
 
 void fill(const Exec& ex, Tensor& out, float value) {
   OpCheck c("fill", ex, {{"out", &out}});
-  c.entry (&Backend::fill)(ex, out, value);
+  c.call(&Backend::fill, ex, out, value);
 }
 
 void cast(const Exec& ex, const Tensor& src, Tensor& dst) {
   OpCheck c("cast", ex, {{"src", &src}, {"dst", &dst}});
   OP_SHAPE(c, dst, src.shape());
-  c.entry (&Backend::cast)(ex, src, dst);
+  c.call(&Backend::cast, ex, src, dst);
 }
 
 void add(const Exec& ex, const Tensor& a, const Tensor& b, Tensor& out) {
@@ -121,7 +127,7 @@ void add(const Exec& ex, const Tensor& a, const Tensor& b, Tensor& out) {
   OP_FLOAT(c, out);
   OP_SHAPE(c, b, a.shape());
   OP_SHAPE(c, out, a.shape());
-  c.entry (&Backend::add)(ex, a, b, out);
+  c.call(&Backend::add, ex, a, b, out);
 }
 
 void axpby(const Exec& ex, float alpha, const Tensor& x, float beta, Tensor& y) {
@@ -129,25 +135,25 @@ void axpby(const Exec& ex, float alpha, const Tensor& x, float beta, Tensor& y) 
   OP_FLOAT(c, x);
   OP_FLOAT(c, y);
   OP_SHAPE(c, y, x.shape());
-  c.entry (&Backend::axpby)(ex, alpha, x, beta, y);
+  c.call(&Backend::axpby, ex, alpha, x, beta, y);
 }
 
 void scale(const Exec& ex, Tensor& x, float alpha) {
   OpCheck c("scale", ex, {{"x", &x}});
   OP_FLOAT(c, x);
-  c.entry (&Backend::scale)(ex, x, alpha);
+  c.call(&Backend::scale, ex, x, alpha);
 }
 
 double sum(const Exec& ex, const Tensor& x) {
   OpCheck c("sum", ex, {{"x", &x}});
   OP_FLOAT(c, x);
-  return c.entry(&Backend::sum)(ex, x);
+  return c.call(&Backend::sum, ex, x);
 }
 
 double sum_squares(const Exec& ex, const Tensor& x) {
   OpCheck c("sum_squares", ex, {{"x", &x}});
   OP_FLOAT(c, x);
-  return c.entry(&Backend::sum_squares)(ex, x);
+  return c.call(&Backend::sum_squares, ex, x);
 }
 
 void sum_rows(const Exec& ex, const Tensor& x, Tensor& out, bool accumulate) {
@@ -156,7 +162,7 @@ void sum_rows(const Exec& ex, const Tensor& x, Tensor& out, bool accumulate) {
   OP_FLOAT(c, out);
   OP_RANK(c, x, 2);
   OP_SHAPE(c, out, {x.size(1)});
-  c.entry (&Backend::sum_rows)(ex, x, out, accumulate);
+  c.call(&Backend::sum_rows, ex, x, out, accumulate);
 }
 
 // ---- matrix products -----------------------------------------------------------------
@@ -191,7 +197,7 @@ void matmul(const Exec& ex, const Tensor& a, const Tensor& b, Tensor& out, bool 
   const Shape want = check_matmul(c, a, b, trans_a, trans_b);
   OP_FLOAT(c, out);
   OP_SHAPE(c, out, want);
-  c.entry (&Backend::matmul)(ex, a, b, out, trans_a, trans_b, alpha, beta);
+  c.call(&Backend::matmul, ex, a, b, out, trans_a, trans_b, alpha, beta);
 }
 
 // With out = op(a) @ op(b):
@@ -214,13 +220,12 @@ void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Ten
     c.is_shape("db", *db, b.shape(), __LINE__);
   }
   const float beta = accumulate ? 1.0f : 0.0f;
-  auto grad_a = [&](const Tensor& a_, const Tensor& b_, const Tensor& d_, Tensor& da_, float beta_) {
+  auto grad_a = [&](const Tensor& b_, const Tensor& d_, Tensor& da_, float beta_) {
     if (!trans_a) {
       matmul(ex, d_, b_, da_, false, !trans_b, 1.0f, beta_);
     } else {
       matmul(ex, b_, d_, da_, trans_b, true, 1.0f, beta_);
     }
-    (void)a_;
   };
   auto grad_b = [&](const Tensor& a_, const Tensor& d_, Tensor& db_, float beta_) {
     if (!trans_b) {
@@ -230,7 +235,7 @@ void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Ten
     }
   };
   if (a.dim() == b.dim()) {
-    if (da != nullptr) grad_a(a, b, dout, *da, beta);
+    if (da != nullptr) grad_a(b, dout, *da, beta);
     if (db != nullptr) grad_b(a, dout, *db, beta);
     return;
   }
@@ -242,7 +247,7 @@ void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Ten
     const Tensor d2 = dout.view({-1, dout.size(2)});
     if (da != nullptr) {
       Tensor da2 = da->view({-1, da->size(2)});
-      grad_a(a2, b, d2, da2, beta);
+      grad_a(b, d2, da2, beta);
     }
     if (db != nullptr) grad_b(a2, d2, *db, beta);
     return;
@@ -252,7 +257,7 @@ void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Ten
     const Tensor di = dout.select(0, i);
     if (da != nullptr) {
       Tensor dai = da->select(0, i);
-      grad_a(ai, b, di, dai, beta);
+      grad_a(b, di, dai, beta);
     }
     if (db != nullptr) grad_b(ai, di, *db, i == 0 ? beta : 1.0f);
   }
@@ -274,7 +279,7 @@ void grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const Tens
              k, trans_w);
   OP_SHAPE(c, offsets, {experts + 1});
   OP_SHAPE(c, out, {x.size(0), n});
-  c.entry (&Backend::grouped_matmul)(ex, x, w, offsets, out, trans_w);
+  c.call(&Backend::grouped_matmul, ex, x, w, offsets, out, trans_w);
 }
 
 void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
@@ -302,7 +307,7 @@ void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, c
     OP_FLOAT(c, *dw);
     c.is_shape("dw", *dw, w.shape(), __LINE__);
   }
-  c.entry (&Backend::grouped_matmul_backward)(ex, x, w, offsets, dout, dx, dw, trans_w, accumulate_dw);
+  c.call(&Backend::grouped_matmul_backward, ex, x, w, offsets, dout, dx, dw, trans_w, accumulate_dw);
 }
 
 // ---- embedding -----------------------------------------------------------------------
@@ -315,7 +320,7 @@ void embedding_forward(const Exec& ex, const Tensor& ids, const Tensor& table, T
   OP_FLOAT(c, out);
   OP_RANK(c, table, 2);
   OP_SHAPE(c, out, {ids.size(0), table.size(1)});
-  c.entry (&Backend::embedding_forward)(ex, ids, table, out);
+  c.call(&Backend::embedding_forward, ex, ids, table, out);
 }
 
 void embedding_backward(const Exec& ex, const Tensor& ids, const Tensor& dout, Tensor& dtable) {
@@ -326,7 +331,7 @@ void embedding_backward(const Exec& ex, const Tensor& ids, const Tensor& dout, T
   OP_FLOAT(c, dtable);
   OP_RANK(c, dtable, 2);
   OP_SHAPE(c, dout, {ids.size(0), dtable.size(1)});
-  c.entry (&Backend::embedding_backward)(ex, ids, dout, dtable);
+  c.call(&Backend::embedding_backward, ex, ids, dout, dtable);
 }
 
 // ---- RMSNorm -------------------------------------------------------------------------
@@ -342,7 +347,7 @@ void rmsnorm_forward(const Exec& ex, const Tensor& x, const Tensor& w, float eps
   OP_SHAPE(c, y, x.shape());
   OP_SHAPE(c, rstd, {x.size(0)});
   OP_REQUIRE(c, eps >= 0.0f, "eps = {} is negative", eps);
-  c.entry (&Backend::rmsnorm_forward)(ex, x, w, eps, y, rstd);
+  c.call(&Backend::rmsnorm_forward, ex, x, w, eps, y, rstd);
 }
 
 void rmsnorm_backward(const Exec& ex, const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
@@ -361,7 +366,7 @@ void rmsnorm_backward(const Exec& ex, const Tensor& dy, const Tensor& x, const T
   OP_SHAPE(c, w, {x.size(1)});
   OP_SHAPE(c, dw, {x.size(1)});
   OP_SHAPE(c, rstd, {x.size(0)});
-  c.entry (&Backend::rmsnorm_backward)(ex, dy, x, w, rstd, dx, dw, accumulate_dw);
+  c.call(&Backend::rmsnorm_backward, ex, dy, x, w, rstd, dx, dw, accumulate_dw);
 }
 
 // ---- rotary position embedding -------------------------------------------------------
@@ -382,13 +387,13 @@ void check_rope(const OpCheck& c, const Tensor& x, const Tensor& pos, float thet
 void rope_forward(const Exec& ex, const Tensor& x, const Tensor& pos, float theta, Tensor& out) {
   OpCheck c("rope_forward", ex, {{"x", &x}, {"pos", &pos}, {"out", &out}});
   check_rope(c, x, pos, theta, out);
-  c.entry (&Backend::rope_forward)(ex, x, pos, theta, out);
+  c.call(&Backend::rope_forward, ex, x, pos, theta, out);
 }
 
 void rope_backward(const Exec& ex, const Tensor& dout, const Tensor& pos, float theta, Tensor& dx) {
   OpCheck c("rope_backward", ex, {{"dout", &dout}, {"pos", &pos}, {"dx", &dx}});
   check_rope(c, dout, pos, theta, dx);
-  c.entry (&Backend::rope_backward)(ex, dout, pos, theta, dx);
+  c.call(&Backend::rope_backward, ex, dout, pos, theta, dx);
 }
 
 // ---- attention -----------------------------------------------------------------------
@@ -417,7 +422,7 @@ void attention_forward(const Exec& ex, const Tensor& q, const Tensor& k, const T
                        Tensor& out, Tensor& lse) {
   OpCheck c("attention_forward", ex, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}});
   check_attention(c, q, k, v, out, lse);
-  c.entry (&Backend::attention_forward)(ex, q, k, v, scale, out, lse);
+  c.call(&Backend::attention_forward, ex, q, k, v, scale, out, lse);
 }
 
 void attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
@@ -442,7 +447,7 @@ void attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const 
   OP_SHAPE(c, dq, q.shape());
   OP_SHAPE(c, dk, k.shape());
   OP_SHAPE(c, dv, k.shape());
-  c.entry (&Backend::attention_backward)(ex, q, k, v, out, lse, dout, scale, dq, dk, dv);
+  c.call(&Backend::attention_backward, ex, q, k, v, out, lse, dout, scale, dq, dk, dv);
 }
 
 // ---- softmax -------------------------------------------------------------------------
@@ -453,7 +458,7 @@ void softmax_forward(const Exec& ex, const Tensor& x, Tensor& y) {
   OP_FLOAT(c, y);
   OP_RANK(c, x, 2);
   OP_SHAPE(c, y, x.shape());
-  c.entry (&Backend::softmax_forward)(ex, x, y);
+  c.call(&Backend::softmax_forward, ex, x, y);
 }
 
 void softmax_backward(const Exec& ex, const Tensor& y, const Tensor& dy, Tensor& dx) {
@@ -464,7 +469,7 @@ void softmax_backward(const Exec& ex, const Tensor& y, const Tensor& dy, Tensor&
   OP_RANK(c, y, 2);
   OP_SHAPE(c, dy, y.shape());
   OP_SHAPE(c, dx, y.shape());
-  c.entry (&Backend::softmax_backward)(ex, y, dy, dx);
+  c.call(&Backend::softmax_backward, ex, y, dy, dx);
 }
 
 // ---- MoE router ----------------------------------------------------------------------
@@ -488,7 +493,7 @@ void router_forward(const Exec& ex, const Tensor& logits, const Tensor* bias, co
   OP_SHAPE(c, scores, {tokens, experts});
   OP_SHAPE(c, topk_idx, {tokens, static_cast<int64_t>(cfg.top_k)});
   OP_SHAPE(c, gates, {tokens, static_cast<int64_t>(cfg.top_k)});
-  c.entry (&Backend::router_forward)(ex, logits, bias, cfg, scores, topk_idx, gates);
+  c.call(&Backend::router_forward, ex, logits, bias, cfg, scores, topk_idx, gates);
 }
 
 void router_backward(const Exec& ex, const Tensor& scores, const Tensor& topk_idx, const Tensor& dgates,
@@ -513,7 +518,7 @@ void router_backward(const Exec& ex, const Tensor& scores, const Tensor& topk_id
     c.is_shape("dscores", *dscores, scores.shape(), __LINE__);
   }
   OP_SHAPE(c, dlogits, scores.shape());
-  c.entry (&Backend::router_backward)(ex, scores, topk_idx, dgates, dscores, cfg, dlogits);
+  c.call(&Backend::router_backward, ex, scores, topk_idx, dgates, dscores, cfg, dlogits);
 }
 
 // ---- token permutation by expert -----------------------------------------------------
@@ -534,8 +539,8 @@ void moe_dispatch_plan(const Exec& ex, const Tensor& topk_idx, int64_t num_exper
   OP_SHAPE(c, row_map, {topk_idx.numel()});
   OP_SHAPE(c, expert_counts, {num_experts});
   OP_SHAPE(c, expert_offsets, {num_experts + 1});
-  c.entry (&Backend::moe_dispatch_plan)(ex, topk_idx, num_experts, capacity, row_map, expert_counts,
-                                        expert_offsets);
+  c.call(&Backend::moe_dispatch_plan, ex, topk_idx, num_experts, capacity, row_map, expert_counts,
+         expert_offsets);
 }
 
 void moe_permute(const Exec& ex, const Tensor& x, const Tensor& row_map, int64_t top_k, Tensor& xp) {
@@ -548,7 +553,7 @@ void moe_permute(const Exec& ex, const Tensor& x, const Tensor& row_map, int64_t
   OP_REQUIRE(c, top_k >= 1, "top_k = {} must be positive", top_k);
   OP_SHAPE(c, row_map, {x.size(0) * top_k});
   OP_REQUIRE(c, xp.size(1) == x.size(1), "xp has {} columns, x has {}", xp.size(1), x.size(1));
-  c.entry (&Backend::moe_permute)(ex, x, row_map, top_k, xp);
+  c.call(&Backend::moe_permute, ex, x, row_map, top_k, xp);
 }
 
 void moe_permute_backward(const Exec& ex, const Tensor& dxp, const Tensor& row_map, int64_t top_k,
@@ -562,7 +567,7 @@ void moe_permute_backward(const Exec& ex, const Tensor& dxp, const Tensor& row_m
   OP_REQUIRE(c, top_k >= 1, "top_k = {} must be positive", top_k);
   OP_SHAPE(c, row_map, {dx.size(0) * top_k});
   OP_REQUIRE(c, dxp.size(1) == dx.size(1), "dxp has {} columns, dx has {}", dxp.size(1), dx.size(1));
-  c.entry (&Backend::moe_permute_backward)(ex, dxp, row_map, top_k, dx);
+  c.call(&Backend::moe_permute_backward, ex, dxp, row_map, top_k, dx);
 }
 
 void moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, const Tensor& gates, Tensor& y) {
@@ -577,7 +582,7 @@ void moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, cons
   OP_REQUIRE(c, gates.size(0) == y.size(0), "gates has {} rows, y has {}", gates.size(0), y.size(0));
   OP_SHAPE(c, row_map, {gates.numel()});
   OP_REQUIRE(c, yp.size(1) == y.size(1), "yp has {} columns, y has {}", yp.size(1), y.size(1));
-  c.entry (&Backend::moe_unpermute)(ex, yp, row_map, gates, y);
+  c.call(&Backend::moe_unpermute, ex, yp, row_map, gates, y);
 }
 
 void moe_unpermute_backward(const Exec& ex, const Tensor& dy, const Tensor& yp, const Tensor& row_map,
@@ -603,7 +608,7 @@ void moe_unpermute_backward(const Exec& ex, const Tensor& dy, const Tensor& yp, 
   OP_REQUIRE(c, yp.size(1) == dy.size(1), "yp has {} columns, dy has {}", yp.size(1), dy.size(1));
   OP_SHAPE(c, dyp, yp.shape());
   OP_SHAPE(c, dgates, gates.shape());
-  c.entry (&Backend::moe_unpermute_backward)(ex, dy, yp, row_map, gates, dyp, dgates);
+  c.call(&Backend::moe_unpermute_backward, ex, dy, yp, row_map, gates, dyp, dgates);
 }
 
 // ---- SwiGLU --------------------------------------------------------------------------
@@ -615,7 +620,7 @@ void swiglu_forward(const Exec& ex, const Tensor& h, Tensor& out) {
   OP_RANK(c, h, 2);
   OP_REQUIRE(c, h.size(1) % 2 == 0, "h has an odd number of columns ({})", h.size(1));
   OP_SHAPE(c, out, {h.size(0), h.size(1) / 2});
-  c.entry (&Backend::swiglu_forward)(ex, h, out);
+  c.call(&Backend::swiglu_forward, ex, h, out);
 }
 
 void swiglu_backward(const Exec& ex, const Tensor& h, const Tensor& dout, Tensor& dh) {
@@ -627,7 +632,7 @@ void swiglu_backward(const Exec& ex, const Tensor& h, const Tensor& dout, Tensor
   OP_REQUIRE(c, h.size(1) % 2 == 0, "h has an odd number of columns ({})", h.size(1));
   OP_SHAPE(c, dout, {h.size(0), h.size(1) / 2});
   OP_SHAPE(c, dh, h.shape());
-  c.entry (&Backend::swiglu_backward)(ex, h, dout, dh);
+  c.call(&Backend::swiglu_backward, ex, h, dout, dh);
 }
 
 // ---- cross-entropy -------------------------------------------------------------------
@@ -644,7 +649,7 @@ void cross_entropy_forward(const Exec& ex, const Tensor& logits, const Tensor& t
   OP_SHAPE(c, targets, {logits.size(0)});
   OP_SHAPE(c, losses, {logits.size(0)});
   OP_SHAPE(c, lse, {logits.size(0)});
-  c.entry (&Backend::cross_entropy_forward)(ex, logits, targets, losses, lse);
+  c.call(&Backend::cross_entropy_forward, ex, logits, targets, losses, lse);
 }
 
 void cross_entropy_backward(const Exec& ex, const Tensor& logits, const Tensor& targets, const Tensor& lse,
@@ -659,7 +664,7 @@ void cross_entropy_backward(const Exec& ex, const Tensor& logits, const Tensor& 
   OP_SHAPE(c, targets, {logits.size(0)});
   OP_SHAPE(c, lse, {logits.size(0)});
   OP_SHAPE(c, dlogits, logits.shape());
-  c.entry (&Backend::cross_entropy_backward)(ex, logits, targets, lse, grad_scale, dlogits);
+  c.call(&Backend::cross_entropy_backward, ex, logits, targets, lse, grad_scale, dlogits);
 }
 
 // ---- optimizer -----------------------------------------------------------------------
@@ -677,7 +682,7 @@ void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Te
   OP_REQUIRE(c, cfg.step >= 1, "step = {} must be 1-based", cfg.step);
   OP_REQUIRE(c, cfg.beta1 >= 0.0f && cfg.beta1 < 1.0f && cfg.beta2 >= 0.0f && cfg.beta2 < 1.0f,
              "betas ({}, {}) must lie in [0, 1)", cfg.beta1, cfg.beta2);
-  c.entry (&Backend::adamw_step)(ex, param, grad, m, v, cfg);
+  c.call(&Backend::adamw_step, ex, param, grad, m, v, cfg);
 }
 
 // ---- quantization --------------------------------------------------------------------
@@ -699,13 +704,13 @@ void check_fp8(const OpCheck& c, const Tensor& x, const Tensor& q, const Tensor&
 void quantize_fp8(const Exec& ex, const Tensor& x, int64_t block_size, Tensor& q, Tensor& scales) {
   OpCheck c("quantize_fp8", ex, {{"x", &x}, {"q", &q}, {"scales", &scales}});
   check_fp8(c, x, q, scales, block_size);
-  c.entry (&Backend::quantize_fp8)(ex, x, block_size, q, scales);
+  c.call(&Backend::quantize_fp8, ex, x, block_size, q, scales);
 }
 
 void dequantize_fp8(const Exec& ex, const Tensor& q, const Tensor& scales, int64_t block_size, Tensor& out) {
   OpCheck c("dequantize_fp8", ex, {{"q", &q}, {"scales", &scales}, {"out", &out}});
   check_fp8(c, out, q, scales, block_size);
-  c.entry (&Backend::dequantize_fp8)(ex, q, scales, block_size, out);
+  c.call(&Backend::dequantize_fp8, ex, q, scales, block_size, out);
 }
 
 }  // namespace troupe::kernels
