@@ -21,7 +21,7 @@ void cross_entropy_forward(const Exec&, const Tensor& logits, const Tensor& targ
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t v = 0; v < vocab; ++v) mx = std::max(mx, lr[v]);
     double z = 0.0;
-    for (int64_t v = 0; v < vocab; ++v) z += std::exp(static_cast<double>(lr[v] - mx));
+    for (int64_t v = 0; v < vocab; ++v) z += std::exp(lr[v] - mx);  // f32 exp, f64 sum
     const double l = static_cast<double>(mx) + std::log(z);
     plse[t] = static_cast<float>(l);
     ploss[t] = target < 0 ? 0.0f : static_cast<float>(l - lr[target]);
