@@ -181,6 +181,55 @@ const std::vector<std::string>& backward_op_names() {
   return kNames;
 }
 
+bool backend_implements(const Backend& b, const std::string& op) {
+#define TROUPE_OP_ENTRY(name)                                   \
+  {                                                             \
+#name, [](const Backend& be) { return be.name != nullptr; } \
+  }
+  static const std::vector<std::pair<std::string, bool (*)(const Backend&)>> kEntries = {
+      TROUPE_OP_ENTRY(fill),
+      TROUPE_OP_ENTRY(cast),
+      TROUPE_OP_ENTRY(add),
+      TROUPE_OP_ENTRY(axpby),
+      TROUPE_OP_ENTRY(scale),
+      TROUPE_OP_ENTRY(sum),
+      TROUPE_OP_ENTRY(sum_squares),
+      TROUPE_OP_ENTRY(sum_rows),
+      TROUPE_OP_ENTRY(matmul),
+      {"matmul_backward", [](const Backend& be) { return be.matmul != nullptr; }},
+      TROUPE_OP_ENTRY(grouped_matmul),
+      TROUPE_OP_ENTRY(grouped_matmul_backward),
+      TROUPE_OP_ENTRY(embedding_forward),
+      TROUPE_OP_ENTRY(embedding_backward),
+      TROUPE_OP_ENTRY(rmsnorm_forward),
+      TROUPE_OP_ENTRY(rmsnorm_backward),
+      TROUPE_OP_ENTRY(rope_forward),
+      TROUPE_OP_ENTRY(rope_backward),
+      TROUPE_OP_ENTRY(attention_forward),
+      TROUPE_OP_ENTRY(attention_backward),
+      TROUPE_OP_ENTRY(softmax_forward),
+      TROUPE_OP_ENTRY(softmax_backward),
+      TROUPE_OP_ENTRY(router_forward),
+      TROUPE_OP_ENTRY(router_backward),
+      TROUPE_OP_ENTRY(moe_dispatch_plan),
+      TROUPE_OP_ENTRY(moe_permute),
+      TROUPE_OP_ENTRY(moe_permute_backward),
+      TROUPE_OP_ENTRY(moe_unpermute),
+      TROUPE_OP_ENTRY(moe_unpermute_backward),
+      TROUPE_OP_ENTRY(swiglu_forward),
+      TROUPE_OP_ENTRY(swiglu_backward),
+      TROUPE_OP_ENTRY(cross_entropy_forward),
+      TROUPE_OP_ENTRY(cross_entropy_backward),
+      TROUPE_OP_ENTRY(adamw_step),
+      TROUPE_OP_ENTRY(quantize_fp8),
+      TROUPE_OP_ENTRY(dequantize_fp8),
+  };
+#undef TROUPE_OP_ENTRY
+  for (const auto& [name, has] : kEntries)
+    if (name == op) return has(b);
+  TROUPE_UNREACHABLE("'{}' is no op of kernels/ops.h", op);
+}
+
 // ---- case building helpers -----------------------------------------------------------
 
 namespace {
@@ -519,8 +568,8 @@ void add_grouped_matmul_cases(std::vector<OpCase>& cases, Rng& rng) {
       {{0, 5, 0, 4, 0}, 3, 6, true, false},  // empty first and last experts
       {{4, 1, 0, 3}, 6, 5, false, true},     // dw accumulates
       {{2, 2, 2}, 4, 4, true, true},
-      {{0, 0, 0}, 4, 3, false, false},  // no tokens at all: dw must come out zero
-      {{5, 0, 9}, 3, 260, false, false},      // past the CPU kernel's row and column tiles
+      {{0, 0, 0}, 4, 3, false, false},    // no tokens at all: dw must come out zero
+      {{5, 0, 9}, 3, 260, false, false},  // past the CPU kernel's row and column tiles
   };
   for (const Spec& s : specs) {
     int64_t tokens = 0;

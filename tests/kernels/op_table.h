@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "kernels/backend.h"
 #include "kernels/ops.h"
 
 namespace troupe::kernels::testing {
@@ -104,6 +105,10 @@ std::vector<OpCase> all_op_cases(uint64_t seed);
 // the coverage check.
 const std::vector<std::string>& forward_op_names();
 const std::vector<std::string>& backward_op_names();
+
+// Whether backend `b` has the entry op `op` runs on (matmul_backward runs on matmul).
+// Aborts on a name that is no op of kernels/ops.h.
+bool backend_implements(const Backend& b, const std::string& op);
 
 // Compares got against want elementwise (|got - want| <= atol + rtol |want|, exact for
 // integer dtypes; NaN never passes). Returns "" on success, else a description of the

@@ -126,8 +126,16 @@ std::vector<size_t> cases_with_backward() {
 class OpTableCuda : public ::testing::TestWithParam<size_t> {};
 class OpTableCudaBackward : public ::testing::TestWithParam<size_t> {};
 
+// A backend under construction may lack ops: their cases are skipped, not aborted on.
+bool skip_missing(const OpCase& c) {
+  for (const std::string& op : c.ops)
+    if (!backend_implements(*cuda_backend(), op)) return true;
+  return false;
+}
+
 TEST_P(OpTableCuda, ForwardMatchesCpu) {
   const OpCase& c = cases()[GetParam()];
+  if (skip_missing(c)) GTEST_SKIP() << c.name << ": an op is missing from the CUDA backend";
   auto cpu = make_cpu_test_device();
   const HostTensors want = c.forward(*cpu, upload_inputs(*cpu, c, c.inputs));
   const HostTensors got = c.forward(*g_cuda, upload_inputs(*g_cuda, c, c.inputs));
@@ -136,6 +144,7 @@ TEST_P(OpTableCuda, ForwardMatchesCpu) {
 
 TEST_P(OpTableCudaBackward, MatchesCpu) {
   const OpCase& c = cases()[GetParam()];
+  if (skip_missing(c)) GTEST_SKIP() << c.name << ": an op is missing from the CUDA backend";
   auto cpu = make_cpu_test_device();
   const HostTensors douts = make_douts(c, c.reference(c.inputs), kSeed + GetParam());
   const HostTensors want = c.backward(*cpu, upload_inputs(*cpu, c, c.inputs), upload_all(*cpu, douts));

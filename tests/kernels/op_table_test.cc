@@ -9,8 +9,8 @@
 
 #include <algorithm>
 #include <cctype>
-#include <random>
 #include <ostream>
+#include <random>
 #include <set>
 
 namespace troupe::kernels::testing {
@@ -153,6 +153,7 @@ TEST(OpTable, CoversEveryOpForwardAndBackward) {
       if (c.backward) backward.insert(op);
     }
   }
+  for (const std::string& op : forward) EXPECT_TRUE(backend_implements(cpu_backend(), op)) << op;
   for (const std::string& op : forward_op_names()) EXPECT_TRUE(forward.count(op)) << op << " has no case";
   for (const std::string& op : backward_op_names()) {
     EXPECT_TRUE(backward.count(op)) << op << " is not checked against finite differences";
