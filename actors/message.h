@@ -43,8 +43,14 @@ using Down = control::Down;
 // The reply to an ask whose handler returns void: ask<Ack>(...) waits for it.
 using Ack = control::Ack;
 
+// Empty for types that are not messages; specialise it for your own encodings.
 template <class M>
-struct MessageTraits {
+struct MessageTraits {};
+
+// The default: the members of M (kTypeId, encode(ByteWriter&), decode(ByteReader&)).
+template <class M>
+  requires requires { M::kTypeId; }
+struct MessageTraits<M> {
   static constexpr uint64_t kTypeId = M::kTypeId;
   static std::string encode(const M& m) {
     ByteWriter w;
