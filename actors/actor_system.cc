@@ -242,7 +242,7 @@ class ActorSystem::Impl {
       });
       pending_.emplace(corr, std::move(p));
     }
-    timer_cv_.notify_all();
+    wake_timer_thread();
     Envelope e;
     e.sender = asker;
     e.receiver = to.address();
@@ -337,7 +337,7 @@ class ActorSystem::Impl {
         if (auto cell = find(self.name)) enqueue(cell, MailItem{std::nullopt, std::move(fn)});
       });
     }
-    timer_cv_.notify_all();
+    wake_timer_thread();
   }
 
   bool has_actor(const std::string& name) const {
@@ -436,12 +436,23 @@ class ActorSystem::Impl {
 
   // ---- timers (mu_ held for the _locked ones) ----
 
+  // Adds a timer; sets timer_wake_ when it became the earliest (the timer thread must
+  // re-arm), so the common case (a long ask deadline) does not wake the timer thread.
   uint64_t add_timer_locked(Duration delay, std::function<void()> fn) {
     const uint64_t id = ++timer_seq_;
     const auto due = clock_->now() + delay;
-    timers_.emplace(std::make_pair(due.count(), id), std::move(fn));
+    auto it = timers_.emplace(std::make_pair(due.count(), id), std::move(fn)).first;
     timer_due_[id] = due.count();
+    if (it == timers_.begin()) timer_wake_ = true;
     return id;
+  }
+  void wake_timer_thread() {
+    bool wake = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      wake = std::exchange(timer_wake_, false);
+    }
+    if (wake) timer_cv_.notify_all();
   }
   void cancel_timer_locked(uint64_t id) {
     auto it = timer_due_.find(id);
@@ -640,6 +651,8 @@ class ActorSystem::Impl {
       send_down(m->target, m->watcher, DownReason::kConnectionLost, why.message());
     } else if (auto* l = std::get_if<control::LinkRequest>(&e.payload)) {
       send_down(l->to, l->from, DownReason::kConnectionLost, why.message());
+    } else if (std::holds_alternative<control::Down>(e.payload)) {
+      log_->debug("undeliverable {}: {}", control::describe(e), why);  // its watcher's node is gone
     } else {
       log_->warn("undeliverable {}: {}", control::describe(e), why);
     }
@@ -865,6 +878,7 @@ class ActorSystem::Impl {
   mutable std::mutex mu_;  // guards everything below
   bool shut_down_ = false;
   bool timer_stop_ = false;
+  bool timer_wake_ = false;
   std::unordered_map<std::string, std::shared_ptr<Cell>> actors_;
   std::vector<std::unique_ptr<Executor>> dedicated_;
   std::map<uint64_t, Pending> pending_;
