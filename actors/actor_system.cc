@@ -374,6 +374,7 @@ class ActorSystem::Impl {
       shut_down_ = true;
       for (auto& [name, c] : actors_) cells.push_back(c);
     }
+    if (!pool_) return;  // start() failed before anything ran
     for (auto& c : cells) request_stop(c->addr, DownReason::kKilled, "actor system shutting down");
     if (opts_.mode == ExecutionMode::kManual) {
       run_until_idle();

@@ -225,6 +225,21 @@ TEST_F(ManualSystem, TypedRefsAndNameRules) {
   EXPECT_FALSE(ActorRef::parse("a/b/c").ok());
 }
 
+TEST(ActorSystemOptions, BadOptionsAreErrors) {
+  ActorSystemOptions o;
+  o.node_id = "a/b";
+  EXPECT_EQ(ActorSystem::create(o).status().code(), StatusCode::kInvalidArgument);
+  o.node_id = "n";
+  o.threads = 0;
+  EXPECT_FALSE(ActorSystem::create(o).ok());
+  o.threads = 1;
+  o.network = control::TransportOptions{};
+  o.network->bind_endpoint = "tcp://0.0.0.0:*";
+  auto s = ActorSystem::create(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("loopback"), std::string::npos) << s.status();
+}
+
 TEST(ThreadedSystem, ManyConcurrentAsksOneMessageAtATime) {
   ActorSystemOptions o;
   o.node_id = "n1";
