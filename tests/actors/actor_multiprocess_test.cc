@@ -199,6 +199,8 @@ class MultiProcess : public ::testing::Test {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::string> got_;
+  std::mutex downs_mu_;  // members: Recorder actors point here until TearDown
+  std::vector<Down> downs_;
 };
 
 TEST_F(MultiProcess, ExchangeMessagesBothWays) {
@@ -216,6 +218,14 @@ TEST_F(MultiProcess, ExchangeMessagesBothWays) {
   EXPECT_EQ(r->text, "over tcp");
   auto missing = sys_->ask<Pong>(ActorRef("child", "nobody"), Ping{}, 5s).get();
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status();
+  // A remote actor's normal exit reaches a local monitor through the network.
+  auto down = watch(ActorRef("child", "pong"));
+  std::this_thread::sleep_for(100ms);
+  ASSERT_TRUE(sys_->tell(ActorRef("child", "pong"), Quit{}).ok());
+  ASSERT_EQ(down.wait_for(5s), std::future_status::ready);
+  auto [d, at] = down.get();
+  EXPECT_EQ(d.reason, DownReason::kExit);
+  EXPECT_EQ(d.text, "asked to quit");
 }
 
 TEST_F(MultiProcess, KillNineGivesDownWithinTheHeartbeatTimeout) {
@@ -224,7 +234,13 @@ TEST_F(MultiProcess, KillNineGivesDownWithinTheHeartbeatTimeout) {
   ASSERT_TRUE(sys_->connect("victim", child->endpoint()).ok());
   ASSERT_TRUE(pong_answers("victim", 10s));
   auto down = watch(ActorRef("victim", "pong"));
-  std::this_thread::sleep_for(100ms);  // the monitor request reaches the child
+  // Every monitor gets the Down, and a linked local actor is stopped (kKilled).
+  ASSERT_TRUE(sys_->spawn<Recorder>("monitor-1", &downs_, &downs_mu_, ActorRef("victim", "pong"),
+                                    Recorder::Mode::kMonitor).ok());
+  ASSERT_TRUE(sys_->spawn<Recorder>("linked-1", &downs_, &downs_mu_, ActorRef("victim", "pong"),
+                                    Recorder::Mode::kLink).ok());
+  auto linked_down = watch(ActorRef("parent", "linked-1"));
+  std::this_thread::sleep_for(200ms);  // the monitor and link requests reach the child
   const auto t0 = Clk::now();
   child->signal(SIGKILL);
   ASSERT_EQ(down.wait_for(5s), std::future_status::ready) << "no Down after kill -9";
@@ -235,6 +251,11 @@ TEST_F(MultiProcess, KillNineGivesDownWithinTheHeartbeatTimeout) {
   EXPECT_EQ(d.actor, (control::ActorAddress{"victim", "pong"}));
   auto r = sys_->ask<Pong>(ActorRef("victim", "pong"), Ping{}, 300ms).get();
   EXPECT_FALSE(r.ok());
+  ASSERT_EQ(linked_down.wait_for(5s), std::future_status::ready);
+  EXPECT_EQ(linked_down.get().first.reason, DownReason::kKilled);
+  std::lock_guard<std::mutex> lk(downs_mu_);
+  ASSERT_EQ(downs_.size(), 2u) << "monitor-1 and linked-1 each get the Down";
+  for (const Down& x : downs_) EXPECT_EQ(x.reason, d.reason);
 }
 
 TEST_F(MultiProcess, SigstopGivesHeartbeatTimeoutDown) {
