@@ -152,6 +152,10 @@ class ActorSystem::Impl {
       cb.on_envelope = [this](Envelope&& e, const std::string&) { deliver_local(std::move(e)); };
       cb.on_peer_down = [this](const std::string& node, DownReason r, const std::string& text) {
         peer_down(node, r, text);
+        if (opts_.on_node_down) opts_.on_node_down(node, r, text);
+      };
+      cb.on_peer_up = [this](const std::string& node) {
+        if (opts_.on_node_up) opts_.on_node_up(node);
       };
       cb.on_undeliverable = [this](Envelope&& e, const Status& why) { undeliverable(std::move(e), why); };
       auto tr = control::Transport::start(std::move(t), std::move(cb));

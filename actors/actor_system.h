@@ -56,6 +56,11 @@ struct ActorSystemOptions {
   // Present: start a Transport (its node_id and clock are taken from this struct).
   // Absent: a process-local system without sockets.
   std::optional<control::TransportOptions> network;
+  // Optional node-level events (e.g. the scheduler's health view), called on the
+  // transport's thread after the system has handled them (Downs sent, asks failed); they
+  // must not block.
+  std::function<void(const std::string& node)> on_node_up;
+  std::function<void(const std::string& node, DownReason reason, const std::string& text)> on_node_down;
 };
 
 struct SpawnOptions {

@@ -170,6 +170,14 @@ class MultiProcess : public ::testing::Test {
     ActorSystemOptions o;
     o.node_id = "parent";
     o.network = network("tcp://127.0.0.1:*");
+    o.on_node_up = [this](const std::string& node) {
+      std::lock_guard<std::mutex> lk(mu_);
+      node_events_.push_back(node + " up");
+    };
+    o.on_node_down = [this](const std::string& node, DownReason r, const std::string&) {
+      std::lock_guard<std::mutex> lk(mu_);
+      node_events_.push_back(fmt::format("{} down: {}", node, control::down_reason_name(r)));
+    };
     auto s = ActorSystem::create(o);
     ASSERT_TRUE(s.ok()) << s.status();
     sys_ = std::move(s).value();
@@ -199,6 +207,7 @@ class MultiProcess : public ::testing::Test {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::string> got_;
+  std::vector<std::string> node_events_;  // guarded by mu_
   std::mutex downs_mu_;  // members: Recorder actors point here until TearDown
   std::vector<Down> downs_;
 };
@@ -275,6 +284,17 @@ TEST_F(MultiProcess, SigstopGivesHeartbeatTimeoutDown) {
   EXPECT_GT(at - t0, kHeartbeatTimeout - kHeartbeatInterval) << "declared dead too early";
   EXPECT_LT(at - t0, kDownBound);
   EXPECT_EQ(d.reason, DownReason::kHeartbeatTimeout) << d.text;
+  {
+    // on_node_down runs just after the Downs are delivered, on the transport thread.
+    std::unique_lock<std::mutex> lk(mu_);
+    const std::vector<std::string> expected = {"sleeper up", "sleeper down: heartbeat timeout"};
+    for (int i = 0; i < 200 && node_events_ != expected; ++i) {
+      lk.unlock();
+      std::this_thread::sleep_for(10ms);
+      lk.lock();
+    }
+    EXPECT_EQ(node_events_, expected);
+  }
   ASSERT_EQ(pending2.wait_for(2s), std::future_status::ready);
   EXPECT_EQ(pending2.get().status().code(), StatusCode::kUnavailable);
   ASSERT_EQ(pending.wait_for(2s), std::future_status::ready);
