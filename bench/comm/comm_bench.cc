@@ -213,7 +213,7 @@ void bench_collectives(Communicator& c, const Config& cfg, int64_t lo, int64_t h
       std::printf("%12s %8s %12s %12s %12s\n", "bytes", "iters", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
     }
     for (int64_t bytes = lo; bytes <= hi; bytes *= 4) {
-      int iters = cfg.iters > 0 ? cfg.iters : static_cast<int>(std::clamp<int64_t>((int64_t{64} << 20) / bytes, 5, 200));
+      int iters = cfg.iters > 0 ? cfg.iters : static_cast<int>(std::clamp<int64_t>((int64_t{64} << 20) / bytes, 10, 200));
       double t = time_op(c, op, bytes, dt, iters);
       if (c.rank() == 0) {
         if (t <= 0) {
