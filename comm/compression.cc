@@ -79,30 +79,29 @@ Status Bf16ReduceScatter::run(const Tensor& grad, const Tensor& out, const OpOpt
   const size_t total = static_cast<size_t>(grad.numel());
   const float* g = grad.data<float>();
 
-  // Compensated input, rounded once to bf16.
-  std::vector<float> compensated(g, g + total);
+  // Compensated input, rounded once to bf16 (one pass: round, keep the residual).
+  Tensor wire = Tensor::empty({static_cast<int64_t>(total)}, DType::kBF16);
+  auto* w = static_cast<uint16_t*>(wire.data_ptr());
   if (options_.error_feedback) {
     if (residual_.size() != total) residual_.assign(total, 0.0f);
-    for (size_t i = 0; i < total; ++i) compensated[i] += residual_[i];
-  }
-  Tensor wire = Tensor::empty({static_cast<int64_t>(total)}, DType::kBF16);
-  convert_dtype(compensated.data(), DType::kF32, wire.data_ptr(), DType::kBF16, total);
-  if (options_.error_feedback) {
-    std::vector<float> sent(total);
-    convert_dtype(wire.data_ptr(), DType::kBF16, sent.data(), DType::kF32, total);
-    for (size_t i = 0; i < total; ++i) residual_[i] = compensated[i] - sent[i];
+    for (size_t i = 0; i < total; ++i) {
+      const float x = g[i] + residual_[i];
+      w[i] = float_to_bf16_bits(x);
+      residual_[i] = x - bf16_bits_to_float(w[i]);
+    }
+  } else {
+    for (size_t i = 0; i < total; ++i) w[i] = float_to_bf16_bits(g[i]);
   }
 
   // Chunk r of every rank lands as chunk (sender) on rank r; sum in fp32 in rank order.
   Tensor gathered = Tensor::empty({static_cast<int64_t>(total)}, DType::kBF16);
   TROUPE_RETURN_IF_ERROR(comm_.all_to_all(wire, gathered, opts)->wait());
-  std::vector<float> wide(total);
-  convert_dtype(gathered.data_ptr(), DType::kBF16, wide.data(), DType::kF32, total);
+  const auto* in = static_cast<const uint16_t*>(gathered.data_ptr());
   float* o = out.data<float>();
-  std::memcpy(o, wide.data(), static_cast<size_t>(m) * sizeof(float));
+  for (int64_t i = 0; i < m; ++i) o[i] = bf16_bits_to_float(in[i]);
   for (int r = 1; r < n; ++r) {
-    const float* chunk = wide.data() + static_cast<size_t>(r) * m;
-    for (int64_t i = 0; i < m; ++i) o[i] += chunk[i];
+    const uint16_t* chunk = in + static_cast<size_t>(r) * m;
+    for (int64_t i = 0; i < m; ++i) o[i] += bf16_bits_to_float(chunk[i]);
   }
 
   ++stats_.calls;
