@@ -357,6 +357,7 @@ int main(int argc, char** argv) {
   app.add_option("--child-store", cfg.store_dir)->group("");
   CLI11_PARSE(app, argc, argv);
   if (cfg.max_bytes.empty()) cfg.max_bytes = cfg.backend == "nccl" ? "1G" : "16M";
+  ::setenv("NCCL_NVLS_ENABLE", "0", 0);  // never NVLink multicast on the shared hosts (children inherit)
   if (cfg.rank >= 0) return run_child(cfg);
 
   if (cfg.ranks <= 0) {
