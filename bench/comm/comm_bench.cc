@@ -4,6 +4,7 @@
 //
 //   comm_bench --backend gloo --ranks 4 --max-bytes 16M
 //   comm_bench --backend nccl                # one process per visible GPU, up to 1 GiB
+//   comm_bench_nccl --backend nccl           # the same, built without Gloo (for GPU hosts without libgloo)
 //
 // The launcher re-executes this binary once per rank (--child), with a FileStore in a
 // temporary directory; rank 0 prints. Each point: warm-up, barrier, `iters` operations
@@ -21,7 +22,9 @@
 #include <thread>
 
 #include "comm/compression.h"
+#ifndef TROUPE_COMM_BENCH_NCCL_ONLY
 #include "comm/gloo_communicator.h"
+#endif
 #ifdef TROUPE_HAVE_NCCL
 #include <cuda_runtime.h>
 
@@ -318,7 +321,11 @@ int run_child(const Config& cfg) {
   spec.options.init_timeout = 120s;
   Result<std::unique_ptr<Communicator>> c = unimplemented("backend {}", cfg.backend);
   if (cfg.backend == "gloo") {
+#ifndef TROUPE_COMM_BENCH_NCCL_ONLY
     c = make_gloo_communicator(spec);
+#else
+    c = unimplemented("comm_bench_nccl has no Gloo backend: use comm_bench");
+#endif
   } else if (cfg.backend == "nccl") {
 #ifdef TROUPE_HAVE_NCCL
     c = make_nccl_communicator(spec, NcclOptions{cfg.rank});
