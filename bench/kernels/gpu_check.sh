@@ -9,6 +9,14 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 log() { echo "== $*" | tee -a "$out/summary.txt"; }
 
+# The GPU host's bundle (.gpu-deps) has libsodium's runtime but not its -dev package, and
+# the top-level CMake requires it by pkg-config; the CUDA targets never link it, so a
+# pkg-config file pointing at the runtime library is enough here.
+if ! pkg-config --exists libsodium; then
+  lib=$(dirname "$(find / -name 'libsodium.so.23*' -path '*troupe-deps*' 2>/dev/null | head -1)")
+  mkdir -p /tmp/pc && printf 'Name: libsodium\nDescription: stub\nVersion: 1.0.18\nLibs: -L%s -l:libsodium.so.23\nCflags:\n' "$lib" >/tmp/pc/libsodium.pc
+  export PKG_CONFIG_PATH=/tmp/pc:${PKG_CONFIG_PATH:-}
+fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv | tee "$out/gpu.txt"
 cmake -S . -B build -G Ninja -DTROUPE_WERROR=OFF -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release \
   >"$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }

@@ -8,12 +8,24 @@
 // head dimension in registers; dot products are finished with two warp shuffles.
 // Backward is two kernels, neither with atomics: dK/dV (one block per key tile and kv
 // head, looping over the query heads of its group) and dQ (one block per query tile),
-// after a pre-pass computing D = rowsum(dO * O). The arithmetic is fp32 FMA (no tensor
-// cores yet): correct for f32 and bf16, far from the speed of a tensor-core kernel.
+// after a pre-pass computing D = rowsum(dO * O). The arithmetic here is fp32 FMA: it
+// serves f32 tensors and head dims other than 64/128; bf16 with head dim 64 or 128 goes
+// to the tensor-core kernels of attention_mma.cu.
+#include <initializer_list>
+#include <type_traits>
+
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
 
 namespace troupe::kernels::gpu {
+
+// attention_mma.cu: the tensor-core kernels (bf16, head dim 64 or 128).
+bool attention_mma_supported(const AttentionShape& s, DType t, std::initializer_list<const void*> ptrs);
+void launch_attention_forward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
+                                  const void* v, float scale, void* out, float* lse);
+void launch_attention_backward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
+                                   const void* v, const void* out, const float* lse, const void* dout, float scale,
+                                   void* dq, void* dk, void* dv, void* scratch);
 
 namespace {
 
@@ -248,6 +260,10 @@ dim3 attention_grid(const AttentionShape& s, int64_t heads) {
 void launch_attention_forward(const Env& env, const AttentionShape& s, const void* q, const void* k, const void* v,
                               float scale, void* out, float* lse, DType t) {
   if (s.batch * s.seq * s.q_heads == 0) return;
+  if (attention_mma_supported(s, t, {q, k, v, out})) {
+    launch_attention_forward_mma(env, s, q, k, v, scale, out, lse);
+    return;
+  }
   const size_t smem = 2 * kTile * s.head_dim * sizeof(float);
   dispatch_head_dim(s.head_dim, [&](auto per) {
     TROUPE_DISPATCH_FLOAT(t, T, "attention_forward", {
@@ -255,6 +271,16 @@ void launch_attention_forward(const Env& env, const AttentionShape& s, const voi
           s, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), scale, static_cast<T*>(out),
           lse);
     });
+  });
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+void launch_attention_rowdot(const Env& env, const AttentionShape& s, const void* out, const void* dout, float* dsum,
+                             DType t) {
+  const int64_t rows = s.batch * s.seq * s.q_heads;
+  TROUPE_DISPATCH_FLOAT(t, T, "attention_backward", {
+    attention_rowdot_kernel<T><<<static_cast<unsigned>(ceil_div(rows * 32, 256)), 256, 0, env.stream>>>(
+        s, static_cast<const T*>(out), static_cast<const T*>(dout), dsum);
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }
@@ -267,6 +293,10 @@ void launch_attention_backward(const Env& env, const AttentionShape& s, const vo
                                const void* v, const void* out, const float* lse, const void* dout, float scale,
                                void* dq, void* dk, void* dv, DType t, void* scratch) {
   if (s.batch * s.seq * s.q_heads == 0) return;
+  if (attention_mma_supported(s, t, {q, k, v, out, dout, dq, dk, dv})) {
+    launch_attention_backward_mma(env, s, q, k, v, out, lse, dout, scale, dq, dk, dv, scratch);
+    return;
+  }
   float* dsum = static_cast<float*>(scratch);
   const size_t smem_kv = 2 * kTile * s.head_dim * sizeof(float);
   const size_t smem_q = smem_kv + 2 * kTile * sizeof(float);
@@ -276,10 +306,7 @@ void launch_attention_backward(const Env& env, const AttentionShape& s, const vo
       const T* kp = static_cast<const T*>(k);
       const T* vp = static_cast<const T*>(v);
       const T* dop = static_cast<const T*>(dout);
-      const int64_t rows = s.batch * s.seq * s.q_heads;
-      attention_rowdot_kernel<T><<<static_cast<unsigned>(ceil_div(rows * 32, 256)), 256, 0, env.stream>>>(
-          s, static_cast<const T*>(out), dop, dsum);
-      TROUPE_CUDA_LAUNCH_CHECK();
+      launch_attention_rowdot(env, s, out, dout, dsum, t);
       attention_dkdv_kernel<T, per()><<<attention_grid(s, s.kv_heads), kAttnThreads, smem_q, env.stream>>>(
           s, qp, kp, vp, lse, dop, dsum, scale, static_cast<T*>(dk), static_cast<T*>(dv));
       TROUPE_CUDA_LAUNCH_CHECK();

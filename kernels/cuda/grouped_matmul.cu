@@ -2,15 +2,16 @@
 // and backward, each one launch for all experts with the segment offsets read on the
 // device (no host loop over experts, no host sync).
 //
-// bf16 operands use a tensor-core kernel (WMMA 16x16x16, fp32 accumulation): 128x128
-// output tiles, 32-deep k steps, double-buffered shared memory filled with 16-byte
-// loads. Two problem shapes share it:
+// bf16 operands use a tensor-core kernel (mma.sync m16n8k16, fp32 accumulation): 128x128
+// output tiles, 32-deep k steps, a 4-stage cp.async pipeline and ldmatrix operand loads.
+// Two problem shapes share it:
 // - row segments (forward, dx): C[rows of e, :] = A[rows of e, :] @ B_e, blocks of the
 //   second grid axis are mapped to (expert, row tile) by scanning the offsets;
 // - k segments (dW): C_e = A_e^T @ B_e summed over the rows of expert e (grid axis z = e).
 // f32 operands (and shapes the tensor-core path cannot take: dims not multiples of 8,
 // misaligned pointers) use a plain one-thread-per-output kernel with fp32 accumulation.
-#include <mma.h>
+#include <initializer_list>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
@@ -21,44 +22,59 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-constexpr int kBM = 128, kBN = 128, kBK = 32, kGemmThreads = 256, kPad = 8;
+constexpr int kBM = 128, kBN = 128, kBK = 32, kGemmThreads = 256, kPad = 8, kStages = 4;
 constexpr int kTileElems = kBM * (kBK + kPad);  // >= kBK * (kBM + kPad) too
+constexpr size_t kGemmSmem = size_t{2} * kStages * kTileElems * sizeof(bf16);
 
-// A tile stored "outer x inner" with the inner (contiguous) dimension a multiple of 8:
-// 256 threads move it as 16-byte vectors, zero-filling outside [o_lim, i_lim).
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte asynchronous copy global -> shared; zero-fills when `valid` is false.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Issues the cp.async copies of one "outer x inner" tile (inner contiguous, a multiple of
+// 8) into smem [kOuter][kInner + kPad]; elements outside [o_lim) x [i_lim) become zero.
 template <int kOuter, int kInner>
-struct TileLoader {
-  static constexpr int kVecs = kOuter * kInner / 8;
-  static constexpr int kPerThread = kVecs / kGemmThreads;
-  uint4 regs[kPerThread];
-
-  __device__ void load(const bf16* base, int64_t ld, int64_t o0, int64_t o_lim, int64_t i0, int64_t i_lim) {
+__device__ __forceinline__ void tile_async(bf16* smem, const bf16* base, int64_t ld, int64_t o0, int64_t o_lim,
+                                           int64_t i0, int64_t i_lim) {
+  constexpr int kVecs = kOuter * kInner / 8;
 #pragma unroll
-    for (int r = 0; r < kPerThread; ++r) {
-      const int v = r * kGemmThreads + threadIdx.x;
-      const int o = v / (kInner / 8), i = (v % (kInner / 8)) * 8;
-      const int64_t go = o0 + o, gi = i0 + i;
-      if (go < o_lim && gi + 8 <= i_lim) {
-        regs[r] = *reinterpret_cast<const uint4*>(base + go * ld + gi);
-      } else {
-        bf16 tmp[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          tmp[j] = (go < o_lim && gi + j < i_lim) ? base[go * ld + gi + j] : __float2bfloat16_rn(0.0f);
-        }
-        regs[r] = *reinterpret_cast<const uint4*>(tmp);
-      }
-    }
+  for (int r = 0; r < kVecs / kGemmThreads; ++r) {
+    const int v = r * kGemmThreads + threadIdx.x;
+    const int o = v / (kInner / 8), i = (v % (kInner / 8)) * 8;
+    const int64_t go = o0 + o, gi = i0 + i;
+    const bool valid = go < o_lim && gi < i_lim;  // dims are multiples of 8: whole vectors
+    cp_async16(smem + o * (kInner + kPad) + i, valid ? base + go * ld + gi : base, valid);
   }
-  __device__ void store(bf16* smem) const {
-#pragma unroll
-    for (int r = 0; r < kPerThread; ++r) {
-      const int v = r * kGemmThreads + threadIdx.x;
-      const int o = v / (kInner / 8), i = (v % (kInner / 8)) * 8;
-      *reinterpret_cast<uint4*>(smem + o * (kInner + kPad) + i) = regs[r];
-    }
-  }
-};
+}
 
 struct GemmArgs {
   const bf16* a;
@@ -75,12 +91,15 @@ struct GemmArgs {
 // kSegK = false: row segments, A row-major (A(m,k) = a[m*lda+k]); B row-major
 // (B(k,n) = b[k*ldb+n]) or, with kBCol, column-major (b[n*ldb+k]).
 // kSegK = true: k segments, A(m,k) = a[k*lda+m] (column-major), B row-major.
+// 8 warps in a 2 x 4 grid, each computing 64 x 32 with mma.sync m16n8k16; operands come
+// from a kStages-deep cp.async pipeline through ldmatrix (.trans where the stored layout
+// is the transpose of the fragment's).
 template <bool kSegK, bool kBCol, typename OutT>
-__global__ void __launch_bounds__(kGemmThreads) grouped_gemm_wmma_kernel(GemmArgs args) {
-  using namespace nvcuda;
+__global__ void __launch_bounds__(kGemmThreads) grouped_gemm_mma_kernel(GemmArgs args) {
   constexpr bool kACol = kSegK;
-  __shared__ __align__(128) bf16 smem_a[2][kTileElems];
-  __shared__ __align__(128) bf16 smem_b[2][kTileElems];
+  extern __shared__ __align__(128) unsigned char gemm_smem[];
+  bf16* smem_a = reinterpret_cast<bf16*>(gemm_smem);
+  bf16* smem_b = smem_a + kStages * kTileElems;
 
   // ---- which problem and tile this block computes ----
   int64_t e = 0, row0 = 0, m_lim = 0, k_lim = 0, tile_m = 0;
@@ -112,105 +131,116 @@ __global__ void __launch_bounds__(kGemmThreads) grouped_gemm_wmma_kernel(GemmArg
   const bf16* a = args.a + row0 * args.lda;
   const bf16* b = args.b + (kSegK ? row0 * args.ldb : e * args.b_expert_stride);
 
-  // A tile: row layout [kBM][kBK] (outer m), column layout [kBK][kBM] (outer k).
-  TileLoader<kACol ? kBK : kBM, kACol ? kBM : kBK> load_a;
-  // B tile: row layout [kBK][kBN] (outer k), column layout [kBN][kBK] (outer n).
-  TileLoader<kBCol ? kBN : kBK, kBCol ? kBK : kBN> load_b;
-  auto fetch = [&](int64_t k0) {
+  auto issue = [&](int64_t kt, int stage) {
+    const int64_t k0 = kt * kBK;
+    bf16* sa = smem_a + stage * kTileElems;
+    bf16* sb = smem_b + stage * kTileElems;
     if constexpr (kACol) {
-      load_a.load(a, args.lda, k0, k_lim, m0, m_lim);
+      tile_async<kBK, kBM>(sa, a, args.lda, k0, k_lim, m0, m_lim);
     } else {
-      load_a.load(a, args.lda, m0, m_lim, k0, k_lim);
+      tile_async<kBM, kBK>(sa, a, args.lda, m0, m_lim, k0, k_lim);
     }
     if constexpr (kBCol) {
-      load_b.load(b, args.ldb, n0, args.n, k0, k_lim);
+      tile_async<kBN, kBK>(sb, b, args.ldb, n0, args.n, k0, k_lim);
     } else {
-      load_b.load(b, args.ldb, k0, k_lim, n0, args.n);
+      tile_async<kBK, kBN>(sb, b, args.ldb, k0, k_lim, n0, args.n);
     }
   };
 
-  const int warp = threadIdx.x / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp / 4, wn = warp % 4;  // 2 x 4 warps, each 64 x 32
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
+  float acc[4][4][4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
-    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
 
-  using ALayout = std::conditional_t<kACol, wmma::col_major, wmma::row_major>;
-  using BLayout = std::conditional_t<kBCol, wmma::col_major, wmma::row_major>;
   const int64_t k_tiles = (k_lim + kBK - 1) / kBK;
-  if (k_tiles > 0) {
-    fetch(0);
-    load_a.store(smem_a[0]);
-    load_b.store(smem_b[0]);
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < k_tiles) issue(st, st);
+    cp_async_commit();
   }
-  __syncthreads();
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
-    const int buf = kt & 1;
-    if (kt + 1 < k_tiles) fetch((kt + 1) * kBK);  // global loads in flight during the math
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile kt landed for everyone; stage (kt-1) % kStages is free again
+    if (kt + kStages - 1 < k_tiles) issue(kt + kStages - 1, static_cast<int>((kt + kStages - 1) % kStages));
+    cp_async_commit();
+    const bf16* sa = smem_a + (kt % kStages) * kTileElems;
+    const bf16* sb = smem_b + (kt % kStages) * kTileElems;
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, ALayout> fa[4];
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, BLayout> fb[2];
+      uint32_t fa[4][4], fb[4][2];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int row = wm * 64 + i * 16;
-        if constexpr (kACol) {
-          wmma::load_matrix_sync(fa[i], smem_a[buf] + kk * (kBM + kPad) + row, kBM + kPad);
-        } else {
-          wmma::load_matrix_sync(fa[i], smem_a[buf] + row * (kBK + kPad) + kk, kBK + kPad);
+        const int mrow = wm * 64 + i * 16;
+        if constexpr (kACol) {  // stored [k][m]
+          const int kr = kk + (lane % 8) + (lane / 16) * 8, mc = mrow + ((lane / 8) % 2) * 8;
+          ldsm_x4_trans(fa[i], sa + kr * (kBM + kPad) + mc);
+        } else {  // stored [m][k]
+          ldsm_x4(fa[i], sa + (mrow + lane % 16) * (kBK + kPad) + kk + (lane / 16) * 8);
         }
       }
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int col = wn * 32 + j * 16;
-        if constexpr (kBCol) {
-          wmma::load_matrix_sync(fb[j], smem_b[buf] + col * (kBK + kPad) + kk, kBK + kPad);
-        } else {
-          wmma::load_matrix_sync(fb[j], smem_b[buf] + kk * (kBN + kPad) + col, kBN + kPad);
+      for (int j = 0; j < 4; j += 2) {
+        const int ncol = wn * 32 + j * 8;
+        uint32_t r[4];
+        if constexpr (kBCol) {  // stored [n][k]
+          const int nr = ncol + (lane % 8) + (lane / 16) * 8, kc = kk + ((lane / 8) % 2) * 8;
+          ldsm_x4(r, sb + nr * (kBK + kPad) + kc);
+        } else {  // stored [k][n]
+          ldsm_x4_trans(r, sb + (kk + lane % 16) * (kBN + kPad) + ncol + (lane / 16) * 8);
         }
+        fb[j][0] = r[0];
+        fb[j][1] = r[1];
+        fb[j + 1][0] = r[2];
+        fb[j + 1][1] = r[3];
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+        for (int j = 0; j < 4; ++j) mma16816(acc[i][j], fa[i], fb[j][0], fb[j][1]);
     }
-    if (kt + 1 < k_tiles) {
-      load_a.store(smem_a[buf ^ 1]);
-      load_b.store(smem_b[buf ^ 1]);
-    }
-    __syncthreads();
   }
+  cp_async_wait<0>();
 
-  // ---- epilogue: each warp stages one 16x16 fragment at a time through shared memory ----
-  float* stage = reinterpret_cast<float*>(smem_a[0]) + warp * 256;
+  // ---- epilogue: straight from the accumulators (rows g / g+8, column pairs 2t, 2t+1) ----
   OutT* c = static_cast<OutT*>(args.c) + (kSegK ? e * args.c_expert_stride : row0 * args.ldc);
-  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      wmma::store_matrix_sync(stage, acc[i][j], 16, wmma::mem_row_major);
-      __syncwarp();
-      const int r = lane / 2, c8 = (lane % 2) * 8;
-      const int64_t gm = m0 + wm * 64 + i * 16 + r;
-      const int64_t gn0 = n0 + wn * 32 + j * 16 + c8;
-      if (gm < m_lim) {
+    for (int j = 0; j < 4; ++j) {
+      const int64_t gn = n0 + wn * 32 + j * 8 + 2 * t;
+      if (gn >= args.n) continue;  // n is a multiple of 8: the pair is in or out together
 #pragma unroll
-        for (int x = 0; x < 8; ++x) {
-          const int64_t gn = gn0 + x;
-          if (gn < args.n) {
-            float v = stage[r * 16 + c8 + x];
-            OutT* p = c + gm * args.ldc + gn;
-            if (args.accumulate) v += to_float(*p);
-            *p = from_float<OutT>(v);
-          }
+      for (int half = 0; half < 2; ++half) {
+        const int64_t gm = m0 + wm * 64 + i * 16 + g + half * 8;
+        if (gm >= m_lim) continue;
+        float v0 = acc[i][j][2 * half], v1 = acc[i][j][2 * half + 1];
+        OutT* p = c + gm * args.ldc + gn;
+        if (args.accumulate) {
+          v0 += to_float(p[0]);
+          v1 += to_float(p[1]);
+        }
+        if constexpr (std::is_same_v<OutT, float>) {
+          *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+        } else {
+          *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);
         }
       }
-      __syncwarp();
     }
   }
+}
+
+template <bool kSegK, bool kBCol, typename OutT>
+void launch_gemm(const Env& env, dim3 grid, const GemmArgs& args) {
+  auto kernel = grouped_gemm_mma_kernel<kSegK, kBCol, OutT>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kGemmSmem)));
+  kernel<<<grid, kGemmThreads, kGemmSmem, env.stream>>>(args);
+  TROUPE_CUDA_LAUNCH_CHECK();
 }
 
 // ---- plain fallback ------------------------------------------------------------------
@@ -284,11 +314,10 @@ void run_row_segments(const Env& env, const bf16* a, int64_t ka, const bf16* b, 
   args.b_expert_stride = ka * nb;
   dim3 grid(static_cast<unsigned>(ceil_div(nb, kBN)), static_cast<unsigned>(ceil_div(tokens, kBM) + experts));
   if (b_col) {
-    grouped_gemm_wmma_kernel<false, true, bf16><<<grid, kGemmThreads, 0, env.stream>>>(args);
+    launch_gemm<false, true, bf16>(env, grid, args);
   } else {
-    grouped_gemm_wmma_kernel<false, false, bf16><<<grid, kGemmThreads, 0, env.stream>>>(args);
+    launch_gemm<false, false, bf16>(env, grid, args);
   }
-  TROUPE_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -354,10 +383,7 @@ void launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, c
     args.accumulate = accumulate;
     dim3 grid(static_cast<unsigned>(ceil_div(q, kBN)), static_cast<unsigned>(ceil_div(p, kBM)),
               static_cast<unsigned>(experts));
-    TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward (dw)", {
-      grouped_gemm_wmma_kernel<true, false, O><<<grid, kGemmThreads, 0, env.stream>>>(args);
-    });
-    TROUPE_CUDA_LAUNCH_CHECK();
+    TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward (dw)", launch_gemm<true, false, O>(env, grid, args));
     return;
   }
   TROUPE_DISPATCH_FLOAT(t, T, "grouped_matmul_backward", TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward", {

@@ -3,6 +3,7 @@
 // computed on the device in a deterministic order), and permute/unpermute with their
 // backwards.
 #include <cstdio>
+#include <initializer_list>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
@@ -165,40 +166,53 @@ __global__ void plan_assign_kernel(const int32_t* idx, int64_t copies, int64_t e
   }
 }
 
-// ---- permutation ---------------------------------------------------------------------
-template <typename T>
+// ---- permutation ----------------------------------------------------------------------
+// Rows move as V-element packs (V = 8 when the row length and pointers allow 16-byte
+// bf16 accesses, else 1).
+template <int V, typename T>
 __global__ void permute_kernel(const T* x, int64_t d, const int32_t* row_map, int64_t top_k, T* xp) {
   const int64_t copy = blockIdx.x;
   const int32_t row = row_map[copy];
   if (row < 0) return;
   const T* src = x + (copy / top_k) * d;
   T* dst = xp + int64_t{row} * d;
-  for (int64_t c = threadIdx.x; c < d; c += blockDim.x) dst[c] = src[c];
-}
-
-template <typename T>
-__global__ void permute_backward_kernel(const T* dxp, const int32_t* row_map, int64_t top_k, int64_t d, T* dx) {
-  const int64_t t = blockIdx.x;
-  for (int64_t c = threadIdx.x; c < d; c += blockDim.x) {
-    float acc = 0.0f;
-    for (int64_t j = 0; j < top_k; ++j) {
-      const int32_t row = row_map[t * top_k + j];
-      if (row >= 0) acc += to_float(dxp[int64_t{row} * d + c]);
-    }
-    dx[t * d + c] = from_float<T>(acc);
+  for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
+    *reinterpret_cast<Pack<T, V>*>(dst + c) = *reinterpret_cast<const Pack<T, V>*>(src + c);
   }
 }
 
-template <typename T, typename G>
-__global__ void unpermute_kernel(const T* yp, const int32_t* row_map, const G* gates, int64_t top_k, int64_t d, T* y) {
+template <int V, typename T>
+__global__ void permute_backward_kernel(const T* dxp, const int32_t* row_map, int64_t top_k, int64_t d, T* dx) {
   const int64_t t = blockIdx.x;
-  for (int64_t c = threadIdx.x; c < d; c += blockDim.x) {
-    float acc = 0.0f;
+  for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
+    float acc[V] = {};
     for (int64_t j = 0; j < top_k; ++j) {
       const int32_t row = row_map[t * top_k + j];
-      if (row >= 0) acc += to_float(gates[t * top_k + j]) * to_float(yp[int64_t{row} * d + c]);
+      if (row < 0) continue;
+      float v[V];
+      load_floats<V>(dxp + int64_t{row} * d + c, v);
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] += v[i];
     }
-    y[t * d + c] = from_float<T>(acc);
+    store_floats<V>(dx + t * d + c, acc);
+  }
+}
+
+template <int V, typename T, typename G>
+__global__ void unpermute_kernel(const T* yp, const int32_t* row_map, const G* gates, int64_t top_k, int64_t d, T* y) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
+    float acc[V] = {};
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int32_t row = row_map[t * top_k + j];
+      if (row < 0) continue;
+      const float g = to_float(gates[t * top_k + j]);
+      float v[V];
+      load_floats<V>(yp + int64_t{row} * d + c, v);
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] += g * v[i];
+    }
+    store_floats<V>(y + t * d + c, acc);
   }
 }
 
@@ -224,6 +238,15 @@ __global__ void unpermute_backward_kernel(const T* dy, const T* yp, const int32_
     dot = block_sum(dot, shared);
     if (threadIdx.x == 0) dgates[t * top_k + j] = from_float<G>(dot);
   }
+}
+
+template <typename T>
+bool rows_packable(int64_t d, std::initializer_list<const void*> ptrs) {
+  if (d % 8 != 0) return false;
+  for (const void* p : ptrs) {
+    if (!aligned_to(p, 8 * sizeof(T))) return false;
+  }
+  return true;
 }
 
 unsigned row_threads(int64_t d) { return d >= 1024 ? 256 : 128; }
@@ -277,8 +300,14 @@ void launch_moe_permute(const Env& env, const void* x, int64_t tokens, int64_t d
                         int64_t top_k, void* xp, DType t) {
   if (tokens * top_k == 0) return;
   TROUPE_DISPATCH_FLOAT(t, T, "moe_permute", {
-    permute_kernel<T><<<static_cast<unsigned>(tokens * top_k), row_threads(d), 0, env.stream>>>(
-        static_cast<const T*>(x), d, row_map, top_k, static_cast<T*>(xp));
+    const auto* xs = static_cast<const T*>(x);
+    auto* xd = static_cast<T*>(xp);
+    const auto grid = static_cast<unsigned>(tokens * top_k);
+    if (rows_packable<T>(d, {x, xp})) {
+      permute_kernel<8, T><<<grid, 128, 0, env.stream>>>(xs, d, row_map, top_k, xd);
+    } else {
+      permute_kernel<1, T><<<grid, row_threads(d), 0, env.stream>>>(xs, d, row_map, top_k, xd);
+    }
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }
@@ -287,8 +316,14 @@ void launch_moe_permute_backward(const Env& env, const void* dxp, const int32_t*
                                  int64_t top_k, int64_t d, void* dx, DType t) {
   if (tokens == 0) return;
   TROUPE_DISPATCH_FLOAT(t, T, "moe_permute_backward", {
-    permute_backward_kernel<T><<<static_cast<unsigned>(tokens), row_threads(d), 0, env.stream>>>(
-        static_cast<const T*>(dxp), row_map, top_k, d, static_cast<T*>(dx));
+    const auto* src = static_cast<const T*>(dxp);
+    auto* dst = static_cast<T*>(dx);
+    if (rows_packable<T>(d, {dxp, dx})) {
+      permute_backward_kernel<8, T><<<static_cast<unsigned>(tokens), 128, 0, env.stream>>>(src, row_map, top_k, d, dst);
+    } else {
+      permute_backward_kernel<1, T><<<static_cast<unsigned>(tokens), row_threads(d), 0, env.stream>>>(src, row_map,
+                                                                                                   top_k, d, dst);
+    }
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }
@@ -297,8 +332,15 @@ void launch_moe_unpermute(const Env& env, const void* yp, const int32_t* row_map
                           int64_t tokens, int64_t top_k, int64_t d, void* y, DType t) {
   if (tokens == 0) return;
   TROUPE_DISPATCH_FLOAT(t, T, "moe_unpermute", TROUPE_DISPATCH_FLOAT(gt, G, "moe_unpermute", {
-    unpermute_kernel<T, G><<<static_cast<unsigned>(tokens), row_threads(d), 0, env.stream>>>(
-        static_cast<const T*>(yp), row_map, static_cast<const G*>(gates), top_k, d, static_cast<T*>(y));
+    const auto* src = static_cast<const T*>(yp);
+    const auto* gp = static_cast<const G*>(gates);
+    auto* dst = static_cast<T*>(y);
+    if (rows_packable<T>(d, {yp, y})) {
+      unpermute_kernel<8, T, G><<<static_cast<unsigned>(tokens), 128, 0, env.stream>>>(src, row_map, gp, top_k, d, dst);
+    } else {
+      unpermute_kernel<1, T, G><<<static_cast<unsigned>(tokens), row_threads(d), 0, env.stream>>>(src, row_map, gp,
+                                                                                                top_k, d, dst);
+    }
   }));
   TROUPE_CUDA_LAUNCH_CHECK();
 }

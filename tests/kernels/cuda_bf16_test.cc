@@ -129,7 +129,7 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
 
 TEST_F(CudaBf16, Attention) {
   const Exec cpu = Exec::cpu();
-  for (int64_t dh : {64, 40}) {
+  for (int64_t dh : {64, 128, 40}) {  // tensor-core path (64, 128) and fp32 path (40)
     const int64_t b = 2, s = 77, hq = 4, hkv = 2;
     Tensor q = host_random({b, s, hq, dh}, kBF), k = host_random({b, s, hkv, dh}, kBF), v = host_random({b, s, hkv, dh}, kBF);
     const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
