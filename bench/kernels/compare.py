@@ -2,7 +2,8 @@
 """bench/kernels/compare.py — joins kernel_bench's "RESULT name ms" lines with
 torch_kernels.py's "TORCH name ms" lines and prints a markdown table of the two times and
 the ratio (PyTorch time / Troupe time: above 1 means Troupe is faster).
-Usage: compare.py troupe.log torch.log"""
+Usage: compare.py troupe.log torch.log [troupe_repeat.log]
+With a second Troupe log (the same binary run again), a column gives the run-to-run spread."""
 import sys
 
 
@@ -16,14 +17,17 @@ def read(path, tag):
 
 
 ours, theirs = read(sys.argv[1], "RESULT"), read(sys.argv[2], "TORCH")
+again = read(sys.argv[3], "RESULT") if len(sys.argv) > 3 else {}
 # Troupe's fwd+bwd attention is the sum of its two timed kernels.
-if "attention_fwd_b8_s2048_h16_d64" in ours and "attention_bwd" in ours:
-    ours["attention_fwd_bwd"] = ours["attention_fwd_b8_s2048_h16_d64"] + ours["attention_bwd"]
-print("| kernel | Troupe ms | PyTorch ms | PyTorch/Troupe |")
-print("|---|---:|---:|---:|")
+for d in (ours, again):
+    if "attention_fwd_b8_s2048_h16_d64" in d and "attention_bwd" in d:
+        d["attention_fwd_bwd"] = d["attention_fwd_b8_s2048_h16_d64"] + d["attention_bwd"]
+print("| kernel | Troupe ms | PyTorch ms | PyTorch/Troupe | Troupe repeat ms |")
+print("|---|---:|---:|---:|---:|")
 for name in list(ours) + [n for n in theirs if n not in ours]:
     a, b = ours.get(name), theirs.get(name)
     ratio = f"{b / a:.2f}" if a and b else "-"
     fa = f"{a:.3f}" if a is not None else "-"
     fb = f"{b:.3f}" if b is not None else "-"
-    print(f"| {name} | {fa} | {fb} | {ratio} |")
+    fr = f"{again[name]:.3f}" if name in again else "-"
+    print(f"| {name} | {fa} | {fb} | {ratio} | {fr} |")

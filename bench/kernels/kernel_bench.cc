@@ -22,6 +22,7 @@
 #include "core/gpu_check.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/context.h"
+#include "kernels/cuda/launch.h"
 
 namespace troupe::kernels {
 namespace {
@@ -163,6 +164,24 @@ void run() {
     Tensor y = b.empty({rows, kD}, bf);
     const double f2 = 2.0 * rows * kFfn * kD;
     b.flops("grouped_down_32768x1024x2048", f2, "2*rows*N*K", [&] { be.grouped_matmul(b.ex, a, w2, offsets, y, false); });
+    // The other warp layout of the tensor-core kernel (the backend uses 2 x 2 warps of 64 x 64).
+    const gpu::Env env{ctx.stream, ctx.num_sms};
+    b.flops("grouped_up_warps2x4", f1, "2*rows*N*K", [&] {
+      gpu::launch_grouped_matmul(env, xp.data_ptr(), w1.data_ptr(), static_cast<const int32_t*>(offsets.data_ptr()),
+                                 rows, kExperts, kD, 2 * kFfn, false, h.data_ptr(), bf, gpu::GemmTiling::kWarps2x4);
+    });
+    b.flops("grouped_down_warps2x4", f2, "2*rows*N*K", [&] {
+      gpu::launch_grouped_matmul(env, a.data_ptr(), w2.data_ptr(), static_cast<const int32_t*>(offsets.data_ptr()),
+                                 rows, kExperts, kFfn, kD, false, y.data_ptr(), bf, gpu::GemmTiling::kWarps2x4);
+    });
+    b.flops("grouped_up_warps2x2_k64", f1, "2*rows*N*K", [&] {
+      gpu::launch_grouped_matmul(env, xp.data_ptr(), w1.data_ptr(), static_cast<const int32_t*>(offsets.data_ptr()),
+                                 rows, kExperts, kD, 2 * kFfn, false, h.data_ptr(), bf, gpu::GemmTiling::kWarps2x2K64);
+    });
+    b.flops("grouped_down_warps2x2_k64", f2, "2*rows*N*K", [&] {
+      gpu::launch_grouped_matmul(env, a.data_ptr(), w2.data_ptr(), static_cast<const int32_t*>(offsets.data_ptr()),
+                                 rows, kExperts, kFfn, kD, false, y.data_ptr(), bf, gpu::GemmTiling::kWarps2x2K64);
+    });
     Tensor da = b.empty({rows, kFfn}, bf);
     b.flops("grouped_down_dx", f2, "2*rows*N*K",
             [&] { be.grouped_matmul_backward(b.ex, a, w2, offsets, y, &da, nullptr, false, false); });

@@ -241,13 +241,23 @@ __global__ void column_partial_kernel(const T* x, int64_t rows, int64_t cols, in
   }
 }
 
+// out[c] (+)= sum over splits of partial[split, c]; 8 threads per column share the splits.
 template <typename O>
 __global__ void column_finish_kernel(const float* partial, int64_t splits, int64_t cols, O* out, bool accumulate) {
-  const int64_t c = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
-  float s = accumulate ? to_float(out[c]) : 0.0f;
-  for (int64_t i = 0; i < splits; ++i) s += partial[i * cols + c];
-  out[c] = from_float<O>(s);
+  __shared__ float tile[kRowThreads][kColTile + 1];
+  const int64_t c = int64_t{blockIdx.x} * kColTile + threadIdx.x;
+  float s = 0.0f;
+  if (c < cols) {
+    for (int64_t i = threadIdx.y; i < splits; i += kRowThreads) s += partial[i * cols + c];
+  }
+  tile[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float total = accumulate ? to_float(out[c]) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < kRowThreads; ++i) total += tile[i][threadIdx.x];
+    out[c] = from_float<O>(total);
+  }
 }
 }  // namespace
 
@@ -259,8 +269,8 @@ size_t sum_rows_scratch_bytes(int64_t rows, int64_t cols) {
 void launch_column_finish(const Env& env, const float* partial, int64_t splits, int64_t cols, void* out, DType ot,
                           bool accumulate) {
   TROUPE_DISPATCH_FLOAT(ot, O, "sum_rows", {
-    column_finish_kernel<O><<<static_cast<unsigned>(ceil_div(cols, kThreads)), kThreads, 0, env.stream>>>(
-        partial, splits, cols, static_cast<O*>(out), accumulate);
+    column_finish_kernel<O><<<static_cast<unsigned>(ceil_div(cols, kColTile)), dim3(kColTile, kRowThreads), 0,
+                              env.stream>>>(partial, splits, cols, static_cast<O*>(out), accumulate);
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }

@@ -22,9 +22,19 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-constexpr int kBM = 128, kBN = 128, kBK = 32, kGemmThreads = 256, kPad = 8, kStages = 4;
-constexpr int kTileElems = kBM * (kBK + kPad);  // >= kBK * (kBM + kPad) too
-constexpr size_t kGemmSmem = size_t{2} * kStages * kTileElems * sizeof(bf16);
+constexpr int kBM = 128, kBN = 128, kPad = 8;
+
+// Elements of one operand tile in shared memory (either stored orientation), and the
+// dynamic shared memory of a kStages-deep pipeline of A and B tiles.
+template <int kBK>
+struct TileSize {
+  static constexpr int kA = kBM * (kBK + kPad), kB = kBK * (kBM + kPad);
+  static constexpr int kElems = kA > kB ? kA : kB;
+};
+template <int kBK, int kStages>
+constexpr size_t gemm_smem_bytes() {
+  return size_t{2} * kStages * TileSize<kBK>::kElems * sizeof(bf16);
+}
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -62,7 +72,7 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
 
 // Issues the cp.async copies of one "outer x inner" tile (inner contiguous, a multiple of
 // 8) into smem [kOuter][kInner + kPad]; elements outside [o_lim) x [i_lim) become zero.
-template <int kOuter, int kInner>
+template <int kOuter, int kInner, int kGemmThreads>
 __device__ __forceinline__ void tile_async(bf16* smem, const bf16* base, int64_t ld, int64_t o0, int64_t o_lim,
                                            int64_t i0, int64_t i_lim) {
   constexpr int kVecs = kOuter * kInner / 8;
@@ -91,12 +101,14 @@ struct GemmArgs {
 // kSegK = false: row segments, A row-major (A(m,k) = a[m*lda+k]); B row-major
 // (B(k,n) = b[k*ldb+n]) or, with kBCol, column-major (b[n*ldb+k]).
 // kSegK = true: k segments, A(m,k) = a[k*lda+m] (column-major), B row-major.
-// 8 warps in a 2 x 4 grid, each computing 64 x 32 with mma.sync m16n8k16; operands come
+// 2 x kWN warps, each computing 64 x (128 / kWN) with mma.sync m16n8k16; operands come
 // from a kStages-deep cp.async pipeline through ldmatrix (.trans where the stored layout
 // is the transpose of the fragment's).
-template <bool kSegK, bool kBCol, typename OutT>
-__global__ void __launch_bounds__(kGemmThreads) grouped_gemm_mma_kernel(GemmArgs args) {
+template <bool kSegK, bool kBCol, typename OutT, int kWN, int kBK, int kStages>
+__global__ void __launch_bounds__(64 * kWN) grouped_gemm_mma_kernel(GemmArgs args) {
   constexpr bool kACol = kSegK;
+  constexpr int kTileElems = TileSize<kBK>::kElems;
+  constexpr int kGemmThreads = 64 * kWN, kWarpN = kBN / kWN, kNT = kWarpN / 8;
   extern __shared__ __align__(128) unsigned char gemm_smem[];
   bf16* smem_a = reinterpret_cast<bf16*>(gemm_smem);
   bf16* smem_b = smem_a + kStages * kTileElems;
@@ -136,24 +148,24 @@ __global__ void __launch_bounds__(kGemmThreads) grouped_gemm_mma_kernel(GemmArgs
     bf16* sa = smem_a + stage * kTileElems;
     bf16* sb = smem_b + stage * kTileElems;
     if constexpr (kACol) {
-      tile_async<kBK, kBM>(sa, a, args.lda, k0, k_lim, m0, m_lim);
+      tile_async<kBK, kBM, kGemmThreads>(sa, a, args.lda, k0, k_lim, m0, m_lim);
     } else {
-      tile_async<kBM, kBK>(sa, a, args.lda, m0, m_lim, k0, k_lim);
+      tile_async<kBM, kBK, kGemmThreads>(sa, a, args.lda, m0, m_lim, k0, k_lim);
     }
     if constexpr (kBCol) {
-      tile_async<kBN, kBK>(sb, b, args.ldb, n0, args.n, k0, k_lim);
+      tile_async<kBN, kBK, kGemmThreads>(sb, b, args.ldb, n0, args.n, k0, k_lim);
     } else {
-      tile_async<kBK, kBN>(sb, b, args.ldb, k0, k_lim, n0, args.n);
+      tile_async<kBK, kBN, kGemmThreads>(sb, b, args.ldb, k0, k_lim, n0, args.n);
     }
   };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wm = warp / 4, wn = warp % 4;  // 2 x 4 warps, each 64 x 32
-  float acc[4][4][4];
+  const int wm = warp / kWN, wn = warp % kWN;
+  float acc[4][kNT][4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < kNT; ++j)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
 
@@ -172,7 +184,7 @@ __global__ void __launch_bounds__(kGemmThreads) grouped_gemm_mma_kernel(GemmArgs
     const bf16* sb = smem_b + (kt % kStages) * kTileElems;
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
-      uint32_t fa[4][4], fb[4][2];
+      uint32_t fa[4][4], fb[kNT][2];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int mrow = wm * 64 + i * 16;
@@ -184,8 +196,8 @@ __global__ void __launch_bounds__(kGemmThreads) grouped_gemm_mma_kernel(GemmArgs
         }
       }
 #pragma unroll
-      for (int j = 0; j < 4; j += 2) {
-        const int ncol = wn * 32 + j * 8;
+      for (int j = 0; j < kNT; j += 2) {
+        const int ncol = wn * kWarpN + j * 8;
         uint32_t r[4];
         if constexpr (kBCol) {  // stored [n][k]
           const int nr = ncol + (lane % 8) + (lane / 16) * 8, kc = kk + ((lane / 8) % 2) * 8;
@@ -201,7 +213,7 @@ __global__ void __launch_bounds__(kGemmThreads) grouped_gemm_mma_kernel(GemmArgs
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) mma16816(acc[i][j], fa[i], fb[j][0], fb[j][1]);
+        for (int j = 0; j < kNT; ++j) mma16816(acc[i][j], fa[i], fb[j][0], fb[j][1]);
     }
   }
   cp_async_wait<0>();
@@ -212,8 +224,8 @@ __global__ void __launch_bounds__(kGemmThreads) grouped_gemm_mma_kernel(GemmArgs
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int64_t gn = n0 + wn * 32 + j * 8 + 2 * t;
+    for (int j = 0; j < kNT; ++j) {
+      const int64_t gn = n0 + wn * kWarpN + j * 8 + 2 * t;
       if (gn >= args.n) continue;  // n is a multiple of 8: the pair is in or out together
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -235,12 +247,22 @@ __global__ void __launch_bounds__(kGemmThreads) grouped_gemm_mma_kernel(GemmArgs
   }
 }
 
-template <bool kSegK, bool kBCol, typename OutT>
-void launch_gemm(const Env& env, dim3 grid, const GemmArgs& args) {
-  auto kernel = grouped_gemm_mma_kernel<kSegK, kBCol, OutT>;
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kGemmSmem)));
-  kernel<<<grid, kGemmThreads, kGemmSmem, env.stream>>>(args);
+template <bool kSegK, bool kBCol, typename OutT, int kWN, int kBK, int kStages>
+void launch_gemm_tiled(const Env& env, dim3 grid, const GemmArgs& args) {
+  auto kernel = grouped_gemm_mma_kernel<kSegK, kBCol, OutT, kWN, kBK, kStages>;
+  constexpr size_t smem = gemm_smem_bytes<kBK, kStages>();
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<grid, 64 * kWN, smem, env.stream>>>(args);
   TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+template <bool kSegK, bool kBCol, typename OutT>
+void launch_gemm(const Env& env, dim3 grid, const GemmArgs& args, GemmTiling tiling) {
+  switch (tiling) {
+    case GemmTiling::kWarps2x2: launch_gemm_tiled<kSegK, kBCol, OutT, 2, 32, 4>(env, grid, args); break;
+    case GemmTiling::kWarps2x4: launch_gemm_tiled<kSegK, kBCol, OutT, 4, 32, 4>(env, grid, args); break;
+    case GemmTiling::kWarps2x2K64: launch_gemm_tiled<kSegK, kBCol, OutT, 2, 64, 3>(env, grid, args); break;
+  }
 }
 
 // ---- plain fallback ------------------------------------------------------------------
@@ -299,7 +321,7 @@ bool tensor_core_ok(DType t, std::initializer_list<const void*> ptrs, std::initi
 
 // Row-segment problem: C[rows of e] = A[rows of e] (lda = ka) @ B_e.
 void run_row_segments(const Env& env, const bf16* a, int64_t ka, const bf16* b, bool b_col, int64_t ldb, int64_t nb,
-                      const int32_t* offsets, int64_t tokens, int64_t experts, bf16* c) {
+                      const int32_t* offsets, int64_t tokens, int64_t experts, bf16* c, GemmTiling tiling) {
   GemmArgs args{};
   args.a = a;
   args.b = b;
@@ -314,21 +336,22 @@ void run_row_segments(const Env& env, const bf16* a, int64_t ka, const bf16* b, 
   args.b_expert_stride = ka * nb;
   dim3 grid(static_cast<unsigned>(ceil_div(nb, kBN)), static_cast<unsigned>(ceil_div(tokens, kBM) + experts));
   if (b_col) {
-    launch_gemm<false, true, bf16>(env, grid, args);
+    launch_gemm<false, true, bf16>(env, grid, args, tiling);
   } else {
-    launch_gemm<false, false, bf16>(env, grid, args);
+    launch_gemm<false, false, bf16>(env, grid, args, tiling);
   }
 }
 
 }  // namespace
 
 void launch_grouped_matmul(const Env& env, const void* x, const void* w, const int32_t* offsets, int64_t tokens,
-                           int64_t experts, int64_t k, int64_t n, bool trans_w, void* out, DType t) {
+                           int64_t experts, int64_t k, int64_t n, bool trans_w, void* out, DType t,
+                           GemmTiling tiling) {
   if (tokens == 0 || n == 0) return;
   if (tensor_core_ok(t, {x, w, out}, {k, n})) {
     // W_e [K,N]: B(k,n) = w[k*N+n] (row); trans: W_e [N,K]: B(k,n) = w[n*K+k] (column).
     run_row_segments(env, static_cast<const bf16*>(x), k, static_cast<const bf16*>(w), trans_w, trans_w ? k : n, n,
-                     offsets, tokens, experts, static_cast<bf16*>(out));
+                     offsets, tokens, experts, static_cast<bf16*>(out), tiling);
     return;
   }
   TROUPE_DISPATCH_FLOAT(t, T, "grouped_matmul", {
@@ -341,13 +364,13 @@ void launch_grouped_matmul(const Env& env, const void* x, const void* w, const i
 
 void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dx,
-                              DType t) {
+                              DType t, GemmTiling tiling) {
   if (tokens == 0 || k == 0) return;
   // dx = dout [T,N] @ B'_e with B'(j, i) = op(W_e)(i, j): W_e [K,N] gives w[i*N+j]
   // (column layout, ld N); trans (W_e [N,K]) gives w[j*K+i] (row layout, ld K).
   if (tensor_core_ok(t, {dout, w, dx}, {k, n})) {
     run_row_segments(env, static_cast<const bf16*>(dout), n, static_cast<const bf16*>(w), !trans_w, trans_w ? k : n,
-                     k, offsets, tokens, experts, static_cast<bf16*>(dx));
+                     k, offsets, tokens, experts, static_cast<bf16*>(dx), tiling);
     return;
   }
   TROUPE_DISPATCH_FLOAT(t, T, "grouped_matmul_backward", {
@@ -360,7 +383,7 @@ void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, c
 
 void launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dw,
-                              DType dwt, bool accumulate, DType t) {
+                              DType dwt, bool accumulate, DType t, GemmTiling tiling) {
   (void)tokens;  // the segments come from the device offsets
   if (experts == 0 || k == 0 || n == 0) return;
   // dW_e [P,Q] = L_e^T @ R_e: (L, R) = (x, dout) for W [E,K,N], (dout, x) for [E,N,K].
@@ -383,7 +406,7 @@ void launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, c
     args.accumulate = accumulate;
     dim3 grid(static_cast<unsigned>(ceil_div(q, kBN)), static_cast<unsigned>(ceil_div(p, kBM)),
               static_cast<unsigned>(experts));
-    TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward (dw)", launch_gemm<true, false, O>(env, grid, args));
+    TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward (dw)", launch_gemm<true, false, O>(env, grid, args, tiling));
     return;
   }
   TROUPE_DISPATCH_FLOAT(t, T, "grouped_matmul_backward", TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward", {

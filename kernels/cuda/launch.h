@@ -95,17 +95,22 @@ void launch_moe_unpermute_backward(const Env& env, const void* dy, const void* y
                                    void* dgates, DType t);
 
 // ---- grouped matmul (grouped_matmul.cu) ----------------------------------------------
+// Configuration of the bf16 tensor-core kernel (128 x 128 block tile): 2 x 2 warps of
+// 64 x 64 or 2 x 4 warps of 64 x 32 with 32-deep k steps in a 4-stage pipeline, or 2 x 2
+// warps with 64-deep k steps in 3 stages. kernel_bench times each; the bf16 test checks each.
+enum class GemmTiling { kWarps2x2, kWarps2x4, kWarps2x2K64 };
 // out[T,N] = x[T,K] @ W_e for the rows of expert e (W [E,K,N], or [E,N,K] with trans_w).
 void launch_grouped_matmul(const Env& env, const void* x, const void* w, const int32_t* offsets, int64_t tokens,
-                           int64_t experts, int64_t k, int64_t n, bool trans_w, void* out, DType t);
+                           int64_t experts, int64_t k, int64_t n, bool trans_w, void* out, DType t,
+                           GemmTiling tiling = GemmTiling::kWarps2x2);
 // dx[T,K] = dout[T,N] @ op(W_e)^T per segment.
 void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dx,
-                              DType t);
+                              DType t, GemmTiling tiling = GemmTiling::kWarps2x2);
 // dW_e (+)= x_e^T @ dout_e ([K,N]), or dout_e^T @ x_e ([N,K]) with trans_w; dw has dtype dwt.
 void launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dw,
-                              DType dwt, bool accumulate, DType t);
+                              DType dwt, bool accumulate, DType t, GemmTiling tiling = GemmTiling::kWarps2x2);
 
 // ---- attention (attention.cu) --------------------------------------------------------
 struct AttentionShape {

@@ -93,7 +93,9 @@ __global__ void rmsnorm_backward_kernel(const X* dy, const X* x, const W* w, con
   for (int64_t c = threadIdx.x; c < d; c += blockDim.x) partial[int64_t{blockIdx.x} * d + c] = dw_acc[c];
 }
 
-int64_t rmsnorm_backward_blocks(const Env& env, int64_t rows) { return min64(max64(rows, 1), int64_t{env.num_sms} * 2); }
+// Enough blocks to keep every SM busy (the per-row reductions are latency-bound); each
+// block's dw partial is one row of the scratch that column_finish then sums.
+int64_t rmsnorm_backward_blocks(const Env& env, int64_t rows) { return min64(max64(rows, 1), int64_t{env.num_sms} * 8); }
 
 }  // namespace
 

@@ -19,6 +19,7 @@
 #include "core/cuda/stream.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/context.h"
+#include "kernels/cuda/launch.h"
 #include "kernels/ops.h"
 
 namespace troupe::kernels {
@@ -115,6 +116,26 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
     grouped_matmul(cpu, x, w, offsets, want, trans);
     grouped_matmul(gpu.ex, dev(x), dev(w), doff, got, trans);
     expect_close(got, want, kTol, trans ? "grouped_matmul trans_w" : "grouped_matmul");
+    // Every configuration of the tensor-core kernel, through the launchers.
+    const Tensor dout0 = host_random({rows, n}, kBF);
+    Tensor dx0 = host_poisoned({rows, k}, kBF), dw0 = host_poisoned(w.shape(), kF32);
+    grouped_matmul_backward(cpu, x, w, offsets, dout0, &dx0, &dw0, trans, false);
+    const gpu::Env env{gpu.ctx.stream, gpu.ctx.num_sms};
+    const auto* off_p = static_cast<const int32_t*>(doff.data_ptr());
+    for (auto tiling : {gpu::GemmTiling::kWarps2x2, gpu::GemmTiling::kWarps2x4, gpu::GemmTiling::kWarps2x2K64}) {
+      Tensor got2 = dev_poisoned({rows, n}, kBF), xd = dev(x), wd = dev(w), dd = dev(dout0);
+      Tensor dxg = dev_poisoned({rows, k}, kBF), dwg = dev_poisoned(w.shape(), kF32);
+      gpu::launch_grouped_matmul(env, xd.data_ptr(), wd.data_ptr(), off_p, rows, experts, k, n, trans, got2.data_ptr(),
+                                 kBF, tiling);
+      gpu::launch_grouped_matmul_dx(env, dd.data_ptr(), wd.data_ptr(), off_p, rows, experts, k, n, trans,
+                                    dxg.data_ptr(), kBF, tiling);
+      gpu::launch_grouped_matmul_dw(env, xd.data_ptr(), dd.data_ptr(), off_p, rows, experts, k, n, trans,
+                                    dwg.data_ptr(), kF32, false, kBF, tiling);
+      const std::string tag = fmt::format("tiling {}{}", static_cast<int>(tiling), trans ? " trans_w" : "");
+      expect_close(got2, want, kTol, ("grouped_matmul " + tag).c_str());
+      expect_close(dxg, dx0, kTol, ("grouped_matmul dx " + tag).c_str());
+      expect_close(dwg, dw0, 2e-3, ("grouped_matmul dw " + tag).c_str());
+    }
 
     Tensor dout = host_random({rows, n}, kBF);
     Tensor dx_want = host_poisoned({rows, k}, kBF), dx_got = dev_poisoned({rows, k}, kBF);
