@@ -4,9 +4,7 @@
 // Flash-attention-2 structure on mma.sync m16n8k16 (bf16 in, fp32 accumulate): a block
 // of 4 warps owns 64 rows (queries for forward and dQ, keys for dK/dV), each warp 16 of
 // them, with its operand rows held as A fragments in registers. The other operand streams
-// through shared memory in 64-row tiles, double-buffered with cp.async (the next tile
-// loads while the current one is used); masks are applied only on tiles that cross the
-// diagonal or the end of the sequence. Score accumulators are reused directly as the A
+// through shared memory in 64-row tiles. Score accumulators are reused directly as the A
 // fragments of the next product (P·V, dS·K, P^T·dO, dS^T·Q), so S x S never leaves
 // registers; B fragments come from shared memory as 32-bit loads (row-major operand) or
 // ldmatrix.trans (when the product needs the tile transposed). Softmax is online in log2
@@ -39,12 +37,15 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t& r0, uint32_t& r1, const bf16* p) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
 }
-
-__device__ __forceinline__ int64_t ceil_div_dev(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 __device__ __forceinline__ uint32_t ld32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
@@ -67,67 +68,38 @@ __device__ void load_a_frags(uint32_t (&f)[kD / 16][4], const bf16* base, int64_
   }
 }
 
-// Issues cp.async copies of rows [r0, r0+64) of a [B,S,H,kD] tensor at (b, h) into smem
-// [64][kD+8] (16-byte moves; rows past S are zero-filled). The caller commits and waits.
+// Rows [r0, r0+64) of a [B,S,H,kD] tensor at (b, h) into smem [64][kD+8] (16-byte moves;
+// rows past S are zero).
 template <int kD>
-__device__ void load_tile_async(bf16* dst, const bf16* base, int64_t b, int64_t r0, int64_t h, int64_t seq,
-                                int64_t heads) {
+__device__ void load_tile(bf16* dst, const bf16* base, int64_t b, int64_t r0, int64_t h, int64_t seq, int64_t heads) {
   constexpr int kVecPerRow = kD / 8, kLd = kD + 8;
   for (int i = threadIdx.x; i < kRows * kVecPerRow; i += kMmaThreads) {
     const int r = i / kVecPerRow, c = (i % kVecPerRow) * 8;
     const int64_t gr = r0 + r;
-    const bool valid = gr < seq;
-    const unsigned saddr = static_cast<unsigned>(__cvta_generic_to_shared(dst + r * kLd + c));
-    const bf16* src = valid ? base + ((b * seq + gr) * heads + h) * kD + c : base;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(src), "r"(valid ? 16 : 0));
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (gr < seq) v = *reinterpret_cast<const uint4*>(base + ((b * seq + gr) * heads + h) * kD + c);
+    *reinterpret_cast<uint4*>(dst + r * kLd + c) = v;
   }
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-template <int kD>
-struct TileElems {
-  static constexpr int kValue = kRows * (kD + 8);
-};
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* p) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
 }
 
 // acc[j] (16 x 8, j over 8 column tiles of 64 tile rows) += A (16 x kD) @ tile^T, where the
-// tile is [64][kD] row-major: B(k = d, n = tile row) = tile[n][d]; one ldmatrix.x4 gives
-// the B fragments of two column tiles.
+// tile is [64][kD] row-major: B(k = d, n = tile row) = tile[n][d].
 template <int kD>
 __device__ __forceinline__ void mma_a_tileT(float (&acc)[8][4], const uint32_t (&a)[kD / 16][4], const bf16* tile) {
   constexpr int kLd = kD + 8;
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk) {
 #pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-      uint32_t r[4];
-      ldmatrix_x4(r, tile + (j * 8 + (lane % 8) + (lane / 16) * 8) * kLd + kk * 16 + ((lane / 8) % 2) * 8);
-      mma16816(acc[j], a[kk], r[0], r[1]);
-      mma16816(acc[j + 1], a[kk], r[2], r[3]);
+    for (int j = 0; j < 8; ++j) {
+      const bf16* p = tile + (j * 8 + g) * kLd + kk * 16 + 2 * t;
+      mma16816(acc[j], a[kk], ld32(p), ld32(p + 8));
     }
   }
 }
 
 // out[n] (16 x 8, n over kD/8 column tiles) += P (16 x 64, from score accumulators) @ tile,
-// the tile [64][kD] row-major: B(k = tile row, n = d) via ldmatrix.x4.trans (two column
-// tiles per instruction).
+// the tile [64][kD] row-major: B(k = tile row, n = d) via ldmatrix.trans.
 template <int kD>
 __device__ __forceinline__ void mma_p_tile(float (&out)[kD / 8][4], const float (&p)[8][4], const bf16* tile) {
   constexpr int kLd = kD + 8;
@@ -140,11 +112,10 @@ __device__ __forceinline__ void mma_p_tile(float (&out)[kD / 8][4], const float 
     a[2] = pack2(p[2 * c + 1][0], p[2 * c + 1][1]);
     a[3] = pack2(p[2 * c + 1][2], p[2 * c + 1][3]);
 #pragma unroll
-    for (int n = 0; n < kD / 8; n += 2) {
-      uint32_t r[4];
-      ldmatrix_x4_trans(r, tile + (c * 16 + (lane % 16)) * kLd + n * 8 + (lane / 16) * 8);
-      mma16816(out[n], a, r[0], r[1]);
-      mma16816(out[n + 1], a, r[2], r[3]);
+    for (int n = 0; n < kD / 8; ++n) {
+      uint32_t b0, b1;
+      ldmatrix_x2_trans(b0, b1, tile + (c * 16 + (lane % 16)) * kLd + n * 8);
+      mma16816(out[n], a, b0, b1);
     }
   }
 }
@@ -182,10 +153,9 @@ template <int kD>
 __global__ void __launch_bounds__(kMmaThreads) attention_forward_mma_kernel(AttentionShape s, const bf16* q,
                                                                             const bf16* k, const bf16* v,
                                                                             float scale_log2, bf16* out, float* lse) {
-  constexpr int kTileE = TileElems<kD>::kValue;
-  extern __shared__ __align__(16) unsigned char attn_smem[];
-  bf16* kbuf = reinterpret_cast<bf16*>(attn_smem);  // [2][tile]: K tiles, double-buffered
-  bf16* vbuf = kbuf + 2 * kTileE;                     // [2][tile]: V tiles
+  constexpr int kLd = kD + 8;
+  __shared__ __align__(16) bf16 ks[kRows * kLd];
+  __shared__ __align__(16) bf16 vs[kRows * kLd];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (s.q_heads / s.kv_heads);
   const int64_t tile = gridDim.x - 1 - blockIdx.x;
@@ -197,35 +167,23 @@ __global__ void __launch_bounds__(kMmaThreads) attention_forward_mma_kernel(Atte
   for (int n = 0; n < kD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   const int64_t kv_end = min64(s.seq, (tile + 1) * kRows);
-  const int64_t n_tiles = ceil_div_dev(kv_end, kRows);
-  load_tile_async<kD>(kbuf, k, b, 0, hk, s.seq, s.kv_heads);
-  load_tile_async<kD>(vbuf, v, b, 0, hk, s.seq, s.kv_heads);
-  cp_async_commit();
-  for (int64_t it = 0; it < n_tiles; ++it) {
-    const int64_t k0 = it * kRows;
-    if (it + 1 < n_tiles) {  // prefetch the next tile while this one is used
-      const int nb = static_cast<int>((it + 1) & 1);
-      load_tile_async<kD>(kbuf + nb * kTileE, k, b, k0 + kRows, hk, s.seq, s.kv_heads);
-      load_tile_async<kD>(vbuf + nb * kTileE, v, b, k0 + kRows, hk, s.seq, s.kv_heads);
-    }
-    cp_async_commit();
-    cp_async_wait<1>();
+  for (int64_t k0 = 0; k0 < kv_end; k0 += kRows) {
     __syncthreads();
-    const bf16* ks = kbuf + (it & 1) * kTileE;
-    const bf16* vs = vbuf + (it & 1) * kTileE;
-    if (k0 <= qw + 15) {  // else every key of this tile is after every query of this warp
+    load_tile<kD>(ks, k, b, k0, hk, s.seq, s.kv_heads);
+    load_tile<kD>(vs, v, b, k0, hk, s.seq, s.kv_heads);
+    __syncthreads();
+    if (k0 > qw + 15) continue;  // every key of this tile is after every query of this warp
     float sc[8][4];
 #pragma unroll
     for (int j = 0; j < 8; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
     mma_a_tileT<kD>(sc, qf, ks);
     float mx[2] = {-INFINITY, -INFINITY};
-    const bool needs_mask = k0 + kRows - 1 > qw || k0 + kRows > s.seq;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int64_t key = k0 + j * 8 + 2 * t + (r & 1), row = qw + g + (r >= 2 ? 8 : 0);
-        const float x = (!needs_mask || (key <= row && key < s.seq)) ? sc[j][r] * scale_log2 : -INFINITY;
+        const float x = (key <= row && key < s.seq) ? sc[j][r] * scale_log2 : -INFINITY;
         sc[j][r] = x;
         mx[r >> 1] = fmaxf(mx[r >> 1], x);
       }
@@ -257,8 +215,6 @@ __global__ void __launch_bounds__(kMmaThreads) attention_forward_mma_kernel(Atte
       o[n][3] *= corr[1];
     }
     mma_p_tile<kD>(o, sc, vs);
-    }
-    __syncthreads();  // the buffer just read is the next prefetch's target
   }
   const float inv0 = l[0] > 0.0f ? 1.0f / l[0] : 0.0f, inv1 = l[1] > 0.0f ? 1.0f / l[1] : 0.0f;
   store_rows<kD>(out, o, inv0, inv1, b, qw, h, s.seq, s.q_heads);
@@ -275,10 +231,9 @@ __global__ void __launch_bounds__(kMmaThreads) attention_dq_mma_kernel(Attention
                                                                        const bf16* v, const float* lse,
                                                                        const bf16* dout, const float* dsum,
                                                                        float scale, bf16* dq) {
-  constexpr int kTileE = TileElems<kD>::kValue;
-  extern __shared__ __align__(16) unsigned char attn_smem[];
-  bf16* kbuf = reinterpret_cast<bf16*>(attn_smem);
-  bf16* vbuf = kbuf + 2 * kTileE;
+  constexpr int kLd = kD + 8;
+  __shared__ __align__(16) bf16 ks[kRows * kLd];
+  __shared__ __align__(16) bf16 vs[kRows * kLd];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (s.q_heads / s.kv_heads);
   const int64_t tile = gridDim.x - 1 - blockIdx.x;
@@ -299,23 +254,12 @@ __global__ void __launch_bounds__(kMmaThreads) attention_dq_mma_kernel(Attention
 #pragma unroll
   for (int n = 0; n < kD / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   const int64_t kv_end = min64(s.seq, (tile + 1) * kRows);
-  const int64_t n_tiles = ceil_div_dev(kv_end, kRows);
-  load_tile_async<kD>(kbuf, k, b, 0, hk, s.seq, s.kv_heads);
-  load_tile_async<kD>(vbuf, v, b, 0, hk, s.seq, s.kv_heads);
-  cp_async_commit();
-  for (int64_t it = 0; it < n_tiles; ++it) {
-    const int64_t k0 = it * kRows;
-    if (it + 1 < n_tiles) {
-      const int nb = static_cast<int>((it + 1) & 1);
-      load_tile_async<kD>(kbuf + nb * kTileE, k, b, k0 + kRows, hk, s.seq, s.kv_heads);
-      load_tile_async<kD>(vbuf + nb * kTileE, v, b, k0 + kRows, hk, s.seq, s.kv_heads);
-    }
-    cp_async_commit();
-    cp_async_wait<1>();
+  for (int64_t k0 = 0; k0 < kv_end; k0 += kRows) {
     __syncthreads();
-    const bf16* ks = kbuf + (it & 1) * kTileE;
-    const bf16* vs = vbuf + (it & 1) * kTileE;
-    if (k0 <= qw + 15) {
+    load_tile<kD>(ks, k, b, k0, hk, s.seq, s.kv_heads);
+    load_tile<kD>(vs, v, b, k0, hk, s.seq, s.kv_heads);
+    __syncthreads();
+    if (k0 > qw + 15) continue;
     float sc[8][4], dp[8][4];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -324,20 +268,16 @@ __global__ void __launch_bounds__(kMmaThreads) attention_dq_mma_kernel(Attention
     }
     mma_a_tileT<kD>(sc, qf, ks);
     mma_a_tileT<kD>(dp, df, vs);
-    const bool needs_mask = k0 + kRows - 1 > qw || k0 + kRows > s.seq;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int64_t key = k0 + j * 8 + 2 * t + (r & 1), row = qw + g + (r >= 2 ? 8 : 0);
-        const float p = (!needs_mask || (key <= row && key < s.seq)) ? exp2f(sc[j][r] * scale_log2 - lse2[r >> 1])
-                                                                     : 0.0f;
+        const float p = (key <= row && key < s.seq) ? exp2f(sc[j][r] * scale_log2 - lse2[r >> 1]) : 0.0f;
         sc[j][r] = p * (dp[j][r] - dd[r >> 1]);  // dS
       }
     }
     mma_p_tile<kD>(acc, sc, ks);
-    }
-    __syncthreads();
   }
   store_rows<kD>(dq, acc, scale, scale, b, qw, h, s.seq, s.q_heads);
 }
@@ -349,12 +289,10 @@ __global__ void __launch_bounds__(kMmaThreads) attention_dkdv_mma_kernel(Attenti
                                                                          const float* lse, const bf16* dout,
                                                                          const float* dsum, float scale, bf16* dk,
                                                                          bf16* dv) {
-  constexpr int kTileE = TileElems<kD>::kValue;
-  extern __shared__ __align__(16) unsigned char attn_smem[];
-  bf16* qbuf = reinterpret_cast<bf16*>(attn_smem);  // [2][tile] Q tiles
-  bf16* dobuf = qbuf + 2 * kTileE;                   // [2][tile] dO tiles
-  float* lse2buf = reinterpret_cast<float*>(dobuf + 2 * kTileE);  // [2][64]
-  float* ddbuf = lse2buf + 2 * kRows;                              // [2][64]
+  constexpr int kLd = kD + 8;
+  __shared__ __align__(16) bf16 qs[kRows * kLd];
+  __shared__ __align__(16) bf16 dos[kRows * kLd];
+  __shared__ float lse2s[kRows], dds[kRows];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t b = blockIdx.z, hk = blockIdx.y, group = s.q_heads / s.kv_heads;
   const int64_t tile = gridDim.x - 1 - blockIdx.x;
@@ -369,33 +307,20 @@ __global__ void __launch_bounds__(kMmaThreads) attention_dkdv_mma_kernel(Attenti
 #pragma unroll
     for (int r = 0; r < 4; ++r) dka[n][r] = dva[n][r] = 0.0f;
   }
-  // Iterations run over (query head of the group, query tile from this key tile on).
-  const int64_t nq = ceil_div_dev(s.seq - k_blk, kRows), n_iter = nq * group;
-  auto issue = [&](int64_t it, int buf) {
-    const int64_t h = hk * group + it / nq, q0 = k_blk + (it % nq) * kRows;
-    load_tile_async<kD>(qbuf + buf * kTileE, q, b, q0, h, s.seq, s.q_heads);
-    load_tile_async<kD>(dobuf + buf * kTileE, dout, b, q0, h, s.seq, s.q_heads);
-    for (int i = threadIdx.x; i < kRows; i += kMmaThreads) {
-      const int64_t row = q0 + i;
-      const int64_t idx = (b * s.q_heads + h) * s.seq + (row < s.seq ? row : 0);
-      lse2buf[buf * kRows + i] = lse[idx] * kLog2eF;
-      ddbuf[buf * kRows + i] = dsum[idx];
-    }
-  };
-  issue(0, 0);
-  cp_async_commit();
-  for (int64_t it = 0; it < n_iter; ++it) {
-    const int64_t q0 = k_blk + (it % nq) * kRows;
-    if (it + 1 < n_iter) issue(it + 1, static_cast<int>((it + 1) & 1));
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
-    const int cb = static_cast<int>(it & 1);
-    const bf16* qs = qbuf + cb * kTileE;
-    const bf16* dos = dobuf + cb * kTileE;
-    const float* lse2s = lse2buf + cb * kRows;
-    const float* dds = ddbuf + cb * kRows;
-    if (q0 + kRows - 1 >= kw) {  // else every query of the tile is before this warp's keys
+  for (int64_t gi = 0; gi < group; ++gi) {
+    const int64_t h = hk * group + gi;
+    for (int64_t q0 = k_blk; q0 < s.seq; q0 += kRows) {
+      __syncthreads();
+      load_tile<kD>(qs, q, b, q0, h, s.seq, s.q_heads);
+      load_tile<kD>(dos, dout, b, q0, h, s.seq, s.q_heads);
+      for (int i = threadIdx.x; i < kRows; i += kMmaThreads) {
+        const int64_t row = q0 + i;
+        const int64_t idx = (b * s.q_heads + h) * s.seq + (row < s.seq ? row : 0);
+        lse2s[i] = lse[idx] * kLog2eF;
+        dds[i] = dsum[idx];
+      }
+      __syncthreads();
+      if (q0 + kRows - 1 < kw) continue;  // every query of the tile is before this warp's keys
       float sc[8][4], dp[8][4];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -405,15 +330,13 @@ __global__ void __launch_bounds__(kMmaThreads) attention_dkdv_mma_kernel(Attenti
       mma_a_tileT<kD>(sc, kf, qs);   // S^T: keys x queries
       mma_a_tileT<kD>(dp, vf, dos);  // dP^T
       float ds[8][4];
-      const bool needs_mask = q0 < kw + 15 || q0 + kRows > s.seq;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int col = j * 8 + 2 * t + (r & 1);
           const int64_t query = q0 + col, key = kw + g + (r >= 2 ? 8 : 0);
-          const float p = (!needs_mask || (key <= query && query < s.seq))
-                              ? exp2f(sc[j][r] * scale_log2 - lse2s[col]) : 0.0f;
+          const float p = (key <= query && query < s.seq) ? exp2f(sc[j][r] * scale_log2 - lse2s[col]) : 0.0f;
           sc[j][r] = p;
           ds[j][r] = p * (dp[j][r] - dds[col]);
         }
@@ -421,7 +344,6 @@ __global__ void __launch_bounds__(kMmaThreads) attention_dkdv_mma_kernel(Attenti
       mma_p_tile<kD>(dva, sc, dos);  // dV += P^T dO
       mma_p_tile<kD>(dka, ds, qs);   // dK += dS^T Q
     }
-    __syncthreads();
   }
   store_rows<kD>(dk, dka, scale, scale, b, kw, hk, s.seq, s.kv_heads);
   store_rows<kD>(dv, dva, 1.0f, 1.0f, b, kw, hk, s.seq, s.kv_heads);
@@ -454,10 +376,7 @@ bool attention_mma_supported(const AttentionShape& s, DType t, std::initializer_
 void launch_attention_forward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                   const void* v, float scale, void* out, float* lse) {
   dispatch_mma_head_dim(s.head_dim, [&](auto d) {
-    const size_t smem = 4 * TileElems<d()>::kValue * sizeof(bf16);
-    auto kernel = attention_forward_mma_kernel<d()>;
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    kernel<<<mma_grid(s, s.q_heads), kMmaThreads, smem, env.stream>>>(
+    attention_forward_mma_kernel<d()><<<mma_grid(s, s.q_heads), kMmaThreads, 0, env.stream>>>(
         s, static_cast<const bf16*>(q), static_cast<const bf16*>(k), static_cast<const bf16*>(v), scale * kLog2eF,
         static_cast<bf16*>(out), lse);
   });
@@ -474,16 +393,10 @@ void launch_attention_backward_mma(const Env& env, const AttentionShape& s, cons
     const auto* kp = static_cast<const bf16*>(k);
     const auto* vp = static_cast<const bf16*>(v);
     const auto* dop = static_cast<const bf16*>(dout);
-    const size_t smem_q = 4 * TileElems<d()>::kValue * sizeof(bf16);
-    const size_t smem_kv = smem_q + 4 * kRows * sizeof(float);
-    auto dkdv = attention_dkdv_mma_kernel<d()>;
-    auto dqk = attention_dq_mma_kernel<d()>;
-    CUDA_CHECK(cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_kv)));
-    CUDA_CHECK(cudaFuncSetAttribute(dqk, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_q)));
-    dkdv<<<mma_grid(s, s.kv_heads), kMmaThreads, smem_kv, env.stream>>>(
+    attention_dkdv_mma_kernel<d()><<<mma_grid(s, s.kv_heads), kMmaThreads, 0, env.stream>>>(
         s, qp, kp, vp, lse, dop, dsum, scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv));
     TROUPE_CUDA_LAUNCH_CHECK();
-    dqk<<<mma_grid(s, s.q_heads), kMmaThreads, smem_q, env.stream>>>(
+    attention_dq_mma_kernel<d()><<<mma_grid(s, s.q_heads), kMmaThreads, 0, env.stream>>>(
         s, qp, kp, vp, lse, dop, dsum, scale, static_cast<bf16*>(dq));
   });
   TROUPE_CUDA_LAUNCH_CHECK();
