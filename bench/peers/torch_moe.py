@@ -27,7 +27,6 @@
 # --selfcheck compares the dispatch path (grouped or looped experts, all-to-all when N > 1)
 # with a naive per-expert masking reference on the same weights and batch, loss and gradients.
 import argparse
-import copy
 import json
 import math
 import os
@@ -319,7 +318,7 @@ class GroupedMM:
         for col_major in (True, False):
             try:
                 g, k, n = 4, 64, 128
-                counts = torch.tensor([0, 24, 8, 32], device=device)
+                counts = torch.tensor([16, 24, 5, 35], device=device)
                 offs = torch.cumsum(counts, 0).to(torch.int32)
                 a = torch.randn(int(counts.sum()), k, device=device, dtype=torch.bfloat16, requires_grad=True)
                 if col_major:
@@ -442,7 +441,7 @@ class MoE(nn.Module):
         return y, aux
 
     def _experts(self, xs, counts):
-        fn = self.experts_compiled or self.experts
+        fn = self.experts if self.experts_compiled is None else self.experts_compiled
         return fn(xs, counts, self.cdt)
 
     def run_experts(self, xp, counts):
@@ -576,9 +575,15 @@ class Model(nn.Module):
     def expert_params(self):
         return [p for blk in self.blocks if isinstance(blk.ffn, MoE) for p in blk.ffn.experts.parameters()]
 
-    def compile(self, ep):  # noqa: A003 - shadows nn.Module.compile on purpose
+    def compile_parts(self, ep):
         if not hasattr(torch, "compile"):
             raise SystemExit(f"torch_moe: --mode compile needs torch >= 2.0 (this is {torch.__version__})")
+        import torch._dynamo as dynamo  # binds `dynamo` only (a bare `import torch.x` would make torch local)
+        # Twelve blocks share one code object; make sure they never exhaust the recompile budget.
+        for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                     "accumulated_recompile_limit"):
+            if hasattr(dynamo.config, knob):
+                setattr(dynamo.config, knob, max(256, getattr(dynamo.config, knob)))
         if ep is None:
             # One compiled graph per block (identical code: compiled once, reused by all blocks).
             self.block_fns = [torch.compile(b) for b in self.blocks]
@@ -589,7 +594,8 @@ class Model(nn.Module):
                 b.attn_part = torch.compile(b.attn_part)
                 if isinstance(b.ffn, MoE):
                     b.ffn.route = torch.compile(b.ffn.route)
-                    b.ffn.experts_compiled = torch.compile(b.ffn.experts, dynamic=True)
+                    # Not registered as a submodule (it wraps the same parameters).
+                    object.__setattr__(b.ffn, "experts_compiled", torch.compile(b.ffn.experts, dynamic=True))
             self.block_fns = list(self.blocks)
         self.head_fn = torch.compile(self.head_loss)
 
@@ -699,7 +705,7 @@ def selfcheck(cfg, args, device, cdt, gmm, ep, rank):
     test = Model(cfg, gmm, ep, cdt, device).to(device)
     test.init_weights(cfg["train"]["seed"], ep)
     if args.mode == "compile":
-        test.compile(ep)
+        test.compile_parts(ep)
     ids, tgt = make_batches(cfg, device, cfg["train"]["seed"] + 7 + rank, n=1)[0]
     with autocast_ctx(device, cdt):
         loss_r, lm_r, aux_r = ref(ids, tgt)
@@ -714,7 +720,7 @@ def selfcheck(cfg, args, device, cdt, gmm, ep, rank):
                 dist.all_reduce(p.grad)
                 p.grad.div_(world)
     sync_and_clip(test, ep, grad_clip=0.0)  # the training step's reduction, no clipping
-    tol = 1e-4 if cdt == torch.float32 else 3e-2
+    tol = 1e-4 if cdt == torch.float32 else 5e-2
     worst, failures = 0.0, []
 
     def compare(name, a, b):
@@ -751,13 +757,17 @@ def selfcheck(cfg, args, device, cdt, gmm, ep, rank):
 # ---- main ---------------------------------------------------------------------------------
 
 def run(args, rank, world, local_rank):
-    ep = None
     if world > 1:
         import torch.distributed as dist
         backend = "nccl" if args.device == "cuda" else "gloo"
+        kw = {}
         if args.device == "cuda":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+            kw["device_id"] = torch.device("cuda", local_rank)
+        try:
+            dist.init_process_group(backend=backend, rank=rank, world_size=world, **kw)
+        except TypeError:  # torch without device_id
+            dist.init_process_group(backend=backend, rank=rank, world_size=world)
     try:
         return run_inner(args, rank, world, local_rank)
     finally:
@@ -799,7 +809,7 @@ def run_inner(args, rank, world, local_rank):
     model = Model(cfg, gmm, ep, cdt, device).to(device)
     model.init_weights(cfg["train"]["seed"], ep)
     if args.mode == "compile":
-        model.compile(ep)
+        model.compile_parts(ep)
     opt, opt_name = make_optimizer(model, cfg["optim"], device)
     m, t, o = cfg["model"], cfg["train"], cfg["optim"]
     n_params = sum(p.numel() for p in model.parameters())
@@ -915,6 +925,8 @@ def parse_args(argv=None):
     p.add_argument("--spawn", type=int, default=0, help="start N processes with torch.multiprocessing (no torchrun)")
     p.add_argument("--selfcheck", action="store_true", help="dispatch path vs naive reference, then exit")
     p.add_argument("--json-out", dest="json_out")
+    p.add_argument("--print-flops", dest="print_flops", action="store_true",
+                   help="print model FLOPs per token for the config and exit")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
@@ -923,6 +935,10 @@ def parse_args(argv=None):
 
 def main():
     args = parse_args()
+    if args.print_flops:
+        cfg, _ = load_config(args)
+        print(flops_per_token(cfg))
+        return 0
     if args.spawn and args.spawn > 1:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
             raise SystemExit("torch_moe: --spawn under torchrun: use one or the other")
