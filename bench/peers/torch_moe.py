@@ -527,12 +527,13 @@ class Model(nn.Module):
     def init_weights(self, seed, ep):
         """Seeded init, identical on every rank; each EP rank keeps its slice of the experts."""
         m, e = self.cfg["model"], self.cfg["model.moe"]
-        g = torch.Generator().manual_seed(seed)
+        dev = self.embedding.weight.device
+        g = torch.Generator(device=dev).manual_seed(seed)  # same seed, same numbers on every rank
         std = m["init_std"]
         out_std = std / math.sqrt(2.0 * m["n_layers"])
 
         def normal(shape, sd):
-            return torch.randn(shape, generator=g) * sd
+            return torch.randn(shape, generator=g, device=dev) * sd
 
         with torch.no_grad():
             self.embedding.weight.copy_(normal(self.embedding.weight.shape, std))
@@ -676,6 +677,15 @@ def lr_at(o, step, total):
     return o["min_lr"] + 0.5 * (o["lr"] - o["min_lr"]) * (1 + math.cos(math.pi * frac))
 
 
+def build_model(cfg, gmm, ep, cdt, device):
+    """Parameters are created on the device where torch can (torch >= 2.0), not on the host."""
+    import contextlib
+    on_device = device.type == "cuda" and hasattr(torch.device, "__enter__")
+    with (device if on_device else contextlib.nullcontext()):
+        model = Model(cfg, gmm, ep, cdt, device)
+    return model.to(device)
+
+
 def autocast_ctx(device, cdt):
     if cdt == torch.bfloat16:
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -699,10 +709,10 @@ def selfcheck(cfg, args, device, cdt, gmm, ep, rank):
     """The dispatch path (grouped/looped experts, all-to-all over ranks) against naive per-expert
     masking on a full copy of the model: losses and every gradient after the step's reduction."""
     world = ep.world if ep else 1
-    ref = Model(cfg, gmm, None, cdt, device).to(device)
+    ref = build_model(cfg, gmm, None, cdt, device)
     ref.init_weights(cfg["train"]["seed"], None)
     ref.set_reference(True)
-    test = Model(cfg, gmm, ep, cdt, device).to(device)
+    test = build_model(cfg, gmm, ep, cdt, device)
     test.init_weights(cfg["train"]["seed"], ep)
     if args.mode == "compile":
         test.compile_parts(ep)
@@ -806,7 +816,7 @@ def run_inner(args, rank, world, local_rank):
         log("selfcheck " + ("passed" if rc == 0 else "FAILED"), rank)
         return rc
 
-    model = Model(cfg, gmm, ep, cdt, device).to(device)
+    model = build_model(cfg, gmm, ep, cdt, device)
     model.init_weights(cfg["train"]["seed"], ep)
     if args.mode == "compile":
         model.compile_parts(ep)
