@@ -75,7 +75,9 @@ case "$STEPS$WARMUP" in *[!0-9]*) echo "e2e.sh: --steps and --warmup take intege
 [ -f "$CONFIG" ] || { echo "e2e.sh: config '$CONFIG' not found" >&2; exit 2; }
 
 LOG=${OUT:-/tmp}/e2e
-mkdir -p "$LOG" || exit 2
+# Troupe's run dirs (weights: GBs) and prepared token data stay out of $OUT; metrics.jsonl is copied.
+RUNROOT=${TMPDIR:-/tmp}/troupe-e2e-runs
+mkdir -p "$LOG" "$RUNROOT" || exit 2
 ROWS=$LOG/rows.tsv
 : > "$ROWS"
 CFG_NAME=$(basename "$CONFIG" .toml)
@@ -127,7 +129,7 @@ troupe_data() {
   local d
   d=$(sed -n 's/^[[:space:]]*dir[[:space:]]*=[[:space:]]*"\([^"]*\)".*/\1/p' "$CONFIG" | head -n 1)
   if [ -n "$d" ] && [ -f "$d/tokenizer.json" ]; then echo "$d"; return; fi
-  d=$LOG/data
+  d=$RUNROOT/data
   if [ ! -f "$d/tokenizer.json" ]; then
     # Throughput does not depend on the text: a small tokenizer over this repository's sources.
     local inputs=()
@@ -147,7 +149,7 @@ troupe_sets() {
 
 run_troupe() {  # run_troupe NGPU
   local n=$1
-  local dir=$LOG/troupe_${n}gpu logf=$LOG/troupe_${n}gpu.log data sets
+  local dir=$RUNROOT/troupe_${n}gpu logf=$LOG/troupe_${n}gpu.log data sets
   local limit=${TIMEOUT:-150}
   rm -rf "$dir"
   if [ ! -x "$BUILD/apps/train_moe" ]; then
@@ -176,6 +178,9 @@ run_troupe() {  # run_troupe NGPU
   fi
   local metrics
   metrics=$(find "$dir" -name metrics.jsonl 2>/dev/null | sort | head -n 1)
+  if [ -n "$metrics" ]; then
+    cp "$metrics" "$LOG/troupe_${n}gpu.metrics.jsonl" && metrics=$LOG/troupe_${n}gpu.metrics.jsonl
+  fi
   if [ $rc -ne 0 ]; then
     add_row "$n" troupe "FAILED (exit $rc$([ $rc -eq 124 ] && echo ', time-out'); $logf)" "$metrics"
   elif [ -z "$metrics" ]; then

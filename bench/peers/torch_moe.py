@@ -219,25 +219,30 @@ class EP:
         self.first = rank * self.local
 
 
+def _exchange(x, out_splits, in_splits):
+    """all_to_all_single of rows with uneven splits. Gloo (CPU) has no bf16: bf16 rows travel
+    bit-cast as bytes there; NCCL moves bf16 as is."""
+    import torch.distributed as dist
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    if x.dtype == torch.bfloat16 and dist.get_backend() == "gloo":
+        dist.all_to_all_single(out.view(torch.uint8), x.view(torch.uint8), out_splits, in_splits)
+    else:
+        dist.all_to_all_single(out, x, out_splits, in_splits)
+    return out
+
+
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits; the backward sends the gradients back the other way."""
+    """Rows to their experts' ranks; the backward sends the gradients back the other way."""
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits):
-        import torch.distributed as dist
         ctx.out_splits, ctx.in_splits = out_splits, in_splits
-        x = x.contiguous()
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x, out_splits, in_splits)
-        return out
+        return _exchange(x, out_splits, in_splits)
 
     @staticmethod
     def backward(ctx, grad):
-        import torch.distributed as dist
-        grad = grad.contiguous()
-        out = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(out, grad, ctx.in_splits, ctx.out_splits)
-        return out, None, None
+        return _exchange(grad, ctx.in_splits, ctx.out_splits), None, None
 
 
 # ---- model --------------------------------------------------------------------------------
