@@ -581,10 +581,23 @@ class Model(nn.Module):
     def expert_params(self):
         return [p for blk in self.blocks if isinstance(blk.ffn, MoE) for p in blk.ffn.experts.parameters()]
 
-    def compile_parts(self, ep):
+    def compile_parts(self, ep, experts_eager=False):
+        """torch.compile the model's parts. experts_eager: keep the expert GEMMs out of the graphs
+        (the fallback when compiling them fails)."""
         if not hasattr(torch, "compile"):
             raise SystemExit(f"torch_moe: --mode compile needs torch >= 2.0 (this is {torch.__version__})")
         import torch._dynamo as dynamo  # binds `dynamo` only (a bare `import torch.x` would make torch local)
+        for b in self.blocks:  # undo an earlier compile_parts
+            b.__dict__.pop("attn_part", None)
+            if isinstance(b.ffn, MoE):
+                b.ffn.__dict__.pop("route", None)
+                object.__setattr__(b.ffn, "experts_compiled", None)
+        if experts_eager:
+            for b in self.blocks:
+                if isinstance(b.ffn, MoE):
+                    def run_eager(xs, counts, cdt, _m=b.ffn.experts):
+                        return _m(xs, counts, cdt)
+                    object.__setattr__(b.ffn, "experts_compiled", dynamo.disable(run_eager))
         # Twelve blocks share one code object; make sure they never exhaust the recompile budget.
         for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
                      "accumulated_recompile_limit"):
@@ -600,8 +613,8 @@ class Model(nn.Module):
                 b.attn_part = torch.compile(b.attn_part)
                 if isinstance(b.ffn, MoE):
                     b.ffn.route = torch.compile(b.ffn.route)
-                    # Not registered as a submodule (it wraps the same parameters).
-                    object.__setattr__(b.ffn, "experts_compiled", torch.compile(b.ffn.experts, dynamic=True))
+                    if not experts_eager:  # not registered as a submodule: it wraps the same parameters
+                        object.__setattr__(b.ffn, "experts_compiled", torch.compile(b.ffn.experts, dynamic=True))
             self.block_fns = list(self.blocks)
         self.head_fn = torch.compile(self.head_loss)
 
@@ -845,6 +858,7 @@ def run_inner(args, rank, world, local_rank):
     total_steps = args.warmup + args.steps
     tokens_per_step = t["micro_batch_size"] * t["seq_len"] * world
     step_s = []
+    compile_fallback = ""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(1, total_steps + 1):
@@ -855,9 +869,23 @@ def run_inner(args, rank, world, local_rank):
         for g in opt.param_groups:
             g["lr"] = lr_at(o, step, total_steps)
         opt.zero_grad(set_to_none=True)
-        with autocast_ctx(device, cdt):
-            loss, lm, aux = model(ids, tgt)
-        loss.backward()
+        try:
+            with autocast_ctx(device, cdt):
+                loss, lm, aux = model(ids, tgt)
+            loss.backward()
+        except Exception as ex:  # noqa: BLE001 - only a first compiled step is retried
+            if args.mode != "compile" or step != 1 or compile_fallback:
+                raise
+            compile_fallback = f"{type(ex).__name__}: {str(ex).strip()[:400]}"
+            log(f"note: the first compiled step failed ({compile_fallback}); compiling again with the "
+                f"expert GEMMs left eager", rank)
+            import torch._dynamo as dynamo
+            dynamo.reset()
+            model.compile_parts(ep, experts_eager=True)
+            opt.zero_grad(set_to_none=True)
+            with autocast_ctx(device, cdt):
+                loss, lm, aux = model(ids, tgt)
+            loss.backward()
         gnorm = sync_and_clip(model, ep, o["grad_clip"])
         opt.step()
         if device.type == "cuda":
@@ -890,6 +918,7 @@ def run_inner(args, rank, world, local_rank):
                f"{m['d_model']} = {fpt / 1e9:.4f} GFLOP (attention counted causal; N_active: LM head + attention + "
                f"router + top-k experts)")
     log(formula, rank)
+    log(gmm.note + (f"; compile fallback (experts eager) after: {compile_fallback}" if compile_fallback else ""), rank)
     log(f"result: {tps:.0f} tokens/s (median of {len(step_s)} steps after {args.warmup} warm-up; mean-step "
         f"{tokens_per_step / mean:.0f}), MFU {100 * mfu:.1f}% of {world} x {PEAK_FLOPS_PER_GPU / 1e12:.0f} TFLOP/s, "
         f"peak memory {peak:.2f} GiB{' (max over ranks, allocated by torch)' if device.type == 'cuda' else ' (max RSS)'}", rank)
@@ -899,7 +928,7 @@ def run_inner(args, rank, world, local_rank):
                "tokens_per_s": tps, "tokens_per_s_mean": tokens_per_step / mean, "mfu": mfu,
                "flops_per_token": fpt, "peak_flops_per_gpu": PEAK_FLOPS_PER_GPU, "peak_mem_gib": peak,
                "step_ms": [s * 1e3 for s in step_s], "warmup": args.warmup, "tokens_per_step": tokens_per_step,
-               "experts": gmm.note, "optimizer": opt_name, "precision": precision, "formula": formula,
+               "experts": gmm.note, "compile_fallback": compile_fallback, "optimizer": opt_name, "precision": precision, "formula": formula,
                "config": args.config or "(built-in bench_1b defaults)"}
         with open(args.json_out, "w") as f:
             json.dump(rec, f, indent=1)
