@@ -256,8 +256,7 @@ int cli_logs(const CliConnection& c, const std::string& job_id, const std::strin
 int cli_keygen(const std::string& prefix) {
   auto keys = generate_curve_keypair();
   if (!keys.ok()) return fail(keys.status());
-  Status s = write_key_file(prefix + ".key", *keys, true);
-  if (s.ok()) s = write_key_file(prefix + ".pub", *keys, false);
+  Status s = write_key_files(prefix, *keys);
   if (!s.ok()) return fail(s);
   std::printf("wrote %s.key (key pair, keep private) and %s.pub (public key)\n", prefix.c_str(), prefix.c_str());
   return 0;

@@ -32,6 +32,8 @@ int main(int argc, char** argv) {
   app.add_option("--curve-key", curve_key, "The scheduler's CURVE key pair file: turns CURVE on");
   app.add_option("--allow-keys", allow_keys, "Client public keys allowed in (files or directories of .pub/.key)");
   app.add_option("--agent-timeout-ms", opts.agent_timeout_ms, "An agent silent this long is dead")->check(CLI::PositiveNumber);
+  app.add_flag("--insecure", opts.security.allow_insecure_non_loopback,
+               "Allow a non-loopback --listen address without CURVE (trusted networks only)");
   std::string endpoint_file;
   app.add_option("--endpoint-file", endpoint_file, "Write the bound address here once listening");
   CLI11_PARSE(app, argc, argv);
