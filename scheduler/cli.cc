@@ -254,6 +254,10 @@ int cli_logs(const CliConnection& c, const std::string& job_id, const std::strin
 }
 
 int cli_keygen(const std::string& prefix) {
+  std::error_code ec;
+  auto parent = std::filesystem::path(prefix).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  if (ec) return fail(io_error("cannot create {}: {}", parent.string(), ec.message()));
   auto keys = generate_curve_keypair();
   if (!keys.ok()) return fail(keys.status());
   Status s = write_key_files(prefix, *keys);
@@ -267,6 +271,7 @@ int cli_run(const RunOptions& opts) {
   Status v = spec.validate();
   if (!v.ok()) return fail(v);
   init_logging(LoggingOptions{"troupe run", "", opts.verbose ? spdlog::level::info : spdlog::level::warn});
+  if (!opts.verbose && !std::getenv("SPDLOG_LEVEL")) make_logger("control")->set_level(spdlog::level::err);
 
   std::string state_dir = opts.state_dir;
   bool temp_dir = state_dir.empty();
