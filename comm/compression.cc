@@ -132,6 +132,11 @@ Result<Fp8Rows> quantize_rows_fp8(const Tensor& x) {
   }
   const int64_t rows = x.size(0), cols = x.size(1);
   Fp8Rows q{Tensor::empty({rows, cols}, DType::kF8E4M3), Tensor::empty({rows}, DType::kF32)};
+  if (rows == 0) return q;
+  if (cols == 0) {
+    q.scales.fill(1.0f);
+    return q;
+  }
   std::vector<float> row(cols);
   auto* data = static_cast<uint8_t*>(q.data.data_ptr());
   float* scales = q.scales.data<float>();
@@ -162,6 +167,7 @@ Result<Tensor> dequantize_rows_fp8(const Fp8Rows& q, DType dtype) {
   }
   const int64_t rows = q.data.size(0), cols = q.data.size(1);
   Tensor out = Tensor::empty({rows, cols}, dtype);
+  if (rows == 0 || cols == 0) return out;
   std::vector<float> row(cols);
   const auto* data = static_cast<const uint8_t*>(q.data.data_ptr());
   const float* scales = q.scales.data<float>();
@@ -198,16 +204,18 @@ Status Fp8TokenDispatch::run(const Tensor& tokens, const std::vector<int64_t>& s
   TROUPE_RETURN_IF_ERROR(wd->wait());
   TROUPE_RETURN_IF_ERROR(ws->wait());
   TROUPE_ASSIGN_OR_RETURN(Tensor deq, dequantize_rows_fp8(got, out.dtype()));
-  std::memcpy(out.data_ptr(), deq.data_ptr(), out.nbytes());
+  if (out.nbytes() > 0) std::memcpy(out.data_ptr(), deq.data_ptr(), out.nbytes());
 
   // Sender-side error (what every receiver of our rows sees), excluding rows kept locally.
   ++stats_.calls;
   const int64_t remote_rows = tokens.size(0) - send_rows[comm_.rank()];
   stats_.bytes_uncompressed += remote_rows * hidden * sizeof(float);
   stats_.bytes_on_wire += remote_rows * (hidden + sizeof(float));
-  TROUPE_ASSIGN_OR_RETURN(Tensor back, dequantize_rows_fp8(q, DType::kF32));
-  std::vector<float> exact = tokens.to_floats();
-  stats_.record_error(relative_l2_error(back.data<float>(), exact.data(), exact.size()));
+  if (tokens.numel() > 0) {
+    TROUPE_ASSIGN_OR_RETURN(Tensor back, dequantize_rows_fp8(q, DType::kF32));
+    std::vector<float> exact = tokens.to_floats();
+    stats_.record_error(relative_l2_error(back.data<float>(), exact.data(), exact.size()));
+  }
   return ok_status();
 }
 
