@@ -159,7 +159,9 @@ std::string render_status_table(const json& status, bool with_procs) {
     std::string state = j.value("state", "");
     bool final = state == "succeeded" || state == "failed" || state == "cancelled";
     rows.push_back({j.value("id", ""), j.value("name", "").empty() ? "-" : j.value("name", ""), state,
-                    std::to_string(j.value("nproc", 0)), std::to_string(j.value("epoch", 0)),
+                    final ? std::to_string(j.value("nproc", 0))
+                          : fmt::format("{}/{}", j.value("running_workers", 0), j.value("nproc", 0)),
+                    std::to_string(j.value("epoch", 0)),
                     fmt::format("{}/{}", j.value("restarts", 0), j.value("max_restarts", 0)),
                     final ? std::to_string(j.value("exit_code", 0)) : "-", age(j.value("created_ms", int64_t{0})), cmd});
   }
@@ -285,6 +287,13 @@ int cli_run(const RunOptions& opts) {
   so.state_dir = state_dir;
   auto sched = Scheduler::create(so);
   if (!sched.ok()) return fail(sched.status());
+  if (spec.backend == "cuda") {
+    int gpus = detect_gpus();
+    if (gpus < spec.nproc) {
+      return fail(failed_precondition("--backend cuda needs one GPU per worker: {} workers, {} GPU(s) visible",
+                                      spec.nproc, gpus));
+    }
+  }
   AgentOptions ao;
   ao.scheduler = (*sched)->endpoint();
   ao.agent_id = "local";

@@ -596,16 +596,17 @@ void Scheduler::on_submit(const std::string& peer, uint64_t rid, const SubmitJob
 
 json Scheduler::job_json(const Job& job, bool with_procs) const {
   const auto& r = job.rec;
-  int running = 0, workers = 0;
+  int running = 0, running_workers = 0;
   for (const auto& [n, p] : job.procs) {
-    if (p.rec.role == "worker" && p.rec.epoch == r.epoch) ++workers;
     if (proc_live(p.rec)) ++running;
+    if (p.rec.role == "worker" && p.rec.epoch == r.epoch && p.rec.state == ProcState::kRunning) ++running_workers;
   }
   json j = {{"id", r.id}, {"name", r.spec.name}, {"state", job_state_name(r.state)}, {"epoch", r.epoch},
             {"restarts", r.restarts}, {"driver_restarts", r.driver_restarts}, {"exit_code", r.exit_code},
             {"message", r.message}, {"created_ms", r.created_ms}, {"updated_ms", r.updated_ms},
             {"job_dir", r.job_dir}, {"nproc", r.spec.nproc}, {"layout", r.spec.parsed_layout().to_string()},
-            {"max_restarts", r.spec.max_restarts}, {"argv", r.spec.argv}, {"running_procs", running}};
+            {"max_restarts", r.spec.max_restarts}, {"argv", r.spec.argv}, {"running_procs", running},
+            {"running_workers", running_workers}};
   if (with_procs) {
     json procs = json::array();
     for (const auto& [n, p] : job.procs) {
