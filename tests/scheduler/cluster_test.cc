@@ -204,6 +204,24 @@ TEST(Cluster, KilledDriverIsRestartedAndReattachesToItsWorkers) {
   }
 }
 
+TEST(Cluster, DriverPlacesActorsOnWorkersAndReachesThemThroughTheirActorSystems) {
+  Cluster c({});
+  std::string job = c.submit(4, {"--layout", "dp=2,n=2"},
+                             {{"TW_RUN_MS", "1500"}, {"TW_BEAT", "1"}, {"TW_ACTORS", "1"}, {"TW_PLACE", "1"},
+                              {"TW_DRIVER_FOLLOW", "1"}});
+  ASSERT_TRUE(wait_until([&] { return exists(c.out_dir() + "/driver.placed"); }, seconds(20))) << c.logs_of_daemons();
+  std::ifstream f(c.out_dir() + "/driver.placed");
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "ok 4\n");
+  auto st = c.status(job)["jobs"][0];
+  ASSERT_EQ(st["actors"].size(), 4u);
+  for (const auto& a : st["actors"]) {
+    EXPECT_EQ(a["actor"].get<std::string>(), "expert-" + a["proc"].get<std::string>().substr(7));
+  }
+  EXPECT_TRUE(find_event(c.events(job), "actors_placed", ""));
+  ASSERT_TRUE(c.wait_state(job, "succeeded", seconds(15))) << c.logs_of_daemons();
+}
+
 TEST(Cluster, CurveClientWithWrongKeyIsRefused) {
   Cluster c({.agents = 1, .slots_per_agent = 2, .curve = true});
   // Agents and job processes got in with allowed keys: a job runs end to end.
