@@ -443,6 +443,31 @@ TEST(GlooFailure, AbortCompletesPendingWorkAtOnceAndPeersSeeErrors) {
   expect_all_ok(exits);
 }
 
+TEST(GlooSetup, BindsAGivenInterface) {
+  TempDir dir;
+  auto exits = testing::run_ranks(
+      2,
+      [&](int rank) {
+        auto store = open_store(dir.path());
+        CommSpec spec;
+        spec.store = store.get();
+        spec.ns = StoreNamespace{"job", 0};
+        spec.rank = rank;
+        spec.size = 2;
+        auto c = make_gloo_communicator(spec, GlooTransportOptions{.hostname = "", .iface = "lo"});
+        CHILD_CHECK_OK(c.status());
+        if (!c.ok()) return 1;
+        Tensor t = Tensor::from_floats({2}, std::vector<float>{1.0f, float(rank)});
+        CHILD_CHECK_OK((*c)->all_reduce(t, ReduceOp::kSum)->wait());
+        CHILD_CHECK(t.item({0}) == 2.0f && t.item({1}) == 1.0f);
+        auto bad = make_gloo_communicator(spec, GlooTransportOptions{.hostname = "", .iface = "no-such-if0"});
+        CHILD_CHECK(!bad.ok());
+        return 0;
+      },
+      30s);
+  expect_all_ok(exits);
+}
+
 TEST(GlooSetup, MissingPeerFailsInitWithinTheDeadline) {
   TempDir dir;
   auto store = FileStore::open(dir.path()).value();
