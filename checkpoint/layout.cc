@@ -108,9 +108,10 @@ Result<std::optional<Slice>> save_slice(std::string_view name, const Shape& glob
   TROUPE_ASSIGN_OR_RETURN(std::optional<Slice> s, owned_slice(name, global, p, layout, c));
   if (!s) return s;
   if (p.stage == kAllStages && c.stage != 0) return std::optional<Slice>{};
-  if (p.zero_sharded) return s;  // every element has exactly one owner already
-  if (c.dp_rank != 0) return std::optional<Slice>{};
+  // Replicated across the MoE group unless expert-sharded: n rank 0 saves.
   if (!p.expert_sharded && c.n_rank != 0) return std::optional<Slice>{};
+  // ZeRO shards are already split over dp; everything else is replicated over dp.
+  if (!p.zero_sharded && c.dp_rank != 0) return std::optional<Slice>{};
   return s;
 }
 

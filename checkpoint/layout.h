@@ -87,8 +87,9 @@ Result<std::optional<Slice>> owned_slice(std::string_view name, const Shape& glo
                                          const ParallelLayout& layout, const RankCoords& coords);
 
 // The slice this rank writes when saving: owned_slice() with replicas removed, so that
-// exactly one rank saves each element (dp rank 0 for replicated and expert tensors, and
-// n rank 0 as well for replicated ones; stage 0 for kAllStages tensors).
+// exactly one rank saves each element: dp rank 0 unless ZeRO-sharded (a ZeRO shard has
+// one dp owner), n rank 0 unless expert-sharded (the n ranks hold the same copy of
+// non-expert tensors and of their ZeRO shards), stage 0 for kAllStages tensors.
 Result<std::optional<Slice>> save_slice(std::string_view name, const Shape& global, const TensorPlacement& p,
                                         const ParallelLayout& layout, const RankCoords& coords);
 
