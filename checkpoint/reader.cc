@@ -20,6 +20,21 @@ std::shared_ptr<spdlog::logger> logger() {
   static auto l = make_logger("ckpt");
   return l;
 }
+
+// Uninitialised bytes (std::vector would zero them first, a full extra pass).
+class ScratchBuffer {
+ public:
+  void reset(size_t n) {
+    p_.reset(new std::byte[n]);
+    n_ = n;
+  }
+  std::byte* data() { return p_.get(); }
+  size_t size() const { return n_; }
+
+ private:
+  std::unique_ptr<std::byte[]> p_;
+  size_t n_ = 0;
+};
 }  // namespace
 
 std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& run_dir) {
@@ -118,13 +133,12 @@ Status CheckpointReader::check_files() const {
   return ok_status();
 }
 
-Status CheckpointReader::read_stored(const TensorRecord& t, const StoredSlice& s, std::vector<std::byte>& out) const {
+Status CheckpointReader::read_stored(const TensorRecord& t, const StoredSlice& s, std::byte* out) const {
   const std::string path = (fs::path(dir_) / s.file).string();
   TROUPE_ASSIGN_OR_RETURN(FileHandle f, open_file(path, O_RDONLY));
-  out.resize(s.length);
-  Status st = pread_all(f.fd(), out.data(), s.length, s.offset, path);
+  Status st = pread_all(f.fd(), out, s.length, s.offset, path);
   if (!st.ok()) return st.with_context(fmt::format("checkpoint {}: tensor '{}' slice {}", dir_, t.name, slice_to_string(s.box)));
-  const uint64_t h = XXH64(out.data(), out.size(), 0);
+  const uint64_t h = XXH64(out, s.length, 0);
   if (h != s.xxh64) {
     return data_loss("checkpoint {}: checksum mismatch in {} for tensor '{}' slice {} (bytes {}..{}): stored {}, "
                      "computed {}",
@@ -165,14 +179,21 @@ Status CheckpointReader::read_into(const std::string& name, const Slice& box, Te
   auto* dst_bytes = static_cast<std::byte*>(dst.numel() > 0 ? dst.data_ptr() : nullptr);
   int64_t covered = 0;
   std::vector<const Slice*> used;  // identical replicas are read once
-  std::vector<std::byte> buf;
+  ScratchBuffer buf;
   for (const StoredSlice& s : t->slices) {
     auto region = intersect(s.box, box);
     if (!region || slice_numel(*region) == 0) continue;
     if (std::any_of(used.begin(), used.end(), [&](const Slice* b) { return *b == s.box; })) continue;
     used.push_back(&s.box);
-    TROUPE_RETURN_IF_ERROR(read_stored(*t, s, buf));
-    copy_region(buf.data(), s.box, dst_bytes, box, *region, esize);
+    if (s.box == box) {
+      // The stored slice is exactly the request (same layout, or a whole tensor saved by
+      // one rank): read straight into the destination.
+      TROUPE_RETURN_IF_ERROR(read_stored(*t, s, dst_bytes));
+    } else {
+      if (buf.size() < s.length) buf.reset(s.length);
+      TROUPE_RETURN_IF_ERROR(read_stored(*t, s, buf.data()));
+      copy_region(buf.data(), s.box, dst_bytes, box, *region, esize);
+    }
     covered += slice_numel(*region);
   }
   if (covered != slice_numel(box)) {
@@ -183,14 +204,18 @@ Status CheckpointReader::read_into(const std::string& name, const Slice& box, Te
 }
 
 Status CheckpointReader::verify_slice(const TensorRecord& t, const StoredSlice& s) const {
-  std::vector<std::byte> buf;
-  return read_stored(t, s, buf);
+  ScratchBuffer buf;
+  buf.reset(s.length);
+  return read_stored(t, s, buf.data());
 }
 
 Status CheckpointReader::verify_checksums() const {
-  std::vector<std::byte> buf;
+  ScratchBuffer buf;
   for (const auto& [name, t] : manifest_.tensors) {
-    for (const StoredSlice& s : t.slices) TROUPE_RETURN_IF_ERROR(read_stored(t, s, buf));
+    for (const StoredSlice& s : t.slices) {
+      if (buf.size() < s.length) buf.reset(s.length);
+      TROUPE_RETURN_IF_ERROR(read_stored(t, s, buf.data()));
+    }
   }
   if (manifest_.tokenizer) {
     const std::string path = (fs::path(dir_) / manifest_.tokenizer->file).string();

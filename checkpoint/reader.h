@@ -67,8 +67,8 @@ class CheckpointReader {
 
  private:
   CheckpointReader(std::string dir, Manifest m) : dir_(std::move(dir)), manifest_(std::move(m)) {}
-  // Reads one stored slice and checks its checksum.
-  Status read_stored(const TensorRecord& t, const StoredSlice& s, std::vector<std::byte>& out) const;
+  // Reads one stored slice into `out` (s.length bytes) and checks its checksum.
+  Status read_stored(const TensorRecord& t, const StoredSlice& s, std::byte* out) const;
 
   std::string dir_;
   Manifest manifest_;
