@@ -20,6 +20,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 constexpr char kMagic[8] = {'T', 'R', 'P', 'R', 'E', 'P', 'L', '1'};
+constexpr uint64_t kMaxPartBytes = 64u << 20;
 
 Status sock_error(std::string_view op, int err) { return unavailable("replica {}: {}", op, std::strerror(err)); }
 
@@ -98,6 +99,61 @@ Status verify_replica(const ReplicaBlob& blob) {
   return ok_status();
 }
 
+std::string encode_replica_head(const ReplicaBlob& blob) {
+  const std::string part = part_to_json(blob.part).dump();
+  XXH64_state_t* hs = XXH64_createState();
+  XXH64_reset(hs, 0);
+  XXH64_update(hs, part.data(), part.size());
+  XXH64_update(hs, blob.bytes->data(), blob.bytes->size());
+  const uint64_t h = XXH64_digest(hs);
+  XXH64_freeState(hs);
+  std::string head(kReplicaHeaderBytes, '\0');
+  std::memcpy(head.data(), kMagic, 8);
+  put_u64(head.data() + 8, part.size());
+  put_u64(head.data() + 16, blob.bytes->size());
+  put_u64(head.data() + 24, h);
+  return head + part;
+}
+
+Result<ReplicaFrameHeader> parse_replica_header(const char* header, uint64_t max_bytes) {
+  if (std::memcmp(header, kMagic, 8) != 0) return data_loss("replica frame: bad magic");
+  ReplicaFrameHeader h{get_u64(header + 8), get_u64(header + 16), get_u64(header + 24)};
+  if (h.part_bytes > kMaxPartBytes || h.shard_bytes > max_bytes) {
+    return resource_exhausted("replica frame of {} + {} bytes exceeds the limit of {}", h.part_bytes, h.shard_bytes,
+                              max_bytes);
+  }
+  return h;
+}
+
+Result<ReplicaBlob> finish_replica_decode(const ReplicaFrameHeader& h, const std::string& part,
+                                          std::shared_ptr<std::vector<std::byte>> bytes) {
+  XXH64_state_t* hs = XXH64_createState();
+  XXH64_reset(hs, 0);
+  XXH64_update(hs, part.data(), part.size());
+  XXH64_update(hs, bytes->data(), bytes->size());
+  const uint64_t got = XXH64_digest(hs);
+  XXH64_freeState(hs);
+  if (got != h.xxh64) return data_loss("replica frame: checksum mismatch ({} vs {})", xxh64_hex(got), xxh64_hex(h.xxh64));
+  nlohmann::json j = nlohmann::json::parse(part, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return data_loss("replica frame: manifest part is not valid JSON");
+  TROUPE_ASSIGN_OR_RETURN(ManifestPart p, part_from_json(j, "replica frame"));
+  ReplicaBlob blob{std::move(p), std::move(bytes)};
+  TROUPE_RETURN_IF_ERROR(verify_replica(blob));
+  return blob;
+}
+
+Result<ReplicaBlob> decode_replica_frame(const std::byte* data, uint64_t size, uint64_t max_bytes) {
+  if (size < kReplicaHeaderBytes) return data_loss("replica frame of {} bytes is shorter than its header", size);
+  TROUPE_ASSIGN_OR_RETURN(ReplicaFrameHeader h, parse_replica_header(reinterpret_cast<const char*>(data), max_bytes));
+  if (size != kReplicaHeaderBytes + h.part_bytes + h.shard_bytes) {
+    return data_loss("replica frame: {} bytes, its header says {}", size, kReplicaHeaderBytes + h.part_bytes + h.shard_bytes);
+  }
+  std::string part(reinterpret_cast<const char*>(data) + kReplicaHeaderBytes, h.part_bytes);
+  const std::byte* shard = data + kReplicaHeaderBytes + h.part_bytes;
+  auto bytes = std::make_shared<std::vector<std::byte>>(shard, shard + h.shard_bytes);
+  return finish_replica_decode(h, part, std::move(bytes));
+}
+
 Result<Tensor> read_replica(const ReplicaBlob& blob, const std::string& name, const Slice& box) {
   const TensorRecord* rec = nullptr;
   for (const TensorRecord& t : blob.part.tensors) {
@@ -159,52 +215,21 @@ Result<std::unique_ptr<TcpReplicaChannel>> TcpReplicaChannel::connect(const std:
 
 Status TcpReplicaChannel::send(const ReplicaBlob& blob) {
   if (!blob.bytes) return invalid_argument("replica send: blob of rank {} has no bytes", blob.part.rank);
-  const std::string part = part_to_json(blob.part).dump();
-  XXH64_state_t* hs = XXH64_createState();
-  XXH64_reset(hs, 0);
-  XXH64_update(hs, part.data(), part.size());
-  XXH64_update(hs, blob.bytes->data(), blob.bytes->size());
-  const uint64_t h = XXH64_digest(hs);
-  XXH64_freeState(hs);
-  char header[32];
-  std::memcpy(header, kMagic, 8);
-  put_u64(header + 8, part.size());
-  put_u64(header + 16, blob.bytes->size());
-  put_u64(header + 24, h);
-  TROUPE_RETURN_IF_ERROR(send_all(fd_, header, sizeof header));
-  TROUPE_RETURN_IF_ERROR(send_all(fd_, part.data(), part.size()));
+  const std::string head = encode_replica_head(blob);
+  TROUPE_RETURN_IF_ERROR(send_all(fd_, head.data(), head.size()));
   return send_all(fd_, blob.bytes->data(), blob.bytes->size());
 }
 
 Result<ReplicaBlob> TcpReplicaChannel::receive(std::chrono::milliseconds timeout, uint64_t max_bytes) {
   const auto deadline = Clock::now() + timeout;
-  char header[32];
+  char header[kReplicaHeaderBytes];
   TROUPE_RETURN_IF_ERROR(recv_all(fd_, header, sizeof header, deadline));
-  if (std::memcmp(header, kMagic, 8) != 0) return data_loss("replica receive: bad frame magic");
-  const uint64_t part_len = get_u64(header + 8);
-  const uint64_t bytes_len = get_u64(header + 16);
-  const uint64_t h = get_u64(header + 24);
-  if (part_len > (64u << 20) || bytes_len > max_bytes) {
-    return resource_exhausted("replica receive: frame of {} + {} bytes exceeds the limit of {}", part_len, bytes_len,
-                              max_bytes);
-  }
-  std::string part(part_len, '\0');
+  TROUPE_ASSIGN_OR_RETURN(ReplicaFrameHeader h, parse_replica_header(header, max_bytes));
+  std::string part(h.part_bytes, '\0');
   TROUPE_RETURN_IF_ERROR(recv_all(fd_, part.data(), part.size(), deadline));
-  auto bytes = std::make_shared<std::vector<std::byte>>(bytes_len);
+  auto bytes = std::make_shared<std::vector<std::byte>>(h.shard_bytes);
   TROUPE_RETURN_IF_ERROR(recv_all(fd_, bytes->data(), bytes->size(), deadline));
-  XXH64_state_t* hs = XXH64_createState();
-  XXH64_reset(hs, 0);
-  XXH64_update(hs, part.data(), part.size());
-  XXH64_update(hs, bytes->data(), bytes->size());
-  const uint64_t got = XXH64_digest(hs);
-  XXH64_freeState(hs);
-  if (got != h) return data_loss("replica receive: frame checksum mismatch ({} vs {})", xxh64_hex(got), xxh64_hex(h));
-  nlohmann::json j = nlohmann::json::parse(part, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return data_loss("replica receive: manifest part is not valid JSON");
-  TROUPE_ASSIGN_OR_RETURN(ManifestPart p, part_from_json(j, "replica frame"));
-  ReplicaBlob blob{std::move(p), std::move(bytes)};
-  TROUPE_RETURN_IF_ERROR(verify_replica(blob));
-  return blob;
+  return finish_replica_decode(h, part, std::move(bytes));
 }
 
 Result<std::unique_ptr<TcpReplicaListener>> TcpReplicaListener::listen_loopback() {

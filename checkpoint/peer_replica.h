@@ -45,6 +45,24 @@ Status verify_replica(const ReplicaBlob& blob);
 // DataLoss when the blob does not hold all of the box.
 Result<Tensor> read_replica(const ReplicaBlob& blob, const std::string& name, const Slice& box);
 
+// The frame a blob travels in, on every channel: a 32-byte header (magic "TRPREPL1", u64
+// part-JSON length, u64 shard length, u64 xxHash64 of part JSON ‖ shard; little-endian),
+// the part JSON, then the shard bytes.
+inline constexpr size_t kReplicaHeaderBytes = 32;
+struct ReplicaFrameHeader {
+  uint64_t part_bytes = 0;
+  uint64_t shard_bytes = 0;
+  uint64_t xxh64 = 0;
+};
+// Header + part JSON; the shard bytes (blob.bytes) follow them on the wire.
+std::string encode_replica_head(const ReplicaBlob& blob);
+Result<ReplicaFrameHeader> parse_replica_header(const char* header, uint64_t max_bytes);
+// Checks the frame checksum, parses the part and verifies every slice.
+Result<ReplicaBlob> finish_replica_decode(const ReplicaFrameHeader& h, const std::string& part,
+                                          std::shared_ptr<std::vector<std::byte>> bytes);
+// Decodes a whole frame lying in memory (copies the shard bytes out).
+Result<ReplicaBlob> decode_replica_frame(const std::byte* data, uint64_t size, uint64_t max_bytes);
+
 class ReplicaChannel {
  public:
   virtual ~ReplicaChannel() = default;
@@ -53,8 +71,8 @@ class ReplicaChannel {
   virtual Result<ReplicaBlob> receive(std::chrono::milliseconds timeout, uint64_t max_bytes) = 0;
 };
 
-// Owns a connected stream socket. Frame: magic "TRPREPL1", u64 part-JSON length, u64 shard
-// length, u64 xxHash64 of (part JSON ‖ shard), then the two payloads (little-endian).
+// Owns a connected stream socket carrying replica frames (for tests and hosts without
+// the comm bulk transport; BulkReplicaEndpoint in bulk_replica.h is the production path).
 class TcpReplicaChannel final : public ReplicaChannel {
  public:
   explicit TcpReplicaChannel(int fd) : fd_(fd) {}
