@@ -115,6 +115,12 @@ Result<SaveHandle> CheckpointWriter::save(int64_t step, const std::vector<SaveEn
 
   // One save in flight: wait for the previous one (its outcome stays in its handle).
   if (thread_.joinable()) thread_.join();
+  // A part left by an earlier, crashed attempt at this step must not pass for this
+  // save's "done" marker while the new shard is being written.
+  {
+    std::error_code ec;
+    fs::remove(fs::path(options_.run_dir) / tmp_dir_name(step) / part_file_name(options_.rank), ec);
+  }
 
   const auto t_snap = Clock::now();
   std::shared_ptr<std::vector<std::byte>> buf;
@@ -333,6 +339,8 @@ Result<FinalizeResult> finalize_checkpoint(const std::string& run_dir, int64_t s
     } else if (name.ends_with(".tmp") && name.starts_with("step_")) {
       auto s2 = parse_step_dir_name(name.substr(0, name.size() - 4));
       if (s2 && *s2 < step) stale_tmp.push_back(de.path());
+    } else if (name.ends_with(".deleting") && name.starts_with("step_")) {
+      stale_tmp.push_back(de.path());  // a deletion interrupted by a crash
     }
   }
   while (static_cast<int>(steps.size()) > opt.keep_last) {
@@ -347,9 +355,9 @@ Result<FinalizeResult> finalize_checkpoint(const std::string& run_dir, int64_t s
     }
   }
   for (const fs::path& p : stale_tmp) {
-    logger()->info("removing {} left by an unfinished save", p.string());
-    Status st = remove_dir(p);
-    if (!st.ok()) logger()->warn("{}", st.to_string());
+    logger()->info("removing {} left by an unfinished save or deletion", p.string());
+    fs::remove_all(p, ec);
+    if (ec) logger()->warn("remove {}: {}", p.string(), ec.message());
   }
   logger()->info("checkpoint {} committed: {} tensors, {} bytes, {} ranks", out.path, m.tensors.size(), out.bytes,
                  opt.world_size);

@@ -304,6 +304,21 @@ TEST(Checkpoint, UnfinishedSaveIsIgnoredAndCannotBeCommitted) {
   EXPECT_EQ(f.status().code(), StatusCode::kNotFound);
   EXPECT_NE(f.status().message().find("rank 1"), std::string::npos) << f.status();
   EXPECT_EQ(wait_for_parts(run, 2, 2, std::chrono::milliseconds(50)).code(), StatusCode::kDeadlineExceeded);
+  // Retrying step 2: the old part must vanish the moment the new save starts, so that it
+  // cannot pass for this attempt's "done" marker.
+  {
+    WriterOptions slow{run, ParallelLayout{1, 2, 1}, 0};
+    slow.max_bytes_per_second = 2048;
+    slow.write_chunk_bytes = 256;
+    auto w2 = CheckpointWriter::create(slow);
+    const std::string part = run + "/step_2.tmp/" + part_file_name(0);
+    ASSERT_TRUE(fs::exists(part));
+    auto h2 = (*w2)->save(2, entries_of(sample_tensors(2.0f)));
+    ASSERT_TRUE(h2.ok());
+    EXPECT_FALSE(fs::exists(part));
+    ASSERT_TRUE(h2->wait().ok());
+    EXPECT_TRUE(fs::exists(part));
+  }
   EXPECT_FALSE(fs::exists(run + "/step_2"));
   auto r = CheckpointReader::open_latest_valid(run);
   ASSERT_TRUE(r.ok());
