@@ -105,14 +105,15 @@ Result<std::optional<Slice>> owned_slice(std::string_view name, const Shape& glo
 
 Result<std::optional<Slice>> save_slice(std::string_view name, const Shape& global, const TensorPlacement& p,
                                         const ParallelLayout& layout, const RankCoords& c) {
-  TROUPE_ASSIGN_OR_RETURN(std::optional<Slice> s, owned_slice(name, global, p, layout, c));
-  if (!s) return s;
-  if (p.stage == kAllStages && c.stage != 0) return std::optional<Slice>{};
-  // Replicated across the MoE group unless expert-sharded: n rank 0 saves.
-  if (!p.expert_sharded && c.n_rank != 0) return std::optional<Slice>{};
-  // ZeRO shards are already split over dp; everything else is replicated over dp.
-  if (!p.zero_sharded && c.dp_rank != 0) return std::optional<Slice>{};
-  return s;
+  Result<std::optional<Slice>> owned = owned_slice(name, global, p, layout, c);
+  if (!owned.ok() || !owned->has_value()) return owned;
+  // kAllStages tensors: stage 0 saves. Replicated across the MoE group unless
+  // expert-sharded: n rank 0 saves. ZeRO shards are already split over dp; everything
+  // else is replicated over dp: dp rank 0 saves.
+  const bool saves = (p.stage != kAllStages || c.stage == 0) && (p.expert_sharded || c.n_rank == 0) &&
+                     (p.zero_sharded || c.dp_rank == 0);
+  if (!saves) return std::optional<Slice>{};
+  return owned;
 }
 
 }  // namespace troupe::checkpoint
