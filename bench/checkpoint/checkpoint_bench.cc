@@ -4,7 +4,8 @@
 // R ranks (threads, each with its own CheckpointWriter, layout n=R) save T f32 tensors
 // whose dim 0 is split over the ranks, then the driver commits. Figures (GB = 1e9 bytes):
 //   blocked      = time inside save() (snapshot copy to host memory; max over ranks)
-//   snapshot     = bytes / blocked                      (compare: memcpy bandwidth)
+//   snapshot     = bytes / snapshot time (all ranks' bytes over the slowest rank's copy;
+//                  compare: single-thread memcpy bandwidth)
 //   save         = bytes / (first save() call → last rank durable + finalize)
 //   verify load  = bytes / open_latest_valid(kChecksums) (reads and hashes every slice)
 //   read load    = bytes / read_full() of every tensor  (page cache warm, then cold after
@@ -125,7 +126,7 @@ int run(const std::string& run_dir, uint64_t total_mb, uint64_t tensor_mb, int r
     const double total = since(t0);
     const double max_blocked = *std::max_element(blocked.begin(), blocked.end());
     const double max_snap = *std::max_element(snap.begin(), snap.end());
-    fmt::print("  save #{} ({} buffer): blocked {:.3f} s (snapshot {:.3f} s) -> {:.2f} GB/s; "
+    fmt::print("  save #{} ({} buffer): blocked {:.3f} s (snapshot {:.3f} s) -> snapshot {:.2f} GB/s (all ranks); "
                "durable after {:.3f} s + finalize {:.3f} s = {:.3f} s -> save {:.2f} GB/s\n",
                s, s == 1 ? "new" : "reused", max_blocked, max_snap, gbps(bytes, max_snap), written, fin, total,
                gbps(bytes, total));
