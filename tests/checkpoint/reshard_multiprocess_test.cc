@@ -100,7 +100,7 @@ Tensor narrow_to(const Tensor& t, const Slice& box) {
 int run_rank(const std::string& run, const ParallelLayout& l, int rank, int64_t step, uint64_t rate) {
   WriterOptions wo{run, l, rank};
   wo.max_bytes_per_second = rate;
-  if (rate > 0) wo.write_chunk_bytes = 1024;
+  if (rate > 0) wo.write_chunk_bytes = 256;
   auto w = CheckpointWriter::create(wo);
   if (!w.ok()) return 2;
   const RankCoords c = (*w)->coords();
@@ -271,7 +271,7 @@ TEST(Reshard, KilledWriterLeavesThePreviousCheckpointValid) {
   Children kids;
   std::vector<pid_t> pids;
   for (int r = 0; r < 4; ++r) {
-    pids.push_back(kids.spawn([&, r] { return run_rank(run, l, r, 20, r == 1 ? 2048 : 0); }));
+    pids.push_back(kids.spawn([&, r] { return run_rank(run, l, r, 20, r == 1 ? 512 : 0); }));
   }
   const std::string shard1 = run + "/step_20.tmp/" + shard_file_name(1);
   const auto deadline = Clock::now() + std::chrono::seconds(20);
