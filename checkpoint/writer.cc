@@ -170,7 +170,6 @@ Result<SaveHandle> CheckpointWriter::save(int64_t step, const std::vector<SaveEn
   st->stats.blocked_seconds = seconds_since(t0);
   SaveHandle h;
   h.state_ = st;
-  in_flight_ = h;
   thread_ = std::thread([this, step, part = std::move(part), t0, st]() mutable {
     write_in_background(step, std::move(part), t0, st);
   });

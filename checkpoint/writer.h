@@ -117,8 +117,8 @@ class CheckpointWriter {
   WriterOptions options_;
   RankCoords coords_;
   std::thread thread_;
-  SaveHandle in_flight_;
-  // The snapshot buffer: replaced (not mutated) per save so a replica can keep the old one.
+  // The snapshot buffer: reused by the next save unless a replica still holds it (then a
+  // fresh one is allocated, so a held replica never changes under its holder).
   std::shared_ptr<std::vector<std::byte>> buffer_;
   ManifestPart last_part_;
   bool have_snapshot_ = false;
