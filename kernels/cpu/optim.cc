@@ -1,0 +1,31 @@
+// kernels/cpu/optim.cc — CPU reference of the AdamW step (decoupled weight decay, bias
+// correction, gradient multiplier).
+#include <cmath>
+
+#include "kernels/cpu/cpu_ops.h"
+
+namespace troupe::kernels::cpu {
+
+// g = grad * grad_scale; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+// param -= lr * (m / (1 - b1^step)) / (sqrt(v / (1 - b2^step)) + eps) + lr * wd * param,
+// the decay using the parameter before this step (as torch.optim.AdamW).
+void adamw_step(const Exec&, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWConfig& cfg) {
+  const int64_t n = param.numel();
+  F32In pg(grad);
+  float* pp = param.data<float>();
+  float* pm = m.data<float>();
+  float* pv = v.data<float>();
+  const double step = static_cast<double>(cfg.step);
+  const float bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(cfg.beta1), step));
+  const float bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(cfg.beta2), step));
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = pg[i] * cfg.grad_scale;
+    pm[i] = cfg.beta1 * pm[i] + (1.0f - cfg.beta1) * g;
+    pv[i] = cfg.beta2 * pv[i] + (1.0f - cfg.beta2) * g * g;
+    const float mhat = pm[i] / bc1;
+    const float vhat = pv[i] / bc2;
+    pp[i] -= cfg.lr * (mhat / (std::sqrt(vhat) + cfg.eps) + cfg.weight_decay * pp[i]);
+  }
+}
+
+}  // namespace troupe::kernels::cpu

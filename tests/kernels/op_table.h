@@ -1,0 +1,104 @@
+// tests/kernels/op_table.h — the table of op test cases shared by every backend's test.
+//
+// An OpCase owns seeded host inputs and knows how to run its op on any TestDevice
+// (forward, and backward when the op has one), returning host copies of the results. The
+// CPU test (op_table_test.cc) checks forward results against the case's double-precision
+// reference and backward results against central finite differences of that reference;
+// the CUDA test (op_table_cuda_test.cc) runs the same cases on CUDA and compares with the
+// CPU backend. A new op joins by adding cases in op_table.cc.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "kernels/ops.h"
+
+namespace troupe::kernels::testing {
+
+// A host tensor in double precision: f32 values (already rounded to float, so that the
+// double reference sees exactly what the device sees) or i32 values.
+struct HostTensor {
+  Shape shape;
+  DType dtype = DType::kF32;  // kF32, kI32, or an fp8 dtype for quantized data
+  std::vector<double> v;
+
+  int64_t numel() const { return static_cast<int64_t>(v.size()); }
+  double& operator[](int64_t i) { return v[static_cast<size_t>(i)]; }
+  double operator[](int64_t i) const { return v[static_cast<size_t>(i)]; }
+  static HostTensor zeros(const Shape& shape, DType dtype = DType::kF32);
+  static HostTensor scalar(double x);
+};
+
+// Moves data between the host and one backend's device, and allocates outputs there.
+class TestDevice {
+ public:
+  virtual ~TestDevice() = default;
+  virtual const Exec& exec() const = 0;
+  virtual const char* name() const = 0;
+  // A device tensor holding `h` (converted to `dtype`, default h.dtype).
+  virtual Tensor upload(const HostTensor& h, DType dtype) = 0;
+  Tensor upload(const HostTensor& h) { return upload(h, h.dtype); }
+  // Host copy of a device (or host) tensor.
+  virtual HostTensor download(const Tensor& t) = 0;
+  // An output tensor filled with poison (NaN for floats, 0x7f7f7f7f for i32), so that an
+  // element the op forgets to write fails the comparison.
+  virtual Tensor poisoned(const Shape& shape, DType dtype) = 0;
+  Tensor poisoned(const Shape& shape) { return poisoned(shape, DType::kF32); }
+};
+
+// The CPU backend's TestDevice.
+std::unique_ptr<TestDevice> make_cpu_test_device();
+
+using HostTensors = std::vector<HostTensor>;
+using Tensors = std::vector<Tensor>;
+
+struct OpCase {
+  std::string name;              // unique, e.g. "matmul/tn/b3"
+  std::vector<std::string> ops;  // the ops.h functions it exercises
+  HostTensors inputs;
+
+  // Runs the op on `dev` with `in` (uploads of `inputs`); returns host copies of outputs.
+  std::function<HostTensors(TestDevice& dev, const Tensors& in)> forward;
+  // The double-precision reference of forward (null where none is meaningful).
+  std::function<HostTensors(const HostTensors& in)> reference;
+  double atol = 1e-5, rtol = 1e-4;  // forward vs reference
+
+  // Backward, when the op has one. The scalar loss is L = sum over o in loss_outputs of
+  // dot(dout_o, forward(in)[o]); backward returns dL/d inputs[i] for i in grad_inputs.
+  std::vector<int> grad_inputs;
+  std::vector<int> loss_outputs;
+  // When set, every dout is this constant instead of random (ops whose backward takes a
+  // scalar upstream gradient, like cross-entropy's grad_scale).
+  double uniform_dout = 0.0;
+  std::function<HostTensors(TestDevice& dev, const Tensors& in, const Tensors& douts)> backward;
+  // Per gradient: the initial contents of an accumulating gradient buffer (empty = none);
+  // the harness subtracts it before comparing.
+  HostTensors grad_init;
+  double grad_atol = 2e-4, grad_rtol = 2e-3;  // backward vs finite differences
+
+  // Tolerances of another backend against the CPU backend.
+  double cross_atol = 2e-3, cross_rtol = 2e-2;
+};
+
+// Every case of every op, with inputs drawn from `seed`.
+std::vector<OpCase> all_op_cases(uint64_t seed);
+
+// Names of every op of kernels/ops.h with a forward role and with a backward role, for
+// the coverage check.
+const std::vector<std::string>& forward_op_names();
+const std::vector<std::string>& backward_op_names();
+
+// Compares got against want elementwise (|got - want| <= atol + rtol |want|, exact for
+// integer dtypes; NaN never passes). Returns "" on success, else a description of the
+// first mismatches.
+std::string compare(const HostTensor& got, const HostTensor& want, double atol, double rtol,
+                    const std::string& what);
+
+// Random upstream gradients (or the uniform constant) for a case's loss outputs.
+HostTensors make_douts(const OpCase& c, const HostTensors& outputs, uint64_t seed);
+
+}  // namespace troupe::kernels::testing
