@@ -53,37 +53,61 @@ double Router::forward(const Ctx& c, const Tensor& x, Saved& s) const {
   const int32_t* ip = idx.data<int32_t>();
   for (int64_t i = 0; i < t * k; ++i) s.selected[static_cast<size_t>(ip[i])]++;
 
-  double aux = 0;
+  std::vector<double> p(static_cast<size_t>(e), 0.0);  // sum over tokens of scores[t,e]
   if (cfg.aux_loss_coef > 0 && t > 0) {
-    std::vector<double> p(static_cast<size_t>(e), 0.0);
     const std::vector<float> sc = host_floats(s.scores);
     for (int64_t i = 0; i < t; ++i)
       for (int64_t j = 0; j < e; ++j) p[static_cast<size_t>(j)] += sc[static_cast<size_t>(i * e + j)];
-    double acc = 0;
-    for (int64_t j = 0; j < e; ++j) {
-      const double f = static_cast<double>(s.selected[static_cast<size_t>(j)]) / static_cast<double>(t * k);
-      acc += f * p[static_cast<size_t>(j)] / static_cast<double>(t);
-    }
-    aux += cfg.aux_loss_coef * static_cast<double>(e) * acc;
   }
+  double zsum = 0;  // sum over tokens of logsumexp(logits_t)^2
   if (cfg.z_loss_coef > 0 && t > 0) {
     const std::vector<float> lg = host_floats(s.logits);
-    double acc = 0;
     for (int64_t i = 0; i < t; ++i) {
       const float* row = &lg[static_cast<size_t>(i * e)];
       const float mx = *std::max_element(row, row + e);
       double se = 0;
       for (int64_t j = 0; j < e; ++j) se += std::exp(static_cast<double>(row[j] - mx));
       const double lse = mx + std::log(se);
-      acc += lse * lse;
+      zsum += lse * lse;
     }
-    aux += cfg.z_loss_coef * acc / static_cast<double>(t);
   }
+  s.tokens = t;
+  if (stats_reducer != nullptr) {
+    // [selected (E), score sums (E), z sum, tokens]; counts are exact in fp64.
+    std::vector<double> v(static_cast<size_t>(2 * e + 2));
+    for (int64_t j = 0; j < e; ++j) {
+      v[static_cast<size_t>(j)] = static_cast<double>(s.selected[static_cast<size_t>(j)]);
+      v[static_cast<size_t>(e + j)] = p[static_cast<size_t>(j)];
+    }
+    v[static_cast<size_t>(2 * e)] = zsum;
+    v[static_cast<size_t>(2 * e + 1)] = static_cast<double>(t);
+    stats_reducer->sum(v);
+    for (int64_t j = 0; j < e; ++j) {
+      s.selected[static_cast<size_t>(j)] = static_cast<int64_t>(std::llround(v[static_cast<size_t>(j)]));
+      p[static_cast<size_t>(j)] = v[static_cast<size_t>(e + j)];
+    }
+    zsum = v[static_cast<size_t>(2 * e)];
+    s.tokens = static_cast<int64_t>(std::llround(v[static_cast<size_t>(2 * e + 1)]));
+  }
+
+  const int64_t tt = s.tokens;
+  double aux = 0;
+  if (cfg.aux_loss_coef > 0 && tt > 0) {
+    double acc = 0;
+    for (int64_t j = 0; j < e; ++j) {
+      const double f = static_cast<double>(s.selected[static_cast<size_t>(j)]) / static_cast<double>(tt * k);
+      acc += f * p[static_cast<size_t>(j)] / static_cast<double>(tt);
+    }
+    aux += cfg.aux_loss_coef * static_cast<double>(e) * acc;
+  }
+  if (cfg.z_loss_coef > 0 && tt > 0) aux += cfg.z_loss_coef * zsum / static_cast<double>(tt);
   return aux;
 }
 
 Tensor Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight) {
+  // t: local rows; tt: tokens the statistics cover (the whole micro-batch's with a reducer).
   const int64_t t = s.x.size(0), e = cfg.num_experts, k = cfg.top_k;
+  const int64_t tt = std::max<int64_t>(1, s.tokens);
   Tensor dlogits = c.empty({t, e});
   Tensor dscores;
   if (cfg.aux_loss_coef > 0) {
@@ -91,9 +115,9 @@ Tensor Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, floa
     dscores = Tensor::empty({t, e}, DType::kF32);
     float* dp = dscores.data<float>();
     for (int64_t j = 0; j < e; ++j) {
-      const double f = static_cast<double>(s.selected[static_cast<size_t>(j)]) / static_cast<double>(t * k);
+      const double f = static_cast<double>(s.selected[static_cast<size_t>(j)]) / static_cast<double>(tt * k);
       const float g = static_cast<float>(loss_weight * cfg.aux_loss_coef * static_cast<double>(e) * f /
-                                         static_cast<double>(t));
+                                         static_cast<double>(tt));
       for (int64_t i = 0; i < t; ++i) dp[i * e + j] = g;
     }
   }
@@ -111,7 +135,7 @@ Tensor Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, floa
       const double lse = mx + std::log(se);
       for (int64_t j = 0; j < e; ++j) {
         const double p = std::exp(static_cast<double>(row[j]) - lse);
-        dl[i * e + j] += static_cast<float>(loss_weight * cfg.z_loss_coef * 2.0 * lse * p / static_cast<double>(t));
+        dl[i * e + j] += static_cast<float>(loss_weight * cfg.z_loss_coef * 2.0 * lse * p / static_cast<double>(tt));
       }
     }
   }

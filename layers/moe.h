@@ -26,6 +26,17 @@ class Router {
   struct Saved {
     Tensor x, logits, scores, topk_idx, gates;  // [T,D], [T,E], [T,E], i32 [T,k], [T,k]
     std::vector<int64_t> selected;              // copies routed to each expert (before drops)
+    int64_t tokens = 0;                         // tokens the statistics cover (see StatsReducer)
+  };
+  // Distributed hook (sequence parallelism): when set, forward() sums the per-expert
+  // statistics (selections, score sums, z-loss sum, token count) over the ranks holding
+  // the other tokens of the same micro-batch, so the aux loss, its gradient and
+  // Saved::selected are those of the whole micro-batch, exactly as one process sees it.
+  // Every rank of the group must call forward() for the same micro-batches in order.
+  class StatsReducer {
+   public:
+    virtual ~StatsReducer() = default;
+    virtual void sum(std::vector<double>& values) = 0;  // in place, over the group
   };
   Router(int64_t d_model, const MoEConfig& cfg);
   void init(uint64_t seed, const std::string& prefix, float std);
@@ -42,6 +53,7 @@ class Router {
   kernels::RouterConfig router_config() const;
 
   Parameter weight;  // [D, E]
+  StatsReducer* stats_reducer = nullptr;  // not owned; null: statistics of local tokens
   Tensor bias;       // f32 [E]: aux-loss-free selection bias (a buffer, no gradient)
   MoEConfig cfg;
 };

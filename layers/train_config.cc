@@ -19,6 +19,24 @@ Status ParallelOptions::validate(const ModelConfig& m) const {
   if (any_moe && m.moe.num_experts % n != 0) {
     return invalid_argument("parallel.n={} does not divide model.moe.num_experts={}", n, m.moe.num_experts);
   }
+  if (dispatch != "alltoall" && dispatch != "allgather") {
+    return invalid_argument("parallel.dispatch must be \"alltoall\" or \"allgather\" (got \"{}\")", dispatch);
+  }
+  return ok_status();
+}
+
+Status ParallelOptions::validate(const ModelConfig& m, const TrainOptions& t) const {
+  TROUPE_RETURN_IF_ERROR(validate(m));
+  if (t.seq_len % n != 0) {
+    return invalid_argument("parallel.n={} does not divide train.seq_len={} (Ulysses gives each rank seq_len/n "
+                            "tokens of every sequence)",
+                            n, t.seq_len);
+  }
+  if (m.moe.capacity_factor > 0 && n > 1) {
+    return invalid_argument("parallel.n={} needs dropless routing (model.moe.capacity_factor = 0): with token "
+                            "dropping the capacity would be counted per rank and differ from one process",
+                            n);
+  }
   return ok_status();
 }
 
@@ -73,7 +91,9 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.pp, cfg.get_int("parallel.pp", 1));
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.dp, cfg.get_int("parallel.dp", 1));
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.n, cfg.get_int("parallel.n", 1));
-  Status st = tc.parallel.validate(tc.model);
+  TROUPE_ASSIGN_OR_RETURN(tc.parallel.dispatch, cfg.get_string("parallel.dispatch", tc.parallel.dispatch));
+  TROUPE_ASSIGN_OR_RETURN(tc.parallel.compression, cfg.get_bool("parallel.compression", tc.parallel.compression));
+  Status st = tc.parallel.validate(tc.model, tc.train);
   if (!st.ok()) return st.with_context(cfg.source());
 
   TROUPE_RETURN_IF_ERROR(cfg.check_all_keys_used());

@@ -31,10 +31,18 @@ struct DataOptions {
 // Layout pp x dp x n (see DESIGN.md "Parallel layout").
 struct ParallelOptions {
   int64_t pp = 1, dp = 1, n = 1;
+  // Expert dispatch inside the n-group: "alltoall" (all_to_all_v of the routed rows) or
+  // "allgather" (all-gather -> local scatter ... local gather -> reduce-scatter; better
+  // when top_k is large).
+  std::string dispatch = "alltoall";
+  bool compression = false;  // data-parallel gradient reduce-scatter with bf16 on the wire
   int64_t world() const { return pp * dp * n; }
   // The layout must fit the model: layers divisible by pp, heads, kv heads and experts
   // by n.
   Status validate(const ModelConfig& m) const;
+  // And the training shapes: the sequence split in n equal parts (Ulysses), the
+  // micro-batch count of a pipeline.
+  Status validate(const ModelConfig& m, const TrainOptions& t) const;
 };
 
 struct TrainConfig {

@@ -27,8 +27,20 @@ struct TrainOptions {
   std::vector<std::string> overrides;
   std::string run_dir;  // default: runs/<config name>
   std::string backend = "cpu";
+  std::vector<std::string> argv;  // the whole command line (the distributed launcher re-runs it)
 };
 Status run_train(const TrainOptions& o);
+
+// Distributed mode (apps/train_moe/distributed.cc), called by run_train when the layout
+// has more than one rank or the process was started by Troupe (TROUPE_ROLE):
+// - TROUPE_ROLE=worker: hosts the Stage of rank TROUPE_RANK;
+// - TROUPE_ROLE=driver: runs the Trainer (troupe run started the workers);
+// - no TROUPE_ROLE: a standalone launcher — checks the layout, starts pp*dp*n local
+//   worker processes and runs the Trainer in this process.
+Status run_distributed(const TrainOptions& o, const std::string& run_dir);
+
+// "pp=2,n=2" -> {"parallel.pp=2", "parallel.n=2"} (keys pp, dp, n, dispatch, compression).
+Result<std::vector<std::string>> parse_parallel_flag(const std::string& spec);
 
 struct SampleOptions {
   std::string run;

@@ -55,6 +55,11 @@ int main(int argc, char** argv) {
   app.add_option("--set", train.overrides, "override a config key: --set train.steps=10 (repeatable)");
   app.add_option("--run-dir", train.run_dir, "where metrics.jsonl and the weights go (default runs/<config>)");
   app.add_option("--backend", train.backend, "cpu (cuda: not yet in this app)");
+  std::string parallel;
+  app.add_option("--parallel", parallel,
+                 "parallel layout overriding [parallel]: e.g. pp=2,n=2 or dp=2,n=2,dispatch=allgather "
+                 "(several ranks: started locally, or by `troupe run --nproc N`)");
+  for (int i = 0; i < argc; ++i) train.argv.emplace_back(argv[i]);
 
   PrepareOptions prep;
   CLI::App* prepare = app.add_subcommand("prepare", "tokenize a text corpus into shards and train the tokenizer");
@@ -95,6 +100,14 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "train_moe: give --config <file> to train, or a subcommand (prepare, sample, plot)\n{}",
                  app.help());
       return 2;
+    }
+    if (!parallel.empty()) {
+      auto extra = parse_parallel_flag(parallel);
+      if (!extra.ok()) {
+        fmt::print(stderr, "train_moe: error: {}\n", extra.status().to_string());
+        return 2;
+      }
+      train.overrides.insert(train.overrides.end(), extra.value().begin(), extra.value().end());
     }
     st = run_train(train);
   }

@@ -2,6 +2,7 @@
 // read top to bottom: config -> data and tokenizer -> model and optimizer -> steps
 // (micro-batches, clip, AdamW, router-bias update, metrics, validation) -> weights.
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -50,17 +51,15 @@ Status run_train(const TrainOptions& o) {
   // ---- configuration ------------------------------------------------------------------
   if (o.config.empty()) return invalid_argument("train: --config is required");
   TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, layers::load_train_config(o.config, o.overrides));
-  if (tc.parallel.world() != 1) {
-    return invalid_argument(
-        "{}: [parallel] pp={} dp={} n={} needs {} processes; this single-process train_moe runs pp=dp=n=1 "
-        "only. Distributed training needs `troupe run --nproc {} -- train_moe ...`",
-        tc.source, tc.parallel.pp, tc.parallel.dp, tc.parallel.n, tc.parallel.world(), tc.parallel.world());
-  }
   if (o.backend != "cpu") {
     return unimplemented("train: backend '{}' is not available in this build of train_moe (use --backend cpu)",
                          o.backend);
   }
   if (tc.data.dir.empty()) return invalid_argument("{}: data.dir is not set (the output of train_moe prepare)", tc.source);
+  if (tc.parallel.world() != 1 || std::getenv("TROUPE_ROLE") != nullptr) {
+    std::string dist_run_dir = o.run_dir.empty() ? "runs/" + fs::path(o.config).stem().string() : o.run_dir;
+    return run_distributed(o, dist_run_dir);
+  }
 
   // ---- data and tokenizer -------------------------------------------------------------
   TROUPE_ASSIGN_OR_RETURN(layers::Tokenizer tok, layers::Tokenizer::load(tc.data.dir + "/tokenizer.json"));
