@@ -24,7 +24,7 @@ class ShardWriter {
   ~ShardWriter();
   Status append(const std::vector<int32_t>& tokens);
   Status finish();  // flushes the last shard
-  int64_t tokens() const { return total_; }
+  int64_t tokens() const { return total_ + static_cast<int64_t>(buf_.size()); }
   const std::vector<std::string>& files() const { return files_; }
 
  private:
