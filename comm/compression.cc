@@ -25,6 +25,37 @@ double relative_l2_error(const float* got, const float* exact, size_t n) {
 }
 
 namespace {
+
+uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+// e4m3 "fn": bias 7, 3 mantissa bits, largest finite 448 (code 0x7E), NaN 0x7F.
+uint8_t encode_one(float x) {
+  const uint32_t u = bits_of(x);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7F;  // NaN
+  if (a >= 0x3C800000u) {                  // |x| >= 2^-6: normal in e4m3
+    // Round the 23-bit mantissa to 3 bits, ties to even, then rebias 127 -> 7.
+    const uint32_t rounded = (a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
+    const uint32_t code = rounded - ((127u - 7u) << 3);
+    return sign | static_cast<uint8_t>(std::min<uint32_t>(code, 0x7E));  // saturate (inf too)
+  }
+  // Subnormal: multiples of 2^-9; a result of 8 is the smallest normal's code.
+  const float q = std::nearbyint(std::fabs(x) * 512.0f);
+  return sign | static_cast<uint8_t>(q);
+}
+
+struct DecodeTable {
+  float value[256];
+  DecodeTable() {
+    for (int i = 0; i < 256; ++i) value[i] = fp8e4m3_bits_to_float(static_cast<uint8_t>(i));
+  }
+};
+
 Status check_host(const Tensor& t, std::string_view what) {
   if (!t.defined()) return invalid_argument("{}: tensor undefined", what);
   if (!t.device().is_cpu()) return invalid_argument("{}: codecs take host tensors, got {}", what, t.describe());
@@ -48,30 +79,29 @@ Status Bf16ReduceScatter::run(const Tensor& grad, const Tensor& out, const OpOpt
   const size_t total = static_cast<size_t>(grad.numel());
   const float* g = grad.data<float>();
 
-  // Compensated input, rounded once to bf16.
-  std::vector<float> compensated(g, g + total);
+  // Compensated input, rounded once to bf16 (one pass: round, keep the residual).
+  Tensor wire = Tensor::empty({static_cast<int64_t>(total)}, DType::kBF16);
+  auto* w = static_cast<uint16_t*>(wire.data_ptr());
   if (options_.error_feedback) {
     if (residual_.size() != total) residual_.assign(total, 0.0f);
-    for (size_t i = 0; i < total; ++i) compensated[i] += residual_[i];
-  }
-  Tensor wire = Tensor::empty({static_cast<int64_t>(total)}, DType::kBF16);
-  convert_dtype(compensated.data(), DType::kF32, wire.data_ptr(), DType::kBF16, total);
-  if (options_.error_feedback) {
-    std::vector<float> sent(total);
-    convert_dtype(wire.data_ptr(), DType::kBF16, sent.data(), DType::kF32, total);
-    for (size_t i = 0; i < total; ++i) residual_[i] = compensated[i] - sent[i];
+    for (size_t i = 0; i < total; ++i) {
+      const float x = g[i] + residual_[i];
+      w[i] = float_to_bf16_bits(x);
+      residual_[i] = x - bf16_bits_to_float(w[i]);
+    }
+  } else {
+    for (size_t i = 0; i < total; ++i) w[i] = float_to_bf16_bits(g[i]);
   }
 
   // Chunk r of every rank lands as chunk (sender) on rank r; sum in fp32 in rank order.
   Tensor gathered = Tensor::empty({static_cast<int64_t>(total)}, DType::kBF16);
   TROUPE_RETURN_IF_ERROR(comm_.all_to_all(wire, gathered, opts)->wait());
-  std::vector<float> wide(total);
-  convert_dtype(gathered.data_ptr(), DType::kBF16, wide.data(), DType::kF32, total);
+  const auto* in = static_cast<const uint16_t*>(gathered.data_ptr());
   float* o = out.data<float>();
-  std::memcpy(o, wide.data(), static_cast<size_t>(m) * sizeof(float));
+  for (int64_t i = 0; i < m; ++i) o[i] = bf16_bits_to_float(in[i]);
   for (int r = 1; r < n; ++r) {
-    const float* chunk = wide.data() + static_cast<size_t>(r) * m;
-    for (int64_t i = 0; i < m; ++i) o[i] += chunk[i];
+    const uint16_t* chunk = in + static_cast<size_t>(r) * m;
+    for (int64_t i = 0; i < m; ++i) o[i] += bf16_bits_to_float(chunk[i]);
   }
 
   ++stats_.calls;
@@ -85,6 +115,15 @@ Status Bf16ReduceScatter::run(const Tensor& grad, const Tensor& out, const OpOpt
   return ok_status();
 }
 
+void encode_fp8e4m3(const float* src, uint8_t* dst, size_t n, float inv_scale) {
+  for (size_t i = 0; i < n; ++i) dst[i] = encode_one(src[i] * inv_scale);
+}
+
+void decode_fp8e4m3(const uint8_t* src, float* dst, size_t n, float scale) {
+  static const DecodeTable table;
+  for (size_t i = 0; i < n; ++i) dst[i] = table.value[src[i]] * scale;
+}
+
 Result<Fp8Rows> quantize_rows_fp8(const Tensor& x) {
   TROUPE_RETURN_IF_ERROR(check_host(x, "quantize_rows_fp8"));
   if (x.dim() != 2) return invalid_argument("quantize_rows_fp8: expected [rows, cols], got {}", x.describe());
@@ -93,7 +132,7 @@ Result<Fp8Rows> quantize_rows_fp8(const Tensor& x) {
   }
   const int64_t rows = x.size(0), cols = x.size(1);
   Fp8Rows q{Tensor::empty({rows, cols}, DType::kF8E4M3), Tensor::empty({rows}, DType::kF32)};
-  std::vector<float> row(cols), scaled(cols);
+  std::vector<float> row(cols);
   auto* data = static_cast<uint8_t*>(q.data.data_ptr());
   float* scales = q.scales.data<float>();
   const size_t esize = x.element_size();
@@ -103,8 +142,8 @@ Result<Fp8Rows> quantize_rows_fp8(const Tensor& x) {
     float amax = 0.0f;
     for (float v : row) amax = std::max(amax, std::fabs(v));
     float scale = (amax > 0.0f && std::isfinite(amax)) ? amax / kFp8E4M3Max : 1.0f;
-    for (int64_t c = 0; c < cols; ++c) scaled[c] = row[c] / scale;
-    convert_dtype(scaled.data(), DType::kF32, data + r * cols, DType::kF8E4M3, cols);
+    // x / scale, as a multiplication by the reciprocal computed once per row.
+    encode_fp8e4m3(row.data(), data + r * cols, cols, 1.0f / scale);
     scales[r] = scale;
   }
   return q;
@@ -128,8 +167,7 @@ Result<Tensor> dequantize_rows_fp8(const Fp8Rows& q, DType dtype) {
   const float* scales = q.scales.data<float>();
   const size_t esize = out.element_size();
   for (int64_t r = 0; r < rows; ++r) {
-    convert_dtype(data + r * cols, DType::kF8E4M3, row.data(), DType::kF32, cols);
-    for (auto& v : row) v *= scales[r];
+    decode_fp8e4m3(data + r * cols, row.data(), cols, scales[r]);
     convert_dtype(row.data(), DType::kF32, static_cast<uint8_t*>(out.data_ptr()) + r * cols * esize, dtype, cols);
   }
   return out;

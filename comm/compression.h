@@ -72,6 +72,11 @@ Result<Fp8Rows> quantize_rows_fp8(const Tensor& x);
 // Back to `dtype` (f32 or bf16) [rows, cols].
 Result<Tensor> dequantize_rows_fp8(const Fp8Rows& q, DType dtype);
 
+// Fast fp8 e4m3 conversions used by the codecs: bit-identical to core's convert_dtype
+// (round to nearest even, saturation to ±448, NaN kept), checked against it in the tests.
+void encode_fp8e4m3(const float* src, uint8_t* dst, size_t n, float inv_scale);
+void decode_fp8e4m3(const uint8_t* src, float* dst, size_t n, float scale);
+
 // Token dispatch for expert parallelism: rows of `tokens` go to peers by row counts,
 // quantised to fp8 e4m3 with per-row scales; the receiver gets them dequantised. Two
 // all_to_all_v calls (fp8 data, fp32 scales). The receiver's error equals the sender's

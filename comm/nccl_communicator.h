@@ -9,8 +9,9 @@
 //   communicator is aborted and creation fails.
 // - Operations enqueue on OpOptions::stream (a cudaStream_t) or on the communicator's own
 //   non-blocking stream, then record a CUDA event. A watchdog thread polls those events
-//   and ncclCommGetAsyncError (every ~1 ms): an event done completes its Work; an async
-//   error or a Work past its deadline (counted from enqueue: the GPU gives no start time)
+//   and ncclCommGetAsyncError (every 50 us while work is pending, 1 ms when idle): an
+//   event done completes its Work; an async error or a Work past its deadline (counted
+//   from enqueue: the GPU gives no start time)
 //   aborts the communicator (ncclCommAbort) and completes every pending Work with the
 //   error. The host never blocks on a stream.
 // - abort() aborts at once. After an abort the communicator is never destroyed (NCCL

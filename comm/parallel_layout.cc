@@ -75,6 +75,25 @@ std::string ParallelLayout::pp_group_name(int rank) const {
 
 std::string ParallelLayout::to_string() const { return fmt::format("pp{} x dp{} x n{}", pp_, dp_, n_); }
 
+Result<std::unique_ptr<Communicator>> make_group_communicator(const CommSpec& base, std::string name,
+                                                              const std::vector<int>& ranks, int global_rank,
+                                                              const CommFactory& factory) {
+  if (!factory) return invalid_argument("group '{}': no communicator factory", name);
+  int index = -1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (ranks[i] == ranks[j]) return invalid_argument("group '{}': rank {} listed twice", name, ranks[i]);
+    }
+    if (ranks[i] == global_rank) index = static_cast<int>(i);
+  }
+  if (index < 0) return invalid_argument("group '{}': rank {} is not a member", name, global_rank);
+  CommSpec spec = base;
+  spec.name = std::move(name);
+  spec.rank = index;
+  spec.size = static_cast<int>(ranks.size());
+  return factory(spec);
+}
+
 Result<ProcessGroups> make_process_groups(const ParallelLayout& layout, int global_rank, const CommSpec& base,
                                           const CommFactory& factory) {
   if (global_rank < 0 || global_rank >= layout.world_size()) {
@@ -83,16 +102,13 @@ Result<ProcessGroups> make_process_groups(const ParallelLayout& layout, int glob
   if (!factory) return invalid_argument("make_process_groups: no communicator factory");
   ProcessGroups groups;
   groups.coord = layout.coord(global_rank);
-  auto make = [&](std::string name, int rank, int size) -> Result<std::unique_ptr<Communicator>> {
-    CommSpec spec = base;
-    spec.name = std::move(name);
-    spec.rank = rank;
-    spec.size = size;
-    return factory(spec);
-  };
-  TROUPE_ASSIGN_OR_RETURN(groups.dp, make(layout.dp_group_name(global_rank), groups.coord.dp, layout.dp()));
-  TROUPE_ASSIGN_OR_RETURN(groups.n, make(layout.n_group_name(global_rank), groups.coord.n, layout.n()));
-  TROUPE_ASSIGN_OR_RETURN(groups.pp, make(layout.pp_group_name(global_rank), groups.coord.pp, layout.pp()));
+  const int r = global_rank;
+  TROUPE_ASSIGN_OR_RETURN(groups.dp,
+                          make_group_communicator(base, layout.dp_group_name(r), layout.dp_group(r), r, factory));
+  TROUPE_ASSIGN_OR_RETURN(groups.n,
+                          make_group_communicator(base, layout.n_group_name(r), layout.n_group(r), r, factory));
+  TROUPE_ASSIGN_OR_RETURN(groups.pp,
+                          make_group_communicator(base, layout.pp_group_name(r), layout.pp_group(r), r, factory));
   return groups;
 }
 

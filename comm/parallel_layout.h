@@ -69,6 +69,13 @@ struct ProcessGroups {
 // Creates a communicator for `spec` (a backend's make_*_communicator bound to its options).
 using CommFactory = std::function<Result<std::unique_ptr<Communicator>>(const CommSpec&)>;
 
+// A communicator over an arbitrary group: `ranks` (global ranks, all distinct) in group
+// order; this process is `global_rank` and gets rank = its index in `ranks`. Collective
+// over the group's members, who pass the same `name` and `ranks`.
+Result<std::unique_ptr<Communicator>> make_group_communicator(const CommSpec& base, std::string name,
+                                                              const std::vector<int>& ranks, int global_rank,
+                                                              const CommFactory& factory);
+
 // Collective over the world: every rank calls it with the same layout, `base.store`,
 // `base.ns` and `base.options` (base.name/rank/size are ignored). Groups are created in a
 // fixed order (dp, n, pp) so no rank waits on a peer busy with another group.

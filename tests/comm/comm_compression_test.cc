@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "comm/compression.h"
@@ -34,6 +35,38 @@ std::unique_ptr<Communicator> connect(const std::filesystem::path& dir, std::uni
   spec.size = size;
   spec.options.op_timeout = 20s;
   return make_gloo_communicator(spec).value();
+}
+
+TEST(Fp8Codec, FastEncodeDecodeMatchCoreBitForBit) {
+  auto check = [](float x) {
+    uint8_t fast;
+    encode_fp8e4m3(&x, &fast, 1, 1.0f);
+    EXPECT_EQ(fast, float_to_fp8e4m3_bits(x)) << "x = " << x;
+  };
+  // A stride through every float bit pattern (both signs, NaN, inf, subnormals).
+  for (uint64_t u = 0; u <= 0xFFFFFFFFull; u += 65537) {
+    float x;
+    uint32_t b = static_cast<uint32_t>(u);
+    std::memcpy(&x, &b, sizeof(x));
+    check(x);
+  }
+  // Every fp8 value, and the exact midpoints (ties) and their neighbours.
+  for (int c = 0; c < 0x7F; ++c) {
+    float v = fp8e4m3_bits_to_float(static_cast<uint8_t>(c));
+    float w = fp8e4m3_bits_to_float(static_cast<uint8_t>(c + 1));
+    for (float x : {v, (v + w) / 2, std::nextafter((v + w) / 2, 0.0f), std::nextafter((v + w) / 2, 1e9f)}) {
+      check(x);
+      check(-x);
+    }
+  }
+  for (float x : {448.0f, 464.0f, 465.0f, 1e30f, INFINITY, -INFINITY, NAN, 0.0f, -0.0f, 1e-30f}) check(x);
+  for (int c = 0; c < 256; ++c) {
+    uint8_t b = static_cast<uint8_t>(c);
+    float fast;
+    decode_fp8e4m3(&b, &fast, 1, 1.0f);
+    float core = fp8e4m3_bits_to_float(b);
+    EXPECT_TRUE(fast == core || (std::isnan(fast) && std::isnan(core))) << c;
+  }
 }
 
 TEST(Fp8Rows, PerRowScalesKeepSmallAndLargeRowsAccurate) {

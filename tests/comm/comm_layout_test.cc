@@ -58,6 +58,18 @@ TEST(ParallelLayout, RejectsBadSizes) {
   auto l = ParallelLayout::make(1, 1, 2).value();
   CommSpec base;
   EXPECT_EQ(make_process_groups(l, 2, base, nullptr).status().code(), StatusCode::kInvalidArgument);
+  // Group membership: the factory sees rank = index in the group, size = group size.
+  CommSpec seen;
+  CommFactory record = [&](const CommSpec& s) -> Result<std::unique_ptr<Communicator>> {
+    seen = s;
+    return unimplemented("recording factory");
+  };
+  EXPECT_EQ(make_group_communicator(base, "g", {7, 3, 5}, 5, record).status().code(), StatusCode::kUnimplemented);
+  EXPECT_EQ(seen.name, "g");
+  EXPECT_EQ(seen.rank, 2);
+  EXPECT_EQ(seen.size, 3);
+  EXPECT_EQ(make_group_communicator(base, "g", {7, 3}, 5, record).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(make_group_communicator(base, "g", {7, 7}, 7, record).status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -253,6 +253,7 @@ int main(int argc, char** argv) {
     int code = scenario == "ops" ? child_ops(**store, rank, size) : child_deadline(**store, rank, size);
     return code != 0 ? code : (testing::child_failures() > 0 ? 1 : 0);
   }
+  ::setenv("NCCL_NVLS_ENABLE", "0", 0);  // never NVLink multicast on the shared hosts (children inherit)
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess || count == 0) {
