@@ -1,0 +1,87 @@
+// scheduler/agent.h — defines Agent, the troupe-agent daemon as a library (the executable
+// and `troupe run` embed it): registers this node's slots with the scheduler, spawns job
+// processes with their TROUPE_* environment, writes each one's stdout/stderr to
+// <work dir>/jobs/<job>/logs/<name>.log, reports every exit at once (pidfds in the poll
+// set), kills process groups on command (SIGTERM, then SIGKILL after the grace period),
+// heartbeats, and registers again with a restarted scheduler, reporting what it runs.
+//
+// Threading: run()/run_once() on one thread; stop() from any thread. Children get
+// PR_SET_PDEATHSIG, so they die with the agent's thread: no orphans if the agent dies.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "scheduler/protocol.h"
+#include "scheduler/spawner.h"
+#include "scheduler/transport.h"
+
+namespace troupe::sched {
+
+struct AgentOptions {
+  std::string scheduler;            // endpoint of troupe-scheduler
+  ClientSecurity security;
+  std::string key_file;             // passed to job processes (TROUPE_CURVE_KEY) when CURVE is on
+  std::string agent_id;             // empty: the host name
+  int slots = -1;                   // -1: the GPU count, or the CPU count when there is no GPU
+  std::string work_dir;             // logs go under <work_dir>/jobs/<job>/logs
+  int heartbeat_ms = 300;
+  int poll_ms = 50;
+};
+
+// GPUs visible through the CUDA runtime (0 in CPU builds or when CUDA reports an error).
+int detect_gpus();
+
+class Agent {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  static Result<std::unique_ptr<Agent>> create(AgentOptions opts);
+  ~Agent();  // kills and reaps every child that is still running
+
+  void run();  // until stop(); then kills every child
+  void run_once(std::chrono::milliseconds timeout);
+  void stop() { stop_.store(true); }
+  const std::string& id() const { return opts_.agent_id; }
+  int slots() const { return opts_.slots; }
+  bool registered() const { return registered_; }
+  size_t running() const { return children_.size(); }
+  // Kills every child (SIGTERM, SIGKILL after `grace`) and reaps them; blocks.
+  void kill_all(std::chrono::milliseconds grace);
+
+ private:
+  struct Child {
+    ProcStatus status;        // job, name, epoch, pid
+    ChildProcess proc;
+    std::optional<Clock::time_point> kill_at;  // SIGKILL deadline after a SIGTERM
+  };
+
+  explicit Agent(AgentOptions opts) : opts_(std::move(opts)) {}
+  void handle(const Message& m);
+  void send_register();
+  void on_spawn(const SpawnRequest& req);
+  void on_kill(const KillRequest& req);
+  void on_logs(uint64_t rid, const LogsRequest& req);
+  void reap();
+  std::string log_path(const std::string& job, const std::string& name) const;
+
+  AgentOptions opts_;
+  std::unique_ptr<ClientEndpoint> conn_;
+  std::string host_;
+  int gpus_ = 0;
+  std::map<pid_t, Child> children_;
+  std::vector<ProcStatus> unacked_exits_;  // resent on registration until acknowledged
+  uint64_t incarnation_ = 0;
+  bool registered_ = false;
+  Clock::time_point last_beat_{};
+  Clock::time_point last_register_{};
+  std::atomic<bool> stop_{false};
+};
+
+}  // namespace troupe::sched

@@ -1,0 +1,63 @@
+// scheduler/agent_main.cc — troupe-agent: one per node; runs the job processes the
+// scheduler places here.
+//
+//   troupe-agent --scheduler HOST:7460 [--slots N] [--id NAME] [--work-dir DIR]
+//                [--curve-key agent.key --scheduler-key scheduler.pub]
+// On SIGINT/SIGTERM it stops every process it started (SIGTERM, then SIGKILL).
+#include <CLI/CLI.hpp>
+
+#include <signal.h>
+
+#include <atomic>
+
+#include "core/logging.h"
+#include "scheduler/agent.h"
+
+namespace {
+std::atomic<bool> g_stop{false};  // set by the signal handler
+void on_signal(int) { g_stop.store(true); }
+}  // namespace
+
+int main(int argc, char** argv) {
+  troupe::sched::AgentOptions opts;
+  std::string scheduler_key;
+  CLI::App app{"troupe-agent: starts, watches and stops Troupe job processes on this node"};
+  app.add_option("--scheduler,-s", opts.scheduler, "Scheduler address HOST:PORT")->required();
+  app.add_option("--slots", opts.slots, "Worker slots (default: GPUs, or CPUs when there is no GPU)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--id", opts.agent_id, "Agent name (default: the host name)");
+  app.add_option("--work-dir", opts.work_dir, "Where process logs go (default ./troupe-agent)");
+  app.add_option("--curve-key", opts.key_file, "This agent's CURVE key pair file");
+  app.add_option("--scheduler-key", scheduler_key, "The scheduler's public key file: turns CURVE on");
+  app.add_option("--heartbeat-ms", opts.heartbeat_ms, "Heartbeat interval")->check(CLI::PositiveNumber);
+  CLI11_PARSE(app, argc, argv);
+
+  troupe::init_logging(troupe::LoggingOptions{"agent", "", spdlog::level::info});
+  if (!scheduler_key.empty() || !opts.key_file.empty()) {
+    if (scheduler_key.empty() || opts.key_file.empty()) {
+      std::fprintf(stderr, "troupe-agent: CURVE needs both --curve-key and --scheduler-key\n");
+      return 2;
+    }
+    auto server = troupe::sched::read_key_file(scheduler_key);
+    auto mine = troupe::sched::read_key_file(opts.key_file);
+    if (!server.ok() || !mine.ok()) {
+      std::fprintf(stderr, "troupe-agent: %s\n", (!server.ok() ? server.status() : mine.status()).message().c_str());
+      return 2;
+    }
+    opts.security.server_public_key = server->public_key;
+    opts.security.client_keys = *mine;
+    opts.key_file = std::filesystem::absolute(opts.key_file).string();
+  }
+  auto agent = troupe::sched::Agent::create(opts);
+  if (!agent.ok()) {
+    std::fprintf(stderr, "troupe-agent: %s\n", agent.status().message().c_str());
+    return 1;
+  }
+  signal(SIGINT, on_signal);
+  signal(SIGTERM, on_signal);
+  signal(SIGPIPE, SIG_IGN);
+  while (!g_stop.load()) (*agent)->run_once(std::chrono::milliseconds(50));
+  spdlog::info("troupe-agent stopping: stopping its processes");
+  (*agent)->kill_all(std::chrono::milliseconds(2000));
+  return 0;
+}

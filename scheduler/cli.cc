@@ -1,0 +1,373 @@
+// scheduler/cli.cc — the troupe CLI commands.
+#include "scheduler/cli.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <thread>
+
+#include "core/logging.h"
+#include "scheduler/agent.h"
+#include "scheduler/scheduler.h"
+
+namespace troupe::sched {
+namespace {
+
+using nlohmann::json;
+
+int fail(const Status& s) {
+  std::fprintf(stderr, "troupe: %s\n", s.message().c_str());
+  switch (s.code()) {
+    case StatusCode::kInvalidArgument: return 2;
+    case StatusCode::kNotFound: return 3;
+    case StatusCode::kUnavailable: return 4;
+    case StatusCode::kPermissionDenied: return 5;
+    default: return 1;
+  }
+}
+
+Result<std::unique_ptr<ClientEndpoint>> open_client(const CliConnection& c) {
+  std::string addr = c.scheduler;
+  if (addr.empty()) {
+    const char* env = std::getenv("TROUPE_SCHEDULER");
+    addr = env && *env ? env : kDefaultSchedulerAddress;
+  }
+  TROUPE_ASSIGN_OR_RETURN(std::string ep, normalize_endpoint(addr));
+  ClientSecurity sec;
+  if (!c.scheduler_key.empty()) {
+    TROUPE_ASSIGN_OR_RETURN(auto server, read_key_file(c.scheduler_key));
+    sec.server_public_key = server.public_key;
+    if (c.curve_key.empty()) return invalid_argument("--scheduler-key needs --curve-key (this client's key pair)");
+  }
+  if (!c.curve_key.empty()) {
+    TROUPE_ASSIGN_OR_RETURN(auto mine, read_key_file(c.curve_key));
+    if (mine.secret_key.empty()) return invalid_argument("{} holds no secret key", c.curve_key);
+    sec.client_keys = mine;
+    if (sec.server_public_key.empty()) return invalid_argument("--curve-key needs --scheduler-key (the scheduler's public key)");
+  }
+  std::string id = fmt::format("cli:{}:{:x}", getpid(), std::random_device{}());
+  return ClientEndpoint::connect(ep, sec, id);
+}
+
+Result<json> request_json(ClientEndpoint& client, Payload p, int timeout_ms) {
+  TROUPE_ASSIGN_OR_RETURN(Reply r, client.request(std::move(p), std::chrono::milliseconds(timeout_ms)));
+  TROUPE_RETURN_IF_ERROR(r.status());
+  if (r.body.empty()) return json::object();
+  try {
+    return json::parse(r.body);
+  } catch (const std::exception& e) {
+    return data_loss("the scheduler sent a reply that is not JSON: {}", e.what());
+  }
+}
+
+std::string age(int64_t since_ms) {
+  if (since_ms <= 0) return "-";
+  int64_t s = (wall_ms() - since_ms) / 1000;
+  if (s < 120) return fmt::format("{}s", s);
+  if (s < 7200) return fmt::format("{}m", s / 60);
+  return fmt::format("{}h", s / 3600);
+}
+
+// Fixed-width table: every column as wide as its widest cell.
+std::string table(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> w;
+  for (const auto& r : rows) {
+    if (w.size() < r.size()) w.resize(r.size(), 0);
+    for (size_t i = 0; i < r.size(); ++i) w[i] = std::max(w[i], r[i].size());
+  }
+  std::string out;
+  for (const auto& r : rows) {
+    std::string line;
+    for (size_t i = 0; i < r.size(); ++i) {
+      line += r[i];
+      if (i + 1 < r.size()) line += std::string(w[i] - r[i].size() + 2, ' ');
+    }
+    out += line + "\n";
+  }
+  return out;
+}
+
+std::atomic<int> g_interrupts{0};  // signal handler -> troupe run's loop
+void on_interrupt(int) { g_interrupts.fetch_add(1); }
+
+// Prints what processes wrote to their log files since the last call, line by line.
+class LogTailer {
+ public:
+  LogTailer(std::string dir, bool prefix) : dir_(std::move(dir)), prefix_(prefix) {}
+  void poll(bool flush_partial) {
+    std::error_code ec;
+    if (!std::filesystem::is_directory(dir_, ec)) return;
+    for (const auto& e : std::filesystem::directory_iterator(dir_, ec)) {
+      if (e.path().extension() != ".log") continue;
+      std::string name = e.path().stem().string();
+      auto& st = files_[name];
+      std::ifstream f(e.path(), std::ios::binary);
+      f.seekg(0, std::ios::end);
+      auto size = static_cast<int64_t>(f.tellg());
+      if (size < st.offset) st.offset = 0;
+      if (size > st.offset) {
+        std::string chunk(static_cast<size_t>(size - st.offset), '\0');
+        f.seekg(st.offset);
+        f.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+        st.offset = size;
+        st.pending += chunk;
+      }
+      size_t nl;
+      while ((nl = st.pending.find('\n')) != std::string::npos) {
+        emit(name, st.pending.substr(0, nl));
+        st.pending.erase(0, nl + 1);
+      }
+      if (flush_partial && !st.pending.empty()) {
+        emit(name, st.pending);
+        st.pending.clear();
+      }
+    }
+    std::fflush(stdout);
+  }
+
+ private:
+  struct FileState {
+    int64_t offset = 0;
+    std::string pending;
+  };
+  void emit(const std::string& name, const std::string& line) {
+    if (prefix_) std::fprintf(stdout, "[%s] %s\n", name.c_str(), line.c_str());
+    else std::fprintf(stdout, "%s\n", line.c_str());
+  }
+  std::string dir_;
+  bool prefix_;
+  std::map<std::string, FileState> files_;
+};
+
+}  // namespace
+
+std::string render_status_table(const json& status, bool with_procs) {
+  std::string out;
+  std::vector<std::vector<std::string>> rows = {
+      {"JOB", "NAME", "STATE", "WORKERS", "EPOCH", "RESTARTS", "EXIT", "AGE", "COMMAND"}};
+  for (const auto& j : status.value("jobs", json::array())) {
+    std::string cmd;
+    for (const auto& a : j.value("argv", json::array())) cmd += (cmd.empty() ? "" : " ") + a.get<std::string>();
+    if (cmd.size() > 40) cmd = cmd.substr(0, 37) + "...";
+    std::string state = j.value("state", "");
+    bool final = state == "succeeded" || state == "failed" || state == "cancelled";
+    rows.push_back({j.value("id", ""), j.value("name", "").empty() ? "-" : j.value("name", ""), state,
+                    std::to_string(j.value("nproc", 0)), std::to_string(j.value("epoch", 0)),
+                    fmt::format("{}/{}", j.value("restarts", 0), j.value("max_restarts", 0)),
+                    final ? std::to_string(j.value("exit_code", 0)) : "-", age(j.value("created_ms", int64_t{0})), cmd});
+  }
+  out += table(rows);
+  if (with_procs) {
+    for (const auto& j : status.value("jobs", json::array())) {
+      if (!j.value("message", "").empty()) out += fmt::format("\n{}: {}\n", j.value("id", ""), j.value("message", ""));
+      std::vector<std::vector<std::string>> prow = {{"PROCESS", "ROLE", "RANK", "AGENT", "SLOT", "PID", "STATE", "EXIT", "EPOCH"}};
+      for (const auto& p : j.value("procs", json::array())) {
+        std::string st = p.value("state", "");
+        prow.push_back({p.value("name", ""), p.value("role", ""), p.value("rank", 0) < 0 ? "-" : std::to_string(p.value("rank", 0)),
+                        p.value("agent", ""), p.value("slot", -1) < 0 ? "-" : std::to_string(p.value("slot", -1)),
+                        p.value("pid", 0) ? std::to_string(p.value("pid", 0)) : "-", st,
+                        st == "exited" ? std::to_string(p.value("exit_status", 0)) : "-",
+                        std::to_string(p.value("epoch", 0))});
+      }
+      if (prow.size() > 1) out += "\n" + table(prow);
+    }
+  }
+  std::vector<std::vector<std::string>> arows = {{"AGENT", "HOST", "SLOTS", "GPUS", "ALIVE"}};
+  for (const auto& a : status.value("agents", json::array())) {
+    arows.push_back({a.value("id", ""), a.value("host", ""), std::to_string(a.value("slots", 0)),
+                     std::to_string(a.value("gpus", 0)), a.value("alive", false) ? "yes" : "no"});
+  }
+  out += "\n" + table(arows);
+  return out;
+}
+
+int cli_submit(const CliConnection& c, JobSpec spec, bool as_json) {
+  Status v = spec.validate();
+  if (!v.ok()) return fail(v);
+  auto client = open_client(c);
+  if (!client.ok()) return fail(client.status());
+  auto r = request_json(**client, SubmitJob{spec.to_json()}, c.timeout_ms);
+  if (!r.ok()) return fail(r.status());
+  if (as_json) std::printf("%s\n", r->dump().c_str());
+  else std::printf("%s\n", r->value("job_id", "").c_str());
+  return 0;
+}
+
+int cli_status(const CliConnection& c, const std::string& job_id, bool as_json) {
+  auto client = open_client(c);
+  if (!client.ok()) return fail(client.status());
+  auto r = request_json(**client, StatusQuery{job_id}, c.timeout_ms);
+  if (!r.ok()) return fail(r.status());
+  if (as_json) std::printf("%s\n", r->dump(2).c_str());
+  else std::printf("%s", render_status_table(*r, !job_id.empty()).c_str());
+  return 0;
+}
+
+int cli_cancel(const CliConnection& c, const std::string& job_id, bool as_json) {
+  auto client = open_client(c);
+  if (!client.ok()) return fail(client.status());
+  auto rep = (*client)->request(CancelJob{job_id}, std::chrono::milliseconds(c.timeout_ms));
+  if (!rep.ok()) return fail(rep.status());
+  if (!rep->status().ok()) return fail(rep->status());
+  if (as_json) std::printf("%s\n", rep->body.c_str());
+  else std::printf("%s\n", rep->message.c_str());
+  return 0;
+}
+
+int cli_logs(const CliConnection& c, const std::string& job_id, const std::string& proc, bool follow) {
+  auto client = open_client(c);
+  if (!client.ok()) return fail(client.status());
+  int64_t offset = 0;
+  signal(SIGINT, on_interrupt);
+  for (;;) {
+    auto rep = (*client)->request(LogsQuery{LogsRequest{job_id, proc, offset, 1 << 20}},
+                                  std::chrono::milliseconds(c.timeout_ms));
+    if (!rep.ok()) return fail(rep.status());
+    if (!rep->status().ok()) return fail(rep->status());
+    std::fwrite(rep->data.data(), 1, rep->data.size(), stdout);
+    std::fflush(stdout);
+    bool more = rep->offset > offset && !rep->data.empty();
+    offset = rep->offset;
+    if (more) continue;
+    if (!follow || g_interrupts.load() > 0) return 0;
+    // Stop following once the job has ended and everything was printed.
+    auto st = request_json(**client, StatusQuery{job_id}, c.timeout_ms);
+    if (st.ok()) {
+      const auto& j = (*st)["jobs"][0];
+      std::string state = j.value("state", "");
+      if ((state == "succeeded" || state == "failed" || state == "cancelled") && j.value("running_procs", 0) == 0) {
+        auto last = (*client)->request(LogsQuery{LogsRequest{job_id, proc, offset, 1 << 20}},
+                                       std::chrono::milliseconds(c.timeout_ms));
+        if (last.ok() && last->status().ok()) std::fwrite(last->data.data(), 1, last->data.size(), stdout);
+        return 0;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
+int cli_keygen(const std::string& prefix) {
+  auto keys = generate_curve_keypair();
+  if (!keys.ok()) return fail(keys.status());
+  Status s = write_key_file(prefix + ".key", *keys, true);
+  if (s.ok()) s = write_key_file(prefix + ".pub", *keys, false);
+  if (!s.ok()) return fail(s);
+  std::printf("wrote %s.key (key pair, keep private) and %s.pub (public key)\n", prefix.c_str(), prefix.c_str());
+  return 0;
+}
+
+int cli_run(const RunOptions& opts) {
+  JobSpec spec = opts.spec;
+  Status v = spec.validate();
+  if (!v.ok()) return fail(v);
+  init_logging(LoggingOptions{"troupe run", "", opts.verbose ? spdlog::level::info : spdlog::level::warn});
+
+  std::string state_dir = opts.state_dir;
+  bool temp_dir = state_dir.empty();
+  if (temp_dir) {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "troupe-run-XXXXXX").string();
+    if (!mkdtemp(tmpl.data())) return fail(io_error("mkdtemp {}: {}", tmpl, std::strerror(errno)));
+    state_dir = tmpl;
+  }
+  SchedulerOptions so;
+  so.listen = "tcp://127.0.0.1:0";
+  so.state_dir = state_dir;
+  auto sched = Scheduler::create(so);
+  if (!sched.ok()) return fail(sched.status());
+  AgentOptions ao;
+  ao.scheduler = (*sched)->endpoint();
+  ao.agent_id = "local";
+  ao.slots = spec.nproc;
+  ao.work_dir = state_dir;
+  auto agent = Agent::create(ao);
+  if (!agent.ok()) return fail(agent.status());
+
+  struct sigaction sa {};
+  sa.sa_handler = on_interrupt;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGHUP, &sa, nullptr);
+
+  Scheduler* s = sched->get();
+  Agent* a = agent->get();
+  std::thread sched_thread([s] { s->run(); });
+  std::thread agent_thread([a] { a->run(); });
+
+  int exit_code = 1;
+  std::string summary;
+  {
+    CliConnection conn{(*sched)->endpoint(), "", "", 5000};
+    auto client = open_client(conn);
+    std::string job_id, job_dir;
+    Status err;
+    if (!client.ok()) err = client.status();
+    if (err.ok()) {
+      auto r = request_json(**client, SubmitJob{spec.to_json()}, 5000);
+      if (r.ok()) {
+        job_id = r->value("job_id", "");
+        job_dir = r->value("job_dir", "");
+      } else {
+        err = r.status();
+      }
+    }
+    LogTailer tailer(state_dir + "/jobs/" + job_id + "/logs", opts.prefix_output);
+    bool cancelled = false;
+    auto cancel_started = std::chrono::steady_clock::now();
+    while (err.ok()) {
+      tailer.poll(false);
+      if (g_interrupts.load() > 0 && !cancelled) {
+        cancelled = true;
+        cancel_started = std::chrono::steady_clock::now();
+        std::fprintf(stderr, "troupe: interrupted, cancelling %s\n", job_id.c_str());
+        (*client)->request(CancelJob{job_id}, std::chrono::milliseconds(2000)).status().ignore();
+      }
+      auto st = request_json(**client, StatusQuery{job_id}, 5000);
+      if (!st.ok()) {
+        err = st.status();
+        break;
+      }
+      const auto& j = (*st)["jobs"][0];
+      std::string state = j.value("state", "");
+      bool final = state == "succeeded" || state == "failed" || state == "cancelled";
+      if (final && (j.value("running_procs", 0) == 0 ||
+                    std::chrono::steady_clock::now() - cancel_started > std::chrono::seconds(5))) {
+        exit_code = j.value("exit_code", 1);
+        summary = fmt::format("job {} {} (exit status {}{}{})", job_id, state, exit_code,
+                              j.value("message", "").empty() ? "" : ": ", j.value("message", ""));
+        if (state == "cancelled") exit_code = 130;
+        break;
+      }
+      if (g_interrupts.load() > 1) break;  // a second Ctrl-C: stop waiting, kill below
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    tailer.poll(true);
+    if (!err.ok()) {
+      exit_code = fail(err);
+      summary.clear();
+    }
+  }
+  a->stop();
+  agent_thread.join();  // kills and reaps whatever is still running
+  s->stop();
+  sched_thread.join();
+  agent->reset();
+  sched->reset();
+  if (!summary.empty() && (opts.verbose || exit_code != 0)) std::fprintf(stderr, "troupe: %s\n", summary.c_str());
+  if (temp_dir && exit_code == 0) {
+    std::error_code ec;
+    std::filesystem::remove_all(state_dir, ec);
+  } else if (exit_code != 0) {
+    std::fprintf(stderr, "troupe: logs and events are in %s\n", state_dir.c_str());
+  }
+  return exit_code;
+}
+
+}  // namespace troupe::sched

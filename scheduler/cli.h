@@ -1,0 +1,43 @@
+// scheduler/cli.h — defines the troupe CLI's commands as functions over parsed options
+// (troupe_main.cc does the CLI11 parsing): run (embedded scheduler + agent), submit,
+// status, logs, cancel, keygen; and the table / JSON renderers of `troupe status`.
+// Each returns the process exit status; errors are printed as "troupe: <reason>".
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+#include "scheduler/job_spec.h"
+#include "scheduler/transport.h"
+
+namespace troupe::sched {
+
+struct CliConnection {
+  std::string scheduler;        // ADDR; default $TROUPE_SCHEDULER or tcp://127.0.0.1:7460
+  std::string curve_key;        // this client's key pair file
+  std::string scheduler_key;    // the scheduler's public key file (turns CURVE on)
+  int timeout_ms = 3000;
+};
+
+inline constexpr const char* kDefaultSchedulerAddress = "tcp://127.0.0.1:7460";
+
+struct RunOptions {
+  JobSpec spec;
+  std::string state_dir;        // empty: a temporary directory, removed after success
+  bool verbose = false;
+  bool prefix_output = true;    // "[worker-0] " before each line of a process's output
+};
+
+int cli_run(const RunOptions& opts);
+int cli_submit(const CliConnection& c, JobSpec spec, bool json);
+int cli_status(const CliConnection& c, const std::string& job_id, bool json);
+int cli_logs(const CliConnection& c, const std::string& job_id, const std::string& proc, bool follow);
+int cli_cancel(const CliConnection& c, const std::string& job_id, bool json);
+int cli_keygen(const std::string& prefix);
+
+// Human tables of a status document (the scheduler's JSON).
+std::string render_status_table(const nlohmann::json& status, bool with_procs);
+
+}  // namespace troupe::sched

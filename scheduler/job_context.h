@@ -1,0 +1,83 @@
+// scheduler/job_context.h — defines what a job process (driver or worker) uses to talk to
+// the scheduler that started it: JobContext (its TROUPE_* environment, parsed),
+// SchedulerSession (hello + heartbeats + status queries over its own connection) and
+// HeartbeatThread (beats from a background thread for apps without a main loop to beat
+// from; note that a hung main thread then still looks alive — beat from the main loop
+// when hangs must be detected).
+//
+// TROUPE_* variables set for every process: TROUPE_ROLE (driver|worker), TROUPE_RANK
+// (-1 for the driver), TROUPE_WORLD_SIZE, TROUPE_LOCAL_RANK, TROUPE_LOCAL_WORLD_SIZE,
+// TROUPE_JOB_ID, TROUPE_PROC_NAME, TROUPE_EPOCH, TROUPE_RESTARTS, TROUPE_DRIVER_RESTARTS,
+// TROUPE_SCHEDULER, TROUPE_LAYOUT, TROUPE_BACKEND, TROUPE_NODE, TROUPE_SLOT,
+// TROUPE_HEARTBEAT_MS, TROUPE_HEARTBEAT_TIMEOUT_MS, TROUPE_LOG_FILE, and when set
+// TROUPE_CHECKPOINT_DIR, TROUPE_SCHEDULER_PUBLIC_KEY + TROUPE_CURVE_KEY (CURVE).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "core/status.h"
+#include "scheduler/transport.h"
+
+namespace troupe::sched {
+
+struct JobContext {
+  std::string role;
+  std::string job_id;
+  std::string name;
+  std::string scheduler;
+  std::string layout;
+  std::string backend;
+  std::string node;
+  std::string checkpoint_dir;
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  int slot = -1;
+  uint64_t epoch = 0;
+  int restarts = 0;
+  int driver_restarts = 0;
+  int heartbeat_ms = 500;
+  int heartbeat_timeout_ms = 3000;
+  ClientSecurity security;
+
+  bool is_driver() const { return role == "driver"; }
+  // nullopt when the process was not started by Troupe (no TROUPE_JOB_ID); an error when
+  // the variables are there but malformed.
+  static Result<std::optional<JobContext>> from_env();
+};
+
+class SchedulerSession {
+ public:
+  static Result<std::unique_ptr<SchedulerSession>> connect(const JobContext& ctx);
+  // The first beat is the hello that starts heartbeat monitoring of this process.
+  bool beat();
+  // The status document of this job (the same as `troupe status <job> --json`).
+  Result<nlohmann::json> job_status(std::chrono::milliseconds timeout);
+  ClientEndpoint& endpoint() { return *conn_; }
+
+ private:
+  SchedulerSession(JobContext ctx, std::unique_ptr<ClientEndpoint> c) : ctx_(std::move(ctx)), conn_(std::move(c)) {}
+  JobContext ctx_;
+  std::unique_ptr<ClientEndpoint> conn_;
+  bool said_hello_ = false;
+};
+
+class HeartbeatThread {
+ public:
+  static Result<std::unique_ptr<HeartbeatThread>> start(const JobContext& ctx);
+  ~HeartbeatThread();
+
+ private:
+  HeartbeatThread() = default;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace troupe::sched

@@ -1,0 +1,731 @@
+// scheduler/scheduler.cc — the Scheduler's event loop, job lifecycle and health policy.
+#include "scheduler/scheduler.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+
+#include "core/logging.h"
+#include "scheduler/placement.h"
+
+namespace troupe::sched {
+namespace {
+
+using nlohmann::json;
+
+std::shared_ptr<spdlog::logger> log() {
+  static auto l = make_logger("sched");
+  return l;
+}
+
+bool proc_live(const ProcRecord& p) { return p.state == ProcState::kStarting || p.state == ProcState::kRunning; }
+
+std::string worker_name(int rank) { return fmt::format("worker-{}", rank); }
+
+}  // namespace
+
+Result<std::unique_ptr<Scheduler>> Scheduler::create(SchedulerOptions opts) {
+  std::unique_ptr<Scheduler> s(new Scheduler(std::move(opts)));
+  TROUPE_RETURN_IF_ERROR(s->init());
+  return s;
+}
+
+Scheduler::~Scheduler() = default;
+
+Status Scheduler::init() {
+  if (opts_.state_dir.empty()) return invalid_argument("scheduler: --state-dir is required");
+  std::error_code ec;
+  std::filesystem::create_directories(opts_.state_dir + "/jobs", ec);
+  if (ec) return io_error("cannot create state directory {}: {}", opts_.state_dir, ec.message());
+  TROUPE_ASSIGN_OR_RETURN(store_, StateStore::open(opts_.state_dir + "/scheduler.db"));
+  rendezvous_ = std::make_unique<RendezvousTable>(store_.get());
+  TROUPE_ASSIGN_OR_RETURN(server_, ServerEndpoint::bind(opts_.listen, opts_.security));
+  endpoint_ = server_->bound_endpoint();
+  advertise_ = opts_.advertise.empty() ? endpoint_ : opts_.advertise;
+  if (advertise_.find("0.0.0.0") != std::string::npos) {
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    advertise_.replace(advertise_.find("0.0.0.0"), 7, host);
+  }
+  incarnation_ = rng_() | 1;
+  TROUPE_RETURN_IF_ERROR(recover());
+  log()->info("scheduler listening on {} (incarnation {:x}, state {})", endpoint_, incarnation_, opts_.state_dir);
+  return ok_status();
+}
+
+// Loads every job; running jobs keep their processes, which are re-attached when their
+// agents register again (or declared lost when they do not come back in time).
+Status Scheduler::recover() {
+  TROUPE_ASSIGN_OR_RETURN(auto jobs, store_->load_jobs());
+  auto now = Clock::now();
+  bool any_live = false;
+  for (auto& rec : jobs) {
+    Job job;
+    job.rec = std::move(rec);
+    auto lg = EventLog::open(job.rec.job_dir, job.rec.id);
+    if (lg.ok()) job.log.emplace(std::move(lg).value());
+    if (!job_state_final(job.rec.state)) {
+      TROUPE_ASSIGN_OR_RETURN(auto procs, store_->load_procs(job.rec.id));
+      for (auto& p : procs) {
+        Proc proc;
+        proc.rec = std::move(p);
+        proc.last_beat = now;
+        any_live = any_live || proc_live(proc.rec);
+        job.procs.emplace(proc.rec.name, std::move(proc));
+      }
+    }
+    std::string id = job.rec.id;
+    auto& j = jobs_.emplace(id, std::move(job)).first->second;
+    if (!job_state_final(j.rec.state)) event(j, "scheduler_recovered", {{"incarnation", fmt::format("{:x}", incarnation_)}});
+  }
+  TROUPE_ASSIGN_OR_RETURN(auto agents, store_->load_agents());
+  for (auto& a : agents) {
+    Agent ag;
+    ag.rec = a;
+    ag.alive = false;
+    agents_.emplace(a.id, std::move(ag));
+  }
+  if (any_live) recovered_until_ = now + std::chrono::milliseconds(2 * opts_.agent_timeout_ms);
+  if (!jobs_.empty()) log()->info("recovered {} job record(s) from {}", jobs_.size(), opts_.state_dir);
+  return ok_status();
+}
+
+void Scheduler::run() {
+  while (!stop_.load()) run_once(std::chrono::milliseconds(opts_.poll_ms));
+}
+
+void Scheduler::run_once(std::chrono::milliseconds timeout) {
+  for (auto& in : server_->poll(timeout)) dispatch(in);
+  timers();
+}
+
+void Scheduler::reply(const std::string& peer, uint64_t request_id, Reply r) {
+  if (!server_->send(peer, Message{request_id, std::move(r)})) {
+    log()->debug("reply to a peer that is gone (request {})", request_id);
+  }
+}
+
+void Scheduler::dispatch(const Incoming& in) {
+  const auto& m = in.msg;
+  std::visit(
+      [&](const auto& p) {
+        using T = std::decay_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, RegisterAgent>) on_register(in.peer, p);
+        else if constexpr (std::is_same_v<T, AgentHeartbeat>) on_agent_heartbeat(in.peer, p);
+        else if constexpr (std::is_same_v<T, ProcStarted>) on_proc_started(p.proc);
+        else if constexpr (std::is_same_v<T, ProcExited>) on_proc_exited(in.peer, p.proc);
+        else if constexpr (std::is_same_v<T, ProcBeat>) on_proc_beat(in.peer, p);
+        else if constexpr (std::is_same_v<T, SubmitJob>) on_submit(in.peer, m.request_id, p);
+        else if constexpr (std::is_same_v<T, StatusQuery>) on_status(in.peer, m.request_id, p);
+        else if constexpr (std::is_same_v<T, CancelJob>) on_cancel(in.peer, m.request_id, p);
+        else if constexpr (std::is_same_v<T, LogsQuery>) on_logs(in.peer, m.request_id, p);
+        else if constexpr (std::is_same_v<T, StoreRequest>) on_store(in.peer, m.request_id, p);
+        else if constexpr (std::is_same_v<T, Reply>) on_reply(m);
+        else {
+          log()->warn("unexpected {} message from a client: dropped", payload_name(m.payload));
+          reply(in.peer, m.request_id, Reply::of(invalid_argument("the scheduler does not accept {} messages",
+                                                                  payload_name(m.payload))));
+        }
+      },
+      m.payload);
+}
+
+// ------------------------------------------------------------------ agents
+
+void Scheduler::on_register(const std::string& peer, const RegisterAgent& m) {
+  if (m.agent_id.empty() || m.slots < 0) {
+    reply(peer, 0, Reply::of(invalid_argument("register: bad agent id or slot count")));
+    return;
+  }
+  auto now = Clock::now();
+  auto& a = agents_[m.agent_id];
+  bool was_alive = a.alive;
+  a.rec = AgentRecord{m.agent_id, m.host, m.slots, m.gpus, wall_ms()};
+  a.peer = peer;
+  a.last_seen = now;
+  a.alive = true;
+  store_->put_agent(a.rec).ignore();
+  server_->send(peer, Message{0, RegisterAck{incarnation_, opts_.agent_heartbeat_ms}});
+  log()->info("agent {} ({}) registered: {} slots, {} GPUs, {} process(es){}", m.agent_id, m.host, m.slots, m.gpus,
+              m.procs.size(), was_alive ? " (again)" : "");
+
+  // Reconcile what the agent runs with what we believe it runs.
+  std::set<std::pair<std::string, std::string>> reported;
+  for (const auto& p : m.procs) {
+    reported.insert({p.job_id, p.name});
+    auto jit = jobs_.find(p.job_id);
+    Proc* proc = nullptr;
+    if (jit != jobs_.end()) {
+      auto pit = jit->second.procs.find(p.name);
+      if (pit != jit->second.procs.end() && pit->second.rec.epoch == p.epoch && pit->second.rec.agent_id == m.agent_id) {
+        proc = &pit->second;
+      }
+    }
+    if (p.running) {
+      if (proc && proc_live(proc->rec) && !job_state_final(jit->second.rec.state)) {
+        if (proc->rec.state != ProcState::kRunning || proc->rec.pid != p.pid) {
+          proc->rec.state = ProcState::kRunning;
+          proc->rec.pid = p.pid;
+          save(*proc);
+        }
+        proc->last_beat = now;
+        event(jit->second, "proc_reattached", {{"proc", p.name}, {"pid", p.pid}, {"agent", m.agent_id}});
+      } else {
+        // A process we no longer want (an older epoch, a finished job): stop it.
+        log()->info("agent {} runs {}/{} (epoch {}) that is not wanted: killing it", m.agent_id, p.job_id, p.name, p.epoch);
+        server_->send(peer, Message{0, KillRequest{p.job_id, p.name, SIGKILL, 0}});
+      }
+    } else {
+      on_proc_exited(peer, p);
+    }
+  }
+  // Processes we placed on this agent that it no longer knows: they ended unseen.
+  for (auto& [id, job] : jobs_) {
+    if (job_state_final(job.rec.state)) continue;
+    for (auto& [name, proc] : job.procs) {
+      if (proc.rec.agent_id == m.agent_id && proc_live(proc.rec) && !reported.count({id, name})) {
+        proc_failed(job, proc, fmt::format("agent {} no longer knows {} (it ended while unobserved)", m.agent_id, name));
+        if (job_state_final(job.rec.state)) break;
+      }
+    }
+  }
+  // Jobs waiting for slots may fit now; processes never spawned (scheduler restart) go out.
+  for (auto& [id, job] : jobs_) {
+    if (job.rec.state == JobState::kPending || job.rec.state == JobState::kRestarting) {
+      try_start(job);
+      continue;
+    }
+    if (job_state_final(job.rec.state)) continue;
+    for (auto& [name, proc] : job.procs) {
+      if (proc.rec.state == ProcState::kPending && proc.rec.agent_id == m.agent_id) spawn(job, proc).ignore();
+    }
+  }
+}
+
+void Scheduler::on_agent_heartbeat(const std::string& peer, const AgentHeartbeat& m) {
+  auto it = agents_.find(m.agent_id);
+  if (it == agents_.end() || !it->second.alive || m.incarnation != incarnation_) {
+    server_->send(peer, Message{0, Reregister{}});
+    return;
+  }
+  it->second.last_seen = Clock::now();
+  it->second.peer = peer;
+}
+
+// ------------------------------------------------------------------ processes
+
+void Scheduler::on_proc_started(const ProcStatus& p) {
+  auto jit = jobs_.find(p.job_id);
+  if (jit == jobs_.end()) return;
+  auto pit = jit->second.procs.find(p.name);
+  if (pit == jit->second.procs.end() || pit->second.rec.epoch != p.epoch || !proc_live(pit->second.rec)) return;
+  auto& proc = pit->second;
+  proc.rec.state = ProcState::kRunning;
+  proc.rec.pid = p.pid;
+  proc.rec.started_ms = p.time_ms;
+  save(proc);
+  event(jit->second, "proc_started", {{"proc", p.name}, {"pid", p.pid}, {"epoch", p.epoch}, {"agent", proc.rec.agent_id}});
+}
+
+void Scheduler::on_proc_exited(const std::string& peer, const ProcStatus& p) {
+  server_->send(peer, Message{0, ExitAck{p.job_id, p.name, p.epoch, p.pid}});
+  auto jit = jobs_.find(p.job_id);
+  if (jit == jobs_.end()) return;
+  Job& job = jit->second;
+  auto pit = job.procs.find(p.name);
+  if (pit == job.procs.end() || pit->second.rec.epoch != p.epoch) return;  // an older epoch's
+  Proc& proc = pit->second;
+  if (!proc_live(proc.rec)) return;  // already handled (heartbeat timeout, agent loss, duplicate)
+  proc.rec.state = ProcState::kExited;
+  proc.rec.exit_code = p.exit_code;
+  proc.rec.term_signal = p.term_signal;
+  proc.rec.ended_ms = p.time_ms ? p.time_ms : wall_ms();
+  if (p.pid) proc.rec.pid = p.pid;
+  save(proc);
+  int status = proc.rec.exit_status();
+  json ev = {{"proc", p.name}, {"pid", proc.rec.pid}, {"epoch", p.epoch}, {"exit_code", p.exit_code},
+             {"signal", p.term_signal}, {"exit_status", status}, {"exited_at_ms", proc.rec.ended_ms}};
+  if (!p.error.empty()) ev["error"] = p.error;
+  event(job, "proc_exited", ev);
+  if (job_state_final(job.rec.state)) return;
+  if (status == 0) {
+    check_completion(job);
+    return;
+  }
+  std::string why = !p.error.empty() ? p.error
+                    : p.term_signal ? fmt::format("{} killed by signal {} ({})", p.name, p.term_signal, strsignal(p.term_signal))
+                                    : fmt::format("{} exited with status {}", p.name, p.exit_code);
+  if (proc.rec.role == "driver") restart_driver(job, why);
+  else restart_workers(job, why);
+}
+
+void Scheduler::on_proc_beat(const std::string& peer, const ProcBeat& b) {
+  auto jit = jobs_.find(b.job_id);
+  if (jit == jobs_.end()) return;
+  auto pit = jit->second.procs.find(b.name);
+  if (pit == jit->second.procs.end() || pit->second.rec.epoch != b.epoch || !proc_live(pit->second.rec)) return;
+  auto& proc = pit->second;
+  proc.last_beat = Clock::now();
+  proc.peer = peer;
+  if (!proc.beating) {
+    proc.beating = true;
+    event(jit->second, "proc_hello", {{"proc", b.name}, {"pid", b.pid}, {"epoch", b.epoch}});
+  }
+}
+
+void Scheduler::proc_failed(Job& job, Proc& proc, const std::string& reason) {
+  if (!proc_live(proc.rec)) return;
+  proc.rec.state = ProcState::kLost;
+  proc.rec.ended_ms = wall_ms();
+  save(proc);
+  kill_procs(job, proc.rec.name, SIGKILL, 0);
+  event(job, "proc_lost", {{"proc", proc.rec.name}, {"pid", proc.rec.pid}, {"epoch", proc.rec.epoch}, {"reason", reason}});
+  if (job_state_final(job.rec.state)) return;
+  if (proc.rec.role == "driver") restart_driver(job, reason);
+  else restart_workers(job, reason);
+}
+
+// ------------------------------------------------------------------ job lifecycle
+
+std::vector<AgentCapacity> Scheduler::capacity() const {
+  std::vector<AgentCapacity> out;
+  for (const auto& [id, a] : agents_) {
+    if (!a.alive) continue;
+    std::vector<bool> used(static_cast<size_t>(a.rec.slots), false);
+    for (const auto& [jid, job] : jobs_) {
+      if (job_state_final(job.rec.state)) continue;
+      for (const auto& [name, p] : job.procs) {
+        if (p.rec.agent_id == id && p.rec.slot >= 0 && p.rec.slot < a.rec.slots &&
+            (proc_live(p.rec) || p.rec.state == ProcState::kPending)) {
+          used[static_cast<size_t>(p.rec.slot)] = true;
+        }
+      }
+    }
+    AgentCapacity c{id, {}};
+    for (int s = 0; s < a.rec.slots; ++s) {
+      if (!used[static_cast<size_t>(s)]) c.free_slots.push_back(s);
+    }
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+void Scheduler::try_start(Job& job) {
+  if (job.rec.state != JobState::kPending && job.rec.state != JobState::kRestarting) return;
+  // Workers of the current epoch still alive keep their slots out of the count.
+  auto layout = job.rec.spec.parsed_layout();
+  auto cap = capacity();
+  auto placed = place_workers(layout, cap);
+  if (!placed.ok()) {
+    if (job.rec.message != placed.status().message()) {
+      job.rec.message = placed.status().message();
+      save(job);
+      event(job, "waiting_for_slots", {{"reason", job.rec.message}});
+    }
+    return;
+  }
+  job.rec.state = JobState::kRunning;
+  job.rec.message.clear();
+  save(job);
+  json placement = json::object();
+  for (const auto& a : *placed) {
+    Proc& p = job.procs[worker_name(a.rank)];
+    p.rec = ProcRecord{};
+    p.rec.job_id = job.rec.id;
+    p.rec.name = worker_name(a.rank);
+    p.rec.role = "worker";
+    p.rec.rank = a.rank;
+    p.rec.epoch = job.rec.epoch;
+    p.rec.agent_id = a.agent_id;
+    p.rec.slot = a.slot;
+    p.beating = false;
+    p.peer.clear();
+    placement[p.rec.name] = fmt::format("{}/{}", a.agent_id, a.slot);
+  }
+  auto dit = job.procs.find("driver");
+  bool need_driver = job.rec.spec.driver && (dit == job.procs.end() || !proc_live(dit->second.rec));
+  if (need_driver && dit != job.procs.end() && dit->second.rec.state == ProcState::kExited &&
+      dit->second.rec.exit_status() == 0) {
+    need_driver = false;  // the driver finished its part; a worker restart does not rerun it
+  }
+  if (need_driver) {
+    Proc& d = job.procs["driver"];
+    d.rec = ProcRecord{};
+    d.rec.job_id = job.rec.id;
+    d.rec.name = "driver";
+    d.rec.role = "driver";
+    d.rec.rank = -1;
+    d.rec.epoch = job.rec.epoch;
+    d.rec.agent_id = place_driver(*placed, cap);
+    d.beating = false;
+    placement["driver"] = d.rec.agent_id;
+  }
+  event(job, "placed", {{"epoch", job.rec.epoch}, {"layout", layout.to_string()}, {"placement", placement}});
+  for (auto& [name, proc] : job.procs) {
+    if (proc.rec.state == ProcState::kPending) spawn(job, proc).ignore();
+  }
+}
+
+Status Scheduler::spawn(Job& job, Proc& proc) {
+  const auto& spec = job.rec.spec;
+  auto ait = agents_.find(proc.rec.agent_id);
+  if (ait == agents_.end() || !ait->second.alive) {
+    return unavailable("agent {} is not connected", proc.rec.agent_id);  // retried when it registers
+  }
+  SpawnRequest req;
+  req.job_id = job.rec.id;
+  req.name = proc.rec.name;
+  req.epoch = proc.rec.epoch;
+  req.argv = spec.argv;
+  req.work_dir = spec.work_dir;
+  for (const auto& [k, v] : spec.env) req.env.emplace_back(k, v);
+  int local_rank = 0, local_size = 0;
+  for (const auto& [n, p] : job.procs) {
+    if (p.rec.role != "worker" || p.rec.agent_id != proc.rec.agent_id || p.rec.epoch != proc.rec.epoch) continue;
+    if (p.rec.rank < proc.rec.rank) ++local_rank;
+    ++local_size;
+  }
+  auto add = [&](const char* k, std::string v) { req.env.emplace_back(k, std::move(v)); };
+  add("TROUPE_ROLE", proc.rec.role);
+  add("TROUPE_RANK", std::to_string(proc.rec.rank));
+  add("TROUPE_WORLD_SIZE", std::to_string(spec.nproc));
+  add("TROUPE_LOCAL_RANK", std::to_string(proc.rec.role == "worker" ? local_rank : -1));
+  add("TROUPE_LOCAL_WORLD_SIZE", std::to_string(local_size));
+  add("TROUPE_JOB_ID", job.rec.id);
+  add("TROUPE_PROC_NAME", proc.rec.name);
+  add("TROUPE_EPOCH", std::to_string(proc.rec.epoch));
+  add("TROUPE_RESTARTS", std::to_string(job.rec.restarts));
+  add("TROUPE_DRIVER_RESTARTS", std::to_string(job.rec.driver_restarts));
+  add("TROUPE_SCHEDULER", advertise_);
+  add("TROUPE_LAYOUT", spec.parsed_layout().to_string());
+  add("TROUPE_BACKEND", spec.backend);
+  add("TROUPE_NODE", proc.rec.agent_id);
+  add("TROUPE_SLOT", std::to_string(proc.rec.slot));
+  add("TROUPE_HEARTBEAT_MS", std::to_string(std::max(50, spec.heartbeat_timeout_ms / 6)));
+  add("TROUPE_HEARTBEAT_TIMEOUT_MS", std::to_string(spec.heartbeat_timeout_ms));
+  if (!spec.checkpoint_dir.empty()) add("TROUPE_CHECKPOINT_DIR", spec.checkpoint_dir);
+  if (opts_.security.server_keys) add("TROUPE_SCHEDULER_PUBLIC_KEY", opts_.security.server_keys->public_key);
+  if (spec.backend == "cuda" && proc.rec.slot >= 0) add("CUDA_VISIBLE_DEVICES", std::to_string(proc.rec.slot));
+  proc.rec.state = ProcState::kStarting;
+  proc.rec.pid = 0;
+  proc.rec.exit_code = 0;
+  proc.rec.term_signal = 0;
+  proc.rec.started_ms = wall_ms();
+  proc.rec.ended_ms = 0;
+  proc.last_beat = Clock::now();
+  proc.beating = false;
+  save(proc);
+  if (!server_->send(ait->second.peer, Message{0, std::move(req)})) {
+    log()->warn("could not send spawn of {}/{} to agent {}", job.rec.id, proc.rec.name, proc.rec.agent_id);
+  }
+  return ok_status();
+}
+
+void Scheduler::kill_procs(Job& job, const std::string& name, int signal, int grace_ms) {
+  std::set<std::string> agents;
+  for (const auto& [n, p] : job.procs) {
+    if (name.empty() || n == name) agents.insert(p.rec.agent_id);
+  }
+  for (const auto& id : agents) {
+    auto it = agents_.find(id);
+    if (it == agents_.end() || !it->second.alive) continue;
+    server_->send(it->second.peer, Message{0, KillRequest{job.rec.id, name, signal, grace_ms}});
+  }
+}
+
+void Scheduler::restart_workers(Job& job, const std::string& reason) {
+  if (job.rec.restarts >= job.rec.spec.max_restarts) {
+    finish_job(job, JobState::kFailed,
+               fmt::format("{}; no restarts left (max_restarts={})", reason, job.rec.spec.max_restarts));
+    return;
+  }
+  // Every worker of the failed epoch goes; their late exits are ignored (older epoch).
+  for (auto& [name, p] : job.procs) {
+    if (p.rec.role != "worker") continue;
+    if (proc_live(p.rec)) kill_procs(job, name, SIGKILL, 0);
+    p.rec.state = ProcState::kExited;
+  }
+  job.rec.restarts++;
+  job.rec.epoch++;
+  job.rec.state = JobState::kRestarting;
+  save(job);
+  event(job, "job_restarting", {{"reason", reason}, {"restart", job.rec.restarts}, {"epoch", job.rec.epoch}});
+  log()->warn("job {}: {}; restarting its workers (restart {}/{}, epoch {})", job.rec.id, reason, job.rec.restarts,
+              job.rec.spec.max_restarts, job.rec.epoch);
+  try_start(job);
+}
+
+void Scheduler::restart_driver(Job& job, const std::string& reason) {
+  auto it = job.procs.find("driver");
+  if (it == job.procs.end()) return;
+  if (job.rec.driver_restarts >= job.rec.spec.max_driver_restarts) {
+    finish_job(job, JobState::kFailed,
+               fmt::format("{}; no driver restarts left (max_driver_restarts={})", reason,
+                           job.rec.spec.max_driver_restarts));
+    return;
+  }
+  job.rec.driver_restarts++;
+  save(job);
+  Proc& d = it->second;
+  auto cap = capacity();
+  if (auto ait = agents_.find(d.rec.agent_id); ait == agents_.end() || !ait->second.alive) {
+    d.rec.agent_id = cap.empty() ? d.rec.agent_id : cap.front().agent_id;
+  }
+  d.rec.state = ProcState::kPending;
+  d.rec.epoch = job.rec.epoch;
+  event(job, "driver_restarting", {{"reason", reason}, {"driver_restart", job.rec.driver_restarts}, {"agent", d.rec.agent_id}});
+  log()->warn("job {}: {}; restarting the driver ({}/{})", job.rec.id, reason, job.rec.driver_restarts,
+              job.rec.spec.max_driver_restarts);
+  spawn(job, d).ignore();
+}
+
+void Scheduler::finish_job(Job& job, JobState state, const std::string& message) {
+  int worst = 0;
+  for (const auto& [n, p] : job.procs) {
+    if (p.rec.epoch != job.rec.epoch && p.rec.role == "worker") continue;
+    if (p.rec.state == ProcState::kExited) worst = std::max(worst, p.rec.exit_status());
+    if (p.rec.state == ProcState::kLost) worst = std::max(worst, 128 + SIGKILL);
+  }
+  if (state == JobState::kCancelled && worst == 0) worst = 128 + SIGINT;
+  if (state == JobState::kFailed && worst == 0) worst = 1;
+  job.rec.state = state;
+  job.rec.exit_code = worst;
+  job.rec.message = message;
+  save(job);
+  kill_procs(job, "", SIGTERM, 2000);
+  event(job, "job_finished", {{"state", job_state_name(state)}, {"exit_code", worst}, {"message", message}});
+  log()->info("job {} {} (exit {}){}{}", job.rec.id, job_state_name(state), worst, message.empty() ? "" : ": ", message);
+  rendezvous_->drop_job(job.rec.id);
+}
+
+void Scheduler::check_completion(Job& job) {
+  if (job.rec.state != JobState::kRunning) return;
+  for (const auto& [n, p] : job.procs) {
+    if (p.rec.state != ProcState::kExited) return;
+    if (p.rec.exit_status() != 0) return;  // handled by the failure path
+  }
+  finish_job(job, JobState::kSucceeded, "");
+}
+
+// ------------------------------------------------------------------ timers
+
+void Scheduler::timers() {
+  auto now = Clock::now();
+  for (auto& [token, r] : rendezvous_->take_ready(now)) {
+    auto it = store_waiters_.find(token);
+    if (it == store_waiters_.end()) continue;
+    reply(it->second.peer, it->second.request_id, std::move(r));
+    store_waiters_.erase(it);
+  }
+  // Agents that stopped heartbeating: everything they ran is lost.
+  for (auto& [id, a] : agents_) {
+    if (!a.alive || now - a.last_seen < std::chrono::milliseconds(opts_.agent_timeout_ms)) continue;
+    a.alive = false;
+    log()->warn("agent {} missed its heartbeats for {} ms: declared dead", id, opts_.agent_timeout_ms);
+    for (auto& [jid, job] : jobs_) {
+      if (job_state_final(job.rec.state)) continue;
+      for (auto& [name, proc] : job.procs) {
+        if (proc.rec.agent_id == id && proc_live(proc.rec)) {
+          event(job, "agent_lost", {{"agent", id}, {"proc", name}});
+          proc_failed(job, proc, fmt::format("agent {} lost (no heartbeat for {} ms)", id, opts_.agent_timeout_ms));
+          if (job_state_final(job.rec.state)) break;
+        }
+      }
+    }
+  }
+  // After a scheduler restart, processes whose agent never came back are lost.
+  if (recovered_until_ != Clock::time_point{} && now > recovered_until_) {
+    recovered_until_ = {};
+    for (auto& [jid, job] : jobs_) {
+      if (job_state_final(job.rec.state)) continue;
+      for (auto& [name, proc] : job.procs) {
+        auto ait = agents_.find(proc.rec.agent_id);
+        if (proc_live(proc.rec) && (ait == agents_.end() || !ait->second.alive)) {
+          proc_failed(job, proc, fmt::format("agent {} did not return after the scheduler restarted", proc.rec.agent_id));
+          if (job_state_final(job.rec.state)) break;
+        }
+      }
+    }
+  }
+  // Job processes that said hello and then went silent (hung, stopped, partitioned).
+  for (auto& [jid, job] : jobs_) {
+    if (job_state_final(job.rec.state)) continue;
+    auto limit = std::chrono::milliseconds(job.rec.spec.heartbeat_timeout_ms);
+    for (auto& [name, proc] : job.procs) {
+      if (!proc.beating || !proc_live(proc.rec) || now - proc.last_beat < limit) continue;
+      auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(now - proc.last_beat).count();
+      event(job, "proc_heartbeat_timeout", {{"proc", name}, {"pid", proc.rec.pid}, {"silent_ms", silent},
+                                            {"timeout_ms", job.rec.spec.heartbeat_timeout_ms}});
+      proc_failed(job, proc, fmt::format("{} missed heartbeats for {} ms", name, silent));
+      if (job_state_final(job.rec.state)) break;
+    }
+  }
+}
+
+// ------------------------------------------------------------------ client requests
+
+void Scheduler::on_submit(const std::string& peer, uint64_t rid, const SubmitJob& m) {
+  auto spec = JobSpec::from_json(m.spec_json);
+  if (!spec.ok()) return reply(peer, rid, Reply::of(spec.status()));
+  Status v = spec->validate();
+  if (!v.ok()) return reply(peer, rid, Reply::of(v));
+  auto seq = store_->next_job_seq();
+  if (!seq.ok()) return reply(peer, rid, Reply::of(seq.status()));
+  Job job;
+  job.rec.id = fmt::format("job-{}", *seq);
+  job.rec.spec = std::move(spec).value();
+  job.rec.state = JobState::kPending;
+  job.rec.created_ms = job.rec.updated_ms = wall_ms();
+  job.rec.job_dir = opts_.state_dir + "/jobs/" + job.rec.id;
+  auto lg = EventLog::open(job.rec.job_dir, job.rec.id);
+  if (!lg.ok()) return reply(peer, rid, Reply::of(lg.status()));
+  job.log.emplace(std::move(lg).value());
+  std::string id = job.rec.id;
+  Job& j = jobs_.emplace(id, std::move(job)).first->second;
+  save(j);
+  event(j, "submitted", {{"spec", json::parse(j.rec.spec.to_json())}});
+  log()->info("job {} submitted: {} workers{} of '{}'", id, j.rec.spec.nproc, j.rec.spec.driver ? " + driver" : "",
+              j.rec.spec.argv[0]);
+  try_start(j);
+  Reply r;
+  r.body = json{{"job_id", id}, {"job_dir", j.rec.job_dir}, {"state", job_state_name(j.rec.state)}}.dump();
+  reply(peer, rid, std::move(r));
+}
+
+json Scheduler::job_json(const Job& job, bool with_procs) const {
+  const auto& r = job.rec;
+  int running = 0, workers = 0;
+  for (const auto& [n, p] : job.procs) {
+    if (p.rec.role == "worker" && p.rec.epoch == r.epoch) ++workers;
+    if (proc_live(p.rec)) ++running;
+  }
+  json j = {{"id", r.id}, {"name", r.spec.name}, {"state", job_state_name(r.state)}, {"epoch", r.epoch},
+            {"restarts", r.restarts}, {"driver_restarts", r.driver_restarts}, {"exit_code", r.exit_code},
+            {"message", r.message}, {"created_ms", r.created_ms}, {"updated_ms", r.updated_ms},
+            {"job_dir", r.job_dir}, {"nproc", r.spec.nproc}, {"layout", r.spec.parsed_layout().to_string()},
+            {"max_restarts", r.spec.max_restarts}, {"argv", r.spec.argv}, {"running_procs", running}};
+  if (with_procs) {
+    json procs = json::array();
+    for (const auto& [n, p] : job.procs) {
+      procs.push_back({{"name", p.rec.name}, {"role", p.rec.role}, {"rank", p.rec.rank}, {"epoch", p.rec.epoch},
+                       {"agent", p.rec.agent_id}, {"slot", p.rec.slot}, {"pid", p.rec.pid},
+                       {"state", proc_state_name(p.rec.state)}, {"exit_status", p.rec.exit_status()},
+                       {"started_ms", p.rec.started_ms}, {"ended_ms", p.rec.ended_ms},
+                       {"heartbeating", p.beating}});
+    }
+    j["procs"] = std::move(procs);
+  }
+  return j;
+}
+
+void Scheduler::on_status(const std::string& peer, uint64_t rid, const StatusQuery& m) {
+  json out;
+  if (!m.job_id.empty()) {
+    auto it = jobs_.find(m.job_id);
+    if (it == jobs_.end()) return reply(peer, rid, Reply::of(not_found("unknown job '{}'", m.job_id)));
+    out["jobs"] = json::array({job_json(it->second, true)});
+  } else {
+    out["jobs"] = json::array();
+    for (const auto& [id, job] : jobs_) out["jobs"].push_back(job_json(job, true));
+  }
+  json agents = json::array();
+  for (const auto& [id, a] : agents_) {
+    agents.push_back({{"id", id}, {"host", a.rec.host}, {"slots", a.rec.slots}, {"gpus", a.rec.gpus},
+                      {"alive", a.alive}});
+  }
+  out["agents"] = std::move(agents);
+  out["scheduler"] = {{"endpoint", endpoint_}, {"incarnation", fmt::format("{:x}", incarnation_)},
+                      {"state_dir", opts_.state_dir}};
+  Reply r;
+  r.body = out.dump();
+  reply(peer, rid, std::move(r));
+}
+
+void Scheduler::on_cancel(const std::string& peer, uint64_t rid, const CancelJob& m) {
+  auto it = jobs_.find(m.job_id);
+  if (it == jobs_.end()) return reply(peer, rid, Reply::of(not_found("unknown job '{}'", m.job_id)));
+  Job& job = it->second;
+  Reply r;
+  if (job_state_final(job.rec.state)) {
+    r.message = fmt::format("job {} had already ended ({})", job.rec.id, job_state_name(job.rec.state));
+  } else {
+    event(job, "cancel_requested", json::object());
+    finish_job(job, JobState::kCancelled, "cancelled by a client");
+    r.message = fmt::format("job {} cancelled", job.rec.id);
+  }
+  r.body = job_json(job, false).dump();
+  reply(peer, rid, std::move(r));
+}
+
+void Scheduler::on_logs(const std::string& peer, uint64_t rid, const LogsQuery& m) {
+  auto it = jobs_.find(m.req.job_id);
+  if (it == jobs_.end()) return reply(peer, rid, Reply::of(not_found("unknown job '{}'", m.req.job_id)));
+  std::string name = m.req.name.empty() ? (it->second.procs.count("driver") ? "driver" : "worker-0") : m.req.name;
+  std::string agent_id;
+  // The process record names the agent; finished jobs keep their last records in SQLite.
+  if (auto pit = it->second.procs.find(name); pit != it->second.procs.end()) {
+    agent_id = pit->second.rec.agent_id;
+  } else {
+    auto procs = store_->load_procs(m.req.job_id);
+    if (procs.ok()) {
+      for (const auto& p : *procs) {
+        if (p.name == name) agent_id = p.agent_id;
+      }
+    }
+  }
+  if (agent_id.empty()) {
+    return reply(peer, rid, Reply::of(not_found("job {} has no process '{}' (driver, worker-0, ...)", m.req.job_id, name)));
+  }
+  auto ait = agents_.find(agent_id);
+  if (ait == agents_.end() || !ait->second.alive) {
+    return reply(peer, rid, Reply::of(unavailable("the logs of {}/{} are on agent {}, which is not connected",
+                                                  m.req.job_id, name, agent_id)));
+  }
+  uint64_t fwd = next_token_++;
+  log_forwards_[fwd] = PendingReply{peer, rid};
+  LogsRequest req = m.req;
+  req.name = name;
+  server_->send(ait->second.peer, Message{fwd, AgentLogsQuery{req}});
+}
+
+void Scheduler::on_reply(const Message& m) {
+  auto it = log_forwards_.find(m.request_id);
+  if (it == log_forwards_.end()) return;
+  reply(it->second.peer, it->second.request_id, std::get<Reply>(m.payload));
+  log_forwards_.erase(it);
+}
+
+void Scheduler::on_store(const std::string& peer, uint64_t rid, const StoreRequest& m) {
+  auto it = jobs_.find(m.job_id);
+  if (it == jobs_.end()) return reply(peer, rid, Reply::of(not_found("store: unknown job '{}'", m.job_id)));
+  uint64_t token = next_token_++;
+  auto r = rendezvous_->handle(m, token, Clock::now());
+  if (r) return reply(peer, rid, std::move(*r));
+  store_waiters_[token] = PendingReply{peer, rid};
+}
+
+// ------------------------------------------------------------------ persistence
+
+void Scheduler::event(Job& job, const std::string& type, json fields) {
+  int64_t ts = wall_ms();
+  if (job.log) {
+    Status s = job.log->append(type, fields, ts);
+    if (!s.ok()) log()->warn("events.jsonl of {}: {}", job.rec.id, s.to_string());
+  }
+  store_->add_event(job.rec.id, ts, type, fields.dump()).ignore();
+}
+
+void Scheduler::save(Job& job) {
+  job.rec.updated_ms = wall_ms();
+  Status s = store_->put_job(job.rec);
+  if (!s.ok()) log()->error("cannot save job {}: {}", job.rec.id, s.to_string());
+}
+
+void Scheduler::save(Proc& proc) {
+  Status s = store_->put_proc(proc.rec);
+  if (!s.ok()) log()->error("cannot save process {}/{}: {}", proc.rec.job_id, proc.rec.name, s.to_string());
+}
+
+}  // namespace troupe::sched

@@ -1,0 +1,131 @@
+// scheduler/scheduler.h — defines Scheduler, the troupe-scheduler daemon as a library
+// (the executable and `troupe run` both embed it): a registry of agents and their slots,
+// jobs and their processes (one driver + N workers per job), placement, the rendezvous
+// store, health (exits reported by agents, heartbeat timeouts of agents and of job
+// processes), the restart policy, durable state in SQLite and events.jsonl per job.
+//
+// Threading: run()/run_once() drive everything on the calling thread; stop() may be
+// called from any thread (or a signal handler through request_stop()).
+// The scheduler knows nothing of models: a job is a command.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/status.h"
+#include "scheduler/event_log.h"
+#include "scheduler/placement.h"
+#include "scheduler/protocol.h"
+#include "scheduler/rendezvous.h"
+#include "scheduler/state_store.h"
+#include "scheduler/transport.h"
+
+namespace troupe::sched {
+
+struct SchedulerOptions {
+  std::string listen = "tcp://127.0.0.1:0";  // loopback unless told otherwise
+  std::string advertise;                      // address job processes use; empty: the bound one
+  std::string state_dir;                      // scheduler.db, jobs/<id>/events.jsonl
+  ServerSecurity security;
+  int agent_timeout_ms = 3000;                // agent declared dead after this silence
+  int agent_heartbeat_ms = 300;               // told to agents
+  int poll_ms = 20;                           // loop granularity (timers)
+};
+
+class Scheduler {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  static Result<std::unique_ptr<Scheduler>> create(SchedulerOptions opts);
+  ~Scheduler();
+
+  const std::string& endpoint() const { return endpoint_; }
+  void run();                                   // until stop()
+  void run_once(std::chrono::milliseconds timeout);
+  void stop() { stop_.store(true); }
+  bool stopping() const { return stop_.load(); }
+
+ private:
+  struct Agent {
+    AgentRecord rec;
+    std::string peer;
+    Clock::time_point last_seen;
+    bool alive = false;
+  };
+  struct Proc {
+    ProcRecord rec;
+    std::string peer;                 // the process's own session, after its hello
+    Clock::time_point last_beat;
+    bool beating = false;             // heartbeat monitoring starts with the hello
+  };
+  struct Job {
+    JobRecord rec;
+    std::map<std::string, Proc> procs;  // by name
+    std::optional<EventLog> log;
+  };
+  struct PendingReply {
+    std::string peer;
+    uint64_t request_id;
+  };
+
+  explicit Scheduler(SchedulerOptions opts) : opts_(std::move(opts)) {}
+  Status init();
+  Status recover();
+
+  void dispatch(const Incoming& in);
+  void reply(const std::string& peer, uint64_t request_id, Reply r);
+  void on_register(const std::string& peer, const RegisterAgent& m);
+  void on_agent_heartbeat(const std::string& peer, const AgentHeartbeat& m);
+  void on_proc_started(const ProcStatus& p);
+  void on_proc_exited(const std::string& peer, const ProcStatus& p);
+  void on_proc_beat(const std::string& peer, const ProcBeat& b);
+  void on_submit(const std::string& peer, uint64_t rid, const SubmitJob& m);
+  void on_status(const std::string& peer, uint64_t rid, const StatusQuery& m);
+  void on_cancel(const std::string& peer, uint64_t rid, const CancelJob& m);
+  void on_logs(const std::string& peer, uint64_t rid, const LogsQuery& m);
+  void on_store(const std::string& peer, uint64_t rid, const StoreRequest& m);
+  void on_reply(const Message& m);
+
+  void timers();
+  void try_start(Job& job);
+  Status spawn(Job& job, Proc& proc);
+  void proc_failed(Job& job, Proc& proc, const std::string& reason);
+  void restart_workers(Job& job, const std::string& reason);
+  void restart_driver(Job& job, const std::string& reason);
+  void finish_job(Job& job, JobState state, const std::string& message);
+  void check_completion(Job& job);
+  void kill_procs(Job& job, const std::string& name, int signal, int grace_ms);
+  std::vector<AgentCapacity> capacity() const;
+
+  void event(Job& job, const std::string& type, nlohmann::json fields);
+  void save(Job& job);
+  void save(Proc& proc);
+  nlohmann::json job_json(const Job& job, bool with_procs) const;
+
+  SchedulerOptions opts_;
+  std::unique_ptr<ServerEndpoint> server_;
+  std::unique_ptr<StateStore> store_;
+  std::unique_ptr<RendezvousTable> rendezvous_;
+  std::string endpoint_;
+  std::string advertise_;
+  uint64_t incarnation_ = 0;
+  std::map<std::string, Agent> agents_;
+  std::map<std::string, Job> jobs_;
+  std::map<uint64_t, PendingReply> store_waiters_;   // rendezvous token -> client
+  std::map<uint64_t, PendingReply> log_forwards_;    // request id sent to an agent -> client
+  uint64_t next_token_ = 1;
+  Clock::time_point recovered_until_{};              // after a restart: grace for agents to return
+  std::atomic<bool> stop_{false};
+  std::mt19937_64 rng_{std::random_device{}()};
+};
+
+}  // namespace troupe::sched

@@ -1,0 +1,81 @@
+// scheduler/scheduler_main.cc — troupe-scheduler: the cluster's scheduler daemon.
+//
+//   troupe-scheduler --listen tcp://0.0.0.0:7460 --state-dir /var/lib/troupe
+//                    [--curve-key scheduler.key --allow-keys keys/]
+// Stops on SIGINT/SIGTERM; job processes keep running (their agents own them), and a
+// scheduler started again on the same state dir re-attaches to them.
+#include <CLI/CLI.hpp>
+
+#include <signal.h>
+
+#include <atomic>
+
+#include "core/logging.h"
+#include "scheduler/cli.h"
+#include "scheduler/scheduler.h"
+
+namespace {
+std::atomic<bool> g_stop{false};  // set by the signal handler
+void on_signal(int) { g_stop.store(true); }
+}  // namespace
+
+int main(int argc, char** argv) {
+  troupe::sched::SchedulerOptions opts;
+  opts.listen = troupe::sched::kDefaultSchedulerAddress;
+  opts.state_dir = "troupe-state";
+  std::string curve_key;
+  std::vector<std::string> allow_keys;
+  CLI::App app{"troupe-scheduler: places and supervises Troupe jobs"};
+  app.add_option("--listen,-l", opts.listen, "Address to bind (tcp://HOST:PORT; port 0 picks one)");
+  app.add_option("--advertise", opts.advertise, "Address job processes use to reach us (default: the bound one)");
+  app.add_option("--state-dir", opts.state_dir, "SQLite state and per-job events.jsonl");
+  app.add_option("--curve-key", curve_key, "The scheduler's CURVE key pair file: turns CURVE on");
+  app.add_option("--allow-keys", allow_keys, "Client public keys allowed in (files or directories of .pub/.key)");
+  app.add_option("--agent-timeout-ms", opts.agent_timeout_ms, "An agent silent this long is dead")->check(CLI::PositiveNumber);
+  std::string endpoint_file;
+  app.add_option("--endpoint-file", endpoint_file, "Write the bound address here once listening");
+  CLI11_PARSE(app, argc, argv);
+
+  troupe::init_logging(troupe::LoggingOptions{"scheduler", "", spdlog::level::info});
+  auto norm = troupe::sched::normalize_endpoint(opts.listen);
+  if (!norm.ok()) {
+    std::fprintf(stderr, "troupe-scheduler: %s\n", norm.status().message().c_str());
+    return 2;
+  }
+  opts.listen = *norm;
+  if (!curve_key.empty()) {
+    auto keys = troupe::sched::read_key_file(curve_key);
+    auto allowed = troupe::sched::read_public_keys(allow_keys);
+    if (!keys.ok() || !allowed.ok()) {
+      std::fprintf(stderr, "troupe-scheduler: %s\n", (!keys.ok() ? keys.status() : allowed.status()).message().c_str());
+      return 2;
+    }
+    if (keys->secret_key.empty()) {
+      std::fprintf(stderr, "troupe-scheduler: %s holds no secret key\n", curve_key.c_str());
+      return 2;
+    }
+    opts.security.server_keys = *keys;
+    opts.security.allowed_client_keys = *allowed;
+  } else if (!allow_keys.empty()) {
+    std::fprintf(stderr, "troupe-scheduler: --allow-keys needs --curve-key\n");
+    return 2;
+  }
+  auto sched = troupe::sched::Scheduler::create(opts);
+  if (!sched.ok()) {
+    std::fprintf(stderr, "troupe-scheduler: %s\n", sched.status().message().c_str());
+    return 1;
+  }
+  if (!endpoint_file.empty()) {
+    FILE* f = std::fopen(endpoint_file.c_str(), "w");
+    if (f) {
+      std::fprintf(f, "%s\n", (*sched)->endpoint().c_str());
+      std::fclose(f);
+    }
+  }
+  signal(SIGINT, on_signal);
+  signal(SIGTERM, on_signal);
+  signal(SIGPIPE, SIG_IGN);
+  while (!g_stop.load()) (*sched)->run_once(std::chrono::milliseconds(20));
+  spdlog::info("troupe-scheduler stopping");
+  return 0;
+}

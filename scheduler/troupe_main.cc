@@ -1,0 +1,165 @@
+// scheduler/troupe_main.cc — the `troupe` command line: parses arguments with CLI11 and
+// calls the commands of scheduler/cli.h.
+//
+//   troupe run --nproc N [--backend cpu|cuda] [--max-restarts K] -- <app> [args]
+//   troupe submit --nproc N [...] -- <app> [args]
+//   troupe status [JOB] [--json]      troupe logs JOB [--worker W] [--follow]
+//   troupe cancel JOB                 troupe keygen PREFIX
+// Every command that talks to a scheduler takes --scheduler ADDR (default
+// $TROUPE_SCHEDULER, else tcp://127.0.0.1:7460), --curve-key and --scheduler-key.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+
+#include "core/logging.h"
+#include "scheduler/cli.h"
+
+namespace {
+
+using troupe::sched::CliConnection;
+using troupe::sched::JobSpec;
+
+struct SpecFlags {
+  JobSpec spec;
+  std::vector<std::string> env;
+  std::vector<std::string> command;  // positional, when no "--" is given
+};
+
+void add_spec_options(CLI::App* cmd, SpecFlags& f) {
+  cmd->add_option("--nproc,-n", f.spec.nproc, "Number of worker processes")->required()->check(CLI::PositiveNumber);
+  cmd->add_option("--backend", f.spec.backend, "cpu or cuda (cuda: one GPU per worker)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--max-restarts", f.spec.max_restarts, "Restarts of the job's workers after a failure")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--max-driver-restarts", f.spec.max_driver_restarts, "Restarts of a driver that dies")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--layout", f.spec.layout, "Parallel layout pp=P,dp=D,n=N (n workers share a node)");
+  cmd->add_option("--name", f.spec.name, "A name for the job");
+  cmd->add_option("--env,-e", f.env, "KEY=VALUE added to every process's environment");
+  cmd->add_option("--checkpoint-dir", f.spec.checkpoint_dir, "Checkpoint directory (TROUPE_CHECKPOINT_DIR)");
+  cmd->add_option("--work-dir", f.spec.work_dir, "Working directory of the processes");
+  cmd->add_option("--heartbeat-timeout-ms", f.spec.heartbeat_timeout_ms,
+                  "A process that said hello and is silent this long is declared dead");
+  cmd->add_option("--min-workers", f.spec.min_workers, "Elastic lower bound (default: nproc)");
+  cmd->add_option("--max-workers", f.spec.max_workers, "Elastic upper bound (default: nproc)");
+  cmd->add_flag("!--no-driver", f.spec.driver, "Run only the workers, no driver process");
+  cmd->add_option("command", f.command, "The program and its arguments (after --)");
+}
+
+// Fills spec.argv (the words after "--", else the positionals) and spec.env.
+bool finish_spec(CLI::App* cmd, SpecFlags& f, const std::vector<std::string>& after_dashes) {
+  f.spec.argv = after_dashes.empty() ? f.command : after_dashes;
+  if (f.spec.argv.empty()) {
+    std::fprintf(stderr, "troupe %s: no command given (troupe %s --nproc N -- <app> [args])\n",
+                 cmd->get_name().c_str(), cmd->get_name().c_str());
+    return false;
+  }
+  for (const auto& kv : f.env) {
+    auto eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      std::fprintf(stderr, "troupe: --env '%s' is not KEY=VALUE\n", kv.c_str());
+      return false;
+    }
+    f.spec.env[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return true;
+}
+
+void add_connection(CLI::App* cmd, CliConnection& c) {
+  cmd->add_option("--scheduler,-s", c.scheduler, "Scheduler address HOST:PORT (default $TROUPE_SCHEDULER or 127.0.0.1:7460)");
+  cmd->add_option("--curve-key", c.curve_key, "This client's CURVE key pair file (troupe keygen)");
+  cmd->add_option("--scheduler-key", c.scheduler_key, "The scheduler's public key file: turns CURVE on");
+  cmd->add_option("--timeout-ms", c.timeout_ms, "How long to wait for the scheduler")->check(CLI::PositiveNumber);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  troupe::init_logging(troupe::LoggingOptions{"troupe", "", spdlog::level::warn});
+  CLI::App app{"troupe: run and manage Troupe jobs"};
+  app.require_subcommand(1);
+
+  SpecFlags run_flags;
+  troupe::sched::RunOptions run_opts;
+  auto* run = app.add_subcommand("run", "Run a job on this machine: embedded scheduler and agent, a driver and N workers");
+  add_spec_options(run, run_flags);
+  run->add_option("--state-dir", run_opts.state_dir, "Keep the scheduler state and logs here (default: a temporary dir)");
+  run->add_flag("--verbose,-v", run_opts.verbose, "Log what the embedded scheduler and agent do");
+  run->add_flag("!--no-prefix", run_opts.prefix_output, "Print process output without the [name] prefix");
+
+  SpecFlags submit_flags;
+  CliConnection submit_conn;
+  bool submit_json = false;
+  auto* submit = app.add_subcommand("submit", "Submit a job to a running troupe-scheduler");
+  add_spec_options(submit, submit_flags);
+  add_connection(submit, submit_conn);
+  submit->add_flag("--json", submit_json, "Print the reply as JSON");
+
+  CliConnection status_conn;
+  std::string status_job;
+  bool status_json = false;
+  auto* status = app.add_subcommand("status", "Show jobs, their processes and the agents");
+  status->add_option("job", status_job, "Only this job, with its processes");
+  status->add_flag("--json", status_json, "Print JSON for scripts");
+  add_connection(status, status_conn);
+
+  CliConnection logs_conn;
+  std::string logs_job, logs_proc;
+  int logs_worker = -1;
+  bool logs_follow = false, logs_driver = false;
+  auto* logs = app.add_subcommand("logs", "Print a job process's output (default: the driver)");
+  logs->add_option("job", logs_job, "Job id")->required();
+  auto* w = logs->add_option("--worker,-w", logs_worker, "Worker rank")->check(CLI::NonNegativeNumber);
+  auto* d = logs->add_flag("--driver", logs_driver, "The driver's output");
+  w->excludes(d);
+  logs->add_flag("--follow,-f", logs_follow, "Keep printing until the job ends");
+  add_connection(logs, logs_conn);
+
+  CliConnection cancel_conn;
+  std::string cancel_job;
+  bool cancel_json = false;
+  auto* cancel = app.add_subcommand("cancel", "Cancel a job: every process of it is stopped");
+  cancel->add_option("job", cancel_job, "Job id")->required();
+  cancel->add_flag("--json", cancel_json, "Print the job record as JSON");
+  add_connection(cancel, cancel_conn);
+
+  std::string keygen_prefix;
+  auto* keygen = app.add_subcommand("keygen", "Write a CURVE key pair: PREFIX.key (private) and PREFIX.pub");
+  keygen->add_option("prefix", keygen_prefix, "Path prefix of the two files")->required();
+
+  // Everything after the first "--" is the job's command, untouched by CLI11 (so the
+  // command's own options, like "-n", are never taken for ours).
+  std::vector<std::string> after_dashes;
+  int our_argc = argc;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--") {
+      our_argc = i;
+      for (int k = i + 1; k < argc; ++k) after_dashes.emplace_back(argv[k]);
+      break;
+    }
+  }
+  try {
+    app.parse(our_argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  if (run->parsed()) {
+    if (!finish_spec(run, run_flags, after_dashes)) return 2;
+    run_opts.spec = run_flags.spec;
+    return troupe::sched::cli_run(run_opts);
+  }
+  if (submit->parsed()) {
+    if (!finish_spec(submit, submit_flags, after_dashes)) return 2;
+    return troupe::sched::cli_submit(submit_conn, submit_flags.spec, submit_json);
+  }
+  if (status->parsed()) return troupe::sched::cli_status(status_conn, status_job, status_json);
+  if (logs->parsed()) {
+    if (logs_worker >= 0) logs_proc = "worker-" + std::to_string(logs_worker);
+    else if (logs_driver) logs_proc = "driver";
+    return troupe::sched::cli_logs(logs_conn, logs_job, logs_proc, logs_follow);
+  }
+  if (cancel->parsed()) return troupe::sched::cli_cancel(cancel_conn, cancel_job, cancel_json);
+  if (keygen->parsed()) return troupe::sched::cli_keygen(keygen_prefix);
+  return 2;
+}
