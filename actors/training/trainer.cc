@@ -16,33 +16,11 @@ nlohmann::json step_report_json(const StepReport& r) {
                         {"comm_ms", r.comm_ms},   {"compute_ms", r.compute_ms}, {"comm_ms_mean", r.comm_ms_mean}};
 }
 
-Trainer::Trainer(const layers::TrainConfig& tc, ControlChannel& ctl, int world_size, std::ostream& metrics,
-                 TrainerOptions opts)
-    : tc_(tc), ctl_(ctl), world_(world_size), metrics_(metrics), opts_(std::move(opts)) {}
+Trainer::Trainer(const layers::TrainConfig& tc, StepDriver& driver, std::ostream& metrics, TrainerOptions opts)
+    : tc_(tc), driver_(driver), metrics_(metrics), opts_(std::move(opts)) {}
 
 Result<nlohmann::json> Trainer::call(Command::Kind kind, int64_t step) {
-  Command cmd{seq_++, kind, step};
-  TROUPE_RETURN_IF_ERROR(ctl_.send(cmd));
-  const auto deadline = Clock::now() + opts_.command_timeout;
-  while (true) {
-    Result<nlohmann::json> r = ctl_.wait_reply(cmd.seq, std::min(deadline, Clock::now() + opts_.poll));
-    if (r.ok()) {
-      if (r.value().contains("error")) {
-        return aborted("worker rank 0 failed: {}", r.value()["error"].dump());
-      }
-      return r;
-    }
-    if (r.status().code() != StatusCode::kDeadlineExceeded) return r.status();
-    for (int rank = 0; rank < world_; ++rank) {
-      TROUPE_ASSIGN_OR_RETURN(std::string err, ctl_.worker_error(rank));
-      if (!err.empty()) return aborted("worker rank {} failed: {}", rank, err);
-    }
-    if (opts_.supervise) TROUPE_RETURN_IF_ERROR(opts_.supervise());
-    if (Clock::now() >= deadline) {
-      return deadline_exceeded("no reply to command {} (step {}) within {} ms", cmd.seq, step,
-                               opts_.command_timeout.count());
-    }
-  }
+  return driver_.call(Command{seq_++, kind, step}, opts_.command_timeout, opts_.supervise);
 }
 
 Status Trainer::run() {
@@ -90,28 +68,17 @@ Status Trainer::run() {
   return ok_status();
 }
 
-Status run_stage_host(Stage& stage, ControlChannel& ctl, std::chrono::milliseconds command_timeout) {
-  for (int64_t seq = 0;; ++seq) {
-    Result<Command> cmd = ctl.wait_command(seq, comm::deadline_in(command_timeout));
-    if (!cmd.ok()) {
-      (void)ctl.report_error(stage.rank(), cmd.status().to_string());
-      return cmd.status();
-    }
-    nlohmann::json body;
-    switch (cmd.value().kind) {
-      case Command::Kind::kStep:
-        body = step_report_json(stage.run_step(cmd.value().step));
-        break;
-      case Command::Kind::kEval:
-        body = nlohmann::json{{"val_loss", stage.evaluate()}};
-        break;
-      case Command::Kind::kStop:
-        body = nlohmann::json{{"stopped", true}};
-        break;
-    }
-    if (stage.rank() == 0) TROUPE_RETURN_IF_ERROR(ctl.reply(seq, body));
-    if (cmd.value().kind == Command::Kind::kStop) return ok_status();
-  }
+Status run_stage_host(Stage& stage, StepServer& server, std::chrono::milliseconds command_timeout) {
+  return server.serve(
+      [&stage](const Command& cmd) -> nlohmann::json {
+        switch (cmd.kind) {
+          case Command::Kind::kStep: return step_report_json(stage.run_step(cmd.step));
+          case Command::Kind::kEval: return nlohmann::json{{"val_loss", stage.evaluate()}};
+          case Command::Kind::kStop: break;
+        }
+        return nlohmann::json{{"stopped", true}};
+      },
+      command_timeout);
 }
 
 }  // namespace troupe::training

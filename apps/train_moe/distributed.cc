@@ -5,7 +5,9 @@
 //
 // Rendezvous: a FileStore in <run dir>/rendezvous, keys namespaced by job id and epoch
 // (TROUPE_JOB_ID / TROUPE_EPOCH under troupe run; a fresh id from the launcher), used by
-// Gloo and by the Trainer <-> Stage control channel.
+// Gloo and to exchange the workers' actor endpoints. Step control: the Trainer asks the
+// workers' Stage actors (TROUPE_CONTROL=actors, the default) or, with
+// TROUPE_CONTROL=store, passes the same messages through the store.
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -19,6 +21,7 @@
 
 #include <fmt/format.h>
 
+#include "actors/training/actor_control.h"
 #include "actors/training/trainer.h"
 #include "apps/train_moe/commands.h"
 #include "comm/rendezvous_store.h"
@@ -79,7 +82,12 @@ class LocalWorkers {
   Status start(const std::vector<std::string>& argv, int world, const std::string& job) {
     std::vector<std::string> base_env;
     for (char** e = environ; *e != nullptr; ++e) {
-      if (std::string(*e).rfind("TROUPE_", 0) != 0) base_env.emplace_back(*e);
+      const std::string v(*e);
+      bool ours = false;  // the variables set below replace any inherited ones
+      for (const char* k : {"TROUPE_ROLE=", "TROUPE_RANK=", "TROUPE_WORLD_SIZE=", "TROUPE_JOB_ID=", "TROUPE_EPOCH="}) {
+        ours |= v.rfind(k, 0) == 0;
+      }
+      if (!ours) base_env.push_back(v);
     }
     for (int r = 0; r < world; ++r) {
       std::vector<std::string> envs = base_env;
@@ -184,12 +192,23 @@ Status copy_file(const std::string& from, const std::string& to) {
 
 constexpr std::chrono::milliseconds kCommandTimeout{600000};
 
+Result<bool> use_actors() {
+  const char* v = env("TROUPE_CONTROL");
+  const std::string mode = v ? v : "actors";
+  if (mode == "actors") return true;
+  if (mode == "store") return false;
+  return invalid_argument("TROUPE_CONTROL='{}' (expected actors or store)", mode);
+}
+
 Status run_worker(const layers::TrainConfig& tc, const std::string& run_dir, const comm::StoreNamespace& ns,
                   int rank) {
+  TROUPE_ASSIGN_OR_RETURN(bool actors, use_actors());
   TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> store, comm::FileStore::open(run_dir + "/rendezvous"));
-  training::StoreControlChannel ctl(*store, ns.prefix());
+  // Failures before serving are reported through the store in both control modes (the
+  // driver's supervision reads them).
+  training::StoreStepServer store_server(*store, ns.prefix(), rank);
   auto fail = [&](const Status& st) {
-    (void)ctl.report_error(rank, st.to_string());
+    (void)store_server.report_error(st.to_string());
     return st;
   };
   Result<layers::TokenShards> train = layers::TokenShards::open(tc.data.dir, "train");
@@ -199,7 +218,12 @@ Status run_worker(const layers::TrainConfig& tc, const std::string& run_dir, con
   Result<std::unique_ptr<training::Stage>> stage =
       training::Stage::create(tc, rank, *store, ns, std::move(train).value(), std::move(val).value());
   if (!stage.ok()) return fail(stage.status().with_context(fmt::format("worker rank {}", rank)));
-  return training::run_stage_host(*stage.value(), ctl, kCommandTimeout);
+  if (!actors) return training::run_stage_host(*stage.value(), store_server, kCommandTimeout);
+  Result<std::unique_ptr<training::ActorStepServer>> server = training::ActorStepServer::start(*store, ns.prefix(), rank);
+  if (!server.ok()) return fail(server.status());
+  const Status st = training::run_stage_host(*stage.value(), *server.value(), kCommandTimeout);
+  if (!st.ok()) return fail(st);
+  return st;
 }
 
 }  // namespace
@@ -257,21 +281,48 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir) {
     if (job == nullptr || *job == '\0') return invalid_argument("driver: TROUPE_JOB_ID is not set");
     ns.job = job;
   }
+  TROUPE_ASSIGN_OR_RETURN(bool actors, use_actors());
   TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> store, comm::FileStore::open(run_dir + "/rendezvous"));
-  training::StoreControlChannel ctl(*store, ns.prefix());
-  fmt::print("train_moe: layout pp={} dp={} n={} ({} workers, dispatch {}, compression {}), {} parameters, "
-             "{} tokens/step, {} steps, run dir {}\n",
+  fmt::print("train_moe: layout pp={} dp={} n={} ({} workers, dispatch {}, compression {}, control {}), "
+             "{} parameters, {} tokens/step, {} steps, run dir {}\n",
              tc.parallel.pp, tc.parallel.dp, tc.parallel.n, world, tc.parallel.dispatch,
-             tc.parallel.compression ? "bf16" : "off", tc.model.num_params(), tc.tokens_per_step(), tc.train.steps,
+             tc.parallel.compression ? "bf16" : "off", actors ? "actors" : "store", tc.model.num_params(), tc.tokens_per_step(), tc.train.steps,
              run_dir);
   std::fflush(stdout);
   if (role.empty()) TROUPE_RETURN_IF_ERROR(workers.start(o.argv, world, ns.job));
 
+  // Supervision while waiting: the launcher's own children, and worker-reported errors.
+  const std::string prefix = ns.prefix();
+  training::Supervisor supervise = [&workers, &store, prefix, world, launcher = role.empty()]() -> Status {
+    if (launcher) TROUPE_RETURN_IF_ERROR(workers.check());
+    for (int r = 0; r < world; ++r) {
+      const std::string k = fmt::format("{}ctl/error/{}", prefix, r);
+      TROUPE_ASSIGN_OR_RETURN(bool has, store->contains(k));
+      if (has) {
+        Result<std::string> err = store->get(k, comm::deadline_in(std::chrono::milliseconds(1000)));
+        return aborted("worker rank {} failed: {}", r, err.ok() ? err.value() : err.status().to_string());
+      }
+    }
+    return ok_status();
+  };
+  std::unique_ptr<training::StepDriver> driver;
+  if (actors) {
+    Result<std::unique_ptr<training::ActorStepDriver>> d =
+        training::ActorStepDriver::start(*store, prefix, world, kCommandTimeout, supervise);
+    if (!d.ok()) {
+      workers.stop(std::chrono::milliseconds(1000));
+      return d.status();
+    }
+    driver = std::move(d).value();
+  } else {
+    driver = std::make_unique<training::StoreStepDriver>(*store, prefix, world);
+  }
   training::TrainerOptions topts;
   topts.command_timeout = kCommandTimeout;
-  if (role.empty()) topts.supervise = [&workers] { return workers.check(); };
-  training::Trainer trainer(tc, ctl, world, metrics, topts);
+  topts.supervise = supervise;
+  training::Trainer trainer(tc, *driver, metrics, topts);
   const Status st = trainer.run();
+  driver.reset();
   if (!st.ok()) {
     workers.stop(std::chrono::milliseconds(1000));
     return st;

@@ -187,6 +187,23 @@ TEST_F(TrainingEquivalence, AllGatherDispatch) { check_layout("n=2,dispatch=allg
 TEST_F(TrainingEquivalence, Pipeline) { check_layout("pp=2", 2); }
 TEST_F(TrainingEquivalence, PipelineTimesN) { check_layout("pp=2,n=2", 2); }
 TEST_F(TrainingEquivalence, DataParallelTimesN) { check_layout("dp=2,n=2", 1); }
+TEST_F(TrainingEquivalence, StoreControlPlaneGivesTheSameRun) {
+  // The fallback control plane (commands through the rendezvous store instead of the
+  // Stage actors) drives the same steps.
+  const auto& ref = reference(5);
+  std::vector<std::string> a = args("store-control", 5, 2, "pp=2,n=2");
+  a.insert(a.begin(), {"/usr/bin/env", "TROUPE_CONTROL=store"});
+  const RunResult r = run(a, *root_ / "store-control.log", std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("control store"), std::string::npos) << r.output;
+  const auto got = steps_of(*root_ / "store-control" / "metrics.jsonl");
+  ASSERT_EQ(got.size(), ref.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_LE(rel(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>()), 1e-5);
+    EXPECT_LE(rel(ref[i]["grad_norm"].get<double>(), got[i]["grad_norm"].get<double>()), 1e-5);
+  }
+}
+
 TEST_F(TrainingEquivalence, UntiedHeadOverPipeline) {
   // The tied-embedding path is the default; an untied head exercises the other one. Both
   // sides of the comparison use the same override, so it gets its own reference.
