@@ -11,10 +11,25 @@ namespace troupe::training {
 
 using Clock = std::chrono::steady_clock;
 
+namespace {
+std::string kind_of(std::string_view what) {
+  const std::string first(what.substr(0, what.find(' ')));
+  for (const char* s : {"replicated", "tied", "grads", "params", "bf16"}) {
+    if (first == s) return "sync";
+  }
+  return first;
+}
+}  // namespace
+
+void CommTime::add(double seconds, std::string_view what) {
+  seconds_ += seconds;
+  by_kind_[kind_of(what)] += seconds;
+}
+
 void CommTime::wait(const comm::WorkPtr& w, std::string_view what) {
   const auto t0 = Clock::now();
   const Status st = w->wait();
-  seconds_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  add(std::chrono::duration<double>(Clock::now() - t0).count(), what);
   TROUPE_CHECK(st.ok(), "data plane: {} ({}) failed: {}", what, w->what(), st.to_string());
 }
 

@@ -12,6 +12,8 @@
 #pragma once
 
 #include <chrono>
+#include <map>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -24,12 +26,19 @@ class CommTime {
   // Waits for `w` (aborting the process on error, naming `what`) and counts the wait.
   void wait(const comm::WorkPtr& w, std::string_view what);
   void wait_all(const std::vector<comm::WorkPtr>& ws, std::string_view what);
-  void add(double seconds) { seconds_ += seconds; }  // a blocking call timed by the caller
+  void add(double seconds, std::string_view what);  // a blocking call timed by the caller
   double seconds() const { return seconds_; }
-  void reset() { seconds_ = 0; }
+  // Seconds per kind of communication: the first word of `what` ("ulysses", "expert",
+  // "pipeline", "router", ...; gradient and parameter synchronisation is "sync").
+  const std::map<std::string, double>& by_kind() const { return by_kind_; }
+  void reset() {
+    seconds_ = 0;
+    by_kind_.clear();
+  }
 
  private:
   double seconds_ = 0;
+  std::map<std::string, double> by_kind_;
 };
 
 // Blocking collectives on host tensors, timed into `t`.

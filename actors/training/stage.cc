@@ -332,7 +332,7 @@ StepReport Stage::run_step(int64_t step) {
     if (bf16_rs_) {
       const auto c0 = Clock::now();
       const Status st = bf16_rs_->run(flat_grad_, shard_grad_);
-      time_.add(std::chrono::duration<double>(Clock::now() - c0).count());
+      time_.add(std::chrono::duration<double>(Clock::now() - c0).count(), "bf16 grads reduce_scatter (dp)");
       TROUPE_CHECK(st.ok(), "data plane: bf16 grads reduce_scatter (dp) failed: {}", st.to_string());
     } else {
       reduce_scatter_sum(*groups_.dp, flat_grad_, shard_grad_, time_, "grads reduce_scatter (dp)");
@@ -386,6 +386,7 @@ StepReport Stage::run_step(int64_t step) {
   rep.step_ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
   rep.comm_ms = time_.seconds() * 1e3;
   rep.compute_ms = rep.step_ms - rep.comm_ms;
+  for (const auto& [kind, sec] : time_.by_kind()) rep.comm_by_kind_ms[kind] = sec * 1e3;
   return rep;
 }
 

@@ -27,6 +27,7 @@
 //   loads, as one process does.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,6 +52,7 @@ struct StepReport {
   // Wall time of this rank: the step, the part spent waiting on the data plane, and the
   // world mean of the latter (measured up to the metrics reduction).
   double step_ms = 0, comm_ms = 0, compute_ms = 0, comm_ms_mean = 0;
+  std::map<std::string, double> comm_by_kind_ms;  // this rank's comm_ms split by kind
 };
 
 class Stage {

@@ -13,7 +13,8 @@ nlohmann::json step_report_json(const StepReport& r) {
   return nlohmann::json{{"step", r.step},         {"loss", r.loss},       {"lm_loss", r.lm_loss},
                         {"aux_loss", r.aux_loss}, {"grad_norm", r.grad_norm}, {"lr", r.lr},
                         {"step_tokens", r.tokens}, {"expert_load", r.expert_load}, {"step_ms", r.step_ms},
-                        {"comm_ms", r.comm_ms},   {"compute_ms", r.compute_ms}, {"comm_ms_mean", r.comm_ms_mean}};
+                        {"comm_ms", r.comm_ms},   {"compute_ms", r.compute_ms}, {"comm_ms_mean", r.comm_ms_mean},
+                        {"comm_by_kind_ms", r.comm_by_kind_ms}};
 }
 
 Trainer::Trainer(const layers::TrainConfig& tc, StepDriver& driver, std::ostream& metrics, TrainerOptions opts)

@@ -3,9 +3,10 @@
 // multi-rank layout outside `troupe run`. See commands.h (run_distributed) and
 // docs/parallelism.md.
 //
-// Rendezvous: a FileStore in <run dir>/rendezvous, keys namespaced by job id and epoch
-// (TROUPE_JOB_ID / TROUPE_EPOCH under troupe run; a fresh id from the launcher), used by
-// Gloo and to exchange the workers' actor endpoints. Step control: the Trainer asks the
+// Rendezvous: under the scheduler (TROUPE_SCHEDULER set), the scheduler's store for the
+// job and epoch; otherwise a FileStore in <run dir>/rendezvous. Keys are namespaced by job
+// id and epoch (TROUPE_JOB_ID / TROUPE_EPOCH; a fresh id from the standalone launcher).
+// Used by Gloo and to exchange the workers' actor endpoints. Step control: the Trainer asks the
 // workers' Stage actors (TROUPE_CONTROL=actors, the default) or, with
 // TROUPE_CONTROL=store, passes the same messages through the store.
 #include <signal.h>
@@ -28,6 +29,8 @@
 #include "layers/token_data.h"
 #include "layers/tokenizer.h"
 #include "layers/train_config.h"
+#include "scheduler/job_context.h"
+#include "scheduler/scheduler_store.h"
 
 extern char** environ;
 
@@ -192,6 +195,35 @@ Status copy_file(const std::string& from, const std::string& to) {
 
 constexpr std::chrono::milliseconds kCommandTimeout{600000};
 
+// comm's store interface over the scheduler's rendezvous store (the app wires the two
+// together: comm never includes scheduler code).
+class SchedulerRendezvous final : public comm::RendezvousStore {
+ public:
+  explicit SchedulerRendezvous(std::unique_ptr<sched::SchedulerStore> s) : s_(std::move(s)) {}
+  Status set(std::string_view key, std::string_view value) override { return s_->set(key, value); }
+  Result<std::string> get(std::string_view key, comm::Deadline deadline) override { return s_->get(key, deadline); }
+  Status wait(const std::vector<std::string>& keys, comm::Deadline deadline) override {
+    return s_->wait(keys, deadline);
+  }
+  Result<bool> contains(std::string_view key) override { return s_->contains(key); }
+
+ private:
+  std::unique_ptr<sched::SchedulerStore> s_;
+};
+
+Result<std::unique_ptr<comm::RendezvousStore>> open_store(const std::string& run_dir) {
+  const char* sched_addr = env("TROUPE_SCHEDULER");
+  if (sched_addr != nullptr && *sched_addr != '\0' && env("TROUPE_ROLE") != nullptr) {
+    TROUPE_ASSIGN_OR_RETURN(std::optional<sched::JobContext> ctx, sched::JobContext::from_env());
+    if (ctx) {
+      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<sched::SchedulerStore> s, sched::SchedulerStore::connect(*ctx));
+      return std::unique_ptr<comm::RendezvousStore>(std::make_unique<SchedulerRendezvous>(std::move(s)));
+    }
+  }
+  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> fs, comm::FileStore::open(run_dir + "/rendezvous"));
+  return std::unique_ptr<comm::RendezvousStore>(std::move(fs));
+}
+
 Result<bool> use_actors() {
   const char* v = env("TROUPE_CONTROL");
   const std::string mode = v ? v : "actors";
@@ -203,7 +235,7 @@ Result<bool> use_actors() {
 Status run_worker(const layers::TrainConfig& tc, const std::string& run_dir, const comm::StoreNamespace& ns,
                   int rank) {
   TROUPE_ASSIGN_OR_RETURN(bool actors, use_actors());
-  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> store, comm::FileStore::open(run_dir + "/rendezvous"));
+  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> store, open_store(run_dir));
   // Failures before serving are reported through the store in both control modes (the
   // driver's supervision reads them).
   training::StoreStepServer store_server(*store, ns.prefix(), rank);
@@ -282,7 +314,7 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir) {
     ns.job = job;
   }
   TROUPE_ASSIGN_OR_RETURN(bool actors, use_actors());
-  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> store, comm::FileStore::open(run_dir + "/rendezvous"));
+  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> store, open_store(run_dir));
   fmt::print("train_moe: layout pp={} dp={} n={} ({} workers, dispatch {}, compression {}, control {}), "
              "{} parameters, {} tokens/step, {} steps, run dir {}\n",
              tc.parallel.pp, tc.parallel.dp, tc.parallel.n, world, tc.parallel.dispatch,

@@ -187,6 +187,32 @@ TEST_F(TrainingEquivalence, AllGatherDispatch) { check_layout("n=2,dispatch=allg
 TEST_F(TrainingEquivalence, Pipeline) { check_layout("pp=2", 2); }
 TEST_F(TrainingEquivalence, PipelineTimesN) { check_layout("pp=2,n=2", 2); }
 TEST_F(TrainingEquivalence, DataParallelTimesN) { check_layout("dp=2,n=2", 1); }
+TEST_F(TrainingEquivalence, TroupeRunLaunchesTheSameRun) {
+#ifdef TROUPE_CLI_BIN
+  // troupe run starts the driver and 4 workers (TROUPE_* variables, the scheduler's
+  // rendezvous store); the result equals the standalone launcher's and one process's.
+  const auto& ref = reference(5);
+  std::vector<std::string> a = args("troupe-run", 5, 2, "pp=2,n=2");
+  a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--"});
+  const RunResult r = run(a, *root_ / "troupe-run.log", std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto got = steps_of(*root_ / "troupe-run" / "metrics.jsonl");
+  ASSERT_EQ(got.size(), ref.size()) << r.output;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_LE(rel(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>()), 1e-5);
+    EXPECT_LE(rel(ref[i]["grad_norm"].get<double>(), got[i]["grad_norm"].get<double>()), 1e-5);
+  }
+  // A job whose worker count does not match the layout is refused by every process.
+  std::vector<std::string> bad = args("troupe-run-bad", 5, 2, "pp=2,n=2");
+  bad.insert(bad.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "3", "--"});
+  const RunResult rb = run(bad, *root_ / "troupe-run-bad.log", std::chrono::seconds(120));
+  EXPECT_NE(rb.exit_code, 0);
+  EXPECT_NE(rb.output.find("needs 4 workers but the job has 3"), std::string::npos) << rb.output;
+#else
+  GTEST_SKIP() << "the troupe CLI is not part of this build";
+#endif
+}
+
 TEST_F(TrainingEquivalence, StoreControlPlaneGivesTheSameRun) {
   // The fallback control plane (commands through the rendezvous store instead of the
   // Stage actors) drives the same steps.
