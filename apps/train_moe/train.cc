@@ -111,7 +111,7 @@ Status run_train(const TrainOptions& o) {
 
   // ---- steps --------------------------------------------------------------------------
   const auto t_start = Clock::now();
-  int64_t tokens_seen = 0;
+  int64_t tokens_seen = 0, steps_done = 0;
   double last_val = val0;
   const float loss_weight = 1.0f / static_cast<float>(tc.train.grad_accum);
   for (int64_t step = 1; step <= tc.train.steps; ++step) {
@@ -142,7 +142,10 @@ Status run_train(const TrainOptions& o) {
                        {"aux_loss", aux},    {"lr", lr},              {"grad_norm", grad_norm},
                        {"tokens", tokens_seen}, {"tokens_per_s", tps}, {"step_ms", step_s * 1e3},
                        {"expert_load", load}};
-    const bool eval_now = (tc.train.eval_every > 0 && step % tc.train.eval_every == 0) || step == tc.train.steps;
+    const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
+    const bool out_of_time = tc.train.time_limit_s > 0 && elapsed > tc.train.time_limit_s && step < tc.train.steps;
+    const bool eval_now =
+        (tc.train.eval_every > 0 && step % tc.train.eval_every == 0) || step == tc.train.steps || out_of_time;
     if (eval_now) {
       last_val = evaluate(c, model, val_loader, tc);
       rec["val_loss"] = last_val;
@@ -155,12 +158,17 @@ Status run_train(const TrainOptions& o) {
                  eval_now ? fmt::format(" | val_loss {:.4f}", last_val) : "");
       std::fflush(stdout);
     }
+    steps_done = step;
+    if (out_of_time) {
+      fmt::print("train_moe: time limit of {:.0f}s reached after step {}; stopping\n", tc.train.time_limit_s, step);
+      break;
+    }
   }
   const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
 
   // ---- weights ------------------------------------------------------------------------
   TROUPE_RETURN_IF_ERROR(save_weights(run_dir + "/model.bin", model,
-                                      WeightsInfo{tc.model, tc.train.seq_len, tc.train.steps}));
+                                      WeightsInfo{tc.model, tc.train.seq_len, steps_done}));
   fmt::print("train_moe: done in {:.1f}s ({:.0f} tokens/s); val_loss {:.4f} -> {:.4f}; weights in {}/model.bin\n",
              total_s, static_cast<double>(tokens_seen) / total_s, val0, last_val, run_dir);
   return ok_status();
