@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 
 #include <CLI/CLI.hpp>
@@ -55,6 +56,8 @@ int main(int argc, char** argv) {
   app.add_option("--set", train.overrides, "override a config key: --set train.steps=10 (repeatable)");
   app.add_option("--run-dir", train.run_dir, "where metrics.jsonl and the weights go (default runs/<config>)");
   app.add_option("--backend", train.backend, "cpu (cuda: not yet in this app)");
+  std::string parallel;
+  app.add_option("--parallel", parallel, "layout shorthand, e.g. pp=2,n=2 (sets [parallel] keys)");
 
   PrepareOptions prep;
   CLI::App* prepare = app.add_subcommand("prepare", "tokenize a text corpus into shards and train the tokenizer");
@@ -95,6 +98,19 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "train_moe: give --config <file> to train, or a subcommand (prepare, sample, plot)\n{}",
                  app.help());
       return 2;
+    }
+    // "--parallel pp=2,n=2" is shorthand for --set parallel.pp=2 --set parallel.n=2.
+    size_t start = 0;
+    while (!parallel.empty() && start <= parallel.size()) {
+      const size_t comma = std::min(parallel.find(',', start), parallel.size());
+      const std::string item = parallel.substr(start, comma - start);
+      const std::string key = item.substr(0, item.find('='));
+      if (item.find('=') == std::string::npos || (key != "pp" && key != "dp" && key != "n")) {
+        fmt::print(stderr, "train_moe: error: --parallel expects pp=P,dp=D,n=N (got '{}')\n", item);
+        return 2;
+      }
+      train.overrides.push_back("parallel." + item);
+      start = comma + 1;
     }
     st = run_train(train);
   }

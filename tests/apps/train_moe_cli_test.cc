@@ -180,6 +180,14 @@ TEST(TrainMoeCli, ErrorsNameTheProblem) {
   EXPECT_EQ(layout.code, 1);
   EXPECT_NE(layout.out.find("troupe run"), std::string::npos) << layout.out;
 
+  CliResult layout2 = train_moe({"--config", write_config(dir, dir + "/d"), "--parallel", "pp=2,n=2"});
+  EXPECT_EQ(layout2.code, 1);
+  EXPECT_NE(layout2.out.find("pp=2 dp=1 n=2"), std::string::npos) << layout2.out;
+  EXPECT_NE(layout2.out.find("troupe run --nproc 4"), std::string::npos) << layout2.out;
+  CliResult bad_layout = train_moe({"--config", write_config(dir, dir + "/d"), "--parallel", "tp=2"});
+  EXPECT_EQ(bad_layout.code, 2);
+  EXPECT_NE(bad_layout.out.find("--parallel expects"), std::string::npos) << bad_layout.out;
+
   CliResult no_config = train_moe({"--config", dir + "/missing.toml"});
   EXPECT_EQ(no_config.code, 1);
   EXPECT_NE(no_config.out.find("missing.toml"), std::string::npos) << no_config.out;
