@@ -61,11 +61,12 @@ CliResult train_moe(const std::vector<std::string>& args, int timeout_s = 120) {
   std::stringstream ss;
   ss << std::ifstream(log).rdbuf();
   r.out = ss.str();
+  fs::remove(log);
   return r;
 }
 
 std::string temp_dir(const std::string& name) {
-  const std::string d = ::testing::TempDir() + "/train_moe_cli_" + name;
+  const std::string d = ::testing::TempDir() + "/train_moe_cli_" + std::to_string(getpid()) + "_" + name;
   fs::remove_all(d);
   fs::create_directories(d);
   return d;
@@ -147,6 +148,7 @@ TEST(TrainMoeCli, PrepareTrainSamplePlot) {
   CliResult pl = train_moe({"plot", "--run", dir + "/run"}, 180);
   ASSERT_EQ(pl.code, 0) << pl.out;
   for (const char* f : {"loss.png", "throughput.png", "expert_load.png"}) EXPECT_TRUE(fs::exists(dir + "/run/" + f)) << f;
+  if (!HasFailure()) fs::remove_all(dir);
 }
 
 TEST(TrainMoeCli, ErrorsNameTheProblem) {
@@ -195,6 +197,7 @@ TEST(TrainMoeCli, ErrorsNameTheProblem) {
   CliResult no_run = train_moe({"sample", "--run", dir + "/no_run"});
   EXPECT_EQ(no_run.code, 1);
   EXPECT_NE(no_run.out.find("does not exist"), std::string::npos) << no_run.out;
+  if (!HasFailure()) fs::remove_all(dir);
 }
 
 }  // namespace
