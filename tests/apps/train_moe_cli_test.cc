@@ -138,6 +138,15 @@ TEST(TrainMoeCli, PrepareTrainSamplePlot) {
   EXPECT_TRUE(fs::exists(dir + "/run/model.bin"));
   EXPECT_TRUE(fs::exists(dir + "/run/tokenizer.json"));
 
+  // The time limit stops a run early, after a complete step, with validation and weights.
+  CliResult tl = train_moe({"--config", cfg, "--run-dir", dir + "/run_tl", "--set", "train.steps=500", "--set",
+                            "train.time_limit_s=0.001"});
+  ASSERT_EQ(tl.code, 0) << tl.out;
+  EXPECT_NE(tl.out.find("time limit of"), std::string::npos) << tl.out;
+  EXPECT_NE(tl.out.find("step 1/500"), std::string::npos) << tl.out;
+  EXPECT_EQ(tl.out.find("step 2/500"), std::string::npos) << tl.out;
+  EXPECT_TRUE(fs::exists(dir + "/run_tl/model.bin"));
+
   CliResult s = train_moe({"sample", "--run", dir + "/run", "--prompt", "def alpha", "--tokens", "20", "--seed", "3"});
   ASSERT_EQ(s.code, 0) << s.out;
   EXPECT_EQ(s.out.rfind("def alpha", 0), 0u) << s.out;
