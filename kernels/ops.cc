@@ -27,9 +27,9 @@ class OpCheck {
     TROUPE_CHECK(tensors.size() <= kMaxTensors);
     for (const Named& n : tensors) tensors_[num_tensors_++] = n;
     if (ex.device.is_cuda() && cuda_backend() == nullptr) {
-      detail::check_failed(__FILE__, __LINE__, "backend",
-                           fmt::format("op {} is not available on {} (this build has no CUDA backend)", op_,
-                                       ex_.device));
+      detail::check_failed(
+          __FILE__, __LINE__, "backend",
+          fmt::format("op {} is not available on {} (this build has no CUDA backend)", op_, ex_.device));
     }
     for (size_t i = 0; i < num_tensors_; ++i) {
       const Named& n = tensors_[i];
@@ -56,8 +56,8 @@ class OpCheck {
   }
 
   void is_float(const char* name, const Tensor& t, int line) const {
-    require(t.dtype() == DType::kF32 || t.dtype() == DType::kBF16, line, "{} must be f32 or bf16, not {}", name,
-            dtype_name(t.dtype()));
+    require(t.dtype() == DType::kF32 || t.dtype() == DType::kBF16, line, "{} must be f32 or bf16, not {}",
+            name, dtype_name(t.dtype()));
   }
   void is_dtype(const char* name, const Tensor& t, DType want, int line) const {
     require(t.dtype() == want, line, "{} must be {}, not {}", name, dtype_name(want), dtype_name(t.dtype()));
@@ -71,6 +71,13 @@ class OpCheck {
             shape_to_string(t.shape()));
   }
 
+  // Calls the backend entry `member` for ex.device with `args`.
+  template <typename Fn, typename... Args>
+  auto call(Fn Backend::*member, Args&&... args) const {
+    return entry(member)(std::forward<Args>(args)...);
+  }
+
+ private:
   // The backend entry for ex.device; aborts when that backend or entry does not exist.
   template <typename Fn>
   Fn entry(Fn Backend::*member) const {
@@ -85,7 +92,6 @@ class OpCheck {
     return b->*member;
   }
 
- private:
   static constexpr size_t kMaxTensors = 10;
   const char* op_;
   const Exec& ex_;
@@ -105,13 +111,13 @@ class OpCheck {
 
 void fill(const Exec& ex, Tensor& out, float value) {
   OpCheck c("fill", ex, {{"out", &out}});
-  c.entry(&Backend::fill)(ex, out, value);
+  c.call(&Backend::fill, ex, out, value);
 }
 
 void cast(const Exec& ex, const Tensor& src, Tensor& dst) {
   OpCheck c("cast", ex, {{"src", &src}, {"dst", &dst}});
   OP_SHAPE(c, dst, src.shape());
-  c.entry(&Backend::cast)(ex, src, dst);
+  c.call(&Backend::cast, ex, src, dst);
 }
 
 void add(const Exec& ex, const Tensor& a, const Tensor& b, Tensor& out) {
@@ -121,7 +127,7 @@ void add(const Exec& ex, const Tensor& a, const Tensor& b, Tensor& out) {
   OP_FLOAT(c, out);
   OP_SHAPE(c, b, a.shape());
   OP_SHAPE(c, out, a.shape());
-  c.entry(&Backend::add)(ex, a, b, out);
+  c.call(&Backend::add, ex, a, b, out);
 }
 
 void axpby(const Exec& ex, float alpha, const Tensor& x, float beta, Tensor& y) {
@@ -129,25 +135,25 @@ void axpby(const Exec& ex, float alpha, const Tensor& x, float beta, Tensor& y) 
   OP_FLOAT(c, x);
   OP_FLOAT(c, y);
   OP_SHAPE(c, y, x.shape());
-  c.entry(&Backend::axpby)(ex, alpha, x, beta, y);
+  c.call(&Backend::axpby, ex, alpha, x, beta, y);
 }
 
 void scale(const Exec& ex, Tensor& x, float alpha) {
   OpCheck c("scale", ex, {{"x", &x}});
   OP_FLOAT(c, x);
-  c.entry(&Backend::scale)(ex, x, alpha);
+  c.call(&Backend::scale, ex, x, alpha);
 }
 
 double sum(const Exec& ex, const Tensor& x) {
   OpCheck c("sum", ex, {{"x", &x}});
   OP_FLOAT(c, x);
-  return c.entry(&Backend::sum)(ex, x);
+  return c.call(&Backend::sum, ex, x);
 }
 
 double sum_squares(const Exec& ex, const Tensor& x) {
   OpCheck c("sum_squares", ex, {{"x", &x}});
   OP_FLOAT(c, x);
-  return c.entry(&Backend::sum_squares)(ex, x);
+  return c.call(&Backend::sum_squares, ex, x);
 }
 
 void sum_rows(const Exec& ex, const Tensor& x, Tensor& out, bool accumulate) {
@@ -156,7 +162,7 @@ void sum_rows(const Exec& ex, const Tensor& x, Tensor& out, bool accumulate) {
   OP_FLOAT(c, out);
   OP_RANK(c, x, 2);
   OP_SHAPE(c, out, {x.size(1)});
-  c.entry(&Backend::sum_rows)(ex, x, out, accumulate);
+  c.call(&Backend::sum_rows, ex, x, out, accumulate);
 }
 
 // ---- matrix products -----------------------------------------------------------------
@@ -176,7 +182,8 @@ Shape check_matmul(const OpCheck& c, const Tensor& a, const Tensor& b, bool tran
   OP_REQUIRE(c, ka == kb, "inner dimensions differ ({} vs {}) with trans_a={} trans_b={}", ka, kb, trans_a,
              trans_b);
   if (a.dim() == 3) {
-    if (b.dim() == 3) OP_REQUIRE(c, a.size(0) == b.size(0), "batch sizes differ ({} vs {})", a.size(0), b.size(0));
+    if (b.dim() == 3)
+      OP_REQUIRE(c, a.size(0) == b.size(0), "batch sizes differ ({} vs {})", a.size(0), b.size(0));
     return {a.size(0), m, n};
   }
   return {m, n};
@@ -184,13 +191,13 @@ Shape check_matmul(const OpCheck& c, const Tensor& a, const Tensor& b, bool tran
 
 }  // namespace
 
-void matmul(const Exec& ex, const Tensor& a, const Tensor& b, Tensor& out, bool trans_a, bool trans_b, float alpha,
-            float beta) {
+void matmul(const Exec& ex, const Tensor& a, const Tensor& b, Tensor& out, bool trans_a, bool trans_b,
+            float alpha, float beta) {
   OpCheck c("matmul", ex, {{"a", &a}, {"b", &b}, {"out", &out}});
   const Shape want = check_matmul(c, a, b, trans_a, trans_b);
   OP_FLOAT(c, out);
   OP_SHAPE(c, out, want);
-  c.entry(&Backend::matmul)(ex, a, b, out, trans_a, trans_b, alpha, beta);
+  c.call(&Backend::matmul, ex, a, b, out, trans_a, trans_b, alpha, beta);
 }
 
 // With out = op(a) @ op(b):
@@ -198,8 +205,8 @@ void matmul(const Exec& ex, const Tensor& a, const Tensor& b, Tensor& out, bool 
 //   d op(b) = op(a)^T @ dout  -> db = op(a)^T @ dout, or its transpose dout^T @ op(a) when trans_b.
 // op(x)^T is x with the flag flipped, so each case is one matmul with the right flags.
 // A 2-D b shared by a batched a is handled batch by batch (its gradient sums over batches).
-void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Tensor& dout, Tensor* da, Tensor* db,
-                     bool trans_a, bool trans_b, bool accumulate) {
+void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Tensor& dout, Tensor* da,
+                     Tensor* db, bool trans_a, bool trans_b, bool accumulate) {
   OpCheck c("matmul_backward", ex, {{"a", &a}, {"b", &b}, {"dout", &dout}, {"da", da}, {"db", db}});
   const Shape want = check_matmul(c, a, b, trans_a, trans_b);
   OP_FLOAT(c, dout);
@@ -213,13 +220,12 @@ void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Ten
     c.is_shape("db", *db, b.shape(), __LINE__);
   }
   const float beta = accumulate ? 1.0f : 0.0f;
-  auto grad_a = [&](const Tensor& a_, const Tensor& b_, const Tensor& d_, Tensor& da_, float beta_) {
+  auto grad_a = [&](const Tensor& b_, const Tensor& d_, Tensor& da_, float beta_) {
     if (!trans_a) {
       matmul(ex, d_, b_, da_, false, !trans_b, 1.0f, beta_);
     } else {
       matmul(ex, b_, d_, da_, trans_b, true, 1.0f, beta_);
     }
-    (void)a_;
   };
   auto grad_b = [&](const Tensor& a_, const Tensor& d_, Tensor& db_, float beta_) {
     if (!trans_b) {
@@ -229,7 +235,7 @@ void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Ten
     }
   };
   if (a.dim() == b.dim()) {
-    if (da != nullptr) grad_a(a, b, dout, *da, beta);
+    if (da != nullptr) grad_a(b, dout, *da, beta);
     if (db != nullptr) grad_b(a, dout, *db, beta);
     return;
   }
@@ -241,7 +247,7 @@ void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Ten
     const Tensor d2 = dout.view({-1, dout.size(2)});
     if (da != nullptr) {
       Tensor da2 = da->view({-1, da->size(2)});
-      grad_a(a2, b, d2, da2, beta);
+      grad_a(b, d2, da2, beta);
     }
     if (db != nullptr) grad_b(a2, d2, *db, beta);
     return;
@@ -251,7 +257,7 @@ void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Ten
     const Tensor di = dout.select(0, i);
     if (da != nullptr) {
       Tensor dai = da->select(0, i);
-      grad_a(ai, b, di, dai, beta);
+      grad_a(b, di, dai, beta);
     }
     if (db != nullptr) grad_b(ai, di, *db, i == 0 ? beta : 1.0f);
   }
@@ -269,11 +275,11 @@ void grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const Tens
   const int64_t experts = w.size(0);
   const int64_t k = trans_w ? w.size(2) : w.size(1);
   const int64_t n = trans_w ? w.size(1) : w.size(2);
-  OP_REQUIRE(c, x.size(1) == k, "x has {} columns but the experts' matrices take {} (trans_w={})", x.size(1), k,
-             trans_w);
+  OP_REQUIRE(c, x.size(1) == k, "x has {} columns but the experts' matrices take {} (trans_w={})", x.size(1),
+             k, trans_w);
   OP_SHAPE(c, offsets, {experts + 1});
   OP_SHAPE(c, out, {x.size(0), n});
-  c.entry(&Backend::grouped_matmul)(ex, x, w, offsets, out, trans_w);
+  c.call(&Backend::grouped_matmul, ex, x, w, offsets, out, trans_w);
 }
 
 void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
@@ -289,8 +295,8 @@ void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, c
   const int64_t experts = w.size(0);
   const int64_t k = trans_w ? w.size(2) : w.size(1);
   const int64_t n = trans_w ? w.size(1) : w.size(2);
-  OP_REQUIRE(c, x.size(1) == k, "x has {} columns but the experts' matrices take {} (trans_w={})", x.size(1), k,
-             trans_w);
+  OP_REQUIRE(c, x.size(1) == k, "x has {} columns but the experts' matrices take {} (trans_w={})", x.size(1),
+             k, trans_w);
   OP_SHAPE(c, offsets, {experts + 1});
   OP_SHAPE(c, dout, {x.size(0), n});
   if (dx != nullptr) {
@@ -301,7 +307,7 @@ void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, c
     OP_FLOAT(c, *dw);
     c.is_shape("dw", *dw, w.shape(), __LINE__);
   }
-  c.entry(&Backend::grouped_matmul_backward)(ex, x, w, offsets, dout, dx, dw, trans_w, accumulate_dw);
+  c.call(&Backend::grouped_matmul_backward, ex, x, w, offsets, dout, dx, dw, trans_w, accumulate_dw);
 }
 
 // ---- embedding -----------------------------------------------------------------------
@@ -314,7 +320,7 @@ void embedding_forward(const Exec& ex, const Tensor& ids, const Tensor& table, T
   OP_FLOAT(c, out);
   OP_RANK(c, table, 2);
   OP_SHAPE(c, out, {ids.size(0), table.size(1)});
-  c.entry(&Backend::embedding_forward)(ex, ids, table, out);
+  c.call(&Backend::embedding_forward, ex, ids, table, out);
 }
 
 void embedding_backward(const Exec& ex, const Tensor& ids, const Tensor& dout, Tensor& dtable) {
@@ -325,7 +331,7 @@ void embedding_backward(const Exec& ex, const Tensor& ids, const Tensor& dout, T
   OP_FLOAT(c, dtable);
   OP_RANK(c, dtable, 2);
   OP_SHAPE(c, dout, {ids.size(0), dtable.size(1)});
-  c.entry(&Backend::embedding_backward)(ex, ids, dout, dtable);
+  c.call(&Backend::embedding_backward, ex, ids, dout, dtable);
 }
 
 // ---- RMSNorm -------------------------------------------------------------------------
@@ -341,12 +347,13 @@ void rmsnorm_forward(const Exec& ex, const Tensor& x, const Tensor& w, float eps
   OP_SHAPE(c, y, x.shape());
   OP_SHAPE(c, rstd, {x.size(0)});
   OP_REQUIRE(c, eps >= 0.0f, "eps = {} is negative", eps);
-  c.entry(&Backend::rmsnorm_forward)(ex, x, w, eps, y, rstd);
+  c.call(&Backend::rmsnorm_forward, ex, x, w, eps, y, rstd);
 }
 
 void rmsnorm_backward(const Exec& ex, const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw, bool accumulate_dw) {
-  OpCheck c("rmsnorm_backward", ex, {{"dy", &dy}, {"x", &x}, {"w", &w}, {"rstd", &rstd}, {"dx", &dx}, {"dw", &dw}});
+  OpCheck c("rmsnorm_backward", ex,
+            {{"dy", &dy}, {"x", &x}, {"w", &w}, {"rstd", &rstd}, {"dx", &dx}, {"dw", &dw}});
   OP_FLOAT(c, dy);
   OP_FLOAT(c, x);
   OP_FLOAT(c, w);
@@ -359,7 +366,7 @@ void rmsnorm_backward(const Exec& ex, const Tensor& dy, const Tensor& x, const T
   OP_SHAPE(c, w, {x.size(1)});
   OP_SHAPE(c, dw, {x.size(1)});
   OP_SHAPE(c, rstd, {x.size(0)});
-  c.entry(&Backend::rmsnorm_backward)(ex, dy, x, w, rstd, dx, dw, accumulate_dw);
+  c.call(&Backend::rmsnorm_backward, ex, dy, x, w, rstd, dx, dw, accumulate_dw);
 }
 
 // ---- rotary position embedding -------------------------------------------------------
@@ -380,13 +387,13 @@ void check_rope(const OpCheck& c, const Tensor& x, const Tensor& pos, float thet
 void rope_forward(const Exec& ex, const Tensor& x, const Tensor& pos, float theta, Tensor& out) {
   OpCheck c("rope_forward", ex, {{"x", &x}, {"pos", &pos}, {"out", &out}});
   check_rope(c, x, pos, theta, out);
-  c.entry(&Backend::rope_forward)(ex, x, pos, theta, out);
+  c.call(&Backend::rope_forward, ex, x, pos, theta, out);
 }
 
 void rope_backward(const Exec& ex, const Tensor& dout, const Tensor& pos, float theta, Tensor& dx) {
   OpCheck c("rope_backward", ex, {{"dout", &dout}, {"pos", &pos}, {"dx", &dx}});
   check_rope(c, dout, pos, theta, dx);
-  c.entry(&Backend::rope_backward)(ex, dout, pos, theta, dx);
+  c.call(&Backend::rope_backward, ex, dout, pos, theta, dx);
 }
 
 // ---- attention -----------------------------------------------------------------------
@@ -403,26 +410,34 @@ void check_attention(const OpCheck& c, const Tensor& q, const Tensor& k, const T
   OP_RANK(c, k, 4);
   OP_REQUIRE(c, k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
              "k must be [B, S, Hkv, Dh] with q's B, S and Dh");
-  OP_REQUIRE(c, k.size(2) > 0 && q.size(2) % k.size(2) == 0, "query heads {} are not a multiple of kv heads {}",
-             q.size(2), k.size(2));
+  OP_REQUIRE(c, k.size(2) > 0 && q.size(2) % k.size(2) == 0,
+             "query heads {} are not a multiple of kv heads {}", q.size(2), k.size(2));
   OP_SHAPE(c, v, k.shape());
   OP_SHAPE(c, out, q.shape());
   OP_SHAPE(c, lse, {q.size(0), q.size(2), q.size(1)});
 }
 }  // namespace
 
-void attention_forward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, float scale, Tensor& out,
-                       Tensor& lse) {
+void attention_forward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, float scale,
+                       Tensor& out, Tensor& lse) {
   OpCheck c("attention_forward", ex, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}});
   check_attention(c, q, k, v, out, lse);
-  c.entry(&Backend::attention_forward)(ex, q, k, v, scale, out, lse);
+  c.call(&Backend::attention_forward, ex, q, k, v, scale, out, lse);
 }
 
 void attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                        const Tensor& lse, const Tensor& dout, float scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+                        const Tensor& lse, const Tensor& dout, float scale, Tensor& dq, Tensor& dk,
+                        Tensor& dv) {
   OpCheck c("attention_backward", ex,
-            {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}, {"dout", &dout}, {"dq", &dq},
-             {"dk", &dk}, {"dv", &dv}});
+            {{"q", &q},
+             {"k", &k},
+             {"v", &v},
+             {"out", &out},
+             {"lse", &lse},
+             {"dout", &dout},
+             {"dq", &dq},
+             {"dk", &dk},
+             {"dv", &dv}});
   check_attention(c, q, k, v, out, lse);
   OP_FLOAT(c, dout);
   OP_FLOAT(c, dq);
@@ -432,7 +447,7 @@ void attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const 
   OP_SHAPE(c, dq, q.shape());
   OP_SHAPE(c, dk, k.shape());
   OP_SHAPE(c, dv, k.shape());
-  c.entry(&Backend::attention_backward)(ex, q, k, v, out, lse, dout, scale, dq, dk, dv);
+  c.call(&Backend::attention_backward, ex, q, k, v, out, lse, dout, scale, dq, dk, dv);
 }
 
 // ---- softmax -------------------------------------------------------------------------
@@ -443,7 +458,7 @@ void softmax_forward(const Exec& ex, const Tensor& x, Tensor& y) {
   OP_FLOAT(c, y);
   OP_RANK(c, x, 2);
   OP_SHAPE(c, y, x.shape());
-  c.entry(&Backend::softmax_forward)(ex, x, y);
+  c.call(&Backend::softmax_forward, ex, x, y);
 }
 
 void softmax_backward(const Exec& ex, const Tensor& y, const Tensor& dy, Tensor& dx) {
@@ -454,15 +469,16 @@ void softmax_backward(const Exec& ex, const Tensor& y, const Tensor& dy, Tensor&
   OP_RANK(c, y, 2);
   OP_SHAPE(c, dy, y.shape());
   OP_SHAPE(c, dx, y.shape());
-  c.entry(&Backend::softmax_backward)(ex, y, dy, dx);
+  c.call(&Backend::softmax_backward, ex, y, dy, dx);
 }
 
 // ---- MoE router ----------------------------------------------------------------------
 
 void router_forward(const Exec& ex, const Tensor& logits, const Tensor* bias, const RouterConfig& cfg,
                     Tensor& scores, Tensor& topk_idx, Tensor& gates) {
-  OpCheck c("router_forward", ex,
-            {{"logits", &logits}, {"bias", bias}, {"scores", &scores}, {"topk_idx", &topk_idx}, {"gates", &gates}});
+  OpCheck c(
+      "router_forward", ex,
+      {{"logits", &logits}, {"bias", bias}, {"scores", &scores}, {"topk_idx", &topk_idx}, {"gates", &gates}});
   OP_FLOAT(c, logits);
   OP_RANK(c, logits, 2);
   const int64_t tokens = logits.size(0), experts = logits.size(1);
@@ -477,13 +493,16 @@ void router_forward(const Exec& ex, const Tensor& logits, const Tensor* bias, co
   OP_SHAPE(c, scores, {tokens, experts});
   OP_SHAPE(c, topk_idx, {tokens, static_cast<int64_t>(cfg.top_k)});
   OP_SHAPE(c, gates, {tokens, static_cast<int64_t>(cfg.top_k)});
-  c.entry(&Backend::router_forward)(ex, logits, bias, cfg, scores, topk_idx, gates);
+  c.call(&Backend::router_forward, ex, logits, bias, cfg, scores, topk_idx, gates);
 }
 
 void router_backward(const Exec& ex, const Tensor& scores, const Tensor& topk_idx, const Tensor& dgates,
                      const Tensor* dscores, const RouterConfig& cfg, Tensor& dlogits) {
   OpCheck c("router_backward", ex,
-            {{"scores", &scores}, {"topk_idx", &topk_idx}, {"dgates", &dgates}, {"dscores", dscores},
+            {{"scores", &scores},
+             {"topk_idx", &topk_idx},
+             {"dgates", &dgates},
+             {"dscores", dscores},
              {"dlogits", &dlogits}});
   OP_DTYPE(c, scores, DType::kF32);
   OP_RANK(c, scores, 2);
@@ -499,7 +518,7 @@ void router_backward(const Exec& ex, const Tensor& scores, const Tensor& topk_id
     c.is_shape("dscores", *dscores, scores.shape(), __LINE__);
   }
   OP_SHAPE(c, dlogits, scores.shape());
-  c.entry(&Backend::router_backward)(ex, scores, topk_idx, dgates, dscores, cfg, dlogits);
+  c.call(&Backend::router_backward, ex, scores, topk_idx, dgates, dscores, cfg, dlogits);
 }
 
 // ---- token permutation by expert -----------------------------------------------------
@@ -507,7 +526,9 @@ void router_backward(const Exec& ex, const Tensor& scores, const Tensor& topk_id
 void moe_dispatch_plan(const Exec& ex, const Tensor& topk_idx, int64_t num_experts, int64_t capacity,
                        Tensor& row_map, Tensor& expert_counts, Tensor& expert_offsets) {
   OpCheck c("moe_dispatch_plan", ex,
-            {{"topk_idx", &topk_idx}, {"row_map", &row_map}, {"expert_counts", &expert_counts},
+            {{"topk_idx", &topk_idx},
+             {"row_map", &row_map},
+             {"expert_counts", &expert_counts},
              {"expert_offsets", &expert_offsets}});
   OP_DTYPE(c, topk_idx, DType::kI32);
   OP_DTYPE(c, row_map, DType::kI32);
@@ -518,7 +539,8 @@ void moe_dispatch_plan(const Exec& ex, const Tensor& topk_idx, int64_t num_exper
   OP_SHAPE(c, row_map, {topk_idx.numel()});
   OP_SHAPE(c, expert_counts, {num_experts});
   OP_SHAPE(c, expert_offsets, {num_experts + 1});
-  c.entry(&Backend::moe_dispatch_plan)(ex, topk_idx, num_experts, capacity, row_map, expert_counts, expert_offsets);
+  c.call(&Backend::moe_dispatch_plan, ex, topk_idx, num_experts, capacity, row_map, expert_counts,
+         expert_offsets);
 }
 
 void moe_permute(const Exec& ex, const Tensor& x, const Tensor& row_map, int64_t top_k, Tensor& xp) {
@@ -531,10 +553,11 @@ void moe_permute(const Exec& ex, const Tensor& x, const Tensor& row_map, int64_t
   OP_REQUIRE(c, top_k >= 1, "top_k = {} must be positive", top_k);
   OP_SHAPE(c, row_map, {x.size(0) * top_k});
   OP_REQUIRE(c, xp.size(1) == x.size(1), "xp has {} columns, x has {}", xp.size(1), x.size(1));
-  c.entry(&Backend::moe_permute)(ex, x, row_map, top_k, xp);
+  c.call(&Backend::moe_permute, ex, x, row_map, top_k, xp);
 }
 
-void moe_permute_backward(const Exec& ex, const Tensor& dxp, const Tensor& row_map, int64_t top_k, Tensor& dx) {
+void moe_permute_backward(const Exec& ex, const Tensor& dxp, const Tensor& row_map, int64_t top_k,
+                          Tensor& dx) {
   OpCheck c("moe_permute_backward", ex, {{"dxp", &dxp}, {"row_map", &row_map}, {"dx", &dx}});
   OP_FLOAT(c, dxp);
   OP_FLOAT(c, dx);
@@ -544,7 +567,7 @@ void moe_permute_backward(const Exec& ex, const Tensor& dxp, const Tensor& row_m
   OP_REQUIRE(c, top_k >= 1, "top_k = {} must be positive", top_k);
   OP_SHAPE(c, row_map, {dx.size(0) * top_k});
   OP_REQUIRE(c, dxp.size(1) == dx.size(1), "dxp has {} columns, dx has {}", dxp.size(1), dx.size(1));
-  c.entry(&Backend::moe_permute_backward)(ex, dxp, row_map, top_k, dx);
+  c.call(&Backend::moe_permute_backward, ex, dxp, row_map, top_k, dx);
 }
 
 void moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, const Tensor& gates, Tensor& y) {
@@ -559,13 +582,17 @@ void moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, cons
   OP_REQUIRE(c, gates.size(0) == y.size(0), "gates has {} rows, y has {}", gates.size(0), y.size(0));
   OP_SHAPE(c, row_map, {gates.numel()});
   OP_REQUIRE(c, yp.size(1) == y.size(1), "yp has {} columns, y has {}", yp.size(1), y.size(1));
-  c.entry(&Backend::moe_unpermute)(ex, yp, row_map, gates, y);
+  c.call(&Backend::moe_unpermute, ex, yp, row_map, gates, y);
 }
 
 void moe_unpermute_backward(const Exec& ex, const Tensor& dy, const Tensor& yp, const Tensor& row_map,
                             const Tensor& gates, Tensor& dyp, Tensor& dgates) {
   OpCheck c("moe_unpermute_backward", ex,
-            {{"dy", &dy}, {"yp", &yp}, {"row_map", &row_map}, {"gates", &gates}, {"dyp", &dyp},
+            {{"dy", &dy},
+             {"yp", &yp},
+             {"row_map", &row_map},
+             {"gates", &gates},
+             {"dyp", &dyp},
              {"dgates", &dgates}});
   OP_FLOAT(c, dy);
   OP_FLOAT(c, yp);
@@ -581,7 +608,7 @@ void moe_unpermute_backward(const Exec& ex, const Tensor& dy, const Tensor& yp, 
   OP_REQUIRE(c, yp.size(1) == dy.size(1), "yp has {} columns, dy has {}", yp.size(1), dy.size(1));
   OP_SHAPE(c, dyp, yp.shape());
   OP_SHAPE(c, dgates, gates.shape());
-  c.entry(&Backend::moe_unpermute_backward)(ex, dy, yp, row_map, gates, dyp, dgates);
+  c.call(&Backend::moe_unpermute_backward, ex, dy, yp, row_map, gates, dyp, dgates);
 }
 
 // ---- SwiGLU --------------------------------------------------------------------------
@@ -593,7 +620,7 @@ void swiglu_forward(const Exec& ex, const Tensor& h, Tensor& out) {
   OP_RANK(c, h, 2);
   OP_REQUIRE(c, h.size(1) % 2 == 0, "h has an odd number of columns ({})", h.size(1));
   OP_SHAPE(c, out, {h.size(0), h.size(1) / 2});
-  c.entry(&Backend::swiglu_forward)(ex, h, out);
+  c.call(&Backend::swiglu_forward, ex, h, out);
 }
 
 void swiglu_backward(const Exec& ex, const Tensor& h, const Tensor& dout, Tensor& dh) {
@@ -605,7 +632,7 @@ void swiglu_backward(const Exec& ex, const Tensor& h, const Tensor& dout, Tensor
   OP_REQUIRE(c, h.size(1) % 2 == 0, "h has an odd number of columns ({})", h.size(1));
   OP_SHAPE(c, dout, {h.size(0), h.size(1) / 2});
   OP_SHAPE(c, dh, h.shape());
-  c.entry(&Backend::swiglu_backward)(ex, h, dout, dh);
+  c.call(&Backend::swiglu_backward, ex, h, dout, dh);
 }
 
 // ---- cross-entropy -------------------------------------------------------------------
@@ -622,7 +649,7 @@ void cross_entropy_forward(const Exec& ex, const Tensor& logits, const Tensor& t
   OP_SHAPE(c, targets, {logits.size(0)});
   OP_SHAPE(c, losses, {logits.size(0)});
   OP_SHAPE(c, lse, {logits.size(0)});
-  c.entry(&Backend::cross_entropy_forward)(ex, logits, targets, losses, lse);
+  c.call(&Backend::cross_entropy_forward, ex, logits, targets, losses, lse);
 }
 
 void cross_entropy_backward(const Exec& ex, const Tensor& logits, const Tensor& targets, const Tensor& lse,
@@ -637,12 +664,13 @@ void cross_entropy_backward(const Exec& ex, const Tensor& logits, const Tensor& 
   OP_SHAPE(c, targets, {logits.size(0)});
   OP_SHAPE(c, lse, {logits.size(0)});
   OP_SHAPE(c, dlogits, logits.shape());
-  c.entry(&Backend::cross_entropy_backward)(ex, logits, targets, lse, grad_scale, dlogits);
+  c.call(&Backend::cross_entropy_backward, ex, logits, targets, lse, grad_scale, dlogits);
 }
 
 // ---- optimizer -----------------------------------------------------------------------
 
-void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWConfig& cfg) {
+void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
+                const AdamWConfig& cfg) {
   OpCheck c("adamw_step", ex, {{"param", &param}, {"grad", &grad}, {"m", &m}, {"v", &v}});
   OP_DTYPE(c, param, DType::kF32);
   OP_FLOAT(c, grad);
@@ -654,7 +682,7 @@ void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Te
   OP_REQUIRE(c, cfg.step >= 1, "step = {} must be 1-based", cfg.step);
   OP_REQUIRE(c, cfg.beta1 >= 0.0f && cfg.beta1 < 1.0f && cfg.beta2 >= 0.0f && cfg.beta2 < 1.0f,
              "betas ({}, {}) must lie in [0, 1)", cfg.beta1, cfg.beta2);
-  c.entry(&Backend::adamw_step)(ex, param, grad, m, v, cfg);
+  c.call(&Backend::adamw_step, ex, param, grad, m, v, cfg);
 }
 
 // ---- quantization --------------------------------------------------------------------
@@ -662,8 +690,8 @@ void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Te
 namespace {
 void check_fp8(const OpCheck& c, const Tensor& x, const Tensor& q, const Tensor& scales, int64_t block_size) {
   OP_FLOAT(c, x);
-  OP_REQUIRE(c, q.dtype() == DType::kF8E4M3 || q.dtype() == DType::kF8E5M2, "q must be fp8e4m3 or fp8e5m2, not {}",
-             dtype_name(q.dtype()));
+  OP_REQUIRE(c, q.dtype() == DType::kF8E4M3 || q.dtype() == DType::kF8E5M2,
+             "q must be fp8e4m3 or fp8e5m2, not {}", dtype_name(q.dtype()));
   OP_DTYPE(c, scales, DType::kF32);
   OP_RANK(c, x, 2);
   OP_SHAPE(c, q, x.shape());
@@ -676,13 +704,13 @@ void check_fp8(const OpCheck& c, const Tensor& x, const Tensor& q, const Tensor&
 void quantize_fp8(const Exec& ex, const Tensor& x, int64_t block_size, Tensor& q, Tensor& scales) {
   OpCheck c("quantize_fp8", ex, {{"x", &x}, {"q", &q}, {"scales", &scales}});
   check_fp8(c, x, q, scales, block_size);
-  c.entry(&Backend::quantize_fp8)(ex, x, block_size, q, scales);
+  c.call(&Backend::quantize_fp8, ex, x, block_size, q, scales);
 }
 
 void dequantize_fp8(const Exec& ex, const Tensor& q, const Tensor& scales, int64_t block_size, Tensor& out) {
   OpCheck c("dequantize_fp8", ex, {{"q", &q}, {"scales", &scales}, {"out", &out}});
   check_fp8(c, out, q, scales, block_size);
-  c.entry(&Backend::dequantize_fp8)(ex, q, scales, block_size, out);
+  c.call(&Backend::dequantize_fp8, ex, q, scales, block_size, out);
 }
 
 }  // namespace troupe::kernels

@@ -36,6 +36,21 @@ kernels::RouterConfig Router::router_config() const {
   return rc;
 }
 
+namespace {
+// Log-sum-exp of each row of a host [T, E] array.
+std::vector<double> row_lse(const std::vector<float>& lg, int64_t t, int64_t e) {
+  std::vector<double> out(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i) {
+    const float* row = &lg[static_cast<size_t>(i * e)];
+    const float mx = *std::max_element(row, row + e);
+    double se = 0;
+    for (int64_t j = 0; j < e; ++j) se += std::exp(static_cast<double>(row[j] - mx));
+    out[static_cast<size_t>(i)] = mx + std::log(se);
+  }
+  return out;
+}
+}  // namespace
+
 double Router::forward(const Ctx& c, const Tensor& x, Saved& s) const {
   const int64_t t = x.size(0), e = cfg.num_experts, k = cfg.top_k;
   s.x = x;
@@ -48,66 +63,42 @@ double Router::forward(const Ctx& c, const Tensor& x, Saved& s) const {
   kernels::router_forward(c.ex, s.logits, use_bias ? &bias : nullptr, router_config(), s.scores, s.topk_idx,
                           s.gates);
 
-  s.selected.assign(static_cast<size_t>(e), 0);
+  // Statistics of this rank's tokens: [selected_e (E) | sum_t scores[t,e] (E) | T | sum_t lse_t^2].
+  std::vector<double> stats(static_cast<size_t>(2 * e + 2), 0.0);
   const Tensor idx = s.topk_idx.contiguous();
   const int32_t* ip = idx.data<int32_t>();
-  for (int64_t i = 0; i < t * k; ++i) s.selected[static_cast<size_t>(ip[i])]++;
-
-  std::vector<double> p(static_cast<size_t>(e), 0.0);  // sum over tokens of scores[t,e]
-  if (cfg.aux_loss_coef > 0 && t > 0) {
+  for (int64_t i = 0; i < t * k; ++i) stats[static_cast<size_t>(ip[i])] += 1.0;
+  if (cfg.aux_loss_coef > 0) {
     const std::vector<float> sc = host_floats(s.scores);
     for (int64_t i = 0; i < t; ++i)
-      for (int64_t j = 0; j < e; ++j) p[static_cast<size_t>(j)] += sc[static_cast<size_t>(i * e + j)];
+      for (int64_t j = 0; j < e; ++j) stats[static_cast<size_t>(e + j)] += sc[static_cast<size_t>(i * e + j)];
   }
-  double zsum = 0;  // sum over tokens of logsumexp(logits_t)^2
-  if (cfg.z_loss_coef > 0 && t > 0) {
-    const std::vector<float> lg = host_floats(s.logits);
-    for (int64_t i = 0; i < t; ++i) {
-      const float* row = &lg[static_cast<size_t>(i * e)];
-      const float mx = *std::max_element(row, row + e);
-      double se = 0;
-      for (int64_t j = 0; j < e; ++j) se += std::exp(static_cast<double>(row[j] - mx));
-      const double lse = mx + std::log(se);
-      zsum += lse * lse;
-    }
+  stats[static_cast<size_t>(2 * e)] = static_cast<double>(t);
+  if (cfg.z_loss_coef > 0) {
+    for (double l : row_lse(host_floats(s.logits), t, e)) stats[static_cast<size_t>(2 * e + 1)] += l * l;
   }
-  s.tokens = t;
-  if (stats_reducer != nullptr) {
-    // [selected (E), score sums (E), z sum, tokens]; counts are exact in fp64.
-    std::vector<double> v(static_cast<size_t>(2 * e + 2));
-    for (int64_t j = 0; j < e; ++j) {
-      v[static_cast<size_t>(j)] = static_cast<double>(s.selected[static_cast<size_t>(j)]);
-      v[static_cast<size_t>(e + j)] = p[static_cast<size_t>(j)];
-    }
-    v[static_cast<size_t>(2 * e)] = zsum;
-    v[static_cast<size_t>(2 * e + 1)] = static_cast<double>(t);
-    stats_reducer->sum(v);
-    for (int64_t j = 0; j < e; ++j) {
-      s.selected[static_cast<size_t>(j)] = static_cast<int64_t>(std::llround(v[static_cast<size_t>(j)]));
-      p[static_cast<size_t>(j)] = v[static_cast<size_t>(e + j)];
-    }
-    zsum = v[static_cast<size_t>(2 * e)];
-    s.tokens = static_cast<int64_t>(std::llround(v[static_cast<size_t>(2 * e + 1)]));
-  }
+  if (all_reduce_) all_reduce_(stats);
 
-  const int64_t tt = s.tokens;
+  s.selected.assign(static_cast<size_t>(e), 0);
+  for (int64_t j = 0; j < e; ++j) s.selected[static_cast<size_t>(j)] = std::llround(stats[static_cast<size_t>(j)]);
+  s.group_tokens = std::llround(stats[static_cast<size_t>(2 * e)]);
+  const double tg = static_cast<double>(std::max<int64_t>(1, s.group_tokens));
   double aux = 0;
-  if (cfg.aux_loss_coef > 0 && tt > 0) {
+  if (cfg.aux_loss_coef > 0) {
     double acc = 0;
     for (int64_t j = 0; j < e; ++j) {
-      const double f = static_cast<double>(s.selected[static_cast<size_t>(j)]) / static_cast<double>(tt * k);
-      acc += f * p[static_cast<size_t>(j)] / static_cast<double>(tt);
+      const double f = stats[static_cast<size_t>(j)] / (tg * static_cast<double>(k));
+      acc += f * stats[static_cast<size_t>(e + j)] / tg;
     }
     aux += cfg.aux_loss_coef * static_cast<double>(e) * acc;
   }
-  if (cfg.z_loss_coef > 0 && tt > 0) aux += cfg.z_loss_coef * zsum / static_cast<double>(tt);
+  if (cfg.z_loss_coef > 0) aux += cfg.z_loss_coef * stats[static_cast<size_t>(2 * e + 1)] / tg;
   return aux;
 }
 
 Tensor Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight) {
-  // t: local rows; tt: tokens the statistics cover (the whole micro-batch's with a reducer).
   const int64_t t = s.x.size(0), e = cfg.num_experts, k = cfg.top_k;
-  const int64_t tt = std::max<int64_t>(1, s.tokens);
+  const double tg = static_cast<double>(std::max<int64_t>(1, s.group_tokens));
   Tensor dlogits = c.empty({t, e});
   Tensor dscores;
   if (cfg.aux_loss_coef > 0) {
@@ -115,9 +106,8 @@ Tensor Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, floa
     dscores = Tensor::empty({t, e}, DType::kF32);
     float* dp = dscores.data<float>();
     for (int64_t j = 0; j < e; ++j) {
-      const double f = static_cast<double>(s.selected[static_cast<size_t>(j)]) / static_cast<double>(tt * k);
-      const float g = static_cast<float>(loss_weight * cfg.aux_loss_coef * static_cast<double>(e) * f /
-                                         static_cast<double>(tt));
+      const double f = static_cast<double>(s.selected[static_cast<size_t>(j)]) / (tg * static_cast<double>(k));
+      const float g = static_cast<float>(loss_weight * cfg.aux_loss_coef * static_cast<double>(e) * f / tg);
       for (int64_t i = 0; i < t; ++i) dp[i * e + j] = g;
     }
   }
@@ -126,16 +116,12 @@ Tensor Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, floa
   if (cfg.z_loss_coef > 0) {
     // d/dlogits of coef * mean_t lse_t^2 = coef * 2 * lse_t * softmax(logits_t) / T.
     const std::vector<float> lg = host_floats(s.logits);
+    const std::vector<double> lse = row_lse(lg, t, e);
     float* dl = dlogits.data<float>();
     for (int64_t i = 0; i < t; ++i) {
-      const float* row = &lg[static_cast<size_t>(i * e)];
-      const float mx = *std::max_element(row, row + e);
-      double se = 0;
-      for (int64_t j = 0; j < e; ++j) se += std::exp(static_cast<double>(row[j] - mx));
-      const double lse = mx + std::log(se);
       for (int64_t j = 0; j < e; ++j) {
-        const double p = std::exp(static_cast<double>(row[j]) - lse);
-        dl[i * e + j] += static_cast<float>(loss_weight * cfg.z_loss_coef * 2.0 * lse * p / static_cast<double>(tt));
+        const double p = std::exp(static_cast<double>(lg[static_cast<size_t>(i * e + j)]) - lse[static_cast<size_t>(i)]);
+        dl[i * e + j] += static_cast<float>(loss_weight * cfg.z_loss_coef * 2.0 * lse[static_cast<size_t>(i)] * p / tg);
       }
     }
   }

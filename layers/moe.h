@@ -10,6 +10,7 @@
 // router, its losses and the shared expert stay the same.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,22 +22,20 @@
 
 namespace troupe::layers {
 
+// Sums a vector element-wise over the ranks that hold parts of the same micro-batch
+// (e.g. a sequence-parallel group), in place. The router's balancing statistics go
+// through it so that the aux loss and its gradient equal one process's over the whole
+// micro-batch. Unset: one process (identity).
+using GroupAllReduce = std::function<void(std::vector<double>&)>;
+
 class Router {
  public:
   struct Saved {
     Tensor x, logits, scores, topk_idx, gates;  // [T,D], [T,E], [T,E], i32 [T,k], [T,k]
-    std::vector<int64_t> selected;              // copies routed to each expert (before drops)
-    int64_t tokens = 0;                         // tokens the statistics cover (see StatsReducer)
-  };
-  // Distributed hook (sequence parallelism): when set, forward() sums the per-expert
-  // statistics (selections, score sums, z-loss sum, token count) over the ranks holding
-  // the other tokens of the same micro-batch, so the aux loss, its gradient and
-  // Saved::selected are those of the whole micro-batch, exactly as one process sees it.
-  // Every rank of the group must call forward() for the same micro-batches in order.
-  class StatsReducer {
-   public:
-    virtual ~StatsReducer() = default;
-    virtual void sum(std::vector<double>& values) = 0;  // in place, over the group
+    // Copies routed to each expert (before drops) over the whole micro-batch (summed over
+    // the group), and that micro-batch's token count.
+    std::vector<int64_t> selected;
+    int64_t group_tokens = 0;
   };
   Router(int64_t d_model, const MoEConfig& cfg);
   void init(uint64_t seed, const std::string& prefix, float std);
@@ -44,18 +43,22 @@ class Router {
 
   // Fills s (topk_idx, gates, ...). Returns the auxiliary loss of this micro-batch:
   // aux_loss_coef * E * sum_e f_e * P_e + z_loss_coef * mean_t logsumexp(logits_t)^2, with
-  // f_e = selected_e / (T*k) and P_e = mean_t scores[t,e].
+  // f_e = selected_e / (T*k) and P_e = mean_t scores[t,e], T and the sums taken over the
+  // whole micro-batch (through the group all-reduce; every rank returns the same value).
   double forward(const Ctx& c, const Tensor& x, Saved& s) const;
   // dgates [T,k] from the experts; loss_weight is the weight of this micro-batch's aux
   // loss in the total loss. Returns dx; accumulates weight.grad.
   Tensor backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight);
 
   kernels::RouterConfig router_config() const;
+  void set_group_all_reduce(GroupAllReduce f) { all_reduce_ = std::move(f); }
 
   Parameter weight;  // [D, E]
-  StatsReducer* stats_reducer = nullptr;  // not owned; null: statistics of local tokens
   Tensor bias;       // f32 [E]: aux-loss-free selection bias (a buffer, no gradient)
   MoEConfig cfg;
+
+ private:
+  GroupAllReduce all_reduce_;
 };
 
 // Opaque per-micro-batch state an ExpertDispatch keeps between forward and backward.

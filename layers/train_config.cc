@@ -55,6 +55,8 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(t.eval_every, cfg.get_int("train.eval_every", t.eval_every));
   TROUPE_ASSIGN_OR_RETURN(t.eval_batches, cfg.get_int("train.eval_batches", t.eval_batches));
   TROUPE_ASSIGN_OR_RETURN(t.log_every, cfg.get_int("train.log_every", t.log_every));
+  TROUPE_ASSIGN_OR_RETURN(t.time_limit_s, cfg.get_double("train.time_limit_s", t.time_limit_s));
+  if (t.time_limit_s < 0) return invalid_argument("{}: key 'train.time_limit_s' must be >= 0", cfg.source());
   const std::pair<const char*, int64_t> positive[] = {{"train.steps", t.steps},
                                                       {"train.seq_len", t.seq_len},
                                                       {"train.micro_batch_size", t.micro_batch_size},

@@ -22,6 +22,9 @@ struct TrainOptions {
   int64_t eval_every = 50;        // validation loss every N steps (0: only at the start and end)
   int64_t eval_batches = 4;       // micro-batches of validation data per evaluation
   int64_t log_every = 1;          // a console line every N steps
+  // Wall-clock budget in seconds (0: none). When a step ends past it, training stops
+  // there (final validation and weights as usual): `make demo` uses it as a safety net.
+  double time_limit_s = 0;
 };
 
 struct DataOptions {

@@ -12,9 +12,9 @@
 //               Needs the same token count on every rank (true under Ulysses).
 //
 // Both give every token y[t] = sum_j gates[t,j] * expert_{idx[t,j]}(x[t]) exactly as
-// LocalExpertDispatch does (dropless), up to fp32 summation order. RouterStatsSum is the
-// Router::StatsReducer over the same group (load-balancing statistics of the whole
-// micro-batch).
+// LocalExpertDispatch does (dropless), up to fp32 summation order. (The router's
+// load-balancing statistics are summed over the same group through
+// Router::set_group_all_reduce, wired by the Stage.)
 #pragma once
 
 #include <memory>
@@ -54,16 +54,6 @@ class ExpertGroup final : public layers::ExpertDispatch {
   comm::Communicator& group_;
   CommTime& time_;
   DispatchMode mode_;
-};
-
-class RouterStatsSum final : public layers::Router::StatsReducer {
- public:
-  RouterStatsSum(comm::Communicator& group, CommTime& time) : group_(group), time_(time) {}
-  void sum(std::vector<double>& values) override { sum_doubles(group_, values, time_, "router statistics"); }
-
- private:
-  comm::Communicator& group_;
-  CommTime& time_;
 };
 
 }  // namespace troupe::training

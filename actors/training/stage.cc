@@ -19,7 +19,6 @@ struct Stage::BlockRole {
   int64_t moe_index = -1;  // index among the model's MoE blocks, -1 for dense
   std::unique_ptr<AttentionShard> attn;   // n > 1
   std::unique_ptr<ExpertGroup> experts;   // MoE and n > 1
-  std::unique_ptr<RouterStatsSum> stats;  // MoE and n > 1
 };
 
 struct Stage::BlockSaved {
@@ -116,8 +115,9 @@ Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns
         role->experts = std::make_unique<ExpertGroup>(b.moe->experts, tc_.model.moe.top_k, tc_.model.recompute_swiglu,
                                                       *groups_.n, time_, mode);
         b.moe->set_dispatch(role->experts.get());
-        role->stats = std::make_unique<RouterStatsSum>(*groups_.n, time_);
-        b.moe->router.stats_reducer = role->stats.get();
+        b.moe->router.set_group_all_reduce([group = groups_.n.get(), time = &time_](std::vector<double>& v) {
+          sum_doubles(*group, v, *time, "router statistics");
+        });
       }
     }
     roles_.push_back(std::move(role));

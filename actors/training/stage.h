@@ -14,7 +14,7 @@
 //   embeds, the last applies the LM head (grad scale = weight / tokens of the whole
 //   micro-batch, counted from the full targets every rank loads).
 // - Attention: Ulysses (AttentionShard). Experts: E/n per rank (ExpertGroup). The router's
-//   statistics are summed over the n-group per micro-batch (RouterStatsSum).
+//   statistics are summed over the n-group per micro-batch (Router::set_group_all_reduce).
 // - Gradients: every parameter's value and gradient live in two flat buffers, the
 //   n-replicated parameters first, then this rank's experts. The replicated part is
 //   all-reduced over the n-group; a tied embedding is all-reduced between the first and

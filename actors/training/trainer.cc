@@ -44,7 +44,12 @@ Status Trainer::run() {
     rec["tokens"] = tokens_seen;
     rec["tokens_per_s"] = static_cast<double>(step_tokens) / wall_s;
     rec["driver_step_ms"] = wall_s * 1e3;
-    const bool eval_now = (tc_.train.eval_every > 0 && step % tc_.train.eval_every == 0) || step == tc_.train.steps;
+    // train.time_limit_s: stop after the step that ends past the budget (final validation
+    // as at the last step), as the single-process app does.
+    const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
+    const bool out_of_time = tc_.train.time_limit_s > 0 && elapsed > tc_.train.time_limit_s && step < tc_.train.steps;
+    const bool eval_now =
+        (tc_.train.eval_every > 0 && step % tc_.train.eval_every == 0) || step == tc_.train.steps || out_of_time;
     if (eval_now) {
       TROUPE_ASSIGN_OR_RETURN(nlohmann::json ev, call(Command::Kind::kEval, step));
       last_val_ = ev.value("val_loss", NAN);
@@ -60,6 +65,10 @@ Status Trainer::run() {
                  rec.value("step_ms", 0.0), rec.value("compute_ms", 0.0), rec.value("comm_ms", 0.0),
                  eval_now ? fmt::format(" | val_loss {:.4f}", last_val_) : "");
       std::fflush(stdout);
+    }
+    if (out_of_time) {
+      fmt::print("train_moe: time limit of {:.0f}s reached after step {}; stopping\n", tc_.train.time_limit_s, step);
+      break;
     }
   }
   TROUPE_RETURN_IF_ERROR(call(Command::Kind::kStop, 0).status());

@@ -1,6 +1,7 @@
 // apps/train_moe/train.cc — `train_moe --config ...`: the single-process training run,
 // read top to bottom: config -> data and tokenizer -> model and optimizer -> steps
 // (micro-batches, clip, AdamW, router-bias update, metrics, validation) -> weights.
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cmath>
@@ -110,7 +111,7 @@ Status run_train(const TrainOptions& o) {
 
   // ---- steps --------------------------------------------------------------------------
   const auto t_start = Clock::now();
-  int64_t tokens_seen = 0;
+  int64_t tokens_seen = 0, steps_done = 0;
   double last_val = val0;
   const float loss_weight = 1.0f / static_cast<float>(tc.train.grad_accum);
   for (int64_t step = 1; step <= tc.train.steps; ++step) {
@@ -135,13 +136,23 @@ Status run_train(const TrainOptions& o) {
     tokens_seen += step_tokens;
     const double tps = static_cast<double>(step_tokens) / step_s;
     const double loss = lm_sum + aux;
+    // Load imbalance: the busiest expert's share over the mean share, worst MoE layer.
+    double imbalance = 0;
+    for (const auto& layer : load) {
+      int64_t total = 0, mx = 0;
+      for (int64_t v : layer) total += v, mx = std::max(mx, v);
+      if (total > 0) imbalance = std::max(imbalance, static_cast<double>(mx) * static_cast<double>(layer.size()) / static_cast<double>(total));
+    }
     if (!std::isfinite(loss)) return aborted("step {}: the loss is {} (diverged)", step, loss);
 
     nlohmann::json rec{{"step", step},       {"loss", loss},          {"lm_loss", lm_sum},
                        {"aux_loss", aux},    {"lr", lr},              {"grad_norm", grad_norm},
                        {"tokens", tokens_seen}, {"tokens_per_s", tps}, {"step_ms", step_s * 1e3},
-                       {"expert_load", load}};
-    const bool eval_now = (tc.train.eval_every > 0 && step % tc.train.eval_every == 0) || step == tc.train.steps;
+                       {"expert_load", load}, {"load_imbalance", imbalance}};
+    const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
+    const bool out_of_time = tc.train.time_limit_s > 0 && elapsed > tc.train.time_limit_s && step < tc.train.steps;
+    const bool eval_now =
+        (tc.train.eval_every > 0 && step % tc.train.eval_every == 0) || step == tc.train.steps || out_of_time;
     if (eval_now) {
       last_val = evaluate(c, model, val_loader, tc);
       rec["val_loss"] = last_val;
@@ -149,17 +160,23 @@ Status run_train(const TrainOptions& o) {
     metrics << rec.dump() << "\n";
     metrics.flush();
     if (step % tc.train.log_every == 0 || step == 1 || eval_now) {
-      fmt::print("step {}/{} | loss {:.4f} | lm {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:.0f} tok/s | {:.0f} ms{}\n",
+      fmt::print("step {}/{} | loss {:.4f} | lm {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:.0f} tok/s | {:.0f} ms{}{}\n",
                  step, tc.train.steps, loss, lm_sum, aux, lr, grad_norm, tps, step_s * 1e3,
+                 load.empty() ? "" : fmt::format(" | load max/mean {:.2f}", imbalance),
                  eval_now ? fmt::format(" | val_loss {:.4f}", last_val) : "");
       std::fflush(stdout);
+    }
+    steps_done = step;
+    if (out_of_time) {
+      fmt::print("train_moe: time limit of {:.0f}s reached after step {}; stopping\n", tc.train.time_limit_s, step);
+      break;
     }
   }
   const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
 
   // ---- weights ------------------------------------------------------------------------
   TROUPE_RETURN_IF_ERROR(save_weights(run_dir + "/model.bin", model,
-                                      WeightsInfo{tc.model, tc.train.seq_len, tc.train.steps}));
+                                      WeightsInfo{tc.model, tc.train.seq_len, steps_done}));
   fmt::print("train_moe: done in {:.1f}s ({:.0f} tokens/s); val_loss {:.4f} -> {:.4f}; weights in {}/model.bin\n",
              total_s, static_cast<double>(tokens_seen) / total_s, val0, last_val, run_dir);
   return ok_status();

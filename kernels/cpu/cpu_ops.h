@@ -60,8 +60,8 @@ void swiglu_forward(const Exec& ex, const Tensor& h, Tensor& out);
 void swiglu_backward(const Exec& ex, const Tensor& h, const Tensor& dout, Tensor& dh);
 
 // ---- matmul.cc ------------------------------------------------------------------------
-void matmul(const Exec& ex, const Tensor& a, const Tensor& b, Tensor& out, bool trans_a, bool trans_b, float alpha,
-            float beta);
+void matmul(const Exec& ex, const Tensor& a, const Tensor& b, Tensor& out, bool trans_a, bool trans_b,
+            float alpha, float beta);
 void grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out,
                     bool trans_w);
 void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
@@ -81,10 +81,11 @@ void softmax_forward(const Exec& ex, const Tensor& x, Tensor& y);
 void softmax_backward(const Exec& ex, const Tensor& y, const Tensor& dy, Tensor& dx);
 
 // ---- attention.cc ---------------------------------------------------------------------
-void attention_forward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, float scale, Tensor& out,
-                       Tensor& lse);
+void attention_forward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, float scale,
+                       Tensor& out, Tensor& lse);
 void attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                        const Tensor& lse, const Tensor& dout, float scale, Tensor& dq, Tensor& dk, Tensor& dv);
+                        const Tensor& lse, const Tensor& dout, float scale, Tensor& dq, Tensor& dk,
+                        Tensor& dv);
 
 // ---- moe.cc (router, dispatch plan, permutation) --------------------------------------
 void router_forward(const Exec& ex, const Tensor& logits, const Tensor* bias, const RouterConfig& cfg,
@@ -94,7 +95,8 @@ void router_backward(const Exec& ex, const Tensor& scores, const Tensor& topk_id
 void moe_dispatch_plan(const Exec& ex, const Tensor& topk_idx, int64_t num_experts, int64_t capacity,
                        Tensor& row_map, Tensor& expert_counts, Tensor& expert_offsets);
 void moe_permute(const Exec& ex, const Tensor& x, const Tensor& row_map, int64_t top_k, Tensor& xp);
-void moe_permute_backward(const Exec& ex, const Tensor& dxp, const Tensor& row_map, int64_t top_k, Tensor& dx);
+void moe_permute_backward(const Exec& ex, const Tensor& dxp, const Tensor& row_map, int64_t top_k,
+                          Tensor& dx);
 void moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, const Tensor& gates, Tensor& y);
 void moe_unpermute_backward(const Exec& ex, const Tensor& dy, const Tensor& yp, const Tensor& row_map,
                             const Tensor& gates, Tensor& dyp, Tensor& dgates);
@@ -106,7 +108,8 @@ void cross_entropy_backward(const Exec& ex, const Tensor& logits, const Tensor& 
                             float grad_scale, Tensor& dlogits);
 
 // ---- optim.cc -------------------------------------------------------------------------
-void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWConfig& cfg);
+void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
+                const AdamWConfig& cfg);
 
 // ---- quant.cc -------------------------------------------------------------------------
 void quantize_fp8(const Exec& ex, const Tensor& x, int64_t block_size, Tensor& q, Tensor& scales);

@@ -82,7 +82,9 @@ void sum_rows(const Exec&, const Tensor& x, Tensor& out, bool accumulate) {
 }
 
 namespace {
-float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+float sigmoid(float x) {
+  return 1.0f / (1.0f + std::exp(-x));
+}
 }  // namespace
 
 void swiglu_forward(const Exec&, const Tensor& h, Tensor& out) {

@@ -45,7 +45,8 @@ void rope_rotate(const Tensor& x, const Tensor& pos, float theta, Tensor& out, d
   F32Out po(out);
   std::vector<double> inv_freq(static_cast<size_t>(half));
   for (int64_t i = 0; i < half; ++i) {
-    inv_freq[i] = std::pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / static_cast<double>(dh));
+    inv_freq[i] =
+        std::pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / static_cast<double>(dh));
   }
   std::vector<float> cos_t(static_cast<size_t>(half)), sin_t(static_cast<size_t>(half));
   for (int64_t t = 0; t < tokens; ++t) {

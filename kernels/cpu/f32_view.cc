@@ -9,7 +9,7 @@ F32In::F32In(const Tensor& t) {
     return;
   }
   buf_.resize(static_cast<size_t>(t.numel()));
-  convert_dtype(t.data_ptr(), t.dtype(), buf_.data(), DType::kF32, buf_.size());
+  if (!buf_.empty()) convert_dtype(t.data_ptr(), t.dtype(), buf_.data(), DType::kF32, buf_.size());
   p_ = buf_.data();
 }
 
@@ -19,7 +19,7 @@ F32Out::F32Out(Tensor& t, bool load) : t_(t) {
     return;
   }
   buf_.resize(static_cast<size_t>(t.numel()));
-  if (load) convert_dtype(t.data_ptr(), t.dtype(), buf_.data(), DType::kF32, buf_.size());
+  if (load && !buf_.empty()) convert_dtype(t.data_ptr(), t.dtype(), buf_.data(), DType::kF32, buf_.size());
   p_ = buf_.data();
 }
 

@@ -7,7 +7,8 @@
 
 namespace troupe::kernels::cpu {
 
-void cross_entropy_forward(const Exec&, const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor& lse) {
+void cross_entropy_forward(const Exec&, const Tensor& logits, const Tensor& targets, Tensor& losses,
+                           Tensor& lse) {
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const int32_t* pt = targets.data<int32_t>();
   F32In pl(logits);
@@ -15,12 +16,12 @@ void cross_entropy_forward(const Exec&, const Tensor& logits, const Tensor& targ
   for (int64_t t = 0; t < rows; ++t) {
     const float* lr = pl.get() + t * vocab;
     const int64_t target = pt[t];
-    TROUPE_CHECK(target >= -1 && target < vocab, "cross_entropy_forward: targets[{}] = {} outside [-1, {})", t,
-                 target, vocab);
+    TROUPE_CHECK(target >= -1 && target < vocab, "cross_entropy_forward: targets[{}] = {} outside [-1, {})",
+                 t, target, vocab);
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t v = 0; v < vocab; ++v) mx = std::max(mx, lr[v]);
     double z = 0.0;
-    for (int64_t v = 0; v < vocab; ++v) z += std::exp(static_cast<double>(lr[v] - mx));
+    for (int64_t v = 0; v < vocab; ++v) z += std::exp(lr[v] - mx);  // f32 exp, f64 sum
     const double l = static_cast<double>(mx) + std::log(z);
     plse[t] = static_cast<float>(l);
     ploss[t] = target < 0 ? 0.0f : static_cast<float>(l - lr[target]);
@@ -39,8 +40,8 @@ void cross_entropy_backward(const Exec&, const Tensor& logits, const Tensor& tar
     const float* lr = pl.get() + t * vocab;
     float* dr = pd.get() + t * vocab;
     const int64_t target = pt[t];
-    TROUPE_CHECK(target >= -1 && target < vocab, "cross_entropy_backward: targets[{}] = {} outside [-1, {})", t,
-                 target, vocab);
+    TROUPE_CHECK(target >= -1 && target < vocab, "cross_entropy_backward: targets[{}] = {} outside [-1, {})",
+                 t, target, vocab);
     if (target < 0) {
       for (int64_t v = 0; v < vocab; ++v) dr[v] = 0.0f;
       continue;

@@ -19,7 +19,8 @@ namespace {
 constexpr int64_t kRowTile = 4;
 constexpr int64_t kColTile = 256;
 
-void gemm_nn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c, float alpha, float beta) {
+void gemm_nn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c, float alpha,
+             float beta) {
   float acc[kRowTile][kColTile];
   for (int64_t j0 = 0; j0 < n; j0 += kColTile) {
     const int64_t nj = std::min(kColTile, n - j0);
@@ -67,8 +68,8 @@ void transpose_into(const float* src, int64_t rows, int64_t cols, std::vector<fl
 
 // C = alpha * A @ B + beta * C, A [M,K] row-major; B is [K,N] (b_nk false) or [N,K]
 // (b_nk true). A [N,K] B is transposed into `scratch` first (O(NK), small next to O(MNK)).
-void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, const float* b, bool b_nk, float* c, float alpha,
-               float beta, std::vector<float>& scratch) {
+void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, const float* b, bool b_nk, float* c,
+               float alpha, float beta, std::vector<float>& scratch) {
   if (b_nk) {
     transpose_into(b, n, k, scratch);
     b = scratch.data();
@@ -78,8 +79,8 @@ void gemm_rows(int64_t m, int64_t n, int64_t k, const float* a, const float* b, 
 
 }  // namespace
 
-void matmul(const Exec&, const Tensor& a, const Tensor& b, Tensor& out, bool trans_a, bool trans_b, float alpha,
-            float beta) {
+void matmul(const Exec&, const Tensor& a, const Tensor& b, Tensor& out, bool trans_a, bool trans_b,
+            float alpha, float beta) {
   const int64_t batches = out.dim() == 3 ? out.size(0) : 1;
   const int64_t m = out.size(-2), n = out.size(-1);
   const int64_t k = trans_a ? a.size(-2) : a.size(-1);
@@ -113,10 +114,11 @@ struct Segments {
 Segments check_segments(const Tensor& offsets, int64_t rows) {
   const int32_t* o = offsets.data<int32_t>();
   const int64_t experts = offsets.numel() - 1;
-  TROUPE_CHECK(o[0] == 0 && o[experts] == rows, "grouped_matmul: offsets must run from 0 to {} (got {} .. {})",
-               rows, o[0], o[experts]);
+  TROUPE_CHECK(o[0] == 0 && o[experts] == rows,
+               "grouped_matmul: offsets must run from 0 to {} (got {} .. {})", rows, o[0], o[experts]);
   for (int64_t e = 0; e < experts; ++e) {
-    TROUPE_CHECK(o[e] <= o[e + 1], "grouped_matmul: offsets decrease at expert {} ({} > {})", e, o[e], o[e + 1]);
+    TROUPE_CHECK(o[e] <= o[e + 1], "grouped_matmul: offsets decrease at expert {} ({} > {})", e, o[e],
+                 o[e + 1]);
   }
   return {o, experts, rows};
 }
@@ -133,7 +135,8 @@ void grouped_matmul(const Exec&, const Tensor& x, const Tensor& w, const Tensor&
   for (int64_t e = 0; e < seg.experts; ++e) {
     const int64_t r0 = seg.offsets[e], rows = seg.offsets[e + 1] - r0;
     if (rows == 0) continue;
-    gemm_rows(rows, n, k, px.get() + r0 * k, pw.get() + e * k * n, trans_w, po.get() + r0 * n, 1.0f, 0.0f, acc);
+    gemm_rows(rows, n, k, px.get() + r0 * k, pw.get() + e * k * n, trans_w, po.get() + r0 * n, 1.0f, 0.0f,
+              acc);
   }
 }
 

@@ -81,8 +81,8 @@ void router_backward(const Exec&, const Tensor& scores, const Tensor& topk_idx, 
     const int32_t* idx = pidx + t * k;
     const float* dg = pdg.get() + t * k;
     for (int64_t j = 0; j < k; ++j) {
-      TROUPE_CHECK(idx[j] >= 0 && idx[j] < experts, "router_backward: topk_idx[{}, {}] = {} outside [0, {})", t, j,
-                   idx[j], experts);
+      TROUPE_CHECK(idx[j] >= 0 && idx[j] < experts, "router_backward: topk_idx[{}, {}] = {} outside [0, {})",
+                   t, j, idx[j], experts);
     }
     if (renorm) {
       float ssum = 0.0f;

@@ -9,7 +9,8 @@ namespace troupe::kernels::cpu {
 // g = grad * grad_scale; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
 // param -= lr * (m / (1 - b1^step)) / (sqrt(v / (1 - b2^step)) + eps) + lr * wd * param,
 // the decay using the parameter before this step (as torch.optim.AdamW).
-void adamw_step(const Exec&, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWConfig& cfg) {
+void adamw_step(const Exec&, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
+                const AdamWConfig& cfg) {
   const int64_t n = param.numel();
   F32In pg(grad);
   float* pp = param.data<float>();

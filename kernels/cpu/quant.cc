@@ -8,7 +8,9 @@
 namespace troupe::kernels::cpu {
 namespace {
 
-float fp8_max(DType t) { return t == DType::kF8E4M3 ? kFp8E4M3Max : kFp8E5M2Max; }
+float fp8_max(DType t) {
+  return t == DType::kF8E4M3 ? kFp8E4M3Max : kFp8E5M2Max;
+}
 
 }  // namespace
 

@@ -21,7 +21,9 @@ HostTensor HostTensor::zeros(const Shape& shape, DType dtype) {
   return HostTensor{shape, dtype, std::vector<double>(static_cast<size_t>(shape_numel(shape)), 0.0)};
 }
 
-HostTensor HostTensor::scalar(double x) { return HostTensor{{1}, DType::kF32, {x}}; }
+HostTensor HostTensor::scalar(double x) {
+  return HostTensor{{1}, DType::kF32, {x}};
+}
 
 namespace {
 
@@ -49,7 +51,7 @@ class CpuTestDevice final : public TestDevice {
     if (t.dtype() == DType::kI32) {
       const int32_t* p = t.data<int32_t>();
       for (int64_t i = 0; i < t.numel(); ++i) h[i] = p[i];
-    } else {
+    } else if (t.numel() > 0) {
       std::vector<float> f = t.to_floats();
       for (int64_t i = 0; i < t.numel(); ++i) h[i] = f[static_cast<size_t>(i)];
     }
@@ -68,12 +70,15 @@ class CpuTestDevice final : public TestDevice {
 
 }  // namespace
 
-std::unique_ptr<TestDevice> make_cpu_test_device() { return std::make_unique<CpuTestDevice>(); }
+std::unique_ptr<TestDevice> make_cpu_test_device() {
+  return std::make_unique<CpuTestDevice>();
+}
 
 std::string compare(const HostTensor& got, const HostTensor& want, double atol, double rtol,
                     const std::string& what) {
   if (got.shape != want.shape) {
-    return fmt::format("{}: shape {} vs expected {}", what, shape_to_string(got.shape), shape_to_string(want.shape));
+    return fmt::format("{}: shape {} vs expected {}", what, shape_to_string(got.shape),
+                       shape_to_string(want.shape));
   }
   const bool exact = want.dtype == DType::kI32;
   std::string msg;
@@ -84,50 +89,157 @@ std::string compare(const HostTensor& got, const HostTensor& want, double atol, 
     const double tol = exact ? 0.0 : atol + rtol * std::fabs(w);
     const double err = std::fabs(g - w);
     if (!(err <= tol)) {  // NaN fails
-      if (bad < 5) msg += fmt::format("\n  {}[{}] = {:.9g}, expected {:.9g} (tol {:.3g})", what, i, g, w, tol);
+      if (bad < 5)
+        msg += fmt::format("\n  {}[{}] = {:.9g}, expected {:.9g} (tol {:.3g})", what, i, g, w, tol);
       ++bad;
       if (!(err <= worst)) worst = err;
     }
   }
   if (bad == 0) return "";
-  return fmt::format("{}: {} of {} elements differ (worst |diff| {:.3g}){}", what, bad, want.numel(), worst, msg);
+  return fmt::format("{}: {} of {} elements differ (worst |diff| {:.3g}){}", what, bad, want.numel(), worst,
+                     msg);
 }
 
-HostTensors make_douts(const OpCase& c, const HostTensors& outputs, uint64_t seed) {
+namespace {
+double round_to(double x, DType storage) {
+  const float f = static_cast<float>(x);
+  return storage == DType::kBF16 ? bf16_bits_to_float(float_to_bf16_bits(f)) : f;
+}
+}  // namespace
+
+HostTensors make_douts(const OpCase& c, const HostTensors& outputs, uint64_t seed, DType storage) {
   std::mt19937_64 gen(seed);
   std::uniform_real_distribution<double> u(-1.0, 1.0);
   HostTensors douts;
   for (int o : c.loss_outputs) {
     HostTensor d = HostTensor::zeros(outputs[static_cast<size_t>(o)].shape);
-    for (double& x : d.v) x = c.uniform_dout != 0.0 ? c.uniform_dout : static_cast<double>(static_cast<float>(u(gen)));
+    for (double& x : d.v) x = round_to(c.uniform_dout != 0.0 ? c.uniform_dout : u(gen), storage);
     douts.push_back(std::move(d));
   }
   return douts;
 }
 
+HostTensor round_for_storage(HostTensor h, DType storage) {
+  if (h.dtype == DType::kF32)
+    for (double& x : h.v) x = round_to(x, storage);
+  return h;
+}
+
+HostTensors inputs_for_storage(const OpCase& c, DType storage) {
+  HostTensors in = c.inputs;
+  for (size_t i = 0; i < in.size(); ++i) {
+    const bool keep =
+        std::find(c.f32_inputs.begin(), c.f32_inputs.end(), static_cast<int>(i)) != c.f32_inputs.end();
+    if (!keep) in[i] = round_for_storage(std::move(in[i]), storage);
+  }
+  return in;
+}
+
+Tensors upload_inputs(TestDevice& dev, const OpCase& c, const HostTensors& inputs) {
+  Tensors ts;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const bool keep =
+        std::find(c.f32_inputs.begin(), c.f32_inputs.end(), static_cast<int>(i)) != c.f32_inputs.end();
+    ts.push_back(keep ? dev.upload(inputs[i], DType::kF32) : dev.upload(inputs[i]));
+  }
+  return ts;
+}
+
 const std::vector<std::string>& forward_op_names() {
-  static const std::vector<std::string> kNames = {
-      "fill", "cast", "add", "axpby", "scale", "sum", "sum_squares", "sum_rows", "matmul", "grouped_matmul",
-      "embedding_forward", "rmsnorm_forward", "rope_forward", "attention_forward", "softmax_forward",
-      "router_forward", "moe_dispatch_plan", "moe_permute", "moe_unpermute", "swiglu_forward",
-      "cross_entropy_forward", "adamw_step", "quantize_fp8", "dequantize_fp8"};
+  static const std::vector<std::string> kNames = {"fill",
+                                                  "cast",
+                                                  "add",
+                                                  "axpby",
+                                                  "scale",
+                                                  "sum",
+                                                  "sum_squares",
+                                                  "sum_rows",
+                                                  "matmul",
+                                                  "grouped_matmul",
+                                                  "embedding_forward",
+                                                  "rmsnorm_forward",
+                                                  "rope_forward",
+                                                  "attention_forward",
+                                                  "softmax_forward",
+                                                  "router_forward",
+                                                  "moe_dispatch_plan",
+                                                  "moe_permute",
+                                                  "moe_unpermute",
+                                                  "swiglu_forward",
+                                                  "cross_entropy_forward",
+                                                  "adamw_step",
+                                                  "quantize_fp8",
+                                                  "dequantize_fp8"};
   return kNames;
 }
 
 const std::vector<std::string>& backward_op_names() {
   static const std::vector<std::string> kNames = {
-      "matmul_backward", "grouped_matmul_backward", "embedding_backward", "rmsnorm_backward", "rope_backward",
-      "attention_backward", "softmax_backward", "router_backward", "moe_permute_backward",
-      "moe_unpermute_backward", "swiglu_backward", "cross_entropy_backward"};
+      "matmul_backward",      "grouped_matmul_backward", "embedding_backward", "rmsnorm_backward",
+      "rope_backward",        "attention_backward",      "softmax_backward",   "router_backward",
+      "moe_permute_backward", "moe_unpermute_backward",  "swiglu_backward",    "cross_entropy_backward"};
   return kNames;
+}
+
+bool backend_implements(const Backend& b, const std::string& op) {
+#define TROUPE_OP_ENTRY(name)                                   \
+  {                                                             \
+#name, [](const Backend& be) { return be.name != nullptr; } \
+  }
+  static const std::vector<std::pair<std::string, bool (*)(const Backend&)>> kEntries = {
+      TROUPE_OP_ENTRY(fill),
+      TROUPE_OP_ENTRY(cast),
+      TROUPE_OP_ENTRY(add),
+      TROUPE_OP_ENTRY(axpby),
+      TROUPE_OP_ENTRY(scale),
+      TROUPE_OP_ENTRY(sum),
+      TROUPE_OP_ENTRY(sum_squares),
+      TROUPE_OP_ENTRY(sum_rows),
+      TROUPE_OP_ENTRY(matmul),
+      {"matmul_backward", [](const Backend& be) { return be.matmul != nullptr; }},
+      TROUPE_OP_ENTRY(grouped_matmul),
+      TROUPE_OP_ENTRY(grouped_matmul_backward),
+      TROUPE_OP_ENTRY(embedding_forward),
+      TROUPE_OP_ENTRY(embedding_backward),
+      TROUPE_OP_ENTRY(rmsnorm_forward),
+      TROUPE_OP_ENTRY(rmsnorm_backward),
+      TROUPE_OP_ENTRY(rope_forward),
+      TROUPE_OP_ENTRY(rope_backward),
+      TROUPE_OP_ENTRY(attention_forward),
+      TROUPE_OP_ENTRY(attention_backward),
+      TROUPE_OP_ENTRY(softmax_forward),
+      TROUPE_OP_ENTRY(softmax_backward),
+      TROUPE_OP_ENTRY(router_forward),
+      TROUPE_OP_ENTRY(router_backward),
+      TROUPE_OP_ENTRY(moe_dispatch_plan),
+      TROUPE_OP_ENTRY(moe_permute),
+      TROUPE_OP_ENTRY(moe_permute_backward),
+      TROUPE_OP_ENTRY(moe_unpermute),
+      TROUPE_OP_ENTRY(moe_unpermute_backward),
+      TROUPE_OP_ENTRY(swiglu_forward),
+      TROUPE_OP_ENTRY(swiglu_backward),
+      TROUPE_OP_ENTRY(cross_entropy_forward),
+      TROUPE_OP_ENTRY(cross_entropy_backward),
+      TROUPE_OP_ENTRY(adamw_step),
+      TROUPE_OP_ENTRY(quantize_fp8),
+      TROUPE_OP_ENTRY(dequantize_fp8),
+  };
+#undef TROUPE_OP_ENTRY
+  for (const auto& [name, has] : kEntries)
+    if (name == op) return has(b);
+  TROUPE_UNREACHABLE("'{}' is no op of kernels/ops.h", op);
 }
 
 // ---- case building helpers -----------------------------------------------------------
 
 namespace {
 
-double as_f32(double x) { return static_cast<double>(static_cast<float>(x)); }
-double as_bf16(double x) { return bf16_bits_to_float(float_to_bf16_bits(static_cast<float>(x))); }
+double as_f32(double x) {
+  return static_cast<double>(static_cast<float>(x));
+}
+double as_bf16(double x) {
+  return bf16_bits_to_float(float_to_bf16_bits(static_cast<float>(x)));
+}
 
 class Rng {
  public:
@@ -145,7 +257,9 @@ class Rng {
     for (double& x : h.v) x = static_cast<double>(lo + below(hi - lo));
     return h;
   }
-  int64_t below(int64_t n) { return static_cast<int64_t>(std::uniform_int_distribution<uint64_t>(0, n - 1)(gen_)); }
+  int64_t below(int64_t n) {
+    return static_cast<int64_t>(std::uniform_int_distribution<uint64_t>(0, n - 1)(gen_));
+  }
   std::mt19937_64& gen() { return gen_; }
 
  private:
@@ -209,6 +323,7 @@ void add_elementwise_cases(std::vector<OpCase>& cases, Rng& rng) {
     OpCase c;
     c.name = fmt::format("fill/{}", dtype_name(dt));
     c.ops = {"fill"};
+    c.bf16_storage = false;                                    // the dtypes are the subject of the case
     const double value = dt == DType::kI32 ? 7.0 : 0.3671875;  // exact in bf16
     c.forward = [dt, value](TestDevice& dev, const Tensors&) {
       Tensor out = dev.poisoned({7, 5}, dt);
@@ -235,6 +350,7 @@ void add_elementwise_cases(std::vector<OpCase>& cases, Rng& rng) {
     OpCase c;
     c.name = fmt::format("cast/{}->{}", dtype_name(s.from), dtype_name(s.to));
     c.ops = {"cast"};
+    c.bf16_storage = false;  // the dtypes are the subject of the case
     HostTensor x = rng.uniform({6, 11});
     if (s.from == DType::kBF16)
       for (double& v : x.v) v = as_bf16(v);  // representable: the cast must be exact
@@ -282,7 +398,8 @@ void add_elementwise_cases(std::vector<OpCase>& cases, Rng& rng) {
     };
     c.reference = [alpha, beta](const HostTensors& in) {
       HostTensor r = in[1];
-      for (int64_t i = 0; i < r.numel(); ++i) r[i] = alpha * in[0][i] + (beta == 0.0f ? 0.0 : beta * in[1][i]);
+      for (int64_t i = 0; i < r.numel(); ++i)
+        r[i] = alpha * in[0][i] + (beta == 0.0f ? 0.0 : beta * in[1][i]);
       return HostTensors{r};
     };
     cases.push_back(std::move(c));
@@ -358,7 +475,8 @@ struct MatmulSpec {
   bool accumulate_grads;
 };
 
-HostTensor reference_matmul(const HostTensor& a, const HostTensor& b, const HostTensor* c0, const MatmulSpec& s) {
+HostTensor reference_matmul(const HostTensor& a, const HostTensor& b, const HostTensor* c0,
+                            const MatmulSpec& s) {
   const int64_t batches = std::max<int64_t>(s.batch, 1);
   HostTensor out = HostTensor::zeros(s.batch ? Shape{s.batch, s.m, s.n} : Shape{s.m, s.n});
   for (int64_t bi = 0; bi < batches; ++bi) {
@@ -383,6 +501,9 @@ void add_matmul_cases(std::vector<OpCase>& cases, Rng& rng) {
   for (bool ta : {false, true})
     for (bool tb : {false, true}) specs.push_back({0, false, 5, 7, 3, ta, tb, 1.0f, 0.0f, false});
   specs.push_back({0, false, 1, 1, 1, false, false, 1.0f, 0.0f, false});
+  // Past the CPU kernel's 4-row and 256-column tiles, with ragged last tiles.
+  specs.push_back({0, false, 7, 5, 300, false, false, 1.0f, 0.0f, false});
+  specs.push_back({2, true, 6, 3, 260, true, true, 1.0f, 0.0f, false});
   specs.push_back({0, false, 8, 16, 12, false, true, 1.0f, 0.0f, true});
   specs.push_back({0, false, 4, 6, 5, true, false, 0.5f, -2.0f, false});  // alpha, beta: forward only
   specs.push_back({3, false, 4, 5, 6, false, false, 1.0f, 0.0f, false});
@@ -392,10 +513,11 @@ void add_matmul_cases(std::vector<OpCase>& cases, Rng& rng) {
   specs.push_back({2, true, 3, 4, 5, false, true, 1.5f, 1.0f, false});
   for (const MatmulSpec& s : specs) {
     OpCase c;
-    c.name = fmt::format("matmul/{}{}{}/batch{}/m{}k{}n{}{}{}", s.ta ? 't' : 'n', s.tb ? 't' : 'n',
-                         s.b_shared ? "/shared_b" : "", s.batch, s.m, s.k, s.n,
-                         s.beta != 0.0f || s.alpha != 1.0f ? fmt::format("/alpha{}beta{}", s.alpha, s.beta) : "",
-                         s.accumulate_grads ? "/accumulate" : "");
+    c.name =
+        fmt::format("matmul/{}{}{}/batch{}/m{}k{}n{}{}{}", s.ta ? 't' : 'n', s.tb ? 't' : 'n',
+                    s.b_shared ? "/shared_b" : "", s.batch, s.m, s.k, s.n,
+                    s.beta != 0.0f || s.alpha != 1.0f ? fmt::format("/alpha{}beta{}", s.alpha, s.beta) : "",
+                    s.accumulate_grads ? "/accumulate" : "");
     c.ops = {"matmul"};
     const Shape a_shape = s.ta ? Shape{s.k, s.m} : Shape{s.m, s.k};
     const Shape b_shape = s.tb ? Shape{s.n, s.k} : Shape{s.k, s.n};
@@ -442,11 +564,12 @@ void add_grouped_matmul_cases(std::vector<OpCase>& cases, Rng& rng) {
     bool trans_w, accumulate_dw;
   };
   const std::vector<Spec> specs = {
-      {{3, 0, 6, 2}, 5, 4, false, false},     // ragged, one empty expert
-      {{0, 5, 0, 4, 0}, 3, 6, true, false},   // empty first and last experts
-      {{4, 1, 0, 3}, 6, 5, false, true},      // dw accumulates
+      {{3, 0, 6, 2}, 5, 4, false, false},    // ragged, one empty expert
+      {{0, 5, 0, 4, 0}, 3, 6, true, false},  // empty first and last experts
+      {{4, 1, 0, 3}, 6, 5, false, true},     // dw accumulates
       {{2, 2, 2}, 4, 4, true, true},
-      {{0, 0, 0}, 4, 3, false, false},        // no tokens at all: dw must come out zero
+      {{0, 0, 0}, 4, 3, false, false},    // no tokens at all: dw must come out zero
+      {{5, 0, 9}, 3, 260, false, false},  // past the CPU kernel's row and column tiles
   };
   for (const Spec& s : specs) {
     int64_t tokens = 0;
@@ -488,7 +611,8 @@ void add_grouped_matmul_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.backward = [s, tokens, ws, dw_init](TestDevice& dev, const Tensors& in, const Tensors& douts) {
       Tensor dx = dev.poisoned({tokens, s.k});
       Tensor dw = s.accumulate_dw ? dev.upload(dw_init) : dev.poisoned(ws);
-      grouped_matmul_backward(dev.exec(), in[0], in[1], in[2], douts[0], &dx, &dw, s.trans_w, s.accumulate_dw);
+      grouped_matmul_backward(dev.exec(), in[0], in[1], in[2], douts[0], &dx, &dw, s.trans_w,
+                              s.accumulate_dw);
       return HostTensors{dev.download(dx), dev.download(dw)};
     };
     cases.push_back(std::move(c));
@@ -530,14 +654,15 @@ void add_embedding_cases(std::vector<OpCase>& cases, Rng& rng) {
 
 void add_rmsnorm_cases(std::vector<OpCase>& cases, Rng& rng) {
   const float eps = 1e-5f;
-  for (auto [rows, dim, accumulate] : {std::tuple{6, 16, false}, std::tuple{3, 7, true}, std::tuple{1, 1, false}}) {
+  for (auto [rows, dim, accumulate] :
+       {std::tuple{6, 16, false}, std::tuple{3, 7, true}, std::tuple{1, 1, false}}) {
     OpCase c;
     c.name = fmt::format("rmsnorm/t{}d{}{}", rows, dim, accumulate ? "/accumulate_dw" : "");
     c.ops = {"rmsnorm_forward", "rmsnorm_backward"};
     const int64_t t = rows, d = dim;
     c.inputs = {rng.uniform({t, d}, -2.0, 2.0), rng.uniform({d}, 0.5, 1.5)};
     c.forward = [t, d, eps](TestDevice& dev, const Tensors& in) {
-      Tensor y = dev.poisoned({t, d}), rstd = dev.poisoned({t});
+      Tensor y = dev.poisoned({t, d}), rstd = dev.poisoned({t}, DType::kF32);
       rmsnorm_forward(dev.exec(), in[0], in[1], eps, y, rstd);
       return HostTensors{dev.download(y), dev.download(rstd)};
     };
@@ -557,7 +682,7 @@ void add_rmsnorm_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.grad_init = {HostTensor{}, accumulate ? rng.uniform({d}) : HostTensor{}};
     const HostTensor dw_init = c.grad_init[1];
     c.backward = [t, d, eps, accumulate, dw_init](TestDevice& dev, const Tensors& in, const Tensors& douts) {
-      Tensor y = dev.poisoned({t, d}), rstd = dev.poisoned({t});
+      Tensor y = dev.poisoned({t, d}), rstd = dev.poisoned({t}, DType::kF32);
       rmsnorm_forward(dev.exec(), in[0], in[1], eps, y, rstd);
       Tensor dx = dev.poisoned({t, d});
       Tensor dw = accumulate ? dev.upload(dw_init) : dev.poisoned({d});
@@ -591,7 +716,8 @@ void add_rope_cases(std::vector<OpCase>& cases, Rng& rng) {
           const int64_t base = (t * s[1] + h) * s[2];
           for (int64_t i = 0; i < half; ++i) {
             const double angle =
-                in[1][t] * std::pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / static_cast<double>(s[2]));
+                in[1][t] * std::pow(static_cast<double>(theta),
+                                    -2.0 * static_cast<double>(i) / static_cast<double>(s[2]));
             const double x0 = in[0][base + i], x1 = in[0][base + i + half];
             out[base + i] = x0 * std::cos(angle) - x1 * std::sin(angle);
             out[base + i + half] = x0 * std::sin(angle) + x1 * std::cos(angle);
@@ -692,7 +818,7 @@ void add_attention_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.ops = {"attention_forward", "attention_backward"};
     c.inputs = {rng.uniform(qs, -2.0, 2.0), rng.uniform(ks, -2.0, 2.0), rng.uniform(ks)};
     c.forward = [qs, ls, scale](TestDevice& dev, const Tensors& in) {
-      Tensor out = dev.poisoned(qs), lse = dev.poisoned(ls);
+      Tensor out = dev.poisoned(qs), lse = dev.poisoned(ls, DType::kF32);
       attention_forward(dev.exec(), in[0], in[1], in[2], scale, out, lse);
       return HostTensors{dev.download(out), dev.download(lse)};
     };
@@ -708,7 +834,8 @@ void add_attention_cases(std::vector<OpCase>& cases, Rng& rng) {
             for (int64_t j = 0; j <= i; ++j) {
               double dot = 0.0;
               for (int64_t d = 0; d < sp.dh; ++d)
-                dot += in[0][((b * sp.s + i) * sp.hq + h) * sp.dh + d] * in[1][((b * sp.s + j) * sp.hkv + hk) * sp.dh + d];
+                dot += in[0][((b * sp.s + i) * sp.hq + h) * sp.dh + d] *
+                       in[1][((b * sp.s + j) * sp.hkv + hk) * sp.dh + d];
               p[j] = dot * scale;
               mx = std::max(mx, p[j]);
             }
@@ -729,7 +856,7 @@ void add_attention_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.grad_inputs = {0, 1, 2};
     c.loss_outputs = {0};
     c.backward = [qs, ks, ls, scale](TestDevice& dev, const Tensors& in, const Tensors& douts) {
-      Tensor out = dev.poisoned(qs), lse = dev.poisoned(ls);
+      Tensor out = dev.poisoned(qs), lse = dev.poisoned(ls, DType::kF32);
       attention_forward(dev.exec(), in[0], in[1], in[2], scale, out, lse);
       Tensor dq = dev.poisoned(qs), dk = dev.poisoned(ks), dv = dev.poisoned(ks);
       attention_backward(dev.exec(), in[0], in[1], in[2], out, lse, douts[0], scale, dq, dk, dv);
@@ -790,11 +917,13 @@ void add_router_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.ops = {"router_forward", "router_backward"};
     // The bias is large enough to change which experts win, so selection-only use of it shows.
     c.inputs = {rng.uniform({sp.tokens, sp.experts}, -2.0, 2.0), rng.uniform({sp.experts}, -0.3, 0.3)};
+    c.f32_inputs = {1};
     const RouterConfig cfg = sp.cfg;
     const bool use_bias = sp.bias;
     const int64_t t = sp.tokens, e = sp.experts, k = cfg.top_k;
     c.forward = [cfg, use_bias, t, e, k](TestDevice& dev, const Tensors& in) {
-      Tensor scores = dev.poisoned({t, e}), idx = dev.poisoned({t, k}, DType::kI32), gates = dev.poisoned({t, k});
+      Tensor scores = dev.poisoned({t, e}, DType::kF32), idx = dev.poisoned({t, k}, DType::kI32),
+             gates = dev.poisoned({t, k}, DType::kF32);
       router_forward(dev.exec(), in[0], use_bias ? &in[1] : nullptr, cfg, scores, idx, gates);
       return HostTensors{dev.download(scores), dev.download(idx), dev.download(gates)};
     };
@@ -804,8 +933,10 @@ void add_router_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.grad_inputs = {0};
     c.loss_outputs = sp.dscores ? std::vector<int>{0, 2} : std::vector<int>{2};
     const bool with_dscores = sp.dscores;
-    c.backward = [cfg, use_bias, with_dscores, t, e, k](TestDevice& dev, const Tensors& in, const Tensors& douts) {
-      Tensor scores = dev.poisoned({t, e}), idx = dev.poisoned({t, k}, DType::kI32), gates = dev.poisoned({t, k});
+    c.backward = [cfg, use_bias, with_dscores, t, e, k](TestDevice& dev, const Tensors& in,
+                                                        const Tensors& douts) {
+      Tensor scores = dev.poisoned({t, e}, DType::kF32), idx = dev.poisoned({t, k}, DType::kI32),
+             gates = dev.poisoned({t, k}, DType::kF32);
       router_forward(dev.exec(), in[0], use_bias ? &in[1] : nullptr, cfg, scores, idx, gates);
       Tensor dlogits = dev.poisoned({t, e});
       const Tensor& dgates = with_dscores ? douts[1] : douts[0];
@@ -820,13 +951,15 @@ void add_router_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.name = "router/ties";
     c.ops = {"router_forward"};
     HostTensor logits = HostTensor::zeros({4, 6});
-    const double rows[4][6] = {{1, 1, 1, 1, 1, 1}, {0.5, 2, 0.5, 2, 2, 0.5}, {-1, 3, 3, -1, 3, 3}, {2, 1, 2, 1, 2, 1}};
+    const double rows[4][6] = {
+        {1, 1, 1, 1, 1, 1}, {0.5, 2, 0.5, 2, 2, 0.5}, {-1, 3, 3, -1, 3, 3}, {2, 1, 2, 1, 2, 1}};
     for (int64_t i = 0; i < 4; ++i)
       for (int64_t j = 0; j < 6; ++j) logits[i * 6 + j] = rows[i][j];
     c.inputs = {logits};
     const RouterConfig cfg{3, RouterScore::kSoftmax, true};
     c.forward = [cfg](TestDevice& dev, const Tensors& in) {
-      Tensor scores = dev.poisoned({4, 6}), idx = dev.poisoned({4, 3}, DType::kI32), gates = dev.poisoned({4, 3});
+      Tensor scores = dev.poisoned({4, 6}, DType::kF32), idx = dev.poisoned({4, 3}, DType::kI32),
+             gates = dev.poisoned({4, 3}, DType::kF32);
       router_forward(dev.exec(), in[0], nullptr, cfg, scores, idx, gates);
       return HostTensors{dev.download(scores), dev.download(idx), dev.download(gates)};
     };
@@ -861,7 +994,9 @@ void add_moe_cases(std::vector<OpCase>& cases, Rng& rng) {
         moe_dispatch_plan(dev.exec(), in[0], experts, capacity, row_map, counts, offsets);
         return HostTensors{dev.download(row_map), dev.download(counts), dev.download(offsets)};
       };
-      c.reference = [experts, capacity](const HostTensors& in) { return reference_plan(in[0], experts, capacity); };
+      c.reference = [experts, capacity](const HostTensors& in) {
+        return reference_plan(in[0], experts, capacity);
+      };
       cases.push_back(std::move(c));
     }
     {
@@ -926,7 +1061,8 @@ void add_moe_cases(std::vector<OpCase>& cases, Rng& rng) {
 // ---- cross-entropy -----------------------------------------------------------------------
 
 void add_cross_entropy_cases(std::vector<OpCase>& cases, Rng& rng) {
-  for (auto [tokens, vocab, in_place] : {std::tuple{6, 11, false}, std::tuple{5, 32, true}, std::tuple{1, 2, false}}) {
+  for (auto [tokens, vocab, in_place] :
+       {std::tuple{6, 11, false}, std::tuple{5, 32, true}, std::tuple{1, 2, false}}) {
     const int64_t t = tokens, v = vocab;
     HostTensor targets = rng.ints({t}, 0, v);
     if (t > 2) targets[1] = -1;  // ignored rows: loss 0, gradient 0
@@ -936,7 +1072,7 @@ void add_cross_entropy_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.ops = {"cross_entropy_forward", "cross_entropy_backward"};
     c.inputs = {rng.uniform({t, v}, -3.0, 3.0), targets};
     c.forward = [t](TestDevice& dev, const Tensors& in) {
-      Tensor losses = dev.poisoned({t}), lse = dev.poisoned({t});
+      Tensor losses = dev.poisoned({t}, DType::kF32), lse = dev.poisoned({t}, DType::kF32);
       cross_entropy_forward(dev.exec(), in[0], in[1], losses, lse);
       return HostTensors{dev.download(losses), dev.download(lse)};
     };
@@ -958,7 +1094,7 @@ void add_cross_entropy_cases(std::vector<OpCase>& cases, Rng& rng) {
     const bool alias = in_place;
     c.backward = [t, v, alias](TestDevice& dev, const Tensors& in, const Tensors&) {
       Tensor logits = dev.upload(dev.download(in[0]));
-      Tensor losses = dev.poisoned({t}), lse = dev.poisoned({t});
+      Tensor losses = dev.poisoned({t}, DType::kF32), lse = dev.poisoned({t}, DType::kF32);
       cross_entropy_forward(dev.exec(), logits, in[1], losses, lse);
       Tensor dlogits = alias ? logits : dev.poisoned({t, v});
       cross_entropy_backward(dev.exec(), logits, in[1], lse, 0.5f, dlogits);
@@ -987,12 +1123,13 @@ void add_adamw_cases(std::vector<OpCase>& cases, Rng& rng) {
     OpCase c;
     c.name = fmt::format("adamw_step/grad_{}/step{}", dtype_name(grad_type), cfg.step);
     c.ops = {"adamw_step"};
+    c.bf16_storage = false;  // the dtypes are the subject of the case
     c.inputs = {rng.uniform(s), grad, rng.uniform(s, -0.1, 0.1), rng.uniform(s, 0.001, 0.01)};
     c.forward = [cfg, grad_type](TestDevice& dev, const Tensors& in) {
-      Tensor param = dev.upload(dev.download(in[0]));
+      Tensor param = dev.upload(dev.download(in[0]), DType::kF32);
       Tensor grad = dev.upload(dev.download(in[1]), grad_type);
-      Tensor m = dev.upload(dev.download(in[2]));
-      Tensor v = dev.upload(dev.download(in[3]));
+      Tensor m = dev.upload(dev.download(in[2]), DType::kF32);
+      Tensor v = dev.upload(dev.download(in[3]), DType::kF32);
       adamw_step(dev.exec(), param, grad, m, v, cfg);
       return HostTensors{dev.download(param), dev.download(m), dev.download(v)};
     };
@@ -1029,12 +1166,12 @@ void add_quant_cases(std::vector<OpCase>& cases, Rng& rng) {
     // below the normal range the step is absolute (2^-9 or 2^-16 in q units).
     const double q_rtol = sp.fp8 == DType::kF8E4M3 ? 1.0 / 16 : 1.0 / 8;
     const double q_atol = sp.fp8 == DType::kF8E4M3 ? 1.0 / 512 : 1.0 / 65536;
-    const std::string tag =
-        fmt::format("{}/{}x{}/block{}", dtype_name(sp.fp8), sp.rows, sp.cols, sp.block);
+    const std::string tag = fmt::format("{}/{}x{}/block{}", dtype_name(sp.fp8), sp.rows, sp.cols, sp.block);
     {
       HostTensor x = rng.uniform({sp.rows, sp.cols});
       for (int64_t r = 0; r < sp.rows; ++r)  // rows of very different magnitudes
-        for (int64_t j = 0; j < sp.cols; ++j) x[r * sp.cols + j] = as_f32(x[r * sp.cols + j] * std::pow(10.0, r - 1.0));
+        for (int64_t j = 0; j < sp.cols; ++j)
+          x[r * sp.cols + j] = as_f32(x[r * sp.cols + j] * std::pow(10.0, r - 1.0));
       if (sp.rows > 2)
         for (int64_t j = 0; j < sp.cols; ++j) x[2 * sp.cols + j] = 0.0;  // all-zero row: scale 1
       OpCase c;
@@ -1042,7 +1179,8 @@ void add_quant_cases(std::vector<OpCase>& cases, Rng& rng) {
       c.ops = {"quantize_fp8"};
       c.inputs = {x};
       c.forward = [sp, nb](TestDevice& dev, const Tensors& in) {
-        Tensor q = dev.poisoned({sp.rows, sp.cols}, sp.fp8), scales = dev.poisoned({sp.rows, nb});
+        Tensor q = dev.poisoned({sp.rows, sp.cols}, sp.fp8),
+               scales = dev.poisoned({sp.rows, nb}, DType::kF32);
         quantize_fp8(dev.exec(), in[0], sp.block, q, scales);
         return HostTensors{dev.download(q), dev.download(scales)};
       };
@@ -1081,6 +1219,7 @@ void add_quant_cases(std::vector<OpCase>& cases, Rng& rng) {
       c.name = fmt::format("dequantize_fp8/{}/out_{}", tag, dtype_name(out_type));
       c.ops = {"dequantize_fp8"};
       c.inputs = {q, rng.uniform({sp.rows, nb}, 1e-4, 1e-2)};
+      c.f32_inputs = {1};
       c.forward = [sp, out_type](TestDevice& dev, const Tensors& in) {
         Tensor qd = dev.upload(dev.download(in[0]), sp.fp8);
         Tensor out = dev.poisoned({sp.rows, sp.cols}, out_type);
@@ -1091,7 +1230,8 @@ void add_quant_cases(std::vector<OpCase>& cases, Rng& rng) {
         HostTensor out = HostTensor::zeros({sp.rows, sp.cols});
         const int64_t block = sp.block == 0 ? sp.cols : sp.block;
         for (int64_t r = 0; r < sp.rows; ++r)
-          for (int64_t j = 0; j < sp.cols; ++j) out[r * sp.cols + j] = in[0][r * sp.cols + j] * in[1][r * nb + j / block];
+          for (int64_t j = 0; j < sp.cols; ++j)
+            out[r * sp.cols + j] = in[0][r * sp.cols + j] * in[1][r * nb + j / block];
         return HostTensors{out};
       };
       c.atol = 0.0;

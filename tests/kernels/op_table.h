@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "kernels/backend.h"
 #include "kernels/ops.h"
 
 namespace troupe::kernels::testing {
@@ -39,15 +40,24 @@ class TestDevice {
   virtual ~TestDevice() = default;
   virtual const Exec& exec() const = 0;
   virtual const char* name() const = 0;
-  // A device tensor holding `h` (converted to `dtype`, default h.dtype).
+  // The dtype of float tensors a case does not type explicitly: f32, or bf16 to run the
+  // table on bf16 storage (the CUDA backend's activation format).
+  DType float_storage() const { return float_storage_; }
+  void set_float_storage(DType t) { float_storage_ = t; }
+
+  // A device tensor holding `h` converted to `dtype` (default: h.dtype, with f32 meaning
+  // float_storage()).
   virtual Tensor upload(const HostTensor& h, DType dtype) = 0;
-  Tensor upload(const HostTensor& h) { return upload(h, h.dtype); }
+  Tensor upload(const HostTensor& h) { return upload(h, h.dtype == DType::kF32 ? float_storage_ : h.dtype); }
   // Host copy of a device (or host) tensor.
   virtual HostTensor download(const Tensor& t) = 0;
   // An output tensor filled with poison (NaN for floats, 0x7f7f7f7f for i32), so that an
   // element the op forgets to write fails the comparison.
   virtual Tensor poisoned(const Shape& shape, DType dtype) = 0;
-  Tensor poisoned(const Shape& shape) { return poisoned(shape, DType::kF32); }
+  Tensor poisoned(const Shape& shape) { return poisoned(shape, float_storage_); }
+
+ private:
+  DType float_storage_ = DType::kF32;
 };
 
 // The CPU backend's TestDevice.
@@ -60,6 +70,10 @@ struct OpCase {
   std::string name;              // unique, e.g. "matmul/tn/b3"
   std::vector<std::string> ops;  // the ops.h functions it exercises
   HostTensors inputs;
+  // Inputs that stay f32 under bf16 storage (the op requires f32 there, e.g. a router bias).
+  std::vector<int> f32_inputs;
+  // Whether the case also runs with bf16 float storage (see TestDevice::float_storage).
+  bool bf16_storage = true;
 
   // Runs the op on `dev` with `in` (uploads of `inputs`); returns host copies of outputs.
   std::function<HostTensors(TestDevice& dev, const Tensors& in)> forward;
@@ -92,13 +106,34 @@ std::vector<OpCase> all_op_cases(uint64_t seed);
 const std::vector<std::string>& forward_op_names();
 const std::vector<std::string>& backward_op_names();
 
+// Whether backend `b` has the entry op `op` runs on (matmul_backward runs on matmul).
+// Aborts on a name that is no op of kernels/ops.h.
+bool backend_implements(const Backend& b, const std::string& op);
+
 // Compares got against want elementwise (|got - want| <= atol + rtol |want|, exact for
 // integer dtypes; NaN never passes). Returns "" on success, else a description of the
 // first mismatches.
 std::string compare(const HostTensor& got, const HostTensor& want, double atol, double rtol,
                     const std::string& what);
 
-// Random upstream gradients (or the uniform constant) for a case's loss outputs.
-HostTensors make_douts(const OpCase& c, const HostTensors& outputs, uint64_t seed);
+// Random upstream gradients (or the uniform constant) for a case's loss outputs, rounded
+// to `storage` (f32 or bf16) so that the reference sees exactly what the device does.
+HostTensors make_douts(const OpCase& c, const HostTensors& outputs, uint64_t seed,
+                       DType storage = DType::kF32);
+
+// `h` as a device with float storage `storage` holds it (rounded to bf16 when bf16).
+HostTensor round_for_storage(HostTensor h, DType storage);
+
+// The case's inputs as a device with float storage `storage` sees them: float inputs
+// (other than f32_inputs) rounded to bf16 when storage is bf16.
+HostTensors inputs_for_storage(const OpCase& c, DType storage);
+
+// Uploads every input of a case (f32_inputs as f32, other float inputs in the device's
+// float storage, integer inputs as they are).
+Tensors upload_inputs(TestDevice& dev, const OpCase& c, const HostTensors& inputs);
+
+// Tolerances widened for bf16 storage (outputs rounded to 8 significant bits).
+inline constexpr double kBf16Atol = 2e-2;
+inline constexpr double kBf16Rtol = 2e-2;
 
 }  // namespace troupe::kernels::testing

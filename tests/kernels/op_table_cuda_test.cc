@@ -22,10 +22,10 @@ namespace {
 
 constexpr uint64_t kSeed = 20260521;
 
-#define TEST_CUDA_CHECK(call)                                                                  \
-  do {                                                                                         \
-    cudaError_t err_ = (call);                                                                 \
-    TROUPE_CHECK(err_ == cudaSuccess, "{} failed: {}", #call, cudaGetErrorString(err_));       \
+#define TEST_CUDA_CHECK(call)                                                            \
+  do {                                                                                   \
+    cudaError_t err_ = (call);                                                           \
+    TROUPE_CHECK(err_ == cudaSuccess, "{} failed: {}", #call, cudaGetErrorString(err_)); \
   } while (0)
 
 // Plain cudaMalloc/cudaFree device memory for test tensors (synchronous, simple).
@@ -63,7 +63,8 @@ class CudaTestDevice final : public TestDevice {
   Tensor upload(const HostTensor& h, DType dtype) override {
     Tensor host = cpu_.upload(h, dtype);
     Tensor t = Tensor::empty(h.shape, dtype, alloc_);
-    if (t.nbytes() > 0) TEST_CUDA_CHECK(cudaMemcpy(t.data_ptr(), host.data_ptr(), t.nbytes(), cudaMemcpyHostToDevice));
+    if (t.nbytes() > 0)
+      TEST_CUDA_CHECK(cudaMemcpy(t.data_ptr(), host.data_ptr(), t.nbytes(), cudaMemcpyHostToDevice));
     return t;
   }
 
@@ -71,13 +72,15 @@ class CudaTestDevice final : public TestDevice {
     if (t.device().is_cpu()) return cpu_.download(t);
     TEST_CUDA_CHECK(cudaDeviceSynchronize());  // ops are asynchronous on the context's stream
     Tensor host = Tensor::empty(t.shape(), t.dtype());
-    if (t.nbytes() > 0) TEST_CUDA_CHECK(cudaMemcpy(host.data_ptr(), t.data_ptr(), t.nbytes(), cudaMemcpyDeviceToHost));
+    if (t.nbytes() > 0)
+      TEST_CUDA_CHECK(cudaMemcpy(host.data_ptr(), t.data_ptr(), t.nbytes(), cudaMemcpyDeviceToHost));
     return cpu_.download(host);
   }
 
   Tensor poisoned(const Shape& shape, DType dtype) override {
     Tensor t = Tensor::empty(shape, dtype, alloc_);
-    if (t.nbytes() > 0) TEST_CUDA_CHECK(cudaMemset(t.data_ptr(), dtype == DType::kI32 ? 0x7f : 0xff, t.nbytes()));
+    if (t.nbytes() > 0)
+      TEST_CUDA_CHECK(cudaMemset(t.data_ptr(), dtype == DType::kI32 ? 0x7f : 0xff, t.nbytes()));
     return t;
   }
 
@@ -101,11 +104,14 @@ Tensors upload_all(TestDevice& dev, const HostTensors& hs) {
   return ts;
 }
 
+// The table runs with f32 float storage here; the CUDA backend's bf16 paths are compared
+// with the CPU backend by kernels_cuda_bf16_test (or set_float_storage(kBF16) on both devices).
+
 void expect_same(const OpCase& c, const HostTensors& cuda, const HostTensors& cpu, const char* what) {
   ASSERT_EQ(cuda.size(), cpu.size()) << c.name;
   for (size_t o = 0; o < cpu.size(); ++o) {
-    const std::string err =
-        compare(cuda[o], cpu[o], c.cross_atol, c.cross_rtol, fmt::format("{} {} {} (cuda vs cpu)", c.name, what, o));
+    const std::string err = compare(cuda[o], cpu[o], c.cross_atol, c.cross_rtol,
+                                    fmt::format("{} {} {} (cuda vs cpu)", c.name, what, o));
     EXPECT_TRUE(err.empty()) << err;
   }
 }
@@ -120,20 +126,30 @@ std::vector<size_t> cases_with_backward() {
 class OpTableCuda : public ::testing::TestWithParam<size_t> {};
 class OpTableCudaBackward : public ::testing::TestWithParam<size_t> {};
 
+// A backend under construction may lack ops: their cases are skipped, not aborted on.
+bool skip_missing(const OpCase& c) {
+  for (const std::string& op : c.ops)
+    if (!backend_implements(*cuda_backend(), op)) return true;
+  return false;
+}
+
 TEST_P(OpTableCuda, ForwardMatchesCpu) {
   const OpCase& c = cases()[GetParam()];
+  if (skip_missing(c)) GTEST_SKIP() << c.name << ": an op is missing from the CUDA backend";
   auto cpu = make_cpu_test_device();
-  const HostTensors want = c.forward(*cpu, upload_all(*cpu, c.inputs));
-  const HostTensors got = c.forward(*g_cuda, upload_all(*g_cuda, c.inputs));
+  const HostTensors want = c.forward(*cpu, upload_inputs(*cpu, c, c.inputs));
+  const HostTensors got = c.forward(*g_cuda, upload_inputs(*g_cuda, c, c.inputs));
   expect_same(c, got, want, "output");
 }
 
 TEST_P(OpTableCudaBackward, MatchesCpu) {
   const OpCase& c = cases()[GetParam()];
+  if (skip_missing(c)) GTEST_SKIP() << c.name << ": an op is missing from the CUDA backend";
   auto cpu = make_cpu_test_device();
   const HostTensors douts = make_douts(c, c.reference(c.inputs), kSeed + GetParam());
-  const HostTensors want = c.backward(*cpu, upload_all(*cpu, c.inputs), upload_all(*cpu, douts));
-  const HostTensors got = c.backward(*g_cuda, upload_all(*g_cuda, c.inputs), upload_all(*g_cuda, douts));
+  const HostTensors want = c.backward(*cpu, upload_inputs(*cpu, c, c.inputs), upload_all(*cpu, douts));
+  const HostTensors got =
+      c.backward(*g_cuda, upload_inputs(*g_cuda, c, c.inputs), upload_all(*g_cuda, douts));
   expect_same(c, got, want, "gradient");
 }
 
@@ -145,7 +161,8 @@ std::string case_test_name(const ::testing::TestParamInfo<size_t>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, OpTableCuda, ::testing::Range<size_t>(0, cases().size()), case_test_name);
-INSTANTIATE_TEST_SUITE_P(Cases, OpTableCudaBackward, ::testing::ValuesIn(cases_with_backward()), case_test_name);
+INSTANTIATE_TEST_SUITE_P(Cases, OpTableCudaBackward, ::testing::ValuesIn(cases_with_backward()),
+                         case_test_name);
 
 }  // namespace
 }  // namespace troupe::kernels::testing

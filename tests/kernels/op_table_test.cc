@@ -1,14 +1,17 @@
 // tests/kernels/op_table_test.cc — runs every case of the op table on the CPU backend:
 // forward against the double-precision reference, backward against central finite
-// differences of that reference (in double), and checks that the table covers every op.
+// differences of that reference (in double), with f32 storage and again with bf16
+// storage (float tensors held in bf16, the CUDA backend's activation format); and checks
+// that the table covers every op.
+#include "tests/kernels/op_table.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cctype>
+#include <ostream>
 #include <random>
 #include <set>
-
-#include "tests/kernels/op_table.h"
 
 namespace troupe::kernels::testing {
 namespace {
@@ -22,10 +25,40 @@ const std::vector<OpCase>& cases() {
   return kCases;
 }
 
-Tensors upload_all(TestDevice& dev, const HostTensors& hs) {
-  Tensors ts;
-  for (const HostTensor& h : hs) ts.push_back(dev.upload(h));
-  return ts;
+struct Run {
+  size_t index;  // into cases()
+  DType storage;
+};
+
+// How gtest prints a parameter in failure messages.
+void PrintTo(const Run& r, std::ostream* os) {
+  *os << cases()[r.index].name << " with " << dtype_name(r.storage) << " storage";
+}
+
+std::vector<Run> runs(bool backward) {
+  std::vector<Run> r;
+  for (DType storage : {DType::kF32, DType::kBF16}) {
+    for (size_t i = 0; i < cases().size(); ++i) {
+      const OpCase& c = cases()[i];
+      if (backward && !c.backward) continue;
+      if (storage == DType::kBF16 && !c.bf16_storage) continue;
+      r.push_back({i, storage});
+    }
+  }
+  return r;
+}
+
+std::string run_name(const ::testing::TestParamInfo<Run>& info) {
+  std::string s = cases()[info.param.index].name;
+  if (info.param.storage != DType::kF32) s += "/" + std::string(dtype_name(info.param.storage));
+  for (char& ch : s)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return s;
+}
+
+std::pair<double, double> tolerances(double atol, double rtol, DType storage) {
+  if (storage == DType::kBF16) return {std::max(atol, kBf16Atol), std::max(rtol, kBf16Rtol)};
+  return {atol, rtol};
 }
 
 double loss_of(const OpCase& c, const HostTensors& outputs, const HostTensors& douts) {
@@ -37,44 +70,48 @@ double loss_of(const OpCase& c, const HostTensors& outputs, const HostTensors& d
   return l;
 }
 
-std::vector<size_t> cases_with_backward() {
-  std::vector<size_t> r;
-  for (size_t i = 0; i < cases().size(); ++i)
-    if (cases()[i].backward) r.push_back(i);
-  return r;
-}
-
-class OpTableCpu : public ::testing::TestWithParam<size_t> {};
-class OpTableCpuBackward : public ::testing::TestWithParam<size_t> {};
+class OpTableCpu : public ::testing::TestWithParam<Run> {};
+class OpTableCpuBackward : public ::testing::TestWithParam<Run> {};
 
 TEST_P(OpTableCpu, ForwardMatchesReference) {
-  const OpCase& c = cases()[GetParam()];
+  const OpCase& c = cases()[GetParam().index];
+  const DType storage = GetParam().storage;
   ASSERT_TRUE(c.forward && c.reference) << c.name;
   auto dev = make_cpu_test_device();
-  const HostTensors got = c.forward(*dev, upload_all(*dev, c.inputs));
-  const HostTensors want = c.reference(c.inputs);
+  dev->set_float_storage(storage);
+  const HostTensors inputs = inputs_for_storage(c, storage);
+  const HostTensors got = c.forward(*dev, upload_inputs(*dev, c, inputs));
+  const HostTensors want = c.reference(inputs);
   ASSERT_EQ(got.size(), want.size()) << c.name;
+  const auto [atol, rtol] = tolerances(c.atol, c.rtol, storage);
   for (size_t o = 0; o < want.size(); ++o) {
-    const std::string err = compare(got[o], want[o], c.atol, c.rtol, fmt::format("{} output {}", c.name, o));
+    const std::string err = compare(got[o], want[o], atol, rtol, fmt::format("{} output {}", c.name, o));
     EXPECT_TRUE(err.empty()) << err;
   }
 }
 
 TEST_P(OpTableCpuBackward, MatchesFiniteDifferences) {
-  const OpCase& c = cases()[GetParam()];
+  const OpCase& c = cases()[GetParam().index];
+  const DType storage = GetParam().storage;
   auto dev = make_cpu_test_device();
-  const HostTensors outputs = c.reference(c.inputs);
-  const HostTensors douts = make_douts(c, outputs, kSeed + GetParam());
-  const HostTensors grads = c.backward(*dev, upload_all(*dev, c.inputs), upload_all(*dev, douts));
+  dev->set_float_storage(storage);
+  const HostTensors inputs = inputs_for_storage(c, storage);
+  const HostTensors douts = make_douts(c, c.reference(inputs), kSeed + GetParam().index, storage);
+  Tensors dev_douts;
+  for (const HostTensor& d : douts) dev_douts.push_back(dev->upload(d));
+  const HostTensors grads = c.backward(*dev, upload_inputs(*dev, c, inputs), dev_douts);
   ASSERT_EQ(grads.size(), c.grad_inputs.size()) << c.name;
-  std::mt19937_64 gen(kSeed ^ GetParam());
+  const auto [atol, rtol] = tolerances(c.grad_atol, c.grad_rtol, storage);
+  std::mt19937_64 gen(kSeed ^ GetParam().index);
   for (size_t g = 0; g < grads.size(); ++g) {
     const size_t input = static_cast<size_t>(c.grad_inputs[g]);
-    const int64_t n = c.inputs[input].numel();
+    const int64_t n = inputs[input].numel();
     HostTensor got = grads[g];
-    ASSERT_EQ(got.shape, c.inputs[input].shape) << c.name << " gradient " << g;
+    ASSERT_EQ(got.shape, inputs[input].shape) << c.name << " gradient " << g;
     if (g < c.grad_init.size() && !c.grad_init[g].v.empty()) {
-      for (int64_t i = 0; i < n; ++i) got[i] -= c.grad_init[g][i];
+      // The accumulating buffer started from grad_init as the device stored it.
+      const HostTensor init = round_for_storage(c.grad_init[g], storage);
+      for (int64_t i = 0; i < n; ++i) got[i] -= init[i];
     }
     std::vector<int64_t> probes(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) probes[i] = i;
@@ -84,7 +121,7 @@ TEST_P(OpTableCpuBackward, MatchesFiniteDifferences) {
     }
     HostTensor got_probed = HostTensor::zeros({static_cast<int64_t>(probes.size())});
     HostTensor fd = HostTensor::zeros({static_cast<int64_t>(probes.size())});
-    HostTensors x = c.inputs;
+    HostTensors x = inputs;
     for (size_t p = 0; p < probes.size(); ++p) {
       const int64_t i = probes[p];
       const double x0 = x[input][i];
@@ -98,20 +135,13 @@ TEST_P(OpTableCpuBackward, MatchesFiniteDifferences) {
       got_probed[static_cast<int64_t>(p)] = got[i];
     }
     const std::string err =
-        compare(got_probed, fd, c.grad_atol, c.grad_rtol, fmt::format("{} d/d input {}", c.name, input));
+        compare(got_probed, fd, atol, rtol, fmt::format("{} d/d input {}", c.name, input));
     EXPECT_TRUE(err.empty()) << err;
   }
 }
 
-std::string case_test_name(const ::testing::TestParamInfo<size_t>& info) {
-  std::string s = cases()[info.param].name;
-  for (char& ch : s)
-    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-  return s;
-}
-
-INSTANTIATE_TEST_SUITE_P(Cases, OpTableCpu, ::testing::Range<size_t>(0, cases().size()), case_test_name);
-INSTANTIATE_TEST_SUITE_P(Cases, OpTableCpuBackward, ::testing::ValuesIn(cases_with_backward()), case_test_name);
+INSTANTIATE_TEST_SUITE_P(Cases, OpTableCpu, ::testing::ValuesIn(runs(false)), run_name);
+INSTANTIATE_TEST_SUITE_P(Cases, OpTableCpuBackward, ::testing::ValuesIn(runs(true)), run_name);
 
 TEST(OpTable, CoversEveryOpForwardAndBackward) {
   std::set<std::string> forward, backward;
@@ -123,6 +153,7 @@ TEST(OpTable, CoversEveryOpForwardAndBackward) {
       if (c.backward) backward.insert(op);
     }
   }
+  for (const std::string& op : forward) EXPECT_TRUE(backend_implements(cpu_backend(), op)) << op;
   for (const std::string& op : forward_op_names()) EXPECT_TRUE(forward.count(op)) << op << " has no case";
   for (const std::string& op : backward_op_names()) {
     EXPECT_TRUE(backward.count(op)) << op << " is not checked against finite differences";

@@ -23,14 +23,16 @@ TEST(OpsDispatchDeathTest, WrongOutputShapeAndDtype) {
                R"(op rmsnorm_forward: y has shape \[3, 7\], expected \[3, 8\])");
   Tensor ids = Tensor::zeros({3}, DType::kF32), table = Tensor::zeros({5, 4}, DType::kF32);
   Tensor emb = Tensor::zeros({3, 4}, DType::kF32);
-  EXPECT_DEATH(embedding_forward(Exec::cpu(), ids, table, emb), "op embedding_forward: ids must be i32, not f32");
+  EXPECT_DEATH(embedding_forward(Exec::cpu(), ids, table, emb),
+               "op embedding_forward: ids must be i32, not f32");
 }
 
 TEST(OpsDispatchDeathTest, DataDependentChecksInTheCpuBackend) {
   Tensor offsets = Tensor::from_ints({3}, std::vector<int32_t>{0, 4, 3});
   Tensor x = Tensor::zeros({3, 2}, DType::kF32), w = Tensor::zeros({2, 2, 2}, DType::kF32);
   Tensor out = Tensor::zeros({3, 2}, DType::kF32);
-  EXPECT_DEATH(grouped_matmul(Exec::cpu(), x, w, offsets, out), "grouped_matmul: offsets decrease at expert 1");
+  EXPECT_DEATH(grouped_matmul(Exec::cpu(), x, w, offsets, out),
+               "grouped_matmul: offsets decrease at expert 1");
 }
 
 TEST(OpsDispatchDeathTest, MissingBackendOrWrongDevice) {

@@ -8,7 +8,10 @@
 #include <cmath>
 #include <functional>
 #include <random>
+#include <barrier>
+#include <mutex>
 #include <set>
+#include <thread>
 
 #include "layers/model.h"
 #include "layers/optimizer.h"
@@ -281,6 +284,76 @@ TEST(MoE, DispatchStepIsReplaceable) {
   moe.set_dispatch(nullptr);
 }
 
+// Two "ranks" each holding half of a micro-batch's tokens, the router statistics summed
+// through the group all-reduce: the aux loss, the tokens' gradients and the summed weight
+// gradients equal one process over the whole micro-batch.
+TEST(MoE, GroupAllReduceMatchesOneProcess) {
+  MoEConfig cfg = moe_config(kernels::RouterScore::kSoftmax);
+  Tensor x = random_tensor({10, 8}, 91), r = random_tensor({10, 8}, 92);
+  MoELayer whole(8, cfg, false);
+  whole.init(93, "moe", 0.5f, 0.5f);
+  MoELayer::Saved sv;
+  MoELayer::Stats st;
+  const auto y = whole.forward(kC, x, sv, &st).to_floats();
+  const auto dx = whole.backward(kC, r, sv, 1.0f).to_floats();
+
+  std::mutex mu;
+  std::vector<double> sum;
+  std::barrier sync(2);
+  auto reducer = [&](int rank) {
+    return [&, rank](std::vector<double>& v) {
+      {
+        std::lock_guard<std::mutex> l(mu);
+        if (sum.empty()) sum.assign(v.size(), 0.0);
+        for (size_t i = 0; i < v.size(); ++i) sum[i] += v[i];
+      }
+      sync.arrive_and_wait();
+      v = sum;
+      sync.arrive_and_wait();
+      if (rank == 0) sum.clear();
+      sync.arrive_and_wait();
+    };
+  };
+  std::unique_ptr<MoELayer> part[2];
+  std::vector<float> yp[2], dxp[2];
+  double aux[2];
+  std::vector<int64_t> sel[2];
+  auto run = [&](int rank) {
+    part[rank] = std::make_unique<MoELayer>(8, cfg, false);
+    part[rank]->init(93, "moe", 0.5f, 0.5f);
+    part[rank]->router.set_group_all_reduce(reducer(rank));
+    Tensor xr = x.narrow(0, 5 * rank, 5).contiguous(), rr = r.narrow(0, 5 * rank, 5).contiguous();
+    MoELayer::Saved s2;
+    MoELayer::Stats st2;
+    yp[rank] = part[rank]->forward(kC, xr, s2, &st2).to_floats();
+    dxp[rank] = part[rank]->backward(kC, rr, s2, 1.0f).to_floats();
+    aux[rank] = st2.aux_loss;
+    sel[rank] = st2.selected;
+  };
+  std::thread t1(run, 1);
+  run(0);
+  t1.join();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NEAR(aux[rank], st.aux_loss, 1e-6 * st.aux_loss);
+    EXPECT_EQ(sel[rank], st.selected);
+    for (size_t i = 0; i < yp[rank].size(); ++i) {
+      ASSERT_NEAR(yp[rank][i], y[40 * rank + i], 1e-6);
+      ASSERT_NEAR(dxp[rank][i], dx[40 * rank + i], 1e-5);
+    }
+  }
+  auto summed = [](const Tensor& a, const Tensor& b) {
+    auto va = a.to_floats(), vb = b.to_floats();
+    for (size_t i = 0; i < va.size(); ++i) va[i] += vb[i];
+    return va;
+  };
+  const auto gr = summed(part[0]->router.weight.grad, part[1]->router.weight.grad);
+  const auto gw = whole.router.weight.grad.to_floats();
+  for (size_t i = 0; i < gr.size(); ++i) ASSERT_NEAR(gr[i], gw[i], 1e-5 + 1e-4 * std::abs(gw[i]));
+  const auto g1 = summed(part[0]->experts.w1.grad, part[1]->experts.w1.grad);
+  const auto gw1 = whole.experts.w1.grad.to_floats();
+  for (size_t i = 0; i < g1.size(); ++i) ASSERT_NEAR(g1[i], gw1[i], 1e-5 + 1e-4 * std::abs(gw1[i]));
+}
+
 TEST(LayerGrad, TransformerBlocks) {
   ModelConfig cfg;
   cfg.d_model = 16;
@@ -364,6 +437,24 @@ TEST(Model, NamesAreStableAndInitIsDeterministic) {
   EXPECT_NE(pa[0].param->value.to_floats(), pc[0].param->value.to_floats());
   EXPECT_EQ(a.buffers().size(), 2u);
   EXPECT_EQ(a.buffers()[0].name, "blocks.1.moe.router.bias");
+}
+
+TEST(Init, SlicesEqualTheWholeTensor) {
+  Tensor whole = Tensor::zeros({4, 3, 5}, DType::kF32);
+  init_normal(whole, 9, "blocks.1.moe.experts.w1", 0.5f);
+  // Expert-parallel shards: experts [0, 1) and [1, 4), initialised alone.
+  Tensor a = Tensor::zeros({1, 3, 5}, DType::kF32), b = Tensor::zeros({3, 3, 5}, DType::kF32);
+  init_normal(a, 9, "blocks.1.moe.experts.w1", 0.5f, 0);
+  init_normal(b, 9, "blocks.1.moe.experts.w1", 0.5f, 15);  // odd offset: second half of a pair
+  std::vector<float> joined = a.to_floats();
+  for (float v : b.to_floats()) joined.push_back(v);
+  EXPECT_EQ(joined, whole.to_floats());
+  double sum = 0, sq = 0;
+  Tensor big = Tensor::zeros({20000}, DType::kF32);
+  init_normal(big, 1, "x", 2.0f);
+  for (float v : big.to_floats()) sum += v, sq += static_cast<double>(v) * v;
+  EXPECT_NEAR(sum / 20000, 0.0, 0.05);
+  EXPECT_NEAR(std::sqrt(sq / 20000), 2.0, 0.05);
 }
 
 TEST(Model, FullModelGradientAndAccumulation) {
