@@ -15,6 +15,7 @@
 // - write() is asynchronous. The writer gets a kWriteDone completion once the data is in
 //   the peer's memory (TCP: the peer acknowledged it; verbs: the RC write completed), and
 //   the target gets a kReceived completion naming the peer, buffer, tag (< 2^24) and size.
+// - One verbs write moves at most 2 GiB (RC message limit): larger replicas are chunked.
 // - A broken peer gives error completions (status not OK), never a hang.
 // Thread safety: all methods may be called from any thread.
 #pragma once

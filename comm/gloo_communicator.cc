@@ -14,6 +14,8 @@
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 
+#include <signal.h>
+
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -520,11 +522,29 @@ class GlooCommunicator final : public Communicator {
   std::thread p2p_thread_;
 };
 
+// Gloo writes to sockets without MSG_NOSIGNAL: a write to a peer that just died raises
+// SIGPIPE, whose default action kills the process. Ignore it (unless the application
+// installed its own handler) so the write fails with EPIPE and becomes an error Status.
+void ignore_sigpipe_once() {
+  static const bool done = [] {
+    struct sigaction current {};
+    if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+      struct sigaction ignore {};
+      ignore.sa_handler = SIG_IGN;
+      sigemptyset(&ignore.sa_mask);
+      ::sigaction(SIGPIPE, &ignore, nullptr);
+    }
+    return true;
+  }();
+  (void)done;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Communicator>> make_gloo_communicator(const CommSpec& spec,
                                                              const GlooTransportOptions& transport) {
   TROUPE_RETURN_IF_ERROR(spec.validate());
+  ignore_sigpipe_once();
   auto s = std::make_shared<State>();
   s->spec = spec;
   s->spec.store = nullptr;  // used during creation only

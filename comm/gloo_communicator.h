@@ -12,6 +12,9 @@
 // input dtype (bf16 stays bf16 on the wire) followed by a local reduction in fp32 (f32,
 // bf16, f16) or in the integer type, summing in rank order; it is deterministic.
 //
+// Signals: Gloo's sockets can raise SIGPIPE when a peer dies; the first communicator
+// sets SIGPIPE to SIG_IGN if it still has its default action (which kills the process).
+//
 // Failure: every Gloo call carries the operation's timeout. A peer that dies is seen as a
 // socket error at once; one that hangs as a timeout. The first failure (or abort) closes
 // every connection of the communicator (peers blocked on us fail fast instead of timing

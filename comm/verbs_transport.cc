@@ -203,7 +203,8 @@ class VerbsTransport final : public BulkTransport {
     if (peer < 0 || peer >= size_ || peer == rank_) return invalid_argument("bulk write: bad peer {}", peer);
     if (tag > kMaxTag) return invalid_argument("bulk write: tag {} > {}", tag, kMaxTag);
     if (dst_buffer >= kMaxBuffers) return invalid_argument("bulk write: buffer id {} >= {}", dst_buffer, kMaxBuffers);
-    if (bytes > UINT32_MAX) return invalid_argument("bulk verbs: one write is at most 4 GiB - 1, got {}", bytes);
+    // RC messages are limited by the port's max_msg_sz, 2 GiB on current HCAs.
+    if (bytes > (uint64_t{1} << 31)) return invalid_argument("bulk verbs: one write is at most 2 GiB, got {}", bytes);
     std::lock_guard<std::mutex> lock(mu_);
     auto mit = mrs_.find(src_buffer);
     if (mit == mrs_.end()) return not_found("bulk write: source buffer {} not registered", src_buffer);
