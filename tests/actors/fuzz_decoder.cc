@@ -4,7 +4,9 @@
 //
 // Built only with clang and -DTROUPE_BUILD_FUZZERS=ON:
 //   CXX=clang++ CC=clang cmake -S . -B build-fuzz -G Ninja -DTROUPE_BUILD_FUZZERS=ON -DTROUPE_WITH_CUDA=OFF
-//   ninja -C build-fuzz control_fuzz_decoder && build-fuzz/tests/actors/control_fuzz_decoder -max_total_time=60
+//   ninja -C build-fuzz control_fuzz_decoder
+//   mkdir corpus && TROUPE_FUZZ_SEED_DIR=corpus build/tests/comm/control/control_codec_test
+//   build-fuzz/tests/actors/control_fuzz_decoder -max_total_time=60 corpus
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>

@@ -3,7 +3,9 @@
 // unknown union members and enumerants, bad versions, reserved type ids).
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -46,6 +48,19 @@ TEST(ControlCodec, RoundTripsEveryPayloadKind) {
     auto back = decode_envelope(bytes->data(), bytes->size());
     ASSERT_TRUE(back.ok()) << back.status();
     EXPECT_EQ(*back, e) << describe(e);
+  }
+}
+
+// With TROUPE_FUZZ_SEED_DIR set, writes one encoded envelope per payload kind there: the
+// seed corpus of tests/actors/fuzz_decoder.cc.
+TEST(ControlCodec, WritesFuzzSeedsOnRequest) {
+  const char* dir = std::getenv("TROUPE_FUZZ_SEED_DIR");
+  if (dir == nullptr) GTEST_SKIP() << "TROUPE_FUZZ_SEED_DIR not set";
+  int i = 0;
+  for (const Payload& p : every_payload()) {
+    auto bytes = encode_envelope(make(p));
+    ASSERT_TRUE(bytes.ok());
+    std::ofstream(fmt::format("{}/seed-{}", dir, i++), std::ios::binary) << *bytes;
   }
 }
 
