@@ -85,16 +85,12 @@ void Agent::run() {
 
 void Agent::run_once(std::chrono::milliseconds timeout) {
   // One poll over the scheduler socket and every child's pidfd: an exit wakes us at once.
-  std::vector<zmq::pollitem_t> items;
-  items.push_back({conn_->socket().handle(), 0, ZMQ_POLLIN, 0});
+  std::vector<pollfd> fds;
+  fds.push_back({conn_->wake_fd(), POLLIN, 0});
   for (const auto& [pid, c] : children_) {
-    if (c.proc.pidfd >= 0) items.push_back({nullptr, c.proc.pidfd, ZMQ_POLLIN, 0});
+    if (c.proc.pidfd >= 0) fds.push_back({c.proc.pidfd, POLLIN, 0});
   }
-  try {
-    zmq::poll(items.data(), items.size(), timeout);
-  } catch (const zmq::error_t& e) {
-    log()->error("poll: {}", e.what());
-  }
+  ::poll(fds.data(), fds.size(), static_cast<int>(timeout.count()));
   reap();
   while (auto m = conn_->receive(std::chrono::milliseconds(0))) handle(*m);
   reap();

@@ -24,13 +24,18 @@ int main(int argc, char** argv) {
   CLI::App app{"troupe-agent: starts, watches and stops Troupe job processes on this node"};
   app.add_option("--scheduler,-s", opts.scheduler, "Scheduler address HOST:PORT")->required();
   app.add_option("--slots", opts.slots, "Worker slots (default: GPUs, or CPUs when there is no GPU)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1, 1000000));
   app.add_option("--id", opts.agent_id, "Agent name (default: the host name)");
   app.add_option("--work-dir", opts.work_dir, "Where process logs go (default ./troupe-agent)");
   app.add_option("--curve-key", opts.key_file, "This agent's CURVE key pair file");
   app.add_option("--scheduler-key", scheduler_key, "The scheduler's public key file: turns CURVE on");
-  app.add_option("--heartbeat-ms", opts.heartbeat_ms, "Heartbeat interval")->check(CLI::PositiveNumber);
-  CLI11_PARSE(app, argc, argv);
+  app.add_option("--heartbeat-ms", opts.heartbeat_ms, "Heartbeat interval")->check(CLI::Range(1, 1000000));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
 
   troupe::init_logging(troupe::LoggingOptions{"agent", "", spdlog::level::info});
   if (!scheduler_key.empty() || !opts.key_file.empty()) {

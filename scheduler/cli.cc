@@ -159,7 +159,9 @@ std::string render_status_table(const json& status, bool with_procs) {
     std::string state = j.value("state", "");
     bool final = state == "succeeded" || state == "failed" || state == "cancelled";
     rows.push_back({j.value("id", ""), j.value("name", "").empty() ? "-" : j.value("name", ""), state,
-                    std::to_string(j.value("nproc", 0)), std::to_string(j.value("epoch", 0)),
+                    final ? std::to_string(j.value("nproc", 0))
+                          : fmt::format("{}/{}", j.value("running_workers", 0), j.value("nproc", 0)),
+                    std::to_string(j.value("epoch", 0)),
                     fmt::format("{}/{}", j.value("restarts", 0), j.value("max_restarts", 0)),
                     final ? std::to_string(j.value("exit_code", 0)) : "-", age(j.value("created_ms", int64_t{0})), cmd});
   }
@@ -254,10 +256,13 @@ int cli_logs(const CliConnection& c, const std::string& job_id, const std::strin
 }
 
 int cli_keygen(const std::string& prefix) {
+  std::error_code ec;
+  auto parent = std::filesystem::path(prefix).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  if (ec) return fail(io_error("cannot create {}: {}", parent.string(), ec.message()));
   auto keys = generate_curve_keypair();
   if (!keys.ok()) return fail(keys.status());
-  Status s = write_key_file(prefix + ".key", *keys, true);
-  if (s.ok()) s = write_key_file(prefix + ".pub", *keys, false);
+  Status s = write_key_files(prefix, *keys);
   if (!s.ok()) return fail(s);
   std::printf("wrote %s.key (key pair, keep private) and %s.pub (public key)\n", prefix.c_str(), prefix.c_str());
   return 0;
@@ -268,6 +273,7 @@ int cli_run(const RunOptions& opts) {
   Status v = spec.validate();
   if (!v.ok()) return fail(v);
   init_logging(LoggingOptions{"troupe run", "", opts.verbose ? spdlog::level::info : spdlog::level::warn});
+  if (!opts.verbose && !std::getenv("SPDLOG_LEVEL")) make_logger("control")->set_level(spdlog::level::err);
 
   std::string state_dir = opts.state_dir;
   bool temp_dir = state_dir.empty();
@@ -281,6 +287,13 @@ int cli_run(const RunOptions& opts) {
   so.state_dir = state_dir;
   auto sched = Scheduler::create(so);
   if (!sched.ok()) return fail(sched.status());
+  if (spec.backend == "cuda") {
+    int gpus = detect_gpus();
+    if (gpus < spec.nproc) {
+      return fail(failed_precondition("--backend cuda needs one GPU per worker: {} workers, {} GPU(s) visible",
+                                      spec.nproc, gpus));
+    }
+  }
   AgentOptions ao;
   ao.scheduler = (*sched)->endpoint();
   ao.agent_id = "local";

@@ -120,6 +120,18 @@ struct Encoder {
     b.setEpoch(v.epoch);
     b.setPid(v.pid);
     b.setHello(v.hello);
+    b.setActorNode(v.actor_node);
+    b.setEndpoint(v.endpoint);
+  }
+  void operator()(const PlaceActors& v) {
+    auto b = m.initPlaceActors();
+    b.setJobId(v.job_id);
+    b.setEpoch(v.epoch);
+    auto list = b.initPlacements(static_cast<unsigned>(v.placements.size()));
+    for (size_t i = 0; i < v.placements.size(); ++i) {
+      list[static_cast<unsigned>(i)].setActor(v.placements[i].first);
+      list[static_cast<unsigned>(i)].setProc(v.placements[i].second);
+    }
   }
   void operator()(const StoreRequest& v) {
     auto b = m.initStore();
@@ -195,7 +207,8 @@ Result<Payload> decode_payload(::Msg::Reader m) {
     }
     case ::Msg::PROC_BEAT: {
       auto r = m.getProcBeat();
-      return Payload(ProcBeat{r.getJobId(), r.getName(), r.getEpoch(), r.getPid(), r.getHello()});
+      return Payload(ProcBeat{r.getJobId(), r.getName(), r.getEpoch(), r.getPid(), r.getHello(), r.getActorNode(),
+                              r.getEndpoint()});
     }
     case ::Msg::STORE: {
       auto r = m.getStore();
@@ -219,6 +232,14 @@ Result<Payload> decode_payload(::Msg::Reader m) {
     case ::Msg::CANCEL: return Payload(CancelJob{m.getCancel()});
     case ::Msg::LOGS: return Payload(LogsQuery{get_logs(m.getLogs())});
     case ::Msg::LOGS_FOR_AGENT: return Payload(AgentLogsQuery{get_logs(m.getLogsForAgent())});
+    case ::Msg::PLACE_ACTORS: {
+      auto r = m.getPlaceActors();
+      PlaceActors v;
+      v.job_id = r.getJobId();
+      v.epoch = r.getEpoch();
+      for (auto p : r.getPlacements()) v.placements.emplace_back(p.getActor(), p.getProc());
+      return Payload(std::move(v));
+    }
     case ::Msg::REPLY: {
       auto r = m.getReply();
       Reply v;
@@ -243,7 +264,7 @@ const char* payload_name(const Payload& p) {
   static const char* const kNames[] = {"registerAgent", "registerAck", "agentHeartbeat", "reregister",
                                        "spawn", "kill", "procStarted", "procExited", "exitAck",
                                        "procBeat", "store", "submit", "status", "cancel", "logs",
-                                       "reply", "logsForAgent"};
+                                       "reply", "logsForAgent", "placeActors"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == std::variant_size_v<Payload>);
   return kNames[p.index()];
 }

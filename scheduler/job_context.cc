@@ -71,7 +71,25 @@ Result<std::unique_ptr<SchedulerSession>> SchedulerSession::connect(const JobCon
 bool SchedulerSession::beat() {
   bool hello = !said_hello_;
   said_hello_ = true;
-  return conn_->send(Message{0, ProcBeat{ctx_.job_id, ctx_.name, ctx_.epoch, static_cast<int32_t>(getpid()), hello}});
+  return conn_->send(Message{0, ProcBeat{ctx_.job_id, ctx_.name, ctx_.epoch, static_cast<int32_t>(getpid()), hello,
+                                         actor_node_, actor_endpoint_}});
+}
+
+void SchedulerSession::set_actor_address(std::string node, std::string endpoint) {
+  actor_node_ = std::move(node);
+  actor_endpoint_ = std::move(endpoint);
+}
+
+Result<nlohmann::json> SchedulerSession::place_actors(uint64_t epoch,
+                                                      const std::vector<std::pair<std::string, std::string>>& placements,
+                                                      std::chrono::milliseconds timeout) {
+  TROUPE_ASSIGN_OR_RETURN(Reply r, conn_->request(PlaceActors{ctx_.job_id, epoch, placements}, timeout));
+  TROUPE_RETURN_IF_ERROR(r.status());
+  try {
+    return nlohmann::json::parse(r.body);
+  } catch (const std::exception& e) {
+    return data_loss("placement reply is not JSON: {}", e.what());
+  }
 }
 
 Result<nlohmann::json> SchedulerSession::job_status(std::chrono::milliseconds timeout) {

@@ -58,6 +58,15 @@ class SchedulerSession {
   static Result<std::unique_ptr<SchedulerSession>> connect(const JobContext& ctx);
   // The first beat is the hello that starts heartbeat monitoring of this process.
   bool beat();
+  // The address of this process's own actor system, sent with every following beat
+  // (the driver's actor placement resolves actors to it).
+  void set_actor_address(std::string node, std::string endpoint);
+  // Driver: places actors (name -> process name, e.g. "worker-3") for `epoch` (the job's
+  // current one: a restarted job's workers are in a later epoch than the driver's own
+  // TROUPE_EPOCH); the reply lists each actor's process, agent, actor-system node and
+  // endpoint.
+  Result<nlohmann::json> place_actors(uint64_t epoch, const std::vector<std::pair<std::string, std::string>>& placements,
+                                      std::chrono::milliseconds timeout);
   // The status document of this job (the same as `troupe status <job> --json`).
   Result<nlohmann::json> job_status(std::chrono::milliseconds timeout);
   ClientEndpoint& endpoint() { return *conn_; }
@@ -67,6 +76,8 @@ class SchedulerSession {
   JobContext ctx_;
   std::unique_ptr<ClientEndpoint> conn_;
   bool said_hello_ = false;
+  std::string actor_node_;
+  std::string actor_endpoint_;
 };
 
 class HeartbeatThread {

@@ -69,6 +69,8 @@ struct ProcBeat @0xc1d1a1e7a0b2f008 {
   epoch @2 :UInt64;
   pid @3 :Int32;
   hello @4 :Bool;
+  actorNode @5 :Text;     # the node id of the process's own actor system, if it runs one
+  endpoint @6 :Text;      # where that actor system listens
 }
 
 enum StoreOp @0xc1d1a1e7a0b2f009 {
@@ -110,6 +112,18 @@ struct Reply @0xc1d1a1e7a0b2f00d {
   offset @4 :Int64;       # for logs: the offset after this chunk
 }
 
+# The driver's placement of the job's actors on its processes, for one epoch.
+struct ActorPlacement @0xc1d1a1e7a0b2f00f {
+  actor @0 :Text;         # actor name, unique in the job
+  proc @1 :Text;          # "worker-<rank>" or "driver"
+}
+
+struct PlaceActors @0xc1d1a1e7a0b2f010 {
+  jobId @0 :Text;
+  epoch @1 :UInt64;
+  placements @2 :List(ActorPlacement);
+}
+
 struct Msg @0xc1d1a1e7a0b2f00e {
   version @0 :UInt16;
   requestId @1 :UInt64;
@@ -131,5 +145,6 @@ struct Msg @0xc1d1a1e7a0b2f00e {
     logs @16 :LogsRequest;
     reply @17 :Reply;
     logsForAgent @18 :LogsRequest;   # scheduler -> agent, requestId maps back to the CLI
+    placeActors @19 :PlaceActors;    # driver -> scheduler; the reply body lists addresses
   }
 }

@@ -74,6 +74,8 @@ struct ProcBeat {
   uint64_t epoch = 0;
   int32_t pid = 0;
   bool hello = false;
+  std::string actor_node;  // the process's actor system (node id, endpoint), if any
+  std::string endpoint;
 };
 
 enum class StoreOp : uint8_t { kSet, kGet, kWait, kContains };
@@ -112,6 +114,12 @@ struct Reply {
   static Reply of(const Status& s) { return Reply{s.code(), s.message(), {}, {}, 0}; }
 };
 
+struct PlaceActors {
+  std::string job_id;
+  uint64_t epoch = 0;
+  std::vector<std::pair<std::string, std::string>> placements;  // actor -> process name
+};
+
 // Typed wrappers so the variant can tell apart payloads of the same C++ type.
 struct ProcStarted { ProcStatus proc; };
 struct ProcExited { ProcStatus proc; };
@@ -123,7 +131,7 @@ struct AgentLogsQuery { LogsRequest req; };
 
 using Payload = std::variant<RegisterAgent, RegisterAck, AgentHeartbeat, Reregister, SpawnRequest,
                              KillRequest, ProcStarted, ProcExited, ExitAck, ProcBeat, StoreRequest,
-                             SubmitJob, StatusQuery, CancelJob, LogsQuery, Reply, AgentLogsQuery>;
+                             SubmitJob, StatusQuery, CancelJob, LogsQuery, Reply, AgentLogsQuery, PlaceActors>;
 
 struct Message {
   uint64_t request_id = 0;

@@ -75,6 +75,8 @@ Status Scheduler::recover() {
         any_live = any_live || proc_live(proc.rec);
         job.procs.emplace(proc.rec.name, std::move(proc));
       }
+      auto placed = store_->load_placements(job.rec.id, job.rec.epoch);
+      if (placed.ok()) job.actors = std::move(placed).value();
     }
     std::string id = job.rec.id;
     auto& j = jobs_.emplace(id, std::move(job)).first->second;
@@ -123,6 +125,7 @@ void Scheduler::dispatch(const Incoming& in) {
         else if constexpr (std::is_same_v<T, LogsQuery>) on_logs(in.peer, m.request_id, p);
         else if constexpr (std::is_same_v<T, StoreRequest>) on_store(in.peer, m.request_id, p);
         else if constexpr (std::is_same_v<T, Reply>) on_reply(m);
+        else if constexpr (std::is_same_v<T, PlaceActors>) on_place_actors(in.peer, m.request_id, p);
         else {
           log()->warn("unexpected {} message from a client: dropped", payload_name(m.payload));
           reply(in.peer, m.request_id, Reply::of(invalid_argument("the scheduler does not accept {} messages",
@@ -269,6 +272,11 @@ void Scheduler::on_proc_beat(const std::string& peer, const ProcBeat& b) {
   auto& proc = pit->second;
   proc.last_beat = Clock::now();
   proc.peer = peer;
+  if (!b.endpoint.empty() && (b.endpoint != proc.rec.endpoint || b.actor_node != proc.rec.actor_node)) {
+    proc.rec.endpoint = b.endpoint;
+    proc.rec.actor_node = b.actor_node;
+    save(proc);
+  }
   if (!proc.beating) {
     proc.beating = true;
     event(jit->second, "proc_hello", {{"proc", b.name}, {"pid", b.pid}, {"epoch", b.epoch}});
@@ -449,6 +457,7 @@ void Scheduler::restart_workers(Job& job, const std::string& reason) {
   }
   job.rec.restarts++;
   job.rec.epoch++;
+  job.actors.clear();  // the driver places the actors again in the new epoch
   job.rec.state = JobState::kRestarting;
   save(job);
   event(job, "job_restarting", {{"reason", reason}, {"restart", job.rec.restarts}, {"epoch", job.rec.epoch}});
@@ -596,16 +605,17 @@ void Scheduler::on_submit(const std::string& peer, uint64_t rid, const SubmitJob
 
 json Scheduler::job_json(const Job& job, bool with_procs) const {
   const auto& r = job.rec;
-  int running = 0, workers = 0;
+  int running = 0, running_workers = 0;
   for (const auto& [n, p] : job.procs) {
-    if (p.rec.role == "worker" && p.rec.epoch == r.epoch) ++workers;
     if (proc_live(p.rec)) ++running;
+    if (p.rec.role == "worker" && p.rec.epoch == r.epoch && p.rec.state == ProcState::kRunning) ++running_workers;
   }
   json j = {{"id", r.id}, {"name", r.spec.name}, {"state", job_state_name(r.state)}, {"epoch", r.epoch},
             {"restarts", r.restarts}, {"driver_restarts", r.driver_restarts}, {"exit_code", r.exit_code},
             {"message", r.message}, {"created_ms", r.created_ms}, {"updated_ms", r.updated_ms},
             {"job_dir", r.job_dir}, {"nproc", r.spec.nproc}, {"layout", r.spec.parsed_layout().to_string()},
-            {"max_restarts", r.spec.max_restarts}, {"argv", r.spec.argv}, {"running_procs", running}};
+            {"max_restarts", r.spec.max_restarts}, {"argv", r.spec.argv}, {"running_procs", running},
+            {"running_workers", running_workers}};
   if (with_procs) {
     json procs = json::array();
     for (const auto& [n, p] : job.procs) {
@@ -613,9 +623,13 @@ json Scheduler::job_json(const Job& job, bool with_procs) const {
                        {"agent", p.rec.agent_id}, {"slot", p.rec.slot}, {"pid", p.rec.pid},
                        {"state", proc_state_name(p.rec.state)}, {"exit_status", p.rec.exit_status()},
                        {"started_ms", p.rec.started_ms}, {"ended_ms", p.rec.ended_ms},
-                       {"heartbeating", p.beating}});
+                       {"heartbeating", p.beating}, {"actor_node", p.rec.actor_node},
+                       {"endpoint", p.rec.endpoint}});
     }
     j["procs"] = std::move(procs);
+    json actors = json::array();
+    for (const auto& [actor, proc] : job.actors) actors.push_back({{"actor", actor}, {"proc", proc}});
+    j["actors"] = std::move(actors);
   }
   return j;
 }
@@ -695,6 +709,46 @@ void Scheduler::on_reply(const Message& m) {
   if (it == log_forwards_.end()) return;
   reply(it->second.peer, it->second.request_id, std::get<Reply>(m.payload));
   log_forwards_.erase(it);
+}
+
+// The driver says which actor runs on which process in this epoch; the answer gives
+// each actor's address (the process's actor-system node and endpoint, once it said hello
+// with one). Workers read their share from the job's status and spawn those actors.
+void Scheduler::on_place_actors(const std::string& peer, uint64_t rid, const PlaceActors& m) {
+  auto it = jobs_.find(m.job_id);
+  if (it == jobs_.end()) return reply(peer, rid, Reply::of(not_found("unknown job '{}'", m.job_id)));
+  Job& job = it->second;
+  if (job_state_final(job.rec.state)) {
+    return reply(peer, rid, Reply::of(failed_precondition("job {} has ended ({})", job.rec.id, job_state_name(job.rec.state))));
+  }
+  if (m.epoch != job.rec.epoch) {
+    return reply(peer, rid, Reply::of(failed_precondition("placement for epoch {}, but job {} is in epoch {}", m.epoch,
+                                                          job.rec.id, job.rec.epoch)));
+  }
+  std::set<std::string> names;
+  for (const auto& [actor, proc] : m.placements) {
+    if (actor.empty() || actor.find('/') != std::string::npos || !names.insert(actor).second) {
+      return reply(peer, rid, Reply::of(invalid_argument("actor name '{}' is empty, has '/', or is repeated", actor)));
+    }
+    auto pit = job.procs.find(proc);
+    if (pit == job.procs.end() || (pit->second.rec.role == "worker" && pit->second.rec.epoch != job.rec.epoch)) {
+      return reply(peer, rid, Reply::of(invalid_argument("actor {}: job {} has no process '{}' in epoch {}", actor,
+                                                         job.rec.id, proc, job.rec.epoch)));
+    }
+  }
+  Status s = store_->put_placements(job.rec.id, job.rec.epoch, m.placements);
+  if (!s.ok()) return reply(peer, rid, Reply::of(s));
+  job.actors = m.placements;
+  event(job, "actors_placed", {{"epoch", job.rec.epoch}, {"actors", m.placements.size()}});
+  json out = {{"epoch", job.rec.epoch}, {"actors", json::array()}};
+  for (const auto& [actor, proc] : m.placements) {
+    const auto& p = job.procs.at(proc).rec;
+    out["actors"].push_back({{"actor", actor}, {"proc", proc}, {"agent", p.agent_id}, {"node", p.actor_node},
+                             {"endpoint", p.endpoint}});
+  }
+  Reply r;
+  r.body = out.dump();
+  reply(peer, rid, std::move(r));
 }
 
 void Scheduler::on_store(const std::string& peer, uint64_t rid, const StoreRequest& m) {

@@ -70,6 +70,7 @@ class Scheduler {
   struct Job {
     JobRecord rec;
     std::map<std::string, Proc> procs;  // by name
+    std::vector<std::pair<std::string, std::string>> actors;  // this epoch's placement: actor -> proc
     std::optional<EventLog> log;
   };
   struct PendingReply {
@@ -94,6 +95,7 @@ class Scheduler {
   void on_logs(const std::string& peer, uint64_t rid, const LogsQuery& m);
   void on_store(const std::string& peer, uint64_t rid, const StoreRequest& m);
   void on_reply(const Message& m);
+  void on_place_actors(const std::string& peer, uint64_t rid, const PlaceActors& m);
 
   void timers();
   void try_start(Job& job);

@@ -9,6 +9,7 @@
 #include <signal.h>
 
 #include <atomic>
+#include <cstdlib>
 
 #include "core/logging.h"
 #include "scheduler/cli.h"
@@ -31,12 +32,23 @@ int main(int argc, char** argv) {
   app.add_option("--state-dir", opts.state_dir, "SQLite state and per-job events.jsonl");
   app.add_option("--curve-key", curve_key, "The scheduler's CURVE key pair file: turns CURVE on");
   app.add_option("--allow-keys", allow_keys, "Client public keys allowed in (files or directories of .pub/.key)");
-  app.add_option("--agent-timeout-ms", opts.agent_timeout_ms, "An agent silent this long is dead")->check(CLI::PositiveNumber);
+  app.add_option("--agent-timeout-ms", opts.agent_timeout_ms, "An agent silent this long is dead")->check(CLI::Range(1, 1000000));
+  app.add_flag("--insecure", opts.security.allow_insecure_non_loopback,
+               "Allow a non-loopback --listen address without CURVE (trusted networks only)");
   std::string endpoint_file;
   app.add_option("--endpoint-file", endpoint_file, "Write the bound address here once listening");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
 
   troupe::init_logging(troupe::LoggingOptions{"scheduler", "", spdlog::level::info});
+  // Every `troupe` command is a short-lived control-plane peer; the transport's
+  // "peer up" lines for them would drown the scheduler's own log. Warnings (a peer gone,
+  // a refused CURVE key) still show; SPDLOG_LEVEL=control=info brings the rest back.
+  if (!std::getenv("SPDLOG_LEVEL")) troupe::make_logger("control")->set_level(spdlog::level::warn);
   auto norm = troupe::sched::normalize_endpoint(opts.listen);
   if (!norm.ok()) {
     std::fprintf(stderr, "troupe-scheduler: %s\n", norm.status().message().c_str());

@@ -2,10 +2,11 @@
 // scheduler's rendezvous store for one job and epoch (what NCCL unique ids and Gloo
 // rendezvous go through).
 //
-// Its methods match comm::RendezvousStore (comm/rendezvous_store.h on the comm branch):
-// set / get(key, deadline) / wait(keys, deadline) / contains, blocking calls that never
-// outlive their deadline. Until that header is on this branch the class stands alone;
-// deriving from the interface is then a one-line change (see the report).
+// It implements comm::RendezvousStore (comm/rendezvous_store.h): set / get(key, deadline)
+// / wait(keys, deadline) / contains, blocking calls that never outlive their deadline, so
+// Gloo and NCCL set-up meet their peers through the scheduler (the app wires it in; comm
+// never includes scheduler code). Keys live in the scheduler's SQLite state, namespaced
+// by (job, epoch): a new epoch after a restart never sees the failed epoch's keys.
 // Thread-safe: one connection guarded by a mutex.
 #pragma once
 
@@ -16,16 +17,17 @@
 #include <string_view>
 #include <vector>
 
+#include "comm/rendezvous_store.h"
 #include "core/status.h"
 #include "scheduler/job_context.h"
 #include "scheduler/transport.h"
 
 namespace troupe::sched {
 
-class SchedulerStore {
+class SchedulerStore final : public comm::RendezvousStore {
  public:
-  using Clock = std::chrono::steady_clock;
-  using Deadline = Clock::time_point;
+  using Clock = comm::Clock;
+  using Deadline = comm::Deadline;
 
   static Result<std::unique_ptr<SchedulerStore>> connect(const std::string& endpoint, const ClientSecurity& sec,
                                                          const std::string& job_id, uint64_t epoch);
@@ -33,10 +35,10 @@ class SchedulerStore {
     return connect(ctx.scheduler, ctx.security, ctx.job_id, ctx.epoch);
   }
 
-  Status set(std::string_view key, std::string_view value);
-  Result<std::string> get(std::string_view key, Deadline deadline);
-  Status wait(const std::vector<std::string>& keys, Deadline deadline);
-  Result<bool> contains(std::string_view key);
+  Status set(std::string_view key, std::string_view value) override;
+  Result<std::string> get(std::string_view key, Deadline deadline) override;
+  Status wait(const std::vector<std::string>& keys, Deadline deadline) override;
+  Result<bool> contains(std::string_view key) override;
 
   const std::string& job_id() const { return job_id_; }
   uint64_t epoch() const { return epoch_; }

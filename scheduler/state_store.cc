@@ -80,6 +80,15 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_job ON events (job_id);
 )sql";
 
+// Version 2: each process's actor-system address, and the driver's actor placements.
+constexpr const char* kSchemaV2 = R"sql(
+ALTER TABLE procs ADD COLUMN actor_node TEXT NOT NULL DEFAULT '';
+ALTER TABLE procs ADD COLUMN endpoint TEXT NOT NULL DEFAULT '';
+CREATE TABLE IF NOT EXISTS placements (
+  job_id TEXT NOT NULL, epoch INTEGER NOT NULL, actor TEXT NOT NULL, proc TEXT NOT NULL,
+  PRIMARY KEY (job_id, epoch, actor));
+)sql";
+
 }  // namespace
 
 const char* job_state_name(JobState s) {
@@ -163,13 +172,16 @@ Status StateStore::migrate() {
     return failed_precondition("state database has schema version {}, newer than this build's {}", version,
                                kSchemaVersion);
   }
-  if (version < 1) {
+  // Each step runs in its own transaction and records the version it reached, so a
+  // database of any older version is brought up to date in order.
+  const char* steps[] = {kSchemaV1, kSchemaV2};
+  for (int v = version + 1; v <= kSchemaVersion; ++v) {
     TROUPE_RETURN_IF_ERROR(exec("BEGIN"));
-    Status s = exec(kSchemaV1);
-    if (s.ok()) s = meta_set("schema_version", "1");
+    Status s = exec(steps[v - 1]);
+    if (s.ok()) s = meta_set("schema_version", std::to_string(v));
     if (!s.ok()) {
       exec("ROLLBACK").ignore();
-      return s;
+      return s.with_context(fmt::format("migrating to schema version {}", v));
     }
     TROUPE_RETURN_IF_ERROR(exec("COMMIT"));
   }
@@ -224,18 +236,19 @@ Result<std::vector<JobRecord>> StateStore::load_jobs() {
 Status StateStore::put_proc(const ProcRecord& p) {
   Stmt st(db_,
           "INSERT OR REPLACE INTO procs (job_id, name, role, rank, epoch, agent_id, slot, pid, state, "
-          "exit_code, term_signal, started_ms, ended_ms) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)");
+          "exit_code, term_signal, started_ms, ended_ms, actor_node, endpoint) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)");
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, p.job_id).text(2, p.name).text(3, p.role).i64(4, p.rank).i64(5, static_cast<int64_t>(p.epoch));
   st.text(6, p.agent_id).i64(7, p.slot).i64(8, p.pid).text(9, proc_state_name(p.state));
   st.i64(10, p.exit_code).i64(11, p.term_signal).i64(12, p.started_ms).i64(13, p.ended_ms);
+  st.text(14, p.actor_node).text(15, p.endpoint);
   return st.run();
 }
 
 Result<std::vector<ProcRecord>> StateStore::load_procs(const std::string& job_id) {
   Stmt st(db_,
           "SELECT job_id, name, role, rank, epoch, agent_id, slot, pid, state, exit_code, term_signal, "
-          "started_ms, ended_ms FROM procs WHERE job_id = ? ORDER BY role, rank");
+          "started_ms, ended_ms, actor_node, endpoint FROM procs WHERE job_id = ? ORDER BY role, rank");
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, job_id);
   std::vector<ProcRecord> out;
@@ -256,7 +269,45 @@ Result<std::vector<ProcRecord>> StateStore::load_procs(const std::string& job_id
     p.term_signal = static_cast<int>(st.col_i64(10));
     p.started_ms = st.col_i64(11);
     p.ended_ms = st.col_i64(12);
+    p.actor_node = st.col_text(13);
+    p.endpoint = st.col_text(14);
     out.push_back(std::move(p));
+  }
+  return out;
+}
+
+Status StateStore::put_placements(const std::string& job_id, uint64_t epoch,
+                                  const std::vector<std::pair<std::string, std::string>>& placements) {
+  TROUPE_RETURN_IF_ERROR(exec("BEGIN"));
+  Status s;
+  {
+    Stmt del(db_, "DELETE FROM placements WHERE job_id = ? AND epoch = ?");
+    s = del.prepared();
+    if (s.ok()) s = del.text(1, job_id).i64(2, static_cast<int64_t>(epoch)).run();
+  }
+  for (const auto& [actor, proc] : placements) {
+    if (!s.ok()) break;
+    Stmt ins(db_, "INSERT INTO placements (job_id, epoch, actor, proc) VALUES (?,?,?,?)");
+    s = ins.prepared();
+    if (s.ok()) s = ins.text(1, job_id).i64(2, static_cast<int64_t>(epoch)).text(3, actor).text(4, proc).run();
+  }
+  if (!s.ok()) {
+    exec("ROLLBACK").ignore();
+    return s;
+  }
+  return exec("COMMIT");
+}
+
+Result<std::vector<std::pair<std::string, std::string>>> StateStore::load_placements(const std::string& job_id,
+                                                                                    uint64_t epoch) {
+  Stmt st(db_, "SELECT actor, proc FROM placements WHERE job_id = ? AND epoch = ? ORDER BY actor");
+  TROUPE_RETURN_IF_ERROR(st.prepared());
+  st.text(1, job_id).i64(2, static_cast<int64_t>(epoch));
+  std::vector<std::pair<std::string, std::string>> out;
+  for (;;) {
+    TROUPE_ASSIGN_OR_RETURN(bool row, st.step());
+    if (!row) break;
+    out.emplace_back(st.col_text(0), st.col_text(1));
   }
   return out;
 }

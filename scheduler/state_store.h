@@ -22,7 +22,7 @@
 
 namespace troupe::sched {
 
-inline constexpr int kSchemaVersion = 1;
+inline constexpr int kSchemaVersion = 2;  // 2: process actor endpoints, actor placements
 
 enum class JobState { kPending, kRunning, kRestarting, kSucceeded, kFailed, kCancelled };
 const char* job_state_name(JobState s);
@@ -63,6 +63,8 @@ struct ProcRecord {
   int term_signal = 0;
   int64_t started_ms = 0;
   int64_t ended_ms = 0;
+  std::string actor_node;      // the process's actor system, once it said hello with one
+  std::string endpoint;
 
   // The exit status the way a shell reports it: exit code, or 128 + signal.
   int exit_status() const { return term_signal ? 128 + term_signal : exit_code; }
@@ -89,6 +91,11 @@ class StateStore {
 
   Status put_proc(const ProcRecord& proc);
   Result<std::vector<ProcRecord>> load_procs(const std::string& job_id);
+
+  // The driver's actor placement of one epoch (actor name -> process name); replaces it.
+  Status put_placements(const std::string& job_id, uint64_t epoch,
+                        const std::vector<std::pair<std::string, std::string>>& placements);
+  Result<std::vector<std::pair<std::string, std::string>>> load_placements(const std::string& job_id, uint64_t epoch);
 
   Status put_agent(const AgentRecord& agent);
   Result<std::vector<AgentRecord>> load_agents();

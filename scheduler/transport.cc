@@ -1,45 +1,74 @@
-// scheduler/transport.cc — ZeroMQ ROUTER/DEALER endpoints, CURVE keys and the ZAP handler.
+// scheduler/transport.cc — the scheduler's endpoints over the actor runtime, key files,
+// and the bare-ZeroMQ connection probe used to explain a failed request.
 #include "scheduler/transport.h"
 
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <zmq.hpp>
 #include <zmq_addon.hpp>
 
 #include <chrono>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <random>
-#include <sstream>
+#include <future>
 
+#include "actors/actor.h"
+#include "actors/actor_system.h"
 #include "core/logging.h"
+
+namespace troupe::sched {
+
+// One scheduler Message as an actor message (the bytes are scheduler/protocol.capnp).
+struct SchedWire {
+  std::string bytes;
+};
+// Local only: "send these bytes to the scheduler as this node's inbox actor".
+struct SchedOutgoing {
+  std::string bytes;
+};
+
+}  // namespace troupe::sched
+
+namespace troupe::actors {
+template <>
+struct MessageTraits<sched::SchedWire> {
+  static constexpr uint64_t kTypeId = sched::kSchedWireTypeId;
+  static std::string encode(const sched::SchedWire& m) { return m.bytes; }
+  static Result<sched::SchedWire> decode(std::string_view b) { return sched::SchedWire{std::string(b)}; }
+};
+template <>
+struct MessageTraits<sched::SchedOutgoing> {
+  static constexpr uint64_t kTypeId = sched::kSchedOutgoingTypeId;
+  static std::string encode(const sched::SchedOutgoing& m) { return m.bytes; }
+  static Result<sched::SchedOutgoing> decode(std::string_view b) { return sched::SchedOutgoing{std::string(b)}; }
+};
+}  // namespace troupe::actors
 
 namespace troupe::sched {
 namespace {
 
-constexpr int kHeartbeatIvlMs = 500;
-constexpr int kHeartbeatTimeoutMs = 3000;
-
 std::shared_ptr<spdlog::logger> log() {
-  static auto l = make_logger("transport");
+  static auto l = make_logger("sched-net");
   return l;
 }
 
-void common_options(zmq::socket_t& s) {
-  s.set(zmq::sockopt::linger, 0);
-  s.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(kMaxMessageBytes));
-  s.set(zmq::sockopt::heartbeat_ivl, kHeartbeatIvlMs);
-  s.set(zmq::sockopt::heartbeat_timeout, kHeartbeatTimeoutMs);
-  s.set(zmq::sockopt::heartbeat_ttl, kHeartbeatTimeoutMs);
+control::TransportOptions transport_options(const std::string& node, const std::string& bind) {
+  control::TransportOptions t;
+  t.node_id = node;
+  t.bind_endpoint = bind;
+  t.heartbeat_interval = std::chrono::milliseconds(500);
+  t.heartbeat_timeout = std::chrono::milliseconds(3000);
+  t.max_message_bytes = kMaxMessageBytes;
+  return t;
 }
 
-std::string trim(const std::string& s) {
-  size_t b = s.find_first_not_of(" \t\r\n\"");
-  size_t e = s.find_last_not_of(" \t\r\n\"");
-  return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
-}
-
-bool valid_z85_key(const std::string& k) {
-  uint8_t raw[32];
-  return k.size() == 40 && zmq_z85_decode(raw, k.c_str()) != nullptr;
+std::string sanitize_node(const std::string& id) {
+  std::string out = id.substr(0, control::kMaxNameBytes);
+  for (char& c : out) {
+    if (c == '/' || c < 32 || c > 126) c = '_';
+  }
+  return out;
 }
 
 }  // namespace
@@ -49,54 +78,18 @@ int64_t wall_ms() {
       .count();
 }
 
-Result<CurveKeyPair> generate_curve_keypair() {
-  char pub[41], sec[41];
-  if (zmq_curve_keypair(pub, sec) != 0) return internal_error("zmq_curve_keypair: {}", zmq_strerror(zmq_errno()));
-  return CurveKeyPair{pub, sec};
-}
+// ------------------------------------------------------------------ keys and addresses
 
-Status write_key_file(const std::string& path, const CurveKeyPair& keys, bool include_secret) {
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    if (!f) return io_error("cannot write key file {}", tmp);
-    f << "# Troupe CURVE key " << (include_secret ? "pair: keep this file private" : "(public part)") << "\n";
-    f << "public-key = \"" << keys.public_key << "\"\n";
-    if (include_secret) f << "secret-key = \"" << keys.secret_key << "\"\n";
-    if (!f.flush()) return io_error("cannot write key file {}", tmp);
-  }
-  std::error_code ec;
-  std::filesystem::permissions(tmp,
-                               include_secret ? std::filesystem::perms::owner_read | std::filesystem::perms::owner_write
-                                              : std::filesystem::perms::owner_read | std::filesystem::perms::owner_write |
-                                                    std::filesystem::perms::group_read |
-                                                    std::filesystem::perms::others_read,
-                               ec);
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) return io_error("cannot rename {} to {}: {}", tmp, path, ec.message());
-  return ok_status();
+Result<CurveKeyPair> generate_curve_keypair() { return control::generate_curve_keypair(); }
+
+Status write_key_files(const std::string& prefix, const CurveKeyPair& keys) {
+  return control::write_curve_key_files(prefix, keys);
 }
 
 Result<CurveKeyPair> read_key_file(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) return not_found("cannot read CURVE key file {}", path);
-  CurveKeyPair k;
-  std::string line;
-  while (std::getline(f, line)) {
-    line = trim(line);
-    if (line.empty() || line[0] == '#') continue;
-    auto eq = line.find('=');
-    if (eq == std::string::npos) return invalid_argument("key file {}: bad line '{}'", path, line);
-    std::string key = trim(line.substr(0, eq)), val = trim(line.substr(eq + 1));
-    if (key == "public-key") k.public_key = val;
-    else if (key == "secret-key") k.secret_key = val;
-    else return invalid_argument("key file {}: unknown entry '{}'", path, key);
-  }
-  if (!valid_z85_key(k.public_key)) return invalid_argument("key file {}: no valid public-key (40 Z85 chars)", path);
-  if (!k.secret_key.empty() && !valid_z85_key(k.secret_key)) {
-    return invalid_argument("key file {}: secret-key is not 40 Z85 chars", path);
-  }
-  return k;
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return not_found("CURVE key file {} does not exist", path);
+  return control::read_curve_key_file(path);
 }
 
 Result<std::vector<std::string>> read_public_keys(const std::vector<std::string>& paths) {
@@ -130,269 +123,291 @@ Result<std::string> normalize_endpoint(const std::string& addr) {
   if (colon == std::string::npos || colon == 0 || colon + 1 == addr.size()) {
     return invalid_argument("address '{}': expected HOST:PORT or tcp://HOST:PORT", addr);
   }
-  for (size_t i = colon + 1; i < addr.size(); ++i) {
-    if (addr[i] < '0' || addr[i] > '9') {
-      if (addr.substr(colon + 1) == "*") break;
-      return invalid_argument("address '{}': port '{}' is not a number", addr, addr.substr(colon + 1));
-    }
+  std::string port = addr.substr(colon + 1);
+  if (port != "*" && port.find_first_not_of("0123456789") != std::string::npos) {
+    return invalid_argument("address '{}': port '{}' is not a number", addr, port);
   }
   return "tcp://" + addr;
 }
 
-// ---------------------------------------------------------------- ServerEndpoint
+// ------------------------------------------------------------------ MessageQueue
+
+MessageQueue::MessageQueue() { fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK); }
+MessageQueue::~MessageQueue() {
+  if (fd_ >= 0) close(fd_);
+}
+
+void MessageQueue::push(Incoming in) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    q_.push_back(std::move(in));
+  }
+  cv_.notify_one();
+  uint64_t one = 1;
+  ssize_t n = write(fd_, &one, sizeof(one));
+  (void)n;
+}
+
+std::vector<Incoming> MessageQueue::take(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (timeout.count() > 0) cv_.wait_for(lk, timeout, [&] { return !q_.empty(); });
+  std::vector<Incoming> out(std::make_move_iterator(q_.begin()), std::make_move_iterator(q_.end()));
+  q_.clear();
+  uint64_t drain;
+  ssize_t n = read(fd_, &drain, sizeof(drain));  // empty now: clear readability
+  (void)n;
+  return out;
+}
+
+// ------------------------------------------------------------------ ServerEndpoint
+
+struct ServerEndpoint::Shared {
+  MessageQueue queue;
+  std::mutex mu;
+  std::map<std::string, actors::ResponsePromise> asks;  // "ask:<n>" -> the asker's promise
+  uint64_t next_ask = 0;
+};
+
+namespace {
+
+// The scheduler's inbox: every message becomes an Incoming for the scheduler's loop;
+// an ask leaves its promise behind, to be fulfilled by ServerEndpoint::send.
+class ServerInbox final : public actors::Actor {
+ public:
+  explicit ServerInbox(std::shared_ptr<ServerEndpoint::Shared> s) : s_(std::move(s)) {
+    handle<SchedWire>([this](const SchedWire& w, const actors::MessageContext& ctx) -> Status {
+      auto m = decode_message(w.bytes.data(), w.bytes.size());
+      if (!m.ok()) {
+        log()->warn("dropped a message from {}: {}", ctx.sender().to_string(), m.status().to_string());
+        return m.status();
+      }
+      std::string peer;
+      if (ctx.is_ask()) {
+        std::lock_guard<std::mutex> lk(s_->mu);
+        peer = fmt::format("ask:{}", ++s_->next_ask);
+        s_->asks.emplace(peer, make_response_promise());
+      } else if (ctx.sender().valid()) {
+        peer = ctx.sender().to_string();
+      }
+      s_->queue.push(Incoming{std::move(peer), std::move(m).value()});
+      return ok_status();
+    });
+  }
+
+ private:
+  std::shared_ptr<ServerEndpoint::Shared> s_;
+};
+
+class ClientInbox final : public actors::Actor {
+ public:
+  ClientInbox(std::shared_ptr<MessageQueue> q, actors::ActorRef scheduler) : q_(std::move(q)), scheduler_(std::move(scheduler)) {
+    handle<SchedWire>([this](const SchedWire& w) {
+      auto m = decode_message(w.bytes.data(), w.bytes.size());
+      if (!m.ok()) {
+        log()->warn("dropped a message from the scheduler: {}", m.status().to_string());
+        return;
+      }
+      q_->push(Incoming{"", std::move(m).value()});
+    });
+    handle<SchedOutgoing>([this](const SchedOutgoing& o) { tell(scheduler_, SchedWire{o.bytes}); });
+  }
+
+ private:
+  std::shared_ptr<MessageQueue> q_;
+  actors::ActorRef scheduler_;
+};
+
+}  // namespace
 
 Result<std::unique_ptr<ServerEndpoint>> ServerEndpoint::bind(const std::string& endpoint, const ServerSecurity& sec) {
   std::unique_ptr<ServerEndpoint> s(new ServerEndpoint());
-  try {
-    if (sec.server_keys) {
-      if (sec.allowed_client_keys.empty()) {
-        return invalid_argument("CURVE is configured but no client key is allowed (--allow-keys)");
-      }
-      // The ZAP handler must be bound before any peer connects.
-      s->zap_.emplace(s->ctx_, zmq::socket_type::rep);
-      s->zap_->set(zmq::sockopt::linger, 0);
-      s->zap_->bind("inproc://zeromq.zap.01");
-      s->allowed_.insert(sec.allowed_client_keys.begin(), sec.allowed_client_keys.end());
-    }
-    s->router_.emplace(s->ctx_, zmq::socket_type::router);
-    auto& r = *s->router_;
-    common_options(r);
-    r.set(zmq::sockopt::router_mandatory, true);
-    r.set(zmq::sockopt::router_handover, true);
-    r.set(zmq::sockopt::sndhwm, 10000);
-    r.set(zmq::sockopt::rcvhwm, 10000);
-    if (sec.server_keys) {
-      r.set(zmq::sockopt::curve_server, true);
-      r.set(zmq::sockopt::curve_secretkey, sec.server_keys->secret_key);
-      r.set(zmq::sockopt::zap_domain, std::string("troupe"));
-    }
-    std::string ep = endpoint;
-    // "tcp://host:0" means "any free port" (zmq spells it '*').
-    if (ep.size() > 2 && ep.compare(ep.size() - 2, 2, ":0") == 0 && ep.rfind("tcp://", 0) == 0) {
-      ep = ep.substr(0, ep.size() - 1) + "*";
-    }
-    r.bind(ep);
-    s->bound_ = r.get(zmq::sockopt::last_endpoint);
-  } catch (const zmq::error_t& e) {
-    return unavailable("cannot bind {}: {}", endpoint, e.what());
+  s->shared_ = std::make_shared<Shared>();
+  std::string ep = endpoint;
+  if (ep.size() > 2 && ep.compare(ep.size() - 2, 2, ":0") == 0 && ep.rfind("tcp://", 0) == 0) {
+    ep = ep.substr(0, ep.size() - 1) + "*";  // "any free port"
   }
+  actors::ActorSystemOptions o;
+  o.node_id = kSchedulerNode;
+  o.threads = 1;
+  o.network = transport_options(kSchedulerNode, ep);
+  if (sec.server_keys) {
+    if (sec.allowed_client_keys.empty()) {
+      return invalid_argument("CURVE is configured but no client key is allowed (--allow-keys)");
+    }
+    o.network->curve.own = *sec.server_keys;
+    o.network->curve.allowed_client_keys.insert(sec.allowed_client_keys.begin(), sec.allowed_client_keys.end());
+    o.network->allow_non_loopback = true;
+  } else {
+    o.network->allow_non_loopback = sec.allow_insecure_non_loopback;
+  }
+  auto sys = actors::ActorSystem::create(std::move(o));
+  if (!sys.ok()) return sys.status().with_context(fmt::format("cannot listen on {}", endpoint));
+  s->system_ = std::move(sys).value();
+  auto inbox = s->system_->spawn<ServerInbox>(kSchedulerActor, s->shared_);
+  if (!inbox.ok()) return inbox.status();
+  s->bound_ = s->system_->endpoint();
   return s;
 }
 
 ServerEndpoint::~ServerEndpoint() {
-  router_.reset();
-  zap_.reset();
-  ctx_.close();
+  if (system_) system_->shutdown();
+  std::lock_guard<std::mutex> lk(shared_->mu);
+  for (auto& [peer, p] : shared_->asks) p.fail(cancelled("the scheduler is shutting down"));
+  shared_->asks.clear();
 }
 
-void ServerEndpoint::serve_zap() {
-  std::vector<zmq::message_t> frames;
-  if (!zmq::recv_multipart(*zap_, std::back_inserter(frames), zmq::recv_flags::dontwait)) return;
-  // [version, request id, domain, address, routing id, mechanism, client key...]
-  std::string status = "400", text = "key not allowed";
-  std::string user;
-  if (frames.size() >= 7 && frames[5].to_string() == "CURVE" && frames[6].size() == 32) {
-    char z85[41];
-    zmq_z85_encode(z85, static_cast<const uint8_t*>(frames[6].data()), 32);
-    if (allowed_.count(z85)) {
-      status = "200";
-      text = "OK";
-      user = z85;
-    } else {
-      ++refused_;
-      log()->warn("refused a client with CURVE key {} from {}", z85, frames[3].to_string());
-    }
-  } else {
-    ++refused_;
-    log()->warn("refused a client without a CURVE key");
-  }
-  std::string version = frames.size() > 0 ? frames[0].to_string() : std::string("1.0");
-  std::string req = frames.size() > 1 ? frames[1].to_string() : std::string();
-  std::string empty;
-  std::vector<zmq::const_buffer> out = {zmq::buffer(version), zmq::buffer(req), zmq::buffer(status),
-                                        zmq::buffer(text), zmq::buffer(user), zmq::buffer(empty)};
-  zmq::send_multipart(*zap_, out);
-}
-
-std::vector<Incoming> ServerEndpoint::poll(std::chrono::milliseconds timeout) {
-  std::vector<Incoming> out;
-  zmq::pollitem_t items[2] = {{router_->handle(), 0, ZMQ_POLLIN, 0},
-                              {zap_ ? zap_->handle() : nullptr, 0, ZMQ_POLLIN, 0}};
-  int n = zap_ ? 2 : 1;
-  try {
-    zmq::poll(items, n, timeout);
-    if (n == 2 && (items[1].revents & ZMQ_POLLIN)) serve_zap();
-    // Drain what is queued, bounded so timers still run under a flood.
-    for (int i = 0; i < 1000; ++i) {
-      std::vector<zmq::message_t> frames;
-      auto got = zmq::recv_multipart(*router_, std::back_inserter(frames), zmq::recv_flags::dontwait);
-      if (!got) break;
-      if (frames.size() != 2) {
-        ++dropped_;
-        log()->warn("dropped a message of {} frames (expected 2)", frames.size());
-        continue;
-      }
-      auto msg = decode_message(frames[1].data(), frames[1].size());
-      if (!msg.ok()) {
-        ++dropped_;
-        log()->warn("dropped a message from peer {}: {}", frames[0].size(), msg.status().to_string());
-        continue;
-      }
-      out.push_back(Incoming{frames[0].to_string(), std::move(msg).value()});
-    }
-  } catch (const zmq::error_t& e) {
-    log()->error("server poll: {}", e.what());
-  }
-  return out;
-}
+std::vector<Incoming> ServerEndpoint::poll(std::chrono::milliseconds timeout) { return shared_->queue.take(timeout); }
 
 bool ServerEndpoint::send(const std::string& peer, const Message& msg) {
-  std::string body = encode_message(msg);
-  try {
-    if (!router_->send(zmq::buffer(peer), zmq::send_flags::sndmore | zmq::send_flags::dontwait)) return false;
-    return router_->send(zmq::buffer(body), zmq::send_flags::dontwait).has_value();
-  } catch (const zmq::error_t& e) {
-    // EHOSTUNREACH: the peer disconnected; the caller decides what that means.
-    return false;
+  SchedWire w{encode_message(msg)};
+  if (peer.rfind("ask:", 0) == 0) {
+    actors::ResponsePromise p;
+    {
+      std::lock_guard<std::mutex> lk(shared_->mu);
+      auto it = shared_->asks.find(peer);
+      if (it == shared_->asks.end()) return false;  // answered already
+      p = std::move(it->second);
+      shared_->asks.erase(it);
+    }
+    p.deliver(w);
+    return true;
   }
+  auto ref = actors::ActorRef::parse(peer);
+  if (!ref.ok()) return false;
+  Status s = system_->tell(*ref, w);
+  if (!s.ok()) log()->debug("send to {}: {}", peer, s.to_string());
+  return s.ok();
 }
 
-// ---------------------------------------------------------------- ClientEndpoint
+// ------------------------------------------------------------------ ClientEndpoint
 
-Result<std::unique_ptr<ClientEndpoint>> ClientEndpoint::connect(const std::string& endpoint,
-                                                                const ClientSecurity& sec,
+Result<std::unique_ptr<ClientEndpoint>> ClientEndpoint::connect(const std::string& endpoint, const ClientSecurity& sec,
                                                                 const std::string& identity) {
   std::unique_ptr<ClientEndpoint> c(new ClientEndpoint());
   c->endpoint_ = endpoint;
-  try {
-    c->sock_.emplace(c->ctx_, zmq::socket_type::dealer);
-    auto& s = *c->sock_;
-    common_options(s);
-    s.set(zmq::sockopt::routing_id, identity);
-    s.set(zmq::sockopt::reconnect_ivl, 100);
-    s.set(zmq::sockopt::reconnect_ivl_max, 1000);
-    s.set(zmq::sockopt::sndhwm, 10000);
-    if (!sec.server_public_key.empty()) {
-      if (!sec.client_keys || sec.client_keys->secret_key.empty()) {
-        return invalid_argument("the scheduler uses CURVE: a client key pair (--curve-key) is needed");
-      }
-      s.set(zmq::sockopt::curve_serverkey, sec.server_public_key);
-      s.set(zmq::sockopt::curve_publickey, sec.client_keys->public_key);
-      s.set(zmq::sockopt::curve_secretkey, sec.client_keys->secret_key);
+  c->sec_ = sec;
+  c->node_ = sanitize_node(identity);
+  c->inbox_ = std::make_shared<MessageQueue>();
+  actors::ActorSystemOptions o;
+  o.node_id = c->node_;
+  o.threads = 1;
+  o.network = transport_options(c->node_, "");  // connect-only
+  if (!sec.server_public_key.empty()) {
+    if (!sec.client_keys || sec.client_keys->secret_key.empty()) {
+      return invalid_argument("the scheduler uses CURVE: a client key pair (--curve-key) is needed");
     }
-    std::string mon = fmt::format("inproc://troupe-monitor-{}", static_cast<const void*>(c.get()));
-    if (zmq_socket_monitor(s.handle(), mon.c_str(),
-                           ZMQ_EVENT_CONNECTED | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
-                               ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
-                               ZMQ_EVENT_HANDSHAKE_SUCCEEDED) == 0) {
-      c->monitor_.emplace(c->ctx_, zmq::socket_type::pair);
-      c->monitor_->set(zmq::sockopt::linger, 0);
-      c->monitor_->connect(mon);
-    }
-    s.connect(endpoint);
-  } catch (const zmq::error_t& e) {
-    return invalid_argument("cannot connect to '{}': {}", endpoint, e.what());
+    o.network->curve.own = *sec.client_keys;
   }
+  auto sys = actors::ActorSystem::create(std::move(o));
+  if (!sys.ok()) return sys.status();
+  c->system_ = std::move(sys).value();
+  Status st = c->system_->connect(kSchedulerNode, endpoint, sec.server_public_key);
+  if (!st.ok()) return invalid_argument("cannot connect to '{}': {}", endpoint, st.message());
+  auto inbox = c->system_->spawn<ClientInbox>("inbox", c->inbox_, actors::ActorRef(kSchedulerNode, kSchedulerActor));
+  if (!inbox.ok()) return inbox.status();
   return c;
 }
 
 ClientEndpoint::~ClientEndpoint() {
-  if (sock_) zmq_socket_monitor(sock_->handle(), nullptr, 0);
-  monitor_.reset();
-  sock_.reset();
-  ctx_.close();
+  if (system_) system_->shutdown();
 }
 
-void ClientEndpoint::drain_monitor() {
-  if (!monitor_) return;
-  for (;;) {
-    std::vector<zmq::message_t> frames;
-    try {
-      if (!zmq::recv_multipart(*monitor_, std::back_inserter(frames), zmq::recv_flags::dontwait)) return;
-    } catch (const zmq::error_t&) {
-      return;
-    }
-    if (frames.empty() || frames[0].size() < 2) continue;
-    uint16_t event;
-    std::memcpy(&event, frames[0].data(), 2);
-    if (event == ZMQ_EVENT_CONNECTED) connected_ = true;
-    if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) auth_refused_ = false;
-    if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH || event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ||
-        event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) {
-      auth_refused_ = true;
-    }
-  }
-}
-
-bool ClientEndpoint::auth_refused() {
-  drain_monitor();
-  return auth_refused_;
-}
-
-bool ClientEndpoint::ever_connected() {
-  drain_monitor();
-  return connected_;
-}
+int ClientEndpoint::wake_fd() const { return inbox_->fd(); }
 
 bool ClientEndpoint::send(const Message& msg) {
-  std::string body = encode_message(msg);
-  try {
-    return sock_->send(zmq::buffer(body), zmq::send_flags::dontwait).has_value();
-  } catch (const zmq::error_t&) {
-    return false;
-  }
+  return system_->tell(actors::ActorRef(node_, "inbox"), SchedOutgoing{encode_message(msg)}).ok();
 }
 
 std::optional<Message> ClientEndpoint::receive(std::chrono::milliseconds timeout) {
-  auto deadline = std::chrono::steady_clock::now() + timeout;
-  for (;;) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    if (left.count() < 0) left = std::chrono::milliseconds(0);
-    zmq::pollitem_t item{sock_->handle(), 0, ZMQ_POLLIN, 0};
-    try {
-      zmq::poll(&item, 1, left);
-      if (item.revents & ZMQ_POLLIN) {
-        zmq::message_t m;
-        if (sock_->recv(m, zmq::recv_flags::dontwait)) {
-          auto msg = decode_message(m.data(), m.size());
-          if (msg.ok()) return std::move(msg).value();
-          log()->warn("dropped a message from the scheduler: {}", msg.status().to_string());
-          continue;
-        }
-      }
-    } catch (const zmq::error_t& e) {
-      log()->error("client receive: {}", e.what());
-      return std::nullopt;
-    }
-    if (std::chrono::steady_clock::now() >= deadline) return std::nullopt;
-  }
+  // One at a time: put back what take() returned beyond the first.
+  auto got = inbox_->take(timeout);
+  if (got.empty()) return std::nullopt;
+  for (size_t i = 1; i < got.size(); ++i) inbox_->push(std::move(got[i]));
+  return std::move(got[0].msg);
 }
 
 Result<Reply> ClientEndpoint::request(Payload payload, std::chrono::milliseconds timeout) {
   Message m{next_request_++, std::move(payload)};
-  auto deadline = std::chrono::steady_clock::now() + timeout;
-  bool sent = false;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (auth_refused()) {
-      return permission_denied("the scheduler at {} refused this client's CURVE key (wrong --curve-key, or "
-                               "the key is not in its allow-list)", endpoint_);
+  auto fut = system_->ask<SchedWire>(actors::ActorRef(kSchedulerNode, kSchedulerActor), SchedWire{encode_message(m)},
+                                     std::chrono::duration_cast<actors::Duration>(timeout));
+  if (fut.wait_for(timeout + std::chrono::seconds(2)) != std::future_status::ready) {
+    return diagnose(timeout, deadline_exceeded("no answer"));
+  }
+  auto r = fut.get();
+  if (!r.ok()) {
+    if (r.status().code() == StatusCode::kDeadlineExceeded || r.status().code() == StatusCode::kUnavailable) {
+      return diagnose(timeout, r.status());
     }
-    // A DEALER queues a message before the connection exists, so one send is enough.
-    if (!sent) sent = send(m);
-    auto got = receive(std::chrono::milliseconds(50));
-    if (!got) continue;
-    if (auto* r = std::get_if<Reply>(&got->payload); r && got->request_id == m.request_id) return *r;
+    return r.status();
   }
-  if (auth_refused()) {
-    return permission_denied("the scheduler at {} refused this client's CURVE key", endpoint_);
-  }
-  if (!ever_connected()) {
+  auto msg = decode_message(r->bytes.data(), r->bytes.size());
+  if (!msg.ok()) return msg.status();
+  auto* rep = std::get_if<Reply>(&msg->payload);
+  if (!rep) return internal_error("the scheduler answered with a {} message", payload_name(msg->payload));
+  return *rep;
+}
+
+Status ClientEndpoint::diagnose(std::chrono::milliseconds timeout, const Status& original) {
+  Status probe = probe_connection(endpoint_, sec_, std::min(timeout, std::chrono::milliseconds(2000)));
+  if (probe.code() == StatusCode::kPermissionDenied) return probe;
+  if (probe.code() == StatusCode::kUnavailable) {
     return unavailable("cannot reach a scheduler at {} (nothing accepted the connection within {} ms)", endpoint_,
                        timeout.count());
   }
-  return unavailable("the scheduler at {} did not answer within {} ms (is it a Troupe scheduler? does it use "
-                     "CURVE while this client does not?)",
-                     endpoint_, timeout.count());
+  return unavailable("the scheduler at {} did not answer within {} ms ({})", endpoint_, timeout.count(),
+                     original.message());
+}
+
+Status probe_connection(const std::string& endpoint, const ClientSecurity& sec, std::chrono::milliseconds timeout) {
+  try {
+    zmq::context_t ctx(1);
+    zmq::socket_t s(ctx, zmq::socket_type::dealer);
+    s.set(zmq::sockopt::linger, 0);
+    if (!sec.server_public_key.empty() && sec.client_keys) {
+      s.set(zmq::sockopt::curve_serverkey, sec.server_public_key);
+      s.set(zmq::sockopt::curve_publickey, sec.client_keys->public_key);
+      s.set(zmq::sockopt::curve_secretkey, sec.client_keys->secret_key);
+    }
+    std::string mon = fmt::format("inproc://troupe-probe-{}", static_cast<const void*>(&s));
+    zmq_socket_monitor(s.handle(), mon.c_str(),
+                       ZMQ_EVENT_CONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
+                           ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL);
+    zmq::socket_t m(ctx, zmq::socket_type::pair);
+    m.set(zmq::sockopt::linger, 0);
+    m.connect(mon);
+    s.connect(endpoint);
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    bool connected = false;
+    Status result = unavailable("no connection to {}", endpoint);
+    while (std::chrono::steady_clock::now() < deadline) {
+      zmq::pollitem_t item{m.handle(), 0, ZMQ_POLLIN, 0};
+      zmq::poll(&item, 1, std::chrono::milliseconds(20));
+      if (!(item.revents & ZMQ_POLLIN)) continue;
+      std::vector<zmq::message_t> frames;
+      if (!zmq::recv_multipart(m, std::back_inserter(frames))) continue;
+      if (frames.empty() || frames[0].size() < 2) continue;
+      uint16_t ev;
+      std::memcpy(&ev, frames[0].data(), 2);
+      if (ev == ZMQ_EVENT_CONNECTED) connected = true;
+      if (ev == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
+        result = ok_status();
+        break;
+      }
+      if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH || ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ||
+          ev == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) {
+        result = permission_denied(
+            "the scheduler at {} refused this client's credentials ({}: wrong --curve-key / --scheduler-key, "
+            "or the key is not in its allow-list)",
+            endpoint, sec.server_public_key.empty() ? "it requires CURVE" : "CURVE handshake failed");
+        break;
+      }
+    }
+    if (connected && result.code() == StatusCode::kUnavailable) result = deadline_exceeded("connected, no handshake");
+    zmq_socket_monitor(s.handle(), nullptr, 0);
+    return result;
+  } catch (const zmq::error_t& e) {
+    return invalid_argument("cannot connect to '{}': {}", endpoint, e.what());
+  }
 }
 
 }  // namespace troupe::sched

@@ -1,38 +1,53 @@
-// scheduler/transport.h — defines the scheduler's control-plane endpoints over ZeroMQ:
-// ServerEndpoint (ROUTER, bound by troupe-scheduler; CURVE with an allow-list of client
-// keys checked by a ZAP handler when keys are configured), ClientEndpoint (DEALER used by
-// agents, job processes and the CLI, with request/reply under a deadline and a clear
-// error for an unreachable or refusing scheduler), CURVE key pairs and their files, and
+// scheduler/transport.h — defines the scheduler's control-plane endpoints on top of the
+// actor runtime (actors/actor_system.h over comm/control): ServerEndpoint (the
+// scheduler's node "scheduler" with its inbox actor "scheduler") and ClientEndpoint (a
+// node per agent, job process or CLI, with an inbox actor), CURVE key files (the
+// comm/control format that troupe-keygen and `troupe keygen` write), and
 // normalize_endpoint ("host:port" -> "tcp://host:port").
 //
-// Framing: a DEALER sends one frame (an encoded Message); the ROUTER sees [peer id, frame].
-// Every socket has linger=0, a message size limit and ZMTP heartbeats. Sockets are not
-// thread-safe: each endpoint belongs to the thread that created it.
+// Every scheduler message (scheduler/protocol.h, Cap'n Proto encoded) travels as one
+// actor message of type kSchedWireTypeId. Client requests are actor asks with deadlines
+// (the scheduler may answer later, e.g. a rendezvous wait); agent traffic is tells
+// between the two inbox actors. The transport gives loopback-by-default, CURVE with a
+// ZAP allow-list, size limits and reconnection; the scheduler keeps its own per-process
+// heartbeats on top (ProcBeat, AgentHeartbeat) because their timeouts are per job.
+//
+// Threads: messages arrive on actor threads and are queued; poll()/receive() hand them to
+// the owner's thread. send()/request() may be called from the owner's thread.
 #pragma once
 
-#include <zmq.hpp>
-
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
+#include "comm/control/curve.h"
 #include "core/status.h"
 #include "scheduler/protocol.h"
 
+namespace troupe::actors {
+class ActorSystem;
+class ResponsePromise;
+class ActorRef;
+}  // namespace troupe::actors
+
 namespace troupe::sched {
 
-struct CurveKeyPair {
-  std::string public_key;  // 40-char Z85
-  std::string secret_key;
-};
+inline constexpr uint64_t kSchedWireTypeId = 0x5C4E'0000'0000'0001ULL;      // a Message
+inline constexpr uint64_t kSchedOutgoingTypeId = 0x5C4E'0000'0000'0002ULL;  // local: send it as me
+inline constexpr const char* kSchedulerNode = "scheduler";
+inline constexpr const char* kSchedulerActor = "scheduler";
+
+using CurveKeyPair = control::CurveKeyPair;
 
 Result<CurveKeyPair> generate_curve_keypair();
-// Key files: "public-key = <z85>" and "secret-key = <z85>" lines; '#' starts a comment.
-// A public-only file (no secret line) is what a peer's allow-list or server key needs.
-Status write_key_file(const std::string& path, const CurveKeyPair& keys, bool include_secret);
+// Writes <prefix>.key (both halves, mode 0600) and <prefix>.pub (comm/control format).
+Status write_key_files(const std::string& prefix, const CurveKeyPair& keys);
 Result<CurveKeyPair> read_key_file(const std::string& path);
 // Reads public keys from each path: a key file or a directory of *.pub / *.key files.
 Result<std::vector<std::string>> read_public_keys(const std::vector<std::string>& paths);
@@ -41,8 +56,9 @@ Result<std::vector<std::string>> read_public_keys(const std::vector<std::string>
 Result<std::string> normalize_endpoint(const std::string& addr);
 
 struct ServerSecurity {
-  std::optional<CurveKeyPair> server_keys;        // unset: plain TCP (loopback only by default)
+  std::optional<CurveKeyPair> server_keys;        // unset: plain TCP, loopback only
   std::vector<std::string> allowed_client_keys;   // public keys; required when server_keys set
+  bool allow_insecure_non_loopback = false;       // bind a non-loopback address without CURVE
 };
 
 struct ClientSecurity {
@@ -51,8 +67,26 @@ struct ClientSecurity {
 };
 
 struct Incoming {
-  std::string peer;   // ROUTER routing id of the sender
+  std::string peer;   // where a reply goes: an actor ref "node/inbox", or a pending ask
   Message msg;
+};
+
+// A thread-safe queue of messages with an eventfd that is readable while it is non-empty
+// (for poll() loops that also watch other fds).
+class MessageQueue {
+ public:
+  MessageQueue();
+  ~MessageQueue();
+  void push(Incoming in);
+  // Waits up to `timeout` for the first message, then takes everything queued.
+  std::vector<Incoming> take(std::chrono::milliseconds timeout);
+  int fd() const { return fd_; }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Incoming> q_;
+  int fd_ = -1;
 };
 
 class ServerEndpoint {
@@ -61,63 +95,59 @@ class ServerEndpoint {
   static Result<std::unique_ptr<ServerEndpoint>> bind(const std::string& endpoint, const ServerSecurity& sec);
   ~ServerEndpoint();
 
-  // Waits up to `timeout` for traffic, serves ZAP requests, and returns the decoded
-  // messages that arrived. Malformed messages are logged and dropped.
+  // Waits up to `timeout` for messages and returns those that arrived.
   std::vector<Incoming> poll(std::chrono::milliseconds timeout);
-  // False when the peer is gone (EHOSTUNREACH) or its queue is full.
+  // Sends to an Incoming's peer. A reply to an ask is delivered once; later sends to the
+  // same peer are dropped. False when the message could not be handed to the transport.
   bool send(const std::string& peer, const Message& msg);
 
   const std::string& bound_endpoint() const { return bound_; }
-  uint64_t dropped_messages() const { return dropped_; }
-  uint64_t refused_clients() const { return refused_; }
+
+  struct Shared;  // state shared with the inbox actor
 
  private:
   ServerEndpoint() = default;
-  void serve_zap();
-
-  zmq::context_t ctx_{1};
-  std::optional<zmq::socket_t> router_;
-  std::optional<zmq::socket_t> zap_;
-  std::set<std::string> allowed_;
+  std::shared_ptr<Shared> shared_;
+  std::unique_ptr<actors::ActorSystem> system_;
   std::string bound_;
-  uint64_t dropped_ = 0;
-  uint64_t refused_ = 0;
 };
 
 class ClientEndpoint {
  public:
-  // Connects (asynchronously) to `endpoint`; `identity` becomes the routing id (a stable
-  // one lets a restarted peer take over its old connection).
+  // Connects (asynchronously) to the scheduler at `endpoint`; `identity` becomes this
+  // node's id (unique per process and role; '/' is replaced).
   static Result<std::unique_ptr<ClientEndpoint>> connect(const std::string& endpoint, const ClientSecurity& sec,
                                                          const std::string& identity);
   ~ClientEndpoint();
 
+  // Tells the scheduler `msg` (from this node's inbox, so it can answer with a tell).
   bool send(const Message& msg);
-  // Receives one message within `timeout` (nullopt on timeout; bad frames are dropped).
+  // Receives one message within `timeout` (nullopt on timeout).
   std::optional<Message> receive(std::chrono::milliseconds timeout);
-  // Sends `payload` with a fresh request id and waits for the Reply carrying that id;
-  // other messages arriving meanwhile are dropped. Errors: kPermissionDenied when the
-  // scheduler refuses our key, kUnavailable when nothing answered before the deadline.
+  // Readable while receive() has something: for poll() loops.
+  int wake_fd() const;
+  // Asks the scheduler and waits for its Reply. Errors: kPermissionDenied when the
+  // scheduler refuses our CURVE key, kUnavailable when nothing answered in time.
   Result<Reply> request(Payload payload, std::chrono::milliseconds timeout);
 
-  // Polls the socket monitor: true once a CURVE handshake was refused.
-  bool auth_refused();
-  bool ever_connected();
   const std::string& endpoint() const { return endpoint_; }
-  zmq::socket_t& socket() { return *sock_; }
 
  private:
   ClientEndpoint() = default;
-  void drain_monitor();
+  Status diagnose(std::chrono::milliseconds timeout, const Status& original);
 
-  zmq::context_t ctx_{1};
-  std::optional<zmq::socket_t> sock_;
-  std::optional<zmq::socket_t> monitor_;
+  std::shared_ptr<MessageQueue> inbox_;
+  std::unique_ptr<actors::ActorSystem> system_;
   std::string endpoint_;
+  std::string node_;
+  ClientSecurity sec_;
   uint64_t next_request_ = 1;
-  bool auth_refused_ = false;
-  bool connected_ = false;
 };
+
+// Opens a bare ZeroMQ connection with `sec` and watches the handshake: Ok when it
+// succeeds, kPermissionDenied when the server refuses the key or mechanism, kUnavailable
+// when no connection could be made within `timeout`.
+Status probe_connection(const std::string& endpoint, const ClientSecurity& sec, std::chrono::milliseconds timeout);
 
 int64_t wall_ms();  // milliseconds since the Unix epoch
 

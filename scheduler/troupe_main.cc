@@ -10,6 +10,7 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "core/logging.h"
 #include "scheduler/cli.h"
@@ -26,13 +27,13 @@ struct SpecFlags {
 };
 
 void add_spec_options(CLI::App* cmd, SpecFlags& f) {
-  cmd->add_option("--nproc,-n", f.spec.nproc, "Number of worker processes")->required()->check(CLI::PositiveNumber);
+  cmd->add_option("--nproc,-n", f.spec.nproc, "Number of worker processes")->required()->check(CLI::Range(1, 100000));
   cmd->add_option("--backend", f.spec.backend, "cpu or cuda (cuda: one GPU per worker)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--max-restarts", f.spec.max_restarts, "Restarts of the job's workers after a failure")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, 1000000));
   cmd->add_option("--max-driver-restarts", f.spec.max_driver_restarts, "Restarts of a driver that dies")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, 1000000));
   cmd->add_option("--layout", f.spec.layout, "Parallel layout pp=P,dp=D,n=N (n workers share a node)");
   cmd->add_option("--name", f.spec.name, "A name for the job");
   cmd->add_option("--env,-e", f.env, "KEY=VALUE added to every process's environment");
@@ -69,13 +70,16 @@ void add_connection(CLI::App* cmd, CliConnection& c) {
   cmd->add_option("--scheduler,-s", c.scheduler, "Scheduler address HOST:PORT (default $TROUPE_SCHEDULER or 127.0.0.1:7460)");
   cmd->add_option("--curve-key", c.curve_key, "This client's CURVE key pair file (troupe keygen)");
   cmd->add_option("--scheduler-key", c.scheduler_key, "The scheduler's public key file: turns CURVE on");
-  cmd->add_option("--timeout-ms", c.timeout_ms, "How long to wait for the scheduler")->check(CLI::PositiveNumber);
+  cmd->add_option("--timeout-ms", c.timeout_ms, "How long to wait for the scheduler")->check(CLI::Range(1, 3600000));
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   troupe::init_logging(troupe::LoggingOptions{"troupe", "", spdlog::level::warn});
+  // The CLI reports connection problems itself, in one line; the transport's own
+  // warnings (peer down, reconnecting) would only repeat them.
+  if (!std::getenv("SPDLOG_LEVEL")) troupe::make_logger("control")->set_level(spdlog::level::err);
   CLI::App app{"troupe: run and manage Troupe jobs"};
   app.require_subcommand(1);
 
@@ -109,7 +113,7 @@ int main(int argc, char** argv) {
   bool logs_follow = false, logs_driver = false;
   auto* logs = app.add_subcommand("logs", "Print a job process's output (default: the driver)");
   logs->add_option("job", logs_job, "Job id")->required();
-  auto* w = logs->add_option("--worker,-w", logs_worker, "Worker rank")->check(CLI::NonNegativeNumber);
+  auto* w = logs->add_option("--worker,-w", logs_worker, "Worker rank")->check(CLI::Range(0, 1000000));
   auto* d = logs->add_flag("--driver", logs_driver, "The driver's output");
   w->excludes(d);
   logs->add_flag("--follow,-f", logs_follow, "Keep printing until the job ends");
@@ -141,7 +145,8 @@ int main(int argc, char** argv) {
   try {
     app.parse(our_argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    int rc = app.exit(e);  // prints the message (or the help)
+    return rc == 0 ? 0 : 2;
   }
 
   if (run->parsed()) {

@@ -137,7 +137,7 @@ TEST(Cluster, StoppedWorkerIsDetectedWithinTheHeartbeatTimeout) {
               static_cast<long long>(detect_ms), timeout_ms);
   // Its last beat came at most one beat interval (timeout/6) before the stop.
   EXPECT_GE(detect_ms, timeout_ms - timeout_ms / 6 - 50);
-  EXPECT_LT(detect_ms, timeout_ms + 500);
+  EXPECT_LT(detect_ms, timeout_ms + 1000);  // issue 9's target: <= heartbeat timeout + 1 s
   ASSERT_TRUE(c.wait_state(job, "succeeded", seconds(20))) << c.logs_of_daemons();
   EXPECT_FALSE(pid_alive(victim)) << "the stopped worker was not killed";
 }
@@ -202,6 +202,24 @@ TEST(Cluster, KilledDriverIsRestartedAndReattachesToItsWorkers) {
   for (int r = 0; r < 4; ++r) {
     EXPECT_EQ(c.proc(job, fmt::format("worker-{}", r))["pid"].get<int>(), worker_pids[static_cast<size_t>(r)]);
   }
+}
+
+TEST(Cluster, DriverPlacesActorsOnWorkersAndReachesThemThroughTheirActorSystems) {
+  Cluster c({});
+  std::string job = c.submit(4, {"--layout", "dp=2,n=2"},
+                             {{"TW_RUN_MS", "1500"}, {"TW_BEAT", "1"}, {"TW_ACTORS", "1"}, {"TW_PLACE", "1"},
+                              {"TW_DRIVER_FOLLOW", "1"}});
+  ASSERT_TRUE(wait_until([&] { return exists(c.out_dir() + "/driver.placed"); }, seconds(20))) << c.logs_of_daemons();
+  std::ifstream f(c.out_dir() + "/driver.placed");
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "ok 4\n");
+  auto st = c.status(job)["jobs"][0];
+  ASSERT_EQ(st["actors"].size(), 4u);
+  for (const auto& a : st["actors"]) {
+    EXPECT_EQ(a["actor"].get<std::string>(), "expert-" + a["proc"].get<std::string>().substr(7));
+  }
+  EXPECT_TRUE(find_event(c.events(job), "actors_placed", ""));
+  ASSERT_TRUE(c.wait_state(job, "succeeded", seconds(15))) << c.logs_of_daemons();
 }
 
 TEST(Cluster, CurveClientWithWrongKeyIsRefused) {

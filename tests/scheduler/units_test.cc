@@ -180,6 +180,52 @@ TEST(StateStore, SurvivesReopenAndRefusesANewerSchema) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(StateStore, MigratesAVersionOneDatabase) {
+  std::string dir = test::make_temp_dir("store-v1");
+  std::string path = dir + "/v1.db";
+  {
+    // What a version-1 scheduler left behind (its procs table has no endpoint columns).
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+    const char* v1 =
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+        "INSERT INTO meta VALUES ('schema_version', '1');"
+        "CREATE TABLE jobs (id TEXT PRIMARY KEY, spec TEXT NOT NULL, state TEXT NOT NULL, epoch INTEGER NOT NULL,"
+        " restarts INTEGER NOT NULL, driver_restarts INTEGER NOT NULL, exit_code INTEGER NOT NULL,"
+        " message TEXT NOT NULL, created_ms INTEGER NOT NULL, updated_ms INTEGER NOT NULL, job_dir TEXT NOT NULL);"
+        "CREATE TABLE procs (job_id TEXT NOT NULL, name TEXT NOT NULL, role TEXT NOT NULL, rank INTEGER NOT NULL,"
+        " epoch INTEGER NOT NULL, agent_id TEXT NOT NULL, slot INTEGER NOT NULL, pid INTEGER NOT NULL,"
+        " state TEXT NOT NULL, exit_code INTEGER NOT NULL, term_signal INTEGER NOT NULL,"
+        " started_ms INTEGER NOT NULL, ended_ms INTEGER NOT NULL, PRIMARY KEY (job_id, name));"
+        "INSERT INTO procs VALUES ('job-1','worker-0','worker',0,0,'a1',0,42,'running',0,0,1,0);"
+        "CREATE TABLE agents (id TEXT PRIMARY KEY, host TEXT NOT NULL, slots INTEGER NOT NULL,"
+        " gpus INTEGER NOT NULL, last_seen_ms INTEGER NOT NULL);"
+        "CREATE TABLE kv (job_id TEXT NOT NULL, epoch INTEGER NOT NULL, key TEXT NOT NULL, value BLOB NOT NULL,"
+        " PRIMARY KEY (job_id, epoch, key));"
+        "CREATE TABLE events (id INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, ts_ms INTEGER NOT NULL,"
+        " type TEXT NOT NULL, detail TEXT NOT NULL);";
+    ASSERT_EQ(sqlite3_exec(db, v1, nullptr, nullptr, nullptr), SQLITE_OK) << sqlite3_errmsg(db);
+    sqlite3_close(db);
+  }
+  auto s = StateStore::open(path);
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  EXPECT_EQ((*s)->schema_version(), 2);
+  EXPECT_EQ(*(*s)->meta_get("schema_version"), std::optional<std::string>("2"));
+  auto procs = (*s)->load_procs("job-1");
+  ASSERT_TRUE(procs.ok()) << procs.status().to_string();
+  ASSERT_EQ(procs->size(), 1u);
+  EXPECT_EQ((*procs)[0].pid, 42);
+  EXPECT_EQ((*procs)[0].endpoint, "");
+  ASSERT_TRUE((*s)->put_placements("job-1", 0, {{"expert-0", "worker-0"}}).ok());
+  ASSERT_TRUE((*s)->put_placements("job-1", 0, {{"expert-1", "worker-0"}, {"router", "driver"}}).ok());
+  auto placed = (*s)->load_placements("job-1", 0);
+  ASSERT_TRUE(placed.ok());
+  ASSERT_EQ(placed->size(), 2u);  // replaced, not appended
+  EXPECT_EQ((*placed)[0].first, "expert-1");
+  s->reset();
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Codec, RoundTripsAndRejectsGarbage) {
   SpawnRequest sp;
   sp.job_id = "job-7";
