@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# make demo: the main job. Until the train_moe app lands (issue: model and app), says so.
+# make demo: the main job. Runs scripts/run-demo.sh once the train_moe app is built.
 set -euo pipefail
 build=${1:-build}
 if [ -x "$build/apps/train_moe" ]; then

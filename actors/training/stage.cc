@@ -1,0 +1,416 @@
+// actors/training/stage.cc — Stage: communicators, the model part of one rank, the 1F1B
+// schedule, gradient synchronisation, the ZeRO-1 optimizer shard and the step metrics.
+#include "actors/training/stage.h"
+
+#include <chrono>
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "comm/gloo_communicator.h"
+#include "core/check.h"
+
+namespace troupe::training {
+
+using Clock = std::chrono::steady_clock;
+
+struct Stage::BlockRole {
+  layers::Block* block = nullptr;
+  int64_t moe_index = -1;  // index among the model's MoE blocks, -1 for dense
+  std::unique_ptr<AttentionShard> attn;   // n > 1
+  std::unique_ptr<ExpertGroup> experts;   // MoE and n > 1
+};
+
+struct Stage::BlockSaved {
+  layers::RMSNorm::Saved norm1, norm2;
+  layers::Attention::Saved attn;
+  AttentionShard::Saved attn_sp;
+  layers::SwiGLUMLP::Saved mlp;
+  layers::MoELayer::Saved moe;
+};
+
+struct Stage::Micro {
+  Tensor ids, targets;       // local slices, i32 [B*S/n]
+  int64_t tokens = 0;        // tokens with a target in the whole micro-batch
+  std::vector<BlockSaved> saved;
+  Tensor head_dx;            // last stage: gradient from the LM head
+};
+
+Stage::Stage(const layers::TrainConfig& tc, int rank, layers::TokenShards train, layers::TokenShards val)
+    : tc_(tc), rank_(rank), train_data_(std::move(train)), val_data_(std::move(val)) {}
+
+Stage::~Stage() {
+  // Sends still in flight reference tensors we own; wait for them (bounded by the op
+  // timeout) before the buffers go.
+  for (auto& w : pending_sends_) (void)w->wait();
+}
+
+Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int rank, comm::RendezvousStore& store,
+                                             const comm::StoreNamespace& ns, layers::TokenShards train,
+                                             layers::TokenShards val) {
+  std::unique_ptr<Stage> s(new Stage(tc, rank, std::move(train), std::move(val)));
+  TROUPE_RETURN_IF_ERROR(s->build(store, ns));
+  return s;
+}
+
+Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns) {
+  const auto& par = tc_.parallel;
+  TROUPE_RETURN_IF_ERROR(par.validate(tc_.model, tc_.train));
+  TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout layout, comm::ParallelLayout::make(static_cast<int>(par.pp),
+                                                                                  static_cast<int>(par.dp),
+                                                                                  static_cast<int>(par.n)));
+  layout_ = std::make_unique<comm::ParallelLayout>(layout);
+  if (rank_ < 0 || rank_ >= layout.world_size()) {
+    return invalid_argument("rank {} is outside the layout {} ({} ranks)", rank_, layout.to_string(),
+                            layout.world_size());
+  }
+  coord_ = layout.coord(rank_);
+  loader_ = std::make_unique<layers::DataLoader>(train_data_, tc_.train.seed, tc_.train.seq_len);
+  val_loader_ = std::make_unique<layers::DataLoader>(val_data_, tc_.train.seed, tc_.train.seq_len);
+
+  // ---- communicators (the same order on every rank) ----------------------------------
+  comm::CommSpec base;
+  base.store = &store;
+  base.ns = ns;
+  const comm::CommFactory factory = [](const comm::CommSpec& spec) { return comm::make_gloo_communicator(spec); };
+  TROUPE_ASSIGN_OR_RETURN(groups_, comm::make_process_groups(layout, rank_, base, factory));
+  comm::CommSpec ws = base;
+  ws.name = "world";
+  ws.rank = rank_;
+  ws.size = layout.world_size();
+  TROUPE_ASSIGN_OR_RETURN(world_, comm::make_gloo_communicator(ws));
+  first_ = coord_.pp == 0;
+  last_ = coord_.pp == layout.pp() - 1;
+  if (tc_.model.tie_embeddings && layout.pp() > 1 && (first_ || last_)) {
+    comm::CommSpec ts = base;
+    ts.name = fmt::format("tied_dp{}_n{}", coord_.dp, coord_.n);
+    ts.rank = first_ ? 0 : 1;
+    ts.size = 2;
+    TROUPE_ASSIGN_OR_RETURN(tied_, comm::make_gloo_communicator(ts));
+  }
+  if (par.compression && layout.dp() > 1) {
+    bf16_rs_ = std::make_unique<comm::Bf16ReduceScatter>(*groups_.dp, comm::Bf16ReduceScatter::Options{});
+  }
+
+  // ---- the model part ----------------------------------------------------------------
+  // Every rank initialises the whole model from the seed (by parameter name, so values do
+  // not depend on the layout) and keeps its stage's blocks and its experts.
+  model_ = std::make_unique<layers::Model>(tc_.model, tc_.train.seed);
+  const int64_t per_stage = tc_.model.n_layers / layout.pp();
+  block_lo_ = coord_.pp * per_stage;
+  block_hi_ = block_lo_ + per_stage;
+  const int64_t n = layout.n();
+  const DispatchMode mode = par.dispatch == "allgather" ? DispatchMode::kAllGather : DispatchMode::kAllToAll;
+  int64_t moe_index = 0;
+  for (int64_t i = 0; i < tc_.model.n_layers; ++i) {
+    layers::Block& b = *model_->blocks[static_cast<size_t>(i)];
+    const int64_t mi = b.is_moe() ? moe_index++ : -1;
+    if (i < block_lo_ || i >= block_hi_) continue;
+    auto role = std::make_unique<BlockRole>();
+    role->block = &b;
+    role->moe_index = mi;
+    if (n > 1) {
+      role->attn = std::make_unique<AttentionShard>(b.attn, *groups_.n, time_);
+      if (b.is_moe()) {
+        role->experts = std::make_unique<ExpertGroup>(b.moe->experts, tc_.model.moe.top_k, tc_.model.recompute_swiglu,
+                                                      *groups_.n, time_, mode);
+        b.moe->set_dispatch(role->experts.get());
+        b.moe->router.set_group_all_reduce([group = groups_.n.get(), time = &time_](std::vector<double>& v) {
+          sum_doubles(*group, v, *time, "router statistics");
+        });
+      }
+    }
+    roles_.push_back(std::move(role));
+  }
+  batch_ = tc_.train.micro_batch_size;
+  seq_local_ = tc_.train.seq_len / n;
+  loss_weight_ = 1.0f / static_cast<float>(tc_.train.grad_accum * layout.dp());
+  setup_params();
+  return ok_status();
+}
+
+void Stage::setup_params() {
+  const bool n_lead = coord_.n == 0;
+  std::vector<Entry> rep, exp;
+  if (first_) rep.push_back({"embedding.weight", &model_->embedding.weight, false, n_lead});
+  for (size_t ri = 0; ri < roles_.size(); ++ri) {
+    const auto& role = roles_[ri];
+    const int64_t i = block_lo_ + static_cast<int64_t>(ri);
+    std::vector<layers::NamedParameter> ps;
+    role->block->collect(fmt::format("blocks.{}", i), ps);
+    for (auto& p : ps) {
+      const bool is_expert = p.name.find(".moe.experts.") != std::string::npos;
+      if (is_expert && role->experts) continue;  // replaced by this rank's slice below
+      if (is_expert) {
+        exp.push_back({p.name, p.param, true, true});
+      } else {
+        rep.push_back({p.name, p.param, false, n_lead});
+      }
+    }
+    if (role->experts) {
+      const std::string pre = fmt::format("blocks.{}.moe.experts", i);
+      exp.push_back({pre + ".w1[local]", &role->experts->experts().w1, true, true});
+      exp.push_back({pre + ".w2[local]", &role->experts->experts().w2, true, true});
+    }
+  }
+  if (last_) {
+    std::vector<layers::NamedParameter> ps;
+    model_->head->collect(ps);
+    for (auto& p : ps) rep.push_back({p.name, p.param, false, n_lead});
+    // A tied head on a later stage holds a copy of the embedding: updated with the same
+    // (summed) gradient, counted in the norm on the first stage only.
+    if (tc_.model.tie_embeddings && !first_) rep.push_back({"embedding.weight[tied copy]", &model_->embedding.weight, false, false});
+  }
+  entries_ = std::move(rep);
+  int64_t off = 0;
+  for (auto& e : entries_) {
+    e.offset = off;
+    off += e.param->numel();
+  }
+  rep_size_ = off;
+  for (auto& e : exp) {
+    e.offset = off;
+    off += e.param->numel();
+    entries_.push_back(e);
+  }
+  flat_size_ = off;
+  const int64_t dp = layout_->dp();
+  const int64_t padded = (off + dp - 1) / dp * dp;
+  flat_value_ = Tensor::zeros({std::max<int64_t>(padded, 1)}, DType::kF32);
+  flat_grad_ = Tensor::zeros({std::max<int64_t>(padded, 1)}, DType::kF32);
+  // Rebind every parameter onto the flat buffers (a tied head shares the Parameter, so it
+  // follows).
+  for (auto& e : entries_) {
+    const Shape shape = e.param->value.shape();
+    Tensor v = flat_value_.narrow(0, e.offset, e.param->numel()).view(shape);
+    v.copy_from(e.param->value);
+    e.param->value = v;
+    e.param->grad = flat_grad_.narrow(0, e.offset, e.param->numel()).view(shape);
+  }
+  shard_len_ = std::max<int64_t>(padded, 1) / dp;
+  shard_lo_ = coord_.dp * shard_len_;
+  shard_grad_ = dp > 1 ? Tensor::zeros({shard_len_}, DType::kF32) : flat_grad_;
+  pieces_.reserve(entries_.size());
+  std::vector<layers::NamedParameter> named;
+  for (auto& e : entries_) {
+    const int64_t a = std::max(e.offset, shard_lo_);
+    const int64_t b = std::min(e.offset + e.param->numel(), shard_lo_ + shard_len_);
+    if (a >= b) continue;
+    layers::Parameter piece;
+    piece.value = flat_value_.narrow(0, a, b - a);
+    piece.grad = shard_grad_.narrow(0, a - (dp > 1 ? shard_lo_ : 0), b - a);
+    piece.decay = e.param->decay;
+    pieces_.push_back(piece);
+    piece_in_norm_.push_back(e.in_norm);
+  }
+  for (size_t i = 0; i < pieces_.size(); ++i) named.push_back({fmt::format("piece{}", i), &pieces_[i]});
+  opt_ = std::make_unique<layers::AdamW>(named, tc_.optim);
+}
+
+void Stage::load(bool eval, int64_t step, int64_t index, Micro& m) const {
+  Tensor ids, targets;
+  if (eval) {
+    val_loader_->eval_batch(index, tc_.train.eval_batches, batch_, ids, targets);
+  } else {
+    loader_->train_batch(step, coord_.dp, index, tc_.train.grad_accum, batch_, ids, targets);
+  }
+  const int32_t* tp = targets.data<int32_t>();
+  m.tokens = 0;
+  for (int64_t i = 0; i < targets.numel(); ++i) m.tokens += tp[i] >= 0 ? 1 : 0;
+  const int64_t off = coord_.n * seq_local_;
+  m.ids = ids.narrow(1, off, seq_local_).contiguous().view({batch_ * seq_local_});
+  m.targets = targets.narrow(1, off, seq_local_).contiguous().view({batch_ * seq_local_});
+}
+
+Tensor Stage::recv_from(int peer_pp) {
+  Tensor buf = ctx_.empty({batch_ * seq_local_, tc_.model.d_model});
+  time_.wait(groups_.pp->recv(buf, peer_pp), "pipeline recv");
+  return buf;
+}
+
+void Stage::send_to(const Tensor& t, int peer_pp) { pending_sends_.push_back(groups_.pp->send(t.contiguous(), peer_pp)); }
+
+Tensor Stage::blocks_forward(const layers::Ctx& c, Tensor x, Micro& m, bool train) {
+  m.saved.resize(roles_.size());
+  for (size_t i = 0; i < roles_.size(); ++i) {
+    BlockRole& r = *roles_[i];
+    layers::Block& b = *r.block;
+    BlockSaved& s = m.saved[i];
+    Tensor n1 = b.norm1.forward(c, x, s.norm1);
+    Tensor a = r.attn ? r.attn->forward(c, n1, batch_, seq_local_, s.attn_sp)
+                      : b.attn.forward(c, n1, batch_, seq_local_, s.attn);
+    Tensor h = c.empty(x.shape());
+    kernels::add(c.ex, x, a, h);
+    Tensor n2 = b.norm2.forward(c, h, s.norm2);
+    Tensor f;
+    if (b.is_moe()) {
+      layers::MoELayer::Stats st;
+      f = b.moe->forward(c, n2, s.moe, train ? &st : nullptr);
+      if (train && coord_.n == 0) aux_acc_ += st.aux_loss * static_cast<double>(loss_weight_);
+    } else {
+      f = b.mlp->forward(c, n2, s.mlp);
+    }
+    kernels::add(c.ex, h, f, f);
+    x = f;
+  }
+  return x;
+}
+
+Tensor Stage::blocks_backward(const layers::Ctx& c, Tensor dy, Micro& m) {
+  for (size_t i = roles_.size(); i-- > 0;) {
+    BlockRole& r = *roles_[i];
+    layers::Block& b = *r.block;
+    BlockSaved& s = m.saved[i];
+    Tensor dn2 = b.is_moe() ? b.moe->backward(c, dy, s.moe, loss_weight_) : b.mlp->backward(c, dy, s.mlp);
+    Tensor dh = b.norm2.backward(c, dn2, s.norm2);
+    kernels::add(c.ex, dh, dy, dh);
+    Tensor dn1 = r.attn ? r.attn->backward(c, dh, s.attn_sp) : b.attn.backward(c, dh, s.attn);
+    Tensor dx = b.norm1.backward(c, dn1, s.norm1);
+    kernels::add(c.ex, dx, dh, dx);
+    dy = dx;
+    s = BlockSaved();  // free activations as soon as they are used
+  }
+  return dy;
+}
+
+void Stage::forward(int64_t step, int64_t index, Micro& m) {
+  const layers::Ctx& c = ctx_;
+  if (first_ || last_) load(false, step, index, m);
+  Tensor x = first_ ? model_->embedding.forward(c, m.ids) : recv_from(coord_.pp - 1);
+  x = blocks_forward(c, x, m, true);
+  if (last_) {
+    const float scale = m.tokens > 0 ? loss_weight_ / static_cast<float>(m.tokens) : 0.0f;
+    const double lm = model_->head->forward_backward(c, x, m.targets, scale, m.head_dx);
+    lm_acc_ += m.tokens > 0 ? lm / static_cast<double>(m.tokens) * static_cast<double>(loss_weight_) : 0.0;
+    if (coord_.n == 0) tokens_acc_ += static_cast<double>(m.tokens);
+  } else {
+    send_to(x, coord_.pp + 1);
+  }
+}
+
+void Stage::backward(Micro& m) {
+  const layers::Ctx& c = ctx_;
+  Tensor dy = last_ ? m.head_dx : recv_from(coord_.pp + 1);
+  dy = blocks_backward(c, dy, m);
+  if (first_) {
+    model_->embedding.backward(c, m.ids, dy);
+  } else {
+    send_to(dy, coord_.pp - 1);
+  }
+  m = Micro();
+}
+
+StepReport Stage::run_step(int64_t step) {
+  const auto t0 = Clock::now();
+  time_.reset();
+  lm_acc_ = aux_acc_ = tokens_acc_ = 0;
+  flat_grad_.fill(0.0f);
+
+  // ---- 1F1B over the micro-batches ---------------------------------------------------
+  const int64_t mcount = tc_.train.grad_accum;
+  const int64_t warm = std::min<int64_t>(layout_->pp() - coord_.pp - 1, mcount);
+  std::vector<Micro> micro(static_cast<size_t>(mcount));
+  int64_t f = 0, b = 0;
+  for (; f < warm; ++f) forward(step, f, micro[static_cast<size_t>(f)]);
+  for (; f < mcount; ++f) {
+    forward(step, f, micro[static_cast<size_t>(f)]);
+    backward(micro[static_cast<size_t>(b++)]);
+  }
+  for (; b < mcount; ++b) backward(micro[static_cast<size_t>(b)]);
+  time_.wait_all(pending_sends_, "pipeline send");
+  pending_sends_.clear();
+
+  // ---- gradient synchronisation ------------------------------------------------------
+  if (layout_->n() > 1 && rep_size_ > 0) {
+    all_reduce_sum(*groups_.n, flat_grad_.narrow(0, 0, rep_size_), time_, "replicated grads all_reduce (n)");
+  }
+  if (tied_) {
+    const layers::Parameter& w = model_->embedding.weight;
+    all_reduce_sum(*tied_, w.grad.view({w.numel()}), time_, "tied embedding all_reduce");
+  }
+  if (layout_->dp() > 1) {
+    if (bf16_rs_) {
+      const auto c0 = Clock::now();
+      const Status st = bf16_rs_->run(flat_grad_, shard_grad_);
+      time_.add(std::chrono::duration<double>(Clock::now() - c0).count(), "bf16 grads reduce_scatter (dp)");
+      TROUPE_CHECK(st.ok(), "data plane: bf16 grads reduce_scatter (dp) failed: {}", st.to_string());
+    } else {
+      reduce_scatter_sum(*groups_.dp, flat_grad_, shard_grad_, time_, "grads reduce_scatter (dp)");
+    }
+  }
+
+  // ---- norm, metrics, optimizer ------------------------------------------------------
+  double sumsq = 0;
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    if (piece_in_norm_[i]) sumsq += kernels::sum_squares(ctx_.ex, pieces_[i].grad);
+  }
+  const int64_t e = tc_.model.moe.num_experts;
+  const int64_t nmoe = model_->num_moe_blocks();
+  std::vector<double> v(static_cast<size_t>(5 + nmoe * e), 0.0);
+  v[0] = sumsq;
+  v[1] = lm_acc_;
+  v[2] = aux_acc_;
+  v[3] = tokens_acc_;
+  v[4] = time_.seconds();
+  if (coord_.n == 0) {
+    for (const auto& r : roles_) {
+      if (r->moe_index < 0) continue;
+      const auto& load = r->block->moe->step_load();
+      for (int64_t j = 0; j < e; ++j) v[static_cast<size_t>(5 + r->moe_index * e + j)] += static_cast<double>(load[static_cast<size_t>(j)]);
+    }
+  }
+  sum_doubles(*world_, v, time_, "step metrics");
+
+  StepReport rep;
+  rep.step = step;
+  rep.grad_norm = std::sqrt(v[0]);
+  rep.lm_loss = v[1];
+  rep.aux_loss = v[2];
+  rep.loss = rep.lm_loss + rep.aux_loss;
+  rep.tokens = static_cast<int64_t>(std::llround(v[3]));
+  rep.comm_ms_mean = v[4] / layout_->world_size() * 1e3;
+  rep.lr = tc_.lr.at(step);
+  rep.expert_load.assign(static_cast<size_t>(nmoe), std::vector<int64_t>(static_cast<size_t>(e), 0));
+  for (int64_t i = 0; i < nmoe; ++i)
+    for (int64_t j = 0; j < e; ++j)
+      rep.expert_load[static_cast<size_t>(i)][static_cast<size_t>(j)] = std::llround(v[static_cast<size_t>(5 + i * e + j)]);
+
+  opt_->step(ctx_, rep.lr, rep.grad_norm);
+  if (layout_->dp() > 1) {
+    Tensor mine = flat_value_.narrow(0, shard_lo_, shard_len_).clone();
+    all_gather(*groups_.dp, mine, flat_value_, time_, "params all_gather (dp)");
+  }
+  for (const auto& r : roles_) {
+    if (r->moe_index >= 0) r->block->moe->update_bias(rep.expert_load[static_cast<size_t>(r->moe_index)]);
+  }
+  rep.step_ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
+  rep.comm_ms = time_.seconds() * 1e3;
+  rep.compute_ms = rep.step_ms - rep.comm_ms;
+  for (const auto& [kind, sec] : time_.by_kind()) rep.comm_by_kind_ms[kind] = sec * 1e3;
+  return rep;
+}
+
+double Stage::evaluate() {
+  const layers::Ctx& c = ctx_;
+  double sum = 0, tokens = 0;
+  for (int64_t k = 0; k < tc_.train.eval_batches; ++k) {
+    if (k % layout_->dp() != coord_.dp) continue;
+    Micro m;
+    if (first_ || last_) load(true, 0, k, m);
+    Tensor x = first_ ? model_->embedding.forward(c, m.ids) : recv_from(coord_.pp - 1);
+    x = blocks_forward(c, x, m, false);
+    if (last_) {
+      sum += model_->head->loss_sum(c, x, m.targets);
+      if (coord_.n == 0) tokens += static_cast<double>(m.tokens);
+    } else {
+      send_to(x, coord_.pp + 1);
+    }
+  }
+  time_.wait_all(pending_sends_, "pipeline send");
+  pending_sends_.clear();
+  std::vector<double> v{sum, tokens};
+  sum_doubles(*world_, v, time_, "eval metrics");
+  return v[0] / std::max(1.0, v[1]);
+}
+
+}  // namespace troupe::training

@@ -1,0 +1,131 @@
+// actors/training/stage.h — defines Stage, the worker-side training role of one rank of a
+// pp x dp x n layout (DESIGN.md "Processes and actors": a Stage per pipeline stage and
+// data-parallel replica, with an AttentionShard and an ExpertGroup per rank of the
+// n-group). One Stage runs one optimizer step SPMD when told to (run_step): no control
+// message inside a step, only collectives and pipeline send/recv.
+//
+// What a step does, and why the numbers equal one process running the whole model on
+// the dp * grad_accum micro-batches of the step (fp32, dropless):
+// - Data: replica d, micro-batch m reads the loader's samples (d*ga + m)*mb + i — the
+//   samples one process reads as its micro-batch d*ga + m; every micro-batch has weight
+//   1 / (dp * ga). Rank r of the n-group holds tokens [r*S/n, (r+1)*S/n) of each sequence.
+// - Pipeline: 1F1B over the ga micro-batches; activations [B*S/n, D] forward, gradients
+//   backward, by send/recv to the same n-rank of the neighbouring stage. The first stage
+//   embeds, the last applies the LM head (grad scale = weight / tokens of the whole
+//   micro-batch, counted from the full targets every rank loads).
+// - Attention: Ulysses (AttentionShard). Experts: E/n per rank (ExpertGroup). The router's
+//   statistics are summed over the n-group per micro-batch (Router::set_group_all_reduce).
+// - Gradients: every parameter's value and gradient live in two flat buffers, the
+//   n-replicated parameters first, then this rank's experts. The replicated part is
+//   all-reduced over the n-group; a tied embedding is all-reduced between the first and
+//   last stage; then the whole buffer is reduce-scattered over dp (bf16 on the wire with
+//   parallel.compression) and each dp rank runs AdamW on its 1/dp shard (ZeRO-1), then
+//   the shards are all-gathered.
+// - Norm and metrics: one fp64 sum over the world of [grad sum of squares (each value
+//   counted once: replicated parts on n-rank 0 only, a tied copy on the first stage only),
+//   LM loss, aux loss, tokens, per-expert loads]. The router bias update uses the summed
+//   loads, as one process does.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "actors/training/attention_shard.h"
+#include "actors/training/expert_group.h"
+#include "actors/training/group_ops.h"
+#include "comm/compression.h"
+#include "comm/parallel_layout.h"
+#include "layers/model.h"
+#include "layers/optimizer.h"
+#include "layers/token_data.h"
+#include "layers/train_config.h"
+
+namespace troupe::training {
+
+struct StepReport {
+  int64_t step = 0;
+  double loss = 0, lm_loss = 0, aux_loss = 0, grad_norm = 0, lr = 0;
+  int64_t tokens = 0;  // tokens with a target in the whole step (all replicas)
+  std::vector<std::vector<int64_t>> expert_load;  // per MoE block, per expert (whole step)
+  // Wall time of this rank: the step, the part spent waiting on the data plane, and the
+  // world mean of the latter (measured up to the metrics reduction).
+  double step_ms = 0, comm_ms = 0, compute_ms = 0, comm_ms_mean = 0;
+  std::map<std::string, double> comm_by_kind_ms;  // this rank's comm_ms split by kind
+};
+
+class Stage {
+ public:
+  // Collective over the world: every rank calls it with the same config, store and
+  // namespace. Builds the communicators (dp, n, pp groups, the world, the tied-embedding
+  // pair), the model part and the optimizer shard. Takes the data splits.
+  static Result<std::unique_ptr<Stage>> create(const layers::TrainConfig& tc, int rank, comm::RendezvousStore& store,
+                                               const comm::StoreNamespace& ns, layers::TokenShards train,
+                                               layers::TokenShards val);
+  ~Stage();
+
+  StepReport run_step(int64_t step);
+  // Validation loss (every rank returns the same value); eval batches split over dp.
+  double evaluate();
+
+  const comm::ParallelCoord& coord() const { return coord_; }
+  int rank() const { return rank_; }
+  int64_t num_params_local() const { return static_cast<int64_t>(flat_size_); }
+
+ private:
+  struct BlockRole;
+  struct BlockSaved;
+  struct Micro;
+  struct Entry {
+    std::string name;
+    layers::Parameter* param;
+    bool expert;   // this rank's own experts (not replicated over the n-group)
+    bool in_norm;  // counted in the gradient norm on this rank
+    int64_t offset = 0;
+  };
+
+  Stage(const layers::TrainConfig& tc, int rank, layers::TokenShards train, layers::TokenShards val);
+  Status build(comm::RendezvousStore& store, const comm::StoreNamespace& ns);
+  void setup_params();
+
+  void load(bool eval, int64_t step, int64_t index, Micro& m) const;
+  Tensor blocks_forward(const layers::Ctx& c, Tensor x, Micro& m, bool train);
+  Tensor blocks_backward(const layers::Ctx& c, Tensor dy, Micro& m);
+  void forward(int64_t step, int64_t index, Micro& m);
+  void backward(Micro& m);
+  Tensor recv_from(int peer_pp);
+  void send_to(const Tensor& t, int peer_pp);
+
+  layers::TrainConfig tc_;
+  int rank_;
+  comm::ParallelCoord coord_;
+  layers::TokenShards train_data_, val_data_;
+  std::unique_ptr<layers::DataLoader> loader_, val_loader_;
+  std::unique_ptr<comm::ParallelLayout> layout_;
+  comm::ProcessGroups groups_;
+  std::unique_ptr<comm::Communicator> world_, tied_;
+  std::unique_ptr<comm::Bf16ReduceScatter> bf16_rs_;
+  CommTime time_;
+
+  layers::Ctx ctx_;
+  std::unique_ptr<layers::Model> model_;
+  std::vector<std::unique_ptr<BlockRole>> roles_;  // this stage's blocks
+  int64_t block_lo_ = 0, block_hi_ = 0;
+  bool first_ = false, last_ = false;
+  int64_t batch_ = 0, seq_local_ = 0;
+  float loss_weight_ = 1.0f;
+
+  std::vector<Entry> entries_;
+  int64_t flat_size_ = 0, rep_size_ = 0, shard_lo_ = 0, shard_len_ = 0;
+  Tensor flat_value_, flat_grad_, shard_grad_;
+  std::vector<layers::Parameter> pieces_;  // this dp rank's shard, one piece per parameter
+  std::vector<bool> piece_in_norm_;
+  std::unique_ptr<layers::AdamW> opt_;
+
+  // Per-step accumulators.
+  std::vector<comm::WorkPtr> pending_sends_;
+  double lm_acc_ = 0, aux_acc_ = 0, tokens_acc_ = 0, eval_sum_ = 0, eval_tokens_ = 0;
+};
+
+}  // namespace troupe::training

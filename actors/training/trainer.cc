@@ -1,0 +1,94 @@
+// actors/training/trainer.cc — Trainer (driver) and run_stage_host (worker).
+#include "actors/training/trainer.h"
+
+#include <cmath>
+
+#include <fmt/format.h>
+
+namespace troupe::training {
+
+using Clock = std::chrono::steady_clock;
+
+nlohmann::json step_report_json(const StepReport& r) {
+  return nlohmann::json{{"step", r.step},         {"loss", r.loss},       {"lm_loss", r.lm_loss},
+                        {"aux_loss", r.aux_loss}, {"grad_norm", r.grad_norm}, {"lr", r.lr},
+                        {"step_tokens", r.tokens}, {"expert_load", r.expert_load}, {"step_ms", r.step_ms},
+                        {"comm_ms", r.comm_ms},   {"compute_ms", r.compute_ms}, {"comm_ms_mean", r.comm_ms_mean},
+                        {"comm_by_kind_ms", r.comm_by_kind_ms}};
+}
+
+Trainer::Trainer(const layers::TrainConfig& tc, StepDriver& driver, std::ostream& metrics, TrainerOptions opts)
+    : tc_(tc), driver_(driver), metrics_(metrics), opts_(std::move(opts)) {}
+
+Result<nlohmann::json> Trainer::call(Command::Kind kind, int64_t step) {
+  return driver_.call(Command{seq_++, kind, step}, opts_.command_timeout, opts_.supervise);
+}
+
+Status Trainer::run() {
+  TROUPE_ASSIGN_OR_RETURN(nlohmann::json v0, call(Command::Kind::kEval, 0));
+  val0_ = last_val_ = v0.value("val_loss", 0.0);
+  fmt::print("step 0 | val_loss {:.4f}\n", val0_);
+  metrics_ << nlohmann::json{{"step", 0}, {"val_loss", val0_}, {"tokens", 0}}.dump() << "\n";
+  metrics_.flush();
+  const auto t_start = Clock::now();
+  int64_t tokens_seen = 0;
+  for (int64_t step = 1; step <= tc_.train.steps; ++step) {
+    const auto t0 = Clock::now();
+    TROUPE_ASSIGN_OR_RETURN(nlohmann::json rec, call(Command::Kind::kStep, step));
+    const double wall_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double loss = rec.value("loss", NAN);
+    if (!std::isfinite(loss)) return aborted("step {}: the loss is {} (diverged)", step, loss);
+    const int64_t step_tokens = rec.value("step_tokens", int64_t{0});
+    tokens_seen += step_tokens;
+    rec.erase("step_tokens");
+    rec["tokens"] = tokens_seen;
+    rec["tokens_per_s"] = static_cast<double>(step_tokens) / wall_s;
+    rec["driver_step_ms"] = wall_s * 1e3;
+    // train.time_limit_s: stop after the step that ends past the budget (final validation
+    // as at the last step), as the single-process app does.
+    const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
+    const bool out_of_time = tc_.train.time_limit_s > 0 && elapsed > tc_.train.time_limit_s && step < tc_.train.steps;
+    const bool eval_now =
+        (tc_.train.eval_every > 0 && step % tc_.train.eval_every == 0) || step == tc_.train.steps || out_of_time;
+    if (eval_now) {
+      TROUPE_ASSIGN_OR_RETURN(nlohmann::json ev, call(Command::Kind::kEval, step));
+      last_val_ = ev.value("val_loss", NAN);
+      rec["val_loss"] = last_val_;
+    }
+    metrics_ << rec.dump() << "\n";
+    metrics_.flush();
+    if (step % tc_.train.log_every == 0 || step == 1 || eval_now) {
+      fmt::print("step {}/{} | loss {:.4f} | lm {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:.0f} tok/s | "
+                 "{:.0f} ms (compute {:.0f}, comm {:.0f}){}\n",
+                 step, tc_.train.steps, loss, rec.value("lm_loss", 0.0), rec.value("aux_loss", 0.0),
+                 rec.value("lr", 0.0), rec.value("grad_norm", 0.0), rec["tokens_per_s"].get<double>(),
+                 rec.value("step_ms", 0.0), rec.value("compute_ms", 0.0), rec.value("comm_ms", 0.0),
+                 eval_now ? fmt::format(" | val_loss {:.4f}", last_val_) : "");
+      std::fflush(stdout);
+    }
+    if (out_of_time) {
+      fmt::print("train_moe: time limit of {:.0f}s reached after step {}; stopping\n", tc_.train.time_limit_s, step);
+      break;
+    }
+  }
+  TROUPE_RETURN_IF_ERROR(call(Command::Kind::kStop, 0).status());
+  const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+  fmt::print("train_moe: done in {:.1f}s ({:.0f} tokens/s); val_loss {:.4f} -> {:.4f}\n", total_s,
+             static_cast<double>(tokens_seen) / std::max(total_s, 1e-9), val0_, last_val_);
+  return ok_status();
+}
+
+Status run_stage_host(Stage& stage, StepServer& server, std::chrono::milliseconds command_timeout) {
+  return server.serve(
+      [&stage](const Command& cmd) -> nlohmann::json {
+        switch (cmd.kind) {
+          case Command::Kind::kStep: return step_report_json(stage.run_step(cmd.step));
+          case Command::Kind::kEval: return nlohmann::json{{"val_loss", stage.evaluate()}};
+          case Command::Kind::kStop: break;
+        }
+        return nlohmann::json{{"stopped", true}};
+      },
+      command_timeout);
+}
+
+}  // namespace troupe::training

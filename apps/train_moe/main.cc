@@ -1,0 +1,119 @@
+// apps/train_moe/main.cc — train_moe, the flagship app. One binary, four jobs:
+//   train_moe --config apps/configs/tiny.toml [--set key=value ...] [--run-dir D]   train
+//   train_moe prepare --input <files|dirs> --out <dir> --vocab <n>                 data
+//   train_moe sample --run <dir> --prompt "..."                                    generate
+//   train_moe plot --run <dir>                                                     PNGs
+// main() parses the command line and calls the subcommand (apps/train_moe/commands.h).
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "apps/train_moe/commands.h"
+
+namespace troupe::train_moe {
+
+Status run_plot(const PlotOptions& o) {
+  namespace fs = std::filesystem;
+  if (o.run.empty()) return invalid_argument("plot: --run is required");
+  if (!fs::exists(o.run + "/metrics.jsonl")) return not_found("plot: {}/metrics.jsonl not found", o.run);
+  std::string script = o.script;
+  if (script.empty()) {
+    std::error_code ec;
+    const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+    const fs::path beside = exe.parent_path() / "train_moe_plot.py";
+    script = (!ec && fs::exists(beside)) ? beside.string() : std::string(TROUPE_TRAIN_MOE_PLOT_SCRIPT);
+  }
+  if (!fs::exists(script)) return not_found("plot: script {} not found", script);
+  const pid_t pid = fork();
+  if (pid < 0) return io_error("plot: fork failed");
+  if (pid == 0) {
+    execl(o.python.c_str(), o.python.c_str(), script.c_str(), o.run.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    return internal_error("plot: {} {} exited with status {} (is python3-matplotlib installed?)", o.python, script,
+                          WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+  }
+  return ok_status();
+}
+
+}  // namespace troupe::train_moe
+
+int main(int argc, char** argv) {
+  using namespace troupe::train_moe;
+  CLI::App app{"train_moe: train a Mixture-of-Experts language model with Troupe"};
+  app.require_subcommand(0, 1);
+
+  TrainOptions train;
+  app.add_option("--config", train.config, "TOML config (e.g. apps/configs/tiny.toml)");
+  app.add_option("--set", train.overrides, "override a config key: --set train.steps=10 (repeatable)");
+  app.add_option("--run-dir", train.run_dir, "where metrics.jsonl and the weights go (default runs/<config>)");
+  app.add_option("--backend", train.backend, "cpu (cuda: not yet in this app)");
+  std::string parallel;
+  app.add_option("--parallel", parallel,
+                 "parallel layout overriding [parallel]: e.g. pp=2,n=2 or dp=2,n=2,dispatch=allgather "
+                 "(several ranks: started locally, or by `troupe run --nproc N`)");
+  for (int i = 0; i < argc; ++i) train.argv.emplace_back(argv[i]);
+
+  PrepareOptions prep;
+  CLI::App* prepare = app.add_subcommand("prepare", "tokenize a text corpus into shards and train the tokenizer");
+  prepare->add_option("--input", prep.inputs, "files or directories (repeatable)")->required();
+  prepare->add_option("--out", prep.out, "output directory")->required();
+  prepare->add_option("--vocab", prep.vocab, "vocabulary size (bytes + end-of-text + merges)");
+  prepare->add_option("--max-bytes", prep.max_bytes, "stop reading files after this many bytes");
+  prepare->add_option("--val-fraction", prep.val_fraction, "fraction of documents for validation");
+  prepare->add_option("--ext", prep.extensions, "file extensions taken from directories (e.g. .py .txt)");
+  prepare->add_option("--shard-tokens", prep.shard_tokens, "tokens per shard file");
+
+  SampleOptions sample;
+  CLI::App* samp = app.add_subcommand("sample", "generate text from a trained run");
+  samp->add_option("--run", sample.run, "run directory")->required();
+  samp->add_option("--prompt", sample.prompt, "text to continue");
+  samp->add_option("--tokens", sample.tokens, "tokens to generate");
+  samp->add_option("--temperature", sample.temperature, "0 = greedy");
+  samp->add_option("--top-k", sample.top_k, "sample among the k most likely tokens (0 = all)");
+  samp->add_option("--seed", sample.seed, "sampling seed");
+
+  PlotOptions plot;
+  CLI::App* plt = app.add_subcommand("plot", "draw loss, throughput and expert load PNGs from metrics.jsonl");
+  plt->add_option("--run", plot.run, "run directory")->required();
+  plt->add_option("--python", plot.python, "python with matplotlib");
+  plt->add_option("--script", plot.script, "plot script (default: the installed plot.py)");
+
+  CLI11_PARSE(app, argc, argv);
+
+  troupe::Status st;
+  if (*prepare) {
+    st = run_prepare(prep);
+  } else if (*samp) {
+    st = run_sample(sample);
+  } else if (*plt) {
+    st = run_plot(plot);
+  } else {
+    if (train.config.empty()) {
+      fmt::print(stderr, "train_moe: give --config <file> to train, or a subcommand (prepare, sample, plot)\n{}",
+                 app.help());
+      return 2;
+    }
+    if (!parallel.empty()) {
+      auto extra = parse_parallel_flag(parallel);
+      if (!extra.ok()) {
+        fmt::print(stderr, "train_moe: error: {}\n", extra.status().to_string());
+        return 2;
+      }
+      train.overrides.insert(train.overrides.end(), extra.value().begin(), extra.value().end());
+    }
+    st = run_train(train);
+  }
+  if (!st.ok()) {
+    fmt::print(stderr, "train_moe: error: {}\n", st.to_string());
+    return 1;
+  }
+  return 0;
+}

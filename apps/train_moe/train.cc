@@ -1,0 +1,185 @@
+// apps/train_moe/train.cc — `train_moe --config ...`: the single-process training run,
+// read top to bottom: config -> data and tokenizer -> model and optimizer -> steps
+// (micro-batches, clip, AdamW, router-bias update, metrics, validation) -> weights.
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "apps/train_moe/commands.h"
+#include "apps/train_moe/weights_io.h"
+#include "layers/model.h"
+#include "layers/optimizer.h"
+#include "layers/token_data.h"
+#include "layers/tokenizer.h"
+#include "layers/train_config.h"
+
+namespace troupe::train_moe {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double evaluate(const layers::Ctx& c, layers::Model& model, const layers::DataLoader& val, const layers::TrainConfig& tc) {
+  double sum = 0;
+  int64_t tokens = 0;
+  for (int64_t k = 0; k < tc.train.eval_batches; ++k) {
+    Tensor ids, targets;
+    val.eval_batch(k, tc.train.eval_batches, tc.train.micro_batch_size, ids, targets);
+    int64_t n = 0;
+    sum += model.eval_loss_sum(c, ids, targets, n);
+    tokens += n;
+  }
+  return sum / static_cast<double>(std::max<int64_t>(1, tokens));
+}
+
+Status copy_file(const std::string& from, const std::string& to) {
+  std::error_code ec;
+  fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
+  if (ec) return io_error("cannot copy {} to {}: {}", from, to, ec.message());
+  return ok_status();
+}
+
+}  // namespace
+
+Status run_train(const TrainOptions& o) {
+  // ---- configuration ------------------------------------------------------------------
+  if (o.config.empty()) return invalid_argument("train: --config is required");
+  TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, layers::load_train_config(o.config, o.overrides));
+  if (o.backend != "cpu") {
+    return unimplemented("train: backend '{}' is not available in this build of train_moe (use --backend cpu)",
+                         o.backend);
+  }
+  if (tc.data.dir.empty()) return invalid_argument("{}: data.dir is not set (the output of train_moe prepare)", tc.source);
+  if (tc.parallel.world() != 1 || std::getenv("TROUPE_ROLE") != nullptr) {
+    std::string dist_run_dir = o.run_dir.empty() ? "runs/" + fs::path(o.config).stem().string() : o.run_dir;
+    return run_distributed(o, dist_run_dir);
+  }
+
+  // ---- data and tokenizer -------------------------------------------------------------
+  TROUPE_ASSIGN_OR_RETURN(layers::Tokenizer tok, layers::Tokenizer::load(tc.data.dir + "/tokenizer.json"));
+  if (tok.vocab_size() > tc.model.vocab_size) {
+    return invalid_argument("{}: model.vocab_size = {} is smaller than the tokenizer's {} tokens in {}", tc.source,
+                            tc.model.vocab_size, tok.vocab_size(), tc.data.dir);
+  }
+  TROUPE_ASSIGN_OR_RETURN(layers::TokenShards train_data, layers::TokenShards::open(tc.data.dir, "train"));
+  TROUPE_ASSIGN_OR_RETURN(layers::TokenShards val_data, layers::TokenShards::open(tc.data.dir, "val"));
+  for (const auto* d : {&train_data, &val_data}) {
+    if (d->size() <= tc.train.seq_len + 1) {
+      return failed_precondition("{}: a split holds {} tokens, fewer than one sequence of {}", tc.data.dir,
+                                 d->size(), tc.train.seq_len + 1);
+    }
+  }
+  const layers::DataLoader loader(train_data, tc.train.seed, tc.train.seq_len);
+  const layers::DataLoader val_loader(val_data, tc.train.seed, tc.train.seq_len);
+
+  std::string run_dir = o.run_dir;
+  if (run_dir.empty()) run_dir = "runs/" + fs::path(o.config).stem().string();
+  std::error_code ec;
+  fs::create_directories(run_dir, ec);
+  if (ec) return io_error("cannot create run directory {}: {}", run_dir, ec.message());
+  TROUPE_RETURN_IF_ERROR(copy_file(tc.data.dir + "/tokenizer.json", run_dir + "/tokenizer.json"));
+  TROUPE_RETURN_IF_ERROR(copy_file(o.config, run_dir + "/config.toml"));
+  {
+    std::ofstream ov(run_dir + "/overrides.txt");
+    for (const auto& s : o.overrides) ov << s << "\n";
+  }
+  std::ofstream metrics(run_dir + "/metrics.jsonl", std::ios::trunc);
+  if (!metrics) return io_error("cannot write {}/metrics.jsonl", run_dir);
+
+  // ---- model and optimizer ------------------------------------------------------------
+  const layers::Ctx c = layers::Ctx::cpu();
+  layers::Model model(tc.model, tc.train.seed);
+  layers::AdamW opt(model.parameters(), tc.optim);
+  fmt::print("train_moe: {} parameters ({} active per token), {} blocks ({} MoE), {} tokens/step, {} steps, "
+             "run dir {}\n",
+             tc.model.num_params(), tc.model.num_active_params(), tc.model.n_layers, model.num_moe_blocks(),
+             tc.tokens_per_step(), tc.train.steps, run_dir);
+  fmt::print("data: {} train tokens, {} val tokens, vocab {} (ln vocab = {:.3f})\n", train_data.size(),
+             val_data.size(), tok.vocab_size(), std::log(static_cast<double>(tc.model.vocab_size)));
+
+  const double val0 = evaluate(c, model, val_loader, tc);
+  fmt::print("step 0 | val_loss {:.4f}\n", val0);
+  metrics << nlohmann::json{{"step", 0}, {"val_loss", val0}, {"tokens", 0}}.dump() << "\n";
+  metrics.flush();
+
+  // ---- steps --------------------------------------------------------------------------
+  const auto t_start = Clock::now();
+  int64_t tokens_seen = 0, steps_done = 0;
+  double last_val = val0;
+  const float loss_weight = 1.0f / static_cast<float>(tc.train.grad_accum);
+  for (int64_t step = 1; step <= tc.train.steps; ++step) {
+    const auto t0 = Clock::now();
+    model.zero_grad(c);
+    double lm_sum = 0, aux = 0;
+    int64_t step_tokens = 0;
+    for (int64_t m = 0; m < tc.train.grad_accum; ++m) {
+      Tensor ids, targets;
+      loader.train_batch(step, /*dp_rank=*/0, m, tc.train.grad_accum, tc.train.micro_batch_size, ids, targets);
+      layers::Model::MicroBatchStats st = model.forward_backward(c, ids, targets, loss_weight);
+      // Each micro-batch has the same token count, so the mean of means is the mean.
+      lm_sum += st.lm_loss_sum / static_cast<double>(std::max<int64_t>(1, st.tokens)) * loss_weight;
+      aux += st.aux_loss * loss_weight;
+      step_tokens += st.tokens;
+    }
+    const double grad_norm = std::sqrt(opt.grad_norm_squared(c));
+    const double lr = tc.lr.at(step);
+    opt.step(c, lr, grad_norm);
+    const std::vector<std::vector<int64_t>> load = model.end_step();
+    const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    tokens_seen += step_tokens;
+    const double tps = static_cast<double>(step_tokens) / step_s;
+    const double loss = lm_sum + aux;
+    // Load imbalance: the busiest expert's share over the mean share, worst MoE layer.
+    double imbalance = 0;
+    for (const auto& layer : load) {
+      int64_t total = 0, mx = 0;
+      for (int64_t v : layer) total += v, mx = std::max(mx, v);
+      if (total > 0) imbalance = std::max(imbalance, static_cast<double>(mx) * static_cast<double>(layer.size()) / static_cast<double>(total));
+    }
+    if (!std::isfinite(loss)) return aborted("step {}: the loss is {} (diverged)", step, loss);
+
+    nlohmann::json rec{{"step", step},       {"loss", loss},          {"lm_loss", lm_sum},
+                       {"aux_loss", aux},    {"lr", lr},              {"grad_norm", grad_norm},
+                       {"tokens", tokens_seen}, {"tokens_per_s", tps}, {"step_ms", step_s * 1e3},
+                       {"expert_load", load}, {"load_imbalance", imbalance}};
+    const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
+    const bool out_of_time = tc.train.time_limit_s > 0 && elapsed > tc.train.time_limit_s && step < tc.train.steps;
+    const bool eval_now =
+        (tc.train.eval_every > 0 && step % tc.train.eval_every == 0) || step == tc.train.steps || out_of_time;
+    if (eval_now) {
+      last_val = evaluate(c, model, val_loader, tc);
+      rec["val_loss"] = last_val;
+    }
+    metrics << rec.dump() << "\n";
+    metrics.flush();
+    if (step % tc.train.log_every == 0 || step == 1 || eval_now) {
+      fmt::print("step {}/{} | loss {:.4f} | lm {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:.0f} tok/s | {:.0f} ms{}{}\n",
+                 step, tc.train.steps, loss, lm_sum, aux, lr, grad_norm, tps, step_s * 1e3,
+                 load.empty() ? "" : fmt::format(" | load max/mean {:.2f}", imbalance),
+                 eval_now ? fmt::format(" | val_loss {:.4f}", last_val) : "");
+      std::fflush(stdout);
+    }
+    steps_done = step;
+    if (out_of_time) {
+      fmt::print("train_moe: time limit of {:.0f}s reached after step {}; stopping\n", tc.train.time_limit_s, step);
+      break;
+    }
+  }
+  const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+
+  // ---- weights ------------------------------------------------------------------------
+  TROUPE_RETURN_IF_ERROR(save_weights(run_dir + "/model.bin", model,
+                                      WeightsInfo{tc.model, tc.train.seq_len, steps_done}));
+  fmt::print("train_moe: done in {:.1f}s ({:.0f} tokens/s); val_loss {:.4f} -> {:.4f}; weights in {}/model.bin\n",
+             total_s, static_cast<double>(tokens_seen) / total_s, val0, last_val, run_dir);
+  return ok_status();
+}
+
+}  // namespace troupe::train_moe

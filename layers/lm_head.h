@@ -1,0 +1,40 @@
+// layers/lm_head.h — defines LMHead: final RMSNorm, vocabulary projection (weight [V, D],
+// its own or the token embedding's when tied) and the mean cross-entropy loss.
+//
+// The projection and loss run over row chunks (`chunk_rows` tokens at a time) and the
+// backward of each chunk follows its forward at once, so fp32 logits are never held for
+// the whole batch (at bench_1b's 16k tokens x 32k vocab that would be 2 GiB).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "layers/embedding.h"
+
+namespace troupe::layers {
+
+class LMHead {
+ public:
+  // tied_to: the embedding's weight when tied, else nullptr (the head owns a [V, D] weight).
+  LMHead(int64_t vocab, int64_t d_model, float eps, Parameter* tied_to, int64_t chunk_rows = 1024);
+  void init(uint64_t seed, float std);
+  void collect(std::vector<NamedParameter>& out);  // "final_norm.weight", "lm_head.weight"
+
+  // x [T, D], targets i32 [T] (-1 = ignored). Gradient of grad_scale * sum_t loss_t is
+  // written to dx and accumulated into the weights. Returns sum_t loss_t (fp64).
+  double forward_backward(const Ctx& c, const Tensor& x, const Tensor& targets, float grad_scale, Tensor& dx);
+  // Loss sum only (evaluation).
+  double loss_sum(const Ctx& c, const Tensor& x, const Tensor& targets) const;
+  // Logits [T, V] of every row of x (sampling; small T).
+  Tensor logits(const Ctx& c, const Tensor& x) const;
+
+  RMSNorm norm;
+  Parameter* weight;  // [V, D]
+  bool tied;
+
+ private:
+  Parameter own_;
+  int64_t chunk_rows_;
+};
+
+}  // namespace troupe::layers

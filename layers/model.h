@@ -1,0 +1,62 @@
+// layers/model.h — defines Model, the MoE language model: token embedding -> blocks (dense
+// or MoE per ModelConfig) -> LM head with cross-entropy. It owns every parameter under a
+// stable name (parameters()), runs the forward and backward of a micro-batch, evaluates,
+// and returns logits for sampling.
+//
+// Loss of a training step = sum over its micro-batches m of loss_weight_m * (mean CE_m +
+// aux_m), with loss_weight = 1 / micro-batches: gradients accumulate over micro-batches.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "layers/block.h"
+#include "layers/lm_head.h"
+
+namespace troupe::layers {
+
+class Model {
+ public:
+  struct MicroBatchStats {
+    double lm_loss_sum = 0;  // sum of token losses
+    int64_t tokens = 0;      // tokens with a target
+    double aux_loss = 0;     // sum over MoE blocks of their aux losses
+    std::vector<MoELayer::Stats> moe;  // one per MoE block, in block order
+  };
+
+  // Builds the model and initialises it deterministically from `seed` (see init_normal).
+  Model(const ModelConfig& cfg, uint64_t seed);
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelConfig& config() const { return cfg_; }
+  // Every parameter, in a fixed order: embedding, blocks, final norm, LM head.
+  std::vector<NamedParameter> parameters();
+  std::vector<NamedBuffer> buffers();  // router biases
+  int64_t num_moe_blocks() const;
+
+  // ids, targets i32 [B, S] (targets -1 = ignored). Runs forward and backward, adding the
+  // gradients of loss_weight * (mean CE + aux) to every Parameter::grad.
+  MicroBatchStats forward_backward(const Ctx& c, const Tensor& ids, const Tensor& targets, float loss_weight);
+  // Forward only: sum of token losses and the count of tokens with a target.
+  double eval_loss_sum(const Ctx& c, const Tensor& ids, const Tensor& targets, int64_t& tokens);
+  // Logits [V] of the last position of ids i32 [1, S].
+  std::vector<float> last_logits(const Ctx& c, const Tensor& ids);
+
+  void zero_grad(const Ctx& c);
+  // After the optimizer step: returns each MoE block's selections of the step (summed over
+  // micro-batches) and applies the aux-loss-free bias update with them.
+  std::vector<std::vector<int64_t>> end_step();
+
+  Embedding embedding;
+  std::vector<std::unique_ptr<Block>> blocks;
+  std::unique_ptr<LMHead> head;
+
+ private:
+  Tensor forward_blocks(const Ctx& c, const Tensor& ids, std::vector<Block::Saved>& saved,
+                        MicroBatchStats* stats);
+  ModelConfig cfg_;
+};
+
+}  // namespace troupe::layers

@@ -1,0 +1,258 @@
+// layers/moe.cc — Router, LocalExpertDispatch and MoELayer.
+//
+// Host loops: the selection counts, the aux-loss gradient on the scores and the z-loss
+// are computed here over host tensors ([T,E] and [T,k], small next to the GEMMs);
+// kernels/ops.h has no op for them. A CUDA build copies those small tensors to the host.
+#include "layers/moe.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace troupe::layers {
+
+namespace {
+std::vector<float> host_floats(const Tensor& t) { return t.to_floats(); }
+}  // namespace
+
+Router::Router(int64_t d_model, const MoEConfig& c) : cfg(c) {
+  weight.allocate({d_model, c.num_experts});
+  bias = Tensor::zeros({c.num_experts}, DType::kF32);
+}
+
+void Router::init(uint64_t seed, const std::string& prefix, float std) {
+  init_normal(weight.value, seed, prefix + ".weight", std);
+  bias.fill(0.0f);
+}
+
+void Router::collect(const std::string& prefix, std::vector<NamedParameter>& out) {
+  out.push_back({prefix + ".weight", &weight});
+}
+
+kernels::RouterConfig Router::router_config() const {
+  kernels::RouterConfig rc;
+  rc.top_k = static_cast<int>(cfg.top_k);
+  rc.score = cfg.score;
+  rc.normalize = cfg.normalize_gates || cfg.score == kernels::RouterScore::kSigmoid;
+  return rc;
+}
+
+namespace {
+// Log-sum-exp of each row of a host [T, E] array.
+std::vector<double> row_lse(const std::vector<float>& lg, int64_t t, int64_t e) {
+  std::vector<double> out(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i) {
+    const float* row = &lg[static_cast<size_t>(i * e)];
+    const float mx = *std::max_element(row, row + e);
+    double se = 0;
+    for (int64_t j = 0; j < e; ++j) se += std::exp(static_cast<double>(row[j] - mx));
+    out[static_cast<size_t>(i)] = mx + std::log(se);
+  }
+  return out;
+}
+}  // namespace
+
+double Router::forward(const Ctx& c, const Tensor& x, Saved& s) const {
+  const int64_t t = x.size(0), e = cfg.num_experts, k = cfg.top_k;
+  s.x = x;
+  s.logits = c.empty({t, e});
+  kernels::matmul(c.ex, x, weight.value, s.logits);
+  s.scores = c.empty({t, e});
+  s.topk_idx = c.empty({t, k}, DType::kI32);
+  s.gates = c.empty({t, k});
+  const bool use_bias = cfg.bias_update_rate > 0;
+  kernels::router_forward(c.ex, s.logits, use_bias ? &bias : nullptr, router_config(), s.scores, s.topk_idx,
+                          s.gates);
+
+  // Statistics of this rank's tokens: [selected_e (E) | sum_t scores[t,e] (E) | T | sum_t lse_t^2].
+  std::vector<double> stats(static_cast<size_t>(2 * e + 2), 0.0);
+  const Tensor idx = s.topk_idx.contiguous();
+  const int32_t* ip = idx.data<int32_t>();
+  for (int64_t i = 0; i < t * k; ++i) stats[static_cast<size_t>(ip[i])] += 1.0;
+  if (cfg.aux_loss_coef > 0) {
+    const std::vector<float> sc = host_floats(s.scores);
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t j = 0; j < e; ++j) stats[static_cast<size_t>(e + j)] += sc[static_cast<size_t>(i * e + j)];
+  }
+  stats[static_cast<size_t>(2 * e)] = static_cast<double>(t);
+  if (cfg.z_loss_coef > 0) {
+    for (double l : row_lse(host_floats(s.logits), t, e)) stats[static_cast<size_t>(2 * e + 1)] += l * l;
+  }
+  if (all_reduce_) all_reduce_(stats);
+
+  s.selected.assign(static_cast<size_t>(e), 0);
+  for (int64_t j = 0; j < e; ++j) s.selected[static_cast<size_t>(j)] = std::llround(stats[static_cast<size_t>(j)]);
+  s.group_tokens = std::llround(stats[static_cast<size_t>(2 * e)]);
+  const double tg = static_cast<double>(std::max<int64_t>(1, s.group_tokens));
+  double aux = 0;
+  if (cfg.aux_loss_coef > 0) {
+    double acc = 0;
+    for (int64_t j = 0; j < e; ++j) {
+      const double f = stats[static_cast<size_t>(j)] / (tg * static_cast<double>(k));
+      acc += f * stats[static_cast<size_t>(e + j)] / tg;
+    }
+    aux += cfg.aux_loss_coef * static_cast<double>(e) * acc;
+  }
+  if (cfg.z_loss_coef > 0) aux += cfg.z_loss_coef * stats[static_cast<size_t>(2 * e + 1)] / tg;
+  return aux;
+}
+
+Tensor Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight) {
+  const int64_t t = s.x.size(0), e = cfg.num_experts, k = cfg.top_k;
+  const double tg = static_cast<double>(std::max<int64_t>(1, s.group_tokens));
+  Tensor dlogits = c.empty({t, e});
+  Tensor dscores;
+  if (cfg.aux_loss_coef > 0) {
+    // d aux / d scores[t,e] = coef * E * f_e / T, the same for every token.
+    dscores = Tensor::empty({t, e}, DType::kF32);
+    float* dp = dscores.data<float>();
+    for (int64_t j = 0; j < e; ++j) {
+      const double f = static_cast<double>(s.selected[static_cast<size_t>(j)]) / (tg * static_cast<double>(k));
+      const float g = static_cast<float>(loss_weight * cfg.aux_loss_coef * static_cast<double>(e) * f / tg);
+      for (int64_t i = 0; i < t; ++i) dp[i * e + j] = g;
+    }
+  }
+  kernels::router_backward(c.ex, s.scores, s.topk_idx, dgates, dscores.defined() ? &dscores : nullptr,
+                           router_config(), dlogits);
+  if (cfg.z_loss_coef > 0) {
+    // d/dlogits of coef * mean_t lse_t^2 = coef * 2 * lse_t * softmax(logits_t) / T.
+    const std::vector<float> lg = host_floats(s.logits);
+    const std::vector<double> lse = row_lse(lg, t, e);
+    float* dl = dlogits.data<float>();
+    for (int64_t i = 0; i < t; ++i) {
+      for (int64_t j = 0; j < e; ++j) {
+        const double p = std::exp(static_cast<double>(lg[static_cast<size_t>(i * e + j)]) - lse[static_cast<size_t>(i)]);
+        dl[i * e + j] += static_cast<float>(loss_weight * cfg.z_loss_coef * 2.0 * lse[static_cast<size_t>(i)] * p / tg);
+      }
+    }
+  }
+  Tensor dx = c.empty(s.x.shape());
+  kernels::matmul_backward(c.ex, s.x, weight.value, dlogits, &dx, nullptr);
+  kernels::matmul_backward(c.ex, s.x, weight.value, dlogits, nullptr, &weight.grad, false, false, true);
+  return dx;
+}
+
+// ---- LocalExpertDispatch ---------------------------------------------------------------
+
+namespace {
+struct LocalDispatchState final : DispatchState {
+  Tensor row_map, offsets, yp, gates;
+  Experts::Saved experts;
+  int64_t tokens = 0;
+};
+}  // namespace
+
+LocalExpertDispatch::LocalExpertDispatch(Experts& experts, int64_t top_k, double capacity_factor)
+    : experts_(experts), top_k_(top_k), capacity_factor_(capacity_factor) {}
+
+Tensor LocalExpertDispatch::forward(const Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
+                                    std::unique_ptr<DispatchState>& state, std::vector<int64_t>& kept) {
+  auto st = std::make_unique<LocalDispatchState>();
+  const int64_t t = x.size(0), e = experts_.w1.value.size(0);
+  int64_t capacity = -1;
+  if (capacity_factor_ > 0) {
+    capacity = static_cast<int64_t>(
+        std::ceil(capacity_factor_ * static_cast<double>(t * top_k_) / static_cast<double>(e)));
+  }
+  st->row_map = c.empty({t * top_k_}, DType::kI32);
+  Tensor counts = c.empty({e}, DType::kI32);
+  st->offsets = c.empty({e + 1}, DType::kI32);
+  kernels::moe_dispatch_plan(c.ex, topk_idx, e, capacity, st->row_map, counts, st->offsets);
+  const Tensor hc = counts.contiguous();
+  kept.assign(static_cast<size_t>(e), 0);
+  for (int64_t j = 0; j < e; ++j) kept[static_cast<size_t>(j)] = hc.data<int32_t>()[j];
+  const int64_t rows = static_cast<int64_t>(st->offsets.contiguous().data<int32_t>()[e]);
+  Tensor xp = c.empty({rows, x.size(1)});
+  kernels::moe_permute(c.ex, x, st->row_map, top_k_, xp);
+  st->yp = experts_.forward(c, xp, st->offsets, st->experts);
+  Tensor y = c.empty(x.shape());
+  kernels::moe_unpermute(c.ex, st->yp, st->row_map, gates, y);
+  st->gates = gates;
+  st->tokens = t;
+  state = std::move(st);
+  return y;
+}
+
+Tensor LocalExpertDispatch::backward(const Ctx& c, const Tensor& dy, DispatchState& state, Tensor& dgates) {
+  auto& st = static_cast<LocalDispatchState&>(state);
+  Tensor dyp = c.empty(st.yp.shape());
+  dgates = c.empty(st.gates.shape());
+  kernels::moe_unpermute_backward(c.ex, dy, st.yp, st.row_map, st.gates, dyp, dgates);
+  Tensor dxp = experts_.backward(c, dyp, st.experts);
+  Tensor dx = c.empty({st.tokens, dy.size(1)});
+  kernels::moe_permute_backward(c.ex, dxp, st.row_map, top_k_, dx);
+  return dx;
+}
+
+// ---- MoELayer ----------------------------------------------------------------------------
+
+MoELayer::MoELayer(int64_t d_model, const MoEConfig& cfg, bool recompute)
+    : router(d_model, cfg), experts(cfg.num_experts, d_model, cfg.expert_hidden, recompute) {
+  if (cfg.shared_experts > 0) {
+    shared = std::make_unique<SwiGLUMLP>(d_model, cfg.shared_experts * cfg.expert_hidden, recompute);
+  }
+  local_ = std::make_unique<LocalExpertDispatch>(experts, cfg.top_k, cfg.capacity_factor);
+  dispatch_ = local_.get();
+  step_load_.assign(static_cast<size_t>(cfg.num_experts), 0);
+}
+
+void MoELayer::init(uint64_t seed, const std::string& prefix, float std, float out_std) {
+  router.init(seed, prefix + ".router", std);
+  experts.init(seed, prefix + ".experts", std, out_std);
+  if (shared) shared->init(seed, prefix + ".shared", std, out_std);
+}
+
+void MoELayer::collect(const std::string& prefix, std::vector<NamedParameter>& out) {
+  router.collect(prefix + ".router", out);
+  experts.collect(prefix + ".experts", out);
+  if (shared) shared->collect(prefix + ".shared", out);
+}
+
+void MoELayer::collect_buffers(const std::string& prefix, std::vector<NamedBuffer>& out) {
+  out.push_back({prefix + ".router.bias", &router.bias});
+}
+
+Tensor MoELayer::forward(const Ctx& c, const Tensor& x, Saved& s, Stats* stats) {
+  const double aux = router.forward(c, x, s.router);
+  std::vector<int64_t> kept;
+  Tensor y = dispatch_->forward(c, x, s.router.topk_idx, s.router.gates, s.dispatch, kept);
+  if (stats) {
+    stats->aux_loss = aux;
+    stats->selected = s.router.selected;
+    stats->kept = std::move(kept);
+    for (size_t j = 0; j < step_load_.size(); ++j) step_load_[j] += stats->selected[j];
+  }
+  if (shared) {
+    Tensor ys = shared->forward(c, x, s.shared);
+    kernels::add(c.ex, y, ys, y);
+  }
+  return y;
+}
+
+Tensor MoELayer::backward(const Ctx& c, const Tensor& dy, Saved& s, float loss_weight) {
+  Tensor dgates;
+  Tensor dx = dispatch_->backward(c, dy, *s.dispatch, dgates);
+  Tensor dxr = router.backward(c, dgates, s.router, loss_weight);
+  kernels::add(c.ex, dx, dxr, dx);
+  if (shared) {
+    Tensor dxs = shared->backward(c, dy, s.shared);
+    kernels::add(c.ex, dx, dxs, dx);
+  }
+  return dx;
+}
+
+void MoELayer::update_bias(const std::vector<int64_t>& load) {
+  const double rate = router.cfg.bias_update_rate;
+  if (rate > 0 && !load.empty()) {
+    double mean = 0;
+    for (int64_t l : load) mean += static_cast<double>(l);
+    mean /= static_cast<double>(load.size());
+    float* b = router.bias.data<float>();
+    for (size_t j = 0; j < load.size(); ++j) {
+      const double d = mean - static_cast<double>(load[j]);
+      b[j] += static_cast<float>(rate * (d > 0 ? 1.0 : (d < 0 ? -1.0 : 0.0)));
+    }
+  }
+  std::fill(step_load_.begin(), step_load_.end(), 0);
+}
+
+}  // namespace troupe::layers

@@ -1,0 +1,61 @@
+// layers/optimizer.cc — AdamW and the LR schedule.
+#include "layers/optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace troupe::layers {
+
+AdamW::AdamW(std::vector<NamedParameter> params, const AdamWOptions& opts) : params_(std::move(params)), opts_(opts) {
+  for (auto& p : params_) {
+    m_.push_back(Tensor::zeros(p.param->value.shape(), DType::kF32));
+    v_.push_back(Tensor::zeros(p.param->value.shape(), DType::kF32));
+  }
+}
+
+double AdamW::grad_norm_squared(const Ctx& c) const {
+  double s = 0;
+  for (const auto& p : params_) s += kernels::sum_squares(c.ex, p.param->grad);
+  return s;
+}
+
+double clip_factor(double norm, double max_norm) {
+  if (max_norm <= 0 || !(norm > max_norm)) return 1.0;
+  return max_norm / norm;
+}
+
+void AdamW::step(const Ctx& c, double lr, double grad_norm) {
+  ++step_;
+  kernels::AdamWConfig cfg;
+  cfg.lr = static_cast<float>(lr);
+  cfg.beta1 = static_cast<float>(opts_.beta1);
+  cfg.beta2 = static_cast<float>(opts_.beta2);
+  cfg.eps = static_cast<float>(opts_.eps);
+  cfg.step = step_;
+  cfg.grad_scale = static_cast<float>(clip_factor(grad_norm, opts_.grad_clip));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Parameter& p = *params_[i].param;
+    cfg.weight_decay = p.decay ? static_cast<float>(opts_.weight_decay) : 0.0f;
+    kernels::adamw_step(c.ex, p.value, p.grad, m_[i], v_[i], cfg);
+  }
+}
+
+std::vector<NamedBuffer> AdamW::state() {
+  std::vector<NamedBuffer> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    out.push_back({params_[i].name + ".adam_m", &m_[i]});
+    out.push_back({params_[i].name + ".adam_v", &v_[i]});
+  }
+  return out;
+}
+
+double LrSchedule::at(int64_t step) const {
+  if (warmup_steps > 0 && step <= warmup_steps) {
+    return lr * static_cast<double>(step) / static_cast<double>(warmup_steps);
+  }
+  const int64_t decay_steps = std::max<int64_t>(1, total_steps - warmup_steps);
+  const double progress = std::clamp(static_cast<double>(step - warmup_steps) / static_cast<double>(decay_steps), 0.0, 1.0);
+  return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * progress));
+}
+
+}  // namespace troupe::layers

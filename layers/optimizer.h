@@ -1,0 +1,59 @@
+// layers/optimizer.h — defines AdamW (fp32 master weights, fp32 moments, decoupled weight
+// decay, global-norm gradient clipping) over kernels::adamw_step, and LrSchedule (linear
+// warmup then cosine decay to a floor).
+//
+// Distributed use: grad_norm_squared() is the local sum of squares; a data/expert-parallel
+// caller all-reduces it before calling step() with the global norm, and may construct
+// AdamW over its shard of the parameters only (ZeRO-1).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "layers/context.h"
+#include "layers/parameter.h"
+
+namespace troupe::layers {
+
+struct AdamWOptions {
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+  double grad_clip = 1.0;  // max global gradient norm; <= 0 disables clipping
+};
+
+class AdamW {
+ public:
+  AdamW(std::vector<NamedParameter> params, const AdamWOptions& opts);
+
+  double grad_norm_squared(const Ctx& c) const;
+  // Clips by `grad_norm` (the global norm) and updates every parameter; advances step().
+  void step(const Ctx& c, double lr, double grad_norm);
+  int64_t steps_done() const { return step_; }
+  void set_steps_done(int64_t s) { step_ = s; }
+  // Moments as named tensors ("<param>.adam_m", "<param>.adam_v") for checkpoints.
+  std::vector<NamedBuffer> state();
+  const AdamWOptions& options() const { return opts_; }
+
+ private:
+  std::vector<NamedParameter> params_;
+  std::vector<Tensor> m_, v_;
+  AdamWOptions opts_;
+  int64_t step_ = 0;
+};
+
+// Clip multiplier for a gradient of global norm `norm`: min(1, max_norm / norm).
+double clip_factor(double norm, double max_norm);
+
+struct LrSchedule {
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  int64_t warmup_steps = 0;
+  int64_t total_steps = 1;
+  // step is 1-based: warmup rises linearly to lr at warmup_steps, then cosine to min_lr
+  // at total_steps (and stays there).
+  double at(int64_t step) const;
+};
+
+}  // namespace troupe::layers

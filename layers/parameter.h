@@ -1,0 +1,51 @@
+// layers/parameter.h — defines Parameter (an fp32 master value and its gradient),
+// NamedParameter / NamedBuffer (the stable names checkpoints and distributed code use,
+// e.g. "blocks.3.moe.experts.w1") and the deterministic initialisers every layer uses.
+//
+// Contract: gradients accumulate. Every backward adds into Parameter::grad, so several
+// micro-batches can run before one optimizer step; Model::zero_grad() clears them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace troupe::layers {
+
+struct Parameter {
+  Tensor value;  // f32 master weights
+  Tensor grad;   // f32, same shape as value
+  // False for gains of norms (AdamW's decoupled weight decay is not applied to them).
+  bool decay = true;
+
+  // Allocates value and a zeroed grad of `shape` (host, f32).
+  void allocate(const Shape& shape, bool with_decay = true);
+  int64_t numel() const { return value.numel(); }
+};
+
+struct NamedParameter {
+  std::string name;
+  Parameter* param;
+};
+
+// State that is saved with the model but has no gradient (the router's balancing bias).
+struct NamedBuffer {
+  std::string name;
+  Tensor* tensor;
+};
+
+// Deterministic initialisation keyed by (seed, parameter name): the same name gets the
+// same values whatever the order of construction or the parallel layout. The generator
+// is counter-based (element i of the flattened global tensor depends only on seed, name
+// and i), so a sharded run initialises its contiguous slice alone by passing the slice's
+// first element index in `first_element` and still equals one process.
+void init_normal(Tensor& t, uint64_t seed, const std::string& name, float std, int64_t first_element = 0);
+void init_constant(Tensor& t, float value);
+
+// splitmix64: the mixing function behind initialisation and the data loader.
+uint64_t mix64(uint64_t x);
+uint64_t hash_string(const std::string& s);
+
+}  // namespace troupe::layers

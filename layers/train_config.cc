@@ -1,0 +1,111 @@
+// layers/train_config.cc — TrainConfig parsing and validation.
+#include "layers/train_config.h"
+
+namespace troupe::layers {
+
+Status ParallelOptions::validate(const ModelConfig& m) const {
+  if (pp < 1 || dp < 1 || n < 1) {
+    return invalid_argument("parallel: pp, dp and n must be >= 1 (got pp={}, dp={}, n={})", pp, dp, n);
+  }
+  if (m.n_layers % pp != 0) {
+    return invalid_argument("parallel.pp={} does not divide model.n_layers={}", pp, m.n_layers);
+  }
+  if (m.n_heads % n != 0 || m.n_kv_heads % n != 0) {
+    return invalid_argument("parallel.n={} must divide model.n_heads={} and model.n_kv_heads={}", n, m.n_heads,
+                            m.n_kv_heads);
+  }
+  bool any_moe = false;
+  for (int64_t i = 0; i < m.n_layers; ++i) any_moe |= m.is_moe_block(i);
+  if (any_moe && m.moe.num_experts % n != 0) {
+    return invalid_argument("parallel.n={} does not divide model.moe.num_experts={}", n, m.moe.num_experts);
+  }
+  if (dispatch != "alltoall" && dispatch != "allgather") {
+    return invalid_argument("parallel.dispatch must be \"alltoall\" or \"allgather\" (got \"{}\")", dispatch);
+  }
+  return ok_status();
+}
+
+Status ParallelOptions::validate(const ModelConfig& m, const TrainOptions& t) const {
+  TROUPE_RETURN_IF_ERROR(validate(m));
+  if (t.seq_len % n != 0) {
+    return invalid_argument("parallel.n={} does not divide train.seq_len={} (Ulysses gives each rank seq_len/n "
+                            "tokens of every sequence)",
+                            n, t.seq_len);
+  }
+  if (m.moe.capacity_factor > 0 && n > 1) {
+    return invalid_argument("parallel.n={} needs dropless routing (model.moe.capacity_factor = 0): with token "
+                            "dropping the capacity would be counted per rank and differ from one process",
+                            n);
+  }
+  return ok_status();
+}
+
+Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
+  TrainConfig tc;
+  tc.source = cfg.source();
+  TROUPE_ASSIGN_OR_RETURN(tc.model, parse_model_config(cfg));
+
+  TrainOptions& t = tc.train;
+  TROUPE_ASSIGN_OR_RETURN(int64_t seed, cfg.get_int("train.seed", static_cast<int64_t>(t.seed)));
+  t.seed = static_cast<uint64_t>(seed);
+  TROUPE_ASSIGN_OR_RETURN(t.steps, cfg.get_int("train.steps", t.steps));
+  TROUPE_ASSIGN_OR_RETURN(t.seq_len, cfg.get_int("train.seq_len", t.seq_len));
+  TROUPE_ASSIGN_OR_RETURN(t.micro_batch_size, cfg.get_int("train.micro_batch_size", t.micro_batch_size));
+  TROUPE_ASSIGN_OR_RETURN(t.grad_accum, cfg.get_int("train.grad_accum", t.grad_accum));
+  TROUPE_ASSIGN_OR_RETURN(t.eval_every, cfg.get_int("train.eval_every", t.eval_every));
+  TROUPE_ASSIGN_OR_RETURN(t.eval_batches, cfg.get_int("train.eval_batches", t.eval_batches));
+  TROUPE_ASSIGN_OR_RETURN(t.log_every, cfg.get_int("train.log_every", t.log_every));
+  TROUPE_ASSIGN_OR_RETURN(t.time_limit_s, cfg.get_double("train.time_limit_s", t.time_limit_s));
+  if (t.time_limit_s < 0) return invalid_argument("{}: key 'train.time_limit_s' must be >= 0", cfg.source());
+  const std::pair<const char*, int64_t> positive[] = {{"train.steps", t.steps},
+                                                      {"train.seq_len", t.seq_len},
+                                                      {"train.micro_batch_size", t.micro_batch_size},
+                                                      {"train.grad_accum", t.grad_accum},
+                                                      {"train.eval_batches", t.eval_batches},
+                                                      {"train.log_every", t.log_every}};
+  for (const auto& [key, v] : positive) {
+    if (v <= 0) return invalid_argument("{}: key '{}' must be positive (got {})", cfg.source(), key, v);
+  }
+  if (t.eval_every < 0) return invalid_argument("{}: key 'train.eval_every' must be >= 0", cfg.source());
+
+  AdamWOptions& o = tc.optim;
+  TROUPE_ASSIGN_OR_RETURN(tc.lr.lr, cfg.get_double("optim.lr", 1e-3));
+  TROUPE_ASSIGN_OR_RETURN(tc.lr.min_lr, cfg.get_double("optim.min_lr", tc.lr.lr * 0.1));
+  TROUPE_ASSIGN_OR_RETURN(tc.lr.warmup_steps, cfg.get_int("optim.warmup_steps", 0));
+  tc.lr.total_steps = t.steps;
+  TROUPE_ASSIGN_OR_RETURN(o.beta1, cfg.get_double("optim.beta1", o.beta1));
+  TROUPE_ASSIGN_OR_RETURN(o.beta2, cfg.get_double("optim.beta2", o.beta2));
+  TROUPE_ASSIGN_OR_RETURN(o.eps, cfg.get_double("optim.eps", o.eps));
+  TROUPE_ASSIGN_OR_RETURN(o.weight_decay, cfg.get_double("optim.weight_decay", o.weight_decay));
+  TROUPE_ASSIGN_OR_RETURN(o.grad_clip, cfg.get_double("optim.grad_clip", o.grad_clip));
+  if (!(tc.lr.lr > 0)) return invalid_argument("{}: key 'optim.lr' must be positive", cfg.source());
+  if (tc.lr.min_lr < 0 || tc.lr.min_lr > tc.lr.lr) {
+    return invalid_argument("{}: key 'optim.min_lr' must be in [0, optim.lr]", cfg.source());
+  }
+  if (tc.lr.warmup_steps < 0) return invalid_argument("{}: key 'optim.warmup_steps' must be >= 0", cfg.source());
+  if (o.beta1 < 0 || o.beta1 >= 1) return invalid_argument("{}: key 'optim.beta1' must be in [0, 1)", cfg.source());
+  if (o.beta2 < 0 || o.beta2 >= 1) return invalid_argument("{}: key 'optim.beta2' must be in [0, 1)", cfg.source());
+  if (!(o.eps > 0)) return invalid_argument("{}: key 'optim.eps' must be positive", cfg.source());
+  if (o.weight_decay < 0) return invalid_argument("{}: key 'optim.weight_decay' must be >= 0", cfg.source());
+
+  TROUPE_ASSIGN_OR_RETURN(tc.data.dir, cfg.get_string("data.dir", ""));
+
+  TROUPE_ASSIGN_OR_RETURN(tc.parallel.pp, cfg.get_int("parallel.pp", 1));
+  TROUPE_ASSIGN_OR_RETURN(tc.parallel.dp, cfg.get_int("parallel.dp", 1));
+  TROUPE_ASSIGN_OR_RETURN(tc.parallel.n, cfg.get_int("parallel.n", 1));
+  TROUPE_ASSIGN_OR_RETURN(tc.parallel.dispatch, cfg.get_string("parallel.dispatch", tc.parallel.dispatch));
+  TROUPE_ASSIGN_OR_RETURN(tc.parallel.compression, cfg.get_bool("parallel.compression", tc.parallel.compression));
+  Status st = tc.parallel.validate(tc.model, tc.train);
+  if (!st.ok()) return st.with_context(cfg.source());
+
+  TROUPE_RETURN_IF_ERROR(cfg.check_all_keys_used());
+  return tc;
+}
+
+Result<TrainConfig> load_train_config(const std::string& path, const std::vector<std::string>& overrides) {
+  TROUPE_ASSIGN_OR_RETURN(ConfigTable cfg, ConfigTable::parse_file(path));
+  for (const auto& o : overrides) TROUPE_RETURN_IF_ERROR(cfg.set_from_string(o));
+  return parse_train_config(cfg);
+}
+
+}  // namespace troupe::layers

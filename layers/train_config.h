@@ -1,0 +1,69 @@
+// layers/train_config.h — defines TrainConfig, everything a training run reads from its
+// TOML file: [model] (ModelConfig), [train], [optim], [data] and [parallel], with
+// strict parsing (an unknown key or a bad value is an error naming the key) and
+// command-line overrides ("--set train.steps=10").
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "layers/model_config.h"
+#include "layers/optimizer.h"
+
+namespace troupe::layers {
+
+struct TrainOptions {
+  uint64_t seed = 1234;           // model initialisation and data order
+  int64_t steps = 100;            // optimizer steps
+  int64_t seq_len = 128;          // tokens per sequence
+  int64_t micro_batch_size = 8;   // sequences per micro-batch (per data-parallel rank)
+  int64_t grad_accum = 1;         // micro-batches per step (per data-parallel rank)
+  int64_t eval_every = 50;        // validation loss every N steps (0: only at the start and end)
+  int64_t eval_batches = 4;       // micro-batches of validation data per evaluation
+  int64_t log_every = 1;          // a console line every N steps
+  // Wall-clock budget in seconds (0: none). When a step ends past it, training stops
+  // there (final validation and weights as usual): `make demo` uses it as a safety net.
+  double time_limit_s = 0;
+};
+
+struct DataOptions {
+  std::string dir;  // output of `train_moe prepare` (tokenizer.json, train/val shards)
+};
+
+// Layout pp x dp x n (see DESIGN.md "Parallel layout").
+struct ParallelOptions {
+  int64_t pp = 1, dp = 1, n = 1;
+  // Expert dispatch inside the n-group: "alltoall" (all_to_all_v of the routed rows) or
+  // "allgather" (all-gather -> local scatter ... local gather -> reduce-scatter; better
+  // when top_k is large).
+  std::string dispatch = "alltoall";
+  bool compression = false;  // data-parallel gradient reduce-scatter with bf16 on the wire
+  int64_t world() const { return pp * dp * n; }
+  // The layout must fit the model: layers divisible by pp, heads, kv heads and experts
+  // by n.
+  Status validate(const ModelConfig& m) const;
+  // And the training shapes: the sequence split in n equal parts (Ulysses), the
+  // micro-batch count of a pipeline.
+  Status validate(const ModelConfig& m, const TrainOptions& t) const;
+};
+
+struct TrainConfig {
+  ModelConfig model;
+  TrainOptions train;
+  AdamWOptions optim;
+  LrSchedule lr;
+  DataOptions data;
+  ParallelOptions parallel;
+  std::string source;  // the config file
+
+  int64_t global_batch() const { return train.micro_batch_size * train.grad_accum * parallel.dp; }
+  int64_t tokens_per_step() const { return global_batch() * train.seq_len; }
+};
+
+// Parses `path`, applies `overrides` ("key=value", TOML-typed), reads every section and
+// rejects unknown keys. Errors name the key and the file.
+Result<TrainConfig> load_train_config(const std::string& path, const std::vector<std::string>& overrides);
+Result<TrainConfig> parse_train_config(ConfigTable& cfg);
+
+}  // namespace troupe::layers
