@@ -211,6 +211,7 @@ void visit_dtype(DType t, F&& f) {
 }  // namespace
 
 void convert_dtype(const void* src, DType st, void* dst, DType dt, size_t n) {
+  if (n == 0) return;  // src/dst may be null for empty tensors
   if (st == dt) {
     std::memcpy(dst, src, n * dtype_size(st));
     return;

@@ -8,7 +8,8 @@
 #include "core/check.h"
 
 namespace troupe::detail {
-inline const char* cublas_status_string(cublasStatus_t s) { return cublasGetStatusString(s); }
+// cublasLt's own copy, so that users of cuBLASLt need not link libcublas.
+inline const char* cublas_status_string(cublasStatus_t s) { return cublasLtGetStatusString(s); }
 }  // namespace troupe::detail
 
 TROUPE_DEFINE_ERROR_CHECK(CUDA_CHECK, cudaError_t, cudaSuccess, cudaGetErrorString)

@@ -1,0 +1,33 @@
+#!/usr/bin/env python3
+"""bench/kernels/compare.py — joins kernel_bench's "RESULT name ms" lines with
+torch_kernels.py's "TORCH name ms" lines and prints a markdown table of the two times and
+the ratio (PyTorch time / Troupe time: above 1 means Troupe is faster).
+Usage: compare.py troupe.log torch.log [troupe_repeat.log]
+With a second Troupe log (the same binary run again), a column gives the run-to-run spread."""
+import sys
+
+
+def read(path, tag):
+    out = {}
+    for line in open(path, errors="replace"):
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == tag:
+            out[parts[1]] = float(parts[2])
+    return out
+
+
+ours, theirs = read(sys.argv[1], "RESULT"), read(sys.argv[2], "TORCH")
+again = read(sys.argv[3], "RESULT") if len(sys.argv) > 3 else {}
+# Troupe's fwd+bwd attention is the sum of its two timed kernels.
+for d in (ours, again):
+    if "attention_fwd_b8_s2048_h16_d64" in d and "attention_bwd" in d:
+        d["attention_fwd_bwd"] = d["attention_fwd_b8_s2048_h16_d64"] + d["attention_bwd"]
+print("| kernel | Troupe ms | PyTorch ms | PyTorch/Troupe | Troupe repeat ms |")
+print("|---|---:|---:|---:|---:|")
+for name in list(ours) + [n for n in theirs if n not in ours]:
+    a, b = ours.get(name), theirs.get(name)
+    ratio = f"{b / a:.2f}" if a and b else "-"
+    fa = f"{a:.3f}" if a is not None else "-"
+    fb = f"{b:.3f}" if b is not None else "-"
+    fr = f"{again[name]:.3f}" if name in again else "-"
+    print(f"| {name} | {fa} | {fb} | {ratio} | {fr} |")

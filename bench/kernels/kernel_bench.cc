@@ -1,0 +1,292 @@
+// bench/kernels/kernel_bench.cc — times every hot CUDA kernel of Troupe on the shapes of
+// bench_1b (d_model 1024, 16 heads of 64, 16 experts top-2, expert FFN 2048, seq 2048,
+// micro-batch 8 => 16384 tokens) and prints, per kernel, the median time, the achieved
+// TFLOP/s or GB/s with the formula used, and the fraction of the peak (989 TFLOP/s dense
+// bf16; for bandwidth, the device-to-device copy bandwidth measured first).
+//
+// Output: a human table, plus one machine line per kernel "RESULT <name> <ms>" that
+// bench/kernels/compare.py joins with torch_kernels.py's "TORCH <name> <ms>" lines.
+// Inputs are random (never zeros); each kernel gets 3 warm-up runs and 15 timed runs.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/cuda/caching_allocator.h"
+#include "core/cuda/device_buffer.h"
+#include "core/cuda/stream.h"
+#include "core/gpu_check.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/context.h"
+#include "kernels/cuda/launch.h"
+
+namespace troupe::kernels {
+namespace {
+
+constexpr double kPeakBf16Tflops = 989.0;
+constexpr int64_t kD = 1024, kHeads = 16, kHeadDim = 64, kExperts = 16, kTopK = 2, kFfn = 2048, kSeq = 2048,
+                  kBatch = 8, kVocab = 32768;
+constexpr int64_t kTokens = kSeq * kBatch;
+
+struct Bench {
+  CudaContext& ctx;
+  Allocator& alloc;
+  Exec ex;
+  const Backend& be;
+  double copy_gbs = 0.0;
+  std::mt19937 gen{12345};
+
+  Tensor random(const Shape& shape, DType dt, float lo = -1.0f, float hi = 1.0f) {
+    Tensor host = Tensor::empty(shape, DType::kF32);
+    std::uniform_real_distribution<float> u(lo, hi);
+    float* p = host.data<float>();
+    for (int64_t i = 0; i < host.numel(); ++i) p[i] = u(gen);
+    Tensor f32 = cuda::to_device(host, alloc, ctx.stream);
+    if (dt == DType::kF32) return f32;
+    Tensor out = Tensor::empty(shape, dt, alloc);
+    be.cast(ex, f32, out);
+    return out;
+  }
+  Tensor ints(const Shape& shape, const std::vector<int32_t>& v) {
+    return cuda::to_device(Tensor::from_ints(shape, v), alloc, ctx.stream);
+  }
+  Tensor empty(const Shape& shape, DType dt) {
+    Tensor t = Tensor::empty(shape, dt, alloc);
+    be.fill(ex, t, 0.5f);
+    return t;
+  }
+
+  double time_ms(const std::function<void()>& fn, int warmup = 3, int reps = 15) {
+    for (int i = 0; i < warmup; ++i) fn();
+    auto start = cuda::CudaEvent::create(ctx.device), stop = cuda::CudaEvent::create(ctx.device);
+    std::vector<float> ms;
+    for (int i = 0; i < reps; ++i) {
+      start.record(ctx.stream);
+      fn();
+      stop.record(ctx.stream);
+      stop.synchronize();
+      ms.push_back(cuda::CudaEvent::elapsed_ms(start, stop));
+    }
+    CUDA_CHECK(cudaGetLastError());
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+  }
+
+  void flops(const std::string& name, double flop, const std::string& formula, const std::function<void()>& fn) {
+    const double ms = time_ms(fn);
+    const double tflops = flop / (ms * 1e-3) / 1e12;
+    std::printf("%-30s %9.3f ms %8.1f TFLOP/s %5.1f%% of %.0f   [%s]\n", name.c_str(), ms, tflops,
+                100.0 * tflops / kPeakBf16Tflops, kPeakBf16Tflops, formula.c_str());
+    std::printf("RESULT %s %.4f\n", name.c_str(), ms);
+  }
+
+  void bytes(const std::string& name, double nbytes, const std::string& formula, const std::function<void()>& fn) {
+    const double ms = time_ms(fn);
+    const double gbs = nbytes / (ms * 1e-3) / 1e9;
+    std::printf("%-30s %9.3f ms %8.1f GB/s    %5.1f%% of copy %.0f GB/s   [%s]\n", name.c_str(), ms, gbs,
+                100.0 * gbs / copy_gbs, copy_gbs, formula.c_str());
+    std::printf("RESULT %s %.4f\n", name.c_str(), ms);
+  }
+};
+
+void run() {
+  const int dev = 0;
+  CUDA_CHECK(cudaSetDevice(dev));
+  cuda::CudaStream stream = cuda::CudaStream::create(dev);
+  cuda::CudaCachingAllocator alloc(dev);
+  CudaContext ctx(dev, stream.get());
+  const Backend& be = *cuda_backend();
+  Bench b{ctx, alloc, Exec{Device::cuda(dev), &ctx}, be};
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  std::printf("device: %s, %d SMs, %.0f MB L2\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6);
+
+  // Copy bandwidth (bytes read + written) of a 2 GiB device-to-device copy.
+  {
+    const size_t n = size_t{1} << 31;
+    cuda::DeviceBuffer src(n, dev), dst(n, dev);
+    CUDA_CHECK(cudaMemsetAsync(src.data(), 1, n, ctx.stream));
+    const double ms = b.time_ms([&] { CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), n, cudaMemcpyDeviceToDevice, ctx.stream)); });
+    b.copy_gbs = 2.0 * n / (ms * 1e-3) / 1e9;
+    std::printf("%-30s %9.3f ms %8.1f GB/s    (2 x 2 GiB / t)\n", "copy_d2d", ms, b.copy_gbs);
+    std::printf("RESULT copy_d2d %.4f\n", ms);
+  }
+
+  const DType bf = DType::kBF16;
+  const double T = kTokens;
+  // ---- dense GEMMs (cuBLASLt) ----
+  {
+    Tensor x = b.random({kTokens, kD}, bf), wqkv = b.random({kD, 3 * kD}, bf, -0.05f, 0.05f);
+    Tensor qkv = b.empty({kTokens, 3 * kD}, bf);
+    b.flops("gemm_qkv_16384x3072x1024", 2 * T * kD * 3 * kD, "2*M*N*K",
+            [&] { be.matmul(b.ex, x, wqkv, qkv, false, false, 1.0f, 0.0f); });
+    Tensor wo = b.random({kD, kD}, bf, -0.05f, 0.05f), o = b.empty({kTokens, kD}, bf);
+    b.flops("gemm_out_16384x1024x1024", 2 * T * kD * kD, "2*M*N*K",
+            [&] { be.matmul(b.ex, x, wo, o, false, false, 1.0f, 0.0f); });
+    // Weight gradient: dW [K,N] = x^T @ dout, accumulated in f32.
+    Tensor dw = b.empty({kD, 3 * kD}, DType::kF32);
+    b.flops("gemm_dw_qkv_tn_f32acc", 2 * T * kD * 3 * kD, "2*M*N*K",
+            [&] { be.matmul(b.ex, x, qkv, dw, true, false, 1.0f, 1.0f); });
+    Tensor dx = b.empty({kTokens, kD}, bf);
+    b.flops("gemm_dx_qkv_nt", 2 * T * kD * 3 * kD, "2*M*N*K",
+            [&] { be.matmul(b.ex, qkv, wqkv, dx, false, true, 1.0f, 0.0f); });
+  }
+  {
+    Tensor x = b.random({kTokens, kD}, bf), wlm = b.random({kD, kVocab}, bf, -0.05f, 0.05f);
+    Tensor logits = b.empty({kTokens, kVocab}, bf);
+    b.flops("gemm_lm_head_16384x32768x1024", 2 * T * kD * kVocab, "2*M*N*K",
+            [&] { be.matmul(b.ex, x, wlm, logits, false, false, 1.0f, 0.0f); });
+  }
+  // ---- grouped expert GEMMs ----
+  {
+    const int64_t rows = kTokens * kTopK;
+    std::vector<int32_t> off(kExperts + 1);
+    std::mt19937 g(7);
+    std::vector<double> w(kExperts);
+    double tot = 0;
+    for (auto& v : w) tot += (v = 0.6 + std::uniform_real_distribution<double>(0, 0.8)(g));
+    int64_t acc = 0;
+    for (int64_t e = 0; e < kExperts; ++e) {
+      off[e] = static_cast<int32_t>(acc);
+      acc += e + 1 == kExperts ? rows - acc : static_cast<int64_t>(rows * w[e] / tot);
+    }
+    off[kExperts] = static_cast<int32_t>(rows);
+    Tensor offsets = b.ints({kExperts + 1}, off);
+    Tensor xp = b.random({rows, kD}, bf), w1 = b.random({kExperts, kD, 2 * kFfn}, bf, -0.05f, 0.05f);
+    Tensor h = b.empty({rows, 2 * kFfn}, bf);
+    const double f1 = 2.0 * rows * kD * 2 * kFfn;
+    b.flops("grouped_up_32768x4096x1024", f1, "2*rows*N*K", [&] { be.grouped_matmul(b.ex, xp, w1, offsets, h, false); });
+    Tensor a = b.random({rows, kFfn}, bf), w2 = b.random({kExperts, kFfn, kD}, bf, -0.05f, 0.05f);
+    Tensor y = b.empty({rows, kD}, bf);
+    const double f2 = 2.0 * rows * kFfn * kD;
+    b.flops("grouped_down_32768x1024x2048", f2, "2*rows*N*K", [&] { be.grouped_matmul(b.ex, a, w2, offsets, y, false); });
+    // The other warp layout of the tensor-core kernel (the backend uses 2 x 2 warps of 64 x 64).
+    const gpu::Env env{ctx.stream, ctx.num_sms};
+    b.flops("grouped_up_warps2x4", f1, "2*rows*N*K", [&] {
+      gpu::launch_grouped_matmul(env, xp.data_ptr(), w1.data_ptr(), static_cast<const int32_t*>(offsets.data_ptr()),
+                                 rows, kExperts, kD, 2 * kFfn, false, h.data_ptr(), bf, gpu::GemmTiling::kWarps2x4);
+    });
+    b.flops("grouped_down_warps2x4", f2, "2*rows*N*K", [&] {
+      gpu::launch_grouped_matmul(env, a.data_ptr(), w2.data_ptr(), static_cast<const int32_t*>(offsets.data_ptr()),
+                                 rows, kExperts, kFfn, kD, false, y.data_ptr(), bf, gpu::GemmTiling::kWarps2x4);
+    });
+    b.flops("grouped_up_warps2x2_k64", f1, "2*rows*N*K", [&] {
+      gpu::launch_grouped_matmul(env, xp.data_ptr(), w1.data_ptr(), static_cast<const int32_t*>(offsets.data_ptr()),
+                                 rows, kExperts, kD, 2 * kFfn, false, h.data_ptr(), bf, gpu::GemmTiling::kWarps2x2K64);
+    });
+    b.flops("grouped_down_warps2x2_k64", f2, "2*rows*N*K", [&] {
+      gpu::launch_grouped_matmul(env, a.data_ptr(), w2.data_ptr(), static_cast<const int32_t*>(offsets.data_ptr()),
+                                 rows, kExperts, kFfn, kD, false, y.data_ptr(), bf, gpu::GemmTiling::kWarps2x2K64);
+    });
+    Tensor da = b.empty({rows, kFfn}, bf);
+    b.flops("grouped_down_dx", f2, "2*rows*N*K",
+            [&] { be.grouped_matmul_backward(b.ex, a, w2, offsets, y, &da, nullptr, false, false); });
+    Tensor dw2 = b.empty({kExperts, kFfn, kD}, DType::kF32);
+    b.flops("grouped_down_dw_f32acc", f2, "2*rows*N*K",
+            [&] { be.grouped_matmul_backward(b.ex, a, w2, offsets, y, nullptr, &dw2, false, true); });
+    // The dense equivalent through cuBLASLt, for scale.
+    Tensor wd = b.random({kD, 2 * kFfn}, bf, -0.05f, 0.05f);
+    b.flops("dense_equiv_32768x4096x1024", f1, "2*M*N*K", [&] { be.matmul(b.ex, xp, wd, h, false, false, 1.0f, 0.0f); });
+  }
+  // ---- attention ----
+  {
+    Tensor q = b.random({kBatch, kSeq, kHeads, kHeadDim}, bf), k = b.random({kBatch, kSeq, kHeads, kHeadDim}, bf);
+    Tensor v = b.random({kBatch, kSeq, kHeads, kHeadDim}, bf);
+    Tensor out = b.empty({kBatch, kSeq, kHeads, kHeadDim}, bf), lse = b.empty({kBatch, kHeads, kSeq}, DType::kF32);
+    const float scale = 0.125f;
+    // Causal: half of the 4*B*H*S^2*Dh of full attention (two matmuls of 2 flops per MAC).
+    const double fwd = 4.0 * kBatch * kHeads * double(kSeq) * kSeq * kHeadDim / 2;
+    b.flops("attention_fwd_b8_s2048_h16_d64", fwd, "4*B*H*S^2*Dh/2",
+            [&] { be.attention_forward(b.ex, q, k, v, scale, out, lse); });
+    Tensor dout = b.random({kBatch, kSeq, kHeads, kHeadDim}, bf);
+    Tensor dq = b.empty(q.shape(), bf), dk = b.empty(q.shape(), bf), dv = b.empty(q.shape(), bf);
+    b.flops("attention_bwd", 2.5 * fwd, "2.5*fwd",
+            [&] { be.attention_backward(b.ex, q, k, v, out, lse, dout, scale, dq, dk, dv); });
+  }
+  // ---- memory-bound kernels ----
+  {
+    Tensor x = b.random({kTokens, kD}, bf), w = b.random({kD}, DType::kF32), y = b.empty({kTokens, kD}, bf);
+    Tensor rstd = b.empty({kTokens}, DType::kF32);
+    const double n = T * kD;
+    b.bytes("rmsnorm_fwd_16384x1024", 2 * n * 2, "read x + write y (bf16)",
+            [&] { be.rmsnorm_forward(b.ex, x, w, 1e-5f, y, rstd); });
+    Tensor dy = b.random({kTokens, kD}, bf), dx = b.empty({kTokens, kD}, bf), dw = b.empty({kD}, DType::kF32);
+    b.bytes("rmsnorm_bwd_16384x1024", 3 * n * 2, "read x, dy + write dx (bf16)",
+            [&] { be.rmsnorm_backward(b.ex, dy, x, w, rstd, dx, dw, false); });
+    Tensor s = b.empty({kTokens, kD}, bf);
+    b.bytes("add_16384x1024", 3 * n * 2, "read a, b + write out (bf16)", [&] { be.add(b.ex, x, dy, s); });
+  }
+  {
+    const int64_t rows = kTokens * kTopK;
+    Tensor h = b.random({rows, 2 * kFfn}, bf), a = b.empty({rows, kFfn}, bf);
+    const double n = double(rows) * kFfn;
+    b.bytes("swiglu_fwd_32768x2048", 3 * n * 2, "read 2F + write F (bf16)", [&] { be.swiglu_forward(b.ex, h, a); });
+    Tensor da = b.random({rows, kFfn}, bf), dh = b.empty({rows, 2 * kFfn}, bf);
+    b.bytes("swiglu_bwd_32768x2048", 5 * n * 2, "read 2F + F, write 2F (bf16)",
+            [&] { be.swiglu_backward(b.ex, h, da, dh); });
+  }
+  {
+    const int64_t rows = 4096;  // a quarter of the micro-batch: the same per-row work
+    Tensor logits = b.random({rows, kVocab}, bf, -4.0f, 4.0f);
+    std::vector<int32_t> tg(rows);
+    for (int64_t i = 0; i < rows; ++i) tg[i] = static_cast<int32_t>((i * 7919) % kVocab);
+    Tensor targets = b.ints({rows}, tg), losses = b.empty({rows}, DType::kF32), lse = b.empty({rows}, DType::kF32);
+    const double n = double(rows) * kVocab;
+    b.bytes("xent_fwd_4096x32768", n * 2, "read logits (bf16)",
+            [&] { be.cross_entropy_forward(b.ex, logits, targets, losses, lse); });
+    Tensor dl = b.empty({rows, kVocab}, bf);
+    b.bytes("xent_bwd_4096x32768", 2 * n * 2, "read logits + write dlogits (bf16)",
+            [&] { be.cross_entropy_backward(b.ex, logits, targets, lse, 1.0f / rows, dl); });
+  }
+  {
+    const int64_t n = 64 << 20;
+    Tensor p = b.random({n}, DType::kF32), g = b.random({n}, DType::kF32), m = b.empty({n}, DType::kF32);
+    Tensor v = b.empty({n}, DType::kF32);
+    AdamWConfig cfg;
+    cfg.weight_decay = 0.1f;
+    b.bytes("adamw_64M_f32", double(n) * 4 * 7, "read p,g,m,v + write p,m,v (f32)",
+            [&] { be.adamw_step(b.ex, p, g, m, v, cfg); });
+  }
+  {
+    const int64_t rows = kTokens * kTopK;
+    std::vector<int32_t> idx(rows);
+    std::mt19937 g(3);
+    for (int64_t t = 0; t < kTokens; ++t) {
+      const int32_t e0 = static_cast<int32_t>(g() % kExperts);
+      idx[2 * t] = e0;
+      idx[2 * t + 1] = static_cast<int32_t>((e0 + 1 + g() % (kExperts - 1)) % kExperts);
+    }
+    Tensor topk = b.ints({kTokens, kTopK}, idx), row_map = b.empty({rows}, DType::kI32);
+    Tensor counts = b.empty({kExperts}, DType::kI32), offs = b.empty({kExperts + 1}, DType::kI32);
+    b.flops("moe_dispatch_plan_32768", 0, "(time only)",
+            [&] { be.moe_dispatch_plan(b.ex, topk, kExperts, -1, row_map, counts, offs); });
+    Tensor x = b.random({kTokens, kD}, bf), xp = b.empty({rows, kD}, bf);
+    b.bytes("moe_permute_16384x1024_k2", 3.0 * T * kD * 2, "read x + write 2 copies (bf16)",
+            [&] { be.moe_permute(b.ex, x, row_map, kTopK, xp); });
+    Tensor gates = b.random({kTokens, kTopK}, DType::kF32, 0.0f, 1.0f), y = b.empty({kTokens, kD}, bf);
+    b.bytes("moe_unpermute_16384x1024_k2", 3.0 * T * kD * 2, "read 2 copies + write y (bf16)",
+            [&] { be.moe_unpermute(b.ex, xp, row_map, gates, y); });
+    Tensor logits = b.random({kTokens, kExperts}, DType::kF32), scores = b.empty({kTokens, kExperts}, DType::kF32);
+    Tensor ti = b.empty({kTokens, kTopK}, DType::kI32), gt = b.empty({kTokens, kTopK}, DType::kF32);
+    RouterConfig rc;
+    b.flops("router_fwd_16384x16", 0, "(time only)",
+            [&] { be.router_forward(b.ex, logits, nullptr, rc, scores, ti, gt); });
+  }
+  std::printf("kernel_bench done\n");
+}
+
+}  // namespace
+}  // namespace troupe::kernels
+
+int main() {
+  if (troupe::cuda::device_count() == 0) {
+    std::printf("kernel_bench: no CUDA device visible\n");
+    return 77;
+  }
+  troupe::kernels::run();
+  return 0;
+}

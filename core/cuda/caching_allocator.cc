@@ -1,0 +1,119 @@
+// core/cuda/caching_allocator.cc — CudaCachingAllocator.
+#include "core/cuda/caching_allocator.h"
+
+#include <algorithm>
+
+#include "core/cuda/stream.h"
+#include "core/gpu_check.h"
+
+namespace troupe::cuda {
+
+namespace {
+constexpr size_t kSmallLimit = size_t{1} << 20;
+constexpr size_t kSmallRound = 512;
+constexpr size_t kLargeRound = size_t{2} << 20;
+}  // namespace
+
+size_t CudaCachingAllocator::round_size(size_t bytes) {
+  const size_t r = bytes < kSmallLimit ? kSmallRound : kLargeRound;
+  return (bytes + r - 1) / r * r;
+}
+
+CudaCachingAllocator::CudaCachingAllocator(int device) : device_(device) {}
+
+CudaCachingAllocator::~CudaCachingAllocator() {
+  std::lock_guard<std::mutex> lock(mu_);
+  DeviceGuard guard(device_);
+  // Freeing memory that kernels may still use would be a use-after-free on the device.
+  (void)cudaDeviceSynchronize();
+  for (auto& [p, size] : live_) (void)cudaFree(p);
+  live_.clear();
+  release_cached_locked();
+}
+
+void* CudaCachingAllocator::allocate(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  const size_t rounded = round_size(bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  void* p = nullptr;
+  auto it = free_.find(rounded);
+  if (it != free_.end() && !it->second.empty()) {
+    p = it->second.back();
+    it->second.pop_back();
+  } else {
+    DeviceGuard guard(device_);
+    cudaError_t err = cudaMalloc(&p, rounded);
+    if (err == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      release_cached_locked();
+      err = cudaMalloc(&p, rounded);
+    }
+    TROUPE_CHECK(err == cudaSuccess, "cuda:{} out of memory allocating {} bytes ({} in use, {} reserved): {}",
+                 device_, bytes, in_use_, reserved_, cudaGetErrorString(err));
+    reserved_ += rounded;
+    peak_reserved_ = std::max(peak_reserved_, reserved_);
+    ++mallocs_;
+  }
+  live_.emplace(p, rounded);
+  in_use_ += bytes;
+  peak_ = std::max(peak_, in_use_);
+  return p;
+}
+
+void CudaCachingAllocator::deallocate(void* p, size_t bytes) {
+  if (p == nullptr) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(p);
+  TROUPE_CHECK(it != live_.end(), "cuda:{}: deallocate of a pointer this allocator did not hand out", device_);
+  TROUPE_CHECK(round_size(bytes) == it->second, "cuda:{}: deallocate with {} bytes, allocated as {} (rounded)",
+               device_, bytes, it->second);
+  free_[it->second].push_back(p);
+  live_.erase(it);
+  in_use_ -= bytes;
+}
+
+size_t CudaCachingAllocator::bytes_in_use() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_use_;
+}
+size_t CudaCachingAllocator::peak_bytes_in_use() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_;
+}
+void CudaCachingAllocator::reset_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  peak_ = in_use_;
+  peak_reserved_ = reserved_;
+}
+size_t CudaCachingAllocator::bytes_reserved() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return reserved_;
+}
+size_t CudaCachingAllocator::peak_bytes_reserved() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_reserved_;
+}
+size_t CudaCachingAllocator::num_device_mallocs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return mallocs_;
+}
+
+void CudaCachingAllocator::empty_cache() {
+  std::lock_guard<std::mutex> lock(mu_);
+  release_cached_locked();
+}
+
+void CudaCachingAllocator::release_cached_locked() {
+  DeviceGuard guard(device_);
+  // Cached blocks may still be read by queued kernels of their last user.
+  CUDA_CHECK(cudaDeviceSynchronize());
+  for (auto& [size, blocks] : free_) {
+    for (void* p : blocks) {
+      CUDA_CHECK(cudaFree(p));
+      reserved_ -= size;
+    }
+  }
+  free_.clear();
+}
+
+}  // namespace troupe::cuda

@@ -1,0 +1,357 @@
+// kernels/cuda/rows.cu — row-structured CUDA kernels: RMSNorm forward/backward, RoPE,
+// embedding forward/backward and cross-entropy forward/backward.
+//
+// Cross-entropy reads each row of logits once (online max and sum in fp32) and keeps
+// only two floats per row (loss, lse): no fp32 copy of the logits is ever made.
+#include <cstdio>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/launch.h"
+
+namespace troupe::kernels::gpu {
+
+// elementwise.cu: out (+)= column sums of f32 partials [splits, cols].
+void launch_column_finish(const Env& env, const float* partial, int64_t splits, int64_t cols, void* out, DType ot,
+                          bool accumulate);
+
+namespace {
+
+constexpr int kVec = 8;
+
+template <typename T>
+bool pack_ok(const void* p, int64_t row_len) {
+  return aligned_to(p, sizeof(T) * kVec) && row_len % kVec == 0;
+}
+
+// ---- RMSNorm -------------------------------------------------------------------------
+template <int V, typename X, typename W>
+__global__ void rmsnorm_forward_kernel(const X* x, const W* w, float eps, int64_t d, X* y, float* rstd) {
+  __shared__ float shared[32];
+  const int64_t row = blockIdx.x;
+  const X* xr = x + row * d;
+  X* yr = y + row * d;
+  float ss = 0.0f;
+  for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
+    float v[V];
+    load_floats<V>(xr + c, v);
+#pragma unroll
+    for (int j = 0; j < V; ++j) ss += v[j] * v[j];
+  }
+  ss = block_sum(ss, shared);
+  const float r = rsqrtf(ss / static_cast<float>(d) + eps);
+  if (threadIdx.x == 0) rstd[row] = r;
+  for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
+    float v[V], g[V];
+    load_floats<V>(xr + c, v);
+    load_floats<V>(w + c, g);
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = v[j] * r * g[j];
+    store_floats<V>(yr + c, v);
+  }
+}
+
+// Block b handles rows b, b + grid, ...; its dw partial for every column is kept in
+// shared memory (each thread owns the same columns in every row) and written to
+// partial[b, :] at the end.
+template <int V, typename X, typename W>
+__global__ void rmsnorm_backward_kernel(const X* dy, const X* x, const W* w, const float* rstd, int64_t rows,
+                                        int64_t d, X* dx, float* partial) {
+  extern __shared__ float dw_acc[];
+  __shared__ float shared[32];
+  for (int64_t c = threadIdx.x; c < d; c += blockDim.x) dw_acc[c] = 0.0f;
+  __syncthreads();
+  const float inv_d = 1.0f / static_cast<float>(d);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const X* xr = x + row * d;
+    const X* dyr = dy + row * d;
+    const float r = rstd[row];
+    float dot = 0.0f;
+    for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
+      float xv[V], gv[V], wv[V];
+      load_floats<V>(xr + c, xv);
+      load_floats<V>(dyr + c, gv);
+      load_floats<V>(w + c, wv);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        dot += gv[j] * wv[j] * xv[j];
+        dw_acc[c + j] += gv[j] * xv[j] * r;
+      }
+    }
+    dot = block_sum(dot, shared);
+    const float k = r * r * dot * inv_d;
+    for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
+      float xv[V], gv[V], wv[V];
+      load_floats<V>(xr + c, xv);
+      load_floats<V>(dyr + c, gv);
+      load_floats<V>(w + c, wv);
+#pragma unroll
+      for (int j = 0; j < V; ++j) gv[j] = r * (gv[j] * wv[j] - xv[j] * k);
+      store_floats<V>(dx + row * d + c, gv);
+    }
+  }
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < d; c += blockDim.x) partial[int64_t{blockIdx.x} * d + c] = dw_acc[c];
+}
+
+// Enough blocks to keep every SM busy (the per-row reductions are latency-bound); each
+// block's dw partial is one row of the scratch that column_finish then sums.
+int64_t rmsnorm_backward_blocks(const Env& env, int64_t rows) { return min64(max64(rows, 1), int64_t{env.num_sms} * 8); }
+
+}  // namespace
+
+void launch_rmsnorm_forward(const Env& env, const void* x, DType xt, const void* w, DType wt, float eps,
+                            int64_t rows, int64_t d, void* y, float* rstd) {
+  if (rows == 0) return;
+  TROUPE_DISPATCH_FLOAT(xt, X, "rmsnorm_forward", TROUPE_DISPATCH_FLOAT(wt, W, "rmsnorm_forward", {
+    const auto* xp = static_cast<const X*>(x);
+    const auto* wp = static_cast<const W*>(w);
+    auto* yp = static_cast<X*>(y);
+    const unsigned grid = static_cast<unsigned>(rows);
+    if (pack_ok<X>(x, d) && pack_ok<X>(y, d) && pack_ok<W>(w, d)) {
+      rmsnorm_forward_kernel<kVec, X, W><<<grid, 128, 0, env.stream>>>(xp, wp, eps, d, yp, rstd);
+    } else {
+      rmsnorm_forward_kernel<1, X, W><<<grid, 256, 0, env.stream>>>(xp, wp, eps, d, yp, rstd);
+    }
+  }));
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+size_t rmsnorm_backward_scratch_bytes(const Env& env, int64_t rows, int64_t d) {
+  return static_cast<size_t>(rmsnorm_backward_blocks(env, rows) * d) * sizeof(float);
+}
+
+void launch_rmsnorm_backward(const Env& env, const void* dy, const void* x, DType xt, const void* w, DType wt,
+                             const float* rstd, int64_t rows, int64_t d, void* dx, void* dw, DType dwt,
+                             bool accumulate_dw, void* scratch) {
+  const size_t smem = static_cast<size_t>(d) * sizeof(float);
+  TROUPE_CHECK(smem <= 200 * 1024, "rmsnorm_backward on cuda supports rows of at most 51200 elements, got {}", d);
+  const int64_t blocks = rmsnorm_backward_blocks(env, rows);
+  float* partial = static_cast<float*>(scratch);
+  if (rows > 0) {
+    TROUPE_DISPATCH_FLOAT(xt, X, "rmsnorm_backward", TROUPE_DISPATCH_FLOAT(wt, W, "rmsnorm_backward", {
+      const bool vec = pack_ok<X>(x, d) && pack_ok<X>(dy, d) && pack_ok<X>(dx, d) && pack_ok<W>(w, d);
+      auto kernel = vec ? rmsnorm_backward_kernel<kVec, X, W> : rmsnorm_backward_kernel<1, X, W>;
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      kernel<<<static_cast<unsigned>(blocks), vec ? 128 : 256, smem, env.stream>>>(
+          static_cast<const X*>(dy), static_cast<const X*>(x), static_cast<const W*>(w), rstd, rows, d,
+          static_cast<X*>(dx), partial);
+    }));
+    TROUPE_CUDA_LAUNCH_CHECK();
+    launch_column_finish(env, partial, blocks, d, dw, dwt, accumulate_dw);
+  } else if (!accumulate_dw) {
+    CUDA_CHECK(cudaMemsetAsync(dw, 0, static_cast<size_t>(d) * (dwt == DType::kF32 ? 4 : 2), env.stream));
+  }
+}
+
+// ---- RoPE ----------------------------------------------------------------------------
+namespace {
+template <typename T>
+__global__ void rope_kernel(const T* x, const int32_t* pos, double log_theta, int64_t tokens, int64_t heads,
+                            int64_t head_dim, T* out, bool inverse) {
+  const int64_t half = head_dim / 2;
+  const int64_t n = tokens * heads * half;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const int64_t p = i % half;
+    const int64_t th = i / half;  // token * heads + head
+    const int64_t t = th / heads;
+    const double inv_freq = exp(-(2.0 * static_cast<double>(p) / static_cast<double>(head_dim)) * log_theta);
+    double s, c;
+    sincos(static_cast<double>(pos[t]) * inv_freq, &s, &c);
+    const float sf = inverse ? -static_cast<float>(s) : static_cast<float>(s);
+    const float cf = static_cast<float>(c);
+    const int64_t base = th * head_dim;
+    const float x1 = to_float(x[base + p]), x2 = to_float(x[base + p + half]);
+    out[base + p] = from_float<T>(x1 * cf - x2 * sf);
+    out[base + p + half] = from_float<T>(x2 * cf + x1 * sf);
+  }
+}
+}  // namespace
+
+void launch_rope(const Env& env, const void* x, const int32_t* pos, float theta, int64_t tokens, int64_t heads,
+                 int64_t head_dim, void* out, DType t, bool inverse) {
+  const int64_t n = tokens * heads * (head_dim / 2);
+  if (n == 0) return;
+  TROUPE_DISPATCH_FLOAT(t, T, inverse ? "rope_backward" : "rope_forward", {
+    rope_kernel<T><<<grid_for(n, 256, env.num_sms), 256, 0, env.stream>>>(
+        static_cast<const T*>(x), pos, std::log(static_cast<double>(theta)), tokens, heads, head_dim,
+        static_cast<T*>(out), inverse);
+  });
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+// ---- embedding -----------------------------------------------------------------------
+namespace {
+__device__ __forceinline__ void check_index(int32_t id, int64_t limit, const char* what) {
+  if (id < 0 || id >= limit) {
+    printf("%s: index %d out of range [0, %lld)\n", what, id, static_cast<long long>(limit));
+    __trap();
+  }
+}
+
+template <int V, typename TT, typename O>
+__global__ void embedding_forward_kernel(const int32_t* ids, int64_t tokens, const TT* table, int64_t vocab,
+                                         int64_t d, O* out) {
+  const int64_t n = tokens * d;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x * V;
+  for (int64_t i = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) * V; i < n; i += stride) {
+    const int64_t t = i / d, c = i - t * d;
+    const int32_t id = ids[t];
+    check_index(id, vocab, "embedding_forward");
+    float v[V];
+    load_floats<V>(table + int64_t{id} * d + c, v);
+    store_floats<V>(out + i, v);
+  }
+}
+
+__device__ __forceinline__ void atomic_add_value(float* p, float v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add_value(__nv_bfloat16* p, float v) { atomicAdd(p, __float2bfloat16_rn(v)); }
+
+template <typename G, typename D>
+__global__ void embedding_backward_kernel(const int32_t* ids, int64_t tokens, const G* dout, int64_t vocab,
+                                          int64_t d, D* dtable) {
+  const int64_t n = tokens * d;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const int64_t t = i / d, c = i - t * d;
+    const int32_t id = ids[t];
+    check_index(id, vocab, "embedding_backward");
+    atomic_add_value(dtable + int64_t{id} * d + c, to_float(dout[i]));
+  }
+}
+}  // namespace
+
+void launch_embedding_forward(const Env& env, const int32_t* ids, int64_t tokens, const void* table, DType tt,
+                              int64_t vocab, int64_t d, void* out, DType ot) {
+  const int64_t n = tokens * d;
+  if (n == 0) return;
+  TROUPE_DISPATCH_FLOAT(tt, TT, "embedding_forward", TROUPE_DISPATCH_FLOAT(ot, O, "embedding_forward", {
+    const auto* tp = static_cast<const TT*>(table);
+    auto* op = static_cast<O*>(out);
+    if (pack_ok<TT>(table, d) && pack_ok<O>(out, d)) {
+      embedding_forward_kernel<kVec, TT, O>
+          <<<grid_for(ceil_div(n, kVec), 256, env.num_sms), 256, 0, env.stream>>>(ids, tokens, tp, vocab, d, op);
+    } else {
+      embedding_forward_kernel<1, TT, O><<<grid_for(n, 256, env.num_sms), 256, 0, env.stream>>>(ids, tokens, tp,
+                                                                                               vocab, d, op);
+    }
+  }));
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+void launch_embedding_backward(const Env& env, const int32_t* ids, int64_t tokens, const void* dout, DType gt,
+                               int64_t vocab, int64_t d, void* dtable, DType dtt) {
+  const int64_t n = tokens * d;
+  if (n == 0) return;
+  TROUPE_DISPATCH_FLOAT(gt, G, "embedding_backward", TROUPE_DISPATCH_FLOAT(dtt, D, "embedding_backward", {
+    embedding_backward_kernel<G, D><<<grid_for(n, 256, env.num_sms), 256, 0, env.stream>>>(
+        ids, tokens, static_cast<const G*>(dout), vocab, d, static_cast<D*>(dtable));
+  }));
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+// ---- cross-entropy -------------------------------------------------------------------
+namespace {
+template <int V, typename L>
+__global__ void cross_entropy_forward_kernel(const L* logits, const int32_t* targets, int64_t vocab, float* losses,
+                                             float* lse_out) {
+  __shared__ float shared[32];
+  const int64_t row = blockIdx.x;
+  const L* lr = logits + row * vocab;
+  float m = -INFINITY, s = 0.0f;
+  for (int64_t c = int64_t{threadIdx.x} * V; c < vocab; c += int64_t{blockDim.x} * V) {
+    float v[V];
+    load_floats<V>(lr + c, v);
+    float vm = v[0];
+#pragma unroll
+    for (int j = 1; j < V; ++j) vm = fmaxf(vm, v[j]);
+    if (vm > m) {
+      s *= __expf(m - vm);
+      m = vm;
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) s += __expf(v[j] - m);
+  }
+  const float row_max = block_max(m, shared);
+  s = m == -INFINITY ? 0.0f : s * __expf(m - row_max);
+  s = block_sum(s, shared);
+  if (threadIdx.x == 0) {
+    const float lse = row_max + logf(s);
+    lse_out[row] = lse;
+    const int32_t t = targets[row];
+    if (t == -1) {
+      losses[row] = 0.0f;
+    } else {
+      check_index(t, vocab, "cross_entropy_forward (target)");
+      losses[row] = lse - to_float(lr[t]);
+    }
+  }
+}
+
+template <typename L, typename D>
+struct CrossEntropyBackwardOp {
+  const L* logits;
+  const int32_t* targets;
+  const float* lse;
+  float grad_scale;
+  int64_t vocab;
+  D* dlogits;
+  template <int V>
+  __device__ void apply(int64_t i) const {
+    const int64_t row = i / vocab, c = i - row * vocab;
+    const int32_t t = targets[row];
+    float v[V];
+    if (t == -1) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = 0.0f;
+    } else {
+      load_floats<V>(logits + i, v);
+      const float l = lse[row];
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = (__expf(v[j] - l) - (c + j == t ? 1.0f : 0.0f)) * grad_scale;
+    }
+    store_floats<V>(dlogits + i, v);
+  }
+};
+
+template <int V, typename F>
+__global__ void rows_elementwise_kernel(int64_t n, F f) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x * V;
+  for (int64_t i = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) * V; i < n; i += stride) f.template apply<V>(i);
+}
+}  // namespace
+
+void launch_cross_entropy_forward(const Env& env, const void* logits, DType lt, const int32_t* targets,
+                                  int64_t rows, int64_t vocab, float* losses, float* lse) {
+  if (rows == 0) return;
+  TROUPE_DISPATCH_FLOAT(lt, L, "cross_entropy_forward", {
+    const auto* lp = static_cast<const L*>(logits);
+    if (pack_ok<L>(logits, vocab)) {
+      cross_entropy_forward_kernel<kVec, L><<<static_cast<unsigned>(rows), 512, 0, env.stream>>>(lp, targets, vocab,
+                                                                                                 losses, lse);
+    } else {
+      cross_entropy_forward_kernel<1, L><<<static_cast<unsigned>(rows), 512, 0, env.stream>>>(lp, targets, vocab,
+                                                                                              losses, lse);
+    }
+  });
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+void launch_cross_entropy_backward(const Env& env, const void* logits, DType lt, const int32_t* targets,
+                                   const float* lse, float grad_scale, int64_t rows, int64_t vocab, void* dlogits,
+                                   DType dt) {
+  const int64_t n = rows * vocab;
+  if (n == 0) return;
+  TROUPE_DISPATCH_FLOAT(lt, L, "cross_entropy_backward", TROUPE_DISPATCH_FLOAT(dt, D, "cross_entropy_backward", {
+    CrossEntropyBackwardOp<L, D> op{static_cast<const L*>(logits), targets, lse, grad_scale, vocab,
+                                    static_cast<D*>(dlogits)};
+    if (pack_ok<L>(logits, vocab) && pack_ok<D>(dlogits, vocab)) {
+      rows_elementwise_kernel<kVec><<<grid_for(ceil_div(n, kVec), 256, env.num_sms), 256, 0, env.stream>>>(n, op);
+    } else {
+      rows_elementwise_kernel<1><<<grid_for(n, 256, env.num_sms), 256, 0, env.stream>>>(n, op);
+    }
+  }));
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace troupe::kernels::gpu
