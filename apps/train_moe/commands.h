@@ -28,7 +28,9 @@ struct TrainOptions {
   std::string run_dir;  // default: runs/<config name>
   std::string backend = "cpu";
 };
-Status run_train(const TrainOptions& o);
+class RunDevice;  // apps/train_moe/device.h
+// o.backend must name dev's backend (main() makes dev from it).
+Status run_train(const TrainOptions& o, RunDevice& dev);
 
 struct SampleOptions {
   std::string run;
