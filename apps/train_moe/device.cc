@@ -6,6 +6,7 @@
 
 #if TROUPE_HAVE_CUDA
 #include <cuda_runtime.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include "core/cuda/caching_allocator.h"
 #include "core/cuda/stream.h"
@@ -65,6 +66,20 @@ Result<std::unique_ptr<RunDevice>> RunDevice::create(const std::string& backend)
 void RunDevice::synchronize() const {
 #if TROUPE_HAVE_CUDA
   if (cuda_) cuda_->stream.synchronize();
+#endif
+}
+
+void RunDevice::range_push(const char* name) const {
+#if TROUPE_HAVE_CUDA
+  if (cuda_) nvtxRangePushA(name);
+#else
+  (void)name;
+#endif
+}
+
+void RunDevice::range_pop() const {
+#if TROUPE_HAVE_CUDA
+  if (cuda_) nvtxRangePop();
 #endif
 }
 

@@ -33,6 +33,10 @@ class RunDevice {
   void reset_peak() { ctx_.alloc->reset_peak(); }
   // Waits for every op enqueued so far (no-op on the CPU).
   void synchronize() const;
+  // An NVTX range around a training step ("step"), so profilers can select the kernels of
+  // steps (e.g. ncu --nvtx --nvtx-include step/). No-ops on the CPU.
+  void range_push(const char* name) const;
+  void range_pop() const;
 
  private:
   RunDevice() = default;

@@ -128,6 +128,7 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
   for (int64_t step = 1; step <= tc.train.steps; ++step) {
     const auto t0 = Clock::now();
     dev.reset_peak();
+    dev.range_push("step");
     const size_t step_base_bytes = dev.bytes_in_use();
     model.zero_grad(c);
     double lm_sum = 0, aux = 0;
@@ -148,6 +149,7 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     opt.step(c, lr, grad_norm);
     model.refresh_working_copies(c);
     const std::vector<std::vector<int64_t>> load = model.end_step(c);
+    dev.range_pop();
     dev.synchronize();  // the step's time includes its optimizer update
     const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
     const size_t peak_bytes = dev.peak_bytes();
