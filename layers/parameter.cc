@@ -24,23 +24,23 @@ uint64_t hash_string(const std::string& s) {
   return mix64(h);
 }
 
-void init_normal(Tensor& t, uint64_t seed, const std::string& name, float std) {
+void init_normal(Tensor& t, uint64_t seed, const std::string& name, float std, int64_t first_element) {
   TROUPE_CHECK(t.dtype() == DType::kF32 && t.is_contiguous() && t.device().is_cpu(), "init_normal: {}",
                t.describe());
+  TROUPE_CHECK_GE(first_element, 0);
   float* p = t.data<float>();
   const int64_t n = t.numel();
-  uint64_t state = mix64(seed ^ hash_string(name));
-  auto uniform = [&state]() {
-    state = mix64(state);
-    // 53 random bits -> (0, 1]
-    return (static_cast<double>(state >> 11) + 1.0) * (1.0 / 9007199254740992.0);
+  const uint64_t base = mix64(seed ^ hash_string(name));
+  // 53 random bits of counter c -> (0, 1].
+  auto uniform = [base](uint64_t c) {
+    return (static_cast<double>(mix64(base + c) >> 11) + 1.0) * (1.0 / 9007199254740992.0);
   };
-  for (int64_t i = 0; i < n; i += 2) {
-    // Box-Muller: two normals from two uniforms.
-    const double u1 = uniform(), u2 = uniform();
-    const double r = std::sqrt(-2.0 * std::log(u1));
-    p[i] = static_cast<float>(std * r * std::cos(2.0 * M_PI * u2));
-    if (i + 1 < n) p[i + 1] = static_cast<float>(std * r * std::sin(2.0 * M_PI * u2));
+  for (int64_t i = 0; i < n; ++i) {
+    // Box-Muller over the pair (2q, 2q+1) of global element g: cos for even g, sin for odd.
+    const uint64_t g = static_cast<uint64_t>(first_element + i), q = g / 2;
+    const double r = std::sqrt(-2.0 * std::log(uniform(2 * q)));
+    const double a = 2.0 * M_PI * uniform(2 * q + 1);
+    p[i] = static_cast<float>(std * r * (g % 2 == 0 ? std::cos(a) : std::sin(a)));
   }
 }
 

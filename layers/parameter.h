@@ -42,9 +42,11 @@ struct NamedBuffer {
 };
 
 // Deterministic initialisation keyed by (seed, parameter name): the same name gets the
-// same values whatever the order of construction or the parallel layout, so a sharded
-// run can initialise its shard alone and still equal one process.
-void init_normal(Tensor& t, uint64_t seed, const std::string& name, float std);
+// same values whatever the order of construction or the parallel layout. The generator
+// is counter-based (element i of the flattened global tensor depends only on seed, name
+// and i), so a sharded run initialises its contiguous slice alone by passing the slice's
+// first element index in `first_element` and still equals one process.
+void init_normal(Tensor& t, uint64_t seed, const std::string& name, float std, int64_t first_element = 0);
 void init_constant(Tensor& t, float value);
 
 // splitmix64: the mixing function behind initialisation and the data loader.

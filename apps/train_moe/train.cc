@@ -1,6 +1,7 @@
 // apps/train_moe/train.cc — `train_moe --config ...`: the single-process training run,
 // read top to bottom: config -> data and tokenizer -> model and optimizer -> steps
 // (micro-batches, clip, AdamW, router-bias update, metrics, validation) -> weights.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -156,12 +157,19 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     tokens_seen += step_tokens;
     const double tps = static_cast<double>(step_tokens) / step_s;
     const double loss = lm_sum + aux;
+    // Load imbalance: the busiest expert's share over the mean share, worst MoE layer.
+    double imbalance = 0;
+    for (const auto& layer : load) {
+      int64_t total = 0, mx = 0;
+      for (int64_t v : layer) total += v, mx = std::max(mx, v);
+      if (total > 0) imbalance = std::max(imbalance, static_cast<double>(mx) * static_cast<double>(layer.size()) / static_cast<double>(total));
+    }
     if (!std::isfinite(loss)) return aborted("step {}: the loss is {} (diverged)", step, loss);
 
     nlohmann::json rec{{"step", step},       {"loss", loss},          {"lm_loss", lm_sum},
                        {"aux_loss", aux},    {"lr", lr},              {"grad_norm", grad_norm},
                        {"tokens", tokens_seen}, {"tokens_per_s", tps}, {"step_ms", step_s * 1e3},
-                       {"expert_load", load}};
+                       {"expert_load", load}, {"load_imbalance", imbalance}};
     if (dev.is_cuda()) {
       rec["mfu"] = tps * flops_per_token / (kPeakFlopsPerGpu * dev.num_gpus());
       rec["peak_bytes"] = peak_bytes;  // caching allocator high-water mark in this step
@@ -178,8 +186,9 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     metrics << rec.dump() << "\n";
     metrics.flush();
     if (step % tc.train.log_every == 0 || step == 1 || eval_now) {
-      fmt::print("step {}/{} | loss {:.4f} | lm {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:.0f} tok/s | {:.0f} ms{}{}\n",
+      fmt::print("step {}/{} | loss {:.4f} | lm {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:.0f} tok/s | {:.0f} ms{}{}{}\n",
                  step, tc.train.steps, loss, lm_sum, aux, lr, grad_norm, tps, step_s * 1e3,
+                 load.empty() ? "" : fmt::format(" | load max/mean {:.2f}", imbalance),
                  dev.is_cuda() ? fmt::format(" | mfu {:.1f}% | act {:.2f} GiB", 100.0 * rec["mfu"].get<double>(),
                                              static_cast<double>(peak_bytes - std::min(peak_bytes, step_base_bytes)) / 1073741824.0)
                                : "",

@@ -61,11 +61,12 @@ CliResult train_moe(const std::vector<std::string>& args, int timeout_s = 120) {
   std::stringstream ss;
   ss << std::ifstream(log).rdbuf();
   r.out = ss.str();
+  fs::remove(log);
   return r;
 }
 
 std::string temp_dir(const std::string& name) {
-  const std::string d = ::testing::TempDir() + "/train_moe_cli_" + name;
+  const std::string d = ::testing::TempDir() + "/train_moe_cli_" + std::to_string(getpid()) + "_" + name;
   fs::remove_all(d);
   fs::create_directories(d);
   return d;
@@ -137,6 +138,15 @@ TEST(TrainMoeCli, PrepareTrainSamplePlot) {
   EXPECT_TRUE(fs::exists(dir + "/run/model.bin"));
   EXPECT_TRUE(fs::exists(dir + "/run/tokenizer.json"));
 
+  // The time limit stops a run early, after a complete step, with validation and weights.
+  CliResult tl = train_moe({"--config", cfg, "--run-dir", dir + "/run_tl", "--set", "train.steps=500", "--set",
+                            "train.time_limit_s=0.001"});
+  ASSERT_EQ(tl.code, 0) << tl.out;
+  EXPECT_NE(tl.out.find("time limit of"), std::string::npos) << tl.out;
+  EXPECT_NE(tl.out.find("step 1/500"), std::string::npos) << tl.out;
+  EXPECT_EQ(tl.out.find("step 2/500"), std::string::npos) << tl.out;
+  EXPECT_TRUE(fs::exists(dir + "/run_tl/model.bin"));
+
   CliResult s = train_moe({"sample", "--run", dir + "/run", "--prompt", "def alpha", "--tokens", "20", "--seed", "3"});
   ASSERT_EQ(s.code, 0) << s.out;
   EXPECT_EQ(s.out.rfind("def alpha", 0), 0u) << s.out;
@@ -147,6 +157,7 @@ TEST(TrainMoeCli, PrepareTrainSamplePlot) {
   CliResult pl = train_moe({"plot", "--run", dir + "/run"}, 180);
   ASSERT_EQ(pl.code, 0) << pl.out;
   for (const char* f : {"loss.png", "throughput.png", "expert_load.png"}) EXPECT_TRUE(fs::exists(dir + "/run/" + f)) << f;
+  if (!HasFailure()) fs::remove_all(dir);
 }
 
 TEST(TrainMoeCli, ErrorsNameTheProblem) {
@@ -195,6 +206,7 @@ TEST(TrainMoeCli, ErrorsNameTheProblem) {
   CliResult no_run = train_moe({"sample", "--run", dir + "/no_run"});
   EXPECT_EQ(no_run.code, 1);
   EXPECT_NE(no_run.out.find("does not exist"), std::string::npos) << no_run.out;
+  if (!HasFailure()) fs::remove_all(dir);
 }
 
 }  // namespace

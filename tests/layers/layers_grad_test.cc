@@ -439,6 +439,24 @@ TEST(Model, NamesAreStableAndInitIsDeterministic) {
   EXPECT_EQ(a.buffers()[0].name, "blocks.1.moe.router.bias");
 }
 
+TEST(Init, SlicesEqualTheWholeTensor) {
+  Tensor whole = Tensor::zeros({4, 3, 5}, DType::kF32);
+  init_normal(whole, 9, "blocks.1.moe.experts.w1", 0.5f);
+  // Expert-parallel shards: experts [0, 1) and [1, 4), initialised alone.
+  Tensor a = Tensor::zeros({1, 3, 5}, DType::kF32), b = Tensor::zeros({3, 3, 5}, DType::kF32);
+  init_normal(a, 9, "blocks.1.moe.experts.w1", 0.5f, 0);
+  init_normal(b, 9, "blocks.1.moe.experts.w1", 0.5f, 15);  // odd offset: second half of a pair
+  std::vector<float> joined = a.to_floats();
+  for (float v : b.to_floats()) joined.push_back(v);
+  EXPECT_EQ(joined, whole.to_floats());
+  double sum = 0, sq = 0;
+  Tensor big = Tensor::zeros({20000}, DType::kF32);
+  init_normal(big, 1, "x", 2.0f);
+  for (float v : big.to_floats()) sum += v, sq += static_cast<double>(v) * v;
+  EXPECT_NEAR(sum / 20000, 0.0, 0.05);
+  EXPECT_NEAR(std::sqrt(sq / 20000), 2.0, 0.05);
+}
+
 TEST(Model, FullModelGradientAndAccumulation) {
   ModelConfig cfg = small_model();
   Model m(cfg, 71);

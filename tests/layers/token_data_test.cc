@@ -1,5 +1,6 @@
 // tests/layers/token_data_test.cc — shard files and the deterministic DataLoader.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -10,10 +11,25 @@
 namespace troupe::layers {
 namespace {
 
+std::vector<std::string>& created_dirs() {
+  static std::vector<std::string> dirs;
+  return dirs;
+}
+
+// Removes the directories the tests created once they have all run.
+class RemoveCreatedDirs : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    for (const auto& d : created_dirs()) std::filesystem::remove_all(d);
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kCleanup = ::testing::AddGlobalTestEnvironment(new RemoveCreatedDirs);
+
 std::string make_data(const std::string& name, int token_bytes, int64_t n, int64_t shard_tokens) {
-  const std::string dir = ::testing::TempDir() + "/" + name;
+  const std::string dir = ::testing::TempDir() + "/troupe_shards_" + std::to_string(getpid()) + "_" + name;
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
+  created_dirs().push_back(dir);
   ShardWriter w(dir, "train", token_bytes, shard_tokens);
   std::vector<int32_t> toks;
   for (int64_t i = 0; i < n; ++i) toks.push_back(static_cast<int32_t>((i * 7) % 60000));

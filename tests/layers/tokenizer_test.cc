@@ -1,6 +1,7 @@
 // tests/layers/tokenizer_test.cc — byte-level BPE: pre-tokenisation, training, encode/
 // decode round trips, the file format and its errors.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -130,7 +131,7 @@ TEST(Bpe, SaveLoadAndCorruptFiles) {
   tr.add_text(corpus());
   auto tok = tr.train(320);
   ASSERT_TRUE(tok.ok());
-  const std::string dir = ::testing::TempDir() + "/tok_test";
+  const std::string dir = ::testing::TempDir() + "/troupe_tok_test_" + std::to_string(getpid());
   std::filesystem::create_directories(dir);
   ASSERT_TRUE(tok->save(dir + "/tokenizer.json").ok());
   auto back = Tokenizer::load(dir + "/tokenizer.json");
@@ -146,6 +147,7 @@ TEST(Bpe, SaveLoadAndCorruptFiles) {
   EXPECT_NE(bad.status().message().find("unknown token"), std::string::npos);
   std::ofstream(dir + "/garbage.json") << "not json";
   EXPECT_EQ(Tokenizer::load(dir + "/garbage.json").status().code(), StatusCode::kDataLoss);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -116,7 +116,7 @@ Figures run_case(const std::string& name, const ModelConfig& cfg, bool random_bi
   j["buffers"] = nlohmann::json::object();
   for (auto& b : model.buffers()) j["buffers"][b.name] = tensor_json(*b.tensor);
 
-  const std::string dir = ::testing::TempDir() + "/parity_" + name;
+  const std::string dir = ::testing::TempDir() + "/troupe_parity_" + std::to_string(getpid()) + "_" + name;
   std::filesystem::create_directories(dir);
   std::ofstream(dir + "/case.json") << j.dump();
   const int rc = run_process({kPython, kScript, dir + "/case.json", dir + "/out.json"}, 240);
@@ -159,6 +159,7 @@ Figures run_case(const std::string& name, const ModelConfig& cfg, bool random_bi
   std::printf("parity %-18s loss %.6f (torch %.6f, rel %.2e); %zu gradients, max relative error %.2e (%s)\n",
               name.c_str(), loss, ref_loss, fig.loss_rel, model.parameters().size(), fig.max_grad_rel,
               fig.worst.c_str());
+  if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir);
   return fig;
 }
 
