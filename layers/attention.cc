@@ -33,15 +33,25 @@ Tensor Attention::positions(int64_t batch, int64_t seq) {
   return Tensor::from_ints({batch * seq}, p);
 }
 
+const Tensor& Attention::device_positions(const Ctx& c, int64_t batch, int64_t seq) const {
+  // Uploaded once per (batch, seq, device): the same positions serve every micro-batch.
+  if (!pos_cache_.defined() || pos_cache_.numel() != batch * seq || pos_seq_ != seq ||
+      pos_cache_.device() != c.ex.device) {
+    pos_cache_ = c.to_device(positions(batch, seq));
+    pos_seq_ = seq;
+  }
+  return pos_cache_;
+}
+
 void Attention::project_qkv(const Ctx& c, const Tensor& x, const Tensor& pos, int64_t batch, int64_t seq,
                             Tensor& q, Tensor& k, Tensor& v) const {
   const int64_t t = x.size(0);
   q = c.empty({t, n_heads * head_dim});
   k = c.empty({t, n_kv_heads * head_dim});
   v = c.empty({t, n_kv_heads * head_dim});
-  kernels::matmul(c.ex, x, wq.value, q);
-  kernels::matmul(c.ex, x, wk.value, k);
-  kernels::matmul(c.ex, x, wv.value, v);
+  kernels::matmul(c.ex, x, wq.w(), q);
+  kernels::matmul(c.ex, x, wk.w(), k);
+  kernels::matmul(c.ex, x, wv.w(), v);
   q = q.view({t, n_heads, head_dim});
   k = k.view({t, n_kv_heads, head_dim});
   kernels::rope_forward(c.ex, q, pos, rope_theta, q);
@@ -54,7 +64,7 @@ void Attention::project_qkv(const Ctx& c, const Tensor& x, const Tensor& pos, in
 void Attention::core_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                              Tensor& lse) const {
   out = c.empty(q.shape());
-  lse = c.empty({q.size(0), q.size(2), q.size(1)});
+  lse = c.empty({q.size(0), q.size(2), q.size(1)}, DType::kF32);
   const float scale = 1.0f / std::sqrt(static_cast<float>(q.size(3)));
   kernels::attention_forward(c.ex, q, k, v, scale, out, lse);
 }
@@ -63,13 +73,13 @@ Tensor Attention::project_out(const Ctx& c, const Tensor& out) const {
   const int64_t t = out.size(0) * out.size(1);
   Tensor flat = out.view({t, out.size(2) * out.size(3)});
   Tensor y = c.empty({t, wo.value.size(1)});
-  kernels::matmul(c.ex, flat, wo.value, y);
+  kernels::matmul(c.ex, flat, wo.w(), y);
   return y;
 }
 
 Tensor Attention::forward(const Ctx& c, const Tensor& x, int64_t batch, int64_t seq, Saved& s) const {
   s.x = x;
-  s.pos = positions(batch, seq);
+  s.pos = device_positions(c, batch, seq);
   project_qkv(c, x, s.pos, batch, seq, s.q, s.k, s.v);
   core_forward(c, s.q, s.k, s.v, s.out, s.lse);
   return project_out(c, s.out);
@@ -79,8 +89,8 @@ Tensor Attention::project_out_backward(const Ctx& c, const Tensor& dy, const Ten
   const int64_t t = out.size(0) * out.size(1);
   Tensor flat = out.view({t, out.size(2) * out.size(3)});
   Tensor dflat = c.empty(flat.shape());
-  kernels::matmul_backward(c.ex, flat, wo.value, dy, &dflat, nullptr);
-  kernels::matmul_backward(c.ex, flat, wo.value, dy, nullptr, &wo.grad, false, false, /*accumulate=*/true);
+  kernels::matmul_backward(c.ex, flat, wo.w(), dy, &dflat, nullptr);
+  kernels::matmul_backward(c.ex, flat, wo.w(), dy, nullptr, &wo.grad, false, false, /*accumulate=*/true);
   return dflat.view(out.shape());
 }
 
@@ -106,10 +116,10 @@ Tensor Attention::project_qkv_backward(const Ctx& c, const Tensor& x, const Tens
   Tensor dx = c.empty(x.shape());
   // dx is written by the first product and accumulated by the other two; the weight
   // gradients always accumulate (micro-batches).
-  kernels::matmul_backward(c.ex, x, wq.value, dq2, &dx, nullptr);
-  kernels::matmul_backward(c.ex, x, wq.value, dq2, nullptr, &wq.grad, false, false, true);
-  kernels::matmul_backward(c.ex, x, wk.value, dk2, &dx, &wk.grad, false, false, true);
-  kernels::matmul_backward(c.ex, x, wv.value, dv2, &dx, &wv.grad, false, false, true);
+  kernels::matmul_backward(c.ex, x, wq.w(), dq2, &dx, nullptr);
+  kernels::matmul_backward(c.ex, x, wq.w(), dq2, nullptr, &wq.grad, false, false, true);
+  kernels::matmul_backward(c.ex, x, wk.w(), dk2, &dx, &wk.grad, false, false, true);
+  kernels::matmul_backward(c.ex, x, wv.w(), dv2, &dx, &wv.grad, false, false, true);
   return dx;
 }
 

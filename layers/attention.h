@@ -46,10 +46,16 @@ class Attention {
                               Tensor& dv);
 
   static Tensor positions(int64_t batch, int64_t seq);  // host i32 [B*S]: t % seq
+  // positions() on the Exec's device, cached (uploaded again only when the shape changes).
+  const Tensor& device_positions(const Ctx& c, int64_t batch, int64_t seq) const;
 
   Parameter wq, wk, wv, wo;  // [D, Hq*Dh], [D, Hkv*Dh], [D, Hkv*Dh], [Hq*Dh, D]
   int64_t n_heads, n_kv_heads, head_dim;
   float rope_theta;
+
+ private:
+  mutable Tensor pos_cache_;
+  mutable int64_t pos_seq_ = 0;
 };
 
 }  // namespace troupe::layers

@@ -34,7 +34,7 @@ void RMSNorm::collect(const std::string& prefix, std::vector<NamedParameter>& ou
 Tensor RMSNorm::forward(const Ctx& c, const Tensor& x, Saved& s) const {
   Tensor y = c.empty(x.shape());
   s.x = x;
-  s.rstd = c.empty({x.size(0)});
+  s.rstd = c.empty({x.size(0)}, DType::kF32);
   kernels::rmsnorm_forward(c.ex, x, weight.value, eps, y, s.rstd);
   return y;
 }

@@ -23,6 +23,10 @@ class LMHead {
   // x [T, D], targets i32 [T] (-1 = ignored). Gradient of grad_scale * sum_t loss_t is
   // written to dx and accumulated into the weights. Returns sum_t loss_t (fp64).
   double forward_backward(const Ctx& c, const Tensor& x, const Tensor& targets, float grad_scale, Tensor& dx);
+  // The same, returning the token losses f32 [T] on the Exec's device instead of their
+  // sum, so that a caller can read the loss back once, after the backward is enqueued.
+  Tensor forward_backward_losses(const Ctx& c, const Tensor& x, const Tensor& targets, float grad_scale,
+                                 Tensor& dx);
   // Loss sum only (evaluation).
   double loss_sum(const Ctx& c, const Tensor& x, const Tensor& targets) const;
   // Logits [T, V] of every row of x (sampling; small T).

@@ -22,11 +22,11 @@ Tensor SwiGLUMLP::forward(const Ctx& c, const Tensor& x, Saved& s) const {
   const int64_t t = x.size(0), f = w2.value.size(0);
   s.x = x;
   s.h = c.empty({t, 2 * f});
-  kernels::matmul(c.ex, x, w1.value, s.h);
+  kernels::matmul(c.ex, x, w1.w(), s.h);
   Tensor a = c.empty({t, f});
   kernels::swiglu_forward(c.ex, s.h, a);
   Tensor y = c.empty({t, w2.value.size(1)});
-  kernels::matmul(c.ex, a, w2.value, y);
+  kernels::matmul(c.ex, a, w2.w(), y);
   s.a = recompute ? Tensor() : a;
   return y;
 }
@@ -39,13 +39,13 @@ Tensor SwiGLUMLP::backward(const Ctx& c, const Tensor& dy, const Saved& s) {
     kernels::swiglu_forward(c.ex, s.h, a);
   }
   Tensor da = c.empty({t, f});
-  kernels::matmul_backward(c.ex, a, w2.value, dy, &da, nullptr);
-  kernels::matmul_backward(c.ex, a, w2.value, dy, nullptr, &w2.grad, false, false, true);
+  kernels::matmul_backward(c.ex, a, w2.w(), dy, &da, nullptr);
+  kernels::matmul_backward(c.ex, a, w2.w(), dy, nullptr, &w2.grad, false, false, true);
   Tensor dh = c.empty(s.h.shape());
   kernels::swiglu_backward(c.ex, s.h, da, dh);
   Tensor dx = c.empty(s.x.shape());
-  kernels::matmul_backward(c.ex, s.x, w1.value, dh, &dx, nullptr);
-  kernels::matmul_backward(c.ex, s.x, w1.value, dh, nullptr, &w1.grad, false, false, true);
+  kernels::matmul_backward(c.ex, s.x, w1.w(), dh, &dx, nullptr);
+  kernels::matmul_backward(c.ex, s.x, w1.w(), dh, nullptr, &w1.grad, false, false, true);
   return dx;
 }
 
@@ -69,11 +69,11 @@ Tensor Experts::forward(const Ctx& c, const Tensor& xp, const Tensor& offsets, S
   s.xp = xp;
   s.offsets = offsets;
   s.h = c.empty({r, 2 * f});
-  kernels::grouped_matmul(c.ex, xp, w1.value, offsets, s.h);
+  kernels::grouped_matmul(c.ex, xp, w1.w(), offsets, s.h);
   Tensor a = c.empty({r, f});
   kernels::swiglu_forward(c.ex, s.h, a);
   Tensor yp = c.empty({r, w2.value.size(2)});
-  kernels::grouped_matmul(c.ex, a, w2.value, offsets, yp);
+  kernels::grouped_matmul(c.ex, a, w2.w(), offsets, yp);
   s.a = recompute ? Tensor() : a;
   return yp;
 }
@@ -86,11 +86,11 @@ Tensor Experts::backward(const Ctx& c, const Tensor& dyp, const Saved& s) {
     kernels::swiglu_forward(c.ex, s.h, a);
   }
   Tensor da = c.empty({r, f});
-  kernels::grouped_matmul_backward(c.ex, a, w2.value, s.offsets, dyp, &da, &w2.grad, false, true);
+  kernels::grouped_matmul_backward(c.ex, a, w2.w(), s.offsets, dyp, &da, &w2.grad, false, true);
   Tensor dh = c.empty(s.h.shape());
   kernels::swiglu_backward(c.ex, s.h, da, dh);
   Tensor dxp = c.empty(s.xp.shape());
-  kernels::grouped_matmul_backward(c.ex, s.xp, w1.value, s.offsets, dh, &dxp, &w1.grad, false, true);
+  kernels::grouped_matmul_backward(c.ex, s.xp, w1.w(), s.offsets, dh, &dxp, &w1.grad, false, true);
   return dxp;
 }
 

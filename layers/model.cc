@@ -57,8 +57,8 @@ Tensor Model::forward_blocks(const Ctx& c, const Tensor& ids, std::vector<Block:
 }
 
 namespace {
-int64_t count_targets(const Tensor& targets) {
-  const Tensor t = targets.contiguous();
+int64_t count_targets(const Ctx& c, const Tensor& targets) {
+  const Tensor t = c.to_host(targets);
   const int32_t* p = t.data<int32_t>();
   int64_t n = 0;
   for (int64_t i = 0; i < t.numel(); ++i) n += p[i] >= 0 ? 1 : 0;
@@ -66,53 +66,113 @@ int64_t count_targets(const Tensor& targets) {
 }
 }  // namespace
 
-Model::MicroBatchStats Model::forward_backward(const Ctx& c, const Tensor& ids, const Tensor& targets,
+Model::MicroBatchStats Model::forward_backward(const Ctx& c, const Tensor& ids_in, const Tensor& targets_in,
                                                float loss_weight) {
   MicroBatchStats st;
+  // Host batches go to the device here (and the target count is taken on the host copy).
+  st.tokens = count_targets(c, targets_in.view({targets_in.numel()}));
+  const Tensor ids = ids_in.device() == c.ex.device ? ids_in : c.to_device(ids_in);
+  const Tensor targets = targets_in.device() == c.ex.device ? targets_in : c.to_device(targets_in);
   std::vector<Block::Saved> saved;
   Tensor x = forward_blocks(c, ids, saved, &st);
   const Tensor flat_targets = targets.view({targets.numel()});
-  st.tokens = count_targets(flat_targets);
   const float grad_scale = st.tokens > 0 ? loss_weight / static_cast<float>(st.tokens) : 0.0f;
   Tensor dx;
-  st.lm_loss_sum = head->forward_backward(c, x, flat_targets, grad_scale, dx);
+  const Tensor losses = head->forward_backward_losses(c, x, flat_targets, grad_scale, dx);
   for (size_t i = blocks.size(); i-- > 0;) {
     dx = blocks[i]->backward(c, dx, saved[i], loss_weight);
     saved[i] = Block::Saved();  // free activations as soon as they are used
   }
   embedding.backward(c, ids.view({ids.numel()}), dx);
+  // The one read-back of the micro-batch, after its whole backward is enqueued.
+  st.lm_loss_sum = kernels::sum(c.ex, losses);
   return st;
 }
 
-double Model::eval_loss_sum(const Ctx& c, const Tensor& ids, const Tensor& targets, int64_t& tokens) {
+double Model::eval_loss_sum(const Ctx& c, const Tensor& ids_in, const Tensor& targets_in, int64_t& tokens) {
+  const Tensor ids = ids_in.device() == c.ex.device ? ids_in : c.to_device(ids_in);
+  const Tensor targets = targets_in.device() == c.ex.device ? targets_in : c.to_device(targets_in);
   std::vector<Block::Saved> saved;
   Tensor x = forward_blocks(c, ids, saved, nullptr);
   saved.clear();
   const Tensor flat_targets = targets.view({targets.numel()});
-  tokens = count_targets(flat_targets);
+  tokens = count_targets(c, flat_targets);
   return head->loss_sum(c, x, flat_targets);
 }
 
-std::vector<float> Model::last_logits(const Ctx& c, const Tensor& ids) {
+std::vector<float> Model::last_logits(const Ctx& c, const Tensor& ids_in) {
+  const Tensor ids = ids_in.device() == c.ex.device ? ids_in : c.to_device(ids_in);
   std::vector<Block::Saved> saved;
   Tensor x = forward_blocks(c, ids, saved, nullptr);
   saved.clear();
   Tensor lg = head->logits(c, x.narrow(0, x.size(0) - 1, 1));
-  return lg.to_floats();
+  return c.to_host(lg).to_floats();
 }
 
 void Model::zero_grad(const Ctx& c) {
+  if (flat_grads_.defined()) {
+    kernels::fill(c.ex, flat_grads_, 0.0f);
+    return;
+  }
   for (auto& p : parameters()) kernels::fill(c.ex, p.param->grad, 0.0f);
 }
 
-std::vector<std::vector<int64_t>> Model::end_step() {
+std::vector<std::vector<int64_t>> Model::end_step() { return end_step(Ctx::cpu()); }
+
+std::vector<std::vector<int64_t>> Model::end_step(const Ctx& c) {
   std::vector<std::vector<int64_t>> out;
   for (auto& b : blocks) {
     if (!b->is_moe()) continue;
     out.push_back(b->moe->step_load());
-    b->moe->update_bias(out.back());
+    b->moe->update_bias(c, out.back());
   }
   return out;
+}
+
+void Model::to_device(const Ctx& c) {
+  if (!c.on_device()) return;
+  std::vector<NamedParameter> params = parameters();
+  // Offsets rounded up to 64 elements (256 bytes) keep every gradient aligned for
+  // vectorised kernels; the gaps are zeroed with the rest by zero_grad.
+  constexpr int64_t kAlign = 64;
+  int64_t total = 0;
+  std::vector<int64_t> offsets;
+  for (const auto& p : params) {
+    if (p.param->value.device() == c.ex.device) continue;  // tied: already moved
+    offsets.push_back(total);
+    total += (p.param->numel() + kAlign - 1) / kAlign * kAlign;
+  }
+  flat_grads_ = c.zeros({total}, DType::kF32);
+  size_t i = 0;
+  for (auto& p : params) {
+    Parameter& prm = *p.param;
+    if (prm.value.device() == c.ex.device) continue;
+    prm.value = c.to_device(prm.value);
+    prm.grad = flat_grads_.narrow(0, offsets[i++], prm.numel()).view(prm.value.shape());
+    prm.work = Tensor();
+    if (prm.value.dim() >= 2 && c.act != DType::kF32) prm.work = c.empty(prm.value.shape(), c.act);
+  }
+  for (auto& b : buffers()) *b.tensor = c.to_device(*b.tensor);
+  refresh_working_copies(c);
+}
+
+void Model::refresh_working_copies(const Ctx& c) {
+  for (auto& p : parameters()) {
+    if (p.param->work.defined()) kernels::cast(c.ex, p.param->value, p.param->work);
+  }
+}
+
+void Model::to_host(const Ctx& c) {
+  if (!c.on_device()) return;
+  for (auto& p : parameters()) {
+    Parameter& prm = *p.param;
+    if (prm.value.device().is_cpu()) continue;  // tied: already copied
+    prm.value = c.to_host(prm.value);
+    prm.grad = c.to_host(prm.grad);
+    prm.work = Tensor();
+  }
+  for (auto& b : buffers()) *b.tensor = c.to_host(*b.tensor);
+  flat_grads_ = Tensor();
 }
 
 }  // namespace troupe::layers

@@ -48,6 +48,19 @@ class Model {
   // After the optimizer step: returns each MoE block's selections of the step (summed over
   // micro-batches) and applies the aux-loss-free bias update with them.
   std::vector<std::vector<int64_t>> end_step();
+  std::vector<std::vector<int64_t>> end_step(const Ctx& c);
+
+  // Moves the model onto c's device (no-op for a CPU Ctx): f32 master values, f32
+  // gradients in one flat buffer (flat_grads(), so that zeroing and the global norm are
+  // one op each), and a working copy in c.act of every matrix (dim >= 2) that the
+  // products read. Call once after construction (and loading), before the optimizer.
+  void to_device(const Ctx& c);
+  // Refreshes the working copies from the master values (after each optimizer step).
+  void refresh_working_copies(const Ctx& c);
+  // Copies values and buffers back to host tensors (before saving weights).
+  void to_host(const Ctx& c);
+  // Every gradient as one f32 buffer (padding zero), or undefined on the CPU layout.
+  const Tensor& flat_grads() const { return flat_grads_; }
 
   Embedding embedding;
   std::vector<std::unique_ptr<Block>> blocks;
@@ -57,6 +70,7 @@ class Model {
   Tensor forward_blocks(const Ctx& c, const Tensor& ids, std::vector<Block::Saved>& saved,
                         MicroBatchStats* stats);
   ModelConfig cfg_;
+  Tensor flat_grads_;
 };
 
 }  // namespace troupe::layers

@@ -2,7 +2,9 @@
 //
 // Host loops: the selection counts, the aux-loss gradient on the scores and the z-loss
 // are computed here over host tensors ([T,E] and [T,k], small next to the GEMMs);
-// kernels/ops.h has no op for them. A CUDA build copies those small tensors to the host.
+// kernels/ops.h has no op for them. On a device, the router reads back topk_idx and the
+// per-expert score sums (sum_rows) once per forward, which is one stream synchronisation
+// per MoE layer; the z-loss (off in bench_1b) also reads back the logits.
 #include "layers/moe.h"
 
 #include <algorithm>
@@ -54,28 +56,39 @@ std::vector<double> row_lse(const std::vector<float>& lg, int64_t t, int64_t e) 
 double Router::forward(const Ctx& c, const Tensor& x, Saved& s) const {
   const int64_t t = x.size(0), e = cfg.num_experts, k = cfg.top_k;
   s.x = x;
-  s.logits = c.empty({t, e});
-  kernels::matmul(c.ex, x, weight.value, s.logits);
-  s.scores = c.empty({t, e});
+  s.logits = c.empty({t, e}, DType::kF32);
+  kernels::matmul(c.ex, x, weight.w(), s.logits);
+  s.scores = c.empty({t, e}, DType::kF32);
   s.topk_idx = c.empty({t, k}, DType::kI32);
-  s.gates = c.empty({t, k});
+  s.gates = c.empty({t, k}, DType::kF32);
   const bool use_bias = cfg.bias_update_rate > 0;
   kernels::router_forward(c.ex, s.logits, use_bias ? &bias : nullptr, router_config(), s.scores, s.topk_idx,
                           s.gates);
 
   // Statistics of this rank's tokens: [selected_e (E) | sum_t scores[t,e] (E) | T | sum_t lse_t^2].
   std::vector<double> stats(static_cast<size_t>(2 * e + 2), 0.0);
-  const Tensor idx = s.topk_idx.contiguous();
+  Tensor score_sums;
+  if (cfg.aux_loss_coef > 0 && c.on_device()) {
+    // Column sums on the device: E floats come back instead of the [T, E] scores.
+    score_sums = c.empty({e}, DType::kF32);
+    kernels::sum_rows(c.ex, s.scores, score_sums);
+  }
+  const Tensor idx = c.to_host(s.topk_idx);
   const int32_t* ip = idx.data<int32_t>();
   for (int64_t i = 0; i < t * k; ++i) stats[static_cast<size_t>(ip[i])] += 1.0;
   if (cfg.aux_loss_coef > 0) {
-    const std::vector<float> sc = host_floats(s.scores);
-    for (int64_t i = 0; i < t; ++i)
-      for (int64_t j = 0; j < e; ++j) stats[static_cast<size_t>(e + j)] += sc[static_cast<size_t>(i * e + j)];
+    if (score_sums.defined()) {
+      const std::vector<float> col = c.to_host(score_sums).to_floats();
+      for (int64_t j = 0; j < e; ++j) stats[static_cast<size_t>(e + j)] = col[static_cast<size_t>(j)];
+    } else {
+      const std::vector<float> sc = host_floats(s.scores);
+      for (int64_t i = 0; i < t; ++i)
+        for (int64_t j = 0; j < e; ++j) stats[static_cast<size_t>(e + j)] += sc[static_cast<size_t>(i * e + j)];
+    }
   }
   stats[static_cast<size_t>(2 * e)] = static_cast<double>(t);
   if (cfg.z_loss_coef > 0) {
-    for (double l : row_lse(host_floats(s.logits), t, e)) stats[static_cast<size_t>(2 * e + 1)] += l * l;
+    for (double l : row_lse(host_floats(c.to_host(s.logits)), t, e)) stats[static_cast<size_t>(2 * e + 1)] += l * l;
   }
   if (all_reduce_) all_reduce_(stats);
 
@@ -99,35 +112,55 @@ double Router::forward(const Ctx& c, const Tensor& x, Saved& s) const {
 Tensor Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight) {
   const int64_t t = s.x.size(0), e = cfg.num_experts, k = cfg.top_k;
   const double tg = static_cast<double>(std::max<int64_t>(1, s.group_tokens));
-  Tensor dlogits = c.empty({t, e});
+  Tensor dlogits = c.empty({t, e}, DType::kF32);
   Tensor dscores;
   if (cfg.aux_loss_coef > 0) {
     // d aux / d scores[t,e] = coef * E * f_e / T, the same for every token.
-    dscores = Tensor::empty({t, e}, DType::kF32);
-    float* dp = dscores.data<float>();
+    Tensor g_host = Tensor::empty({1, e}, DType::kF32);
     for (int64_t j = 0; j < e; ++j) {
       const double f = static_cast<double>(s.selected[static_cast<size_t>(j)]) / (tg * static_cast<double>(k));
-      const float g = static_cast<float>(loss_weight * cfg.aux_loss_coef * static_cast<double>(e) * f / tg);
-      for (int64_t i = 0; i < t; ++i) dp[i * e + j] = g;
+      g_host.data<float>()[j] = static_cast<float>(loss_weight * cfg.aux_loss_coef * static_cast<double>(e) * f / tg);
+    }
+    if (c.on_device()) {
+      // Broadcast over the rows on the device (ones [T,1] @ g [1,E]): E floats go up, not [T,E].
+      Tensor ones = c.empty({t, 1}, DType::kF32);
+      kernels::fill(c.ex, ones, 1.0f);
+      dscores = c.empty({t, e}, DType::kF32);
+      kernels::matmul(c.ex, ones, c.to_device(g_host), dscores);
+    } else {
+      dscores = Tensor::empty({t, e}, DType::kF32);
+      float* dp = dscores.data<float>();
+      const float* gp = g_host.data<float>();
+      for (int64_t j = 0; j < e; ++j)
+        for (int64_t i = 0; i < t; ++i) dp[i * e + j] = gp[j];
     }
   }
   kernels::router_backward(c.ex, s.scores, s.topk_idx, dgates, dscores.defined() ? &dscores : nullptr,
                            router_config(), dlogits);
   if (cfg.z_loss_coef > 0) {
     // d/dlogits of coef * mean_t lse_t^2 = coef * 2 * lse_t * softmax(logits_t) / T.
-    const std::vector<float> lg = host_floats(s.logits);
+    // Host loop over read-back copies on a device (slow path; bench_1b has no z-loss).
+    const std::vector<float> lg = host_floats(c.to_host(s.logits));
     const std::vector<double> lse = row_lse(lg, t, e);
-    float* dl = dlogits.data<float>();
+    Tensor dl_host = c.to_host(dlogits);  // dlogits itself on the CPU
+    float* dl = dl_host.data<float>();
     for (int64_t i = 0; i < t; ++i) {
       for (int64_t j = 0; j < e; ++j) {
         const double p = std::exp(static_cast<double>(lg[static_cast<size_t>(i * e + j)]) - lse[static_cast<size_t>(i)]);
         dl[i * e + j] += static_cast<float>(loss_weight * cfg.z_loss_coef * 2.0 * lse[static_cast<size_t>(i)] * p / tg);
       }
     }
+    c.copy_to_device(dl_host, dlogits);
+  }
+  // The product runs in the activation dtype (x and the working weight).
+  Tensor dl = dlogits;
+  if (c.act != DType::kF32) {
+    dl = c.empty({t, e});
+    kernels::cast(c.ex, dlogits, dl);
   }
   Tensor dx = c.empty(s.x.shape());
-  kernels::matmul_backward(c.ex, s.x, weight.value, dlogits, &dx, nullptr);
-  kernels::matmul_backward(c.ex, s.x, weight.value, dlogits, nullptr, &weight.grad, false, false, true);
+  kernels::matmul_backward(c.ex, s.x, weight.w(), dl, &dx, nullptr);
+  kernels::matmul_backward(c.ex, s.x, weight.w(), dl, nullptr, &weight.grad, false, false, true);
   return dx;
 }
 
@@ -157,10 +190,13 @@ Tensor LocalExpertDispatch::forward(const Ctx& c, const Tensor& x, const Tensor&
   Tensor counts = c.empty({e}, DType::kI32);
   st->offsets = c.empty({e + 1}, DType::kI32);
   kernels::moe_dispatch_plan(c.ex, topk_idx, e, capacity, st->row_map, counts, st->offsets);
-  const Tensor hc = counts.contiguous();
+  const Tensor hc = c.to_host(counts);
   kept.assign(static_cast<size_t>(e), 0);
-  for (int64_t j = 0; j < e; ++j) kept[static_cast<size_t>(j)] = hc.data<int32_t>()[j];
-  const int64_t rows = static_cast<int64_t>(st->offsets.contiguous().data<int32_t>()[e]);
+  int64_t rows = 0;
+  for (int64_t j = 0; j < e; ++j) {
+    kept[static_cast<size_t>(j)] = hc.data<int32_t>()[j];
+    rows += kept[static_cast<size_t>(j)];  // offsets[E] = sum of the counts
+  }
   Tensor xp = c.empty({rows, x.size(1)});
   kernels::moe_permute(c.ex, x, st->row_map, top_k_, xp);
   st->yp = experts_.forward(c, xp, st->offsets, st->experts);
@@ -175,7 +211,7 @@ Tensor LocalExpertDispatch::forward(const Ctx& c, const Tensor& x, const Tensor&
 Tensor LocalExpertDispatch::backward(const Ctx& c, const Tensor& dy, DispatchState& state, Tensor& dgates) {
   auto& st = static_cast<LocalDispatchState&>(state);
   Tensor dyp = c.empty(st.yp.shape());
-  dgates = c.empty(st.gates.shape());
+  dgates = c.empty(st.gates.shape(), st.gates.dtype());
   kernels::moe_unpermute_backward(c.ex, dy, st.yp, st.row_map, st.gates, dyp, dgates);
   Tensor dxp = experts_.backward(c, dyp, st.experts);
   Tensor dx = c.empty({st.tokens, dy.size(1)});
@@ -240,17 +276,21 @@ Tensor MoELayer::backward(const Ctx& c, const Tensor& dy, Saved& s, float loss_w
   return dx;
 }
 
-void MoELayer::update_bias(const std::vector<int64_t>& load) {
+void MoELayer::update_bias(const std::vector<int64_t>& load) { update_bias(Ctx::cpu(), load); }
+
+void MoELayer::update_bias(const Ctx& c, const std::vector<int64_t>& load) {
   const double rate = router.cfg.bias_update_rate;
   if (rate > 0 && !load.empty()) {
     double mean = 0;
     for (int64_t l : load) mean += static_cast<double>(l);
     mean /= static_cast<double>(load.size());
-    float* b = router.bias.data<float>();
+    Tensor hb = c.to_host(router.bias);  // the bias itself on the CPU
+    float* b = hb.data<float>();
     for (size_t j = 0; j < load.size(); ++j) {
       const double d = mean - static_cast<double>(load[j]);
       b[j] += static_cast<float>(rate * (d > 0 ? 1.0 : (d < 0 ? -1.0 : 0.0)));
     }
+    c.copy_to_device(hb, router.bias);
   }
   std::fill(step_load_.begin(), step_load_.end(), 0);
 }

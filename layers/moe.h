@@ -123,7 +123,8 @@ class MoELayer {
   const std::vector<int64_t>& step_load() const { return step_load_; }
   // Aux-loss-free balancing, after the optimizer step: bias_e += rate * sign(mean - load_e)
   // with `load` the step's selections (all ranks' when distributed); clears step_load().
-  void update_bias(const std::vector<int64_t>& load);
+  void update_bias(const std::vector<int64_t>& load);  // host bias (CPU Exec)
+  void update_bias(const Ctx& c, const std::vector<int64_t>& load);
 
   Router router;
   Experts experts;

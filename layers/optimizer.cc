@@ -6,10 +6,18 @@
 
 namespace troupe::layers {
 
-AdamW::AdamW(std::vector<NamedParameter> params, const AdamWOptions& opts) : params_(std::move(params)), opts_(opts) {
+AdamW::AdamW(std::vector<NamedParameter> params, const AdamWOptions& opts, const Ctx& c)
+    : params_(std::move(params)), opts_(opts) {
   for (auto& p : params_) {
-    m_.push_back(Tensor::zeros(p.param->value.shape(), DType::kF32));
-    v_.push_back(Tensor::zeros(p.param->value.shape(), DType::kF32));
+    TROUPE_CHECK(p.param->value.device() == c.ex.device, "AdamW: {} is on {} but the Ctx runs on {}", p.name,
+                 p.param->value.device(), c.ex.device);
+    if (c.on_device()) {
+      m_.push_back(c.zeros(p.param->value.shape(), DType::kF32));
+      v_.push_back(c.zeros(p.param->value.shape(), DType::kF32));
+    } else {
+      m_.push_back(Tensor::zeros(p.param->value.shape(), DType::kF32));
+      v_.push_back(Tensor::zeros(p.param->value.shape(), DType::kF32));
+    }
   }
 }
 

@@ -25,7 +25,8 @@ struct AdamWOptions {
 
 class AdamW {
  public:
-  AdamW(std::vector<NamedParameter> params, const AdamWOptions& opts);
+  // Moments are allocated (zeroed) on c's device, which must be the parameters' device.
+  AdamW(std::vector<NamedParameter> params, const AdamWOptions& opts, const Ctx& c = Ctx::cpu());
 
   double grad_norm_squared(const Ctx& c) const;
   // Clips by `grad_norm` (the global norm) and updates every parameter; advances step().

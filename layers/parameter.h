@@ -17,12 +17,17 @@ namespace troupe::layers {
 struct Parameter {
   Tensor value;  // f32 master weights
   Tensor grad;   // f32, same shape as value
+  // Compute-dtype copy of value (bf16 on CUDA) that matrix products read; undefined when
+  // products read value itself (CPU). Refreshed from value after every optimizer step.
+  Tensor work;
   // False for gains of norms (AdamW's decoupled weight decay is not applied to them).
   bool decay = true;
 
   // Allocates value and a zeroed grad of `shape` (host, f32).
   void allocate(const Shape& shape, bool with_decay = true);
   int64_t numel() const { return value.numel(); }
+  // The tensor matrix products use: the working copy when there is one, else value.
+  const Tensor& w() const { return work.defined() ? work : value; }
 };
 
 struct NamedParameter {

@@ -29,7 +29,9 @@ struct TrainOptions {
   std::string backend = "cpu";
   std::vector<std::string> argv;  // the whole command line (the distributed launcher re-runs it)
 };
-Status run_train(const TrainOptions& o);
+class RunDevice;  // apps/train_moe/device.h
+// o.backend must name dev's backend (main() makes dev from it).
+Status run_train(const TrainOptions& o, RunDevice& dev);
 
 // Distributed mode (apps/train_moe/distributed.cc), called by run_train when the layout
 // has more than one rank or the process was started by Troupe (TROUPE_ROLE):

@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "apps/train_moe/commands.h"
+#include "apps/train_moe/device.h"
 
 namespace troupe::train_moe {
 
@@ -54,7 +55,7 @@ int main(int argc, char** argv) {
   app.add_option("--config", train.config, "TOML config (e.g. apps/configs/tiny.toml)");
   app.add_option("--set", train.overrides, "override a config key: --set train.steps=10 (repeatable)");
   app.add_option("--run-dir", train.run_dir, "where metrics.jsonl and the weights go (default runs/<config>)");
-  app.add_option("--backend", train.backend, "cpu (cuda: not yet in this app)");
+  app.add_option("--backend", train.backend, "cpu (default) or cuda (one GPU: device 0)");
   std::string parallel;
   app.add_option("--parallel", parallel,
                  "parallel layout overriding [parallel]: e.g. pp=2,n=2 or dp=2,n=2,dispatch=allgather "
@@ -109,7 +110,13 @@ int main(int argc, char** argv) {
       }
       train.overrides.insert(train.overrides.end(), extra.value().begin(), extra.value().end());
     }
-    st = run_train(train);
+    // The device (CUDA stream, caching allocator, CudaContext) lives here, for the whole run.
+    auto dev = RunDevice::create(train.backend);
+    if (!dev.ok()) {
+      fmt::print(stderr, "train_moe: error: {}\n", dev.status().to_string());
+      return 1;
+    }
+    st = run_train(train, **dev);
   }
   if (!st.ok()) {
     fmt::print(stderr, "train_moe: error: {}\n", st.to_string());

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/train_moe/commands.h"
+#include "apps/train_moe/device.h"
 #include "apps/train_moe/weights_io.h"
 #include "layers/model.h"
 #include "layers/optimizer.h"
@@ -48,17 +49,20 @@ Status copy_file(const std::string& from, const std::string& to) {
 
 }  // namespace
 
-Status run_train(const TrainOptions& o) {
+// Dense bf16 peak of one H100/H200 SXM (TFLOP/s), the MFU denominator of issue 10.
+constexpr double kPeakFlopsPerGpu = 989e12;
+
+Status run_train(const TrainOptions& o, RunDevice& dev) {
   // ---- configuration ------------------------------------------------------------------
   if (o.config.empty()) return invalid_argument("train: --config is required");
   TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, layers::load_train_config(o.config, o.overrides));
-  if (o.backend != "cpu") {
-    return unimplemented("train: backend '{}' is not available in this build of train_moe (use --backend cpu)",
-                         o.backend);
-  }
   if (tc.data.dir.empty()) return invalid_argument("{}: data.dir is not set (the output of train_moe prepare)", tc.source);
   if (tc.parallel.world() != 1 || std::getenv("TROUPE_ROLE") != nullptr) {
     std::string dist_run_dir = o.run_dir.empty() ? "runs/" + fs::path(o.config).stem().string() : o.run_dir;
+    if (o.backend != "cpu") {
+      return unimplemented("train: distributed training runs on --backend cpu (Gloo) only so far; "
+                           "multi-GPU training over NCCL is not wired into train_moe yet");
+    }
     return run_distributed(o, dist_run_dir);
   }
 
@@ -94,13 +98,24 @@ Status run_train(const TrainOptions& o) {
   if (!metrics) return io_error("cannot write {}/metrics.jsonl", run_dir);
 
   // ---- model and optimizer ------------------------------------------------------------
-  const layers::Ctx c = layers::Ctx::cpu();
+  const layers::Ctx& c = dev.ctx();
+  // Built and initialised on the host (deterministic, identical on every backend), then
+  // moved: f32 master weights and gradients, bf16 working copies on a GPU.
   layers::Model model(tc.model, tc.train.seed);
-  layers::AdamW opt(model.parameters(), tc.optim);
+  model.to_device(c);
+  layers::AdamW opt(model.parameters(), tc.optim, c);
+  // Model FLOPs per token (issue 10): 6 * active parameters + 6 * L * s * d (causal attention).
+  const double flops_per_token = 6.0 * static_cast<double>(tc.model.num_active_params()) +
+                                 6.0 * static_cast<double>(tc.model.n_layers * tc.train.seq_len * tc.model.d_model);
+  const size_t state_bytes = dev.bytes_in_use();
   fmt::print("train_moe: {} parameters ({} active per token), {} blocks ({} MoE), {} tokens/step, {} steps, "
              "run dir {}\n",
              tc.model.num_params(), tc.model.num_active_params(), tc.model.n_layers, model.num_moe_blocks(),
              tc.tokens_per_step(), tc.train.steps, run_dir);
+  fmt::print("device: {}, {:.3f} GFLOP per token{}\n", dev.name(), flops_per_token / 1e9,
+             dev.is_cuda() ? fmt::format(", {:.2f} GiB of weights, gradients and optimizer state on the device",
+                                         static_cast<double>(state_bytes) / 1073741824.0)
+                           : "");
   fmt::print("data: {} train tokens, {} val tokens, vocab {} (ln vocab = {:.3f})\n", train_data.size(),
              val_data.size(), tok.vocab_size(), std::log(static_cast<double>(tc.model.vocab_size)));
 
@@ -116,6 +131,9 @@ Status run_train(const TrainOptions& o) {
   const float loss_weight = 1.0f / static_cast<float>(tc.train.grad_accum);
   for (int64_t step = 1; step <= tc.train.steps; ++step) {
     const auto t0 = Clock::now();
+    dev.reset_peak();
+    dev.range_push("step");
+    const size_t step_base_bytes = dev.bytes_in_use();
     model.zero_grad(c);
     double lm_sum = 0, aux = 0;
     int64_t step_tokens = 0;
@@ -128,11 +146,17 @@ Status run_train(const TrainOptions& o) {
       aux += st.aux_loss * loss_weight;
       step_tokens += st.tokens;
     }
-    const double grad_norm = std::sqrt(opt.grad_norm_squared(c));
+    // The global norm: one reduction over the flat gradient buffer on a device.
+    const double grad_norm = std::sqrt(model.flat_grads().defined() ? kernels::sum_squares(c.ex, model.flat_grads())
+                                                                    : opt.grad_norm_squared(c));
     const double lr = tc.lr.at(step);
     opt.step(c, lr, grad_norm);
-    const std::vector<std::vector<int64_t>> load = model.end_step();
+    model.refresh_working_copies(c);
+    const std::vector<std::vector<int64_t>> load = model.end_step(c);
+    dev.range_pop();
+    dev.synchronize();  // the step's time includes its optimizer update
     const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    const size_t peak_bytes = dev.peak_bytes();
     tokens_seen += step_tokens;
     const double tps = static_cast<double>(step_tokens) / step_s;
     const double loss = lm_sum + aux;
@@ -149,6 +173,11 @@ Status run_train(const TrainOptions& o) {
                        {"aux_loss", aux},    {"lr", lr},              {"grad_norm", grad_norm},
                        {"tokens", tokens_seen}, {"tokens_per_s", tps}, {"step_ms", step_s * 1e3},
                        {"expert_load", load}, {"load_imbalance", imbalance}};
+    if (dev.is_cuda()) {
+      rec["mfu"] = tps * flops_per_token / (kPeakFlopsPerGpu * dev.num_gpus());
+      rec["peak_bytes"] = peak_bytes;  // caching allocator high-water mark in this step
+      rec["activation_bytes"] = peak_bytes - std::min(peak_bytes, step_base_bytes);
+    }
     const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
     const bool out_of_time = tc.train.time_limit_s > 0 && elapsed > tc.train.time_limit_s && step < tc.train.steps;
     const bool eval_now =
@@ -160,9 +189,12 @@ Status run_train(const TrainOptions& o) {
     metrics << rec.dump() << "\n";
     metrics.flush();
     if (step % tc.train.log_every == 0 || step == 1 || eval_now) {
-      fmt::print("step {}/{} | loss {:.4f} | lm {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:.0f} tok/s | {:.0f} ms{}{}\n",
+      fmt::print("step {}/{} | loss {:.4f} | lm {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:.0f} tok/s | {:.0f} ms{}{}{}\n",
                  step, tc.train.steps, loss, lm_sum, aux, lr, grad_norm, tps, step_s * 1e3,
                  load.empty() ? "" : fmt::format(" | load max/mean {:.2f}", imbalance),
+                 dev.is_cuda() ? fmt::format(" | mfu {:.1f}% | act {:.2f} GiB", 100.0 * rec["mfu"].get<double>(),
+                                             static_cast<double>(peak_bytes - std::min(peak_bytes, step_base_bytes)) / 1073741824.0)
+                               : "",
                  eval_now ? fmt::format(" | val_loss {:.4f}", last_val) : "");
       std::fflush(stdout);
     }
@@ -175,6 +207,7 @@ Status run_train(const TrainOptions& o) {
   const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
 
   // ---- weights ------------------------------------------------------------------------
+  model.to_host(c);
   TROUPE_RETURN_IF_ERROR(save_weights(run_dir + "/model.bin", model,
                                       WeightsInfo{tc.model, tc.train.seq_len, steps_done}));
   fmt::print("train_moe: done in {:.1f}s ({:.0f} tokens/s); val_loss {:.4f} -> {:.4f}; weights in {}/model.bin\n",

@@ -211,4 +211,23 @@ TEST(TrainMoeCli, ErrorsNameTheProblem) {
   if (!HasFailure()) fs::remove_all(dir);
 }
 
+// --backend: an unknown name is refused; cuda on a host without a GPU (or a build without
+// CUDA) fails before any work with a message that says which.
+TEST(TrainMoeCli, BackendErrors) {
+  const std::string dir = temp_dir("backend");
+  CliResult unknown = train_moe({"--config", dir + "/missing.toml", "--backend", "tpu"});
+  EXPECT_EQ(unknown.code, 1);
+  EXPECT_NE(unknown.out.find("--backend must be cpu or cuda, not 'tpu'"), std::string::npos) << unknown.out;
+  CliResult cuda = train_moe({"--config", dir + "/missing.toml", "--backend", "cuda"});
+  EXPECT_EQ(cuda.code, 1);
+  if (!fs::exists("/dev/nvidia0")) {
+    const bool says_why = cuda.out.find("no CUDA device is visible") != std::string::npos ||
+                          cuda.out.find("has no CUDA support") != std::string::npos;
+    EXPECT_TRUE(says_why) << cuda.out;
+  } else {
+    EXPECT_NE(cuda.out.find("missing.toml"), std::string::npos) << cuda.out;  // got past the device
+  }
+  if (!HasFailure()) fs::remove_all(dir);
+}
+
 }  // namespace

@@ -1,0 +1,86 @@
+// apps/train_moe/device.cc — RunDevice: the CPU Ctx, or the CUDA stream, caching
+// allocator and CudaContext of device 0.
+#include "apps/train_moe/device.h"
+
+#include <fmt/format.h>
+
+#if TROUPE_HAVE_CUDA
+#include <cuda_runtime.h>
+#include <nvtx3/nvToolsExt.h>
+
+#include "core/cuda/caching_allocator.h"
+#include "core/cuda/stream.h"
+#include "core/gpu_check.h"
+#include "kernels/cuda/context.h"
+#endif
+
+namespace troupe::train_moe {
+
+#if TROUPE_HAVE_CUDA
+struct RunDevice::Cuda {
+  // Destroyed in reverse order: the context and the allocator's blocks before the stream.
+  cuda::CudaStream stream;
+  std::unique_ptr<cuda::CudaCachingAllocator> alloc;
+  std::unique_ptr<kernels::CudaContext> ctx;
+};
+#else
+struct RunDevice::Cuda {};
+#endif
+
+RunDevice::~RunDevice() {
+  if (cuda_) synchronize();
+}
+
+Result<std::unique_ptr<RunDevice>> RunDevice::create(const std::string& backend) {
+  std::unique_ptr<RunDevice> d(new RunDevice());
+  if (backend == "cpu") return d;
+  if (backend != "cuda") return invalid_argument("--backend must be cpu or cuda, not '{}'", backend);
+#if TROUPE_HAVE_CUDA
+  const int n = cuda::device_count();
+  if (n <= 0) {
+    return failed_precondition(
+        "--backend cuda: no CUDA device is visible (no driver, no GPU, or CUDA_VISIBLE_DEVICES hides them); "
+        "use --backend cpu");
+  }
+  constexpr int kDevice = 0;
+  cuda::DeviceGuard guard(kDevice);
+  d->cuda_ = std::make_unique<Cuda>();
+  d->cuda_->stream = cuda::CudaStream::create(kDevice);
+  d->cuda_->alloc = std::make_unique<cuda::CudaCachingAllocator>(kDevice);
+  d->cuda_->ctx = std::make_unique<kernels::CudaContext>(kDevice, d->cuda_->stream.get(), d->cuda_->alloc.get());
+  d->ctx_.ex.device = Device::cuda(kDevice);
+  d->ctx_.ex.cuda = d->cuda_->ctx.get();
+  d->ctx_.alloc = d->cuda_->alloc.get();
+  d->ctx_.act = DType::kBF16;
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, kDevice));
+  d->name_ = fmt::format("cuda:{} ({})", kDevice, prop.name);
+  return d;
+#else
+  return unimplemented(
+      "--backend cuda: this build of train_moe has no CUDA support (CMake found no CUDA toolkit); rebuild where "
+      "nvcc is available, or use --backend cpu");
+#endif
+}
+
+void RunDevice::synchronize() const {
+#if TROUPE_HAVE_CUDA
+  if (cuda_) cuda_->stream.synchronize();
+#endif
+}
+
+void RunDevice::range_push(const char* name) const {
+#if TROUPE_HAVE_CUDA
+  if (cuda_) nvtxRangePushA(name);
+#else
+  (void)name;
+#endif
+}
+
+void RunDevice::range_pop() const {
+#if TROUPE_HAVE_CUDA
+  if (cuda_) nvtxRangePop();
+#endif
+}
+
+}  // namespace troupe::train_moe

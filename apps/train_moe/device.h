@@ -1,0 +1,49 @@
+// apps/train_moe/device.h — defines RunDevice, the execution resources of one training
+// process, made by main() from --backend and passed down: for "cuda" a stream, the
+// CudaCachingAllocator every device tensor (parameters, optimizer state, activations,
+// op scratch) comes from, and the CudaContext; for "cpu" the CPU Ctx. Its Ctx is what
+// every layer call receives.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "core/allocator.h"
+#include "core/status.h"
+#include "layers/context.h"
+
+namespace troupe::train_moe {
+
+class RunDevice {
+ public:
+  // backend: "cpu" or "cuda" (device 0). Errors name the problem: an unknown backend,
+  // a build without CUDA, or no visible GPU.
+  static Result<std::unique_ptr<RunDevice>> create(const std::string& backend);
+  ~RunDevice();
+  RunDevice(const RunDevice&) = delete;
+  RunDevice& operator=(const RunDevice&) = delete;
+
+  const layers::Ctx& ctx() const { return ctx_; }
+  bool is_cuda() const { return ctx_.on_device(); }
+  std::string name() const { return name_; }  // e.g. "cpu", "cuda:0 (NVIDIA H100 80GB HBM3)"
+  int num_gpus() const { return is_cuda() ? 1 : 0; }
+  // The allocator's live bytes, and its high-water mark since reset_peak().
+  size_t bytes_in_use() const { return ctx_.alloc->bytes_in_use(); }
+  size_t peak_bytes() const { return ctx_.alloc->peak_bytes_in_use(); }
+  void reset_peak() { ctx_.alloc->reset_peak(); }
+  // Waits for every op enqueued so far (no-op on the CPU).
+  void synchronize() const;
+  // An NVTX range around a training step ("step"), so profilers can select the kernels of
+  // steps (e.g. ncu --nvtx --nvtx-include step/). No-ops on the CPU.
+  void range_push(const char* name) const;
+  void range_pop() const;
+
+ private:
+  RunDevice() = default;
+  struct Cuda;  // stream, allocator, context (CUDA builds)
+  std::unique_ptr<Cuda> cuda_;
+  layers::Ctx ctx_;
+  std::string name_ = "cpu";
+};
+
+}  // namespace troupe::train_moe
