@@ -251,8 +251,9 @@ TEST_F(TrainingEquivalence, UntiedHeadOverPipeline) {
 TEST_F(TrainingEquivalence, FiftyStepsSameFinalLoss) {
   const auto& ref = reference(50);
   ASSERT_EQ(ref.size(), 50u);
-  // Two layouts covering every kind of parallelism (pp, dp, n).
-  for (const auto& [parallel, ga] : std::vector<std::pair<std::string, int64_t>>{{"pp=2,n=2", 2}, {"dp=2,n=2", 1}}) {
+  // Every layout of issue 7 (dp and dp x n take the global batch in one micro-batch per rank).
+  for (const auto& [parallel, ga] : std::vector<std::pair<std::string, int64_t>>{
+           {"dp=2", 1}, {"n=2", 2}, {"n=4", 2}, {"pp=2", 2}, {"pp=2,n=2", 2}, {"dp=2,n=2", 1}}) {
     std::string name = "fifty-" + parallel;
     for (char& ch : name) ch = (ch == ',' || ch == '=') ? '_' : ch;
     const RunResult r = run(args(name, 50, ga, parallel), *root_ / (name + ".log"), std::chrono::seconds(300));
