@@ -263,22 +263,28 @@ void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Ten
   }
 }
 
-void grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out,
-                    bool trans_w) {
-  OpCheck c("grouped_matmul", ex, {{"x", &x}, {"w", &w}, {"offsets", &offsets}, {"out", &out}});
+// Checks shared by grouped_matmul and its backward: x [T,K], w [E,K,N] (or [E,N,K] with
+// trans_w), offsets i32 [E+1], and `y` (out or dout) [T,N].
+static void check_grouped_matmul(OpCheck& c, const Tensor& x, const Tensor& w, const Tensor& offsets, const Tensor& y,
+                          bool trans_w) {
   OP_FLOAT(c, x);
   OP_FLOAT(c, w);
-  OP_FLOAT(c, out);
+  OP_FLOAT(c, y);
   OP_DTYPE(c, offsets, DType::kI32);
   OP_RANK(c, x, 2);
   OP_RANK(c, w, 3);
-  const int64_t experts = w.size(0);
   const int64_t k = trans_w ? w.size(2) : w.size(1);
   const int64_t n = trans_w ? w.size(1) : w.size(2);
   OP_REQUIRE(c, x.size(1) == k, "x has {} columns but the experts' matrices take {} (trans_w={})", x.size(1),
              k, trans_w);
-  OP_SHAPE(c, offsets, {experts + 1});
-  OP_SHAPE(c, out, {x.size(0), n});
+  OP_SHAPE(c, offsets, {w.size(0) + 1});
+  OP_SHAPE(c, y, {x.size(0), n});
+}
+
+void grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out,
+                    bool trans_w) {
+  OpCheck c("grouped_matmul", ex, {{"x", &x}, {"w", &w}, {"offsets", &offsets}, {"out", &out}});
+  check_grouped_matmul(c, x, w, offsets, out, trans_w);
   c.call(&Backend::grouped_matmul, ex, x, w, offsets, out, trans_w);
 }
 
@@ -286,19 +292,7 @@ void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, c
                              const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w, bool accumulate_dw) {
   OpCheck c("grouped_matmul_backward", ex,
             {{"x", &x}, {"w", &w}, {"offsets", &offsets}, {"dout", &dout}, {"dx", dx}, {"dw", dw}});
-  OP_FLOAT(c, x);
-  OP_FLOAT(c, w);
-  OP_FLOAT(c, dout);
-  OP_DTYPE(c, offsets, DType::kI32);
-  OP_RANK(c, x, 2);
-  OP_RANK(c, w, 3);
-  const int64_t experts = w.size(0);
-  const int64_t k = trans_w ? w.size(2) : w.size(1);
-  const int64_t n = trans_w ? w.size(1) : w.size(2);
-  OP_REQUIRE(c, x.size(1) == k, "x has {} columns but the experts' matrices take {} (trans_w={})", x.size(1),
-             k, trans_w);
-  OP_SHAPE(c, offsets, {experts + 1});
-  OP_SHAPE(c, dout, {x.size(0), n});
+  check_grouped_matmul(c, x, w, offsets, dout, trans_w);
   if (dx != nullptr) {
     OP_FLOAT(c, *dx);
     c.is_shape("dx", *dx, x.shape(), __LINE__);
