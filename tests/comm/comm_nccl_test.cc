@@ -245,7 +245,13 @@ bool run_scenario(const char* self, const std::string& scenario, int n, std::chr
 
 int main(int argc, char** argv) {
   using namespace troupe::comm;
-  if (argc == 7 && std::strcmp(argv[1], "--child") == 0) {
+  if (argc >= 2 && std::strcmp(argv[1], "--child") == 0) {
+    // --child <scenario> <rank> <size> <store dir>: never fall through to the parent path
+    // (a child that did would spawn children of its own, forever).
+    if (argc != 6) {
+      std::fprintf(stderr, "usage: %s --child <scenario> <rank> <size> <store dir>\n", argv[0]);
+      return 2;
+    }
     std::string scenario = argv[2];
     int rank = std::atoi(argv[3]), size = std::atoi(argv[4]);
     auto store = FileStore::open(argv[5]);
