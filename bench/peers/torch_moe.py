@@ -25,7 +25,8 @@
 #         python3 torch_moe.py --spawn N ...                N processes via torch.multiprocessing
 # It runs on Debian's CPU torch 1.13 too (--device cpu --dtype f32; no torch.compile there).
 # --selfcheck compares the dispatch path (grouped or looped experts, all-to-all when N > 1)
-# with a naive per-expert masking reference on the same weights and batch, loss and gradients.
+# with a naive per-expert masking reference on the same weights and batch, loss and gradients;
+# the tested model reuses the reference's top-k choices (a bf16 near-tie could flip one).
 import argparse
 import json
 import math
@@ -411,6 +412,9 @@ class MoE(nn.Module):
         self.router = nn.Linear(m["d_model"], self.E, bias=False)
         self.experts = Experts(ep.local if ep else self.E, m["d_model"], e["expert_hidden"], gmm)
         self.reference = False  # selfcheck: naive per-expert masking instead of dispatch
+        # selfcheck: the reference records its top-k choices, the tested model reuses them, so
+        # that a bf16 near-tie resolved differently cannot pass for a dispatch error.
+        self.record_topi, self.pinned_topi, self.flipped = None, None, 0
         self.experts_compiled = None
 
     def route(self, x):
@@ -419,6 +423,13 @@ class MoE(nn.Module):
         logits = self.router(x).float()
         scores = logits.softmax(-1) if self.score == "softmax" else torch.sigmoid(logits)
         topv, topi = scores.topk(self.k, dim=-1)
+        if self.record_topi is not None:
+            self.record_topi.append(topi.detach().clone())
+        if self.pinned_topi:
+            pinned = self.pinned_topi.pop(0)
+            self.flipped += int((pinned.sort(-1).values != topi.sort(-1).values).any(-1).sum().item())
+            topi = pinned
+            topv = scores.gather(-1, topi)
         gates = topv / topv.sum(-1, keepdim=True) if self.normalize else topv
         aux = logits.new_zeros(())
         if self.aux_coef > 0:
@@ -735,12 +746,21 @@ def selfcheck(cfg, args, device, cdt, gmm, ep, rank):
     if args.mode == "compile":
         test.compile_parts(ep)
     ids, tgt = make_batches(cfg, device, cfg["train"]["seed"] + 7 + rank, n=1)[0]
+    ref_moes = [b.ffn for b in ref.blocks if isinstance(b.ffn, MoE)]
+    test_moes = [b.ffn for b in test.blocks if isinstance(b.ffn, MoE)]
+    for m in ref_moes:
+        m.record_topi = []
     with autocast_ctx(device, cdt):
         loss_r, lm_r, aux_r = ref(ids, tgt)
     loss_r.backward()
+    for mr, mt in zip(ref_moes, test_moes):  # same routing in both (see MoE.pinned_topi)
+        mt.pinned_topi, mr.record_topi = mr.record_topi, None
     with autocast_ctx(device, cdt):
         loss_t, lm_t, aux_t = test(ids, tgt)
     loss_t.backward()
+    flipped = sum(m.flipped for m in test_moes)
+    for m in test_moes:
+        m.pinned_topi, m.flipped = None, 0
     if world > 1:
         import torch.distributed as dist
         for p in ref.parameters():
@@ -774,7 +794,8 @@ def selfcheck(cfg, args, device, cdt, gmm, ep, rank):
             compare("experts.w1.grad", g1, r1[lo:hi])
             compare("experts.w2.grad", g2, r2[lo:hi])
     msg = (f"selfcheck rank {rank}/{world}: loss {loss_t.item():.6f} vs reference {loss_r.item():.6f}; "
-           f"worst relative gradient difference {worst:.2e} (tolerance {tol:.0e}); {gmm.note}")
+           f"worst relative gradient difference {worst:.2e} (tolerance {tol:.0e}); "
+           f"{flipped} token routings would have differed (pinned to the reference's); {gmm.note}")
     print(msg, flush=True)
     if failures:
         print("selfcheck FAILED:\n  " + "\n  ".join(failures[:20]), flush=True)
