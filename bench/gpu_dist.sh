@@ -4,19 +4,19 @@
 # one), then bench_1b for STEPS steps on one GPU and on two (`troupe run --nproc 2
 # --backend cuda -- train_moe ... --parallel n=2`, micro-batch MBS2 sequences split over the
 # pair), and prints tokens/s, mfu and peak device memory per run (median over steps > 5).
-# Usage (repository root, deps environment sourced): bash bench/gpu_dist.sh [STEPS=30] [MBS2=16] [notest]
+# Usage (repository root, deps environment sourced): bash bench/gpu_dist.sh [STEPS=30] [MBS2=16] [notest] [no1gpu]
 # Token data: this repository's text through `train_moe prepare` (throughput does not
 # depend on the text). Logs go to $OUT (or ./gpu-out); the build to $BUILD (default build).
 set -uo pipefail
 steps=${1:-30}
 mbs2=${2:-16}
-opts=" ${3:-} "
+opts=" ${*:3} "
 out=${OUT:-gpu-out}
 build=${BUILD:-build}
 mkdir -p "$out"
 t0=$(date +%s)
 say() { echo "== [$(( $(date +%s) - t0 ))s] $*" | tee -a "$out/summary.txt"; }
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
 if ! pkg-config --exists libsodium; then  # see bench/gpu_train.sh
   lib=$(dirname "$(find / -name 'libsodium.so.23*' -path '*troupe-deps*' 2>/dev/null | head -1)")
@@ -33,7 +33,7 @@ fi
 say "build ok"
 
 if [[ "$opts" != *" notest "* ]]; then
-  timeout -s KILL 400 "$build/tests/training/training_gpu_test" >"$out/gpu_test.log" 2>&1
+  timeout -s KILL 200 "$build/tests/training/training_gpu_test" >"$out/gpu_test.log" 2>&1
   say "training_gpu_test rc=$?"
   grep -E "^step [0-9]:|OK \]|FAILED|Failure|Expected|Which is|skipping|error" "$out/gpu_test.log" | head -40
 fi
@@ -65,16 +65,18 @@ print(f"{name}: {len(st)} steps, loss {st[0]['loss']:.4f} -> {st[-1]['loss']:.4f
 PY
 }
 
+if [[ "$opts" != *" no1gpu "* ]]; then
 rm -rf /tmp/troupe-dist-1gpu
-timeout -s KILL 240 "$build/apps/train_moe" --config apps/configs/bench_1b.toml --backend cuda "${sets[@]}" \
+timeout -s KILL 130 "$build/apps/train_moe" --config apps/configs/bench_1b.toml --backend cuda "${sets[@]}" \
   --run-dir /tmp/troupe-dist-1gpu >"$out/bench_1gpu.log" 2>&1
 say "bench_1b 1 GPU rc=$?"
 tail -4 "$out/bench_1gpu.log"
 cp /tmp/troupe-dist-1gpu/metrics.jsonl "$out/bench_1gpu.metrics.jsonl" 2>/dev/null
 summary "1 GPU, micro-batch 8" "$out/bench_1gpu.metrics.jsonl"
+fi
 
 rm -rf /tmp/troupe-dist-2gpu
-timeout -s KILL 300 "$build/scheduler/troupe" run --nproc 2 --backend cuda -- \
+timeout -s KILL 160 "$build/scheduler/troupe" run --nproc 2 --backend cuda -- \
   "$PWD/$build/apps/train_moe" --config "$PWD/apps/configs/bench_1b.toml" --backend cuda --parallel n=2 "${sets[@]}" \
   --set train.micro_batch_size="$mbs2" --run-dir /tmp/troupe-dist-2gpu >"$out/bench_2gpu.log" 2>&1
 say "bench_1b 2 GPUs (troupe run, n=2, micro-batch $mbs2) rc=$?"

@@ -160,7 +160,7 @@ Tensor ExpertGroup::backward_a2a(const layers::Ctx& c, const Tensor& dy, layers:
   auto& st = static_cast<A2AState&>(state);
   const int64_t dm = dy.size(1), rrows = static_cast<int64_t>(st.order.size());
   Tensor dyp = c.empty(st.yp.shape());
-  dgates = c.empty(st.gates.shape());
+  dgates = c.empty(st.gates.shape(), DType::kF32);  // gate gradients are f32, like the gates
   kernels::moe_unpermute_backward(c.ex, dy, st.yp, st.row_map, st.gates, dyp, dgates);
   Tensor dyr = c.empty({rrows, dm});
   all_to_all_v_rows(group_, dyp, st.send_rows, dyr, st.recv_rows, time_, "expert grad dispatch all_to_all_v");
