@@ -55,6 +55,12 @@ Result<std::unique_ptr<RunDevice>> RunDevice::create(const std::string& backend)
     const char* r = std::getenv("TROUPE_RANK");
     long local = lr != nullptr && *lr != '\0' ? std::strtol(lr, nullptr, 10) : -1;
     if (local < 0 && r != nullptr) local = std::strtol(r, nullptr, 10);
+    // With several GPUs visible, a worker past the last one would share a GPU with
+    // another rank (NCCL refuses that); one visible GPU is the scheduler's per-slot view.
+    if (n > 1 && local >= n) {
+      return failed_precondition("--backend cuda: worker {} needs its own GPU but only {} are visible (one GPU per worker)",
+                                 local, n);
+    }
     if (local > 0) kDevice = static_cast<int>(local % n);
   }
   cuda::DeviceGuard guard(kDevice);
