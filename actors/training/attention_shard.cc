@@ -22,14 +22,15 @@ namespace {
 
 // height rows of `width` bytes: row i from src + i*spitch to dst + i*dpitch, on the device
 // Ctx's stream (byte offsets into two contiguous device tensors).
-void copy_2d(const layers::Ctx& c, const Tensor& dst, size_t doff, size_t dpitch, const Tensor& src, size_t soff,
-             size_t spitch, size_t width, size_t height) {
+void copy_2d(const layers::Ctx& c, const Tensor& dst, size_t doff, size_t dpitch, const Tensor& src,
+             size_t soff, size_t spitch, size_t width, size_t height) {
   if (width == 0 || height == 0) return;
 #if TROUPE_HAVE_CUDA
   auto* d = static_cast<char*>(dst.data_ptr()) + doff;
   const auto* s = static_cast<const char*>(src.data_ptr()) + soff;
   cuda::DeviceGuard guard(c.ex.device.index);
-  CUDA_CHECK(cudaMemcpy2DAsync(d, dpitch, s, spitch, width, height, cudaMemcpyDeviceToDevice, c.ex.cuda->stream));
+  CUDA_CHECK(
+      cudaMemcpy2DAsync(d, dpitch, s, spitch, width, height, cudaMemcpyDeviceToDevice, c.ex.cuda->stream));
 #else
   (void)c, (void)dst, (void)doff, (void)dpitch, (void)src, (void)soff, (void)spitch;
   TROUPE_CHECK(false, "AttentionShard: device tensors in a build without CUDA");

@@ -94,10 +94,12 @@ Tensor ExpertGroup::forward_a2a(const layers::Ctx& c, const Tensor& x, const Ten
   if (c.on_device()) {
     // The counts must reach the host (they size the buffers): the one sync per dispatch.
     Tensor d_recv = c.empty({e}, DType::kI64);
-    time_.issue(group_.all_to_all(c.to_device(send_cnt), d_recv, time_.op_options()), "expert counts all_to_all");
+    time_.issue(group_.all_to_all(c.to_device(send_cnt), d_recv, time_.op_options()),
+                "expert counts all_to_all");
     const auto c0 = std::chrono::steady_clock::now();
     recv_cnt = c.to_host(d_recv);
-    time_.add(std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count(), "expert counts sync");
+    time_.add(std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count(),
+              "expert counts sync");
   } else {
     time_.wait(group_.all_to_all(send_cnt, recv_cnt), "expert counts all_to_all");
   }
@@ -188,7 +190,8 @@ Tensor ExpertGroup::backward_a2a(const layers::Ctx& c, const Tensor& dy, layers:
 
 Tensor ExpertGroup::forward_ag(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
                                std::unique_ptr<layers::DispatchState>& state, std::vector<int64_t>& kept) {
-  TROUPE_CHECK(!c.on_device(), "ExpertGroup: dispatch \"allgather\" runs on the CPU backend only; use "
+  TROUPE_CHECK(!c.on_device(),
+               "ExpertGroup: dispatch \"allgather\" runs on the CPU backend only; use "
                "parallel.dispatch = \"alltoall\" on GPUs");
   auto st = std::make_unique<AGState>();
   const int64_t t = x.size(0), dm = x.size(1), n = group_.size(), k = top_k_;

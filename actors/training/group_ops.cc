@@ -52,7 +52,8 @@ void CommTime::issue(const comm::WorkPtr& w, std::string_view what) {
     const comm::WorkPtr& pw = in_flight_[i].first;
     if (pw->test()) {
       const Status st = pw->status();
-      TROUPE_CHECK(st.ok(), "data plane: {} ({}) failed: {}", in_flight_[i].second, pw->what(), st.to_string());
+      TROUPE_CHECK(st.ok(), "data plane: {} ({}) failed: {}", in_flight_[i].second, pw->what(),
+                   st.to_string());
     } else {
       if (k != i) in_flight_[k] = std::move(in_flight_[i]);
       ++k;

@@ -63,18 +63,25 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
   return s;
 }
 
-Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int rank, comm::RendezvousStore& store,
-                                             const comm::StoreNamespace& ns, layers::TokenShards train,
-                                             layers::TokenShards val, const layers::Ctx& ctx) {
+Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int rank,
+                                             comm::RendezvousStore& store, const comm::StoreNamespace& ns,
+                                             layers::TokenShards train, layers::TokenShards val,
+                                             const layers::Ctx& ctx) {
   std::unique_ptr<Stage> s(new Stage(tc, rank, std::move(train), std::move(val)));
   s->ctx_ = ctx;
   s->bind_device();
   if (ctx.on_device()) {
     const auto& par = tc.parallel;
-    if (par.pp > 1) return unimplemented("Stage on {}: pipeline parallelism (pp = {}) runs on the CPU backend only so far", ctx.ex.device, par.pp);
-    if (par.compression && par.dp > 1) return unimplemented("Stage on {}: parallel.compression runs on the CPU backend only so far", ctx.ex.device);
+    if (par.pp > 1)
+      return unimplemented("Stage on {}: pipeline parallelism (pp = {}) runs on the CPU backend only so far",
+                           ctx.ex.device, par.pp);
+    if (par.compression && par.dp > 1)
+      return unimplemented("Stage on {}: parallel.compression runs on the CPU backend only so far",
+                           ctx.ex.device);
     if (par.n > 1 && par.dispatch == "allgather") {
-      return unimplemented("Stage on {}: parallel.dispatch = \"allgather\" runs on the CPU backend only; use \"alltoall\"", ctx.ex.device);
+      return unimplemented(
+          "Stage on {}: parallel.dispatch = \"allgather\" runs on the CPU backend only; use \"alltoall\"",
+          ctx.ex.device);
     }
 #if !TROUPE_HAVE_NCCL
     return unimplemented("Stage on {}: this build has no NCCL (needed for GPU workers)", ctx.ex.device);
@@ -242,8 +249,9 @@ void Stage::setup_params() {
   if (dev) refresh_working_copies();
   shard_len_ = std::max<int64_t>(padded, 1) / dp;
   shard_lo_ = coord_.dp * shard_len_;
-  shard_grad_ = dp > 1 ? (dev ? ctx_.zeros({shard_len_}, DType::kF32) : Tensor::zeros({shard_len_}, DType::kF32))
-                       : flat_grad_;
+  shard_grad_ = dp > 1
+                    ? (dev ? ctx_.zeros({shard_len_}, DType::kF32) : Tensor::zeros({shard_len_}, DType::kF32))
+                    : flat_grad_;
   pieces_.reserve(entries_.size());
   std::vector<layers::NamedParameter> named;
   for (auto& e : entries_) {
@@ -284,11 +292,13 @@ double Stage::grad_sum_squares() const {
       ++i;
       continue;
     }
-    const int64_t lo = (static_cast<const char*>(pieces_[i].grad.data_ptr()) - base) / static_cast<int64_t>(sizeof(float));
+    const int64_t lo =
+        (static_cast<const char*>(pieces_[i].grad.data_ptr()) - base) / static_cast<int64_t>(sizeof(float));
     int64_t len = pieces_[i].grad.numel();
     size_t j = i + 1;
     while (j < pieces_.size() && piece_in_norm_[j] &&
-           static_cast<const char*>(pieces_[j].grad.data_ptr()) == base + (lo + len) * static_cast<int64_t>(sizeof(float))) {
+           static_cast<const char*>(pieces_[j].grad.data_ptr()) ==
+               base + (lo + len) * static_cast<int64_t>(sizeof(float))) {
       len += pieces_[j].grad.numel();
       ++j;
     }

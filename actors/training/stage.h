@@ -73,9 +73,10 @@ class Stage {
                                                layers::TokenShards val);
   // The same on `ctx`'s device (a CPU Ctx gives the CPU Stage above). The Ctx's allocator
   // and CudaContext must outlive the Stage.
-  static Result<std::unique_ptr<Stage>> create(const layers::TrainConfig& tc, int rank, comm::RendezvousStore& store,
-                                               const comm::StoreNamespace& ns, layers::TokenShards train,
-                                               layers::TokenShards val, const layers::Ctx& ctx);
+  static Result<std::unique_ptr<Stage>> create(const layers::TrainConfig& tc, int rank,
+                                               comm::RendezvousStore& store, const comm::StoreNamespace& ns,
+                                               layers::TokenShards train, layers::TokenShards val,
+                                               const layers::Ctx& ctx);
   ~Stage();
 
   StepReport run_step(int64_t step);
@@ -101,11 +102,9 @@ class Stage {
   Stage(const layers::TrainConfig& tc, int rank, layers::TokenShards train, layers::TokenShards val);
   Status build(comm::RendezvousStore& store, const comm::StoreNamespace& ns);
   void setup_params();
-  // Device: parameters, gradients and the working copies onto ctx_'s device.
-  void place_on_device();
   double grad_sum_squares() const;  // this rank's share of the gradient norm
   void refresh_working_copies();
-  void synchronize() const;         // waits for ctx_'s stream (no-op on the CPU)
+  void synchronize() const;  // waits for ctx_'s stream (no-op on the CPU)
   // Makes ctx_'s device current on the calling thread (steps run on an actor thread).
   void bind_device() const;
 

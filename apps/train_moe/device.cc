@@ -58,8 +58,8 @@ Result<std::unique_ptr<RunDevice>> RunDevice::create(const std::string& backend)
     // With several GPUs visible, a worker past the last one would share a GPU with
     // another rank (NCCL refuses that); one visible GPU is the scheduler's per-slot view.
     if (n > 1 && local >= n) {
-      return failed_precondition("--backend cuda: worker {} needs its own GPU but only {} are visible (one GPU per worker)",
-                                 local, n);
+      return failed_precondition(
+          "--backend cuda: worker {} needs its own GPU but only {} are visible (one GPU per worker)", local, n);
     }
     if (local > 0) kDevice = static_cast<int>(local % n);
   }

@@ -11,6 +11,8 @@
 // the first steps' loss within 2% and gradient norm within 5% of the reference, the loss
 // falling, and mfu and peak_bytes in every step's metrics. Every child runs in its own
 // process group, bounded by a timeout, and is killed and reaped on failure.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -21,14 +23,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <fmt/format.h>
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #if TROUPE_TEST_HAVE_CUDA
 #include "core/cuda/stream.h"
@@ -92,7 +91,9 @@ std::vector<nlohmann::json> steps_of(const fs::path& metrics) {
   return out;
 }
 
-double rel(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(b), 1e-30); }
+double rel(double a, double b) {
+  return std::fabs(a - b) / std::max(std::fabs(b), 1e-30);
+}
 
 int visible_gpus() {
 #if TROUPE_TEST_HAVE_CUDA
@@ -108,12 +109,30 @@ class TrainingGpu : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     std::random_device rd;
-    root_ = new fs::path(fs::temp_directory_path() / fmt::format("troupe-training-gpu-{}-{:x}", getpid(), rd()));
+    root_ =
+        new fs::path(fs::temp_directory_path() / fmt::format("troupe-training-gpu-{}-{:x}", getpid(), rd()));
     fs::create_directories(*root_);
     const std::string src = TROUPE_SOURCE_DIR;
-    const RunResult p = run({TROUPE_TRAIN_MOE_BIN, "prepare", "--input", src + "/layers", "--input", src + "/kernels",
-                             "--input", src + "/comm", "--out", (*root_ / "data").string(), "--vocab", "512",
-                             "--max-bytes", "2000000", "--ext", ".cc", "--ext", ".h", "--ext", ".cu"},
+    const RunResult p = run({TROUPE_TRAIN_MOE_BIN,
+                             "prepare",
+                             "--input",
+                             src + "/layers",
+                             "--input",
+                             src + "/kernels",
+                             "--input",
+                             src + "/comm",
+                             "--out",
+                             (*root_ / "data").string(),
+                             "--vocab",
+                             "512",
+                             "--max-bytes",
+                             "2000000",
+                             "--ext",
+                             ".cc",
+                             "--ext",
+                             ".h",
+                             "--ext",
+                             ".cu"},
                             *root_ / "prepare.log", std::chrono::seconds(180));
     ASSERT_EQ(p.exit_code, 0) << p.output;
   }
@@ -125,16 +144,32 @@ class TrainingGpu : public ::testing::Test {
 
   // d 256, 2 blocks (dense, MoE), 4 heads / 2 kv heads (head dim 64), 8 experts top-2,
   // sequences of 256, micro-batches of 4.
-  static std::vector<std::string> args(const std::string& name, int64_t grad_accum, const std::string& parallel) {
-    std::vector<std::string> a{TROUPE_TRAIN_MOE_BIN, "--config", std::string(TROUPE_SOURCE_DIR) + "/apps/configs/tiny.toml",
-                               "--backend", "cuda", "--run-dir", (*root_ / name).string()};
-    const std::vector<std::string> sets{
-        "model.vocab_size=512",      "model.d_model=256",          "model.n_layers=2",
-        "model.n_heads=4",           "model.n_kv_heads=2",         "model.ffn_hidden=512",
-        "model.moe.num_experts=8",   "model.moe.expert_hidden=256", "train.seq_len=256",
-        "train.micro_batch_size=4",  fmt::format("train.grad_accum={}", grad_accum),
-        fmt::format("train.steps={}", kSteps), "train.eval_batches=2", "train.eval_every=0",
-        "train.log_every=1",         "optim.warmup_steps=2",       fmt::format("data.dir=\"{}\"", (*root_ / "data").string())};
+  static std::vector<std::string> args(const std::string& name, int64_t grad_accum,
+                                       const std::string& parallel) {
+    std::vector<std::string> a{TROUPE_TRAIN_MOE_BIN,
+                               "--config",
+                               std::string(TROUPE_SOURCE_DIR) + "/apps/configs/tiny.toml",
+                               "--backend",
+                               "cuda",
+                               "--run-dir",
+                               (*root_ / name).string()};
+    const std::vector<std::string> sets{"model.vocab_size=512",
+                                        "model.d_model=256",
+                                        "model.n_layers=2",
+                                        "model.n_heads=4",
+                                        "model.n_kv_heads=2",
+                                        "model.ffn_hidden=512",
+                                        "model.moe.num_experts=8",
+                                        "model.moe.expert_hidden=256",
+                                        "train.seq_len=256",
+                                        "train.micro_batch_size=4",
+                                        fmt::format("train.grad_accum={}", grad_accum),
+                                        fmt::format("train.steps={}", kSteps),
+                                        "train.eval_batches=2",
+                                        "train.eval_every=0",
+                                        "train.log_every=1",
+                                        "optim.warmup_steps=2",
+                                        fmt::format("data.dir=\"{}\"", (*root_ / "data").string())};
     for (const auto& s : sets) {
       a.push_back("--set");
       a.push_back(s);
@@ -146,15 +181,18 @@ class TrainingGpu : public ::testing::Test {
     return a;
   }
 
-  static std::vector<nlohmann::json> train(const std::string& name, int64_t grad_accum, const std::string& parallel) {
-    const RunResult r = run(args(name, grad_accum, parallel), *root_ / (name + ".log"), std::chrono::seconds(240));
+  static std::vector<nlohmann::json> train(const std::string& name, int64_t grad_accum,
+                                           const std::string& parallel) {
+    const RunResult r =
+        run(args(name, grad_accum, parallel), *root_ / (name + ".log"), std::chrono::seconds(240));
     EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
     std::printf("%s", r.output.c_str());
     return steps_of(*root_ / name / "metrics.jsonl");
   }
 
   // Per step: loss and gradient norm against the one-GPU reference; every step reports mfu.
-  static void compare(const std::vector<nlohmann::json>& got, const std::vector<nlohmann::json>& ref, bool per_gpu_peak) {
+  static void compare(const std::vector<nlohmann::json>& got, const std::vector<nlohmann::json>& ref,
+                      bool per_gpu_peak) {
     ASSERT_EQ(got.size(), static_cast<size_t>(kSteps));
     ASSERT_EQ(ref.size(), static_cast<size_t>(kSteps));
     for (int64_t i = 0; i < 3; ++i) {
@@ -166,7 +204,8 @@ class TrainingGpu : public ::testing::Test {
       EXPECT_LT(rel(g["loss"].get<double>(), r["loss"].get<double>()), 2e-2) << "step " << i + 1;
       EXPECT_LT(rel(g["grad_norm"].get<double>(), r["grad_norm"].get<double>()), 5e-2) << "step " << i + 1;
     }
-    EXPECT_LT(got.back()["loss"].get<double>(), got.front()["loss"].get<double>()) << "the loss does not fall";
+    EXPECT_LT(got.back()["loss"].get<double>(), got.front()["loss"].get<double>())
+        << "the loss does not fall";
     for (const auto& g : got) {
       ASSERT_TRUE(g.contains("mfu")) << g.dump();
       EXPECT_GT(g["mfu"].get<double>(), 0.0);
