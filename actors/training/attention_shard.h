@@ -36,6 +36,10 @@ class AttentionShard {
   Tensor head_to_seq(const Tensor& y);  // [B, S, Hl, Dh] -> [B, S/n, Hl*n, Dh]
 
  private:
+  // Device tensors (CommTime in device mode): the same layouts, moved on the stream.
+  Tensor seq_to_head_device(const Tensor& x);
+  Tensor head_to_seq_device(const Tensor& y);
+
   layers::Attention& attn_;
   comm::Communicator& group_;
   CommTime& time_;

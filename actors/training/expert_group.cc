@@ -1,8 +1,11 @@
 // actors/training/expert_group.cc — ExpertGroup: the all-to-all and all-gather dispatch
-// paths. Row movement between layouts is host code (CPU backend); the expert GEMMs and
-// the permute/unpermute are kernels/ops.h calls as in one process.
+// paths. Row movement between layouts is host code on the CPU backend; on a device (a2a
+// only) the rows move with kernels::embedding_forward over i32 row indices (a row gather)
+// on the compute stream, and only the per-expert counts reach the host. The expert GEMMs
+// and the permute/unpermute are kernels/ops.h calls as in one process.
 #include "actors/training/expert_group.h"
 
+#include <chrono>
 #include <cstring>
 
 #include "core/check.h"
@@ -16,6 +19,7 @@ struct A2AState final : layers::DispatchState {
   layers::Experts::Saved experts;
   std::vector<int64_t> order;  // expert-major position -> row of the received (source-major) buffer
   std::vector<int64_t> send_rows, recv_rows;
+  Tensor order_dev, inverse_dev;  // device: order, and its inverse permutation (i32)
   int64_t tokens = 0;
 };
 
@@ -30,6 +34,11 @@ std::vector<int32_t> host_ints(const Tensor& t) {
   const Tensor c = t.contiguous();
   const int32_t* p = c.data<int32_t>();
   return std::vector<int32_t>(p, p + c.numel());
+}
+
+// Device: dst[i] = src[idx[i]] (idx i32 on the device), a gather of whole rows.
+void gather_rows_device(const layers::Ctx& c, const Tensor& src, const Tensor& idx, Tensor& dst) {
+  kernels::embedding_forward(c.ex, idx, src, dst);
 }
 
 }  // namespace
@@ -71,7 +80,7 @@ Tensor ExpertGroup::forward_a2a(const layers::Ctx& c, const Tensor& x, const Ten
   Tensor counts = c.empty({e}, DType::kI32);
   Tensor offsets = c.empty({e + 1}, DType::kI32);
   kernels::moe_dispatch_plan(c.ex, topk_idx, e, -1, st->row_map, counts, offsets);
-  const std::vector<int32_t> cnt = host_ints(counts);
+  const std::vector<int32_t> cnt = host_ints(c.to_host(counts));
   kept.assign(cnt.begin(), cnt.end());
   int64_t rows = 0;
   for (int32_t v : cnt) rows += v;
@@ -82,7 +91,18 @@ Tensor ExpertGroup::forward_a2a(const layers::Ctx& c, const Tensor& x, const Ten
   Tensor send_cnt = Tensor::empty({e}, DType::kI64);
   for (int64_t j = 0; j < e; ++j) send_cnt.data<int64_t>()[j] = cnt[static_cast<size_t>(j)];
   Tensor recv_cnt = Tensor::empty({e}, DType::kI64);
-  time_.wait(group_.all_to_all(send_cnt, recv_cnt), "expert counts all_to_all");
+  if (c.on_device()) {
+    // The counts must reach the host (they size the buffers): the one sync per dispatch.
+    Tensor d_recv = c.empty({e}, DType::kI64);
+    time_.issue(group_.all_to_all(c.to_device(send_cnt), d_recv, time_.op_options()),
+                "expert counts all_to_all");
+    const auto c0 = std::chrono::steady_clock::now();
+    recv_cnt = c.to_host(d_recv);
+    time_.add(std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count(),
+              "expert counts sync");
+  } else {
+    time_.wait(group_.all_to_all(send_cnt, recv_cnt), "expert counts all_to_all");
+  }
   const int64_t* rc = recv_cnt.data<int64_t>();
   st->send_rows.assign(static_cast<size_t>(n), 0);
   st->recv_rows.assign(static_cast<size_t>(n), 0);
@@ -110,10 +130,25 @@ Tensor ExpertGroup::forward_a2a(const layers::Ctx& c, const Tensor& x, const Ten
     loc_off[static_cast<size_t>(j + 1)] = static_cast<int32_t>(st->order.size());
   }
   Tensor xe = c.empty({rrows, dm});
-  gather_rows(xr, st->order, xe);
-  Tensor ye = local_->forward(c, xe, Tensor::from_ints({el + 1}, loc_off), st->experts);
+  if (c.on_device()) {
+    std::vector<int32_t> ord(st->order.size()), inv(st->order.size());
+    for (size_t i = 0; i < ord.size(); ++i) {
+      ord[i] = static_cast<int32_t>(st->order[i]);
+      inv[static_cast<size_t>(st->order[i])] = static_cast<int32_t>(i);
+    }
+    st->order_dev = c.to_device(Tensor::from_ints({rrows}, ord));
+    st->inverse_dev = c.to_device(Tensor::from_ints({rrows}, inv));
+    gather_rows_device(c, xr, st->order_dev, xe);
+  } else {
+    gather_rows(xr, st->order, xe);
+  }
+  Tensor ye = local_->forward(c, xe, c.to_device(Tensor::from_ints({el + 1}, loc_off)), st->experts);
   Tensor yr = c.empty({rrows, dm});
-  scatter_rows(ye, st->order, yr);
+  if (c.on_device()) {
+    gather_rows_device(c, ye, st->inverse_dev, yr);  // yr[order[i]] = ye[i]
+  } else {
+    scatter_rows(ye, st->order, yr);
+  }
   st->yp = c.empty({rows, dm});
   all_to_all_v_rows(group_, yr, st->recv_rows, st->yp, st->send_rows, time_, "expert combine all_to_all_v");
   Tensor y = c.empty(x.shape());
@@ -127,15 +162,23 @@ Tensor ExpertGroup::backward_a2a(const layers::Ctx& c, const Tensor& dy, layers:
   auto& st = static_cast<A2AState&>(state);
   const int64_t dm = dy.size(1), rrows = static_cast<int64_t>(st.order.size());
   Tensor dyp = c.empty(st.yp.shape());
-  dgates = c.empty(st.gates.shape());
+  dgates = c.empty(st.gates.shape(), DType::kF32);  // gate gradients are f32, like the gates
   kernels::moe_unpermute_backward(c.ex, dy, st.yp, st.row_map, st.gates, dyp, dgates);
   Tensor dyr = c.empty({rrows, dm});
   all_to_all_v_rows(group_, dyp, st.send_rows, dyr, st.recv_rows, time_, "expert grad dispatch all_to_all_v");
   Tensor dye = c.empty({rrows, dm});
-  gather_rows(dyr, st.order, dye);
+  if (c.on_device()) {
+    gather_rows_device(c, dyr, st.order_dev, dye);
+  } else {
+    gather_rows(dyr, st.order, dye);
+  }
   Tensor dxe = local_->backward(c, dye, st.experts);
   Tensor dxr = c.empty({rrows, dm});
-  scatter_rows(dxe, st.order, dxr);
+  if (c.on_device()) {
+    gather_rows_device(c, dxe, st.inverse_dev, dxr);
+  } else {
+    scatter_rows(dxe, st.order, dxr);
+  }
   Tensor dxp = c.empty(st.yp.shape());
   all_to_all_v_rows(group_, dxr, st.recv_rows, dxp, st.send_rows, time_, "expert grad combine all_to_all_v");
   Tensor dx = c.empty({st.tokens, dm});
@@ -147,6 +190,9 @@ Tensor ExpertGroup::backward_a2a(const layers::Ctx& c, const Tensor& dy, layers:
 
 Tensor ExpertGroup::forward_ag(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
                                std::unique_ptr<layers::DispatchState>& state, std::vector<int64_t>& kept) {
+  TROUPE_CHECK(!c.on_device(),
+               "ExpertGroup: dispatch \"allgather\" runs on the CPU backend only; use "
+               "parallel.dispatch = \"alltoall\" on GPUs");
   auto st = std::make_unique<AGState>();
   const int64_t t = x.size(0), dm = x.size(1), n = group_.size(), k = top_k_;
   st->tokens = t;

@@ -9,6 +9,13 @@
 // layers' forward/backward (they return tensors), so these helpers abort the worker
 // process with the error; the driver sees the worker exit and fails the job. That is the
 // DESIGN.md "last resort" path; recovery in place is the elastic issue's.
+//
+// Device mode (CommTime::set_device with a CUDA Ctx): the communicators are NCCL ones on
+// the Ctx's device, every collective is enqueued on the Ctx's compute stream
+// (OpOptions::stream), so the ops after it on that stream see its result with no host
+// wait; issue() keeps the Work (its tensors stay referenced until it completes) and
+// drain() checks them all at the end of a step. Host waits remain only where values must
+// reach the host (all_to_all_v counts, sum_doubles), through Ctx::to_host.
 #pragma once
 
 #include <chrono>
@@ -18,6 +25,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "layers/context.h"
 
 namespace troupe::training {
 
@@ -27,6 +35,17 @@ class CommTime {
   void wait(const comm::WorkPtr& w, std::string_view what);
   void wait_all(const std::vector<comm::WorkPtr>& ws, std::string_view what);
   void add(double seconds, std::string_view what);  // a blocking call timed by the caller
+  // Host mode (no device set, or a CPU Ctx): wait(w, what). Device mode: keeps w in
+  // flight (ordered on the compute stream); a Work already failed aborts as wait() does.
+  void issue(const comm::WorkPtr& w, std::string_view what);
+  // Waits for every Work issue() kept (device mode; a no-op otherwise).
+  void drain(std::string_view what);
+  // Device mode from now on when `c` is a device Ctx (not owned; must outlive its use).
+  void set_device(const layers::Ctx* c) { ctx_ = c != nullptr && c->on_device() ? c : nullptr; }
+  bool device_mode() const { return ctx_ != nullptr; }
+  const layers::Ctx* device_ctx() const { return ctx_; }
+  // The options collectives are issued with: the compute stream in device mode.
+  comm::OpOptions op_options() const;
   double seconds() const { return seconds_; }
   // Seconds per kind of communication: the first word of `what` ("ulysses", "expert",
   // "pipeline", "router", ...; gradient and parameter synchronisation is "sync").
@@ -39,9 +58,12 @@ class CommTime {
  private:
   double seconds_ = 0;
   std::map<std::string, double> by_kind_;
+  const layers::Ctx* ctx_ = nullptr;
+  std::vector<std::pair<comm::WorkPtr, std::string>> in_flight_;
 };
 
-// Blocking collectives on host tensors, timed into `t`.
+// Collectives, timed into `t`: blocking on host tensors; in device mode enqueued on the
+// compute stream (see the file comment).
 void all_reduce_sum(comm::Communicator& c, const Tensor& x, CommTime& t, std::string_view what);
 void all_gather(comm::Communicator& c, const Tensor& in, const Tensor& out, CommTime& t, std::string_view what);
 void reduce_scatter_sum(comm::Communicator& c, const Tensor& in, const Tensor& out, CommTime& t,
@@ -49,10 +71,12 @@ void reduce_scatter_sum(comm::Communicator& c, const Tensor& in, const Tensor& o
 void all_to_all_v_rows(comm::Communicator& c, const Tensor& in, const std::vector<int64_t>& send_rows,
                        const Tensor& out, const std::vector<int64_t>& recv_rows, CommTime& t, std::string_view what);
 // In place: every rank ends with the sum over the group, added in rank order (so every
-// rank holds bit-identical values).
+// rank holds bit-identical values). Device mode: the bytes go through a small device copy
+// (one host sync).
 void sum_doubles(comm::Communicator& c, std::vector<double>& values, CommTime& t, std::string_view what);
 
 // dst[i] = src[idx[i]] over rows of two 2-D f32 host tensors (dst pre-allocated).
+// (Device code gathers rows with kernels::embedding_forward on an i32 index tensor.)
 void gather_rows(const Tensor& src, const std::vector<int64_t>& idx, Tensor& dst);
 // dst[idx[i]] = src[i].
 void scatter_rows(const Tensor& src, const std::vector<int64_t>& idx, Tensor& dst);

@@ -10,6 +10,16 @@
 #include "comm/gloo_communicator.h"
 #include "core/check.h"
 
+#if TROUPE_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "core/gpu_check.h"
+#include "kernels/cuda/context.h"
+#endif
+#if TROUPE_HAVE_NCCL
+#include "comm/nccl_communicator.h"
+#endif
+
 namespace troupe::training {
 
 using Clock = std::chrono::steady_clock;
@@ -53,6 +63,35 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
   return s;
 }
 
+Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int rank,
+                                             comm::RendezvousStore& store, const comm::StoreNamespace& ns,
+                                             layers::TokenShards train, layers::TokenShards val,
+                                             const layers::Ctx& ctx) {
+  std::unique_ptr<Stage> s(new Stage(tc, rank, std::move(train), std::move(val)));
+  s->ctx_ = ctx;
+  s->bind_device();
+  if (ctx.on_device()) {
+    const auto& par = tc.parallel;
+    if (par.pp > 1)
+      return unimplemented("Stage on {}: pipeline parallelism (pp = {}) runs on the CPU backend only so far",
+                           ctx.ex.device, par.pp);
+    if (par.compression && par.dp > 1)
+      return unimplemented("Stage on {}: parallel.compression runs on the CPU backend only so far",
+                           ctx.ex.device);
+    if (par.n > 1 && par.dispatch == "allgather") {
+      return unimplemented(
+          "Stage on {}: parallel.dispatch = \"allgather\" runs on the CPU backend only; use \"alltoall\"",
+          ctx.ex.device);
+    }
+#if !TROUPE_HAVE_NCCL
+    return unimplemented("Stage on {}: this build has no NCCL (needed for GPU workers)", ctx.ex.device);
+#endif
+    s->time_.set_device(&s->ctx_);
+  }
+  TROUPE_RETURN_IF_ERROR(s->build(store, ns));
+  return s;
+}
+
 Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns) {
   const auto& par = tc_.parallel;
   TROUPE_RETURN_IF_ERROR(par.validate(tc_.model, tc_.train));
@@ -72,13 +111,20 @@ Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns
   comm::CommSpec base;
   base.store = &store;
   base.ns = ns;
-  const comm::CommFactory factory = [](const comm::CommSpec& spec) { return comm::make_gloo_communicator(spec); };
+  comm::CommFactory factory = [](const comm::CommSpec& spec) { return comm::make_gloo_communicator(spec); };
+#if TROUPE_HAVE_NCCL
+  if (ctx_.on_device()) {
+    factory = [device = ctx_.ex.device.index](const comm::CommSpec& spec) {
+      return comm::make_nccl_communicator(spec, comm::NcclOptions{device});
+    };
+  }
+#endif
   TROUPE_ASSIGN_OR_RETURN(groups_, comm::make_process_groups(layout, rank_, base, factory));
   comm::CommSpec ws = base;
   ws.name = "world";
   ws.rank = rank_;
   ws.size = layout.world_size();
-  TROUPE_ASSIGN_OR_RETURN(world_, comm::make_gloo_communicator(ws));
+  TROUPE_ASSIGN_OR_RETURN(world_, factory(ws));
   first_ = coord_.pp == 0;
   last_ = coord_.pp == layout.pp() - 1;
   if (tc_.model.tie_embeddings && layout.pp() > 1 && (first_ || last_)) {
@@ -86,7 +132,7 @@ Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns
     ts.name = fmt::format("tied_dp{}_n{}", coord_.dp, coord_.n);
     ts.rank = first_ ? 0 : 1;
     ts.size = 2;
-    TROUPE_ASSIGN_OR_RETURN(tied_, comm::make_gloo_communicator(ts));
+    TROUPE_ASSIGN_OR_RETURN(tied_, factory(ts));
   }
   if (par.compression && layout.dp() > 1) {
     bf16_rs_ = std::make_unique<comm::Bf16ReduceScatter>(*groups_.dp, comm::Bf16ReduceScatter::Options{});
@@ -125,6 +171,11 @@ Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns
   batch_ = tc_.train.micro_batch_size;
   seq_local_ = tc_.train.seq_len / n;
   loss_weight_ = 1.0f / static_cast<float>(tc_.train.grad_accum * layout.dp());
+  if (ctx_.on_device()) {
+    for (const auto& r : roles_) {
+      if (r->block->is_moe()) r->block->moe->router.bias = ctx_.to_device(r->block->moe->router.bias);
+    }
+  }
   setup_params();
   return ok_status();
 }
@@ -176,20 +227,31 @@ void Stage::setup_params() {
   flat_size_ = off;
   const int64_t dp = layout_->dp();
   const int64_t padded = (off + dp - 1) / dp * dp;
-  flat_value_ = Tensor::zeros({std::max<int64_t>(padded, 1)}, DType::kF32);
-  flat_grad_ = Tensor::zeros({std::max<int64_t>(padded, 1)}, DType::kF32);
+  const bool dev = ctx_.on_device();
+  flat_value_ = dev ? ctx_.zeros({std::max<int64_t>(padded, 1)}, DType::kF32)
+                    : Tensor::zeros({std::max<int64_t>(padded, 1)}, DType::kF32);
+  flat_grad_ = dev ? ctx_.zeros({std::max<int64_t>(padded, 1)}, DType::kF32)
+                   : Tensor::zeros({std::max<int64_t>(padded, 1)}, DType::kF32);
   // Rebind every parameter onto the flat buffers (a tied head shares the Parameter, so it
-  // follows).
+  // follows). On a device the matrices also get a working copy in the activation dtype.
   for (auto& e : entries_) {
     const Shape shape = e.param->value.shape();
     Tensor v = flat_value_.narrow(0, e.offset, e.param->numel()).view(shape);
-    v.copy_from(e.param->value);
+    if (dev) {
+      ctx_.copy_to_device(e.param->value.contiguous(), v);
+      e.param->work = shape.size() >= 2 && ctx_.act != DType::kF32 ? ctx_.empty(shape, ctx_.act) : Tensor();
+    } else {
+      v.copy_from(e.param->value);
+    }
     e.param->value = v;
     e.param->grad = flat_grad_.narrow(0, e.offset, e.param->numel()).view(shape);
   }
+  if (dev) refresh_working_copies();
   shard_len_ = std::max<int64_t>(padded, 1) / dp;
   shard_lo_ = coord_.dp * shard_len_;
-  shard_grad_ = dp > 1 ? Tensor::zeros({shard_len_}, DType::kF32) : flat_grad_;
+  shard_grad_ = dp > 1
+                    ? (dev ? ctx_.zeros({shard_len_}, DType::kF32) : Tensor::zeros({shard_len_}, DType::kF32))
+                    : flat_grad_;
   pieces_.reserve(entries_.size());
   std::vector<layers::NamedParameter> named;
   for (auto& e : entries_) {
@@ -204,7 +266,58 @@ void Stage::setup_params() {
     piece_in_norm_.push_back(e.in_norm);
   }
   for (size_t i = 0; i < pieces_.size(); ++i) named.push_back({fmt::format("piece{}", i), &pieces_[i]});
-  opt_ = std::make_unique<layers::AdamW>(named, tc_.optim);
+  opt_ = std::make_unique<layers::AdamW>(named, tc_.optim, ctx_);
+}
+
+void Stage::refresh_working_copies() {
+  for (auto& e : entries_) {
+    if (e.param->work.defined()) kernels::cast(ctx_.ex, e.param->value, e.param->work);
+  }
+}
+
+double Stage::grad_sum_squares() const {
+  double sumsq = 0;
+  if (!ctx_.on_device()) {
+    for (size_t i = 0; i < pieces_.size(); ++i) {
+      if (piece_in_norm_[i]) sumsq += kernels::sum_squares(ctx_.ex, pieces_[i].grad);
+    }
+    return sumsq;
+  }
+  // Device: one reduction (one host sync) per run of adjacent pieces that count, instead
+  // of one per parameter. The pieces tile the shard's gradient in order.
+  const auto* base = static_cast<const char*>(shard_grad_.data_ptr());
+  size_t i = 0;
+  while (i < pieces_.size()) {
+    if (!piece_in_norm_[i]) {
+      ++i;
+      continue;
+    }
+    const int64_t lo =
+        (static_cast<const char*>(pieces_[i].grad.data_ptr()) - base) / static_cast<int64_t>(sizeof(float));
+    int64_t len = pieces_[i].grad.numel();
+    size_t j = i + 1;
+    while (j < pieces_.size() && piece_in_norm_[j] &&
+           static_cast<const char*>(pieces_[j].grad.data_ptr()) ==
+               base + (lo + len) * static_cast<int64_t>(sizeof(float))) {
+      len += pieces_[j].grad.numel();
+      ++j;
+    }
+    sumsq += kernels::sum_squares(ctx_.ex, shard_grad_.narrow(0, lo, len));
+    i = j;
+  }
+  return sumsq;
+}
+
+void Stage::bind_device() const {
+#if TROUPE_HAVE_CUDA
+  if (ctx_.on_device()) CUDA_CHECK(cudaSetDevice(ctx_.ex.device.index));
+#endif
+}
+
+void Stage::synchronize() const {
+#if TROUPE_HAVE_CUDA
+  if (ctx_.on_device() && ctx_.ex.cuda != nullptr) CUDA_CHECK(cudaStreamSynchronize(ctx_.ex.cuda->stream));
+#endif
 }
 
 void Stage::load(bool eval, int64_t step, int64_t index, Micro& m) const {
@@ -218,8 +331,8 @@ void Stage::load(bool eval, int64_t step, int64_t index, Micro& m) const {
   m.tokens = 0;
   for (int64_t i = 0; i < targets.numel(); ++i) m.tokens += tp[i] >= 0 ? 1 : 0;
   const int64_t off = coord_.n * seq_local_;
-  m.ids = ids.narrow(1, off, seq_local_).contiguous().view({batch_ * seq_local_});
-  m.targets = targets.narrow(1, off, seq_local_).contiguous().view({batch_ * seq_local_});
+  m.ids = ctx_.to_device(ids.narrow(1, off, seq_local_).contiguous().view({batch_ * seq_local_}));
+  m.targets = ctx_.to_device(targets.narrow(1, off, seq_local_).contiguous().view({batch_ * seq_local_}));
 }
 
 Tensor Stage::recv_from(int peer_pp) {
@@ -302,9 +415,15 @@ void Stage::backward(Micro& m) {
 
 StepReport Stage::run_step(int64_t step) {
   const auto t0 = Clock::now();
+  bind_device();
   time_.reset();
   lm_acc_ = aux_acc_ = tokens_acc_ = 0;
-  flat_grad_.fill(0.0f);
+  if (ctx_.on_device()) {
+    ctx_.alloc->reset_peak();
+    kernels::fill(ctx_.ex, flat_grad_, 0.0f);
+  } else {
+    flat_grad_.fill(0.0f);
+  }
 
   // ---- 1F1B over the micro-batches ---------------------------------------------------
   const int64_t mcount = tc_.train.grad_accum;
@@ -340,10 +459,7 @@ StepReport Stage::run_step(int64_t step) {
   }
 
   // ---- norm, metrics, optimizer ------------------------------------------------------
-  double sumsq = 0;
-  for (size_t i = 0; i < pieces_.size(); ++i) {
-    if (piece_in_norm_[i]) sumsq += kernels::sum_squares(ctx_.ex, pieces_[i].grad);
-  }
+  const double sumsq = grad_sum_squares();
   const int64_t e = tc_.model.moe.num_experts;
   const int64_t nmoe = model_->num_moe_blocks();
   std::vector<double> v(static_cast<size_t>(5 + nmoe * e), 0.0);
@@ -377,11 +493,29 @@ StepReport Stage::run_step(int64_t step) {
 
   opt_->step(ctx_, rep.lr, rep.grad_norm);
   if (layout_->dp() > 1) {
-    Tensor mine = flat_value_.narrow(0, shard_lo_, shard_len_).clone();
+    Tensor mine;
+    if (ctx_.on_device()) {
+      mine = ctx_.empty({shard_len_}, DType::kF32);
+      kernels::cast(ctx_.ex, flat_value_.narrow(0, shard_lo_, shard_len_), mine);
+    } else {
+      mine = flat_value_.narrow(0, shard_lo_, shard_len_).clone();
+    }
     all_gather(*groups_.dp, mine, flat_value_, time_, "params all_gather (dp)");
   }
   for (const auto& r : roles_) {
-    if (r->moe_index >= 0) r->block->moe->update_bias(rep.expert_load[static_cast<size_t>(r->moe_index)]);
+    if (r->moe_index >= 0) {
+      if (ctx_.on_device()) {
+        r->block->moe->update_bias(ctx_, rep.expert_load[static_cast<size_t>(r->moe_index)]);
+      } else {
+        r->block->moe->update_bias(rep.expert_load[static_cast<size_t>(r->moe_index)]);
+      }
+    }
+  }
+  if (ctx_.on_device()) {
+    refresh_working_copies();
+    time_.drain("step collectives");
+    synchronize();  // the step's time includes its device work
+    rep.peak_bytes = static_cast<int64_t>(ctx_.alloc->peak_bytes_in_use());
   }
   rep.step_ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
   rep.comm_ms = time_.seconds() * 1e3;
@@ -391,6 +525,7 @@ StepReport Stage::run_step(int64_t step) {
 }
 
 double Stage::evaluate() {
+  bind_device();
   const layers::Ctx& c = ctx_;
   double sum = 0, tokens = 0;
   for (int64_t k = 0; k < tc_.train.eval_batches; ++k) {
@@ -408,6 +543,7 @@ double Stage::evaluate() {
   }
   time_.wait_all(pending_sends_, "pipeline send");
   pending_sends_.clear();
+  time_.drain("eval collectives");
   std::vector<double> v{sum, tokens};
   sum_doubles(*world_, v, time_, "eval metrics");
   return v[0] / std::max(1.0, v[1]);

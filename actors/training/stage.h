@@ -25,6 +25,12 @@
 //   counted once: replicated parts on n-rank 0 only, a tied copy on the first stage only),
 //   LM loss, aux loss, tokens, per-expert loads]. The router bias update uses the summed
 //   loads, as one process does.
+// - Device (create with a CUDA Ctx, e.g. one GPU per worker): NCCL communicators on the
+//   Ctx's device, parameters/gradients/moments in device memory from the Ctx's allocator,
+//   bf16 working copies of the matrices (refreshed after each update) and activations in
+//   the Ctx's dtype (bf16 on the wire for Ulysses and the expert all-to-alls); collectives
+//   are ordered on the compute stream (group_ops.h "Device mode"). Not yet on a device:
+//   pp > 1, parallel.compression, parallel.dispatch = "allgather".
 #pragma once
 
 #include <map>
@@ -53,6 +59,8 @@ struct StepReport {
   // world mean of the latter (measured up to the metrics reduction).
   double step_ms = 0, comm_ms = 0, compute_ms = 0, comm_ms_mean = 0;
   std::map<std::string, double> comm_by_kind_ms;  // this rank's comm_ms split by kind
+  // Device runs: this rank's allocator high-water mark in the step (bytes); -1 on the CPU.
+  int64_t peak_bytes = -1;
 };
 
 class Stage {
@@ -63,6 +71,12 @@ class Stage {
   static Result<std::unique_ptr<Stage>> create(const layers::TrainConfig& tc, int rank, comm::RendezvousStore& store,
                                                const comm::StoreNamespace& ns, layers::TokenShards train,
                                                layers::TokenShards val);
+  // The same on `ctx`'s device (a CPU Ctx gives the CPU Stage above). The Ctx's allocator
+  // and CudaContext must outlive the Stage.
+  static Result<std::unique_ptr<Stage>> create(const layers::TrainConfig& tc, int rank,
+                                               comm::RendezvousStore& store, const comm::StoreNamespace& ns,
+                                               layers::TokenShards train, layers::TokenShards val,
+                                               const layers::Ctx& ctx);
   ~Stage();
 
   StepReport run_step(int64_t step);
@@ -88,6 +102,11 @@ class Stage {
   Stage(const layers::TrainConfig& tc, int rank, layers::TokenShards train, layers::TokenShards val);
   Status build(comm::RendezvousStore& store, const comm::StoreNamespace& ns);
   void setup_params();
+  double grad_sum_squares() const;  // this rank's share of the gradient norm
+  void refresh_working_copies();
+  void synchronize() const;  // waits for ctx_'s stream (no-op on the CPU)
+  // Makes ctx_'s device current on the calling thread (steps run on an actor thread).
+  void bind_device() const;
 
   void load(bool eval, int64_t step, int64_t index, Micro& m) const;
   Tensor blocks_forward(const layers::Ctx& c, Tensor x, Micro& m, bool train);

@@ -10,11 +10,13 @@ namespace troupe::training {
 using Clock = std::chrono::steady_clock;
 
 nlohmann::json step_report_json(const StepReport& r) {
-  return nlohmann::json{{"step", r.step},         {"loss", r.loss},       {"lm_loss", r.lm_loss},
+  nlohmann::json j{{"step", r.step},         {"loss", r.loss},       {"lm_loss", r.lm_loss},
                         {"aux_loss", r.aux_loss}, {"grad_norm", r.grad_norm}, {"lr", r.lr},
                         {"step_tokens", r.tokens}, {"expert_load", r.expert_load}, {"step_ms", r.step_ms},
                         {"comm_ms", r.comm_ms},   {"compute_ms", r.compute_ms}, {"comm_ms_mean", r.comm_ms_mean},
                         {"comm_by_kind_ms", r.comm_by_kind_ms}};
+  if (r.peak_bytes >= 0) j["peak_bytes"] = r.peak_bytes;
+  return j;
 }
 
 Trainer::Trainer(const layers::TrainConfig& tc, StepDriver& driver, std::ostream& metrics, TrainerOptions opts)
@@ -44,6 +46,11 @@ Status Trainer::run() {
     rec["tokens"] = tokens_seen;
     rec["tokens_per_s"] = static_cast<double>(step_tokens) / wall_s;
     rec["driver_step_ms"] = wall_s * 1e3;
+    if (opts_.num_gpus > 0) {
+      // Dense bf16 peak of one H100/H200 SXM (TFLOP/s), as the single-process app uses.
+      constexpr double kPeakFlopsPerGpu = 989e12;
+      rec["mfu"] = rec["tokens_per_s"].get<double>() * opts_.flops_per_token / (kPeakFlopsPerGpu * opts_.num_gpus);
+    }
     // train.time_limit_s: stop after the step that ends past the budget (final validation
     // as at the last step), as the single-process app does.
     const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
@@ -59,10 +66,13 @@ Status Trainer::run() {
     metrics_.flush();
     if (step % tc_.train.log_every == 0 || step == 1 || eval_now) {
       fmt::print("step {}/{} | loss {:.4f} | lm {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:.0f} tok/s | "
-                 "{:.0f} ms (compute {:.0f}, comm {:.0f}){}\n",
+                 "{:.0f} ms (compute {:.0f}, comm {:.0f}){}{}\n",
                  step, tc_.train.steps, loss, rec.value("lm_loss", 0.0), rec.value("aux_loss", 0.0),
                  rec.value("lr", 0.0), rec.value("grad_norm", 0.0), rec["tokens_per_s"].get<double>(),
                  rec.value("step_ms", 0.0), rec.value("compute_ms", 0.0), rec.value("comm_ms", 0.0),
+                 rec.contains("mfu") ? fmt::format(" | mfu {:.1f}% | peak {:.1f} GiB", 100.0 * rec["mfu"].get<double>(),
+                                                   rec.value("peak_bytes", 0.0) / 1073741824.0)
+                                     : "",
                  eval_now ? fmt::format(" | val_loss {:.4f}", last_val_) : "");
       std::fflush(stdout);
     }

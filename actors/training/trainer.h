@@ -23,6 +23,10 @@ struct TrainerOptions {
   std::chrono::milliseconds command_timeout{600000};  // per step / evaluation
   // OK while every worker is healthy; else the problem (polled while waiting).
   Supervisor supervise;
+  // GPU runs: the GPUs of the job and the model FLOPs per token, for "mfu" in the metrics
+  // (tokens/s * flops_per_token / (989 TFLOP/s * num_gpus)); 0: no mfu (CPU).
+  int num_gpus = 0;
+  double flops_per_token = 0;
 };
 
 class Trainer {

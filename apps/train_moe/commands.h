@@ -39,7 +39,9 @@ Status run_train(const TrainOptions& o, RunDevice& dev);
 // - TROUPE_ROLE=driver: runs the Trainer (troupe run started the workers);
 // - no TROUPE_ROLE: a standalone launcher — checks the layout, starts pp*dp*n local
 //   worker processes and runs the Trainer in this process.
-Status run_distributed(const TrainOptions& o, const std::string& run_dir);
+// dev: this process's device (--backend); a worker builds its Stage on it (GPU workers:
+// NCCL), the driver reports mfu for a CUDA run.
+Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDevice& dev);
 
 // "pp=2,n=2" -> {"parallel.pp=2", "parallel.n=2"} (keys pp, dp, n, dispatch, compression).
 Result<std::vector<std::string>> parse_parallel_flag(const std::string& spec);

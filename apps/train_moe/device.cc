@@ -1,6 +1,9 @@
 // apps/train_moe/device.cc — RunDevice: the CPU Ctx, or the CUDA stream, caching
-// allocator and CudaContext of device 0.
+// allocator and CudaContext of this process's device.
 #include "apps/train_moe/device.h"
+
+#include <cstdlib>
+#include <string>
 
 #include <fmt/format.h>
 
@@ -42,7 +45,24 @@ Result<std::unique_ptr<RunDevice>> RunDevice::create(const std::string& backend)
         "--backend cuda: no CUDA device is visible (no driver, no GPU, or CUDA_VISIBLE_DEVICES hides them); "
         "use --backend cpu");
   }
-  constexpr int kDevice = 0;
+  // A distributed worker takes GPU (local rank mod visible GPUs): under `troupe run` the
+  // scheduler sets CUDA_VISIBLE_DEVICES to the worker's slot (one GPU, device 0); the
+  // standalone launcher's workers see every GPU and take TROUPE_RANK's.
+  int kDevice = 0;
+  const char* role = std::getenv("TROUPE_ROLE");
+  if (role != nullptr && std::string(role) == "worker") {
+    const char* lr = std::getenv("TROUPE_LOCAL_RANK");
+    const char* r = std::getenv("TROUPE_RANK");
+    long local = lr != nullptr && *lr != '\0' ? std::strtol(lr, nullptr, 10) : -1;
+    if (local < 0 && r != nullptr) local = std::strtol(r, nullptr, 10);
+    // With several GPUs visible, a worker past the last one would share a GPU with
+    // another rank (NCCL refuses that); one visible GPU is the scheduler's per-slot view.
+    if (n > 1 && local >= n) {
+      return failed_precondition(
+          "--backend cuda: worker {} needs its own GPU but only {} are visible (one GPU per worker)", local, n);
+    }
+    if (local > 0) kDevice = static_cast<int>(local % n);
+  }
   cuda::DeviceGuard guard(kDevice);
   d->cuda_ = std::make_unique<Cuda>();
   d->cuda_->stream = cuda::CudaStream::create(kDevice);
@@ -55,6 +75,7 @@ Result<std::unique_ptr<RunDevice>> RunDevice::create(const std::string& backend)
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, kDevice));
   d->name_ = fmt::format("cuda:{} ({})", kDevice, prop.name);
+  CUDA_CHECK(cudaSetDevice(kDevice));  // this thread's current device from now on
   return d;
 #else
   return unimplemented(

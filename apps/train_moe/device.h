@@ -16,8 +16,9 @@ namespace troupe::train_moe {
 
 class RunDevice {
  public:
-  // backend: "cpu" or "cuda" (device 0). Errors name the problem: an unknown backend,
-  // a build without CUDA, or no visible GPU.
+  // backend: "cpu" or "cuda" (device 0; a distributed worker: its local rank mod the
+  // visible GPUs). Errors name the problem: an unknown backend, a build without CUDA, or
+  // no visible GPU.
   static Result<std::unique_ptr<RunDevice>> create(const std::string& backend);
   ~RunDevice();
   RunDevice(const RunDevice&) = delete;

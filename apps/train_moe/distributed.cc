@@ -25,6 +25,7 @@
 #include "actors/training/actor_control.h"
 #include "actors/training/trainer.h"
 #include "apps/train_moe/commands.h"
+#include "apps/train_moe/device.h"
 #include "comm/rendezvous_store.h"
 #include "layers/token_data.h"
 #include "layers/tokenizer.h"
@@ -233,7 +234,7 @@ Result<bool> use_actors() {
 }
 
 Status run_worker(const layers::TrainConfig& tc, const std::string& run_dir, const comm::StoreNamespace& ns,
-                  int rank) {
+                  int rank, const RunDevice& dev) {
   TROUPE_ASSIGN_OR_RETURN(bool actors, use_actors());
   TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> store, open_store(run_dir));
   // Failures before serving are reported through the store in both control modes (the
@@ -248,7 +249,7 @@ Status run_worker(const layers::TrainConfig& tc, const std::string& run_dir, con
   Result<layers::TokenShards> val = layers::TokenShards::open(tc.data.dir, "val");
   if (!val.ok()) return fail(val.status());
   Result<std::unique_ptr<training::Stage>> stage =
-      training::Stage::create(tc, rank, *store, ns, std::move(train).value(), std::move(val).value());
+      training::Stage::create(tc, rank, *store, ns, std::move(train).value(), std::move(val).value(), dev.ctx());
   if (!stage.ok()) return fail(stage.status().with_context(fmt::format("worker rank {}", rank)));
   if (!actors) return training::run_stage_host(*stage.value(), store_server, kCommandTimeout);
   Result<std::unique_ptr<training::ActorStepServer>> server = training::ActorStepServer::start(*store, ns.prefix(), rank);
@@ -260,7 +261,7 @@ Status run_worker(const layers::TrainConfig& tc, const std::string& run_dir, con
 
 }  // namespace
 
-Status run_distributed(const TrainOptions& o, const std::string& run_dir) {
+Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDevice& dev) {
   TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, layers::load_train_config(o.config, o.overrides));
   const int world = static_cast<int>(tc.parallel.world());
   const char* role_env = env("TROUPE_ROLE");
@@ -283,7 +284,8 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir) {
     ns.job = job;
     TROUPE_ASSIGN_OR_RETURN(int64_t rank, env_int("TROUPE_RANK", -1));
     if (rank < 0 || rank >= world) return invalid_argument("worker: TROUPE_RANK={} is not in [0, {})", rank, world);
-    return run_worker(tc, run_dir, ns, static_cast<int>(rank));
+    if (dev.is_cuda()) fmt::print("train_moe: worker rank {} on {}\n", rank, dev.name());
+    return run_worker(tc, run_dir, ns, static_cast<int>(rank), dev);
   }
 
   // ---- driver (troupe run) or standalone launcher -------------------------------------
@@ -352,6 +354,12 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir) {
   training::TrainerOptions topts;
   topts.command_timeout = kCommandTimeout;
   topts.supervise = supervise;
+  if (dev.is_cuda()) {
+    topts.num_gpus = world;
+    // Model FLOPs per token (issue 10): 6 * active parameters + 6 * L * s * d (causal).
+    topts.flops_per_token = 6.0 * static_cast<double>(tc.model.num_active_params()) +
+                            6.0 * static_cast<double>(tc.model.n_layers * tc.train.seq_len * tc.model.d_model);
+  }
   training::Trainer trainer(tc, *driver, metrics, topts);
   const Status st = trainer.run();
   driver.reset();

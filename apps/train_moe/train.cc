@@ -59,11 +59,7 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
   if (tc.data.dir.empty()) return invalid_argument("{}: data.dir is not set (the output of train_moe prepare)", tc.source);
   if (tc.parallel.world() != 1 || std::getenv("TROUPE_ROLE") != nullptr) {
     std::string dist_run_dir = o.run_dir.empty() ? "runs/" + fs::path(o.config).stem().string() : o.run_dir;
-    if (o.backend != "cpu") {
-      return unimplemented("train: distributed training runs on --backend cpu (Gloo) only so far; "
-                           "multi-GPU training over NCCL is not wired into train_moe yet");
-    }
-    return run_distributed(o, dist_run_dir);
+    return run_distributed(o, dist_run_dir, dev);
   }
 
   // ---- data and tokenizer -------------------------------------------------------------
