@@ -142,9 +142,15 @@ troupe_data() {
   echo "$d"
 }
 
-troupe_sets() {
+# The config's micro-batch is sequences per GPU. On n GPUs Troupe's n-group splits every
+# sequence over the n GPUs (Ulysses), while each peer rank trains its own micro-batch, so
+# Troupe's micro-batch is n times the config's: the same tokens per GPU per step.
+MBS=$(sed -n 's/^[[:space:]]*micro_batch_size[[:space:]]*=[[:space:]]*\([0-9]*\).*/\1/p' "$CONFIG" | head -n 1)
+troupe_sets() {  # troupe_sets DATA NGPU
   local steps=$((STEPS + WARMUP))
-  echo "--set train.steps=$steps --set train.eval_every=0 --set train.eval_batches=1 --set train.log_every=1 --set data.dir=$1"
+  local sets="--set train.steps=$steps --set train.eval_every=0 --set train.eval_batches=1 --set train.log_every=1 --set data.dir=$1"
+  if [ -n "$MBS" ] && [ "$2" -gt 1 ]; then sets="$sets --set train.micro_batch_size=$((MBS * $2))"; fi
+  echo "$sets"
 }
 
 run_troupe() {  # run_troupe NGPU
@@ -158,7 +164,7 @@ run_troupe() {  # run_troupe NGPU
     return
   fi
   data=$(troupe_data)
-  sets=$(troupe_sets "$data")
+  sets=$(troupe_sets "$data" "$n")
   echo "== troupe, $n GPU(s)"
   local rc
   if [ "$n" -eq 1 ]; then
