@@ -30,10 +30,10 @@
 namespace troupe::training {
 
 struct Command {
-  enum class Kind : uint8_t { kStep = 0, kEval = 1, kStop = 2 };
+  enum class Kind : uint8_t { kStep = 0, kEval = 1, kStop = 2, kSave = 3 };
   int64_t seq = 0;   // 0, 1, 2, ... in the order the driver sends them
   Kind kind = Kind::kStep;
-  int64_t step = 0;  // kStep: the 1-based optimizer step to run
+  int64_t step = 0;  // kStep: the 1-based optimizer step to run; kSave: the step just run
 };
 const char* command_kind_name(Command::Kind k);
 
