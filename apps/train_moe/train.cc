@@ -286,6 +286,7 @@ Status run_train(const TrainOptions& opts, RunDevice& dev) {
       Result<training::SaveFigures> f = ckpt->save(model_state(c, model, opt, tc));
       rec["ckpt_blocked_ms"] = std::chrono::duration<double>(Clock::now() - s0).count() * 1e3;
       if (f.ok()) {
+        rec["ckpt_bytes_rank0"] = f->bytes;
         committer->commit(step, training::data_position_json(tc, step, tokens_seen), nlohmann::json{{"adam_steps", step}});
       } else {
         fmt::print(stderr, "checkpoint: step {} could not be saved: {}\n", step, f.status().to_string());
