@@ -96,7 +96,11 @@ Status Trainer::run() {
 }
 
 Status Trainer::save_checkpoint(int64_t step, int64_t tokens_seen, nlohmann::json& rec) {
+  const auto t0 = Clock::now();
   TROUPE_ASSIGN_OR_RETURN(nlohmann::json r, call(Command::Kind::kSave, step));
+  // The whole pause of the job for this save: every worker's snapshot plus one control
+  // round trip (ckpt_blocked_ms is rank 0's snapshot alone).
+  rec["ckpt_driver_ms"] = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
   if (r.contains("ckpt_error")) {
     // The step's checkpoint will not be committed (its committer sees the rank's error
     // marker); training goes on and the failure is the run's outcome at the end.

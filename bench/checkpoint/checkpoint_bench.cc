@@ -170,7 +170,7 @@ int summarise_training(const std::string& path) {
     fmt::print(stderr, "bench_checkpoint: cannot read {}\n", path);
     return 1;
   }
-  std::vector<double> blocked, step_ms;
+  std::vector<double> blocked, step_ms, driver_ms;
   uint64_t bytes = 0;
   std::string line;
   while (std::getline(in, line)) {
@@ -180,6 +180,7 @@ int summarise_training(const std::string& path) {
     if (j.contains("ckpt_blocked_ms")) {
       blocked.push_back(j["ckpt_blocked_ms"].get<double>());
       bytes = j.value("ckpt_bytes_rank0", bytes);
+      if (j.contains("ckpt_driver_ms")) driver_ms.push_back(j["ckpt_driver_ms"].get<double>());
     }
   }
   if (blocked.empty()) {
@@ -191,10 +192,12 @@ int summarise_training(const std::string& path) {
     for (double x : v) s += x;
     return v.empty() ? 0.0 : s / static_cast<double>(v.size());
   };
-  fmt::print("{}: {} saves over {} steps: training blocked {:.2f} ms per save (mean; max {:.2f} ms){}; "
+  fmt::print("{}: {} saves over {} steps: training blocked {:.2f} ms per save (mean; max {:.2f} ms){}{}; "
              "mean step {:.1f} ms\n",
              path, blocked.size(), step_ms.size(), mean(blocked), *std::max_element(blocked.begin(), blocked.end()),
-             bytes ? fmt::format(", rank 0 shard {:.2f} MB", static_cast<double>(bytes) / 1e6) : "", mean(step_ms));
+             bytes ? fmt::format(", rank 0 shard {:.2f} MB", static_cast<double>(bytes) / 1e6) : "",
+             driver_ms.empty() ? "" : fmt::format(", job paused {:.2f} ms (driver: all ranks + control round trip)", mean(driver_ms)),
+             mean(step_ms));
   return 0;
 }
 

@@ -268,6 +268,43 @@ TEST_F(CheckpointResume, ResumeInOneProcess) {
   check_resume("resume-one", "", 2, (*root_ / "saved" / "checkpoints" / "step_5").string());
 }
 
+TEST_F(CheckpointResume, ResumeWithoutConfigUsesTheSavedOne) {
+  // `train_moe train --resume <step dir>`: config text and overrides from the manifest,
+  // then the command line's (here: one process instead of the saved pp=2 x n=2).
+  const fs::path step5 = *root_ / "saved" / "checkpoints" / "step_5";
+  const RunResult r = run({TROUPE_TRAIN_MOE_BIN, "train", "--resume", step5.string(), "--run-dir",
+                           (*root_ / "noconfig").string(), "--parallel", "pp=1,n=1"},
+                          *root_ / "noconfig.log", std::chrono::seconds(120));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("config from checkpoint"), std::string::npos) << r.output;
+  const auto ref = losses(*root_ / "saved" / "metrics.jsonl");
+  const auto got = losses(*root_ / "noconfig" / "metrics.jsonl");
+  ASSERT_EQ(got.size(), 5u) << r.output;
+  for (const auto& [step, loss] : got) EXPECT_LE(std::fabs(loss - ref.at(step)), 1e-6) << "step " << step;
+}
+
+#ifdef TROUPE_CLI_BIN
+TEST_F(CheckpointResume, TroupeRunResumesIntoTheJobsCheckpointDir) {
+  // Under the scheduler: driver and 4 workers from `troupe run`, the checkpoint to resume
+  // passed through the scheduler's store, new checkpoints into --checkpoint-dir
+  // (TROUPE_CHECKPOINT_DIR).
+  const fs::path ck = *root_ / "troupe-ck";
+  std::vector<std::string> a = args("troupe-resume", "pp=2,n=2", 2, {"checkpoint.every=5"},
+                                    (*root_ / "saved" / "checkpoints" / "step_5").string());
+  a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--checkpoint-dir", ck.string(), "--"});
+  const RunResult r = run(a, *root_ / "troupe-resume.log", std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto ref = losses(*root_ / "saved" / "metrics.jsonl");
+  const auto got = losses(*root_ / "troupe-resume" / "metrics.jsonl");
+  ASSERT_EQ(got.size(), 5u) << r.output;
+  for (const auto& [step, loss] : got) EXPECT_LE(std::fabs(loss - ref.at(step)), 1e-6) << "step " << step;
+  const auto list = troupe::checkpoint::list_checkpoints(ck.string());
+  ASSERT_EQ(list.size(), 1u) << r.output;
+  EXPECT_EQ(list[0].first, 10);
+  EXPECT_TRUE(troupe::checkpoint::CheckpointReader::open(list[0].second, troupe::checkpoint::VerifyMode::kChecksums).ok());
+}
+#endif
+
 TEST_F(CheckpointResume, CorruptNewestFallsBackToThePrevious) {
   struct Case {
     std::string name, expect;  // the reason the newest checkpoint is skipped
