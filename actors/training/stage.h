@@ -80,7 +80,9 @@ class Stage {
   int64_t steps_done() const;  // optimizer steps applied
   // This rank's parameters, router biases and ZeRO-1 moments as named global slices (see
   // stage_state.h). copy = false: views of the live host buffers, valid until the next
-  // run_step (CheckpointWriter::save copies them); copy = true: host copies.
+  // run_step (CheckpointWriter::save copies them); copy = true: host copies. (Written for
+  // the CPU Stage: a device Stage copies to the host here and refreshes its working
+  // copies after import_state.)
   Result<StageState> export_state(StateScope scope, bool copy) const;
   // Overwrites everything this rank holds from `source` (any saved layout: each slice is
   // asked for by global name and box) and sets the optimizer's step count. The next
