@@ -268,6 +268,29 @@ TEST_F(CheckpointResume, ResumeInOneProcess) {
   check_resume("resume-one", "", 2, (*root_ / "saved" / "checkpoints" / "step_5").string());
 }
 
+TEST_F(CheckpointResume, SavedAtDp2N2ResumedAtPp2) {
+  // The other direction: ZeRO-1 moment shards saved by two dp replicas (and experts by
+  // two n ranks), loaded by a pipeline whose last stage holds a tied copy of the
+  // embedding (its weights and moments come from the first stage's saved tensor).
+  const RunResult a = run(args("saved-dp2n2", "dp=2,n=2", 1, {"checkpoint.every=5"}), *root_ / "saved-dp2n2.log",
+                          std::chrono::seconds(180));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const fs::path step5 = *root_ / "saved-dp2n2" / "checkpoints" / "step_5";
+  const RunResult r = run(args("resume-pp2", "pp=2", 2, {}, step5.string()), *root_ / "resume-pp2.log",
+                          std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("saved with layout pp=1,dp=2,n=2"), std::string::npos) << r.output;
+  const auto ref = losses(*root_ / "saved-dp2n2" / "metrics.jsonl");
+  const auto got = losses(*root_ / "resume-pp2" / "metrics.jsonl");
+  ASSERT_EQ(got.size(), 5u) << r.output;
+  double worst = 0;
+  for (const auto& [step, loss] : got) {
+    EXPECT_LE(std::fabs(loss - ref.at(step)), 1e-6) << "step " << step;
+    worst = std::max(worst, std::fabs(loss - ref.at(step)));
+  }
+  std::printf("[resume pp=2 from dp=2,n=2 step 5] max |diff| %.3g\n", worst);
+}
+
 TEST_F(CheckpointResume, ResumeWithoutConfigUsesTheSavedOne) {
   // `train_moe train --resume <step dir>`: config text and overrides from the manifest,
   // then the command line's (here: one process instead of the saved pp=2 x n=2).
