@@ -48,10 +48,12 @@ class RankCheckpointer {
   Result<SaveFigures> save(const StageState& state);
   // Waits for the save in flight; its outcome (OK when none).
   Status finish();
+  // Leaves the error marker of step `step` (for a failure before save() was reached,
+  // e.g. the state could not be exported), so the committer stops waiting for this rank.
+  void mark_failed(int64_t step, const Status& st) const;
 
  private:
   RankCheckpointer() = default;
-  void mark_failed(int64_t step, const Status& st) const;
   std::string dir_;
   int rank_ = 0;
   std::unique_ptr<checkpoint::CheckpointWriter> writer_;

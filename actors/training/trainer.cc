@@ -119,9 +119,12 @@ nlohmann::json save_stage_checkpoint(Stage& stage, RankCheckpointer* checkpoints
   if (checkpoints == nullptr) return nlohmann::json{{"ckpt_error", "this worker has no checkpoint directory"}};
   const auto t0 = Clock::now();
   Result<StageState> st = stage.export_state(StateScope::kSave, /*copy=*/false);
-  if (!st.ok()) return nlohmann::json{{"ckpt_error", st.status().to_string()}};
-  if (st->step != step) {
-    return nlohmann::json{{"ckpt_error", fmt::format("asked to save step {} but the stage has run {}", step, st->step)}};
+  if (st.ok() && st->step != step) {
+    st = failed_precondition("asked to save step {} but the stage has run {} steps", step, st->step);
+  }
+  if (!st.ok()) {
+    checkpoints->mark_failed(step, st.status());
+    return nlohmann::json{{"ckpt_error", st.status().to_string()}};
   }
   Result<SaveFigures> f = checkpoints->save(*st);
   const double blocked_ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
