@@ -85,63 +85,107 @@ Status RankCheckpointer::finish() {
 // ---- CheckpointCommitter -----------------------------------------------------------------
 
 CheckpointCommitter::~CheckpointCommitter() {
-  cancel_ = true;
-  join();
-}
-
-void CheckpointCommitter::join() {
+  {
+    std::lock_guard lock(mu_);
+    cancel_ = true;
+  }
+  cv_.notify_all();
   if (thread_.joinable()) thread_.join();
 }
 
 void CheckpointCommitter::commit(int64_t step, nlohmann::json data_position, nlohmann::json metadata) {
-  join();  // one commit at a time, in step order
-  thread_ = std::thread([this, step, data_position = std::move(data_position), metadata = std::move(metadata)]() {
-    const auto t0 = Clock::now();
-    Status st = ok_status();
-    // Poll in short slices so that a cancelled committer (the job failed) stops at once.
-    const fs::path tmp = fs::path(o_.dir) / checkpoint::tmp_dir_name(step);
-    while (true) {
-      st = checkpoint::wait_for_parts(o_.dir, step, o_.world_size, std::chrono::milliseconds(200));
-      if (st.ok() || st.code() != StatusCode::kDeadlineExceeded) break;
-      if (cancel_) return;
-      for (int r = 0; r < o_.world_size; ++r) {
-        std::error_code ec;
-        if (fs::exists(tmp / error_file_name(r), ec)) st = aborted("rank {} failed to save (see {})", r, (tmp / error_file_name(r)).string());
-      }
-      if (st.code() == StatusCode::kAborted) break;
-      if (Clock::now() - t0 > o_.part_timeout) {
-        st = checkpoint::wait_for_parts(o_.dir, step, o_.world_size, std::chrono::milliseconds(0));
-        break;
-      }
-    }
-    if (st.ok()) {
-      checkpoint::FinalizeOptions fo;
-      fo.world_size = o_.world_size;
-      fo.keep_last = o_.keep;
-      fo.info = o_.info;
-      fo.info.data_position = data_position;
-      for (const auto& [k, v] : metadata.items()) fo.info.metadata[k] = v;
-      Result<checkpoint::FinalizeResult> r = checkpoint::finalize_checkpoint(o_.dir, step, fo);
-      if (r.ok()) {
-        fmt::print("checkpoint: step {} committed to {} ({:.2f} MB, {} ranks, {:.0f} ms after the save){}\n", step,
-                   r->path, static_cast<double>(r->bytes) / 1e6, o_.world_size,
-                   std::chrono::duration<double>(Clock::now() - t0).count() * 1e3,
-                   r->removed.empty() ? "" : fmt::format("; removed {}", fmt::join(r->removed, ", ")));
-        std::fflush(stdout);
-        std::lock_guard lock(mu_);
-        committed_.push_back(step);
-        return;
-      }
-      st = r.status();
-    }
-    fmt::print(stderr, "checkpoint: step {} was not committed: {}\n", step, st.to_string());
+  {
     std::lock_guard lock(mu_);
-    if (first_error_.ok()) first_error_ = st.with_context(fmt::format("checkpoint step {}", step));
-  });
+    queue_.push_back(Pending{step, std::move(data_position), std::move(metadata)});
+    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+  }
+  cv_.notify_all();
+}
+
+void CheckpointCommitter::loop() {
+  while (true) {
+    Pending p;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [this] { return cancel_ || !queue_.empty() || finishing_; });
+      if (cancel_) return;
+      if (queue_.empty()) {
+        if (finishing_) return;
+        continue;
+      }
+      p = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    Status st = commit_one(p);
+    std::lock_guard lock(mu_);
+    if (!st.ok() && first_error_.ok()) first_error_ = st;
+  }
+}
+
+Status CheckpointCommitter::commit_one(const Pending& p) {
+  const auto t0 = Clock::now();
+  const int64_t step = p.step;
+  const fs::path tmp = fs::path(o_.dir) / checkpoint::tmp_dir_name(step);
+  // Poll in short slices: a cancelled committer (the job failed) stops at once; once the
+  // workers have stopped (finish()), a missing part will never come.
+  Status st = ok_status();
+  while (true) {
+    st = checkpoint::wait_for_parts(o_.dir, step, o_.world_size, std::chrono::milliseconds(200));
+    if (st.ok() || st.code() != StatusCode::kDeadlineExceeded) break;
+    bool stop = false, done = false;
+    {
+      std::lock_guard lock(mu_);
+      stop = cancel_;
+      done = finishing_;
+    }
+    if (stop) return ok_status();
+    for (int r = 0; r < o_.world_size; ++r) {
+      std::error_code ec;
+      if (fs::exists(tmp / error_file_name(r), ec)) {
+        std::ifstream in(tmp / error_file_name(r));
+        std::string why;
+        std::getline(in, why);
+        st = aborted("rank {} failed to save: {}", r, why);
+      }
+    }
+    if (st.code() == StatusCode::kAborted) break;
+    if (done || Clock::now() - t0 > o_.part_timeout) {
+      st = checkpoint::wait_for_parts(o_.dir, step, o_.world_size, std::chrono::milliseconds(0));
+      if (done && !st.ok()) st = st.with_context("the workers have stopped");
+      break;
+    }
+  }
+  if (st.ok()) {
+    checkpoint::FinalizeOptions fo;
+    fo.world_size = o_.world_size;
+    fo.keep_last = o_.keep;
+    fo.info = o_.info;
+    fo.info.data_position = p.data_position;
+    for (const auto& [k, v] : p.metadata.items()) fo.info.metadata[k] = v;
+    Result<checkpoint::FinalizeResult> r = checkpoint::finalize_checkpoint(o_.dir, step, fo);
+    if (r.ok()) {
+      fmt::print("checkpoint: step {} committed to {} ({:.2f} MB, {} ranks, {:.0f} ms after the save){}\n", step,
+                 r->path, static_cast<double>(r->bytes) / 1e6, o_.world_size,
+                 std::chrono::duration<double>(Clock::now() - t0).count() * 1e3,
+                 r->removed.empty() ? "" : fmt::format("; removed {}", fmt::join(r->removed, ", ")));
+      std::fflush(stdout);
+      std::lock_guard lock(mu_);
+      committed_.push_back(step);
+      return ok_status();
+    }
+    st = r.status();
+  }
+  fmt::print(stderr, "checkpoint: step {} was not committed: {}\n", step, st.to_string());
+  return st.with_context(fmt::format("checkpoint step {}", step));
 }
 
 Status CheckpointCommitter::finish() {
-  join();
+  {
+    std::lock_guard lock(mu_);
+    finishing_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
   std::lock_guard lock(mu_);
   return first_error_;
 }

@@ -10,8 +10,9 @@
 //     temporary directories) aside, so the continued run's saves never meet them.
 #pragma once
 
-#include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -78,20 +79,31 @@ class CheckpointCommitter {
   explicit CheckpointCommitter(CommitterOptions o) : o_(std::move(o)) {}
   ~CheckpointCommitter();  // stops waiting (an uncommitted step stays step_<N>.tmp) and joins
 
-  // Commits step `step` in the background once every rank's part is there (after the
-  // previous commit ended). `data_position` and `metadata` are merged into the info.
+  // Queues step `step` for commit and returns at once: one background thread, in step
+  // order, waits for every rank's part (or a rank's error marker) and finalizes.
+  // `data_position` and `metadata` are merged into the info.
   void commit(int64_t step, nlohmann::json data_position, nlohmann::json metadata);
-  // Waits for the commit in flight; returns the first failure of any commit.
+  // Call once the workers have stopped (their writes are over): commits what is queued,
+  // a step still missing parts fails at once naming the ranks; returns the first failure
+  // of any commit.
   Status finish();
   // Steps committed so far, in order.
   std::vector<int64_t> committed() const;
 
  private:
-  void join();
+  struct Pending {
+    int64_t step = 0;
+    nlohmann::json data_position, metadata;
+  };
+  void loop();
+  Status commit_one(const Pending& p);
+
   CommitterOptions o_;
   std::thread thread_;
-  std::atomic<bool> cancel_{false};
   mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Pending> queue_;
+  bool cancel_ = false, finishing_ = false;
   Status first_error_;
   std::vector<int64_t> committed_;
 };

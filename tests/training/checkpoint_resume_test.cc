@@ -382,6 +382,25 @@ TEST_F(CheckpointResume, CorruptNewestFallsBackToThePrevious) {
   EXPECT_FALSE(fs::exists(run_dir / "metrics.jsonl"));
 }
 
+TEST_F(CheckpointResume, AFailedSaveIsReportedAndNeverCommitted) {
+  // Step 4's temporary directory cannot be created (a file has its name): the workers'
+  // background writes fail, the run ends with an error naming the step, step 2 stays the
+  // newest checkpoint.
+  const std::string name = "failed-save";
+  const fs::path dir = *root_ / name / "checkpoints";
+  fs::create_directories(dir);
+  std::ofstream(dir / "step_4.tmp") << "in the way\n";
+  const RunResult r = run(args(name, "pp=2", 2, {"checkpoint.every=2", "train.steps=4"}), *root_ / (name + ".log"),
+                          std::chrono::seconds(120));
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("checkpoint step 4"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("step 4 was not committed"), std::string::npos) << r.output;
+  const auto list = troupe::checkpoint::list_checkpoints(dir.string());
+  ASSERT_EQ(list.size(), 1u) << r.output;
+  EXPECT_EQ(list[0].first, 2);
+  EXPECT_TRUE(troupe::checkpoint::CheckpointReader::open(list[0].second, troupe::checkpoint::VerifyMode::kChecksums).ok());
+}
+
 TEST_F(CheckpointResume, KillWorkerInTheMiddleOfASave) {
   // Saves every 2 steps, written at 0.05 MB/s per rank (~4 s a save): the test waits for
   // step 2 to be committed and step 4's shards to be half written, then kills a worker.
