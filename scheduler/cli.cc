@@ -208,8 +208,20 @@ int cli_status(const CliConnection& c, const std::string& job_id, bool as_json) 
   if (!client.ok()) return fail(client.status());
   auto r = request_json(**client, StatusQuery{job_id}, c.timeout_ms);
   if (!r.ok()) return fail(r.status());
-  if (as_json) std::printf("%s\n", r->dump(2).c_str());
-  else std::printf("%s", render_status_table(*r, !job_id.empty()).c_str());
+  if (as_json) {
+    std::printf("%s\n", r->dump(2).c_str());
+  } else {
+    std::printf("%s", render_status_table(*r, !job_id.empty()).c_str());
+    // One job: its checkpoints too, when its checkpoint directory is readable from here.
+    const json jobs = r->value("jobs", json::array());
+    std::error_code ec;
+    if (!job_id.empty() && jobs.size() == 1) {
+      const std::string dir = job_checkpoint_dir(jobs[0]);
+      if (!dir.empty() && std::filesystem::is_directory(dir, ec)) {
+        std::printf("\ncheckpoints in %s\n%s", dir.c_str(), render_checkpoints_table(dir).c_str());
+      }
+    }
+  }
   return 0;
 }
 

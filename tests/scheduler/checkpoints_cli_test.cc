@@ -83,6 +83,14 @@ TEST(TroupeCheckpoints, ListsTheCheckpointsOfAJob) {
   EXPECT_TRUE(has_line(r.output, "10", {"committed", "step_10"})) << r.output;
   EXPECT_NE(r.output.find("latest: step_20"), std::string::npos) << r.output;
 
+  // `troupe status <job>` shows them too.
+  std::vector<std::string> st = {"status", job};
+  st.insert(st.end(), conn.begin(), conn.end());
+  r = troupe::sched::test::run_cli(st);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("checkpoints in " + ck), std::string::npos) << r.output;
+  EXPECT_TRUE(has_line(r.output, "20", {"committed", "step_20"})) << r.output;
+
   // JSON, and a damaged checkpoint shows as invalid with its reason.
   fs::remove(ck + "/step_20/manifest.json");
   args.push_back("--json");
