@@ -91,7 +91,7 @@ Status Trainer::run() {
   if (opts_.checkpoints != nullptr) TROUPE_RETURN_IF_ERROR(opts_.checkpoints->finish());
   const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
   fmt::print("train_moe: done in {:.1f}s ({:.0f} tokens/s); val_loss {:.4f} -> {:.4f}\n", total_s,
-             static_cast<double>(tokens_seen) / std::max(total_s, 1e-9), val0_, last_val_);
+             static_cast<double>(tokens_seen - opts_.tokens_seen) / std::max(total_s, 1e-9), val0_, last_val_);
   return ok_status();
 }
 

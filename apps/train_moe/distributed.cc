@@ -366,7 +366,7 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir) {
   }
   TROUPE_ASSIGN_OR_RETURN(bool actors, use_actors());
   TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> store, open_store(run_dir));
-  if (resume) TROUPE_RETURN_IF_ERROR(store->set(resume_key(ns), resume->path()));
+  if (resume) TROUPE_RETURN_IF_ERROR(store->set(resume_key(ns), fs::absolute(resume->path()).string()));
   fmt::print("train_moe: layout pp={} dp={} n={} ({} workers, dispatch {}, compression {}, control {}), "
              "{} parameters, {} tokens/step, {} steps, run dir {}\n",
              tc.parallel.pp, tc.parallel.dp, tc.parallel.n, world, tc.parallel.dispatch,

@@ -220,6 +220,7 @@ Status run_train(const TrainOptions& opts, RunDevice& dev) {
 
   // ---- steps --------------------------------------------------------------------------
   const auto t_start = Clock::now();
+  const int64_t tokens_before = tokens_seen;  // of the saved run, when resumed
   int64_t steps_done = first_step - 1;
   double last_val = val0;
   const float loss_weight = 1.0f / static_cast<float>(tc.train.grad_accum);
@@ -319,7 +320,7 @@ Status run_train(const TrainOptions& opts, RunDevice& dev) {
   TROUPE_RETURN_IF_ERROR(save_weights(run_dir + "/model.bin", model,
                                       WeightsInfo{tc.model, tc.train.seq_len, steps_done}));
   fmt::print("train_moe: done in {:.1f}s ({:.0f} tokens/s); val_loss {:.4f} -> {:.4f}; weights in {}/model.bin\n",
-             total_s, static_cast<double>(tokens_seen) / total_s, val0, last_val, run_dir);
+             total_s, static_cast<double>(tokens_seen - tokens_before) / total_s, val0, last_val, run_dir);
   return ok_status();
 }
 
