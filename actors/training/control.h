@@ -1,7 +1,7 @@
 // actors/training/control.h — defines the control messages between the job's Trainer
 // (driver process) and the Stage actors of the workers — Command ("run step N",
-// "evaluate", "save a checkpoint of step N", "stop") and its reply ("step done" with loss and metrics, from world rank
-// 0) — and the two ends they travel between: StepDriver (driver side: send a command to
+// "evaluate", "save step N", "stop") and its reply ("step done" with loss and metrics,
+// from world rank 0) — and the two ends they travel between: StepDriver (driver side: send a command to
 // every worker, return rank 0's reply, supervise while waiting) and StepServer (worker
 // side: run commands in order until "stop").
 //
