@@ -95,6 +95,14 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.n, cfg.get_int("parallel.n", 1));
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.dispatch, cfg.get_string("parallel.dispatch", tc.parallel.dispatch));
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.compression, cfg.get_bool("parallel.compression", tc.parallel.compression));
+  TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.every, cfg.get_int("checkpoint.every", tc.checkpoint.every));
+  TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.keep, cfg.get_int("checkpoint.keep", tc.checkpoint.keep));
+  TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.dir, cfg.get_string("checkpoint.dir", tc.checkpoint.dir));
+  TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.max_mb_per_s, cfg.get_double("checkpoint.max_mb_per_s", tc.checkpoint.max_mb_per_s));
+  if (tc.checkpoint.max_mb_per_s < 0) return invalid_argument("{}: key 'checkpoint.max_mb_per_s' must be >= 0", cfg.source());
+  if (tc.checkpoint.every < 0) return invalid_argument("{}: key 'checkpoint.every' must be >= 0", cfg.source());
+  if (tc.checkpoint.keep < 1) return invalid_argument("{}: key 'checkpoint.keep' must be >= 1", cfg.source());
+
   Status st = tc.parallel.validate(tc.model, tc.train);
   if (!st.ok()) return st.with_context(cfg.source());
 

@@ -48,6 +48,18 @@ struct ParallelOptions {
   Status validate(const ModelConfig& m, const TrainOptions& t) const;
 };
 
+// Periodic checkpoints of a training run ([checkpoint]; see checkpoint/README.md).
+struct CheckpointOptions {
+  int64_t every = 0;   // save after every N-th step and after the last one (0: never)
+  int64_t keep = 3;    // complete checkpoints kept (older ones are deleted)
+  // Where step_<N> directories go; empty: $TROUPE_CHECKPOINT_DIR when the job sets it,
+  // else <run dir>/checkpoints (filled in by the training app).
+  std::string dir;
+  // Background write rate per rank in MB/s (0: unlimited), so saves do not starve data
+  // loading on a shared disk (tests use it to catch a save in the middle).
+  double max_mb_per_s = 0;
+};
+
 struct TrainConfig {
   ModelConfig model;
   TrainOptions train;
@@ -55,6 +67,7 @@ struct TrainConfig {
   LrSchedule lr;
   DataOptions data;
   ParallelOptions parallel;
+  CheckpointOptions checkpoint;
   std::string source;  // the config file
 
   int64_t global_batch() const { return train.micro_batch_size * train.grad_accum * parallel.dp; }

@@ -13,6 +13,7 @@
 #include <map>
 #include <thread>
 
+#include "checkpoint/reader.h"
 #include "core/logging.h"
 #include "scheduler/agent.h"
 #include "scheduler/scheduler.h"
@@ -207,8 +208,115 @@ int cli_status(const CliConnection& c, const std::string& job_id, bool as_json) 
   if (!client.ok()) return fail(client.status());
   auto r = request_json(**client, StatusQuery{job_id}, c.timeout_ms);
   if (!r.ok()) return fail(r.status());
-  if (as_json) std::printf("%s\n", r->dump(2).c_str());
-  else std::printf("%s", render_status_table(*r, !job_id.empty()).c_str());
+  if (as_json) {
+    std::printf("%s\n", r->dump(2).c_str());
+  } else {
+    std::printf("%s", render_status_table(*r, !job_id.empty()).c_str());
+    // One job: its checkpoints too, when its checkpoint directory is readable from here.
+    const json jobs = r->value("jobs", json::array());
+    std::error_code ec;
+    if (!job_id.empty() && jobs.size() == 1) {
+      const std::string dir = job_checkpoint_dir(jobs[0]);
+      if (!dir.empty() && std::filesystem::is_directory(dir, ec)) {
+        std::printf("\ncheckpoints in %s\n%s", dir.c_str(), render_checkpoints_table(dir).c_str());
+      }
+    }
+  }
+  return 0;
+}
+
+std::string job_checkpoint_dir(const json& job) {
+  namespace fs = std::filesystem;
+  std::string dir = job.value("checkpoint_dir", "");
+  if (dir.empty()) {
+    // train_moe's default: <run dir>/checkpoints, the run dir from --run-dir or
+    // runs/<config stem>; a --set checkpoint.dir="..." wins.
+    const std::vector<std::string> argv = job.value("argv", std::vector<std::string>{});
+    std::string run_dir, config;
+    for (size_t i = 0; i + 1 < argv.size(); ++i) {
+      if (argv[i] == "--run-dir") run_dir = argv[i + 1];
+      if (argv[i] == "--config") config = argv[i + 1];
+      if (argv[i] == "--set" && argv[i + 1].rfind("checkpoint.dir=", 0) == 0) {
+        dir = argv[i + 1].substr(15);
+        if (dir.size() >= 2 && dir.front() == '"' && dir.back() == '"') dir = dir.substr(1, dir.size() - 2);
+      }
+    }
+    if (dir.empty() && run_dir.empty() && !config.empty()) run_dir = "runs/" + fs::path(config).stem().string();
+    if (dir.empty() && !run_dir.empty()) dir = (fs::path(run_dir) / "checkpoints").string();
+  }
+  const std::string work = job.value("work_dir", "");
+  if (!dir.empty() && fs::path(dir).is_relative() && !work.empty()) dir = (fs::path(work) / dir).string();
+  return dir;
+}
+
+std::string render_checkpoints_table(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::vector<std::vector<std::string>> rows = {{"STEP", "STATE", "LAYOUT", "RANKS", "SIZE", "AGE", "PATH"}};
+  std::error_code ec;
+  // Unfinished saves (step_<N>.tmp) first: a save in progress, or one that crashed.
+  for (const auto& de : fs::directory_iterator(dir, ec)) {
+    const std::string name = de.path().filename().string();
+    if (name.size() <= 4 || name.compare(name.size() - 4, 4, ".tmp") != 0) continue;
+    const auto step = checkpoint::parse_step_dir_name(name.substr(0, name.size() - 4));
+    if (!step) continue;
+    int parts = 0;
+    for (const auto& f : fs::directory_iterator(de.path(), ec)) parts += f.path().string().ends_with(".part.json") ? 1 : 0;
+    rows.push_back({std::to_string(*step), "unfinished", "-", fmt::format("{} parts", parts), "-", "-", de.path().string()});
+  }
+  for (const auto& [step, path] : checkpoint::list_checkpoints(dir)) {
+    auto r = checkpoint::CheckpointReader::open(path, checkpoint::VerifyMode::kStructure);
+    if (!r.ok()) {
+      rows.push_back({std::to_string(step), "invalid: " + r.status().message().substr(0, 60), "-", "-", "-", "-", path});
+      continue;
+    }
+    const checkpoint::Manifest& m = (*r)->manifest();
+    rows.push_back({std::to_string(step), "committed", m.layout.to_string(), std::to_string(m.world_size),
+                    fmt::format("{:.2f} MB", static_cast<double>(m.total_bytes()) / 1e6), age(m.created_unix_ms), path});
+  }
+  std::string out = table(rows);
+  auto latest = std::ifstream((fs::path(dir) / checkpoint::kLatestFile).string());
+  std::string l;
+  if (latest && std::getline(latest, l)) out += fmt::format("latest: {}\n", l);
+  return out;
+}
+
+int cli_checkpoints(const CliConnection& c, const std::string& job_id, const std::string& dir_opt, bool as_json) {
+  std::string dir = dir_opt;
+  if (dir.empty()) {
+    auto client = open_client(c);
+    if (!client.ok()) return fail(client.status());
+    auto r = request_json(**client, StatusQuery{job_id}, c.timeout_ms);
+    if (!r.ok()) return fail(r.status());
+    const json jobs = r->value("jobs", json::array());
+    if (jobs.empty()) return fail(not_found("no job {}", job_id));
+    dir = job_checkpoint_dir(jobs[0]);
+    if (dir.empty()) {
+      return fail(not_found("job {} names no checkpoint directory (no checkpoint_dir, no train_moe --run-dir or "
+                            "--config); give --dir",
+                            job_id));
+    }
+  }
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) return fail(not_found("checkpoint directory {} does not exist (yet)", dir));
+  if (as_json) {
+    json out = json::array();
+    for (const auto& [step, path] : checkpoint::list_checkpoints(dir)) {
+      auto r = checkpoint::CheckpointReader::open(path, checkpoint::VerifyMode::kStructure);
+      json j{{"step", step}, {"path", path}, {"valid", r.ok()}};
+      if (r.ok()) {
+        j["layout"] = (*r)->layout().to_string();
+        j["world_size"] = (*r)->manifest().world_size;
+        j["bytes"] = (*r)->manifest().total_bytes();
+        j["created_unix_ms"] = (*r)->manifest().created_unix_ms;
+      } else {
+        j["error"] = r.status().to_string();
+      }
+      out.push_back(j);
+    }
+    std::printf("%s\n", json{{"dir", dir}, {"checkpoints", out}}.dump(2).c_str());
+  } else {
+    std::printf("checkpoints in %s\n%s", dir.c_str(), render_checkpoints_table(dir).c_str());
+  }
   return 0;
 }
 

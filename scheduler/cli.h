@@ -36,6 +36,16 @@ int cli_status(const CliConnection& c, const std::string& job_id, bool json);
 int cli_logs(const CliConnection& c, const std::string& job_id, const std::string& proc, bool follow);
 int cli_cancel(const CliConnection& c, const std::string& job_id, bool json);
 int cli_keygen(const std::string& prefix);
+// The checkpoints of a job: its checkpoint directory (the job's checkpoint_dir, else the
+// train_moe run directory of its command: --run-dir D -> D/checkpoints, relative to the
+// job's work_dir), or `dir` when given (then no scheduler is asked).
+int cli_checkpoints(const CliConnection& c, const std::string& job_id, const std::string& dir, bool json);
+
+// The checkpoint directory a job's status record points at ("" when it names none).
+std::string job_checkpoint_dir(const nlohmann::json& job);
+// A table of the checkpoints in `dir`: step, layout, ranks, size, age, state (committed,
+// or an unfinished save), newest first.
+std::string render_checkpoints_table(const std::string& dir);
 
 // Human tables of a status document (the scheduler's JSON).
 std::string render_status_table(const nlohmann::json& status, bool with_procs);

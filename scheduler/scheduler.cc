@@ -616,6 +616,8 @@ json Scheduler::job_json(const Job& job, bool with_procs) const {
             {"job_dir", r.job_dir}, {"nproc", r.spec.nproc}, {"layout", r.spec.parsed_layout().to_string()},
             {"max_restarts", r.spec.max_restarts}, {"argv", r.spec.argv}, {"running_procs", running},
             {"running_workers", running_workers}};
+  j["checkpoint_dir"] = r.spec.checkpoint_dir;
+  j["work_dir"] = r.spec.work_dir;
   if (with_procs) {
     json procs = json::array();
     for (const auto& [n, p] : job.procs) {

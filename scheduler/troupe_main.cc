@@ -127,6 +127,15 @@ int main(int argc, char** argv) {
   cancel->add_flag("--json", cancel_json, "Print the job record as JSON");
   add_connection(cancel, cancel_conn);
 
+  CliConnection ckpt_conn;
+  std::string ckpt_job, ckpt_dir;
+  bool ckpt_json = false;
+  auto* ckpts = app.add_subcommand("checkpoints", "List a job's checkpoints (step, layout, size, state)");
+  ckpts->add_option("job", ckpt_job, "Job id (its checkpoint directory is found from its record)");
+  ckpts->add_option("--dir", ckpt_dir, "A checkpoint directory to list instead (no scheduler asked)");
+  ckpts->add_flag("--json", ckpt_json, "Print JSON for scripts");
+  add_connection(ckpts, ckpt_conn);
+
   std::string keygen_prefix;
   auto* keygen = app.add_subcommand("keygen", "Write a CURVE key pair: PREFIX.key (private) and PREFIX.pub");
   keygen->add_option("prefix", keygen_prefix, "Path prefix of the two files")->required();
@@ -166,5 +175,12 @@ int main(int argc, char** argv) {
   }
   if (cancel->parsed()) return troupe::sched::cli_cancel(cancel_conn, cancel_job, cancel_json);
   if (keygen->parsed()) return troupe::sched::cli_keygen(keygen_prefix);
+  if (ckpts->parsed()) {
+    if (ckpt_job.empty() && ckpt_dir.empty()) {
+      std::fprintf(stderr, "troupe: checkpoints: give a job id or --dir\n");
+      return 2;
+    }
+    return troupe::sched::cli_checkpoints(ckpt_conn, ckpt_job, ckpt_dir, ckpt_json);
+  }
   return 2;
 }

@@ -13,6 +13,7 @@ const char* command_kind_name(Command::Kind k) {
     case Command::Kind::kStep: return "step";
     case Command::Kind::kEval: return "eval";
     case Command::Kind::kStop: return "stop";
+    case Command::Kind::kSave: return "save";
   }
   return "?";
 }
@@ -37,6 +38,8 @@ Result<Command> command_from_json(const std::string& text) {
     c.kind = Command::Kind::kEval;
   } else if (kind == "stop") {
     c.kind = Command::Kind::kStop;
+  } else if (kind == "save") {
+    c.kind = Command::Kind::kSave;
   } else {
     return data_loss("control: command has unknown kind '{}'", kind);
   }

@@ -1,7 +1,7 @@
 // actors/training/control.h — defines the control messages between the job's Trainer
 // (driver process) and the Stage actors of the workers — Command ("run step N",
-// "evaluate", "stop") and its reply ("step done" with loss and metrics, from world rank
-// 0) — and the two ends they travel between: StepDriver (driver side: send a command to
+// "evaluate", "save step N", "stop") and its reply ("step done" with loss and metrics,
+// from world rank 0) — and the two ends they travel between: StepDriver (driver side: send a command to
 // every worker, return rank 0's reply, supervise while waiting) and StepServer (worker
 // side: run commands in order until "stop").
 //
@@ -30,10 +30,10 @@
 namespace troupe::training {
 
 struct Command {
-  enum class Kind : uint8_t { kStep = 0, kEval = 1, kStop = 2 };
+  enum class Kind : uint8_t { kStep = 0, kEval = 1, kStop = 2, kSave = 3 };
   int64_t seq = 0;   // 0, 1, 2, ... in the order the driver sends them
   Kind kind = Kind::kStep;
-  int64_t step = 0;  // kStep: the 1-based optimizer step to run
+  int64_t step = 0;  // kStep: the 1-based optimizer step to run; kSave: the step just run
 };
 const char* command_kind_name(Command::Kind k);
 

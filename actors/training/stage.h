@@ -41,6 +41,7 @@
 #include "actors/training/attention_shard.h"
 #include "actors/training/expert_group.h"
 #include "actors/training/group_ops.h"
+#include "actors/training/stage_state.h"
 #include "comm/compression.h"
 #include "comm/parallel_layout.h"
 #include "layers/model.h"
@@ -87,7 +88,27 @@ class Stage {
   int rank() const { return rank_; }
   int64_t num_params_local() const { return static_cast<int64_t>(flat_size_); }
 
+  // ---- state, for checkpoints and recovery (actors/training/stage_state.cc) ----------
+  // Call between steps. The layout in checkpoint's terms (same rank numbering).
+  checkpoint::ParallelLayout state_layout() const;
+  int64_t steps_done() const;  // optimizer steps applied
+  // This rank's parameters, router biases and ZeRO-1 moments as named global slices (see
+  // stage_state.h). copy = false: views of the live host buffers, valid until the next
+  // run_step (CheckpointWriter::save copies them); copy = true: host copies. A device
+  // Stage always returns host copies, and import_state copies up and refreshes the bf16
+  // working copies.
+  Result<StageState> export_state(StateScope scope, bool copy) const;
+  // Overwrites everything this rank holds from `source` (any saved layout: each slice is
+  // asked for by global name and box) and sets the optimizer's step count. The next
+  // run_step(steps_done + 1) then continues the saved run.
+  Status import_state(const SliceSource& source, int64_t steps_done);
+  // import_state from a checkpoint (its step; checksums verified on every slice read).
+  Status load_checkpoint(const checkpoint::CheckpointReader& reader);
+
  private:
+  struct StateTensor;
+  Result<std::vector<StateTensor>> state_tensors() const;
+
   struct BlockRole;
   struct BlockSaved;
   struct Micro;

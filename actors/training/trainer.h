@@ -14,6 +14,7 @@
 #include <ostream>
 #include <string>
 
+#include "actors/training/checkpointing.h"
 #include "actors/training/control.h"
 #include "actors/training/stage.h"
 
@@ -27,6 +28,13 @@ struct TrainerOptions {
   // (tokens/s * flops_per_token / (989 TFLOP/s * num_gpus)); 0: no mfu (CPU).
   int num_gpus = 0;
   double flops_per_token = 0;
+  // Resume: the first step to run (a checkpoint of step first_step - 1 was loaded).
+  int64_t first_step = 1;
+  int64_t tokens_seen = 0;  // tokens trained on before first_step
+  // Periodic checkpoints (checkpoint.every > 0): after a due step the workers are told to
+  // save ("save" command; their reply's blocked time goes into metrics.jsonl as
+  // ckpt_blocked_ms) and the committer finalizes the step in the background.
+  CheckpointCommitter* checkpoints = nullptr;
 };
 
 class Trainer {
@@ -39,6 +47,9 @@ class Trainer {
 
  private:
   Result<nlohmann::json> call(Command::Kind kind, int64_t step);
+  // Tells the workers to save after `step`, adds the blocked time to `rec`, and hands the
+  // step to the committer.
+  Status save_checkpoint(int64_t step, int64_t tokens_seen, nlohmann::json& rec);
   const layers::TrainConfig& tc_;
   StepDriver& driver_;
   std::ostream& metrics_;
@@ -47,9 +58,15 @@ class Trainer {
   double val0_ = 0, last_val_ = 0;
 };
 
-// Worker side: executes commands until "stop".
-Status run_stage_host(Stage& stage, StepServer& server, std::chrono::milliseconds command_timeout);
+// Worker side: executes commands until "stop". With `checkpoints`, "save" snapshots the
+// stage's state and writes it in the background; "stop" waits for the write in flight.
+Status run_stage_host(Stage& stage, StepServer& server, std::chrono::milliseconds command_timeout,
+                      RankCheckpointer* checkpoints = nullptr);
 
 nlohmann::json step_report_json(const StepReport& r);
+
+// The data position recorded with a checkpoint after `step` (the loader is a function of
+// the seed and the step: the next step to read says everything).
+nlohmann::json data_position_json(const layers::TrainConfig& tc, int64_t step, int64_t tokens_seen);
 
 }  // namespace troupe::training

@@ -27,6 +27,9 @@ struct TrainOptions {
   std::vector<std::string> overrides;
   std::string run_dir;  // default: runs/<config name>
   std::string backend = "cpu";
+  // --resume: a run directory, its checkpoints directory, or one step_<N> checkpoint;
+  // the newest valid checkpoint is loaded into the current layout and training goes on.
+  std::string resume;
   std::vector<std::string> argv;  // the whole command line (the distributed launcher re-runs it)
 };
 class RunDevice;  // apps/train_moe/device.h

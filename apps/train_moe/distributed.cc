@@ -23,6 +23,7 @@
 #include <fmt/format.h>
 
 #include "actors/training/actor_control.h"
+#include "actors/training/checkpointing.h"
 #include "actors/training/trainer.h"
 #include "apps/train_moe/commands.h"
 #include "apps/train_moe/device.h"
@@ -233,8 +234,30 @@ Result<bool> use_actors() {
   return invalid_argument("TROUPE_CONTROL='{}' (expected actors or store)", mode);
 }
 
+// The store key through which the driver tells the workers which checkpoint to resume
+// from (it picks and verifies it once; every worker then reads its own slices).
+std::string resume_key(const comm::StoreNamespace& ns) { return ns.prefix() + "ckpt/resume"; }
+
+// A worker's checkpoint duties: with --resume, load its slices of the checkpoint the
+// driver chose (resharded to this layout); with checkpoint.every, a writer for "save".
+Result<std::unique_ptr<training::RankCheckpointer>> worker_checkpoints(const layers::TrainConfig& tc,
+                                                                       const std::string& run_dir, bool resume,
+                                                                       comm::RendezvousStore& store,
+                                                                       const comm::StoreNamespace& ns,
+                                                                       training::Stage& stage) {
+  if (resume) {
+    TROUPE_ASSIGN_OR_RETURN(std::string path, store.get(resume_key(ns), comm::deadline_in(kCommandTimeout)));
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::CheckpointReader> reader,
+                            checkpoint::CheckpointReader::open(path, checkpoint::VerifyMode::kStructure));
+    TROUPE_RETURN_IF_ERROR(stage.load_checkpoint(*reader));
+  }
+  if (tc.checkpoint.every <= 0) return std::unique_ptr<training::RankCheckpointer>();
+  return training::RankCheckpointer::create(training::checkpoint_dir_for(tc, run_dir), stage.state_layout(), stage.rank(),
+                                            static_cast<uint64_t>(tc.checkpoint.max_mb_per_s * 1e6));
+}
+
 Status run_worker(const layers::TrainConfig& tc, const std::string& run_dir, const comm::StoreNamespace& ns,
-                  int rank, const RunDevice& dev) {
+                  int rank, const RunDevice& dev, bool resume) {
   TROUPE_ASSIGN_OR_RETURN(bool actors, use_actors());
   TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> store, open_store(run_dir));
   // Failures before serving are reported through the store in both control modes (the
@@ -251,10 +274,13 @@ Status run_worker(const layers::TrainConfig& tc, const std::string& run_dir, con
   Result<std::unique_ptr<training::Stage>> stage =
       training::Stage::create(tc, rank, *store, ns, std::move(train).value(), std::move(val).value(), dev.ctx());
   if (!stage.ok()) return fail(stage.status().with_context(fmt::format("worker rank {}", rank)));
-  if (!actors) return training::run_stage_host(*stage.value(), store_server, kCommandTimeout);
+  Result<std::unique_ptr<training::RankCheckpointer>> ckpt =
+      worker_checkpoints(tc, run_dir, resume, *store, ns, *stage.value());
+  if (!ckpt.ok()) return fail(ckpt.status().with_context(fmt::format("worker rank {}", rank)));
+  if (!actors) return training::run_stage_host(*stage.value(), store_server, kCommandTimeout, ckpt->get());
   Result<std::unique_ptr<training::ActorStepServer>> server = training::ActorStepServer::start(*store, ns.prefix(), rank);
   if (!server.ok()) return fail(server.status());
-  const Status st = training::run_stage_host(*stage.value(), *server.value(), kCommandTimeout);
+  const Status st = training::run_stage_host(*stage.value(), *server.value(), kCommandTimeout, ckpt->get());
   if (!st.ok()) return fail(st);
   return st;
 }
@@ -285,7 +311,7 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDev
     TROUPE_ASSIGN_OR_RETURN(int64_t rank, env_int("TROUPE_RANK", -1));
     if (rank < 0 || rank >= world) return invalid_argument("worker: TROUPE_RANK={} is not in [0, {})", rank, world);
     if (dev.is_cuda()) fmt::print("train_moe: worker rank {} on {}\n", rank, dev.name());
-    return run_worker(tc, run_dir, ns, static_cast<int>(rank), dev);
+    return run_worker(tc, run_dir, ns, static_cast<int>(rank), dev, !o.resume.empty());
   }
 
   // ---- driver (troupe run) or standalone launcher -------------------------------------
@@ -303,8 +329,33 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDev
     std::ofstream ov(run_dir + "/overrides.txt");
     for (const auto& s : o.overrides) ov << s << "\n";
   }
-  std::ofstream metrics(run_dir + "/metrics.jsonl", std::ios::trunc);
+  // Resume: the driver picks the checkpoint (newest valid, checksums verified) once.
+  std::unique_ptr<checkpoint::CheckpointReader> resume;
+  training::TrainerOptions topts;
+  if (!o.resume.empty()) {
+    TROUPE_ASSIGN_OR_RETURN(resume, training::open_resume_checkpoint(o.resume));
+    TROUPE_RETURN_IF_ERROR(training::check_resume_compatible(resume->manifest(), tc));
+    topts.first_step = resume->step() + 1;
+    topts.tokens_seen = resume->manifest().data_position.value("tokens_seen", int64_t{0});
+    fmt::print("train_moe: resuming from {} (step {}, saved with layout {}) with layout pp={} dp={} n={}\n",
+               resume->path(), resume->step(), resume->layout().to_string(), tc.parallel.pp, tc.parallel.dp,
+               tc.parallel.n);
+    TROUPE_RETURN_IF_ERROR(training::trim_metrics(run_dir + "/metrics.jsonl", resume->step()));
+  }
+  std::ofstream metrics(run_dir + "/metrics.jsonl", resume ? std::ios::app : std::ios::trunc);
   if (!metrics) return io_error("cannot write {}/metrics.jsonl", run_dir);
+  std::unique_ptr<training::CheckpointCommitter> committer;
+  if (tc.checkpoint.every > 0) {
+    const std::string dir = training::checkpoint_dir_for(tc, run_dir);
+    TROUPE_RETURN_IF_ERROR(training::prepare_checkpoint_dir(dir, topts.first_step - 1));
+    training::CommitterOptions co;
+    co.dir = dir;
+    co.world_size = world;
+    co.keep = static_cast<int>(tc.checkpoint.keep);
+    TROUPE_ASSIGN_OR_RETURN(co.info, training::run_checkpoint_info(o.config, o.overrides, tc, run_dir + "/tokenizer.json"));
+    committer = std::make_unique<training::CheckpointCommitter>(std::move(co));
+    topts.checkpoints = committer.get();
+  }
 
   LocalWorkers workers;
   if (role.empty()) {
@@ -317,6 +368,7 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDev
   }
   TROUPE_ASSIGN_OR_RETURN(bool actors, use_actors());
   TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> store, open_store(run_dir));
+  if (resume) TROUPE_RETURN_IF_ERROR(store->set(resume_key(ns), fs::absolute(resume->path()).string()));
   fmt::print("train_moe: layout pp={} dp={} n={} ({} workers, dispatch {}, compression {}, control {}), "
              "{} parameters, {} tokens/step, {} steps, run dir {}\n",
              tc.parallel.pp, tc.parallel.dp, tc.parallel.n, world, tc.parallel.dispatch,
@@ -351,7 +403,6 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDev
   } else {
     driver = std::make_unique<training::StoreStepDriver>(*store, prefix, world);
   }
-  training::TrainerOptions topts;
   topts.command_timeout = kCommandTimeout;
   topts.supervise = supervise;
   if (dev.is_cuda()) {

@@ -1,5 +1,6 @@
 // apps/train_moe/main.cc — train_moe, the flagship app. One binary, four jobs:
 //   train_moe --config apps/configs/tiny.toml [--set key=value ...] [--run-dir D]   train
+//   train_moe train --resume <run dir> [--parallel ...]                             resume
 //   train_moe prepare --input <files|dirs> --out <dir> --vocab <n>                 data
 //   train_moe sample --run <dir> --prompt "..."                                    generate
 //   train_moe plot --run <dir>                                                     PNGs
@@ -52,14 +53,25 @@ int main(int argc, char** argv) {
   app.require_subcommand(0, 1);
 
   TrainOptions train;
-  app.add_option("--config", train.config, "TOML config (e.g. apps/configs/tiny.toml)");
-  app.add_option("--set", train.overrides, "override a config key: --set train.steps=10 (repeatable)");
-  app.add_option("--run-dir", train.run_dir, "where metrics.jsonl and the weights go (default runs/<config>)");
-  app.add_option("--backend", train.backend, "cpu (default) or cuda (one GPU: device 0)");
   std::string parallel;
-  app.add_option("--parallel", parallel,
-                 "parallel layout overriding [parallel]: e.g. pp=2,n=2 or dp=2,n=2,dispatch=allgather "
-                 "(several ranks: started locally, or by `troupe run --nproc N`)");
+  // The training options, on the app itself (`train_moe --config ...`) and on the `train`
+  // subcommand (`train_moe train --resume ...`), bound to the same variables.
+  auto add_train_options = [&train, &parallel](CLI::App* a) {
+    a->add_option("--config", train.config,
+                  "TOML config (e.g. apps/configs/tiny.toml); with --resume, default: the checkpoint's");
+    a->add_option("--set", train.overrides, "override a config key: --set train.steps=10 (repeatable)");
+    a->add_option("--run-dir", train.run_dir, "where metrics.jsonl and the weights go (default runs/<config>)");
+    a->add_option("--backend", train.backend, "cpu (default) or cuda (one GPU: device 0)");
+    a->add_option("--parallel", parallel,
+                  "parallel layout overriding [parallel]: e.g. pp=2,n=2 or dp=2,n=2,dispatch=allgather "
+                  "(several ranks: started locally, or by `troupe run --nproc N`)");
+    a->add_option("--resume", train.resume,
+                  "continue from the newest valid checkpoint of a run directory (or a checkpoints "
+                  "directory, or one step_<N> checkpoint), resharded to the current layout");
+  };
+  add_train_options(&app);
+  CLI::App* trn = app.add_subcommand("train", "train (the default when no subcommand is given)");
+  add_train_options(trn);
   for (int i = 0; i < argc; ++i) train.argv.emplace_back(argv[i]);
 
   PrepareOptions prep;
@@ -97,8 +109,9 @@ int main(int argc, char** argv) {
   } else if (*plt) {
     st = run_plot(plot);
   } else {
-    if (train.config.empty()) {
-      fmt::print(stderr, "train_moe: give --config <file> to train, or a subcommand (prepare, sample, plot)\n{}",
+    if (train.config.empty() && train.resume.empty()) {
+      fmt::print(stderr, "train_moe: give --config <file> (or --resume <run dir>) to train, or a subcommand "
+                         "(prepare, sample, plot)\n{}",
                  app.help());
       return 2;
     }

@@ -8,11 +8,16 @@
 #include <filesystem>
 #include <fstream>
 
+#include <unistd.h>
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "apps/train_moe/commands.h"
+#include "actors/training/checkpointing.h"
+#include "actors/training/trainer.h"
 #include "apps/train_moe/device.h"
+#include "apps/train_moe/model_state.h"
 #include "apps/train_moe/weights_io.h"
 #include "layers/model.h"
 #include "layers/optimizer.h"
@@ -47,13 +52,72 @@ Status copy_file(const std::string& from, const std::string& to) {
   return ok_status();
 }
 
+// --resume without --config: the saved run's config (its text is in every manifest) and
+// overrides, then this command line's overrides (so --set and --parallel still apply);
+// the run directory defaults to the one the checkpoints belong to.
+Result<TrainOptions> with_checkpoint_config(const TrainOptions& o) {
+  std::error_code ec;
+  const fs::path p = fs::path(o.resume).lexically_normal();
+  fs::path run_dir, ckdir;
+  if (fs::is_directory(p / "checkpoints", ec)) {
+    run_dir = p;
+    ckdir = p / "checkpoints";
+  } else if (fs::exists(p / checkpoint::kManifestFile, ec) || checkpoint::parse_step_dir_name(p.filename().string())) {
+    ckdir = p.parent_path();
+  } else {
+    ckdir = p;
+  }
+  if (run_dir.empty() && ckdir.filename() == "checkpoints") run_dir = ckdir.parent_path();
+  TrainOptions r = o;
+  if (r.run_dir.empty()) {
+    if (run_dir.empty()) return invalid_argument("--resume {} without --config: give --run-dir", o.resume);
+    r.run_dir = run_dir.string();
+  }
+  // Any manifest of the run holds its config; the newest readable one is taken.
+  std::vector<std::string> dirs;
+  if (fs::exists(p / checkpoint::kManifestFile, ec)) dirs.push_back(p.string());
+  for (const auto& [step, d] : checkpoint::list_checkpoints(ckdir.string())) dirs.push_back(d);
+  for (const std::string& d : dirs) {
+    Result<std::unique_ptr<checkpoint::CheckpointReader>> m =
+        checkpoint::CheckpointReader::open(d, checkpoint::VerifyMode::kManifestOnly);
+    if (!m.ok() || (*m)->manifest().config_text.empty()) continue;
+    fs::create_directories(r.run_dir, ec);
+    const std::string path = r.run_dir + "/config.resume.toml";
+    // Every process of a distributed run writes the same text: tmp + rename keeps it whole.
+    const std::string tmp = fmt::format("{}.{}.tmp", path, getpid());
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      out << (*m)->manifest().config_text;
+      if (!out) return io_error("cannot write {}", tmp);
+    }
+    fs::rename(tmp, path, ec);
+    if (ec) return io_error("cannot rename {} to {}: {}", tmp, path, ec.message());
+    r.config = path;
+    r.overrides.clear();
+    for (const auto& v : (*m)->manifest().metadata.value("overrides", nlohmann::json::array())) {
+      r.overrides.push_back(v.get<std::string>());
+    }
+    r.overrides.insert(r.overrides.end(), o.overrides.begin(), o.overrides.end());
+    fmt::print("train_moe: config from checkpoint {} ({} overrides, then this command's {})\n", d,
+               r.overrides.size() - o.overrides.size(), o.overrides.size());
+    return r;
+  }
+  return not_found("--resume {} without --config: no checkpoint manifest with a config found in {}", o.resume,
+                   ckdir.string());
+}
+
 }  // namespace
 
 // Dense bf16 peak of one H100/H200 SXM (TFLOP/s), the MFU denominator of issue 10.
 constexpr double kPeakFlopsPerGpu = 989e12;
 
-Status run_train(const TrainOptions& o, RunDevice& dev) {
+Status run_train(const TrainOptions& opts, RunDevice& dev) {
   // ---- configuration ------------------------------------------------------------------
+  TrainOptions derived;
+  if (opts.config.empty() && !opts.resume.empty()) {
+    TROUPE_ASSIGN_OR_RETURN(derived, with_checkpoint_config(opts));
+  }
+  const TrainOptions& o = derived.config.empty() ? opts : derived;
   if (o.config.empty()) return invalid_argument("train: --config is required");
   TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, layers::load_train_config(o.config, o.overrides));
   if (tc.data.dir.empty()) return invalid_argument("{}: data.dir is not set (the output of train_moe prepare)", tc.source);
@@ -90,7 +154,14 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     std::ofstream ov(run_dir + "/overrides.txt");
     for (const auto& s : o.overrides) ov << s << "\n";
   }
-  std::ofstream metrics(run_dir + "/metrics.jsonl", std::ios::trunc);
+  // --resume: the newest checkpoint that verifies (checksums), loaded below.
+  std::unique_ptr<checkpoint::CheckpointReader> resume;
+  if (!o.resume.empty()) {
+    TROUPE_ASSIGN_OR_RETURN(resume, training::open_resume_checkpoint(o.resume));
+    TROUPE_RETURN_IF_ERROR(training::check_resume_compatible(resume->manifest(), tc));
+    TROUPE_RETURN_IF_ERROR(training::trim_metrics(run_dir + "/metrics.jsonl", resume->step()));
+  }
+  std::ofstream metrics(run_dir + "/metrics.jsonl", resume ? std::ios::app : std::ios::trunc);
   if (!metrics) return io_error("cannot write {}/metrics.jsonl", run_dir);
 
   // ---- model and optimizer ------------------------------------------------------------
@@ -100,6 +171,27 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
   layers::Model model(tc.model, tc.train.seed);
   model.to_device(c);
   layers::AdamW opt(model.parameters(), tc.optim, c);
+  int64_t first_step = 1, tokens_seen = 0;
+  if (resume) {
+    TROUPE_RETURN_IF_ERROR(load_model_state(c, *resume, model, opt));
+    first_step = resume->step() + 1;
+    tokens_seen = resume->manifest().data_position.value("tokens_seen", int64_t{0});
+    fmt::print("train_moe: resumed from {} (step {}, saved with layout {})\n", resume->path(), resume->step(),
+               resume->layout().to_string());
+  }
+  // Periodic checkpoints: this process is rank 0 of layout 1x1x1 and its own committer.
+  std::unique_ptr<training::RankCheckpointer> ckpt;
+  std::unique_ptr<training::CheckpointCommitter> committer;
+  if (tc.checkpoint.every > 0) {
+    training::CommitterOptions co;
+    co.dir = training::checkpoint_dir_for(tc, run_dir);
+    co.keep = static_cast<int>(tc.checkpoint.keep);
+    TROUPE_ASSIGN_OR_RETURN(co.info, training::run_checkpoint_info(o.config, o.overrides, tc, run_dir + "/tokenizer.json"));
+    TROUPE_RETURN_IF_ERROR(training::prepare_checkpoint_dir(co.dir, first_step - 1));
+    TROUPE_ASSIGN_OR_RETURN(ckpt, training::RankCheckpointer::create(co.dir, checkpoint::ParallelLayout{}, 0,
+                                                                      static_cast<uint64_t>(tc.checkpoint.max_mb_per_s * 1e6)));
+    committer = std::make_unique<training::CheckpointCommitter>(std::move(co));
+  }
   // Model FLOPs per token (issue 10): 6 * active parameters + 6 * L * s * d (causal attention).
   const double flops_per_token = 6.0 * static_cast<double>(tc.model.num_active_params()) +
                                  6.0 * static_cast<double>(tc.model.n_layers * tc.train.seq_len * tc.model.d_model);
@@ -116,16 +208,19 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
              val_data.size(), tok.vocab_size(), std::log(static_cast<double>(tc.model.vocab_size)));
 
   const double val0 = evaluate(c, model, val_loader, tc);
-  fmt::print("step 0 | val_loss {:.4f}\n", val0);
-  metrics << nlohmann::json{{"step", 0}, {"val_loss", val0}, {"tokens", 0}}.dump() << "\n";
+  fmt::print("{}step {} | val_loss {:.4f}\n", resume ? "resumed | " : "", first_step - 1, val0);
+  nlohmann::json rec0{{"step", first_step - 1}, {"val_loss", val0}, {"tokens", tokens_seen}};
+  if (resume) rec0["resumed"] = true;
+  metrics << rec0.dump() << "\n";
   metrics.flush();
 
   // ---- steps --------------------------------------------------------------------------
   const auto t_start = Clock::now();
-  int64_t tokens_seen = 0, steps_done = 0;
+  const int64_t tokens_before = tokens_seen;  // of the saved run, when resumed
+  int64_t steps_done = first_step - 1;
   double last_val = val0;
   const float loss_weight = 1.0f / static_cast<float>(tc.train.grad_accum);
-  for (int64_t step = 1; step <= tc.train.steps; ++step) {
+  for (int64_t step = first_step; step <= tc.train.steps; ++step) {
     const auto t0 = Clock::now();
     dev.reset_peak();
     dev.range_push("step");
@@ -182,6 +277,18 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
       last_val = evaluate(c, model, val_loader, tc);
       rec["val_loss"] = last_val;
     }
+    if (ckpt && training::checkpoint_due(tc.checkpoint.every, step, step == tc.train.steps || out_of_time)) {
+      // Blocked: the snapshot into the writer's host buffer; the write goes on behind.
+      const auto s0 = Clock::now();
+      Result<training::SaveFigures> f = ckpt->save(model_state(c, model, opt, tc));
+      rec["ckpt_blocked_ms"] = std::chrono::duration<double>(Clock::now() - s0).count() * 1e3;
+      if (f.ok()) {
+        rec["ckpt_bytes_rank0"] = f->bytes;
+        committer->commit(step, training::data_position_json(tc, step, tokens_seen), nlohmann::json{{"adam_steps", step}});
+      } else {
+        fmt::print(stderr, "checkpoint: step {} could not be saved: {}\n", step, f.status().to_string());
+      }
+    }
     metrics << rec.dump() << "\n";
     metrics.flush();
     if (step % tc.train.log_every == 0 || step == 1 || eval_now) {
@@ -200,6 +307,8 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
       break;
     }
   }
+  if (ckpt) TROUPE_RETURN_IF_ERROR(ckpt->finish());
+  if (committer) TROUPE_RETURN_IF_ERROR(committer->finish());
   const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
 
   // ---- weights ------------------------------------------------------------------------
@@ -207,7 +316,7 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
   TROUPE_RETURN_IF_ERROR(save_weights(run_dir + "/model.bin", model,
                                       WeightsInfo{tc.model, tc.train.seq_len, steps_done}));
   fmt::print("train_moe: done in {:.1f}s ({:.0f} tokens/s); val_loss {:.4f} -> {:.4f}; weights in {}/model.bin\n",
-             total_s, static_cast<double>(tokens_seen) / total_s, val0, last_val, run_dir);
+             total_s, static_cast<double>(tokens_seen - tokens_before) / total_s, val0, last_val, run_dir);
   return ok_status();
 }
 

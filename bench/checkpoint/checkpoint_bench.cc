@@ -13,12 +13,14 @@
 #include <CLI/CLI.hpp>
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <stdlib.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "checkpoint/reader.h"
@@ -159,6 +161,46 @@ int run(const std::string& run_dir, uint64_t total_mb, uint64_t tensor_mb, int r
   return 0;
 }
 
+// The blocked time per save as training measured it: train_moe writes ckpt_blocked_ms
+// (rank 0's time inside the save: snapshot into the writer's host buffer) into the
+// metrics of each saving step. Printed beside the steps' own time.
+int summarise_training(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    fmt::print(stderr, "bench_checkpoint: cannot read {}\n", path);
+    return 1;
+  }
+  std::vector<double> blocked, step_ms, driver_ms;
+  uint64_t bytes = 0;
+  std::string line;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.contains("loss")) continue;
+    step_ms.push_back(j.value("step_ms", 0.0));
+    if (j.contains("ckpt_blocked_ms")) {
+      blocked.push_back(j["ckpt_blocked_ms"].get<double>());
+      bytes = j.value("ckpt_bytes_rank0", bytes);
+      if (j.contains("ckpt_driver_ms")) driver_ms.push_back(j["ckpt_driver_ms"].get<double>());
+    }
+  }
+  if (blocked.empty()) {
+    fmt::print("{}: no saving step (ckpt_blocked_ms) in {} steps\n", path, step_ms.size());
+    return 1;
+  }
+  auto mean = [](const std::vector<double>& v) {
+    double s = 0;
+    for (double x : v) s += x;
+    return v.empty() ? 0.0 : s / static_cast<double>(v.size());
+  };
+  fmt::print("{}: {} saves over {} steps: training blocked {:.2f} ms per save (mean; max {:.2f} ms){}{}; "
+             "mean step {:.1f} ms\n",
+             path, blocked.size(), step_ms.size(), mean(blocked), *std::max_element(blocked.begin(), blocked.end()),
+             bytes ? fmt::format(", rank 0 shard {:.2f} MB", static_cast<double>(bytes) / 1e6) : "",
+             driver_ms.empty() ? "" : fmt::format(", job paused {:.2f} ms (driver: all ranks + control round trip)", mean(driver_ms)),
+             mean(step_ms));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -174,7 +216,15 @@ int main(int argc, char** argv) {
   app.add_option("--ranks", ranks, "ranks (threads with their own writer), layout n=ranks")->check(CLI::Range(1, 64));
   app.add_option("--saves", saves, "saves per size (the first allocates the snapshot buffer)")->check(CLI::Range(1, 100));
   app.add_flag("--no-fsync", no_fsync, "skip fsync (measures the page cache, not the disk)");
+  std::vector<std::string> train_metrics;
+  app.add_option("--train-metrics", train_metrics,
+                 "summarise the blocked time per save of train_moe runs (their metrics.jsonl) instead");
   CLI11_PARSE(app, argc, argv);
+  if (!train_metrics.empty()) {
+    int rc = 0;
+    for (const auto& m : train_metrics) rc |= summarise_training(m);
+    return rc;
+  }
   bool own_dir = dir.empty();
   if (own_dir) {
     std::string tmpl = (fs::temp_directory_path() / "troupe-ckpt-bench-XXXXXX").string();

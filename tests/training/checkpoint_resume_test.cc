@@ -1,0 +1,473 @@
+// tests/training/checkpoint_resume_test.cc — checkpoints written by training and
+// `train_moe --resume`, with the real binary and real processes (issue 8):
+//  - a pp=2 x n=2 run saves every 5 steps; resumed from its step 5 at n=4, at dp=2 and in
+//    one process, the next 5 steps' losses equal the uninterrupted run's (1e-6) — a
+//    permuted expert or a wrong optimizer shard would show here;
+//  - kill -9 of a worker while a (rate-limited) save is being written: the previous
+//    checkpoint stays valid, the half-written one never becomes a checkpoint, and a resume
+//    loads the previous one;
+//  - a flipped byte, a truncated shard, a deleted manifest in the newest checkpoint: the
+//    resume names it with the reason and continues from the previous one; no valid
+//    checkpoint at all is an error, never a silent partial load.
+// Every child runs in its own process group, bounded by a timeout, killed and reaped.
+#include <dirent.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/reader.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+struct RunResult {
+  int exit_code = -1;  // -1: killed (timeout or signal)
+  std::string output;
+  double seconds = 0;
+};
+
+// Starts argv in its own process group, output to `log`.
+pid_t spawn(const std::vector<std::string>& argv, const fs::path& log) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    FILE* f = std::fopen(log.c_str(), "w");
+    if (f == nullptr) _exit(126);
+    dup2(fileno(f), 1);
+    dup2(fileno(f), 2);
+    std::vector<char*> a;
+    for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
+    a.push_back(nullptr);
+    execv(a[0], a.data());
+    _exit(127);
+  }
+  setpgid(pid, pid);
+  return pid;
+}
+
+// Waits for `pid` (timeout: SIGKILL), kills what is left of its group, reads the log.
+RunResult finish(pid_t pid, const fs::path& log, Clock::time_point t0, std::chrono::seconds timeout) {
+  RunResult r;
+  int status = 0;
+  bool done = false;
+  while (Clock::now() - t0 < timeout) {
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      done = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (!done) {
+    kill(-pid, SIGKILL);
+    waitpid(pid, &status, 0);
+  }
+  kill(-pid, SIGKILL);
+  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (done && WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
+  std::ifstream in(log);
+  r.output.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  return r;
+}
+
+RunResult run(const std::vector<std::string>& argv, const fs::path& log, std::chrono::seconds timeout) {
+  const auto t0 = Clock::now();
+  return finish(spawn(argv, log), log, t0, timeout);
+}
+
+// Losses by step from metrics.jsonl (training records only).
+std::map<int64_t, double> losses(const fs::path& metrics) {
+  std::map<int64_t, double> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out[j["step"].get<int64_t>()] = j["loss"].get<double>();
+  }
+  return out;
+}
+
+std::vector<nlohmann::json> records(const fs::path& metrics) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// The children of `pid` (from /proc/<pid>/task/<pid>/children).
+std::vector<pid_t> children_of(pid_t pid) {
+  std::vector<pid_t> out;
+  std::ifstream in(fmt::format("/proc/{}/task/{}/children", pid, pid));
+  pid_t c = 0;
+  while (in >> c) out.push_back(c);
+  return out;
+}
+
+// TROUPE_RANK of a worker process, -1 when unknown.
+int rank_of(pid_t pid) {
+  std::ifstream in(fmt::format("/proc/{}/environ", pid), std::ios::binary);
+  std::string var;
+  while (std::getline(in, var, '\0')) {
+    if (var.rfind("TROUPE_RANK=", 0) == 0) return std::atoi(var.c_str() + 12);
+  }
+  return -1;
+}
+
+class CheckpointResume : public ::testing::Test {
+ protected:
+  static constexpr int64_t kSteps = 10;
+
+  static void SetUpTestSuite() {
+    std::random_device rd;
+    root_ = new fs::path(fs::temp_directory_path() / fmt::format("troupe-ckpt-resume-{}-{:x}", getpid(), rd()));
+    fs::create_directories(*root_);
+    const std::string src = TROUPE_SOURCE_DIR;
+    const RunResult p = run({TROUPE_TRAIN_MOE_BIN, "prepare", "--input", src + "/layers", "--out",
+                             (*root_ / "data").string(), "--vocab", "320", "--max-bytes", "200000", "--ext", ".cc",
+                             "--ext", ".h"},
+                            *root_ / "prepare.log", std::chrono::seconds(120));
+    ASSERT_EQ(p.exit_code, 0) << p.output;
+    // The saved run: pp=2 x n=2, two micro-batches per step, a checkpoint every 5 steps.
+    const RunResult a = run(args("saved", "pp=2,n=2", 2, {"checkpoint.every=5"}), *root_ / "saved.log",
+                            std::chrono::seconds(240));
+    ASSERT_EQ(a.exit_code, 0) << a.output;
+    std::printf("[saved run pp=2,n=2] %lld steps in %.1f s\n", static_cast<long long>(kSteps), a.seconds);
+  }
+  static void TearDownTestSuite() {
+    std::error_code ec;
+    fs::remove_all(*root_, ec);
+    delete root_;
+  }
+
+  // The equivalence test's tiny model: 4 blocks (MoE 1 and 3), d 32, 8 heads / 4 kv
+  // heads, 4 experts top-2, sequences of 16, micro-batches of 2.
+  static std::vector<std::string> args(const std::string& run_dir, const std::string& parallel, int64_t grad_accum,
+                                       const std::vector<std::string>& extra = {}, const std::string& resume = "") {
+    std::vector<std::string> a{TROUPE_TRAIN_MOE_BIN, "--config", std::string(TROUPE_SOURCE_DIR) + "/apps/configs/tiny.toml",
+                               "--run-dir", (*root_ / run_dir).string()};
+    std::vector<std::string> sets{
+        "model.vocab_size=320",     "model.d_model=32",           "model.ffn_hidden=64",
+        "model.moe.num_experts=4",  "model.moe.expert_hidden=32", "train.seq_len=16",
+        "train.micro_batch_size=2", fmt::format("train.grad_accum={}", grad_accum),
+        fmt::format("train.steps={}", kSteps), "train.eval_batches=1", "train.eval_every=0",
+        "train.log_every=10",       "optim.warmup_steps=3",       fmt::format("data.dir=\"{}\"", (*root_ / "data").string())};
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    for (const auto& s : sets) {
+      a.push_back("--set");
+      a.push_back(s);
+    }
+    if (!parallel.empty()) {
+      a.push_back("--parallel");
+      a.push_back(parallel);
+    }
+    if (!resume.empty()) {
+      a.push_back("--resume");
+      a.push_back(resume);
+    }
+    return a;
+  }
+
+  // Resumes the saved run's step 5 into `name` with `parallel` and checks steps 6..10
+  // against the uninterrupted run; returns the max absolute loss difference.
+  static double check_resume(const std::string& name, const std::string& parallel, int64_t grad_accum,
+                             const std::string& from) {
+    const RunResult r = run(args(name, parallel, grad_accum, {}, from), *root_ / (name + ".log"), std::chrono::seconds(180));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("step 5, saved with layout pp=2,dp=1,n=2"), std::string::npos) << r.output;
+    const auto ref = losses(*root_ / "saved" / "metrics.jsonl");
+    const auto got = losses(*root_ / name / "metrics.jsonl");
+    EXPECT_EQ(got.size(), 5u) << r.output;
+    double worst = 0;
+    std::string line;
+    for (const auto& [step, loss] : got) {
+      EXPECT_GE(step, 6);
+      const double d = std::fabs(loss - ref.at(step));
+      EXPECT_LE(d, 1e-6) << name << " step " << step << ": " << loss << " vs " << ref.at(step);
+      worst = std::max(worst, d);
+      line += fmt::format(" {}:{:.9f}/{:.9f}", step, loss, ref.at(step));
+    }
+    std::printf("[resume %s from pp=2,n=2 step 5] resumed/uninterrupted loss:%s; max |diff| %.3g (%.1f s)\n",
+                name.c_str(), line.c_str(), worst, r.seconds);
+    return worst;
+  }
+
+  // A copy of the saved run's checkpoints in `name`/checkpoints.
+  static fs::path copy_checkpoints(const std::string& name) {
+    const fs::path dst = *root_ / name;
+    fs::create_directories(dst);
+    fs::copy(*root_ / "saved" / "checkpoints", dst / "checkpoints", fs::copy_options::recursive);
+    return dst;
+  }
+
+  static fs::path* root_;
+};
+
+fs::path* CheckpointResume::root_ = nullptr;
+
+TEST_F(CheckpointResume, SavedRunCommittedItsCheckpoints) {
+  const fs::path dir = *root_ / "saved" / "checkpoints";
+  const auto list = troupe::checkpoint::list_checkpoints(dir.string());
+  ASSERT_EQ(list.size(), 2u);
+  EXPECT_EQ(list[0].first, 10);
+  EXPECT_EQ(list[1].first, 5);
+  auto r = troupe::checkpoint::CheckpointReader::open(list[1].second, troupe::checkpoint::VerifyMode::kChecksums);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  const auto& m = (*r)->manifest();
+  EXPECT_EQ(m.world_size, 4);
+  EXPECT_EQ(m.layout.pp, 2);
+  EXPECT_EQ(m.layout.n, 2);
+  EXPECT_EQ(m.data_position.value("next_step", 0), 6);
+  ASSERT_TRUE(m.tokenizer.has_value());
+  EXPECT_FALSE(m.config_text.empty());
+  // Parameters, router biases and both moments, whole over the world.
+  for (const char* t : {"embedding.weight", "blocks.1.moe.experts.w1", "blocks.3.moe.router.bias",
+                        "opt.m.blocks.3.moe.experts.w2", "opt.v.embedding.weight", "opt.m.blocks.2.attn.wq"}) {
+    EXPECT_TRUE((*r)->has_tensor(t)) << t;
+  }
+  ASSERT_EQ(m.ranks.size(), 4u);
+  EXPECT_EQ(m.ranks[3].state.value("adam_steps", 0), 5);
+  // The blocked time per save is in the metrics of the saving steps only.
+  int saves = 0;
+  for (const auto& j : records(*root_ / "saved" / "metrics.jsonl")) {
+    if (j.contains("ckpt_blocked_ms")) {
+      ++saves;
+      EXPECT_TRUE(j["step"] == 5 || j["step"] == 10) << j.dump();
+      EXPECT_GE(j["ckpt_blocked_ms"].get<double>(), 0.0);
+    }
+  }
+  EXPECT_EQ(saves, 2);
+}
+
+TEST_F(CheckpointResume, ResumeAtN4) {
+  check_resume("resume-n4", "n=4", 2, (*root_ / "saved" / "checkpoints" / "step_5").string());
+}
+
+TEST_F(CheckpointResume, ResumeAtDp2) {
+  // Same global batch: one micro-batch per replica.
+  check_resume("resume-dp2", "dp=2", 1, (*root_ / "saved" / "checkpoints" / "step_5").string());
+}
+
+TEST_F(CheckpointResume, ResumeInOneProcess) {
+  check_resume("resume-one", "", 2, (*root_ / "saved" / "checkpoints" / "step_5").string());
+}
+
+TEST_F(CheckpointResume, SavedAtDp2N2ResumedAtPp2) {
+  // The other direction: ZeRO-1 moment shards saved by two dp replicas (and experts by
+  // two n ranks), loaded by a pipeline whose last stage holds a tied copy of the
+  // embedding (its weights and moments come from the first stage's saved tensor).
+  const RunResult a = run(args("saved-dp2n2", "dp=2,n=2", 1, {"checkpoint.every=5"}), *root_ / "saved-dp2n2.log",
+                          std::chrono::seconds(180));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const fs::path step5 = *root_ / "saved-dp2n2" / "checkpoints" / "step_5";
+  const RunResult r = run(args("resume-pp2", "pp=2", 2, {}, step5.string()), *root_ / "resume-pp2.log",
+                          std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("saved with layout pp=1,dp=2,n=2"), std::string::npos) << r.output;
+  const auto ref = losses(*root_ / "saved-dp2n2" / "metrics.jsonl");
+  const auto got = losses(*root_ / "resume-pp2" / "metrics.jsonl");
+  ASSERT_EQ(got.size(), 5u) << r.output;
+  double worst = 0;
+  for (const auto& [step, loss] : got) {
+    EXPECT_LE(std::fabs(loss - ref.at(step)), 1e-6) << "step " << step;
+    worst = std::max(worst, std::fabs(loss - ref.at(step)));
+  }
+  std::printf("[resume pp=2 from dp=2,n=2 step 5] max |diff| %.3g\n", worst);
+}
+
+TEST_F(CheckpointResume, ResumeWithoutConfigUsesTheSavedOne) {
+  // `train_moe train --resume <step dir>`: config text and overrides from the manifest,
+  // then the command line's (here: one process instead of the saved pp=2 x n=2).
+  const fs::path step5 = *root_ / "saved" / "checkpoints" / "step_5";
+  const RunResult r = run({TROUPE_TRAIN_MOE_BIN, "train", "--resume", step5.string(), "--run-dir",
+                           (*root_ / "noconfig").string(), "--parallel", "pp=1,n=1"},
+                          *root_ / "noconfig.log", std::chrono::seconds(120));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("config from checkpoint"), std::string::npos) << r.output;
+  const auto ref = losses(*root_ / "saved" / "metrics.jsonl");
+  const auto got = losses(*root_ / "noconfig" / "metrics.jsonl");
+  ASSERT_EQ(got.size(), 5u) << r.output;
+  for (const auto& [step, loss] : got) EXPECT_LE(std::fabs(loss - ref.at(step)), 1e-6) << "step " << step;
+}
+
+#ifdef TROUPE_CLI_BIN
+TEST_F(CheckpointResume, TroupeRunResumesIntoTheJobsCheckpointDir) {
+  // Under the scheduler: driver and 4 workers from `troupe run`, the checkpoint to resume
+  // passed through the scheduler's store, new checkpoints into --checkpoint-dir
+  // (TROUPE_CHECKPOINT_DIR).
+  const fs::path ck = *root_ / "troupe-ck";
+  std::vector<std::string> a = args("troupe-resume", "pp=2,n=2", 2, {"checkpoint.every=5"},
+                                    (*root_ / "saved" / "checkpoints" / "step_5").string());
+  a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--checkpoint-dir", ck.string(), "--"});
+  const RunResult r = run(a, *root_ / "troupe-resume.log", std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto ref = losses(*root_ / "saved" / "metrics.jsonl");
+  const auto got = losses(*root_ / "troupe-resume" / "metrics.jsonl");
+  ASSERT_EQ(got.size(), 5u) << r.output;
+  for (const auto& [step, loss] : got) EXPECT_LE(std::fabs(loss - ref.at(step)), 1e-6) << "step " << step;
+  const auto list = troupe::checkpoint::list_checkpoints(ck.string());
+  ASSERT_EQ(list.size(), 1u) << r.output;
+  EXPECT_EQ(list[0].first, 10);
+  EXPECT_TRUE(troupe::checkpoint::CheckpointReader::open(list[0].second, troupe::checkpoint::VerifyMode::kChecksums).ok());
+}
+#endif
+
+TEST_F(CheckpointResume, CorruptNewestFallsBackToThePrevious) {
+  struct Case {
+    std::string name, expect;  // the reason the newest checkpoint is skipped
+    std::function<void(const fs::path& step10)> damage;
+  };
+  const std::vector<Case> cases{
+      {"flipped-byte", "checksum",
+       [](const fs::path& d) {
+         std::fstream f(d / "rank_00001.bin", std::ios::in | std::ios::out | std::ios::binary);
+         f.seekg(100);
+         char c = 0;
+         f.read(&c, 1);
+         c = static_cast<char>(c ^ 0x5a);
+         f.seekp(100);
+         f.write(&c, 1);
+       }},
+      {"truncated", "rank_00002.bin",
+       [](const fs::path& d) { fs::resize_file(d / "rank_00002.bin", fs::file_size(d / "rank_00002.bin") / 2); }},
+      {"no-manifest", "manifest", [](const fs::path& d) { fs::remove(d / "manifest.json"); }},
+  };
+  const auto ref = losses(*root_ / "saved" / "metrics.jsonl");
+  for (const Case& c : cases) {
+    const fs::path run_dir = copy_checkpoints("corrupt-" + c.name);
+    c.damage(run_dir / "checkpoints" / "step_10");
+    // Resume by run directory, in one process: step_10 is skipped by name, step_5 used.
+    const RunResult r = run(args("corrupt-" + c.name, "", 2, {"checkpoint.every=5"}, run_dir.string()), *root_ / ("corrupt-" + c.name + ".log"),
+                            std::chrono::seconds(120));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("skipped checkpoint " + (run_dir / "checkpoints" / "step_10").string()), std::string::npos)
+        << c.name << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.expect), std::string::npos) << c.name << "\n" << r.output;
+    EXPECT_NE(r.output.find("step 5, saved with layout pp=2,dp=1,n=2"), std::string::npos) << r.output;
+    // The continued run is the uninterrupted one.
+    const auto got = losses(run_dir / "metrics.jsonl");
+    ASSERT_EQ(got.size(), 5u) << r.output;
+    for (const auto& [step, loss] : got) EXPECT_LE(std::fabs(loss - ref.at(step)), 1e-6) << c.name << " step " << step;
+    // The damaged checkpoint was moved aside before the new step_10 was committed.
+    const auto list = troupe::checkpoint::list_checkpoints((run_dir / "checkpoints").string());
+    ASSERT_FALSE(list.empty());
+    EXPECT_EQ(list[0].first, 10);
+    EXPECT_TRUE(troupe::checkpoint::CheckpointReader::open(list[0].second, troupe::checkpoint::VerifyMode::kChecksums).ok());
+  }
+  // Nothing valid left: a clear error naming every candidate, no training.
+  const fs::path run_dir = copy_checkpoints("corrupt-all");
+  fs::remove(run_dir / "checkpoints" / "step_10" / "manifest.json");
+  fs::resize_file(run_dir / "checkpoints" / "step_5" / "rank_00000.bin", 10);
+  const RunResult r = run(args("corrupt-all", "", 2, {}, run_dir.string()), *root_ / "corrupt-all.log", std::chrono::seconds(120));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("no valid checkpoint"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("step_5"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("step_10"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(run_dir / "metrics.jsonl"));
+}
+
+TEST_F(CheckpointResume, AFailedSaveIsReportedAndNeverCommitted) {
+  // Step 4's temporary directory cannot be created (a file has its name): the workers'
+  // background writes fail, the run ends with an error naming the step, step 2 stays the
+  // newest checkpoint.
+  const std::string name = "failed-save";
+  const fs::path dir = *root_ / name / "checkpoints";
+  fs::create_directories(dir);
+  std::ofstream(dir / "step_4.tmp") << "in the way\n";
+  const RunResult r = run(args(name, "pp=2", 2, {"checkpoint.every=2", "train.steps=4"}), *root_ / (name + ".log"),
+                          std::chrono::seconds(120));
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("checkpoint step 4"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("step 4 was not committed"), std::string::npos) << r.output;
+  const auto list = troupe::checkpoint::list_checkpoints(dir.string());
+  ASSERT_EQ(list.size(), 1u) << r.output;
+  EXPECT_EQ(list[0].first, 2);
+  EXPECT_TRUE(troupe::checkpoint::CheckpointReader::open(list[0].second, troupe::checkpoint::VerifyMode::kChecksums).ok());
+}
+
+TEST_F(CheckpointResume, KillWorkerInTheMiddleOfASave) {
+  // Saves every 2 steps, written at 0.05 MB/s per rank (~4 s a save): the test waits for
+  // step 2 to be committed and step 4's shards to be half written, then kills a worker.
+  const std::string name = "killed";
+  const fs::path log = *root_ / (name + ".log");
+  const auto t0 = Clock::now();
+  const pid_t launcher =
+      spawn(args(name, "pp=2,n=2", 2, {"checkpoint.every=2", "checkpoint.max_mb_per_s=0.05"}), log);
+  const fs::path dir = *root_ / name / "checkpoints";
+  bool killed = false;
+  pid_t victim = -1;
+  int victim_rank = -1;
+  while (Clock::now() - t0 < std::chrono::seconds(120)) {
+    std::error_code ec;
+    const bool have2 = fs::exists(dir / "step_2" / "manifest.json", ec);
+    bool writing4 = false;
+    for (const auto& de : fs::directory_iterator(dir / "step_4.tmp", ec)) {
+      writing4 |= de.path().extension() == ".bin" && fs::file_size(de.path(), ec) > 0;
+    }
+    if (have2 && writing4 && !fs::exists(dir / "step_4", ec)) {
+      // A worker whose part of step 4 is not written yet (a rank's "done" marker).
+      for (pid_t kid : children_of(launcher)) {
+        const int rank = rank_of(kid);
+        if (rank < 0 || fs::exists(dir / "step_4.tmp" / fmt::format("rank_{:05d}.part.json", rank), ec)) continue;
+        victim = kid;
+        victim_rank = rank;
+        kill(victim, SIGKILL);
+        killed = true;
+        std::printf("[kill -9] worker rank %d (pid %d) during the save of step 4\n", rank, static_cast<int>(kid));
+        break;
+      }
+      if (killed) break;
+    }
+    int st = 0;
+    if (waitpid(launcher, &st, WNOHANG) == launcher) break;  // ended early: reported below
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const RunResult r = finish(launcher, log, t0, std::chrono::seconds(120));
+  ASSERT_TRUE(killed) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  // The driver fails the job naming a lost worker (whichever it saw first: the killed one
+  // — signal 9, its actor node or stage actor down — or a peer that aborted on the broken
+  // data plane).
+  const size_t err = r.output.find("train_moe: error: ");
+  ASSERT_NE(err, std::string::npos) << r.output;
+  const std::string line = r.output.substr(err, r.output.find('\n', err) - err);
+  EXPECT_NE(line.find("worker rank "), std::string::npos) << r.output;
+  if (line.find(fmt::format("worker rank {}", victim_rank)) == std::string::npos) {
+    std::printf("[kill -9] the driver saw a peer of the killed rank %d fail first: %s\n", victim_rank, line.c_str());
+  }
+  // The previous checkpoint is intact, the interrupted one never committed.
+  const auto list = troupe::checkpoint::list_checkpoints(dir.string());
+  ASSERT_EQ(list.size(), 1u) << r.output;
+  EXPECT_EQ(list[0].first, 2);
+  EXPECT_TRUE(troupe::checkpoint::CheckpointReader::open(list[0].second, troupe::checkpoint::VerifyMode::kChecksums).ok());
+  EXPECT_FALSE(fs::exists(dir / "step_4"));
+  // Resuming the run directory (in one process) loads step 2 and runs on; the half-written
+  // step_4.tmp is cleared away before the continued run saves its own step 4.
+  const RunResult rr = run(args(name, "", 2, {"checkpoint.every=2"}, (*root_ / name).string()), *root_ / "killed-resume.log",
+                           std::chrono::seconds(120));
+  ASSERT_EQ(rr.exit_code, 0) << rr.output;
+  EXPECT_NE(rr.output.find("step 2, saved with layout pp=2,dp=1,n=2"), std::string::npos) << rr.output;
+  const auto got = losses(*root_ / name / "metrics.jsonl");
+  const auto ref = losses(*root_ / "saved" / "metrics.jsonl");
+  ASSERT_EQ(got.size(), static_cast<size_t>(kSteps)) << rr.output;  // steps 1-2 kept, 3-10 run again
+  for (const auto& [step, loss] : got) EXPECT_LE(std::fabs(loss - ref.at(step)), 1e-6) << "step " << step;
+  EXPECT_EQ(troupe::checkpoint::list_checkpoints(dir.string()).front().first, 10);
+}
+
+}  // namespace
