@@ -182,9 +182,11 @@ class TrainingGpu : public ::testing::Test {
   }
 
   static std::vector<nlohmann::json> train(const std::string& name, int64_t grad_accum,
-                                           const std::string& parallel) {
-    const RunResult r =
-        run(args(name, grad_accum, parallel), *root_ / (name + ".log"), std::chrono::seconds(240));
+                                           const std::string& parallel,
+                                           const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> a = args(name, grad_accum, parallel);
+    a.insert(a.end(), extra.begin(), extra.end());
+    const RunResult r = run(a, *root_ / (name + ".log"), std::chrono::seconds(240));
     EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
     std::printf("%s", r.output.c_str());
     return steps_of(*root_ / name / "metrics.jsonl");
@@ -236,6 +238,25 @@ TEST_F(TrainingGpu, ExpertAndSequenceParallelOnTwoGpus) {
 TEST_F(TrainingGpu, DataParallelOnTwoGpus) {
   const std::vector<nlohmann::json>& ref = reference();
   compare(train("dp2", 1, "dp=2"), ref, true);
+}
+
+TEST_F(TrainingGpu, CheckpointOnTwoGpusResumesOnOne) {
+  // n=2 saves after step 4 (device state copied to the host); one GPU resumes from it and
+  // must continue the same run: steps 5..8 within bf16 tolerance of the saving run's.
+  const std::vector<nlohmann::json> saved = train("n2_saving", 2, "n=2", {"--set", "checkpoint.every=4"});
+  ASSERT_EQ(saved.size(), static_cast<size_t>(kSteps));
+  const fs::path ckpt = *root_ / "n2_saving" / "checkpoints" / "step_4";
+  ASSERT_TRUE(fs::exists(ckpt / "manifest.json")) << ckpt;
+  const std::vector<nlohmann::json> resumed = train("resumed_one_gpu", 2, "", {"--resume", ckpt.string()});
+  ASSERT_EQ(resumed.size(), static_cast<size_t>(kSteps - 4));
+  for (size_t i = 0; i < resumed.size(); ++i) {
+    const auto& g = resumed[i];
+    const auto& r = saved[i + 4];
+    ASSERT_EQ(g["step"].get<int64_t>(), r["step"].get<int64_t>());
+    std::printf("resumed step %lld: loss %.5f vs %.5f\n", static_cast<long long>(g["step"].get<int64_t>()),
+                g["loss"].get<double>(), r["loss"].get<double>());
+    EXPECT_LT(rel(g["loss"].get<double>(), r["loss"].get<double>()), 2e-2) << "step " << g["step"];
+  }
 }
 
 }  // namespace
