@@ -164,30 +164,48 @@ void run() {
     Tensor y = b.empty({rows, kD}, bf);
     const double f2 = 2.0 * rows * kFfn * kD;
     b.flops("grouped_down_32768x1024x2048", f2, "2*rows*N*K", [&] { be.grouped_matmul(b.ex, a, w2, offsets, y, false); });
-    // The other warp layout of the tensor-core kernel (the backend uses 2 x 2 warps of 64 x 64).
+    // The other configurations of the grouped kernel (the backend runs kAuto: kWgmma256 on
+    // an sm_90a build on Hopper, the mma.sync 2 x 2 warps elsewhere).
     const gpu::Env env{ctx.stream, ctx.num_sms};
-    b.flops("grouped_up_warps2x4", f1, "2*rows*N*K", [&] {
-      gpu::launch_grouped_matmul(env, xp.data_ptr(), w1.data_ptr(), static_cast<const int32_t*>(offsets.data_ptr()),
-                                 rows, kExperts, kD, 2 * kFfn, false, h.data_ptr(), bf, gpu::GemmTiling::kWarps2x4);
-    });
-    b.flops("grouped_down_warps2x4", f2, "2*rows*N*K", [&] {
-      gpu::launch_grouped_matmul(env, a.data_ptr(), w2.data_ptr(), static_cast<const int32_t*>(offsets.data_ptr()),
-                                 rows, kExperts, kFfn, kD, false, y.data_ptr(), bf, gpu::GemmTiling::kWarps2x4);
-    });
-    b.flops("grouped_up_warps2x2_k64", f1, "2*rows*N*K", [&] {
-      gpu::launch_grouped_matmul(env, xp.data_ptr(), w1.data_ptr(), static_cast<const int32_t*>(offsets.data_ptr()),
-                                 rows, kExperts, kD, 2 * kFfn, false, h.data_ptr(), bf, gpu::GemmTiling::kWarps2x2K64);
-    });
-    b.flops("grouped_down_warps2x2_k64", f2, "2*rows*N*K", [&] {
-      gpu::launch_grouped_matmul(env, a.data_ptr(), w2.data_ptr(), static_cast<const int32_t*>(offsets.data_ptr()),
-                                 rows, kExperts, kFfn, kD, false, y.data_ptr(), bf, gpu::GemmTiling::kWarps2x2K64);
-    });
+    const auto* off_p = static_cast<const int32_t*>(offsets.data_ptr());
+    const std::pair<const char*, gpu::GemmTiling> variants[] = {{"mma2x2", gpu::GemmTiling::kWarps2x2},
+                                                                {"wgmma128", gpu::GemmTiling::kWgmma128},
+                                                                {"wgmma256", gpu::GemmTiling::kWgmma256}};
+    for (const auto& [name, tiling] : variants) {
+      const gpu::GemmTiling tl = tiling;
+      b.flops(std::string("grouped_up_") + name, f1, "2*rows*N*K", [&] {
+        gpu::launch_grouped_matmul(env, xp.data_ptr(), w1.data_ptr(), off_p, rows, kExperts, kD, 2 * kFfn, false,
+                                   h.data_ptr(), bf, tl);
+      });
+      b.flops(std::string("grouped_down_") + name, f2, "2*rows*N*K", [&] {
+        gpu::launch_grouped_matmul(env, a.data_ptr(), w2.data_ptr(), off_p, rows, kExperts, kFfn, kD, false,
+                                   y.data_ptr(), bf, tl);
+      });
+    }
     Tensor da = b.empty({rows, kFfn}, bf);
     b.flops("grouped_down_dx", f2, "2*rows*N*K",
             [&] { be.grouped_matmul_backward(b.ex, a, w2, offsets, y, &da, nullptr, false, false); });
     Tensor dw2 = b.empty({kExperts, kFfn, kD}, DType::kF32);
     b.flops("grouped_down_dw_f32acc", f2, "2*rows*N*K",
             [&] { be.grouped_matmul_backward(b.ex, a, w2, offsets, y, nullptr, &dw2, false, true); });
+    for (const auto& [name, tiling] : variants) {
+      const gpu::GemmTiling tl = tiling;
+      b.flops(std::string("grouped_down_dx_") + name, f2, "2*rows*N*K", [&] {
+        gpu::launch_grouped_matmul_dx(env, y.data_ptr(), w2.data_ptr(), off_p, rows, kExperts, kFfn, kD, false,
+                                      da.data_ptr(), bf, tl);
+      });
+      b.flops(std::string("grouped_down_dw_") + name, f2, "2*rows*N*K", [&] {
+        gpu::launch_grouped_matmul_dw(env, a.data_ptr(), y.data_ptr(), off_p, rows, kExperts, kFfn, kD, false,
+                                      dw2.data_ptr(), DType::kF32, true, bf, tl);
+      });
+    }
+    // The up projection's backward (dx: K-major B of 4096-deep k; dW: [1024, 4096] per expert).
+    Tensor dxp = b.empty({rows, kD}, bf);
+    Tensor dw1 = b.empty({kExperts, kD, 2 * kFfn}, DType::kF32);
+    b.flops("grouped_up_dx", f1, "2*rows*N*K",
+            [&] { be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, &dxp, nullptr, false, false); });
+    b.flops("grouped_up_dw_f32acc", f1, "2*rows*N*K",
+            [&] { be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, nullptr, &dw1, false, true); });
     // The dense equivalent through cuBLASLt, for scale.
     Tensor wd = b.random({kD, 2 * kFfn}, bf, -0.05f, 0.05f);
     b.flops("dense_equiv_32768x4096x1024", f1, "2*M*N*K", [&] { be.matmul(b.ex, xp, wd, h, false, false, 1.0f, 0.0f); });

@@ -95,22 +95,25 @@ void launch_moe_unpermute_backward(const Env& env, const void* dy, const void* y
                                    void* dgates, DType t);
 
 // ---- grouped matmul (grouped_matmul.cu) ----------------------------------------------
-// Configuration of the bf16 tensor-core kernel (128 x 128 block tile): 2 x 2 warps of
-// 64 x 64 or 2 x 4 warps of 64 x 32 with 32-deep k steps in a 4-stage pipeline, or 2 x 2
-// warps with 64-deep k steps in 3 stages. kernel_bench times each; the bf16 test checks each.
-enum class GemmTiling { kWarps2x2, kWarps2x4, kWarps2x2K64 };
+// Configuration of the bf16 tensor-core kernel. mma.sync (any sm_80+ GPU; 128 x 128 block
+// tile): 2 x 2 warps of 64 x 64 or 2 x 4 warps of 64 x 32 with 32-deep k steps in a
+// 4-stage pipeline, or 2 x 2 warps with 64-deep k steps in 3 stages. wgmma (sm_90a build on
+// a compute-capability-9.0 GPU; elsewhere these fall back to kWarps2x2): 128 x 128 or
+// 128 x 256 tiles, persistent grid. kAuto: kWgmma256 where it can run, else kWarps2x2.
+// kernel_bench times each; the bf16 test checks each.
+enum class GemmTiling { kAuto, kWarps2x2, kWarps2x4, kWarps2x2K64, kWgmma128, kWgmma256 };
 // out[T,N] = x[T,K] @ W_e for the rows of expert e (W [E,K,N], or [E,N,K] with trans_w).
 void launch_grouped_matmul(const Env& env, const void* x, const void* w, const int32_t* offsets, int64_t tokens,
                            int64_t experts, int64_t k, int64_t n, bool trans_w, void* out, DType t,
-                           GemmTiling tiling = GemmTiling::kWarps2x2);
+                           GemmTiling tiling = GemmTiling::kAuto);
 // dx[T,K] = dout[T,N] @ op(W_e)^T per segment.
 void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dx,
-                              DType t, GemmTiling tiling = GemmTiling::kWarps2x2);
+                              DType t, GemmTiling tiling = GemmTiling::kAuto);
 // dW_e (+)= x_e^T @ dout_e ([K,N]), or dout_e^T @ x_e ([N,K]) with trans_w; dw has dtype dwt.
 void launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dw,
-                              DType dwt, bool accumulate, DType t, GemmTiling tiling = GemmTiling::kWarps2x2);
+                              DType dwt, bool accumulate, DType t, GemmTiling tiling = GemmTiling::kAuto);
 
 // ---- attention (attention.cu) --------------------------------------------------------
 struct AttentionShape {
