@@ -30,7 +30,7 @@ BASES = {"grouped_up": "grouped_up_32768x4096x1024", "grouped_down": "grouped_do
 
 
 def peer_name(name):
-    for suffix in ("_mma2x2", "_wgmma128", "_wgmma256"):
+    for suffix in ("_mma2x2", "_wgmma128", "_wgmma256", "_wgmmatma"):
         if name.endswith(suffix):
             base = name[: -len(suffix)]
             return BASES.get(base, base if base in theirs else base + "_f32acc")

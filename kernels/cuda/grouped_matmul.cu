@@ -12,6 +12,9 @@
 // below): 128 x 256 tiles, a persistent grid, operands in 128-byte-swizzled shared memory.
 // f32 operands (and shapes the tensor-core path cannot take: dims not multiples of 8,
 // misaligned pointers) use a plain one-thread-per-output kernel with fp32 accumulation.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <algorithm>
 #include <atomic>
 #include <initializer_list>
@@ -605,19 +608,251 @@ void launch_gemm_tiled(const Env& env, dim3 grid, const GemmArgs& args) {
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
+// ---- Hopper kernel, TMA + warp-specialised variant -----------------------------------
+// Same tiles and smem layouts as above (128 x 256, 64-deep k steps, 128-byte swizzle), but
+// the operands arrive by the tensor-memory accelerator: warpgroup 0 is the producer (one
+// thread issues the bulk tensor copies of each stage, completing on that stage's "full"
+// mbarrier), warpgroups 1 and 2 are the consumers (64 x 256 each) that release a stage on
+// its "empty" mbarrier once their wgmma reading it has completed. The producer runs up to
+// kTmaStages steps ahead across tile boundaries, so the consumers' epilogue overlaps the
+// next tile's loads. Rows past a segment's end come from the next expert (the tensor maps
+// see the whole [T, .] tensor): harmless for row segments (those output rows are not
+// stored); for k segments (dW) the consumers zero those k-rows of their A atom before the
+// wgmma. Past the tensor's end TMA fills zeros.
+constexpr int kTmaStages = 4, kTmaBN = 256, kTmaThreads = 384;
+constexpr int kTmaStageBytes = kWgBM * kWgBK * 2 + kWgBK * kTmaBN * 2;
+constexpr size_t kTmaSmemBytes = size_t{kTmaStages} * kTmaStageBytes + 1024 + 2 * kTmaStages * sizeof(uint64_t);
+
+#ifdef TROUPE_WGMMA_DEVICE
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+      "[%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+#endif
+
+template <bool kSegK, bool kBCol, typename OutT>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                            GemmArgs args) {
+#ifdef TROUPE_WGMMA_DEVICE
+  constexpr int kAStage = kWgBM * kWgBK * 2;
+  extern __shared__ __align__(1024) unsigned char tma_smem_raw[];
+  const uint32_t raw = smem_addr(tma_smem_raw);
+  const uint32_t smem_s = (raw + 1023) & ~1023u;
+  unsigned char* smem = tma_smem_raw + (smem_s - raw);
+  const uint32_t full0 = smem_s + kTmaStages * kTmaStageBytes;  // kTmaStages "full" then "empty" barriers
+  const uint32_t empty0 = full0 + kTmaStages * 8;
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int64_t tiles_n = (args.n + kTmaBN - 1) / kTmaBN;
+  if (tid == 0) {
+    for (int s = 0; s < kTmaStages; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 2);  // one arrival per consumer warpgroup
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (tid == 0) {
+      WgCursor<kSegK, kTmaBN> ld;
+      ld.start(args, tiles_n);
+      for (int64_t i = 0; ld.live; ++i) {
+        const int s = static_cast<int>(i % kTmaStages);
+        mbar_wait(empty0 + 8 * s, static_cast<uint32_t>(((i / kTmaStages) & 1) ^ 1));
+        const uint32_t full = full0 + 8 * s, sa = smem_s + s * kTmaStageBytes, sb = sa + kAStage;
+        mbar_expect_tx(full, kTmaStageBytes);
+        const WgTile& tl = ld.tile;
+        const int k0 = static_cast<int>(ld.kt * kWgBK);
+        if constexpr (kSegK) {  // A = l [T, P] (MN-major atoms), B = r [T, Q] (MN-major atoms)
+          const int kr = static_cast<int>(tl.row0) + k0;
+          for (int a = 0; a < 2; ++a) tma_load_3d(sa + a * kAtomBytes, &map_a, full, static_cast<int>(tl.m0) + 64 * a, kr, 0);
+          for (int a = 0; a < kTmaBN / 64; ++a) {
+            tma_load_3d(sb + a * kAtomBytes, &map_b, full, static_cast<int>(tl.n0) + 64 * a, kr, 0);
+          }
+        } else {
+          tma_load_3d(sa, &map_a, full, k0, static_cast<int>(tl.row0 + tl.m0), 0);
+          if constexpr (kBCol) {  // W as [E][N][K]: one box of 256 rows of 64 k
+            tma_load_3d(sb, &map_b, full, k0, static_cast<int>(tl.n0), static_cast<int>(tl.e));
+          } else {  // W as [E][K][N]: atoms of 64 k-rows x 64 n
+            for (int a = 0; a < kTmaBN / 64; ++a) {
+              tma_load_3d(sb + a * kAtomBytes, &map_b, full, static_cast<int>(tl.n0) + 64 * a, k0,
+                          static_cast<int>(tl.e));
+            }
+          }
+        }
+        ld.advance(args);
+      }
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int cw = wg - 1, ctid = tid - 128 * wg, warp_in_wg = ctid / 32, lane = tid % 32;
+    float acc[kTmaBN / 2];
+#pragma unroll
+    for (int i = 0; i < kTmaBN / 2; ++i) acc[i] = 0.0f;
+    WgCursor<kSegK, kTmaBN> cs;
+    cs.start(args, tiles_n);
+    int64_t i = 0;
+    while (cs.live) {
+      for (int64_t kt = 0; kt < cs.tile.k_steps; ++kt, ++i) {
+        const int s = static_cast<int>(i % kTmaStages);
+        mbar_wait(full0 + 8 * s, static_cast<uint32_t>((i / kTmaStages) & 1));
+        const uint32_t sa = smem_s + s * kTmaStageBytes, sb = sa + kAStage;
+        if constexpr (kSegK) {
+          const int64_t valid = cs.tile.k_lim - kt * kWgBK;  // k-rows of this step inside the segment
+          if (valid < kWgBK) {
+            unsigned char* atom = smem + s * kTmaStageBytes + cw * kAtomBytes;
+            const int first = valid > 0 ? static_cast<int>(valid) : 0;
+            for (int c = first * 8 + ctid; c < kWgBK * 8; c += 128) {
+              *reinterpret_cast<uint4*>(atom + c * 16) = make_uint4(0, 0, 0, 0);  // whole 128-byte rows
+            }
+            fence_proxy_async();
+            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+          }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kWgBK / 16; ++kk) {
+          const uint64_t da = kSegK ? smem_desc(sa + cw * kAtomBytes + kk * 2048, kAtomBytes, 1024)
+                                    : smem_desc(sa + cw * 64 * 128 + kk * 32, 16, 1024);
+          const uint64_t db = kBCol ? smem_desc(sb + kk * 32, 16, 1024) : smem_desc(sb + kk * 2048, kAtomBytes, 1024);
+          wgmma_m64n256k16<kSegK ? 1 : 0, kBCol ? 0 : 1>(acc, da, db, (kk > 0 || kt > 0) ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_regs(acc);
+        // The previous step's wgmma (this warpgroup's) has completed: release its stage.
+        if (kt > 0 && ctid == 0) mbar_arrive(empty0 + 8 * static_cast<int>((i - 1) % kTmaStages));
+      }
+      wgmma_wait<0>();
+      fence_regs(acc);
+      if (ctid == 0) mbar_arrive(empty0 + 8 * static_cast<int>((i - 1) % kTmaStages));
+      const WgTile& tl = cs.tile;
+      OutT* c = static_cast<OutT*>(args.c) + (kSegK ? tl.e * args.c_expert_stride : tl.row0 * args.ldc);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t gm = tl.m0 + cw * 64 + warp_in_wg * 16 + lane / 4 + 8 * h;
+        if (gm < tl.m_lim) {
+#pragma unroll
+          for (int j = 0; j < kTmaBN / 8; ++j) {
+            const int64_t gn = tl.n0 + j * 8 + 2 * (lane % 4);
+            if (gn < args.n) {
+              float v0 = acc[j * 4 + h * 2], v1 = acc[j * 4 + h * 2 + 1];
+              OutT* p = c + gm * args.ldc + gn;
+              if (args.accumulate) {
+                v0 += to_float(p[0]);
+                v1 += to_float(p[1]);
+              }
+              if constexpr (std::is_same_v<OutT, float>) {
+                *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+              } else {
+                *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);
+              }
+            }
+          }
+        }
+      }
+      cs.next_tile(args);
+    }
+  }
+#else
+  (void)map_a;
+  (void)map_b;
+  (void)args;
+  __trap();
+#endif
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda link).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+    TROUPE_CHECK(p != nullptr && q == cudaDriverEntryPointSuccess, "cuTensorMapEncodeTiled is not available");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A bf16 tensor [outer][rows][inner] (contiguous) read in boxes of box_inner x box_rows,
+// 128-byte swizzled; reads outside the tensor give zeros.
+CUtensorMap make_tensor_map(const void* base, int64_t inner, int64_t rows, int64_t outer, int box_inner, int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(outer)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(inner) * 2, static_cast<cuuint64_t>(inner * rows) * 2};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims,
+                                          strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TROUPE_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed ({}) for [{}][{}][{}]", static_cast<int>(r), outer,
+               rows, inner);
+  return map;
+}
+
+// The tensor maps of one problem (see GemmArgs): row segments read A = a [T, k] and B_e
+// from b [E][k][n] (or [E][n][k] with kBCol); k segments read a [T, m] and b [T, n].
+template <bool kSegK, bool kBCol, typename OutT>
+void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const GemmArgs& args) {
+  CUtensorMap map_a, map_b;
+  if constexpr (kSegK) {
+    map_a = make_tensor_map(args.a, args.m, tokens, 1, 64, 64);
+    map_b = make_tensor_map(args.b, args.n, tokens, 1, 64, 64);
+  } else {
+    map_a = make_tensor_map(args.a, args.k, tokens, 1, 64, kWgBM);
+    if constexpr (kBCol) {
+      map_b = make_tensor_map(args.b, args.k, args.n, args.experts, 64, kTmaBN);
+    } else {
+      map_b = make_tensor_map(args.b, args.n, args.k, args.experts, 64, 64);
+    }
+  }
+  auto kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kTmaSmemBytes)));
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(tiles_bound, env.num_sms));
+  kernel<<<static_cast<unsigned>(grid), kTmaThreads, kTmaSmemBytes, env.stream>>>(map_a, map_b, args);
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
 // The configuration a request runs with: kAuto picks the Hopper kernel where it can run,
 // and a Hopper configuration falls back to the mma.sync default elsewhere.
 GemmTiling resolve_tiling(GemmTiling tiling) {
-  const bool hopper = tiling == GemmTiling::kAuto || tiling == GemmTiling::kWgmma128 || tiling == GemmTiling::kWgmma256;
+  const bool hopper = tiling == GemmTiling::kAuto || tiling == GemmTiling::kWgmma128 ||
+                      tiling == GemmTiling::kWgmma256 || tiling == GemmTiling::kWgmmaTma;
   if (!hopper) return tiling;
   if (!wgmma_available()) return GemmTiling::kWarps2x2;
-  return tiling == GemmTiling::kAuto ? GemmTiling::kWgmma256 : tiling;
+  return tiling == GemmTiling::kAuto ? GemmTiling::kWgmmaTma : tiling;
 }
 
 // rows_bound: ceil(tokens / 128) + experts for row segments (an upper bound of the row
 // tiles, whatever the device offsets say); ceil(m / 128) * experts for k segments.
 template <bool kSegK, bool kBCol, typename OutT>
-void launch_gemm(const Env& env, int64_t rows_bound, const GemmArgs& args, GemmTiling tiling) {
+void launch_gemm(const Env& env, int64_t rows_bound, int64_t tokens, const GemmArgs& args, GemmTiling tiling) {
   const dim3 grid(static_cast<unsigned>(ceil_div(args.n, kBN)),
                   static_cast<unsigned>(kSegK ? ceil_div(args.m, kBM) : rows_bound),
                   static_cast<unsigned>(kSegK ? args.experts : 1));
@@ -629,8 +864,11 @@ void launch_gemm(const Env& env, int64_t rows_bound, const GemmArgs& args, GemmT
       launch_gemm_wgmma<kSegK, kBCol, OutT, 128, 6>(env, rows_bound * ceil_div(args.n, 128), args);
       break;
     case GemmTiling::kWgmma256:
-    case GemmTiling::kAuto:
       launch_gemm_wgmma<kSegK, kBCol, OutT, 256, 4>(env, rows_bound * ceil_div(args.n, 256), args);
+      break;
+    case GemmTiling::kWgmmaTma:
+    case GemmTiling::kAuto:
+      launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
       break;
   }
 }
@@ -706,9 +944,9 @@ void run_row_segments(const Env& env, const bf16* a, int64_t ka, const bf16* b, 
   args.b_expert_stride = ka * nb;
   const int64_t rows_bound = ceil_div(tokens, kBM) + experts;
   if (b_col) {
-    launch_gemm<false, true, bf16>(env, rows_bound, args, tiling);
+    launch_gemm<false, true, bf16>(env, rows_bound, tokens, args, tiling);
   } else {
-    launch_gemm<false, false, bf16>(env, rows_bound, args, tiling);
+    launch_gemm<false, false, bf16>(env, rows_bound, tokens, args, tiling);
   }
 }
 
@@ -754,7 +992,6 @@ void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, c
 void launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dw,
                               DType dwt, bool accumulate, DType t, GemmTiling tiling) {
-  (void)tokens;  // the segments come from the device offsets
   if (experts == 0 || k == 0 || n == 0) return;
   // dW_e [P,Q] = L_e^T @ R_e: (L, R) = (x, dout) for W [E,K,N], (dout, x) for [E,N,K].
   const void* l = trans_w ? dout : x;
@@ -776,7 +1013,7 @@ void launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, c
     args.accumulate = accumulate;
     const int64_t rows_bound = ceil_div(p, kBM) * experts;
     TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward (dw)",
-                          launch_gemm<true, false, O>(env, rows_bound, args, tiling));
+                          launch_gemm<true, false, O>(env, rows_bound, tokens, args, tiling));
     return;
   }
   TROUPE_DISPATCH_FLOAT(t, T, "grouped_matmul_backward", TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward", {

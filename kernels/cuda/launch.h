@@ -99,9 +99,10 @@ void launch_moe_unpermute_backward(const Env& env, const void* dy, const void* y
 // tile): 2 x 2 warps of 64 x 64 or 2 x 4 warps of 64 x 32 with 32-deep k steps in a
 // 4-stage pipeline, or 2 x 2 warps with 64-deep k steps in 3 stages. wgmma (sm_90a build on
 // a compute-capability-9.0 GPU; elsewhere these fall back to kWarps2x2): 128 x 128 or
-// 128 x 256 tiles, persistent grid. kAuto: kWgmma256 where it can run, else kWarps2x2.
+// 128 x 256 tiles, persistent grid, operands by cp.async; kWgmmaTma: 128 x 256 tiles with
+// operands by TMA and a producer warpgroup. kAuto: kWgmmaTma where it can run, else kWarps2x2.
 // kernel_bench times each; the bf16 test checks each.
-enum class GemmTiling { kAuto, kWarps2x2, kWarps2x4, kWarps2x2K64, kWgmma128, kWgmma256 };
+enum class GemmTiling { kAuto, kWarps2x2, kWarps2x4, kWarps2x2K64, kWgmma128, kWgmma256, kWgmmaTma };
 // out[T,N] = x[T,K] @ W_e for the rows of expert e (W [E,K,N], or [E,N,K] with trans_w).
 void launch_grouped_matmul(const Env& env, const void* x, const void* w, const int32_t* offsets, int64_t tokens,
                            int64_t experts, int64_t k, int64_t n, bool trans_w, void* out, DType t,

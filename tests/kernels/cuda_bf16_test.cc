@@ -128,7 +128,8 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
         {gpu::GemmTiling::kWarps2x2, gpu.ctx.num_sms},   {gpu::GemmTiling::kWarps2x4, gpu.ctx.num_sms},
         {gpu::GemmTiling::kWarps2x2K64, gpu.ctx.num_sms}, {gpu::GemmTiling::kWgmma128, gpu.ctx.num_sms},
         {gpu::GemmTiling::kWgmma256, gpu.ctx.num_sms},   {gpu::GemmTiling::kWgmma128, 2},
-        {gpu::GemmTiling::kWgmma256, 2},                 {gpu::GemmTiling::kAuto, 3}};
+        {gpu::GemmTiling::kWgmma256, 2},                 {gpu::GemmTiling::kWgmmaTma, gpu.ctx.num_sms},
+        {gpu::GemmTiling::kWgmmaTma, 2},                 {gpu::GemmTiling::kAuto, 3}};
     for (const auto& [tiling, sms] : configs) {
       const gpu::Env env{gpu.ctx.stream, sms};
       Tensor got2 = dev_poisoned({rows, n}, kBF), xd = dev(x), wd = dev(w), dd = dev(dout0);
