@@ -270,6 +270,52 @@ void run() {
     b.bytes("adamw_64M_f32", double(n) * 4 * 7, "read p,g,m,v + write p,m,v (f32)",
             [&] { be.adamw_step(b.ex, p, g, m, v, cfg); });
   }
+  // ---- the whole bench_1b optimizer step: 87 tensors, 1.33 B f32 parameters ----
+  {
+    std::vector<Shape> shapes;
+    for (int l = 0; l < 12; ++l) {
+      for (const Shape& s : std::vector<Shape>{{kD}, {kD, 3 * kD}, {kD, kD}, {kD}, {kD, kExperts},
+                                               {kExperts, kD, 2 * kFfn}, {kExperts, kFfn, kD}}) {
+        shapes.push_back(s);
+      }
+    }
+    shapes.push_back({kVocab, kD});
+    shapes.push_back({kD});
+    shapes.push_back({kD, kVocab});
+    std::vector<Tensor> p, g, m, v;
+    double numel = 0;
+    for (const Shape& s : shapes) {
+      p.push_back(b.random(s, DType::kF32));
+      g.push_back(b.random(s, DType::kF32, -0.01f, 0.01f));
+      m.push_back(b.empty(s, DType::kF32));
+      v.push_back(b.empty(s, DType::kF32));
+      numel += static_cast<double>(p.back().numel());
+    }
+    std::vector<AdamWTensor> list;
+    std::vector<const Tensor*> grads;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      list.push_back({&p[i], &g[i], &m[i], &v[i], shapes[i].size() > 1 ? 0.1f : 0.0f});
+      grads.push_back(&g[i]);
+    }
+    AdamWConfig cfg;
+    cfg.grad_scale = 0.5f;
+    b.bytes("adamw_loop_bench1b", numel * 4 * 7, "87 adamw_step launches; read p,g,m,v + write p,m,v", [&] {
+      for (const AdamWTensor& t : list) {
+        AdamWConfig c = cfg;
+        c.weight_decay = t.weight_decay;
+        be.adamw_step(b.ex, *t.param, *t.grad, *t.m, *t.v, c);
+      }
+    });
+    b.bytes("adamw_multi_bench1b", numel * 4 * 7, "one launch; read p,g,m,v + write p,m,v (f32)",
+            [&] { be.adamw_step_multi(b.ex, list, cfg); });
+    double sink = 0;
+    b.bytes("grad_norm_loop_bench1b", numel * 4, "87 sum_squares (each syncs); read g (f32)", [&] {
+      for (const Tensor* t : grads) sink += be.sum_squares(b.ex, *t);
+    });
+    b.bytes("grad_norm_bench1b", numel * 4, "sum_squares_multi, one launch + sync; read g (f32)",
+            [&] { sink += be.sum_squares_multi(b.ex, grads); });
+    std::printf("(norm checksum %.3e)\n", sink);
+  }
   {
     const int64_t rows = kTokens * kTopK;
     std::vector<int32_t> idx(rows);

@@ -9,7 +9,8 @@
 //   second grid axis are mapped to (expert, row tile) by scanning the offsets;
 // - k segments (dW): C_e = A_e^T @ B_e summed over the rows of expert e (grid axis z = e).
 // On a Hopper GPU (sm_90a build) the default is a wgmma kernel instead (see "Hopper kernel"
-// below): 128 x 256 tiles, a persistent grid, operands in 128-byte-swizzled shared memory.
+// below): 128 x 256 tiles, a persistent grid, operands in 128-byte-swizzled shared memory,
+// loaded by TMA from a producer warpgroup (forward, dx) or by cp.async (dW).
 // f32 operands (and shapes the tensor-core path cannot take: dims not multiples of 8,
 // misaligned pointers) use a plain one-thread-per-output kernel with fp32 accumulation.
 #include <cuda.h>
@@ -839,14 +840,15 @@ void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const 
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
-// The configuration a request runs with: kAuto picks the Hopper kernel where it can run,
-// and a Hopper configuration falls back to the mma.sync default elsewhere.
+// The configuration a request runs with: kAuto stays kAuto where the Hopper kernels can run
+// (launch_gemm then picks one per problem); elsewhere it and every Hopper configuration
+// fall back to the mma.sync default.
 GemmTiling resolve_tiling(GemmTiling tiling) {
   const bool hopper = tiling == GemmTiling::kAuto || tiling == GemmTiling::kWgmma128 ||
                       tiling == GemmTiling::kWgmma256 || tiling == GemmTiling::kWgmmaTma;
   if (!hopper) return tiling;
   if (!wgmma_available()) return GemmTiling::kWarps2x2;
-  return tiling == GemmTiling::kAuto ? GemmTiling::kWgmmaTma : tiling;
+  return tiling;  // kAuto stays: launch_gemm picks per problem
 }
 
 // rows_bound: ceil(tokens / 128) + experts for row segments (an upper bound of the row
@@ -867,8 +869,17 @@ void launch_gemm(const Env& env, int64_t rows_bound, int64_t tokens, const GemmA
       launch_gemm_wgmma<kSegK, kBCol, OutT, 256, 4>(env, rows_bound * ceil_div(args.n, 256), args);
       break;
     case GemmTiling::kWgmmaTma:
-    case GemmTiling::kAuto:
       launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
+      break;
+    case GemmTiling::kAuto:
+      // Measured on an H200 (bench_1b shapes, bench/RESULTS.md 2026-11-22): TMA wins the
+      // row-segment problems (0.53 vs 0.75 ms forward), cp.async the dW problems (0.39 vs
+      // 0.50 ms), whose MN-major boxes of 64 token rows TMA fetches less well.
+      if constexpr (kSegK) {
+        launch_gemm_wgmma<kSegK, kBCol, OutT, 256, 4>(env, rows_bound * ceil_div(args.n, 256), args);
+      } else {
+        launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
+      }
       break;
   }
 }

@@ -49,6 +49,17 @@ struct AdamWArgs {
 };
 void launch_adamw(const Env& env, float* param, const void* grad, DType gt, float* m, float* v, int64_t n,
                   const AdamWArgs& args);
+// Multi-tensor (multi_tensor.cu): one launch per kMultiTensorMax tensors. AdamW over
+// tensors i < count (param, m, v f32; grad f32/bf16 per grad_type; numel[i] elements;
+// weight_decay[i] replaces args.weight_decay). Sum of squares over tensors x (f32/bf16),
+// in double, with partials of multi_reduce_scratch_bytes(); synchronises the stream.
+constexpr int kMultiTensorMax = 256;
+void launch_adamw_multi(const Env& env, int count, float* const* param, const void* const* grad,
+                        const DType* grad_type, float* const* m, float* const* v, const int64_t* numel,
+                        const float* weight_decay, const AdamWArgs& args);
+size_t multi_reduce_scratch_bytes();
+double launch_sum_squares_multi(const Env& env, int count, const void* const* x, const DType* types,
+                                const int64_t* numel, void* partials);
 // x [R,C] f32/bf16 -> q fp8 (e4m3/e5m2), scales f32 [R, nb]; block_size 0 = per row.
 void launch_quantize_fp8(const Env& env, const void* x, DType xt, int64_t rows, int64_t cols, int64_t block_size,
                          void* q, DType qt, float* scales);
@@ -100,7 +111,8 @@ void launch_moe_unpermute_backward(const Env& env, const void* dy, const void* y
 // 4-stage pipeline, or 2 x 2 warps with 64-deep k steps in 3 stages. wgmma (sm_90a build on
 // a compute-capability-9.0 GPU; elsewhere these fall back to kWarps2x2): 128 x 128 or
 // 128 x 256 tiles, persistent grid, operands by cp.async; kWgmmaTma: 128 x 256 tiles with
-// operands by TMA and a producer warpgroup. kAuto: kWgmmaTma where it can run, else kWarps2x2.
+// operands by TMA and a producer warpgroup. kAuto where these can run: kWgmmaTma for the
+// forward and dx, kWgmma256 for dW (faster there); elsewhere kWarps2x2.
 // kernel_bench times each; the bf16 test checks each.
 enum class GemmTiling { kAuto, kWarps2x2, kWarps2x4, kWarps2x2K64, kWgmma128, kWgmma256, kWgmmaTma };
 // out[T,N] = x[T,K] @ W_e for the rows of expert e (W [E,K,N], or [E,N,K] with trans_w).
