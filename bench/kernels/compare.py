@@ -30,6 +30,10 @@ BASES = {"grouped_up": "grouped_up_32768x4096x1024", "grouped_down": "grouped_do
 
 
 def peer_name(name):
+    if name.startswith("attention_fwd_warps"):
+        return "attention_fwd_b8_s2048_h16_d64"
+    if name.startswith("attention_bwd_warps"):
+        return "attention_bwd"
     for suffix in ("_mma2x2", "_wgmma128", "_wgmma256", "_wgmmatma"):
         if name.endswith(suffix):
             base = name[: -len(suffix)]

@@ -225,6 +225,21 @@ void run() {
     Tensor dq = b.empty(q.shape(), bf), dk = b.empty(q.shape(), bf), dv = b.empty(q.shape(), bf);
     b.flops("attention_bwd", 2.5 * fwd, "2.5*fwd",
             [&] { be.attention_backward(b.ex, q, k, v, out, lse, dout, scale, dq, dk, dv); });
+    // Both block sizes of the tensor-core kernels (the backend runs kAttentionDefaultWarps).
+    const gpu::Env env{ctx.stream, ctx.num_sms};
+    const gpu::AttentionShape shape{kBatch, kSeq, kHeads, kHeads, kHeadDim};
+    Tensor scratch = b.empty({static_cast<int64_t>(gpu::attention_backward_scratch_bytes(shape) / 4) + 1}, DType::kF32);
+    for (int warps : {4, 8}) {
+      b.flops("attention_fwd_warps" + std::to_string(warps), fwd, "4*B*H*S^2*Dh/2", [&] {
+        gpu::launch_attention_forward(env, shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), scale, out.data_ptr(),
+                                      static_cast<float*>(lse.data_ptr()), bf, warps);
+      });
+      b.flops("attention_bwd_warps" + std::to_string(warps), 2.5 * fwd, "2.5*fwd", [&] {
+        gpu::launch_attention_backward(env, shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                       static_cast<const float*>(lse.data_ptr()), dout.data_ptr(), scale,
+                                       dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), bf, scratch.data_ptr(), warps);
+      });
+    }
   }
   // ---- memory-bound kernels ----
   {

@@ -132,12 +132,15 @@ void launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, c
 struct AttentionShape {
   int64_t batch, seq, q_heads, kv_heads, head_dim;
 };
+// block_warps (bf16, head dim 64/128 tensor-core path): 4 or 8 warps of 16 rows per block;
+// 0 = kAttentionDefaultWarps. kernel_bench times both; the bf16 test checks both.
+constexpr int kAttentionDefaultWarps = 8;
 void launch_attention_forward(const Env& env, const AttentionShape& s, const void* q, const void* k, const void* v,
-                              float scale, void* out, float* lse, DType t);
+                              float scale, void* out, float* lse, DType t, int block_warps = 0);
 // scratch: attention_backward_scratch_bytes(s) bytes.
 size_t attention_backward_scratch_bytes(const AttentionShape& s);
 void launch_attention_backward(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                const void* v, const void* out, const float* lse, const void* dout, float scale,
-                               void* dq, void* dk, void* dv, DType t, void* scratch);
+                               void* dq, void* dk, void* dv, DType t, void* scratch, int block_warps = 0);
 
 }  // namespace troupe::kernels::gpu
