@@ -67,19 +67,47 @@ __device__ void load_a_frags(uint32_t (&f)[kD / 16][4], const bf16* base, int64_
   }
 }
 
-// Rows [r0, r0+64) of a [B,S,H,kD] tensor at (b, h) into smem [64][kD+8] (16-byte moves;
-// rows past S are zero).
+// Rows [r0, r0+64) of two [B,S,H,kD] tensors x and y at (b, h), staged through registers
+// into smem [64][kD+8] each (16-byte moves; rows past S are zero), by kThreads threads.
+// fetch() issues every load of both tiles before any store (a loop of load-store pairs
+// would wait for each load in turn), and with kPrefetchTiles the kernels fetch the next
+// tile before computing on the current one, so the loads overlap the tensor-core work.
+// Head dim 64 prefetches the next tile during the current one's math; 128 has no
+// registers to spare for that (it would spill) and loads each tile just before use.
 template <int kD>
-__device__ void load_tile(bf16* dst, const bf16* base, int64_t b, int64_t r0, int64_t h, int64_t seq, int64_t heads) {
-  constexpr int kVecPerRow = kD / 8, kLd = kD + 8;
-  for (int i = threadIdx.x; i < kRows * kVecPerRow; i += blockDim.x) {
-    const int r = i / kVecPerRow, c = (i % kVecPerRow) * 8;
-    const int64_t gr = r0 + r;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (gr < seq) v = *reinterpret_cast<const uint4*>(base + ((b * seq + gr) * heads + h) * kD + c);
-    *reinterpret_cast<uint4*>(dst + r * kLd + c) = v;
+constexpr bool kPrefetchTiles = kD == 64;
+
+template <int kD, int kThreads>
+struct TilePair {
+  static constexpr int kVecPerRow = kD / 8, kLd = kD + 8, kIters = kRows * kVecPerRow / kThreads;
+  static_assert(kRows * kVecPerRow % kThreads == 0, "whole 16-byte vectors per thread");
+  uint4 vx[kIters], vy[kIters];
+
+  __device__ __forceinline__ void fetch(const bf16* x, const bf16* y, int64_t b, int64_t r0, int64_t h, int64_t seq,
+                                        int64_t heads) {
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int i = it * kThreads + static_cast<int>(threadIdx.x);
+      const int r = i / kVecPerRow, c = (i % kVecPerRow) * 8;
+      const int64_t gr = r0 + r;
+      vx[it] = vy[it] = make_uint4(0, 0, 0, 0);
+      if (gr < seq) {
+        const int64_t off = ((b * seq + gr) * heads + h) * kD + c;
+        vx[it] = *reinterpret_cast<const uint4*>(x + off);
+        vy[it] = *reinterpret_cast<const uint4*>(y + off);
+      }
+    }
   }
-}
+  __device__ __forceinline__ void put(bf16* dx, bf16* dy) const {
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int i = it * kThreads + static_cast<int>(threadIdx.x);
+      const int r = i / kVecPerRow, c = (i % kVecPerRow) * 8;
+      *reinterpret_cast<uint4*>(dx + r * kLd + c) = vx[it];
+      *reinterpret_cast<uint4*>(dy + r * kLd + c) = vy[it];
+    }
+  }
+};
 
 // acc[j] (16 x 8, j over 8 column tiles of 64 tile rows) += A (16 x kD) @ tile^T, where the
 // tile is [64][kD] row-major: B(k = d, n = tile row) = tile[n][d].
@@ -166,11 +194,16 @@ __global__ void __launch_bounds__(32 * kWarps) attention_forward_mma_kernel(Atte
   for (int n = 0; n < kD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   const int64_t kv_end = min64(s.seq, (tile + 1) * 16 * kWarps);
+  TilePair<kD, 32 * kWarps> tiles;
+  if constexpr (kPrefetchTiles<kD>) tiles.fetch(k, v, b, 0, hk, s.seq, s.kv_heads);
   for (int64_t k0 = 0; k0 < kv_end; k0 += kRows) {
     __syncthreads();
-    load_tile<kD>(ks, k, b, k0, hk, s.seq, s.kv_heads);
-    load_tile<kD>(vs, v, b, k0, hk, s.seq, s.kv_heads);
+    if constexpr (!kPrefetchTiles<kD>) tiles.fetch(k, v, b, k0, hk, s.seq, s.kv_heads);
+    tiles.put(ks, vs);
     __syncthreads();
+    if constexpr (kPrefetchTiles<kD>) {
+      if (k0 + kRows < kv_end) tiles.fetch(k, v, b, k0 + kRows, hk, s.seq, s.kv_heads);
+    }
     if (k0 > qw + 15) continue;  // every key of this tile is after every query of this warp
     float sc[8][4];
 #pragma unroll
@@ -253,11 +286,16 @@ __global__ void __launch_bounds__(32 * kWarps) attention_dq_mma_kernel(Attention
 #pragma unroll
   for (int n = 0; n < kD / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   const int64_t kv_end = min64(s.seq, (tile + 1) * 16 * kWarps);
+  TilePair<kD, 32 * kWarps> tiles;
+  if constexpr (kPrefetchTiles<kD>) tiles.fetch(k, v, b, 0, hk, s.seq, s.kv_heads);
   for (int64_t k0 = 0; k0 < kv_end; k0 += kRows) {
     __syncthreads();
-    load_tile<kD>(ks, k, b, k0, hk, s.seq, s.kv_heads);
-    load_tile<kD>(vs, v, b, k0, hk, s.seq, s.kv_heads);
+    if constexpr (!kPrefetchTiles<kD>) tiles.fetch(k, v, b, k0, hk, s.seq, s.kv_heads);
+    tiles.put(ks, vs);
     __syncthreads();
+    if constexpr (kPrefetchTiles<kD>) {
+      if (k0 + kRows < kv_end) tiles.fetch(k, v, b, k0 + kRows, hk, s.seq, s.kv_heads);
+    }
     if (k0 > qw + 15) continue;
     float sc[8][4], dp[8][4];
 #pragma unroll
@@ -307,12 +345,22 @@ __global__ void __launch_bounds__(32 * kWarps) attention_dkdv_mma_kernel(Attenti
 #pragma unroll
     for (int r = 0; r < 4; ++r) dka[n][r] = dva[n][r] = 0.0f;
   }
+  TilePair<kD, 32 * kWarps> tiles;
+  if constexpr (kPrefetchTiles<kD>) tiles.fetch(q, dout, b, k_blk, hk * group, s.seq, s.q_heads);
   for (int64_t gi = 0; gi < group; ++gi) {
     const int64_t h = hk * group + gi;
     for (int64_t q0 = k_blk; q0 < s.seq; q0 += kRows) {
       __syncthreads();
-      load_tile<kD>(qs, q, b, q0, h, s.seq, s.q_heads);
-      load_tile<kD>(dos, dout, b, q0, h, s.seq, s.q_heads);
+      if constexpr (!kPrefetchTiles<kD>) tiles.fetch(q, dout, b, q0, h, s.seq, s.q_heads);
+      tiles.put(qs, dos);
+      if constexpr (kPrefetchTiles<kD>) {
+        // The next (head, query tile) of this block's walk, fetched while this one computes.
+        if (q0 + kRows < s.seq) {
+          tiles.fetch(q, dout, b, q0 + kRows, h, s.seq, s.q_heads);
+        } else if (gi + 1 < group) {
+          tiles.fetch(q, dout, b, k_blk, h + 1, s.seq, s.q_heads);
+        }
+      }
       for (int i = threadIdx.x; i < kRows; i += blockDim.x) {
         const int64_t row = q0 + i;
         const int64_t idx = (b * s.q_heads + h) * s.seq + (row < s.seq ? row : 0);

@@ -39,6 +39,7 @@ struct SumSquaresMultiParams {
   int64_t numel[kMultiTensorMax];
   const void* x[kMultiTensorMax];
   uint8_t bf16[kMultiTensorMax];
+  uint8_t vec_ok[kMultiTensorMax];  // base pointer aligned for 4-element vector access
 };
 
 // The last tensor t with group_start[t] <= u (empty tensors are skipped: they share their
@@ -116,20 +117,36 @@ __global__ void __launch_bounds__(kThreads) adamw_multi_kernel(const __grid_cons
   }
 }
 
+// Each block sums a contiguous range of groups; a thread finds the tensor once per tensor
+// its range touches (not once per group), and reads whole groups with one vector load
+// where the tensor allows it, so many loads are in flight per thread.
 __global__ void __launch_bounds__(kThreads) sum_squares_multi_kernel(const __grid_constant__ SumSquaresMultiParams p,
                                                                      double* partials) {
   __shared__ double shared[32];
   const int64_t total = p.group_start[p.count];
-  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  const int64_t per_block = (total + gridDim.x - 1) / gridDim.x;
+  const int64_t begin = int64_t{blockIdx.x} * per_block, end = min64(total, begin + per_block);
   double acc = 0.0;
-  for (int64_t u = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; u < total; u += stride) {
+  int64_t u = begin + threadIdx.x;
+  while (u < end) {
     const int t = tensor_of(p.group_start, p.count, u);
-    const int64_t i0 = (u - p.group_start[t]) * 4, n = p.numel[t];
-    const bool bf16 = p.bf16[t] != 0;
-    float s = 0.0f;  // four squares in f32, then into the double accumulator
-    for (int64_t i = i0; i < min64(n, i0 + 4); ++i) {
-      const float x = grad_at(p.x[t], bf16, i);
-      s += x * x;
+    const int64_t seg_end = min64(end, p.group_start[t + 1]), n = p.numel[t];
+    const int64_t g0 = p.group_start[t];
+    const bool bf16 = p.bf16[t] != 0, vec = p.vec_ok[t] != 0;
+    float s = 0.0f;  // per tensor segment in f32, then into the double accumulator
+#pragma unroll 4
+    for (; u < seg_end; u += blockDim.x) {
+      const int64_t i0 = (u - g0) * 4;
+      if (vec && i0 + 4 <= n) {
+        float x[4];
+        load4_grad(p.x[t], bf16, i0, x);
+        s += x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3];
+      } else {
+        for (int64_t i = i0; i < min64(n, i0 + 4); ++i) {
+          const float x = grad_at(p.x[t], bf16, i);
+          s += x * x;
+        }
+      }
     }
     acc += s;
   }
@@ -195,6 +212,7 @@ double launch_sum_squares_multi(const Env& env, int count, const void* const* x,
       p.group_start[i + 1] = p.group_start[i] + ceil_div(numel[j], 4);
       p.x[i] = x[j];
       p.bf16[i] = types[j] == DType::kBF16 ? 1 : 0;
+      p.vec_ok[i] = reinterpret_cast<uintptr_t>(x[j]) % (types[j] == DType::kBF16 ? 8 : 16) == 0 ? 1 : 0;
     }
     const int64_t groups = p.group_start[c];
     if (groups == 0) continue;
