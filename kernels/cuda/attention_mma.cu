@@ -403,7 +403,9 @@ dim3 mma_grid(const AttentionShape& s, int64_t heads, int warps) {
 }
 
 // Rows (queries of the forward and dQ, keys of dK/dV) per block: 16 per warp, 4 or 8 warps.
-// 8 warps read each streamed 64-row tile once for twice the rows.
+// 8 warps read each streamed 64-row tile once for twice the rows, but at 192-252 registers
+// a thread they fit one block (8 warps) per SM where 4-warp blocks fit two or three: on an
+// H200 4 warps measured faster (kAttentionDefaultWarps).
 template <typename F>
 void dispatch_warps(int warps, F&& f) {
   if (warps == 4) {

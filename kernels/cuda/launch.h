@@ -134,7 +134,7 @@ struct AttentionShape {
 };
 // block_warps (bf16, head dim 64/128 tensor-core path): 4 or 8 warps of 16 rows per block;
 // 0 = kAttentionDefaultWarps. kernel_bench times both; the bf16 test checks both.
-constexpr int kAttentionDefaultWarps = 8;
+constexpr int kAttentionDefaultWarps = 4;  // H200 bench_1b: 4 warps 0.50 + 1.44 ms, 8 warps 0.56 + 1.47
 void launch_attention_forward(const Env& env, const AttentionShape& s, const void* q, const void* k, const void* v,
                               float scale, void* out, float* lse, DType t, int block_warps = 0);
 // scratch: attention_backward_scratch_bytes(s) bytes.

@@ -178,24 +178,24 @@ TEST_F(CudaBf16, Attention) {
     expect_close(gq, gq_w, 2e-2, "attention_backward dq");
     expect_close(gk, gk_w, 2e-2, "attention_backward dk");
     expect_close(gv, gv_w, 2e-2, "attention_backward dv");
-    if (dh != 40) {  // the tensor-core kernels with 4 warps per block too (the default is 8)
+    if (dh != 40) {  // the tensor-core kernels with 8 warps per block too (the default is 4)
       const gpu::Env env{gpu.ctx.stream, gpu.ctx.num_sms};
       const gpu::AttentionShape shape{b, s, hq, hkv, dh};
-      Tensor out4 = dev_poisoned({b, s, hq, dh}, kBF), lse4 = dev_poisoned({b, hq, s}, kF32);
+      Tensor out8 = dev_poisoned({b, s, hq, dh}, kBF), lse8 = dev_poisoned({b, hq, s}, kF32);
       gpu::launch_attention_forward(env, shape, dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(), scale,
-                                    out4.data_ptr(), static_cast<float*>(lse4.data_ptr()), kBF, 4);
-      expect_close(out4, out_w, kTol, "attention_forward out, 4 warps");
-      expect_close(lse4, lse_w, 1e-4, "attention_forward lse, 4 warps");
+                                    out8.data_ptr(), static_cast<float*>(lse8.data_ptr()), kBF, 8);
+      expect_close(out8, out_w, kTol, "attention_forward out, 8 warps");
+      expect_close(lse8, lse_w, 1e-4, "attention_forward lse, 8 warps");
       const int64_t scratch_floats = static_cast<int64_t>(gpu::attention_backward_scratch_bytes(shape) / 4) + 1;
       Tensor scratch = dev_poisoned({scratch_floats}, kF32);
-      Tensor gq4 = dev_poisoned(q.shape(), kBF), gk4 = dev_poisoned(k.shape(), kBF), gv4 = dev_poisoned(v.shape(), kBF);
+      Tensor gq8 = dev_poisoned(q.shape(), kBF), gk8 = dev_poisoned(k.shape(), kBF), gv8 = dev_poisoned(v.shape(), kBF);
       Tensor lse_d = dev(lse_w), out_d = dev(out_w), dout_d = dev(dout);
       gpu::launch_attention_backward(env, shape, dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(), out_d.data_ptr(),
                                      static_cast<const float*>(lse_d.data_ptr()), dout_d.data_ptr(), scale,
-                                     gq4.data_ptr(), gk4.data_ptr(), gv4.data_ptr(), kBF, scratch.data_ptr(), 4);
-      expect_close(gq4, gq_w, 2e-2, "attention_backward dq, 4 warps");
-      expect_close(gk4, gk_w, 2e-2, "attention_backward dk, 4 warps");
-      expect_close(gv4, gv_w, 2e-2, "attention_backward dv, 4 warps");
+                                     gq8.data_ptr(), gk8.data_ptr(), gv8.data_ptr(), kBF, scratch.data_ptr(), 8);
+      expect_close(gq8, gq_w, 2e-2, "attention_backward dq, 8 warps");
+      expect_close(gk8, gk_w, 2e-2, "attention_backward dk, 8 warps");
+      expect_close(gv8, gv_w, 2e-2, "attention_backward dv, 8 warps");
     }
   }
 }
