@@ -52,6 +52,8 @@ struct Backend {
   void (*adamw_step)(const Exec&, Tensor&, const Tensor&, Tensor&, Tensor&, const AdamWConfig&);
   void (*quantize_fp8)(const Exec&, const Tensor&, int64_t, Tensor&, Tensor&);
   void (*dequantize_fp8)(const Exec&, const Tensor&, const Tensor&, int64_t, Tensor&);
+  void (*adamw_step_multi)(const Exec&, std::span<const AdamWTensor>, const AdamWConfig&);
+  double (*sum_squares_multi)(const Exec&, std::span<const Tensor* const>);
 };
 
 // The CPU reference backend (kernels/cpu/backend_cpu.cc): every entry is set.

@@ -679,6 +679,37 @@ void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Te
   c.call(&Backend::adamw_step, ex, param, grad, m, v, cfg);
 }
 
+void adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, const AdamWConfig& cfg) {
+  OpCheck c("adamw_step_multi", ex, {});
+  OP_REQUIRE(c, cfg.step >= 1, "step = {} must be 1-based", cfg.step);
+  OP_REQUIRE(c, cfg.beta1 >= 0.0f && cfg.beta1 < 1.0f && cfg.beta2 >= 0.0f && cfg.beta2 < 1.0f,
+             "betas ({}, {}) must lie in [0, 1)", cfg.beta1, cfg.beta2);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const AdamWTensor& t = tensors[i];
+    OP_REQUIRE(c, t.param != nullptr && t.grad != nullptr && t.m != nullptr && t.v != nullptr,
+               "tensor {} of the list has a null param, grad, m or v", i);
+    // The per-tensor checks of adamw_step, naming the tensor's place in the list.
+    OpCheck ct("adamw_step_multi", ex, {{"param", t.param}, {"grad", t.grad}, {"m", t.m}, {"v", t.v}});
+    const Tensor &param = *t.param, &grad = *t.grad, &m = *t.m, &v = *t.v;
+    OP_REQUIRE(ct, param.dtype() == DType::kF32 && m.dtype() == DType::kF32 && v.dtype() == DType::kF32,
+               "tensor {}: param, m and v must be f32", i);
+    OP_FLOAT(ct, grad);
+    OP_REQUIRE(ct, grad.shape() == param.shape() && m.shape() == param.shape() && v.shape() == param.shape(),
+               "tensor {}: grad, m and v must have param's shape {}", i, shape_to_string(param.shape()));
+  }
+  c.call(&Backend::adamw_step_multi, ex, tensors, cfg);
+}
+
+double sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors) {
+  OpCheck c("sum_squares_multi", ex, {});
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    OP_REQUIRE(c, tensors[i] != nullptr, "tensor {} of the list is null", i);
+    OpCheck ct("sum_squares_multi", ex, {{"x", tensors[i]}});
+    OP_FLOAT(ct, *tensors[i]);
+  }
+  return c.call(&Backend::sum_squares_multi, ex, tensors);
+}
+
 // ---- quantization --------------------------------------------------------------------
 
 namespace {

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "core/device.h"
 #include "core/tensor.h"
@@ -164,6 +165,21 @@ struct AdamWConfig {
 };
 // In place on param, m, v (all f32, same shape as grad; grad f32 or bf16).
 void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWConfig& cfg);
+// One tensor of a multi-tensor step: as adamw_step's arguments, with its own weight decay.
+struct AdamWTensor {
+  Tensor* param;
+  const Tensor* grad;
+  Tensor* m;
+  Tensor* v;
+  float weight_decay;
+};
+// adamw_step over every tensor of the list (cfg.weight_decay unused: each tensor has its
+// own); on CUDA one launch for up to 256 tensors. With gradient clipping, cfg.grad_scale
+// carries the clip factor from the global norm (sum_squares_multi, all-reduced if needed).
+void adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, const AdamWConfig& cfg);
+// Sum of squares of every element of every tensor (f32 or bf16), in double: the squared
+// global gradient norm; on CUDA one launch for up to 256 tensors. Synchronises like sum.
+double sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors);
 
 // ---- quantization --------------------------------------------------------------------
 // Scaled fp8: x [R,C] (f32 or bf16) -> q [R,C] (fp8e4m3 or fp8e5m2) and scales f32

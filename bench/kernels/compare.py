@@ -24,8 +24,25 @@ for d in (ours, again):
         d["attention_fwd_bwd"] = d["attention_fwd_b8_s2048_h16_d64"] + d["attention_bwd"]
 print("| kernel | Troupe ms | PyTorch ms | PyTorch/Troupe | Troupe repeat ms |")
 print("|---|---:|---:|---:|---:|")
+# Variant rows (other configurations of one Troupe kernel) compare with the base kernel's
+# PyTorch time: grouped_up_wgmma128 -> grouped_up_32768x4096x1024, grouped_down_dx_mma2x2 -> grouped_down_dx.
+BASES = {"grouped_up": "grouped_up_32768x4096x1024", "grouped_down": "grouped_down_32768x1024x2048"}
+
+
+def peer_name(name):
+    if name.startswith("attention_fwd_warps"):
+        return "attention_fwd_b8_s2048_h16_d64"
+    if name.startswith("attention_bwd_warps"):
+        return "attention_bwd"
+    for suffix in ("_mma2x2", "_wgmma128", "_wgmma256", "_wgmmatma"):
+        if name.endswith(suffix):
+            base = name[: -len(suffix)]
+            return BASES.get(base, base if base in theirs else base + "_f32acc")
+    return name
+
+
 for name in list(ours) + [n for n in theirs if n not in ours]:
-    a, b = ours.get(name), theirs.get(name)
+    a, b = ours.get(name), theirs.get(name, theirs.get(peer_name(name)))
     ratio = f"{b / a:.2f}" if a and b else "-"
     fa = f"{a:.3f}" if a is not None else "-"
     fb = f"{b:.3f}" if b is not None else "-"

@@ -164,30 +164,49 @@ void run() {
     Tensor y = b.empty({rows, kD}, bf);
     const double f2 = 2.0 * rows * kFfn * kD;
     b.flops("grouped_down_32768x1024x2048", f2, "2*rows*N*K", [&] { be.grouped_matmul(b.ex, a, w2, offsets, y, false); });
-    // The other warp layout of the tensor-core kernel (the backend uses 2 x 2 warps of 64 x 64).
+    // The other configurations of the grouped kernel (the backend runs kAuto: on an sm_90a
+    // build on Hopper kWgmmaTma for forward/dx and kWgmma256 for dW, mma.sync 2 x 2 elsewhere).
     const gpu::Env env{ctx.stream, ctx.num_sms};
-    b.flops("grouped_up_warps2x4", f1, "2*rows*N*K", [&] {
-      gpu::launch_grouped_matmul(env, xp.data_ptr(), w1.data_ptr(), static_cast<const int32_t*>(offsets.data_ptr()),
-                                 rows, kExperts, kD, 2 * kFfn, false, h.data_ptr(), bf, gpu::GemmTiling::kWarps2x4);
-    });
-    b.flops("grouped_down_warps2x4", f2, "2*rows*N*K", [&] {
-      gpu::launch_grouped_matmul(env, a.data_ptr(), w2.data_ptr(), static_cast<const int32_t*>(offsets.data_ptr()),
-                                 rows, kExperts, kFfn, kD, false, y.data_ptr(), bf, gpu::GemmTiling::kWarps2x4);
-    });
-    b.flops("grouped_up_warps2x2_k64", f1, "2*rows*N*K", [&] {
-      gpu::launch_grouped_matmul(env, xp.data_ptr(), w1.data_ptr(), static_cast<const int32_t*>(offsets.data_ptr()),
-                                 rows, kExperts, kD, 2 * kFfn, false, h.data_ptr(), bf, gpu::GemmTiling::kWarps2x2K64);
-    });
-    b.flops("grouped_down_warps2x2_k64", f2, "2*rows*N*K", [&] {
-      gpu::launch_grouped_matmul(env, a.data_ptr(), w2.data_ptr(), static_cast<const int32_t*>(offsets.data_ptr()),
-                                 rows, kExperts, kFfn, kD, false, y.data_ptr(), bf, gpu::GemmTiling::kWarps2x2K64);
-    });
+    const auto* off_p = static_cast<const int32_t*>(offsets.data_ptr());
+    const std::pair<const char*, gpu::GemmTiling> variants[] = {{"mma2x2", gpu::GemmTiling::kWarps2x2},
+                                                                {"wgmma128", gpu::GemmTiling::kWgmma128},
+                                                                {"wgmma256", gpu::GemmTiling::kWgmma256},
+                                                                {"wgmmatma", gpu::GemmTiling::kWgmmaTma}};
+    for (const auto& [name, tiling] : variants) {
+      const gpu::GemmTiling tl = tiling;
+      b.flops(std::string("grouped_up_") + name, f1, "2*rows*N*K", [&] {
+        gpu::launch_grouped_matmul(env, xp.data_ptr(), w1.data_ptr(), off_p, rows, kExperts, kD, 2 * kFfn, false,
+                                   h.data_ptr(), bf, tl);
+      });
+      b.flops(std::string("grouped_down_") + name, f2, "2*rows*N*K", [&] {
+        gpu::launch_grouped_matmul(env, a.data_ptr(), w2.data_ptr(), off_p, rows, kExperts, kFfn, kD, false,
+                                   y.data_ptr(), bf, tl);
+      });
+    }
     Tensor da = b.empty({rows, kFfn}, bf);
     b.flops("grouped_down_dx", f2, "2*rows*N*K",
             [&] { be.grouped_matmul_backward(b.ex, a, w2, offsets, y, &da, nullptr, false, false); });
     Tensor dw2 = b.empty({kExperts, kFfn, kD}, DType::kF32);
     b.flops("grouped_down_dw_f32acc", f2, "2*rows*N*K",
             [&] { be.grouped_matmul_backward(b.ex, a, w2, offsets, y, nullptr, &dw2, false, true); });
+    for (const auto& [name, tiling] : variants) {
+      const gpu::GemmTiling tl = tiling;
+      b.flops(std::string("grouped_down_dx_") + name, f2, "2*rows*N*K", [&] {
+        gpu::launch_grouped_matmul_dx(env, y.data_ptr(), w2.data_ptr(), off_p, rows, kExperts, kFfn, kD, false,
+                                      da.data_ptr(), bf, tl);
+      });
+      b.flops(std::string("grouped_down_dw_") + name, f2, "2*rows*N*K", [&] {
+        gpu::launch_grouped_matmul_dw(env, a.data_ptr(), y.data_ptr(), off_p, rows, kExperts, kFfn, kD, false,
+                                      dw2.data_ptr(), DType::kF32, true, bf, tl);
+      });
+    }
+    // The up projection's backward (dx: K-major B of 4096-deep k; dW: [1024, 4096] per expert).
+    Tensor dxp = b.empty({rows, kD}, bf);
+    Tensor dw1 = b.empty({kExperts, kD, 2 * kFfn}, DType::kF32);
+    b.flops("grouped_up_dx", f1, "2*rows*N*K",
+            [&] { be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, &dxp, nullptr, false, false); });
+    b.flops("grouped_up_dw_f32acc", f1, "2*rows*N*K",
+            [&] { be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, nullptr, &dw1, false, true); });
     // The dense equivalent through cuBLASLt, for scale.
     Tensor wd = b.random({kD, 2 * kFfn}, bf, -0.05f, 0.05f);
     b.flops("dense_equiv_32768x4096x1024", f1, "2*M*N*K", [&] { be.matmul(b.ex, xp, wd, h, false, false, 1.0f, 0.0f); });
@@ -206,6 +225,21 @@ void run() {
     Tensor dq = b.empty(q.shape(), bf), dk = b.empty(q.shape(), bf), dv = b.empty(q.shape(), bf);
     b.flops("attention_bwd", 2.5 * fwd, "2.5*fwd",
             [&] { be.attention_backward(b.ex, q, k, v, out, lse, dout, scale, dq, dk, dv); });
+    // Both block sizes of the tensor-core kernels (the backend runs kAttentionDefaultWarps).
+    const gpu::Env env{ctx.stream, ctx.num_sms};
+    const gpu::AttentionShape shape{kBatch, kSeq, kHeads, kHeads, kHeadDim};
+    Tensor scratch = b.empty({static_cast<int64_t>(gpu::attention_backward_scratch_bytes(shape) / 4) + 1}, DType::kF32);
+    for (int warps : {4, 8}) {
+      b.flops("attention_fwd_warps" + std::to_string(warps), fwd, "4*B*H*S^2*Dh/2", [&] {
+        gpu::launch_attention_forward(env, shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), scale, out.data_ptr(),
+                                      static_cast<float*>(lse.data_ptr()), bf, warps);
+      });
+      b.flops("attention_bwd_warps" + std::to_string(warps), 2.5 * fwd, "2.5*fwd", [&] {
+        gpu::launch_attention_backward(env, shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                       static_cast<const float*>(lse.data_ptr()), dout.data_ptr(), scale,
+                                       dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), bf, scratch.data_ptr(), warps);
+      });
+    }
   }
   // ---- memory-bound kernels ----
   {
@@ -250,6 +284,52 @@ void run() {
     cfg.weight_decay = 0.1f;
     b.bytes("adamw_64M_f32", double(n) * 4 * 7, "read p,g,m,v + write p,m,v (f32)",
             [&] { be.adamw_step(b.ex, p, g, m, v, cfg); });
+  }
+  // ---- the whole bench_1b optimizer step: 87 tensors, 1.33 B f32 parameters ----
+  {
+    std::vector<Shape> shapes;
+    for (int l = 0; l < 12; ++l) {
+      for (const Shape& s : std::vector<Shape>{{kD}, {kD, 3 * kD}, {kD, kD}, {kD}, {kD, kExperts},
+                                               {kExperts, kD, 2 * kFfn}, {kExperts, kFfn, kD}}) {
+        shapes.push_back(s);
+      }
+    }
+    shapes.push_back({kVocab, kD});
+    shapes.push_back({kD});
+    shapes.push_back({kD, kVocab});
+    std::vector<Tensor> p, g, m, v;
+    double numel = 0;
+    for (const Shape& s : shapes) {
+      p.push_back(b.random(s, DType::kF32));
+      g.push_back(b.random(s, DType::kF32, -0.01f, 0.01f));
+      m.push_back(b.empty(s, DType::kF32));
+      v.push_back(b.empty(s, DType::kF32));
+      numel += static_cast<double>(p.back().numel());
+    }
+    std::vector<AdamWTensor> list;
+    std::vector<const Tensor*> grads;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      list.push_back({&p[i], &g[i], &m[i], &v[i], shapes[i].size() > 1 ? 0.1f : 0.0f});
+      grads.push_back(&g[i]);
+    }
+    AdamWConfig cfg;
+    cfg.grad_scale = 0.5f;
+    b.bytes("adamw_loop_bench1b", numel * 4 * 7, "87 adamw_step launches; read p,g,m,v + write p,m,v", [&] {
+      for (const AdamWTensor& t : list) {
+        AdamWConfig c = cfg;
+        c.weight_decay = t.weight_decay;
+        be.adamw_step(b.ex, *t.param, *t.grad, *t.m, *t.v, c);
+      }
+    });
+    b.bytes("adamw_multi_bench1b", numel * 4 * 7, "one launch; read p,g,m,v + write p,m,v (f32)",
+            [&] { be.adamw_step_multi(b.ex, list, cfg); });
+    double sink = 0;
+    b.bytes("grad_norm_loop_bench1b", numel * 4, "87 sum_squares (each syncs); read g (f32)", [&] {
+      for (const Tensor* t : grads) sink += be.sum_squares(b.ex, *t);
+    });
+    b.bytes("grad_norm_bench1b", numel * 4, "sum_squares_multi, one launch + sync; read g (f32)",
+            [&] { sink += be.sum_squares_multi(b.ex, grads); });
+    std::printf("(norm checksum %.3e)\n", sink);
   }
   {
     const int64_t rows = kTokens * kTopK;

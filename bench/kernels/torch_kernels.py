@@ -75,6 +75,12 @@ def main():
         timed("grouped_down_dx", lambda: torch._grouped_mm(y, w2t, offs=offs))
         dw2 = torch.zeros(E, FF, D, device=dev, dtype=torch.float32)
         timed("grouped_down_dw_f32acc", lambda: dw2.add_(torch._grouped_mm(a.t(), y, offs=offs)))
+        h = rnd(rows, 2 * FF)
+        w1t = w1.transpose(1, 2)
+        timed("grouped_up_dx", lambda: torch._grouped_mm(h, w1t, offs=offs))
+        dw1 = torch.zeros(E, D, 2 * FF, device=dev, dtype=torch.float32)
+        timed("grouped_up_dw_f32acc", lambda: dw1.add_(torch._grouped_mm(xp.t(), h, offs=offs)))
+        del h, dw1
     wd = rnd(D, 2 * FF, scale=0.05)
     timed("dense_equiv_32768x4096x1024", lambda: torch.matmul(xp, wd))
     del xp, w1, a, w2, y, wd
@@ -132,6 +138,25 @@ def main():
     p.grad = torch.rand(n, device=dev)
     opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, fused=True)
     timed("adamw_64M_f32", opt.step)
+    del p, opt
+
+    # The whole bench_1b optimizer step (87 tensors, 1.33 B parameters), as kernel_bench.
+    shapes = []
+    for _ in range(12):
+        shapes += [(D,), (D, 3 * D), (D, D), (D,), (D, E), (E, D, 2 * FF), (E, FF, D)]
+    shapes += [(V, D), (D,), (D, V)]
+    params = []
+    for s in shapes:
+        q = torch.nn.Parameter(torch.rand(*s, device=dev))
+        q.grad = torch.rand(*s, device=dev).mul_(0.01)
+        params.append(q)
+    groups = [{"params": [q for q in params if q.dim() > 1], "weight_decay": 0.1},
+              {"params": [q for q in params if q.dim() == 1], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-3, fused=True)
+    timed("adamw_multi_bench1b", opt.step)
+    grads = [q.grad for q in params]
+    timed("grad_norm_bench1b", lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item())
+    del params, opt, grads
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ const Backend& cpu_backend() {
       .adamw_step = cpu::adamw_step,
       .quantize_fp8 = cpu::quantize_fp8,
       .dequantize_fp8 = cpu::dequantize_fp8,
+      .adamw_step_multi = cpu::adamw_step_multi,
+      .sum_squares_multi = cpu::sum_squares_multi,
   };
   return kCpu;
 }

@@ -110,6 +110,8 @@ void cross_entropy_backward(const Exec& ex, const Tensor& logits, const Tensor& 
 // ---- optim.cc -------------------------------------------------------------------------
 void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
                 const AdamWConfig& cfg);
+void adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, const AdamWConfig& cfg);
+double sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors);
 
 // ---- quant.cc -------------------------------------------------------------------------
 void quantize_fp8(const Exec& ex, const Tensor& x, int64_t block_size, Tensor& q, Tensor& scales);

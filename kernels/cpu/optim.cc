@@ -1,5 +1,6 @@
 // kernels/cpu/optim.cc — CPU reference of the AdamW step (decoupled weight decay, bias
-// correction, gradient multiplier).
+// correction, gradient multiplier), its multi-tensor form, and the multi-tensor sum of
+// squares (global gradient norm).
 #include <cmath>
 
 #include "kernels/cpu/cpu_ops.h"
@@ -27,6 +28,21 @@ void adamw_step(const Exec&, Tensor& param, const Tensor& grad, Tensor& m, Tenso
     const float vhat = pv[i] / bc2;
     pp[i] -= cfg.lr * (mhat / (std::sqrt(vhat) + cfg.eps) + cfg.weight_decay * pp[i]);
   }
+}
+
+// Each tensor with its own weight decay; the same arithmetic as adamw_step.
+void adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, const AdamWConfig& cfg) {
+  AdamWConfig c = cfg;
+  for (const AdamWTensor& t : tensors) {
+    c.weight_decay = t.weight_decay;
+    cpu::adamw_step(ex, *t.param, *t.grad, *t.m, *t.v, c);
+  }
+}
+
+double sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors) {
+  double s = 0.0;
+  for (const Tensor* t : tensors) s += cpu::sum_squares(ex, *t);
+  return s;
 }
 
 }  // namespace troupe::kernels::cpu

@@ -22,10 +22,10 @@ namespace troupe::kernels::gpu {
 // attention_mma.cu: the tensor-core kernels (bf16, head dim 64 or 128).
 bool attention_mma_supported(const AttentionShape& s, DType t, std::initializer_list<const void*> ptrs);
 void launch_attention_forward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
-                                  const void* v, float scale, void* out, float* lse);
+                                  const void* v, float scale, void* out, float* lse, int block_warps);
 void launch_attention_backward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                    const void* v, const void* out, const float* lse, const void* dout, float scale,
-                                   void* dq, void* dk, void* dv, void* scratch);
+                                   void* dq, void* dk, void* dv, void* scratch, int block_warps);
 
 namespace {
 
@@ -258,10 +258,10 @@ dim3 attention_grid(const AttentionShape& s, int64_t heads) {
 }  // namespace
 
 void launch_attention_forward(const Env& env, const AttentionShape& s, const void* q, const void* k, const void* v,
-                              float scale, void* out, float* lse, DType t) {
+                              float scale, void* out, float* lse, DType t, int block_warps) {
   if (s.batch * s.seq * s.q_heads == 0) return;
   if (attention_mma_supported(s, t, {q, k, v, out})) {
-    launch_attention_forward_mma(env, s, q, k, v, scale, out, lse);
+    launch_attention_forward_mma(env, s, q, k, v, scale, out, lse, block_warps);
     return;
   }
   const size_t smem = 2 * kTile * s.head_dim * sizeof(float);
@@ -291,10 +291,10 @@ size_t attention_backward_scratch_bytes(const AttentionShape& s) {
 
 void launch_attention_backward(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                const void* v, const void* out, const float* lse, const void* dout, float scale,
-                               void* dq, void* dk, void* dv, DType t, void* scratch) {
+                               void* dq, void* dk, void* dv, DType t, void* scratch, int block_warps) {
   if (s.batch * s.seq * s.q_heads == 0) return;
   if (attention_mma_supported(s, t, {q, k, v, out, dout, dq, dk, dv})) {
-    launch_attention_backward_mma(env, s, q, k, v, out, lse, dout, scale, dq, dk, dv, scratch);
+    launch_attention_backward_mma(env, s, q, k, v, out, lse, dout, scale, dq, dk, dv, scratch, block_warps);
     return;
   }
   float* dsum = static_cast<float*>(scratch);

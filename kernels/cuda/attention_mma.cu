@@ -24,8 +24,7 @@ void launch_attention_rowdot(const Env& env, const AttentionShape& s, const void
 namespace {
 
 using bf16 = __nv_bfloat16;
-constexpr int kRows = 64;  // rows per block (4 warps x 16)
-constexpr int kMmaThreads = 128;
+constexpr int kRows = 64;  // rows of a streamed tile (K/V, Q/dO) in shared memory
 constexpr float kLog2eF = 1.4426950408889634f;
 constexpr float kLn2F = 0.6931471805599453f;
 
@@ -68,19 +67,47 @@ __device__ void load_a_frags(uint32_t (&f)[kD / 16][4], const bf16* base, int64_
   }
 }
 
-// Rows [r0, r0+64) of a [B,S,H,kD] tensor at (b, h) into smem [64][kD+8] (16-byte moves;
-// rows past S are zero).
+// Rows [r0, r0+64) of two [B,S,H,kD] tensors x and y at (b, h), staged through registers
+// into smem [64][kD+8] each (16-byte moves; rows past S are zero), by kThreads threads.
+// fetch() issues every load of both tiles before any store (a loop of load-store pairs
+// would wait for each load in turn), and with kPrefetchTiles the kernels fetch the next
+// tile before computing on the current one, so the loads overlap the tensor-core work.
+// Head dim 64 prefetches the next tile during the current one's math; 128 has no
+// registers to spare for that (it would spill) and loads each tile just before use.
 template <int kD>
-__device__ void load_tile(bf16* dst, const bf16* base, int64_t b, int64_t r0, int64_t h, int64_t seq, int64_t heads) {
-  constexpr int kVecPerRow = kD / 8, kLd = kD + 8;
-  for (int i = threadIdx.x; i < kRows * kVecPerRow; i += kMmaThreads) {
-    const int r = i / kVecPerRow, c = (i % kVecPerRow) * 8;
-    const int64_t gr = r0 + r;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (gr < seq) v = *reinterpret_cast<const uint4*>(base + ((b * seq + gr) * heads + h) * kD + c);
-    *reinterpret_cast<uint4*>(dst + r * kLd + c) = v;
+constexpr bool kPrefetchTiles = kD == 64;
+
+template <int kD, int kThreads>
+struct TilePair {
+  static constexpr int kVecPerRow = kD / 8, kLd = kD + 8, kIters = kRows * kVecPerRow / kThreads;
+  static_assert(kRows * kVecPerRow % kThreads == 0, "whole 16-byte vectors per thread");
+  uint4 vx[kIters], vy[kIters];
+
+  __device__ __forceinline__ void fetch(const bf16* x, const bf16* y, int64_t b, int64_t r0, int64_t h, int64_t seq,
+                                        int64_t heads) {
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int i = it * kThreads + static_cast<int>(threadIdx.x);
+      const int r = i / kVecPerRow, c = (i % kVecPerRow) * 8;
+      const int64_t gr = r0 + r;
+      vx[it] = vy[it] = make_uint4(0, 0, 0, 0);
+      if (gr < seq) {
+        const int64_t off = ((b * seq + gr) * heads + h) * kD + c;
+        vx[it] = *reinterpret_cast<const uint4*>(x + off);
+        vy[it] = *reinterpret_cast<const uint4*>(y + off);
+      }
+    }
   }
-}
+  __device__ __forceinline__ void put(bf16* dx, bf16* dy) const {
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int i = it * kThreads + static_cast<int>(threadIdx.x);
+      const int r = i / kVecPerRow, c = (i % kVecPerRow) * 8;
+      *reinterpret_cast<uint4*>(dx + r * kLd + c) = vx[it];
+      *reinterpret_cast<uint4*>(dy + r * kLd + c) = vy[it];
+    }
+  }
+};
 
 // acc[j] (16 x 8, j over 8 column tiles of 64 tile rows) += A (16 x kD) @ tile^T, where the
 // tile is [64][kD] row-major: B(k = d, n = tile row) = tile[n][d].
@@ -148,9 +175,9 @@ __device__ __forceinline__ float quad_add(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// grid (ceil(S/64), Hq, B); late (heavier) query tiles are scheduled first.
-template <int kD>
-__global__ void __launch_bounds__(kMmaThreads) attention_forward_mma_kernel(AttentionShape s, const bf16* q,
+// grid (ceil(S/(16*kWarps)), Hq, B); late (heavier) query tiles are scheduled first.
+template <int kD, int kWarps>
+__global__ void __launch_bounds__(32 * kWarps) attention_forward_mma_kernel(AttentionShape s, const bf16* q,
                                                                             const bf16* k, const bf16* v,
                                                                             float scale_log2, bf16* out, float* lse) {
   constexpr int kLd = kD + 8;
@@ -159,19 +186,24 @@ __global__ void __launch_bounds__(kMmaThreads) attention_forward_mma_kernel(Atte
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (s.q_heads / s.kv_heads);
   const int64_t tile = gridDim.x - 1 - blockIdx.x;
-  const int64_t qw = tile * kRows + warp * 16;  // this warp's first query
+  const int64_t qw = tile * 16 * kWarps + warp * 16;  // this warp's first query
   uint32_t qf[kD / 16][4];
   load_a_frags<kD>(qf, q, b, qw, h, s.seq, s.q_heads);
   float o[kD / 8][4];
 #pragma unroll
   for (int n = 0; n < kD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  const int64_t kv_end = min64(s.seq, (tile + 1) * kRows);
+  const int64_t kv_end = min64(s.seq, (tile + 1) * 16 * kWarps);
+  TilePair<kD, 32 * kWarps> tiles;
+  if constexpr (kPrefetchTiles<kD>) tiles.fetch(k, v, b, 0, hk, s.seq, s.kv_heads);
   for (int64_t k0 = 0; k0 < kv_end; k0 += kRows) {
     __syncthreads();
-    load_tile<kD>(ks, k, b, k0, hk, s.seq, s.kv_heads);
-    load_tile<kD>(vs, v, b, k0, hk, s.seq, s.kv_heads);
+    if constexpr (!kPrefetchTiles<kD>) tiles.fetch(k, v, b, k0, hk, s.seq, s.kv_heads);
+    tiles.put(ks, vs);
     __syncthreads();
+    if constexpr (kPrefetchTiles<kD>) {
+      if (k0 + kRows < kv_end) tiles.fetch(k, v, b, k0 + kRows, hk, s.seq, s.kv_heads);
+    }
     if (k0 > qw + 15) continue;  // every key of this tile is after every query of this warp
     float sc[8][4];
 #pragma unroll
@@ -225,9 +257,9 @@ __global__ void __launch_bounds__(kMmaThreads) attention_forward_mma_kernel(Atte
   }
 }
 
-// grid (ceil(S/64), Hq, B): dQ for 64 queries.
-template <int kD>
-__global__ void __launch_bounds__(kMmaThreads) attention_dq_mma_kernel(AttentionShape s, const bf16* q, const bf16* k,
+// grid (ceil(S/(16*kWarps)), Hq, B): dQ for 16*kWarps queries.
+template <int kD, int kWarps>
+__global__ void __launch_bounds__(32 * kWarps) attention_dq_mma_kernel(AttentionShape s, const bf16* q, const bf16* k,
                                                                        const bf16* v, const float* lse,
                                                                        const bf16* dout, const float* dsum,
                                                                        float scale, bf16* dq) {
@@ -237,7 +269,7 @@ __global__ void __launch_bounds__(kMmaThreads) attention_dq_mma_kernel(Attention
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (s.q_heads / s.kv_heads);
   const int64_t tile = gridDim.x - 1 - blockIdx.x;
-  const int64_t qw = tile * kRows + warp * 16;
+  const int64_t qw = tile * 16 * kWarps + warp * 16;
   const float scale_log2 = scale * kLog2eF;
   uint32_t qf[kD / 16][4], df[kD / 16][4];
   load_a_frags<kD>(qf, q, b, qw, h, s.seq, s.q_heads);
@@ -253,12 +285,17 @@ __global__ void __launch_bounds__(kMmaThreads) attention_dq_mma_kernel(Attention
   float acc[kD / 8][4];
 #pragma unroll
   for (int n = 0; n < kD / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-  const int64_t kv_end = min64(s.seq, (tile + 1) * kRows);
+  const int64_t kv_end = min64(s.seq, (tile + 1) * 16 * kWarps);
+  TilePair<kD, 32 * kWarps> tiles;
+  if constexpr (kPrefetchTiles<kD>) tiles.fetch(k, v, b, 0, hk, s.seq, s.kv_heads);
   for (int64_t k0 = 0; k0 < kv_end; k0 += kRows) {
     __syncthreads();
-    load_tile<kD>(ks, k, b, k0, hk, s.seq, s.kv_heads);
-    load_tile<kD>(vs, v, b, k0, hk, s.seq, s.kv_heads);
+    if constexpr (!kPrefetchTiles<kD>) tiles.fetch(k, v, b, k0, hk, s.seq, s.kv_heads);
+    tiles.put(ks, vs);
     __syncthreads();
+    if constexpr (kPrefetchTiles<kD>) {
+      if (k0 + kRows < kv_end) tiles.fetch(k, v, b, k0 + kRows, hk, s.seq, s.kv_heads);
+    }
     if (k0 > qw + 15) continue;
     float sc[8][4], dp[8][4];
 #pragma unroll
@@ -282,9 +319,10 @@ __global__ void __launch_bounds__(kMmaThreads) attention_dq_mma_kernel(Attention
   store_rows<kD>(dq, acc, scale, scale, b, qw, h, s.seq, s.q_heads);
 }
 
-// grid (ceil(S/64), Hkv, B): dK and dV for 64 keys, summed over the group's query heads.
-template <int kD>
-__global__ void __launch_bounds__(kMmaThreads) attention_dkdv_mma_kernel(AttentionShape s, const bf16* q,
+// grid (ceil(S/(16*kWarps)), Hkv, B): dK and dV for 16*kWarps keys, summed over the
+// group's query heads.
+template <int kD, int kWarps>
+__global__ void __launch_bounds__(32 * kWarps) attention_dkdv_mma_kernel(AttentionShape s, const bf16* q,
                                                                          const bf16* k, const bf16* v,
                                                                          const float* lse, const bf16* dout,
                                                                          const float* dsum, float scale, bf16* dk,
@@ -296,7 +334,7 @@ __global__ void __launch_bounds__(kMmaThreads) attention_dkdv_mma_kernel(Attenti
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t b = blockIdx.z, hk = blockIdx.y, group = s.q_heads / s.kv_heads;
   const int64_t tile = gridDim.x - 1 - blockIdx.x;
-  const int64_t k_blk = tile * kRows, kw = k_blk + warp * 16;  // this warp's first key
+  const int64_t k_blk = tile * 16 * kWarps, kw = k_blk + warp * 16;  // this warp's first key
   const float scale_log2 = scale * kLog2eF;
   uint32_t kf[kD / 16][4], vf[kD / 16][4];
   load_a_frags<kD>(kf, k, b, kw, hk, s.seq, s.kv_heads);
@@ -307,13 +345,23 @@ __global__ void __launch_bounds__(kMmaThreads) attention_dkdv_mma_kernel(Attenti
 #pragma unroll
     for (int r = 0; r < 4; ++r) dka[n][r] = dva[n][r] = 0.0f;
   }
+  TilePair<kD, 32 * kWarps> tiles;
+  if constexpr (kPrefetchTiles<kD>) tiles.fetch(q, dout, b, k_blk, hk * group, s.seq, s.q_heads);
   for (int64_t gi = 0; gi < group; ++gi) {
     const int64_t h = hk * group + gi;
     for (int64_t q0 = k_blk; q0 < s.seq; q0 += kRows) {
       __syncthreads();
-      load_tile<kD>(qs, q, b, q0, h, s.seq, s.q_heads);
-      load_tile<kD>(dos, dout, b, q0, h, s.seq, s.q_heads);
-      for (int i = threadIdx.x; i < kRows; i += kMmaThreads) {
+      if constexpr (!kPrefetchTiles<kD>) tiles.fetch(q, dout, b, q0, h, s.seq, s.q_heads);
+      tiles.put(qs, dos);
+      if constexpr (kPrefetchTiles<kD>) {
+        // The next (head, query tile) of this block's walk, fetched while this one computes.
+        if (q0 + kRows < s.seq) {
+          tiles.fetch(q, dout, b, q0 + kRows, h, s.seq, s.q_heads);
+        } else if (gi + 1 < group) {
+          tiles.fetch(q, dout, b, k_blk, h + 1, s.seq, s.q_heads);
+        }
+      }
+      for (int i = threadIdx.x; i < kRows; i += blockDim.x) {
         const int64_t row = q0 + i;
         const int64_t idx = (b * s.q_heads + h) * s.seq + (row < s.seq ? row : 0);
         lse2s[i] = lse[idx] * kLog2eF;
@@ -349,9 +397,22 @@ __global__ void __launch_bounds__(kMmaThreads) attention_dkdv_mma_kernel(Attenti
   store_rows<kD>(dv, dva, 1.0f, 1.0f, b, kw, hk, s.seq, s.kv_heads);
 }
 
-dim3 mma_grid(const AttentionShape& s, int64_t heads) {
-  return dim3(static_cast<unsigned>(ceil_div(s.seq, kRows)), static_cast<unsigned>(heads),
+dim3 mma_grid(const AttentionShape& s, int64_t heads, int warps) {
+  return dim3(static_cast<unsigned>(ceil_div(s.seq, 16 * warps)), static_cast<unsigned>(heads),
               static_cast<unsigned>(s.batch));
+}
+
+// Rows (queries of the forward and dQ, keys of dK/dV) per block: 16 per warp, 4 or 8 warps.
+// 8 warps read each streamed 64-row tile once for twice the rows, but at 192-252 registers
+// a thread they fit one block (8 warps) per SM where 4-warp blocks fit two or three: on an
+// H200 4 warps measured faster (kAttentionDefaultWarps).
+template <typename F>
+void dispatch_warps(int warps, F&& f) {
+  if (warps == 4) {
+    f(std::integral_constant<int, 4>{});
+  } else {
+    f(std::integral_constant<int, 8>{});
+  }
 }
 
 template <typename F>
@@ -374,30 +435,38 @@ bool attention_mma_supported(const AttentionShape& s, DType t, std::initializer_
 }
 
 void launch_attention_forward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
-                                  const void* v, float scale, void* out, float* lse) {
+                                  const void* v, float scale, void* out, float* lse, int block_warps) {
+  const int warps = block_warps == 0 ? kAttentionDefaultWarps : block_warps;
+  TROUPE_CHECK(warps == 4 || warps == 8, "attention: block_warps must be 4 or 8, got {}", warps);
   dispatch_mma_head_dim(s.head_dim, [&](auto d) {
-    attention_forward_mma_kernel<d()><<<mma_grid(s, s.q_heads), kMmaThreads, 0, env.stream>>>(
-        s, static_cast<const bf16*>(q), static_cast<const bf16*>(k), static_cast<const bf16*>(v), scale * kLog2eF,
-        static_cast<bf16*>(out), lse);
+    dispatch_warps(warps, [&](auto w) {
+      attention_forward_mma_kernel<d(), w()><<<mma_grid(s, s.q_heads, w()), 32 * w(), 0, env.stream>>>(
+          s, static_cast<const bf16*>(q), static_cast<const bf16*>(k), static_cast<const bf16*>(v),
+          scale * kLog2eF, static_cast<bf16*>(out), lse);
+    });
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
 void launch_attention_backward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                    const void* v, const void* out, const float* lse, const void* dout, float scale,
-                                   void* dq, void* dk, void* dv, void* scratch) {
+                                   void* dq, void* dk, void* dv, void* scratch, int block_warps) {
+  const int warps = block_warps == 0 ? kAttentionDefaultWarps : block_warps;
+  TROUPE_CHECK(warps == 4 || warps == 8, "attention: block_warps must be 4 or 8, got {}", warps);
   float* dsum = static_cast<float*>(scratch);
   launch_attention_rowdot(env, s, out, dout, dsum, DType::kBF16);
   dispatch_mma_head_dim(s.head_dim, [&](auto d) {
-    const auto* qp = static_cast<const bf16*>(q);
-    const auto* kp = static_cast<const bf16*>(k);
-    const auto* vp = static_cast<const bf16*>(v);
-    const auto* dop = static_cast<const bf16*>(dout);
-    attention_dkdv_mma_kernel<d()><<<mma_grid(s, s.kv_heads), kMmaThreads, 0, env.stream>>>(
-        s, qp, kp, vp, lse, dop, dsum, scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv));
-    TROUPE_CUDA_LAUNCH_CHECK();
-    attention_dq_mma_kernel<d()><<<mma_grid(s, s.q_heads), kMmaThreads, 0, env.stream>>>(
-        s, qp, kp, vp, lse, dop, dsum, scale, static_cast<bf16*>(dq));
+    dispatch_warps(warps, [&](auto w) {
+      const auto* qp = static_cast<const bf16*>(q);
+      const auto* kp = static_cast<const bf16*>(k);
+      const auto* vp = static_cast<const bf16*>(v);
+      const auto* dop = static_cast<const bf16*>(dout);
+      attention_dkdv_mma_kernel<d(), w()><<<mma_grid(s, s.kv_heads, w()), 32 * w(), 0, env.stream>>>(
+          s, qp, kp, vp, lse, dop, dsum, scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv));
+      TROUPE_CUDA_LAUNCH_CHECK();
+      attention_dq_mma_kernel<d(), w()><<<mma_grid(s, s.q_heads, w()), 32 * w(), 0, env.stream>>>(
+          s, qp, kp, vp, lse, dop, dsum, scale, static_cast<bf16*>(dq));
+    });
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }

@@ -6,6 +6,9 @@
 // (This file is C++20 because it uses core/tensor.h; the kernels themselves are in the
 // .cu files, compiled as CUDA C++17.)
 #include <cmath>
+#include <span>
+#include <utility>
+#include <vector>
 
 #include "core/cuda/stream.h"
 #include "core/gpu_check.h"
@@ -488,6 +491,66 @@ void cuda_adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& 
   gpu::launch_adamw(s.env, f32_mut(param), grad.data_ptr(), grad.dtype(), f32_mut(m), f32_mut(v), param.numel(), args);
 }
 
+gpu::AdamWArgs adamw_args(const AdamWConfig& cfg) {
+  gpu::AdamWArgs args{};
+  args.lr = cfg.lr;
+  args.beta1 = cfg.beta1;
+  args.beta2 = cfg.beta2;
+  args.eps = cfg.eps;
+  args.weight_decay = cfg.weight_decay;
+  args.grad_scale = cfg.grad_scale;
+  args.bias_correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(cfg.beta1), cfg.step));
+  args.bias_correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(cfg.beta2), cfg.step));
+  return args;
+}
+
+void cuda_adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, const AdamWConfig& cfg) {
+  const char* op = "adamw_step_multi";
+  OpScope s(ex, op);
+  TROUPE_CHECK(cfg.step >= 1, "adamw_step_multi: step must be >= 1, got {}", cfg.step);
+  const size_t n = tensors.size();
+  std::vector<float*> param(n), m(n), v(n);
+  std::vector<const void*> grad(n);
+  std::vector<DType> grad_type(n);
+  std::vector<int64_t> numel(n);
+  std::vector<float> wd(n);
+  for (size_t i = 0; i < n; ++i) {
+    const AdamWTensor& t = tensors[i];
+    for (auto [x, name] : {std::pair{t.param, "param"}, {t.m, "m"}, {t.v, "v"}}) {
+      require(*x, op, name);
+      require_dtype(*x, DType::kF32, op, name);
+    }
+    require(*t.grad, op, "grad");
+    param[i] = f32_mut(*t.param);
+    m[i] = f32_mut(*t.m);
+    v[i] = f32_mut(*t.v);
+    grad[i] = t.grad->data_ptr();
+    grad_type[i] = t.grad->dtype();
+    numel[i] = t.param->numel();
+    wd[i] = t.weight_decay;
+  }
+  gpu::launch_adamw_multi(s.env, static_cast<int>(n), param.data(), grad.data(), grad_type.data(), m.data(),
+                          v.data(), numel.data(), wd.data(), adamw_args(cfg));
+}
+
+double cuda_sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors) {
+  const char* op = "sum_squares_multi";
+  OpScope s(ex, op);
+  const size_t n = tensors.size();
+  std::vector<const void*> x(n);
+  std::vector<DType> types(n);
+  std::vector<int64_t> numel(n);
+  for (size_t i = 0; i < n; ++i) {
+    require(*tensors[i], op, "x");
+    x[i] = tensors[i]->data_ptr();
+    types[i] = tensors[i]->dtype();
+    numel[i] = tensors[i]->numel();
+  }
+  Scratch partials(s.ctx, gpu::multi_reduce_scratch_bytes());
+  return gpu::launch_sum_squares_multi(s.env, static_cast<int>(n), x.data(), types.data(), numel.data(),
+                                       partials.get());
+}
+
 // ---- quantization --------------------------------------------------------------------
 void cuda_quantize_fp8(const Exec& ex, const Tensor& x, int64_t block_size, Tensor& q, Tensor& scales) {
   const char* op = "quantize_fp8";
@@ -548,6 +611,8 @@ const Backend kCudaBackend = {
     .adamw_step = cuda_adamw_step,
     .quantize_fp8 = cuda_quantize_fp8,
     .dequantize_fp8 = cuda_dequantize_fp8,
+    .adamw_step_multi = cuda_adamw_step_multi,
+    .sum_squares_multi = cuda_sum_squares_multi,
 };
 
 }  // namespace

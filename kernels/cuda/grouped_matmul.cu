@@ -8,8 +8,16 @@
 // - row segments (forward, dx): C[rows of e, :] = A[rows of e, :] @ B_e, blocks of the
 //   second grid axis are mapped to (expert, row tile) by scanning the offsets;
 // - k segments (dW): C_e = A_e^T @ B_e summed over the rows of expert e (grid axis z = e).
+// On a Hopper GPU (sm_90a build) the default is a wgmma kernel instead (see "Hopper kernel"
+// below): 128 x 256 tiles, a persistent grid, operands in 128-byte-swizzled shared memory,
+// loaded by TMA from a producer warpgroup (forward, dx) or by cp.async (dW).
 // f32 operands (and shapes the tensor-core path cannot take: dims not multiples of 8,
 // misaligned pointers) use a plain one-thread-per-output kernel with fp32 accumulation.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <atomic>
 #include <initializer_list>
 #include <type_traits>
 
@@ -247,6 +255,351 @@ __global__ void __launch_bounds__(64 * kWN) grouped_gemm_mma_kernel(GemmArgs arg
   }
 }
 
+// ---- Hopper (sm_90a) kernel: wgmma from swizzled shared memory ------------------------
+// 128 x kBN output tiles (kBN 128 or 256), 64-deep k steps, two consumer warpgroups of
+// 64 x kBN each. Operand tiles are filled by cp.async (16-byte chunks, zero-filled outside
+// the problem, which is what masks segment ends) into the 128-byte-swizzled layout that
+// wgmma reads through shared-memory descriptors: a K-major operand is stored as rows of 64
+// k-elements (128 bytes); an MN-major one (A of dW, B of the forward) as atoms of 64 k-rows
+// x 64 MN-elements. The grid is persistent: block b computes tiles b, b + grid, ... and
+// the loads run kStages - 2 k-steps ahead across tile boundaries, so the next tile's first
+// loads overlap the current tile's epilogue. One wgmma group stays in flight: the buffer a
+// step refills was last read two steps earlier, which every warpgroup has waited for
+// before the barrier that precedes the refill.
+constexpr int kWgBM = 128, kWgBK = 64, kWgThreads = 256;
+constexpr int kAtomBytes = 64 * 128;  // one swizzle atom of an MN-major tile: 64 rows x 128 B
+
+template <int kBN, int kStages>
+constexpr size_t wgmma_smem_bytes() {
+  return size_t{kStages} * (kWgBM * kWgBK + kWgBK * kBN) * sizeof(bf16) + 1024;  // + alignment slack
+}
+
+bool wgmma_built() {
+#if defined(TROUPE_CUDA_SM90A)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// True when the current device can run the sm_90a kernel (compute capability 9.0 and the
+// library was built with the 90a target). Cached per device.
+bool wgmma_available() {
+  static std::atomic<int> cached[64];  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= 64) return false;
+  if (cached[dev] == 0) {
+    int major = 0, minor = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    cached[dev] = (wgmma_built() && major == 9 && minor == 0) ? 1 : 2;
+  }
+  return cached[dev] == 1;
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TROUPE_WGMMA_DEVICE 1
+#endif
+
+#ifdef TROUPE_WGMMA_DEVICE
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, %67, %68;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+}
+
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, %131, %132;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving accumulator reads/writes across wgmma issue and wait.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Shared-memory matrix descriptor, 128-byte swizzle; offsets in bytes.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (uint64_t{1} << 62);
+}
+#endif
+
+// The tile a persistent block works on, decoded from its index.
+struct WgTile {
+  int64_t e = 0, row0 = 0, m0 = 0, n0 = 0, m_lim = 0, k_lim = 0;
+  int64_t k_steps = 0;  // >= 1: an empty k range still runs one all-zero step (the epilogue writes 0)
+};
+
+template <bool kSegK, int kBN>
+__device__ __forceinline__ bool wg_decode(const GemmArgs& args, int64_t t, int64_t tiles_n, WgTile& tile) {
+  const int64_t nt = t % tiles_n, mt = t / tiles_n;
+  tile.n0 = nt * kBN;
+  if constexpr (kSegK) {
+    const int64_t tiles_m = (args.m + kWgBM - 1) / kWgBM;
+    tile.e = mt / tiles_m;
+    if (tile.e >= args.experts) return false;
+    tile.m0 = (mt % tiles_m) * kWgBM;
+    tile.row0 = args.offsets[tile.e];
+    tile.k_lim = args.offsets[tile.e + 1] - tile.row0;
+    tile.m_lim = args.m;
+  } else {
+    int64_t seen = 0;
+    for (int64_t x = 0; x < args.experts; ++x) {
+      const int64_t lo = args.offsets[x], rows = args.offsets[x + 1] - lo;
+      const int64_t tiles = (rows + kWgBM - 1) / kWgBM;
+      if (mt < seen + tiles) {
+        tile.e = x;
+        tile.row0 = lo;
+        tile.m0 = (mt - seen) * kWgBM;
+        tile.m_lim = rows;
+        tile.k_lim = args.k;
+        tile.k_steps = (args.k + kWgBK - 1) / kWgBK;
+        return true;
+      }
+      seen += tiles;
+    }
+    return false;
+  }
+  tile.k_steps = tile.k_lim > 0 ? (tile.k_lim + kWgBK - 1) / kWgBK : 1;
+  return true;
+}
+
+// Cursor over the (tile, k step) sequence of one persistent block.
+template <bool kSegK, int kBN>
+struct WgCursor {
+  WgTile tile;
+  int64_t t = 0, kt = 0, tiles_n = 0;
+  bool live = false;
+  __device__ __forceinline__ void start(const GemmArgs& args, int64_t tn) {
+    tiles_n = tn;
+    t = blockIdx.x;
+    kt = 0;
+    live = wg_decode<kSegK, kBN>(args, t, tiles_n, tile);
+  }
+  __device__ __forceinline__ void advance(const GemmArgs& args) {
+    if (++kt < tile.k_steps) return;
+    next_tile(args);
+  }
+  __device__ __forceinline__ void next_tile(const GemmArgs& args) {
+    kt = 0;
+    t += gridDim.x;
+    live = wg_decode<kSegK, kBN>(args, t, tiles_n, tile);
+  }
+};
+
+template <bool kSegK, bool kBCol, typename OutT, int kBN, int kStages>
+__global__ void __launch_bounds__(kWgThreads, 1) grouped_gemm_wgmma_kernel(GemmArgs args) {
+#ifdef TROUPE_WGMMA_DEVICE
+  static_assert(kStages >= 3, "one wgmma group in flight needs kStages - 2 >= 1 steps of prefetch");
+  constexpr int kAStage = kWgBM * kWgBK * 2, kBStage = kWgBK * kBN * 2;  // bytes
+  constexpr int kAhead = kStages - 2;
+  constexpr int kAcc = kBN / 2;  // f32 accumulators per thread (64 x kBN per warpgroup)
+  extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
+  const uint32_t raw = smem_addr(wg_smem_raw);
+  const uint32_t pad = ((raw + 1023) & ~1023u) - raw;
+  unsigned char* smem = wg_smem_raw + pad;  // 1024-byte aligned: the swizzle pattern's period
+  const uint32_t smem_s = raw + pad;
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int64_t tiles_n = (args.n + kBN - 1) / kBN;
+
+  // Issues the loads of one k step of `cur` into buffer `buf`.
+  auto issue = [&](const WgCursor<kSegK, kBN>& cur, int buf) {
+    unsigned char* sa = smem + buf * (kAStage + kBStage);
+    unsigned char* sb = sa + kAStage;
+    const WgTile& tl = cur.tile;
+    const int64_t k0 = cur.kt * kWgBK;
+    const bf16* a = args.a + tl.row0 * args.lda;
+    const bf16* b = args.b + (kSegK ? tl.row0 * args.ldb : tl.e * args.b_expert_stride);
+    // A: 128 x 64 = 1024 chunks of 8 elements, 4 per thread.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int v = i * kWgThreads + tid;
+      if constexpr (kSegK) {  // MN-major: A(m, k) = a[k*lda + m]; atoms [64 k][64 m]
+        const int kr = v / 16, mc = v % 16, atom = mc / 8, c = mc % 8;
+        const int64_t gk = k0 + kr, gm = tl.m0 + mc * 8;
+        const bool ok = gk < tl.k_lim && gm < tl.m_lim;
+        cp_async16(sa + atom * kAtomBytes + kr * 128 + ((c ^ (kr & 7)) << 4), ok ? a + gk * args.lda + gm : a, ok);
+      } else {  // K-major: A(m, k) = a[m*lda + k]; rows of 64 k
+        const int r = v / 8, c = v % 8;
+        const int64_t gm = tl.m0 + r, gk = k0 + c * 8;
+        const bool ok = gm < tl.m_lim && gk < tl.k_lim;
+        cp_async16(sa + r * 128 + ((c ^ (r & 7)) << 4), ok ? a + gm * args.lda + gk : a, ok);
+      }
+    }
+    // B: 64 x kBN = 8 * kBN chunks.
+#pragma unroll
+    for (int i = 0; i < kBN * 8 / kWgThreads; ++i) {
+      const int v = i * kWgThreads + tid;
+      if constexpr (kBCol) {  // K-major: B(k, n) = b[n*ldb + k]; rows of 64 k
+        const int r = v / 8, c = v % 8;
+        const int64_t gn = tl.n0 + r, gk = k0 + c * 8;
+        const bool ok = gn < args.n && gk < tl.k_lim;
+        cp_async16(sb + r * 128 + ((c ^ (r & 7)) << 4), ok ? b + gn * args.ldb + gk : b, ok);
+      } else {  // MN-major: B(k, n) = b[k*ldb + n]; atoms [64 k][64 n]
+        constexpr int kRowChunks = kBN / 8;
+        const int kr = v / kRowChunks, nc = v % kRowChunks, atom = nc / 8, c = nc % 8;
+        const int64_t gk = k0 + kr, gn = tl.n0 + nc * 8;
+        const bool ok = gk < tl.k_lim && gn < args.n;
+        cp_async16(sb + atom * kAtomBytes + kr * 128 + ((c ^ (kr & 7)) << 4), ok ? b + gk * args.ldb + gn : b, ok);
+      }
+    }
+  };
+
+  WgCursor<kSegK, kBN> ld, cs;
+  ld.start(args, tiles_n);
+  cs = ld;
+  if (!cs.live) return;
+
+  float acc[kAcc];
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < kAhead; ++s) {
+    if (ld.live) {
+      issue(ld, s);
+      ld.advance(args);
+    }
+    cp_async_commit();
+  }
+  const int warp_in_wg = (tid % 128) / 32, lane = tid % 32;
+  int64_t step = 0;  // k steps consumed by this block so far (over all its tiles)
+  while (cs.live) {
+    for (int64_t kt = 0; kt < cs.tile.k_steps; ++kt, ++step) {
+      cp_async_wait<kAhead - 1>();
+      fence_proxy_async();  // make this thread's cp.async writes visible to the tensor cores
+      __syncthreads();
+      if (ld.live) {
+        issue(ld, static_cast<int>((step + kAhead) % kStages));
+        ld.advance(args);
+      }
+      cp_async_commit();
+
+      const int buf = static_cast<int>(step % kStages);
+      const uint32_t sa = smem_s + buf * (kAStage + kBStage), sb = sa + kAStage;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kWgBK / 16; ++kk) {
+        const uint64_t da = kSegK ? smem_desc(sa + wg * kAtomBytes + kk * 2048, kAtomBytes, 1024)
+                                  : smem_desc(sa + wg * 64 * 128 + kk * 32, 16, 1024);
+        const uint64_t db = kBCol ? smem_desc(sb + kk * 32, 16, 1024) : smem_desc(sb + kk * 2048, kAtomBytes, 1024);
+        // The first k step of a tile overwrites the accumulators (scale-d 0) instead of
+        // zeroing them, which would make the compiler touch registers still in flight.
+        const int scale_d = (kk > 0 || kt > 0) ? 1 : 0;
+        if constexpr (kBN == 256) {
+          wgmma_m64n256k16<kSegK ? 1 : 0, kBCol ? 0 : 1>(acc, da, db, scale_d);
+        } else {
+          wgmma_m64n128k16<kSegK ? 1 : 0, kBCol ? 0 : 1>(acc, da, db, scale_d);
+        }
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_regs(acc);
+    }
+    wgmma_wait<0>();
+    fence_regs(acc);
+    // Epilogue: accumulator j*4 + h*2 + c is row 16*warp + lane/4 + 8h, column 8j + 2*(lane%4) + c.
+    const WgTile& tl = cs.tile;
+    OutT* c = static_cast<OutT*>(args.c) + (kSegK ? tl.e * args.c_expert_stride : tl.row0 * args.ldc);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t gm = tl.m0 + wg * 64 + warp_in_wg * 16 + lane / 4 + 8 * h;
+      if (gm < tl.m_lim) {
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j) {
+          const int64_t gn = tl.n0 + j * 8 + 2 * (lane % 4);
+          if (gn < args.n) {  // n is a multiple of 8: the pair is in or out together
+            float v0 = acc[j * 4 + h * 2], v1 = acc[j * 4 + h * 2 + 1];
+            OutT* p = c + gm * args.ldc + gn;
+            if (args.accumulate) {
+              v0 += to_float(p[0]);
+              v1 += to_float(p[1]);
+            }
+            if constexpr (std::is_same_v<OutT, float>) {
+              *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+            } else {
+              *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);
+            }
+          }
+        }
+      }
+    }
+    cs.next_tile(args);
+  }
+  cp_async_wait<0>();
+#else
+  (void)args;
+  __trap();  // built without sm_90a: the launcher never selects this kernel then
+#endif
+}
+
+template <bool kSegK, bool kBCol, typename OutT, int kBN, int kStages>
+void launch_gemm_wgmma(const Env& env, int64_t tiles_bound, const GemmArgs& args) {
+  auto kernel = grouped_gemm_wgmma_kernel<kSegK, kBCol, OutT, kBN, kStages>;
+  constexpr size_t smem = wgmma_smem_bytes<kBN, kStages>();
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(tiles_bound, env.num_sms));
+  kernel<<<static_cast<unsigned>(grid), kWgThreads, smem, env.stream>>>(args);
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
 template <bool kSegK, bool kBCol, typename OutT, int kWN, int kBK, int kStages>
 void launch_gemm_tiled(const Env& env, dim3 grid, const GemmArgs& args) {
   auto kernel = grouped_gemm_mma_kernel<kSegK, kBCol, OutT, kWN, kBK, kStages>;
@@ -256,12 +609,278 @@ void launch_gemm_tiled(const Env& env, dim3 grid, const GemmArgs& args) {
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
+// ---- Hopper kernel, TMA + warp-specialised variant -----------------------------------
+// Same tiles and smem layouts as above (128 x 256, 64-deep k steps, 128-byte swizzle), but
+// the operands arrive by the tensor-memory accelerator: warpgroup 0 is the producer (one
+// thread issues the bulk tensor copies of each stage, completing on that stage's "full"
+// mbarrier), warpgroups 1 and 2 are the consumers (64 x 256 each) that release a stage on
+// its "empty" mbarrier once their wgmma reading it has completed. The producer runs up to
+// kTmaStages steps ahead across tile boundaries, so the consumers' epilogue overlaps the
+// next tile's loads. Rows past a segment's end come from the next expert (the tensor maps
+// see the whole [T, .] tensor): harmless for row segments (those output rows are not
+// stored); for k segments (dW) the consumers zero those k-rows of their A atom before the
+// wgmma. Past the tensor's end TMA fills zeros.
+constexpr int kTmaStages = 4, kTmaBN = 256, kTmaThreads = 384;
+constexpr int kTmaStageBytes = kWgBM * kWgBK * 2 + kWgBK * kTmaBN * 2;
+constexpr size_t kTmaSmemBytes = size_t{kTmaStages} * kTmaStageBytes + 1024 + 2 * kTmaStages * sizeof(uint64_t);
+
+#ifdef TROUPE_WGMMA_DEVICE
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+      "[%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+#endif
+
 template <bool kSegK, bool kBCol, typename OutT>
-void launch_gemm(const Env& env, dim3 grid, const GemmArgs& args, GemmTiling tiling) {
-  switch (tiling) {
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                            GemmArgs args) {
+#ifdef TROUPE_WGMMA_DEVICE
+  constexpr int kAStage = kWgBM * kWgBK * 2;
+  extern __shared__ __align__(1024) unsigned char tma_smem_raw[];
+  const uint32_t raw = smem_addr(tma_smem_raw);
+  const uint32_t smem_s = (raw + 1023) & ~1023u;
+  unsigned char* smem = tma_smem_raw + (smem_s - raw);
+  const uint32_t full0 = smem_s + kTmaStages * kTmaStageBytes;  // kTmaStages "full" then "empty" barriers
+  const uint32_t empty0 = full0 + kTmaStages * 8;
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int64_t tiles_n = (args.n + kTmaBN - 1) / kTmaBN;
+  if (tid == 0) {
+    for (int s = 0; s < kTmaStages; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 2);  // one arrival per consumer warpgroup
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (tid == 0) {
+      WgCursor<kSegK, kTmaBN> ld;
+      ld.start(args, tiles_n);
+      for (int64_t i = 0; ld.live; ++i) {
+        const int s = static_cast<int>(i % kTmaStages);
+        mbar_wait(empty0 + 8 * s, static_cast<uint32_t>(((i / kTmaStages) & 1) ^ 1));
+        const uint32_t full = full0 + 8 * s, sa = smem_s + s * kTmaStageBytes, sb = sa + kAStage;
+        mbar_expect_tx(full, kTmaStageBytes);
+        const WgTile& tl = ld.tile;
+        const int k0 = static_cast<int>(ld.kt * kWgBK);
+        if constexpr (kSegK) {  // A = l [T, P] (MN-major atoms), B = r [T, Q] (MN-major atoms)
+          const int kr = static_cast<int>(tl.row0) + k0;
+          for (int a = 0; a < 2; ++a) tma_load_3d(sa + a * kAtomBytes, &map_a, full, static_cast<int>(tl.m0) + 64 * a, kr, 0);
+          for (int a = 0; a < kTmaBN / 64; ++a) {
+            tma_load_3d(sb + a * kAtomBytes, &map_b, full, static_cast<int>(tl.n0) + 64 * a, kr, 0);
+          }
+        } else {
+          tma_load_3d(sa, &map_a, full, k0, static_cast<int>(tl.row0 + tl.m0), 0);
+          if constexpr (kBCol) {  // W as [E][N][K]: one box of 256 rows of 64 k
+            tma_load_3d(sb, &map_b, full, k0, static_cast<int>(tl.n0), static_cast<int>(tl.e));
+          } else {  // W as [E][K][N]: atoms of 64 k-rows x 64 n
+            for (int a = 0; a < kTmaBN / 64; ++a) {
+              tma_load_3d(sb + a * kAtomBytes, &map_b, full, static_cast<int>(tl.n0) + 64 * a, k0,
+                          static_cast<int>(tl.e));
+            }
+          }
+        }
+        ld.advance(args);
+      }
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int cw = wg - 1, ctid = tid - 128 * wg, warp_in_wg = ctid / 32, lane = tid % 32;
+    float acc[kTmaBN / 2];
+#pragma unroll
+    for (int i = 0; i < kTmaBN / 2; ++i) acc[i] = 0.0f;
+    WgCursor<kSegK, kTmaBN> cs;
+    cs.start(args, tiles_n);
+    int64_t i = 0;
+    while (cs.live) {
+      for (int64_t kt = 0; kt < cs.tile.k_steps; ++kt, ++i) {
+        const int s = static_cast<int>(i % kTmaStages);
+        mbar_wait(full0 + 8 * s, static_cast<uint32_t>((i / kTmaStages) & 1));
+        const uint32_t sa = smem_s + s * kTmaStageBytes, sb = sa + kAStage;
+        if constexpr (kSegK) {
+          const int64_t valid = cs.tile.k_lim - kt * kWgBK;  // k-rows of this step inside the segment
+          if (valid < kWgBK) {
+            unsigned char* atom = smem + s * kTmaStageBytes + cw * kAtomBytes;
+            const int first = valid > 0 ? static_cast<int>(valid) : 0;
+            for (int c = first * 8 + ctid; c < kWgBK * 8; c += 128) {
+              *reinterpret_cast<uint4*>(atom + c * 16) = make_uint4(0, 0, 0, 0);  // whole 128-byte rows
+            }
+            fence_proxy_async();
+            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+          }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kWgBK / 16; ++kk) {
+          const uint64_t da = kSegK ? smem_desc(sa + cw * kAtomBytes + kk * 2048, kAtomBytes, 1024)
+                                    : smem_desc(sa + cw * 64 * 128 + kk * 32, 16, 1024);
+          const uint64_t db = kBCol ? smem_desc(sb + kk * 32, 16, 1024) : smem_desc(sb + kk * 2048, kAtomBytes, 1024);
+          wgmma_m64n256k16<kSegK ? 1 : 0, kBCol ? 0 : 1>(acc, da, db, (kk > 0 || kt > 0) ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_regs(acc);
+        // The previous step's wgmma (this warpgroup's) has completed: release its stage.
+        if (kt > 0 && ctid == 0) mbar_arrive(empty0 + 8 * static_cast<int>((i - 1) % kTmaStages));
+      }
+      wgmma_wait<0>();
+      fence_regs(acc);
+      if (ctid == 0) mbar_arrive(empty0 + 8 * static_cast<int>((i - 1) % kTmaStages));
+      const WgTile& tl = cs.tile;
+      OutT* c = static_cast<OutT*>(args.c) + (kSegK ? tl.e * args.c_expert_stride : tl.row0 * args.ldc);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t gm = tl.m0 + cw * 64 + warp_in_wg * 16 + lane / 4 + 8 * h;
+        if (gm < tl.m_lim) {
+#pragma unroll
+          for (int j = 0; j < kTmaBN / 8; ++j) {
+            const int64_t gn = tl.n0 + j * 8 + 2 * (lane % 4);
+            if (gn < args.n) {
+              float v0 = acc[j * 4 + h * 2], v1 = acc[j * 4 + h * 2 + 1];
+              OutT* p = c + gm * args.ldc + gn;
+              if (args.accumulate) {
+                v0 += to_float(p[0]);
+                v1 += to_float(p[1]);
+              }
+              if constexpr (std::is_same_v<OutT, float>) {
+                *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+              } else {
+                *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);
+              }
+            }
+          }
+        }
+      }
+      cs.next_tile(args);
+    }
+  }
+#else
+  (void)map_a;
+  (void)map_b;
+  (void)args;
+  __trap();
+#endif
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda link).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+    TROUPE_CHECK(p != nullptr && q == cudaDriverEntryPointSuccess, "cuTensorMapEncodeTiled is not available");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A bf16 tensor [outer][rows][inner] (contiguous) read in boxes of box_inner x box_rows,
+// 128-byte swizzled; reads outside the tensor give zeros.
+CUtensorMap make_tensor_map(const void* base, int64_t inner, int64_t rows, int64_t outer, int box_inner, int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(outer)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(inner) * 2, static_cast<cuuint64_t>(inner * rows) * 2};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims,
+                                          strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TROUPE_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed ({}) for [{}][{}][{}]", static_cast<int>(r), outer,
+               rows, inner);
+  return map;
+}
+
+// The tensor maps of one problem (see GemmArgs): row segments read A = a [T, k] and B_e
+// from b [E][k][n] (or [E][n][k] with kBCol); k segments read a [T, m] and b [T, n].
+template <bool kSegK, bool kBCol, typename OutT>
+void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const GemmArgs& args) {
+  CUtensorMap map_a, map_b;
+  if constexpr (kSegK) {
+    map_a = make_tensor_map(args.a, args.m, tokens, 1, 64, 64);
+    map_b = make_tensor_map(args.b, args.n, tokens, 1, 64, 64);
+  } else {
+    map_a = make_tensor_map(args.a, args.k, tokens, 1, 64, kWgBM);
+    if constexpr (kBCol) {
+      map_b = make_tensor_map(args.b, args.k, args.n, args.experts, 64, kTmaBN);
+    } else {
+      map_b = make_tensor_map(args.b, args.n, args.k, args.experts, 64, 64);
+    }
+  }
+  auto kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kTmaSmemBytes)));
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(tiles_bound, env.num_sms));
+  kernel<<<static_cast<unsigned>(grid), kTmaThreads, kTmaSmemBytes, env.stream>>>(map_a, map_b, args);
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+// The configuration a request runs with: kAuto stays kAuto where the Hopper kernels can run
+// (launch_gemm then picks one per problem); elsewhere it and every Hopper configuration
+// fall back to the mma.sync default.
+GemmTiling resolve_tiling(GemmTiling tiling) {
+  const bool hopper = tiling == GemmTiling::kAuto || tiling == GemmTiling::kWgmma128 ||
+                      tiling == GemmTiling::kWgmma256 || tiling == GemmTiling::kWgmmaTma;
+  if (!hopper) return tiling;
+  if (!wgmma_available()) return GemmTiling::kWarps2x2;
+  return tiling;  // kAuto stays: launch_gemm picks per problem
+}
+
+// rows_bound: ceil(tokens / 128) + experts for row segments (an upper bound of the row
+// tiles, whatever the device offsets say); ceil(m / 128) * experts for k segments.
+template <bool kSegK, bool kBCol, typename OutT>
+void launch_gemm(const Env& env, int64_t rows_bound, int64_t tokens, const GemmArgs& args, GemmTiling tiling) {
+  const dim3 grid(static_cast<unsigned>(ceil_div(args.n, kBN)),
+                  static_cast<unsigned>(kSegK ? ceil_div(args.m, kBM) : rows_bound),
+                  static_cast<unsigned>(kSegK ? args.experts : 1));
+  switch (resolve_tiling(tiling)) {
     case GemmTiling::kWarps2x2: launch_gemm_tiled<kSegK, kBCol, OutT, 2, 32, 4>(env, grid, args); break;
     case GemmTiling::kWarps2x4: launch_gemm_tiled<kSegK, kBCol, OutT, 4, 32, 4>(env, grid, args); break;
     case GemmTiling::kWarps2x2K64: launch_gemm_tiled<kSegK, kBCol, OutT, 2, 64, 3>(env, grid, args); break;
+    case GemmTiling::kWgmma128:
+      launch_gemm_wgmma<kSegK, kBCol, OutT, 128, 6>(env, rows_bound * ceil_div(args.n, 128), args);
+      break;
+    case GemmTiling::kWgmma256:
+      launch_gemm_wgmma<kSegK, kBCol, OutT, 256, 4>(env, rows_bound * ceil_div(args.n, 256), args);
+      break;
+    case GemmTiling::kWgmmaTma:
+      launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
+      break;
+    case GemmTiling::kAuto:
+      // Measured on an H200 (bench_1b shapes, bench/RESULTS.md 2026-11-22): TMA wins the
+      // row-segment problems (0.53 vs 0.75 ms forward), cp.async the dW problems (0.39 vs
+      // 0.50 ms), whose MN-major boxes of 64 token rows TMA fetches less well.
+      if constexpr (kSegK) {
+        launch_gemm_wgmma<kSegK, kBCol, OutT, 256, 4>(env, rows_bound * ceil_div(args.n, 256), args);
+      } else {
+        launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
+      }
+      break;
   }
 }
 
@@ -334,11 +953,11 @@ void run_row_segments(const Env& env, const bf16* a, int64_t ka, const bf16* b, 
   args.ldb = ldb;
   args.ldc = nb;
   args.b_expert_stride = ka * nb;
-  dim3 grid(static_cast<unsigned>(ceil_div(nb, kBN)), static_cast<unsigned>(ceil_div(tokens, kBM) + experts));
+  const int64_t rows_bound = ceil_div(tokens, kBM) + experts;
   if (b_col) {
-    launch_gemm<false, true, bf16>(env, grid, args, tiling);
+    launch_gemm<false, true, bf16>(env, rows_bound, tokens, args, tiling);
   } else {
-    launch_gemm<false, false, bf16>(env, grid, args, tiling);
+    launch_gemm<false, false, bf16>(env, rows_bound, tokens, args, tiling);
   }
 }
 
@@ -384,7 +1003,6 @@ void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, c
 void launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dw,
                               DType dwt, bool accumulate, DType t, GemmTiling tiling) {
-  (void)tokens;  // the segments come from the device offsets
   if (experts == 0 || k == 0 || n == 0) return;
   // dW_e [P,Q] = L_e^T @ R_e: (L, R) = (x, dout) for W [E,K,N], (dout, x) for [E,N,K].
   const void* l = trans_w ? dout : x;
@@ -404,9 +1022,9 @@ void launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, c
     args.ldc = q;
     args.c_expert_stride = p * q;
     args.accumulate = accumulate;
-    dim3 grid(static_cast<unsigned>(ceil_div(q, kBN)), static_cast<unsigned>(ceil_div(p, kBM)),
-              static_cast<unsigned>(experts));
-    TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward (dw)", launch_gemm<true, false, O>(env, grid, args, tiling));
+    const int64_t rows_bound = ceil_div(p, kBM) * experts;
+    TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward (dw)",
+                          launch_gemm<true, false, O>(env, rows_bound, tokens, args, tiling));
     return;
   }
   TROUPE_DISPATCH_FLOAT(t, T, "grouped_matmul_backward", TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward", {

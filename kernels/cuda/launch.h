@@ -49,6 +49,17 @@ struct AdamWArgs {
 };
 void launch_adamw(const Env& env, float* param, const void* grad, DType gt, float* m, float* v, int64_t n,
                   const AdamWArgs& args);
+// Multi-tensor (multi_tensor.cu): one launch per kMultiTensorMax tensors. AdamW over
+// tensors i < count (param, m, v f32; grad f32/bf16 per grad_type; numel[i] elements;
+// weight_decay[i] replaces args.weight_decay). Sum of squares over tensors x (f32/bf16),
+// in double, with partials of multi_reduce_scratch_bytes(); synchronises the stream.
+constexpr int kMultiTensorMax = 256;
+void launch_adamw_multi(const Env& env, int count, float* const* param, const void* const* grad,
+                        const DType* grad_type, float* const* m, float* const* v, const int64_t* numel,
+                        const float* weight_decay, const AdamWArgs& args);
+size_t multi_reduce_scratch_bytes();
+double launch_sum_squares_multi(const Env& env, int count, const void* const* x, const DType* types,
+                                const int64_t* numel, void* partials);
 // x [R,C] f32/bf16 -> q fp8 (e4m3/e5m2), scales f32 [R, nb]; block_size 0 = per row.
 void launch_quantize_fp8(const Env& env, const void* x, DType xt, int64_t rows, int64_t cols, int64_t block_size,
                          void* q, DType qt, float* scales);
@@ -95,33 +106,41 @@ void launch_moe_unpermute_backward(const Env& env, const void* dy, const void* y
                                    void* dgates, DType t);
 
 // ---- grouped matmul (grouped_matmul.cu) ----------------------------------------------
-// Configuration of the bf16 tensor-core kernel (128 x 128 block tile): 2 x 2 warps of
-// 64 x 64 or 2 x 4 warps of 64 x 32 with 32-deep k steps in a 4-stage pipeline, or 2 x 2
-// warps with 64-deep k steps in 3 stages. kernel_bench times each; the bf16 test checks each.
-enum class GemmTiling { kWarps2x2, kWarps2x4, kWarps2x2K64 };
+// Configuration of the bf16 tensor-core kernel. mma.sync (any sm_80+ GPU; 128 x 128 block
+// tile): 2 x 2 warps of 64 x 64 or 2 x 4 warps of 64 x 32 with 32-deep k steps in a
+// 4-stage pipeline, or 2 x 2 warps with 64-deep k steps in 3 stages. wgmma (sm_90a build on
+// a compute-capability-9.0 GPU; elsewhere these fall back to kWarps2x2): 128 x 128 or
+// 128 x 256 tiles, persistent grid, operands by cp.async; kWgmmaTma: 128 x 256 tiles with
+// operands by TMA and a producer warpgroup. kAuto where these can run: kWgmmaTma for the
+// forward and dx, kWgmma256 for dW (faster there); elsewhere kWarps2x2.
+// kernel_bench times each; the bf16 test checks each.
+enum class GemmTiling { kAuto, kWarps2x2, kWarps2x4, kWarps2x2K64, kWgmma128, kWgmma256, kWgmmaTma };
 // out[T,N] = x[T,K] @ W_e for the rows of expert e (W [E,K,N], or [E,N,K] with trans_w).
 void launch_grouped_matmul(const Env& env, const void* x, const void* w, const int32_t* offsets, int64_t tokens,
                            int64_t experts, int64_t k, int64_t n, bool trans_w, void* out, DType t,
-                           GemmTiling tiling = GemmTiling::kWarps2x2);
+                           GemmTiling tiling = GemmTiling::kAuto);
 // dx[T,K] = dout[T,N] @ op(W_e)^T per segment.
 void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dx,
-                              DType t, GemmTiling tiling = GemmTiling::kWarps2x2);
+                              DType t, GemmTiling tiling = GemmTiling::kAuto);
 // dW_e (+)= x_e^T @ dout_e ([K,N]), or dout_e^T @ x_e ([N,K]) with trans_w; dw has dtype dwt.
 void launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dw,
-                              DType dwt, bool accumulate, DType t, GemmTiling tiling = GemmTiling::kWarps2x2);
+                              DType dwt, bool accumulate, DType t, GemmTiling tiling = GemmTiling::kAuto);
 
 // ---- attention (attention.cu) --------------------------------------------------------
 struct AttentionShape {
   int64_t batch, seq, q_heads, kv_heads, head_dim;
 };
+// block_warps (bf16, head dim 64/128 tensor-core path): 4 or 8 warps of 16 rows per block;
+// 0 = kAttentionDefaultWarps. kernel_bench times both; the bf16 test checks both.
+constexpr int kAttentionDefaultWarps = 4;  // H200 bench_1b: 4 warps 0.50 + 1.44 ms, 8 warps 0.56 + 1.47
 void launch_attention_forward(const Env& env, const AttentionShape& s, const void* q, const void* k, const void* v,
-                              float scale, void* out, float* lse, DType t);
+                              float scale, void* out, float* lse, DType t, int block_warps = 0);
 // scratch: attention_backward_scratch_bytes(s) bytes.
 size_t attention_backward_scratch_bytes(const AttentionShape& s);
 void launch_attention_backward(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                const void* v, const void* out, const float* lse, const void* dout, float scale,
-                               void* dq, void* dk, void* dv, DType t, void* scratch);
+                               void* dq, void* dk, void* dv, DType t, void* scratch, int block_warps = 0);
 
 }  // namespace troupe::kernels::gpu

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "core/cuda/caching_allocator.h"
@@ -120,9 +121,17 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
     const Tensor dout0 = host_random({rows, n}, kBF);
     Tensor dx0 = host_poisoned({rows, k}, kBF), dw0 = host_poisoned(w.shape(), kF32);
     grouped_matmul_backward(cpu, x, w, offsets, dout0, &dx0, &dw0, trans, false);
-    const gpu::Env env{gpu.ctx.stream, gpu.ctx.num_sms};
     const auto* off_p = static_cast<const int32_t*>(doff.data_ptr());
-    for (auto tiling : {gpu::GemmTiling::kWarps2x2, gpu::GemmTiling::kWarps2x4, gpu::GemmTiling::kWarps2x2K64}) {
+    // The Hopper configurations also run on 2 "SMs": each persistent block then walks many
+    // tiles, so loads running ahead into the next tile are exercised too.
+    const std::vector<std::pair<gpu::GemmTiling, int>> configs = {
+        {gpu::GemmTiling::kWarps2x2, gpu.ctx.num_sms},   {gpu::GemmTiling::kWarps2x4, gpu.ctx.num_sms},
+        {gpu::GemmTiling::kWarps2x2K64, gpu.ctx.num_sms}, {gpu::GemmTiling::kWgmma128, gpu.ctx.num_sms},
+        {gpu::GemmTiling::kWgmma256, gpu.ctx.num_sms},   {gpu::GemmTiling::kWgmma128, 2},
+        {gpu::GemmTiling::kWgmma256, 2},                 {gpu::GemmTiling::kWgmmaTma, gpu.ctx.num_sms},
+        {gpu::GemmTiling::kWgmmaTma, 2},                 {gpu::GemmTiling::kAuto, 3}};
+    for (const auto& [tiling, sms] : configs) {
+      const gpu::Env env{gpu.ctx.stream, sms};
       Tensor got2 = dev_poisoned({rows, n}, kBF), xd = dev(x), wd = dev(w), dd = dev(dout0);
       Tensor dxg = dev_poisoned({rows, k}, kBF), dwg = dev_poisoned(w.shape(), kF32);
       gpu::launch_grouped_matmul(env, xd.data_ptr(), wd.data_ptr(), off_p, rows, experts, k, n, trans, got2.data_ptr(),
@@ -131,7 +140,7 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
                                     dxg.data_ptr(), kBF, tiling);
       gpu::launch_grouped_matmul_dw(env, xd.data_ptr(), dd.data_ptr(), off_p, rows, experts, k, n, trans,
                                     dwg.data_ptr(), kF32, false, kBF, tiling);
-      const std::string tag = fmt::format("tiling {}{}", static_cast<int>(tiling), trans ? " trans_w" : "");
+      const std::string tag = fmt::format("tiling {} sms {}{}", static_cast<int>(tiling), sms, trans ? " trans_w" : "");
       expect_close(got2, want, kTol, ("grouped_matmul " + tag).c_str());
       expect_close(dxg, dx0, kTol, ("grouped_matmul dx " + tag).c_str());
       expect_close(dwg, dw0, 2e-3, ("grouped_matmul dw " + tag).c_str());
@@ -169,6 +178,25 @@ TEST_F(CudaBf16, Attention) {
     expect_close(gq, gq_w, 2e-2, "attention_backward dq");
     expect_close(gk, gk_w, 2e-2, "attention_backward dk");
     expect_close(gv, gv_w, 2e-2, "attention_backward dv");
+    if (dh != 40) {  // the tensor-core kernels with 8 warps per block too (the default is 4)
+      const gpu::Env env{gpu.ctx.stream, gpu.ctx.num_sms};
+      const gpu::AttentionShape shape{b, s, hq, hkv, dh};
+      Tensor out8 = dev_poisoned({b, s, hq, dh}, kBF), lse8 = dev_poisoned({b, hq, s}, kF32);
+      gpu::launch_attention_forward(env, shape, dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(), scale,
+                                    out8.data_ptr(), static_cast<float*>(lse8.data_ptr()), kBF, 8);
+      expect_close(out8, out_w, kTol, "attention_forward out, 8 warps");
+      expect_close(lse8, lse_w, 1e-4, "attention_forward lse, 8 warps");
+      const int64_t scratch_floats = static_cast<int64_t>(gpu::attention_backward_scratch_bytes(shape) / 4) + 1;
+      Tensor scratch = dev_poisoned({scratch_floats}, kF32);
+      Tensor gq8 = dev_poisoned(q.shape(), kBF), gk8 = dev_poisoned(k.shape(), kBF), gv8 = dev_poisoned(v.shape(), kBF);
+      Tensor lse_d = dev(lse_w), out_d = dev(out_w), dout_d = dev(dout);
+      gpu::launch_attention_backward(env, shape, dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(), out_d.data_ptr(),
+                                     static_cast<const float*>(lse_d.data_ptr()), dout_d.data_ptr(), scale,
+                                     gq8.data_ptr(), gk8.data_ptr(), gv8.data_ptr(), kBF, scratch.data_ptr(), 8);
+      expect_close(gq8, gq_w, 2e-2, "attention_backward dq, 8 warps");
+      expect_close(gk8, gk_w, 2e-2, "attention_backward dk, 8 warps");
+      expect_close(gv8, gv_w, 2e-2, "attention_backward dv, 8 warps");
+    }
   }
 }
 

@@ -168,6 +168,8 @@ const std::vector<std::string>& forward_op_names() {
                                                   "swiglu_forward",
                                                   "cross_entropy_forward",
                                                   "adamw_step",
+                                                  "adamw_step_multi",
+                                                  "sum_squares_multi",
                                                   "quantize_fp8",
                                                   "dequantize_fp8"};
   return kNames;
@@ -221,6 +223,8 @@ bool backend_implements(const Backend& b, const std::string& op) {
       TROUPE_OP_ENTRY(cross_entropy_forward),
       TROUPE_OP_ENTRY(cross_entropy_backward),
       TROUPE_OP_ENTRY(adamw_step),
+      TROUPE_OP_ENTRY(adamw_step_multi),
+      TROUPE_OP_ENTRY(sum_squares_multi),
       TROUPE_OP_ENTRY(quantize_fp8),
       TROUPE_OP_ENTRY(dequantize_fp8),
   };
@@ -1151,6 +1155,104 @@ void add_adamw_cases(std::vector<OpCase>& cases, Rng& rng) {
   }
 }
 
+// Multi-tensor AdamW and sum of squares over a list of tensors: sizes that are and are not
+// multiples of the 4-element vector groups, f32 and bf16 gradients, one weight decay each.
+void add_multi_tensor_cases(std::vector<OpCase>& cases, Rng& rng) {
+  const std::vector<Shape> shapes = {{7, 9}, {16, 8}, {130}, {3}, {4, 33}};
+  const std::vector<DType> grad_types = {DType::kF32, DType::kBF16, DType::kF32, DType::kBF16, DType::kBF16};
+  const std::vector<float> decays = {0.1f, 0.0f, 0.05f, 0.1f, 0.0f};
+  const size_t n = shapes.size();
+  std::vector<HostTensor> grads;
+  for (size_t i = 0; i < n; ++i) {
+    HostTensor g = rng.uniform(shapes[i]);
+    if (grad_types[i] == DType::kBF16)
+      for (double& x : g.v) x = as_bf16(x);
+    grads.push_back(std::move(g));
+  }
+  AdamWConfig cfg;
+  cfg.lr = 0.02f;
+  cfg.beta1 = 0.9f;
+  cfg.beta2 = 0.95f;
+  cfg.eps = 1e-8f;
+  cfg.step = 2;
+  cfg.grad_scale = 0.3f;  // a clip factor
+  {
+    OpCase c;
+    c.name = "adamw_step_multi/5_tensors";
+    c.ops = {"adamw_step_multi"};
+    c.bf16_storage = false;
+    for (size_t i = 0; i < n; ++i) {  // per tensor: param, grad, m, v
+      c.inputs.push_back(rng.uniform(shapes[i]));
+      c.inputs.push_back(grads[i]);
+      c.inputs.push_back(rng.uniform(shapes[i], -0.1, 0.1));
+      c.inputs.push_back(rng.uniform(shapes[i], 0.001, 0.01));
+    }
+    c.forward = [cfg, grad_types, decays, n](TestDevice& dev, const Tensors& in) {
+      std::vector<Tensor> t;
+      for (size_t i = 0; i < n; ++i) {
+        t.push_back(dev.upload(dev.download(in[4 * i]), DType::kF32));
+        t.push_back(dev.upload(dev.download(in[4 * i + 1]), grad_types[i]));
+        t.push_back(dev.upload(dev.download(in[4 * i + 2]), DType::kF32));
+        t.push_back(dev.upload(dev.download(in[4 * i + 3]), DType::kF32));
+      }
+      std::vector<AdamWTensor> list;
+      for (size_t i = 0; i < n; ++i) list.push_back({&t[4 * i], &t[4 * i + 1], &t[4 * i + 2], &t[4 * i + 3], decays[i]});
+      adamw_step_multi(dev.exec(), list, cfg);
+      HostTensors out;
+      for (size_t i = 0; i < n; ++i) {
+        out.push_back(dev.download(t[4 * i]));
+        out.push_back(dev.download(t[4 * i + 2]));
+        out.push_back(dev.download(t[4 * i + 3]));
+      }
+      return out;
+    };
+    c.reference = [cfg, decays, n](const HostTensors& in) {
+      HostTensors out;
+      const double b1 = cfg.beta1, b2 = cfg.beta2, step = static_cast<double>(cfg.step);
+      for (size_t t = 0; t < n; ++t) {
+        HostTensor p = in[4 * t], m = in[4 * t + 2], v = in[4 * t + 3];
+        for (int64_t i = 0; i < p.numel(); ++i) {
+          const double g = in[4 * t + 1][i] * cfg.grad_scale;
+          m[i] = b1 * m[i] + (1 - b1) * g;
+          v[i] = b2 * v[i] + (1 - b2) * g * g;
+          const double mhat = m[i] / (1 - std::pow(b1, step)), vhat = v[i] / (1 - std::pow(b2, step));
+          p[i] = p[i] - cfg.lr * decays[t] * p[i] - cfg.lr * mhat / (std::sqrt(vhat) + cfg.eps);
+        }
+        out.push_back(p);
+        out.push_back(m);
+        out.push_back(v);
+      }
+      return out;
+    };
+    c.atol = 1e-6;
+    c.rtol = 1e-5;
+    cases.push_back(std::move(c));
+  }
+  {
+    OpCase c;
+    c.name = "sum_squares_multi/5_tensors";
+    c.ops = {"sum_squares_multi"};
+    c.bf16_storage = false;
+    c.inputs = grads;
+    c.forward = [grad_types, n](TestDevice& dev, const Tensors& in) {
+      std::vector<Tensor> t;
+      for (size_t i = 0; i < n; ++i) t.push_back(dev.upload(dev.download(in[i]), grad_types[i]));
+      std::vector<const Tensor*> list;
+      for (const Tensor& x : t) list.push_back(&x);
+      return HostTensors{HostTensor::scalar(sum_squares_multi(dev.exec(), list))};
+    };
+    c.reference = [n](const HostTensors& in) {
+      double s = 0.0;
+      for (size_t t = 0; t < n; ++t)
+        for (double x : in[t].v) s += x * x;
+      return HostTensors{HostTensor::scalar(s)};
+    };
+    c.atol = 1e-6;
+    c.rtol = 1e-6;
+    cases.push_back(std::move(c));
+  }
+}
+
 // ---- fp8 quantization ----------------------------------------------------------------------
 
 void add_quant_cases(std::vector<OpCase>& cases, Rng& rng) {
@@ -1259,6 +1361,7 @@ std::vector<OpCase> all_op_cases(uint64_t seed) {
   add_swiglu_cases(cases, rng);
   add_cross_entropy_cases(cases, rng);
   add_adamw_cases(cases, rng);
+  add_multi_tensor_cases(cases, rng);
   add_quant_cases(cases, rng);
   return cases;
 }
