@@ -22,9 +22,10 @@ AdamW::AdamW(std::vector<NamedParameter> params, const AdamWOptions& opts, const
 }
 
 double AdamW::grad_norm_squared(const Ctx& c) const {
-  double s = 0;
-  for (const auto& p : params_) s += kernels::sum_squares(c.ex, p.param->grad);
-  return s;
+  std::vector<const Tensor*> grads;
+  grads.reserve(params_.size());
+  for (const auto& p : params_) grads.push_back(&p.param->grad);
+  return kernels::sum_squares_multi(c.ex, grads);
 }
 
 double clip_factor(double norm, double max_norm) {
@@ -41,11 +42,14 @@ void AdamW::step(const Ctx& c, double lr, double grad_norm) {
   cfg.eps = static_cast<float>(opts_.eps);
   cfg.step = step_;
   cfg.grad_scale = static_cast<float>(clip_factor(grad_norm, opts_.grad_clip));
+  // One multi-tensor step (one launch per 256 tensors on CUDA instead of one per tensor).
+  std::vector<kernels::AdamWTensor> list;
+  list.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     Parameter& p = *params_[i].param;
-    cfg.weight_decay = p.decay ? static_cast<float>(opts_.weight_decay) : 0.0f;
-    kernels::adamw_step(c.ex, p.value, p.grad, m_[i], v_[i], cfg);
+    list.push_back({&p.value, &p.grad, &m_[i], &v_[i], p.decay ? static_cast<float>(opts_.weight_decay) : 0.0f});
   }
+  kernels::adamw_step_multi(c.ex, list, cfg);
 }
 
 std::vector<NamedBuffer> AdamW::state() {
