@@ -72,13 +72,14 @@ Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns
   comm::CommSpec base;
   base.store = &store;
   base.ns = ns;
-  const comm::CommFactory factory = [](const comm::CommSpec& spec) { return comm::make_gloo_communicator(spec); };
+  const comm::CommFactory factory =
+      elastic_factory([](const comm::CommSpec& spec) { return comm::make_gloo_communicator(spec); });
   TROUPE_ASSIGN_OR_RETURN(groups_, comm::make_process_groups(layout, rank_, base, factory));
   comm::CommSpec ws = base;
   ws.name = "world";
   ws.rank = rank_;
   ws.size = layout.world_size();
-  TROUPE_ASSIGN_OR_RETURN(world_, comm::make_gloo_communicator(ws));
+  TROUPE_ASSIGN_OR_RETURN(world_, factory(ws));
   first_ = coord_.pp == 0;
   last_ = coord_.pp == layout.pp() - 1;
   if (tc_.model.tie_embeddings && layout.pp() > 1 && (first_ || last_)) {
@@ -86,7 +87,7 @@ Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns
     ts.name = fmt::format("tied_dp{}_n{}", coord_.dp, coord_.n);
     ts.rank = first_ ? 0 : 1;
     ts.size = 2;
-    TROUPE_ASSIGN_OR_RETURN(tied_, comm::make_gloo_communicator(ts));
+    TROUPE_ASSIGN_OR_RETURN(tied_, factory(ts));
   }
   if (par.compression && layout.dp() > 1) {
     bf16_rs_ = std::make_unique<comm::Bf16ReduceScatter>(*groups_.dp, comm::Bf16ReduceScatter::Options{});

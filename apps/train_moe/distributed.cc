@@ -25,6 +25,7 @@
 #include "actors/training/actor_control.h"
 #include "actors/training/trainer.h"
 #include "apps/train_moe/commands.h"
+#include "apps/train_moe/elastic_launch.h"
 #include "comm/rendezvous_store.h"
 #include "layers/token_data.h"
 #include "layers/tokenizer.h"
@@ -278,6 +279,10 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir) {
   comm::StoreNamespace ns;
   ns.epoch = static_cast<uint64_t>(epoch);
   if (role == "worker") {
+    if (elastic_enabled()) {  // apps/train_moe/elastic_launch.h
+      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> estore, open_store(run_dir));
+      return run_elastic_worker_process(tc, *estore);
+    }
     const char* job = env("TROUPE_JOB_ID");
     if (job == nullptr || *job == '\0') return invalid_argument("worker: TROUPE_JOB_ID is not set");
     ns.job = job;
@@ -300,6 +305,10 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir) {
   {
     std::ofstream ov(run_dir + "/overrides.txt");
     for (const auto& s : o.overrides) ov << s << "\n";
+  }
+  if (elastic_enabled()) {  // apps/train_moe/elastic_launch.h
+    if (!role.empty()) return unimplemented("TROUPE_ELASTIC=1 runs under the standalone launcher only (not troupe run)");
+    return run_elastic_launcher(o, run_dir, tc);
   }
   std::ofstream metrics(run_dir + "/metrics.jsonl", std::ios::trunc);
   if (!metrics) return io_error("cannot write {}/metrics.jsonl", run_dir);

@@ -1,0 +1,75 @@
+// actors/training/elastic.h — defines the elastic protocol between the driver of a
+// distributed training job and its workers (docs/elastic.md), and the worker's side of it.
+//
+// Keys, all under "<job>/elastic/" in the job's rendezvous store (not epoch-namespaced:
+// they span epochs):
+//   plan/<e>            ElasticPlan of membership epoch e (written by the driver; e = 0 too)
+//   cmd/<seq>           a command {seq, kind, step}; seqs continue across epochs
+//   reply/<seq>/<rank>  every rank's reply (rank 0's carries the step metrics)
+//   err/<e>/<slot>      a worker's data-plane failure in epoch e {ts_ms, what}
+//   ready/<e>/<slot>    the worker joined epoch e (communicators built, state restored)
+//   hb/<slot>           heartbeat counter (rewritten every kHeartbeatInterval)
+//   fault/<slot>        fault injection: wall time (ms) just before the injected fault
+// A slot names one worker process for its whole life; its rank may change when the job
+// is rescaled. A replacement is a new slot.
+//
+// Worker contract: between commands the worker is idle; when plan/<e+1> appears (its
+// watcher thread polls it) it aborts every communicator, so a step in progress unwinds
+// (CommFailure), rolls back to the committed state after plan.step_done, rebuilds its
+// communicators in epoch e+1 (or re-creates its Stage when dp changes), takes part in the
+// state broadcast from a survivor of its (pp, n) column, writes ready/<e+1>/<slot> and
+// serves commands from plan.seq on. A slot missing from the plan exits 0 (scale-down).
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "comm/rendezvous_store.h"
+#include "core/status.h"
+#include "layers/train_config.h"
+
+namespace troupe::training {
+
+inline constexpr std::chrono::milliseconds kHeartbeatInterval{100};
+
+struct ElasticPlan {
+  uint64_t epoch = 0;
+  int64_t dp = 1, grad_accum = 1;  // the layout's dp and the matching grad_accum
+  std::vector<int> slots;          // slot of each world rank
+  std::vector<bool> has_state;     // per rank: a survivor holding the committed state
+  int64_t step_done = 0;           // the state every rank restores: after this step
+  int64_t seq = 0;                 // first command seq of the epoch
+  std::string reason;
+
+  nlohmann::json to_json() const;
+  static Result<ElasticPlan> from_json(const std::string& text);
+  int rank_of_slot(int slot) const;  // -1: not in the plan
+};
+
+std::string elastic_key(const std::string& job, const std::string& rest);  // "<job>/elastic/<rest>"
+int64_t wall_ms();  // system clock, ms since the epoch (events, fault times)
+
+// Fault injection (tests/elastic): TROUPE_FAULT="<action>@<step>:<phase>:<slot>[,...]" with
+// action kill (SIGKILL), stop (SIGSTOP) or slow (sleeps 150 ms there at that step and
+// every later one: a straggler), phase forward (the first attention all-to-all
+// of the step), alltoall (the first MoE dispatch all-to-all), sync (gradient
+// reduce-scatter) or any (the first data-plane wait of the step). Only processes started
+// in epoch 0 inject (a replacement never repeats its predecessor's fault).
+struct FaultSpec {
+  enum class Action { kKill, kStop, kSlow } action = Action::kKill;
+  int64_t step = 0;
+  std::string phase;
+  int slot = 0;
+};
+Result<std::vector<FaultSpec>> parse_faults(const std::string& spec);
+
+// The worker process: serves the job under the elastic protocol until "stop" (or until
+// the plan leaves it out). `tc` is the job's configuration; the plan overrides dp and
+// grad_accum.
+Status run_elastic_worker(const layers::TrainConfig& tc, comm::RendezvousStore& store, const std::string& job,
+                          int slot, uint64_t epoch);
+
+}  // namespace troupe::training
