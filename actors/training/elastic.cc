@@ -25,7 +25,7 @@ using Clock = std::chrono::steady_clock;
 nlohmann::json ElasticPlan::to_json() const {
   return nlohmann::json{{"epoch", epoch},         {"dp", dp},       {"grad_accum", grad_accum},
                         {"slots", slots},         {"has_state", has_state}, {"step_done", step_done},
-                        {"seq", seq},             {"reason", reason}};
+                        {"seq", seq},             {"reason", reason},       {"checkpoint", checkpoint}};
 }
 
 Result<ElasticPlan> ElasticPlan::from_json(const std::string& text) {
@@ -41,6 +41,7 @@ Result<ElasticPlan> ElasticPlan::from_json(const std::string& text) {
     p.step_done = j.at("step_done").get<int64_t>();
     p.seq = j.at("seq").get<int64_t>();
     p.reason = j.value("reason", "");
+    p.checkpoint = j.value("checkpoint", "");
     if (p.slots.size() != p.has_state.size() || p.dp < 1 || p.grad_accum < 1) {
       return data_loss("elastic: inconsistent plan: {}", text.substr(0, 200));
     }
@@ -89,8 +90,9 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
       return invalid_argument("TROUPE_FAULT: unknown action '{}' (kill, stop or slow)", action);
     }
     f.phase = item.substr(c1 + 1, c2 - c1 - 1);
-    if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "any") {
-      return invalid_argument("TROUPE_FAULT: unknown phase '{}' (forward, alltoall, sync, any)", f.phase);
+    if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
+        f.phase != "any") {
+      return invalid_argument("TROUPE_FAULT: unknown phase '{}' (forward, alltoall, sync, checkpoint, any)", f.phase);
     }
     char* end = nullptr;
     const std::string step_s = item.substr(at + 1, c1 - at - 1), slot_s = item.substr(c2 + 1);
@@ -122,6 +124,7 @@ bool phase_matches(const std::string& phase, std::string_view what) {
   if (phase == "forward") return what.rfind("ulysses seq->head", 0) == 0;
   if (phase == "alltoall") return what.rfind("expert dispatch", 0) == 0;
   if (phase == "sync") return what.rfind("grads", 0) == 0 || what.rfind("bf16 grads", 0) == 0;
+  if (phase == "checkpoint") return what.rfind("checkpoint write", 0) == 0;
   return false;
 }
 
@@ -172,10 +175,38 @@ Result<int> source_dp(const ElasticPlan& plan, const layers::TrainConfig& tc, in
                      plan.epoch, me.pp, me.n);
 }
 
+// The store the Stage's communicators rendezvous through: waits are cut into short slices
+// and give up (kAborted) once `cancel` is set — a worker joining an epoch that failed
+// while it joined (a peer died during the rebuild) must not wait out the init timeout.
+class CancellableStore final : public comm::RendezvousStore {
+ public:
+  CancellableStore(comm::RendezvousStore& base, const std::atomic<bool>& cancel) : base_(base), cancel_(cancel) {}
+  Status set(std::string_view key, std::string_view value) override { return base_.set(key, value); }
+  Result<std::string> get(std::string_view key, comm::Deadline deadline) override {
+    while (true) {
+      if (cancel_.load()) return aborted("rendezvous on '{}' cancelled: a newer membership epoch opened", key);
+      Result<std::string> r = base_.get(key, std::min(deadline, Clock::now() + std::chrono::milliseconds(50)));
+      if (r.ok() || r.status().code() != StatusCode::kDeadlineExceeded || Clock::now() >= deadline) return r;
+    }
+  }
+  Status wait(const std::vector<std::string>& keys, comm::Deadline deadline) override {
+    while (true) {
+      if (cancel_.load()) return aborted("rendezvous cancelled: a newer membership epoch opened");
+      Status st = base_.wait(keys, std::min(deadline, Clock::now() + std::chrono::milliseconds(50)));
+      if (st.ok() || st.code() != StatusCode::kDeadlineExceeded || Clock::now() >= deadline) return st;
+    }
+  }
+  Result<bool> contains(std::string_view key) override { return base_.contains(key); }
+
+ private:
+  comm::RendezvousStore& base_;
+  const std::atomic<bool>& cancel_;
+};
+
 class ElasticWorker {
  public:
   ElasticWorker(const layers::TrainConfig& tc, comm::RendezvousStore& store, std::string job, int slot, uint64_t epoch)
-      : tc_(tc), store_(store), job_(std::move(job)), slot_(slot), epoch_(epoch) {}
+      : tc_(tc), store_(store), job_(std::move(job)), slot_(slot), epoch_(epoch), comm_store_(store, cancel_) {}
   ~ElasticWorker() {
     stop_watcher_ = true;
     if (watcher_.joinable()) watcher_.join();
@@ -188,6 +219,7 @@ class ElasticWorker {
   Result<ElasticPlan> read_plan(uint64_t epoch, std::chrono::milliseconds timeout);
   Result<std::unique_ptr<Stage>> make_stage(const ElasticPlan& plan, int rank);
   Status join(const ElasticPlan& plan);  // adopts `plan` (stage built or rebuilt, state synced)
+  Result<bool> save_checkpoint(int64_t step);  // true when one was written
   void watch();
 
   layers::TrainConfig tc_;
@@ -200,8 +232,15 @@ class ElasticWorker {
   std::unique_ptr<Stage> stage_;
   int rank_ = -1;
   int64_t dp_ = 0;
+  // Elastic checkpoints: every ckpt_every_ steps into ckpt_dir_ (0: off); the writer is
+  // made for the current layout and rank.
+  int64_t ckpt_every_ = 0;
+  std::string ckpt_dir_;
+  std::unique_ptr<checkpoint::CheckpointWriter> writer_;
   std::thread watcher_;
   std::atomic<bool> stop_watcher_{false};
+  std::atomic<bool> cancel_{false};  // set when epoch_+1 opened: in-progress rendezvous give up
+  CancellableStore comm_store_;
 };
 
 Result<ElasticPlan> ElasticWorker::read_plan(uint64_t epoch, std::chrono::milliseconds timeout) {
@@ -216,7 +255,7 @@ Result<std::unique_ptr<Stage>> ElasticWorker::make_stage(const ElasticPlan& plan
   comm::StoreNamespace ns;
   ns.job = job_;
   ns.epoch = plan.epoch;
-  return Stage::create(tc, rank, store_, ns, std::move(train), std::move(val));
+  return Stage::create(tc, rank, comm_store_, ns, std::move(train), std::move(val));
 }
 
 Status ElasticWorker::join(const ElasticPlan& plan) {
@@ -225,6 +264,28 @@ Status ElasticWorker::join(const ElasticPlan& plan) {
   comm::StoreNamespace ns;
   ns.job = job_;
   ns.epoch = plan.epoch;
+  if (!plan.checkpoint.empty()) {
+    // Every rank goes back to the checkpoint (a column lost every replica).
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::CheckpointReader> reader,
+                            checkpoint::CheckpointReader::open(plan.checkpoint));
+    if (reader->step() != plan.step_done) {
+      return failed_precondition("elastic: checkpoint {} is of step {}, the plan says {}", plan.checkpoint,
+                                 reader->step(), plan.step_done);
+    }
+    if (stage_ && plan.dp == dp_ && rank == rank_) {
+      TROUPE_RETURN_IF_ERROR(stage_->rebuild_comms(ns));
+    } else {
+      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
+      std::lock_guard<std::mutex> lock(mu_);
+      stage_ = std::move(s);
+    }
+    TROUPE_RETURN_IF_ERROR(stage_->restore_elastic_checkpoint(*reader));
+    if (rank != rank_ || plan.dp != dp_) writer_.reset();
+    rank_ = rank;
+    dp_ = plan.dp;
+    return store_.set(key(fmt::format("ready/{}/{}", plan.epoch, slot_)),
+                      nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}, {"from", plan.checkpoint}}.dump());
+  }
   if (!stage_) {
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
     std::lock_guard<std::mutex> lock(mu_);
@@ -240,6 +301,7 @@ Status ElasticWorker::join(const ElasticPlan& plan) {
       stage_ = std::move(s);
     }
   }
+  if (rank != rank_ || plan.dp != dp_) writer_.reset();
   rank_ = rank;
   dp_ = plan.dp;
   if (plan.epoch > 0) {
@@ -250,6 +312,23 @@ Status ElasticWorker::join(const ElasticPlan& plan) {
   }
   return store_.set(key(fmt::format("ready/{}/{}", plan.epoch, slot_)),
                     nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}}.dump());
+}
+
+Result<bool> ElasticWorker::save_checkpoint(int64_t step) {
+  if (ckpt_every_ <= 0 || step % ckpt_every_ != 0) return false;
+  if (!writer_) {
+    checkpoint::WriterOptions wo;
+    wo.run_dir = ckpt_dir_;
+    wo.layout = checkpoint::ParallelLayout{static_cast<int>(tc_.parallel.pp), static_cast<int>(dp_),
+                                           static_cast<int>(tc_.parallel.n)};
+    wo.rank = rank_;
+    TROUPE_ASSIGN_OR_RETURN(writer_, checkpoint::CheckpointWriter::create(wo));
+  }
+  TROUPE_ASSIGN_OR_RETURN(checkpoint::SaveHandle h,
+                          writer_->save(step, stage_->elastic_checkpoint_entries(), nlohmann::json{{"step", step}}));
+  fault_point(fmt::format("checkpoint write of step {}", step));
+  TROUPE_RETURN_IF_ERROR(h.wait());
+  return true;
 }
 
 void ElasticWorker::watch() {
@@ -265,6 +344,7 @@ void ElasticWorker::watch() {
     Result<bool> has = store_.contains(key(fmt::format("plan/{}", next)));
     if (has.ok() && has.value() && aborted_for < next) {
       std::lock_guard<std::mutex> lock(mu_);
+      if (epoch_ + 1 == next) cancel_ = true;
       // Only while the main thread has not taken the plan over (it rebuilds the
       // communicators, which must not be aborted).
       if (adopting_ < next && stage_) stage_->abort_comms(fmt::format("membership epoch {} opened", next));
@@ -276,6 +356,14 @@ void ElasticWorker::watch() {
 
 Status ElasticWorker::run() {
   set_throw_on_comm_error(true);
+  if (const char* e = std::getenv("TROUPE_ELASTIC_CKPT_EVERY"); e != nullptr && *e != '\0') {
+    ckpt_every_ = std::strtoll(e, nullptr, 10);
+    const char* d = std::getenv("TROUPE_ELASTIC_CKPT_DIR");
+    if (ckpt_every_ > 0 && (d == nullptr || *d == '\0')) {
+      return invalid_argument("TROUPE_ELASTIC_CKPT_EVERY is set but TROUPE_ELASTIC_CKPT_DIR is not");
+    }
+    if (d != nullptr) ckpt_dir_ = d;
+  }
   TROUPE_ASSIGN_OR_RETURN(ElasticPlan plan, read_plan(epoch_, std::chrono::milliseconds(120000)));
   if (plan.rank_of_slot(slot_) < 0) return invalid_argument("elastic: slot {} is not in the plan of epoch {}", slot_, epoch_);
   adopting_ = epoch_;
@@ -327,6 +415,7 @@ Status ElasticWorker::run() {
         adopting_ = p.epoch;
         if (stage_) stage_->abort_comms("adopting a new epoch");
         epoch_ = p.epoch;
+        cancel_ = false;
       }
       if (p.rank_of_slot(slot_) < 0) {
         fmt::print(stderr, "elastic: slot {} leaves the job in epoch {} ({})\n", slot_, p.epoch, p.reason);
@@ -351,6 +440,8 @@ Status ElasticWorker::run() {
           stage_->replicate_optimizer();
           stage_->commit(cmd.step);
           reply = step_report_json(rep);
+          TROUPE_ASSIGN_OR_RETURN(bool saved, save_checkpoint(cmd.step));
+          if (saved) reply["checkpoint"] = cmd.step;
           break;
         }
         case Command::Kind::kEval: reply = nlohmann::json{{"val_loss", stage_->evaluate()}}; break;

@@ -10,6 +10,9 @@
 //   ready/<e>/<slot>    the worker joined epoch e (communicators built, state restored)
 //   hb/<slot>           heartbeat counter (rewritten every kHeartbeatInterval)
 //   fault/<slot>        fault injection: wall time (ms) just before the injected fault
+// Elastic checkpoints (TROUPE_ELASTIC_CKPT_EVERY=K, into TROUPE_ELASTIC_CKPT_DIR): after
+// every K-th step each rank saves its committed state (Stage::elastic_checkpoint_entries)
+// and its reply says so; the driver finalizes the checkpoint once every rank's did.
 // A slot names one worker process for its whole life; its rank may change when the job
 // is rescaled. A replacement is a new slot.
 //
@@ -43,6 +46,9 @@ struct ElasticPlan {
   int64_t step_done = 0;           // the state every rank restores: after this step
   int64_t seq = 0;                 // first command seq of the epoch
   std::string reason;
+  // Non-empty: every rank restores the state after step_done from this checkpoint
+  // directory instead (a column lost all its dp replicas).
+  std::string checkpoint;
 
   nlohmann::json to_json() const;
   static Result<ElasticPlan> from_json(const std::string& text);
@@ -56,7 +62,8 @@ int64_t wall_ms();  // system clock, ms since the epoch (events, fault times)
 // action kill (SIGKILL), stop (SIGSTOP) or slow (sleeps 150 ms there at that step and
 // every later one: a straggler), phase forward (the first attention all-to-all
 // of the step), alltoall (the first MoE dispatch all-to-all), sync (gradient
-// reduce-scatter) or any (the first data-plane wait of the step). Only processes started
+// reduce-scatter), checkpoint (while the elastic checkpoint of the step is being written
+// in the background) or any (the first data-plane wait of the step). Only processes started
 // in epoch 0 inject (a replacement never repeats its predecessor's fault).
 struct FaultSpec {
   enum class Action { kKill, kStop, kSlow } action = Action::kKill;

@@ -36,6 +36,8 @@
 #include "actors/training/elastic_comm.h"
 #include "actors/training/expert_group.h"
 #include "actors/training/group_ops.h"
+#include "checkpoint/reader.h"
+#include "checkpoint/writer.h"
 #include "comm/compression.h"
 #include "comm/parallel_layout.h"
 #include "layers/model.h"
@@ -98,6 +100,14 @@ class Stage {
   // state to the others of its column; afterwards every rank holds it and commits it as
   // the state after `step_done`.
   void sync_state(int source_dp, int64_t step_done);
+  // The committed state as checkpoint entries ("elastic.pp<P>.n<N>.{value,adam_m,adam_v}"
+  // over the column's flat buffer, each dp rank its ZeRO-1 range; dp rank 0 also the
+  // router biases and the optimizer step count): the last-resort restore when every dp
+  // replica of a column is lost.
+  std::vector<checkpoint::SaveEntry> elastic_checkpoint_entries() const;
+  // Loads this rank's column from such a checkpoint and commits it as the state after the
+  // checkpoint's step (clears what an interrupted step left behind).
+  Status restore_elastic_checkpoint(const checkpoint::CheckpointReader& reader);
 
  private:
   struct BlockRole;
@@ -152,6 +162,8 @@ class Stage {
   std::vector<layers::MoELayer*> stage_moe_layers();
   std::vector<Tensor*> router_biases();
   void moments_to_pieces(const Tensor& full_m, const Tensor& full_v);
+  void clear_interrupted_step();
+  std::string elastic_prefix() const;
   struct Committed {
     int64_t step = -1;
     Tensor value, m, v;

@@ -46,6 +46,8 @@
 
 #include "actors/training/control.h"
 #include "actors/training/elastic.h"
+#include "checkpoint/reader.h"
+#include "checkpoint/writer.h"
 #include "comm/parallel_layout.h"
 
 extern char** environ;
@@ -110,7 +112,9 @@ class ElasticLauncher {
   Status open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots, const std::vector<int>& leaving);
   Status recover(Failure f, int64_t step_done, int64_t failed_step);
   Result<std::vector<nlohmann::json>> wait_replies(int64_t seq, std::optional<Failure>& failure);
-  Result<nlohmann::json> call(training::Command::Kind kind, int64_t step);
+  // nullopt: the job went back to an older step (a checkpoint restore); rewound_to_ says which.
+  Result<std::optional<nlohmann::json>> call(training::Command::Kind kind, int64_t step);
+  Status maybe_finalize_checkpoint(int64_t step);
   Status maybe_rescale(int64_t step_done);
   void track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step, std::optional<Failure>& failure);
   void write_status(int64_t step);
@@ -140,6 +144,12 @@ class ElasticLauncher {
   int straggler_window_ = 5;
   bool straggler_replace_ = false;
   int64_t recoveries_ = 0;
+  std::set<int> stateful_;               // slots holding the committed state (last ready epoch)
+  std::vector<nlohmann::json> last_replies_;
+  std::optional<int64_t> rewound_to_;
+  int64_t max_step_logged_ = 0;
+  int64_t ckpt_every_ = 0;
+  std::string ckpt_dir_;
 };
 
 void ElasticLauncher::event(nlohmann::json e) {
@@ -307,7 +317,7 @@ Result<ElasticPlan> ElasticLauncher::plan_for(int64_t dp, const std::vector<int>
       oc.dp = keep_dp[static_cast<size_t>(c.dp)];
       const int slot = plan_.slots[static_cast<size_t>(old_l.rank_of(oc))];
       p.slots.push_back(slot);
-      p.has_state.push_back(true);
+      p.has_state.push_back(stateful_.count(slot) > 0);
       kept_slots.insert(slot);
     } else {
       p.slots.push_back(next_slot_);
@@ -401,7 +411,7 @@ Status ElasticLauncher::recover(Failure f, int64_t step_done, int64_t failed_ste
         p.seq = seq_;
         p.reason = f.cause;
         for (size_t r = 0; r < p.slots.size(); ++r) {
-          p.has_state[r] = true;
+          p.has_state[r] = stateful_.count(p.slots[r]) > 0;
           if (std::find(f.slots.begin(), f.slots.end(), p.slots[r]) != f.slots.end()) {
             p.slots[r] = next_slot_;
             p.has_state[r] = false;
@@ -430,6 +440,42 @@ Status ElasticLauncher::recover(Failure f, int64_t step_done, int64_t failed_ste
       return plan_for(dp, keep, step_done, f.cause + " (no spare: shrink)", spawn_slots, leaving);
     }();
     if (!plan.ok()) return plan.status();
+    // A (pp, n) column with no survivor holding state: every rank goes back to the last
+    // checkpoint (steps after it are lost and run again).
+    {
+      ElasticPlan& p = plan.value();
+      TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout l,
+                              comm::ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(p.dp),
+                                                         static_cast<int>(tc_.parallel.n)));
+      bool column_lost = false;
+      for (int r = 0; r < l.world_size(); ++r) {
+        const comm::ParallelCoord c = l.coord(r);
+        bool any = false;
+        for (int d = 0; d < l.dp(); ++d) {
+          comm::ParallelCoord o = c;
+          o.dp = d;
+          any |= p.has_state[static_cast<size_t>(l.rank_of(o))];
+        }
+        column_lost |= !any;
+      }
+      if (column_lost) {
+        if (ckpt_dir_.empty()) {
+          return aborted("elastic: every dp replica of a (pp, n) column is lost and no checkpoint is kept "
+                         "(TROUPE_ELASTIC_CKPT_EVERY): {}", f.detail);
+        }
+        Result<std::unique_ptr<checkpoint::CheckpointReader>> rd =
+            checkpoint::CheckpointReader::open_latest_valid(ckpt_dir_, checkpoint::VerifyMode::kChecksums);
+        if (!rd.ok()) {
+          return aborted("elastic: every dp replica of a column is lost and no valid checkpoint exists: {}",
+                         rd.status().to_string());
+        }
+        p.checkpoint = rd.value()->path();
+        p.step_done = rd.value()->step();
+        event({{"event", "restore_from_checkpoint"}, {"path", p.checkpoint}, {"step", p.step_done}});
+        fmt::print("elastic: a column lost every replica; restoring step {} from {}\n", p.step_done, p.checkpoint);
+        std::fflush(stdout);
+      }
+    }
     // Slots leaving because their replica shrank away are stopped by the plan itself; the
     // lost ones are already dead.
     std::vector<int> leaving_alive;
@@ -440,8 +486,10 @@ Status ElasticLauncher::recover(Failure f, int64_t step_done, int64_t failed_ste
     std::optional<Failure> again;
     TROUPE_RETURN_IF_ERROR(wait_ready(plan_, again));
     if (!again) {
+      stateful_ = std::set<int>(plan_.slots.begin(), plan_.slots.end());
       event({{"event", "epoch_ready"}, {"epoch", plan_.epoch}, {"ms_since_detection", wall_ms() - *recovering_since_ms_}});
-      recovering_steps_lost_ = failed_step - 1 - step_done;
+      recovering_steps_lost_ = failed_step - 1 - plan_.step_done;
+      if (plan_.step_done < step_done) rewound_to_ = plan_.step_done;
       if (recovering_steps_lost_ < 0) recovering_steps_lost_ = 0;
       return ok_status();
     }
@@ -488,7 +536,7 @@ Result<std::vector<nlohmann::json>> ElasticLauncher::wait_replies(int64_t seq, s
   return replies;
 }
 
-Result<nlohmann::json> ElasticLauncher::call(training::Command::Kind kind, int64_t step) {
+Result<std::optional<nlohmann::json>> ElasticLauncher::call(training::Command::Kind kind, int64_t step) {
   // The state every rank can restore if this command fails: after the last step all of
   // them completed.
   const int64_t step_done = kind == training::Command::Kind::kStep ? step - 1 : step;
@@ -501,8 +549,10 @@ Result<nlohmann::json> ElasticLauncher::call(training::Command::Kind kind, int64
     if (!failure && kind == training::Command::Kind::kStep) {
       track_stragglers(replies, step, failure);
       if (failure) {  // the step itself completed: replace the straggler from the state after it
+        last_replies_ = replies;
+        TROUPE_RETURN_IF_ERROR(maybe_finalize_checkpoint(step));
         TROUPE_RETURN_IF_ERROR(recover(*failure, step, step + 1));
-        return replies[0];
+        return std::optional<nlohmann::json>(replies[0]);
       }
     }
     if (!failure) {
@@ -516,10 +566,28 @@ Result<nlohmann::json> ElasticLauncher::call(training::Command::Kind kind, int64
         std::fflush(stdout);
         recovering_since_ms_.reset();
       }
-      return replies[0];
+      last_replies_ = replies;
+      if (kind == training::Command::Kind::kStep) TROUPE_RETURN_IF_ERROR(maybe_finalize_checkpoint(step));
+      return std::optional<nlohmann::json>(replies[0]);
     }
     TROUPE_RETURN_IF_ERROR(recover(*failure, step_done, step));
+    if (rewound_to_) return std::optional<nlohmann::json>{};
   }
+}
+
+Status ElasticLauncher::maybe_finalize_checkpoint(int64_t step) {
+  if (ckpt_every_ <= 0 || last_replies_.empty()) return ok_status();
+  for (const auto& r : last_replies_) {
+    if (r.value("checkpoint", int64_t{-1}) != step) return ok_status();
+  }
+  checkpoint::FinalizeOptions fo;
+  fo.world_size = static_cast<int>(last_replies_.size());
+  fo.keep_last = 2;
+  fo.info.data_position = nlohmann::json{{"step", step}};
+  fo.info.metadata = nlohmann::json{{"elastic_epoch", plan_.epoch}, {"dp", plan_.dp}, {"grad_accum", plan_.grad_accum}};
+  TROUPE_ASSIGN_OR_RETURN(checkpoint::FinalizeResult fr, checkpoint::finalize_checkpoint(ckpt_dir_, step, fo));
+  event({{"event", "checkpoint_committed"}, {"step", step}, {"path", fr.path}, {"bytes", fr.bytes}});
+  return ok_status();
 }
 
 void ElasticLauncher::track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step,
@@ -622,6 +690,7 @@ Status ElasticLauncher::maybe_rescale(int64_t step_done) {
   TROUPE_RETURN_IF_ERROR(open_epoch(plan.value(), spawn_slots, leaving));
   std::optional<Failure> failure;
   TROUPE_RETURN_IF_ERROR(wait_ready(plan_, failure));
+  if (!failure) stateful_ = std::set<int>(plan_.slots.begin(), plan_.slots.end());
   if (failure) TROUPE_RETURN_IF_ERROR(recover(*failure, step_done, step_done + 1));
   event({{"event", "scaled"}, {"from_dp", from}, {"to_dp", plan_.dp}, {"grad_accum", plan_.grad_accum},
          {"after_step", step_done}, {"ms", wall_ms() - t0}});
@@ -642,6 +711,13 @@ Status ElasticLauncher::run() {
   const char* pol = std::getenv("TROUPE_STRAGGLER_POLICY");
   straggler_replace_ = pol != nullptr && std::string(pol) == "replace";
   std::error_code ec;
+  ckpt_every_ = env_or("TROUPE_ELASTIC_CKPT_EVERY", 0);
+  if (ckpt_every_ > 0) {
+    ckpt_dir_ = fs::absolute(run_dir_ + "/ckpt").string();
+    // The job starts at step 0: elastic checkpoints of an earlier run here are stale.
+    fs::remove_all(ckpt_dir_, ec);
+    setenv("TROUPE_ELASTIC_CKPT_DIR", ckpt_dir_.c_str(), 1);  // the workers inherit it
+  }
   fs::remove_all(run_dir_ + "/rendezvous", ec);
   fs::remove(run_dir_ + "/scale_request", ec);
   TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> fstore, comm::FileStore::open(run_dir_ + "/rendezvous"));
@@ -671,10 +747,12 @@ Status ElasticLauncher::run() {
     std::optional<Failure> failure;
     TROUPE_RETURN_IF_ERROR(wait_ready(plan_, failure));
     if (failure) return aborted("elastic: a worker failed while the job started: {}", failure->detail);
+    stateful_ = std::set<int>(plan_.slots.begin(), plan_.slots.end());
   }
 
-  TROUPE_ASSIGN_OR_RETURN(nlohmann::json v0, call(training::Command::Kind::kEval, 0));
-  double last_val = v0.value("val_loss", 0.0);
+  TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> v0o, call(training::Command::Kind::kEval, 0));
+  if (!v0o) return aborted("elastic: rewound before the first step");
+  double last_val = v0o->value("val_loss", 0.0);
   const double val0 = last_val;
   fmt::print("step 0 | val_loss {:.4f}\n", val0);
   metrics << nlohmann::json{{"step", 0}, {"val_loss", val0}, {"tokens", 0}}.dump() << "\n";
@@ -683,7 +761,14 @@ Status ElasticLauncher::run() {
   int64_t tokens_seen = 0;
   for (int64_t step = 1; step <= tc_.train.steps; ++step) {
     const auto t0 = Clock::now();
-    TROUPE_ASSIGN_OR_RETURN(nlohmann::json rec, call(training::Command::Kind::kStep, step));
+    TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> reco, call(training::Command::Kind::kStep, step));
+    if (!reco) {  // back to a checkpoint: run the steps after it again
+      fmt::print("elastic: rewound to step {}; steps {}..{} run again\n", *rewound_to_, *rewound_to_ + 1, step);
+      step = *rewound_to_;
+      rewound_to_.reset();
+      continue;
+    }
+    nlohmann::json rec = std::move(*reco);
     const double wall_s = std::chrono::duration<double>(Clock::now() - t0).count();
     const double loss = rec.value("loss", NAN);
     if (!std::isfinite(loss)) return aborted("step {}: the loss is {} (diverged)", step, loss);
@@ -696,10 +781,17 @@ Status ElasticLauncher::run() {
     rec["tokens_per_s"] = static_cast<double>(step_tokens) / wall_s;
     rec["driver_step_ms"] = wall_s * 1e3;
     rec["dp"] = plan_.dp;
+    if (step <= max_step_logged_) rec["replayed"] = true;  // after a checkpoint restore
+    max_step_logged_ = std::max(max_step_logged_, step);
     const bool eval_now = (tc_.train.eval_every > 0 && step % tc_.train.eval_every == 0) || step == tc_.train.steps;
     if (eval_now) {
-      TROUPE_ASSIGN_OR_RETURN(nlohmann::json ev, call(training::Command::Kind::kEval, step));
-      last_val = ev.value("val_loss", NAN);
+      TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> ev, call(training::Command::Kind::kEval, step));
+      if (!ev) {
+        step = *rewound_to_;
+        rewound_to_.reset();
+        continue;
+      }
+      last_val = ev->value("val_loss", NAN);
       rec["val_loss"] = last_val;
     }
     metrics << rec.dump() << "\n";

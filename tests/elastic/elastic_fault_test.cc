@@ -4,7 +4,9 @@
 //   kill -9 during the forward pass (the first Ulysses all-to-all), during the MoE
 //   all-to-all, SIGSTOP (a hang: heartbeat detection, the stopped process is killed and
 //   replaced), two failures in a row, a lost worker with no spare left (the job shrinks to
-//   dp=1), a rescale dp=2 -> dp=1 -> dp=2 asked through <run dir>/scale_request, and a
+//   dp=1), kill -9 while the elastic checkpoint is being written, both dp replicas of a
+//   column killed at once (the whole job goes back to the last checkpoint: the one case
+//   with steps lost), a rescale dp=2 -> dp=1 -> dp=2 asked through <run dir>/scale_request, and a
 //   persistent straggler (150 ms slower every step) flagged from its step timings and
 //   replaced by policy.
 // Faults come from TROUPE_FAULT (actors/training/elastic.h): the worker raises SIGKILL or
@@ -114,10 +116,15 @@ std::vector<nlohmann::json> lines_of(const fs::path& file) {
   return out;
 }
 
+// One record per step: a step run again after a checkpoint restore ("replayed") replaces
+// the earlier record.
 std::vector<nlohmann::json> steps_of(const fs::path& metrics) {
   std::vector<nlohmann::json> out;
   for (auto& j : lines_of(metrics)) {
-    if (j.contains("loss")) out.push_back(j);
+    if (!j.contains("loss")) continue;
+    const int64_t step = j["step"].get<int64_t>();
+    if (static_cast<int64_t>(out.size()) >= step) out.resize(static_cast<size_t>(step - 1));
+    out.push_back(j);
   }
   return out;
 }
@@ -339,6 +346,43 @@ TEST_F(ElasticFault, StragglerIsFlaggedAndReplacedByPolicy) {
               "%.2f s\n",
               static_cast<long long>(flagged[0]["step"].get<int64_t>()), flagged[0]["compute_ms"].get<double>(),
               flagged[0]["peer_median_ms"].get<double>(), rec[0]["recovery_s"].get<double>());
+}
+
+TEST_F(ElasticFault, KillDuringCheckpointWrite) {
+  const RunResult r = run_case("kill-ckpt", "kill@4:checkpoint:2", {"TROUPE_ELASTIC_CKPT_EVERY=2"});
+  expect_clean_finish(r);
+  expect_same_losses("kill-ckpt", r);
+  expect_recoveries("kill-ckpt", r, 1, "exit", 1000);
+  // The interrupted checkpoint was written again and committed; retention keeps the last two.
+  const fs::path ev = *root_ / "kill-ckpt" / "events.jsonl";
+  std::vector<int64_t> committed;
+  for (const auto& e : events_named(ev, "checkpoint_committed")) committed.push_back(e["step"].get<int64_t>());
+  EXPECT_EQ(committed, (std::vector<int64_t>{2, 4, 6, 8})) << r.output;
+  EXPECT_TRUE(fs::exists(*root_ / "kill-ckpt" / "ckpt" / "step_8" / "manifest.json"));
+  EXPECT_FALSE(fs::exists(*root_ / "kill-ckpt" / "ckpt" / "step_4.tmp"));
+}
+
+TEST_F(ElasticFault, LostColumnRestoresFromCheckpoint) {
+  // Slots 1 and 3 are the two dp replicas of column n=1: no peer holds their state.
+  const RunResult r =
+      run_case("lost-column", "kill@6:alltoall:1,kill@6:alltoall:3", {"TROUPE_ELASTIC_CKPT_EVERY=4"});
+  expect_clean_finish(r);
+  expect_same_losses("lost-column", r);
+  const fs::path ev = *root_ / "lost-column" / "events.jsonl";
+  const auto restore = events_named(ev, "restore_from_checkpoint");
+  ASSERT_EQ(restore.size(), 1u) << r.output;
+  EXPECT_EQ(restore[0]["step"], 4);
+  const auto det = events_named(ev, "failure_detected");
+  ASSERT_GE(det.size(), 1u);
+  const auto rec = events_named(ev, "recovered");
+  ASSERT_EQ(rec.size(), 1u) << r.output;
+  EXPECT_EQ(rec[0]["steps_lost"], 1);  // step 5 ran again
+  EXPECT_LE(rec[0]["recovery_s"].get<double>(), 10.0);
+  for (const auto& d : det) EXPECT_LE(d["detection_ms"].get<int64_t>(), 1000);
+  std::printf("[elastic lost-column] %zu detection(s), first %lld ms; restored step 4 from the checkpoint; recovery "
+              "%.2f s; steps lost %lld (no dp peer survived)\n",
+              det.size(), static_cast<long long>(det[0]["detection_ms"].get<int64_t>()), rec[0]["recovery_s"].get<double>(),
+              static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
 }
 
 }  // namespace
