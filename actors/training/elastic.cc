@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -86,8 +87,12 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
       f.action = FaultSpec::Action::kStop;
     } else if (action == "slow") {
       f.action = FaultSpec::Action::kSlow;
+    } else if (action == "cut") {
+      f.action = FaultSpec::Action::kCut;
+    } else if (action == "hang") {
+      f.action = FaultSpec::Action::kHang;
     } else {
-      return invalid_argument("TROUPE_FAULT: unknown action '{}' (kill, stop or slow)", action);
+      return invalid_argument("TROUPE_FAULT: unknown action '{}' (kill, stop, slow, cut or hang)", action);
     }
     f.phase = item.substr(c1 + 1, c2 - c1 - 1);
     if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
@@ -116,6 +121,7 @@ struct FaultState {
   int slot = 0;
   comm::RendezvousStore* store = nullptr;
   std::string job;
+  std::function<void()> cut;  // aborts this worker's communicators
 };
 FaultState* g_faults = nullptr;
 
@@ -145,10 +151,22 @@ void fault_hook(std::string_view what) {
     fs->fired[i] = true;
     (void)fs->store->set(elastic_key(fs->job, fmt::format("fault/{}", fs->slot)),
                          nlohmann::json{{"ts_ms", wall_ms()}, {"what", std::string(what)}, {"step", f.step}}.dump());
-    fmt::print(stderr, "elastic: slot {} injects {} at step {} during '{}'\n", fs->slot,
-               f.action == FaultSpec::Action::kKill ? "SIGKILL" : "SIGSTOP", f.step, what);
+    const char* name = f.action == FaultSpec::Action::kKill   ? "SIGKILL"
+                       : f.action == FaultSpec::Action::kStop ? "SIGSTOP"
+                       : f.action == FaultSpec::Action::kCut  ? "a data-plane cut"
+                                                              : "a hang";
+    fmt::print(stderr, "elastic: slot {} injects {} at step {} during '{}'\n", fs->slot, name, f.step, what);
     std::fflush(stderr);
-    raise(f.action == FaultSpec::Action::kKill ? SIGKILL : SIGSTOP);
+    switch (f.action) {
+      case FaultSpec::Action::kKill: raise(SIGKILL); break;
+      case FaultSpec::Action::kStop: raise(SIGSTOP); break;
+      case FaultSpec::Action::kCut:
+        if (fs->cut) fs->cut();
+        break;
+      case FaultSpec::Action::kHang:
+        while (true) std::this_thread::sleep_for(std::chrono::seconds(1));  // until killed
+      case FaultSpec::Action::kSlow: break;
+    }
   }
 }
 
@@ -213,6 +231,10 @@ class ElasticWorker {
   }
 
   Status run();
+  // Fault injection (step thread): aborts this worker's communicators.
+  void cut_connections() {
+    if (stage_) stage_->abort_comms("fault injection: connections cut");
+  }
 
  private:
   std::string key(const std::string& rest) const { return elastic_key(job_, rest); }
@@ -259,6 +281,8 @@ Result<std::unique_ptr<Stage>> ElasticWorker::make_stage(const ElasticPlan& plan
 }
 
 Status ElasticWorker::join(const ElasticPlan& plan) {
+  // Tells the driver this worker took the plan over (a worker that never does is wedged).
+  TROUPE_RETURN_IF_ERROR(store_.set(key(fmt::format("adopted/{}/{}", plan.epoch, slot_)), std::to_string(wall_ms())));
   const int rank = plan.rank_of_slot(slot_);
   const layers::TrainConfig tc = layout_config(tc_, plan);
   comm::StoreNamespace ns;
@@ -480,6 +504,7 @@ Status run_elastic_worker(const layers::TrainConfig& tc, comm::RendezvousStore& 
     set_fault_hook(&fault_hook);
   }
   ElasticWorker w(tc, store, job, slot, epoch);
+  if (faults) faults->cut = [&w] { w.cut_connections(); };
   Status st = w.run();
   set_fault_hook(nullptr);
   g_faults = nullptr;

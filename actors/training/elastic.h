@@ -7,6 +7,7 @@
 //   cmd/<seq>           a command {seq, kind, step}; seqs continue across epochs
 //   reply/<seq>/<rank>  every rank's reply (rank 0's carries the step metrics)
 //   err/<e>/<slot>      a worker's data-plane failure in epoch e {ts_ms, what}
+//   adopted/<e>/<slot>  the worker took plan e over (it is rebuilding)
 //   ready/<e>/<slot>    the worker joined epoch e (communicators built, state restored)
 //   hb/<slot>           heartbeat counter (rewritten every kHeartbeatInterval)
 //   fault/<slot>        fault injection: wall time (ms) just before the injected fault
@@ -59,14 +60,16 @@ std::string elastic_key(const std::string& job, const std::string& rest);  // "<
 int64_t wall_ms();  // system clock, ms since the epoch (events, fault times)
 
 // Fault injection (tests/elastic): TROUPE_FAULT="<action>@<step>:<phase>:<slot>[,...]" with
-// action kill (SIGKILL), stop (SIGSTOP) or slow (sleeps 150 ms there at that step and
-// every later one: a straggler), phase forward (the first attention all-to-all
+// action kill (SIGKILL), stop (SIGSTOP), slow (sleeps 150 ms there at that step and
+// every later one: a straggler), cut (aborts the worker's own communicators: its data-plane
+// connections close, the process lives on) or hang (the step thread blocks forever while
+// the process keeps its heartbeat: only the step watchdog sees it), phase forward (the first attention all-to-all
 // of the step), alltoall (the first MoE dispatch all-to-all), sync (gradient
 // reduce-scatter), checkpoint (while the elastic checkpoint of the step is being written
 // in the background) or any (the first data-plane wait of the step). Only processes started
 // in epoch 0 inject (a replacement never repeats its predecessor's fault).
 struct FaultSpec {
-  enum class Action { kKill, kStop, kSlow } action = Action::kKill;
+  enum class Action { kKill, kStop, kSlow, kCut, kHang } action = Action::kKill;
   int64_t step = 0;
   std::string phase;
   int slot = 0;

@@ -8,7 +8,9 @@
 // - comm_error: a worker reports a data-plane failure and no process died or went silent
 //   within TROUPE_COMM_ERROR_GRACE_MS (default 300): the world is rebuilt, nobody replaced;
 // - watchdog: a command runs past TROUPE_STEP_WATCHDOG_MS (default 60000) with every
-//   worker alive and beating (a hang inside the data plane): rebuilt likewise.
+//   worker alive and beating (a hang inside the data plane): rebuilt likewise;
+// - join_timeout: a worker does not join the new epoch within TROUPE_ELASTIC_JOIN_TIMEOUT_MS
+//   (default 30000; e.g. its step thread is wedged): killed and replaced (last resort).
 // Recovery: a plan for epoch e+1 (a new slot per lost worker, or fewer dp replicas when no
 // spare is left and TROUPE_ELASTIC_MIN_DP allows), the replacements are started, every
 // worker restores the state after the last step all ranks completed (from a dp peer), and
@@ -132,7 +134,7 @@ class ElasticLauncher {
   int next_slot_ = 0;
   int64_t seq_ = 0;
   int64_t spares_left_ = -1;  // -1: unlimited
-  std::chrono::milliseconds hb_timeout_{2000}, err_grace_{300}, watchdog_{60000};
+  std::chrono::milliseconds hb_timeout_{2000}, err_grace_{300}, watchdog_{60000}, join_timeout_{30000};
   // The recovery in progress: its detection time, reported at the next completed command.
   std::optional<int64_t> recovering_since_ms_;
   std::string recovering_cause_;
@@ -266,7 +268,7 @@ Result<std::optional<Failure>> ElasticLauncher::check_errors(Clock::time_point& 
 }
 
 Status ElasticLauncher::wait_ready(const ElasticPlan& plan, std::optional<Failure>& failure) {
-  const auto deadline = Clock::now() + std::chrono::milliseconds(120000);
+  const auto deadline = Clock::now() + join_timeout_;
   std::set<int> pending(plan.slots.begin(), plan.slots.end());
   Clock::time_point first_err{};
   auto last_hb_check = Clock::now();
@@ -284,7 +286,19 @@ Status ElasticLauncher::wait_ready(const ElasticPlan& plan, std::optional<Failur
       if (failure) return ok_status();
     }
     if (Clock::now() > deadline) {
-      return deadline_exceeded("elastic: {} worker(s) did not join epoch {} within 120 s", pending.size(), plan.epoch);
+      // Wedged workers (e.g. a step thread that never returns): replaced (last resort).
+      // The ones that never took the plan over are the culprits; the others wait on them.
+      std::vector<int> wedged;
+      for (int s : pending) {
+        TROUPE_ASSIGN_OR_RETURN(bool adopted, store_->contains(key(fmt::format("adopted/{}/{}", plan.epoch, s))));
+        if (!adopted) wedged.push_back(s);
+      }
+      if (wedged.empty()) wedged.assign(pending.begin(), pending.end());
+      failure = Failure{"join_timeout", wedged,
+                        fmt::format("{} worker(s) did not join epoch {} within {} ms, {} never took the plan over",
+                                    pending.size(), plan.epoch, join_timeout_.count(), wedged.size()),
+                        wall_ms()};
+      return ok_status();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
@@ -368,13 +382,15 @@ Status ElasticLauncher::recover(Failure f, int64_t step_done, int64_t failed_ste
     ++recoveries_;
     // Time of the injected fault, if the test injected one (detection latency).
     std::optional<int64_t> fault_ms;
-    for (int s : f.slots) {
+    // A failure nobody is blamed for (comm_error, watchdog): any worker may have caused it.
+    const std::vector<int> suspects = f.slots.empty() ? plan_.slots : f.slots;
+    for (int s : suspects) {
       Result<bool> has = store_->contains(key(fmt::format("fault/{}", s)));
       if (has.ok() && has.value()) {
         Result<std::string> v = store_->get(key(fmt::format("fault/{}", s)), comm::deadline_in(std::chrono::milliseconds(100)));
         if (v.ok()) {
           const nlohmann::json j = nlohmann::json::parse(v.value(), nullptr, false);
-          if (j.is_object() && j.contains("ts_ms")) fault_ms = j["ts_ms"].get<int64_t>();
+          if (j.is_object() && j.contains("ts_ms")) fault_ms = std::max(fault_ms.value_or(0), j["ts_ms"].get<int64_t>());
         }
       }
     }
@@ -705,6 +721,7 @@ Status ElasticLauncher::run() {
   hb_timeout_ = std::chrono::milliseconds(env_or("TROUPE_HEARTBEAT_TIMEOUT_MS", 2000));
   err_grace_ = std::chrono::milliseconds(env_or("TROUPE_COMM_ERROR_GRACE_MS", 300));
   watchdog_ = std::chrono::milliseconds(env_or("TROUPE_STEP_WATCHDOG_MS", 60000));
+  join_timeout_ = std::chrono::milliseconds(env_or("TROUPE_ELASTIC_JOIN_TIMEOUT_MS", 30000));
   spares_left_ = env_or("TROUPE_ELASTIC_SPARES", -1);
   straggler_ratio_ = env_double("TROUPE_STRAGGLER_RATIO", 1.5);
   straggler_window_ = static_cast<int>(env_or("TROUPE_STRAGGLER_WINDOW", 5));

@@ -8,7 +8,9 @@
 //   column killed at once (the whole job goes back to the last checkpoint: the one case
 //   with steps lost), a rescale dp=2 -> dp=1 -> dp=2 asked through <run dir>/scale_request, and a
 //   persistent straggler (150 ms slower every step) flagged from its step timings and
-//   replaced by policy.
+//   replaced by policy; a data-plane connection cut with no process lost (rebuilt in place)
+//   and a hang inside a step with the heartbeat alive (step watchdog, then the wedged worker
+//   is killed and replaced).
 // Faults come from TROUPE_FAULT (actors/training/elastic.h): the worker raises SIGKILL or
 // SIGSTOP on itself at the named point, after recording the time.
 //
@@ -382,6 +384,43 @@ TEST_F(ElasticFault, LostColumnRestoresFromCheckpoint) {
   std::printf("[elastic lost-column] %zu detection(s), first %lld ms; restored step 4 from the checkpoint; recovery "
               "%.2f s; steps lost %lld (no dp peer survived)\n",
               det.size(), static_cast<long long>(det[0]["detection_ms"].get<int64_t>()), rec[0]["recovery_s"].get<double>(),
+              static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
+}
+
+TEST_F(ElasticFault, DataPlaneConnectionCutRebuildsWithoutReplacement) {
+  // Slot 1 closes its own data-plane connections mid all-to-all but lives on: the peers'
+  // errors are reported, nobody died or went silent, so every worker rebuilds in place.
+  const RunResult r = run_case("cut", "cut@3:alltoall:1");
+  expect_clean_finish(r);
+  expect_same_losses("cut", r);
+  expect_recoveries("cut", r, 1, "comm_error", 1000);
+  const fs::path ev = *root_ / "cut" / "events.jsonl";
+  EXPECT_EQ(events_named(ev, "worker_started").size(), 4u) << "nobody is replaced";
+  EXPECT_TRUE(events_named(ev, "worker_killed").empty());
+}
+
+TEST_F(ElasticFault, HangInsideAStepIsCaughtByTheWatchdog) {
+  // Slot 2's step thread blocks while its heartbeat goes on: the step watchdog fires, the
+  // world is rebuilt, and slot 2, which never takes the new plan over, is killed and replaced.
+  const RunResult r = run_case("hang", "hang@3:alltoall:2",
+                               {"TROUPE_STEP_WATCHDOG_MS=2000", "TROUPE_ELASTIC_JOIN_TIMEOUT_MS=3000"});
+  expect_clean_finish(r);
+  expect_same_losses("hang", r);
+  const fs::path ev = *root_ / "hang" / "events.jsonl";
+  const auto det = events_named(ev, "failure_detected");
+  ASSERT_EQ(det.size(), 2u) << r.output;
+  EXPECT_EQ(det[0]["cause"], "watchdog");
+  EXPECT_EQ(det[1]["cause"], "join_timeout");
+  EXPECT_EQ(det[1]["slots"], nlohmann::json::array({2}));
+  const int64_t d = det[0]["detection_ms"].get<int64_t>();
+  EXPECT_LE(d, 2000 + 1000);
+  const auto rec = events_named(ev, "recovered");
+  ASSERT_EQ(rec.size(), 1u);
+  EXPECT_LE(rec[0]["recovery_s"].get<double>(), 10.0);
+  EXPECT_EQ(rec[0]["steps_lost"], 0);
+  std::printf("[elastic hang] detection %lld ms (target <= watchdog 2000 + 1000), the wedged worker replaced after the "
+              "3000 ms join timeout; recovery %.2f s (target <= 10), steps lost %lld\n",
+              static_cast<long long>(d), rec[0]["recovery_s"].get<double>(),
               static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
 }
 
