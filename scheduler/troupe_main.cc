@@ -14,6 +14,7 @@
 
 #include "core/logging.h"
 #include "scheduler/cli.h"
+#include "scheduler/cli_elastic.h"
 
 namespace {
 
@@ -127,6 +128,24 @@ int main(int argc, char** argv) {
   cancel->add_flag("--json", cancel_json, "Print the job record as JSON");
   add_connection(cancel, cancel_conn);
 
+  // Elastic train_moe jobs (scheduler/cli_elastic.h), addressed by run directory.
+  std::string scale_dir;
+  int scale_dp = 0, scale_wait = 60;
+  auto* scale = app.add_subcommand("scale", "Rescale an elastic job's data parallelism at its next step boundary");
+  scale->add_option("job", scale_dir, "Run directory of an elastic train_moe job (TROUPE_ELASTIC=1)")->required();
+  scale->add_option("--dp", scale_dp, "New data-parallel size (within the job's elastic bounds)")
+      ->required()
+      ->check(CLI::Range(1, 1000000));
+  scale->add_option("--wait", scale_wait, "Seconds to wait for the job's answer (0: do not wait)");
+  std::string replace_dir;
+  int replace_slot = -1, replace_wait = 60;
+  auto* replace = app.add_subcommand("replace", "Replace one worker of an elastic job (restored from a dp peer)");
+  replace->add_option("job", replace_dir, "Run directory of an elastic train_moe job (TROUPE_ELASTIC=1)")->required();
+  replace->add_option("worker", replace_slot, "Worker slot (see troupe status <run dir>)")
+      ->required()
+      ->check(CLI::Range(0, 1000000));
+  replace->add_option("--wait", replace_wait, "Seconds to wait for the job's answer (0: do not wait)");
+
   std::string keygen_prefix;
   auto* keygen = app.add_subcommand("keygen", "Write a CURVE key pair: PREFIX.key (private) and PREFIX.pub");
   keygen->add_option("prefix", keygen_prefix, "Path prefix of the two files")->required();
@@ -158,7 +177,14 @@ int main(int argc, char** argv) {
     if (!finish_spec(submit, submit_flags, after_dashes)) return 2;
     return troupe::sched::cli_submit(submit_conn, submit_flags.spec, submit_json);
   }
-  if (status->parsed()) return troupe::sched::cli_status(status_conn, status_job, status_json);
+  if (status->parsed()) {
+    if (!status_job.empty() && troupe::sched::is_elastic_run_dir(status_job)) {
+      return troupe::sched::cli_elastic_status(status_job, status_json);
+    }
+    return troupe::sched::cli_status(status_conn, status_job, status_json);
+  }
+  if (scale->parsed()) return troupe::sched::cli_elastic_scale(scale_dir, scale_dp, scale_wait);
+  if (replace->parsed()) return troupe::sched::cli_elastic_replace(replace_dir, replace_slot, replace_wait);
   if (logs->parsed()) {
     if (logs_worker >= 0) logs_proc = "worker-" + std::to_string(logs_worker);
     else if (logs_driver) logs_proc = "driver";

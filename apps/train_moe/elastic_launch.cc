@@ -21,6 +21,9 @@
 // (TROUPE_ELASTIC_SCALE_AT="<step>:<dp>,..." writes it after the given steps)
 // (TROUPE_ELASTIC_MIN_DP <= N <= TROUPE_ELASTIC_MAX_DP, default 1 and the configured dp);
 // grad_accum is scaled by old/new dp so the global batch and the data order stay the same.
+// Replace: "<slot>" in <run dir>/replace_request replaces that worker at the next step
+// boundary (a planned recovery: no step lost). `troupe scale|replace|status <run dir>`
+// write and read these files (scheduler/cli_elastic.cc).
 // Stragglers: a rank whose compute time exceeds TROUPE_STRAGGLER_RATIO (default 1.5) times
 // the median of its peers for TROUPE_STRAGGLER_WINDOW (default 5) consecutive steps is
 // flagged (event, console, <run dir>/status.json); TROUPE_STRAGGLER_POLICY=replace
@@ -103,6 +106,7 @@ class ElasticLauncher {
   Status run();
 
  private:
+  Status run_job();
   std::string key(const std::string& rest) const { return elastic_key(job_, rest); }
   void event(nlohmann::json e);
   Status spawn(int slot, uint64_t epoch);
@@ -118,6 +122,7 @@ class ElasticLauncher {
   Result<std::optional<nlohmann::json>> call(training::Command::Kind kind, int64_t step);
   Status maybe_finalize_checkpoint(int64_t step);
   Status maybe_rescale(int64_t step_done);
+  Status maybe_replace(int64_t step_done);
   void track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step, std::optional<Failure>& failure);
   void write_status(int64_t step);
   Result<ElasticPlan> plan_for(int64_t dp, const std::vector<int>& keep_dp, int64_t step_done, const std::string& why,
@@ -150,6 +155,7 @@ class ElasticLauncher {
   std::vector<nlohmann::json> last_replies_;
   std::optional<int64_t> rewound_to_;
   int64_t max_step_logged_ = 0;
+  int64_t last_step_ = 0;
   int64_t ckpt_every_ = 0;
   std::string ckpt_dir_;
 };
@@ -643,8 +649,9 @@ void ElasticLauncher::write_status(int64_t step) {
     workers.push_back({{"slot", s}, {"rank", r}, {"pid", procs_[s].pid}, {"alive", procs_[s].alive},
                        {"straggler", flagged_.count(s) > 0}});
   }
-  nlohmann::json st{{"step", step}, {"epoch", plan_.epoch}, {"dp", plan_.dp}, {"grad_accum", plan_.grad_accum},
+  nlohmann::json st{{"step", step < 0 ? last_step_ : step}, {"epoch", plan_.epoch}, {"failed", step < 0}, {"dp", plan_.dp}, {"grad_accum", plan_.grad_accum},
                     {"recoveries", recoveries_}, {"workers", workers}};
+  if (step >= 0) last_step_ = step;
   const std::string tmp = run_dir_ + "/status.json.tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
@@ -652,6 +659,51 @@ void ElasticLauncher::write_status(int64_t step) {
   }
   std::error_code ec;
   fs::rename(tmp, run_dir_ + "/status.json", ec);
+}
+
+Status ElasticLauncher::maybe_replace(int64_t step_done) {
+  // "<slot>" in <run dir>/replace_request (troupe replace): a planned replacement at this
+  // step boundary, restored from a dp peer like a failure.
+  const std::string req = run_dir_ + "/replace_request";
+  std::error_code ec;
+  if (!fs::exists(req, ec)) return ok_status();
+  std::string text;
+  {
+    std::ifstream in(req);
+    std::getline(in, text);
+  }
+  fs::remove(req, ec);
+  char* end = nullptr;
+  const long slot = std::strtol(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || plan_.rank_of_slot(static_cast<int>(slot)) < 0) {
+    event({{"event", "replace_refused"}, {"request", text}, {"why", "not a worker slot of the job"}});
+    fmt::print("elastic: replace request '{}' refused: not a worker slot of the job\n", text);
+    return ok_status();
+  }
+  // The worker's state must survive it: another dp replica of its column, or a checkpoint.
+  {
+    TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout l,
+                            comm::ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(plan_.dp),
+                                                       static_cast<int>(tc_.parallel.n)));
+    const comm::ParallelCoord me = l.coord(plan_.rank_of_slot(static_cast<int>(slot)));
+    bool peer = false;
+    for (int d = 0; d < l.dp(); ++d) {
+      comm::ParallelCoord c = me;
+      c.dp = d;
+      const int other = plan_.slots[static_cast<size_t>(l.rank_of(c))];
+      peer |= d != me.dp && stateful_.count(other) > 0;
+    }
+    if (!peer && ckpt_dir_.empty()) {
+      event({{"event", "replace_refused"}, {"request", text},
+             {"why", fmt::format("slot {} has no dp peer (dp={}) and no elastic checkpoint is kept", slot, plan_.dp)}});
+      fmt::print("elastic: replace request for slot {} refused: no dp peer holds its state (dp={})\n", slot, plan_.dp);
+      return ok_status();
+    }
+  }
+  fmt::print("elastic: replacing slot {} on request after step {}\n", slot, step_done);
+  std::fflush(stdout);
+  return recover(Failure{"replace", {static_cast<int>(slot)}, fmt::format("slot {} replaced on request", slot), wall_ms()},
+                 step_done, step_done + 1);
 }
 
 Status ElasticLauncher::maybe_rescale(int64_t step_done) {
@@ -717,6 +769,15 @@ Status ElasticLauncher::maybe_rescale(int64_t step_done) {
 }
 
 Status ElasticLauncher::run() {
+  const Status st = run_job();
+  if (!st.ok() && events_.is_open()) {
+    event({{"event", "job_failed"}, {"error", st.to_string()}});
+    write_status(-1);
+  }
+  return st;
+}
+
+Status ElasticLauncher::run_job() {
   job_ = fmt::format("elastic-{}-{}", getpid(), std::chrono::system_clock::now().time_since_epoch().count());
   hb_timeout_ = std::chrono::milliseconds(env_or("TROUPE_HEARTBEAT_TIMEOUT_MS", 2000));
   err_grace_ = std::chrono::milliseconds(env_or("TROUPE_COMM_ERROR_GRACE_MS", 300));
@@ -737,6 +798,7 @@ Status ElasticLauncher::run() {
   }
   fs::remove_all(run_dir_ + "/rendezvous", ec);
   fs::remove(run_dir_ + "/scale_request", ec);
+  fs::remove(run_dir_ + "/replace_request", ec);
   TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> fstore, comm::FileStore::open(run_dir_ + "/rendezvous"));
   store_ = std::move(fstore);
   events_.open(run_dir_ + "/events.jsonl", std::ios::trunc);
@@ -820,7 +882,10 @@ Status ElasticLauncher::run() {
       std::fflush(stdout);
     }
     write_status(step);
-    if (step < tc_.train.steps) TROUPE_RETURN_IF_ERROR(maybe_rescale(step));
+    if (step < tc_.train.steps) {
+      TROUPE_RETURN_IF_ERROR(maybe_replace(step));
+      TROUPE_RETURN_IF_ERROR(maybe_rescale(step));
+    }
   }
   TROUPE_RETURN_IF_ERROR(call(training::Command::Kind::kStop, 0).status());
   // Every worker exits after "stop"; reap them (bounded).

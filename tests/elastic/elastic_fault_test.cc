@@ -424,4 +424,44 @@ TEST_F(ElasticFault, HangInsideAStepIsCaughtByTheWatchdog) {
               static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
 }
 
+#ifdef TROUPE_CLI_BIN
+TEST_F(ElasticFault, TroupeReplaceScaleAndStatusCommands) {
+  // `troupe replace|scale|status <run dir>` against the running job (slot 0 is slowed by
+  // 150 ms a step so the commands land mid-run).
+  const fs::path dir = *root_ / "cli";
+  int phase = 0;
+  std::vector<RunResult> cmds;
+  auto troupe = [&](std::vector<std::string> a, const std::string& log) {
+    a.insert(a.begin(), TROUPE_CLI_BIN);
+    cmds.push_back(run(a, {}, *root_ / log, std::chrono::seconds(60)));
+  };
+  auto tick = [&] {
+    if (phase == 0 && steps_of(dir / "metrics.jsonl").size() >= 2) {
+      phase = 1;
+      troupe({"status", dir.string()}, "cli-status1.log");
+      troupe({"replace", dir.string(), "1"}, "cli-replace.log");
+      troupe({"scale", dir.string(), "--dp", "1"}, "cli-scale.log");
+      troupe({"scale", dir.string(), "--dp", "3"}, "cli-scale-refused.log");
+      troupe({"status", dir.string()}, "cli-status2.log");
+    }
+  };
+  const RunResult r = run_case("cli", "slow@1:any:0", {}, tick);
+  expect_clean_finish(r);
+  expect_same_losses("cli", r);
+  ASSERT_EQ(cmds.size(), 5u) << r.output;
+  EXPECT_EQ(cmds[0].exit_code, 0) << cmds[0].output;
+  EXPECT_NE(cmds[0].output.find("dp 2"), std::string::npos) << cmds[0].output;
+  EXPECT_EQ(cmds[1].exit_code, 0) << cmds[1].output;
+  EXPECT_NE(cmds[1].output.find("replaced worker slot 1"), std::string::npos) << cmds[1].output;
+  EXPECT_NE(cmds[1].output.find("steps lost 0"), std::string::npos) << cmds[1].output;
+  EXPECT_EQ(cmds[2].exit_code, 0) << cmds[2].output;
+  EXPECT_NE(cmds[2].output.find("scaled dp 2 -> 1"), std::string::npos) << cmds[2].output;
+  EXPECT_EQ(cmds[3].exit_code, 1) << cmds[3].output;  // above the elastic bound (the configured dp=2)
+  EXPECT_NE(cmds[3].output.find("refused"), std::string::npos) << cmds[3].output;
+  EXPECT_EQ(cmds[4].exit_code, 0) << cmds[4].output;
+  EXPECT_NE(cmds[4].output.find("dp 1"), std::string::npos) << cmds[4].output;
+  for (const auto& c : cmds) std::printf("[elastic cli] %s", c.output.c_str());
+}
+#endif
+
 }  // namespace

@@ -1,0 +1,170 @@
+// scheduler/cli_elastic.cc — `troupe scale|replace|status <run dir>` for elastic
+// train_moe jobs (cli_elastic.h).
+#include "scheduler/cli_elastic.h"
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+namespace troupe::sched {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// Writes `text` to <dir>/<name> through a temporary file and a rename (the launcher never
+// reads half a request).
+bool write_request(const std::string& dir, const std::string& name, const std::string& text) {
+  const std::string tmp = fmt::format("{}/.{}.tmp", dir, name);
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    if (!out) return false;
+    out << text << "\n";
+  }
+  std::error_code ec;
+  fs::rename(tmp, dir + "/" + name, ec);
+  return !ec;
+}
+
+// Waits up to wait_s for an event named in `names` written at or after `since_ms`.
+std::optional<nlohmann::json> wait_event(const std::string& dir, const std::vector<std::string>& names, int64_t since_ms,
+                                         int wait_s) {
+  const auto deadline = Clock::now() + std::chrono::seconds(wait_s);
+  while (Clock::now() < deadline) {
+    std::ifstream in(dir + "/events.jsonl");
+    std::string line;
+    while (std::getline(in, line)) {
+      const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+      if (!j.is_object() || j.value("ts_ms", int64_t{0}) < since_ms) continue;
+      for (const auto& n : names) {
+        if (j.value("event", "") == n) return j;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return std::nullopt;
+}
+
+bool job_finished(const std::string& dir) {
+  std::ifstream in(dir + "/events.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.find("\"job_finished\"") != std::string::npos) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+bool is_elastic_run_dir(const std::string& path) {
+  std::error_code ec;
+  return fs::is_directory(path, ec) && fs::exists(path + "/events.jsonl", ec) &&
+         (fs::exists(path + "/status.json", ec) || fs::is_directory(path + "/rendezvous", ec));
+}
+
+int cli_elastic_scale(const std::string& run_dir, int dp, int wait_s) {
+  if (!is_elastic_run_dir(run_dir)) {
+    fmt::print(stderr, "troupe scale: {} is not the run directory of an elastic job (TROUPE_ELASTIC=1 train_moe)\n",
+               run_dir);
+    return 2;
+  }
+  if (job_finished(run_dir)) {
+    fmt::print(stderr, "troupe scale: the job in {} has finished\n", run_dir);
+    return 1;
+  }
+  const int64_t t0 = now_ms();
+  if (!write_request(run_dir, "scale_request", std::to_string(dp))) {
+    fmt::print(stderr, "troupe scale: cannot write {}/scale_request\n", run_dir);
+    return 1;
+  }
+  if (wait_s <= 0) return 0;
+  const auto ev = wait_event(run_dir, {"scaled", "scale_refused", "job_failed", "job_finished"}, t0, wait_s);
+  if (!ev) {
+    fmt::print(stderr, "troupe scale: no answer from the job within {} s (the request stays queued)\n", wait_s);
+    return 1;
+  }
+  if ((*ev)["event"] == "job_failed" || (*ev)["event"] == "job_finished") {
+    fmt::print(stderr, "troupe scale: the job ended before answering: {}\n", ev->value("error", "finished"));
+    return 1;
+  }
+  if ((*ev)["event"] == "scale_refused") {
+    fmt::print(stderr, "troupe scale: refused: {}\n", ev->dump());
+    return 1;
+  }
+  fmt::print("scaled dp {} -> {} (grad_accum {}) after step {} in {} ms\n", (*ev)["from_dp"].get<int>(),
+             (*ev)["to_dp"].get<int>(), (*ev)["grad_accum"].get<int>(), (*ev)["after_step"].get<int64_t>(),
+             (*ev)["ms"].get<int64_t>());
+  return 0;
+}
+
+int cli_elastic_replace(const std::string& run_dir, int slot, int wait_s) {
+  if (!is_elastic_run_dir(run_dir)) {
+    fmt::print(stderr, "troupe replace: {} is not the run directory of an elastic job (TROUPE_ELASTIC=1 train_moe)\n",
+               run_dir);
+    return 2;
+  }
+  if (job_finished(run_dir)) {
+    fmt::print(stderr, "troupe replace: the job in {} has finished\n", run_dir);
+    return 1;
+  }
+  const int64_t t0 = now_ms();
+  if (!write_request(run_dir, "replace_request", std::to_string(slot))) {
+    fmt::print(stderr, "troupe replace: cannot write {}/replace_request\n", run_dir);
+    return 1;
+  }
+  if (wait_s <= 0) return 0;
+  const auto ev = wait_event(run_dir, {"recovered", "replace_refused", "job_failed", "job_finished"}, t0, wait_s);
+  if (!ev) {
+    fmt::print(stderr, "troupe replace: no answer from the job within {} s (the request stays queued)\n", wait_s);
+    return 1;
+  }
+  if ((*ev)["event"] == "job_failed" || (*ev)["event"] == "job_finished") {
+    fmt::print(stderr, "troupe replace: the job ended before answering: {}\n", ev->value("error", "finished"));
+    return 1;
+  }
+  if ((*ev)["event"] == "replace_refused") {
+    fmt::print(stderr, "troupe replace: refused: {}\n", ev->value("why", ""));
+    return 1;
+  }
+  fmt::print("replaced worker slot {}: step {} completed {:.2f} s later, steps lost {}\n", slot,
+             (*ev)["step"].get<int64_t>(), (*ev)["recovery_s"].get<double>(), (*ev)["steps_lost"].get<int64_t>());
+  return 0;
+}
+
+int cli_elastic_status(const std::string& run_dir, bool json) {
+  std::ifstream in(run_dir + "/status.json");
+  const nlohmann::json st = nlohmann::json::parse(in, nullptr, false);
+  if (!in || st.is_discarded() || !st.is_object()) {
+    fmt::print(stderr, "troupe status: {} has no readable status.json yet (the job writes it after each step)\n", run_dir);
+    return 1;
+  }
+  if (json) {
+    fmt::print("{}\n", st.dump(1));
+    return 0;
+  }
+  fmt::print("elastic job {}: step {}, epoch {}, dp {} (grad_accum {}), {} recoveries{}{}\n", run_dir,
+             st.value("step", int64_t{0}), st.value("epoch", int64_t{0}), st.value("dp", int64_t{0}),
+             st.value("grad_accum", int64_t{0}), st.value("recoveries", int64_t{0}),
+             job_finished(run_dir) ? ", finished" : "", st.value("failed", false) ? ", FAILED" : "");
+  fmt::print("{:>6} {:>6} {:>9} {:>7}  {}\n", "SLOT", "RANK", "PID", "ALIVE", "FLAGS");
+  for (const auto& w : st.value("workers", nlohmann::json::array())) {
+    fmt::print("{:>6} {:>6} {:>9} {:>7}  {}\n", w.value("slot", -1), w.value("rank", -1), w.value("pid", -1),
+               w.value("alive", false) ? "yes" : "no", w.value("straggler", false) ? "straggler" : "");
+  }
+  return 0;
+}
+
+}  // namespace troupe::sched

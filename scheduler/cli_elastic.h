@@ -1,0 +1,23 @@
+// scheduler/cli_elastic.h — the `troupe` subcommands for elastic train_moe jobs run by the
+// elastic launcher (TROUPE_ELASTIC=1, docs/elastic.md), addressed by their run directory:
+//   troupe scale <run dir> --dp N     rescale data parallelism at the next step boundary
+//   troupe replace <run dir> <slot>   replace one worker (restored from a dp peer)
+//   troupe status <run dir>           the job's workers, epoch, dp, recoveries, stragglers
+// Requests are files the launcher polls at step boundaries (<run dir>/scale_request,
+// replace_request); the commands wait (bounded) for the launcher's answer in events.jsonl.
+// Jobs of troupe-scheduler are not elastic yet (a failure restarts their workers).
+#pragma once
+
+#include <string>
+
+namespace troupe::sched {
+
+// True when `path` is the run directory of an elastic job (it has events.jsonl and
+// status.json or the launcher's rendezvous directory).
+bool is_elastic_run_dir(const std::string& path);
+
+int cli_elastic_scale(const std::string& run_dir, int dp, int wait_s);
+int cli_elastic_replace(const std::string& run_dir, int slot, int wait_s);
+int cli_elastic_status(const std::string& run_dir, bool json);
+
+}  // namespace troupe::sched
