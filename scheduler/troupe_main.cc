@@ -45,6 +45,8 @@ void add_spec_options(CLI::App* cmd, SpecFlags& f) {
   cmd->add_option("--min-workers", f.spec.min_workers, "Elastic lower bound (default: nproc)");
   cmd->add_option("--max-workers", f.spec.max_workers, "Elastic upper bound (default: nproc)");
   cmd->add_flag("!--no-driver", f.spec.driver, "Run only the workers, no driver process");
+  cmd->add_flag("--elastic", f.spec.elastic,
+                "Elastic job: a lost worker is replaced by the driver (train_moe), not by restarting all workers");
   cmd->add_option("command", f.command, "The program and its arguments (after --)");
 }
 

@@ -307,7 +307,10 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir) {
     for (const auto& s : o.overrides) ov << s << "\n";
   }
   if (elastic_enabled()) {  // apps/train_moe/elastic_launch.h
-    if (!role.empty()) return unimplemented("TROUPE_ELASTIC=1 runs under the standalone launcher only (not troupe run)");
+    if (role == "driver") {
+      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> estore, open_store(run_dir));
+      return run_elastic_scheduled_driver(o, run_dir, tc, std::move(estore));
+    }
     return run_elastic_launcher(o, run_dir, tc);
   }
   std::ofstream metrics(run_dir + "/metrics.jsonl", std::ios::trunc);

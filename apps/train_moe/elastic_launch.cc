@@ -99,8 +99,11 @@ struct Failure {
 
 class ElasticLauncher {
  public:
-  ElasticLauncher(const TrainOptions& o, std::string run_dir, const layers::TrainConfig& tc)
-      : o_(o), run_dir_(std::move(run_dir)), tc_(tc) {}
+  // `scheduled`: the driver of a troupe-scheduler job (its workers are started, killed and
+  // watched by the scheduler through `store`); else the standalone launcher.
+  ElasticLauncher(const TrainOptions& o, std::string run_dir, const layers::TrainConfig& tc,
+                  std::unique_ptr<comm::RendezvousStore> store = nullptr)
+      : o_(o), run_dir_(std::move(run_dir)), tc_(tc), store_(std::move(store)), scheduled_(store_ != nullptr) {}
   ~ElasticLauncher() { kill_all(); }
 
   Status run();
@@ -111,6 +114,7 @@ class ElasticLauncher {
   void event(nlohmann::json e);
   Status spawn(int slot, uint64_t epoch);
   void kill_all();
+  void terminate(int slot, const std::string& why);  // kill a worker (it is then gone)
   std::optional<Failure> check_processes();
   std::optional<Failure> check_heartbeats();
   Result<std::optional<Failure>> check_errors(Clock::time_point& first_err);
@@ -133,6 +137,8 @@ class ElasticLauncher {
   layers::TrainConfig tc_;
   std::string job_;
   std::unique_ptr<comm::RendezvousStore> store_;
+  bool scheduled_ = false;
+  std::chrono::milliseconds poll_{2};  // scheduled: 20 (every probe is a round trip)
   std::ofstream events_;
   std::map<int, Proc> procs_;
   ElasticPlan plan_;
@@ -167,12 +173,26 @@ void ElasticLauncher::event(nlohmann::json e) {
 }
 
 Status ElasticLauncher::spawn(int slot, uint64_t epoch) {
+  if (scheduled_) {
+    // The scheduler started the workers of epoch 0; later ones on request.
+    if (epoch > 0) {
+      TROUPE_RETURN_IF_ERROR(
+          store_->set(key(fmt::format("spawn/{}", slot)), nlohmann::json{{"epoch", epoch}}.dump()));
+    }
+    Proc& p = procs_[slot];
+    p.pid = 0;
+    p.alive = true;
+    p.last_hb.clear();
+    p.hb_seen = Clock::now();
+    event({{"event", epoch > 0 ? "worker_requested" : "worker_started"}, {"slot", slot}, {"epoch", epoch}});
+    return ok_status();
+  }
   std::vector<std::string> envs;
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string v(*e);
     bool ours = false;
     for (const char* k : {"TROUPE_ROLE=", "TROUPE_RANK=", "TROUPE_WORLD_SIZE=", "TROUPE_JOB_ID=", "TROUPE_EPOCH=",
-                          "TROUPE_ELASTIC_SLOT="}) {
+                          "TROUPE_ELASTIC_SLOT=", "TROUPE_ELASTIC_EPOCH="}) {
       ours |= v.rfind(k, 0) == 0;
     }
     if (!ours) envs.push_back(v);
@@ -180,7 +200,7 @@ Status ElasticLauncher::spawn(int slot, uint64_t epoch) {
   envs.push_back("TROUPE_ROLE=worker");
   envs.push_back(fmt::format("TROUPE_ELASTIC_SLOT={}", slot));
   envs.push_back("TROUPE_JOB_ID=" + job_);
-  envs.push_back(fmt::format("TROUPE_EPOCH={}", epoch));
+  envs.push_back(fmt::format("TROUPE_ELASTIC_EPOCH={}", epoch));
   std::vector<char*> cargv, cenv;
   for (const auto& a : o_.argv) cargv.push_back(const_cast<char*>(a.c_str()));
   cargv.push_back(nullptr);
@@ -204,7 +224,22 @@ Status ElasticLauncher::spawn(int slot, uint64_t epoch) {
   return ok_status();
 }
 
+void ElasticLauncher::terminate(int slot, const std::string& why) {
+  Proc& p = procs_[slot];
+  if (!p.alive) return;
+  if (scheduled_) {
+    (void)store_->set(key(fmt::format("kill/{}", slot)), why);
+  } else {
+    kill(p.pid, SIGKILL);
+    int status = 0;
+    waitpid(p.pid, &status, 0);
+  }
+  p.alive = false;
+  event({{"event", "worker_killed"}, {"slot", slot}, {"pid", p.pid}, {"why", why}});
+}
+
 void ElasticLauncher::kill_all() {
+  if (scheduled_) return;  // the scheduler owns the processes
   for (auto& [slot, p] : procs_) {
     if (!p.alive) continue;
     kill(p.pid, SIGKILL);
@@ -218,6 +253,18 @@ std::optional<Failure> ElasticLauncher::check_processes() {
   std::optional<Failure> f;
   for (auto& [slot, p] : procs_) {
     if (!p.alive) continue;
+    if (scheduled_) {  // the scheduler reports every worker that ends
+      const std::string k = key(fmt::format("exit/{}", slot));
+      Result<bool> has = store_->contains(k);
+      if (!has.ok() || !has.value()) continue;
+      Result<std::string> v = store_->get(k, comm::deadline_in(std::chrono::milliseconds(1000)));
+      p.alive = false;
+      if (plan_.rank_of_slot(slot) < 0) continue;
+      if (!f) f = Failure{"exit", {}, "", wall_ms()};
+      f->slots.push_back(slot);
+      f->detail += fmt::format("{}slot {} {}", f->detail.empty() ? "" : "; ", slot, v.ok() ? v.value() : "ended");
+      continue;
+    }
     int status = 0;
     if (waitpid(p.pid, &status, WNOHANG) != p.pid) continue;
     p.alive = false;
@@ -306,7 +353,7 @@ Status ElasticLauncher::wait_ready(const ElasticPlan& plan, std::optional<Failur
                         wall_ms()};
       return ok_status();
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    std::this_thread::sleep_for(std::max(poll_, std::chrono::milliseconds(5)));
   }
   return ok_status();
 }
@@ -362,6 +409,15 @@ Status ElasticLauncher::open_epoch(ElasticPlan plan, const std::vector<int>& spa
   for (int s : leaving) {
     Proc& p = procs_[s];
     const auto deadline = Clock::now() + std::chrono::milliseconds(10000);
+    if (scheduled_) {
+      while (p.alive) {
+        TROUPE_ASSIGN_OR_RETURN(bool gone, store_->contains(key(fmt::format("exit/{}", s))));
+        if (gone) p.alive = false;
+        if (p.alive && Clock::now() > deadline) terminate(s, "did not leave within 10 s");
+        if (p.alive) std::this_thread::sleep_for(poll_);
+      }
+      continue;
+    }
     while (p.alive) {
       int status = 0;
       if (waitpid(p.pid, &status, WNOHANG) == p.pid) {
@@ -412,15 +468,7 @@ Status ElasticLauncher::recover(Failure f, int64_t step_done, int64_t failed_ste
       recovering_cause_ = f.cause;
     }
     // The lost workers: make sure they are gone (a hung one is killed: the last resort).
-    for (int s : f.slots) {
-      Proc& p = procs_[s];
-      if (!p.alive) continue;
-      kill(p.pid, SIGKILL);
-      int status = 0;
-      waitpid(p.pid, &status, 0);
-      p.alive = false;
-      event({{"event", "worker_killed"}, {"slot", s}, {"pid", p.pid}, {"why", f.cause}});
-    }
+    for (int s : f.slots) terminate(s, f.cause);
     // Replace each lost worker, or shrink dp when no spare is left.
     std::vector<int> spawn_slots, leaving;
     Result<ElasticPlan> plan = [&]() -> Result<ElasticPlan> {
@@ -553,7 +601,7 @@ Result<std::vector<nlohmann::json>> ElasticLauncher::wait_replies(int64_t seq, s
         return replies;
       }
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    std::this_thread::sleep_for(poll_);
   }
   return replies;
 }
@@ -778,7 +826,14 @@ Status ElasticLauncher::run() {
 }
 
 Status ElasticLauncher::run_job() {
-  job_ = fmt::format("elastic-{}-{}", getpid(), std::chrono::system_clock::now().time_since_epoch().count());
+  if (scheduled_) {
+    const char* job = std::getenv("TROUPE_JOB_ID");
+    if (job == nullptr || *job == '\0') return invalid_argument("elastic driver: TROUPE_JOB_ID is not set");
+    job_ = job;
+    poll_ = std::chrono::milliseconds(20);
+  } else {
+    job_ = fmt::format("elastic-{}-{}", getpid(), std::chrono::system_clock::now().time_since_epoch().count());
+  }
   hb_timeout_ = std::chrono::milliseconds(env_or("TROUPE_HEARTBEAT_TIMEOUT_MS", 2000));
   err_grace_ = std::chrono::milliseconds(env_or("TROUPE_COMM_ERROR_GRACE_MS", 300));
   watchdog_ = std::chrono::milliseconds(env_or("TROUPE_STEP_WATCHDOG_MS", 60000));
@@ -796,11 +851,13 @@ Status ElasticLauncher::run_job() {
     fs::remove_all(ckpt_dir_, ec);
     setenv("TROUPE_ELASTIC_CKPT_DIR", ckpt_dir_.c_str(), 1);  // the workers inherit it
   }
-  fs::remove_all(run_dir_ + "/rendezvous", ec);
   fs::remove(run_dir_ + "/scale_request", ec);
   fs::remove(run_dir_ + "/replace_request", ec);
-  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> fstore, comm::FileStore::open(run_dir_ + "/rendezvous"));
-  store_ = std::move(fstore);
+  if (!scheduled_) {
+    fs::remove_all(run_dir_ + "/rendezvous", ec);
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> fstore, comm::FileStore::open(run_dir_ + "/rendezvous"));
+    store_ = std::move(fstore);
+  }
   events_.open(run_dir_ + "/events.jsonl", std::ios::trunc);
   if (!events_) return io_error("cannot write {}/events.jsonl", run_dir_);
   std::ofstream metrics(run_dir_ + "/metrics.jsonl", std::ios::trunc);
@@ -888,9 +945,10 @@ Status ElasticLauncher::run_job() {
     }
   }
   TROUPE_RETURN_IF_ERROR(call(training::Command::Kind::kStop, 0).status());
-  // Every worker exits after "stop"; reap them (bounded).
+  // Every worker exits after "stop"; reap them (bounded). Under the scheduler it does.
   const auto deadline = Clock::now() + std::chrono::milliseconds(30000);
   for (auto& [slot, p] : procs_) {
+    if (scheduled_) break;
     while (p.alive) {
       int status = 0;
       if (waitpid(p.pid, &status, WNOHANG) == p.pid) {
@@ -932,12 +990,25 @@ Status run_elastic_launcher(const TrainOptions& o, const std::string& run_dir, c
   return l.run();
 }
 
+Status run_elastic_scheduled_driver(const TrainOptions& o, const std::string& run_dir, const layers::TrainConfig& tc,
+                                    std::unique_ptr<comm::RendezvousStore> store) {
+  if (tc.parallel.compression) {
+    return invalid_argument("elastic mode does not support parallel.compression yet");
+  }
+  std::error_code ec;
+  fs::create_directories(run_dir, ec);
+  if (ec) return io_error("cannot create run directory {}: {}", run_dir, ec.message());
+  ElasticLauncher l(o, run_dir, tc, std::move(store));
+  return l.run();
+}
+
 Status run_elastic_worker_process(const layers::TrainConfig& tc, comm::RendezvousStore& store) {
   const char* job = std::getenv("TROUPE_JOB_ID");
   if (job == nullptr || *job == '\0') return invalid_argument("elastic worker: TROUPE_JOB_ID is not set");
-  const int64_t slot = env_or("TROUPE_ELASTIC_SLOT", -1);
-  if (slot < 0) return invalid_argument("elastic worker: TROUPE_ELASTIC_SLOT is not set");
-  const int64_t epoch = env_or("TROUPE_EPOCH", 0);
+  // Started by the scheduler in epoch 0: the slot is the rank.
+  const int64_t slot = env_or("TROUPE_ELASTIC_SLOT", env_or("TROUPE_RANK", -1));
+  if (slot < 0) return invalid_argument("elastic worker: neither TROUPE_ELASTIC_SLOT nor TROUPE_RANK is set");
+  const int64_t epoch = env_or("TROUPE_ELASTIC_EPOCH", 0);
   return training::run_elastic_worker(tc, store, job, static_cast<int>(slot), static_cast<uint64_t>(epoch));
 }
 

@@ -4,6 +4,7 @@
 // every failure and recovery in <run dir>/events.jsonl (docs/elastic.md).
 #pragma once
 
+#include <memory>
 #include <string>
 
 #include "apps/train_moe/commands.h"
@@ -18,7 +19,13 @@ bool elastic_enabled();
 // The launcher (no TROUPE_ROLE): runs the whole job. `tc` is the loaded configuration.
 Status run_elastic_launcher(const TrainOptions& o, const std::string& run_dir, const layers::TrainConfig& tc);
 
-// A worker (TROUPE_ROLE=worker, TROUPE_ELASTIC_SLOT, TROUPE_EPOCH, TROUPE_JOB_ID).
+// The driver of a troupe-scheduler job (TROUPE_ROLE=driver): the same protocol, with the
+// scheduler starting, killing and watching the workers (scheduler/scheduler_elastic.cc).
+Status run_elastic_scheduled_driver(const TrainOptions& o, const std::string& run_dir, const layers::TrainConfig& tc,
+                                    std::unique_ptr<comm::RendezvousStore> store);
+
+// A worker (TROUPE_ROLE=worker; TROUPE_ELASTIC_SLOT or TROUPE_RANK, TROUPE_ELASTIC_EPOCH,
+// TROUPE_JOB_ID).
 Status run_elastic_worker_process(const layers::TrainConfig& tc, comm::RendezvousStore& store);
 
 }  // namespace troupe::train_moe

@@ -8,7 +8,8 @@
 //   column killed at once (the whole job goes back to the last checkpoint: the one case
 //   with steps lost), a rescale dp=2 -> dp=1 -> dp=2 asked through <run dir>/scale_request, and a
 //   persistent straggler (150 ms slower every step) flagged from its step timings and
-//   replaced by policy; a data-plane connection cut with no process lost (rebuilt in place)
+//   replaced by policy; the same protocol under `troupe run --elastic` (the scheduler
+//   places, kills and reports the workers); `troupe scale|replace|status`; a data-plane connection cut with no process lost (rebuilt in place)
 //   and a hang inside a step with the heartbeat alive (step watchdog, then the wedged worker
 //   is killed and replaced).
 // Faults come from TROUPE_FAULT (actors/training/elastic.h): the worker raises SIGKILL or
@@ -425,6 +426,38 @@ TEST_F(ElasticFault, HangInsideAStepIsCaughtByTheWatchdog) {
 }
 
 #ifdef TROUPE_CLI_BIN
+TEST_F(ElasticFault, TroupeRunElasticReplacesWorkersThroughTheScheduler) {
+  // `troupe run --elastic`: the embedded scheduler and agent start the driver and the 4
+  // workers; a SIGSTOPped worker (found by the driver's heartbeat check, killed through
+  // the scheduler) and then a killed one (its exit reported by the agent, passed to the
+  // driver through the job's store) are replaced by processes the scheduler places.
+  baseline();
+  std::vector<std::string> a = args("troupe-run");
+  a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--elastic", "--nproc", "4", "--heartbeat-timeout-ms",
+                       std::to_string(kHeartbeatTimeoutMs), "--env", "TROUPE_FAULT=stop@3:forward:2,kill@5:alltoall:0",
+                       "--"});
+  const RunResult r = run(a, {}, *root_ / "troupe-run.log", std::chrono::seconds(180));
+  std::printf("[elastic troupe-run] ran in %.1f s\n", r.seconds);
+  expect_clean_finish(r);
+  expect_same_losses("troupe-run", r);
+  const fs::path ev = *root_ / "troupe-run" / "events.jsonl";
+  const auto det = events_named(ev, "failure_detected");
+  const auto rec = events_named(ev, "recovered");
+  ASSERT_EQ(det.size(), 2u) << r.output;
+  ASSERT_EQ(rec.size(), 2u) << r.output;
+  EXPECT_EQ(det[0]["cause"], "heartbeat");
+  EXPECT_EQ(det[1]["cause"], "exit");
+  EXPECT_LE(det[0]["detection_ms"].get<int64_t>(), kHeartbeatTimeoutMs + 1000);
+  EXPECT_LE(det[1]["detection_ms"].get<int64_t>(), 1000);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_LE(rec[i]["recovery_s"].get<double>(), 10.0);
+    EXPECT_EQ(rec[i]["steps_lost"], 0);
+    std::printf("[elastic troupe-run] failure %zu (%s): detection %lld ms, recovery %.2f s, steps lost %lld\n", i + 1,
+                det[i]["cause"].get<std::string>().c_str(), static_cast<long long>(det[i]["detection_ms"].get<int64_t>()),
+                rec[i]["recovery_s"].get<double>(), static_cast<long long>(rec[i]["steps_lost"].get<int64_t>()));
+  }
+}
+
 TEST_F(ElasticFault, TroupeReplaceScaleAndStatusCommands) {
   // `troupe replace|scale|status <run dir>` against the running job (slot 0 is slowed by
   // 150 ms a step so the commands land mid-run).
