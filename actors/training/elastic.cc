@@ -59,6 +59,49 @@ int ElasticPlan::rank_of_slot(int slot) const {
   return -1;
 }
 
+namespace {
+bool transient(const Status& st) {
+  return st.code() == StatusCode::kUnavailable || st.code() == StatusCode::kDeadlineExceeded;
+}
+constexpr std::chrono::milliseconds kRetryPause{50};
+}  // namespace
+
+Status TolerantStore::set(std::string_view key, std::string_view value) {
+  const auto give_up = Clock::now() + patience_;
+  while (true) {
+    Status st = base_.set(key, value);
+    if (st.ok() || !transient(st) || Clock::now() >= give_up) return st;
+    std::this_thread::sleep_for(kRetryPause);
+  }
+}
+
+Result<bool> TolerantStore::contains(std::string_view key) {
+  const auto give_up = Clock::now() + patience_;
+  while (true) {
+    Result<bool> r = base_.contains(key);
+    if (r.ok() || !transient(r.status()) || Clock::now() >= give_up) return r;
+    std::this_thread::sleep_for(kRetryPause);
+  }
+}
+
+Result<std::string> TolerantStore::get(std::string_view key, comm::Deadline deadline) {
+  while (true) {
+    Result<std::string> r = base_.get(key, deadline);
+    if (r.ok() || r.status().code() != StatusCode::kUnavailable) return r;
+    if (Clock::now() >= deadline) return deadline_exceeded("store unavailable until the deadline: {}", r.status().to_string());
+    std::this_thread::sleep_for(kRetryPause);
+  }
+}
+
+Status TolerantStore::wait(const std::vector<std::string>& keys, comm::Deadline deadline) {
+  while (true) {
+    Status st = base_.wait(keys, deadline);
+    if (st.ok() || st.code() != StatusCode::kUnavailable) return st;
+    if (Clock::now() >= deadline) return deadline_exceeded("store unavailable until the deadline: {}", st.to_string());
+    std::this_thread::sleep_for(kRetryPause);
+  }
+}
+
 std::string elastic_key(const std::string& job, const std::string& rest) { return job + "/elastic/" + rest; }
 
 int64_t wall_ms() {
@@ -91,8 +134,10 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
       f.action = FaultSpec::Action::kCut;
     } else if (action == "hang") {
       f.action = FaultSpec::Action::kHang;
+    } else if (action == "cutctl") {
+      f.action = FaultSpec::Action::kCutControl;
     } else {
-      return invalid_argument("TROUPE_FAULT: unknown action '{}' (kill, stop, slow, cut or hang)", action);
+      return invalid_argument("TROUPE_FAULT: unknown action '{}' (kill, stop, slow, cut, hang or cutctl)", action);
     }
     f.phase = item.substr(c1 + 1, c2 - c1 - 1);
     if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
@@ -121,7 +166,8 @@ struct FaultState {
   int slot = 0;
   comm::RendezvousStore* store = nullptr;
   std::string job;
-  std::function<void()> cut;  // aborts this worker's communicators
+  std::function<void()> cut;          // aborts this worker's communicators
+  std::function<void()> cut_control;  // closes its control-plane connection (may be empty)
 };
 FaultState* g_faults = nullptr;
 
@@ -154,7 +200,8 @@ void fault_hook(std::string_view what) {
     const char* name = f.action == FaultSpec::Action::kKill   ? "SIGKILL"
                        : f.action == FaultSpec::Action::kStop ? "SIGSTOP"
                        : f.action == FaultSpec::Action::kCut  ? "a data-plane cut"
-                                                              : "a hang";
+                       : f.action == FaultSpec::Action::kHang ? "a hang"
+                                                              : "a control-connection cut";
     fmt::print(stderr, "elastic: slot {} injects {} at step {} during '{}'\n", fs->slot, name, f.step, what);
     std::fflush(stderr);
     switch (f.action) {
@@ -162,6 +209,9 @@ void fault_hook(std::string_view what) {
       case FaultSpec::Action::kStop: raise(SIGSTOP); break;
       case FaultSpec::Action::kCut:
         if (fs->cut) fs->cut();
+        break;
+      case FaultSpec::Action::kCutControl:
+        if (fs->cut_control) fs->cut_control();
         break;
       case FaultSpec::Action::kHang:
         while (true) std::this_thread::sleep_for(std::chrono::seconds(1));  // until killed
@@ -487,8 +537,10 @@ Status ElasticWorker::run() {
 
 }  // namespace
 
-Status run_elastic_worker(const layers::TrainConfig& tc, comm::RendezvousStore& store, const std::string& job,
-                          int slot, uint64_t epoch) {
+Status run_elastic_worker(const layers::TrainConfig& tc, comm::RendezvousStore& base_store, const std::string& job,
+                          int slot, uint64_t epoch, std::function<void()> cut_control) {
+  // A store outage (the scheduler restarting) must not end the worker.
+  TolerantStore store(base_store, std::chrono::milliseconds(30000));
   std::unique_ptr<FaultState> faults;
   const char* fspec = std::getenv("TROUPE_FAULT");
   if (fspec != nullptr && *fspec != '\0' && epoch == 0) {
@@ -500,6 +552,7 @@ Status run_elastic_worker(const layers::TrainConfig& tc, comm::RendezvousStore& 
     faults->slot = slot;
     faults->store = &store;
     faults->job = job;
+    faults->cut_control = std::move(cut_control);
     g_faults = faults.get();
     set_fault_hook(&fault_hook);
   }

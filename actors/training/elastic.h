@@ -26,6 +26,8 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -56,6 +58,26 @@ struct ElasticPlan {
   int rank_of_slot(int slot) const;  // -1: not in the plan
 };
 
+// The store as the elastic protocol uses it: it rides out an outage of the store (the
+// scheduler restarting): set and contains retry kUnavailable / kDeadlineExceeded for up to
+// `patience`; get and wait retry kUnavailable until their own deadline and then report
+// kDeadlineExceeded. Owns `base` when given a unique_ptr.
+class TolerantStore final : public comm::RendezvousStore {
+ public:
+  TolerantStore(comm::RendezvousStore& base, std::chrono::milliseconds patience) : base_(base), patience_(patience) {}
+  TolerantStore(std::unique_ptr<comm::RendezvousStore> base, std::chrono::milliseconds patience)
+      : owned_(std::move(base)), base_(*owned_), patience_(patience) {}
+  Status set(std::string_view key, std::string_view value) override;
+  Result<std::string> get(std::string_view key, comm::Deadline deadline) override;
+  Status wait(const std::vector<std::string>& keys, comm::Deadline deadline) override;
+  Result<bool> contains(std::string_view key) override;
+
+ private:
+  std::unique_ptr<comm::RendezvousStore> owned_;
+  comm::RendezvousStore& base_;
+  std::chrono::milliseconds patience_;
+};
+
 std::string elastic_key(const std::string& job, const std::string& rest);  // "<job>/elastic/<rest>"
 int64_t wall_ms();  // system clock, ms since the epoch (events, fault times)
 
@@ -63,13 +85,15 @@ int64_t wall_ms();  // system clock, ms since the epoch (events, fault times)
 // action kill (SIGKILL), stop (SIGSTOP), slow (sleeps 150 ms there at that step and
 // every later one: a straggler), cut (aborts the worker's own communicators: its data-plane
 // connections close, the process lives on) or hang (the step thread blocks forever while
-// the process keeps its heartbeat: only the step watchdog sees it), phase forward (the first attention all-to-all
+// the process keeps its heartbeat: only the step watchdog sees it) or cutctl (the worker's
+// connection to the control plane is closed: under troupe-scheduler its store session;
+// it keeps computing but can neither beat nor take commands), phase forward (the first attention all-to-all
 // of the step), alltoall (the first MoE dispatch all-to-all), sync (gradient
 // reduce-scatter), checkpoint (while the elastic checkpoint of the step is being written
 // in the background) or any (the first data-plane wait of the step). Only processes started
 // in epoch 0 inject (a replacement never repeats its predecessor's fault).
 struct FaultSpec {
-  enum class Action { kKill, kStop, kSlow, kCut, kHang } action = Action::kKill;
+  enum class Action { kKill, kStop, kSlow, kCut, kHang, kCutControl } action = Action::kKill;
   int64_t step = 0;
   std::string phase;
   int slot = 0;
@@ -79,7 +103,9 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec);
 // The worker process: serves the job under the elastic protocol until "stop" (or until
 // the plan leaves it out). `tc` is the job's configuration; the plan overrides dp and
 // grad_accum.
+// `cut_control` (may be empty) closes the worker's connection to its control plane, for
+// the cutctl fault.
 Status run_elastic_worker(const layers::TrainConfig& tc, comm::RendezvousStore& store, const std::string& job,
-                          int slot, uint64_t epoch);
+                          int slot, uint64_t epoch, std::function<void()> cut_control = {});
 
 }  // namespace troupe::training

@@ -207,6 +207,7 @@ class SchedulerRendezvous final : public comm::RendezvousStore {
     return s_->wait(keys, deadline);
   }
   Result<bool> contains(std::string_view key) override { return s_->contains(key); }
+  void disconnect() { s_->disconnect(); }  // elastic fault injection (cutctl)
 
  private:
   std::unique_ptr<sched::SchedulerStore> s_;
@@ -281,7 +282,9 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir) {
   if (role == "worker") {
     if (elastic_enabled()) {  // apps/train_moe/elastic_launch.h
       TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> estore, open_store(run_dir));
-      return run_elastic_worker_process(tc, *estore);
+      std::function<void()> cut_control;
+      if (auto* sr = dynamic_cast<SchedulerRendezvous*>(estore.get())) cut_control = [sr] { sr->disconnect(); };
+      return run_elastic_worker_process(tc, *estore, std::move(cut_control));
     }
     const char* job = env("TROUPE_JOB_ID");
     if (job == nullptr || *job == '\0') return invalid_argument("worker: TROUPE_JOB_ID is not set");

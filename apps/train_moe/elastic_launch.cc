@@ -103,7 +103,10 @@ class ElasticLauncher {
   // watched by the scheduler through `store`); else the standalone launcher.
   ElasticLauncher(const TrainOptions& o, std::string run_dir, const layers::TrainConfig& tc,
                   std::unique_ptr<comm::RendezvousStore> store = nullptr)
-      : o_(o), run_dir_(std::move(run_dir)), tc_(tc), store_(std::move(store)), scheduled_(store_ != nullptr) {}
+      : o_(o), run_dir_(std::move(run_dir)), tc_(tc), scheduled_(store != nullptr) {
+    // A store outage (the scheduler restarting) must not end the job.
+    if (store) store_ = std::make_unique<training::TolerantStore>(std::move(store), std::chrono::milliseconds(30000));
+  }
   ~ElasticLauncher() { kill_all(); }
 
   Status run();
@@ -162,6 +165,7 @@ class ElasticLauncher {
   std::optional<int64_t> rewound_to_;
   int64_t max_step_logged_ = 0;
   int64_t last_step_ = 0;
+  Clock::time_point last_hb_check_ = Clock::now();
   int64_t ckpt_every_ = 0;
   std::string ckpt_dir_;
 };
@@ -280,6 +284,16 @@ std::optional<Failure> ElasticLauncher::check_processes() {
 
 std::optional<Failure> ElasticLauncher::check_heartbeats() {
   std::optional<Failure> f;
+  // While the store itself stalls (the scheduler restarting) silence proves nothing: the
+  // timers restart once it answers promptly again.
+  const auto t_probe = Clock::now();
+  (void)store_->contains(key("hb/probe"));
+  const bool store_stalled = Clock::now() - t_probe > std::chrono::milliseconds(500);
+  if (store_stalled || Clock::now() - last_hb_check_ > hb_timeout_ / 2) {
+    for (auto& [slot, p] : procs_) p.hb_seen = Clock::now();
+    if (store_stalled) event({{"event", "heartbeat_timers_reset"}, {"why", "the store stalled"}});
+  }
+  last_hb_check_ = Clock::now();
   const auto now = Clock::now();
   for (int slot : plan_.slots) {
     Proc& p = procs_[slot];
@@ -1002,14 +1016,16 @@ Status run_elastic_scheduled_driver(const TrainOptions& o, const std::string& ru
   return l.run();
 }
 
-Status run_elastic_worker_process(const layers::TrainConfig& tc, comm::RendezvousStore& store) {
+Status run_elastic_worker_process(const layers::TrainConfig& tc, comm::RendezvousStore& store,
+                                  std::function<void()> cut_control) {
   const char* job = std::getenv("TROUPE_JOB_ID");
   if (job == nullptr || *job == '\0') return invalid_argument("elastic worker: TROUPE_JOB_ID is not set");
   // Started by the scheduler in epoch 0: the slot is the rank.
   const int64_t slot = env_or("TROUPE_ELASTIC_SLOT", env_or("TROUPE_RANK", -1));
   if (slot < 0) return invalid_argument("elastic worker: neither TROUPE_ELASTIC_SLOT nor TROUPE_RANK is set");
   const int64_t epoch = env_or("TROUPE_ELASTIC_EPOCH", 0);
-  return training::run_elastic_worker(tc, store, job, static_cast<int>(slot), static_cast<uint64_t>(epoch));
+  return training::run_elastic_worker(tc, store, job, static_cast<int>(slot), static_cast<uint64_t>(epoch),
+                                      std::move(cut_control));
 }
 
 }  // namespace troupe::train_moe

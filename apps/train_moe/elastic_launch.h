@@ -4,6 +4,7 @@
 // every failure and recovery in <run dir>/events.jsonl (docs/elastic.md).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -26,6 +27,8 @@ Status run_elastic_scheduled_driver(const TrainOptions& o, const std::string& ru
 
 // A worker (TROUPE_ROLE=worker; TROUPE_ELASTIC_SLOT or TROUPE_RANK, TROUPE_ELASTIC_EPOCH,
 // TROUPE_JOB_ID).
-Status run_elastic_worker_process(const layers::TrainConfig& tc, comm::RendezvousStore& store);
+// `cut_control` closes the worker's control-plane connection (cutctl fault; may be empty).
+Status run_elastic_worker_process(const layers::TrainConfig& tc, comm::RendezvousStore& store,
+                                  std::function<void()> cut_control = {});
 
 }  // namespace troupe::train_moe
