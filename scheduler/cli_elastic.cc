@@ -13,6 +13,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "scheduler/scheduler_store.h"
+
 namespace troupe::sched {
 
 namespace fs = std::filesystem;
@@ -67,6 +69,75 @@ bool job_finished(const std::string& dir) {
   return false;
 }
 
+// Sends `req` to the driver of scheduler job `job` through the job's store (epoch 0: an
+// elastic job never restarts its workers) and prints its answer.
+int store_request(const CliConnection& c, const std::string& job, const nlohmann::json& req, int wait_s,
+                  const char* cmd) {
+  std::string addr = c.scheduler;
+  if (addr.empty()) {
+    const char* env = std::getenv("TROUPE_SCHEDULER");
+    addr = env && *env ? env : kDefaultSchedulerAddress;
+  }
+  ClientSecurity sec;
+  if (!c.scheduler_key.empty()) {
+    auto server = read_key_file(c.scheduler_key);
+    auto mine = read_key_file(c.curve_key);
+    if (!server.ok() || !mine.ok()) {
+      fmt::print(stderr, "troupe {}: cannot read the CURVE key files\n", cmd);
+      return 2;
+    }
+    sec.server_public_key = server->public_key;
+    sec.client_keys = *mine;
+  }
+  auto store = SchedulerStore::connect(addr, sec, job, 0);
+  if (!store.ok()) {
+    fmt::print(stderr, "troupe {}: {}\n", cmd, store.status().message());
+    return 4;
+  }
+  const std::string pre = job + "/elastic/";
+  // The first free request number (the driver takes them in order).
+  int64_t k = 0;
+  while (true) {
+    auto has = (*store)->contains(pre + fmt::format("request/{}", k));
+    if (!has.ok()) {
+      fmt::print(stderr, "troupe {}: job {}: {}\n", cmd, job, has.status().message());
+      return has.status().code() == StatusCode::kNotFound ? 3 : 4;
+    }
+    if (!*has) break;
+    ++k;
+  }
+  Status st = (*store)->set(pre + fmt::format("request/{}", k), req.dump());
+  if (!st.ok()) {
+    fmt::print(stderr, "troupe {}: {}\n", cmd, st.message());
+    return 1;
+  }
+  if (wait_s <= 0) return 0;
+  auto ans = (*store)->get(pre + fmt::format("answer/{}", k), Clock::now() + std::chrono::seconds(wait_s));
+  if (!ans.ok()) {
+    fmt::print(stderr, "troupe {}: no answer from the job's driver within {} s ({})\n", cmd, wait_s,
+               ans.status().message());
+    return 1;
+  }
+  const nlohmann::json a = nlohmann::json::parse(*ans, nullptr, false);
+  const std::string ev = a.is_object() ? a.value("event", "") : "";
+  if (ev == "scaled") {
+    fmt::print("scaled dp {} -> {} (grad_accum {}) after step {} in {} ms\n", a["from_dp"].get<int>(),
+               a["to_dp"].get<int>(), a["grad_accum"].get<int>(), a["after_step"].get<int64_t>(), a["ms"].get<int64_t>());
+    return 0;
+  }
+  if (ev == "replaced") {
+    fmt::print("replaced worker slot {} after step {} in {} ms (epoch {})\n", a["slot"].get<int>(),
+               a["after_step"].get<int64_t>(), a["ms"].get<int64_t>(), a["epoch"].get<int64_t>());
+    return 0;
+  }
+  if (ev == "scale_unchanged") {
+    fmt::print("dp is already {}\n", a["dp"].get<int>());
+    return 0;
+  }
+  fmt::print(stderr, "troupe {}: refused: {}\n", cmd, *ans);
+  return 1;
+}
+
 }  // namespace
 
 bool is_elastic_run_dir(const std::string& path) {
@@ -75,7 +146,10 @@ bool is_elastic_run_dir(const std::string& path) {
          (fs::exists(path + "/status.json", ec) || fs::is_directory(path + "/rendezvous", ec));
 }
 
-int cli_elastic_scale(const std::string& run_dir, int dp, int wait_s) {
+int cli_elastic_scale(const CliConnection& c, const std::string& run_dir, int dp, int wait_s) {
+  if (!std::filesystem::is_directory(run_dir)) {
+    return store_request(c, run_dir, nlohmann::json{{"op", "scale"}, {"dp", dp}}, wait_s, "scale");
+  }
   if (!is_elastic_run_dir(run_dir)) {
     fmt::print(stderr, "troupe scale: {} is not the run directory of an elastic job (TROUPE_ELASTIC=1 train_moe)\n",
                run_dir);
@@ -110,7 +184,10 @@ int cli_elastic_scale(const std::string& run_dir, int dp, int wait_s) {
   return 0;
 }
 
-int cli_elastic_replace(const std::string& run_dir, int slot, int wait_s) {
+int cli_elastic_replace(const CliConnection& c, const std::string& run_dir, int slot, int wait_s) {
+  if (!std::filesystem::is_directory(run_dir)) {
+    return store_request(c, run_dir, nlohmann::json{{"op", "replace"}, {"slot", slot}}, wait_s, "replace");
+  }
   if (!is_elastic_run_dir(run_dir)) {
     fmt::print(stderr, "troupe replace: {} is not the run directory of an elastic job (TROUPE_ELASTIC=1 train_moe)\n",
                run_dir);

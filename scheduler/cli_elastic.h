@@ -5,10 +5,13 @@
 //   troupe status <run dir>           the job's workers, epoch, dp, recoveries, stragglers
 // Requests are files the launcher polls at step boundaries (<run dir>/scale_request,
 // replace_request); the commands wait (bounded) for the launcher's answer in events.jsonl.
-// Jobs of troupe-scheduler are not elastic yet (a failure restarts their workers).
+// For a troupe-scheduler job (--elastic) the requests are store keys of the job
+// ("<job>/elastic/request/<k>", answered at "answer/<k>").
 #pragma once
 
 #include <string>
+
+#include "scheduler/cli.h"
 
 namespace troupe::sched {
 
@@ -16,8 +19,11 @@ namespace troupe::sched {
 // status.json or the launcher's rendezvous directory).
 bool is_elastic_run_dir(const std::string& path);
 
-int cli_elastic_scale(const std::string& run_dir, int dp, int wait_s);
-int cli_elastic_replace(const std::string& run_dir, int slot, int wait_s);
+// `job` is an elastic launcher's run directory, or the id of a troupe-scheduler job
+// submitted with --elastic (the request then travels through the job's store, connected
+// with `c`, and the job's driver answers there).
+int cli_elastic_scale(const CliConnection& c, const std::string& job, int dp, int wait_s);
+int cli_elastic_replace(const CliConnection& c, const std::string& job, int slot, int wait_s);
 int cli_elastic_status(const std::string& run_dir, bool json);
 
 }  // namespace troupe::sched

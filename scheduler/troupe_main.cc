@@ -134,7 +134,10 @@ int main(int argc, char** argv) {
   std::string scale_dir;
   int scale_dp = 0, scale_wait = 60;
   auto* scale = app.add_subcommand("scale", "Rescale an elastic job's data parallelism at its next step boundary");
-  scale->add_option("job", scale_dir, "Run directory of an elastic train_moe job (TROUPE_ELASTIC=1)")->required();
+  CliConnection scale_conn, replace_conn;
+  scale->add_option("job", scale_dir, "Run directory of an elastic train_moe job, or the id of a --elastic job")
+      ->required();
+  add_connection(scale, scale_conn);
   scale->add_option("--dp", scale_dp, "New data-parallel size (within the job's elastic bounds)")
       ->required()
       ->check(CLI::Range(1, 1000000));
@@ -142,7 +145,9 @@ int main(int argc, char** argv) {
   std::string replace_dir;
   int replace_slot = -1, replace_wait = 60;
   auto* replace = app.add_subcommand("replace", "Replace one worker of an elastic job (restored from a dp peer)");
-  replace->add_option("job", replace_dir, "Run directory of an elastic train_moe job (TROUPE_ELASTIC=1)")->required();
+  replace->add_option("job", replace_dir, "Run directory of an elastic train_moe job, or the id of a --elastic job")
+      ->required();
+  add_connection(replace, replace_conn);
   replace->add_option("worker", replace_slot, "Worker slot (see troupe status <run dir>)")
       ->required()
       ->check(CLI::Range(0, 1000000));
@@ -185,8 +190,10 @@ int main(int argc, char** argv) {
     }
     return troupe::sched::cli_status(status_conn, status_job, status_json);
   }
-  if (scale->parsed()) return troupe::sched::cli_elastic_scale(scale_dir, scale_dp, scale_wait);
-  if (replace->parsed()) return troupe::sched::cli_elastic_replace(replace_dir, replace_slot, replace_wait);
+  if (scale->parsed()) return troupe::sched::cli_elastic_scale(scale_conn, scale_dir, scale_dp, scale_wait);
+  if (replace->parsed()) {
+    return troupe::sched::cli_elastic_replace(replace_conn, replace_dir, replace_slot, replace_wait);
+  }
   if (logs->parsed()) {
     if (logs_worker >= 0) logs_proc = "worker-" + std::to_string(logs_worker);
     else if (logs_driver) logs_proc = "driver";

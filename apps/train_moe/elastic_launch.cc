@@ -130,6 +130,11 @@ class ElasticLauncher {
   Status maybe_finalize_checkpoint(int64_t step);
   Status maybe_rescale(int64_t step_done);
   Status maybe_replace(int64_t step_done);
+  // Scheduler jobs: `troupe scale|replace <job id>` requests arrive as store keys
+  // "request/<k>" {op, dp|slot}; each is turned into the run directory's request file and
+  // answered at "answer/<k>" with the outcome.
+  Status take_store_request();
+  Status answer_store_request();
   void track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step, std::optional<Failure>& failure);
   void write_status(int64_t step);
   Result<ElasticPlan> plan_for(int64_t dp, const std::vector<int>& keep_dp, int64_t step_done, const std::string& why,
@@ -165,6 +170,9 @@ class ElasticLauncher {
   std::optional<int64_t> rewound_to_;
   int64_t max_step_logged_ = 0;
   int64_t last_step_ = 0;
+  int64_t next_request_ = 0;
+  std::optional<int64_t> pending_answer_;
+  nlohmann::json last_answer_;
   Clock::time_point last_hb_check_ = Clock::now();
   int64_t ckpt_every_ = 0;
   std::string ckpt_dir_;
@@ -723,6 +731,33 @@ void ElasticLauncher::write_status(int64_t step) {
   fs::rename(tmp, run_dir_ + "/status.json", ec);
 }
 
+Status ElasticLauncher::take_store_request() {
+  if (pending_answer_) return ok_status();
+  const std::string k = key(fmt::format("request/{}", next_request_));
+  TROUPE_ASSIGN_OR_RETURN(bool has, store_->contains(k));
+  if (!has) return ok_status();
+  TROUPE_ASSIGN_OR_RETURN(std::string text, store_->get(k, comm::deadline_in(std::chrono::milliseconds(5000))));
+  pending_answer_ = next_request_++;
+  last_answer_ = nlohmann::json{{"event", "request_refused"}, {"why", "malformed request"}, {"request", text}};
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  if (!j.is_object()) return ok_status();
+  const std::string op = j.value("op", "");
+  if (op == "scale" && j.contains("dp") && j["dp"].is_number_integer()) {
+    std::ofstream(run_dir_ + "/scale_request") << j["dp"].get<int64_t>() << "\n";
+    last_answer_ = nlohmann::json{{"event", "scale_unchanged"}, {"dp", plan_.dp}};
+  } else if (op == "replace" && j.contains("slot") && j["slot"].is_number_integer()) {
+    std::ofstream(run_dir_ + "/replace_request") << j["slot"].get<int64_t>() << "\n";
+  }
+  return ok_status();
+}
+
+Status ElasticLauncher::answer_store_request() {
+  if (!pending_answer_) return ok_status();
+  TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("answer/{}", *pending_answer_)), last_answer_.dump()));
+  pending_answer_.reset();
+  return ok_status();
+}
+
 Status ElasticLauncher::maybe_replace(int64_t step_done) {
   // "<slot>" in <run dir>/replace_request (troupe replace): a planned replacement at this
   // step boundary, restored from a dp peer like a failure.
@@ -738,7 +773,8 @@ Status ElasticLauncher::maybe_replace(int64_t step_done) {
   char* end = nullptr;
   const long slot = std::strtol(text.c_str(), &end, 10);
   if (text.empty() || *end != '\0' || plan_.rank_of_slot(static_cast<int>(slot)) < 0) {
-    event({{"event", "replace_refused"}, {"request", text}, {"why", "not a worker slot of the job"}});
+    last_answer_ = {{"event", "replace_refused"}, {"request", text}, {"why", "not a worker slot of the job"}};
+    event(last_answer_);
     fmt::print("elastic: replace request '{}' refused: not a worker slot of the job\n", text);
     return ok_status();
   }
@@ -756,16 +792,22 @@ Status ElasticLauncher::maybe_replace(int64_t step_done) {
       peer |= d != me.dp && stateful_.count(other) > 0;
     }
     if (!peer && ckpt_dir_.empty()) {
-      event({{"event", "replace_refused"}, {"request", text},
-             {"why", fmt::format("slot {} has no dp peer (dp={}) and no elastic checkpoint is kept", slot, plan_.dp)}});
+      last_answer_ = {{"event", "replace_refused"}, {"request", text},
+                      {"why", fmt::format("slot {} has no dp peer (dp={}) and no elastic checkpoint is kept", slot, plan_.dp)}};
+      event(last_answer_);
       fmt::print("elastic: replace request for slot {} refused: no dp peer holds its state (dp={})\n", slot, plan_.dp);
       return ok_status();
     }
   }
   fmt::print("elastic: replacing slot {} on request after step {}\n", slot, step_done);
   std::fflush(stdout);
-  return recover(Failure{"replace", {static_cast<int>(slot)}, fmt::format("slot {} replaced on request", slot), wall_ms()},
-                 step_done, step_done + 1);
+  const int64_t t0 = wall_ms();
+  TROUPE_RETURN_IF_ERROR(recover(
+      Failure{"replace", {static_cast<int>(slot)}, fmt::format("slot {} replaced on request", slot), wall_ms()},
+      step_done, step_done + 1));
+  last_answer_ = {{"event", "replaced"}, {"slot", slot}, {"after_step", step_done}, {"epoch", plan_.epoch},
+                  {"ms", wall_ms() - t0}};
+  return ok_status();
 }
 
 Status ElasticLauncher::maybe_rescale(int64_t step_done) {
@@ -800,7 +842,8 @@ Status ElasticLauncher::maybe_rescale(int64_t step_done) {
   const long dp = std::strtol(text.c_str(), &end, 10);
   const int64_t min_dp = env_or("TROUPE_ELASTIC_MIN_DP", 1), max_dp = env_or("TROUPE_ELASTIC_MAX_DP", tc_.parallel.dp);
   if (text.empty() || *end != '\0' || dp < min_dp || dp > max_dp) {
-    event({{"event", "scale_refused"}, {"request", text}, {"min_dp", min_dp}, {"max_dp", max_dp}});
+    last_answer_ = {{"event", "scale_refused"}, {"request", text}, {"min_dp", min_dp}, {"max_dp", max_dp}};
+    event(last_answer_);
     fmt::print("elastic: scale request '{}' refused (dp must be in [{}, {}])\n", text, min_dp, max_dp);
     return ok_status();
   }
@@ -811,7 +854,8 @@ Status ElasticLauncher::maybe_rescale(int64_t step_done) {
   Result<ElasticPlan> plan = plan_for(dp, keep, step_done, fmt::format("scale dp {} -> {}", plan_.dp, dp),
                                       spawn_slots, leaving);
   if (!plan.ok()) {
-    event({{"event", "scale_refused"}, {"request", text}, {"why", plan.status().to_string()}});
+    last_answer_ = {{"event", "scale_refused"}, {"request", text}, {"why", plan.status().to_string()}};
+    event(last_answer_);
     fmt::print("elastic: scale request refused: {}\n", plan.status().to_string());
     return ok_status();
   }
@@ -822,8 +866,9 @@ Status ElasticLauncher::maybe_rescale(int64_t step_done) {
   TROUPE_RETURN_IF_ERROR(wait_ready(plan_, failure));
   if (!failure) stateful_ = std::set<int>(plan_.slots.begin(), plan_.slots.end());
   if (failure) TROUPE_RETURN_IF_ERROR(recover(*failure, step_done, step_done + 1));
-  event({{"event", "scaled"}, {"from_dp", from}, {"to_dp", plan_.dp}, {"grad_accum", plan_.grad_accum},
-         {"after_step", step_done}, {"ms", wall_ms() - t0}});
+  last_answer_ = {{"event", "scaled"}, {"from_dp", from}, {"to_dp", plan_.dp}, {"grad_accum", plan_.grad_accum},
+                  {"after_step", step_done}, {"ms", wall_ms() - t0}};
+  event(last_answer_);
   fmt::print("elastic: scaled dp {} -> {} (grad_accum {}) after step {} in {} ms\n", from, plan_.dp, plan_.grad_accum,
              step_done, wall_ms() - t0);
   std::fflush(stdout);
@@ -954,8 +999,10 @@ Status ElasticLauncher::run_job() {
     }
     write_status(step);
     if (step < tc_.train.steps) {
+      if (scheduled_) TROUPE_RETURN_IF_ERROR(take_store_request());
       TROUPE_RETURN_IF_ERROR(maybe_replace(step));
       TROUPE_RETURN_IF_ERROR(maybe_rescale(step));
+      if (scheduled_) TROUPE_RETURN_IF_ERROR(answer_store_request());
     }
   }
   TROUPE_RETURN_IF_ERROR(call(training::Command::Kind::kStop, 0).status());

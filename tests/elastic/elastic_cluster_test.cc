@@ -8,7 +8,8 @@
 //   - a worker's control connection (its session with the scheduler, through which it
 //     beats and takes commands) is cut: the driver sees its heartbeat stop, has the
 //     scheduler kill it, and a replacement the scheduler places is restored from its dp
-//     peer.
+//     peer;
+//   - `troupe replace <job> <slot>` and `troupe scale <job> --dp N` by job id.
 // Both: the job succeeds, its losses equal the fault-free run's (within 1e-5), and no
 // process of the test is left (the harness checks every process tagged TW_TAG).
 #include <signal.h>
@@ -224,6 +225,34 @@ TEST_F(ElasticCluster, CutControlConnectionGetsTheWorkerReplaced) {
               "lost %lld\n",
               static_cast<long long>(d), rec[0]["recovery_s"].get<double>(),
               static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
+}
+
+TEST_F(ElasticCluster, TroupeReplaceAndScaleByJobId) {
+  // `troupe replace <job> <slot>` and `troupe scale <job> --dp N` against a running
+  // --elastic job: the requests travel through the job's store to its driver, which
+  // answers there once they are applied at a step boundary.
+  Cluster c({});
+  const std::string job = submit(c, "cli-job", {"--env", "TROUPE_FAULT=slow@1:any:0"});
+  const fs::path dir = *root_ / "cli-job";
+  ASSERT_TRUE(wait_until([&] { return steps_of(dir / "metrics.jsonl").size() >= 2; }, std::chrono::seconds(60)))
+      << c.logs_of_daemons();
+  auto with_conn = [&](std::vector<std::string> a) {
+    for (const auto& x : c.conn_args()) a.push_back(x);
+    return a;
+  };
+  const auto rep = run_cli(with_conn({"replace", job, "1"}), std::chrono::seconds(60));
+  EXPECT_EQ(rep.exit_code, 0) << rep.output;
+  EXPECT_NE(rep.output.find("replaced worker slot 1"), std::string::npos) << rep.output;
+  const auto sc = run_cli(with_conn({"scale", job, "--dp", "1"}), std::chrono::seconds(60));
+  EXPECT_EQ(sc.exit_code, 0) << sc.output;
+  EXPECT_NE(sc.output.find("scaled dp 2 -> 1"), std::string::npos) << sc.output;
+  const auto bad = run_cli(with_conn({"scale", job, "--dp", "4"}), std::chrono::seconds(60));
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_NE(bad.output.find("refused"), std::string::npos) << bad.output;
+  ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(120))) << c.logs_of_daemons();
+  expect_same_losses("cli-job");
+  std::printf("[elastic-cluster cli] %s[elastic-cluster cli] %s[elastic-cluster cli] %s", rep.output.c_str(),
+              sc.output.c_str(), bad.output.c_str());
 }
 
 }  // namespace
