@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -71,8 +72,8 @@ bool job_finished(const std::string& dir) {
 
 // Sends `req` to the driver of scheduler job `job` through the job's store (epoch 0: an
 // elastic job never restarts its workers) and prints its answer.
-int store_request(const CliConnection& c, const std::string& job, const nlohmann::json& req, int wait_s,
-                  const char* cmd) {
+// The scheduler's address and this client's security, as the other commands take them.
+Result<std::pair<std::string, ClientSecurity>> connection(const CliConnection& c) {
   std::string addr = c.scheduler;
   if (addr.empty()) {
     const char* env = std::getenv("TROUPE_SCHEDULER");
@@ -80,16 +81,22 @@ int store_request(const CliConnection& c, const std::string& job, const nlohmann
   }
   ClientSecurity sec;
   if (!c.scheduler_key.empty()) {
-    auto server = read_key_file(c.scheduler_key);
-    auto mine = read_key_file(c.curve_key);
-    if (!server.ok() || !mine.ok()) {
-      fmt::print(stderr, "troupe {}: cannot read the CURVE key files\n", cmd);
-      return 2;
-    }
-    sec.server_public_key = server->public_key;
-    sec.client_keys = *mine;
+    TROUPE_ASSIGN_OR_RETURN(auto server, read_key_file(c.scheduler_key));
+    TROUPE_ASSIGN_OR_RETURN(auto mine, read_key_file(c.curve_key));
+    sec.server_public_key = server.public_key;
+    sec.client_keys = mine;
   }
-  auto store = SchedulerStore::connect(addr, sec, job, 0);
+  return std::make_pair(addr, sec);
+}
+
+int store_request(const CliConnection& c, const std::string& job, const nlohmann::json& req, int wait_s,
+                  const char* cmd) {
+  auto conn = connection(c);
+  if (!conn.ok()) {
+    fmt::print(stderr, "troupe {}: {}\n", cmd, conn.status().message());
+    return 2;
+  }
+  auto store = SchedulerStore::connect(conn->first, conn->second, job, 0);
   if (!store.ok()) {
     fmt::print(stderr, "troupe {}: {}\n", cmd, store.status().message());
     return 4;
@@ -219,6 +226,67 @@ int cli_elastic_replace(const CliConnection& c, const std::string& run_dir, int 
   fmt::print("replaced worker slot {}: step {} completed {:.2f} s later, steps lost {}\n", slot,
              (*ev)["step"].get<int64_t>(), (*ev)["recovery_s"].get<double>(), (*ev)["steps_lost"].get<int64_t>());
   return 0;
+}
+
+int cli_elastic_drain(const CliConnection& c, const std::string& agent, int wait_s) {
+  auto conn = connection(c);
+  if (!conn.ok()) {
+    fmt::print(stderr, "troupe drain: {}\n", conn.status().message());
+    return 2;
+  }
+  auto ep = normalize_endpoint(conn->first);
+  if (!ep.ok()) {
+    fmt::print(stderr, "troupe drain: {}\n", ep.status().message());
+    return 2;
+  }
+  auto client = ClientEndpoint::connect(*ep, conn->second, fmt::format("cli-drain:{:x}", std::random_device{}()));
+  if (!client.ok()) {
+    fmt::print(stderr, "troupe drain: {}\n", client.status().message());
+    return 4;
+  }
+  auto reply = (*client)->request(StatusQuery{""}, std::chrono::milliseconds(c.timeout_ms));
+  if (!reply.ok() || !reply->status().ok()) {
+    fmt::print(stderr, "troupe drain: cannot read the scheduler's status: {}\n",
+               reply.ok() ? reply->status().message() : reply.status().message());
+    return 4;
+  }
+  const nlohmann::json st = nlohmann::json::parse(reply->body, nullptr, false);
+  if (!st.is_object()) {
+    fmt::print(stderr, "troupe drain: the scheduler's status is not JSON\n");
+    return 1;
+  }
+  bool known = false;
+  for (const auto& a : st.value("agents", nlohmann::json::array())) known |= a.value("id", "") == agent;
+  if (!known) {
+    fmt::print(stderr, "troupe drain: no agent '{}'\n", agent);
+    return 3;
+  }
+  int moved = 0, failed = 0;
+  for (const auto& job : st.value("jobs", nlohmann::json::array())) {
+    if (job.value("state", "") != "running") continue;
+    std::vector<int> slots;
+    for (const auto& p : job.value("procs", nlohmann::json::array())) {
+      if (p.value("role", "") == "worker" && p.value("agent", "") == agent &&
+          (p.value("state", "") == "running" || p.value("state", "") == "starting")) {
+        slots.push_back(p.value("rank", -1));
+      }
+    }
+    if (slots.empty()) continue;
+    const std::string id = job.value("id", "");
+    if (!job.value("elastic", false)) {
+      fmt::print("job {}: {} worker(s) on {} left in place (not an --elastic job)\n", id, slots.size(), agent);
+      continue;
+    }
+    for (int slot : slots) {
+      fmt::print("job {}: ", id);
+      std::fflush(stdout);
+      const int rc = store_request(c, id, nlohmann::json{{"op", "replace"}, {"slot", slot}, {"avoid", agent}}, wait_s,
+                                   "drain");
+      (rc == 0 ? moved : failed) += 1;
+    }
+  }
+  fmt::print("drained {}: {} worker(s) moved, {} failed\n", agent, moved, failed);
+  return failed == 0 ? 0 : 1;
 }
 
 int cli_elastic_status(const std::string& run_dir, bool json) {

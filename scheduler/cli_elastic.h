@@ -3,6 +3,7 @@
 //   troupe scale <run dir> --dp N     rescale data parallelism at the next step boundary
 //   troupe replace <run dir> <slot>   replace one worker (restored from a dp peer)
 //   troupe status <run dir>           the job's workers, epoch, dp, recoveries, stragglers
+//   troupe drain <agent>              move the workers of --elastic jobs off that agent
 // Requests are files the launcher polls at step boundaries (<run dir>/scale_request,
 // replace_request); the commands wait (bounded) for the launcher's answer in events.jsonl.
 // For a troupe-scheduler job (--elastic) the requests are store keys of the job
@@ -25,5 +26,9 @@ bool is_elastic_run_dir(const std::string& path);
 int cli_elastic_scale(const CliConnection& c, const std::string& job, int dp, int wait_s);
 int cli_elastic_replace(const CliConnection& c, const std::string& job, int slot, int wait_s);
 int cli_elastic_status(const std::string& run_dir, bool json);
+// troupe drain <agent>: every worker of a running --elastic job on that agent is replaced
+// (restored from a dp peer) by one placed on another agent. Jobs without --elastic are
+// listed, not moved.
+int cli_elastic_drain(const CliConnection& c, const std::string& agent, int wait_s);
 
 }  // namespace troupe::sched

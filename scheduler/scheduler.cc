@@ -632,7 +632,7 @@ json Scheduler::job_json(const Job& job, bool with_procs) const {
             {"message", r.message}, {"created_ms", r.created_ms}, {"updated_ms", r.updated_ms},
             {"job_dir", r.job_dir}, {"nproc", r.spec.nproc}, {"layout", r.spec.parsed_layout().to_string()},
             {"max_restarts", r.spec.max_restarts}, {"argv", r.spec.argv}, {"running_procs", running},
-            {"running_workers", running_workers}};
+            {"running_workers", running_workers}, {"elastic", r.spec.elastic}};
   if (with_procs) {
     json procs = json::array();
     for (const auto& [n, p] : job.procs) {

@@ -68,6 +68,7 @@ class Scheduler {
     bool beating = false;             // heartbeat monitoring starts with the hello
     // Added to the process's environment (elastic replacements: their slot and epoch).
     std::vector<std::pair<std::string, std::string>> extra_env;
+    std::string avoid_agent;  // elastic replacement: not on this agent (troupe drain)
   };
   struct Job {
     JobRecord rec;

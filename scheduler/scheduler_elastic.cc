@@ -2,8 +2,9 @@
 // "Elastic jobs"; docs/elastic.md): it stays the process manager (placement, spawn, exit
 // and heartbeat detection through the agents) while the job's driver owns membership.
 //   worker ends (any status, or lost)  -> key "<job>/elastic/exit/<slot>" {ts_ms, why}
-//   driver sets "<job>/elastic/spawn/<slot>" {epoch} -> a worker process "worker-<slot>" on
-//                                          a free slot (waiting for one if needed),
+//   driver sets "<job>/elastic/spawn/<slot>" {epoch, avoid?} -> a worker "worker-<slot>" on
+//                                          a free slot, not on agent `avoid` (troupe drain),
+//                                          waiting for one if needed,
 //                                          TROUPE_ELASTIC_SLOT/EPOCH set
 //   driver sets "<job>/elastic/kill/<slot>" -> that worker is killed (then reported as above)
 // A failed worker is "retired": it no longer keeps the job from completing.
@@ -53,7 +54,7 @@ void Scheduler::elastic_place_pending(Job& job) {
     std::string agent;
     int agent_slot = -1;
     for (const auto& c : capacity()) {
-      if (!c.free_slots.empty()) {
+      if (!c.free_slots.empty() && c.agent_id != p.avoid_agent) {
         agent = c.agent_id;
         agent_slot = c.free_slots.front();
         break;
@@ -90,6 +91,7 @@ void Scheduler::elastic_on_store(Job& job, const StoreRequest& m) {
     p.beating = false;
     p.peer.clear();
     p.extra_env = {{"TROUPE_ELASTIC_SLOT", std::to_string(slot)}, {"TROUPE_ELASTIC_EPOCH", std::to_string(epoch)}};
+    p.avoid_agent = v.is_object() ? v.value("avoid", "") : "";
     // Placed on a free slot now, or as soon as one frees (a killed worker's slot is free
     // once its agent reports the exit).
     elastic_place_pending(job);

@@ -153,6 +153,14 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1000000));
   replace->add_option("--wait", replace_wait, "Seconds to wait for the job's answer (0: do not wait)");
 
+  std::string drain_agent;
+  int drain_wait = 60;
+  CliConnection drain_conn;
+  auto* drain = app.add_subcommand("drain", "Move the workers of --elastic jobs off an agent (restored from dp peers)");
+  drain->add_option("agent", drain_agent, "Agent id (see troupe status)")->required();
+  drain->add_option("--wait", drain_wait, "Seconds to wait for each move");
+  add_connection(drain, drain_conn);
+
   std::string keygen_prefix;
   auto* keygen = app.add_subcommand("keygen", "Write a CURVE key pair: PREFIX.key (private) and PREFIX.pub");
   keygen->add_option("prefix", keygen_prefix, "Path prefix of the two files")->required();
@@ -190,6 +198,7 @@ int main(int argc, char** argv) {
     }
     return troupe::sched::cli_status(status_conn, status_job, status_json);
   }
+  if (drain->parsed()) return troupe::sched::cli_elastic_drain(drain_conn, drain_agent, drain_wait);
   if (scale->parsed()) return troupe::sched::cli_elastic_scale(scale_conn, scale_dir, scale_dp, scale_wait);
   if (replace->parsed()) {
     return troupe::sched::cli_elastic_replace(replace_conn, replace_dir, replace_slot, replace_wait);

@@ -173,6 +173,7 @@ class ElasticLauncher {
   int64_t next_request_ = 0;
   std::optional<int64_t> pending_answer_;
   nlohmann::json last_answer_;
+  std::string avoid_node_;  // a drained node replacements must not land on
   Clock::time_point last_hb_check_ = Clock::now();
   int64_t ckpt_every_ = 0;
   std::string ckpt_dir_;
@@ -188,8 +189,9 @@ Status ElasticLauncher::spawn(int slot, uint64_t epoch) {
   if (scheduled_) {
     // The scheduler started the workers of epoch 0; later ones on request.
     if (epoch > 0) {
-      TROUPE_RETURN_IF_ERROR(
-          store_->set(key(fmt::format("spawn/{}", slot)), nlohmann::json{{"epoch", epoch}}.dump()));
+      nlohmann::json req{{"epoch", epoch}};
+      if (!avoid_node_.empty()) req["avoid"] = avoid_node_;  // troupe drain
+      TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("spawn/{}", slot)), req.dump()));
     }
     Proc& p = procs_[slot];
     p.pid = 0;
@@ -747,11 +749,13 @@ Status ElasticLauncher::take_store_request() {
     last_answer_ = nlohmann::json{{"event", "scale_unchanged"}, {"dp", plan_.dp}};
   } else if (op == "replace" && j.contains("slot") && j["slot"].is_number_integer()) {
     std::ofstream(run_dir_ + "/replace_request") << j["slot"].get<int64_t>() << "\n";
+    avoid_node_ = j.value("avoid", "");
   }
   return ok_status();
 }
 
 Status ElasticLauncher::answer_store_request() {
+  avoid_node_.clear();
   if (!pending_answer_) return ok_status();
   TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("answer/{}", *pending_answer_)), last_answer_.dump()));
   pending_answer_.reset();

@@ -9,7 +9,8 @@
 //     beats and takes commands) is cut: the driver sees its heartbeat stop, has the
 //     scheduler kill it, and a replacement the scheduler places is restored from its dp
 //     peer;
-//   - `troupe replace <job> <slot>` and `troupe scale <job> --dp N` by job id.
+//   - `troupe replace <job> <slot>` and `troupe scale <job> --dp N` by job id;
+//   - `troupe drain <agent>` moves the job's workers off an agent.
 // Both: the job succeeds, its losses equal the fault-free run's (within 1e-5), and no
 // process of the test is left (the harness checks every process tagged TW_TAG).
 #include <signal.h>
@@ -253,6 +254,39 @@ TEST_F(ElasticCluster, TroupeReplaceAndScaleByJobId) {
   expect_same_losses("cli-job");
   std::printf("[elastic-cluster cli] %s[elastic-cluster cli] %s[elastic-cluster cli] %s", rep.output.c_str(),
               sc.output.c_str(), bad.output.c_str());
+}
+
+TEST_F(ElasticCluster, DrainMovesWorkersToAnotherAgent) {
+  // Two agents with 4 slots each: `troupe drain <agent>` replaces every worker of the
+  // --elastic job on that agent by one placed on the other, each restored from its dp peer.
+  Cluster::Options o;
+  o.slots_per_agent = 4;
+  Cluster c(o);
+  const std::string job = submit(c, "drain", {"--env", "TROUPE_FAULT=slow@1:any:0"});
+  const fs::path dir = *root_ / "drain";
+  ASSERT_TRUE(wait_until([&] { return steps_of(dir / "metrics.jsonl").size() >= 2; }, std::chrono::seconds(60)))
+      << c.logs_of_daemons();
+  auto live_workers_on = [&](const std::string& agent) {
+    int n = 0;
+    const nlohmann::json st = c.status(job);  // kept alive for the loop
+    for (const auto& p : st["jobs"][0]["procs"]) {
+      const std::string state = p.value("state", "");
+      n += p.value("role", "") == "worker" && p.value("agent", "") == agent && (state == "running" || state == "starting");
+    }
+    return n;
+  };
+  const std::string busy = live_workers_on("a1") >= live_workers_on("a2") ? "a1" : "a2";
+  const int before = live_workers_on(busy);
+  ASSERT_GT(before, 0) << c.status(job).dump();
+  std::vector<std::string> a{"drain", busy};
+  for (const auto& x : c.conn_args()) a.push_back(x);
+  const auto r = run_cli(a, std::chrono::seconds(120));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(fmt::format("{} worker(s) moved, 0 failed", before)), std::string::npos) << r.output;
+  EXPECT_EQ(live_workers_on(busy), 0) << r.output;
+  ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(120))) << c.logs_of_daemons();
+  expect_same_losses("drain");
+  std::printf("[elastic-cluster drain] %s", r.output.c_str());
 }
 
 }  // namespace
