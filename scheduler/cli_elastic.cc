@@ -289,6 +289,20 @@ int cli_elastic_drain(const CliConnection& c, const std::string& agent, int wait
   return failed == 0 ? 0 : 1;
 }
 
+namespace {
+void print_elastic_table(const std::string& what, const nlohmann::json& st, bool finished) {
+  fmt::print("elastic job {}: step {}, epoch {}, dp {} (grad_accum {}), {} recoveries{}{}\n", what,
+             st.value("step", int64_t{0}), st.value("epoch", int64_t{0}), st.value("dp", int64_t{0}),
+             st.value("grad_accum", int64_t{0}), st.value("recoveries", int64_t{0}), finished ? ", finished" : "",
+             st.value("failed", false) ? ", FAILED" : "");
+  fmt::print("{:>6} {:>6} {:>9} {:>7}  {}\n", "SLOT", "RANK", "PID", "ALIVE", "FLAGS");
+  for (const auto& w : st.value("workers", nlohmann::json::array())) {
+    fmt::print("{:>6} {:>6} {:>9} {:>7}  {}\n", w.value("slot", -1), w.value("rank", -1), w.value("pid", -1),
+               w.value("alive", false) ? "yes" : "no", w.value("straggler", false) ? "straggler" : "");
+  }
+}
+}  // namespace
+
 int cli_elastic_status(const std::string& run_dir, bool json) {
   std::ifstream in(run_dir + "/status.json");
   const nlohmann::json st = nlohmann::json::parse(in, nullptr, false);
@@ -300,16 +314,24 @@ int cli_elastic_status(const std::string& run_dir, bool json) {
     fmt::print("{}\n", st.dump(1));
     return 0;
   }
-  fmt::print("elastic job {}: step {}, epoch {}, dp {} (grad_accum {}), {} recoveries{}{}\n", run_dir,
-             st.value("step", int64_t{0}), st.value("epoch", int64_t{0}), st.value("dp", int64_t{0}),
-             st.value("grad_accum", int64_t{0}), st.value("recoveries", int64_t{0}),
-             job_finished(run_dir) ? ", finished" : "", st.value("failed", false) ? ", FAILED" : "");
-  fmt::print("{:>6} {:>6} {:>9} {:>7}  {}\n", "SLOT", "RANK", "PID", "ALIVE", "FLAGS");
-  for (const auto& w : st.value("workers", nlohmann::json::array())) {
-    fmt::print("{:>6} {:>6} {:>9} {:>7}  {}\n", w.value("slot", -1), w.value("rank", -1), w.value("pid", -1),
-               w.value("alive", false) ? "yes" : "no", w.value("straggler", false) ? "straggler" : "");
-  }
+  print_elastic_table(run_dir, st, job_finished(run_dir));
   return 0;
+}
+
+void print_elastic_job_status(const CliConnection& c, const std::string& job) {
+  auto conn = connection(c);
+  if (!conn.ok()) return;
+  auto store = SchedulerStore::connect(conn->first, conn->second, job, 0);
+  if (!store.ok()) return;
+  const std::string k = job + "/elastic/status";
+  auto has = (*store)->contains(k);
+  if (!has.ok() || !*has) return;  // not an elastic job, or no step done yet
+  auto v = (*store)->get(k, SchedulerStore::Clock::now() + std::chrono::seconds(3));
+  if (!v.ok()) return;
+  const nlohmann::json st = nlohmann::json::parse(*v, nullptr, false);
+  if (!st.is_object()) return;
+  fmt::print("\n");
+  print_elastic_table(job, st, false);
 }
 
 }  // namespace troupe::sched

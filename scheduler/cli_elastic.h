@@ -26,6 +26,9 @@ bool is_elastic_run_dir(const std::string& path);
 int cli_elastic_scale(const CliConnection& c, const std::string& job, int dp, int wait_s);
 int cli_elastic_replace(const CliConnection& c, const std::string& job, int slot, int wait_s);
 int cli_elastic_status(const std::string& run_dir, bool json);
+// After `troupe status <job>` of an --elastic scheduler job: the driver's view (slots,
+// ranks, straggler flags), from the job's store; prints nothing for other jobs.
+void print_elastic_job_status(const CliConnection& c, const std::string& job);
 // troupe drain <agent>: every worker of a running --elastic job on that agent is replaced
 // (restored from a dp peer) by one placed on another agent. Jobs without --elastic are
 // listed, not moved.

@@ -196,7 +196,9 @@ int main(int argc, char** argv) {
     if (!status_job.empty() && troupe::sched::is_elastic_run_dir(status_job)) {
       return troupe::sched::cli_elastic_status(status_job, status_json);
     }
-    return troupe::sched::cli_status(status_conn, status_job, status_json);
+    const int rc = troupe::sched::cli_status(status_conn, status_job, status_json);
+    if (rc == 0 && !status_job.empty() && !status_json) troupe::sched::print_elastic_job_status(status_conn, status_job);
+    return rc;
   }
   if (drain->parsed()) return troupe::sched::cli_elastic_drain(drain_conn, drain_agent, drain_wait);
   if (scale->parsed()) return troupe::sched::cli_elastic_scale(scale_conn, scale_dir, scale_dp, scale_wait);

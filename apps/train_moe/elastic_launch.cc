@@ -724,6 +724,7 @@ void ElasticLauncher::write_status(int64_t step) {
   nlohmann::json st{{"step", step < 0 ? last_step_ : step}, {"epoch", plan_.epoch}, {"failed", step < 0}, {"dp", plan_.dp}, {"grad_accum", plan_.grad_accum},
                     {"recoveries", recoveries_}, {"workers", workers}};
   if (step >= 0) last_step_ = step;
+  if (scheduled_) (void)store_->set(key("status"), st.dump());  // troupe status <job>
   const std::string tmp = run_dir_ + "/status.json.tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
@@ -1006,6 +1007,7 @@ Status ElasticLauncher::run_job() {
       if (scheduled_) TROUPE_RETURN_IF_ERROR(take_store_request());
       TROUPE_RETURN_IF_ERROR(maybe_replace(step));
       TROUPE_RETURN_IF_ERROR(maybe_rescale(step));
+      write_status(step);  // the membership after this boundary's changes
       if (scheduled_) TROUPE_RETURN_IF_ERROR(answer_store_request());
     }
   }

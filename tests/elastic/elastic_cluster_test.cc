@@ -247,13 +247,18 @@ TEST_F(ElasticCluster, TroupeReplaceAndScaleByJobId) {
   const auto sc = run_cli(with_conn({"scale", job, "--dp", "1"}), std::chrono::seconds(60));
   EXPECT_EQ(sc.exit_code, 0) << sc.output;
   EXPECT_NE(sc.output.find("scaled dp 2 -> 1"), std::string::npos) << sc.output;
+  // `troupe status <job>` adds the driver's view of an elastic job (slots, ranks, flags).
+  const auto status = run_cli(with_conn({"status", job}), std::chrono::seconds(30));
+  EXPECT_EQ(status.exit_code, 0) << status.output;
+  EXPECT_NE(status.output.find(fmt::format("elastic job {}:", job)), std::string::npos) << status.output;
+  EXPECT_NE(status.output.find("dp 1"), std::string::npos) << status.output;
   const auto bad = run_cli(with_conn({"scale", job, "--dp", "4"}), std::chrono::seconds(60));
   EXPECT_EQ(bad.exit_code, 1) << bad.output;
   EXPECT_NE(bad.output.find("refused"), std::string::npos) << bad.output;
   ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(120))) << c.logs_of_daemons();
   expect_same_losses("cli-job");
-  std::printf("[elastic-cluster cli] %s[elastic-cluster cli] %s[elastic-cluster cli] %s", rep.output.c_str(),
-              sc.output.c_str(), bad.output.c_str());
+  std::printf("[elastic-cluster cli] %s[elastic-cluster cli] %s[elastic-cluster cli] %s[elastic-cluster cli] %s",
+              rep.output.c_str(), sc.output.c_str(), bad.output.c_str(), status.output.c_str());
 }
 
 TEST_F(ElasticCluster, DrainMovesWorkersToAnotherAgent) {
