@@ -54,6 +54,19 @@ Result<ParallelLayout> parse_layout(const std::string& text) {
   return l;
 }
 
+namespace {
+// TROUPE_* variables that configure the application's elastic driver and fault injection
+// (docs/elastic.md), not the scheduler: a job may set them.
+bool is_app_elastic_knob(const std::string& k) {
+  for (const char* name : {"TROUPE_FAULT", "TROUPE_STEP_WATCHDOG_MS", "TROUPE_COMM_ERROR_GRACE_MS",
+                           "TROUPE_ELASTIC_SPARES", "TROUPE_ELASTIC_MIN_DP", "TROUPE_ELASTIC_MAX_DP",
+                           "TROUPE_ELASTIC_CKPT_EVERY", "TROUPE_ELASTIC_JOIN_TIMEOUT_MS", "TROUPE_ELASTIC_SCALE_AT"}) {
+    if (k == name) return true;
+  }
+  return k.rfind("TROUPE_STRAGGLER_", 0) == 0;
+}
+}  // namespace
+
 Status JobSpec::validate() {
   if (argv.empty() || argv[0].empty()) return invalid_argument("job spec: no command given");
   if (nproc < 1 || nproc > 100000) return invalid_argument("job spec: nproc must be in [1, 100000], got {}", nproc);
@@ -83,7 +96,9 @@ Status JobSpec::validate() {
   }
   for (const auto& [k, v] : env) {
     if (k.empty() || k.find('=') != std::string::npos) return invalid_argument("job spec: bad env name '{}'", k);
-    if (k.rfind("TROUPE_", 0) == 0) return invalid_argument("job spec: env {} is reserved for the scheduler", k);
+    if (k.rfind("TROUPE_", 0) == 0 && !is_app_elastic_knob(k)) {
+      return invalid_argument("job spec: env {} is reserved for the scheduler", k);
+    }
   }
   return ok_status();
 }
@@ -110,6 +125,7 @@ std::string JobSpec::to_json() const {
   j["work_dir"] = work_dir;
   j["driver"] = driver;
   j["heartbeat_timeout_ms"] = heartbeat_timeout_ms;
+  if (elastic) j["elastic"] = true;
   return j.dump();
 }
 
@@ -120,7 +136,7 @@ Result<JobSpec> JobSpec::from_json(const std::string& text) {
     if (!j.is_object()) return invalid_argument("job spec: not a JSON object");
     static const char* const kKnown[] = {"name", "argv", "env", "nproc", "layout", "min_workers",
                                          "max_workers", "max_restarts", "max_driver_restarts", "checkpoint_dir", "backend",
-                                         "work_dir", "driver", "heartbeat_timeout_ms"};
+                                         "work_dir", "driver", "heartbeat_timeout_ms", "elastic"};
     for (auto it = j.begin(); it != j.end(); ++it) {
       bool known = false;
       for (const char* k : kKnown) known = known || it.key() == k;
@@ -140,6 +156,7 @@ Result<JobSpec> JobSpec::from_json(const std::string& text) {
     s.work_dir = j.value("work_dir", "");
     s.driver = j.value("driver", true);
     s.heartbeat_timeout_ms = j.value("heartbeat_timeout_ms", 3000);
+    s.elastic = j.value("elastic", false);
   } catch (const std::exception& e) {
     return invalid_argument("job spec: {}", e.what());
   }

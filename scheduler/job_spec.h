@@ -40,6 +40,9 @@ struct JobSpec {
   std::string work_dir;                      // empty: the agent's directory
   bool driver = true;                        // run a driver process besides the workers
   int heartbeat_timeout_ms = 3000;           // per process, once it has said hello
+  // Elastic: the driver owns membership (TROUPE_ELASTIC=1 in every process; a lost worker
+  // is reported to the driver, which asks for replacements; scheduler_elastic.cc).
+  bool elastic = false;
 
   // Checks every field and fills defaults (bounds, layout); errors name the field.
   Status validate();

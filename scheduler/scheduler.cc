@@ -254,12 +254,17 @@ void Scheduler::on_proc_exited(const std::string& peer, const ProcStatus& p) {
   event(job, "proc_exited", ev);
   if (job_state_final(job.rec.state)) return;
   if (status == 0) {
+    if (is_elastic(job) && proc.rec.role == "worker") elastic_worker_gone(job, proc, "exited with status 0", false);
     check_completion(job);
     return;
   }
   std::string why = !p.error.empty() ? p.error
                     : p.term_signal ? fmt::format("{} killed by signal {} ({})", p.name, p.term_signal, strsignal(p.term_signal))
                                     : fmt::format("{} exited with status {}", p.name, p.exit_code);
+  if (is_elastic(job) && proc.rec.role == "worker") {
+    elastic_worker_gone(job, proc, why, true);
+    return;
+  }
   if (proc.rec.role == "driver") restart_driver(job, why);
   else restart_workers(job, why);
 }
@@ -291,6 +296,10 @@ void Scheduler::proc_failed(Job& job, Proc& proc, const std::string& reason) {
   kill_procs(job, proc.rec.name, SIGKILL, 0);
   event(job, "proc_lost", {{"proc", proc.rec.name}, {"pid", proc.rec.pid}, {"epoch", proc.rec.epoch}, {"reason", reason}});
   if (job_state_final(job.rec.state)) return;
+  if (is_elastic(job) && proc.rec.role == "worker") {
+    elastic_worker_gone(job, proc, reason, true);
+    return;
+  }
   if (proc.rec.role == "driver") restart_driver(job, reason);
   else restart_workers(job, reason);
 }
@@ -416,6 +425,8 @@ Status Scheduler::spawn(Job& job, Proc& proc) {
   if (!spec.checkpoint_dir.empty()) add("TROUPE_CHECKPOINT_DIR", spec.checkpoint_dir);
   if (opts_.security.server_keys) add("TROUPE_SCHEDULER_PUBLIC_KEY", opts_.security.server_keys->public_key);
   if (spec.backend == "cuda" && proc.rec.slot >= 0) add("CUDA_VISIBLE_DEVICES", std::to_string(proc.rec.slot));
+  if (spec.elastic) add("TROUPE_ELASTIC", "1");
+  for (const auto& [k, v] : proc.extra_env) add(k.c_str(), v);
   proc.rec.state = ProcState::kStarting;
   proc.rec.pid = 0;
   proc.rec.exit_code = 0;
@@ -469,6 +480,10 @@ void Scheduler::restart_workers(Job& job, const std::string& reason) {
 void Scheduler::restart_driver(Job& job, const std::string& reason) {
   auto it = job.procs.find("driver");
   if (it == job.procs.end()) return;
+  if (is_elastic(job)) {  // the driver holds the membership: a new one cannot take it over
+    finish_job(job, JobState::kFailed, reason + " (an elastic job's driver is not restarted)");
+    return;
+  }
   if (job.rec.driver_restarts >= job.rec.spec.max_driver_restarts) {
     finish_job(job, JobState::kFailed,
                fmt::format("{}; no driver restarts left (max_driver_restarts={})", reason,
@@ -494,6 +509,7 @@ void Scheduler::finish_job(Job& job, JobState state, const std::string& message)
   int worst = 0;
   for (const auto& [n, p] : job.procs) {
     if (p.rec.epoch != job.rec.epoch && p.rec.role == "worker") continue;
+    if (state == JobState::kSucceeded && job.retired.count(n)) continue;  // elastic: replaced
     if (p.rec.state == ProcState::kExited) worst = std::max(worst, p.rec.exit_status());
     if (p.rec.state == ProcState::kLost) worst = std::max(worst, 128 + SIGKILL);
   }
@@ -512,6 +528,7 @@ void Scheduler::finish_job(Job& job, JobState state, const std::string& message)
 void Scheduler::check_completion(Job& job) {
   if (job.rec.state != JobState::kRunning) return;
   for (const auto& [n, p] : job.procs) {
+    if (job.retired.count(n)) continue;  // elastic: replaced by the driver
     if (p.rec.state != ProcState::kExited) return;
     if (p.rec.exit_status() != 0) return;  // handled by the failure path
   }
@@ -615,7 +632,7 @@ json Scheduler::job_json(const Job& job, bool with_procs) const {
             {"message", r.message}, {"created_ms", r.created_ms}, {"updated_ms", r.updated_ms},
             {"job_dir", r.job_dir}, {"nproc", r.spec.nproc}, {"layout", r.spec.parsed_layout().to_string()},
             {"max_restarts", r.spec.max_restarts}, {"argv", r.spec.argv}, {"running_procs", running},
-            {"running_workers", running_workers}};
+            {"running_workers", running_workers}, {"elastic", r.spec.elastic}};
   j["checkpoint_dir"] = r.spec.checkpoint_dir;
   j["work_dir"] = r.spec.work_dir;
   if (with_procs) {
@@ -758,6 +775,7 @@ void Scheduler::on_store(const std::string& peer, uint64_t rid, const StoreReque
   if (it == jobs_.end()) return reply(peer, rid, Reply::of(not_found("store: unknown job '{}'", m.job_id)));
   uint64_t token = next_token_++;
   auto r = rendezvous_->handle(m, token, Clock::now());
+  if (m.op == StoreOp::kSet && is_elastic(it->second)) elastic_on_store(it->second, m);
   if (r) return reply(peer, rid, std::move(*r));
   store_waiters_[token] = PendingReply{peer, rid};
 }

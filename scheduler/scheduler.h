@@ -66,12 +66,16 @@ class Scheduler {
     std::string peer;                 // the process's own session, after its hello
     Clock::time_point last_beat;
     bool beating = false;             // heartbeat monitoring starts with the hello
+    // Added to the process's environment (elastic replacements: their slot and epoch).
+    std::vector<std::pair<std::string, std::string>> extra_env;
+    std::string avoid_agent;  // elastic replacement: not on this agent (troupe drain)
   };
   struct Job {
     JobRecord rec;
     std::map<std::string, Proc> procs;  // by name
     std::vector<std::pair<std::string, std::string>> actors;  // this epoch's placement: actor -> proc
     std::optional<EventLog> log;
+    std::set<std::string> retired;  // elastic: failed workers the driver replaced
   };
   struct PendingReply {
     std::string peer;
@@ -106,6 +110,14 @@ class Scheduler {
   void finish_job(Job& job, JobState state, const std::string& message);
   void check_completion(Job& job);
   void kill_procs(Job& job, const std::string& name, int signal, int grace_ms);
+  // Elastic jobs (JobSpec::elastic, `troupe run --elastic`; scheduler/scheduler_elastic.cc): the
+  // driver owns membership. A worker that ends is reported to it through the job's store
+  // ("<job>/elastic/exit/<slot>") instead of restarting the workers; the driver's store
+  // keys "<job>/elastic/spawn/<slot>" and "kill/<slot>" start and kill worker processes.
+  bool is_elastic(const Job& job) const;
+  void elastic_worker_gone(Job& job, Proc& proc, const std::string& why, bool erase);
+  void elastic_on_store(Job& job, const StoreRequest& m);
+  void elastic_place_pending(Job& job);  // requested workers waiting for a free slot
   std::vector<AgentCapacity> capacity() const;
 
   void event(Job& job, const std::string& type, nlohmann::json fields);

@@ -16,8 +16,14 @@ Result<std::unique_ptr<SchedulerStore>> SchedulerStore::connect(const std::strin
   return std::unique_ptr<SchedulerStore>(new SchedulerStore(std::move(conn), job_id, epoch));
 }
 
+void SchedulerStore::disconnect() {
+  std::lock_guard<std::mutex> lock(mu_);
+  conn_.reset();
+}
+
 Result<std::string> SchedulerStore::call(StoreOp op, std::vector<std::string> keys, std::string value, Deadline deadline) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!conn_) return unavailable("store of job {}: disconnected", job_id_);
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   StoreRequest req{op, job_id_, epoch_, std::move(keys), std::move(value),
                    static_cast<int32_t>(std::clamp<int64_t>(left.count(), 0, INT32_MAX))};

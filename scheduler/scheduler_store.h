@@ -40,6 +40,10 @@ class SchedulerStore final : public comm::RendezvousStore {
   Status wait(const std::vector<std::string>& keys, Deadline deadline) override;
   Result<bool> contains(std::string_view key) override;
 
+  // Closes the connection to the scheduler (fault injection: a cut control connection);
+  // every later call fails with kUnavailable.
+  void disconnect();
+
   const std::string& job_id() const { return job_id_; }
   uint64_t epoch() const { return epoch_; }
 

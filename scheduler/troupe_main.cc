@@ -14,6 +14,7 @@
 
 #include "core/logging.h"
 #include "scheduler/cli.h"
+#include "scheduler/cli_elastic.h"
 
 namespace {
 
@@ -44,6 +45,8 @@ void add_spec_options(CLI::App* cmd, SpecFlags& f) {
   cmd->add_option("--min-workers", f.spec.min_workers, "Elastic lower bound (default: nproc)");
   cmd->add_option("--max-workers", f.spec.max_workers, "Elastic upper bound (default: nproc)");
   cmd->add_flag("!--no-driver", f.spec.driver, "Run only the workers, no driver process");
+  cmd->add_flag("--elastic", f.spec.elastic,
+                "Elastic job: a lost worker is replaced by the driver (train_moe), not by restarting all workers");
   cmd->add_option("command", f.command, "The program and its arguments (after --)");
 }
 
@@ -135,6 +138,36 @@ int main(int argc, char** argv) {
   ckpts->add_option("--dir", ckpt_dir, "A checkpoint directory to list instead (no scheduler asked)");
   ckpts->add_flag("--json", ckpt_json, "Print JSON for scripts");
   add_connection(ckpts, ckpt_conn);
+  // Elastic train_moe jobs (scheduler/cli_elastic.h), addressed by run directory.
+  std::string scale_dir;
+  int scale_dp = 0, scale_wait = 60;
+  auto* scale = app.add_subcommand("scale", "Rescale an elastic job's data parallelism at its next step boundary");
+  CliConnection scale_conn, replace_conn;
+  scale->add_option("job", scale_dir, "Run directory of an elastic train_moe job, or the id of a --elastic job")
+      ->required();
+  add_connection(scale, scale_conn);
+  scale->add_option("--dp", scale_dp, "New data-parallel size (within the job's elastic bounds)")
+      ->required()
+      ->check(CLI::Range(1, 1000000));
+  scale->add_option("--wait", scale_wait, "Seconds to wait for the job's answer (0: do not wait)");
+  std::string replace_dir;
+  int replace_slot = -1, replace_wait = 60;
+  auto* replace = app.add_subcommand("replace", "Replace one worker of an elastic job (restored from a dp peer)");
+  replace->add_option("job", replace_dir, "Run directory of an elastic train_moe job, or the id of a --elastic job")
+      ->required();
+  add_connection(replace, replace_conn);
+  replace->add_option("worker", replace_slot, "Worker slot (see troupe status <run dir>)")
+      ->required()
+      ->check(CLI::Range(0, 1000000));
+  replace->add_option("--wait", replace_wait, "Seconds to wait for the job's answer (0: do not wait)");
+
+  std::string drain_agent;
+  int drain_wait = 60;
+  CliConnection drain_conn;
+  auto* drain = app.add_subcommand("drain", "Move the workers of --elastic jobs off an agent (restored from dp peers)");
+  drain->add_option("agent", drain_agent, "Agent id (see troupe status)")->required();
+  drain->add_option("--wait", drain_wait, "Seconds to wait for each move");
+  add_connection(drain, drain_conn);
 
   std::string keygen_prefix;
   auto* keygen = app.add_subcommand("keygen", "Write a CURVE key pair: PREFIX.key (private) and PREFIX.pub");
@@ -167,7 +200,19 @@ int main(int argc, char** argv) {
     if (!finish_spec(submit, submit_flags, after_dashes)) return 2;
     return troupe::sched::cli_submit(submit_conn, submit_flags.spec, submit_json);
   }
-  if (status->parsed()) return troupe::sched::cli_status(status_conn, status_job, status_json);
+  if (status->parsed()) {
+    if (!status_job.empty() && troupe::sched::is_elastic_run_dir(status_job)) {
+      return troupe::sched::cli_elastic_status(status_job, status_json);
+    }
+    const int rc = troupe::sched::cli_status(status_conn, status_job, status_json);
+    if (rc == 0 && !status_job.empty() && !status_json) troupe::sched::print_elastic_job_status(status_conn, status_job);
+    return rc;
+  }
+  if (drain->parsed()) return troupe::sched::cli_elastic_drain(drain_conn, drain_agent, drain_wait);
+  if (scale->parsed()) return troupe::sched::cli_elastic_scale(scale_conn, scale_dir, scale_dp, scale_wait);
+  if (replace->parsed()) {
+    return troupe::sched::cli_elastic_replace(replace_conn, replace_dir, replace_slot, replace_wait);
+  }
   if (logs->parsed()) {
     if (logs_worker >= 0) logs_proc = "worker-" + std::to_string(logs_worker);
     else if (logs_driver) logs_proc = "driver";

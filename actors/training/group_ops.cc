@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "actors/training/elastic_comm.h"
 #include "core/check.h"
 
 #if TROUPE_HAVE_CUDA
@@ -31,9 +32,14 @@ void CommTime::add(double seconds, std::string_view what) {
 }
 
 void CommTime::wait(const comm::WorkPtr& w, std::string_view what) {
+  fault_point(what);
   const auto t0 = Clock::now();
   const Status st = w->wait();
   add(std::chrono::duration<double>(Clock::now() - t0).count(), what);
+  // Elastic workers unwind the step instead (elastic_comm.h).
+  if (!st.ok() && throw_on_comm_error()) {
+    throw CommFailure(fmt::format("data plane: {} ({}) failed: {}", what, w->what(), st.to_string()));
+  }
   TROUPE_CHECK(st.ok(), "data plane: {} ({}) failed: {}", what, w->what(), st.to_string());
 }
 

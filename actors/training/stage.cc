@@ -111,14 +111,15 @@ Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns
   comm::CommSpec base;
   base.store = &store;
   base.ns = ns;
-  comm::CommFactory factory = [](const comm::CommSpec& spec) { return comm::make_gloo_communicator(spec); };
+  comm::CommFactory inner = [](const comm::CommSpec& spec) { return comm::make_gloo_communicator(spec); };
 #if TROUPE_HAVE_NCCL
   if (ctx_.on_device()) {
-    factory = [device = ctx_.ex.device.index](const comm::CommSpec& spec) {
+    inner = [device = ctx_.ex.device.index](const comm::CommSpec& spec) {
       return comm::make_nccl_communicator(spec, comm::NcclOptions{device});
     };
   }
 #endif
+  const comm::CommFactory factory = elastic_factory(std::move(inner));
   TROUPE_ASSIGN_OR_RETURN(groups_, comm::make_process_groups(layout, rank_, base, factory));
   comm::CommSpec ws = base;
   ws.name = "world";

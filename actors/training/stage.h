@@ -39,9 +39,12 @@
 #include <vector>
 
 #include "actors/training/attention_shard.h"
+#include "actors/training/elastic_comm.h"
 #include "actors/training/expert_group.h"
 #include "actors/training/group_ops.h"
 #include "actors/training/stage_state.h"
+#include "checkpoint/reader.h"
+#include "checkpoint/writer.h"
 #include "comm/compression.h"
 #include "comm/parallel_layout.h"
 #include "layers/model.h"
@@ -104,6 +107,38 @@ class Stage {
   Status import_state(const SliceSource& source, int64_t steps_done);
   // import_state from a checkpoint (its step; checksums verified on every slice read).
   Status load_checkpoint(const checkpoint::CheckpointReader& reader);
+  // ---- elastic recovery (actors/training/stage_elastic.cc) ----------------------------
+  // Every communicator of the Stage is an ElasticComm (created in order: dp, n, pp groups,
+  // world, tied pair). The worker loop (elastic.h) calls these between steps.
+  // Aborts every communicator (any thread; pending operations fail at once).
+  void abort_comms(std::string_view reason);
+  // Recreates every communicator in namespace `ns` (collective with the ranks of the new
+  // epoch, which create theirs in the same order).
+  Status rebuild_comms(const comm::StoreNamespace& ns);
+  // After a completed step: all-gathers the optimizer moments over dp, so every rank holds
+  // the moments of its whole (pp, n) column (the replica a lost dp peer is restored from).
+  void replicate_optimizer();
+  // Records the state after `step_done` (values, replicated moments, router biases,
+  // optimizer step count). Two are kept: the latest and the one before.
+  void commit(int64_t step_done);
+  // Restores the state recorded after `step_done` (the latest or the one before) and
+  // clears what an interrupted step left behind. Fails if neither matches.
+  Status rollback(int64_t step_done);
+  // Copies the committed state of `old` (same pp and n coordinates, any dp): used when a
+  // survivor re-creates its Stage for a new dp size.
+  Status import_state(Stage& old);
+  // Collective over the dp group (new epoch): dp rank `source_dp` broadcasts its committed
+  // state to the others of its column; afterwards every rank holds it and commits it as
+  // the state after `step_done`.
+  void sync_state(int source_dp, int64_t step_done);
+  // The committed state as checkpoint entries ("elastic.pp<P>.n<N>.{value,adam_m,adam_v}"
+  // over the column's flat buffer, each dp rank its ZeRO-1 range; dp rank 0 also the
+  // router biases and the optimizer step count): the last-resort restore when every dp
+  // replica of a column is lost.
+  std::vector<checkpoint::SaveEntry> elastic_checkpoint_entries() const;
+  // Loads this rank's column from such a checkpoint and commits it as the state after the
+  // checkpoint's step (clears what an interrupted step left behind).
+  Status restore_elastic_checkpoint(const checkpoint::CheckpointReader& reader);
 
  private:
   struct StateTensor;
@@ -160,6 +195,23 @@ class Stage {
   int64_t flat_size_ = 0, rep_size_ = 0, shard_lo_ = 0, shard_len_ = 0;
   Tensor flat_value_, flat_grad_, shard_grad_;
   std::vector<layers::Parameter> pieces_;  // this dp rank's shard, one piece per parameter
+  // ---- elastic (stage_elastic.cc) ----
+  comm::CommFactory elastic_factory(comm::CommFactory inner);
+  std::vector<int64_t> piece_offsets() const;  // flat offset of each piece
+  std::vector<layers::MoELayer*> stage_moe_layers();
+  std::vector<Tensor*> router_biases();
+  void moments_to_pieces(const Tensor& full_m, const Tensor& full_v);
+  void clear_interrupted_step();
+  std::string elastic_prefix() const;
+  struct Committed {
+    int64_t step = -1;
+    Tensor value, m, v;
+    std::vector<Tensor> bias;
+    int64_t opt_steps = 0;
+  };
+  std::vector<ElasticComm*> elastic_comms_;  // creation order
+  Tensor full_m_, full_v_;                   // replicated moments of the column (padded flat)
+  Committed committed_[2];                   // [0] latest, [1] the one before
   std::vector<bool> piece_in_norm_;
   std::unique_ptr<layers::AdamW> opt_;
 

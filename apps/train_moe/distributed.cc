@@ -27,6 +27,7 @@
 #include "actors/training/trainer.h"
 #include "apps/train_moe/commands.h"
 #include "apps/train_moe/device.h"
+#include "apps/train_moe/elastic_launch.h"
 #include "comm/rendezvous_store.h"
 #include "layers/token_data.h"
 #include "layers/tokenizer.h"
@@ -208,6 +209,7 @@ class SchedulerRendezvous final : public comm::RendezvousStore {
     return s_->wait(keys, deadline);
   }
   Result<bool> contains(std::string_view key) override { return s_->contains(key); }
+  void disconnect() { s_->disconnect(); }  // elastic fault injection (cutctl)
 
  private:
   std::unique_ptr<sched::SchedulerStore> s_;
@@ -304,7 +306,17 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDev
   TROUPE_ASSIGN_OR_RETURN(int64_t epoch, env_int("TROUPE_EPOCH", 0));
   comm::StoreNamespace ns;
   ns.epoch = static_cast<uint64_t>(epoch);
+  if (elastic_enabled() && dev.is_cuda()) {
+    return unimplemented("TROUPE_ELASTIC=1 (elastic recovery) runs CPU workers only so far; use --backend cpu, or "
+                         "drop TROUPE_ELASTIC for GPU training (failures then stop the job; resume it with --resume)");
+  }
   if (role == "worker") {
+    if (elastic_enabled()) {  // apps/train_moe/elastic_launch.h
+      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> estore, open_store(run_dir));
+      std::function<void()> cut_control;
+      if (auto* sr = dynamic_cast<SchedulerRendezvous*>(estore.get())) cut_control = [sr] { sr->disconnect(); };
+      return run_elastic_worker_process(tc, *estore, std::move(cut_control));
+    }
     const char* job = env("TROUPE_JOB_ID");
     if (job == nullptr || *job == '\0') return invalid_argument("worker: TROUPE_JOB_ID is not set");
     ns.job = job;
@@ -328,6 +340,17 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDev
   {
     std::ofstream ov(run_dir + "/overrides.txt");
     for (const auto& s : o.overrides) ov << s << "\n";
+  }
+  if (elastic_enabled()) {  // apps/train_moe/elastic_launch.h
+    if (!o.resume.empty()) {
+      return invalid_argument("--resume is not supported with TROUPE_ELASTIC=1 yet (an elastic job restores from its "
+                              "dp peers and its own elastic checkpoints); resume without TROUPE_ELASTIC");
+    }
+    if (role == "driver") {
+      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> estore, open_store(run_dir));
+      return run_elastic_scheduled_driver(o, run_dir, tc, std::move(estore));
+    }
+    return run_elastic_launcher(o, run_dir, tc);
   }
   // Resume: the driver picks the checkpoint (newest valid, checksums verified) once.
   std::unique_ptr<checkpoint::CheckpointReader> resume;

@@ -1,0 +1,569 @@
+// actors/training/elastic.cc — ElasticPlan, fault injection and the elastic worker loop
+// (elastic.h).
+#include "actors/training/elastic.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "actors/training/control.h"
+#include "actors/training/stage.h"
+#include "actors/training/trainer.h"
+#include "layers/token_data.h"
+
+namespace troupe::training {
+
+using Clock = std::chrono::steady_clock;
+
+nlohmann::json ElasticPlan::to_json() const {
+  return nlohmann::json{{"epoch", epoch},         {"dp", dp},       {"grad_accum", grad_accum},
+                        {"slots", slots},         {"has_state", has_state}, {"step_done", step_done},
+                        {"seq", seq},             {"reason", reason},       {"checkpoint", checkpoint}};
+}
+
+Result<ElasticPlan> ElasticPlan::from_json(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return data_loss("elastic: plan is not a JSON object: {}", text.substr(0, 200));
+  try {
+    ElasticPlan p;
+    p.epoch = j.at("epoch").get<uint64_t>();
+    p.dp = j.at("dp").get<int64_t>();
+    p.grad_accum = j.at("grad_accum").get<int64_t>();
+    p.slots = j.at("slots").get<std::vector<int>>();
+    p.has_state = j.at("has_state").get<std::vector<bool>>();
+    p.step_done = j.at("step_done").get<int64_t>();
+    p.seq = j.at("seq").get<int64_t>();
+    p.reason = j.value("reason", "");
+    p.checkpoint = j.value("checkpoint", "");
+    if (p.slots.size() != p.has_state.size() || p.dp < 1 || p.grad_accum < 1) {
+      return data_loss("elastic: inconsistent plan: {}", text.substr(0, 200));
+    }
+    return p;
+  } catch (const std::exception& e) {
+    return data_loss("elastic: malformed plan ({}): {}", e.what(), text.substr(0, 200));
+  }
+}
+
+int ElasticPlan::rank_of_slot(int slot) const {
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i] == slot) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+namespace {
+bool transient(const Status& st) {
+  return st.code() == StatusCode::kUnavailable || st.code() == StatusCode::kDeadlineExceeded;
+}
+constexpr std::chrono::milliseconds kRetryPause{50};
+}  // namespace
+
+Status TolerantStore::set(std::string_view key, std::string_view value) {
+  const auto give_up = Clock::now() + patience_;
+  while (true) {
+    Status st = base_.set(key, value);
+    if (st.ok() || !transient(st) || Clock::now() >= give_up) return st;
+    std::this_thread::sleep_for(kRetryPause);
+  }
+}
+
+Result<bool> TolerantStore::contains(std::string_view key) {
+  const auto give_up = Clock::now() + patience_;
+  while (true) {
+    Result<bool> r = base_.contains(key);
+    if (r.ok() || !transient(r.status()) || Clock::now() >= give_up) return r;
+    std::this_thread::sleep_for(kRetryPause);
+  }
+}
+
+Result<std::string> TolerantStore::get(std::string_view key, comm::Deadline deadline) {
+  while (true) {
+    Result<std::string> r = base_.get(key, deadline);
+    if (r.ok() || r.status().code() != StatusCode::kUnavailable) return r;
+    if (Clock::now() >= deadline) return deadline_exceeded("store unavailable until the deadline: {}", r.status().to_string());
+    std::this_thread::sleep_for(kRetryPause);
+  }
+}
+
+Status TolerantStore::wait(const std::vector<std::string>& keys, comm::Deadline deadline) {
+  while (true) {
+    Status st = base_.wait(keys, deadline);
+    if (st.ok() || st.code() != StatusCode::kUnavailable) return st;
+    if (Clock::now() >= deadline) return deadline_exceeded("store unavailable until the deadline: {}", st.to_string());
+    std::this_thread::sleep_for(kRetryPause);
+  }
+}
+
+std::string elastic_key(const std::string& job, const std::string& rest) { return job + "/elastic/" + rest; }
+
+int64_t wall_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
+  std::vector<FaultSpec> out;
+  size_t pos = 0;
+  while (pos < spec.size()) {
+    size_t comma = spec.find(',', pos);
+    if (comma == std::string::npos) comma = spec.size();
+    const std::string item = spec.substr(pos, comma - pos);
+    pos = comma + 1;
+    if (item.empty()) continue;
+    FaultSpec f;
+    const size_t at = item.find('@'), c1 = item.find(':'), c2 = item.rfind(':');
+    if (at == std::string::npos || c1 == std::string::npos || c2 == c1 || c1 < at) {
+      return invalid_argument("TROUPE_FAULT: '{}' is not <kill|stop>@<step>:<phase>:<slot>", item);
+    }
+    const std::string action = item.substr(0, at);
+    if (action == "kill") {
+      f.action = FaultSpec::Action::kKill;
+    } else if (action == "stop") {
+      f.action = FaultSpec::Action::kStop;
+    } else if (action == "slow") {
+      f.action = FaultSpec::Action::kSlow;
+    } else if (action == "cut") {
+      f.action = FaultSpec::Action::kCut;
+    } else if (action == "hang") {
+      f.action = FaultSpec::Action::kHang;
+    } else if (action == "cutctl") {
+      f.action = FaultSpec::Action::kCutControl;
+    } else {
+      return invalid_argument("TROUPE_FAULT: unknown action '{}' (kill, stop, slow, cut, hang or cutctl)", action);
+    }
+    f.phase = item.substr(c1 + 1, c2 - c1 - 1);
+    if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
+        f.phase != "any") {
+      return invalid_argument("TROUPE_FAULT: unknown phase '{}' (forward, alltoall, sync, checkpoint, any)", f.phase);
+    }
+    char* end = nullptr;
+    const std::string step_s = item.substr(at + 1, c1 - at - 1), slot_s = item.substr(c2 + 1);
+    f.step = std::strtoll(step_s.c_str(), &end, 10);
+    if (step_s.empty() || *end != '\0' || f.step < 1) return invalid_argument("TROUPE_FAULT: bad step in '{}'", item);
+    f.slot = static_cast<int>(std::strtol(slot_s.c_str(), &end, 10));
+    if (slot_s.empty() || *end != '\0' || f.slot < 0) return invalid_argument("TROUPE_FAULT: bad slot in '{}'", item);
+    out.push_back(f);
+  }
+  return out;
+}
+
+namespace {
+
+// Fault injection state (one worker process).
+struct FaultState {
+  std::vector<FaultSpec> specs;
+  std::vector<bool> fired;
+  std::vector<int64_t> slowed_step;  // kSlow: the last step it slept in
+  std::atomic<int64_t> step{0};
+  int slot = 0;
+  comm::RendezvousStore* store = nullptr;
+  std::string job;
+  std::function<void()> cut;          // aborts this worker's communicators
+  std::function<void()> cut_control;  // closes its control-plane connection (may be empty)
+};
+FaultState* g_faults = nullptr;
+
+bool phase_matches(const std::string& phase, std::string_view what) {
+  if (phase == "any") return true;
+  if (phase == "forward") return what.rfind("ulysses seq->head", 0) == 0;
+  if (phase == "alltoall") return what.rfind("expert dispatch", 0) == 0;
+  if (phase == "sync") return what.rfind("grads", 0) == 0 || what.rfind("bf16 grads", 0) == 0;
+  if (phase == "checkpoint") return what.rfind("checkpoint write", 0) == 0;
+  return false;
+}
+
+void fault_hook(std::string_view what) {
+  FaultState* fs = g_faults;
+  if (fs == nullptr) return;
+  for (size_t i = 0; i < fs->specs.size(); ++i) {
+    const FaultSpec& f = fs->specs[i];
+    if (f.action == FaultSpec::Action::kSlow) {
+      const int64_t step = fs->step.load();
+      if (f.slot == fs->slot && step >= f.step && fs->slowed_step[i] != step && phase_matches(f.phase, what)) {
+        fs->slowed_step[i] = step;
+        std::this_thread::sleep_for(std::chrono::milliseconds(150));
+      }
+      continue;
+    }
+    if (fs->fired[i] || f.slot != fs->slot || f.step != fs->step.load() || !phase_matches(f.phase, what)) continue;
+    fs->fired[i] = true;
+    (void)fs->store->set(elastic_key(fs->job, fmt::format("fault/{}", fs->slot)),
+                         nlohmann::json{{"ts_ms", wall_ms()}, {"what", std::string(what)}, {"step", f.step}}.dump());
+    const char* name = f.action == FaultSpec::Action::kKill   ? "SIGKILL"
+                       : f.action == FaultSpec::Action::kStop ? "SIGSTOP"
+                       : f.action == FaultSpec::Action::kCut  ? "a data-plane cut"
+                       : f.action == FaultSpec::Action::kHang ? "a hang"
+                                                              : "a control-connection cut";
+    fmt::print(stderr, "elastic: slot {} injects {} at step {} during '{}'\n", fs->slot, name, f.step, what);
+    std::fflush(stderr);
+    switch (f.action) {
+      case FaultSpec::Action::kKill: raise(SIGKILL); break;
+      case FaultSpec::Action::kStop: raise(SIGSTOP); break;
+      case FaultSpec::Action::kCut:
+        if (fs->cut) fs->cut();
+        break;
+      case FaultSpec::Action::kCutControl:
+        if (fs->cut_control) fs->cut_control();
+        break;
+      case FaultSpec::Action::kHang:
+        while (true) std::this_thread::sleep_for(std::chrono::seconds(1));  // until killed
+      case FaultSpec::Action::kSlow: break;
+    }
+  }
+}
+
+layers::TrainConfig layout_config(const layers::TrainConfig& tc, const ElasticPlan& plan) {
+  layers::TrainConfig out = tc;
+  out.parallel.dp = plan.dp;
+  out.train.grad_accum = plan.grad_accum;
+  return out;
+}
+
+// The column's source: the lowest dp index of this rank's (pp, n) column holding state.
+Result<int> source_dp(const ElasticPlan& plan, const layers::TrainConfig& tc, int rank) {
+  TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout layout,
+                          comm::ParallelLayout::make(static_cast<int>(tc.parallel.pp), static_cast<int>(plan.dp),
+                                                     static_cast<int>(tc.parallel.n)));
+  const comm::ParallelCoord me = layout.coord(rank);
+  for (int d = 0; d < layout.dp(); ++d) {
+    comm::ParallelCoord c = me;
+    c.dp = d;
+    if (plan.has_state[static_cast<size_t>(layout.rank_of(c))]) return d;
+  }
+  return unavailable("epoch {}: no survivor holds the state of column pp={} n={} (every dp replica was lost; a "
+                     "checkpoint restore is needed)",
+                     plan.epoch, me.pp, me.n);
+}
+
+// The store the Stage's communicators rendezvous through: waits are cut into short slices
+// and give up (kAborted) once `cancel` is set — a worker joining an epoch that failed
+// while it joined (a peer died during the rebuild) must not wait out the init timeout.
+class CancellableStore final : public comm::RendezvousStore {
+ public:
+  CancellableStore(comm::RendezvousStore& base, const std::atomic<bool>& cancel) : base_(base), cancel_(cancel) {}
+  Status set(std::string_view key, std::string_view value) override { return base_.set(key, value); }
+  Result<std::string> get(std::string_view key, comm::Deadline deadline) override {
+    while (true) {
+      if (cancel_.load()) return aborted("rendezvous on '{}' cancelled: a newer membership epoch opened", key);
+      Result<std::string> r = base_.get(key, std::min(deadline, Clock::now() + std::chrono::milliseconds(50)));
+      if (r.ok() || r.status().code() != StatusCode::kDeadlineExceeded || Clock::now() >= deadline) return r;
+    }
+  }
+  Status wait(const std::vector<std::string>& keys, comm::Deadline deadline) override {
+    while (true) {
+      if (cancel_.load()) return aborted("rendezvous cancelled: a newer membership epoch opened");
+      Status st = base_.wait(keys, std::min(deadline, Clock::now() + std::chrono::milliseconds(50)));
+      if (st.ok() || st.code() != StatusCode::kDeadlineExceeded || Clock::now() >= deadline) return st;
+    }
+  }
+  Result<bool> contains(std::string_view key) override { return base_.contains(key); }
+
+ private:
+  comm::RendezvousStore& base_;
+  const std::atomic<bool>& cancel_;
+};
+
+class ElasticWorker {
+ public:
+  ElasticWorker(const layers::TrainConfig& tc, comm::RendezvousStore& store, std::string job, int slot, uint64_t epoch)
+      : tc_(tc), store_(store), job_(std::move(job)), slot_(slot), epoch_(epoch), comm_store_(store, cancel_) {}
+  ~ElasticWorker() {
+    stop_watcher_ = true;
+    if (watcher_.joinable()) watcher_.join();
+  }
+
+  Status run();
+  // Fault injection (step thread): aborts this worker's communicators.
+  void cut_connections() {
+    if (stage_) stage_->abort_comms("fault injection: connections cut");
+  }
+
+ private:
+  std::string key(const std::string& rest) const { return elastic_key(job_, rest); }
+  Result<ElasticPlan> read_plan(uint64_t epoch, std::chrono::milliseconds timeout);
+  Result<std::unique_ptr<Stage>> make_stage(const ElasticPlan& plan, int rank);
+  Status join(const ElasticPlan& plan);  // adopts `plan` (stage built or rebuilt, state synced)
+  Result<bool> save_checkpoint(int64_t step);  // true when one was written
+  void watch();
+
+  layers::TrainConfig tc_;
+  comm::RendezvousStore& store_;
+  std::string job_;
+  int slot_;
+  std::mutex mu_;                 // guards stage_ swaps, epoch_/adopting_ against the watcher
+  uint64_t epoch_;                // current epoch (main thread writes under mu_)
+  uint64_t adopting_ = 0;         // highest epoch whose plan the main thread took over
+  std::unique_ptr<Stage> stage_;
+  int rank_ = -1;
+  int64_t dp_ = 0;
+  // Elastic checkpoints: every ckpt_every_ steps into ckpt_dir_ (0: off); the writer is
+  // made for the current layout and rank.
+  int64_t ckpt_every_ = 0;
+  std::string ckpt_dir_;
+  std::unique_ptr<checkpoint::CheckpointWriter> writer_;
+  std::thread watcher_;
+  std::atomic<bool> stop_watcher_{false};
+  std::atomic<bool> cancel_{false};  // set when epoch_+1 opened: in-progress rendezvous give up
+  CancellableStore comm_store_;
+};
+
+Result<ElasticPlan> ElasticWorker::read_plan(uint64_t epoch, std::chrono::milliseconds timeout) {
+  TROUPE_ASSIGN_OR_RETURN(std::string text, store_.get(key(fmt::format("plan/{}", epoch)), comm::deadline_in(timeout)));
+  return ElasticPlan::from_json(text);
+}
+
+Result<std::unique_ptr<Stage>> ElasticWorker::make_stage(const ElasticPlan& plan, int rank) {
+  const layers::TrainConfig tc = layout_config(tc_, plan);
+  TROUPE_ASSIGN_OR_RETURN(layers::TokenShards train, layers::TokenShards::open(tc.data.dir, "train"));
+  TROUPE_ASSIGN_OR_RETURN(layers::TokenShards val, layers::TokenShards::open(tc.data.dir, "val"));
+  comm::StoreNamespace ns;
+  ns.job = job_;
+  ns.epoch = plan.epoch;
+  return Stage::create(tc, rank, comm_store_, ns, std::move(train), std::move(val));
+}
+
+Status ElasticWorker::join(const ElasticPlan& plan) {
+  // Tells the driver this worker took the plan over (a worker that never does is wedged).
+  TROUPE_RETURN_IF_ERROR(store_.set(key(fmt::format("adopted/{}/{}", plan.epoch, slot_)), std::to_string(wall_ms())));
+  const int rank = plan.rank_of_slot(slot_);
+  const layers::TrainConfig tc = layout_config(tc_, plan);
+  comm::StoreNamespace ns;
+  ns.job = job_;
+  ns.epoch = plan.epoch;
+  if (!plan.checkpoint.empty()) {
+    // Every rank goes back to the checkpoint (a column lost every replica).
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::CheckpointReader> reader,
+                            checkpoint::CheckpointReader::open(plan.checkpoint));
+    if (reader->step() != plan.step_done) {
+      return failed_precondition("elastic: checkpoint {} is of step {}, the plan says {}", plan.checkpoint,
+                                 reader->step(), plan.step_done);
+    }
+    if (stage_ && plan.dp == dp_ && rank == rank_) {
+      TROUPE_RETURN_IF_ERROR(stage_->rebuild_comms(ns));
+    } else {
+      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
+      std::lock_guard<std::mutex> lock(mu_);
+      stage_ = std::move(s);
+    }
+    TROUPE_RETURN_IF_ERROR(stage_->restore_elastic_checkpoint(*reader));
+    if (rank != rank_ || plan.dp != dp_) writer_.reset();
+    rank_ = rank;
+    dp_ = plan.dp;
+    return store_.set(key(fmt::format("ready/{}/{}", plan.epoch, slot_)),
+                      nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}, {"from", plan.checkpoint}}.dump());
+  }
+  if (!stage_) {
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
+    std::lock_guard<std::mutex> lock(mu_);
+    stage_ = std::move(s);
+  } else {
+    TROUPE_RETURN_IF_ERROR(stage_->rollback(plan.step_done));
+    if (plan.dp == dp_ && rank == rank_) {
+      TROUPE_RETURN_IF_ERROR(stage_->rebuild_comms(ns));
+    } else {
+      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
+      TROUPE_RETURN_IF_ERROR(s->import_state(*stage_));
+      std::lock_guard<std::mutex> lock(mu_);
+      stage_ = std::move(s);
+    }
+  }
+  if (rank != rank_ || plan.dp != dp_) writer_.reset();
+  rank_ = rank;
+  dp_ = plan.dp;
+  if (plan.epoch > 0) {
+    TROUPE_ASSIGN_OR_RETURN(int src, source_dp(plan, tc, rank));
+    stage_->sync_state(src, plan.step_done);
+  } else {
+    stage_->commit(plan.step_done);
+  }
+  return store_.set(key(fmt::format("ready/{}/{}", plan.epoch, slot_)),
+                    nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}}.dump());
+}
+
+Result<bool> ElasticWorker::save_checkpoint(int64_t step) {
+  if (ckpt_every_ <= 0 || step % ckpt_every_ != 0) return false;
+  if (!writer_) {
+    checkpoint::WriterOptions wo;
+    wo.run_dir = ckpt_dir_;
+    wo.layout = checkpoint::ParallelLayout{static_cast<int>(tc_.parallel.pp), static_cast<int>(dp_),
+                                           static_cast<int>(tc_.parallel.n)};
+    wo.rank = rank_;
+    TROUPE_ASSIGN_OR_RETURN(writer_, checkpoint::CheckpointWriter::create(wo));
+  }
+  TROUPE_ASSIGN_OR_RETURN(checkpoint::SaveHandle h,
+                          writer_->save(step, stage_->elastic_checkpoint_entries(), nlohmann::json{{"step", step}}));
+  fault_point(fmt::format("checkpoint write of step {}", step));
+  TROUPE_RETURN_IF_ERROR(h.wait());
+  return true;
+}
+
+void ElasticWorker::watch() {
+  int64_t beat = 0;
+  uint64_t aborted_for = 0;
+  while (!stop_watcher_) {
+    (void)store_.set(key(fmt::format("hb/{}", slot_)), std::to_string(++beat));
+    uint64_t next = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      next = epoch_ + 1;
+    }
+    Result<bool> has = store_.contains(key(fmt::format("plan/{}", next)));
+    if (has.ok() && has.value() && aborted_for < next) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (epoch_ + 1 == next) cancel_ = true;
+      // Only while the main thread has not taken the plan over (it rebuilds the
+      // communicators, which must not be aborted).
+      if (adopting_ < next && stage_) stage_->abort_comms(fmt::format("membership epoch {} opened", next));
+      aborted_for = next;
+    }
+    std::this_thread::sleep_for(kHeartbeatInterval);
+  }
+}
+
+Status ElasticWorker::run() {
+  set_throw_on_comm_error(true);
+  if (const char* e = std::getenv("TROUPE_ELASTIC_CKPT_EVERY"); e != nullptr && *e != '\0') {
+    ckpt_every_ = std::strtoll(e, nullptr, 10);
+    const char* d = std::getenv("TROUPE_ELASTIC_CKPT_DIR");
+    if (ckpt_every_ > 0 && (d == nullptr || *d == '\0')) {
+      return invalid_argument("TROUPE_ELASTIC_CKPT_EVERY is set but TROUPE_ELASTIC_CKPT_DIR is not");
+    }
+    if (d != nullptr) ckpt_dir_ = d;
+  }
+  TROUPE_ASSIGN_OR_RETURN(ElasticPlan plan, read_plan(epoch_, std::chrono::milliseconds(120000)));
+  if (plan.rank_of_slot(slot_) < 0) return invalid_argument("elastic: slot {} is not in the plan of epoch {}", slot_, epoch_);
+  adopting_ = epoch_;
+  watcher_ = std::thread([this] { watch(); });
+  bool healthy = true;
+  Status st = ok_status();
+  try {
+    st = join(plan);
+  } catch (const CommFailure& e) {
+    st = unavailable("{}", e.what());
+  }
+  if (!st.ok()) healthy = false;
+  int64_t seq = plan.seq;
+  while (true) {
+    if (!healthy) {
+      (void)store_.set(key(fmt::format("err/{}/{}", epoch_, slot_)),
+                       nlohmann::json{{"ts_ms", wall_ms()}, {"what", st.to_string()}}.dump());
+      fmt::print(stderr, "elastic: slot {} (rank {}) failed in epoch {}: {}\n", slot_, rank_, epoch_, st.to_string());
+      std::fflush(stderr);
+    }
+    // Wait for a command of this epoch or for the next epoch's plan.
+    const std::string next_plan = key(fmt::format("plan/{}", epoch_ + 1));
+    const std::string cmd_key = key(fmt::format("cmd/{}", seq));
+    const auto idle_deadline = Clock::now() + std::chrono::milliseconds(600000);
+    std::string cmd_text;
+    bool new_epoch = false;
+    while (true) {
+      TROUPE_ASSIGN_OR_RETURN(bool has_plan, store_.contains(next_plan));
+      if (has_plan) {
+        new_epoch = true;
+        break;
+      }
+      if (healthy) {
+        Result<std::string> c = store_.get(cmd_key, comm::deadline_in(std::chrono::milliseconds(50)));
+        if (c.ok()) {
+          cmd_text = c.value();
+          break;
+        }
+        if (c.status().code() != StatusCode::kDeadlineExceeded) return c.status();
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      if (Clock::now() > idle_deadline) return deadline_exceeded("elastic: slot {}: no command for 600 s", slot_);
+    }
+    if (new_epoch) {
+      TROUPE_ASSIGN_OR_RETURN(ElasticPlan p, read_plan(epoch_ + 1, std::chrono::milliseconds(10000)));
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        adopting_ = p.epoch;
+        if (stage_) stage_->abort_comms("adopting a new epoch");
+        epoch_ = p.epoch;
+        cancel_ = false;
+      }
+      if (p.rank_of_slot(slot_) < 0) {
+        fmt::print(stderr, "elastic: slot {} leaves the job in epoch {} ({})\n", slot_, p.epoch, p.reason);
+        return ok_status();
+      }
+      try {
+        st = join(p);
+      } catch (const CommFailure& e) {
+        st = unavailable("{}", e.what());
+      }
+      healthy = st.ok();
+      seq = p.seq;
+      continue;
+    }
+    TROUPE_ASSIGN_OR_RETURN(Command cmd, command_from_json(cmd_text));
+    nlohmann::json reply;
+    try {
+      switch (cmd.kind) {
+        case Command::Kind::kStep: {
+          if (g_faults != nullptr) g_faults->step = cmd.step;
+          const StepReport rep = stage_->run_step(cmd.step);
+          stage_->replicate_optimizer();
+          stage_->commit(cmd.step);
+          reply = step_report_json(rep);
+          TROUPE_ASSIGN_OR_RETURN(bool saved, save_checkpoint(cmd.step));
+          if (saved) reply["checkpoint"] = cmd.step;
+          break;
+        }
+        case Command::Kind::kEval: reply = nlohmann::json{{"val_loss", stage_->evaluate()}}; break;
+        case Command::Kind::kStop: reply = nlohmann::json{{"stopped", true}}; break;
+        case Command::Kind::kSave:  // elastic workers save from their step (save_checkpoint above)
+          return invalid_argument("elastic worker: the 'save' command is not used in elastic mode");
+      }
+    } catch (const CommFailure& e) {
+      st = unavailable("{}", e.what());
+      healthy = false;
+      continue;
+    }
+    reply["rank"] = rank_;
+    reply["slot"] = slot_;
+    reply["epoch"] = epoch_;
+    TROUPE_RETURN_IF_ERROR(store_.set(key(fmt::format("reply/{}/{}", seq, rank_)), reply.dump()));
+    ++seq;
+    if (cmd.kind == Command::Kind::kStop) return ok_status();
+  }
+}
+
+}  // namespace
+
+Status run_elastic_worker(const layers::TrainConfig& tc, comm::RendezvousStore& base_store, const std::string& job,
+                          int slot, uint64_t epoch, std::function<void()> cut_control) {
+  // A store outage (the scheduler restarting) must not end the worker.
+  TolerantStore store(base_store, std::chrono::milliseconds(30000));
+  std::unique_ptr<FaultState> faults;
+  const char* fspec = std::getenv("TROUPE_FAULT");
+  if (fspec != nullptr && *fspec != '\0' && epoch == 0) {
+    TROUPE_ASSIGN_OR_RETURN(std::vector<FaultSpec> specs, parse_faults(fspec));
+    faults = std::make_unique<FaultState>();
+    faults->specs = std::move(specs);
+    faults->fired.assign(faults->specs.size(), false);
+    faults->slowed_step.assign(faults->specs.size(), -1);
+    faults->slot = slot;
+    faults->store = &store;
+    faults->job = job;
+    faults->cut_control = std::move(cut_control);
+    g_faults = faults.get();
+    set_fault_hook(&fault_hook);
+  }
+  ElasticWorker w(tc, store, job, slot, epoch);
+  if (faults) faults->cut = [&w] { w.cut_connections(); };
+  Status st = w.run();
+  set_fault_hook(nullptr);
+  g_faults = nullptr;
+  return st;
+}
+
+}  // namespace troupe::training

@@ -1,0 +1,111 @@
+// actors/training/elastic.h — defines the elastic protocol between the driver of a
+// distributed training job and its workers (docs/elastic.md), and the worker's side of it.
+//
+// Keys, all under "<job>/elastic/" in the job's rendezvous store (not epoch-namespaced:
+// they span epochs):
+//   plan/<e>            ElasticPlan of membership epoch e (written by the driver; e = 0 too)
+//   cmd/<seq>           a command {seq, kind, step}; seqs continue across epochs
+//   reply/<seq>/<rank>  every rank's reply (rank 0's carries the step metrics)
+//   err/<e>/<slot>      a worker's data-plane failure in epoch e {ts_ms, what}
+//   adopted/<e>/<slot>  the worker took plan e over (it is rebuilding)
+//   ready/<e>/<slot>    the worker joined epoch e (communicators built, state restored)
+//   hb/<slot>           heartbeat counter (rewritten every kHeartbeatInterval)
+//   fault/<slot>        fault injection: wall time (ms) just before the injected fault
+// Elastic checkpoints (TROUPE_ELASTIC_CKPT_EVERY=K, into TROUPE_ELASTIC_CKPT_DIR): after
+// every K-th step each rank saves its committed state (Stage::elastic_checkpoint_entries)
+// and its reply says so; the driver finalizes the checkpoint once every rank's did.
+// A slot names one worker process for its whole life; its rank may change when the job
+// is rescaled. A replacement is a new slot.
+//
+// Worker contract: between commands the worker is idle; when plan/<e+1> appears (its
+// watcher thread polls it) it aborts every communicator, so a step in progress unwinds
+// (CommFailure), rolls back to the committed state after plan.step_done, rebuilds its
+// communicators in epoch e+1 (or re-creates its Stage when dp changes), takes part in the
+// state broadcast from a survivor of its (pp, n) column, writes ready/<e+1>/<slot> and
+// serves commands from plan.seq on. A slot missing from the plan exits 0 (scale-down).
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "comm/rendezvous_store.h"
+#include "core/status.h"
+#include "layers/train_config.h"
+
+namespace troupe::training {
+
+inline constexpr std::chrono::milliseconds kHeartbeatInterval{100};
+
+struct ElasticPlan {
+  uint64_t epoch = 0;
+  int64_t dp = 1, grad_accum = 1;  // the layout's dp and the matching grad_accum
+  std::vector<int> slots;          // slot of each world rank
+  std::vector<bool> has_state;     // per rank: a survivor holding the committed state
+  int64_t step_done = 0;           // the state every rank restores: after this step
+  int64_t seq = 0;                 // first command seq of the epoch
+  std::string reason;
+  // Non-empty: every rank restores the state after step_done from this checkpoint
+  // directory instead (a column lost all its dp replicas).
+  std::string checkpoint;
+
+  nlohmann::json to_json() const;
+  static Result<ElasticPlan> from_json(const std::string& text);
+  int rank_of_slot(int slot) const;  // -1: not in the plan
+};
+
+// The store as the elastic protocol uses it: it rides out an outage of the store (the
+// scheduler restarting): set and contains retry kUnavailable / kDeadlineExceeded for up to
+// `patience`; get and wait retry kUnavailable until their own deadline and then report
+// kDeadlineExceeded. Owns `base` when given a unique_ptr.
+class TolerantStore final : public comm::RendezvousStore {
+ public:
+  TolerantStore(comm::RendezvousStore& base, std::chrono::milliseconds patience) : base_(base), patience_(patience) {}
+  TolerantStore(std::unique_ptr<comm::RendezvousStore> base, std::chrono::milliseconds patience)
+      : owned_(std::move(base)), base_(*owned_), patience_(patience) {}
+  Status set(std::string_view key, std::string_view value) override;
+  Result<std::string> get(std::string_view key, comm::Deadline deadline) override;
+  Status wait(const std::vector<std::string>& keys, comm::Deadline deadline) override;
+  Result<bool> contains(std::string_view key) override;
+
+ private:
+  std::unique_ptr<comm::RendezvousStore> owned_;
+  comm::RendezvousStore& base_;
+  std::chrono::milliseconds patience_;
+};
+
+std::string elastic_key(const std::string& job, const std::string& rest);  // "<job>/elastic/<rest>"
+int64_t wall_ms();  // system clock, ms since the epoch (events, fault times)
+
+// Fault injection (tests/elastic): TROUPE_FAULT="<action>@<step>:<phase>:<slot>[,...]" with
+// action kill (SIGKILL), stop (SIGSTOP), slow (sleeps 150 ms there at that step and
+// every later one: a straggler), cut (aborts the worker's own communicators: its data-plane
+// connections close, the process lives on) or hang (the step thread blocks forever while
+// the process keeps its heartbeat: only the step watchdog sees it) or cutctl (the worker's
+// connection to the control plane is closed: under troupe-scheduler its store session;
+// it keeps computing but can neither beat nor take commands), phase forward (the first attention all-to-all
+// of the step), alltoall (the first MoE dispatch all-to-all), sync (gradient
+// reduce-scatter), checkpoint (while the elastic checkpoint of the step is being written
+// in the background) or any (the first data-plane wait of the step). Only processes started
+// in epoch 0 inject (a replacement never repeats its predecessor's fault).
+struct FaultSpec {
+  enum class Action { kKill, kStop, kSlow, kCut, kHang, kCutControl } action = Action::kKill;
+  int64_t step = 0;
+  std::string phase;
+  int slot = 0;
+};
+Result<std::vector<FaultSpec>> parse_faults(const std::string& spec);
+
+// The worker process: serves the job under the elastic protocol until "stop" (or until
+// the plan leaves it out). `tc` is the job's configuration; the plan overrides dp and
+// grad_accum.
+// `cut_control` (may be empty) closes the worker's connection to its control plane, for
+// the cutctl fault.
+Status run_elastic_worker(const layers::TrainConfig& tc, comm::RendezvousStore& store, const std::string& job,
+                          int slot, uint64_t epoch, std::function<void()> cut_control = {});
+
+}  // namespace troupe::training

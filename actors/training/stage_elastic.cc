@@ -1,0 +1,265 @@
+// actors/training/stage_elastic.cc — the Stage's elastic-recovery members (stage.h,
+// "elastic recovery"): communicators that can be aborted and rebuilt in a new epoch, the
+// replicated optimizer moments, the committed state a survivor rolls back to, and the
+// state broadcast that restores a replacement (or a new dp rank) from a peer's memory.
+//
+// Why it is exact: the flat parameter layout (entries and offsets) depends only on the
+// (pp, n) coordinates, so every dp rank of a column holds the same values, and after
+// replicate_optimizer() the same moments of the whole column. Broadcasting them from any
+// survivor of the column reproduces the lost rank's state bit for bit; ZeRO-1 shards are
+// then cut from the full moments for the (possibly new) dp size.
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "actors/training/stage.h"
+#include "core/check.h"
+
+namespace troupe::training {
+
+comm::CommFactory Stage::elastic_factory(comm::CommFactory inner) {
+  return [this, inner = std::move(inner)](const comm::CommSpec& spec) -> Result<std::unique_ptr<comm::Communicator>> {
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<ElasticComm> c, ElasticComm::create(spec, inner));
+    elastic_comms_.push_back(c.get());
+    return std::unique_ptr<comm::Communicator>(std::move(c));
+  };
+}
+
+void Stage::abort_comms(std::string_view reason) {
+  for (ElasticComm* c : elastic_comms_) c->abort(reason);
+}
+
+Status Stage::rebuild_comms(const comm::StoreNamespace& ns) {
+  for (ElasticComm* c : elastic_comms_) {
+    TROUPE_RETURN_IF_ERROR(c->rebuild(ns).with_context(fmt::format("rebuilding communicator {}", c->spec().name)));
+  }
+  return ok_status();
+}
+
+std::vector<int64_t> Stage::piece_offsets() const {
+  // The same walk as setup_params: a piece is the overlap of an entry with the shard.
+  std::vector<int64_t> out;
+  for (const auto& e : entries_) {
+    const int64_t a = std::max(e.offset, shard_lo_);
+    const int64_t b = std::min(e.offset + e.param->numel(), shard_lo_ + shard_len_);
+    if (a < b) out.push_back(a);
+  }
+  return out;
+}
+
+std::vector<layers::MoELayer*> Stage::stage_moe_layers() {
+  std::vector<layers::MoELayer*> out;
+  for (int64_t i = block_lo_; i < block_hi_; ++i) {
+    layers::Block& b = *model_->blocks[static_cast<size_t>(i)];
+    if (b.is_moe()) out.push_back(b.moe.get());
+  }
+  return out;
+}
+
+std::vector<Tensor*> Stage::router_biases() {
+  // This stage's MoE blocks (roles_ holds blocks [block_lo_, block_hi_) in order).
+  std::vector<Tensor*> out;
+  for (layers::MoELayer* m : stage_moe_layers()) out.push_back(&m->router.bias);
+  return out;
+}
+
+void Stage::moments_to_pieces(const Tensor& full_m, const Tensor& full_v) {
+  const std::vector<int64_t> offs = piece_offsets();
+  std::vector<layers::NamedBuffer> st = opt_->state();  // m, v per piece, in piece order
+  TROUPE_CHECK_EQ(st.size(), 2 * offs.size());
+  for (size_t i = 0; i < offs.size(); ++i) {
+    Tensor& m = *st[2 * i].tensor;
+    Tensor& v = *st[2 * i + 1].tensor;
+    m.copy_from(full_m.narrow(0, offs[i], m.numel()).view(m.shape()));
+    v.copy_from(full_v.narrow(0, offs[i], v.numel()).view(v.shape()));
+  }
+}
+
+void Stage::replicate_optimizer() {
+  const int64_t padded = flat_value_.numel();
+  Tensor shard_m = Tensor::zeros({shard_len_}, DType::kF32), shard_v = Tensor::zeros({shard_len_}, DType::kF32);
+  const std::vector<int64_t> offs = piece_offsets();
+  std::vector<layers::NamedBuffer> st = opt_->state();
+  for (size_t i = 0; i < offs.size(); ++i) {
+    const Tensor& m = *st[2 * i].tensor;
+    const Tensor& v = *st[2 * i + 1].tensor;
+    shard_m.narrow(0, offs[i] - shard_lo_, m.numel()).copy_from(m.view({m.numel()}));
+    shard_v.narrow(0, offs[i] - shard_lo_, v.numel()).copy_from(v.view({v.numel()}));
+  }
+  Tensor fm = Tensor::zeros({padded}, DType::kF32), fv = Tensor::zeros({padded}, DType::kF32);
+  all_gather(*groups_.dp, shard_m, fm, time_, "elastic moments replica all_gather (dp)");
+  all_gather(*groups_.dp, shard_v, fv, time_, "elastic moments replica all_gather (dp)");
+  full_m_ = fm;  // replaced only once both arrived
+  full_v_ = fv;
+}
+
+void Stage::commit(int64_t step_done) {
+  if (!full_m_.defined()) {
+    full_m_ = Tensor::zeros({flat_value_.numel()}, DType::kF32);
+    full_v_ = Tensor::zeros({flat_value_.numel()}, DType::kF32);
+  }
+  if (committed_[0].step == step_done) return;  // already recorded (e.g. after an evaluation)
+  committed_[1] = std::move(committed_[0]);
+  Committed& c = committed_[0];
+  c.step = step_done;
+  c.value = flat_value_.clone();
+  c.m = full_m_;  // never written in place (replicate_optimizer makes new tensors)
+  c.v = full_v_;
+  c.bias.clear();
+  for (Tensor* b : router_biases()) c.bias.push_back(b->clone());
+  c.opt_steps = opt_->steps_done();
+}
+
+void Stage::clear_interrupted_step() {
+  // An interrupted step: its sends completed (aborted) when the communicators were
+  // aborted; its partial expert loads must not reach the next bias update.
+  pending_sends_.clear();
+  for (layers::MoELayer* m : stage_moe_layers()) m->update_bias(std::vector<int64_t>{});  // clears step_load only
+}
+
+Status Stage::rollback(int64_t step_done) {
+  const Committed* c = nullptr;
+  for (const auto& k : committed_) {
+    if (k.step == step_done) c = &k;
+  }
+  if (c == nullptr) {
+    return failed_precondition("rank {}: no committed state after step {} (have {} and {})", rank_, step_done,
+                               committed_[0].step, committed_[1].step);
+  }
+  clear_interrupted_step();
+  flat_value_.copy_from(c->value);
+  full_m_ = c->m;
+  full_v_ = c->v;
+  moments_to_pieces(full_m_, full_v_);
+  std::vector<Tensor*> bs = router_biases();
+  for (size_t i = 0; i < bs.size(); ++i) bs[i]->copy_from(c->bias[i]);
+  opt_->set_steps_done(c->opt_steps);
+  const Committed keep = *c;
+  committed_[0] = keep;
+  committed_[1] = Committed{};
+  return ok_status();
+}
+
+Status Stage::import_state(Stage& old) {
+  if (old.flat_size_ != flat_size_ || old.entries_.size() != entries_.size()) {
+    return failed_precondition("import_state: rank {} and the old stage have different parameter layouts", rank_);
+  }
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    if (entries_[i].name != old.entries_[i].name || entries_[i].offset != old.entries_[i].offset) {
+      return failed_precondition("import_state: entry {} is {} here but {} in the old stage", i, entries_[i].name,
+                                 old.entries_[i].name);
+    }
+  }
+  const Committed& c = old.committed_[0];
+  if (c.step < 0) return failed_precondition("import_state: the old stage has no committed state");
+  flat_value_.narrow(0, 0, flat_size_).copy_from(c.value.narrow(0, 0, flat_size_));
+  full_m_ = Tensor::zeros({flat_value_.numel()}, DType::kF32);
+  full_v_ = Tensor::zeros({flat_value_.numel()}, DType::kF32);
+  full_m_.narrow(0, 0, flat_size_).copy_from(c.m.narrow(0, 0, flat_size_));
+  full_v_.narrow(0, 0, flat_size_).copy_from(c.v.narrow(0, 0, flat_size_));
+  moments_to_pieces(full_m_, full_v_);
+  std::vector<Tensor*> bs = router_biases();
+  if (bs.size() != c.bias.size()) return failed_precondition("import_state: router bias count differs");
+  for (size_t i = 0; i < bs.size(); ++i) bs[i]->copy_from(c.bias[i]);
+  opt_->set_steps_done(c.opt_steps);
+  committed_[0] = Committed{};
+  committed_[1] = Committed{};
+  commit(c.step);
+  return ok_status();
+}
+
+void Stage::sync_state(int source_dp, int64_t step_done) {
+  if (!full_m_.defined()) {
+    full_m_ = Tensor::zeros({flat_value_.numel()}, DType::kF32);
+    full_v_ = Tensor::zeros({flat_value_.numel()}, DType::kF32);
+  }
+  if (layout_->dp() > 1) {
+    comm::Communicator& g = *groups_.dp;
+    const char* what = "elastic state broadcast (dp)";
+    time_.wait(g.broadcast(flat_value_.narrow(0, 0, flat_size_), source_dp), what);
+    // Fresh tensors: the committed copies share the old ones.
+    Tensor fm = full_m_.clone(), fv = full_v_.clone();
+    time_.wait(g.broadcast(fm.narrow(0, 0, flat_size_), source_dp), what);
+    time_.wait(g.broadcast(fv.narrow(0, 0, flat_size_), source_dp), what);
+    full_m_ = fm;
+    full_v_ = fv;
+    std::vector<Tensor*> bs = router_biases();
+    for (Tensor* b : bs) time_.wait(g.broadcast(*b, source_dp), what);
+    Tensor steps = Tensor::zeros({1}, DType::kI64);
+    steps.data<int64_t>()[0] = opt_->steps_done();
+    time_.wait(g.broadcast(steps, source_dp), what);
+    opt_->set_steps_done(steps.data<int64_t>()[0]);
+  }
+  moments_to_pieces(full_m_, full_v_);
+  committed_[0] = Committed{};
+  committed_[1] = Committed{};
+  commit(step_done);
+}
+
+std::string Stage::elastic_prefix() const { return fmt::format("elastic.pp{}.n{}.", coord_.pp, coord_.n); }
+
+std::vector<checkpoint::SaveEntry> Stage::elastic_checkpoint_entries() const {
+  const Committed& c = committed_[0];
+  TROUPE_CHECK(c.step >= 0, "elastic checkpoint: nothing committed yet");
+  std::vector<checkpoint::SaveEntry> out;
+  const std::string pre = elastic_prefix();
+  const int64_t lo = std::min(shard_lo_, flat_size_), hi = std::min(shard_lo_ + shard_len_, flat_size_);
+  if (hi > lo) {
+    out.push_back({pre + "value", {flat_size_}, {lo}, c.value.narrow(0, lo, hi - lo)});
+    out.push_back({pre + "adam_m", {flat_size_}, {lo}, c.m.narrow(0, lo, hi - lo)});
+    out.push_back({pre + "adam_v", {flat_size_}, {lo}, c.v.narrow(0, lo, hi - lo)});
+  }
+  if (coord_.dp == 0) {
+    int64_t nb = 0;
+    for (const Tensor& b : c.bias) nb += b.numel();
+    if (nb > 0) {
+      Tensor all = Tensor::zeros({nb}, DType::kF32);
+      int64_t off = 0;
+      for (const Tensor& b : c.bias) {
+        all.narrow(0, off, b.numel()).copy_from(b.view({b.numel()}));
+        off += b.numel();
+      }
+      out.push_back({pre + "router_bias", {nb}, {0}, all});
+    }
+    Tensor steps = Tensor::zeros({1}, DType::kI64);
+    steps.data<int64_t>()[0] = c.opt_steps;
+    out.push_back({pre + "opt_steps", {1}, {0}, steps});
+  }
+  return out;
+}
+
+Status Stage::restore_elastic_checkpoint(const checkpoint::CheckpointReader& reader) {
+  const std::string pre = elastic_prefix();
+  clear_interrupted_step();
+  TROUPE_ASSIGN_OR_RETURN(Tensor value, reader.read_full(pre + "value"));
+  TROUPE_ASSIGN_OR_RETURN(Tensor m, reader.read_full(pre + "adam_m"));
+  TROUPE_ASSIGN_OR_RETURN(Tensor v, reader.read_full(pre + "adam_v"));
+  TROUPE_ASSIGN_OR_RETURN(Tensor steps, reader.read_full(pre + "opt_steps"));
+  if (value.numel() != flat_size_ || m.numel() != flat_size_ || v.numel() != flat_size_) {
+    return failed_precondition("elastic checkpoint {}: column pp={} n={} holds {} values, this rank has {}",
+                               reader.path(), coord_.pp, coord_.n, value.numel(), flat_size_);
+  }
+  flat_value_.narrow(0, 0, flat_size_).copy_from(value);
+  full_m_ = Tensor::zeros({flat_value_.numel()}, DType::kF32);
+  full_v_ = Tensor::zeros({flat_value_.numel()}, DType::kF32);
+  full_m_.narrow(0, 0, flat_size_).copy_from(m);
+  full_v_.narrow(0, 0, flat_size_).copy_from(v);
+  moments_to_pieces(full_m_, full_v_);
+  std::vector<Tensor*> bs = router_biases();
+  if (!bs.empty()) {
+    TROUPE_ASSIGN_OR_RETURN(Tensor all, reader.read_full(pre + "router_bias"));
+    int64_t off = 0;
+    for (Tensor* b : bs) {
+      if (off + b->numel() > all.numel()) return data_loss("elastic checkpoint {}: router_bias too short", reader.path());
+      b->copy_from(all.narrow(0, off, b->numel()).view(b->shape()));
+      off += b->numel();
+    }
+  }
+  opt_->set_steps_done(steps.data<int64_t>()[0]);
+  committed_[0] = Committed{};
+  committed_[1] = Committed{};
+  commit(reader.step());
+  return ok_status();
+}
+
+}  // namespace troupe::training
