@@ -1,7 +1,8 @@
 // actors/training/stage_elastic.cc — the Stage's elastic-recovery members (stage.h,
 // "elastic recovery"): communicators that can be aborted and rebuilt in a new epoch, the
 // replicated optimizer moments, the committed state a survivor rolls back to, and the
-// state broadcast that restores a replacement (or a new dp rank) from a peer's memory.
+// state broadcast that restores a replacement (or a new dp rank) from a peer's memory,
+// and commit_imported (after Stage::import_state from a checkpoint, stage_state.cc).
 //
 // Why it is exact: the flat parameter layout (entries and offsets) depends only on the
 // (pp, n) coordinates, so every dp rank of a column holds the same values, and after

@@ -1002,6 +1002,9 @@ Status ElasticLauncher::run_job() {
   const auto t_start = Clock::now();
   max_step_logged_ = start_step;
   tokens_seen_ = tokens_seen;
+  // Tokens seen after each step: a rewind to a checkpoint goes back to its count (the
+  // data position of later checkpoints must not count replayed steps twice).
+  std::map<int64_t, int64_t> tokens_after{{start_step, tokens_seen}};
   resume.reset();
   for (int64_t step = start_step + 1; step <= tc_.train.steps; ++step) {
     const auto t0 = Clock::now();
@@ -1010,6 +1013,7 @@ Status ElasticLauncher::run_job() {
       fmt::print("elastic: rewound to step {}; steps {}..{} run again\n", *rewound_to_, *rewound_to_ + 1, step);
       step = *rewound_to_;
       rewound_to_.reset();
+      if (auto it = tokens_after.find(step); it != tokens_after.end()) tokens_seen = tokens_seen_ = it->second;
       continue;
     }
     nlohmann::json rec = std::move(*reco);
@@ -1019,6 +1023,7 @@ Status ElasticLauncher::run_job() {
     const int64_t step_tokens = rec.value("step_tokens", int64_t{0});
     tokens_seen += step_tokens;
     tokens_seen_ = tokens_seen;
+    tokens_after[step] = tokens_seen;
     rec.erase("step_tokens");
     rec.erase("rank");
     rec.erase("slot");
@@ -1034,6 +1039,7 @@ Status ElasticLauncher::run_job() {
       if (!ev) {
         step = *rewound_to_;
         rewound_to_.reset();
+        if (auto it = tokens_after.find(step); it != tokens_after.end()) tokens_seen = tokens_seen_ = it->second;
         continue;
       }
       last_val = ev->value("val_loss", NAN);
