@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include "actors/training/checkpointing.h"
 #include "actors/training/control.h"
 #include "actors/training/stage.h"
 #include "actors/training/trainer.h"
@@ -308,7 +309,7 @@ class ElasticWorker {
   // made for the current layout and rank.
   int64_t ckpt_every_ = 0;
   std::string ckpt_dir_;
-  std::unique_ptr<checkpoint::CheckpointWriter> writer_;
+  std::unique_ptr<RankCheckpointer> writer_;
   std::thread watcher_;
   std::atomic<bool> stop_watcher_{false};
   std::atomic<bool> cancel_{false};  // set when epoch_+1 opened: in-progress rendezvous give up
@@ -353,7 +354,10 @@ Status ElasticWorker::join(const ElasticPlan& plan) {
       std::lock_guard<std::mutex> lock(mu_);
       stage_ = std::move(s);
     }
-    TROUPE_RETURN_IF_ERROR(stage_->restore_elastic_checkpoint(*reader));
+    // Any saved layout (the job may have changed dp since the save): each rank reads its
+    // owned slices; the dp group then replicates the moments and commits the state.
+    TROUPE_RETURN_IF_ERROR(stage_->load_checkpoint(*reader));
+    stage_->commit_imported(plan.step_done);
     if (rank != rank_ || plan.dp != dp_) writer_.reset();
     rank_ = rank;
     dp_ = plan.dp;
@@ -391,17 +395,18 @@ Status ElasticWorker::join(const ElasticPlan& plan) {
 Result<bool> ElasticWorker::save_checkpoint(int64_t step) {
   if (ckpt_every_ <= 0 || step % ckpt_every_ != 0) return false;
   if (!writer_) {
-    checkpoint::WriterOptions wo;
-    wo.run_dir = ckpt_dir_;
-    wo.layout = checkpoint::ParallelLayout{static_cast<int>(tc_.parallel.pp), static_cast<int>(dp_),
-                                           static_cast<int>(tc_.parallel.n)};
-    wo.rank = rank_;
-    TROUPE_ASSIGN_OR_RETURN(writer_, checkpoint::CheckpointWriter::create(wo));
+    TROUPE_ASSIGN_OR_RETURN(writer_, RankCheckpointer::create(ckpt_dir_, stage_->state_layout(), rank_));
   }
-  TROUPE_ASSIGN_OR_RETURN(checkpoint::SaveHandle h,
-                          writer_->save(step, stage_->elastic_checkpoint_entries(), nlohmann::json{{"step", step}}));
+  // Right after commit(step): the live state is the committed one. The same part as a
+  // normal training rank's "save" (trainer.cc), so the checkpoint is issue 8's format.
+  TROUPE_ASSIGN_OR_RETURN(StageState st, stage_->export_state(StateScope::kSave, /*copy=*/false));
+  if (st.step != step) {
+    return failed_precondition("elastic checkpoint: asked to save step {} but the stage has run {} steps", step, st.step);
+  }
+  TROUPE_RETURN_IF_ERROR(writer_->save(st).status());
   fault_point(fmt::format("checkpoint write of step {}", step));
-  TROUPE_RETURN_IF_ERROR(h.wait());
+  // The reply says the part is durable: the driver finalizes on the replies alone.
+  TROUPE_RETURN_IF_ERROR(writer_->finish());
   return true;
 }
 

@@ -12,8 +12,10 @@
 //   hb/<slot>           heartbeat counter (rewritten every kHeartbeatInterval)
 //   fault/<slot>        fault injection: wall time (ms) just before the injected fault
 // Elastic checkpoints (TROUPE_ELASTIC_CKPT_EVERY=K, into TROUPE_ELASTIC_CKPT_DIR): after
-// every K-th step each rank saves its committed state (Stage::elastic_checkpoint_entries)
-// and its reply says so; the driver finalizes the checkpoint once every rank's did.
+// every K-th step each rank saves its part of issue 8's checkpoint format (the same
+// Stage::export_state(kSave) + RankCheckpointer as normal training, stage_state.h) and
+// its reply says so once the part is durable; the driver finalizes the checkpoint once
+// every rank's did. `train_moe train --resume` loads it into any layout.
 // A slot names one worker process for its whole life; its rank may change when the job
 // is rescaled. A replacement is a new slot.
 //
@@ -50,7 +52,8 @@ struct ElasticPlan {
   int64_t seq = 0;                 // first command seq of the epoch
   std::string reason;
   // Non-empty: every rank restores the state after step_done from this checkpoint
-  // directory instead (a column lost all its dp replicas).
+  // directory instead (a column lost all its dp replicas; or epoch 0 of a resumed job),
+  // through Stage::load_checkpoint (any saved layout) and Stage::commit_imported.
   std::string checkpoint;
 
   nlohmann::json to_json() const;

@@ -131,14 +131,11 @@ class Stage {
   // state to the others of its column; afterwards every rank holds it and commits it as
   // the state after `step_done`.
   void sync_state(int source_dp, int64_t step_done);
-  // The committed state as checkpoint entries ("elastic.pp<P>.n<N>.{value,adam_m,adam_v}"
-  // over the column's flat buffer, each dp rank its ZeRO-1 range; dp rank 0 also the
-  // router biases and the optimizer step count): the last-resort restore when every dp
-  // replica of a column is lost.
-  std::vector<checkpoint::SaveEntry> elastic_checkpoint_entries() const;
-  // Loads this rank's column from such a checkpoint and commits it as the state after the
-  // checkpoint's step (clears what an interrupted step left behind).
-  Status restore_elastic_checkpoint(const checkpoint::CheckpointReader& reader);
+  // After import_state (e.g. load_checkpoint: the last-resort restore when every dp
+  // replica of a column is lost, or a resumed elastic job): clears what an interrupted
+  // step left behind, all-gathers the imported moments over dp (collective over the dp
+  // group, like replicate_optimizer) and commits the state as the state after `step_done`.
+  void commit_imported(int64_t step_done);
 
  private:
   struct StateTensor;
@@ -202,7 +199,6 @@ class Stage {
   std::vector<Tensor*> router_biases();
   void moments_to_pieces(const Tensor& full_m, const Tensor& full_v);
   void clear_interrupted_step();
-  std::string elastic_prefix() const;
   struct Committed {
     int64_t step = -1;
     Tensor value, m, v;

@@ -1,7 +1,8 @@
 // actors/training/stage_elastic.cc — the Stage's elastic-recovery members (stage.h,
 // "elastic recovery"): communicators that can be aborted and rebuilt in a new epoch, the
 // replicated optimizer moments, the committed state a survivor rolls back to, and the
-// state broadcast that restores a replacement (or a new dp rank) from a peer's memory.
+// state broadcast that restores a replacement (or a new dp rank) from a peer's memory,
+// and commit_imported (after Stage::import_state from a checkpoint, stage_state.cc).
 //
 // Why it is exact: the flat parameter layout (entries and offsets) depends only on the
 // (pp, n) coordinates, so every dp rank of a column holds the same values, and after
@@ -196,70 +197,14 @@ void Stage::sync_state(int source_dp, int64_t step_done) {
   commit(step_done);
 }
 
-std::string Stage::elastic_prefix() const { return fmt::format("elastic.pp{}.n{}.", coord_.pp, coord_.n); }
-
-std::vector<checkpoint::SaveEntry> Stage::elastic_checkpoint_entries() const {
-  const Committed& c = committed_[0];
-  TROUPE_CHECK(c.step >= 0, "elastic checkpoint: nothing committed yet");
-  std::vector<checkpoint::SaveEntry> out;
-  const std::string pre = elastic_prefix();
-  const int64_t lo = std::min(shard_lo_, flat_size_), hi = std::min(shard_lo_ + shard_len_, flat_size_);
-  if (hi > lo) {
-    out.push_back({pre + "value", {flat_size_}, {lo}, c.value.narrow(0, lo, hi - lo)});
-    out.push_back({pre + "adam_m", {flat_size_}, {lo}, c.m.narrow(0, lo, hi - lo)});
-    out.push_back({pre + "adam_v", {flat_size_}, {lo}, c.v.narrow(0, lo, hi - lo)});
-  }
-  if (coord_.dp == 0) {
-    int64_t nb = 0;
-    for (const Tensor& b : c.bias) nb += b.numel();
-    if (nb > 0) {
-      Tensor all = Tensor::zeros({nb}, DType::kF32);
-      int64_t off = 0;
-      for (const Tensor& b : c.bias) {
-        all.narrow(0, off, b.numel()).copy_from(b.view({b.numel()}));
-        off += b.numel();
-      }
-      out.push_back({pre + "router_bias", {nb}, {0}, all});
-    }
-    Tensor steps = Tensor::zeros({1}, DType::kI64);
-    steps.data<int64_t>()[0] = c.opt_steps;
-    out.push_back({pre + "opt_steps", {1}, {0}, steps});
-  }
-  return out;
-}
-
-Status Stage::restore_elastic_checkpoint(const checkpoint::CheckpointReader& reader) {
-  const std::string pre = elastic_prefix();
+void Stage::commit_imported(int64_t step_done) {
   clear_interrupted_step();
-  TROUPE_ASSIGN_OR_RETURN(Tensor value, reader.read_full(pre + "value"));
-  TROUPE_ASSIGN_OR_RETURN(Tensor m, reader.read_full(pre + "adam_m"));
-  TROUPE_ASSIGN_OR_RETURN(Tensor v, reader.read_full(pre + "adam_v"));
-  TROUPE_ASSIGN_OR_RETURN(Tensor steps, reader.read_full(pre + "opt_steps"));
-  if (value.numel() != flat_size_ || m.numel() != flat_size_ || v.numel() != flat_size_) {
-    return failed_precondition("elastic checkpoint {}: column pp={} n={} holds {} values, this rank has {}",
-                               reader.path(), coord_.pp, coord_.n, value.numel(), flat_size_);
-  }
-  flat_value_.narrow(0, 0, flat_size_).copy_from(value);
-  full_m_ = Tensor::zeros({flat_value_.numel()}, DType::kF32);
-  full_v_ = Tensor::zeros({flat_value_.numel()}, DType::kF32);
-  full_m_.narrow(0, 0, flat_size_).copy_from(m);
-  full_v_.narrow(0, 0, flat_size_).copy_from(v);
-  moments_to_pieces(full_m_, full_v_);
-  std::vector<Tensor*> bs = router_biases();
-  if (!bs.empty()) {
-    TROUPE_ASSIGN_OR_RETURN(Tensor all, reader.read_full(pre + "router_bias"));
-    int64_t off = 0;
-    for (Tensor* b : bs) {
-      if (off + b->numel() > all.numel()) return data_loss("elastic checkpoint {}: router_bias too short", reader.path());
-      b->copy_from(all.narrow(0, off, b->numel()).view(b->shape()));
-      off += b->numel();
-    }
-  }
-  opt_->set_steps_done(steps.data<int64_t>()[0]);
+  // import_state wrote this rank's ZeRO-1 pieces of the moments; the column's full
+  // moments (what a lost dp peer is restored from) come from every dp rank's pieces.
+  replicate_optimizer();
   committed_[0] = Committed{};
   committed_[1] = Committed{};
-  commit(reader.step());
-  return ok_status();
+  commit(step_done);
 }
 
 }  // namespace troupe::training

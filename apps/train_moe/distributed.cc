@@ -342,10 +342,7 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDev
     for (const auto& s : o.overrides) ov << s << "\n";
   }
   if (elastic_enabled()) {  // apps/train_moe/elastic_launch.h
-    if (!o.resume.empty()) {
-      return invalid_argument("--resume is not supported with TROUPE_ELASTIC=1 yet (an elastic job restores from its "
-                              "dp peers and its own elastic checkpoints); resume without TROUPE_ELASTIC");
-    }
+    // --resume: the elastic driver opens the checkpoint and its workers load it.
     if (role == "driver") {
       TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> estore, open_store(run_dir));
       return run_elastic_scheduled_driver(o, run_dir, tc, std::move(estore));

@@ -49,8 +49,10 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "actors/training/checkpointing.h"
 #include "actors/training/control.h"
 #include "actors/training/elastic.h"
+#include "actors/training/trainer.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/writer.h"
 #include "comm/parallel_layout.h"
@@ -177,6 +179,11 @@ class ElasticLauncher {
   Clock::time_point last_hb_check_ = Clock::now();
   int64_t ckpt_every_ = 0;
   std::string ckpt_dir_;
+  // What every checkpoint records besides the workers' parts (config text, tokenizer,
+  // run metadata: the same as a normal run's CheckpointCommitter), and the tokens seen
+  // up to the last completed step (its data position).
+  checkpoint::CheckpointInfo ckpt_info_;
+  int64_t tokens_seen_ = 0;
 };
 
 void ElasticLauncher::event(nlohmann::json e) {
@@ -674,11 +681,18 @@ Status ElasticLauncher::maybe_finalize_checkpoint(int64_t step) {
   for (const auto& r : last_replies_) {
     if (r.value("checkpoint", int64_t{-1}) != step) return ok_status();
   }
+  // Finalized as a normal run's committer does (CheckpointCommitter::commit_one), so
+  // `train_moe train --resume` and `troupe checkpoints` read it like any other; the parts
+  // are already durable (each reply says so). The layout saved is this epoch's dp.
   checkpoint::FinalizeOptions fo;
   fo.world_size = static_cast<int>(last_replies_.size());
   fo.keep_last = 2;
-  fo.info.data_position = nlohmann::json{{"step", step}};
-  fo.info.metadata = nlohmann::json{{"elastic_epoch", plan_.epoch}, {"dp", plan_.dp}, {"grad_accum", plan_.grad_accum}};
+  fo.info = ckpt_info_;
+  const int64_t tokens = tokens_seen_ + last_replies_[0].value("step_tokens", int64_t{0});
+  fo.info.data_position = training::data_position_json(tc_, step, tokens);
+  fo.info.metadata["adam_steps"] = step;
+  fo.info.metadata["saved_layout"] = fmt::format("pp={},dp={},n={}", tc_.parallel.pp, plan_.dp, tc_.parallel.n);
+  fo.info.metadata["elastic"] = nlohmann::json{{"epoch", plan_.epoch}, {"dp", plan_.dp}, {"grad_accum", plan_.grad_accum}};
   TROUPE_ASSIGN_OR_RETURN(checkpoint::FinalizeResult fr, checkpoint::finalize_checkpoint(ckpt_dir_, step, fo));
   event({{"event", "checkpoint_committed"}, {"step", step}, {"path", fr.path}, {"bytes", fr.bytes}});
   return ok_status();
@@ -908,12 +922,32 @@ Status ElasticLauncher::run_job() {
   const char* pol = std::getenv("TROUPE_STRAGGLER_POLICY");
   straggler_replace_ = pol != nullptr && std::string(pol) == "replace";
   std::error_code ec;
+  // --resume: any checkpoint of issue 8's format (a normal run's or an elastic one's, any
+  // layout); epoch 0's plan names it and every worker loads it (ElasticWorker::join).
+  std::unique_ptr<checkpoint::CheckpointReader> resume;
+  if (!o_.resume.empty()) {
+    TROUPE_ASSIGN_OR_RETURN(resume, training::open_resume_checkpoint(o_.resume));
+    TROUPE_RETURN_IF_ERROR(training::check_resume_compatible(resume->manifest(), tc_));
+    fmt::print("train_moe: resuming from {} (step {}, saved with layout {}) with elastic layout pp={} dp={} n={}\n",
+               resume->path(), resume->step(), resume->layout().to_string(), tc_.parallel.pp, tc_.parallel.dp,
+               tc_.parallel.n);
+    TROUPE_RETURN_IF_ERROR(training::trim_metrics(run_dir_ + "/metrics.jsonl", resume->step()));
+  }
+  const int64_t start_step = resume ? resume->step() : 0;
   ckpt_every_ = env_or("TROUPE_ELASTIC_CKPT_EVERY", 0);
   if (ckpt_every_ > 0) {
     ckpt_dir_ = fs::absolute(run_dir_ + "/ckpt").string();
-    // The job starts at step 0: elastic checkpoints of an earlier run here are stale.
-    fs::remove_all(ckpt_dir_, ec);
+    // Elastic checkpoints of an earlier run here after the starting step are stale (a
+    // fresh job: all of them; the checkpoint resumed from is kept).
+    if (resume) {
+      TROUPE_RETURN_IF_ERROR(training::prepare_checkpoint_dir(ckpt_dir_, start_step));
+    } else {
+      fs::remove_all(ckpt_dir_, ec);
+    }
     setenv("TROUPE_ELASTIC_CKPT_DIR", ckpt_dir_.c_str(), 1);  // the workers inherit it
+    // The tokenizer copied into the run directory by the caller (distributed.cc).
+    TROUPE_ASSIGN_OR_RETURN(ckpt_info_,
+                            training::run_checkpoint_info(o_.config, o_.overrides, tc_, run_dir_ + "/tokenizer.json"));
   }
   fs::remove(run_dir_ + "/scale_request", ec);
   fs::remove(run_dir_ + "/replace_request", ec);
@@ -924,7 +958,7 @@ Status ElasticLauncher::run_job() {
   }
   events_.open(run_dir_ + "/events.jsonl", std::ios::trunc);
   if (!events_) return io_error("cannot write {}/events.jsonl", run_dir_);
-  std::ofstream metrics(run_dir_ + "/metrics.jsonl", std::ios::trunc);
+  std::ofstream metrics(run_dir_ + "/metrics.jsonl", resume ? std::ios::app : std::ios::trunc);
   if (!metrics) return io_error("cannot write {}/metrics.jsonl", run_dir_);
 
   const int world = static_cast<int>(tc_.parallel.world());
@@ -937,6 +971,11 @@ Status ElasticLauncher::run_job() {
   }
   next_slot_ = world;
   plan_.reason = "start";
+  if (resume) {
+    plan_.checkpoint = fs::absolute(resume->path()).string();
+    plan_.step_done = start_step;
+    plan_.reason = "start (resumed)";
+  }
   TROUPE_RETURN_IF_ERROR(store_->set(key("plan/0"), plan_.to_json().dump()));
   event({{"event", "job_started"}, {"job", job_}, {"plan", plan_.to_json()}, {"heartbeat_timeout_ms", hb_timeout_.count()}});
   fmt::print("train_moe: elastic layout pp={} dp={} n={} ({} workers), heartbeat timeout {} ms, {} steps, run dir {}\n",
@@ -950,22 +989,31 @@ Status ElasticLauncher::run_job() {
     stateful_ = std::set<int>(plan_.slots.begin(), plan_.slots.end());
   }
 
-  TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> v0o, call(training::Command::Kind::kEval, 0));
+  TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> v0o, call(training::Command::Kind::kEval, start_step));
   if (!v0o) return aborted("elastic: rewound before the first step");
   double last_val = v0o->value("val_loss", 0.0);
   const double val0 = last_val;
-  fmt::print("step 0 | val_loss {:.4f}\n", val0);
-  metrics << nlohmann::json{{"step", 0}, {"val_loss", val0}, {"tokens", 0}}.dump() << "\n";
+  int64_t tokens_seen = resume ? resume->manifest().data_position.value("tokens_seen", int64_t{0}) : 0;
+  fmt::print("{}step {} | val_loss {:.4f}\n", resume ? "resumed | " : "", start_step, val0);
+  nlohmann::json rec0{{"step", start_step}, {"val_loss", val0}, {"tokens", tokens_seen}};
+  if (resume) rec0["resumed"] = true;
+  metrics << rec0.dump() << "\n";
   metrics.flush();
   const auto t_start = Clock::now();
-  int64_t tokens_seen = 0;
-  for (int64_t step = 1; step <= tc_.train.steps; ++step) {
+  max_step_logged_ = start_step;
+  tokens_seen_ = tokens_seen;
+  // Tokens seen after each step: a rewind to a checkpoint goes back to its count (the
+  // data position of later checkpoints must not count replayed steps twice).
+  std::map<int64_t, int64_t> tokens_after{{start_step, tokens_seen}};
+  resume.reset();
+  for (int64_t step = start_step + 1; step <= tc_.train.steps; ++step) {
     const auto t0 = Clock::now();
     TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> reco, call(training::Command::Kind::kStep, step));
     if (!reco) {  // back to a checkpoint: run the steps after it again
       fmt::print("elastic: rewound to step {}; steps {}..{} run again\n", *rewound_to_, *rewound_to_ + 1, step);
       step = *rewound_to_;
       rewound_to_.reset();
+      if (auto it = tokens_after.find(step); it != tokens_after.end()) tokens_seen = tokens_seen_ = it->second;
       continue;
     }
     nlohmann::json rec = std::move(*reco);
@@ -974,6 +1022,8 @@ Status ElasticLauncher::run_job() {
     if (!std::isfinite(loss)) return aborted("step {}: the loss is {} (diverged)", step, loss);
     const int64_t step_tokens = rec.value("step_tokens", int64_t{0});
     tokens_seen += step_tokens;
+    tokens_seen_ = tokens_seen;
+    tokens_after[step] = tokens_seen;
     rec.erase("step_tokens");
     rec.erase("rank");
     rec.erase("slot");
@@ -989,6 +1039,7 @@ Status ElasticLauncher::run_job() {
       if (!ev) {
         step = *rewound_to_;
         rewound_to_.reset();
+        if (auto it = tokens_after.find(step); it != tokens_after.end()) tokens_seen = tokens_seen_ = it->second;
         continue;
       }
       last_val = ev->value("val_loss", NAN);

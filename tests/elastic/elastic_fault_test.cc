@@ -27,6 +27,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -386,6 +387,63 @@ TEST_F(ElasticFault, LostColumnRestoresFromCheckpoint) {
               "%.2f s; steps lost %lld (no dp peer survived)\n",
               det.size(), static_cast<long long>(det[0]["detection_ms"].get<int64_t>()), rec[0]["recovery_s"].get<double>(),
               static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
+}
+
+// An elastic job's checkpoint is issue 8's format: plain `train_moe train --resume` loads
+// it into another layout (dp=1, n=2: the ZeRO-1 moments resharded from dp=2), and an
+// elastic job resumes from it too (TROUPE_ELASTIC=1 --resume, at dp=2, n=1); both continue
+// the elastic run's steps 5..8 within 1e-6. `troupe checkpoints --dir` lists it.
+TEST_F(ElasticFault, CheckpointResumesInAnotherLayoutWithPlainTrainMoe) {
+  const RunResult saved = run_case("ckpt-format", "", {"TROUPE_ELASTIC_CKPT_EVERY=4"});
+  expect_clean_finish(saved);
+  expect_same_losses("ckpt-format", saved);
+  const auto ref = steps_of(*root_ / "ckpt-format" / "metrics.jsonl");
+  ASSERT_EQ(static_cast<int64_t>(ref.size()), kSteps);
+  const fs::path step4 = *root_ / "ckpt-format" / "ckpt" / "step_4";
+  ASSERT_TRUE(fs::exists(step4 / "manifest.json")) << saved.output;
+  // `grad_accum` keeps the global batch (and so the data order) of the saved run at dp=2.
+  auto resumed = [&](const std::string& name, const std::string& layout, int grad_accum, std::vector<std::string> env) {
+    std::vector<std::string> a = args(name);
+    a.back() = layout;  // the value of --parallel
+    std::replace(a.begin(), a.end(), std::string("train.grad_accum=1"), fmt::format("train.grad_accum={}", grad_accum));
+    a.push_back("--resume");
+    a.push_back(step4.string());
+    const RunResult r = run(a, env, *root_ / (name + ".log"), std::chrono::seconds(180));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("resuming from"), std::string::npos) << r.output;
+    const auto got = steps_of(*root_ / name / "metrics.jsonl");
+    // Steps 1..4 are not run again (no records), 5..8 are.
+    double worst = 0;
+    int compared = 0;
+    for (const auto& g : got) {
+      const int64_t step = g["step"].get<int64_t>();
+      if (step <= 4) continue;
+      const double d = rel(ref[static_cast<size_t>(step - 1)]["loss"].get<double>(), g["loss"].get<double>());
+      EXPECT_LE(d, 1e-6) << name << " step " << step;
+      worst = std::max(worst, d);
+      ++compared;
+    }
+    EXPECT_EQ(compared, kSteps - 4) << r.output;
+    std::printf("[elastic %s] resumed the elastic checkpoint of step 4 at %s: steps 5..%lld, max relative loss "
+                "difference vs the elastic run %.3g (%.1f s)\n",
+                name.c_str(), layout.c_str(), static_cast<long long>(kSteps), worst, r.seconds);
+  };
+  resumed("ckpt-format-plain", "dp=1,n=2", 2, {});
+  resumed("ckpt-format-elastic", "dp=2,n=1", 1, elastic_env(""));
+#ifdef TROUPE_CLI_BIN
+  const RunResult ls = run({TROUPE_CLI_BIN, "checkpoints", "--dir", (*root_ / "ckpt-format" / "ckpt").string(), "--json"},
+                           {}, *root_ / "ckpt-format-ls.log", std::chrono::seconds(60));
+  ASSERT_EQ(ls.exit_code, 0) << ls.output;
+  const nlohmann::json j = nlohmann::json::parse(ls.output);
+  std::vector<int64_t> steps;
+  for (const auto& c : j["checkpoints"]) {
+    EXPECT_TRUE(c["valid"].get<bool>()) << c.dump();
+    EXPECT_EQ(c["layout"], "pp=1,dp=2,n=2") << c.dump();
+    steps.push_back(c["step"].get<int64_t>());
+  }
+  std::sort(steps.begin(), steps.end());
+  EXPECT_EQ(steps, (std::vector<int64_t>{4, 8})) << ls.output;
+#endif
 }
 
 TEST_F(ElasticFault, DataPlaneConnectionCutRebuildsWithoutReplacement) {
