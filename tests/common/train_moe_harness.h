@@ -94,10 +94,10 @@ void remove_run_root(const fs::path& root);
 
 // What `train_moe prepare` reads and makes: the source folders (relative to source_dir())
 // whose files with one of `extensions` form the corpus, the tokenizer's vocabulary size
-// and the corpus size cap.
+// and the corpus size cap. The defaults are the tiny model's corpus (TinyModel).
 struct PrepareSpec {
-  std::vector<std::string> inputs;      // e.g. {"layers", "kernels"}
-  std::vector<std::string> extensions;  // e.g. {".cc", ".h"}
+  std::vector<std::string> inputs = {"layers", "kernels"};
+  std::vector<std::string> extensions = {".cc", ".h"};
   int64_t vocab = 320;
   int64_t max_bytes = 300000;
 };
@@ -125,13 +125,13 @@ struct TrainMoeCommand {
 
 // The tests' tiny MoE model on the tiny.toml config: 4 blocks (dense, MoE, dense, MoE),
 // d 32, ffn 64, 4 experts of hidden 32, vocab 320, sequences of 16, micro-batches of 2,
-// no periodic eval. The fields are what the suites vary.
+// no periodic eval. The fields are what the suites vary (defaults: the elastic suites').
 struct TinyModel {
   int64_t grad_accum = 1;
-  int64_t steps = 5;
+  int64_t steps = 8;
   int64_t eval_batches = 2;
-  int64_t log_every = 10;
-  int64_t warmup_steps = 5;
+  int64_t log_every = 1;
+  int64_t warmup_steps = 3;
   fs::path data_dir;  // from prepare_data with vocab 320
 };
 std::vector<std::string> tiny_model_sets(const TinyModel& m);

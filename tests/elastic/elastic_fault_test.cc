@@ -62,8 +62,7 @@ class ElasticFault : public ::testing::Test {
   static void SetUpTestSuite() {
     root_ = new fs::path(troupe::test::make_run_root("troupe-elastic"));
     const RunResult p =
-        troupe::test::prepare_data(*root_ / "data", {{"layers", "kernels"}, {".cc", ".h"}, 320, 300000},
-                                   *root_ / "prepare.log", std::chrono::seconds(120));
+        troupe::test::prepare_data(*root_ / "data", {}, *root_ / "prepare.log", std::chrono::seconds(120));
     ASSERT_EQ(p.exit_code, 0) << p.output;
   }
   static void TearDownTestSuite() {
@@ -74,12 +73,7 @@ class ElasticFault : public ::testing::Test {
   static std::vector<std::string> args(const std::string& name) {
     troupe::test::TrainMoeCommand c;
     c.run_dir = *root_ / name;
-    c.sets = troupe::test::tiny_model_sets({.grad_accum = 1,
-                                            .steps = kSteps,
-                                            .eval_batches = 2,
-                                            .log_every = 1,
-                                            .warmup_steps = 3,
-                                            .data_dir = *root_ / "data"});
+    c.sets = troupe::test::tiny_model_sets({.steps = kSteps, .data_dir = *root_ / "data"});
     c.parallel = "dp=2,n=2";
     return c.argv();
   }

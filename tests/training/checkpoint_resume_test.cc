@@ -68,7 +68,6 @@ class CheckpointResume : public ::testing::Test {
                                             .steps = kSteps,
                                             .eval_batches = 1,
                                             .log_every = 10,
-                                            .warmup_steps = 3,
                                             .data_dir = *root_ / "data"});
     c.sets.insert(c.sets.end(), extra.begin(), extra.end());
     c.parallel = parallel;

@@ -39,8 +39,7 @@ class TrainingEquivalence : public ::testing::Test {
   static void SetUpTestSuite() {
     root_ = new fs::path(troupe::test::make_run_root("troupe-training"));
     const RunResult p =
-        troupe::test::prepare_data(*root_ / "data", {{"layers", "kernels"}, {".cc", ".h"}, 320, 300000},
-                                   *root_ / "prepare.log", std::chrono::seconds(120));
+        troupe::test::prepare_data(*root_ / "data", {}, *root_ / "prepare.log", std::chrono::seconds(120));
     ASSERT_EQ(p.exit_code, 0) << p.output;
   }
   static void TearDownTestSuite() {
@@ -56,7 +55,6 @@ class TrainingEquivalence : public ::testing::Test {
     c.run_dir = *root_ / name;
     c.sets = troupe::test::tiny_model_sets({.grad_accum = grad_accum,
                                             .steps = steps,
-                                            .eval_batches = 2,
                                             .log_every = 10,
                                             .warmup_steps = 5,
                                             .data_dir = *root_ / "data"});
