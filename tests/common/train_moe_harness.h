@@ -67,7 +67,7 @@ pid_t spawn(const std::vector<std::string>& argv, const fs::path& log,
 
 // Waits for the child `pid` from spawn() until `t0 + timeout` (then SIGKILLs its group and
 // reaps it), then kills whatever is left of its group (a failed launcher's workers) and
-// reads `log`. Always reaps `pid` unless it was reaped already by the caller.
+// reads `log`. Always reaps `pid`; a `pid` the caller reaped already counts as timed out.
 RunResult finish(pid_t pid, const fs::path& log, Clock::time_point t0, std::chrono::seconds timeout,
                  const RunOptions& opts = {});
 
