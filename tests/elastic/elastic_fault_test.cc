@@ -22,162 +22,60 @@
 // holds the detection and recovery with detection <= 1 s after an exit and <= the
 // heartbeat timeout + 1 s for a hang, recovery to the next completed step <= 10 s, steps
 // lost = 0; and no process of the job is left (its process group is empty).
-#include <errno.h>
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <functional>
-#include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "tests/common/train_moe_harness.h"
+
 namespace {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
+using troupe::test::events_named;
+using troupe::test::latest_step_records;
+using troupe::test::rel_diff;
+using troupe::test::RunResult;
 
 constexpr int64_t kSteps = 8;
 constexpr int64_t kHeartbeatTimeoutMs = 1500;
 
-struct RunResult {
-  int exit_code = -1;  // -1: killed on timeout or by a signal
-  std::string output;
-  double seconds = 0;
-  bool group_empty_after_exit = false;  // no process of the job outlived the launcher
-};
-
-// Runs argv with extra environment variables in its own process group, bounded by a
-// timeout; `tick` is called every 20 ms while it runs. Whatever is left of the group
-// afterwards is killed.
+// Runs argv with extra environment variables, bounded by `timeout`; `tick` is called every
+// 20 ms while it runs. After a clean exit the rest of the job's process group (workers die
+// with the launcher or exit after "stop") gets 2 s to go, then group_empty_after_exit says
+// whether it did; whatever is left is killed.
 RunResult run(const std::vector<std::string>& argv, const std::vector<std::string>& env, const fs::path& log,
               std::chrono::seconds timeout, const std::function<void()>& tick = {}) {
-  RunResult r;
-  const auto t0 = Clock::now();
-  const pid_t pid = fork();
-  if (pid == 0) {
-    setpgid(0, 0);
-    FILE* f = std::fopen(log.c_str(), "w");
-    if (f == nullptr) _exit(126);
-    dup2(fileno(f), 1);
-    dup2(fileno(f), 2);
-    for (const auto& e : env) putenv(const_cast<char*>(e.c_str()));
-    std::vector<char*> a;
-    for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
-    a.push_back(nullptr);
-    execv(a[0], a.data());
-    _exit(127);
-  }
-  setpgid(pid, pid);
-  int status = 0;
-  bool done = false;
-  while (Clock::now() - t0 < timeout) {
-    if (waitpid(pid, &status, WNOHANG) == pid) {
-      done = true;
-      break;
-    }
-    if (tick) tick();
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  if (!done) {
-    kill(-pid, SIGKILL);
-    waitpid(pid, &status, 0);
-  } else {
-    // Workers die with the launcher (PDEATHSIG) or exit after "stop": give them a moment,
-    // then the group must be empty.
-    const auto until = Clock::now() + std::chrono::milliseconds(2000);
-    while (Clock::now() < until && !(kill(-pid, 0) == -1 && errno == ESRCH)) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    r.group_empty_after_exit = kill(-pid, 0) == -1 && errno == ESRCH;
-  }
-  kill(-pid, SIGKILL);
-  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  if (done && WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
-  std::ifstream in(log);
-  r.output.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  return r;
+  return troupe::test::run(argv, log, timeout,
+                           {.env = env, .tick = tick, .group_exit_wait = std::chrono::milliseconds(2000)});
 }
-
-std::vector<nlohmann::json> lines_of(const fs::path& file) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(file);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-  }
-  return out;
-}
-
-// One record per step: a step run again after a checkpoint restore ("replayed") replaces
-// the earlier record.
-std::vector<nlohmann::json> steps_of(const fs::path& metrics) {
-  std::vector<nlohmann::json> out;
-  for (auto& j : lines_of(metrics)) {
-    if (!j.contains("loss")) continue;
-    const int64_t step = j["step"].get<int64_t>();
-    if (static_cast<int64_t>(out.size()) >= step) out.resize(static_cast<size_t>(step - 1));
-    out.push_back(j);
-  }
-  return out;
-}
-
-std::vector<nlohmann::json> events_named(const fs::path& events, const std::string& name) {
-  std::vector<nlohmann::json> out;
-  for (auto& j : lines_of(events)) {
-    if (j.value("event", "") == name) out.push_back(j);
-  }
-  return out;
-}
-
-double rel(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(a), 1e-30); }
 
 class ElasticFault : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    std::random_device rd;
-    root_ = new fs::path(fs::temp_directory_path() / fmt::format("troupe-elastic-{}-{:x}", getpid(), rd()));
-    fs::create_directories(*root_);
-    const std::string src = TROUPE_SOURCE_DIR;
-    const RunResult p = run({TROUPE_TRAIN_MOE_BIN, "prepare", "--input", src + "/layers", "--input", src + "/kernels",
-                             "--out", (*root_ / "data").string(), "--vocab", "320", "--max-bytes", "300000", "--ext",
-                             ".cc", "--ext", ".h"},
-                            {}, *root_ / "prepare.log", std::chrono::seconds(120));
+    root_ = new fs::path(troupe::test::make_run_root("troupe-elastic"));
+    const RunResult p =
+        troupe::test::prepare_data(*root_ / "data", {}, *root_ / "prepare.log", std::chrono::seconds(120));
     ASSERT_EQ(p.exit_code, 0) << p.output;
   }
   static void TearDownTestSuite() {
-    std::error_code ec;
-    fs::remove_all(*root_, ec);
+    troupe::test::remove_run_root(*root_);
     delete root_;
   }
 
   static std::vector<std::string> args(const std::string& name) {
-    std::vector<std::string> a{TROUPE_TRAIN_MOE_BIN, "--config", std::string(TROUPE_SOURCE_DIR) + "/apps/configs/tiny.toml",
-                               "--run-dir", (*root_ / name).string()};
-    const std::vector<std::string> sets{
-        "model.vocab_size=320",     "model.d_model=32",           "model.ffn_hidden=64",
-        "model.moe.num_experts=4",  "model.moe.expert_hidden=32", "train.seq_len=16",
-        "train.micro_batch_size=2", "train.grad_accum=1",         fmt::format("train.steps={}", kSteps),
-        "train.eval_batches=2",     "train.eval_every=0",         "train.log_every=1",
-        "optim.warmup_steps=3",     fmt::format("data.dir=\"{}\"", (*root_ / "data").string())};
-    for (const auto& s : sets) {
-      a.push_back("--set");
-      a.push_back(s);
-    }
-    a.push_back("--parallel");
-    a.push_back("dp=2,n=2");
-    return a;
+    troupe::test::TrainMoeCommand c;
+    c.run_dir = *root_ / name;
+    c.sets = troupe::test::tiny_model_sets({.steps = kSteps, .data_dir = *root_ / "data"});
+    c.parallel = "dp=2,n=2";
+    return c.argv();
   }
 
   static std::vector<std::string> elastic_env(const std::string& fault, std::vector<std::string> extra = {}) {
@@ -193,7 +91,7 @@ class ElasticFault : public ::testing::Test {
     if (ref.empty()) {
       const RunResult r = run(args("baseline"), elastic_env(""), *root_ / "baseline.log", std::chrono::seconds(180));
       EXPECT_EQ(r.exit_code, 0) << r.output;
-      ref = steps_of(*root_ / "baseline" / "metrics.jsonl");
+      ref = latest_step_records(*root_ / "baseline" / "metrics.jsonl");
       EXPECT_EQ(static_cast<int64_t>(ref.size()), kSteps) << r.output;
       std::printf("[elastic] fault-free run: %.1f s\n", r.seconds);
     }
@@ -203,12 +101,12 @@ class ElasticFault : public ::testing::Test {
   // Every step's loss equals the baseline's within 1e-5.
   static void expect_same_losses(const std::string& name, const RunResult& r) {
     const auto& ref = baseline();
-    const auto got = steps_of(*root_ / name / "metrics.jsonl");
+    const auto got = latest_step_records(*root_ / name / "metrics.jsonl");
     ASSERT_EQ(got.size(), ref.size()) << r.output;
     double worst = 0;
     for (size_t i = 0; i < got.size(); ++i) {
       EXPECT_EQ(got[i]["step"], ref[i]["step"]);
-      const double d = rel(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>());
+      const double d = rel_diff(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>());
       EXPECT_LE(d, 1e-5) << name << " step " << i + 1;
       worst = std::max(worst, d);
     }
@@ -264,10 +162,10 @@ TEST_F(ElasticFault, FaultFreeElasticEqualsTheLauncher) {
   const auto& ref = baseline();
   const RunResult r = run(args("plain"), {}, *root_ / "plain.log", std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto got = steps_of(*root_ / "plain" / "metrics.jsonl");
+  const auto got = latest_step_records(*root_ / "plain" / "metrics.jsonl");
   ASSERT_EQ(got.size(), ref.size());
   for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_LE(rel(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>()), 1e-6) << "step " << i + 1;
+    EXPECT_LE(rel_diff(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>()), 1e-6) << "step " << i + 1;
   }
 }
 
@@ -305,7 +203,7 @@ TEST_F(ElasticFault, LostWorkerWithoutSpareShrinksDp) {
   expect_clean_finish(r);
   expect_same_losses("no-spare", r);
   expect_recoveries("no-spare", r, 1, "exit", 1000);
-  const auto got = steps_of(*root_ / "no-spare" / "metrics.jsonl");
+  const auto got = latest_step_records(*root_ / "no-spare" / "metrics.jsonl");
   ASSERT_EQ(static_cast<int64_t>(got.size()), kSteps);
   EXPECT_EQ(got.back()["dp"], 1) << r.output;
 }
@@ -320,7 +218,7 @@ TEST_F(ElasticFault, ScaleDp2To1To2) {
   ASSERT_EQ(scaled.size(), 2u) << r.output;
   EXPECT_EQ(scaled[0]["to_dp"], 1);
   EXPECT_EQ(scaled[1]["to_dp"], 2);
-  const auto got = steps_of(dir / "metrics.jsonl");
+  const auto got = latest_step_records(dir / "metrics.jsonl");
   std::vector<int> dps;
   for (const auto& s : got) dps.push_back(s["dp"].get<int>());
   EXPECT_NE(std::find(dps.begin(), dps.end(), 1), dps.end());
@@ -397,7 +295,7 @@ TEST_F(ElasticFault, CheckpointResumesInAnotherLayoutWithPlainTrainMoe) {
   const RunResult saved = run_case("ckpt-format", "", {"TROUPE_ELASTIC_CKPT_EVERY=4"});
   expect_clean_finish(saved);
   expect_same_losses("ckpt-format", saved);
-  const auto ref = steps_of(*root_ / "ckpt-format" / "metrics.jsonl");
+  const auto ref = latest_step_records(*root_ / "ckpt-format" / "metrics.jsonl");
   ASSERT_EQ(static_cast<int64_t>(ref.size()), kSteps);
   const fs::path step4 = *root_ / "ckpt-format" / "ckpt" / "step_4";
   ASSERT_TRUE(fs::exists(step4 / "manifest.json")) << saved.output;
@@ -411,14 +309,14 @@ TEST_F(ElasticFault, CheckpointResumesInAnotherLayoutWithPlainTrainMoe) {
     const RunResult r = run(a, env, *root_ / (name + ".log"), std::chrono::seconds(180));
     EXPECT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("resuming from"), std::string::npos) << r.output;
-    const auto got = steps_of(*root_ / name / "metrics.jsonl");
+    const auto got = latest_step_records(*root_ / name / "metrics.jsonl");
     // Steps 1..4 are not run again (no records), 5..8 are.
     double worst = 0;
     int compared = 0;
     for (const auto& g : got) {
       const int64_t step = g["step"].get<int64_t>();
       if (step <= 4) continue;
-      const double d = rel(ref[static_cast<size_t>(step - 1)]["loss"].get<double>(), g["loss"].get<double>());
+      const double d = rel_diff(ref[static_cast<size_t>(step - 1)]["loss"].get<double>(), g["loss"].get<double>());
       EXPECT_LE(d, 1e-6) << name << " step " << step;
       worst = std::max(worst, d);
       ++compared;
@@ -527,7 +425,7 @@ TEST_F(ElasticFault, TroupeReplaceScaleAndStatusCommands) {
     cmds.push_back(run(a, {}, *root_ / log, std::chrono::seconds(60)));
   };
   auto tick = [&] {
-    if (phase == 0 && steps_of(dir / "metrics.jsonl").size() >= 2) {
+    if (phase == 0 && latest_step_records(dir / "metrics.jsonl").size() >= 2) {
       phase = 1;
       troupe({"status", dir.string()}, "cli-status1.log");
       troupe({"replace", dir.string(), "1"}, "cli-replace.log");

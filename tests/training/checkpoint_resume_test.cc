@@ -10,18 +10,14 @@
 //    resume names it with the reason and continues from the previous one; no valid
 //    checkpoint at all is an error, never a silent partial load.
 // Every child runs in its own process group, bounded by a timeout, killed and reaped.
-#include <dirent.h>
 #include <signal.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <map>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,118 +27,25 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/reader.h"
+#include "tests/common/train_moe_harness.h"
 
 namespace {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
-
-struct RunResult {
-  int exit_code = -1;  // -1: killed (timeout or signal)
-  std::string output;
-  double seconds = 0;
-};
-
-// Starts argv in its own process group, output to `log`.
-pid_t spawn(const std::vector<std::string>& argv, const fs::path& log) {
-  const pid_t pid = fork();
-  if (pid == 0) {
-    setpgid(0, 0);
-    FILE* f = std::fopen(log.c_str(), "w");
-    if (f == nullptr) _exit(126);
-    dup2(fileno(f), 1);
-    dup2(fileno(f), 2);
-    std::vector<char*> a;
-    for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
-    a.push_back(nullptr);
-    execv(a[0], a.data());
-    _exit(127);
-  }
-  setpgid(pid, pid);
-  return pid;
-}
-
-// Waits for `pid` (timeout: SIGKILL), kills what is left of its group, reads the log.
-RunResult finish(pid_t pid, const fs::path& log, Clock::time_point t0, std::chrono::seconds timeout) {
-  RunResult r;
-  int status = 0;
-  bool done = false;
-  while (Clock::now() - t0 < timeout) {
-    if (waitpid(pid, &status, WNOHANG) == pid) {
-      done = true;
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  if (!done) {
-    kill(-pid, SIGKILL);
-    waitpid(pid, &status, 0);
-  }
-  kill(-pid, SIGKILL);
-  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  if (done && WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
-  std::ifstream in(log);
-  r.output.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  return r;
-}
-
-RunResult run(const std::vector<std::string>& argv, const fs::path& log, std::chrono::seconds timeout) {
-  const auto t0 = Clock::now();
-  return finish(spawn(argv, log), log, t0, timeout);
-}
-
-// Losses by step from metrics.jsonl (training records only).
-std::map<int64_t, double> losses(const fs::path& metrics) {
-  std::map<int64_t, double> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) {
-    const nlohmann::json j = nlohmann::json::parse(line);
-    if (j.contains("loss")) out[j["step"].get<int64_t>()] = j["loss"].get<double>();
-  }
-  return out;
-}
-
-std::vector<nlohmann::json> records(const fs::path& metrics) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
-
-// The children of `pid` (from /proc/<pid>/task/<pid>/children).
-std::vector<pid_t> children_of(pid_t pid) {
-  std::vector<pid_t> out;
-  std::ifstream in(fmt::format("/proc/{}/task/{}/children", pid, pid));
-  pid_t c = 0;
-  while (in >> c) out.push_back(c);
-  return out;
-}
-
-// TROUPE_RANK of a worker process, -1 when unknown.
-int rank_of(pid_t pid) {
-  std::ifstream in(fmt::format("/proc/{}/environ", pid), std::ios::binary);
-  std::string var;
-  while (std::getline(in, var, '\0')) {
-    if (var.rfind("TROUPE_RANK=", 0) == 0) return std::atoi(var.c_str() + 12);
-  }
-  return -1;
-}
+using troupe::test::Clock;
+using troupe::test::finish;
+using troupe::test::losses_by_step;
+using troupe::test::run;
+using troupe::test::RunResult;
 
 class CheckpointResume : public ::testing::Test {
  protected:
   static constexpr int64_t kSteps = 10;
 
   static void SetUpTestSuite() {
-    std::random_device rd;
-    root_ = new fs::path(fs::temp_directory_path() / fmt::format("troupe-ckpt-resume-{}-{:x}", getpid(), rd()));
-    fs::create_directories(*root_);
-    const std::string src = TROUPE_SOURCE_DIR;
-    const RunResult p = run({TROUPE_TRAIN_MOE_BIN, "prepare", "--input", src + "/layers", "--out",
-                             (*root_ / "data").string(), "--vocab", "320", "--max-bytes", "200000", "--ext", ".cc",
-                             "--ext", ".h"},
-                            *root_ / "prepare.log", std::chrono::seconds(120));
+    root_ = new fs::path(troupe::test::make_run_root("troupe-ckpt-resume"));
+    const RunResult p = troupe::test::prepare_data(*root_ / "data", {{"layers"}, {".cc", ".h"}, 320, 200000},
+                                                   *root_ / "prepare.log", std::chrono::seconds(120));
     ASSERT_EQ(p.exit_code, 0) << p.output;
     // The saved run: pp=2 x n=2, two micro-batches per step, a checkpoint every 5 steps.
     const RunResult a = run(args("saved", "pp=2,n=2", 2, {"checkpoint.every=5"}), *root_ / "saved.log",
@@ -151,8 +54,7 @@ class CheckpointResume : public ::testing::Test {
     std::printf("[saved run pp=2,n=2] %lld steps in %.1f s\n", static_cast<long long>(kSteps), a.seconds);
   }
   static void TearDownTestSuite() {
-    std::error_code ec;
-    fs::remove_all(*root_, ec);
+    troupe::test::remove_run_root(*root_);
     delete root_;
   }
 
@@ -160,28 +62,17 @@ class CheckpointResume : public ::testing::Test {
   // heads, 4 experts top-2, sequences of 16, micro-batches of 2.
   static std::vector<std::string> args(const std::string& run_dir, const std::string& parallel, int64_t grad_accum,
                                        const std::vector<std::string>& extra = {}, const std::string& resume = "") {
-    std::vector<std::string> a{TROUPE_TRAIN_MOE_BIN, "--config", std::string(TROUPE_SOURCE_DIR) + "/apps/configs/tiny.toml",
-                               "--run-dir", (*root_ / run_dir).string()};
-    std::vector<std::string> sets{
-        "model.vocab_size=320",     "model.d_model=32",           "model.ffn_hidden=64",
-        "model.moe.num_experts=4",  "model.moe.expert_hidden=32", "train.seq_len=16",
-        "train.micro_batch_size=2", fmt::format("train.grad_accum={}", grad_accum),
-        fmt::format("train.steps={}", kSteps), "train.eval_batches=1", "train.eval_every=0",
-        "train.log_every=10",       "optim.warmup_steps=3",       fmt::format("data.dir=\"{}\"", (*root_ / "data").string())};
-    sets.insert(sets.end(), extra.begin(), extra.end());
-    for (const auto& s : sets) {
-      a.push_back("--set");
-      a.push_back(s);
-    }
-    if (!parallel.empty()) {
-      a.push_back("--parallel");
-      a.push_back(parallel);
-    }
-    if (!resume.empty()) {
-      a.push_back("--resume");
-      a.push_back(resume);
-    }
-    return a;
+    troupe::test::TrainMoeCommand c;
+    c.run_dir = *root_ / run_dir;
+    c.sets = troupe::test::tiny_model_sets({.grad_accum = grad_accum,
+                                            .steps = kSteps,
+                                            .eval_batches = 1,
+                                            .log_every = 10,
+                                            .data_dir = *root_ / "data"});
+    c.sets.insert(c.sets.end(), extra.begin(), extra.end());
+    c.parallel = parallel;
+    c.resume = resume;
+    return c.argv();
   }
 
   // Resumes the saved run's step 5 into `name` with `parallel` and checks steps 6..10
@@ -191,8 +82,8 @@ class CheckpointResume : public ::testing::Test {
     const RunResult r = run(args(name, parallel, grad_accum, {}, from), *root_ / (name + ".log"), std::chrono::seconds(180));
     EXPECT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("step 5, saved with layout pp=2,dp=1,n=2"), std::string::npos) << r.output;
-    const auto ref = losses(*root_ / "saved" / "metrics.jsonl");
-    const auto got = losses(*root_ / name / "metrics.jsonl");
+    const auto ref = losses_by_step(*root_ / "saved" / "metrics.jsonl");
+    const auto got = losses_by_step(*root_ / name / "metrics.jsonl");
     EXPECT_EQ(got.size(), 5u) << r.output;
     double worst = 0;
     std::string line;
@@ -245,7 +136,7 @@ TEST_F(CheckpointResume, SavedRunCommittedItsCheckpoints) {
   EXPECT_EQ(m.ranks[3].state.value("adam_steps", 0), 5);
   // The blocked time per save is in the metrics of the saving steps only.
   int saves = 0;
-  for (const auto& j : records(*root_ / "saved" / "metrics.jsonl")) {
+  for (const auto& j : troupe::test::read_jsonl(*root_ / "saved" / "metrics.jsonl")) {
     if (j.contains("ckpt_blocked_ms")) {
       ++saves;
       EXPECT_TRUE(j["step"] == 5 || j["step"] == 10) << j.dump();
@@ -280,8 +171,8 @@ TEST_F(CheckpointResume, SavedAtDp2N2ResumedAtPp2) {
                           std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("saved with layout pp=1,dp=2,n=2"), std::string::npos) << r.output;
-  const auto ref = losses(*root_ / "saved-dp2n2" / "metrics.jsonl");
-  const auto got = losses(*root_ / "resume-pp2" / "metrics.jsonl");
+  const auto ref = losses_by_step(*root_ / "saved-dp2n2" / "metrics.jsonl");
+  const auto got = losses_by_step(*root_ / "resume-pp2" / "metrics.jsonl");
   ASSERT_EQ(got.size(), 5u) << r.output;
   double worst = 0;
   for (const auto& [step, loss] : got) {
@@ -295,13 +186,13 @@ TEST_F(CheckpointResume, ResumeWithoutConfigUsesTheSavedOne) {
   // `train_moe train --resume <step dir>`: config text and overrides from the manifest,
   // then the command line's (here: one process instead of the saved pp=2 x n=2).
   const fs::path step5 = *root_ / "saved" / "checkpoints" / "step_5";
-  const RunResult r = run({TROUPE_TRAIN_MOE_BIN, "train", "--resume", step5.string(), "--run-dir",
+  const RunResult r = run({troupe::test::train_moe_bin(), "train", "--resume", step5.string(), "--run-dir",
                            (*root_ / "noconfig").string(), "--parallel", "pp=1,n=1"},
                           *root_ / "noconfig.log", std::chrono::seconds(120));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("config from checkpoint"), std::string::npos) << r.output;
-  const auto ref = losses(*root_ / "saved" / "metrics.jsonl");
-  const auto got = losses(*root_ / "noconfig" / "metrics.jsonl");
+  const auto ref = losses_by_step(*root_ / "saved" / "metrics.jsonl");
+  const auto got = losses_by_step(*root_ / "noconfig" / "metrics.jsonl");
   ASSERT_EQ(got.size(), 5u) << r.output;
   for (const auto& [step, loss] : got) EXPECT_LE(std::fabs(loss - ref.at(step)), 1e-6) << "step " << step;
 }
@@ -317,8 +208,8 @@ TEST_F(CheckpointResume, TroupeRunResumesIntoTheJobsCheckpointDir) {
   a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--checkpoint-dir", ck.string(), "--"});
   const RunResult r = run(a, *root_ / "troupe-resume.log", std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto ref = losses(*root_ / "saved" / "metrics.jsonl");
-  const auto got = losses(*root_ / "troupe-resume" / "metrics.jsonl");
+  const auto ref = losses_by_step(*root_ / "saved" / "metrics.jsonl");
+  const auto got = losses_by_step(*root_ / "troupe-resume" / "metrics.jsonl");
   ASSERT_EQ(got.size(), 5u) << r.output;
   for (const auto& [step, loss] : got) EXPECT_LE(std::fabs(loss - ref.at(step)), 1e-6) << "step " << step;
   const auto list = troupe::checkpoint::list_checkpoints(ck.string());
@@ -348,7 +239,7 @@ TEST_F(CheckpointResume, CorruptNewestFallsBackToThePrevious) {
        [](const fs::path& d) { fs::resize_file(d / "rank_00002.bin", fs::file_size(d / "rank_00002.bin") / 2); }},
       {"no-manifest", "manifest", [](const fs::path& d) { fs::remove(d / "manifest.json"); }},
   };
-  const auto ref = losses(*root_ / "saved" / "metrics.jsonl");
+  const auto ref = losses_by_step(*root_ / "saved" / "metrics.jsonl");
   for (const Case& c : cases) {
     const fs::path run_dir = copy_checkpoints("corrupt-" + c.name);
     c.damage(run_dir / "checkpoints" / "step_10");
@@ -361,7 +252,7 @@ TEST_F(CheckpointResume, CorruptNewestFallsBackToThePrevious) {
     EXPECT_NE(r.output.find(c.expect), std::string::npos) << c.name << "\n" << r.output;
     EXPECT_NE(r.output.find("step 5, saved with layout pp=2,dp=1,n=2"), std::string::npos) << r.output;
     // The continued run is the uninterrupted one.
-    const auto got = losses(run_dir / "metrics.jsonl");
+    const auto got = losses_by_step(run_dir / "metrics.jsonl");
     ASSERT_EQ(got.size(), 5u) << r.output;
     for (const auto& [step, loss] : got) EXPECT_LE(std::fabs(loss - ref.at(step)), 1e-6) << c.name << " step " << step;
     // The damaged checkpoint was moved aside before the new step_10 was committed.
@@ -407,8 +298,8 @@ TEST_F(CheckpointResume, KillWorkerInTheMiddleOfASave) {
   const std::string name = "killed";
   const fs::path log = *root_ / (name + ".log");
   const auto t0 = Clock::now();
-  const pid_t launcher =
-      spawn(args(name, "pp=2,n=2", 2, {"checkpoint.every=2", "checkpoint.max_mb_per_s=0.05"}), log);
+  const pid_t launcher = troupe::test::spawn(
+      args(name, "pp=2,n=2", 2, {"checkpoint.every=2", "checkpoint.max_mb_per_s=0.05"}), log);
   const fs::path dir = *root_ / name / "checkpoints";
   bool killed = false;
   pid_t victim = -1;
@@ -422,8 +313,8 @@ TEST_F(CheckpointResume, KillWorkerInTheMiddleOfASave) {
     }
     if (have2 && writing4 && !fs::exists(dir / "step_4", ec)) {
       // A worker whose part of step 4 is not written yet (a rank's "done" marker).
-      for (pid_t kid : children_of(launcher)) {
-        const int rank = rank_of(kid);
+      for (pid_t kid : troupe::test::children_of(launcher)) {
+        const int rank = troupe::test::worker_rank_of(kid);
         if (rank < 0 || fs::exists(dir / "step_4.tmp" / fmt::format("rank_{:05d}.part.json", rank), ec)) continue;
         victim = kid;
         victim_rank = rank;
@@ -463,8 +354,8 @@ TEST_F(CheckpointResume, KillWorkerInTheMiddleOfASave) {
                            std::chrono::seconds(120));
   ASSERT_EQ(rr.exit_code, 0) << rr.output;
   EXPECT_NE(rr.output.find("step 2, saved with layout pp=2,dp=1,n=2"), std::string::npos) << rr.output;
-  const auto got = losses(*root_ / name / "metrics.jsonl");
-  const auto ref = losses(*root_ / "saved" / "metrics.jsonl");
+  const auto got = losses_by_step(*root_ / name / "metrics.jsonl");
+  const auto ref = losses_by_step(*root_ / "saved" / "metrics.jsonl");
   ASSERT_EQ(got.size(), static_cast<size_t>(kSteps)) << rr.output;  // steps 1-2 kept, 3-10 run again
   for (const auto& [step, loss] : got) EXPECT_LE(std::fabs(loss - ref.at(step)), 1e-6) << "step " << step;
   EXPECT_EQ(troupe::checkpoint::list_checkpoints(dir.string()).front().first, 10);

@@ -11,14 +11,10 @@
 // Every child runs in its own process group, is bounded by a timeout and is killed and
 // reaped on failure.
 #include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,85 +23,27 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "tests/common/train_moe_harness.h"
+
 namespace {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
-
-struct RunResult {
-  int exit_code = -1;  // -1: killed on timeout or by a signal
-  std::string output;  // stdout + stderr
-  double seconds = 0;
-};
-
-// Runs argv in its own process group with a timeout; output captured to a file.
-RunResult run(const std::vector<std::string>& argv, const fs::path& log, std::chrono::seconds timeout) {
-  RunResult r;
-  const auto t0 = Clock::now();
-  const pid_t pid = fork();
-  if (pid == 0) {
-    setpgid(0, 0);
-    FILE* f = std::fopen(log.c_str(), "w");
-    if (f == nullptr) _exit(126);
-    dup2(fileno(f), 1);
-    dup2(fileno(f), 2);
-    std::vector<char*> a;
-    for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
-    a.push_back(nullptr);
-    execv(a[0], a.data());
-    _exit(127);
-  }
-  int status = 0;
-  bool done = false;
-  while (Clock::now() - t0 < timeout) {
-    if (waitpid(pid, &status, WNOHANG) == pid) {
-      done = true;
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  if (!done) {
-    kill(-pid, SIGKILL);
-    waitpid(pid, &status, 0);
-  }
-  // Whatever is left of the group (workers of a failed launcher) goes too.
-  kill(-pid, SIGKILL);
-  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  if (done && WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
-  std::ifstream in(log);
-  r.output.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  return r;
-}
-
-std::vector<nlohmann::json> steps_of(const fs::path& metrics) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) {
-    nlohmann::json j = nlohmann::json::parse(line);
-    if (j.contains("loss")) out.push_back(j);
-  }
-  return out;
-}
-
-double rel(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(a), 1e-30); }
+using troupe::test::Clock;
+using troupe::test::rel_diff;
+using troupe::test::run;
+using troupe::test::RunResult;
+using troupe::test::step_records;
 
 class TrainingEquivalence : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    std::random_device rd;
-    root_ = new fs::path(fs::temp_directory_path() / fmt::format("troupe-training-{}-{:x}", getpid(), rd()));
-    fs::create_directories(*root_);
-    const std::string src = TROUPE_SOURCE_DIR;
-    const RunResult p = run({TROUPE_TRAIN_MOE_BIN, "prepare", "--input", src + "/layers", "--input", src + "/kernels",
-                             "--out", (*root_ / "data").string(), "--vocab", "320", "--max-bytes", "300000", "--ext",
-                             ".cc", "--ext", ".h"},
-                            *root_ / "prepare.log", std::chrono::seconds(120));
+    root_ = new fs::path(troupe::test::make_run_root("troupe-training"));
+    const RunResult p =
+        troupe::test::prepare_data(*root_ / "data", {}, *root_ / "prepare.log", std::chrono::seconds(120));
     ASSERT_EQ(p.exit_code, 0) << p.output;
   }
   static void TearDownTestSuite() {
-    std::error_code ec;
-    fs::remove_all(*root_, ec);
+    troupe::test::remove_run_root(*root_);
     delete root_;
   }
 
@@ -113,27 +51,16 @@ class TrainingEquivalence : public ::testing::Test {
   // 4 experts top-2 (dropless, aux and z losses on), sequences of 16, micro-batches of 2.
   static std::vector<std::string> args(const std::string& name, int64_t steps, int64_t grad_accum,
                                        const std::string& parallel, const std::vector<std::string>& extra = {}) {
-    std::vector<std::string> a{TROUPE_TRAIN_MOE_BIN, "--config", std::string(TROUPE_SOURCE_DIR) + "/apps/configs/tiny.toml",
-                               "--run-dir", (*root_ / name).string()};
-    const std::vector<std::string> sets{
-        "model.vocab_size=320",     "model.d_model=32",         "model.ffn_hidden=64",
-        "model.moe.num_experts=4",  "model.moe.expert_hidden=32", "train.seq_len=16",
-        "train.micro_batch_size=2", fmt::format("train.grad_accum={}", grad_accum),
-        fmt::format("train.steps={}", steps), "train.eval_batches=2", "train.eval_every=0",
-        "train.log_every=10",       "optim.warmup_steps=5",     fmt::format("data.dir=\"{}\"", (*root_ / "data").string())};
-    for (const auto& s : sets) {
-      a.push_back("--set");
-      a.push_back(s);
-    }
-    for (const auto& s : extra) {
-      a.push_back("--set");
-      a.push_back(s);
-    }
-    if (!parallel.empty()) {
-      a.push_back("--parallel");
-      a.push_back(parallel);
-    }
-    return a;
+    troupe::test::TrainMoeCommand c;
+    c.run_dir = *root_ / name;
+    c.sets = troupe::test::tiny_model_sets({.grad_accum = grad_accum,
+                                            .steps = steps,
+                                            .log_every = 10,
+                                            .warmup_steps = 5,
+                                            .data_dir = *root_ / "data"});
+    c.sets.insert(c.sets.end(), extra.begin(), extra.end());
+    c.parallel = parallel;
+    return c.argv();
   }
 
   static const std::vector<nlohmann::json>& reference(int64_t steps) {
@@ -143,7 +70,7 @@ class TrainingEquivalence : public ::testing::Test {
       const std::string name = fmt::format("ref{}", steps);
       const RunResult r = run(args(name, steps, 2, ""), *root_ / (name + ".log"), std::chrono::seconds(120));
       EXPECT_EQ(r.exit_code, 0) << r.output;
-      ref = steps_of(*root_ / name / "metrics.jsonl");
+      ref = step_records(*root_ / name / "metrics.jsonl");
     }
     return ref;
   }
@@ -156,13 +83,13 @@ class TrainingEquivalence : public ::testing::Test {
     for (char& ch : name) ch = (ch == ',' || ch == '=') ? '_' : ch;
     const RunResult r = run(args(name, 5, grad_accum, parallel, extra), *root_ / (name + ".log"), std::chrono::seconds(180));
     EXPECT_EQ(r.exit_code, 0) << r.output;
-    const auto got = steps_of(*root_ / name / "metrics.jsonl");
+    const auto got = step_records(*root_ / name / "metrics.jsonl");
     EXPECT_EQ(got.size(), ref.size()) << r.output;
     double worst = 0;
     for (size_t i = 0; i < std::min(got.size(), ref.size()); ++i) {
-      const double dl = rel(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>());
-      const double dg = rel(ref[i]["grad_norm"].get<double>(), got[i]["grad_norm"].get<double>());
-      const double da = rel(ref[i]["aux_loss"].get<double>(), got[i]["aux_loss"].get<double>());
+      const double dl = rel_diff(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>());
+      const double dg = rel_diff(ref[i]["grad_norm"].get<double>(), got[i]["grad_norm"].get<double>());
+      const double da = rel_diff(ref[i]["aux_loss"].get<double>(), got[i]["aux_loss"].get<double>());
       EXPECT_LE(dl, 1e-5) << parallel << " step " << i + 1;
       EXPECT_LE(dg, 1e-5) << parallel << " step " << i + 1;
       EXPECT_LE(da, 1e-5) << parallel << " step " << i + 1;
@@ -196,11 +123,11 @@ TEST_F(TrainingEquivalence, TroupeRunLaunchesTheSameRun) {
   a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--"});
   const RunResult r = run(a, *root_ / "troupe-run.log", std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto got = steps_of(*root_ / "troupe-run" / "metrics.jsonl");
+  const auto got = step_records(*root_ / "troupe-run" / "metrics.jsonl");
   ASSERT_EQ(got.size(), ref.size()) << r.output;
   for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_LE(rel(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>()), 1e-5);
-    EXPECT_LE(rel(ref[i]["grad_norm"].get<double>(), got[i]["grad_norm"].get<double>()), 1e-5);
+    EXPECT_LE(rel_diff(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>()), 1e-5);
+    EXPECT_LE(rel_diff(ref[i]["grad_norm"].get<double>(), got[i]["grad_norm"].get<double>()), 1e-5);
   }
   // A job whose worker count does not match the layout is refused by every process.
   std::vector<std::string> bad = args("troupe-run-bad", 5, 2, "pp=2,n=2");
@@ -222,11 +149,11 @@ TEST_F(TrainingEquivalence, StoreControlPlaneGivesTheSameRun) {
   const RunResult r = run(a, *root_ / "store-control.log", std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("control store"), std::string::npos) << r.output;
-  const auto got = steps_of(*root_ / "store-control" / "metrics.jsonl");
+  const auto got = step_records(*root_ / "store-control" / "metrics.jsonl");
   ASSERT_EQ(got.size(), ref.size());
   for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_LE(rel(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>()), 1e-5);
-    EXPECT_LE(rel(ref[i]["grad_norm"].get<double>(), got[i]["grad_norm"].get<double>()), 1e-5);
+    EXPECT_LE(rel_diff(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>()), 1e-5);
+    EXPECT_LE(rel_diff(ref[i]["grad_norm"].get<double>(), got[i]["grad_norm"].get<double>()), 1e-5);
   }
 }
 
@@ -238,13 +165,13 @@ TEST_F(TrainingEquivalence, UntiedHeadOverPipeline) {
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   const RunResult r = run(args("pp-untied", 5, 2, "pp=2,n=2", untied), *root_ / "pp-untied.log", std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto a = steps_of(*root_ / "ref-untied" / "metrics.jsonl");
-  const auto b = steps_of(*root_ / "pp-untied" / "metrics.jsonl");
+  const auto a = step_records(*root_ / "ref-untied" / "metrics.jsonl");
+  const auto b = step_records(*root_ / "pp-untied" / "metrics.jsonl");
   ASSERT_EQ(a.size(), 5u);
   ASSERT_EQ(b.size(), 5u);
   for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_LE(rel(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()), 1e-5);
-    EXPECT_LE(rel(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()), 1e-5);
+    EXPECT_LE(rel_diff(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()), 1e-5);
+    EXPECT_LE(rel_diff(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()), 1e-5);
   }
 }
 
@@ -258,7 +185,7 @@ TEST_F(TrainingEquivalence, FiftyStepsSameFinalLoss) {
     for (char& ch : name) ch = (ch == ',' || ch == '=') ? '_' : ch;
     const RunResult r = run(args(name, 50, ga, parallel), *root_ / (name + ".log"), std::chrono::seconds(300));
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    const auto got = steps_of(*root_ / name / "metrics.jsonl");
+    const auto got = step_records(*root_ / name / "metrics.jsonl");
     ASSERT_EQ(got.size(), 50u);
     const double a = ref.back()["loss"].get<double>(), b = got.back()["loss"].get<double>();
     EXPECT_LE(std::fabs(a - b), 1e-3) << parallel;
@@ -273,11 +200,11 @@ TEST_F(TrainingEquivalence, CompressionTrainsClose) {
   const auto& ref = reference(5);
   const RunResult r = run(args("bf16", 5, 1, "dp=2,compression=true"), *root_ / "bf16.log", std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto got = steps_of(*root_ / "bf16" / "metrics.jsonl");
+  const auto got = step_records(*root_ / "bf16" / "metrics.jsonl");
   ASSERT_EQ(got.size(), ref.size());
   for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_LE(rel(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>()), 1e-3);
-    EXPECT_LE(rel(ref[i]["grad_norm"].get<double>(), got[i]["grad_norm"].get<double>()), 1e-2);
+    EXPECT_LE(rel_diff(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>()), 1e-3);
+    EXPECT_LE(rel_diff(ref[i]["grad_norm"].get<double>(), got[i]["grad_norm"].get<double>()), 1e-2);
   }
 }
 
@@ -311,65 +238,28 @@ TEST_F(TrainingEquivalence, LayoutThatDoesNotFitIsRefusedBeforeAnyWorker) {
 TEST_F(TrainingEquivalence, DeadWorkerFailsTheJobWithoutOrphans) {
   // A worker killed mid-run: the driver notices (its supervision polls the workers), fails
   // the job with the worker named, and leaves no process behind.
-  const std::vector<std::string> a = args("killed", 400, 2, "n=2");
   const fs::path log = *root_ / "killed.log";
-  const pid_t pid = fork();
-  if (pid == 0) {
-    setpgid(0, 0);
-    FILE* f = std::fopen(log.c_str(), "w");
-    dup2(fileno(f), 1);
-    dup2(fileno(f), 2);
-    std::vector<char*> av;
-    for (const auto& s : a) av.push_back(const_cast<char*>(s.c_str()));
-    av.push_back(nullptr);
-    execv(av[0], av.data());
-    _exit(127);
-  }
+  const pid_t pid = troupe::test::spawn(args("killed", 400, 2, "n=2"), log);
   // Wait for training to start (step 1 in metrics), then kill one worker of the group.
   const fs::path metrics = *root_ / "killed" / "metrics.jsonl";
   const auto t0 = Clock::now();
   bool started = false;
   while (Clock::now() - t0 < std::chrono::seconds(60) && !started) {
-    started = steps_of(metrics).size() >= 1;
+    started = step_records(metrics).size() >= 1;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
+  if (!started)
+    troupe::test::finish(pid, log, Clock::now(), std::chrono::seconds(0));  // kill and reap the job
   ASSERT_TRUE(started);
-  // Workers are the launcher's children; find one through /proc.
-  pid_t victim = -1;
-  for (const auto& e : fs::directory_iterator("/proc")) {
-    const std::string n = e.path().filename().string();
-    if (n.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream st(e.path() / "stat");
-    std::string line;
-    std::getline(st, line);
-    const size_t rp = line.rfind(')');
-    if (rp == std::string::npos) continue;
-    int ppid = 0;
-    char state = 0;
-    if (std::sscanf(line.c_str() + rp + 2, "%c %d", &state, &ppid) == 2 && ppid == pid) {
-      victim = std::stoi(n);
-      break;
-    }
-  }
-  ASSERT_GT(victim, 0);
-  kill(victim, SIGKILL);
-  int status = 0;
-  bool done = false;
-  const auto t1 = Clock::now();
-  while (Clock::now() - t1 < std::chrono::seconds(30)) {
-    if (waitpid(pid, &status, WNOHANG) == pid) {
-      done = true;
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  kill(-pid, SIGKILL);
-  if (!done) waitpid(pid, &status, 0);
-  ASSERT_TRUE(done) << "the driver did not notice the dead worker within 30 s";
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0);
-  std::ifstream in(log);
-  const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  EXPECT_NE(out.find("worker rank"), std::string::npos) << out;
+  // Workers are the launcher's children.
+  const std::vector<pid_t> workers = troupe::test::children_of(pid);
+  if (workers.empty()) troupe::test::finish(pid, log, Clock::now(), std::chrono::seconds(0));
+  ASSERT_FALSE(workers.empty());
+  kill(workers.front(), SIGKILL);
+  const RunResult r = troupe::test::finish(pid, log, Clock::now(), std::chrono::seconds(30));
+  ASSERT_FALSE(r.timed_out) << "the driver did not notice the dead worker within 30 s";
+  EXPECT_GT(r.exit_code, 0);
+  EXPECT_NE(r.output.find("worker rank"), std::string::npos) << r.output;
   // No survivor of the job's process group.
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   EXPECT_NE(kill(-pid, 0), 0) << "processes of the job are still alive";

@@ -13,21 +13,15 @@
 // process group, bounded by a timeout, and is killed and reaped on failure.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
-#include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <random>
 #include <string>
-#include <thread>
 #include <vector>
+
+#include "tests/common/train_moe_harness.h"
 
 #if TROUPE_TEST_HAVE_CUDA
 #include "core/cuda/stream.h"
@@ -36,64 +30,9 @@
 namespace {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
-
-struct RunResult {
-  int exit_code = -1;  // -1: killed on timeout or by a signal
-  std::string output;  // stdout + stderr
-};
-
-// Runs argv in its own process group with a timeout; output captured to a file.
-RunResult run(const std::vector<std::string>& argv, const fs::path& log, std::chrono::seconds timeout) {
-  RunResult r;
-  const auto t0 = Clock::now();
-  const pid_t pid = fork();
-  if (pid == 0) {
-    setpgid(0, 0);
-    FILE* f = std::fopen(log.c_str(), "w");
-    if (f == nullptr) _exit(126);
-    dup2(fileno(f), 1);
-    dup2(fileno(f), 2);
-    std::vector<char*> a;
-    for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
-    a.push_back(nullptr);
-    execv(a[0], a.data());
-    _exit(127);
-  }
-  int status = 0;
-  bool done = false;
-  while (Clock::now() - t0 < timeout) {
-    if (waitpid(pid, &status, WNOHANG) == pid) {
-      done = true;
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  if (!done) {
-    kill(-pid, SIGKILL);
-    waitpid(pid, &status, 0);
-  }
-  kill(-pid, SIGKILL);  // whatever is left of the group (workers of a failed launcher)
-  if (done && WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
-  std::ifstream in(log);
-  r.output.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  return r;
-}
-
-std::vector<nlohmann::json> steps_of(const fs::path& metrics) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) {
-    nlohmann::json j = nlohmann::json::parse(line);
-    if (j.contains("loss")) out.push_back(j);
-  }
-  return out;
-}
-
-double rel(double a, double b) {
-  return std::fabs(a - b) / std::max(std::fabs(b), 1e-30);
-}
+using troupe::test::rel_diff;
+using troupe::test::RunResult;
+using troupe::test::step_records;
 
 int visible_gpus() {
 #if TROUPE_TEST_HAVE_CUDA
@@ -108,37 +47,14 @@ constexpr int64_t kSteps = 8;
 class TrainingGpu : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    std::random_device rd;
-    root_ =
-        new fs::path(fs::temp_directory_path() / fmt::format("troupe-training-gpu-{}-{:x}", getpid(), rd()));
-    fs::create_directories(*root_);
-    const std::string src = TROUPE_SOURCE_DIR;
-    const RunResult p = run({TROUPE_TRAIN_MOE_BIN,
-                             "prepare",
-                             "--input",
-                             src + "/layers",
-                             "--input",
-                             src + "/kernels",
-                             "--input",
-                             src + "/comm",
-                             "--out",
-                             (*root_ / "data").string(),
-                             "--vocab",
-                             "512",
-                             "--max-bytes",
-                             "2000000",
-                             "--ext",
-                             ".cc",
-                             "--ext",
-                             ".h",
-                             "--ext",
-                             ".cu"},
-                            *root_ / "prepare.log", std::chrono::seconds(180));
+    root_ = new fs::path(troupe::test::make_run_root("troupe-training-gpu"));
+    const RunResult p = troupe::test::prepare_data(
+        *root_ / "data", {{"layers", "kernels", "comm"}, {".cc", ".h", ".cu"}, 512, 2000000},
+        *root_ / "prepare.log", std::chrono::seconds(180));
     ASSERT_EQ(p.exit_code, 0) << p.output;
   }
   static void TearDownTestSuite() {
-    std::error_code ec;
-    fs::remove_all(*root_, ec);
+    troupe::test::remove_run_root(*root_);
     delete root_;
   }
 
@@ -146,39 +62,28 @@ class TrainingGpu : public ::testing::Test {
   // sequences of 256, micro-batches of 4.
   static std::vector<std::string> args(const std::string& name, int64_t grad_accum,
                                        const std::string& parallel) {
-    std::vector<std::string> a{TROUPE_TRAIN_MOE_BIN,
-                               "--config",
-                               std::string(TROUPE_SOURCE_DIR) + "/apps/configs/tiny.toml",
-                               "--backend",
-                               "cuda",
-                               "--run-dir",
-                               (*root_ / name).string()};
-    const std::vector<std::string> sets{"model.vocab_size=512",
-                                        "model.d_model=256",
-                                        "model.n_layers=2",
-                                        "model.n_heads=4",
-                                        "model.n_kv_heads=2",
-                                        "model.ffn_hidden=512",
-                                        "model.moe.num_experts=8",
-                                        "model.moe.expert_hidden=256",
-                                        "train.seq_len=256",
-                                        "train.micro_batch_size=4",
-                                        fmt::format("train.grad_accum={}", grad_accum),
-                                        fmt::format("train.steps={}", kSteps),
-                                        "train.eval_batches=2",
-                                        "train.eval_every=0",
-                                        "train.log_every=1",
-                                        "optim.warmup_steps=2",
-                                        fmt::format("data.dir=\"{}\"", (*root_ / "data").string())};
-    for (const auto& s : sets) {
-      a.push_back("--set");
-      a.push_back(s);
-    }
-    if (!parallel.empty()) {
-      a.push_back("--parallel");
-      a.push_back(parallel);
-    }
-    return a;
+    troupe::test::TrainMoeCommand c;
+    c.backend = "cuda";
+    c.run_dir = *root_ / name;
+    c.sets = {"model.vocab_size=512",
+              "model.d_model=256",
+              "model.n_layers=2",
+              "model.n_heads=4",
+              "model.n_kv_heads=2",
+              "model.ffn_hidden=512",
+              "model.moe.num_experts=8",
+              "model.moe.expert_hidden=256",
+              "train.seq_len=256",
+              "train.micro_batch_size=4",
+              fmt::format("train.grad_accum={}", grad_accum),
+              fmt::format("train.steps={}", kSteps),
+              "train.eval_batches=2",
+              "train.eval_every=0",
+              "train.log_every=1",
+              "optim.warmup_steps=2",
+              fmt::format("data.dir=\"{}\"", (*root_ / "data").string())};
+    c.parallel = parallel;
+    return c.argv();
   }
 
   static std::vector<nlohmann::json> train(const std::string& name, int64_t grad_accum,
@@ -186,10 +91,10 @@ class TrainingGpu : public ::testing::Test {
                                            const std::vector<std::string>& extra = {}) {
     std::vector<std::string> a = args(name, grad_accum, parallel);
     a.insert(a.end(), extra.begin(), extra.end());
-    const RunResult r = run(a, *root_ / (name + ".log"), std::chrono::seconds(240));
+    const RunResult r = troupe::test::run(a, *root_ / (name + ".log"), std::chrono::seconds(240));
     EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
     std::printf("%s", r.output.c_str());
-    return steps_of(*root_ / name / "metrics.jsonl");
+    return step_records(*root_ / name / "metrics.jsonl");
   }
 
   // Per step: loss and gradient norm against the one-GPU reference; every step reports mfu.
@@ -203,8 +108,9 @@ class TrainingGpu : public ::testing::Test {
       std::printf("step %lld: loss %.5f vs %.5f, grad norm %.4f vs %.4f\n", static_cast<long long>(i + 1),
                   g["loss"].get<double>(), r["loss"].get<double>(), g["grad_norm"].get<double>(),
                   r["grad_norm"].get<double>());
-      EXPECT_LT(rel(g["loss"].get<double>(), r["loss"].get<double>()), 2e-2) << "step " << i + 1;
-      EXPECT_LT(rel(g["grad_norm"].get<double>(), r["grad_norm"].get<double>()), 5e-2) << "step " << i + 1;
+      EXPECT_LT(rel_diff(r["loss"].get<double>(), g["loss"].get<double>()), 2e-2) << "step " << i + 1;
+      EXPECT_LT(rel_diff(r["grad_norm"].get<double>(), g["grad_norm"].get<double>()), 5e-2)
+          << "step " << i + 1;
     }
     EXPECT_LT(got.back()["loss"].get<double>(), got.front()["loss"].get<double>())
         << "the loss does not fall";
@@ -255,7 +161,7 @@ TEST_F(TrainingGpu, CheckpointOnTwoGpusResumesOnOne) {
     ASSERT_EQ(g["step"].get<int64_t>(), r["step"].get<int64_t>());
     std::printf("resumed step %lld: loss %.5f vs %.5f\n", static_cast<long long>(g["step"].get<int64_t>()),
                 g["loss"].get<double>(), r["loss"].get<double>());
-    EXPECT_LT(rel(g["loss"].get<double>(), r["loss"].get<double>()), 2e-2) << "step " << g["step"];
+    EXPECT_LT(rel_diff(r["loss"].get<double>(), g["loss"].get<double>()), 2e-2) << "step " << g["step"];
   }
 }
 
