@@ -16,6 +16,9 @@
 
 #include <condition_variable>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
 #include <optional>
 
 #include "tests/actors/test_actors.h"
@@ -267,6 +270,22 @@ TEST_F(MultiProcess, KillNineGivesDownWithinTheHeartbeatTimeout) {
   for (const Down& x : downs_) EXPECT_EQ(x.reason, d.reason);
 }
 
+// True when every thread of `pid` is stopped (state 'T' in /proc/<pid>/task/*/stat).
+bool is_stopped(pid_t pid) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  int threads = 0;
+  for (const auto& t : fs::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
+    std::ifstream in(t.path() / "stat");
+    std::string line;
+    std::getline(in, line);
+    const size_t close = line.rfind(')');
+    if (close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'T') return false;
+    ++threads;
+  }
+  return !ec && threads > 0;
+}
+
 TEST_F(MultiProcess, SigstopGivesHeartbeatTimeoutDown) {
   auto child = Child::start("sleeper", "tcp://127.0.0.1:*", sys_->endpoint());
   ASSERT_NE(child, nullptr);
@@ -278,6 +297,10 @@ TEST_F(MultiProcess, SigstopGivesHeartbeatTimeoutDown) {
   auto pending = sys_->ask<Pong>(ActorRef("sleeper", "pong"), Ping{}, 20s);
   const auto t0 = Clk::now();
   child->signal(SIGSTOP);
+  // kill() returns before every thread of the child has stopped; on a loaded machine the
+  // child could still answer an ask sent at once. Wait until /proc shows it stopped.
+  for (int i = 0; i < 200 && !is_stopped(child->pid()); ++i) std::this_thread::sleep_for(5ms);
+  ASSERT_TRUE(is_stopped(child->pid())) << "the child did not stop within 1 s of SIGSTOP";
   auto pending2 = sys_->ask<Pong>(ActorRef("sleeper", "pong"), Ping{}, 20s);
   ASSERT_EQ(down.wait_for(5s), std::future_status::ready) << "no Down after SIGSTOP";
   auto [d, at] = down.get();
