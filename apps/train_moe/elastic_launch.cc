@@ -720,6 +720,12 @@ void ElasticLauncher::write_status(int64_t step) {
     const int s = plan_.slots[r];
     workers.push_back({{"slot", s}, {"rank", r}, {"pid", procs_[s].pid}, {"alive", procs_[s].alive},
                        {"straggler", flagged_.count(s) > 0}});
+    // The last step's wall, compute and comm time of this rank (troupe top).
+    if (last_replies_.size() == plan_.slots.size()) {
+      for (const char* k : {"step_ms", "compute_ms", "comm_ms"}) {
+        if (last_replies_[r].contains(k)) workers.back()[k] = last_replies_[r][k];
+      }
+    }
   }
   nlohmann::json st{{"step", step < 0 ? last_step_ : step}, {"epoch", plan_.epoch}, {"failed", step < 0}, {"dp", plan_.dp}, {"grad_accum", plan_.grad_accum},
                     {"recoveries", recoveries_}, {"workers", workers}};
