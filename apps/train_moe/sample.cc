@@ -6,7 +6,8 @@
 //   1. --checkpoint <run dir | checkpoints dir | step_<N> dir>: the newest checkpoint
 //      whose checksums verify (as --resume picks it; a damaged one is named and skipped),
 //      resharded from its layout into the one-process model;
-//   2. --run <dir> holding model.bin (what a single-process run writes at its end);
+//   2. --run <dir> holding model.bin (what a single-process run writes at its end; a
+//      checkpoint of a later step in <dir>/checkpoints is noted on stderr, not taken);
 //   3. --run <dir> without model.bin (a distributed run): its checkpoints, as in 1.
 // The model config comes from model.bin's header or from the checkpoint's manifest
 // (config text + overrides); the tokenizer from the checkpoint's verified copy, else
@@ -111,6 +112,14 @@ Result<SampleModel> load_sample_model(const SampleOptions& o) {
   TROUPE_RETURN_IF_ERROR(load_weights(bin, *s.model));
   s.seq_len = info.seq_len;
   s.source = fmt::format("{} (step {})", bin, info.step);
+  // A run continued in another layout (train --resume <run dir> --parallel ...) checkpoints
+  // past the model.bin an earlier one-process run left: say so, model.bin stays the rule.
+  const auto ckpts = checkpoint::list_checkpoints(o.run + "/checkpoints");
+  if (!ckpts.empty() && ckpts.front().first > info.step) {
+    fmt::print(stderr, "train_moe: sample: note: {} is newer than model.bin (step {}); sampling model.bin — give "
+                       "--checkpoint {} for the checkpoint's weights\n",
+               ckpts.front().second, info.step, o.run);
+  }
   return s;
 }
 

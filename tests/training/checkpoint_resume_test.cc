@@ -390,6 +390,20 @@ TEST_F(CheckpointResume, SampleFromTheDistributedRunsCheckpoints) {
   EXPECT_NE(s5.output.find("(step 5, saved with layout pp=2,dp=1,n=2)"), std::string::npos) << s5.output;
   EXPECT_NE(sample_text(s5.output), text) << s5.output;
 
+  // model.bin (here of step 5) is the rule for --run, even beside a later checkpoint (a run
+  // continued in another layout): the later one is named in a note.
+  const RunResult ref5 = run({TROUPE_TRAIN_MOE_BIN, "train", "--resume", (saved / "checkpoints" / "step_5").string(),
+                              "--run-dir", (*root_ / "one-at-5").string(), "--parallel", "pp=1,n=1", "--set",
+                              "train.steps=5", "--set", "checkpoint.every=0"},
+                             *root_ / "one-at-5.log", std::chrono::seconds(120));
+  ASSERT_EQ(ref5.exit_code, 0) << ref5.output;
+  fs::copy(saved / "checkpoints", *root_ / "one-at-5" / "checkpoints", fs::copy_options::recursive);
+  const RunResult sb = sample({"--run", (*root_ / "one-at-5").string()}, "sample-bin5.log");
+  ASSERT_EQ(sb.exit_code, 0) << sb.output;
+  EXPECT_NE(sb.output.find("model.bin (step 5)"), std::string::npos) << sb.output;
+  EXPECT_NE(sb.output.find("step_10 is newer than model.bin (step 5)"), std::string::npos) << sb.output;
+  EXPECT_EQ(sample_text(sb.output), sample_text(s5.output));
+
   // A damaged newest checkpoint is named and skipped; step 5 is sampled.
   const fs::path damaged = copy_checkpoints("sample-damaged");
   {
