@@ -225,6 +225,14 @@ int cli_status(const CliConnection& c, const std::string& job_id, bool as_json) 
   return 0;
 }
 
+Result<json> fetch_job_status(const CliConnection& c, const std::string& job_id) {
+  TROUPE_ASSIGN_OR_RETURN(auto client, open_client(c));
+  TROUPE_ASSIGN_OR_RETURN(json r, request_json(*client, StatusQuery{job_id}, c.timeout_ms));
+  const json jobs = r.value("jobs", json::array());
+  if (jobs.size() != 1) return not_found("no job {}", job_id);
+  return jobs[0];
+}
+
 std::string job_checkpoint_dir(const json& job) {
   namespace fs = std::filesystem;
   std::string dir = job.value("checkpoint_dir", "");

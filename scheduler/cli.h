@@ -47,6 +47,9 @@ std::string job_checkpoint_dir(const nlohmann::json& job);
 // or an unfinished save), newest first.
 std::string render_checkpoints_table(const std::string& dir);
 
+// The scheduler's record of one job (with its processes); NotFound names an unknown job.
+Result<nlohmann::json> fetch_job_status(const CliConnection& c, const std::string& job_id);
+
 // Human tables of a status document (the scheduler's JSON).
 std::string render_status_table(const nlohmann::json& status, bool with_procs);
 

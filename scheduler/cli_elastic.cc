@@ -318,20 +318,26 @@ int cli_elastic_status(const std::string& run_dir, bool json) {
   return 0;
 }
 
-void print_elastic_job_status(const CliConnection& c, const std::string& job) {
+std::optional<nlohmann::json> elastic_job_status(const CliConnection& c, const std::string& job) {
   auto conn = connection(c);
-  if (!conn.ok()) return;
+  if (!conn.ok()) return std::nullopt;
   auto store = SchedulerStore::connect(conn->first, conn->second, job, 0);
-  if (!store.ok()) return;
+  if (!store.ok()) return std::nullopt;
   const std::string k = job + "/elastic/status";
   auto has = (*store)->contains(k);
-  if (!has.ok() || !*has) return;  // not an elastic job, or no step done yet
+  if (!has.ok() || !*has) return std::nullopt;  // not an elastic job, or no step done yet
   auto v = (*store)->get(k, SchedulerStore::Clock::now() + std::chrono::seconds(3));
-  if (!v.ok()) return;
-  const nlohmann::json st = nlohmann::json::parse(*v, nullptr, false);
-  if (!st.is_object()) return;
+  if (!v.ok()) return std::nullopt;
+  nlohmann::json st = nlohmann::json::parse(*v, nullptr, false);
+  if (!st.is_object()) return std::nullopt;
+  return st;
+}
+
+void print_elastic_job_status(const CliConnection& c, const std::string& job) {
+  const std::optional<nlohmann::json> st = elastic_job_status(c, job);
+  if (!st) return;
   fmt::print("\n");
-  print_elastic_table(job, st, false);
+  print_elastic_table(job, *st, false);
 }
 
 }  // namespace troupe::sched

@@ -10,7 +10,10 @@
 // ("<job>/elastic/request/<k>", answered at "answer/<k>").
 #pragma once
 
+#include <optional>
 #include <string>
+
+#include <nlohmann/json.hpp>
 
 #include "scheduler/cli.h"
 
@@ -29,6 +32,9 @@ int cli_elastic_status(const std::string& run_dir, bool json);
 // After `troupe status <job>` of an --elastic scheduler job: the driver's view (slots,
 // ranks, straggler flags), from the job's store; prints nothing for other jobs.
 void print_elastic_job_status(const CliConnection& c, const std::string& job);
+// The driver's status of an --elastic scheduler job (store key <job>/elastic/status):
+// step, epoch, dp, recoveries, workers; nullopt when there is none (yet).
+std::optional<nlohmann::json> elastic_job_status(const CliConnection& c, const std::string& job);
 // troupe drain <agent>: every worker of a running --elastic job on that agent is replaced
 // (restored from a dp peer) by one placed on another agent. Jobs without --elastic are
 // listed, not moved.

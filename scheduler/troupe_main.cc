@@ -5,6 +5,7 @@
 //   troupe submit --nproc N [...] -- <app> [args]
 //   troupe status [JOB] [--json]      troupe logs JOB [--worker W] [--follow]
 //   troupe cancel JOB                 troupe keygen PREFIX
+//   troupe top JOB|RUN_DIR [--once] [--interval S]
 // Every command that talks to a scheduler takes --scheduler ADDR (default
 // $TROUPE_SCHEDULER, else tcp://127.0.0.1:7460), --curve-key and --scheduler-key.
 #include <CLI/CLI.hpp>
@@ -15,6 +16,7 @@
 #include "core/logging.h"
 #include "scheduler/cli.h"
 #include "scheduler/cli_elastic.h"
+#include "scheduler/cli_top.h"
 
 namespace {
 
@@ -169,6 +171,15 @@ int main(int argc, char** argv) {
   drain->add_option("--wait", drain_wait, "Seconds to wait for each move");
   add_connection(drain, drain_conn);
 
+  CliConnection top_conn;
+  troupe::sched::TopOptions top_opts;
+  auto* top = app.add_subcommand("top", "A live view of a job: step, loss, tokens/s, workers, stragglers, events");
+  top->add_option("job", top_opts.target, "Job id, or the run directory of a train_moe run")->required();
+  top->add_option("--interval", top_opts.interval_s, "Seconds between redraws (default 2)");
+  top->add_flag("--once", top_opts.once, "Print one frame (no screen control codes) and exit");
+  top->add_option("--events", top_opts.events, "Recent events shown")->check(CLI::Range(0, 10000));
+  add_connection(top, top_conn);
+
   std::string keygen_prefix;
   auto* keygen = app.add_subcommand("keygen", "Write a CURVE key pair: PREFIX.key (private) and PREFIX.pub");
   keygen->add_option("prefix", keygen_prefix, "Path prefix of the two files")->required();
@@ -220,6 +231,7 @@ int main(int argc, char** argv) {
   }
   if (cancel->parsed()) return troupe::sched::cli_cancel(cancel_conn, cancel_job, cancel_json);
   if (keygen->parsed()) return troupe::sched::cli_keygen(keygen_prefix);
+  if (top->parsed()) return troupe::sched::cli_top(top_conn, top_opts);
   if (ckpts->parsed()) {
     if (ckpt_job.empty() && ckpt_dir.empty()) {
       std::fprintf(stderr, "troupe: checkpoints: give a job id or --dir\n");

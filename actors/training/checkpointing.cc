@@ -197,9 +197,10 @@ std::vector<int64_t> CheckpointCommitter::committed() const {
 
 // ---- resume ------------------------------------------------------------------------------
 
-Result<std::unique_ptr<checkpoint::CheckpointReader>> open_resume_checkpoint(const std::string& path) {
+Result<std::unique_ptr<checkpoint::CheckpointReader>> open_resume_checkpoint(const std::string& path,
+                                                                             const std::string& what) {
   std::error_code ec;
-  if (!fs::exists(path, ec)) return not_found("--resume: {} does not exist", path);
+  if (!fs::exists(path, ec)) return not_found("{}: {} does not exist", what, path);
   std::string dir = path;
   if (!fs::exists(fs::path(path) / checkpoint::kManifestFile, ec) && fs::is_directory(fs::path(path) / "checkpoints", ec)) {
     dir = (fs::path(path) / "checkpoints").string();
@@ -209,9 +210,9 @@ Result<std::unique_ptr<checkpoint::CheckpointReader>> open_resume_checkpoint(con
   Result<std::unique_ptr<checkpoint::CheckpointReader>> r =
       named ? checkpoint::CheckpointReader::open(dir, checkpoint::VerifyMode::kStructure)
             : checkpoint::CheckpointReader::open_latest_valid(dir, checkpoint::VerifyMode::kChecksums);
-  if (!r.ok()) return r.status().with_context("--resume");
-  if (named) TROUPE_RETURN_IF_ERROR((*r)->verify_checksums().with_context("--resume"));
-  for (const std::string& s : (*r)->skipped()) fmt::print(stderr, "train_moe: resume: skipped checkpoint {}\n", s);
+  if (!r.ok()) return r.status().with_context(what);
+  if (named) TROUPE_RETURN_IF_ERROR((*r)->verify_checksums().with_context(what));
+  for (const std::string& s : (*r)->skipped()) fmt::print(stderr, "train_moe: {}: skipped checkpoint {}\n", what == "--resume" ? "resume" : what, s);
   return r;
 }
 

@@ -112,8 +112,10 @@ class CheckpointCommitter {
 // step_<N> checkpoints, or one checkpoint directory — and opens the newest checkpoint
 // whose manifest, files and checksums are all valid (a named step directory is the only
 // candidate). Every newer checkpoint skipped is printed to stderr with its reason;
-// NotFound (with every reason) when none is valid.
-Result<std::unique_ptr<checkpoint::CheckpointReader>> open_resume_checkpoint(const std::string& path);
+// NotFound (with every reason) when none is valid. `what` names the caller in errors and
+// in the skip notes ("--resume", "sample").
+Result<std::unique_ptr<checkpoint::CheckpointReader>> open_resume_checkpoint(const std::string& path,
+                                                                             const std::string& what = "--resume");
 
 // Before a run saves into `dir` starting after step `start_step` (0 for a fresh run):
 // renames complete checkpoints of later steps to step_<N>.superseded-<ms> and removes

@@ -50,7 +50,8 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDev
 Result<std::vector<std::string>> parse_parallel_flag(const std::string& spec);
 
 struct SampleOptions {
-  std::string run;
+  std::string run;         // run directory: model.bin, else its checkpoints (sample.cc)
+  std::string checkpoint;  // run dir, checkpoints dir or step_<N> dir: always a checkpoint
   std::string prompt;
   int64_t tokens = 200;
   double temperature = 0.8;

@@ -169,6 +169,7 @@ class ElasticLauncher {
   int64_t recoveries_ = 0;
   std::set<int> stateful_;               // slots holding the committed state (last ready epoch)
   std::vector<nlohmann::json> last_replies_;
+  std::vector<nlohmann::json> last_step_replies_;  // of the last step command (status.json's times)
   std::optional<int64_t> rewound_to_;
   int64_t max_step_logged_ = 0;
   int64_t last_step_ = 0;
@@ -668,6 +669,7 @@ Result<std::optional<nlohmann::json>> ElasticLauncher::call(training::Command::K
         recovering_since_ms_.reset();
       }
       last_replies_ = replies;
+      if (kind == training::Command::Kind::kStep) last_step_replies_ = replies;
       if (kind == training::Command::Kind::kStep) TROUPE_RETURN_IF_ERROR(maybe_finalize_checkpoint(step));
       return std::optional<nlohmann::json>(replies[0]);
     }
@@ -734,6 +736,12 @@ void ElasticLauncher::write_status(int64_t step) {
     const int s = plan_.slots[r];
     workers.push_back({{"slot", s}, {"rank", r}, {"pid", procs_[s].pid}, {"alive", procs_[s].alive},
                        {"straggler", flagged_.count(s) > 0}});
+    // The last step's wall, compute and comm time of this rank (troupe top).
+    if (last_step_replies_.size() == plan_.slots.size()) {
+      for (const char* k : {"step_ms", "compute_ms", "comm_ms"}) {
+        if (last_step_replies_[r].contains(k)) workers.back()[k] = last_step_replies_[r][k];
+      }
+    }
   }
   nlohmann::json st{{"step", step < 0 ? last_step_ : step}, {"epoch", plan_.epoch}, {"failed", step < 0}, {"dp", plan_.dp}, {"grad_accum", plan_.grad_accum},
                     {"recoveries", recoveries_}, {"workers", workers}};

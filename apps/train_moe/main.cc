@@ -2,7 +2,7 @@
 //   train_moe --config apps/configs/tiny.toml [--set key=value ...] [--run-dir D]   train
 //   train_moe train --resume <run dir> [--parallel ...]                             resume
 //   train_moe prepare --input <files|dirs> --out <dir> --vocab <n>                 data
-//   train_moe sample --run <dir> --prompt "..."                                    generate
+//   train_moe sample --run <dir> | --checkpoint <dir> --prompt "..."              generate
 //   train_moe plot --run <dir>                                                     PNGs
 // main() parses the command line and calls the subcommand (apps/train_moe/commands.h).
 #include <sys/wait.h>
@@ -86,7 +86,10 @@ int main(int argc, char** argv) {
 
   SampleOptions sample;
   CLI::App* samp = app.add_subcommand("sample", "generate text from a trained run");
-  samp->add_option("--run", sample.run, "run directory")->required();
+  samp->add_option("--run", sample.run, "run directory: its model.bin, else its newest valid checkpoint");
+  samp->add_option("--checkpoint", sample.checkpoint,
+                   "sample from the newest valid checkpoint of a run dir, checkpoints dir or step_<N> dir "
+                   "(even when model.bin exists)");
   samp->add_option("--prompt", sample.prompt, "text to continue");
   samp->add_option("--tokens", sample.tokens, "tokens to generate");
   samp->add_option("--temperature", sample.temperature, "0 = greedy");

@@ -72,4 +72,18 @@ Status load_model_state(const layers::Ctx& c, const checkpoint::CheckpointReader
   return ok_status();
 }
 
+Status load_model_weights(const checkpoint::CheckpointReader& reader, layers::Model& model) {
+  const training::SliceSource source = training::slice_source(reader);
+  std::vector<std::pair<std::string, Tensor*>> targets;
+  for (const auto& p : model.parameters()) targets.emplace_back(p.name, &p.param->value);
+  for (const auto& b : model.buffers()) targets.emplace_back(b.name, b.tensor);
+  for (auto& [name, t] : targets) {
+    TROUPE_CHECK(t->device().is_cpu(), "load_model_weights: {} is not on the host", name);
+    Tensor host = Tensor::empty(t->shape(), DType::kF32);
+    TROUPE_RETURN_IF_ERROR(source(name, t->shape(), checkpoint::full_slice(t->shape()), host));
+    t->copy_from(host);
+  }
+  return ok_status();
+}
+
 }  // namespace troupe::train_moe

@@ -1,7 +1,8 @@
 // apps/train_moe/model_state.h — the single-process run's training state in the global
 // names of actors/training/stage_state.h (parameters, router biases, AdamW moments stored
 // 1-D), so a single-process checkpoint loads into any layout and any layout's checkpoint
-// loads here: model_state() for saving, load_model_state() for --resume.
+// loads here: model_state() for saving, load_model_state() for --resume,
+// load_model_weights() for `train_moe sample` from a checkpoint.
 #pragma once
 
 #include "actors/training/stage_state.h"
@@ -23,5 +24,9 @@ training::StageState model_state(const layers::Ctx& c, layers::Model& model, lay
 // optimizer's step count. Working copies (GPU) are refreshed.
 Status load_model_state(const layers::Ctx& c, const checkpoint::CheckpointReader& reader, layers::Model& model,
                         layers::AdamW& opt);
+
+// Reads the parameters and router biases only (no optimizer moments) from `reader`,
+// resharded from whatever layout saved it, into a host (CPU) model: what sampling needs.
+Status load_model_weights(const checkpoint::CheckpointReader& reader, layers::Model& model);
 
 }  // namespace troupe::train_moe

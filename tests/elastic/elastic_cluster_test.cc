@@ -178,6 +178,14 @@ TEST_F(ElasticCluster, TroupeReplaceAndScaleByJobId) {
   EXPECT_EQ(status.exit_code, 0) << status.output;
   EXPECT_NE(status.output.find(fmt::format("elastic job {}:", job)), std::string::npos) << status.output;
   EXPECT_NE(status.output.find("dp 1"), std::string::npos) << status.output;
+  // `troupe top <job> --once`: the job's record, its run directory's metrics, the workers.
+  const auto top = run_cli(with_conn({"top", job, "--once"}), std::chrono::seconds(30));
+  EXPECT_EQ(top.exit_code, 0) << top.output;
+  for (const std::string& s : {fmt::format("job {}  running", job), std::string("elastic"), std::string("tokens/s"),
+                              std::string("workers ("), std::string("cause=replace")}) {
+    EXPECT_NE(top.output.find(s), std::string::npos) << s << "\n" << top.output;
+  }
+  std::printf("[elastic-cluster top]\n%s", top.output.c_str());
   const auto bad = run_cli(with_conn({"scale", job, "--dp", "4"}), std::chrono::seconds(60));
   EXPECT_EQ(bad.exit_code, 1) << bad.output;
   EXPECT_NE(bad.output.find("refused"), std::string::npos) << bad.output;

@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
@@ -432,12 +433,13 @@ TEST_F(ElasticFault, TroupeReplaceScaleAndStatusCommands) {
       troupe({"scale", dir.string(), "--dp", "1"}, "cli-scale.log");
       troupe({"scale", dir.string(), "--dp", "3"}, "cli-scale-refused.log");
       troupe({"status", dir.string()}, "cli-status2.log");
+      troupe({"top", dir.string(), "--once"}, "cli-top.log");
     }
   };
   const RunResult r = run_case("cli", "slow@1:any:0", {}, tick);
   expect_clean_finish(r);
   expect_same_losses("cli", r);
-  ASSERT_EQ(cmds.size(), 5u) << r.output;
+  ASSERT_EQ(cmds.size(), 6u) << r.output;
   EXPECT_EQ(cmds[0].exit_code, 0) << cmds[0].output;
   EXPECT_NE(cmds[0].output.find("dp 2"), std::string::npos) << cmds[0].output;
   EXPECT_EQ(cmds[1].exit_code, 0) << cmds[1].output;
@@ -449,6 +451,18 @@ TEST_F(ElasticFault, TroupeReplaceScaleAndStatusCommands) {
   EXPECT_NE(cmds[3].output.find("refused"), std::string::npos) << cmds[3].output;
   EXPECT_EQ(cmds[4].exit_code, 0) << cmds[4].output;
   EXPECT_NE(cmds[4].output.find("dp 1"), std::string::npos) << cmds[4].output;
+  // troupe top --once: metrics, the workers of status.json with their last step's times,
+  // and the replacement and rescale among the recent events.
+  EXPECT_EQ(cmds[5].exit_code, 0) << cmds[5].output;
+  for (const char* s : {"tokens/s", "workers (status.json): epoch", "dp 1", "COMPUTE_MS", "cause=replace", "recovered", "scaled"}) {
+    EXPECT_NE(cmds[5].output.find(s), std::string::npos) << s << "\n" << cmds[5].output;
+  }
+  {
+    std::ifstream in(dir / "status.json");
+    const nlohmann::json st = nlohmann::json::parse(in, nullptr, false);
+    ASSERT_TRUE(st.is_object());
+    for (const auto& w : st["workers"]) EXPECT_TRUE(w.contains("compute_ms")) << st.dump();
+  }
   for (const auto& c : cmds) std::printf("[elastic cli] %s", c.output.c_str());
 }
 #endif

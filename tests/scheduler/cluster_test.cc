@@ -71,6 +71,20 @@ TEST(Cluster, FourWorkerJobRunsShowsInStatusAndCompletes) {
   EXPECT_EQ(agent_of[0], agent_of[1]);
   EXPECT_EQ(agent_of[2], agent_of[3]);
   EXPECT_NE(agent_of[0], agent_of[2]);
+  // `troupe top <job> --once`: the job's record, processes and events (no run directory:
+  // the test worker is not train_moe).
+  auto top = run_cli([&] {
+    std::vector<std::string> a = {"top", job, "--once"};
+    auto conn = c.conn_args();
+    a.insert(a.end(), conn.begin(), conn.end());
+    return a;
+  }());
+  EXPECT_EQ(top.exit_code, 0) << top.output;
+  for (const char* s : {"troupe top", "job job-1  running", "layout pp=1,dp=2,n=2", "worker-2", "driver",
+                        "run directory: unknown", "recent events", "proc_started"}) {
+    EXPECT_NE(top.output.find(s), std::string::npos) << s << "\n" << top.output;
+  }
+  std::printf("[troupe top --once job-1]\n%s", top.output.c_str());
 
   ASSERT_TRUE(c.wait_state(job, "succeeded", seconds(15))) << c.logs_of_daemons();
   for (const auto& n : kAll) EXPECT_TRUE(exists(c.out_dir() + "/" + n + ".e0.r0.done")) << n;
@@ -247,6 +261,13 @@ TEST(Cluster, ClearErrorsForUnknownJobWrongAddressAndBadArguments) {
   auto unknown = run_cli({"status", "job-99", "--scheduler", c.address()});
   EXPECT_EQ(unknown.exit_code, 3) << unknown.output;
   EXPECT_NE(unknown.output.find("unknown job 'job-99'"), std::string::npos) << unknown.output;
+  auto top = run_cli({"top", "job-99", "--once", "--scheduler", c.address()});
+  EXPECT_EQ(top.exit_code, 3) << top.output;
+  EXPECT_NE(top.output.find("unknown job 'job-99'"), std::string::npos) << top.output;
+  EXPECT_NE(top.output.find("or a run directory"), std::string::npos) << top.output;
+  auto top_nowhere = run_cli({"top", "job-1", "--once", "--scheduler", fmt::format("127.0.0.1:{}", free_port()),
+                              "--timeout-ms", "500"});
+  EXPECT_EQ(top_nowhere.exit_code, 4) << top_nowhere.output;
   auto cancel = run_cli({"cancel", "job-99", "--scheduler", c.address()});
   EXPECT_EQ(cancel.exit_code, 3) << cancel.output;
   auto nowhere = run_cli({"status", "--scheduler", fmt::format("127.0.0.1:{}", free_port()), "--timeout-ms", "500"});

@@ -18,6 +18,9 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -218,6 +221,133 @@ TEST_F(CheckpointResume, TroupeRunResumesIntoTheJobsCheckpointDir) {
   EXPECT_TRUE(troupe::checkpoint::CheckpointReader::open(list[0].second, troupe::checkpoint::VerifyMode::kChecksums).ok());
 }
 #endif
+
+// The generated text of `train_moe sample` output: notes and log lines dropped, up to
+// the weights' source in the summary line (which names the file or checkpoint).
+std::string sample_text(const std::string& out) {
+  std::string text, line;
+  std::istringstream in(out);
+  while (std::getline(in, line)) {
+    // Notes and log lines ("[<time>] [ckpt] [warning] skipping checkpoint ...").
+    if (line.rfind("train_moe:", 0) == 0 || (line.rfind("[", 0) == 0 && line.rfind("[sample:", 0) != 0)) continue;
+    text += line + "\n";
+  }
+  const size_t w = text.find(", weights from ");
+  return w == std::string::npos ? text : text.substr(0, w);
+}
+
+TEST_F(CheckpointResume, SampleFromTheDistributedRunsCheckpoints) {
+  // The pp=2 x n=2 run wrote no model.bin: `train_moe sample --run` takes its newest valid
+  // checkpoint (step 10), resharded into one process. The reference is the model.bin of a
+  // one-process run resumed from that checkpoint with nothing left to train (the same
+  // weights through --resume's loader, which the resume tests above check against the
+  // uninterrupted run): the sampled tokens must be identical.
+  const fs::path saved = *root_ / "saved";
+  ASSERT_FALSE(fs::exists(saved / "model.bin"));
+  const std::vector<std::string> opts{"--prompt", "int ", "--tokens", "40", "--seed", "11"};
+  auto sample = [&](const std::vector<std::string>& where, const std::string& log) {
+    std::vector<std::string> a{troupe::test::train_moe_bin(), "sample"};
+    a.insert(a.end(), where.begin(), where.end());
+    a.insert(a.end(), opts.begin(), opts.end());
+    return run(a, *root_ / log, std::chrono::seconds(60));
+  };
+  const RunResult s1 = sample({"--run", saved.string()}, "sample-1.log");
+  ASSERT_EQ(s1.exit_code, 0) << s1.output;
+  EXPECT_NE(s1.output.find("weights from checkpoint " + (saved / "checkpoints" / "step_10").string() +
+                           " (step 10, saved with layout pp=2,dp=1,n=2)"),
+            std::string::npos)
+      << s1.output;
+  const std::string text = sample_text(s1.output);
+  EXPECT_NE(text.find("int "), std::string::npos) << s1.output;
+  EXPECT_NE(text.find("generated"), std::string::npos) << s1.output;
+  // Deterministic for a fixed seed.
+  const RunResult s2 = sample({"--run", saved.string()}, "sample-2.log");
+  ASSERT_EQ(s2.exit_code, 0) << s2.output;
+  EXPECT_EQ(sample_text(s2.output), text);
+
+  // The one-process reference at step 10: model.bin, read by `sample --run` (model.bin
+  // first when the run directory has one).
+  const RunResult ref = run({troupe::test::train_moe_bin(), "train", "--resume", (saved / "checkpoints" / "step_10").string(),
+                             "--run-dir", (*root_ / "one-at-10").string(), "--parallel", "pp=1,n=1"},
+                            *root_ / "one-at-10.log", std::chrono::seconds(120));
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  ASSERT_TRUE(fs::exists(*root_ / "one-at-10" / "model.bin")) << ref.output;
+  const RunResult s3 = sample({"--run", (*root_ / "one-at-10").string()}, "sample-3.log");
+  ASSERT_EQ(s3.exit_code, 0) << s3.output;
+  EXPECT_NE(s3.output.find("model.bin (step 10)"), std::string::npos) << s3.output;
+  EXPECT_EQ(sample_text(s3.output), text) << "checkpoint:\n" << s1.output << "\nmodel.bin:\n" << s3.output;
+
+  // --checkpoint picks one checkpoint explicitly; step 5's weights sample other text.
+  const RunResult s5 = sample({"--checkpoint", (saved / "checkpoints" / "step_5").string()}, "sample-5.log");
+  ASSERT_EQ(s5.exit_code, 0) << s5.output;
+  EXPECT_NE(s5.output.find("(step 5, saved with layout pp=2,dp=1,n=2)"), std::string::npos) << s5.output;
+  EXPECT_NE(sample_text(s5.output), text) << s5.output;
+
+  // model.bin (here of step 5) is the rule for --run, even beside a later checkpoint (a run
+  // continued in another layout): the later one is named in a note.
+  const RunResult ref5 = run({troupe::test::train_moe_bin(), "train", "--resume", (saved / "checkpoints" / "step_5").string(),
+                              "--run-dir", (*root_ / "one-at-5").string(), "--parallel", "pp=1,n=1", "--set",
+                              "train.steps=5", "--set", "checkpoint.every=0"},
+                             *root_ / "one-at-5.log", std::chrono::seconds(120));
+  ASSERT_EQ(ref5.exit_code, 0) << ref5.output;
+  fs::copy(saved / "checkpoints", *root_ / "one-at-5" / "checkpoints", fs::copy_options::recursive);
+  const RunResult sb = sample({"--run", (*root_ / "one-at-5").string()}, "sample-bin5.log");
+  ASSERT_EQ(sb.exit_code, 0) << sb.output;
+  EXPECT_NE(sb.output.find("model.bin (step 5)"), std::string::npos) << sb.output;
+  EXPECT_NE(sb.output.find("step_10 is newer than model.bin (step 5)"), std::string::npos) << sb.output;
+  EXPECT_EQ(sample_text(sb.output), sample_text(s5.output));
+
+  // A damaged newest checkpoint is named and skipped; step 5 is sampled.
+  const fs::path damaged = copy_checkpoints("sample-damaged");
+  {
+    std::fstream f(damaged / "checkpoints" / "step_10" / "rank_00001.bin", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(100);
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x5a);
+    f.seekp(100);
+    f.write(&c, 1);
+  }
+  const RunResult sd = sample({"--run", damaged.string()}, "sample-damaged.log");
+  ASSERT_EQ(sd.exit_code, 0) << sd.output;
+  EXPECT_NE(sd.output.find("sample: skipped checkpoint " + (damaged / "checkpoints" / "step_10").string()),
+            std::string::npos)
+      << sd.output;
+  EXPECT_NE(sd.output.find("checksum"), std::string::npos) << sd.output;
+  EXPECT_EQ(sample_text(sd.output), sample_text(s5.output));
+
+  // Neither model.bin nor a checkpoint: a clear error naming what was looked for.
+  const fs::path empty = *root_ / "sample-empty";
+  fs::create_directories(empty);
+  const RunResult se = sample({"--run", empty.string()}, "sample-empty.log");
+  EXPECT_EQ(se.exit_code, 1) << se.output;
+  EXPECT_NE(se.output.find("holds neither model.bin"), std::string::npos) << se.output;
+  EXPECT_NE(se.output.find((empty / "model.bin").string()), std::string::npos) << se.output;
+  EXPECT_NE(se.output.find("checkpoints/step_<N>"), std::string::npos) << se.output;
+  const RunResult sn = sample({"--checkpoint", (empty / "nowhere").string()}, "sample-nowhere.log");
+  EXPECT_EQ(sn.exit_code, 1) << sn.output;
+  EXPECT_NE(sn.output.find("does not exist"), std::string::npos) << sn.output;
+  std::printf("[sample from pp=2,n=2 checkpoint step 10 == one-process model.bin]\n%s", text.c_str());
+
+#ifdef TROUPE_CLI_BIN
+  // `troupe top <run dir> --once` on the same (finished) distributed run.
+  const RunResult top = run({TROUPE_CLI_BIN, "top", saved.string(), "--once"}, *root_ / "top.log", std::chrono::seconds(30));
+  ASSERT_EQ(top.exit_code, 0) << top.output;
+  const auto loss = losses_by_step(saved / "metrics.jsonl");
+  ASSERT_EQ(loss.rbegin()->first, 10);
+  EXPECT_NE(top.output.find(fmt::format("step 10  loss {:.4f}", loss.rbegin()->second)), std::string::npos)
+      << top.output;
+  for (const char* s : {"tokens/s", "rank 0: compute", "comm mean over ranks", "val_loss", "last checkpoint save at step 10",
+                        "recent events"}) {
+    EXPECT_NE(top.output.find(s), std::string::npos) << s << "\n" << top.output;
+  }
+  EXPECT_EQ(top.output.find("\x1b["), std::string::npos);  // --once: no screen control codes
+  const RunResult bad = run({TROUPE_CLI_BIN, "top", empty.string(), "--once"}, *root_ / "top-bad.log", std::chrono::seconds(30));
+  EXPECT_EQ(bad.exit_code, 3) << bad.output;
+  EXPECT_NE(bad.output.find("not a train_moe run directory"), std::string::npos) << bad.output;
+  std::printf("[troupe top --once %s]\n%s", saved.string().c_str(), top.output.c_str());
+#endif
+}
 
 TEST_F(CheckpointResume, CorruptNewestFallsBackToThePrevious) {
   struct Case {
