@@ -378,6 +378,8 @@ Status probe_connection(const std::string& endpoint, const ClientSecurity& sec, 
     s.connect(endpoint);
     auto deadline = std::chrono::steady_clock::now() + timeout;
     bool connected = false;
+    constexpr int kHandshakeFailuresToRefuse = 3;
+    int handshake_failures = 0;
     Status result = unavailable("no connection to {}", endpoint);
     while (std::chrono::steady_clock::now() < deadline) {
       zmq::pollitem_t item{m.handle(), 0, ZMQ_POLLIN, 0};
@@ -393,8 +395,14 @@ Status probe_connection(const std::string& endpoint, const ClientSecurity& sec, 
         result = ok_status();
         break;
       }
-      if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH || ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ||
-          ev == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) {
+      // A ZAP refusal (FAILED_AUTH) is final. A protocol / no-detail failure is also what a
+      // scheduler that is stopping or starting produces (the connection closes in the
+      // middle of the greeting), so only a repeated one (ZeroMQ reconnects every ~100 ms)
+      // means the credentials are wrong: a restart must not read as a refusal.
+      const bool refused = ev == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ||
+                           ((ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL || ev == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) &&
+                            ++handshake_failures >= kHandshakeFailuresToRefuse);
+      if (refused) {
         result = permission_denied(
             "the scheduler at {} refused this client's credentials ({}: wrong --curve-key / --scheduler-key, "
             "or the key is not in its allow-list)",
