@@ -942,16 +942,16 @@ Status ElasticLauncher::run_job() {
     TROUPE_RETURN_IF_ERROR(training::trim_metrics(run_dir_ + "/metrics.jsonl", resume->step()));
   }
   const int64_t start_step = resume ? resume->step() : 0;
-  ckpt_every_ = env_or("TROUPE_ELASTIC_CKPT_EVERY", 0);
+  // The job's checkpoints: every TROUPE_ELASTIC_CKPT_EVERY steps (default: the config's
+  // checkpoint.every), in the same directory as a normal run's (checkpoint.dir, else
+  // $TROUPE_CHECKPOINT_DIR, else <run dir>/checkpoints), so `troupe checkpoints` and
+  // `--resume <run dir>` find them.
+  ckpt_every_ = env_or("TROUPE_ELASTIC_CKPT_EVERY", tc_.checkpoint.every);
   if (ckpt_every_ > 0) {
-    ckpt_dir_ = fs::absolute(run_dir_ + "/ckpt").string();
-    // Elastic checkpoints of an earlier run here after the starting step are stale (a
-    // fresh job: all of them; the checkpoint resumed from is kept).
-    if (resume) {
-      TROUPE_RETURN_IF_ERROR(training::prepare_checkpoint_dir(ckpt_dir_, start_step));
-    } else {
-      fs::remove_all(ckpt_dir_, ec);
-    }
+    ckpt_dir_ = fs::absolute(training::checkpoint_dir_for(tc_, run_dir_)).string();
+    // Checkpoints of an earlier run here after the starting step are stale (a fresh job:
+    // all of them; the checkpoint resumed from is kept): moved aside, never deleted.
+    TROUPE_RETURN_IF_ERROR(training::prepare_checkpoint_dir(ckpt_dir_, start_step));
     setenv("TROUPE_ELASTIC_CKPT_DIR", ckpt_dir_.c_str(), 1);  // the workers inherit it
     // The tokenizer copied into the run directory by the caller (distributed.cc).
     TROUPE_ASSIGN_OR_RETURN(ckpt_info_,

@@ -261,8 +261,8 @@ TEST_F(ElasticFault, KillDuringCheckpointWrite) {
   std::vector<int64_t> committed;
   for (const auto& e : events_named(ev, "checkpoint_committed")) committed.push_back(e["step"].get<int64_t>());
   EXPECT_EQ(committed, (std::vector<int64_t>{2, 4, 6, 8})) << r.output;
-  EXPECT_TRUE(fs::exists(*root_ / "kill-ckpt" / "ckpt" / "step_8" / "manifest.json"));
-  EXPECT_FALSE(fs::exists(*root_ / "kill-ckpt" / "ckpt" / "step_4.tmp"));
+  EXPECT_TRUE(fs::exists(*root_ / "kill-ckpt" / "checkpoints" / "step_8" / "manifest.json"));
+  EXPECT_FALSE(fs::exists(*root_ / "kill-ckpt" / "checkpoints" / "step_4.tmp"));
 }
 
 TEST_F(ElasticFault, LostColumnRestoresFromCheckpoint) {
@@ -298,7 +298,7 @@ TEST_F(ElasticFault, CheckpointResumesInAnotherLayoutWithPlainTrainMoe) {
   expect_same_losses("ckpt-format", saved);
   const auto ref = latest_step_records(*root_ / "ckpt-format" / "metrics.jsonl");
   ASSERT_EQ(static_cast<int64_t>(ref.size()), kSteps);
-  const fs::path step4 = *root_ / "ckpt-format" / "ckpt" / "step_4";
+  const fs::path step4 = *root_ / "ckpt-format" / "checkpoints" / "step_4";
   ASSERT_TRUE(fs::exists(step4 / "manifest.json")) << saved.output;
   // `grad_accum` keeps the global batch (and so the data order) of the saved run at dp=2.
   auto resumed = [&](const std::string& name, const std::string& layout, int grad_accum, std::vector<std::string> env) {
@@ -330,7 +330,7 @@ TEST_F(ElasticFault, CheckpointResumesInAnotherLayoutWithPlainTrainMoe) {
   resumed("ckpt-format-plain", "dp=1,n=2", 2, {});
   resumed("ckpt-format-elastic", "dp=2,n=1", 1, elastic_env(""));
 #ifdef TROUPE_CLI_BIN
-  const RunResult ls = run({TROUPE_CLI_BIN, "checkpoints", "--dir", (*root_ / "ckpt-format" / "ckpt").string(), "--json"},
+  const RunResult ls = run({TROUPE_CLI_BIN, "checkpoints", "--dir", (*root_ / "ckpt-format" / "checkpoints").string(), "--json"},
                            {}, *root_ / "ckpt-format-ls.log", std::chrono::seconds(60));
   ASSERT_EQ(ls.exit_code, 0) << ls.output;
   const nlohmann::json j = nlohmann::json::parse(ls.output);
