@@ -329,7 +329,6 @@ TEST_F(ElasticFault, CheckpointResumesInAnotherLayoutWithPlainTrainMoe) {
   };
   resumed("ckpt-format-plain", "dp=1,n=2", 2, {});
   resumed("ckpt-format-elastic", "dp=2,n=1", 1, elastic_env(""));
-#ifdef TROUPE_CLI_BIN
   const RunResult ls = run({TROUPE_CLI_BIN, "checkpoints", "--dir", (*root_ / "ckpt-format" / "checkpoints").string(), "--json"},
                            {}, *root_ / "ckpt-format-ls.log", std::chrono::seconds(60));
   ASSERT_EQ(ls.exit_code, 0) << ls.output;
@@ -342,7 +341,6 @@ TEST_F(ElasticFault, CheckpointResumesInAnotherLayoutWithPlainTrainMoe) {
   }
   std::sort(steps.begin(), steps.end());
   EXPECT_EQ(steps, (std::vector<int64_t>{4, 8})) << ls.output;
-#endif
 }
 
 TEST_F(ElasticFault, DataPlaneConnectionCutRebuildsWithoutReplacement) {
@@ -382,7 +380,6 @@ TEST_F(ElasticFault, HangInsideAStepIsCaughtByTheWatchdog) {
               static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
 }
 
-#ifdef TROUPE_CLI_BIN
 TEST_F(ElasticFault, TroupeRunElasticReplacesWorkersThroughTheScheduler) {
   // `troupe run --elastic`: the embedded scheduler and agent start the driver and the 4
   // workers; a SIGSTOPped worker (found by the driver's heartbeat check, killed through
@@ -465,6 +462,5 @@ TEST_F(ElasticFault, TroupeReplaceScaleAndStatusCommands) {
   }
   for (const auto& c : cmds) std::printf("[elastic cli] %s", c.output.c_str());
 }
-#endif
 
 }  // namespace

@@ -200,7 +200,6 @@ TEST_F(CheckpointResume, ResumeWithoutConfigUsesTheSavedOne) {
   for (const auto& [step, loss] : got) EXPECT_LE(std::fabs(loss - ref.at(step)), 1e-6) << "step " << step;
 }
 
-#ifdef TROUPE_CLI_BIN
 TEST_F(CheckpointResume, TroupeRunResumesIntoTheJobsCheckpointDir) {
   // Under the scheduler: driver and 4 workers from `troupe run`, the checkpoint to resume
   // passed through the scheduler's store, new checkpoints into --checkpoint-dir
@@ -220,7 +219,6 @@ TEST_F(CheckpointResume, TroupeRunResumesIntoTheJobsCheckpointDir) {
   EXPECT_EQ(list[0].first, 10);
   EXPECT_TRUE(troupe::checkpoint::CheckpointReader::open(list[0].second, troupe::checkpoint::VerifyMode::kChecksums).ok());
 }
-#endif
 
 // The generated text of `train_moe sample` output: notes and log lines dropped, up to
 // the weights' source in the summary line (which names the file or checkpoint).
@@ -329,7 +327,6 @@ TEST_F(CheckpointResume, SampleFromTheDistributedRunsCheckpoints) {
   EXPECT_NE(sn.output.find("does not exist"), std::string::npos) << sn.output;
   std::printf("[sample from pp=2,n=2 checkpoint step 10 == one-process model.bin]\n%s", text.c_str());
 
-#ifdef TROUPE_CLI_BIN
   // `troupe top <run dir> --once` on the same (finished) distributed run.
   const RunResult top = run({TROUPE_CLI_BIN, "top", saved.string(), "--once"}, *root_ / "top.log", std::chrono::seconds(30));
   ASSERT_EQ(top.exit_code, 0) << top.output;
@@ -346,7 +343,6 @@ TEST_F(CheckpointResume, SampleFromTheDistributedRunsCheckpoints) {
   EXPECT_EQ(bad.exit_code, 3) << bad.output;
   EXPECT_NE(bad.output.find("not a train_moe run directory"), std::string::npos) << bad.output;
   std::printf("[troupe top --once %s]\n%s", saved.string().c_str(), top.output.c_str());
-#endif
 }
 
 TEST_F(CheckpointResume, CorruptNewestFallsBackToThePrevious) {

@@ -115,7 +115,6 @@ TEST_F(TrainingEquivalence, Pipeline) { check_layout("pp=2", 2); }
 TEST_F(TrainingEquivalence, PipelineTimesN) { check_layout("pp=2,n=2", 2); }
 TEST_F(TrainingEquivalence, DataParallelTimesN) { check_layout("dp=2,n=2", 1); }
 TEST_F(TrainingEquivalence, TroupeRunLaunchesTheSameRun) {
-#ifdef TROUPE_CLI_BIN
   // troupe run starts the driver and 4 workers (TROUPE_* variables, the scheduler's
   // rendezvous store); the result equals the standalone launcher's and one process's.
   const auto& ref = reference(5);
@@ -135,9 +134,6 @@ TEST_F(TrainingEquivalence, TroupeRunLaunchesTheSameRun) {
   const RunResult rb = run(bad, *root_ / "troupe-run-bad.log", std::chrono::seconds(120));
   EXPECT_NE(rb.exit_code, 0);
   EXPECT_NE(rb.output.find("needs 4 workers but the job has 3"), std::string::npos) << rb.output;
-#else
-  GTEST_SKIP() << "the troupe CLI is not part of this build";
-#endif
 }
 
 TEST_F(TrainingEquivalence, StoreControlPlaneGivesTheSameRun) {
