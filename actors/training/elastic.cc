@@ -28,7 +28,8 @@ nlohmann::json ElasticPlan::to_json() const {
   return nlohmann::json{{"epoch", epoch},         {"dp", dp},       {"grad_accum", grad_accum},
                         {"slots", slots},         {"has_state", has_state}, {"step_done", step_done},
                         {"seq", seq},             {"reason", reason},       {"checkpoint", checkpoint},
-                        {"ckpt_every", ckpt_every}, {"ckpt_dir", ckpt_dir}};
+                        {"ckpt_every", ckpt_every}, {"ckpt_dir", ckpt_dir}, {"replica_step", replica_step},
+                        {"replica_every", replica_every}};
 }
 
 Result<ElasticPlan> ElasticPlan::from_json(const std::string& text) {
@@ -47,6 +48,8 @@ Result<ElasticPlan> ElasticPlan::from_json(const std::string& text) {
     p.checkpoint = j.value("checkpoint", "");
     p.ckpt_every = j.value("ckpt_every", int64_t{0});
     p.ckpt_dir = j.value("ckpt_dir", "");
+    p.replica_step = j.value("replica_step", int64_t{-1});
+    p.replica_every = j.value("replica_every", int64_t{0});
     if (p.slots.size() != p.has_state.size() || p.dp < 1 || p.grad_accum < 1) {
       return data_loss("elastic: inconsistent plan: {}", text.substr(0, 200));
     }
@@ -323,6 +326,8 @@ class ElasticWorker {
   // Elastic checkpoints: every ckpt_every_ steps into ckpt_dir_ (0: off); the writer is
   // made for the current layout and rank.
   int64_t ckpt_every_ = 0;
+  int64_t replica_every_ = 0;  // neighbour replicas (the plan's replica_every)
+  size_t plan_world_ = 0;      // ranks of the current epoch
   std::string ckpt_dir_;
   std::unique_ptr<RankCheckpointer> writer_;
   std::thread watcher_;
@@ -350,10 +355,28 @@ Status ElasticWorker::join(const ElasticPlan& plan) {
   // Tells the driver this worker took the plan over (a worker that never does is wedged).
   TROUPE_RETURN_IF_ERROR(store_.set(key(fmt::format("adopted/{}/{}", plan.epoch, slot_)), std::to_string(wall_ms())));
   const int rank = plan.rank_of_slot(slot_);
+  plan_world_ = plan.slots.size();
   const layers::TrainConfig tc = layout_config(tc_, plan);
   comm::StoreNamespace ns;
   ns.job = job_;
   ns.epoch = plan.epoch;
+  if (plan.replica_step >= 0) {
+    // Every rank goes back to the neighbour replicas' step (no dp peer held a lost rank's
+    // state, but its successor keeps a copy).
+    if (stage_ && plan.dp == dp_ && rank == rank_) {
+      TROUPE_RETURN_IF_ERROR(stage_->rebuild_comms(ns));
+    } else {
+      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
+      std::lock_guard<std::mutex> lock(mu_);
+      stage_ = std::move(s);
+    }
+    TROUPE_RETURN_IF_ERROR(stage_->restore_from_replicas(plan.has_state, plan.replica_step));
+    if (rank != rank_ || plan.dp != dp_) writer_.reset();
+    rank_ = rank;
+    dp_ = plan.dp;
+    return store_.set(key(fmt::format("ready/{}/{}", plan.epoch, slot_)),
+                      nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}, {"from", "replicas"}}.dump());
+  }
   if (!plan.checkpoint.empty()) {
     // Every rank goes back to the checkpoint (a column lost every replica).
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::CheckpointReader> reader,
@@ -491,6 +514,7 @@ Status ElasticWorker::run() {
   if (plan.rank_of_slot(slot_) < 0) return invalid_argument("elastic: slot {} is not in the plan of epoch {}", slot_, epoch_);
   // The job's checkpoints (the driver's choice, the same in every plan).
   ckpt_every_ = plan.ckpt_every;
+  replica_every_ = plan.replica_every;
   ckpt_dir_ = plan.ckpt_dir;
   if (ckpt_every_ > 0 && ckpt_dir_.empty()) {
     return invalid_argument("elastic: the plan asks for checkpoints every {} steps but names no directory", ckpt_every_);
@@ -566,11 +590,17 @@ Status ElasticWorker::run() {
         case Command::Kind::kStep: {
           if (g_faults != nullptr) g_faults->step = cmd.step;
           const StepReport rep = stage_->run_step(cmd.step);
+          reply = step_report_json(rep);
           if (keep_state_) {
             stage_->replicate_optimizer();
             stage_->commit(cmd.step);
+            if (replica_every_ > 0 && cmd.step % replica_every_ == 0 && plan_world_ > 1) {
+              const auto r0 = Clock::now();
+              stage_->refresh_replica();
+              reply["replica"] = cmd.step;
+              reply["replica_ms"] = std::chrono::duration<double>(Clock::now() - r0).count() * 1e3;
+            }
           }
-          reply = step_report_json(rep);
           TROUPE_RETURN_IF_ERROR(save_checkpoint(cmd.step, reply));
           break;
         }

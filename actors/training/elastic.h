@@ -60,6 +60,12 @@ struct ElasticPlan {
   // part into ckpt_dir (0: none).
   int64_t ckpt_every = 0;
   std::string ckpt_dir;
+  // >= 0: no dp peer holds some lost rank's state, but every lost rank's successor keeps
+  // a copy of it (Stage::refresh_replica): every rank restores the state after this step
+  // from the neighbour replicas (Stage::restore_from_replicas). step_done equals it.
+  int64_t replica_step = -1;
+  // Neighbour replicas are refreshed after every replica_every-th step (0: never).
+  int64_t replica_every = 0;
 
   nlohmann::json to_json() const;
   static Result<ElasticPlan> from_json(const std::string& text);

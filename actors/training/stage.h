@@ -136,6 +136,18 @@ class Stage {
   // step left behind, all-gathers the imported moments over dp (collective over the dp
   // group, like replicate_optimizer) and commits the state as the state after `step_done`.
   void commit_imported(int64_t step_done);
+  // ---- in-memory neighbour replicas (stage_elastic.cc) --------------------------------
+  // What restores a rank when no data-parallel peer holds its state (MegaScale keeps such
+  // copies in a neighbour's host memory). Collective over the world, right after
+  // commit(step): every rank keeps a copy of its committed state and sends one to world
+  // rank (r+1) % W, keeping the copy rank (r-1) % W sends; the two newest generations of
+  // both are kept (a refresh interrupted by a failure leaves the previous one usable).
+  void refresh_replica();
+  // New epoch with the same ranks (a lost rank's replacement holds nothing): every rank
+  // restores the state after `step` — its own copy, or, where has_state[r] is false, the
+  // copy its successor (r+1) % W holds, sent to it — and commits it. Collective over the
+  // world. Fails when a needed copy of `step` is missing.
+  Status restore_from_replicas(const std::vector<bool>& has_state, int64_t step);
 
  private:
   struct StateTensor;
@@ -208,6 +220,10 @@ class Stage {
   std::vector<ElasticComm*> elastic_comms_;  // creation order
   Tensor full_m_, full_v_;                   // replicated moments of the column (padded flat)
   Committed committed_[2];                   // [0] latest, [1] the one before
+  // Neighbour replicas: [0] newest, [1] the one before. own_: this rank's committed state;
+  // held_: the predecessor's (another (pp, n) coordinate: its own sizes).
+  Committed own_replica_[2], held_replica_[2];
+  void install(const Committed& c);  // makes `c` the live state and commits it
   std::vector<bool> piece_in_norm_;
   std::unique_ptr<layers::AdamW> opt_;
 

@@ -207,4 +207,132 @@ void Stage::commit_imported(int64_t step_done) {
   commit(step_done);
 }
 
+// ---- neighbour replicas ----------------------------------------------------------------
+
+void Stage::refresh_replica() {
+  const Committed& c = committed_[0];
+  TROUPE_CHECK(c.step >= 0);  // refresh_replica follows a commit
+  comm::Communicator& w = *world_;
+  const int size = w.size(), me = w.rank();
+  if (size < 2) return;
+  const int next = (me + 1) % size, prev = (me + size - 1) % size;
+  const char* what = "neighbour replica (world)";
+  // The header first: [step, opt_steps, value, m, v, #biases, bias numels...], what the
+  // successor needs to allocate (the predecessor holds another coordinate's tensors).
+  std::vector<int64_t> hv{c.step, c.opt_steps, c.value.numel(), c.m.numel(), c.v.numel(),
+                          static_cast<int64_t>(c.bias.size())};
+  for (const Tensor& b : c.bias) hv.push_back(b.numel());
+  Tensor my_header = Tensor::zeros({static_cast<int64_t>(hv.size())}, DType::kI64);
+  std::copy(hv.begin(), hv.end(), my_header.data<int64_t>());
+  Tensor n_mine = Tensor::zeros({1}, DType::kI64), n_prev = Tensor::zeros({1}, DType::kI64);
+  n_mine.data<int64_t>()[0] = my_header.numel();
+  {
+    comm::WorkPtr s = w.send(n_mine, next);
+    comm::WorkPtr r = w.recv(n_prev, prev);
+    time_.wait(std::move(s), what);
+    time_.wait(std::move(r), what);
+  }
+  Tensor prev_header = Tensor::zeros({n_prev.data<int64_t>()[0]}, DType::kI64);
+  {
+    comm::WorkPtr s = w.send(my_header, next);
+    comm::WorkPtr r = w.recv(prev_header, prev);
+    time_.wait(std::move(s), what);
+    time_.wait(std::move(r), what);
+  }
+  const int64_t* h = prev_header.data<int64_t>();
+  Committed held;
+  held.step = h[0];
+  held.opt_steps = h[1];
+  held.value = Tensor::zeros({h[2]}, DType::kF32);
+  held.m = Tensor::zeros({h[3]}, DType::kF32);
+  held.v = Tensor::zeros({h[4]}, DType::kF32);
+  for (int64_t i = 0; i < h[5]; ++i) held.bias.push_back(Tensor::zeros({h[6 + i]}, DType::kF32));
+  // The payload: values, moments and router biases (contiguous host copies on the way out).
+  std::vector<Tensor> out{c.value.contiguous(), c.m.contiguous(), c.v.contiguous()};
+  for (const Tensor& b : c.bias) out.push_back(b.contiguous().view({b.numel()}));
+  std::vector<Tensor> in{held.value, held.m, held.v};
+  for (const Tensor& b : held.bias) in.push_back(b);
+  std::vector<comm::WorkPtr> works;
+  for (const Tensor& t : out) works.push_back(w.send(t, next));
+  for (const Tensor& t : in) works.push_back(w.recv(t, prev));
+  for (auto& wk : works) time_.wait(std::move(wk), what);
+  // Replaced only once everything arrived.
+  own_replica_[1] = std::move(own_replica_[0]);
+  own_replica_[0] = c;  // the committed tensors are never written in place
+  held_replica_[1] = std::move(held_replica_[0]);
+  held_replica_[0] = std::move(held);
+}
+
+void Stage::install(const Committed& c) {
+  clear_interrupted_step();
+  flat_value_.copy_from(c.value);
+  full_m_ = c.m.clone();
+  full_v_ = c.v.clone();
+  moments_to_pieces(full_m_, full_v_);
+  std::vector<Tensor*> bs = router_biases();
+  TROUPE_CHECK_EQ(bs.size(), c.bias.size());
+  for (size_t i = 0; i < bs.size(); ++i) bs[i]->copy_from(c.bias[i].view(bs[i]->shape()));
+  opt_->set_steps_done(c.opt_steps);
+  committed_[0] = Committed{};
+  committed_[1] = Committed{};
+  commit(c.step);
+}
+
+Status Stage::restore_from_replicas(const std::vector<bool>& has_state, int64_t step) {
+  comm::Communicator& w = *world_;
+  const int size = w.size(), me = w.rank();
+  if (static_cast<int>(has_state.size()) != size) {
+    return failed_precondition("restore_from_replicas: {} ranks in the plan, {} in the world", has_state.size(), size);
+  }
+  auto find = [step](const Committed (&gens)[2]) -> const Committed* {
+    for (const Committed& c : gens) {
+      if (c.step == step) return &c;
+    }
+    return nullptr;
+  };
+  const char* what = "neighbour replica restore (world)";
+  const int prev = (me + size - 1) % size, next = (me + 1) % size;
+  // The copy this rank holds goes back to its predecessor when that one was lost.
+  std::vector<Tensor> keep_alive;
+  std::vector<comm::WorkPtr> works;
+  if (!has_state[static_cast<size_t>(prev)]) {
+    const Committed* held = find(held_replica_);
+    if (held == nullptr) {
+      return failed_precondition("rank {} holds no copy of rank {}'s state after step {}", me, prev, step);
+    }
+    Tensor steps = Tensor::zeros({1}, DType::kI64);
+    steps.data<int64_t>()[0] = held->opt_steps;
+    keep_alive = {steps, held->value.contiguous(), held->m.contiguous(), held->v.contiguous()};
+    for (const Tensor& b : held->bias) keep_alive.push_back(b.contiguous().view({b.numel()}));
+    for (const Tensor& t : keep_alive) works.push_back(w.send(t, prev));
+  }
+  Committed mine;
+  Tensor opt_steps = Tensor::zeros({1}, DType::kI64);
+  if (has_state[static_cast<size_t>(me)]) {
+    const Committed* own = find(own_replica_);
+    if (own == nullptr) return failed_precondition("rank {} keeps no copy of its own state after step {}", me, step);
+    mine = *own;
+  } else {
+    // A replacement: the same (pp, n) coordinate as the lost rank, so the same sizes.
+    mine.step = step;
+    mine.value = Tensor::zeros({flat_value_.numel()}, DType::kF32);
+    mine.m = Tensor::zeros({flat_value_.numel()}, DType::kF32);
+    mine.v = Tensor::zeros({flat_value_.numel()}, DType::kF32);
+    for (Tensor* b : router_biases()) mine.bias.push_back(Tensor::zeros({b->numel()}, DType::kF32));
+    std::vector<Tensor> in{opt_steps, mine.value, mine.m, mine.v};
+    for (const Tensor& b : mine.bias) in.push_back(b);
+    for (const Tensor& t : in) works.push_back(w.recv(t, next));
+  }
+  for (auto& wk : works) time_.wait(std::move(wk), what);
+  if (!has_state[static_cast<size_t>(me)]) mine.opt_steps = opt_steps.data<int64_t>()[0];
+  install(mine);
+  // Every copy describes the old membership's neighbours only in part now: the next
+  // refresh rebuilds them.
+  for (auto* gens : {&own_replica_, &held_replica_}) {
+    (*gens)[0] = Committed{};
+    (*gens)[1] = Committed{};
+  }
+  return ok_status();
+}
+
 }  // namespace troupe::training

@@ -193,6 +193,10 @@ class Trainer {
   // that comes back every time (a bad disk, a deterministic crash) must end the job, not
   // loop through recoveries.
   int failures_without_progress_ = 0;
+  // Neighbour replicas (elastic.replica_every; CPU workers only): the step every rank last
+  // refreshed them at, in which layout (-1: none usable).
+  int64_t replica_every_ = 0;
+  int64_t replica_step_ = -1, replica_dp_ = 0, replica_world_ = 0;
   int64_t max_step_completed_ = 0;
   // What every checkpoint records besides the workers' parts (config text, tokenizer,
   // run metadata: the same as a normal run's CheckpointCommitter), and the tokens seen
@@ -448,6 +452,9 @@ Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots
                                    const std::vector<int>& leaving) {
   plan.ckpt_every = ckpt_every_;
   plan.ckpt_dir = ckpt_dir_;
+  plan.replica_every = replica_every_;
+  // The neighbour replicas describe the old membership: unusable until the next refresh.
+  replica_step_ = -1;
   for (const auto& [step, p] : pending_ckpts_) {
     event({{"event", "checkpoint_abandoned"}, {"step", step}, {"durable_parts", p.durable.size()}, {"parts", p.world}});
   }
@@ -584,10 +591,25 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
         }
         column_lost |= !any;
       }
-      if (column_lost) {
+      // Next best: the neighbour replicas (each lost rank's successor keeps a copy of its
+      // state), when they were made in this layout and no lost rank's successor was lost.
+      bool replicas_cover = column_lost && replica_step_ >= 0 && p.dp == replica_dp_ &&
+                            static_cast<int64_t>(p.slots.size()) == replica_world_;
+      for (size_t r = 0; replicas_cover && r < p.slots.size(); ++r) {
+        if (!p.has_state[r] && !p.has_state[(r + 1) % p.slots.size()]) replicas_cover = false;
+      }
+      if (replicas_cover) {
+        p.replica_step = replica_step_;
+        p.step_done = replica_step_;
+        event({{"event", "restore_from_replica"}, {"step", p.step_done}, {"every", tc_.elastic.replica_every}});
+        fmt::print("elastic: no data-parallel peer holds the lost state; restoring step {} from the neighbours' "
+                   "in-memory replicas\n",
+                   p.step_done);
+        std::fflush(stdout);
+      } else if (column_lost) {
         if (ckpt_dir_.empty()) {
-          return aborted("elastic: every dp replica of a (pp, n) column is lost and no checkpoint is kept "
-                         "(checkpoint.every): {}", f.detail);
+          return aborted("elastic: no data-parallel peer or neighbour replica holds the lost state and no checkpoint "
+                         "is kept (checkpoint.every): {}", f.detail);
         }
         Result<std::unique_ptr<checkpoint::CheckpointReader>> rd =
             checkpoint::CheckpointReader::open_latest_valid(ckpt_dir_, checkpoint::VerifyMode::kChecksums);
@@ -694,6 +716,15 @@ Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t 
       }
       last_replies_ = replies;
       if (kind == Command::Kind::kStep) last_step_replies_ = replies;
+      if (kind == Command::Kind::kStep && replica_every_ > 0) {
+        bool all = true;
+        for (const auto& r : replies) all &= r.value("replica", int64_t{-1}) == step;
+        if (all) {
+          replica_step_ = step;
+          replica_dp_ = plan_.dp;
+          replica_world_ = static_cast<int64_t>(replies.size());
+        }
+      }
       if (kind == Command::Kind::kStep && step > max_step_completed_) {
         max_step_completed_ = step;
         failures_without_progress_ = 0;
@@ -1007,6 +1038,7 @@ Status Trainer::run_job() {
   straggler_ratio_ = eo.straggler_ratio;
   straggler_window_ = static_cast<int>(eo.straggler_window);
   straggler_replace_ = eo.straggler_policy == "replace";
+  replica_every_ = o_.gpu ? 0 : eo.replica_every;
   std::error_code ec;
   // --resume: any checkpoint of issue 8's format (a normal run's or an elastic one's, any
   // layout); epoch 0's plan names it and every worker loads it (ElasticWorker::join).
@@ -1063,6 +1095,7 @@ Status Trainer::run_job() {
   }
   plan_.ckpt_every = ckpt_every_;
   plan_.ckpt_dir = ckpt_dir_;
+  plan_.replica_every = replica_every_;
   // Under the scheduler: from now on a lost worker is reported to this driver (a key of
   // the job's store) instead of restarting every worker of the job.
   if (scheduled_) TROUPE_RETURN_IF_ERROR(store_->set(key("claim"), std::to_string(getpid())));
@@ -1118,7 +1151,7 @@ Status Trainer::run_job() {
     tokens_seen += step_tokens;
     tokens_seen_ = tokens_seen;
     tokens_after[step] = tokens_seen;
-    for (const char* k : {"step_tokens", "rank", "slot", "ckpt_started", "durable", "ckpt_errors"}) rec.erase(k);
+    for (const char* k : {"step_tokens", "rank", "slot", "ckpt_started", "durable", "ckpt_errors", "replica"}) rec.erase(k);
     if (rec.contains("ckpt_bytes")) {
       rec["ckpt_bytes_rank0"] = rec["ckpt_bytes"];
       rec.erase("ckpt_bytes");

@@ -256,7 +256,7 @@ TEST_F(ElasticFault, KillDuringCheckpointWrite) {
 TEST_F(ElasticFault, LostColumnRestoresFromCheckpoint) {
   // Slots 1 and 3 are the two dp replicas of column n=1: no peer holds their state.
   const RunResult r =
-      run_case("lost-column", "kill@6:alltoall:1,kill@6:alltoall:3", {"checkpoint.every=4"});
+      run_case("lost-column", "kill@6:alltoall:1,kill@6:alltoall:3", {"checkpoint.every=4", "elastic.replica_every=0"});
   expect_clean_finish(r);
   expect_same_losses("lost-column", r);
   const fs::path ev = *root_ / "lost-column" / "events.jsonl";
@@ -273,6 +273,42 @@ TEST_F(ElasticFault, LostColumnRestoresFromCheckpoint) {
   std::printf("[elastic lost-column] %zu detection(s), first %lld ms; restored step 4 from the checkpoint; recovery "
               "%.2f s; steps lost %lld (no dp peer survived)\n",
               det.size(), static_cast<long long>(det[0]["detection_ms"].get<int64_t>()), rec[0]["recovery_s"].get<double>(),
+              static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
+}
+
+TEST_F(ElasticFault, NoDataParallelPeerRestoresFromTheNeighbourReplica) {
+  // `troupe run --nproc 4 -- train_moe ... --parallel n=4` (dp=1, the same global batch in
+  // two micro-batches): no rank has a data-parallel peer. Neighbour replicas are refreshed every 5 steps (the default); slot 2 is killed
+  // in step 7, so every rank goes back to step 5 — the survivors from their own copies,
+  // the replacement from the copy its successor keeps — and step 6 is run again.
+  baseline();
+  troupe::test::TrainMoeCommand c;
+  c.run_dir = *root_ / "replica";
+  c.sets = troupe::test::tiny_model_sets({.grad_accum = 2, .steps = kSteps, .data_dir = *root_ / "data"});
+  c.sets.push_back(fmt::format("elastic.heartbeat_timeout_ms={}", kHeartbeatTimeoutMs));
+  c.sets.push_back("elastic.inject=\"kill@7:alltoall:2\"");
+  c.parallel = "n=4";
+  std::vector<std::string> a = c.argv();
+  a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--"});
+  const RunResult r = run(a, {}, *root_ / "replica.log", std::chrono::seconds(180));
+  std::printf("[elastic replica] ran in %.1f s\n", r.seconds);
+  expect_clean_finish(r);
+  expect_same_losses("replica", r);
+  const fs::path ev = *root_ / "replica" / "events.jsonl";
+  const auto restore = events_named(ev, "restore_from_replica");
+  ASSERT_EQ(restore.size(), 1u) << r.output;
+  EXPECT_EQ(restore[0]["step"], 5);
+  EXPECT_TRUE(events_named(ev, "restore_from_checkpoint").empty()) << r.output;
+  const auto det = events_named(ev, "failure_detected");
+  const auto rec = events_named(ev, "recovered");
+  ASSERT_EQ(det.size(), 1u) << r.output;
+  ASSERT_EQ(rec.size(), 1u) << r.output;
+  EXPECT_LE(det[0]["detection_ms"].get<int64_t>(), 1000);
+  EXPECT_LE(rec[0]["recovery_s"].get<double>(), 10.0);
+  EXPECT_EQ(rec[0]["steps_lost"], 1);  // step 6; at most elastic.replica_every
+  std::printf("[elastic replica] n=4, kill -9 in step 7: detection %lld ms, restored step 5 from the neighbour "
+              "replicas, recovery %.2f s, steps lost %lld (<= replica_every 5)\n",
+              static_cast<long long>(det[0]["detection_ms"].get<int64_t>()), rec[0]["recovery_s"].get<double>(),
               static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
 }
 
