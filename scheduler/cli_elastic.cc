@@ -290,7 +290,31 @@ int cli_elastic_drain(const CliConnection& c, const std::string& agent, int wait
 }
 
 namespace {
-void print_elastic_table(const std::string& what, const nlohmann::json& st, bool finished) {
+// The job's actors (the Trainer's last answers from each: status.json "actors").
+void print_actor_table(const nlohmann::json& st) {
+  const nlohmann::json actors = st.value("actors", nlohmann::json::array());
+  if (actors.empty()) {
+    fmt::print("no actors recorded yet (the trainer lists them after the first step)\n");
+    return;
+  }
+  fmt::print("{} actors\n", actors.size());
+  fmt::print("{:<14} {:<10} {:>5} {:<10} {:<8} {:<14} {:<8} {:<11} {:>6} {:>10} {:>9}\n", "ID", "ROLE", "RANK", "WORKER",
+             "NODE", "HOST", "DEVICE", "STATE", "STEPS", "STEP_MS", "PARAMS");
+  for (const auto& a : actors) {
+    fmt::print("{:<14} {:<10} {:>5} {:<10} {:<8} {:<14} {:<8} {:<11} {:>6} {:>10.1f} {:>9}\n", a.value("id", ""),
+               a.value("role", ""), a.value("rank", -1), a.value("worker", ""), a.value("node", ""),
+               a.value("host", "").substr(0, 14), a.value("device", ""), a.value("state", ""),
+               a.value("steps_done", int64_t{0}), a.value("last_step_ms", 0.0), a.value("params", int64_t{0}));
+  }
+}
+
+void print_elastic_table(const std::string& what, const nlohmann::json& st, bool finished, bool actors) {
+  if (actors) {
+    fmt::print("job {}: step {}, epoch {}, dp {}{}{}\n", what, st.value("step", int64_t{0}), st.value("epoch", int64_t{0}),
+               st.value("dp", int64_t{0}), finished ? ", finished" : "", st.value("failed", false) ? ", FAILED" : "");
+    print_actor_table(st);
+    return;
+  }
   fmt::print("elastic job {}: step {}, epoch {}, dp {} (grad_accum {}), {} recoveries{}{}\n", what,
              st.value("step", int64_t{0}), st.value("epoch", int64_t{0}), st.value("dp", int64_t{0}),
              st.value("grad_accum", int64_t{0}), st.value("recoveries", int64_t{0}), finished ? ", finished" : "",
@@ -303,7 +327,7 @@ void print_elastic_table(const std::string& what, const nlohmann::json& st, bool
 }
 }  // namespace
 
-int cli_elastic_status(const std::string& run_dir, bool json) {
+int cli_elastic_status(const std::string& run_dir, bool json, bool actors) {
   std::ifstream in(run_dir + "/status.json");
   const nlohmann::json st = nlohmann::json::parse(in, nullptr, false);
   if (!in || st.is_discarded() || !st.is_object()) {
@@ -314,7 +338,7 @@ int cli_elastic_status(const std::string& run_dir, bool json) {
     fmt::print("{}\n", st.dump(1));
     return 0;
   }
-  print_elastic_table(run_dir, st, job_finished(run_dir));
+  print_elastic_table(run_dir, st, job_finished(run_dir), actors);
   return 0;
 }
 
@@ -333,11 +357,12 @@ std::optional<nlohmann::json> elastic_job_status(const CliConnection& c, const s
   return st;
 }
 
-void print_elastic_job_status(const CliConnection& c, const std::string& job) {
+bool print_elastic_job_status(const CliConnection& c, const std::string& job, bool actors) {
   const std::optional<nlohmann::json> st = elastic_job_status(c, job);
-  if (!st) return;
+  if (!st) return false;
   fmt::print("\n");
-  print_elastic_table(job, *st, false);
+  print_elastic_table(job, *st, false, actors);
+  return true;
 }
 
 }  // namespace troupe::sched

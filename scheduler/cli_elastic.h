@@ -28,10 +28,12 @@ bool is_elastic_run_dir(const std::string& path);
 // with `c`, and the job's driver answers there).
 int cli_elastic_scale(const CliConnection& c, const std::string& job, int dp, int wait_s);
 int cli_elastic_replace(const CliConnection& c, const std::string& job, int slot, int wait_s);
-int cli_elastic_status(const std::string& run_dir, bool json);
+// `actors`: the table of the job's actors (id, role, rank, worker, node, device, state, last step).
+int cli_elastic_status(const std::string& run_dir, bool json, bool actors = false);
 // After `troupe status <job>` of a driver-supervised scheduler job: the driver's view (slots,
 // ranks, straggler flags), from the job's store; prints nothing for other jobs.
-void print_elastic_job_status(const CliConnection& c, const std::string& job);
+// False when the job has no driver status (not a training job, or no step done yet).
+bool print_elastic_job_status(const CliConnection& c, const std::string& job, bool actors = false);
 // The driver's status of a driver-supervised scheduler job (store key <job>/elastic/status):
 // step, epoch, dp, recoveries, workers; nullopt when there is none (yet).
 std::optional<nlohmann::json> elastic_job_status(const CliConnection& c, const std::string& job);

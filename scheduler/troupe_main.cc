@@ -108,9 +108,13 @@ int main(int argc, char** argv) {
   CliConnection status_conn;
   std::string status_job;
   bool status_json = false;
+  bool status_actors = false;
   auto* status = app.add_subcommand("status", "Show jobs, their processes and the agents");
   status->add_option("job", status_job, "Only this job, with its processes");
   status->add_flag("--json", status_json, "Print JSON for scripts");
+  status->add_flag("--actors", status_actors,
+                   "With a training job or run directory: every actor (trainer, stage, attention and expert actors) "
+                   "with its worker, node, device, state and last step time");
   add_connection(status, status_conn);
 
   CliConnection logs_conn;
@@ -214,10 +218,15 @@ int main(int argc, char** argv) {
   }
   if (status->parsed()) {
     if (!status_job.empty() && troupe::sched::is_elastic_run_dir(status_job)) {
-      return troupe::sched::cli_elastic_status(status_job, status_json);
+      return troupe::sched::cli_elastic_status(status_job, status_json, status_actors);
     }
     const int rc = troupe::sched::cli_status(status_conn, status_job, status_json);
-    if (rc == 0 && !status_job.empty() && !status_json) troupe::sched::print_elastic_job_status(status_conn, status_job);
+    if (rc == 0 && !status_job.empty() && !status_json &&
+        !troupe::sched::print_elastic_job_status(status_conn, status_job, status_actors) && status_actors) {
+      fmt::print(stderr, "troupe status --actors: job {} has no actor table (not a training job, or no step done yet)\n",
+                 status_job);
+      return 1;
+    }
     return rc;
   }
   if (drain->parsed()) return troupe::sched::cli_elastic_drain(drain_conn, drain_agent, drain_wait);

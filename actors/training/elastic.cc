@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "actors/training/checkpointing.h"
+#include "actors/training/role_actors.h"
 #include "actors/training/control.h"
 #include "actors/training/stage.h"
 #include "actors/training/trainer.h"
@@ -299,7 +300,10 @@ class ElasticWorker {
   std::string key(const std::string& rest) const { return elastic_key(job_, rest); }
   Result<ElasticPlan> read_plan(uint64_t epoch, std::chrono::milliseconds timeout);
   Result<std::unique_ptr<Stage>> make_stage(const ElasticPlan& plan, int rank);
-  Status join(const ElasticPlan& plan);  // adopts `plan` (stage built or rebuilt, state synced)
+  // Adopts `plan` (stage built or rebuilt, state synced), then places this worker's actors
+  // for its rank.
+  Status join(const ElasticPlan& plan);
+  Status join_epoch(const ElasticPlan& plan);
   // After step `step`: starts this rank's checkpoint part when one is due, noting it in
   // `reply` ("ckpt_started", "ckpt_blocked_ms"; a failure as "ckpt_errors").
   // `force`: also off the every-K schedule.
@@ -321,6 +325,7 @@ class ElasticWorker {
   bool keep_state_;
   uint64_t adopting_ = 0;         // highest epoch whose plan the main thread took over
   std::unique_ptr<Stage> stage_;
+  std::unique_ptr<WorkerActors> actors_;  // the actors placed on this worker (role_actors.h)
   int rank_ = -1;
   int64_t dp_ = 0;
   // Elastic checkpoints: every ckpt_every_ steps into ckpt_dir_ (0: off); the writer is
@@ -352,6 +357,14 @@ Result<std::unique_ptr<Stage>> ElasticWorker::make_stage(const ElasticPlan& plan
 }
 
 Status ElasticWorker::join(const ElasticPlan& plan) {
+  actors_->set_state(plan.epoch == 0 ? "joining" : "recovering");
+  TROUPE_RETURN_IF_ERROR(join_epoch(plan));
+  TROUPE_RETURN_IF_ERROR(actors_->place(rank_, plan.epoch, stage_->params_by_role()));
+  actors_->step_done(stage_->steps_done(), 0.0);
+  return ok_status();
+}
+
+Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
   // Tells the driver this worker took the plan over (a worker that never does is wedged).
   TROUPE_RETURN_IF_ERROR(store_.set(key(fmt::format("adopted/{}/{}", plan.epoch, slot_)), std::to_string(wall_ms())));
   const int rank = plan.rank_of_slot(slot_);
@@ -510,6 +523,13 @@ void ElasticWorker::watch() {
 
 Status ElasticWorker::run() {
   set_throw_on_comm_error(true);
+  std::string device = "cpu";
+  if (ctx_.on_device()) {
+    const char* vis = std::getenv("CUDA_VISIBLE_DEVICES");
+    device = fmt::format("cuda:{}", (vis != nullptr && *vis != '\0') ? vis : "0");
+  }
+  TROUPE_ASSIGN_OR_RETURN(actors_, WorkerActors::start(slot_, control_host(), store_, key(fmt::format("actors/{}", slot_)),
+                                                       std::move(device)));
   TROUPE_ASSIGN_OR_RETURN(ElasticPlan plan, read_plan(epoch_, std::chrono::milliseconds(120000)));
   if (plan.rank_of_slot(slot_) < 0) return invalid_argument("elastic: slot {} is not in the plan of epoch {}", slot_, epoch_);
   // The job's checkpoints (the driver's choice, the same in every plan).
@@ -589,7 +609,9 @@ Status ElasticWorker::run() {
       switch (cmd.kind) {
         case Command::Kind::kStep: {
           if (g_faults != nullptr) g_faults->step = cmd.step;
+          actors_->set_state("training");
           const StepReport rep = stage_->run_step(cmd.step);
+          actors_->step_done(cmd.step, rep.step_ms);
           reply = step_report_json(rep);
           if (keep_state_) {
             stage_->replicate_optimizer();

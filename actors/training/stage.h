@@ -136,6 +136,9 @@ class Stage {
   // step left behind, all-gathers the imported moments over dp (collective over the dp
   // group, like replicate_optimizer) and commits the state as the state after `step_done`.
   void commit_imported(int64_t step_done);
+  // Parameters this rank owns, by the actor role that owns them: "attention" (its blocks'
+  // attention), "experts" (its experts), "stage" (all it holds).
+  std::map<std::string, int64_t> params_by_role() const;
   // ---- in-memory neighbour replicas (stage_elastic.cc) --------------------------------
   // What restores a rank when no data-parallel peer holds its state (MegaScale keeps such
   // copies in a neighbour's host memory). Collective over the world, right after

@@ -207,6 +207,20 @@ void Stage::commit_imported(int64_t step_done) {
   commit(step_done);
 }
 
+std::map<std::string, int64_t> Stage::params_by_role() const {
+  std::map<std::string, int64_t> out{{"stage", 0}, {"attention", 0}, {"experts", 0}};
+  for (const Entry& e : entries_) {
+    const int64_t n = e.param->numel();
+    out["stage"] += n;
+    if (e.expert) {
+      out["experts"] += n;
+    } else if (e.name.find(".attn.") != std::string::npos) {
+      out["attention"] += n;
+    }
+  }
+  return out;
+}
+
 // ---- neighbour replicas ----------------------------------------------------------------
 
 void Stage::refresh_replica() {

@@ -53,6 +53,7 @@
 #include "actors/training/checkpointing.h"
 #include "actors/training/control.h"
 #include "actors/training/elastic.h"
+#include "actors/training/role_actors.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/writer.h"
 #include "comm/parallel_layout.h"
@@ -146,6 +147,10 @@ class Trainer {
   layers::TrainConfig tc_;
   std::string job_;
   std::unique_ptr<comm::RendezvousStore> store_;
+  std::unique_ptr<ActorDirectory> actors_;  // the "trainer" actor and the workers' actors
+  nlohmann::json actor_table_ = nlohmann::json::array();  // their last answers (status.json)
+  int64_t actors_step_ = -2;                               // the step and epoch they were asked at
+  uint64_t actors_epoch_ = 0;
   bool scheduled_ = false;
   std::chrono::milliseconds poll_{2};  // scheduled: 20 (every probe is a round trip)
   std::ofstream events_;
@@ -291,6 +296,19 @@ void Trainer::kill_all() {
 
 std::optional<Failure> Trainer::check_processes() {
   std::optional<Failure> f;
+  // Downs of the actors placed on the workers: a worker whose control-plane connection
+  // closed (its process died) or whose node stopped answering heartbeats.
+  for (const auto& [slot, down] : actors_->take_downs()) {
+    Proc& p = procs_[slot];
+    // kExit: a worker moved its actors to another rank (a rescale), not a failure.
+    if (down.reason == control::DownReason::kExit || !p.alive || plan_.rank_of_slot(slot) < 0) continue;
+    if (f && std::find(f->slots.begin(), f->slots.end(), slot) != f->slots.end()) continue;
+    if (!f) f = Failure{down.reason == control::DownReason::kHeartbeatTimeout ? "heartbeat" : "exit", {}, "", wall_ms()};
+    f->slots.push_back(slot);
+    f->detail += fmt::format("{}slot {}: actor {} down ({}{}{})", f->detail.empty() ? "" : "; ", slot,
+                             down.actor.to_string(), control::down_reason_name(down.reason),
+                             down.text.empty() ? "" : ": ", down.text);
+  }
   for (auto& [slot, p] : procs_) {
     if (!p.alive) continue;
     if (scheduled_) {  // the scheduler reports every worker that ends
@@ -404,6 +422,24 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
       return ok_status();
     }
     std::this_thread::sleep_for(std::max(poll_, std::chrono::milliseconds(5)));
+  }
+  // Every worker joined: monitor the actors placed on them for this epoch, and record
+  // the placement (actor id -> worker) with the scheduler.
+  TROUPE_RETURN_IF_ERROR(actors_->attach(plan.slots, *store_, [this](int s) { return key(fmt::format("actors/{}", s)); },
+                                         std::chrono::milliseconds(30000)));
+  if (o_.publish_placement) {
+    std::vector<std::pair<std::string, std::string>> placement{{"trainer", "driver"}};
+    for (size_t r = 0; r < plan.slots.size(); ++r) {
+      for (const char* role : kWorkerRoles) {
+        placement.emplace_back(actor_id(role, static_cast<int>(r)), fmt::format("worker-{}", plan.slots[r]));
+      }
+    }
+    Status st = o_.publish_placement(placement);
+    if (!st.ok()) {
+      event({{"event", "placement_not_recorded"}, {"epoch", plan.epoch}, {"error", st.to_string()}});
+      fmt::print(stderr, "trainer: the scheduler did not record the actor placement of epoch {}: {}\n", plan.epoch,
+                 st.to_string());
+    }
   }
   return ok_status();
 }
@@ -842,8 +878,32 @@ void Trainer::write_status(int64_t step) {
       }
     }
   }
+  // The actors of the job, with their own answers (troupe status --actors): asked once per
+  // step boundary.
+  if (actors_ && (step < 0 || step != actors_step_ || plan_.epoch != actors_epoch_)) {
+    actors_->set_trainer_state(step < 0 ? "failed" : "training", step < 0 ? last_step_ : step,
+                               last_step_replies_.empty() ? 0.0 : last_step_replies_[0].value("step_ms", 0.0));
+    actor_table_ = nlohmann::json::array();
+    for (const ActorEntry& e : actors_->query(std::chrono::milliseconds(300))) {
+      const int slot = e.slot;
+      actor_table_.push_back({{"id", e.id},
+                              {"role", e.role},
+                              {"rank", e.rank},
+                              {"worker", slot < 0 ? std::string("driver") : fmt::format("worker-{}", slot)},
+                              {"node", e.node},
+                              {"host", e.last.host},
+                              {"device", e.last.device},
+                              {"state", e.last.state},
+                              {"steps_done", e.last.steps_done},
+                              {"last_step_ms", e.last.last_step_ms},
+                              {"params", e.last.params},
+                              {"pid", e.last.pid}});
+    }
+    actors_step_ = step;
+    actors_epoch_ = plan_.epoch;
+  }
   nlohmann::json st{{"step", step < 0 ? last_step_ : step}, {"epoch", plan_.epoch}, {"failed", step < 0}, {"dp", plan_.dp}, {"grad_accum", plan_.grad_accum},
-                    {"recoveries", recoveries_}, {"workers", workers}};
+                    {"recoveries", recoveries_}, {"workers", workers}, {"actors", actor_table_}};
   if (step >= 0) last_step_ = step;
   if (scheduled_) (void)store_->set(key("status"), st.dump());  // troupe status <job>
   const std::string tmp = run_dir_ + "/status.json.tmp";
@@ -1100,6 +1160,7 @@ Status Trainer::run_job() {
   // the job's store) instead of restarting every worker of the job.
   if (scheduled_) TROUPE_RETURN_IF_ERROR(store_->set(key("claim"), std::to_string(getpid())));
   TROUPE_RETURN_IF_ERROR(store_->set(key("plan/0"), plan_.to_json().dump()));
+  TROUPE_ASSIGN_OR_RETURN(actors_, ActorDirectory::start(control_host(), *store_, key("actors/driver")));
   event({{"event", "job_started"}, {"job", job_}, {"plan", plan_.to_json()}, {"heartbeat_timeout_ms", hb_timeout_.count()}});
   fmt::print("trainer: layout pp={} dp={} n={} ({} workers, dispatch {}, compression {}), {} parameters, {} tokens/step, "
              "{} steps, heartbeat timeout {} ms, run dir {}\n",
@@ -1239,6 +1300,11 @@ Status Trainer::run_job() {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   }
+  if (!actor_table_.empty()) {  // the trainer's own row: the job is over
+    actor_table_[0]["state"] = "finished";
+    actors_step_ = final_step;
+    write_status(final_step);
+  }
   const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
   event({{"event", "job_finished"}, {"recoveries", recoveries_}, {"seconds", total_s}});
   fmt::print("train_moe: done in {:.1f}s; val_loss {:.4f} -> {:.4f}; {} recoveries\n", total_s, val0, last_val,
@@ -1247,6 +1313,11 @@ Status Trainer::run_job() {
 }
 
 }  // namespace
+
+std::string control_host() {
+  const char* h = std::getenv("TROUPE_HOST_ADDR");
+  return (h != nullptr && *h != '\0') ? std::string(h) : std::string("127.0.0.1");
+}
 
 Status run_trainer(const TrainerOptions& o, const layers::TrainConfig& tc,
                    std::unique_ptr<comm::RendezvousStore> scheduled_store) {

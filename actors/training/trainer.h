@@ -44,7 +44,14 @@ struct TrainerOptions {
   // GPU runs: model FLOPs per token, for "mfu" in metrics.jsonl (tokens/s x flops /
   // (989 TFLOP/s x GPUs)); 0: none.
   double flops_per_token = 0;
+  // Under the scheduler: records the actor placement of an epoch (actor id -> process
+  // name, e.g. "stage.3" -> "worker-3") in the scheduler's durable state. May be empty.
+  std::function<Status(const std::vector<std::pair<std::string, std::string>>&)> publish_placement;
 };
+
+// The address this process's control-plane endpoints bind: $TROUPE_HOST_ADDR when the
+// launcher hands one over, else 127.0.0.1.
+std::string control_host();
 
 // Runs the job to its end as its driver. `scheduled_store`: the job's store under
 // troupe-scheduler (TROUPE_ROLE=driver); null: the standalone launcher. `tc` is the loaded

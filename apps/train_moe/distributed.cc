@@ -148,8 +148,18 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDev
                          6.0 * static_cast<double>(tc.model.n_layers * tc.train.seq_len * tc.model.d_model);
   }
   std::unique_ptr<comm::RendezvousStore> scheduled;
+  std::shared_ptr<sched::SchedulerSession> session;
   if (role == "driver") {
     TROUPE_ASSIGN_OR_RETURN(scheduled, open_store(run_dir));
+    // The actor placement of each epoch goes into the scheduler's durable state.
+    TROUPE_ASSIGN_OR_RETURN(std::optional<sched::JobContext> ctx, sched::JobContext::from_env());
+    if (ctx) {
+      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<sched::SchedulerSession> s, sched::SchedulerSession::connect(*ctx));
+      session = std::move(s);
+      to.publish_placement = [session, epoch = ctx->epoch](const std::vector<std::pair<std::string, std::string>>& p) {
+        return session->place_actors(epoch, p, std::chrono::milliseconds(10000)).status();
+      };
+    }
   }
   return training::run_trainer(to, tc, std::move(scheduled));
 }

@@ -169,6 +169,25 @@ TEST_F(ElasticCluster, TroupeReplaceAndScaleByJobId) {
     for (const auto& x : c.conn_args()) a.push_back(x);
     return a;
   };
+  // `troupe status <job> --actors`: the trainer and the stage, attention and expert actors
+  // of each of the 4 workers, with their workers; the placement is in the scheduler's
+  // job record too.
+  const auto actors = run_cli(with_conn({"status", job, "--actors"}), std::chrono::seconds(30));
+  EXPECT_EQ(actors.exit_code, 0) << actors.output;
+  EXPECT_NE(actors.output.find("13 actors"), std::string::npos) << actors.output;
+  for (int r = 0; r < 4; ++r) {
+    for (const char* role : {"stage", "attention", "experts"}) {
+      EXPECT_NE(actors.output.find(fmt::format("{}.{}", role, r)), std::string::npos) << role << r << actors.output;
+    }
+    EXPECT_NE(actors.output.find(fmt::format("worker-{}", r)), std::string::npos) << actors.output;
+  }
+  std::printf("[elastic-cluster actors]\n%s", actors.output.c_str());
+  const auto js = run_cli(with_conn({"status", job, "--json"}), std::chrono::seconds(30));
+  ASSERT_EQ(js.exit_code, 0) << js.output;
+  const nlohmann::json jj = nlohmann::json::parse(js.output, nullptr, false);
+  ASSERT_TRUE(jj.is_object()) << js.output;
+  const nlohmann::json& placed = jj.contains("jobs") ? jj["jobs"][0]["actors"] : jj["actors"];
+  EXPECT_EQ(placed.size(), 13u) << js.output;
   const auto rep = run_cli(with_conn({"replace", job, "1"}), std::chrono::seconds(60));
   EXPECT_EQ(rep.exit_code, 0) << rep.output;
   EXPECT_NE(rep.output.find("replaced worker slot 1"), std::string::npos) << rep.output;

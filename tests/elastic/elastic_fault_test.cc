@@ -36,9 +36,42 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <random>
+#include <set>
+
+#include <zmq.hpp>
+
+#include "actors/actor_system.h"
+#include "actors/training/role_actors.h"
+#include "comm/rendezvous_store.h"
 #include "tests/common/train_moe_harness.h"
 
 namespace {
+
+// Messages no training actor accepts, for the malformed-message test: an unknown type id,
+// and one with ActorStatusQuery's type id whose bytes are not a Cap'n Proto message.
+struct UnknownMessage {
+  static constexpr uint64_t kTypeId = 0x0E5A'0000'0000'7771ull;
+  std::string junk;
+  void encode(troupe::control::ByteWriter& w) const { w.put_bytes(junk); }
+  static troupe::Result<UnknownMessage> decode(troupe::control::ByteReader& r) {
+    UnknownMessage m;
+    r.get_bytes(&m.junk);
+    TROUPE_RETURN_IF_ERROR(r.finish("UnknownMessage"));
+    return m;
+  }
+};
+struct GarbledStatusQuery {
+  static constexpr uint64_t kTypeId = troupe::training::ActorStatusQuery::kTypeId;
+  std::string junk;
+  void encode(troupe::control::ByteWriter& w) const { w.put_bytes(junk); }
+  static troupe::Result<GarbledStatusQuery> decode(troupe::control::ByteReader& r) {
+    GarbledStatusQuery m;
+    r.get_bytes(&m.junk);
+    TROUPE_RETURN_IF_ERROR(r.finish("GarbledStatusQuery"));
+    return m;
+  }
+};
 
 namespace fs = std::filesystem;
 using troupe::test::events_named;
@@ -310,6 +343,103 @@ TEST_F(ElasticFault, NoDataParallelPeerRestoresFromTheNeighbourReplica) {
               "replicas, recovery %.2f s, steps lost %lld (<= replica_every 5)\n",
               static_cast<long long>(det[0]["detection_ms"].get<int64_t>()), rec[0]["recovery_s"].get<double>(),
               static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
+}
+
+TEST_F(ElasticFault, MalformedControlMessagesAreDroppedAndTheJobGoesOn) {
+  // Mid-run, an outside process reads the actors' endpoints from the job's store and sends
+  // every training actor (the trainer, and stage/attention/experts of every worker) a
+  // message of an unknown type, a status query whose bytes are garbage, a valid status
+  // query (which must still be answered), and raw garbage frames to each endpoint. Each
+  // bad message is refused (an error reply or a logged error); the job goes on and its
+  // losses equal the fault-free run.
+  const fs::path dir = *root_ / "malformed";
+  int phase = 0;
+  int refused = 0, answered = 0, actors_seen = 0;
+  std::string problems;
+  auto tick = [&] {
+    if (phase != 0 || latest_step_records(dir / "metrics.jsonl").size() < 2) return;
+    phase = 1;
+    auto store = troupe::comm::FileStore::open(dir / "rendezvous");
+    if (!store.ok()) {
+      problems += store.status().to_string();
+      return;
+    }
+    troupe::actors::ActorSystemOptions o;
+    o.node_id = "intruder";
+    o.threads = 1;
+    troupe::control::TransportOptions t;
+    t.bind_endpoint = "";  // a client only
+    o.network = t;
+    auto sys = troupe::actors::ActorSystem::create(std::move(o));
+    if (!sys.ok()) {
+      problems += sys.status().to_string();
+      return;
+    }
+    zmq::context_t ctx;
+    std::mt19937 rng(7);
+    const auto status = nlohmann::json::parse(std::ifstream(dir / "status.json"), nullptr, false);
+    std::vector<std::pair<std::string, std::string>> targets{{"driver", "trainer"}};  // node, actor
+    for (const auto& a : status.value("actors", nlohmann::json::array())) {
+      if (a.value("role", "") != "trainer") targets.emplace_back(a.value("node", ""), a.value("id", ""));
+    }
+    const auto started = events_named(dir / "events.jsonl", "job_started");
+    if (started.empty()) {
+      problems += "no job_started event; ";
+      return;
+    }
+    const std::string job = started[0]["job"].get<std::string>();
+    std::set<std::string> connected;
+    for (const auto& [node, actor] : targets) {
+      // Workers publish under their slot ("w3" -> "actors/3"), the driver as "actors/driver".
+      const std::string k = job + "/elastic/actors/" + (node == "driver" ? std::string("driver") : node.substr(1));
+      auto ep = (*store)->get(k, troupe::comm::deadline_in(std::chrono::seconds(5)));
+      if (!ep.ok()) {
+        problems += fmt::format("no endpoint for {}: {}; ", node, ep.status().to_string());
+        continue;
+      }
+      const std::string endpoint = nlohmann::json::parse(*ep)["endpoint"].get<std::string>();
+      if (connected.insert(node).second) {
+        (void)(*sys)->connect(node, endpoint);
+        // Raw garbage frames straight at the endpoint (no envelope at all).
+        zmq::socket_t s(ctx, zmq::socket_type::dealer);
+        s.set(zmq::sockopt::linger, 0);
+        s.connect(endpoint);
+        for (int i = 0; i < 20; ++i) {
+          std::string junk(1 + rng() % 300, '\0');
+          for (char& ch : junk) ch = static_cast<char>(rng());
+          (void)s.send(zmq::buffer(junk), zmq::send_flags::dontwait);
+        }
+      }
+      const troupe::actors::ActorRef ref(node, actor);
+      ++actors_seen;
+      auto bad1 = (*sys)->ask<troupe::actors::Ack>(ref, UnknownMessage{"??"}, std::chrono::seconds(5));
+      auto bad2 = (*sys)->ask<troupe::actors::Ack>(ref, GarbledStatusQuery{"not capnp"}, std::chrono::seconds(5));
+      (void)(*sys)->tell(ref, UnknownMessage{"a tell"});
+      auto good = (*sys)->ask<troupe::training::ActorStatus>(ref, troupe::training::ActorStatusQuery{"test"},
+                                                             std::chrono::seconds(5));
+      for (auto* f : {&bad1, &bad2}) {
+        auto r = f->get();
+        if (!r.ok()) ++refused;
+        else problems += fmt::format("{} accepted a bad message; ", ref.to_string());
+      }
+      auto g = good.get();
+      if (g.ok() && g->id == actor) ++answered;
+      else problems += fmt::format("{} did not answer a valid query: {}; ", ref.to_string(),
+                                   g.ok() ? g->id : g.status().to_string());
+    }
+    (*sys)->shutdown();
+  };
+  const RunResult r = run_case("malformed", "slow@1:any:0", {}, tick);
+  expect_clean_finish(r);
+  expect_same_losses("malformed", r);
+  EXPECT_EQ(phase, 1) << r.output;
+  EXPECT_TRUE(problems.empty()) << problems;
+  EXPECT_EQ(actors_seen, 13);  // the trainer + 3 actors on each of 4 workers
+  EXPECT_EQ(refused, 2 * actors_seen);
+  EXPECT_EQ(answered, actors_seen);
+  EXPECT_TRUE(events_named(dir / "events.jsonl", "failure_detected").empty()) << r.output;
+  std::printf("[elastic malformed] %d actors: %d bad messages refused, %d valid queries answered, the job went on\n",
+              actors_seen, refused, answered);
 }
 
 // An elastic job's checkpoint is issue 8's format: plain `train_moe train --resume` loads

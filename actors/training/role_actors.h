@@ -1,0 +1,128 @@
+// actors/training/role_actors.h — defines the actors of a training job and where they live:
+//   WorkerActors (worker process): the worker's ActorSystem (node "w<slot>", ZeroMQ) and
+//     the actors placed on its slot for its rank r: "stage.r" (the Stage: its pipeline
+//     stage's blocks, the schedule, the optimizer shard), "attention.r" (its
+//     sequence-parallel shard of the stage's attention) and "experts.r" (its E/n experts).
+//     Each answers ActorStatusQuery with its ActorStatus (actors/training/messages.h).
+//   ActorDirectory (driver process): the driver's ActorSystem with the "trainer" actor; it
+//     connects to every worker's system (endpoints through the job's store), monitors
+//     their actors — a Down is a failure the Trainer handles like an exit — and asks them
+//     for their status (`troupe status --actors`).
+//
+// Why the step itself is not an actor message: inside a step the workers run SPMD
+// (collectives); the step commands and the membership plans travel through the job's
+// store (actors/training/elastic.h), which a worker blocked in a collective still sees
+// and which rides out a scheduler restart. The actors are the units of placement,
+// ownership and supervision, and what an operator observes (docs/architecture.md).
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "actors/actor_system.h"
+#include "actors/training/messages.h"
+#include "comm/rendezvous_store.h"
+
+namespace troupe::actors {
+template <>
+struct MessageTraits<training::ActorStatusQuery> {
+  static constexpr uint64_t kTypeId = training::ActorStatusQuery::kTypeId;
+  static std::string encode(const training::ActorStatusQuery& m) { return training::encode_actor_status_query(m); }
+  static Result<training::ActorStatusQuery> decode(std::string_view b) { return training::decode_actor_status_query(b); }
+};
+template <>
+struct MessageTraits<training::ActorStatus> {
+  static constexpr uint64_t kTypeId = training::ActorStatus::kTypeId;
+  static std::string encode(const training::ActorStatus& m) { return training::encode_actor_status(m); }
+  static Result<training::ActorStatus> decode(std::string_view b) { return training::decode_actor_status(b); }
+};
+}  // namespace troupe::actors
+
+namespace troupe::training {
+
+// The roles a worker hosts, in the order they are listed.
+inline constexpr const char* kWorkerRoles[] = {"stage", "attention", "experts"};
+std::string actor_id(const std::string& role, int rank);  // "stage.3"
+
+// What a worker's actors report; written by the worker's step thread, read by the actors.
+struct WorkerView {
+  mutable std::mutex mu;
+  int rank = -1, slot = -1;
+  uint64_t epoch = 0;
+  std::string state = "joining";
+  int64_t steps_done = 0;
+  double last_step_ms = 0;
+  std::map<std::string, int64_t> params;  // per role
+  std::string device, host;
+};
+
+class WorkerActors {
+ public:
+  // Starts the worker's actor system (node "w<slot>", bound to `bind_host` on an
+  // OS-assigned port) and publishes {node, endpoint} at `endpoint_key` of `store`.
+  static Result<std::unique_ptr<WorkerActors>> start(int slot, const std::string& bind_host,
+                                                     comm::RendezvousStore& store, const std::string& endpoint_key,
+                                                     std::string device);
+  ~WorkerActors();
+
+  // (Re)places this worker's actors for `rank` in `epoch` (a new rank stops the old ones
+  // and spawns "stage.<rank>", "attention.<rank>", "experts.<rank>"); `params`: the
+  // parameters each role owns on this rank.
+  Status place(int rank, uint64_t epoch, std::map<std::string, int64_t> params);
+  void set_state(const std::string& state);
+  void step_done(int64_t steps_done, double step_ms);
+  const std::string& node() const { return node_; }
+
+ private:
+  WorkerActors() = default;
+  std::unique_ptr<actors::ActorSystem> sys_;
+  std::shared_ptr<WorkerView> view_ = std::make_shared<WorkerView>();
+  std::string node_;
+  int placed_rank_ = -1;
+};
+
+// One actor of the job as the driver sees it.
+struct ActorEntry {
+  std::string id, role;
+  int rank = -1, slot = -1;
+  std::string node;  // the worker's actor-system node ("w<slot>")
+  ActorStatus last;  // its last status reply (state "unreachable" when it did not answer)
+};
+
+class ActorDirectory {
+ public:
+  // Starts the driver's system (node "driver") with the "trainer" actor and publishes its
+  // {node, endpoint} at `endpoint_key` of `store`.
+  static Result<std::unique_ptr<ActorDirectory>> start(const std::string& bind_host, comm::RendezvousStore& store,
+                                                       const std::string& endpoint_key);
+  ~ActorDirectory();
+
+  // The workers of a new epoch: `slots[r]` is rank r's worker. Reads each worker's
+  // endpoint from `endpoint_key(slot)` (waiting up to `timeout`), connects, and monitors
+  // the actors of its rank.
+  Status attach(const std::vector<int>& slots, comm::RendezvousStore& store,
+                const std::function<std::string(int)>& endpoint_key, std::chrono::milliseconds timeout);
+  // The slots whose actors went down since the last call (Down reason and text); only
+  // for actors of the current epoch.
+  std::vector<std::pair<int, control::Down>> take_downs();
+  // Asks every actor for its status, waiting at most `timeout` in all; the table.
+  std::vector<ActorEntry> query(std::chrono::milliseconds timeout);
+  // The driver's own actor, for the table.
+  void set_trainer_state(const std::string& state, int64_t steps_done, double last_step_ms);
+
+ private:
+  ActorDirectory() = default;
+  std::unique_ptr<actors::ActorSystem> sys_;
+  std::shared_ptr<WorkerView> trainer_view_ = std::make_shared<WorkerView>();
+  std::mutex mu_;
+  uint64_t generation_ = 0;  // bumped by attach(): Downs of older generations are ignored
+  std::vector<ActorEntry> entries_;
+  std::vector<std::pair<int, control::Down>> downs_;
+};
+
+}  // namespace troupe::training
