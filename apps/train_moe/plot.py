@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """apps/train_moe/plot.py — draws a train_moe run's metrics.jsonl into PNG files:
-loss.png (train loss and validation loss), throughput.png (tokens/s per step) and
+loss.png (train loss and validation loss; failures and recoveries of a distributed run,
+from its events.jsonl, as vertical lines), throughput.png (tokens/s per step) and
 expert_load.png (per-expert share of routed tokens, one panel per MoE layer).
 Usage: plot.py <run dir>   (invoked by `train_moe plot --run <dir>`)."""
 import json
@@ -23,8 +24,17 @@ def main():
         print(f"plot: {path} not found", file=sys.stderr)
         return 1
     rows = [json.loads(line) for line in open(path) if line.strip()]
-    train = [r for r in rows if "loss" in r]
+    # A step run again after a restore appears twice: the later record is the one kept.
+    by_step = {}
+    for r in rows:
+        if "loss" in r:
+            by_step[r["step"]] = r
+    train = [by_step[s] for s in sorted(by_step)]
     val = [r for r in rows if "val_loss" in r]
+    events = []
+    ev_path = os.path.join(run, "events.jsonl")
+    if os.path.exists(ev_path):
+        events = [json.loads(line) for line in open(ev_path) if line.strip()]
     if not train:
         print(f"plot: {path} has no training steps", file=sys.stderr)
         return 1
@@ -34,6 +44,15 @@ def main():
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", lw=1)
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
+    marked = False
+    for e in events:
+        if e.get("event") != "recovered":
+            continue
+        ax.axvline(e["step"], color="tab:red", ls="--", lw=1,
+                   label=None if marked else "worker lost and replaced")
+        ax.annotate(f"{e.get('cause', '')}: {e.get('recovery_s', 0):.1f} s, {e.get('steps_lost', 0)} steps lost",
+                    (e["step"], ax.get_ylim()[1]), fontsize=7, color="tab:red", rotation=90, va="top", ha="right")
+        marked = True
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.legend()
