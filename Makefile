@@ -1,7 +1,8 @@
 # Troupe — the two set-up commands:
 #   make demo   install dependencies, build, run the main job
 #   make test   install dependencies, build, run every test
-# Other targets: deps, build, sanitize (ASan+UBSan CPU tests), cpu-only (build without CUDA), format.
+# Other targets: deps, build, sanitize (ASan+UBSan CPU tests), cpu-only (build without CUDA), format,
+# format-check (clang-format on the lines changed since .ci/format-base; CI runs it).
 BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
@@ -9,7 +10,7 @@ ifdef CI
 CMAKE_FLAGS += -DTROUPE_WERROR=ON
 endif
 
-.PHONY: all deps configure build test demo sanitize cpu-only format clean
+.PHONY: all deps configure build test demo sanitize cpu-only format format-check clean
 
 all: build
 
@@ -41,6 +42,9 @@ cpu-only: deps
 
 format:
 	git ls-files '*.h' '*.cc' '*.cu' '*.cuh' | xargs clang-format -i
+
+format-check: deps
+	@bash scripts/check-format.sh
 
 clean:
 	rm -rf build build-asan build-cpu

@@ -5,7 +5,7 @@
 set -euo pipefail
 
 pkgs=(
-  build-essential cmake ninja-build pkgconf git
+  build-essential cmake ninja-build pkgconf git clang-format
   libzmq3-dev cppzmq-dev libsodium-dev
   capnproto libcapnp-dev
   libgloo-dev libhiredis-dev
