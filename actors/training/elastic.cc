@@ -307,10 +307,10 @@ class ElasticWorker {
   // After step `step`: starts this rank's checkpoint part when one is due, noting it in
   // `reply` ("ckpt_started", "ckpt_blocked_ms"; a failure as "ckpt_errors").
   // `force`: also off the every-K schedule.
-  Status save_checkpoint(int64_t step, nlohmann::json& reply, bool force = false);
+  Status save_checkpoint(int64_t step, StepReply& reply, bool force = false);
   // Notes in `reply` ("durable": [step]) a part that became durable since the last
   // reply, or its failure ("ckpt_errors"); `wait`: waits for the write in flight first.
-  Status report_durable(nlohmann::json& reply, bool wait);
+  Status report_durable(StepReply& reply, bool wait);
   void watch();
 
   layers::TrainConfig tc_;
@@ -326,6 +326,7 @@ class ElasticWorker {
   uint64_t adopting_ = 0;         // highest epoch whose plan the main thread took over
   std::unique_ptr<Stage> stage_;
   std::unique_ptr<WorkerActors> actors_;  // the actors placed on this worker (role_actors.h)
+  nlohmann::json ready_info_;             // what join_epoch tells the Trainer with "ready"
   int rank_ = -1;
   int64_t dp_ = 0;
   // Elastic checkpoints: every ckpt_every_ steps into ckpt_dir_ (0: off); the writer is
@@ -359,9 +360,11 @@ Result<std::unique_ptr<Stage>> ElasticWorker::make_stage(const ElasticPlan& plan
 Status ElasticWorker::join(const ElasticPlan& plan) {
   actors_->set_state(plan.epoch == 0 ? "joining" : "recovering");
   TROUPE_RETURN_IF_ERROR(join_epoch(plan));
+  // The actors of this rank exist before the Trainer learns the worker is ready (its
+  // first command goes to stage.<rank>).
   TROUPE_RETURN_IF_ERROR(actors_->place(rank_, plan.epoch, stage_->params_by_role()));
   actors_->step_done(stage_->steps_done(), 0.0);
-  return ok_status();
+  return store_.set(key(fmt::format("ready/{}/{}", plan.epoch, slot_)), ready_info_.dump());
 }
 
 Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
@@ -387,8 +390,8 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
     if (rank != rank_ || plan.dp != dp_) writer_.reset();
     rank_ = rank;
     dp_ = plan.dp;
-    return store_.set(key(fmt::format("ready/{}/{}", plan.epoch, slot_)),
-                      nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}, {"from", "replicas"}}.dump());
+    ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}, {"from", "replicas"}};
+    return ok_status();
   }
   if (!plan.checkpoint.empty()) {
     // Every rank goes back to the checkpoint (a column lost every replica).
@@ -412,8 +415,8 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
     if (rank != rank_ || plan.dp != dp_) writer_.reset();
     rank_ = rank;
     dp_ = plan.dp;
-    return store_.set(key(fmt::format("ready/{}/{}", plan.epoch, slot_)),
-                      nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}, {"from", plan.checkpoint}}.dump());
+    ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}, {"from", plan.checkpoint}};
+    return ok_status();
   }
   if (!stage_) {
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
@@ -439,24 +442,43 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
   } else if (keep_state_) {
     stage_->commit(plan.step_done);
   }
-  return store_.set(key(fmt::format("ready/{}/{}", plan.epoch, slot_)),
-                    nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}}.dump());
+  ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}};
+    return ok_status();
 }
 
-// A failed save is not a failed worker: it is reported ("ckpt_errors": [{step, error}])
-// and training goes on; the Trainer abandons that checkpoint.
+// A failed save is not a failed worker: it is reported (StepReply::ckpt_errors) and
+// training goes on; the Trainer abandons that checkpoint.
 namespace {
-void note_ckpt_error(nlohmann::json& reply, int64_t step, const Status& st) {
-  reply["ckpt_errors"].push_back(nlohmann::json{{"step", step}, {"error", st.to_string()}});
+
+void fill_step_reply(const StepReport& r, StepReply& m) {
+  m.step = r.step;
+  m.loss = r.loss;
+  m.lm_loss = r.lm_loss;
+  m.aux_loss = r.aux_loss;
+  m.grad_norm = r.grad_norm;
+  m.lr = r.lr;
+  m.step_tokens = r.tokens;
+  m.expert_load = r.expert_load;
+  m.step_ms = r.step_ms;
+  m.comm_ms = r.comm_ms;
+  m.compute_ms = r.compute_ms;
+  m.comm_ms_mean = r.comm_ms_mean;
+  m.comm_by_kind_ms = r.comm_by_kind_ms;
+  m.peak_bytes = r.peak_bytes;
+}
+
+void note_ckpt_error(StepReply& reply, int64_t step, const Status& st) {
+  reply.ckpt_errors.emplace_back(step, st.to_string());
   fmt::print(stderr, "checkpoint: this rank could not save step {}: {}\n", step, st.to_string());
   std::fflush(stderr);
 }
 }  // namespace
 
-Status ElasticWorker::save_checkpoint(int64_t step, nlohmann::json& reply, bool force) {
+Status ElasticWorker::save_checkpoint(int64_t step, StepReply& reply, bool force) {
   if (ckpt_every_ <= 0 || (!force && step % ckpt_every_ != 0)) return ok_status();
   if (!writer_) {
-    Result<std::unique_ptr<RankCheckpointer>> w = RankCheckpointer::create(ckpt_dir_, stage_->state_layout(), rank_);
+    Result<std::unique_ptr<RankCheckpointer>> w = RankCheckpointer::create(ckpt_dir_, stage_->state_layout(), rank_,
+                                                                         static_cast<uint64_t>(tc_.checkpoint.max_mb_per_s * 1e6));
     if (!w.ok()) {
       note_ckpt_error(reply, step, w.status());
       return ok_status();
@@ -479,21 +501,21 @@ Status ElasticWorker::save_checkpoint(int64_t step, nlohmann::json& reply, bool 
     note_ckpt_error(reply, step, f.status());
     return ok_status();
   }
-  reply["ckpt_started"] = step;
-  reply["ckpt_blocked_ms"] = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
-  reply["ckpt_bytes"] = f->bytes;
+  reply.ckpt_started = step;
+  reply.ckpt_blocked_ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
+  reply.ckpt_bytes = static_cast<int64_t>(f->bytes);
   fault_point(fmt::format("checkpoint write of step {}", step));
   return ok_status();
 }
 
-Status ElasticWorker::report_durable(nlohmann::json& reply, bool wait) {
+Status ElasticWorker::report_durable(StepReply& reply, bool wait) {
   if (!writer_) return ok_status();
   const int64_t step = writer_->pending_step();
   Result<int64_t> durable = writer_->poll_durable(wait);
   if (!durable.ok()) {
     note_ckpt_error(reply, step, durable.status());
   } else if (*durable >= 0) {
-    reply["durable"].push_back(*durable);
+    reply.durable.push_back(*durable);
   }
   return ok_status();
 }
@@ -530,6 +552,8 @@ Status ElasticWorker::run() {
   }
   TROUPE_ASSIGN_OR_RETURN(actors_, WorkerActors::start(slot_, control_host(), store_, key(fmt::format("actors/{}", slot_)),
                                                        std::move(device)));
+  // Replies and failure reports go to the driver's trainer actor.
+  TROUPE_RETURN_IF_ERROR(actors_->connect_driver(store_, key("actors/driver"), std::chrono::milliseconds(120000)));
   TROUPE_ASSIGN_OR_RETURN(ElasticPlan plan, read_plan(epoch_, std::chrono::milliseconds(120000)));
   if (plan.rank_of_slot(slot_) < 0) return invalid_argument("elastic: slot {} is not in the plan of epoch {}", slot_, epoch_);
   // The job's checkpoints (the driver's choice, the same in every plan).
@@ -552,16 +576,15 @@ Status ElasticWorker::run() {
   int64_t seq = plan.seq;
   while (true) {
     if (!healthy) {
-      (void)store_.set(key(fmt::format("err/{}/{}", epoch_, slot_)),
-                       nlohmann::json{{"ts_ms", wall_ms()}, {"what", st.to_string()}}.dump());
+      (void)actors_->report(WorkerFailure{epoch_, slot_, rank_, static_cast<uint16_t>(st.code()),
+                                          actor_id("stage", rank_), st.to_string(), wall_ms()});
       fmt::print(stderr, "elastic: slot {} (rank {}) failed in epoch {}: {}\n", slot_, rank_, epoch_, st.to_string());
       std::fflush(stderr);
     }
     // Wait for a command of this epoch or for the next epoch's plan.
     const std::string next_plan = key(fmt::format("plan/{}", epoch_ + 1));
-    const std::string cmd_key = key(fmt::format("cmd/{}", seq));
     const auto idle_deadline = Clock::now() + std::chrono::milliseconds(600000);
-    std::string cmd_text;
+    std::optional<StepCommand> next;
     bool new_epoch = false;
     while (true) {
       TROUPE_ASSIGN_OR_RETURN(bool has_plan, store_.contains(next_plan));
@@ -569,16 +592,11 @@ Status ElasticWorker::run() {
         new_epoch = true;
         break;
       }
-      if (healthy) {
-        Result<std::string> c = store_.get(cmd_key, comm::deadline_in(std::chrono::milliseconds(50)));
-        if (c.ok()) {
-          cmd_text = c.value();
-          break;
-        }
-        if (c.status().code() != StatusCode::kDeadlineExceeded) return c.status();
-      } else {
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
+      // Commands come to this worker's stage actor; one of an older epoch, or one already
+      // served, is dropped.
+      next = actors_->next_command(std::chrono::milliseconds(healthy ? 50 : 20));
+      if (next && healthy && next->epoch == epoch_ && next->seq >= seq) break;
+      next.reset();
       if (Clock::now() > idle_deadline) return deadline_exceeded("elastic: slot {}: no command for 600 s", slot_);
     }
     if (new_epoch) {
@@ -603,8 +621,11 @@ Status ElasticWorker::run() {
       seq = p.seq;
       continue;
     }
-    TROUPE_ASSIGN_OR_RETURN(Command cmd, command_from_json(cmd_text));
-    nlohmann::json reply;
+    seq = next->seq;
+    const Command cmd{next->seq, static_cast<Command::Kind>(next->kind), next->step};
+    StepReply reply;
+    reply.seq = cmd.seq;
+    reply.kind = next->kind;
     try {
       switch (cmd.kind) {
         case Command::Kind::kStep: {
@@ -612,22 +633,22 @@ Status ElasticWorker::run() {
           actors_->set_state("training");
           const StepReport rep = stage_->run_step(cmd.step);
           actors_->step_done(cmd.step, rep.step_ms);
-          reply = step_report_json(rep);
+          fill_step_reply(rep, reply);
           if (keep_state_) {
             stage_->replicate_optimizer();
             stage_->commit(cmd.step);
             if (replica_every_ > 0 && cmd.step % replica_every_ == 0 && plan_world_ > 1) {
               const auto r0 = Clock::now();
               stage_->refresh_replica();
-              reply["replica"] = cmd.step;
-              reply["replica_ms"] = std::chrono::duration<double>(Clock::now() - r0).count() * 1e3;
+              reply.replica = cmd.step;
+              reply.replica_ms = std::chrono::duration<double>(Clock::now() - r0).count() * 1e3;
             }
           }
           TROUPE_RETURN_IF_ERROR(save_checkpoint(cmd.step, reply));
           break;
         }
-        case Command::Kind::kEval: reply = nlohmann::json{{"val_loss", stage_->evaluate()}}; break;
-        case Command::Kind::kStop: reply = nlohmann::json{{"stopped", true}}; break;
+        case Command::Kind::kEval: reply.val_loss = stage_->evaluate(); break;
+        case Command::Kind::kStop: break;
         case Command::Kind::kSave:  // a checkpoint off the every-K schedule (the job's last step)
           if (stage_->steps_done() != cmd.step) {
             return failed_precondition("save step {}: this rank has run {} steps", cmd.step, stage_->steps_done());
@@ -641,10 +662,10 @@ Status ElasticWorker::run() {
       continue;
     }
     TROUPE_RETURN_IF_ERROR(report_durable(reply, cmd.kind == Command::Kind::kStop));
-    reply["rank"] = rank_;
-    reply["slot"] = slot_;
-    reply["epoch"] = epoch_;
-    TROUPE_RETURN_IF_ERROR(store_.set(key(fmt::format("reply/{}/{}", seq, rank_)), reply.dump()));
+    reply.rank = rank_;
+    reply.slot = slot_;
+    reply.epoch = epoch_;
+    TROUPE_RETURN_IF_ERROR(actors_->send(reply));
     ++seq;
     if (cmd.kind == Command::Kind::kStop) return ok_status();
   }

@@ -1,21 +1,25 @@
 // actors/training/elastic.h — defines the elastic protocol between the driver of a
 // distributed training job and its workers (docs/elastic.md), and the worker's side of it.
 //
+// Messages (typed, actors/training/messages.h) between the Trainer's "trainer" actor and
+// each worker's actors (role_actors.h): StepCommand {seq, kind, step, epoch} to every
+// "stage.<rank>" (seqs continue across epochs), StepReply from every rank (rank 0's
+// carries the step metrics; checkpoint and replica notes from all), WorkerFailure (a
+// data-plane or join failure in an epoch: code, actor, text, time).
 // Keys, all under "<job>/elastic/" in the job's rendezvous store (not epoch-namespaced:
-// they span epochs):
+// they span epochs; a worker blocked in a collective still sees them, and they survive a
+// scheduler restart):
 //   plan/<e>            ElasticPlan of membership epoch e (written by the driver; e = 0 too)
-//   cmd/<seq>           a command {seq, kind, step}; seqs continue across epochs
-//   reply/<seq>/<rank>  every rank's reply (rank 0's carries the step metrics)
-//   err/<e>/<slot>      a worker's data-plane failure in epoch e {ts_ms, what}
+//   actors/<slot>       a worker's actor-system node and endpoint; actors/driver the driver's
 //   adopted/<e>/<slot>  the worker took plan e over (it is rebuilding)
 //   ready/<e>/<slot>    the worker joined epoch e (communicators built, state restored)
 //   hb/<slot>           heartbeat counter (rewritten every kHeartbeatInterval)
 //   fault/<slot>        fault injection: wall time (ms) just before the injected fault
 // Checkpoints (checkpoint.every = K; the directory is in the plan): after
 // every K-th step each rank saves its part of issue 8's checkpoint format (the same
-// Stage::export_state(kSave) + RankCheckpointer as normal training, stage_state.h) and
-// its reply says so once the part is durable; the driver finalizes the checkpoint once
-// every rank's did. `train_moe train --resume` loads it into any layout.
+// Stage::export_state(kSave) + RankCheckpointer as normal training, stage_state.h) in the
+// background, and a later reply says so once the part is durable; the driver finalizes
+// the checkpoint once every rank's is. `train_moe train --resume` loads it into any layout.
 // A slot names one worker process for its whole life; its rank may change when the job
 // is rescaled. A replacement is a new slot.
 //

@@ -26,3 +26,71 @@ struct ActorStatus @0xb7e4a2c91d3f5a62 {
   host @10 :Text;         # host name of its worker
   pid @11 :Int32;
 }
+
+# The Trainer's command to every stage actor of the epoch (actors/training/control.h).
+struct StepCommand @0xb7e4a2c91d3f5a63 {
+  seq @0 :Int64;          # 0, 1, 2, ... across epochs, in the order the Trainer sends them
+  kind @1 :UInt8;         # Command::Kind: 0 step, 1 evaluate, 2 stop, 3 save
+  step @2 :Int64;         # step: the 1-based optimizer step to run; save: the step just run
+  epoch @3 :UInt64;       # the membership epoch it belongs to
+}
+
+struct NamedValue @0xb7e4a2c91d3f5a64 {
+  name @0 :Text;
+  value @1 :Float64;
+}
+
+struct LoadRow @0xb7e4a2c91d3f5a65 {
+  counts @0 :List(Int64);  # tokens routed to each expert of one MoE block
+}
+
+struct CheckpointError @0xb7e4a2c91d3f5a66 {
+  step @0 :Int64;
+  text @1 :Text;
+}
+
+# A worker's reply to one command (rank 0's carries the step's metrics for the whole job).
+struct StepReply @0xb7e4a2c91d3f5a67 {
+  seq @0 :Int64;
+  epoch @1 :UInt64;
+  rank @2 :Int32;
+  slot @3 :Int32;
+  kind @4 :UInt8;
+  # kind step:
+  step @5 :Int64;
+  loss @6 :Float64;
+  lmLoss @7 :Float64;
+  auxLoss @8 :Float64;
+  gradNorm @9 :Float64;
+  lr @10 :Float64;
+  stepTokens @11 :Int64;
+  expertLoad @12 :List(LoadRow);
+  stepMs @13 :Float64;
+  commMs @14 :Float64;
+  computeMs @15 :Float64;
+  commMsMean @16 :Float64;
+  commByKindMs @17 :List(NamedValue);
+  peakBytes @18 :Int64 = -1;
+  # kind evaluate:
+  valLoss @19 :Float64;
+  # checkpoints and neighbour replicas (-1: none):
+  ckptStarted @20 :Int64 = -1;
+  ckptBlockedMs @21 :Float64;
+  ckptBytes @22 :Int64;
+  durable @23 :List(Int64);
+  ckptErrors @24 :List(CheckpointError);
+  replica @25 :Int64 = -1;
+  replicaMs @26 :Float64;
+}
+
+# A worker's failure in an epoch (a data-plane error, a failed join), reported to the
+# Trainer: a typed value, not a string in a store key.
+struct WorkerFailure @0xb7e4a2c91d3f5a68 {
+  epoch @0 :UInt64;
+  slot @1 :Int32;
+  rank @2 :Int32;
+  code @3 :UInt16;        # troupe::StatusCode
+  actor @4 :Text;         # the actor that failed ("stage.2")
+  text @5 :Text;
+  tsMs @6 :Int64;         # wall clock of the failure (ms since the epoch)
+}

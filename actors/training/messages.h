@@ -1,6 +1,8 @@
 // actors/training/messages.h — defines the typed messages of the training actors (each
-// worker's "stage.<rank>", "attention.<rank>" and "experts.<rank>", placed on its slot):
-// ActorStatusQuery and its reply ActorStatus. They travel as Cap'n Proto structs
+// worker's "stage.<rank>", "attention.<rank>" and "experts.<rank>", placed on its slot, and
+// the driver's "trainer"): ActorStatusQuery and its reply ActorStatus; StepCommand
+// (trainer -> stage actors), StepReply and WorkerFailure (worker -> trainer). They travel
+// as Cap'n Proto structs
 // (actors/training/messages.capnp, encoded in messages_codec.cc); decoding never throws —
 // malformed, truncated or oversized input is a DataLoss status naming the message.
 //
@@ -9,7 +11,9 @@
 
 #include <cstdint>
 #include <string>
+#include <map>
 #include <string_view>
+#include <vector>
 
 #include "core/status.h"
 
@@ -32,6 +36,54 @@ struct ActorStatus {
   std::string device, host;
   int32_t pid = 0;
 };
+
+struct StepCommand {
+  static constexpr uint64_t kTypeId = 0x7A1E'0000'0000'0103ull;
+  int64_t seq = 0;
+  uint8_t kind = 0;  // Command::Kind
+  int64_t step = 0;
+  uint64_t epoch = 0;
+};
+
+struct StepReply {
+  static constexpr uint64_t kTypeId = 0x7A1E'0000'0000'0104ull;
+  int64_t seq = 0;
+  uint64_t epoch = 0;
+  int32_t rank = -1, slot = -1;
+  uint8_t kind = 0;
+  // kind step: rank 0's metrics are the whole step's.
+  int64_t step = 0;
+  double loss = 0, lm_loss = 0, aux_loss = 0, grad_norm = 0, lr = 0;
+  int64_t step_tokens = 0;
+  std::vector<std::vector<int64_t>> expert_load;
+  double step_ms = 0, comm_ms = 0, compute_ms = 0, comm_ms_mean = 0;
+  std::map<std::string, double> comm_by_kind_ms;
+  int64_t peak_bytes = -1;
+  double val_loss = 0;  // kind evaluate
+  int64_t ckpt_started = -1;
+  double ckpt_blocked_ms = 0;
+  int64_t ckpt_bytes = 0;
+  std::vector<int64_t> durable;
+  std::vector<std::pair<int64_t, std::string>> ckpt_errors;  // step, text
+  int64_t replica = -1;
+  double replica_ms = 0;
+};
+
+struct WorkerFailure {
+  static constexpr uint64_t kTypeId = 0x7A1E'0000'0000'0105ull;
+  uint64_t epoch = 0;
+  int32_t slot = -1, rank = -1;
+  uint16_t code = 0;
+  std::string actor, text;
+  int64_t ts_ms = 0;
+};
+
+std::string encode_step_command(const StepCommand& m);
+Result<StepCommand> decode_step_command(std::string_view bytes);
+std::string encode_step_reply(const StepReply& m);
+Result<StepReply> decode_step_reply(std::string_view bytes);
+std::string encode_worker_failure(const WorkerFailure& m);
+Result<WorkerFailure> decode_worker_failure(std::string_view bytes);
 
 std::string encode_actor_status_query(const ActorStatusQuery& m);
 Result<ActorStatusQuery> decode_actor_status_query(std::string_view bytes);

@@ -99,4 +99,130 @@ Result<ActorStatus> decode_actor_status(std::string_view bytes) {
   });
 }
 
+std::string encode_step_command(const StepCommand& m) {
+  capnp::MallocMessageBuilder mb;
+  auto b = mb.initRoot<::StepCommand>();
+  b.setSeq(m.seq);
+  b.setKind(m.kind);
+  b.setStep(m.step);
+  b.setEpoch(m.epoch);
+  return flat(mb);
+}
+
+Result<StepCommand> decode_step_command(std::string_view bytes) {
+  return read_message(bytes, "StepCommand", [](capnp::MessageReader& r) -> Result<StepCommand> {
+    auto c = r.getRoot<::StepCommand>();
+    if (c.getKind() > 3) return data_loss("StepCommand: unknown kind {}", c.getKind());
+    return StepCommand{c.getSeq(), c.getKind(), c.getStep(), c.getEpoch()};
+  });
+}
+
+std::string encode_step_reply(const StepReply& m) {
+  capnp::MallocMessageBuilder mb;
+  auto b = mb.initRoot<::StepReply>();
+  b.setSeq(m.seq);
+  b.setEpoch(m.epoch);
+  b.setRank(m.rank);
+  b.setSlot(m.slot);
+  b.setKind(m.kind);
+  b.setStep(m.step);
+  b.setLoss(m.loss);
+  b.setLmLoss(m.lm_loss);
+  b.setAuxLoss(m.aux_loss);
+  b.setGradNorm(m.grad_norm);
+  b.setLr(m.lr);
+  b.setStepTokens(m.step_tokens);
+  auto rows = b.initExpertLoad(static_cast<unsigned>(m.expert_load.size()));
+  for (size_t i = 0; i < m.expert_load.size(); ++i) {
+    auto c = rows[static_cast<unsigned>(i)].initCounts(static_cast<unsigned>(m.expert_load[i].size()));
+    for (size_t j = 0; j < m.expert_load[i].size(); ++j) c.set(static_cast<unsigned>(j), m.expert_load[i][j]);
+  }
+  b.setStepMs(m.step_ms);
+  b.setCommMs(m.comm_ms);
+  b.setComputeMs(m.compute_ms);
+  b.setCommMsMean(m.comm_ms_mean);
+  auto kinds = b.initCommByKindMs(static_cast<unsigned>(m.comm_by_kind_ms.size()));
+  unsigned k = 0;
+  for (const auto& [name, v] : m.comm_by_kind_ms) {
+    kinds[k].setName(name);
+    kinds[k].setValue(v);
+    ++k;
+  }
+  b.setPeakBytes(m.peak_bytes);
+  b.setValLoss(m.val_loss);
+  b.setCkptStarted(m.ckpt_started);
+  b.setCkptBlockedMs(m.ckpt_blocked_ms);
+  b.setCkptBytes(m.ckpt_bytes);
+  auto durable = b.initDurable(static_cast<unsigned>(m.durable.size()));
+  for (size_t i = 0; i < m.durable.size(); ++i) durable.set(static_cast<unsigned>(i), m.durable[i]);
+  auto errs = b.initCkptErrors(static_cast<unsigned>(m.ckpt_errors.size()));
+  for (size_t i = 0; i < m.ckpt_errors.size(); ++i) {
+    errs[static_cast<unsigned>(i)].setStep(m.ckpt_errors[i].first);
+    errs[static_cast<unsigned>(i)].setText(m.ckpt_errors[i].second);
+  }
+  b.setReplica(m.replica);
+  b.setReplicaMs(m.replica_ms);
+  return flat(mb);
+}
+
+Result<StepReply> decode_step_reply(std::string_view bytes) {
+  return read_message(bytes, "StepReply", [](capnp::MessageReader& r) -> Result<StepReply> {
+    auto s = r.getRoot<::StepReply>();
+    StepReply m;
+    m.seq = s.getSeq();
+    m.epoch = s.getEpoch();
+    m.rank = s.getRank();
+    m.slot = s.getSlot();
+    m.kind = s.getKind();
+    if (m.kind > 3) return data_loss("StepReply: unknown kind {}", m.kind);
+    m.step = s.getStep();
+    m.loss = s.getLoss();
+    m.lm_loss = s.getLmLoss();
+    m.aux_loss = s.getAuxLoss();
+    m.grad_norm = s.getGradNorm();
+    m.lr = s.getLr();
+    m.step_tokens = s.getStepTokens();
+    for (auto row : s.getExpertLoad()) {
+      std::vector<int64_t> counts;
+      for (int64_t c : row.getCounts()) counts.push_back(c);
+      m.expert_load.push_back(std::move(counts));
+    }
+    m.step_ms = s.getStepMs();
+    m.comm_ms = s.getCommMs();
+    m.compute_ms = s.getComputeMs();
+    m.comm_ms_mean = s.getCommMsMean();
+    for (auto kv : s.getCommByKindMs()) m.comm_by_kind_ms[kv.getName()] = kv.getValue();
+    m.peak_bytes = s.getPeakBytes();
+    m.val_loss = s.getValLoss();
+    m.ckpt_started = s.getCkptStarted();
+    m.ckpt_blocked_ms = s.getCkptBlockedMs();
+    m.ckpt_bytes = s.getCkptBytes();
+    for (int64_t d : s.getDurable()) m.durable.push_back(d);
+    for (auto e : s.getCkptErrors()) m.ckpt_errors.emplace_back(e.getStep(), std::string(e.getText()));
+    m.replica = s.getReplica();
+    m.replica_ms = s.getReplicaMs();
+    return m;
+  });
+}
+
+std::string encode_worker_failure(const WorkerFailure& m) {
+  capnp::MallocMessageBuilder mb;
+  auto b = mb.initRoot<::WorkerFailure>();
+  b.setEpoch(m.epoch);
+  b.setSlot(m.slot);
+  b.setRank(m.rank);
+  b.setCode(m.code);
+  b.setActor(m.actor);
+  b.setText(m.text);
+  b.setTsMs(m.ts_ms);
+  return flat(mb);
+}
+
+Result<WorkerFailure> decode_worker_failure(std::string_view bytes) {
+  return read_message(bytes, "WorkerFailure", [](capnp::MessageReader& r) -> Result<WorkerFailure> {
+    auto f = r.getRoot<::WorkerFailure>();
+    return WorkerFailure{f.getEpoch(), f.getSlot(), f.getRank(), f.getCode(), f.getActor(), f.getText(), f.getTsMs()};
+  });
+}
+
 }  // namespace troupe::training

@@ -15,12 +15,21 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// One training actor: answers status queries from its worker's view. Unknown or malformed
-// messages are dropped by the actor system with a logged error (an ask gets an error reply).
+// One training actor: answers status queries from its worker's view; a stage actor also
+// takes the Trainer's commands (into `commands`, which the worker's step thread serves),
+// the trainer actor the workers' replies and failures. Unknown or malformed messages are
+// dropped by the actor system with a logged error (an ask gets an error reply).
 class RoleActor final : public actors::Actor {
  public:
-  RoleActor(std::string role, std::shared_ptr<const WorkerView> view) : role_(std::move(role)), view_(std::move(view)) {
+  RoleActor(std::string role, std::shared_ptr<const WorkerView> view,
+            std::shared_ptr<Inbox<StepCommand>> commands = nullptr,
+            std::shared_ptr<Inbox<StepReply>> replies = nullptr,
+            std::shared_ptr<Inbox<WorkerFailure>> failures = nullptr)
+      : role_(std::move(role)), view_(std::move(view)) {
     handle<ActorStatusQuery>([this](const ActorStatusQuery&) { return status(); });
+    if (commands) handle<StepCommand>([commands](const StepCommand& c) { commands->push(c); });
+    if (replies) handle<StepReply>([replies](const StepReply& r) { replies->push(r); });
+    if (failures) handle<WorkerFailure>([failures](const WorkerFailure& f) { failures->push(f); });
   }
 
  private:
@@ -107,12 +116,26 @@ Status WorkerActors::place(int rank, uint64_t epoch, std::map<std::string, int64
   }
   placed_rank_ = -1;
   for (const char* role : kWorkerRoles) {
-    TROUPE_RETURN_IF_ERROR(
-        sys_->spawn_actor(actor_id(role, rank), std::make_unique<RoleActor>(role, view_)).status());
+    auto actor = std::make_unique<RoleActor>(role, view_, std::string(role) == "stage" ? commands_ : nullptr);
+    TROUPE_RETURN_IF_ERROR(sys_->spawn_actor(actor_id(role, rank), std::move(actor)).status());
   }
   placed_rank_ = rank;
   return ok_status();
 }
+
+Status WorkerActors::connect_driver(comm::RendezvousStore& store, const std::string& key,
+                                    std::chrono::milliseconds timeout) {
+  TROUPE_ASSIGN_OR_RETURN(std::string text, store.get(key, comm::deadline_in(timeout)));
+  const nlohmann::json ep = nlohmann::json::parse(text, nullptr, false);
+  if (!ep.is_object() || !ep.contains("endpoint") || !ep["endpoint"].is_string()) {
+    return data_loss("the driver's actor endpoint record is malformed: {}", text.substr(0, 200));
+  }
+  return sys_->connect("driver", ep["endpoint"].get<std::string>());
+}
+
+Status WorkerActors::send(const StepReply& r) { return sys_->tell(actors::ActorRef("driver", "trainer"), r); }
+
+Status WorkerActors::report(const WorkerFailure& f) { return sys_->tell(actors::ActorRef("driver", "trainer"), f); }
 
 void WorkerActors::set_state(const std::string& state) {
   std::lock_guard lock(view_->mu);
@@ -140,7 +163,10 @@ Result<std::unique_ptr<ActorDirectory>> ActorDirectory::start(const std::string&
     d->trainer_view_->device = "cpu";
     d->trainer_view_->host = host_name();
   }
-  TROUPE_RETURN_IF_ERROR(d->sys_->spawn_actor("trainer", std::make_unique<RoleActor>("trainer", d->trainer_view_)).status());
+  TROUPE_RETURN_IF_ERROR(d->sys_
+                             ->spawn_actor("trainer", std::make_unique<RoleActor>("trainer", d->trainer_view_, nullptr,
+                                                                                 d->replies_, d->failures_))
+                             .status());
   const nlohmann::json ep{{"node", "driver"}, {"endpoint", d->sys_->endpoint()}, {"host", host_name()}};
   TROUPE_RETURN_IF_ERROR(store.set(endpoint_key, ep.dump()));
   return d;
@@ -245,6 +271,14 @@ std::vector<ActorEntry> ActorDirectory::query(std::chrono::milliseconds timeout)
   }
   entries.insert(entries.begin(), t);
   return entries;
+}
+
+Status ActorDirectory::send_command(const std::vector<int>& slots, const StepCommand& c) {
+  for (size_t r = 0; r < slots.size(); ++r) {
+    TROUPE_RETURN_IF_ERROR(
+        sys_->tell(actors::ActorRef(fmt::format("w{}", slots[r]), actor_id("stage", static_cast<int>(r))), c));
+  }
+  return ok_status();
 }
 
 void ActorDirectory::set_trainer_state(const std::string& state, int64_t steps_done, double last_step_ms) {

@@ -17,7 +17,10 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <map>
+#include <optional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -41,6 +44,17 @@ struct MessageTraits<training::ActorStatus> {
   static std::string encode(const training::ActorStatus& m) { return training::encode_actor_status(m); }
   static Result<training::ActorStatus> decode(std::string_view b) { return training::decode_actor_status(b); }
 };
+#define TROUPE_TRAINING_MESSAGE_TRAITS(T, enc, dec)                                  \
+  template <>                                                                        \
+  struct MessageTraits<training::T> {                                                \
+    static constexpr uint64_t kTypeId = training::T::kTypeId;                       \
+    static std::string encode(const training::T& m) { return training::enc(m); }    \
+    static Result<training::T> decode(std::string_view b) { return training::dec(b); } \
+  };
+TROUPE_TRAINING_MESSAGE_TRAITS(StepCommand, encode_step_command, decode_step_command)
+TROUPE_TRAINING_MESSAGE_TRAITS(StepReply, encode_step_reply, decode_step_reply)
+TROUPE_TRAINING_MESSAGE_TRAITS(WorkerFailure, encode_worker_failure, decode_worker_failure)
+#undef TROUPE_TRAINING_MESSAGE_TRAITS
 }  // namespace troupe::actors
 
 namespace troupe::training {
@@ -48,6 +62,38 @@ namespace troupe::training {
 // The roles a worker hosts, in the order they are listed.
 inline constexpr const char* kWorkerRoles[] = {"stage", "attention", "experts"};
 std::string actor_id(const std::string& role, int rank);  // "stage.3"
+
+// A thread-safe queue between an actor's handler and a thread that is not an actor.
+template <class T>
+class Inbox {
+ public:
+  void push(T v) {
+    {
+      std::lock_guard lock(mu_);
+      q_.push_back(std::move(v));
+    }
+    cv_.notify_one();
+  }
+  // The next item, waiting at most `wait`.
+  std::optional<T> pop(std::chrono::milliseconds wait) {
+    std::unique_lock lock(mu_);
+    if (!cv_.wait_for(lock, wait, [this] { return !q_.empty(); })) return std::nullopt;
+    T v = std::move(q_.front());
+    q_.pop_front();
+    return v;
+  }
+  std::vector<T> take_all() {
+    std::lock_guard lock(mu_);
+    std::vector<T> out(std::make_move_iterator(q_.begin()), std::make_move_iterator(q_.end()));
+    q_.clear();
+    return out;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<T> q_;
+};
 
 // What a worker's actors report; written by the worker's step thread, read by the actors.
 struct WorkerView {
@@ -78,10 +124,19 @@ class WorkerActors {
   void step_done(int64_t steps_done, double step_ms);
   const std::string& node() const { return node_; }
 
+  // Opens the route to the driver's "trainer" actor (its endpoint at `key` of `store`).
+  Status connect_driver(comm::RendezvousStore& store, const std::string& key, std::chrono::milliseconds timeout);
+  // The next command the Trainer sent this worker's stage actor (waiting at most `wait`).
+  std::optional<StepCommand> next_command(std::chrono::milliseconds wait) { return commands_->pop(wait); }
+  // To the Trainer: a command's reply, a failure.
+  Status send(const StepReply& r);
+  Status report(const WorkerFailure& f);
+
  private:
   WorkerActors() = default;
   std::unique_ptr<actors::ActorSystem> sys_;
   std::shared_ptr<WorkerView> view_ = std::make_shared<WorkerView>();
+  std::shared_ptr<Inbox<StepCommand>> commands_ = std::make_shared<Inbox<StepCommand>>();
   std::string node_;
   int placed_rank_ = -1;
 };
@@ -115,9 +170,18 @@ class ActorDirectory {
   // The driver's own actor, for the table.
   void set_trainer_state(const std::string& state, int64_t steps_done, double last_step_ms);
 
+  // Sends `c` to the stage actor of every rank (slots[r] hosts rank r); the workers must
+  // have been attached.
+  Status send_command(const std::vector<int>& slots, const StepCommand& c);
+  // What the workers sent the trainer actor since the last call.
+  std::vector<StepReply> take_replies() { return replies_->take_all(); }
+  std::vector<WorkerFailure> take_failures() { return failures_->take_all(); }
+
  private:
   ActorDirectory() = default;
   std::unique_ptr<actors::ActorSystem> sys_;
+  std::shared_ptr<Inbox<StepReply>> replies_ = std::make_shared<Inbox<StepReply>>();
+  std::shared_ptr<Inbox<WorkerFailure>> failures_ = std::make_shared<Inbox<WorkerFailure>>();
   std::shared_ptr<WorkerView> trainer_view_ = std::make_shared<WorkerView>();
   std::mutex mu_;
   uint64_t generation_ = 0;  // bumped by attach(): Downs of older generations are ignored

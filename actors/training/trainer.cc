@@ -68,6 +68,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 constexpr int kMaxFailuresWithoutProgress = 6;
+constexpr std::chrono::milliseconds kFailureBatchWindow{150};
 
 int64_t env_or(const char* name, int64_t dflt) {
   const char* v = std::getenv(name);
@@ -118,12 +119,14 @@ class Trainer {
   Status wait_ready(const ElasticPlan& plan, std::optional<Failure>& failure);
   Status open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots, const std::vector<int>& leaving);
   Status recover(Failure f, int64_t step_done, int64_t failed_step);
-  Result<std::vector<nlohmann::json>> wait_replies(int64_t seq, std::optional<Failure>& failure);
+  Result<std::vector<nlohmann::json>> wait_replies(int64_t seq, Command::Kind kind, std::optional<Failure>& failure);
   // nullopt: the job went back to an older step (a checkpoint restore); rewound_to_ says which.
   Result<std::optional<nlohmann::json>> call(Command::Kind kind, int64_t step);
   // Checkpoints: notes the snapshots and durable parts the workers report in `replies`,
   // and finalizes every checkpoint all of whose parts are durable.
   Status note_checkpoints(Command::Kind kind, int64_t step, const std::vector<nlohmann::json>& replies);
+  struct PendingCheckpoint;
+  Status finalize_pending(int64_t step, const PendingCheckpoint& p);
   Status maybe_rescale(int64_t step_done);
   Status maybe_replace(int64_t step_done);
   // Scheduler jobs: `troupe scale|replace <job id>` requests arrive as store keys
@@ -202,6 +205,7 @@ class Trainer {
   // refreshed them at, in which layout (-1: none usable).
   int64_t replica_every_ = 0;
   int64_t replica_step_ = -1, replica_dp_ = 0, replica_world_ = 0;
+  std::string epoch_failure_;  // the first failure a worker reported in the current epoch
   int64_t max_step_completed_ = 0;
   // What every checkpoint records besides the workers' parts (config text, tokenizer,
   // run metadata: the same as a normal run's CheckpointCommitter), and the tokens seen
@@ -300,8 +304,14 @@ std::optional<Failure> Trainer::check_processes() {
   // closed (its process died) or whose node stopped answering heartbeats.
   for (const auto& [slot, down] : actors_->take_downs()) {
     Proc& p = procs_[slot];
-    // kExit: a worker moved its actors to another rank (a rescale), not a failure.
-    if (down.reason == control::DownReason::kExit || !p.alive || plan_.rank_of_slot(slot) < 0) continue;
+    // Only an abrupt end is a failure signal here: the connection lost, heartbeats missed,
+    // a crashed handler. kExit (actors moved to another rank on a rescale) and kKilled
+    // (the worker's actor system shutting down as its process ends) are not; a process
+    // that ends is reported with its status by its exit.
+    const bool abrupt = down.reason == control::DownReason::kConnectionLost ||
+                        down.reason == control::DownReason::kHeartbeatTimeout ||
+                        down.reason == control::DownReason::kCrash;
+    if (!abrupt || !p.alive || plan_.rank_of_slot(slot) < 0) continue;
     if (f && std::find(f->slots.begin(), f->slots.end(), slot) != f->slots.end()) continue;
     if (!f) f = Failure{down.reason == control::DownReason::kHeartbeatTimeout ? "heartbeat" : "exit", {}, "", wall_ms()};
     f->slots.push_back(slot);
@@ -371,15 +381,14 @@ std::optional<Failure> Trainer::check_heartbeats() {
 }
 
 Result<std::optional<Failure>> Trainer::check_errors(Clock::time_point& first_err) {
-  std::string what;
-  for (int slot : plan_.slots) {
-    const std::string k = key(fmt::format("err/{}/{}", plan_.epoch, slot));
-    TROUPE_ASSIGN_OR_RETURN(bool has, store_->contains(k));
-    if (!has) continue;
-    Result<std::string> v = store_->get(k, comm::deadline_in(std::chrono::milliseconds(100)));
-    what = fmt::format("slot {}: {}", slot, v.ok() ? v.value() : v.status().to_string());
-    break;
+  // Failures the workers reported to the trainer actor (typed: code, actor, text).
+  for (const WorkerFailure& f : actors_->take_failures()) {
+    if (f.epoch != plan_.epoch || !epoch_failure_.empty()) continue;
+    epoch_failure_ = fmt::format("slot {} ({}): {}", f.slot, f.actor, f.text);
+    event({{"event", "worker_failure"}, {"epoch", f.epoch}, {"slot", f.slot}, {"rank", f.rank}, {"actor", f.actor},
+           {"code", f.code}, {"text", f.text}, {"failed_ms", f.ts_ms}});
   }
+  const std::string what = epoch_failure_;
   if (what.empty()) return std::optional<Failure>{};
   if (first_err == Clock::time_point{}) first_err = Clock::now();
   // A peer's death or silence explains most data-plane errors: give exit/heartbeat
@@ -489,10 +498,17 @@ Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots
   plan.ckpt_every = ckpt_every_;
   plan.ckpt_dir = ckpt_dir_;
   plan.replica_every = replica_every_;
+  epoch_failure_.clear();  // failures reported in the old epoch are handled by this one
   // The neighbour replicas describe the old membership: unusable until the next refresh.
   replica_step_ = -1;
+  // Checkpoints still waiting for durable-part notes: one whose every part is on disk
+  // (each rank writes its part file after its shard) is finalized; the others are
+  // abandoned (a part will never come).
+  for (auto& [step, p] : pending_ckpts_) p.durable.clear();
   for (const auto& [step, p] : pending_ckpts_) {
-    event({{"event", "checkpoint_abandoned"}, {"step", step}, {"durable_parts", p.durable.size()}, {"parts", p.world}});
+    if (Status st = finalize_pending(step, p); !st.ok()) {
+      event({{"event", "checkpoint_abandoned"}, {"step", step}, {"parts", p.world}, {"why", st.to_string()}});
+    }
   }
   pending_ckpts_.clear();
   TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("plan/{}", plan.epoch)), plan.to_json().dump()));
@@ -565,6 +581,31 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
     if (!recovering_since_ms_) {
       recovering_since_ms_ = f.ts_ms;
       recovering_cause_ = f.cause;
+    }
+    // Workers that die together (a node, one fault hitting several) die within a few ms
+    // of each other: the exits seen in a short window are handled by one recovery.
+    if (f.cause == "exit") {
+      const auto until = Clock::now() + kFailureBatchWindow;
+      while (Clock::now() < until) {
+        if (std::optional<Failure> more = check_processes()) {
+          for (int s : more->slots) {
+            if (std::find(f.slots.begin(), f.slots.end(), s) != f.slots.end()) continue;
+            f.slots.push_back(s);
+            f.detail += "; " + more->detail;
+            nlohmann::json e{{"event", "failure_detected"}, {"cause", more->cause}, {"slots", {s}},
+                             {"detail", more->detail}, {"epoch", plan_.epoch}, {"step", failed_step},
+                             {"detected_ms", more->ts_ms}};
+            Result<std::string> v = store_->get(key(fmt::format("fault/{}", s)), comm::deadline_in(std::chrono::milliseconds(100)));
+            if (v.ok()) {
+              const nlohmann::json j = nlohmann::json::parse(v.value(), nullptr, false);
+              if (j.is_object() && j.contains("ts_ms")) e["detection_ms"] = more->ts_ms - j["ts_ms"].get<int64_t>();
+            }
+            event(e);
+            fmt::print("elastic: failure detected ({}): {} (handled with the one before)\n", more->cause, more->detail);
+          }
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
     }
     // The lost workers: make sure they are gone (a hung one is killed: the last resort).
     for (int s : f.slots) terminate(s, f.cause);
@@ -681,7 +722,8 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
   }
 }
 
-Result<std::vector<nlohmann::json>> Trainer::wait_replies(int64_t seq, std::optional<Failure>& failure) {
+Result<std::vector<nlohmann::json>> Trainer::wait_replies(int64_t seq, Command::Kind kind,
+                                                           std::optional<Failure>& failure) {
   const int world = static_cast<int>(plan_.slots.size());
   std::vector<nlohmann::json> replies(static_cast<size_t>(world));
   std::vector<bool> got(static_cast<size_t>(world), false);
@@ -690,20 +732,41 @@ Result<std::vector<nlohmann::json>> Trainer::wait_replies(int64_t seq, std::opti
   auto last_slow_check = Clock::now();
   Clock::time_point first_err{};
   while (remaining > 0) {
-    for (int r = 0; r < world; ++r) {
-      if (got[static_cast<size_t>(r)]) continue;
-      const std::string k = key(fmt::format("reply/{}/{}", seq, r));
-      TROUPE_ASSIGN_OR_RETURN(bool has, store_->contains(k));
-      if (!has) continue;
-      TROUPE_ASSIGN_OR_RETURN(std::string text, store_->get(k, comm::deadline_in(std::chrono::milliseconds(1000))));
-      nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
-      if (j.is_discarded() || !j.is_object()) return data_loss("elastic: reply {} is not a JSON object", k);
-      replies[static_cast<size_t>(r)] = std::move(j);
-      got[static_cast<size_t>(r)] = true;
+    // Replies of this command and epoch (the trainer actor queues them); anything else is
+    // a late reply of an abandoned command.
+    for (const StepReply& rep : actors_->take_replies()) {
+      if (rep.seq != seq || rep.epoch != plan_.epoch || rep.rank < 0 || rep.rank >= world) continue;
+      if (got[static_cast<size_t>(rep.rank)]) continue;
+      replies[static_cast<size_t>(rep.rank)] = step_reply_json(rep);
+      got[static_cast<size_t>(rep.rank)] = true;
       --remaining;
     }
     if (remaining == 0) break;
-    if ((failure = check_processes())) return replies;
+    if ((failure = check_processes())) {
+      // A worker that replied and then ended (after "stop") is not a failure: its reply
+      // may have been queued behind the news of its end.
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      for (const StepReply& rep : actors_->take_replies()) {
+        if (rep.seq != seq || rep.epoch != plan_.epoch || rep.rank < 0 || rep.rank >= world) continue;
+        if (got[static_cast<size_t>(rep.rank)]) continue;
+        replies[static_cast<size_t>(rep.rank)] = step_reply_json(rep);
+        got[static_cast<size_t>(rep.rank)] = true;
+        --remaining;
+      }
+      // After "stop" a worker that replied ends: only the others' ends are failures.
+      if (kind == Command::Kind::kStop) {
+        bool replied = !failure->slots.empty();
+        for (int s : failure->slots) {
+          const int r = plan_.rank_of_slot(s);
+          replied &= r >= 0 && got[static_cast<size_t>(r)];
+        }
+        if (replied) {
+          failure.reset();
+          continue;
+        }
+      }
+      return replies;
+    }
     if (Clock::now() - last_slow_check > std::chrono::milliseconds(50)) {
       last_slow_check = Clock::now();
       if ((failure = check_heartbeats())) return replies;
@@ -726,19 +789,22 @@ Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t 
   const int64_t step_done = kind == Command::Kind::kStep ? step - 1 : step;
   while (true) {
     const int64_t seq = seq_++;
-    Command cmd{seq, kind, step};
-    TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("cmd/{}", seq)), command_to_json(cmd).dump()));
+    // To every stage actor of the epoch; a worker that cannot be reached is found by the
+    // failure detection below (its exit, its actors' Down, its heartbeat).
+    const Status sent = actors_->send_command(
+        plan_.slots, StepCommand{seq, static_cast<uint8_t>(kind), step, plan_.epoch});
+    if (!sent.ok()) fmt::print(stderr, "trainer: command {} not sent to every worker: {}\n", seq, sent.to_string());
     std::optional<Failure> failure;
-    TROUPE_ASSIGN_OR_RETURN(std::vector<nlohmann::json> replies, wait_replies(seq, failure));
-    if (!failure && kind == Command::Kind::kStep) {
-      track_stragglers(replies, step, failure);
-      if (failure) {  // the step itself completed: replace the straggler from the state after it
-        last_replies_ = replies;
-        TROUPE_RETURN_IF_ERROR(note_checkpoints(kind, step, replies));
-        TROUPE_RETURN_IF_ERROR(recover(*failure, step, step + 1));
-        return std::optional<nlohmann::json>(replies[0]);
-      }
-    }
+    TROUPE_ASSIGN_OR_RETURN(std::vector<nlohmann::json> replies, wait_replies(seq, kind, failure));
+    bool complete = true;
+    for (const auto& r : replies) complete &= r.is_object();
+    // Workers end after "stop": an exit then is no failure.
+    if (failure && complete && kind == Command::Kind::kStop) failure.reset();
+    if (!failure && kind == Command::Kind::kStep) track_stragglers(replies, step, failure);
+    // Every rank completed the command and a worker was lost (or flagged) just after: the
+    // command counts, and the worker is replaced from the state after it.
+    std::optional<Failure> after;
+    if (failure && complete) after = std::exchange(failure, std::nullopt);
     if (!failure) {
       if (recovering_since_ms_) {
         const int64_t now = wall_ms();
@@ -766,11 +832,33 @@ Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t 
         failures_without_progress_ = 0;
       }
       TROUPE_RETURN_IF_ERROR(note_checkpoints(kind, step, replies));
+      if (after) {
+        const int64_t done = kind == Command::Kind::kStep ? step : step_done;
+        TROUPE_RETURN_IF_ERROR(recover(*after, done, done + 1));
+        if (rewound_to_) return std::optional<nlohmann::json>{};
+      }
       return std::optional<nlohmann::json>(replies[0]);
     }
     TROUPE_RETURN_IF_ERROR(recover(*failure, step_done, step));
     if (rewound_to_) return std::optional<nlohmann::json>{};
   }
+}
+
+Status Trainer::finalize_pending(int64_t step, const PendingCheckpoint& p) {
+  // Finalized as a normal run's committer does, so `train_moe train --resume` and
+  // `troupe checkpoints` read it like any other. The layout saved is that epoch's dp.
+  checkpoint::FinalizeOptions fo;
+  fo.world_size = p.world;
+  fo.keep_last = static_cast<int>(tc_.checkpoint.keep);
+  fo.info = ckpt_info_;
+  fo.info.data_position = data_position_json(tc_, step, p.tokens);
+  fo.info.metadata["adam_steps"] = step;
+  fo.info.metadata["saved_layout"] = fmt::format("pp={},dp={},n={}", tc_.parallel.pp, p.dp, tc_.parallel.n);
+  fo.info.metadata["elastic"] = nlohmann::json{{"epoch", p.epoch}, {"dp", p.dp}, {"grad_accum", p.grad_accum}};
+  TROUPE_ASSIGN_OR_RETURN(checkpoint::FinalizeResult fr, checkpoint::finalize_checkpoint(ckpt_dir_, step, fo));
+  event({{"event", "checkpoint_committed"}, {"step", step}, {"path", fr.path}, {"bytes", fr.bytes}});
+  last_ckpt_committed_ = std::max(last_ckpt_committed_, step);
+  return ok_status();
 }
 
 Status Trainer::note_checkpoints(Command::Kind kind, int64_t step, const std::vector<nlohmann::json>& replies) {
@@ -816,20 +904,7 @@ Status Trainer::note_checkpoints(Command::Kind kind, int64_t step, const std::ve
       ++it;
       continue;
     }
-    // Finalized as a normal run's committer does, so `train_moe train --resume` and
-    // `troupe checkpoints` read it like any other; the parts are durable (each rank said
-    // so). The layout saved is that epoch's dp.
-    checkpoint::FinalizeOptions fo;
-    fo.world_size = p.world;
-    fo.keep_last = static_cast<int>(tc_.checkpoint.keep);
-    fo.info = ckpt_info_;
-    fo.info.data_position = data_position_json(tc_, it->first, p.tokens);
-    fo.info.metadata["adam_steps"] = it->first;
-    fo.info.metadata["saved_layout"] = fmt::format("pp={},dp={},n={}", tc_.parallel.pp, p.dp, tc_.parallel.n);
-    fo.info.metadata["elastic"] = nlohmann::json{{"epoch", p.epoch}, {"dp", p.dp}, {"grad_accum", p.grad_accum}};
-    TROUPE_ASSIGN_OR_RETURN(checkpoint::FinalizeResult fr, checkpoint::finalize_checkpoint(ckpt_dir_, it->first, fo));
-    event({{"event", "checkpoint_committed"}, {"step", it->first}, {"path", fr.path}, {"bytes", fr.bytes}});
-    last_ckpt_committed_ = std::max(last_ckpt_committed_, it->first);
+    TROUPE_RETURN_IF_ERROR(finalize_pending(it->first, p));
     it = pending_ckpts_.erase(it);
   }
   return ok_status();
@@ -1339,6 +1414,43 @@ Status run_worker_process(const layers::TrainConfig& tc, comm::RendezvousStore& 
   const int64_t epoch = env_or("TROUPE_ELASTIC_EPOCH", 0);
   return run_elastic_worker(tc, store, job, static_cast<int>(slot), static_cast<uint64_t>(epoch),
                             std::move(cut_control), ctx);
+}
+
+nlohmann::json step_reply_json(const StepReply& r) {
+  nlohmann::json j{{"rank", r.rank}, {"slot", r.slot}, {"epoch", r.epoch}};
+  switch (static_cast<Command::Kind>(r.kind)) {
+    case Command::Kind::kStep:
+      j.update(nlohmann::json{{"step", r.step},
+                              {"loss", r.loss},
+                              {"lm_loss", r.lm_loss},
+                              {"aux_loss", r.aux_loss},
+                              {"grad_norm", r.grad_norm},
+                              {"lr", r.lr},
+                              {"step_tokens", r.step_tokens},
+                              {"expert_load", r.expert_load},
+                              {"step_ms", r.step_ms},
+                              {"comm_ms", r.comm_ms},
+                              {"compute_ms", r.compute_ms},
+                              {"comm_ms_mean", r.comm_ms_mean},
+                              {"comm_by_kind_ms", r.comm_by_kind_ms}});
+      if (r.peak_bytes >= 0) j["peak_bytes"] = r.peak_bytes;
+      break;
+    case Command::Kind::kEval: j["val_loss"] = r.val_loss; break;
+    case Command::Kind::kStop: j["stopped"] = true; break;
+    case Command::Kind::kSave: break;
+  }
+  if (r.ckpt_started >= 0) {
+    j["ckpt_started"] = r.ckpt_started;
+    j["ckpt_blocked_ms"] = r.ckpt_blocked_ms;
+    j["ckpt_bytes"] = r.ckpt_bytes;
+  }
+  if (!r.durable.empty()) j["durable"] = r.durable;
+  for (const auto& [step, text] : r.ckpt_errors) j["ckpt_errors"].push_back({{"step", step}, {"error", text}});
+  if (r.replica >= 0) {
+    j["replica"] = r.replica;
+    j["replica_ms"] = r.replica_ms;
+  }
+  return j;
 }
 
 nlohmann::json step_report_json(const StepReport& r) {

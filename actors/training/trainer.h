@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "actors/training/elastic.h"
+#include "actors/training/messages.h"
 #include "actors/training/stage.h"
 #include "comm/rendezvous_store.h"
 #include "layers/train_config.h"
@@ -66,8 +67,11 @@ Status run_trainer(const TrainerOptions& o, const layers::TrainConfig& tc,
 Status run_worker_process(const layers::TrainConfig& tc, comm::RendezvousStore& store,
                           std::function<void()> cut_control = {}, const layers::Ctx& ctx = layers::Ctx::cpu());
 
-// A worker's step reply (rank 0's carries the metrics of the step).
+// A worker's step report as JSON (the keys of metrics.jsonl).
 nlohmann::json step_report_json(const StepReport& r);
+// A worker's reply to a command (typed, messages.h) as the JSON the Trainer records:
+// the step report's keys, "val_loss", and the checkpoint/replica notes.
+nlohmann::json step_reply_json(const StepReply& r);
 
 // The data position recorded with a checkpoint after `step` (the loader is a function of
 // the seed and the step: the next step to read says everything).
