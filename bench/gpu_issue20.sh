@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# bench/gpu_issue20.sh — the GPU-host steps of issue 20, one per argument, run in order:
+#   build    Release build (sm_90a) of train_moe, the CUDA op-table and bf16 tests, kernel_bench
+#   tests    kernels_op_table_cuda_test, kernels_cuda_bf16_test, then `ctest -L gpu`
+#   kernels  bench/kernels/gpu_check.sh's timing half: kernel_bench, torch_kernels.py, compare.py
+#   router   bench/router_load.sh on bench_1b (same weights and tokens in Troupe and the peer)
+#   e2e      bench/e2e.sh --gpus 1 on bench_1b (Troupe and both peer variants, same tokens)
+# Logs and tables under $OUT (default ./gpu-out). Run from the repository root with the
+# dependency environment sourced (scripts/gpu-host/unpack-debs.sh; DEVELOPERS.md).
+set -u -o pipefail
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+stamp() { echo "== $(date -u +%T) $*" | tee -a "$out/summary.txt"; }
+
+for step in "$@"; do
+  case "$step" in
+    build)
+      # The host bundle has libsodium's runtime, not its -dev package (see gpu_check.sh).
+      if ! pkg-config --exists libsodium; then
+        lib=$(dirname "$(find / -name 'libsodium.so.23*' -path '*troupe-deps*' 2>/dev/null | head -1)")
+        mkdir -p /tmp/pc && printf 'Name: libsodium\nDescription: stub\nVersion: 1.0.18\nLibs: -L%s -l:libsodium.so.23\nCflags:\n' "$lib" >/tmp/pc/libsodium.pc
+        export PKG_CONFIG_PATH=/tmp/pc:${PKG_CONFIG_PATH:-}
+      fi
+      nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv | tee "$out/gpu.txt"
+      cmake -S . -B build -G Ninja -DTROUPE_WERROR=OFF -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release \
+        >"$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }
+      targets=${TARGETS:-"train_moe kernels_op_table_cuda_test kernels_cuda_bf16_test kernel_bench"}
+      # shellcheck disable=SC2086
+      if ! ninja -C build -j16 $targets >"$out/build.log" 2>&1; then
+        grep -E "error|FAILED" -A3 "$out/build.log" | head -60
+        exit 1
+      fi
+      stamp "build ok ($targets)"
+      ;;
+    tests)
+      timeout 240 ./build/tests/kernels/kernels_op_table_cuda_test >"$out/op_table_cuda.log" 2>&1
+      stamp "kernels_op_table_cuda_test rc=$? ($(grep -c '^\[       OK' "$out/op_table_cuda.log") ok)"
+      grep -E "^\[  FAILED|differ" "$out/op_table_cuda.log" | head -20
+      timeout 200 ./build/tests/kernels/kernels_cuda_bf16_test >"$out/bf16_test.log" 2>&1
+      stamp "kernels_cuda_bf16_test rc=$?"
+      grep -E "^\[  FAILED|Failure" "$out/bf16_test.log" | head -20
+      ;;
+    ctest)
+      (cd build && timeout 500 ctest -L gpu --output-on-failure) >"$out/ctest_gpu.log" 2>&1
+      stamp "ctest -L gpu rc=$?"
+      grep -E "tests passed|tests failed|Failed|\*\*\*" "$out/ctest_gpu.log" | head -20
+      ;;
+    kernels)
+      timeout 180 ./build/bench/kernels/kernel_bench >"$out/kernel_bench.log" 2>&1
+      stamp "kernel_bench rc=$?"
+      timeout 150 python3 bench/kernels/torch_kernels.py >"$out/torch.log" 2>&1
+      stamp "torch_kernels rc=$?"
+      python3 bench/kernels/compare.py "$out/kernel_bench.log" "$out/torch.log" | tee "$out/compare.md"
+      ;;
+    router)
+      OUT=$out bash bench/e2e.sh --skip-troupe --skip-peer --gpus 1 >/dev/null 2>&1  # prepares the shared shards
+      bash bench/router_load.sh "${TMPDIR:-/tmp}/troupe-e2e-runs/data" "$out/router" "${ROUTER_STEPS:-10}"
+      stamp "router_load rc=$?"
+      ;;
+    e2e)
+      OUT=$out bash bench/e2e.sh --gpus 1 ${E2E_ARGS:---quick --no-selfcheck}
+      stamp "e2e rc=$?"
+      ;;
+    *) echo "gpu_issue20.sh: unknown step '$step'" >&2; exit 2 ;;
+  esac
+done
