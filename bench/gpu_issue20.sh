@@ -8,7 +8,20 @@
 # Logs and tables under $OUT (default ./gpu-out). Run from the repository root with the
 # dependency environment sourced (scripts/gpu-host/unpack-debs.sh; DEVELOPERS.md).
 set -u -o pipefail
-out=${OUT:-gpu-out}
+# Logs go to a work folder; at exit the tables come to $OUT with all logs in $OUT/logs.tgz
+# (the GPU host returns only a few files).
+final=${OUT:-gpu-out}
+out=${TMPDIR:-/tmp}/gpu-issue20-out
+mkdir -p "$final"
+finish() {
+  find "$out" -name '*.md' -exec cp {} "$final"/ \;
+  cp "$out/summary.txt" "$final"/ 2>/dev/null
+  tar czf "$final/logs.tgz" -C "$out" . 2>/dev/null
+}
+trap finish EXIT
+# Outside the source folder: a carried source folder is replaced on every call, a build
+# folder elsewhere stays while the machine is held.
+B=${BUILD:-/tmp/troupe-build}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 stamp() { echo "== $(date -u +%T) $*" | tee -a "$out/summary.txt"; }
@@ -23,43 +36,43 @@ for step in "$@"; do
         export PKG_CONFIG_PATH=/tmp/pc:${PKG_CONFIG_PATH:-}
       fi
       nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv | tee "$out/gpu.txt"
-      cmake -S . -B build -G Ninja -DTROUPE_WERROR=OFF -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release \
+      cmake -S . -B "$B" -G Ninja -DTROUPE_WERROR=OFF -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release \
         >"$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }
       targets=${TARGETS:-"train_moe kernels_op_table_cuda_test kernels_cuda_bf16_test kernel_bench"}
       # shellcheck disable=SC2086
-      if ! ninja -C build -j16 $targets >"$out/build.log" 2>&1; then
+      if ! ninja -C "$B" -j16 $targets >"$out/build.log" 2>&1; then
         grep -E "error|FAILED" -A3 "$out/build.log" | head -60
         exit 1
       fi
       stamp "build ok ($targets)"
       ;;
     tests)
-      timeout 240 ./build/tests/kernels/kernels_op_table_cuda_test >"$out/op_table_cuda.log" 2>&1
+      timeout 240 "$B"/tests/kernels/kernels_op_table_cuda_test >"$out/op_table_cuda.log" 2>&1
       stamp "kernels_op_table_cuda_test rc=$? ($(grep -c '^\[       OK' "$out/op_table_cuda.log") ok)"
       grep -E "^\[  FAILED|differ" "$out/op_table_cuda.log" | head -20
-      timeout 200 ./build/tests/kernels/kernels_cuda_bf16_test >"$out/bf16_test.log" 2>&1
+      timeout 200 "$B"/tests/kernels/kernels_cuda_bf16_test >"$out/bf16_test.log" 2>&1
       stamp "kernels_cuda_bf16_test rc=$?"
       grep -E "^\[  FAILED|Failure" "$out/bf16_test.log" | head -20
       ;;
     ctest)
-      (cd build && timeout 500 ctest -L gpu --output-on-failure) >"$out/ctest_gpu.log" 2>&1
+      (cd "$B" && timeout 500 ctest -L gpu --output-on-failure) >"$out/ctest_gpu.log" 2>&1
       stamp "ctest -L gpu rc=$?"
       grep -E "tests passed|tests failed|Failed|\*\*\*" "$out/ctest_gpu.log" | head -20
       ;;
     kernels)
-      timeout 180 ./build/bench/kernels/kernel_bench >"$out/kernel_bench.log" 2>&1
+      timeout 180 "$B"/bench/kernels/kernel_bench >"$out/kernel_bench.log" 2>&1
       stamp "kernel_bench rc=$?"
       timeout 150 python3 bench/kernels/torch_kernels.py >"$out/torch.log" 2>&1
       stamp "torch_kernels rc=$?"
       python3 bench/kernels/compare.py "$out/kernel_bench.log" "$out/torch.log" | tee "$out/compare.md"
       ;;
     router)
-      OUT=$out bash bench/e2e.sh --skip-troupe --skip-peer --gpus 1 >/dev/null 2>&1  # prepares the shared shards
-      bash bench/router_load.sh "${TMPDIR:-/tmp}/troupe-e2e-runs/data" "$out/router" "${ROUTER_STEPS:-10}"
+      OUT=$out bash bench/e2e.sh --build "$B" --skip-troupe --skip-peer --gpus 1 >/dev/null 2>&1  # prepares the shared shards
+      bash bench/router_load.sh "${TMPDIR:-/tmp}/troupe-e2e-runs/data" "$out/router" "${ROUTER_STEPS:-60}" "$B"
       stamp "router_load rc=$?"
       ;;
     e2e)
-      OUT=$out bash bench/e2e.sh --gpus 1 ${E2E_ARGS:---quick --no-selfcheck}
+      OUT=$out bash bench/e2e.sh --build "$B" --gpus 1 ${E2E_ARGS:---quick --no-selfcheck}
       stamp "e2e rc=$?"
       ;;
     *) echo "gpu_issue20.sh: unknown step '$step'" >&2; exit 2 ;;

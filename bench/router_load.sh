@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 DATA=${1:?usage: bench/router_load.sh DATA_DIR OUTDIR [STEPS] [BUILD] [PYTHON] [CONFIG]}
 OUTDIR=${2:?usage: bench/router_load.sh DATA_DIR OUTDIR [STEPS] [BUILD] [PYTHON] [CONFIG]}
-STEPS=${3:-10}
+STEPS=${3:-40}
 BUILD=${4:-build}
 PY=${5:-python3}
 CONFIG=${6:-apps/configs/bench_1b.toml}
@@ -59,14 +59,20 @@ peer peer_lr0 1 --data "$DATA" --init-weights "$RUNS/troupe_lr0/model.bin" --set
 troupe troupe "$STEPS"
 peer peer "$STEPS" --data "$DATA" --init-weights "$RUNS/troupe_lr0/model.bin"
 peer peer_random "$STEPS"
+# The knobs (same weights, tokens and steps; the schedule's warm-up is the config's).
 troupe troupe_aux0.1 "$STEPS" --set model.moe.aux_loss_coef=0.1
-troupe troupe_sigmoid_bias "$STEPS" --set 'model.moe.router="sigmoid"' --set model.moe.bias_update_rate=0.01 \
-  --set model.moe.aux_loss_coef=0.001
-rm -f "$RUNS/troupe_lr0/model.bin"
+troupe troupe_aux1 "$STEPS" --set model.moe.aux_loss_coef=1.0
+troupe troupe_softmax_bias0.01 "$STEPS" --set model.moe.bias_update_rate=0.01
+for r in 0.001 0.01 0.05; do
+  troupe "troupe_sigmoid_bias$r" "$STEPS" --set 'model.moe.router="sigmoid"' --set "model.moe.bias_update_rate=$r" \
+    --set model.moe.aux_loss_coef=0.001
+done
+rm -f "$RUNS/troupe_lr0/model.bin" "$RUNS"/*/model.bin
 
-"$PY" - "$OUTDIR" <<'PYEOF'
+"$PY" - "$OUTDIR" "$STEPS" <<'PYEOF'
 import json, os, sys
-out = sys.argv[1]
+out, nsteps = sys.argv[1], int(sys.argv[2])
+show = [s for s in (1, 2, 3, 5, 10, 20, 30, 40, 60, 80, 100, 150, 200) if s <= nsteps]
 
 def troupe(name):
     p = f"{out}/{name}.metrics.jsonl"
@@ -86,18 +92,19 @@ def ratio(row):
     return max(row) * len(row) / max(1, sum(row))
 
 lines = []
-runs = [("troupe", troupe("troupe")), ("peer (same weights, same tokens)", peer("peer")),
-        ("peer, uniform random tokens", peer("peer_random")), ("troupe, aux_loss_coef 0.1", troupe("troupe_aux0.1")),
-        ("troupe, sigmoid + bias 0.01, aux 0.001", troupe("troupe_sigmoid_bias"))]
+runs = [("troupe (softmax, aux 0.01)", troupe("troupe")), ("peer, same weights and tokens", peer("peer")),
+        ("peer, uniform random tokens", peer("peer_random")), ("troupe, aux 0.1", troupe("troupe_aux0.1")),
+        ("troupe, aux 1.0", troupe("troupe_aux1")), ("troupe, softmax + bias 0.01, aux 0.01", troupe("troupe_softmax_bias0.01"))]
+runs += [(f"troupe, sigmoid + bias {r}, aux 0.001", troupe(f"troupe_sigmoid_bias{r}")) for r in ("0.001", "0.01", "0.05")]
 lines.append("per-step expert load max/mean: worst layer / mean over layers (loss)")
-lines.append("| run | " + " | ".join(f"step {s}" for s in range(1, 11)) + " |")
-lines.append("| --- |" + " --- |" * 10)
+lines.append("| run | " + " | ".join(f"step {s}" for s in show) + " |")
+lines.append("| --- |" + " --- |" * len(show))
 for name, r in runs:
     if r is None:
         lines.append(f"| {name} | FAILED (see logs) |")
         continue
     cells = []
-    for s in range(1, 11):
+    for s in show:
         if s not in r:
             cells.append("-")
             continue
