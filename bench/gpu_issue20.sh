@@ -5,12 +5,17 @@
 #   kernels  bench/kernels/gpu_check.sh's timing half: kernel_bench, torch_kernels.py, compare.py
 #   router   bench/router_load.sh on bench_1b (same weights and tokens in Troupe and the peer)
 #   e2e      bench/e2e.sh --gpus 1 on bench_1b (Troupe and both peer variants, same tokens)
+#   hoststats  Troupe on bench_1b with TROUPE_DEVICE_STATS=0 (per-layer read-backs), to compare
+#   final    the final run, most important first, each part's failure reported and passed:
+#            build (train_moe + the CUDA tests) -> e2e -> tests -> train_moe_cuda_test ->
+#            kernels (builds kernel_bench) -> hoststats
 # Logs and tables under $OUT (default ./gpu-out). Run from the repository root with the
 # dependency environment sourced (scripts/gpu-host/unpack-debs.sh; DEVELOPERS.md).
 set -u -o pipefail
 # Logs go to a work folder; at exit the tables come to $OUT with all logs in $OUT/logs.tgz
 # (the GPU host returns only a few files).
 final=${OUT:-gpu-out}
+export OUT=$final
 out=${TMPDIR:-/tmp}/gpu-issue20-out
 mkdir -p "$final"
 finish() {
@@ -71,9 +76,28 @@ for step in "$@"; do
       bash bench/router_load.sh "${TMPDIR:-/tmp}/troupe-e2e-runs/data" "$out/router" "${ROUTER_STEPS:-60}" "$B"
       stamp "router_load rc=$?"
       ;;
+    hoststats)
+      d=${TMPDIR:-/tmp}/troupe-e2e-runs
+      TROUPE_DEVICE_STATS=0 timeout 200 "$B"/apps/train_moe --config apps/configs/bench_1b.toml --backend cuda \
+        --set train.steps=7 --set train.eval_every=0 --set train.eval_batches=1 --set "data.dir=$d/data" \
+        --run-dir "$d/hoststats" >"$out/hoststats.log" 2>&1
+      stamp "hoststats rc=$?"
+      grep "^step [0-9]*/7" "$out/hoststats.log" | cut -c1-220
+      ;;
+    final)
+      TARGETS="train_moe kernels_op_table_cuda_test kernels_cuda_bf16_test train_moe_cuda_test" bash "$0" build || exit 1
+      bash "$0" e2e
+      bash "$0" tests
+      (cd "$B" && timeout 300 ctest -R train_moe_cuda_test --output-on-failure) >"$out/train_moe_cuda_test.log" 2>&1
+      stamp "train_moe_cuda_test rc=$?"
+      tail -5 "$out/train_moe_cuda_test.log"
+      if ninja -C "$B" -j16 kernel_bench >"$out/build_bench.log" 2>&1; then bash "$0" kernels; else stamp "kernel_bench build FAILED"; fi
+      bash "$0" hoststats
+      ;;
     e2e)
       OUT=$out bash bench/e2e.sh --build "$B" --gpus 1 ${E2E_ARGS:---quick --no-selfcheck}
       stamp "e2e rc=$?"
+      grep -h "^step [0-9]*/" "$out/e2e/troupe_1gpu.log" | cut -c1-230
       ;;
     *) echo "gpu_issue20.sh: unknown step '$step'" >&2; exit 2 ;;
   esac
