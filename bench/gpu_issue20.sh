@@ -52,10 +52,10 @@ for step in "$@"; do
       stamp "build ok ($targets)"
       ;;
     tests)
-      timeout 240 "$B"/tests/kernels/kernels_op_table_cuda_test >"$out/op_table_cuda.log" 2>&1
+      timeout 90 "$B"/tests/kernels/kernels_op_table_cuda_test >"$out/op_table_cuda.log" 2>&1
       stamp "kernels_op_table_cuda_test rc=$? ($(grep -c '^\[       OK' "$out/op_table_cuda.log") ok)"
       grep -E "^\[  FAILED|differ" "$out/op_table_cuda.log" | head -20
-      timeout 200 "$B"/tests/kernels/kernels_cuda_bf16_test >"$out/bf16_test.log" 2>&1
+      timeout 90 "$B"/tests/kernels/kernels_cuda_bf16_test >"$out/bf16_test.log" 2>&1
       stamp "kernels_cuda_bf16_test rc=$?"
       grep -E "^\[  FAILED|Failure" "$out/bf16_test.log" | head -20
       ;;
@@ -65,9 +65,9 @@ for step in "$@"; do
       grep -E "tests passed|tests failed|Failed|\*\*\*" "$out/ctest_gpu.log" | head -20
       ;;
     kernels)
-      timeout 180 "$B"/bench/kernels/kernel_bench >"$out/kernel_bench.log" 2>&1
+      timeout 100 "$B"/bench/kernels/kernel_bench >"$out/kernel_bench.log" 2>&1
       stamp "kernel_bench rc=$?"
-      timeout 150 python3 bench/kernels/torch_kernels.py >"$out/torch.log" 2>&1
+      timeout 100 python3 bench/kernels/torch_kernels.py >"$out/torch.log" 2>&1
       stamp "torch_kernels rc=$?"
       python3 bench/kernels/compare.py "$out/kernel_bench.log" "$out/torch.log" | tee "$out/compare.md"
       ;;
