@@ -296,6 +296,9 @@ for line in open(rows_path):
                 mfus = [x["mfu"] for x in steps if "mfu" in x]
                 if mfus:
                     r["mfu"] = statistics.median(mfus)
+                syncs = [x["host_syncs"] for x in steps if "host_syncs" in x]
+                if syncs:
+                    r["host_syncs"] = max(syncs)
                 r["steps"] = len(steps)
             else:
                 d = json.load(open(src))
@@ -325,6 +328,10 @@ for r in rows:
     else:
         tps, mfu, ratio = r["status"], "-", "-"
     lines.append(f"| {r['config']} | {r['gpus']} | {r['system']} | {tps} | {mfu} | {ratio} |")
+for r in rows:
+    if "host_syncs" in r:
+        lines.append(f"{r['system']} ({r['gpus']} GPU): at most {r['host_syncs']} device->host read-backs per timed step "
+                     f"before its metrics read (metrics.jsonl host_syncs)")
 if any(r["mfu_computed"] for r in rows):
     lines.append("* MFU computed here from tokens/s (metrics.jsonl has no mfu)")
 text = "\n".join(lines)
