@@ -7,6 +7,13 @@
 # the ratio to the faster peer variant at the same GPU count. A run that fails or times out
 # becomes a FAILED row; the script goes on. Logs and JSON under ${OUT:-/tmp}/e2e/.
 #
+# Tokens: both systems train on the same tokens. Troupe reads the token shards of --data (or
+# of the config's data.dir, or shards made once with `train_moe prepare` from this repository's
+# text); the peer reads the same shards with Troupe's DataLoader sampling (torch_moe.py --data),
+# so step s of both is the same batch, and routing sees the same token distribution. Without
+# shards (no Troupe build, --device cpu) the peer falls back to uniform random ids, and the
+# table says so.
+#
 # Troupe's figures: the median over steps after the warm-up of `tokens_per_s` (and `mfu`, where
 # metrics.jsonl has it; else computed from tokens/s with the formula above) in the run dir's
 # metrics.jsonl. tokens/s is taken as the whole job's (all GPUs), as the peer reports it.
@@ -202,6 +209,7 @@ run_peer() {  # run_peer NGPU MODE
   local limit=${TIMEOUT:-$([ "$mode" = compile ] && echo 300 || echo 150)}
   local args=(bench/peers/torch_moe.py --config "$CONFIG" --mode "$mode" --steps "$STEPS" --warmup "$WARMUP"
               --json-out "$json")
+  if [ -n "$PEER_DATA" ]; then args+=(--data "$PEER_DATA"); fi
   if [ "$DEVICE" = cpu ]; then args+=(--device cpu --dtype f32); fi
   # shellcheck disable=SC2206
   args+=($PEER_ARGS)
@@ -241,6 +249,19 @@ selfcheck_peer() {  # selfcheck_peer NGPU: informational; a failure is reported,
 }
 : > "$LOG/selfcheck.txt"
 
+# The token shards both systems read (made here once if needed; needs the Troupe build).
+PEER_DATA=""
+if [ -x "$BUILD/apps/train_moe" ] || [ -n "$DATA" ]; then
+  PEER_DATA=$(troupe_data)
+  [ -f "$PEER_DATA/tokenizer.json" ] || PEER_DATA=""
+fi
+if [ -n "$PEER_DATA" ]; then
+  TOKENS_NOTE="tokens: both systems read the shards in $PEER_DATA (Troupe's DataLoader sampling; step s = the same batch)"
+else
+  TOKENS_NOTE="tokens: NOT the same - no token shards (no $BUILD/apps/train_moe, no --data): the peer ran on uniform random ids"
+fi
+echo "$TOKENS_NOTE" | tee "$LOG/tokens.txt"
+
 for n in $GPUS; do
   if [ "$SKIP_PEER" -eq 0 ] && [ "$SELFCHECK" -eq 1 ]; then selfcheck_peer "$n"; fi
   if [ "$SKIP_TROUPE" -eq 0 ]; then
@@ -252,10 +273,10 @@ for n in $GPUS; do
   fi
 done
 
-"$PY" - "$ROWS" "$WARMUP" "$FPT" "$LOG" <<'PYEOF'
+"$PY" - "$ROWS" "$WARMUP" "$FPT" "$LOG" "$TOKENS_NOTE" <<'PYEOF'
 import json, statistics, sys
 
-rows_path, warmup, fpt, log = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+rows_path, warmup, fpt, log, tokens_note = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
 PEAK = 989e12
 rows = []
 for line in open(rows_path):
@@ -275,6 +296,9 @@ for line in open(rows_path):
                 mfus = [x["mfu"] for x in steps if "mfu" in x]
                 if mfus:
                     r["mfu"] = statistics.median(mfus)
+                syncs = [x["host_syncs"] for x in steps if "host_syncs" in x]
+                if syncs:
+                    r["host_syncs"] = max(syncs)
                 r["steps"] = len(steps)
             else:
                 d = json.load(open(src))
@@ -292,6 +316,7 @@ for r in rows:
         best[r["gpus"]] = max(best.get(r["gpus"], 0), r["tokens_per_s"])
 lines = [f"model FLOPs/token = 6*N_active + 6*L*s*d (attention causal) = {fpt / 1e9:.4f} GFLOP; "
          f"MFU against {PEAK / 1e12:.0f} TFLOP/s per GPU; ratio = tokens/s / faster PyTorch variant at the same GPU count",
+         tokens_note,
          "",
          "| config | GPUs | system | tokens/s | MFU | vs faster peer |",
          "| --- | --- | --- | --- | --- | --- |"]
@@ -303,6 +328,10 @@ for r in rows:
     else:
         tps, mfu, ratio = r["status"], "-", "-"
     lines.append(f"| {r['config']} | {r['gpus']} | {r['system']} | {tps} | {mfu} | {ratio} |")
+for r in rows:
+    if "host_syncs" in r:
+        lines.append(f"{r['system']} ({r['gpus']} GPU): at most {r['host_syncs']} device->host read-backs per timed step "
+                     f"before its metrics read (metrics.jsonl host_syncs)")
 if any(r["mfu_computed"] for r in rows):
     lines.append("* MFU computed here from tokens/s (metrics.jsonl has no mfu)")
 text = "\n".join(lines)

@@ -54,6 +54,9 @@ struct Backend {
   void (*dequantize_fp8)(const Exec&, const Tensor&, const Tensor&, int64_t, Tensor&);
   void (*adamw_step_multi)(const Exec&, std::span<const AdamWTensor>, const AdamWConfig&);
   double (*sum_squares_multi)(const Exec&, std::span<const Tensor* const>);
+  // ---- device-resident step statistics (issue 20)
+  void (*expert_counts)(const Exec&, const Tensor&, Tensor&, bool);
+  void (*sum_squares_into)(const Exec&, std::span<const Tensor* const>, Tensor&, bool);
 };
 
 // The CPU reference backend (kernels/cpu/backend_cpu.cc): every entry is set.

@@ -676,6 +676,7 @@ void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Te
   OP_REQUIRE(c, cfg.step >= 1, "step = {} must be 1-based", cfg.step);
   OP_REQUIRE(c, cfg.beta1 >= 0.0f && cfg.beta1 < 1.0f && cfg.beta2 >= 0.0f && cfg.beta2 < 1.0f,
              "betas ({}, {}) must lie in [0, 1)", cfg.beta1, cfg.beta2);
+  OP_REQUIRE(c, cfg.clip_sum_squares == nullptr, "clip_sum_squares is for adamw_step_multi only");
   c.call(&Backend::adamw_step, ex, param, grad, m, v, cfg);
 }
 
@@ -697,6 +698,11 @@ void adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, cons
     OP_REQUIRE(ct, grad.shape() == param.shape() && m.shape() == param.shape() && v.shape() == param.shape(),
                "tensor {}: grad, m and v must have param's shape {}", i, shape_to_string(param.shape()));
   }
+  if (cfg.clip_sum_squares != nullptr) {
+    OpCheck cc("adamw_step_multi", ex, {{"clip_sum_squares", cfg.clip_sum_squares}});
+    OP_DTYPE(cc, *cfg.clip_sum_squares, DType::kF32);
+    OP_SHAPE(cc, *cfg.clip_sum_squares, {1});
+  }
   c.call(&Backend::adamw_step_multi, ex, tensors, cfg);
 }
 
@@ -708,6 +714,29 @@ double sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors)
     OP_FLOAT(ct, *tensors[i]);
   }
   return c.call(&Backend::sum_squares_multi, ex, tensors);
+}
+
+// ---- device-resident step statistics (issue 20) ------------------------------------------
+
+void expert_counts(const Exec& ex, const Tensor& topk_idx, Tensor& counts, bool accumulate) {
+  OpCheck c("expert_counts", ex, {{"topk_idx", &topk_idx}, {"counts", &counts}});
+  OP_DTYPE(c, topk_idx, DType::kI32);
+  OP_DTYPE(c, counts, DType::kF32);
+  OP_RANK(c, counts, 1);
+  OP_REQUIRE(c, counts.size(0) >= 1, "counts needs at least one expert");
+  c.call(&Backend::expert_counts, ex, topk_idx, counts, accumulate);
+}
+
+void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors, Tensor& out, bool accumulate) {
+  OpCheck c("sum_squares_into", ex, {{"out", &out}});
+  OP_DTYPE(c, out, DType::kF32);
+  OP_SHAPE(c, out, {1});
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    OP_REQUIRE(c, tensors[i] != nullptr, "tensor {} of the list is null", i);
+    OpCheck ct("sum_squares_into", ex, {{"x", tensors[i]}});
+    OP_FLOAT(ct, *tensors[i]);
+  }
+  c.call(&Backend::sum_squares_into, ex, tensors, out, accumulate);
 }
 
 // ---- quantization --------------------------------------------------------------------

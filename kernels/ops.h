@@ -162,6 +162,11 @@ struct AdamWConfig {
   float weight_decay = 0.0f;  // decoupled: param -= lr * wd * param
   int64_t step = 1;           // 1-based, for bias correction
   float grad_scale = 1.0f;    // gradient multiplier (gradient-clipping factor, 1/loss-scale)
+  // Gradient clipping from a norm that stays on the device (adamw_step_multi only): when
+  // set, f32 [1] holding the squared global norm n^2 (sum_squares_into), and grad_scale is
+  // multiplied by max_norm / n where n > clip_max_norm > 0, as the host clip does.
+  const Tensor* clip_sum_squares = nullptr;
+  float clip_max_norm = 0.0f;
 };
 // In place on param, m, v (all f32, same shape as grad; grad f32 or bf16).
 void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWConfig& cfg);
@@ -189,5 +194,14 @@ double sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors)
 void quantize_fp8(const Exec& ex, const Tensor& x, int64_t block_size, Tensor& q, Tensor& scales);
 // out = q * scale (out f32 or bf16).
 void dequantize_fp8(const Exec& ex, const Tensor& q, const Tensor& scales, int64_t block_size, Tensor& out);
+
+// ---- device-resident step statistics (issue 20: no host read inside a step) ------------
+// counts f32 [E] (+)= the number of entries of topk_idx (i32, any shape) equal to e, for
+// each expert e < E (entries outside [0, E) are not counted).
+void expert_counts(const Exec& ex, const Tensor& topk_idx, Tensor& counts, bool accumulate = false);
+// out f32 [1] (+)= the sum of squares of every element of every tensor (f32 or bf16),
+// accumulated in double and left on the device (no host wait; compare sum_squares_multi).
+void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors, Tensor& out,
+                      bool accumulate = false);
 
 }  // namespace troupe::kernels

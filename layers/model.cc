@@ -84,6 +84,11 @@ Model::MicroBatchStats Model::forward_backward(const Ctx& c, const Tensor& ids_i
     saved[i] = Block::Saved();  // free activations as soon as they are used
   }
   embedding.backward(c, ids.view({ids.numel()}), dx);
+  if (stats_dev_.defined()) {  // summed on the device, read with the step's statistics
+    Tensor lm = stats_dev_.narrow(0, 0, 1);
+    kernels::sum_rows(c.ex, losses.view({losses.numel(), 1}), lm, /*accumulate=*/true);
+    return st;
+  }
   // The one read-back of the micro-batch, after its whole backward is enqueued.
   st.lm_loss_sum = kernels::sum(c.ex, losses);
   return st;
@@ -119,8 +124,53 @@ void Model::zero_grad(const Ctx& c) {
 
 std::vector<std::vector<int64_t>> Model::end_step() { return end_step(Ctx::cpu()); }
 
+bool Model::enable_device_stats(const Ctx& c) {
+  std::vector<MoELayer*> moes;
+  for (auto& b : blocks) {
+    if (!b->is_moe()) continue;
+    if (!b->moe->router.device_stats_ok(c)) return false;
+    moes.push_back(b->moe.get());
+  }
+  const int64_t e = moes.empty() ? 0 : moes.front()->router.cfg.num_experts;
+  stats_stride_ = (e + 1 + 3) / 4 * 4;  // 16-byte aligned rows
+  stats_dev_ = c.zeros({4 + static_cast<int64_t>(moes.size()) * stats_stride_}, DType::kF32);
+  for (size_t i = 0; i < moes.size(); ++i) {
+    const bool ok = moes[i]->set_device_stats(
+        c, stats_dev_.narrow(0, 4 + static_cast<int64_t>(i) * stats_stride_, e + 1));
+    TROUPE_CHECK(ok, "Model::enable_device_stats: MoE block {} refused after device_stats_ok", i);
+  }
+  return true;
+}
+
+Tensor Model::grad_norm_squared_on_device(const Ctx& c) {
+  TROUPE_CHECK(stats_dev_.defined(), "Model::grad_norm_squared_on_device needs enable_device_stats");
+  Tensor out = stats_dev_.narrow(0, 1, 1);
+  std::vector<const Tensor*> list;
+  if (flat_grads_.defined()) {
+    list.push_back(&flat_grads_);
+  } else {  // the CPU layout: one tensor per parameter
+    std::vector<NamedParameter> params = parameters();
+    for (const auto& p : params) list.push_back(&p.param->grad);
+  }
+  kernels::sum_squares_into(c.ex, list, out);
+  return out;
+}
+
 std::vector<std::vector<int64_t>> Model::end_step(const Ctx& c) {
   std::vector<std::vector<int64_t>> out;
+  if (stats_dev_.defined()) {
+    // The step's one read: losses, norm, counts and aux losses together; then zeroed.
+    const Tensor h = c.to_host(stats_dev_);
+    const float* p = h.data<float>();
+    last_stats_ = StepStats{p[0], p[1], 0.0};
+    int64_t i = 0;
+    for (auto& b : blocks) {
+      if (!b->is_moe()) continue;
+      last_stats_.aux_loss += b->moe->absorb_device_stats(p + 4 + i * stats_stride_);
+      ++i;
+    }
+    kernels::fill(c.ex, stats_dev_, 0.0f);
+  }
   for (auto& b : blocks) {
     if (!b->is_moe()) continue;
     out.push_back(b->moe->step_load());

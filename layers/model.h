@@ -62,6 +62,27 @@ class Model {
   // Every gradient as one f32 buffer (padding zero), or undefined on the CPU layout.
   const Tensor& flat_grads() const { return flat_grads_; }
 
+  // Step statistics on the device (issue 20; one process, after to_device; the training
+  // loop uses it on GPUs, the CPU runs it too for tests): the
+  // LM loss sum, the squared gradient norm and every MoE block's selection counts and aux
+  // loss accumulate in one device buffer that end_step reads once, so a step enqueues its
+  // forward, backward and clipped optimizer update without a host wait. In this mode
+  // forward_backward returns lm_loss_sum = aux_loss = 0 and end_step fills
+  // last_step_stats(). Returns false (nothing changes) where a MoE block
+  // cannot keep its statistics on the device (z-loss, a group all-reduce, a replaced
+  // dispatch).
+  bool enable_device_stats(const Ctx& c);
+  bool device_stats() const { return stats_dev_.defined(); }
+  // Device mode: the squared global norm of flat_grads() into the buffer; returns that f32
+  // [1] view (for AdamW::step's device clip). No host wait.
+  Tensor grad_norm_squared_on_device(const Ctx& c);
+  struct StepStats {
+    double lm_loss_sum = 0;        // over the step's micro-batches
+    double grad_norm_squared = 0;  // as grad_norm_squared_on_device computed it
+    double aux_loss = 0;           // over micro-batches and MoE blocks, unweighted
+  };
+  const StepStats& last_step_stats() const { return last_stats_; }
+
   Embedding embedding;
   std::vector<std::unique_ptr<Block>> blocks;
   std::unique_ptr<LMHead> head;
@@ -71,6 +92,10 @@ class Model {
                         MicroBatchStats* stats);
   ModelConfig cfg_;
   Tensor flat_grads_;
+  // Device mode: [lm loss sum, grad norm^2, 2 pad | per MoE block: E counts, aux, pad to 4].
+  Tensor stats_dev_;
+  int64_t stats_stride_ = 0;
+  StepStats last_stats_;
 };
 
 }  // namespace troupe::layers

@@ -1,10 +1,12 @@
 // layers/moe.cc — Router, LocalExpertDispatch and MoELayer.
 //
-// Host loops: the selection counts, the aux-loss gradient on the scores and the z-loss
-// are computed here over host tensors ([T,E] and [T,k], small next to the GEMMs);
-// kernels/ops.h has no op for them. On a device, the router reads back topk_idx and the
-// per-expert score sums (sum_rows) once per forward, which is one stream synchronisation
-// per MoE layer; the z-loss (off in bench_1b) also reads back the logits.
+// Two ways to keep the router's balancing statistics. Router::forward (CPU, distributed
+// groups, z-loss): host loops over read-back topk_idx and score sums, one stream
+// synchronisation per MoE layer on a device (the z-loss also reads back the logits).
+// Router::forward_device (one process, no z-loss; MoELayer::set_device_stats; on GPUs):
+// counts (expert_counts), score sums and the aux loss accumulate on the device and are
+// read once per step by Model::end_step; the dispatch then sizes its rows as T*k without
+// reading the counts, so the MoE layer enqueues everything without a host wait.
 #include "layers/moe.h"
 
 #include <algorithm>
@@ -109,12 +111,61 @@ double Router::forward(const Ctx& c, const Tensor& x, Saved& s) const {
   return aux;
 }
 
+void Router::forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc) const {
+  TROUPE_CHECK(device_stats_ok(c),
+               "Router::forward_device needs one process (no group all-reduce) and no z-loss");
+  const int64_t t = x.size(0), e = cfg.num_experts, k = cfg.top_k;
+  s.x = x;
+  s.logits = c.empty({t, e}, DType::kF32);
+  kernels::matmul(c.ex, x, weight.w(), s.logits);
+  s.scores = c.empty({t, e}, DType::kF32);
+  s.topk_idx = c.empty({t, k}, DType::kI32);
+  s.gates = c.empty({t, k}, DType::kF32);
+  kernels::router_forward(c.ex, s.logits, cfg.bias_update_rate > 0 ? &bias : nullptr, router_config(),
+                          s.scores, s.topk_idx, s.gates);
+  s.selected.clear();
+  s.group_tokens = t;
+  s.counts = Tensor();
+  s.score_sums = Tensor();
+  if (acc == nullptr) return;
+  TROUPE_CHECK(acc->dtype() == DType::kF32 && acc->numel() == e + 1,
+               "Router::forward_device: acc must be f32 [{}], got {}", e + 1, acc->describe());
+  s.counts = c.empty({e}, DType::kF32);
+  kernels::expert_counts(c.ex, s.topk_idx, s.counts);
+  Tensor load = acc->narrow(0, 0, e);
+  kernels::axpby(c.ex, 1.0f, s.counts, 1.0f, load);
+  if (cfg.aux_loss_coef > 0) {
+    // aux = coef * E * sum_e (counts_e / (T k)) * (score_sums_e / T): a [1,E] x [E,1] product.
+    s.score_sums = c.empty({e}, DType::kF32);
+    kernels::sum_rows(c.ex, s.scores, s.score_sums);
+    Tensor dot = c.empty({1, 1}, DType::kF32);
+    kernels::matmul(c.ex, s.counts.view({1, e}), s.score_sums.view({e, 1}), dot);
+    const double td = static_cast<double>(std::max<int64_t>(1, t));
+    Tensor aux = acc->narrow(0, e, 1);
+    kernels::axpby(
+        c.ex,
+        static_cast<float>(cfg.aux_loss_coef * static_cast<double>(e) / (td * td * static_cast<double>(k))),
+        dot.view({1}), 1.0f, aux);
+  }
+}
+
 Tensor Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight) {
   const int64_t t = s.x.size(0), e = cfg.num_experts, k = cfg.top_k;
   const double tg = static_cast<double>(std::max<int64_t>(1, s.group_tokens));
   Tensor dlogits = c.empty({t, e}, DType::kF32);
   Tensor dscores;
-  if (cfg.aux_loss_coef > 0) {
+  if (cfg.aux_loss_coef > 0 && s.counts.defined()) {
+    // forward_device: the same gradient from the counts on the device, g = scale * counts.
+    Tensor g = c.zeros({1, e}, DType::kF32);
+    kernels::axpby(c.ex,
+                   static_cast<float>(loss_weight * cfg.aux_loss_coef * static_cast<double>(e) /
+                                      (tg * static_cast<double>(k) * tg)),
+                   s.counts.view({1, e}), 1.0f, g);
+    Tensor ones = c.empty({t, 1}, DType::kF32);
+    kernels::fill(c.ex, ones, 1.0f);
+    dscores = c.empty({t, e}, DType::kF32);
+    kernels::matmul(c.ex, ones, g, dscores);
+  } else if (cfg.aux_loss_coef > 0) {
     // d aux / d scores[t,e] = coef * E * f_e / T, the same for every token.
     Tensor g_host = Tensor::empty({1, e}, DType::kF32);
     for (int64_t j = 0; j < e; ++j) {
@@ -190,12 +241,17 @@ Tensor LocalExpertDispatch::forward(const Ctx& c, const Tensor& x, const Tensor&
   Tensor counts = c.empty({e}, DType::kI32);
   st->offsets = c.empty({e + 1}, DType::kI32);
   kernels::moe_dispatch_plan(c.ex, topk_idx, e, capacity, st->row_map, counts, st->offsets);
-  const Tensor hc = c.to_host(counts);
-  kept.assign(static_cast<size_t>(e), 0);
   int64_t rows = 0;
-  for (int64_t j = 0; j < e; ++j) {
-    kept[static_cast<size_t>(j)] = hc.data<int32_t>()[j];
-    rows += kept[static_cast<size_t>(j)];  // offsets[E] = sum of the counts
+  if (defer_counts_ && capacity < 0) {
+    rows = t * top_k_;  // dropless: every copy is kept; the counts stay on the device
+    kept.clear();
+  } else {
+    const Tensor hc = c.to_host(counts);
+    kept.assign(static_cast<size_t>(e), 0);
+    for (int64_t j = 0; j < e; ++j) {
+      kept[static_cast<size_t>(j)] = hc.data<int32_t>()[j];
+      rows += kept[static_cast<size_t>(j)];  // offsets[E] = sum of the counts
+    }
   }
   Tensor xp = c.empty({rows, x.size(1)});
   kernels::moe_permute(c.ex, x, st->row_map, top_k_, xp);
@@ -248,6 +304,21 @@ void MoELayer::collect_buffers(const std::string& prefix, std::vector<NamedBuffe
 }
 
 Tensor MoELayer::forward(const Ctx& c, const Tensor& x, Saved& s, Stats* stats) {
+  if (device_stats_.defined()) {
+    router.forward_device(c, x, s.router, stats ? &device_stats_ : nullptr);
+    std::vector<int64_t> kept;
+    Tensor y = dispatch_->forward(c, x, s.router.topk_idx, s.router.gates, s.dispatch, kept);
+    if (stats) {  // the aux loss and counts arrive with the step's one read (Model::end_step)
+      stats->aux_loss = 0;
+      stats->selected.clear();
+      stats->kept = std::move(kept);
+    }
+    if (shared) {
+      Tensor ys = shared->forward(c, x, s.shared);
+      kernels::add(c.ex, y, ys, y);
+    }
+    return y;
+  }
   const double aux = router.forward(c, x, s.router);
   std::vector<int64_t> kept;
   Tensor y = dispatch_->forward(c, x, s.router.topk_idx, s.router.gates, s.dispatch, kept);
@@ -274,6 +345,23 @@ Tensor MoELayer::backward(const Ctx& c, const Tensor& dy, Saved& s, float loss_w
     kernels::add(c.ex, dx, dxs, dx);
   }
   return dx;
+}
+
+bool MoELayer::set_device_stats(const Ctx& c, Tensor row) {
+  if (!router.device_stats_ok(c) || dispatch_ != local_.get()) return false;
+  TROUPE_CHECK(
+      row.dtype() == DType::kF32 && row.numel() == router.cfg.num_experts + 1 && row.device() == c.ex.device,
+      "MoELayer::set_device_stats: row must be f32 [{}] on {}, got {}", router.cfg.num_experts + 1,
+      c.ex.device, row.describe());
+  device_stats_ = std::move(row);
+  local_->set_defer_counts(true);
+  return true;
+}
+
+double MoELayer::absorb_device_stats(const float* row) {
+  const size_t e = step_load_.size();
+  for (size_t j = 0; j < e; ++j) step_load_[j] = std::llround(static_cast<double>(row[j]));
+  return static_cast<double>(row[e]);
 }
 
 void MoELayer::update_bias(const std::vector<int64_t>& load) { update_bias(Ctx::cpu(), load); }

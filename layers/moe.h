@@ -36,6 +36,9 @@ class Router {
     // the group), and that micro-batch's token count.
     std::vector<int64_t> selected;
     int64_t group_tokens = 0;
+    // forward_device: the selection counts and score column sums (f32 [E] each) that stay
+    // on the device for the aux-loss gradient (undefined in evaluation).
+    Tensor counts, score_sums;
   };
   Router(int64_t d_model, const MoEConfig& cfg);
   void init(uint64_t seed, const std::string& prefix, float std);
@@ -46,6 +49,14 @@ class Router {
   // f_e = selected_e / (T*k) and P_e = mean_t scores[t,e], T and the sums taken over the
   // whole micro-batch (through the group all-reduce; every rank returns the same value).
   double forward(const Ctx& c, const Tensor& x, Saved& s) const;
+  // The same routing with the statistics left on the device (one process, no z-loss: see
+  // device_stats_ok; bit-for-bit the same routing and gradients as forward): with acc (training), f32 [E+1]
+  // on the device, acc[0:E] += the selection counts and acc[E] += this micro-batch's aux loss; s.selected
+  // stays empty. Without acc (evaluation) no statistics are taken. No host wait either way.
+  void forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc) const;
+  // Any Ctx (the CPU runs it too, which is how tests compare the two ways); the training
+  // loop enables it on GPUs.
+  bool device_stats_ok(const Ctx&) const { return !all_reduce_ && cfg.z_loss_coef <= 0; }
   // dgates [T,k] from the experts; loss_weight is the weight of this micro-batch's aux
   // loss in the total loss. Returns dx; accumulates weight.grad.
   Tensor backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight);
@@ -86,11 +97,15 @@ class LocalExpertDispatch final : public ExpertDispatch {
   Tensor forward(const Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
                  std::unique_ptr<DispatchState>& state, std::vector<int64_t>& kept) override;
   Tensor backward(const Ctx& c, const Tensor& dy, DispatchState& state, Tensor& dgates) override;
+  // Dropless only: size the permuted rows as T*k without reading the expert counts back
+  // (the grouped GEMMs take the offsets on the device); `kept` is then left empty.
+  void set_defer_counts(bool on) { defer_counts_ = on; }
 
  private:
   Experts& experts_;
   int64_t top_k_;
   double capacity_factor_;
+  bool defer_counts_ = false;
 };
 
 class MoELayer {
@@ -126,6 +141,16 @@ class MoELayer {
   void update_bias(const std::vector<int64_t>& load);  // host bias (CPU Exec)
   void update_bias(const Ctx& c, const std::vector<int64_t>& load);
 
+  // Device-resident statistics (one process on a GPU): `row` f32 [E+1] on the device,
+  // which forward with stats accumulates into (selection counts, then the aux loss; see
+  // Router::forward_device), and the local dispatch stops reading the counts back. Returns
+  // false (nothing changes) where the router cannot (Router::device_stats_ok).
+  bool set_device_stats(const Ctx& c, Tensor row);
+  bool device_stats() const { return device_stats_.defined(); }
+  // Takes a host copy of that row after a step: step_load() := its counts; returns its aux
+  // loss sum (over micro-batches, unweighted).
+  double absorb_device_stats(const float* row);
+
   Router router;
   Experts experts;
   std::unique_ptr<SwiGLUMLP> shared;  // null without shared experts
@@ -134,6 +159,7 @@ class MoELayer {
   std::unique_ptr<LocalExpertDispatch> local_;
   ExpertDispatch* dispatch_;
   std::vector<int64_t> step_load_;
+  Tensor device_stats_;
 };
 
 }  // namespace troupe::layers

@@ -34,6 +34,14 @@ double clip_factor(double norm, double max_norm) {
 }
 
 void AdamW::step(const Ctx& c, double lr, double grad_norm) {
+  step_impl(c, lr, clip_factor(grad_norm, opts_.grad_clip), nullptr);
+}
+
+void AdamW::step(const Ctx& c, double lr, const Tensor& grad_norm_squared) {
+  step_impl(c, lr, 1.0, &grad_norm_squared);
+}
+
+void AdamW::step_impl(const Ctx& c, double lr, double grad_scale, const Tensor* norm_sq) {
   ++step_;
   kernels::AdamWConfig cfg;
   cfg.lr = static_cast<float>(lr);
@@ -41,7 +49,11 @@ void AdamW::step(const Ctx& c, double lr, double grad_norm) {
   cfg.beta2 = static_cast<float>(opts_.beta2);
   cfg.eps = static_cast<float>(opts_.eps);
   cfg.step = step_;
-  cfg.grad_scale = static_cast<float>(clip_factor(grad_norm, opts_.grad_clip));
+  cfg.grad_scale = static_cast<float>(grad_scale);
+  if (norm_sq != nullptr && opts_.grad_clip > 0) {
+    cfg.clip_sum_squares = norm_sq;
+    cfg.clip_max_norm = static_cast<float>(opts_.grad_clip);
+  }
   // One multi-tensor step (one launch per 256 tensors on CUDA instead of one per tensor).
   std::vector<kernels::AdamWTensor> list;
   list.reserve(params_.size());

@@ -31,6 +31,9 @@ class AdamW {
   double grad_norm_squared(const Ctx& c) const;
   // Clips by `grad_norm` (the global norm) and updates every parameter; advances step().
   void step(const Ctx& c, double lr, double grad_norm);
+  // The same with the global norm left on the device: grad_norm_squared f32 [1] (e.g.
+  // Model::grad_norm_squared_on_device); the clip factor is taken there (no host wait).
+  void step(const Ctx& c, double lr, const Tensor& grad_norm_squared);
   int64_t steps_done() const { return step_; }
   void set_steps_done(int64_t s) { step_ = s; }
   // Moments as named tensors ("<param>.adam_m", "<param>.adam_v") for checkpoints.
@@ -38,6 +41,7 @@ class AdamW {
   const AdamWOptions& options() const { return opts_; }
 
  private:
+  void step_impl(const Ctx& c, double lr, double grad_scale, const Tensor* norm_sq);
   std::vector<NamedParameter> params_;
   std::vector<Tensor> m_, v_;
   AdamWOptions opts_;

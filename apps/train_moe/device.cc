@@ -12,6 +12,7 @@
 #include <nvtx3/nvToolsExt.h>
 
 #include "core/cuda/caching_allocator.h"
+#include "core/cuda/host_wait.h"
 #include "core/cuda/stream.h"
 #include "core/gpu_check.h"
 #include "kernels/cuda/context.h"
@@ -87,6 +88,22 @@ Result<std::unique_ptr<RunDevice>> RunDevice::create(const std::string& backend)
 void RunDevice::synchronize() const {
 #if TROUPE_HAVE_CUDA
   if (cuda_) cuda_->stream.synchronize();
+#endif
+}
+
+int64_t RunDevice::host_syncs() const {
+#if TROUPE_HAVE_CUDA
+  return cuda_ ? cuda::host_wait_count(cuda::HostWait::kReadBack) : 0;
+#else
+  return 0;
+#endif
+}
+
+int64_t RunDevice::upload_waits() const {
+#if TROUPE_HAVE_CUDA
+  return cuda_ ? cuda::host_wait_count(cuda::HostWait::kUpload) : 0;
+#else
+  return 0;
 #endif
 }
 

@@ -34,6 +34,10 @@ class RunDevice {
   void reset_peak() { ctx_.alloc->reset_peak(); }
   // Waits for every op enqueued so far (no-op on the CPU).
   void synchronize() const;
+  // Host waits so far (core/cuda/host_wait.h; 0 on the CPU; synchronize() not counted):
+  // device->host read-backs, and host->device uploads that waited for their copy.
+  int64_t host_syncs() const;
+  int64_t upload_waits() const;
   // An NVTX range around a training step ("step"), so profilers can select the kernels of
   // steps (e.g. ncu --nvtx --nvtx-include step/). No-ops on the CPU.
   void range_push(const char* name) const;

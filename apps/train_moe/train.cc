@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <string>
 
 #include <unistd.h>
 
@@ -170,6 +171,11 @@ Status run_train(const TrainOptions& opts, RunDevice& dev) {
   // moved: f32 master weights and gradients, bf16 working copies on a GPU.
   layers::Model model(tc.model, tc.train.seed);
   model.to_device(c);
+  // On a GPU the step's statistics stay on the device until its one read (issue 20).
+  // TROUPE_DEVICE_STATS=0 keeps the host statistics (per-layer read-backs), for comparison.
+  const char* ds_env = std::getenv("TROUPE_DEVICE_STATS");
+  const bool device_stats =
+      dev.is_cuda() && !(ds_env != nullptr && std::string(ds_env) == "0") && model.enable_device_stats(c);
   layers::AdamW opt(model.parameters(), tc.optim, c);
   int64_t first_step = 1, tokens_seen = 0;
   if (resume) {
@@ -225,6 +231,7 @@ Status run_train(const TrainOptions& opts, RunDevice& dev) {
     dev.reset_peak();
     dev.range_push("step");
     const size_t step_base_bytes = dev.bytes_in_use();
+    const int64_t syncs_before = dev.host_syncs(), uploads_before = dev.upload_waits();
     model.zero_grad(c);
     double lm_sum = 0, aux = 0;
     int64_t step_tokens = 0;
@@ -237,13 +244,28 @@ Status run_train(const TrainOptions& opts, RunDevice& dev) {
       aux += st.aux_loss * loss_weight;
       step_tokens += st.tokens;
     }
-    // The global norm: one reduction over the flat gradient buffer on a device.
-    const double grad_norm = std::sqrt(model.flat_grads().defined() ? kernels::sum_squares(c.ex, model.flat_grads())
-                                                                    : opt.grad_norm_squared(c));
+    // The global norm: one reduction over the flat gradient buffer on a device (left there
+    // in device-stats mode, where AdamW clips by it on the device).
     const double lr = tc.lr.at(step);
-    opt.step(c, lr, grad_norm);
+    double grad_norm = 0;
+    if (device_stats) {
+      opt.step(c, lr, model.grad_norm_squared_on_device(c));
+    } else {
+      grad_norm = std::sqrt(model.flat_grads().defined() ? kernels::sum_squares(c.ex, model.flat_grads())
+                                                         : opt.grad_norm_squared(c));
+      opt.step(c, lr, grad_norm);
+    }
     model.refresh_working_copies(c);
+    // Host waits while the step's work was enqueued (before its metrics read below).
+    const int64_t step_syncs = dev.host_syncs() - syncs_before,
+                  step_uploads = dev.upload_waits() - uploads_before;
     const std::vector<std::vector<int64_t>> load = model.end_step(c);
+    if (device_stats) {
+      const layers::Model::StepStats& ss = model.last_step_stats();
+      lm_sum = ss.lm_loss_sum / static_cast<double>(std::max<int64_t>(1, step_tokens));
+      aux = ss.aux_loss * loss_weight;
+      grad_norm = std::sqrt(ss.grad_norm_squared);
+    }
     dev.range_pop();
     dev.synchronize();  // the step's time includes its optimizer update
     const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -265,6 +287,11 @@ Status run_train(const TrainOptions& opts, RunDevice& dev) {
                        {"tokens", tokens_seen}, {"tokens_per_s", tps}, {"step_ms", step_s * 1e3},
                        {"expert_load", load}, {"load_imbalance", imbalance}};
     if (dev.is_cuda()) {
+      // Device->host read-backs while the step was enqueued (the metrics read after it is one
+      // more), and uploads that waited (the batch, at the step's start).
+      rec["host_syncs"] = step_syncs;
+      rec["upload_waits"] = step_uploads;
+      rec["peak_gib"] = static_cast<double>(peak_bytes) / 1073741824.0;
       rec["mfu"] = tps * flops_per_token / (kPeakFlopsPerGpu * dev.num_gpus());
       rec["peak_bytes"] = peak_bytes;  // caching allocator high-water mark in this step
       rec["activation_bytes"] = peak_bytes - std::min(peak_bytes, step_base_bytes);
@@ -292,13 +319,19 @@ Status run_train(const TrainOptions& opts, RunDevice& dev) {
     metrics << rec.dump() << "\n";
     metrics.flush();
     if (step % tc.train.log_every == 0 || step == 1 || eval_now) {
-      fmt::print("step {}/{} | loss {:.4f} | lm {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:.0f} tok/s | {:.0f} ms{}{}{}\n",
-                 step, tc.train.steps, loss, lm_sum, aux, lr, grad_norm, tps, step_s * 1e3,
-                 load.empty() ? "" : fmt::format(" | load max/mean {:.2f}", imbalance),
-                 dev.is_cuda() ? fmt::format(" | mfu {:.1f}% | act {:.2f} GiB", 100.0 * rec["mfu"].get<double>(),
-                                             static_cast<double>(peak_bytes - std::min(peak_bytes, step_base_bytes)) / 1073741824.0)
-                               : "",
-                 eval_now ? fmt::format(" | val_loss {:.4f}", last_val) : "");
+      fmt::print(
+          "step {}/{} | loss {:.4f} | lm {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:.0f} tok/s | "
+          "{:.0f} ms{}{}{}\n",
+          step, tc.train.steps, loss, lm_sum, aux, lr, grad_norm, tps, step_s * 1e3,
+          load.empty() ? "" : fmt::format(" | load max/mean {:.2f}", imbalance),
+          dev.is_cuda()
+              ? fmt::format(
+                    " | mfu {:.1f}% | act {:.2f} GiB | peak {:.2f} GiB | syncs {}",
+                    100.0 * rec["mfu"].get<double>(),
+                    static_cast<double>(peak_bytes - std::min(peak_bytes, step_base_bytes)) / 1073741824.0,
+                    static_cast<double>(peak_bytes) / 1073741824.0, step_syncs)
+              : "",
+          eval_now ? fmt::format(" | val_loss {:.4f}", last_val) : "");
       std::fflush(stdout);
     }
     steps_done = step;

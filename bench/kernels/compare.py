@@ -22,6 +22,8 @@ again = read(sys.argv[3], "RESULT") if len(sys.argv) > 3 else {}
 for d in (ours, again):
     if "attention_fwd_b8_s2048_h16_d64" in d and "attention_bwd" in d:
         d["attention_fwd_bwd"] = d["attention_fwd_b8_s2048_h16_d64"] + d["attention_bwd"]
+    if "attention_fwd_b8_s2048_h8_d128" in d and "attention_bwd_d128" in d:
+        d["attention_fwd_bwd_d128"] = d["attention_fwd_b8_s2048_h8_d128"] + d["attention_bwd_d128"]
 print("| kernel | Troupe ms | PyTorch ms | PyTorch/Troupe | Troupe repeat ms |")
 print("|---|---:|---:|---:|---:|")
 # Variant rows (other configurations of one Troupe kernel) compare with the base kernel's

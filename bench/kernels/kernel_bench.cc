@@ -93,6 +93,45 @@ struct Bench {
   }
 };
 
+// Offsets [E+1] of `rows` rows over `experts` experts: `first` of them to expert 0 and the
+// rest spread evenly (first = rows / experts: a balanced load).
+std::vector<int32_t> load_offsets(int64_t rows, int64_t experts, int64_t first) {
+  std::vector<int32_t> off(static_cast<size_t>(experts + 1));
+  off[0] = 0;
+  off[1] = static_cast<int32_t>(first);
+  for (int64_t e = 1; e < experts; ++e) {
+    off[static_cast<size_t>(e + 1)] = static_cast<int32_t>(first + (rows - first) * e / (experts - 1));
+  }
+  return off;
+}
+
+// The six expert GEMMs of a MoE layer (up/down forward, dx, dW with f32 accumulation) on one
+// load, named grouped_<tag>_{up,down,up_dx,down_dx,up_dw,down_dw} (torch_kernels.py times
+// torch._grouped_mm on the same shapes and offsets).
+void grouped_set(Bench& b, const std::string& tag, int64_t experts, int64_t ffn, const std::vector<int32_t>& off) {
+  const DType bf = DType::kBF16;
+  const int64_t rows = off.back();
+  Tensor offsets = b.ints({experts + 1}, off);
+  Tensor xp = b.random({rows, kD}, bf), w1 = b.random({experts, kD, 2 * ffn}, bf, -0.05f, 0.05f);
+  Tensor h = b.empty({rows, 2 * ffn}, bf);
+  const double f1 = 2.0 * rows * kD * 2 * ffn, f2 = 2.0 * rows * ffn * kD;
+  const std::string g = "grouped_" + tag + "_";
+  b.flops(g + "up", f1, "2*rows*N*K", [&] { b.be.grouped_matmul(b.ex, xp, w1, offsets, h, false); });
+  Tensor a = b.random({rows, ffn}, bf), w2 = b.random({experts, ffn, kD}, bf, -0.05f, 0.05f);
+  Tensor y = b.empty({rows, kD}, bf);
+  b.flops(g + "down", f2, "2*rows*N*K", [&] { b.be.grouped_matmul(b.ex, a, w2, offsets, y, false); });
+  Tensor dxp = b.empty({rows, kD}, bf), dw1 = b.empty({experts, kD, 2 * ffn}, DType::kF32);
+  b.flops(g + "up_dx", f1, "2*rows*N*K",
+          [&] { b.be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, &dxp, nullptr, false, false); });
+  b.flops(g + "up_dw", f1, "2*rows*N*K",
+          [&] { b.be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, nullptr, &dw1, false, true); });
+  Tensor da = b.empty({rows, ffn}, bf), dw2 = b.empty({experts, ffn, kD}, DType::kF32);
+  b.flops(g + "down_dx", f2, "2*rows*N*K",
+          [&] { b.be.grouped_matmul_backward(b.ex, a, w2, offsets, y, &da, nullptr, false, false); });
+  b.flops(g + "down_dw", f2, "2*rows*N*K",
+          [&] { b.be.grouped_matmul_backward(b.ex, a, w2, offsets, y, nullptr, &dw2, false, true); });
+}
+
 void run() {
   const int dev = 0;
   CUDA_CHECK(cudaSetDevice(dev));
@@ -211,6 +250,14 @@ void run() {
     Tensor wd = b.random({kD, 2 * kFfn}, bf, -0.05f, 0.05f);
     b.flops("dense_equiv_32768x4096x1024", f1, "2*M*N*K", [&] { be.matmul(b.ex, xp, wd, h, false, false, 1.0f, 0.0f); });
   }
+  // ---- grouped GEMMs on two more loads (issue 20): bench_1b's shapes with one expert
+  // holding half the rows, and fine-grained experts (64 of hidden 256, top-8) ----
+  {
+    const int64_t rows = kTokens * kTopK;
+    grouped_set(b, "skew", kExperts, kFfn, load_offsets(rows, kExperts, rows / 2));
+    const int64_t fine_e = 64, fine_k = 8, fine_f = 256, fine_rows = kTokens * fine_k;
+    grouped_set(b, "fine", fine_e, fine_f, load_offsets(fine_rows, fine_e, fine_rows / fine_e));
+  }
   // ---- attention ----
   {
     Tensor q = b.random({kBatch, kSeq, kHeads, kHeadDim}, bf), k = b.random({kBatch, kSeq, kHeads, kHeadDim}, bf);
@@ -240,6 +287,21 @@ void run() {
                                        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), bf, scratch.data_ptr(), warps);
       });
     }
+  }
+  // Head dim 128 (8 heads of 128: the same d_model), with the backend's default kernels.
+  {
+    const int64_t heads = 8, dh = 128;
+    Tensor q = b.random({kBatch, kSeq, heads, dh}, bf), k = b.random({kBatch, kSeq, heads, dh}, bf);
+    Tensor v = b.random({kBatch, kSeq, heads, dh}, bf);
+    Tensor out = b.empty({kBatch, kSeq, heads, dh}, bf), lse = b.empty({kBatch, heads, kSeq}, DType::kF32);
+    const float scale = 0.08838834764f;  // 1/sqrt(128)
+    const double fwd = 4.0 * kBatch * heads * double(kSeq) * kSeq * dh / 2;
+    b.flops("attention_fwd_b8_s2048_h8_d128", fwd, "4*B*H*S^2*Dh/2",
+            [&] { be.attention_forward(b.ex, q, k, v, scale, out, lse); });
+    Tensor dout = b.random(q.shape(), bf);
+    Tensor dq = b.empty(q.shape(), bf), dk = b.empty(q.shape(), bf), dv = b.empty(q.shape(), bf);
+    b.flops("attention_bwd_d128", 2.5 * fwd, "2.5*fwd",
+            [&] { be.attention_backward(b.ex, q, k, v, out, lse, dout, scale, dq, dk, dv); });
   }
   // ---- memory-bound kernels ----
   {
@@ -329,6 +391,9 @@ void run() {
     });
     b.bytes("grad_norm_bench1b", numel * 4, "sum_squares_multi, one launch + sync; read g (f32)",
             [&] { sink += be.sum_squares_multi(b.ex, grads); });
+    Tensor norm_sq = b.empty({1}, DType::kF32);
+    b.bytes("grad_norm_device_bench1b", numel * 4, "sum_squares_into: one launch + a 1-block finish, no sync",
+            [&] { be.sum_squares_into(b.ex, grads, norm_sq, false); });
     std::printf("(norm checksum %.3e)\n", sink);
   }
   {
@@ -353,8 +418,18 @@ void run() {
     Tensor logits = b.random({kTokens, kExperts}, DType::kF32), scores = b.empty({kTokens, kExperts}, DType::kF32);
     Tensor ti = b.empty({kTokens, kTopK}, DType::kI32), gt = b.empty({kTokens, kTopK}, DType::kF32);
     RouterConfig rc;
-    b.flops("router_fwd_16384x16", 0, "(time only)",
+    b.bytes("router_fwd_16384x16", T * kExperts * 4 * 2 + T * kTopK * 8, "read logits + write scores, ids, gates",
             [&] { be.router_forward(b.ex, logits, nullptr, rc, scores, ti, gt); });
+    Tensor counts_f = b.empty({kExperts}, DType::kF32);
+    b.flops("expert_counts_32768", 0, "(time only)", [&] { be.expert_counts(b.ex, ti, counts_f, false); });
+    // Fine-grained routing: 64 experts, top-8.
+    const int64_t fe = 64, fk = 8;
+    Tensor lf = b.random({kTokens, fe}, DType::kF32), sf = b.empty({kTokens, fe}, DType::kF32);
+    Tensor tif = b.empty({kTokens, fk}, DType::kI32), gf = b.empty({kTokens, fk}, DType::kF32);
+    RouterConfig rf;
+    rf.top_k = static_cast<int>(fk);
+    b.bytes("router_fwd_16384x64_k8", T * fe * 4 * 2 + T * fk * 8, "read logits + write scores, ids, gates",
+            [&] { be.router_forward(b.ex, lf, nullptr, rf, sf, tif, gf); });
   }
   std::printf("kernel_bench done\n");
 }

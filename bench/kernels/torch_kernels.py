@@ -85,6 +85,31 @@ def main():
     timed("dense_equiv_32768x4096x1024", lambda: torch.matmul(xp, wd))
     del xp, w1, a, w2, y, wd
 
+    # Two more loads (kernel_bench's grouped_set): one expert with half the rows; fine-grained
+    # experts (64 of hidden 256, top-8).
+    def load_offsets(rows_, experts, first):
+        off = [0, first] + [first + (rows_ - first) * e // (experts - 1) for e in range(1, experts)]
+        return torch.tensor(off[1:], dtype=torch.int32, device=dev)
+
+    def grouped_set(tag, experts, ffn, offs_):
+        rows_ = int(offs_[-1].item())
+        xp_, w1_ = rnd(rows_, D), rnd(experts, D, 2 * ffn, scale=0.05)
+        a_, w2_, y_, h_ = rnd(rows_, ffn), rnd(experts, ffn, D, scale=0.05), rnd(rows_, D), rnd(rows_, 2 * ffn)
+        dw1_ = torch.zeros(experts, D, 2 * ffn, device=dev, dtype=torch.float32)
+        dw2_ = torch.zeros(experts, ffn, D, device=dev, dtype=torch.float32)
+        g_ = f"grouped_{tag}_"
+        timed(g_ + "up", lambda: torch._grouped_mm(xp_, w1_, offs=offs_))
+        timed(g_ + "down", lambda: torch._grouped_mm(a_, w2_, offs=offs_))
+        w1t_, w2t_ = w1_.transpose(1, 2), w2_.transpose(1, 2)
+        timed(g_ + "up_dx", lambda: torch._grouped_mm(h_, w1t_, offs=offs_))
+        timed(g_ + "up_dw", lambda: dw1_.add_(torch._grouped_mm(xp_.t(), h_, offs=offs_)))
+        timed(g_ + "down_dx", lambda: torch._grouped_mm(y_, w2t_, offs=offs_))
+        timed(g_ + "down_dw", lambda: dw2_.add_(torch._grouped_mm(a_.t(), y_, offs=offs_)))
+
+    if hasattr(torch, "_grouped_mm"):
+        grouped_set("skew", E, FF, load_offsets(rows, E, rows // 2))
+        grouped_set("fine", 64, 256, load_offsets(T * 8, 64, T * 8 // 64))
+
     q = rnd(B, H, S, DH)
     k = rnd(B, H, S, DH)
     v = rnd(B, H, S, DH)
@@ -104,6 +129,41 @@ def main():
 
     timed("attention_fwd_bwd", attn_fwd_bwd)
     del q, k, v, qg, kg, vg, out, dout
+
+    # Head dim 128 (8 heads: the same d_model).
+    q, k, v = rnd(B, 8, S, 128), rnd(B, 8, S, 128), rnd(B, 8, S, 128)
+    timed("attention_fwd_b8_s2048_h8_d128", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+    dout = rnd(B, 8, S, 128)
+    timed("attention_bwd_d128", lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True))
+
+    def attn_fwd_bwd_128():
+        o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+        torch.autograd.grad(o, (qg, kg, vg), dout)
+
+    timed("attention_fwd_bwd_d128", attn_fwd_bwd_128)
+    del q, k, v, qg, kg, vg, out, dout
+
+    # Routing and permutation as the peer does them (softmax, top-k, renormalised gates; a
+    # gather of rows by index; the gated sum of the k copies).
+    for name_, e_, k_ in (("router_fwd_16384x16", E, K), ("router_fwd_16384x64_k8", 64, 8)):
+        lg_ = torch.randn(T, e_, device=dev)
+
+        def route(lg_=lg_, k_=k_):
+            sc = lg_.softmax(-1)
+            tv, ti = sc.topk(k_, dim=-1)
+            return sc, ti.to(torch.int32), tv / tv.sum(-1, keepdim=True)
+
+        timed(name_, route)
+    xq = rnd(T, D)
+    order = torch.randperm(T * K, device=dev)
+    timed("moe_permute_16384x1024_k2", lambda: xq.index_select(0, order // K))
+    ypq = rnd(T * K, D)
+    inv = torch.argsort(order)
+    gq = torch.rand(T, K, device=dev)
+    timed("moe_unpermute_16384x1024_k2", lambda: (ypq[inv].view(T, K, D) * gq.unsqueeze(-1).to(bf)).sum(1))
+    del xq, ypq
 
     xr = rnd(T, D)
     wr = torch.rand(D, device=dev, dtype=torch.float32) + 0.5
@@ -156,6 +216,7 @@ def main():
     timed("adamw_multi_bench1b", opt.step)
     grads = [q.grad for q in params]
     timed("grad_norm_bench1b", lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item())
+    timed("grad_norm_device_bench1b", lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
     del params, opt, grads
 
 

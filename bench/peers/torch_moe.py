@@ -24,6 +24,13 @@
 #         torchrun --standalone --nproc_per_node N torch_moe.py ...
 #         python3 torch_moe.py --spawn N ...                N processes via torch.multiprocessing
 # It runs on Debian's CPU torch 1.13 too (--device cpu --dtype f32; no torch.compile there).
+# Tokens: uniform random ids by default; with --data DIR, the token shards that `train_moe prepare`
+# wrote (DIR/train-*.bin), sampled exactly as Troupe's DataLoader does (layers/token_data.h:
+# sample j of step s starts at splitmix64-mix(seed, s, j) mod (N - seq_len); rank r of a
+# data-parallel layout reads samples r*B .. r*B+B-1), so that both systems train on the same
+# tokens and route the same distribution. --init-weights FILE loads Troupe's weights file
+# (train_moe's model.bin, apps/train_moe/weights_io.h) instead of the peer's own seeded init;
+# --load-log records every MoE layer's expert counts per step (into --json-out).
 # --selfcheck compares the dispatch path (grouped or looped experts, all-to-all when N > 1)
 # with a naive per-expert masking reference on the same weights and batch, loss and gradients;
 # the tested model reuses the reference's top-k choices (a bf16 near-tie could flip one).
@@ -74,7 +81,8 @@ DEFAULTS = {
     "optim": {"lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 20, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
               "eps": 1e-8, "grad_clip": 1.0},
 }
-IGNORED_SECTIONS_NOTE = "data, parallel and other sections do not apply to the peer (random tokens; parallelism from the launcher)"
+IGNORED_SECTIONS_NOTE = ("data, parallel and other sections do not apply to the peer (tokens from --data or random; "
+                         "parallelism from the launcher)")
 
 
 def parse_value(text):
@@ -416,6 +424,10 @@ class MoE(nn.Module):
         # that a bf16 near-tie resolved differently cannot pass for a dispatch error.
         self.record_topi, self.pinned_topi, self.flipped = None, None, 0
         self.experts_compiled = None
+        # --load-log: copies routed to each expert since the last read (a buffer, so that
+        # the in-place add stays inside a compiled graph).
+        self.log_load = False
+        self.register_buffer("load_acc", torch.zeros(self.E, dtype=torch.float32), persistent=False)
 
     def route(self, x):
         """x [T, D] -> (aux loss, top-k ids [T, k], gates [T, k] fp32)."""
@@ -431,6 +443,8 @@ class MoE(nn.Module):
             topi = pinned
             topv = scores.gather(-1, topi)
         gates = topv / topv.sum(-1, keepdim=True) if self.normalize else topv
+        if self.log_load:
+            self.load_acc.scatter_add_(0, topi.reshape(-1), torch.ones(t * self.k, device=x.device))
         aux = logits.new_zeros(())
         if self.aux_coef > 0:
             counts = torch.zeros(self.E, device=x.device, dtype=torch.float32)
@@ -567,6 +581,64 @@ class Model(nn.Module):
                     blk.ffn.w2.weight.copy_(normal(blk.ffn.w2.weight.shape, out_std))
             if not self.tied:
                 self.lm_head.weight.copy_(normal(self.lm_head.weight.shape, std))
+
+    def load_troupe_weights(self, path, ep):
+        """Troupe's weights file (apps/train_moe/weights_io.h: magic TRPWTS01, u64 header length,
+        JSON header with every tensor's name/shape/offset, then f32 data). Troupe stores
+        matrices as [in, out] (x @ W); nn.Linear holds [out, in]."""
+        import numpy as np
+        with open(path, "rb") as f:
+            if f.read(8) != b"TRPWTS01":
+                raise SystemExit(f"torch_moe: {path} is not a train_moe weights file")
+            hlen = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(hlen))
+        start = 16 + hlen
+        entries = {e["name"]: e for e in header["tensors"]}
+        used = set()
+
+        def get(name):
+            if name not in entries:
+                raise SystemExit(f"torch_moe: {path} has no tensor {name}")
+            e = entries[name]
+            used.add(name)
+            n = int(np.prod(e["shape"])) if e["shape"] else 1
+            mm = np.memmap(path, dtype=np.float32, mode="r", offset=start + int(e["offset"]), shape=(n,))
+            return torch.from_numpy(np.array(mm).reshape(e["shape"]))
+
+        def put(dst, src):
+            if tuple(dst.shape) != tuple(src.shape):
+                raise SystemExit(f"torch_moe: {path}: shape {tuple(src.shape)} where the peer has {tuple(dst.shape)}")
+            dst.copy_(src.to(dst.device))
+
+        with torch.no_grad():
+            put(self.embedding.weight, get("embedding.weight"))
+            for i, blk in enumerate(self.blocks):
+                pre = f"blocks.{i}"
+                put(blk.norm1.weight, get(pre + ".norm1.weight"))
+                put(blk.norm2.weight, get(pre + ".norm2.weight"))
+                for nm in ("wq", "wk", "wv", "wo"):
+                    put(getattr(blk.attn, nm).weight, get(f"{pre}.attn.{nm}").t())
+                if isinstance(blk.ffn, MoE):
+                    put(blk.ffn.router.weight, get(pre + ".moe.router.weight").t())
+                    b = get(pre + ".moe.router.bias")
+                    if b.abs().max().item() != 0:
+                        raise SystemExit(f"torch_moe: {path}: {pre}.moe.router.bias is non-zero (the peer has no bias)")
+                    w1, w2 = get(pre + ".moe.experts.w1"), get(pre + ".moe.experts.w2")
+                    lo, hi = (ep.first, ep.first + ep.local) if ep else (0, w1.shape[0])
+                    blk.ffn.experts.set_logical(w1[lo:hi].to(self.embedding.weight.device),
+                                                w2[lo:hi].to(self.embedding.weight.device))
+                else:
+                    put(blk.ffn.w1.weight, get(pre + ".mlp.w1").t())
+                    put(blk.ffn.w2.weight, get(pre + ".mlp.w2").t())
+            put(self.final_norm.weight, get("final_norm.weight"))
+            if not self.tied:
+                put(self.lm_head.weight, get("lm_head.weight"))
+        missing = sorted(set(entries) - used)
+        if missing:
+            raise SystemExit(f"torch_moe: {path}: tensors the peer does not use: {missing[:5]}")
+
+    def moe_layers(self):
+        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoE)]
 
     def head_loss(self, x, targets):
         w = self.embedding.weight if self.tied else self.lm_head.weight
@@ -732,6 +804,59 @@ def make_batches(cfg, device, seed, n=4):
     return out
 
 
+class TroupeTokens:
+    """The train split of a `train_moe prepare` folder (DIR/train-NNNNN.bin: magic TRPTOKS1,
+    u32 version, u32 bytes per token, u64 count, then the tokens), drawn like Troupe's
+    DataLoader: sample j of step s is the window of seq_len + 1 tokens starting at
+    mix64(seed ^ mix64(s * 0x9e3779b97f4a7c15 ^ mix64(j + 0x632be59bd9b4e019))) mod (N - seq_len)."""
+
+    M64 = (1 << 64) - 1
+
+    def __init__(self, folder, seed, seq_len):
+        import glob
+        import numpy as np
+        files = sorted(glob.glob(os.path.join(folder, "train-*.bin")))
+        if not files:
+            raise SystemExit(f"torch_moe: --data {folder}: no train-*.bin token shards (train_moe prepare writes them)")
+        parts = []
+        for fn in files:
+            with open(fn, "rb") as f:
+                head = f.read(24)
+            if len(head) < 24 or head[:8] != b"TRPTOKS1":
+                raise SystemExit(f"torch_moe: {fn} is not a Troupe token shard")
+            width, count = int.from_bytes(head[12:16], "little"), int.from_bytes(head[16:24], "little")
+            if width not in (2, 4):
+                raise SystemExit(f"torch_moe: {fn}: {width} bytes per token (2 or 4 expected)")
+            parts.append(np.memmap(fn, dtype=np.uint16 if width == 2 else np.int32, mode="r", offset=24, shape=(count,)))
+        self.tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+        self.seed, self.seq_len = seed & self.M64, seq_len
+        if self.tokens.size <= seq_len + 1:
+            raise SystemExit(f"torch_moe: --data {folder}: {self.tokens.size} tokens, fewer than one sequence")
+
+    @classmethod
+    def mix64(cls, x):
+        x = (x + 0x9e3779b97f4a7c15) & cls.M64
+        x = ((x ^ (x >> 30)) * 0xbf58476d1ce4e5b9) & cls.M64
+        x = ((x ^ (x >> 27)) * 0x94d049bb133111eb) & cls.M64
+        return x ^ (x >> 31)
+
+    def sequence_start(self, step, sample):
+        m = self.mix64
+        h = m(self.seed ^ m(((step * 0x9e3779b97f4a7c15) & self.M64) ^ m((sample + 0x632be59bd9b4e019) & self.M64)))
+        return h % (self.tokens.size - self.seq_len)
+
+    def batch(self, step, rank, micro_batch, vocab, device):
+        rows = []
+        for i in range(micro_batch):
+            st = self.sequence_start(step, rank * micro_batch + i)
+            rows.append(self.tokens[st:st + self.seq_len + 1])
+        import numpy as np
+        toks = torch.from_numpy(np.stack(rows))
+        if int(toks.max()) >= vocab:
+            raise SystemExit(f"torch_moe: --data: token id {int(toks.max())} >= model.vocab_size {vocab}")
+        return toks[:, :-1].contiguous().to(device), toks[:, 1:].contiguous().to(device)
+
+
 # ---- selfcheck ----------------------------------------------------------------------------
 
 def selfcheck(cfg, args, device, cdt, gmm, ep, rank):
@@ -857,6 +982,11 @@ def run_inner(args, rank, world, local_rank):
 
     model = build_model(cfg, gmm, ep, cdt, device)
     model.init_weights(cfg["train"]["seed"], ep)
+    if args.init_weights:
+        model.load_troupe_weights(args.init_weights, ep)
+        log(f"weights: {args.init_weights} (Troupe's initial weights)", rank)
+    for moe in model.moe_layers():
+        moe.log_load = args.load_log
     if args.mode == "compile":
         model.compile_parts(ep)
     opt, opt_name = make_optimizer(model, cfg["optim"], device)
@@ -875,8 +1005,18 @@ def run_inner(args, rank, world, local_rank):
         f"seq {t['seq_len']}, micro-batch {t['micro_batch_size']}/rank; {opt_name}, clip {o['grad_clip']}; "
         f"{'expert parallel over %d ranks (%d experts each), all_to_all_single' % (world, ep.local) if ep else 'one process'}", rank)
 
-    batches = make_batches(cfg, device, cfg["train"]["seed"] + 1000 * (rank + 1))
     total_steps = args.warmup + args.steps
+    if args.data:
+        src = TroupeTokens(args.data, cfg["train"]["seed"], t["seq_len"])
+        batches = [src.batch(s, rank, t["micro_batch_size"], m["vocab_size"], device) for s in range(1, total_steps + 1)]
+        token_note = (f"tokens: {args.data} ({src.tokens.size} train tokens), Troupe's DataLoader sampling, "
+                      f"step s = Troupe's step s")
+    else:
+        batches = make_batches(cfg, device, cfg["train"]["seed"] + 1000 * (rank + 1))
+        token_note = "tokens: uniform random ids (4 batches, cycled)"
+    log(token_note, rank)
+    load_log = []
+    losses = []
     tokens_per_step = t["micro_batch_size"] * t["seq_len"] * world
     step_s = []
     compile_fallback = ""
@@ -913,8 +1053,20 @@ def run_inner(args, rank, world, local_rank):
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         timed = step > args.warmup
+        losses.append(loss.item())
         if timed:
             step_s.append(dt)
+        if args.load_log:
+            loads = torch.stack([moe.load_acc for moe in model.moe_layers()])
+            if world > 1:
+                import torch.distributed as dist
+                dist.all_reduce(loads)
+            for moe in model.moe_layers():
+                moe.load_acc.zero_()
+            lv = [[int(round(v)) for v in row] for row in loads.tolist()]
+            load_log.append(lv)
+            ratios = [max(r) * len(r) / max(1, sum(r)) for r in lv]
+            log(f"step {step} load max/mean per layer: " + " ".join(f"{x:.2f}" for x in ratios), rank)
         loss_v = loss.item()
         if not math.isfinite(loss_v):
             raise SystemExit(f"torch_moe: step {step}: loss is {loss_v} (diverged)")
@@ -949,6 +1101,7 @@ def run_inner(args, rank, world, local_rank):
                "tokens_per_s": tps, "tokens_per_s_mean": tokens_per_step / mean, "mfu": mfu,
                "flops_per_token": fpt, "peak_flops_per_gpu": PEAK_FLOPS_PER_GPU, "peak_mem_gib": peak,
                "step_ms": [s * 1e3 for s in step_s], "warmup": args.warmup, "tokens_per_step": tokens_per_step,
+               "tokens": token_note, "expert_load": load_log, "losses": losses,
                "experts": gmm.note, "compile_fallback": compile_fallback, "optimizer": opt_name, "precision": precision, "formula": formula,
                "config": args.config or "(built-in bench_1b defaults)"}
         with open(args.json_out, "w") as f:
@@ -990,6 +1143,11 @@ def parse_args(argv=None):
     p.add_argument("--spawn", type=int, default=0, help="start N processes with torch.multiprocessing (no torchrun)")
     p.add_argument("--selfcheck", action="store_true", help="dispatch path vs naive reference, then exit")
     p.add_argument("--json-out", dest="json_out")
+    p.add_argument("--data", help="train on Troupe's token shards in DIR (train_moe prepare's output), "
+                   "sampled as Troupe's DataLoader does; default: uniform random tokens")
+    p.add_argument("--init-weights", dest="init_weights", help="start from Troupe's weights file (model.bin)")
+    p.add_argument("--load-log", dest="load_log", action="store_true",
+                   help="record each MoE layer's expert counts per step (printed; in --json-out)")
     p.add_argument("--print-flops", dest="print_flops", action="store_true",
                    help="print model FLOPs per token for the config and exit")
     args = p.parse_args(argv)

@@ -1,10 +1,25 @@
 // core/cuda/device_buffer.cc — DeviceBuffer and tensor copies between host and device.
 #include "core/cuda/device_buffer.h"
 
+#include <atomic>
+
 #include "core/cuda/stream.h"
 #include "core/gpu_check.h"
 
 namespace troupe::cuda {
+
+namespace {
+std::atomic<int64_t> g_host_waits[2];
+}  // namespace
+
+void host_wait(cudaStream_t stream, HostWait kind) {
+  g_host_waits[static_cast<int>(kind)].fetch_add(1, std::memory_order_relaxed);
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+int64_t host_wait_count(HostWait kind) {
+  return g_host_waits[static_cast<int>(kind)].load(std::memory_order_relaxed);
+}
 
 DeviceBuffer::DeviceBuffer(size_t bytes, int device) : bytes_(bytes), device_(device) {
   if (bytes == 0) return;
@@ -48,14 +63,14 @@ Tensor to_device(const Tensor& host, Allocator& alloc, cudaStream_t stream) {
   Tensor dev = Tensor::empty(src.shape(), src.dtype(), alloc);
   copy_tensor(src, dev, stream);
   // The host source may be a temporary: finish the copy before it can go away.
-  CUDA_CHECK(cudaStreamSynchronize(stream));
+  host_wait(stream, HostWait::kUpload);
   return dev;
 }
 
 Tensor to_host(const Tensor& dev, cudaStream_t stream) {
   Tensor host = Tensor::empty(dev.shape(), dev.dtype());
   copy_tensor(dev, host, stream);
-  CUDA_CHECK(cudaStreamSynchronize(stream));
+  host_wait(stream);
   return host;
 }
 

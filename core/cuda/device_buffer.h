@@ -1,5 +1,6 @@
 // core/cuda/device_buffer.h — defines DeviceBuffer (a move-only owner of a cudaMalloc'd
-// block) and the host<->device tensor copies (copy_tensor, to_device, to_host).
+// block) and the host<->device tensor copies (copy_tensor, to_device, to_host); their
+// waits go through host_wait (core/cuda/host_wait.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,6 +8,7 @@
 #include <cstddef>
 #include <utility>
 
+#include "core/cuda/host_wait.h"
 #include "core/tensor.h"
 
 namespace troupe::cuda {

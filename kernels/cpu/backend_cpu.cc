@@ -45,6 +45,9 @@ const Backend& cpu_backend() {
       .dequantize_fp8 = cpu::dequantize_fp8,
       .adamw_step_multi = cpu::adamw_step_multi,
       .sum_squares_multi = cpu::sum_squares_multi,
+      // ---- device-resident step statistics (issue 20)
+      .expert_counts = cpu::expert_counts,
+      .sum_squares_into = cpu::sum_squares_into,
   };
   return kCpu;
 }

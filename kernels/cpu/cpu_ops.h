@@ -100,6 +100,7 @@ void moe_permute_backward(const Exec& ex, const Tensor& dxp, const Tensor& row_m
 void moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, const Tensor& gates, Tensor& y);
 void moe_unpermute_backward(const Exec& ex, const Tensor& dy, const Tensor& yp, const Tensor& row_map,
                             const Tensor& gates, Tensor& dyp, Tensor& dgates);
+void expert_counts(const Exec& ex, const Tensor& topk_idx, Tensor& counts, bool accumulate);
 
 // ---- loss.cc --------------------------------------------------------------------------
 void cross_entropy_forward(const Exec& ex, const Tensor& logits, const Tensor& targets, Tensor& losses,
@@ -112,6 +113,7 @@ void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Te
                 const AdamWConfig& cfg);
 void adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, const AdamWConfig& cfg);
 double sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors);
+void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors, Tensor& out, bool accumulate);
 
 // ---- quant.cc -------------------------------------------------------------------------
 void quantize_fp8(const Exec& ex, const Tensor& x, int64_t block_size, Tensor& q, Tensor& scales);

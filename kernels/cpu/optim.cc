@@ -1,6 +1,6 @@
 // kernels/cpu/optim.cc — CPU reference of the AdamW step (decoupled weight decay, bias
 // correction, gradient multiplier), its multi-tensor form, and the multi-tensor sum of
-// squares (global gradient norm).
+// squares (global gradient norm), to the host or into a device scalar.
 #include <cmath>
 
 #include "kernels/cpu/cpu_ops.h"
@@ -30,9 +30,16 @@ void adamw_step(const Exec&, Tensor& param, const Tensor& grad, Tensor& m, Tenso
   }
 }
 
-// Each tensor with its own weight decay; the same arithmetic as adamw_step.
+// Each tensor with its own weight decay; the same arithmetic as adamw_step. With a clip
+// tensor, grad_scale takes the clip factor max / n of the norm n it holds (n > max > 0).
 void adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, const AdamWConfig& cfg) {
   AdamWConfig c = cfg;
+  if (cfg.clip_sum_squares != nullptr) {
+    const double n = std::sqrt(static_cast<double>(cfg.clip_sum_squares->data<float>()[0]));
+    if (cfg.clip_max_norm > 0 && n > cfg.clip_max_norm)
+      c.grad_scale *= static_cast<float>(cfg.clip_max_norm / n);
+    c.clip_sum_squares = nullptr;
+  }
   for (const AdamWTensor& t : tensors) {
     c.weight_decay = t.weight_decay;
     cpu::adamw_step(ex, *t.param, *t.grad, *t.m, *t.v, c);
@@ -43,6 +50,12 @@ double sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors)
   double s = 0.0;
   for (const Tensor* t : tensors) s += cpu::sum_squares(ex, *t);
   return s;
+}
+
+void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors, Tensor& out, bool accumulate) {
+  const double s = cpu::sum_squares_multi(ex, tensors);
+  float* o = out.data<float>();
+  o[0] = static_cast<float>(s + (accumulate ? static_cast<double>(o[0]) : 0.0));
 }
 
 }  // namespace troupe::kernels::cpu

@@ -529,8 +529,14 @@ void cuda_adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors,
     numel[i] = t.param->numel();
     wd[i] = t.weight_decay;
   }
+  gpu::AdamWArgs args = adamw_args(cfg);
+  if (cfg.clip_sum_squares != nullptr) {
+    require(*cfg.clip_sum_squares, op, "clip_sum_squares");
+    args.clip_sum_squares = f32(*cfg.clip_sum_squares);
+    args.clip_max_norm = cfg.clip_max_norm;
+  }
   gpu::launch_adamw_multi(s.env, static_cast<int>(n), param.data(), grad.data(), grad_type.data(), m.data(),
-                          v.data(), numel.data(), wd.data(), adamw_args(cfg));
+                          v.data(), numel.data(), wd.data(), args);
 }
 
 double cuda_sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors) {
@@ -549,6 +555,38 @@ double cuda_sum_squares_multi(const Exec& ex, std::span<const Tensor* const> ten
   Scratch partials(s.ctx, gpu::multi_reduce_scratch_bytes());
   return gpu::launch_sum_squares_multi(s.env, static_cast<int>(n), x.data(), types.data(), numel.data(),
                                        partials.get());
+}
+
+// ---- device-resident step statistics (issue 20) ------------------------------------------
+void cuda_expert_counts(const Exec& ex, const Tensor& topk_idx, Tensor& counts, bool accumulate) {
+  const char* op = "expert_counts";
+  OpScope s(ex, op);
+  require(topk_idx, op, "topk_idx");
+  require(counts, op, "counts");
+  require_dtype(counts, DType::kF32, op, "counts");
+  gpu::launch_expert_counts(s.env, i32(topk_idx), topk_idx.numel(), counts.numel(), f32_mut(counts),
+                            accumulate);
+}
+
+void cuda_sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors, Tensor& out,
+                           bool accumulate) {
+  const char* op = "sum_squares_into";
+  OpScope s(ex, op);
+  require(out, op, "out");
+  require_dtype(out, DType::kF32, op, "out");
+  const size_t n = tensors.size();
+  std::vector<const void*> x(n);
+  std::vector<DType> types(n);
+  std::vector<int64_t> numel(n);
+  for (size_t i = 0; i < n; ++i) {
+    require(*tensors[i], op, "x");
+    x[i] = tensors[i]->data_ptr();
+    types[i] = tensors[i]->dtype();
+    numel[i] = tensors[i]->numel();
+  }
+  Scratch partials(s.ctx, gpu::multi_reduce_scratch_bytes());
+  gpu::launch_sum_squares_into(s.env, static_cast<int>(n), x.data(), types.data(), numel.data(),
+                               partials.get(), f32_mut(out), accumulate);
 }
 
 // ---- quantization --------------------------------------------------------------------
@@ -613,6 +651,9 @@ const Backend kCudaBackend = {
     .dequantize_fp8 = cuda_dequantize_fp8,
     .adamw_step_multi = cuda_adamw_step_multi,
     .sum_squares_multi = cuda_sum_squares_multi,
+    // ---- device-resident step statistics (issue 20)
+    .expert_counts = cuda_expert_counts,
+    .sum_squares_into = cuda_sum_squares_into,
 };
 
 }  // namespace

@@ -3,6 +3,7 @@
 //
 // Elementwise ops share one grid-stride kernel moving 8 elements per thread per step as
 // packed (up to 16-byte) accesses when every pointer is aligned for it.
+#include "core/cuda/host_wait.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
 
@@ -206,7 +207,7 @@ double launch_sum(const Env& env, const void* x, DType t, int64_t n, bool square
   TROUPE_CUDA_LAUNCH_CHECK();
   double host[kReduceBlocks];
   CUDA_CHECK(cudaMemcpyAsync(host, partials, blocks * sizeof(double), cudaMemcpyDeviceToHost, env.stream));
-  CUDA_CHECK(cudaStreamSynchronize(env.stream));
+  cuda::host_wait(env.stream);
   double total = 0.0;
   for (unsigned i = 0; i < blocks; ++i) total += host[i];  // fixed order: deterministic
   return total;

@@ -46,6 +46,10 @@ void launch_softmax_backward(const Env& env, const void* y, const void* dy, void
 struct AdamWArgs {
   float lr, beta1, beta2, eps, weight_decay, grad_scale;
   float bias_correction1, bias_correction2;  // 1 - beta^step, computed in double by the caller
+  // Multi-tensor only: the squared global norm on the device (null: none) and the clip
+  // threshold; grad_scale *= clip_max_norm / n where n = sqrt(*clip_sum_squares) > max > 0.
+  const float* clip_sum_squares;
+  float clip_max_norm;
 };
 void launch_adamw(const Env& env, float* param, const void* grad, DType gt, float* m, float* v, int64_t n,
                   const AdamWArgs& args);
@@ -60,6 +64,14 @@ void launch_adamw_multi(const Env& env, int count, float* const* param, const vo
 size_t multi_reduce_scratch_bytes();
 double launch_sum_squares_multi(const Env& env, int count, const void* const* x, const DType* types,
                                 const int64_t* numel, void* partials);
+// ---- device-resident step statistics (issue 20) ---------------------------------------
+// out[0] (+)= the multi-tensor sum of squares, reduced on the device in a fixed order
+// (deterministic); partials of multi_reduce_scratch_bytes(). No host wait.
+void launch_sum_squares_into(const Env& env, int count, const void* const* x, const DType* types,
+                             const int64_t* numel, void* partials, float* out, bool accumulate);
+// counts[e] (+)= #{i < n : idx[i] == e} for e < experts (exact while the total < 2^24).
+void launch_expert_counts(const Env& env, const int32_t* idx, int64_t n, int64_t experts, float* counts,
+                          bool accumulate);
 // x [R,C] f32/bf16 -> q fp8 (e4m3/e5m2), scales f32 [R, nb]; block_size 0 = per row.
 void launch_quantize_fp8(const Env& env, const void* x, DType xt, int64_t rows, int64_t cols, int64_t block_size,
                          void* q, DType qt, float* scales);

@@ -1,6 +1,8 @@
 // kernels/cuda/multi_tensor.cu — multi-tensor kernels: one AdamW step over a list of
-// parameter tensors, and the sum of squares over a list of tensors (the squared global
-// gradient norm used for clipping), each as one launch per kMultiTensorMax tensors.
+// parameter tensors (optionally clipped by a norm held on the device), and the sum of
+// squares over a list of tensors (the squared global gradient norm used for clipping),
+// each as one launch per kMultiTensorMax tensors, returned to the host or left on the
+// device; and the per-expert selection counts of the router statistics.
 //
 // The tensor list travels in the kernel's parameter block (__grid_constant__, ~14 KB; CUDA
 // 12.1+ allows 32 KB), so no host-to-device copy precedes the launch. The tensors are seen
@@ -9,6 +11,7 @@
 // so the parameter-space reads broadcast).
 #include <algorithm>
 
+#include "core/cuda/host_wait.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
 
@@ -86,6 +89,11 @@ __device__ __forceinline__ void adamw_elem(const AdamWArgs& a, float wd, float g
 }
 
 __global__ void __launch_bounds__(kThreads) adamw_multi_kernel(const __grid_constant__ AdamWMultiParams p) {
+  AdamWArgs a = p.a;
+  if (a.clip_sum_squares != nullptr) {  // clipping from a norm that never left the device
+    const float n = sqrtf(*a.clip_sum_squares);
+    if (a.clip_max_norm > 0.0f && n > a.clip_max_norm) a.grad_scale *= a.clip_max_norm / n;
+  }
   const int64_t total = p.group_start[p.count];
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   for (int64_t u = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; u < total; u += stride) {
@@ -102,16 +110,16 @@ __global__ void __launch_bounds__(kThreads) adamw_multi_kernel(const __grid_cons
       float4 pw = *reinterpret_cast<float4*>(pp + i0);
       float4 mw = *reinterpret_cast<float4*>(pm + i0);
       float4 vw = *reinterpret_cast<float4*>(pv + i0);
-      adamw_elem(p.a, wd, g[0], pw.x, mw.x, vw.x);
-      adamw_elem(p.a, wd, g[1], pw.y, mw.y, vw.y);
-      adamw_elem(p.a, wd, g[2], pw.z, mw.z, vw.z);
-      adamw_elem(p.a, wd, g[3], pw.w, mw.w, vw.w);
+      adamw_elem(a, wd, g[0], pw.x, mw.x, vw.x);
+      adamw_elem(a, wd, g[1], pw.y, mw.y, vw.y);
+      adamw_elem(a, wd, g[2], pw.z, mw.z, vw.z);
+      adamw_elem(a, wd, g[3], pw.w, mw.w, vw.w);
       *reinterpret_cast<float4*>(pp + i0) = pw;
       *reinterpret_cast<float4*>(pm + i0) = mw;
       *reinterpret_cast<float4*>(pv + i0) = vw;
     } else {
       for (int64_t i = i0; i < min64(n, i0 + 4); ++i) {
-        adamw_elem(p.a, wd, grad_at(p.grad[t], bf16, i), pp[i], pm[i], pv[i]);
+        adamw_elem(a, wd, grad_at(p.grad[t], bf16, i), pp[i], pm[i], pv[i]);
       }
     }
   }
@@ -152,6 +160,33 @@ __global__ void __launch_bounds__(kThreads) sum_squares_multi_kernel(const __gri
   }
   acc = block_sum(acc, shared);
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+
+// out[0] (+)= the sum of partials[0..n), one block, in a fixed order.
+__global__ void __launch_bounds__(kThreads)
+    finish_sum_kernel(const double* partials, int n, float* out, bool accumulate) {
+  __shared__ double shared[32];
+  double acc = 0.0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) acc += partials[i];
+  acc = block_sum(acc, shared);
+  if (threadIdx.x == 0) out[0] = static_cast<float>(acc + (accumulate ? static_cast<double>(out[0]) : 0.0));
+}
+
+// counts[e] += the occurrences of e in a range of idx: a shared histogram per block, then
+// one float atomic per expert and block (integers: exact and order-independent < 2^24).
+__global__ void __launch_bounds__(kThreads)
+    expert_counts_kernel(const int32_t* idx, int64_t n, int64_t experts, float* counts) {
+  extern __shared__ int hist[];
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) hist[e] = 0;
+  __syncthreads();
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int32_t e = idx[i];
+    if (e >= 0 && e < experts) atomicAdd(&hist[e], 1);
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x)
+    if (hist[e] != 0) atomicAdd(&counts[e], static_cast<float>(hist[e]));
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
@@ -222,10 +257,54 @@ double launch_sum_squares_multi(const Env& env, int count, const void* const* x,
     TROUPE_CUDA_LAUNCH_CHECK();
     double host[kMultiReduceBlocks];
     CUDA_CHECK(cudaMemcpyAsync(host, partials, blocks * sizeof(double), cudaMemcpyDeviceToHost, env.stream));
-    CUDA_CHECK(cudaStreamSynchronize(env.stream));
+    cuda::host_wait(env.stream);
     for (unsigned i = 0; i < blocks; ++i) total += host[i];  // fixed order: deterministic
   }
   return total;
+}
+
+void launch_sum_squares_into(const Env& env, int count, const void* const* x, const DType* types,
+                             const int64_t* numel, void* partials, float* out, bool accumulate) {
+  bool acc = accumulate;
+  for (int first = 0; first < count; first += kMultiTensorMax) {
+    const int c = std::min(kMultiTensorMax, count - first);
+    SumSquaresMultiParams p{};
+    p.count = c;
+    p.group_start[0] = 0;
+    for (int i = 0; i < c; ++i) {
+      const int j = first + i;
+      check_float(types[j], "sum_squares_into");
+      p.numel[i] = numel[j];
+      p.group_start[i + 1] = p.group_start[i] + ceil_div(numel[j], 4);
+      p.x[i] = x[j];
+      p.bf16[i] = types[j] == DType::kBF16 ? 1 : 0;
+      p.vec_ok[i] = reinterpret_cast<uintptr_t>(x[j]) % (types[j] == DType::kBF16 ? 8 : 16) == 0 ? 1 : 0;
+    }
+    const int64_t groups = p.group_start[c];
+    if (groups == 0) continue;
+    const unsigned blocks =
+        static_cast<unsigned>(std::min<int64_t>(ceil_div(groups, kThreads), kMultiReduceBlocks));
+    sum_squares_multi_kernel<<<blocks, kThreads, 0, env.stream>>>(p, static_cast<double*>(partials));
+    TROUPE_CUDA_LAUNCH_CHECK();
+    finish_sum_kernel<<<1, kThreads, 0, env.stream>>>(static_cast<const double*>(partials),
+                                                      static_cast<int>(blocks), out, acc);
+    TROUPE_CUDA_LAUNCH_CHECK();
+    acc = true;
+  }
+  if (!acc) CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(float), env.stream));  // no elements, not accumulating
+}
+
+void launch_expert_counts(const Env& env, const int32_t* idx, int64_t n, int64_t experts, float* counts,
+                          bool accumulate) {
+  if (!accumulate)
+    CUDA_CHECK(cudaMemsetAsync(counts, 0, static_cast<size_t>(experts) * sizeof(float), env.stream));
+  if (n == 0) return;
+  const size_t smem = static_cast<size_t>(experts) * sizeof(int);
+  TROUPE_CHECK(smem <= 48 * 1024, "expert_counts on cuda: at most 12288 experts, got {}", experts);
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<int64_t>(ceil_div(n, kThreads), int64_t{env.num_sms} * 2));
+  expert_counts_kernel<<<blocks, kThreads, smem, env.stream>>>(idx, n, experts, counts);
+  TROUPE_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace troupe::kernels::gpu

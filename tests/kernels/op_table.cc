@@ -146,32 +146,14 @@ Tensors upload_inputs(TestDevice& dev, const OpCase& c, const HostTensors& input
 }
 
 const std::vector<std::string>& forward_op_names() {
-  static const std::vector<std::string> kNames = {"fill",
-                                                  "cast",
-                                                  "add",
-                                                  "axpby",
-                                                  "scale",
-                                                  "sum",
-                                                  "sum_squares",
-                                                  "sum_rows",
-                                                  "matmul",
-                                                  "grouped_matmul",
-                                                  "embedding_forward",
-                                                  "rmsnorm_forward",
-                                                  "rope_forward",
-                                                  "attention_forward",
-                                                  "softmax_forward",
-                                                  "router_forward",
-                                                  "moe_dispatch_plan",
-                                                  "moe_permute",
-                                                  "moe_unpermute",
-                                                  "swiglu_forward",
-                                                  "cross_entropy_forward",
-                                                  "adamw_step",
-                                                  "adamw_step_multi",
-                                                  "sum_squares_multi",
-                                                  "quantize_fp8",
-                                                  "dequantize_fp8"};
+  static const std::vector<std::string> kNames = {
+      "fill", "cast", "add", "axpby", "scale", "sum", "sum_squares", "sum_rows", "matmul", "grouped_matmul",
+      "embedding_forward", "rmsnorm_forward", "rope_forward", "attention_forward", "softmax_forward",
+      "router_forward", "moe_dispatch_plan", "moe_permute", "moe_unpermute", "swiglu_forward",
+      "cross_entropy_forward", "adamw_step", "adamw_step_multi", "sum_squares_multi", "quantize_fp8",
+      "dequantize_fp8",
+      // device-resident step statistics (issue 20)
+      "expert_counts", "sum_squares_into"};
   return kNames;
 }
 
@@ -227,6 +209,9 @@ bool backend_implements(const Backend& b, const std::string& op) {
       TROUPE_OP_ENTRY(sum_squares_multi),
       TROUPE_OP_ENTRY(quantize_fp8),
       TROUPE_OP_ENTRY(dequantize_fp8),
+      // device-resident step statistics (issue 20)
+      TROUPE_OP_ENTRY(expert_counts),
+      TROUPE_OP_ENTRY(sum_squares_into),
   };
 #undef TROUPE_OP_ENTRY
   for (const auto& [name, has] : kEntries)
@@ -1253,6 +1238,150 @@ void add_multi_tensor_cases(std::vector<OpCase>& cases, Rng& rng) {
   }
 }
 
+// ---- device-resident step statistics (issue 20) ---------------------------------------------
+
+// expert_counts (written and accumulated, with out-of-range entries), sum_squares_into
+// (written and accumulated) and adamw_step_multi clipped by a device-held norm (clipping
+// and not clipping).
+void add_step_stats_cases(std::vector<OpCase>& cases, Rng& rng) {
+  const int64_t experts = 6;
+  for (bool acc : {false, true}) {
+    OpCase c;
+    c.name = std::string("expert_counts/") + (acc ? "accumulate" : "write");
+    c.ops = {"expert_counts"};
+    c.inputs = {rng.ints({37, 3}, -1, experts + 1), rng.ints({experts}, 0, 50)};
+    for (double& x : c.inputs[1].v) x = static_cast<double>(static_cast<float>(x));
+    c.inputs[1].dtype = DType::kF32;
+    c.f32_inputs = {1};
+    c.forward = [acc](TestDevice& dev, const Tensors& in) {
+      Tensor counts =
+          acc ? dev.upload(dev.download(in[1]), DType::kF32) : dev.poisoned({experts}, DType::kF32);
+      expert_counts(dev.exec(), in[0], counts, acc);
+      return HostTensors{dev.download(counts)};
+    };
+    c.reference = [acc](const HostTensors& in) {
+      HostTensor out = acc ? in[1] : HostTensor::zeros({experts});
+      for (double v : in[0].v)
+        if (v >= 0 && v < experts) out[static_cast<int64_t>(v)] += 1.0;
+      return HostTensors{out};
+    };
+    c.atol = 0;
+    c.rtol = 0;
+    c.cross_atol = 0;
+    c.cross_rtol = 0;
+    cases.push_back(std::move(c));
+  }
+  const std::vector<Shape> shapes = {{7, 9}, {130}, {4, 33}};
+  const std::vector<DType> types = {DType::kF32, DType::kBF16, DType::kF32};
+  const size_t n = shapes.size();
+  HostTensors xs;
+  double sumsq = 0;
+  for (size_t i = 0; i < n; ++i) {
+    HostTensor g = rng.uniform(shapes[i]);
+    if (types[i] == DType::kBF16)
+      for (double& x : g.v) x = as_bf16(x);
+    for (double x : g.v) sumsq += x * x;
+    xs.push_back(std::move(g));
+  }
+  for (bool acc : {false, true}) {
+    OpCase c;
+    c.name = std::string("sum_squares_into/") + (acc ? "accumulate" : "write");
+    c.ops = {"sum_squares_into"};
+    c.bf16_storage = false;
+    c.inputs = xs;
+    c.inputs.push_back(HostTensor::scalar(as_f32(1.25)));
+    c.inputs.back().shape = {1};
+    c.forward = [types, n, acc](TestDevice& dev, const Tensors& in) {
+      std::vector<Tensor> t;
+      for (size_t i = 0; i < n; ++i) t.push_back(dev.upload(dev.download(in[i]), types[i]));
+      std::vector<const Tensor*> list;
+      for (const Tensor& x : t) list.push_back(&x);
+      Tensor out = acc ? dev.upload(dev.download(in[n]), DType::kF32) : dev.poisoned({1}, DType::kF32);
+      sum_squares_into(dev.exec(), list, out, acc);
+      return HostTensors{dev.download(out)};
+    };
+    c.reference = [n, acc](const HostTensors& in) {
+      double s = acc ? in[n][0] : 0.0;
+      for (size_t t = 0; t < n; ++t)
+        for (double x : in[t].v) s += x * x;
+      HostTensor out = HostTensor::zeros({1});
+      out[0] = s;
+      return HostTensors{out};
+    };
+    c.atol = 1e-6;
+    c.rtol = 1e-6;
+    cases.push_back(std::move(c));
+  }
+  // AdamW clipped by the norm the device holds: max below the norm (clips) and above it.
+  const double norm = std::sqrt(static_cast<double>(static_cast<float>(sumsq)));
+  for (double max_norm : {0.5 * norm, 2.0 * norm}) {
+    AdamWConfig cfg;
+    cfg.lr = 0.02f;
+    cfg.step = 3;
+    cfg.grad_scale = 0.8f;
+    cfg.clip_max_norm = static_cast<float>(max_norm);
+    OpCase c;
+    c.name = std::string("adamw_step_multi/device_clip_") + (max_norm < norm ? "clips" : "no_clip");
+    c.ops = {"adamw_step_multi", "sum_squares_into"};
+    c.bf16_storage = false;
+    for (size_t i = 0; i < n; ++i) {  // per tensor: param, grad, m, v
+      c.inputs.push_back(rng.uniform(shapes[i]));
+      c.inputs.push_back(xs[i]);
+      c.inputs.push_back(rng.uniform(shapes[i], -0.1, 0.1));
+      c.inputs.push_back(rng.uniform(shapes[i], 0.001, 0.01));
+    }
+    c.forward = [cfg, types, n](TestDevice& dev, const Tensors& in) {
+      std::vector<Tensor> t;
+      for (size_t i = 0; i < n; ++i) {
+        t.push_back(dev.upload(dev.download(in[4 * i]), DType::kF32));
+        t.push_back(dev.upload(dev.download(in[4 * i + 1]), types[i]));
+        t.push_back(dev.upload(dev.download(in[4 * i + 2]), DType::kF32));
+        t.push_back(dev.upload(dev.download(in[4 * i + 3]), DType::kF32));
+      }
+      std::vector<const Tensor*> grads;
+      std::vector<AdamWTensor> list;
+      for (size_t i = 0; i < n; ++i) {
+        grads.push_back(&t[4 * i + 1]);
+        list.push_back({&t[4 * i], &t[4 * i + 1], &t[4 * i + 2], &t[4 * i + 3], 0.1f});
+      }
+      Tensor sq = dev.poisoned({1}, DType::kF32);
+      sum_squares_into(dev.exec(), grads, sq);  // the norm stays on the device
+      AdamWConfig dc = cfg;
+      dc.clip_sum_squares = &sq;
+      adamw_step_multi(dev.exec(), list, dc);
+      HostTensors out;
+      for (size_t i = 0; i < n; ++i) {
+        out.push_back(dev.download(t[4 * i]));
+        out.push_back(dev.download(t[4 * i + 2]));
+        out.push_back(dev.download(t[4 * i + 3]));
+      }
+      return out;
+    };
+    c.reference = [cfg, n, norm](const HostTensors& in) {
+      HostTensors out;
+      const double b1 = cfg.beta1, b2 = cfg.beta2, step = static_cast<double>(cfg.step);
+      const double clip = norm > cfg.clip_max_norm ? cfg.clip_max_norm / norm : 1.0;
+      for (size_t t = 0; t < n; ++t) {
+        HostTensor p = in[4 * t], m = in[4 * t + 2], v = in[4 * t + 3];
+        for (int64_t i = 0; i < p.numel(); ++i) {
+          const double g = in[4 * t + 1][i] * cfg.grad_scale * clip;
+          m[i] = b1 * m[i] + (1 - b1) * g;
+          v[i] = b2 * v[i] + (1 - b2) * g * g;
+          const double mhat = m[i] / (1 - std::pow(b1, step)), vhat = v[i] / (1 - std::pow(b2, step));
+          p[i] = p[i] - cfg.lr * 0.1 * p[i] - cfg.lr * mhat / (std::sqrt(vhat) + cfg.eps);
+        }
+        out.push_back(p);
+        out.push_back(m);
+        out.push_back(v);
+      }
+      return out;
+    };
+    c.atol = 1e-6;
+    c.rtol = 1e-5;
+    cases.push_back(std::move(c));
+  }
+}
+
 // ---- fp8 quantization ----------------------------------------------------------------------
 
 void add_quant_cases(std::vector<OpCase>& cases, Rng& rng) {
@@ -1363,6 +1492,7 @@ std::vector<OpCase> all_op_cases(uint64_t seed) {
   add_adamw_cases(cases, rng);
   add_multi_tensor_cases(cases, rng);
   add_quant_cases(cases, rng);
+  add_step_stats_cases(cases, rng);  // issue 20
   return cases;
 }
 

@@ -528,5 +528,79 @@ TEST(AdamW, ClipsByTheGlobalNormAndSkipsDecayOnNorms) {
   for (auto& p : pa) EXPECT_EQ(p.param->decay, p.name.find("norm") == std::string::npos) << p.name;
 }
 
+// Issue 20: a step with the statistics kept on the device (Model::enable_device_stats:
+// expert_counts, sum_rows, the clip inside AdamW) equals the host-statistics step: the same
+// losses, aux loss, gradient norm, loads, router-bias update and parameters after AdamW.
+void check_device_stats_step(MoEConfig moe) {
+  ModelConfig cfg = small_model();
+  moe.z_loss_coef = 0.0;  // the device form has no z-loss
+  cfg.moe = moe;
+  Model a(cfg, 91), b(cfg, 91);
+  ASSERT_TRUE(b.enable_device_stats(kC));
+  EXPECT_FALSE(a.device_stats());
+  AdamWOptions o;
+  o.grad_clip = 0.05;  // small: the clip applies
+  AdamW oa(a.parameters(), o), ob(b.parameters(), o);
+  std::mt19937 rng(92);
+  for (int step = 1; step <= 2; ++step) {
+    a.zero_grad(kC);
+    b.zero_grad(kC);
+    double lm_a = 0, aux_a = 0;
+    int64_t tokens = 0;
+    for (int micro = 0; micro < 2; ++micro) {
+      std::vector<int32_t> ids(12), tg(12);
+      for (auto& v : ids) v = static_cast<int32_t>(rng() % 23);
+      for (auto& v : tg) v = static_cast<int32_t>(rng() % 23);
+      const Tensor tids = Tensor::from_ints({2, 6}, ids), ttg = Tensor::from_ints({2, 6}, tg);
+      const auto sa = a.forward_backward(kC, tids, ttg, 0.5f);
+      const auto sb = b.forward_backward(kC, tids, ttg, 0.5f);
+      lm_a += sa.lm_loss_sum;
+      aux_a += sa.aux_loss * 0.5;
+      tokens += sa.tokens;
+      EXPECT_EQ(sb.aux_loss, 0.0);  // deferred to end_step
+      EXPECT_EQ(sb.lm_loss_sum, 0.0);
+    }
+    const double gn_a = std::sqrt(oa.grad_norm_squared(kC));
+    oa.step(kC, 1e-2, gn_a);
+    ob.step(kC, 1e-2, b.grad_norm_squared_on_device(kC));
+    const auto load_a = a.end_step(kC), load_b = b.end_step(kC);
+    const Model::StepStats& ss = b.last_step_stats();
+    EXPECT_NEAR(ss.lm_loss_sum, lm_a, 1e-4 * std::abs(lm_a)) << "step " << step;
+    EXPECT_NEAR(ss.aux_loss * 0.5, aux_a, 1e-5 + 1e-4 * aux_a) << "step " << step;
+    EXPECT_GT(ss.aux_loss, 0.0);
+    EXPECT_NEAR(std::sqrt(ss.grad_norm_squared), gn_a, 1e-4 * gn_a) << "step " << step;
+    EXPECT_GT(gn_a, o.grad_clip);
+    EXPECT_EQ(load_a, load_b) << "step " << step;
+    int64_t total = 0;
+    for (int64_t v : load_b.at(0)) total += v;
+    EXPECT_EQ(total, tokens * moe.top_k);
+    auto pa = a.parameters(), pb = b.parameters();
+    for (size_t i = 0; i < pa.size(); ++i) {
+      const auto va = pa[i].param->value.to_floats(), vb = pb[i].param->value.to_floats();
+      for (size_t j = 0; j < va.size(); ++j)
+        ASSERT_NEAR(va[j], vb[j], 1e-6) << pa[i].name << " step " << step;
+    }
+    auto ba = a.buffers(), bb = b.buffers();
+    for (size_t i = 0; i < ba.size(); ++i)
+      EXPECT_EQ(ba[i].tensor->to_floats(), bb[i].tensor->to_floats()) << ba[i].name;
+  }
+}
+
+TEST(Model, DeviceStatsStepEqualsHostStatsSoftmaxAux) {
+  check_device_stats_step(moe_config(kernels::RouterScore::kSoftmax));
+}
+
+TEST(Model, DeviceStatsStepEqualsHostStatsSigmoidBias) {
+  MoEConfig moe = moe_config(kernels::RouterScore::kSigmoid);
+  moe.bias_update_rate = 0.01;
+  check_device_stats_step(moe);
+}
+
+TEST(Model, DeviceStatsNeedNoZLoss) {
+  Model m(small_model(), 93);  // moe_config has a z-loss
+  EXPECT_FALSE(m.enable_device_stats(kC));
+  EXPECT_FALSE(m.device_stats());
+}
+
 }  // namespace
 }  // namespace troupe::layers

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# bench/gpu_issue20.sh — the GPU-host steps of issue 20, one per argument, run in order:
+#   build    Release build (sm_90a) of train_moe, the CUDA op-table and bf16 tests, kernel_bench
+#   tests    kernels_op_table_cuda_test, kernels_cuda_bf16_test, then `ctest -L gpu`
+#   kernels  bench/kernels/gpu_check.sh's timing half: kernel_bench, torch_kernels.py, compare.py
+#   router   bench/router_load.sh on bench_1b (same weights and tokens in Troupe and the peer)
+#   e2e      bench/e2e.sh --gpus 1 on bench_1b (Troupe and both peer variants, same tokens)
+#   hoststats  Troupe on bench_1b with TROUPE_DEVICE_STATS=0 (per-layer read-backs), to compare
+#   final    the final run, most important first, each part's failure reported and passed:
+#            build (train_moe + the CUDA tests) -> e2e -> tests -> train_moe_cuda_test ->
+#            kernels (builds kernel_bench) -> hoststats
+# Logs and tables under $OUT (default ./gpu-out). Run from the repository root with the
+# dependency environment sourced (scripts/gpu-host/unpack-debs.sh; DEVELOPERS.md).
+set -u -o pipefail
+# Logs go to a work folder; at exit the tables come to $OUT with all logs in $OUT/logs.tgz
+# (the GPU host returns only a few files).
+final=${OUT:-gpu-out}
+export OUT=$final
+out=${TMPDIR:-/tmp}/gpu-issue20-out
+mkdir -p "$final"
+finish() {
+  find "$out" -name '*.md' -exec cp {} "$final"/ \;
+  cp "$out/summary.txt" "$final"/ 2>/dev/null
+  tar czf "$final/logs.tgz" -C "$out" . 2>/dev/null
+}
+trap finish EXIT
+# Outside the source folder: a carried source folder is replaced on every call, a build
+# folder elsewhere stays while the machine is held.
+B=${BUILD:-/tmp/troupe-build}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+stamp() { echo "== $(date -u +%T) $*" | tee -a "$out/summary.txt"; }
+
+for step in "$@"; do
+  case "$step" in
+    build)
+      # The host bundle has libsodium's runtime, not its -dev package (see gpu_check.sh).
+      if ! pkg-config --exists libsodium; then
+        lib=$(dirname "$(find / -name 'libsodium.so.23*' -path '*troupe-deps*' 2>/dev/null | head -1)")
+        mkdir -p /tmp/pc && printf 'Name: libsodium\nDescription: stub\nVersion: 1.0.18\nLibs: -L%s -l:libsodium.so.23\nCflags:\n' "$lib" >/tmp/pc/libsodium.pc
+        export PKG_CONFIG_PATH=/tmp/pc:${PKG_CONFIG_PATH:-}
+      fi
+      nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv | tee "$out/gpu.txt"
+      cmake -S . -B "$B" -G Ninja -DTROUPE_WERROR=OFF -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release \
+        >"$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }
+      targets=${TARGETS:-"train_moe kernels_op_table_cuda_test kernels_cuda_bf16_test kernel_bench"}
+      # shellcheck disable=SC2086
+      if ! ninja -C "$B" -j16 $targets >"$out/build.log" 2>&1; then
+        grep -E "error|FAILED" -A3 "$out/build.log" | head -60
+        exit 1
+      fi
+      stamp "build ok ($targets)"
+      ;;
+    tests)
+      timeout 90 "$B"/tests/kernels/kernels_op_table_cuda_test >"$out/op_table_cuda.log" 2>&1
+      stamp "kernels_op_table_cuda_test rc=$? ($(grep -c '^\[       OK' "$out/op_table_cuda.log") ok)"
+      grep -E "^\[  FAILED|differ" "$out/op_table_cuda.log" | head -20
+      timeout 90 "$B"/tests/kernels/kernels_cuda_bf16_test >"$out/bf16_test.log" 2>&1
+      stamp "kernels_cuda_bf16_test rc=$?"
+      grep -E "^\[  FAILED|Failure" "$out/bf16_test.log" | head -20
+      ;;
+    ctest)
+      (cd "$B" && timeout 500 ctest -L gpu --output-on-failure) >"$out/ctest_gpu.log" 2>&1
+      stamp "ctest -L gpu rc=$?"
+      grep -E "tests passed|tests failed|Failed|\*\*\*" "$out/ctest_gpu.log" | head -20
+      ;;
+    kernels)
+      timeout 100 "$B"/bench/kernels/kernel_bench >"$out/kernel_bench.log" 2>&1
+      stamp "kernel_bench rc=$?"
+      timeout 100 python3 bench/kernels/torch_kernels.py >"$out/torch.log" 2>&1
+      stamp "torch_kernels rc=$?"
+      python3 bench/kernels/compare.py "$out/kernel_bench.log" "$out/torch.log" | tee "$out/compare.md"
+      ;;
+    router)
+      OUT=$out bash bench/e2e.sh --build "$B" --skip-troupe --skip-peer --gpus 1 >/dev/null 2>&1  # prepares the shared shards
+      bash bench/router_load.sh "${TMPDIR:-/tmp}/troupe-e2e-runs/data" "$out/router" "${ROUTER_STEPS:-60}" "$B"
+      stamp "router_load rc=$?"
+      ;;
+    hoststats)
+      d=${TMPDIR:-/tmp}/troupe-e2e-runs
+      TROUPE_DEVICE_STATS=0 timeout 200 "$B"/apps/train_moe --config apps/configs/bench_1b.toml --backend cuda \
+        --set train.steps=7 --set train.eval_every=0 --set train.eval_batches=1 --set "data.dir=$d/data" \
+        --run-dir "$d/hoststats" >"$out/hoststats.log" 2>&1
+      stamp "hoststats rc=$?"
+      grep "^step [0-9]*/7" "$out/hoststats.log" | cut -c1-220
+      ;;
+    final)
+      TARGETS="train_moe kernels_op_table_cuda_test kernels_cuda_bf16_test train_moe_cuda_test" bash "$0" build || exit 1
+      bash "$0" e2e
+      bash "$0" tests
+      if ninja -C "$B" -j16 kernel_bench >"$out/build_bench.log" 2>&1; then bash "$0" kernels; else stamp "kernel_bench build FAILED"; fi
+      (cd "$B" && timeout 120 ctest -R train_moe_cuda_test --output-on-failure) >"$out/train_moe_cuda_test.log" 2>&1
+      stamp "train_moe_cuda_test rc=$?"
+      tail -3 "$out/train_moe_cuda_test.log"
+      finish
+      bash "$0" hoststats
+      ;;
+    e2e)
+      OUT=$out bash bench/e2e.sh --build "$B" --gpus 1 ${E2E_ARGS:---quick --no-selfcheck}
+      stamp "e2e rc=$?"
+      grep -h "^step [0-9]*/" "$out/e2e/troupe_1gpu.log" | cut -c1-230
+      ;;
+    *) echo "gpu_issue20.sh: unknown step '$step'" >&2; exit 2 ;;
+  esac
+  finish  # after every step, so a later kill loses only the step it interrupted
+done
