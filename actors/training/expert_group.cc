@@ -8,26 +8,38 @@
 #include <chrono>
 #include <cstring>
 
+#include "comm/compression.h"
 #include "core/check.h"
 
 namespace troupe::training {
 
 namespace {
 
-struct A2AState final : layers::DispatchState {
-  Tensor row_map, yp, gates;
+// One token chunk of the all-to-all path.
+struct A2AChunk {
+  int64_t lo = 0, len = 0;    // tokens [lo, lo + len)
+  Tensor row_map, gates, yp;  // plan, gates [len, k], combine input
   layers::Experts::Saved experts;
   std::vector<int64_t> order;  // expert-major position -> row of the received (source-major) buffer
   std::vector<int64_t> send_rows, recv_rows;
-  Tensor order_dev, inverse_dev;  // device: order, and its inverse permutation (i32)
+  Tensor order_dev, inverse_dev;  // device: order and its inverse permutation (i32)
+  Tensor loc_off;                 // i32 [el + 1] expert offsets of the received rows
+  int64_t rows = 0, rrows = 0;
+  // In flight: the wire buffers of the transfer launched last.
+  CommOp op, op_scales;
+  Tensor in, out, in_scales, out_scales;
+};
+
+struct A2AState final : layers::DispatchState {
+  std::vector<A2AChunk> chunks;
   int64_t tokens = 0;
 };
 
 struct AGState final : layers::DispatchState {
-  Tensor ye, gates_all;                 // local expert outputs [Re, D]; gathered gates [n*T, k]
+  Tensor ye, gates_all;  // local expert outputs [Re, D]; gathered gates [n*T, k]
   layers::Experts::Saved experts;
-  std::vector<int64_t> token, slot;     // per local row: gathered token index, top-k slot
-  int64_t tokens = 0;                   // local T
+  std::vector<int64_t> token, slot;  // per local row: gathered token index, top-k slot
+  int64_t tokens = 0;                // local T
 };
 
 std::vector<int32_t> host_ints(const Tensor& t) {
@@ -43,9 +55,14 @@ void gather_rows_device(const layers::Ctx& c, const Tensor& src, const Tensor& i
 
 }  // namespace
 
-ExpertGroup::ExpertGroup(const layers::Experts& full, int64_t top_k, bool recompute, comm::Communicator& group,
-                         CommTime& time, DispatchMode mode)
-    : num_experts_(full.w1.value.size(0)), top_k_(top_k), group_(group), time_(time), mode_(mode) {
+ExpertGroup::ExpertGroup(const layers::Experts& full, int64_t top_k, bool recompute,
+                         comm::Communicator& group, CommTime& time, DispatchMode mode, Options options)
+    : num_experts_(full.w1.value.size(0)),
+      top_k_(top_k),
+      group_(group),
+      time_(time),
+      mode_(mode),
+      options_(options) {
   const int64_t n = group.size();
   TROUPE_CHECK(num_experts_ % n == 0, "ExpertGroup: {} experts do not split over {} ranks", num_experts_, n);
   local_experts_ = num_experts_ / n;
@@ -56,44 +73,117 @@ ExpertGroup::ExpertGroup(const layers::Experts& full, int64_t top_k, bool recomp
   local_->w2.value.copy_from(full.w2.value.narrow(0, first_, local_experts_));
 }
 
-Tensor ExpertGroup::forward(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
-                            std::unique_ptr<layers::DispatchState>& state, std::vector<int64_t>& kept) {
+Tensor ExpertGroup::forward(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx,
+                            const Tensor& gates, std::unique_ptr<layers::DispatchState>& state,
+                            std::vector<int64_t>& kept) {
   return mode_ == DispatchMode::kAllToAll ? forward_a2a(c, x, topk_idx, gates, state, kept)
                                           : forward_ag(c, x, topk_idx, gates, state, kept);
 }
 
-Tensor ExpertGroup::backward(const layers::Ctx& c, const Tensor& dy, layers::DispatchState& state, Tensor& dgates) {
-  return mode_ == DispatchMode::kAllToAll ? backward_a2a(c, dy, state, dgates) : backward_ag(c, dy, state, dgates);
+Tensor ExpertGroup::backward(const layers::Ctx& c, const Tensor& dy, layers::DispatchState& state,
+                             Tensor& dgates) {
+  return mode_ == DispatchMode::kAllToAll ? backward_a2a(c, dy, state, dgates)
+                                          : backward_ag(c, dy, state, dgates);
 }
 
 // ---- all-to-all ------------------------------------------------------------------------
 
-Tensor ExpertGroup::forward_a2a(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
-                                std::unique_ptr<layers::DispatchState>& state, std::vector<int64_t>& kept) {
+namespace {
+
+// Launches the rows `in` [sum(send), dm] to the peers by row counts into a fresh
+// [sum(recv), dm] buffer (fp8: data and per-row scales, two transfers).
+void launch_rows(comm::Communicator& g, const layers::Ctx& c, CommTime& t, const Tensor& in,
+                 const std::vector<int64_t>& send, const std::vector<int64_t>& recv, bool fp8, A2AChunk& ch,
+                 const std::string& what) {
+  const int64_t dm = in.size(1);
+  int64_t rrows = 0;
+  for (int64_t v : recv) rrows += v;
+  if (!fp8) {
+    ch.in = in;
+    ch.out = c.empty({rrows, dm}, in.dtype());
+    ch.op = t.launch(
+        [&](const comm::OpOptions& o) {
+          std::vector<int64_t> sc(send.size()), rc(recv.size());
+          for (size_t i = 0; i < sc.size(); ++i) sc[i] = send[i] * dm;
+          for (size_t i = 0; i < rc.size(); ++i) rc[i] = recv[i] * dm;
+          return g.all_to_all_v(ch.in.view({ch.in.numel()}), sc, ch.out.view({ch.out.numel()}), rc, o);
+        },
+        what);
+    return;
+  }
+  auto q = comm::quantize_rows_fp8(in);
+  TROUPE_CHECK(q.ok(), "expert fp8 dispatch: {}", q.status().to_string());
+  ch.in = q->data;
+  ch.in_scales = q->scales;
+  ch.out = Tensor::empty({rrows, dm}, DType::kF8E4M3);
+  ch.out_scales = Tensor::empty({rrows}, DType::kF32);
+  ch.op = t.launch(
+      [&](const comm::OpOptions& o) {
+        std::vector<int64_t> sc(send.size()), rc(recv.size());
+        for (size_t i = 0; i < sc.size(); ++i) sc[i] = send[i] * dm;
+        for (size_t i = 0; i < rc.size(); ++i) rc[i] = recv[i] * dm;
+        return g.all_to_all_v(ch.in.view({ch.in.numel()}), sc, ch.out.view({ch.out.numel()}), rc, o);
+      },
+      what);
+  ch.op_scales = t.launch(
+      [&](const comm::OpOptions& o) { return g.all_to_all_v(ch.in_scales, send, ch.out_scales, recv, o); },
+      what + " (scales)");
+}
+
+// Awaits the transfer launch_rows started and returns the received rows in `dtype`.
+Tensor finish_rows(CommTime& t, A2AChunk& ch, DType dtype) {
+  t.await(ch.op);
+  Tensor out = ch.out;
+  if (ch.op_scales.pending() || ch.out_scales.defined()) {
+    t.await(ch.op_scales);
+    auto d = comm::dequantize_rows_fp8(comm::Fp8Rows{ch.out, ch.out_scales}, dtype);
+    TROUPE_CHECK(d.ok(), "expert fp8 dispatch: {}", d.status().to_string());
+    out = *d;
+  }
+  ch.in = ch.out = ch.in_scales = ch.out_scales = Tensor();
+  return out;
+}
+
+}  // namespace
+
+Tensor ExpertGroup::forward_a2a(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx,
+                                const Tensor& gates, std::unique_ptr<layers::DispatchState>& state,
+                                std::vector<int64_t>& kept) {
   auto st = std::make_unique<A2AState>();
   const int64_t t = x.size(0), dm = x.size(1), e = num_experts_, el = local_experts_, n = group_.size();
+  const int64_t nc = std::max<int64_t>(1, std::min<int64_t>(options_.chunks, t));
+  const bool fp8 = options_.fp8 && !c.on_device();
   st->tokens = t;
-  st->gates = gates;
-  // Dropless plan over all experts: rows grouped by expert, so the rows for rank p's
-  // experts are one contiguous block.
-  st->row_map = c.empty({t * top_k_}, DType::kI32);
-  Tensor counts = c.empty({e}, DType::kI32);
+  st->chunks.resize(static_cast<size_t>(nc));
+  // Dropless plan per chunk over all experts: rows grouped by expert, so the rows for
+  // rank p's experts are one contiguous block. The counts of every chunk reach the host
+  // in one read.
+  Tensor counts = c.empty({nc * e}, DType::kI32);
   Tensor offsets = c.empty({e + 1}, DType::kI32);
-  kernels::moe_dispatch_plan(c.ex, topk_idx, e, -1, st->row_map, counts, offsets);
-  const std::vector<int32_t> cnt = host_ints(c.to_host(counts));
-  kept.assign(cnt.begin(), cnt.end());
-  int64_t rows = 0;
-  for (int32_t v : cnt) rows += v;
-  Tensor xp = c.empty({rows, dm});
-  kernels::moe_permute(c.ex, x, st->row_map, top_k_, xp);
+  for (int64_t ci = 0; ci < nc; ++ci) {
+    A2AChunk& ch = st->chunks[static_cast<size_t>(ci)];
+    ch.lo = ci * t / nc;
+    ch.len = (ci + 1) * t / nc - ch.lo;
+    ch.gates = gates.narrow(0, ch.lo, ch.len);
+    ch.row_map = c.empty({ch.len * top_k_}, DType::kI32);
+    Tensor cnt = counts.narrow(0, ci * e, e);
+    kernels::moe_dispatch_plan(c.ex, topk_idx.narrow(0, ch.lo, ch.len), e, -1, ch.row_map, cnt, offsets);
+  }
+  const std::vector<int32_t> cnt = host_ints(c.to_host(counts));  // [chunk][expert]
+  kept.assign(static_cast<size_t>(e), 0);
+  for (int64_t ci = 0; ci < nc; ++ci)
+    for (int64_t j = 0; j < e; ++j) kept[static_cast<size_t>(j)] += cnt[static_cast<size_t>(ci * e + j)];
 
-  // Counts per (peer, local expert of the peer) -> per (source, my local expert).
-  Tensor send_cnt = Tensor::empty({e}, DType::kI64);
-  for (int64_t j = 0; j < e; ++j) send_cnt.data<int64_t>()[j] = cnt[static_cast<size_t>(j)];
-  Tensor recv_cnt = Tensor::empty({e}, DType::kI64);
+  // Counts per (peer, chunk, local expert of the peer) -> per (source, chunk, my local expert).
+  Tensor send_cnt = Tensor::empty({n * nc * el}, DType::kI64);
+  for (int64_t p = 0; p < n; ++p)
+    for (int64_t ci = 0; ci < nc; ++ci)
+      for (int64_t j = 0; j < el; ++j)
+        send_cnt.data<int64_t>()[(p * nc + ci) * el + j] = cnt[static_cast<size_t>(ci * e + p * el + j)];
+  Tensor recv_cnt = Tensor::empty({n * nc * el}, DType::kI64);
   if (c.on_device()) {
-    // The counts must reach the host (they size the buffers): the one sync per dispatch.
-    Tensor d_recv = c.empty({e}, DType::kI64);
+    // The counts must reach the host (they size the buffers): the one sync per layer.
+    Tensor d_recv = c.empty({n * nc * el}, DType::kI64);
     time_.issue(group_.all_to_all(c.to_device(send_cnt), d_recv, time_.op_options()),
                 "expert counts all_to_all");
     const auto c0 = std::chrono::steady_clock::now();
@@ -104,92 +194,157 @@ Tensor ExpertGroup::forward_a2a(const layers::Ctx& c, const Tensor& x, const Ten
     time_.wait(group_.all_to_all(send_cnt, recv_cnt), "expert counts all_to_all");
   }
   const int64_t* rc = recv_cnt.data<int64_t>();
-  st->send_rows.assign(static_cast<size_t>(n), 0);
-  st->recv_rows.assign(static_cast<size_t>(n), 0);
-  for (int64_t p = 0; p < n; ++p)
-    for (int64_t j = 0; j < el; ++j) {
-      st->send_rows[static_cast<size_t>(p)] += cnt[static_cast<size_t>(p * el + j)];
-      st->recv_rows[static_cast<size_t>(p)] += rc[p * el + j];
-    }
-  int64_t rrows = 0;
-  for (int64_t v : st->recv_rows) rrows += v;
-  Tensor xr = c.empty({rrows, dm});
-  all_to_all_v_rows(group_, xp, st->send_rows, xr, st->recv_rows, time_, "expert dispatch all_to_all_v");
+  auto rcount = [&](int64_t q, int64_t ci, int64_t j) { return rc[(q * nc + ci) * el + j]; };
 
-  // Received rows are source-major (then local expert); the GEMMs want expert-major.
-  std::vector<int64_t> src_base(static_cast<size_t>(n), 0);
-  for (int64_t q = 1; q < n; ++q) src_base[static_cast<size_t>(q)] = src_base[static_cast<size_t>(q - 1)] + st->recv_rows[static_cast<size_t>(q - 1)];
-  std::vector<int32_t> loc_off(static_cast<size_t>(el + 1), 0);
-  st->order.reserve(static_cast<size_t>(rrows));
-  for (int64_t j = 0; j < el; ++j) {
-    for (int64_t q = 0; q < n; ++q) {
-      int64_t start = src_base[static_cast<size_t>(q)];
-      for (int64_t jj = 0; jj < j; ++jj) start += rc[q * el + jj];
-      for (int64_t i = 0; i < rc[q * el + j]; ++i) st->order.push_back(start + i);
+  std::vector<Tensor> xp(static_cast<size_t>(nc));
+  for (int64_t ci = 0; ci < nc; ++ci) {
+    A2AChunk& ch = st->chunks[static_cast<size_t>(ci)];
+    ch.send_rows.assign(static_cast<size_t>(n), 0);
+    ch.recv_rows.assign(static_cast<size_t>(n), 0);
+    for (int64_t p = 0; p < n; ++p)
+      for (int64_t j = 0; j < el; ++j) {
+        ch.send_rows[static_cast<size_t>(p)] += cnt[static_cast<size_t>(ci * e + p * el + j)];
+        ch.recv_rows[static_cast<size_t>(p)] += rcount(p, ci, j);
+      }
+    for (int64_t v : ch.send_rows) ch.rows += v;
+    for (int64_t v : ch.recv_rows) ch.rrows += v;
+    // Received rows are source-major (then local expert); the GEMMs want expert-major.
+    std::vector<int64_t> src_base(static_cast<size_t>(n), 0);
+    for (int64_t q = 1; q < n; ++q)
+      src_base[static_cast<size_t>(q)] =
+          src_base[static_cast<size_t>(q - 1)] + ch.recv_rows[static_cast<size_t>(q - 1)];
+    std::vector<int32_t> loc_off(static_cast<size_t>(el + 1), 0);
+    ch.order.reserve(static_cast<size_t>(ch.rrows));
+    for (int64_t j = 0; j < el; ++j) {
+      for (int64_t q = 0; q < n; ++q) {
+        int64_t start = src_base[static_cast<size_t>(q)];
+        for (int64_t jj = 0; jj < j; ++jj) start += rcount(q, ci, jj);
+        for (int64_t i = 0; i < rcount(q, ci, j); ++i) ch.order.push_back(start + i);
+      }
+      loc_off[static_cast<size_t>(j + 1)] = static_cast<int32_t>(ch.order.size());
     }
-    loc_off[static_cast<size_t>(j + 1)] = static_cast<int32_t>(st->order.size());
-  }
-  Tensor xe = c.empty({rrows, dm});
-  if (c.on_device()) {
-    std::vector<int32_t> ord(st->order.size()), inv(st->order.size());
-    for (size_t i = 0; i < ord.size(); ++i) {
-      ord[i] = static_cast<int32_t>(st->order[i]);
-      inv[static_cast<size_t>(st->order[i])] = static_cast<int32_t>(i);
+    ch.loc_off = c.to_device(Tensor::from_ints({el + 1}, loc_off));
+    if (c.on_device()) {
+      std::vector<int32_t> ord(ch.order.size()), inv(ch.order.size());
+      for (size_t i = 0; i < ord.size(); ++i) {
+        ord[i] = static_cast<int32_t>(ch.order[i]);
+        inv[static_cast<size_t>(ch.order[i])] = static_cast<int32_t>(i);
+      }
+      ch.order_dev = c.to_device(Tensor::from_ints({ch.rrows}, ord));
+      ch.inverse_dev = c.to_device(Tensor::from_ints({ch.rrows}, inv));
     }
-    st->order_dev = c.to_device(Tensor::from_ints({rrows}, ord));
-    st->inverse_dev = c.to_device(Tensor::from_ints({rrows}, inv));
-    gather_rows_device(c, xr, st->order_dev, xe);
-  } else {
-    gather_rows(xr, st->order, xe);
+    xp[static_cast<size_t>(ci)] = c.empty({ch.rows, dm});
+    kernels::moe_permute(c.ex, x.narrow(0, ch.lo, ch.len), ch.row_map, top_k_, xp[static_cast<size_t>(ci)]);
   }
-  Tensor ye = local_->forward(c, xe, c.to_device(Tensor::from_ints({el + 1}, loc_off)), st->experts);
-  Tensor yr = c.empty({rrows, dm});
-  if (c.on_device()) {
-    gather_rows_device(c, ye, st->inverse_dev, yr);  // yr[order[i]] = ye[i]
-  } else {
-    scatter_rows(ye, st->order, yr);
+
+  const bool overlap = options_.overlap;
+  if (overlap) {
+    for (int64_t ci = 0; ci < nc; ++ci) {
+      A2AChunk& ch = st->chunks[static_cast<size_t>(ci)];
+      launch_rows(group_, c, time_, xp[static_cast<size_t>(ci)], ch.send_rows, ch.recv_rows, fp8, ch,
+                  "expert dispatch all_to_all_v");
+    }
   }
-  st->yp = c.empty({rows, dm});
-  all_to_all_v_rows(group_, yr, st->recv_rows, st->yp, st->send_rows, time_, "expert combine all_to_all_v");
+  std::vector<A2AChunk> back(static_cast<size_t>(nc));  // combine transfers
+  for (int64_t ci = 0; ci < nc; ++ci) {
+    A2AChunk& ch = st->chunks[static_cast<size_t>(ci)];
+    if (!overlap) {
+      launch_rows(group_, c, time_, xp[static_cast<size_t>(ci)], ch.send_rows, ch.recv_rows, fp8, ch,
+                  "expert dispatch all_to_all_v");
+    }
+    Tensor xr = finish_rows(time_, ch, x.dtype());
+    xp[static_cast<size_t>(ci)] = Tensor();
+    Tensor xe = c.empty({ch.rrows, dm});
+    if (c.on_device()) {
+      gather_rows_device(c, xr, ch.order_dev, xe);
+    } else {
+      gather_rows(xr, ch.order, xe);
+    }
+    Tensor ye = local_->forward(c, xe, ch.loc_off, ch.experts);
+    Tensor yr = c.empty({ch.rrows, dm});
+    if (c.on_device()) {
+      gather_rows_device(c, ye, ch.inverse_dev, yr);  // yr[order[i]] = ye[i]
+    } else {
+      scatter_rows(ye, ch.order, yr);
+    }
+    A2AChunk& bk = back[static_cast<size_t>(ci)];
+    launch_rows(group_, c, time_, yr, ch.recv_rows, ch.send_rows, false, bk, "expert combine all_to_all_v");
+    if (!overlap) ch.yp = finish_rows(time_, bk, x.dtype());
+  }
   Tensor y = c.empty(x.shape());
-  kernels::moe_unpermute(c.ex, st->yp, st->row_map, gates, y);
+  for (int64_t ci = 0; ci < nc; ++ci) {
+    A2AChunk& ch = st->chunks[static_cast<size_t>(ci)];
+    if (overlap) ch.yp = finish_rows(time_, back[static_cast<size_t>(ci)], x.dtype());
+    Tensor yc = y.narrow(0, ch.lo, ch.len);
+    kernels::moe_unpermute(c.ex, ch.yp, ch.row_map, ch.gates, yc);
+  }
   state = std::move(st);
   return y;
 }
 
-Tensor ExpertGroup::backward_a2a(const layers::Ctx& c, const Tensor& dy, layers::DispatchState& state,
+Tensor ExpertGroup::backward_a2a(const layers::Ctx& c, const Tensor& dy_in, layers::DispatchState& state,
                                  Tensor& dgates) {
   auto& st = static_cast<A2AState&>(state);
-  const int64_t dm = dy.size(1), rrows = static_cast<int64_t>(st.order.size());
-  Tensor dyp = c.empty(st.yp.shape());
-  dgates = c.empty(st.gates.shape(), DType::kF32);  // gate gradients are f32, like the gates
-  kernels::moe_unpermute_backward(c.ex, dy, st.yp, st.row_map, st.gates, dyp, dgates);
-  Tensor dyr = c.empty({rrows, dm});
-  all_to_all_v_rows(group_, dyp, st.send_rows, dyr, st.recv_rows, time_, "expert grad dispatch all_to_all_v");
-  Tensor dye = c.empty({rrows, dm});
-  if (c.on_device()) {
-    gather_rows_device(c, dyr, st.order_dev, dye);
-  } else {
-    gather_rows(dyr, st.order, dye);
+  const Tensor dy = dy_in.contiguous();
+  const int64_t dm = dy.size(1), nc = static_cast<int64_t>(st.chunks.size());
+  const bool overlap = options_.overlap;
+  dgates = c.empty({st.tokens, top_k_}, DType::kF32);  // gate gradients are f32, like the gates
+  std::vector<Tensor> dyp(static_cast<size_t>(nc));
+  for (int64_t ci = 0; ci < nc; ++ci) {
+    A2AChunk& ch = st.chunks[static_cast<size_t>(ci)];
+    dyp[static_cast<size_t>(ci)] = c.empty(ch.yp.shape());
+    Tensor dg = dgates.narrow(0, ch.lo, ch.len);
+    kernels::moe_unpermute_backward(c.ex, dy.narrow(0, ch.lo, ch.len), ch.yp, ch.row_map, ch.gates,
+                                    dyp[static_cast<size_t>(ci)], dg);
+    if (overlap) {
+      launch_rows(group_, c, time_, dyp[static_cast<size_t>(ci)], ch.send_rows, ch.recv_rows, false, ch,
+                  "expert grad dispatch all_to_all_v");
+    }
   }
-  Tensor dxe = local_->backward(c, dye, st.experts);
-  Tensor dxr = c.empty({rrows, dm});
-  if (c.on_device()) {
-    gather_rows_device(c, dxe, st.inverse_dev, dxr);
-  } else {
-    scatter_rows(dxe, st.order, dxr);
+  std::vector<A2AChunk> back(static_cast<size_t>(nc));
+  std::vector<Tensor> dxp(static_cast<size_t>(nc));
+  for (int64_t ci = 0; ci < nc; ++ci) {
+    A2AChunk& ch = st.chunks[static_cast<size_t>(ci)];
+    if (!overlap) {
+      launch_rows(group_, c, time_, dyp[static_cast<size_t>(ci)], ch.send_rows, ch.recv_rows, false, ch,
+                  "expert grad dispatch all_to_all_v");
+    }
+    Tensor dyr = finish_rows(time_, ch, dy.dtype());
+    dyp[static_cast<size_t>(ci)] = Tensor();
+    Tensor dye = c.empty({ch.rrows, dm});
+    if (c.on_device()) {
+      gather_rows_device(c, dyr, ch.order_dev, dye);
+    } else {
+      gather_rows(dyr, ch.order, dye);
+    }
+    Tensor dxe = local_->backward(c, dye, ch.experts);
+    ch.experts = layers::Experts::Saved();
+    Tensor dxr = c.empty({ch.rrows, dm});
+    if (c.on_device()) {
+      gather_rows_device(c, dxe, ch.inverse_dev, dxr);
+    } else {
+      scatter_rows(dxe, ch.order, dxr);
+    }
+    A2AChunk& bk = back[static_cast<size_t>(ci)];
+    launch_rows(group_, c, time_, dxr, ch.recv_rows, ch.send_rows, false, bk,
+                "expert grad combine all_to_all_v");
+    if (!overlap) dxp[static_cast<size_t>(ci)] = finish_rows(time_, bk, dy.dtype());
   }
-  Tensor dxp = c.empty(st.yp.shape());
-  all_to_all_v_rows(group_, dxr, st.recv_rows, dxp, st.send_rows, time_, "expert grad combine all_to_all_v");
   Tensor dx = c.empty({st.tokens, dm});
-  kernels::moe_permute_backward(c.ex, dxp, st.row_map, top_k_, dx);
+  for (int64_t ci = 0; ci < nc; ++ci) {
+    A2AChunk& ch = st.chunks[static_cast<size_t>(ci)];
+    if (overlap) dxp[static_cast<size_t>(ci)] = finish_rows(time_, back[static_cast<size_t>(ci)], dy.dtype());
+    Tensor dxc = dx.narrow(0, ch.lo, ch.len);
+    kernels::moe_permute_backward(c.ex, dxp[static_cast<size_t>(ci)], ch.row_map, top_k_, dxc);
+  }
   return dx;
 }
 
 // ---- all-gather / reduce-scatter -------------------------------------------------------
 
-Tensor ExpertGroup::forward_ag(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
-                               std::unique_ptr<layers::DispatchState>& state, std::vector<int64_t>& kept) {
+Tensor ExpertGroup::forward_ag(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx,
+                               const Tensor& gates, std::unique_ptr<layers::DispatchState>& state,
+                               std::vector<int64_t>& kept) {
   TROUPE_CHECK(!c.on_device(),
                "ExpertGroup: dispatch \"allgather\" runs on the CPU backend only; use "
                "parallel.dispatch = \"alltoall\" on GPUs");

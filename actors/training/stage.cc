@@ -2,10 +2,13 @@
 // schedule, gradient synchronisation, the ZeRO-1 optimizer shard and the step metrics.
 #include "actors/training/stage.h"
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cmath>
-
-#include <fmt/format.h>
+#include <cstdio>
+#include <cstdlib>
 
 #include "comm/gloo_communicator.h"
 #include "core/check.h"
@@ -26,9 +29,9 @@ using Clock = std::chrono::steady_clock;
 
 struct Stage::BlockRole {
   layers::Block* block = nullptr;
-  int64_t moe_index = -1;  // index among the model's MoE blocks, -1 for dense
-  std::unique_ptr<AttentionShard> attn;   // n > 1
-  std::unique_ptr<ExpertGroup> experts;   // MoE and n > 1
+  int64_t moe_index = -1;                // index among the model's MoE blocks, -1 for dense
+  std::unique_ptr<AttentionShard> attn;  // n > 1
+  std::unique_ptr<ExpertGroup> experts;  // MoE and n > 1
 };
 
 struct Stage::BlockSaved {
@@ -40,10 +43,10 @@ struct Stage::BlockSaved {
 };
 
 struct Stage::Micro {
-  Tensor ids, targets;       // local slices, i32 [B*S/n]
-  int64_t tokens = 0;        // tokens with a target in the whole micro-batch
+  Tensor ids, targets;  // local slices, i32 [B*S/n]
+  int64_t tokens = 0;   // tokens with a target in the whole micro-batch
   std::vector<BlockSaved> saved;
-  Tensor head_dx;            // last stage: gradient from the LM head
+  Tensor head_dx;  // last stage: gradient from the LM head
 };
 
 Stage::Stage(const layers::TrainConfig& tc, int rank, layers::TokenShards train, layers::TokenShards val)
@@ -53,11 +56,25 @@ Stage::~Stage() {
   // Sends still in flight reference tensors we own; wait for them (bounded by the op
   // timeout) before the buffers go.
   for (auto& w : pending_sends_) (void)w->wait();
+  for (auto& b : buckets_) {
+    if (b.param.op.pending()) (void)b.param.op.work->wait();
+    if (b.grad.op.pending()) (void)b.grad.op.work->wait();
+#if TROUPE_HAVE_CUDA
+    for (CommOp* op : {&b.param.op, &b.grad.op})
+      if (op->event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(op->event));
+#endif
+  }
+#if TROUPE_HAVE_CUDA
+  if (comm_stream_ != nullptr) {
+    cudaStreamSynchronize(static_cast<cudaStream_t>(comm_stream_));
+    cudaStreamDestroy(static_cast<cudaStream_t>(comm_stream_));
+  }
+#endif
 }
 
-Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int rank, comm::RendezvousStore& store,
-                                             const comm::StoreNamespace& ns, layers::TokenShards train,
-                                             layers::TokenShards val) {
+Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int rank,
+                                             comm::RendezvousStore& store, const comm::StoreNamespace& ns,
+                                             layers::TokenShards train, layers::TokenShards val) {
   std::unique_ptr<Stage> s(new Stage(tc, rank, std::move(train), std::move(val)));
   TROUPE_RETURN_IF_ERROR(s->build(store, ns));
   return s;
@@ -75,8 +92,8 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
     if (par.pp > 1)
       return unimplemented("Stage on {}: pipeline parallelism (pp = {}) runs on the CPU backend only so far",
                            ctx.ex.device, par.pp);
-    if (par.compression && par.dp > 1)
-      return unimplemented("Stage on {}: parallel.compression runs on the CPU backend only so far",
+    if (par.fp8_dispatch && par.n > 1)
+      return unimplemented("Stage on {}: parallel.fp8_dispatch runs on the CPU backend only so far",
                            ctx.ex.device);
     if (par.n > 1 && par.dispatch == "allgather") {
       return unimplemented(
@@ -87,6 +104,14 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
     return unimplemented("Stage on {}: this build has no NCCL (needed for GPU workers)", ctx.ex.device);
 #endif
     s->time_.set_device(&s->ctx_);
+#if TROUPE_HAVE_CUDA
+    if (par.overlap_a2a || par.overlap_grad_sync || par.overlap_param_gather) {
+      cudaStream_t cs = nullptr;
+      CUDA_CHECK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+      s->comm_stream_ = cs;
+      s->time_.set_comm_stream(cs);
+    }
+#endif
   }
   TROUPE_RETURN_IF_ERROR(s->build(store, ns));
   return s;
@@ -95,9 +120,9 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
 Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns) {
   const auto& par = tc_.parallel;
   TROUPE_RETURN_IF_ERROR(par.validate(tc_.model, tc_.train));
-  TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout layout, comm::ParallelLayout::make(static_cast<int>(par.pp),
-                                                                                  static_cast<int>(par.dp),
-                                                                                  static_cast<int>(par.n)));
+  TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout layout,
+                          comm::ParallelLayout::make(static_cast<int>(par.pp), static_cast<int>(par.dp),
+                                                     static_cast<int>(par.n)));
   layout_ = std::make_unique<comm::ParallelLayout>(layout);
   if (rank_ < 0 || rank_ >= layout.world_size()) {
     return invalid_argument("rank {} is outside the layout {} ({} ranks)", rank_, layout.to_string(),
@@ -135,9 +160,6 @@ Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns
     ts.size = 2;
     TROUPE_ASSIGN_OR_RETURN(tied_, factory(ts));
   }
-  if (par.compression && layout.dp() > 1) {
-    bf16_rs_ = std::make_unique<comm::Bf16ReduceScatter>(*groups_.dp, comm::Bf16ReduceScatter::Options{});
-  }
 
   // ---- the model part ----------------------------------------------------------------
   // Every rank initialises the whole model from the seed (by parameter name, so values do
@@ -157,10 +179,14 @@ Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns
     role->block = &b;
     role->moe_index = mi;
     if (n > 1) {
-      role->attn = std::make_unique<AttentionShard>(b.attn, *groups_.n, time_);
+      role->attn = std::make_unique<AttentionShard>(b.attn, *groups_.n, time_, par.overlap_a2a);
       if (b.is_moe()) {
-        role->experts = std::make_unique<ExpertGroup>(b.moe->experts, tc_.model.moe.top_k, tc_.model.recompute_swiglu,
-                                                      *groups_.n, time_, mode);
+        ExpertGroup::Options eo;
+        eo.chunks = par.chunks;
+        eo.overlap = par.overlap_a2a;
+        eo.fp8 = par.fp8_dispatch;
+        role->experts = std::make_unique<ExpertGroup>(
+            b.moe->experts, tc_.model.moe.top_k, tc_.model.recompute_swiglu, *groups_.n, time_, mode, eo);
         b.moe->set_dispatch(role->experts.get());
         b.moe->router.set_group_all_reduce([group = groups_.n.get(), time = &time_](std::vector<double>& v) {
           sum_doubles(*group, v, *time, "router statistics");
@@ -211,7 +237,8 @@ void Stage::setup_params() {
     for (auto& p : ps) rep.push_back({p.name, p.param, false, n_lead});
     // A tied head on a later stage holds a copy of the embedding: updated with the same
     // (summed) gradient, counted in the norm on the first stage only.
-    if (tc_.model.tie_embeddings && !first_) rep.push_back({"embedding.weight[tied copy]", &model_->embedding.weight, false, false});
+    if (tc_.model.tie_embeddings && !first_)
+      rep.push_back({"embedding.weight[tied copy]", &model_->embedding.weight, false, false});
   }
   entries_ = std::move(rep);
   int64_t off = 0;
@@ -268,6 +295,83 @@ void Stage::setup_params() {
   }
   for (size_t i = 0; i < pieces_.size(); ++i) named.push_back({fmt::format("piece{}", i), &pieces_[i]});
   opt_ = std::make_unique<layers::AdamW>(named, tc_.optim, ctx_);
+  setup_buckets();
+}
+
+void Stage::setup_buckets() {
+  buckets_.clear();
+  param_order_.clear();
+  if (layout_->dp() <= 1) return;
+  auto key_of = [&](const std::string& name) -> int64_t {
+    if (name.rfind("embedding.weight", 0) == 0) return kEndBucket;  // the embedding and a tied copy
+    if (name.rfind("blocks.", 0) == 0) return std::stoll(name.substr(7)) - block_lo_;
+    return kHeadBucket;
+  };
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const Entry& e = entries_[i];
+    const int64_t key = key_of(e.name);
+    const bool split = e.offset == rep_size_;  // replicated and expert parts never share one
+    if (buckets_.empty() || buckets_.back().ready != key || split || buckets_.back().hi != e.offset) {
+      buckets_.emplace_back();
+      buckets_.back().lo = e.offset;
+      buckets_.back().ready = key;
+    }
+    buckets_.back().hi = e.offset + e.param->numel();
+    buckets_.back().entries.push_back(i);
+  }
+  // Forward order for the parameter all-gather: the embedding, each block (replicated,
+  // then experts), the head, a tied copy.
+  auto rank_of = [&](const SyncBucket& b) -> int64_t {
+    if (b.ready == kEndBucket) return first_ && b.lo == 0 ? -1 : static_cast<int64_t>(roles_.size()) + 1;
+    if (b.ready == kHeadBucket) return static_cast<int64_t>(roles_.size());
+    return b.ready;
+  };
+  for (size_t i = 0; i < buckets_.size(); ++i) param_order_.push_back(i);
+  std::stable_sort(param_order_.begin(), param_order_.end(),
+                   [&](size_t a, size_t b) { return rank_of(buckets_[a]) < rank_of(buckets_[b]); });
+}
+
+void Stage::launch_grad_buckets(int64_t ready) {
+  const DType wire = tc_.parallel.compression ? DType::kBF16 : DType::kF32;
+  for (auto& b : buckets_) {
+    if (b.ready != ready || b.grad_launched) continue;
+    b.grad_launched = true;
+    b.grad.lo = b.lo;
+    b.grad.hi = b.hi;
+    grad_bucket_launch(
+        *groups_.dp, ctx_, flat_grad_, shard_len_, wire, b.grad, time_,
+        tc_.parallel.compression ? "bf16 grads reduce_scatter (dp)" : "grads reduce_scatter (dp)");
+  }
+}
+
+void Stage::await_params(int64_t ready) {
+  if (!params_pending_) return;
+  bool any_left = false;
+  for (auto& b : buckets_) {
+    if (!b.param.op.pending()) continue;
+    if (ready != kEndBucket - 1 && b.ready != ready) {
+      any_left = true;
+      continue;
+    }
+    time_.await(b.param.op);
+    b.param.send = b.param.recv = Tensor();
+    if (ctx_.on_device()) {
+      for (size_t i : b.entries) {
+        layers::Parameter* p = entries_[i].param;
+        if (p->work.defined()) kernels::cast(ctx_.ex, p->value, p->work);
+      }
+    }
+  }
+  params_pending_ = any_left;
+}
+
+void Stage::settle() {
+  bind_device();
+  await_params(kEndBucket - 1);  // every bucket
+  if (ctx_.on_device()) {
+    time_.drain("parameter all_gather (dp)");
+    synchronize();
+  }
 }
 
 void Stage::refresh_working_copies() {
@@ -342,7 +446,9 @@ Tensor Stage::recv_from(int peer_pp) {
   return buf;
 }
 
-void Stage::send_to(const Tensor& t, int peer_pp) { pending_sends_.push_back(groups_.pp->send(t.contiguous(), peer_pp)); }
+void Stage::send_to(const Tensor& t, int peer_pp) {
+  pending_sends_.push_back(groups_.pp->send(t.contiguous(), peer_pp));
+}
 
 Tensor Stage::blocks_forward(const layers::Ctx& c, Tensor x, Micro& m, bool train) {
   m.saved.resize(roles_.size());
@@ -350,6 +456,8 @@ Tensor Stage::blocks_forward(const layers::Ctx& c, Tensor x, Micro& m, bool trai
     BlockRole& r = *roles_[i];
     layers::Block& b = *r.block;
     BlockSaved& s = m.saved[i];
+    if (train) await_params(static_cast<int64_t>(i));
+    const int64_t ts0 = comm::Work::now_ns();
     Tensor n1 = b.norm1.forward(c, x, s.norm1);
     Tensor a = r.attn ? r.attn->forward(c, n1, batch_, seq_local_, s.attn_sp)
                       : b.attn.forward(c, n1, batch_, seq_local_, s.attn);
@@ -366,6 +474,8 @@ Tensor Stage::blocks_forward(const layers::Ctx& c, Tensor x, Micro& m, bool trai
     }
     kernels::add(c.ex, h, f, f);
     x = f;
+    time_.span("main", fmt::format("forward block {}", block_lo_ + static_cast<int64_t>(i)), ts0,
+               comm::Work::now_ns());
   }
   return x;
 }
@@ -375,6 +485,7 @@ Tensor Stage::blocks_backward(const layers::Ctx& c, Tensor dy, Micro& m) {
     BlockRole& r = *roles_[i];
     layers::Block& b = *r.block;
     BlockSaved& s = m.saved[i];
+    const int64_t ts0 = comm::Work::now_ns();
     Tensor dn2 = b.is_moe() ? b.moe->backward(c, dy, s.moe, loss_weight_) : b.mlp->backward(c, dy, s.mlp);
     Tensor dh = b.norm2.backward(c, dn2, s.norm2);
     kernels::add(c.ex, dh, dy, dh);
@@ -383,6 +494,10 @@ Tensor Stage::blocks_backward(const layers::Ctx& c, Tensor dy, Micro& m) {
     kernels::add(c.ex, dx, dh, dx);
     dy = dx;
     s = BlockSaved();  // free activations as soon as they are used
+    time_.span("main", fmt::format("backward block {}", block_lo_ + static_cast<int64_t>(i)), ts0,
+               comm::Work::now_ns());
+    // The step's last micro-batch has finished this block: its gradients are final.
+    if (last_micro_ && tc_.parallel.overlap_grad_sync) launch_grad_buckets(static_cast<int64_t>(i));
   }
   return dy;
 }
@@ -390,11 +505,15 @@ Tensor Stage::blocks_backward(const layers::Ctx& c, Tensor dy, Micro& m) {
 void Stage::forward(int64_t step, int64_t index, Micro& m) {
   const layers::Ctx& c = ctx_;
   if (first_ || last_) load(false, step, index, m);
+  if (first_) await_params(kEndBucket);
   Tensor x = first_ ? model_->embedding.forward(c, m.ids) : recv_from(coord_.pp - 1);
   x = blocks_forward(c, x, m, true);
   if (last_) {
+    await_params(kHeadBucket);
+    await_params(kEndBucket);
     const float scale = m.tokens > 0 ? loss_weight_ / static_cast<float>(m.tokens) : 0.0f;
     const double lm = model_->head->forward_backward(c, x, m.targets, scale, m.head_dx);
+    if (index == tc_.train.grad_accum - 1 && tc_.parallel.overlap_grad_sync) launch_grad_buckets(kHeadBucket);
     lm_acc_ += m.tokens > 0 ? lm / static_cast<double>(m.tokens) * static_cast<double>(loss_weight_) : 0.0;
     if (coord_.n == 0) tokens_acc_ += static_cast<double>(m.tokens);
   } else {
@@ -418,6 +537,15 @@ StepReport Stage::run_step(int64_t step) {
   const auto t0 = Clock::now();
   bind_device();
   time_.reset();
+  static const char* trace_dir = std::getenv("TROUPE_TIMELINE_DIR");
+  time_.set_tracing(trace_dir != nullptr && *trace_dir != '\0');
+  const int64_t step_t0 = comm::Work::now_ns();
+  if (params_pending_ && throw_on_comm_error()) {
+    // Elastic workers await the gather inside the step; one still pending here belongs to
+    // an interrupted step whose state was rolled back.
+    for (auto& bk : buckets_) bk.param = Bucket();
+    params_pending_ = false;
+  }
   lm_acc_ = aux_acc_ = tokens_acc_ = 0;
   if (ctx_.on_device()) {
     ctx_.alloc->reset_peak();
@@ -431,31 +559,50 @@ StepReport Stage::run_step(int64_t step) {
   const int64_t warm = std::min<int64_t>(layout_->pp() - coord_.pp - 1, mcount);
   std::vector<Micro> micro(static_cast<size_t>(mcount));
   int64_t f = 0, b = 0;
+  for (auto& bk : buckets_) bk.grad_launched = false;
   for (; f < warm; ++f) forward(step, f, micro[static_cast<size_t>(f)]);
   for (; f < mcount; ++f) {
     forward(step, f, micro[static_cast<size_t>(f)]);
+    last_micro_ = b == mcount - 1;
     backward(micro[static_cast<size_t>(b++)]);
   }
-  for (; b < mcount; ++b) backward(micro[static_cast<size_t>(b)]);
+  for (; b < mcount; ++b) {
+    last_micro_ = b == mcount - 1;
+    backward(micro[static_cast<size_t>(b)]);
+  }
+  last_micro_ = false;
   time_.wait_all(pending_sends_, "pipeline send");
   pending_sends_.clear();
 
   // ---- gradient synchronisation ------------------------------------------------------
-  if (layout_->n() > 1 && rep_size_ > 0) {
-    all_reduce_sum(*groups_.n, flat_grad_.narrow(0, 0, rep_size_), time_, "replicated grads all_reduce (n)");
-  }
-  if (tied_) {
-    const layers::Parameter& w = model_->embedding.weight;
-    all_reduce_sum(*tied_, w.grad.view({w.numel()}), time_, "tied embedding all_reduce");
-  }
-  if (layout_->dp() > 1) {
-    if (bf16_rs_) {
-      const auto c0 = Clock::now();
-      const Status st = bf16_rs_->run(flat_grad_, shard_grad_);
-      time_.add(std::chrono::duration<double>(Clock::now() - c0).count(), "bf16 grads reduce_scatter (dp)");
-      TROUPE_CHECK(st.ok(), "data plane: bf16 grads reduce_scatter (dp) failed: {}", st.to_string());
-    } else {
-      reduce_scatter_sum(*groups_.dp, flat_grad_, shard_grad_, time_, "grads reduce_scatter (dp)");
+  if (layout_->dp() <= 1) {
+    if (layout_->n() > 1 && rep_size_ > 0) {
+      all_reduce_sum(*groups_.n, flat_grad_.narrow(0, 0, rep_size_), time_,
+                     "replicated grads all_reduce (n)");
+    }
+    if (tied_) {
+      const layers::Parameter& w = model_->embedding.weight;
+      all_reduce_sum(*tied_, w.grad.view({w.numel()}), time_, "tied embedding all_reduce");
+    }
+  } else {
+    // dp first (per bucket, most already launched during backward), then the n-group sum
+    // of the replicated part on this rank's shard: the same order on every schedule.
+    if (tied_) {
+      const layers::Parameter& w = model_->embedding.weight;
+      all_reduce_sum(*tied_, w.grad.view({w.numel()}), time_, "tied embedding all_reduce");
+    }
+    for (size_t i = 0; i < buckets_.size(); ++i) {
+      if (!buckets_[i].grad_launched) launch_grad_buckets(buckets_[i].ready);
+      if (!tc_.parallel.overlap_grad_sync)
+        grad_bucket_finish(ctx_, buckets_[i].grad, shard_grad_, shard_len_, time_);
+    }
+    if (tc_.parallel.overlap_grad_sync) {
+      for (auto& bk : buckets_) grad_bucket_finish(ctx_, bk.grad, shard_grad_, shard_len_, time_);
+    }
+    const int64_t rep_in_shard = std::clamp<int64_t>(rep_size_ - shard_lo_, 0, shard_len_);
+    if (layout_->n() > 1 && rep_in_shard > 0) {
+      all_reduce_sum(*groups_.n, shard_grad_.narrow(0, 0, rep_in_shard), time_,
+                     "replicated grads all_reduce (n)");
     }
   }
 
@@ -473,7 +620,8 @@ StepReport Stage::run_step(int64_t step) {
     for (const auto& r : roles_) {
       if (r->moe_index < 0) continue;
       const auto& load = r->block->moe->step_load();
-      for (int64_t j = 0; j < e; ++j) v[static_cast<size_t>(5 + r->moe_index * e + j)] += static_cast<double>(load[static_cast<size_t>(j)]);
+      for (int64_t j = 0; j < e; ++j)
+        v[static_cast<size_t>(5 + r->moe_index * e + j)] += static_cast<double>(load[static_cast<size_t>(j)]);
     }
   }
   sum_doubles(*world_, v, time_, "step metrics");
@@ -490,18 +638,29 @@ StepReport Stage::run_step(int64_t step) {
   rep.expert_load.assign(static_cast<size_t>(nmoe), std::vector<int64_t>(static_cast<size_t>(e), 0));
   for (int64_t i = 0; i < nmoe; ++i)
     for (int64_t j = 0; j < e; ++j)
-      rep.expert_load[static_cast<size_t>(i)][static_cast<size_t>(j)] = std::llround(v[static_cast<size_t>(5 + i * e + j)]);
+      rep.expert_load[static_cast<size_t>(i)][static_cast<size_t>(j)] =
+          std::llround(v[static_cast<size_t>(5 + i * e + j)]);
 
+  const int64_t opt_t0 = comm::Work::now_ns();
   opt_->step(ctx_, rep.lr, rep.grad_norm);
+  time_.span("main", "optimizer", opt_t0, comm::Work::now_ns());
+  bool refresh_all = true;
   if (layout_->dp() > 1) {
-    Tensor mine;
-    if (ctx_.on_device()) {
-      mine = ctx_.empty({shard_len_}, DType::kF32);
-      kernels::cast(ctx_.ex, flat_value_.narrow(0, shard_lo_, shard_len_), mine);
-    } else {
-      mine = flat_value_.narrow(0, shard_lo_, shard_len_).clone();
+    // Per bucket, in forward order; the next forward waits for each block's own bucket
+    // (elastic workers wait here: their state is committed right after the step).
+    for (size_t i : param_order_) {
+      buckets_[i].param.lo = buckets_[i].lo;
+      buckets_[i].param.hi = buckets_[i].hi;
+      param_bucket_launch(*groups_.dp, ctx_, flat_value_, shard_len_, buckets_[i].param, time_,
+                          "params all_gather (dp)");
     }
-    all_gather(*groups_.dp, mine, flat_value_, time_, "params all_gather (dp)");
+    params_pending_ = true;
+    if (!tc_.parallel.overlap_param_gather || throw_on_comm_error()) {
+      await_params(kEndBucket - 1);
+    } else {
+      refresh_all = false;  // per bucket, when awaited
+    }
+    if (ctx_.on_device()) refresh_all = false;  // await_params refreshes each bucket
   }
   for (const auto& r : roles_) {
     if (r->moe_index >= 0) {
@@ -513,7 +672,7 @@ StepReport Stage::run_step(int64_t step) {
     }
   }
   if (ctx_.on_device()) {
-    refresh_working_copies();
+    if (refresh_all) refresh_working_copies();
     time_.drain("step collectives");
     synchronize();  // the step's time includes its device work
     rep.peak_bytes = static_cast<int64_t>(ctx_.alloc->peak_bytes_in_use());
@@ -522,10 +681,25 @@ StepReport Stage::run_step(int64_t step) {
   rep.comm_ms = time_.seconds() * 1e3;
   rep.compute_ms = rep.step_ms - rep.comm_ms;
   for (const auto& [kind, sec] : time_.by_kind()) rep.comm_by_kind_ms[kind] = sec * 1e3;
+  if (time_.tracing()) {
+    // One JSON line per event (bench/overlap/timeline.py draws them).
+    const std::string path = fmt::format("{}/rank{}.jsonl", trace_dir, rank_);
+    if (FILE* fp = std::fopen(path.c_str(), "a")) {
+      time_.span("main", "step", step_t0, comm::Work::now_ns());
+      for (const TraceEvent& e : time_.take_trace()) {
+        std::fprintf(fp,
+                     "{\"step\":%lld,\"rank\":%d,\"lane\":\"%s\",\"what\":\"%s\",\"t0\":%lld,\"t1\":%lld}\n",
+                     static_cast<long long>(step), rank_, e.lane.c_str(), e.what.c_str(),
+                     static_cast<long long>(e.t0), static_cast<long long>(e.t1));
+      }
+      std::fclose(fp);
+    }
+  }
   return rep;
 }
 
 double Stage::evaluate() {
+  settle();
   bind_device();
   const layers::Ctx& c = ctx_;
   double sum = 0, tokens = 0;
