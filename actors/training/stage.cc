@@ -610,7 +610,37 @@ StepReport Stage::run_step(int64_t step) {
   const double sumsq = grad_sum_squares();
   const int64_t e = tc_.model.moe.num_experts;
   const int64_t nmoe = model_->num_moe_blocks();
-  std::vector<double> v(static_cast<size_t>(5 + nmoe * e), 0.0);
+  std::vector<double> v(static_cast<size_t>(7 + nmoe * e), 0.0);
+  // TROUPE_MEASURE_COMPRESSION=1 (tests, benches; host tensors): the relative L2 error of
+  // the compressed gradient against an extra fp32 exchange of the same gradients.
+  static const bool measure = std::getenv("TROUPE_MEASURE_COMPRESSION") != nullptr;
+  const bool measured = measure && tc_.parallel.compression && layout_->dp() > 1 && !ctx_.on_device();
+  if (measured) {
+    Tensor exact = Tensor::zeros({shard_len_}, DType::kF32);
+    for (const auto& bk : buckets_) {
+      Bucket x;
+      x.lo = bk.lo;
+      x.hi = bk.hi;
+      grad_bucket_launch(*groups_.dp, ctx_, flat_grad_, shard_len_, DType::kF32, x, time_,
+                         "measure grads reduce_scatter (dp)");
+      grad_bucket_finish(ctx_, x, exact, shard_len_, time_);
+    }
+    const int64_t rep_in_shard = std::clamp<int64_t>(rep_size_ - shard_lo_, 0, shard_len_);
+    if (layout_->n() > 1 && rep_in_shard > 0) {
+      all_reduce_sum(*groups_.n, exact.narrow(0, 0, rep_in_shard), time_, "measure grads all_reduce (n)");
+    }
+    const float* base = shard_grad_.data<float>();
+    for (size_t i = 0; i < pieces_.size(); ++i) {
+      if (!piece_in_norm_[i]) continue;
+      const float* g = pieces_[i].grad.data<float>();
+      const float* x = exact.data<float>() + (g - base);
+      for (int64_t j = 0; j < pieces_[i].grad.numel(); ++j) {
+        const double d = static_cast<double>(g[j]) - static_cast<double>(x[j]);
+        v[static_cast<size_t>(5 + nmoe * e)] += d * d;
+        v[static_cast<size_t>(6 + nmoe * e)] += static_cast<double>(x[j]) * static_cast<double>(x[j]);
+      }
+    }
+  }
   v[0] = sumsq;
   v[1] = lm_acc_;
   v[2] = aux_acc_;
@@ -625,6 +655,12 @@ StepReport Stage::run_step(int64_t step) {
     }
   }
   sum_doubles(*world_, v, time_, "step metrics");
+  if (measured && rank_ == 0) {
+    const double ex = v[static_cast<size_t>(6 + nmoe * e)];
+    fmt::print(stderr, "compression: step {} relative gradient error {:.4e} (bf16 gradient exchange{})\n", step,
+               ex > 0 ? std::sqrt(v[static_cast<size_t>(5 + nmoe * e)] / ex) : 0.0,
+               tc_.parallel.fp8_dispatch ? ", fp8 dispatch" : "");
+  }
 
   StepReport rep;
   rep.step = step;
