@@ -54,6 +54,9 @@ struct Backend {
   void (*dequantize_fp8)(const Exec&, const Tensor&, const Tensor&, int64_t, Tensor&);
   void (*adamw_step_multi)(const Exec&, std::span<const AdamWTensor>, const AdamWConfig&);
   double (*sum_squares_multi)(const Exec&, std::span<const Tensor* const>);
+  // ---- communication codecs (issue 17) ----
+  void (*moe_permute_fp8)(const Exec&, const Tensor&, const Tensor&, int64_t, Tensor&, Tensor&);
+  void (*sum_chunks)(const Exec&, const Tensor&, Tensor&);
 };
 
 // The CPU reference backend (kernels/cpu/backend_cpu.cc): every entry is set.

@@ -91,32 +91,16 @@ Tensor ExpertGroup::backward(const layers::Ctx& c, const Tensor& dy, layers::Dis
 namespace {
 
 // Launches the rows `in` [sum(send), dm] to the peers by row counts into a fresh
-// [sum(recv), dm] buffer (fp8: data and per-row scales, two transfers).
+// [sum(recv), dm] buffer. With `scales` defined, `in` holds fp8 e4m3 codes and scales
+// f32 [rows] their per-row scales (moe_permute_fp8): two transfers.
 void launch_rows(comm::Communicator& g, const layers::Ctx& c, CommTime& t, const Tensor& in,
-                 const std::vector<int64_t>& send, const std::vector<int64_t>& recv, bool fp8, A2AChunk& ch,
-                 const std::string& what) {
+                 const std::vector<int64_t>& send, const std::vector<int64_t>& recv, A2AChunk& ch,
+                 const std::string& what, const Tensor& scales = Tensor()) {
   const int64_t dm = in.size(1);
   int64_t rrows = 0;
   for (int64_t v : recv) rrows += v;
-  if (!fp8) {
-    ch.in = in;
-    ch.out = c.empty({rrows, dm}, in.dtype());
-    ch.op = t.launch(
-        [&](const comm::OpOptions& o) {
-          std::vector<int64_t> sc(send.size()), rc(recv.size());
-          for (size_t i = 0; i < sc.size(); ++i) sc[i] = send[i] * dm;
-          for (size_t i = 0; i < rc.size(); ++i) rc[i] = recv[i] * dm;
-          return g.all_to_all_v(ch.in.view({ch.in.numel()}), sc, ch.out.view({ch.out.numel()}), rc, o);
-        },
-        what);
-    return;
-  }
-  auto q = comm::quantize_rows_fp8(in);
-  TROUPE_CHECK(q.ok(), "expert fp8 dispatch: {}", q.status().to_string());
-  ch.in = q->data;
-  ch.in_scales = q->scales;
-  ch.out = Tensor::empty({rrows, dm}, DType::kF8E4M3);
-  ch.out_scales = Tensor::empty({rrows}, DType::kF32);
+  ch.in = in;
+  ch.out = c.empty({rrows, dm}, in.dtype());
   ch.op = t.launch(
       [&](const comm::OpOptions& o) {
         std::vector<int64_t> sc(send.size()), rc(recv.size());
@@ -125,20 +109,23 @@ void launch_rows(comm::Communicator& g, const layers::Ctx& c, CommTime& t, const
         return g.all_to_all_v(ch.in.view({ch.in.numel()}), sc, ch.out.view({ch.out.numel()}), rc, o);
       },
       what);
+  if (!scales.defined()) return;
+  ch.in_scales = scales;
+  ch.out_scales = c.empty({rrows}, DType::kF32);
   ch.op_scales = t.launch(
       [&](const comm::OpOptions& o) { return g.all_to_all_v(ch.in_scales, send, ch.out_scales, recv, o); },
       what + " (scales)");
 }
 
-// Awaits the transfer launch_rows started and returns the received rows in `dtype`.
-Tensor finish_rows(CommTime& t, A2AChunk& ch, DType dtype) {
+// Awaits the transfer launch_rows started and returns the received rows in `dtype`
+// (fp8 rows dequantised).
+Tensor finish_rows(const layers::Ctx& c, CommTime& t, A2AChunk& ch, DType dtype) {
   t.await(ch.op);
   Tensor out = ch.out;
-  if (ch.op_scales.pending() || ch.out_scales.defined()) {
+  if (ch.out_scales.defined()) {
     t.await(ch.op_scales);
-    auto d = comm::dequantize_rows_fp8(comm::Fp8Rows{ch.out, ch.out_scales}, dtype);
-    TROUPE_CHECK(d.ok(), "expert fp8 dispatch: {}", d.status().to_string());
-    out = *d;
+    out = c.empty(ch.out.shape(), dtype);
+    kernels::dequantize_fp8(c.ex, ch.out, ch.out_scales.view({ch.out.size(0), 1}), 0, out);
   }
   ch.in = ch.out = ch.in_scales = ch.out_scales = Tensor();
   return out;
@@ -152,7 +139,7 @@ Tensor ExpertGroup::forward_a2a(const layers::Ctx& c, const Tensor& x, const Ten
   auto st = std::make_unique<A2AState>();
   const int64_t t = x.size(0), dm = x.size(1), e = num_experts_, el = local_experts_, n = group_.size();
   const int64_t nc = std::max<int64_t>(1, std::min<int64_t>(options_.chunks, t));
-  const bool fp8 = options_.fp8 && !c.on_device();
+  const bool fp8 = options_.fp8;
   st->tokens = t;
   st->chunks.resize(static_cast<size_t>(nc));
   // Dropless plan per chunk over all experts: rows grouped by expert, so the rows for
@@ -196,7 +183,7 @@ Tensor ExpertGroup::forward_a2a(const layers::Ctx& c, const Tensor& x, const Ten
   const int64_t* rc = recv_cnt.data<int64_t>();
   auto rcount = [&](int64_t q, int64_t ci, int64_t j) { return rc[(q * nc + ci) * el + j]; };
 
-  std::vector<Tensor> xp(static_cast<size_t>(nc));
+  std::vector<Tensor> xp(static_cast<size_t>(nc)), xs(static_cast<size_t>(nc));  // rows, fp8 scales
   for (int64_t ci = 0; ci < nc; ++ci) {
     A2AChunk& ch = st->chunks[static_cast<size_t>(ci)];
     ch.send_rows.assign(static_cast<size_t>(n), 0);
@@ -233,26 +220,34 @@ Tensor ExpertGroup::forward_a2a(const layers::Ctx& c, const Tensor& x, const Ten
       ch.order_dev = c.to_device(Tensor::from_ints({ch.rrows}, ord));
       ch.inverse_dev = c.to_device(Tensor::from_ints({ch.rrows}, inv));
     }
-    xp[static_cast<size_t>(ci)] = c.empty({ch.rows, dm});
-    kernels::moe_permute(c.ex, x.narrow(0, ch.lo, ch.len), ch.row_map, top_k_, xp[static_cast<size_t>(ci)]);
+    if (fp8) {
+      // The permute writes the fp8 codes and per-row scales directly (one pass).
+      xp[static_cast<size_t>(ci)] = c.empty({ch.rows, dm}, DType::kF8E4M3);
+      xs[static_cast<size_t>(ci)] = c.empty({ch.rows}, DType::kF32);
+      kernels::moe_permute_fp8(c.ex, x.narrow(0, ch.lo, ch.len), ch.row_map, top_k_,
+                               xp[static_cast<size_t>(ci)], xs[static_cast<size_t>(ci)]);
+    } else {
+      xp[static_cast<size_t>(ci)] = c.empty({ch.rows, dm});
+      kernels::moe_permute(c.ex, x.narrow(0, ch.lo, ch.len), ch.row_map, top_k_, xp[static_cast<size_t>(ci)]);
+    }
   }
 
   const bool overlap = options_.overlap;
   if (overlap) {
     for (int64_t ci = 0; ci < nc; ++ci) {
       A2AChunk& ch = st->chunks[static_cast<size_t>(ci)];
-      launch_rows(group_, c, time_, xp[static_cast<size_t>(ci)], ch.send_rows, ch.recv_rows, fp8, ch,
-                  "expert dispatch all_to_all_v");
+      launch_rows(group_, c, time_, xp[static_cast<size_t>(ci)], ch.send_rows, ch.recv_rows, ch,
+                  "expert dispatch all_to_all_v", xs[static_cast<size_t>(ci)]);
     }
   }
   std::vector<A2AChunk> back(static_cast<size_t>(nc));  // combine transfers
   for (int64_t ci = 0; ci < nc; ++ci) {
     A2AChunk& ch = st->chunks[static_cast<size_t>(ci)];
     if (!overlap) {
-      launch_rows(group_, c, time_, xp[static_cast<size_t>(ci)], ch.send_rows, ch.recv_rows, fp8, ch,
-                  "expert dispatch all_to_all_v");
+      launch_rows(group_, c, time_, xp[static_cast<size_t>(ci)], ch.send_rows, ch.recv_rows, ch,
+                  "expert dispatch all_to_all_v", xs[static_cast<size_t>(ci)]);
     }
-    Tensor xr = finish_rows(time_, ch, x.dtype());
+    Tensor xr = finish_rows(c, time_, ch, x.dtype());
     xp[static_cast<size_t>(ci)] = Tensor();
     Tensor xe = c.empty({ch.rrows, dm});
     if (c.on_device()) {
@@ -268,13 +263,13 @@ Tensor ExpertGroup::forward_a2a(const layers::Ctx& c, const Tensor& x, const Ten
       scatter_rows(ye, ch.order, yr);
     }
     A2AChunk& bk = back[static_cast<size_t>(ci)];
-    launch_rows(group_, c, time_, yr, ch.recv_rows, ch.send_rows, false, bk, "expert combine all_to_all_v");
-    if (!overlap) ch.yp = finish_rows(time_, bk, x.dtype());
+    launch_rows(group_, c, time_, yr, ch.recv_rows, ch.send_rows, bk, "expert combine all_to_all_v");
+    if (!overlap) ch.yp = finish_rows(c, time_, bk, x.dtype());
   }
   Tensor y = c.empty(x.shape());
   for (int64_t ci = 0; ci < nc; ++ci) {
     A2AChunk& ch = st->chunks[static_cast<size_t>(ci)];
-    if (overlap) ch.yp = finish_rows(time_, back[static_cast<size_t>(ci)], x.dtype());
+    if (overlap) ch.yp = finish_rows(c, time_, back[static_cast<size_t>(ci)], x.dtype());
     Tensor yc = y.narrow(0, ch.lo, ch.len);
     kernels::moe_unpermute(c.ex, ch.yp, ch.row_map, ch.gates, yc);
   }
@@ -297,7 +292,7 @@ Tensor ExpertGroup::backward_a2a(const layers::Ctx& c, const Tensor& dy_in, laye
     kernels::moe_unpermute_backward(c.ex, dy.narrow(0, ch.lo, ch.len), ch.yp, ch.row_map, ch.gates,
                                     dyp[static_cast<size_t>(ci)], dg);
     if (overlap) {
-      launch_rows(group_, c, time_, dyp[static_cast<size_t>(ci)], ch.send_rows, ch.recv_rows, false, ch,
+      launch_rows(group_, c, time_, dyp[static_cast<size_t>(ci)], ch.send_rows, ch.recv_rows, ch,
                   "expert grad dispatch all_to_all_v");
     }
   }
@@ -306,10 +301,10 @@ Tensor ExpertGroup::backward_a2a(const layers::Ctx& c, const Tensor& dy_in, laye
   for (int64_t ci = 0; ci < nc; ++ci) {
     A2AChunk& ch = st.chunks[static_cast<size_t>(ci)];
     if (!overlap) {
-      launch_rows(group_, c, time_, dyp[static_cast<size_t>(ci)], ch.send_rows, ch.recv_rows, false, ch,
+      launch_rows(group_, c, time_, dyp[static_cast<size_t>(ci)], ch.send_rows, ch.recv_rows, ch,
                   "expert grad dispatch all_to_all_v");
     }
-    Tensor dyr = finish_rows(time_, ch, dy.dtype());
+    Tensor dyr = finish_rows(c, time_, ch, dy.dtype());
     dyp[static_cast<size_t>(ci)] = Tensor();
     Tensor dye = c.empty({ch.rrows, dm});
     if (c.on_device()) {
@@ -326,14 +321,14 @@ Tensor ExpertGroup::backward_a2a(const layers::Ctx& c, const Tensor& dy_in, laye
       scatter_rows(dxe, ch.order, dxr);
     }
     A2AChunk& bk = back[static_cast<size_t>(ci)];
-    launch_rows(group_, c, time_, dxr, ch.recv_rows, ch.send_rows, false, bk,
-                "expert grad combine all_to_all_v");
-    if (!overlap) dxp[static_cast<size_t>(ci)] = finish_rows(time_, bk, dy.dtype());
+    launch_rows(group_, c, time_, dxr, ch.recv_rows, ch.send_rows, bk, "expert grad combine all_to_all_v");
+    if (!overlap) dxp[static_cast<size_t>(ci)] = finish_rows(c, time_, bk, dy.dtype());
   }
   Tensor dx = c.empty({st.tokens, dm});
   for (int64_t ci = 0; ci < nc; ++ci) {
     A2AChunk& ch = st.chunks[static_cast<size_t>(ci)];
-    if (overlap) dxp[static_cast<size_t>(ci)] = finish_rows(time_, back[static_cast<size_t>(ci)], dy.dtype());
+    if (overlap)
+      dxp[static_cast<size_t>(ci)] = finish_rows(c, time_, back[static_cast<size_t>(ci)], dy.dtype());
     Tensor dxc = dx.narrow(0, ch.lo, ch.len);
     kernels::moe_permute_backward(c.ex, dxp[static_cast<size_t>(ci)], ch.row_map, top_k_, dxc);
   }

@@ -44,7 +44,7 @@ class ExpertGroup final : public layers::ExpertDispatch {
   struct Options {
     int64_t chunks = 1;    // token chunks of the all-to-all path
     bool overlap = false;  // transfers in flight behind the expert GEMMs
-    bool fp8 = false;      // fp8 e4m3 token dispatch (host tensors only so far)
+    bool fp8 = false;      // fp8 e4m3 token dispatch (kernels::moe_permute_fp8)
   };
   ExpertGroup(const layers::Experts& full, int64_t top_k, bool recompute, comm::Communicator& group,
               CommTime& time, DispatchMode mode, Options options);

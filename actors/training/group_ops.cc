@@ -270,14 +270,8 @@ void grad_bucket_finish(const layers::Ctx& c, Bucket& b, const Tensor& shard, in
     const int64_t n = b.recv.numel() / mine;
     const int64_t base = b.mine_lo - (b.mine_lo / shard_len) * shard_len;
     Tensor out = shard.narrow(0, base, mine);
-    Tensor r = b.recv;
-    if (r.dtype() != DType::kF32) {
-      r = c.empty({r.numel()}, DType::kF32);
-      kernels::cast(c.ex, b.recv, r);
-    }
     // fp32, in rank order: ((r0 + r1) + r2) + ... (as Gloo's reduce_scatter sums).
-    kernels::add(c.ex, r.narrow(0, 0, mine), r.narrow(0, mine, mine), out);
-    for (int64_t q = 2; q < n; ++q) kernels::add(c.ex, out, r.narrow(0, q * mine, mine), out);
+    kernels::sum_chunks(c.ex, b.recv.view({n, mine}), out);
   }
   b.send = Tensor();
   b.recv = Tensor();

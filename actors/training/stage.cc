@@ -92,9 +92,6 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
     if (par.pp > 1)
       return unimplemented("Stage on {}: pipeline parallelism (pp = {}) runs on the CPU backend only so far",
                            ctx.ex.device, par.pp);
-    if (par.fp8_dispatch && par.n > 1)
-      return unimplemented("Stage on {}: parallel.fp8_dispatch runs on the CPU backend only so far",
-                           ctx.ex.device);
     if (par.n > 1 && par.dispatch == "allgather") {
       return unimplemented(
           "Stage on {}: parallel.dispatch = \"allgather\" runs on the CPU backend only; use \"alltoall\"",

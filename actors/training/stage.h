@@ -38,7 +38,7 @@
 //   the Ctx's dtype (bf16 on the wire for Ulysses and the expert all-to-alls); collectives
 //   are ordered on the compute stream (group_ops.h "Device mode"), the overlapped ones on
 //   a communication stream ordered by events. Not yet on a device: pp > 1,
-//   parallel.dispatch = "allgather", parallel.fp8_dispatch.
+//   parallel.dispatch = "allgather".
 #pragma once
 
 #include <map>

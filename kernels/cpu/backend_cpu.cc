@@ -45,6 +45,9 @@ const Backend& cpu_backend() {
       .dequantize_fp8 = cpu::dequantize_fp8,
       .adamw_step_multi = cpu::adamw_step_multi,
       .sum_squares_multi = cpu::sum_squares_multi,
+      // ---- communication codecs (issue 17) ----
+      .moe_permute_fp8 = cpu::moe_permute_fp8,
+      .sum_chunks = cpu::sum_chunks,
   };
   return kCpu;
 }
