@@ -57,20 +57,22 @@ void CommTime::fail(const comm::Work& w, const Status& st, std::string_view what
   std::abort();
 }
 
-CommOp CommTime::launch(const std::function<comm::WorkPtr(const comm::OpOptions&)>& fn,
-                        std::string_view what) {
+CommOp CommTime::launch(const std::function<comm::WorkPtr(const comm::OpOptions&)>& fn, std::string_view what,
+                        void* stream) {
+  (void)stream;  // device builds only
   CommOp op;
   op.what = std::string(what);
   comm::OpOptions o = op_options();
 #if TROUPE_HAVE_CUDA
-  if (ctx_ != nullptr && comm_stream_ != nullptr && ctx_->ex.cuda != nullptr) {
-    auto comm = static_cast<cudaStream_t>(comm_stream_);
+  void* target = stream != nullptr ? stream : comm_stream_;
+  if (ctx_ != nullptr && target != nullptr && ctx_->ex.cuda != nullptr) {
+    auto comm = static_cast<cudaStream_t>(target);
     cudaEvent_t before = nullptr, after = nullptr;
     CUDA_CHECK(cudaEventCreateWithFlags(&before, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventRecord(before, ctx_->ex.cuda->stream));
     CUDA_CHECK(cudaStreamWaitEvent(comm, before, 0));
     CUDA_CHECK(cudaEventDestroy(before));  // released once recorded and waited on
-    o.stream = comm_stream_;
+    o.stream = target;
     op.work = fn(o);
     CUDA_CHECK(cudaEventCreateWithFlags(&after, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventRecord(after, comm));

@@ -68,7 +68,9 @@ class CommTime {
   // Waits for every Work issue() kept (device mode; a no-op otherwise).
   void drain(std::string_view what);
   // Starts fn(options) on the communication side (see the file comment).
-  CommOp launch(const std::function<comm::WorkPtr(const comm::OpOptions&)>& fn, std::string_view what);
+  // `stream` (device mode): enqueue there instead of the communication stream.
+  CommOp launch(const std::function<comm::WorkPtr(const comm::OpOptions&)>& fn, std::string_view what,
+                void* stream = nullptr);
   // Makes op's result visible to the compute side; a no-op for an op not pending.
   void await(CommOp& op);
   // Device mode: the stream launch() enqueues on (not owned; null: the compute stream).

@@ -65,9 +65,12 @@ Stage::~Stage() {
 #endif
   }
 #if TROUPE_HAVE_CUDA
-  if (comm_stream_ != nullptr) {
-    cudaStreamSynchronize(static_cast<cudaStream_t>(comm_stream_));
-    cudaStreamDestroy(static_cast<cudaStream_t>(comm_stream_));
+  for (CommOp& op : pending_send_ops_)
+    if (op.event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(op.event));
+  for (void* st : {comm_stream_, p2p_streams_[0], p2p_streams_[1]}) {
+    if (st == nullptr) continue;
+    cudaStreamSynchronize(static_cast<cudaStream_t>(st));
+    cudaStreamDestroy(static_cast<cudaStream_t>(st));
   }
 #endif
 }
@@ -89,9 +92,6 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
   s->bind_device();
   if (ctx.on_device()) {
     const auto& par = tc.parallel;
-    if (par.pp > 1)
-      return unimplemented("Stage on {}: pipeline parallelism (pp = {}) runs on the CPU backend only so far",
-                           ctx.ex.device, par.pp);
     if (par.n > 1 && par.dispatch == "allgather") {
       return unimplemented(
           "Stage on {}: parallel.dispatch = \"allgather\" runs on the CPU backend only; use \"alltoall\"",
@@ -107,6 +107,13 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
       CUDA_CHECK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
       s->comm_stream_ = cs;
       s->time_.set_comm_stream(cs);
+    }
+    if (par.pp > 1) {
+      for (void*& ps : s->p2p_streams_) {
+        cudaStream_t st = nullptr;
+        CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+        ps = st;
+      }
     }
 #endif
   }
@@ -150,6 +157,13 @@ Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns
   TROUPE_ASSIGN_OR_RETURN(world_, factory(ws));
   first_ = coord_.pp == 0;
   last_ = coord_.pp == layout.pp() - 1;
+  if (ctx_.on_device() && layout.pp() > 1) {
+    comm::CommSpec bs = base;
+    bs.name = "back_" + layout.pp_group_name(rank_);
+    bs.rank = coord_.pp;
+    bs.size = layout.pp();
+    TROUPE_ASSIGN_OR_RETURN(pp_back_, factory(bs));
+  }
   if (tc_.model.tie_embeddings && layout.pp() > 1 && (first_ || last_)) {
     comm::CommSpec ts = base;
     ts.name = fmt::format("tied_dp{}_n{}", coord_.dp, coord_.n);
@@ -437,14 +451,36 @@ void Stage::load(bool eval, int64_t step, int64_t index, Micro& m) const {
   m.targets = ctx_.to_device(targets.narrow(1, off, seq_local_).contiguous().view({batch_ * seq_local_}));
 }
 
-Tensor Stage::recv_from(int peer_pp) {
+Tensor Stage::recv_from(int peer_pp, bool grad) {
   Tensor buf = ctx_.empty({batch_ * seq_local_, tc_.model.d_model});
-  time_.wait(groups_.pp->recv(buf, peer_pp), "pipeline recv");
+  if (!ctx_.on_device()) {
+    time_.wait(groups_.pp->recv(buf, peer_pp), "pipeline recv");
+    return buf;
+  }
+  comm::Communicator& comm = grad ? *pp_back_ : *groups_.pp;
+  CommOp op = time_.launch([&](const comm::OpOptions& o) { return comm.recv(buf, peer_pp, o); },
+                           "pipeline recv", p2p_streams_[grad ? 1 : 0]);
+  time_.await(op);
   return buf;
 }
 
-void Stage::send_to(const Tensor& t, int peer_pp) {
-  pending_sends_.push_back(groups_.pp->send(t.contiguous(), peer_pp));
+void Stage::send_to(const Tensor& t, int peer_pp, bool grad) {
+  if (!ctx_.on_device()) {
+    pending_sends_.push_back(groups_.pp->send(t.contiguous(), peer_pp));
+    return;
+  }
+  comm::Communicator& comm = grad ? *pp_back_ : *groups_.pp;
+  const Tensor tc = t.contiguous();
+  pending_send_ops_.push_back(
+      time_.launch([&](const comm::OpOptions& o) { return comm.send(tc, peer_pp, o); }, "pipeline send",
+                   p2p_streams_[grad ? 1 : 0]));
+}
+
+void Stage::await_sends() {
+  time_.wait_all(pending_sends_, "pipeline send");
+  pending_sends_.clear();
+  for (CommOp& op : pending_send_ops_) time_.await(op);
+  pending_send_ops_.clear();
 }
 
 Tensor Stage::blocks_forward(const layers::Ctx& c, Tensor x, Micro& m, bool train) {
@@ -503,7 +539,7 @@ void Stage::forward(int64_t step, int64_t index, Micro& m) {
   const layers::Ctx& c = ctx_;
   if (first_ || last_) load(false, step, index, m);
   if (first_) await_params(kEndBucket);
-  Tensor x = first_ ? model_->embedding.forward(c, m.ids) : recv_from(coord_.pp - 1);
+  Tensor x = first_ ? model_->embedding.forward(c, m.ids) : recv_from(coord_.pp - 1, false);
   x = blocks_forward(c, x, m, true);
   if (last_) {
     await_params(kHeadBucket);
@@ -514,18 +550,18 @@ void Stage::forward(int64_t step, int64_t index, Micro& m) {
     lm_acc_ += m.tokens > 0 ? lm / static_cast<double>(m.tokens) * static_cast<double>(loss_weight_) : 0.0;
     if (coord_.n == 0) tokens_acc_ += static_cast<double>(m.tokens);
   } else {
-    send_to(x, coord_.pp + 1);
+    send_to(x, coord_.pp + 1, false);
   }
 }
 
 void Stage::backward(Micro& m) {
   const layers::Ctx& c = ctx_;
-  Tensor dy = last_ ? m.head_dx : recv_from(coord_.pp + 1);
+  Tensor dy = last_ ? m.head_dx : recv_from(coord_.pp + 1, true);
   dy = blocks_backward(c, dy, m);
   if (first_) {
     model_->embedding.backward(c, m.ids, dy);
   } else {
-    send_to(dy, coord_.pp - 1);
+    send_to(dy, coord_.pp - 1, true);
   }
   m = Micro();
 }
@@ -568,8 +604,7 @@ StepReport Stage::run_step(int64_t step) {
     backward(micro[static_cast<size_t>(b)]);
   }
   last_micro_ = false;
-  time_.wait_all(pending_sends_, "pipeline send");
-  pending_sends_.clear();
+  await_sends();
 
   // ---- gradient synchronisation ------------------------------------------------------
   if (layout_->dp() <= 1) {
@@ -654,8 +689,8 @@ StepReport Stage::run_step(int64_t step) {
   sum_doubles(*world_, v, time_, "step metrics");
   if (measured && rank_ == 0) {
     const double ex = v[static_cast<size_t>(6 + nmoe * e)];
-    fmt::print(stderr, "compression: step {} relative gradient error {:.4e} (bf16 gradient exchange{})\n", step,
-               ex > 0 ? std::sqrt(v[static_cast<size_t>(5 + nmoe * e)] / ex) : 0.0,
+    fmt::print(stderr, "compression: step {} relative gradient error {:.4e} (bf16 gradient exchange{})\n",
+               step, ex > 0 ? std::sqrt(v[static_cast<size_t>(5 + nmoe * e)] / ex) : 0.0,
                tc_.parallel.fp8_dispatch ? ", fp8 dispatch" : "");
   }
 
@@ -740,17 +775,16 @@ double Stage::evaluate() {
     if (k % layout_->dp() != coord_.dp) continue;
     Micro m;
     if (first_ || last_) load(true, 0, k, m);
-    Tensor x = first_ ? model_->embedding.forward(c, m.ids) : recv_from(coord_.pp - 1);
+    Tensor x = first_ ? model_->embedding.forward(c, m.ids) : recv_from(coord_.pp - 1, false);
     x = blocks_forward(c, x, m, false);
     if (last_) {
       sum += model_->head->loss_sum(c, x, m.targets);
       if (coord_.n == 0) tokens += static_cast<double>(m.tokens);
     } else {
-      send_to(x, coord_.pp + 1);
+      send_to(x, coord_.pp + 1, false);
     }
   }
-  time_.wait_all(pending_sends_, "pipeline send");
-  pending_sends_.clear();
+  await_sends();
   time_.drain("eval collectives");
   std::vector<double> v{sum, tokens};
   sum_doubles(*world_, v, time_, "eval metrics");

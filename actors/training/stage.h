@@ -189,8 +189,12 @@ class Stage {
   Tensor blocks_backward(const layers::Ctx& c, Tensor dy, Micro& m);
   void forward(int64_t step, int64_t index, Micro& m);
   void backward(Micro& m);
-  Tensor recv_from(int peer_pp);
-  void send_to(const Tensor& t, int peer_pp);
+  // Pipeline p2p. Host: pp group, sends kept in pending_sends_. Device: activations on the
+  // pp group, gradients on pp_back_ (one communicator per direction, each on its own
+  // stream, so 1F1B's crossing send/recv pairs never queue behind each other).
+  Tensor recv_from(int peer_pp, bool grad);
+  void send_to(const Tensor& t, int peer_pp, bool grad);
+  void await_sends();
 
   layers::TrainConfig tc_;
   int rank_;
@@ -200,6 +204,9 @@ class Stage {
   std::unique_ptr<comm::ParallelLayout> layout_;
   comm::ProcessGroups groups_;
   std::unique_ptr<comm::Communicator> world_, tied_;
+  std::unique_ptr<comm::Communicator> pp_back_;  // device, pp > 1: gradients backward
+  void* p2p_streams_[2] = {nullptr, nullptr};    // device, pp > 1: activations, gradients (owned)
+  std::vector<CommOp> pending_send_ops_;         // device sends
   CommTime time_;
   std::vector<SyncBucket> buckets_;
   std::vector<size_t> param_order_;  // bucket indices in forward order

@@ -18,7 +18,9 @@
 #
 # usage: bench/overlap/ablation.sh [--backend cpu|cuda] [--parallel P] [--config FILE]
 #          [--steps N] [--warmup N] [--chunks C] [--set key=value]... [--data DIR] [--build DIR]
-#          [--out DIR]
+#          [--out DIR] [--repeat R]
+# --repeat R runs the whole list R times, interleaved (so load that comes and goes hits
+# every row alike), and reports the median over the R runs of each row's medians.
 # Defaults: cpu, --parallel dp=2,n=2 (4 ranks), the tests' tiny model on
 # apps/configs/tiny.toml with micro-batch 8 and sequence 64, 12 steps after 3 warm-up.
 set -u -o pipefail
@@ -33,6 +35,7 @@ CHUNKS=2
 BUILD=build
 DATA=""
 OUT=${OUT:-/tmp}/overlap-ablation
+REPEAT=1
 SETS=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -46,6 +49,7 @@ while [ $# -gt 0 ]; do
     --data) DATA=$2; shift 2 ;;
     --build) BUILD=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
+    --repeat) REPEAT=$2; shift 2 ;;
     -h|--help) sed -n 2,24p "$0"; exit 0 ;;
     *) echo "ablation.sh: unknown option $1" >&2; exit 2 ;;
   esac
@@ -88,10 +92,11 @@ declare -a VARIANTS=(
   "parallel.overlap_a2a=true parallel.overlap_grad_sync=true parallel.overlap_param_gather=true parallel.chunks=$CHUNKS parallel.compression=true parallel.fp8_dispatch=true"
 )
 
-echo "# overlap ablation: backend $BACKEND, --parallel $PARALLEL ($WORLD ranks), config $CONFIG, $STEPS timed steps after $WARMUP"
+echo "# overlap ablation: backend $BACKEND, --parallel $PARALLEL ($WORLD ranks), config $CONFIG, $STEPS timed steps after $WARMUP, $REPEAT repetition(s)"
 RESULTS=()
+for ((rep = 0; rep < REPEAT; rep++)); do
 for i in "${!NAMES[@]}"; do
-  dir=$OUT/run$i
+  dir=$OUT/run$i.$rep
   rm -rf "$dir"
   args=(--config "$CONFIG" --backend "$BACKEND" --run-dir "$dir" --parallel "$PARALLEL")
   for s in "${BASE[@]}" ${VARIANTS[$i]}; do args+=(--set "$s"); done
@@ -100,26 +105,37 @@ for i in "${!NAMES[@]}"; do
   else
     cmd=("$TRAIN" "${args[@]}")
   fi
-  if ! timeout 600 "${cmd[@]}" > "$OUT/run$i.log" 2>&1; then
-    echo "FAILED: ${NAMES[$i]} (log $OUT/run$i.log)"
+  if ! timeout 600 "${cmd[@]}" > "$OUT/run$i.$rep.log" 2>&1; then
+    echo "FAILED: ${NAMES[$i]} (log $OUT/run$i.$rep.log)"
     RESULTS+=("${NAMES[$i]}|FAILED")
     continue
   fi
   RESULTS+=("${NAMES[$i]}|$dir/metrics.jsonl")
 done
+done
 
 python3 - "$WARMUP" "${RESULTS[@]}" <<'PY'
 import json, statistics, sys
 warm = int(sys.argv[1])
-rows = []
+runs = {}
+order = []
 for item in sys.argv[2:]:
     name, _, path = item.partition('|')
+    if name not in runs:
+        runs[name] = []
+        order.append(name)
     if path == 'FAILED':
-        rows.append((name, None)); continue
+        continue
     recs = [json.loads(l) for l in open(path) if l.strip()]
     recs = [r for r in recs if 'step_ms' in r and r.get('step', 0) > warm]
     med = lambda k: statistics.median(r[k] for r in recs)
-    rows.append((name, (med('step_ms'), med('comm_ms'), med('tokens_per_s'), recs[-1]['loss'], len(recs))))
+    runs[name].append((med('step_ms'), med('comm_ms'), med('tokens_per_s'), recs[-1]['loss']))
+rows = []
+for name in order:
+    rs = runs[name]
+    if not rs:
+        rows.append((name, None)); continue
+    rows.append((name, tuple(statistics.median(r[j] for r in rs) for j in range(3)) + (rs[-1][3], len(rs))))
 base = rows[0][1][0] if rows and rows[0][1] else None
 print("tokens/s = tokens per step / step time; exposed comm = time the step thread waited on the data plane")
 print("| schedule | step ms | exposed comm ms | tokens/s | speed-up vs sequential | final loss |")
