@@ -1,8 +1,9 @@
 // actors/training/expert_group.cc — ExpertGroup: the all-to-all and all-gather dispatch
-// paths. Row movement between layouts is host code on the CPU backend; on a device (a2a
-// only) the rows move with kernels::embedding_forward over i32 row indices (a row gather)
-// on the compute stream, and only the per-expert counts reach the host. The expert GEMMs
-// and the permute/unpermute are kernels/ops.h calls as in one process.
+// paths, the same code for host and device tensors. Rows move with kernels/ops.h calls
+// (moe_permute/unpermute and their backward, and on a device a row gather,
+// kernels::embedding_forward over i32 row indices; host code gathers with memcpy); only the
+// per-expert counts (a2a) or the gathered routing (all-gather) reach the host, once per
+// MoE block.
 #include "actors/training/expert_group.h"
 
 #include <chrono>
@@ -37,9 +38,9 @@ struct A2AState final : layers::DispatchState {
 
 struct AGState final : layers::DispatchState {
   Tensor ye, gates_all;  // local expert outputs [Re, D]; gathered gates [n*T, k]
+  Tensor row_map;        // i32 [n*T*k]: row of each gathered copy among the local rows, -1 if not local
   layers::Experts::Saved experts;
-  std::vector<int64_t> token, slot;  // per local row: gathered token index, top-k slot
-  int64_t tokens = 0;                // local T
+  int64_t tokens = 0;  // local T
 };
 
 std::vector<int32_t> host_ints(const Tensor& t) {
@@ -340,49 +341,38 @@ Tensor ExpertGroup::backward_a2a(const layers::Ctx& c, const Tensor& dy_in, laye
 Tensor ExpertGroup::forward_ag(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx,
                                const Tensor& gates, std::unique_ptr<layers::DispatchState>& state,
                                std::vector<int64_t>& kept) {
-  TROUPE_CHECK(!c.on_device(),
-               "ExpertGroup: dispatch \"allgather\" runs on the CPU backend only; use "
-               "parallel.dispatch = \"alltoall\" on GPUs");
   auto st = std::make_unique<AGState>();
   const int64_t t = x.size(0), dm = x.size(1), n = group_.size(), k = top_k_;
   st->tokens = t;
-  Tensor xg = c.empty({n * t, dm});
+  Tensor xg = c.empty({n * t, dm}, x.dtype());
   all_gather(group_, x.contiguous(), xg, time_, "expert tokens all_gather");
-  Tensor ig = Tensor::empty({n * t, k}, DType::kI32);
+  Tensor ig = c.empty({n * t, k}, DType::kI32);
   all_gather(group_, topk_idx.contiguous(), ig, time_, "expert ids all_gather");
-  st->gates_all = c.empty({n * t, k});
+  st->gates_all = c.empty({n * t, k}, gates.dtype());
   all_gather(group_, gates.contiguous(), st->gates_all, time_, "expert gates all_gather");
 
-  const std::vector<int32_t> ids = host_ints(ig);
+  // The routing reaches the host once per block (it sizes the local rows).
+  const std::vector<int32_t> ids = host_ints(c.to_host(ig));
   kept.assign(static_cast<size_t>(num_experts_), 0);
-  const std::vector<int32_t> mine = host_ints(topk_idx);
-  for (int32_t v : mine) kept[static_cast<size_t>(v)]++;
-  // Local scatter: rows for local expert j, in gathered-token order.
-  std::vector<int32_t> off(static_cast<size_t>(local_experts_ + 1), 0);
+  const int64_t me = group_.rank();
+  for (int64_t i = me * t * k; i < (me + 1) * t * k; ++i)
+    kept[static_cast<size_t>(ids[static_cast<size_t>(i)])]++;
+  // Local scatter: rows for local expert j, in gathered-token order; other copies -1.
+  std::vector<int32_t> off(static_cast<size_t>(local_experts_ + 1), 0), row_map(ids.size(), -1);
+  int32_t pos = 0;
   for (int64_t j = 0; j < local_experts_; ++j) {
-    for (int64_t g = 0; g < n * t; ++g)
-      for (int64_t s = 0; s < k; ++s)
-        if (ids[static_cast<size_t>(g * k + s)] == first_ + j) {
-          st->token.push_back(g);
-          st->slot.push_back(s);
-        }
-    off[static_cast<size_t>(j + 1)] = static_cast<int32_t>(st->token.size());
+    for (size_t i = 0; i < ids.size(); ++i)
+      if (ids[i] == first_ + j) row_map[i] = pos++;
+    off[static_cast<size_t>(j + 1)] = pos;
   }
-  const int64_t re = static_cast<int64_t>(st->token.size());
-  Tensor xe = c.empty({re, dm});
-  gather_rows(xg, st->token, xe);
-  st->ye = local_->forward(c, xe, Tensor::from_ints({local_experts_ + 1}, off), st->experts);
-  // Local gather, weighted by the gates: partial[g] = sum over local rows of g.
-  Tensor partial = Tensor::zeros({n * t, dm}, DType::kF32);
-  const float* ye = st->ye.data<float>();
-  const float* ga = st->gates_all.data<float>();
-  float* pp = partial.data<float>();
-  for (int64_t i = 0; i < re; ++i) {
-    const int64_t g = st->token[static_cast<size_t>(i)];
-    const float w = ga[g * k + st->slot[static_cast<size_t>(i)]];
-    for (int64_t d = 0; d < dm; ++d) pp[g * dm + d] += w * ye[i * dm + d];
-  }
-  Tensor y = c.empty({t, dm});
+  st->row_map = c.to_device(Tensor::from_ints({n * t * k}, row_map));
+  Tensor xe = c.empty({static_cast<int64_t>(pos), dm}, x.dtype());
+  kernels::moe_permute(c.ex, xg, st->row_map, k, xe);
+  st->ye = local_->forward(c, xe, c.to_device(Tensor::from_ints({local_experts_ + 1}, off)), st->experts);
+  // Local gather, weighted by the gates: partial[g] = sum over the local copies of g.
+  Tensor partial = c.empty({n * t, dm}, x.dtype());
+  kernels::moe_unpermute(c.ex, st->ye, st->row_map, st->gates_all, partial);
+  Tensor y = c.empty({t, dm}, x.dtype());
   reduce_scatter_sum(group_, partial, y, time_, "expert combine reduce_scatter");
   state = std::move(st);
   return y;
@@ -392,37 +382,17 @@ Tensor ExpertGroup::backward_ag(const layers::Ctx& c, const Tensor& dy, layers::
                                 Tensor& dgates) {
   auto& st = static_cast<AGState&>(state);
   const int64_t t = st.tokens, dm = dy.size(1), n = group_.size(), k = top_k_;
-  const int64_t re = static_cast<int64_t>(st.token.size());
-  Tensor dyg = c.empty({n * t, dm});
+  Tensor dyg = c.empty({n * t, dm}, dy.dtype());
   all_gather(group_, dy.contiguous(), dyg, time_, "expert grad all_gather");
-  const float* g_dy = dyg.data<float>();
-  const float* ga = st.gates_all.data<float>();
-  const float* ye = st.ye.data<float>();
-  Tensor dye = c.empty({re, dm});
-  Tensor dg_partial = Tensor::zeros({n * t, k}, DType::kF32);
-  float* pdye = dye.data<float>();
-  float* pdg = dg_partial.data<float>();
-  for (int64_t i = 0; i < re; ++i) {
-    const int64_t g = st.token[static_cast<size_t>(i)], s = st.slot[static_cast<size_t>(i)];
-    const float w = ga[g * k + s];
-    double dot = 0;
-    for (int64_t d = 0; d < dm; ++d) {
-      pdye[i * dm + d] = w * g_dy[g * dm + d];
-      dot += static_cast<double>(g_dy[g * dm + d]) * static_cast<double>(ye[i * dm + d]);
-    }
-    pdg[g * k + s] = static_cast<float>(dot);
-  }
+  Tensor dye = c.empty(st.ye.shape(), dy.dtype());
+  Tensor dg_partial = c.empty({n * t, k}, DType::kF32);
+  kernels::moe_unpermute_backward(c.ex, dyg, st.ye, st.row_map, st.gates_all, dye, dg_partial);
   Tensor dxe = local_->backward(c, dye, st.experts);
-  Tensor dx_partial = Tensor::zeros({n * t, dm}, DType::kF32);
-  const float* pdxe = dxe.data<float>();
-  float* pdx = dx_partial.data<float>();
-  for (int64_t i = 0; i < re; ++i) {
-    const int64_t g = st.token[static_cast<size_t>(i)];
-    for (int64_t d = 0; d < dm; ++d) pdx[g * dm + d] += pdxe[i * dm + d];
-  }
-  Tensor dx = c.empty({t, dm});
+  Tensor dx_partial = c.empty({n * t, dm}, dy.dtype());
+  kernels::moe_permute_backward(c.ex, dxe, st.row_map, k, dx_partial);
+  Tensor dx = c.empty({t, dm}, dy.dtype());
   reduce_scatter_sum(group_, dx_partial, dx, time_, "expert grad reduce_scatter");
-  dgates = c.empty({t, k});
+  dgates = c.empty({t, k}, DType::kF32);
   reduce_scatter_sum(group_, dg_partial, dgates, time_, "expert gate grad reduce_scatter");
   return dx;
 }

@@ -92,9 +92,21 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
   s->bind_device();
   if (ctx.on_device()) {
     const auto& par = tc.parallel;
-    if (par.n > 1 && par.dispatch == "allgather") {
+    // Implemented for devices, but not yet run on two GPUs: refused unless asked for.
+    const char* unverified = std::getenv("TROUPE_GPU_UNVERIFIED");
+    const bool allow = unverified != nullptr && std::string_view(unverified) == "1";
+    if (par.pp > 1 && !allow) {
       return unimplemented(
-          "Stage on {}: parallel.dispatch = \"allgather\" runs on the CPU backend only; use \"alltoall\"",
+          "Stage on {}: pipeline parallelism (pp = {}) on GPUs is implemented but not yet verified on two "
+          "GPUs; set "
+          "TROUPE_GPU_UNVERIFIED=1 to run it",
+          ctx.ex.device, par.pp);
+    }
+    if (par.n > 1 && par.dispatch == "allgather" && !allow) {
+      return unimplemented(
+          "Stage on {}: parallel.dispatch = \"allgather\" on GPUs is implemented but not yet verified on two "
+          "GPUs; "
+          "set TROUPE_GPU_UNVERIFIED=1 to run it (or use \"alltoall\")",
           ctx.ex.device);
     }
 #if !TROUPE_HAVE_NCCL

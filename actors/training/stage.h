@@ -37,8 +37,8 @@
 //   bf16 working copies of the matrices (refreshed after each update) and activations in
 //   the Ctx's dtype (bf16 on the wire for Ulysses and the expert all-to-alls); collectives
 //   are ordered on the compute stream (group_ops.h "Device mode"), the overlapped ones on
-//   a communication stream ordered by events. Not yet on a device: pp > 1,
-//   parallel.dispatch = "allgather".
+//   a communication stream ordered by events. pp > 1 and parallel.dispatch =
+//   "allgather" on a device are refused unless TROUPE_GPU_UNVERIFIED=1 (not yet run on GPUs).
 #pragma once
 
 #include <map>
