@@ -185,6 +185,8 @@ Tensor ExpertGroup::forward_a2a(const layers::Ctx& c, const Tensor& x, const Ten
   auto rcount = [&](int64_t q, int64_t ci, int64_t j) { return rc[(q * nc + ci) * el + j]; };
 
   std::vector<Tensor> xp(static_cast<size_t>(nc)), xs(static_cast<size_t>(nc));  // rows, fp8 scales
+  std::vector<int32_t> idx;
+  std::vector<int64_t> idx_at(static_cast<size_t>(nc), 0);
   for (int64_t ci = 0; ci < nc; ++ci) {
     A2AChunk& ch = st->chunks[static_cast<size_t>(ci)];
     ch.send_rows.assign(static_cast<size_t>(n), 0);
@@ -211,15 +213,17 @@ Tensor ExpertGroup::forward_a2a(const layers::Ctx& c, const Tensor& x, const Ten
       }
       loc_off[static_cast<size_t>(j + 1)] = static_cast<int32_t>(ch.order.size());
     }
-    ch.loc_off = c.to_device(Tensor::from_ints({el + 1}, loc_off));
+    // Index tables of every chunk go to the device in one upload (below): [loc_off,
+    // order, inverse] per chunk (order and inverse on a device only).
+    idx_at[static_cast<size_t>(ci)] = static_cast<int64_t>(idx.size());
+    idx.insert(idx.end(), loc_off.begin(), loc_off.end());
     if (c.on_device()) {
-      std::vector<int32_t> ord(ch.order.size()), inv(ch.order.size());
-      for (size_t i = 0; i < ord.size(); ++i) {
-        ord[i] = static_cast<int32_t>(ch.order[i]);
-        inv[static_cast<size_t>(ch.order[i])] = static_cast<int32_t>(i);
+      const size_t base = idx.size();
+      idx.resize(base + 2 * ch.order.size());
+      for (size_t i = 0; i < ch.order.size(); ++i) {
+        idx[base + i] = static_cast<int32_t>(ch.order[i]);
+        idx[base + ch.order.size() + static_cast<size_t>(ch.order[i])] = static_cast<int32_t>(i);
       }
-      ch.order_dev = c.to_device(Tensor::from_ints({ch.rrows}, ord));
-      ch.inverse_dev = c.to_device(Tensor::from_ints({ch.rrows}, inv));
     }
     if (fp8) {
       // The permute writes the fp8 codes and per-row scales directly (one pass).
@@ -230,6 +234,17 @@ Tensor ExpertGroup::forward_a2a(const layers::Ctx& c, const Tensor& x, const Ten
     } else {
       xp[static_cast<size_t>(ci)] = c.empty({ch.rows, dm});
       kernels::moe_permute(c.ex, x.narrow(0, ch.lo, ch.len), ch.row_map, top_k_, xp[static_cast<size_t>(ci)]);
+    }
+  }
+
+  const Tensor tables = c.to_device(Tensor::from_ints({static_cast<int64_t>(idx.size())}, idx));
+  for (int64_t ci = 0; ci < nc; ++ci) {
+    A2AChunk& ch = st->chunks[static_cast<size_t>(ci)];
+    const int64_t at = idx_at[static_cast<size_t>(ci)];
+    ch.loc_off = tables.narrow(0, at, el + 1);
+    if (c.on_device()) {
+      ch.order_dev = tables.narrow(0, at + el + 1, ch.rrows);
+      ch.inverse_dev = tables.narrow(0, at + el + 1 + ch.rrows, ch.rrows);
     }
   }
 
