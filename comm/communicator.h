@@ -77,12 +77,26 @@ class Work {
   // Backend side: returns false if already completed.
   bool complete(Status status);
 
+  // Timings for timelines (bench/overlap): when the backend began executing the operation
+  // (mark_started; backends that do not mark it leave the creation time) and when it
+  // completed (set by complete). Steady-clock nanoseconds since its epoch; 0 until then.
+  void mark_started();
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  int64_t created_ns() const { return created_ns_; }
+  int64_t started_ns() const { return started_ns_.load(std::memory_order_acquire); }
+  int64_t completed_ns() const { return completed_ns_.load(std::memory_order_acquire); }
+
  private:
   std::string what_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::atomic<bool> done_{false};
   Status status_;
+  int64_t created_ns_ = now_ns();
+  std::atomic<int64_t> started_ns_{0}, completed_ns_{0};
 };
 
 using WorkPtr = std::shared_ptr<Work>;

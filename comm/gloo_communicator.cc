@@ -162,6 +162,7 @@ void collective_loop(std::shared_ptr<State> s) {
       tag = s->next_tag++;
     }
     Status st;
+    task.work->mark_started();
     try {
       task.run(task.timeout, tag);
     } catch (const std::exception& e) {

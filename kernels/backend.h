@@ -57,6 +57,9 @@ struct Backend {
   // ---- device-resident step statistics (issue 20)
   void (*expert_counts)(const Exec&, const Tensor&, Tensor&, bool);
   void (*sum_squares_into)(const Exec&, std::span<const Tensor* const>, Tensor&, bool);
+  // ---- communication codecs (issue 17) ----
+  void (*moe_permute_fp8)(const Exec&, const Tensor&, const Tensor&, int64_t, Tensor&, Tensor&);
+  void (*sum_chunks)(const Exec&, const Tensor&, Tensor&);
 };
 
 // The CPU reference backend (kernels/cpu/backend_cpu.cc): every entry is set.

@@ -767,4 +767,31 @@ void dequantize_fp8(const Exec& ex, const Tensor& q, const Tensor& scales, int64
   c.call(&Backend::dequantize_fp8, ex, q, scales, block_size, out);
 }
 
+// ---- communication codecs (issue 17) ----------------------------------------------------
+void moe_permute_fp8(const Exec& ex, const Tensor& x, const Tensor& row_map, int64_t top_k, Tensor& q,
+                     Tensor& scales) {
+  OpCheck c("moe_permute_fp8", ex, {{"x", &x}, {"row_map", &row_map}, {"q", &q}, {"scales", &scales}});
+  OP_FLOAT(c, x);
+  OP_DTYPE(c, row_map, DType::kI32);
+  OP_DTYPE(c, q, DType::kF8E4M3);
+  OP_DTYPE(c, scales, DType::kF32);
+  OP_RANK(c, x, 2);
+  OP_RANK(c, q, 2);
+  OP_REQUIRE(c, top_k >= 1, "top_k = {} must be positive", top_k);
+  OP_SHAPE(c, row_map, {x.size(0) * top_k});
+  OP_REQUIRE(c, q.size(1) == x.size(1), "q has {} columns, x has {}", q.size(1), x.size(1));
+  OP_SHAPE(c, scales, {q.size(0)});
+  c.call(&Backend::moe_permute_fp8, ex, x, row_map, top_k, q, scales);
+}
+
+void sum_chunks(const Exec& ex, const Tensor& in, Tensor& out) {
+  OpCheck c("sum_chunks", ex, {{"in", &in}, {"out", &out}});
+  OP_FLOAT(c, in);
+  OP_DTYPE(c, out, DType::kF32);
+  OP_RANK(c, in, 2);
+  OP_REQUIRE(c, in.size(0) >= 1, "in has no chunk");
+  OP_SHAPE(c, out, {in.size(1)});
+  c.call(&Backend::sum_chunks, ex, in, out);
+}
+
 }  // namespace troupe::kernels

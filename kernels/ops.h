@@ -203,5 +203,16 @@ void expert_counts(const Exec& ex, const Tensor& topk_idx, Tensor& counts, bool 
 // accumulated in double and left on the device (no host wait; compare sum_squares_multi).
 void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors, Tensor& out,
                       bool accumulate = false);
+// ---- communication codecs (issue 17: overlap/compression; CPU side is comm/compression.h) ----
+// moe_permute fused with fp8 e4m3 quantisation, one f32 scale per row: row r of q holds
+// the row moe_permute would write as e4m3 codes of x * (1 / scale), scale = amax / 448 (1
+// for an all-zero or non-finite amax), round to nearest even, saturated to ±448; scales
+// [rows] (f32). Rows no copy maps to: zero codes, scale 1. Byte-identical to
+// comm::quantize_rows_fp8 of moe_permute's output. x f32/bf16 [T, D]; q fp8e4m3 [rows, D].
+void moe_permute_fp8(const Exec& ex, const Tensor& x, const Tensor& row_map, int64_t top_k, Tensor& q,
+                     Tensor& scales);
+// out[i] = ((in[0][i] + in[1][i]) + in[2][i]) + ... in fp32 (chunk order): in [n, m] f32
+// or bf16, out f32 [m]. The local sum of a reduce-scatter done as an all-to-all.
+void sum_chunks(const Exec& ex, const Tensor& in, Tensor& out);
 
 }  // namespace troupe::kernels

@@ -22,6 +22,10 @@ Status ParallelOptions::validate(const ModelConfig& m) const {
   if (dispatch != "alltoall" && dispatch != "allgather") {
     return invalid_argument("parallel.dispatch must be \"alltoall\" or \"allgather\" (got \"{}\")", dispatch);
   }
+  if (chunks < 1 || chunks > 64) return invalid_argument("parallel.chunks={} must be in [1, 64]", chunks);
+  if (fp8_dispatch && dispatch != "alltoall") {
+    return invalid_argument("parallel.fp8_dispatch needs parallel.dispatch = \"alltoall\"");
+  }
   return ok_status();
 }
 
@@ -95,6 +99,13 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.n, cfg.get_int("parallel.n", 1));
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.dispatch, cfg.get_string("parallel.dispatch", tc.parallel.dispatch));
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.compression, cfg.get_bool("parallel.compression", tc.parallel.compression));
+  TROUPE_ASSIGN_OR_RETURN(tc.parallel.overlap_a2a, cfg.get_bool("parallel.overlap_a2a", tc.parallel.overlap_a2a));
+  TROUPE_ASSIGN_OR_RETURN(tc.parallel.overlap_grad_sync,
+                          cfg.get_bool("parallel.overlap_grad_sync", tc.parallel.overlap_grad_sync));
+  TROUPE_ASSIGN_OR_RETURN(tc.parallel.overlap_param_gather,
+                          cfg.get_bool("parallel.overlap_param_gather", tc.parallel.overlap_param_gather));
+  TROUPE_ASSIGN_OR_RETURN(tc.parallel.chunks, cfg.get_int("parallel.chunks", tc.parallel.chunks));
+  TROUPE_ASSIGN_OR_RETURN(tc.parallel.fp8_dispatch, cfg.get_bool("parallel.fp8_dispatch", tc.parallel.fp8_dispatch));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.every, cfg.get_int("checkpoint.every", tc.checkpoint.every));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.keep, cfg.get_int("checkpoint.keep", tc.checkpoint.keep));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.dir, cfg.get_string("checkpoint.dir", tc.checkpoint.dir));

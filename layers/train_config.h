@@ -40,6 +40,17 @@ struct ParallelOptions {
   // when top_k is large).
   std::string dispatch = "alltoall";
   bool compression = false;  // data-parallel gradient reduce-scatter with bf16 on the wire
+  // ---- communication overlap and compression (issue 17; docs/parallelism.md) ----
+  // Each switch changes only when the step waits, never the arithmetic: a run with a
+  // switch off gives bitwise the same numbers as with it on.
+  bool overlap_a2a = true;           // Ulysses and expert all-to-alls in flight behind compute
+  bool overlap_grad_sync = true;     // dp gradient reduce-scatter in buckets during backward
+  bool overlap_param_gather = true;  // dp parameter all-gather behind the next forward
+  // Token chunks of each expert dispatch (the expert GEMMs of chunk c run while chunk c+1
+  // is dispatched and chunk c-1 combined). Part of the arithmetic (expert weight gradients
+  // are summed per chunk), so compare runs at equal chunks.
+  int64_t chunks = 2;
+  bool fp8_dispatch = false;  // expert token dispatch in fp8 e4m3 with per-token scales
   int64_t world() const { return pp * dp * n; }
   // The layout must fit the model: layers divisible by pp, heads, kv heads and experts
   // by n.

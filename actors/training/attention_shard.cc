@@ -2,6 +2,7 @@
 // all-to-alls, and the forward/backward chain over layers::Attention's separable steps.
 // Host tensors are packed with memcpy loops; device tensors (CommTime in device mode) with
 // strided 2-D copies on the compute stream, in the activation dtype (bf16 on the wire).
+// The transfers go through CommTime::launch/await (the communication side).
 #include "actors/training/attention_shard.h"
 
 #include <cstring>
@@ -39,129 +40,166 @@ void copy_2d(const layers::Ctx& c, const Tensor& dst, size_t doff, size_t dpitch
 
 }  // namespace
 
-Tensor AttentionShard::seq_to_head_device(const Tensor& x) {
-  const layers::Ctx& c = *time_.device_ctx();
+AttentionShard::AttentionShard(layers::Attention& attn, comm::Communicator& group, CommTime& time,
+                               bool overlap)
+    : attn_(attn), group_(group), time_(time), overlap_(overlap) {}
+
+AttentionShard::Switch AttentionShard::launch(const Tensor& x_in, bool to_head) {
+  const bool dev = !x_in.device().is_cpu();
+  const Tensor x = dev ? x_in : x_in.contiguous();
   const int64_t n = group_.size();
-  const int64_t b = x.size(0), sl = x.size(1), h = x.size(2), dh = x.size(3);
-  TROUPE_CHECK(h % n == 0, "Ulysses: {} heads do not split over {} ranks", h, n);
-  TROUPE_CHECK(x.is_contiguous(), "Ulysses: {} is not contiguous", x.describe());
-  const size_t es = x.element_size();
-  const int64_t hl = h / n;
-  const size_t row = static_cast<size_t>(hl * dh) * es;  // bytes of one token's local heads
-  const size_t chunk = static_cast<size_t>(b * sl) * row;
-  Tensor send = c.empty({n * b * sl * hl * dh}, x.dtype());
-  for (int64_t p = 0; p < n; ++p) {
-    copy_2d(c, send, static_cast<size_t>(p) * chunk, row, x, static_cast<size_t>(p) * row,
-            static_cast<size_t>(h * dh) * es, row, static_cast<size_t>(b * sl));
+  Switch sw;
+  sw.to_head = to_head;
+  sw.b = x.size(0), sw.s = x.size(1), sw.h = x.size(2), sw.dh = x.size(3);
+  sw.dtype = x.dtype();
+  const int64_t b = sw.b, dh = sw.dh;
+  if (dev) TROUPE_CHECK(x.is_contiguous(), "Ulysses: {} is not contiguous", x.describe());
+  if (to_head) {
+    // Send chunk p (to rank p) = heads [p*hl, (p+1)*hl) of every local token, [b][s][hl][dh].
+    const int64_t sl = sw.s, h = sw.h;
+    TROUPE_CHECK(h % n == 0, "Ulysses: {} heads do not split over {} ranks", h, n);
+    const int64_t hl = h / n, row = hl * dh;
+    if (dev) {
+      const layers::Ctx& c = *time_.device_ctx();
+      const size_t es = x.element_size();
+      const size_t rowb = static_cast<size_t>(row) * es;
+      const size_t chunk = static_cast<size_t>(b * sl) * rowb;
+      sw.send = c.empty({n * b * sl * row}, x.dtype());
+      for (int64_t p = 0; p < n; ++p) {
+        copy_2d(c, sw.send, static_cast<size_t>(p) * chunk, rowb, x, static_cast<size_t>(p) * rowb,
+                static_cast<size_t>(h * dh) * es, rowb, static_cast<size_t>(b * sl));
+      }
+      sw.recv = c.empty(sw.send.shape(), x.dtype());
+    } else {
+      sw.send = Tensor::empty({n * b * sl * row}, DType::kF32);
+      const float* src = x.data<float>();
+      float* sp = sw.send.data<float>();
+      for (int64_t p = 0; p < n; ++p)
+        for (int64_t bi = 0; bi < b; ++bi)
+          for (int64_t si = 0; si < sl; ++si)
+            std::memcpy(sp + ((p * b + bi) * sl + si) * row, src + ((bi * sl + si) * h + p * hl) * dh,
+                        static_cast<size_t>(row) * sizeof(float));
+      sw.recv = Tensor::empty(sw.send.shape(), DType::kF32);
+    }
+  } else {
+    // Send chunk p = positions [p*sl, (p+1)*sl) of every sequence, local heads, [b][s][hl][dh].
+    const int64_t s = sw.s, hl = sw.h;
+    TROUPE_CHECK(s % n == 0, "Ulysses: sequence {} does not split over {} ranks", s, n);
+    const int64_t sl = s / n, row = hl * dh;
+    if (dev) {
+      const layers::Ctx& c = *time_.device_ctx();
+      const size_t es = x.element_size();
+      const size_t rowb = static_cast<size_t>(row) * es;
+      const size_t chunk = static_cast<size_t>(b * sl) * rowb;
+      sw.send = c.empty({n * b * sl * row}, x.dtype());
+      for (int64_t p = 0; p < n; ++p) {
+        copy_2d(c, sw.send, static_cast<size_t>(p) * chunk, static_cast<size_t>(sl) * rowb, x,
+                static_cast<size_t>(p * sl) * rowb, static_cast<size_t>(s) * rowb,
+                static_cast<size_t>(sl) * rowb, static_cast<size_t>(b));
+      }
+      sw.recv = c.empty(sw.send.shape(), x.dtype());
+    } else {
+      sw.send = Tensor::empty({n * b * sl * row}, DType::kF32);
+      const float* src = x.data<float>();
+      float* sp = sw.send.data<float>();
+      for (int64_t p = 0; p < n; ++p)
+        for (int64_t bi = 0; bi < b; ++bi)
+          std::memcpy(sp + (p * b + bi) * sl * row, src + (bi * s + p * sl) * row,
+                      static_cast<size_t>(sl * row) * sizeof(float));
+      sw.recv = Tensor::empty(sw.send.shape(), DType::kF32);
+    }
   }
-  Tensor recv = c.empty(send.shape(), x.dtype());
-  time_.issue(group_.all_to_all(send, recv, time_.op_options()), "ulysses seq->head");
-  Tensor out = c.empty({b, n * sl, hl, dh}, x.dtype());
-  for (int64_t q = 0; q < n; ++q) {
-    copy_2d(c, out, static_cast<size_t>(q * sl) * row, static_cast<size_t>(n * sl) * row, recv,
-            static_cast<size_t>(q) * chunk, static_cast<size_t>(sl) * row, static_cast<size_t>(sl) * row,
-            static_cast<size_t>(b));
+  if (n > 1) {
+    sw.op = time_.launch([&](const comm::OpOptions& o) { return group_.all_to_all(sw.send, sw.recv, o); },
+                         to_head ? "ulysses seq->head" : "ulysses head->seq");
+  } else if (dev) {
+    kernels::cast(time_.device_ctx()->ex, sw.send, sw.recv);
+  } else {
+    sw.recv.copy_from(sw.send);
   }
-  return out;
+  return sw;
 }
 
-Tensor AttentionShard::head_to_seq_device(const Tensor& y) {
-  const layers::Ctx& c = *time_.device_ctx();
+Tensor AttentionShard::finish(Switch& sw) {
+  time_.await(sw.op);
   const int64_t n = group_.size();
-  const int64_t b = y.size(0), s = y.size(1), hl = y.size(2), dh = y.size(3);
-  TROUPE_CHECK(s % n == 0, "Ulysses: sequence {} does not split over {} ranks", s, n);
-  TROUPE_CHECK(y.is_contiguous(), "Ulysses: {} is not contiguous", y.describe());
-  const size_t es = y.element_size();
-  const int64_t sl = s / n, h = hl * n;
-  const size_t row = static_cast<size_t>(hl * dh) * es;
-  const size_t chunk = static_cast<size_t>(b * sl) * row;
-  Tensor send = c.empty({n * b * sl * hl * dh}, y.dtype());
-  for (int64_t p = 0; p < n; ++p) {
-    copy_2d(c, send, static_cast<size_t>(p) * chunk, static_cast<size_t>(sl) * row, y,
-            static_cast<size_t>(p * sl) * row, static_cast<size_t>(s) * row, static_cast<size_t>(sl) * row,
-            static_cast<size_t>(b));
+  const bool dev = !sw.recv.device().is_cpu();
+  const int64_t b = sw.b, dh = sw.dh;
+  Tensor out;
+  if (sw.to_head) {
+    // Chunk q came from rank q: its tokens are positions [q*sl, (q+1)*sl) of each sequence.
+    const int64_t sl = sw.s, hl = sw.h / n, row = hl * dh;
+    if (dev) {
+      const layers::Ctx& c = *time_.device_ctx();
+      const size_t rowb = static_cast<size_t>(row) * sw.recv.element_size();
+      const size_t chunk = static_cast<size_t>(b * sl) * rowb;
+      out = c.empty({b, n * sl, hl, dh}, sw.dtype);
+      for (int64_t q = 0; q < n; ++q) {
+        copy_2d(c, out, static_cast<size_t>(q * sl) * rowb, static_cast<size_t>(n * sl) * rowb, sw.recv,
+                static_cast<size_t>(q) * chunk, static_cast<size_t>(sl) * rowb,
+                static_cast<size_t>(sl) * rowb, static_cast<size_t>(b));
+      }
+    } else {
+      out = Tensor::empty({b, n * sl, hl, dh}, DType::kF32);
+      const float* rp = sw.recv.data<float>();
+      float* op = out.data<float>();
+      for (int64_t q = 0; q < n; ++q)
+        for (int64_t bi = 0; bi < b; ++bi)
+          std::memcpy(op + (bi * n * sl + q * sl) * row, rp + (q * b + bi) * sl * row,
+                      static_cast<size_t>(sl * row) * sizeof(float));
+    }
+  } else {
+    // Chunk q holds heads [q*hl, (q+1)*hl) of our local tokens.
+    const int64_t sl = sw.s / n, hl = sw.h, h = hl * n, row = hl * dh;
+    if (dev) {
+      const layers::Ctx& c = *time_.device_ctx();
+      const size_t es = sw.recv.element_size();
+      const size_t rowb = static_cast<size_t>(row) * es;
+      const size_t chunk = static_cast<size_t>(b * sl) * rowb;
+      out = c.empty({b, sl, h, dh}, sw.dtype);
+      for (int64_t q = 0; q < n; ++q) {
+        copy_2d(c, out, static_cast<size_t>(q) * rowb, static_cast<size_t>(h * dh) * es, sw.recv,
+                static_cast<size_t>(q) * chunk, rowb, rowb, static_cast<size_t>(b * sl));
+      }
+    } else {
+      out = Tensor::empty({b, sl, h, dh}, DType::kF32);
+      const float* rp = sw.recv.data<float>();
+      float* op = out.data<float>();
+      for (int64_t q = 0; q < n; ++q)
+        for (int64_t bi = 0; bi < b; ++bi)
+          for (int64_t si = 0; si < sl; ++si)
+            std::memcpy(op + ((bi * sl + si) * h + q * hl) * dh, rp + ((q * b + bi) * sl + si) * row,
+                        static_cast<size_t>(row) * sizeof(float));
+    }
   }
-  Tensor recv = c.empty(send.shape(), y.dtype());
-  time_.issue(group_.all_to_all(send, recv, time_.op_options()), "ulysses head->seq");
-  Tensor out = c.empty({b, sl, h, dh}, y.dtype());
-  for (int64_t q = 0; q < n; ++q) {
-    copy_2d(c, out, static_cast<size_t>(q) * row, static_cast<size_t>(h * dh) * es, recv,
-            static_cast<size_t>(q) * chunk, row, row, static_cast<size_t>(b * sl));
-  }
+  sw.send = sw.recv = Tensor();
   return out;
 }
-
-AttentionShard::AttentionShard(layers::Attention& attn, comm::Communicator& group, CommTime& time)
-    : attn_(attn), group_(group), time_(time) {}
 
 Tensor AttentionShard::seq_to_head(const Tensor& x) {
-  if (!x.device().is_cpu()) return seq_to_head_device(x);
-  const int64_t n = group_.size();
-  const int64_t b = x.size(0), sl = x.size(1), h = x.size(2), dh = x.size(3);
-  TROUPE_CHECK(h % n == 0, "Ulysses: {} heads do not split over {} ranks", h, n);
-  const int64_t hl = h / n, row = hl * dh;
-  const Tensor xc = x.contiguous();
-  // Send chunk p (to rank p) = heads [p*hl, (p+1)*hl) of every local token, [b][s][hl][dh].
-  Tensor send = Tensor::empty({n * b * sl * row}, DType::kF32);
-  const float* src = xc.data<float>();
-  float* sp = send.data<float>();
-  for (int64_t p = 0; p < n; ++p)
-    for (int64_t bi = 0; bi < b; ++bi)
-      for (int64_t si = 0; si < sl; ++si)
-        std::memcpy(sp + ((p * b + bi) * sl + si) * row, src + ((bi * sl + si) * h + p * hl) * dh,
-                    static_cast<size_t>(row) * sizeof(float));
-  Tensor recv = Tensor::empty(send.shape(), DType::kF32);
-  if (n > 1) {
-    time_.wait(group_.all_to_all(send, recv), "ulysses seq->head");
-  } else {
-    recv.copy_from(send);
-  }
-  // Chunk q came from rank q: its tokens are positions [q*sl, (q+1)*sl) of each sequence.
-  Tensor out = Tensor::empty({b, n * sl, hl, dh}, DType::kF32);
-  const float* rp = recv.data<float>();
-  float* op = out.data<float>();
-  for (int64_t q = 0; q < n; ++q)
-    for (int64_t bi = 0; bi < b; ++bi)
-      std::memcpy(op + (bi * n * sl + q * sl) * row, rp + (q * b + bi) * sl * row,
-                  static_cast<size_t>(sl * row) * sizeof(float));
-  return out;
+  Switch sw = launch(x, true);
+  return finish(sw);
 }
 
 Tensor AttentionShard::head_to_seq(const Tensor& y) {
-  if (!y.device().is_cpu()) return head_to_seq_device(y);
-  const int64_t n = group_.size();
-  const int64_t b = y.size(0), s = y.size(1), hl = y.size(2), dh = y.size(3);
-  TROUPE_CHECK(s % n == 0, "Ulysses: sequence {} does not split over {} ranks", s, n);
-  const int64_t sl = s / n, row = hl * dh;
-  const Tensor yc = y.contiguous();
-  // Send chunk p = positions [p*sl, (p+1)*sl) of every sequence, local heads, [b][s][hl][dh].
-  Tensor send = Tensor::empty({n * b * sl * row}, DType::kF32);
-  const float* src = yc.data<float>();
-  float* sp = send.data<float>();
-  for (int64_t p = 0; p < n; ++p)
-    for (int64_t bi = 0; bi < b; ++bi)
-      std::memcpy(sp + (p * b + bi) * sl * row, src + (bi * s + p * sl) * row,
-                  static_cast<size_t>(sl * row) * sizeof(float));
-  Tensor recv = Tensor::empty(send.shape(), DType::kF32);
-  if (n > 1) {
-    time_.wait(group_.all_to_all(send, recv), "ulysses head->seq");
-  } else {
-    recv.copy_from(send);
+  Switch sw = launch(y, false);
+  return finish(sw);
+}
+
+std::vector<Tensor> AttentionShard::switch_all(const std::vector<Tensor>& xs, bool to_head) {
+  std::vector<Tensor> out;
+  if (!overlap_) {
+    for (const Tensor& x : xs) out.push_back(to_head ? seq_to_head(x) : head_to_seq(x));
+    return out;
   }
-  // Chunk q holds heads [q*hl, (q+1)*hl) of our local tokens.
-  const int64_t h = hl * n;
-  Tensor out = Tensor::empty({b, sl, h, dh}, DType::kF32);
-  const float* rp = recv.data<float>();
-  float* op = out.data<float>();
-  for (int64_t q = 0; q < n; ++q)
-    for (int64_t bi = 0; bi < b; ++bi)
-      for (int64_t si = 0; si < sl; ++si)
-        std::memcpy(op + ((bi * sl + si) * h + q * hl) * dh, rp + ((q * b + bi) * sl + si) * row,
-                    static_cast<size_t>(row) * sizeof(float));
+  std::vector<Switch> sws;
+  for (const Tensor& x : xs) sws.push_back(launch(x, to_head));
+  for (Switch& sw : sws) out.push_back(finish(sw));
   return out;
 }
 
-Tensor AttentionShard::forward(const layers::Ctx& c, const Tensor& x, int64_t batch, int64_t seq_local, Saved& s) {
+Tensor AttentionShard::forward(const layers::Ctx& c, const Tensor& x, int64_t batch, int64_t seq_local,
+                               Saved& s) {
   const int64_t r = group_.rank();
   std::vector<int32_t> pos(static_cast<size_t>(batch * seq_local));
   for (int64_t i = 0; i < batch * seq_local; ++i) {
@@ -171,9 +209,10 @@ Tensor AttentionShard::forward(const layers::Ctx& c, const Tensor& x, int64_t ba
   s.pos = c.to_device(Tensor::from_ints({batch * seq_local}, pos));
   Tensor q, k, v;
   attn_.project_qkv(c, x, s.pos, batch, seq_local, q, k, v);
-  s.q = seq_to_head(q);
-  s.k = seq_to_head(k);
-  s.v = seq_to_head(v);
+  std::vector<Tensor> qkv = switch_all({q, k, v}, true);
+  s.q = qkv[0];
+  s.k = qkv[1];
+  s.v = qkv[2];
   attn_.core_forward(c, s.q, s.k, s.v, s.out, s.lse);
   s.out_seq = head_to_seq(s.out);
   return attn_.project_out(c, s.out_seq);
@@ -184,10 +223,8 @@ Tensor AttentionShard::backward(const layers::Ctx& c, const Tensor& dy, const Sa
   Tensor dout = seq_to_head(dout_seq);
   Tensor dq, dk, dv;
   attn_.core_backward(c, s.q, s.k, s.v, s.out, s.lse, dout, dq, dk, dv);
-  Tensor dq_s = head_to_seq(dq);
-  Tensor dk_s = head_to_seq(dk);
-  Tensor dv_s = head_to_seq(dv);
-  return attn_.project_qkv_backward(c, s.x, s.pos, dq_s, dk_s, dv_s);
+  std::vector<Tensor> d = switch_all({dq, dk, dv}, false);
+  return attn_.project_qkv_backward(c, s.x, s.pos, d[0], d[1], d[2]);
 }
 
 }  // namespace troupe::training

@@ -6,6 +6,16 @@
 //   kAllToAll:  local dispatch plan -> permute -> all_to_all_v of the rows to the ranks
 //               owning their experts (counts exchanged first) -> regroup by local expert
 //               -> grouped GEMMs -> back the same way -> weighted unpermute.
+//               The tokens are split into Options::chunks chunks (plans, counts and
+//               transfers per chunk; the counts of all chunks travel in one all_to_all,
+//               one host read per layer). With Options::overlap every chunk's dispatch is
+//               launched at once and chunk c's expert GEMMs run while chunks c+1.. are
+//               still moving and chunk c-1 is being combined (communication on the
+//               communicator's thread / the communication stream, CommTime::launch);
+//               without it each transfer is waited for as soon as it is launched. The
+//               arithmetic is the same either way (bitwise). Options::fp8 sends the
+//               dispatched rows as fp8 e4m3 with one fp32 scale per row
+//               (comm/compression.h); the combine keeps the activation dtype.
 //   kAllGather: all-gather of tokens, expert ids and gates -> local scatter of the rows
 //               routed to local experts -> grouped GEMMs -> local weighted gather into a
 //               [n*T, D] partial -> reduce-scatter (MegaScale-MoE's path for large top-k).
@@ -31,12 +41,18 @@ class ExpertGroup final : public layers::ExpertDispatch {
  public:
   // Copies this rank's experts out of `full` (which keeps its values; it is not used
   // afterwards). top_k as in the router.
-  ExpertGroup(const layers::Experts& full, int64_t top_k, bool recompute, comm::Communicator& group, CommTime& time,
-              DispatchMode mode);
+  struct Options {
+    int64_t chunks = 1;    // token chunks of the all-to-all path
+    bool overlap = false;  // transfers in flight behind the expert GEMMs
+    bool fp8 = false;      // fp8 e4m3 token dispatch (kernels::moe_permute_fp8)
+  };
+  ExpertGroup(const layers::Experts& full, int64_t top_k, bool recompute, comm::Communicator& group,
+              CommTime& time, DispatchMode mode, Options options);
 
   Tensor forward(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
                  std::unique_ptr<layers::DispatchState>& state, std::vector<int64_t>& kept) override;
-  Tensor backward(const layers::Ctx& c, const Tensor& dy, layers::DispatchState& state, Tensor& dgates) override;
+  Tensor backward(const layers::Ctx& c, const Tensor& dy, layers::DispatchState& state,
+                  Tensor& dgates) override;
 
   layers::Experts& experts() { return *local_; }
   int64_t first_expert() const { return first_; }
@@ -54,6 +70,7 @@ class ExpertGroup final : public layers::ExpertDispatch {
   comm::Communicator& group_;
   CommTime& time_;
   DispatchMode mode_;
+  Options options_;
 };
 
 }  // namespace troupe::training

@@ -2,10 +2,13 @@
 // schedule, gradient synchronisation, the ZeRO-1 optimizer shard and the step metrics.
 #include "actors/training/stage.h"
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cmath>
-
-#include <fmt/format.h>
+#include <cstdio>
+#include <cstdlib>
 
 #include "comm/gloo_communicator.h"
 #include "core/check.h"
@@ -26,9 +29,9 @@ using Clock = std::chrono::steady_clock;
 
 struct Stage::BlockRole {
   layers::Block* block = nullptr;
-  int64_t moe_index = -1;  // index among the model's MoE blocks, -1 for dense
-  std::unique_ptr<AttentionShard> attn;   // n > 1
-  std::unique_ptr<ExpertGroup> experts;   // MoE and n > 1
+  int64_t moe_index = -1;                // index among the model's MoE blocks, -1 for dense
+  std::unique_ptr<AttentionShard> attn;  // n > 1
+  std::unique_ptr<ExpertGroup> experts;  // MoE and n > 1
 };
 
 struct Stage::BlockSaved {
@@ -40,10 +43,10 @@ struct Stage::BlockSaved {
 };
 
 struct Stage::Micro {
-  Tensor ids, targets;       // local slices, i32 [B*S/n]
-  int64_t tokens = 0;        // tokens with a target in the whole micro-batch
+  Tensor ids, targets;  // local slices, i32 [B*S/n]
+  int64_t tokens = 0;   // tokens with a target in the whole micro-batch
   std::vector<BlockSaved> saved;
-  Tensor head_dx;            // last stage: gradient from the LM head
+  Tensor head_dx;  // last stage: gradient from the LM head
 };
 
 Stage::Stage(const layers::TrainConfig& tc, int rank, layers::TokenShards train, layers::TokenShards val)
@@ -53,11 +56,28 @@ Stage::~Stage() {
   // Sends still in flight reference tensors we own; wait for them (bounded by the op
   // timeout) before the buffers go.
   for (auto& w : pending_sends_) (void)w->wait();
+  for (auto& b : buckets_) {
+    if (b.param.op.pending()) (void)b.param.op.work->wait();
+    if (b.grad.op.pending()) (void)b.grad.op.work->wait();
+#if TROUPE_HAVE_CUDA
+    for (CommOp* op : {&b.param.op, &b.grad.op})
+      if (op->event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(op->event));
+#endif
+  }
+#if TROUPE_HAVE_CUDA
+  for (CommOp& op : pending_send_ops_)
+    if (op.event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(op.event));
+  for (void* st : {comm_stream_, p2p_streams_[0], p2p_streams_[1]}) {
+    if (st == nullptr) continue;
+    cudaStreamSynchronize(static_cast<cudaStream_t>(st));
+    cudaStreamDestroy(static_cast<cudaStream_t>(st));
+  }
+#endif
 }
 
-Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int rank, comm::RendezvousStore& store,
-                                             const comm::StoreNamespace& ns, layers::TokenShards train,
-                                             layers::TokenShards val) {
+Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int rank,
+                                             comm::RendezvousStore& store, const comm::StoreNamespace& ns,
+                                             layers::TokenShards train, layers::TokenShards val) {
   std::unique_ptr<Stage> s(new Stage(tc, rank, std::move(train), std::move(val)));
   TROUPE_RETURN_IF_ERROR(s->build(store, ns));
   return s;
@@ -72,21 +92,42 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
   s->bind_device();
   if (ctx.on_device()) {
     const auto& par = tc.parallel;
-    if (par.pp > 1)
-      return unimplemented("Stage on {}: pipeline parallelism (pp = {}) runs on the CPU backend only so far",
-                           ctx.ex.device, par.pp);
-    if (par.compression && par.dp > 1)
-      return unimplemented("Stage on {}: parallel.compression runs on the CPU backend only so far",
-                           ctx.ex.device);
-    if (par.n > 1 && par.dispatch == "allgather") {
+    // Implemented for devices, but not yet run on two GPUs: refused unless asked for.
+    const char* unverified = std::getenv("TROUPE_GPU_UNVERIFIED");
+    const bool allow = unverified != nullptr && std::string_view(unverified) == "1";
+    if (par.pp > 1 && !allow) {
       return unimplemented(
-          "Stage on {}: parallel.dispatch = \"allgather\" runs on the CPU backend only; use \"alltoall\"",
+          "Stage on {}: pipeline parallelism (pp = {}) on GPUs is implemented but not yet verified on two "
+          "GPUs; set "
+          "TROUPE_GPU_UNVERIFIED=1 to run it",
+          ctx.ex.device, par.pp);
+    }
+    if (par.n > 1 && par.dispatch == "allgather" && !allow) {
+      return unimplemented(
+          "Stage on {}: parallel.dispatch = \"allgather\" on GPUs is implemented but not yet verified on two "
+          "GPUs; "
+          "set TROUPE_GPU_UNVERIFIED=1 to run it (or use \"alltoall\")",
           ctx.ex.device);
     }
 #if !TROUPE_HAVE_NCCL
     return unimplemented("Stage on {}: this build has no NCCL (needed for GPU workers)", ctx.ex.device);
 #endif
     s->time_.set_device(&s->ctx_);
+#if TROUPE_HAVE_CUDA
+    if (par.overlap_a2a || par.overlap_grad_sync || par.overlap_param_gather) {
+      cudaStream_t cs = nullptr;
+      CUDA_CHECK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+      s->comm_stream_ = cs;
+      s->time_.set_comm_stream(cs);
+    }
+    if (par.pp > 1) {
+      for (void*& ps : s->p2p_streams_) {
+        cudaStream_t st = nullptr;
+        CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+        ps = st;
+      }
+    }
+#endif
   }
   TROUPE_RETURN_IF_ERROR(s->build(store, ns));
   return s;
@@ -95,9 +136,9 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
 Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns) {
   const auto& par = tc_.parallel;
   TROUPE_RETURN_IF_ERROR(par.validate(tc_.model, tc_.train));
-  TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout layout, comm::ParallelLayout::make(static_cast<int>(par.pp),
-                                                                                  static_cast<int>(par.dp),
-                                                                                  static_cast<int>(par.n)));
+  TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout layout,
+                          comm::ParallelLayout::make(static_cast<int>(par.pp), static_cast<int>(par.dp),
+                                                     static_cast<int>(par.n)));
   layout_ = std::make_unique<comm::ParallelLayout>(layout);
   if (rank_ < 0 || rank_ >= layout.world_size()) {
     return invalid_argument("rank {} is outside the layout {} ({} ranks)", rank_, layout.to_string(),
@@ -128,15 +169,19 @@ Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns
   TROUPE_ASSIGN_OR_RETURN(world_, factory(ws));
   first_ = coord_.pp == 0;
   last_ = coord_.pp == layout.pp() - 1;
+  if (ctx_.on_device() && layout.pp() > 1) {
+    comm::CommSpec bs = base;
+    bs.name = "back_" + layout.pp_group_name(rank_);
+    bs.rank = coord_.pp;
+    bs.size = layout.pp();
+    TROUPE_ASSIGN_OR_RETURN(pp_back_, factory(bs));
+  }
   if (tc_.model.tie_embeddings && layout.pp() > 1 && (first_ || last_)) {
     comm::CommSpec ts = base;
     ts.name = fmt::format("tied_dp{}_n{}", coord_.dp, coord_.n);
     ts.rank = first_ ? 0 : 1;
     ts.size = 2;
     TROUPE_ASSIGN_OR_RETURN(tied_, factory(ts));
-  }
-  if (par.compression && layout.dp() > 1) {
-    bf16_rs_ = std::make_unique<comm::Bf16ReduceScatter>(*groups_.dp, comm::Bf16ReduceScatter::Options{});
   }
 
   // ---- the model part ----------------------------------------------------------------
@@ -157,10 +202,14 @@ Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns
     role->block = &b;
     role->moe_index = mi;
     if (n > 1) {
-      role->attn = std::make_unique<AttentionShard>(b.attn, *groups_.n, time_);
+      role->attn = std::make_unique<AttentionShard>(b.attn, *groups_.n, time_, par.overlap_a2a);
       if (b.is_moe()) {
-        role->experts = std::make_unique<ExpertGroup>(b.moe->experts, tc_.model.moe.top_k, tc_.model.recompute_swiglu,
-                                                      *groups_.n, time_, mode);
+        ExpertGroup::Options eo;
+        eo.chunks = par.chunks;
+        eo.overlap = par.overlap_a2a;
+        eo.fp8 = par.fp8_dispatch;
+        role->experts = std::make_unique<ExpertGroup>(
+            b.moe->experts, tc_.model.moe.top_k, tc_.model.recompute_swiglu, *groups_.n, time_, mode, eo);
         b.moe->set_dispatch(role->experts.get());
         b.moe->router.set_group_all_reduce([group = groups_.n.get(), time = &time_](std::vector<double>& v) {
           sum_doubles(*group, v, *time, "router statistics");
@@ -211,7 +260,8 @@ void Stage::setup_params() {
     for (auto& p : ps) rep.push_back({p.name, p.param, false, n_lead});
     // A tied head on a later stage holds a copy of the embedding: updated with the same
     // (summed) gradient, counted in the norm on the first stage only.
-    if (tc_.model.tie_embeddings && !first_) rep.push_back({"embedding.weight[tied copy]", &model_->embedding.weight, false, false});
+    if (tc_.model.tie_embeddings && !first_)
+      rep.push_back({"embedding.weight[tied copy]", &model_->embedding.weight, false, false});
   }
   entries_ = std::move(rep);
   int64_t off = 0;
@@ -268,6 +318,83 @@ void Stage::setup_params() {
   }
   for (size_t i = 0; i < pieces_.size(); ++i) named.push_back({fmt::format("piece{}", i), &pieces_[i]});
   opt_ = std::make_unique<layers::AdamW>(named, tc_.optim, ctx_);
+  setup_buckets();
+}
+
+void Stage::setup_buckets() {
+  buckets_.clear();
+  param_order_.clear();
+  if (layout_->dp() <= 1) return;
+  auto key_of = [&](const std::string& name) -> int64_t {
+    if (name.rfind("embedding.weight", 0) == 0) return kEndBucket;  // the embedding and a tied copy
+    if (name.rfind("blocks.", 0) == 0) return std::stoll(name.substr(7)) - block_lo_;
+    return kHeadBucket;
+  };
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const Entry& e = entries_[i];
+    const int64_t key = key_of(e.name);
+    const bool split = e.offset == rep_size_;  // replicated and expert parts never share one
+    if (buckets_.empty() || buckets_.back().ready != key || split || buckets_.back().hi != e.offset) {
+      buckets_.emplace_back();
+      buckets_.back().lo = e.offset;
+      buckets_.back().ready = key;
+    }
+    buckets_.back().hi = e.offset + e.param->numel();
+    buckets_.back().entries.push_back(i);
+  }
+  // Forward order for the parameter all-gather: the embedding, each block (replicated,
+  // then experts), the head, a tied copy.
+  auto rank_of = [&](const SyncBucket& b) -> int64_t {
+    if (b.ready == kEndBucket) return first_ && b.lo == 0 ? -1 : static_cast<int64_t>(roles_.size()) + 1;
+    if (b.ready == kHeadBucket) return static_cast<int64_t>(roles_.size());
+    return b.ready;
+  };
+  for (size_t i = 0; i < buckets_.size(); ++i) param_order_.push_back(i);
+  std::stable_sort(param_order_.begin(), param_order_.end(),
+                   [&](size_t a, size_t b) { return rank_of(buckets_[a]) < rank_of(buckets_[b]); });
+}
+
+void Stage::launch_grad_buckets(int64_t ready) {
+  const DType wire = tc_.parallel.compression ? DType::kBF16 : DType::kF32;
+  for (auto& b : buckets_) {
+    if (b.ready != ready || b.grad_launched) continue;
+    b.grad_launched = true;
+    b.grad.lo = b.lo;
+    b.grad.hi = b.hi;
+    grad_bucket_launch(
+        *groups_.dp, ctx_, flat_grad_, shard_len_, wire, b.grad, time_,
+        tc_.parallel.compression ? "bf16 grads reduce_scatter (dp)" : "grads reduce_scatter (dp)");
+  }
+}
+
+void Stage::await_params(int64_t ready) {
+  if (!params_pending_) return;
+  bool any_left = false;
+  for (auto& b : buckets_) {
+    if (!b.param.op.pending()) continue;
+    if (ready != kEndBucket - 1 && b.ready != ready) {
+      any_left = true;
+      continue;
+    }
+    time_.await(b.param.op);
+    b.param.send = b.param.recv = Tensor();
+    if (ctx_.on_device()) {
+      for (size_t i : b.entries) {
+        layers::Parameter* p = entries_[i].param;
+        if (p->work.defined()) kernels::cast(ctx_.ex, p->value, p->work);
+      }
+    }
+  }
+  params_pending_ = any_left;
+}
+
+void Stage::settle() {
+  bind_device();
+  await_params(kEndBucket - 1);  // every bucket
+  if (ctx_.on_device()) {
+    time_.drain("parameter all_gather (dp)");
+    synchronize();
+  }
 }
 
 void Stage::refresh_working_copies() {
@@ -336,13 +463,37 @@ void Stage::load(bool eval, int64_t step, int64_t index, Micro& m) const {
   m.targets = ctx_.to_device(targets.narrow(1, off, seq_local_).contiguous().view({batch_ * seq_local_}));
 }
 
-Tensor Stage::recv_from(int peer_pp) {
+Tensor Stage::recv_from(int peer_pp, bool grad) {
   Tensor buf = ctx_.empty({batch_ * seq_local_, tc_.model.d_model});
-  time_.wait(groups_.pp->recv(buf, peer_pp), "pipeline recv");
+  if (!ctx_.on_device()) {
+    time_.wait(groups_.pp->recv(buf, peer_pp), "pipeline recv");
+    return buf;
+  }
+  comm::Communicator& comm = grad ? *pp_back_ : *groups_.pp;
+  CommOp op = time_.launch([&](const comm::OpOptions& o) { return comm.recv(buf, peer_pp, o); },
+                           "pipeline recv", p2p_streams_[grad ? 1 : 0]);
+  time_.await(op);
   return buf;
 }
 
-void Stage::send_to(const Tensor& t, int peer_pp) { pending_sends_.push_back(groups_.pp->send(t.contiguous(), peer_pp)); }
+void Stage::send_to(const Tensor& t, int peer_pp, bool grad) {
+  if (!ctx_.on_device()) {
+    pending_sends_.push_back(groups_.pp->send(t.contiguous(), peer_pp));
+    return;
+  }
+  comm::Communicator& comm = grad ? *pp_back_ : *groups_.pp;
+  const Tensor tc = t.contiguous();
+  pending_send_ops_.push_back(
+      time_.launch([&](const comm::OpOptions& o) { return comm.send(tc, peer_pp, o); }, "pipeline send",
+                   p2p_streams_[grad ? 1 : 0]));
+}
+
+void Stage::await_sends() {
+  time_.wait_all(pending_sends_, "pipeline send");
+  pending_sends_.clear();
+  for (CommOp& op : pending_send_ops_) time_.await(op);
+  pending_send_ops_.clear();
+}
 
 Tensor Stage::blocks_forward(const layers::Ctx& c, Tensor x, Micro& m, bool train) {
   m.saved.resize(roles_.size());
@@ -350,6 +501,8 @@ Tensor Stage::blocks_forward(const layers::Ctx& c, Tensor x, Micro& m, bool trai
     BlockRole& r = *roles_[i];
     layers::Block& b = *r.block;
     BlockSaved& s = m.saved[i];
+    if (train) await_params(static_cast<int64_t>(i));
+    const int64_t ts0 = comm::Work::now_ns();
     Tensor n1 = b.norm1.forward(c, x, s.norm1);
     Tensor a = r.attn ? r.attn->forward(c, n1, batch_, seq_local_, s.attn_sp)
                       : b.attn.forward(c, n1, batch_, seq_local_, s.attn);
@@ -366,6 +519,8 @@ Tensor Stage::blocks_forward(const layers::Ctx& c, Tensor x, Micro& m, bool trai
     }
     kernels::add(c.ex, h, f, f);
     x = f;
+    time_.span("main", fmt::format("forward block {}", block_lo_ + static_cast<int64_t>(i)), ts0,
+               comm::Work::now_ns());
   }
   return x;
 }
@@ -375,6 +530,7 @@ Tensor Stage::blocks_backward(const layers::Ctx& c, Tensor dy, Micro& m) {
     BlockRole& r = *roles_[i];
     layers::Block& b = *r.block;
     BlockSaved& s = m.saved[i];
+    const int64_t ts0 = comm::Work::now_ns();
     Tensor dn2 = b.is_moe() ? b.moe->backward(c, dy, s.moe, loss_weight_) : b.mlp->backward(c, dy, s.mlp);
     Tensor dh = b.norm2.backward(c, dn2, s.norm2);
     kernels::add(c.ex, dh, dy, dh);
@@ -383,6 +539,10 @@ Tensor Stage::blocks_backward(const layers::Ctx& c, Tensor dy, Micro& m) {
     kernels::add(c.ex, dx, dh, dx);
     dy = dx;
     s = BlockSaved();  // free activations as soon as they are used
+    time_.span("main", fmt::format("backward block {}", block_lo_ + static_cast<int64_t>(i)), ts0,
+               comm::Work::now_ns());
+    // The step's last micro-batch has finished this block: its gradients are final.
+    if (last_micro_ && tc_.parallel.overlap_grad_sync) launch_grad_buckets(static_cast<int64_t>(i));
   }
   return dy;
 }
@@ -390,26 +550,30 @@ Tensor Stage::blocks_backward(const layers::Ctx& c, Tensor dy, Micro& m) {
 void Stage::forward(int64_t step, int64_t index, Micro& m) {
   const layers::Ctx& c = ctx_;
   if (first_ || last_) load(false, step, index, m);
-  Tensor x = first_ ? model_->embedding.forward(c, m.ids) : recv_from(coord_.pp - 1);
+  if (first_) await_params(kEndBucket);
+  Tensor x = first_ ? model_->embedding.forward(c, m.ids) : recv_from(coord_.pp - 1, false);
   x = blocks_forward(c, x, m, true);
   if (last_) {
+    await_params(kHeadBucket);
+    await_params(kEndBucket);
     const float scale = m.tokens > 0 ? loss_weight_ / static_cast<float>(m.tokens) : 0.0f;
     const double lm = model_->head->forward_backward(c, x, m.targets, scale, m.head_dx);
+    if (index == tc_.train.grad_accum - 1 && tc_.parallel.overlap_grad_sync) launch_grad_buckets(kHeadBucket);
     lm_acc_ += m.tokens > 0 ? lm / static_cast<double>(m.tokens) * static_cast<double>(loss_weight_) : 0.0;
     if (coord_.n == 0) tokens_acc_ += static_cast<double>(m.tokens);
   } else {
-    send_to(x, coord_.pp + 1);
+    send_to(x, coord_.pp + 1, false);
   }
 }
 
 void Stage::backward(Micro& m) {
   const layers::Ctx& c = ctx_;
-  Tensor dy = last_ ? m.head_dx : recv_from(coord_.pp + 1);
+  Tensor dy = last_ ? m.head_dx : recv_from(coord_.pp + 1, true);
   dy = blocks_backward(c, dy, m);
   if (first_) {
     model_->embedding.backward(c, m.ids, dy);
   } else {
-    send_to(dy, coord_.pp - 1);
+    send_to(dy, coord_.pp - 1, true);
   }
   m = Micro();
 }
@@ -418,6 +582,15 @@ StepReport Stage::run_step(int64_t step) {
   const auto t0 = Clock::now();
   bind_device();
   time_.reset();
+  static const char* trace_dir = std::getenv("TROUPE_TIMELINE_DIR");
+  time_.set_tracing(trace_dir != nullptr && *trace_dir != '\0');
+  const int64_t step_t0 = comm::Work::now_ns();
+  if (params_pending_ && throw_on_comm_error()) {
+    // Elastic workers await the gather inside the step; one still pending here belongs to
+    // an interrupted step whose state was rolled back.
+    for (auto& bk : buckets_) bk.param = Bucket();
+    params_pending_ = false;
+  }
   lm_acc_ = aux_acc_ = tokens_acc_ = 0;
   if (ctx_.on_device()) {
     ctx_.alloc->reset_peak();
@@ -431,31 +604,49 @@ StepReport Stage::run_step(int64_t step) {
   const int64_t warm = std::min<int64_t>(layout_->pp() - coord_.pp - 1, mcount);
   std::vector<Micro> micro(static_cast<size_t>(mcount));
   int64_t f = 0, b = 0;
+  for (auto& bk : buckets_) bk.grad_launched = false;
   for (; f < warm; ++f) forward(step, f, micro[static_cast<size_t>(f)]);
   for (; f < mcount; ++f) {
     forward(step, f, micro[static_cast<size_t>(f)]);
+    last_micro_ = b == mcount - 1;
     backward(micro[static_cast<size_t>(b++)]);
   }
-  for (; b < mcount; ++b) backward(micro[static_cast<size_t>(b)]);
-  time_.wait_all(pending_sends_, "pipeline send");
-  pending_sends_.clear();
+  for (; b < mcount; ++b) {
+    last_micro_ = b == mcount - 1;
+    backward(micro[static_cast<size_t>(b)]);
+  }
+  last_micro_ = false;
+  await_sends();
 
   // ---- gradient synchronisation ------------------------------------------------------
-  if (layout_->n() > 1 && rep_size_ > 0) {
-    all_reduce_sum(*groups_.n, flat_grad_.narrow(0, 0, rep_size_), time_, "replicated grads all_reduce (n)");
-  }
-  if (tied_) {
-    const layers::Parameter& w = model_->embedding.weight;
-    all_reduce_sum(*tied_, w.grad.view({w.numel()}), time_, "tied embedding all_reduce");
-  }
-  if (layout_->dp() > 1) {
-    if (bf16_rs_) {
-      const auto c0 = Clock::now();
-      const Status st = bf16_rs_->run(flat_grad_, shard_grad_);
-      time_.add(std::chrono::duration<double>(Clock::now() - c0).count(), "bf16 grads reduce_scatter (dp)");
-      TROUPE_CHECK(st.ok(), "data plane: bf16 grads reduce_scatter (dp) failed: {}", st.to_string());
-    } else {
-      reduce_scatter_sum(*groups_.dp, flat_grad_, shard_grad_, time_, "grads reduce_scatter (dp)");
+  if (layout_->dp() <= 1) {
+    if (layout_->n() > 1 && rep_size_ > 0) {
+      all_reduce_sum(*groups_.n, flat_grad_.narrow(0, 0, rep_size_), time_,
+                     "replicated grads all_reduce (n)");
+    }
+    if (tied_) {
+      const layers::Parameter& w = model_->embedding.weight;
+      all_reduce_sum(*tied_, w.grad.view({w.numel()}), time_, "tied embedding all_reduce");
+    }
+  } else {
+    // dp first (per bucket, most already launched during backward), then the n-group sum
+    // of the replicated part on this rank's shard: the same order on every schedule.
+    if (tied_) {
+      const layers::Parameter& w = model_->embedding.weight;
+      all_reduce_sum(*tied_, w.grad.view({w.numel()}), time_, "tied embedding all_reduce");
+    }
+    for (size_t i = 0; i < buckets_.size(); ++i) {
+      if (!buckets_[i].grad_launched) launch_grad_buckets(buckets_[i].ready);
+      if (!tc_.parallel.overlap_grad_sync)
+        grad_bucket_finish(ctx_, buckets_[i].grad, shard_grad_, shard_len_, time_);
+    }
+    if (tc_.parallel.overlap_grad_sync) {
+      for (auto& bk : buckets_) grad_bucket_finish(ctx_, bk.grad, shard_grad_, shard_len_, time_);
+    }
+    const int64_t rep_in_shard = std::clamp<int64_t>(rep_size_ - shard_lo_, 0, shard_len_);
+    if (layout_->n() > 1 && rep_in_shard > 0) {
+      all_reduce_sum(*groups_.n, shard_grad_.narrow(0, 0, rep_in_shard), time_,
+                     "replicated grads all_reduce (n)");
     }
   }
 
@@ -463,7 +654,37 @@ StepReport Stage::run_step(int64_t step) {
   const double sumsq = grad_sum_squares();
   const int64_t e = tc_.model.moe.num_experts;
   const int64_t nmoe = model_->num_moe_blocks();
-  std::vector<double> v(static_cast<size_t>(5 + nmoe * e), 0.0);
+  std::vector<double> v(static_cast<size_t>(7 + nmoe * e), 0.0);
+  // TROUPE_MEASURE_COMPRESSION=1 (tests, benches; host tensors): the relative L2 error of
+  // the compressed gradient against an extra fp32 exchange of the same gradients.
+  static const bool measure = std::getenv("TROUPE_MEASURE_COMPRESSION") != nullptr;
+  const bool measured = measure && tc_.parallel.compression && layout_->dp() > 1 && !ctx_.on_device();
+  if (measured) {
+    Tensor exact = Tensor::zeros({shard_len_}, DType::kF32);
+    for (const auto& bk : buckets_) {
+      Bucket x;
+      x.lo = bk.lo;
+      x.hi = bk.hi;
+      grad_bucket_launch(*groups_.dp, ctx_, flat_grad_, shard_len_, DType::kF32, x, time_,
+                         "measure grads reduce_scatter (dp)");
+      grad_bucket_finish(ctx_, x, exact, shard_len_, time_);
+    }
+    const int64_t rep_in_shard = std::clamp<int64_t>(rep_size_ - shard_lo_, 0, shard_len_);
+    if (layout_->n() > 1 && rep_in_shard > 0) {
+      all_reduce_sum(*groups_.n, exact.narrow(0, 0, rep_in_shard), time_, "measure grads all_reduce (n)");
+    }
+    const float* base = shard_grad_.data<float>();
+    for (size_t i = 0; i < pieces_.size(); ++i) {
+      if (!piece_in_norm_[i]) continue;
+      const float* g = pieces_[i].grad.data<float>();
+      const float* x = exact.data<float>() + (g - base);
+      for (int64_t j = 0; j < pieces_[i].grad.numel(); ++j) {
+        const double d = static_cast<double>(g[j]) - static_cast<double>(x[j]);
+        v[static_cast<size_t>(5 + nmoe * e)] += d * d;
+        v[static_cast<size_t>(6 + nmoe * e)] += static_cast<double>(x[j]) * static_cast<double>(x[j]);
+      }
+    }
+  }
   v[0] = sumsq;
   v[1] = lm_acc_;
   v[2] = aux_acc_;
@@ -473,10 +694,17 @@ StepReport Stage::run_step(int64_t step) {
     for (const auto& r : roles_) {
       if (r->moe_index < 0) continue;
       const auto& load = r->block->moe->step_load();
-      for (int64_t j = 0; j < e; ++j) v[static_cast<size_t>(5 + r->moe_index * e + j)] += static_cast<double>(load[static_cast<size_t>(j)]);
+      for (int64_t j = 0; j < e; ++j)
+        v[static_cast<size_t>(5 + r->moe_index * e + j)] += static_cast<double>(load[static_cast<size_t>(j)]);
     }
   }
   sum_doubles(*world_, v, time_, "step metrics");
+  if (measured && rank_ == 0) {
+    const double ex = v[static_cast<size_t>(6 + nmoe * e)];
+    fmt::print(stderr, "compression: step {} relative gradient error {:.4e} (bf16 gradient exchange{})\n",
+               step, ex > 0 ? std::sqrt(v[static_cast<size_t>(5 + nmoe * e)] / ex) : 0.0,
+               tc_.parallel.fp8_dispatch ? ", fp8 dispatch" : "");
+  }
 
   StepReport rep;
   rep.step = step;
@@ -490,18 +718,29 @@ StepReport Stage::run_step(int64_t step) {
   rep.expert_load.assign(static_cast<size_t>(nmoe), std::vector<int64_t>(static_cast<size_t>(e), 0));
   for (int64_t i = 0; i < nmoe; ++i)
     for (int64_t j = 0; j < e; ++j)
-      rep.expert_load[static_cast<size_t>(i)][static_cast<size_t>(j)] = std::llround(v[static_cast<size_t>(5 + i * e + j)]);
+      rep.expert_load[static_cast<size_t>(i)][static_cast<size_t>(j)] =
+          std::llround(v[static_cast<size_t>(5 + i * e + j)]);
 
+  const int64_t opt_t0 = comm::Work::now_ns();
   opt_->step(ctx_, rep.lr, rep.grad_norm);
+  time_.span("main", "optimizer", opt_t0, comm::Work::now_ns());
+  bool refresh_all = true;
   if (layout_->dp() > 1) {
-    Tensor mine;
-    if (ctx_.on_device()) {
-      mine = ctx_.empty({shard_len_}, DType::kF32);
-      kernels::cast(ctx_.ex, flat_value_.narrow(0, shard_lo_, shard_len_), mine);
-    } else {
-      mine = flat_value_.narrow(0, shard_lo_, shard_len_).clone();
+    // Per bucket, in forward order; the next forward waits for each block's own bucket
+    // (elastic workers wait here: their state is committed right after the step).
+    for (size_t i : param_order_) {
+      buckets_[i].param.lo = buckets_[i].lo;
+      buckets_[i].param.hi = buckets_[i].hi;
+      param_bucket_launch(*groups_.dp, ctx_, flat_value_, shard_len_, buckets_[i].param, time_,
+                          "params all_gather (dp)");
     }
-    all_gather(*groups_.dp, mine, flat_value_, time_, "params all_gather (dp)");
+    params_pending_ = true;
+    if (!tc_.parallel.overlap_param_gather || throw_on_comm_error()) {
+      await_params(kEndBucket - 1);
+    } else {
+      refresh_all = false;  // per bucket, when awaited
+    }
+    if (ctx_.on_device()) refresh_all = false;  // await_params refreshes each bucket
   }
   for (const auto& r : roles_) {
     if (r->moe_index >= 0) {
@@ -513,7 +752,7 @@ StepReport Stage::run_step(int64_t step) {
     }
   }
   if (ctx_.on_device()) {
-    refresh_working_copies();
+    if (refresh_all) refresh_working_copies();
     time_.drain("step collectives");
     synchronize();  // the step's time includes its device work
     rep.peak_bytes = static_cast<int64_t>(ctx_.alloc->peak_bytes_in_use());
@@ -522,10 +761,25 @@ StepReport Stage::run_step(int64_t step) {
   rep.comm_ms = time_.seconds() * 1e3;
   rep.compute_ms = rep.step_ms - rep.comm_ms;
   for (const auto& [kind, sec] : time_.by_kind()) rep.comm_by_kind_ms[kind] = sec * 1e3;
+  if (time_.tracing()) {
+    // One JSON line per event (bench/overlap/timeline.py draws them).
+    const std::string path = fmt::format("{}/rank{}.jsonl", trace_dir, rank_);
+    if (FILE* fp = std::fopen(path.c_str(), "a")) {
+      time_.span("main", "step", step_t0, comm::Work::now_ns());
+      for (const TraceEvent& e : time_.take_trace()) {
+        std::fprintf(fp,
+                     "{\"step\":%lld,\"rank\":%d,\"lane\":\"%s\",\"what\":\"%s\",\"t0\":%lld,\"t1\":%lld}\n",
+                     static_cast<long long>(step), rank_, e.lane.c_str(), e.what.c_str(),
+                     static_cast<long long>(e.t0), static_cast<long long>(e.t1));
+      }
+      std::fclose(fp);
+    }
+  }
   return rep;
 }
 
 double Stage::evaluate() {
+  settle();
   bind_device();
   const layers::Ctx& c = ctx_;
   double sum = 0, tokens = 0;
@@ -533,17 +787,16 @@ double Stage::evaluate() {
     if (k % layout_->dp() != coord_.dp) continue;
     Micro m;
     if (first_ || last_) load(true, 0, k, m);
-    Tensor x = first_ ? model_->embedding.forward(c, m.ids) : recv_from(coord_.pp - 1);
+    Tensor x = first_ ? model_->embedding.forward(c, m.ids) : recv_from(coord_.pp - 1, false);
     x = blocks_forward(c, x, m, false);
     if (last_) {
       sum += model_->head->loss_sum(c, x, m.targets);
       if (coord_.n == 0) tokens += static_cast<double>(m.tokens);
     } else {
-      send_to(x, coord_.pp + 1);
+      send_to(x, coord_.pp + 1, false);
     }
   }
-  time_.wait_all(pending_sends_, "pipeline send");
-  pending_sends_.clear();
+  await_sends();
   time_.drain("eval collectives");
   std::vector<double> v{sum, tokens};
   sum_doubles(*world_, v, time_, "eval metrics");

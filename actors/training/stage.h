@@ -21,6 +21,13 @@
 //   last stage; then the whole buffer is reduce-scattered over dp (bf16 on the wire with
 //   parallel.compression) and each dp rank runs AdamW on its 1/dp shard (ZeRO-1), then
 //   the shards are all-gathered.
+// - Overlap (parallel.overlap_*; docs/parallelism.md "Overlap"): the dp reduce-scatter
+//   runs per bucket (one block's replicated or expert parameters, the head, the
+//   embedding), launched in backward as soon as the step's last micro-batch has finished
+//   a block; the n-group sum of the replicated part then runs on this rank's shard after
+//   the reduce-scatter (dp first, then n: the same order with or without overlap). The
+//   parameter all-gather after the optimizer is launched per bucket and each block waits
+//   for its own bucket in the next forward (state accessors wait for all of it first).
 // - Norm and metrics: one fp64 sum over the world of [grad sum of squares (each value
 //   counted once: replicated parts on n-rank 0 only, a tied copy on the first stage only),
 //   LM loss, aux loss, tokens, per-expert loads]. The router bias update uses the summed
@@ -29,8 +36,9 @@
 //   Ctx's device, parameters/gradients/moments in device memory from the Ctx's allocator,
 //   bf16 working copies of the matrices (refreshed after each update) and activations in
 //   the Ctx's dtype (bf16 on the wire for Ulysses and the expert all-to-alls); collectives
-//   are ordered on the compute stream (group_ops.h "Device mode"). Not yet on a device:
-//   pp > 1, parallel.compression, parallel.dispatch = "allgather".
+//   are ordered on the compute stream (group_ops.h "Device mode"), the overlapped ones on
+//   a communication stream ordered by events. pp > 1 and parallel.dispatch =
+//   "allgather" on a device are refused unless TROUPE_GPU_UNVERIFIED=1 (not yet run on GPUs).
 #pragma once
 
 #include <map>
@@ -57,7 +65,7 @@ namespace troupe::training {
 struct StepReport {
   int64_t step = 0;
   double loss = 0, lm_loss = 0, aux_loss = 0, grad_norm = 0, lr = 0;
-  int64_t tokens = 0;  // tokens with a target in the whole step (all replicas)
+  int64_t tokens = 0;                             // tokens with a target in the whole step (all replicas)
   std::vector<std::vector<int64_t>> expert_load;  // per MoE block, per expert (whole step)
   // Wall time of this rank: the step, the part spent waiting on the data plane, and the
   // world mean of the latter (measured up to the metrics reduction).
@@ -72,9 +80,9 @@ class Stage {
   // Collective over the world: every rank calls it with the same config, store and
   // namespace. Builds the communicators (dp, n, pp groups, the world, the tied-embedding
   // pair), the model part and the optimizer shard. Takes the data splits.
-  static Result<std::unique_ptr<Stage>> create(const layers::TrainConfig& tc, int rank, comm::RendezvousStore& store,
-                                               const comm::StoreNamespace& ns, layers::TokenShards train,
-                                               layers::TokenShards val);
+  static Result<std::unique_ptr<Stage>> create(const layers::TrainConfig& tc, int rank,
+                                               comm::RendezvousStore& store, const comm::StoreNamespace& ns,
+                                               layers::TokenShards train, layers::TokenShards val);
   // The same on `ctx`'s device (a CPU Ctx gives the CPU Stage above). The Ctx's allocator
   // and CudaContext must outlive the Stage.
   static Result<std::unique_ptr<Stage>> create(const layers::TrainConfig& tc, int rank,
@@ -172,6 +180,21 @@ class Stage {
   void setup_params();
   double grad_sum_squares() const;  // this rank's share of the gradient norm
   void refresh_working_copies();
+  // ---- bucketed dp synchronisation ----
+  static constexpr int64_t kHeadBucket = -2, kEndBucket = -1;  // Bucket readiness keys
+  struct SyncBucket {
+    int64_t lo = 0, hi = 0;
+    int64_t ready = 0;  // role index whose backward completes it, kHeadBucket or kEndBucket
+    std::vector<size_t> entries;
+    Bucket grad, param;
+    bool grad_launched = false;
+  };
+  void setup_buckets();
+  void launch_grad_buckets(int64_t ready);
+  void await_params(int64_t ready);
+  // Waits for the parameter all-gather still in flight from the last step (call before
+  // reading or writing parameter values outside run_step).
+  void settle();
   void synchronize() const;  // waits for ctx_'s stream (no-op on the CPU)
   // Makes ctx_'s device current on the calling thread (steps run on an actor thread).
   void bind_device() const;
@@ -181,8 +204,12 @@ class Stage {
   Tensor blocks_backward(const layers::Ctx& c, Tensor dy, Micro& m);
   void forward(int64_t step, int64_t index, Micro& m);
   void backward(Micro& m);
-  Tensor recv_from(int peer_pp);
-  void send_to(const Tensor& t, int peer_pp);
+  // Pipeline p2p. Host: pp group, sends kept in pending_sends_. Device: activations on the
+  // pp group, gradients on pp_back_ (one communicator per direction, each on its own
+  // stream, so 1F1B's crossing send/recv pairs never queue behind each other).
+  Tensor recv_from(int peer_pp, bool grad);
+  void send_to(const Tensor& t, int peer_pp, bool grad);
+  void await_sends();
 
   layers::TrainConfig tc_;
   int rank_;
@@ -192,8 +219,15 @@ class Stage {
   std::unique_ptr<comm::ParallelLayout> layout_;
   comm::ProcessGroups groups_;
   std::unique_ptr<comm::Communicator> world_, tied_;
-  std::unique_ptr<comm::Bf16ReduceScatter> bf16_rs_;
+  std::unique_ptr<comm::Communicator> pp_back_;  // device, pp > 1: gradients backward
+  void* p2p_streams_[2] = {nullptr, nullptr};    // device, pp > 1: activations, gradients (owned)
+  std::vector<CommOp> pending_send_ops_;         // device sends
   CommTime time_;
+  std::vector<SyncBucket> buckets_;
+  std::vector<size_t> param_order_;  // bucket indices in forward order
+  bool last_micro_ = false;          // in the backward of the step's last micro-batch
+  bool params_pending_ = false;      // parameter all-gather in flight
+  void* comm_stream_ = nullptr;      // device: the communication stream (owned)
 
   layers::Ctx ctx_;
   std::unique_ptr<layers::Model> model_;

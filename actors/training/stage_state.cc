@@ -87,6 +87,7 @@ Result<std::vector<Stage::StateTensor>> Stage::state_tensors() const {
 }
 
 Result<StageState> Stage::export_state(StateScope scope, bool copy) const {
+  const_cast<Stage*>(this)->settle();  // the parameter all-gather of the last step (overlap)
   StageState st;
   st.step = steps_done();
   st.layout = state_layout();
@@ -129,6 +130,7 @@ Result<StageState> Stage::export_state(StateScope scope, bool copy) const {
 
 Status Stage::import_state(const SliceSource& source, int64_t steps_done) {
   if (steps_done < 0) return invalid_argument("import_state: steps_done {} < 0", steps_done);
+  settle();  // nothing may still write the parameters
   const checkpoint::ParallelLayout layout = state_layout();
   const checkpoint::RankCoords coords{coord_.pp, coord_.dp, coord_.n};
   TROUPE_ASSIGN_OR_RETURN(std::vector<StateTensor> tensors, state_tensors());

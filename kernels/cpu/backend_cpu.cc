@@ -48,6 +48,9 @@ const Backend& cpu_backend() {
       // ---- device-resident step statistics (issue 20)
       .expert_counts = cpu::expert_counts,
       .sum_squares_into = cpu::sum_squares_into,
+      // ---- communication codecs (issue 17) ----
+      .moe_permute_fp8 = cpu::moe_permute_fp8,
+      .sum_chunks = cpu::sum_chunks,
   };
   return kCpu;
 }

@@ -14,6 +14,7 @@
 #include "core/gpu_check.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/context.h"
+#include "kernels/cuda/compress.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/matmul_lt.h"
 
@@ -612,6 +613,27 @@ void cuda_dequantize_fp8(const Exec& ex, const Tensor& q, const Tensor& scales, 
                              out.data_ptr(), out.dtype());
 }
 
+// ---- communication codecs (issue 17; compress.cu) ---------------------------------------
+void cuda_moe_permute_fp8(const Exec& ex, const Tensor& x, const Tensor& row_map, int64_t top_k, Tensor& q,
+                          Tensor& scales) {
+  const char* op = "moe_permute_fp8";
+  OpScope s(ex, op);
+  require(x, op, "x");
+  require(row_map, op, "row_map");
+  require(q, op, "q");
+  require(scales, op, "scales");
+  gpu::launch_moe_permute_fp8(s.env, x.data_ptr(), x.dtype(), x.size(0), x.size(1), i32(row_map), top_k, q.size(0),
+                              static_cast<uint8_t*>(q.data_ptr()), f32_mut(scales));
+}
+
+void cuda_sum_chunks(const Exec& ex, const Tensor& in, Tensor& out) {
+  const char* op = "sum_chunks";
+  OpScope s(ex, op);
+  require(in, op, "in");
+  require(out, op, "out");
+  gpu::launch_sum_chunks(s.env, in.data_ptr(), in.dtype(), in.size(0), in.size(1), f32_mut(out));
+}
+
 const Backend kCudaBackend = {
     .name = "cuda",
     .fill = cuda_fill,
@@ -654,6 +676,9 @@ const Backend kCudaBackend = {
     // ---- device-resident step statistics (issue 20)
     .expert_counts = cuda_expert_counts,
     .sum_squares_into = cuda_sum_squares_into,
+    // ---- communication codecs (issue 17) ----
+    .moe_permute_fp8 = cuda_moe_permute_fp8,
+    .sum_chunks = cuda_sum_chunks,
 };
 
 }  // namespace

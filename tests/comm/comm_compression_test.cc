@@ -3,12 +3,14 @@
 // processes) with and without error feedback, fp8 token dispatch with uneven row counts.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
 
 #include "comm/compression.h"
 #include "comm/gloo_communicator.h"
+#include "kernels/ops.h"
 #include "tests/comm/comm_test_util.h"
 
 namespace troupe::comm {
@@ -237,6 +239,49 @@ TEST(Fp8TokenDispatch, RowsArriveDequantisedWithUnevenCounts) {
       },
       60s);
   for (const auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << testing::describe(e);
+}
+
+// The codec kernels of kernels/ops.h (whose CUDA versions the op table checks against
+// these CPU ones) produce the bytes of this file's codecs: moe_permute_fp8 equals
+// quantize_rows_fp8 of moe_permute's output, and sum_chunks of bf16 chunks equals the fp32
+// sum in rank order that Bf16ReduceScatter computes.
+TEST(CodecKernels, PermuteFp8AndSumChunksMatchTheCodecsBitForBit) {
+  std::mt19937 gen(17);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int64_t tokens = 37, d = 48, k = 2;
+  Tensor x = Tensor::empty({tokens, d}, DType::kF32);
+  for (int64_t i = 0; i < x.numel(); ++i) x.data<float>()[i] = nd(gen) * std::pow(10.0f, float(i / d % 5) - 2.0f);
+  for (int64_t j = 0; j < d; ++j) x.data<float>()[3 * d + j] = 0.0f;  // an all-zero row: scale 1
+  x.data<float>()[5 * d] = 1e6f;                                      // saturating magnitudes
+  // A permutation of the tokens*k copies onto rows.
+  std::vector<int32_t> perm(static_cast<size_t>(tokens * k));
+  for (size_t i = 0; i < perm.size(); ++i) perm[i] = static_cast<int32_t>(i);
+  std::shuffle(perm.begin(), perm.end(), gen);
+  const Tensor row_map = Tensor::from_ints({tokens * k}, perm);
+  const kernels::Exec ex = kernels::Exec::cpu();
+  Tensor xp = Tensor::empty({tokens * k, d}, DType::kF32);
+  kernels::moe_permute(ex, x, row_map, k, xp);
+  auto want = quantize_rows_fp8(xp);
+  ASSERT_TRUE(want.ok()) << want.status().to_string();
+  Tensor q = Tensor::empty({tokens * k, d}, DType::kF8E4M3), scales = Tensor::empty({tokens * k}, DType::kF32);
+  kernels::moe_permute_fp8(ex, x, row_map, k, q, scales);
+  EXPECT_EQ(std::memcmp(q.data_ptr(), want->data.data_ptr(), static_cast<size_t>(q.nbytes())), 0);
+  EXPECT_EQ(std::memcmp(scales.data_ptr(), want->scales.data_ptr(), static_cast<size_t>(scales.nbytes())), 0);
+
+  // sum_chunks: 4 bf16 chunks, fp32 sum in order.
+  const int64_t n = 4, m = 1000;
+  Tensor f = Tensor::empty({n, m}, DType::kF32);
+  for (int64_t i = 0; i < f.numel(); ++i) f.data<float>()[i] = nd(gen);
+  Tensor b = Tensor::empty({n, m}, DType::kBF16);
+  kernels::cast(ex, f, b);
+  Tensor out = Tensor::empty({m}, DType::kF32);
+  kernels::sum_chunks(ex, b, out);
+  const std::vector<float> bf = b.to_floats();
+  for (int64_t i = 0; i < m; ++i) {
+    float s = bf[static_cast<size_t>(i)];
+    for (int64_t r = 1; r < n; ++r) s += bf[static_cast<size_t>(r * m + i)];
+    ASSERT_EQ(out.data<float>()[i], s) << i;
+  }
 }
 
 }  // namespace

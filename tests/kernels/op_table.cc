@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <tuple>
 
 namespace troupe::kernels::testing {
 
@@ -153,7 +154,9 @@ const std::vector<std::string>& forward_op_names() {
       "cross_entropy_forward", "adamw_step", "adamw_step_multi", "sum_squares_multi", "quantize_fp8",
       "dequantize_fp8",
       // device-resident step statistics (issue 20)
-      "expert_counts", "sum_squares_into"};
+      "expert_counts", "sum_squares_into",
+      // communication codecs (issue 17)
+      "moe_permute_fp8", "sum_chunks"};
   return kNames;
 }
 
@@ -212,6 +215,9 @@ bool backend_implements(const Backend& b, const std::string& op) {
       // device-resident step statistics (issue 20)
       TROUPE_OP_ENTRY(expert_counts),
       TROUPE_OP_ENTRY(sum_squares_into),
+      // ---- communication codecs (issue 17) ----
+      TROUPE_OP_ENTRY(moe_permute_fp8),
+      TROUPE_OP_ENTRY(sum_chunks),
   };
 #undef TROUPE_OP_ENTRY
   for (const auto& [name, has] : kEntries)
@@ -1472,6 +1478,80 @@ void add_quant_cases(std::vector<OpCase>& cases, Rng& rng) {
   }
 }
 
+// ---- communication codecs (issue 17) -------------------------------------------------------
+// moe_permute_fp8 (the fused permute + per-row e4m3 quantisation of the expert dispatch)
+// and sum_chunks (the fp32 local sum of a bf16 reduce-scatter). Their CPU versions equal
+// comm/compression.h's codecs bit for bit (tests/comm/comm_compression_test.cc); the
+// CUDA test holds the CUDA versions to the CPU ones.
+void add_codec_cases(std::vector<OpCase>& cases, Rng& rng) {
+  const double qmax = kFp8E4M3Max;
+  for (const auto& [t, dim, k] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{9, 40, 2}, {5, 300, 1}}) {
+    const int64_t rows = t * k + 3;  // 3 rows no copy maps to: zero codes, scale 1
+    HostTensor x = rng.uniform({t, dim});
+    for (int64_t i = 0; i < t; ++i)  // rows of very different magnitudes
+      for (int64_t j = 0; j < dim; ++j) x[i * dim + j] = as_f32(x[i * dim + j] * std::pow(10.0, i % 4 - 2.0));
+    for (int64_t j = 0; j < dim; ++j) x[1 * dim + j] = 0.0;  // an all-zero token
+    std::vector<int64_t> order(static_cast<size_t>(rows));
+    for (int64_t i = 0; i < rows; ++i) order[static_cast<size_t>(i)] = i;
+    std::shuffle(order.begin(), order.end(), rng.gen());
+    HostTensor row_map = HostTensor::zeros({t * k}, DType::kI32);
+    for (int64_t i = 0; i < t * k; ++i) row_map[i] = static_cast<double>(order[static_cast<size_t>(i)]);
+    OpCase c;
+    c.name = fmt::format("moe_permute_fp8/{}x{}/k{}", t, dim, k);
+    c.ops = {"moe_permute_fp8"};
+    c.inputs = {x, row_map};
+    c.forward = [rows, dim](TestDevice& dev, const Tensors& in) {
+      Tensor q = dev.poisoned({rows, dim}, DType::kF8E4M3), scales = dev.poisoned({rows}, DType::kF32);
+      moe_permute_fp8(dev.exec(), in[0], in[1], in[1].numel() / in[0].size(0), q, scales);
+      return HostTensors{dev.download(q), dev.download(scales)};
+    };
+    // Reference: each copy's row as x / (amax / 448), which the codes must round to within
+    // half an e4m3 step; unmapped rows zero with scale 1.
+    c.reference = [t, k, rows, dim, qmax](const HostTensors& in) {
+      HostTensor q = HostTensor::zeros({rows, dim}), scales = HostTensor::zeros({rows});
+      for (int64_t r = 0; r < rows; ++r) scales[r] = 1.0;
+      for (int64_t cp = 0; cp < t * k; ++cp) {
+        const int64_t r = static_cast<int64_t>(in[1][cp]), tok = cp / k;
+        double amax = 0.0;
+        for (int64_t j = 0; j < dim; ++j) amax = std::max(amax, std::fabs(in[0][tok * dim + j]));
+        const double s = amax > 0.0 ? amax / qmax : 1.0;
+        scales[r] = s;
+        for (int64_t j = 0; j < dim; ++j) q[r * dim + j] = std::clamp(in[0][tok * dim + j] / s, -qmax, qmax);
+      }
+      return HostTensors{q, scales};
+    };
+    c.atol = 1.0 / 512;
+    c.rtol = 1.0 / 16;
+    cases.push_back(std::move(c));
+  }
+  for (DType in_type : {DType::kF32, DType::kBF16}) {
+    const int64_t n = 4, m = 777;
+    OpCase c;
+    c.name = fmt::format("sum_chunks/{}/{}x{}", dtype_name(in_type), n, m);
+    c.ops = {"sum_chunks"};
+    c.inputs = {rng.uniform({n, m})};
+    c.bf16_storage = false;
+    c.forward = [in_type, m](TestDevice& dev, const Tensors& in) {
+      Tensor x = dev.upload(dev.download(in[0]), in_type);
+      Tensor out = dev.poisoned({m}, DType::kF32);
+      sum_chunks(dev.exec(), x, out);
+      return HostTensors{dev.download(out)};
+    };
+    c.reference = [in_type, n, m](const HostTensors& in) {
+      HostTensor out = HostTensor::zeros({m});
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t r = 0; r < n; ++r) {
+          const double v = in[0][r * m + i];
+          out[i] += in_type == DType::kBF16 ? as_bf16(v) : v;
+        }
+      return HostTensors{out};
+    };
+    c.atol = 1e-6;
+    c.rtol = 1e-6;
+    cases.push_back(std::move(c));
+  }
+}
+
 }  // namespace
 
 std::vector<OpCase> all_op_cases(uint64_t seed) {
@@ -1493,6 +1573,7 @@ std::vector<OpCase> all_op_cases(uint64_t seed) {
   add_multi_tensor_cases(cases, rng);
   add_quant_cases(cases, rng);
   add_step_stats_cases(cases, rng);  // issue 20
+  add_codec_cases(cases, rng);  // issue 17
   return cases;
 }
 
