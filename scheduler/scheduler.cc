@@ -423,7 +423,16 @@ Status Scheduler::spawn(Job& job, Proc& proc) {
   add("TROUPE_HEARTBEAT_MS", std::to_string(std::max(50, spec.heartbeat_timeout_ms / 6)));
   add("TROUPE_HEARTBEAT_TIMEOUT_MS", std::to_string(spec.heartbeat_timeout_ms));
   if (!spec.checkpoint_dir.empty()) add("TROUPE_CHECKPOINT_DIR", spec.checkpoint_dir);
-  if (opts_.security.server_keys) add("TROUPE_SCHEDULER_PUBLIC_KEY", opts_.security.server_keys->public_key);
+  if (opts_.security.server_keys) {
+    add("TROUPE_SCHEDULER_PUBLIC_KEY", opts_.security.server_keys->public_key);
+    // The job's own key pair: its processes' control planes accept only each other.
+    if (auto jk = derive_job_keypair(*opts_.security.server_keys, job.rec.id); jk.ok()) {
+      add("TROUPE_JOB_PUBLIC_KEY", jk->public_key);
+      add("TROUPE_JOB_SECRET_KEY", jk->secret_key);
+    } else {
+      log()->error("job {}: {}", job.rec.id, jk.status().to_string());
+    }
+  }
   if (spec.backend == "cuda" && proc.rec.slot >= 0) add("CUDA_VISIBLE_DEVICES", std::to_string(proc.rec.slot));
   if (spec.elastic) add("TROUPE_ELASTIC", "1");
   for (const auto& [k, v] : proc.extra_env) add(k.c_str(), v);

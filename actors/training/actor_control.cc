@@ -6,6 +6,10 @@
 
 #include <fmt/format.h>
 
+#include <cstdlib>
+
+#include "comm/control/host_addr.h"
+
 namespace troupe::training {
 
 using Clock = std::chrono::steady_clock;
@@ -43,10 +47,28 @@ class StageActor final : public actors::Actor {
   int64_t next_seq_ = 0;
 };
 
-control::TransportOptions loopback(const std::string& bind) {
+// The control plane binds this process's address (TROUPE_HOST_ADDR, which a troupe-agent
+// started with --host-addr hands its workers; else loopback) or nothing (`bind` false).
+// With the job's CURVE key pair (TROUPE_JOB_*_KEY, given by a scheduler that runs
+// CURVE) every connection is encrypted and only the job's own processes are accepted;
+// that also permits a non-loopback address. TROUPE_INSECURE=1 permits one without keys.
+control::TransportOptions network_options(bool bind) {
   control::TransportOptions t;
-  t.bind_endpoint = bind;
+  t.bind_endpoint = bind ? control::host_bind_endpoint() : "";
+  if (auto kp = control::job_curve_from_env()) {
+    t.curve.own = *kp;
+    t.curve.allowed_client_keys = {kp->public_key};
+    t.allow_non_loopback = true;
+  } else if (const char* insecure = std::getenv("TROUPE_INSECURE"); insecure && std::string(insecure) == "1") {
+    t.allow_non_loopback = true;
+  }
   return t;
+}
+
+// The public key a peer of this job serves with ("" without CURVE).
+std::string job_server_key() {
+  auto kp = control::job_curve_from_env();
+  return kp ? kp->public_key : std::string();
 }
 
 }  // namespace
@@ -58,7 +80,7 @@ Result<std::unique_ptr<ActorStepServer>> ActorStepServer::start(comm::Rendezvous
   std::unique_ptr<ActorStepServer> s(new ActorStepServer(store, std::move(prefix), rank));
   actors::ActorSystemOptions o;
   o.node_id = worker_node(rank);
-  o.network = loopback("tcp://127.0.0.1:*");
+  o.network = network_options(true);
   o.on_node_down = [lost = s->driver_lost_](const std::string& node, actors::DownReason, const std::string&) {
     if (node == "driver") lost->store(true);
   };
@@ -99,7 +121,7 @@ Result<std::unique_ptr<ActorStepDriver>> ActorStepDriver::start(comm::Rendezvous
   d->world_ = world;
   actors::ActorSystemOptions o;
   o.node_id = "driver";
-  o.network = loopback("");  // connect-only: workers answer over our connections
+  o.network = network_options(false);  // connect-only: workers answer over our connections
   TROUPE_ASSIGN_OR_RETURN(d->sys_, actors::ActorSystem::create(std::move(o)));
   const auto deadline = Clock::now() + connect_timeout;
   for (int r = 0; r < world; ++r) {
@@ -107,7 +129,7 @@ Result<std::unique_ptr<ActorStepDriver>> ActorStepDriver::start(comm::Rendezvous
     while (true) {
       Result<std::string> ep = store.get(key, std::min(deadline, Clock::now() + std::chrono::milliseconds(200)));
       if (ep.ok()) {
-        TROUPE_RETURN_IF_ERROR(d->sys_->connect(worker_node(r), ep.value()));
+        TROUPE_RETURN_IF_ERROR(d->sys_->connect(worker_node(r), ep.value(), job_server_key()));
         break;
       }
       if (ep.status().code() != StatusCode::kDeadlineExceeded) return ep.status();
