@@ -12,8 +12,8 @@
 # left outside the temporary directory (HOME points into it too).
 # Usage: slurm_test.sh <dir of troupe binaries> <source dir>. Not root or no Slurm: FAIL.
 set -u
-BIN=${1:?usage: slurm_test.sh BIN_DIR SOURCE_DIR}
-SRC=${2:?usage: slurm_test.sh BIN_DIR SOURCE_DIR}
+BIN=$(realpath "${1:?usage: slurm_test.sh BIN_DIR SOURCE_DIR}")
+SRC=$(realpath "${2:?usage: slurm_test.sh BIN_DIR SOURCE_DIR}")
 fails=0
 T=""
 pids=()
@@ -21,24 +21,28 @@ say() { echo "[slurm_test] $*"; }
 bad() { echo "[slurm_test] FAIL: $*" >&2; fails=$((fails + 1)); }
 die() { echo "[slurm_test] FAIL: $*" >&2; finish 1; }
 
-# Processes of this test: every one carries SLTEST_TAG=$TAG in its environment.
+# Processes of this test's Slurm jobs: each carries SLTEST_TAG=$TAG in its environment
+# (given only to sbatch / salloc / srun, which hand it on to the jobs).
 TAG="sltest-$$-$RANDOM"
 tagged() {
-  local p
-  for p in /proc/[0-9]*; do
-    grep -qsz "^SLTEST_TAG=$TAG\$" "$p/environ" 2>/dev/null && echo "${p#/proc/}"
-  done
+  grep -lsz "^SLTEST_TAG=$TAG\$" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3
+}
+# How many tagged `sleep` processes run (a job's driver and workers).
+sleeps() {
+  local n=0 p
+  for p in $(tagged); do [ "$(cat /proc/$p/comm 2>/dev/null)" = sleep ] && n=$((n + 1)); done
+  echo $n
 }
 # Waits until no tagged process is left; prints the milliseconds it took (or fails).
 wait_untagged() {
   local limit_ms=$1 t0 now left
   t0=$(date +%s%3N)
   while :; do
-    left=$(tagged | grep -v "^$$\$" | grep -vx "$BASHPID" | tr '\n' ' ')
+    left=$(tagged | tr '\n' ' ')
     now=$(date +%s%3N)
     [ -z "$left" ] && { echo $((now - t0)); return 0; }
     if [ $((now - t0)) -gt "$limit_ms" ]; then
-      echo "left after ${limit_ms} ms: $(for p in $left; do tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null; echo -n '; '; done)"
+      echo "left after ${limit_ms} ms: $(for p in $left; do tr '\0' ' ' < /proc/$p/cmdline; echo -n '; '; done 2>/dev/null)"
       return 1
     fi
     sleep 0.05
@@ -57,9 +61,11 @@ finish() {
   done
   local left=""
   if [ -n "$T" ]; then
+    local c
     for p in /proc/[0-9]*; do
       [ "${p#/proc/}" = "$$" ] && continue
-      tr '\0' ' ' < "$p/cmdline" 2>/dev/null | grep -q "$T" && left+="$(tr '\0' ' ' < "$p/cmdline"); "
+      c=$(tr '\0' ' ' < "$p/cmdline" 2>/dev/null)
+      [[ "$c" == *"$T"* ]] && left+="$c; "
     done
   fi
   for p in $(tagged); do [ "$p" != "$$" ] && left+="$(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null); " && kill -KILL "$p" 2>/dev/null; done
@@ -84,7 +90,7 @@ T=$(mktemp -d /tmp/troupe-slurm-test-XXXXXX)
 chmod 755 "$T"
 mkdir -p "$T/munge-key" "$T/munge" "$T/ctld" "$T/spool" "$T/log" "$T/home" "$T/out"
 chmod 700 "$T/munge-key"; chmod 755 "$T/munge"
-export HOME="$T/home" SLTEST_TAG="$TAG"
+export HOME="$T/home"
 dd if=/dev/urandom of="$T/munge-key/munge.key" bs=1024 count=1 2>/dev/null
 chmod 400 "$T/munge-key/munge.key"
 munged -F --socket="$T/munge/munge.sock" --key-file="$T/munge-key/munge.key" --log-file="$T/log/munged.log" \
@@ -150,7 +156,7 @@ cd "$T/out"
 
 # ---- (a) sbatch troupe.sbatch ------------------------------------------------------------
 out="$T/out/a-ok.out"
-sbatch --wait -N1 --cpus-per-task="$CPUS" --output="$out" --chdir="$T/out" "$SB" --nproc 2 -- \
+SLTEST_TAG=$TAG sbatch --wait -N1 --cpus-per-task="$CPUS" --output="$out" --chdir="$T/out" "$SB" --nproc 2 -- \
   /bin/sh -c 'echo "troupe process $TROUPE_PROC_NAME of $TROUPE_WORLD_SIZE on $TROUPE_NODE"' >"$T/out/a-ok.sbatch" 2>&1
 rc=$?
 [ $rc -eq 0 ] || bad "(a) sbatch troupe.sbatch of a succeeding job: exit $rc: $(cat "$out")"
@@ -159,17 +165,18 @@ grep -q "troupe process driver of 2 on $NODE" "$out" || bad "(a) the driver's ou
 say "(a) sbatch troupe.sbatch, job exits 0: Slurm job exit $rc"
 
 out="$T/out/a-fail.out"
-sbatch --wait -N1 --cpus-per-task="$CPUS" --output="$out" "$SB" --nproc 2 -- /bin/sh -c 'exit 3' >"$T/out/a-fail.sbatch" 2>&1
+SLTEST_TAG=$TAG sbatch --wait -N1 --cpus-per-task="$CPUS" --output="$out" "$SB" --nproc 2 -- /bin/sh -c 'exit 3' >"$T/out/a-fail.sbatch" 2>&1
 rc=$?
 id=$(grep -o '[0-9]\+' "$T/out/a-fail.sbatch" | head -1)
 [ $rc -eq 3 ] || bad "(a) a Troupe job exiting 3: sbatch --wait returned $rc: $(cat "$out")"
 scontrol show job "$id" 2>/dev/null | grep -q 'ExitCode=3:0' || bad "(a) scontrol shows no ExitCode=3:0 for Slurm job $id"
 say "(a) Troupe job exits 3: Slurm job $id exit $rc ($(scontrol show job "$id" | grep -o 'ExitCode=[0-9:]*'))"
 
-id=$(sbatch --parsable -N1 --cpus-per-task="$CPUS" --output="$T/out/a-cancel.out" "$SB" --nproc 2 -- sleep 1000)
+id=$(SLTEST_TAG=$TAG sbatch --parsable -N1 --cpus-per-task="$CPUS" --output="$T/out/a-cancel.out" "$SB" --nproc 2 -- sleep 1000)
 ok=0
 for _ in $(seq 600); do
-  [ "$(tagged | xargs -r -I{} cat /proc/{}/comm 2>/dev/null | grep -cx sleep)" -eq 3 ] && { ok=1; break; }
+  [ "$(sleeps)" -eq 3 ] && { ok=1; break; }
+  squeue -h -j "$id" 2>/dev/null | grep -q . || break  # the Slurm job ended
   sleep 0.1
 done
 [ $ok -eq 1 ] || bad "(a) the Troupe job's 3 processes (driver + 2 workers) did not start: $(cat "$T/out/a-cancel.out")"
@@ -180,13 +187,13 @@ if ms=$(wait_untagged 10000); then say "(a) scancel: every Troupe process gone i
 else bad "(a) scancel: $ms"; fi
 
 # ---- (b) salloc / srun + troupe run ---------------------------------------------------------
-o=$(salloc -N1 -n2 troupe run -- /bin/sh -c 'echo "rank $TROUPE_RANK world $TROUPE_WORLD_SIZE"' 2>&1)
+o=$(SLTEST_TAG=$TAG salloc -N1 -n2 troupe run -- /bin/sh -c 'echo "rank $TROUPE_RANK world $TROUPE_WORLD_SIZE"' 2>&1)
 rc=$?
 [ $rc -eq 0 ] || bad "(b) salloc -n2 troupe run: exit $rc: $o"
 echo "$o" | grep -q '\[worker-1\] rank 1 world 2' || bad "(b) salloc -n2: troupe run did not take --nproc 2 from SLURM_NTASKS: $o"
 say "(b) salloc -N1 -n2 troupe run (no --nproc): 2 workers, exit $rc"
 
-srun -N1 -n1 -c"$CPUS" troupe run --nproc 2 -- /bin/sh -c 'exit 4' >"$T/out/b-fail.out" 2>&1
+SLTEST_TAG=$TAG srun -N1 -n1 -c"$CPUS" troupe run --nproc 2 -- /bin/sh -c 'exit 4' >"$T/out/b-fail.out" 2>&1
 rc=$?
 [ $rc -eq 4 ] || bad "(b) srun troupe run of a job exiting 4: exit $rc: $(cat "$T/out/b-fail.out")"
 say "(b) srun troupe run, job exits 4: srun exit $rc"
@@ -195,11 +202,12 @@ o=$(SLURM_JOB_ID=77 SLURM_JOB_NUM_NODES=2 SLURM_JOB_NODELIST='n[1-2]' troupe run
 rc=$?
 [ $rc -eq 2 ] && echo "$o" | grep -q 'troupe.sbatch' || bad "(b) a 2-node allocation: exit $rc, $o"
 
-srun -N1 -n1 -c"$CPUS" -J trun troupe run --nproc 2 -- sleep 1000 >"$T/out/b-cancel.out" 2>&1 &
+SLTEST_TAG=$TAG srun -N1 -n1 -c"$CPUS" -J trun troupe run --nproc 2 -- sleep 1000 >"$T/out/b-cancel.out" 2>&1 &
 srun_pid=$!
 ok=0
 for _ in $(seq 600); do
-  [ "$(tagged | xargs -r -I{} cat /proc/{}/comm 2>/dev/null | grep -cx sleep)" -eq 3 ] && { ok=1; break; }
+  [ "$(sleeps)" -eq 3 ] && { ok=1; break; }
+  kill -0 "$srun_pid" 2>/dev/null || break
   sleep 0.1
 done
 [ $ok -eq 1 ] || bad "(b) srun troupe run: the job's processes did not start: $(cat "$T/out/b-cancel.out")"
