@@ -56,7 +56,14 @@ Result<CurveKeyPair> load_or_create_credential() {
   const std::string dir = troupe_config_dir();
   const std::string path = credential_path();
   std::error_code ec;
-  if (!fs::exists(path, ec)) {
+  struct stat st {};
+  const bool exists = ::stat(path.c_str(), &st) == 0;
+  if (!exists && errno != ENOENT) {
+    return permission_denied("cannot read the Troupe credential {}: {} (it must be this user's own; set "
+                             "$TROUPE_CONFIG_DIR or $HOME to use another)",
+                             path, std::strerror(errno));
+  }
+  if (!exists) {
     if (!fs::is_directory(dir, ec)) {
       fs::create_directories(dir, ec);
       if (ec) return io_error("cannot create the Troupe config directory {}: {}", dir, ec.message());

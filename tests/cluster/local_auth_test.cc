@@ -119,7 +119,7 @@ TEST(LocalAuth, AnotherUnixUserCannotSubmitCancelScaleOrReadLogs) {
 
   // The owner: submit, status, logs.
   const std::string addr = c.address();
-  const std::string job = c.submit(1, {"--no-driver"}, {{"TW_RUN_MS", "60000"}});
+  const std::string job = c.submit(1, {"--no-driver"}, {{"TW_RUN_MS", "60000"}, {"TW_BEAT", "1"}});
   ASSERT_FALSE(job.empty());
   ASSERT_TRUE(c.wait_running(job, {"worker-0"}, 0, 20s)) << c.logs_of_daemons();
   const auto mine = run_cli({"status", job, "--scheduler", addr});

@@ -33,7 +33,9 @@ namespace {
 std::vector<std::string> my_env(const std::vector<std::string>& extra) {
   std::vector<std::string> env;
   for (char** e = environ; *e; ++e) {
-    if (std::string(*e).rfind("TROUPE_", 0) != 0) env.emplace_back(*e);
+    const std::string kv = *e;
+    // TROUPE_CONFIG_DIR stays: the tests' daemons and CLI share its credential.
+    if (kv.rfind("TROUPE_", 0) != 0 || kv.rfind("TROUPE_CONFIG_DIR=", 0) == 0) env.emplace_back(kv);
   }
   env.push_back("SPDLOG_LEVEL=info");
   for (const auto& e : extra) env.push_back(e);
