@@ -48,6 +48,10 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// A job's processes, by value (a range-for over a member of the temporary status
+// document would dangle).
+nlohmann::json procs_of(Cluster& c, const std::string& job) { return c.status(job)["jobs"][0]["procs"]; }
+
 bool step_records_after(const fs::path& dir, size_t steps) {
   return latest_step_records(dir / "metrics.jsonl").size() > steps;
 }
@@ -128,10 +132,10 @@ class Multihost : public ::testing::Test {
 
   // Every live process of `job`: its listening sockets are on its agent's address, and
   // its connections to the scheduler leave from it. Returns how many were checked.
-  static int expect_bound_to_their_hosts(Cluster& c, const std::string& job) {
+  static int expect_bound_to_their_hosts(Cluster& c, const std::string& job, bool workers_listen) {
     const std::string sched_ip = "127.0.0.2";
     int checked = 0;
-    for (const auto& p : c.status(job)["jobs"][0]["procs"]) {
+    for (const auto& p : procs_of(c, job)) {
       if (p.value("state", "") != "running") continue;
       const pid_t pid = p.value("pid", 0);
       const std::string host = kHostOf.at(p.value("agent", ""));
@@ -150,7 +154,7 @@ class Multihost : public ::testing::Test {
         }
       }
       EXPECT_GE(to_scheduler, 1) << p.value("name", "") << " has no session with the scheduler";
-      if (p.value("role", "") == "worker") {
+      if (workers_listen && p.value("role", "") == "worker") {
         EXPECT_GE(listening, 1) << p.value("name", "") << " listens nowhere";
       }
       ++checked;
@@ -177,13 +181,13 @@ TEST_F(Multihost, JobOnTwoHostsBindsEachHostsAddressAndTrainsLikeOneProcess) {
   const double first_step_s = seconds_since(t0);
   // One n-group per host.
   std::map<std::string, std::vector<int>> ranks_on;
-  for (const auto& p : c.status(job)["jobs"][0]["procs"]) {
+  for (const auto& p : procs_of(c, job)) {
     if (p.value("role", "") == "worker") ranks_on[p.value("agent", "")].push_back(p.value("rank", -1));
   }
   for (auto& [agent, ranks] : ranks_on) std::sort(ranks.begin(), ranks.end());
   EXPECT_EQ(ranks_on["a1"], (std::vector<int>{0, 1}));
   EXPECT_EQ(ranks_on["a2"], (std::vector<int>{2, 3}));
-  EXPECT_EQ(expect_bound_to_their_hosts(c, job), 5);  // driver + 4 workers, while they train
+  EXPECT_EQ(expect_bound_to_their_hosts(c, job, true), 5);  // driver + 4 workers, while they train
   ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(120))) << c.logs_of_daemons();
   expect_one_process_losses("two-hosts");
   std::printf(
@@ -198,23 +202,21 @@ TEST_F(Multihost, AgentKilledMidJobGetsItsWorkersReplacedOnTheOtherHost) {
   // replacements.
   const std::string filler =
       submit(c, {"--nproc", "2", "--layout", "dp=1,n=2", "--no-driver"}, {"sh", "-c", "exec sleep 1000"});
-  ASSERT_TRUE(c.wait_running(filler, {"worker-0", "worker-1"}, 0, std::chrono::seconds(30)) ||
-              wait_until([&] { return c.status(filler)["jobs"][0].value("running_procs", 0) == 2; },
+  ASSERT_TRUE(wait_until([&] { return c.status(filler)["jobs"][0].value("running_procs", 0) == 2; },
                          std::chrono::seconds(30)))
       << c.logs_of_daemons();
   const fs::path dir = *root_ / "agent-kill";
   const auto t0 = Clock::now();
   // Slot 0 (on a1) runs 150 ms slower per step so that the kill lands mid-job.
   const std::string job = submit(c,
-                                 {"--elastic", "--nproc", "4", "--layout", "dp=2,n=2",
-                                  "--heartbeat-timeout-ms", "1500", "--env", "TROUPE_FAULT=slow@1:any:0"},
+                                 {"--elastic", "--nproc", "4", "--layout", "dp=2,n=2", "--env", "TROUPE_FAULT=slow@1:any:0"},
                                  train_args("agent-kill", 1, "dp=2,n=2"));
   ASSERT_TRUE(wait_until([&] { return !latest_step_records(dir / "metrics.jsonl").empty(); },
                          std::chrono::seconds(90), std::chrono::milliseconds(10)))
       << c.logs_of_daemons();
   const double first_step_s = seconds_since(t0);
   std::map<std::string, int> workers_on;
-  for (const auto& p : c.status(job)["jobs"][0]["procs"]) {
+  for (const auto& p : procs_of(c, job)) {
     if (p.value("role", "") == "worker") workers_on[p.value("agent", "")]++;
     if (p.value("role", "") == "driver") {
       EXPECT_EQ(p.value("agent", ""), "a1");
@@ -222,7 +224,8 @@ TEST_F(Multihost, AgentKilledMidJobGetsItsWorkersReplacedOnTheOtherHost) {
   }
   EXPECT_EQ(workers_on["a1"], 2);
   EXPECT_EQ(workers_on["a2"], 2);
-  EXPECT_EQ(expect_bound_to_their_hosts(c, job), 5);
+  // (An elastic worker holds its Gloo pairs' connections; its listener is closed by now.)
+  EXPECT_EQ(expect_bound_to_their_hosts(c, job, false), 5);
   std::vector<std::string> cancel{"cancel", filler};
   for (const auto& x : c.conn_args()) cancel.push_back(x);
   EXPECT_EQ(run_cli(cancel).exit_code, 0);
@@ -241,7 +244,7 @@ TEST_F(Multihost, AgentKilledMidJobGetsItsWorkersReplacedOnTheOtherHost) {
   ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(120))) << c.logs_of_daemons();
   expect_one_process_losses("agent-kill");
   int replaced_on_a1 = 0;
-  for (const auto& p : c.status(job)["jobs"][0]["procs"]) {
+  for (const auto& p : procs_of(c, job)) {
     if (p.value("role", "") == "worker" && p.value("state", "") == "exited" &&
         p.value("exit_status", -1) == 0) {
       EXPECT_EQ(p.value("agent", ""), "a1") << p.dump();
@@ -257,7 +260,7 @@ TEST_F(Multihost, AgentKilledMidJobGetsItsWorkersReplacedOnTheOtherHost) {
       "[multihost agent-kill] submit -> first step %.2f s; agent on 127.0.0.4 SIGKILLed after step %zu: "
       "detection %s ms (%s), recovery %.2f s (train_moe's recovered event), next step %.2f s after the "
       "kill; %d workers finished on 127.0.0.3\n",
-      first_step_s, steps_before, det.empty() ? "?" : det[0]["detection_ms"].dump().c_str(),
+      first_step_s, steps_before, det.empty() ? "?" : det[0].value("detection_ms", nlohmann::json("-")).dump().c_str(),
       det.empty() ? "?" : det[0].value("cause", "?").c_str(), rec[0]["recovery_s"].get<double>(), resumed_s,
       replaced_on_a1);
 }
