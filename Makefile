@@ -17,8 +17,9 @@ deps:
 	@bash scripts/install-deps.sh
 
 configure: deps
-	@cmake -S . -B $(BUILD) -G Ninja $(CMAKE_FLAGS) > $(BUILD).configure.log 2>&1 || (cat $(BUILD).configure.log; exit 1)
-	@grep -E "^-- Troupe" $(BUILD).configure.log || true
+	@mkdir -p $(BUILD)
+	@cmake -S . -B $(BUILD) -G Ninja $(CMAKE_FLAGS) > $(BUILD)/configure.log 2>&1 || (cat $(BUILD)/configure.log; exit 1)
+	@grep -E "^-- Troupe" $(BUILD)/configure.log || true
 
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
@@ -42,4 +43,4 @@ format:
 	git ls-files '*.h' '*.cc' '*.cu' '*.cuh' | xargs clang-format -i
 
 clean:
-	rm -rf build build-asan build-cpu build.configure.log
+	rm -rf build build-asan build-cpu

@@ -103,6 +103,46 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   if (tc.checkpoint.every < 0) return invalid_argument("{}: key 'checkpoint.every' must be >= 0", cfg.source());
   if (tc.checkpoint.keep < 1) return invalid_argument("{}: key 'checkpoint.keep' must be >= 1", cfg.source());
 
+  ElasticOptions& e = tc.elastic;
+  TROUPE_ASSIGN_OR_RETURN(e.heartbeat_timeout_ms, cfg.get_int("elastic.heartbeat_timeout_ms", e.heartbeat_timeout_ms));
+  TROUPE_ASSIGN_OR_RETURN(e.comm_error_grace_ms, cfg.get_int("elastic.comm_error_grace_ms", e.comm_error_grace_ms));
+  TROUPE_ASSIGN_OR_RETURN(e.step_watchdog_ms, cfg.get_int("elastic.step_watchdog_ms", e.step_watchdog_ms));
+  TROUPE_ASSIGN_OR_RETURN(e.join_timeout_ms, cfg.get_int("elastic.join_timeout_ms", e.join_timeout_ms));
+  TROUPE_ASSIGN_OR_RETURN(e.spares, cfg.get_int("elastic.spares", e.spares));
+  TROUPE_ASSIGN_OR_RETURN(e.min_dp, cfg.get_int("elastic.min_dp", e.min_dp));
+  TROUPE_ASSIGN_OR_RETURN(e.max_dp, cfg.get_int("elastic.max_dp", e.max_dp));
+  TROUPE_ASSIGN_OR_RETURN(e.straggler_ratio, cfg.get_double("elastic.straggler_ratio", e.straggler_ratio));
+  TROUPE_ASSIGN_OR_RETURN(e.straggler_window, cfg.get_int("elastic.straggler_window", e.straggler_window));
+  TROUPE_ASSIGN_OR_RETURN(e.straggler_policy, cfg.get_string("elastic.straggler_policy", e.straggler_policy));
+  TROUPE_ASSIGN_OR_RETURN(e.replica_every, cfg.get_int("elastic.replica_every", e.replica_every));
+  TROUPE_ASSIGN_OR_RETURN(e.scale_at, cfg.get_string("elastic.scale_at", e.scale_at));
+  TROUPE_ASSIGN_OR_RETURN(e.inject, cfg.get_string("elastic.inject", e.inject));
+  const std::pair<const char*, int64_t> non_negative[] = {{"elastic.heartbeat_timeout_ms", e.heartbeat_timeout_ms},
+                                                          {"elastic.comm_error_grace_ms", e.comm_error_grace_ms},
+                                                          {"elastic.max_dp", e.max_dp},
+                                                          {"elastic.replica_every", e.replica_every}};
+  for (const auto& [key, v] : non_negative) {
+    if (v < 0) return invalid_argument("{}: key '{}' must be >= 0 (got {})", cfg.source(), key, v);
+  }
+  const std::pair<const char*, int64_t> positive_e[] = {{"elastic.step_watchdog_ms", e.step_watchdog_ms},
+                                                        {"elastic.join_timeout_ms", e.join_timeout_ms},
+                                                        {"elastic.min_dp", e.min_dp},
+                                                        {"elastic.straggler_window", e.straggler_window}};
+  for (const auto& [key, v] : positive_e) {
+    if (v <= 0) return invalid_argument("{}: key '{}' must be positive (got {})", cfg.source(), key, v);
+  }
+  if (e.spares < -1) return invalid_argument("{}: key 'elastic.spares' must be >= -1 (-1: unlimited)", cfg.source());
+  if (!(e.straggler_ratio > 1)) {
+    return invalid_argument("{}: key 'elastic.straggler_ratio' must be > 1 (got {})", cfg.source(), e.straggler_ratio);
+  }
+  if (e.straggler_policy != "flag" && e.straggler_policy != "replace") {
+    return invalid_argument("{}: key 'elastic.straggler_policy' must be \"flag\" or \"replace\" (got \"{}\")",
+                            cfg.source(), e.straggler_policy);
+  }
+  if (e.max_dp > 0 && e.max_dp < e.min_dp) {
+    return invalid_argument("{}: elastic.max_dp ({}) is below elastic.min_dp ({})", cfg.source(), e.max_dp, e.min_dp);
+  }
+
   Status st = tc.parallel.validate(tc.model, tc.train);
   if (!st.ok()) return st.with_context(cfg.source());
 

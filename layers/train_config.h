@@ -1,5 +1,6 @@
 // layers/train_config.h — defines TrainConfig, everything a training run reads from its
-// TOML file: [model] (ModelConfig), [train], [optim], [data] and [parallel], with
+// TOML file: [model] (ModelConfig), [train], [optim], [data], [parallel], [checkpoint]
+// and [elastic], with
 // strict parsing (an unknown key or a bad value is an error naming the key) and
 // command-line overrides ("--set train.steps=10").
 #pragma once
@@ -60,6 +61,33 @@ struct CheckpointOptions {
   double max_mb_per_s = 0;
 };
 
+// Failure handling of distributed runs ([elastic]; docs/elastic.md). Every distributed
+// job is elastic: these only tune detection and policy.
+struct ElasticOptions {
+  // A worker whose heartbeat stops for this long is killed and replaced. 0: the job's
+  // setting (troupe run/submit --heartbeat-timeout-ms, handed to the driver by the
+  // scheduler), else 2000.
+  int64_t heartbeat_timeout_ms = 0;
+  int64_t comm_error_grace_ms = 300;  // a data-plane error with nobody dead: rebuild after this
+  int64_t step_watchdog_ms = 60000;   // a command running this long with everyone beating: rebuild
+  int64_t join_timeout_ms = 30000;    // a worker that does not join a new epoch in time: replaced
+  int64_t spares = -1;                // replacement workers the job may start (-1: unlimited)
+  int64_t min_dp = 1;                 // bounds of `troupe scale --dp` and of shrinking
+  int64_t max_dp = 0;                 // 0: parallel.dp
+  double straggler_ratio = 1.5;       // compute time > ratio x the peers' median ...
+  int64_t straggler_window = 5;       // ... for this many consecutive steps: flagged
+  std::string straggler_policy = "flag";  // "flag" or "replace"
+  // Without a data-parallel peer, a worker's state is restored from the copy its
+  // neighbour keeps in host memory, refreshed every this many steps (0: never; then the
+  // last checkpoint is the only source).
+  int64_t replica_every = 5;
+  // Planned rescales "<after step>:<dp>,..." (demos and tests; `troupe scale` at run time).
+  std::string scale_at;
+  // Fault injection for tests and demos: "<kill|stop|slow|cut|hang|cutctl>@<step>:<phase>:<slot>,..."
+  // (actors/training/elastic.h, FaultSpec).
+  std::string inject;
+};
+
 struct TrainConfig {
   ModelConfig model;
   TrainOptions train;
@@ -68,6 +96,7 @@ struct TrainConfig {
   DataOptions data;
   ParallelOptions parallel;
   CheckpointOptions checkpoint;
+  ElasticOptions elastic;
   std::string source;  // the config file
 
   int64_t global_batch() const { return train.micro_batch_size * train.grad_accum * parallel.dp; }

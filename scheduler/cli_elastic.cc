@@ -277,7 +277,7 @@ int cli_elastic_drain(const CliConnection& c, const std::string& agent, int wait
     if (slots.empty()) continue;
     const std::string id = job.value("id", "");
     if (!job.value("elastic", false)) {
-      fmt::print("job {}: {} worker(s) on {} left in place (not an --elastic job)\n", id, slots.size(), agent);
+      fmt::print("job {}: {} worker(s) on {} left in place (its driver does not supervise its workers)\n", id, slots.size(), agent);
       continue;
     }
     for (int slot : slots) {

@@ -8,7 +8,7 @@
 //                             straggler flag, and the last step's step/compute/comm ms
 //   <run dir>/events.jsonl    elastic launcher events (failures, recoveries, rescales)
 //   the scheduler's record    (a job id) state, workers, restarts, its processes, its
-//                             events.jsonl (<job_dir>), and for --elastic jobs the
+//                             events.jsonl (<job_dir>), and for driver-supervised jobs the
 //                             driver's status from the job's store
 // The run directory of a scheduler job is its train_moe --run-dir (relative to the job's
 // work_dir), else runs/<config stem>.
@@ -36,7 +36,7 @@ struct TopOptions {
 int cli_top(const CliConnection& c, const TopOptions& o);
 
 // One frame as text. `job`: the scheduler's job record (with procs), when the target is a
-// job; `elastic`: the --elastic driver's status from the job's store, when there is one.
+// job; `elastic`: the driver's status from the job's store, when there is one.
 // `run_dir` may be empty (a job whose run directory is unknown).
 std::string render_top_frame(const std::string& title, const std::string& run_dir, const nlohmann::json* job,
                              const std::optional<nlohmann::json>& elastic, int max_events);

@@ -54,18 +54,6 @@ Result<ParallelLayout> parse_layout(const std::string& text) {
   return l;
 }
 
-namespace {
-// TROUPE_* variables that configure the application's elastic driver and fault injection
-// (docs/elastic.md), not the scheduler: a job may set them.
-bool is_app_elastic_knob(const std::string& k) {
-  for (const char* name : {"TROUPE_FAULT", "TROUPE_STEP_WATCHDOG_MS", "TROUPE_COMM_ERROR_GRACE_MS",
-                           "TROUPE_ELASTIC_SPARES", "TROUPE_ELASTIC_MIN_DP", "TROUPE_ELASTIC_MAX_DP",
-                           "TROUPE_ELASTIC_CKPT_EVERY", "TROUPE_ELASTIC_JOIN_TIMEOUT_MS", "TROUPE_ELASTIC_SCALE_AT"}) {
-    if (k == name) return true;
-  }
-  return k.rfind("TROUPE_STRAGGLER_", 0) == 0;
-}
-}  // namespace
 
 Status JobSpec::validate() {
   if (argv.empty() || argv[0].empty()) return invalid_argument("job spec: no command given");
@@ -96,8 +84,10 @@ Status JobSpec::validate() {
   }
   for (const auto& [k, v] : env) {
     if (k.empty() || k.find('=') != std::string::npos) return invalid_argument("job spec: bad env name '{}'", k);
-    if (k.rfind("TROUPE_", 0) == 0 && !is_app_elastic_knob(k)) {
-      return invalid_argument("job spec: env {} is reserved for the scheduler", k);
+    if (k.rfind("TROUPE_", 0) == 0) {
+      return invalid_argument("job spec: env {} is reserved for the scheduler (an app's own settings go in its "
+                              "config, e.g. train_moe's [elastic] section: --set elastic.inject=...)",
+                              k);
     }
   }
   return ok_status();

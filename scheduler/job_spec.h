@@ -40,8 +40,11 @@ struct JobSpec {
   std::string work_dir;                      // empty: the agent's directory
   bool driver = true;                        // run a driver process besides the workers
   int heartbeat_timeout_ms = 3000;           // per process, once it has said hello
-  // Elastic: the driver owns membership (TROUPE_ELASTIC=1 in every process; a lost worker
-  // is reported to the driver, which asks for replacements; scheduler_elastic.cc).
+  // Elastic: the driver owns membership (a lost worker is reported to the driver, which
+  // asks for replacements; scheduler_elastic.cc). Set when the job's driver claims the
+  // supervision of its workers (the store key "<job>/elastic/claim": train_moe's Trainer
+  // does at start), or from the start by `--elastic`. Otherwise a lost worker restarts
+  // every worker of the job (max_restarts).
   bool elastic = false;
 
   // Checks every field and fills defaults (bounds, layout); errors name the field.

@@ -434,7 +434,6 @@ Status Scheduler::spawn(Job& job, Proc& proc) {
     }
   }
   if (spec.backend == "cuda" && proc.rec.slot >= 0) add("CUDA_VISIBLE_DEVICES", std::to_string(proc.rec.slot));
-  if (spec.elastic) add("TROUPE_ELASTIC", "1");
   for (const auto& [k, v] : proc.extra_env) add(k.c_str(), v);
   proc.rec.state = ProcState::kStarting;
   proc.rec.pid = 0;
@@ -784,7 +783,19 @@ void Scheduler::on_store(const std::string& peer, uint64_t rid, const StoreReque
   if (it == jobs_.end()) return reply(peer, rid, Reply::of(not_found("store: unknown job '{}'", m.job_id)));
   uint64_t token = next_token_++;
   auto r = rendezvous_->handle(m, token, Clock::now());
-  if (m.op == StoreOp::kSet && is_elastic(it->second)) elastic_on_store(it->second, m);
+  if (m.op == StoreOp::kSet) {
+    Job& job = it->second;
+    // The job's driver takes over the supervision of its workers (actors/training/trainer.h):
+    // from now on a lost worker is reported to it instead of restarting every worker.
+    if (!is_elastic(job) && m.keys.size() == 1 && m.keys[0] == job.rec.id + "/elastic/claim" &&
+        !job_state_final(job.rec.state)) {
+      job.rec.spec.elastic = true;
+      save(job);
+      event(job, "supervision_claimed", {{"by", "driver"}});
+      log()->info("job {}: its driver supervises the workers (elastic)", job.rec.id);
+    }
+    if (is_elastic(job)) elastic_on_store(job, m);
+  }
   if (r) return reply(peer, rid, std::move(*r));
   store_waiters_[token] = PendingReply{peer, rid};
 }

@@ -53,7 +53,8 @@ void add_spec_options(CLI::App* cmd, SpecFlags& f, bool nproc_required = true) {
   cmd->add_option("--max-workers", f.spec.max_workers, "Elastic upper bound (default: nproc)");
   cmd->add_flag("!--no-driver", f.spec.driver, "Run only the workers, no driver process");
   cmd->add_flag("--elastic", f.spec.elastic,
-                "Elastic job: a lost worker is replaced by the driver (train_moe), not by restarting all workers");
+                "The driver supervises the workers from the start (train_moe's driver claims this itself: no flag "
+                "needed); a lost worker is then reported to it instead of restarting all workers");
   cmd->add_option("command", f.command, "The program and its arguments (after --)");
 }
 
@@ -160,7 +161,7 @@ int main(int argc, char** argv) {
   int scale_dp = 0, scale_wait = 60;
   auto* scale = app.add_subcommand("scale", "Rescale an elastic job's data parallelism at its next step boundary");
   CliConnection scale_conn, replace_conn;
-  scale->add_option("job", scale_dir, "Run directory of an elastic train_moe job, or the id of a --elastic job")
+  scale->add_option("job", scale_dir, "Run directory of a distributed train_moe job, or a scheduler job id")
       ->required();
   add_connection(scale, scale_conn);
   scale->add_option("--dp", scale_dp, "New data-parallel size (within the job's elastic bounds)")
@@ -170,7 +171,7 @@ int main(int argc, char** argv) {
   std::string replace_dir;
   int replace_slot = -1, replace_wait = 60;
   auto* replace = app.add_subcommand("replace", "Replace one worker of an elastic job (restored from a dp peer)");
-  replace->add_option("job", replace_dir, "Run directory of an elastic train_moe job, or the id of a --elastic job")
+  replace->add_option("job", replace_dir, "Run directory of a distributed train_moe job, or a scheduler job id")
       ->required();
   add_connection(replace, replace_conn);
   replace->add_option("worker", replace_slot, "Worker slot (see troupe status <run dir>)")
@@ -181,7 +182,7 @@ int main(int argc, char** argv) {
   std::string drain_agent;
   int drain_wait = 60;
   CliConnection drain_conn;
-  auto* drain = app.add_subcommand("drain", "Move the workers of --elastic jobs off an agent (restored from dp peers)");
+  auto* drain = app.add_subcommand("drain", "Move the workers of driver-supervised (e.g. train_moe) jobs off an agent (restored from dp peers)");
   drain->add_option("agent", drain_agent, "Agent id (see troupe status)")->required();
   drain->add_option("--wait", drain_wait, "Seconds to wait for each move");
   add_connection(drain, drain_conn);

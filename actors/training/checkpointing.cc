@@ -82,6 +82,17 @@ Status RankCheckpointer::finish() {
   return st;
 }
 
+Result<int64_t> RankCheckpointer::poll_durable(bool wait) {
+  if (!pending_ || (!wait && !last_.done())) return int64_t{-1};
+  pending_ = false;
+  const Status st = last_.wait();
+  if (!st.ok()) {
+    mark_failed(last_step_, st);
+    return st.with_context(fmt::format("the checkpoint save of step {} failed", last_step_));
+  }
+  return last_step_;
+}
+
 // ---- CheckpointCommitter -----------------------------------------------------------------
 
 CheckpointCommitter::~CheckpointCommitter() {

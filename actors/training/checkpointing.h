@@ -49,6 +49,13 @@ class RankCheckpointer {
   Result<SaveFigures> save(const StageState& state);
   // Waits for the save in flight; its outcome (OK when none).
   Status finish();
+  // The step of the save that has become durable since the last call (then no save is in
+  // flight), or -1 when none has (still writing, or none started); `wait`: waits for the
+  // save in flight first. A failed save is returned as its error (its error marker is
+  // left, as by finish()).
+  Result<int64_t> poll_durable(bool wait = false);
+  // The step of the save in flight (-1: none).
+  int64_t pending_step() const { return pending_ ? last_step_ : -1; }
   // Leaves the error marker of step `step` (for a failure before save() was reached,
   // e.g. the state could not be exported), so the committer stops waiting for this rank.
   void mark_failed(int64_t step, const Status& st) const;

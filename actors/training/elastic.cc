@@ -27,7 +27,8 @@ using Clock = std::chrono::steady_clock;
 nlohmann::json ElasticPlan::to_json() const {
   return nlohmann::json{{"epoch", epoch},         {"dp", dp},       {"grad_accum", grad_accum},
                         {"slots", slots},         {"has_state", has_state}, {"step_done", step_done},
-                        {"seq", seq},             {"reason", reason},       {"checkpoint", checkpoint}};
+                        {"seq", seq},             {"reason", reason},       {"checkpoint", checkpoint},
+                        {"ckpt_every", ckpt_every}, {"ckpt_dir", ckpt_dir}};
 }
 
 Result<ElasticPlan> ElasticPlan::from_json(const std::string& text) {
@@ -44,6 +45,8 @@ Result<ElasticPlan> ElasticPlan::from_json(const std::string& text) {
     p.seq = j.at("seq").get<int64_t>();
     p.reason = j.value("reason", "");
     p.checkpoint = j.value("checkpoint", "");
+    p.ckpt_every = j.value("ckpt_every", int64_t{0});
+    p.ckpt_dir = j.value("ckpt_dir", "");
     if (p.slots.size() != p.has_state.size() || p.dp < 1 || p.grad_accum < 1) {
       return data_loss("elastic: inconsistent plan: {}", text.substr(0, 200));
     }
@@ -122,7 +125,7 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
     FaultSpec f;
     const size_t at = item.find('@'), c1 = item.find(':'), c2 = item.rfind(':');
     if (at == std::string::npos || c1 == std::string::npos || c2 == c1 || c1 < at) {
-      return invalid_argument("TROUPE_FAULT: '{}' is not <kill|stop>@<step>:<phase>:<slot>", item);
+      return invalid_argument("elastic.inject: '{}' is not <kill|stop>@<step>:<phase>:<slot>", item);
     }
     const std::string action = item.substr(0, at);
     if (action == "kill") {
@@ -138,19 +141,19 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
     } else if (action == "cutctl") {
       f.action = FaultSpec::Action::kCutControl;
     } else {
-      return invalid_argument("TROUPE_FAULT: unknown action '{}' (kill, stop, slow, cut, hang or cutctl)", action);
+      return invalid_argument("elastic.inject: unknown action '{}' (kill, stop, slow, cut, hang or cutctl)", action);
     }
     f.phase = item.substr(c1 + 1, c2 - c1 - 1);
     if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
         f.phase != "any") {
-      return invalid_argument("TROUPE_FAULT: unknown phase '{}' (forward, alltoall, sync, checkpoint, any)", f.phase);
+      return invalid_argument("elastic.inject: unknown phase '{}' (forward, alltoall, sync, checkpoint, any)", f.phase);
     }
     char* end = nullptr;
     const std::string step_s = item.substr(at + 1, c1 - at - 1), slot_s = item.substr(c2 + 1);
     f.step = std::strtoll(step_s.c_str(), &end, 10);
-    if (step_s.empty() || *end != '\0' || f.step < 1) return invalid_argument("TROUPE_FAULT: bad step in '{}'", item);
+    if (step_s.empty() || *end != '\0' || f.step < 1) return invalid_argument("elastic.inject: bad step in '{}'", item);
     f.slot = static_cast<int>(std::strtol(slot_s.c_str(), &end, 10));
-    if (slot_s.empty() || *end != '\0' || f.slot < 0) return invalid_argument("TROUPE_FAULT: bad slot in '{}'", item);
+    if (slot_s.empty() || *end != '\0' || f.slot < 0) return invalid_argument("elastic.inject: bad slot in '{}'", item);
     out.push_back(f);
   }
   return out;
@@ -274,8 +277,10 @@ class CancellableStore final : public comm::RendezvousStore {
 
 class ElasticWorker {
  public:
-  ElasticWorker(const layers::TrainConfig& tc, comm::RendezvousStore& store, std::string job, int slot, uint64_t epoch)
-      : tc_(tc), store_(store), job_(std::move(job)), slot_(slot), epoch_(epoch), comm_store_(store, cancel_) {}
+  ElasticWorker(const layers::TrainConfig& tc, comm::RendezvousStore& store, std::string job, int slot, uint64_t epoch,
+                const layers::Ctx& ctx)
+      : tc_(tc), store_(store), job_(std::move(job)), slot_(slot), epoch_(epoch), ctx_(ctx),
+        keep_state_(!ctx.on_device()), comm_store_(store, cancel_) {}
   ~ElasticWorker() {
     stop_watcher_ = true;
     if (watcher_.joinable()) watcher_.join();
@@ -292,7 +297,13 @@ class ElasticWorker {
   Result<ElasticPlan> read_plan(uint64_t epoch, std::chrono::milliseconds timeout);
   Result<std::unique_ptr<Stage>> make_stage(const ElasticPlan& plan, int rank);
   Status join(const ElasticPlan& plan);  // adopts `plan` (stage built or rebuilt, state synced)
-  Result<bool> save_checkpoint(int64_t step);  // true when one was written
+  // After step `step`: starts this rank's checkpoint part when one is due, noting it in
+  // `reply` ("ckpt_started", "ckpt_blocked_ms"; a failure as "ckpt_errors").
+  // `force`: also off the every-K schedule.
+  Status save_checkpoint(int64_t step, nlohmann::json& reply, bool force = false);
+  // Notes in `reply` ("durable": [step]) a part that became durable since the last
+  // reply, or its failure ("ckpt_errors"); `wait`: waits for the write in flight first.
+  Status report_durable(nlohmann::json& reply, bool wait);
   void watch();
 
   layers::TrainConfig tc_;
@@ -301,6 +312,10 @@ class ElasticWorker {
   int slot_;
   std::mutex mu_;                 // guards stage_ swaps, epoch_/adopting_ against the watcher
   uint64_t epoch_;                // current epoch (main thread writes under mu_)
+  layers::Ctx ctx_;               // where the Stage lives (the CPU, or this worker's GPU)
+  // CPU workers keep the committed state in memory (rollback, restore from a dp peer);
+  // GPU workers do not yet: a lost GPU worker is restored from the last checkpoint.
+  bool keep_state_;
   uint64_t adopting_ = 0;         // highest epoch whose plan the main thread took over
   std::unique_ptr<Stage> stage_;
   int rank_ = -1;
@@ -328,7 +343,7 @@ Result<std::unique_ptr<Stage>> ElasticWorker::make_stage(const ElasticPlan& plan
   comm::StoreNamespace ns;
   ns.job = job_;
   ns.epoch = plan.epoch;
-  return Stage::create(tc, rank, comm_store_, ns, std::move(train), std::move(val));
+  return Stage::create(tc, rank, comm_store_, ns, std::move(train), std::move(val), ctx_);
 }
 
 Status ElasticWorker::join(const ElasticPlan& plan) {
@@ -357,7 +372,7 @@ Status ElasticWorker::join(const ElasticPlan& plan) {
     // Any saved layout (the job may have changed dp since the save): each rank reads its
     // owned slices; the dp group then replicates the moments and commits the state.
     TROUPE_RETURN_IF_ERROR(stage_->load_checkpoint(*reader));
-    stage_->commit_imported(plan.step_done);
+    if (keep_state_) stage_->commit_imported(plan.step_done);
     if (rank != rank_ || plan.dp != dp_) writer_.reset();
     rank_ = rank;
     dp_ = plan.dp;
@@ -385,29 +400,66 @@ Status ElasticWorker::join(const ElasticPlan& plan) {
   if (plan.epoch > 0) {
     TROUPE_ASSIGN_OR_RETURN(int src, source_dp(plan, tc, rank));
     stage_->sync_state(src, plan.step_done);
-  } else {
+  } else if (keep_state_) {
     stage_->commit(plan.step_done);
   }
   return store_.set(key(fmt::format("ready/{}/{}", plan.epoch, slot_)),
                     nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}}.dump());
 }
 
-Result<bool> ElasticWorker::save_checkpoint(int64_t step) {
-  if (ckpt_every_ <= 0 || step % ckpt_every_ != 0) return false;
+// A failed save is not a failed worker: it is reported ("ckpt_errors": [{step, error}])
+// and training goes on; the Trainer abandons that checkpoint.
+namespace {
+void note_ckpt_error(nlohmann::json& reply, int64_t step, const Status& st) {
+  reply["ckpt_errors"].push_back(nlohmann::json{{"step", step}, {"error", st.to_string()}});
+  fmt::print(stderr, "checkpoint: this rank could not save step {}: {}\n", step, st.to_string());
+  std::fflush(stderr);
+}
+}  // namespace
+
+Status ElasticWorker::save_checkpoint(int64_t step, nlohmann::json& reply, bool force) {
+  if (ckpt_every_ <= 0 || (!force && step % ckpt_every_ != 0)) return ok_status();
   if (!writer_) {
-    TROUPE_ASSIGN_OR_RETURN(writer_, RankCheckpointer::create(ckpt_dir_, stage_->state_layout(), rank_));
+    Result<std::unique_ptr<RankCheckpointer>> w = RankCheckpointer::create(ckpt_dir_, stage_->state_layout(), rank_);
+    if (!w.ok()) {
+      note_ckpt_error(reply, step, w.status());
+      return ok_status();
+    }
+    writer_ = std::move(w).value();
   }
-  // Right after commit(step): the live state is the committed one. The same part as a
-  // normal training rank's "save" (trainer.cc), so the checkpoint is issue 8's format.
+  // The previous save first (blocked time): its outcome is reported in this reply.
+  TROUPE_RETURN_IF_ERROR(report_durable(reply, /*wait=*/true));
+  // Right after the step: the live state is the committed one. The same part as a normal
+  // training rank's, so the checkpoint is issue 8's format. Only the snapshot into the
+  // writer's host buffer blocks the step; the write goes on in the background and a later
+  // reply says when it is durable (report_durable).
   TROUPE_ASSIGN_OR_RETURN(StageState st, stage_->export_state(StateScope::kSave, /*copy=*/false));
   if (st.step != step) {
-    return failed_precondition("elastic checkpoint: asked to save step {} but the stage has run {} steps", step, st.step);
+    return failed_precondition("checkpoint: asked to save step {} but the stage has run {} steps", step, st.step);
   }
-  TROUPE_RETURN_IF_ERROR(writer_->save(st).status());
+  const auto t0 = Clock::now();
+  Result<SaveFigures> f = writer_->save(st);
+  if (!f.ok()) {
+    note_ckpt_error(reply, step, f.status());
+    return ok_status();
+  }
+  reply["ckpt_started"] = step;
+  reply["ckpt_blocked_ms"] = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
+  reply["ckpt_bytes"] = f->bytes;
   fault_point(fmt::format("checkpoint write of step {}", step));
-  // The reply says the part is durable: the driver finalizes on the replies alone.
-  TROUPE_RETURN_IF_ERROR(writer_->finish());
-  return true;
+  return ok_status();
+}
+
+Status ElasticWorker::report_durable(nlohmann::json& reply, bool wait) {
+  if (!writer_) return ok_status();
+  const int64_t step = writer_->pending_step();
+  Result<int64_t> durable = writer_->poll_durable(wait);
+  if (!durable.ok()) {
+    note_ckpt_error(reply, step, durable.status());
+  } else if (*durable >= 0) {
+    reply["durable"].push_back(*durable);
+  }
+  return ok_status();
 }
 
 void ElasticWorker::watch() {
@@ -435,16 +487,14 @@ void ElasticWorker::watch() {
 
 Status ElasticWorker::run() {
   set_throw_on_comm_error(true);
-  if (const char* e = std::getenv("TROUPE_ELASTIC_CKPT_EVERY"); e != nullptr && *e != '\0') {
-    ckpt_every_ = std::strtoll(e, nullptr, 10);
-    const char* d = std::getenv("TROUPE_ELASTIC_CKPT_DIR");
-    if (ckpt_every_ > 0 && (d == nullptr || *d == '\0')) {
-      return invalid_argument("TROUPE_ELASTIC_CKPT_EVERY is set but TROUPE_ELASTIC_CKPT_DIR is not");
-    }
-    if (d != nullptr) ckpt_dir_ = d;
-  }
   TROUPE_ASSIGN_OR_RETURN(ElasticPlan plan, read_plan(epoch_, std::chrono::milliseconds(120000)));
   if (plan.rank_of_slot(slot_) < 0) return invalid_argument("elastic: slot {} is not in the plan of epoch {}", slot_, epoch_);
+  // The job's checkpoints (the driver's choice, the same in every plan).
+  ckpt_every_ = plan.ckpt_every;
+  ckpt_dir_ = plan.ckpt_dir;
+  if (ckpt_every_ > 0 && ckpt_dir_.empty()) {
+    return invalid_argument("elastic: the plan asks for checkpoints every {} steps but names no directory", ckpt_every_);
+  }
   adopting_ = epoch_;
   watcher_ = std::thread([this] { watch(); });
   bool healthy = true;
@@ -516,23 +566,29 @@ Status ElasticWorker::run() {
         case Command::Kind::kStep: {
           if (g_faults != nullptr) g_faults->step = cmd.step;
           const StepReport rep = stage_->run_step(cmd.step);
-          stage_->replicate_optimizer();
-          stage_->commit(cmd.step);
+          if (keep_state_) {
+            stage_->replicate_optimizer();
+            stage_->commit(cmd.step);
+          }
           reply = step_report_json(rep);
-          TROUPE_ASSIGN_OR_RETURN(bool saved, save_checkpoint(cmd.step));
-          if (saved) reply["checkpoint"] = cmd.step;
+          TROUPE_RETURN_IF_ERROR(save_checkpoint(cmd.step, reply));
           break;
         }
         case Command::Kind::kEval: reply = nlohmann::json{{"val_loss", stage_->evaluate()}}; break;
         case Command::Kind::kStop: reply = nlohmann::json{{"stopped", true}}; break;
-        case Command::Kind::kSave:  // elastic workers save from their step (save_checkpoint above)
-          return invalid_argument("elastic worker: the 'save' command is not used in elastic mode");
+        case Command::Kind::kSave:  // a checkpoint off the every-K schedule (the job's last step)
+          if (stage_->steps_done() != cmd.step) {
+            return failed_precondition("save step {}: this rank has run {} steps", cmd.step, stage_->steps_done());
+          }
+          TROUPE_RETURN_IF_ERROR(save_checkpoint(cmd.step, reply, /*force=*/true));
+          break;
       }
     } catch (const CommFailure& e) {
       st = unavailable("{}", e.what());
       healthy = false;
       continue;
     }
+    TROUPE_RETURN_IF_ERROR(report_durable(reply, cmd.kind == Command::Kind::kStop));
     reply["rank"] = rank_;
     reply["slot"] = slot_;
     reply["epoch"] = epoch_;
@@ -545,13 +601,12 @@ Status ElasticWorker::run() {
 }  // namespace
 
 Status run_elastic_worker(const layers::TrainConfig& tc, comm::RendezvousStore& base_store, const std::string& job,
-                          int slot, uint64_t epoch, std::function<void()> cut_control) {
+                          int slot, uint64_t epoch, std::function<void()> cut_control, const layers::Ctx& ctx) {
   // A store outage (the scheduler restarting) must not end the worker.
   TolerantStore store(base_store, std::chrono::milliseconds(30000));
   std::unique_ptr<FaultState> faults;
-  const char* fspec = std::getenv("TROUPE_FAULT");
-  if (fspec != nullptr && *fspec != '\0' && epoch == 0) {
-    TROUPE_ASSIGN_OR_RETURN(std::vector<FaultSpec> specs, parse_faults(fspec));
+  if (!tc.elastic.inject.empty() && epoch == 0) {
+    TROUPE_ASSIGN_OR_RETURN(std::vector<FaultSpec> specs, parse_faults(tc.elastic.inject));
     faults = std::make_unique<FaultState>();
     faults->specs = std::move(specs);
     faults->fired.assign(faults->specs.size(), false);
@@ -563,7 +618,7 @@ Status run_elastic_worker(const layers::TrainConfig& tc, comm::RendezvousStore& 
     g_faults = faults.get();
     set_fault_hook(&fault_hook);
   }
-  ElasticWorker w(tc, store, job, slot, epoch);
+  ElasticWorker w(tc, store, job, slot, epoch, ctx);
   if (faults) faults->cut = [&w] { w.cut_connections(); };
   Status st = w.run();
   set_fault_hook(nullptr);

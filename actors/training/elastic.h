@@ -11,7 +11,7 @@
 //   ready/<e>/<slot>    the worker joined epoch e (communicators built, state restored)
 //   hb/<slot>           heartbeat counter (rewritten every kHeartbeatInterval)
 //   fault/<slot>        fault injection: wall time (ms) just before the injected fault
-// Elastic checkpoints (TROUPE_ELASTIC_CKPT_EVERY=K, into TROUPE_ELASTIC_CKPT_DIR): after
+// Checkpoints (checkpoint.every = K; the directory is in the plan): after
 // every K-th step each rank saves its part of issue 8's checkpoint format (the same
 // Stage::export_state(kSave) + RankCheckpointer as normal training, stage_state.h) and
 // its reply says so once the part is durable; the driver finalizes the checkpoint once
@@ -37,6 +37,7 @@
 
 #include "comm/rendezvous_store.h"
 #include "core/status.h"
+#include "layers/context.h"
 #include "layers/train_config.h"
 
 namespace troupe::training {
@@ -55,6 +56,10 @@ struct ElasticPlan {
   // directory instead (a column lost all its dp replicas; or epoch 0 of a resumed job),
   // through Stage::load_checkpoint (any saved layout) and Stage::commit_imported.
   std::string checkpoint;
+  // The job's periodic checkpoints: after every ckpt_every-th step each rank writes its
+  // part into ckpt_dir (0: none).
+  int64_t ckpt_every = 0;
+  std::string ckpt_dir;
 
   nlohmann::json to_json() const;
   static Result<ElasticPlan> from_json(const std::string& text);
@@ -84,7 +89,7 @@ class TolerantStore final : public comm::RendezvousStore {
 std::string elastic_key(const std::string& job, const std::string& rest);  // "<job>/elastic/<rest>"
 int64_t wall_ms();  // system clock, ms since the epoch (events, fault times)
 
-// Fault injection (tests/elastic): TROUPE_FAULT="<action>@<step>:<phase>:<slot>[,...]" with
+// Fault injection (tests/elastic, the demo): elastic.inject = "<action>@<step>:<phase>:<slot>[,...]" with
 // action kill (SIGKILL), stop (SIGSTOP), slow (sleeps 150 ms there at that step and
 // every later one: a straggler), cut (aborts the worker's own communicators: its data-plane
 // connections close, the process lives on) or hang (the step thread blocks forever while
@@ -108,7 +113,11 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec);
 // grad_accum.
 // `cut_control` (may be empty) closes the worker's connection to its control plane, for
 // the cutctl fault.
+// `ctx`: where the Stage lives (the CPU, or this worker's GPU: NCCL communicators; no
+// in-memory copy of the committed state is kept there yet, so a lost GPU worker is
+// restored from the last checkpoint).
 Status run_elastic_worker(const layers::TrainConfig& tc, comm::RendezvousStore& store, const std::string& job,
-                          int slot, uint64_t epoch, std::function<void()> cut_control = {});
+                          int slot, uint64_t epoch, std::function<void()> cut_control = {},
+                          const layers::Ctx& ctx = layers::Ctx::cpu());
 
 }  // namespace troupe::training

@@ -1,68 +1,65 @@
-// actors/training/trainer.h — defines the two ends of a distributed training job:
-//   Trainer (driver process): drives the steps ("run step N" -> "step done" with loss and
-//   metrics, "evaluate", "stop") through a StepDriver, writes metrics.jsonl and the
-//   console lines as the single-process app does, and supervises the workers: while
-//   waiting for a reply the StepDriver watches them (Downs, reported errors) and polls a
-//   supervision callback (e.g. worker processes alive), failing the job with the first
-//   problem, bounded by a per-command deadline.
-//   run_stage_host (worker process): serves one Stage's commands through a StepServer;
-//   world rank 0's reply carries the metrics.
+// actors/training/trainer.h — defines the Trainer's entry points: run_trainer (the driver of
+// a distributed job: it starts or asks for the workers, drives the steps, writes
+// metrics.jsonl, events.jsonl and status.json, decides checkpoints, and handles every
+// membership change — a lost, hung or straggling worker, `troupe scale|replace|drain` —
+// through the protocol of actors/training/elastic.h) and run_worker_process (a worker:
+// hosts its Stage and serves the Trainer until "stop").
+//
+// Every distributed job runs this way; failure handling needs no flag (docs/elastic.md).
+// Two ways to own the processes:
+// - standalone (no scheduler): the Trainer forks the workers itself (the same program and
+//   arguments, TROUPE_ROLE=worker) and rendezvous through a FileStore in
+//   <run dir>/rendezvous;
+// - under troupe-scheduler (`troupe run` / `troupe submit`): the scheduler starts, kills
+//   and reports the workers; the Trainer claims their supervision with the key
+//   "<job>/elastic/claim" of the job's store, so the scheduler reports a lost worker to
+//   it instead of restarting the whole job.
 #pragma once
 
-#include <chrono>
 #include <functional>
-#include <ostream>
+#include <memory>
 #include <string>
+#include <vector>
 
-#include "actors/training/checkpointing.h"
-#include "actors/training/control.h"
+#include <nlohmann/json.hpp>
+
+#include "actors/training/elastic.h"
 #include "actors/training/stage.h"
+#include "comm/rendezvous_store.h"
+#include "layers/train_config.h"
 
 namespace troupe::training {
 
 struct TrainerOptions {
-  std::chrono::milliseconds command_timeout{600000};  // per step / evaluation
-  // OK while every worker is healthy; else the problem (polled while waiting).
-  Supervisor supervise;
-  // GPU runs: the GPUs of the job and the model FLOPs per token, for "mfu" in the metrics
-  // (tokens/s * flops_per_token / (989 TFLOP/s * num_gpus)); 0: no mfu (CPU).
-  int num_gpus = 0;
+  // The program and arguments every worker runs (the standalone launcher execs
+  // /proc/self/exe with them); unused under the scheduler, which starts the workers.
+  std::vector<std::string> argv;
+  std::string config;                  // the config file, recorded in checkpoints
+  std::vector<std::string> overrides;  // its "key=value" overrides, likewise
+  std::string resume;                  // a checkpoint (any layout) to continue from; empty: a fresh job
+  std::string run_dir;                 // metrics.jsonl, events.jsonl, status.json, checkpoints/
+  // Workers on GPUs keep no in-memory copy of their state yet: a lost one is restored,
+  // with every other rank, from the last checkpoint (steps after it run again).
+  bool gpu = false;
+  // GPU runs: model FLOPs per token, for "mfu" in metrics.jsonl (tokens/s x flops /
+  // (989 TFLOP/s x GPUs)); 0: none.
   double flops_per_token = 0;
-  // Resume: the first step to run (a checkpoint of step first_step - 1 was loaded).
-  int64_t first_step = 1;
-  int64_t tokens_seen = 0;  // tokens trained on before first_step
-  // Periodic checkpoints (checkpoint.every > 0): after a due step the workers are told to
-  // save ("save" command; their reply's blocked time goes into metrics.jsonl as
-  // ckpt_blocked_ms) and the committer finalizes the step in the background.
-  CheckpointCommitter* checkpoints = nullptr;
 };
 
-class Trainer {
- public:
-  Trainer(const layers::TrainConfig& tc, StepDriver& driver, std::ostream& metrics, TrainerOptions opts);
-  // Runs the whole job: validation at step 0, every step, periodic validation, stop.
-  Status run();
-  double first_val_loss() const { return val0_; }
-  double last_val_loss() const { return last_val_; }
+// Runs the job to its end as its driver. `scheduled_store`: the job's store under
+// troupe-scheduler (TROUPE_ROLE=driver); null: the standalone launcher. `tc` is the loaded
+// configuration (its [elastic] section tunes detection and policy).
+Status run_trainer(const TrainerOptions& o, const layers::TrainConfig& tc,
+                   std::unique_ptr<comm::RendezvousStore> scheduled_store);
 
- private:
-  Result<nlohmann::json> call(Command::Kind kind, int64_t step);
-  // Tells the workers to save after `step`, adds the blocked time to `rec`, and hands the
-  // step to the committer.
-  Status save_checkpoint(int64_t step, int64_t tokens_seen, nlohmann::json& rec);
-  const layers::TrainConfig& tc_;
-  StepDriver& driver_;
-  std::ostream& metrics_;
-  TrainerOptions opts_;
-  int64_t seq_ = 0;
-  double val0_ = 0, last_val_ = 0;
-};
+// A worker process (TROUPE_ROLE=worker; TROUPE_JOB_ID, and TROUPE_ELASTIC_SLOT or
+// TROUPE_RANK, TROUPE_ELASTIC_EPOCH, handed over by whoever started it). `cut_control`
+// closes its control-plane connection (the cutctl fault; may be empty).
+// `ctx`: the CPU, or the worker's GPU.
+Status run_worker_process(const layers::TrainConfig& tc, comm::RendezvousStore& store,
+                          std::function<void()> cut_control = {}, const layers::Ctx& ctx = layers::Ctx::cpu());
 
-// Worker side: executes commands until "stop". With `checkpoints`, "save" snapshots the
-// stage's state and writes it in the background; "stop" waits for the write in flight.
-Status run_stage_host(Stage& stage, StepServer& server, std::chrono::milliseconds command_timeout,
-                      RankCheckpointer* checkpoints = nullptr);
-
+// A worker's step reply (rank 0's carries the metrics of the step).
 nlohmann::json step_report_json(const StepReport& r);
 
 // The data position recorded with a checkpoint after `step` (the loader is a function of

@@ -114,7 +114,10 @@ int worker_rank_of(pid_t pid) {
   std::ifstream in(fmt::format("/proc/{}/environ", pid), std::ios::binary);
   std::string var;
   while (std::getline(in, var, '\0')) {
+    // Under the scheduler the rank; under the standalone launcher the slot (the rank of
+    // the workers of epoch 0).
     if (var.rfind("TROUPE_RANK=", 0) == 0) return std::atoi(var.c_str() + 12);
+    if (var.rfind("TROUPE_ELASTIC_SLOT=", 0) == 0) return std::atoi(var.c_str() + 20);
   }
   return -1;
 }

@@ -1,6 +1,7 @@
 // tests/elastic/elastic_cluster_test.cc — elastic train_moe jobs on a real cluster: a
 // troupe-scheduler daemon and two troupe-agent daemons (2 slots each) on loopback, the job
-// submitted with `troupe submit --elastic` (tests/scheduler/harness.h). Cases of issue 9
+// submitted with `troupe submit` (no flag: the train_moe driver claims the supervision of
+// its workers; tests/scheduler/harness.h). Cases of issue 9
 // that need the scheduler:
 //   - the scheduler is killed (SIGKILL) and restarted mid-job: the driver and workers ride
 //     out the outage (their store calls wait and retry, heartbeat timers pause) and the
@@ -50,11 +51,9 @@ class ElasticCluster : public ::testing::Test {
     const RunResult p =
         troupe::test::prepare_data(*root_ / "data", {}, *root_ / "prepare.log", std::chrono::seconds(120));
     ASSERT_EQ(p.exit_code, 0) << p.output;
-    // The fault-free reference: the same job under the standalone elastic launcher.
-    troupe::test::RunOptions elastic;
-    elastic.env = {"TROUPE_ELASTIC=1"};
-    const RunResult ref = troupe::test::run(train_args("reference"), *root_ / "reference.log",
-                                            std::chrono::seconds(180), elastic);
+    // The fault-free reference: the same job under the standalone launcher.
+    const RunResult ref =
+        troupe::test::run(train_args("reference"), *root_ / "reference.log", std::chrono::seconds(180), {});
     ASSERT_EQ(ref.exit_code, 0) << ref.output;
     reference_ = new std::vector<nlohmann::json>(latest_step_records(*root_ / "reference" / "metrics.jsonl"));
     ASSERT_EQ(static_cast<int64_t>(reference_->size()), kSteps);
@@ -65,21 +64,24 @@ class ElasticCluster : public ::testing::Test {
     delete reference_;
   }
 
-  static std::vector<std::string> train_args(const std::string& name) {
+  // `fault`: elastic.inject (actors/training/elastic.h), empty for none.
+  static std::vector<std::string> train_args(const std::string& name, const std::string& fault = "") {
     troupe::test::TrainMoeCommand c;
     c.run_dir = *root_ / name;
     c.sets = troupe::test::tiny_model_sets({.steps = kSteps, .data_dir = *root_ / "data"});
+    if (!fault.empty()) c.sets.push_back(fmt::format("elastic.inject=\"{}\"", fault));
     c.parallel = "dp=2,n=2";
     return c.argv();
   }
 
-  // `troupe submit --elastic` of the job; returns its id.
-  static std::string submit(Cluster& c, const std::string& name, const std::vector<std::string>& flags) {
-    std::vector<std::string> a{"submit", "--elastic", "--nproc", "4"};
+  // `troupe submit` of the job (no --elastic: its driver claims the supervision); returns its id.
+  static std::string submit(Cluster& c, const std::string& name, const std::vector<std::string>& flags,
+                            const std::string& fault = "") {
+    std::vector<std::string> a{"submit", "--nproc", "4"};
     for (const auto& x : c.conn_args()) a.push_back(x);
     for (const auto& x : flags) a.push_back(x);
     a.insert(a.end(), {"--env", "TW_TAG=" + c.tag(), "--"});
-    for (const auto& x : train_args(name)) a.push_back(x);
+    for (const auto& x : train_args(name, fault)) a.push_back(x);
     const auto r = run_cli(a);
     EXPECT_EQ(r.exit_code, 0) << r.output;
     std::string id = r.output;
@@ -110,7 +112,7 @@ std::vector<nlohmann::json>* ElasticCluster::reference_ = nullptr;
 TEST_F(ElasticCluster, SchedulerRestartMidJobIsRiddenOut) {
   Cluster c({});
   // Slot 0 runs 150 ms slower per step so the restart lands mid-job.
-  const std::string job = submit(c, "sched-restart", {"--env", "TROUPE_FAULT=slow@1:any:0"});
+  const std::string job = submit(c, "sched-restart", {}, "slow@1:any:0");
   const fs::path dir = *root_ / "sched-restart";
   ASSERT_TRUE(wait_until([&] { return latest_step_records(dir / "metrics.jsonl").size() >= 3; },
                          std::chrono::seconds(60)))
@@ -133,7 +135,7 @@ TEST_F(ElasticCluster, SchedulerRestartMidJobIsRiddenOut) {
 TEST_F(ElasticCluster, CutControlConnectionGetsTheWorkerReplaced) {
   Cluster c({});
   const std::string job =
-      submit(c, "cutctl", {"--heartbeat-timeout-ms", "1500", "--env", "TROUPE_FAULT=cutctl@3:alltoall:1"});
+      submit(c, "cutctl", {"--heartbeat-timeout-ms", "1500"}, "cutctl@3:alltoall:1");
   const fs::path dir = *root_ / "cutctl";
   ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(120))) << c.logs_of_daemons();
   expect_same_losses("cutctl");
@@ -158,7 +160,7 @@ TEST_F(ElasticCluster, TroupeReplaceAndScaleByJobId) {
   // --elastic job: the requests travel through the job's store to its driver, which
   // answers there once they are applied at a step boundary.
   Cluster c({});
-  const std::string job = submit(c, "cli-job", {"--env", "TROUPE_FAULT=slow@1:any:0"});
+  const std::string job = submit(c, "cli-job", {}, "slow@1:any:0");
   const fs::path dir = *root_ / "cli-job";
   ASSERT_TRUE(wait_until([&] { return latest_step_records(dir / "metrics.jsonl").size() >= 2; },
                          std::chrono::seconds(60)))
@@ -201,7 +203,7 @@ TEST_F(ElasticCluster, DrainMovesWorkersToAnotherAgent) {
   Cluster::Options o;
   o.slots_per_agent = 4;
   Cluster c(o);
-  const std::string job = submit(c, "drain", {"--env", "TROUPE_FAULT=slow@1:any:0"});
+  const std::string job = submit(c, "drain", {}, "slow@1:any:0");
   const fs::path dir = *root_ / "drain";
   ASSERT_TRUE(wait_until([&] { return latest_step_records(dir / "metrics.jsonl").size() >= 2; },
                          std::chrono::seconds(60)))
