@@ -7,6 +7,8 @@
 //   - every listening socket of every job process (actor control plane, Gloo) is bound
 //     to its own agent's address, never 127.0.0.1 or 0.0.0.0, and its session with the
 //     scheduler leaves from that address; its losses equal one process's (1e-5);
+//   - job processes with their own actor systems bind their host's address and accept
+//     only the job's key (a client without it is refused);
 //   - an elastic job whose agent on 127.0.0.4 is SIGKILLed mid-job gets that host's
 //     workers replaced on 127.0.0.3 and finishes with the one-process losses.
 // Prints the time from `troupe submit` to the first step and the recovery time.
@@ -61,6 +63,19 @@ std::string environ_of(pid_t pid) {
   return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
 }
 
+std::string environ_value(pid_t pid, const std::string& name) {
+  const std::string env = environ_of(pid);
+  const std::string key = name + "=";
+  for (size_t at = 0; at < env.size();) {
+    const size_t end = env.find('\0', at);
+    const std::string kv = env.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    if (kv.rfind(key, 0) == 0) return kv.substr(key.size());
+    if (end == std::string::npos) break;
+    at = end + 1;
+  }
+  return "";
+}
+
 class Multihost : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -82,12 +97,14 @@ class Multihost : public ::testing::Test {
     delete reference_;
   }
 
+  // `inject`: elastic.inject (actors/training/elastic.h), empty for none.
   static std::vector<std::string> train_args(const std::string& name, int64_t grad_accum,
-                                             const std::string& parallel) {
+                                             const std::string& parallel, const std::string& inject = "") {
     troupe::test::TrainMoeCommand c;
     c.run_dir = *root_ / name;
     c.sets = troupe::test::tiny_model_sets(
         {.grad_accum = grad_accum, .steps = kSteps, .data_dir = *root_ / "data"});
+    if (!inject.empty()) c.sets.push_back(fmt::format("elastic.inject=\"{}\"", inject));
     c.parallel = parallel;
     return c.argv();
   }
@@ -130,32 +147,46 @@ class Multihost : public ::testing::Test {
                 got.size(), worst);
   }
 
-  // Every live process of `job`: its listening sockets are on its agent's address, and
-  // its connections to the scheduler leave from it. Returns how many were checked.
+  // Every live process of `job`: its listening sockets are on its agent's address, its
+  // connections to the scheduler leave from it, and every other connection it holds
+  // either is on its own address or goes to a host's address: nothing of the job
+  // listens on, or is reached at, 127.0.0.1 or 0.0.0.0. (An outgoing Gloo connection
+  // leaves from the address the kernel picks: 127.0.0.1 towards 127.0.0.x.) Returns
+  // how many processes were checked.
   static int expect_bound_to_their_hosts(Cluster& c, const std::string& job, bool workers_listen) {
     const std::string sched_ip = "127.0.0.2";
+    auto is_host = [&](const std::string& ip) {
+      return ip == sched_ip || std::any_of(kHostOf.begin(), kHostOf.end(), [&](const auto& h) { return h.second == ip; });
+    };
     int checked = 0;
     for (const auto& p : procs_of(c, job)) {
       if (p.value("state", "") != "running") continue;
       const pid_t pid = p.value("pid", 0);
+      const std::string name = p.value("name", "");
       const std::string host = kHostOf.at(p.value("agent", ""));
-      const std::string env = environ_of(pid);
-      EXPECT_NE(env.find("TROUPE_HOST_ADDR=" + host), std::string::npos) << p.dump();
-      EXPECT_NE(env.find("TROUPE_JOB_PUBLIC_KEY="), std::string::npos) << p.dump();
-      int listening = 0, to_scheduler = 0;
+      EXPECT_EQ(environ_value(pid, "TROUPE_HOST_ADDR"), host) << p.dump();
+      EXPECT_FALSE(environ_value(pid, "TROUPE_JOB_PUBLIC_KEY").empty()) << p.dump();
+      int listening = 0, to_scheduler = 0, peers = 0;
       for (const auto& s : tcp_sockets_of(pid)) {
         if (s.listening) {
           ++listening;
-          EXPECT_EQ(s.local_ip, host)
-              << p.value("name", "") << " listens on " << s.local_ip << ":" << s.local_port;
+          EXPECT_EQ(s.local_ip, host) << name << " listens on " << s.local_ip << ":" << s.local_port;
         } else if (s.remote_ip == sched_ip) {
           ++to_scheduler;
-          EXPECT_EQ(s.local_ip, host) << p.value("name", "") << " reaches the scheduler from " << s.local_ip;
+          EXPECT_EQ(s.local_ip, host) << name << " reaches the scheduler from " << s.local_ip;
+        } else {
+          ++peers;
+          EXPECT_TRUE(s.local_ip == host || is_host(s.remote_ip))
+              << name << ": connection " << s.local_ip << ":" << s.local_port << " -> " << s.remote_ip << ":"
+              << s.remote_port << " is neither on its host's address nor to another host's";
         }
       }
-      EXPECT_GE(to_scheduler, 1) << p.value("name", "") << " has no session with the scheduler";
-      if (workers_listen && p.value("role", "") == "worker") {
-        EXPECT_GE(listening, 1) << p.value("name", "") << " listens nowhere";
+      EXPECT_GE(to_scheduler, 1) << name << " has no session with the scheduler";
+      if (p.value("role", "") == "worker") {
+        if (workers_listen) {
+          EXPECT_GE(listening, 1) << name << " listens nowhere";
+        }
+        EXPECT_GE(listening + peers, 1) << name << " has no connection with its peers";
       }
       ++checked;
     }
@@ -187,7 +218,7 @@ TEST_F(Multihost, JobOnTwoHostsBindsEachHostsAddressAndTrainsLikeOneProcess) {
   for (auto& [agent, ranks] : ranks_on) std::sort(ranks.begin(), ranks.end());
   EXPECT_EQ(ranks_on["a1"], (std::vector<int>{0, 1}));
   EXPECT_EQ(ranks_on["a2"], (std::vector<int>{2, 3}));
-  EXPECT_EQ(expect_bound_to_their_hosts(c, job, true), 5);  // driver + 4 workers, while they train
+  EXPECT_EQ(expect_bound_to_their_hosts(c, job, false), 5);  // driver + 4 workers, while they train
   ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(120))) << c.logs_of_daemons();
   expect_one_process_losses("two-hosts");
   std::printf(
@@ -209,8 +240,8 @@ TEST_F(Multihost, AgentKilledMidJobGetsItsWorkersReplacedOnTheOtherHost) {
   const auto t0 = Clock::now();
   // Slot 0 (on a1) runs 150 ms slower per step so that the kill lands mid-job.
   const std::string job = submit(c,
-                                 {"--elastic", "--nproc", "4", "--layout", "dp=2,n=2", "--env", "TROUPE_FAULT=slow@1:any:0"},
-                                 train_args("agent-kill", 1, "dp=2,n=2"));
+                                 {"--nproc", "4", "--layout", "dp=2,n=2"},
+                                 train_args("agent-kill", 1, "dp=2,n=2", "slow@1:any:0"));
   ASSERT_TRUE(wait_until([&] { return !latest_step_records(dir / "metrics.jsonl").empty(); },
                          std::chrono::seconds(90), std::chrono::milliseconds(10)))
       << c.logs_of_daemons();
@@ -263,6 +294,45 @@ TEST_F(Multihost, AgentKilledMidJobGetsItsWorkersReplacedOnTheOtherHost) {
       first_step_s, steps_before, det.empty() ? "?" : det[0].value("detection_ms", nlohmann::json("-")).dump().c_str(),
       det.empty() ? "?" : det[0].value("cause", "?").c_str(), rec[0]["recovery_s"].get<double>(), resumed_s,
       replaced_on_a1);
+}
+
+// Job processes with their own actor systems (the scheduler's actor placement,
+// tests/scheduler/test_worker.cc TW_ACTORS/TW_PLACE): each worker's endpoint is on its
+// host's address and speaks CURVE with the job's key pair; the driver on 127.0.0.3
+// reaches all four actors, and a client without the job's key is refused.
+TEST_F(Multihost, JobActorSystemsBindTheirHostsAndAcceptOnlyTheJob) {
+  Cluster c(hosts(2));
+  const std::string job = c.submit(4, {}, {{"TW_ACTORS", "1"}, {"TW_PLACE", "1"}, {"TW_BEAT", "1"}, {"TW_RUN_MS", "60000"}});
+  const std::string placed = c.out_dir() + "/driver.placed";
+  ASSERT_TRUE(wait_until([&] { return fs::exists(placed); }, std::chrono::seconds(30))) << c.logs_of_daemons();
+  std::ifstream f(placed);
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("ok 4"), std::string::npos) << text;
+  EXPECT_EQ(expect_bound_to_their_hosts(c, job, true), 5);
+  int workers = 0;
+  for (const auto& p : procs_of(c, job)) {
+    if (p.value("role", "") != "worker" || p.value("state", "") != "running") continue;
+    const std::string host = kHostOf.at(p.value("agent", ""));
+    const std::string ep = p.value("endpoint", "");
+    EXPECT_EQ(ep.rfind("tcp://" + host + ":", 0), 0u) << p.dump();
+    // The job's own key pair gets through; no key, or a key pair of our own, does not.
+    const pid_t pid = p.value("pid", 0);
+    troupe::sched::ClientSecurity job_keys;
+    job_keys.server_public_key = environ_value(pid, "TROUPE_JOB_PUBLIC_KEY");
+    job_keys.client_keys = troupe::sched::CurveKeyPair{job_keys.server_public_key, environ_value(pid, "TROUPE_JOB_SECRET_KEY")};
+    EXPECT_TRUE(troupe::sched::probe_connection(ep, job_keys, std::chrono::milliseconds(3000)).ok()) << ep;
+    EXPECT_FALSE(troupe::sched::probe_connection(ep, {}, std::chrono::milliseconds(1500)).ok()) << ep;
+    troupe::sched::ClientSecurity stranger;
+    stranger.server_public_key = job_keys.server_public_key;
+    stranger.client_keys = *troupe::sched::read_key_file(c.client_key());
+    EXPECT_FALSE(troupe::sched::probe_connection(ep, stranger, std::chrono::milliseconds(1500)).ok()) << ep;
+    ++workers;
+  }
+  EXPECT_EQ(workers, 4);
+  std::vector<std::string> cancel{"cancel", job};
+  for (const auto& x : c.conn_args()) cancel.push_back(x);
+  EXPECT_EQ(run_cli(cancel).exit_code, 0);
+  std::printf("[multihost actors] driver on 127.0.0.3 reached 4 CURVE actor endpoints on 127.0.0.3/.4: %s", text.c_str());
 }
 
 }  // namespace
