@@ -488,14 +488,33 @@ void Scheduler::restart_workers(Job& job, const std::string& reason) {
 void Scheduler::restart_driver(Job& job, const std::string& reason) {
   auto it = job.procs.find("driver");
   if (it == job.procs.end()) return;
-  if (is_elastic(job)) {  // the driver holds the membership: a new one cannot take it over
-    finish_job(job, JobState::kFailed, reason + " (an elastic job's driver is not restarted)");
-    return;
-  }
   if (job.rec.driver_restarts >= job.rec.spec.max_driver_restarts) {
     finish_job(job, JobState::kFailed,
                fmt::format("{}; no driver restarts left (max_driver_restarts={})", reason,
                            job.rec.spec.max_driver_restarts));
+    return;
+  }
+  if (is_elastic(job)) {
+    // The driver held the membership (which worker has which state, the step in flight):
+    // a new driver starts over from the job's newest valid checkpoint with new workers.
+    // The old workers go; everything runs again in a new epoch (fresh store keys), with
+    // TROUPE_DRIVER_RESTARTS telling the new driver it is one (actors/training/trainer.cc).
+    job.rec.driver_restarts++;
+    for (auto& [name, p] : job.procs) {
+      if (p.rec.role != "worker") continue;
+      if (proc_live(p.rec)) kill_procs(job, name, SIGKILL, 0);
+      p.rec.state = ProcState::kExited;
+    }
+    job.retired.clear();
+    job.rec.epoch++;
+    job.actors.clear();
+    job.rec.state = JobState::kRestarting;
+    save(job);
+    event(job, "driver_restarting", {{"reason", reason}, {"driver_restart", job.rec.driver_restarts},
+                                     {"epoch", job.rec.epoch}, {"workers", "restarted with it"}});
+    log()->warn("job {}: {}; restarting the driver and its workers from the newest checkpoint ({}/{}, epoch {})",
+                job.rec.id, reason, job.rec.driver_restarts, job.rec.spec.max_driver_restarts, job.rec.epoch);
+    try_start(job);
     return;
   }
   job.rec.driver_restarts++;

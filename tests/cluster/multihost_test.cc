@@ -105,6 +105,7 @@ class Multihost : public ::testing::Test {
     c.sets = troupe::test::tiny_model_sets(
         {.grad_accum = grad_accum, .steps = kSteps, .data_dir = *root_ / "data"});
     if (!inject.empty()) c.sets.push_back(fmt::format("elastic.inject=\"{}\"", inject));
+    c.sets.push_back("checkpoint.every=2");
     c.parallel = parallel;
     return c.argv();
   }
@@ -333,6 +334,55 @@ TEST_F(Multihost, JobActorSystemsBindTheirHostsAndAcceptOnlyTheJob) {
   for (const auto& x : c.conn_args()) cancel.push_back(x);
   EXPECT_EQ(run_cli(cancel).exit_code, 0);
   std::printf("[multihost actors] driver on 127.0.0.3 reached 4 CURVE actor endpoints on 127.0.0.3/.4: %s", text.c_str());
+}
+
+// The driver dies (SIGKILL) mid-job: the scheduler restarts it, with the job's workers,
+// in a new epoch, and the new driver resumes from the newest valid checkpoint (saved
+// every 2 steps), never from the start; the job ends with the one-process losses.
+TEST_F(Multihost, DriverKilledMidJobIsRestartedAndResumesFromTheNewestCheckpoint) {
+  Cluster c(hosts(2));
+  const fs::path dir = *root_ / "driver-kill";
+  const std::string job =
+      submit(c, {"--nproc", "4", "--layout", "dp=2,n=2"}, train_args("driver-kill", 1, "dp=2,n=2", "slow@1:any:0"));
+  ASSERT_TRUE(wait_until([&] { return latest_step_records(dir / "metrics.jsonl").size() >= 5; },
+                         std::chrono::seconds(90), std::chrono::milliseconds(10)))
+      << c.logs_of_daemons();
+  const size_t steps_before = latest_step_records(dir / "metrics.jsonl").size();
+  ASSERT_LT(steps_before, static_cast<size_t>(kSteps)) << "the job ended before the kill";
+  pid_t driver = 0;
+  for (const auto& p : procs_of(c, job)) {
+    if (p.value("role", "") == "driver" && p.value("state", "") == "running") driver = p.value("pid", 0);
+  }
+  ASSERT_GT(driver, 0);
+  const auto kill_at = Clock::now();
+  ASSERT_EQ(::kill(driver, SIGKILL), 0);
+  // The restarted driver writes a "resumed" record, then steps on.
+  nlohmann::json resumed;
+  ASSERT_TRUE(wait_until(
+      [&] {
+        for (const auto& r : troupe::test::read_jsonl(dir / "metrics.jsonl")) {
+          if (r.value("resumed", false)) resumed = r;
+        }
+        return !resumed.is_null();
+      },
+      std::chrono::seconds(90), std::chrono::milliseconds(10)))
+      << c.logs_of_daemons();
+  const double resumed_s = seconds_since(kill_at);
+  const int64_t from = resumed["step"].get<int64_t>();
+  EXPECT_GE(from, 2) << "resumed from step " << from << ": not from the newest checkpoint";
+  EXPECT_LE(from, static_cast<int64_t>(steps_before));
+  ASSERT_TRUE(wait_until([&] { return step_records_after(dir, static_cast<size_t>(from)); }, std::chrono::seconds(90),
+                         std::chrono::milliseconds(10)))
+      << c.logs_of_daemons();
+  const double next_step_s = seconds_since(kill_at);
+  ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(120))) << c.logs_of_daemons();
+  expect_one_process_losses("driver-kill");
+  int restarts = 0;
+  for (const auto& e : c.events(job)) restarts += e.value("type", e.value("event", "")) == "driver_restarting";
+  EXPECT_EQ(restarts, 1);
+  std::printf("[multihost driver-kill] driver SIGKILLed after step %zu: restarted, resumed from the checkpoint of "
+              "step %lld in %.2f s, next step %.2f s after the kill\n",
+              steps_before, static_cast<long long>(from), resumed_s, next_step_s);
 }
 
 }  // namespace
