@@ -624,6 +624,21 @@ void Scheduler::on_submit(const std::string& peer, uint64_t rid, const SubmitJob
   if (!spec.ok()) return reply(peer, rid, Reply::of(spec.status()));
   Status v = spec->validate();
   if (!v.ok()) return reply(peer, rid, Reply::of(v));
+  // More workers than every registered agent has slots can never start: refused at once
+  // (with no agent registered yet the job waits for them).
+  if (!agents_.empty()) {
+    int total = 0;
+    std::string per_agent;
+    for (const auto& [aid, a] : agents_) {
+      total += a.rec.slots;
+      per_agent += fmt::format("{}{}: {}", per_agent.empty() ? "" : ", ", aid, a.rec.slots);
+    }
+    if (spec->nproc > total) {
+      return reply(peer, rid,
+                   Reply::of(invalid_argument("--nproc {} is more than the {} worker slots of all agents ({})",
+                                              spec->nproc, total, per_agent)));
+    }
+  }
   auto seq = store_->next_job_seq();
   if (!seq.ok()) return reply(peer, rid, Reply::of(seq.status()));
   Job job;

@@ -220,6 +220,16 @@ TEST_F(Multihost, JobOnTwoHostsBindsEachHostsAddressAndTrainsLikeOneProcess) {
   EXPECT_EQ(ranks_on["a1"], (std::vector<int>{0, 1}));
   EXPECT_EQ(ranks_on["a2"], (std::vector<int>{2, 3}));
   EXPECT_EQ(expect_bound_to_their_hosts(c, job, false), 5);  // driver + 4 workers, while they train
+  // The agents' own sessions with the scheduler leave from their hosts' addresses too.
+  for (size_t i = 0; i < 2; ++i) {
+    int sessions = 0;
+    for (const auto& sock : tcp_sockets_of(c.agent(i).pid())) {
+      if (sock.listening || sock.remote_ip != "127.0.0.2") continue;
+      ++sessions;
+      EXPECT_EQ(sock.local_ip, i == 0 ? "127.0.0.3" : "127.0.0.4") << "agent a" << i + 1;
+    }
+    EXPECT_GE(sessions, 1) << "agent a" << i + 1 << " has no session with the scheduler";
+  }
   ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(120))) << c.logs_of_daemons();
   expect_one_process_losses("two-hosts");
   std::printf(

@@ -1,5 +1,6 @@
 // tests/scheduler/cli_hardening_test.cc — `troupe run` against the ways a new user broke
-// it: --nproc beyond the slots or the process limit fails at once naming the limit, and
+// it: --nproc beyond the slots (troupe run's, or all agents' for troupe submit) or the
+// process limit fails at once naming the limit, and
 // SIGTERM / SIGINT end the run and every process it started within 5 s in each phase
 // (starting up, spawning many processes, running processes that ignore SIGTERM).
 #include <gtest/gtest.h>
@@ -78,6 +79,20 @@ TEST(CliHardening, NprocBeyondTheSlotsFailsAtOnce) {
   auto r = run_cli({"run", "--slots", "2", "--nproc", "3", "--", "/bin/true"});
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("more than the 2 slots"), std::string::npos) << r.output;
+}
+
+TEST(CliHardening, SubmitBeyondTheClustersSlotsFailsAtOnce) {
+  Cluster c({.agents = 2, .slots_per_agent = 2});
+  std::vector<std::string> a = {"submit", "--nproc", "5"};
+  for (const auto& x : c.conn_args()) a.push_back(x);
+  a.insert(a.end(), {"--", "/bin/true"});
+  const auto t0 = Clock::now();
+  const auto r = run_cli(a);
+  EXPECT_LT(ms_since(t0), 5000);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--nproc 5 is more than the 4 worker slots of all agents (a1: 2, a2: 2)"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(c.status("")["jobs"].size(), 0u);
 }
 
 // Starts `troupe run` with `args`, sends `sig` once `ready` holds (or after `delay`),
