@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/control/host_addr.h"
 #include "comm/rendezvous_store.h"
 
 namespace troupe::comm {
@@ -66,7 +67,7 @@ struct BulkSpec {
   int rank = 0;
   int size = 1;
   std::chrono::milliseconds timeout{30000};
-  std::string hostname = "127.0.0.1";  // TCP: address to listen on and advertise
+  std::string hostname = control::host_addr();  // TCP: listen on and advertise ($TROUPE_HOST_ADDR or 127.0.0.1)
 };
 
 enum class BulkKind : uint8_t { kAuto, kTcp, kVerbs };

@@ -25,11 +25,12 @@
 #include <string>
 
 #include "comm/communicator.h"
+#include "comm/control/host_addr.h"
 
 namespace troupe::comm {
 
 struct GlooTransportOptions {
-  std::string hostname = "127.0.0.1";  // address to bind and advertise to peers
+  std::string hostname = control::host_addr();  // address to bind and advertise ($TROUPE_HOST_ADDR or 127.0.0.1)
   std::string iface;                   // if set, bind this interface instead (e.g. "eth0")
 };
 

@@ -1,14 +1,21 @@
 // scheduler/agent.cc — the Agent's loop: registration, spawning, exits, kills, logs.
 #include "scheduler/agent.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <thread>
+
+#include <fmt/ranges.h>
 
 #include "core/logging.h"
 
@@ -30,6 +37,24 @@ bool safe_name(const std::string& s) {
 
 }  // namespace
 
+Result<std::string> interface_address(const std::string& iface) {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return io_error("getifaddrs: {}", std::strerror(errno));
+  std::string found;
+  std::vector<std::string> names;
+  for (ifaddrs* i = list; i; i = i->ifa_next) {
+    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
+    names.emplace_back(i->ifa_name);
+    if (iface != i->ifa_name || !found.empty()) continue;
+    char buf[INET_ADDRSTRLEN] = {0};
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof buf);
+    found = buf;
+  }
+  freeifaddrs(list);
+  if (found.empty()) return not_found("no IPv4 address on interface '{}' (interfaces: {})", iface, fmt::join(names, ", "));
+  return found;
+}
+
 Result<std::unique_ptr<Agent>> Agent::create(AgentOptions opts) {
   std::unique_ptr<Agent> a(new Agent(std::move(opts)));
   char host[256] = {0};
@@ -47,6 +72,19 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentOptions opts) {
   if (ec) return io_error("cannot create agent work directory {}: {}", a->opts_.work_dir, ec.message());
   a->opts_.work_dir = std::filesystem::canonical(a->opts_.work_dir).string();
   TROUPE_ASSIGN_OR_RETURN(std::string ep, normalize_endpoint(a->opts_.scheduler));
+  if (!a->opts_.host_addr.empty()) {
+    in_addr probe{};
+    if (inet_pton(AF_INET, a->opts_.host_addr.c_str(), &probe) != 1) {
+      return invalid_argument("--host-addr '{}' is not an IPv4 address", a->opts_.host_addr);
+    }
+    const bool loopback = a->opts_.host_addr.rfind("127.", 0) == 0;
+    if (!loopback && a->opts_.security.server_public_key.empty() && !a->opts_.insecure) {
+      return failed_precondition(
+          "--host-addr {} is not a loopback address: give CURVE keys (--curve-key, --scheduler-key; job processes then "
+          "get their job's keys) or --insecure for a trusted network",
+          a->opts_.host_addr);
+    }
+  }
   TROUPE_ASSIGN_OR_RETURN(a->conn_, ClientEndpoint::connect(ep, a->opts_.security, "agent:" + a->opts_.agent_id));
   log()->info("agent {} on {}: {} slots, {} GPUs, scheduler {}, logs under {}", a->opts_.agent_id, a->host_,
               a->opts_.slots, a->gpus_, ep, a->opts_.work_dir);
@@ -80,7 +118,7 @@ void Agent::send_register() {
 
 void Agent::run() {
   while (!stop_.load()) run_once(std::chrono::milliseconds(opts_.poll_ms));
-  kill_all(std::chrono::milliseconds(2000));
+  kill_all(std::chrono::milliseconds(opts_.stop_grace_ms));
 }
 
 void Agent::run_once(std::chrono::milliseconds timeout) {
@@ -92,7 +130,12 @@ void Agent::run_once(std::chrono::milliseconds timeout) {
   }
   ::poll(fds.data(), fds.size(), static_cast<int>(timeout.count()));
   reap();
-  while (auto m = conn_->receive(std::chrono::milliseconds(0))) handle(*m);
+  // A stopping agent handles nothing more (a job of many processes must not delay it).
+  while (!stop_.load()) {
+    auto m = conn_->receive(std::chrono::milliseconds(0));
+    if (!m) break;
+    handle(*m);
+  }
   reap();
 
   auto now = Clock::now();
@@ -125,6 +168,10 @@ void Agent::reap() {
     s.term_signal = exit->term_signal;
     s.time_ms = wall_ms();
     if (it->second.proc.pidfd >= 0) close(it->second.proc.pidfd);
+    {
+      std::lock_guard lock(live_mu_);
+      live_pgids_.erase(it->first);
+    }
     log()->info("{}/{} (pid {}) exited with status {}", s.job_id, s.name, s.pid, exit->exit_status());
     conn_->send(Message{0, ProcExited{s}});
     unacked_exits_.push_back(std::move(s));
@@ -184,6 +231,8 @@ void Agent::on_spawn(const SpawnRequest& req) {
   }
   for (const auto& [k, v] : req.env) env[k] = v;
   if (!opts_.key_file.empty()) env["TROUPE_CURVE_KEY"] = opts_.key_file;
+  if (!opts_.host_addr.empty()) env["TROUPE_HOST_ADDR"] = opts_.host_addr;
+  if (opts_.insecure) env["TROUPE_INSECURE"] = "1";
   env["TROUPE_LOG_FILE"] = so.log_path;
   for (const auto& [k, v] : env) so.env.push_back(k + "=" + v);
   auto child = spawn_process(so);
@@ -200,6 +249,10 @@ void Agent::on_spawn(const SpawnRequest& req) {
   st.running = true;
   log()->info("started {}/{} epoch {} as pid {}", req.job_id, req.name, req.epoch, child->pid);
   children_[child->pid] = Child{st, *child, std::nullopt};
+  {
+    std::lock_guard lock(live_mu_);
+    live_pgids_.insert(child->pid);
+  }
   conn_->send(Message{0, ProcStarted{st}});
 }
 
@@ -235,6 +288,11 @@ void Agent::on_logs(uint64_t rid, const LogsRequest& req) {
     }
   }
   conn_->send(Message{rid, std::move(r)});
+}
+
+void Agent::kill_all_now() {
+  std::lock_guard lock(live_mu_);
+  for (pid_t pg : live_pgids_) kill_process_group(pg, SIGKILL).ignore();
 }
 
 void Agent::kill_all(std::chrono::milliseconds grace) {

@@ -13,6 +13,8 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <optional>
 #include <string>
 #include <vector>
@@ -33,7 +35,16 @@ struct AgentOptions {
   std::string work_dir;             // logs go under <work_dir>/jobs/<job>/logs
   int heartbeat_ms = 300;
   int poll_ms = 50;
+  int stop_grace_ms = 2000;         // run() returning: SIGTERM, then SIGKILL after this
+  // The address this node's job processes bind and advertise (TROUPE_HOST_ADDR; the
+  // agent's own connection to the scheduler leaves from it too). Empty: loopback.
+  std::string host_addr;
+  // Let processes bind a non-loopback host_addr without CURVE (TROUPE_INSECURE=1).
+  bool insecure = false;
 };
+
+// The first IPv4 address of network interface `iface` (for --iface).
+Result<std::string> interface_address(const std::string& iface);
 
 // GPUs visible through the CUDA runtime (0 in CPU builds or when CUDA reports an error).
 int detect_gpus();
@@ -45,7 +56,7 @@ class Agent {
   static Result<std::unique_ptr<Agent>> create(AgentOptions opts);
   ~Agent();  // kills and reaps every child that is still running
 
-  void run();  // until stop(); then kills every child
+  void run();  // until stop(); then kills every child (opts.stop_grace_ms)
   void run_once(std::chrono::milliseconds timeout);
   void stop() { stop_.store(true); }
   const std::string& id() const { return opts_.agent_id; }
@@ -54,6 +65,9 @@ class Agent {
   size_t running() const { return children_.size(); }
   // Kills every child (SIGTERM, SIGKILL after `grace`) and reaps them; blocks.
   void kill_all(std::chrono::milliseconds grace);
+  // SIGKILLs the process group of every child now, from any thread (a last resort for a
+  // process about to _exit: the loop thread may be busy); does not reap.
+  void kill_all_now();
 
  private:
   struct Child {
@@ -82,6 +96,8 @@ class Agent {
   Clock::time_point last_beat_{};
   Clock::time_point last_register_{};
   std::atomic<bool> stop_{false};
+  std::mutex live_mu_;
+  std::set<pid_t> live_pgids_;  // children not yet reaped, for kill_all_now()
 };
 
 }  // namespace troupe::sched

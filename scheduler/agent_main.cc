@@ -3,15 +3,19 @@
 //
 //   troupe-agent --scheduler HOST:7460 [--slots N] [--id NAME] [--work-dir DIR]
 //                [--curve-key agent.key --scheduler-key scheduler.pub]
+//                [--host-addr ADDR | --iface NAME] [--insecure]
 // On SIGINT/SIGTERM it stops every process it started (SIGTERM, then SIGKILL).
 #include <CLI/CLI.hpp>
 
 #include <signal.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <filesystem>
 
 #include "core/logging.h"
 #include "scheduler/agent.h"
+#include "scheduler/local_auth.h"
 
 namespace {
 std::atomic<bool> g_stop{false};  // set by the signal handler
@@ -30,6 +34,11 @@ int main(int argc, char** argv) {
   app.add_option("--curve-key", opts.key_file, "This agent's CURVE key pair file");
   app.add_option("--scheduler-key", scheduler_key, "The scheduler's public key file: turns CURVE on");
   app.add_option("--heartbeat-ms", opts.heartbeat_ms, "Heartbeat interval")->check(CLI::Range(1, 1000000));
+  std::string iface;
+  auto* ha = app.add_option("--host-addr", opts.host_addr,
+                            "This node's IPv4 address: job processes bind and advertise it (TROUPE_HOST_ADDR)");
+  app.add_option("--iface", iface, "Take --host-addr from this network interface (e.g. eth0)")->excludes(ha);
+  app.add_flag("--insecure", opts.insecure, "Allow a non-loopback --host-addr without CURVE (trusted networks only)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -38,6 +47,16 @@ int main(int argc, char** argv) {
   }
 
   troupe::init_logging(troupe::LoggingOptions{"agent", "", spdlog::level::info});
+  if (!iface.empty()) {
+    auto addr = troupe::sched::interface_address(iface);
+    if (!addr.ok()) {
+      std::fprintf(stderr, "troupe-agent: --iface: %s\n", addr.status().message().c_str());
+      return 2;
+    }
+    opts.host_addr = *addr;
+  }
+  // Our own connection to the scheduler leaves from this address too (transport.cc).
+  if (!opts.host_addr.empty()) setenv("TROUPE_HOST_ADDR", opts.host_addr.c_str(), 1);
   if (!scheduler_key.empty() || !opts.key_file.empty()) {
     if (scheduler_key.empty() || opts.key_file.empty()) {
       std::fprintf(stderr, "troupe-agent: CURVE needs both --curve-key and --scheduler-key\n");
@@ -52,6 +71,16 @@ int main(int argc, char** argv) {
     opts.security.server_public_key = server->public_key;
     opts.security.client_keys = *mine;
     opts.key_file = std::filesystem::absolute(opts.key_file).string();
+  } else if (auto ep = troupe::sched::normalize_endpoint(opts.scheduler);
+             ep.ok() && troupe::sched::is_local_endpoint(*ep) && !opts.insecure) {
+    // A loopback scheduler started without keys serves this user's credential.
+    auto sec = troupe::sched::local_client_security();
+    if (!sec.ok()) {
+      std::fprintf(stderr, "troupe-agent: %s\n", sec.status().message().c_str());
+      return 2;
+    }
+    opts.security = *sec;
+    opts.key_file = troupe::sched::credential_path();
   }
   auto agent = troupe::sched::Agent::create(opts);
   if (!agent.ok()) {

@@ -2,8 +2,11 @@
 #include "scheduler/cli.h"
 
 #include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +19,7 @@
 #include "checkpoint/reader.h"
 #include "core/logging.h"
 #include "scheduler/agent.h"
+#include "scheduler/local_auth.h"
 #include "scheduler/scheduler.h"
 
 namespace troupe::sched {
@@ -23,8 +27,16 @@ namespace {
 
 using nlohmann::json;
 
+bool g_local_auth = false;  // open_client used this user's credential (local authentication)
+
 int fail(const Status& s) {
   std::fprintf(stderr, "troupe: %s\n", s.message().c_str());
+  if (s.code() == StatusCode::kPermissionDenied && g_local_auth) {
+    std::fprintf(stderr,
+                 "troupe: this scheduler accepts only the credential of the user who started it; this user's is %s "
+                 "(local authentication: see docs/cluster.md)\n",
+                 credential_path().c_str());
+  }
   switch (s.code()) {
     case StatusCode::kInvalidArgument: return 2;
     case StatusCode::kNotFound: return 3;
@@ -52,6 +64,11 @@ Result<std::unique_ptr<ClientEndpoint>> open_client(const CliConnection& c) {
     if (mine.secret_key.empty()) return invalid_argument("{} holds no secret key", c.curve_key);
     sec.client_keys = mine;
     if (sec.server_public_key.empty()) return invalid_argument("--curve-key needs --scheduler-key (the scheduler's public key)");
+  }
+  if (c.scheduler_key.empty() && c.curve_key.empty() && is_local_endpoint(ep)) {
+    // A loopback scheduler without key flags: local authentication with our credential.
+    TROUPE_ASSIGN_OR_RETURN(sec, local_client_security());
+    g_local_auth = true;
   }
   std::string id = fmt::format("cli:{}:{:x}", getpid(), std::random_device{}());
   return ClientEndpoint::connect(ep, sec, id);
@@ -97,6 +114,80 @@ std::string table(const std::vector<std::vector<std::string>>& rows) {
 
 std::atomic<int> g_interrupts{0};  // signal handler -> troupe run's loop
 void on_interrupt(int) { g_interrupts.fetch_add(1); }
+
+// How long `troupe run` may take to stop after SIGINT/SIGTERM/SIGHUP: the job is
+// cancelled (SIGTERM to each process group), waited for kRunCancelWait, the agent then
+// kills what is left (kRunStopGrace), and past kRunHardStop a watchdog SIGKILLs every
+// process group and exits 130 whatever phase the run is in.
+constexpr auto kRunCancelWait = std::chrono::milliseconds(2500);
+constexpr auto kRunStopGrace = std::chrono::milliseconds(1000);
+constexpr auto kRunHardStop = std::chrono::milliseconds(4300);
+
+int64_t read_long_file(const char* path) {
+  std::ifstream f(path);
+  int64_t v = -1;
+  if (!(f >> v)) return -1;
+  return v;
+}
+
+}  // namespace
+
+std::optional<SlurmAllocation> slurm_allocation_from_env() {
+  const char* id = std::getenv("SLURM_JOB_ID");
+  if (!id || !*id) return std::nullopt;
+  auto num = [](const char* name, int dflt) {
+    const char* v = std::getenv(name);
+    if (!v || !*v) return dflt;
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    return end && end != v && n >= 0 && n < 1000000 ? static_cast<int>(n) : dflt;
+  };
+  SlurmAllocation a;
+  a.job_id = id;
+  // Inside an srun step its own nodes count (srun -N1 in a larger allocation is one node).
+  const char* nl = std::getenv("SLURM_STEP_NODELIST");
+  if (!nl || !*nl) nl = std::getenv("SLURM_JOB_NODELIST");
+  a.nodelist = nl ? nl : "";
+  a.nodes = num("SLURM_STEP_NUM_NODES", num("SLURM_JOB_NUM_NODES", num("SLURM_NNODES", 1)));
+  a.ntasks = num("SLURM_NTASKS", num("SLURM_NPROCS", 0));
+  a.gpus_on_node = num("SLURM_GPUS_ON_NODE", -1);
+  return a;
+}
+
+Status check_process_limit(int needed) {
+  // The user's process limit (RLIMIT_NPROC counts every process and thread of the user)
+  // less what the user runs now, and the kernel's pid and thread limits less what runs.
+  int64_t user_procs = 0, all_procs = 0;
+  const uid_t uid = getuid();
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/proc", ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.empty() || !std::all_of(n.begin(), n.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
+    ++all_procs;
+    struct stat st {};
+    if (::stat(e.path().c_str(), &st) == 0 && st.st_uid == uid) ++user_procs;
+  }
+  rlimit rl{};
+  if (getrlimit(RLIMIT_NPROC, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
+    const int64_t left = static_cast<int64_t>(rl.rlim_cur) - user_procs;
+    if (needed > left) {
+      return invalid_argument(
+          "--nproc needs {} processes, but the process limit (ulimit -u, RLIMIT_NPROC) is {} and this user already runs "
+          "{}: at most {} more",
+          needed, static_cast<int64_t>(rl.rlim_cur), user_procs, std::max<int64_t>(0, left));
+    }
+  }
+  for (const char* path : {"/proc/sys/kernel/pid_max", "/proc/sys/kernel/threads-max"}) {
+    const int64_t max = read_long_file(path);
+    if (max > 0 && needed > max - all_procs) {
+      return invalid_argument("--nproc needs {} processes, but the kernel limit {} is {} and {} processes run: at most {} more",
+                              needed, path, max, all_procs, std::max<int64_t>(0, max - all_procs));
+    }
+  }
+  return ok_status();
+}
+
+namespace {
 
 // Prints what processes wrote to their log files since the last call, line by line.
 class LogTailer {
@@ -371,6 +462,28 @@ int cli_logs(const CliConnection& c, const std::string& job_id, const std::strin
   }
 }
 
+int cli_wait(const CliConnection& c, const std::string& job_id, bool quiet) {
+  auto client = open_client(c);
+  if (!client.ok()) return fail(client.status());
+  for (;;) {
+    auto st = request_json(**client, StatusQuery{job_id}, c.timeout_ms);
+    if (!st.ok()) return fail(st.status());
+    const json jobs = st->value("jobs", json::array());
+    if (jobs.empty()) return fail(not_found("no job {}", job_id));
+    const json& j = jobs[0];
+    const std::string state = j.value("state", "");
+    if ((state == "succeeded" || state == "failed" || state == "cancelled") && j.value("running_procs", 0) == 0) {
+      const int code = state == "cancelled" ? 130 : j.value("exit_code", 1);
+      if (!quiet) {
+        std::fprintf(stderr, "troupe: job %s %s (exit status %d)%s%s\n", job_id.c_str(), state.c_str(), code,
+                     j.value("message", "").empty() ? "" : ": ", j.value("message", "").c_str());
+      }
+      return code;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
 int cli_keygen(const std::string& prefix) {
   std::error_code ec;
   auto parent = std::filesystem::path(prefix).parent_path();
@@ -385,9 +498,48 @@ int cli_keygen(const std::string& prefix) {
 }
 
 int cli_run(const RunOptions& opts) {
+  // Signals first: an interrupt in any phase below ends the run (see kRunHardStop).
+  struct sigaction sa {};
+  sa.sa_handler = on_interrupt;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGHUP, &sa, nullptr);
+
   JobSpec spec = opts.spec;
+  if (auto slurm = slurm_allocation_from_env()) {
+    if (slurm->nodes > 1) {
+      return fail(invalid_argument(
+          "troupe run runs on one node, and Slurm job {} has {} ({}): start a scheduler and one troupe-agent per node "
+          "with scripts/slurm/troupe.sbatch (docs/cluster.md), or use srun -N1",
+          slurm->job_id, slurm->nodes, slurm->nodelist));
+    }
+    if (!opts.nproc_given) {
+      if (slurm->ntasks <= 0) {
+        return fail(invalid_argument("Slurm job {} sets no SLURM_NTASKS: give --nproc", slurm->job_id));
+      }
+      spec.nproc = slurm->ntasks;
+    }
+    if (spec.backend == "cuda" && slurm->gpus_on_node >= 0 && spec.nproc > slurm->gpus_on_node) {
+      return fail(invalid_argument("--backend cuda needs one GPU per worker: {} workers, Slurm gave this node {} GPU(s) "
+                                   "(SLURM_GPUS_ON_NODE)",
+                                   spec.nproc, slurm->gpus_on_node));
+    }
+    if (opts.verbose) {
+      std::fprintf(stderr, "troupe: in Slurm job %s on %s: %d worker(s)\n", slurm->job_id.c_str(),
+                   slurm->nodelist.c_str(), spec.nproc);
+    }
+  } else if (!opts.nproc_given) {
+    return fail(invalid_argument("--nproc is required (outside a Slurm allocation, where it defaults to SLURM_NTASKS)"));
+  }
   Status v = spec.validate();
   if (!v.ok()) return fail(v);
+  const int needed = spec.nproc + (spec.driver ? 1 : 0);
+  if (opts.slots > 0 && spec.nproc > opts.slots) {
+    return fail(invalid_argument("--nproc {} is more than the {} slots of this machine's agent (--slots {})", spec.nproc,
+                                 opts.slots, opts.slots));
+  }
+  if (Status lim = check_process_limit(needed); !lim.ok()) return fail(lim);
   init_logging(LoggingOptions{"troupe run", "", opts.verbose ? spdlog::level::info : spdlog::level::warn});
   if (!opts.verbose && !std::getenv("SPDLOG_LEVEL")) make_logger("control")->set_level(spdlog::level::err);
 
@@ -398,9 +550,17 @@ int cli_run(const RunOptions& opts) {
     if (!mkdtemp(tmpl.data())) return fail(io_error("mkdtemp {}: {}", tmpl, std::strerror(errno)));
     state_dir = tmpl;
   }
+  // The embedded scheduler accepts only this run's own key pair (written into the
+  // state directory, mode 0600): other local users cannot submit to it or read its logs.
+  auto run_keys = generate_curve_keypair();
+  if (!run_keys.ok()) return fail(run_keys.status());
+  const std::string key_prefix = state_dir + "/run-credential";
+  if (Status ks = write_key_files(key_prefix, *run_keys); !ks.ok()) return fail(ks);
   SchedulerOptions so;
   so.listen = "tcp://127.0.0.1:0";
   so.state_dir = state_dir;
+  so.security.server_keys = *run_keys;
+  so.security.allowed_client_keys = {run_keys->public_key};
   auto sched = Scheduler::create(so);
   if (!sched.ok()) return fail(sched.status());
   if (spec.backend == "cuda") {
@@ -415,25 +575,39 @@ int cli_run(const RunOptions& opts) {
   ao.agent_id = "local";
   ao.slots = spec.nproc;
   ao.work_dir = state_dir;
+  ao.stop_grace_ms = static_cast<int>(kRunStopGrace.count());
+  ao.security.server_public_key = run_keys->public_key;
+  ao.security.client_keys = *run_keys;
+  ao.key_file = key_prefix + ".key";
   auto agent = Agent::create(ao);
   if (!agent.ok()) return fail(agent.status());
-
-  struct sigaction sa {};
-  sa.sa_handler = on_interrupt;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGHUP, &sa, nullptr);
+  if (g_interrupts.load() > 0) return 130;  // interrupted while starting: nothing runs yet
 
   Scheduler* s = sched->get();
   Agent* a = agent->get();
   std::thread sched_thread([s] { s->run(); });
   std::thread agent_thread([a] { a->run(); });
+  // The watchdog: whatever the main thread waits for, kRunHardStop after the first
+  // signal every process group is killed and the run exits 130.
+  std::atomic<bool> run_done{false};
+  std::thread watchdog([a, &run_done] {
+    while (!run_done.load() && g_interrupts.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const auto deadline = std::chrono::steady_clock::now() + kRunHardStop;
+    while (!run_done.load() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (run_done.load()) return;
+    a->kill_all_now();
+    std::fprintf(stderr, "troupe: still stopping %lld ms after the signal: killed every process, exiting\n",
+                 static_cast<long long>(kRunHardStop.count()));
+    std::fflush(stderr);
+    _exit(130);
+  });
 
   int exit_code = 1;
   std::string summary;
   {
-    CliConnection conn{(*sched)->endpoint(), "", "", 5000};
+    CliConnection conn{(*sched)->endpoint(), key_prefix + ".key", key_prefix + ".pub", 5000};
     auto client = open_client(conn);
     std::string job_id, job_dir;
     Status err;
@@ -456,9 +630,9 @@ int cli_run(const RunOptions& opts) {
         cancelled = true;
         cancel_started = std::chrono::steady_clock::now();
         std::fprintf(stderr, "troupe: interrupted, cancelling %s\n", job_id.c_str());
-        (*client)->request(CancelJob{job_id}, std::chrono::milliseconds(2000)).status().ignore();
+        (*client)->request(CancelJob{job_id}, std::chrono::milliseconds(1000)).status().ignore();
       }
-      auto st = request_json(**client, StatusQuery{job_id}, 5000);
+      auto st = request_json(**client, StatusQuery{job_id}, cancelled ? 1000 : 5000);
       if (!st.ok()) {
         err = st.status();
         break;
@@ -475,6 +649,10 @@ int cli_run(const RunOptions& opts) {
         break;
       }
       if (g_interrupts.load() > 1) break;  // a second Ctrl-C: stop waiting, kill below
+      if (cancelled && std::chrono::steady_clock::now() - cancel_started > kRunCancelWait) {
+        exit_code = 130;  // the agent kills what is left below
+        break;
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     tailer.poll(true);
@@ -487,8 +665,11 @@ int cli_run(const RunOptions& opts) {
   agent_thread.join();  // kills and reaps whatever is still running
   s->stop();
   sched_thread.join();
+  run_done.store(true);
+  watchdog.join();
   agent->reset();
   sched->reset();
+  if (g_interrupts.load() > 0 && exit_code != 130 && summary.empty()) exit_code = 130;
   if (!summary.empty() && (opts.verbose || exit_code != 0)) std::fprintf(stderr, "troupe: %s\n", summary.c_str());
   if (temp_dir && exit_code == 0) {
     std::error_code ec;

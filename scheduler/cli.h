@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,7 +29,28 @@ struct RunOptions {
   std::string state_dir;        // empty: a temporary directory, removed after success
   bool verbose = false;
   bool prefix_output = true;    // "[worker-0] " before each line of a process's output
+  int slots = 0;                // the embedded agent's slots; 0: as many as --nproc
+  bool nproc_given = true;      // false: take it from the Slurm allocation (SlurmAllocation)
 };
+
+// What `troupe run` reads from a Slurm allocation (salloc, sbatch, srun): SLURM_JOB_ID,
+// SLURM_NTASKS (the default --nproc), SLURM_STEP_NUM_NODES / SLURM_JOB_NUM_NODES and
+// their node lists (more than one node: troupe run refuses, naming troupe.sbatch), and
+// SLURM_GPUS_ON_NODE (GPUs of this node: --backend cuda needs one per worker).
+struct SlurmAllocation {
+  std::string job_id;
+  std::string nodelist;
+  int nodes = 1;
+  int ntasks = 0;        // 0: not given
+  int gpus_on_node = -1; // -1: not given
+};
+// nullopt outside an allocation (no SLURM_JOB_ID).
+std::optional<SlurmAllocation> slurm_allocation_from_env();
+
+// Ok when `needed` more processes fit under the user's process limit (RLIMIT_NPROC) and
+// the kernel's pid_max / threads-max, counting what runs now; else InvalidArgument
+// naming the limit and its value.
+Status check_process_limit(int needed);
 
 int cli_run(const RunOptions& opts);
 int cli_submit(const CliConnection& c, JobSpec spec, bool json);
@@ -36,6 +58,9 @@ int cli_status(const CliConnection& c, const std::string& job_id, bool json);
 int cli_logs(const CliConnection& c, const std::string& job_id, const std::string& proc, bool follow);
 int cli_cancel(const CliConnection& c, const std::string& job_id, bool json);
 int cli_keygen(const std::string& prefix);
+// Waits until the job has ended and every process of it is gone; returns its exit status
+// (130 when it was cancelled), so scripts (scripts/slurm/troupe.sbatch) can exit with it.
+int cli_wait(const CliConnection& c, const std::string& job_id, bool quiet);
 // The checkpoints of a job: its checkpoint directory (the job's checkpoint_dir, else the
 // train_moe run directory of its command: --run-dir D -> D/checkpoints, relative to the
 // job's work_dir), or `dir` when given (then no scheduler is asked).

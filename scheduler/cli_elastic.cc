@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "scheduler/local_auth.h"
 #include "scheduler/scheduler_store.h"
 
 namespace troupe::sched {
@@ -85,6 +86,8 @@ Result<std::pair<std::string, ClientSecurity>> connection(const CliConnection& c
     TROUPE_ASSIGN_OR_RETURN(auto mine, read_key_file(c.curve_key));
     sec.server_public_key = server.public_key;
     sec.client_keys = mine;
+  } else if (auto ep = normalize_endpoint(addr); ep.ok() && is_local_endpoint(*ep)) {
+    TROUPE_ASSIGN_OR_RETURN(sec, local_client_security());  // local authentication (local_auth.h)
   }
   return std::make_pair(addr, sec);
 }

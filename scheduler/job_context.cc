@@ -1,6 +1,8 @@
 // scheduler/job_context.cc — JobContext::from_env, SchedulerSession, HeartbeatThread.
 #include "scheduler/job_context.h"
 
+#include "comm/control/host_addr.h"
+
 #include <unistd.h>
 
 #include <charconv>
@@ -118,6 +120,25 @@ Result<std::unique_ptr<HeartbeatThread>> HeartbeatThread::start(const JobContext
 HeartbeatThread::~HeartbeatThread() {
   stop_.store(true);
   if (thread_.joinable()) thread_.join();
+}
+
+control::TransportOptions job_actor_network(const std::string& node_id, bool bind) {
+  control::TransportOptions t;
+  t.node_id = node_id;
+  t.bind_endpoint = bind ? control::host_bind_endpoint() : "";
+  if (auto kp = control::job_curve_from_env()) {
+    t.curve.own = *kp;
+    t.curve.allowed_client_keys = {kp->public_key};
+    t.allow_non_loopback = true;
+  } else if (const char* insecure = std::getenv("TROUPE_INSECURE"); insecure && std::string(insecure) == "1") {
+    t.allow_non_loopback = true;
+  }
+  return t;
+}
+
+std::string job_actor_server_key() {
+  auto kp = control::job_curve_from_env();
+  return kp ? kp->public_key : std::string();
 }
 
 }  // namespace troupe::sched

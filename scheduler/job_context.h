@@ -21,6 +21,7 @@
 #include <string>
 #include <thread>
 
+#include "comm/control/transport.h"
 #include "core/status.h"
 #include "scheduler/transport.h"
 
@@ -52,6 +53,17 @@ struct JobContext {
   // the variables are there but malformed.
   static Result<std::optional<JobContext>> from_env();
 };
+
+// The control-plane options for a job process's own actor system (actors/actor_system.h):
+// it binds this process's host address (TROUPE_HOST_ADDR, from an agent's --host-addr;
+// else loopback) unless `bind` is false (connect-only), and when the scheduler runs CURVE
+// it uses the job's key pair (TROUPE_JOB_PUBLIC_KEY / TROUPE_JOB_SECRET_KEY), accepting
+// only the job's own processes; that also permits a non-loopback address.
+// TROUPE_INSECURE=1 (an agent's --insecure) permits one without keys.
+control::TransportOptions job_actor_network(const std::string& node_id, bool bind);
+// The public key a job process's actor system serves with ("" without CURVE): pass it to
+// ActorSystem::connect.
+std::string job_actor_server_key();
 
 class SchedulerSession {
  public:

@@ -423,7 +423,16 @@ Status Scheduler::spawn(Job& job, Proc& proc) {
   add("TROUPE_HEARTBEAT_MS", std::to_string(std::max(50, spec.heartbeat_timeout_ms / 6)));
   add("TROUPE_HEARTBEAT_TIMEOUT_MS", std::to_string(spec.heartbeat_timeout_ms));
   if (!spec.checkpoint_dir.empty()) add("TROUPE_CHECKPOINT_DIR", spec.checkpoint_dir);
-  if (opts_.security.server_keys) add("TROUPE_SCHEDULER_PUBLIC_KEY", opts_.security.server_keys->public_key);
+  if (opts_.security.server_keys) {
+    add("TROUPE_SCHEDULER_PUBLIC_KEY", opts_.security.server_keys->public_key);
+    // The job's own key pair: its processes' control planes accept only each other.
+    if (auto jk = derive_job_keypair(*opts_.security.server_keys, job.rec.id); jk.ok()) {
+      add("TROUPE_JOB_PUBLIC_KEY", jk->public_key);
+      add("TROUPE_JOB_SECRET_KEY", jk->secret_key);
+    } else {
+      log()->error("job {}: {}", job.rec.id, jk.status().to_string());
+    }
+  }
   if (spec.backend == "cuda" && proc.rec.slot >= 0) add("CUDA_VISIBLE_DEVICES", std::to_string(proc.rec.slot));
   for (const auto& [k, v] : proc.extra_env) add(k.c_str(), v);
   proc.rec.state = ProcState::kStarting;
@@ -479,14 +488,33 @@ void Scheduler::restart_workers(Job& job, const std::string& reason) {
 void Scheduler::restart_driver(Job& job, const std::string& reason) {
   auto it = job.procs.find("driver");
   if (it == job.procs.end()) return;
-  if (is_elastic(job)) {  // the driver holds the membership: a new one cannot take it over
-    finish_job(job, JobState::kFailed, reason + " (an elastic job's driver is not restarted)");
-    return;
-  }
   if (job.rec.driver_restarts >= job.rec.spec.max_driver_restarts) {
     finish_job(job, JobState::kFailed,
                fmt::format("{}; no driver restarts left (max_driver_restarts={})", reason,
                            job.rec.spec.max_driver_restarts));
+    return;
+  }
+  if (is_elastic(job)) {
+    // The driver held the membership (which worker has which state, the step in flight):
+    // a new driver starts over from the job's newest valid checkpoint with new workers.
+    // The old workers go; everything runs again in a new epoch (fresh store keys), with
+    // TROUPE_DRIVER_RESTARTS telling the new driver it is one (actors/training/trainer.cc).
+    job.rec.driver_restarts++;
+    for (auto& [name, p] : job.procs) {
+      if (p.rec.role != "worker") continue;
+      if (proc_live(p.rec)) kill_procs(job, name, SIGKILL, 0);
+      p.rec.state = ProcState::kExited;
+    }
+    job.retired.clear();
+    job.rec.epoch++;
+    job.actors.clear();
+    job.rec.state = JobState::kRestarting;
+    save(job);
+    event(job, "driver_restarting", {{"reason", reason}, {"driver_restart", job.rec.driver_restarts},
+                                     {"epoch", job.rec.epoch}, {"workers", "restarted with it"}});
+    log()->warn("job {}: {}; restarting the driver and its workers from the newest checkpoint ({}/{}, epoch {})",
+                job.rec.id, reason, job.rec.driver_restarts, job.rec.spec.max_driver_restarts, job.rec.epoch);
+    try_start(job);
     return;
   }
   job.rec.driver_restarts++;
@@ -596,6 +624,21 @@ void Scheduler::on_submit(const std::string& peer, uint64_t rid, const SubmitJob
   if (!spec.ok()) return reply(peer, rid, Reply::of(spec.status()));
   Status v = spec->validate();
   if (!v.ok()) return reply(peer, rid, Reply::of(v));
+  // More workers than every registered agent has slots can never start: refused at once
+  // (with no agent registered yet the job waits for them).
+  if (!agents_.empty()) {
+    int total = 0;
+    std::string per_agent;
+    for (const auto& [aid, a] : agents_) {
+      total += a.rec.slots;
+      per_agent += fmt::format("{}{}: {}", per_agent.empty() ? "" : ", ", aid, a.rec.slots);
+    }
+    if (spec->nproc > total) {
+      return reply(peer, rid,
+                   Reply::of(invalid_argument("--nproc {} is more than the {} worker slots of all agents ({})",
+                                              spec->nproc, total, per_agent)));
+    }
+  }
   auto seq = store_->next_job_seq();
   if (!seq.ok()) return reply(peer, rid, Reply::of(seq.status()));
   Job job;

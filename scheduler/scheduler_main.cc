@@ -2,6 +2,8 @@
 //
 //   troupe-scheduler --listen tcp://0.0.0.0:7460 --state-dir /var/lib/troupe
 //                    [--curve-key scheduler.key --allow-keys keys/]
+// On a loopback address without --curve-key (and without --insecure) it serves CURVE
+// with the credential of the user who started it (scheduler/local_auth.h).
 // Stops on SIGINT/SIGTERM; job processes keep running (their agents own them), and a
 // scheduler started again on the same state dir re-attaches to them.
 #include <CLI/CLI.hpp>
@@ -13,6 +15,7 @@
 
 #include "core/logging.h"
 #include "scheduler/cli.h"
+#include "scheduler/local_auth.h"
 #include "scheduler/scheduler.h"
 
 namespace {
@@ -68,6 +71,19 @@ int main(int argc, char** argv) {
     }
     opts.security.server_keys = *keys;
     opts.security.allowed_client_keys = *allowed;
+  } else if (!opts.security.allow_insecure_non_loopback && troupe::sched::is_local_endpoint(opts.listen)) {
+    // Local authentication: only holders of this user's credential get in.
+    auto cred = troupe::sched::load_or_create_credential();
+    auto allowed = troupe::sched::read_public_keys(allow_keys);
+    if (!cred.ok() || !allowed.ok()) {
+      std::fprintf(stderr, "troupe-scheduler: %s\n", (!cred.ok() ? cred.status() : allowed.status()).message().c_str());
+      return 2;
+    }
+    opts.security.server_keys = *cred;
+    opts.security.allowed_client_keys = *allowed;
+    opts.security.allowed_client_keys.push_back(cred->public_key);
+    spdlog::info("local authentication: clients must hold the credential {} (or a key under --allow-keys)",
+                 troupe::sched::credential_path());
   } else if (!allow_keys.empty()) {
     std::fprintf(stderr, "troupe-scheduler: --allow-keys needs --curve-key\n");
     return 2;

@@ -2,6 +2,7 @@
 // and the bare-ZeroMQ connection probe used to explain a failed request.
 #include "scheduler/transport.h"
 
+#include <sodium.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 
 #include "actors/actor.h"
 #include "actors/actor_system.h"
+#include "comm/control/host_addr.h"
 #include "core/logging.h"
 
 namespace troupe::sched {
@@ -219,6 +221,28 @@ class ClientInbox final : public actors::Actor {
 
 }  // namespace
 
+Result<CurveKeyPair> derive_job_keypair(const CurveKeyPair& scheduler_keys, const std::string& job_id) {
+  if (scheduler_keys.secret_key.size() != control::kZ85KeyChars) {
+    return invalid_argument("deriving job {}'s key: the scheduler's secret key is not a 40-character Z85 key", job_id);
+  }
+  uint8_t secret[32];
+  if (!zmq_z85_decode(secret, scheduler_keys.secret_key.c_str())) {
+    return invalid_argument("deriving job {}'s key: the scheduler's secret key is not valid Z85", job_id);
+  }
+  const std::string msg = "troupe job key v1\n" + job_id;
+  uint8_t derived[32];
+  crypto_generichash(derived, sizeof derived, reinterpret_cast<const uint8_t*>(msg.data()), msg.size(), secret,
+                     sizeof secret);
+  sodium_memzero(secret, sizeof secret);
+  char z85[41] = {0};
+  zmq_z85_encode(z85, derived, sizeof derived);
+  sodium_memzero(derived, sizeof derived);
+  CurveKeyPair kp;
+  kp.secret_key = z85;
+  TROUPE_ASSIGN_OR_RETURN(kp.public_key, control::curve_public_key_of(kp.secret_key));
+  return kp;
+}
+
 Result<std::unique_ptr<ServerEndpoint>> ServerEndpoint::bind(const std::string& endpoint, const ServerSecurity& sec) {
   std::unique_ptr<ServerEndpoint> s(new ServerEndpoint());
   s->shared_ = std::make_shared<Shared>();
@@ -301,7 +325,14 @@ Result<std::unique_ptr<ClientEndpoint>> ClientEndpoint::connect(const std::strin
   auto sys = actors::ActorSystem::create(std::move(o));
   if (!sys.ok()) return sys.status();
   c->system_ = std::move(sys).value();
-  Status st = c->system_->connect(kSchedulerNode, endpoint, sec.server_public_key);
+  // With TROUPE_HOST_ADDR set (an agent's --host-addr, and its job processes) the
+  // connection leaves from that address (ZeroMQ's "tcp://source:0;dest:port").
+  std::string via = endpoint;
+  if (const char* src = std::getenv(control::kHostAddrEnv);
+      src && *src && via.rfind("tcp://", 0) == 0 && via.find(';') == std::string::npos) {
+    via = fmt::format("tcp://{}:0;{}", src, via.substr(6));
+  }
+  Status st = c->system_->connect(kSchedulerNode, via, sec.server_public_key);
   if (!st.ok()) return invalid_argument("cannot connect to '{}': {}", endpoint, st.message());
   auto inbox = c->system_->spawn<ClientInbox>("inbox", c->inbox_, actors::ActorRef(kSchedulerNode, kSchedulerActor));
   if (!inbox.ok()) return inbox.status();

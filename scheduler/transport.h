@@ -52,6 +52,12 @@ Result<CurveKeyPair> read_key_file(const std::string& path);
 // Reads public keys from each path: a key file or a directory of *.pub / *.key files.
 Result<std::vector<std::string>> read_public_keys(const std::vector<std::string>& paths);
 
+// The CURVE key pair of one job, derived from the scheduler's secret key and the job id
+// (keyed BLAKE2b): the same after a scheduler restart, unknowable without the scheduler's
+// secret. Handed to the job's processes (TROUPE_JOB_PUBLIC_KEY / TROUPE_JOB_SECRET_KEY)
+// for their own control planes (comm/control/host_addr.h).
+Result<CurveKeyPair> derive_job_keypair(const CurveKeyPair& scheduler_keys, const std::string& job_id);
+
 // "host:port" -> "tcp://host:port"; "tcp://..", "ipc://..", "inproc://.." pass through.
 Result<std::string> normalize_endpoint(const std::string& addr);
 

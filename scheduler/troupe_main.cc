@@ -5,6 +5,7 @@
 //   troupe submit --nproc N [...] -- <app> [args]
 //   troupe status [JOB] [--json]      troupe logs JOB [--worker W] [--follow]
 //   troupe cancel JOB                 troupe keygen PREFIX
+//   troupe wait JOB                   (exits with the job's exit status)
 //   troupe top JOB|RUN_DIR [--once] [--interval S]
 // Every command that talks to a scheduler takes --scheduler ADDR (default
 // $TROUPE_SCHEDULER, else tcp://127.0.0.1:7460), --curve-key and --scheduler-key.
@@ -29,8 +30,12 @@ struct SpecFlags {
   std::vector<std::string> command;  // positional, when no "--" is given
 };
 
-void add_spec_options(CLI::App* cmd, SpecFlags& f) {
-  cmd->add_option("--nproc,-n", f.spec.nproc, "Number of worker processes")->required()->check(CLI::Range(1, 100000));
+void add_spec_options(CLI::App* cmd, SpecFlags& f, bool nproc_required = true) {
+  auto* np = cmd->add_option("--nproc,-n", f.spec.nproc,
+                             nproc_required ? "Number of worker processes"
+                                            : "Number of worker processes (in a Slurm allocation: $SLURM_NTASKS)")
+                 ->check(CLI::Range(1, 100000));
+  if (nproc_required) np->required();
   cmd->add_option("--backend", f.spec.backend, "cpu or cuda (cuda: one GPU per worker)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--max-restarts", f.spec.max_restarts, "Restarts of the job's workers after a failure")
@@ -92,10 +97,12 @@ int main(int argc, char** argv) {
   SpecFlags run_flags;
   troupe::sched::RunOptions run_opts;
   auto* run = app.add_subcommand("run", "Run a job on this machine: embedded scheduler and agent, a driver and N workers");
-  add_spec_options(run, run_flags);
+  add_spec_options(run, run_flags, /*nproc_required=*/false);
   run->add_option("--state-dir", run_opts.state_dir, "Keep the scheduler state and logs here (default: a temporary dir)");
   run->add_flag("--verbose,-v", run_opts.verbose, "Log what the embedded scheduler and agent do");
   run->add_flag("!--no-prefix", run_opts.prefix_output, "Print process output without the [name] prefix");
+  run->add_option("--slots", run_opts.slots, "Slots of the embedded agent (default: --nproc); more workers fail at once")
+      ->check(CLI::Range(1, 1000000));
 
   SpecFlags submit_flags;
   CliConnection submit_conn;
@@ -136,6 +143,14 @@ int main(int argc, char** argv) {
   cancel->add_option("job", cancel_job, "Job id")->required();
   cancel->add_flag("--json", cancel_json, "Print the job record as JSON");
   add_connection(cancel, cancel_conn);
+
+  CliConnection wait_conn;
+  std::string wait_job;
+  bool wait_quiet = false;
+  auto* waitc = app.add_subcommand("wait", "Wait for a job to end; exit with its exit status (130: cancelled)");
+  waitc->add_option("job", wait_job, "Job id")->required();
+  waitc->add_flag("--quiet,-q", wait_quiet, "Print nothing");
+  add_connection(waitc, wait_conn);
 
   CliConnection ckpt_conn;
   std::string ckpt_job, ckpt_dir;
@@ -210,6 +225,7 @@ int main(int argc, char** argv) {
   if (run->parsed()) {
     if (!finish_spec(run, run_flags, after_dashes)) return 2;
     run_opts.spec = run_flags.spec;
+    run_opts.nproc_given = run->get_option("--nproc")->count() > 0;
     return troupe::sched::cli_run(run_opts);
   }
   if (submit->parsed()) {
@@ -241,6 +257,7 @@ int main(int argc, char** argv) {
   }
   if (cancel->parsed()) return troupe::sched::cli_cancel(cancel_conn, cancel_job, cancel_json);
   if (keygen->parsed()) return troupe::sched::cli_keygen(keygen_prefix);
+  if (waitc->parsed()) return troupe::sched::cli_wait(wait_conn, wait_job, wait_quiet);
   if (top->parsed()) return troupe::sched::cli_top(top_conn, top_opts);
   if (ckpts->parsed()) {
     if (ckpt_job.empty() && ckpt_dir.empty()) {

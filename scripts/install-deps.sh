@@ -16,6 +16,7 @@ pkgs=(
   libibverbs-dev rdma-core
   python3-torch python3-numpy python3-matplotlib
   procps psmisc
+  slurmd slurmctld slurm-client munge
 )
 
 missing=()

@@ -1178,8 +1178,20 @@ Status Trainer::run_job() {
   // --resume: any checkpoint of issue 8's format (a normal run's or an elastic one's, any
   // layout); epoch 0's plan names it and every worker loads it (ElasticWorker::join).
   std::unique_ptr<checkpoint::CheckpointReader> resume;
-  if (!o_.resume.empty()) {
-    TROUPE_ASSIGN_OR_RETURN(resume, open_resume_checkpoint(o_.resume));
+  std::string resume_from = o_.resume;
+  // A driver the scheduler restarted after its predecessor died (scheduler.cc,
+  // restart_driver): its workers were restarted with it, so it goes on from the job's
+  // newest valid checkpoint.
+  if (resume_from.empty() && scheduled_ && env_or("TROUPE_DRIVER_RESTARTS", 0) > 0) {
+    const std::string dir = checkpoint_dir_for(tc_, run_dir_);
+    if (!checkpoint::list_checkpoints(dir).empty()) {
+      resume_from = dir;
+    } else {
+      fmt::print("train_moe: restarted driver: no checkpoint in {}: the job starts over\n", dir);
+    }
+  }
+  if (!resume_from.empty()) {
+    TROUPE_ASSIGN_OR_RETURN(resume, open_resume_checkpoint(resume_from));
     TROUPE_RETURN_IF_ERROR(check_resume_compatible(resume->manifest(), tc_));
     fmt::print("train_moe: resuming from {} (step {}, saved with layout {}) with elastic layout pp={} dp={} n={}\n",
                resume->path(), resume->step(), resume->layout().to_string(), tc_.parallel.pp, tc_.parallel.dp,

@@ -19,6 +19,7 @@
 #include <zmq_addon.hpp>
 
 #include "comm/control/liveness.h"
+#include "comm/control/log_limit.h"
 #include "core/logging.h"
 
 namespace troupe::control {
@@ -153,7 +154,7 @@ class Transport::Impl {
   }
 
   TransportStats stats() const {
-    return TransportStats{sent_.load(), received_.load(), dropped_.load(), send_failures_.load()};
+    return TransportStats{sent_.load(), received_.load(), dropped_.load(), send_failures_.load(), drops_not_logged_.load()};
   }
 
   const std::string& node_id() const { return opts_.node_id; }
@@ -466,11 +467,17 @@ class Transport::Impl {
     return true;
   }
 
+  // Bad frames are counted; the log gets at most a few lines per peer and window (the
+  // peer's id and the reason escaped: both may hold any bytes the peer chose).
   void drop(const std::string& from, const std::string& why) {
     ++dropped_;
-    std::string printable;
-    for (char c : from) printable += (c >= 32 && c < 127) ? c : '?';
-    log_->warn("control {}: dropped a frame from '{}': {}", opts_.node_id, printable, why);
+    const LogRateLimiter::Decision d = drop_limiter_.admit(from, std::chrono::steady_clock::now());
+    if (!d.log) {
+      ++drops_not_logged_;
+      return;
+    }
+    log_->warn("control {}: dropped a frame from '{}': {}{}", opts_.node_id, escape_for_log(from), escape_for_log(why, 200),
+               d.suppressed ? fmt::format(" ({} more from this peer not logged)", d.suppressed) : std::string());
   }
 
   void tick() {
@@ -527,6 +534,8 @@ class Transport::Impl {
   std::set<std::string> up_mirror_;
 
   std::atomic<uint64_t> sent_{0}, received_{0}, dropped_{0}, send_failures_{0};
+  std::atomic<uint64_t> drops_not_logged_{0};
+  LogRateLimiter drop_limiter_;  // loop thread only
 
   // Loop thread only.
   std::unique_ptr<zmq::socket_t> router_, zap_;

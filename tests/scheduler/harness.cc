@@ -16,6 +16,7 @@
 #include <sstream>
 #include <thread>
 
+#include "scheduler/local_auth.h"
 #include "scheduler/spawner.h"
 
 extern char** environ;
@@ -32,7 +33,9 @@ namespace {
 std::vector<std::string> my_env(const std::vector<std::string>& extra) {
   std::vector<std::string> env;
   for (char** e = environ; *e; ++e) {
-    if (std::string(*e).rfind("TROUPE_", 0) != 0) env.emplace_back(*e);
+    const std::string kv = *e;
+    // TROUPE_CONFIG_DIR stays: the tests' daemons and CLI share its credential.
+    if (kv.rfind("TROUPE_", 0) != 0 || kv.rfind("TROUPE_CONFIG_DIR=", 0) == 0) env.emplace_back(kv);
   }
   env.push_back("SPDLOG_LEVEL=info");
   for (const auto& e : extra) env.push_back(e);
@@ -205,8 +208,11 @@ std::string Daemon::log_text() const { return slurp(log_); }
 Cluster::Cluster(Options opts) : opts_(opts) {
   dir_ = make_temp_dir("cluster");
   std::filesystem::create_directories(out_dir());
-  address_ = fmt::format("tcp://127.0.0.1:{}", free_port());
+  address_ = fmt::format("tcp://{}:{}", opts_.scheduler_host, free_port());
   tag_ = fmt::format("{}-{:x}", getpid(), std::random_device{}());
+  // Without CURVE flags the daemons and the CLI use local authentication: the user's
+  // credential, kept in this cluster's directory (inherited by every process started).
+  setenv("TROUPE_CONFIG_DIR", (dir_ + "/config").c_str(), 1);
   if (opts_.curve) {
     std::filesystem::create_directories(dir_ + "/keys/allowed");
     for (const char* who : {"scheduler", "agent", "client", "rogue"}) {
@@ -221,6 +227,7 @@ Cluster::Cluster(Options opts) : opts_(opts) {
     std::string id = fmt::format("a{}", i + 1);
     std::vector<std::string> argv = {agent_bin(), "--scheduler", address_, "--slots", std::to_string(opts_.slots_per_agent),
                                      "--id", id, "--work-dir", dir_ + "/" + id, "--heartbeat-ms", "200"};
+    if (static_cast<size_t>(i) < opts_.agent_hosts.size()) argv.insert(argv.end(), {"--host-addr", opts_.agent_hosts[i]});
     if (opts_.curve) {
       argv.insert(argv.end(), {"--curve-key", dir_ + "/keys/agent.key", "--scheduler-key", scheduler_pub()});
     }
@@ -296,6 +303,10 @@ nlohmann::json Cluster::status(const std::string& job) {
   if (opts_.curve) {
     sec.server_public_key = read_key_file(scheduler_pub())->public_key;
     sec.client_keys = *read_key_file(client_key());
+  } else {
+    auto local = local_client_security();
+    if (!local.ok()) throw std::runtime_error(local.status().to_string());
+    sec = *local;
   }
   auto c = ClientEndpoint::connect(address_, sec, fmt::format("test:{:x}", std::random_device{}()));
   if (!c.ok()) throw std::runtime_error(c.status().to_string());

@@ -73,6 +73,10 @@ class Cluster {
     int slots_per_agent = 2;
     bool curve = false;
     int agent_timeout_ms = 3000;
+    // "Hosts" on one machine: the scheduler listens on scheduler_host; agent i runs with
+    // --host-addr agent_hosts[i] when given (its processes bind and advertise it).
+    std::string scheduler_host = "127.0.0.1";
+    std::vector<std::string> agent_hosts;
   };
   explicit Cluster(Options opts);
   ~Cluster();
@@ -98,6 +102,7 @@ class Cluster {
   std::string tag() const { return tag_; }
   std::string out_dir() const { return dir_ + "/out"; }
   std::string logs_of_daemons() const;
+  Daemon& agent(size_t i) { return agents_.at(i); }
 
  private:
   Options opts_;

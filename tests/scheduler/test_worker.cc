@@ -83,15 +83,13 @@ std::string place_and_ask(troupe::sched::SchedulerSession& session, const JobCon
   troupe::actors::ActorSystemOptions o;
   o.node_id = fmt::format("{}.driver.{}", ctx.job_id, getpid());
   o.threads = 1;
-  o.network = troupe::control::TransportOptions{};
-  o.network->node_id = o.node_id;
-  o.network->bind_endpoint = "";
+  o.network = troupe::sched::job_actor_network(o.node_id, /*bind=*/false);
   auto sys = troupe::actors::ActorSystem::create(std::move(o));
   if (!sys.ok()) return "actor system: " + sys.status().to_string();
   int ok = 0;
   for (const auto& a : (*placed)["actors"]) {
     std::string node = a.value("node", ""), actor = a.value("actor", "");
-    if (!(*sys)->connect(node, a.value("endpoint", "")).ok()) continue;
+    if (!(*sys)->connect(node, a.value("endpoint", ""), troupe::sched::job_actor_server_key()).ok()) continue;
     while (std::chrono::steady_clock::now() < deadline) {
       auto r = (*sys)->ask<Echo>(troupe::actors::ActorRef(node, actor), Echo{"ping " + actor}, std::chrono::seconds(2)).get();
       if (r.ok()) {
@@ -156,9 +154,8 @@ int main() {
     troupe::actors::ActorSystemOptions o;
     o.node_id = fmt::format("{}.{}.e{}.{}", ctx.job_id, ctx.name, ctx.epoch, getpid());
     o.threads = 1;
-    o.network = troupe::control::TransportOptions{};
-    o.network->node_id = o.node_id;
-    o.network->bind_endpoint = "tcp://127.0.0.1:*";
+    // This host's address; the job's CURVE keys when the scheduler runs CURVE.
+    o.network = troupe::sched::job_actor_network(o.node_id, /*bind=*/true);
     auto sys = troupe::actors::ActorSystem::create(std::move(o));
     if (!sys.ok()) {
       std::fprintf(stderr, "test_worker: %s\n", sys.status().to_string().c_str());

@@ -13,7 +13,11 @@
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include <spdlog/sinks/ringbuffer_sink.h>
+
 #include "comm/control/codec.h"
+#include "comm/control/log_limit.h"
+#include "core/logging.h"
 #include "tests/comm/control/control_test_util.h"
 
 namespace troupe::control {
@@ -186,6 +190,68 @@ TEST(ControlHardening, RefusesUnauthenticatedAndWrongKeyCurveClients) {
 
   expect_serves(*server.transport, "good-2", good, server_kp->public_key);
   EXPECT_EQ(server.delivered.load(), 2) << "only the allow-listed client got through";
+}
+
+
+// A peer whose id holds terminal control bytes floods bad frames: every frame is dropped
+// and counted, the log shows the id escaped (\xNN, never a raw control byte) and only a
+// few lines for that peer (the rest are counted as not logged).
+TEST(ControlHardening, BadFrameWarningsAreEscapedAndRateLimited) {
+  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(1000);
+  auto logger = make_logger("control");
+  logger->sinks().push_back(sink);
+  EchoServer server;
+  ASSERT_TRUE(server.start(options("server", "tcp://127.0.0.1:*")).ok());
+  zmq::context_t ctx(1);
+  zmq::socket_t evil(ctx, zmq::socket_type::dealer);
+  evil.set(zmq::sockopt::linger, 0);
+  const std::string nasty_id = std::string("ev\x1b[2J\nil\x07", 10);
+  evil.set(zmq::sockopt::routing_id, nasty_id);
+  evil.connect(server.transport->endpoint());
+  constexpr size_t kFrames = 300;
+  for (size_t i = 0; i < kFrames; ++i) evil.send(zmq::buffer(std::string("bad\x01\x02\x1b frame")), zmq::send_flags::none);
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (server.transport->stats().frames_dropped < kFrames && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+  }
+  expect_serves(*server.transport, "good");
+  logger->sinks().pop_back();
+  const auto st = server.transport->stats();
+  EXPECT_GE(st.frames_dropped, kFrames);
+  size_t lines = 0;
+  for (const std::string& line : sink->last_formatted()) {
+    if (line.find("dropped a frame") == std::string::npos) continue;
+    ++lines;
+    EXPECT_NE(line.find("ev\\x1b[2J\\x0ail\\x07"), std::string::npos) << line;
+    for (size_t i = 0; i + 1 < line.size(); ++i) {  // the formatted line's own '\n' ends it
+      const auto c = static_cast<unsigned char>(line[i]);
+      EXPECT_TRUE(c >= 32 && c < 127) << "raw byte " << int(c) << " in: " << line;
+    }
+  }
+  EXPECT_GE(lines, 1u);
+  EXPECT_LE(lines, 3u) << "one peer's bad frames are rate-limited";
+  EXPECT_GE(st.drops_not_logged, kFrames - 3);
+}
+
+TEST(ControlHardening, EscapeForLog) {
+  EXPECT_EQ(escape_for_log("plain id-1"), "plain id-1");
+  EXPECT_EQ(escape_for_log(std::string("a\0b\\\xff", 5)), "a\\x00b\\\\\\xff");
+  EXPECT_EQ(escape_for_log(std::string(100, 'x'), 10), std::string(10, 'x') + "...");
+}
+
+TEST(ControlHardening, LogRateLimiterWindows) {
+  LogRateLimiter lim(2, 3, std::chrono::milliseconds(1000));
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(lim.admit("a", t0).log);
+  EXPECT_TRUE(lim.admit("a", t0).log);
+  EXPECT_FALSE(lim.admit("a", t0).log);
+  EXPECT_FALSE(lim.admit("a", t0).log);
+  EXPECT_TRUE(lim.admit("b", t0).log);   // its own bucket; the global one is now full
+  EXPECT_FALSE(lim.admit("c", t0).log);  // global bound
+  const auto d = lim.admit("a", t0 + std::chrono::milliseconds(1001));
+  EXPECT_TRUE(d.log);
+  EXPECT_EQ(d.suppressed, 2u);  // reported with the next line let through
+  EXPECT_EQ(lim.total_suppressed(), 3u);
 }
 
 }  // namespace
