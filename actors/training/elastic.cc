@@ -16,6 +16,7 @@
 
 #include "actors/training/checkpointing.h"
 #include "actors/training/role_actors.h"
+#include "comm/control/host_addr.h"
 #include "actors/training/control.h"
 #include "actors/training/stage.h"
 #include "actors/training/trainer.h"
@@ -550,7 +551,7 @@ Status ElasticWorker::run() {
     const char* vis = std::getenv("CUDA_VISIBLE_DEVICES");
     device = fmt::format("cuda:{}", (vis != nullptr && *vis != '\0') ? vis : "0");
   }
-  TROUPE_ASSIGN_OR_RETURN(actors_, WorkerActors::start(slot_, control_host(), store_, key(fmt::format("actors/{}", slot_)),
+  TROUPE_ASSIGN_OR_RETURN(actors_, WorkerActors::start(slot_, control::host_addr(), store_, key(fmt::format("actors/{}", slot_)),
                                                        std::move(device)));
   // Replies and failure reports go to the driver's trainer actor.
   TROUPE_RETURN_IF_ERROR(actors_->connect_driver(store_, key("actors/driver"), std::chrono::milliseconds(120000)));

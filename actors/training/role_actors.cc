@@ -4,10 +4,13 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "actors/actor.h"
+#include "comm/control/host_addr.h"
 
 namespace troupe::training {
 
@@ -61,17 +64,31 @@ std::string host_name() {
   return buf;
 }
 
-bool is_loopback(const std::string& host) { return host.rfind("127.", 0) == 0 || host == "localhost"; }
-
+// The job's actor systems bind the host address their launcher hands them
+// (TROUPE_HOST_ADDR) and, with the job's CURVE key pair from the scheduler, accept only
+// the job's own processes (docs/cluster.md, "Hosts"). Off loopback without keys the
+// transport refuses to bind unless TROUPE_INSECURE=1.
 Result<std::unique_ptr<actors::ActorSystem>> make_system(const std::string& node, const std::string& bind_host) {
   actors::ActorSystemOptions o;
   o.node_id = node;
   o.threads = 1;
   control::TransportOptions t;
   t.bind_endpoint = fmt::format("tcp://{}:*", bind_host);
-  t.allow_non_loopback = !is_loopback(bind_host);
+  if (std::optional<control::CurveKeyPair> kp = control::job_curve_from_env()) {
+    t.curve.own = *kp;
+    t.curve.allowed_client_keys = {kp->public_key};
+    t.allow_non_loopback = true;
+  } else if (const char* insecure = std::getenv("TROUPE_INSECURE"); insecure != nullptr && std::string(insecure) == "1") {
+    t.allow_non_loopback = true;
+  }
   o.network = t;
   return actors::ActorSystem::create(std::move(o));
+}
+
+// The server key to connect to another process of the job ("" without CURVE).
+std::string job_server_key() {
+  std::optional<control::CurveKeyPair> kp = control::job_curve_from_env();
+  return kp ? kp->public_key : std::string();
 }
 
 }  // namespace
@@ -130,7 +147,7 @@ Status WorkerActors::connect_driver(comm::RendezvousStore& store, const std::str
   if (!ep.is_object() || !ep.contains("endpoint") || !ep["endpoint"].is_string()) {
     return data_loss("the driver's actor endpoint record is malformed: {}", text.substr(0, 200));
   }
-  return sys_->connect("driver", ep["endpoint"].get<std::string>());
+  return sys_->connect("driver", ep["endpoint"].get<std::string>(), job_server_key());
 }
 
 Status WorkerActors::send(const StepReply& r) { return sys_->tell(actors::ActorRef("driver", "trainer"), r); }
@@ -194,7 +211,9 @@ Status ActorDirectory::attach(const std::vector<int>& slots, comm::RendezvousSto
       return data_loss("worker slot {}: its actor endpoint record is malformed: {}", slot, text.substr(0, 200));
     }
     const std::string node = ep["node"].get<std::string>();
-    if (!sys_->is_node_up(node)) TROUPE_RETURN_IF_ERROR(sys_->connect(node, ep["endpoint"].get<std::string>()));
+    if (!sys_->is_node_up(node)) {
+      TROUPE_RETURN_IF_ERROR(sys_->connect(node, ep["endpoint"].get<std::string>(), job_server_key()));
+    }
     for (const char* role : kWorkerRoles) {
       ActorEntry e;
       e.id = actor_id(role, static_cast<int>(r));

@@ -54,6 +54,7 @@
 #include "actors/training/control.h"
 #include "actors/training/elastic.h"
 #include "actors/training/role_actors.h"
+#include "comm/control/host_addr.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/writer.h"
 #include "comm/parallel_layout.h"
@@ -1247,7 +1248,7 @@ Status Trainer::run_job() {
   // the job's store) instead of restarting every worker of the job.
   if (scheduled_) TROUPE_RETURN_IF_ERROR(store_->set(key("claim"), std::to_string(getpid())));
   TROUPE_RETURN_IF_ERROR(store_->set(key("plan/0"), plan_.to_json().dump()));
-  TROUPE_ASSIGN_OR_RETURN(actors_, ActorDirectory::start(control_host(), *store_, key("actors/driver")));
+  TROUPE_ASSIGN_OR_RETURN(actors_, ActorDirectory::start(control::host_addr(), *store_, key("actors/driver")));
   event({{"event", "job_started"}, {"job", job_}, {"plan", plan_.to_json()}, {"heartbeat_timeout_ms", hb_timeout_.count()}});
   fmt::print("trainer: layout pp={} dp={} n={} ({} workers, dispatch {}, compression {}), {} parameters, {} tokens/step, "
              "{} steps, heartbeat timeout {} ms, run dir {}\n",
@@ -1400,11 +1401,6 @@ Status Trainer::run_job() {
 }
 
 }  // namespace
-
-std::string control_host() {
-  const char* h = std::getenv("TROUPE_HOST_ADDR");
-  return (h != nullptr && *h != '\0') ? std::string(h) : std::string("127.0.0.1");
-}
 
 Status run_trainer(const TrainerOptions& o, const layers::TrainConfig& tc,
                    std::unique_ptr<comm::RendezvousStore> scheduled_store) {

@@ -50,9 +50,6 @@ struct TrainerOptions {
   std::function<Status(const std::vector<std::pair<std::string, std::string>>&)> publish_placement;
 };
 
-// The address this process's control-plane endpoints bind: $TROUPE_HOST_ADDR when the
-// launcher hands one over, else 127.0.0.1.
-std::string control_host();
 
 // Runs the job to its end as its driver. `scheduled_store`: the job's store under
 // troupe-scheduler (TROUPE_ROLE=driver); null: the standalone launcher. `tc` is the loaded
