@@ -5,7 +5,7 @@
 #   kernels  bench/kernels/gpu_check.sh's timing half: kernel_bench, torch_kernels.py, compare.py
 #   router   bench/router_load.sh on bench_1b (same weights and tokens in Troupe and the peer)
 #   e2e      bench/e2e.sh --gpus 1 on bench_1b (Troupe and both peer variants, same tokens)
-#   hoststats  Troupe on bench_1b with TROUPE_DEVICE_STATS=0 (per-layer read-backs), to compare
+#   hoststats  Troupe on bench_1b with train.device_stats=false (per-layer read-backs), to compare
 #   final    the final run, most important first, each part's failure reported and passed:
 #            build (train_moe + the CUDA tests) -> e2e -> tests -> train_moe_cuda_test ->
 #            kernels (builds kernel_bench) -> hoststats
@@ -78,8 +78,8 @@ for step in "$@"; do
       ;;
     hoststats)
       d=${TMPDIR:-/tmp}/troupe-e2e-runs
-      TROUPE_DEVICE_STATS=0 timeout 200 "$B"/apps/train_moe --config apps/configs/bench_1b.toml --backend cuda \
-        --set train.steps=7 --set train.eval_every=0 --set train.eval_batches=1 --set "data.dir=$d/data" \
+      timeout 200 "$B"/apps/train_moe --config apps/configs/bench_1b.toml --backend cuda \
+        --set train.device_stats=false --set train.steps=7 --set train.eval_every=0 --set train.eval_batches=1 --set "data.dir=$d/data" \
         --run-dir "$d/hoststats" >"$out/hoststats.log" 2>&1
       stamp "hoststats rc=$?"
       grep "^step [0-9]*/7" "$out/hoststats.log" | cut -c1-220

@@ -26,6 +26,12 @@ struct TrainOptions {
   // Wall-clock budget in seconds (0: none). When a step ends past it, training stops
   // there (final validation and weights as usual): `make demo` uses it as a safety net.
   double time_limit_s = 0;
+  // GPU runs: keep the step's statistics on the device until its one read (issue 20);
+  // false: the host statistics (per-layer read-backs), for comparison.
+  bool device_stats = true;
+  // Non-empty: every rank writes, per step, its per-thread communication and compute
+  // timings as JSON lines into this directory (bench/overlap/timeline.py draws them).
+  std::string timeline_dir;
 };
 
 struct DataOptions {
@@ -51,6 +57,12 @@ struct ParallelOptions {
   // are summed per chunk), so compare runs at equal chunks.
   int64_t chunks = 2;
   bool fp8_dispatch = false;  // expert token dispatch in fp8 e4m3 with per-token scales
+  // Print each step's relative error of the compressed gradient exchange against an extra
+  // fp32 exchange of the same gradients (tests, benches; CPU ranks; costs that exchange).
+  bool measure_compression = false;
+  // GPU paths implemented but not yet run on two GPUs (pp > 1, dispatch = "allgather"):
+  // refused unless this is set.
+  bool gpu_unverified = false;
   int64_t world() const { return pp * dp * n; }
   // The layout must fit the model: layers divisible by pp, heads, kv heads and experts
   // by n.

@@ -93,20 +93,19 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
   if (ctx.on_device()) {
     const auto& par = tc.parallel;
     // Implemented for devices, but not yet run on two GPUs: refused unless asked for.
-    const char* unverified = std::getenv("TROUPE_GPU_UNVERIFIED");
-    const bool allow = unverified != nullptr && std::string_view(unverified) == "1";
+    const bool allow = par.gpu_unverified;
     if (par.pp > 1 && !allow) {
       return unimplemented(
           "Stage on {}: pipeline parallelism (pp = {}) on GPUs is implemented but not yet verified on two "
           "GPUs; set "
-          "TROUPE_GPU_UNVERIFIED=1 to run it",
+          "parallel.gpu_unverified = true to run it",
           ctx.ex.device, par.pp);
     }
     if (par.n > 1 && par.dispatch == "allgather" && !allow) {
       return unimplemented(
           "Stage on {}: parallel.dispatch = \"allgather\" on GPUs is implemented but not yet verified on two "
           "GPUs; "
-          "set TROUPE_GPU_UNVERIFIED=1 to run it (or use \"alltoall\")",
+          "set parallel.gpu_unverified = true to run it (or use \"alltoall\")",
           ctx.ex.device);
     }
 #if !TROUPE_HAVE_NCCL
@@ -582,8 +581,7 @@ StepReport Stage::run_step(int64_t step) {
   const auto t0 = Clock::now();
   bind_device();
   time_.reset();
-  static const char* trace_dir = std::getenv("TROUPE_TIMELINE_DIR");
-  time_.set_tracing(trace_dir != nullptr && *trace_dir != '\0');
+  time_.set_tracing(!tc_.train.timeline_dir.empty());
   const int64_t step_t0 = comm::Work::now_ns();
   if (params_pending_ && throw_on_comm_error()) {
     // Elastic workers await the gather inside the step; one still pending here belongs to
@@ -655,10 +653,9 @@ StepReport Stage::run_step(int64_t step) {
   const int64_t e = tc_.model.moe.num_experts;
   const int64_t nmoe = model_->num_moe_blocks();
   std::vector<double> v(static_cast<size_t>(7 + nmoe * e), 0.0);
-  // TROUPE_MEASURE_COMPRESSION=1 (tests, benches; host tensors): the relative L2 error of
+  // parallel.measure_compression (tests, benches; host tensors): the relative L2 error of
   // the compressed gradient against an extra fp32 exchange of the same gradients.
-  static const bool measure = std::getenv("TROUPE_MEASURE_COMPRESSION") != nullptr;
-  const bool measured = measure && tc_.parallel.compression && layout_->dp() > 1 && !ctx_.on_device();
+  const bool measured = tc_.parallel.measure_compression && tc_.parallel.compression && layout_->dp() > 1 && !ctx_.on_device();
   if (measured) {
     Tensor exact = Tensor::zeros({shard_len_}, DType::kF32);
     for (const auto& bk : buckets_) {
@@ -763,7 +760,7 @@ StepReport Stage::run_step(int64_t step) {
   for (const auto& [kind, sec] : time_.by_kind()) rep.comm_by_kind_ms[kind] = sec * 1e3;
   if (time_.tracing()) {
     // One JSON line per event (bench/overlap/timeline.py draws them).
-    const std::string path = fmt::format("{}/rank{}.jsonl", trace_dir, rank_);
+    const std::string path = fmt::format("{}/rank{}.jsonl", tc_.train.timeline_dir, rank_);
     if (FILE* fp = std::fopen(path.c_str(), "a")) {
       time_.span("main", "step", step_t0, comm::Work::now_ns());
       for (const TraceEvent& e : time_.take_trace()) {

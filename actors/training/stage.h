@@ -38,7 +38,7 @@
 //   the Ctx's dtype (bf16 on the wire for Ulysses and the expert all-to-alls); collectives
 //   are ordered on the compute stream (group_ops.h "Device mode"), the overlapped ones on
 //   a communication stream ordered by events. pp > 1 and parallel.dispatch =
-//   "allgather" on a device are refused unless TROUPE_GPU_UNVERIFIED=1 (not yet run on GPUs).
+//   "allgather" on a device are refused unless parallel.gpu_unverified = true (not yet run on GPUs).
 #pragma once
 
 #include <map>

@@ -172,10 +172,8 @@ Status run_train(const TrainOptions& opts, RunDevice& dev) {
   layers::Model model(tc.model, tc.train.seed);
   model.to_device(c);
   // On a GPU the step's statistics stay on the device until its one read (issue 20).
-  // TROUPE_DEVICE_STATS=0 keeps the host statistics (per-layer read-backs), for comparison.
-  const char* ds_env = std::getenv("TROUPE_DEVICE_STATS");
-  const bool device_stats =
-      dev.is_cuda() && !(ds_env != nullptr && std::string(ds_env) == "0") && model.enable_device_stats(c);
+  // train.device_stats = false keeps the host statistics (per-layer read-backs), for comparison.
+  const bool device_stats = dev.is_cuda() && tc.train.device_stats && model.enable_device_stats(c);
   layers::AdamW opt(model.parameters(), tc.optim, c);
   int64_t first_step = 1, tokens_seen = 0;
   if (resume) {

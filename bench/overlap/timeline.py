@@ -2,7 +2,7 @@
 """bench/overlap/timeline.py — records the per-thread timings of a real training run and draws
 one step as a timeline (docs/parallelism.md's overlap picture).
 
-Recording: train_moe with TROUPE_TIMELINE_DIR set writes, per rank and step, one JSON line per
+Recording: train_moe with train.timeline_dir set writes, per rank and step, one JSON line per
 interval (actors/training/stage.cc, group_ops.h TraceEvent): lane "main" (the step thread:
 forward/backward spans of each block, the optimizer, and "wait: ..." intervals where it waited
 on the data plane, i.e. exposed communication) and lanes "comm n" / "comm dp" / "comm pp"
@@ -40,12 +40,11 @@ def record(a):
         subprocess.run([train, "prepare", "--input", "layers", "--input", "kernels", "--out", data, "--vocab", "320",
                         "--max-bytes", "300000", "--ext", ".cc", ".h"], cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL)
-    sets = TINY + [f"train.steps={a.steps}", f'data.dir="{data}"'] + (a.set or [])
+    sets = TINY + [f"train.steps={a.steps}", f'data.dir="{data}"', f'train.timeline_dir="{trace}"'] + (a.set or [])
     cmd = [train, "--config", "apps/configs/tiny.toml", "--run-dir", os.path.join(out, "run"), "--parallel", a.parallel]
     for s in sets:
         cmd += ["--set", s]
-    env = dict(os.environ, TROUPE_TIMELINE_DIR=trace)
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     return out
 
 

@@ -7,7 +7,7 @@
 //   steps as the sequential one (all three off), compression off. Same parallel.chunks on
 //   both sides (chunking is part of the arithmetic; the switches only move the waits).
 // - bf16 gradient exchange plus fp8 token dispatch: the loss after 50 steps is within 1%
-//   of the uncompressed run; the per-step relative gradient error (TROUPE_MEASURE_COMPRESSION)
+//   of the uncompressed run; the per-step relative gradient error (parallel.measure_compression)
 //   is printed and bounded.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -127,8 +127,8 @@ TEST_F(OverlapEquivalence, Bf16GradientsAndFp8DispatchTrainWithinOnePercent) {
   const std::string layout = "dp=2,n=2";
   const auto exact = train("exact50", 50, 1, layout, {});
   std::string out;
-  const auto comp = train("compressed50", 50, 1, layout + ",compression=true", {"parallel.fp8_dispatch=true"},
-                          {"TROUPE_MEASURE_COMPRESSION=1"}, &out);
+  const auto comp = train("compressed50", 50, 1, layout + ",compression=true", {"parallel.fp8_dispatch=true", "parallel.measure_compression=true"},
+                          {}, &out);
   const auto a = step_records(*root_ / "exact50" / "metrics.jsonl");
   const auto b = step_records(*root_ / "compressed50" / "metrics.jsonl");
   ASSERT_EQ(a.size(), 50u);
