@@ -98,15 +98,32 @@ void Scheduler::run() {
   while (!stop_.load()) run_once(std::chrono::milliseconds(opts_.poll_ms));
 }
 
+// One turn: everything that arrived is handled in one SQLite transaction, and what the
+// turn sends leaves only after the commit, so nothing is acknowledged before it is durable.
 void Scheduler::run_once(std::chrono::milliseconds timeout) {
-  for (auto& in : server_->poll(timeout)) dispatch(in);
+  auto batch = server_->poll(timeout);
+  Status b = store_->begin_batch();
+  if (!b.ok()) log()->error("state store: {}", b.to_string());
+  for (auto& in : batch) dispatch(in);
   timers();
+  Status c = store_->commit_batch();
+  if (!c.ok()) log()->error("cannot commit the scheduler state: {}", c.to_string());
+  flush_sends();
+}
+
+void Scheduler::send(const std::string& peer, Message msg) { outbox_.emplace_back(peer, std::move(msg)); }
+
+void Scheduler::flush_sends() {
+  for (auto& [peer, msg] : outbox_) {
+    if (!server_->send(peer, msg)) {
+      log()->debug("{} (request {}) to a peer that is gone", payload_name(msg.payload), msg.request_id);
+    }
+  }
+  outbox_.clear();
 }
 
 void Scheduler::reply(const std::string& peer, uint64_t request_id, Reply r) {
-  if (!server_->send(peer, Message{request_id, std::move(r)})) {
-    log()->debug("reply to a peer that is gone (request {})", request_id);
-  }
+  send(peer, Message{request_id, std::move(r)});
 }
 
 void Scheduler::dispatch(const Incoming& in) {
@@ -150,7 +167,7 @@ void Scheduler::on_register(const std::string& peer, const RegisterAgent& m) {
   a.last_seen = now;
   a.alive = true;
   store_->put_agent(a.rec).ignore();
-  server_->send(peer, Message{0, RegisterAck{incarnation_, opts_.agent_heartbeat_ms}});
+  send(peer, Message{0, RegisterAck{incarnation_, opts_.agent_heartbeat_ms}});
   log()->info("agent {} ({}) registered: {} slots, {} GPUs, {} process(es){}", m.agent_id, m.host, m.slots, m.gpus,
               m.procs.size(), was_alive ? " (again)" : "");
 
@@ -178,7 +195,7 @@ void Scheduler::on_register(const std::string& peer, const RegisterAgent& m) {
       } else {
         // A process we no longer want (an older epoch, a finished job): stop it.
         log()->info("agent {} runs {}/{} (epoch {}) that is not wanted: killing it", m.agent_id, p.job_id, p.name, p.epoch);
-        server_->send(peer, Message{0, KillRequest{p.job_id, p.name, SIGKILL, 0}});
+        send(peer, Message{0, KillRequest{p.job_id, p.name, SIGKILL, 0}});
       }
     } else {
       on_proc_exited(peer, p);
@@ -210,7 +227,7 @@ void Scheduler::on_register(const std::string& peer, const RegisterAgent& m) {
 void Scheduler::on_agent_heartbeat(const std::string& peer, const AgentHeartbeat& m) {
   auto it = agents_.find(m.agent_id);
   if (it == agents_.end() || !it->second.alive || m.incarnation != incarnation_) {
-    server_->send(peer, Message{0, Reregister{}});
+    send(peer, Message{0, Reregister{}});
     return;
   }
   it->second.last_seen = Clock::now();
@@ -233,7 +250,7 @@ void Scheduler::on_proc_started(const ProcStatus& p) {
 }
 
 void Scheduler::on_proc_exited(const std::string& peer, const ProcStatus& p) {
-  server_->send(peer, Message{0, ExitAck{p.job_id, p.name, p.epoch, p.pid}});
+  send(peer, Message{0, ExitAck{p.job_id, p.name, p.epoch, p.pid}});
   auto jit = jobs_.find(p.job_id);
   if (jit == jobs_.end()) return;
   Job& job = jit->second;
@@ -307,22 +324,26 @@ void Scheduler::proc_failed(Job& job, Proc& proc, const std::string& reason) {
 // ------------------------------------------------------------------ job lifecycle
 
 std::vector<AgentCapacity> Scheduler::capacity() const {
-  std::vector<AgentCapacity> out;
+  // One pass over the processes (not one per agent): slots held by live or pending ones.
+  std::map<std::string, std::vector<bool>> used;
   for (const auto& [id, a] : agents_) {
-    if (!a.alive) continue;
-    std::vector<bool> used(static_cast<size_t>(a.rec.slots), false);
-    for (const auto& [jid, job] : jobs_) {
-      if (job_state_final(job.rec.state)) continue;
-      for (const auto& [name, p] : job.procs) {
-        if (p.rec.agent_id == id && p.rec.slot >= 0 && p.rec.slot < a.rec.slots &&
-            (proc_live(p.rec) || p.rec.state == ProcState::kPending)) {
-          used[static_cast<size_t>(p.rec.slot)] = true;
-        }
+    if (a.alive) used[id].assign(static_cast<size_t>(std::max(0, a.rec.slots)), false);
+  }
+  for (const auto& [jid, job] : jobs_) {
+    if (job_state_final(job.rec.state)) continue;
+    for (const auto& [name, p] : job.procs) {
+      if (p.rec.slot < 0 || !(proc_live(p.rec) || p.rec.state == ProcState::kPending)) continue;
+      auto it = used.find(p.rec.agent_id);
+      if (it != used.end() && p.rec.slot < static_cast<int>(it->second.size())) {
+        it->second[static_cast<size_t>(p.rec.slot)] = true;
       }
     }
+  }
+  std::vector<AgentCapacity> out;
+  for (const auto& [id, slots] : used) {
     AgentCapacity c{id, {}};
-    for (int s = 0; s < a.rec.slots; ++s) {
-      if (!used[static_cast<size_t>(s)]) c.free_slots.push_back(s);
+    for (size_t s = 0; s < slots.size(); ++s) {
+      if (!slots[s]) c.free_slots.push_back(static_cast<int>(s));
     }
     out.push_back(std::move(c));
   }
@@ -380,9 +401,15 @@ void Scheduler::try_start(Job& job) {
     placement["driver"] = d.rec.agent_id;
   }
   event(job, "placed", {{"epoch", job.rec.epoch}, {"layout", layout.to_string()}, {"placement", placement}});
+  placing_ranks_.clear();
+  for (const auto& [name, p] : job.procs) {
+    if (p.rec.role == "worker" && p.rec.epoch == job.rec.epoch) placing_ranks_[p.rec.agent_id].push_back(p.rec.rank);
+  }
+  for (auto& [agent, ranks] : placing_ranks_) std::sort(ranks.begin(), ranks.end());
   for (auto& [name, proc] : job.procs) {
     if (proc.rec.state == ProcState::kPending) spawn(job, proc).ignore();
   }
+  placing_ranks_.clear();
 }
 
 Status Scheduler::spawn(Job& job, Proc& proc) {
@@ -399,10 +426,16 @@ Status Scheduler::spawn(Job& job, Proc& proc) {
   req.work_dir = spec.work_dir;
   for (const auto& [k, v] : spec.env) req.env.emplace_back(k, v);
   int local_rank = 0, local_size = 0;
-  for (const auto& [n, p] : job.procs) {
-    if (p.rec.role != "worker" || p.rec.agent_id != proc.rec.agent_id || p.rec.epoch != proc.rec.epoch) continue;
-    if (p.rec.rank < proc.rec.rank) ++local_rank;
-    ++local_size;
+  if (auto pr = placing_ranks_.find(proc.rec.agent_id); pr != placing_ranks_.end() && proc.rec.role == "worker") {
+    const auto& ranks = pr->second;  // try_start's placement: the same count, without a scan
+    local_rank = static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), proc.rec.rank) - ranks.begin());
+    local_size = static_cast<int>(ranks.size());
+  } else {
+    for (const auto& [n, p] : job.procs) {
+      if (p.rec.role != "worker" || p.rec.agent_id != proc.rec.agent_id || p.rec.epoch != proc.rec.epoch) continue;
+      if (p.rec.rank < proc.rec.rank) ++local_rank;
+      ++local_size;
+    }
   }
   auto add = [&](const char* k, std::string v) { req.env.emplace_back(k, std::move(v)); };
   add("TROUPE_ROLE", proc.rec.role);
@@ -436,9 +469,7 @@ Status Scheduler::spawn(Job& job, Proc& proc) {
   proc.last_beat = Clock::now();
   proc.beating = false;
   save(proc);
-  if (!server_->send(ait->second.peer, Message{0, std::move(req)})) {
-    log()->warn("could not send spawn of {}/{} to agent {}", job.rec.id, proc.rec.name, proc.rec.agent_id);
-  }
+  send(ait->second.peer, Message{0, std::move(req)});
   return ok_status();
 }
 
@@ -450,7 +481,7 @@ void Scheduler::kill_procs(Job& job, const std::string& name, int signal, int gr
   for (const auto& id : agents) {
     auto it = agents_.find(id);
     if (it == agents_.end() || !it->second.alive) continue;
-    server_->send(it->second.peer, Message{0, KillRequest{job.rec.id, name, signal, grace_ms}});
+    send(it->second.peer, Message{0, KillRequest{job.rec.id, name, signal, grace_ms}});
   }
 }
 
@@ -545,6 +576,14 @@ void Scheduler::timers() {
     reply(it->second.peer, it->second.request_id, std::move(r));
     store_waiters_.erase(it);
   }
+  // Timeouts are seconds long: scanning every agent and process once per poll period is
+  // enough, not once per message batch (thousands a second at cluster scale).
+  if (now < next_health_scan_) return;
+  next_health_scan_ = now + std::chrono::milliseconds(opts_.poll_ms);
+  scan_health(now);
+}
+
+void Scheduler::scan_health(Clock::time_point now) {
   // Agents that stopped heartbeating: everything they ran is lost.
   for (auto& [id, a] : agents_) {
     if (!a.alive || now - a.last_seen < std::chrono::milliseconds(opts_.agent_timeout_ms)) continue;
@@ -720,7 +759,7 @@ void Scheduler::on_logs(const std::string& peer, uint64_t rid, const LogsQuery& 
   log_forwards_[fwd] = PendingReply{peer, rid};
   LogsRequest req = m.req;
   req.name = name;
-  server_->send(ait->second.peer, Message{fwd, AgentLogsQuery{req}});
+  send(ait->second.peer, Message{fwd, AgentLogsQuery{req}});
 }
 
 void Scheduler::on_reply(const Message& m) {

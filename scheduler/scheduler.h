@@ -87,6 +87,9 @@ class Scheduler {
   Status recover();
 
   void dispatch(const Incoming& in);
+  // Queues `msg` for `peer`; it leaves after this turn's state is committed (run_once).
+  void send(const std::string& peer, Message msg);
+  void flush_sends();
   void reply(const std::string& peer, uint64_t request_id, Reply r);
   void on_register(const std::string& peer, const RegisterAgent& m);
   void on_agent_heartbeat(const std::string& peer, const AgentHeartbeat& m);
@@ -102,6 +105,7 @@ class Scheduler {
   void on_place_actors(const std::string& peer, uint64_t rid, const PlaceActors& m);
 
   void timers();
+  void scan_health(Clock::time_point now);  // agent and process heartbeat timeouts
   void try_start(Job& job);
   Status spawn(Job& job, Proc& proc);
   void proc_failed(Job& job, Proc& proc, const std::string& reason);
@@ -138,6 +142,11 @@ class Scheduler {
   std::map<uint64_t, PendingReply> log_forwards_;    // request id sent to an agent -> client
   uint64_t next_token_ = 1;
   Clock::time_point recovered_until_{};              // after a restart: grace for agents to return
+  std::vector<std::pair<std::string, Message>> outbox_;  // sent after the turn's commit
+  Clock::time_point next_health_scan_{};
+  // try_start's placement, for spawn(): agent -> the epoch's worker ranks on it (sorted),
+  // so a job of n workers costs O(n log n), not O(n^2). Empty outside try_start.
+  std::map<std::string, std::vector<int>> placing_ranks_;
   std::atomic<bool> stop_{false};
   std::mt19937_64 rng_{std::random_device{}()};
 };

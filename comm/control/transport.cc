@@ -37,18 +37,28 @@ Status validate_node_id(const std::string& id) {
   return ok_status();
 }
 
-// Every socket: no linger (context termination never waits for a dead peer), a size
-// limit enforced by libzmq before we see the frame, and ZMTP heartbeats. The ZMTP
-// timeout is longer than the application one so that a stuck-but-connected process is
-// reported as a heartbeat timeout by our own logic.
-void set_common_options(zmq::socket_t& s, const TransportOptions& o) {
+// Every socket: no linger (context termination never waits for a dead peer) and a size
+// limit enforced by libzmq before we see the frame. ZMTP heartbeats run from the DEALER
+// (client) side only: its timeout is longer than the application one, so a
+// stuck-but-connected process is reported as a heartbeat timeout by our own logic. The
+// ROUTER neither pings nor asks for a TTL: libzmq keeps its heartbeat timers in one list
+// per I/O thread and cancels them by linear search on every message that follows a
+// ping, which at thousands of connections made the server's I/O thread quadratic
+// (bench/scale). Dead client connections are closed by TCP keepalive on the ROUTER and by
+// the application heartbeat, which declares the peer down.
+void set_common_options(zmq::socket_t& s, const TransportOptions& o, bool server) {
   s.set(zmq::sockopt::linger, 0);
   s.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(o.max_message_bytes));
-  const int ivl = static_cast<int>(o.heartbeat_interval.count());
   const int zmtp_timeout = static_cast<int>(2 * o.heartbeat_timeout.count());
-  s.set(zmq::sockopt::heartbeat_ivl, ivl);
+  if (server) {
+    s.set(zmq::sockopt::tcp_keepalive, 1);
+    s.set(zmq::sockopt::tcp_keepalive_idle, std::max(1, zmtp_timeout / 1000));
+    s.set(zmq::sockopt::tcp_keepalive_intvl, std::max(1, zmtp_timeout / 3000));
+    s.set(zmq::sockopt::tcp_keepalive_cnt, 3);
+    return;
+  }
+  s.set(zmq::sockopt::heartbeat_ivl, static_cast<int>(o.heartbeat_interval.count()));
   s.set(zmq::sockopt::heartbeat_timeout, zmtp_timeout);
-  s.set(zmq::sockopt::heartbeat_ttl, std::max(100, zmtp_timeout));
 }
 
 }  // namespace
@@ -222,7 +232,7 @@ class Transport::Impl {
       }
       if (!opts_.bind_endpoint.empty()) {
         router_ = std::make_unique<zmq::socket_t>(*ctx_, zmq::socket_type::router);
-        set_common_options(*router_, opts_);
+        set_common_options(*router_, opts_, /*server=*/true);
         router_->set(zmq::sockopt::router_mandatory, true);
         router_->set(zmq::sockopt::router_handover, true);
         router_->set(zmq::sockopt::routing_id, opts_.node_id);
@@ -267,7 +277,7 @@ class Transport::Impl {
     d.endpoint = endpoint;
     try {
       d.socket = std::make_unique<zmq::socket_t>(*ctx_, zmq::socket_type::dealer);
-      set_common_options(*d.socket, opts_);
+      set_common_options(*d.socket, opts_, /*server=*/false);
       d.socket->set(zmq::sockopt::routing_id, opts_.node_id);
       d.socket->set(zmq::sockopt::reconnect_ivl, 100);
       d.socket->set(zmq::sockopt::reconnect_ivl_max, 1000);

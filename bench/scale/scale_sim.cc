@@ -1,0 +1,1027 @@
+// bench/scale/scale_sim.cc — scale_sim: the real troupe-scheduler process against a
+// simulated cluster (issue 19). 1,250 agents of 8 slots and 10,000 worker control
+// sessions by default, each a real ZeroMQ DEALER on loopback speaking the real wire
+// protocol (comm/control envelopes carrying scheduler/protocol.capnp messages, the
+// transport's 2 Hz application heartbeats, ZMTP heartbeats), owned by a few threads that
+// each poll hundreds to thousands of sockets through one epoll set.
+//
+// Script (one elastic job of --workers ranks and a driver):
+//   agents register, beat at 1 Hz -> a client submits the job -> the scheduler places it
+//   and sends spawn requests -> each agent answers with procStarted and starts a worker
+//   session (hello, then beats at 1 Hz) -> rendezvous through the scheduler's store:
+//   every rank sets rdzv/addr/<rank>, rank 0 sets rdzv/uid, every rank gets rdzv/uid and
+//   its ring neighbours' addresses -> steady state: per-step progress (store set
+//   progress/<rank>) and latency probes -> 1% of the workers die at once (their agents
+//   report procExited, signal 9; the sessions go silent) while the rest keep beating;
+//   the driver, which parks a get on every "<job>/elastic/exit/<slot>", must see each
+//   exactly once -> kill -9 of the scheduler, restart on the same port and state dir:
+//   agents re-register, every job/process record must come back -> cancel.
+//
+// Figures printed against the issue's targets; --check makes correctness failures (not
+// timings) the exit status, which is what the ctest runs at small scale.
+#include <signal.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <zmq.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "comm/control/codec.h"
+#include "comm/control/envelope.h"
+#include "core/status.h"
+#include "scheduler/protocol.h"
+#include "scheduler/transport.h"
+
+namespace troupe::sched::scale {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+double secs(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+double ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+struct Options {
+  int workers = 10000;
+  int slots = 8;
+  int agents = 0;  // 0: workers / slots, rounded up
+  int threads = 4;
+  int failures = -1;  // -1: 1% of the workers (at least 1)
+  int steady_s = 5;
+  int beat_ms = 1000;
+  int step_ms = 1000;
+  double probe_fraction = 0.1;
+  int phase_timeout_s = 120;
+  std::string scheduler_bin = TROUPE_SCHEDULER_BIN;
+  std::string state_dir;
+  bool check = false;
+  bool keep_state = false;
+};
+
+enum class Kind { kAgent, kWorker, kDriver, kClient };
+
+struct Ask {
+  enum What { kSetAddr, kSetUid, kGetUid, kGetNext, kGetPrev, kProgress, kProbe, kExitWatch, kSubmit, kStatus, kCancel };
+  What what;
+  int arg = 0;
+  Clock::time_point sent;
+};
+
+struct SimThread;
+
+struct Peer {
+  Kind kind = Kind::kWorker;
+  int index = 0;  // agent number, or rank
+  std::string node;
+  std::unique_ptr<zmq::socket_t> sock;
+  SimThread* thread = nullptr;
+  Clock::time_point next_beat{}, next_hb{};
+  Clock::time_point last_beat{};
+  double max_gap_ms = 0;
+  uint64_t hb_seq = 0;
+  std::unordered_map<uint64_t, Ask> asks;
+  // agent
+  bool registered = false;
+  uint64_t incarnation = 0;
+  Clock::time_point last_register{};
+  std::map<std::string, Peer*> procs;        // name -> its session (live ones)
+  std::vector<ProcStatus> unacked;           // exits not yet acknowledged
+  std::map<std::string, ProcStatus> status;  // name -> running status (for re-registration)
+  // worker / driver
+  std::string job;
+  std::string name;
+  uint64_t epoch = 0;
+  int world = 0;
+  int pid = 0;
+  Peer* agent = nullptr;
+  bool said_hello = false;
+  int gets_left = 3;
+  bool dead = false;
+};
+
+// Everything the threads report; guarded by mu unless atomic.
+struct Shared {
+  Options opt;
+  std::mutex mu;
+  std::atomic<int> registered{0};
+  std::atomic<uint64_t> incarnation_seen{0};
+  std::atomic<int> reregistered{0};  // agents acked with the current incarnation (after a restart)
+  std::atomic<uint64_t> current_incarnation{0};
+  std::atomic<int> spawns{0};
+  std::atomic<int> rendezvoused{0};
+  std::atomic<int> store_errors{0};
+  std::atomic<int> progress_acks{0};
+  std::atomic<int> exit_acks{0};
+  std::atomic<bool> stepping{false};
+  std::atomic<bool> probing{false};
+  std::atomic<bool> track_gaps{false};
+  std::atomic<int64_t> sent{0}, received{0};
+  Clock::time_point last_spawn{}, last_rendezvous{};
+  std::vector<double> probe_ms;
+  std::map<int, int> exits_seen;  // slot -> times the driver saw it
+  Clock::time_point last_exit_seen{};
+  std::string job_id;
+  std::string endpoint;
+  std::vector<std::string> errors;
+  // client replies
+  std::optional<Reply> client_reply;
+  void error(const std::string& e) {
+    std::lock_guard<std::mutex> lk(mu);
+    if (errors.size() < 20) errors.push_back(e);
+  }
+};
+
+int64_t unix_nanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+struct SimThread {
+  Shared* sh = nullptr;
+  int id = 0;
+  std::unique_ptr<zmq::context_t> ctx;
+  int epfd = -1;
+  int cmd_fd = -1;
+  std::mutex cmd_mu;
+  std::vector<std::function<void()>> cmds;
+  std::vector<std::unique_ptr<Peer>> peers;
+  std::thread th;
+  std::atomic<bool> stop{false};
+  uint64_t next_corr = 1;
+  std::mt19937_64 rng;
+  std::vector<double> probes;  // local, merged at the end
+  std::vector<std::pair<Ask::What, double>> unused;
+
+  void post(std::function<void()> f) {
+    {
+      std::lock_guard<std::mutex> lk(cmd_mu);
+      cmds.push_back(std::move(f));
+    }
+    uint64_t one = 1;
+    ssize_t n = ::write(cmd_fd, &one, sizeof(one));
+    (void)n;
+  }
+
+  Peer* open(Kind kind, int index, const std::string& node) {
+    auto p = std::make_unique<Peer>();
+    p->kind = kind;
+    p->index = index;
+    p->node = node;
+    p->thread = this;
+    p->sock = std::make_unique<zmq::socket_t>(*ctx, zmq::socket_type::dealer);
+    auto& s = *p->sock;
+    // The options of comm/control's DEALERs (transport.cc), queues unbounded here because
+    // one driver parks thousands of asks.
+    s.set(zmq::sockopt::linger, 0);
+    s.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(kMaxMessageBytes));
+    s.set(zmq::sockopt::heartbeat_ivl, 500);
+    s.set(zmq::sockopt::heartbeat_timeout, 6000);
+    s.set(zmq::sockopt::routing_id, node);
+    s.set(zmq::sockopt::reconnect_ivl, 100);
+    s.set(zmq::sockopt::reconnect_ivl_max, 1000);
+    s.set(zmq::sockopt::sndhwm, 0);
+    s.set(zmq::sockopt::rcvhwm, 0);
+    s.connect(sh->endpoint);
+    int fd = s.get(zmq::sockopt::fd);
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.ptr = p.get();
+    epoll_ctl(epfd, EPOLL_CTL_ADD, fd, &ev);
+    auto now = Clock::now();
+    p->next_hb = now + std::chrono::milliseconds(rng() % 500);
+    p->next_beat = now + std::chrono::milliseconds(rng() % std::max(1, sh->opt.beat_ms));
+    peers.push_back(std::move(p));
+    return peers.back().get();
+  }
+
+  void close(Peer& p) {
+    if (!p.sock) return;
+    int fd = p.sock->get(zmq::sockopt::fd);
+    epoll_ctl(epfd, EPOLL_CTL_DEL, fd, nullptr);
+    p.sock.reset();
+    p.dead = true;
+  }
+
+  void send_env(Peer& p, control::Envelope& e) {
+    if (!p.sock) return;
+    auto bytes = control::encode_envelope(e);
+    if (!bytes.ok()) {
+      sh->error("encode: " + bytes.status().to_string());
+      return;
+    }
+    p.sock->send(zmq::buffer(*bytes), zmq::send_flags::dontwait);
+    sh->sent.fetch_add(1, std::memory_order_relaxed);
+    drain(p);  // a send may consume the fd's edge: look for input now
+  }
+
+  void tell(Peer& p, Payload payload) {
+    control::Envelope e;
+    e.sender = control::ActorAddress{p.node, "inbox"};
+    e.receiver = control::ActorAddress{kSchedulerNode, kSchedulerActor};
+    e.payload = control::UserPayload{kSchedWireTypeId, encode_message(Message{0, std::move(payload)})};
+    send_env(p, e);
+  }
+
+  void ask(Peer& p, Payload payload, Ask a, std::chrono::milliseconds timeout) {
+    uint64_t corr = next_corr++;
+    a.sent = Clock::now();
+    p.asks[corr] = a;
+    control::Envelope e;
+    e.sender = control::ActorAddress{p.node, ""};
+    e.receiver = control::ActorAddress{kSchedulerNode, kSchedulerActor};
+    e.correlation_id = corr;
+    e.deadline_unix_nanos = unix_nanos() + std::chrono::duration_cast<std::chrono::nanoseconds>(timeout).count();
+    e.payload = control::UserPayload{kSchedWireTypeId, encode_message(Message{corr, std::move(payload)})};
+    send_env(p, e);
+  }
+
+  void store(Peer& p, StoreOp op, std::string key, std::string value, Ask::What what, int arg, int timeout_ms) {
+    StoreRequest r{op, p.job, p.epoch, {std::move(key)}, std::move(value), timeout_ms};
+    ask(p, std::move(r), Ask{what, arg, {}}, std::chrono::milliseconds(timeout_ms + 5000));
+  }
+
+  void heartbeat(Peer& p) {
+    control::Envelope e;
+    e.sender = control::ActorAddress{p.node, ""};
+    e.receiver = control::ActorAddress{kSchedulerNode, ""};
+    e.payload = control::Heartbeat{++p.hb_seq, unix_nanos()};
+    send_env(p, e);
+  }
+
+  void send_register(Peer& a) {
+    RegisterAgent r;
+    r.agent_id = fmt::format("sim-{}", a.index);
+    r.host = fmt::format("simhost-{}", a.index);
+    r.slots = sh->opt.slots;
+    r.gpus = 0;
+    for (auto& [name, st] : a.status) r.procs.push_back(st);
+    for (auto& e : a.unacked) r.procs.push_back(e);
+    a.last_register = Clock::now();
+    tell(a, std::move(r));
+  }
+
+  void beat(Peer& p, Clock::time_point now) {
+    if (sh->track_gaps.load(std::memory_order_relaxed) && p.last_beat != Clock::time_point{}) {
+      p.max_gap_ms = std::max(p.max_gap_ms, ms(now - p.last_beat));
+    }
+    p.last_beat = now;
+    if (p.kind == Kind::kAgent) {
+      if (p.registered) tell(p, AgentHeartbeat{fmt::format("sim-{}", p.index), p.incarnation});
+      return;
+    }
+    bool hello = !p.said_hello;
+    p.said_hello = true;
+    tell(p, ProcBeat{p.job, p.name, p.epoch, p.pid, hello, "", ""});
+    if (p.kind == Kind::kWorker && sh->probing.load(std::memory_order_relaxed) &&
+        std::uniform_real_distribution<double>(0, 1)(rng) < sh->opt.probe_fraction) {
+      // Right behind the beat on the same connection: its answer cannot come before the
+      // scheduler's loop has handled the beat.
+      store(p, StoreOp::kContains, "rdzv/uid", "", Ask::kProbe, 0, 1000);
+    }
+  }
+
+  // -- agent side of spawn/kill --
+  void on_spawn(Peer& a, const SpawnRequest& req) {
+    sh->spawns.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> lk(sh->mu);
+      sh->last_spawn = Clock::now();
+    }
+    int pid = 100000 + static_cast<int>(rng() % 4000000);
+    ProcStatus st{req.job_id, req.name, req.epoch, pid, true, 0, 0, "", wall_ms()};
+    a.status[req.name] = st;
+    tell(a, ProcStarted{st});
+    std::map<std::string, std::string> env(req.env.begin(), req.env.end());
+    Kind kind = req.name == "driver" ? Kind::kDriver : Kind::kWorker;
+    int rank = kind == Kind::kDriver ? -1 : std::atoi(env["TROUPE_RANK"].c_str());
+    Peer* w = open(kind, rank, fmt::format("proc:{}:{}:{}:{}", req.job_id, req.name, req.epoch, pid));
+    w->job = req.job_id;
+    w->name = req.name;
+    w->epoch = req.epoch;
+    w->world = std::atoi(env["TROUPE_WORLD_SIZE"].c_str());
+    w->pid = pid;
+    w->agent = &a;
+    a.procs[req.name] = w;
+    beat(*w, Clock::now());  // hello at start, like SchedulerSession
+    w->next_beat = Clock::now() + std::chrono::milliseconds(sh->opt.beat_ms);
+    if (kind == Kind::kWorker) {
+      store(*w, StoreOp::kSet, fmt::format("rdzv/addr/{}", rank), fmt::format("10.{}.{}.{}:29500", rank >> 16, (rank >> 8) & 255, rank & 255),
+            Ask::kSetAddr, 0, 10000);
+      if (rank == 0) store(*w, StoreOp::kSet, "rdzv/uid", std::string(128, 'u'), Ask::kSetUid, 0, 10000);
+      const int n = w->world;
+      store(*w, StoreOp::kGet, "rdzv/uid", "", Ask::kGetUid, 0, 60000);
+      store(*w, StoreOp::kGet, fmt::format("rdzv/addr/{}", (rank + 1) % n), "", Ask::kGetNext, 0, 60000);
+      store(*w, StoreOp::kGet, fmt::format("rdzv/addr/{}", (rank + n - 1) % n), "", Ask::kGetPrev, 0, 60000);
+    } else {
+      for (int s = 0; s < w->world; ++s) watch_exit(*w, s);
+    }
+  }
+
+  void watch_exit(Peer& d, int slot) {
+    store(d, StoreOp::kGet, fmt::format("{}/elastic/exit/{}", d.job, slot), "", Ask::kExitWatch, slot, 600000);
+  }
+
+  // The agent's view of a process ending: the session goes, procExited goes out.
+  void end_proc(Peer& a, const std::string& name, int signal) {
+    auto it = a.procs.find(name);
+    if (it == a.procs.end()) return;
+    Peer* w = it->second;
+    close(*w);
+    a.procs.erase(it);
+    ProcStatus st = a.status[name];
+    a.status.erase(name);
+    st.running = false;
+    st.term_signal = signal;
+    st.time_ms = wall_ms();
+    a.unacked.push_back(st);
+    tell(a, ProcExited{st});
+  }
+
+  void on_kill(Peer& a, const KillRequest& k) {
+    std::vector<std::string> names;
+    for (auto& [name, w] : a.procs) {
+      if (w->job == k.job_id && (k.name.empty() || k.name == name)) names.push_back(name);
+    }
+    for (auto& n : names) end_proc(a, n, k.signal);
+  }
+
+  // -- replies --
+  void on_reply(Peer& p, uint64_t corr, const Reply& r) {
+    auto it = p.asks.find(corr);
+    if (it == p.asks.end()) return;
+    Ask a = it->second;
+    p.asks.erase(it);
+    auto now = Clock::now();
+    if (p.kind == Kind::kClient) {
+      std::lock_guard<std::mutex> lk(sh->mu);
+      sh->client_reply = r;
+      return;
+    }
+    if (a.what == Ask::kExitWatch) {
+      if (r.code == StatusCode::kOk) {
+        std::lock_guard<std::mutex> lk(sh->mu);
+        sh->exits_seen[a.arg]++;
+        sh->last_exit_seen = now;
+      } else if (r.code == StatusCode::kDeadlineExceeded && !p.dead) {
+        watch_exit(p, a.arg);
+      }
+      return;
+    }
+    if (a.what == Ask::kProbe) {
+      probes.push_back(ms(now - a.sent));
+      return;
+    }
+    if (r.code != StatusCode::kOk) {
+      sh->store_errors.fetch_add(1);
+      sh->error(fmt::format("{} store ask {}: {}", p.name, static_cast<int>(a.what), r.message));
+      return;
+    }
+    if (a.what == Ask::kProgress) {
+      sh->progress_acks.fetch_add(1, std::memory_order_relaxed);
+    } else if (a.what == Ask::kGetUid || a.what == Ask::kGetNext || a.what == Ask::kGetPrev) {
+      if (--p.gets_left == 0) {
+        sh->rendezvoused.fetch_add(1);
+        std::lock_guard<std::mutex> lk(sh->mu);
+        sh->last_rendezvous = now;
+      }
+    }
+  }
+
+  void on_message(Peer& p, const Message& m) {
+    if (p.kind != Kind::kAgent) {
+      sh->error(fmt::format("{} got an unexpected {}", p.node, payload_name(m.payload)));
+      return;
+    }
+    if (auto* ack = std::get_if<RegisterAck>(&m.payload)) {
+      bool first = !p.registered && p.incarnation == 0;
+      p.registered = true;
+      p.incarnation = ack->incarnation;
+      if (first) sh->registered.fetch_add(1);
+      if (ack->incarnation == sh->current_incarnation.load()) sh->reregistered.fetch_add(1);
+    } else if (std::holds_alternative<Reregister>(m.payload)) {
+      p.registered = false;
+      send_register(p);
+    } else if (auto* sp = std::get_if<SpawnRequest>(&m.payload)) {
+      on_spawn(p, *sp);
+    } else if (auto* k = std::get_if<KillRequest>(&m.payload)) {
+      on_kill(p, *k);
+    } else if (auto* ea = std::get_if<ExitAck>(&m.payload)) {
+      auto before = p.unacked.size();
+      std::erase_if(p.unacked, [&](const ProcStatus& s) {
+        return s.job_id == ea->job_id && s.name == ea->name && s.epoch == ea->epoch && s.pid == ea->pid;
+      });
+      if (p.unacked.size() != before) sh->exit_acks.fetch_add(1);
+    } else {
+      sh->error(fmt::format("agent {} got an unexpected {}", p.index, payload_name(m.payload)));
+    }
+  }
+
+  void drain(Peer& p) {
+    while (p.sock && (p.sock->get(zmq::sockopt::events) & ZMQ_POLLIN)) {
+      zmq::message_t msg;
+      if (!p.sock->recv(msg, zmq::recv_flags::dontwait)) break;
+      sh->received.fetch_add(1, std::memory_order_relaxed);
+      auto env = control::decode_envelope(msg.data(), msg.size());
+      if (!env.ok()) {
+        sh->error("bad envelope: " + env.status().to_string());
+        continue;
+      }
+      if (std::holds_alternative<control::Heartbeat>(env->payload)) continue;
+      if (auto* er = std::get_if<control::ErrorReply>(&env->payload)) {
+        if (env->is_reply) on_reply(p, env->correlation_id, Reply{static_cast<StatusCode>(er->code), er->message, {}, {}, 0});
+        continue;
+      }
+      auto* up = std::get_if<control::UserPayload>(&env->payload);
+      if (!up || up->type_id != kSchedWireTypeId) continue;
+      auto m = decode_message(up->data.data(), up->data.size());
+      if (!m.ok()) {
+        sh->error("bad message: " + m.status().to_string());
+        continue;
+      }
+      if (env->is_reply) {
+        if (auto* r = std::get_if<Reply>(&m->payload)) on_reply(p, env->correlation_id, *r);
+        continue;
+      }
+      on_message(p, *m);
+    }
+  }
+
+  void timers(Clock::time_point now) {
+    const bool stepping = sh->stepping.load(std::memory_order_relaxed);
+    for (size_t i = 0; i < peers.size(); ++i) {
+      Peer& p = *peers[i];
+      if (!p.sock) continue;
+      if (now >= p.next_hb) {  // comm/control's application heartbeat, every peer
+        heartbeat(p);
+        p.next_hb = now + 500ms;
+      }
+      if (p.kind == Kind::kClient) continue;
+      if (now >= p.next_beat) {
+        beat(p, now);
+        p.next_beat += std::chrono::milliseconds(sh->opt.beat_ms);
+        if (p.next_beat < now) p.next_beat = now + std::chrono::milliseconds(sh->opt.beat_ms);
+        if (stepping && p.kind == Kind::kWorker && p.gets_left == 0) {
+          // One training step per beat period: its progress goes to the job's store.
+          store(p, StoreOp::kSet, fmt::format("progress/{}", p.index), fmt::format("{{\"step\":{}}}", p.hb_seq),
+                Ask::kProgress, 0, 10000);
+        }
+      }
+      if (p.kind == Kind::kAgent && !p.registered && now - p.last_register > 1000ms) send_register(p);
+    }
+  }
+
+  void run() {
+    epoll_event evs[256];
+    auto next_timers = Clock::now();
+    auto next_sweep = Clock::now();
+    while (!stop.load()) {
+      auto now = Clock::now();
+      int wait = static_cast<int>(std::clamp<int64_t>(
+          std::chrono::duration_cast<std::chrono::milliseconds>(next_timers - now).count(), 0, 10));
+      int n = epoll_wait(epfd, evs, 256, wait);
+      for (int i = 0; i < n; ++i) {
+        if (evs[i].data.ptr == nullptr) {
+          uint64_t v;
+          ssize_t r = ::read(cmd_fd, &v, sizeof(v));
+          (void)r;
+          std::vector<std::function<void()>> c;
+          {
+            std::lock_guard<std::mutex> lk(cmd_mu);
+            c.swap(cmds);
+          }
+          for (auto& f : c) f();
+          continue;
+        }
+        drain(*static_cast<Peer*>(evs[i].data.ptr));
+      }
+      now = Clock::now();
+      if (now >= next_timers) {
+        timers(now);
+        next_timers = now + 10ms;
+      }
+      if (now >= next_sweep) {  // a safety net for a missed edge of ZMQ_FD
+        for (auto& p : peers) drain(*p);
+        next_sweep = now + 250ms;
+      }
+    }
+  }
+
+  void start(Shared* s, int i) {
+    sh = s;
+    id = i;
+    rng.seed(0x5ca1e + static_cast<uint64_t>(i));
+    ctx = std::make_unique<zmq::context_t>(1);
+    zmq_ctx_set(ctx->handle(), ZMQ_MAX_SOCKETS, 65536);
+    epfd = epoll_create1(EPOLL_CLOEXEC);
+    cmd_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.ptr = nullptr;
+    epoll_ctl(epfd, EPOLL_CTL_ADD, cmd_fd, &ev);
+    th = std::thread([this] { run(); });
+  }
+
+  void join() {
+    stop.store(true);
+    post([] {});
+    if (th.joinable()) th.join();
+    for (auto& p : peers) p->sock.reset();
+    ::close(epfd);
+    ::close(cmd_fd);
+  }
+
+  // Runs `f` on this thread and waits for it.
+  template <typename F>
+  auto call(F f) -> decltype(f()) {
+    std::promise<decltype(f())> pr;
+    auto fut = pr.get_future();
+    post([&] {
+      if constexpr (std::is_void_v<decltype(f())>) {
+        f();
+        pr.set_value();
+      } else {
+        pr.set_value(f());
+      }
+    });
+    return fut.get();
+  }
+};
+
+// ------------------------------------------------------------------ scheduler process
+
+struct ProcStats {
+  double cpu_s = 0;  // utime + stime
+  double rss_mib = 0;
+};
+
+ProcStats proc_stats(pid_t pid) {
+  ProcStats out;
+  std::ifstream st(fmt::format("/proc/{}/stat", pid));
+  std::string line;
+  std::getline(st, line);
+  auto rp = line.rfind(')');
+  if (rp != std::string::npos) {
+    std::istringstream is(line.substr(rp + 2));
+    std::vector<std::string> f;
+    std::string x;
+    while (is >> x) f.push_back(x);
+    // fields after the name start at field 3 (state): utime is field 14, stime 15
+    if (f.size() > 13) out.cpu_s = (std::stod(f[11]) + std::stod(f[12])) / static_cast<double>(sysconf(_SC_CLK_TCK));
+  }
+  std::ifstream ss(fmt::format("/proc/{}/status", pid));
+  while (std::getline(ss, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) out.rss_mib = std::stod(line.substr(6)) / 1024.0;
+  }
+  return out;
+}
+
+pid_t start_scheduler(const Options& o, const std::string& listen, const std::string& endpoint_file) {
+  std::filesystem::remove(endpoint_file);
+  pid_t pid = fork();
+  if (pid == 0) {
+    std::string log = o.state_dir + "/scheduler.log";
+    FILE* f = std::fopen(log.c_str(), "a");
+    if (f) {
+      dup2(fileno(f), 1);
+      dup2(fileno(f), 2);
+    }
+    std::vector<std::string> args = {o.scheduler_bin, "--listen", listen, "--state-dir", o.state_dir,
+                                     "--endpoint-file", endpoint_file, "--agent-heartbeat-ms",
+                                     std::to_string(o.beat_ms)};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+std::string wait_endpoint(pid_t pid, const std::string& file, std::chrono::seconds timeout) {
+  auto deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    std::ifstream f(file);
+    std::string ep;
+    if (f >> ep && !ep.empty()) return ep;
+    int st = 0;
+    if (waitpid(pid, &st, WNOHANG) == pid) return "";
+    std::this_thread::sleep_for(5ms);
+  }
+  return "";
+}
+
+bool wait_for(const std::function<bool()>& pred, std::chrono::seconds timeout) {
+  auto deadline = Clock::now() + timeout;
+  while (!pred()) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(2ms);
+  }
+  return true;
+}
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  size_t i = std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5));
+  return v[i];
+}
+
+struct Row {
+  std::string what, value, target;
+  int pass = -1;  // -1: no target
+};
+
+int run(Options o) {
+  if (o.agents <= 0) o.agents = (o.workers + o.slots - 1) / o.slots;
+  if (o.failures < 0) o.failures = std::max(1, o.workers / 100);
+  if (o.agents * o.slots < o.workers) {
+    fmt::print(stderr, "scale_sim: {} agents x {} slots cannot hold {} workers\n", o.agents, o.slots, o.workers);
+    return 2;
+  }
+  if (o.failures >= o.workers) {
+    fmt::print(stderr, "scale_sim: --failures must be below --workers\n");
+    return 2;
+  }
+  if (o.slots % 8 != 0 && o.workers % o.slots != 0) {
+    // the layout below puts one MoE group of `slots` ranks on each agent
+  }
+  // 10k+ sockets: each DEALER holds a TCP connection and a mailbox eventfd.
+  rlimit rl{};
+  getrlimit(RLIMIT_NOFILE, &rl);
+  const rlim_t need = static_cast<rlim_t>(3 * (o.workers + o.agents) + 1024);
+  if (rl.rlim_cur < need) {
+    rl.rlim_cur = std::min(rl.rlim_max, need);
+    setrlimit(RLIMIT_NOFILE, &rl);
+  }
+  if (rl.rlim_cur < need) {
+    fmt::print(stderr, "scale_sim: warning: RLIMIT_NOFILE is {} (hard limit), {} wanted; raise it (ulimit -Hn)\n",
+               rl.rlim_cur, need);
+  }
+  bool own_dir = false;
+  if (o.state_dir.empty()) {
+    char tmpl[] = "/tmp/troupe-scale-XXXXXX";
+    if (!mkdtemp(tmpl)) return 2;
+    o.state_dir = tmpl;
+    own_dir = true;
+  }
+  std::filesystem::create_directories(o.state_dir);
+  const std::string epfile = o.state_dir + "/endpoint";
+
+  Shared sh;
+  sh.opt = o;
+  std::vector<Row> rows;
+  auto fail = [&](const std::string& what) { sh.error(what); };
+
+  pid_t spid = start_scheduler(o, "tcp://127.0.0.1:0", epfile);
+  sh.endpoint = wait_endpoint(spid, epfile, 20s);
+  if (sh.endpoint.empty()) {
+    fmt::print(stderr, "scale_sim: the scheduler did not start (see {}/scheduler.log)\n", o.state_dir);
+    return 1;
+  }
+  fmt::print("scale_sim: scheduler pid {} at {}; {} agents x {} slots, {} workers, {} threads, state {}\n", spid,
+             sh.endpoint, o.agents, o.slots, o.workers, o.threads, o.state_dir);
+  std::fflush(stdout);
+
+  std::vector<std::unique_ptr<SimThread>> threads;
+  for (int i = 0; i < o.threads; ++i) {
+    threads.push_back(std::make_unique<SimThread>());
+    threads.back()->start(&sh, i);
+  }
+  const auto timeout = std::chrono::seconds(o.phase_timeout_s);
+
+  // ---- agents register
+  auto t0 = Clock::now();
+  for (int t = 0; t < o.threads; ++t) {
+    threads[static_cast<size_t>(t)]->call([&, t] {
+      auto& th = *threads[static_cast<size_t>(t)];
+      for (int a = t; a < o.agents; a += o.threads) {
+        Peer* p = th.open(Kind::kAgent, a, fmt::format("agent:sim-{}", a));
+        th.send_register(*p);
+      }
+    });
+  }
+  if (!wait_for([&] { return sh.registered.load() == o.agents; }, timeout)) fail("not every agent registered");
+  const double t_register = secs(Clock::now() - t0);
+  fmt::print("scale_sim: {} agents registered in {:.2f} s\n", sh.registered.load(), t_register);
+  std::fflush(stdout);
+
+  // ---- submit
+  auto& th0 = *threads[0];
+  Peer* client = th0.call([&] { return th0.open(Kind::kClient, 0, fmt::format("cli:scale-sim:{}", getpid())); });
+  auto client_ask = [&](Payload pl, std::chrono::seconds to) -> std::optional<Reply> {
+    {
+      std::lock_guard<std::mutex> lk(sh.mu);
+      sh.client_reply.reset();
+    }
+    th0.call([&] { th0.ask(*client, pl, Ask{Ask::kStatus, 0, {}}, std::chrono::duration_cast<std::chrono::milliseconds>(to)); });
+    std::optional<Reply> r;
+    wait_for(
+        [&] {
+          std::lock_guard<std::mutex> lk(sh.mu);
+          r = sh.client_reply;
+          return r.has_value();
+        },
+        to);
+    return r;
+  };
+  json spec = {{"name", "scale-sim"},
+               {"argv", {"scale-sim-worker"}},
+               {"nproc", o.workers},
+               {"layout", o.workers % o.slots == 0 ? fmt::format("dp={},n={}", o.workers / o.slots, o.slots) : ""},
+               {"driver", true},
+               {"elastic", true},
+               {"heartbeat_timeout_ms", 6 * o.beat_ms}};
+  const auto t_submit = Clock::now();
+  auto sub = client_ask(SubmitJob{spec.dump()}, 60s);
+  const auto t_submit_reply = Clock::now();
+  if (!sub || sub->code != StatusCode::kOk) {
+    fmt::print(stderr, "scale_sim: submit failed: {}\n", sub ? sub->message : "no reply");
+    kill(spid, SIGKILL);
+    waitpid(spid, nullptr, 0);
+    for (auto& t : threads) t->join();
+    return 1;
+  }
+  sh.job_id = json::parse(sub->body)["job_id"].get<std::string>();
+  if (!wait_for([&] { return sh.spawns.load() >= o.workers + 1; }, timeout)) fail("not every process was spawned");
+  double t_place;
+  {
+    std::lock_guard<std::mutex> lk(sh.mu);
+    t_place = secs(sh.last_spawn - t_submit);
+  }
+  if (!wait_for([&] { return sh.rendezvoused.load() == o.workers; }, timeout)) {
+    fail(fmt::format("only {} of {} ranks rendezvoused", sh.rendezvoused.load(), o.workers));
+  }
+  double t_rdzv;
+  {
+    std::lock_guard<std::mutex> lk(sh.mu);
+    t_rdzv = secs(sh.last_rendezvous - t_submit);
+  }
+  fmt::print("scale_sim: job {}: submit answered in {:.3f} s, last spawn at {:.3f} s, {} ranks rendezvoused at {:.3f} s\n",
+             sh.job_id, secs(t_submit_reply - t_submit), t_place, sh.rendezvoused.load(), t_rdzv);
+  std::fflush(stdout);
+
+  // ---- steady state: steps, beats, probes
+  sh.stepping = true;
+  sh.probing = true;
+  std::this_thread::sleep_for(1500ms);  // everyone's hello is in; per-step reports flowing
+  auto cpu0 = proc_stats(spid);
+  auto ts0 = Clock::now();
+  int64_t msgs0 = sh.sent.load() + sh.received.load();
+  int prog0 = sh.progress_acks.load();
+  std::this_thread::sleep_for(std::chrono::seconds(o.steady_s));
+  auto cpu1 = proc_stats(spid);
+  const double window = secs(Clock::now() - ts0);
+  const double msg_rate = static_cast<double>(sh.sent.load() + sh.received.load() - msgs0) / window;
+  const double prog_rate = (sh.progress_acks.load() - prog0) / window;
+  const double cpu_frac = (cpu1.cpu_s - cpu0.cpu_s) / window;
+  fmt::print("scale_sim: steady state {:.1f} s: {:.0f} messages/s through the simulator, {:.0f} progress reports/s, "
+             "scheduler CPU {:.1f}% of a core, RSS {:.1f} MiB\n",
+             window, msg_rate, prog_rate, 100 * cpu_frac, cpu1.rss_mib);
+  std::fflush(stdout);
+
+  // ---- 1% failure
+  sh.stepping = false;
+  std::vector<int> victims;
+  for (int i = 0; i < o.failures; ++i) victims.push_back(static_cast<int>((static_cast<int64_t>(i) * o.workers) / o.failures + (o.workers / o.failures) / 2));
+  sh.track_gaps = true;
+  const auto t_fail = Clock::now();
+  for (auto& t : threads) {
+    SimThread* tp = t.get();
+    tp->post([tp, &victims] {
+      std::set<int> v(victims.begin(), victims.end());
+      for (auto& p : tp->peers) {
+        if (p->kind != Kind::kAgent) continue;
+        std::vector<std::string> names;
+        for (auto& [name, w] : p->procs) {
+          if (w->kind == Kind::kWorker && v.count(w->index)) names.push_back(name);
+        }
+        for (auto& n : names) tp->end_proc(*p, n, SIGKILL);
+      }
+    });
+  }
+  auto seen_count = [&] {
+    std::lock_guard<std::mutex> lk(sh.mu);
+    return static_cast<int>(sh.exits_seen.size());
+  };
+  if (!wait_for([&] { return seen_count() >= o.failures; }, timeout)) {
+    fail(fmt::format("the driver saw {} of {} injected failures", seen_count(), o.failures));
+  }
+  double t_failure;
+  {
+    std::lock_guard<std::mutex> lk(sh.mu);
+    t_failure = secs(sh.last_exit_seen - t_fail);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(2 * o.beat_ms + 500));  // healthy ones keep beating
+  sh.track_gaps = false;
+  double max_gap = 0;
+  for (auto& t : threads) {
+    max_gap = std::max(max_gap, t->call([&] {
+      double g = 0;
+      for (auto& p : t->peers) {
+        if (p->sock && p->kind == Kind::kWorker) g = std::max(g, p->max_gap_ms);
+      }
+      return g;
+    }));
+  }
+  // What the scheduler believes now: exactly the victims gone, every other worker running.
+  int running = -1, gone = -1, bad_gone = 0;
+  auto st = client_ask(StatusQuery{sh.job_id}, 60s);
+  if (st && st->code == StatusCode::kOk) {
+    auto j = json::parse(st->body)["jobs"][0];
+    running = 0;
+    gone = 0;
+    std::set<std::string> vnames;
+    for (int v : victims) vnames.insert(fmt::format("worker-{}", v));
+    for (auto& p : j["procs"]) {
+      const std::string s = p["state"];
+      if (p["role"] != "worker") continue;
+      if (s == "running") ++running;
+      else {
+        ++gone;
+        if (!vnames.count(p["name"].get<std::string>())) ++bad_gone;
+      }
+    }
+  } else {
+    fail("status after the failure: no answer");
+  }
+  int dup_seen = 0, wrong_seen = 0;
+  {
+    std::lock_guard<std::mutex> lk(sh.mu);
+    std::set<int> v(victims.begin(), victims.end());
+    for (auto& [slot, n] : sh.exits_seen) {
+      if (n != 1) ++dup_seen;
+      if (!v.count(slot)) ++wrong_seen;
+    }
+  }
+  if (running != o.workers - o.failures || gone != o.failures || bad_gone != 0 || dup_seen || wrong_seen) {
+    fail(fmt::format("after the failure: {} running, {} gone ({} not injected), {} seen twice, {} seen but not injected",
+                     running, gone, bad_gone, dup_seen, wrong_seen));
+  }
+  wait_for([&] { return sh.exit_acks.load() >= o.failures; }, 10s);
+  if (sh.exit_acks.load() != o.failures) fail(fmt::format("{} exit acks for {} exits", sh.exit_acks.load(), o.failures));
+  fmt::print("scale_sim: {} workers died at once; the driver saw the last at {:.3f} s; scheduler: {} running, {} gone; "
+             "longest beat gap of a healthy worker {:.0f} ms\n",
+             o.failures, t_failure, running, gone, max_gap);
+  std::fflush(stdout);
+
+  // ---- kill -9 and restart
+  auto stats_before = proc_stats(spid);
+  const auto t_kill = Clock::now();
+  kill(spid, SIGKILL);
+  waitpid(spid, nullptr, 0);
+  const auto t_restart = Clock::now();
+  spid = start_scheduler(o, sh.endpoint, epfile);
+  if (wait_endpoint(spid, epfile, 30s).empty()) {
+    fail("the scheduler did not restart");
+  }
+  bool recovered = false;
+  std::string recover_detail;
+  auto rdeadline = Clock::now() + timeout;
+  uint64_t new_inc = 0;
+  while (Clock::now() < rdeadline) {
+    auto r = client_ask(StatusQuery{sh.job_id}, 10s);
+    if (!r || r->code != StatusCode::kOk) continue;
+    auto doc = json::parse(r->body);
+    uint64_t inc = std::stoull(doc["scheduler"]["incarnation"].get<std::string>(), nullptr, 16);
+    if (new_inc != inc) {
+      new_inc = inc;
+      sh.current_incarnation = inc;
+      sh.reregistered = 0;
+      // agents acked before we learned the incarnation count too
+      for (auto& t : threads) {
+        sh.reregistered += t->call([&] {
+          int n = 0;
+          for (auto& p : t->peers) n += p->kind == Kind::kAgent && p->registered && p->incarnation == inc;
+          return n;
+        });
+      }
+    }
+    int alive = 0;
+    for (auto& a : doc["agents"]) alive += a["alive"].get<bool>();
+    auto& j = doc["jobs"][0];
+    int procs = static_cast<int>(j["procs"].size());
+    int run_w = j["running_workers"].get<int>();
+    recover_detail = fmt::format("{} of {} agents back, {} process records, {} running workers, job {}", alive,
+                                 o.agents, procs, run_w, j["state"].get<std::string>());
+    if (alive == o.agents && sh.reregistered.load() >= o.agents && procs == o.workers + 1 &&
+        run_w == o.workers - o.failures && j["state"] == "running") {
+      recovered = true;
+      break;
+    }
+    std::this_thread::sleep_for(50ms);
+  }
+  const auto t_recovered = Clock::now();
+  if (!recovered) fail("restart: not recovered: " + recover_detail);
+  fmt::print("scale_sim: kill -9 + restart: {} in {:.3f} s ({:.3f} s after the new process started)\n",
+             recover_detail, secs(t_recovered - t_kill), secs(t_recovered - t_restart));
+  std::fflush(stdout);
+  // Still no healthy worker lost after the restart.
+  std::this_thread::sleep_for(std::chrono::milliseconds(o.beat_ms));
+
+  // ---- cancel and stop
+  auto c = client_ask(CancelJob{sh.job_id}, 60s);
+  if (!c || c->code != StatusCode::kOk) fail("cancel failed");
+  kill(spid, SIGTERM);
+  int wst = 0;
+  waitpid(spid, &wst, 0);
+  for (auto& t : threads) {
+    t->join();
+    std::lock_guard<std::mutex> lk(sh.mu);
+    sh.probe_ms.insert(sh.probe_ms.end(), t->probes.begin(), t->probes.end());
+  }
+
+  // ---- report
+  auto target = [&](const std::string& what, double v, const char* fmtv, double limit, const std::string& tgt) {
+    rows.push_back(Row{what, fmt::format(fmt::runtime(fmtv), v), tgt, v < limit ? 1 : 0});
+  };
+  const double p50 = percentile(sh.probe_ms, 0.5), p99 = percentile(sh.probe_ms, 0.99);
+  target("rendezvous: submit -> every rank holds uid + ring peers", t_rdzv, "{:.3f} s", 5.0, "< 5 s");
+  target("placement: submit -> last spawn request at its agent", t_place, "{:.3f} s", 1.0, "< 1 s");
+  target(fmt::format("heartbeat handling p50 ({} probes behind beats)", sh.probe_ms.size()), p50, "{:.2f} ms", 10, "< 10 ms");
+  target("heartbeat handling p99", p99, "{:.2f} ms", 10, "< 10 ms");
+  target(fmt::format("{} workers die at once -> driver saw every exit", o.failures), t_failure, "{:.3f} s", 2.0, "< 2 s");
+  rows.push_back(Row{"healthy workers lost during the failure", std::to_string(bad_gone), "0", bad_gone == 0 ? 1 : 0});
+  target("longest beat gap of a healthy worker (simulator side)", max_gap, "{:.0f} ms", 2.0 * o.beat_ms,
+         fmt::format("< {} ms", 2 * o.beat_ms));
+  target("kill -9 -> restarted, every agent back, every record recovered", secs(t_recovered - t_kill), "{:.3f} s", 10,
+         "< 10 s");
+  rows.push_back(Row{"scheduler CPU, steady state (1 Hz beats + steps)",
+                     fmt::format("{:.1f}% of a core = {:.1f} us/s per worker", 100 * cpu_frac,
+                                 1e6 * cpu_frac / o.workers),
+                     "", -1});
+  rows.push_back(Row{"scheduler RSS before the kill",
+                     fmt::format("{:.1f} MiB = {:.1f} KiB per worker", stats_before.rss_mib,
+                                 stats_before.rss_mib * 1024 / o.workers),
+                     "", -1});
+  rows.push_back(Row{"agent registration (all agents)", fmt::format("{:.3f} s", t_register), "", -1});
+  rows.push_back(Row{"messages through the simulator, steady state", fmt::format("{:.0f}/s", msg_rate), "", -1});
+  fmt::print("\nscale_sim results: {} workers, {} agents x {} slots, {} simulator threads\n", o.workers, o.agents,
+             o.slots, o.threads);
+  for (auto& r : rows) {
+    fmt::print("  {:<66} {:>32}  {:<8} {}\n", r.what, r.value, r.target,
+               r.pass < 0 ? "" : r.pass ? "ok" : "MISSED");
+  }
+  bool correct;
+  {
+    std::lock_guard<std::mutex> lk(sh.mu);
+    correct = sh.errors.empty() && sh.store_errors.load() == 0;
+    for (auto& e : sh.errors) fmt::print("  ERROR: {}\n", e);
+  }
+  fmt::print("correctness: {} (every rank rendezvoused, every failure seen once, restart recovered every record)\n",
+             correct ? "ok" : "FAILED");
+  if (own_dir && !o.keep_state && correct) std::filesystem::remove_all(o.state_dir);
+  if (!correct) return 1;
+  if (o.check) return 0;
+  return 0;
+}
+
+}  // namespace
+}  // namespace troupe::sched::scale
+
+int main(int argc, char** argv) {
+  troupe::sched::scale::Options o;
+  CLI::App app{"scale_sim: the real troupe-scheduler against a simulated cluster (bench/README.md)"};
+  app.add_option("--workers", o.workers, "Worker ranks of the job")->check(CLI::Range(2, 1000000));
+  app.add_option("--slots", o.slots, "Slots per simulated agent")->check(CLI::Range(1, 1024));
+  app.add_option("--agents", o.agents, "Simulated agents (default: workers / slots)");
+  app.add_option("--threads", o.threads, "Simulator threads")->check(CLI::Range(1, 64));
+  app.add_option("--failures", o.failures, "Workers that die at once (default 1%)");
+  app.add_option("--steady-s", o.steady_s, "Seconds of steady state measured")->check(CLI::Range(1, 3600));
+  app.add_option("--beat-ms", o.beat_ms, "Heartbeat period of every peer")->check(CLI::Range(100, 60000));
+  app.add_option("--probe-fraction", o.probe_fraction, "Share of worker beats followed by a latency probe")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--phase-timeout-s", o.phase_timeout_s, "Give up on a phase after this long");
+  app.add_option("--scheduler", o.scheduler_bin, "troupe-scheduler executable");
+  app.add_option("--state-dir", o.state_dir, "Scheduler state directory (default: a temporary one)");
+  app.add_flag("--check", o.check, "Correctness only: exit status reflects correctness, not timings");
+  app.add_flag("--keep-state", o.keep_state, "Keep the temporary state directory");
+  CLI11_PARSE(app, argc, argv);
+  signal(SIGPIPE, SIG_IGN);
+  return troupe::sched::scale::run(o);
+}
