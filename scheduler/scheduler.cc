@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 
 #include "core/logging.h"
@@ -23,6 +24,8 @@ std::shared_ptr<spdlog::logger> log() {
 bool proc_live(const ProcRecord& p) { return p.state == ProcState::kStarting || p.state == ProcState::kRunning; }
 
 std::string worker_name(int rank) { return fmt::format("worker-{}", rank); }
+
+double latency_bound_us(int i) { return 10.0 * std::pow(2.0, i / 2.0); }
 
 }  // namespace
 
@@ -126,8 +129,26 @@ void Scheduler::reply(const std::string& peer, uint64_t request_id, Reply r) {
   send(peer, Message{request_id, std::move(r)});
 }
 
+void Scheduler::LatencyHistogram::add(std::chrono::nanoseconds d) {
+  const double us = std::max(0.0, std::chrono::duration<double, std::micro>(d).count());
+  max_us = std::max(max_us, static_cast<uint64_t>(us));
+  int i = 0;
+  while (i < kBuckets && us > latency_bound_us(i)) ++i;
+  counts[static_cast<size_t>(i)]++;
+}
+
+nlohmann::json Scheduler::LatencyHistogram::to_json() const {
+  json bounds = json::array();
+  for (int i = 0; i < kBuckets; ++i) bounds.push_back(latency_bound_us(i));
+  return {{"bounds_us", bounds}, {"counts", counts}, {"max_us", max_us}};
+}
+
 void Scheduler::dispatch(const Incoming& in) {
   const auto& m = in.msg;
+  if ((std::holds_alternative<ProcBeat>(m.payload) || std::holds_alternative<AgentHeartbeat>(m.payload)) &&
+      in.received != Clock::time_point{}) {
+    beat_latency_.add(Clock::now() - in.received);
+  }
   std::visit(
       [&](const auto& p) {
         using T = std::decay_t<decltype(p)>;
@@ -475,8 +496,10 @@ Status Scheduler::spawn(Job& job, Proc& proc) {
 
 void Scheduler::kill_procs(Job& job, const std::string& name, int signal, int grace_ms) {
   std::set<std::string> agents;
-  for (const auto& [n, p] : job.procs) {
-    if (name.empty() || n == name) agents.insert(p.rec.agent_id);
+  if (!name.empty()) {  // one process: a lookup, not a scan (a mass failure kills thousands)
+    if (auto it = job.procs.find(name); it != job.procs.end()) agents.insert(it->second.rec.agent_id);
+  } else {
+    for (const auto& [n, p] : job.procs) agents.insert(p.rec.agent_id);
   }
   for (const auto& id : agents) {
     auto it = agents_.find(id);
@@ -576,10 +599,10 @@ void Scheduler::timers() {
     reply(it->second.peer, it->second.request_id, std::move(r));
     store_waiters_.erase(it);
   }
-  // Timeouts are seconds long: scanning every agent and process once per poll period is
-  // enough, not once per message batch (thousands a second at cluster scale).
+  // Timeouts are seconds long: scanning every agent and process every 100 ms (or poll
+  // period) is enough, not once per message batch (thousands a second at cluster scale).
   if (now < next_health_scan_) return;
-  next_health_scan_ = now + std::chrono::milliseconds(opts_.poll_ms);
+  next_health_scan_ = now + std::chrono::milliseconds(std::max(opts_.poll_ms, 100));
   scan_health(now);
 }
 
@@ -709,6 +732,7 @@ void Scheduler::on_status(const std::string& peer, uint64_t rid, const StatusQue
   }
   out["agents"] = std::move(agents);
   out["scheduler"] = {{"endpoint", endpoint_}, {"incarnation", fmt::format("{:x}", incarnation_)},
+                      {"beat_latency", beat_latency_.to_json()},
                       {"state_dir", opts_.state_dir}};
   Reply r;
   r.body = out.dump();

@@ -9,6 +9,7 @@
 // The scheduler knows nothing of models: a job is a command.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <map>
@@ -77,6 +78,16 @@ class Scheduler {
     std::optional<EventLog> log;
     std::set<std::string> retired;  // elastic: failed workers the driver replaced
   };
+  // How long heartbeats (agents' and job processes') waited between arriving at the
+  // scheduler's inbox and being handled by its loop: a cumulative histogram, reported by
+  // `status` under scheduler.beat_latency (bench/scale takes percentiles of its deltas).
+  struct LatencyHistogram {
+    static constexpr int kBuckets = 48;  // bucket i holds latencies <= 10 us * 2^(i/2)
+    std::array<uint64_t, kBuckets + 1> counts{};  // the last one: above every bound
+    uint64_t max_us = 0;
+    void add(std::chrono::nanoseconds d);
+    nlohmann::json to_json() const;
+  };
   struct PendingReply {
     std::string peer;
     uint64_t request_id;
@@ -142,6 +153,7 @@ class Scheduler {
   std::map<uint64_t, PendingReply> log_forwards_;    // request id sent to an agent -> client
   uint64_t next_token_ = 1;
   Clock::time_point recovered_until_{};              // after a restart: grace for agents to return
+  LatencyHistogram beat_latency_;
   std::vector<std::pair<std::string, Message>> outbox_;  // sent after the turn's commit
   Clock::time_point next_health_scan_{};
   // try_start's placement, for spawn(): agent -> the epoch's worker ranks on it (sorted),

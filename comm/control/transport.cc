@@ -14,6 +14,7 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
@@ -51,6 +52,7 @@ void set_common_options(zmq::socket_t& s, const TransportOptions& o, bool server
   s.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(o.max_message_bytes));
   const int zmtp_timeout = static_cast<int>(2 * o.heartbeat_timeout.count());
   if (server) {
+    s.set(zmq::sockopt::backlog, 4096);  // thousands of clients may connect at once
     s.set(zmq::sockopt::tcp_keepalive, 1);
     s.set(zmq::sockopt::tcp_keepalive_idle, std::max(1, zmtp_timeout / 1000));
     s.set(zmq::sockopt::tcp_keepalive_intvl, std::max(1, zmtp_timeout / 3000));
@@ -361,10 +363,12 @@ class Transport::Impl {
       std::lock_guard<std::mutex> lk(mu_);
       out.swap(outbox_);
     }
+    const auto now = out.empty() ? std::chrono::nanoseconds(0) : clock_->now();
     for (Outgoing& o : out) {
       Status st = send_bytes(o.node, o.bytes);
       if (st.ok()) {
         ++sent_;
+        last_sent_[o.node] = now;
       } else {
         ++send_failures_;
         log_->debug("control {}: cannot deliver {}: {}", opts_.node_id, describe(o.envelope), st);
@@ -483,19 +487,34 @@ class Transport::Impl {
     log_->warn("control {}: dropped a frame from '{}': {}", opts_.node_id, printable, why);
   }
 
+  // Runs after every wake. The silence scan is O(peers), so it runs every quarter
+  // interval, not per wake (thousands a second at a scheduler with 10,000 peers). A peer
+  // that got any envelope from us within the last interval gets no heartbeat: any
+  // envelope is proof of life, so the receiver still hears from us at least every two
+  // intervals, and a scheduler answering 10,000 workers does not double its traffic.
   void tick() {
     const auto now = clock_->now();
-    for (const std::string& node : liveness_.expire(now)) {
-      mirror_up(node, false);
-      peer_down(node, DownReason::kHeartbeatTimeout,
-                fmt::format("no message from node {} for over {} ms", node,
-                            opts_.heartbeat_timeout.count()));
+    if (now >= next_expire_) {
+      next_expire_ = now + std::max<std::chrono::nanoseconds>(std::chrono::milliseconds(5),
+                                                              opts_.heartbeat_interval / 4);
+      for (const std::string& node : liveness_.expire(now)) {
+        mirror_up(node, false);
+        peer_down(node, DownReason::kHeartbeatTimeout,
+                  fmt::format("no message from node {} for over {} ms", node,
+                              opts_.heartbeat_timeout.count()));
+      }
     }
     if (now < next_heartbeat_) return;
     next_heartbeat_ = now + opts_.heartbeat_interval;
     std::set<std::string> peers(inbound_.begin(), inbound_.end());
     for (auto& [node, d] : dealers_) peers.insert(node);
+    for (auto it = last_sent_.begin(); it != last_sent_.end();) {
+      it = now - it->second > 4 * opts_.heartbeat_interval ? last_sent_.erase(it) : std::next(it);
+    }
     for (const std::string& node : peers) {
+      if (auto it = last_sent_.find(node); it != last_sent_.end() && now - it->second < opts_.heartbeat_interval) {
+        continue;
+      }
       Envelope hb;
       hb.sender = ActorAddress{opts_.node_id, ""};
       hb.receiver = ActorAddress{node, ""};
@@ -544,6 +563,8 @@ class Transport::Impl {
   std::set<std::string> inbound_;
   PeerLiveness liveness_;
   std::chrono::nanoseconds next_heartbeat_{0};
+  std::chrono::nanoseconds next_expire_{0};
+  std::unordered_map<std::string, std::chrono::nanoseconds> last_sent_;  // node -> last envelope we sent it
   uint64_t heartbeat_seq_ = 0;
   uint64_t monitor_seq_ = 0;
 };
