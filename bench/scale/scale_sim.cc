@@ -754,6 +754,13 @@ double hist_quantile_ms(const Hist& a, const Hist& b, double q, uint64_t* n) {
   return std::numeric_limits<double>::infinity();
 }
 
+std::string loadavg() {
+  std::ifstream f("/proc/loadavg");
+  std::string a, b, c;
+  f >> a >> b >> c;
+  return a + " " + b + " " + c;
+}
+
 struct Row {
   std::string what, value, target;
   int pass = -1;  // -1: no target
@@ -834,6 +841,7 @@ int run(Options o) {
   }
   Board& b = *sh.b;
   std::vector<Row> rows;
+  const std::string load_start = loadavg();
   auto fail = [&](const std::string& what) { sh.error(what); };
 
   pid_t spid = start_scheduler(o, "tcp://127.0.0.1:0", epfile);
@@ -1072,8 +1080,10 @@ int run(Options o) {
                      "", -1});
   rows.push_back(Row{"agent registration (all agents)", fmt::format("{:.3f} s", t_register), "", -1});
   rows.push_back(Row{"messages through the simulator, steady state", fmt::format("{:.0f}/s", msg_rate), "", -1});
-  fmt::print("\nscale_sim results: {} workers, {} agents x {} slots, {} simulator process(es) x {} thread(s)\n",
-             o.workers, o.agents, o.slots, shards, threads_per_shard);
+  fmt::print("\nscale_sim results: {} workers, {} agents x {} slots, {} simulator process(es) x {} thread(s); "
+             "{} CPUs, load average {} at the start, {} at the end\n",
+             o.workers, o.agents, o.slots, shards, threads_per_shard, std::thread::hardware_concurrency(), load_start,
+             loadavg());
   for (auto& r : rows) {
     fmt::print("  {:<66} {:>32}  {:<8} {}\n", r.what, r.value, r.target, r.pass < 0 ? "" : r.pass ? "ok" : "MISSED");
   }
