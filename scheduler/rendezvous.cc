@@ -119,8 +119,9 @@ std::vector<std::pair<uint64_t, Reply>> RendezvousTable::take_ready(Clock::time_
       if (!list.empty()) list.append(", ");
       list.append(k);
     }
-    ready_.emplace_back(token, Reply::of(deadline_exceeded("store: job {} epoch {}: keys not set after {} ms: {}",
-                                                           req.job_id, req.epoch, req.timeout_ms, list)));
+    ready_.emplace_back(
+        token, Reply::of(deadline_exceeded("store: job {} epoch {}: keys not set after {} ms: {}", req.job_id,
+                                           req.epoch, req.timeout_ms, list)));
     forget(token, it->second);
     waiters_.erase(it);
   }

@@ -54,8 +54,8 @@ class RendezvousTable {
   };
   std::optional<std::string> lookup(const std::string& job, uint64_t epoch, const std::string& key);
   void load(const std::string& job, uint64_t epoch);  // from SQLite, once per (job, epoch)
-  Reply complete(const StoreRequest& req);           // every key is present
-  void forget(uint64_t token, const Waiter& w);      // out of the key and deadline indexes
+  Reply complete(const StoreRequest& req);            // every key is present
+  void forget(uint64_t token, const Waiter& w);       // out of the key and deadline indexes
 
   StateStore* durable_;
   std::map<Key, std::string> values_;

@@ -25,7 +25,9 @@ bool proc_live(const ProcRecord& p) { return p.state == ProcState::kStarting || 
 
 std::string worker_name(int rank) { return fmt::format("worker-{}", rank); }
 
-double latency_bound_us(int i) { return 10.0 * std::pow(2.0, i / 2.0); }
+double latency_bound_us(int i) {
+  return 10.0 * std::pow(2.0, i / 2.0);
+}
 
 }  // namespace
 
@@ -114,7 +116,9 @@ void Scheduler::run_once(std::chrono::milliseconds timeout) {
   flush_sends();
 }
 
-void Scheduler::send(const std::string& peer, Message msg) { outbox_.emplace_back(peer, std::move(msg)); }
+void Scheduler::send(const std::string& peer, Message msg) {
+  outbox_.emplace_back(peer, std::move(msg));
+}
 
 void Scheduler::flush_sends() {
   for (auto& [peer, msg] : outbox_) {
@@ -424,7 +428,8 @@ void Scheduler::try_start(Job& job) {
   event(job, "placed", {{"epoch", job.rec.epoch}, {"layout", layout.to_string()}, {"placement", placement}});
   placing_ranks_.clear();
   for (const auto& [name, p] : job.procs) {
-    if (p.rec.role == "worker" && p.rec.epoch == job.rec.epoch) placing_ranks_[p.rec.agent_id].push_back(p.rec.rank);
+    if (p.rec.role == "worker" && p.rec.epoch == job.rec.epoch)
+      placing_ranks_[p.rec.agent_id].push_back(p.rec.rank);
   }
   for (auto& [agent, ranks] : placing_ranks_) std::sort(ranks.begin(), ranks.end());
   for (auto& [name, proc] : job.procs) {
@@ -447,13 +452,16 @@ Status Scheduler::spawn(Job& job, Proc& proc) {
   req.work_dir = spec.work_dir;
   for (const auto& [k, v] : spec.env) req.env.emplace_back(k, v);
   int local_rank = 0, local_size = 0;
-  if (auto pr = placing_ranks_.find(proc.rec.agent_id); pr != placing_ranks_.end() && proc.rec.role == "worker") {
+  if (auto pr = placing_ranks_.find(proc.rec.agent_id);
+      pr != placing_ranks_.end() && proc.rec.role == "worker") {
     const auto& ranks = pr->second;  // try_start's placement: the same count, without a scan
-    local_rank = static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), proc.rec.rank) - ranks.begin());
+    local_rank =
+        static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), proc.rec.rank) - ranks.begin());
     local_size = static_cast<int>(ranks.size());
   } else {
     for (const auto& [n, p] : job.procs) {
-      if (p.rec.role != "worker" || p.rec.agent_id != proc.rec.agent_id || p.rec.epoch != proc.rec.epoch) continue;
+      if (p.rec.role != "worker" || p.rec.agent_id != proc.rec.agent_id || p.rec.epoch != proc.rec.epoch)
+        continue;
       if (p.rec.rank < proc.rec.rank) ++local_rank;
       ++local_size;
     }
@@ -731,7 +739,8 @@ void Scheduler::on_status(const std::string& peer, uint64_t rid, const StatusQue
                       {"alive", a.alive}});
   }
   out["agents"] = std::move(agents);
-  out["scheduler"] = {{"endpoint", endpoint_}, {"incarnation", fmt::format("{:x}", incarnation_)},
+  out["scheduler"] = {{"endpoint", endpoint_},
+                      {"incarnation", fmt::format("{:x}", incarnation_)},
                       {"beat_latency", beat_latency_.to_json()},
                       {"state_dir", opts_.state_dir}};
   Reply r;

@@ -14,13 +14,12 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <set>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/status.h"
 #include "scheduler/event_log.h"
@@ -82,7 +81,7 @@ class Scheduler {
   // scheduler's inbox and being handled by its loop: a cumulative histogram, reported by
   // `status` under scheduler.beat_latency (bench/scale takes percentiles of its deltas).
   struct LatencyHistogram {
-    static constexpr int kBuckets = 48;  // bucket i holds latencies <= 10 us * 2^(i/2)
+    static constexpr int kBuckets = 48;           // bucket i holds latencies <= 10 us * 2^(i/2)
     std::array<uint64_t, kBuckets + 1> counts{};  // the last one: above every bound
     uint64_t max_us = 0;
     void add(std::chrono::nanoseconds d);

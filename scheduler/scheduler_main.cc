@@ -4,11 +4,10 @@
 //                    [--curve-key scheduler.key --allow-keys keys/]
 // Stops on SIGINT/SIGTERM; job processes keep running (their agents own them), and a
 // scheduler started again on the same state dir re-attaches to them.
-#include <CLI/CLI.hpp>
-
 #include <signal.h>
 #include <sys/resource.h>
 
+#include <CLI/CLI.hpp>
 #include <atomic>
 #include <cstdlib>
 

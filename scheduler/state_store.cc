@@ -237,8 +237,10 @@ Result<uint64_t> StateStore::next_job_seq() {
 }
 
 Status StateStore::put_job(const JobRecord& j) {
-  Stmt st(db_, prepare("INSERT OR REPLACE INTO jobs (id, spec, state, epoch, restarts, driver_restarts, exit_code, "
-          "message, created_ms, updated_ms, job_dir) VALUES (?,?,?,?,?,?,?,?,?,?,?)"));
+  Stmt st(
+      db_,
+      prepare("INSERT OR REPLACE INTO jobs (id, spec, state, epoch, restarts, driver_restarts, exit_code, "
+              "message, created_ms, updated_ms, job_dir) VALUES (?,?,?,?,?,?,?,?,?,?,?)"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, j.id).text(2, j.spec.to_json()).text(3, job_state_name(j.state)).i64(4, static_cast<int64_t>(j.epoch));
   st.i64(5, j.restarts).i64(6, j.driver_restarts).i64(7, j.exit_code).text(8, j.message);
@@ -247,8 +249,9 @@ Status StateStore::put_job(const JobRecord& j) {
 }
 
 Result<std::vector<JobRecord>> StateStore::load_jobs() {
-  Stmt st(db_, prepare("SELECT id, spec, state, epoch, restarts, driver_restarts, exit_code, message, created_ms, "
-          "updated_ms, job_dir FROM jobs ORDER BY created_ms, id"));
+  Stmt st(db_,
+          prepare("SELECT id, spec, state, epoch, restarts, driver_restarts, exit_code, message, created_ms, "
+                  "updated_ms, job_dir FROM jobs ORDER BY created_ms, id"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   std::vector<JobRecord> out;
   for (;;) {
@@ -272,8 +275,11 @@ Result<std::vector<JobRecord>> StateStore::load_jobs() {
 }
 
 Status StateStore::put_proc(const ProcRecord& p) {
-  Stmt st(db_, prepare("INSERT OR REPLACE INTO procs (job_id, name, role, rank, epoch, agent_id, slot, pid, state, "
-          "exit_code, term_signal, started_ms, ended_ms, actor_node, endpoint) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"));
+  Stmt st(
+      db_,
+      prepare("INSERT OR REPLACE INTO procs (job_id, name, role, rank, epoch, agent_id, slot, pid, state, "
+              "exit_code, term_signal, started_ms, ended_ms, actor_node, endpoint) VALUES "
+              "(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, p.job_id).text(2, p.name).text(3, p.role).i64(4, p.rank).i64(5, static_cast<int64_t>(p.epoch));
   st.text(6, p.agent_id).i64(7, p.slot).i64(8, p.pid).text(9, proc_state_name(p.state));
@@ -283,8 +289,10 @@ Status StateStore::put_proc(const ProcRecord& p) {
 }
 
 Result<std::vector<ProcRecord>> StateStore::load_procs(const std::string& job_id) {
-  Stmt st(db_, prepare("SELECT job_id, name, role, rank, epoch, agent_id, slot, pid, state, exit_code, term_signal, "
-          "started_ms, ended_ms, actor_node, endpoint FROM procs WHERE job_id = ? ORDER BY role, rank"));
+  Stmt st(
+      db_,
+      prepare("SELECT job_id, name, role, rank, epoch, agent_id, slot, pid, state, exit_code, term_signal, "
+              "started_ms, ended_ms, actor_node, endpoint FROM procs WHERE job_id = ? ORDER BY role, rank"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, job_id);
   std::vector<ProcRecord> out;
@@ -349,7 +357,8 @@ Result<std::vector<std::pair<std::string, std::string>>> StateStore::load_placem
 }
 
 Status StateStore::put_agent(const AgentRecord& a) {
-  Stmt st(db_, prepare("INSERT OR REPLACE INTO agents (id, host, slots, gpus, last_seen_ms) VALUES (?,?,?,?,?)"));
+  Stmt st(db_,
+          prepare("INSERT OR REPLACE INTO agents (id, host, slots, gpus, last_seen_ms) VALUES (?,?,?,?,?)"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, a.id).text(2, a.host).i64(3, a.slots).i64(4, a.gpus).i64(5, a.last_seen_ms);
   return st.run();
@@ -387,7 +396,7 @@ Result<std::optional<std::string>> StateStore::kv_get(const std::string& job_id,
 }
 
 Result<std::vector<std::pair<std::string, std::string>>> StateStore::kv_load(const std::string& job_id,
-                                                                            uint64_t epoch) {
+                                                                             uint64_t epoch) {
   Stmt st(db_, prepare("SELECT key, value FROM kv WHERE job_id = ? AND epoch = ?"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, job_id).i64(2, static_cast<int64_t>(epoch));

@@ -15,10 +15,10 @@
 #include <sqlite3.h>
 
 #include <cstdint>
-#include <unordered_map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "core/status.h"

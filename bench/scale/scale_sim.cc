@@ -28,16 +28,15 @@
 // hundreds to thousands of sockets polled through one epoll set.
 #include <signal.h>
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
-#include <sys/eventfd.h>
 #include <sys/resource.h>
 #include <sys/time.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <zmq.hpp>
-
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -46,11 +45,12 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <limits>
 #include <future>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <set>
 #include <sstream>
@@ -58,9 +58,7 @@
 #include <thread>
 #include <unordered_map>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
+#include <zmq.hpp>
 
 #include "comm/control/codec.h"
 #include "comm/control/envelope.h"
@@ -75,8 +73,12 @@ using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 using namespace std::chrono_literals;
 
-double secs(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-double ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+double secs(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+double ms(Clock::duration d) {
+  return std::chrono::duration<double, std::milli>(d).count();
+}
 
 struct Options {
   int workers = 10000;
@@ -99,7 +101,19 @@ struct Options {
 enum class Kind { kAgent, kWorker, kDriver, kClient };
 
 struct Ask {
-  enum What { kSetAddr, kSetUid, kGetUid, kGetNext, kGetPrev, kProgress, kProbe, kExitWatch, kSubmit, kStatus, kCancel };
+  enum What {
+    kSetAddr,
+    kSetUid,
+    kGetUid,
+    kGetNext,
+    kGetPrev,
+    kProgress,
+    kProbe,
+    kExitWatch,
+    kSubmit,
+    kStatus,
+    kCancel
+  };
   What what;
   int arg = 0;
   Clock::time_point sent;
@@ -159,7 +173,9 @@ struct Board {
 int64_t steady_ns(Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
 }
-Clock::time_point from_steady_ns(int64_t ns) { return Clock::time_point(std::chrono::nanoseconds(ns)); }
+Clock::time_point from_steady_ns(int64_t ns) {
+  return Clock::time_point(std::chrono::nanoseconds(ns));
+}
 void fetch_max(std::atomic<int64_t>& a, int64_t v) {
   int64_t cur = a.load();
   while (cur < v && !a.compare_exchange_weak(cur, v)) {
@@ -192,7 +208,8 @@ struct Shared {
 };
 
 int64_t unix_nanos() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
 
@@ -297,12 +314,14 @@ struct SimThread {
     e.sender = control::ActorAddress{p.node, ""};
     e.receiver = control::ActorAddress{kSchedulerNode, kSchedulerActor};
     e.correlation_id = corr;
-    e.deadline_unix_nanos = unix_nanos() + std::chrono::duration_cast<std::chrono::nanoseconds>(timeout).count();
+    e.deadline_unix_nanos =
+        unix_nanos() + std::chrono::duration_cast<std::chrono::nanoseconds>(timeout).count();
     e.payload = control::UserPayload{kSchedWireTypeId, encode_message(Message{corr, std::move(payload)})};
     send_env(p, e);
   }
 
-  void store(Peer& p, StoreOp op, std::string key, std::string value, Ask::What what, int arg, int timeout_ms) {
+  void store(Peer& p, StoreOp op, std::string key, std::string value, Ask::What what, int arg,
+             int timeout_ms) {
     StoreRequest r{op, p.job, p.epoch, {std::move(key)}, std::move(value), timeout_ms};
     ask(p, std::move(r), Ask{what, arg, {}}, std::chrono::milliseconds(timeout_ms + 5000));
   }
@@ -330,7 +349,8 @@ struct SimThread {
   void beat(Peer& p, Clock::time_point now) {
     if (p.kind == Kind::kWorker && sh->b->track_gaps.load(std::memory_order_relaxed) &&
         p.last_beat != Clock::time_point{}) {
-      fetch_max(sh->b->max_gap_us, std::chrono::duration_cast<std::chrono::microseconds>(now - p.last_beat).count());
+      fetch_max(sh->b->max_gap_us,
+                std::chrono::duration_cast<std::chrono::microseconds>(now - p.last_beat).count());
     }
     p.last_beat = now;
     if (p.kind == Kind::kAgent) {
@@ -370,8 +390,9 @@ struct SimThread {
     beat(*w, Clock::now());  // hello at start, like SchedulerSession
     w->next_beat = Clock::now() + std::chrono::milliseconds(sh->opt.beat_ms);
     if (kind == Kind::kWorker) {
-      store(*w, StoreOp::kSet, fmt::format("rdzv/addr/{}", rank), fmt::format("10.{}.{}.{}:29500", rank >> 16, (rank >> 8) & 255, rank & 255),
-            Ask::kSetAddr, 0, 10000);
+      store(*w, StoreOp::kSet, fmt::format("rdzv/addr/{}", rank),
+            fmt::format("10.{}.{}.{}:29500", rank >> 16, (rank >> 8) & 255, rank & 255), Ask::kSetAddr, 0,
+            10000);
       if (rank == 0) store(*w, StoreOp::kSet, "rdzv/uid", std::string(128, 'u'), Ask::kSetUid, 0, 10000);
       const int n = w->world;
       store(*w, StoreOp::kGet, "rdzv/uid", "", Ask::kGetUid, 0, 60000);
@@ -383,7 +404,8 @@ struct SimThread {
   }
 
   void watch_exit(Peer& d, int slot) {
-    store(d, StoreOp::kGet, fmt::format("{}/elastic/exit/{}", d.job, slot), "", Ask::kExitWatch, slot, 600000);
+    store(d, StoreOp::kGet, fmt::format("{}/elastic/exit/{}", d.job, slot), "", Ask::kExitWatch, slot,
+          600000);
   }
 
   // The agent's view of a process ending: the session goes, procExited goes out.
@@ -496,7 +518,8 @@ struct SimThread {
       }
       if (std::holds_alternative<control::Heartbeat>(env->payload)) continue;
       if (auto* er = std::get_if<control::ErrorReply>(&env->payload)) {
-        if (env->is_reply) on_reply(p, env->correlation_id, Reply{static_cast<StatusCode>(er->code), er->message, {}, {}, 0});
+        if (env->is_reply)
+          on_reply(p, env->correlation_id, Reply{static_cast<StatusCode>(er->code), er->message, {}, {}, 0});
         continue;
       }
       auto* up = std::get_if<control::UserPayload>(&env->payload);
@@ -534,8 +557,8 @@ struct SimThread {
         if (p.next_beat < now) p.next_beat = now + std::chrono::milliseconds(sh->opt.beat_ms);
         if (stepping && p.kind == Kind::kWorker && p.gets_left == 0) {
           // One training step per beat period: its progress goes to the job's store.
-          store(p, StoreOp::kSet, fmt::format("progress/{}", p.index), fmt::format("{{\"step\":{}}}", p.hb_seq),
-                Ask::kProgress, 0, 10000);
+          store(p, StoreOp::kSet, fmt::format("progress/{}", p.index),
+                fmt::format("{{\"step\":{}}}", p.hb_seq), Ask::kProgress, 0, 10000);
         }
       }
       if (p.kind == Kind::kAgent && !p.registered && now - p.last_register > 1000ms) send_register(p);
@@ -653,7 +676,8 @@ ProcStats proc_stats(pid_t pid) {
     std::string x;
     while (is >> x) f.push_back(x);
     // fields after the name start at field 3 (state): utime is field 14, stime 15
-    if (f.size() > 13) out.cpu_s = (std::stod(f[11]) + std::stod(f[12])) / static_cast<double>(sysconf(_SC_CLK_TCK));
+    if (f.size() > 13)
+      out.cpu_s = (std::stod(f[11]) + std::stod(f[12])) / static_cast<double>(sysconf(_SC_CLK_TCK));
   }
   std::ifstream ss(fmt::format("/proc/{}/status", pid));
   while (std::getline(ss, line)) {
@@ -673,8 +697,14 @@ pid_t start_scheduler(const Options& o, const std::string& listen, const std::st
       dup2(fileno(f), 1);
       dup2(fileno(f), 2);
     }
-    std::vector<std::string> args = {o.scheduler_bin, "--listen", listen, "--state-dir", o.state_dir,
-                                     "--endpoint-file", endpoint_file, "--agent-heartbeat-ms",
+    std::vector<std::string> args = {o.scheduler_bin,
+                                     "--listen",
+                                     listen,
+                                     "--state-dir",
+                                     o.state_dir,
+                                     "--endpoint-file",
+                                     endpoint_file,
+                                     "--agent-heartbeat-ms",
                                      std::to_string(o.beat_ms)};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -798,7 +828,8 @@ int run(Options o) {
   if (o.agents <= 0) o.agents = (o.workers + o.slots - 1) / o.slots;
   if (o.failures < 0) o.failures = std::max(1, o.workers / 100);
   if (static_cast<int64_t>(o.agents) * o.slots < o.workers) {
-    fmt::print(stderr, "scale_sim: {} agents x {} slots cannot hold {} workers\n", o.agents, o.slots, o.workers);
+    fmt::print(stderr, "scale_sim: {} agents x {} slots cannot hold {} workers\n", o.agents, o.slots,
+               o.workers);
     return 2;
   }
   if (o.failures < 1 || o.failures >= o.workers) {
@@ -836,8 +867,8 @@ int run(Options o) {
     return 2;
   }
   for (int i = 0; i < o.failures; ++i) {
-    sh.victims.push_back(static_cast<int>((static_cast<int64_t>(i) * o.workers) / o.failures +
-                                          (o.workers / o.failures) / 2));
+    sh.victims.push_back(
+        static_cast<int>((static_cast<int64_t>(i) * o.workers) / o.failures + (o.workers / o.failures) / 2));
   }
   Board& b = *sh.b;
   std::vector<Row> rows;
@@ -850,9 +881,10 @@ int run(Options o) {
     fmt::print(stderr, "scale_sim: the scheduler did not start (see {}/scheduler.log)\n", o.state_dir);
     return 1;
   }
-  fmt::print("scale_sim: scheduler pid {} at {}; {} agents x {} slots, {} workers; {} simulator process(es) x {} "
-             "thread(s) (fd limit {}); state {}\n",
-             spid, sh.endpoint, o.agents, o.slots, o.workers, shards, threads_per_shard, rl.rlim_cur, o.state_dir);
+  fmt::print(
+      "scale_sim: scheduler pid {} at {}; {} agents x {} slots, {} workers; {} simulator process(es) x {} "
+      "thread(s) (fd limit {}); state {}\n",
+      spid, sh.endpoint, o.agents, o.slots, o.workers, shards, threads_per_shard, rl.rlim_cur, o.state_dir);
   std::fflush(stdout);
   std::fflush(stderr);
 
@@ -879,13 +911,17 @@ int run(Options o) {
 
   // ---- submit
   auto& th0 = client_thread;
-  Peer* client = th0.call([&] { return th0.open(Kind::kClient, 0, fmt::format("cli:scale-sim:{}", getpid())); });
+  Peer* client =
+      th0.call([&] { return th0.open(Kind::kClient, 0, fmt::format("cli:scale-sim:{}", getpid())); });
   auto client_ask = [&](Payload pl, std::chrono::seconds to) -> std::optional<Reply> {
     {
       std::lock_guard<std::mutex> lk(sh.mu);
       sh.client_reply.reset();
     }
-    th0.call([&] { th0.ask(*client, pl, Ask{Ask::kStatus, 0, {}}, std::chrono::duration_cast<std::chrono::milliseconds>(to)); });
+    th0.call([&] {
+      th0.ask(*client, pl, Ask{Ask::kStatus, 0, {}},
+              std::chrono::duration_cast<std::chrono::milliseconds>(to));
+    });
     std::optional<Reply> r;
     wait_for(
         [&] {
@@ -896,13 +932,14 @@ int run(Options o) {
         to);
     return r;
   };
-  json spec = {{"name", "scale-sim"},
-               {"argv", {"scale-sim-worker"}},
-               {"nproc", o.workers},
-               {"layout", o.workers % o.slots == 0 ? fmt::format("dp={},n={}", o.workers / o.slots, o.slots) : ""},
-               {"driver", true},
-               {"elastic", true},
-               {"heartbeat_timeout_ms", 6 * o.beat_ms}};
+  json spec = {
+      {"name", "scale-sim"},
+      {"argv", {"scale-sim-worker"}},
+      {"nproc", o.workers},
+      {"layout", o.workers % o.slots == 0 ? fmt::format("dp={},n={}", o.workers / o.slots, o.slots) : ""},
+      {"driver", true},
+      {"elastic", true},
+      {"heartbeat_timeout_ms", 6 * o.beat_ms}};
   const auto t_submit = Clock::now();
   auto sub = client_ask(SubmitJob{spec.dump()}, 60s);
   const auto t_submit_reply = Clock::now();
@@ -914,14 +951,17 @@ int run(Options o) {
     return 1;
   }
   const std::string job_id = json::parse(sub->body)["job_id"].get<std::string>();
-  if (!wait_for([&] { return b.spawns.load() >= o.workers + 1; }, timeout)) fail("not every process was spawned");
+  if (!wait_for([&] { return b.spawns.load() >= o.workers + 1; }, timeout))
+    fail("not every process was spawned");
   const double t_place = secs(from_steady_ns(b.last_spawn_ns.load()) - t_submit);
   if (!wait_for([&] { return b.rendezvoused.load() == o.workers; }, timeout)) {
     fail(fmt::format("only {} of {} ranks rendezvoused", b.rendezvoused.load(), o.workers));
   }
   const double t_rdzv = secs(from_steady_ns(b.last_rendezvous_ns.load()) - t_submit);
-  fmt::print("scale_sim: job {}: submit answered in {:.3f} s, last spawn at {:.3f} s, {} ranks rendezvoused at {:.3f} s\n",
-             job_id, secs(t_submit_reply - t_submit), t_place, b.rendezvoused.load(), t_rdzv);
+  fmt::print(
+      "scale_sim: job {}: submit answered in {:.3f} s, last spawn at {:.3f} s, {} ranks rendezvoused at "
+      "{:.3f} s\n",
+      job_id, secs(t_submit_reply - t_submit), t_place, b.rendezvoused.load(), t_rdzv);
   std::fflush(stdout);
 
   // ---- steady state: steps, beats, probes
@@ -939,9 +979,10 @@ int run(Options o) {
   const double msg_rate = static_cast<double>(b.sent.load() + b.received.load() - msgs0) / window;
   const double prog_rate = (b.progress_acks.load() - prog0) / window;
   const double cpu_frac = (cpu1.cpu_s - cpu0.cpu_s) / window;
-  fmt::print("scale_sim: steady state {:.1f} s: {:.0f} messages/s through the simulator, {:.0f} progress reports/s, "
-             "scheduler CPU {:.1f}% of a core, RSS {:.1f} MiB\n",
-             window, msg_rate, prog_rate, 100 * cpu_frac, cpu1.rss_mib);
+  fmt::print(
+      "scale_sim: steady state {:.1f} s: {:.0f} messages/s through the simulator, {:.0f} progress reports/s, "
+      "scheduler CPU {:.1f}% of a core, RSS {:.1f} MiB\n",
+      window, msg_rate, prog_rate, 100 * cpu_frac, cpu1.rss_mib);
   std::fflush(stdout);
 
   // ---- 1% failure
@@ -991,18 +1032,22 @@ int run(Options o) {
     if (n > 0 && !vset.count(i)) ++wrong_seen;
   }
   if (running != o.workers - o.failures || gone != o.failures || bad_gone != 0 || dup_seen || wrong_seen) {
-    fail(fmt::format("after the failure: {} running, {} gone ({} not injected), {} seen twice, {} seen but not injected",
-                     running, gone, bad_gone, dup_seen, wrong_seen));
+    fail(fmt::format(
+        "after the failure: {} running, {} gone ({} not injected), {} seen twice, {} seen but not injected",
+        running, gone, bad_gone, dup_seen, wrong_seen));
   }
   wait_for([&] { return b.exit_acks.load() >= o.failures; }, 10s);
-  if (b.exit_acks.load() != o.failures) fail(fmt::format("{} exit acks for {} exits", b.exit_acks.load(), o.failures));
-  fmt::print("scale_sim: {} workers died at once; the driver saw the last at {:.3f} s; scheduler: {} running, {} gone; "
-             "longest beat gap of a healthy worker {:.0f} ms\n",
-             o.failures, t_failure, running, gone, max_gap);
+  if (b.exit_acks.load() != o.failures)
+    fail(fmt::format("{} exit acks for {} exits", b.exit_acks.load(), o.failures));
+  fmt::print(
+      "scale_sim: {} workers died at once; the driver saw the last at {:.3f} s; scheduler: {} running, {} "
+      "gone; "
+      "longest beat gap of a healthy worker {:.0f} ms\n",
+      o.failures, t_failure, running, gone, max_gap);
   std::fflush(stdout);
 
   // ---- kill -9 and restart
-  b.probing = false;  // latency figures cover steady state and the failure, not the restart
+  b.probing = false;                // latency figures cover steady state and the failure, not the restart
   std::this_thread::sleep_for(1s);  // probes in flight come back
   auto stats_before = proc_stats(spid);
   const auto t_kill = Clock::now();
@@ -1051,7 +1096,8 @@ int run(Options o) {
   // ---- report
   std::vector<double> probes;
   for (int64_t i = 0; i < std::min(b.nprobes.load(), Board::kMaxProbes); ++i) probes.push_back(b.probe_ms[i]);
-  auto target = [&](const std::string& what, double v, const char* fmtv, double limit, const std::string& tgt) {
+  auto target = [&](const std::string& what, double v, const char* fmtv, double limit,
+                    const std::string& tgt) {
     rows.push_back(Row{what, fmt::format(fmt::runtime(fmtv), v), tgt, v < limit ? 1 : 0});
   };
   const double p50 = percentile(probes, 0.5), p99 = percentile(probes, 0.99);
@@ -1059,40 +1105,49 @@ int run(Options o) {
   const double h50 = hist_quantile_ms(h0, h1, 0.5, &nbeats), h99 = hist_quantile_ms(h0, h1, 0.99, &nbeats);
   target("rendezvous: submit -> every rank holds uid + ring peers", t_rdzv, "{:.3f} s", 5.0, "< 5 s");
   target("placement: submit -> last spawn request at its agent", t_place, "{:.3f} s", 1.0, "< 1 s");
-  target(fmt::format("heartbeat handling p50 (scheduler inbox -> handled, {} beats)", nbeats), h50, "<= {:.2f} ms", 10,
-         "< 10 ms");
+  target(fmt::format("heartbeat handling p50 (scheduler inbox -> handled, {} beats)", nbeats), h50,
+         "<= {:.2f} ms", 10, "< 10 ms");
   target("heartbeat handling p99 (steady state + failure)", h99, "<= {:.2f} ms", 10, "< 10 ms");
-  rows.push_back(Row{fmt::format("probe round trip p50 / p99 / max ({} probes, incl. the simulator)", probes.size()),
-                     fmt::format("{:.1f} / {:.1f} / {:.0f} ms", p50, p99, percentile(probes, 1.0)), "", -1});
-  target(fmt::format("{} workers die at once -> driver saw every exit", o.failures), t_failure, "{:.3f} s", 2.0, "< 2 s");
-  rows.push_back(Row{"healthy workers lost during the failure", std::to_string(bad_gone), "0", bad_gone == 0 ? 1 : 0});
+  rows.push_back(
+      Row{fmt::format("probe round trip p50 / p99 / max ({} probes, incl. the simulator)", probes.size()),
+          fmt::format("{:.1f} / {:.1f} / {:.0f} ms", p50, p99, percentile(probes, 1.0)), "", -1});
+  target(fmt::format("{} workers die at once -> driver saw every exit", o.failures), t_failure, "{:.3f} s",
+         2.0, "< 2 s");
+  rows.push_back(
+      Row{"healthy workers lost during the failure", std::to_string(bad_gone), "0", bad_gone == 0 ? 1 : 0});
   target("longest beat gap of a healthy worker (simulator side)", max_gap, "{:.0f} ms", 2.0 * o.beat_ms,
          fmt::format("< {} ms", 2 * o.beat_ms));
-  target("kill -9 -> restarted, every agent back, every record recovered", secs(t_recovered - t_kill), "{:.3f} s", 10,
-         "< 10 s");
-  rows.push_back(Row{"scheduler CPU, steady state (1 Hz beats + steps)",
-                     fmt::format("{:.1f}% of a core = {:.1f} us/s per worker", 100 * cpu_frac,
-                                 1e6 * cpu_frac / o.workers),
-                     "", -1});
+  target("kill -9 -> restarted, every agent back, every record recovered", secs(t_recovered - t_kill),
+         "{:.3f} s", 10, "< 10 s");
+  rows.push_back(Row{
+      "scheduler CPU, steady state (1 Hz beats + steps)",
+      fmt::format("{:.1f}% of a core = {:.1f} us/s per worker", 100 * cpu_frac, 1e6 * cpu_frac / o.workers),
+      "", -1});
   rows.push_back(Row{"scheduler RSS before the kill",
                      fmt::format("{:.1f} MiB = {:.1f} KiB per worker", stats_before.rss_mib,
                                  stats_before.rss_mib * 1024 / o.workers),
                      "", -1});
   rows.push_back(Row{"agent registration (all agents)", fmt::format("{:.3f} s", t_register), "", -1});
-  rows.push_back(Row{"messages through the simulator, steady state", fmt::format("{:.0f}/s", msg_rate), "", -1});
-  fmt::print("\nscale_sim results: {} workers, {} agents x {} slots, {} simulator process(es) x {} thread(s); "
-             "{} CPUs, load average {} at the start, {} at the end\n",
-             o.workers, o.agents, o.slots, shards, threads_per_shard, std::thread::hardware_concurrency(), load_start,
-             loadavg());
+  rows.push_back(
+      Row{"messages through the simulator, steady state", fmt::format("{:.0f}/s", msg_rate), "", -1});
+  fmt::print(
+      "\nscale_sim results: {} workers, {} agents x {} slots, {} simulator process(es) x {} thread(s); "
+      "{} CPUs, load average {} at the start, {} at the end\n",
+      o.workers, o.agents, o.slots, shards, threads_per_shard, std::thread::hardware_concurrency(),
+      load_start, loadavg());
   for (auto& r : rows) {
-    fmt::print("  {:<66} {:>32}  {:<8} {}\n", r.what, r.value, r.target, r.pass < 0 ? "" : r.pass ? "ok" : "MISSED");
+    fmt::print("  {:<66} {:>32}  {:<8} {}\n", r.what, r.value, r.target,
+               r.pass < 0 ? ""
+               : r.pass   ? "ok"
+                          : "MISSED");
   }
   const int nerr = b.nerrors.load();
   for (int i = 0; i < std::min(nerr, 16); ++i) fmt::print("  ERROR: {}\n", b.errors[i]);
   if (b.store_errors.load() > 0) fmt::print("  ERROR: {} store requests failed\n", b.store_errors.load());
   const bool correct = nerr == 0 && b.store_errors.load() == 0;
-  fmt::print("correctness: {} (every rank rendezvoused, every failure seen once, restart recovered every record)\n",
-             correct ? "ok" : "FAILED");
+  fmt::print(
+      "correctness: {} (every rank rendezvoused, every failure seen once, restart recovered every record)\n",
+      correct ? "ok" : "FAILED");
   if (own_dir && !o.keep_state && correct) std::filesystem::remove_all(o.state_dir);
   return correct ? 0 : 1;
 }

@@ -499,9 +499,9 @@ class Transport::Impl {
                                                               opts_.heartbeat_interval / 4);
       for (const std::string& node : liveness_.expire(now)) {
         mirror_up(node, false);
-        peer_down(node, DownReason::kHeartbeatTimeout,
-                  fmt::format("no message from node {} for over {} ms", node,
-                              opts_.heartbeat_timeout.count()));
+        peer_down(
+            node, DownReason::kHeartbeatTimeout,
+            fmt::format("no message from node {} for over {} ms", node, opts_.heartbeat_timeout.count()));
       }
     }
     if (now < next_heartbeat_) return;
@@ -512,7 +512,8 @@ class Transport::Impl {
       it = now - it->second > 4 * opts_.heartbeat_interval ? last_sent_.erase(it) : std::next(it);
     }
     for (const std::string& node : peers) {
-      if (auto it = last_sent_.find(node); it != last_sent_.end() && now - it->second < opts_.heartbeat_interval) {
+      if (auto it = last_sent_.find(node);
+          it != last_sent_.end() && now - it->second < opts_.heartbeat_interval) {
         continue;
       }
       Envelope hb;
