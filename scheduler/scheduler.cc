@@ -103,17 +103,24 @@ void Scheduler::run() {
   while (!stop_.load()) run_once(std::chrono::milliseconds(opts_.poll_ms));
 }
 
-// One turn: everything that arrived is handled in one SQLite transaction, and what the
-// turn sends leaves only after the commit, so nothing is acknowledged before it is durable.
+// One turn: what arrived (up to kMaxTurnMessages) is handled in one SQLite transaction, and
+// what the turn sends leaves only after the commit, so nothing is acknowledged before it
+// is durable.
 void Scheduler::run_once(std::chrono::milliseconds timeout) {
-  auto batch = server_->poll(timeout);
+  for (auto& in : server_->poll(backlog_.empty() ? timeout : std::chrono::milliseconds(0))) {
+    backlog_.push_back(std::move(in));
+  }
   Status b = store_->begin_batch();
   if (!b.ok()) log()->error("state store: {}", b.to_string());
-  for (auto& in : batch) dispatch(in);
+  for (size_t n = 0; n < kMaxTurnMessages && !backlog_.empty(); ++n) {
+    dispatch(backlog_.front());
+    backlog_.pop_front();
+  }
   timers();
   Status c = store_->commit_batch();
   if (!c.ok()) log()->error("cannot commit the scheduler state: {}", c.to_string());
   flush_sends();
+  procs_by_agent_built_ = false;
 }
 
 void Scheduler::send(const std::string& peer, Message msg) {
@@ -216,7 +223,10 @@ void Scheduler::on_register(const std::string& peer, const RegisterAgent& m) {
           save(*proc);
         }
         proc->last_beat = now;
-        event(jit->second, "proc_reattached", {{"proc", p.name}, {"pid", p.pid}, {"agent", m.agent_id}});
+        if (!proc->reattached) {  // an agent repeating its registration is not news
+          proc->reattached = true;
+          event(jit->second, "proc_reattached", {{"proc", p.name}, {"pid", p.pid}, {"agent", m.agent_id}});
+        }
       } else {
         // A process we no longer want (an older epoch, a finished job): stop it.
         log()->info("agent {} runs {}/{} (epoch {}) that is not wanted: killing it", m.agent_id, p.job_id, p.name, p.epoch);
@@ -227,26 +237,48 @@ void Scheduler::on_register(const std::string& peer, const RegisterAgent& m) {
     }
   }
   // Processes we placed on this agent that it no longer knows: they ended unseen.
-  for (auto& [id, job] : jobs_) {
-    if (job_state_final(job.rec.state)) continue;
-    for (auto& [name, proc] : job.procs) {
-      if (proc.rec.agent_id == m.agent_id && proc_live(proc.rec) && !reported.count({id, name})) {
-        proc_failed(job, proc, fmt::format("agent {} no longer knows {} (it ended while unobserved)", m.agent_id, name));
-        if (job_state_final(job.rec.state)) break;
-      }
+  const auto placed_here = procs_on_agent(m.agent_id);  // a copy: failures may re-place
+  for (const auto& [id, name] : placed_here) {
+    auto jit = jobs_.find(id);
+    if (jit == jobs_.end() || job_state_final(jit->second.rec.state)) continue;
+    auto pit = jit->second.procs.find(name);
+    if (pit == jit->second.procs.end()) continue;
+    Proc& proc = pit->second;
+    if (proc.rec.agent_id == m.agent_id && proc_live(proc.rec) && !reported.count({id, name})) {
+      proc_failed(jit->second, proc,
+                  fmt::format("agent {} no longer knows {} (it ended while unobserved)", m.agent_id, name));
     }
   }
   // Jobs waiting for slots may fit now; processes never spawned (scheduler restart) go out.
   for (auto& [id, job] : jobs_) {
-    if (job.rec.state == JobState::kPending || job.rec.state == JobState::kRestarting) {
-      try_start(job);
+    if (job.rec.state == JobState::kPending || job.rec.state == JobState::kRestarting) try_start(job);
+  }
+  for (const auto& [id, name] : procs_on_agent(m.agent_id)) {
+    auto jit = jobs_.find(id);
+    if (jit == jobs_.end() || job_state_final(jit->second.rec.state) ||
+        jit->second.rec.state == JobState::kPending || jit->second.rec.state == JobState::kRestarting) {
       continue;
     }
-    if (job_state_final(job.rec.state)) continue;
-    for (auto& [name, proc] : job.procs) {
-      if (proc.rec.state == ProcState::kPending && proc.rec.agent_id == m.agent_id) spawn(job, proc).ignore();
+    auto pit = jit->second.procs.find(name);
+    if (pit == jit->second.procs.end()) continue;
+    if (pit->second.rec.state == ProcState::kPending && pit->second.rec.agent_id == m.agent_id) {
+      spawn(jit->second, pit->second).ignore();
     }
   }
+}
+
+const std::vector<std::pair<std::string, std::string>>& Scheduler::procs_on_agent(const std::string& agent) {
+  if (!procs_by_agent_built_) {
+    procs_by_agent_.clear();
+    for (const auto& [id, job] : jobs_) {
+      if (job_state_final(job.rec.state)) continue;
+      for (const auto& [name, proc] : job.procs) procs_by_agent_[proc.rec.agent_id].emplace_back(id, name);
+    }
+    procs_by_agent_built_ = true;
+  }
+  static const std::vector<std::pair<std::string, std::string>> kNone;
+  auto it = procs_by_agent_.find(agent);
+  return it == procs_by_agent_.end() ? kNone : it->second;
 }
 
 void Scheduler::on_agent_heartbeat(const std::string& peer, const AgentHeartbeat& m) {
@@ -392,6 +424,7 @@ void Scheduler::try_start(Job& job) {
   job.rec.state = JobState::kRunning;
   job.rec.message.clear();
   save(job);
+  procs_by_agent_built_ = false;  // new placement
   json placement = json::object();
   for (const auto& a : *placed) {
     Proc& p = job.procs[worker_name(a.rank)];
@@ -561,6 +594,7 @@ void Scheduler::restart_driver(Job& job, const std::string& reason) {
   }
   d.rec.state = ProcState::kPending;
   d.rec.epoch = job.rec.epoch;
+  procs_by_agent_built_ = false;  // the driver may have moved
   event(job, "driver_restarting", {{"reason", reason}, {"driver_restart", job.rec.driver_restarts}, {"agent", d.rec.agent_id}});
   log()->warn("job {}: {}; restarting the driver ({}/{})", job.rec.id, reason, job.rec.driver_restarts,
               job.rec.spec.max_driver_restarts);
@@ -609,7 +643,9 @@ void Scheduler::timers() {
   }
   // Timeouts are seconds long: scanning every agent and process every 100 ms (or poll
   // period) is enough, not once per message batch (thousands a second at cluster scale).
-  if (now < next_health_scan_) return;
+  // Silence is judged only once everything that arrived has been handled: beats waiting
+  // in the backlog are our delay, not the peers'.
+  if (now < next_health_scan_ || !backlog_.empty()) return;
   next_health_scan_ = now + std::chrono::milliseconds(std::max(opts_.poll_ms, 100));
   scan_health(now);
 }

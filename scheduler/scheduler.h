@@ -12,6 +12,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -66,6 +67,7 @@ class Scheduler {
     std::string peer;                 // the process's own session, after its hello
     Clock::time_point last_beat;
     bool beating = false;             // heartbeat monitoring starts with the hello
+    bool reattached = false;          // proc_reattached logged in this incarnation
     // Added to the process's environment (elastic replacements: their slot and epoch).
     std::vector<std::pair<std::string, std::string>> extra_env;
     std::string avoid_agent;  // elastic replacement: not on this agent (troupe drain)
@@ -153,11 +155,23 @@ class Scheduler {
   uint64_t next_token_ = 1;
   Clock::time_point recovered_until_{};              // after a restart: grace for agents to return
   LatencyHistogram beat_latency_;
+  // Arrived, not yet handled: a turn handles at most kMaxTurnMessages of them, so answers
+  // (and their commit) go out while a flood (10,000 peers reconnecting) is worked off.
+  static constexpr size_t kMaxTurnMessages = 2048;
+  std::deque<Incoming> backlog_;
   std::vector<std::pair<std::string, Message>> outbox_;  // sent after the turn's commit
   Clock::time_point next_health_scan_{};
   // try_start's placement, for spawn(): agent -> the epoch's worker ranks on it (sorted),
   // so a job of n workers costs O(n log n), not O(n^2). Empty outside try_start.
   std::map<std::string, std::vector<int>> placing_ranks_;
+  // agent id -> (job id, process name) of unfinished jobs' processes placed on it, for
+  // on_register (1,250 agents registering again after a restart, each scanning every
+  // process, was quadratic). Built on first use in a turn; dropped at the end of the turn
+  // and when placement changes (elastic placement only picks live agents, whose pending
+  // processes are spawned at once).
+  const std::vector<std::pair<std::string, std::string>>& procs_on_agent(const std::string& agent);
+  std::map<std::string, std::vector<std::pair<std::string, std::string>>> procs_by_agent_;
+  bool procs_by_agent_built_ = false;
   std::atomic<bool> stop_{false};
   std::mt19937_64 rng_{std::random_device{}()};
 };
