@@ -26,7 +26,7 @@ bool proc_live(const ProcRecord& p) { return p.state == ProcState::kStarting || 
 std::string worker_name(int rank) { return fmt::format("worker-{}", rank); }
 
 double latency_bound_us(int i) {
-  return 10.0 * std::pow(2.0, i / 2.0);
+  return 10.0 * std::pow(2.0, i / 4.0);
 }
 
 }  // namespace
@@ -761,7 +761,9 @@ json Scheduler::job_json(const Job& job, bool with_procs) const {
 
 void Scheduler::on_status(const std::string& peer, uint64_t rid, const StatusQuery& m) {
   json out;
-  if (!m.job_id.empty()) {
+  if (m.job_id == "-") {  // no job: the scheduler's own figures and its agents (cheap at any scale)
+    out["jobs"] = json::array();
+  } else if (!m.job_id.empty()) {
     auto it = jobs_.find(m.job_id);
     if (it == jobs_.end()) return reply(peer, rid, Reply::of(not_found("unknown job '{}'", m.job_id)));
     out["jobs"] = json::array({job_json(it->second, true)});

@@ -157,7 +157,7 @@ class Scheduler {
   LatencyHistogram beat_latency_;
   // Arrived, not yet handled: a turn handles at most kMaxTurnMessages of them, so answers
   // (and their commit) go out while a flood (10,000 peers reconnecting) is worked off.
-  static constexpr size_t kMaxTurnMessages = 2048;
+  static constexpr size_t kMaxTurnMessages = 512;
   std::deque<Incoming> backlog_;
   std::vector<std::pair<std::string, Message>> outbox_;  // sent after the turn's commit
   Clock::time_point next_health_scan_{};

@@ -152,10 +152,38 @@ Result<std::unique_ptr<StateStore>> StateStore::open(const std::string& path) {
   sqlite3_busy_timeout(db, 2000);
   TROUPE_RETURN_IF_ERROR(store->exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"));
   TROUPE_RETURN_IF_ERROR(store->migrate().with_context(path));
+  store->start_checkpointer(path);
   return store;
 }
 
+void StateStore::start_checkpointer(const std::string& path) {
+  if (sqlite3_open_v2(path.c_str(), &ck_db_, SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX, nullptr) != SQLITE_OK) {
+    sqlite3_close(ck_db_);
+    ck_db_ = nullptr;
+    return;  // commits keep checkpointing themselves (SQLite's default)
+  }
+  sqlite3_busy_timeout(ck_db_, 100);
+  exec("PRAGMA wal_autocheckpoint=0").ignore();
+  checkpointer_ = std::thread([this] {
+    std::unique_lock<std::mutex> lk(ck_mu_);
+    while (!ck_cv_.wait_for(lk, std::chrono::milliseconds(500), [this] { return ck_stop_; })) {
+      lk.unlock();
+      sqlite3_wal_checkpoint_v2(ck_db_, nullptr, SQLITE_CHECKPOINT_PASSIVE, nullptr, nullptr);
+      lk.lock();
+    }
+  });
+}
+
 StateStore::~StateStore() {
+  if (checkpointer_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lk(ck_mu_);
+      ck_stop_ = true;
+    }
+    ck_cv_.notify_all();
+    checkpointer_.join();
+  }
+  if (ck_db_) sqlite3_close(ck_db_);
   if (in_batch_) exec("COMMIT").ignore();
   for (auto& [sql, st] : stmts_) sqlite3_finalize(st);
   sqlite3_close(db_);

@@ -9,15 +9,20 @@
 // (begin_batch / commit_batch) and sends its answers only after the commit, so a
 // scheduler killed at any point restarts with every acknowledged job record, and a turn
 // that handles thousands of messages costs one commit, not thousands. Statements are
-// prepared once and cached. Not thread-safe: the scheduler's event loop owns it.
+// prepared once and cached. WAL checkpoints (which fsync) run on a thread of their own
+// with its own connection (PASSIVE: they never block a commit), not inside a commit of
+// the scheduler's loop. Not thread-safe: the scheduler's event loop owns it.
 #pragma once
 
 #include <sqlite3.h>
 
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -131,9 +136,16 @@ class StateStore {
   Status migrate();
   sqlite3_stmt* prepare(const char* sql);  // cached; null (and sqlite3_errmsg) on error
 
+  void start_checkpointer(const std::string& path);
+
   sqlite3* db_;
   int schema_version_ = 0;
   bool in_batch_ = false;
+  sqlite3* ck_db_ = nullptr;  // the checkpointer's connection
+  std::thread checkpointer_;
+  std::mutex ck_mu_;
+  std::condition_variable ck_cv_;
+  bool ck_stop_ = false;
   std::unordered_map<std::string, sqlite3_stmt*> stmts_;
 };
 
