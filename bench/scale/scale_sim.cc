@@ -1107,6 +1107,23 @@ int run(Options o) {
   const double h50 = hist_quantile_ms(h0, h1, 0.5, &nbeats), h99 = hist_quantile_ms(h0, h1, 0.99, &nbeats);
   target("rendezvous: submit -> every rank holds uid + ring peers", t_rdzv, "{:.3f} s", 5.0, "< 5 s");
   target("placement: submit -> last spawn request at its agent", t_place, "{:.3f} s", 1.0, "< 1 s");
+  {
+    // The scheduler's own part, from the job's events.jsonl: submitted -> placed (every
+    // rank assigned a slot, just before the spawn requests go out).
+    int64_t submitted = -1, placed = -1;
+    std::ifstream ev(o.state_dir + "/jobs/" + job_id + "/events.jsonl");
+    std::string line;
+    while (std::getline(ev, line) && (submitted < 0 || placed < 0)) {
+      auto e = json::parse(line, nullptr, false);
+      if (!e.is_object()) continue;
+      if (e["type"] == "submitted" && submitted < 0) submitted = e["ts_ms"].get<int64_t>();
+      if (e["type"] == "placed" && placed < 0) placed = e["ts_ms"].get<int64_t>();
+    }
+    if (submitted >= 0 && placed >= 0) {
+      rows.push_back(Row{"placement decision (events.jsonl: submitted -> placed)",
+                         fmt::format("{} ms", placed - submitted), "", -1});
+    }
+  }
   target(fmt::format("heartbeat handling p50 (scheduler inbox -> handled, {} beats)", nbeats), h50,
          "<= {:.2f} ms", 10, "< 10 ms");
   target("heartbeat handling p99 (steady state + failure)", h99, "<= {:.2f} ms", 10, "< 10 ms");
