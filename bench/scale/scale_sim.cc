@@ -201,6 +201,7 @@ struct Shared {
   std::vector<int> victims;                    // ranks that die in the failure phase
   std::mutex mu;                               // client_reply (the parent's client)
   std::optional<Reply> client_reply;
+  int client_seq = 0;  // the client's current request: a late answer to an earlier one is dropped
   void error(const std::string& e) {
     int i = b->nerrors.fetch_add(1);
     if (i < 16) std::snprintf(b->errors[i], sizeof(b->errors[i]), "%s", e.c_str());
@@ -227,6 +228,7 @@ struct SimThread {
   uint64_t next_corr = 1;
   std::mt19937_64 rng;
   int fail_gen = 0;  // the board's failure generation this thread has acted on
+  std::vector<std::pair<Peer*, SpawnRequest>> starts;  // read, not yet started
 
   void post(std::function<void()> f) {
     {
@@ -369,9 +371,16 @@ struct SimThread {
   }
 
   // -- agent side of spawn/kill --
+  // A spawn request is counted when it is read; the process starts after the thread has
+  // read what is waiting on its other sockets (a real agent's fork does not hold up the
+  // other agents' reads, as one thread simulating hundreds of agents otherwise would).
   void on_spawn(Peer& a, const SpawnRequest& req) {
     sh->b->spawns.fetch_add(1);
     fetch_max(sh->b->last_spawn_ns, steady_ns(Clock::now()));
+    starts.emplace_back(&a, req);
+  }
+
+  void start_proc(Peer& a, const SpawnRequest& req) {
     int pid = 100000 + static_cast<int>(rng() % 4000000);
     ProcStatus st{req.job_id, req.name, req.epoch, pid, true, 0, 0, "", wall_ms()};
     a.status[req.name] = st;
@@ -441,7 +450,7 @@ struct SimThread {
     auto now = Clock::now();
     if (p.kind == Kind::kClient) {
       std::lock_guard<std::mutex> lk(sh->mu);
-      sh->client_reply = r;
+      if (a.arg == sh->client_seq) sh->client_reply = r;
       return;
     }
     if (a.what == Ask::kExitWatch) {
@@ -603,6 +612,11 @@ struct SimThread {
           continue;
         }
         drain(*static_cast<Peer*>(evs[i].data.ptr));
+      }
+      if (!starts.empty()) {
+        auto batch = std::move(starts);
+        starts.clear();
+        for (auto& [agent, req] : batch) start_proc(*agent, req);
       }
       now = Clock::now();
       if (now >= next_timers) {
@@ -769,7 +783,12 @@ double hist_quantile_ms(const Hist& a, const Hist& b, double q, uint64_t* n) {
   std::vector<uint64_t> d(b.counts.size(), 0);
   uint64_t total = 0;
   for (size_t i = 0; i < b.counts.size(); ++i) {
-    d[i] = b.counts[i] - (i < a.counts.size() ? a.counts[i] : 0);
+    const uint64_t before = i < a.counts.size() ? a.counts[i] : 0;
+    if (b.counts[i] < before || a.counts.size() != b.counts.size()) {  // not two snapshots of one histogram
+      *n = 0;
+      return std::numeric_limits<double>::quiet_NaN();
+    }
+    d[i] = b.counts[i] - before;
     total += d[i];
   }
   *n = total;
@@ -914,12 +933,14 @@ int run(Options o) {
   Peer* client =
       th0.call([&] { return th0.open(Kind::kClient, 0, fmt::format("cli:scale-sim:{}", getpid())); });
   auto client_ask = [&](Payload pl, std::chrono::seconds to) -> std::optional<Reply> {
+    int seq;
     {
       std::lock_guard<std::mutex> lk(sh.mu);
       sh.client_reply.reset();
+      seq = ++sh.client_seq;
     }
     th0.call([&] {
-      th0.ask(*client, pl, Ask{Ask::kStatus, 0, {}},
+      th0.ask(*client, pl, Ask{Ask::kStatus, seq, {}},
               std::chrono::duration_cast<std::chrono::milliseconds>(to));
     });
     std::optional<Reply> r;
