@@ -157,7 +157,8 @@ Result<std::unique_ptr<StateStore>> StateStore::open(const std::string& path) {
 }
 
 void StateStore::start_checkpointer(const std::string& path) {
-  if (sqlite3_open_v2(path.c_str(), &ck_db_, SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX, nullptr) != SQLITE_OK) {
+  if (sqlite3_open_v2(path.c_str(), &ck_db_, SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX, nullptr) !=
+      SQLITE_OK) {
     sqlite3_close(ck_db_);
     ck_db_ = nullptr;
     return;  // commits keep checkpointing themselves (SQLite's default)
