@@ -112,7 +112,11 @@ void Scheduler::run_once(std::chrono::milliseconds timeout) {
   }
   Status b = store_->begin_batch();
   if (!b.ok()) log()->error("state store: {}", b.to_string());
+  loop_lag_ = {};
   for (size_t n = 0; n < kMaxTurnMessages && !backlog_.empty(); ++n) {
+    if (backlog_.front().received != Clock::time_point{}) {
+      loop_lag_ = std::max(loop_lag_, Clock::now() - backlog_.front().received);
+    }
     dispatch(backlog_.front());
     backlog_.pop_front();
   }
@@ -643,9 +647,9 @@ void Scheduler::timers() {
   }
   // Timeouts are seconds long: scanning every agent and process every 100 ms (or poll
   // period) is enough, not once per message batch (thousands a second at cluster scale).
-  // Silence is judged only once everything that arrived has been handled: beats waiting
-  // in the backlog are our delay, not the peers'.
-  if (now < next_health_scan_ || !backlog_.empty()) return;
+  // Silence is judged only once everything that arrived has been handled and the loop is
+  // keeping up: beats waiting in the backlog are our delay, not the peers'.
+  if (now < next_health_scan_ || !backlog_.empty() || loop_lag_ > kMaxLoopLag) return;
   next_health_scan_ = now + std::chrono::milliseconds(std::max(opts_.poll_ms, 100));
   scan_health(now);
 }

@@ -83,7 +83,7 @@ class Scheduler {
   // scheduler's inbox and being handled by its loop: a cumulative histogram, reported by
   // `status` under scheduler.beat_latency (bench/scale takes percentiles of its deltas).
   struct LatencyHistogram {
-    static constexpr int kBuckets = 48;           // bucket i holds latencies <= 10 us * 2^(i/2)
+    static constexpr int kBuckets = 96;           // bucket i holds latencies <= 10 us * 2^(i/4)
     std::array<uint64_t, kBuckets + 1> counts{};  // the last one: above every bound
     uint64_t max_us = 0;
     void add(std::chrono::nanoseconds d);
@@ -159,6 +159,10 @@ class Scheduler {
   // (and their commit) go out while a flood (10,000 peers reconnecting) is worked off.
   static constexpr size_t kMaxTurnMessages = 512;
   std::deque<Incoming> backlog_;
+  // The longest wait (arrival -> handled) of a message in the last turn: while it is over
+  // kMaxLoopLag the loop is behind, and silence is not held against peers.
+  static constexpr std::chrono::milliseconds kMaxLoopLag{500};
+  Clock::duration loop_lag_{};
   std::vector<std::pair<std::string, Message>> outbox_;  // sent after the turn's commit
   Clock::time_point next_health_scan_{};
   // try_start's placement, for spawn(): agent -> the epoch's worker ranks on it (sorted),
