@@ -140,7 +140,7 @@ struct Msg @0xc1d1a1e7a0b2f00e {
     procBeat @11 :ProcBeat;
     store @12 :StoreRequest;
     submit @13 :Text;                # JobSpec as JSON
-    status @14 :Text;                # job id, empty for every job
+    status @14 :Text;                # job id, empty for every job, "-" for none (agents, scheduler figures)
     cancel @15 :Text;                # job id
     logs @16 :LogsRequest;
     reply @17 :Reply;

@@ -5,27 +5,37 @@
 
 namespace troupe::sched {
 
+void RendezvousTable::load(const std::string& job, uint64_t epoch) {
+  if (!durable_ || !loaded_.emplace(job, epoch).second) return;
+  auto rows = durable_->kv_load(job, epoch);
+  if (!rows.ok()) {
+    loaded_.erase({job, epoch});  // try again on the next request
+    return;
+  }
+  for (auto& [k, v] : *rows) values_.emplace(Key{job, epoch, std::move(k)}, std::move(v));
+}
+
 std::optional<std::string> RendezvousTable::lookup(const std::string& job, uint64_t epoch, const std::string& key) {
+  load(job, epoch);
   auto it = values_.find(Key{job, epoch, key});
   if (it != values_.end()) return it->second;
-  if (durable_) {
-    auto v = durable_->kv_get(job, epoch, key);
-    if (v.ok() && v->has_value()) {
-      values_[Key{job, epoch, key}] = **v;
-      return **v;
-    }
-  }
   return std::nullopt;
 }
 
-std::optional<Reply> RendezvousTable::try_complete(const StoreRequest& req) {
+Reply RendezvousTable::complete(const StoreRequest& req) {
   Reply r;
-  for (const auto& k : req.keys) {
-    auto v = lookup(req.job_id, req.epoch, k);
-    if (!v) return std::nullopt;
-    if (req.op == StoreOp::kGet) r.data = *v;
-  }
+  if (req.op == StoreOp::kGet) r.data = values_.at(Key{req.job_id, req.epoch, req.keys[0]});
   return r;
+}
+
+void RendezvousTable::forget(uint64_t token, const Waiter& w) {
+  deadlines_.erase({w.deadline, token});
+  for (const auto& k : w.req.keys) {
+    auto it = waiting_for_.find(Key{w.req.job_id, w.req.epoch, k});
+    if (it == waiting_for_.end()) continue;
+    std::erase(it->second, token);
+    if (it->second.empty()) waiting_for_.erase(it);
+  }
 }
 
 std::optional<Reply> RendezvousTable::handle(const StoreRequest& req, uint64_t token, Clock::time_point now) {
@@ -46,17 +56,24 @@ std::optional<Reply> RendezvousTable::handle(const StoreRequest& req, uint64_t t
         Status s = durable_->kv_set(req.job_id, req.epoch, req.keys[0], req.value);
         if (!s.ok()) return Reply::of(s);
       }
-      values_[Key{req.job_id, req.epoch, req.keys[0]}] = req.value;
-      // Wake every waiter this set completes.
-      for (auto it = waiters_.begin(); it != waiters_.end();) {
-        if (it->req.job_id == req.job_id && it->req.epoch == req.epoch) {
-          if (auto r = try_complete(it->req)) {
-            ready_.emplace_back(it->token, std::move(*r));
-            it = waiters_.erase(it);
-            continue;
-          }
-        }
-        ++it;
+      load(req.job_id, req.epoch);
+      Key key{req.job_id, req.epoch, req.keys[0]};
+      auto [vit, inserted] = values_.insert_or_assign(key, req.value);
+      if (!inserted) return Reply{};  // already set: nobody waits for it
+      // Wake the requests this set completes: only those waiting for this key.
+      auto wit = waiting_for_.find(key);
+      if (wit == waiting_for_.end()) return Reply{};
+      std::vector<uint64_t> tokens = std::move(wit->second);
+      waiting_for_.erase(wit);
+      for (uint64_t t : tokens) {
+        auto it = waiters_.find(t);
+        if (it == waiters_.end()) continue;
+        size_t n = std::count(it->second.req.keys.begin(), it->second.req.keys.end(), req.keys[0]);
+        it->second.missing -= std::min(it->second.missing, n);
+        if (it->second.missing > 0) continue;
+        ready_.emplace_back(t, complete(it->second.req));
+        forget(t, it->second);
+        waiters_.erase(it);
       }
       return Reply{};
     }
@@ -70,8 +87,17 @@ std::optional<Reply> RendezvousTable::handle(const StoreRequest& req, uint64_t t
       if (req.op == StoreOp::kGet && req.keys.size() != 1) {
         return Reply::of(invalid_argument("store get: exactly one key, got {}", req.keys.size()));
       }
-      if (auto r = try_complete(req)) return r;
-      waiters_.push_back(Waiter{token, req, now + std::chrono::milliseconds(std::max(0, req.timeout_ms))});
+      load(req.job_id, req.epoch);
+      Waiter w{req, now + std::chrono::milliseconds(std::max(0, req.timeout_ms)), 0};
+      std::set<std::string> missing;
+      for (const auto& k : req.keys) {
+        if (!values_.count(Key{req.job_id, req.epoch, k})) missing.insert(k);
+      }
+      if (missing.empty()) return complete(req);
+      for (const auto& k : req.keys) w.missing += missing.count(k);
+      for (const auto& k : missing) waiting_for_[Key{req.job_id, req.epoch, k}].push_back(token);
+      deadlines_.emplace(w.deadline, token);
+      waiters_.emplace(token, std::move(w));
       return std::nullopt;
     }
   }
@@ -79,24 +105,25 @@ std::optional<Reply> RendezvousTable::handle(const StoreRequest& req, uint64_t t
 }
 
 std::vector<std::pair<uint64_t, Reply>> RendezvousTable::take_ready(Clock::time_point now) {
-  for (auto it = waiters_.begin(); it != waiters_.end();) {
-    if (now >= it->deadline) {
-      std::vector<std::string> missing;
-      for (const auto& k : it->req.keys) {
-        if (!lookup(it->req.job_id, it->req.epoch, k)) missing.push_back(k);
-      }
-      std::string list;
-      for (const auto& k : missing) {
-        if (!list.empty()) list.append(", ");
-        list.append(k);
-      }
-      ready_.emplace_back(it->token, Reply::of(deadline_exceeded("store: job {} epoch {}: keys not set after {} ms: {}",
-                                                                 it->req.job_id, it->req.epoch, it->req.timeout_ms,
-                                                                 list)));
-      it = waiters_.erase(it);
-    } else {
-      ++it;
+  while (!deadlines_.empty() && now >= deadlines_.begin()->first) {
+    const uint64_t token = deadlines_.begin()->second;
+    auto it = waiters_.find(token);
+    if (it == waiters_.end()) {
+      deadlines_.erase(deadlines_.begin());
+      continue;
     }
+    const StoreRequest& req = it->second.req;
+    std::string list;
+    for (const auto& k : req.keys) {
+      if (values_.count(Key{req.job_id, req.epoch, k})) continue;
+      if (!list.empty()) list.append(", ");
+      list.append(k);
+    }
+    ready_.emplace_back(
+        token, Reply::of(deadline_exceeded("store: job {} epoch {}: keys not set after {} ms: {}", req.job_id,
+                                           req.epoch, req.timeout_ms, list)));
+    forget(token, it->second);
+    waiters_.erase(it);
   }
   return std::exchange(ready_, {});
 }
@@ -105,9 +132,13 @@ void RendezvousTable::drop_job(const std::string& job_id) {
   for (auto it = values_.begin(); it != values_.end();) {
     it = std::get<0>(it->first) == job_id ? values_.erase(it) : std::next(it);
   }
+  for (auto it = loaded_.begin(); it != loaded_.end();) {
+    it = it->first == job_id ? loaded_.erase(it) : std::next(it);
+  }
   for (auto it = waiters_.begin(); it != waiters_.end();) {
-    if (it->req.job_id == job_id) {
-      ready_.emplace_back(it->token, Reply::of(cancelled("store: job {} ended", job_id)));
+    if (it->second.req.job_id == job_id) {
+      ready_.emplace_back(it->first, Reply::of(cancelled("store: job {} ended", job_id)));
+      forget(it->first, it->second);
       it = waiters_.erase(it);
     } else {
       ++it;

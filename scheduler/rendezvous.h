@@ -3,6 +3,12 @@
 // until the keys exist or their deadline passes. Values are written through to the
 // StateStore (when given) so a restarted scheduler still serves them.
 //
+// Cost: a set, get or contains is O(log n) in the keys held, whatever the number of parked
+// requests; a set wakes only the requests that wait for its key (an index from each missing
+// key to its waiters); deadlines are kept in time order. A (job, epoch) is read from
+// SQLite once (a restarted scheduler), after which the memory copy is authoritative, so
+// a miss never touches the database.
+//
 // Single-threaded (the scheduler loop). Time comes in as arguments, so tests control it.
 #pragma once
 
@@ -10,8 +16,11 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <tuple>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "scheduler/protocol.h"
@@ -39,16 +48,21 @@ class RendezvousTable {
  private:
   using Key = std::tuple<std::string, uint64_t, std::string>;
   struct Waiter {
-    uint64_t token;
     StoreRequest req;
     Clock::time_point deadline;
+    size_t missing = 0;  // keys of req not set yet
   };
   std::optional<std::string> lookup(const std::string& job, uint64_t epoch, const std::string& key);
-  std::optional<Reply> try_complete(const StoreRequest& req);
+  void load(const std::string& job, uint64_t epoch);  // from SQLite, once per (job, epoch)
+  Reply complete(const StoreRequest& req);            // every key is present
+  void forget(uint64_t token, const Waiter& w);       // out of the key and deadline indexes
 
   StateStore* durable_;
   std::map<Key, std::string> values_;
-  std::vector<Waiter> waiters_;
+  std::set<std::pair<std::string, uint64_t>> loaded_;
+  std::map<uint64_t, Waiter> waiters_;                          // by token
+  std::map<Key, std::vector<uint64_t>> waiting_for_;            // missing key -> tokens
+  std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;  // (deadline, token)
   std::vector<std::pair<uint64_t, Reply>> ready_;
 };
 

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 
 #include "core/logging.h"
@@ -23,6 +24,10 @@ std::shared_ptr<spdlog::logger> log() {
 bool proc_live(const ProcRecord& p) { return p.state == ProcState::kStarting || p.state == ProcState::kRunning; }
 
 std::string worker_name(int rank) { return fmt::format("worker-{}", rank); }
+
+double latency_bound_us(int i) {
+  return 10.0 * std::pow(2.0, i / 4.0);
+}
 
 }  // namespace
 
@@ -98,19 +103,67 @@ void Scheduler::run() {
   while (!stop_.load()) run_once(std::chrono::milliseconds(opts_.poll_ms));
 }
 
+// One turn: what arrived (up to kMaxTurnMessages) is handled in one SQLite transaction, and
+// what the turn sends leaves only after the commit, so nothing is acknowledged before it
+// is durable.
 void Scheduler::run_once(std::chrono::milliseconds timeout) {
-  for (auto& in : server_->poll(timeout)) dispatch(in);
+  for (auto& in : server_->poll(backlog_.empty() ? timeout : std::chrono::milliseconds(0))) {
+    backlog_.push_back(std::move(in));
+  }
+  Status b = store_->begin_batch();
+  if (!b.ok()) log()->error("state store: {}", b.to_string());
+  loop_lag_ = {};
+  for (size_t n = 0; n < kMaxTurnMessages && !backlog_.empty(); ++n) {
+    if (backlog_.front().received != Clock::time_point{}) {
+      loop_lag_ = std::max(loop_lag_, Clock::now() - backlog_.front().received);
+    }
+    dispatch(backlog_.front());
+    backlog_.pop_front();
+  }
   timers();
+  Status c = store_->commit_batch();
+  if (!c.ok()) log()->error("cannot commit the scheduler state: {}", c.to_string());
+  flush_sends();
+  procs_by_agent_built_ = false;
+}
+
+void Scheduler::send(const std::string& peer, Message msg) {
+  outbox_.emplace_back(peer, std::move(msg));
+}
+
+void Scheduler::flush_sends() {
+  for (auto& [peer, msg] : outbox_) {
+    if (!server_->send(peer, msg)) {
+      log()->debug("{} (request {}) to a peer that is gone", payload_name(msg.payload), msg.request_id);
+    }
+  }
+  outbox_.clear();
 }
 
 void Scheduler::reply(const std::string& peer, uint64_t request_id, Reply r) {
-  if (!server_->send(peer, Message{request_id, std::move(r)})) {
-    log()->debug("reply to a peer that is gone (request {})", request_id);
-  }
+  send(peer, Message{request_id, std::move(r)});
+}
+
+void Scheduler::LatencyHistogram::add(std::chrono::nanoseconds d) {
+  const double us = std::max(0.0, std::chrono::duration<double, std::micro>(d).count());
+  max_us = std::max(max_us, static_cast<uint64_t>(us));
+  int i = 0;
+  while (i < kBuckets && us > latency_bound_us(i)) ++i;
+  counts[static_cast<size_t>(i)]++;
+}
+
+nlohmann::json Scheduler::LatencyHistogram::to_json() const {
+  json bounds = json::array();
+  for (int i = 0; i < kBuckets; ++i) bounds.push_back(latency_bound_us(i));
+  return {{"bounds_us", bounds}, {"counts", counts}, {"max_us", max_us}};
 }
 
 void Scheduler::dispatch(const Incoming& in) {
   const auto& m = in.msg;
+  if ((std::holds_alternative<ProcBeat>(m.payload) || std::holds_alternative<AgentHeartbeat>(m.payload)) &&
+      in.received != Clock::time_point{}) {
+    beat_latency_.add(Clock::now() - in.received);
+  }
   std::visit(
       [&](const auto& p) {
         using T = std::decay_t<decltype(p)>;
@@ -150,7 +203,7 @@ void Scheduler::on_register(const std::string& peer, const RegisterAgent& m) {
   a.last_seen = now;
   a.alive = true;
   store_->put_agent(a.rec).ignore();
-  server_->send(peer, Message{0, RegisterAck{incarnation_, opts_.agent_heartbeat_ms}});
+  send(peer, Message{0, RegisterAck{incarnation_, opts_.agent_heartbeat_ms}});
   log()->info("agent {} ({}) registered: {} slots, {} GPUs, {} process(es){}", m.agent_id, m.host, m.slots, m.gpus,
               m.procs.size(), was_alive ? " (again)" : "");
 
@@ -174,43 +227,68 @@ void Scheduler::on_register(const std::string& peer, const RegisterAgent& m) {
           save(*proc);
         }
         proc->last_beat = now;
-        event(jit->second, "proc_reattached", {{"proc", p.name}, {"pid", p.pid}, {"agent", m.agent_id}});
+        if (!proc->reattached) {  // an agent repeating its registration is not news
+          proc->reattached = true;
+          event(jit->second, "proc_reattached", {{"proc", p.name}, {"pid", p.pid}, {"agent", m.agent_id}});
+        }
       } else {
         // A process we no longer want (an older epoch, a finished job): stop it.
         log()->info("agent {} runs {}/{} (epoch {}) that is not wanted: killing it", m.agent_id, p.job_id, p.name, p.epoch);
-        server_->send(peer, Message{0, KillRequest{p.job_id, p.name, SIGKILL, 0}});
+        send(peer, Message{0, KillRequest{p.job_id, p.name, SIGKILL, 0}});
       }
     } else {
       on_proc_exited(peer, p);
     }
   }
   // Processes we placed on this agent that it no longer knows: they ended unseen.
-  for (auto& [id, job] : jobs_) {
-    if (job_state_final(job.rec.state)) continue;
-    for (auto& [name, proc] : job.procs) {
-      if (proc.rec.agent_id == m.agent_id && proc_live(proc.rec) && !reported.count({id, name})) {
-        proc_failed(job, proc, fmt::format("agent {} no longer knows {} (it ended while unobserved)", m.agent_id, name));
-        if (job_state_final(job.rec.state)) break;
-      }
+  const auto placed_here = procs_on_agent(m.agent_id);  // a copy: failures may re-place
+  for (const auto& [id, name] : placed_here) {
+    auto jit = jobs_.find(id);
+    if (jit == jobs_.end() || job_state_final(jit->second.rec.state)) continue;
+    auto pit = jit->second.procs.find(name);
+    if (pit == jit->second.procs.end()) continue;
+    Proc& proc = pit->second;
+    if (proc.rec.agent_id == m.agent_id && proc_live(proc.rec) && !reported.count({id, name})) {
+      proc_failed(jit->second, proc,
+                  fmt::format("agent {} no longer knows {} (it ended while unobserved)", m.agent_id, name));
     }
   }
   // Jobs waiting for slots may fit now; processes never spawned (scheduler restart) go out.
   for (auto& [id, job] : jobs_) {
-    if (job.rec.state == JobState::kPending || job.rec.state == JobState::kRestarting) {
-      try_start(job);
+    if (job.rec.state == JobState::kPending || job.rec.state == JobState::kRestarting) try_start(job);
+  }
+  for (const auto& [id, name] : procs_on_agent(m.agent_id)) {
+    auto jit = jobs_.find(id);
+    if (jit == jobs_.end() || job_state_final(jit->second.rec.state) ||
+        jit->second.rec.state == JobState::kPending || jit->second.rec.state == JobState::kRestarting) {
       continue;
     }
-    if (job_state_final(job.rec.state)) continue;
-    for (auto& [name, proc] : job.procs) {
-      if (proc.rec.state == ProcState::kPending && proc.rec.agent_id == m.agent_id) spawn(job, proc).ignore();
+    auto pit = jit->second.procs.find(name);
+    if (pit == jit->second.procs.end()) continue;
+    if (pit->second.rec.state == ProcState::kPending && pit->second.rec.agent_id == m.agent_id) {
+      spawn(jit->second, pit->second).ignore();
     }
   }
+}
+
+const std::vector<std::pair<std::string, std::string>>& Scheduler::procs_on_agent(const std::string& agent) {
+  if (!procs_by_agent_built_) {
+    procs_by_agent_.clear();
+    for (const auto& [id, job] : jobs_) {
+      if (job_state_final(job.rec.state)) continue;
+      for (const auto& [name, proc] : job.procs) procs_by_agent_[proc.rec.agent_id].emplace_back(id, name);
+    }
+    procs_by_agent_built_ = true;
+  }
+  static const std::vector<std::pair<std::string, std::string>> kNone;
+  auto it = procs_by_agent_.find(agent);
+  return it == procs_by_agent_.end() ? kNone : it->second;
 }
 
 void Scheduler::on_agent_heartbeat(const std::string& peer, const AgentHeartbeat& m) {
   auto it = agents_.find(m.agent_id);
   if (it == agents_.end() || !it->second.alive || m.incarnation != incarnation_) {
-    server_->send(peer, Message{0, Reregister{}});
+    send(peer, Message{0, Reregister{}});
     return;
   }
   it->second.last_seen = Clock::now();
@@ -233,7 +311,7 @@ void Scheduler::on_proc_started(const ProcStatus& p) {
 }
 
 void Scheduler::on_proc_exited(const std::string& peer, const ProcStatus& p) {
-  server_->send(peer, Message{0, ExitAck{p.job_id, p.name, p.epoch, p.pid}});
+  send(peer, Message{0, ExitAck{p.job_id, p.name, p.epoch, p.pid}});
   auto jit = jobs_.find(p.job_id);
   if (jit == jobs_.end()) return;
   Job& job = jit->second;
@@ -307,22 +385,26 @@ void Scheduler::proc_failed(Job& job, Proc& proc, const std::string& reason) {
 // ------------------------------------------------------------------ job lifecycle
 
 std::vector<AgentCapacity> Scheduler::capacity() const {
-  std::vector<AgentCapacity> out;
+  // One pass over the processes (not one per agent): slots held by live or pending ones.
+  std::map<std::string, std::vector<bool>> used;
   for (const auto& [id, a] : agents_) {
-    if (!a.alive) continue;
-    std::vector<bool> used(static_cast<size_t>(a.rec.slots), false);
-    for (const auto& [jid, job] : jobs_) {
-      if (job_state_final(job.rec.state)) continue;
-      for (const auto& [name, p] : job.procs) {
-        if (p.rec.agent_id == id && p.rec.slot >= 0 && p.rec.slot < a.rec.slots &&
-            (proc_live(p.rec) || p.rec.state == ProcState::kPending)) {
-          used[static_cast<size_t>(p.rec.slot)] = true;
-        }
+    if (a.alive) used[id].assign(static_cast<size_t>(std::max(0, a.rec.slots)), false);
+  }
+  for (const auto& [jid, job] : jobs_) {
+    if (job_state_final(job.rec.state)) continue;
+    for (const auto& [name, p] : job.procs) {
+      if (p.rec.slot < 0 || !(proc_live(p.rec) || p.rec.state == ProcState::kPending)) continue;
+      auto it = used.find(p.rec.agent_id);
+      if (it != used.end() && p.rec.slot < static_cast<int>(it->second.size())) {
+        it->second[static_cast<size_t>(p.rec.slot)] = true;
       }
     }
+  }
+  std::vector<AgentCapacity> out;
+  for (const auto& [id, slots] : used) {
     AgentCapacity c{id, {}};
-    for (int s = 0; s < a.rec.slots; ++s) {
-      if (!used[static_cast<size_t>(s)]) c.free_slots.push_back(s);
+    for (size_t s = 0; s < slots.size(); ++s) {
+      if (!slots[s]) c.free_slots.push_back(static_cast<int>(s));
     }
     out.push_back(std::move(c));
   }
@@ -346,6 +428,7 @@ void Scheduler::try_start(Job& job) {
   job.rec.state = JobState::kRunning;
   job.rec.message.clear();
   save(job);
+  procs_by_agent_built_ = false;  // new placement
   json placement = json::object();
   for (const auto& a : *placed) {
     Proc& p = job.procs[worker_name(a.rank)];
@@ -380,9 +463,16 @@ void Scheduler::try_start(Job& job) {
     placement["driver"] = d.rec.agent_id;
   }
   event(job, "placed", {{"epoch", job.rec.epoch}, {"layout", layout.to_string()}, {"placement", placement}});
+  placing_ranks_.clear();
+  for (const auto& [name, p] : job.procs) {
+    if (p.rec.role == "worker" && p.rec.epoch == job.rec.epoch)
+      placing_ranks_[p.rec.agent_id].push_back(p.rec.rank);
+  }
+  for (auto& [agent, ranks] : placing_ranks_) std::sort(ranks.begin(), ranks.end());
   for (auto& [name, proc] : job.procs) {
     if (proc.rec.state == ProcState::kPending) spawn(job, proc).ignore();
   }
+  placing_ranks_.clear();
 }
 
 Status Scheduler::spawn(Job& job, Proc& proc) {
@@ -399,10 +489,19 @@ Status Scheduler::spawn(Job& job, Proc& proc) {
   req.work_dir = spec.work_dir;
   for (const auto& [k, v] : spec.env) req.env.emplace_back(k, v);
   int local_rank = 0, local_size = 0;
-  for (const auto& [n, p] : job.procs) {
-    if (p.rec.role != "worker" || p.rec.agent_id != proc.rec.agent_id || p.rec.epoch != proc.rec.epoch) continue;
-    if (p.rec.rank < proc.rec.rank) ++local_rank;
-    ++local_size;
+  if (auto pr = placing_ranks_.find(proc.rec.agent_id);
+      pr != placing_ranks_.end() && proc.rec.role == "worker") {
+    const auto& ranks = pr->second;  // try_start's placement: the same count, without a scan
+    local_rank =
+        static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), proc.rec.rank) - ranks.begin());
+    local_size = static_cast<int>(ranks.size());
+  } else {
+    for (const auto& [n, p] : job.procs) {
+      if (p.rec.role != "worker" || p.rec.agent_id != proc.rec.agent_id || p.rec.epoch != proc.rec.epoch)
+        continue;
+      if (p.rec.rank < proc.rec.rank) ++local_rank;
+      ++local_size;
+    }
   }
   auto add = [&](const char* k, std::string v) { req.env.emplace_back(k, std::move(v)); };
   add("TROUPE_ROLE", proc.rec.role);
@@ -444,21 +543,21 @@ Status Scheduler::spawn(Job& job, Proc& proc) {
   proc.last_beat = Clock::now();
   proc.beating = false;
   save(proc);
-  if (!server_->send(ait->second.peer, Message{0, std::move(req)})) {
-    log()->warn("could not send spawn of {}/{} to agent {}", job.rec.id, proc.rec.name, proc.rec.agent_id);
-  }
+  send(ait->second.peer, Message{0, std::move(req)});
   return ok_status();
 }
 
 void Scheduler::kill_procs(Job& job, const std::string& name, int signal, int grace_ms) {
   std::set<std::string> agents;
-  for (const auto& [n, p] : job.procs) {
-    if (name.empty() || n == name) agents.insert(p.rec.agent_id);
+  if (!name.empty()) {  // one process: a lookup, not a scan (a mass failure kills thousands)
+    if (auto it = job.procs.find(name); it != job.procs.end()) agents.insert(it->second.rec.agent_id);
+  } else {
+    for (const auto& [n, p] : job.procs) agents.insert(p.rec.agent_id);
   }
   for (const auto& id : agents) {
     auto it = agents_.find(id);
     if (it == agents_.end() || !it->second.alive) continue;
-    server_->send(it->second.peer, Message{0, KillRequest{job.rec.id, name, signal, grace_ms}});
+    send(it->second.peer, Message{0, KillRequest{job.rec.id, name, signal, grace_ms}});
   }
 }
 
@@ -526,6 +625,7 @@ void Scheduler::restart_driver(Job& job, const std::string& reason) {
   }
   d.rec.state = ProcState::kPending;
   d.rec.epoch = job.rec.epoch;
+  procs_by_agent_built_ = false;  // the driver may have moved
   event(job, "driver_restarting", {{"reason", reason}, {"driver_restart", job.rec.driver_restarts}, {"agent", d.rec.agent_id}});
   log()->warn("job {}: {}; restarting the driver ({}/{})", job.rec.id, reason, job.rec.driver_restarts,
               job.rec.spec.max_driver_restarts);
@@ -572,6 +672,16 @@ void Scheduler::timers() {
     reply(it->second.peer, it->second.request_id, std::move(r));
     store_waiters_.erase(it);
   }
+  // Timeouts are seconds long: scanning every agent and process every 100 ms (or poll
+  // period) is enough, not once per message batch (thousands a second at cluster scale).
+  // Silence is judged only once everything that arrived has been handled and the loop is
+  // keeping up: beats waiting in the backlog are our delay, not the peers'.
+  if (now < next_health_scan_ || !backlog_.empty() || loop_lag_ > kMaxLoopLag) return;
+  next_health_scan_ = now + std::chrono::milliseconds(std::max(opts_.poll_ms, 100));
+  scan_health(now);
+}
+
+void Scheduler::scan_health(Clock::time_point now) {
   // Agents that stopped heartbeating: everything they ran is lost.
   for (auto& [id, a] : agents_) {
     if (!a.alive || now - a.last_seen < std::chrono::milliseconds(opts_.agent_timeout_ms)) continue;
@@ -697,7 +807,9 @@ json Scheduler::job_json(const Job& job, bool with_procs) const {
 
 void Scheduler::on_status(const std::string& peer, uint64_t rid, const StatusQuery& m) {
   json out;
-  if (!m.job_id.empty()) {
+  if (m.job_id == "-") {  // no job: the scheduler's own figures and its agents (cheap at any scale)
+    out["jobs"] = json::array();
+  } else if (!m.job_id.empty()) {
     auto it = jobs_.find(m.job_id);
     if (it == jobs_.end()) return reply(peer, rid, Reply::of(not_found("unknown job '{}'", m.job_id)));
     out["jobs"] = json::array({job_json(it->second, true)});
@@ -711,7 +823,9 @@ void Scheduler::on_status(const std::string& peer, uint64_t rid, const StatusQue
                       {"alive", a.alive}});
   }
   out["agents"] = std::move(agents);
-  out["scheduler"] = {{"endpoint", endpoint_}, {"incarnation", fmt::format("{:x}", incarnation_)},
+  out["scheduler"] = {{"endpoint", endpoint_},
+                      {"incarnation", fmt::format("{:x}", incarnation_)},
+                      {"beat_latency", beat_latency_.to_json()},
                       {"state_dir", opts_.state_dir}};
   Reply r;
   r.body = out.dump();
@@ -762,7 +876,7 @@ void Scheduler::on_logs(const std::string& peer, uint64_t rid, const LogsQuery& 
   log_forwards_[fwd] = PendingReply{peer, rid};
   LogsRequest req = m.req;
   req.name = name;
-  server_->send(ait->second.peer, Message{fwd, AgentLogsQuery{req}});
+  send(ait->second.peer, Message{fwd, AgentLogsQuery{req}});
 }
 
 void Scheduler::on_reply(const Message& m) {

@@ -9,17 +9,18 @@
 // The scheduler knows nothing of models: a job is a command.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <set>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/status.h"
 #include "scheduler/event_log.h"
@@ -66,6 +67,7 @@ class Scheduler {
     std::string peer;                 // the process's own session, after its hello
     Clock::time_point last_beat;
     bool beating = false;             // heartbeat monitoring starts with the hello
+    bool reattached = false;          // proc_reattached logged in this incarnation
     // Added to the process's environment (elastic replacements: their slot and epoch).
     std::vector<std::pair<std::string, std::string>> extra_env;
     std::string avoid_agent;  // elastic replacement: not on this agent (troupe drain)
@@ -77,6 +79,16 @@ class Scheduler {
     std::optional<EventLog> log;
     std::set<std::string> retired;  // elastic: failed workers the driver replaced
   };
+  // How long heartbeats (agents' and job processes') waited between arriving at the
+  // scheduler's inbox and being handled by its loop: a cumulative histogram, reported by
+  // `status` under scheduler.beat_latency (bench/scale takes percentiles of its deltas).
+  struct LatencyHistogram {
+    static constexpr int kBuckets = 96;           // bucket i holds latencies <= 10 us * 2^(i/4)
+    std::array<uint64_t, kBuckets + 1> counts{};  // the last one: above every bound
+    uint64_t max_us = 0;
+    void add(std::chrono::nanoseconds d);
+    nlohmann::json to_json() const;
+  };
   struct PendingReply {
     std::string peer;
     uint64_t request_id;
@@ -87,6 +99,9 @@ class Scheduler {
   Status recover();
 
   void dispatch(const Incoming& in);
+  // Queues `msg` for `peer`; it leaves after this turn's state is committed (run_once).
+  void send(const std::string& peer, Message msg);
+  void flush_sends();
   void reply(const std::string& peer, uint64_t request_id, Reply r);
   void on_register(const std::string& peer, const RegisterAgent& m);
   void on_agent_heartbeat(const std::string& peer, const AgentHeartbeat& m);
@@ -102,6 +117,7 @@ class Scheduler {
   void on_place_actors(const std::string& peer, uint64_t rid, const PlaceActors& m);
 
   void timers();
+  void scan_health(Clock::time_point now);  // agent and process heartbeat timeouts
   void try_start(Job& job);
   Status spawn(Job& job, Proc& proc);
   void proc_failed(Job& job, Proc& proc, const std::string& reason);
@@ -138,6 +154,28 @@ class Scheduler {
   std::map<uint64_t, PendingReply> log_forwards_;    // request id sent to an agent -> client
   uint64_t next_token_ = 1;
   Clock::time_point recovered_until_{};              // after a restart: grace for agents to return
+  LatencyHistogram beat_latency_;
+  // Arrived, not yet handled: a turn handles at most kMaxTurnMessages of them, so answers
+  // (and their commit) go out while a flood (10,000 peers reconnecting) is worked off.
+  static constexpr size_t kMaxTurnMessages = 512;
+  std::deque<Incoming> backlog_;
+  // The longest wait (arrival -> handled) of a message in the last turn: while it is over
+  // kMaxLoopLag the loop is behind, and silence is not held against peers.
+  static constexpr std::chrono::milliseconds kMaxLoopLag{500};
+  Clock::duration loop_lag_{};
+  std::vector<std::pair<std::string, Message>> outbox_;  // sent after the turn's commit
+  Clock::time_point next_health_scan_{};
+  // try_start's placement, for spawn(): agent -> the epoch's worker ranks on it (sorted),
+  // so a job of n workers costs O(n log n), not O(n^2). Empty outside try_start.
+  std::map<std::string, std::vector<int>> placing_ranks_;
+  // agent id -> (job id, process name) of unfinished jobs' processes placed on it, for
+  // on_register (1,250 agents registering again after a restart, each scanning every
+  // process, was quadratic). Built on first use in a turn; dropped at the end of the turn
+  // and when placement changes (elastic placement only picks live agents, whose pending
+  // processes are spawned at once).
+  const std::vector<std::pair<std::string, std::string>>& procs_on_agent(const std::string& agent);
+  std::map<std::string, std::vector<std::pair<std::string, std::string>>> procs_by_agent_;
+  bool procs_by_agent_built_ = false;
   std::atomic<bool> stop_{false};
   std::mt19937_64 rng_{std::random_device{}()};
 };

@@ -6,10 +6,10 @@
 // with the credential of the user who started it (scheduler/local_auth.h).
 // Stops on SIGINT/SIGTERM; job processes keep running (their agents own them), and a
 // scheduler started again on the same state dir re-attaches to them.
-#include <CLI/CLI.hpp>
-
 #include <signal.h>
+#include <sys/resource.h>
 
+#include <CLI/CLI.hpp>
 #include <atomic>
 #include <cstdlib>
 
@@ -36,6 +36,8 @@ int main(int argc, char** argv) {
   app.add_option("--curve-key", curve_key, "The scheduler's CURVE key pair file: turns CURVE on");
   app.add_option("--allow-keys", allow_keys, "Client public keys allowed in (files or directories of .pub/.key)");
   app.add_option("--agent-timeout-ms", opts.agent_timeout_ms, "An agent silent this long is dead")->check(CLI::Range(1, 1000000));
+  app.add_option("--agent-heartbeat-ms", opts.agent_heartbeat_ms, "Heartbeat period told to agents")
+      ->check(CLI::Range(10, 600000));
   app.add_flag("--insecure", opts.security.allow_insecure_non_loopback,
                "Allow a non-loopback --listen address without CURVE (trusted networks only)");
   std::string endpoint_file;
@@ -87,6 +89,12 @@ int main(int argc, char** argv) {
   } else if (!allow_keys.empty()) {
     std::fprintf(stderr, "troupe-scheduler: --allow-keys needs --curve-key\n");
     return 2;
+  }
+  // One connection (one fd) per agent and per job process: thousands at cluster scale.
+  rlimit rl{};
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &rl);
   }
   auto sched = troupe::sched::Scheduler::create(opts);
   if (!sched.ok()) {

@@ -6,11 +6,17 @@
 namespace troupe::sched {
 namespace {
 
-// One prepared statement with RAII finalize; bind helpers take 1-based positions.
+// One use of a prepared statement (cached by the StateStore: parsing SQL on every write
+// cost more than the write); the destructor resets it and clears its bindings.
 class Stmt {
  public:
-  Stmt(sqlite3* db, const char* sql) : db_(db) { rc_ = sqlite3_prepare_v2(db, sql, -1, &st_, nullptr); }
-  ~Stmt() { sqlite3_finalize(st_); }
+  Stmt(sqlite3* db, sqlite3_stmt* st) : db_(db), st_(st), rc_(st ? SQLITE_OK : SQLITE_ERROR) {}
+  ~Stmt() {
+    if (st_) {
+      sqlite3_reset(st_);
+      sqlite3_clear_bindings(st_);
+    }
+  }
   Stmt(const Stmt&) = delete;
   Stmt& operator=(const Stmt&) = delete;
 
@@ -52,7 +58,7 @@ class Stmt {
 
  private:
   sqlite3* db_;
-  sqlite3_stmt* st_ = nullptr;
+  sqlite3_stmt* st_;
   int rc_;
 };
 
@@ -139,14 +145,77 @@ Result<std::unique_ptr<StateStore>> StateStore::open(const std::string& path) {
     sqlite3_close(db);
     return io_error("cannot open state database {}: {}", path, msg);
   }
+  // No global allocation statistics: they take a mutex on every allocation.
+  static const bool memstatus_off = [] { return sqlite3_config(SQLITE_CONFIG_MEMSTATUS, 0) == SQLITE_OK; }();
+  (void)memstatus_off;
   std::unique_ptr<StateStore> store(new StateStore(db));
   sqlite3_busy_timeout(db, 2000);
   TROUPE_RETURN_IF_ERROR(store->exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"));
   TROUPE_RETURN_IF_ERROR(store->migrate().with_context(path));
+  store->start_checkpointer(path);
   return store;
 }
 
-StateStore::~StateStore() { sqlite3_close(db_); }
+void StateStore::start_checkpointer(const std::string& path) {
+  if (sqlite3_open_v2(path.c_str(), &ck_db_, SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX, nullptr) !=
+      SQLITE_OK) {
+    sqlite3_close(ck_db_);
+    ck_db_ = nullptr;
+    return;  // commits keep checkpointing themselves (SQLite's default)
+  }
+  sqlite3_busy_timeout(ck_db_, 100);
+  exec("PRAGMA wal_autocheckpoint=0").ignore();
+  checkpointer_ = std::thread([this] {
+    std::unique_lock<std::mutex> lk(ck_mu_);
+    while (!ck_cv_.wait_for(lk, std::chrono::milliseconds(500), [this] { return ck_stop_; })) {
+      lk.unlock();
+      sqlite3_wal_checkpoint_v2(ck_db_, nullptr, SQLITE_CHECKPOINT_PASSIVE, nullptr, nullptr);
+      lk.lock();
+    }
+  });
+}
+
+StateStore::~StateStore() {
+  if (checkpointer_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lk(ck_mu_);
+      ck_stop_ = true;
+    }
+    ck_cv_.notify_all();
+    checkpointer_.join();
+  }
+  if (ck_db_) sqlite3_close(ck_db_);
+  if (in_batch_) exec("COMMIT").ignore();
+  for (auto& [sql, st] : stmts_) sqlite3_finalize(st);
+  sqlite3_close(db_);
+}
+
+sqlite3_stmt* StateStore::prepare(const char* sql) {
+  auto it = stmts_.find(sql);
+  if (it != stmts_.end()) return it->second;
+  sqlite3_stmt* st = nullptr;
+  if (sqlite3_prepare_v2(db_, sql, -1, &st, nullptr) != SQLITE_OK) {
+    sqlite3_finalize(st);
+    return nullptr;
+  }
+  stmts_.emplace(sql, st);
+  return st;
+}
+
+Status StateStore::begin_batch() {
+  if (in_batch_) return failed_precondition("state store: a batch is already open");
+  TROUPE_RETURN_IF_ERROR(exec("BEGIN"));
+  in_batch_ = true;
+  return ok_status();
+}
+
+Status StateStore::commit_batch() {
+  if (!in_batch_) return ok_status();
+  in_batch_ = false;
+  Status s = exec("COMMIT");
+  if (!s.ok() && !sqlite3_get_autocommit(db_)) exec("ROLLBACK").ignore();
+  return s;
+}
 
 Status StateStore::exec(const char* sql) {
   char* err = nullptr;
@@ -162,7 +231,7 @@ Status StateStore::migrate() {
   // meta may not exist yet: a fresh database is version 0.
   int version = 0;
   {
-    Stmt probe(db_, "SELECT value FROM meta WHERE key = 'schema_version'");
+    Stmt probe(db_, prepare("SELECT value FROM meta WHERE key = 'schema_version'"));
     if (probe.prepared().ok()) {
       TROUPE_ASSIGN_OR_RETURN(bool row, probe.step());
       if (row) version = std::stoi(probe.col_text(0));
@@ -197,9 +266,10 @@ Result<uint64_t> StateStore::next_job_seq() {
 }
 
 Status StateStore::put_job(const JobRecord& j) {
-  Stmt st(db_,
-          "INSERT OR REPLACE INTO jobs (id, spec, state, epoch, restarts, driver_restarts, exit_code, "
-          "message, created_ms, updated_ms, job_dir) VALUES (?,?,?,?,?,?,?,?,?,?,?)");
+  Stmt st(
+      db_,
+      prepare("INSERT OR REPLACE INTO jobs (id, spec, state, epoch, restarts, driver_restarts, exit_code, "
+              "message, created_ms, updated_ms, job_dir) VALUES (?,?,?,?,?,?,?,?,?,?,?)"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, j.id).text(2, j.spec.to_json()).text(3, job_state_name(j.state)).i64(4, static_cast<int64_t>(j.epoch));
   st.i64(5, j.restarts).i64(6, j.driver_restarts).i64(7, j.exit_code).text(8, j.message);
@@ -209,8 +279,8 @@ Status StateStore::put_job(const JobRecord& j) {
 
 Result<std::vector<JobRecord>> StateStore::load_jobs() {
   Stmt st(db_,
-          "SELECT id, spec, state, epoch, restarts, driver_restarts, exit_code, message, created_ms, "
-          "updated_ms, job_dir FROM jobs ORDER BY created_ms, id");
+          prepare("SELECT id, spec, state, epoch, restarts, driver_restarts, exit_code, message, created_ms, "
+                  "updated_ms, job_dir FROM jobs ORDER BY created_ms, id"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   std::vector<JobRecord> out;
   for (;;) {
@@ -234,9 +304,11 @@ Result<std::vector<JobRecord>> StateStore::load_jobs() {
 }
 
 Status StateStore::put_proc(const ProcRecord& p) {
-  Stmt st(db_,
-          "INSERT OR REPLACE INTO procs (job_id, name, role, rank, epoch, agent_id, slot, pid, state, "
-          "exit_code, term_signal, started_ms, ended_ms, actor_node, endpoint) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)");
+  Stmt st(
+      db_,
+      prepare("INSERT OR REPLACE INTO procs (job_id, name, role, rank, epoch, agent_id, slot, pid, state, "
+              "exit_code, term_signal, started_ms, ended_ms, actor_node, endpoint) VALUES "
+              "(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, p.job_id).text(2, p.name).text(3, p.role).i64(4, p.rank).i64(5, static_cast<int64_t>(p.epoch));
   st.text(6, p.agent_id).i64(7, p.slot).i64(8, p.pid).text(9, proc_state_name(p.state));
@@ -246,9 +318,10 @@ Status StateStore::put_proc(const ProcRecord& p) {
 }
 
 Result<std::vector<ProcRecord>> StateStore::load_procs(const std::string& job_id) {
-  Stmt st(db_,
-          "SELECT job_id, name, role, rank, epoch, agent_id, slot, pid, state, exit_code, term_signal, "
-          "started_ms, ended_ms, actor_node, endpoint FROM procs WHERE job_id = ? ORDER BY role, rank");
+  Stmt st(
+      db_,
+      prepare("SELECT job_id, name, role, rank, epoch, agent_id, slot, pid, state, exit_code, term_signal, "
+              "started_ms, ended_ms, actor_node, endpoint FROM procs WHERE job_id = ? ORDER BY role, rank"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, job_id);
   std::vector<ProcRecord> out;
@@ -278,29 +351,29 @@ Result<std::vector<ProcRecord>> StateStore::load_procs(const std::string& job_id
 
 Status StateStore::put_placements(const std::string& job_id, uint64_t epoch,
                                   const std::vector<std::pair<std::string, std::string>>& placements) {
-  TROUPE_RETURN_IF_ERROR(exec("BEGIN"));
+  TROUPE_RETURN_IF_ERROR(exec("SAVEPOINT placements"));
   Status s;
   {
-    Stmt del(db_, "DELETE FROM placements WHERE job_id = ? AND epoch = ?");
+    Stmt del(db_, prepare("DELETE FROM placements WHERE job_id = ? AND epoch = ?"));
     s = del.prepared();
     if (s.ok()) s = del.text(1, job_id).i64(2, static_cast<int64_t>(epoch)).run();
   }
   for (const auto& [actor, proc] : placements) {
     if (!s.ok()) break;
-    Stmt ins(db_, "INSERT INTO placements (job_id, epoch, actor, proc) VALUES (?,?,?,?)");
+    Stmt ins(db_, prepare("INSERT INTO placements (job_id, epoch, actor, proc) VALUES (?,?,?,?)"));
     s = ins.prepared();
     if (s.ok()) s = ins.text(1, job_id).i64(2, static_cast<int64_t>(epoch)).text(3, actor).text(4, proc).run();
   }
   if (!s.ok()) {
-    exec("ROLLBACK").ignore();
+    exec("ROLLBACK TO placements; RELEASE placements").ignore();
     return s;
   }
-  return exec("COMMIT");
+  return exec("RELEASE placements");
 }
 
 Result<std::vector<std::pair<std::string, std::string>>> StateStore::load_placements(const std::string& job_id,
                                                                                     uint64_t epoch) {
-  Stmt st(db_, "SELECT actor, proc FROM placements WHERE job_id = ? AND epoch = ? ORDER BY actor");
+  Stmt st(db_, prepare("SELECT actor, proc FROM placements WHERE job_id = ? AND epoch = ? ORDER BY actor"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, job_id).i64(2, static_cast<int64_t>(epoch));
   std::vector<std::pair<std::string, std::string>> out;
@@ -313,14 +386,15 @@ Result<std::vector<std::pair<std::string, std::string>>> StateStore::load_placem
 }
 
 Status StateStore::put_agent(const AgentRecord& a) {
-  Stmt st(db_, "INSERT OR REPLACE INTO agents (id, host, slots, gpus, last_seen_ms) VALUES (?,?,?,?,?)");
+  Stmt st(db_,
+          prepare("INSERT OR REPLACE INTO agents (id, host, slots, gpus, last_seen_ms) VALUES (?,?,?,?,?)"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, a.id).text(2, a.host).i64(3, a.slots).i64(4, a.gpus).i64(5, a.last_seen_ms);
   return st.run();
 }
 
 Result<std::vector<AgentRecord>> StateStore::load_agents() {
-  Stmt st(db_, "SELECT id, host, slots, gpus, last_seen_ms FROM agents ORDER BY id");
+  Stmt st(db_, prepare("SELECT id, host, slots, gpus, last_seen_ms FROM agents ORDER BY id"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   std::vector<AgentRecord> out;
   for (;;) {
@@ -334,7 +408,7 @@ Result<std::vector<AgentRecord>> StateStore::load_agents() {
 
 Status StateStore::kv_set(const std::string& job_id, uint64_t epoch, const std::string& key,
                           const std::string& value) {
-  Stmt st(db_, "INSERT OR REPLACE INTO kv (job_id, epoch, key, value) VALUES (?,?,?,?)");
+  Stmt st(db_, prepare("INSERT OR REPLACE INTO kv (job_id, epoch, key, value) VALUES (?,?,?,?)"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, job_id).i64(2, static_cast<int64_t>(epoch)).text(3, key).blob(4, value);
   return st.run();
@@ -342,7 +416,7 @@ Status StateStore::kv_set(const std::string& job_id, uint64_t epoch, const std::
 
 Result<std::optional<std::string>> StateStore::kv_get(const std::string& job_id, uint64_t epoch,
                                                       const std::string& key) {
-  Stmt st(db_, "SELECT value FROM kv WHERE job_id = ? AND epoch = ? AND key = ?");
+  Stmt st(db_, prepare("SELECT value FROM kv WHERE job_id = ? AND epoch = ? AND key = ?"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, job_id).i64(2, static_cast<int64_t>(epoch)).text(3, key);
   TROUPE_ASSIGN_OR_RETURN(bool row, st.step());
@@ -350,8 +424,22 @@ Result<std::optional<std::string>> StateStore::kv_get(const std::string& job_id,
   return std::optional<std::string>(st.col_blob(0));
 }
 
+Result<std::vector<std::pair<std::string, std::string>>> StateStore::kv_load(const std::string& job_id,
+                                                                             uint64_t epoch) {
+  Stmt st(db_, prepare("SELECT key, value FROM kv WHERE job_id = ? AND epoch = ?"));
+  TROUPE_RETURN_IF_ERROR(st.prepared());
+  st.text(1, job_id).i64(2, static_cast<int64_t>(epoch));
+  std::vector<std::pair<std::string, std::string>> out;
+  for (;;) {
+    TROUPE_ASSIGN_OR_RETURN(bool row, st.step());
+    if (!row) break;
+    out.emplace_back(st.col_text(0), st.col_blob(1));
+  }
+  return out;
+}
+
 Status StateStore::kv_drop_job(const std::string& job_id) {
-  Stmt st(db_, "DELETE FROM kv WHERE job_id = ?");
+  Stmt st(db_, prepare("DELETE FROM kv WHERE job_id = ?"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, job_id);
   return st.run();
@@ -359,14 +447,14 @@ Status StateStore::kv_drop_job(const std::string& job_id) {
 
 Status StateStore::add_event(const std::string& job_id, int64_t ts_ms, const std::string& type,
                              const std::string& json) {
-  Stmt st(db_, "INSERT INTO events (job_id, ts_ms, type, detail) VALUES (?,?,?,?)");
+  Stmt st(db_, prepare("INSERT INTO events (job_id, ts_ms, type, detail) VALUES (?,?,?,?)"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, job_id).i64(2, ts_ms).text(3, type).text(4, json);
   return st.run();
 }
 
 Result<int64_t> StateStore::count_events(const std::string& job_id) {
-  Stmt st(db_, "SELECT COUNT(*) FROM events WHERE job_id = ?");
+  Stmt st(db_, prepare("SELECT COUNT(*) FROM events WHERE job_id = ?"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, job_id);
   TROUPE_ASSIGN_OR_RETURN(bool row, st.step());
@@ -374,7 +462,7 @@ Result<int64_t> StateStore::count_events(const std::string& job_id) {
 }
 
 Result<std::optional<std::string>> StateStore::meta_get(const std::string& key) {
-  Stmt st(db_, "SELECT value FROM meta WHERE key = ?");
+  Stmt st(db_, prepare("SELECT value FROM meta WHERE key = ?"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, key);
   TROUPE_ASSIGN_OR_RETURN(bool row, st.step());
@@ -383,7 +471,7 @@ Result<std::optional<std::string>> StateStore::meta_get(const std::string& key) 
 }
 
 Status StateStore::meta_set(const std::string& key, const std::string& value) {
-  Stmt st(db_, "INSERT OR REPLACE INTO meta (key, value) VALUES (?,?)");
+  Stmt st(db_, prepare("INSERT OR REPLACE INTO meta (key, value) VALUES (?,?)"));
   TROUPE_RETURN_IF_ERROR(st.prepared());
   st.text(1, key).text(2, value);
   return st.run();

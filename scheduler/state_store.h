@@ -4,17 +4,26 @@
 //
 // The schema is versioned (table meta, key schema_version); opening a database written
 // by a newer schema is refused with a clear error, an older one is migrated in place.
-// Every write is its own transaction (WAL mode, synchronous=NORMAL): a scheduler killed at
-// any point restarts with every acknowledged job record. Not thread-safe: the scheduler's
-// event loop owns it.
+// Writes go to the database at once (WAL mode, synchronous=NORMAL); outside a batch each
+// is its own transaction. The scheduler wraps each turn of its loop in one batch
+// (begin_batch / commit_batch) and sends its answers only after the commit, so a
+// scheduler killed at any point restarts with every acknowledged job record, and a turn
+// that handles thousands of messages costs one commit, not thousands. Statements are
+// prepared once and cached. WAL checkpoints (which fsync) run on a thread of their own
+// with its own connection (PASSIVE: they never block a commit), not inside a commit of
+// the scheduler's loop. Not thread-safe: the scheduler's event loop owns it.
 #pragma once
 
 #include <sqlite3.h>
 
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "core/status.h"
@@ -102,6 +111,8 @@ class StateStore {
 
   Status kv_set(const std::string& job_id, uint64_t epoch, const std::string& key, const std::string& value);
   Result<std::optional<std::string>> kv_get(const std::string& job_id, uint64_t epoch, const std::string& key);
+  // Every key of (job, epoch) with its value.
+  Result<std::vector<std::pair<std::string, std::string>>> kv_load(const std::string& job_id, uint64_t epoch);
   Status kv_drop_job(const std::string& job_id);
 
   Status add_event(const std::string& job_id, int64_t ts_ms, const std::string& type, const std::string& json);
@@ -112,13 +123,30 @@ class StateStore {
 
   int schema_version() const { return schema_version_; }
 
+  // One transaction for every write until commit_batch. Batches do not nest. A write that
+  // fails inside one undoes only itself (SQLite statement atomicity), except errors that
+  // end the transaction (disk full, I/O), which commit_batch reports.
+  Status begin_batch();
+  Status commit_batch();
+  bool in_batch() const { return in_batch_; }
+
  private:
   explicit StateStore(sqlite3* db) : db_(db) {}
   Status exec(const char* sql);
   Status migrate();
+  sqlite3_stmt* prepare(const char* sql);  // cached; null (and sqlite3_errmsg) on error
+
+  void start_checkpointer(const std::string& path);
 
   sqlite3* db_;
   int schema_version_ = 0;
+  bool in_batch_ = false;
+  sqlite3* ck_db_ = nullptr;  // the checkpointer's connection
+  std::thread checkpointer_;
+  std::mutex ck_mu_;
+  std::condition_variable ck_cv_;
+  bool ck_stop_ = false;
+  std::unordered_map<std::string, sqlite3_stmt*> stmts_;
 };
 
 }  // namespace troupe::sched

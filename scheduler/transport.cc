@@ -59,8 +59,10 @@ control::TransportOptions transport_options(const std::string& node, const std::
   control::TransportOptions t;
   t.node_id = node;
   t.bind_endpoint = bind;
-  t.heartbeat_interval = std::chrono::milliseconds(500);
-  t.heartbeat_timeout = std::chrono::milliseconds(3000);
+  // 1 Hz: a scheduler has one session per agent and per job process (10,000s); the
+  // timeout leaves a loaded host room (bench/scale).
+  t.heartbeat_interval = std::chrono::milliseconds(1000);
+  t.heartbeat_timeout = std::chrono::milliseconds(5000);
   t.max_message_bytes = kMaxMessageBytes;
   return t;
 }
@@ -140,10 +142,13 @@ MessageQueue::~MessageQueue() {
 }
 
 void MessageQueue::push(Incoming in) {
+  bool was_empty;
   {
     std::lock_guard<std::mutex> lk(mu_);
+    was_empty = q_.empty();
     q_.push_back(std::move(in));
   }
+  if (!was_empty) return;  // the fd is readable already (one syscall per burst, not per message)
   cv_.notify_one();
   uint64_t one = 1;
   ssize_t n = write(fd_, &one, sizeof(one));
@@ -191,7 +196,7 @@ class ServerInbox final : public actors::Actor {
       } else if (ctx.sender().valid()) {
         peer = ctx.sender().to_string();
       }
-      s_->queue.push(Incoming{std::move(peer), std::move(m).value()});
+      s_->queue.push(Incoming{std::move(peer), std::move(m).value(), std::chrono::steady_clock::now()});
       return ok_status();
     });
   }

@@ -75,6 +75,7 @@ struct ClientSecurity {
 struct Incoming {
   std::string peer;   // where a reply goes: an actor ref "node/inbox", or a pending ask
   Message msg;
+  std::chrono::steady_clock::time_point received{};  // when the inbox actor took it
 };
 
 // A thread-safe queue of messages with an eventfd that is readable while it is non-empty

@@ -14,6 +14,7 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
@@ -38,18 +39,29 @@ Status validate_node_id(const std::string& id) {
   return ok_status();
 }
 
-// Every socket: no linger (context termination never waits for a dead peer), a size
-// limit enforced by libzmq before we see the frame, and ZMTP heartbeats. The ZMTP
-// timeout is longer than the application one so that a stuck-but-connected process is
-// reported as a heartbeat timeout by our own logic.
-void set_common_options(zmq::socket_t& s, const TransportOptions& o) {
+// Every socket: no linger (context termination never waits for a dead peer) and a size
+// limit enforced by libzmq before we see the frame. ZMTP heartbeats run from the DEALER
+// (client) side only: its timeout is longer than the application one, so a
+// stuck-but-connected process is reported as a heartbeat timeout by our own logic. The
+// ROUTER neither pings nor asks for a TTL: libzmq keeps its heartbeat timers in one list
+// per I/O thread and cancels them by linear search on every message that follows a
+// ping, which at thousands of connections made the server's I/O thread quadratic
+// (bench/scale). Dead client connections are closed by TCP keepalive on the ROUTER and by
+// the application heartbeat, which declares the peer down.
+void set_common_options(zmq::socket_t& s, const TransportOptions& o, bool server) {
   s.set(zmq::sockopt::linger, 0);
   s.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(o.max_message_bytes));
-  const int ivl = static_cast<int>(o.heartbeat_interval.count());
   const int zmtp_timeout = static_cast<int>(2 * o.heartbeat_timeout.count());
-  s.set(zmq::sockopt::heartbeat_ivl, ivl);
+  if (server) {
+    s.set(zmq::sockopt::backlog, 4096);  // thousands of clients may connect at once
+    s.set(zmq::sockopt::tcp_keepalive, 1);
+    s.set(zmq::sockopt::tcp_keepalive_idle, std::max(1, zmtp_timeout / 1000));
+    s.set(zmq::sockopt::tcp_keepalive_intvl, std::max(1, zmtp_timeout / 3000));
+    s.set(zmq::sockopt::tcp_keepalive_cnt, 3);
+    return;
+  }
+  s.set(zmq::sockopt::heartbeat_ivl, static_cast<int>(o.heartbeat_interval.count()));
   s.set(zmq::sockopt::heartbeat_timeout, zmtp_timeout);
-  s.set(zmq::sockopt::heartbeat_ttl, std::max(100, zmtp_timeout));
 }
 
 }  // namespace
@@ -223,7 +235,7 @@ class Transport::Impl {
       }
       if (!opts_.bind_endpoint.empty()) {
         router_ = std::make_unique<zmq::socket_t>(*ctx_, zmq::socket_type::router);
-        set_common_options(*router_, opts_);
+        set_common_options(*router_, opts_, /*server=*/true);
         router_->set(zmq::sockopt::router_mandatory, true);
         router_->set(zmq::sockopt::router_handover, true);
         router_->set(zmq::sockopt::routing_id, opts_.node_id);
@@ -268,7 +280,7 @@ class Transport::Impl {
     d.endpoint = endpoint;
     try {
       d.socket = std::make_unique<zmq::socket_t>(*ctx_, zmq::socket_type::dealer);
-      set_common_options(*d.socket, opts_);
+      set_common_options(*d.socket, opts_, /*server=*/false);
       d.socket->set(zmq::sockopt::routing_id, opts_.node_id);
       d.socket->set(zmq::sockopt::reconnect_ivl, 100);
       d.socket->set(zmq::sockopt::reconnect_ivl_max, 1000);
@@ -352,10 +364,12 @@ class Transport::Impl {
       std::lock_guard<std::mutex> lk(mu_);
       out.swap(outbox_);
     }
+    const auto now = out.empty() ? std::chrono::nanoseconds(0) : clock_->now();
     for (Outgoing& o : out) {
       Status st = send_bytes(o.node, o.bytes);
       if (st.ok()) {
         ++sent_;
+        last_sent_[o.node] = now;
       } else {
         ++send_failures_;
         log_->debug("control {}: cannot deliver {}: {}", opts_.node_id, describe(o.envelope), st);
@@ -480,19 +494,35 @@ class Transport::Impl {
                d.suppressed ? fmt::format(" ({} more from this peer not logged)", d.suppressed) : std::string());
   }
 
+  // Runs after every wake. The silence scan is O(peers), so it runs every quarter
+  // interval, not per wake (thousands a second at a scheduler with 10,000 peers). A peer
+  // that got any envelope from us within the last interval gets no heartbeat: any
+  // envelope is proof of life, so the receiver still hears from us at least every two
+  // intervals, and a scheduler answering 10,000 workers does not double its traffic.
   void tick() {
     const auto now = clock_->now();
-    for (const std::string& node : liveness_.expire(now)) {
-      mirror_up(node, false);
-      peer_down(node, DownReason::kHeartbeatTimeout,
-                fmt::format("no message from node {} for over {} ms", node,
-                            opts_.heartbeat_timeout.count()));
+    if (now >= next_expire_) {
+      next_expire_ = now + std::max<std::chrono::nanoseconds>(std::chrono::milliseconds(5),
+                                                              opts_.heartbeat_interval / 4);
+      for (const std::string& node : liveness_.expire(now)) {
+        mirror_up(node, false);
+        peer_down(
+            node, DownReason::kHeartbeatTimeout,
+            fmt::format("no message from node {} for over {} ms", node, opts_.heartbeat_timeout.count()));
+      }
     }
     if (now < next_heartbeat_) return;
     next_heartbeat_ = now + opts_.heartbeat_interval;
     std::set<std::string> peers(inbound_.begin(), inbound_.end());
     for (auto& [node, d] : dealers_) peers.insert(node);
+    for (auto it = last_sent_.begin(); it != last_sent_.end();) {
+      it = now - it->second > 4 * opts_.heartbeat_interval ? last_sent_.erase(it) : std::next(it);
+    }
     for (const std::string& node : peers) {
+      if (auto it = last_sent_.find(node);
+          it != last_sent_.end() && now - it->second < opts_.heartbeat_interval) {
+        continue;
+      }
       Envelope hb;
       hb.sender = ActorAddress{opts_.node_id, ""};
       hb.receiver = ActorAddress{node, ""};
@@ -543,6 +573,8 @@ class Transport::Impl {
   std::set<std::string> inbound_;
   PeerLiveness liveness_;
   std::chrono::nanoseconds next_heartbeat_{0};
+  std::chrono::nanoseconds next_expire_{0};
+  std::unordered_map<std::string, std::chrono::nanoseconds> last_sent_;  // node -> last envelope we sent it
   uint64_t heartbeat_seq_ = 0;
   uint64_t monitor_seq_ = 0;
 };

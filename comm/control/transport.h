@@ -7,9 +7,9 @@
 // to X's DEALER when X connected to us (router_mandatory: an unknown id fails instead of
 // vanishing). Every frame is one encoded Envelope; the ROUTER sees [node id][envelope].
 // The sender's node in each envelope must match the connection it arrived on, so a peer
-// cannot speak for another node. Every socket has linger=0, maxmsgsize, ZMTP heartbeats
-// and (DEALER) automatic reconnection; router_handover lets a restarted peer reclaim its
-// id.
+// cannot speak for another node. Every socket has linger=0 and maxmsgsize; DEALERs have
+// ZMTP heartbeats and automatic reconnection, the ROUTER TCP keepalive (docs/control-plane.md,
+// "Liveness"); router_handover lets a restarted peer reclaim its id.
 //
 // Liveness. Besides ZMTP heartbeats (which libzmq's I/O thread answers even when the
 // application is stuck), the transport sends an application Heartbeat envelope to every
