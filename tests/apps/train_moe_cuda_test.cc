@@ -100,6 +100,8 @@ std::vector<StepRecord> train(RunDevice& dev, int64_t steps, std::vector<size_t>
       auto* ca = dynamic_cast<cuda::CudaCachingAllocator*>(c.alloc);
       mallocs->push_back(ca != nullptr ? ca->num_device_mallocs() : 0);
     }
+#else
+    (void)mallocs;  // a build without CUDA counts no device allocations
 #endif
   }
   return out;
