@@ -67,7 +67,8 @@ struct BulkSpec {
   int rank = 0;
   int size = 1;
   std::chrono::milliseconds timeout{30000};
-  std::string hostname = control::host_addr();  // TCP: listen on and advertise ($TROUPE_HOST_ADDR or 127.0.0.1)
+  std::string hostname =
+      control::host_addr();  // TCP: listen on and advertise ($TROUPE_HOST_ADDR or 127.0.0.1)
 };
 
 enum class BulkKind : uint8_t { kAuto, kTcp, kVerbs };

@@ -23,7 +23,8 @@ bool Work::complete(Status status) {
     if (done_.load(std::memory_order_relaxed)) return false;
     status_ = std::move(status);
     completed_ns_.store(now_ns(), std::memory_order_release);
-    if (started_ns_.load(std::memory_order_relaxed) == 0) started_ns_.store(created_ns_, std::memory_order_release);
+    if (started_ns_.load(std::memory_order_relaxed) == 0)
+      started_ns_.store(created_ns_, std::memory_order_release);
     done_.store(true, std::memory_order_release);
   }
   cv_.notify_all();

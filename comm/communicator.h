@@ -82,7 +82,8 @@ class Work {
   // completed (set by complete). Steady-clock nanoseconds since its epoch; 0 until then.
   void mark_started();
   static int64_t now_ns() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
         .count();
   }
   int64_t created_ns() const { return created_ns_; }

@@ -30,7 +30,8 @@
 namespace troupe::comm {
 
 struct GlooTransportOptions {
-  std::string hostname = control::host_addr();  // address to bind and advertise ($TROUPE_HOST_ADDR or 127.0.0.1)
+  std::string hostname =
+      control::host_addr();            // address to bind and advertise ($TROUPE_HOST_ADDR or 127.0.0.1)
   std::string iface;                   // if set, bind this interface instead (e.g. "eth0")
 };
 

@@ -50,8 +50,8 @@ void init_normal(Tensor& t, uint64_t seed, const std::string& name, float std, i
   // Every element is a function of (seed, name, index) alone, so large tensors are split
   // over threads (bench_1b's 1.3 B elements: ~40 s on one core) with identical results.
   constexpr int64_t kPerThread = int64_t{1} << 22;
-  const int64_t threads =
-      std::min<int64_t>(std::max<unsigned>(1, std::thread::hardware_concurrency()), (n + kPerThread - 1) / kPerThread);
+  const int64_t threads = std::min<int64_t>(std::max<unsigned>(1, std::thread::hardware_concurrency()),
+                                            (n + kPerThread - 1) / kPerThread);
   if (threads <= 1) {
     fill(0, n);
     return;

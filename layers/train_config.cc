@@ -99,16 +99,19 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.n, cfg.get_int("parallel.n", 1));
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.dispatch, cfg.get_string("parallel.dispatch", tc.parallel.dispatch));
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.compression, cfg.get_bool("parallel.compression", tc.parallel.compression));
-  TROUPE_ASSIGN_OR_RETURN(tc.parallel.overlap_a2a, cfg.get_bool("parallel.overlap_a2a", tc.parallel.overlap_a2a));
+  TROUPE_ASSIGN_OR_RETURN(tc.parallel.overlap_a2a,
+                          cfg.get_bool("parallel.overlap_a2a", tc.parallel.overlap_a2a));
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.overlap_grad_sync,
                           cfg.get_bool("parallel.overlap_grad_sync", tc.parallel.overlap_grad_sync));
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.overlap_param_gather,
                           cfg.get_bool("parallel.overlap_param_gather", tc.parallel.overlap_param_gather));
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.chunks, cfg.get_int("parallel.chunks", tc.parallel.chunks));
-  TROUPE_ASSIGN_OR_RETURN(tc.parallel.fp8_dispatch, cfg.get_bool("parallel.fp8_dispatch", tc.parallel.fp8_dispatch));
+  TROUPE_ASSIGN_OR_RETURN(tc.parallel.fp8_dispatch,
+                          cfg.get_bool("parallel.fp8_dispatch", tc.parallel.fp8_dispatch));
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.measure_compression,
                           cfg.get_bool("parallel.measure_compression", tc.parallel.measure_compression));
-  TROUPE_ASSIGN_OR_RETURN(tc.parallel.gpu_unverified, cfg.get_bool("parallel.gpu_unverified", tc.parallel.gpu_unverified));
+  TROUPE_ASSIGN_OR_RETURN(tc.parallel.gpu_unverified,
+                          cfg.get_bool("parallel.gpu_unverified", tc.parallel.gpu_unverified));
   TROUPE_ASSIGN_OR_RETURN(tc.train.device_stats, cfg.get_bool("train.device_stats", tc.train.device_stats));
   TROUPE_ASSIGN_OR_RETURN(tc.train.timeline_dir, cfg.get_string("train.timeline_dir", tc.train.timeline_dir));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.every, cfg.get_int("checkpoint.every", tc.checkpoint.every));
@@ -120,8 +123,10 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   if (tc.checkpoint.keep < 1) return invalid_argument("{}: key 'checkpoint.keep' must be >= 1", cfg.source());
 
   ElasticOptions& e = tc.elastic;
-  TROUPE_ASSIGN_OR_RETURN(e.heartbeat_timeout_ms, cfg.get_int("elastic.heartbeat_timeout_ms", e.heartbeat_timeout_ms));
-  TROUPE_ASSIGN_OR_RETURN(e.comm_error_grace_ms, cfg.get_int("elastic.comm_error_grace_ms", e.comm_error_grace_ms));
+  TROUPE_ASSIGN_OR_RETURN(e.heartbeat_timeout_ms,
+                          cfg.get_int("elastic.heartbeat_timeout_ms", e.heartbeat_timeout_ms));
+  TROUPE_ASSIGN_OR_RETURN(e.comm_error_grace_ms,
+                          cfg.get_int("elastic.comm_error_grace_ms", e.comm_error_grace_ms));
   TROUPE_ASSIGN_OR_RETURN(e.step_watchdog_ms, cfg.get_int("elastic.step_watchdog_ms", e.step_watchdog_ms));
   TROUPE_ASSIGN_OR_RETURN(e.join_timeout_ms, cfg.get_int("elastic.join_timeout_ms", e.join_timeout_ms));
   TROUPE_ASSIGN_OR_RETURN(e.spares, cfg.get_int("elastic.spares", e.spares));
@@ -133,10 +138,11 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(e.replica_every, cfg.get_int("elastic.replica_every", e.replica_every));
   TROUPE_ASSIGN_OR_RETURN(e.scale_at, cfg.get_string("elastic.scale_at", e.scale_at));
   TROUPE_ASSIGN_OR_RETURN(e.inject, cfg.get_string("elastic.inject", e.inject));
-  const std::pair<const char*, int64_t> non_negative[] = {{"elastic.heartbeat_timeout_ms", e.heartbeat_timeout_ms},
-                                                          {"elastic.comm_error_grace_ms", e.comm_error_grace_ms},
-                                                          {"elastic.max_dp", e.max_dp},
-                                                          {"elastic.replica_every", e.replica_every}};
+  const std::pair<const char*, int64_t> non_negative[] = {
+      {"elastic.heartbeat_timeout_ms", e.heartbeat_timeout_ms},
+      {"elastic.comm_error_grace_ms", e.comm_error_grace_ms},
+      {"elastic.max_dp", e.max_dp},
+      {"elastic.replica_every", e.replica_every}};
   for (const auto& [key, v] : non_negative) {
     if (v < 0) return invalid_argument("{}: key '{}' must be >= 0 (got {})", cfg.source(), key, v);
   }
@@ -147,16 +153,19 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   for (const auto& [key, v] : positive_e) {
     if (v <= 0) return invalid_argument("{}: key '{}' must be positive (got {})", cfg.source(), key, v);
   }
-  if (e.spares < -1) return invalid_argument("{}: key 'elastic.spares' must be >= -1 (-1: unlimited)", cfg.source());
+  if (e.spares < -1)
+    return invalid_argument("{}: key 'elastic.spares' must be >= -1 (-1: unlimited)", cfg.source());
   if (!(e.straggler_ratio > 1)) {
-    return invalid_argument("{}: key 'elastic.straggler_ratio' must be > 1 (got {})", cfg.source(), e.straggler_ratio);
+    return invalid_argument("{}: key 'elastic.straggler_ratio' must be > 1 (got {})", cfg.source(),
+                            e.straggler_ratio);
   }
   if (e.straggler_policy != "flag" && e.straggler_policy != "replace") {
     return invalid_argument("{}: key 'elastic.straggler_policy' must be \"flag\" or \"replace\" (got \"{}\")",
                             cfg.source(), e.straggler_policy);
   }
   if (e.max_dp > 0 && e.max_dp < e.min_dp) {
-    return invalid_argument("{}: elastic.max_dp ({}) is below elastic.min_dp ({})", cfg.source(), e.max_dp, e.min_dp);
+    return invalid_argument("{}: elastic.max_dp ({}) is below elastic.min_dp ({})", cfg.source(), e.max_dp,
+                            e.min_dp);
   }
 
   Status st = tc.parallel.validate(tc.model, tc.train);

@@ -91,14 +91,14 @@ struct ElasticOptions {
   // setting (troupe run/submit --heartbeat-timeout-ms, handed to the driver by the
   // scheduler), else 2000.
   int64_t heartbeat_timeout_ms = 0;
-  int64_t comm_error_grace_ms = 300;  // a data-plane error with nobody dead: rebuild after this
-  int64_t step_watchdog_ms = 60000;   // a command running this long with everyone beating: rebuild
-  int64_t join_timeout_ms = 30000;    // a worker that does not join a new epoch in time: replaced
-  int64_t spares = -1;                // replacement workers the job may start (-1: unlimited)
-  int64_t min_dp = 1;                 // bounds of `troupe scale --dp` and of shrinking
-  int64_t max_dp = 0;                 // 0: parallel.dp
-  double straggler_ratio = 1.5;       // compute time > ratio x the peers' median ...
-  int64_t straggler_window = 5;       // ... for this many consecutive steps: flagged
+  int64_t comm_error_grace_ms = 300;      // a data-plane error with nobody dead: rebuild after this
+  int64_t step_watchdog_ms = 60000;       // a command running this long with everyone beating: rebuild
+  int64_t join_timeout_ms = 30000;        // a worker that does not join a new epoch in time: replaced
+  int64_t spares = -1;                    // replacement workers the job may start (-1: unlimited)
+  int64_t min_dp = 1;                     // bounds of `troupe scale --dp` and of shrinking
+  int64_t max_dp = 0;                     // 0: parallel.dp
+  double straggler_ratio = 1.5;           // compute time > ratio x the peers' median ...
+  int64_t straggler_window = 5;           // ... for this many consecutive steps: flagged
   std::string straggler_policy = "flag";  // "flag" or "replace"
   // Without a data-parallel peer, a worker's state is restored from the copy its
   // neighbour keeps in host memory, refreshed every this many steps (0: never; then the

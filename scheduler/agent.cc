@@ -2,6 +2,7 @@
 #include "scheduler/agent.h"
 
 #include <arpa/inet.h>
+#include <fmt/ranges.h>
 #include <ifaddrs.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -14,8 +15,6 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
-
-#include <fmt/ranges.h>
 
 #include "core/logging.h"
 
@@ -51,7 +50,8 @@ Result<std::string> interface_address(const std::string& iface) {
     found = buf;
   }
   freeifaddrs(list);
-  if (found.empty()) return not_found("no IPv4 address on interface '{}' (interfaces: {})", iface, fmt::join(names, ", "));
+  if (found.empty())
+    return not_found("no IPv4 address on interface '{}' (interfaces: {})", iface, fmt::join(names, ", "));
   return found;
 }
 
@@ -80,7 +80,8 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentOptions opts) {
     const bool loopback = a->opts_.host_addr.rfind("127.", 0) == 0;
     if (!loopback && a->opts_.security.server_public_key.empty() && !a->opts_.insecure) {
       return failed_precondition(
-          "--host-addr {} is not a loopback address: give CURVE keys (--curve-key, --scheduler-key; job processes then "
+          "--host-addr {} is not a loopback address: give CURVE keys (--curve-key, --scheduler-key; job "
+          "processes then "
           "get their job's keys) or --insecure for a trusted network",
           a->opts_.host_addr);
     }

@@ -14,8 +14,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -35,7 +35,7 @@ struct AgentOptions {
   std::string work_dir;             // logs go under <work_dir>/jobs/<job>/logs
   int heartbeat_ms = 300;
   int poll_ms = 50;
-  int stop_grace_ms = 2000;         // run() returning: SIGTERM, then SIGKILL after this
+  int stop_grace_ms = 2000;  // run() returning: SIGTERM, then SIGKILL after this
   // The address this node's job processes bind and advertise (TROUPE_HOST_ADDR; the
   // agent's own connection to the scheduler leaves from it too). Empty: loopback.
   std::string host_addr;

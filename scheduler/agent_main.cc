@@ -5,10 +5,9 @@
 //                [--curve-key agent.key --scheduler-key scheduler.pub]
 //                [--host-addr ADDR | --iface NAME] [--insecure]
 // On SIGINT/SIGTERM it stops every process it started (SIGTERM, then SIGKILL).
-#include <CLI/CLI.hpp>
-
 #include <signal.h>
 
+#include <CLI/CLI.hpp>
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
@@ -35,10 +34,12 @@ int main(int argc, char** argv) {
   app.add_option("--scheduler-key", scheduler_key, "The scheduler's public key file: turns CURVE on");
   app.add_option("--heartbeat-ms", opts.heartbeat_ms, "Heartbeat interval")->check(CLI::Range(1, 1000000));
   std::string iface;
-  auto* ha = app.add_option("--host-addr", opts.host_addr,
-                            "This node's IPv4 address: job processes bind and advertise it (TROUPE_HOST_ADDR)");
+  auto* ha =
+      app.add_option("--host-addr", opts.host_addr,
+                     "This node's IPv4 address: job processes bind and advertise it (TROUPE_HOST_ADDR)");
   app.add_option("--iface", iface, "Take --host-addr from this network interface (e.g. eth0)")->excludes(ha);
-  app.add_flag("--insecure", opts.insecure, "Allow a non-loopback --host-addr without CURVE (trusted networks only)");
+  app.add_flag("--insecure", opts.insecure,
+               "Allow a non-loopback --host-addr without CURVE (trusted networks only)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

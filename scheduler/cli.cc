@@ -32,10 +32,11 @@ bool g_local_auth = false;  // open_client used this user's credential (local au
 int fail(const Status& s) {
   std::fprintf(stderr, "troupe: %s\n", s.message().c_str());
   if (s.code() == StatusCode::kPermissionDenied && g_local_auth) {
-    std::fprintf(stderr,
-                 "troupe: this scheduler accepts only the credential of the user who started it; this user's is %s "
-                 "(local authentication: see docs/cluster.md)\n",
-                 credential_path().c_str());
+    std::fprintf(
+        stderr,
+        "troupe: this scheduler accepts only the credential of the user who started it; this user's is %s "
+        "(local authentication: see docs/cluster.md)\n",
+        credential_path().c_str());
   }
   switch (s.code()) {
     case StatusCode::kInvalidArgument: return 2;
@@ -172,7 +173,8 @@ Status check_process_limit(int needed) {
     const int64_t left = static_cast<int64_t>(rl.rlim_cur) - user_procs;
     if (needed > left) {
       return invalid_argument(
-          "--nproc needs {} processes, but the process limit (ulimit -u, RLIMIT_NPROC) is {} and this user already runs "
+          "--nproc needs {} processes, but the process limit (ulimit -u, RLIMIT_NPROC) is {} and this user "
+          "already runs "
           "{}: at most {} more",
           needed, static_cast<int64_t>(rl.rlim_cur), user_procs, std::max<int64_t>(0, left));
     }
@@ -180,8 +182,9 @@ Status check_process_limit(int needed) {
   for (const char* path : {"/proc/sys/kernel/pid_max", "/proc/sys/kernel/threads-max"}) {
     const int64_t max = read_long_file(path);
     if (max > 0 && needed > max - all_procs) {
-      return invalid_argument("--nproc needs {} processes, but the kernel limit {} is {} and {} processes run: at most {} more",
-                              needed, path, max, all_procs, std::max<int64_t>(0, max - all_procs));
+      return invalid_argument(
+          "--nproc needs {} processes, but the kernel limit {} is {} and {} processes run: at most {} more",
+          needed, path, max, all_procs, std::max<int64_t>(0, max - all_procs));
     }
   }
   return ok_status();
@@ -472,7 +475,8 @@ int cli_wait(const CliConnection& c, const std::string& job_id, bool quiet) {
     if (jobs.empty()) return fail(not_found("no job {}", job_id));
     const json& j = jobs[0];
     const std::string state = j.value("state", "");
-    if ((state == "succeeded" || state == "failed" || state == "cancelled") && j.value("running_procs", 0) == 0) {
+    if ((state == "succeeded" || state == "failed" || state == "cancelled") &&
+        j.value("running_procs", 0) == 0) {
       const int code = state == "cancelled" ? 130 : j.value("exit_code", 1);
       if (!quiet) {
         std::fprintf(stderr, "troupe: job %s %s (exit status %d)%s%s\n", job_id.c_str(), state.c_str(), code,
@@ -509,10 +513,11 @@ int cli_run(const RunOptions& opts) {
   JobSpec spec = opts.spec;
   if (auto slurm = slurm_allocation_from_env()) {
     if (slurm->nodes > 1) {
-      return fail(invalid_argument(
-          "troupe run runs on one node, and Slurm job {} has {} ({}): start a scheduler and one troupe-agent per node "
-          "with scripts/slurm/troupe.sbatch (docs/cluster.md), or use srun -N1",
-          slurm->job_id, slurm->nodes, slurm->nodelist));
+      return fail(
+          invalid_argument("troupe run runs on one node, and Slurm job {} has {} ({}): start a scheduler and "
+                           "one troupe-agent per node "
+                           "with scripts/slurm/troupe.sbatch (docs/cluster.md), or use srun -N1",
+                           slurm->job_id, slurm->nodes, slurm->nodelist));
     }
     if (!opts.nproc_given) {
       if (slurm->ntasks <= 0) {
@@ -521,23 +526,25 @@ int cli_run(const RunOptions& opts) {
       spec.nproc = slurm->ntasks;
     }
     if (spec.backend == "cuda" && slurm->gpus_on_node >= 0 && spec.nproc > slurm->gpus_on_node) {
-      return fail(invalid_argument("--backend cuda needs one GPU per worker: {} workers, Slurm gave this node {} GPU(s) "
-                                   "(SLURM_GPUS_ON_NODE)",
-                                   spec.nproc, slurm->gpus_on_node));
+      return fail(invalid_argument(
+          "--backend cuda needs one GPU per worker: {} workers, Slurm gave this node {} GPU(s) "
+          "(SLURM_GPUS_ON_NODE)",
+          spec.nproc, slurm->gpus_on_node));
     }
     if (opts.verbose) {
       std::fprintf(stderr, "troupe: in Slurm job %s on %s: %d worker(s)\n", slurm->job_id.c_str(),
                    slurm->nodelist.c_str(), spec.nproc);
     }
   } else if (!opts.nproc_given) {
-    return fail(invalid_argument("--nproc is required (outside a Slurm allocation, where it defaults to SLURM_NTASKS)"));
+    return fail(invalid_argument(
+        "--nproc is required (outside a Slurm allocation, where it defaults to SLURM_NTASKS)"));
   }
   Status v = spec.validate();
   if (!v.ok()) return fail(v);
   const int needed = spec.nproc + (spec.driver ? 1 : 0);
   if (opts.slots > 0 && spec.nproc > opts.slots) {
-    return fail(invalid_argument("--nproc {} is more than the {} slots of this machine's agent (--slots {})", spec.nproc,
-                                 opts.slots, opts.slots));
+    return fail(invalid_argument("--nproc {} is more than the {} slots of this machine's agent (--slots {})",
+                                 spec.nproc, opts.slots, opts.slots));
   }
   if (Status lim = check_process_limit(needed); !lim.ok()) return fail(lim);
   init_logging(LoggingOptions{"troupe run", "", opts.verbose ? spdlog::level::info : spdlog::level::warn});
@@ -591,7 +598,8 @@ int cli_run(const RunOptions& opts) {
   // signal every process group is killed and the run exits 130.
   std::atomic<bool> run_done{false};
   std::thread watchdog([a, &run_done] {
-    while (!run_done.load() && g_interrupts.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    while (!run_done.load() && g_interrupts.load() == 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
     const auto deadline = std::chrono::steady_clock::now() + kRunHardStop;
     while (!run_done.load() && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));

@@ -5,7 +5,6 @@
 #pragma once
 
 #include <nlohmann/json.hpp>
-
 #include <optional>
 #include <string>
 #include <vector>
@@ -41,8 +40,8 @@ struct SlurmAllocation {
   std::string job_id;
   std::string nodelist;
   int nodes = 1;
-  int ntasks = 0;        // 0: not given
-  int gpus_on_node = -1; // -1: not given
+  int ntasks = 0;         // 0: not given
+  int gpus_on_node = -1;  // -1: not given
 };
 // nullopt outside an allocation (no SLURM_JOB_ID).
 std::optional<SlurmAllocation> slurm_allocation_from_env();

@@ -2,17 +2,17 @@
 // train_moe jobs (cli_elastic.h).
 #include "scheduler/cli_elastic.h"
 
+#include <fmt/format.h>
+
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <thread>
 #include <vector>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "scheduler/local_auth.h"
 #include "scheduler/scheduler_store.h"
@@ -277,7 +277,8 @@ int cli_elastic_drain(const CliConnection& c, const std::string& agent, int wait
     if (slots.empty()) continue;
     const std::string id = job.value("id", "");
     if (!job.value("elastic", false)) {
-      fmt::print("job {}: {} worker(s) on {} left in place (its driver does not supervise its workers)\n", id, slots.size(), agent);
+      fmt::print("job {}: {} worker(s) on {} left in place (its driver does not supervise its workers)\n", id,
+                 slots.size(), agent);
       continue;
     }
     for (int slot : slots) {
@@ -301,20 +302,22 @@ void print_actor_table(const nlohmann::json& st) {
     return;
   }
   fmt::print("{} actors\n", actors.size());
-  fmt::print("{:<14} {:<10} {:>5} {:<10} {:<8} {:<14} {:<8} {:<11} {:>6} {:>10} {:>9}\n", "ID", "ROLE", "RANK", "WORKER",
-             "NODE", "HOST", "DEVICE", "STATE", "STEPS", "STEP_MS", "PARAMS");
+  fmt::print("{:<14} {:<10} {:>5} {:<10} {:<8} {:<14} {:<8} {:<11} {:>6} {:>10} {:>9}\n", "ID", "ROLE",
+             "RANK", "WORKER", "NODE", "HOST", "DEVICE", "STATE", "STEPS", "STEP_MS", "PARAMS");
   for (const auto& a : actors) {
-    fmt::print("{:<14} {:<10} {:>5} {:<10} {:<8} {:<14} {:<8} {:<11} {:>6} {:>10.1f} {:>9}\n", a.value("id", ""),
-               a.value("role", ""), a.value("rank", -1), a.value("worker", ""), a.value("node", ""),
-               a.value("host", "").substr(0, 14), a.value("device", ""), a.value("state", ""),
-               a.value("steps_done", int64_t{0}), a.value("last_step_ms", 0.0), a.value("params", int64_t{0}));
+    fmt::print("{:<14} {:<10} {:>5} {:<10} {:<8} {:<14} {:<8} {:<11} {:>6} {:>10.1f} {:>9}\n",
+               a.value("id", ""), a.value("role", ""), a.value("rank", -1), a.value("worker", ""),
+               a.value("node", ""), a.value("host", "").substr(0, 14), a.value("device", ""),
+               a.value("state", ""), a.value("steps_done", int64_t{0}), a.value("last_step_ms", 0.0),
+               a.value("params", int64_t{0}));
   }
 }
 
 void print_elastic_table(const std::string& what, const nlohmann::json& st, bool finished, bool actors) {
   if (actors) {
-    fmt::print("job {}: step {}, epoch {}, dp {}{}{}\n", what, st.value("step", int64_t{0}), st.value("epoch", int64_t{0}),
-               st.value("dp", int64_t{0}), finished ? ", finished" : "", st.value("failed", false) ? ", FAILED" : "");
+    fmt::print("job {}: step {}, epoch {}, dp {}{}{}\n", what, st.value("step", int64_t{0}),
+               st.value("epoch", int64_t{0}), st.value("dp", int64_t{0}), finished ? ", finished" : "",
+               st.value("failed", false) ? ", FAILED" : "");
     print_actor_table(st);
     return;
   }

@@ -1,12 +1,12 @@
 // scheduler/job_context.cc — JobContext::from_env, SchedulerSession, HeartbeatThread.
 #include "scheduler/job_context.h"
 
-#include "comm/control/host_addr.h"
-
 #include <unistd.h>
 
 #include <charconv>
 #include <cstdlib>
+
+#include "comm/control/host_addr.h"
 
 namespace troupe::sched {
 namespace {
@@ -130,7 +130,8 @@ control::TransportOptions job_actor_network(const std::string& node_id, bool bin
     t.curve.own = *kp;
     t.curve.allowed_client_keys = {kp->public_key};
     t.allow_non_loopback = true;
-  } else if (const char* insecure = std::getenv("TROUPE_INSECURE"); insecure && std::string(insecure) == "1") {
+  } else if (const char* insecure = std::getenv("TROUPE_INSECURE");
+             insecure && std::string(insecure) == "1") {
     t.allow_non_loopback = true;
   }
   return t;

@@ -13,10 +13,9 @@
 // TROUPE_CHECKPOINT_DIR, TROUPE_SCHEDULER_PUBLIC_KEY + TROUPE_CURVE_KEY (CURVE).
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <atomic>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <thread>

@@ -54,7 +54,6 @@ Result<ParallelLayout> parse_layout(const std::string& text) {
   return l;
 }
 
-
 Status JobSpec::validate() {
   if (argv.empty() || argv[0].empty()) return invalid_argument("job spec: no command given");
   if (nproc < 1 || nproc > 100000) return invalid_argument("job spec: nproc must be in [1, 100000], got {}", nproc);
@@ -85,9 +84,10 @@ Status JobSpec::validate() {
   for (const auto& [k, v] : env) {
     if (k.empty() || k.find('=') != std::string::npos) return invalid_argument("job spec: bad env name '{}'", k);
     if (k.rfind("TROUPE_", 0) == 0) {
-      return invalid_argument("job spec: env {} is reserved for the scheduler (an app's own settings go in its "
-                              "config, e.g. train_moe's [elastic] section: --set elastic.inject=...)",
-                              k);
+      return invalid_argument(
+          "job spec: env {} is reserved for the scheduler (an app's own settings go in its "
+          "config, e.g. train_moe's [elastic] section: --set elastic.inject=...)",
+          k);
     }
   }
   return ok_status();

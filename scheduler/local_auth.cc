@@ -59,9 +59,10 @@ Result<CurveKeyPair> load_or_create_credential() {
   struct stat st {};
   const bool exists = ::stat(path.c_str(), &st) == 0;
   if (!exists && errno != ENOENT) {
-    return permission_denied("cannot read the Troupe credential {}: {} (it must be this user's own; set "
-                             "$TROUPE_CONFIG_DIR or $HOME to use another)",
-                             path, std::strerror(errno));
+    return permission_denied(
+        "cannot read the Troupe credential {}: {} (it must be this user's own; set "
+        "$TROUPE_CONFIG_DIR or $HOME to use another)",
+        path, std::strerror(errno));
   }
   if (!exists) {
     if (!fs::is_directory(dir, ec)) {

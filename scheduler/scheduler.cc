@@ -532,7 +532,8 @@ Status Scheduler::spawn(Job& job, Proc& proc) {
       log()->error("job {}: {}", job.rec.id, jk.status().to_string());
     }
   }
-  if (spec.backend == "cuda" && proc.rec.slot >= 0) add("CUDA_VISIBLE_DEVICES", std::to_string(proc.rec.slot));
+  if (spec.backend == "cuda" && proc.rec.slot >= 0)
+    add("CUDA_VISIBLE_DEVICES", std::to_string(proc.rec.slot));
   for (const auto& [k, v] : proc.extra_env) add(k.c_str(), v);
   proc.rec.state = ProcState::kStarting;
   proc.rec.pid = 0;
@@ -609,10 +610,14 @@ void Scheduler::restart_driver(Job& job, const std::string& reason) {
     job.actors.clear();
     job.rec.state = JobState::kRestarting;
     save(job);
-    event(job, "driver_restarting", {{"reason", reason}, {"driver_restart", job.rec.driver_restarts},
-                                     {"epoch", job.rec.epoch}, {"workers", "restarted with it"}});
-    log()->warn("job {}: {}; restarting the driver and its workers from the newest checkpoint ({}/{}, epoch {})",
-                job.rec.id, reason, job.rec.driver_restarts, job.rec.spec.max_driver_restarts, job.rec.epoch);
+    event(job, "driver_restarting",
+          {{"reason", reason},
+           {"driver_restart", job.rec.driver_restarts},
+           {"epoch", job.rec.epoch},
+           {"workers", "restarted with it"}});
+    log()->warn(
+        "job {}: {}; restarting the driver and its workers from the newest checkpoint ({}/{}, epoch {})",
+        job.rec.id, reason, job.rec.driver_restarts, job.rec.spec.max_driver_restarts, job.rec.epoch);
     try_start(job);
     return;
   }
@@ -744,9 +749,10 @@ void Scheduler::on_submit(const std::string& peer, uint64_t rid, const SubmitJob
       per_agent += fmt::format("{}{}: {}", per_agent.empty() ? "" : ", ", aid, a.rec.slots);
     }
     if (spec->nproc > total) {
-      return reply(peer, rid,
-                   Reply::of(invalid_argument("--nproc {} is more than the {} worker slots of all agents ({})",
-                                              spec->nproc, total, per_agent)));
+      return reply(
+          peer, rid,
+          Reply::of(invalid_argument("--nproc {} is more than the {} worker slots of all agents ({})",
+                                     spec->nproc, total, per_agent)));
     }
   }
   auto seq = store_->next_job_seq();

@@ -126,8 +126,9 @@ class Scheduler {
   void finish_job(Job& job, JobState state, const std::string& message);
   void check_completion(Job& job);
   void kill_procs(Job& job, const std::string& name, int signal, int grace_ms);
-  // Elastic jobs (JobSpec::elastic: claimed by the job's driver, or `--elastic`; scheduler/scheduler_elastic.cc): the
-  // driver owns membership. A worker that ends is reported to it through the job's store
+  // Elastic jobs (JobSpec::elastic: claimed by the job's driver, or `--elastic`;
+  // scheduler/scheduler_elastic.cc): the driver owns membership. A worker that ends is reported to it through
+  // the job's store
   // ("<job>/elastic/exit/<slot>") instead of restarting the workers; the driver's store
   // keys "<job>/elastic/spawn/<slot>" and "kill/<slot>" start and kill worker processes.
   bool is_elastic(const Job& job) const;

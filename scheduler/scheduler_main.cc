@@ -78,7 +78,8 @@ int main(int argc, char** argv) {
     auto cred = troupe::sched::load_or_create_credential();
     auto allowed = troupe::sched::read_public_keys(allow_keys);
     if (!cred.ok() || !allowed.ok()) {
-      std::fprintf(stderr, "troupe-scheduler: %s\n", (!cred.ok() ? cred.status() : allowed.status()).message().c_str());
+      std::fprintf(stderr, "troupe-scheduler: %s\n",
+                   (!cred.ok() ? cred.status() : allowed.status()).message().c_str());
       return 2;
     }
     opts.security.server_keys = *cred;

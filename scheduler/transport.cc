@@ -6,13 +6,12 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#include <zmq.hpp>
-#include <zmq_addon.hpp>
-
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <future>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
 
 #include "actors/actor.h"
 #include "actors/actor_system.h"
@@ -228,7 +227,8 @@ class ClientInbox final : public actors::Actor {
 
 Result<CurveKeyPair> derive_job_keypair(const CurveKeyPair& scheduler_keys, const std::string& job_id) {
   if (scheduler_keys.secret_key.size() != control::kZ85KeyChars) {
-    return invalid_argument("deriving job {}'s key: the scheduler's secret key is not a 40-character Z85 key", job_id);
+    return invalid_argument("deriving job {}'s key: the scheduler's secret key is not a 40-character Z85 key",
+                            job_id);
   }
   uint8_t secret[32];
   if (!zmq_z85_decode(secret, scheduler_keys.secret_key.c_str())) {
@@ -236,8 +236,8 @@ Result<CurveKeyPair> derive_job_keypair(const CurveKeyPair& scheduler_keys, cons
   }
   const std::string msg = "troupe job key v1\n" + job_id;
   uint8_t derived[32];
-  crypto_generichash(derived, sizeof derived, reinterpret_cast<const uint8_t*>(msg.data()), msg.size(), secret,
-                     sizeof secret);
+  crypto_generichash(derived, sizeof derived, reinterpret_cast<const uint8_t*>(msg.data()), msg.size(),
+                     secret, sizeof secret);
   sodium_memzero(secret, sizeof secret);
   char z85[41] = {0};
   zmq_z85_encode(z85, derived, sizeof derived);

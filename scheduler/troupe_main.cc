@@ -31,10 +31,11 @@ struct SpecFlags {
 };
 
 void add_spec_options(CLI::App* cmd, SpecFlags& f, bool nproc_required = true) {
-  auto* np = cmd->add_option("--nproc,-n", f.spec.nproc,
-                             nproc_required ? "Number of worker processes"
-                                            : "Number of worker processes (in a Slurm allocation: $SLURM_NTASKS)")
-                 ->check(CLI::Range(1, 100000));
+  auto* np =
+      cmd->add_option("--nproc,-n", f.spec.nproc,
+                      nproc_required ? "Number of worker processes"
+                                     : "Number of worker processes (in a Slurm allocation: $SLURM_NTASKS)")
+          ->check(CLI::Range(1, 100000));
   if (nproc_required) np->required();
   cmd->add_option("--backend", f.spec.backend, "cpu or cuda (cuda: one GPU per worker)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
@@ -52,9 +53,10 @@ void add_spec_options(CLI::App* cmd, SpecFlags& f, bool nproc_required = true) {
   cmd->add_option("--min-workers", f.spec.min_workers, "Elastic lower bound (default: nproc)");
   cmd->add_option("--max-workers", f.spec.max_workers, "Elastic upper bound (default: nproc)");
   cmd->add_flag("!--no-driver", f.spec.driver, "Run only the workers, no driver process");
-  cmd->add_flag("--elastic", f.spec.elastic,
-                "The driver supervises the workers from the start (train_moe's driver claims this itself: no flag "
-                "needed); a lost worker is then reported to it instead of restarting all workers");
+  cmd->add_flag(
+      "--elastic", f.spec.elastic,
+      "The driver supervises the workers from the start (train_moe's driver claims this itself: no flag "
+      "needed); a lost worker is then reported to it instead of restarting all workers");
   cmd->add_option("command", f.command, "The program and its arguments (after --)");
 }
 
@@ -101,7 +103,8 @@ int main(int argc, char** argv) {
   run->add_option("--state-dir", run_opts.state_dir, "Keep the scheduler state and logs here (default: a temporary dir)");
   run->add_flag("--verbose,-v", run_opts.verbose, "Log what the embedded scheduler and agent do");
   run->add_flag("!--no-prefix", run_opts.prefix_output, "Print process output without the [name] prefix");
-  run->add_option("--slots", run_opts.slots, "Slots of the embedded agent (default: --nproc); more workers fail at once")
+  run->add_option("--slots", run_opts.slots,
+                  "Slots of the embedded agent (default: --nproc); more workers fail at once")
       ->check(CLI::Range(1, 1000000));
 
   SpecFlags submit_flags;
@@ -119,9 +122,10 @@ int main(int argc, char** argv) {
   auto* status = app.add_subcommand("status", "Show jobs, their processes and the agents");
   status->add_option("job", status_job, "Only this job, with its processes");
   status->add_flag("--json", status_json, "Print JSON for scripts");
-  status->add_flag("--actors", status_actors,
-                   "With a training job or run directory: every actor (trainer, stage, attention and expert actors) "
-                   "with its worker, node, device, state and last step time");
+  status->add_flag(
+      "--actors", status_actors,
+      "With a training job or run directory: every actor (trainer, stage, attention and expert actors) "
+      "with its worker, node, device, state and last step time");
   add_connection(status, status_conn);
 
   CliConnection logs_conn;
@@ -147,7 +151,8 @@ int main(int argc, char** argv) {
   CliConnection wait_conn;
   std::string wait_job;
   bool wait_quiet = false;
-  auto* waitc = app.add_subcommand("wait", "Wait for a job to end; exit with its exit status (130: cancelled)");
+  auto* waitc =
+      app.add_subcommand("wait", "Wait for a job to end; exit with its exit status (130: cancelled)");
   waitc->add_option("job", wait_job, "Job id")->required();
   waitc->add_flag("--quiet,-q", wait_quiet, "Print nothing");
   add_connection(waitc, wait_conn);
@@ -175,7 +180,8 @@ int main(int argc, char** argv) {
   std::string replace_dir;
   int replace_slot = -1, replace_wait = 60;
   auto* replace = app.add_subcommand("replace", "Replace one worker of an elastic job (restored from a dp peer)");
-  replace->add_option("job", replace_dir, "Run directory of a distributed train_moe job, or a scheduler job id")
+  replace
+      ->add_option("job", replace_dir, "Run directory of a distributed train_moe job, or a scheduler job id")
       ->required();
   add_connection(replace, replace_conn);
   replace->add_option("worker", replace_slot, "Worker slot (see troupe status <run dir>)")
@@ -186,7 +192,9 @@ int main(int argc, char** argv) {
   std::string drain_agent;
   int drain_wait = 60;
   CliConnection drain_conn;
-  auto* drain = app.add_subcommand("drain", "Move the workers of driver-supervised (e.g. train_moe) jobs off an agent (restored from dp peers)");
+  auto* drain = app.add_subcommand(
+      "drain",
+      "Move the workers of driver-supervised (e.g. train_moe) jobs off an agent (restored from dp peers)");
   drain->add_option("agent", drain_agent, "Agent id (see troupe status)")->required();
   drain->add_option("--wait", drain_wait, "Seconds to wait for each move");
   add_connection(drain, drain_conn);
@@ -239,8 +247,10 @@ int main(int argc, char** argv) {
     const int rc = troupe::sched::cli_status(status_conn, status_job, status_json);
     if (rc == 0 && !status_job.empty() && !status_json &&
         !troupe::sched::print_elastic_job_status(status_conn, status_job, status_actors) && status_actors) {
-      fmt::print(stderr, "troupe status --actors: job {} has no actor table (not a training job, or no step done yet)\n",
-                 status_job);
+      fmt::print(
+          stderr,
+          "troupe status --actors: job {} has no actor table (not a training job, or no step done yet)\n",
+          status_job);
       return 1;
     }
     return rc;

@@ -2,6 +2,7 @@
 // (elastic.h).
 #include "actors/training/elastic.h"
 
+#include <fmt/format.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -12,14 +13,12 @@
 #include <mutex>
 #include <thread>
 
-#include <fmt/format.h>
-
 #include "actors/training/checkpointing.h"
-#include "actors/training/role_actors.h"
-#include "comm/control/host_addr.h"
 #include "actors/training/control.h"
+#include "actors/training/role_actors.h"
 #include "actors/training/stage.h"
 #include "actors/training/trainer.h"
+#include "comm/control/host_addr.h"
 #include "layers/token_data.h"
 
 namespace troupe::training {
@@ -27,10 +26,18 @@ namespace troupe::training {
 using Clock = std::chrono::steady_clock;
 
 nlohmann::json ElasticPlan::to_json() const {
-  return nlohmann::json{{"epoch", epoch},         {"dp", dp},       {"grad_accum", grad_accum},
-                        {"slots", slots},         {"has_state", has_state}, {"step_done", step_done},
-                        {"seq", seq},             {"reason", reason},       {"checkpoint", checkpoint},
-                        {"ckpt_every", ckpt_every}, {"ckpt_dir", ckpt_dir}, {"replica_step", replica_step},
+  return nlohmann::json{{"epoch", epoch},
+                        {"dp", dp},
+                        {"grad_accum", grad_accum},
+                        {"slots", slots},
+                        {"has_state", has_state},
+                        {"step_done", step_done},
+                        {"seq", seq},
+                        {"reason", reason},
+                        {"checkpoint", checkpoint},
+                        {"ckpt_every", ckpt_every},
+                        {"ckpt_dir", ckpt_dir},
+                        {"replica_step", replica_step},
                         {"replica_every", replica_every}};
 }
 
@@ -146,19 +153,23 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
     } else if (action == "cutctl") {
       f.action = FaultSpec::Action::kCutControl;
     } else {
-      return invalid_argument("elastic.inject: unknown action '{}' (kill, stop, slow, cut, hang or cutctl)", action);
+      return invalid_argument("elastic.inject: unknown action '{}' (kill, stop, slow, cut, hang or cutctl)",
+                              action);
     }
     f.phase = item.substr(c1 + 1, c2 - c1 - 1);
     if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
         f.phase != "any") {
-      return invalid_argument("elastic.inject: unknown phase '{}' (forward, alltoall, sync, checkpoint, any)", f.phase);
+      return invalid_argument("elastic.inject: unknown phase '{}' (forward, alltoall, sync, checkpoint, any)",
+                              f.phase);
     }
     char* end = nullptr;
     const std::string step_s = item.substr(at + 1, c1 - at - 1), slot_s = item.substr(c2 + 1);
     f.step = std::strtoll(step_s.c_str(), &end, 10);
-    if (step_s.empty() || *end != '\0' || f.step < 1) return invalid_argument("elastic.inject: bad step in '{}'", item);
+    if (step_s.empty() || *end != '\0' || f.step < 1)
+      return invalid_argument("elastic.inject: bad step in '{}'", item);
     f.slot = static_cast<int>(std::strtol(slot_s.c_str(), &end, 10));
-    if (slot_s.empty() || *end != '\0' || f.slot < 0) return invalid_argument("elastic.inject: bad slot in '{}'", item);
+    if (slot_s.empty() || *end != '\0' || f.slot < 0)
+      return invalid_argument("elastic.inject: bad slot in '{}'", item);
     out.push_back(f);
   }
   return out;
@@ -282,10 +293,16 @@ class CancellableStore final : public comm::RendezvousStore {
 
 class ElasticWorker {
  public:
-  ElasticWorker(const layers::TrainConfig& tc, comm::RendezvousStore& store, std::string job, int slot, uint64_t epoch,
-                const layers::Ctx& ctx)
-      : tc_(tc), store_(store), job_(std::move(job)), slot_(slot), epoch_(epoch), ctx_(ctx),
-        keep_state_(!ctx.on_device()), comm_store_(store, cancel_) {}
+  ElasticWorker(const layers::TrainConfig& tc, comm::RendezvousStore& store, std::string job, int slot,
+                uint64_t epoch, const layers::Ctx& ctx)
+      : tc_(tc),
+        store_(store),
+        job_(std::move(job)),
+        slot_(slot),
+        epoch_(epoch),
+        ctx_(ctx),
+        keep_state_(!ctx.on_device()),
+        comm_store_(store, cancel_) {}
   ~ElasticWorker() {
     stop_watcher_ = true;
     if (watcher_.joinable()) watcher_.join();
@@ -444,7 +461,7 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
     stage_->commit(plan.step_done);
   }
   ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}};
-    return ok_status();
+  return ok_status();
 }
 
 // A failed save is not a failed worker: it is reported (StepReply::ckpt_errors) and
@@ -478,8 +495,8 @@ void note_ckpt_error(StepReply& reply, int64_t step, const Status& st) {
 Status ElasticWorker::save_checkpoint(int64_t step, StepReply& reply, bool force) {
   if (ckpt_every_ <= 0 || (!force && step % ckpt_every_ != 0)) return ok_status();
   if (!writer_) {
-    Result<std::unique_ptr<RankCheckpointer>> w = RankCheckpointer::create(ckpt_dir_, stage_->state_layout(), rank_,
-                                                                         static_cast<uint64_t>(tc_.checkpoint.max_mb_per_s * 1e6));
+    Result<std::unique_ptr<RankCheckpointer>> w = RankCheckpointer::create(
+        ckpt_dir_, stage_->state_layout(), rank_, static_cast<uint64_t>(tc_.checkpoint.max_mb_per_s * 1e6));
     if (!w.ok()) {
       note_ckpt_error(reply, step, w.status());
       return ok_status();
@@ -494,7 +511,8 @@ Status ElasticWorker::save_checkpoint(int64_t step, StepReply& reply, bool force
   // reply says when it is durable (report_durable).
   TROUPE_ASSIGN_OR_RETURN(StageState st, stage_->export_state(StateScope::kSave, /*copy=*/false));
   if (st.step != step) {
-    return failed_precondition("checkpoint: asked to save step {} but the stage has run {} steps", step, st.step);
+    return failed_precondition("checkpoint: asked to save step {} but the stage has run {} steps", step,
+                               st.step);
   }
   const auto t0 = Clock::now();
   Result<SaveFigures> f = writer_->save(st);
@@ -551,10 +569,12 @@ Status ElasticWorker::run() {
     const char* vis = std::getenv("CUDA_VISIBLE_DEVICES");
     device = fmt::format("cuda:{}", (vis != nullptr && *vis != '\0') ? vis : "0");
   }
-  TROUPE_ASSIGN_OR_RETURN(actors_, WorkerActors::start(slot_, control::host_addr(), store_, key(fmt::format("actors/{}", slot_)),
-                                                       std::move(device)));
+  TROUPE_ASSIGN_OR_RETURN(
+      actors_, WorkerActors::start(slot_, control::host_addr(), store_, key(fmt::format("actors/{}", slot_)),
+                                   std::move(device)));
   // Replies and failure reports go to the driver's trainer actor.
-  TROUPE_RETURN_IF_ERROR(actors_->connect_driver(store_, key("actors/driver"), std::chrono::milliseconds(120000)));
+  TROUPE_RETURN_IF_ERROR(
+      actors_->connect_driver(store_, key("actors/driver"), std::chrono::milliseconds(120000)));
   TROUPE_ASSIGN_OR_RETURN(ElasticPlan plan, read_plan(epoch_, std::chrono::milliseconds(120000)));
   if (plan.rank_of_slot(slot_) < 0) return invalid_argument("elastic: slot {} is not in the plan of epoch {}", slot_, epoch_);
   // The job's checkpoints (the driver's choice, the same in every plan).
@@ -562,7 +582,8 @@ Status ElasticWorker::run() {
   replica_every_ = plan.replica_every;
   ckpt_dir_ = plan.ckpt_dir;
   if (ckpt_every_ > 0 && ckpt_dir_.empty()) {
-    return invalid_argument("elastic: the plan asks for checkpoints every {} steps but names no directory", ckpt_every_);
+    return invalid_argument("elastic: the plan asks for checkpoints every {} steps but names no directory",
+                            ckpt_every_);
   }
   adopting_ = epoch_;
   watcher_ = std::thread([this] { watch(); });
@@ -648,11 +669,15 @@ Status ElasticWorker::run() {
           TROUPE_RETURN_IF_ERROR(save_checkpoint(cmd.step, reply));
           break;
         }
-        case Command::Kind::kEval: reply.val_loss = stage_->evaluate(); break;
-        case Command::Kind::kStop: break;
+        case Command::Kind::kEval:
+          reply.val_loss = stage_->evaluate();
+          break;
+        case Command::Kind::kStop:
+          break;
         case Command::Kind::kSave:  // a checkpoint off the every-K schedule (the job's last step)
           if (stage_->steps_done() != cmd.step) {
-            return failed_precondition("save step {}: this rank has run {} steps", cmd.step, stage_->steps_done());
+            return failed_precondition("save step {}: this rank has run {} steps", cmd.step,
+                                       stage_->steps_done());
           }
           TROUPE_RETURN_IF_ERROR(save_checkpoint(cmd.step, reply, /*force=*/true));
           break;
@@ -674,8 +699,9 @@ Status ElasticWorker::run() {
 
 }  // namespace
 
-Status run_elastic_worker(const layers::TrainConfig& tc, comm::RendezvousStore& base_store, const std::string& job,
-                          int slot, uint64_t epoch, std::function<void()> cut_control, const layers::Ctx& ctx) {
+Status run_elastic_worker(const layers::TrainConfig& tc, comm::RendezvousStore& base_store,
+                          const std::string& job, int slot, uint64_t epoch, std::function<void()> cut_control,
+                          const layers::Ctx& ctx) {
   // A store outage (the scheduler restarting) must not end the worker.
   TolerantStore store(base_store, std::chrono::milliseconds(30000));
   std::unique_ptr<FaultState> faults;

@@ -10,8 +10,8 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 #include <map>
+#include <string>
 #include <string_view>
 #include <vector>
 

@@ -24,8 +24,10 @@ std::string flat(capnp::MessageBuilder& mb) {
 // Runs `read` over `bytes` as a Cap'n Proto message with tight limits; any exception
 // (malformed, truncated, too deep) becomes DataLoss naming `what`.
 template <class Fn>
-auto read_message(std::string_view bytes, const char* what, Fn read) -> decltype(read(std::declval<capnp::MessageReader&>())) {
-  if (bytes.size() > kMaxBytes) return data_loss("{}: {} bytes is over the {} byte limit", what, bytes.size(), kMaxBytes);
+auto read_message(std::string_view bytes, const char* what, Fn read)
+    -> decltype(read(std::declval<capnp::MessageReader&>())) {
+  if (bytes.size() > kMaxBytes)
+    return data_loss("{}: {} bytes is over the {} byte limit", what, bytes.size(), kMaxBytes);
   if (bytes.empty() || bytes.size() % sizeof(capnp::word) != 0) {
     return data_loss("{}: {} bytes is not a whole number of 8-byte words", what, bytes.size());
   }
@@ -221,7 +223,8 @@ std::string encode_worker_failure(const WorkerFailure& m) {
 Result<WorkerFailure> decode_worker_failure(std::string_view bytes) {
   return read_message(bytes, "WorkerFailure", [](capnp::MessageReader& r) -> Result<WorkerFailure> {
     auto f = r.getRoot<::WorkerFailure>();
-    return WorkerFailure{f.getEpoch(), f.getSlot(), f.getRank(), f.getCode(), f.getActor(), f.getText(), f.getTsMs()};
+    return WorkerFailure{f.getEpoch(), f.getSlot(), f.getRank(), f.getCode(),
+                         f.getActor(), f.getText(), f.getTsMs()};
   });
 }
 

@@ -2,11 +2,10 @@
 // worker's WorkerActors and the driver's ActorDirectory.
 #include "actors/training/role_actors.h"
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <cstdlib>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "actors/actor.h"
@@ -68,7 +67,8 @@ std::string host_name() {
 // (TROUPE_HOST_ADDR) and, with the job's CURVE key pair from the scheduler, accept only
 // the job's own processes (docs/cluster.md, "Hosts"). Off loopback without keys the
 // transport refuses to bind unless TROUPE_INSECURE=1.
-Result<std::unique_ptr<actors::ActorSystem>> make_system(const std::string& node, const std::string& bind_host) {
+Result<std::unique_ptr<actors::ActorSystem>> make_system(const std::string& node,
+                                                         const std::string& bind_host) {
   actors::ActorSystemOptions o;
   o.node_id = node;
   o.threads = 1;
@@ -78,7 +78,8 @@ Result<std::unique_ptr<actors::ActorSystem>> make_system(const std::string& node
     t.curve.own = *kp;
     t.curve.allowed_client_keys = {kp->public_key};
     t.allow_non_loopback = true;
-  } else if (const char* insecure = std::getenv("TROUPE_INSECURE"); insecure != nullptr && std::string(insecure) == "1") {
+  } else if (const char* insecure = std::getenv("TROUPE_INSECURE");
+             insecure != nullptr && std::string(insecure) == "1") {
     t.allow_non_loopback = true;
   }
   o.network = t;
@@ -93,12 +94,15 @@ std::string job_server_key() {
 
 }  // namespace
 
-std::string actor_id(const std::string& role, int rank) { return fmt::format("{}.{}", role, rank); }
+std::string actor_id(const std::string& role, int rank) {
+  return fmt::format("{}.{}", role, rank);
+}
 
 // ---- WorkerActors --------------------------------------------------------------------
 
 Result<std::unique_ptr<WorkerActors>> WorkerActors::start(int slot, const std::string& bind_host,
-                                                          comm::RendezvousStore& store, const std::string& endpoint_key,
+                                                          comm::RendezvousStore& store,
+                                                          const std::string& endpoint_key,
                                                           std::string device) {
   std::unique_ptr<WorkerActors> w(new WorkerActors());
   w->node_ = fmt::format("w{}", slot);
@@ -128,7 +132,8 @@ Status WorkerActors::place(int rank, uint64_t epoch, std::map<std::string, int64
   if (rank == placed_rank_) return ok_status();
   for (const char* role : kWorkerRoles) {
     if (placed_rank_ >= 0) {
-      (void)sys_->stop(actors::ActorRef(node_, actor_id(role, placed_rank_)), control::DownReason::kExit, "moved to another rank");
+      (void)sys_->stop(actors::ActorRef(node_, actor_id(role, placed_rank_)), control::DownReason::kExit,
+                       "moved to another rank");
     }
   }
   placed_rank_ = -1;
@@ -150,9 +155,13 @@ Status WorkerActors::connect_driver(comm::RendezvousStore& store, const std::str
   return sys_->connect("driver", ep["endpoint"].get<std::string>(), job_server_key());
 }
 
-Status WorkerActors::send(const StepReply& r) { return sys_->tell(actors::ActorRef("driver", "trainer"), r); }
+Status WorkerActors::send(const StepReply& r) {
+  return sys_->tell(actors::ActorRef("driver", "trainer"), r);
+}
 
-Status WorkerActors::report(const WorkerFailure& f) { return sys_->tell(actors::ActorRef("driver", "trainer"), f); }
+Status WorkerActors::report(const WorkerFailure& f) {
+  return sys_->tell(actors::ActorRef("driver", "trainer"), f);
+}
 
 void WorkerActors::set_state(const std::string& state) {
   std::lock_guard lock(view_->mu);
@@ -180,10 +189,11 @@ Result<std::unique_ptr<ActorDirectory>> ActorDirectory::start(const std::string&
     d->trainer_view_->device = "cpu";
     d->trainer_view_->host = host_name();
   }
-  TROUPE_RETURN_IF_ERROR(d->sys_
-                             ->spawn_actor("trainer", std::make_unique<RoleActor>("trainer", d->trainer_view_, nullptr,
-                                                                                 d->replies_, d->failures_))
-                             .status());
+  TROUPE_RETURN_IF_ERROR(
+      d->sys_
+          ->spawn_actor("trainer", std::make_unique<RoleActor>("trainer", d->trainer_view_, nullptr,
+                                                               d->replies_, d->failures_))
+          .status());
   const nlohmann::json ep{{"node", "driver"}, {"endpoint", d->sys_->endpoint()}, {"host", host_name()}};
   TROUPE_RETURN_IF_ERROR(store.set(endpoint_key, ep.dump()));
   return d;
@@ -194,7 +204,8 @@ ActorDirectory::~ActorDirectory() {
 }
 
 Status ActorDirectory::attach(const std::vector<int>& slots, comm::RendezvousStore& store,
-                              const std::function<std::string(int)>& endpoint_key, std::chrono::milliseconds timeout) {
+                              const std::function<std::string(int)>& endpoint_key,
+                              std::chrono::milliseconds timeout) {
   uint64_t gen = 0;
   {
     std::lock_guard lock(mu_);
@@ -208,7 +219,8 @@ Status ActorDirectory::attach(const std::vector<int>& slots, comm::RendezvousSto
     TROUPE_ASSIGN_OR_RETURN(std::string text, store.get(endpoint_key(slot), comm::deadline_in(timeout)));
     const nlohmann::json ep = nlohmann::json::parse(text, nullptr, false);
     if (!ep.is_object() || !ep.contains("node") || !ep.contains("endpoint")) {
-      return data_loss("worker slot {}: its actor endpoint record is malformed: {}", slot, text.substr(0, 200));
+      return data_loss("worker slot {}: its actor endpoint record is malformed: {}", slot,
+                       text.substr(0, 200));
     }
     const std::string node = ep["node"].get<std::string>();
     if (!sys_->is_node_up(node)) {
@@ -232,10 +244,11 @@ Status ActorDirectory::attach(const std::vector<int>& slots, comm::RendezvousSto
   // Monitored from now on: a Down of this generation is a failure of its slot.
   for (const ActorEntry& e : entries) {
     const int slot = e.slot;
-    TROUPE_RETURN_IF_ERROR(sys_->monitor(actors::ActorRef(e.node, e.id), [this, gen, slot](const control::Down& d) {
-      std::lock_guard lock(mu_);
-      if (gen == generation_) downs_.emplace_back(slot, d);
-    }));
+    TROUPE_RETURN_IF_ERROR(
+        sys_->monitor(actors::ActorRef(e.node, e.id), [this, gen, slot](const control::Down& d) {
+          std::lock_guard lock(mu_);
+          if (gen == generation_) downs_.emplace_back(slot, d);
+        }));
   }
   return ok_status();
 }
@@ -253,7 +266,8 @@ std::vector<ActorEntry> ActorDirectory::query(std::chrono::milliseconds timeout)
   }
   std::vector<std::future<Result<ActorStatus>>> asks;
   for (const ActorEntry& e : entries) {
-    asks.push_back(sys_->ask<ActorStatus>(actors::ActorRef(e.node, e.id), ActorStatusQuery{"trainer"}, timeout));
+    asks.push_back(
+        sys_->ask<ActorStatus>(actors::ActorRef(e.node, e.id), ActorStatusQuery{"trainer"}, timeout));
   }
   const auto deadline = Clock::now() + timeout + std::chrono::milliseconds(100);
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -294,8 +308,8 @@ std::vector<ActorEntry> ActorDirectory::query(std::chrono::milliseconds timeout)
 
 Status ActorDirectory::send_command(const std::vector<int>& slots, const StepCommand& c) {
   for (size_t r = 0; r < slots.size(); ++r) {
-    TROUPE_RETURN_IF_ERROR(
-        sys_->tell(actors::ActorRef(fmt::format("w{}", slots[r]), actor_id("stage", static_cast<int>(r))), c));
+    TROUPE_RETURN_IF_ERROR(sys_->tell(
+        actors::ActorRef(fmt::format("w{}", slots[r]), actor_id("stage", static_cast<int>(r))), c));
   }
   return ok_status();
 }

@@ -20,9 +20,9 @@
 #include <condition_variable>
 #include <deque>
 #include <map>
-#include <optional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,8 +35,12 @@ namespace troupe::actors {
 template <>
 struct MessageTraits<training::ActorStatusQuery> {
   static constexpr uint64_t kTypeId = training::ActorStatusQuery::kTypeId;
-  static std::string encode(const training::ActorStatusQuery& m) { return training::encode_actor_status_query(m); }
-  static Result<training::ActorStatusQuery> decode(std::string_view b) { return training::decode_actor_status_query(b); }
+  static std::string encode(const training::ActorStatusQuery& m) {
+    return training::encode_actor_status_query(m);
+  }
+  static Result<training::ActorStatusQuery> decode(std::string_view b) {
+    return training::decode_actor_status_query(b);
+  }
 };
 template <>
 struct MessageTraits<training::ActorStatus> {
@@ -44,11 +48,11 @@ struct MessageTraits<training::ActorStatus> {
   static std::string encode(const training::ActorStatus& m) { return training::encode_actor_status(m); }
   static Result<training::ActorStatus> decode(std::string_view b) { return training::decode_actor_status(b); }
 };
-#define TROUPE_TRAINING_MESSAGE_TRAITS(T, enc, dec)                                  \
-  template <>                                                                        \
-  struct MessageTraits<training::T> {                                                \
-    static constexpr uint64_t kTypeId = training::T::kTypeId;                       \
-    static std::string encode(const training::T& m) { return training::enc(m); }    \
+#define TROUPE_TRAINING_MESSAGE_TRAITS(T, enc, dec)                                    \
+  template <>                                                                          \
+  struct MessageTraits<training::T> {                                                  \
+    static constexpr uint64_t kTypeId = training::T::kTypeId;                          \
+    static std::string encode(const training::T& m) { return training::enc(m); }       \
     static Result<training::T> decode(std::string_view b) { return training::dec(b); } \
   };
 TROUPE_TRAINING_MESSAGE_TRAITS(StepCommand, encode_step_command, decode_step_command)
@@ -112,8 +116,8 @@ class WorkerActors {
   // Starts the worker's actor system (node "w<slot>", bound to `bind_host` on an
   // OS-assigned port) and publishes {node, endpoint} at `endpoint_key` of `store`.
   static Result<std::unique_ptr<WorkerActors>> start(int slot, const std::string& bind_host,
-                                                     comm::RendezvousStore& store, const std::string& endpoint_key,
-                                                     std::string device);
+                                                     comm::RendezvousStore& store,
+                                                     const std::string& endpoint_key, std::string device);
   ~WorkerActors();
 
   // (Re)places this worker's actors for `rank` in `epoch` (a new rank stops the old ones
@@ -125,7 +129,8 @@ class WorkerActors {
   const std::string& node() const { return node_; }
 
   // Opens the route to the driver's "trainer" actor (its endpoint at `key` of `store`).
-  Status connect_driver(comm::RendezvousStore& store, const std::string& key, std::chrono::milliseconds timeout);
+  Status connect_driver(comm::RendezvousStore& store, const std::string& key,
+                        std::chrono::milliseconds timeout);
   // The next command the Trainer sent this worker's stage actor (waiting at most `wait`).
   std::optional<StepCommand> next_command(std::chrono::milliseconds wait) { return commands_->pop(wait); }
   // To the Trainer: a command's reply, a failure.
@@ -153,7 +158,8 @@ class ActorDirectory {
  public:
   // Starts the driver's system (node "driver") with the "trainer" actor and publishes its
   // {node, endpoint} at `endpoint_key` of `store`.
-  static Result<std::unique_ptr<ActorDirectory>> start(const std::string& bind_host, comm::RendezvousStore& store,
+  static Result<std::unique_ptr<ActorDirectory>> start(const std::string& bind_host,
+                                                       comm::RendezvousStore& store,
                                                        const std::string& endpoint_key);
   ~ActorDirectory();
 

@@ -655,7 +655,8 @@ StepReport Stage::run_step(int64_t step) {
   std::vector<double> v(static_cast<size_t>(7 + nmoe * e), 0.0);
   // parallel.measure_compression (tests, benches; host tensors): the relative L2 error of
   // the compressed gradient against an extra fp32 exchange of the same gradients.
-  const bool measured = tc_.parallel.measure_compression && tc_.parallel.compression && layout_->dp() > 1 && !ctx_.on_device();
+  const bool measured =
+      tc_.parallel.measure_compression && tc_.parallel.compression && layout_->dp() > 1 && !ctx_.on_device();
   if (measured) {
     Tensor exact = Tensor::zeros({shard_len_}, DType::kF32);
     for (const auto& bk : buckets_) {

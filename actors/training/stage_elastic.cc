@@ -233,8 +233,8 @@ void Stage::refresh_replica() {
   const char* what = "neighbour replica (world)";
   // The header first: [step, opt_steps, value, m, v, #biases, bias numels...], what the
   // successor needs to allocate (the predecessor holds another coordinate's tensors).
-  std::vector<int64_t> hv{c.step, c.opt_steps, c.value.numel(), c.m.numel(), c.v.numel(),
-                          static_cast<int64_t>(c.bias.size())};
+  std::vector<int64_t> hv{c.step,      c.opt_steps, c.value.numel(),
+                          c.m.numel(), c.v.numel(), static_cast<int64_t>(c.bias.size())};
   for (const Tensor& b : c.bias) hv.push_back(b.numel());
   Tensor my_header = Tensor::zeros({static_cast<int64_t>(hv.size())}, DType::kI64);
   std::copy(hv.begin(), hv.end(), my_header.data<int64_t>());
@@ -296,9 +296,10 @@ Status Stage::restore_from_replicas(const std::vector<bool>& has_state, int64_t 
   comm::Communicator& w = *world_;
   const int size = w.size(), me = w.rank();
   if (static_cast<int>(has_state.size()) != size) {
-    return failed_precondition("restore_from_replicas: {} ranks in the plan, {} in the world", has_state.size(), size);
+    return failed_precondition("restore_from_replicas: {} ranks in the plan, {} in the world",
+                               has_state.size(), size);
   }
-  auto find = [step](const Committed (&gens)[2]) -> const Committed* {
+  auto find = [step](const Committed(&gens)[2]) -> const Committed* {
     for (const Committed& c : gens) {
       if (c.step == step) return &c;
     }
@@ -324,7 +325,8 @@ Status Stage::restore_from_replicas(const std::vector<bool>& has_state, int64_t 
   Tensor opt_steps = Tensor::zeros({1}, DType::kI64);
   if (has_state[static_cast<size_t>(me)]) {
     const Committed* own = find(own_replica_);
-    if (own == nullptr) return failed_precondition("rank {} keeps no copy of its own state after step {}", me, step);
+    if (own == nullptr)
+      return failed_precondition("rank {} keeps no copy of its own state after step {}", me, step);
     mine = *own;
   } else {
     // A replacement: the same (pp, n) coordinate as the lost rank, so the same sizes.

@@ -31,6 +31,7 @@
 // replaces it like a failed worker.
 #include "actors/training/trainer.h"
 
+#include <fmt/format.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -43,20 +44,18 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <thread>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "actors/training/checkpointing.h"
 #include "actors/training/control.h"
 #include "actors/training/elastic.h"
 #include "actors/training/role_actors.h"
-#include "comm/control/host_addr.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/writer.h"
+#include "comm/control/host_addr.h"
 #include "comm/parallel_layout.h"
 
 extern char** environ;
@@ -87,8 +86,8 @@ struct Proc {
 };
 
 struct Failure {
-  std::string cause;           // exit, heartbeat, comm_error, watchdog, straggler
-  std::vector<int> slots;      // workers to replace (empty: rebuild only)
+  std::string cause;       // exit, heartbeat, comm_error, watchdog, straggler
+  std::vector<int> slots;  // workers to replace (empty: rebuild only)
   std::string detail;
   int64_t ts_ms = 0;
 };
@@ -98,7 +97,7 @@ class Trainer {
   // `scheduled`: the driver of a troupe-scheduler job (its workers are started, killed and
   // watched by the scheduler through `store`); else the standalone launcher.
   Trainer(const TrainerOptions& o, std::string run_dir, const layers::TrainConfig& tc,
-                  std::unique_ptr<comm::RendezvousStore> store = nullptr)
+          std::unique_ptr<comm::RendezvousStore> store = nullptr)
       : o_(o), run_dir_(std::move(run_dir)), tc_(tc), scheduled_(store != nullptr) {
     // A store outage (the scheduler restarting) must not end the job.
     if (store) store_ = std::make_unique<TolerantStore>(std::move(store), std::chrono::milliseconds(30000));
@@ -120,7 +119,8 @@ class Trainer {
   Status wait_ready(const ElasticPlan& plan, std::optional<Failure>& failure);
   Status open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots, const std::vector<int>& leaving);
   Status recover(Failure f, int64_t step_done, int64_t failed_step);
-  Result<std::vector<nlohmann::json>> wait_replies(int64_t seq, Command::Kind kind, std::optional<Failure>& failure);
+  Result<std::vector<nlohmann::json>> wait_replies(int64_t seq, Command::Kind kind,
+                                                   std::optional<Failure>& failure);
   // nullopt: the job went back to an older step (a checkpoint restore); rewound_to_ says which.
   Result<std::optional<nlohmann::json>> call(Command::Kind kind, int64_t step);
   // Checkpoints: notes the snapshots and durable parts the workers report in `replies`,
@@ -135,7 +135,8 @@ class Trainer {
   // answered at "answer/<k>" with the outcome.
   Status take_store_request();
   Status answer_store_request();
-  void track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step, std::optional<Failure>& failure);
+  void track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step,
+                        std::optional<Failure>& failure);
   void write_status(int64_t step);
   // After an epoch every worker joined: they all hold the committed state — in memory on
   // the CPU; GPU workers keep none yet (their recovery is a checkpoint restore).
@@ -143,17 +144,18 @@ class Trainer {
     if (o_.gpu) return;
     stateful_ = std::set<int>(plan_.slots.begin(), plan_.slots.end());
   }
-  Result<ElasticPlan> plan_for(int64_t dp, const std::vector<int>& keep_dp, int64_t step_done, const std::string& why,
-                               std::vector<int>& spawn_slots, std::vector<int>& leaving);
+  Result<ElasticPlan> plan_for(int64_t dp, const std::vector<int>& keep_dp, int64_t step_done,
+                               const std::string& why, std::vector<int>& spawn_slots,
+                               std::vector<int>& leaving);
 
   const TrainerOptions& o_;
   std::string run_dir_;
   layers::TrainConfig tc_;
   std::string job_;
   std::unique_ptr<comm::RendezvousStore> store_;
-  std::unique_ptr<ActorDirectory> actors_;  // the "trainer" actor and the workers' actors
+  std::unique_ptr<ActorDirectory> actors_;                // the "trainer" actor and the workers' actors
   nlohmann::json actor_table_ = nlohmann::json::array();  // their last answers (status.json)
-  int64_t actors_step_ = -2;                               // the step and epoch they were asked at
+  int64_t actors_step_ = -2;                              // the step and epoch they were asked at
   uint64_t actors_epoch_ = 0;
   bool scheduled_ = false;
   std::chrono::milliseconds poll_{2};  // scheduled: 20 (every probe is a round trip)
@@ -175,7 +177,7 @@ class Trainer {
   int straggler_window_ = 5;
   bool straggler_replace_ = false;
   int64_t recoveries_ = 0;
-  std::set<int> stateful_;               // slots holding the committed state (last ready epoch)
+  std::set<int> stateful_;  // slots holding the committed state (last ready epoch)
   std::vector<nlohmann::json> last_replies_;
   std::vector<nlohmann::json> last_step_replies_;  // of the last step command (status.json's times)
   std::optional<int64_t> rewound_to_;
@@ -241,8 +243,8 @@ Status Trainer::spawn(int slot, uint64_t epoch) {
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string v(*e);
     bool ours = false;
-    for (const char* k : {"TROUPE_ROLE=", "TROUPE_RANK=", "TROUPE_WORLD_SIZE=", "TROUPE_JOB_ID=", "TROUPE_EPOCH=",
-                          "TROUPE_ELASTIC_SLOT=", "TROUPE_ELASTIC_EPOCH="}) {
+    for (const char* k : {"TROUPE_ROLE=", "TROUPE_RANK=", "TROUPE_WORLD_SIZE=", "TROUPE_JOB_ID=",
+                          "TROUPE_EPOCH=", "TROUPE_ELASTIC_SLOT=", "TROUPE_ELASTIC_EPOCH="}) {
       ours |= v.rfind(k, 0) == 0;
     }
     if (!ours) envs.push_back(v);
@@ -314,7 +316,9 @@ std::optional<Failure> Trainer::check_processes() {
                         down.reason == control::DownReason::kCrash;
     if (!abrupt || !p.alive || plan_.rank_of_slot(slot) < 0) continue;
     if (f && std::find(f->slots.begin(), f->slots.end(), slot) != f->slots.end()) continue;
-    if (!f) f = Failure{down.reason == control::DownReason::kHeartbeatTimeout ? "heartbeat" : "exit", {}, "", wall_ms()};
+    if (!f)
+      f = Failure{
+          down.reason == control::DownReason::kHeartbeatTimeout ? "heartbeat" : "exit", {}, "", wall_ms()};
     f->slots.push_back(slot);
     f->detail += fmt::format("{}slot {}: actor {} down ({}{}{})", f->detail.empty() ? "" : "; ", slot,
                              down.actor.to_string(), control::down_reason_name(down.reason),
@@ -331,7 +335,8 @@ std::optional<Failure> Trainer::check_processes() {
       if (plan_.rank_of_slot(slot) < 0) continue;
       if (!f) f = Failure{"exit", {}, "", wall_ms()};
       f->slots.push_back(slot);
-      f->detail += fmt::format("{}slot {} {}", f->detail.empty() ? "" : "; ", slot, v.ok() ? v.value() : "ended");
+      f->detail +=
+          fmt::format("{}slot {} {}", f->detail.empty() ? "" : "; ", slot, v.ok() ? v.value() : "ended");
       continue;
     }
     int status = 0;
@@ -365,7 +370,8 @@ std::optional<Failure> Trainer::check_heartbeats() {
     if (!p.alive) continue;
     Result<bool> has = store_->contains(key(fmt::format("hb/{}", slot)));
     if (has.ok() && has.value()) {
-      Result<std::string> v = store_->get(key(fmt::format("hb/{}", slot)), comm::deadline_in(std::chrono::milliseconds(100)));
+      Result<std::string> v =
+          store_->get(key(fmt::format("hb/{}", slot)), comm::deadline_in(std::chrono::milliseconds(100)));
       if (v.ok() && v.value() != p.last_hb) {
         p.last_hb = v.value();
         p.hb_seen = now;
@@ -374,8 +380,9 @@ std::optional<Failure> Trainer::check_heartbeats() {
     if (now - p.hb_seen > hb_timeout_) {
       if (!f) f = Failure{"heartbeat", {}, "", wall_ms()};
       f->slots.push_back(slot);
-      f->detail += fmt::format("{}slot {} (pid {}) silent for {} ms", f->detail.empty() ? "" : "; ", slot, p.pid,
-                               std::chrono::duration_cast<std::chrono::milliseconds>(now - p.hb_seen).count());
+      f->detail +=
+          fmt::format("{}slot {} (pid {}) silent for {} ms", f->detail.empty() ? "" : "; ", slot, p.pid,
+                      std::chrono::duration_cast<std::chrono::milliseconds>(now - p.hb_seen).count());
     }
   }
   return f;
@@ -386,8 +393,14 @@ Result<std::optional<Failure>> Trainer::check_errors(Clock::time_point& first_er
   for (const WorkerFailure& f : actors_->take_failures()) {
     if (f.epoch != plan_.epoch || !epoch_failure_.empty()) continue;
     epoch_failure_ = fmt::format("slot {} ({}): {}", f.slot, f.actor, f.text);
-    event({{"event", "worker_failure"}, {"epoch", f.epoch}, {"slot", f.slot}, {"rank", f.rank}, {"actor", f.actor},
-           {"code", f.code}, {"text", f.text}, {"failed_ms", f.ts_ms}});
+    event({{"event", "worker_failure"},
+           {"epoch", f.epoch},
+           {"slot", f.slot},
+           {"rank", f.rank},
+           {"actor", f.actor},
+           {"code", f.code},
+           {"text", f.text},
+           {"failed_ms", f.ts_ms}});
   }
   const std::string what = epoch_failure_;
   if (what.empty()) return std::optional<Failure>{};
@@ -421,22 +434,25 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
       // The ones that never took the plan over are the culprits; the others wait on them.
       std::vector<int> wedged;
       for (int s : pending) {
-        TROUPE_ASSIGN_OR_RETURN(bool adopted, store_->contains(key(fmt::format("adopted/{}/{}", plan.epoch, s))));
+        TROUPE_ASSIGN_OR_RETURN(bool adopted,
+                                store_->contains(key(fmt::format("adopted/{}/{}", plan.epoch, s))));
         if (!adopted) wedged.push_back(s);
       }
       if (wedged.empty()) wedged.assign(pending.begin(), pending.end());
-      failure = Failure{"join_timeout", wedged,
-                        fmt::format("{} worker(s) did not join epoch {} within {} ms, {} never took the plan over",
-                                    pending.size(), plan.epoch, join_timeout_.count(), wedged.size()),
-                        wall_ms()};
+      failure =
+          Failure{"join_timeout", wedged,
+                  fmt::format("{} worker(s) did not join epoch {} within {} ms, {} never took the plan over",
+                              pending.size(), plan.epoch, join_timeout_.count(), wedged.size()),
+                  wall_ms()};
       return ok_status();
     }
     std::this_thread::sleep_for(std::max(poll_, std::chrono::milliseconds(5)));
   }
   // Every worker joined: monitor the actors placed on them for this epoch, and record
   // the placement (actor id -> worker) with the scheduler.
-  TROUPE_RETURN_IF_ERROR(actors_->attach(plan.slots, *store_, [this](int s) { return key(fmt::format("actors/{}", s)); },
-                                         std::chrono::milliseconds(30000)));
+  TROUPE_RETURN_IF_ERROR(actors_->attach(
+      plan.slots, *store_, [this](int s) { return key(fmt::format("actors/{}", s)); },
+      std::chrono::milliseconds(30000)));
   if (o_.publish_placement) {
     std::vector<std::pair<std::string, std::string>> placement{{"trainer", "driver"}};
     for (size_t r = 0; r < plan.slots.size(); ++r) {
@@ -447,23 +463,26 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
     Status st = o_.publish_placement(placement);
     if (!st.ok()) {
       event({{"event", "placement_not_recorded"}, {"epoch", plan.epoch}, {"error", st.to_string()}});
-      fmt::print(stderr, "trainer: the scheduler did not record the actor placement of epoch {}: {}\n", plan.epoch,
-                 st.to_string());
+      fmt::print(stderr, "trainer: the scheduler did not record the actor placement of epoch {}: {}\n",
+                 plan.epoch, st.to_string());
     }
   }
   return ok_status();
 }
 
 Result<ElasticPlan> Trainer::plan_for(int64_t dp, const std::vector<int>& keep_dp, int64_t step_done,
-                                              const std::string& why, std::vector<int>& spawn_slots,
-                                              std::vector<int>& leaving) {
+                                      const std::string& why, std::vector<int>& spawn_slots,
+                                      std::vector<int>& leaving) {
   const int pp = static_cast<int>(tc_.parallel.pp), n = static_cast<int>(tc_.parallel.n);
-  TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout old_l, comm::ParallelLayout::make(pp, static_cast<int>(plan_.dp), n));
-  TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout new_l, comm::ParallelLayout::make(pp, static_cast<int>(dp), n));
+  TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout old_l,
+                          comm::ParallelLayout::make(pp, static_cast<int>(plan_.dp), n));
+  TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout new_l,
+                          comm::ParallelLayout::make(pp, static_cast<int>(dp), n));
   const int64_t global = plan_.dp * plan_.grad_accum;
   if (global % dp != 0) {
-    return invalid_argument("dp={} does not divide the global batch of {} micro-batches (dp {} x grad_accum {})", dp,
-                            global, plan_.dp, plan_.grad_accum);
+    return invalid_argument(
+        "dp={} does not divide the global batch of {} micro-batches (dp {} x grad_accum {})", dp, global,
+        plan_.dp, plan_.grad_accum);
   }
   ElasticPlan p;
   p.epoch = plan_.epoch + 1;
@@ -495,7 +514,7 @@ Result<ElasticPlan> Trainer::plan_for(int64_t dp, const std::vector<int>& keep_d
 }
 
 Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots,
-                                   const std::vector<int>& leaving) {
+                           const std::vector<int>& leaving) {
   plan.ckpt_every = ckpt_every_;
   plan.ckpt_dir = ckpt_dir_;
   plan.replica_every = replica_every_;
@@ -565,15 +584,18 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
     for (int s : suspects) {
       Result<bool> has = store_->contains(key(fmt::format("fault/{}", s)));
       if (has.ok() && has.value()) {
-        Result<std::string> v = store_->get(key(fmt::format("fault/{}", s)), comm::deadline_in(std::chrono::milliseconds(100)));
+        Result<std::string> v =
+            store_->get(key(fmt::format("fault/{}", s)), comm::deadline_in(std::chrono::milliseconds(100)));
         if (v.ok()) {
           const nlohmann::json j = nlohmann::json::parse(v.value(), nullptr, false);
-          if (j.is_object() && j.contains("ts_ms")) fault_ms = std::max(fault_ms.value_or(0), j["ts_ms"].get<int64_t>());
+          if (j.is_object() && j.contains("ts_ms"))
+            fault_ms = std::max(fault_ms.value_or(0), j["ts_ms"].get<int64_t>());
         }
       }
     }
-    nlohmann::json det{{"event", "failure_detected"}, {"cause", f.cause}, {"slots", f.slots}, {"detail", f.detail},
-                       {"epoch", plan_.epoch}, {"step", failed_step}, {"detected_ms", f.ts_ms}};
+    nlohmann::json det{{"event", "failure_detected"}, {"cause", f.cause},     {"slots", f.slots},
+                       {"detail", f.detail},          {"epoch", plan_.epoch}, {"step", failed_step},
+                       {"detected_ms", f.ts_ms}};
     if (fault_ms) det["detection_ms"] = f.ts_ms - *fault_ms;
     event(det);
     fmt::print("elastic: failure detected ({}): {}{}\n", f.cause, f.detail,
@@ -594,15 +616,18 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
             f.slots.push_back(s);
             f.detail += "; " + more->detail;
             nlohmann::json e{{"event", "failure_detected"}, {"cause", more->cause}, {"slots", {s}},
-                             {"detail", more->detail}, {"epoch", plan_.epoch}, {"step", failed_step},
+                             {"detail", more->detail},      {"epoch", plan_.epoch}, {"step", failed_step},
                              {"detected_ms", more->ts_ms}};
-            Result<std::string> v = store_->get(key(fmt::format("fault/{}", s)), comm::deadline_in(std::chrono::milliseconds(100)));
+            Result<std::string> v = store_->get(key(fmt::format("fault/{}", s)),
+                                                comm::deadline_in(std::chrono::milliseconds(100)));
             if (v.ok()) {
               const nlohmann::json j = nlohmann::json::parse(v.value(), nullptr, false);
-              if (j.is_object() && j.contains("ts_ms")) e["detection_ms"] = more->ts_ms - j["ts_ms"].get<int64_t>();
+              if (j.is_object() && j.contains("ts_ms"))
+                e["detection_ms"] = more->ts_ms - j["ts_ms"].get<int64_t>();
             }
             event(e);
-            fmt::print("elastic: failure detected ({}): {} (handled with the one before)\n", more->cause, more->detail);
+            fmt::print("elastic: failure detected ({}): {} (handled with the one before)\n", more->cause,
+                       more->detail);
           }
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -632,9 +657,10 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
         return p;
       }
       // No spare: keep the dp replicas that lost nobody.
-      TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout l,
-                              comm::ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(plan_.dp),
-                                                         static_cast<int>(tc_.parallel.n)));
+      TROUPE_ASSIGN_OR_RETURN(
+          comm::ParallelLayout l,
+          comm::ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(plan_.dp),
+                                     static_cast<int>(tc_.parallel.n)));
       std::set<int> lost_dp;
       for (int s : f.slots) lost_dp.insert(l.coord(plan_.rank_of_slot(s)).dp);
       std::vector<int> keep;
@@ -645,7 +671,8 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
       int64_t dp = static_cast<int64_t>(keep.size());
       while (dp >= min_dp && dp > 0 && (plan_.dp * plan_.grad_accum) % dp != 0) --dp;
       if (dp < std::max<int64_t>(min_dp, 1)) {
-        return aborted("elastic: no spare worker left and shrinking below dp={} is not allowed ({})", min_dp, f.detail);
+        return aborted("elastic: no spare worker left and shrinking below dp={} is not allowed ({})", min_dp,
+                       f.detail);
       }
       keep.resize(static_cast<size_t>(dp));
       return plan_for(dp, keep, step_done, f.cause + " (no spare: shrink)", spawn_slots, leaving);
@@ -655,9 +682,10 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
     // checkpoint (steps after it are lost and run again).
     {
       ElasticPlan& p = plan.value();
-      TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout l,
-                              comm::ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(p.dp),
-                                                         static_cast<int>(tc_.parallel.n)));
+      TROUPE_ASSIGN_OR_RETURN(
+          comm::ParallelLayout l,
+          comm::ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(p.dp),
+                                     static_cast<int>(tc_.parallel.n)));
       bool column_lost = false;
       for (int r = 0; r < l.world_size(); ++r) {
         const comm::ParallelCoord c = l.coord(r);
@@ -679,15 +707,19 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
       if (replicas_cover) {
         p.replica_step = replica_step_;
         p.step_done = replica_step_;
-        event({{"event", "restore_from_replica"}, {"step", p.step_done}, {"every", tc_.elastic.replica_every}});
-        fmt::print("elastic: no data-parallel peer holds the lost state; restoring step {} from the neighbours' "
-                   "in-memory replicas\n",
-                   p.step_done);
+        event(
+            {{"event", "restore_from_replica"}, {"step", p.step_done}, {"every", tc_.elastic.replica_every}});
+        fmt::print(
+            "elastic: no data-parallel peer holds the lost state; restoring step {} from the neighbours' "
+            "in-memory replicas\n",
+            p.step_done);
         std::fflush(stdout);
       } else if (column_lost) {
         if (ckpt_dir_.empty()) {
-          return aborted("elastic: no data-parallel peer or neighbour replica holds the lost state and no checkpoint "
-                         "is kept (checkpoint.every): {}", f.detail);
+          return aborted(
+              "elastic: no data-parallel peer or neighbour replica holds the lost state and no checkpoint "
+              "is kept (checkpoint.every): {}",
+              f.detail);
         }
         Result<std::unique_ptr<checkpoint::CheckpointReader>> rd =
             checkpoint::CheckpointReader::open_latest_valid(ckpt_dir_, checkpoint::VerifyMode::kChecksums);
@@ -698,7 +730,8 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
         p.checkpoint = rd.value()->path();
         p.step_done = rd.value()->step();
         event({{"event", "restore_from_checkpoint"}, {"path", p.checkpoint}, {"step", p.step_done}});
-        fmt::print("elastic: a column lost every replica; restoring step {} from {}\n", p.step_done, p.checkpoint);
+        fmt::print("elastic: a column lost every replica; restoring step {} from {}\n", p.step_done,
+                   p.checkpoint);
         std::fflush(stdout);
       }
     }
@@ -713,7 +746,9 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
     TROUPE_RETURN_IF_ERROR(wait_ready(plan_, again));
     if (!again) {
       mark_stateful();
-      event({{"event", "epoch_ready"}, {"epoch", plan_.epoch}, {"ms_since_detection", wall_ms() - *recovering_since_ms_}});
+      event({{"event", "epoch_ready"},
+             {"epoch", plan_.epoch},
+             {"ms_since_detection", wall_ms() - *recovering_since_ms_}});
       recovering_steps_lost_ = failed_step - 1 - plan_.step_done;
       if (plan_.step_done < step_done) rewound_to_ = plan_.step_done;
       if (recovering_steps_lost_ < 0) recovering_steps_lost_ = 0;
@@ -724,7 +759,7 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
 }
 
 Result<std::vector<nlohmann::json>> Trainer::wait_replies(int64_t seq, Command::Kind kind,
-                                                           std::optional<Failure>& failure) {
+                                                          std::optional<Failure>& failure) {
   const int world = static_cast<int>(plan_.slots.size());
   std::vector<nlohmann::json> replies(static_cast<size_t>(world));
   std::vector<bool> got(static_cast<size_t>(world), false);
@@ -774,7 +809,9 @@ Result<std::vector<nlohmann::json>> Trainer::wait_replies(int64_t seq, Command::
       TROUPE_ASSIGN_OR_RETURN(failure, check_errors(first_err));
       if (failure) return replies;
       if (Clock::now() - start > watchdog_) {
-        failure = Failure{"watchdog", {}, fmt::format("command {} ran past the {} ms step watchdog", seq, watchdog_.count()),
+        failure = Failure{"watchdog",
+                          {},
+                          fmt::format("command {} ran past the {} ms step watchdog", seq, watchdog_.count()),
                           wall_ms()};
         return replies;
       }
@@ -792,9 +829,10 @@ Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t 
     const int64_t seq = seq_++;
     // To every stage actor of the epoch; a worker that cannot be reached is found by the
     // failure detection below (its exit, its actors' Down, its heartbeat).
-    const Status sent = actors_->send_command(
-        plan_.slots, StepCommand{seq, static_cast<uint8_t>(kind), step, plan_.epoch});
-    if (!sent.ok()) fmt::print(stderr, "trainer: command {} not sent to every worker: {}\n", seq, sent.to_string());
+    const Status sent =
+        actors_->send_command(plan_.slots, StepCommand{seq, static_cast<uint8_t>(kind), step, plan_.epoch});
+    if (!sent.ok())
+      fmt::print(stderr, "trainer: command {} not sent to every worker: {}\n", seq, sent.to_string());
     std::optional<Failure> failure;
     TROUPE_ASSIGN_OR_RETURN(std::vector<nlohmann::json> replies, wait_replies(seq, kind, failure));
     bool complete = true;
@@ -810,8 +848,12 @@ Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t 
       if (recovering_since_ms_) {
         const int64_t now = wall_ms();
         const double recovery_s = static_cast<double>(now - *recovering_since_ms_) / 1e3;
-        event({{"event", "recovered"}, {"cause", recovering_cause_}, {"step", step}, {"recovery_s", recovery_s},
-               {"steps_lost", recovering_steps_lost_}, {"epoch", plan_.epoch}});
+        event({{"event", "recovered"},
+               {"cause", recovering_cause_},
+               {"step", step},
+               {"recovery_s", recovery_s},
+               {"steps_lost", recovering_steps_lost_},
+               {"epoch", plan_.epoch}});
         fmt::print("elastic: recovered ({}) — {} {} completed {:.2f} s after detection, steps lost {}\n",
                    recovering_cause_, command_kind_name(kind), step, recovery_s, recovering_steps_lost_);
         std::fflush(stdout);
@@ -855,14 +897,17 @@ Status Trainer::finalize_pending(int64_t step, const PendingCheckpoint& p) {
   fo.info.data_position = data_position_json(tc_, step, p.tokens);
   fo.info.metadata["adam_steps"] = step;
   fo.info.metadata["saved_layout"] = fmt::format("pp={},dp={},n={}", tc_.parallel.pp, p.dp, tc_.parallel.n);
-  fo.info.metadata["elastic"] = nlohmann::json{{"epoch", p.epoch}, {"dp", p.dp}, {"grad_accum", p.grad_accum}};
-  TROUPE_ASSIGN_OR_RETURN(checkpoint::FinalizeResult fr, checkpoint::finalize_checkpoint(ckpt_dir_, step, fo));
+  fo.info.metadata["elastic"] =
+      nlohmann::json{{"epoch", p.epoch}, {"dp", p.dp}, {"grad_accum", p.grad_accum}};
+  TROUPE_ASSIGN_OR_RETURN(checkpoint::FinalizeResult fr,
+                          checkpoint::finalize_checkpoint(ckpt_dir_, step, fo));
   event({{"event", "checkpoint_committed"}, {"step", step}, {"path", fr.path}, {"bytes", fr.bytes}});
   last_ckpt_committed_ = std::max(last_ckpt_committed_, step);
   return ok_status();
 }
 
-Status Trainer::note_checkpoints(Command::Kind kind, int64_t step, const std::vector<nlohmann::json>& replies) {
+Status Trainer::note_checkpoints(Command::Kind kind, int64_t step,
+                                 const std::vector<nlohmann::json>& replies) {
   if (ckpt_every_ <= 0 || replies.empty()) return ok_status();
   // Every rank took its snapshot of this step: the checkpoint is under way.
   if (kind == Command::Kind::kStep || kind == Command::Kind::kSave) {
@@ -912,7 +957,7 @@ Status Trainer::note_checkpoints(Command::Kind kind, int64_t step, const std::ve
 }
 
 void Trainer::track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step,
-                                       std::optional<Failure>& failure) {
+                               std::optional<Failure>& failure) {
   std::vector<double> compute;
   for (const auto& r : replies) compute.push_back(r.value("compute_ms", 0.0));
   if (compute.size() < 2) return;
@@ -929,10 +974,17 @@ void Trainer::track_stragglers(const std::vector<nlohmann::json>& replies, int64
     streak = slow ? streak + 1 : 0;
     if (streak >= straggler_window_ && !flagged_.count(slot)) {
       flagged_.insert(slot);
-      event({{"event", "straggler"}, {"slot", slot}, {"rank", i}, {"step", step}, {"compute_ms", compute[i]},
-             {"peer_median_ms", median}, {"window", straggler_window_}});
-      fmt::print("elastic: straggler: slot {} (rank {}) compute {:.0f} ms vs peers' median {:.0f} ms for {} steps{}\n",
-                 slot, i, compute[i], median, streak, straggler_replace_ ? "; replacing it" : "");
+      event({{"event", "straggler"},
+             {"slot", slot},
+             {"rank", i},
+             {"step", step},
+             {"compute_ms", compute[i]},
+             {"peer_median_ms", median},
+             {"window", straggler_window_}});
+      fmt::print(
+          "elastic: straggler: slot {} (rank {}) compute {:.0f} ms vs peers' median {:.0f} ms for {} "
+          "steps{}\n",
+          slot, i, compute[i], median, streak, straggler_replace_ ? "; replacing it" : "");
       std::fflush(stdout);
       if (straggler_replace_ && !failure) {
         failure = Failure{"straggler", {slot}, fmt::format("slot {} is a straggler", slot), wall_ms()};
@@ -945,7 +997,10 @@ void Trainer::write_status(int64_t step) {
   nlohmann::json workers = nlohmann::json::array();
   for (size_t r = 0; r < plan_.slots.size(); ++r) {
     const int s = plan_.slots[r];
-    workers.push_back({{"slot", s}, {"rank", r}, {"pid", procs_[s].pid}, {"alive", procs_[s].alive},
+    workers.push_back({{"slot", s},
+                       {"rank", r},
+                       {"pid", procs_[s].pid},
+                       {"alive", procs_[s].alive},
                        {"straggler", flagged_.count(s) > 0}});
     // The last step's wall, compute and comm time of this rank (troupe top).
     if (last_step_replies_.size() == plan_.slots.size()) {
@@ -957,8 +1012,9 @@ void Trainer::write_status(int64_t step) {
   // The actors of the job, with their own answers (troupe status --actors): asked once per
   // step boundary.
   if (actors_ && (step < 0 || step != actors_step_ || plan_.epoch != actors_epoch_)) {
-    actors_->set_trainer_state(step < 0 ? "failed" : "training", step < 0 ? last_step_ : step,
-                               last_step_replies_.empty() ? 0.0 : last_step_replies_[0].value("step_ms", 0.0));
+    actors_->set_trainer_state(
+        step < 0 ? "failed" : "training", step < 0 ? last_step_ : step,
+        last_step_replies_.empty() ? 0.0 : last_step_replies_[0].value("step_ms", 0.0));
     actor_table_ = nlohmann::json::array();
     for (const ActorEntry& e : actors_->query(std::chrono::milliseconds(300))) {
       const int slot = e.slot;
@@ -978,8 +1034,14 @@ void Trainer::write_status(int64_t step) {
     actors_step_ = step;
     actors_epoch_ = plan_.epoch;
   }
-  nlohmann::json st{{"step", step < 0 ? last_step_ : step}, {"epoch", plan_.epoch}, {"failed", step < 0}, {"dp", plan_.dp}, {"grad_accum", plan_.grad_accum},
-                    {"recoveries", recoveries_}, {"workers", workers}, {"actors", actor_table_}};
+  nlohmann::json st{{"step", step < 0 ? last_step_ : step},
+                    {"epoch", plan_.epoch},
+                    {"failed", step < 0},
+                    {"dp", plan_.dp},
+                    {"grad_accum", plan_.grad_accum},
+                    {"recoveries", recoveries_},
+                    {"workers", workers},
+                    {"actors", actor_table_}};
   if (step >= 0) last_step_ = step;
   if (scheduled_) (void)store_->set(key("status"), st.dump());  // troupe status <job>
   const std::string tmp = run_dir_ + "/status.json.tmp";
@@ -996,9 +1058,11 @@ Status Trainer::take_store_request() {
   const std::string k = key(fmt::format("request/{}", next_request_));
   TROUPE_ASSIGN_OR_RETURN(bool has, store_->contains(k));
   if (!has) return ok_status();
-  TROUPE_ASSIGN_OR_RETURN(std::string text, store_->get(k, comm::deadline_in(std::chrono::milliseconds(5000))));
+  TROUPE_ASSIGN_OR_RETURN(std::string text,
+                          store_->get(k, comm::deadline_in(std::chrono::milliseconds(5000))));
   pending_answer_ = next_request_++;
-  last_answer_ = nlohmann::json{{"event", "request_refused"}, {"why", "malformed request"}, {"request", text}};
+  last_answer_ =
+      nlohmann::json{{"event", "request_refused"}, {"why", "malformed request"}, {"request", text}};
   const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
   if (!j.is_object()) return ok_status();
   const std::string op = j.value("op", "");
@@ -1042,9 +1106,10 @@ Status Trainer::maybe_replace(int64_t step_done) {
   }
   // The worker's state must survive it: another dp replica of its column, or a checkpoint.
   {
-    TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout l,
-                            comm::ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(plan_.dp),
-                                                       static_cast<int>(tc_.parallel.n)));
+    TROUPE_ASSIGN_OR_RETURN(
+        comm::ParallelLayout l,
+        comm::ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(plan_.dp),
+                                   static_cast<int>(tc_.parallel.n)));
     const comm::ParallelCoord me = l.coord(plan_.rank_of_slot(static_cast<int>(slot)));
     bool peer = false;
     for (int d = 0; d < l.dp(); ++d) {
@@ -1054,10 +1119,13 @@ Status Trainer::maybe_replace(int64_t step_done) {
       peer |= d != me.dp && stateful_.count(other) > 0;
     }
     if (!peer && ckpt_dir_.empty()) {
-      last_answer_ = {{"event", "replace_refused"}, {"request", text},
-                      {"why", fmt::format("slot {} has no dp peer (dp={}) and no elastic checkpoint is kept", slot, plan_.dp)}};
+      last_answer_ = {{"event", "replace_refused"},
+                      {"request", text},
+                      {"why", fmt::format("slot {} has no dp peer (dp={}) and no elastic checkpoint is kept",
+                                          slot, plan_.dp)}};
       event(last_answer_);
-      fmt::print("elastic: replace request for slot {} refused: no dp peer holds its state (dp={})\n", slot, plan_.dp);
+      fmt::print("elastic: replace request for slot {} refused: no dp peer holds its state (dp={})\n", slot,
+                 plan_.dp);
       return ok_status();
     }
   }
@@ -1065,9 +1133,13 @@ Status Trainer::maybe_replace(int64_t step_done) {
   std::fflush(stdout);
   const int64_t t0 = wall_ms();
   TROUPE_RETURN_IF_ERROR(recover(
-      Failure{"replace", {static_cast<int>(slot)}, fmt::format("slot {} replaced on request", slot), wall_ms()},
+      Failure{
+          "replace", {static_cast<int>(slot)}, fmt::format("slot {} replaced on request", slot), wall_ms()},
       step_done, step_done + 1));
-  last_answer_ = {{"event", "replaced"}, {"slot", slot}, {"after_step", step_done}, {"epoch", plan_.epoch},
+  last_answer_ = {{"event", "replaced"},
+                  {"slot", slot},
+                  {"after_step", step_done},
+                  {"epoch", plan_.epoch},
                   {"ms", wall_ms() - t0}};
   return ok_status();
 }
@@ -1102,7 +1174,8 @@ Status Trainer::maybe_rescale(int64_t step_done) {
   if (text.rfind("dp=", 0) == 0) text = text.substr(3);
   char* end = nullptr;
   const long dp = std::strtol(text.c_str(), &end, 10);
-  const int64_t min_dp = tc_.elastic.min_dp, max_dp = tc_.elastic.max_dp > 0 ? tc_.elastic.max_dp : tc_.parallel.dp;
+  const int64_t min_dp = tc_.elastic.min_dp,
+                max_dp = tc_.elastic.max_dp > 0 ? tc_.elastic.max_dp : tc_.parallel.dp;
   if (text.empty() || *end != '\0' || dp < min_dp || dp > max_dp) {
     last_answer_ = {{"event", "scale_refused"}, {"request", text}, {"min_dp", min_dp}, {"max_dp", max_dp}};
     event(last_answer_);
@@ -1111,17 +1184,21 @@ Status Trainer::maybe_rescale(int64_t step_done) {
   }
   if (dp == plan_.dp) return ok_status();
   if (o_.gpu) {
-    last_answer_ = {{"event", "scale_refused"}, {"request", text},
-                    {"why", "rescaling needs the workers' in-memory state, which GPU workers do not keep yet"}};
+    last_answer_ = {
+        {"event", "scale_refused"},
+        {"request", text},
+        {"why", "rescaling needs the workers' in-memory state, which GPU workers do not keep yet"}};
     event(last_answer_);
-    fmt::print("elastic: scale request '{}' refused: GPU workers keep no in-memory state to rescale from yet\n", text);
+    fmt::print(
+        "elastic: scale request '{}' refused: GPU workers keep no in-memory state to rescale from yet\n",
+        text);
     return ok_status();
   }
   std::vector<int> keep;
   for (int d = 0; d < std::min<int>(static_cast<int>(dp), static_cast<int>(plan_.dp)); ++d) keep.push_back(d);
   std::vector<int> spawn_slots, leaving;
-  Result<ElasticPlan> plan = plan_for(dp, keep, step_done, fmt::format("scale dp {} -> {}", plan_.dp, dp),
-                                      spawn_slots, leaving);
+  Result<ElasticPlan> plan =
+      plan_for(dp, keep, step_done, fmt::format("scale dp {} -> {}", plan_.dp, dp), spawn_slots, leaving);
   if (!plan.ok()) {
     last_answer_ = {{"event", "scale_refused"}, {"request", text}, {"why", plan.status().to_string()}};
     event(last_answer_);
@@ -1135,11 +1212,12 @@ Status Trainer::maybe_rescale(int64_t step_done) {
   TROUPE_RETURN_IF_ERROR(wait_ready(plan_, failure));
   if (!failure) mark_stateful();
   if (failure) TROUPE_RETURN_IF_ERROR(recover(*failure, step_done, step_done + 1));
-  last_answer_ = {{"event", "scaled"}, {"from_dp", from}, {"to_dp", plan_.dp}, {"grad_accum", plan_.grad_accum},
+  last_answer_ = {{"event", "scaled"},       {"from_dp", from},
+                  {"to_dp", plan_.dp},       {"grad_accum", plan_.grad_accum},
                   {"after_step", step_done}, {"ms", wall_ms() - t0}};
   event(last_answer_);
-  fmt::print("elastic: scaled dp {} -> {} (grad_accum {}) after step {} in {} ms\n", from, plan_.dp, plan_.grad_accum,
-             step_done, wall_ms() - t0);
+  fmt::print("elastic: scaled dp {} -> {} (grad_accum {}) after step {} in {} ms\n", from, plan_.dp,
+             plan_.grad_accum, step_done, wall_ms() - t0);
   std::fflush(stdout);
   return ok_status();
 }
@@ -1160,13 +1238,15 @@ Status Trainer::run_job() {
     job_ = job;
     poll_ = std::chrono::milliseconds(20);
   } else {
-    job_ = fmt::format("elastic-{}-{}", getpid(), std::chrono::system_clock::now().time_since_epoch().count());
+    job_ =
+        fmt::format("elastic-{}-{}", getpid(), std::chrono::system_clock::now().time_since_epoch().count());
   }
   // Knobs: [elastic] of the config. The heartbeat timeout defaults to the job's own
   // (handed over by the scheduler, `--heartbeat-timeout-ms`), else 2 s.
   const layers::ElasticOptions& eo = tc_.elastic;
   hb_timeout_ = std::chrono::milliseconds(
-      eo.heartbeat_timeout_ms > 0 ? eo.heartbeat_timeout_ms : (scheduled_ ? env_or("TROUPE_HEARTBEAT_TIMEOUT_MS", 2000) : 2000));
+      eo.heartbeat_timeout_ms > 0 ? eo.heartbeat_timeout_ms
+                                  : (scheduled_ ? env_or("TROUPE_HEARTBEAT_TIMEOUT_MS", 2000) : 2000));
   err_grace_ = std::chrono::milliseconds(eo.comm_error_grace_ms);
   watchdog_ = std::chrono::milliseconds(eo.step_watchdog_ms);
   join_timeout_ = std::chrono::milliseconds(eo.join_timeout_ms);
@@ -1194,9 +1274,10 @@ Status Trainer::run_job() {
   if (!resume_from.empty()) {
     TROUPE_ASSIGN_OR_RETURN(resume, open_resume_checkpoint(resume_from));
     TROUPE_RETURN_IF_ERROR(check_resume_compatible(resume->manifest(), tc_));
-    fmt::print("train_moe: resuming from {} (step {}, saved with layout {}) with elastic layout pp={} dp={} n={}\n",
-               resume->path(), resume->step(), resume->layout().to_string(), tc_.parallel.pp, tc_.parallel.dp,
-               tc_.parallel.n);
+    fmt::print(
+        "train_moe: resuming from {} (step {}, saved with layout {}) with elastic layout pp={} dp={} n={}\n",
+        resume->path(), resume->step(), resume->layout().to_string(), tc_.parallel.pp, tc_.parallel.dp,
+        tc_.parallel.n);
     TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", resume->step()));
   }
   const int64_t start_step = resume ? resume->step() : 0;
@@ -1218,7 +1299,8 @@ Status Trainer::run_job() {
   fs::remove(run_dir_ + "/replace_request", ec);
   if (!scheduled_) {
     fs::remove_all(run_dir_ + "/rendezvous", ec);
-    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> fstore, comm::FileStore::open(run_dir_ + "/rendezvous"));
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> fstore,
+                            comm::FileStore::open(run_dir_ + "/rendezvous"));
     store_ = std::move(fstore);
   }
   events_.open(run_dir_ + "/events.jsonl", std::ios::trunc);
@@ -1248,13 +1330,19 @@ Status Trainer::run_job() {
   // the job's store) instead of restarting every worker of the job.
   if (scheduled_) TROUPE_RETURN_IF_ERROR(store_->set(key("claim"), std::to_string(getpid())));
   TROUPE_RETURN_IF_ERROR(store_->set(key("plan/0"), plan_.to_json().dump()));
-  TROUPE_ASSIGN_OR_RETURN(actors_, ActorDirectory::start(control::host_addr(), *store_, key("actors/driver")));
-  event({{"event", "job_started"}, {"job", job_}, {"plan", plan_.to_json()}, {"heartbeat_timeout_ms", hb_timeout_.count()}});
-  fmt::print("trainer: layout pp={} dp={} n={} ({} workers, dispatch {}, compression {}), {} parameters, {} tokens/step, "
-             "{} steps, heartbeat timeout {} ms, run dir {}\n",
-             tc_.parallel.pp, tc_.parallel.dp, tc_.parallel.n, world, tc_.parallel.dispatch,
-             tc_.parallel.compression ? "bf16" : "off", tc_.model.num_params(), tc_.tokens_per_step(), tc_.train.steps,
-             hb_timeout_.count(), run_dir_);
+  TROUPE_ASSIGN_OR_RETURN(actors_,
+                          ActorDirectory::start(control::host_addr(), *store_, key("actors/driver")));
+  event({{"event", "job_started"},
+         {"job", job_},
+         {"plan", plan_.to_json()},
+         {"heartbeat_timeout_ms", hb_timeout_.count()}});
+  fmt::print(
+      "trainer: layout pp={} dp={} n={} ({} workers, dispatch {}, compression {}), {} parameters, {} "
+      "tokens/step, "
+      "{} steps, heartbeat timeout {} ms, run dir {}\n",
+      tc_.parallel.pp, tc_.parallel.dp, tc_.parallel.n, world, tc_.parallel.dispatch,
+      tc_.parallel.compression ? "bf16" : "off", tc_.model.num_params(), tc_.tokens_per_step(),
+      tc_.train.steps, hb_timeout_.count(), run_dir_);
   std::fflush(stdout);
   for (int r = 0; r < world; ++r) TROUPE_RETURN_IF_ERROR(spawn(r, 0));
   {
@@ -1286,10 +1374,12 @@ Status Trainer::run_job() {
     const auto t0 = Clock::now();
     TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> reco, call(Command::Kind::kStep, step));
     if (!reco) {  // back to a checkpoint: run the steps after it again
-      fmt::print("elastic: rewound to step {}; steps {}..{} run again\n", *rewound_to_, *rewound_to_ + 1, step);
+      fmt::print("elastic: rewound to step {}; steps {}..{} run again\n", *rewound_to_, *rewound_to_ + 1,
+                 step);
       step = *rewound_to_;
       rewound_to_.reset();
-      if (auto it = tokens_after.find(step); it != tokens_after.end()) tokens_seen = tokens_seen_ = it->second;
+      if (auto it = tokens_after.find(step); it != tokens_after.end())
+        tokens_seen = tokens_seen_ = it->second;
       continue;
     }
     nlohmann::json rec = std::move(*reco);
@@ -1300,7 +1390,8 @@ Status Trainer::run_job() {
     tokens_seen += step_tokens;
     tokens_seen_ = tokens_seen;
     tokens_after[step] = tokens_seen;
-    for (const char* k : {"step_tokens", "rank", "slot", "ckpt_started", "durable", "ckpt_errors", "replica"}) rec.erase(k);
+    for (const char* k : {"step_tokens", "rank", "slot", "ckpt_started", "durable", "ckpt_errors", "replica"})
+      rec.erase(k);
     if (rec.contains("ckpt_bytes")) {
       rec["ckpt_bytes_rank0"] = rec["ckpt_bytes"];
       rec.erase("ckpt_bytes");
@@ -1318,7 +1409,8 @@ Status Trainer::run_job() {
     max_step_logged_ = std::max(max_step_logged_, step);
     // train.time_limit_s: past it, this step is the last (final validation and checkpoint).
     const double elapsed_s = std::chrono::duration<double>(Clock::now() - t_start).count();
-    const bool out_of_time = tc_.train.time_limit_s > 0 && elapsed_s > tc_.train.time_limit_s && step < tc_.train.steps;
+    const bool out_of_time =
+        tc_.train.time_limit_s > 0 && elapsed_s > tc_.train.time_limit_s && step < tc_.train.steps;
     const bool eval_now =
         (tc_.train.eval_every > 0 && step % tc_.train.eval_every == 0) || step == tc_.train.steps || out_of_time;
     if (eval_now) {
@@ -1326,7 +1418,8 @@ Status Trainer::run_job() {
       if (!ev) {
         step = *rewound_to_;
         rewound_to_.reset();
-        if (auto it = tokens_after.find(step); it != tokens_after.end()) tokens_seen = tokens_seen_ = it->second;
+        if (auto it = tokens_after.find(step); it != tokens_after.end())
+          tokens_seen = tokens_seen_ = it->second;
         continue;
       }
       last_val = ev->value("val_loss", NAN);
@@ -1335,15 +1428,16 @@ Status Trainer::run_job() {
     metrics << rec.dump() << "\n";
     metrics.flush();
     if (step % tc_.train.log_every == 0 || step == 1 || eval_now) {
-      fmt::print("step {}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | dp {} | {:.0f} ms{}\n", step, tc_.train.steps,
-                 loss, rec.value("lr", 0.0), rec.value("grad_norm", 0.0), plan_.dp, wall_s * 1e3,
-                 eval_now ? fmt::format(" | val_loss {:.4f}", last_val) : "");
+      fmt::print("step {}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | dp {} | {:.0f} ms{}\n", step,
+                 tc_.train.steps, loss, rec.value("lr", 0.0), rec.value("grad_norm", 0.0), plan_.dp,
+                 wall_s * 1e3, eval_now ? fmt::format(" | val_loss {:.4f}", last_val) : "");
       std::fflush(stdout);
     }
     write_status(step);
     final_step = step;
     if (out_of_time) {
-      fmt::print("trainer: time limit of {:.0f}s reached after step {}; stopping\n", tc_.train.time_limit_s, step);
+      fmt::print("trainer: time limit of {:.0f}s reached after step {}; stopping\n", tc_.train.time_limit_s,
+                 step);
       break;
     }
     if (step < tc_.train.steps) {
@@ -1359,15 +1453,17 @@ Status Trainer::run_job() {
   if (final_ckpt && final_step % ckpt_every_ != 0) {
     TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> saved, call(Command::Kind::kSave, final_step));
     if (!saved) {
-      return aborted("a failure during the final checkpoint sent the job back to step {}; continue it with --resume",
-                     *rewound_to_);
+      return aborted(
+          "a failure during the final checkpoint sent the job back to step {}; continue it with --resume",
+          *rewound_to_);
     }
   }
   TROUPE_RETURN_IF_ERROR(call(Command::Kind::kStop, 0).status());
   if (final_ckpt && last_ckpt_committed_ < final_step) {
-    return data_loss("the final checkpoint (step {}) was not committed (events.jsonl: checkpoint_failed); the newest "
-                     "one is {}",
-                     final_step, last_ckpt_committed_ >= 0 ? fmt::format("step {}", last_ckpt_committed_) : "none");
+    return data_loss(
+        "the final checkpoint (step {}) was not committed (events.jsonl: checkpoint_failed); the newest "
+        "one is {}",
+        final_step, last_ckpt_committed_ >= 0 ? fmt::format("step {}", last_ckpt_committed_) : "none");
   }
   // Every worker exits after "stop"; reap them (bounded). Under the scheduler it does.
   const auto deadline = Clock::now() + std::chrono::milliseconds(30000);
@@ -1395,8 +1491,8 @@ Status Trainer::run_job() {
   }
   const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
   event({{"event", "job_finished"}, {"recoveries", recoveries_}, {"seconds", total_s}});
-  fmt::print("train_moe: done in {:.1f}s; val_loss {:.4f} -> {:.4f}; {} recoveries\n", total_s, val0, last_val,
-             recoveries_);
+  fmt::print("train_moe: done in {:.1f}s; val_loss {:.4f} -> {:.4f}; {} recoveries\n", total_s, val0,
+             last_val, recoveries_);
   return ok_status();
 }
 
@@ -1443,9 +1539,14 @@ nlohmann::json step_reply_json(const StepReply& r) {
                               {"comm_by_kind_ms", r.comm_by_kind_ms}});
       if (r.peak_bytes >= 0) j["peak_bytes"] = r.peak_bytes;
       break;
-    case Command::Kind::kEval: j["val_loss"] = r.val_loss; break;
-    case Command::Kind::kStop: j["stopped"] = true; break;
-    case Command::Kind::kSave: break;
+    case Command::Kind::kEval:
+      j["val_loss"] = r.val_loss;
+      break;
+    case Command::Kind::kStop:
+      j["stopped"] = true;
+      break;
+    case Command::Kind::kSave:
+      break;
   }
   if (r.ckpt_started >= 0) {
     j["ckpt_started"] = r.ckpt_started;
@@ -1453,7 +1554,8 @@ nlohmann::json step_reply_json(const StepReply& r) {
     j["ckpt_bytes"] = r.ckpt_bytes;
   }
   if (!r.durable.empty()) j["durable"] = r.durable;
-  for (const auto& [step, text] : r.ckpt_errors) j["ckpt_errors"].push_back({{"step", step}, {"error", text}});
+  for (const auto& [step, text] : r.ckpt_errors)
+    j["ckpt_errors"].push_back({{"step", step}, {"error", text}});
   if (r.replica >= 0) {
     j["replica"] = r.replica;
     j["replica_ms"] = r.replica_ms;
@@ -1462,22 +1564,27 @@ nlohmann::json step_reply_json(const StepReply& r) {
 }
 
 nlohmann::json step_report_json(const StepReport& r) {
-  nlohmann::json j{{"step", r.step},          {"loss", r.loss},             {"lm_loss", r.lm_loss},
-                   {"aux_loss", r.aux_loss},  {"grad_norm", r.grad_norm},   {"lr", r.lr},
-                   {"step_tokens", r.tokens}, {"expert_load", r.expert_load}, {"step_ms", r.step_ms},
-                   {"comm_ms", r.comm_ms},    {"compute_ms", r.compute_ms}, {"comm_ms_mean", r.comm_ms_mean},
+  nlohmann::json j{{"step", r.step},
+                   {"loss", r.loss},
+                   {"lm_loss", r.lm_loss},
+                   {"aux_loss", r.aux_loss},
+                   {"grad_norm", r.grad_norm},
+                   {"lr", r.lr},
+                   {"step_tokens", r.tokens},
+                   {"expert_load", r.expert_load},
+                   {"step_ms", r.step_ms},
+                   {"comm_ms", r.comm_ms},
+                   {"compute_ms", r.compute_ms},
+                   {"comm_ms_mean", r.comm_ms_mean},
                    {"comm_by_kind_ms", r.comm_by_kind_ms}};
   if (r.peak_bytes >= 0) j["peak_bytes"] = r.peak_bytes;
   return j;
 }
 
 nlohmann::json data_position_json(const layers::TrainConfig& tc, int64_t step, int64_t tokens_seen) {
-  return nlohmann::json{{"next_step", step + 1},
-                        {"samples_consumed", step * tc.global_batch()},
-                        {"tokens_seen", tokens_seen},
-                        {"global_batch", tc.global_batch()},
-                        {"seq_len", tc.train.seq_len},
-                        {"seed", tc.train.seed}};
+  return nlohmann::json{{"next_step", step + 1},       {"samples_consumed", step * tc.global_batch()},
+                        {"tokens_seen", tokens_seen},  {"global_batch", tc.global_batch()},
+                        {"seq_len", tc.train.seq_len}, {"seed", tc.train.seed}};
 }
 
 }  // namespace troupe::training

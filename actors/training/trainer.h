@@ -18,10 +18,9 @@
 
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "actors/training/elastic.h"
 #include "actors/training/messages.h"
@@ -50,7 +49,6 @@ struct TrainerOptions {
   std::function<Status(const std::vector<std::pair<std::string, std::string>>&)> publish_placement;
 };
 
-
 // Runs the job to its end as its driver. `scheduled_store`: the job's store under
 // troupe-scheduler (TROUPE_ROLE=driver); null: the standalone launcher. `tc` is the loaded
 // configuration (its [elastic] section tunes detection and policy).
@@ -62,7 +60,8 @@ Status run_trainer(const TrainerOptions& o, const layers::TrainConfig& tc,
 // closes its control-plane connection (the cutctl fault; may be empty).
 // `ctx`: the CPU, or the worker's GPU.
 Status run_worker_process(const layers::TrainConfig& tc, comm::RendezvousStore& store,
-                          std::function<void()> cut_control = {}, const layers::Ctx& ctx = layers::Ctx::cpu());
+                          std::function<void()> cut_control = {},
+                          const layers::Ctx& ctx = layers::Ctx::cpu());
 
 // A worker's step report as JSON (the keys of metrics.jsonl).
 nlohmann::json step_report_json(const StepReport& r);

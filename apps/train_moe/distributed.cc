@@ -7,12 +7,12 @@
 // Rendezvous: under the scheduler (TROUPE_SCHEDULER set), the scheduler's store for the
 // job; otherwise a FileStore in <run dir>/rendezvous.
 
+#include <fmt/format.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-
-#include <fmt/format.h>
 
 #include "actors/training/trainer.h"
 #include "apps/train_moe/commands.h"
@@ -115,10 +115,11 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDev
     // The scheduler starts as many workers as --nproc asked for: they must fill the layout.
     const char* ws = env("TROUPE_WORLD_SIZE");
     if (ws != nullptr && *ws != '\0' && std::strtoll(ws, nullptr, 10) != tc.parallel.world()) {
-      return invalid_argument("{}: layout pp={} dp={} n={} needs {} workers but the job has {} "
-                              "(troupe run --nproc {})",
-                              tc.source, tc.parallel.pp, tc.parallel.dp, tc.parallel.n, tc.parallel.world(), ws,
-                              tc.parallel.world());
+      return invalid_argument(
+          "{}: layout pp={} dp={} n={} needs {} workers but the job has {} "
+          "(troupe run --nproc {})",
+          tc.source, tc.parallel.pp, tc.parallel.dp, tc.parallel.n, tc.parallel.world(), ws,
+          tc.parallel.world());
     }
   }
   TROUPE_ASSIGN_OR_RETURN(layers::Tokenizer tok, layers::Tokenizer::load(tc.data.dir + "/tokenizer.json"));
@@ -154,9 +155,11 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDev
     // The actor placement of each epoch goes into the scheduler's durable state.
     TROUPE_ASSIGN_OR_RETURN(std::optional<sched::JobContext> ctx, sched::JobContext::from_env());
     if (ctx) {
-      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<sched::SchedulerSession> s, sched::SchedulerSession::connect(*ctx));
+      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<sched::SchedulerSession> s,
+                              sched::SchedulerSession::connect(*ctx));
       session = std::move(s);
-      to.publish_placement = [session, epoch = ctx->epoch](const std::vector<std::pair<std::string, std::string>>& p) {
+      to.publish_placement = [session,
+                              epoch = ctx->epoch](const std::vector<std::pair<std::string, std::string>>& p) {
         return session->place_actors(epoch, p, std::chrono::milliseconds(10000)).status();
       };
     }

@@ -1,22 +1,21 @@
 // apps/train_moe/train.cc — `train_moe --config ...`: the single-process training run,
 // read top to bottom: config -> data and tokenizer -> model and optimizer -> steps
 // (micro-batches, clip, AdamW, router-bias update, metrics, validation) -> weights.
-#include <algorithm>
-#include <chrono>
-#include <cstdlib>
-#include <cmath>
-#include <filesystem>
-#include <fstream>
-#include <string>
-
+#include <fmt/format.h>
 #include <unistd.h>
 
-#include <fmt/format.h>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <string>
 
-#include "apps/train_moe/commands.h"
 #include "actors/training/checkpointing.h"
 #include "actors/training/trainer.h"
+#include "apps/train_moe/commands.h"
 #include "apps/train_moe/device.h"
 #include "apps/train_moe/model_state.h"
 #include "apps/train_moe/weights_io.h"

@@ -108,7 +108,8 @@ std::vector<int32_t> load_offsets(int64_t rows, int64_t experts, int64_t first) 
 // The six expert GEMMs of a MoE layer (up/down forward, dx, dW with f32 accumulation) on one
 // load, named grouped_<tag>_{up,down,up_dx,down_dx,up_dw,down_dw} (torch_kernels.py times
 // torch._grouped_mm on the same shapes and offsets).
-void grouped_set(Bench& b, const std::string& tag, int64_t experts, int64_t ffn, const std::vector<int32_t>& off) {
+void grouped_set(Bench& b, const std::string& tag, int64_t experts, int64_t ffn,
+                 const std::vector<int32_t>& off) {
   const DType bf = DType::kBF16;
   const int64_t rows = off.back();
   Tensor offsets = b.ints({experts + 1}, off);
@@ -418,7 +419,8 @@ void run() {
     Tensor logits = b.random({kTokens, kExperts}, DType::kF32), scores = b.empty({kTokens, kExperts}, DType::kF32);
     Tensor ti = b.empty({kTokens, kTopK}, DType::kI32), gt = b.empty({kTokens, kTopK}, DType::kF32);
     RouterConfig rc;
-    b.bytes("router_fwd_16384x16", T * kExperts * 4 * 2 + T * kTopK * 8, "read logits + write scores, ids, gates",
+    b.bytes("router_fwd_16384x16", T * kExperts * 4 * 2 + T * kTopK * 8,
+            "read logits + write scores, ids, gates",
             [&] { be.router_forward(b.ex, logits, nullptr, rc, scores, ti, gt); });
     Tensor counts_f = b.empty({kExperts}, DType::kF32);
     b.flops("expert_counts_32768", 0, "(time only)", [&] { be.expert_counts(b.ex, ti, counts_f, false); });

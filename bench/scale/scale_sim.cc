@@ -794,7 +794,9 @@ double hist_quantile_ms(const Hist& a, const Hist& b, double q, uint64_t* n) {
   *n = total;
   if (std::getenv("SCALE_SIM_DEBUG")) {
     for (size_t i = 0; i < d.size(); ++i) {
-      if (d[i]) fmt::print(stderr, "latency bucket {} (<= {} us): {}\n", i, i < b.bounds_us.size() ? b.bounds_us[i] : -1.0, d[i]);
+      if (d[i])
+        fmt::print(stderr, "latency bucket {} (<= {} us): {}\n", i,
+                   i < b.bounds_us.size() ? b.bounds_us[i] : -1.0, d[i]);
     }
   }
   if (total == 0) return 0;

@@ -166,7 +166,8 @@ class Transport::Impl {
   }
 
   TransportStats stats() const {
-    return TransportStats{sent_.load(), received_.load(), dropped_.load(), send_failures_.load(), drops_not_logged_.load()};
+    return TransportStats{sent_.load(), received_.load(), dropped_.load(), send_failures_.load(),
+                          drops_not_logged_.load()};
   }
 
   const std::string& node_id() const { return opts_.node_id; }
@@ -490,8 +491,10 @@ class Transport::Impl {
       ++drops_not_logged_;
       return;
     }
-    log_->warn("control {}: dropped a frame from '{}': {}{}", opts_.node_id, escape_for_log(from), escape_for_log(why, 200),
-               d.suppressed ? fmt::format(" ({} more from this peer not logged)", d.suppressed) : std::string());
+    log_->warn(
+        "control {}: dropped a frame from '{}': {}{}", opts_.node_id, escape_for_log(from),
+        escape_for_log(why, 200),
+        d.suppressed ? fmt::format(" ({} more from this peer not logged)", d.suppressed) : std::string());
   }
 
   // Runs after every wake. The silence scan is O(peers), so it runs every quarter

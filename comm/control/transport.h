@@ -82,7 +82,7 @@ struct TransportStats {
   uint64_t envelopes_received = 0;  // including heartbeats
   uint64_t frames_dropped = 0;      // malformed, unauthenticated-sender or misrouted frames
   uint64_t send_failures = 0;
-  uint64_t drops_not_logged = 0;    // dropped frames whose warning the per-peer rate limit held back
+  uint64_t drops_not_logged = 0;  // dropped frames whose warning the per-peer rate limit held back
 };
 
 class Transport {

@@ -13,8 +13,8 @@
 #include "core/cuda/stream.h"
 #include "core/gpu_check.h"
 #include "kernels/backend.h"
-#include "kernels/cuda/context.h"
 #include "kernels/cuda/compress.h"
+#include "kernels/cuda/context.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/matmul_lt.h"
 
@@ -622,8 +622,8 @@ void cuda_moe_permute_fp8(const Exec& ex, const Tensor& x, const Tensor& row_map
   require(row_map, op, "row_map");
   require(q, op, "q");
   require(scales, op, "scales");
-  gpu::launch_moe_permute_fp8(s.env, x.data_ptr(), x.dtype(), x.size(0), x.size(1), i32(row_map), top_k, q.size(0),
-                              static_cast<uint8_t*>(q.data_ptr()), f32_mut(scales));
+  gpu::launch_moe_permute_fp8(s.env, x.data_ptr(), x.dtype(), x.size(0), x.size(1), i32(row_map), top_k,
+                              q.size(0), static_cast<uint8_t*>(q.data_ptr()), f32_mut(scales));
 }
 
 void cuda_sum_chunks(const Exec& ex, const Tensor& in, Tensor& out) {

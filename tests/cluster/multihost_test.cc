@@ -52,7 +52,9 @@ double seconds_since(Clock::time_point t0) {
 
 // A job's processes, by value (a range-for over a member of the temporary status
 // document would dangle).
-nlohmann::json procs_of(Cluster& c, const std::string& job) { return c.status(job)["jobs"][0]["procs"]; }
+nlohmann::json procs_of(Cluster& c, const std::string& job) {
+  return c.status(job)["jobs"][0]["procs"];
+}
 
 bool step_records_after(const fs::path& dir, size_t steps) {
   return latest_step_records(dir / "metrics.jsonl").size() > steps;
@@ -157,7 +159,8 @@ class Multihost : public ::testing::Test {
   static int expect_bound_to_their_hosts(Cluster& c, const std::string& job, bool workers_listen) {
     const std::string sched_ip = "127.0.0.2";
     auto is_host = [&](const std::string& ip) {
-      return ip == sched_ip || std::any_of(kHostOf.begin(), kHostOf.end(), [&](const auto& h) { return h.second == ip; });
+      return ip == sched_ip ||
+             std::any_of(kHostOf.begin(), kHostOf.end(), [&](const auto& h) { return h.second == ip; });
     };
     int checked = 0;
     for (const auto& p : procs_of(c, job)) {
@@ -250,8 +253,7 @@ TEST_F(Multihost, AgentKilledMidJobGetsItsWorkersReplacedOnTheOtherHost) {
   const fs::path dir = *root_ / "agent-kill";
   const auto t0 = Clock::now();
   // Slot 0 (on a1) runs 150 ms slower per step so that the kill lands mid-job.
-  const std::string job = submit(c,
-                                 {"--nproc", "4", "--layout", "dp=2,n=2"},
+  const std::string job = submit(c, {"--nproc", "4", "--layout", "dp=2,n=2"},
                                  train_args("agent-kill", 1, "dp=2,n=2", "slow@1:any:0"));
   ASSERT_TRUE(wait_until([&] { return !latest_step_records(dir / "metrics.jsonl").empty(); },
                          std::chrono::seconds(90), std::chrono::milliseconds(10)))
@@ -302,7 +304,8 @@ TEST_F(Multihost, AgentKilledMidJobGetsItsWorkersReplacedOnTheOtherHost) {
       "[multihost agent-kill] submit -> first step %.2f s; agent on 127.0.0.4 SIGKILLed after step %zu: "
       "detection %s ms (%s), recovery %.2f s (train_moe's recovered event), next step %.2f s after the "
       "kill; %d workers finished on 127.0.0.3\n",
-      first_step_s, steps_before, det.empty() ? "?" : det[0].value("detection_ms", nlohmann::json("-")).dump().c_str(),
+      first_step_s, steps_before,
+      det.empty() ? "?" : det[0].value("detection_ms", nlohmann::json("-")).dump().c_str(),
       det.empty() ? "?" : det[0].value("cause", "?").c_str(), rec[0]["recovery_s"].get<double>(), resumed_s,
       replaced_on_a1);
 }
@@ -313,9 +316,11 @@ TEST_F(Multihost, AgentKilledMidJobGetsItsWorkersReplacedOnTheOtherHost) {
 // reaches all four actors, and a client without the job's key is refused.
 TEST_F(Multihost, JobActorSystemsBindTheirHostsAndAcceptOnlyTheJob) {
   Cluster c(hosts(2));
-  const std::string job = c.submit(4, {}, {{"TW_ACTORS", "1"}, {"TW_PLACE", "1"}, {"TW_BEAT", "1"}, {"TW_RUN_MS", "60000"}});
+  const std::string job =
+      c.submit(4, {}, {{"TW_ACTORS", "1"}, {"TW_PLACE", "1"}, {"TW_BEAT", "1"}, {"TW_RUN_MS", "60000"}});
   const std::string placed = c.out_dir() + "/driver.placed";
-  ASSERT_TRUE(wait_until([&] { return fs::exists(placed); }, std::chrono::seconds(30))) << c.logs_of_daemons();
+  ASSERT_TRUE(wait_until([&] { return fs::exists(placed); }, std::chrono::seconds(30)))
+      << c.logs_of_daemons();
   std::ifstream f(placed);
   std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("ok 4"), std::string::npos) << text;
@@ -330,7 +335,8 @@ TEST_F(Multihost, JobActorSystemsBindTheirHostsAndAcceptOnlyTheJob) {
     const pid_t pid = p.value("pid", 0);
     troupe::sched::ClientSecurity job_keys;
     job_keys.server_public_key = environ_value(pid, "TROUPE_JOB_PUBLIC_KEY");
-    job_keys.client_keys = troupe::sched::CurveKeyPair{job_keys.server_public_key, environ_value(pid, "TROUPE_JOB_SECRET_KEY")};
+    job_keys.client_keys =
+        troupe::sched::CurveKeyPair{job_keys.server_public_key, environ_value(pid, "TROUPE_JOB_SECRET_KEY")};
     EXPECT_TRUE(troupe::sched::probe_connection(ep, job_keys, std::chrono::milliseconds(3000)).ok()) << ep;
     EXPECT_FALSE(troupe::sched::probe_connection(ep, {}, std::chrono::milliseconds(1500)).ok()) << ep;
     troupe::sched::ClientSecurity stranger;
@@ -343,7 +349,8 @@ TEST_F(Multihost, JobActorSystemsBindTheirHostsAndAcceptOnlyTheJob) {
   std::vector<std::string> cancel{"cancel", job};
   for (const auto& x : c.conn_args()) cancel.push_back(x);
   EXPECT_EQ(run_cli(cancel).exit_code, 0);
-  std::printf("[multihost actors] driver on 127.0.0.3 reached 4 CURVE actor endpoints on 127.0.0.3/.4: %s", text.c_str());
+  std::printf("[multihost actors] driver on 127.0.0.3 reached 4 CURVE actor endpoints on 127.0.0.3/.4: %s",
+              text.c_str());
 }
 
 // The driver dies (SIGKILL) mid-job: the scheduler restarts it, with the job's workers,
@@ -352,8 +359,8 @@ TEST_F(Multihost, JobActorSystemsBindTheirHostsAndAcceptOnlyTheJob) {
 TEST_F(Multihost, DriverKilledMidJobIsRestartedAndResumesFromTheNewestCheckpoint) {
   Cluster c(hosts(2));
   const fs::path dir = *root_ / "driver-kill";
-  const std::string job =
-      submit(c, {"--nproc", "4", "--layout", "dp=2,n=2"}, train_args("driver-kill", 1, "dp=2,n=2", "slow@1:any:0"));
+  const std::string job = submit(c, {"--nproc", "4", "--layout", "dp=2,n=2"},
+                                 train_args("driver-kill", 1, "dp=2,n=2", "slow@1:any:0"));
   ASSERT_TRUE(wait_until([&] { return latest_step_records(dir / "metrics.jsonl").size() >= 5; },
                          std::chrono::seconds(90), std::chrono::milliseconds(10)))
       << c.logs_of_daemons();
@@ -381,18 +388,20 @@ TEST_F(Multihost, DriverKilledMidJobIsRestartedAndResumesFromTheNewestCheckpoint
   const int64_t from = resumed["step"].get<int64_t>();
   EXPECT_GE(from, 2) << "resumed from step " << from << ": not from the newest checkpoint";
   EXPECT_LE(from, static_cast<int64_t>(steps_before));
-  ASSERT_TRUE(wait_until([&] { return step_records_after(dir, static_cast<size_t>(from)); }, std::chrono::seconds(90),
-                         std::chrono::milliseconds(10)))
+  ASSERT_TRUE(wait_until([&] { return step_records_after(dir, static_cast<size_t>(from)); },
+                         std::chrono::seconds(90), std::chrono::milliseconds(10)))
       << c.logs_of_daemons();
   const double next_step_s = seconds_since(kill_at);
   ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(120))) << c.logs_of_daemons();
   expect_one_process_losses("driver-kill");
   int restarts = 0;
-  for (const auto& e : c.events(job)) restarts += e.value("type", e.value("event", "")) == "driver_restarting";
+  for (const auto& e : c.events(job))
+    restarts += e.value("type", e.value("event", "")) == "driver_restarting";
   EXPECT_EQ(restarts, 1);
-  std::printf("[multihost driver-kill] driver SIGKILLed after step %zu: restarted, resumed from the checkpoint of "
-              "step %lld in %.2f s, next step %.2f s after the kill\n",
-              steps_before, static_cast<long long>(from), resumed_s, next_step_s);
+  std::printf(
+      "[multihost driver-kill] driver SIGKILLed after step %zu: restarted, resumed from the checkpoint of "
+      "step %lld in %.2f s, next step %.2f s after the kill\n",
+      steps_before, static_cast<long long>(from), resumed_s, next_step_s);
 }
 
 }  // namespace

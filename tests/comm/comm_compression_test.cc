@@ -250,7 +250,8 @@ TEST(CodecKernels, PermuteFp8AndSumChunksMatchTheCodecsBitForBit) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   const int64_t tokens = 37, d = 48, k = 2;
   Tensor x = Tensor::empty({tokens, d}, DType::kF32);
-  for (int64_t i = 0; i < x.numel(); ++i) x.data<float>()[i] = nd(gen) * std::pow(10.0f, float(i / d % 5) - 2.0f);
+  for (int64_t i = 0; i < x.numel(); ++i)
+    x.data<float>()[i] = nd(gen) * std::pow(10.0f, float(i / d % 5) - 2.0f);
   for (int64_t j = 0; j < d; ++j) x.data<float>()[3 * d + j] = 0.0f;  // an all-zero row: scale 1
   x.data<float>()[5 * d] = 1e6f;                                      // saturating magnitudes
   // A permutation of the tokens*k copies onto rows.
@@ -263,7 +264,8 @@ TEST(CodecKernels, PermuteFp8AndSumChunksMatchTheCodecsBitForBit) {
   kernels::moe_permute(ex, x, row_map, k, xp);
   auto want = quantize_rows_fp8(xp);
   ASSERT_TRUE(want.ok()) << want.status().to_string();
-  Tensor q = Tensor::empty({tokens * k, d}, DType::kF8E4M3), scales = Tensor::empty({tokens * k}, DType::kF32);
+  Tensor q = Tensor::empty({tokens * k, d}, DType::kF8E4M3),
+         scales = Tensor::empty({tokens * k}, DType::kF32);
   kernels::moe_permute_fp8(ex, x, row_map, k, q, scales);
   EXPECT_EQ(std::memcmp(q.data_ptr(), want->data.data_ptr(), static_cast<size_t>(q.nbytes())), 0);
   EXPECT_EQ(std::memcmp(scales.data_ptr(), want->scales.data_ptr(), static_cast<size_t>(scales.nbytes())), 0);

@@ -134,8 +134,7 @@ TEST_F(ElasticCluster, SchedulerRestartMidJobIsRiddenOut) {
 
 TEST_F(ElasticCluster, CutControlConnectionGetsTheWorkerReplaced) {
   Cluster c({});
-  const std::string job =
-      submit(c, "cutctl", {"--heartbeat-timeout-ms", "1500"}, "cutctl@3:alltoall:1");
+  const std::string job = submit(c, "cutctl", {"--heartbeat-timeout-ms", "1500"}, "cutctl@3:alltoall:1");
   const fs::path dir = *root_ / "cutctl";
   ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(120))) << c.logs_of_daemons();
   expect_same_losses("cutctl");
@@ -177,7 +176,8 @@ TEST_F(ElasticCluster, TroupeReplaceAndScaleByJobId) {
   EXPECT_NE(actors.output.find("13 actors"), std::string::npos) << actors.output;
   for (int r = 0; r < 4; ++r) {
     for (const char* role : {"stage", "attention", "experts"}) {
-      EXPECT_NE(actors.output.find(fmt::format("{}.{}", role, r)), std::string::npos) << role << r << actors.output;
+      EXPECT_NE(actors.output.find(fmt::format("{}.{}", role, r)), std::string::npos)
+          << role << r << actors.output;
     }
     EXPECT_NE(actors.output.find(fmt::format("worker-{}", r)), std::string::npos) << actors.output;
   }

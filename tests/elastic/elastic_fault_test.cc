@@ -10,9 +10,9 @@
 //   persistent straggler (150 ms slower every step) flagged from its step timings and
 //   replaced by policy; the same protocol under `troupe run --elastic` (the scheduler
 //   places, kills and reports the workers; no --elastic flag: the driver claims the
-//   supervision); `troupe scale|replace|status`; a data-plane connection cut with no process lost (rebuilt in place)
-//   and a hang inside a step with the heartbeat alive (step watchdog, then the wedged worker
-//   is killed and replaced).
+//   supervision); `troupe scale|replace|status`; a data-plane connection cut with no process lost (rebuilt in
+//   place) and a hang inside a step with the heartbeat alive (step watchdog, then the wedged worker is killed
+//   and replaced).
 // Faults come from the config key elastic.inject (actors/training/elastic.h): the worker
 // raises SIGKILL or SIGSTOP on itself at the named point, after recording the time.
 //
@@ -23,22 +23,20 @@
 // holds the detection and recovery with detection <= 1 s after an exit and <= the
 // heartbeat timeout + 1 s for a hang, recovery to the next completed step <= 10 s, steps
 // lost = 0; and no process of the job is left (its process group is empty).
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <string>
-#include <vector>
-
-#include <fmt/format.h>
-#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
-
 #include <random>
 #include <set>
-
+#include <string>
+#include <vector>
 #include <zmq.hpp>
 
 #include "actors/actor_system.h"
@@ -181,7 +179,8 @@ class ElasticFault : public ::testing::Test {
   RunResult run_case(const std::string& name, const std::string& fault, std::vector<std::string> extra = {},
                      const std::function<void()>& tick = {}) {
     baseline();
-    RunResult r = run(args(name, fault, std::move(extra)), {}, *root_ / (name + ".log"), std::chrono::seconds(180), tick);
+    RunResult r = run(args(name, fault, std::move(extra)), {}, *root_ / (name + ".log"),
+                      std::chrono::seconds(180), tick);
     std::printf("[elastic %s] ran in %.1f s\n", name.c_str(), r.seconds);
     return r;
   }
@@ -288,8 +287,8 @@ TEST_F(ElasticFault, KillDuringCheckpointWrite) {
 
 TEST_F(ElasticFault, LostColumnRestoresFromCheckpoint) {
   // Slots 1 and 3 are the two dp replicas of column n=1: no peer holds their state.
-  const RunResult r =
-      run_case("lost-column", "kill@6:alltoall:1,kill@6:alltoall:3", {"checkpoint.every=4", "elastic.replica_every=0"});
+  const RunResult r = run_case("lost-column", "kill@6:alltoall:1,kill@6:alltoall:3",
+                               {"checkpoint.every=4", "elastic.replica_every=0"});
   expect_clean_finish(r);
   expect_same_losses("lost-column", r);
   const fs::path ev = *root_ / "lost-column" / "events.jsonl";
@@ -311,9 +310,9 @@ TEST_F(ElasticFault, LostColumnRestoresFromCheckpoint) {
 
 TEST_F(ElasticFault, NoDataParallelPeerRestoresFromTheNeighbourReplica) {
   // `troupe run --nproc 4 -- train_moe ... --parallel n=4` (dp=1, the same global batch in
-  // two micro-batches): no rank has a data-parallel peer. Neighbour replicas are refreshed every 5 steps (the default); slot 2 is killed
-  // in step 7, so every rank goes back to step 5 — the survivors from their own copies,
-  // the replacement from the copy its successor keeps — and step 6 is run again.
+  // two micro-batches): no rank has a data-parallel peer. Neighbour replicas are refreshed every 5 steps (the
+  // default); slot 2 is killed in step 7, so every rank goes back to step 5 — the survivors from their own
+  // copies, the replacement from the copy its successor keeps — and step 6 is run again.
   baseline();
   troupe::test::TrainMoeCommand c;
   c.run_dir = *root_ / "replica";
@@ -339,10 +338,11 @@ TEST_F(ElasticFault, NoDataParallelPeerRestoresFromTheNeighbourReplica) {
   EXPECT_LE(det[0]["detection_ms"].get<int64_t>(), 1000);
   EXPECT_LE(rec[0]["recovery_s"].get<double>(), 10.0);
   EXPECT_EQ(rec[0]["steps_lost"], 1);  // step 6; at most elastic.replica_every
-  std::printf("[elastic replica] n=4, kill -9 in step 7: detection %lld ms, restored step 5 from the neighbour "
-              "replicas, recovery %.2f s, steps lost %lld (<= replica_every 5)\n",
-              static_cast<long long>(det[0]["detection_ms"].get<int64_t>()), rec[0]["recovery_s"].get<double>(),
-              static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
+  std::printf(
+      "[elastic replica] n=4, kill -9 in step 7: detection %lld ms, restored step 5 from the neighbour "
+      "replicas, recovery %.2f s, steps lost %lld (<= replica_every 5)\n",
+      static_cast<long long>(det[0]["detection_ms"].get<int64_t>()), rec[0]["recovery_s"].get<double>(),
+      static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
 }
 
 TEST_F(ElasticFault, MalformedControlMessagesAreDroppedAndTheJobGoesOn) {
@@ -391,7 +391,8 @@ TEST_F(ElasticFault, MalformedControlMessagesAreDroppedAndTheJobGoesOn) {
     std::set<std::string> connected;
     for (const auto& [node, actor] : targets) {
       // Workers publish under their slot ("w3" -> "actors/3"), the driver as "actors/driver".
-      const std::string k = job + "/elastic/actors/" + (node == "driver" ? std::string("driver") : node.substr(1));
+      const std::string k =
+          job + "/elastic/actors/" + (node == "driver" ? std::string("driver") : node.substr(1));
       auto ep = (*store)->get(k, troupe::comm::deadline_in(std::chrono::seconds(5)));
       if (!ep.ok()) {
         problems += fmt::format("no endpoint for {}: {}; ", node, ep.status().to_string());
@@ -413,19 +414,24 @@ TEST_F(ElasticFault, MalformedControlMessagesAreDroppedAndTheJobGoesOn) {
       const troupe::actors::ActorRef ref(node, actor);
       ++actors_seen;
       auto bad1 = (*sys)->ask<troupe::actors::Ack>(ref, UnknownMessage{"??"}, std::chrono::seconds(5));
-      auto bad2 = (*sys)->ask<troupe::actors::Ack>(ref, GarbledStatusQuery{"not capnp"}, std::chrono::seconds(5));
+      auto bad2 =
+          (*sys)->ask<troupe::actors::Ack>(ref, GarbledStatusQuery{"not capnp"}, std::chrono::seconds(5));
       (void)(*sys)->tell(ref, UnknownMessage{"a tell"});
       auto good = (*sys)->ask<troupe::training::ActorStatus>(ref, troupe::training::ActorStatusQuery{"test"},
                                                              std::chrono::seconds(5));
       for (auto* f : {&bad1, &bad2}) {
         auto r = f->get();
-        if (!r.ok()) ++refused;
-        else problems += fmt::format("{} accepted a bad message; ", ref.to_string());
+        if (!r.ok())
+          ++refused;
+        else
+          problems += fmt::format("{} accepted a bad message; ", ref.to_string());
       }
       auto g = good.get();
-      if (g.ok() && g->id == actor) ++answered;
-      else problems += fmt::format("{} did not answer a valid query: {}; ", ref.to_string(),
-                                   g.ok() ? g->id : g.status().to_string());
+      if (g.ok() && g->id == actor)
+        ++answered;
+      else
+        problems += fmt::format("{} did not answer a valid query: {}; ", ref.to_string(),
+                                g.ok() ? g->id : g.status().to_string());
     }
     (*sys)->shutdown();
   };
@@ -438,8 +444,9 @@ TEST_F(ElasticFault, MalformedControlMessagesAreDroppedAndTheJobGoesOn) {
   EXPECT_EQ(refused, 2 * actors_seen);
   EXPECT_EQ(answered, actors_seen);
   EXPECT_TRUE(events_named(dir / "events.jsonl", "failure_detected").empty()) << r.output;
-  std::printf("[elastic malformed] %d actors: %d bad messages refused, %d valid queries answered, the job went on\n",
-              actors_seen, refused, answered);
+  std::printf(
+      "[elastic malformed] %d actors: %d bad messages refused, %d valid queries answered, the job went on\n",
+      actors_seen, refused, answered);
 }
 
 // An elastic job's checkpoint is issue 8's format: plain `train_moe train --resume` loads
@@ -535,10 +542,10 @@ TEST_F(ElasticFault, HangInsideAStepIsCaughtByTheWatchdog) {
 }
 
 TEST_F(ElasticFault, TroupeRunReplacesWorkersThroughTheScheduler) {
-  // `troupe run` (no flag: the driver claims the supervision): the embedded scheduler and agent start the driver and the 4
-  // workers; a SIGSTOPped worker (found by the driver's heartbeat check, killed through
-  // the scheduler) and then a killed one (its exit reported by the agent, passed to the
-  // driver through the job's store) are replaced by processes the scheduler places.
+  // `troupe run` (no flag: the driver claims the supervision): the embedded scheduler and agent start the
+  // driver and the 4 workers; a SIGSTOPped worker (found by the driver's heartbeat check, killed through the
+  // scheduler) and then a killed one (its exit reported by the agent, passed to the driver through the job's
+  // store) are replaced by processes the scheduler places.
   baseline();
   std::vector<std::string> a = args("troupe-run", "stop@3:forward:2,kill@5:alltoall:0");
   a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--heartbeat-timeout-ms",

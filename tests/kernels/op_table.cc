@@ -1485,7 +1485,8 @@ void add_quant_cases(std::vector<OpCase>& cases, Rng& rng) {
 // CUDA test holds the CUDA versions to the CPU ones.
 void add_codec_cases(std::vector<OpCase>& cases, Rng& rng) {
   const double qmax = kFp8E4M3Max;
-  for (const auto& [t, dim, k] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{9, 40, 2}, {5, 300, 1}}) {
+  for (const auto& [t, dim, k] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t>>{{9, 40, 2}, {5, 300, 1}}) {
     const int64_t rows = t * k + 3;  // 3 rows no copy maps to: zero codes, scale 1
     HostTensor x = rng.uniform({t, dim});
     for (int64_t i = 0; i < t; ++i)  // rows of very different magnitudes
@@ -1573,7 +1574,7 @@ std::vector<OpCase> all_op_cases(uint64_t seed) {
   add_multi_tensor_cases(cases, rng);
   add_quant_cases(cases, rng);
   add_step_stats_cases(cases, rng);  // issue 20
-  add_codec_cases(cases, rng);  // issue 17
+  add_codec_cases(cases, rng);       // issue 17
   return cases;
 }
 

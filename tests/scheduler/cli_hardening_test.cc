@@ -90,7 +90,8 @@ TEST(CliHardening, SubmitBeyondTheClustersSlotsFailsAtOnce) {
   const auto r = run_cli(a);
   EXPECT_LT(ms_since(t0), 5000);
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_NE(r.output.find("--nproc 5 is more than the 4 worker slots of all agents (a1: 2, a2: 2)"), std::string::npos)
+  EXPECT_NE(r.output.find("--nproc 5 is more than the 4 worker slots of all agents (a1: 2, a2: 2)"),
+            std::string::npos)
       << r.output;
   EXPECT_EQ(c.status("")["jobs"].size(), 0u);
 }

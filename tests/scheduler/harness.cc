@@ -227,7 +227,8 @@ Cluster::Cluster(Options opts) : opts_(opts) {
     std::string id = fmt::format("a{}", i + 1);
     std::vector<std::string> argv = {agent_bin(), "--scheduler", address_, "--slots", std::to_string(opts_.slots_per_agent),
                                      "--id", id, "--work-dir", dir_ + "/" + id, "--heartbeat-ms", "200"};
-    if (static_cast<size_t>(i) < opts_.agent_hosts.size()) argv.insert(argv.end(), {"--host-addr", opts_.agent_hosts[i]});
+    if (static_cast<size_t>(i) < opts_.agent_hosts.size())
+      argv.insert(argv.end(), {"--host-addr", opts_.agent_hosts[i]});
     if (opts_.curve) {
       argv.insert(argv.end(), {"--curve-key", dir_ + "/keys/agent.key", "--scheduler-key", scheduler_pub()});
     }

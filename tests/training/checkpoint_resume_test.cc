@@ -425,7 +425,9 @@ TEST_F(CheckpointResume, KillWorkerInTheMiddleOfASave) {
   const fs::path log = *root_ / (name + ".log");
   const auto t0 = Clock::now();
   const pid_t launcher = troupe::test::spawn(
-      args(name, "pp=2,n=2", 2, {"checkpoint.every=2", "checkpoint.max_mb_per_s=0.05", "elastic.replica_every=0"}), log);
+      args(name, "pp=2,n=2", 2,
+           {"checkpoint.every=2", "checkpoint.max_mb_per_s=0.05", "elastic.replica_every=0"}),
+      log);
   const fs::path dir = *root_ / name / "checkpoints";
   bool killed = false;
   pid_t victim = -1;
@@ -472,10 +474,13 @@ TEST_F(CheckpointResume, KillWorkerInTheMiddleOfASave) {
   const auto list = troupe::checkpoint::list_checkpoints(dir.string());
   ASSERT_FALSE(list.empty());
   EXPECT_EQ(list.front().first, 10);
-  EXPECT_TRUE(troupe::checkpoint::CheckpointReader::open(list.front().second, troupe::checkpoint::VerifyMode::kChecksums).ok());
-  std::printf("[kill -9 mid-save] rank %d killed while step 4 was written; restored step 2, %zu steps equal the "
-              "uninterrupted run, newest checkpoint step %lld\n",
-              victim_rank, got.size(), static_cast<long long>(list.front().first));
+  EXPECT_TRUE(troupe::checkpoint::CheckpointReader::open(list.front().second,
+                                                         troupe::checkpoint::VerifyMode::kChecksums)
+                  .ok());
+  std::printf(
+      "[kill -9 mid-save] rank %d killed while step 4 was written; restored step 2, %zu steps equal the "
+      "uninterrupted run, newest checkpoint step %lld\n",
+      victim_rank, got.size(), static_cast<long long>(list.front().first));
 }
 
 }  // namespace

@@ -127,8 +127,8 @@ TEST_F(OverlapEquivalence, Bf16GradientsAndFp8DispatchTrainWithinOnePercent) {
   const std::string layout = "dp=2,n=2";
   const auto exact = train("exact50", 50, 1, layout, {});
   std::string out;
-  const auto comp = train("compressed50", 50, 1, layout + ",compression=true", {"parallel.fp8_dispatch=true", "parallel.measure_compression=true"},
-                          {}, &out);
+  const auto comp = train("compressed50", 50, 1, layout + ",compression=true",
+                          {"parallel.fp8_dispatch=true", "parallel.measure_compression=true"}, {}, &out);
   const auto a = step_records(*root_ / "exact50" / "metrics.jsonl");
   const auto b = step_records(*root_ / "compressed50" / "metrics.jsonl");
   ASSERT_EQ(a.size(), 50u);

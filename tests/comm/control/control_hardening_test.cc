@@ -6,14 +6,13 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <spdlog/sinks/ringbuffer_sink.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <random>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
-
-#include <spdlog/sinks/ringbuffer_sink.h>
 
 #include "comm/control/codec.h"
 #include "comm/control/log_limit.h"
@@ -192,7 +191,6 @@ TEST(ControlHardening, RefusesUnauthenticatedAndWrongKeyCurveClients) {
   EXPECT_EQ(server.delivered.load(), 2) << "only the allow-listed client got through";
 }
 
-
 // A peer whose id holds terminal control bytes floods bad frames: every frame is dropped
 // and counted, the log shows the id escaped (\xNN, never a raw control byte) and only a
 // few lines for that peer (the rest are counted as not logged).
@@ -209,7 +207,8 @@ TEST(ControlHardening, BadFrameWarningsAreEscapedAndRateLimited) {
   evil.set(zmq::sockopt::routing_id, nasty_id);
   evil.connect(server.transport->endpoint());
   constexpr size_t kFrames = 300;
-  for (size_t i = 0; i < kFrames; ++i) evil.send(zmq::buffer(std::string("bad\x01\x02\x1b frame")), zmq::send_flags::none);
+  for (size_t i = 0; i < kFrames; ++i)
+    evil.send(zmq::buffer(std::string("bad\x01\x02\x1b frame")), zmq::send_flags::none);
   const auto deadline = std::chrono::steady_clock::now() + 10s;
   while (server.transport->stats().frames_dropped < kFrames && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(10ms);
