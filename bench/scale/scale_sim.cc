@@ -63,6 +63,7 @@
 #include "comm/control/codec.h"
 #include "comm/control/envelope.h"
 #include "core/status.h"
+#include "scheduler/local_auth.h"
 #include "scheduler/protocol.h"
 #include "scheduler/transport.h"
 
@@ -96,6 +97,11 @@ struct Options {
   int processes = 0;  // simulator processes; 0: as few as the file-descriptor limit allows
   int nice = 10;      // the simulator processes' nice value (the scheduler keeps its own)
   bool keep_state = false;
+  // The scheduler serves loopback clients with local authentication (CURVE with the
+  // user's credential, scheduler/local_auth.h): every simulated peer holds it, as real
+  // agents and job processes do. --insecure measures the scheduler without it.
+  bool insecure = false;
+  control::CurveKeyPair credential;
 };
 
 enum class Kind { kAgent, kWorker, kDriver, kClient };
@@ -256,6 +262,11 @@ struct SimThread {
       s.set(zmq::sockopt::heartbeat_ivl, 1000);
       s.set(zmq::sockopt::heartbeat_timeout, 10000);
       s.set(zmq::sockopt::routing_id, node);
+      if (!sh->opt.insecure) {
+        s.set(zmq::sockopt::curve_serverkey, sh->opt.credential.public_key);
+        s.set(zmq::sockopt::curve_publickey, sh->opt.credential.public_key);
+        s.set(zmq::sockopt::curve_secretkey, sh->opt.credential.secret_key);
+      }
       s.set(zmq::sockopt::reconnect_ivl, 100);
       s.set(zmq::sockopt::reconnect_ivl_max, 1000);
       s.set(zmq::sockopt::sndhwm, 0);
@@ -720,6 +731,7 @@ pid_t start_scheduler(const Options& o, const std::string& listen, const std::st
                                      endpoint_file,
                                      "--agent-heartbeat-ms",
                                      std::to_string(o.beat_ms)};
+    if (o.insecure) args.push_back("--insecure");
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -882,6 +894,16 @@ int run(Options o) {
   }
   std::filesystem::create_directories(o.state_dir);
   const std::string epfile = o.state_dir + "/endpoint";
+  if (!o.insecure) {
+    // A credential of this run only (the scheduler child inherits the directory).
+    setenv("TROUPE_CONFIG_DIR", (o.state_dir + "/config").c_str(), 1);
+    Result<control::CurveKeyPair> cred = load_or_create_credential();
+    if (!cred.ok()) {
+      fmt::print(stderr, "scale_sim: {}\n", cred.status().to_string());
+      return 2;
+    }
+    o.credential = *cred;
+  }
 
   Shared sh;
   sh.opt = o;
@@ -1222,6 +1244,7 @@ int main(int argc, char** argv) {
   app.add_option("--processes", o.processes, "Simulator processes (default: as few as the fd limit allows)")
       ->check(CLI::Range(0, 64));
   app.add_flag("--keep-state", o.keep_state, "Keep the temporary state directory");
+  app.add_flag("--insecure", o.insecure, "Run the scheduler without local authentication (no CURVE)");
   CLI11_PARSE(app, argc, argv);
   signal(SIGPIPE, SIG_IGN);
   return troupe::sched::scale::run(o);
