@@ -1,6 +1,6 @@
 // actors/training/control.h — defines Command, the step-level message from the Trainer to
-// every worker ("run step N", "evaluate", "save step N", "stop"; actors/training/elastic.h
-// carries it), and its strict text codec.
+// every worker ("run step N", "evaluate", "save step N", "stop"; it travels as the typed
+// StepCommand of actors/training/messages.h).
 //
 // Only step-level messages exist: inside a step the workers run SPMD (collectives and
 // send/recv, no control message per micro-batch).
@@ -26,9 +26,5 @@ struct Command {
 };
 const char* command_kind_name(Command::Kind k);
 
-// Strict decoding of a command's JSON form ({"seq", "kind", "step"}); errors name the
-// problem, never crash.
-nlohmann::json command_to_json(const Command& c);
-Result<Command> command_from_json(const std::string& text);
 
 }  // namespace troupe::training

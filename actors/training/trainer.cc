@@ -1563,24 +1563,6 @@ nlohmann::json step_reply_json(const StepReply& r) {
   return j;
 }
 
-nlohmann::json step_report_json(const StepReport& r) {
-  nlohmann::json j{{"step", r.step},
-                   {"loss", r.loss},
-                   {"lm_loss", r.lm_loss},
-                   {"aux_loss", r.aux_loss},
-                   {"grad_norm", r.grad_norm},
-                   {"lr", r.lr},
-                   {"step_tokens", r.tokens},
-                   {"expert_load", r.expert_load},
-                   {"step_ms", r.step_ms},
-                   {"comm_ms", r.comm_ms},
-                   {"compute_ms", r.compute_ms},
-                   {"comm_ms_mean", r.comm_ms_mean},
-                   {"comm_by_kind_ms", r.comm_by_kind_ms}};
-  if (r.peak_bytes >= 0) j["peak_bytes"] = r.peak_bytes;
-  return j;
-}
-
 nlohmann::json data_position_json(const layers::TrainConfig& tc, int64_t step, int64_t tokens_seen) {
   return nlohmann::json{{"next_step", step + 1},       {"samples_consumed", step * tc.global_batch()},
                         {"tokens_seen", tokens_seen},  {"global_batch", tc.global_batch()},

@@ -63,8 +63,6 @@ Status run_worker_process(const layers::TrainConfig& tc, comm::RendezvousStore& 
                           std::function<void()> cut_control = {},
                           const layers::Ctx& ctx = layers::Ctx::cpu());
 
-// A worker's step report as JSON (the keys of metrics.jsonl).
-nlohmann::json step_report_json(const StepReport& r);
 // A worker's reply to a command (typed, messages.h) as the JSON the Trainer records:
 // the step report's keys, "val_loss", and the checkpoint/replica notes.
 nlohmann::json step_reply_json(const StepReply& r);
