@@ -26,5 +26,4 @@ struct Command {
 };
 const char* command_kind_name(Command::Kind k);
 
-
 }  // namespace troupe::training
