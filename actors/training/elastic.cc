@@ -293,9 +293,10 @@ class CancellableStore final : public comm::RendezvousStore {
 
 class ElasticWorker {
  public:
-  ElasticWorker(const layers::TrainConfig& tc, comm::RendezvousStore& store, std::string job, int slot,
-                uint64_t epoch, const layers::Ctx& ctx)
+  ElasticWorker(const layers::TrainConfig& tc, ProgramFactory program, comm::RendezvousStore& store,
+                std::string job, int slot, uint64_t epoch, const layers::Ctx& ctx)
       : tc_(tc),
+        program_(std::move(program)),
         store_(store),
         job_(std::move(job)),
         slot_(slot),
@@ -332,6 +333,7 @@ class ElasticWorker {
   void watch();
 
   layers::TrainConfig tc_;
+  ProgramFactory program_;  // the app's stage program
   comm::RendezvousStore& store_;
   std::string job_;
   int slot_;
@@ -372,7 +374,7 @@ Result<std::unique_ptr<Stage>> ElasticWorker::make_stage(const ElasticPlan& plan
   comm::StoreNamespace ns;
   ns.job = job_;
   ns.epoch = plan.epoch;
-  return Stage::create(tc, rank, comm_store_, ns, std::move(train), std::move(val), ctx_);
+  return Stage::create(tc, rank, program_, comm_store_, ns, std::move(train), std::move(val), ctx_);
 }
 
 Status ElasticWorker::join(const ElasticPlan& plan) {
@@ -699,9 +701,9 @@ Status ElasticWorker::run() {
 
 }  // namespace
 
-Status run_elastic_worker(const layers::TrainConfig& tc, comm::RendezvousStore& base_store,
-                          const std::string& job, int slot, uint64_t epoch, std::function<void()> cut_control,
-                          const layers::Ctx& ctx) {
+Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& program,
+                          comm::RendezvousStore& base_store, const std::string& job, int slot, uint64_t epoch,
+                          std::function<void()> cut_control, const layers::Ctx& ctx) {
   // A store outage (the scheduler restarting) must not end the worker.
   TolerantStore store(base_store, std::chrono::milliseconds(30000));
   std::unique_ptr<FaultState> faults;
@@ -718,7 +720,7 @@ Status run_elastic_worker(const layers::TrainConfig& tc, comm::RendezvousStore& 
     g_faults = faults.get();
     set_fault_hook(&fault_hook);
   }
-  ElasticWorker w(tc, store, job, slot, epoch, ctx);
+  ElasticWorker w(tc, program, store, job, slot, epoch, ctx);
   if (faults) faults->cut = [&w] { w.cut_connections(); };
   Status st = w.run();
   set_fault_hook(nullptr);

@@ -40,6 +40,7 @@
 
 #include "comm/rendezvous_store.h"
 #include "core/status.h"
+#include "actors/training/stage_program.h"
 #include "layers/context.h"
 #include "layers/train_config.h"
 
@@ -125,8 +126,9 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec);
 // `ctx`: where the Stage lives (the CPU, or this worker's GPU: NCCL communicators; no
 // in-memory copy of the committed state is kept there yet, so a lost GPU worker is
 // restored from the last checkpoint).
-Status run_elastic_worker(const layers::TrainConfig& tc, comm::RendezvousStore& store, const std::string& job,
-                          int slot, uint64_t epoch, std::function<void()> cut_control = {},
+// `program`: the app's stage program (stage_program.h), built for each Stage.
+Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& program, comm::RendezvousStore& store,
+                          const std::string& job, int slot, uint64_t epoch, std::function<void()> cut_control = {},
                           const layers::Ctx& ctx = layers::Ctx::cpu());
 
 }  // namespace troupe::training

@@ -27,25 +27,10 @@ namespace troupe::training {
 
 using Clock = std::chrono::steady_clock;
 
-struct Stage::BlockRole {
-  layers::Block* block = nullptr;
-  int64_t moe_index = -1;                // index among the model's MoE blocks, -1 for dense
-  std::unique_ptr<AttentionShard> attn;  // n > 1
-  std::unique_ptr<ExpertGroup> experts;  // MoE and n > 1
-};
-
-struct Stage::BlockSaved {
-  layers::RMSNorm::Saved norm1, norm2;
-  layers::Attention::Saved attn;
-  AttentionShard::Saved attn_sp;
-  layers::SwiGLUMLP::Saved mlp;
-  layers::MoELayer::Saved moe;
-};
-
 struct Stage::Micro {
   Tensor ids, targets;  // local slices, i32 [B*S/n]
   int64_t tokens = 0;   // tokens with a target in the whole micro-batch
-  std::vector<BlockSaved> saved;
+  std::vector<std::unique_ptr<StageProgram::Saved>> saved;  // per block
   Tensor head_dx;  // last stage: gradient from the LM head
 };
 
@@ -75,18 +60,11 @@ Stage::~Stage() {
 #endif
 }
 
-Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int rank,
-                                             comm::RendezvousStore& store, const comm::StoreNamespace& ns,
-                                             layers::TokenShards train, layers::TokenShards val) {
-  std::unique_ptr<Stage> s(new Stage(tc, rank, std::move(train), std::move(val)));
-  TROUPE_RETURN_IF_ERROR(s->build(store, ns));
-  return s;
-}
-
-Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int rank,
+Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int rank, const ProgramFactory& program,
                                              comm::RendezvousStore& store, const comm::StoreNamespace& ns,
                                              layers::TokenShards train, layers::TokenShards val,
                                              const layers::Ctx& ctx) {
+  if (!program) return invalid_argument("Stage: no stage program given");
   std::unique_ptr<Stage> s(new Stage(tc, rank, std::move(train), std::move(val)));
   s->ctx_ = ctx;
   s->bind_device();
@@ -128,11 +106,11 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
     }
 #endif
   }
-  TROUPE_RETURN_IF_ERROR(s->build(store, ns));
+  TROUPE_RETURN_IF_ERROR(s->build(program, store, ns));
   return s;
 }
 
-Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns) {
+Status Stage::build(const ProgramFactory& program, comm::RendezvousStore& store, const comm::StoreNamespace& ns) {
   const auto& par = tc_.parallel;
   TROUPE_RETURN_IF_ERROR(par.validate(tc_.model, tc_.train));
   TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout layout,
@@ -175,92 +153,61 @@ Status Stage::build(comm::RendezvousStore& store, const comm::StoreNamespace& ns
     bs.size = layout.pp();
     TROUPE_ASSIGN_OR_RETURN(pp_back_, factory(bs));
   }
-  if (tc_.model.tie_embeddings && layout.pp() > 1 && (first_ || last_)) {
+
+  // ---- the program (this rank's model part) -------------------------------------------
+  batch_ = tc_.train.micro_batch_size;
+  seq_local_ = tc_.train.seq_len / layout.n();
+  loss_weight_ = 1.0f / static_cast<float>(tc_.train.grad_accum * layout.dp());
+  const StageEnv env{tc_,     coord_, layout.pp(), layout.dp(), layout.n(),
+                     first_,  last_,  batch_,      seq_local_,  loss_weight_,
+                     ctx_,    layout.n() > 1 ? groups_.n.get() : nullptr,
+                     time_};
+  TROUPE_ASSIGN_OR_RETURN(program_, program(env));
+  if (program_ == nullptr) return internal_error("Stage: the program factory returned nothing");
+  num_blocks_ = program_->num_blocks();
+  std::vector<ProgramParam> params = program_->parameters();
+  // The tied pair: the first stage's tied parameter and the last stage's copy.
+  int tied = 0, copies = 0;
+  for (const auto& p : params) {
+    if (p.param == nullptr) return invalid_argument("stage program: parameter '{}' has no Parameter", p.name);
+    if (p.tied && p.tied_copy) return invalid_argument("stage program: '{}' is both tied and a tied copy", p.name);
+    if ((p.tied && !first_) || (p.tied_copy && !last_)) {
+      return invalid_argument("stage program: '{}' is {} on stage {} (tied: first stage; copies: last stage)",
+                              p.name, p.tied ? "tied" : "a tied copy", coord_.pp);
+    }
+    if (p.tied_copy && !p.name.ends_with("[tied copy]")) {
+      return invalid_argument("stage program: the tied copy '{}' must be named '<parameter>[tied copy]'", p.name);
+    }
+    tied += p.tied ? 1 : 0;
+    copies += p.tied_copy ? 1 : 0;
+    if ((p.tied || p.tied_copy) && layout.pp() > 1) tied_params_.push_back(p.param);
+  }
+  if (tied > 1 || copies > 1) return invalid_argument("stage program: more than one tied parameter per stage");
+  if (layout.pp() > 1 && !tied_params_.empty()) {
     comm::CommSpec ts = base;
     ts.name = fmt::format("tied_dp{}_n{}", coord_.dp, coord_.n);
     ts.rank = first_ ? 0 : 1;
     ts.size = 2;
     TROUPE_ASSIGN_OR_RETURN(tied_, factory(ts));
   }
-
-  // ---- the model part ----------------------------------------------------------------
-  // Every rank initialises the whole model from the seed (by parameter name, so values do
-  // not depend on the layout) and keeps its stage's blocks and its experts.
-  model_ = std::make_unique<layers::Model>(tc_.model, tc_.train.seed);
-  const int64_t per_stage = tc_.model.n_layers / layout.pp();
-  block_lo_ = coord_.pp * per_stage;
-  block_hi_ = block_lo_ + per_stage;
-  const int64_t n = layout.n();
-  const DispatchMode mode = par.dispatch == "allgather" ? DispatchMode::kAllGather : DispatchMode::kAllToAll;
-  int64_t moe_index = 0;
-  for (int64_t i = 0; i < tc_.model.n_layers; ++i) {
-    layers::Block& b = *model_->blocks[static_cast<size_t>(i)];
-    const int64_t mi = b.is_moe() ? moe_index++ : -1;
-    if (i < block_lo_ || i >= block_hi_) continue;
-    auto role = std::make_unique<BlockRole>();
-    role->block = &b;
-    role->moe_index = mi;
-    if (n > 1) {
-      role->attn = std::make_unique<AttentionShard>(b.attn, *groups_.n, time_, par.overlap_a2a);
-      if (b.is_moe()) {
-        ExpertGroup::Options eo;
-        eo.chunks = par.chunks;
-        eo.overlap = par.overlap_a2a;
-        eo.fp8 = par.fp8_dispatch;
-        role->experts = std::make_unique<ExpertGroup>(
-            b.moe->experts, tc_.model.moe.top_k, tc_.model.recompute_swiglu, *groups_.n, time_, mode, eo);
-        b.moe->set_dispatch(role->experts.get());
-        b.moe->router.set_group_all_reduce([group = groups_.n.get(), time = &time_](std::vector<double>& v) {
-          sum_doubles(*group, v, *time, "router statistics");
-        });
-      }
-    }
-    roles_.push_back(std::move(role));
-  }
-  batch_ = tc_.train.micro_batch_size;
-  seq_local_ = tc_.train.seq_len / n;
-  loss_weight_ = 1.0f / static_cast<float>(tc_.train.grad_accum * layout.dp());
-  if (ctx_.on_device()) {
-    for (const auto& r : roles_) {
-      if (r->block->is_moe()) r->block->moe->router.bias = ctx_.to_device(r->block->moe->router.bias);
-    }
-  }
-  setup_params();
+  TROUPE_RETURN_IF_ERROR(setup_params(params));
   return ok_status();
 }
 
-void Stage::setup_params() {
+Status Stage::setup_params(const std::vector<ProgramParam>& params) {
   const bool n_lead = coord_.n == 0;
   std::vector<Entry> rep, exp;
-  if (first_) rep.push_back({"embedding.weight", &model_->embedding.weight, false, n_lead});
-  for (size_t ri = 0; ri < roles_.size(); ++ri) {
-    const auto& role = roles_[ri];
-    const int64_t i = block_lo_ + static_cast<int64_t>(ri);
-    std::vector<layers::NamedParameter> ps;
-    role->block->collect(fmt::format("blocks.{}", i), ps);
-    for (auto& p : ps) {
-      const bool is_expert = p.name.find(".moe.experts.") != std::string::npos;
-      if (is_expert && role->experts) continue;  // replaced by this rank's slice below
-      if (is_expert) {
-        exp.push_back({p.name, p.param, true, true});
-      } else {
-        rep.push_back({p.name, p.param, false, n_lead});
-      }
+  for (const auto& p : params) {
+    const int64_t ready = p.grad_ready;
+    if (ready != kGradReadyAtEnd && ready != kGradReadyAfterHead && (ready < 0 || ready >= num_blocks_)) {
+      return invalid_argument("stage program: parameter '{}' has grad_ready {} (blocks 0..{}, or kGradReadyAtEnd / "
+                              "kGradReadyAfterHead)",
+                              p.name, ready, num_blocks_ - 1);
     }
-    if (role->experts) {
-      const std::string pre = fmt::format("blocks.{}.moe.experts", i);
-      exp.push_back({pre + ".w1[local]", &role->experts->experts().w1, true, true});
-      exp.push_back({pre + ".w2[local]", &role->experts->experts().w2, true, true});
-    }
-  }
-  if (last_) {
-    std::vector<layers::NamedParameter> ps;
-    model_->head->collect(ps);
-    for (auto& p : ps) rep.push_back({p.name, p.param, false, n_lead});
-    // A tied head on a later stage holds a copy of the embedding: updated with the same
-    // (summed) gradient, counted in the norm on the first stage only.
-    if (tc_.model.tie_embeddings && !first_)
-      rep.push_back({"embedding.weight[tied copy]", &model_->embedding.weight, false, false});
+    // n-sharded parameters count in the norm on every rank; replicated ones on n-rank 0;
+    // a tied copy never (the first stage counts the parameter).
+    Entry e{p.name, p.param, p.sharded, p.sharded || (n_lead && !p.tied_copy), ready, p.role};
+    (p.sharded ? exp : rep).push_back(std::move(e));
   }
   entries_ = std::move(rep);
   int64_t off = 0;
@@ -318,20 +265,16 @@ void Stage::setup_params() {
   for (size_t i = 0; i < pieces_.size(); ++i) named.push_back({fmt::format("piece{}", i), &pieces_[i]});
   opt_ = std::make_unique<layers::AdamW>(named, tc_.optim, ctx_);
   setup_buckets();
+  return ok_status();
 }
 
 void Stage::setup_buckets() {
   buckets_.clear();
   param_order_.clear();
   if (layout_->dp() <= 1) return;
-  auto key_of = [&](const std::string& name) -> int64_t {
-    if (name.rfind("embedding.weight", 0) == 0) return kEndBucket;  // the embedding and a tied copy
-    if (name.rfind("blocks.", 0) == 0) return std::stoll(name.substr(7)) - block_lo_;
-    return kHeadBucket;
-  };
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];
-    const int64_t key = key_of(e.name);
+    const int64_t key = e.ready;
     const bool split = e.offset == rep_size_;  // replicated and expert parts never share one
     if (buckets_.empty() || buckets_.back().ready != key || split || buckets_.back().hi != e.offset) {
       buckets_.emplace_back();
@@ -344,8 +287,8 @@ void Stage::setup_buckets() {
   // Forward order for the parameter all-gather: the embedding, each block (replicated,
   // then experts), the head, a tied copy.
   auto rank_of = [&](const SyncBucket& b) -> int64_t {
-    if (b.ready == kEndBucket) return first_ && b.lo == 0 ? -1 : static_cast<int64_t>(roles_.size()) + 1;
-    if (b.ready == kHeadBucket) return static_cast<int64_t>(roles_.size());
+    if (b.ready == kEndBucket) return first_ && b.lo == 0 ? -1 : num_blocks_ + 1;
+    if (b.ready == kHeadBucket) return num_blocks_;
     return b.ready;
   };
   for (size_t i = 0; i < buckets_.size(); ++i) param_order_.push_back(i);
@@ -463,7 +406,7 @@ void Stage::load(bool eval, int64_t step, int64_t index, Micro& m) const {
 }
 
 Tensor Stage::recv_from(int peer_pp, bool grad) {
-  Tensor buf = ctx_.empty({batch_ * seq_local_, tc_.model.d_model});
+  Tensor buf = ctx_.empty({batch_ * seq_local_, program_->activation_width()});
   if (!ctx_.on_device()) {
     time_.wait(groups_.pp->recv(buf, peer_pp), "pipeline recv");
     return buf;
@@ -495,53 +438,26 @@ void Stage::await_sends() {
 }
 
 Tensor Stage::blocks_forward(const layers::Ctx& c, Tensor x, Micro& m, bool train) {
-  m.saved.resize(roles_.size());
-  for (size_t i = 0; i < roles_.size(); ++i) {
-    BlockRole& r = *roles_[i];
-    layers::Block& b = *r.block;
-    BlockSaved& s = m.saved[i];
-    if (train) await_params(static_cast<int64_t>(i));
+  m.saved.resize(static_cast<size_t>(num_blocks_));
+  for (int64_t i = 0; i < num_blocks_; ++i) {
+    if (train) await_params(i);
     const int64_t ts0 = comm::Work::now_ns();
-    Tensor n1 = b.norm1.forward(c, x, s.norm1);
-    Tensor a = r.attn ? r.attn->forward(c, n1, batch_, seq_local_, s.attn_sp)
-                      : b.attn.forward(c, n1, batch_, seq_local_, s.attn);
-    Tensor h = c.empty(x.shape());
-    kernels::add(c.ex, x, a, h);
-    Tensor n2 = b.norm2.forward(c, h, s.norm2);
-    Tensor f;
-    if (b.is_moe()) {
-      layers::MoELayer::Stats st;
-      f = b.moe->forward(c, n2, s.moe, train ? &st : nullptr);
-      if (train && coord_.n == 0) aux_acc_ += st.aux_loss * static_cast<double>(loss_weight_);
-    } else {
-      f = b.mlp->forward(c, n2, s.mlp);
-    }
-    kernels::add(c.ex, h, f, f);
-    x = f;
-    time_.span("main", fmt::format("forward block {}", block_lo_ + static_cast<int64_t>(i)), ts0,
-               comm::Work::now_ns());
+    x = program_->block_forward(c, i, x, m.saved[static_cast<size_t>(i)], train);
+    time_.span("main", "forward " + program_->block_name(i), ts0, comm::Work::now_ns());
   }
   return x;
 }
 
 Tensor Stage::blocks_backward(const layers::Ctx& c, Tensor dy, Micro& m) {
-  for (size_t i = roles_.size(); i-- > 0;) {
-    BlockRole& r = *roles_[i];
-    layers::Block& b = *r.block;
-    BlockSaved& s = m.saved[i];
+  for (int64_t i = num_blocks_; i-- > 0;) {
     const int64_t ts0 = comm::Work::now_ns();
-    Tensor dn2 = b.is_moe() ? b.moe->backward(c, dy, s.moe, loss_weight_) : b.mlp->backward(c, dy, s.mlp);
-    Tensor dh = b.norm2.backward(c, dn2, s.norm2);
-    kernels::add(c.ex, dh, dy, dh);
-    Tensor dn1 = r.attn ? r.attn->backward(c, dh, s.attn_sp) : b.attn.backward(c, dh, s.attn);
-    Tensor dx = b.norm1.backward(c, dn1, s.norm1);
-    kernels::add(c.ex, dx, dh, dx);
-    dy = dx;
-    s = BlockSaved();  // free activations as soon as they are used
-    time_.span("main", fmt::format("backward block {}", block_lo_ + static_cast<int64_t>(i)), ts0,
-               comm::Work::now_ns());
+    std::unique_ptr<StageProgram::Saved>& saved = m.saved[static_cast<size_t>(i)];
+    TROUPE_CHECK(saved != nullptr);  // block_forward must leave what its backward needs
+    dy = program_->block_backward(c, i, dy, *saved);
+    saved.reset();  // free activations as soon as they are used
+    time_.span("main", "backward " + program_->block_name(i), ts0, comm::Work::now_ns());
     // The step's last micro-batch has finished this block: its gradients are final.
-    if (last_micro_ && tc_.parallel.overlap_grad_sync) launch_grad_buckets(static_cast<int64_t>(i));
+    if (last_micro_ && tc_.parallel.overlap_grad_sync) launch_grad_buckets(i);
   }
   return dy;
 }
@@ -550,13 +466,13 @@ void Stage::forward(int64_t step, int64_t index, Micro& m) {
   const layers::Ctx& c = ctx_;
   if (first_ || last_) load(false, step, index, m);
   if (first_) await_params(kEndBucket);
-  Tensor x = first_ ? model_->embedding.forward(c, m.ids) : recv_from(coord_.pp - 1, false);
+  Tensor x = first_ ? program_->embed(c, m.ids) : recv_from(coord_.pp - 1, false);
   x = blocks_forward(c, x, m, true);
   if (last_) {
     await_params(kHeadBucket);
     await_params(kEndBucket);
     const float scale = m.tokens > 0 ? loss_weight_ / static_cast<float>(m.tokens) : 0.0f;
-    const double lm = model_->head->forward_backward(c, x, m.targets, scale, m.head_dx);
+    const double lm = program_->head_forward_backward(c, x, m.targets, scale, m.head_dx);
     if (index == tc_.train.grad_accum - 1 && tc_.parallel.overlap_grad_sync) launch_grad_buckets(kHeadBucket);
     lm_acc_ += m.tokens > 0 ? lm / static_cast<double>(m.tokens) * static_cast<double>(loss_weight_) : 0.0;
     if (coord_.n == 0) tokens_acc_ += static_cast<double>(m.tokens);
@@ -570,7 +486,7 @@ void Stage::backward(Micro& m) {
   Tensor dy = last_ ? m.head_dx : recv_from(coord_.pp + 1, true);
   dy = blocks_backward(c, dy, m);
   if (first_) {
-    model_->embedding.backward(c, m.ids, dy);
+    program_->embed_backward(c, m.ids, dy);
   } else {
     send_to(dy, coord_.pp - 1, true);
   }
@@ -589,7 +505,7 @@ StepReport Stage::run_step(int64_t step) {
     for (auto& bk : buckets_) bk.param = Bucket();
     params_pending_ = false;
   }
-  lm_acc_ = aux_acc_ = tokens_acc_ = 0;
+  lm_acc_ = tokens_acc_ = 0;
   if (ctx_.on_device()) {
     ctx_.alloc->reset_peak();
     kernels::fill(ctx_.ex, flat_grad_, 0.0f);
@@ -623,15 +539,15 @@ StepReport Stage::run_step(int64_t step) {
                      "replicated grads all_reduce (n)");
     }
     if (tied_) {
-      const layers::Parameter& w = model_->embedding.weight;
-      all_reduce_sum(*tied_, w.grad.view({w.numel()}), time_, "tied embedding all_reduce");
+      for (const layers::Parameter* w : tied_params_)
+        all_reduce_sum(*tied_, w->grad.view({w->numel()}), time_, "tied embedding all_reduce");
     }
   } else {
     // dp first (per bucket, most already launched during backward), then the n-group sum
     // of the replicated part on this rank's shard: the same order on every schedule.
     if (tied_) {
-      const layers::Parameter& w = model_->embedding.weight;
-      all_reduce_sum(*tied_, w.grad.view({w.numel()}), time_, "tied embedding all_reduce");
+      for (const layers::Parameter* w : tied_params_)
+        all_reduce_sum(*tied_, w->grad.view({w->numel()}), time_, "tied embedding all_reduce");
     }
     for (size_t i = 0; i < buckets_.size(); ++i) {
       if (!buckets_[i].grad_launched) launch_grad_buckets(buckets_[i].ready);
@@ -650,9 +566,12 @@ StepReport Stage::run_step(int64_t step) {
 
   // ---- norm, metrics, optimizer ------------------------------------------------------
   const double sumsq = grad_sum_squares();
-  const int64_t e = tc_.model.moe.num_experts;
-  const int64_t nmoe = model_->num_moe_blocks();
-  std::vector<double> v(static_cast<size_t>(7 + nmoe * e), 0.0);
+  // [sum of squares, LM loss, tokens, comm seconds, compression error, its reference |
+  // the program's statistics].
+  constexpr size_t kOwn = 6;
+  const std::vector<double> stats = program_->step_stats();
+  std::vector<double> v(kOwn + stats.size(), 0.0);
+  std::copy(stats.begin(), stats.end(), v.begin() + kOwn);
   // parallel.measure_compression (tests, benches; host tensors): the relative L2 error of
   // the compressed gradient against an extra fp32 exchange of the same gradients.
   const bool measured =
@@ -678,46 +597,28 @@ StepReport Stage::run_step(int64_t step) {
       const float* x = exact.data<float>() + (g - base);
       for (int64_t j = 0; j < pieces_[i].grad.numel(); ++j) {
         const double d = static_cast<double>(g[j]) - static_cast<double>(x[j]);
-        v[static_cast<size_t>(5 + nmoe * e)] += d * d;
-        v[static_cast<size_t>(6 + nmoe * e)] += static_cast<double>(x[j]) * static_cast<double>(x[j]);
+        v[4] += d * d;
+        v[5] += static_cast<double>(x[j]) * static_cast<double>(x[j]);
       }
     }
   }
   v[0] = sumsq;
   v[1] = lm_acc_;
-  v[2] = aux_acc_;
-  v[3] = tokens_acc_;
-  v[4] = time_.seconds();
-  if (coord_.n == 0) {
-    for (const auto& r : roles_) {
-      if (r->moe_index < 0) continue;
-      const auto& load = r->block->moe->step_load();
-      for (int64_t j = 0; j < e; ++j)
-        v[static_cast<size_t>(5 + r->moe_index * e + j)] += static_cast<double>(load[static_cast<size_t>(j)]);
-    }
-  }
+  v[2] = tokens_acc_;
+  v[3] = time_.seconds();
   sum_doubles(*world_, v, time_, "step metrics");
   if (measured && rank_ == 0) {
-    const double ex = v[static_cast<size_t>(6 + nmoe * e)];
-    fmt::print(stderr, "compression: step {} relative gradient error {:.4e} (bf16 gradient exchange{})\n",
-               step, ex > 0 ? std::sqrt(v[static_cast<size_t>(5 + nmoe * e)] / ex) : 0.0,
-               tc_.parallel.fp8_dispatch ? ", fp8 dispatch" : "");
+    fmt::print(stderr, "compression: step {} relative gradient error {:.4e} (bf16 gradient exchange{})\n", step,
+               v[5] > 0 ? std::sqrt(v[4] / v[5]) : 0.0, tc_.parallel.fp8_dispatch ? ", fp8 dispatch" : "");
   }
 
   StepReport rep;
   rep.step = step;
   rep.grad_norm = std::sqrt(v[0]);
   rep.lm_loss = v[1];
-  rep.aux_loss = v[2];
-  rep.loss = rep.lm_loss + rep.aux_loss;
-  rep.tokens = static_cast<int64_t>(std::llround(v[3]));
-  rep.comm_ms_mean = v[4] / layout_->world_size() * 1e3;
+  rep.tokens = static_cast<int64_t>(std::llround(v[2]));
+  rep.comm_ms_mean = v[3] / layout_->world_size() * 1e3;
   rep.lr = tc_.lr.at(step);
-  rep.expert_load.assign(static_cast<size_t>(nmoe), std::vector<int64_t>(static_cast<size_t>(e), 0));
-  for (int64_t i = 0; i < nmoe; ++i)
-    for (int64_t j = 0; j < e; ++j)
-      rep.expert_load[static_cast<size_t>(i)][static_cast<size_t>(j)] =
-          std::llround(v[static_cast<size_t>(5 + i * e + j)]);
 
   const int64_t opt_t0 = comm::Work::now_ns();
   opt_->step(ctx_, rep.lr, rep.grad_norm);
@@ -740,15 +641,10 @@ StepReport Stage::run_step(int64_t step) {
     }
     if (ctx_.on_device()) refresh_all = false;  // await_params refreshes each bucket
   }
-  for (const auto& r : roles_) {
-    if (r->moe_index >= 0) {
-      if (ctx_.on_device()) {
-        r->block->moe->update_bias(ctx_, rep.expert_load[static_cast<size_t>(r->moe_index)]);
-      } else {
-        r->block->moe->update_bias(rep.expert_load[static_cast<size_t>(r->moe_index)]);
-      }
-    }
-  }
+  // The program's statistics (e.g. aux loss, expert loads; train_moe updates its router
+  // biases from the loads here).
+  program_->end_step(ctx_, std::vector<double>(v.begin() + kOwn, v.end()), rep);
+  rep.loss = rep.lm_loss + rep.aux_loss;
   if (ctx_.on_device()) {
     if (refresh_all) refresh_working_copies();
     time_.drain("step collectives");
@@ -785,10 +681,10 @@ double Stage::evaluate() {
     if (k % layout_->dp() != coord_.dp) continue;
     Micro m;
     if (first_ || last_) load(true, 0, k, m);
-    Tensor x = first_ ? model_->embedding.forward(c, m.ids) : recv_from(coord_.pp - 1, false);
+    Tensor x = first_ ? program_->embed(c, m.ids) : recv_from(coord_.pp - 1, false);
     x = blocks_forward(c, x, m, false);
     if (last_) {
-      sum += model_->head->loss_sum(c, x, m.targets);
+      sum += program_->head_loss_sum(c, x, m.targets);
       if (coord_.n == 0) tokens += static_cast<double>(m.tokens);
     } else {
       send_to(x, coord_.pp + 1, false);

@@ -1,44 +1,45 @@
-// actors/training/stage.h — defines Stage, the worker-side training role of one rank of a
-// pp x dp x n layout (DESIGN.md "Processes and actors": a Stage per pipeline stage and
-// data-parallel replica, with an AttentionShard and an ExpertGroup per rank of the
-// n-group). One Stage runs one optimizer step SPMD when told to (run_step): no control
-// message inside a step, only collectives and pipeline send/recv.
+// actors/training/stage.h — defines Stage, the framework's side of one rank of a
+// pp x dp x n layout (DESIGN.md "Processes and actors"): it runs an app's StageProgram
+// (stage_program.h: the model part of this pipeline stage) one optimizer step at a time,
+// SPMD, when told to (run_step): no control message inside a step, only collectives and
+// pipeline send/recv. The worker's stage, attention and expert actors (role_actors.h)
+// front it.
 //
 // What a step does, and why the numbers equal one process running the whole model on
-// the dp * grad_accum micro-batches of the step (fp32, dropless):
+// the dp * grad_accum micro-batches of the step (fp32):
 // - Data: replica d, micro-batch m reads the loader's samples (d*ga + m)*mb + i — the
 //   samples one process reads as its micro-batch d*ga + m; every micro-batch has weight
 //   1 / (dp * ga). Rank r of the n-group holds tokens [r*S/n, (r+1)*S/n) of each sequence.
-// - Pipeline: 1F1B over the ga micro-batches; activations [B*S/n, D] forward, gradients
-//   backward, by send/recv to the same n-rank of the neighbouring stage. The first stage
-//   embeds, the last applies the LM head (grad scale = weight / tokens of the whole
-//   micro-batch, counted from the full targets every rank loads).
-// - Attention: Ulysses (AttentionShard). Experts: E/n per rank (ExpertGroup). The router's
-//   statistics are summed over the n-group per micro-batch (Router::set_group_all_reduce).
+// - Pipeline: 1F1B over the ga micro-batches; activations [B*S/n, width] forward,
+//   gradients backward, by send/recv to the same n-rank of the neighbouring stage. The
+//   first stage embeds, the last applies the program's head (grad scale = weight / tokens
+//   of the whole micro-batch, counted from the full targets every rank loads).
+// - Inside the n-group the program does what its model needs (train_moe: Ulysses
+//   attention, experts split over the group, router statistics summed there).
 // - Gradients: every parameter's value and gradient live in two flat buffers, the
-//   n-replicated parameters first, then this rank's experts. The replicated part is
-//   all-reduced over the n-group; a tied embedding is all-reduced between the first and
+//   n-replicated parameters first, then this rank's n-sharded ones. The replicated part is
+//   all-reduced over the n-group; a tied parameter is all-reduced between the first and
 //   last stage; then the whole buffer is reduce-scattered over dp (bf16 on the wire with
 //   parallel.compression) and each dp rank runs AdamW on its 1/dp shard (ZeRO-1), then
 //   the shards are all-gathered.
 // - Overlap (parallel.overlap_*; docs/parallelism.md "Overlap"): the dp reduce-scatter
-//   runs per bucket (one block's replicated or expert parameters, the head, the
-//   embedding), launched in backward as soon as the step's last micro-batch has finished
-//   a block; the n-group sum of the replicated part then runs on this rank's shard after
-//   the reduce-scatter (dp first, then n: the same order with or without overlap). The
-//   parameter all-gather after the optimizer is launched per bucket and each block waits
-//   for its own bucket in the next forward (state accessors wait for all of it first).
+//   runs per bucket (one block's replicated or sharded parameters, the head, the
+//   embedding: ProgramParam::grad_ready), launched in backward as soon as the step's last
+//   micro-batch has finished a block; the n-group sum of the replicated part then runs on
+//   this rank's shard after the reduce-scatter (dp first, then n: the same order with or
+//   without overlap). The parameter all-gather after the optimizer is launched per
+//   bucket and each block waits for its own bucket in the next forward (state accessors
+//   wait for all of it first).
 // - Norm and metrics: one fp64 sum over the world of [grad sum of squares (each value
 //   counted once: replicated parts on n-rank 0 only, a tied copy on the first stage only),
-//   LM loss, aux loss, tokens, per-expert loads]. The router bias update uses the summed
-//   loads, as one process does.
+//   LM loss, tokens, ..., the program's step_stats()]; the program's end_step gets the sums.
 // - Device (create with a CUDA Ctx, e.g. one GPU per worker): NCCL communicators on the
 //   Ctx's device, parameters/gradients/moments in device memory from the Ctx's allocator,
 //   bf16 working copies of the matrices (refreshed after each update) and activations in
-//   the Ctx's dtype (bf16 on the wire for Ulysses and the expert all-to-alls); collectives
-//   are ordered on the compute stream (group_ops.h "Device mode"), the overlapped ones on
-//   a communication stream ordered by events. pp > 1 and parallel.dispatch =
-//   "allgather" on a device are refused unless parallel.gpu_unverified = true (not yet run on GPUs).
+//   the Ctx's dtype; collectives are ordered on the compute stream (group_ops.h "Device
+//   mode"), the overlapped ones on a communication stream ordered by events. pp > 1 and
+//   parallel.dispatch = "allgather" on a device are refused unless
+//   parallel.gpu_unverified = true (not yet run on GPUs).
 #pragma once
 
 #include <map>
@@ -46,49 +47,32 @@
 #include <string>
 #include <vector>
 
-#include "actors/training/attention_shard.h"
 #include "actors/training/elastic_comm.h"
-#include "actors/training/expert_group.h"
 #include "actors/training/group_ops.h"
+#include "actors/training/stage_program.h"
 #include "actors/training/stage_state.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/writer.h"
 #include "comm/compression.h"
 #include "comm/parallel_layout.h"
-#include "layers/model.h"
 #include "layers/optimizer.h"
 #include "layers/token_data.h"
 #include "layers/train_config.h"
 
 namespace troupe::training {
 
-struct StepReport {
-  int64_t step = 0;
-  double loss = 0, lm_loss = 0, aux_loss = 0, grad_norm = 0, lr = 0;
-  int64_t tokens = 0;                             // tokens with a target in the whole step (all replicas)
-  std::vector<std::vector<int64_t>> expert_load;  // per MoE block, per expert (whole step)
-  // Wall time of this rank: the step, the part spent waiting on the data plane, and the
-  // world mean of the latter (measured up to the metrics reduction).
-  double step_ms = 0, comm_ms = 0, compute_ms = 0, comm_ms_mean = 0;
-  std::map<std::string, double> comm_by_kind_ms;  // this rank's comm_ms split by kind
-  // Device runs: this rank's allocator high-water mark in the step (bytes); -1 on the CPU.
-  int64_t peak_bytes = -1;
-};
 
 class Stage {
  public:
-  // Collective over the world: every rank calls it with the same config, store and
-  // namespace. Builds the communicators (dp, n, pp groups, the world, the tied-embedding
-  // pair), the model part and the optimizer shard. Takes the data splits.
-  static Result<std::unique_ptr<Stage>> create(const layers::TrainConfig& tc, int rank,
-                                               comm::RendezvousStore& store, const comm::StoreNamespace& ns,
-                                               layers::TokenShards train, layers::TokenShards val);
-  // The same on `ctx`'s device (a CPU Ctx gives the CPU Stage above). The Ctx's allocator
-  // and CudaContext must outlive the Stage.
-  static Result<std::unique_ptr<Stage>> create(const layers::TrainConfig& tc, int rank,
+  // Collective over the world: every rank calls it with the same config, program, store
+  // and namespace. Builds the communicators (dp, n, pp groups, the world, the tied pair),
+  // the program (this rank's model part) and the optimizer shard. Takes the data splits.
+  // On `ctx`'s device (default: the CPU); its allocator and CudaContext must outlive the
+  // Stage.
+  static Result<std::unique_ptr<Stage>> create(const layers::TrainConfig& tc, int rank, const ProgramFactory& program,
                                                comm::RendezvousStore& store, const comm::StoreNamespace& ns,
                                                layers::TokenShards train, layers::TokenShards val,
-                                               const layers::Ctx& ctx);
+                                               const layers::Ctx& ctx = layers::Ctx::cpu());
   ~Stage();
 
   StepReport run_step(int64_t step);
@@ -144,8 +128,8 @@ class Stage {
   // step left behind, all-gathers the imported moments over dp (collective over the dp
   // group, like replicate_optimizer) and commits the state as the state after `step_done`.
   void commit_imported(int64_t step_done);
-  // Parameters this rank owns, by the actor role that owns them: "attention" (its blocks'
-  // attention), "experts" (its experts), "stage" (all it holds).
+  // Parameters this rank owns, by the actor role that owns them (ProgramParam::role:
+  // "attention", "experts"), and "stage" (all it holds).
   std::map<std::string, int64_t> params_by_role() const;
   // ---- in-memory neighbour replicas (stage_elastic.cc) --------------------------------
   // What restores a rank when no data-parallel peer holds its state (MegaScale keeps such
@@ -164,24 +148,24 @@ class Stage {
   struct StateTensor;
   Result<std::vector<StateTensor>> state_tensors() const;
 
-  struct BlockRole;
-  struct BlockSaved;
   struct Micro;
   struct Entry {
     std::string name;
     layers::Parameter* param;
-    bool expert;   // this rank's own experts (not replicated over the n-group)
+    bool expert;   // n-sharded (ProgramParam::sharded): not replicated over the n-group
     bool in_norm;  // counted in the gradient norm on this rank
+    int64_t ready = kGradReadyAtEnd;  // ProgramParam::grad_ready: its dp bucket
+    std::string role;
     int64_t offset = 0;
   };
 
   Stage(const layers::TrainConfig& tc, int rank, layers::TokenShards train, layers::TokenShards val);
-  Status build(comm::RendezvousStore& store, const comm::StoreNamespace& ns);
-  void setup_params();
+  Status build(const ProgramFactory& program, comm::RendezvousStore& store, const comm::StoreNamespace& ns);
+  Status setup_params(const std::vector<ProgramParam>& params);
   double grad_sum_squares() const;  // this rank's share of the gradient norm
   void refresh_working_copies();
   // ---- bucketed dp synchronisation ----
-  static constexpr int64_t kHeadBucket = -2, kEndBucket = -1;  // Bucket readiness keys
+  static constexpr int64_t kHeadBucket = kGradReadyAfterHead, kEndBucket = kGradReadyAtEnd;  // readiness keys
   struct SyncBucket {
     int64_t lo = 0, hi = 0;
     int64_t ready = 0;  // role index whose backward completes it, kHeadBucket or kEndBucket
@@ -230,9 +214,10 @@ class Stage {
   void* comm_stream_ = nullptr;      // device: the communication stream (owned)
 
   layers::Ctx ctx_;
-  std::unique_ptr<layers::Model> model_;
-  std::vector<std::unique_ptr<BlockRole>> roles_;  // this stage's blocks
-  int64_t block_lo_ = 0, block_hi_ = 0;
+  // The app's model part (destroyed before the communicators and CommTime it uses).
+  std::unique_ptr<StageProgram> program_;
+  int64_t num_blocks_ = 0;
+  std::vector<layers::Parameter*> tied_params_;  // the tied parameter or copy (pp > 1)
   bool first_ = false, last_ = false;
   int64_t batch_ = 0, seq_local_ = 0;
   float loss_weight_ = 1.0f;
@@ -244,14 +229,13 @@ class Stage {
   // ---- elastic (stage_elastic.cc) ----
   comm::CommFactory elastic_factory(comm::CommFactory inner);
   std::vector<int64_t> piece_offsets() const;  // flat offset of each piece
-  std::vector<layers::MoELayer*> stage_moe_layers();
-  std::vector<Tensor*> router_biases();
+  std::vector<Tensor*> buffer_tensors();  // the program's buffers, in order
   void moments_to_pieces(const Tensor& full_m, const Tensor& full_v);
   void clear_interrupted_step();
   struct Committed {
     int64_t step = -1;
     Tensor value, m, v;
-    std::vector<Tensor> bias;
+    std::vector<Tensor> bias;  // the program's buffers
     int64_t opt_steps = 0;
   };
   std::vector<ElasticComm*> elastic_comms_;  // creation order
@@ -266,7 +250,7 @@ class Stage {
 
   // Per-step accumulators.
   std::vector<comm::WorkPtr> pending_sends_;
-  double lm_acc_ = 0, aux_acc_ = 0, tokens_acc_ = 0, eval_sum_ = 0, eval_tokens_ = 0;
+  double lm_acc_ = 0, tokens_acc_ = 0;
 };
 
 }  // namespace troupe::training

@@ -48,19 +48,9 @@ std::vector<int64_t> Stage::piece_offsets() const {
   return out;
 }
 
-std::vector<layers::MoELayer*> Stage::stage_moe_layers() {
-  std::vector<layers::MoELayer*> out;
-  for (int64_t i = block_lo_; i < block_hi_; ++i) {
-    layers::Block& b = *model_->blocks[static_cast<size_t>(i)];
-    if (b.is_moe()) out.push_back(b.moe.get());
-  }
-  return out;
-}
-
-std::vector<Tensor*> Stage::router_biases() {
-  // This stage's MoE blocks (roles_ holds blocks [block_lo_, block_hi_) in order).
+std::vector<Tensor*> Stage::buffer_tensors() {
   std::vector<Tensor*> out;
-  for (layers::MoELayer* m : stage_moe_layers()) out.push_back(&m->router.bias);
+  for (const ProgramBuffer& b : program_->buffers()) out.push_back(b.tensor);
   return out;
 }
 
@@ -107,15 +97,15 @@ void Stage::commit(int64_t step_done) {
   c.m = full_m_;  // never written in place (replicate_optimizer makes new tensors)
   c.v = full_v_;
   c.bias.clear();
-  for (Tensor* b : router_biases()) c.bias.push_back(b->clone());
+  for (Tensor* b : buffer_tensors()) c.bias.push_back(b->clone());
   c.opt_steps = opt_->steps_done();
 }
 
 void Stage::clear_interrupted_step() {
   // An interrupted step: its sends completed (aborted) when the communicators were
-  // aborted; its partial expert loads must not reach the next bias update.
+  // aborted; what the program accumulated (e.g. expert loads) must not reach the next step.
   pending_sends_.clear();
-  for (layers::MoELayer* m : stage_moe_layers()) m->update_bias(std::vector<int64_t>{});  // clears step_load only
+  program_->discard_step();
 }
 
 Status Stage::rollback(int64_t step_done) {
@@ -132,7 +122,7 @@ Status Stage::rollback(int64_t step_done) {
   full_m_ = c->m;
   full_v_ = c->v;
   moments_to_pieces(full_m_, full_v_);
-  std::vector<Tensor*> bs = router_biases();
+  std::vector<Tensor*> bs = buffer_tensors();
   for (size_t i = 0; i < bs.size(); ++i) bs[i]->copy_from(c->bias[i]);
   opt_->set_steps_done(c->opt_steps);
   const Committed keep = *c;
@@ -159,7 +149,7 @@ Status Stage::import_state(Stage& old) {
   full_m_.narrow(0, 0, flat_size_).copy_from(c.m.narrow(0, 0, flat_size_));
   full_v_.narrow(0, 0, flat_size_).copy_from(c.v.narrow(0, 0, flat_size_));
   moments_to_pieces(full_m_, full_v_);
-  std::vector<Tensor*> bs = router_biases();
+  std::vector<Tensor*> bs = buffer_tensors();
   if (bs.size() != c.bias.size()) return failed_precondition("import_state: router bias count differs");
   for (size_t i = 0; i < bs.size(); ++i) bs[i]->copy_from(c.bias[i]);
   opt_->set_steps_done(c.opt_steps);
@@ -184,7 +174,7 @@ void Stage::sync_state(int source_dp, int64_t step_done) {
     time_.wait(g.broadcast(fv.narrow(0, 0, flat_size_), source_dp), what);
     full_m_ = fm;
     full_v_ = fv;
-    std::vector<Tensor*> bs = router_biases();
+    std::vector<Tensor*> bs = buffer_tensors();
     for (Tensor* b : bs) time_.wait(g.broadcast(*b, source_dp), what);
     Tensor steps = Tensor::zeros({1}, DType::kI64);
     steps.data<int64_t>()[0] = opt_->steps_done();
@@ -212,11 +202,7 @@ std::map<std::string, int64_t> Stage::params_by_role() const {
   for (const Entry& e : entries_) {
     const int64_t n = e.param->numel();
     out["stage"] += n;
-    if (e.expert) {
-      out["experts"] += n;
-    } else if (e.name.find(".attn.") != std::string::npos) {
-      out["attention"] += n;
-    }
+    if (!e.role.empty()) out[e.role] += n;
   }
   return out;
 }
@@ -283,7 +269,7 @@ void Stage::install(const Committed& c) {
   full_m_ = c.m.clone();
   full_v_ = c.v.clone();
   moments_to_pieces(full_m_, full_v_);
-  std::vector<Tensor*> bs = router_biases();
+  std::vector<Tensor*> bs = buffer_tensors();
   TROUPE_CHECK_EQ(bs.size(), c.bias.size());
   for (size_t i = 0; i < bs.size(); ++i) bs[i]->copy_from(c.bias[i].view(bs[i]->shape()));
   opt_->set_steps_done(c.opt_steps);
@@ -334,7 +320,7 @@ Status Stage::restore_from_replicas(const std::vector<bool>& has_state, int64_t 
     mine.value = Tensor::zeros({flat_value_.numel()}, DType::kF32);
     mine.m = Tensor::zeros({flat_value_.numel()}, DType::kF32);
     mine.v = Tensor::zeros({flat_value_.numel()}, DType::kF32);
-    for (Tensor* b : router_biases()) mine.bias.push_back(Tensor::zeros({b->numel()}, DType::kF32));
+    for (Tensor* b : buffer_tensors()) mine.bias.push_back(Tensor::zeros({b->numel()}, DType::kF32));
     std::vector<Tensor> in{opt_steps, mine.value, mine.m, mine.v};
     for (const Tensor& b : mine.bias) in.push_back(b);
     for (const Tensor& t : in) works.push_back(w.recv(t, next));

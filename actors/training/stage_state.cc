@@ -48,22 +48,19 @@ Result<std::vector<Stage::StateTensor>> Stage::state_tensors() const {
   std::vector<Global> globals;
   for (const Entry& e : entries_) {
     // "...w1[local]" is this rank's block of experts, "embedding.weight[tied copy]" the
-    // last stage's copy of the embedding: both are slices of the bare global name.
+    // last stage's copy of the embedding: both are slices of the bare global name. An
+    // n-sharded parameter is dim 0's block of a global n times as large.
     const size_t br = e.name.find('[');
     Global g{e.name.substr(0, br), e.param->value.shape(), true};
-    if (br != std::string::npos && e.name.compare(br, std::string::npos, "[local]") == 0) g.shape[0] *= n;
+    if (e.expert) g.shape[0] *= n;
     if (br != std::string::npos && e.name.compare(br, std::string::npos, "[tied copy]") == 0) g.savable = false;
     out.push_back({g.name, g.shape, e.expert ? TensorPlacement::experts(stage) : TensorPlacement::replicated(stage),
                    e.param->value, g.savable});
     globals.push_back(std::move(g));
   }
-  // Router biases (replicated over dp and n).
-  for (int64_t i = block_lo_; i < block_hi_; ++i) {
-    layers::Block& b = *model_->blocks[static_cast<size_t>(i)];
-    if (!b.is_moe()) continue;
-    Tensor& bias = b.moe->router.bias;
-    out.push_back({fmt::format("blocks.{}.moe.router.bias", i), bias.shape(), TensorPlacement::replicated(stage), bias,
-                   true});
+  // The program's buffers, e.g. router biases (replicated over dp and n).
+  for (const ProgramBuffer& b : program_->buffers()) {
+    out.push_back({b.name, b.tensor->shape(), TensorPlacement::replicated(stage), *b.tensor, true});
   }
   // AdamW moments of this rank's ZeRO-1 shard: one piece per parameter overlapping it,
   // in the order setup_params made them (AdamW::state() gives m, v per piece).

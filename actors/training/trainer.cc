@@ -1268,14 +1268,14 @@ Status Trainer::run_job() {
     if (!checkpoint::list_checkpoints(dir).empty()) {
       resume_from = dir;
     } else {
-      fmt::print("train_moe: restarted driver: no checkpoint in {}: the job starts over\n", dir);
+      fmt::print("{}: restarted driver: no checkpoint in {}: the job starts over\n", o_.app, dir);
     }
   }
   if (!resume_from.empty()) {
     TROUPE_ASSIGN_OR_RETURN(resume, open_resume_checkpoint(resume_from));
     TROUPE_RETURN_IF_ERROR(check_resume_compatible(resume->manifest(), tc_));
     fmt::print(
-        "train_moe: resuming from {} (step {}, saved with layout {}) with elastic layout pp={} dp={} n={}\n",
+        "{}: resuming from {} (step {}, saved with layout {}) with elastic layout pp={} dp={} n={}\n", o_.app,
         resume->path(), resume->step(), resume->layout().to_string(), tc_.parallel.pp, tc_.parallel.dp,
         tc_.parallel.n);
     TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", resume->step()));
@@ -1491,7 +1491,7 @@ Status Trainer::run_job() {
   }
   const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
   event({{"event", "job_finished"}, {"recoveries", recoveries_}, {"seconds", total_s}});
-  fmt::print("train_moe: done in {:.1f}s; val_loss {:.4f} -> {:.4f}; {} recoveries\n", total_s, val0,
+  fmt::print("{}: done in {:.1f}s; val_loss {:.4f} -> {:.4f}; {} recoveries\n", o_.app, total_s, val0,
              last_val, recoveries_);
   return ok_status();
 }
@@ -1507,8 +1507,9 @@ Status run_trainer(const TrainerOptions& o, const layers::TrainConfig& tc,
   return t.run();
 }
 
-Status run_worker_process(const layers::TrainConfig& tc, comm::RendezvousStore& store,
-                          std::function<void()> cut_control, const layers::Ctx& ctx) {
+Status run_worker_process(const layers::TrainConfig& tc, const ProgramFactory& program,
+                          comm::RendezvousStore& store, std::function<void()> cut_control,
+                          const layers::Ctx& ctx) {
   const char* job = std::getenv("TROUPE_JOB_ID");
   if (job == nullptr || *job == '\0') return invalid_argument("worker: TROUPE_JOB_ID is not set");
   // Started by the scheduler in epoch 0: the slot is the rank; later ones, and the
@@ -1516,7 +1517,7 @@ Status run_worker_process(const layers::TrainConfig& tc, comm::RendezvousStore& 
   const int64_t slot = env_or("TROUPE_ELASTIC_SLOT", env_or("TROUPE_RANK", -1));
   if (slot < 0) return invalid_argument("worker: neither TROUPE_ELASTIC_SLOT nor TROUPE_RANK is set");
   const int64_t epoch = env_or("TROUPE_ELASTIC_EPOCH", 0);
-  return run_elastic_worker(tc, store, job, static_cast<int>(slot), static_cast<uint64_t>(epoch),
+  return run_elastic_worker(tc, program, store, job, static_cast<int>(slot), static_cast<uint64_t>(epoch),
                             std::move(cut_control), ctx);
 }
 

@@ -25,12 +25,14 @@
 #include "actors/training/elastic.h"
 #include "actors/training/messages.h"
 #include "actors/training/stage.h"
+#include "actors/training/stage_program.h"
 #include "comm/rendezvous_store.h"
 #include "layers/train_config.h"
 
 namespace troupe::training {
 
 struct TrainerOptions {
+  std::string app = "train";  // the app's name: the prefix of the Trainer's console lines
   // The program and arguments every worker runs (the standalone launcher execs
   // /proc/self/exe with them); unused under the scheduler, which starts the workers.
   std::vector<std::string> argv;
@@ -59,8 +61,9 @@ Status run_trainer(const TrainerOptions& o, const layers::TrainConfig& tc,
 // TROUPE_RANK, TROUPE_ELASTIC_EPOCH, handed over by whoever started it). `cut_control`
 // closes its control-plane connection (the cutctl fault; may be empty).
 // `ctx`: the CPU, or the worker's GPU.
-Status run_worker_process(const layers::TrainConfig& tc, comm::RendezvousStore& store,
-                          std::function<void()> cut_control = {},
+// `program`: the app's stage program.
+Status run_worker_process(const layers::TrainConfig& tc, const ProgramFactory& program,
+                          comm::RendezvousStore& store, std::function<void()> cut_control = {},
                           const layers::Ctx& ctx = layers::Ctx::cpu());
 
 // A worker's reply to a command (typed, messages.h) as the JSON the Trainer records:

@@ -1,12 +1,15 @@
 // apps/train_moe/commands.h — the subcommands of train_moe, one function each, called by
 // main.cc after CLI parsing: run_prepare (corpus -> tokenizer + token shards), run_train
-// (the single-process training loop), run_sample (text from a trained run), run_plot.
+// (training: one process here, several through the framework), run_sample (text from a
+// trained run), run_plot.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "actors/training/app.h"
+#include "actors/training/run_device.h"
 #include "core/status.h"
 
 namespace troupe::train_moe {
@@ -22,32 +25,15 @@ struct PrepareOptions {
 };
 Status run_prepare(const PrepareOptions& o);
 
-struct TrainOptions {
-  std::string config;
-  std::vector<std::string> overrides;
-  std::string run_dir;  // default: runs/<config name>
-  std::string backend = "cpu";
-  // --resume: a run directory, its checkpoints directory, or one step_<N> checkpoint;
-  // the newest valid checkpoint is loaded into the current layout and training goes on.
-  std::string resume;
-  std::vector<std::string> argv;  // the whole command line (the distributed launcher re-runs it)
-};
-class RunDevice;  // apps/train_moe/device.h
+// The training command line (actors/training/app.h: --config, --set, --parallel,
+// --run-dir, --backend, --resume), the same as every Troupe training app's.
+using TrainOptions = training::RunOptions;
+using training::RunDevice;
+// One rank (layout 1x1x1, not started by Troupe): the single-process loop in train.cc.
+// Otherwise the framework runs train_moe's stage program (moe_stage.h) as this process's
+// role (training::run_app: a worker, the Trainer, or the standalone launcher of both).
 // o.backend must name dev's backend (main() makes dev from it).
 Status run_train(const TrainOptions& o, RunDevice& dev);
-
-// Distributed mode (apps/train_moe/distributed.cc), called by run_train when the layout
-// has more than one rank or the process was started by Troupe (TROUPE_ROLE):
-// - TROUPE_ROLE=worker: hosts the Stage of rank TROUPE_RANK;
-// - TROUPE_ROLE=driver: runs the Trainer (troupe run started the workers);
-// - no TROUPE_ROLE: a standalone launcher — checks the layout, starts pp*dp*n local
-//   worker processes and runs the Trainer in this process.
-// dev: this process's device (--backend); a worker builds its Stage on it (GPU workers:
-// NCCL), the driver reports mfu for a CUDA run.
-Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDevice& dev);
-
-// "pp=2,n=2" -> {"parallel.pp=2", "parallel.n=2"} (keys pp, dp, n, dispatch, compression).
-Result<std::vector<std::string>> parse_parallel_flag(const std::string& spec);
 
 struct SampleOptions {
   std::string run;         // run directory: model.bin, else its checkpoints (sample.cc)

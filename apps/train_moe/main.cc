@@ -14,7 +14,6 @@
 #include <fmt/format.h>
 
 #include "apps/train_moe/commands.h"
-#include "apps/train_moe/device.h"
 
 namespace troupe::train_moe {
 
@@ -53,22 +52,9 @@ int main(int argc, char** argv) {
   app.require_subcommand(0, 1);
 
   TrainOptions train;
-  std::string parallel;
   // The training options, on the app itself (`train_moe --config ...`) and on the `train`
   // subcommand (`train_moe train --resume ...`), bound to the same variables.
-  auto add_train_options = [&train, &parallel](CLI::App* a) {
-    a->add_option("--config", train.config,
-                  "TOML config (e.g. apps/configs/tiny.toml); with --resume, default: the checkpoint's");
-    a->add_option("--set", train.overrides, "override a config key: --set train.steps=10 (repeatable)");
-    a->add_option("--run-dir", train.run_dir, "where metrics.jsonl and the weights go (default runs/<config>)");
-    a->add_option("--backend", train.backend, "cpu (default) or cuda (one GPU: device 0)");
-    a->add_option("--parallel", parallel,
-                  "parallel layout overriding [parallel]: e.g. pp=2,n=2 or dp=2,n=2,dispatch=allgather "
-                  "(several ranks: started locally, or by `troupe run --nproc N`)");
-    a->add_option("--resume", train.resume,
-                  "continue from the newest valid checkpoint of a run directory (or a checkpoints "
-                  "directory, or one step_<N> checkpoint), resharded to the current layout");
-  };
+  auto add_train_options = [&train](CLI::App* a) { troupe::training::add_run_options(*a, train); };
   add_train_options(&app);
   CLI::App* trn = app.add_subcommand("train", "train (the default when no subcommand is given)");
   add_train_options(trn);
@@ -118,13 +104,12 @@ int main(int argc, char** argv) {
                  app.help());
       return 2;
     }
-    if (!parallel.empty()) {
-      auto extra = parse_parallel_flag(parallel);
+    if (!train.parallel.empty()) {
+      auto extra = troupe::training::parallel_overrides(train.parallel);
       if (!extra.ok()) {
         fmt::print(stderr, "train_moe: error: {}\n", extra.status().to_string());
         return 2;
       }
-      train.overrides.insert(train.overrides.end(), extra.value().begin(), extra.value().end());
     }
     // The device (CUDA stream, caching allocator, CudaContext) lives here, for the whole run.
     auto dev = RunDevice::create(train.backend);

@@ -16,7 +16,7 @@
 #include "actors/training/checkpointing.h"
 #include "actors/training/trainer.h"
 #include "apps/train_moe/commands.h"
-#include "apps/train_moe/device.h"
+#include "apps/train_moe/moe_stage.h"
 #include "apps/train_moe/model_state.h"
 #include "apps/train_moe/weights_io.h"
 #include "layers/model.h"
@@ -113,17 +113,24 @@ constexpr double kPeakFlopsPerGpu = 989e12;
 
 Status run_train(const TrainOptions& opts, RunDevice& dev) {
   // ---- configuration ------------------------------------------------------------------
-  TrainOptions derived;
-  if (opts.config.empty() && !opts.resume.empty()) {
-    TROUPE_ASSIGN_OR_RETURN(derived, with_checkpoint_config(opts));
+  // --parallel becomes overrides after --set's (recorded with the run and its checkpoints).
+  TrainOptions folded = opts;
+  if (!folded.parallel.empty()) {
+    TROUPE_ASSIGN_OR_RETURN(std::vector<std::string> extra, training::parallel_overrides(folded.parallel));
+    folded.overrides.insert(folded.overrides.end(), extra.begin(), extra.end());
+    folded.parallel.clear();
   }
-  const TrainOptions& o = derived.config.empty() ? opts : derived;
+  TrainOptions derived;
+  if (folded.config.empty() && !folded.resume.empty()) {
+    TROUPE_ASSIGN_OR_RETURN(derived, with_checkpoint_config(folded));
+  }
+  const TrainOptions& o = derived.config.empty() ? folded : derived;
   if (o.config.empty()) return invalid_argument("train: --config is required");
   TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, layers::load_train_config(o.config, o.overrides));
   if (tc.data.dir.empty()) return invalid_argument("{}: data.dir is not set (the output of train_moe prepare)", tc.source);
   if (tc.parallel.world() != 1 || std::getenv("TROUPE_ROLE") != nullptr) {
-    std::string dist_run_dir = o.run_dir.empty() ? "runs/" + fs::path(o.config).stem().string() : o.run_dir;
-    return run_distributed(o, dist_run_dir, dev);
+    // Several ranks (or started by Troupe): the framework's Trainer and workers.
+    return training::run_app(moe_app(), o, dev.ctx());
   }
 
   // ---- data and tokenizer -------------------------------------------------------------

@@ -12,7 +12,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "apps/train_moe/device.h"
+#include "actors/training/run_device.h"
 #include "layers/model.h"
 #include "layers/optimizer.h"
 
@@ -22,6 +22,8 @@
 
 namespace troupe::train_moe {
 namespace {
+
+using training::RunDevice;
 
 constexpr int64_t kBatch = 4, kSeq = 128, kVocab = 512;
 

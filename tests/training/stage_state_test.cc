@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "actors/training/stage.h"
+#include "apps/train_moe/moe_stage.h"
 #include "comm/rendezvous_store.h"
 #include "layers/token_data.h"
 #include "layers/train_config.h"
@@ -76,7 +77,7 @@ class StageState : public ::testing::Test {
         auto val = layers::TokenShards::open(tc.data.dir, "val");
         ASSERT_TRUE(train.ok()) << train.status().to_string();
         ASSERT_TRUE(val.ok()) << val.status().to_string();
-        auto s = Stage::create(tc, r, **store, ns, std::move(*train), std::move(*val));
+        auto s = Stage::create(tc, r, train_moe::moe_stage_program(), **store, ns, std::move(*train), std::move(*val));
         ASSERT_TRUE(s.ok()) << s.status().to_string();
         stages[static_cast<size_t>(r)] = std::move(*s);
       });

@@ -1,6 +1,6 @@
-// apps/train_moe/device.cc — RunDevice: the CPU Ctx, or the CUDA stream, caching
+// actors/training/run_device.cc — RunDevice: the CPU Ctx, or the CUDA stream, caching
 // allocator and CudaContext of this process's device.
-#include "apps/train_moe/device.h"
+#include "actors/training/run_device.h"
 
 #include <cstdlib>
 #include <string>
@@ -18,7 +18,7 @@
 #include "kernels/cuda/context.h"
 #endif
 
-namespace troupe::train_moe {
+namespace troupe::training {
 
 #if TROUPE_HAVE_CUDA
 struct RunDevice::Cuda {
@@ -121,4 +121,4 @@ void RunDevice::range_pop() const {
 #endif
 }
 
-}  // namespace troupe::train_moe
+}  // namespace troupe::training

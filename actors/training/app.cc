@@ -1,34 +1,41 @@
-// apps/train_moe/distributed.cc — train_moe with a multi-rank layout: the wiring between
-// the app and the framework's Trainer (actors/training/trainer.h). The role comes from the
-// launcher: TROUPE_ROLE=worker runs a worker; TROUPE_ROLE=driver (under troupe-scheduler)
-// or no role (the standalone launcher) runs the Trainer. Every distributed run survives a
-// lost worker (docs/elastic.md); [elastic] in the config tunes how.
-//
-// Rendezvous: under the scheduler (TROUPE_SCHEDULER set), the scheduler's store for the
-// job; otherwise a FileStore in <run dir>/rendezvous.
+// actors/training/app.cc — run_app: the wiring between an app's main() and the Trainer
+// (trainer.h). Rendezvous: under the scheduler (TROUPE_SCHEDULER set), the scheduler's
+// store for the job; otherwise a FileStore in <run dir>/rendezvous.
+#include "actors/training/app.h"
 
-#include <fmt/format.h>
-
-#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <memory>
+#include <optional>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
 
 #include "actors/training/trainer.h"
-#include "apps/train_moe/commands.h"
-#include "apps/train_moe/device.h"
 #include "comm/rendezvous_store.h"
 #include "layers/tokenizer.h"
-#include "layers/train_config.h"
 #include "scheduler/job_context.h"
 #include "scheduler/scheduler_store.h"
 
-namespace troupe::train_moe {
+namespace troupe::training {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
 
-Result<std::vector<std::string>> parse_parallel_flag(const std::string& spec) {
+void add_run_options(CLI::App& cli, RunOptions& o) {
+  cli.add_option("--config", o.config, "TOML config (e.g. apps/configs/tiny.toml)");
+  cli.add_option("--set", o.overrides, "override a config key: --set train.steps=10 (repeatable)");
+  cli.add_option("--run-dir", o.run_dir, "where metrics.jsonl, events.jsonl and checkpoints go (default runs/<config>)");
+  cli.add_option("--backend", o.backend, "cpu (default) or cuda (one GPU per worker)");
+  cli.add_option("--parallel", o.parallel,
+                 "parallel layout overriding [parallel]: e.g. pp=2,dp=2 or dp=2,n=2,dispatch=allgather "
+                 "(several ranks: started locally, or by `troupe run --nproc N`)");
+  cli.add_option("--resume", o.resume,
+                 "continue from the newest valid checkpoint of a run directory (or a checkpoints "
+                 "directory, or one step_<N> checkpoint), resharded to the current layout");
+}
+
+Result<std::vector<std::string>> parallel_overrides(const std::string& spec) {
   std::vector<std::string> out;
   size_t pos = 0;
   while (pos <= spec.size()) {
@@ -52,6 +59,16 @@ Result<std::vector<std::string>> parse_parallel_flag(const std::string& spec) {
   return out;
 }
 
+Result<layers::TrainConfig> load_run_config(const RunOptions& o) {
+  if (o.config.empty()) return invalid_argument("--config is required");
+  std::vector<std::string> overrides = o.overrides;
+  if (!o.parallel.empty()) {
+    TROUPE_ASSIGN_OR_RETURN(std::vector<std::string> extra, parallel_overrides(o.parallel));
+    overrides.insert(overrides.end(), extra.begin(), extra.end());
+  }
+  return layers::load_train_config(o.config, overrides);
+}
+
 namespace {
 
 const char* env(const char* name) { return std::getenv(name); }
@@ -63,8 +80,8 @@ Status copy_file(const std::string& from, const std::string& to) {
   return ok_status();
 }
 
-// comm's store interface over the scheduler's rendezvous store (the app wires the two
-// together: comm never includes scheduler code).
+// comm's store interface over the scheduler's rendezvous store (comm never includes
+// scheduler code; this file wires the two together).
 class SchedulerRendezvous final : public comm::RendezvousStore {
  public:
   explicit SchedulerRendezvous(std::unique_ptr<sched::SchedulerStore> s) : s_(std::move(s)) {}
@@ -95,8 +112,18 @@ Result<std::unique_ptr<comm::RendezvousStore>> open_store(const std::string& run
 
 }  // namespace
 
-Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDevice& dev) {
-  TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, layers::load_train_config(o.config, o.overrides));
+Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
+  if (!app.program) return invalid_argument("{}: the app gives no stage program", app.name);
+  TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, load_run_config(o));
+  if (tc.data.dir.empty()) {
+    return invalid_argument("{}: data.dir is not set (the output of train_moe prepare)", tc.source);
+  }
+  const std::string run_dir = o.run_dir.empty() ? "runs/" + fs::path(o.config).stem().string() : o.run_dir;
+  std::vector<std::string> overrides = o.overrides;
+  if (!o.parallel.empty()) {
+    TROUPE_ASSIGN_OR_RETURN(std::vector<std::string> extra, parallel_overrides(o.parallel));
+    overrides.insert(overrides.end(), extra.begin(), extra.end());
+  }
   const char* role_env = env("TROUPE_ROLE");
   const std::string role = role_env ? role_env : "";
   if (!role.empty() && role != "driver" && role != "worker") {
@@ -106,8 +133,7 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDev
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> store, open_store(run_dir));
     std::function<void()> cut_control;
     if (auto* sr = dynamic_cast<SchedulerRendezvous*>(store.get())) cut_control = [sr] { sr->disconnect(); };
-    if (dev.is_cuda()) fmt::print("train_moe: worker on {}\n", dev.name());
-    return training::run_worker_process(tc, *store, std::move(cut_control), dev.ctx());
+    return run_worker_process(tc, app.program, *store, std::move(cut_control), ctx);
   }
 
   // ---- the driver (troupe run / submit) or the standalone launcher --------------------
@@ -118,8 +144,7 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDev
       return invalid_argument(
           "{}: layout pp={} dp={} n={} needs {} workers but the job has {} "
           "(troupe run --nproc {})",
-          tc.source, tc.parallel.pp, tc.parallel.dp, tc.parallel.n, tc.parallel.world(), ws,
-          tc.parallel.world());
+          tc.source, tc.parallel.pp, tc.parallel.dp, tc.parallel.n, tc.parallel.world(), ws, tc.parallel.world());
     }
   }
   TROUPE_ASSIGN_OR_RETURN(layers::Tokenizer tok, layers::Tokenizer::load(tc.data.dir + "/tokenizer.json"));
@@ -134,37 +159,33 @@ Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDev
   TROUPE_RETURN_IF_ERROR(copy_file(o.config, run_dir + "/config.toml"));
   {
     std::ofstream ov(run_dir + "/overrides.txt");
-    for (const auto& s : o.overrides) ov << s << "\n";
+    for (const auto& s : overrides) ov << s << "\n";
   }
-  training::TrainerOptions to;
+  TrainerOptions to;
+  to.app = app.name;
   to.argv = o.argv;
   to.config = o.config;
-  to.overrides = o.overrides;
+  to.overrides = overrides;
   to.resume = o.resume;
   to.run_dir = run_dir;
   to.gpu = o.backend == "cuda";
-  if (to.gpu) {
-    // Model FLOPs per token: 6 * active parameters + 6 * L * s * d (causal attention).
-    to.flops_per_token = 6.0 * static_cast<double>(tc.model.num_active_params()) +
-                         6.0 * static_cast<double>(tc.model.n_layers * tc.train.seq_len * tc.model.d_model);
-  }
+  if (to.gpu && app.flops_per_token) to.flops_per_token = app.flops_per_token(tc);
   std::unique_ptr<comm::RendezvousStore> scheduled;
   std::shared_ptr<sched::SchedulerSession> session;
   if (role == "driver") {
     TROUPE_ASSIGN_OR_RETURN(scheduled, open_store(run_dir));
     // The actor placement of each epoch goes into the scheduler's durable state.
-    TROUPE_ASSIGN_OR_RETURN(std::optional<sched::JobContext> ctx, sched::JobContext::from_env());
-    if (ctx) {
-      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<sched::SchedulerSession> s,
-                              sched::SchedulerSession::connect(*ctx));
+    TROUPE_ASSIGN_OR_RETURN(std::optional<sched::JobContext> jc, sched::JobContext::from_env());
+    if (jc) {
+      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<sched::SchedulerSession> s, sched::SchedulerSession::connect(*jc));
       session = std::move(s);
       to.publish_placement = [session,
-                              epoch = ctx->epoch](const std::vector<std::pair<std::string, std::string>>& p) {
+                              epoch = jc->epoch](const std::vector<std::pair<std::string, std::string>>& p) {
         return session->place_actors(epoch, p, std::chrono::milliseconds(10000)).status();
       };
     }
   }
-  return training::run_trainer(to, tc, std::move(scheduled));
+  return run_trainer(to, tc, std::move(scheduled));
 }
 
-}  // namespace troupe::train_moe
+}  // namespace troupe::training

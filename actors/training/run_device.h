@@ -1,4 +1,4 @@
-// apps/train_moe/device.h — defines RunDevice, the execution resources of one training
+// actors/training/run_device.h — defines RunDevice, the execution resources of one training
 // process, made by main() from --backend and passed down: for "cuda" a stream, the
 // CudaCachingAllocator every device tensor (parameters, optimizer state, activations,
 // op scratch) comes from, and the CudaContext; for "cpu" the CPU Ctx. Its Ctx is what
@@ -12,7 +12,7 @@
 #include "core/status.h"
 #include "layers/context.h"
 
-namespace troupe::train_moe {
+namespace troupe::training {
 
 class RunDevice {
  public:
@@ -51,4 +51,4 @@ class RunDevice {
   std::string name_ = "cpu";
 };
 
-}  // namespace troupe::train_moe
+}  // namespace troupe::training
