@@ -15,7 +15,8 @@
 //
 // Contract, per step: for each micro-batch the first stage calls embed(ids), every stage
 // block_forward(i) for its blocks in order, the last stage head_forward_backward; then,
-// in reverse, block_backward(i) and (first stage) embed_backward. Every call adds its
+// in reverse, block_backward(i) and (first stage) embed_backward. By default embed and
+// the head run the program's layers::Embedding and layers::LMHead. Every call adds its
 // gradients to the Parameter::grad of the parameters it used (the framework zeroes them
 // per step and rebinds every Parameter onto its flat buffers once, after parameters()).
 // Values depend only on the seed and each parameter's global name, never on the layout,
@@ -31,9 +32,12 @@
 
 #include "actors/training/group_ops.h"
 #include "comm/parallel_layout.h"
+#include "core/check.h"
 #include "core/status.h"
 #include "core/tensor.h"
 #include "layers/context.h"
+#include "layers/embedding.h"
+#include "layers/lm_head.h"
 #include "layers/parameter.h"
 #include "layers/train_config.h"
 
@@ -119,9 +123,16 @@ class StageProgram {
   // Width of the activations passed between stages: [batch * seq_local, width].
   virtual int64_t activation_width() const = 0;
 
+  // The first stage's token embedding and the last stage's LM head (final norm,
+  // projection, cross-entropy), whose forward and backward the framework calls. A program
+  // with another input or loss overrides embed ... head_loss_sum below instead.
+  virtual layers::Embedding* embedding() { return nullptr; }
+  virtual layers::LMHead* head() { return nullptr; }
   // First stage: token ids i32 [batch * seq_local] -> activations.
-  virtual Tensor embed(const layers::Ctx& c, const Tensor& ids) = 0;
-  virtual void embed_backward(const layers::Ctx& c, const Tensor& ids, const Tensor& dx) = 0;
+  virtual Tensor embed(const layers::Ctx& c, const Tensor& ids) { return need(embedding(), "embedding")->forward(c, ids); }
+  virtual void embed_backward(const layers::Ctx& c, const Tensor& ids, const Tensor& dx) {
+    need(embedding(), "embedding")->backward(c, ids, dx);
+  }
   // This stage's blocks, 0 .. num_blocks() - 1. `train` false: evaluation (no backward).
   virtual int64_t num_blocks() const = 0;
   virtual std::string block_name(int64_t i) const { return "block " + std::to_string(i); }
@@ -131,8 +142,12 @@ class StageProgram {
   // Last stage: the loss of the micro-batch. Returns the sum of token losses, adds
   // scale * d(sum)/d(params) to the head's gradients and sets dx = scale * d(sum)/dx.
   virtual double head_forward_backward(const layers::Ctx& c, const Tensor& x, const Tensor& targets, float scale,
-                                       Tensor& dx) = 0;
-  virtual double head_loss_sum(const layers::Ctx& c, const Tensor& x, const Tensor& targets) = 0;
+                                       Tensor& dx) {
+    return need(head(), "head")->forward_backward(c, x, targets, scale, dx);
+  }
+  virtual double head_loss_sum(const layers::Ctx& c, const Tensor& x, const Tensor& targets) {
+    return need(head(), "head")->loss_sum(c, x, targets);
+  }
 
   // Step statistics of the program beyond the LM loss (e.g. an auxiliary loss, expert
   // loads): this rank's contribution, summed over the world by the framework with its own
@@ -144,6 +159,14 @@ class StageProgram {
   }
   // A step was interrupted (a failure unwound it): drop what it accumulated.
   virtual void discard_step() {}
+
+ private:
+  template <class T>
+  static T* need(T* p, const char* what) {
+    TROUPE_CHECK(p != nullptr, "stage program: the framework needs its {} on this stage (override {}() or the "
+                 "calls that use it)", what, what);
+    return p;
+  }
 };
 
 using ProgramFactory = std::function<Result<std::unique_ptr<StageProgram>>(const StageEnv&)>;

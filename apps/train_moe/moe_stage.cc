@@ -11,6 +11,7 @@
 #include "actors/training/attention_shard.h"
 #include "actors/training/expert_group.h"
 #include "layers/model.h"
+#include "layers/residual.h"
 
 namespace troupe::train_moe {
 namespace {
@@ -128,59 +129,45 @@ class MoeStage final : public training::StageProgram {
 
   int64_t activation_width() const override { return tc_.model.d_model; }
 
-  Tensor embed(const layers::Ctx& c, const Tensor& ids) override { return model_->embedding.forward(c, ids); }
-  void embed_backward(const layers::Ctx& c, const Tensor& ids, const Tensor& dx) override {
-    model_->embedding.backward(c, ids, dx);
-  }
+  layers::Embedding* embedding() override { return first_ ? &model_->embedding : nullptr; }
+  layers::LMHead* head() override { return last_ ? model_->head.get() : nullptr; }
 
   int64_t num_blocks() const override { return static_cast<int64_t>(roles_.size()); }
   std::string block_name(int64_t i) const override { return fmt::format("block {}", block_lo_ + i); }
 
+  // x + attention(norm1(x)), then h + ffn(norm2(h)) with ffn the MoE layer or the MLP.
   Tensor block_forward(const layers::Ctx& c, int64_t i, const Tensor& x, std::unique_ptr<Saved>& saved,
                        bool train) override {
     Role& r = *roles_[static_cast<size_t>(i)];
     layers::Block& b = *r.block;
     auto s = std::make_unique<BlockSaved>();
-    Tensor n1 = b.norm1.forward(c, x, s->norm1);
-    Tensor a = r.attn ? r.attn->forward(c, n1, batch_, seq_local_, s->attn_sp)
-                      : b.attn.forward(c, n1, batch_, seq_local_, s->attn);
-    Tensor h = c.empty(x.shape());
-    kernels::add(c.ex, x, a, h);
-    Tensor n2 = b.norm2.forward(c, h, s->norm2);
-    Tensor f;
-    if (b.is_moe()) {
+    Tensor h = layers::residual_forward(c, x, b.norm1, s->norm1, [&](const Tensor& n) {
+      return r.attn ? r.attn->forward(c, n, batch_, seq_local_, s->attn_sp)
+                    : b.attn.forward(c, n, batch_, seq_local_, s->attn);
+    });
+    Tensor y = layers::residual_forward(c, h, b.norm2, s->norm2, [&](const Tensor& n) {
+      if (!b.is_moe()) return b.mlp->forward(c, n, s->mlp);
       layers::MoELayer::Stats st;
-      f = b.moe->forward(c, n2, s->moe, train ? &st : nullptr);
+      Tensor f = b.moe->forward(c, n, s->moe, train ? &st : nullptr);
       // The aux loss is the same on every rank of the n-group (its statistics are summed
       // there): counted once.
       if (train && n_rank_ == 0) aux_acc_ += st.aux_loss * static_cast<double>(loss_weight_);
-    } else {
-      f = b.mlp->forward(c, n2, s->mlp);
-    }
-    kernels::add(c.ex, h, f, f);
+      return f;
+    });
     saved = std::move(s);
-    return f;
+    return y;
   }
 
   Tensor block_backward(const layers::Ctx& c, int64_t i, const Tensor& dy, Saved& saved) override {
     Role& r = *roles_[static_cast<size_t>(i)];
     layers::Block& b = *r.block;
     auto& s = static_cast<BlockSaved&>(saved);
-    Tensor dn2 = b.is_moe() ? b.moe->backward(c, dy, s.moe, loss_weight_) : b.mlp->backward(c, dy, s.mlp);
-    Tensor dh = b.norm2.backward(c, dn2, s.norm2);
-    kernels::add(c.ex, dh, dy, dh);
-    Tensor dn1 = r.attn ? r.attn->backward(c, dh, s.attn_sp) : b.attn.backward(c, dh, s.attn);
-    Tensor dx = b.norm1.backward(c, dn1, s.norm1);
-    kernels::add(c.ex, dx, dh, dx);
-    return dx;
-  }
-
-  double head_forward_backward(const layers::Ctx& c, const Tensor& x, const Tensor& targets, float scale,
-                               Tensor& dx) override {
-    return model_->head->forward_backward(c, x, targets, scale, dx);
-  }
-  double head_loss_sum(const layers::Ctx& c, const Tensor& x, const Tensor& targets) override {
-    return model_->head->loss_sum(c, x, targets);
+    Tensor dh = layers::residual_backward(c, dy, b.norm2, s.norm2, [&](const Tensor& d) {
+      return b.is_moe() ? b.moe->backward(c, d, s.moe, loss_weight_) : b.mlp->backward(c, d, s.mlp);
+    });
+    return layers::residual_backward(c, dh, b.norm1, s.norm1, [&](const Tensor& d) {
+      return r.attn ? r.attn->backward(c, d, s.attn_sp) : b.attn.backward(c, d, s.attn);
+    });
   }
 
   // [aux loss, then per MoE block of the whole model, per expert: its selections]. The

@@ -22,6 +22,7 @@
 #include "layers/embedding.h"
 #include "layers/lm_head.h"
 #include "layers/mlp.h"
+#include "layers/residual.h"
 
 namespace dense_lm {
 
@@ -109,46 +110,34 @@ class DenseStage final : public training::StageProgram {
 
   int64_t activation_width() const override { return cfg_.d_model; }
 
-  Tensor embed(const layers::Ctx& c, const Tensor& ids) override { return embedding_->forward(c, ids); }
-  void embed_backward(const layers::Ctx& c, const Tensor& ids, const Tensor& dx) override {
-    embedding_->backward(c, ids, dx);
-  }
+  // The framework runs the embedding (first stage) and the head (last stage) itself.
+  layers::Embedding* embedding() override { return first_ ? embedding_.get() : nullptr; }
+  layers::LMHead* head() override { return head_.get(); }
 
   int64_t num_blocks() const override { return static_cast<int64_t>(blocks_.size()); }
   std::string block_name(int64_t i) const override { return fmt::format("block {}", lo_ + i); }
 
+  // x + attn(norm1(x)), then h + mlp(norm2(h)) (layers/residual.h).
   Tensor block_forward(const layers::Ctx& c, int64_t i, const Tensor& x, std::unique_ptr<Saved>& saved,
                        bool /*train*/) override {
     Block& b = *blocks_[static_cast<size_t>(i)];
     auto s = std::make_unique<BlockSaved>();
-    Tensor n1 = b.norm1.forward(c, x, s->norm1);
-    Tensor a = b.shard ? b.shard->forward(c, n1, batch_, seq_local_, s->attn_sp)
-                       : b.attn.forward(c, n1, batch_, seq_local_, s->attn);
-    Tensor h = c.empty(x.shape());
-    kernels::add(c.ex, x, a, h);
-    Tensor f = b.mlp.forward(c, b.norm2.forward(c, h, s->norm2), s->mlp);
-    kernels::add(c.ex, h, f, f);
+    Tensor h = layers::residual_forward(c, x, b.norm1, s->norm1, [&](const Tensor& n) {
+      return b.shard ? b.shard->forward(c, n, batch_, seq_local_, s->attn_sp)
+                     : b.attn.forward(c, n, batch_, seq_local_, s->attn);
+    });
+    Tensor y = layers::residual_forward(c, h, b.norm2, s->norm2, [&](const Tensor& n) { return b.mlp.forward(c, n, s->mlp); });
     saved = std::move(s);
-    return f;
+    return y;
   }
 
   Tensor block_backward(const layers::Ctx& c, int64_t i, const Tensor& dy, Saved& saved) override {
     Block& b = *blocks_[static_cast<size_t>(i)];
     auto& s = static_cast<BlockSaved&>(saved);
-    Tensor dh = b.norm2.backward(c, b.mlp.backward(c, dy, s.mlp), s.norm2);
-    kernels::add(c.ex, dh, dy, dh);
-    Tensor dn1 = b.shard ? b.shard->backward(c, dh, s.attn_sp) : b.attn.backward(c, dh, s.attn);
-    Tensor dx = b.norm1.backward(c, dn1, s.norm1);
-    kernels::add(c.ex, dx, dh, dx);
-    return dx;
-  }
-
-  double head_forward_backward(const layers::Ctx& c, const Tensor& x, const Tensor& targets, float scale,
-                               Tensor& dx) override {
-    return head_->forward_backward(c, x, targets, scale, dx);
-  }
-  double head_loss_sum(const layers::Ctx& c, const Tensor& x, const Tensor& targets) override {
-    return head_->loss_sum(c, x, targets);
+    Tensor dh = layers::residual_backward(c, dy, b.norm2, s.norm2, [&](const Tensor& d) { return b.mlp.backward(c, d, s.mlp); });
+    return layers::residual_backward(c, dh, b.norm1, s.norm1, [&](const Tensor& d) {
+      return b.shard ? b.shard->backward(c, d, s.attn_sp) : b.attn.backward(c, d, s.attn);
+    });
   }
 
  private:
