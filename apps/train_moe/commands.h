@@ -29,9 +29,12 @@ Status run_prepare(const PrepareOptions& o);
 // --run-dir, --backend, --resume), the same as every Troupe training app's.
 using TrainOptions = training::RunOptions;
 using training::RunDevice;
-// One rank (layout 1x1x1, not started by Troupe): the single-process loop in train.cc.
-// Otherwise the framework runs train_moe's stage program (moe_stage.h) as this process's
-// role (training::run_app: a worker, the Trainer, or the standalone launcher of both).
+// The command line made whole: --parallel folded into the overrides; with --resume and no
+// --config, the saved run's config and overrides (then this command's) and its run dir.
+Result<TrainOptions> resolve_train_options(const TrainOptions& o);
+// One process, layout 1x1x1 (not started by Troupe): the single-process loop. (Any
+// other layout, or a process Troupe started, runs under the framework: main() calls
+// training::run_app with moe_app(), apps/train_moe/moe_stage.h.) `o` resolved;
 // o.backend must name dev's backend (main() makes dev from it).
 Status run_train(const TrainOptions& o, RunDevice& dev);
 

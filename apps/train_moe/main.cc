@@ -4,16 +4,21 @@
 //   train_moe prepare --input <files|dirs> --out <dir> --vocab <n>                 data
 //   train_moe sample --run <dir> | --checkpoint <dir> --prompt "..."              generate
 //   train_moe plot --run <dir>                                                     PNGs
-// main() parses the command line and calls the subcommand (apps/train_moe/commands.h).
+// main() parses the command line and calls the subcommand (apps/train_moe/commands.h);
+// training runs in train.cc (one process) or under the framework (training::run_app,
+// actors/training/app.cc -> the Trainer's step loop in actors/training/trainer.cc).
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include "apps/train_moe/commands.h"
+#include "apps/train_moe/moe_stage.h"
+#include "layers/train_config.h"
 
 namespace troupe::train_moe {
 
@@ -104,12 +109,14 @@ int main(int argc, char** argv) {
                  app.help());
       return 2;
     }
-    if (!train.parallel.empty()) {
-      auto extra = troupe::training::parallel_overrides(train.parallel);
-      if (!extra.ok()) {
-        fmt::print(stderr, "train_moe: error: {}\n", extra.status().to_string());
-        return 2;
-      }
+    if (auto p = troupe::training::parallel_overrides(train.parallel); !train.parallel.empty() && !p.ok()) {
+      fmt::print(stderr, "train_moe: error: {}\n", p.status().to_string());
+      return 2;
+    }
+    auto resolved = resolve_train_options(train);
+    if (!resolved.ok()) {
+      fmt::print(stderr, "train_moe: error: {}\n", resolved.status().to_string());
+      return 1;
     }
     // The device (CUDA stream, caching allocator, CudaContext) lives here, for the whole run.
     auto dev = RunDevice::create(train.backend);
@@ -117,7 +124,18 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "train_moe: error: {}\n", dev.status().to_string());
       return 1;
     }
-    st = run_train(train, **dev);
+    auto tc = troupe::layers::load_train_config(resolved->config, resolved->overrides);
+    if (!tc.ok()) {
+      fmt::print(stderr, "train_moe: error: {}\n", tc.status().to_string());
+      return 1;
+    }
+    if (tc->parallel.world() == 1 && std::getenv("TROUPE_ROLE") == nullptr) {
+      st = run_train(*resolved, **dev);  // one process: the loop in train.cc
+    } else {
+      // Several ranks, or started by Troupe: the framework's Trainer and workers run
+      // train_moe's stage program (app.cc -> trainer.cc).
+      st = troupe::training::run_app(moe_app(), *resolved, (*dev)->ctx());
+    }
   }
   if (!st.ok()) {
     fmt::print(stderr, "train_moe: error: {}\n", st.to_string());

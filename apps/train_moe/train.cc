@@ -111,8 +111,7 @@ Result<TrainOptions> with_checkpoint_config(const TrainOptions& o) {
 // Dense bf16 peak of one H100/H200 SXM (TFLOP/s), the MFU denominator of issue 10.
 constexpr double kPeakFlopsPerGpu = 989e12;
 
-Status run_train(const TrainOptions& opts, RunDevice& dev) {
-  // ---- configuration ------------------------------------------------------------------
+Result<TrainOptions> resolve_train_options(const TrainOptions& opts) {
   // --parallel becomes overrides after --set's (recorded with the run and its checkpoints).
   TrainOptions folded = opts;
   if (!folded.parallel.empty()) {
@@ -120,17 +119,18 @@ Status run_train(const TrainOptions& opts, RunDevice& dev) {
     folded.overrides.insert(folded.overrides.end(), extra.begin(), extra.end());
     folded.parallel.clear();
   }
-  TrainOptions derived;
-  if (folded.config.empty() && !folded.resume.empty()) {
-    TROUPE_ASSIGN_OR_RETURN(derived, with_checkpoint_config(folded));
-  }
-  const TrainOptions& o = derived.config.empty() ? folded : derived;
-  if (o.config.empty()) return invalid_argument("train: --config is required");
+  if (folded.config.empty() && !folded.resume.empty()) return with_checkpoint_config(folded);
+  if (folded.config.empty()) return invalid_argument("train: --config is required");
+  return folded;
+}
+
+Status run_train(const TrainOptions& o, RunDevice& dev) {
+  // ---- configuration ------------------------------------------------------------------
   TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, layers::load_train_config(o.config, o.overrides));
   if (tc.data.dir.empty()) return invalid_argument("{}: data.dir is not set (the output of train_moe prepare)", tc.source);
-  if (tc.parallel.world() != 1 || std::getenv("TROUPE_ROLE") != nullptr) {
-    // Several ranks (or started by Troupe): the framework's Trainer and workers.
-    return training::run_app(moe_app(), o, dev.ctx());
+  if (tc.parallel.world() != 1) {
+    return invalid_argument("{}: the single-process loop runs layout 1x1x1, not pp={} dp={} n={} (run_app does)",
+                            tc.source, tc.parallel.pp, tc.parallel.dp, tc.parallel.n);
   }
 
   // ---- data and tokenizer -------------------------------------------------------------
