@@ -382,8 +382,10 @@ Status ElasticWorker::join(const ElasticPlan& plan) {
   TROUPE_RETURN_IF_ERROR(join_epoch(plan));
   // The actors of this rank exist before the Trainer learns the worker is ready (its
   // first command goes to stage.<rank>).
-  TROUPE_RETURN_IF_ERROR(actors_->place(rank_, plan.epoch, stage_->params_by_role()));
+  const std::map<std::string, int64_t> params = stage_->params_by_role();
+  TROUPE_RETURN_IF_ERROR(actors_->place(rank_, plan.epoch, params));
   actors_->step_done(stage_->steps_done(), 0.0);
+  ready_info_["roles"] = hosted_roles(params);  // the actors the Trainer monitors
   return store_.set(key(fmt::format("ready/{}/{}", plan.epoch, slot_)), ready_info_.dump());
 }
 

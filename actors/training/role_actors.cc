@@ -98,6 +98,15 @@ std::string actor_id(const std::string& role, int rank) {
   return fmt::format("{}.{}", role, rank);
 }
 
+std::vector<std::string> hosted_roles(const std::map<std::string, int64_t>& params) {
+  std::vector<std::string> out{"stage"};
+  for (const char* role : kWorkerRoles) {
+    auto it = params.find(role);
+    if (std::string(role) != "stage" && it != params.end() && it->second > 0) out.emplace_back(role);
+  }
+  return out;
+}
+
 // ---- WorkerActors --------------------------------------------------------------------
 
 Result<std::unique_ptr<WorkerActors>> WorkerActors::start(int slot, const std::string& bind_host,
@@ -129,19 +138,26 @@ Status WorkerActors::place(int rank, uint64_t epoch, std::map<std::string, int64
     view_->epoch = epoch;
     view_->params = std::move(params);
   }
-  if (rank == placed_rank_) return ok_status();
-  for (const char* role : kWorkerRoles) {
+  std::vector<std::string> roles;
+  {
+    std::lock_guard lock(view_->mu);
+    roles = hosted_roles(view_->params);
+  }
+  if (rank == placed_rank_ && roles == placed_roles_) return ok_status();
+  for (const std::string& role : placed_roles_) {
     if (placed_rank_ >= 0) {
       (void)sys_->stop(actors::ActorRef(node_, actor_id(role, placed_rank_)), control::DownReason::kExit,
                        "moved to another rank");
     }
   }
   placed_rank_ = -1;
-  for (const char* role : kWorkerRoles) {
-    auto actor = std::make_unique<RoleActor>(role, view_, std::string(role) == "stage" ? commands_ : nullptr);
+  placed_roles_.clear();
+  for (const std::string& role : roles) {
+    auto actor = std::make_unique<RoleActor>(role, view_, role == "stage" ? commands_ : nullptr);
     TROUPE_RETURN_IF_ERROR(sys_->spawn_actor(actor_id(role, rank), std::move(actor)).status());
   }
   placed_rank_ = rank;
+  placed_roles_ = roles;
   return ok_status();
 }
 
@@ -203,7 +219,8 @@ ActorDirectory::~ActorDirectory() {
   if (sys_) sys_->shutdown();
 }
 
-Status ActorDirectory::attach(const std::vector<int>& slots, comm::RendezvousStore& store,
+Status ActorDirectory::attach(const std::vector<int>& slots, const std::vector<std::vector<std::string>>& roles,
+                              comm::RendezvousStore& store,
                               const std::function<std::string(int)>& endpoint_key,
                               std::chrono::milliseconds timeout) {
   uint64_t gen = 0;
@@ -226,7 +243,8 @@ Status ActorDirectory::attach(const std::vector<int>& slots, comm::RendezvousSto
     if (!sys_->is_node_up(node)) {
       TROUPE_RETURN_IF_ERROR(sys_->connect(node, ep["endpoint"].get<std::string>(), job_server_key()));
     }
-    for (const char* role : kWorkerRoles) {
+    if (r >= roles.size()) return invalid_argument("attach: no roles given for rank {}", r);
+    for (const std::string& role : roles[r]) {
       ActorEntry e;
       e.id = actor_id(role, static_cast<int>(r));
       e.role = role;

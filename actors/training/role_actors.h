@@ -63,9 +63,14 @@ TROUPE_TRAINING_MESSAGE_TRAITS(WorkerFailure, encode_worker_failure, decode_work
 
 namespace troupe::training {
 
-// The roles a worker hosts, in the order they are listed.
+// The roles a worker can host, in the order they are listed: every rank has a stage
+// actor; an attention or experts actor where its stage program gives that role
+// parameters (ProgramParam::role: train_moe's ranks have all three, dense_lm's no experts).
 inline constexpr const char* kWorkerRoles[] = {"stage", "attention", "experts"};
 std::string actor_id(const std::string& role, int rank);  // "stage.3"
+// The roles hosted for `params` (parameters per role, as Stage::params_by_role gives):
+// "stage", then every other role owning parameters, in kWorkerRoles order.
+std::vector<std::string> hosted_roles(const std::map<std::string, int64_t>& params);
 
 // A thread-safe queue between an actor's handler and a thread that is not an actor.
 template <class T>
@@ -121,7 +126,7 @@ class WorkerActors {
   ~WorkerActors();
 
   // (Re)places this worker's actors for `rank` in `epoch` (a new rank stops the old ones
-  // and spawns "stage.<rank>", "attention.<rank>", "experts.<rank>"); `params`: the
+  // and spawns "<role>.<rank>" for each of hosted_roles(params)); `params`: the
   // parameters each role owns on this rank.
   Status place(int rank, uint64_t epoch, std::map<std::string, int64_t> params);
   void set_state(const std::string& state);
@@ -144,6 +149,7 @@ class WorkerActors {
   std::shared_ptr<Inbox<StepCommand>> commands_ = std::make_shared<Inbox<StepCommand>>();
   std::string node_;
   int placed_rank_ = -1;
+  std::vector<std::string> placed_roles_;
 };
 
 // One actor of the job as the driver sees it.
@@ -163,11 +169,12 @@ class ActorDirectory {
                                                        const std::string& endpoint_key);
   ~ActorDirectory();
 
-  // The workers of a new epoch: `slots[r]` is rank r's worker. Reads each worker's
-  // endpoint from `endpoint_key(slot)` (waiting up to `timeout`), connects, and monitors
-  // the actors of its rank.
-  Status attach(const std::vector<int>& slots, comm::RendezvousStore& store,
-                const std::function<std::string(int)>& endpoint_key, std::chrono::milliseconds timeout);
+  // The workers of a new epoch: `slots[r]` is rank r's worker, hosting the actors of
+  // `roles[r]` (hosted_roles). Reads each worker's endpoint from `endpoint_key(slot)`
+  // (waiting up to `timeout`), connects, and monitors the actors of its rank.
+  Status attach(const std::vector<int>& slots, const std::vector<std::vector<std::string>>& roles,
+                comm::RendezvousStore& store, const std::function<std::string(int)>& endpoint_key,
+                std::chrono::milliseconds timeout);
   // The slots whose actors went down since the last call (Down reason and text); only
   // for actors of the current epoch.
   std::vector<std::pair<int, control::Down>> take_downs();

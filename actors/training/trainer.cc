@@ -450,13 +450,30 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
   }
   // Every worker joined: monitor the actors placed on them for this epoch, and record
   // the placement (actor id -> worker) with the scheduler.
+  // Each worker's ready record names the roles it hosts (its program's parameters).
+  std::vector<std::vector<std::string>> roles(plan.slots.size());
+  for (size_t r = 0; r < plan.slots.size(); ++r) {
+    TROUPE_ASSIGN_OR_RETURN(std::string text,
+                            store_->get(key(fmt::format("ready/{}/{}", plan.epoch, plan.slots[r])),
+                                        comm::deadline_in(std::chrono::milliseconds(10000))));
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    if (j.is_object() && j.contains("roles") && j["roles"].is_array()) {
+      for (const auto& x : j["roles"]) {
+        if (x.is_string()) roles[r].push_back(x.get<std::string>());
+      }
+    }
+    if (roles[r].empty() || roles[r].front() != "stage") {
+      return data_loss("worker slot {}: its ready record for epoch {} names no stage actor: {}", plan.slots[r],
+                       plan.epoch, text.substr(0, 200));
+    }
+  }
   TROUPE_RETURN_IF_ERROR(actors_->attach(
-      plan.slots, *store_, [this](int s) { return key(fmt::format("actors/{}", s)); },
+      plan.slots, roles, *store_, [this](int s) { return key(fmt::format("actors/{}", s)); },
       std::chrono::milliseconds(30000)));
   if (o_.publish_placement) {
     std::vector<std::pair<std::string, std::string>> placement{{"trainer", "driver"}};
     for (size_t r = 0; r < plan.slots.size(); ++r) {
-      for (const char* role : kWorkerRoles) {
+      for (const std::string& role : roles[r]) {
         placement.emplace_back(actor_id(role, static_cast<int>(r)), fmt::format("worker-{}", plan.slots[r]));
       }
     }

@@ -65,23 +65,24 @@ class ElasticCluster : public ::testing::Test {
   }
 
   // `fault`: elastic.inject (actors/training/elastic.h), empty for none.
-  static std::vector<std::string> train_args(const std::string& name, const std::string& fault = "") {
+  static std::vector<std::string> train_args(const std::string& name, const std::string& fault = "",
+                                             const std::string& parallel = "dp=2,n=2") {
     troupe::test::TrainMoeCommand c;
     c.run_dir = *root_ / name;
     c.sets = troupe::test::tiny_model_sets({.steps = kSteps, .data_dir = *root_ / "data"});
     if (!fault.empty()) c.sets.push_back(fmt::format("elastic.inject=\"{}\"", fault));
-    c.parallel = "dp=2,n=2";
+    c.parallel = parallel;
     return c.argv();
   }
 
   // `troupe submit` of the job (no --elastic: its driver claims the supervision); returns its id.
   static std::string submit(Cluster& c, const std::string& name, const std::vector<std::string>& flags,
-                            const std::string& fault = "") {
+                            const std::string& fault = "", const std::string& parallel = "dp=2,n=2") {
     std::vector<std::string> a{"submit", "--nproc", "4"};
     for (const auto& x : c.conn_args()) a.push_back(x);
     for (const auto& x : flags) a.push_back(x);
     a.insert(a.end(), {"--env", "TW_TAG=" + c.tag(), "--"});
-    for (const auto& x : train_args(name, fault)) a.push_back(x);
+    for (const auto& x : train_args(name, fault, parallel)) a.push_back(x);
     const auto r = run_cli(a);
     EXPECT_EQ(r.exit_code, 0) << r.output;
     std::string id = r.output;
@@ -214,6 +215,35 @@ TEST_F(ElasticCluster, TroupeReplaceAndScaleByJobId) {
   expect_same_losses("cli-job");
   std::printf("[elastic-cluster cli] %s[elastic-cluster cli] %s[elastic-cluster cli] %s[elastic-cluster cli] %s",
               rep.output.c_str(), sc.output.c_str(), bad.output.c_str(), status.output.c_str());
+}
+
+TEST_F(ElasticCluster, ActorsOfAPipelineJob) {
+  // `troupe status <job> --actors` for a pp=2,n=2 job: the trainer, and a stage, an
+  // attention-shard and an expert-group actor on each of the 4 workers (every stage of
+  // the tiny model has an MoE block); the scheduler's record holds the same placement.
+  Cluster c({});
+  const std::string job = submit(c, "pp2n2", {}, "slow@1:any:0", "pp=2,n=2");
+  const fs::path dir = *root_ / "pp2n2";
+  ASSERT_TRUE(wait_until([&] { return latest_step_records(dir / "metrics.jsonl").size() >= 2; },
+                         std::chrono::seconds(60)))
+      << c.logs_of_daemons();
+  std::vector<std::string> a{"status", job, "--actors"};
+  for (const auto& x : c.conn_args()) a.push_back(x);
+  const auto actors = run_cli(a, std::chrono::seconds(30));
+  EXPECT_EQ(actors.exit_code, 0) << actors.output;
+  EXPECT_NE(actors.output.find("13 actors"), std::string::npos) << actors.output;
+  EXPECT_NE(actors.output.find("trainer"), std::string::npos) << actors.output;
+  for (int r = 0; r < 4; ++r) {
+    for (const char* role : {"stage", "attention", "experts"}) {
+      const std::string id = fmt::format("{}.{}", role, r);
+      const size_t at = actors.output.find(id + " ");
+      ASSERT_NE(at, std::string::npos) << id << actors.output;
+      const std::string line = actors.output.substr(at, actors.output.find('\n', at) - at);
+      EXPECT_NE(line.find(fmt::format("worker-{}", r)), std::string::npos) << line;
+    }
+  }
+  std::printf("[elastic-cluster pp2n2 actors]\n%s", actors.output.c_str());
+  ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(120))) << c.logs_of_daemons();
 }
 
 TEST_F(ElasticCluster, DrainMovesWorkersToAnotherAgent) {
