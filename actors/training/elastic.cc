@@ -307,6 +307,7 @@ class ElasticWorker {
   ~ElasticWorker() {
     stop_watcher_ = true;
     if (watcher_.joinable()) watcher_.join();
+    actors_.reset();  // no plan handler runs on a half-destroyed worker
   }
 
   Status run();
@@ -318,6 +319,12 @@ class ElasticWorker {
  private:
   std::string key(const std::string& rest) const { return elastic_key(job_, rest); }
   Result<ElasticPlan> read_plan(uint64_t epoch, std::chrono::milliseconds timeout);
+  // The stage actor got the plan of a new epoch: remember it, and if it opens the next
+  // epoch, abort the communicators as the watcher would (a step in progress unwinds).
+  void on_plan(const ElasticPlan& plan);
+  // Aborts the communicators for the opening of epoch `next` (once; caller holds mu_).
+  void abort_for(uint64_t next, const char* how);
+  bool has_plan(uint64_t epoch);
   Result<std::unique_ptr<Stage>> make_stage(const ElasticPlan& plan, int rank);
   // Adopts `plan` (stage built or rebuilt, state synced), then places this worker's actors
   // for its rank.
@@ -344,6 +351,11 @@ class ElasticWorker {
   // GPU workers do not yet: a lost GPU worker is restored from the last checkpoint.
   bool keep_state_;
   uint64_t adopting_ = 0;         // highest epoch whose plan the main thread took over
+  uint64_t aborted_for_ = 0;      // highest epoch whose opening aborted the communicators (under mu_)
+  // Plans the Trainer sent the stage actor (ElasticPlan messages), by epoch (under mu_);
+  // the store's record is the fallback.
+  std::map<uint64_t, ElasticPlan> sent_plans_;
+  bool plan_via_message_ = false;  // the last plan read came as a message
   std::unique_ptr<Stage> stage_;
   std::unique_ptr<WorkerActors> actors_;  // the actors placed on this worker (role_actors.h)
   nlohmann::json ready_info_;             // what join_epoch tells the Trainer with "ready"
@@ -363,8 +375,43 @@ class ElasticWorker {
 };
 
 Result<ElasticPlan> ElasticWorker::read_plan(uint64_t epoch, std::chrono::milliseconds timeout) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = sent_plans_.find(epoch); it != sent_plans_.end()) {
+      plan_via_message_ = true;
+      return it->second;
+    }
+  }
   TROUPE_ASSIGN_OR_RETURN(std::string text, store_.get(key(fmt::format("plan/{}", epoch)), comm::deadline_in(timeout)));
+  plan_via_message_ = false;
   return ElasticPlan::from_json(text);
+}
+
+bool ElasticWorker::has_plan(uint64_t epoch) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (sent_plans_.count(epoch) != 0) return true;
+  }
+  Result<bool> has = store_.contains(key(fmt::format("plan/{}", epoch)));
+  return has.ok() && has.value();
+}
+
+void ElasticWorker::abort_for(uint64_t next, const char* how) {
+  if (aborted_for_ >= next) return;
+  if (epoch_ + 1 == next) cancel_ = true;
+  // Only while the main thread has not taken the plan over (it rebuilds the
+  // communicators, which must not be aborted).
+  if (adopting_ < next && stage_) stage_->abort_comms(fmt::format("membership epoch {} opened ({})", next, how));
+  aborted_for_ = next;
+}
+
+void ElasticWorker::on_plan(const ElasticPlan& plan) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (plan.epoch <= epoch_) return;  // an old plan (taken over already)
+  sent_plans_.emplace(plan.epoch, plan);
+  if (plan.epoch == epoch_ + 1) abort_for(plan.epoch, "message");
+  // Wakes the idle loop: a command of a later epoch, dropped once it sees the plan.
+  actors_->wake();
 }
 
 Result<std::unique_ptr<Stage>> ElasticWorker::make_stage(const ElasticPlan& plan, int rank) {
@@ -386,6 +433,7 @@ Status ElasticWorker::join(const ElasticPlan& plan) {
   TROUPE_RETURN_IF_ERROR(actors_->place(rank_, plan.epoch, params));
   actors_->step_done(stage_->steps_done(), 0.0);
   ready_info_["roles"] = hosted_roles(params);  // the actors the Trainer monitors
+  ready_info_["plan_via"] = plan.epoch == 0 ? "start" : plan_via_message_ ? "message" : "store";
   return store_.set(key(fmt::format("ready/{}/{}", plan.epoch, slot_)), ready_info_.dump());
 }
 
@@ -545,7 +593,6 @@ Status ElasticWorker::report_durable(StepReply& reply, bool wait) {
 
 void ElasticWorker::watch() {
   int64_t beat = 0;
-  uint64_t aborted_for = 0;
   while (!stop_watcher_) {
     (void)store_.set(key(fmt::format("hb/{}", slot_)), std::to_string(++beat));
     uint64_t next = 0;
@@ -554,13 +601,9 @@ void ElasticWorker::watch() {
       next = epoch_ + 1;
     }
     Result<bool> has = store_.contains(key(fmt::format("plan/{}", next)));
-    if (has.ok() && has.value() && aborted_for < next) {
+    if (has.ok() && has.value()) {
       std::lock_guard<std::mutex> lock(mu_);
-      if (epoch_ + 1 == next) cancel_ = true;
-      // Only while the main thread has not taken the plan over (it rebuilds the
-      // communicators, which must not be aborted).
-      if (adopting_ < next && stage_) stage_->abort_comms(fmt::format("membership epoch {} opened", next));
-      aborted_for = next;
+      abort_for(next, "store");
     }
     std::this_thread::sleep_for(kHeartbeatInterval);
   }
@@ -576,6 +619,8 @@ Status ElasticWorker::run() {
   TROUPE_ASSIGN_OR_RETURN(
       actors_, WorkerActors::start(slot_, control::host_addr(), store_, key(fmt::format("actors/{}", slot_)),
                                    std::move(device)));
+  // Plans of new epochs the Trainer sends the stage actor (rebuild).
+  actors_->on_plan([this](const ElasticPlan& p) { on_plan(p); });
   // Replies and failure reports go to the driver's trainer actor.
   TROUPE_RETURN_IF_ERROR(
       actors_->connect_driver(store_, key("actors/driver"), std::chrono::milliseconds(120000)));
@@ -608,13 +653,11 @@ Status ElasticWorker::run() {
       std::fflush(stderr);
     }
     // Wait for a command of this epoch or for the next epoch's plan.
-    const std::string next_plan = key(fmt::format("plan/{}", epoch_ + 1));
     const auto idle_deadline = Clock::now() + std::chrono::milliseconds(600000);
     std::optional<StepCommand> next;
     bool new_epoch = false;
     while (true) {
-      TROUPE_ASSIGN_OR_RETURN(bool has_plan, store_.contains(next_plan));
-      if (has_plan) {
+      if (has_plan(epoch_ + 1)) {
         new_epoch = true;
         break;
       }

@@ -38,9 +38,10 @@
 #include <string>
 #include <vector>
 
+#include "actors/training/messages.h"
+#include "actors/training/stage_program.h"
 #include "comm/rendezvous_store.h"
 #include "core/status.h"
-#include "actors/training/stage_program.h"
 #include "layers/context.h"
 #include "layers/train_config.h"
 
@@ -48,33 +49,8 @@ namespace troupe::training {
 
 inline constexpr std::chrono::milliseconds kHeartbeatInterval{100};
 
-struct ElasticPlan {
-  uint64_t epoch = 0;
-  int64_t dp = 1, grad_accum = 1;  // the layout's dp and the matching grad_accum
-  std::vector<int> slots;          // slot of each world rank
-  std::vector<bool> has_state;     // per rank: a survivor holding the committed state
-  int64_t step_done = 0;           // the state every rank restores: after this step
-  int64_t seq = 0;                 // first command seq of the epoch
-  std::string reason;
-  // Non-empty: every rank restores the state after step_done from this checkpoint
-  // directory instead (a column lost all its dp replicas; or epoch 0 of a resumed job),
-  // through Stage::load_checkpoint (any saved layout) and Stage::commit_imported.
-  std::string checkpoint;
-  // The job's periodic checkpoints: after every ckpt_every-th step each rank writes its
-  // part into ckpt_dir (0: none).
-  int64_t ckpt_every = 0;
-  std::string ckpt_dir;
-  // >= 0: no dp peer holds some lost rank's state, but every lost rank's successor keeps
-  // a copy of it (Stage::refresh_replica): every rank restores the state after this step
-  // from the neighbour replicas (Stage::restore_from_replicas). step_done equals it.
-  int64_t replica_step = -1;
-  // Neighbour replicas are refreshed after every replica_every-th step (0: never).
-  int64_t replica_every = 0;
+// ElasticPlan (the plan of a membership epoch) is a typed message: messages.h.
 
-  nlohmann::json to_json() const;
-  static Result<ElasticPlan> from_json(const std::string& text);
-  int rank_of_slot(int slot) const;  // -1: not in the plan
-};
 
 // The store as the elastic protocol uses it: it rides out an outage of the store (the
 // scheduler restarting): set and contains retry kUnavailable / kDeadlineExceeded for up to

@@ -94,3 +94,21 @@ struct WorkerFailure @0xb7e4a2c91d3f5a68 {
   text @5 :Text;
   tsMs @6 :Int64;         # wall clock of the failure (ms since the epoch)
 }
+
+# The plan of a membership epoch (rebuild), sent by the Trainer to the stage actor of every
+# worker of the old epoch when it opens the new one (also recorded in the job's store).
+struct ElasticPlan @0xb7e4a2c91d3f5a69 {
+  epoch @0 :UInt64;
+  dp @1 :Int64;             # the layout's dp in the new epoch
+  gradAccum @2 :Int64;      # and the matching micro-batches per step
+  slots @3 :List(Int32);    # the worker slot of each world rank
+  hasState @4 :List(Bool);  # per rank: a survivor holding the committed state
+  stepDone @5 :Int64;       # every rank restores the state after this step
+  seq @6 :Int64;            # the first command seq of the epoch
+  reason @7 :Text;
+  checkpoint @8 :Text;      # non-empty: restore from this checkpoint directory
+  ckptEvery @9 :Int64;      # the job's periodic checkpoints
+  ckptDir @10 :Text;
+  replicaStep @11 :Int64 = -1;  # >= 0: restore from the neighbour replicas of this step
+  replicaEvery @12 :Int64;
+}

@@ -101,6 +101,52 @@ Result<ActorStatus> decode_actor_status(std::string_view bytes) {
   });
 }
 
+std::string encode_elastic_plan(const ElasticPlan& m) {
+  capnp::MallocMessageBuilder mb;
+  auto b = mb.initRoot<::ElasticPlan>();
+  b.setEpoch(m.epoch);
+  b.setDp(m.dp);
+  b.setGradAccum(m.grad_accum);
+  auto slots = b.initSlots(static_cast<unsigned>(m.slots.size()));
+  for (size_t i = 0; i < m.slots.size(); ++i) slots.set(static_cast<unsigned>(i), m.slots[i]);
+  auto has = b.initHasState(static_cast<unsigned>(m.has_state.size()));
+  for (size_t i = 0; i < m.has_state.size(); ++i) has.set(static_cast<unsigned>(i), m.has_state[i]);
+  b.setStepDone(m.step_done);
+  b.setSeq(m.seq);
+  b.setReason(m.reason);
+  b.setCheckpoint(m.checkpoint);
+  b.setCkptEvery(m.ckpt_every);
+  b.setCkptDir(m.ckpt_dir);
+  b.setReplicaStep(m.replica_step);
+  b.setReplicaEvery(m.replica_every);
+  return flat(mb);
+}
+
+Result<ElasticPlan> decode_elastic_plan(std::string_view bytes) {
+  return read_message(bytes, "ElasticPlan", [](capnp::MessageReader& r) -> Result<ElasticPlan> {
+    auto p = r.getRoot<::ElasticPlan>();
+    ElasticPlan m;
+    m.epoch = p.getEpoch();
+    m.dp = p.getDp();
+    m.grad_accum = p.getGradAccum();
+    for (int32_t s : p.getSlots()) m.slots.push_back(s);
+    for (bool h : p.getHasState()) m.has_state.push_back(h);
+    m.step_done = p.getStepDone();
+    m.seq = p.getSeq();
+    m.reason = p.getReason();
+    m.checkpoint = p.getCheckpoint();
+    m.ckpt_every = p.getCkptEvery();
+    m.ckpt_dir = p.getCkptDir();
+    m.replica_step = p.getReplicaStep();
+    m.replica_every = p.getReplicaEvery();
+    if (m.slots.size() != m.has_state.size() || m.dp < 1 || m.grad_accum < 1) {
+      return data_loss("ElasticPlan: inconsistent plan of epoch {} ({} slots, {} has_state, dp {}, grad_accum {})",
+                       m.epoch, m.slots.size(), m.has_state.size(), m.dp, m.grad_accum);
+    }
+    return m;
+  });
+}
+
 std::string encode_step_command(const StepCommand& m) {
   capnp::MallocMessageBuilder mb;
   auto b = mb.initRoot<::StepCommand>();

@@ -26,10 +26,16 @@ class RoleActor final : public actors::Actor {
   RoleActor(std::string role, std::shared_ptr<const WorkerView> view,
             std::shared_ptr<Inbox<StepCommand>> commands = nullptr,
             std::shared_ptr<Inbox<StepReply>> replies = nullptr,
-            std::shared_ptr<Inbox<WorkerFailure>> failures = nullptr)
+            std::shared_ptr<Inbox<WorkerFailure>> failures = nullptr,
+            std::shared_ptr<std::function<void(const ElasticPlan&)>> plans = nullptr)
       : role_(std::move(role)), view_(std::move(view)) {
     handle<ActorStatusQuery>([this](const ActorStatusQuery&) { return status(); });
     if (commands) handle<StepCommand>([commands](const StepCommand& c) { commands->push(c); });
+    if (plans) {
+      handle<ElasticPlan>([plans](const ElasticPlan& p) {
+        if (*plans) (*plans)(p);
+      });
+    }
     if (replies) handle<StepReply>([replies](const StepReply& r) { replies->push(r); });
     if (failures) handle<WorkerFailure>([failures](const WorkerFailure& f) { failures->push(f); });
   }
@@ -153,7 +159,9 @@ Status WorkerActors::place(int rank, uint64_t epoch, std::map<std::string, int64
   placed_rank_ = -1;
   placed_roles_.clear();
   for (const std::string& role : roles) {
-    auto actor = std::make_unique<RoleActor>(role, view_, role == "stage" ? commands_ : nullptr);
+    const bool stage = role == "stage";
+    auto actor = std::make_unique<RoleActor>(role, view_, stage ? commands_ : nullptr, nullptr, nullptr,
+                                             stage ? plan_handler_ : nullptr);
     TROUPE_RETURN_IF_ERROR(sys_->spawn_actor(actor_id(role, rank), std::move(actor)).status());
   }
   placed_rank_ = rank;
@@ -330,6 +338,20 @@ Status ActorDirectory::send_command(const std::vector<int>& slots, const StepCom
         actors::ActorRef(fmt::format("w{}", slots[r]), actor_id("stage", static_cast<int>(r))), c));
   }
   return ok_status();
+}
+
+int ActorDirectory::send_plan(const ElasticPlan& plan) {
+  std::vector<ActorEntry> entries;
+  {
+    std::lock_guard lock(mu_);
+    entries = entries_;
+  }
+  int sent = 0;
+  for (const ActorEntry& e : entries) {
+    if (e.role != "stage" || !sys_->is_node_up(e.node)) continue;
+    if (sys_->tell(actors::ActorRef(e.node, e.id), plan).ok()) ++sent;
+  }
+  return sent;
 }
 
 void ActorDirectory::set_trainer_state(const std::string& state, int64_t steps_done, double last_step_ms) {

@@ -58,6 +58,7 @@ struct MessageTraits<training::ActorStatus> {
 TROUPE_TRAINING_MESSAGE_TRAITS(StepCommand, encode_step_command, decode_step_command)
 TROUPE_TRAINING_MESSAGE_TRAITS(StepReply, encode_step_reply, decode_step_reply)
 TROUPE_TRAINING_MESSAGE_TRAITS(WorkerFailure, encode_worker_failure, decode_worker_failure)
+TROUPE_TRAINING_MESSAGE_TRAITS(ElasticPlan, encode_elastic_plan, decode_elastic_plan)
 #undef TROUPE_TRAINING_MESSAGE_TRAITS
 }  // namespace troupe::actors
 
@@ -138,6 +139,12 @@ class WorkerActors {
                         std::chrono::milliseconds timeout);
   // The next command the Trainer sent this worker's stage actor (waiting at most `wait`).
   std::optional<StepCommand> next_command(std::chrono::milliseconds wait) { return commands_->pop(wait); }
+  // Called on the stage actor's thread with each plan (rebuild) the Trainer sends it. Set
+  // before place(); the handler must not block.
+  void on_plan(std::function<void(const ElasticPlan&)> handler) { *plan_handler_ = std::move(handler); }
+  // Ends a next_command() wait at once with a command no epoch serves (seq -1, epoch
+  // UINT64_MAX), which the caller drops.
+  void wake() { commands_->push(StepCommand{-1, 0, 0, UINT64_MAX}); }
   // To the Trainer: a command's reply, a failure.
   Status send(const StepReply& r);
   Status report(const WorkerFailure& f);
@@ -147,6 +154,8 @@ class WorkerActors {
   std::unique_ptr<actors::ActorSystem> sys_;
   std::shared_ptr<WorkerView> view_ = std::make_shared<WorkerView>();
   std::shared_ptr<Inbox<StepCommand>> commands_ = std::make_shared<Inbox<StepCommand>>();
+  std::shared_ptr<std::function<void(const ElasticPlan&)>> plan_handler_ =
+      std::make_shared<std::function<void(const ElasticPlan&)>>();
   std::string node_;
   int placed_rank_ = -1;
   std::vector<std::string> placed_roles_;
@@ -186,6 +195,9 @@ class ActorDirectory {
   // Sends `c` to the stage actor of every rank (slots[r] hosts rank r); the workers must
   // have been attached.
   Status send_command(const std::vector<int>& slots, const StepCommand& c);
+  // Sends the plan of a new epoch to the stage actor of every attached worker (those of
+  // the epoch it replaces); a worker that is gone is skipped. Returns how many were sent.
+  int send_plan(const ElasticPlan& plan);
   // What the workers sent the trainer actor since the last call.
   std::vector<StepReply> take_replies() { return replies_->take_all(); }
   std::vector<WorkerFailure> take_failures() { return failures_->take_all(); }

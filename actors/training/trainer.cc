@@ -170,6 +170,7 @@ class Trainer {
   std::optional<int64_t> recovering_since_ms_;
   std::string recovering_cause_;
   int64_t recovering_steps_lost_ = 0;
+  int epoch_plan_messages_ = 0;  // workers of the current epoch that took its plan as a message
   // Straggler tracking: consecutive slow steps per slot, flagged slots.
   std::map<int, int> slow_streak_;
   std::set<int> flagged_;
@@ -450,8 +451,10 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
   }
   // Every worker joined: monitor the actors placed on them for this epoch, and record
   // the placement (actor id -> worker) with the scheduler.
-  // Each worker's ready record names the roles it hosts (its program's parameters).
+  // Each worker's ready record names the roles it hosts (its program's parameters) and
+  // how it learned the plan.
   std::vector<std::vector<std::string>> roles(plan.slots.size());
+  epoch_plan_messages_ = 0;
   for (size_t r = 0; r < plan.slots.size(); ++r) {
     TROUPE_ASSIGN_OR_RETURN(std::string text,
                             store_->get(key(fmt::format("ready/{}/{}", plan.epoch, plan.slots[r])),
@@ -462,6 +465,7 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
         if (x.is_string()) roles[r].push_back(x.get<std::string>());
       }
     }
+    if (j.is_object() && j.value("plan_via", "") == "message") ++epoch_plan_messages_;
     if (roles[r].empty() || roles[r].front() != "stage") {
       return data_loss("worker slot {}: its ready record for epoch {} names no stage actor: {}", plan.slots[r],
                        plan.epoch, text.substr(0, 200));
@@ -549,7 +553,10 @@ Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots
   }
   pending_ckpts_.clear();
   TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("plan/{}", plan.epoch)), plan.to_json().dump()));
-  event({{"event", "epoch_opened"}, {"plan", plan.to_json()}});
+  // The workers of the old epoch get the plan as a message too (they react at once; the
+  // store record is where new and restarted workers read it).
+  const int told = actors_->send_plan(plan);
+  event({{"event", "epoch_opened"}, {"plan", plan.to_json()}, {"plan_messages", told}});
   const ElasticPlan old = plan_;
   plan_ = plan;
   for (int s : spawn_slots) TROUPE_RETURN_IF_ERROR(spawn(s, plan.epoch));
@@ -870,7 +877,8 @@ Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t 
                {"step", step},
                {"recovery_s", recovery_s},
                {"steps_lost", recovering_steps_lost_},
-               {"epoch", plan_.epoch}});
+               {"epoch", plan_.epoch},
+               {"plan_by_message", epoch_plan_messages_}});
         fmt::print("elastic: recovered ({}) — {} {} completed {:.2f} s after detection, steps lost {}\n",
                    recovering_cause_, command_kind_name(kind), step, recovery_s, recovering_steps_lost_);
         std::fflush(stdout);

@@ -202,6 +202,20 @@ TEST_F(ElasticFault, KillDuringAllToAll) {
   expect_clean_finish(r);
   expect_same_losses("kill-alltoall", r);
   expect_recoveries("kill-alltoall", r, 1, "exit", 1000);
+  // The rebuild travels as a typed ElasticPlan message to the stage actor of every
+  // survivor (3 of the 4 workers) besides its store record; a worker records which it
+  // took first (a new worker always reads the store).
+  const auto opened = events_named(*root_ / "kill-alltoall" / "events.jsonl", "epoch_opened");
+  ASSERT_EQ(opened.size(), 1u) << r.output;  // the rebuild (epoch 1)
+  EXPECT_EQ(opened[0]["plan_messages"], 3) << opened[0].dump();
+  const auto rec = events_named(*root_ / "kill-alltoall" / "events.jsonl", "recovered");
+  ASSERT_EQ(rec.size(), 1u);
+  const int64_t by_message = rec[0].value("plan_by_message", int64_t{-1});
+  EXPECT_GE(by_message, 0) << rec[0].dump();
+  EXPECT_LE(by_message, 3) << rec[0].dump();
+  std::printf("[elastic kill-alltoall] rebuild plan sent to 3 survivors as a message; %lld took it from the message, "
+              "the others from the store\n",
+              static_cast<long long>(by_message));
 }
 
 TEST_F(ElasticFault, SigstopHangIsDetectedByHeartbeat) {
