@@ -472,9 +472,17 @@ void Stage::forward(int64_t step, int64_t index, Micro& m) {
     await_params(kHeadBucket);
     await_params(kEndBucket);
     const float scale = m.tokens > 0 ? loss_weight_ / static_cast<float>(m.tokens) : 0.0f;
-    const double lm = program_->head_forward_backward(c, x, m.targets, scale, m.head_dx);
+    Tensor losses = stats_dev_.defined() ? program_->head_losses(c, x, m.targets, scale, m.head_dx) : Tensor();
+    if (losses.defined()) {
+      // Summed on the device into this micro-batch's slot, read with the step's statistics.
+      Tensor slot = stats_dev_.narrow(0, 1 + index, 1);
+      kernels::sum_rows(c.ex, losses.view({losses.numel(), 1}), slot, /*accumulate=*/false);
+      micro_tokens_[static_cast<size_t>(index)] = m.tokens;
+    } else {
+      const double lm = program_->head_forward_backward(c, x, m.targets, scale, m.head_dx);
+      lm_acc_ += m.tokens > 0 ? lm / static_cast<double>(m.tokens) * static_cast<double>(loss_weight_) : 0.0;
+    }
     if (index == tc_.train.grad_accum - 1 && tc_.parallel.overlap_grad_sync) launch_grad_buckets(kHeadBucket);
-    lm_acc_ += m.tokens > 0 ? lm / static_cast<double>(m.tokens) * static_cast<double>(loss_weight_) : 0.0;
     if (coord_.n == 0) tokens_acc_ += static_cast<double>(m.tokens);
   } else {
     send_to(x, coord_.pp + 1, false);
@@ -509,6 +517,12 @@ StepReport Stage::run_step(int64_t step) {
   if (ctx_.on_device()) {
     ctx_.alloc->reset_peak();
     kernels::fill(ctx_.ex, flat_grad_, 0.0f);
+    if (tc_.train.device_stats) {
+      if (!stats_dev_.defined() || stats_dev_.numel() != 1 + tc_.train.grad_accum)
+        stats_dev_ = ctx_.zeros({1 + tc_.train.grad_accum}, DType::kF32);
+      kernels::fill(ctx_.ex, stats_dev_, 0.0f);
+      micro_tokens_.assign(static_cast<size_t>(tc_.train.grad_accum), 0);
+    }
   } else {
     flat_grad_.fill(0.0f);
   }
@@ -565,7 +579,26 @@ StepReport Stage::run_step(int64_t step) {
   }
 
   // ---- norm, metrics, optimizer ------------------------------------------------------
-  const double sumsq = grad_sum_squares();
+  double sumsq = 0;
+  if (stats_dev_.defined()) {
+    // The step's one read of its own statistics: the norm's sum of squares and the loss
+    // sum of every micro-batch.
+    std::vector<const Tensor*> norm;
+    for (size_t i = 0; i < pieces_.size(); ++i) {
+      if (piece_in_norm_[i]) norm.push_back(&pieces_[i].grad);
+    }
+    Tensor slot = stats_dev_.narrow(0, 0, 1);
+    if (!norm.empty()) kernels::sum_squares_into(ctx_.ex, norm, slot, /*accumulate=*/false);
+    const Tensor h = ctx_.to_host(stats_dev_);
+    const float* p = h.data<float>();
+    sumsq = static_cast<double>(p[0]);
+    for (size_t m = 0; m < micro_tokens_.size(); ++m) {
+      if (micro_tokens_[m] > 0)
+        lm_acc_ += static_cast<double>(p[1 + m]) / static_cast<double>(micro_tokens_[m]) * static_cast<double>(loss_weight_);
+    }
+  } else {
+    sumsq = grad_sum_squares();
+  }
   // [sum of squares, LM loss, tokens, comm seconds, compression error, its reference |
   // the program's statistics].
   constexpr size_t kOwn = 6;

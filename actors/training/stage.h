@@ -251,6 +251,11 @@ class Stage {
   // Per-step accumulators.
   std::vector<comm::WorkPtr> pending_sends_;
   double lm_acc_ = 0, tokens_acc_ = 0;
+  // Device: the step's statistics stay on the device until one read at its end (no host
+  // wait per micro-batch): f32 [1 + grad_accum] = [gradient sum of squares | the token
+  // loss sum of each micro-batch]; the token counts and weights are the host's.
+  Tensor stats_dev_;
+  std::vector<int64_t> micro_tokens_;  // per micro-batch: tokens with a target (last stage)
 };
 
 }  // namespace troupe::training

@@ -148,6 +148,13 @@ class StageProgram {
   virtual double head_loss_sum(const layers::Ctx& c, const Tensor& x, const Tensor& targets) {
     return need(head(), "head")->loss_sum(c, x, targets);
   }
+  // On a device: head_forward_backward with the token losses left on the device (f32 [T]),
+  // so the step reads its loss once at its end. Default: head()'s; an undefined Tensor
+  // (e.g. no head(): a program overriding head_forward_backward) makes the framework call
+  // head_forward_backward instead.
+  virtual Tensor head_losses(const layers::Ctx& c, const Tensor& x, const Tensor& targets, float scale, Tensor& dx) {
+    return head() != nullptr ? head()->forward_backward_losses(c, x, targets, scale, dx) : Tensor();
+  }
 
   // Step statistics of the program beyond the LM loss (e.g. an auxiliary loss, expert
   // loads): this rank's contribution, summed over the world by the framework with its own

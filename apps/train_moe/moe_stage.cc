@@ -61,6 +61,7 @@ class MoeStage final : public training::StageProgram {
       for (const auto& r : roles_) {
         if (r->block->is_moe()) r->block->moe->router.bias = ctx_.to_device(r->block->moe->router.bias);
       }
+      enable_device_stats();
     }
   }
 
@@ -175,6 +176,18 @@ class MoeStage final : public training::StageProgram {
   std::vector<double> step_stats() override {
     const int64_t e = tc_.model.moe.num_experts;
     std::vector<double> v(static_cast<size_t>(1 + model_->num_moe_blocks() * e), 0.0);
+    if (stats_rows_.defined()) {
+      // The step's one read of the routers' device statistics: each MoE block's
+      // selections (its step_load) and its aux loss summed over the micro-batches.
+      const Tensor h = ctx_.to_host(stats_rows_);
+      double aux = 0;
+      int64_t i = 0;
+      for (const auto& r : roles_) {
+        if (r->moe_index >= 0) aux += r->block->moe->absorb_device_stats(h.data<float>() + stride_ * i++);
+      }
+      aux_acc_ = aux * static_cast<double>(loss_weight_);  // every micro-batch weighs the same
+      kernels::fill(ctx_.ex, stats_rows_, 0.0f);
+    }
     v[0] = aux_acc_;
     aux_acc_ = 0;
     if (n_rank_ == 0) {
@@ -212,12 +225,35 @@ class MoeStage final : public training::StageProgram {
 
   void discard_step() override {
     aux_acc_ = 0;
+    if (stats_rows_.defined()) kernels::fill(ctx_.ex, stats_rows_, 0.0f);
     for (const auto& r : roles_) {
       if (r->block->is_moe()) r->block->moe->update_bias(std::vector<int64_t>{});  // clears step_load only
     }
   }
 
  private:
+  // One GPU per n-group (n = 1, the local dispatch): each MoE block's selections and aux
+  // loss accumulate on the device (MoELayer::set_device_stats) and step_stats reads them
+  // once, instead of a host read per block and micro-batch. Not where a router cannot
+  // (z-loss, a group all-reduce) or train.device_stats = false.
+  void enable_device_stats() {
+    if (!tc_.train.device_stats) return;
+    std::vector<layers::MoELayer*> moes;
+    for (const auto& r : roles_) {
+      if (!r->block->is_moe()) continue;
+      if (r->experts || !r->block->moe->router.device_stats_ok(ctx_)) return;
+      moes.push_back(r->block->moe.get());
+    }
+    if (moes.empty()) return;
+    const int64_t e = tc_.model.moe.num_experts;
+    stride_ = (e + 1 + 3) / 4 * 4;  // 16-byte aligned rows
+    stats_rows_ = ctx_.zeros({static_cast<int64_t>(moes.size()) * stride_}, DType::kF32);
+    for (size_t i = 0; i < moes.size(); ++i) {
+      const bool ok = moes[i]->set_device_stats(ctx_, stats_rows_.narrow(0, static_cast<int64_t>(i) * stride_, e + 1));
+      TROUPE_CHECK(ok, "moe stage: MoE block refused device statistics after device_stats_ok");
+    }
+  }
+
   struct Role {
     layers::Block* block = nullptr;
     int64_t moe_index = -1;                // index among the model's MoE blocks, -1 for dense
@@ -242,6 +278,8 @@ class MoeStage final : public training::StageProgram {
   std::vector<std::unique_ptr<Role>> roles_;  // this stage's blocks, in order
   int64_t block_lo_ = 0;
   double aux_acc_ = 0;
+  Tensor stats_rows_;  // device statistics: per MoE block of this stage, [E counts, aux] padded to stride_
+  int64_t stride_ = 0;
 };
 
 }  // namespace
