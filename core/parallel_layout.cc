@@ -66,6 +66,11 @@ Status ParallelLayout::validate(int64_t pp, int64_t dp, int64_t n) {
   return s.ok() ? s : s.with_context(fmt::format("parallel layout pp={},dp={},n={}", pp, dp, n));
 }
 
+ParallelLayout::ParallelLayout(int pp, int dp, int n) : pp_(pp), dp_(dp), n_(n) {
+  const Status s = validate(pp, dp, n);
+  TROUPE_CHECK(s.ok(), "{}", s.message());
+}
+
 Result<ParallelLayout> ParallelLayout::make(int64_t pp, int64_t dp, int64_t n) {
   TROUPE_RETURN_IF_ERROR(validate(pp, dp, n));
   return ParallelLayout(static_cast<int>(pp), static_cast<int>(dp), static_cast<int>(n));

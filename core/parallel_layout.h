@@ -39,6 +39,9 @@ struct ParallelCoord {
 class ParallelLayout {
  public:
   ParallelLayout() = default;
+  // For layouts known to be valid (constants, tests): CHECKs validate(). Sizes that come
+  // from input (flags, files, messages) go through make() or parse().
+  ParallelLayout(int pp, int dp, int n);
 
   // InvalidArgument naming the part that is not >= 1, or the world size when
   // pp * dp * n does not fit an int.
@@ -81,7 +84,6 @@ class ParallelLayout {
   friend bool operator==(const ParallelLayout&, const ParallelLayout&) = default;
 
  private:
-  ParallelLayout(int pp, int dp, int n) : pp_(pp), dp_(dp), n_(n) {}
   int pp_ = 1, dp_ = 1, n_ = 1;
 };
 

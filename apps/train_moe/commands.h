@@ -46,7 +46,9 @@ Status run_train(const TrainOptions& o, RunDevice& dev);
 // NCCL), the driver reports mfu for a CUDA run.
 Status run_distributed(const TrainOptions& o, const std::string& run_dir, RunDevice& dev);
 
-// "pp=2,n=2" -> {"parallel.pp=2", "parallel.n=2"} (keys pp, dp, n, dispatch, compression).
+// "pp=2,n=2,dispatch=allgather" -> {"parallel.pp=2", "parallel.n=2", "parallel.dispatch=\"allgather\""}:
+// the layout parts (read by core's parse_layout_items: key=value or PxDxN) that were given,
+// then dispatch and compression.
 Result<std::vector<std::string>> parse_parallel_flag(const std::string& spec);
 
 struct SampleOptions {

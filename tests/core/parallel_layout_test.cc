@@ -103,6 +103,11 @@ TEST(ParallelLayout, MakeValidatesEachPart) {
   EXPECT_TRUE(contains(ParallelLayout::make(1 << 16, 1 << 16, 1).status().message(), "world size"));
 }
 
+TEST(ParallelLayoutDeathTest, ConstructorChecksTheSizes) {
+  EXPECT_EQ(ParallelLayout(2, 1, 4), ParallelLayout::make(2, 1, 4).value());
+  EXPECT_DEATH(ParallelLayout(2, 0, 4), "dp must be >= 1, got 0");
+}
+
 TEST(ParallelLayout, LayoutItemsKeepOtherKeysAndWhichPartsWereGiven) {
   const LayoutItems a = parse_layout_items("pp=2,dispatch=allgather,n=4,compression=true").value();
   EXPECT_EQ(a.pp, 2);
