@@ -14,8 +14,6 @@ namespace troupe::checkpoint {
 using comm::BulkCompletion;
 using Kind = comm::BulkCompletion::Kind;
 
-ParallelLayout layout_from_comm(const comm::ParallelLayout& l) { return ParallelLayout{l.pp(), l.dp(), l.n()}; }
-
 Result<std::unique_ptr<BulkReplicaEndpoint>> BulkReplicaEndpoint::create(comm::BulkTransport& transport,
                                                                          BulkReplicaOptions options) {
   if (options.capacity <= kReplicaHeaderBytes) {

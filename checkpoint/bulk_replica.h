@@ -1,6 +1,6 @@
 // checkpoint/bulk_replica.h — defines BulkReplicaEndpoint: peer replicas carried by comm's
 // BulkTransport (TCP mesh or RDMA verbs), and BulkReplicaLink, a ReplicaChannel bound to
-// one peer of an endpoint. Also the conversion from comm's ParallelLayout.
+// one peer of an endpoint.
 //
 // Protocol (one-sided writes into registered buffers):
 //  - every rank registers a receive buffer, a send staging buffer (both `capacity` bytes)
@@ -29,12 +29,8 @@
 #include "checkpoint/layout.h"
 #include "checkpoint/peer_replica.h"
 #include "comm/bulk_transport.h"
-#include "comm/parallel_layout.h"
 
 namespace troupe::checkpoint {
-
-// The same pp × dp × n and the same rank numbering as comm's.
-ParallelLayout layout_from_comm(const comm::ParallelLayout& l);
 
 struct BulkReplicaOptions {
   uint64_t capacity = 0;                     // largest frame (shard + part + 32) accepted

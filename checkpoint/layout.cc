@@ -1,4 +1,4 @@
-// checkpoint/layout.cc — rank numbering and the owned/saved slice of each placement.
+// checkpoint/layout.cc — the owned/saved slice of each placement.
 #include "checkpoint/layout.h"
 
 #include <fmt/format.h>
@@ -7,42 +7,12 @@
 
 namespace troupe::checkpoint {
 
-Status ParallelLayout::validate() const {
-  if (pp < 1 || dp < 1 || n < 1) return invalid_argument("parallel layout {}: every factor must be >= 1", to_string());
-  return ok_status();
-}
-
-std::string ParallelLayout::to_string() const { return fmt::format("pp={},dp={},n={}", pp, dp, n); }
-
-std::string RankCoords::to_string() const { return fmt::format("stage {}, dp {}, n {}", stage, dp_rank, n_rank); }
-
 std::string TensorPlacement::to_string() const {
   std::string s = stage == kAllStages ? "all stages" : fmt::format("stage {}", stage);
   if (expert_sharded) s += ", experts over n";
   if (zero_sharded) s += fmt::format(", zero-1 flat at {} of {}", zero_flat_offset, zero_flat_total);
   if (!expert_sharded && !zero_sharded) s += ", replicated";
   return s;
-}
-
-Result<RankCoords> layout_coords(const ParallelLayout& layout, int rank) {
-  TROUPE_RETURN_IF_ERROR(layout.validate());
-  if (rank < 0 || rank >= layout.world_size()) {
-    return out_of_range("rank {} outside layout {} of {} ranks", rank, layout.to_string(), layout.world_size());
-  }
-  RankCoords c;
-  c.n_rank = rank % layout.n;
-  c.dp_rank = (rank / layout.n) % layout.dp;
-  c.stage = rank / (layout.n * layout.dp);
-  return c;
-}
-
-Result<int> layout_rank(const ParallelLayout& layout, const RankCoords& c) {
-  TROUPE_RETURN_IF_ERROR(layout.validate());
-  if (c.stage < 0 || c.stage >= layout.pp || c.dp_rank < 0 || c.dp_rank >= layout.dp || c.n_rank < 0 ||
-      c.n_rank >= layout.n) {
-    return out_of_range("coordinates ({}) outside layout {}", c.to_string(), layout.to_string());
-  }
-  return (c.stage * layout.dp + c.dp_rank) * layout.n + c.n_rank;
 }
 
 Result<Range> expert_range(int64_t num_experts, int n, int n_rank) {
@@ -63,18 +33,18 @@ Range dp_flat_shard(int64_t total, int dp, int dp_rank) {
 }
 
 Result<std::optional<Slice>> owned_slice(std::string_view name, const Shape& global, const TensorPlacement& p,
-                                         const ParallelLayout& layout, const RankCoords& c) {
-  TROUPE_RETURN_IF_ERROR(layout.validate());
-  if (p.stage != kAllStages && (p.stage < 0 || p.stage >= layout.pp)) {
+                                         const ParallelLayout& layout, const ParallelCoord& c) {
+  TROUPE_RETURN_IF_ERROR(layout.check_coord(c));
+  if (p.stage != kAllStages && (p.stage < 0 || p.stage >= layout.pp())) {
     return invalid_argument("tensor '{}' belongs to stage {} but layout {} has {} stages", name, p.stage,
-                            layout.to_string(), layout.pp);
+                            layout.to_string(), layout.pp());
   }
-  if (p.stage != kAllStages && p.stage != c.stage) return std::optional<Slice>{};
+  if (p.stage != kAllStages && p.stage != c.pp) return std::optional<Slice>{};
   Slice s = full_slice(global);
   if (!p.zero_sharded) {
     if (p.expert_sharded) {
       if (global.empty()) return invalid_argument("expert tensor '{}' is a scalar; dim 0 must index experts", name);
-      auto r = expert_range(global[0], layout.n, c.n_rank);
+      auto r = expert_range(global[0], layout.n(), c.n);
       if (!r.ok()) return r.status().with_context(fmt::format("tensor '{}' {}", name, shape_to_string(global)));
       s[0] = *r;
     }
@@ -88,7 +58,7 @@ Result<std::optional<Slice>> owned_slice(std::string_view name, const Shape& glo
   }
   Range local{0, global[0]};
   if (p.expert_sharded) {
-    auto r = expert_range(global[0], layout.n, c.n_rank);
+    auto r = expert_range(global[0], layout.n(), c.n);
     if (!r.ok()) return r.status().with_context(fmt::format("ZeRO tensor '{}' {}", name, shape_to_string(global)));
     local = *r;
   }
@@ -96,7 +66,7 @@ Result<std::optional<Slice>> owned_slice(std::string_view name, const Shape& glo
     return invalid_argument("ZeRO tensor '{}': {} local elements at flat offset {} overflow the flat buffer of {}",
                             name, local.length, p.zero_flat_offset, p.zero_flat_total);
   }
-  const Range shard = dp_flat_shard(p.zero_flat_total, layout.dp, c.dp_rank);
+  const Range shard = dp_flat_shard(p.zero_flat_total, layout.dp(), c.dp);
   const int64_t lo = std::max(shard.start, p.zero_flat_offset);
   const int64_t hi = std::min(shard.end(), p.zero_flat_offset + local.length);
   if (hi <= lo) return std::optional<Slice>{};
@@ -104,14 +74,14 @@ Result<std::optional<Slice>> owned_slice(std::string_view name, const Shape& glo
 }
 
 Result<std::optional<Slice>> save_slice(std::string_view name, const Shape& global, const TensorPlacement& p,
-                                        const ParallelLayout& layout, const RankCoords& c) {
+                                        const ParallelLayout& layout, const ParallelCoord& c) {
   Result<std::optional<Slice>> owned = owned_slice(name, global, p, layout, c);
   if (!owned.ok() || !owned->has_value()) return owned;
   // kAllStages tensors: stage 0 saves. Replicated across the MoE group unless
   // expert-sharded: n rank 0 saves. ZeRO shards are already split over dp; everything
   // else is replicated over dp: dp rank 0 saves.
-  const bool saves = (p.stage != kAllStages || c.stage == 0) && (p.expert_sharded || c.n_rank == 0) &&
-                     (p.zero_sharded || c.dp_rank == 0);
+  const bool saves =
+      (p.stage != kAllStages || c.pp == 0) && (p.expert_sharded || c.n == 0) && (p.zero_sharded || c.dp == 0);
   if (!saves) return std::optional<Slice>{};
   return owned;
 }

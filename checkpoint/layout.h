@@ -1,14 +1,15 @@
-// checkpoint/layout.h — defines ParallelLayout (pp × dp × n), RankCoords, the rank
-// numbering, TensorPlacement (how one tensor is spread over a layout) and the functions
-// that answer "which slice of this global tensor does this rank own / save".
+// checkpoint/layout.h — defines TensorPlacement (how one tensor is spread over a
+// ParallelLayout, core/parallel_layout.h) and the functions that answer "which slice of
+// this global tensor does this rank own / save".
 //
 // Saving and loading call the same functions with their own layouts: a rank saves the
 // slice save_slice() gives it under the saved layout, and later asks the reader for the
 // slice owned_slice() gives it under the new layout. Nothing else about the old layout is
 // needed to load, which is what makes any pp × dp × n load into any other.
 //
-// Rank numbering (the contract with the training app): n is innermost, then dp, then pp:
-//   rank = (stage * dp + dp_rank) * n + n_rank.
+// Rank numbering is ParallelLayout's (the contract with the training app): n is innermost,
+// then dp, then pp: rank = (pp * dp_size + dp) * n_size + n. A rank's pipeline stage is
+// its coordinate pp.
 #pragma once
 
 #include <cstdint>
@@ -16,32 +17,11 @@
 #include <string>
 
 #include "checkpoint/slice.h"
+#include "core/parallel_layout.h"
 #include "core/status.h"
 #include "core/tensor.h"
 
 namespace troupe::checkpoint {
-
-struct ParallelLayout {
-  int pp = 1;  // pipeline stages
-  int dp = 1;  // data-parallel replicas
-  int n = 1;   // MoE group (sequence-parallel attention, expert-parallel experts)
-
-  int world_size() const { return pp * dp * n; }
-  Status validate() const;            // each factor >= 1
-  std::string to_string() const;      // "pp=2,dp=1,n=2"
-  friend bool operator==(const ParallelLayout&, const ParallelLayout&) = default;
-};
-
-struct RankCoords {
-  int stage = 0;
-  int dp_rank = 0;
-  int n_rank = 0;
-  std::string to_string() const;      // "stage 1, dp 0, n 1"
-  friend bool operator==(const RankCoords&, const RankCoords&) = default;
-};
-
-Result<RankCoords> layout_coords(const ParallelLayout& layout, int rank);
-Result<int> layout_rank(const ParallelLayout& layout, const RankCoords& coords);
 
 inline constexpr int kAllStages = -1;
 
@@ -84,13 +64,13 @@ Range dp_flat_shard(int64_t total, int dp, int dp_rank);
 // InvalidArgument when the placement does not fit (experts not divisible by n, stage out
 // of range, ZeRO tensor not 1-D or outside its flat buffer), naming `name`.
 Result<std::optional<Slice>> owned_slice(std::string_view name, const Shape& global, const TensorPlacement& p,
-                                         const ParallelLayout& layout, const RankCoords& coords);
+                                         const ParallelLayout& layout, const ParallelCoord& coords);
 
 // The slice this rank writes when saving: owned_slice() with replicas removed, so that
 // exactly one rank saves each element: dp rank 0 unless ZeRO-sharded (a ZeRO shard has
 // one dp owner), n rank 0 unless expert-sharded (the n ranks hold the same copy of
 // non-expert tensors and of their ZeRO shards), stage 0 for kAllStages tensors.
 Result<std::optional<Slice>> save_slice(std::string_view name, const Shape& global, const TensorPlacement& p,
-                                        const ParallelLayout& layout, const RankCoords& coords);
+                                        const ParallelLayout& layout, const ParallelCoord& coords);
 
 }  // namespace troupe::checkpoint

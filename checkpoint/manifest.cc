@@ -45,9 +45,13 @@ Result<uint64_t> parse_hex64(const std::string& s) {
   return v;
 }
 
-json layout_to_json(const ParallelLayout& l) { return json{{"pp", l.pp}, {"dp", l.dp}, {"n", l.n}}; }
-json coords_to_json(const RankCoords& c) {
-  return json{{"stage", c.stage}, {"dp", c.dp_rank}, {"n", c.n_rank}};
+// The JSON keys are the on-disk format (a coordinate's pp is stored as "stage"): they
+// stay as they are so every checkpoint written so far still loads.
+json layout_to_json(const ParallelLayout& l) {
+  return json{{"pp", l.pp()}, {"dp", l.dp()}, {"n", l.n()}};
+}
+json coords_to_json(const ParallelCoord& c) {
+  return json{{"stage", c.pp}, {"dp", c.dp}, {"n", c.n}};
 }
 
 json tensor_to_json(const TensorRecord& t) {
@@ -63,11 +67,14 @@ json tensor_to_json(const TensorRecord& t) {
 
 // The JSON readers throw nlohmann exceptions on missing keys or wrong types; the public
 // entry points catch them and turn them into DataLoss naming the source.
-ParallelLayout layout_from_json(const json& j) {
-  return ParallelLayout{j.at("pp").get<int>(), j.at("dp").get<int>(), j.at("n").get<int>()};
+Result<ParallelLayout> layout_from_json(const json& j, std::string_view where) {
+  Result<ParallelLayout> l =
+      ParallelLayout::make(j.at("pp").get<int64_t>(), j.at("dp").get<int64_t>(), j.at("n").get<int64_t>());
+  if (!l.ok()) return data_loss("{}: {}", where, l.status().message());
+  return l;
 }
-RankCoords coords_from_json(const json& j) {
-  return RankCoords{j.at("stage").get<int>(), j.at("dp").get<int>(), j.at("n").get<int>()};
+ParallelCoord coords_from_json(const json& j) {
+  return ParallelCoord{j.at("stage").get<int>(), j.at("dp").get<int>(), j.at("n").get<int>()};
 }
 
 Result<TensorRecord> tensor_from_json(const std::string& name, const json& j, std::string_view where) {
@@ -128,7 +135,7 @@ Result<ManifestPart> part_from_json(const json& j, std::string_view where) {
     p.step = j.at("step").get<int64_t>();
     p.rank = j.at("rank").get<int>();
     p.world_size = j.at("world_size").get<int>();
-    p.layout = layout_from_json(j.at("layout"));
+    TROUPE_ASSIGN_OR_RETURN(p.layout, layout_from_json(j.at("layout"), where));
     p.coords = coords_from_json(j.at("coords"));
     p.state = j.at("state");
     for (const auto& [name, jt] : j.at("tensors").items()) {
@@ -178,7 +185,7 @@ Result<Manifest> manifest_from_json(const json& j, std::string_view where) {
       return data_loss("{}: format version {} (this build reads {})", where, m.format_version, kFormatVersion);
     }
     m.step = j.at("step").get<int64_t>();
-    m.layout = layout_from_json(j.at("layout"));
+    TROUPE_ASSIGN_OR_RETURN(m.layout, layout_from_json(j.at("layout"), where));
     m.world_size = j.at("world_size").get<int>();
     m.created_unix_ms = j.at("created_unix_ms").get<int64_t>();
     m.data_position = j.at("data_position");

@@ -63,7 +63,7 @@ struct TokenizerRecord {
 
 struct RankRecord {
   int rank = 0;
-  RankCoords coords;
+  ParallelCoord coords;
   nlohmann::json state;  // per-rank state: RNG states, data position of the rank, ...
 };
 
@@ -73,7 +73,7 @@ struct ManifestPart {
   int rank = 0;
   int world_size = 1;
   ParallelLayout layout;
-  RankCoords coords;
+  ParallelCoord coords;
   nlohmann::json state = nlohmann::json::object();
   std::vector<TensorRecord> tensors;  // each with only this rank's slices
 };

@@ -66,12 +66,13 @@ int64_t SaveHandle::step() const { return state_ ? state_->step : -1; }
 
 Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::create(WriterOptions options) {
   if (options.run_dir.empty()) return invalid_argument("checkpoint writer: run_dir is empty");
-  TROUPE_ASSIGN_OR_RETURN(RankCoords coords, layout_coords(options.layout, options.rank));
+  TROUPE_RETURN_IF_ERROR(options.layout.check_rank(options.rank));
+  const ParallelCoord coords = options.layout.coord(options.rank);
   if (options.write_chunk_bytes == 0) return invalid_argument("checkpoint writer: write_chunk_bytes is 0");
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(options), coords));
 }
 
-CheckpointWriter::CheckpointWriter(WriterOptions options, RankCoords coords)
+CheckpointWriter::CheckpointWriter(WriterOptions options, ParallelCoord coords)
     : options_(std::move(options)), coords_(coords) {}
 
 CheckpointWriter::~CheckpointWriter() {

@@ -107,15 +107,15 @@ class CheckpointWriter {
   Result<std::pair<std::shared_ptr<const std::vector<std::byte>>, ManifestPart>> last_snapshot() const;
 
   const WriterOptions& options() const { return options_; }
-  RankCoords coords() const { return coords_; }
+  ParallelCoord coords() const { return coords_; }
 
  private:
-  explicit CheckpointWriter(WriterOptions options, RankCoords coords);
+  explicit CheckpointWriter(WriterOptions options, ParallelCoord coords);
   void write_in_background(int64_t step, ManifestPart part, std::chrono::steady_clock::time_point t0,
                            std::shared_ptr<SaveHandle::State> st);
 
   WriterOptions options_;
-  RankCoords coords_;
+  ParallelCoord coords_;
   std::thread thread_;
   // The snapshot buffer: reused by the next save unless a replica still holds it (then a
   // fresh one is allocated, so a held replica never changes under its holder).

@@ -3,10 +3,14 @@
 
 namespace troupe::layers {
 
+Result<ParallelLayout> ParallelOptions::layout() const {
+  Result<ParallelLayout> l = ParallelLayout::make(pp, dp, n);
+  if (!l.ok()) return l.status().with_context("[parallel]");
+  return l;
+}
+
 Status ParallelOptions::validate(const ModelConfig& m) const {
-  if (pp < 1 || dp < 1 || n < 1) {
-    return invalid_argument("parallel: pp, dp and n must be >= 1 (got pp={}, dp={}, n={})", pp, dp, n);
-  }
+  TROUPE_RETURN_IF_ERROR(layout().status());
   if (m.n_layers % pp != 0) {
     return invalid_argument("parallel.pp={} does not divide model.n_layers={}", pp, m.n_layers);
   }

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/parallel_layout.h"
 #include "core/status.h"
 #include "layers/model_config.h"
 #include "layers/optimizer.h"
@@ -38,7 +39,8 @@ struct DataOptions {
   std::string dir;  // output of `train_moe prepare` (tokenizer.json, train/val shards)
 };
 
-// Layout pp x dp x n (see DESIGN.md "Parallel layout").
+// Layout pp x dp x n (see DESIGN.md "Parallel layout"): the [parallel] table's pp, dp, n;
+// layout() is the same as core's ParallelLayout.
 struct ParallelOptions {
   int64_t pp = 1, dp = 1, n = 1;
   // Expert dispatch inside the n-group: "alltoall" (all_to_all_v of the routed rows) or
@@ -64,6 +66,8 @@ struct ParallelOptions {
   // refused unless this is set.
   bool gpu_unverified = false;
   int64_t world() const { return pp * dp * n; }
+  // InvalidArgument naming the part of pp, dp, n that is not >= 1 (ParallelLayout::make).
+  Result<ParallelLayout> layout() const;
   // The layout must fit the model: layers divisible by pp, heads, kv heads and experts
   // by n.
   Status validate(const ModelConfig& m) const;

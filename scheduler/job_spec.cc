@@ -1,58 +1,9 @@
-// scheduler/job_spec.cc — JobSpec validation, layout parsing and JSON form.
+// scheduler/job_spec.cc — JobSpec validation and JSON form.
 #include "scheduler/job_spec.h"
 
 #include <nlohmann/json.hpp>
 
-#include <charconv>
-
 namespace troupe::sched {
-namespace {
-
-Result<int> parse_positive(const std::string& s, const std::string& what) {
-  int v = 0;
-  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || p != s.data() + s.size() || v <= 0) {
-    return invalid_argument("layout: {} must be a positive integer, got '{}'", what, s);
-  }
-  return v;
-}
-
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  for (;;) {
-    size_t pos = s.find(sep, start);
-    out.push_back(s.substr(start, pos == std::string::npos ? std::string::npos : pos - start));
-    if (pos == std::string::npos) return out;
-    start = pos + 1;
-  }
-}
-
-}  // namespace
-
-std::string ParallelLayout::to_string() const { return fmt::format("pp={},dp={},n={}", pp, dp, n); }
-
-Result<ParallelLayout> parse_layout(const std::string& text) {
-  ParallelLayout l;
-  if (text.empty()) return invalid_argument("layout: empty string");
-  if (text.find('=') == std::string::npos) {
-    auto parts = split(text, 'x');
-    if (parts.size() != 3) return invalid_argument("layout '{}': expected PPxDPxN or pp=P,dp=D,n=N", text);
-    TROUPE_ASSIGN_OR_RETURN(l.pp, parse_positive(parts[0], "pp"));
-    TROUPE_ASSIGN_OR_RETURN(l.dp, parse_positive(parts[1], "dp"));
-    TROUPE_ASSIGN_OR_RETURN(l.n, parse_positive(parts[2], "n"));
-    return l;
-  }
-  for (const auto& item : split(text, ',')) {
-    auto eq = item.find('=');
-    if (eq == std::string::npos) return invalid_argument("layout '{}': '{}' is not key=value", text, item);
-    std::string key = item.substr(0, eq), val = item.substr(eq + 1);
-    int* dst = key == "pp" ? &l.pp : key == "dp" ? &l.dp : key == "n" ? &l.n : nullptr;
-    if (!dst) return invalid_argument("layout '{}': unknown key '{}' (pp, dp, n)", text, key);
-    TROUPE_ASSIGN_OR_RETURN(*dst, parse_positive(val, key));
-  }
-  return l;
-}
 
 Status JobSpec::validate() {
   if (argv.empty() || argv[0].empty()) return invalid_argument("job spec: no command given");
@@ -68,7 +19,9 @@ Status JobSpec::validate() {
     return invalid_argument("job spec: heartbeat_timeout_ms must be >= 100, got {}", heartbeat_timeout_ms);
   }
   if (!layout.empty()) {
-    TROUPE_ASSIGN_OR_RETURN(ParallelLayout l, parse_layout(layout));
+    Result<ParallelLayout> parsed = ParallelLayout::parse(layout);
+    if (!parsed.ok()) return parsed.status().with_context("job spec");
+    const ParallelLayout& l = *parsed;
     if (l.world_size() != nproc) {
       return invalid_argument("job spec: layout {} needs {} workers but nproc is {}", l.to_string(),
                               l.world_size(), nproc);
@@ -94,9 +47,11 @@ Status JobSpec::validate() {
 }
 
 ParallelLayout JobSpec::parsed_layout() const {
-  if (layout.empty()) return ParallelLayout{1, nproc, 1};
-  auto l = parse_layout(layout);
-  return l.ok() ? *l : ParallelLayout{1, nproc, 1};
+  if (!layout.empty()) {
+    Result<ParallelLayout> l = ParallelLayout::parse(layout);
+    if (l.ok()) return *l;
+  }
+  return ParallelLayout::make(1, nproc, 1).value_or(ParallelLayout());
 }
 
 std::string JobSpec::to_json() const {

@@ -1,7 +1,7 @@
 // scheduler/job_spec.h — defines JobSpec (what a user submits: command, arguments,
 // environment, number of workers, parallel layout, elastic bounds, restart policy,
-// checkpoint directory), ParallelLayout (pp × dp × n, parsed from "pp=2,dp=2,n=4" or
-// "2x2x4") and their JSON form, which is what travels in `submit` and lives in SQLite.
+// checkpoint directory) and its JSON form, which is what travels in `submit` and lives
+// in SQLite. The layout is core's ParallelLayout (core/parallel_layout.h).
 #pragma once
 
 #include <cstdint>
@@ -9,28 +9,17 @@
 #include <string>
 #include <vector>
 
+#include "core/parallel_layout.h"
 #include "core/status.h"
 
 namespace troupe::sched {
-
-struct ParallelLayout {
-  int pp = 1;
-  int dp = 1;
-  int n = 1;  // the MoE group: n slots that must share one node
-
-  int world_size() const { return pp * dp * n; }
-  std::string to_string() const;  // "pp=1,dp=4,n=2"
-};
-
-// Accepts "pp=P,dp=D,n=N" (any order, missing parts default to 1) or "PxDxN".
-Result<ParallelLayout> parse_layout(const std::string& text);
 
 struct JobSpec {
   std::string name;                          // for people; the scheduler assigns the id
   std::vector<std::string> argv;             // argv[0] is the program (PATH is searched)
   std::map<std::string, std::string> env;    // added to every process's environment
   int nproc = 1;                             // workers (the driver is extra)
-  std::string layout;                        // empty: pp=1,dp=nproc,n=1
+  std::string layout;                        // ParallelLayout::parse() text; empty: pp=1,dp=nproc,n=1
   int min_workers = 0;                       // elastic bounds; 0 = nproc
   int max_workers = 0;
   int max_restarts = 0;                      // worker restarts of the whole job
@@ -47,7 +36,8 @@ struct JobSpec {
   // every worker of the job (max_restarts).
   bool elastic = false;
 
-  // Checks every field and fills defaults (bounds, layout); errors name the field.
+  // Checks every field and fills defaults (bounds, layout: rewritten in to_string() form);
+  // errors name the field.
   Status validate();
   ParallelLayout parsed_layout() const;      // valid after validate()
 

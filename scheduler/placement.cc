@@ -5,16 +5,16 @@ namespace troupe::sched {
 
 Result<std::vector<SlotAssignment>> place_workers(const ParallelLayout& layout,
                                                   const std::vector<AgentCapacity>& agents) {
-  if (layout.n < 1 || layout.world_size() < 1) return invalid_argument("placement: empty layout");
   std::vector<size_t> used(agents.size(), 0);  // how many of each agent's free slots we took
   std::vector<SlotAssignment> out;
-  int groups = layout.world_size() / layout.n;
+  const int n = layout.n();
+  const int groups = layout.world_size() / n;
   for (int g = 0; g < groups; ++g) {
     bool placed = false;
     for (size_t a = 0; a < agents.size() && !placed; ++a) {
-      if (agents[a].free_slots.size() - used[a] < static_cast<size_t>(layout.n)) continue;
-      for (int i = 0; i < layout.n; ++i) {
-        out.push_back(SlotAssignment{g * layout.n + i, agents[a].agent_id, agents[a].free_slots[used[a]++]});
+      if (agents[a].free_slots.size() - used[a] < static_cast<size_t>(n)) continue;
+      for (int i = 0; i < n; ++i) {
+        out.push_back(SlotAssignment{g * n + i, agents[a].agent_id, agents[a].free_slots[used[a]++]});
       }
       placed = true;
     }
@@ -23,8 +23,9 @@ Result<std::vector<SlotAssignment>> place_workers(const ParallelLayout& layout,
       for (size_t a = 0; a < agents.size(); ++a) {
         free += fmt::format("{}{}: {}", free.empty() ? "" : ", ", agents[a].agent_id, agents[a].free_slots.size());
       }
-      return resource_exhausted("placement: {} workers in groups of {} (one group per node) do not fit; free slots: {}",
-                                layout.world_size(), layout.n, free.empty() ? std::string("no agent") : free);
+      return resource_exhausted(
+          "placement: {} workers in groups of {} (one group per node) do not fit; free slots: {}",
+          layout.world_size(), n, free.empty() ? std::string("no agent") : free);
     }
   }
   return out;

@@ -1,13 +1,13 @@
 // scheduler/placement.h — defines place_workers: assigns a job's worker ranks to agents'
-// free slots so that each MoE group (ranks g*n .. g*n+n-1 of the layout pp × dp × n) sits
+// free slots so that each MoE group (ranks g*n .. g*n+n-1 of a ParallelLayout) sits
 // inside one node, and place_driver. Pure functions of their inputs.
 #pragma once
 
 #include <string>
 #include <vector>
 
+#include "core/parallel_layout.h"
 #include "core/status.h"
-#include "scheduler/job_spec.h"
 
 namespace troupe::sched {
 

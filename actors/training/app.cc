@@ -14,6 +14,7 @@
 
 #include "actors/training/trainer.h"
 #include "comm/rendezvous_store.h"
+#include "core/parallel_layout.h"
 #include "layers/tokenizer.h"
 #include "scheduler/job_context.h"
 #include "scheduler/scheduler_store.h"
@@ -36,25 +37,21 @@ void add_run_options(CLI::App& cli, RunOptions& o) {
 }
 
 Result<std::vector<std::string>> parallel_overrides(const std::string& spec) {
+  Result<LayoutItems> items = parse_layout_items(spec);
+  if (!items.ok()) return items.status().with_context("--parallel");
+  // Only the parts given override the config's [parallel] table.
   std::vector<std::string> out;
-  size_t pos = 0;
-  while (pos <= spec.size()) {
-    const size_t comma = spec.find(',', pos);
-    const std::string item = spec.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
-    const size_t eq = item.find('=');
-    if (eq == std::string::npos || eq == 0 || eq + 1 == item.size()) {
-      return invalid_argument("--parallel: '{}' is not key=value (e.g. --parallel pp=2,n=2)", item);
-    }
-    const std::string k = item.substr(0, eq), v = item.substr(eq + 1);
-    if (k == "pp" || k == "dp" || k == "n" || k == "compression") {
-      out.push_back(fmt::format("parallel.{}={}", k, v));
+  if (items->pp) out.push_back(fmt::format("parallel.pp={}", *items->pp));
+  if (items->dp) out.push_back(fmt::format("parallel.dp={}", *items->dp));
+  if (items->n) out.push_back(fmt::format("parallel.n={}", *items->n));
+  for (const auto& [k, v] : items->other) {
+    if (k == "compression") {
+      out.push_back(fmt::format("parallel.compression={}", v));
     } else if (k == "dispatch") {
       out.push_back(fmt::format("parallel.dispatch=\"{}\"", v));
     } else {
       return invalid_argument("--parallel: unknown key '{}' (known: pp, dp, n, dispatch, compression)", k);
     }
-    if (comma == std::string::npos) break;
-    pos = comma + 1;
   }
   return out;
 }

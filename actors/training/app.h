@@ -53,7 +53,9 @@ struct RunOptions {
 // Adds --config, --set, --parallel, --run-dir, --backend and --resume to `cli`, bound to `o`.
 void add_run_options(CLI::App& cli, RunOptions& o);
 
-// "pp=2,n=2" -> {"parallel.pp=2", "parallel.n=2"} (keys pp, dp, n, dispatch, compression).
+// "pp=2,n=2,dispatch=allgather" -> {"parallel.pp=2", "parallel.n=2", "parallel.dispatch=\"allgather\""}:
+// the layout parts given (core's parse_layout_items: key=value or PxDxN), then dispatch
+// and compression.
 Result<std::vector<std::string>> parallel_overrides(const std::string& spec);
 
 // Loads the config (o.config with o.overrides and o.parallel's) — the result of

@@ -18,7 +18,7 @@ using Clock = std::chrono::steady_clock;
 // ---- RankCheckpointer --------------------------------------------------------------------
 
 Result<std::unique_ptr<RankCheckpointer>> RankCheckpointer::create(const std::string& dir,
-                                                                   const checkpoint::ParallelLayout& layout, int rank,
+                                                                   const ParallelLayout& layout, int rank,
                                                                    uint64_t max_bytes_per_second) {
   std::error_code ec;
   fs::create_directories(dir, ec);

@@ -38,8 +38,9 @@ class RankCheckpointer {
  public:
   // dir: where step_<N> directories go (shared by every rank and the driver).
   // max_bytes_per_second: the writer's rate limit (0: none).
-  static Result<std::unique_ptr<RankCheckpointer>> create(const std::string& dir, const checkpoint::ParallelLayout& layout,
-                                                          int rank, uint64_t max_bytes_per_second = 0);
+  static Result<std::unique_ptr<RankCheckpointer>> create(const std::string& dir,
+                                                          const ParallelLayout& layout, int rank,
+                                                          uint64_t max_bytes_per_second = 0);
   ~RankCheckpointer();  // waits for the write in flight
 
   // Saves `state` (StateScope::kSave) as step state.step: copies it into the writer's host

@@ -249,12 +249,12 @@ layers::TrainConfig layout_config(const layers::TrainConfig& tc, const ElasticPl
 
 // The column's source: the lowest dp index of this rank's (pp, n) column holding state.
 Result<int> source_dp(const ElasticPlan& plan, const layers::TrainConfig& tc, int rank) {
-  TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout layout,
-                          comm::ParallelLayout::make(static_cast<int>(tc.parallel.pp), static_cast<int>(plan.dp),
-                                                     static_cast<int>(tc.parallel.n)));
-  const comm::ParallelCoord me = layout.coord(rank);
+  TROUPE_ASSIGN_OR_RETURN(ParallelLayout layout,
+                          ParallelLayout::make(static_cast<int>(tc.parallel.pp), static_cast<int>(plan.dp),
+                                               static_cast<int>(tc.parallel.n)));
+  const ParallelCoord me = layout.coord(rank);
   for (int d = 0; d < layout.dp(); ++d) {
-    comm::ParallelCoord c = me;
+    ParallelCoord c = me;
     c.dp = d;
     if (plan.has_state[static_cast<size_t>(layout.rank_of(c))]) return d;
   }

@@ -21,7 +21,7 @@
 #include <string>
 
 #include "comm/communicator.h"
-#include "comm/parallel_layout.h"
+#include "comm/process_groups.h"
 
 namespace troupe::training {
 

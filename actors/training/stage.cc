@@ -113,10 +113,10 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
 Status Stage::build(const ProgramFactory& program, comm::RendezvousStore& store, const comm::StoreNamespace& ns) {
   const auto& par = tc_.parallel;
   TROUPE_RETURN_IF_ERROR(par.validate(tc_.model, tc_.train));
-  TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout layout,
-                          comm::ParallelLayout::make(static_cast<int>(par.pp), static_cast<int>(par.dp),
-                                                     static_cast<int>(par.n)));
-  layout_ = std::make_unique<comm::ParallelLayout>(layout);
+  TROUPE_ASSIGN_OR_RETURN(
+      ParallelLayout layout,
+      ParallelLayout::make(static_cast<int>(par.pp), static_cast<int>(par.dp), static_cast<int>(par.n)));
+  layout_ = std::make_unique<ParallelLayout>(layout);
   if (rank_ < 0 || rank_ >= layout.world_size()) {
     return invalid_argument("rank {} is outside the layout {} ({} ranks)", rank_, layout.to_string(),
                             layout.world_size());

@@ -54,7 +54,7 @@
 #include "checkpoint/reader.h"
 #include "checkpoint/writer.h"
 #include "comm/compression.h"
-#include "comm/parallel_layout.h"
+#include "comm/process_groups.h"
 #include "layers/optimizer.h"
 #include "layers/token_data.h"
 #include "layers/train_config.h"
@@ -79,13 +79,13 @@ class Stage {
   // Validation loss (every rank returns the same value); eval batches split over dp.
   double evaluate();
 
-  const comm::ParallelCoord& coord() const { return coord_; }
+  const ParallelCoord& coord() const { return coord_; }
   int rank() const { return rank_; }
   int64_t num_params_local() const { return static_cast<int64_t>(flat_size_); }
 
   // ---- state, for checkpoints and recovery (actors/training/stage_state.cc) ----------
   // Call between steps. The layout in checkpoint's terms (same rank numbering).
-  checkpoint::ParallelLayout state_layout() const;
+  ParallelLayout state_layout() const;
   int64_t steps_done() const;  // optimizer steps applied
   // This rank's parameters, router biases and ZeRO-1 moments as named global slices (see
   // stage_state.h). copy = false: views of the live host buffers, valid until the next
@@ -197,10 +197,10 @@ class Stage {
 
   layers::TrainConfig tc_;
   int rank_;
-  comm::ParallelCoord coord_;
+  ParallelCoord coord_;
   layers::TokenShards train_data_, val_data_;
   std::unique_ptr<layers::DataLoader> loader_, val_loader_;
-  std::unique_ptr<comm::ParallelLayout> layout_;
+  std::unique_ptr<ParallelLayout> layout_;
   comm::ProcessGroups groups_;
   std::unique_ptr<comm::Communicator> world_, tied_;
   std::unique_ptr<comm::Communicator> pp_back_;  // device, pp > 1: gradients backward

@@ -31,7 +31,8 @@
 #include <vector>
 
 #include "actors/training/group_ops.h"
-#include "comm/parallel_layout.h"
+#include "comm/process_groups.h"
+#include "core/parallel_layout.h"
 #include "core/check.h"
 #include "core/status.h"
 #include "core/tensor.h"
@@ -96,7 +97,7 @@ struct ProgramBuffer {
 // What the framework gives a program when it builds it.
 struct StageEnv {
   const layers::TrainConfig& tc;
-  comm::ParallelCoord coord;     // this rank's (pp, dp, n)
+  ParallelCoord coord;           // this rank's (pp, dp, n)
   int pp = 1, dp = 1, n = 1;     // the layout
   bool first = true, last = true;  // first / last pipeline stage
   int64_t batch = 0;             // sequences per micro-batch

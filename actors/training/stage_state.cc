@@ -29,8 +29,8 @@ struct Stage::StateTensor {
   bool savable = true;
 };
 
-checkpoint::ParallelLayout Stage::state_layout() const {
-  return checkpoint::ParallelLayout{layout_->pp(), layout_->dp(), layout_->n()};
+ParallelLayout Stage::state_layout() const {
+  return *layout_;
 }
 
 int64_t Stage::steps_done() const { return opt_->steps_done(); }
@@ -89,7 +89,7 @@ Result<StageState> Stage::export_state(StateScope scope, bool copy) const {
   st.step = steps_done();
   st.layout = state_layout();
   st.rank = rank_;
-  st.coords = checkpoint::RankCoords{coord_.pp, coord_.dp, coord_.n};
+  st.coords = coord_;
   TROUPE_ASSIGN_OR_RETURN(std::vector<StateTensor> tensors, state_tensors());
   for (const StateTensor& t : tensors) {
     if (scope == StateScope::kSave && !t.savable) continue;
@@ -128,8 +128,8 @@ Result<StageState> Stage::export_state(StateScope scope, bool copy) const {
 Status Stage::import_state(const SliceSource& source, int64_t steps_done) {
   if (steps_done < 0) return invalid_argument("import_state: steps_done {} < 0", steps_done);
   settle();  // nothing may still write the parameters
-  const checkpoint::ParallelLayout layout = state_layout();
-  const checkpoint::RankCoords coords{coord_.pp, coord_.dp, coord_.n};
+  const ParallelLayout layout = state_layout();
+  const ParallelCoord coords = coord_;
   TROUPE_ASSIGN_OR_RETURN(std::vector<StateTensor> tensors, state_tensors());
   for (StateTensor& t : tensors) {
     TROUPE_ASSIGN_OR_RETURN(std::optional<Slice> box, checkpoint::owned_slice(t.name, t.global, t.placement, layout, coords));

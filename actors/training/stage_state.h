@@ -52,8 +52,8 @@ enum class StateScope { kSave, kHeld };
 // offsets, a host tensor holding the box), ready for CheckpointWriter::save.
 struct StageState {
   int64_t step = 0;  // optimizer steps done
-  checkpoint::ParallelLayout layout;
-  checkpoint::RankCoords coords;
+  ParallelLayout layout;
+  ParallelCoord coords;
   int rank = 0;
   std::vector<checkpoint::SaveEntry> slices;
   nlohmann::json rank_state = nlohmann::json::object();

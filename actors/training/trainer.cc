@@ -56,7 +56,7 @@
 #include "checkpoint/reader.h"
 #include "checkpoint/writer.h"
 #include "comm/control/host_addr.h"
-#include "comm/parallel_layout.h"
+#include "core/parallel_layout.h"
 
 extern char** environ;
 
@@ -495,10 +495,8 @@ Result<ElasticPlan> Trainer::plan_for(int64_t dp, const std::vector<int>& keep_d
                                       const std::string& why, std::vector<int>& spawn_slots,
                                       std::vector<int>& leaving) {
   const int pp = static_cast<int>(tc_.parallel.pp), n = static_cast<int>(tc_.parallel.n);
-  TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout old_l,
-                          comm::ParallelLayout::make(pp, static_cast<int>(plan_.dp), n));
-  TROUPE_ASSIGN_OR_RETURN(comm::ParallelLayout new_l,
-                          comm::ParallelLayout::make(pp, static_cast<int>(dp), n));
+  TROUPE_ASSIGN_OR_RETURN(ParallelLayout old_l, ParallelLayout::make(pp, static_cast<int>(plan_.dp), n));
+  TROUPE_ASSIGN_OR_RETURN(ParallelLayout new_l, ParallelLayout::make(pp, static_cast<int>(dp), n));
   const int64_t global = plan_.dp * plan_.grad_accum;
   if (global % dp != 0) {
     return invalid_argument(
@@ -514,9 +512,9 @@ Result<ElasticPlan> Trainer::plan_for(int64_t dp, const std::vector<int>& keep_d
   p.reason = why;
   std::set<int> kept_slots;
   for (int r = 0; r < new_l.world_size(); ++r) {
-    const comm::ParallelCoord c = new_l.coord(r);
+    const ParallelCoord c = new_l.coord(r);
     if (static_cast<size_t>(c.dp) < keep_dp.size()) {
-      comm::ParallelCoord oc = c;
+      ParallelCoord oc = c;
       oc.dp = keep_dp[static_cast<size_t>(c.dp)];
       const int slot = plan_.slots[static_cast<size_t>(old_l.rank_of(oc))];
       p.slots.push_back(slot);
@@ -681,10 +679,9 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
         return p;
       }
       // No spare: keep the dp replicas that lost nobody.
-      TROUPE_ASSIGN_OR_RETURN(
-          comm::ParallelLayout l,
-          comm::ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(plan_.dp),
-                                     static_cast<int>(tc_.parallel.n)));
+      TROUPE_ASSIGN_OR_RETURN(ParallelLayout l, ParallelLayout::make(static_cast<int>(tc_.parallel.pp),
+                                                                     static_cast<int>(plan_.dp),
+                                                                     static_cast<int>(tc_.parallel.n)));
       std::set<int> lost_dp;
       for (int s : f.slots) lost_dp.insert(l.coord(plan_.rank_of_slot(s)).dp);
       std::vector<int> keep;
@@ -706,16 +703,15 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
     // checkpoint (steps after it are lost and run again).
     {
       ElasticPlan& p = plan.value();
-      TROUPE_ASSIGN_OR_RETURN(
-          comm::ParallelLayout l,
-          comm::ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(p.dp),
-                                     static_cast<int>(tc_.parallel.n)));
+      TROUPE_ASSIGN_OR_RETURN(ParallelLayout l,
+                              ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(p.dp),
+                                                   static_cast<int>(tc_.parallel.n)));
       bool column_lost = false;
       for (int r = 0; r < l.world_size(); ++r) {
-        const comm::ParallelCoord c = l.coord(r);
+        const ParallelCoord c = l.coord(r);
         bool any = false;
         for (int d = 0; d < l.dp(); ++d) {
-          comm::ParallelCoord o = c;
+          ParallelCoord o = c;
           o.dp = d;
           any |= p.has_state[static_cast<size_t>(l.rank_of(o))];
         }
@@ -1132,13 +1128,12 @@ Status Trainer::maybe_replace(int64_t step_done) {
   // The worker's state must survive it: another dp replica of its column, or a checkpoint.
   {
     TROUPE_ASSIGN_OR_RETURN(
-        comm::ParallelLayout l,
-        comm::ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(plan_.dp),
-                                   static_cast<int>(tc_.parallel.n)));
-    const comm::ParallelCoord me = l.coord(plan_.rank_of_slot(static_cast<int>(slot)));
+        ParallelLayout l, ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(plan_.dp),
+                                               static_cast<int>(tc_.parallel.n)));
+    const ParallelCoord me = l.coord(plan_.rank_of_slot(static_cast<int>(slot)));
     bool peer = false;
     for (int d = 0; d < l.dp(); ++d) {
-      comm::ParallelCoord c = me;
+      ParallelCoord c = me;
       c.dp = d;
       const int other = plan_.slots[static_cast<size_t>(l.rank_of(c))];
       peer |= d != me.dp && stateful_.count(other) > 0;

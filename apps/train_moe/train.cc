@@ -198,8 +198,9 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     co.keep = static_cast<int>(tc.checkpoint.keep);
     TROUPE_ASSIGN_OR_RETURN(co.info, training::run_checkpoint_info(o.config, o.overrides, tc, run_dir + "/tokenizer.json"));
     TROUPE_RETURN_IF_ERROR(training::prepare_checkpoint_dir(co.dir, first_step - 1));
-    TROUPE_ASSIGN_OR_RETURN(ckpt, training::RankCheckpointer::create(co.dir, checkpoint::ParallelLayout{}, 0,
-                                                                      static_cast<uint64_t>(tc.checkpoint.max_mb_per_s * 1e6)));
+    TROUPE_ASSIGN_OR_RETURN(
+        ckpt, training::RankCheckpointer::create(co.dir, ParallelLayout{}, 0,
+                                                 static_cast<uint64_t>(tc.checkpoint.max_mb_per_s * 1e6)));
     committer = std::make_unique<training::CheckpointCommitter>(std::move(co));
   }
   // Model FLOPs per token (issue 10): 6 * active parameters + 6 * L * s * d (causal attention).

@@ -59,7 +59,7 @@ int run(const std::string& run_dir, uint64_t total_mb, uint64_t tensor_mb, int r
   const int64_t rows = static_cast<int64_t>(tensor_mb << 20) / (cols * 4) / ranks * ranks;
   const int num_tensors = static_cast<int>(std::max<uint64_t>(1, total_mb / tensor_mb));
   const uint64_t bytes = static_cast<uint64_t>(num_tensors) * rows * cols * 4;
-  const ParallelLayout layout{1, 1, ranks};
+  const ParallelLayout layout = ParallelLayout::make(1, 1, ranks).value();
   fmt::print("== {:.0f} MiB: {} f32 tensors [{}, {}], {} rank(s) (n={}), fsync {}\n",
              static_cast<double>(bytes) / (1 << 20), num_tensors, rows, cols, ranks, ranks, do_fsync ? "on" : "off");
 

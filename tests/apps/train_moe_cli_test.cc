@@ -200,6 +200,20 @@ TEST(TrainMoeCli, ErrorsNameTheProblem) {
   CliResult bad_layout = train_moe({"--config", write_config(dir, dir + "/d"), "--parallel", "tp=2"});
   EXPECT_EQ(bad_layout.code, 2);
   EXPECT_NE(bad_layout.out.find("--parallel: unknown key 'tp'"), std::string::npos) << bad_layout.out;
+  // The flag is read by core's layout parser: the short form, and its errors.
+  CliResult short_form = train_moe({"--config", write_config(dir, dir + "/d"), "--parallel", "4x1x2"});
+  EXPECT_EQ(short_form.code, 1);
+  EXPECT_NE(short_form.out.find("parallel.pp=4 does not divide model.n_layers=2"), std::string::npos)
+      << short_form.out;
+  CliResult zero =
+      train_moe({"--config", write_config(dir, dir + "/d"), "--parallel", "n=0,dispatch=allgather"});
+  EXPECT_EQ(zero.code, 2);
+  EXPECT_NE(zero.out.find("--parallel: parallel layout 'n=0,dispatch=allgather': n must be >= 1, got 0"),
+            std::string::npos)
+      << zero.out;
+  CliResult twice = train_moe({"--config", write_config(dir, dir + "/d"), "--parallel", "pp=1,pp=2"});
+  EXPECT_EQ(twice.code, 2);
+  EXPECT_NE(twice.out.find("key 'pp' given twice"), std::string::npos) << twice.out;
 
   CliResult no_config = train_moe({"--config", dir + "/missing.toml"});
   EXPECT_EQ(no_config.code, 1);

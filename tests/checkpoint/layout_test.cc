@@ -1,6 +1,6 @@
-// tests/checkpoint/layout_test.cc — rank numbering and the owned/saved slices of every
-// placement: saved slices tile each tensor exactly once, owned slices give every rank
-// what its layout says it holds.
+// tests/checkpoint/layout_test.cc — the owned/saved slices of every placement (the rank
+// numbering itself: tests/core/parallel_layout_test.cc): saved slices tile each tensor exactly once, owned
+// slices give every rank what its layout says it holds.
 #include "checkpoint/layout.h"
 
 #include <gtest/gtest.h>
@@ -12,45 +12,45 @@
 namespace troupe::checkpoint {
 namespace {
 
-std::vector<RankCoords> all_coords(const ParallelLayout& l) {
-  std::vector<RankCoords> out;
-  for (int r = 0; r < l.world_size(); ++r) out.push_back(*layout_coords(l, r));
+std::vector<ParallelCoord> all_coords(const ParallelLayout& l) {
+  std::vector<ParallelCoord> out;
+  for (int r = 0; r < l.world_size(); ++r) out.push_back(l.coord(r));
   return out;
 }
 
-TEST(Layout, RankNumberingIsNInnermostThenDpThenPp) {
-  const ParallelLayout l{2, 3, 2};
-  EXPECT_EQ(l.world_size(), 12);
-  RankCoords c = *layout_coords(l, 7);  // 7 = (1*3 + 0)*2 + 1
-  EXPECT_EQ(c, (RankCoords{1, 0, 1}));
-  for (int r = 0; r < l.world_size(); ++r) EXPECT_EQ(*layout_rank(l, *layout_coords(l, r)), r);
-  EXPECT_EQ(layout_coords(l, 12).status().code(), StatusCode::kOutOfRange);
-  EXPECT_EQ(layout_coords(ParallelLayout{0, 1, 1}, 0).status().code(), StatusCode::kInvalidArgument);
+TEST(Layout, CoordinatesOutsideTheLayoutAreRefused) {
+  auto s = owned_slice("x", Shape{4}, TensorPlacement::replicated(), ParallelLayout{1, 2, 1},
+                       ParallelCoord{0, 2, 0});
+  EXPECT_EQ(s.status().code(), StatusCode::kOutOfRange);
+  EXPECT_NE(s.status().message().find("pp 0, dp 2, n 0"), std::string::npos) << s.status();
 }
 
 TEST(Layout, ExpertShardedOwnsAContiguousExpertBlock) {
   const ParallelLayout l{1, 2, 4};
-  auto s = owned_slice("w1", Shape{8, 3, 5}, TensorPlacement::experts(0), l, RankCoords{0, 1, 2});
+  auto s = owned_slice("w1", Shape{8, 3, 5}, TensorPlacement::experts(0), l, ParallelCoord{0, 1, 2});
   ASSERT_TRUE(s.ok()) << s.status();
   ASSERT_TRUE(s->has_value());
   EXPECT_EQ(**s, (Slice{{4, 2}, {0, 3}, {0, 5}}));
   // dp rank 1 holds it but does not save it.
-  auto saved = save_slice("w1", Shape{8, 3, 5}, TensorPlacement::experts(0), l, RankCoords{0, 1, 2});
+  auto saved = save_slice("w1", Shape{8, 3, 5}, TensorPlacement::experts(0), l, ParallelCoord{0, 1, 2});
   ASSERT_TRUE(saved.ok());
   EXPECT_FALSE(saved->has_value());
 }
 
 TEST(Layout, BadPlacementsAreRefusedByName) {
-  auto e = owned_slice("layers.0.experts.w1", Shape{6, 4}, TensorPlacement::experts(0), ParallelLayout{1, 1, 4},
-                       RankCoords{});
+  auto e = owned_slice("layers.0.experts.w1", Shape{6, 4}, TensorPlacement::experts(0),
+                       ParallelLayout{1, 1, 4}, ParallelCoord{});
   EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(e.status().message().find("layers.0.experts.w1"), std::string::npos) << e.status();
   EXPECT_NE(e.status().message().find("6 experts"), std::string::npos) << e.status();
-  auto st = owned_slice("x", Shape{4}, TensorPlacement::replicated(2), ParallelLayout{2, 1, 1}, RankCoords{});
+  auto st =
+      owned_slice("x", Shape{4}, TensorPlacement::replicated(2), ParallelLayout{2, 1, 1}, ParallelCoord{});
   EXPECT_EQ(st.status().code(), StatusCode::kInvalidArgument);
-  auto z = owned_slice("opt", Shape{4, 4}, TensorPlacement::zero(0, false, 0, 16), ParallelLayout{}, RankCoords{});
+  auto z = owned_slice("opt", Shape{4, 4}, TensorPlacement::zero(0, false, 0, 16), ParallelLayout{},
+                       ParallelCoord{});
   EXPECT_EQ(z.status().code(), StatusCode::kInvalidArgument);
-  auto zo = owned_slice("opt", Shape{16}, TensorPlacement::zero(0, false, 8, 16), ParallelLayout{}, RankCoords{});
+  auto zo = owned_slice("opt", Shape{16}, TensorPlacement::zero(0, false, 8, 16), ParallelLayout{},
+                        ParallelCoord{});
   EXPECT_EQ(zo.status().code(), StatusCode::kInvalidArgument);
 }
 
@@ -78,12 +78,12 @@ TEST(Layout, SavedSlicesTileEveryTensorExactlyOnce) {
   };
   for (ParallelLayout l : {ParallelLayout{1, 1, 1}, ParallelLayout{2, 1, 2}, ParallelLayout{1, 2, 4},
                            ParallelLayout{2, 2, 2}, ParallelLayout{1, 3, 1}}) {
-    const int64_t experts_local = 8 / l.n;
+    const int64_t experts_local = 8 / l.n();
     // The ZeRO buffer of a (stage 0, n rank): 10 replicated elements, then the local experts.
     const int64_t total = 10 + experts_local * 6;
     std::vector<Case> cases = {
         {"attn", {4, 6}, TensorPlacement::replicated(0)},
-        {"last", {3}, TensorPlacement::replicated(l.pp - 1)},
+        {"last", {3}, TensorPlacement::replicated(l.pp() - 1)},
         {"everywhere", {}, TensorPlacement::replicated()},
         {"experts", {8, 2, 3}, TensorPlacement::experts(0)},
         {"opt.attn", {10}, TensorPlacement::zero(0, false, 0, total)},
@@ -92,7 +92,7 @@ TEST(Layout, SavedSlicesTileEveryTensorExactlyOnce) {
     for (const Case& c : cases) {
       std::vector<int> count(static_cast<size_t>(shape_numel(c.shape)), 0);
       const Shape strides = contiguous_strides(c.shape);
-      for (const RankCoords& rc : all_coords(l)) {
+      for (const ParallelCoord& rc : all_coords(l)) {
         auto s = save_slice(c.name, c.shape, c.p, l, rc);
         ASSERT_TRUE(s.ok()) << s.status();
         if (!s->has_value()) continue;

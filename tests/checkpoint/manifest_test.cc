@@ -15,7 +15,7 @@ ManifestPart make_part(int rank, int world, Slice box, DType dt = DType::kF32) {
   p.rank = rank;
   p.world_size = world;
   p.layout = ParallelLayout{1, 1, world};
-  p.coords = RankCoords{0, 0, rank};
+  p.coords = ParallelCoord{0, 0, rank};
   p.state = {{"rng", "abc"}};
   StoredSlice s{shard_file_name(rank), 64, static_cast<uint64_t>(slice_numel(box)) * dtype_size(dt), box,
                 0x0123456789abcdefull, rank};
@@ -38,7 +38,7 @@ TEST(Manifest, MergeAndJsonRoundTrip) {
   EXPECT_EQ(back->layout, (ParallelLayout{1, 1, 2}));
   EXPECT_EQ(back->config_text, info.config_text);
   EXPECT_EQ(back->data_position["sample"], 1024);
-  EXPECT_EQ(back->ranks.at(1).coords, (RankCoords{0, 0, 1}));
+  EXPECT_EQ(back->ranks.at(1).coords, (ParallelCoord{0, 0, 1}));
   EXPECT_EQ(back->ranks.at(1).state["rng"], "abc");
   const StoredSlice& s = back->tensors.at("w").slices.at(1);
   EXPECT_EQ(s.xxh64, 0x0123456789abcdefull);
@@ -61,6 +61,32 @@ TEST(Manifest, MergeRefusesHolesOverlapsAndDisagreement) {
   EXPECT_TRUE(dup.ok()) << dup.status();
   auto missing = merge_parts({make_part(0, 2, {{0, 4}, {0, 3}})}, {});
   EXPECT_EQ(missing.status().code(), StatusCode::kFailedPrecondition);
+}
+
+// The on-disk spelling of layouts and coordinates ({"pp","dp","n"} and {"stage","dp","n"})
+// is the format every checkpoint so far was written in: it must read, and be written, as is.
+TEST(Manifest, LayoutAndCoordinatesKeepTheirOnDiskSpelling) {
+  const nlohmann::json old = nlohmann::json::parse(R"({
+    "format": "troupe-checkpoint", "format_version": 1, "step": 7,
+    "layout": {"pp": 2, "dp": 1, "n": 2}, "world_size": 4, "created_unix_ms": 1,
+    "data_position": {}, "config_text": "", "tokenizer": null, "metadata": {},
+    "ranks": [{"rank": 3, "coords": {"stage": 1, "dp": 0, "n": 1}, "state": {}}],
+    "tensors": {}})");
+  auto m = manifest_from_json(old, "old/manifest.json");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->layout, (ParallelLayout{2, 1, 2}));
+  EXPECT_EQ(m->ranks.at(0).coords, (ParallelCoord{1, 0, 1}));
+  const nlohmann::json again = manifest_to_json(*m);
+  EXPECT_EQ(again["layout"], old["layout"]);
+  EXPECT_EQ(again["ranks"][0]["coords"], old["ranks"][0]["coords"]);
+
+  nlohmann::json bad = old;
+  bad["layout"]["dp"] = 0;
+  auto b = manifest_from_json(bad, "bad/manifest.json");
+  EXPECT_EQ(b.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(b.status().message().find("bad/manifest.json: parallel layout pp=2,dp=0,n=2: dp must be >= 1"),
+            std::string::npos)
+      << b.status();
 }
 
 TEST(Manifest, MalformedJsonIsDataLossNamingTheSource) {

@@ -38,21 +38,21 @@ std::vector<TensorSpec> model_specs(const ParallelLayout& l) {
   std::vector<TensorSpec> params;
   params.push_back({"embed.weight", {kVocab, kD}, DType::kF32, TensorPlacement::replicated(0)});
   for (int i = 0; i < kLayers; ++i) {
-    const int stage = i * l.pp / kLayers;
+    const int stage = i * l.pp() / kLayers;
     const std::string p = "layers." + std::to_string(i);
     params.push_back({p + ".attn.wqkv", {kD, 3 * kD}, DType::kBF16, TensorPlacement::replicated(stage)});
     params.push_back({p + ".moe.router", {kExperts, kD}, DType::kF32, TensorPlacement::replicated(stage)});
     params.push_back({p + ".moe.router_bias", {kExperts}, DType::kF32, TensorPlacement::replicated(stage)});
     params.push_back({p + ".moe.experts.w1", {kExperts, kD, kF}, DType::kF32, TensorPlacement::experts(stage)});
   }
-  params.push_back({"head.weight", {kVocab, kD}, DType::kF32, TensorPlacement::replicated(l.pp - 1)});
+  params.push_back({"head.weight", {kVocab, kD}, DType::kF32, TensorPlacement::replicated(l.pp() - 1)});
   // ZeRO-1 buffers: per stage, the local elements of each parameter in order.
-  std::vector<int64_t> flat_total(static_cast<size_t>(l.pp), 0);
+  std::vector<int64_t> flat_total(static_cast<size_t>(l.pp()), 0);
   std::vector<TensorSpec> opt;
   for (const TensorSpec& s : params) {
     if (s.dtype != DType::kF32 || s.name.find("router_bias") != std::string::npos) continue;
     const bool ex = s.placement.expert_sharded;
-    const int64_t local = shape_numel(s.shape) / (ex ? l.n : 1);
+    const int64_t local = shape_numel(s.shape) / (ex ? l.n() : 1);
     int64_t& total = flat_total[static_cast<size_t>(s.placement.stage)];
     opt.push_back({"opt.m." + s.name, {shape_numel(s.shape)}, DType::kF32,
                    TensorPlacement::zero(s.placement.stage, ex, total, 0)});
@@ -103,7 +103,7 @@ int run_rank(const std::string& run, const ParallelLayout& l, int rank, int64_t 
   if (rate > 0) wo.write_chunk_bytes = 256;
   auto w = CheckpointWriter::create(wo);
   if (!w.ok()) return 2;
-  const RankCoords c = (*w)->coords();
+  const ParallelCoord c = (*w)->coords();
   std::vector<SaveEntry> entries;
   for (const TensorSpec& s : model_specs(l)) {
     auto box = save_slice(s.name, s.shape, s.placement, l, c);
@@ -210,7 +210,7 @@ std::vector<int> experts_in(const Tensor& block, int64_t step) {
 // owns under `l` and compares them bitwise with the global truth.
 void check_load(const CheckpointReader& reader, const ParallelLayout& l, int64_t step) {
   for (int rank = 0; rank < l.world_size(); ++rank) {
-    const RankCoords c = *layout_coords(l, rank);
+    const ParallelCoord c = l.coord(rank);
     for (const TensorSpec& s : model_specs(l)) {
       auto box = owned_slice(s.name, s.shape, s.placement, l, c);
       ASSERT_TRUE(box.ok()) << box.status();
@@ -220,7 +220,7 @@ void check_load(const CheckpointReader& reader, const ParallelLayout& l, int64_t
       ASSERT_TRUE(testing::bitwise_equal(*got, narrow_to(global_tensor(s, step), **box)))
           << s.name << " " << slice_to_string(**box) << " rank " << rank << " of " << l.to_string();
       if (s.placement.expert_sharded && !s.placement.zero_sharded) {
-        const Range want = *expert_range(kExperts, l.n, c.n_rank);
+        const Range want = *expert_range(kExperts, l.n(), c.n);
         std::vector<int> expect(static_cast<size_t>(want.length));
         for (int64_t k = 0; k < want.length; ++k) expect[static_cast<size_t>(k)] = static_cast<int>(want.start + k);
         ASSERT_EQ(experts_in(*got, step), expect) << s.name << " on rank " << rank << " (" << c.to_string() << ")";

@@ -34,12 +34,10 @@ namespace {
 
 namespace fs = std::filesystem;
 using troupe::sched::test::Cluster;
-using troupe::sched::test::run_cli;
 using troupe::sched::test::wait_until;
 using troupe::test::Clock;
 using troupe::test::events_named;
 using troupe::test::latest_step_records;
-using troupe::test::rel_diff;
 using troupe::test::RunResult;
 using troupe::test::tcp_sockets_of;
 
@@ -123,31 +121,9 @@ class Multihost : public ::testing::Test {
     return o;
   }
 
-  static std::string submit(Cluster& c, const std::vector<std::string>& flags,
-                            const std::vector<std::string>& cmd) {
-    std::vector<std::string> a{"submit"};
-    for (const auto& x : c.conn_args()) a.push_back(x);
-    for (const auto& x : flags) a.push_back(x);
-    a.insert(a.end(), {"--env", "TW_TAG=" + c.tag(), "--"});
-    a.insert(a.end(), cmd.begin(), cmd.end());
-    const auto r = run_cli(a);
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    std::string id = r.output;
-    while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
-    return id;
-  }
-
   static void expect_one_process_losses(const std::string& name) {
-    const auto got = latest_step_records(*root_ / name / "metrics.jsonl");
-    ASSERT_EQ(got.size(), reference_->size());
-    double worst = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      const double d = rel_diff((*reference_)[i]["loss"].get<double>(), got[i]["loss"].get<double>());
-      EXPECT_LE(d, 1e-5) << name << " step " << i + 1;
-      worst = std::max(worst, d);
-    }
-    std::printf("[multihost %s] %zu steps, max relative loss difference vs one process %.3g\n", name.c_str(),
-                got.size(), worst);
+    troupe::test::expect_losses_match(*reference_, *root_ / name / "metrics.jsonl", 1e-5, "multihost " + name,
+                                      "one process");
   }
 
   // Every live process of `job`: its listening sockets are on its agent's address, its
@@ -209,7 +185,7 @@ TEST_F(Multihost, JobOnTwoHostsBindsEachHostsAddressAndTrainsLikeOneProcess) {
   const fs::path dir = *root_ / "two-hosts";
   const auto t0 = Clock::now();
   const std::string job =
-      submit(c, {"--nproc", "4", "--layout", "dp=2,n=2"}, train_args("two-hosts", 1, "dp=2,n=2"));
+      c.submit_command({"--nproc", "4", "--layout", "dp=2,n=2"}, train_args("two-hosts", 1, "dp=2,n=2"));
   ASSERT_TRUE(wait_until([&] { return !latest_step_records(dir / "metrics.jsonl").empty(); },
                          std::chrono::seconds(90), std::chrono::milliseconds(10)))
       << c.logs_of_daemons();
@@ -245,16 +221,16 @@ TEST_F(Multihost, AgentKilledMidJobGetsItsWorkersReplacedOnTheOtherHost) {
   // Another tenant's 2-process job fills half of a1 (127.0.0.3), so the elastic job's
   // two n-groups land one per host; it ends before the kill, leaving a1 room for the
   // replacements.
-  const std::string filler =
-      submit(c, {"--nproc", "2", "--layout", "dp=1,n=2", "--no-driver"}, {"sh", "-c", "exec sleep 1000"});
+  const std::string filler = c.submit_command({"--nproc", "2", "--layout", "dp=1,n=2", "--no-driver"},
+                                              {"sh", "-c", "exec sleep 1000"});
   ASSERT_TRUE(wait_until([&] { return c.status(filler)["jobs"][0].value("running_procs", 0) == 2; },
                          std::chrono::seconds(30)))
       << c.logs_of_daemons();
   const fs::path dir = *root_ / "agent-kill";
   const auto t0 = Clock::now();
   // Slot 0 (on a1) runs 150 ms slower per step so that the kill lands mid-job.
-  const std::string job = submit(c, {"--nproc", "4", "--layout", "dp=2,n=2"},
-                                 train_args("agent-kill", 1, "dp=2,n=2", "slow@1:any:0"));
+  const std::string job = c.submit_command({"--nproc", "4", "--layout", "dp=2,n=2"},
+                                           train_args("agent-kill", 1, "dp=2,n=2", "slow@1:any:0"));
   ASSERT_TRUE(wait_until([&] { return !latest_step_records(dir / "metrics.jsonl").empty(); },
                          std::chrono::seconds(90), std::chrono::milliseconds(10)))
       << c.logs_of_daemons();
@@ -270,9 +246,7 @@ TEST_F(Multihost, AgentKilledMidJobGetsItsWorkersReplacedOnTheOtherHost) {
   EXPECT_EQ(workers_on["a2"], 2);
   // (An elastic worker holds its Gloo pairs' connections; its listener is closed by now.)
   EXPECT_EQ(expect_bound_to_their_hosts(c, job, false), 5);
-  std::vector<std::string> cancel{"cancel", filler};
-  for (const auto& x : c.conn_args()) cancel.push_back(x);
-  EXPECT_EQ(run_cli(cancel).exit_code, 0);
+  EXPECT_EQ(c.cli({"cancel", filler}).exit_code, 0);
   ASSERT_TRUE(wait_until([&] { return latest_step_records(dir / "metrics.jsonl").size() >= 3; },
                          std::chrono::seconds(60)))
       << c.logs_of_daemons();
@@ -346,9 +320,7 @@ TEST_F(Multihost, JobActorSystemsBindTheirHostsAndAcceptOnlyTheJob) {
     ++workers;
   }
   EXPECT_EQ(workers, 4);
-  std::vector<std::string> cancel{"cancel", job};
-  for (const auto& x : c.conn_args()) cancel.push_back(x);
-  EXPECT_EQ(run_cli(cancel).exit_code, 0);
+  EXPECT_EQ(c.cli({"cancel", job}).exit_code, 0);
   std::printf("[multihost actors] driver on 127.0.0.3 reached 4 CURVE actor endpoints on 127.0.0.3/.4: %s",
               text.c_str());
 }
@@ -359,8 +331,8 @@ TEST_F(Multihost, JobActorSystemsBindTheirHostsAndAcceptOnlyTheJob) {
 TEST_F(Multihost, DriverKilledMidJobIsRestartedAndResumesFromTheNewestCheckpoint) {
   Cluster c(hosts(2));
   const fs::path dir = *root_ / "driver-kill";
-  const std::string job = submit(c, {"--nproc", "4", "--layout", "dp=2,n=2"},
-                                 train_args("driver-kill", 1, "dp=2,n=2", "slow@1:any:0"));
+  const std::string job = c.submit_command({"--nproc", "4", "--layout", "dp=2,n=2"},
+                                           train_args("driver-kill", 1, "dp=2,n=2", "slow@1:any:0"));
   ASSERT_TRUE(wait_until([&] { return latest_step_records(dir / "metrics.jsonl").size() >= 5; },
                          std::chrono::seconds(90), std::chrono::milliseconds(10)))
       << c.logs_of_daemons();

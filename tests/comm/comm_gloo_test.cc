@@ -8,7 +8,7 @@
 #include <cmath>
 
 #include "comm/gloo_communicator.h"
-#include "comm/parallel_layout.h"
+#include "comm/process_groups.h"
 #include "tests/comm/comm_test_util.h"
 
 namespace troupe::comm {
@@ -245,7 +245,7 @@ TEST_P(GlooOps, EveryOperationAndDtypeMatchesTheReference) {
 INSTANTIATE_TEST_SUITE_P(Ranks, GlooOps, ::testing::Values(2, 4));
 
 TEST(GlooGroups, ProcessGroupsFromALayout) {
-  // pp2 x dp1 x n2: ranks 0,1 form stage 0's n-group, 2,3 stage 1's; pipeline pairs (0,2), (1,3).
+  // pp=2,dp=1,n=2: ranks 0,1 form stage 0's n-group, 2,3 stage 1's; pipeline pairs (0,2), (1,3).
   TempDir dir;
   auto layout = ParallelLayout::make(2, 1, 2).value();
   auto exits = testing::run_ranks(

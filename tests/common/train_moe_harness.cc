@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -216,6 +217,21 @@ std::vector<nlohmann::json> events_named(const fs::path& events, const std::stri
 
 double rel_diff(double reference, double value) {
   return std::fabs(reference - value) / std::max(std::fabs(reference), 1e-30);
+}
+
+double expect_losses_match(const std::vector<nlohmann::json>& reference, const fs::path& metrics,
+                           double tolerance, const std::string& label, const std::string& against) {
+  const std::vector<nlohmann::json> got = latest_step_records(metrics);
+  EXPECT_EQ(got.size(), reference.size()) << label << ": " << metrics;
+  double worst = 0;
+  for (size_t i = 0; i < std::min(got.size(), reference.size()); ++i) {
+    const double d = rel_diff(reference[i]["loss"].get<double>(), got[i]["loss"].get<double>());
+    EXPECT_LE(d, tolerance) << label << " step " << i + 1;
+    worst = std::max(worst, d);
+  }
+  std::printf("[%s] %zu steps, max relative loss difference vs %s %.3g\n", label.c_str(), got.size(),
+              against.c_str(), worst);
+  return worst;
 }
 
 }  // namespace troupe::test

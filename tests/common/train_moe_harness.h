@@ -160,4 +160,10 @@ std::vector<nlohmann::json> events_named(const fs::path& events, const std::stri
 // |reference - value| / |reference| (the denominator floored at 1e-30).
 double rel_diff(double reference, double value);
 
+// gtest EXPECTs that the run's metrics.jsonl (latest record of each step) has as many
+// steps as `reference` (step records) and each loss within `tolerance` relative to it;
+// prints "[<label>] N steps, max relative loss difference vs <against> D" and returns D.
+double expect_losses_match(const std::vector<nlohmann::json>& reference, const fs::path& metrics,
+                           double tolerance, const std::string& label, const std::string& against);
+
 }  // namespace troupe::test

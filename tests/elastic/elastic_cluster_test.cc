@@ -34,12 +34,10 @@ namespace {
 
 namespace fs = std::filesystem;
 using troupe::sched::test::Cluster;
-using troupe::sched::test::run_cli;
 using troupe::sched::test::wait_until;
 using troupe::test::Clock;
 using troupe::test::events_named;
 using troupe::test::latest_step_records;
-using troupe::test::rel_diff;
 using troupe::test::RunResult;
 
 constexpr int64_t kSteps = 10;
@@ -78,29 +76,14 @@ class ElasticCluster : public ::testing::Test {
   // `troupe submit` of the job (no --elastic: its driver claims the supervision); returns its id.
   static std::string submit(Cluster& c, const std::string& name, const std::vector<std::string>& flags,
                             const std::string& fault = "", const std::string& parallel = "dp=2,n=2") {
-    std::vector<std::string> a{"submit", "--nproc", "4"};
-    for (const auto& x : c.conn_args()) a.push_back(x);
-    for (const auto& x : flags) a.push_back(x);
-    a.insert(a.end(), {"--env", "TW_TAG=" + c.tag(), "--"});
-    for (const auto& x : train_args(name, fault, parallel)) a.push_back(x);
-    const auto r = run_cli(a);
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    std::string id = r.output;
-    while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
-    return id;
+    std::vector<std::string> f{"--nproc", "4"};
+    f.insert(f.end(), flags.begin(), flags.end());
+    return c.submit_command(f, train_args(name, fault, parallel));
   }
 
   static void expect_same_losses(const std::string& name) {
-    const auto got = latest_step_records(*root_ / name / "metrics.jsonl");
-    ASSERT_EQ(got.size(), reference_->size());
-    double worst = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      const double d = rel_diff((*reference_)[i]["loss"].get<double>(), got[i]["loss"].get<double>());
-      EXPECT_LE(d, 1e-5) << name << " step " << i + 1;
-      worst = std::max(worst, d);
-    }
-    std::printf("[elastic-cluster %s] %zu steps, max relative loss difference vs fault-free %.3g\n", name.c_str(),
-                got.size(), worst);
+    troupe::test::expect_losses_match(*reference_, *root_ / name / "metrics.jsonl", 1e-5,
+                                      "elastic-cluster " + name, "fault-free");
   }
 
   static fs::path* root_;
@@ -165,14 +148,10 @@ TEST_F(ElasticCluster, TroupeReplaceAndScaleByJobId) {
   ASSERT_TRUE(wait_until([&] { return latest_step_records(dir / "metrics.jsonl").size() >= 2; },
                          std::chrono::seconds(60)))
       << c.logs_of_daemons();
-  auto with_conn = [&](std::vector<std::string> a) {
-    for (const auto& x : c.conn_args()) a.push_back(x);
-    return a;
-  };
   // `troupe status <job> --actors`: the trainer and the stage, attention and expert actors
   // of each of the 4 workers, with their workers; the placement is in the scheduler's
   // job record too.
-  const auto actors = run_cli(with_conn({"status", job, "--actors"}), std::chrono::seconds(30));
+  const auto actors = c.cli({"status", job, "--actors"}, std::chrono::seconds(30));
   EXPECT_EQ(actors.exit_code, 0) << actors.output;
   EXPECT_NE(actors.output.find("13 actors"), std::string::npos) << actors.output;
   for (int r = 0; r < 4; ++r) {
@@ -183,32 +162,32 @@ TEST_F(ElasticCluster, TroupeReplaceAndScaleByJobId) {
     EXPECT_NE(actors.output.find(fmt::format("worker-{}", r)), std::string::npos) << actors.output;
   }
   std::printf("[elastic-cluster actors]\n%s", actors.output.c_str());
-  const auto js = run_cli(with_conn({"status", job, "--json"}), std::chrono::seconds(30));
+  const auto js = c.cli({"status", job, "--json"}, std::chrono::seconds(30));
   ASSERT_EQ(js.exit_code, 0) << js.output;
   const nlohmann::json jj = nlohmann::json::parse(js.output, nullptr, false);
   ASSERT_TRUE(jj.is_object()) << js.output;
   const nlohmann::json& placed = jj.contains("jobs") ? jj["jobs"][0]["actors"] : jj["actors"];
   EXPECT_EQ(placed.size(), 13u) << js.output;
-  const auto rep = run_cli(with_conn({"replace", job, "1"}), std::chrono::seconds(60));
+  const auto rep = c.cli({"replace", job, "1"}, std::chrono::seconds(60));
   EXPECT_EQ(rep.exit_code, 0) << rep.output;
   EXPECT_NE(rep.output.find("replaced worker slot 1"), std::string::npos) << rep.output;
-  const auto sc = run_cli(with_conn({"scale", job, "--dp", "1"}), std::chrono::seconds(60));
+  const auto sc = c.cli({"scale", job, "--dp", "1"}, std::chrono::seconds(60));
   EXPECT_EQ(sc.exit_code, 0) << sc.output;
   EXPECT_NE(sc.output.find("scaled dp 2 -> 1"), std::string::npos) << sc.output;
   // `troupe status <job>` adds the driver's view of an elastic job (slots, ranks, flags).
-  const auto status = run_cli(with_conn({"status", job}), std::chrono::seconds(30));
+  const auto status = c.cli({"status", job}, std::chrono::seconds(30));
   EXPECT_EQ(status.exit_code, 0) << status.output;
   EXPECT_NE(status.output.find(fmt::format("elastic job {}:", job)), std::string::npos) << status.output;
   EXPECT_NE(status.output.find("dp 1"), std::string::npos) << status.output;
   // `troupe top <job> --once`: the job's record, its run directory's metrics, the workers.
-  const auto top = run_cli(with_conn({"top", job, "--once"}), std::chrono::seconds(30));
+  const auto top = c.cli({"top", job, "--once"}, std::chrono::seconds(30));
   EXPECT_EQ(top.exit_code, 0) << top.output;
   for (const std::string& s : {fmt::format("job {}  running", job), std::string("elastic"), std::string("tokens/s"),
                               std::string("workers ("), std::string("cause=replace")}) {
     EXPECT_NE(top.output.find(s), std::string::npos) << s << "\n" << top.output;
   }
   std::printf("[elastic-cluster top]\n%s", top.output.c_str());
-  const auto bad = run_cli(with_conn({"scale", job, "--dp", "4"}), std::chrono::seconds(60));
+  const auto bad = c.cli({"scale", job, "--dp", "4"}, std::chrono::seconds(60));
   EXPECT_EQ(bad.exit_code, 1) << bad.output;
   EXPECT_NE(bad.output.find("refused"), std::string::npos) << bad.output;
   ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(120))) << c.logs_of_daemons();
@@ -227,9 +206,7 @@ TEST_F(ElasticCluster, ActorsOfAPipelineJob) {
   ASSERT_TRUE(wait_until([&] { return latest_step_records(dir / "metrics.jsonl").size() >= 2; },
                          std::chrono::seconds(60)))
       << c.logs_of_daemons();
-  std::vector<std::string> a{"status", job, "--actors"};
-  for (const auto& x : c.conn_args()) a.push_back(x);
-  const auto actors = run_cli(a, std::chrono::seconds(30));
+  const auto actors = c.cli({"status", job, "--actors"}, std::chrono::seconds(30));
   EXPECT_EQ(actors.exit_code, 0) << actors.output;
   EXPECT_NE(actors.output.find("13 actors"), std::string::npos) << actors.output;
   EXPECT_NE(actors.output.find("trainer"), std::string::npos) << actors.output;
@@ -269,9 +246,7 @@ TEST_F(ElasticCluster, DrainMovesWorkersToAnotherAgent) {
   const std::string busy = live_workers_on("a1") >= live_workers_on("a2") ? "a1" : "a2";
   const int before = live_workers_on(busy);
   ASSERT_GT(before, 0) << c.status(job).dump();
-  std::vector<std::string> a{"drain", busy};
-  for (const auto& x : c.conn_args()) a.push_back(x);
-  const auto r = run_cli(a, std::chrono::seconds(120));
+  const auto r = c.cli({"drain", busy}, std::chrono::seconds(120));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find(fmt::format("{} worker(s) moved, 0 failed", before)), std::string::npos) << r.output;
   EXPECT_EQ(live_workers_on(busy), 0) << r.output;

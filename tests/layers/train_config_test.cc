@@ -27,6 +27,7 @@ TEST(TrainConfig, TinyParses) {
   for (auto [pp, dp, n] : {std::tuple{2, 1, 1}, {1, 2, 1}, {1, 1, 2}, {1, 1, 4}, {2, 1, 2}, {1, 2, 2}}) {
     ParallelOptions p{pp, dp, n};
     EXPECT_TRUE(p.validate(tc->model).ok()) << pp << dp << n;
+    EXPECT_EQ(p.layout().value(), ParallelLayout::make(pp, dp, n).value());
   }
 }
 
@@ -76,6 +77,7 @@ TEST(TrainConfig, BadValuesAreNamed) {
       {"[model]\nmoe_layers = [0, 7]\nn_layers = 4\n", "model.moe_layers"},
       {"[parallel]\nn = 3\n", "parallel.n"},
       {"[parallel]\npp = 3\n", "parallel.pp"},
+      {"[parallel]\ndp = 0\n", "[parallel]: parallel layout pp=1,dp=0,n=1: dp must be >= 1, got 0"},
   };
   for (const auto& c : cases) {
     auto tc = parse(c.text);

@@ -14,6 +14,7 @@
 namespace {
 
 namespace fs = std::filesystem;
+using troupe::ParallelLayout;
 using troupe::Tensor;
 using namespace troupe::checkpoint;
 

@@ -284,19 +284,35 @@ std::vector<std::string> Cluster::conn_args() const {
   return a;
 }
 
-std::string Cluster::submit(int nproc, const std::vector<std::string>& flags, const std::map<std::string, std::string>& env) {
-  std::vector<std::string> args = {"submit", "--nproc", std::to_string(nproc)};
-  auto conn = conn_args();
-  args.insert(args.end(), conn.begin(), conn.end());
+CliResult Cluster::cli(const std::vector<std::string>& args, std::chrono::milliseconds timeout) const {
+  std::vector<std::string> a;
+  if (!args.empty()) a.push_back(args.front());
+  const auto conn = conn_args();
+  a.insert(a.end(), conn.begin(), conn.end());
+  if (!args.empty()) a.insert(a.end(), args.begin() + 1, args.end());
+  return run_cli(a, timeout);
+}
+
+std::string Cluster::submit_command(const std::vector<std::string>& flags,
+                                    const std::vector<std::string>& argv) {
+  std::vector<std::string> args = {"submit"};
   args.insert(args.end(), flags.begin(), flags.end());
-  args.insert(args.end(), {"--env", "TW_TAG=" + tag_, "--env", "TW_OUT=" + out_dir()});
-  for (const auto& [k, v] : env) args.insert(args.end(), {"--env", k + "=" + v});
-  args.insert(args.end(), {"--", worker_bin()});
-  auto r = run_cli(args);
+  args.insert(args.end(), {"--env", "TW_TAG=" + tag_, "--"});
+  args.insert(args.end(), argv.begin(), argv.end());
+  auto r = cli(args);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   std::string id = r.output;
   while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
   return id;
+}
+
+std::string Cluster::submit(int nproc, const std::vector<std::string>& flags,
+                            const std::map<std::string, std::string>& env) {
+  std::vector<std::string> f = {"--nproc", std::to_string(nproc)};
+  f.insert(f.end(), flags.begin(), flags.end());
+  f.insert(f.end(), {"--env", "TW_OUT=" + out_dir()});
+  for (const auto& [k, v] : env) f.insert(f.end(), {"--env", k + "=" + v});
+  return submit_command(f, {worker_bin()});
 }
 
 nlohmann::json Cluster::status(const std::string& job) {

@@ -89,6 +89,12 @@ class Cluster {
   std::string client_key() const { return dir_ + "/keys/client.key"; }
   std::string scheduler_pub() const { return dir_ + "/keys/scheduler.pub"; }
 
+  // `troupe <args[0]> <conn_args()> <args[1..]>`: a CLI command against this cluster.
+  CliResult cli(const std::vector<std::string>& args,
+                std::chrono::milliseconds timeout = std::chrono::seconds(20)) const;
+  // `troupe submit <flags> --env TW_TAG=<tag> -- <argv>` (the tag lets the harness find
+  // every process of the job); EXPECTs success and returns the job id.
+  std::string submit_command(const std::vector<std::string>& flags, const std::vector<std::string>& argv);
   // `troupe submit` with the test worker; returns the job id.
   std::string submit(int nproc, const std::vector<std::string>& flags, const std::map<std::string, std::string>& env);
   nlohmann::json status(const std::string& job);   // one job's status document (library client)

@@ -31,20 +31,23 @@ std::string slurp(const std::string& p) {
   return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
 }
 
+// The layout parser itself: tests/core/parallel_layout_test.cc.
 TEST(JobSpec, LayoutsParseAndMismatchesAreNamed) {
-  auto a = parse_layout("pp=2,dp=3,n=4");
-  ASSERT_TRUE(a.ok());
-  EXPECT_EQ(a->world_size(), 24);
-  auto b = parse_layout("1x2x4");
-  ASSERT_TRUE(b.ok());
-  EXPECT_EQ(b->n, 4);
-  EXPECT_FALSE(parse_layout("pp=0").ok());
-  EXPECT_NE(parse_layout("tp=2").status().message().find("unknown key 'tp'"), std::string::npos);
-  EXPECT_FALSE(parse_layout("2x2").ok());
-
   JobSpec s;
   s.argv = {"app"};
   s.nproc = 4;
+  EXPECT_EQ(s.parsed_layout(), ParallelLayout::make(1, 4, 1).value());  // no layout: all dp
+  s.layout = "2x1x2";
+  ASSERT_TRUE(s.validate().ok());
+  EXPECT_EQ(s.layout, "pp=2,dp=1,n=2");  // rewritten in the canonical form
+  EXPECT_EQ(s.parsed_layout(), ParallelLayout::make(2, 1, 2).value());
+  s.layout = "pp=0,dp=4";
+  Status bad = s.validate();
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("job spec: parallel layout 'pp=0,dp=4': pp must be >= 1"), std::string::npos)
+      << bad.message();
+  s.layout = "tp=2";
+  EXPECT_NE(s.validate().message().find("unknown key 'tp'"), std::string::npos);
   s.layout = "pp=1,dp=1,n=2";
   Status v = s.validate();
   EXPECT_EQ(v.code(), StatusCode::kInvalidArgument);
@@ -76,7 +79,7 @@ TEST(JobSpec, JsonRoundTripAndUnknownFieldsRejected) {
 
 TEST(Placement, KeepsEachMoeGroupInsideOneNode) {
   std::vector<AgentCapacity> agents = {{"a", {0, 1, 2}}, {"b", {0, 1, 2, 3}}, {"c", {1}}};
-  auto p = place_workers(ParallelLayout{1, 3, 2}, agents);
+  auto p = place_workers(ParallelLayout::make(1, 3, 2).value(), agents);
   ASSERT_TRUE(p.ok()) << p.status().to_string();
   ASSERT_EQ(p->size(), 6u);
   for (int g = 0; g < 3; ++g) EXPECT_EQ((*p)[g * 2].agent_id, (*p)[g * 2 + 1].agent_id) << "group " << g;
@@ -86,10 +89,10 @@ TEST(Placement, KeepsEachMoeGroupInsideOneNode) {
   EXPECT_EQ((*p)[4].agent_id, "b");
   EXPECT_EQ(place_driver(*p, agents), "a");
   // 4 groups of 2 do not fit in (3, 4, 1) although 8 slots are free.
-  auto q = place_workers(ParallelLayout{1, 4, 2}, agents);
+  auto q = place_workers(ParallelLayout::make(1, 4, 2).value(), agents);
   EXPECT_EQ(q.status().code(), StatusCode::kResourceExhausted);
   EXPECT_NE(q.status().message().find("a: 3, b: 4, c: 1"), std::string::npos) << q.status().message();
-  EXPECT_FALSE(place_workers(ParallelLayout{1, 1, 1}, {}).ok());
+  EXPECT_FALSE(place_workers(ParallelLayout(), {}).ok());
 }
 
 TEST(Rendezvous, SetGetWaitAndDeadlinesNamespacedByJobAndEpoch) {

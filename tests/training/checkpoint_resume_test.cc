@@ -125,8 +125,8 @@ TEST_F(CheckpointResume, SavedRunCommittedItsCheckpoints) {
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   const auto& m = (*r)->manifest();
   EXPECT_EQ(m.world_size, 4);
-  EXPECT_EQ(m.layout.pp, 2);
-  EXPECT_EQ(m.layout.n, 2);
+  EXPECT_EQ(m.layout.pp(), 2);
+  EXPECT_EQ(m.layout.n(), 2);
   EXPECT_EQ(m.data_position.value("next_step", 0), 6);
   ASSERT_TRUE(m.tokenizer.has_value());
   EXPECT_FALSE(m.config_text.empty());
