@@ -7,8 +7,8 @@
 
 #include <utility>
 
-#include "layers/embedding.h"
 #include "kernels/ops.h"
+#include "layers/embedding.h"
 
 namespace troupe::layers {
 

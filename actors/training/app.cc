@@ -3,14 +3,14 @@
 // store for the job; otherwise a FileStore in <run dir>/rendezvous.
 #include "actors/training/app.h"
 
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
-
-#include <CLI/CLI.hpp>
-#include <fmt/format.h>
 
 #include "actors/training/trainer.h"
 #include "comm/rendezvous_store.h"
@@ -26,7 +26,8 @@ namespace fs = std::filesystem;
 void add_run_options(CLI::App& cli, RunOptions& o) {
   cli.add_option("--config", o.config, "TOML config (e.g. apps/configs/tiny.toml)");
   cli.add_option("--set", o.overrides, "override a config key: --set train.steps=10 (repeatable)");
-  cli.add_option("--run-dir", o.run_dir, "where metrics.jsonl, events.jsonl and checkpoints go (default runs/<config>)");
+  cli.add_option("--run-dir", o.run_dir,
+                 "where metrics.jsonl, events.jsonl and checkpoints go (default runs/<config>)");
   cli.add_option("--backend", o.backend, "cpu (default) or cuda (one GPU per worker)");
   cli.add_option("--parallel", o.parallel,
                  "parallel layout overriding [parallel]: e.g. pp=2,dp=2 or dp=2,n=2,dispatch=allgather "
@@ -68,7 +69,9 @@ Result<layers::TrainConfig> load_run_config(const RunOptions& o) {
 
 namespace {
 
-const char* env(const char* name) { return std::getenv(name); }
+const char* env(const char* name) {
+  return std::getenv(name);
+}
 
 Status copy_file(const std::string& from, const std::string& to) {
   std::error_code ec;
@@ -83,7 +86,9 @@ class SchedulerRendezvous final : public comm::RendezvousStore {
  public:
   explicit SchedulerRendezvous(std::unique_ptr<sched::SchedulerStore> s) : s_(std::move(s)) {}
   Status set(std::string_view key, std::string_view value) override { return s_->set(key, value); }
-  Result<std::string> get(std::string_view key, comm::Deadline deadline) override { return s_->get(key, deadline); }
+  Result<std::string> get(std::string_view key, comm::Deadline deadline) override {
+    return s_->get(key, deadline);
+  }
   Status wait(const std::vector<std::string>& keys, comm::Deadline deadline) override {
     return s_->wait(keys, deadline);
   }
@@ -103,7 +108,8 @@ Result<std::unique_ptr<comm::RendezvousStore>> open_store(const std::string& run
       return std::unique_ptr<comm::RendezvousStore>(std::make_unique<SchedulerRendezvous>(std::move(s)));
     }
   }
-  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> fs, comm::FileStore::open(run_dir + "/rendezvous"));
+  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> fs,
+                          comm::FileStore::open(run_dir + "/rendezvous"));
   return std::unique_ptr<comm::RendezvousStore>(std::move(fs));
 }
 
@@ -141,13 +147,14 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
       return invalid_argument(
           "{}: layout pp={} dp={} n={} needs {} workers but the job has {} "
           "(troupe run --nproc {})",
-          tc.source, tc.parallel.pp, tc.parallel.dp, tc.parallel.n, tc.parallel.world(), ws, tc.parallel.world());
+          tc.source, tc.parallel.pp, tc.parallel.dp, tc.parallel.n, tc.parallel.world(), ws,
+          tc.parallel.world());
     }
   }
   TROUPE_ASSIGN_OR_RETURN(layers::Tokenizer tok, layers::Tokenizer::load(tc.data.dir + "/tokenizer.json"));
   if (tok.vocab_size() > tc.model.vocab_size) {
-    return invalid_argument("{}: model.vocab_size = {} is smaller than the tokenizer's {} tokens in {}", tc.source,
-                            tc.model.vocab_size, tok.vocab_size(), tc.data.dir);
+    return invalid_argument("{}: model.vocab_size = {} is smaller than the tokenizer's {} tokens in {}",
+                            tc.source, tc.model.vocab_size, tok.vocab_size(), tc.data.dir);
   }
   std::error_code ec;
   fs::create_directories(run_dir, ec);
@@ -174,7 +181,8 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
     // The actor placement of each epoch goes into the scheduler's durable state.
     TROUPE_ASSIGN_OR_RETURN(std::optional<sched::JobContext> jc, sched::JobContext::from_env());
     if (jc) {
-      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<sched::SchedulerSession> s, sched::SchedulerSession::connect(*jc));
+      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<sched::SchedulerSession> s,
+                              sched::SchedulerSession::connect(*jc));
       session = std::move(s);
       to.publish_placement = [session,
                               epoch = jc->epoch](const std::vector<std::pair<std::string, std::string>>& p) {

@@ -401,7 +401,8 @@ void ElasticWorker::abort_for(uint64_t next, const char* how) {
   if (epoch_ + 1 == next) cancel_ = true;
   // Only while the main thread has not taken the plan over (it rebuilds the
   // communicators, which must not be aborted).
-  if (adopting_ < next && stage_) stage_->abort_comms(fmt::format("membership epoch {} opened ({})", next, how));
+  if (adopting_ < next && stage_)
+    stage_->abort_comms(fmt::format("membership epoch {} opened ({})", next, how));
   aborted_for_ = next;
 }
 

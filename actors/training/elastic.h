@@ -51,7 +51,6 @@ inline constexpr std::chrono::milliseconds kHeartbeatInterval{100};
 
 // ElasticPlan (the plan of a membership epoch) is a typed message: messages.h.
 
-
 // The store as the elastic protocol uses it: it rides out an outage of the store (the
 // scheduler restarting): set and contains retry kUnavailable / kDeadlineExceeded for up to
 // `patience`; get and wait retry kUnavailable until their own deadline and then report
@@ -103,8 +102,9 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec);
 // in-memory copy of the committed state is kept there yet, so a lost GPU worker is
 // restored from the last checkpoint).
 // `program`: the app's stage program (stage_program.h), built for each Stage.
-Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& program, comm::RendezvousStore& store,
-                          const std::string& job, int slot, uint64_t epoch, std::function<void()> cut_control = {},
+Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& program,
+                          comm::RendezvousStore& store, const std::string& job, int slot, uint64_t epoch,
+                          std::function<void()> cut_control = {},
                           const layers::Ctx& ctx = layers::Ctx::cpu());
 
 }  // namespace troupe::training

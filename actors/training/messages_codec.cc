@@ -140,8 +140,9 @@ Result<ElasticPlan> decode_elastic_plan(std::string_view bytes) {
     m.replica_step = p.getReplicaStep();
     m.replica_every = p.getReplicaEvery();
     if (m.slots.size() != m.has_state.size() || m.dp < 1 || m.grad_accum < 1) {
-      return data_loss("ElasticPlan: inconsistent plan of epoch {} ({} slots, {} has_state, dp {}, grad_accum {})",
-                       m.epoch, m.slots.size(), m.has_state.size(), m.dp, m.grad_accum);
+      return data_loss(
+          "ElasticPlan: inconsistent plan of epoch {} ({} slots, {} has_state, dp {}, grad_accum {})",
+          m.epoch, m.slots.size(), m.has_state.size(), m.dp, m.grad_accum);
     }
     return m;
   });

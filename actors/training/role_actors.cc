@@ -227,7 +227,8 @@ ActorDirectory::~ActorDirectory() {
   if (sys_) sys_->shutdown();
 }
 
-Status ActorDirectory::attach(const std::vector<int>& slots, const std::vector<std::vector<std::string>>& roles,
+Status ActorDirectory::attach(const std::vector<int>& slots,
+                              const std::vector<std::vector<std::string>>& roles,
                               comm::RendezvousStore& store,
                               const std::function<std::string(int)>& endpoint_key,
                               std::chrono::milliseconds timeout) {

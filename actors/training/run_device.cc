@@ -2,10 +2,10 @@
 // allocator and CudaContext of this process's device.
 #include "actors/training/run_device.h"
 
+#include <fmt/format.h>
+
 #include <cstdlib>
 #include <string>
-
-#include <fmt/format.h>
 
 #if TROUPE_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -60,7 +60,8 @@ Result<std::unique_ptr<RunDevice>> RunDevice::create(const std::string& backend)
     // another rank (NCCL refuses that); one visible GPU is the scheduler's per-slot view.
     if (n > 1 && local >= n) {
       return failed_precondition(
-          "--backend cuda: worker {} needs its own GPU but only {} are visible (one GPU per worker)", local, n);
+          "--backend cuda: worker {} needs its own GPU but only {} are visible (one GPU per worker)", local,
+          n);
     }
     if (local > 0) kDevice = static_cast<int>(local % n);
   }
@@ -68,7 +69,8 @@ Result<std::unique_ptr<RunDevice>> RunDevice::create(const std::string& backend)
   d->cuda_ = std::make_unique<Cuda>();
   d->cuda_->stream = cuda::CudaStream::create(kDevice);
   d->cuda_->alloc = std::make_unique<cuda::CudaCachingAllocator>(kDevice);
-  d->cuda_->ctx = std::make_unique<kernels::CudaContext>(kDevice, d->cuda_->stream.get(), d->cuda_->alloc.get());
+  d->cuda_->ctx =
+      std::make_unique<kernels::CudaContext>(kDevice, d->cuda_->stream.get(), d->cuda_->alloc.get());
   d->ctx_.ex.device = Device::cuda(kDevice);
   d->ctx_.ex.cuda = d->cuda_->ctx.get();
   d->ctx_.alloc = d->cuda_->alloc.get();
@@ -80,7 +82,8 @@ Result<std::unique_ptr<RunDevice>> RunDevice::create(const std::string& backend)
   return d;
 #else
   return unimplemented(
-      "--backend cuda: this build of train_moe has no CUDA support (CMake found no CUDA toolkit); rebuild where "
+      "--backend cuda: this build of train_moe has no CUDA support (CMake found no CUDA toolkit); rebuild "
+      "where "
       "nvcc is available, or use --backend cpu");
 #endif
 }

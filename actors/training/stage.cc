@@ -28,10 +28,10 @@ namespace troupe::training {
 using Clock = std::chrono::steady_clock;
 
 struct Stage::Micro {
-  Tensor ids, targets;  // local slices, i32 [B*S/n]
-  int64_t tokens = 0;   // tokens with a target in the whole micro-batch
+  Tensor ids, targets;                                      // local slices, i32 [B*S/n]
+  int64_t tokens = 0;                                       // tokens with a target in the whole micro-batch
   std::vector<std::unique_ptr<StageProgram::Saved>> saved;  // per block
-  Tensor head_dx;  // last stage: gradient from the LM head
+  Tensor head_dx;                                           // last stage: gradient from the LM head
 };
 
 Stage::Stage(const layers::TrainConfig& tc, int rank, layers::TokenShards train, layers::TokenShards val)
@@ -60,10 +60,10 @@ Stage::~Stage() {
 #endif
 }
 
-Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int rank, const ProgramFactory& program,
-                                             comm::RendezvousStore& store, const comm::StoreNamespace& ns,
-                                             layers::TokenShards train, layers::TokenShards val,
-                                             const layers::Ctx& ctx) {
+Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int rank,
+                                             const ProgramFactory& program, comm::RendezvousStore& store,
+                                             const comm::StoreNamespace& ns, layers::TokenShards train,
+                                             layers::TokenShards val, const layers::Ctx& ctx) {
   if (!program) return invalid_argument("Stage: no stage program given");
   std::unique_ptr<Stage> s(new Stage(tc, rank, std::move(train), std::move(val)));
   s->ctx_ = ctx;
@@ -110,7 +110,8 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
   return s;
 }
 
-Status Stage::build(const ProgramFactory& program, comm::RendezvousStore& store, const comm::StoreNamespace& ns) {
+Status Stage::build(const ProgramFactory& program, comm::RendezvousStore& store,
+                    const comm::StoreNamespace& ns) {
   const auto& par = tc_.parallel;
   TROUPE_RETURN_IF_ERROR(par.validate(tc_.model, tc_.train));
   TROUPE_ASSIGN_OR_RETURN(
@@ -158,9 +159,9 @@ Status Stage::build(const ProgramFactory& program, comm::RendezvousStore& store,
   batch_ = tc_.train.micro_batch_size;
   seq_local_ = tc_.train.seq_len / layout.n();
   loss_weight_ = 1.0f / static_cast<float>(tc_.train.grad_accum * layout.dp());
-  const StageEnv env{tc_,     coord_, layout.pp(), layout.dp(), layout.n(),
-                     first_,  last_,  batch_,      seq_local_,  loss_weight_,
-                     ctx_,    layout.n() > 1 ? groups_.n.get() : nullptr,
+  const StageEnv env{tc_,        coord_,       layout.pp(), layout.dp(),
+                     layout.n(), first_,       last_,       batch_,
+                     seq_local_, loss_weight_, ctx_,        layout.n() > 1 ? groups_.n.get() : nullptr,
                      time_};
   TROUPE_ASSIGN_OR_RETURN(program_, program(env));
   if (program_ == nullptr) return internal_error("Stage: the program factory returned nothing");
@@ -170,19 +171,22 @@ Status Stage::build(const ProgramFactory& program, comm::RendezvousStore& store,
   int tied = 0, copies = 0;
   for (const auto& p : params) {
     if (p.param == nullptr) return invalid_argument("stage program: parameter '{}' has no Parameter", p.name);
-    if (p.tied && p.tied_copy) return invalid_argument("stage program: '{}' is both tied and a tied copy", p.name);
+    if (p.tied && p.tied_copy)
+      return invalid_argument("stage program: '{}' is both tied and a tied copy", p.name);
     if ((p.tied && !first_) || (p.tied_copy && !last_)) {
       return invalid_argument("stage program: '{}' is {} on stage {} (tied: first stage; copies: last stage)",
                               p.name, p.tied ? "tied" : "a tied copy", coord_.pp);
     }
     if (p.tied_copy && !p.name.ends_with("[tied copy]")) {
-      return invalid_argument("stage program: the tied copy '{}' must be named '<parameter>[tied copy]'", p.name);
+      return invalid_argument("stage program: the tied copy '{}' must be named '<parameter>[tied copy]'",
+                              p.name);
     }
     tied += p.tied ? 1 : 0;
     copies += p.tied_copy ? 1 : 0;
     if ((p.tied || p.tied_copy) && layout.pp() > 1) tied_params_.push_back(p.param);
   }
-  if (tied > 1 || copies > 1) return invalid_argument("stage program: more than one tied parameter per stage");
+  if (tied > 1 || copies > 1)
+    return invalid_argument("stage program: more than one tied parameter per stage");
   if (layout.pp() > 1 && !tied_params_.empty()) {
     comm::CommSpec ts = base;
     ts.name = fmt::format("tied_dp{}_n{}", coord_.dp, coord_.n);
@@ -200,9 +204,10 @@ Status Stage::setup_params(const std::vector<ProgramParam>& params) {
   for (const auto& p : params) {
     const int64_t ready = p.grad_ready;
     if (ready != kGradReadyAtEnd && ready != kGradReadyAfterHead && (ready < 0 || ready >= num_blocks_)) {
-      return invalid_argument("stage program: parameter '{}' has grad_ready {} (blocks 0..{}, or kGradReadyAtEnd / "
-                              "kGradReadyAfterHead)",
-                              p.name, ready, num_blocks_ - 1);
+      return invalid_argument(
+          "stage program: parameter '{}' has grad_ready {} (blocks 0..{}, or kGradReadyAtEnd / "
+          "kGradReadyAfterHead)",
+          p.name, ready, num_blocks_ - 1);
     }
     // n-sharded parameters count in the norm on every rank; replicated ones on n-rank 0;
     // a tied copy never (the first stage counts the parameter).
@@ -472,7 +477,8 @@ void Stage::forward(int64_t step, int64_t index, Micro& m) {
     await_params(kHeadBucket);
     await_params(kEndBucket);
     const float scale = m.tokens > 0 ? loss_weight_ / static_cast<float>(m.tokens) : 0.0f;
-    Tensor losses = stats_dev_.defined() ? program_->head_losses(c, x, m.targets, scale, m.head_dx) : Tensor();
+    Tensor losses =
+        stats_dev_.defined() ? program_->head_losses(c, x, m.targets, scale, m.head_dx) : Tensor();
     if (losses.defined()) {
       // Summed on the device into this micro-batch's slot, read with the step's statistics.
       Tensor slot = stats_dev_.narrow(0, 1 + index, 1);
@@ -594,7 +600,8 @@ StepReport Stage::run_step(int64_t step) {
     sumsq = static_cast<double>(p[0]);
     for (size_t m = 0; m < micro_tokens_.size(); ++m) {
       if (micro_tokens_[m] > 0)
-        lm_acc_ += static_cast<double>(p[1 + m]) / static_cast<double>(micro_tokens_[m]) * static_cast<double>(loss_weight_);
+        lm_acc_ += static_cast<double>(p[1 + m]) / static_cast<double>(micro_tokens_[m]) *
+                   static_cast<double>(loss_weight_);
     }
   } else {
     sumsq = grad_sum_squares();
@@ -641,8 +648,9 @@ StepReport Stage::run_step(int64_t step) {
   v[3] = time_.seconds();
   sum_doubles(*world_, v, time_, "step metrics");
   if (measured && rank_ == 0) {
-    fmt::print(stderr, "compression: step {} relative gradient error {:.4e} (bf16 gradient exchange{})\n", step,
-               v[5] > 0 ? std::sqrt(v[4] / v[5]) : 0.0, tc_.parallel.fp8_dispatch ? ", fp8 dispatch" : "");
+    fmt::print(stderr, "compression: step {} relative gradient error {:.4e} (bf16 gradient exchange{})\n",
+               step, v[5] > 0 ? std::sqrt(v[4] / v[5]) : 0.0,
+               tc_.parallel.fp8_dispatch ? ", fp8 dispatch" : "");
   }
 
   StepReport rep;

@@ -61,7 +61,6 @@
 
 namespace troupe::training {
 
-
 class Stage {
  public:
   // Collective over the world: every rank calls it with the same config, program, store
@@ -69,9 +68,10 @@ class Stage {
   // the program (this rank's model part) and the optimizer shard. Takes the data splits.
   // On `ctx`'s device (default: the CPU); its allocator and CudaContext must outlive the
   // Stage.
-  static Result<std::unique_ptr<Stage>> create(const layers::TrainConfig& tc, int rank, const ProgramFactory& program,
-                                               comm::RendezvousStore& store, const comm::StoreNamespace& ns,
-                                               layers::TokenShards train, layers::TokenShards val,
+  static Result<std::unique_ptr<Stage>> create(const layers::TrainConfig& tc, int rank,
+                                               const ProgramFactory& program, comm::RendezvousStore& store,
+                                               const comm::StoreNamespace& ns, layers::TokenShards train,
+                                               layers::TokenShards val,
                                                const layers::Ctx& ctx = layers::Ctx::cpu());
   ~Stage();
 
@@ -229,7 +229,7 @@ class Stage {
   // ---- elastic (stage_elastic.cc) ----
   comm::CommFactory elastic_factory(comm::CommFactory inner);
   std::vector<int64_t> piece_offsets() const;  // flat offset of each piece
-  std::vector<Tensor*> buffer_tensors();  // the program's buffers, in order
+  std::vector<Tensor*> buffer_tensors();       // the program's buffers, in order
   void moments_to_pieces(const Tensor& full_m, const Tensor& full_v);
   void clear_interrupted_step();
   struct Committed {

@@ -32,8 +32,8 @@
 
 #include "actors/training/group_ops.h"
 #include "comm/process_groups.h"
-#include "core/parallel_layout.h"
 #include "core/check.h"
+#include "core/parallel_layout.h"
 #include "core/status.h"
 #include "core/tensor.h"
 #include "layers/context.h"
@@ -61,7 +61,7 @@ struct StepReport {
 // When a parameter's gradient is final within a step's backward, i.e. which bucket of
 // the data-parallel gradient exchange it joins: a block index of the program (its
 // block_backward of the step's last micro-batch finished it), or one of these.
-inline constexpr int64_t kGradReadyAtEnd = -1;    // after the whole backward (e.g. the embedding)
+inline constexpr int64_t kGradReadyAtEnd = -1;      // after the whole backward (e.g. the embedding)
 inline constexpr int64_t kGradReadyAfterHead = -2;  // after the head (last stage)
 
 struct ProgramParam {
@@ -97,15 +97,15 @@ struct ProgramBuffer {
 // What the framework gives a program when it builds it.
 struct StageEnv {
   const layers::TrainConfig& tc;
-  ParallelCoord coord;           // this rank's (pp, dp, n)
-  int pp = 1, dp = 1, n = 1;     // the layout
-  bool first = true, last = true;  // first / last pipeline stage
-  int64_t batch = 0;             // sequences per micro-batch
-  int64_t seq_local = 0;         // tokens of each sequence on this rank (seq_len / n)
-  float loss_weight = 1.0f;      // weight of one micro-batch in the step: 1 / (dp * grad_accum)
-  const layers::Ctx& ctx;        // the CPU, or this worker's GPU
+  ParallelCoord coord;                    // this rank's (pp, dp, n)
+  int pp = 1, dp = 1, n = 1;              // the layout
+  bool first = true, last = true;         // first / last pipeline stage
+  int64_t batch = 0;                      // sequences per micro-batch
+  int64_t seq_local = 0;                  // tokens of each sequence on this rank (seq_len / n)
+  float loss_weight = 1.0f;               // weight of one micro-batch in the step: 1 / (dp * grad_accum)
+  const layers::Ctx& ctx;                 // the CPU, or this worker's GPU
   comm::Communicator* n_group = nullptr;  // the n-group (null when n = 1)
-  CommTime& time;                // data-plane time of the Stage: collectives the program waits on
+  CommTime& time;                         // data-plane time of the Stage: collectives the program waits on
 };
 
 class StageProgram {
@@ -130,20 +130,22 @@ class StageProgram {
   virtual layers::Embedding* embedding() { return nullptr; }
   virtual layers::LMHead* head() { return nullptr; }
   // First stage: token ids i32 [batch * seq_local] -> activations.
-  virtual Tensor embed(const layers::Ctx& c, const Tensor& ids) { return need(embedding(), "embedding")->forward(c, ids); }
+  virtual Tensor embed(const layers::Ctx& c, const Tensor& ids) {
+    return need(embedding(), "embedding")->forward(c, ids);
+  }
   virtual void embed_backward(const layers::Ctx& c, const Tensor& ids, const Tensor& dx) {
     need(embedding(), "embedding")->backward(c, ids, dx);
   }
   // This stage's blocks, 0 .. num_blocks() - 1. `train` false: evaluation (no backward).
   virtual int64_t num_blocks() const = 0;
   virtual std::string block_name(int64_t i) const { return "block " + std::to_string(i); }
-  virtual Tensor block_forward(const layers::Ctx& c, int64_t i, const Tensor& x, std::unique_ptr<Saved>& saved,
-                               bool train) = 0;
+  virtual Tensor block_forward(const layers::Ctx& c, int64_t i, const Tensor& x,
+                               std::unique_ptr<Saved>& saved, bool train) = 0;
   virtual Tensor block_backward(const layers::Ctx& c, int64_t i, const Tensor& dy, Saved& saved) = 0;
   // Last stage: the loss of the micro-batch. Returns the sum of token losses, adds
   // scale * d(sum)/d(params) to the head's gradients and sets dx = scale * d(sum)/dx.
-  virtual double head_forward_backward(const layers::Ctx& c, const Tensor& x, const Tensor& targets, float scale,
-                                       Tensor& dx) {
+  virtual double head_forward_backward(const layers::Ctx& c, const Tensor& x, const Tensor& targets,
+                                       float scale, Tensor& dx) {
     return need(head(), "head")->forward_backward(c, x, targets, scale, dx);
   }
   virtual double head_loss_sum(const layers::Ctx& c, const Tensor& x, const Tensor& targets) {
@@ -153,7 +155,8 @@ class StageProgram {
   // so the step reads its loss once at its end. Default: head()'s; an undefined Tensor
   // (e.g. no head(): a program overriding head_forward_backward) makes the framework call
   // head_forward_backward instead.
-  virtual Tensor head_losses(const layers::Ctx& c, const Tensor& x, const Tensor& targets, float scale, Tensor& dx) {
+  virtual Tensor head_losses(const layers::Ctx& c, const Tensor& x, const Tensor& targets, float scale,
+                             Tensor& dx) {
     return head() != nullptr ? head()->forward_backward_losses(c, x, targets, scale, dx) : Tensor();
   }
 
@@ -171,8 +174,10 @@ class StageProgram {
  private:
   template <class T>
   static T* need(T* p, const char* what) {
-    TROUPE_CHECK(p != nullptr, "stage program: the framework needs its {} on this stage (override {}() or the "
-                 "calls that use it)", what, what);
+    TROUPE_CHECK(p != nullptr,
+                 "stage program: the framework needs its {} on this stage (override {}() or the "
+                 "calls that use it)",
+                 what, what);
     return p;
   }
 };

@@ -467,8 +467,8 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
     }
     if (j.is_object() && j.value("plan_via", "") == "message") ++epoch_plan_messages_;
     if (roles[r].empty() || roles[r].front() != "stage") {
-      return data_loss("worker slot {}: its ready record for epoch {} names no stage actor: {}", plan.slots[r],
-                       plan.epoch, text.substr(0, 200));
+      return data_loss("worker slot {}: its ready record for epoch {} names no stage actor: {}",
+                       plan.slots[r], plan.epoch, text.substr(0, 200));
     }
   }
   TROUPE_RETURN_IF_ERROR(actors_->attach(
@@ -1294,10 +1294,9 @@ Status Trainer::run_job() {
   if (!resume_from.empty()) {
     TROUPE_ASSIGN_OR_RETURN(resume, open_resume_checkpoint(resume_from));
     TROUPE_RETURN_IF_ERROR(check_resume_compatible(resume->manifest(), tc_));
-    fmt::print(
-        "{}: resuming from {} (step {}, saved with layout {}) with elastic layout pp={} dp={} n={}\n", o_.app,
-        resume->path(), resume->step(), resume->layout().to_string(), tc_.parallel.pp, tc_.parallel.dp,
-        tc_.parallel.n);
+    fmt::print("{}: resuming from {} (step {}, saved with layout {}) with elastic layout pp={} dp={} n={}\n",
+               o_.app, resume->path(), resume->step(), resume->layout().to_string(), tc_.parallel.pp,
+               tc_.parallel.dp, tc_.parallel.n);
     TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", resume->step()));
   }
   const int64_t start_step = resume ? resume->step() : 0;

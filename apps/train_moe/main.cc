@@ -7,14 +7,13 @@
 // main() parses the command line and calls the subcommand (apps/train_moe/commands.h);
 // training runs in train.cc (one process) or under the framework (training::run_app,
 // actors/training/app.cc -> the Trainer's step loop in actors/training/trainer.cc).
+#include <fmt/format.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <cstdlib>
 #include <filesystem>
-
-#include <CLI/CLI.hpp>
-#include <fmt/format.h>
 
 #include "apps/train_moe/commands.h"
 #include "apps/train_moe/moe_stage.h"

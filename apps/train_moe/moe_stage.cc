@@ -22,8 +22,14 @@ using training::ExpertGroup;
 class MoeStage final : public training::StageProgram {
  public:
   explicit MoeStage(const training::StageEnv& env)
-      : tc_(env.tc), ctx_(env.ctx), first_(env.first), last_(env.last), n_rank_(env.coord.n),
-        batch_(env.batch), seq_local_(env.seq_local), loss_weight_(env.loss_weight) {
+      : tc_(env.tc),
+        ctx_(env.ctx),
+        first_(env.first),
+        last_(env.last),
+        n_rank_(env.coord.n),
+        batch_(env.batch),
+        seq_local_(env.seq_local),
+        loss_weight_(env.loss_weight) {
     const auto& par = tc_.parallel;
     model_ = std::make_unique<layers::Model>(tc_.model, tc_.train.seed);
     const int64_t per_stage = tc_.model.n_layers / env.pp;
@@ -47,8 +53,8 @@ class MoeStage final : public training::StageProgram {
           eo.chunks = par.chunks;
           eo.overlap = par.overlap_a2a;
           eo.fp8 = par.fp8_dispatch;
-          role->experts = std::make_unique<ExpertGroup>(b.moe->experts, tc_.model.moe.top_k,
-                                                        tc_.model.recompute_swiglu, group, env.time, mode, eo);
+          role->experts = std::make_unique<ExpertGroup>(
+              b.moe->experts, tc_.model.moe.top_k, tc_.model.recompute_swiglu, group, env.time, mode, eo);
           b.moe->set_dispatch(role->experts.get());
           b.moe->router.set_group_all_reduce([g = &group, time = &env.time](std::vector<double>& v) {
             training::sum_doubles(*g, v, *time, "router statistics");
@@ -195,7 +201,8 @@ class MoeStage final : public training::StageProgram {
         if (r->moe_index < 0) continue;
         const auto& load = r->block->moe->step_load();
         for (int64_t j = 0; j < e; ++j)
-          v[static_cast<size_t>(1 + r->moe_index * e + j)] += static_cast<double>(load[static_cast<size_t>(j)]);
+          v[static_cast<size_t>(1 + r->moe_index * e + j)] +=
+              static_cast<double>(load[static_cast<size_t>(j)]);
       }
     }
     return v;
@@ -249,7 +256,8 @@ class MoeStage final : public training::StageProgram {
     stride_ = (e + 1 + 3) / 4 * 4;  // 16-byte aligned rows
     stats_rows_ = ctx_.zeros({static_cast<int64_t>(moes.size()) * stride_}, DType::kF32);
     for (size_t i = 0; i < moes.size(); ++i) {
-      const bool ok = moes[i]->set_device_stats(ctx_, stats_rows_.narrow(0, static_cast<int64_t>(i) * stride_, e + 1));
+      const bool ok =
+          moes[i]->set_device_stats(ctx_, stats_rows_.narrow(0, static_cast<int64_t>(i) * stride_, e + 1));
       TROUPE_CHECK(ok, "moe stage: MoE block refused device statistics after device_stats_ok");
     }
   }

@@ -16,8 +16,8 @@
 #include "actors/training/checkpointing.h"
 #include "actors/training/trainer.h"
 #include "apps/train_moe/commands.h"
-#include "apps/train_moe/moe_stage.h"
 #include "apps/train_moe/model_state.h"
+#include "apps/train_moe/moe_stage.h"
 #include "apps/train_moe/weights_io.h"
 #include "layers/model.h"
 #include "layers/optimizer.h"
@@ -129,8 +129,9 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
   TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, layers::load_train_config(o.config, o.overrides));
   if (tc.data.dir.empty()) return invalid_argument("{}: data.dir is not set (the output of train_moe prepare)", tc.source);
   if (tc.parallel.world() != 1) {
-    return invalid_argument("{}: the single-process loop runs layout 1x1x1, not pp={} dp={} n={} (run_app does)",
-                            tc.source, tc.parallel.pp, tc.parallel.dp, tc.parallel.n);
+    return invalid_argument(
+        "{}: the single-process loop runs layout 1x1x1, not pp={} dp={} n={} (run_app does)", tc.source,
+        tc.parallel.pp, tc.parallel.dp, tc.parallel.n);
   }
 
   // ---- data and tokenizer -------------------------------------------------------------

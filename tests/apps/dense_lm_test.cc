@@ -21,7 +21,8 @@ class DenseLm : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     root_ = new fs::path(make_run_root("dense-lm"));
-    const RunResult r = prepare_data(*root_ / "data", PrepareSpec{}, *root_ / "prepare.log", std::chrono::seconds(120));
+    const RunResult r =
+        prepare_data(*root_ / "data", PrepareSpec{}, *root_ / "prepare.log", std::chrono::seconds(120));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     // The reference: layout 1x1x1, 4 micro-batches per step (= dp 2 x 2).
     const RunResult one = run(command(*root_ / "one", 4, ""), *root_ / "one.log", std::chrono::seconds(240));
@@ -34,7 +35,8 @@ class DenseLm : public ::testing::Test {
   }
   // dense_lm's command line: the example's config on the test corpus, 5 steps of
   // micro-batches of 4 sequences of 64 tokens.
-  static std::vector<std::string> command(const fs::path& run_dir, int64_t grad_accum, const std::string& parallel) {
+  static std::vector<std::string> command(const fs::path& run_dir, int64_t grad_accum,
+                                          const std::string& parallel) {
     std::vector<std::string> a = {DENSE_LM_BIN, "--config", kConfig.string(), "--run-dir", run_dir.string()};
     for (const std::string& s :
          {fmt::format("data.dir=\"{}\"", (*root_ / "data").string()), std::string("model.vocab_size=320"),
@@ -62,7 +64,8 @@ class DenseLm : public ::testing::Test {
       EXPECT_EQ(ref[i]["step"], got[i]["step"]);
       for (const char* k : {"loss", "grad_norm"}) {
         const double e = rel_diff(ref[i][k].get<double>(), got[i][k].get<double>());
-        EXPECT_LE(e, 1e-5) << "step " << ref[i]["step"] << " " << k << ": " << ref[i][k] << " vs " << got[i][k];
+        EXPECT_LE(e, 1e-5) << "step " << ref[i]["step"] << " " << k << ": " << ref[i][k] << " vs "
+                           << got[i][k];
         worst = std::max(worst, e);
       }
     }
@@ -90,10 +93,11 @@ TEST_F(DenseLm, TroupeRunPipelineTimesDataParallelEqualsOneProcess) {
   EXPECT_LE(rel_diff(rv["val_loss"].get<double>(), gv["val_loss"].get<double>()), 1e-5);
   // No dense-model job has expert loads.
   EXPECT_TRUE(got.back()["expert_load"].empty()) << got.back().dump();
-  std::printf("[dense_lm] pp=2,dp=2 under troupe run vs one process: 5 steps, worst relative difference %.3g "
-              "(loss %.6f -> %.6f); val_loss %.6f vs %.6f\n",
-              worst, got.front()["loss"].get<double>(), got.back()["loss"].get<double>(),
-              rv["val_loss"].get<double>(), gv["val_loss"].get<double>());
+  std::printf(
+      "[dense_lm] pp=2,dp=2 under troupe run vs one process: 5 steps, worst relative difference %.3g "
+      "(loss %.6f -> %.6f); val_loss %.6f vs %.6f\n",
+      worst, got.front()["loss"].get<double>(), got.back()["loss"].get<double>(),
+      rv["val_loss"].get<double>(), gv["val_loss"].get<double>());
 }
 
 TEST_F(DenseLm, KilledWorkerIsReplacedWithNoStepLost) {
@@ -108,9 +112,10 @@ TEST_F(DenseLm, KilledWorkerIsReplacedWithNoStepLost) {
   const auto rec = events_named(*root_ / "kill" / "events.jsonl", "recovered");
   ASSERT_EQ(rec.size(), 1u) << r.output;
   EXPECT_EQ(rec[0]["steps_lost"], 0) << rec[0].dump();
-  std::printf("[dense_lm] rank 1 killed in step 3: recovered in %.2f s, steps lost %lld, worst relative difference "
-              "%.3g\n",
-              rec[0]["recovery_s"].get<double>(), static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()), worst);
+  std::printf(
+      "[dense_lm] rank 1 killed in step 3: recovered in %.2f s, steps lost %lld, worst relative difference "
+      "%.3g\n",
+      rec[0]["recovery_s"].get<double>(), static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()), worst);
 }
 
 TEST_F(DenseLm, RefusesAModelWithMoEBlocks) {

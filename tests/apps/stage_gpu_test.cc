@@ -34,7 +34,8 @@ class StageGpu : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     root_ = new fs::path(make_run_root("stage-gpu"));
-    const RunResult r = prepare_data(*root_ / "data", PrepareSpec{}, *root_ / "prepare.log", std::chrono::seconds(120));
+    const RunResult r =
+        prepare_data(*root_ / "data", PrepareSpec{}, *root_ / "prepare.log", std::chrono::seconds(120));
     ASSERT_EQ(r.exit_code, 0) << r.output;
   }
   static void TearDownTestSuite() {
@@ -44,7 +45,8 @@ class StageGpu : public ::testing::Test {
   }
   // `learns`: the loss must also fall over the run (dense_lm; the tiny MoE model's 10
   // steps of 32 tokens are too noisy for that).
-  static void expect_close(const fs::path& ref_dir, const fs::path& got_dir, const std::string& what, bool learns) {
+  static void expect_close(const fs::path& ref_dir, const fs::path& got_dir, const std::string& what,
+                           bool learns) {
     const auto ref = latest_step_records(ref_dir / "metrics.jsonl");
     const auto got = latest_step_records(got_dir / "metrics.jsonl");
     ASSERT_EQ(ref.size(), got.size()) << what;
@@ -52,12 +54,16 @@ class StageGpu : public ::testing::Test {
     double worst = 0;
     for (size_t i = 0; i < ref.size(); ++i) {
       const double d = rel_diff(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>());
-      EXPECT_LE(d, 2e-2) << what << " step " << ref[i]["step"] << ": " << ref[i]["loss"] << " vs " << got[i]["loss"];
+      EXPECT_LE(d, 2e-2) << what << " step " << ref[i]["step"] << ": " << ref[i]["loss"] << " vs "
+                         << got[i]["loss"];
       worst = std::max(worst, d);
     }
-    if (learns) EXPECT_LT(got.back()["loss"].get<double>(), got.front()["loss"].get<double>()) << what << ": no learning";
-    std::printf("[stage-gpu %s] %zu steps, worst relative loss difference %.3g (loss %.4f -> %.4f)\n", what.c_str(),
-                got.size(), worst, got.front()["loss"].get<double>(), got.back()["loss"].get<double>());
+    if (learns)
+      EXPECT_LT(got.back()["loss"].get<double>(), got.front()["loss"].get<double>())
+          << what << ": no learning";
+    std::printf("[stage-gpu %s] %zu steps, worst relative loss difference %.3g (loss %.4f -> %.4f)\n",
+                what.c_str(), got.size(), worst, got.front()["loss"].get<double>(),
+                got.back()["loss"].get<double>());
   }
   static fs::path* root_;
 };
@@ -66,25 +72,26 @@ fs::path* StageGpu::root_ = nullptr;
 
 TEST_F(StageGpu, DenseLmOnTheGpuMatchesTheCpu) {
   auto cmd = [](const std::string& name, const std::string& backend) {
-    return std::vector<std::string>{DENSE_LM_BIN,
-                                    "--config",
-                                    (fs::path(TROUPE_SOURCE_DIR) / "apps/examples/dense_lm/config.toml").string(),
-                                    "--backend",
-                                    backend,
-                                    "--run-dir",
-                                    (*root_ / name).string(),
-                                    "--set",
-                                    fmt::format("data.dir=\"{}\"", (*root_ / "data").string()),
-                                    "--set",
-                                    "model.vocab_size=320",
-                                    "--set",
-                                    "train.steps=10",
-                                    "--set",
-                                    "train.seq_len=64",
-                                    "--set",
-                                    "train.micro_batch_size=4",
-                                    "--set",
-                                    "train.eval_every=0"};
+    return std::vector<std::string>{
+        DENSE_LM_BIN,
+        "--config",
+        (fs::path(TROUPE_SOURCE_DIR) / "apps/examples/dense_lm/config.toml").string(),
+        "--backend",
+        backend,
+        "--run-dir",
+        (*root_ / name).string(),
+        "--set",
+        fmt::format("data.dir=\"{}\"", (*root_ / "data").string()),
+        "--set",
+        "model.vocab_size=320",
+        "--set",
+        "train.steps=10",
+        "--set",
+        "train.seq_len=64",
+        "--set",
+        "train.micro_batch_size=4",
+        "--set",
+        "train.eval_every=0"};
   };
   const RunResult cpu = run(cmd("dense-cpu", "cpu"), *root_ / "dense-cpu.log", std::chrono::seconds(300));
   ASSERT_EQ(cpu.exit_code, 0) << cpu.output;
@@ -105,7 +112,8 @@ TEST_F(StageGpu, TrainMoeThroughTheTrainerMatchesItsSingleProcessLoop) {
   for (const std::string& s : c.argv()) a.push_back(s);
   const RunResult tr = run(a, *root_ / "moe-trainer.log", std::chrono::seconds(300));
   ASSERT_EQ(tr.exit_code, 0) << tr.output;
-  expect_close(*root_ / "moe-one", *root_ / "moe-trainer", "train_moe trainer vs single process (cuda)", false);
+  expect_close(*root_ / "moe-one", *root_ / "moe-trainer", "train_moe trainer vs single process (cuda)",
+               false);
 }
 
 }  // namespace

@@ -213,9 +213,10 @@ TEST_F(ElasticFault, KillDuringAllToAll) {
   const int64_t by_message = rec[0].value("plan_by_message", int64_t{-1});
   EXPECT_GE(by_message, 0) << rec[0].dump();
   EXPECT_LE(by_message, 3) << rec[0].dump();
-  std::printf("[elastic kill-alltoall] rebuild plan sent to 3 survivors as a message; %lld took it from the message, "
-              "the others from the store\n",
-              static_cast<long long>(by_message));
+  std::printf(
+      "[elastic kill-alltoall] rebuild plan sent to 3 survivors as a message; %lld took it from the message, "
+      "the others from the store\n",
+      static_cast<long long>(by_message));
 }
 
 TEST_F(ElasticFault, SigstopHangIsDetectedByHeartbeat) {

@@ -33,11 +33,12 @@ TEST(TroupeRun, WorstExitStatusAndOutputPrefixes) {
   // exit and stops the others, so without the handshake rank 0 may be stopped before its
   // echo ran. What is checked is that the output of a process that did print is forwarded.
   std::string done = (std::filesystem::temp_directory_path() / (tag + ".rank0")).string();
-  auto r = run_cli({"run", "--nproc", "2", "--no-driver", "--env", "TW_TAG=" + tag, "--env", "TW_DONE=" + done, "--",
-                    "sh", "-c",
-                    "echo hello from rank $TROUPE_RANK of $TROUPE_WORLD_SIZE; "
-                    "if [ $TROUPE_RANK = 0 ]; then touch $TW_DONE; exit 0; fi; "
-                    "i=0; while [ ! -e $TW_DONE ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; exit 3"});
+  auto r =
+      run_cli({"run", "--nproc", "2", "--no-driver", "--env", "TW_TAG=" + tag, "--env", "TW_DONE=" + done,
+               "--", "sh", "-c",
+               "echo hello from rank $TROUPE_RANK of $TROUPE_WORLD_SIZE; "
+               "if [ $TROUPE_RANK = 0 ]; then touch $TW_DONE; exit 0; fi; "
+               "i=0; while [ ! -e $TW_DONE ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; exit 3"});
   std::filesystem::remove(done);
   EXPECT_EQ(r.exit_code, 3) << r.output;
   EXPECT_NE(r.output.find("[worker-0] hello from rank 0 of 2"), std::string::npos) << r.output;

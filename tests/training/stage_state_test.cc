@@ -4,6 +4,8 @@
 // steps and export what they hold; a fresh pair imports it from those exports and the
 // next step's loss and gradient norm equal the original pair's exactly. Also: what each
 // scope holds, and a clear error when the given states do not hold a rank's slices.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -11,9 +13,6 @@
 #include <functional>
 #include <random>
 #include <thread>
-
-#include <fmt/format.h>
-#include <gtest/gtest.h>
 
 #include "actors/training/stage.h"
 #include "apps/train_moe/moe_stage.h"
@@ -77,7 +76,8 @@ class StageState : public ::testing::Test {
         auto val = layers::TokenShards::open(tc.data.dir, "val");
         ASSERT_TRUE(train.ok()) << train.status().to_string();
         ASSERT_TRUE(val.ok()) << val.status().to_string();
-        auto s = Stage::create(tc, r, train_moe::moe_stage_program(), **store, ns, std::move(*train), std::move(*val));
+        auto s = Stage::create(tc, r, train_moe::moe_stage_program(), **store, ns, std::move(*train),
+                               std::move(*val));
         ASSERT_TRUE(s.ok()) << s.status().to_string();
         stages[static_cast<size_t>(r)] = std::move(*s);
       });

@@ -8,12 +8,12 @@
 //
 //   dense_lm --config apps/examples/dense_lm/config.toml [--parallel pp=2,dp=2] [--set k=v]
 //   troupe run --nproc 4 -- dense_lm --config apps/examples/dense_lm/config.toml --parallel pp=2,dp=2
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
 #include <cmath>
 #include <memory>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <fmt/format.h>
 
 #include "actors/training/app.h"
 #include "actors/training/attention_shard.h"
@@ -63,8 +63,9 @@ class DenseStage final : public training::StageProgram {
       blocks_.push_back(std::move(b));
     }
     if (last_) {
-      head_ = std::make_unique<layers::LMHead>(cfg_.vocab_size, cfg_.d_model, static_cast<float>(cfg_.norm_eps),
-                                               cfg_.tie_embeddings ? &embedding_->weight : nullptr);
+      head_ =
+          std::make_unique<layers::LMHead>(cfg_.vocab_size, cfg_.d_model, static_cast<float>(cfg_.norm_eps),
+                                           cfg_.tie_embeddings ? &embedding_->weight : nullptr);
       head_->init(seed, std);
     }
   }
@@ -126,7 +127,8 @@ class DenseStage final : public training::StageProgram {
       return b.shard ? b.shard->forward(c, n, batch_, seq_local_, s->attn_sp)
                      : b.attn.forward(c, n, batch_, seq_local_, s->attn);
     });
-    Tensor y = layers::residual_forward(c, h, b.norm2, s->norm2, [&](const Tensor& n) { return b.mlp.forward(c, n, s->mlp); });
+    Tensor y = layers::residual_forward(c, h, b.norm2, s->norm2,
+                                        [&](const Tensor& n) { return b.mlp.forward(c, n, s->mlp); });
     saved = std::move(s);
     return y;
   }
@@ -134,7 +136,8 @@ class DenseStage final : public training::StageProgram {
   Tensor block_backward(const layers::Ctx& c, int64_t i, const Tensor& dy, Saved& saved) override {
     Block& b = *blocks_[static_cast<size_t>(i)];
     auto& s = static_cast<BlockSaved&>(saved);
-    Tensor dh = layers::residual_backward(c, dy, b.norm2, s.norm2, [&](const Tensor& d) { return b.mlp.backward(c, d, s.mlp); });
+    Tensor dh = layers::residual_backward(c, dy, b.norm2, s.norm2,
+                                          [&](const Tensor& d) { return b.mlp.backward(c, d, s.mlp); });
     return layers::residual_backward(c, dh, b.norm1, s.norm1, [&](const Tensor& d) {
       return b.shard ? b.shard->backward(c, d, s.attn_sp) : b.attn.backward(c, d, s.attn);
     });
@@ -170,9 +173,10 @@ class DenseStage final : public training::StageProgram {
 // The [model] table must describe a dense model.
 Status check_dense(const layers::TrainConfig& tc) {
   if (!tc.model.moe_layers.empty() || tc.model.moe_every != 0) {
-    return invalid_argument("{}: dense_lm trains a dense model, but [model] makes MoE blocks (moe_every = {}, "
-                            "moe_layers has {}); set model.moe_every = 0",
-                            tc.source, tc.model.moe_every, tc.model.moe_layers.size());
+    return invalid_argument(
+        "{}: dense_lm trains a dense model, but [model] makes MoE blocks (moe_every = {}, "
+        "moe_layers has {}); set model.moe_every = 0",
+        tc.source, tc.model.moe_every, tc.model.moe_layers.size());
   }
   return ok_status();
 }
