@@ -58,9 +58,10 @@ class StageGpu : public ::testing::Test {
                          << got[i]["loss"];
       worst = std::max(worst, d);
     }
-    if (learns)
+    if (learns) {
       EXPECT_LT(got.back()["loss"].get<double>(), got.front()["loss"].get<double>())
           << what << ": no learning";
+    }
     std::printf("[stage-gpu %s] %zu steps, worst relative loss difference %.3g (loss %.4f -> %.4f)\n",
                 what.c_str(), got.size(), worst, got.front()["loss"].get<double>(),
                 got.back()["loss"].get<double>());
