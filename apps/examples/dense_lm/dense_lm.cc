@@ -205,6 +205,10 @@ int main(int argc, char** argv) {
   training::add_run_options(cli, o);
   CLI11_PARSE(cli, argc, argv);
   o.argv.assign(argv, argv + argc);
+  if (o.config.empty()) {
+    fmt::print(stderr, "dense_lm: give --config <file> (e.g. apps/examples/dense_lm/config.toml)\n{}", cli.help());
+    return 2;
+  }
   Status st = [&]() -> Status {
     TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, training::load_run_config(o));
     TROUPE_RETURN_IF_ERROR(dense_lm::check_dense(tc));
