@@ -115,6 +115,24 @@ Result<std::unique_ptr<comm::RendezvousStore>> open_store(const std::string& run
 
 }  // namespace
 
+Status prepare_run_dir(const layers::TrainConfig& tc, const std::string& config,
+                       const std::vector<std::string>& overrides, const std::string& run_dir) {
+  TROUPE_ASSIGN_OR_RETURN(layers::Tokenizer tok, layers::Tokenizer::load(tc.data.dir + "/tokenizer.json"));
+  if (tok.vocab_size() > tc.model.vocab_size) {
+    return invalid_argument("{}: model.vocab_size = {} is smaller than the tokenizer's {} tokens in {}",
+                            tc.source, tc.model.vocab_size, tok.vocab_size(), tc.data.dir);
+  }
+  std::error_code ec;
+  fs::create_directories(run_dir, ec);
+  if (ec) return io_error("cannot create run directory {}: {}", run_dir, ec.message());
+  TROUPE_RETURN_IF_ERROR(copy_file(tc.data.dir + "/tokenizer.json", run_dir + "/tokenizer.json"));
+  TROUPE_RETURN_IF_ERROR(copy_file(config, run_dir + "/config.toml"));
+  std::ofstream ov(run_dir + "/overrides.txt");
+  for (const auto& s : overrides) ov << s << "\n";
+  if (!ov) return io_error("cannot write {}/overrides.txt", run_dir);
+  return ok_status();
+}
+
 Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   if (!app.program) return invalid_argument("{}: the app gives no stage program", app.name);
   TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, load_run_config(o));
@@ -151,20 +169,7 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
           tc.parallel.world());
     }
   }
-  TROUPE_ASSIGN_OR_RETURN(layers::Tokenizer tok, layers::Tokenizer::load(tc.data.dir + "/tokenizer.json"));
-  if (tok.vocab_size() > tc.model.vocab_size) {
-    return invalid_argument("{}: model.vocab_size = {} is smaller than the tokenizer's {} tokens in {}",
-                            tc.source, tc.model.vocab_size, tok.vocab_size(), tc.data.dir);
-  }
-  std::error_code ec;
-  fs::create_directories(run_dir, ec);
-  if (ec) return io_error("cannot create run directory {}: {}", run_dir, ec.message());
-  TROUPE_RETURN_IF_ERROR(copy_file(tc.data.dir + "/tokenizer.json", run_dir + "/tokenizer.json"));
-  TROUPE_RETURN_IF_ERROR(copy_file(o.config, run_dir + "/config.toml"));
-  {
-    std::ofstream ov(run_dir + "/overrides.txt");
-    for (const auto& s : overrides) ov << s << "\n";
-  }
+  TROUPE_RETURN_IF_ERROR(prepare_run_dir(tc, o.config, overrides, run_dir));
   TrainerOptions to;
   to.app = app.name;
   to.argv = o.argv;

@@ -62,6 +62,12 @@ Result<std::vector<std::string>> parallel_overrides(const std::string& spec);
 // add_run_options after parsing.
 Result<layers::TrainConfig> load_run_config(const RunOptions& o);
 
+// A new (or resumed) run directory: the tokenizer of tc.data.dir must fit
+// model.vocab_size; creates `run_dir` and copies the tokenizer and the config (`config`)
+// into it, with `overrides` in overrides.txt.
+Status prepare_run_dir(const layers::TrainConfig& tc, const std::string& config,
+                       const std::vector<std::string>& overrides, const std::string& run_dir);
+
 // Trains `app` as this process's role (above). `ctx`: this process's device (a worker
 // builds its Stage on it; GPU workers use NCCL). o.resume needs o.config here (train_moe
 // finds the config of a checkpoint itself).

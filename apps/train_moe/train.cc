@@ -45,13 +45,6 @@ double evaluate(const layers::Ctx& c, layers::Model& model, const layers::DataLo
   return sum / static_cast<double>(std::max<int64_t>(1, tokens));
 }
 
-Status copy_file(const std::string& from, const std::string& to) {
-  std::error_code ec;
-  fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
-  if (ec) return io_error("cannot copy {} to {}: {}", from, to, ec.message());
-  return ok_status();
-}
-
 // --resume without --config: the saved run's config (its text is in every manifest) and
 // overrides, then this command line's overrides (so --set and --parallel still apply);
 // the run directory defaults to the one the checkpoints belong to.
@@ -135,11 +128,10 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
   }
 
   // ---- data and tokenizer -------------------------------------------------------------
+  std::string run_dir = o.run_dir;
+  if (run_dir.empty()) run_dir = "runs/" + fs::path(o.config).stem().string();
+  TROUPE_RETURN_IF_ERROR(training::prepare_run_dir(tc, o.config, o.overrides, run_dir));
   TROUPE_ASSIGN_OR_RETURN(layers::Tokenizer tok, layers::Tokenizer::load(tc.data.dir + "/tokenizer.json"));
-  if (tok.vocab_size() > tc.model.vocab_size) {
-    return invalid_argument("{}: model.vocab_size = {} is smaller than the tokenizer's {} tokens in {}", tc.source,
-                            tc.model.vocab_size, tok.vocab_size(), tc.data.dir);
-  }
   TROUPE_ASSIGN_OR_RETURN(layers::TokenShards train_data, layers::TokenShards::open(tc.data.dir, "train"));
   TROUPE_ASSIGN_OR_RETURN(layers::TokenShards val_data, layers::TokenShards::open(tc.data.dir, "val"));
   for (const auto* d : {&train_data, &val_data}) {
@@ -151,17 +143,6 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
   const layers::DataLoader loader(train_data, tc.train.seed, tc.train.seq_len);
   const layers::DataLoader val_loader(val_data, tc.train.seed, tc.train.seq_len);
 
-  std::string run_dir = o.run_dir;
-  if (run_dir.empty()) run_dir = "runs/" + fs::path(o.config).stem().string();
-  std::error_code ec;
-  fs::create_directories(run_dir, ec);
-  if (ec) return io_error("cannot create run directory {}: {}", run_dir, ec.message());
-  TROUPE_RETURN_IF_ERROR(copy_file(tc.data.dir + "/tokenizer.json", run_dir + "/tokenizer.json"));
-  TROUPE_RETURN_IF_ERROR(copy_file(o.config, run_dir + "/config.toml"));
-  {
-    std::ofstream ov(run_dir + "/overrides.txt");
-    for (const auto& s : o.overrides) ov << s << "\n";
-  }
   // --resume: the newest checkpoint that verifies (checksums), loaded below.
   std::unique_ptr<checkpoint::CheckpointReader> resume;
   if (!o.resume.empty()) {

@@ -86,6 +86,31 @@ class ElasticCluster : public ::testing::Test {
                                       "elastic-cluster " + name, "fault-free");
   }
 
+  // Waits for 2 steps of job `name`, then `troupe status <job> --actors` must list the
+  // trainer and the stage, attention and expert actors of each of the 4 ranks, each on
+  // its worker ("worker-<rank>" on the actor's own line). Returns the table.
+  static std::string expect_actor_table(Cluster& c, const std::string& job, const std::string& name) {
+    const fs::path dir = *root_ / name;
+    EXPECT_TRUE(wait_until([&] { return latest_step_records(dir / "metrics.jsonl").size() >= 2; },
+                           std::chrono::seconds(60)))
+        << c.logs_of_daemons();
+    const auto actors = c.cli({"status", job, "--actors"}, std::chrono::seconds(30));
+    EXPECT_EQ(actors.exit_code, 0) << actors.output;
+    EXPECT_NE(actors.output.find("13 actors"), std::string::npos) << actors.output;
+    EXPECT_NE(actors.output.find("trainer"), std::string::npos) << actors.output;
+    for (int r = 0; r < 4; ++r) {
+      for (const char* role : {"stage", "attention", "experts"}) {
+        const std::string id = fmt::format("{}.{}", role, r);
+        const size_t at = actors.output.find(id + " ");
+        EXPECT_NE(at, std::string::npos) << id << actors.output;
+        if (at == std::string::npos) continue;
+        const std::string line = actors.output.substr(at, actors.output.find('\n', at) - at);
+        EXPECT_NE(line.find(fmt::format("worker-{}", r)), std::string::npos) << line;
+      }
+    }
+    return actors.output;
+  }
+
   static fs::path* root_;
   static std::vector<nlohmann::json>* reference_;
 };
@@ -145,23 +170,11 @@ TEST_F(ElasticCluster, TroupeReplaceAndScaleByJobId) {
   Cluster c({});
   const std::string job = submit(c, "cli-job", {}, "slow@1:any:0");
   const fs::path dir = *root_ / "cli-job";
-  ASSERT_TRUE(wait_until([&] { return latest_step_records(dir / "metrics.jsonl").size() >= 2; },
-                         std::chrono::seconds(60)))
-      << c.logs_of_daemons();
   // `troupe status <job> --actors`: the trainer and the stage, attention and expert actors
   // of each of the 4 workers, with their workers; the placement is in the scheduler's
   // job record too.
-  const auto actors = c.cli({"status", job, "--actors"}, std::chrono::seconds(30));
-  EXPECT_EQ(actors.exit_code, 0) << actors.output;
-  EXPECT_NE(actors.output.find("13 actors"), std::string::npos) << actors.output;
-  for (int r = 0; r < 4; ++r) {
-    for (const char* role : {"stage", "attention", "experts"}) {
-      EXPECT_NE(actors.output.find(fmt::format("{}.{}", role, r)), std::string::npos)
-          << role << r << actors.output;
-    }
-    EXPECT_NE(actors.output.find(fmt::format("worker-{}", r)), std::string::npos) << actors.output;
-  }
-  std::printf("[elastic-cluster actors]\n%s", actors.output.c_str());
+  const std::string actors = expect_actor_table(c, job, "cli-job");
+  std::printf("[elastic-cluster actors]\n%s", actors.c_str());
   const auto js = c.cli({"status", job, "--json"}, std::chrono::seconds(30));
   ASSERT_EQ(js.exit_code, 0) << js.output;
   const nlohmann::json jj = nlohmann::json::parse(js.output, nullptr, false);
@@ -202,24 +215,8 @@ TEST_F(ElasticCluster, ActorsOfAPipelineJob) {
   // the tiny model has an MoE block); the scheduler's record holds the same placement.
   Cluster c({});
   const std::string job = submit(c, "pp2n2", {}, "slow@1:any:0", "pp=2,n=2");
-  const fs::path dir = *root_ / "pp2n2";
-  ASSERT_TRUE(wait_until([&] { return latest_step_records(dir / "metrics.jsonl").size() >= 2; },
-                         std::chrono::seconds(60)))
-      << c.logs_of_daemons();
-  const auto actors = c.cli({"status", job, "--actors"}, std::chrono::seconds(30));
-  EXPECT_EQ(actors.exit_code, 0) << actors.output;
-  EXPECT_NE(actors.output.find("13 actors"), std::string::npos) << actors.output;
-  EXPECT_NE(actors.output.find("trainer"), std::string::npos) << actors.output;
-  for (int r = 0; r < 4; ++r) {
-    for (const char* role : {"stage", "attention", "experts"}) {
-      const std::string id = fmt::format("{}.{}", role, r);
-      const size_t at = actors.output.find(id + " ");
-      ASSERT_NE(at, std::string::npos) << id << actors.output;
-      const std::string line = actors.output.substr(at, actors.output.find('\n', at) - at);
-      EXPECT_NE(line.find(fmt::format("worker-{}", r)), std::string::npos) << line;
-    }
-  }
-  std::printf("[elastic-cluster pp2n2 actors]\n%s", actors.output.c_str());
+  const std::string actors = expect_actor_table(c, job, "pp2n2");
+  std::printf("[elastic-cluster pp2n2 actors]\n%s", actors.c_str());
   ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(120))) << c.logs_of_daemons();
 }
 
