@@ -206,7 +206,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(cli, argc, argv);
   o.argv.assign(argv, argv + argc);
   if (o.config.empty()) {
-    fmt::print(stderr, "dense_lm: give --config <file> (e.g. apps/examples/dense_lm/config.toml)\n{}", cli.help());
+    fmt::print(stderr, "dense_lm: give --config <file> (e.g. apps/examples/dense_lm/config.toml)\n{}",
+               cli.help());
     return 2;
   }
   Status st = [&]() -> Status {
