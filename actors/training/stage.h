@@ -37,7 +37,9 @@
 //   Ctx's device, parameters/gradients/moments in device memory from the Ctx's allocator,
 //   bf16 working copies of the matrices (refreshed after each update) and activations in
 //   the Ctx's dtype; collectives are ordered on the compute stream (group_ops.h "Device
-//   mode"), the overlapped ones on a communication stream ordered by events. pp > 1 and
+//   mode"), the overlapped ones on a communication stream ordered by events. With
+//   train.device_stats (default) the step's loss and gradient norm stay on the device
+//   until one read at its end (the program may keep its own statistics there too). pp > 1 and
 //   parallel.dispatch = "allgather" on a device are refused unless
 //   parallel.gpu_unverified = true (not yet run on GPUs).
 #pragma once
