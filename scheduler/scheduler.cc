@@ -46,7 +46,7 @@ Status Scheduler::init() {
   if (ec) return io_error("cannot create state directory {}: {}", opts_.state_dir, ec.message());
   TROUPE_ASSIGN_OR_RETURN(store_, StateStore::open(opts_.state_dir + "/scheduler.db"));
   rendezvous_ = std::make_unique<RendezvousTable>(store_.get());
-  TROUPE_ASSIGN_OR_RETURN(server_, ServerEndpoint::bind(opts_.listen, opts_.security));
+  TROUPE_ASSIGN_OR_RETURN(server_, ServerEndpoint::bind(opts_.listen, opts_.security, opts_.io_threads));
   endpoint_ = server_->bound_endpoint();
   advertise_ = opts_.advertise.empty() ? endpoint_ : opts_.advertise;
   if (advertise_.find("0.0.0.0") != std::string::npos) {
