@@ -705,11 +705,13 @@ void Scheduler::timers() {
     receive_lag_.prune(wall_ms(), 60'000);
   }
   receive_lag_now_ = receive_lag_.lag(now);
-  if (receive_lag_now_ > kMaxLoopLag) {
+  // Held from over kMaxLoopLag until under 80% of it, so a lag hovering at the threshold
+  // does not flip (and log) every scan.
+  if (receive_lag_now_ > (verdicts_held_ ? kMaxLoopLag * 8 / 10 : kMaxLoopLag)) {
     if (!verdicts_held_) {
       log()->warn(
           "beats reach the scheduler {} ms late (median): no silence verdicts until that is under {} ms",
-          receive_lag_now_.count(), kMaxLoopLag.count());
+          receive_lag_now_.count(), (kMaxLoopLag * 8 / 10).count());
     }
     verdicts_held_ = true;
     return;

@@ -103,6 +103,7 @@ struct Options {
   // measured the simulator starving, not the scheduler.
   int nice = -1;
   bool keep_state = false;
+  int io_threads = 0;  // the scheduler's --io-threads; 0: its default
   // The scheduler serves loopback clients with local authentication (CURVE with the
   // user's credential, scheduler/local_auth.h): every simulated peer holds it, as real
   // agents and job processes do. --insecure measures the scheduler without it.
@@ -760,6 +761,10 @@ pid_t start_scheduler(const Options& o, const std::string& listen, const std::st
                                      "--agent-heartbeat-ms",
                                      std::to_string(o.beat_ms)};
     if (o.insecure) args.push_back("--insecure");
+    if (o.io_threads > 0) {
+      args.push_back("--io-threads");
+      args.push_back(std::to_string(o.io_threads));
+    }
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -1019,6 +1024,14 @@ int run(Options o) {
       {"driver", true},
       {"elastic", true},
       {"heartbeat_timeout_ms", 6 * o.beat_ms}};
+  // CPU seconds of the scheduler and of the simulator (its shards and this process) from
+  // submit to the last rank's rendezvous: who the rendezvous waited on.
+  auto sim_cpu = [&] {
+    double s = proc_stats(getpid()).cpu_s;
+    for (pid_t c : shard_pids) s += proc_stats(c).cpu_s;
+    return s;
+  };
+  const double sched_cpu_submit = proc_stats(spid).cpu_s, sim_cpu_submit = sim_cpu();
   const auto t_submit = Clock::now();
   auto sub = client_ask(SubmitJob{spec.dump()}, 60s);
   const auto t_submit_reply = Clock::now();
@@ -1037,6 +1050,8 @@ int run(Options o) {
     fail(fmt::format("only {} of {} ranks rendezvoused", b.rendezvoused.load(), o.workers));
   }
   const double t_rdzv = secs(from_steady_ns(b.last_rendezvous_ns.load()) - t_submit);
+  const double sched_cpu_rdzv = proc_stats(spid).cpu_s - sched_cpu_submit,
+               sim_cpu_rdzv = sim_cpu() - sim_cpu_submit;
   fmt::print(
       "scale_sim: job {}: submit answered in {:.3f} s, last spawn at {:.3f} s, {} ranks rendezvoused at "
       "{:.3f} s\n",
@@ -1186,6 +1201,8 @@ int run(Options o) {
   uint64_t nbeats = 0;
   const double h50 = hist_quantile_ms(h0, h1, 0.5, &nbeats), h99 = hist_quantile_ms(h0, h1, 0.99, &nbeats);
   target("rendezvous: submit -> every rank holds uid + ring peers", t_rdzv, "{:.3f} s", 5.0, "< 5 s");
+  rows.push_back(Row{"CPU from submit to rendezvous: scheduler / simulator",
+                     fmt::format("{:.1f} / {:.1f} s", sched_cpu_rdzv, sim_cpu_rdzv), "", -1});
   target("placement: submit -> last spawn request at its agent", t_place, "{:.3f} s", 1.0, "< 1 s");
   {
     // The scheduler's own part, from the job's events.jsonl: submitted -> placed (every
@@ -1278,6 +1295,9 @@ int main(int argc, char** argv) {
                  "Nice value of the simulator processes (the scheduler keeps 0); default 10, or 0 with CURVE")
       ->check(CLI::Range(0, 19));
   app.add_option("--processes", o.processes, "Simulator processes (default: as few as the fd limit allows)")
+      ->check(CLI::Range(0, 64));
+  app.add_option("--io-threads", o.io_threads,
+                 "The scheduler's ZeroMQ I/O threads (default: its own default)")
       ->check(CLI::Range(0, 64));
   app.add_flag("--keep-state", o.keep_state, "Keep the temporary state directory");
   app.add_flag("--insecure", o.insecure, "Run the scheduler without local authentication (no CURVE)");
