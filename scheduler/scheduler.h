@@ -42,9 +42,11 @@ struct SchedulerOptions {
   int agent_heartbeat_ms = 300;               // told to agents
   int poll_ms = 20;                           // loop granularity (timers)
   // ZeroMQ I/O threads of the server socket. With CURVE each connecting client costs
-  // about 0.3 ms of I/O-thread CPU (handshake), so 10,000 job processes connecting at
-  // once need several seconds of one thread; two spread that over two cores.
-  int io_threads = 2;
+  // about 0.3 ms of I/O-thread CPU (handshake), so 10,000 job processes connecting at once
+  // need seconds of one thread; a host with cores to spare can spread that. On the 2-core
+  // bench machine two made no difference with CURVE and made the restart without CURVE
+  // miss (bench/RESULTS.md, 2026-11-24), hence one by default.
+  int io_threads = 1;
 };
 
 class Scheduler {

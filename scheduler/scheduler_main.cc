@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
   app.add_option("--agent-heartbeat-ms", opts.agent_heartbeat_ms, "Heartbeat period told to agents")
       ->check(CLI::Range(10, 600000));
   app.add_option("--io-threads", opts.io_threads,
-                 "ZeroMQ I/O threads (CURVE handshakes and encryption run on them)")
+                 "ZeroMQ I/O threads (CURVE handshakes and encryption run on them; default 1)")
       ->check(CLI::Range(1, 64));
   app.add_flag("--insecure", opts.security.allow_insecure_non_loopback,
                "Allow a non-loopback --listen address without CURVE (trusted networks only)");
