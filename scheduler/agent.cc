@@ -142,7 +142,7 @@ void Agent::run_once(std::chrono::milliseconds timeout) {
   auto now = Clock::now();
   if (!registered_ && now - last_register_ > std::chrono::milliseconds(1000)) send_register();
   if (registered_ && now - last_beat_ >= std::chrono::milliseconds(opts_.heartbeat_ms)) {
-    conn_->send(Message{0, AgentHeartbeat{opts_.agent_id, incarnation_}});
+    conn_->send(Message{0, AgentHeartbeat{opts_.agent_id, incarnation_, wall_ms()}});
     last_beat_ = now;
   }
   // Escalate SIGTERM to SIGKILL once the grace period is over.

@@ -81,6 +81,7 @@ struct Encoder {
     auto b = m.initAgentHeartbeat();
     b.setAgentId(v.agent_id);
     b.setIncarnation(v.incarnation);
+    b.setSentAtMs(v.sent_at_ms);
   }
   void operator()(const Reregister&) { m.setReregister(); }
   void operator()(const SpawnRequest& v) {
@@ -122,6 +123,7 @@ struct Encoder {
     b.setHello(v.hello);
     b.setActorNode(v.actor_node);
     b.setEndpoint(v.endpoint);
+    b.setSentAtMs(v.sent_at_ms);
   }
   void operator()(const PlaceActors& v) {
     auto b = m.initPlaceActors();
@@ -181,7 +183,7 @@ Result<Payload> decode_payload(::Msg::Reader m) {
     }
     case ::Msg::AGENT_HEARTBEAT: {
       auto r = m.getAgentHeartbeat();
-      return Payload(AgentHeartbeat{r.getAgentId(), r.getIncarnation()});
+      return Payload(AgentHeartbeat{r.getAgentId(), r.getIncarnation(), r.getSentAtMs()});
     }
     case ::Msg::REREGISTER: return Payload(Reregister{});
     case ::Msg::SPAWN: {
@@ -207,8 +209,8 @@ Result<Payload> decode_payload(::Msg::Reader m) {
     }
     case ::Msg::PROC_BEAT: {
       auto r = m.getProcBeat();
-      return Payload(ProcBeat{r.getJobId(), r.getName(), r.getEpoch(), r.getPid(), r.getHello(), r.getActorNode(),
-                              r.getEndpoint()});
+      return Payload(ProcBeat{r.getJobId(), r.getName(), r.getEpoch(), r.getPid(), r.getHello(),
+                              r.getActorNode(), r.getEndpoint(), r.getSentAtMs()});
     }
     case ::Msg::STORE: {
       auto r = m.getStore();

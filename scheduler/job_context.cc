@@ -73,8 +73,8 @@ Result<std::unique_ptr<SchedulerSession>> SchedulerSession::connect(const JobCon
 bool SchedulerSession::beat() {
   bool hello = !said_hello_;
   said_hello_ = true;
-  return conn_->send(Message{0, ProcBeat{ctx_.job_id, ctx_.name, ctx_.epoch, static_cast<int32_t>(getpid()), hello,
-                                         actor_node_, actor_endpoint_}});
+  return conn_->send(Message{0, ProcBeat{ctx_.job_id, ctx_.name, ctx_.epoch, static_cast<int32_t>(getpid()),
+                                         hello, actor_node_, actor_endpoint_, wall_ms()}});
 }
 
 void SchedulerSession::set_actor_address(std::string node, std::string endpoint) {

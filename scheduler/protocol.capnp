@@ -60,6 +60,7 @@ struct RegisterAck @0xc1d1a1e7a0b2f006 {
 struct AgentHeartbeat @0xc1d1a1e7a0b2f007 {
   agentId @0 :Text;
   incarnation @1 :UInt64;       # the scheduler incarnation the agent registered with
+  sentAtMs @2 :Int64;           # the agent's wall clock when sent (ms since the epoch; 0: unknown)
 }
 
 # A job process telling the scheduler it is alive (hello on connect, then beats).
@@ -71,6 +72,7 @@ struct ProcBeat @0xc1d1a1e7a0b2f008 {
   hello @4 :Bool;
   actorNode @5 :Text;     # the node id of the process's own actor system, if it runs one
   endpoint @6 :Text;      # where that actor system listens
+  sentAtMs @7 :Int64;     # the process's wall clock when sent (ms since the epoch; 0: unknown)
 }
 
 enum StoreOp @0xc1d1a1e7a0b2f009 {

@@ -61,9 +61,12 @@ struct RegisterAck {
   int32_t heartbeat_ms = 0;
 };
 
+// Beats carry the sender's wall clock (sent_at_ms, 0: unknown): the scheduler measures how
+// far behind its own receive path is from them (scheduler/receive_lag.h).
 struct AgentHeartbeat {
   std::string agent_id;
   uint64_t incarnation = 0;
+  int64_t sent_at_ms = 0;
 };
 
 struct Reregister {};
@@ -76,6 +79,7 @@ struct ProcBeat {
   bool hello = false;
   std::string actor_node;  // the process's actor system (node id, endpoint), if any
   std::string endpoint;
+  int64_t sent_at_ms = 0;
 };
 
 enum class StoreOp : uint8_t { kSet, kGet, kWait, kContains };

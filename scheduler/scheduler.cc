@@ -46,7 +46,7 @@ Status Scheduler::init() {
   if (ec) return io_error("cannot create state directory {}: {}", opts_.state_dir, ec.message());
   TROUPE_ASSIGN_OR_RETURN(store_, StateStore::open(opts_.state_dir + "/scheduler.db"));
   rendezvous_ = std::make_unique<RendezvousTable>(store_.get());
-  TROUPE_ASSIGN_OR_RETURN(server_, ServerEndpoint::bind(opts_.listen, opts_.security));
+  TROUPE_ASSIGN_OR_RETURN(server_, ServerEndpoint::bind(opts_.listen, opts_.security, opts_.io_threads));
   endpoint_ = server_->bound_endpoint();
   advertise_ = opts_.advertise.empty() ? endpoint_ : opts_.advertise;
   if (advertise_.find("0.0.0.0") != std::string::npos) {
@@ -94,7 +94,10 @@ Status Scheduler::recover() {
     ag.alive = false;
     agents_.emplace(a.id, std::move(ag));
   }
-  if (any_live) recovered_until_ = now + std::chrono::milliseconds(2 * opts_.agent_timeout_ms);
+  if (any_live) {
+    recovered_until_ = now + std::chrono::milliseconds(2 * opts_.agent_timeout_ms);
+    recovery_cap_ = now + std::chrono::milliseconds(kMaxRecoveryTimeouts * opts_.agent_timeout_ms);
+  }
   if (!jobs_.empty()) log()->info("recovered {} job record(s) from {}", jobs_.size(), opts_.state_dir);
   return ok_status();
 }
@@ -160,9 +163,16 @@ nlohmann::json Scheduler::LatencyHistogram::to_json() const {
 
 void Scheduler::dispatch(const Incoming& in) {
   const auto& m = in.msg;
-  if ((std::holds_alternative<ProcBeat>(m.payload) || std::holds_alternative<AgentHeartbeat>(m.payload)) &&
-      in.received != Clock::time_point{}) {
-    beat_latency_.add(Clock::now() - in.received);
+  if (std::holds_alternative<ProcBeat>(m.payload) || std::holds_alternative<AgentHeartbeat>(m.payload)) {
+    const auto now = Clock::now();
+    const auto queued = in.received != Clock::time_point{} ? now - in.received : Clock::duration{};
+    if (in.received != Clock::time_point{}) beat_latency_.add(queued);
+    // Arrival at our inbox, by our wall clock: the loop's own wait is loop_lag_'s business.
+    const int64_t arrived_ms =
+        wall_ms() - std::chrono::duration_cast<std::chrono::milliseconds>(queued).count();
+    const auto* pb = std::get_if<ProcBeat>(&m.payload);
+    const int64_t sent_ms = pb ? pb->sent_at_ms : std::get<AgentHeartbeat>(m.payload).sent_at_ms;
+    receive_lag_.add(in.peer, sent_ms, arrived_ms, now);
   }
   std::visit(
       [&](const auto& p) {
@@ -202,6 +212,13 @@ void Scheduler::on_register(const std::string& peer, const RegisterAgent& m) {
   a.peer = peer;
   a.last_seen = now;
   a.alive = true;
+  if (recovered_until_ != Clock::time_point{} && !was_alive) {
+    // Agents are still coming back (thousands of them, each with a CURVE handshake, after
+    // a restart): the grace for the others runs from the latest return, up to the cap.
+    recovered_until_ =
+        std::max(recovered_until_,
+                 std::min(recovery_cap_, now + std::chrono::milliseconds(2 * opts_.agent_timeout_ms)));
+  }
   store_->put_agent(a.rec).ignore();
   send(peer, Message{0, RegisterAck{incarnation_, opts_.agent_heartbeat_ms}});
   log()->info("agent {} ({}) registered: {} slots, {} GPUs, {} process(es){}", m.agent_id, m.host, m.slots, m.gpus,
@@ -683,6 +700,25 @@ void Scheduler::timers() {
   // keeping up: beats waiting in the backlog are our delay, not the peers'.
   if (now < next_health_scan_ || !backlog_.empty() || loop_lag_ > kMaxLoopLag) return;
   next_health_scan_ = now + std::chrono::milliseconds(std::max(opts_.poll_ms, 100));
+  if (now >= next_lag_prune_) {
+    next_lag_prune_ = now + std::chrono::seconds(10);
+    receive_lag_.prune(wall_ms(), 60'000);
+  }
+  receive_lag_now_ = receive_lag_.lag(now);
+  // Held from over kMaxLoopLag until under 80% of it, so a lag hovering at the threshold
+  // does not flip (and log) every scan.
+  if (receive_lag_now_ > (verdicts_held_ ? kMaxLoopLag * 8 / 10 : kMaxLoopLag)) {
+    if (!verdicts_held_) {
+      log()->warn(
+          "beats reach the scheduler {} ms late (median): no silence verdicts until that is under {} ms",
+          receive_lag_now_.count(), (kMaxLoopLag * 8 / 10).count());
+    }
+    verdicts_held_ = true;
+    return;
+  }
+  if (verdicts_held_)
+    log()->info("beats arrive on time again ({} ms late): silence verdicts resume", receive_lag_now_.count());
+  verdicts_held_ = false;
   scan_health(now);
 }
 
@@ -832,6 +868,7 @@ void Scheduler::on_status(const std::string& peer, uint64_t rid, const StatusQue
   out["scheduler"] = {{"endpoint", endpoint_},
                       {"incarnation", fmt::format("{:x}", incarnation_)},
                       {"beat_latency", beat_latency_.to_json()},
+                      {"receive_lag_ms", receive_lag_now_.count()},
                       {"state_dir", opts_.state_dir}};
   Reply r;
   r.body = out.dump();

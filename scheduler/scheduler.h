@@ -26,6 +26,7 @@
 #include "scheduler/event_log.h"
 #include "scheduler/placement.h"
 #include "scheduler/protocol.h"
+#include "scheduler/receive_lag.h"
 #include "scheduler/rendezvous.h"
 #include "scheduler/state_store.h"
 #include "scheduler/transport.h"
@@ -40,6 +41,12 @@ struct SchedulerOptions {
   int agent_timeout_ms = 3000;                // agent declared dead after this silence
   int agent_heartbeat_ms = 300;               // told to agents
   int poll_ms = 20;                           // loop granularity (timers)
+  // ZeroMQ I/O threads of the server socket. With CURVE each connecting client costs
+  // about 0.3 ms of I/O-thread CPU (handshake), so 10,000 job processes connecting at once
+  // need seconds of one thread; a host with cores to spare can spread that. On the 2-core
+  // bench machine two made no difference with CURVE and made the restart without CURVE
+  // miss (bench/RESULTS.md, 2026-11-24), hence one by default.
+  int io_threads = 1;
 };
 
 class Scheduler {
@@ -154,7 +161,12 @@ class Scheduler {
   std::map<uint64_t, PendingReply> store_waiters_;   // rendezvous token -> client
   std::map<uint64_t, PendingReply> log_forwards_;    // request id sent to an agent -> client
   uint64_t next_token_ = 1;
-  Clock::time_point recovered_until_{};              // after a restart: grace for agents to return
+  // After a restart: agents not back by recovered_until_ are lost. It is two agent
+  // timeouts after the restart or after the latest agent's return, whichever is later,
+  // but never past recovery_cap_ (kMaxRecoveryTimeouts agent timeouts after the restart).
+  static constexpr int kMaxRecoveryTimeouts = 10;
+  Clock::time_point recovered_until_{};
+  Clock::time_point recovery_cap_{};
   LatencyHistogram beat_latency_;
   // Arrived, not yet handled: a turn handles at most kMaxTurnMessages of them, so answers
   // (and their commit) go out while a flood (10,000 peers reconnecting) is worked off.
@@ -164,6 +176,13 @@ class Scheduler {
   // kMaxLoopLag the loop is behind, and silence is not held against peers.
   static constexpr std::chrono::milliseconds kMaxLoopLag{500};
   Clock::duration loop_lag_{};
+  // The same rule for the path before the loop (kernel buffers, ZeroMQ I/O threads busy
+  // with thousands of CURVE handshakes, transport and actor threads): while the beats
+  // that arrive are typically over kMaxLoopLag late, silence is not held against peers.
+  ReceiveLag receive_lag_;
+  std::chrono::milliseconds receive_lag_now_{0};  // as of the last health-scan check
+  bool verdicts_held_ = false;                    // logged once per episode
+  Clock::time_point next_lag_prune_{};
   std::vector<std::pair<std::string, Message>> outbox_;  // sent after the turn's commit
   Clock::time_point next_health_scan_{};
   // try_start's placement, for spawn(): agent -> the epoch's worker ranks on it (sorted),

@@ -38,6 +38,9 @@ int main(int argc, char** argv) {
   app.add_option("--agent-timeout-ms", opts.agent_timeout_ms, "An agent silent this long is dead")->check(CLI::Range(1, 1000000));
   app.add_option("--agent-heartbeat-ms", opts.agent_heartbeat_ms, "Heartbeat period told to agents")
       ->check(CLI::Range(10, 600000));
+  app.add_option("--io-threads", opts.io_threads,
+                 "ZeroMQ I/O threads (CURVE handshakes and encryption run on them; default 1)")
+      ->check(CLI::Range(1, 64));
   app.add_flag("--insecure", opts.security.allow_insecure_non_loopback,
                "Allow a non-loopback --listen address without CURVE (trusted networks only)");
   std::string endpoint_file;

@@ -248,7 +248,8 @@ Result<CurveKeyPair> derive_job_keypair(const CurveKeyPair& scheduler_keys, cons
   return kp;
 }
 
-Result<std::unique_ptr<ServerEndpoint>> ServerEndpoint::bind(const std::string& endpoint, const ServerSecurity& sec) {
+Result<std::unique_ptr<ServerEndpoint>> ServerEndpoint::bind(const std::string& endpoint,
+                                                             const ServerSecurity& sec, int io_threads) {
   std::unique_ptr<ServerEndpoint> s(new ServerEndpoint());
   s->shared_ = std::make_shared<Shared>();
   std::string ep = endpoint;
@@ -259,6 +260,7 @@ Result<std::unique_ptr<ServerEndpoint>> ServerEndpoint::bind(const std::string& 
   o.node_id = kSchedulerNode;
   o.threads = 1;
   o.network = transport_options(kSchedulerNode, ep);
+  o.network->io_threads = io_threads;
   if (sec.server_keys) {
     if (sec.allowed_client_keys.empty()) {
       return invalid_argument("CURVE is configured but no client key is allowed (--allow-keys)");

@@ -113,14 +113,13 @@ Result<CurveKeyPair> read_curve_key_file(const std::string& path) {
   return kp;
 }
 
-void serve_zap_request(zmq::socket_t& rep, const std::set<std::string>& allowed,
-                       spdlog::logger& log) {
+bool serve_zap_request(zmq::socket_t& rep, const std::set<std::string>& allowed, spdlog::logger& log) {
   std::vector<zmq::message_t> req;
   try {
-    if (!zmq::recv_multipart(rep, std::back_inserter(req), zmq::recv_flags::dontwait)) return;
+    if (!zmq::recv_multipart(rep, std::back_inserter(req), zmq::recv_flags::dontwait)) return false;
   } catch (const zmq::error_t& e) {
     log.warn("zap: receive failed: {}", e.what());
-    return;
+    return false;
   }
   // ZAP 1.0 request: version, request id, domain, address, identity, mechanism, credentials.
   std::string status = "400", text = "malformed ZAP request";
@@ -153,6 +152,7 @@ void serve_zap_request(zmq::socket_t& rep, const std::set<std::string>& allowed,
   } catch (const zmq::error_t& e) {
     log.warn("zap: reply failed: {}", e.what());
   }
+  return true;
 }
 
 }  // namespace troupe::control

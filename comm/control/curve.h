@@ -52,8 +52,9 @@ struct CurveConfig {
 
 // Handles one ZAP request waiting on `rep` (a REP socket bound to inproc://zeromq.zap.01):
 // replies 200 when the mechanism is CURVE and the client key is in `allowed`, 400
-// otherwise (and logs the refused key). Never throws on a malformed request.
-void serve_zap_request(zmq::socket_t& rep, const std::set<std::string>& allowed,
-                       spdlog::logger& log);
+// otherwise (and logs the refused key). Never throws on a malformed request. Returns false
+// when no request was waiting (the caller drains with it: every CURVE handshake waits for
+// its answer, so one answer per wake would hold thousands of connecting peers back).
+bool serve_zap_request(zmq::socket_t& rep, const std::set<std::string>& allowed, spdlog::logger& log);
 
 }  // namespace troupe::control

@@ -27,6 +27,9 @@ namespace troupe::control {
 namespace {
 
 constexpr size_t kMaxReceivesPerWake = 256;  // bounds the time spent on one socket
+// ZAP requests answered per wake: each is a set lookup, and each connecting CURVE peer's
+// handshake waits for its answer (10,000 workers connect within a second or two).
+constexpr size_t kMaxZapPerWake = 4096;
 
 Status validate_node_id(const std::string& id) {
   if (id.empty()) return invalid_argument("node id is empty");
@@ -92,6 +95,9 @@ class Transport::Impl {
   Status start() {
     TROUPE_RETURN_IF_ERROR(validate_node_id(opts_.node_id));
     TROUPE_RETURN_IF_ERROR(opts_.curve.validate());
+    if (opts_.io_threads < 1 || opts_.io_threads > 64) {
+      return invalid_argument("io_threads must be in 1..64, got {}", opts_.io_threads);
+    }
     if (opts_.heartbeat_interval.count() <= 0 || opts_.heartbeat_timeout <= opts_.heartbeat_interval) {
       return invalid_argument("heartbeat interval ({} ms) must be positive and below the timeout ({} ms)",
                               opts_.heartbeat_interval.count(), opts_.heartbeat_timeout.count());
@@ -103,7 +109,7 @@ class Transport::Impl {
           opts_.bind_endpoint);
     }
     if (opts_.context == nullptr) {
-      own_context_ = std::make_unique<zmq::context_t>(1);
+      own_context_ = std::make_unique<zmq::context_t>(opts_.io_threads);
       ctx_ = own_context_.get();
     } else {
       ctx_ = opts_.context;
@@ -339,7 +345,11 @@ class Transport::Impl {
     }
     run_commands();
     if (router_ && (items[router_idx].revents & ZMQ_POLLIN)) receive_router();
-    if (zap_ && (items[zap_idx].revents & ZMQ_POLLIN)) serve_zap_request(*zap_, opts_.curve.allowed_client_keys, *log_);
+    if (zap_ && (items[zap_idx].revents & ZMQ_POLLIN)) {
+      for (size_t i = 0; i < kMaxZapPerWake; ++i) {
+        if (!serve_zap_request(*zap_, opts_.curve.allowed_client_keys, *log_)) break;
+      }
+    }
     for (size_t i = 0; i < dealer_nodes.size(); ++i) {
       auto it = dealers_.find(dealer_nodes[i]);
       if (it == dealers_.end()) continue;  // replaced by a command above

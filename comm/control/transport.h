@@ -62,6 +62,10 @@ struct TransportOptions {
   // Share one context between transports of one process to use inproc endpoints; null:
   // the transport owns a context. Not owned; must outlive the transport.
   zmq::context_t* context = nullptr;
+  // ZeroMQ I/O threads of the transport's own context (ignored with `context`): they read,
+  // write and (with CURVE) encrypt, decrypt and run every handshake. One carries a node
+  // with a few peers; a server with thousands of CURVE peers needs more (scheduler).
+  int io_threads = 1;
   const Clock* clock = nullptr;  // null: a SystemClock owned by the transport
 };
 

@@ -16,6 +16,7 @@
 #include "scheduler/job_spec.h"
 #include "scheduler/placement.h"
 #include "scheduler/protocol.h"
+#include "scheduler/receive_lag.h"
 #include "scheduler/rendezvous.h"
 #include "scheduler/spawner.h"
 #include "scheduler/state_store.h"
@@ -263,6 +264,58 @@ TEST(Codec, RoundTripsAndRejectsGarbage) {
     for (auto& ch : junk) ch = static_cast<char>(rng());
     (void)decode_message(junk.data(), junk.size());  // must return, ok or not
   }
+}
+
+TEST(Codec, BeatsCarryTheirSendTime) {
+  std::string ab = encode_message(Message{0, AgentHeartbeat{"a-1", 7, 1700000000123}});
+  auto aback = decode_message(ab.data(), ab.size());
+  ASSERT_TRUE(aback.ok());
+  EXPECT_EQ(std::get<AgentHeartbeat>(aback->payload).sent_at_ms, 1700000000123);
+  std::string pb =
+      encode_message(Message{0, ProcBeat{"job-1", "worker-3", 2, 99, false, "", "", 1700000000456}});
+  auto pback = decode_message(pb.data(), pb.size());
+  ASSERT_TRUE(pback.ok());
+  EXPECT_EQ(std::get<ProcBeat>(pback->payload).sent_at_ms, 1700000000456);
+  EXPECT_EQ(std::get<ProcBeat>(pback->payload).name, "worker-3");
+}
+
+// Peers with clocks minutes apart, beating on time: no lag. Then most beats arrive 800 ms
+// late (our receive path is behind): the median says so. One peer alone late, or one whose
+// clock steps back by an hour: the median does not move. A shift every peer keeps for
+// over a minute (every clock stepped back) is absorbed.
+TEST(ReceiveLag, MedianExcessOverEachPeersBaseline) {
+  ReceiveLag lag(milliseconds(2000));
+  auto t = ReceiveLag::Clock::time_point{} + std::chrono::hours(1);
+  int64_t wall = 1'700'000'000'000;
+  EXPECT_EQ(lag.lag(t).count(), 0) << "no beats, no estimate";
+  const int64_t skew[10] = {0, 120'000, -300'000, 5, -7, 42'000, 1, 2, 3, -60'000};
+  auto round = [&](int64_t delay_ms, int late_peers, int64_t extra_for_peer0 = 0) {
+    for (int p = 0; p < 10; ++p) {
+      const int64_t sent = wall + skew[p] + (p == 0 ? -extra_for_peer0 : 0);
+      lag.add("peer-" + std::to_string(p), sent, wall + 2 + (p < late_peers ? delay_ms : 0), t);
+    }
+    wall += 1000;
+    t += milliseconds(1000);
+  };
+  for (int i = 0; i < 5; ++i) round(0, 0);
+  EXPECT_LE(lag.lag(t).count(), 1);
+  EXPECT_EQ(lag.peers(), 10u);
+  for (int i = 0; i < 3; ++i) round(800, 8);
+  EXPECT_GE(lag.lag(t).count(), 790);
+  for (int i = 0; i < 3; ++i) round(0, 0);
+  EXPECT_LE(lag.lag(t).count(), 1) << "the window forgets old beats";
+  for (int i = 0; i < 3; ++i) round(5000, 1);
+  EXPECT_LE(lag.lag(t).count(), 1) << "one late peer is that peer's problem";
+  for (int i = 0; i < 3; ++i) round(0, 0, 3'600'000);
+  EXPECT_LE(lag.lag(t).count(), 1) << "a clock step of one peer";
+  for (int i = 0; i < 3; ++i) round(2000, 10);
+  EXPECT_GE(lag.lag(t).count(), 1990);
+  for (int i = 0; i < 65; ++i) round(2000, 10);
+  EXPECT_LE(lag.lag(t).count(), 1) << "a lasting shift is absorbed within a minute";
+  lag.add("old-sender", 0, wall, t);  // no stamp: ignored
+  EXPECT_EQ(lag.peers(), 10u);
+  lag.prune(wall + 120'000, 60'000);
+  EXPECT_EQ(lag.peers(), 0u);
 }
 
 TEST(Spawner, LogsExitCodesSignalsAndGroupKill) {

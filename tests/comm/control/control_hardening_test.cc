@@ -10,7 +10,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <array>
+#include <map>
 #include <random>
+#include <set>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
@@ -189,6 +192,56 @@ TEST(ControlHardening, RefusesUnauthenticatedAndWrongKeyCurveClients) {
 
   expect_serves(*server.transport, "good-2", good, server_kp->public_key);
   EXPECT_EQ(server.delivered.load(), 2) << "only the allow-listed client got through";
+}
+
+// serve_zap_request answers whatever is waiting, one request per call, and says when
+// nothing was (the transport drains the queue each wake: every connecting CURVE client
+// waits for its answer). Requests come here through a DEALER standing in for libzmq.
+TEST(ControlHardening, ZapHandlerAnswersEachWaitingRequestThenReportsNone) {
+  auto good_kp = generate_curve_keypair();
+  auto other_kp = generate_curve_keypair();
+  ASSERT_TRUE(good_kp.ok() && other_kp.ok());
+  auto raw_key = [](const std::string& z85) {
+    std::string raw(32, '\0');
+    EXPECT_NE(zmq_z85_decode(reinterpret_cast<uint8_t*>(raw.data()), z85.c_str()), nullptr);
+    return raw;
+  };
+  zmq::context_t ctx(1);
+  zmq::socket_t rep(ctx, zmq::socket_type::rep);
+  rep.bind("inproc://zap-drain-test");
+  zmq::socket_t dealer(ctx, zmq::socket_type::dealer);
+  dealer.connect("inproc://zap-drain-test");
+  auto log = make_logger("zap-test");
+  const std::set<std::string> allowed = {good_kp->public_key};
+  EXPECT_FALSE(serve_zap_request(rep, allowed, *log)) << "nothing waits yet";
+  const std::vector<std::pair<std::string, std::string>> reqs = {{"1", raw_key(good_kp->public_key)},
+                                                                 {"2", raw_key(other_kp->public_key)},
+                                                                 {"3", raw_key(good_kp->public_key)}};
+  for (const auto& [id, key] : reqs) {
+    std::array<zmq::const_buffer, 8> frames = {zmq::str_buffer(""),
+                                               zmq::str_buffer("1.0"),
+                                               zmq::buffer(id),
+                                               zmq::str_buffer("troupe"),
+                                               zmq::str_buffer("127.0.0.1"),
+                                               zmq::str_buffer(""),
+                                               zmq::str_buffer("CURVE"),
+                                               zmq::buffer(key)};
+    ASSERT_TRUE(zmq::send_multipart(dealer, frames));
+  }
+  std::this_thread::sleep_for(50ms);  // inproc delivery
+  int served = 0;
+  while (serve_zap_request(rep, allowed, *log)) ++served;
+  EXPECT_EQ(served, 3);
+  std::map<std::string, std::string> status;  // request id -> status code
+  for (int i = 0; i < 3; ++i) {
+    std::vector<zmq::message_t> reply;
+    ASSERT_TRUE(zmq::recv_multipart(dealer, std::back_inserter(reply)));
+    ASSERT_EQ(reply.size(), 7u);  // delimiter + the six ZAP reply frames
+    status[reply[2].to_string()] = reply[3].to_string();
+  }
+  EXPECT_EQ(status["1"], "200");
+  EXPECT_EQ(status["2"], "400") << "a key not on the allow-list is refused";
+  EXPECT_EQ(status["3"], "200");
 }
 
 // A peer whose id holds terminal control bytes floods bad frames: every frame is dropped
