@@ -1310,7 +1310,7 @@ Status Trainer::run_job() {
     // Checkpoints of an earlier run here after the starting step are stale (a fresh job:
     // all of them; the checkpoint resumed from is kept): moved aside, never deleted.
     TROUPE_RETURN_IF_ERROR(prepare_checkpoint_dir(ckpt_dir_, start_step));
-    // The tokenizer copied into the run directory by the caller (distributed.cc).
+    // The tokenizer copied into the run directory by the caller (app.cc, prepare_run_dir).
     TROUPE_ASSIGN_OR_RETURN(ckpt_info_,
                             run_checkpoint_info(o_.config, o_.overrides, tc_, run_dir_ + "/tokenizer.json"));
   }
