@@ -223,7 +223,36 @@ class Transport::Impl {
       }
       poll_once();
     }
+    say_goodbye();
     close_sockets();
+  }
+
+  // A stopping transport tells every peer it is leaving (a node-level Down, reason exit),
+  // so they report its disconnect as an exit, not a lost connection. The sockets linger
+  // up to kGoodbyeLinger for those frames; a peer that is already gone costs that much.
+  static constexpr int kGoodbyeLingerMs = 200;
+  void say_goodbye() {
+    std::set<std::string> peers(inbound_.begin(), inbound_.end());
+    for (auto& [node, d] : dealers_) peers.insert(node);
+    bool sent = false;
+    for (const std::string& node : peers) {
+      if (!liveness_.is_up(node)) continue;
+      Envelope bye;
+      bye.sender = ActorAddress{opts_.node_id, ""};
+      bye.receiver = ActorAddress{node, ""};
+      bye.payload = Down{ActorAddress{opts_.node_id, ""}, DownReason::kExit, "node stopping"};
+      Result<std::string> bytes = encode_envelope(bye, opts_.max_message_bytes);
+      if (bytes.ok() && send_bytes(node, *bytes).ok()) sent = true;
+    }
+    if (!sent) return;
+    try {
+      for (auto& [node, d] : dealers_) {
+        if (d.socket) d.socket->set(zmq::sockopt::linger, kGoodbyeLingerMs);
+      }
+      if (router_) router_->set(zmq::sockopt::linger, kGoodbyeLingerMs);
+    } catch (const zmq::error_t&) {
+      // The frames are dropped: peers see a lost connection, as before.
+    }
   }
 
   Status open_sockets() {
@@ -483,11 +512,17 @@ class Transport::Impl {
     }
     ++received_;
     if (liveness_.heard(from, clock_->now())) {
+      leaving_.erase(from);  // back (a new process with the same node id)
       mirror_up(from, true);
       log_->info("control {}: peer {} is up", opts_.node_id, from);
       if (cb_.on_peer_up) cb_.on_peer_up(from);
     }
     if (std::holds_alternative<Heartbeat>(env->payload)) return true;
+    if (const Down* d = std::get_if<Down>(&env->payload);
+        d != nullptr && env->receiver.name.empty() && d->actor.name.empty() && d->actor.node == from) {
+      leaving_.insert(from);  // its goodbye: its disconnect is an exit (peer_down)
+      return true;
+    }
     if (cb_.on_envelope) cb_.on_envelope(std::move(env).value(), from);
     return true;
   }
@@ -546,6 +581,12 @@ class Transport::Impl {
   }
 
   void peer_down(const std::string& node, DownReason reason, const std::string& text) {
+    if (leaving_.erase(node) != 0) {
+      // It said goodbye first: an orderly exit, whatever closed the connection.
+      log_->info("control {}: peer {} left ({})", opts_.node_id, node, text);
+      if (cb_.on_peer_down) cb_.on_peer_down(node, DownReason::kExit, fmt::format("{} left: {}", node, text));
+      return;
+    }
     log_->warn("control {}: peer {} is down ({}): {}", opts_.node_id, node, down_reason_name(reason), text);
     if (cb_.on_peer_down) cb_.on_peer_down(node, reason, text);
   }
@@ -584,6 +625,7 @@ class Transport::Impl {
   std::unique_ptr<zmq::socket_t> router_, zap_;
   std::map<std::string, Dealer> dealers_;
   std::set<std::string> inbound_;
+  std::set<std::string> leaving_;  // peers that said goodbye (loop thread)
   PeerLiveness liveness_;
   std::chrono::nanoseconds next_heartbeat_{0};
   std::chrono::nanoseconds next_expire_{0};

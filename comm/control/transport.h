@@ -119,7 +119,10 @@ class Transport {
 
   TransportStats stats() const;
 
-  // Stops the loop thread and closes every socket (linger 0: queued frames are dropped).
+  // Stops the loop thread and closes every socket, after telling every live peer it is
+  // leaving (a node-level Down with reason exit, given up to 200 ms to go out; other queued
+  // frames are dropped). A peer that said goodbye is reported to on_peer_down as kExit
+  // ("<node> left: ...") when its connection closes or its heartbeats stop.
   // Idempotent. Callbacks are not called after stop() returns.
   void stop();
 

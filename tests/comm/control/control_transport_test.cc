@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <vector>
+
 #include <zmq.hpp>
+#include <zmq_addon.hpp>
 
 #include "comm/control/liveness.h"
 #include "tests/comm/control/control_test_util.h"
@@ -86,7 +89,7 @@ TEST(ControlTransport, UnknownNodeIsUndeliverable) {
   EXPECT_EQ(fut.get().code(), StatusCode::kNotFound);
 }
 
-TEST(ControlTransport, ReportsConnectionLostWhenThePeerCloses) {
+TEST(ControlTransport, AStoppingPeerSaysGoodbyeAndIsReportedAsExit) {
   Inbox a_in, b_in;
   auto b = Transport::start(options("b", "tcp://127.0.0.1:*"), b_in.callbacks());
   ASSERT_TRUE(b.ok());
@@ -96,8 +99,37 @@ TEST(ControlTransport, ReportsConnectionLostWhenThePeerCloses) {
   ASSERT_TRUE((*a)->send("b", user_envelope("a", "b", "x")).ok());
   Envelope e;
   ASSERT_TRUE(b_in.pop(&e, nullptr));
+  ASSERT_TRUE((*b)->send("a", user_envelope("b", "a", "y")).ok());
+  ASSERT_TRUE(a_in.pop(&e, nullptr));
   const auto t0 = std::chrono::steady_clock::now();
   (*b)->stop();
+  testing::PeerEvent ev;
+  ASSERT_TRUE(a_in.wait_event([](const testing::PeerEvent& p) { return p.node == "b" && !p.up; }, &ev, 3s));
+  EXPECT_EQ(ev.reason, DownReason::kExit) << ev.text;
+  EXPECT_NE(ev.text.find("b left"), std::string::npos) << ev.text;
+  EXPECT_LT(ev.at - t0, 600ms + 300ms);
+}
+
+TEST(ControlTransport, ReportsConnectionLostWhenThePeerDiesWithoutGoodbye) {
+  // B is a bare ROUTER socket: once A's first frame arrived it closes with no goodbye, as
+  // a killed process's socket does.
+  zmq::context_t ctx;
+  zmq::socket_t b(ctx, zmq::socket_type::router);
+  b.set(zmq::sockopt::linger, 0);
+  b.set(zmq::sockopt::routing_id, "b");
+  b.bind("tcp://127.0.0.1:*");
+  const std::string ep = b.get(zmq::sockopt::last_endpoint);
+  Inbox a_in;
+  auto a = Transport::start(options("a", ""), a_in.callbacks());
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE((*a)->connect("b", ep).ok());
+  ASSERT_TRUE((*a)->send("b", user_envelope("a", "b", "x")).ok());
+  std::vector<zmq::message_t> frames;  // [A's routing id, envelope]
+  b.set(zmq::sockopt::rcvtimeo, 3000);
+  ASSERT_TRUE(zmq::recv_multipart(b, std::back_inserter(frames)).has_value());
+  ASSERT_EQ(frames.size(), 2u);
+  const auto t0 = std::chrono::steady_clock::now();
+  b.close();
   testing::PeerEvent ev;
   ASSERT_TRUE(a_in.wait_event([](const testing::PeerEvent& p) { return p.node == "b" && !p.up; }, &ev, 3s));
   EXPECT_EQ(ev.reason, DownReason::kConnectionLost) << ev.text;
