@@ -5,7 +5,6 @@
 #include <unistd.h>
 
 #include <vector>
-
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
