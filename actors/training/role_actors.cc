@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
 
@@ -349,7 +350,10 @@ int ActorDirectory::send_plan(const ElasticPlan& plan) {
   }
   int sent = 0;
   for (const ActorEntry& e : entries) {
-    if (e.role != "stage" || !sys_->is_node_up(e.node)) continue;
+    // The survivors: workers of the old epoch that the new one keeps (a lost worker's node
+    // may still look up for a moment after its process died).
+    const bool kept = std::find(plan.slots.begin(), plan.slots.end(), e.slot) != plan.slots.end();
+    if (e.role != "stage" || !kept || !sys_->is_node_up(e.node)) continue;
     if (sys_->tell(actors::ActorRef(e.node, e.id), plan).ok()) ++sent;
   }
   return sent;

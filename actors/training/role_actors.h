@@ -196,7 +196,8 @@ class ActorDirectory {
   // have been attached.
   Status send_command(const std::vector<int>& slots, const StepCommand& c);
   // Sends the plan of a new epoch to the stage actor of every attached worker (those of
-  // the epoch it replaces); a worker that is gone is skipped. Returns how many were sent.
+  // the epoch it replaces) that the plan keeps and whose node is up. Returns how many
+  // were sent.
   int send_plan(const ElasticPlan& plan);
   // What the workers sent the trainer actor since the last call.
   std::vector<StepReply> take_replies() { return replies_->take_all(); }
