@@ -57,13 +57,18 @@ Result<std::vector<std::string>> parallel_overrides(const std::string& spec) {
   return out;
 }
 
-Result<layers::TrainConfig> load_run_config(const RunOptions& o) {
-  if (o.config.empty()) return invalid_argument("--config is required");
+Result<std::vector<std::string>> all_overrides(const RunOptions& o) {
   std::vector<std::string> overrides = o.overrides;
   if (!o.parallel.empty()) {
     TROUPE_ASSIGN_OR_RETURN(std::vector<std::string> extra, parallel_overrides(o.parallel));
     overrides.insert(overrides.end(), extra.begin(), extra.end());
   }
+  return overrides;
+}
+
+Result<layers::TrainConfig> load_run_config(const RunOptions& o) {
+  if (o.config.empty()) return invalid_argument("--config is required");
+  TROUPE_ASSIGN_OR_RETURN(std::vector<std::string> overrides, all_overrides(o));
   return layers::load_train_config(o.config, overrides);
 }
 
@@ -140,11 +145,7 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
     return invalid_argument("{}: data.dir is not set (the output of train_moe prepare)", tc.source);
   }
   const std::string run_dir = o.run_dir.empty() ? "runs/" + fs::path(o.config).stem().string() : o.run_dir;
-  std::vector<std::string> overrides = o.overrides;
-  if (!o.parallel.empty()) {
-    TROUPE_ASSIGN_OR_RETURN(std::vector<std::string> extra, parallel_overrides(o.parallel));
-    overrides.insert(overrides.end(), extra.begin(), extra.end());
-  }
+  TROUPE_ASSIGN_OR_RETURN(std::vector<std::string> overrides, all_overrides(o));
   const char* role_env = env("TROUPE_ROLE");
   const std::string role = role_env ? role_env : "";
   if (!role.empty() && role != "driver" && role != "worker") {

@@ -58,8 +58,11 @@ void add_run_options(CLI::App& cli, RunOptions& o);
 // and compression.
 Result<std::vector<std::string>> parallel_overrides(const std::string& spec);
 
-// Loads the config (o.config with o.overrides and o.parallel's) — the result of
-// add_run_options after parsing.
+// o.overrides (--set), then o.parallel's (--parallel): the overrides a run applies and records.
+Result<std::vector<std::string>> all_overrides(const RunOptions& o);
+
+// Loads the config (o.config with all_overrides(o)) — the result of add_run_options after
+// parsing.
 Result<layers::TrainConfig> load_run_config(const RunOptions& o);
 
 // A new (or resumed) run directory: the tokenizer of tc.data.dir must fit

@@ -85,6 +85,26 @@ struct Proc {
   Clock::time_point hb_seen;
 };
 
+// Waits for the child `p` to exit, polling every 5 ms; past `deadline` it is SIGKILLed.
+// Returns true when it had to be killed.
+bool reap_by(Proc& p, Clock::time_point deadline) {
+  while (p.alive) {
+    int status = 0;
+    if (waitpid(p.pid, &status, WNOHANG) == p.pid) {
+      p.alive = false;
+      return false;
+    }
+    if (Clock::now() > deadline) {
+      kill(p.pid, SIGKILL);
+      waitpid(p.pid, &status, 0);
+      p.alive = false;
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
 struct Failure {
   std::string cause;       // exit, heartbeat, comm_error, watchdog, straggler
   std::vector<int> slots;  // workers to replace (empty: rebuild only)
@@ -571,20 +591,8 @@ Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots
       }
       continue;
     }
-    while (p.alive) {
-      int status = 0;
-      if (waitpid(p.pid, &status, WNOHANG) == p.pid) {
-        p.alive = false;
-        break;
-      }
-      if (Clock::now() > deadline) {
-        kill(p.pid, SIGKILL);
-        waitpid(p.pid, &status, 0);
-        p.alive = false;
-        event({{"event", "worker_killed"}, {"slot", s}, {"why", "did not leave within 10 s"}});
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (reap_by(p, deadline)) {
+      event({{"event", "worker_killed"}, {"slot", s}, {"why", "did not leave within 10 s"}});
     }
   }
   (void)old;
@@ -1488,20 +1496,7 @@ Status Trainer::run_job() {
   const auto deadline = Clock::now() + std::chrono::milliseconds(30000);
   for (auto& [slot, p] : procs_) {
     if (scheduled_) break;
-    while (p.alive) {
-      int status = 0;
-      if (waitpid(p.pid, &status, WNOHANG) == p.pid) {
-        p.alive = false;
-        break;
-      }
-      if (Clock::now() > deadline) {
-        kill(p.pid, SIGKILL);
-        waitpid(p.pid, &status, 0);
-        p.alive = false;
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
+    (void)reap_by(p, deadline);
   }
   if (!actor_table_.empty()) {  // the trainer's own row: the job is over
     actor_table_[0]["state"] = "finished";

@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
                  app.help());
       return 2;
     }
-    if (auto p = troupe::training::parallel_overrides(train.parallel); !train.parallel.empty() && !p.ok()) {
+    if (auto p = troupe::training::all_overrides(train); !p.ok()) {  // a bad --parallel: usage error
       fmt::print(stderr, "train_moe: error: {}\n", p.status().to_string());
       return 2;
     }

@@ -107,11 +107,8 @@ constexpr double kPeakFlopsPerGpu = 989e12;
 Result<TrainOptions> resolve_train_options(const TrainOptions& opts) {
   // --parallel becomes overrides after --set's (recorded with the run and its checkpoints).
   TrainOptions folded = opts;
-  if (!folded.parallel.empty()) {
-    TROUPE_ASSIGN_OR_RETURN(std::vector<std::string> extra, training::parallel_overrides(folded.parallel));
-    folded.overrides.insert(folded.overrides.end(), extra.begin(), extra.end());
-    folded.parallel.clear();
-  }
+  TROUPE_ASSIGN_OR_RETURN(folded.overrides, training::all_overrides(opts));
+  folded.parallel.clear();
   if (folded.config.empty() && !folded.resume.empty()) return with_checkpoint_config(folded);
   if (folded.config.empty()) return invalid_argument("train: --config is required");
   return folded;
