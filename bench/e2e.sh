@@ -32,10 +32,14 @@ usage: bench/e2e.sh [options]
   --python PY        python with torch (default python3)
   --skip-troupe      only the peer rows
   --skip-peer        only the Troupe rows
+  --peer-gpus LIST   GPU counts with peer rows (default: every count of --gpus)
   --device cpu       run the peer on CPU (a test of this script; --spawn for 2 ranks, f32)
   --peer-args "..."  extra arguments for every peer run (e.g. "--d-model 256 --layers 2")
   --timeout S        limit for one run in seconds (default 300 for compiled runs, 150 for others)
   --quick            --steps 5 --warmup 2
+  --dp               on each GPU count > 1 also a Troupe row with --parallel dp=N (data parallelism,
+                     ZeRO-1 and the in-memory state of the elastic workers, the config's micro-batch
+                     per GPU) beside the n=N row
   --no-selfcheck     skip the peer's numerical self-check (a small model: dispatch path with
                      torch._grouped_mm and all-to-all against a naive per-expert reference)
 EOF
@@ -57,6 +61,8 @@ DEVICE=cuda
 PEER_ARGS=""
 TIMEOUT=""
 SELFCHECK=1
+DP_ROWS=0
+PEER_GPUS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) CONFIG=$2; shift 2 ;;
@@ -68,10 +74,12 @@ while [ $# -gt 0 ]; do
     --python) PY=$2; shift 2 ;;
     --skip-troupe) SKIP_TROUPE=1; shift ;;
     --skip-peer) SKIP_PEER=1; shift ;;
+    --peer-gpus) PEER_GPUS=$2; shift 2 ;;
     --device) DEVICE=$2; shift 2 ;;
     --peer-args) PEER_ARGS=$2; shift 2 ;;
     --timeout) TIMEOUT=$2; shift 2 ;;
     --quick) STEPS=5; WARMUP=2; shift ;;
+    --dp) DP_ROWS=1; shift ;;
     --no-selfcheck) SELFCHECK=0; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "e2e.sh: unknown option '$1'" >&2; usage >&2; exit 2 ;;
@@ -160,19 +168,25 @@ troupe_sets() {  # troupe_sets DATA NGPU
   echo "$sets"
 }
 
-run_troupe() {  # run_troupe NGPU
-  local n=$1
-  local dir=$RUNROOT/troupe_${n}gpu logf=$LOG/troupe_${n}gpu.log data sets
+run_troupe() {  # run_troupe NGPU [n|dp]: the GPUs form the n-group (default) or dp replicas
+  local n=$1 kind=${2:-n}
+  local tag=troupe_${n}gpu system=troupe
+  if [ "$kind" = dp ]; then tag=troupe_dp${n}_${n}gpu; system=troupe-dp$n; fi
+  local dir=$RUNROOT/$tag logf=$LOG/$tag.log data sets
   local limit=${TIMEOUT:-150}
   rm -rf "$dir"
   if [ ! -x "$BUILD/apps/train_moe" ]; then
     echo "troupe ${n} GPU: $BUILD/apps/train_moe not built" | tee "$logf"
-    add_row "$n" troupe "FAILED (no $BUILD/apps/train_moe)" ""
+    add_row "$n" "$system" "FAILED (no $BUILD/apps/train_moe)" ""
     return
   fi
   data=$(troupe_data)
-  sets=$(troupe_sets "$data" "$n")
-  echo "== troupe, $n GPU(s)"
+  if [ "$kind" = dp ]; then
+    sets=$(troupe_sets "$data" 1)  # each dp rank its own micro-batch of the config's size
+  else
+    sets=$(troupe_sets "$data" "$n")
+  fi
+  echo "== $system, $n GPU(s)"
   local rc
   if [ "$n" -eq 1 ]; then
     # shellcheck disable=SC2086
@@ -181,25 +195,25 @@ run_troupe() {  # run_troupe NGPU
   else
     if [ ! -x "$BUILD/scheduler/troupe" ]; then
       echo "troupe ${n} GPUs: $BUILD/scheduler/troupe not built" | tee "$logf"
-      add_row "$n" troupe "FAILED (no $BUILD/scheduler/troupe)" ""
+      add_row "$n" "$system" "FAILED (no $BUILD/scheduler/troupe)" ""
       return
     fi
     # shellcheck disable=SC2086
     run_limited "$limit" "$logf" "$BUILD/scheduler/troupe" run --nproc "$n" --backend cuda -- \
-      "$BUILD/apps/train_moe" --config "$CONFIG" --backend cuda --parallel "n=$n" $sets --run-dir "$dir"
+      "$BUILD/apps/train_moe" --config "$CONFIG" --backend cuda --parallel "$kind=$n" $sets --run-dir "$dir"
     rc=$?
   fi
   local metrics
   metrics=$(find "$dir" -name metrics.jsonl 2>/dev/null | sort | head -n 1)
   if [ -n "$metrics" ]; then
-    cp "$metrics" "$LOG/troupe_${n}gpu.metrics.jsonl" && metrics=$LOG/troupe_${n}gpu.metrics.jsonl
+    cp "$metrics" "$LOG/$tag.metrics.jsonl" && metrics=$LOG/$tag.metrics.jsonl
   fi
   if [ $rc -ne 0 ]; then
-    add_row "$n" troupe "FAILED (exit $rc$([ $rc -eq 124 ] && echo ', time-out'); $logf)" "$metrics"
+    add_row "$n" "$system" "FAILED (exit $rc$([ $rc -eq 124 ] && echo ', time-out'); $logf)" "$metrics"
   elif [ -z "$metrics" ]; then
-    add_row "$n" troupe "FAILED (no metrics.jsonl under $dir)" ""
+    add_row "$n" "$system" "FAILED (no metrics.jsonl under $dir)" ""
   else
-    add_row "$n" troupe ok "$metrics"
+    add_row "$n" "$system" ok "$metrics"
   fi
 }
 
@@ -263,11 +277,18 @@ fi
 echo "$TOKENS_NOTE" | tee "$LOG/tokens.txt"
 
 for n in $GPUS; do
-  if [ "$SKIP_PEER" -eq 0 ] && [ "$SELFCHECK" -eq 1 ]; then selfcheck_peer "$n"; fi
-  if [ "$SKIP_TROUPE" -eq 0 ]; then
-    if [ "$DEVICE" = cuda ]; then run_troupe "$n"; else add_row "$n" troupe "skipped (--device cpu)" ""; fi
+  if [ "$SKIP_PEER" -eq 0 ] && [ "$SELFCHECK" -eq 1 ] && { [ -z "$PEER_GPUS" ] || [[ " $PEER_GPUS " == *" $n "* ]]; }; then
+    selfcheck_peer "$n"
   fi
-  if [ "$SKIP_PEER" -eq 0 ]; then
+  if [ "$SKIP_TROUPE" -eq 0 ]; then
+    if [ "$DEVICE" = cuda ]; then
+      run_troupe "$n"
+      if [ "$DP_ROWS" -eq 1 ] && [ "$n" -gt 1 ]; then run_troupe "$n" dp; fi
+    else
+      add_row "$n" troupe "skipped (--device cpu)" ""
+    fi
+  fi
+  if [ "$SKIP_PEER" -eq 0 ] && { [ -z "$PEER_GPUS" ] || [[ " $PEER_GPUS " == *" $n "* ]]; }; then
     run_peer "$n" eager
     run_peer "$n" compile
   fi
@@ -318,16 +339,24 @@ lines = [f"model FLOPs/token = 6*N_active + 6*L*s*d (attention causal) = {fpt / 
          f"MFU against {PEAK / 1e12:.0f} TFLOP/s per GPU; ratio = tokens/s / faster PyTorch variant at the same GPU count",
          tokens_note,
          "",
-         "| config | GPUs | system | tokens/s | MFU | vs faster peer |",
-         "| --- | --- | --- | --- | --- | --- |"]
+         "weak scaling = tokens/s / (GPUs x the same system's 1-GPU tokens/s; Troupe's rows against Troupe's 1-GPU row)",
+         "",
+         "| config | GPUs | system | tokens/s | MFU | vs faster peer | weak scaling |",
+         "| --- | --- | --- | --- | --- | --- | --- |"]
+one = {}
+for r in rows:
+    if r["gpus"] == 1 and r["tokens_per_s"]:
+        one["troupe" if r["system"].startswith("troupe") else r["system"]] = r["tokens_per_s"]
 for r in rows:
     if r["tokens_per_s"]:
         tps = f"{r['tokens_per_s']:,.0f}"
         mfu = f"{100 * r['mfu']:.1f}%{'*' if r['mfu_computed'] else ''}" if r["mfu"] is not None else "-"
         ratio = f"{r['tokens_per_s'] / best[r['gpus']]:.2f}x" if r["gpus"] in best else "-"
+        base = one.get("troupe" if r["system"].startswith("troupe") else r["system"])
+        weak = f"{100 * r['tokens_per_s'] / (r['gpus'] * base):.0f}%" if base and r["gpus"] > 1 else "-"
     else:
-        tps, mfu, ratio = r["status"], "-", "-"
-    lines.append(f"| {r['config']} | {r['gpus']} | {r['system']} | {tps} | {mfu} | {ratio} |")
+        tps, mfu, ratio, weak = r["status"], "-", "-", "-"
+    lines.append(f"| {r['config']} | {r['gpus']} | {r['system']} | {tps} | {mfu} | {ratio} | {weak} |")
 for r in rows:
     if "host_syncs" in r:
         lines.append(f"{r['system']} ({r['gpus']} GPU): at most {r['host_syncs']} device->host read-backs per timed step "

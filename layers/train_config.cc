@@ -114,8 +114,6 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
                           cfg.get_bool("parallel.fp8_dispatch", tc.parallel.fp8_dispatch));
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.measure_compression,
                           cfg.get_bool("parallel.measure_compression", tc.parallel.measure_compression));
-  TROUPE_ASSIGN_OR_RETURN(tc.parallel.gpu_unverified,
-                          cfg.get_bool("parallel.gpu_unverified", tc.parallel.gpu_unverified));
   TROUPE_ASSIGN_OR_RETURN(tc.train.device_stats, cfg.get_bool("train.device_stats", tc.train.device_stats));
   TROUPE_ASSIGN_OR_RETURN(tc.train.timeline_dir, cfg.get_string("train.timeline_dir", tc.train.timeline_dir));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.every, cfg.get_int("checkpoint.every", tc.checkpoint.every));

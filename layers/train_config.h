@@ -62,9 +62,6 @@ struct ParallelOptions {
   // Print each step's relative error of the compressed gradient exchange against an extra
   // fp32 exchange of the same gradients (tests, benches; CPU ranks; costs that exchange).
   bool measure_compression = false;
-  // GPU paths implemented but not yet run on two GPUs (pp > 1, dispatch = "allgather"):
-  // refused unless this is set.
-  bool gpu_unverified = false;
   int64_t world() const { return pp * dp * n; }
   // InvalidArgument naming the part of pp, dp, n that is not >= 1 (ParallelLayout::make).
   Result<ParallelLayout> layout() const;

@@ -125,6 +125,11 @@ int64_t wall_ms() {
       .count();
 }
 
+bool keeps_state_in_memory(const layers::TrainConfig& tc, bool gpu) {
+  if (!gpu) return true;
+  return std::max(tc.parallel.dp, tc.elastic.max_dp) > 1;
+}
+
 Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
   std::vector<FaultSpec> out;
   size_t pos = 0;
@@ -302,7 +307,7 @@ class ElasticWorker {
         slot_(slot),
         epoch_(epoch),
         ctx_(ctx),
-        keep_state_(!ctx.on_device()),
+        keep_state_(keeps_state_in_memory(tc, ctx.on_device())),
         comm_store_(store, cancel_) {}
   ~ElasticWorker() {
     stop_watcher_ = true;
@@ -347,8 +352,8 @@ class ElasticWorker {
   std::mutex mu_;                 // guards stage_ swaps, epoch_/adopting_ against the watcher
   uint64_t epoch_;                // current epoch (main thread writes under mu_)
   layers::Ctx ctx_;               // where the Stage lives (the CPU, or this worker's GPU)
-  // CPU workers keep the committed state in memory (rollback, restore from a dp peer);
-  // GPU workers do not yet: a lost GPU worker is restored from the last checkpoint.
+  // The committed state in memory (rollback, restore from a dp peer): see
+  // keeps_state_in_memory (GPU workers of a job without data parallelism keep none).
   bool keep_state_;
   uint64_t adopting_ = 0;         // highest epoch whose plan the main thread took over
   uint64_t aborted_for_ = 0;      // highest epoch whose opening aborted the communicators (under mu_)

@@ -74,6 +74,14 @@ class TolerantStore final : public comm::RendezvousStore {
 std::string elastic_key(const std::string& job, const std::string& rest);  // "<job>/elastic/<rest>"
 int64_t wall_ms();  // system clock, ms since the epoch (events, fault times)
 
+// Whether the workers keep their committed state in memory (rollback of survivors, a
+// replacement restored from its dp peer, rescaling): always on the CPU; on GPUs when the
+// job is data-parallel (parallel.dp or elastic.max_dp > 1). Without a dp peer nobody could
+// restore from it on a GPU (the neighbour replicas are CPU-only), and the per-step device
+// copies (values and the column's moments, two generations) would be pure cost: such a
+// job restores the last checkpoint.
+bool keeps_state_in_memory(const layers::TrainConfig& tc, bool gpu);
+
 // Fault injection (tests/elastic, the demo): elastic.inject = "<action>@<step>:<phase>:<slot>[,...]" with
 // action kill (SIGKILL), stop (SIGSTOP), slow (sleeps 150 ms there at that step and
 // every later one: a straggler), cut (aborts the worker's own communicators: its data-plane

@@ -131,6 +131,7 @@ void CommTime::issue(const comm::WorkPtr& w, std::string_view what) {
     wait(w, what);
     return;
   }
+  fault_point(what);  // device mode: where the step meets this operation (fault injection)
   // Drop the completed ones (checking them) so the list stays short within a step.
   size_t k = 0;
   for (size_t i = 0; i < in_flight_.size(); ++i) {

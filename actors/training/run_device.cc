@@ -48,7 +48,8 @@ Result<std::unique_ptr<RunDevice>> RunDevice::create(const std::string& backend)
   }
   // A distributed worker takes GPU (local rank mod visible GPUs): under `troupe run` the
   // scheduler sets CUDA_VISIBLE_DEVICES to the worker's slot (one GPU, device 0); the
-  // standalone launcher's workers see every GPU and take TROUPE_RANK's.
+  // standalone launcher's workers see every GPU and take TROUPE_LOCAL_RANK's (the launcher
+  // gives each the lowest index no live worker holds).
   int kDevice = 0;
   const char* role = std::getenv("TROUPE_ROLE");
   if (role != nullptr && std::string(role) == "worker") {

@@ -70,22 +70,6 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
   s->bind_device();
   if (ctx.on_device()) {
     const auto& par = tc.parallel;
-    // Implemented for devices, but not yet run on two GPUs: refused unless asked for.
-    const bool allow = par.gpu_unverified;
-    if (par.pp > 1 && !allow) {
-      return unimplemented(
-          "Stage on {}: pipeline parallelism (pp = {}) on GPUs is implemented but not yet verified on two "
-          "GPUs; set "
-          "parallel.gpu_unverified = true to run it",
-          ctx.ex.device, par.pp);
-    }
-    if (par.n > 1 && par.dispatch == "allgather" && !allow) {
-      return unimplemented(
-          "Stage on {}: parallel.dispatch = \"allgather\" on GPUs is implemented but not yet verified on two "
-          "GPUs; "
-          "set parallel.gpu_unverified = true to run it (or use \"alltoall\")",
-          ctx.ex.device);
-    }
 #if !TROUPE_HAVE_NCCL
     return unimplemented("Stage on {}: this build has no NCCL (needed for GPU workers)", ctx.ex.device);
 #endif

@@ -39,9 +39,7 @@
 //   the Ctx's dtype; collectives are ordered on the compute stream (group_ops.h "Device
 //   mode"), the overlapped ones on a communication stream ordered by events. With
 //   train.device_stats (default) the step's loss and gradient norm stay on the device
-//   until one read at its end (the program may keep its own statistics there too). pp > 1 and
-//   parallel.dispatch = "allgather" on a device are refused unless
-//   parallel.gpu_unverified = true (not yet run on GPUs).
+//   until one read at its end (the program may keep its own statistics there too).
 #pragma once
 
 #include <map>
@@ -234,6 +232,12 @@ class Stage {
   std::vector<Tensor*> buffer_tensors();       // the program's buffers, in order
   void moments_to_pieces(const Tensor& full_m, const Tensor& full_v);
   void clear_interrupted_step();
+  // The committed state lives where the Stage computes: zeros, copies (each tensor where
+  // it is; host <-> device when they differ) and clones on the host or the GPU's stream.
+  Tensor state_zeros(int64_t n, DType dtype = DType::kF32) const;
+  Tensor state_clone(const Tensor& t) const;
+  void state_copy(const Tensor& src, Tensor dst) const;
+  void after_restore();  // on a GPU: the bf16 working copies from the restored values
   struct Committed {
     int64_t step = -1;
     Tensor value, m, v;

@@ -9,6 +9,11 @@
 // replicate_optimizer() the same moments of the whole column. Broadcasting them from any
 // survivor of the column reproduces the lost rank's state bit for bit; ZeRO-1 shards are
 // then cut from the full moments for the (possibly new) dp size.
+//
+// On a GPU the committed state stays in device memory (copies on the compute stream, the
+// dp collectives over NCCL on it too); the Stage's bf16 working copies are refreshed after
+// every restore. The neighbour replicas are host-side and CPU-only (the Trainer turns them
+// off for GPU workers).
 #include <cstring>
 
 #include <fmt/format.h>
@@ -17,6 +22,36 @@
 #include "core/check.h"
 
 namespace troupe::training {
+
+// ---- where the state lives -------------------------------------------------------------
+
+Tensor Stage::state_zeros(int64_t n, DType dtype) const {
+  return ctx_.on_device() ? ctx_.zeros({n}, dtype) : Tensor::zeros({n}, dtype);
+}
+
+Tensor Stage::state_clone(const Tensor& t) const {
+  if (t.device().is_cpu()) return t.clone();
+  Tensor c = ctx_.empty(t.shape(), t.dtype());
+  kernels::cast(ctx_.ex, t, c);
+  return c;
+}
+
+void Stage::state_copy(const Tensor& src, Tensor dst) const {
+  const bool s_host = src.device().is_cpu(), d_host = dst.device().is_cpu();
+  if (s_host && d_host) {
+    dst.copy_from(src);
+  } else if (!s_host && !d_host) {
+    kernels::cast(ctx_.ex, src, dst);
+  } else if (s_host) {
+    ctx_.copy_to_device(src.contiguous(), dst);
+  } else {
+    dst.copy_from(ctx_.to_host(src));
+  }
+}
+
+void Stage::after_restore() {
+  if (ctx_.on_device()) refresh_working_copies();  // the bf16 copies the kernels read
+}
 
 comm::CommFactory Stage::elastic_factory(comm::CommFactory inner) {
   return [this, inner = std::move(inner)](const comm::CommSpec& spec) -> Result<std::unique_ptr<comm::Communicator>> {
@@ -61,43 +96,46 @@ void Stage::moments_to_pieces(const Tensor& full_m, const Tensor& full_v) {
   for (size_t i = 0; i < offs.size(); ++i) {
     Tensor& m = *st[2 * i].tensor;
     Tensor& v = *st[2 * i + 1].tensor;
-    m.copy_from(full_m.narrow(0, offs[i], m.numel()).view(m.shape()));
-    v.copy_from(full_v.narrow(0, offs[i], v.numel()).view(v.shape()));
+    state_copy(full_m.narrow(0, offs[i], m.numel()).view(m.shape()), m);
+    state_copy(full_v.narrow(0, offs[i], v.numel()).view(v.shape()), v);
   }
 }
 
 void Stage::replicate_optimizer() {
   const int64_t padded = flat_value_.numel();
-  Tensor shard_m = Tensor::zeros({shard_len_}, DType::kF32), shard_v = Tensor::zeros({shard_len_}, DType::kF32);
+  Tensor shard_m = state_zeros(shard_len_), shard_v = state_zeros(shard_len_);
   const std::vector<int64_t> offs = piece_offsets();
   std::vector<layers::NamedBuffer> st = opt_->state();
   for (size_t i = 0; i < offs.size(); ++i) {
     const Tensor& m = *st[2 * i].tensor;
     const Tensor& v = *st[2 * i + 1].tensor;
-    shard_m.narrow(0, offs[i] - shard_lo_, m.numel()).copy_from(m.view({m.numel()}));
-    shard_v.narrow(0, offs[i] - shard_lo_, v.numel()).copy_from(v.view({v.numel()}));
+    state_copy(m.view({m.numel()}), shard_m.narrow(0, offs[i] - shard_lo_, m.numel()));
+    state_copy(v.view({v.numel()}), shard_v.narrow(0, offs[i] - shard_lo_, v.numel()));
   }
-  Tensor fm = Tensor::zeros({padded}, DType::kF32), fv = Tensor::zeros({padded}, DType::kF32);
+  Tensor fm = state_zeros(padded), fv = state_zeros(padded);
   all_gather(*groups_.dp, shard_m, fm, time_, "elastic moments replica all_gather (dp)");
   all_gather(*groups_.dp, shard_v, fv, time_, "elastic moments replica all_gather (dp)");
+  // On a GPU the gathers are in flight on the stream: a failure must surface here, before
+  // a half-gathered copy could be committed.
+  if (ctx_.on_device()) time_.drain("elastic moments replica all_gather (dp)");
   full_m_ = fm;  // replaced only once both arrived
   full_v_ = fv;
 }
 
 void Stage::commit(int64_t step_done) {
   if (!full_m_.defined()) {
-    full_m_ = Tensor::zeros({flat_value_.numel()}, DType::kF32);
-    full_v_ = Tensor::zeros({flat_value_.numel()}, DType::kF32);
+    full_m_ = state_zeros(flat_value_.numel());
+    full_v_ = state_zeros(flat_value_.numel());
   }
   if (committed_[0].step == step_done) return;  // already recorded (e.g. after an evaluation)
   committed_[1] = std::move(committed_[0]);
   Committed& c = committed_[0];
   c.step = step_done;
-  c.value = flat_value_.clone();
+  c.value = state_clone(flat_value_);
   c.m = full_m_;  // never written in place (replicate_optimizer makes new tensors)
   c.v = full_v_;
   c.bias.clear();
-  for (Tensor* b : buffer_tensors()) c.bias.push_back(b->clone());
+  for (Tensor* b : buffer_tensors()) c.bias.push_back(state_clone(*b));
   c.opt_steps = opt_->steps_done();
 }
 
@@ -118,16 +156,17 @@ Status Stage::rollback(int64_t step_done) {
                                committed_[0].step, committed_[1].step);
   }
   clear_interrupted_step();
-  flat_value_.copy_from(c->value);
+  state_copy(c->value, flat_value_);
   full_m_ = c->m;
   full_v_ = c->v;
   moments_to_pieces(full_m_, full_v_);
   std::vector<Tensor*> bs = buffer_tensors();
-  for (size_t i = 0; i < bs.size(); ++i) bs[i]->copy_from(c->bias[i]);
+  for (size_t i = 0; i < bs.size(); ++i) state_copy(c->bias[i], *bs[i]);
   opt_->set_steps_done(c->opt_steps);
   const Committed keep = *c;
   committed_[0] = keep;
   committed_[1] = Committed{};
+  after_restore();
   return ok_status();
 }
 
@@ -143,48 +182,54 @@ Status Stage::import_state(Stage& old) {
   }
   const Committed& c = old.committed_[0];
   if (c.step < 0) return failed_precondition("import_state: the old stage has no committed state");
-  flat_value_.narrow(0, 0, flat_size_).copy_from(c.value.narrow(0, 0, flat_size_));
-  full_m_ = Tensor::zeros({flat_value_.numel()}, DType::kF32);
-  full_v_ = Tensor::zeros({flat_value_.numel()}, DType::kF32);
-  full_m_.narrow(0, 0, flat_size_).copy_from(c.m.narrow(0, 0, flat_size_));
-  full_v_.narrow(0, 0, flat_size_).copy_from(c.v.narrow(0, 0, flat_size_));
+  state_copy(c.value.narrow(0, 0, flat_size_), flat_value_.narrow(0, 0, flat_size_));
+  full_m_ = state_zeros(flat_value_.numel());
+  full_v_ = state_zeros(flat_value_.numel());
+  state_copy(c.m.narrow(0, 0, flat_size_), full_m_.narrow(0, 0, flat_size_));
+  state_copy(c.v.narrow(0, 0, flat_size_), full_v_.narrow(0, 0, flat_size_));
   moments_to_pieces(full_m_, full_v_);
   std::vector<Tensor*> bs = buffer_tensors();
   if (bs.size() != c.bias.size()) return failed_precondition("import_state: router bias count differs");
-  for (size_t i = 0; i < bs.size(); ++i) bs[i]->copy_from(c.bias[i]);
+  for (size_t i = 0; i < bs.size(); ++i) state_copy(c.bias[i], *bs[i]);
   opt_->set_steps_done(c.opt_steps);
   committed_[0] = Committed{};
   committed_[1] = Committed{};
   commit(c.step);
+  after_restore();
   return ok_status();
 }
 
 void Stage::sync_state(int source_dp, int64_t step_done) {
   if (!full_m_.defined()) {
-    full_m_ = Tensor::zeros({flat_value_.numel()}, DType::kF32);
-    full_v_ = Tensor::zeros({flat_value_.numel()}, DType::kF32);
+    full_m_ = state_zeros(flat_value_.numel());
+    full_v_ = state_zeros(flat_value_.numel());
   }
   if (layout_->dp() > 1) {
     comm::Communicator& g = *groups_.dp;
     const char* what = "elastic state broadcast (dp)";
-    time_.wait(g.broadcast(flat_value_.narrow(0, 0, flat_size_), source_dp), what);
+    // On a GPU the broadcasts run on the compute stream (after the copies that fill them);
+    // each is waited for, so the next restore step sees its data.
+    const comm::OpOptions o = time_.op_options();
+    time_.wait(g.broadcast(flat_value_.narrow(0, 0, flat_size_), source_dp, o), what);
     // Fresh tensors: the committed copies share the old ones.
-    Tensor fm = full_m_.clone(), fv = full_v_.clone();
-    time_.wait(g.broadcast(fm.narrow(0, 0, flat_size_), source_dp), what);
-    time_.wait(g.broadcast(fv.narrow(0, 0, flat_size_), source_dp), what);
+    Tensor fm = state_clone(full_m_), fv = state_clone(full_v_);
+    time_.wait(g.broadcast(fm.narrow(0, 0, flat_size_), source_dp, o), what);
+    time_.wait(g.broadcast(fv.narrow(0, 0, flat_size_), source_dp, o), what);
     full_m_ = fm;
     full_v_ = fv;
     std::vector<Tensor*> bs = buffer_tensors();
-    for (Tensor* b : bs) time_.wait(g.broadcast(*b, source_dp), what);
+    for (Tensor* b : bs) time_.wait(g.broadcast(*b, source_dp, o), what);
     Tensor steps = Tensor::zeros({1}, DType::kI64);
     steps.data<int64_t>()[0] = opt_->steps_done();
-    time_.wait(g.broadcast(steps, source_dp), what);
-    opt_->set_steps_done(steps.data<int64_t>()[0]);
+    if (ctx_.on_device()) steps = ctx_.to_device(steps);  // NCCL moves device memory only
+    time_.wait(g.broadcast(steps, source_dp, o), what);
+    opt_->set_steps_done(ctx_.to_host(steps).data<int64_t>()[0]);
   }
   moments_to_pieces(full_m_, full_v_);
   committed_[0] = Committed{};
   committed_[1] = Committed{};
   commit(step_done);
+  after_restore();
 }
 
 void Stage::commit_imported(int64_t step_done) {
@@ -265,17 +310,18 @@ void Stage::refresh_replica() {
 
 void Stage::install(const Committed& c) {
   clear_interrupted_step();
-  flat_value_.copy_from(c.value);
-  full_m_ = c.m.clone();
-  full_v_ = c.v.clone();
+  state_copy(c.value, flat_value_);
+  full_m_ = state_clone(c.m);
+  full_v_ = state_clone(c.v);
   moments_to_pieces(full_m_, full_v_);
   std::vector<Tensor*> bs = buffer_tensors();
   TROUPE_CHECK_EQ(bs.size(), c.bias.size());
-  for (size_t i = 0; i < bs.size(); ++i) bs[i]->copy_from(c.bias[i].view(bs[i]->shape()));
+  for (size_t i = 0; i < bs.size(); ++i) state_copy(c.bias[i].view(bs[i]->shape()), *bs[i]);
   opt_->set_steps_done(c.opt_steps);
   committed_[0] = Committed{};
   committed_[1] = Committed{};
   commit(c.step);
+  after_restore();
 }
 
 Status Stage::restore_from_replicas(const std::vector<bool>& has_state, int64_t step) {

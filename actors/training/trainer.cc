@@ -81,6 +81,7 @@ int64_t env_or(const char* name, int64_t dflt) {
 struct Proc {
   pid_t pid = -1;
   bool alive = false;
+  int gpu = -1;  // standalone launcher, GPU workers: the device index it was given
   std::string last_hb;
   Clock::time_point hb_seen;
 };
@@ -158,10 +159,11 @@ class Trainer {
   void track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step,
                         std::optional<Failure>& failure);
   void write_status(int64_t step);
-  // After an epoch every worker joined: they all hold the committed state — in memory on
-  // the CPU; GPU workers keep none yet (their recovery is a checkpoint restore).
+  // After an epoch every worker joined: they all hold the committed state in memory —
+  // unless keeps_state_in_memory says they keep none (GPU workers without data
+  // parallelism: their recovery is a checkpoint restore).
   void mark_stateful() {
-    if (o_.gpu) return;
+    if (!keeps_state_in_memory(tc_, o_.gpu)) return;
     stateful_ = std::set<int>(plan_.slots.begin(), plan_.slots.end());
   }
   Result<ElasticPlan> plan_for(int64_t dp, const std::vector<int>& keep_dp, int64_t step_done,
@@ -264,8 +266,9 @@ Status Trainer::spawn(int slot, uint64_t epoch) {
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string v(*e);
     bool ours = false;
-    for (const char* k : {"TROUPE_ROLE=", "TROUPE_RANK=", "TROUPE_WORLD_SIZE=", "TROUPE_JOB_ID=",
-                          "TROUPE_EPOCH=", "TROUPE_ELASTIC_SLOT=", "TROUPE_ELASTIC_EPOCH="}) {
+    for (const char* k :
+         {"TROUPE_ROLE=", "TROUPE_RANK=", "TROUPE_LOCAL_RANK=", "TROUPE_WORLD_SIZE=", "TROUPE_JOB_ID=",
+          "TROUPE_EPOCH=", "TROUPE_ELASTIC_SLOT=", "TROUPE_ELASTIC_EPOCH="}) {
       ours |= v.rfind(k, 0) == 0;
     }
     if (!ours) envs.push_back(v);
@@ -274,6 +277,18 @@ Status Trainer::spawn(int slot, uint64_t epoch) {
   envs.push_back(fmt::format("TROUPE_ELASTIC_SLOT={}", slot));
   envs.push_back("TROUPE_JOB_ID=" + job_);
   envs.push_back(fmt::format("TROUPE_ELASTIC_EPOCH={}", epoch));
+  // GPU workers of the standalone launcher see every GPU: each takes the lowest device
+  // index no live worker holds (a replacement takes its predecessor's, which was reaped).
+  int gpu = -1;
+  if (o_.gpu) {
+    std::set<int> held;
+    for (const auto& [s, q] : procs_) {
+      if (q.alive && q.gpu >= 0) held.insert(q.gpu);
+    }
+    gpu = 0;
+    while (held.count(gpu) != 0) ++gpu;
+    envs.push_back(fmt::format("TROUPE_LOCAL_RANK={}", gpu));
+  }
   std::vector<char*> cargv, cenv;
   for (const auto& a : o_.argv) cargv.push_back(const_cast<char*>(a.c_str()));
   cargv.push_back(nullptr);
@@ -291,9 +306,12 @@ Status Trainer::spawn(int slot, uint64_t epoch) {
   Proc& p = procs_[slot];
   p.pid = pid;
   p.alive = true;
+  p.gpu = gpu;
   p.last_hb.clear();
   p.hb_seen = Clock::now();
-  event({{"event", "worker_started"}, {"slot", slot}, {"pid", pid}, {"epoch", epoch}});
+  nlohmann::json started{{"event", "worker_started"}, {"slot", slot}, {"pid", pid}, {"epoch", epoch}};
+  if (gpu >= 0) started["gpu"] = gpu;
+  event(std::move(started));
   return ok_status();
 }
 
@@ -1211,17 +1229,6 @@ Status Trainer::maybe_rescale(int64_t step_done) {
     return ok_status();
   }
   if (dp == plan_.dp) return ok_status();
-  if (o_.gpu) {
-    last_answer_ = {
-        {"event", "scale_refused"},
-        {"request", text},
-        {"why", "rescaling needs the workers' in-memory state, which GPU workers do not keep yet"}};
-    event(last_answer_);
-    fmt::print(
-        "elastic: scale request '{}' refused: GPU workers keep no in-memory state to rescale from yet\n",
-        text);
-    return ok_status();
-  }
   std::vector<int> keep;
   for (int d = 0; d < std::min<int>(static_cast<int>(dp), static_cast<int>(plan_.dp)); ++d) keep.push_back(d);
   std::vector<int> spawn_slots, leaving;
@@ -1282,7 +1289,7 @@ Status Trainer::run_job() {
   straggler_ratio_ = eo.straggler_ratio;
   straggler_window_ = static_cast<int>(eo.straggler_window);
   straggler_replace_ = eo.straggler_policy == "replace";
-  replica_every_ = o_.gpu ? 0 : eo.replica_every;
+  replica_every_ = o_.gpu ? 0 : eo.replica_every;  // the neighbour replicas are host-side (CPU workers)
   std::error_code ec;
   // --resume: any checkpoint of issue 8's format (a normal run's or an elastic one's, any
   // layout); epoch 0's plan names it and every worker loads it (ElasticWorker::join).

@@ -11,13 +11,27 @@
 // the first steps' loss within 2% and gradient norm within 5% of the reference, the loss
 // falling, and mfu and peak_bytes in every step's metrics. Every child runs in its own
 // process group, bounded by a timeout, and is killed and reaped on failure.
+//
+// Also on two GPUs: pp=2 (activations over NCCL send/recv on their own streams) and the
+// all-gather expert dispatch against the same reference; and the GPU fault suite of a
+// dp=2 job (each worker one GPU, state kept in device memory): a worker SIGKILLed while
+// its gradient reduce-scatter is issued is replaced from its data-parallel peer (NCCL
+// communicators aborted and rebuilt, the state broadcast over NCCL) with 0 steps lost and
+// every loss equal to the fault-free dp=2 run's; a SIGSTOPped worker is found by its
+// heartbeat, killed and replaced; dp 2 -> 1 -> 2 by scripted rescale requests; the same
+// kill under `troupe run` (the scheduler places the replacement on the freed GPU slot).
+// Each prints its detection and recovery times and checks that no process of the job is
+// left and no worker process still holds GPU memory.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -30,6 +44,8 @@
 namespace {
 
 namespace fs = std::filesystem;
+using troupe::test::events_named;
+using troupe::test::latest_step_records;
 using troupe::test::rel_diff;
 using troupe::test::RunResult;
 using troupe::test::step_records;
@@ -95,6 +111,104 @@ class TrainingGpu : public ::testing::Test {
     EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
     std::printf("%s", r.output.c_str());
     return step_records(*root_ / name / "metrics.jsonl");
+  }
+
+  // ---- the GPU fault suite: dp=2, one GPU per worker ----------------------------------
+  static constexpr int64_t kHeartbeatTimeoutMs = 3000;
+
+  // A dp=2 job's command line with the fault to inject and further settings; `troupe_run`:
+  // under `troupe run --nproc 2` (the embedded scheduler places the workers).
+  static std::vector<std::string> dp2_args(const std::string& name, const std::string& fault,
+                                           std::vector<std::string> extra = {}, bool troupe_run = false) {
+    std::vector<std::string> a = args(name, 1, "dp=2");
+    a.insert(a.end(), {"--set", fmt::format("elastic.heartbeat_timeout_ms={}", kHeartbeatTimeoutMs)});
+    if (!fault.empty()) a.insert(a.end(), {"--set", fmt::format("elastic.inject=\"{}\"", fault)});
+    for (auto& e : extra) a.insert(a.end(), {"--set", std::move(e)});
+    if (troupe_run) {
+      a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "2", "--backend", "cuda",
+                           "--heartbeat-timeout-ms", std::to_string(kHeartbeatTimeoutMs), "--"});
+    }
+    return a;
+  }
+
+  static RunResult run_job(const std::string& name, const std::vector<std::string>& argv) {
+    const RunResult r = troupe::test::run(argv, *root_ / (name + ".log"), std::chrono::seconds(300),
+                                          {.group_exit_wait = std::chrono::milliseconds(3000)});
+    std::printf("[gpu fault %s] ran in %.1f s\n", name.c_str(), r.seconds);
+    EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
+    EXPECT_TRUE(r.group_empty_after_exit) << name << ": a process of the job outlived it";
+    return r;
+  }
+
+  // The fault-free dp=2 job (computed once).
+  static const std::vector<nlohmann::json>& dp2_baseline() {
+    static std::vector<nlohmann::json> ref;
+    if (ref.empty()) {
+      run_job("dp2_baseline", dp2_args("dp2_baseline", ""));
+      ref = latest_step_records(*root_ / "dp2_baseline" / "metrics.jsonl");
+      EXPECT_EQ(static_cast<int64_t>(ref.size()), kSteps);
+    }
+    return ref;
+  }
+
+  // Every step's loss against the fault-free dp=2 run's (relative, within `tol`).
+  static void expect_baseline_losses(const std::string& name, double tol) {
+    const auto& ref = dp2_baseline();
+    const auto got = latest_step_records(*root_ / name / "metrics.jsonl");
+    ASSERT_EQ(got.size(), ref.size()) << name;
+    double worst = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i]["step"], ref[i]["step"]);
+      const double d = rel_diff(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>());
+      EXPECT_LE(d, tol) << name << " step " << i + 1;
+      worst = std::max(worst, d);
+    }
+    std::printf("[gpu fault %s] %zu steps, max relative loss difference vs the fault-free dp=2 run %.3g\n",
+                name.c_str(), got.size(), worst);
+  }
+
+  // One failure of `cause`, detected within `detect_limit_ms` of the fault, recovered
+  // within 30 s (issue 18's GPU target: kill to the next completed step, NCCL
+  // re-initialisation included) with no step lost.
+  static void expect_recovery(const std::string& name, const std::string& cause, int64_t detect_limit_ms) {
+    const fs::path ev = *root_ / name / "events.jsonl";
+    const auto det = events_named(ev, "failure_detected");
+    const auto rec = events_named(ev, "recovered");
+    ASSERT_EQ(det.size(), 1u) << name;
+    ASSERT_EQ(rec.size(), 1u) << name;
+    EXPECT_EQ(det[0]["cause"], cause) << det[0].dump();
+    ASSERT_TRUE(det[0].contains("detection_ms")) << det[0].dump();
+    const int64_t d = det[0]["detection_ms"].get<int64_t>();
+    const double rs = rec[0]["recovery_s"].get<double>();
+    EXPECT_GE(d, 0);
+    EXPECT_LE(d, detect_limit_ms) << name;
+    EXPECT_LE(rs, 30.0) << name;
+    EXPECT_EQ(rec[0]["steps_lost"], 0) << rec[0].dump();
+    std::printf(
+        "[gpu fault %s] %s in step %lld: detected %lld ms after the fault (target <= %lld), next step "
+        "completed %.2f s after detection (target <= 30), steps lost %lld\n",
+        name.c_str(), cause.c_str(), static_cast<long long>(det[0]["step"].get<int64_t>()),
+        static_cast<long long>(d), static_cast<long long>(detect_limit_ms), rs,
+        static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
+  }
+
+  // The pids of the job's workers (events.jsonl) hold no GPU memory any more.
+  static void expect_gpu_memory_freed(const std::string& name) {
+    std::set<long> pids;
+    for (const auto& e : events_named(*root_ / name / "events.jsonl", "worker_started")) {
+      if (e.contains("pid")) pids.insert(e["pid"].get<long>());
+    }
+    std::unique_ptr<FILE, int (*)(FILE*)> p(
+        popen("nvidia-smi --query-compute-apps=pid --format=csv,noheader", "r"), pclose);
+    ASSERT_TRUE(p != nullptr);
+    char line[128];
+    int left = 0;
+    while (std::fgets(line, sizeof line, p.get()) != nullptr) {
+      if (pids.count(std::strtol(line, nullptr, 10)) != 0) ++left;
+    }
+    EXPECT_EQ(left, 0) << name << ": a worker process of the job still holds GPU memory";
+    std::printf("[gpu fault %s] %zu worker processes, none holds GPU memory after the job\n", name.c_str(),
+                pids.size());
   }
 
   // Per step: loss and gradient norm against the one-GPU reference; every step reports mfu.
@@ -163,6 +277,65 @@ TEST_F(TrainingGpu, CheckpointOnTwoGpusResumesOnOne) {
                 g["loss"].get<double>(), r["loss"].get<double>());
     EXPECT_LT(rel_diff(r["loss"].get<double>(), g["loss"].get<double>()), 2e-2) << "step " << g["step"];
   }
+}
+
+TEST_F(TrainingGpu, PipelineOnTwoGpus) {
+  // pp=2: one block per GPU, the reference's micro-batches through the 1F1B schedule.
+  const std::vector<nlohmann::json>& ref = reference();
+  compare(train("pp2", 2, "pp=2"), ref, true);
+}
+
+TEST_F(TrainingGpu, AllGatherDispatchOnTwoGpus) {
+  const std::vector<nlohmann::json>& ref = reference();
+  compare(train("n2_allgather", 2, "n=2", {"--set", "parallel.dispatch=\"allgather\""}), ref, true);
+}
+
+TEST_F(TrainingGpu, KilledGpuWorkerIsReplacedFromItsDataParallelPeer) {
+  dp2_baseline();
+  const std::string name = "gpu_kill";
+  run_job(name, dp2_args(name, "kill@4:sync:1"));
+  expect_baseline_losses(name, 1e-6);
+  expect_recovery(name, "exit", 1000);
+  expect_gpu_memory_freed(name);
+}
+
+TEST_F(TrainingGpu, HungGpuWorkerIsDetectedAndReplaced) {
+  dp2_baseline();
+  const std::string name = "gpu_sigstop";
+  run_job(name, dp2_args(name, "stop@3:sync:0"));
+  expect_baseline_losses(name, 1e-6);
+  expect_recovery(name, "heartbeat", kHeartbeatTimeoutMs + 2000);
+  EXPECT_EQ(events_named(*root_ / name / "events.jsonl", "worker_killed").size(), 1u);
+  expect_gpu_memory_freed(name);
+}
+
+TEST_F(TrainingGpu, RescaleDp2To1To2OnGpus) {
+  // dp 2 -> 1 after step 2 (grad_accum doubles: the same global batch), back to 2 after
+  // step 5 (the new worker restored from the survivor's device memory over NCCL).
+  const std::vector<nlohmann::json>& ref = dp2_baseline();
+  const std::string name = "gpu_scale";
+  run_job(name, dp2_args(name, "", {"elastic.scale_at=\"2:1,5:2\""}));
+  const auto scaled = events_named(*root_ / name / "events.jsonl", "scaled");
+  ASSERT_EQ(scaled.size(), 2u);
+  EXPECT_EQ(scaled[0]["to_dp"], 1);
+  EXPECT_EQ(scaled[1]["to_dp"], 2);
+  const auto got = latest_step_records(*root_ / name / "metrics.jsonl");
+  ASSERT_EQ(got.size(), ref.size());
+  std::vector<int64_t> dps;
+  for (const auto& g : got) dps.push_back(g["dp"].get<int64_t>());
+  EXPECT_NE(std::find(dps.begin(), dps.end(), 1), dps.end());
+  EXPECT_EQ(dps.back(), 2);
+  // dp=1 sums the same micro-batches' gradients in another order: rounding only.
+  expect_baseline_losses(name, 1e-3);
+  expect_gpu_memory_freed(name);
+}
+
+TEST_F(TrainingGpu, TroupeRunReplacesAKilledGpuWorker) {
+  dp2_baseline();
+  const std::string name = "gpu_troupe_run";
+  run_job(name, dp2_args(name, "kill@4:sync:0", {}, /*troupe_run=*/true));
+  expect_baseline_losses(name, 1e-6);
+  expect_recovery(name, "exit", 1000);
 }
 
 }  // namespace
