@@ -15,6 +15,9 @@
 // every restore. The neighbour replicas are host-side and CPU-only (the Trainer turns them
 // off for GPU workers).
 #include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -62,7 +65,18 @@ comm::CommFactory Stage::elastic_factory(comm::CommFactory inner) {
 }
 
 void Stage::abort_comms(std::string_view reason) {
-  for (ElasticComm* c : elastic_comms_) c->abort(reason);
+  if (!ctx_.on_device() || elastic_comms_.size() <= 1) {
+    for (ElasticComm* c : elastic_comms_) c->abort(reason);
+    return;
+  }
+  // On a GPU every communicator is aborted at once, one thread each: an NCCL abort frees
+  // device memory, which waits for the device's queued work — and a kernel of a
+  // communicator not yet aborted (e.g. the world's all-reduce queued behind the dp
+  // reduce-scatter that waited for the dead peer) would then wait for that peer forever.
+  std::vector<std::thread> aborts;
+  aborts.reserve(elastic_comms_.size());
+  for (ElasticComm* c : elastic_comms_) aborts.emplace_back([c, r = std::string(reason)] { c->abort(r); });
+  for (std::thread& t : aborts) t.join();
 }
 
 Status Stage::rebuild_comms(const comm::StoreNamespace& ns) {
