@@ -138,8 +138,14 @@ void CommTime::issue(const comm::WorkPtr& w, std::string_view what) {
     const comm::WorkPtr& pw = in_flight_[i].first;
     if (pw->test()) {
       const Status st = pw->status();
-      TROUPE_CHECK(st.ok(), "data plane: {} ({}) failed: {}", in_flight_[i].second, pw->what(),
-                   st.to_string());
+      if (!st.ok()) {
+        // An aborted communicator (a new membership epoch) or a failed peer: the step
+        // unwinds (elastic workers) with nothing left in flight.
+        const comm::WorkPtr failed = pw;
+        const std::string name = in_flight_[i].second;
+        in_flight_.clear();
+        fail(*failed, st, name);
+      }
     } else {
       if (k != i) in_flight_[k] = std::move(in_flight_[i]);
       ++k;
@@ -148,15 +154,20 @@ void CommTime::issue(const comm::WorkPtr& w, std::string_view what) {
   in_flight_.resize(k);
   if (w->test()) {
     const Status st = w->status();
-    TROUPE_CHECK(st.ok(), "data plane: {} ({}) failed: {}", what, w->what(), st.to_string());
+    if (!st.ok()) {
+      in_flight_.clear();
+      fail(*w, st, what);
+    }
     return;
   }
   in_flight_.emplace_back(w, std::string(what));
 }
 
 void CommTime::drain(std::string_view what) {
-  for (auto& [work, name] : in_flight_) wait(work, fmt::format("{} ({})", what, name));
-  in_flight_.clear();
+  // Taken out first: a failed wait throws (elastic workers) with nothing left in flight.
+  std::vector<std::pair<comm::WorkPtr, std::string>> works;
+  works.swap(in_flight_);
+  for (auto& [work, name] : works) wait(work, fmt::format("{} ({})", what, name));
 }
 
 comm::OpOptions CommTime::op_options() const {
