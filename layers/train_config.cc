@@ -139,6 +139,11 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(e.straggler_policy, cfg.get_string("elastic.straggler_policy", e.straggler_policy));
   TROUPE_ASSIGN_OR_RETURN(e.replica_every, cfg.get_int("elastic.replica_every", e.replica_every));
   TROUPE_ASSIGN_OR_RETURN(e.scale_at, cfg.get_string("elastic.scale_at", e.scale_at));
+  TROUPE_ASSIGN_OR_RETURN(e.gpu_state, cfg.get_string("elastic.gpu_state", e.gpu_state));
+  if (e.gpu_state != "memory" && e.gpu_state != "checkpoint") {
+    return invalid_argument("{}: key 'elastic.gpu_state' must be \"memory\" or \"checkpoint\" (got \"{}\")",
+                            cfg.source(), e.gpu_state);
+  }
   TROUPE_ASSIGN_OR_RETURN(e.inject, cfg.get_string("elastic.inject", e.inject));
   const std::pair<const char*, int64_t> non_negative[] = {
       {"elastic.heartbeat_timeout_ms", e.heartbeat_timeout_ms},

@@ -105,6 +105,12 @@ struct ElasticOptions {
   // neighbour keeps in host memory, refreshed every this many steps (0: never; then the
   // last checkpoint is the only source).
   int64_t replica_every = 5;
+  // Where GPU workers keep the state a lost data-parallel peer is restored from:
+  // "memory" (device memory: the committed values and the column's moments, all-gathered
+  // over dp after every step; 0 steps lost, but the gather costs step time) or
+  // "checkpoint" (nothing kept: every rank restores the last checkpoint). CPU workers
+  // always keep it in memory.
+  std::string gpu_state = "memory";
   // Planned rescales "<after step>:<dp>,..." (demos and tests; `troupe scale` at run time).
   std::string scale_at;
   // Fault injection for tests and demos: "<kill|stop|slow|cut|hang|cutctl>@<step>:<phase>:<slot>,..."

@@ -127,7 +127,7 @@ int64_t wall_ms() {
 
 bool keeps_state_in_memory(const layers::TrainConfig& tc, bool gpu) {
   if (!gpu) return true;
-  return std::max(tc.parallel.dp, tc.elastic.max_dp) > 1;
+  return tc.elastic.gpu_state == "memory" && std::max(tc.parallel.dp, tc.elastic.max_dp) > 1;
 }
 
 Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {

@@ -76,7 +76,8 @@ int64_t wall_ms();  // system clock, ms since the epoch (events, fault times)
 
 // Whether the workers keep their committed state in memory (rollback of survivors, a
 // replacement restored from its dp peer, rescaling): always on the CPU; on GPUs when the
-// job is data-parallel (parallel.dp or elastic.max_dp > 1). Without a dp peer nobody could
+// job is data-parallel (parallel.dp or elastic.max_dp > 1) and elastic.gpu_state is
+// "memory" (the default). Without a dp peer nobody could
 // restore from it on a GPU (the neighbour replicas are CPU-only), and the per-step device
 // copies (values and the column's moments, two generations) would be pure cost: such a
 // job restores the last checkpoint.

@@ -14,12 +14,12 @@
 // dp collectives over NCCL on it too); the Stage's bf16 working copies are refreshed after
 // every restore. The neighbour replicas are host-side and CPU-only (the Trainer turns them
 // off for GPU workers).
+#include <fmt/format.h>
+
 #include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "actors/training/stage.h"
 #include "core/check.h"

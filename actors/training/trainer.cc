@@ -1229,6 +1229,19 @@ Status Trainer::maybe_rescale(int64_t step_done) {
     return ok_status();
   }
   if (dp == plan_.dp) return ok_status();
+  if (!keeps_state_in_memory(tc_, o_.gpu)) {
+    last_answer_ = {{"event", "scale_refused"},
+                    {"request", text},
+                    {"why",
+                     "rescaling needs the workers' in-memory state, which these GPU workers do not keep "
+                     "(elastic.gpu_state = \"checkpoint\")"}};
+    event(last_answer_);
+    fmt::print(
+        "elastic: scale request '{}' refused: the GPU workers keep no in-memory state "
+        "(elastic.gpu_state = \"checkpoint\")\n",
+        text);
+    return ok_status();
+  }
   std::vector<int> keep;
   for (int d = 0; d < std::min<int>(static_cast<int>(dp), static_cast<int>(plan_.dp)); ++d) keep.push_back(d);
   std::vector<int> spawn_slots, leaving;
