@@ -29,7 +29,6 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
-#include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -198,14 +197,16 @@ class TrainingGpu : public ::testing::Test {
     for (const auto& e : events_named(*root_ / name / "events.jsonl", "worker_started")) {
       if (e.contains("pid")) pids.insert(e["pid"].get<long>());
     }
-    std::unique_ptr<FILE, int (*)(FILE*)> p(
-        popen("nvidia-smi --query-compute-apps=pid --format=csv,noheader", "r"), pclose);
+    ASSERT_FALSE(pids.empty()) << name << ": no worker_started event with a pid";
+    FILE* p = popen("nvidia-smi --query-compute-apps=pid --format=csv,noheader", "r");
     ASSERT_TRUE(p != nullptr);
     char line[128];
     int left = 0;
-    while (std::fgets(line, sizeof line, p.get()) != nullptr) {
+    while (std::fgets(line, sizeof line, p) != nullptr) {
       if (pids.count(std::strtol(line, nullptr, 10)) != 0) ++left;
     }
+    const int rc = pclose(p);
+    ASSERT_EQ(rc, 0) << "nvidia-smi --query-compute-apps failed: GPU memory not checked";
     EXPECT_EQ(left, 0) << name << ": a worker process of the job still holds GPU memory";
     std::printf("[gpu fault %s] %zu worker processes, none holds GPU memory after the job\n", name.c_str(),
                 pids.size());
