@@ -11,6 +11,8 @@
 #                        [--steps N] [--warmup N] [--repeat R]
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
+# shellcheck source=bench/common.sh
+source bench/common.sh
 BUILD=build CONFIG=apps/configs/bench_1b.toml DATA="" STEPS=10 WARMUP=3 REPEAT=2
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -20,7 +22,7 @@ while [ $# -gt 0 ]; do
     --steps) STEPS=$2; shift 2 ;;
     --warmup) WARMUP=$2; shift 2 ;;
     --repeat) REPEAT=$2; shift 2 ;;
-    -h|--help) sed -n 2,12p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,11p "$0"; exit 0 ;;
     *) echo "gpu_state_cost.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -30,12 +32,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp}/gpu-state-cost
 mkdir -p "$OUT"
 if [ -z "$DATA" ]; then
-  DATA=$OUT/data
-  if [ ! -f "$DATA/tokenizer.json" ]; then
-    "$BUILD/apps/train_moe" prepare --input core kernels layers apps comm scheduler docs --out "$DATA" --vocab 2048 \
-      --val-fraction 0.1 --max-bytes 8000000 --ext .cc .h .cu .md >"$OUT/prepare.log" 2>&1 ||
-      { echo "prepare failed: $OUT/prepare.log" >&2; exit 1; }
-  fi
+  DATA=$(bench_data "$BUILD/apps/train_moe" "$OUT") || exit 1
 fi
 echo "# dp=2 on 2 GPUs, $CONFIG, $STEPS steps (medians of the steps after $WARMUP), $(date -u +%FT%TZ)"
 for ((rep = 0; rep < REPEAT; rep++)); do

@@ -8,6 +8,8 @@
 # usage: bench/recompute.sh [--build DIR] [--config FILE] [--data DIR] [--steps N] [--warmup N]
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
+# shellcheck source=bench/common.sh
+source bench/common.sh
 BUILD=build CONFIG=apps/configs/bench_1b.toml DATA="" STEPS=10 WARMUP=3
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -25,12 +27,7 @@ TRAIN=$BUILD/apps/train_moe
 OUT=${OUT:-/tmp}/recompute
 mkdir -p "$OUT"
 if [ -z "$DATA" ]; then
-  DATA=$OUT/data
-  if [ ! -f "$DATA/tokenizer.json" ]; then
-    "$TRAIN" prepare --input core kernels layers apps comm scheduler docs --out "$DATA" --vocab 2048 \
-      --val-fraction 0.1 --max-bytes 8000000 --ext .cc .h .cu .md >"$OUT/prepare.log" 2>&1 ||
-      { echo "prepare failed: $OUT/prepare.log" >&2; exit 1; }
-  fi
+  DATA=$(bench_data "$TRAIN" "$OUT") || exit 1
 fi
 GPU_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 echo "# $CONFIG on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) (${GPU_GIB:-?} MiB), $STEPS steps, medians of the steps after $WARMUP, $(date -u +%FT%TZ)"
