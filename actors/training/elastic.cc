@@ -710,8 +710,10 @@ Status ElasticWorker::run() {
           actors_->step_done(cmd.step, rep.step_ms);
           fill_step_reply(rep, reply);
           if (keep_state_) {
+            const auto c0 = Clock::now();
             stage_->replicate_optimizer();
             stage_->commit(cmd.step);
+            reply.commit_ms = std::chrono::duration<double>(Clock::now() - c0).count() * 1e3;
             if (replica_every_ > 0 && cmd.step % replica_every_ == 0 && plan_world_ > 1) {
               const auto r0 = Clock::now();
               stage_->refresh_replica();

@@ -81,6 +81,8 @@ struct StepReply @0xb7e4a2c91d3f5a67 {
   ckptErrors @24 :List(CheckpointError);
   replica @25 :Int64 = -1;
   replicaMs @26 :Float64;
+  # the in-memory state's commit after the step (moment all-gather and copies; -1: none)
+  commitMs @27 :Float64 = -1;
 }
 
 # A worker's failure in an epoch (a data-plane error, a failed join), reported to the

@@ -211,6 +211,7 @@ std::string encode_step_reply(const StepReply& m) {
   }
   b.setReplica(m.replica);
   b.setReplicaMs(m.replica_ms);
+  b.setCommitMs(m.commit_ms);
   return flat(mb);
 }
 
@@ -250,6 +251,7 @@ Result<StepReply> decode_step_reply(std::string_view bytes) {
     for (auto e : s.getCkptErrors()) m.ckpt_errors.emplace_back(e.getStep(), std::string(e.getText()));
     m.replica = s.getReplica();
     m.replica_ms = s.getReplicaMs();
+    m.commit_ms = s.getCommitMs();
     return m;
   });
 }

@@ -1595,6 +1595,7 @@ nlohmann::json step_reply_json(const StepReply& r) {
     j["replica"] = r.replica;
     j["replica_ms"] = r.replica_ms;
   }
+  if (r.commit_ms >= 0) j["commit_ms"] = r.commit_ms;
   return j;
 }
 

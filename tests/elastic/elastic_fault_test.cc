@@ -125,6 +125,10 @@ class ElasticFault : public ::testing::Test {
       EXPECT_EQ(r.exit_code, 0) << r.output;
       ref = latest_step_records(*root_ / "baseline" / "metrics.jsonl");
       EXPECT_EQ(static_cast<int64_t>(ref.size()), kSteps) << r.output;
+      // CPU workers keep their state in memory: every step reports what its commit took.
+      for (const auto& s : ref) {
+        EXPECT_TRUE(s.contains("commit_ms") && s["commit_ms"].get<double>() >= 0) << s.dump();
+      }
       std::printf("[elastic] fault-free run: %.1f s\n", r.seconds);
     }
     return ref;
