@@ -78,6 +78,8 @@ TEST(TrainConfig, BadValuesAreNamed) {
       {"[parallel]\nn = 3\n", "parallel.n"},
       {"[parallel]\npp = 3\n", "parallel.pp"},
       {"[parallel]\ndp = 0\n", "[parallel]: parallel layout pp=1,dp=0,n=1: dp must be >= 1, got 0"},
+      {"[elastic]\ngpu_state = \"disk\"\n", "elastic.gpu_state"},
+      {"[elastic]\nstraggler_policy = \"kill\"\n", "elastic.straggler_policy"},
   };
   for (const auto& c : cases) {
     auto tc = parse(c.text);
