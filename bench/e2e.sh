@@ -276,10 +276,12 @@ else
 fi
 echo "$TOKENS_NOTE" | tee "$LOG/tokens.txt"
 
+peer_rows() {  # peer_rows NGPU: whether the peer runs at this GPU count (--skip-peer, --peer-gpus)
+  [ "$SKIP_PEER" -eq 0 ] && { [ -z "$PEER_GPUS" ] || [[ " $PEER_GPUS " == *" $1 "* ]]; }
+}
+
 for n in $GPUS; do
-  if [ "$SKIP_PEER" -eq 0 ] && [ "$SELFCHECK" -eq 1 ] && { [ -z "$PEER_GPUS" ] || [[ " $PEER_GPUS " == *" $n "* ]]; }; then
-    selfcheck_peer "$n"
-  fi
+  if peer_rows "$n" && [ "$SELFCHECK" -eq 1 ]; then selfcheck_peer "$n"; fi
   if [ "$SKIP_TROUPE" -eq 0 ]; then
     if [ "$DEVICE" = cuda ]; then
       run_troupe "$n"
@@ -288,7 +290,7 @@ for n in $GPUS; do
       add_row "$n" troupe "skipped (--device cpu)" ""
     fi
   fi
-  if [ "$SKIP_PEER" -eq 0 ] && { [ -z "$PEER_GPUS" ] || [[ " $PEER_GPUS " == *" $n "* ]]; }; then
+  if peer_rows "$n"; then
     run_peer "$n" eager
     run_peer "$n" compile
   fi

@@ -232,8 +232,8 @@ class Stage {
   std::vector<Tensor*> buffer_tensors();       // the program's buffers, in order
   void moments_to_pieces(const Tensor& full_m, const Tensor& full_v);
   void clear_interrupted_step();
-  // The committed state lives where the Stage computes: zeros, copies (each tensor where
-  // it is; host <-> device when they differ) and clones on the host or the GPU's stream.
+  // The committed state lives where the Stage computes: zeros, copies and clones on the
+  // host or on the GPU's stream (a copy's two sides are on the same device).
   Tensor state_zeros(int64_t n, DType dtype = DType::kF32) const;
   Tensor state_clone(const Tensor& t) const;
   void state_copy(const Tensor& src, Tensor dst) const;

@@ -40,15 +40,12 @@ Tensor Stage::state_clone(const Tensor& t) const {
 }
 
 void Stage::state_copy(const Tensor& src, Tensor dst) const {
-  const bool s_host = src.device().is_cpu(), d_host = dst.device().is_cpu();
-  if (s_host && d_host) {
+  TROUPE_CHECK(src.device().is_cpu() == dst.device().is_cpu(), "state_copy: {} -> {} crosses devices",
+               src.describe(), dst.describe());
+  if (dst.device().is_cpu()) {
     dst.copy_from(src);
-  } else if (!s_host && !d_host) {
-    kernels::cast(ctx_.ex, src, dst);
-  } else if (s_host) {
-    ctx_.copy_to_device(src.contiguous(), dst);
   } else {
-    dst.copy_from(ctx_.to_host(src));
+    kernels::cast(ctx_.ex, src, dst);
   }
 }
 

@@ -14,21 +14,10 @@
 #include <vector>
 
 #include "tests/common/train_moe_harness.h"
-
-#if TROUPE_TEST_HAVE_CUDA
-#include "core/cuda/stream.h"
-#endif
+#include "tests/common/visible_gpus.h"
 
 namespace troupe::test {
 namespace {
-
-int visible_gpus() {
-#if TROUPE_TEST_HAVE_CUDA
-  return troupe::cuda::device_count();
-#else
-  return 0;
-#endif
-}
 
 class StageGpu : public ::testing::Test {
  protected:

@@ -35,10 +35,7 @@
 #include <vector>
 
 #include "tests/common/train_moe_harness.h"
-
-#if TROUPE_TEST_HAVE_CUDA
-#include "core/cuda/stream.h"
-#endif
+#include "tests/common/visible_gpus.h"
 
 namespace {
 
@@ -48,14 +45,6 @@ using troupe::test::latest_step_records;
 using troupe::test::rel_diff;
 using troupe::test::RunResult;
 using troupe::test::step_records;
-
-int visible_gpus() {
-#if TROUPE_TEST_HAVE_CUDA
-  return troupe::cuda::device_count();
-#else
-  return 0;
-#endif
-}
 
 constexpr int64_t kSteps = 8;
 
@@ -343,7 +332,7 @@ TEST_F(TrainingGpu, TroupeRunReplacesAKilledGpuWorker) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  const int gpus = visible_gpus();
+  const int gpus = troupe::test::visible_gpus();
   if (gpus < 2) {
     std::printf("skipping: %d CUDA device(s) visible, 2 needed\n", gpus);
     return 77;
