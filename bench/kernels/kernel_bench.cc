@@ -334,6 +334,12 @@ void run() {
             [&] { be.rmsnorm_backward(b.ex, dy, x, w, rstd, dx, dw, false); });
     Tensor s = b.empty({kTokens, kD}, bf);
     b.bytes("add_16384x1024", 3 * n * 2, "read a, b + write out (bf16)", [&] { be.add(b.ex, x, dy, s); });
+    Tensor qh = b.random({kTokens, kHeads, kHeadDim}, bf), qr = b.empty({kTokens, kHeads, kHeadDim}, bf);
+    std::vector<int32_t> pos_v(static_cast<size_t>(kTokens));
+    for (int64_t i = 0; i < kTokens; ++i) pos_v[static_cast<size_t>(i)] = static_cast<int32_t>(i % kSeq);
+    Tensor pos = b.ints({kTokens}, pos_v);
+    b.bytes("rope_fwd_16384x16x64", 2 * n * 2, "read x + write out (bf16)",
+            [&] { be.rope_forward(b.ex, qh, pos, 10000.0f, qr); });
   }
   {
     const int64_t rows = kTokens * kTopK;
