@@ -116,6 +116,56 @@ __device__ __forceinline__ void mma_ss(float (&acc)[kN / 2], uint32_t a_tile, in
   }
 }
 
+// Whether a kernel keeps its own operand rows (Q, dO or K, V of its 64 rows) in registers
+// as wgmma A fragments instead of reading them from shared memory for every product:
+// with both operands in shared memory a 64 x 64 x 16 product reads 4 KB, which at 128
+// bytes per clock is as long as the tensor cores take for it. Head dim 64 only (at 128 the
+// fragments would not fit beside the accumulators).
+template <int kD>
+constexpr bool kOwnInRegs = kD == 64;
+
+// The A fragments (k16 steps over kD) of rows [row0 + 16 * warp, +16) of an own tile in
+// shared memory (TMA's 128-byte swizzle: the 16-byte unit u of row r sits at u ^ (r % 8)).
+template <int kD>
+__device__ __forceinline__ void load_own_frags(uint32_t (&a)[kD / 16][4], uint32_t tile, int row0) {
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int r = row0 + 16 * warp + g + 8 * (x & 1), unit = (kk % 4) * 2 + (x >> 1);
+      const uint32_t addr =
+          tile + (kk / 4) * kBlockRows * 128 + r * 128 + ((unit ^ (r % 8)) << 4) + 4 * t;  // + (2t) bf16
+      asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(a[kk][x]) : "r"(addr));
+    }
+  }
+}
+
+// acc (64 x kN) = A (registers, 64 x kD) B^T (kN rows of a streamed tile, K-major).
+template <int kD, int kN>
+__device__ __forceinline__ void mma_rs_kmajor(float (&acc)[kN / 2], const uint32_t (&a)[kD / 16][4], uint32_t b_tile) {
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    const uint64_t db = kmajor(b_tile, kN, 0, kk);
+    if constexpr (kN == 64) {
+      wgmma_rs_m64n64k16<0>(acc, a[kk], db, kk > 0 ? 1 : 0);
+    } else {
+      wgmma_rs_m64n128k16<0>(acc, a[kk], db, kk > 0 ? 1 : 0);
+    }
+  }
+}
+
+// acc = own rows (registers when kOwnInRegs, else shared memory) x the streamed tile^T.
+template <int kD, int kN>
+__device__ __forceinline__ void mma_own(float (&acc)[kN / 2], const uint32_t (&a)[kOwnInRegs<kD> ? kD / 16 : 1][4],
+                                        uint32_t a_tile, int a_row0, uint32_t b_tile) {
+  if constexpr (kOwnInRegs<kD>) {
+    mma_rs_kmajor<kD, kN>(acc, a, b_tile);
+  } else {
+    mma_ss<kD, kN>(acc, a_tile, a_row0, b_tile);
+  }
+}
+
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
@@ -280,6 +330,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t pa[kN / 16][4];  // P of the previous tile, the A operand of its P V product
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   mbar_wait(ring.own, 0);
+  uint32_t qa[kOwnInRegs<kD> ? kD / 16 : 1][4];
+  if constexpr (kOwnInRegs<kD>) load_own_frags<kD>(qa, sq, 64 * cw);
   // Tile i's S = Q K^T runs while tile i-1's O += P V does; the softmax of tile i overlaps
   // that product, and O is rescaled once it has landed. Every key tile starts at or
   // before the block's first query (kN == kBlockRows), so no warpgroup skips one.
@@ -294,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int x = 0; x < kN / 2; ++x) sc[x] = 0.0f;
     turns.take();
     wgmma_fence();
-    mma_ss<kD, kN>(sc, sq, 64 * cw, st);
+    mma_own<kD, kN>(sc, qa, sq, 64 * cw, st);
     wgmma_commit();
     if (i > 0) {
       mma_rs<kD, kN>(o, pa, prev_v);
@@ -441,6 +493,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kD / 2; ++i) acc[i] = 0.0f;
   mbar_wait(ring.own, 0);
+  uint32_t qa[kOwnInRegs<kD> ? kD / 16 : 1][4], doa[kOwnInRegs<kD> ? kD / 16 : 1][4];
+  if constexpr (kOwnInRegs<kD>) {
+    load_own_frags<kD>(qa, sq, 64 * cw);
+    load_own_frags<kD>(doa, sdo, 64 * cw);
+  }
   for (int i = 0; i < tiles; ++i) {
     const int k0 = i * kN;
     ring.wait_full(i);
@@ -452,8 +509,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int x = 0; x < kN / 2; ++x) sc[x] = dp[x] = 0.0f;
       wgmma_fence();
-      mma_ss<kD, kN>(sc, sq, 64 * cw, st);
-      mma_ss<kD, kN>(dp, sdo, 64 * cw, st + L::kTileBytes);
+      mma_own<kD, kN>(sc, qa, sq, 64 * cw, st);
+      mma_own<kD, kN>(dp, doa, sdo, 64 * cw, st + L::kTileBytes);
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(sc);
@@ -546,6 +603,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kD / 2; ++i) dka[i] = dva[i] = 0.0f;
   mbar_wait(ring.own, 0);
+  uint32_t ka[kOwnInRegs<kD> ? kD / 16 : 1][4], va[kOwnInRegs<kD> ? kD / 16 : 1][4];
+  if constexpr (kOwnInRegs<kD>) {
+    load_own_frags<kD>(ka, sk, 64 * cw);
+    load_own_frags<kD>(va, sv, 64 * cw);
+  }
   for (int i = 0; i < tiles; ++i) {
     const int h = hk * group + i / per_head, q0 = n0 + (i % per_head) * kN;
     ring.wait_full(i);
@@ -555,8 +617,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int x = 0; x < kN / 2; ++x) sc[x] = dp[x] = 0.0f;
       wgmma_fence();
-      mma_ss<kD, kN>(sc, sk, 64 * cw, st);                  // S^T: keys x queries
-      mma_ss<kD, kN>(dp, sv, 64 * cw, st + L::kTileBytes);  // dP^T
+      mma_own<kD, kN>(sc, ka, sk, 64 * cw, st);                  // S^T: keys x queries
+      mma_own<kD, kN>(dp, va, sv, 64 * cw, st + L::kTileBytes);  // dP^T
       wgmma_commit();
       // lse and D of this tile's queries (this thread's columns), loaded while the products run.
       const float* lrow = lse + (static_cast<int64_t>(b) * s.q_heads + h) * seq;
