@@ -410,6 +410,18 @@ void run() {
     });
     b.bytes("adamw_multi_bench1b", numel * 4 * 7, "one launch; read p,g,m,v + write p,m,v (f32)",
             [&] { be.adamw_step_multi(b.ex, list, cfg); });
+    // The same with the bf16 working copies written in the pass, against the update and a
+    // separate cast pass (read p f32 + write bf16) one after the other.
+    std::vector<Tensor> work;
+    for (const Shape& s : shapes) work.push_back(b.empty(s, DType::kBF16));
+    std::vector<AdamWTensor> with_work = list;
+    for (size_t i = 0; i < with_work.size(); ++i) with_work[i].work = &work[i];
+    b.bytes("adamw_then_cast_bench1b", numel * (4 * 7 + 4 + 2), "one launch + 87 casts; + read p, write bf16", [&] {
+      be.adamw_step_multi(b.ex, list, cfg);
+      for (size_t i = 0; i < work.size(); ++i) be.cast(b.ex, p[i], work[i]);
+    });
+    b.bytes("adamw_multi_work_bench1b", numel * (4 * 7 + 2), "one launch; read p,g,m,v + write p,m,v + bf16 p",
+            [&] { be.adamw_step_multi(b.ex, with_work, cfg); });
     double sink = 0;
     b.bytes("grad_norm_loop_bench1b", numel * 4, "87 sum_squares (each syncs); read g (f32)", [&] {
       for (const Tensor* t : grads) sink += be.sum_squares(b.ex, *t);

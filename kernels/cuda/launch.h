@@ -58,9 +58,11 @@ void launch_adamw(const Env& env, float* param, const void* grad, DType gt, floa
 // weight_decay[i] replaces args.weight_decay). Sum of squares over tensors x (f32/bf16),
 // in double, with partials of multi_reduce_scratch_bytes(); synchronises the stream.
 constexpr int kMultiTensorMax = 256;
+// work[i] (nullptr: none): receives param i after its update, as work_type[i] (f32/bf16).
 void launch_adamw_multi(const Env& env, int count, float* const* param, const void* const* grad,
                         const DType* grad_type, float* const* m, float* const* v, const int64_t* numel,
-                        const float* weight_decay, const AdamWArgs& args);
+                        const float* weight_decay, void* const* work, const DType* work_type,
+                        const AdamWArgs& args);
 size_t multi_reduce_scratch_bytes();
 double launch_sum_squares_multi(const Env& env, int count, const void* const* x, const DType* types,
                                 const int64_t* numel, void* partials);
