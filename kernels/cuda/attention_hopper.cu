@@ -10,13 +10,17 @@
 // loaded (forward, dQ) or skipped per warpgroup.
 //
 // Products, per streamed tile (S = Q K^T in log2 units, P = exp2(S - lse)):
-// - forward: S (A = Q, B = K, both K-major in smem), online softmax in registers, then
-//   O += P V with P as the register A operand and V as an MN-major B;
-// - dQ: S and dP = dO V^T from smem, dS = P (dP - D) in registers, dQ += dS K;
-// - dK/dV (looping over the group's query heads): S^T = K Q^T and dP^T = V dO^T from
-//   smem, dV += P^T dO and dK += dS^T Q with P^T, dS^T as register A operands.
-// The backward recomputes S in both kernels (seven products instead of five) so that
-// neither needs atomics or a dS round trip through shared memory.
+// - forward: S (A = Q, B = K, K-major), online softmax in registers, then O += P V with P
+//   as the register A operand and V as an MN-major B; tile i's S is issued before tile
+//   i-1's P V, so the softmax of one overlaps the other, and the two warpgroups take turns
+//   issuing (Turns);
+// - dQ: S and dP = dO V^T, dS = P (dP - D) in registers, dQ += dS K;
+// - dK/dV (looping over the group's query heads): S^T = K Q^T and dP^T = V dO^T, then
+//   dV += P^T dO and dK += dS^T Q with P^T, dS^T as register A operands.
+// The block's own rows (Q, dO or K, V) are the A operand of the first products: read
+// from shared memory at head dim 128, held in registers at 64 (kOwnInRegs). The backward
+// recomputes S in both kernels (seven products instead of five) so that neither needs
+// atomics or a dS round trip through shared memory.
 //
 // Tensors: q [B,S,Hq,Dh], k/v [B,S,Hkv,Dh], lse f32 [B,Hq,S] (natural log), read through
 // 4-D tensor maps (Dh, H, S, B) with boxes of 64 x 1 x rows x 1: a tile is Dh/64 column
