@@ -248,11 +248,15 @@ Status Stage::setup_params(const std::vector<ProgramParam>& params) {
     piece.value = flat_value_.narrow(0, a, b - a);
     piece.grad = shard_grad_.narrow(0, a - (dp > 1 ? shard_lo_ : 0), b - a);
     piece.decay = e.param->decay;
+    // Unsharded (dp == 1), each piece is its whole parameter: AdamW writes the working copy
+    // in its own pass (no cast pass after the step).
+    if (dp == 1 && e.param->work.defined()) piece.work = e.param->work.view({e.param->numel()});
     pieces_.push_back(piece);
     piece_in_norm_.push_back(e.in_norm);
   }
   for (size_t i = 0; i < pieces_.size(); ++i) named.push_back({fmt::format("piece{}", i), &pieces_[i]});
   opt_ = std::make_unique<layers::AdamW>(named, tc_.optim, ctx_);
+  opt_->write_working_copies(dp == 1);
   setup_buckets();
   return ok_status();
 }
@@ -648,7 +652,7 @@ StepReport Stage::run_step(int64_t step) {
   const int64_t opt_t0 = comm::Work::now_ns();
   opt_->step(ctx_, rep.lr, rep.grad_norm);
   time_.span("main", "optimizer", opt_t0, comm::Work::now_ns());
-  bool refresh_all = true;
+  bool refresh_all = layout_->dp() > 1;  // dp == 1: the optimizer wrote the working copies
   if (layout_->dp() > 1) {
     // Per bucket, in forward order; the next forward waits for each block's own bucket
     // (elastic workers wait here: their state is committed right after the step).
