@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -89,12 +90,62 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentOptions opts) {
   TROUPE_ASSIGN_OR_RETURN(a->conn_, ClientEndpoint::connect(ep, a->opts_.security, "agent:" + a->opts_.agent_id));
   log()->info("agent {} on {}: {} slots, {} GPUs, scheduler {}, logs under {}", a->opts_.agent_id, a->host_,
               a->opts_.slots, a->gpus_, ep, a->opts_.work_dir);
+  if (a->opts_.relay) TROUPE_RETURN_IF_ERROR(a->open_relay());
   a->send_register();
   return a;
 }
 
 Agent::~Agent() {
   if (!children_.empty()) kill_all(std::chrono::milliseconds(1000));
+  relay_.reset();
+  if (!relay_dir_.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(relay_dir_, ec);
+  }
+}
+
+Status Agent::open_relay() {
+  std::string base = "/tmp";
+  if (const char* t = std::getenv("TMPDIR"); t && *t) base = t;
+  std::string tmpl = base + "/troupe-agent-XXXXXX";
+  if (!mkdtemp(tmpl.data())) return io_error("cannot create the relay directory under {}: {}", base, std::strerror(errno));
+  relay_dir_ = tmpl;  // mkdtemp: mode 0700
+  const std::string ep = "ipc://" + relay_dir_ + "/relay";
+  constexpr size_t kMaxIpcPath = sizeof(sockaddr_un::sun_path) - 1;
+  if (ep.size() - 6 > kMaxIpcPath) {
+    return invalid_argument("relay socket path {} is longer than {} bytes: set TMPDIR to a shorter directory",
+                            ep.substr(6), kMaxIpcPath);
+  }
+  auto server = ServerEndpoint::bind(ep, ServerSecurity{}, 1, /*ipc_same_user=*/true);
+  if (!server.ok()) return server.status().with_context("agent relay");
+  relay_ = std::move(server).value();
+  log()->info("agent {}: job processes reach the scheduler through {}", opts_.agent_id, relay_->bound_endpoint());
+  return ok_status();
+}
+
+void Agent::relay_up() {
+  if (!relay_) return;
+  for (auto& in : relay_->poll(std::chrono::milliseconds(0))) {
+    if (in.peer.empty()) continue;  // a message without a sender cannot be answered or attributed
+    conn_->send(Message{0, RelayedMessage{std::move(in.peer), encode_message(in.msg)}});
+  }
+}
+
+void Agent::relay_down(const RelayedMessage& r) {
+  if (!relay_) {
+    log()->error("a relayed message for session {} but this agent runs no relay: dropped", r.session);
+    return;
+  }
+  auto inner = decode_message(r.msg.data(), r.msg.size());
+  if (!inner.ok()) {
+    log()->error("relayed message for session {}: dropped: {}", r.session, inner.status().to_string());
+    return;
+  }
+  if (std::holds_alternative<RelayedMessage>(inner->payload)) {
+    log()->error("relayed message for session {}: dropped a nested relay", r.session);
+    return;
+  }
+  if (!relay_->send(r.session, *inner)) log()->debug("relayed {} to session {}: gone", payload_name(inner->payload), r.session);
 }
 
 std::string Agent::log_path(const std::string& job, const std::string& name) const {
@@ -126,6 +177,7 @@ void Agent::run_once(std::chrono::milliseconds timeout) {
   // One poll over the scheduler socket and every child's pidfd: an exit wakes us at once.
   std::vector<pollfd> fds;
   fds.push_back({conn_->wake_fd(), POLLIN, 0});
+  if (relay_) fds.push_back({relay_->wake_fd(), POLLIN, 0});
   for (const auto& [pid, c] : children_) {
     if (c.proc.pidfd >= 0) fds.push_back({c.proc.pidfd, POLLIN, 0});
   }
@@ -137,6 +189,7 @@ void Agent::run_once(std::chrono::milliseconds timeout) {
     if (!m) break;
     handle(*m);
   }
+  if (!stop_.load()) relay_up();
   reap();
 
   auto now = Clock::now();
@@ -199,6 +252,8 @@ void Agent::handle(const Message& m) {
     });
   } else if (auto* lq = std::get_if<AgentLogsQuery>(&m.payload)) {
     on_logs(m.request_id, lq->req);
+  } else if (auto* rl = std::get_if<RelayedMessage>(&m.payload)) {
+    relay_down(*rl);
   } else {
     log()->warn("unexpected {} message from the scheduler: dropped", payload_name(m.payload));
   }
@@ -234,6 +289,7 @@ void Agent::on_spawn(const SpawnRequest& req) {
   if (!opts_.key_file.empty()) env["TROUPE_CURVE_KEY"] = opts_.key_file;
   if (!opts_.host_addr.empty()) env["TROUPE_HOST_ADDR"] = opts_.host_addr;
   if (opts_.insecure) env["TROUPE_INSECURE"] = "1";
+  if (relay_) env["TROUPE_AGENT_RELAY"] = relay_->bound_endpoint();
   env["TROUPE_LOG_FILE"] = so.log_path;
   for (const auto& [k, v] : env) so.env.push_back(k + "=" + v);
   auto child = spawn_process(so);

@@ -20,6 +20,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/status.h"
@@ -122,6 +123,11 @@ class Scheduler {
   void on_store(const std::string& peer, uint64_t rid, const StoreRequest& m);
   void on_reply(const Message& m);
   void on_place_actors(const std::string& peer, uint64_t rid, const PlaceActors& m);
+  // A job process's message relayed by its agent (protocol.h, RelayedMessage): handled as
+  // from the virtual peer "relay:<agent peer>\n<session>", whose replies send() wraps
+  // and hands to the agent. Malformed or nested relays are dropped with a logged error.
+  void on_relay(const Incoming& in, const RelayedMessage& r);
+  static constexpr std::string_view kRelayPeerPrefix = "relay:";
 
   void timers();
   void scan_health(Clock::time_point now);  // agent and process heartbeat timeouts

@@ -249,7 +249,8 @@ Result<CurveKeyPair> derive_job_keypair(const CurveKeyPair& scheduler_keys, cons
 }
 
 Result<std::unique_ptr<ServerEndpoint>> ServerEndpoint::bind(const std::string& endpoint,
-                                                             const ServerSecurity& sec, int io_threads) {
+                                                             const ServerSecurity& sec, int io_threads,
+                                                             bool ipc_same_user) {
   std::unique_ptr<ServerEndpoint> s(new ServerEndpoint());
   s->shared_ = std::make_shared<Shared>();
   std::string ep = endpoint;
@@ -261,6 +262,7 @@ Result<std::unique_ptr<ServerEndpoint>> ServerEndpoint::bind(const std::string& 
   o.threads = 1;
   o.network = transport_options(kSchedulerNode, ep);
   o.network->io_threads = io_threads;
+  o.network->ipc_same_user = ipc_same_user;
   if (sec.server_keys) {
     if (sec.allowed_client_keys.empty()) {
       return invalid_argument("CURVE is configured but no client key is allowed (--allow-keys)");
@@ -288,6 +290,8 @@ ServerEndpoint::~ServerEndpoint() {
 }
 
 std::vector<Incoming> ServerEndpoint::poll(std::chrono::milliseconds timeout) { return shared_->queue.take(timeout); }
+
+int ServerEndpoint::wake_fd() const { return shared_->queue.fd(); }
 
 bool ServerEndpoint::send(const std::string& peer, const Message& msg) {
   SchedWire w{encode_message(msg)};
