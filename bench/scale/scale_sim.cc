@@ -5,6 +5,14 @@
 // transport's 2 Hz application heartbeats, ZMTP heartbeats), owned by a few threads that
 // each poll hundreds to thousands of sockets through one epoll set.
 //
+// Sessions, as troupe-agent runs them: each simulated agent binds an ipc:// ROUTER (its
+// relay; peers admitted by uid through ZAP), its processes' DEALERs connect there, and the
+// agent carries their messages over its own CURVE connection to the scheduler in Relay
+// messages (scheduler/agent.h), decoding and encoding each as the real agent does; the
+// scheduler's answers come back the same way. So the scheduler sees 1,250 CURVE peers and
+// 10,000 relayed sessions. --direct instead connects every process's DEALER to the
+// scheduler (with CURVE: 11,250 handshakes), as troupe-agent --no-relay does.
+//
 // Script (one elastic job of --workers ranks and a driver):
 //   agents register, beat at 1 Hz -> a client submits the job -> the scheduler places it
 //   and sends spawn requests -> each agent answers with procStarted and starts a worker
@@ -23,10 +31,11 @@
 // timing: the ctest scale_sim_small runs it at 500 workers on a shared machine.
 //
 // Processes: the simulated peers live in as few forked processes as the file-descriptor
-// limit allows (each DEALER costs a TCP socket and a mailbox eventfd), at nice 10 without
-// CURVE and nice 0 with it (see Options::nice) (they
-// stand for other hosts); each process runs --threads / processes threads, each owning
-// hundreds to thousands of sockets polled through one epoll set.
+// limit allows (each DEALER costs a TCP socket and a mailbox eventfd; a relayed session an
+// ipc connection with both ends here), at nice 10 (nice 0 with CURVE and --direct: see
+// Options::nice) (they stand for other hosts); each process runs --threads / processes
+// threads (rounded up), each owning hundreds to thousands of sockets polled through one
+// epoll set.
 #include <signal.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -100,8 +109,8 @@ struct Options {
   std::string scheduler_bin = TROUPE_SCHEDULER_BIN;
   std::string state_dir;
   int processes = 0;  // simulator processes; 0: as few as the file-descriptor limit allows
-  // The simulator processes' nice value (the scheduler keeps its own); -1: 10 without
-  // CURVE, 0 with it. With CURVE every simulated client's handshake costs as much CPU as
+  // The simulator processes' nice value (the scheduler keeps its own); -1: 10, except 0
+  // with CURVE and --direct. There every simulated client's handshake costs as much CPU as
   // the scheduler's side of it, and at nice 10 the simulated agents' own beats fell 2-3 s
   // behind on the simulator side (the row "longest agent beat gap" shows it): the run then
   // measured the simulator starving, not the scheduler.
@@ -1036,7 +1045,7 @@ struct Row {
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   // The simulated cluster stands for 1,250 other hosts: on this one it must not take the
   // CPU the scheduler would have on its own host, so it runs at a lower priority.
-  const int nice = sh.opt.nice >= 0 ? sh.opt.nice : (sh.opt.insecure ? 10 : 0);
+  const int nice = sh.opt.nice >= 0 ? sh.opt.nice : (!sh.opt.insecure && sh.opt.direct ? 0 : 10);
   if (nice > 0 && setpriority(PRIO_PROCESS, 0, nice) != 0) sh.error("setpriority failed");
   std::vector<std::unique_ptr<SimThread>> ts;
   for (int i = 0; i < threads; ++i) {
@@ -1467,7 +1476,7 @@ int main(int argc, char** argv) {
   app.add_option("--scheduler", o.scheduler_bin, "troupe-scheduler executable");
   app.add_option("--state-dir", o.state_dir, "Scheduler state directory (default: a temporary one)");
   app.add_option("--nice", o.nice,
-                 "Nice value of the simulator processes (the scheduler keeps 0); default 10, or 0 with CURVE")
+                 "Nice value of the simulator processes (the scheduler keeps 0); default 10, or 0 with CURVE and --direct")
       ->check(CLI::Range(0, 19));
   app.add_option("--processes", o.processes, "Simulator processes (default: as few as the fd limit allows)")
       ->check(CLI::Range(0, 64));
