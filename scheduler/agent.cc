@@ -108,7 +108,8 @@ Status Agent::open_relay() {
   std::string base = "/tmp";
   if (const char* t = std::getenv("TMPDIR"); t && *t) base = t;
   std::string tmpl = base + "/troupe-agent-XXXXXX";
-  if (!mkdtemp(tmpl.data())) return io_error("cannot create the relay directory under {}: {}", base, std::strerror(errno));
+  if (!mkdtemp(tmpl.data()))
+    return io_error("cannot create the relay directory under {}: {}", base, std::strerror(errno));
   relay_dir_ = tmpl;  // mkdtemp: mode 0700
   const std::string ep = "ipc://" + relay_dir_ + "/relay";
   constexpr size_t kMaxIpcPath = sizeof(sockaddr_un::sun_path) - 1;
@@ -119,7 +120,8 @@ Status Agent::open_relay() {
   auto server = ServerEndpoint::bind(ep, ServerSecurity{}, 1, /*ipc_same_user=*/true);
   if (!server.ok()) return server.status().with_context("agent relay");
   relay_ = std::move(server).value();
-  log()->info("agent {}: job processes reach the scheduler through {}", opts_.agent_id, relay_->bound_endpoint());
+  log()->info("agent {}: job processes reach the scheduler through {}", opts_.agent_id,
+              relay_->bound_endpoint());
   return ok_status();
 }
 
@@ -145,7 +147,8 @@ void Agent::relay_down(const RelayedMessage& r) {
     log()->error("relayed message for session {}: dropped a nested relay", r.session);
     return;
   }
-  if (!relay_->send(r.session, *inner)) log()->debug("relayed {} to session {}: gone", payload_name(inner->payload), r.session);
+  if (!relay_->send(r.session, *inner))
+    log()->debug("relayed {} to session {}: gone", payload_name(inner->payload), r.session);
 }
 
 std::string Agent::log_path(const std::string& job, const std::string& name) const {

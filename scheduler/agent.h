@@ -97,7 +97,7 @@ class Agent {
   void on_kill(const KillRequest& req);
   void on_logs(uint64_t rid, const LogsRequest& req);
   Status open_relay();
-  void relay_up();                          // local sessions -> the scheduler
+  void relay_up();                           // local sessions -> the scheduler
   void relay_down(const RelayedMessage& r);  // the scheduler -> a local session
   void reap();
   std::string log_path(const std::string& job, const std::string& name) const;

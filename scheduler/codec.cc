@@ -256,7 +256,8 @@ Result<Payload> decode_payload(::Msg::Reader m) {
                                 kMaxRelaySessionBytes);
       }
       for (char c : v.session) {
-        if (c < 33 || c > 126) return invalid_argument("relay with a session name that is not printable ASCII");
+        if (c < 33 || c > 126)
+          return invalid_argument("relay with a session name that is not printable ASCII");
       }
       v.msg = string_of(r.getMsg());
       if (v.msg.size() < 2 * sizeof(wire::word)) return data_loss("relay of a {}-byte message", v.msg.size());
@@ -283,10 +284,10 @@ Result<Payload> decode_payload(::Msg::Reader m) {
 }  // namespace
 
 const char* payload_name(const Payload& p) {
-  static const char* const kNames[] = {"registerAgent", "registerAck", "agentHeartbeat", "reregister",
-                                       "spawn", "kill", "procStarted", "procExited", "exitAck",
-                                       "procBeat", "store", "submit", "status", "cancel", "logs",
-                                       "reply", "logsForAgent", "placeActors", "relay"};
+  static const char* const kNames[] = {
+      "registerAgent", "registerAck", "agentHeartbeat", "reregister",  "spawn",  "kill",   "procStarted",
+      "procExited",    "exitAck",     "procBeat",       "store",       "submit", "status", "cancel",
+      "logs",          "reply",       "logsForAgent",   "placeActors", "relay"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == std::variant_size_v<Payload>);
   return kNames[p.index()];
 }

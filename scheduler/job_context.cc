@@ -70,7 +70,8 @@ Result<std::optional<JobContext>> JobContext::from_env() {
 
 Result<std::unique_ptr<SchedulerSession>> SchedulerSession::connect(const JobContext& ctx) {
   std::string id = fmt::format("proc:{}:{}:{}:{}", ctx.job_id, ctx.name, ctx.epoch, getpid());
-  TROUPE_ASSIGN_OR_RETURN(auto conn, ClientEndpoint::connect(ctx.session_endpoint(), ctx.session_security(), id));
+  TROUPE_ASSIGN_OR_RETURN(auto conn,
+                          ClientEndpoint::connect(ctx.session_endpoint(), ctx.session_security(), id));
   return std::unique_ptr<SchedulerSession>(new SchedulerSession(ctx, std::move(conn)));
 }
 

@@ -143,10 +143,10 @@ struct CancelJob { std::string job_id; };
 struct LogsQuery { LogsRequest req; };
 struct AgentLogsQuery { LogsRequest req; };
 
-using Payload = std::variant<RegisterAgent, RegisterAck, AgentHeartbeat, Reregister, SpawnRequest,
-                             KillRequest, ProcStarted, ProcExited, ExitAck, ProcBeat, StoreRequest,
-                             SubmitJob, StatusQuery, CancelJob, LogsQuery, Reply, AgentLogsQuery, PlaceActors,
-                             RelayedMessage>;
+using Payload =
+    std::variant<RegisterAgent, RegisterAck, AgentHeartbeat, Reregister, SpawnRequest, KillRequest,
+                 ProcStarted, ProcExited, ExitAck, ProcBeat, StoreRequest, SubmitJob, StatusQuery, CancelJob,
+                 LogsQuery, Reply, AgentLogsQuery, PlaceActors, RelayedMessage>;
 
 struct Message {
   uint64_t request_id = 0;

@@ -155,7 +155,8 @@ void Scheduler::on_relay(const Incoming& in, const RelayedMessage& r) {
                  inner.status().to_string());
     return;
   }
-  if (std::holds_alternative<RelayedMessage>(inner->payload) || std::holds_alternative<RegisterAgent>(inner->payload) ||
+  if (std::holds_alternative<RelayedMessage>(inner->payload) ||
+      std::holds_alternative<RegisterAgent>(inner->payload) ||
       std::holds_alternative<AgentHeartbeat>(inner->payload)) {
     log()->error("relay from {} (session {}): dropped a relayed {} (a relayed session is a job process's)",
                  in.peer, r.session, payload_name(inner->payload));
@@ -224,7 +225,8 @@ void Scheduler::dispatch(const Incoming& in) {
         else if constexpr (std::is_same_v<T, StoreRequest>) on_store(in.peer, m.request_id, p);
         else if constexpr (std::is_same_v<T, Reply>) on_reply(m);
         else if constexpr (std::is_same_v<T, PlaceActors>) on_place_actors(in.peer, m.request_id, p);
-        else if constexpr (std::is_same_v<T, RelayedMessage>) on_relay(in, p);
+        else if constexpr (std::is_same_v<T, RelayedMessage>)
+          on_relay(in, p);
         else {
           log()->warn("unexpected {} message from a client: dropped", payload_name(m.payload));
           reply(in.peer, m.request_id, Reply::of(invalid_argument("the scheduler does not accept {} messages",

@@ -291,7 +291,9 @@ ServerEndpoint::~ServerEndpoint() {
 
 std::vector<Incoming> ServerEndpoint::poll(std::chrono::milliseconds timeout) { return shared_->queue.take(timeout); }
 
-int ServerEndpoint::wake_fd() const { return shared_->queue.fd(); }
+int ServerEndpoint::wake_fd() const {
+  return shared_->queue.fd();
+}
 
 bool ServerEndpoint::send(const std::string& peer, const Message& msg) {
   SchedWire w{encode_message(msg)};

@@ -37,6 +37,7 @@
 // threads (rounded up), each owning hundreds to thousands of sockets polled through one
 // epoll set.
 #include <signal.h>
+#include <spdlog/spdlog.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -69,7 +70,6 @@
 #include <thread>
 #include <unordered_map>
 #include <vector>
-#include <spdlog/spdlog.h>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
@@ -277,8 +277,8 @@ struct SimThread {
   // The ZAP handler of this thread's context: admits the relays' local peers by uid, as
   // troupe-agent's does (control::serve_zap_request_same_uid).
   std::unique_ptr<zmq::socket_t> zap;
-  int zap_tag = 0;              // its epoll data.ptr
-  std::vector<Peer*> recheck;   // relays sent on: look for input after this turn's events
+  int zap_tag = 0;             // its epoll data.ptr
+  std::vector<Peer*> recheck;  // relays sent on: look for input after this turn's events
 
   void post(std::function<void()> f) {
     {
@@ -377,6 +377,7 @@ struct SimThread {
     while (r.sock && (r.sock->get(zmq::sockopt::events) & ZMQ_POLLIN)) {
       std::vector<zmq::message_t> frames;
       if (!zmq::recv_multipart(*r.sock, std::back_inserter(frames), zmq::recv_flags::dontwait)) break;
+      sh->b->received.fetch_add(1, std::memory_order_relaxed);
       if (frames.size() != 2) continue;
       auto env = control::decode_envelope(frames[1].data(), frames[1].size());
       if (!env.ok()) {
@@ -434,6 +435,7 @@ struct SimThread {
     }
     std::array<zmq::const_buffer, 2> frames = {zmq::buffer(node), zmq::buffer(*bytes)};
     zmq::send_multipart(*a.relay->sock, frames, zmq::send_flags::dontwait);  // a gone process: dropped
+    sh->b->sent.fetch_add(1, std::memory_order_relaxed);
     recheck.push_back(a.relay);
   }
 
@@ -1437,8 +1439,7 @@ int run(Options o) {
       "{}, {}; {} CPUs, load average {} at the start, {} at the end\n",
       o.workers, o.agents, o.slots, shards, threads_per_shard, o.insecure ? "no CURVE" : "CURVE",
       o.direct ? "process sessions direct" : "process sessions relayed by their agents",
-      std::thread::hardware_concurrency(),
-      load_start, loadavg());
+      std::thread::hardware_concurrency(), load_start, loadavg());
   for (auto& r : rows) {
     fmt::print("  {:<66} {:>32}  {:<8} {}\n", r.what, r.value, r.target,
                r.pass < 0 ? ""
@@ -1476,7 +1477,8 @@ int main(int argc, char** argv) {
   app.add_option("--scheduler", o.scheduler_bin, "troupe-scheduler executable");
   app.add_option("--state-dir", o.state_dir, "Scheduler state directory (default: a temporary one)");
   app.add_option("--nice", o.nice,
-                 "Nice value of the simulator processes (the scheduler keeps 0); default 10, or 0 with CURVE and --direct")
+                 "Nice value of the simulator processes (the scheduler keeps 0); default 10, or 0 with CURVE "
+                 "and --direct")
       ->check(CLI::Range(0, 19));
   app.add_option("--processes", o.processes, "Simulator processes (default: as few as the fd limit allows)")
       ->check(CLI::Range(0, 64));

@@ -136,9 +136,9 @@ namespace {
 
 void send_zap_reply(zmq::socket_t& rep, const std::string& request_id, const std::string& status,
                     const std::string& text, spdlog::logger& log) {
-  std::array<zmq::const_buffer, 6> reply = {
-      zmq::str_buffer("1.0"), zmq::buffer(request_id), zmq::buffer(status), zmq::buffer(text),
-      zmq::str_buffer(""), zmq::str_buffer("")};
+  std::array<zmq::const_buffer, 6> reply = {zmq::str_buffer("1.0"), zmq::buffer(request_id),
+                                            zmq::buffer(status),    zmq::buffer(text),
+                                            zmq::str_buffer(""),    zmq::str_buffer("")};
   try {
     zmq::send_multipart(rep, reply, zmq::send_flags::dontwait);
   } catch (const zmq::error_t& e) {

@@ -382,8 +382,9 @@ class Transport::Impl {
     if (router_ && (items[router_idx].revents & ZMQ_POLLIN)) receive_router();
     if (zap_ && (items[zap_idx].revents & ZMQ_POLLIN)) {
       for (size_t i = 0; i < kMaxZapPerWake; ++i) {
-        const bool served = opts_.ipc_same_user ? serve_zap_request_same_uid(*zap_, ::getuid(), *log_)
-                                                : serve_zap_request(*zap_, opts_.curve.allowed_client_keys, *log_);
+        const bool served = opts_.ipc_same_user
+                                ? serve_zap_request_same_uid(*zap_, ::getuid(), *log_)
+                                : serve_zap_request(*zap_, opts_.curve.allowed_client_keys, *log_);
         if (!served) break;
       }
     }

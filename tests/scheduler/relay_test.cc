@@ -27,7 +27,8 @@ using std::chrono::milliseconds;
 
 TEST(RelayCodec, RoundTripsAndRejectsBadSessionNames) {
   const std::string inner = encode_message(Message{5, StatusQuery{"job-1"}});
-  const std::string bytes = encode_message(Message{0, RelayedMessage{"proc:job-1:worker-0:0:42/inbox", inner}});
+  const std::string bytes =
+      encode_message(Message{0, RelayedMessage{"proc:job-1:worker-0:0:42/inbox", inner}});
   auto back = decode_message(bytes.data(), bytes.size());
   ASSERT_TRUE(back.ok()) << back.status().to_string();
   auto* r = std::get_if<RelayedMessage>(&back->payload);
@@ -37,7 +38,7 @@ TEST(RelayCodec, RoundTripsAndRejectsBadSessionNames) {
   EXPECT_STREQ(payload_name(back->payload), "relay");
 
   for (const std::string& bad : {std::string(), std::string("a b"), std::string("a\nb"),
-                                std::string(kMaxRelaySessionBytes + 1, 'x')}) {
+                                 std::string(kMaxRelaySessionBytes + 1, 'x')}) {
     const std::string b = encode_message(Message{0, RelayedMessage{bad, inner}});
     auto d = decode_message(b.data(), b.size());
     EXPECT_FALSE(d.ok()) << "session of " << bad.size() << " bytes was accepted";
@@ -190,8 +191,8 @@ TEST_F(RelayTest, MalformedAndNestedRelaysAreDroppedAndTheSchedulerKeepsServing)
   // Undecodable inner bytes, a relay inside a relay, and an agent registration through a
   // relay (a relayed session is a job process's): each is dropped with a logged error.
   EXPECT_TRUE(direct_->send(Message{0, RelayedMessage{"x/inbox", std::string(64, '\x7f')}}));
-  EXPECT_TRUE(direct_->send(
-      Message{0, RelayedMessage{"y/inbox", encode_message(Message{0, RelayedMessage{"z/inbox", status_q}})}}));
+  EXPECT_TRUE(direct_->send(Message{
+      0, RelayedMessage{"y/inbox", encode_message(Message{0, RelayedMessage{"z/inbox", status_q}})}}));
   RegisterAgent evil;
   evil.agent_id = "evil";
   evil.slots = 64;
