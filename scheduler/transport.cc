@@ -165,6 +165,20 @@ std::vector<Incoming> MessageQueue::take(std::chrono::milliseconds timeout) {
   return out;
 }
 
+std::optional<Incoming> MessageQueue::take_one(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (timeout.count() > 0) cv_.wait_for(lk, timeout, [&] { return !q_.empty(); });
+  if (q_.empty()) return std::nullopt;
+  Incoming in = std::move(q_.front());
+  q_.pop_front();
+  if (q_.empty()) {
+    uint64_t drain;
+    ssize_t n = read(fd_, &drain, sizeof(drain));  // empty now: clear readability
+    (void)n;
+  }
+  return in;
+}
+
 // ------------------------------------------------------------------ ServerEndpoint
 
 struct ServerEndpoint::Shared {
@@ -363,11 +377,12 @@ bool ClientEndpoint::send(const Message& msg) {
 }
 
 std::optional<Message> ClientEndpoint::receive(std::chrono::milliseconds timeout) {
-  // One at a time: put back what take() returned beyond the first.
-  auto got = inbox_->take(timeout);
-  if (got.empty()) return std::nullopt;
-  for (size_t i = 1; i < got.size(); ++i) inbox_->push(std::move(got[i]));
-  return std::move(got[0].msg);
+  // One at a time, in arrival order (taking all and queueing the rest again would put
+  // them behind what arrived meanwhile: an agent saw a spawn before the kill sent ahead
+  // of it).
+  auto got = inbox_->take_one(timeout);
+  if (!got) return std::nullopt;
+  return std::move(got->msg);
 }
 
 Result<Reply> ClientEndpoint::request(Payload payload, std::chrono::milliseconds timeout) {

@@ -87,6 +87,9 @@ class MessageQueue {
   void push(Incoming in);
   // Waits up to `timeout` for the first message, then takes everything queued.
   std::vector<Incoming> take(std::chrono::milliseconds timeout);
+  // Waits up to `timeout` for the first message and takes only it (order kept: what
+  // arrives meanwhile queues behind what was there).
+  std::optional<Incoming> take_one(std::chrono::milliseconds timeout);
   int fd() const { return fd_; }
 
  private:
