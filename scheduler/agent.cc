@@ -196,6 +196,12 @@ void Agent::run_once(std::chrono::milliseconds timeout) {
   reap();
 
   auto now = Clock::now();
+  if (relay_ && now >= next_ask_expiry_) {
+    // Relayed asks the scheduler will not answer (lost with its restart) are forgotten
+    // once their askers' deadlines have passed.
+    relay_->expire_asks();
+    next_ask_expiry_ = now + std::chrono::seconds(1);
+  }
   if (!registered_ && now - last_register_ > std::chrono::milliseconds(1000)) send_register();
   if (registered_ && now - last_beat_ >= std::chrono::milliseconds(opts_.heartbeat_ms)) {
     conn_->send(Message{0, AgentHeartbeat{opts_.agent_id, incarnation_, wall_ms()}});

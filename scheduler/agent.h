@@ -114,6 +114,7 @@ class Agent {
   bool registered_ = false;
   Clock::time_point last_beat_{};
   Clock::time_point last_register_{};
+  Clock::time_point next_ask_expiry_{};
   std::atomic<bool> stop_{false};
   std::mutex live_mu_;
   std::set<pid_t> live_pgids_;  // children not yet reaped, for kill_all_now()

@@ -732,6 +732,10 @@ void Scheduler::timers() {
     reply(it->second.peer, it->second.request_id, std::move(r));
     store_waiters_.erase(it);
   }
+  if (now >= next_ask_expiry_) {  // asks whose asker gave up (e.g. lost with an agent)
+    server_->expire_asks();
+    next_ask_expiry_ = now + std::chrono::seconds(1);
+  }
   // Timeouts are seconds long: scanning every agent and process every 100 ms (or poll
   // period) is enough, not once per message batch (thousands a second at cluster scale).
   // Silence is judged only once everything that arrived has been handled and the loop is

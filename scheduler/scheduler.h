@@ -191,6 +191,7 @@ class Scheduler {
   Clock::time_point next_lag_prune_{};
   std::vector<std::pair<std::string, Message>> outbox_;  // sent after the turn's commit
   Clock::time_point next_health_scan_{};
+  Clock::time_point next_ask_expiry_{};
   // try_start's placement, for spawn(): agent -> the epoch's worker ranks on it (sorted),
   // so a job of n workers costs O(n log n), not O(n^2). Empty outside try_start.
   std::map<std::string, std::vector<int>> placing_ranks_;

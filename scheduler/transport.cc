@@ -184,7 +184,11 @@ std::optional<Incoming> MessageQueue::take_one(std::chrono::milliseconds timeout
 struct ServerEndpoint::Shared {
   MessageQueue queue;
   std::mutex mu;
-  std::map<std::string, actors::ResponsePromise> asks;  // "ask:<n>" -> the asker's promise
+  struct PendingAsk {
+    actors::ResponsePromise promise;
+    int64_t deadline_unix_nanos = 0;  // the asker's; 0: none
+  };
+  std::map<std::string, PendingAsk> asks;  // "ask:<n>" -> the asker's promise
   uint64_t next_ask = 0;
 };
 
@@ -205,7 +209,8 @@ class ServerInbox final : public actors::Actor {
       if (ctx.is_ask()) {
         std::lock_guard<std::mutex> lk(s_->mu);
         peer = fmt::format("ask:{}", ++s_->next_ask);
-        s_->asks.emplace(peer, make_response_promise());
+        s_->asks.emplace(
+            peer, ServerEndpoint::Shared::PendingAsk{make_response_promise(), ctx.deadline_unix_nanos()});
       } else if (ctx.sender().valid()) {
         peer = ctx.sender().to_string();
       }
@@ -299,11 +304,37 @@ Result<std::unique_ptr<ServerEndpoint>> ServerEndpoint::bind(const std::string& 
 ServerEndpoint::~ServerEndpoint() {
   if (system_) system_->shutdown();
   std::lock_guard<std::mutex> lk(shared_->mu);
-  for (auto& [peer, p] : shared_->asks) p.fail(cancelled("the scheduler is shutting down"));
+  for (auto& [peer, p] : shared_->asks) p.promise.fail(cancelled("the scheduler is shutting down"));
   shared_->asks.clear();
 }
 
 std::vector<Incoming> ServerEndpoint::poll(std::chrono::milliseconds timeout) { return shared_->queue.take(timeout); }
+
+size_t ServerEndpoint::expire_asks(std::chrono::milliseconds grace) {
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
+  const int64_t limit = now - std::chrono::duration_cast<std::chrono::nanoseconds>(grace).count();
+  std::vector<actors::ResponsePromise> expired;  // failed (to nobody) outside the lock
+  {
+    std::lock_guard<std::mutex> lk(shared_->mu);
+    for (auto it = shared_->asks.begin(); it != shared_->asks.end();) {
+      if (it->second.deadline_unix_nanos != 0 && it->second.deadline_unix_nanos < limit) {
+        expired.push_back(std::move(it->second.promise));
+        it = shared_->asks.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& p : expired) p.fail(deadline_exceeded("no answer before the asker's deadline"));
+  return expired.size();
+}
+
+size_t ServerEndpoint::pending_asks() const {
+  std::lock_guard<std::mutex> lk(shared_->mu);
+  return shared_->asks.size();
+}
 
 int ServerEndpoint::wake_fd() const {
   return shared_->queue.fd();
@@ -317,7 +348,7 @@ bool ServerEndpoint::send(const std::string& peer, const Message& msg) {
       std::lock_guard<std::mutex> lk(shared_->mu);
       auto it = shared_->asks.find(peer);
       if (it == shared_->asks.end()) return false;  // answered already
-      p = std::move(it->second);
+      p = std::move(it->second.promise);
       shared_->asks.erase(it);
     }
     p.deliver(w);

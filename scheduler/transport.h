@@ -114,6 +114,11 @@ class ServerEndpoint {
   std::vector<Incoming> poll(std::chrono::milliseconds timeout);
   // Readable while poll() has something: for poll() loops (an agent's relay).
   int wake_fd() const;
+  // Forgets asks whose asker's deadline passed more than `grace` ago (nobody waits for
+  // their answer any more); returns how many. Call it now and then: an ask that is never
+  // answered (a relayed request lost with a scheduler restart) would otherwise be kept.
+  size_t expire_asks(std::chrono::milliseconds grace = std::chrono::milliseconds(1000));
+  size_t pending_asks() const;  // asks not yet answered
   // Sends to an Incoming's peer. A reply to an ask is delivered once; later sends to the
   // same peer are dropped. False when the message could not be handed to the transport.
   bool send(const std::string& peer, const Message& msg);

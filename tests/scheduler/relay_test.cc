@@ -206,6 +206,34 @@ TEST_F(RelayTest, MalformedAndNestedRelaysAreDroppedAndTheSchedulerKeepsServing)
   EXPECT_TRUE(status(**c, "-").is_object());
 }
 
+TEST(RelayAsks, AnUnansweredAskIsForgottenAfterItsDeadline) {
+  // What an agent's relay holds for a request the scheduler never answers (lost with a
+  // scheduler restart): the ask's promise, until its asker's deadline has passed.
+  auto server = ServerEndpoint::bind("tcp://127.0.0.1:0", {}, 1);
+  ASSERT_TRUE(server.ok()) << server.status().to_string();
+  auto client = ClientEndpoint::connect((*server)->bound_endpoint(), {}, "asker");
+  ASSERT_TRUE(client.ok());
+  std::thread asker([&] {
+    auto r = (*client)->request(StatusQuery{"-"}, milliseconds(300));
+    EXPECT_FALSE(r.ok());  // never answered
+  });
+  std::vector<Incoming> got;
+  ASSERT_TRUE(test::wait_until(
+      [&] {
+        for (auto& in : (*server)->poll(milliseconds(20))) got.push_back(std::move(in));
+        return !got.empty();
+      },
+      milliseconds(5000)));
+  EXPECT_EQ(got[0].peer.rfind("ask:", 0), 0u);
+  EXPECT_EQ((*server)->pending_asks(), 1u);
+  EXPECT_EQ((*server)->expire_asks(milliseconds(1000)), 0u);  // its deadline has not passed
+  asker.join();
+  std::this_thread::sleep_for(milliseconds(1200));
+  EXPECT_EQ((*server)->expire_asks(milliseconds(1000)), 1u);
+  EXPECT_EQ((*server)->pending_asks(), 0u);
+  EXPECT_FALSE((*server)->send(got[0].peer, Message{0, Reply{}}));  // a late answer goes nowhere
+}
+
 TEST_F(RelayTest, RefusesAPeerOfAnotherUser) {
   // Same user: admitted.
   EXPECT_TRUE(probe_connection(relay_, {}, milliseconds(3000)).ok());
