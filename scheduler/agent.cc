@@ -7,6 +7,8 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -33,6 +35,26 @@ std::shared_ptr<spdlog::logger> log() {
 bool safe_name(const std::string& s) {
   if (s.empty() || s.size() > 128 || s == "." || s == "..") return false;
   return std::all_of(s.begin(), s.end(), [](char c) { return isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.'; });
+}
+
+// True when `dir` is a relay directory of this uid whose agent is gone: its socket exists
+// and nothing accepts on it (an agent killed with SIGKILL leaves its directory behind).
+// A directory whose agent is still starting (no socket yet) is not stale.
+bool stale_relay_dir(const std::filesystem::path& dir) {
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::getuid()) return false;
+  const std::string sock = (dir / "relay").string();
+  if (::lstat(sock.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) return false;
+  sockaddr_un addr{};
+  if (sock.size() >= sizeof(addr.sun_path)) return false;
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, sock.c_str(), sock.size());
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const bool refused =
+      ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 && errno == ECONNREFUSED;
+  ::close(fd);
+  return refused;
 }
 
 }  // namespace
@@ -107,6 +129,18 @@ Agent::~Agent() {
 Status Agent::open_relay() {
   std::string base = "/tmp";
   if (const char* t = std::getenv("TMPDIR"); t && *t) base = t;
+  std::error_code ec;
+  std::vector<std::filesystem::path> stale;
+  for (auto it = std::filesystem::directory_iterator(base, ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    if (it->path().filename().string().rfind("troupe-agent-", 0) == 0 && stale_relay_dir(it->path())) {
+      stale.push_back(it->path());
+    }
+  }
+  for (const auto& d : stale) {
+    std::filesystem::remove_all(d, ec);
+    log()->info("removed {}, the relay directory of an agent that is gone", d.string());
+  }
   std::string tmpl = base + "/troupe-agent-XXXXXX";
   if (!mkdtemp(tmpl.data()))
     return io_error("cannot create the relay directory under {}: {}", base, std::strerror(errno));

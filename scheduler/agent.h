@@ -6,7 +6,9 @@
 // heartbeats, and registers again with a restarted scheduler, reporting what it runs.
 //
 // Relay (on by default): the agent binds ipc://<private dir>/relay (a fresh 0700 directory
-// under $TMPDIR or /tmp) and gives its processes TROUPE_AGENT_RELAY. Their scheduler
+// troupe-agent-XXXXXX under $TMPDIR or /tmp, removed when the agent ends; directories of
+// this user's agents that died without removing theirs, whose socket refuses connections,
+// are removed at start) and gives its processes TROUPE_AGENT_RELAY. Their scheduler
 // sessions (hello, beats, store, placement, status) go there, and the agent carries each
 // message over its own scheduler connection in a Relay message naming the session; the
 // scheduler answers through the agent. So the scheduler holds one CURVE connection per

@@ -5,10 +5,13 @@
 // and nested relays are dropped while the scheduler keeps serving; a peer of another uid is
 // refused by the relay's ZAP handler even when the directory would let it in.
 #include <gtest/gtest.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -204,6 +207,61 @@ TEST_F(RelayTest, MalformedAndNestedRelaysAreDroppedAndTheSchedulerKeepsServing)
   auto c = ClientEndpoint::connect(relay_, {}, "proc:relay-test-2");
   ASSERT_TRUE(c.ok());
   EXPECT_TRUE(status(**c, "-").is_object());
+}
+
+// A unix socket bound at `path`; listening unless `listen` is false (then closed: what an
+// agent killed with SIGKILL leaves behind). Returns the fd (-1 when closed).
+int unix_socket_at(const std::string& path, bool listen) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0) << path;
+  if (listen) {
+    EXPECT_EQ(::listen(fd, 1), 0);
+    return fd;
+  }
+  ::close(fd);
+  return -1;
+}
+
+TEST(RelayDirs, AnAgentRemovesTheRelayDirectoriesOfDeadAgentsOnly) {
+  const std::string base = test::make_temp_dir("relay-dirs");
+  namespace fs = std::filesystem;
+  for (const char* d :
+       {"troupe-agent-dead01", "troupe-agent-live01", "troupe-agent-starting", "other-dead01"}) {
+    fs::create_directories(base + "/" + d);
+  }
+  unix_socket_at(base + "/troupe-agent-dead01/relay", false);
+  const int live = unix_socket_at(base + "/troupe-agent-live01/relay", true);
+  unix_socket_at(base + "/other-dead01/relay", false);  // not an agent's: left alone
+  const char* old_tmpdir = std::getenv("TMPDIR");
+  const std::string saved = old_tmpdir ? old_tmpdir : "";
+  ::setenv("TMPDIR", base.c_str(), 1);
+  AgentOptions ao;
+  ao.scheduler = "tcp://127.0.0.1:1";  // never reached: the relay is set up before that matters
+  ao.agent_id = "relay-dirs";
+  ao.slots = 1;
+  ao.work_dir = base + "/work";
+  auto a = Agent::create(ao);
+  if (old_tmpdir)
+    ::setenv("TMPDIR", saved.c_str(), 1);
+  else
+    ::unsetenv("TMPDIR");
+  ASSERT_TRUE(a.ok()) << a.status().to_string();
+  EXPECT_FALSE(fs::exists(base + "/troupe-agent-dead01"));
+  EXPECT_TRUE(fs::exists(base + "/troupe-agent-live01/relay"));
+  EXPECT_TRUE(fs::exists(base + "/troupe-agent-starting"));
+  EXPECT_TRUE(fs::exists(base + "/other-dead01/relay"));
+  const std::string mine = (*a)->relay_endpoint().substr(6);
+  EXPECT_EQ(mine.rfind(base + "/troupe-agent-", 0), 0u) << mine;
+  struct stat st {};
+  ASSERT_EQ(::stat(fs::path(mine).parent_path().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  a->reset();  // the agent's own directory goes with it
+  EXPECT_FALSE(fs::exists(fs::path(mine).parent_path()));
+  ::close(live);
+  fs::remove_all(base);
 }
 
 TEST(RelayAsks, AnUnansweredAskIsForgottenAfterItsDeadline) {
