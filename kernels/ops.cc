@@ -697,6 +697,13 @@ void adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, cons
     OP_FLOAT(ct, grad);
     OP_REQUIRE(ct, grad.shape() == param.shape() && m.shape() == param.shape() && v.shape() == param.shape(),
                "tensor {}: grad, m and v must have param's shape {}", i, shape_to_string(param.shape()));
+    if (t.work != nullptr) {
+      OpCheck cw("adamw_step_multi", ex, {{"work", t.work}});
+      OP_REQUIRE(cw, t.work->dtype() == DType::kF32 || t.work->dtype() == DType::kBF16,
+                 "tensor {}: work must be f32 or bf16, got {}", i, dtype_name(t.work->dtype()));
+      OP_REQUIRE(cw, t.work->shape() == param.shape(), "tensor {}: work must have param's shape {}", i,
+                 shape_to_string(param.shape()));
+    }
   }
   if (cfg.clip_sum_squares != nullptr) {
     OpCheck cc("adamw_step_multi", ex, {{"clip_sum_squares", cfg.clip_sum_squares}});

@@ -177,6 +177,9 @@ struct AdamWTensor {
   Tensor* m;
   Tensor* v;
   float weight_decay;
+  // When set (bf16 or f32, param's shape): receives the updated param rounded to its dtype
+  // in the same pass (the working copy the products read), instead of a cast afterwards.
+  Tensor* work = nullptr;
 };
 // adamw_step over every tensor of the list (cfg.weight_decay unused: each tensor has its
 // own); on CUDA one launch for up to 256 tensors. With gradient clipping, cfg.grad_scale

@@ -34,6 +34,10 @@ class AdamW {
   // The same with the global norm left on the device: grad_norm_squared f32 [1] (e.g.
   // Model::grad_norm_squared_on_device); the clip factor is taken there (no host wait).
   void step(const Ctx& c, double lr, const Tensor& grad_norm_squared);
+  // When on, each step also writes every parameter's working copy (Parameter::work, where
+  // defined) from its updated value in the same pass over memory, so the caller need not
+  // refresh them (Model::refresh_working_copies) after the step.
+  void write_working_copies(bool on) { write_work_ = on; }
   int64_t steps_done() const { return step_; }
   void set_steps_done(int64_t s) { step_ = s; }
   // Moments as named tensors ("<param>.adam_m", "<param>.adam_v") for checkpoints.
@@ -46,6 +50,7 @@ class AdamW {
   std::vector<Tensor> m_, v_;
   AdamWOptions opts_;
   int64_t step_ = 0;
+  bool write_work_ = false;
 };
 
 // Clip multiplier for a gradient of global norm `norm`: min(1, max_norm / norm).

@@ -160,6 +160,7 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
   // train.device_stats = false keeps the host statistics (per-layer read-backs), for comparison.
   const bool device_stats = dev.is_cuda() && tc.train.device_stats && model.enable_device_stats(c);
   layers::AdamW opt(model.parameters(), tc.optim, c);
+  opt.write_working_copies(true);  // the bf16 working copies come out of the optimizer's pass
   int64_t first_step = 1, tokens_seen = 0;
   if (resume) {
     TROUPE_RETURN_IF_ERROR(load_model_state(c, *resume, model, opt));
@@ -239,7 +240,6 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
                                                          : opt.grad_norm_squared(c));
       opt.step(c, lr, grad_norm);
     }
-    model.refresh_working_copies(c);
     // Host waits while the step's work was enqueued (before its metrics read below).
     const int64_t step_syncs = dev.host_syncs() - syncs_before,
                   step_uploads = dev.upload_waits() - uploads_before;

@@ -32,10 +32,12 @@ BASES = {"grouped_up": "grouped_up_32768x4096x1024", "grouped_down": "grouped_do
 
 
 def peer_name(name):
-    if name.startswith("attention_fwd_warps"):
-        return "attention_fwd_b8_s2048_h16_d64"
-    if name.startswith("attention_bwd_warps"):
-        return "attention_bwd"
+    for kind in ("fwd", "bwd"):  # attention_{fwd,bwd}_{mma4,mma8,hopper}[_d128]
+        for variant in ("mma4", "mma8", "hopper"):
+            if name == f"attention_{kind}_{variant}":
+                return "attention_fwd_b8_s2048_h16_d64" if kind == "fwd" else "attention_bwd"
+            if name == f"attention_{kind}_{variant}_d128":
+                return "attention_fwd_b8_s2048_h8_d128" if kind == "fwd" else "attention_bwd_d128"
     for suffix in ("_mma2x2", "_wgmma128", "_wgmma256", "_wgmmatma"):
         if name.endswith(suffix):
             base = name[: -len(suffix)]

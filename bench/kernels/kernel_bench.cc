@@ -10,10 +10,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/cuda/caching_allocator.h"
@@ -131,6 +133,32 @@ void grouped_set(Bench& b, const std::string& tag, int64_t experts, int64_t ffn,
           [&] { b.be.grouped_matmul_backward(b.ex, a, w2, offsets, y, &da, nullptr, false, false); });
   b.flops(g + "down_dw", f2, "2*rows*N*K",
           [&] { b.be.grouped_matmul_backward(b.ex, a, w2, offsets, y, nullptr, &dw2, false, true); });
+}
+
+// Each tensor-core attention kernel by name on one shape: attention_{fwd,bwd}_mma4 and
+// _mma8 (mma.sync, 4 or 8 warps per block) and _hopper where it runs, suffixed `tag`.
+void attention_variants(Bench& b, CudaContext& ctx, const gpu::AttentionShape& shape, double fwd,
+                        const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
+                        const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, const std::string& tag) {
+  const DType bf = DType::kBF16;
+  const gpu::Env env{ctx.stream, ctx.num_sms};
+  const float scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+  Tensor scratch =
+      b.empty({static_cast<int64_t>(gpu::attention_backward_scratch_bytes(shape) / 4) + 1}, DType::kF32);
+  std::vector<std::pair<std::string, int>> variants = {{"mma4", 4}, {"mma8", 8}};
+  if (gpu::attention_hopper_available(shape)) variants.emplace_back("hopper", gpu::kAttentionHopper);
+  for (const auto& [name, variant] : variants) {
+    b.flops("attention_fwd_" + name + tag, fwd, "4*B*H*S^2*Dh/2", [&] {
+      gpu::launch_attention_forward(env, shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), scale,
+                                    out.data_ptr(), static_cast<float*>(lse.data_ptr()), bf, variant);
+    });
+    b.flops("attention_bwd_" + name + tag, 2.5 * fwd, "2.5*fwd", [&] {
+      gpu::launch_attention_backward(env, shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                     static_cast<const float*>(lse.data_ptr()), dout.data_ptr(), scale,
+                                     dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), bf, scratch.data_ptr(),
+                                     variant);
+    });
+  }
 }
 
 void run() {
@@ -273,21 +301,9 @@ void run() {
     Tensor dq = b.empty(q.shape(), bf), dk = b.empty(q.shape(), bf), dv = b.empty(q.shape(), bf);
     b.flops("attention_bwd", 2.5 * fwd, "2.5*fwd",
             [&] { be.attention_backward(b.ex, q, k, v, out, lse, dout, scale, dq, dk, dv); });
-    // Both block sizes of the tensor-core kernels (the backend runs kAttentionDefaultWarps).
-    const gpu::Env env{ctx.stream, ctx.num_sms};
-    const gpu::AttentionShape shape{kBatch, kSeq, kHeads, kHeads, kHeadDim};
-    Tensor scratch = b.empty({static_cast<int64_t>(gpu::attention_backward_scratch_bytes(shape) / 4) + 1}, DType::kF32);
-    for (int warps : {4, 8}) {
-      b.flops("attention_fwd_warps" + std::to_string(warps), fwd, "4*B*H*S^2*Dh/2", [&] {
-        gpu::launch_attention_forward(env, shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), scale, out.data_ptr(),
-                                      static_cast<float*>(lse.data_ptr()), bf, warps);
-      });
-      b.flops("attention_bwd_warps" + std::to_string(warps), 2.5 * fwd, "2.5*fwd", [&] {
-        gpu::launch_attention_backward(env, shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                                       static_cast<const float*>(lse.data_ptr()), dout.data_ptr(), scale,
-                                       dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), bf, scratch.data_ptr(), warps);
-      });
-    }
+    // Each tensor-core kernel by name (the rows above run the backend's choice).
+    attention_variants(b, ctx, {kBatch, kSeq, kHeads, kHeads, kHeadDim}, fwd, q, k, v, out, lse, dout, dq, dk,
+                       dv, "");
   }
   // Head dim 128 (8 heads of 128: the same d_model), with the backend's default kernels.
   {
@@ -303,6 +319,8 @@ void run() {
     Tensor dq = b.empty(q.shape(), bf), dk = b.empty(q.shape(), bf), dv = b.empty(q.shape(), bf);
     b.flops("attention_bwd_d128", 2.5 * fwd, "2.5*fwd",
             [&] { be.attention_backward(b.ex, q, k, v, out, lse, dout, scale, dq, dk, dv); });
+    attention_variants(b, ctx, {kBatch, kSeq, heads, heads, dh}, fwd, q, k, v, out, lse, dout, dq, dk, dv,
+                       "_d128");
   }
   // ---- memory-bound kernels ----
   {
@@ -316,6 +334,12 @@ void run() {
             [&] { be.rmsnorm_backward(b.ex, dy, x, w, rstd, dx, dw, false); });
     Tensor s = b.empty({kTokens, kD}, bf);
     b.bytes("add_16384x1024", 3 * n * 2, "read a, b + write out (bf16)", [&] { be.add(b.ex, x, dy, s); });
+    Tensor qh = b.random({kTokens, kHeads, kHeadDim}, bf), qr = b.empty({kTokens, kHeads, kHeadDim}, bf);
+    std::vector<int32_t> pos_v(static_cast<size_t>(kTokens));
+    for (int64_t i = 0; i < kTokens; ++i) pos_v[static_cast<size_t>(i)] = static_cast<int32_t>(i % kSeq);
+    Tensor pos = b.ints({kTokens}, pos_v);
+    b.bytes("rope_fwd_16384x16x64", 2 * n * 2, "read x + write out (bf16)",
+            [&] { be.rope_forward(b.ex, qh, pos, 10000.0f, qr); });
   }
   {
     const int64_t rows = kTokens * kTopK;
@@ -386,6 +410,18 @@ void run() {
     });
     b.bytes("adamw_multi_bench1b", numel * 4 * 7, "one launch; read p,g,m,v + write p,m,v (f32)",
             [&] { be.adamw_step_multi(b.ex, list, cfg); });
+    // The same with the bf16 working copies written in the pass, against the update and a
+    // separate cast pass (read p f32 + write bf16) one after the other.
+    std::vector<Tensor> work;
+    for (const Shape& s : shapes) work.push_back(b.empty(s, DType::kBF16));
+    std::vector<AdamWTensor> with_work = list;
+    for (size_t i = 0; i < with_work.size(); ++i) with_work[i].work = &work[i];
+    b.bytes("adamw_then_cast_bench1b", numel * (4 * 7 + 4 + 2), "one launch + 87 casts; + read p, write bf16", [&] {
+      be.adamw_step_multi(b.ex, list, cfg);
+      for (size_t i = 0; i < work.size(); ++i) be.cast(b.ex, p[i], work[i]);
+    });
+    b.bytes("adamw_multi_work_bench1b", numel * (4 * 7 + 2), "one launch; read p,g,m,v + write p,m,v + bf16 p",
+            [&] { be.adamw_step_multi(b.ex, with_work, cfg); });
     double sink = 0;
     b.bytes("grad_norm_loop_bench1b", numel * 4, "87 sum_squares (each syncs); read g (f32)", [&] {
       for (const Tensor* t : grads) sink += be.sum_squares(b.ex, *t);

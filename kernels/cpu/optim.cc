@@ -43,6 +43,7 @@ void adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, cons
   for (const AdamWTensor& t : tensors) {
     c.weight_decay = t.weight_decay;
     cpu::adamw_step(ex, *t.param, *t.grad, *t.m, *t.v, c);
+    if (t.work != nullptr) cpu::cast(ex, *t.param, *t.work);
   }
 }
 

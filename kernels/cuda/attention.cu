@@ -10,7 +10,7 @@
 // head, looping over the query heads of its group) and dQ (one block per query tile),
 // after a pre-pass computing D = rowsum(dO * O). The arithmetic here is fp32 FMA: it
 // serves f32 tensors and head dims other than 64/128; bf16 with head dim 64 or 128 goes
-// to the tensor-core kernels of attention_mma.cu.
+// to the tensor-core kernels of attention_mma.cu (and on Hopper attention_hopper.cu).
 #include <initializer_list>
 #include <type_traits>
 
@@ -22,10 +22,10 @@ namespace troupe::kernels::gpu {
 // attention_mma.cu: the tensor-core kernels (bf16, head dim 64 or 128).
 bool attention_mma_supported(const AttentionShape& s, DType t, std::initializer_list<const void*> ptrs);
 void launch_attention_forward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
-                                  const void* v, float scale, void* out, float* lse, int block_warps);
+                                  const void* v, float scale, void* out, float* lse, int variant);
 void launch_attention_backward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
-                                   const void* v, const void* out, const float* lse, const void* dout, float scale,
-                                   void* dq, void* dk, void* dv, void* scratch, int block_warps);
+                                   const void* v, const void* out, const float* lse, const void* dout,
+                                   float scale, void* dq, void* dk, void* dv, void* scratch, int variant);
 
 namespace {
 
@@ -257,11 +257,11 @@ dim3 attention_grid(const AttentionShape& s, int64_t heads) {
 
 }  // namespace
 
-void launch_attention_forward(const Env& env, const AttentionShape& s, const void* q, const void* k, const void* v,
-                              float scale, void* out, float* lse, DType t, int block_warps) {
+void launch_attention_forward(const Env& env, const AttentionShape& s, const void* q, const void* k,
+                              const void* v, float scale, void* out, float* lse, DType t, int variant) {
   if (s.batch * s.seq * s.q_heads == 0) return;
   if (attention_mma_supported(s, t, {q, k, v, out})) {
-    launch_attention_forward_mma(env, s, q, k, v, scale, out, lse, block_warps);
+    launch_attention_forward_mma(env, s, q, k, v, scale, out, lse, variant);
     return;
   }
   const size_t smem = 2 * kTile * s.head_dim * sizeof(float);
@@ -290,11 +290,12 @@ size_t attention_backward_scratch_bytes(const AttentionShape& s) {
 }
 
 void launch_attention_backward(const Env& env, const AttentionShape& s, const void* q, const void* k,
-                               const void* v, const void* out, const float* lse, const void* dout, float scale,
-                               void* dq, void* dk, void* dv, DType t, void* scratch, int block_warps) {
+                               const void* v, const void* out, const float* lse, const void* dout,
+                               float scale, void* dq, void* dk, void* dv, DType t, void* scratch,
+                               int variant) {
   if (s.batch * s.seq * s.q_heads == 0) return;
   if (attention_mma_supported(s, t, {q, k, v, out, dout, dq, dk, dv})) {
-    launch_attention_backward_mma(env, s, q, k, v, out, lse, dout, scale, dq, dk, dv, scratch, block_warps);
+    launch_attention_backward_mma(env, s, q, k, v, out, lse, dout, scale, dq, dk, dv, scratch, variant);
     return;
   }
   float* dsum = static_cast<float*>(scratch);

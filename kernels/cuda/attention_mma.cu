@@ -1,5 +1,6 @@
 // kernels/cuda/attention_mma.cu — the tensor-core attention kernels used for bf16 tensors
-// with head dim 64 or 128 (attention.cu keeps the fp32 path for everything else).
+// with head dim 64 or 128 where the Hopper kernels (attention_hopper.cu) do not run, and
+// the dispatch between the two (attention.cu keeps the fp32 path for everything else).
 //
 // Flash-attention-2 structure on mma.sync m16n8k16 (bf16 in, fp32 accumulate): a block
 // of 4 warps owns 64 rows (queries for forward and dQ, keys for dK/dV), each warp 16 of
@@ -20,6 +21,12 @@ namespace troupe::kernels::gpu {
 // attention.cu: D = rowsum(dO * O) into dsum [B,Hq,S].
 void launch_attention_rowdot(const Env& env, const AttentionShape& s, const void* out, const void* dout, float* dsum,
                              DType t);
+// attention_hopper.cu: the sm_90a kernels.
+void launch_attention_forward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,
+                                     const void* v, float scale, void* out, float* lse);
+void launch_attention_backward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,
+                                      const void* v, const void* out, const float* lse, const void* dout,
+                                      float scale, void* dq, void* dk, void* dv, void* scratch);
 
 namespace {
 
@@ -424,6 +431,24 @@ void dispatch_mma_head_dim(int64_t dh, F&& f) {
   }
 }
 
+// True for the Hopper kernels: asked for (kAttentionHopper, refused where they cannot run),
+// or kAttentionAuto where they can.
+bool use_hopper(const AttentionShape& s, int variant) {
+  if (variant == kAttentionHopper) {
+    TROUPE_CHECK(attention_hopper_available(s),
+                 "attention: the Hopper kernels need an sm_90a build on a compute-capability 9.0 GPU");
+    return true;
+  }
+  return variant == kAttentionAuto && attention_hopper_available(s);
+}
+
+int mma_warps(int variant) {
+  const int warps = variant == kAttentionAuto ? kAttentionDefaultWarps : variant;
+  TROUPE_CHECK(warps == 4 || warps == 8,
+               "attention: variant must be 0 (auto), 1 (Hopper), 4 or 8 (mma.sync warps), got {}", variant);
+  return warps;
+}
+
 }  // namespace
 
 bool attention_mma_supported(const AttentionShape& s, DType t, std::initializer_list<const void*> ptrs) {
@@ -435,9 +460,12 @@ bool attention_mma_supported(const AttentionShape& s, DType t, std::initializer_
 }
 
 void launch_attention_forward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
-                                  const void* v, float scale, void* out, float* lse, int block_warps) {
-  const int warps = block_warps == 0 ? kAttentionDefaultWarps : block_warps;
-  TROUPE_CHECK(warps == 4 || warps == 8, "attention: block_warps must be 4 or 8, got {}", warps);
+                                  const void* v, float scale, void* out, float* lse, int variant) {
+  if (use_hopper(s, variant)) {
+    launch_attention_forward_hopper(env, s, q, k, v, scale, out, lse);
+    return;
+  }
+  const int warps = mma_warps(variant);
   dispatch_mma_head_dim(s.head_dim, [&](auto d) {
     dispatch_warps(warps, [&](auto w) {
       attention_forward_mma_kernel<d(), w()><<<mma_grid(s, s.q_heads, w()), 32 * w(), 0, env.stream>>>(
@@ -449,10 +477,13 @@ void launch_attention_forward_mma(const Env& env, const AttentionShape& s, const
 }
 
 void launch_attention_backward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
-                                   const void* v, const void* out, const float* lse, const void* dout, float scale,
-                                   void* dq, void* dk, void* dv, void* scratch, int block_warps) {
-  const int warps = block_warps == 0 ? kAttentionDefaultWarps : block_warps;
-  TROUPE_CHECK(warps == 4 || warps == 8, "attention: block_warps must be 4 or 8, got {}", warps);
+                                   const void* v, const void* out, const float* lse, const void* dout,
+                                   float scale, void* dq, void* dk, void* dv, void* scratch, int variant) {
+  if (use_hopper(s, variant)) {
+    launch_attention_backward_hopper(env, s, q, k, v, out, lse, dout, scale, dq, dk, dv, scratch);
+    return;
+  }
+  const int warps = mma_warps(variant);
   float* dsum = static_cast<float*>(scratch);
   launch_attention_rowdot(env, s, out, dout, dsum, DType::kBF16);
   dispatch_mma_head_dim(s.head_dim, [&](auto d) {

@@ -512,7 +512,8 @@ void cuda_adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors,
   const size_t n = tensors.size();
   std::vector<float*> param(n), m(n), v(n);
   std::vector<const void*> grad(n);
-  std::vector<DType> grad_type(n);
+  std::vector<void*> work(n, nullptr);
+  std::vector<DType> grad_type(n), work_type(n, DType::kF32);
   std::vector<int64_t> numel(n);
   std::vector<float> wd(n);
   for (size_t i = 0; i < n; ++i) {
@@ -529,6 +530,11 @@ void cuda_adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors,
     grad_type[i] = t.grad->dtype();
     numel[i] = t.param->numel();
     wd[i] = t.weight_decay;
+    if (t.work != nullptr) {
+      require(*t.work, op, "work");
+      work[i] = t.work->data_ptr();
+      work_type[i] = t.work->dtype();
+    }
   }
   gpu::AdamWArgs args = adamw_args(cfg);
   if (cfg.clip_sum_squares != nullptr) {
@@ -537,7 +543,7 @@ void cuda_adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors,
     args.clip_max_norm = cfg.clip_max_norm;
   }
   gpu::launch_adamw_multi(s.env, static_cast<int>(n), param.data(), grad.data(), grad_type.data(), m.data(),
-                          v.data(), numel.data(), wd.data(), args);
+                          v.data(), numel.data(), wd.data(), work.data(), work_type.data(), args);
 }
 
 double cuda_sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors) {

@@ -58,9 +58,11 @@ void launch_adamw(const Env& env, float* param, const void* grad, DType gt, floa
 // weight_decay[i] replaces args.weight_decay). Sum of squares over tensors x (f32/bf16),
 // in double, with partials of multi_reduce_scratch_bytes(); synchronises the stream.
 constexpr int kMultiTensorMax = 256;
+// work[i] (nullptr: none): receives param i after its update, as work_type[i] (f32/bf16).
 void launch_adamw_multi(const Env& env, int count, float* const* param, const void* const* grad,
                         const DType* grad_type, float* const* m, float* const* v, const int64_t* numel,
-                        const float* weight_decay, const AdamWArgs& args);
+                        const float* weight_decay, void* const* work, const DType* work_type,
+                        const AdamWArgs& args);
 size_t multi_reduce_scratch_bytes();
 double launch_sum_squares_multi(const Env& env, int count, const void* const* x, const DType* types,
                                 const int64_t* numel, void* partials);
@@ -144,15 +146,24 @@ void launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, c
 struct AttentionShape {
   int64_t batch, seq, q_heads, kv_heads, head_dim;
 };
-// block_warps (bf16, head dim 64/128 tensor-core path): 4 or 8 warps of 16 rows per block;
-// 0 = kAttentionDefaultWarps. kernel_bench times both; the bf16 test checks both.
+// variant (bf16 with head dim 64/128, the tensor-core paths): kAttentionAuto runs the
+// Hopper kernels (attention_hopper.cu: TMA, wgmma, warp-specialised) where they can run
+// (sm_90a build, compute capability 9.0), else the mma.sync kernels (attention_mma.cu) with
+// kAttentionDefaultWarps; 4 or 8 force the mma.sync kernels with that many warps of 16
+// rows per block; kAttentionHopper forces the Hopper kernels (an error where they cannot
+// run). kernel_bench times each; the bf16 test checks each.
+constexpr int kAttentionAuto = 0, kAttentionHopper = 1;
 constexpr int kAttentionDefaultWarps = 4;  // H200 bench_1b: 4 warps 0.50 + 1.44 ms, 8 warps 0.56 + 1.47
-void launch_attention_forward(const Env& env, const AttentionShape& s, const void* q, const void* k, const void* v,
-                              float scale, void* out, float* lse, DType t, int block_warps = 0);
+// True where kAttentionAuto runs the Hopper kernels for this shape (bf16, 16-byte aligned).
+bool attention_hopper_available(const AttentionShape& s);
+void launch_attention_forward(const Env& env, const AttentionShape& s, const void* q, const void* k,
+                              const void* v, float scale, void* out, float* lse, DType t,
+                              int variant = kAttentionAuto);
 // scratch: attention_backward_scratch_bytes(s) bytes.
 size_t attention_backward_scratch_bytes(const AttentionShape& s);
 void launch_attention_backward(const Env& env, const AttentionShape& s, const void* q, const void* k,
-                               const void* v, const void* out, const float* lse, const void* dout, float scale,
-                               void* dq, void* dk, void* dv, DType t, void* scratch, int block_warps = 0);
+                               const void* v, const void* out, const float* lse, const void* dout,
+                               float scale, void* dq, void* dk, void* dv, DType t, void* scratch,
+                               int variant = kAttentionAuto);
 
 }  // namespace troupe::kernels::gpu

@@ -34,6 +34,8 @@ struct AdamWMultiParams {
   float weight_decay[kMultiTensorMax];
   uint8_t grad_bf16[kMultiTensorMax];
   uint8_t vec_ok[kMultiTensorMax];  // every base pointer aligned for 4-element vector access
+  void* work[kMultiTensorMax];      // the working copy written after the update (or nullptr)
+  uint8_t work_bf16[kMultiTensorMax];
 };
 
 struct SumSquaresMultiParams {
@@ -117,9 +119,27 @@ __global__ void __launch_bounds__(kThreads) adamw_multi_kernel(const __grid_cons
       *reinterpret_cast<float4*>(pp + i0) = pw;
       *reinterpret_cast<float4*>(pm + i0) = mw;
       *reinterpret_cast<float4*>(pv + i0) = vw;
+      if (p.work[t] != nullptr) {  // vec_ok covers the working copy's alignment too
+        if (p.work_bf16[t]) {
+          const __nv_bfloat162 lo = __floats2bfloat162_rn(pw.x, pw.y), hi = __floats2bfloat162_rn(pw.z, pw.w);
+          uint2 raw;
+          raw.x = *reinterpret_cast<const uint32_t*>(&lo);
+          raw.y = *reinterpret_cast<const uint32_t*>(&hi);
+          *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.work[t]) + i0) = raw;
+        } else {
+          *reinterpret_cast<float4*>(static_cast<float*>(p.work[t]) + i0) = pw;
+        }
+      }
     } else {
       for (int64_t i = i0; i < min64(n, i0 + 4); ++i) {
         adamw_elem(a, wd, grad_at(p.grad[t], bf16, i), pp[i], pm[i], pv[i]);
+        if (p.work[t] != nullptr) {
+          if (p.work_bf16[t]) {
+            static_cast<__nv_bfloat16*>(p.work[t])[i] = __float2bfloat16_rn(pp[i]);
+          } else {
+            static_cast<float*>(p.work[t])[i] = pp[i];
+          }
+        }
       }
     }
   }
@@ -200,7 +220,8 @@ void check_float(DType t, const char* what) {
 
 void launch_adamw_multi(const Env& env, int count, float* const* param, const void* const* grad,
                         const DType* grad_type, float* const* m, float* const* v, const int64_t* numel,
-                        const float* weight_decay, const AdamWArgs& args) {
+                        const float* weight_decay, void* const* work, const DType* work_type,
+                        const AdamWArgs& args) {
   for (int first = 0; first < count; first += kMultiTensorMax) {
     const int c = std::min(kMultiTensorMax, count - first);
     AdamWMultiParams p{};
@@ -220,7 +241,14 @@ void launch_adamw_multi(const Env& env, int count, float* const* param, const vo
       p.grad_bf16[i] = grad_type[j] == DType::kBF16 ? 1 : 0;
       const bool grad_ok = grad_type[j] == DType::kBF16 ? reinterpret_cast<uintptr_t>(grad[j]) % 8 == 0
                                                         : aligned16(grad[j]);
-      p.vec_ok[i] = aligned16(param[j]) && aligned16(m[j]) && aligned16(v[j]) && grad_ok ? 1 : 0;
+      p.work[i] = work != nullptr ? work[j] : nullptr;
+      bool work_ok = true;
+      if (p.work[i] != nullptr) {
+        check_float(work_type[j], "adamw_step_multi work");
+        p.work_bf16[i] = work_type[j] == DType::kBF16 ? 1 : 0;
+        work_ok = p.work_bf16[i] ? reinterpret_cast<uintptr_t>(work[j]) % 8 == 0 : aligned16(work[j]);
+      }
+      p.vec_ok[i] = aligned16(param[j]) && aligned16(m[j]) && aligned16(v[j]) && grad_ok && work_ok ? 1 : 0;
     }
     const int64_t groups = p.group_start[c];
     if (groups == 0) continue;

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -159,43 +160,59 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
 
 TEST_F(CudaBf16, Attention) {
   const Exec cpu = Exec::cpu();
-  for (int64_t dh : {64, 128, 40}) {  // tensor-core path (64, 128) and fp32 path (40)
-    const int64_t b = 2, s = 77, hq = 4, hkv = 2;
-    Tensor q = host_random({b, s, hq, dh}, kBF), k = host_random({b, s, hkv, dh}, kBF), v = host_random({b, s, hkv, dh}, kBF);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-    Tensor out_w = host_poisoned({b, s, hq, dh}, kBF), lse_w = host_poisoned({b, hq, s}, kF32);
-    Tensor out_g = dev_poisoned({b, s, hq, dh}, kBF), lse_g = dev_poisoned({b, hq, s}, kF32);
-    attention_forward(cpu, q, k, v, scale, out_w, lse_w);
-    Tensor dq_ = dev(q), dk_ = dev(k), dv_ = dev(v);
-    attention_forward(gpu.ex, dq_, dk_, dv_, scale, out_g, lse_g);
-    expect_close(out_g, out_w, kTol, "attention_forward out");
-    expect_close(lse_g, lse_w, 1e-4, "attention_forward lse");
-    Tensor dout = host_random({b, s, hq, dh}, kBF);
-    Tensor gq_w = host_poisoned(q.shape(), kBF), gk_w = host_poisoned(k.shape(), kBF), gv_w = host_poisoned(v.shape(), kBF);
-    Tensor gq = dev_poisoned(q.shape(), kBF), gk = dev_poisoned(k.shape(), kBF), gv = dev_poisoned(v.shape(), kBF);
-    attention_backward(cpu, q, k, v, out_w, lse_w, dout, scale, gq_w, gk_w, gv_w);
-    attention_backward(gpu.ex, dq_, dk_, dv_, dev(out_w), dev(lse_w), dev(dout), scale, gq, gk, gv);
-    expect_close(gq, gq_w, 2e-2, "attention_backward dq");
-    expect_close(gk, gk_w, 2e-2, "attention_backward dk");
-    expect_close(gv, gv_w, 2e-2, "attention_backward dv");
-    if (dh != 40) {  // the tensor-core kernels with 8 warps per block too (the default is 4)
+  // 77: one partial tile; 333: several tiles, the causal skip and a partial last tile.
+  for (int64_t dh : {64, 128, 40}) {  // tensor-core paths (64, 128) and fp32 path (40)
+    for (int64_t s : {77, 333}) {
+      const int64_t b = 2, hq = 4, hkv = 2;
+      const std::string at = fmt::format(" (dh {} s {})", dh, s);
+      Tensor q = host_random({b, s, hq, dh}, kBF), k = host_random({b, s, hkv, dh}, kBF);
+      Tensor v = host_random({b, s, hkv, dh}, kBF);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+      Tensor out_w = host_poisoned({b, s, hq, dh}, kBF), lse_w = host_poisoned({b, hq, s}, kF32);
+      Tensor out_g = dev_poisoned({b, s, hq, dh}, kBF), lse_g = dev_poisoned({b, hq, s}, kF32);
+      attention_forward(cpu, q, k, v, scale, out_w, lse_w);
+      Tensor dq_ = dev(q), dk_ = dev(k), dv_ = dev(v);
+      attention_forward(gpu.ex, dq_, dk_, dv_, scale, out_g, lse_g);
+      expect_close(out_g, out_w, kTol, ("attention_forward out" + at).c_str());
+      expect_close(lse_g, lse_w, 1e-4, ("attention_forward lse" + at).c_str());
+      Tensor dout = host_random({b, s, hq, dh}, kBF);
+      Tensor gq_w = host_poisoned(q.shape(), kBF), gk_w = host_poisoned(k.shape(), kBF);
+      Tensor gv_w = host_poisoned(v.shape(), kBF);
+      Tensor gq = dev_poisoned(q.shape(), kBF), gk = dev_poisoned(k.shape(), kBF),
+             gv = dev_poisoned(v.shape(), kBF);
+      attention_backward(cpu, q, k, v, out_w, lse_w, dout, scale, gq_w, gk_w, gv_w);
+      attention_backward(gpu.ex, dq_, dk_, dv_, dev(out_w), dev(lse_w), dev(dout), scale, gq, gk, gv);
+      expect_close(gq, gq_w, 2e-2, ("attention_backward dq" + at).c_str());
+      expect_close(gk, gk_w, 2e-2, ("attention_backward dk" + at).c_str());
+      expect_close(gv, gv_w, 2e-2, ("attention_backward dv" + at).c_str());
+      if (dh == 40) continue;
+      // Each tensor-core kernel by name: mma.sync with 4 and 8 warps per block, and the
+      // Hopper kernels where they run (the default path above took one of them).
       const gpu::Env env{gpu.ctx.stream, gpu.ctx.num_sms};
       const gpu::AttentionShape shape{b, s, hq, hkv, dh};
-      Tensor out8 = dev_poisoned({b, s, hq, dh}, kBF), lse8 = dev_poisoned({b, hq, s}, kF32);
-      gpu::launch_attention_forward(env, shape, dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(), scale,
-                                    out8.data_ptr(), static_cast<float*>(lse8.data_ptr()), kBF, 8);
-      expect_close(out8, out_w, kTol, "attention_forward out, 8 warps");
-      expect_close(lse8, lse_w, 1e-4, "attention_forward lse, 8 warps");
-      const int64_t scratch_floats = static_cast<int64_t>(gpu::attention_backward_scratch_bytes(shape) / 4) + 1;
-      Tensor scratch = dev_poisoned({scratch_floats}, kF32);
-      Tensor gq8 = dev_poisoned(q.shape(), kBF), gk8 = dev_poisoned(k.shape(), kBF), gv8 = dev_poisoned(v.shape(), kBF);
-      Tensor lse_d = dev(lse_w), out_d = dev(out_w), dout_d = dev(dout);
-      gpu::launch_attention_backward(env, shape, dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(), out_d.data_ptr(),
-                                     static_cast<const float*>(lse_d.data_ptr()), dout_d.data_ptr(), scale,
-                                     gq8.data_ptr(), gk8.data_ptr(), gv8.data_ptr(), kBF, scratch.data_ptr(), 8);
-      expect_close(gq8, gq_w, 2e-2, "attention_backward dq, 8 warps");
-      expect_close(gk8, gk_w, 2e-2, "attention_backward dk, 8 warps");
-      expect_close(gv8, gv_w, 2e-2, "attention_backward dv, 8 warps");
+      std::vector<int> variants = {4, 8};
+      if (gpu::attention_hopper_available(shape)) variants.push_back(gpu::kAttentionHopper);
+      for (int variant : variants) {
+        const std::string tag = fmt::format(" (variant {}, dh {} s {})", variant, dh, s);
+        Tensor out_v = dev_poisoned({b, s, hq, dh}, kBF), lse_v = dev_poisoned({b, hq, s}, kF32);
+        gpu::launch_attention_forward(env, shape, dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(), scale,
+                                      out_v.data_ptr(), static_cast<float*>(lse_v.data_ptr()), kBF, variant);
+        expect_close(out_v, out_w, kTol, ("attention_forward out" + tag).c_str());
+        expect_close(lse_v, lse_w, 1e-4, ("attention_forward lse" + tag).c_str());
+        const int64_t scratch_floats =
+            static_cast<int64_t>(gpu::attention_backward_scratch_bytes(shape) / 4) + 1;
+        Tensor scratch = dev_poisoned({scratch_floats}, kF32);
+        Tensor gqv = dev_poisoned(q.shape(), kBF), gkv = dev_poisoned(k.shape(), kBF);
+        Tensor gvv = dev_poisoned(v.shape(), kBF);
+        Tensor lse_d = dev(lse_w), out_d = dev(out_w), dout_d = dev(dout);
+        gpu::launch_attention_backward(env, shape, dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(),
+                                       out_d.data_ptr(), static_cast<const float*>(lse_d.data_ptr()),
+                                       dout_d.data_ptr(), scale, gqv.data_ptr(), gkv.data_ptr(),
+                                       gvv.data_ptr(), kBF, scratch.data_ptr(), variant);
+        expect_close(gqv, gq_w, 2e-2, ("attention_backward dq" + tag).c_str());
+        expect_close(gkv, gk_w, 2e-2, ("attention_backward dk" + tag).c_str());
+        expect_close(gvv, gv_w, 2e-2, ("attention_backward dv" + tag).c_str());
+      }
     }
   }
 }

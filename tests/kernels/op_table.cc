@@ -1167,9 +1167,11 @@ void add_multi_tensor_cases(std::vector<OpCase>& cases, Rng& rng) {
   cfg.eps = 1e-8f;
   cfg.step = 2;
   cfg.grad_scale = 0.3f;  // a clip factor
-  {
+  // Without and with working copies written in the same pass (f32 for even tensors, bf16
+  // for odd ones: the updated param rounded to bf16, within one bf16 ulp of the reference).
+  for (bool with_work : {false, true}) {
     OpCase c;
-    c.name = "adamw_step_multi/5_tensors";
+    c.name = with_work ? "adamw_step_multi/5_tensors_working_copies" : "adamw_step_multi/5_tensors";
     c.ops = {"adamw_step_multi"};
     c.bf16_storage = false;
     for (size_t i = 0; i < n; ++i) {  // per tensor: param, grad, m, v
@@ -1178,7 +1180,7 @@ void add_multi_tensor_cases(std::vector<OpCase>& cases, Rng& rng) {
       c.inputs.push_back(rng.uniform(shapes[i], -0.1, 0.1));
       c.inputs.push_back(rng.uniform(shapes[i], 0.001, 0.01));
     }
-    c.forward = [cfg, grad_types, decays, n](TestDevice& dev, const Tensors& in) {
+    c.forward = [cfg, grad_types, decays, n, with_work](TestDevice& dev, const Tensors& in) {
       std::vector<Tensor> t;
       for (size_t i = 0; i < n; ++i) {
         t.push_back(dev.upload(dev.download(in[4 * i]), DType::kF32));
@@ -1186,18 +1188,27 @@ void add_multi_tensor_cases(std::vector<OpCase>& cases, Rng& rng) {
         t.push_back(dev.upload(dev.download(in[4 * i + 2]), DType::kF32));
         t.push_back(dev.upload(dev.download(in[4 * i + 3]), DType::kF32));
       }
+      std::vector<Tensor> work;
+      for (size_t i = 0; i < n; ++i) {
+        HostTensor poison = HostTensor::zeros(t[4 * i].shape());
+        for (double& x : poison.v) x = 1e4;  // every element must be overwritten
+        work.push_back(dev.upload(poison, i % 2 == 0 ? DType::kF32 : DType::kBF16));
+      }
       std::vector<AdamWTensor> list;
-      for (size_t i = 0; i < n; ++i) list.push_back({&t[4 * i], &t[4 * i + 1], &t[4 * i + 2], &t[4 * i + 3], decays[i]});
+      for (size_t i = 0; i < n; ++i) {
+        list.push_back({&t[4 * i], &t[4 * i + 1], &t[4 * i + 2], &t[4 * i + 3], decays[i], with_work ? &work[i] : nullptr});
+      }
       adamw_step_multi(dev.exec(), list, cfg);
       HostTensors out;
       for (size_t i = 0; i < n; ++i) {
         out.push_back(dev.download(t[4 * i]));
         out.push_back(dev.download(t[4 * i + 2]));
         out.push_back(dev.download(t[4 * i + 3]));
+        if (with_work) out.push_back(dev.download(work[i]));
       }
       return out;
     };
-    c.reference = [cfg, decays, n](const HostTensors& in) {
+    c.reference = [cfg, decays, n, with_work](const HostTensors& in) {
       HostTensors out;
       const double b1 = cfg.beta1, b2 = cfg.beta2, step = static_cast<double>(cfg.step);
       for (size_t t = 0; t < n; ++t) {
@@ -1212,11 +1223,18 @@ void add_multi_tensor_cases(std::vector<OpCase>& cases, Rng& rng) {
         out.push_back(p);
         out.push_back(m);
         out.push_back(v);
+        if (with_work) {
+          HostTensor w = p;
+          if (t % 2 == 1)
+            for (double& x : w.v) x = as_bf16(x);
+          out.push_back(w);
+        }
       }
       return out;
     };
     c.atol = 1e-6;
-    c.rtol = 1e-5;
+    c.rtol = with_work ? 8e-3 : 1e-5;  // bf16: one ulp (at most 2^-7 relative) where the f32 and
+                                       // double updates round to neighbouring values
     cases.push_back(std::move(c));
   }
   {
