@@ -7,6 +7,9 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -32,6 +35,26 @@ std::shared_ptr<spdlog::logger> log() {
 bool safe_name(const std::string& s) {
   if (s.empty() || s.size() > 128 || s == "." || s == "..") return false;
   return std::all_of(s.begin(), s.end(), [](char c) { return isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.'; });
+}
+
+// True when `dir` is a relay directory of this uid whose agent is gone: its socket exists
+// and nothing accepts on it (an agent killed with SIGKILL leaves its directory behind).
+// A directory whose agent is still starting (no socket yet) is not stale.
+bool stale_relay_dir(const std::filesystem::path& dir) {
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::getuid()) return false;
+  const std::string sock = (dir / "relay").string();
+  if (::lstat(sock.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) return false;
+  sockaddr_un addr{};
+  if (sock.size() >= sizeof(addr.sun_path)) return false;
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, sock.c_str(), sock.size());
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const bool refused =
+      ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 && errno == ECONNREFUSED;
+  ::close(fd);
+  return refused;
 }
 
 }  // namespace
@@ -89,12 +112,77 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentOptions opts) {
   TROUPE_ASSIGN_OR_RETURN(a->conn_, ClientEndpoint::connect(ep, a->opts_.security, "agent:" + a->opts_.agent_id));
   log()->info("agent {} on {}: {} slots, {} GPUs, scheduler {}, logs under {}", a->opts_.agent_id, a->host_,
               a->opts_.slots, a->gpus_, ep, a->opts_.work_dir);
+  if (a->opts_.relay) TROUPE_RETURN_IF_ERROR(a->open_relay());
   a->send_register();
   return a;
 }
 
 Agent::~Agent() {
   if (!children_.empty()) kill_all(std::chrono::milliseconds(1000));
+  relay_.reset();
+  if (!relay_dir_.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(relay_dir_, ec);
+  }
+}
+
+Status Agent::open_relay() {
+  std::string base = "/tmp";
+  if (const char* t = std::getenv("TMPDIR"); t && *t) base = t;
+  std::error_code ec;
+  std::vector<std::filesystem::path> stale;
+  for (auto it = std::filesystem::directory_iterator(base, ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    if (it->path().filename().string().rfind("troupe-agent-", 0) == 0 && stale_relay_dir(it->path())) {
+      stale.push_back(it->path());
+    }
+  }
+  for (const auto& d : stale) {
+    std::filesystem::remove_all(d, ec);
+    log()->info("removed {}, the relay directory of an agent that is gone", d.string());
+  }
+  std::string tmpl = base + "/troupe-agent-XXXXXX";
+  if (!mkdtemp(tmpl.data()))
+    return io_error("cannot create the relay directory under {}: {}", base, std::strerror(errno));
+  relay_dir_ = tmpl;  // mkdtemp: mode 0700
+  const std::string ep = "ipc://" + relay_dir_ + "/relay";
+  constexpr size_t kMaxIpcPath = sizeof(sockaddr_un::sun_path) - 1;
+  if (ep.size() - 6 > kMaxIpcPath) {
+    return invalid_argument("relay socket path {} is longer than {} bytes: set TMPDIR to a shorter directory",
+                            ep.substr(6), kMaxIpcPath);
+  }
+  auto server = ServerEndpoint::bind(ep, ServerSecurity{}, 1, /*ipc_same_user=*/true);
+  if (!server.ok()) return server.status().with_context("agent relay");
+  relay_ = std::move(server).value();
+  log()->info("agent {}: job processes reach the scheduler through {}", opts_.agent_id,
+              relay_->bound_endpoint());
+  return ok_status();
+}
+
+void Agent::relay_up() {
+  if (!relay_) return;
+  for (auto& in : relay_->poll(std::chrono::milliseconds(0))) {
+    if (in.peer.empty()) continue;  // a message without a sender cannot be answered or attributed
+    conn_->send(Message{0, RelayedMessage{std::move(in.peer), encode_message(in.msg)}});
+  }
+}
+
+void Agent::relay_down(const RelayedMessage& r) {
+  if (!relay_) {
+    log()->error("a relayed message for session {} but this agent runs no relay: dropped", r.session);
+    return;
+  }
+  auto inner = decode_message(r.msg.data(), r.msg.size());
+  if (!inner.ok()) {
+    log()->error("relayed message for session {}: dropped: {}", r.session, inner.status().to_string());
+    return;
+  }
+  if (std::holds_alternative<RelayedMessage>(inner->payload)) {
+    log()->error("relayed message for session {}: dropped a nested relay", r.session);
+    return;
+  }
+  if (!relay_->send(r.session, *inner))
+    log()->debug("relayed {} to session {}: gone", payload_name(inner->payload), r.session);
 }
 
 std::string Agent::log_path(const std::string& job, const std::string& name) const {
@@ -126,6 +214,7 @@ void Agent::run_once(std::chrono::milliseconds timeout) {
   // One poll over the scheduler socket and every child's pidfd: an exit wakes us at once.
   std::vector<pollfd> fds;
   fds.push_back({conn_->wake_fd(), POLLIN, 0});
+  if (relay_) fds.push_back({relay_->wake_fd(), POLLIN, 0});
   for (const auto& [pid, c] : children_) {
     if (c.proc.pidfd >= 0) fds.push_back({c.proc.pidfd, POLLIN, 0});
   }
@@ -137,9 +226,16 @@ void Agent::run_once(std::chrono::milliseconds timeout) {
     if (!m) break;
     handle(*m);
   }
+  if (!stop_.load()) relay_up();
   reap();
 
   auto now = Clock::now();
+  if (relay_ && now >= next_ask_expiry_) {
+    // Relayed asks the scheduler will not answer (lost with its restart) are forgotten
+    // once their askers' deadlines have passed.
+    relay_->expire_asks();
+    next_ask_expiry_ = now + std::chrono::seconds(1);
+  }
   if (!registered_ && now - last_register_ > std::chrono::milliseconds(1000)) send_register();
   if (registered_ && now - last_beat_ >= std::chrono::milliseconds(opts_.heartbeat_ms)) {
     conn_->send(Message{0, AgentHeartbeat{opts_.agent_id, incarnation_, wall_ms()}});
@@ -199,6 +295,8 @@ void Agent::handle(const Message& m) {
     });
   } else if (auto* lq = std::get_if<AgentLogsQuery>(&m.payload)) {
     on_logs(m.request_id, lq->req);
+  } else if (auto* rl = std::get_if<RelayedMessage>(&m.payload)) {
+    relay_down(*rl);
   } else {
     log()->warn("unexpected {} message from the scheduler: dropped", payload_name(m.payload));
   }
@@ -234,6 +332,7 @@ void Agent::on_spawn(const SpawnRequest& req) {
   if (!opts_.key_file.empty()) env["TROUPE_CURVE_KEY"] = opts_.key_file;
   if (!opts_.host_addr.empty()) env["TROUPE_HOST_ADDR"] = opts_.host_addr;
   if (opts_.insecure) env["TROUPE_INSECURE"] = "1";
+  if (relay_) env["TROUPE_AGENT_RELAY"] = relay_->bound_endpoint();
   env["TROUPE_LOG_FILE"] = so.log_path;
   for (const auto& [k, v] : env) so.env.push_back(k + "=" + v);
   auto child = spawn_process(so);

@@ -5,6 +5,17 @@
 // set), kills process groups on command (SIGTERM, then SIGKILL after the grace period),
 // heartbeats, and registers again with a restarted scheduler, reporting what it runs.
 //
+// Relay (on by default): the agent binds ipc://<private dir>/relay (a fresh 0700 directory
+// troupe-agent-XXXXXX under $TMPDIR or /tmp, removed when the agent ends; directories of
+// this user's agents that died without removing theirs, whose socket refuses connections,
+// are removed at start) and gives its processes TROUPE_AGENT_RELAY. Their scheduler
+// sessions (hello, beats, store, placement, status) go there, and the agent carries each
+// message over its own scheduler connection in a Relay message naming the session; the
+// scheduler answers through the agent. So the scheduler holds one CURVE connection per
+// host, not one per process (docs/architecture.md, "Worker sessions through the agent").
+// The local hop has no CURVE: only this agent's user can reach a socket in that directory,
+// and the relay's ZAP handler admits only peers of this process's uid (SO_PEERCRED).
+//
 // Threading: run()/run_once() on one thread; stop() from any thread. Children get
 // PR_SET_PDEATHSIG, so they die with the agent's thread: no orphans if the agent dies.
 #pragma once
@@ -41,6 +52,9 @@ struct AgentOptions {
   std::string host_addr;
   // Let processes bind a non-loopback host_addr without CURVE (TROUPE_INSECURE=1).
   bool insecure = false;
+  // Relay the job processes' scheduler sessions (see above); false: each process opens
+  // its own connection to the scheduler.
+  bool relay = true;
 };
 
 // The first IPv4 address of network interface `iface` (for --iface).
@@ -62,6 +76,8 @@ class Agent {
   const std::string& id() const { return opts_.agent_id; }
   int slots() const { return opts_.slots; }
   bool registered() const { return registered_; }
+  // The relay's endpoint (ipc://...), empty without a relay.
+  std::string relay_endpoint() const { return relay_ ? relay_->bound_endpoint() : std::string(); }
   size_t running() const { return children_.size(); }
   // Kills every child (SIGTERM, SIGKILL after `grace`) and reaps them; blocks.
   void kill_all(std::chrono::milliseconds grace);
@@ -82,11 +98,16 @@ class Agent {
   void on_spawn(const SpawnRequest& req);
   void on_kill(const KillRequest& req);
   void on_logs(uint64_t rid, const LogsRequest& req);
+  Status open_relay();
+  void relay_up();                           // local sessions -> the scheduler
+  void relay_down(const RelayedMessage& r);  // the scheduler -> a local session
   void reap();
   std::string log_path(const std::string& job, const std::string& name) const;
 
   AgentOptions opts_;
   std::unique_ptr<ClientEndpoint> conn_;
+  std::unique_ptr<ServerEndpoint> relay_;
+  std::string relay_dir_;  // removed by the destructor
   std::string host_;
   int gpus_ = 0;
   std::map<pid_t, Child> children_;
@@ -95,6 +116,7 @@ class Agent {
   bool registered_ = false;
   Clock::time_point last_beat_{};
   Clock::time_point last_register_{};
+  Clock::time_point next_ask_expiry_{};
   std::atomic<bool> stop_{false};
   std::mutex live_mu_;
   std::set<pid_t> live_pgids_;  // children not yet reaped, for kill_all_now()

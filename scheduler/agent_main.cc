@@ -40,6 +40,10 @@ int main(int argc, char** argv) {
   app.add_option("--iface", iface, "Take --host-addr from this network interface (e.g. eth0)")->excludes(ha);
   app.add_flag("--insecure", opts.insecure,
                "Allow a non-loopback --host-addr without CURVE (trusted networks only)");
+  bool no_relay = false;
+  app.add_flag("--no-relay", no_relay,
+               "Job processes connect to the scheduler themselves (default: their sessions go through "
+               "this agent's local relay, one scheduler connection per host)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -47,6 +51,7 @@ int main(int argc, char** argv) {
     return rc == 0 ? 0 : 2;
   }
 
+  opts.relay = !no_relay;
   troupe::init_logging(troupe::LoggingOptions{"agent", "", spdlog::level::info});
   if (!iface.empty()) {
     auto addr = troupe::sched::interface_address(iface);

@@ -150,6 +150,11 @@ struct Encoder {
     b.setValue(bytes_of(v.value));
     b.setTimeoutMs(v.timeout_ms);
   }
+  void operator()(const RelayedMessage& v) {
+    auto b = m.initRelay();
+    b.setSession(v.session);
+    b.setMsg(bytes_of(v.msg));
+  }
   void operator()(const SubmitJob& v) { m.setSubmit(v.spec_json); }
   void operator()(const StatusQuery& v) { m.setStatus(v.job_id); }
   void operator()(const CancelJob& v) { m.setCancel(v.job_id); }
@@ -242,6 +247,22 @@ Result<Payload> decode_payload(::Msg::Reader m) {
       for (auto p : r.getPlacements()) v.placements.emplace_back(p.getActor(), p.getProc());
       return Payload(std::move(v));
     }
+    case ::Msg::RELAY: {
+      auto r = m.getRelay();
+      RelayedMessage v;
+      v.session = r.getSession();
+      if (v.session.empty() || v.session.size() > kMaxRelaySessionBytes) {
+        return invalid_argument("relay with a session name of {} bytes (1..{})", v.session.size(),
+                                kMaxRelaySessionBytes);
+      }
+      for (char c : v.session) {
+        if (c < 33 || c > 126)
+          return invalid_argument("relay with a session name that is not printable ASCII");
+      }
+      v.msg = string_of(r.getMsg());
+      if (v.msg.size() < 2 * sizeof(wire::word)) return data_loss("relay of a {}-byte message", v.msg.size());
+      return Payload(std::move(v));
+    }
     case ::Msg::REPLY: {
       auto r = m.getReply();
       Reply v;
@@ -263,10 +284,10 @@ Result<Payload> decode_payload(::Msg::Reader m) {
 }  // namespace
 
 const char* payload_name(const Payload& p) {
-  static const char* const kNames[] = {"registerAgent", "registerAck", "agentHeartbeat", "reregister",
-                                       "spawn", "kill", "procStarted", "procExited", "exitAck",
-                                       "procBeat", "store", "submit", "status", "cancel", "logs",
-                                       "reply", "logsForAgent", "placeActors"};
+  static const char* const kNames[] = {
+      "registerAgent", "registerAck", "agentHeartbeat", "reregister",  "spawn",  "kill",   "procStarted",
+      "procExited",    "exitAck",     "procBeat",       "store",       "submit", "status", "cancel",
+      "logs",          "reply",       "logsForAgent",   "placeActors", "relay"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == std::variant_size_v<Payload>);
   return kNames[p.index()];
 }

@@ -41,6 +41,10 @@ Result<std::optional<JobContext>> JobContext::from_env() {
   c.backend = env_or("TROUPE_BACKEND", "cpu");
   c.node = env_or("TROUPE_NODE");
   c.checkpoint_dir = env_or("TROUPE_CHECKPOINT_DIR");
+  c.relay = env_or("TROUPE_AGENT_RELAY");
+  if (!c.relay.empty() && c.relay.rfind("ipc://", 0) != 0) {
+    return invalid_argument("TROUPE_AGENT_RELAY='{}' is not an ipc:// endpoint", c.relay);
+  }
   TROUPE_RETURN_IF_ERROR(env_int("TROUPE_RANK", &c.rank));
   TROUPE_RETURN_IF_ERROR(env_int("TROUPE_WORLD_SIZE", &c.world_size));
   TROUPE_RETURN_IF_ERROR(env_int("TROUPE_LOCAL_RANK", &c.local_rank));
@@ -66,7 +70,8 @@ Result<std::optional<JobContext>> JobContext::from_env() {
 
 Result<std::unique_ptr<SchedulerSession>> SchedulerSession::connect(const JobContext& ctx) {
   std::string id = fmt::format("proc:{}:{}:{}:{}", ctx.job_id, ctx.name, ctx.epoch, getpid());
-  TROUPE_ASSIGN_OR_RETURN(auto conn, ClientEndpoint::connect(ctx.scheduler, ctx.security, id));
+  TROUPE_ASSIGN_OR_RETURN(auto conn,
+                          ClientEndpoint::connect(ctx.session_endpoint(), ctx.session_security(), id));
   return std::unique_ptr<SchedulerSession>(new SchedulerSession(ctx, std::move(conn)));
 }
 

@@ -10,7 +10,8 @@
 // TROUPE_JOB_ID, TROUPE_PROC_NAME, TROUPE_EPOCH, TROUPE_RESTARTS, TROUPE_DRIVER_RESTARTS,
 // TROUPE_SCHEDULER, TROUPE_LAYOUT, TROUPE_BACKEND, TROUPE_NODE, TROUPE_SLOT,
 // TROUPE_HEARTBEAT_MS, TROUPE_HEARTBEAT_TIMEOUT_MS, TROUPE_LOG_FILE, and when set
-// TROUPE_CHECKPOINT_DIR, TROUPE_SCHEDULER_PUBLIC_KEY + TROUPE_CURVE_KEY (CURVE).
+// TROUPE_CHECKPOINT_DIR, TROUPE_SCHEDULER_PUBLIC_KEY + TROUPE_CURVE_KEY (CURVE),
+// TROUPE_AGENT_RELAY (set by an agent that relays its processes' sessions).
 #pragma once
 
 #include <atomic>
@@ -35,6 +36,10 @@ struct JobContext {
   std::string backend;
   std::string node;
   std::string checkpoint_dir;
+  // TROUPE_AGENT_RELAY: the ipc:// endpoint of the agent that started this process, which
+  // carries this process's scheduler sessions over its own connection (agent.h); empty:
+  // connect to `scheduler` directly (with `security`).
+  std::string relay;
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
@@ -48,6 +53,11 @@ struct JobContext {
   ClientSecurity security;
 
   bool is_driver() const { return role == "driver"; }
+  // Where this process's scheduler sessions go: the agent's relay when there is one (no
+  // CURVE: the endpoint is a socket in the agent's 0700 directory, and the agent admits
+  // only its own user), else the scheduler with `security`.
+  std::string session_endpoint() const { return relay.empty() ? scheduler : relay; }
+  ClientSecurity session_security() const { return relay.empty() ? security : ClientSecurity{}; }
   // nullopt when the process was not started by Troupe (no TROUPE_JOB_ID); an error when
   // the variables are there but malformed.
   static Result<std::optional<JobContext>> from_env();

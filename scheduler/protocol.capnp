@@ -126,6 +126,17 @@ struct PlaceActors @0xc1d1a1e7a0b2f010 {
   placements @2 :List(ActorPlacement);
 }
 
+# One message of a session relayed by a node's agent: the job processes of a host talk to
+# their local agent (an ipc:// endpoint, no CURVE), which carries their sessions over its
+# own scheduler connection, so the scheduler holds one CURVE connection per host
+# (docs/architecture.md, "Worker sessions through the agent").
+# agent -> scheduler: `msg` came from the agent's local session `session`;
+# scheduler -> agent: deliver `msg` to that session. `msg` is one encoded Msg, never a relay.
+struct Relay @0xc1d1a1e7a0b2f011 {
+  session @0 :Text;       # the agent's name for the session ("<node>/inbox", "ask:<n>")
+  msg @1 :Data;
+}
+
 struct Msg @0xc1d1a1e7a0b2f00e {
   version @0 :UInt16;
   requestId @1 :UInt64;
@@ -148,5 +159,6 @@ struct Msg @0xc1d1a1e7a0b2f00e {
     reply @17 :Reply;
     logsForAgent @18 :LogsRequest;   # scheduler -> agent, requestId maps back to the CLI
     placeActors @19 :PlaceActors;    # driver -> scheduler; the reply body lists addresses
+    relay @20 :Relay;                # agent <-> scheduler: a local session's message
   }
 }

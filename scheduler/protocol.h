@@ -124,6 +124,16 @@ struct PlaceActors {
   std::vector<std::pair<std::string, std::string>> placements;  // actor -> process name
 };
 
+// A local session's message relayed by its node's agent (protocol.capnp, Relay). `msg` is
+// the encoded inner Message; decode_message checks that `session` is 1..kMaxRelaySessionBytes
+// of printable ASCII without spaces. Receivers decode `msg` themselves and drop an inner
+// relay (nesting is not allowed).
+inline constexpr size_t kMaxRelaySessionBytes = 256;
+struct RelayedMessage {
+  std::string session;
+  std::string msg;
+};
+
 // Typed wrappers so the variant can tell apart payloads of the same C++ type.
 struct ProcStarted { ProcStatus proc; };
 struct ProcExited { ProcStatus proc; };
@@ -133,9 +143,10 @@ struct CancelJob { std::string job_id; };
 struct LogsQuery { LogsRequest req; };
 struct AgentLogsQuery { LogsRequest req; };
 
-using Payload = std::variant<RegisterAgent, RegisterAck, AgentHeartbeat, Reregister, SpawnRequest,
-                             KillRequest, ProcStarted, ProcExited, ExitAck, ProcBeat, StoreRequest,
-                             SubmitJob, StatusQuery, CancelJob, LogsQuery, Reply, AgentLogsQuery, PlaceActors>;
+using Payload =
+    std::variant<RegisterAgent, RegisterAck, AgentHeartbeat, Reregister, SpawnRequest, KillRequest,
+                 ProcStarted, ProcExited, ExitAck, ProcBeat, StoreRequest, SubmitJob, StatusQuery, CancelJob,
+                 LogsQuery, Reply, AgentLogsQuery, PlaceActors, RelayedMessage>;
 
 struct Message {
   uint64_t request_id = 0;

@@ -131,7 +131,43 @@ void Scheduler::run_once(std::chrono::milliseconds timeout) {
 }
 
 void Scheduler::send(const std::string& peer, Message msg) {
+  if (peer.rfind(kRelayPeerPrefix, 0) == 0) {
+    // A session relayed by an agent: the message goes back through that agent.
+    const size_t sep = peer.find('\n', kRelayPeerPrefix.size());
+    if (sep == std::string::npos) {
+      log()->error("{} to a malformed relayed peer: dropped", payload_name(msg.payload));
+      return;
+    }
+    std::string agent_peer = peer.substr(kRelayPeerPrefix.size(), sep - kRelayPeerPrefix.size());
+    outbox_.emplace_back(std::move(agent_peer),
+                         Message{0, RelayedMessage{peer.substr(sep + 1), encode_message(msg)}});
+    return;
+  }
   outbox_.emplace_back(peer, std::move(msg));
+}
+
+// "relay:<agent's peer>\n<session>": neither part holds a newline (node ids are sanitized,
+// session names are printable ASCII, protocol.h).
+void Scheduler::on_relay(const Incoming& in, const RelayedMessage& r) {
+  auto inner = decode_message(r.msg.data(), r.msg.size());
+  if (!inner.ok()) {
+    log()->error("relay from {} (session {}): dropped an undecodable message: {}", in.peer, r.session,
+                 inner.status().to_string());
+    return;
+  }
+  if (std::holds_alternative<RelayedMessage>(inner->payload) ||
+      std::holds_alternative<RegisterAgent>(inner->payload) ||
+      std::holds_alternative<AgentHeartbeat>(inner->payload)) {
+    log()->error("relay from {} (session {}): dropped a relayed {} (a relayed session is a job process's)",
+                 in.peer, r.session, payload_name(inner->payload));
+    return;
+  }
+  if (in.peer.empty() || in.peer.rfind("ask:", 0) == 0 || in.peer.rfind(kRelayPeerPrefix, 0) == 0) {
+    log()->error("relay from {}: dropped (only a connected agent relays, with tells)", in.peer);
+    return;
+  }
+  dispatch(Incoming{fmt::format("{}{}\n{}", kRelayPeerPrefix, in.peer, r.session), std::move(inner).value(),
+                    in.received});
 }
 
 void Scheduler::flush_sends() {
@@ -189,6 +225,8 @@ void Scheduler::dispatch(const Incoming& in) {
         else if constexpr (std::is_same_v<T, StoreRequest>) on_store(in.peer, m.request_id, p);
         else if constexpr (std::is_same_v<T, Reply>) on_reply(m);
         else if constexpr (std::is_same_v<T, PlaceActors>) on_place_actors(in.peer, m.request_id, p);
+        else if constexpr (std::is_same_v<T, RelayedMessage>)
+          on_relay(in, p);
         else {
           log()->warn("unexpected {} message from a client: dropped", payload_name(m.payload));
           reply(in.peer, m.request_id, Reply::of(invalid_argument("the scheduler does not accept {} messages",
@@ -693,6 +731,10 @@ void Scheduler::timers() {
     if (it == store_waiters_.end()) continue;
     reply(it->second.peer, it->second.request_id, std::move(r));
     store_waiters_.erase(it);
+  }
+  if (now >= next_ask_expiry_) {  // asks whose asker gave up (e.g. lost with an agent)
+    server_->expire_asks();
+    next_ask_expiry_ = now + std::chrono::seconds(1);
   }
   // Timeouts are seconds long: scanning every agent and process every 100 ms (or poll
   // period) is enough, not once per message batch (thousands a second at cluster scale).

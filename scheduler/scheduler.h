@@ -20,6 +20,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/status.h"
@@ -122,6 +123,11 @@ class Scheduler {
   void on_store(const std::string& peer, uint64_t rid, const StoreRequest& m);
   void on_reply(const Message& m);
   void on_place_actors(const std::string& peer, uint64_t rid, const PlaceActors& m);
+  // A job process's message relayed by its agent (protocol.h, RelayedMessage): handled as
+  // from the virtual peer "relay:<agent peer>\n<session>", whose replies send() wraps
+  // and hands to the agent. Malformed or nested relays are dropped with a logged error.
+  void on_relay(const Incoming& in, const RelayedMessage& r);
+  static constexpr std::string_view kRelayPeerPrefix = "relay:";
 
   void timers();
   void scan_health(Clock::time_point now);  // agent and process heartbeat timeouts
@@ -185,6 +191,7 @@ class Scheduler {
   Clock::time_point next_lag_prune_{};
   std::vector<std::pair<std::string, Message>> outbox_;  // sent after the turn's commit
   Clock::time_point next_health_scan_{};
+  Clock::time_point next_ask_expiry_{};
   // try_start's placement, for spawn(): agent -> the epoch's worker ranks on it (sorted),
   // so a job of n workers costs O(n log n), not O(n^2). Empty outside try_start.
   std::map<std::string, std::vector<int>> placing_ranks_;

@@ -32,7 +32,7 @@ class SchedulerStore final : public comm::RendezvousStore {
   static Result<std::unique_ptr<SchedulerStore>> connect(const std::string& endpoint, const ClientSecurity& sec,
                                                          const std::string& job_id, uint64_t epoch);
   static Result<std::unique_ptr<SchedulerStore>> connect(const JobContext& ctx) {
-    return connect(ctx.scheduler, ctx.security, ctx.job_id, ctx.epoch);
+    return connect(ctx.session_endpoint(), ctx.session_security(), ctx.job_id, ctx.epoch);
   }
 
   Status set(std::string_view key, std::string_view value) override;

@@ -165,12 +165,30 @@ std::vector<Incoming> MessageQueue::take(std::chrono::milliseconds timeout) {
   return out;
 }
 
+std::optional<Incoming> MessageQueue::take_one(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (timeout.count() > 0) cv_.wait_for(lk, timeout, [&] { return !q_.empty(); });
+  if (q_.empty()) return std::nullopt;
+  Incoming in = std::move(q_.front());
+  q_.pop_front();
+  if (q_.empty()) {
+    uint64_t drain;
+    ssize_t n = read(fd_, &drain, sizeof(drain));  // empty now: clear readability
+    (void)n;
+  }
+  return in;
+}
+
 // ------------------------------------------------------------------ ServerEndpoint
 
 struct ServerEndpoint::Shared {
   MessageQueue queue;
   std::mutex mu;
-  std::map<std::string, actors::ResponsePromise> asks;  // "ask:<n>" -> the asker's promise
+  struct PendingAsk {
+    actors::ResponsePromise promise;
+    int64_t deadline_unix_nanos = 0;  // the asker's; 0: none
+  };
+  std::map<std::string, PendingAsk> asks;  // "ask:<n>" -> the asker's promise
   uint64_t next_ask = 0;
 };
 
@@ -191,7 +209,8 @@ class ServerInbox final : public actors::Actor {
       if (ctx.is_ask()) {
         std::lock_guard<std::mutex> lk(s_->mu);
         peer = fmt::format("ask:{}", ++s_->next_ask);
-        s_->asks.emplace(peer, make_response_promise());
+        s_->asks.emplace(
+            peer, ServerEndpoint::Shared::PendingAsk{make_response_promise(), ctx.deadline_unix_nanos()});
       } else if (ctx.sender().valid()) {
         peer = ctx.sender().to_string();
       }
@@ -249,7 +268,8 @@ Result<CurveKeyPair> derive_job_keypair(const CurveKeyPair& scheduler_keys, cons
 }
 
 Result<std::unique_ptr<ServerEndpoint>> ServerEndpoint::bind(const std::string& endpoint,
-                                                             const ServerSecurity& sec, int io_threads) {
+                                                             const ServerSecurity& sec, int io_threads,
+                                                             bool ipc_same_user) {
   std::unique_ptr<ServerEndpoint> s(new ServerEndpoint());
   s->shared_ = std::make_shared<Shared>();
   std::string ep = endpoint;
@@ -261,6 +281,7 @@ Result<std::unique_ptr<ServerEndpoint>> ServerEndpoint::bind(const std::string& 
   o.threads = 1;
   o.network = transport_options(kSchedulerNode, ep);
   o.network->io_threads = io_threads;
+  o.network->ipc_same_user = ipc_same_user;
   if (sec.server_keys) {
     if (sec.allowed_client_keys.empty()) {
       return invalid_argument("CURVE is configured but no client key is allowed (--allow-keys)");
@@ -283,11 +304,41 @@ Result<std::unique_ptr<ServerEndpoint>> ServerEndpoint::bind(const std::string& 
 ServerEndpoint::~ServerEndpoint() {
   if (system_) system_->shutdown();
   std::lock_guard<std::mutex> lk(shared_->mu);
-  for (auto& [peer, p] : shared_->asks) p.fail(cancelled("the scheduler is shutting down"));
+  for (auto& [peer, p] : shared_->asks) p.promise.fail(cancelled("the scheduler is shutting down"));
   shared_->asks.clear();
 }
 
 std::vector<Incoming> ServerEndpoint::poll(std::chrono::milliseconds timeout) { return shared_->queue.take(timeout); }
+
+size_t ServerEndpoint::expire_asks(std::chrono::milliseconds grace) {
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
+  const int64_t limit = now - std::chrono::duration_cast<std::chrono::nanoseconds>(grace).count();
+  std::vector<actors::ResponsePromise> expired;  // failed (to nobody) outside the lock
+  {
+    std::lock_guard<std::mutex> lk(shared_->mu);
+    for (auto it = shared_->asks.begin(); it != shared_->asks.end();) {
+      if (it->second.deadline_unix_nanos != 0 && it->second.deadline_unix_nanos < limit) {
+        expired.push_back(std::move(it->second.promise));
+        it = shared_->asks.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& p : expired) p.fail(deadline_exceeded("no answer before the asker's deadline"));
+  return expired.size();
+}
+
+size_t ServerEndpoint::pending_asks() const {
+  std::lock_guard<std::mutex> lk(shared_->mu);
+  return shared_->asks.size();
+}
+
+int ServerEndpoint::wake_fd() const {
+  return shared_->queue.fd();
+}
 
 bool ServerEndpoint::send(const std::string& peer, const Message& msg) {
   SchedWire w{encode_message(msg)};
@@ -297,7 +348,7 @@ bool ServerEndpoint::send(const std::string& peer, const Message& msg) {
       std::lock_guard<std::mutex> lk(shared_->mu);
       auto it = shared_->asks.find(peer);
       if (it == shared_->asks.end()) return false;  // answered already
-      p = std::move(it->second);
+      p = std::move(it->second.promise);
       shared_->asks.erase(it);
     }
     p.deliver(w);
@@ -357,11 +408,12 @@ bool ClientEndpoint::send(const Message& msg) {
 }
 
 std::optional<Message> ClientEndpoint::receive(std::chrono::milliseconds timeout) {
-  // One at a time: put back what take() returned beyond the first.
-  auto got = inbox_->take(timeout);
-  if (got.empty()) return std::nullopt;
-  for (size_t i = 1; i < got.size(); ++i) inbox_->push(std::move(got[i]));
-  return std::move(got[0].msg);
+  // One at a time, in arrival order (taking all and queueing the rest again would put
+  // them behind what arrived meanwhile: an agent saw a spawn before the kill sent ahead
+  // of it).
+  auto got = inbox_->take_one(timeout);
+  if (!got) return std::nullopt;
+  return std::move(got->msg);
 }
 
 Result<Reply> ClientEndpoint::request(Payload payload, std::chrono::milliseconds timeout) {

@@ -87,6 +87,9 @@ class MessageQueue {
   void push(Incoming in);
   // Waits up to `timeout` for the first message, then takes everything queued.
   std::vector<Incoming> take(std::chrono::milliseconds timeout);
+  // Waits up to `timeout` for the first message and takes only it (order kept: what
+  // arrives meanwhile queues behind what was there).
+  std::optional<Incoming> take_one(std::chrono::milliseconds timeout);
   int fd() const { return fd_; }
 
  private:
@@ -101,12 +104,21 @@ class ServerEndpoint {
   // Binds `endpoint` ("tcp://127.0.0.1:0" picks a free port: see bound_endpoint()).
   // `io_threads`: ZeroMQ I/O threads (control::TransportOptions::io_threads); with CURVE
   // they run every client's handshake, about 0.3 ms of CPU each (bench/scale).
+  // `ipc_same_user`: an ipc:// endpoint without CURVE that admits only this process's uid
+  // (control::TransportOptions::ipc_same_user; an agent's relay).
   static Result<std::unique_ptr<ServerEndpoint>> bind(const std::string& endpoint, const ServerSecurity& sec,
-                                                      int io_threads = 1);
+                                                      int io_threads = 1, bool ipc_same_user = false);
   ~ServerEndpoint();
 
   // Waits up to `timeout` for messages and returns those that arrived.
   std::vector<Incoming> poll(std::chrono::milliseconds timeout);
+  // Readable while poll() has something: for poll() loops (an agent's relay).
+  int wake_fd() const;
+  // Forgets asks whose asker's deadline passed more than `grace` ago (nobody waits for
+  // their answer any more); returns how many. Call it now and then: an ask that is never
+  // answered (a relayed request lost with a scheduler restart) would otherwise be kept.
+  size_t expire_asks(std::chrono::milliseconds grace = std::chrono::milliseconds(1000));
+  size_t pending_asks() const;  // asks not yet answered
   // Sends to an Incoming's peer. A reply to an ask is delivered once; later sends to the
   // same peer are dropped. False when the message could not be handed to the transport.
   bool send(const std::string& peer, const Message& msg);

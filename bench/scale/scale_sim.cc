@@ -5,6 +5,14 @@
 // transport's 2 Hz application heartbeats, ZMTP heartbeats), owned by a few threads that
 // each poll hundreds to thousands of sockets through one epoll set.
 //
+// Sessions, as troupe-agent runs them: each simulated agent binds an ipc:// ROUTER (its
+// relay; peers admitted by uid through ZAP), its processes' DEALERs connect there, and the
+// agent carries their messages over its own CURVE connection to the scheduler in Relay
+// messages (scheduler/agent.h), decoding and encoding each as the real agent does; the
+// scheduler's answers come back the same way. So the scheduler sees 1,250 CURVE peers and
+// 10,000 relayed sessions. --direct instead connects every process's DEALER to the
+// scheduler (with CURVE: 11,250 handshakes), as troupe-agent --no-relay does.
+//
 // Script (one elastic job of --workers ranks and a driver):
 //   agents register, beat at 1 Hz -> a client submits the job -> the scheduler places it
 //   and sends spawn requests -> each agent answers with procStarted and starts a worker
@@ -23,11 +31,13 @@
 // timing: the ctest scale_sim_small runs it at 500 workers on a shared machine.
 //
 // Processes: the simulated peers live in as few forked processes as the file-descriptor
-// limit allows (each DEALER costs a TCP socket and a mailbox eventfd), at nice 10 without
-// CURVE and nice 0 with it (see Options::nice) (they
-// stand for other hosts); each process runs --threads / processes threads, each owning
-// hundreds to thousands of sockets polled through one epoll set.
+// limit allows (each DEALER costs a TCP socket and a mailbox eventfd; a relayed session an
+// ipc connection with both ends here), at nice 10 (nice 0 with CURVE and --direct: see
+// Options::nice) (they stand for other hosts); each process runs --threads / processes
+// threads (rounded up), each owning hundreds to thousands of sockets polled through one
+// epoll set.
 #include <signal.h>
+#include <spdlog/spdlog.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -39,6 +49,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -60,8 +71,10 @@
 #include <unordered_map>
 #include <vector>
 #include <zmq.hpp>
+#include <zmq_addon.hpp>
 
 #include "comm/control/codec.h"
+#include "comm/control/curve.h"
 #include "comm/control/envelope.h"
 #include "core/status.h"
 #include "scheduler/local_auth.h"
@@ -96,8 +109,8 @@ struct Options {
   std::string scheduler_bin = TROUPE_SCHEDULER_BIN;
   std::string state_dir;
   int processes = 0;  // simulator processes; 0: as few as the file-descriptor limit allows
-  // The simulator processes' nice value (the scheduler keeps its own); -1: 10 without
-  // CURVE, 0 with it. With CURVE every simulated client's handshake costs as much CPU as
+  // The simulator processes' nice value (the scheduler keeps its own); -1: 10, except 0
+  // with CURVE and --direct. There every simulated client's handshake costs as much CPU as
   // the scheduler's side of it, and at nice 10 the simulated agents' own beats fell 2-3 s
   // behind on the simulator side (the row "longest agent beat gap" shows it): the run then
   // measured the simulator starving, not the scheduler.
@@ -109,9 +122,16 @@ struct Options {
   // agents and job processes do. --insecure measures the scheduler without it.
   bool insecure = false;
   control::CurveKeyPair credential;
+  // Worker and driver sessions connect to the scheduler themselves (one CURVE handshake
+  // each) instead of going through their agent's relay (troupe-agent's default: an ipc://
+  // ROUTER per agent, peers admitted by uid, sessions carried in Relay messages over the
+  // agent's own scheduler connection).
+  bool direct = false;
+  std::string relay_dir;  // the agents' ipc sockets (a 0700 directory of this run)
 };
 
-enum class Kind { kAgent, kWorker, kDriver, kClient };
+// kRelay: a simulated agent's local ROUTER (troupe-agent's relay), `agent` its owner.
+enum class Kind { kAgent, kWorker, kDriver, kClient, kRelay };
 
 struct Ask {
   enum What {
@@ -159,7 +179,9 @@ struct Peer {
   uint64_t epoch = 0;
   int world = 0;
   int pid = 0;
-  Peer* agent = nullptr;
+  Peer* agent = nullptr;  // a process's agent; a relay's owner
+  Peer* relay = nullptr;  // an agent's relay (none with --direct)
+  std::string relay_endpoint;
   bool said_hello = false;
   int gets_left = 3;
   bool dead = false;
@@ -236,6 +258,11 @@ struct SimThread {
   Shared* sh = nullptr;
   int id = 0;
   std::unique_ptr<zmq::context_t> ctx;
+  // The relays' sockets live in a context of their own (with its ZAP handler): on a real
+  // host the agent's relay and each process have their own I/O threads, and libzmq 4.3's
+  // timer cancellation is linear in the timers of one I/O thread, so piling the two ends
+  // of thousands of local connections onto one thread would measure that, not the relay.
+  std::unique_ptr<zmq::context_t> relay_ctx;
   int epfd = -1;
   int cmd_fd = -1;
   std::mutex cmd_mu;
@@ -247,6 +274,11 @@ struct SimThread {
   std::mt19937_64 rng;
   int fail_gen = 0;  // the board's failure generation this thread has acted on
   std::vector<std::pair<Peer*, SpawnRequest>> starts;  // read, not yet started
+  // The ZAP handler of this thread's context: admits the relays' local peers by uid, as
+  // troupe-agent's does (control::serve_zap_request_same_uid).
+  std::unique_ptr<zmq::socket_t> zap;
+  int zap_tag = 0;             // its epoll data.ptr
+  std::vector<Peer*> recheck;  // relays sent on: look for input after this turn's events
 
   void post(std::function<void()> f) {
     {
@@ -258,7 +290,9 @@ struct SimThread {
     (void)n;
   }
 
-  Peer* open(Kind kind, int index, const std::string& node) {
+  // `via`: the agent relay's endpoint a process's session connects to (no CURVE); empty:
+  // the scheduler, with CURVE unless --insecure.
+  Peer* open(Kind kind, int index, const std::string& node, const std::string& via = "") {
     auto p = std::make_unique<Peer>();
     p->kind = kind;
     p->index = index;
@@ -274,7 +308,7 @@ struct SimThread {
       s.set(zmq::sockopt::heartbeat_ivl, 1000);
       s.set(zmq::sockopt::heartbeat_timeout, 10000);
       s.set(zmq::sockopt::routing_id, node);
-      if (!sh->opt.insecure) {
+      if (!sh->opt.insecure && via.empty()) {
         s.set(zmq::sockopt::curve_serverkey, sh->opt.credential.public_key);
         s.set(zmq::sockopt::curve_publickey, sh->opt.credential.public_key);
         s.set(zmq::sockopt::curve_secretkey, sh->opt.credential.secret_key);
@@ -283,7 +317,7 @@ struct SimThread {
       s.set(zmq::sockopt::reconnect_ivl_max, 1000);
       s.set(zmq::sockopt::sndhwm, 0);
       s.set(zmq::sockopt::rcvhwm, 0);
-      s.connect(sh->endpoint);
+      s.connect(via.empty() ? sh->endpoint : via);
       int fd = s.get(zmq::sockopt::fd);
       epoll_event ev{};
       ev.events = EPOLLIN;
@@ -299,6 +333,115 @@ struct SimThread {
     p->next_beat = now + std::chrono::milliseconds(rng() % std::max(1, sh->opt.beat_ms));
     peers.push_back(std::move(p));
     return peers.back().get();
+  }
+
+  // A simulated agent's relay: an ipc:// ROUTER whose peers the thread's ZAP handler admits
+  // by uid, like troupe-agent's (scheduler/agent.h).
+  void open_relay(Peer& a) {
+    auto r = std::make_unique<Peer>();
+    r->kind = Kind::kRelay;
+    r->index = a.index;
+    r->node = fmt::format("relay:sim-{}", a.index);
+    r->thread = this;
+    r->agent = &a;
+    try {
+      r->sock = std::make_unique<zmq::socket_t>(*relay_ctx, zmq::socket_type::router);
+      auto& s = *r->sock;
+      // comm/control's server options: no ZMTP heartbeats of its own (its clients send them).
+      s.set(zmq::sockopt::linger, 0);
+      s.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(kMaxMessageBytes));
+      s.set(zmq::sockopt::routing_id, std::string(kSchedulerNode));
+      s.set(zmq::sockopt::router_handover, true);
+      s.set(zmq::sockopt::zap_domain, "troupe");
+      s.set(zmq::sockopt::sndhwm, 0);
+      s.set(zmq::sockopt::rcvhwm, 0);
+      const std::string ep = fmt::format("ipc://{}/{}", sh->opt.relay_dir, a.index);
+      s.bind(ep);
+      a.relay_endpoint = ep;
+      int fd = s.get(zmq::sockopt::fd);
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.ptr = r.get();
+      epoll_ctl(epfd, EPOLL_CTL_ADD, fd, &ev);
+    } catch (const zmq::error_t& e) {
+      sh->error(fmt::format("cannot open the relay of agent {}: {}", a.index, e.what()));
+      return;
+    }
+    a.relay = r.get();
+    peers.push_back(std::move(r));
+  }
+
+  // Up: a process's frame on the relay -> a Relay message on the agent's connection
+  // (decoded and encoded again, as troupe-agent's ServerEndpoint and relay_up do).
+  void drain_relay(Peer& r) {
+    while (r.sock && (r.sock->get(zmq::sockopt::events) & ZMQ_POLLIN)) {
+      std::vector<zmq::message_t> frames;
+      if (!zmq::recv_multipart(*r.sock, std::back_inserter(frames), zmq::recv_flags::dontwait)) break;
+      sh->b->received.fetch_add(1, std::memory_order_relaxed);
+      if (frames.size() != 2) continue;
+      auto env = control::decode_envelope(frames[1].data(), frames[1].size());
+      if (!env.ok()) {
+        sh->error("bad envelope at a relay: " + env.status().to_string());
+        continue;
+      }
+      auto* up = std::get_if<control::UserPayload>(&env->payload);
+      if (!up || up->type_id != kSchedWireTypeId) continue;  // transport heartbeats
+      auto m = decode_message(up->data.data(), up->data.size());
+      if (!m.ok()) {
+        sh->error("bad message at a relay: " + m.status().to_string());
+        continue;
+      }
+      const std::string from = frames[0].to_string();
+      std::string session =
+          env->correlation_id != 0 ? fmt::format("ask:{}@{}", env->correlation_id, from) : from + "/inbox";
+      tell(*r.agent, RelayedMessage{std::move(session), encode_message(*m)});
+    }
+  }
+
+  // Down: the scheduler's Relay message -> the process's session, as a reply to its ask
+  // ("ask:<correlation>@<node>") or a tell ("<node>/inbox").
+  void relay_down(Peer& a, const RelayedMessage& rm) {
+    if (!a.relay || !a.relay->sock) {
+      sh->error(fmt::format("agent {} got a relay without one", a.index));
+      return;
+    }
+    auto inner = decode_message(rm.msg.data(), rm.msg.size());
+    if (!inner.ok()) {
+      sh->error("bad relayed message: " + inner.status().to_string());
+      return;
+    }
+    control::Envelope e;
+    e.sender = control::ActorAddress{kSchedulerNode, kSchedulerActor};
+    std::string node;
+    if (rm.session.rfind("ask:", 0) == 0) {
+      const size_t at = rm.session.find('@');
+      if (at == std::string::npos) {
+        sh->error("bad relay session " + rm.session);
+        return;
+      }
+      e.correlation_id = std::stoull(rm.session.substr(4, at - 4));
+      e.is_reply = true;
+      node = rm.session.substr(at + 1);
+      e.receiver = control::ActorAddress{node, ""};
+    } else {
+      node = rm.session.substr(0, rm.session.find('/'));
+      e.receiver = control::ActorAddress{node, "inbox"};
+    }
+    e.payload = control::UserPayload{kSchedWireTypeId, encode_message(*inner)};
+    auto bytes = control::encode_envelope(e);
+    if (!bytes.ok()) {
+      sh->error("encode: " + bytes.status().to_string());
+      return;
+    }
+    std::array<zmq::const_buffer, 2> frames = {zmq::buffer(node), zmq::buffer(*bytes)};
+    zmq::send_multipart(*a.relay->sock, frames, zmq::send_flags::dontwait);  // a gone process: dropped
+    sh->b->sent.fetch_add(1, std::memory_order_relaxed);
+    recheck.push_back(a.relay);
+  }
+
+  void serve_zap() {
+    while (zap && control::serve_zap_request_same_uid(*zap, ::getuid(), *spdlog::default_logger())) {
+    }
   }
 
   void close(Peer& p) {
@@ -415,7 +558,8 @@ struct SimThread {
     std::map<std::string, std::string> env(req.env.begin(), req.env.end());
     Kind kind = req.name == "driver" ? Kind::kDriver : Kind::kWorker;
     int rank = kind == Kind::kDriver ? -1 : std::atoi(env["TROUPE_RANK"].c_str());
-    Peer* w = open(kind, rank, fmt::format("proc:{}:{}:{}:{}", req.job_id, req.name, req.epoch, pid));
+    Peer* w = open(kind, rank, fmt::format("proc:{}:{}:{}:{}", req.job_id, req.name, req.epoch, pid),
+                   a.relay ? a.relay_endpoint : "");
     w->job = req.job_id;
     w->name = req.name;
     w->epoch = req.epoch;
@@ -531,6 +675,8 @@ struct SimThread {
       on_spawn(p, *sp);
     } else if (auto* k = std::get_if<KillRequest>(&m.payload)) {
       on_kill(p, *k);
+    } else if (auto* rm = std::get_if<RelayedMessage>(&m.payload)) {
+      relay_down(p, *rm);
     } else if (auto* ea = std::get_if<ExitAck>(&m.payload)) {
       auto before = p.unacked.size();
       std::erase_if(p.unacked, [&](const ProcStatus& s) {
@@ -543,6 +689,10 @@ struct SimThread {
   }
 
   void drain(Peer& p) {
+    if (p.kind == Kind::kRelay) {
+      drain_relay(p);
+      return;
+    }
     while (p.sock && (p.sock->get(zmq::sockopt::events) & ZMQ_POLLIN)) {
       zmq::message_t msg;
       if (!p.sock->recv(msg, zmq::recv_flags::dontwait)) break;
@@ -581,7 +731,7 @@ struct SimThread {
     }
     for (size_t i = 0; i < peers.size(); ++i) {
       Peer& p = *peers[i];
-      if (!p.sock) continue;
+      if (!p.sock || p.kind == Kind::kRelay) continue;
       if (now >= p.next_hb) {  // comm/control's heartbeat: 1 Hz, only after a second of silence
         if (now - p.last_sent >= 1000ms) heartbeat(p);
         p.next_hb = now + 1000ms;
@@ -631,6 +781,10 @@ struct SimThread {
               : 0;
       int n = epoll_wait(epfd, evs, 256, wait);
       for (int i = 0; i < n; ++i) {
+        if (evs[i].data.ptr == &zap_tag) {
+          serve_zap();
+          continue;
+        }
         if (evs[i].data.ptr == nullptr) {
           uint64_t v;
           ssize_t r = ::read(cmd_fd, &v, sizeof(v));
@@ -644,6 +798,11 @@ struct SimThread {
           continue;
         }
         drain(*static_cast<Peer*>(evs[i].data.ptr));
+      }
+      while (!recheck.empty()) {
+        std::vector<Peer*> r;
+        r.swap(recheck);
+        for (Peer* p : r) drain(*p);
       }
       // At most kStartsPerTurn process starts per turn: this thread also beats for its
       // agents, and a real agent's beats do not wait for the other hosts' thousands of
@@ -661,6 +820,7 @@ struct SimThread {
         next_timers = now + 10ms;
       }
       if (now >= next_sweep) {  // a safety net for a missed edge of ZMQ_FD
+        serve_zap();
         for (size_t i = 0; i < peers.size(); ++i) drain(*peers[i]);  // drain may open peers
         next_sweep = now + 250ms;
       }
@@ -683,6 +843,17 @@ struct SimThread {
     ev.events = EPOLLIN;
     ev.data.ptr = nullptr;
     epoll_ctl(epfd, EPOLL_CTL_ADD, cmd_fd, &ev);
+    if (!s->opt.direct) {
+      relay_ctx = std::make_unique<zmq::context_t>(1);
+      zmq_ctx_set(relay_ctx->handle(), ZMQ_MAX_SOCKETS, 65536);
+      zap = std::make_unique<zmq::socket_t>(*relay_ctx, zmq::socket_type::rep);
+      zap->set(zmq::sockopt::linger, 0);
+      zap->bind("inproc://zeromq.zap.01");
+      epoll_event zev{};
+      zev.events = EPOLLIN;
+      zev.data.ptr = &zap_tag;
+      epoll_ctl(epfd, EPOLL_CTL_ADD, zap->get(zmq::sockopt::fd), &zev);
+    }
     th = std::thread([this] { run(); });
   }
 
@@ -691,7 +862,9 @@ struct SimThread {
     post([] {});
     if (th.joinable()) th.join();
     for (auto& p : peers) p->sock.reset();
+    zap.reset();
     ::close(epfd);
+    relay_ctx.reset();
     ::close(cmd_fd);
   }
 
@@ -874,7 +1047,7 @@ struct Row {
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   // The simulated cluster stands for 1,250 other hosts: on this one it must not take the
   // CPU the scheduler would have on its own host, so it runs at a lower priority.
-  const int nice = sh.opt.nice >= 0 ? sh.opt.nice : (sh.opt.insecure ? 10 : 0);
+  const int nice = sh.opt.nice >= 0 ? sh.opt.nice : (!sh.opt.insecure && sh.opt.direct ? 0 : 10);
   if (nice > 0 && setpriority(PRIO_PROCESS, 0, nice) != 0) sh.error("setpriority failed");
   std::vector<std::unique_ptr<SimThread>> ts;
   for (int i = 0; i < threads; ++i) {
@@ -887,6 +1060,7 @@ struct Row {
       for (int a = shard; a < sh.opt.agents; a += shards) {
         if ((a / shards) % threads != t) continue;
         Peer* p = tp->open(Kind::kAgent, a, fmt::format("agent:sim-{}", a));
+        if (!sh.opt.direct) tp->open_relay(*p);
         tp->send_register(*p);
       }
     });
@@ -916,10 +1090,13 @@ int run(Options o) {
   rl.rlim_cur = rl.rlim_max;
   setrlimit(RLIMIT_NOFILE, &rl);
   getrlimit(RLIMIT_NOFILE, &rl);
-  const int64_t sockets = o.workers + o.agents + 1;
-  const int64_t per_process = std::max<int64_t>(256, (static_cast<int64_t>(rl.rlim_cur) - 512) * 4 / 10);
-  const int shards = std::max(o.processes, static_cast<int>((sockets + per_process - 1) / per_process));
-  const int threads_per_shard = std::max(1, o.threads / shards);
+  // Direct: a DEALER per agent and process (a TCP connection + a mailbox eventfd each).
+  // Relay: per agent also a ROUTER (mailbox + listening socket), per process an ipc
+  // connection with both ends in the simulator (3 fds with its mailbox).
+  const int64_t fds = o.direct ? 2 * (o.workers + o.agents + 1) : 3 * (o.workers + 1) + 4 * o.agents;
+  const int64_t per_process = std::max<int64_t>(512, (static_cast<int64_t>(rl.rlim_cur) - 512) * 8 / 10);
+  const int shards = std::max(o.processes, static_cast<int>((fds + per_process - 1) / per_process));
+  const int threads_per_shard = std::max(1, (o.threads + shards - 1) / shards);
   bool own_dir = false;
   if (o.state_dir.empty()) {
     char tmpl[] = "/tmp/troupe-scale-XXXXXX";
@@ -929,6 +1106,11 @@ int run(Options o) {
   }
   std::filesystem::create_directories(o.state_dir);
   const std::string epfile = o.state_dir + "/endpoint";
+  if (!o.direct) {
+    char rt[] = "/tmp/troupe-sim-relay-XXXXXX";  // short: an ipc path has at most 107 bytes
+    if (!mkdtemp(rt)) return 2;
+    o.relay_dir = rt;
+  }
   if (!o.insecure) {
     // A credential of this run only (the scheduler child inherits the directory).
     setenv("TROUPE_CONFIG_DIR", (o.state_dir + "/config").c_str(), 1);
@@ -966,8 +1148,9 @@ int run(Options o) {
   }
   fmt::print(
       "scale_sim: scheduler pid {} at {}; {} agents x {} slots, {} workers; {} simulator process(es) x {} "
-      "thread(s) (fd limit {}); state {}\n",
-      spid, sh.endpoint, o.agents, o.slots, o.workers, shards, threads_per_shard, rl.rlim_cur, o.state_dir);
+      "thread(s) (fd limit {}); state {}; {}\n",
+      spid, sh.endpoint, o.agents, o.slots, o.workers, shards, threads_per_shard, rl.rlim_cur, o.state_dir,
+      o.direct ? "process sessions direct" : "process sessions relayed by their agents");
   std::fflush(stdout);
   std::fflush(stderr);
 
@@ -1253,9 +1436,10 @@ int run(Options o) {
       Row{"messages through the simulator, steady state", fmt::format("{:.0f}/s", msg_rate), "", -1});
   fmt::print(
       "\nscale_sim results: {} workers, {} agents x {} slots, {} simulator process(es) x {} thread(s); "
-      "{} CPUs, load average {} at the start, {} at the end\n",
-      o.workers, o.agents, o.slots, shards, threads_per_shard, std::thread::hardware_concurrency(),
-      load_start, loadavg());
+      "{}, {}; {} CPUs, load average {} at the start, {} at the end\n",
+      o.workers, o.agents, o.slots, shards, threads_per_shard, o.insecure ? "no CURVE" : "CURVE",
+      o.direct ? "process sessions direct" : "process sessions relayed by their agents",
+      std::thread::hardware_concurrency(), load_start, loadavg());
   for (auto& r : rows) {
     fmt::print("  {:<66} {:>32}  {:<8} {}\n", r.what, r.value, r.target,
                r.pass < 0 ? ""
@@ -1270,6 +1454,7 @@ int run(Options o) {
       "correctness: {} (every rank rendezvoused, every failure seen once, restart recovered every record)\n",
       correct ? "ok" : "FAILED");
   if (own_dir && !o.keep_state && correct) std::filesystem::remove_all(o.state_dir);
+  if (!o.relay_dir.empty()) std::filesystem::remove_all(o.relay_dir);
   return correct ? 0 : 1;
 }
 
@@ -1292,7 +1477,8 @@ int main(int argc, char** argv) {
   app.add_option("--scheduler", o.scheduler_bin, "troupe-scheduler executable");
   app.add_option("--state-dir", o.state_dir, "Scheduler state directory (default: a temporary one)");
   app.add_option("--nice", o.nice,
-                 "Nice value of the simulator processes (the scheduler keeps 0); default 10, or 0 with CURVE")
+                 "Nice value of the simulator processes (the scheduler keeps 0); default 10, or 0 with CURVE "
+                 "and --direct")
       ->check(CLI::Range(0, 19));
   app.add_option("--processes", o.processes, "Simulator processes (default: as few as the fd limit allows)")
       ->check(CLI::Range(0, 64));
@@ -1301,6 +1487,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 64));
   app.add_flag("--keep-state", o.keep_state, "Keep the temporary state directory");
   app.add_flag("--insecure", o.insecure, "Run the scheduler without local authentication (no CURVE)");
+  app.add_flag("--direct", o.direct,
+               "Worker and driver sessions connect to the scheduler themselves (default: through their "
+               "agent's relay, as troupe-agent does)");
   CLI11_PARSE(app, argc, argv);
   signal(SIGPIPE, SIG_IGN);
   return troupe::sched::scale::run(o);

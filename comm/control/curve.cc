@@ -113,6 +113,71 @@ Result<CurveKeyPair> read_curve_key_file(const std::string& path) {
   return kp;
 }
 
+long zap_address_uid(std::string_view address) {
+  // "<address>:<uid>:<gid>:<pid>": the uid is the third field from the end.
+  size_t end = address.size();
+  std::string_view fields[3];
+  for (int i = 2; i >= 0; --i) {
+    if (end == 0) return -1;
+    const size_t colon = address.rfind(':', end - 1);
+    if (colon == std::string_view::npos) return -1;
+    fields[i] = address.substr(colon + 1, end - colon - 1);
+    end = colon;
+  }
+  long uid = 0;
+  for (const auto& f : fields) {
+    if (f.empty() || f.size() > 10 || f.find_first_not_of("0123456789") != std::string_view::npos) return -1;
+  }
+  for (char c : fields[0]) uid = uid * 10 + (c - '0');
+  return uid;
+}
+
+namespace {
+
+void send_zap_reply(zmq::socket_t& rep, const std::string& request_id, const std::string& status,
+                    const std::string& text, spdlog::logger& log) {
+  std::array<zmq::const_buffer, 6> reply = {zmq::str_buffer("1.0"), zmq::buffer(request_id),
+                                            zmq::buffer(status),    zmq::buffer(text),
+                                            zmq::str_buffer(""),    zmq::str_buffer("")};
+  try {
+    zmq::send_multipart(rep, reply, zmq::send_flags::dontwait);
+  } catch (const zmq::error_t& e) {
+    log.warn("zap: reply failed: {}", e.what());
+  }
+}
+
+}  // namespace
+
+bool serve_zap_request_same_uid(zmq::socket_t& rep, unsigned uid, spdlog::logger& log) {
+  std::vector<zmq::message_t> req;
+  try {
+    if (!zmq::recv_multipart(rep, std::back_inserter(req), zmq::recv_flags::dontwait)) return false;
+  } catch (const zmq::error_t& e) {
+    log.warn("zap: receive failed: {}", e.what());
+    return false;
+  }
+  std::string status = "400", text = "malformed ZAP request";
+  if (req.size() >= 6 && req[0].to_string() == "1.0") {
+    const std::string mechanism = req[5].to_string();
+    const std::string address = req[3].to_string();
+    const long peer_uid = zap_address_uid(address);
+    if (mechanism != "NULL") {
+      text = "only local NULL-mechanism peers are accepted";
+      log.warn("zap: refused {} client from {}", mechanism, address);
+    } else if (peer_uid < 0 || static_cast<unsigned long>(peer_uid) != uid) {
+      text = "peer of another user";
+      log.warn("zap: refused a local peer ({}): not of uid {}", address, uid);
+    } else {
+      status = "200";
+      text = "OK";
+    }
+  } else {
+    log.warn("zap: malformed request with {} frames", req.size());
+  }
+  send_zap_reply(rep, req.size() >= 2 ? req[1].to_string() : "", status, text, log);
+  return true;
+}
+
 bool serve_zap_request(zmq::socket_t& rep, const std::set<std::string>& allowed, spdlog::logger& log) {
   std::vector<zmq::message_t> req;
   try {
@@ -143,15 +208,7 @@ bool serve_zap_request(zmq::socket_t& rep, const std::set<std::string>& allowed,
   } else {
     log.warn("zap: malformed request with {} frames", req.size());
   }
-  const std::string request_id = req.size() >= 2 ? req[1].to_string() : "";
-  std::array<zmq::const_buffer, 6> reply = {
-      zmq::str_buffer("1.0"), zmq::buffer(request_id), zmq::buffer(status), zmq::buffer(text),
-      zmq::str_buffer(""), zmq::str_buffer("")};
-  try {
-    zmq::send_multipart(rep, reply, zmq::send_flags::dontwait);
-  } catch (const zmq::error_t& e) {
-    log.warn("zap: reply failed: {}", e.what());
-  }
+  send_zap_reply(rep, req.size() >= 2 ? req[1].to_string() : "", status, text, log);
   return true;
 }
 

@@ -1,7 +1,8 @@
 // comm/control/curve.h — defines CURVE key handling for the control plane: CurveKeyPair
 // (Z85 text, 40 characters each), generate_curve_keypair, key-file reading and writing
 // (the format troupe-keygen writes), CurveConfig (what a Transport needs to encrypt and
-// authenticate), and serve_zap_request (the ZAP handler enforcing the client allow-list).
+// authenticate), serve_zap_request (the ZAP handler enforcing the client allow-list) and
+// serve_zap_request_same_uid (the one admitting local ipc peers of one user).
 #pragma once
 
 #include <set>
@@ -56,5 +57,15 @@ struct CurveConfig {
 // when no request was waiting (the caller drains with it: every CURVE handshake waits for
 // its answer, so one answer per wake would hold thousands of connecting peers back).
 bool serve_zap_request(zmq::socket_t& rep, const std::set<std::string>& allowed, spdlog::logger& log);
+
+// The same for an ipc:// ROUTER without CURVE: replies 200 only to a NULL-mechanism peer
+// whose uid is `uid`. ZeroMQ (4.3, built with SO_PEERCRED) gives ZAP the address of an ipc
+// peer as "<address>:<uid>:<gid>:<pid>", taken from the kernel's SO_PEERCRED of the
+// connection; a request without it (no credentials: e.g. a tcp peer) is refused.
+bool serve_zap_request_same_uid(zmq::socket_t& rep, unsigned uid, spdlog::logger& log);
+
+// The uid in a ZAP address of an ipc peer ("localhost:1000:1000:4242" -> 1000); -1 when
+// the address carries no peer credentials.
+long zap_address_uid(std::string_view address);
 
 }  // namespace troupe::control

@@ -102,6 +102,10 @@ class Transport::Impl {
       return invalid_argument("heartbeat interval ({} ms) must be positive and below the timeout ({} ms)",
                               opts_.heartbeat_interval.count(), opts_.heartbeat_timeout.count());
     }
+    if (opts_.ipc_same_user && (opts_.curve.enabled() || opts_.bind_endpoint.rfind("ipc://", 0) != 0)) {
+      return invalid_argument("ipc_same_user needs an ipc:// bind endpoint and no CURVE (got {})",
+                              opts_.bind_endpoint);
+    }
     if (!opts_.bind_endpoint.empty() && !opts_.allow_non_loopback &&
         !is_loopback_endpoint(opts_.bind_endpoint)) {
       return invalid_argument(
@@ -257,7 +261,7 @@ class Transport::Impl {
 
   Status open_sockets() {
     try {
-      if (opts_.curve.enabled()) {
+      if (opts_.curve.enabled() || opts_.ipc_same_user) {
         // The ZAP handler must be bound before the ROUTER accepts a connection.
         zap_ = std::make_unique<zmq::socket_t>(*ctx_, zmq::socket_type::rep);
         zap_->set(zmq::sockopt::linger, 0);
@@ -279,6 +283,8 @@ class Transport::Impl {
           router_->set(zmq::sockopt::curve_server, true);
           router_->set(zmq::sockopt::curve_secretkey, opts_.curve.own.secret_key);
           router_->set(zmq::sockopt::zap_domain, "troupe");
+        } else if (opts_.ipc_same_user) {
+          router_->set(zmq::sockopt::zap_domain, "troupe");  // NULL mechanism: ZAP sees SO_PEERCRED
         }
         try {
           router_->bind(opts_.bind_endpoint);
@@ -376,7 +382,10 @@ class Transport::Impl {
     if (router_ && (items[router_idx].revents & ZMQ_POLLIN)) receive_router();
     if (zap_ && (items[zap_idx].revents & ZMQ_POLLIN)) {
       for (size_t i = 0; i < kMaxZapPerWake; ++i) {
-        if (!serve_zap_request(*zap_, opts_.curve.allowed_client_keys, *log_)) break;
+        const bool served = opts_.ipc_same_user
+                                ? serve_zap_request_same_uid(*zap_, ::getuid(), *log_)
+                                : serve_zap_request(*zap_, opts_.curve.allowed_client_keys, *log_);
+        if (!served) break;
       }
     }
     for (size_t i = 0; i < dealer_nodes.size(); ++i) {

@@ -59,6 +59,10 @@ struct TransportOptions {
   std::chrono::milliseconds heartbeat_timeout{3000};
   size_t max_message_bytes = size_t{16} << 20;
   CurveConfig curve;  // disabled by default
+  // For an ipc:// bind without CURVE: admit only peers running as this process's uid
+  // (ZAP over the connection's SO_PEERCRED, serve_zap_request_same_uid). Refused with CURVE
+  // or another transport.
+  bool ipc_same_user = false;
   // Share one context between transports of one process to use inproc endpoints; null:
   // the transport owns a context. Not owned; must outlive the transport.
   zmq::context_t* context = nullptr;

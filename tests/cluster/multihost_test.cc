@@ -5,8 +5,10 @@
 // job's key pair the scheduler hands them). A dp=2,n=2 train_moe job is placed one
 // n-group per host:
 //   - every listening socket of every job process (actor control plane, Gloo) is bound
-//     to its own agent's address, never 127.0.0.1 or 0.0.0.0, and its session with the
-//     scheduler leaves from that address; its losses equal one process's (1e-5);
+//     to its own agent's address, never 127.0.0.1 or 0.0.0.0; its sessions with the
+//     scheduler go through its agent's relay (TROUPE_AGENT_RELAY; no TCP connection of
+//     its own to the scheduler), and the agent's session leaves from the host's address;
+//     its losses equal one process's (1e-5);
 //   - job processes with their own actor systems bind their host's address and accept
 //     only the job's key (a client without it is refused);
 //   - an elastic job whose agent on 127.0.0.4 is SIGKILLed mid-job gets that host's
@@ -127,7 +129,9 @@ class Multihost : public ::testing::Test {
   }
 
   // Every live process of `job`: its listening sockets are on its agent's address, its
-  // connections to the scheduler leave from it, and every other connection it holds
+  // sessions with the scheduler go through its agent's relay (none of its own: the
+  // agent's leaves from the host's address, checked by the caller), and every other
+  // connection it holds
   // either is on its own address or goes to a host's address: nothing of the job
   // listens on, or is reached at, 127.0.0.1 or 0.0.0.0. (An outgoing Gloo connection
   // leaves from the address the kernel picks: 127.0.0.1 towards 127.0.0.x.) Returns
@@ -146,6 +150,7 @@ class Multihost : public ::testing::Test {
       const std::string host = kHostOf.at(p.value("agent", ""));
       EXPECT_EQ(environ_value(pid, "TROUPE_HOST_ADDR"), host) << p.dump();
       EXPECT_FALSE(environ_value(pid, "TROUPE_JOB_PUBLIC_KEY").empty()) << p.dump();
+      EXPECT_EQ(environ_value(pid, "TROUPE_AGENT_RELAY").rfind("ipc://", 0), 0u) << p.dump();
       int listening = 0, to_scheduler = 0, peers = 0;
       for (const auto& s : tcp_sockets_of(pid)) {
         if (s.listening) {
@@ -161,7 +166,7 @@ class Multihost : public ::testing::Test {
               << s.remote_port << " is neither on its host's address nor to another host's";
         }
       }
-      EXPECT_GE(to_scheduler, 1) << name << " has no session with the scheduler";
+      EXPECT_EQ(to_scheduler, 0) << name << " has a session with the scheduler besides its agent's relay";
       if (p.value("role", "") == "worker") {
         if (workers_listen) {
           EXPECT_GE(listening, 1) << name << " listens nowhere";
