@@ -59,7 +59,8 @@ void AdamW::step_impl(const Ctx& c, double lr, double grad_scale, const Tensor* 
   list.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     Parameter& p = *params_[i].param;
-    list.push_back({&p.value, &p.grad, &m_[i], &v_[i], p.decay ? static_cast<float>(opts_.weight_decay) : 0.0f,
+    list.push_back({&p.value, &p.grad, &m_[i], &v_[i],
+                    p.decay ? static_cast<float>(opts_.weight_decay) : 0.0f,
                     write_work_ && p.work.defined() ? &p.work : nullptr});
   }
   kernels::adamw_step_multi(c.ex, list, cfg);

@@ -416,11 +416,13 @@ void run() {
     for (const Shape& s : shapes) work.push_back(b.empty(s, DType::kBF16));
     std::vector<AdamWTensor> with_work = list;
     for (size_t i = 0; i < with_work.size(); ++i) with_work[i].work = &work[i];
-    b.bytes("adamw_then_cast_bench1b", numel * (4 * 7 + 4 + 2), "one launch + 87 casts; + read p, write bf16", [&] {
-      be.adamw_step_multi(b.ex, list, cfg);
-      for (size_t i = 0; i < work.size(); ++i) be.cast(b.ex, p[i], work[i]);
-    });
-    b.bytes("adamw_multi_work_bench1b", numel * (4 * 7 + 2), "one launch; read p,g,m,v + write p,m,v + bf16 p",
+    b.bytes("adamw_then_cast_bench1b", numel * (4 * 7 + 4 + 2), "one launch + 87 casts; + read p, write bf16",
+            [&] {
+              be.adamw_step_multi(b.ex, list, cfg);
+              for (size_t i = 0; i < work.size(); ++i) be.cast(b.ex, p[i], work[i]);
+            });
+    b.bytes("adamw_multi_work_bench1b", numel * (4 * 7 + 2),
+            "one launch; read p,g,m,v + write p,m,v + bf16 p",
             [&] { be.adamw_step_multi(b.ex, with_work, cfg); });
     double sink = 0;
     b.bytes("grad_norm_loop_bench1b", numel * 4, "87 sum_squares (each syncs); read g (f32)", [&] {

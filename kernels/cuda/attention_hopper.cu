@@ -147,7 +147,8 @@ __device__ __forceinline__ void load_own_frags(uint32_t (&a)[kD / 16][4], uint32
 
 // acc (64 x kN) = A (registers, 64 x kD) B^T (kN rows of a streamed tile, K-major).
 template <int kD, int kN>
-__device__ __forceinline__ void mma_rs_kmajor(float (&acc)[kN / 2], const uint32_t (&a)[kD / 16][4], uint32_t b_tile) {
+__device__ __forceinline__ void mma_rs_kmajor(float (&acc)[kN / 2], const uint32_t (&a)[kD / 16][4],
+                                              uint32_t b_tile) {
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk) {
     const uint64_t db = kmajor(b_tile, kN, 0, kk);
@@ -161,8 +162,9 @@ __device__ __forceinline__ void mma_rs_kmajor(float (&acc)[kN / 2], const uint32
 
 // acc = own rows (registers when kOwnInRegs, else shared memory) x the streamed tile^T.
 template <int kD, int kN>
-__device__ __forceinline__ void mma_own(float (&acc)[kN / 2], const uint32_t (&a)[kOwnInRegs<kD> ? kD / 16 : 1][4],
-                                        uint32_t a_tile, int a_row0, uint32_t b_tile) {
+__device__ __forceinline__ void mma_own(float (&acc)[kN / 2],
+                                        const uint32_t (&a)[kOwnInRegs<kD> ? kD / 16 : 1][4], uint32_t a_tile,
+                                        int a_row0, uint32_t b_tile) {
   if constexpr (kOwnInRegs<kD>) {
     mma_rs_kmajor<kD, kN>(acc, a, b_tile);
   } else {

@@ -1196,7 +1196,8 @@ void add_multi_tensor_cases(std::vector<OpCase>& cases, Rng& rng) {
       }
       std::vector<AdamWTensor> list;
       for (size_t i = 0; i < n; ++i) {
-        list.push_back({&t[4 * i], &t[4 * i + 1], &t[4 * i + 2], &t[4 * i + 3], decays[i], with_work ? &work[i] : nullptr});
+        list.push_back({&t[4 * i], &t[4 * i + 1], &t[4 * i + 2], &t[4 * i + 3], decays[i],
+                        with_work ? &work[i] : nullptr});
       }
       adamw_step_multi(dev.exec(), list, cfg);
       HostTensors out;
