@@ -652,7 +652,8 @@ StepReport Stage::run_step(int64_t step) {
   const int64_t opt_t0 = comm::Work::now_ns();
   opt_->step(ctx_, rep.lr, rep.grad_norm);
   time_.span("main", "optimizer", opt_t0, comm::Work::now_ns());
-  bool refresh_all = layout_->dp() > 1;  // dp == 1: the optimizer wrote the working copies
+  // The working copies: AdamW wrote them in its pass (dp == 1); with dp > 1 await_params
+  // refreshes each bucket's as its all-gather lands.
   if (layout_->dp() > 1) {
     // Per bucket, in forward order; the next forward waits for each block's own bucket
     // (elastic workers wait here: their state is committed right after the step).
@@ -663,19 +664,13 @@ StepReport Stage::run_step(int64_t step) {
                           "params all_gather (dp)");
     }
     params_pending_ = true;
-    if (!tc_.parallel.overlap_param_gather || throw_on_comm_error()) {
-      await_params(kEndBucket - 1);
-    } else {
-      refresh_all = false;  // per bucket, when awaited
-    }
-    if (ctx_.on_device()) refresh_all = false;  // await_params refreshes each bucket
+    if (!tc_.parallel.overlap_param_gather || throw_on_comm_error()) await_params(kEndBucket - 1);
   }
   // The program's statistics (e.g. aux loss, expert loads; train_moe updates its router
   // biases from the loads here).
   program_->end_step(ctx_, std::vector<double>(v.begin() + kOwn, v.end()), rep);
   rep.loss = rep.lm_loss + rep.aux_loss;
   if (ctx_.on_device()) {
-    if (refresh_all) refresh_working_copies();
     time_.drain("step collectives");
     synchronize();  // the step's time includes its device work
     rep.peak_bytes = static_cast<int64_t>(ctx_.alloc->peak_bytes_in_use());

@@ -146,16 +146,21 @@ void send_zap_reply(zmq::socket_t& rep, const std::string& request_id, const std
   }
 }
 
-}  // namespace
-
-bool serve_zap_request_same_uid(zmq::socket_t& rep, unsigned uid, spdlog::logger& log) {
-  std::vector<zmq::message_t> req;
+// One waiting ZAP request into req; false when none is waiting (or the receive failed).
+bool receive_zap_request(zmq::socket_t& rep, std::vector<zmq::message_t>& req, spdlog::logger& log) {
   try {
-    if (!zmq::recv_multipart(rep, std::back_inserter(req), zmq::recv_flags::dontwait)) return false;
+    return zmq::recv_multipart(rep, std::back_inserter(req), zmq::recv_flags::dontwait).has_value();
   } catch (const zmq::error_t& e) {
     log.warn("zap: receive failed: {}", e.what());
     return false;
   }
+}
+
+}  // namespace
+
+bool serve_zap_request_same_uid(zmq::socket_t& rep, unsigned uid, spdlog::logger& log) {
+  std::vector<zmq::message_t> req;
+  if (!receive_zap_request(rep, req, log)) return false;
   std::string status = "400", text = "malformed ZAP request";
   if (req.size() >= 6 && req[0].to_string() == "1.0") {
     const std::string mechanism = req[5].to_string();
@@ -180,12 +185,7 @@ bool serve_zap_request_same_uid(zmq::socket_t& rep, unsigned uid, spdlog::logger
 
 bool serve_zap_request(zmq::socket_t& rep, const std::set<std::string>& allowed, spdlog::logger& log) {
   std::vector<zmq::message_t> req;
-  try {
-    if (!zmq::recv_multipart(rep, std::back_inserter(req), zmq::recv_flags::dontwait)) return false;
-  } catch (const zmq::error_t& e) {
-    log.warn("zap: receive failed: {}", e.what());
-    return false;
-  }
+  if (!receive_zap_request(rep, req, log)) return false;
   // ZAP 1.0 request: version, request id, domain, address, identity, mechanism, credentials.
   std::string status = "400", text = "malformed ZAP request";
   if (req.size() >= 6 && req[0].to_string() == "1.0") {
