@@ -257,22 +257,6 @@ struct Ring {
   }
 };
 
-// The producer thread's loop: for every streamed tile i, once its stage is free, rows
-// [row0, row0 + kN) of head h of map_x and map_y into the stage's two tiles, where
-// where(i) = {h, row0}.
-template <int kD, int kN, class L, int kStages, class Where>
-__device__ __forceinline__ void produce(const Ring<kStages>& ring, uint32_t stages, const CUtensorMap* map_x,
-                                        const CUtensorMap* map_y, int tiles, int b, Where where) {
-  for (int i = 0; i < tiles; ++i) {
-    const int2 at = where(i);
-    ring.wait_empty(i);
-    const uint32_t st = stages + (i % kStages) * L::kStageBytes;
-    mbar_expect_tx(ring.full(i), L::kStageBytes);
-    load_tile<kD>(st, map_x, ring.full(i), kN, at.x, at.y, b);
-    load_tile<kD>(st + L::kTileBytes, map_y, ring.full(i), kN, at.x, at.y, b);
-  }
-}
-
 // The two consumer warpgroups take turns issuing their products (named barriers 1 and 2,
 // 256 threads each: one warpgroup waits, the other arrives), so one's softmax runs while
 // the other's products occupy the tensor cores instead of both doing each at once. Both
@@ -331,7 +315,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid == 0) {
       mbar_expect_tx(ring.own, L::kOwnBytes);
       load_tile<kD>(sq, &map_q, ring.own, kBlockRows, h, m0, b);
-      produce<kD, kN, L>(ring, stages, &map_k, &map_v, tiles, b, [=](int i) { return make_int2(hk, i * kN); });
+      for (int i = 0; i < tiles; ++i) {
+        ring.wait_empty(i);
+        const uint32_t st = stages + (i % C::kStages) * L::kStageBytes;
+        mbar_expect_tx(ring.full(i), L::kStageBytes);
+        load_tile<kD>(st, &map_k, ring.full(i), kN, hk, i * kN, b);
+        load_tile<kD>(st + L::kTileBytes, &map_v, ring.full(i), kN, hk, i * kN, b);
+      }
     }
     return;
   }
@@ -483,7 +473,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_expect_tx(ring.own, 2 * L::kOwnBytes);
       load_tile<kD>(sq, &map_q, ring.own, kBlockRows, h, m0, b);
       load_tile<kD>(sdo, &map_do, ring.own, kBlockRows, h, m0, b);
-      produce<kD, kN, L>(ring, stages, &map_k, &map_v, tiles, b, [=](int i) { return make_int2(hk, i * kN); });
+      for (int i = 0; i < tiles; ++i) {
+        ring.wait_empty(i);
+        const uint32_t st = stages + (i % C::kStages) * L::kStageBytes;
+        mbar_expect_tx(ring.full(i), L::kStageBytes);
+        load_tile<kD>(st, &map_k, ring.full(i), kN, hk, i * kN, b);
+        load_tile<kD>(st + L::kTileBytes, &map_v, ring.full(i), kN, hk, i * kN, b);
+      }
     }
     return;
   }
@@ -594,9 +590,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_expect_tx(ring.own, 2 * L::kOwnBytes);
       load_tile<kD>(sk, &map_k, ring.own, kBlockRows, hk, n0, b);
       load_tile<kD>(sv, &map_v, ring.own, kBlockRows, hk, n0, b);
-      produce<kD, kN, L>(ring, stages, &map_q, &map_do, tiles, b, [=](int i) {
-        return make_int2(hk * group + i / per_head, n0 + (i % per_head) * kN);  // (query head, first query)
-      });
+      for (int i = 0; i < tiles; ++i) {
+        const int h = hk * group + i / per_head, q0 = n0 + (i % per_head) * kN;
+        ring.wait_empty(i);
+        const uint32_t st = stages + (i % C::kStages) * L::kStageBytes;
+        mbar_expect_tx(ring.full(i), L::kStageBytes);
+        load_tile<kD>(st, &map_q, ring.full(i), kN, h, q0, b);
+        load_tile<kD>(st + L::kTileBytes, &map_do, ring.full(i), kN, h, q0, b);
+      }
     }
     return;
   }
@@ -698,6 +699,15 @@ CUtensorMap head_map(const void* p, const AttentionShape& s, int64_t heads, int 
   return make_tensor_map(p, 4, dims, strides, box);
 }
 
+template <typename F>
+void dispatch_head_dim(int64_t dh, F&& f) {
+  if (dh == 64) {
+    f(std::integral_constant<int, 64>{});
+  } else {
+    f(std::integral_constant<int, 128>{});
+  }
+}
+
 template <typename K>
 void allow_smem(K kernel, size_t bytes) {
   CUDA_CHECK(
@@ -718,7 +728,7 @@ bool attention_hopper_available(const AttentionShape& s) {
 
 void launch_attention_forward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                      const void* v, float scale, void* out, float* lse) {
-  dispatch_head_dim_64_128(s.head_dim, [&](auto d) {
+  dispatch_head_dim(s.head_dim, [&](auto d) {
     using L = typename FwdCfg<d()>::S;
     const CUtensorMap mq = head_map(q, s, s.q_heads, kBlockRows);
     const CUtensorMap mk = head_map(k, s, s.kv_heads, FwdCfg<d()>::kStream);
@@ -736,7 +746,7 @@ void launch_attention_backward_hopper(const Env& env, const AttentionShape& s, c
                                       float scale, void* dq, void* dk, void* dv, void* scratch) {
   float* dsum = static_cast<float*>(scratch);
   launch_attention_rowdot(env, s, out, dout, dsum, DType::kBF16);
-  dispatch_head_dim_64_128(s.head_dim, [&](auto d) {
+  dispatch_head_dim(s.head_dim, [&](auto d) {
     using L = typename BwdCfg<d()>::S;
     constexpr int kN = BwdCfg<d()>::kStream;
     {

@@ -422,6 +422,15 @@ void dispatch_warps(int warps, F&& f) {
   }
 }
 
+template <typename F>
+void dispatch_mma_head_dim(int64_t dh, F&& f) {
+  if (dh == 64) {
+    f(std::integral_constant<int, 64>{});
+  } else {
+    f(std::integral_constant<int, 128>{});
+  }
+}
+
 // True for the Hopper kernels: asked for (kAttentionHopper, refused where they cannot run),
 // or kAttentionAuto where they can.
 bool use_hopper(const AttentionShape& s, int variant) {
@@ -457,7 +466,7 @@ void launch_attention_forward_mma(const Env& env, const AttentionShape& s, const
     return;
   }
   const int warps = mma_warps(variant);
-  dispatch_head_dim_64_128(s.head_dim, [&](auto d) {
+  dispatch_mma_head_dim(s.head_dim, [&](auto d) {
     dispatch_warps(warps, [&](auto w) {
       attention_forward_mma_kernel<d(), w()><<<mma_grid(s, s.q_heads, w()), 32 * w(), 0, env.stream>>>(
           s, static_cast<const bf16*>(q), static_cast<const bf16*>(k), static_cast<const bf16*>(v),
@@ -477,7 +486,7 @@ void launch_attention_backward_mma(const Env& env, const AttentionShape& s, cons
   const int warps = mma_warps(variant);
   float* dsum = static_cast<float*>(scratch);
   launch_attention_rowdot(env, s, out, dout, dsum, DType::kBF16);
-  dispatch_head_dim_64_128(s.head_dim, [&](auto d) {
+  dispatch_mma_head_dim(s.head_dim, [&](auto d) {
     dispatch_warps(warps, [&](auto w) {
       const auto* qp = static_cast<const bf16*>(q);
       const auto* kp = static_cast<const bf16*>(k);

@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "core/check.h"
 #include "core/dtype.h"
@@ -147,17 +146,6 @@ __host__ __device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return
 inline bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// Runs f(std::integral_constant<int, D>) with D = 64 for head dim 64, else 128: the two
-// head dims of the tensor-core attention kernels (callers check the shape first).
-template <typename F>
-void dispatch_head_dim_64_128(int64_t dh, F&& f) {
-  if (dh == 64) {
-    f(std::integral_constant<int, 64>{});
-  } else {
-    f(std::integral_constant<int, 128>{});
-  }
-}
 
 // Grid for a grid-stride loop over `work` items with `threads` per block.
 inline unsigned grid_for(int64_t work, int threads, int num_sms) {
