@@ -30,6 +30,9 @@ Status ParallelOptions::validate(const ModelConfig& m) const {
   if (fp8_dispatch && dispatch != "alltoall") {
     return invalid_argument("parallel.fp8_dispatch needs parallel.dispatch = \"alltoall\"");
   }
+  if (device_dispatch && dispatch != "alltoall") {
+    return invalid_argument("parallel.device_dispatch needs parallel.dispatch = \"alltoall\"");
+  }
   return ok_status();
 }
 
@@ -112,6 +115,8 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.chunks, cfg.get_int("parallel.chunks", tc.parallel.chunks));
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.fp8_dispatch,
                           cfg.get_bool("parallel.fp8_dispatch", tc.parallel.fp8_dispatch));
+  TROUPE_ASSIGN_OR_RETURN(tc.parallel.device_dispatch,
+                          cfg.get_bool("parallel.device_dispatch", tc.parallel.device_dispatch));
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.measure_compression,
                           cfg.get_bool("parallel.measure_compression", tc.parallel.measure_compression));
   TROUPE_ASSIGN_OR_RETURN(tc.train.device_stats, cfg.get_bool("train.device_stats", tc.train.device_stats));

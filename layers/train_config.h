@@ -59,6 +59,12 @@ struct ParallelOptions {
   // are summed per chunk), so compare runs at equal chunks.
   int64_t chunks = 2;
   bool fp8_dispatch = false;  // expert token dispatch in fp8 e4m3 with per-token scales
+  // GPUs: the expert all-to-all driven by counts that stay on the device (the n-group's
+  // GPUs write into and read from each other's mapped buffers; needs one host, else the
+  // counts go through the host as without it). Costs memory: each rank's expert
+  // activations are sized for the worst case, n times the routed rows
+  // (docs/parallelism.md "Expert counts on the device").
+  bool device_dispatch = false;
   // Print each step's relative error of the compressed gradient exchange against an extra
   // fp32 exchange of the same gradients (tests, benches; CPU ranks; costs that exchange).
   bool measure_compression = false;

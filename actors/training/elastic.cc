@@ -541,6 +541,7 @@ void fill_step_reply(const StepReport& r, StepReply& m) {
   m.comm_ms_mean = r.comm_ms_mean;
   m.comm_by_kind_ms = r.comm_by_kind_ms;
   m.peak_bytes = r.peak_bytes;
+  m.host_syncs = r.host_syncs;
 }
 
 void note_ckpt_error(StepReply& reply, int64_t step, const Status& st) {

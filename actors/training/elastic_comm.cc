@@ -75,6 +75,7 @@ Status ElasticComm::rebuild(const comm::StoreNamespace& ns) {
   std::lock_guard<std::mutex> lock(mu_);
   inner_ = std::move(fresh);
   spec_ = spec;
+  generation_.fetch_add(1);
   return ok_status();
 }
 

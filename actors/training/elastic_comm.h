@@ -15,6 +15,7 @@
 // abort() or a failure; operations issued concurrently with rebuild() are not allowed.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -69,6 +70,9 @@ class ElasticComm final : public comm::Communicator {
   // Aborts the current inner communicator (if not yet) and creates a new one with the same
   // name, rank and size in namespace `ns` (collective with the other ranks).
   Status rebuild(const comm::StoreNamespace& ns);
+  // How many times rebuild() replaced the inner communicator (state tied to the old
+  // epoch's ranks, e.g. peer memory mappings, compares it to know when to renew).
+  uint64_t generation() const { return generation_.load(); }
 
  private:
   ElasticComm(comm::CommSpec spec, comm::CommFactory factory) : spec_(std::move(spec)), factory_(std::move(factory)) {}
@@ -77,6 +81,7 @@ class ElasticComm final : public comm::Communicator {
   comm::CommFactory factory_;
   mutable std::mutex mu_;
   std::shared_ptr<comm::Communicator> inner_;
+  std::atomic<uint64_t> generation_{0};
 };
 
 }  // namespace troupe::training

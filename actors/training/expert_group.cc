@@ -12,6 +12,11 @@
 #include "comm/compression.h"
 #include "core/check.h"
 
+#if TROUPE_HAVE_CUDA
+#include "kernels/cuda/context.h"
+#include "kernels/cuda/peer_rows.h"
+#endif
+
 namespace troupe::training {
 
 namespace {
@@ -41,6 +46,21 @@ struct AGState final : layers::DispatchState {
   Tensor row_map;        // i32 [n*T*k]: row of each gathered copy among the local rows, -1 if not local
   layers::Experts::Saved experts;
   int64_t tokens = 0;  // local T
+};
+
+// The device-driven all-to-all path (Options::peer): one token chunk.
+struct PeerChunk {
+  int64_t lo = 0, len = 0;
+  Tensor row_map, topk, gates, yp;  // plan, ids and gates [len, k], combine result
+  Tensor local;                     // i32 [el + 1] local expert offsets in the chunk's region
+  layers::Experts::Saved experts;
+  CommOp op;
+};
+
+struct PeerState final : layers::DispatchState {
+  std::vector<PeerChunk> chunks;
+  Tensor shift;  // i32 [nc, E] (kernels/cuda/peer_rows.h)
+  int64_t tokens = 0;
 };
 
 std::vector<int32_t> host_ints(const Tensor& t) {
@@ -77,12 +97,21 @@ ExpertGroup::ExpertGroup(const layers::Experts& full, int64_t top_k, bool recomp
 Tensor ExpertGroup::forward(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx,
                             const Tensor& gates, std::unique_ptr<layers::DispatchState>& state,
                             std::vector<int64_t>& kept) {
+  if (mode_ == DispatchMode::kAllToAll && options_.peer && c.on_device()) {
+    // Room for the worst case: every rank sends every copy to this one.
+    const int64_t rows = group_.size() * top_k_ * x.size(0);
+    if (options_.peer->reserve(c, time_, rows, x.size(1) * static_cast<int64_t>(dtype_size(x.dtype())))) {
+      kept.clear();  // the counts stay on the device (the loads come with the step's read)
+      return forward_peer(c, x, topk_idx, gates, state);
+    }
+  }
   return mode_ == DispatchMode::kAllToAll ? forward_a2a(c, x, topk_idx, gates, state, kept)
                                           : forward_ag(c, x, topk_idx, gates, state, kept);
 }
 
 Tensor ExpertGroup::backward(const layers::Ctx& c, const Tensor& dy, layers::DispatchState& state,
                              Tensor& dgates) {
+  if (dynamic_cast<PeerState*>(&state) != nullptr) return backward_peer(c, dy, state, dgates);
   return mode_ == DispatchMode::kAllToAll ? backward_a2a(c, dy, state, dgates)
                                           : backward_ag(c, dy, state, dgates);
 }
@@ -349,6 +378,230 @@ Tensor ExpertGroup::backward_a2a(const layers::Ctx& c, const Tensor& dy_in, laye
     kernels::moe_permute_backward(c.ex, dxp[static_cast<size_t>(ci)], ch.row_map, top_k_, dxc);
   }
   return dx;
+}
+
+// ---- device-driven all-to-all (Options::peer) ------------------------------------------
+//
+// Every index is computed on the device from the all-gathered plan counts; the rows move
+// by kernels that write into (dispatch) and read from (combine) the n-group's mapped
+// buffers (PeerRows, kernels/cuda/peer_rows.h), each transfer closed by a barrier of the
+// group (an all-reduce of one value) on the same stream. Chunk c owns the same region of
+// every rank's buffers in every block and in backward, and the buffers are reused safely:
+//  - recv region c is written by the sources' pushes after their barrier closing the
+//    previous combine of chunk c, which every rank enters only after it copied its recv
+//    region c out (stream order: copy-out -> GEMMs -> copy into out -> barrier -> pull);
+//  - out region c is written after the barrier closing the next dispatch of chunk c,
+//    which every rank enters only after its pull of chunk c completed.
+// With Options::overlap the transfers and barriers run on the communication stream
+// (CommTime::launch) and chunk c's GEMMs overlap the other chunks' transfers, as on the
+// host-count path; the arithmetic is that path's (same rows, same order per expert).
+
+#if TROUPE_HAVE_CUDA
+namespace {
+kernels::gpu::Env env_on(const layers::Ctx& c, void* stream) {
+  return kernels::gpu::Env{stream != nullptr ? static_cast<cudaStream_t>(stream) : c.ex.cuda->stream,
+                           c.ex.cuda->num_sms};
+}
+}  // namespace
+#endif
+
+Tensor ExpertGroup::forward_peer(const layers::Ctx& c, const Tensor& x_in, const Tensor& topk_idx,
+                                 const Tensor& gates, std::unique_ptr<layers::DispatchState>& state) {
+#if TROUPE_HAVE_CUDA
+  auto st = std::make_unique<PeerState>();
+  const Tensor x = x_in.contiguous();
+  const int64_t t = x.size(0), dm = x.size(1), e = num_experts_, el = local_experts_, n = group_.size(),
+                k = top_k_;
+  const int64_t nc = std::max<int64_t>(1, std::min<int64_t>(options_.chunks, t));
+  const int64_t act_bytes = static_cast<int64_t>(dtype_size(x.dtype()));
+  PeerRows& pr = *options_.peer;
+  st->tokens = t;
+  st->chunks.resize(static_cast<size_t>(nc));
+  Tensor counts = c.empty({nc * e}, DType::kI32);
+  Tensor offsets = c.empty({e + 1}, DType::kI32);
+  const Tensor topk = topk_idx.contiguous();
+  for (int64_t ci = 0; ci < nc; ++ci) {
+    PeerChunk& ch = st->chunks[static_cast<size_t>(ci)];
+    ch.lo = ci * t / nc;
+    ch.len = (ci + 1) * t / nc - ch.lo;
+    ch.gates = gates.narrow(0, ch.lo, ch.len);
+    ch.topk = topk.narrow(0, ch.lo, ch.len);
+    ch.row_map = c.empty({ch.len * k}, DType::kI32);
+    Tensor cnt = counts.narrow(0, ci * e, e);
+    kernels::moe_dispatch_plan(c.ex, ch.topk, e, -1, ch.row_map, cnt, offsets);
+  }
+  Tensor counts_all = c.empty({n * nc * e}, DType::kI32);
+  time_.issue(group_.all_gather(counts, counts_all, time_.op_options()), "expert counts all_gather");
+  st->shift = c.empty({nc * e}, DType::kI32);
+  Tensor local = c.empty({nc * (el + 1)}, DType::kI32);
+  kernels::gpu::launch_peer_plan(env_on(c, nullptr), counts_all.data<int32_t>(), static_cast<int>(n),
+                                 group_.rank(), nc, t, e, el, k, st->shift.data<int32_t>(),
+                                 local.data<int32_t>());
+  auto region = [&](const PeerChunk& ch) { return n * k * ch.lo; };  // first row of chunk's region
+  auto cap = [&](const PeerChunk& ch) { return n * k * ch.len; };
+
+  const bool overlap = options_.overlap, fp8 = options_.fp8;
+  // Dispatch: each chunk's copies go straight into their owners' recv regions (from the
+  // tokens, or from the fp8 codes the permute quantised, with their scales).
+  std::vector<Tensor> xq(static_cast<size_t>(nc)), xs(static_cast<size_t>(nc));
+  auto dispatch = [&](int64_t ci) {
+    PeerChunk& ch = st->chunks[static_cast<size_t>(ci)];
+    const int32_t* shift = st->shift.data<int32_t>() + ci * e;
+    if (fp8) {
+      xq[static_cast<size_t>(ci)] = c.empty({ch.len * k, dm}, DType::kF8E4M3);
+      xs[static_cast<size_t>(ci)] = c.empty({ch.len * k}, DType::kF32);
+      kernels::moe_permute_fp8(c.ex, x.narrow(0, ch.lo, ch.len), ch.row_map, k, xq[static_cast<size_t>(ci)],
+                               xs[static_cast<size_t>(ci)]);
+    }
+    const Tensor src = fp8 ? xq[static_cast<size_t>(ci)] : x.narrow(0, ch.lo, ch.len);
+    const float* scales = fp8 ? xs[static_cast<size_t>(ci)].data<float>() : nullptr;
+    const int64_t row_bytes = fp8 ? dm : dm * act_bytes;
+    ch.op = time_.launch(
+        [&, src, scales, shift, row_bytes](const comm::OpOptions& o) {
+          kernels::gpu::launch_peer_push(env_on(c, o.stream), src.data_ptr(), !fp8, scales, row_bytes,
+                                         ch.row_map.data<int32_t>(), ch.topk.data<int32_t>(), ch.len * k, k,
+                                         el, shift, pr.recv_peers(), pr.scale_peers());
+          return pr.barrier(o);
+        },
+        fp8 ? "expert dispatch (peer, fp8)" : "expert dispatch (peer)");
+  };
+  auto combine = [&](int64_t ci) {
+    PeerChunk& ch = st->chunks[static_cast<size_t>(ci)];
+    const int32_t* shift = st->shift.data<int32_t>() + ci * e;
+    ch.yp = c.empty({ch.len * k, dm});
+    ch.op = time_.launch(
+        [&, shift](const comm::OpOptions& o) {
+          comm::WorkPtr w = pr.barrier(o);  // every owner's outputs are in place
+          kernels::gpu::launch_peer_pull(env_on(c, o.stream), ch.yp.data_ptr(), dm * act_bytes,
+                                         ch.row_map.data<int32_t>(), ch.topk.data<int32_t>(), ch.len * k, el,
+                                         shift, pr.out_peers());
+          return w;
+        },
+        "expert combine (peer)");
+  };
+  if (overlap) {
+    for (int64_t ci = 0; ci < nc; ++ci) dispatch(ci);
+  }
+  for (int64_t ci = 0; ci < nc; ++ci) {
+    PeerChunk& ch = st->chunks[static_cast<size_t>(ci)];
+    if (!overlap) dispatch(ci);
+    time_.await(ch.op);
+    xq[static_cast<size_t>(ci)] = xs[static_cast<size_t>(ci)] = Tensor();
+    ch.local = local.narrow(0, ci * (el + 1), el + 1);
+    const int32_t* nrows = ch.local.data<int32_t>() + el;
+    // The received rows (expert-major; a device count of them) leave the shared buffer:
+    // the GEMMs keep their input for backward.
+    Tensor xe = c.empty({cap(ch), dm});
+    if (fp8) {
+      const Tensor q = Tensor::wrap(static_cast<uint8_t*>(pr.recv()) + region(ch) * dm, {cap(ch), dm},
+                                    DType::kF8E4M3, c.ex.device);
+      const Tensor sc = Tensor::wrap(pr.scales() + region(ch), {cap(ch), 1}, DType::kF32, c.ex.device);
+      kernels::dequantize_fp8(c.ex, q, sc, 0, xe);
+    } else {
+      kernels::gpu::launch_copy_rows_upto(env_on(c, nullptr),
+                                          static_cast<char*>(pr.recv()) + region(ch) * dm * act_bytes,
+                                          xe.data_ptr(), dm * act_bytes, cap(ch), nrows);
+    }
+    Tensor ye = local_->forward(c, xe, ch.local, ch.experts);
+    kernels::gpu::launch_copy_rows_upto(env_on(c, nullptr), ye.data_ptr(),
+                                        static_cast<char*>(pr.out()) + region(ch) * dm * act_bytes,
+                                        dm * act_bytes, cap(ch), nrows);
+    combine(ci);
+    if (!overlap) time_.await(ch.op);
+  }
+  Tensor y = c.empty(x.shape());
+  for (int64_t ci = 0; ci < nc; ++ci) {
+    PeerChunk& ch = st->chunks[static_cast<size_t>(ci)];
+    time_.await(ch.op);
+    Tensor yc = y.narrow(0, ch.lo, ch.len);
+    kernels::moe_unpermute(c.ex, ch.yp, ch.row_map, ch.gates, yc);
+  }
+  state = std::move(st);
+  return y;
+#else
+  (void)c, (void)x_in, (void)topk_idx, (void)gates, (void)state;
+  TROUPE_CHECK(false, "ExpertGroup: the device-driven dispatch needs a CUDA build");
+  return Tensor();
+#endif
+}
+
+Tensor ExpertGroup::backward_peer(const layers::Ctx& c, const Tensor& dy_in, layers::DispatchState& state,
+                                  Tensor& dgates) {
+#if TROUPE_HAVE_CUDA
+  auto& st = static_cast<PeerState&>(state);
+  const Tensor dy = dy_in.contiguous();
+  const int64_t dm = dy.size(1), e = num_experts_, el = local_experts_, n = group_.size(), k = top_k_;
+  const int64_t nc = static_cast<int64_t>(st.chunks.size());
+  const int64_t row_bytes = dm * static_cast<int64_t>(dtype_size(dy.dtype()));
+  const bool overlap = options_.overlap;
+  PeerRows& pr = *options_.peer;
+  auto region = [&](const PeerChunk& ch) { return n * k * ch.lo; };
+  auto cap = [&](const PeerChunk& ch) { return n * k * ch.len; };
+  dgates = c.empty({st.tokens, k}, DType::kF32);
+  std::vector<Tensor> dyp(static_cast<size_t>(nc)), dxp(static_cast<size_t>(nc));
+  auto dispatch = [&](int64_t ci) {
+    PeerChunk& ch = st.chunks[static_cast<size_t>(ci)];
+    const int32_t* shift = st.shift.data<int32_t>() + ci * e;
+    const Tensor src = dyp[static_cast<size_t>(ci)];
+    ch.op = time_.launch(
+        [&, src, shift](const comm::OpOptions& o) {
+          kernels::gpu::launch_peer_push(env_on(c, o.stream), src.data_ptr(), false, nullptr, row_bytes,
+                                         ch.row_map.data<int32_t>(), ch.topk.data<int32_t>(), ch.len * k, k,
+                                         el, shift, pr.recv_peers(), nullptr);
+          return pr.barrier(o);
+        },
+        "expert grad dispatch (peer)");
+  };
+  for (int64_t ci = 0; ci < nc; ++ci) {
+    PeerChunk& ch = st.chunks[static_cast<size_t>(ci)];
+    dyp[static_cast<size_t>(ci)] = c.empty(ch.yp.shape());
+    Tensor dg = dgates.narrow(0, ch.lo, ch.len);
+    kernels::moe_unpermute_backward(c.ex, dy.narrow(0, ch.lo, ch.len), ch.yp, ch.row_map, ch.gates,
+                                    dyp[static_cast<size_t>(ci)], dg);
+    if (overlap) dispatch(ci);
+  }
+  for (int64_t ci = 0; ci < nc; ++ci) {
+    PeerChunk& ch = st.chunks[static_cast<size_t>(ci)];
+    if (!overlap) dispatch(ci);
+    time_.await(ch.op);
+    dyp[static_cast<size_t>(ci)] = Tensor();
+    const int32_t* nrows = ch.local.data<int32_t>() + el;
+    Tensor dye = c.empty({cap(ch), dm});
+    kernels::gpu::launch_copy_rows_upto(env_on(c, nullptr),
+                                        static_cast<char*>(pr.recv()) + region(ch) * row_bytes,
+                                        dye.data_ptr(), row_bytes, cap(ch), nrows);
+    Tensor dxe = local_->backward(c, dye, ch.experts);
+    ch.experts = layers::Experts::Saved();
+    kernels::gpu::launch_copy_rows_upto(env_on(c, nullptr), dxe.data_ptr(),
+                                        static_cast<char*>(pr.out()) + region(ch) * row_bytes, row_bytes,
+                                        cap(ch), nrows);
+    const int32_t* shift = st.shift.data<int32_t>() + ci * e;
+    dxp[static_cast<size_t>(ci)] = c.empty({ch.len * k, dm});
+    const Tensor dst = dxp[static_cast<size_t>(ci)];
+    ch.op = time_.launch(
+        [&, dst, shift](const comm::OpOptions& o) {
+          comm::WorkPtr w = pr.barrier(o);
+          kernels::gpu::launch_peer_pull(env_on(c, o.stream), dst.data_ptr(), row_bytes,
+                                         ch.row_map.data<int32_t>(), ch.topk.data<int32_t>(), ch.len * k, el,
+                                         shift, pr.out_peers());
+          return w;
+        },
+        "expert grad combine (peer)");
+    if (!overlap) time_.await(ch.op);
+  }
+  Tensor dx = c.empty({st.tokens, dm});
+  for (int64_t ci = 0; ci < nc; ++ci) {
+    PeerChunk& ch = st.chunks[static_cast<size_t>(ci)];
+    time_.await(ch.op);
+    Tensor dxc = dx.narrow(0, ch.lo, ch.len);
+    kernels::moe_permute_backward(c.ex, dxp[static_cast<size_t>(ci)], ch.row_map, k, dxc);
+  }
+  return dx;
+#else
+  (void)c, (void)dy_in, (void)state, (void)dgates;
+  TROUPE_CHECK(false, "ExpertGroup: the device-driven dispatch needs a CUDA build");
+  return Tensor();
+#endif
 }
 
 // ---- all-gather / reduce-scatter -------------------------------------------------------

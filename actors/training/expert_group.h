@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "actors/training/group_ops.h"
+#include "actors/training/peer_rows.h"
 #include "layers/moe.h"
 
 namespace troupe::training {
@@ -45,6 +46,10 @@ class ExpertGroup final : public layers::ExpertDispatch {
     int64_t chunks = 1;    // token chunks of the all-to-all path
     bool overlap = false;  // transfers in flight behind the expert GEMMs
     bool fp8 = false;      // fp8 e4m3 token dispatch (kernels::moe_permute_fp8)
+    // Device-driven dispatch (parallel.device_dispatch; kAllToAll on a GPU whose n-group
+    // sits on one host): rows move through the group's mapped buffers, every index
+    // computed on the device; no count reaches the host. Shared by the stage's blocks.
+    std::shared_ptr<PeerRows> peer;
   };
   ExpertGroup(const layers::Experts& full, int64_t top_k, bool recompute, comm::Communicator& group,
               CommTime& time, DispatchMode mode, Options options);
@@ -61,6 +66,9 @@ class ExpertGroup final : public layers::ExpertDispatch {
   Tensor forward_a2a(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
                      std::unique_ptr<layers::DispatchState>& state, std::vector<int64_t>& kept);
   Tensor backward_a2a(const layers::Ctx& c, const Tensor& dy, layers::DispatchState& state, Tensor& dgates);
+  Tensor forward_peer(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
+                      std::unique_ptr<layers::DispatchState>& state);
+  Tensor backward_peer(const layers::Ctx& c, const Tensor& dy, layers::DispatchState& state, Tensor& dgates);
   Tensor forward_ag(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
                     std::unique_ptr<layers::DispatchState>& state, std::vector<int64_t>& kept);
   Tensor backward_ag(const layers::Ctx& c, const Tensor& dy, layers::DispatchState& state, Tensor& dgates);

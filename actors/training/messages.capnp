@@ -83,6 +83,8 @@ struct StepReply @0xb7e4a2c91d3f5a67 {
   replicaMs @26 :Float64;
   # the in-memory state's commit after the step (moment all-gather and copies; -1: none)
   commitMs @27 :Float64 = -1;
+  # device runs: the rank's device->host reads in the step (-1: CPU)
+  hostSyncs @28 :Int64 = -1;
 }
 
 # A worker's failure in an epoch (a data-plane error, a failed join), reported to the

@@ -68,7 +68,8 @@ struct StepReply {
   std::vector<std::pair<int64_t, std::string>> ckpt_errors;  // step, text
   int64_t replica = -1;
   double replica_ms = 0;
-  double commit_ms = -1;  // the in-memory state's commit after the step (-1: none kept)
+  double commit_ms = -1;    // the in-memory state's commit after the step (-1: none kept)
+  int64_t host_syncs = -1;  // device runs: this rank's device->host reads in the step
 };
 
 struct WorkerFailure {

@@ -212,6 +212,7 @@ std::string encode_step_reply(const StepReply& m) {
   b.setReplica(m.replica);
   b.setReplicaMs(m.replica_ms);
   b.setCommitMs(m.commit_ms);
+  b.setHostSyncs(m.host_syncs);
   return flat(mb);
 }
 
@@ -252,6 +253,7 @@ Result<StepReply> decode_step_reply(std::string_view bytes) {
     m.replica = s.getReplica();
     m.replica_ms = s.getReplicaMs();
     m.commit_ms = s.getCommitMs();
+    m.host_syncs = s.getHostSyncs();
     return m;
   });
 }

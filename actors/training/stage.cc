@@ -16,6 +16,7 @@
 #if TROUPE_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "core/cuda/host_wait.h"
 #include "core/gpu_check.h"
 #include "kernels/cuda/context.h"
 #endif
@@ -495,8 +496,20 @@ void Stage::backward(Micro& m) {
   m = Micro();
 }
 
+namespace {
+// Device->host read-backs of this process so far (core/cuda/host_wait.h; 0 without CUDA).
+int64_t host_reads() {
+#if TROUPE_HAVE_CUDA
+  return cuda::host_wait_count(cuda::HostWait::kReadBack);
+#else
+  return 0;
+#endif
+}
+}  // namespace
+
 StepReport Stage::run_step(int64_t step) {
   const auto t0 = Clock::now();
+  const int64_t syncs0 = host_reads();
   bind_device();
   time_.reset();
   time_.set_tracing(!tc_.train.timeline_dir.empty());
@@ -676,6 +689,7 @@ StepReport Stage::run_step(int64_t step) {
     rep.peak_bytes = static_cast<int64_t>(ctx_.alloc->peak_bytes_in_use());
   }
   rep.step_ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
+  if (ctx_.on_device()) rep.host_syncs = host_reads() - syncs0;
   rep.comm_ms = time_.seconds() * 1e3;
   rep.compute_ms = rep.step_ms - rep.comm_ms;
   for (const auto& [kind, sec] : time_.by_kind()) rep.comm_by_kind_ms[kind] = sec * 1e3;

@@ -56,6 +56,9 @@ struct StepReport {
   std::map<std::string, double> comm_by_kind_ms;  // this rank's comm_ms split by kind
   // Device runs: this rank's allocator high-water mark in the step (bytes); -1 on the CPU.
   int64_t peak_bytes = -1;
+  // Device runs: this rank's device->host reads in the step (the step's metrics reads
+  // included); -1 on the CPU.
+  int64_t host_syncs = -1;
 };
 
 // When a parameter's gradient is final within a step's backward, i.e. which bucket of

@@ -1573,6 +1573,7 @@ nlohmann::json step_reply_json(const StepReply& r) {
                               {"comm_ms_mean", r.comm_ms_mean},
                               {"comm_by_kind_ms", r.comm_by_kind_ms}});
       if (r.peak_bytes >= 0) j["peak_bytes"] = r.peak_bytes;
+      if (r.host_syncs >= 0) j["host_syncs"] = r.host_syncs;
       break;
     case Command::Kind::kEval:
       j["val_loss"] = r.val_loss;

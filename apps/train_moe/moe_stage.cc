@@ -38,6 +38,11 @@ class MoeStage final : public training::StageProgram {
     const training::DispatchMode mode =
         par.dispatch == "allgather" ? training::DispatchMode::kAllGather : training::DispatchMode::kAllToAll;
     int64_t moe_index = 0;
+    // One set of mapped row buffers for every MoE block of this stage (device dispatch).
+    std::shared_ptr<training::PeerRows> peer;
+    if (env.n_group != nullptr && ctx_.on_device() && par.device_dispatch) {
+      peer = std::make_shared<training::PeerRows>(*env.n_group);
+    }
     for (int64_t i = 0; i < tc_.model.n_layers; ++i) {
       layers::Block& b = *model_->blocks[static_cast<size_t>(i)];
       const int64_t mi = b.is_moe() ? moe_index++ : -1;
@@ -53,6 +58,7 @@ class MoeStage final : public training::StageProgram {
           eo.chunks = par.chunks;
           eo.overlap = par.overlap_a2a;
           eo.fp8 = par.fp8_dispatch;
+          eo.peer = peer;
           role->experts = std::make_unique<ExpertGroup>(
               b.moe->experts, tc_.model.moe.top_k, tc_.model.recompute_swiglu, group, env.time, mode, eo);
           b.moe->set_dispatch(role->experts.get());

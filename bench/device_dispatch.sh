@@ -1,0 +1,79 @@
+#!/bin/bash
+# bench/device_dispatch.sh — the device-driven expert dispatch (issue 17 item 5) on a host
+# with two GPUs: builds train_moe, troupe and training_gpu_test, runs the GPU tests that
+# FILTER selects (gtest filter; "none" skips them), then trains bench_1b at n=2 under
+# `troupe run` with the expert counts read on the host (parallel.device_dispatch = false)
+# and kept on the device (true), ROUNDS interleaved rounds of STEPS steps each, and prints
+# per run the median tokens/s, step time, peak device memory and host reads per step
+# (steps > 5). Usage (repository root, deps environment sourced):
+#   bash bench/device_dispatch.sh [STEPS=20] [ROUNDS=1] [FILTER='*Dispatch*:*ExpertAndSequence*'] [EXTRA sets...]
+# Logs go to $OUT (or ./gpu-out), the build to $BUILD (default build).
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/common.sh"
+steps=${1:-20}
+rounds=${2:-1}
+filter=${3:-'*Dispatch*:*ExpertAndSequence*'}
+extra=("${@:4}")
+out=${OUT:-gpu-out}
+build=${BUILD:-build}
+mkdir -p "$out"
+t0=$(date +%s)
+say() { echo "== [$(($(date +%s) - t0))s] $*" | tee -a "$out/summary.txt"; }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
+cmake -S . -B "$build" -G Ninja -DTROUPE_WERROR=OFF -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release \
+  >"$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }
+if ! ninja -C "$build" -j"$(nproc)" train_moe troupe training_gpu_test >"$out/build.log" 2>&1; then
+  grep -E "error|FAILED" -A3 "$out/build.log" | head -60
+  exit 1
+fi
+say "build ok ($(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo +changes))"
+
+if [ "$filter" != none ]; then
+  timeout -s KILL 400 "$build/tests/training/training_gpu_test" --gtest_filter="$filter" >"$out/gpu_test.log" 2>&1
+  say "training_gpu_test ($filter) rc=$?"
+  grep -E "^\[device dispatch|^step [0-9]:|OK \]|FAILED|Failure|Expected|Which is|error|host counts" \
+    "$out/gpu_test.log" | head -60
+fi
+
+data=$(bench_data "$build/apps/train_moe" "$out") || exit 1
+sets=(--set train.steps="$steps" --set train.eval_every=0 --set train.eval_batches=1 --set train.log_every=5
+  --set data.dir="\"$(realpath "$data")\"")
+for s in "${extra[@]}"; do sets+=(--set "$s"); done
+
+summary() { # summary NAME METRICS
+  python3 - "$1" "$2" <<'PY' | tee -a "$out/summary.txt"
+import json, statistics, sys
+name, path = sys.argv[1], sys.argv[2]
+try:
+    recs = [json.loads(l) for l in open(path)]
+except OSError:
+    print(f"{name}: no metrics"); sys.exit(0)
+st = [r for r in recs if "tokens_per_s" in r]
+if not st:
+    print(f"{name}: no steps"); sys.exit(0)
+steady = [r for r in st if r["step"] > 5] or st
+med = lambda k: statistics.median(r[k] for r in steady if k in r) if any(k in r for r in steady) else float("nan")
+print(f"{name}: {len(st)} steps, loss {st[0]['loss']:.4f} -> {st[-1]['loss']:.4f} | median tokens/s "
+      f"{med('tokens_per_s'):.0f} | mfu {100*med('mfu'):.2f}% | step {med('step_ms'):.1f} ms | peak "
+      f"{med('peak_bytes')/2**30:.2f} GiB | host reads/step {med('host_syncs'):.0f}")
+PY
+}
+
+for r in $(seq 1 "$rounds"); do
+  for dev in false true; do
+    dir=/tmp/troupe-dd-$dev
+    rm -rf "$dir"
+    timeout -s KILL 200 "$build/scheduler/troupe" run --nproc 2 --backend cuda -- \
+      "$PWD/$build/apps/train_moe" --config "$PWD/apps/configs/bench_1b.toml" --backend cuda --parallel n=2 \
+      "${sets[@]}" --set train.micro_batch_size=16 --set parallel.device_dispatch="$dev" \
+      --run-dir "$dir" >"$out/bench_n2_$dev.$r.log" 2>&1
+    say "bench_1b n=2 device_dispatch=$dev round $r rc=$?"
+    m=$(find "$dir" -name metrics.jsonl 2>/dev/null | head -1)
+    [ -n "$m" ] && cp "$m" "$out/bench_n2_$dev.$r.metrics.jsonl"
+    summary "n=2 device_dispatch=$dev round $r" "$out/bench_n2_$dev.$r.metrics.jsonl"
+  done
+done
+say "done"
