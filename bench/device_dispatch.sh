@@ -2,8 +2,9 @@
 # bench/device_dispatch.sh — the device-driven expert dispatch (issue 17 item 5) on a host
 # with two GPUs: builds train_moe, troupe and training_gpu_test, runs the GPU tests that
 # FILTER selects (gtest filter; "none" skips them), then trains bench_1b at n=2 under
-# `troupe run` with the expert counts read on the host (parallel.device_dispatch = false)
-# and kept on the device (true), ROUNDS interleaved rounds of STEPS steps each, and prints
+# `troupe run` three ways: router statistics and expert counts read on the host (host),
+# the statistics on the device (stats: train.device_stats), both on the device (device:
+# parallel.device_dispatch too), ROUNDS interleaved rounds of STEPS steps each, and prints
 # per run the median tokens/s, step time, peak device memory and host reads per step
 # (steps > 5). Usage (repository root, deps environment sourced):
 #   bash bench/device_dispatch.sh [STEPS=20] [ROUNDS=1] [FILTER='*Dispatch*:*ExpertAndSequence*'] [EXTRA sets...]
@@ -62,18 +63,24 @@ print(f"{name}: {len(st)} steps, loss {st[0]['loss']:.4f} -> {st[-1]['loss']:.4f
 PY
 }
 
+# host: router statistics and expert counts read on the host (the previous path);
+# stats: the routers' statistics on the device, the counts on the host; device: both.
+variants=("host:parallel.device_dispatch=false:train.device_stats=false"
+  "stats:parallel.device_dispatch=false:train.device_stats=true"
+  "device:parallel.device_dispatch=true:train.device_stats=true")
 for r in $(seq 1 "$rounds"); do
-  for dev in false true; do
-    dir=/tmp/troupe-dd-$dev
+  for v in "${variants[@]}"; do
+    IFS=: read -r name dd ds <<<"$v"
+    dir=/tmp/troupe-dd-$name
     rm -rf "$dir"
     timeout -s KILL 200 "$build/scheduler/troupe" run --nproc 2 --backend cuda -- \
       "$PWD/$build/apps/train_moe" --config "$PWD/apps/configs/bench_1b.toml" --backend cuda --parallel n=2 \
-      "${sets[@]}" --set train.micro_batch_size=16 --set parallel.device_dispatch="$dev" \
-      --run-dir "$dir" >"$out/bench_n2_$dev.$r.log" 2>&1
-    say "bench_1b n=2 device_dispatch=$dev round $r rc=$?"
+      "${sets[@]}" --set train.micro_batch_size=16 --set "$dd" --set "$ds" \
+      --run-dir "$dir" >"$out/bench_n2_$name.$r.log" 2>&1
+    say "bench_1b n=2 $name ($dd, $ds) round $r rc=$?"
     m=$(find "$dir" -name metrics.jsonl 2>/dev/null | head -1)
-    [ -n "$m" ] && cp "$m" "$out/bench_n2_$dev.$r.metrics.jsonl"
-    summary "n=2 device_dispatch=$dev round $r" "$out/bench_n2_$dev.$r.metrics.jsonl"
+    [ -n "$m" ] && cp "$m" "$out/bench_n2_$name.$r.metrics.jsonl"
+    summary "n=2 $name round $r" "$out/bench_n2_$name.$r.metrics.jsonl"
   done
 done
 say "done"

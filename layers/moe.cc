@@ -3,10 +3,11 @@
 // Two ways to keep the router's balancing statistics. Router::forward (CPU, distributed
 // groups, z-loss): host loops over read-back topk_idx and score sums, one stream
 // synchronisation per MoE layer on a device (the z-loss also reads back the logits).
-// Router::forward_device (one process, no z-loss; MoELayer::set_device_stats; on GPUs):
-// counts (expert_counts), score sums and the aux loss accumulate on the device and are
-// read once per step by Model::end_step; the dispatch then sizes its rows as T*k without
-// reading the counts, so the MoE layer enqueues everything without a host wait.
+// Router::forward_device (no z-loss; MoELayer::set_device_stats; on GPUs): counts
+// (expert_counts), score sums and the aux loss accumulate on the device (in a group,
+// summed over it by a device all-reduce) and are read once per step (Model::end_step, the
+// stage's step_stats); the local dispatch then sizes its rows as T*k without reading the
+// counts, so the MoE layer enqueues everything without a host wait.
 #include "layers/moe.h"
 
 #include <algorithm>
@@ -113,7 +114,7 @@ double Router::forward(const Ctx& c, const Tensor& x, Saved& s) const {
 
 void Router::forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc) const {
   TROUPE_CHECK(device_stats_ok(c),
-               "Router::forward_device needs one process (no group all-reduce) and no z-loss");
+               "Router::forward_device needs no z-loss, and in a group the device all-reduce");
   const int64_t t = x.size(0), e = cfg.num_experts, k = cfg.top_k;
   s.x = x;
   s.logits = c.empty({t, e}, DType::kF32);
@@ -130,17 +131,23 @@ void Router::forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc
   if (acc == nullptr) return;
   TROUPE_CHECK(acc->dtype() == DType::kF32 && acc->numel() == e + 1,
                "Router::forward_device: acc must be f32 [{}], got {}", e + 1, acc->describe());
-  s.counts = c.empty({e}, DType::kF32);
+  // [counts (E) | score column sums (E)]: one buffer, so that a group sums both in one call.
+  const bool aux_on = cfg.aux_loss_coef > 0;
+  Tensor st = c.empty({aux_on ? 2 * e : e}, DType::kF32);
+  s.counts = st.narrow(0, 0, e);
   kernels::expert_counts(c.ex, s.topk_idx, s.counts);
+  if (aux_on) {
+    s.score_sums = st.narrow(0, e, e);
+    kernels::sum_rows(c.ex, s.scores, s.score_sums);
+  }
+  if (device_all_reduce_) s.group_tokens = t * device_all_reduce_(st);
   Tensor load = acc->narrow(0, 0, e);
   kernels::axpby(c.ex, 1.0f, s.counts, 1.0f, load);
-  if (cfg.aux_loss_coef > 0) {
+  if (aux_on) {
     // aux = coef * E * sum_e (counts_e / (T k)) * (score_sums_e / T): a [1,E] x [E,1] product.
-    s.score_sums = c.empty({e}, DType::kF32);
-    kernels::sum_rows(c.ex, s.scores, s.score_sums);
     Tensor dot = c.empty({1, 1}, DType::kF32);
     kernels::matmul(c.ex, s.counts.view({1, e}), s.score_sums.view({e, 1}), dot);
-    const double td = static_cast<double>(std::max<int64_t>(1, t));
+    const double td = static_cast<double>(std::max<int64_t>(1, s.group_tokens));
     Tensor aux = acc->narrow(0, e, 1);
     kernels::axpby(
         c.ex,
@@ -306,6 +313,7 @@ void MoELayer::collect_buffers(const std::string& prefix, std::vector<NamedBuffe
 Tensor MoELayer::forward(const Ctx& c, const Tensor& x, Saved& s, Stats* stats) {
   if (device_stats_.defined()) {
     router.forward_device(c, x, s.router, stats ? &device_stats_ : nullptr);
+    if (stats) device_selections_ += s.router.group_tokens * router.cfg.top_k;
     std::vector<int64_t> kept;
     Tensor y = dispatch_->forward(c, x, s.router.topk_idx, s.router.gates, s.dispatch, kept);
     if (stats) {  // the aux loss and counts arrive with the step's one read (Model::end_step)
@@ -348,19 +356,32 @@ Tensor MoELayer::backward(const Ctx& c, const Tensor& dy, Saved& s, float loss_w
 }
 
 bool MoELayer::set_device_stats(const Ctx& c, Tensor row) {
-  if (!router.device_stats_ok(c) || dispatch_ != local_.get()) return false;
+  if (!router.device_stats_ok(c)) return false;
   TROUPE_CHECK(
       row.dtype() == DType::kF32 && row.numel() == router.cfg.num_experts + 1 && row.device() == c.ex.device,
       "MoELayer::set_device_stats: row must be f32 [{}] on {}, got {}", router.cfg.num_experts + 1,
       c.ex.device, row.describe());
   device_stats_ = std::move(row);
+  device_selections_ = 0;
   local_->set_defer_counts(true);
   return true;
 }
 
 double MoELayer::absorb_device_stats(const float* row) {
   const size_t e = step_load_.size();
-  for (size_t j = 0; j < e; ++j) step_load_[j] = std::llround(static_cast<double>(row[j]));
+  int64_t total = 0;
+  for (size_t j = 0; j < e; ++j) {
+    step_load_[j] = std::llround(static_cast<double>(row[j]));
+    total += step_load_[j];
+  }
+  const int64_t expected = device_selections_;
+  device_selections_ = 0;
+  TROUPE_CHECK(
+      total == expected,
+      "MoE device statistics: the routers counted {} expert selections where group members routing "
+      "equal token counts would give {}; the members of a group must route the same number of tokens "
+      "per micro-batch (or set train.device_stats = false)",
+      total, expected);
   return static_cast<double>(row[e]);
 }
 
@@ -381,6 +402,7 @@ void MoELayer::update_bias(const Ctx& c, const std::vector<int64_t>& load) {
     c.copy_to_device(hb, router.bias);
   }
   std::fill(step_load_.begin(), step_load_.end(), 0);
+  device_selections_ = 0;  // a discarded step's statistics are zeroed with it
 }
 
 }  // namespace troupe::layers

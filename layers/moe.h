@@ -27,6 +27,10 @@ namespace troupe::layers {
 // through it so that the aux loss and its gradient equal one process's over the whole
 // micro-batch. Unset: one process (identity).
 using GroupAllReduce = std::function<void(std::vector<double>&)>;
+// The same sum for a device tensor (f32, in place, ordered on the compute stream), which
+// returns the number of ranks summed: the statistics of Router::forward_device in a group
+// never come back to the host.
+using DeviceGroupAllReduce = std::function<int64_t(Tensor&)>;
 
 class Router {
  public:
@@ -49,20 +53,28 @@ class Router {
   // f_e = selected_e / (T*k) and P_e = mean_t scores[t,e], T and the sums taken over the
   // whole micro-batch (through the group all-reduce; every rank returns the same value).
   double forward(const Ctx& c, const Tensor& x, Saved& s) const;
-  // The same routing with the statistics left on the device (one process, no z-loss: see
-  // device_stats_ok; bit-for-bit the same routing and gradients as forward): with acc (training), f32 [E+1]
-  // on the device, acc[0:E] += the selection counts and acc[E] += this micro-batch's aux loss; s.selected
-  // stays empty. Without acc (evaluation) no statistics are taken. No host wait either way.
+  // The same routing with the statistics left on the device (no z-loss: see device_stats_ok;
+  // the same routing as forward, and its gradients up to the rounding of the f32 sums): with acc (training),
+  // f32 [E+1] on the device, acc[0:E] += the selection counts and acc[E] += this micro-batch's aux loss;
+  // s.selected stays empty. In a group (set_device_group_all_reduce) the counts and score sums are summed
+  // over the group on the device, and the group's token count is taken as the group's size times this
+  // rank's (MoELayer::absorb_device_stats checks it against the summed counts). Without acc (evaluation) no
+  // statistics are taken. No host wait either way.
   void forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc) const;
   // Any Ctx (the CPU runs it too, which is how tests compare the two ways); the training
-  // loop enables it on GPUs.
-  bool device_stats_ok(const Ctx&) const { return !all_reduce_ && cfg.z_loss_coef <= 0; }
+  // loop enables it on GPUs. A group needs the device all-reduce as well as the host one.
+  bool device_stats_ok(const Ctx&) const {
+    return (!all_reduce_ || device_all_reduce_) && cfg.z_loss_coef <= 0;
+  }
   // dgates [T,k] from the experts; loss_weight is the weight of this micro-batch's aux
   // loss in the total loss. Returns dx; accumulates weight.grad.
   Tensor backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight);
 
   kernels::RouterConfig router_config() const;
   void set_group_all_reduce(GroupAllReduce f) { all_reduce_ = std::move(f); }
+  // The device form of that sum for forward_device, over ranks that each route the same
+  // number of tokens per micro-batch.
+  void set_device_group_all_reduce(DeviceGroupAllReduce f) { device_all_reduce_ = std::move(f); }
 
   Parameter weight;  // [D, E]
   Tensor bias;       // f32 [E]: aux-loss-free selection bias (a buffer, no gradient)
@@ -70,6 +82,7 @@ class Router {
 
  private:
   GroupAllReduce all_reduce_;
+  DeviceGroupAllReduce device_all_reduce_;
 };
 
 // Opaque per-micro-batch state an ExpertDispatch keeps between forward and backward.
@@ -148,7 +161,9 @@ class MoELayer {
   bool set_device_stats(const Ctx& c, Tensor row);
   bool device_stats() const { return device_stats_.defined(); }
   // Takes a host copy of that row after a step: step_load() := its counts; returns its aux
-  // loss sum (over micro-batches, unweighted).
+  // loss sum (over micro-batches, unweighted). Throws when the counts do not add up to top_k
+  // copies of the tokens the router assumed (a group whose members routed unequal token
+  // counts: the aux loss and its gradient would have been scaled wrongly).
   double absorb_device_stats(const float* row);
 
   Router router;
@@ -160,6 +175,7 @@ class MoELayer {
   ExpertDispatch* dispatch_;
   std::vector<int64_t> step_load_;
   Tensor device_stats_;
+  int64_t device_selections_ = 0;  // copies the device counts must add up to since the last read
 };
 
 }  // namespace troupe::layers

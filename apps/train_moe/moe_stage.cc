@@ -65,6 +65,13 @@ class MoeStage final : public training::StageProgram {
           b.moe->router.set_group_all_reduce([g = &group, time = &env.time](std::vector<double>& v) {
             training::sum_doubles(*g, v, *time, "router statistics");
           });
+          if (ctx_.on_device()) {
+            // The same sums on the device, for the statistics that never leave it.
+            b.moe->router.set_device_group_all_reduce([g = &group, time = &env.time](Tensor& v) {
+              training::all_reduce_sum(*g, v, *time, "router statistics");
+              return static_cast<int64_t>(g->size());
+            });
+          }
         }
       }
       roles_.push_back(std::move(role));
@@ -197,7 +204,9 @@ class MoeStage final : public training::StageProgram {
       for (const auto& r : roles_) {
         if (r->moe_index >= 0) aux += r->block->moe->absorb_device_stats(h.data<float>() + stride_ * i++);
       }
-      aux_acc_ = aux * static_cast<double>(loss_weight_);  // every micro-batch weighs the same
+      // Every micro-batch weighs the same; the aux loss is the n-group's (the same on every
+      // member), counted once as on the host path: by n-rank 0.
+      aux_acc_ = n_rank_ == 0 ? aux * static_cast<double>(loss_weight_) : 0.0;
       kernels::fill(ctx_.ex, stats_rows_, 0.0f);
     }
     v[0] = aux_acc_;
@@ -245,16 +254,16 @@ class MoeStage final : public training::StageProgram {
   }
 
  private:
-  // One GPU per n-group (n = 1, the local dispatch): each MoE block's selections and aux
-  // loss accumulate on the device (MoELayer::set_device_stats) and step_stats reads them
-  // once, instead of a host read per block and micro-batch. Not where a router cannot
-  // (z-loss, a group all-reduce) or train.device_stats = false.
+  // On GPUs each MoE block's selections and aux loss accumulate on the device
+  // (MoELayer::set_device_stats; with n > 1 summed over the n-group by an all-reduce on the
+  // device) and step_stats reads them once, instead of a host read per block and
+  // micro-batch. Not where a router cannot (z-loss) or train.device_stats = false.
   void enable_device_stats() {
     if (!tc_.train.device_stats) return;
     std::vector<layers::MoELayer*> moes;
     for (const auto& r : roles_) {
       if (!r->block->is_moe()) continue;
-      if (r->experts || !r->block->moe->router.device_stats_ok(ctx_)) return;
+      if (!r->block->moe->router.device_stats_ok(ctx_)) return;
       moes.push_back(r->block->moe.get());
     }
     if (moes.empty()) return;

@@ -5,11 +5,12 @@
 // gradient accumulation, AdamW clipping.
 #include <gtest/gtest.h>
 
-#include <cmath>
-#include <functional>
-#include <random>
 #include <barrier>
+#include <cmath>
+#include <cstring>
+#include <functional>
 #include <mutex>
+#include <random>
 #include <set>
 #include <thread>
 
@@ -352,6 +353,116 @@ TEST(MoE, GroupAllReduceMatchesOneProcess) {
   const auto g1 = summed(part[0]->experts.w1.grad, part[1]->experts.w1.grad);
   const auto gw1 = whole.experts.w1.grad.to_floats();
   for (size_t i = 0; i < g1.size(); ++i) ASSERT_NEAR(g1[i], gw1[i], 1e-5 + 1e-4 * std::abs(gw1[i]));
+}
+
+// The same two "ranks" with the statistics on the device (Router::forward_device with the
+// device group all-reduce, MoELayer::set_device_stats): the summed counts, the aux loss
+// and the gradients equal one process over the whole micro-batch; ranks routing unequal
+// token counts are refused when the step's statistics are read.
+struct DeviceStatsGroup {
+  std::mutex mu;
+  std::vector<float> sum;
+  std::barrier<> sync{2};
+  // Sums f32 tensors of two threads in place, like the n-group's all-reduce on a device.
+  DeviceGroupAllReduce reducer(int rank) {
+    return [this, rank](Tensor& v) {
+      {
+        std::lock_guard<std::mutex> l(mu);
+        const std::vector<float> f = v.to_floats();
+        if (sum.empty()) sum.assign(f.size(), 0.0f);
+        for (size_t i = 0; i < f.size(); ++i) sum[i] += f[i];
+      }
+      sync.arrive_and_wait();
+      std::memcpy(v.data_ptr(), sum.data(), sum.size() * sizeof(float));
+      sync.arrive_and_wait();
+      if (rank == 0) sum.clear();
+      sync.arrive_and_wait();
+      return int64_t{2};
+    };
+  }
+};
+
+TEST(MoE, DeviceGroupStatsMatchOneProcess) {
+  MoEConfig cfg = moe_config(kernels::RouterScore::kSoftmax);
+  cfg.z_loss_coef = 0.0;
+  Tensor x = random_tensor({10, 8}, 91), r = random_tensor({10, 8}, 92);
+  MoELayer whole(8, cfg, false);
+  whole.init(93, "moe", 0.5f, 0.5f);
+  MoELayer::Saved sv;
+  MoELayer::Stats st;
+  const auto y = whole.forward(kC, x, sv, &st).to_floats();
+  const auto dx = whole.backward(kC, r, sv, 1.0f).to_floats();
+
+  DeviceStatsGroup g;
+  std::unique_ptr<MoELayer> part[2];
+  std::vector<float> yp[2], dxp[2];
+  double aux[2];
+  std::vector<int64_t> load[2];
+  auto run = [&](int rank) {
+    part[rank] = std::make_unique<MoELayer>(8, cfg, false);
+    part[rank]->init(93, "moe", 0.5f, 0.5f);
+    part[rank]->router.set_group_all_reduce([](std::vector<double>&) { FAIL() << "host statistics used"; });
+    part[rank]->router.set_device_group_all_reduce(g.reducer(rank));
+    Tensor row = Tensor::zeros({cfg.num_experts + 1}, DType::kF32);
+    ASSERT_TRUE(part[rank]->set_device_stats(kC, row));
+    Tensor xr = x.narrow(0, 5 * rank, 5).contiguous(), rr = r.narrow(0, 5 * rank, 5).contiguous();
+    MoELayer::Saved s2;
+    MoELayer::Stats st2;
+    yp[rank] = part[rank]->forward(kC, xr, s2, &st2).to_floats();
+    dxp[rank] = part[rank]->backward(kC, rr, s2, 1.0f).to_floats();
+    EXPECT_EQ(st2.aux_loss, 0.0);  // deferred to the step's read
+    aux[rank] = part[rank]->absorb_device_stats(row.data<float>());
+    load[rank] = part[rank]->step_load();
+  };
+  std::thread t1(run, 1);
+  run(0);
+  t1.join();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NEAR(aux[rank], st.aux_loss, 1e-6 * st.aux_loss);
+    EXPECT_EQ(load[rank], st.selected);
+    for (size_t i = 0; i < yp[rank].size(); ++i) {
+      ASSERT_NEAR(yp[rank][i], y[40 * rank + i], 1e-6);
+      ASSERT_NEAR(dxp[rank][i], dx[40 * rank + i], 1e-5);
+    }
+  }
+  auto summed = [](const Tensor& a, const Tensor& b) {
+    auto va = a.to_floats(), vb = b.to_floats();
+    for (size_t i = 0; i < va.size(); ++i) va[i] += vb[i];
+    return va;
+  };
+  const auto gr = summed(part[0]->router.weight.grad, part[1]->router.weight.grad);
+  const auto gw = whole.router.weight.grad.to_floats();
+  for (size_t i = 0; i < gr.size(); ++i) ASSERT_NEAR(gr[i], gw[i], 1e-5 + 1e-4 * std::abs(gw[i]));
+}
+
+TEST(MoE, DeviceGroupStatsRefuseUnequalTokenCounts) {
+  MoEConfig cfg = moe_config(kernels::RouterScore::kSoftmax);
+  cfg.z_loss_coef = 0.0;
+  Tensor x = random_tensor({10, 8}, 91);
+  DeviceStatsGroup g;
+  std::string err[2];
+  auto run = [&](int rank) {
+    MoELayer m(8, cfg, false);
+    m.init(93, "moe", 0.5f, 0.5f);
+    m.router.set_device_group_all_reduce(g.reducer(rank));
+    Tensor row = Tensor::zeros({cfg.num_experts + 1}, DType::kF32);
+    ASSERT_TRUE(m.set_device_stats(kC, row));
+    Tensor xr = rank == 0 ? x.narrow(0, 0, 6).contiguous() : x.narrow(0, 6, 4).contiguous();
+    MoELayer::Saved s;
+    MoELayer::Stats st;
+    m.forward(kC, xr, s, &st);
+    try {
+      m.absorb_device_stats(row.data<float>());
+    } catch (const std::exception& e) {
+      err[rank] = e.what();
+    }
+  };
+  std::thread t1(run, 1);
+  run(0);
+  t1.join();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(err[rank].find("must route the same number of tokens"), std::string::npos) << err[rank];
+  }
 }
 
 TEST(LayerGrad, TransformerBlocks) {

@@ -285,7 +285,10 @@ TEST_F(TrainingGpu, AllGatherDispatchOnTwoGpus) {
 // as on the host-count path, so the losses agree (printed bitwise or not), and each step
 // reads nothing per MoE block on the host: the host-count path reads two tables per MoE
 // block forward (the plan's counts, then the received counts), 4 per step here (1 MoE
-// block, grad_accum 2); the device path none of them.
+// block, grad_accum 2); the device path none of them, and with the routers' statistics on
+// the device too (train.device_stats without a z-loss, summed over the n-group by an
+// all-reduce on the device) a model with twice the MoE blocks makes as many host reads per
+// step.
 TEST_F(TrainingGpu, DeviceDrivenExpertDispatchOnTwoGpus) {
   struct Case {
     const char* name;
@@ -296,8 +299,10 @@ TEST_F(TrainingGpu, DeviceDrivenExpertDispatchOnTwoGpus) {
       {"sequential", {"parallel.overlap_a2a=false", "parallel.chunks=1"}},
       {"fp8", {"parallel.fp8_dispatch=true"}},
   };
+  int64_t dev_reads = -1;  // the overlapped device path's host reads per step
   for (const Case& k : cases) {
-    std::vector<std::string> host_sets, dev_sets;
+    // No z-loss (tiny.toml has one): the routers' statistics then stay on the device too.
+    std::vector<std::string> host_sets = {"--set", "model.moe.z_loss_coef=0"}, dev_sets = host_sets;
     for (const auto& v : k.sets) {
       host_sets.insert(host_sets.end(), {"--set", v});
       dev_sets.insert(dev_sets.end(), {"--set", v});
@@ -326,8 +331,32 @@ TEST_F(TrainingGpu, DeviceDrivenExpertDispatchOnTwoGpus) {
         k.name, bitwise, static_cast<long long>(kSteps),
         static_cast<long long>(host.back()["host_syncs"].get<int64_t>()),
         static_cast<long long>(dev.back()["host_syncs"].get<int64_t>()));
-    if (std::string(k.name) == "overlapped") compare(dev, reference(), true);
+    if (std::string(k.name) == "overlapped") {
+      // One GPU without the z-loss, the same tokens: the n-group's aux loss is the whole
+      // micro-batch's, counted once (not once per member).
+      const std::vector<nlohmann::json> one =
+          train("one_gpu_no_zloss", 2, "", {"--set", "model.moe.z_loss_coef=0"});
+      compare(dev, one, true);
+      for (size_t i = 0; i < 3; ++i) {
+        EXPECT_LT(rel_diff(one[i]["aux_loss"].get<double>(), dev[i]["aux_loss"].get<double>()), 1e-2)
+            << "step " << i + 1 << ": aux loss " << dev[i]["aux_loss"] << " against one GPU's "
+            << one[i]["aux_loss"];
+      }
+      dev_reads = dev.back()["host_syncs"].get<int64_t>();
+    }
   }
+  // Four blocks (two MoE) against two (one MoE): no host read scales with the MoE blocks.
+  const std::vector<nlohmann::json> deeper =
+      train("n2_dispatch_4blocks", 2, "n=2",
+            {"--set", "model.moe.z_loss_coef=0", "--set", "parallel.device_dispatch=true", "--set",
+             "model.n_layers=4"});
+  ASSERT_EQ(deeper.size(), static_cast<size_t>(kSteps));
+  for (size_t i = 0; i < deeper.size(); ++i) {
+    EXPECT_EQ(deeper[i]["host_syncs"].get<int64_t>(), dev_reads) << "step " << i + 1 << ": 4 blocks";
+  }
+  std::printf("[device dispatch] host reads per step: %lld with 1 MoE block, %lld with 2\n",
+              static_cast<long long>(dev_reads),
+              static_cast<long long>(deeper.back()["host_syncs"].get<int64_t>()));
 }
 
 TEST_F(TrainingGpu, KilledGpuWorkerIsReplacedFromItsDataParallelPeer) {
