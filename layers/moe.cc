@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 
 namespace troupe::layers {
 
@@ -376,12 +377,14 @@ double MoELayer::absorb_device_stats(const float* row) {
   }
   const int64_t expected = device_selections_;
   device_selections_ = 0;
-  TROUPE_CHECK(
-      total == expected,
-      "MoE device statistics: the routers counted {} expert selections where group members routing "
-      "equal token counts would give {}; the members of a group must route the same number of tokens "
-      "per micro-batch (or set train.device_stats = false)",
-      total, expected);
+  if (total != expected) {
+    // An app's input, not an invariant of this code: thrown, so the worker reports it.
+    throw std::runtime_error(fmt::format(
+        "MoE device statistics: the routers counted {} expert selections where group members routing equal "
+        "token counts would give {}; the members of a group must route the same number of tokens per "
+        "micro-batch (or set train.device_stats = false)",
+        total, expected));
+  }
   return static_cast<double>(row[e]);
 }
 

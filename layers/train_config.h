@@ -27,8 +27,9 @@ struct TrainOptions {
   // Wall-clock budget in seconds (0: none). When a step ends past it, training stops
   // there (final validation and weights as usual): `make demo` uses it as a safety net.
   double time_limit_s = 0;
-  // GPU runs: keep the step's statistics on the device until its one read (issue 20);
-  // false: the host statistics (per-layer read-backs), for comparison.
+  // GPU runs: keep the step's statistics on the device until its one read (issue 20; with
+  // n > 1 summed over the n-group on the device; not with a z-loss); false: the host
+  // statistics (per-layer read-backs), for comparison.
   bool device_stats = true;
   // Non-empty: every rank writes, per step, its per-thread communication and compute
   // timings as JSON lines into this directory (bench/overlap/timeline.py draws them).
