@@ -12,3 +12,29 @@ bench_data() {
   fi
   echo "$data"
 }
+
+# metrics_summary NAME METRICS: one line for a train_moe run's metrics.jsonl — steps, first and
+# last loss, and the medians over steps after 5 of tokens/s, MFU, step time, peak device memory
+# and (where the run reports them) host reads per step.
+metrics_summary() {
+  python3 - "$1" "$2" <<'PY'
+import json, statistics, sys
+name, path = sys.argv[1], sys.argv[2]
+try:
+    recs = [json.loads(l) for l in open(path)]
+except OSError:
+    print(f"{name}: no metrics"); sys.exit(0)
+st = [r for r in recs if "tokens_per_s" in r]
+if not st:
+    print(f"{name}: no steps"); sys.exit(0)
+steady = [r for r in st if r["step"] > 5] or st
+has = lambda k: any(k in r for r in steady)
+med = lambda k: statistics.median(r[k] for r in steady if k in r) if has(k) else float("nan")
+line = (f"{name}: {len(st)} steps, loss {st[0]['loss']:.4f} -> {st[-1]['loss']:.4f} | median tokens/s "
+        f"{med('tokens_per_s'):.0f} | mfu {100*med('mfu'):.2f}% | step {med('step_ms'):.1f} ms | peak "
+        f"{med('peak_bytes')/2**30:.2f} GiB")
+if has("host_syncs"):
+    line += f" | host reads/step {med('host_syncs'):.0f}"
+print(line)
+PY
+}

@@ -44,24 +44,7 @@ sets=(--set train.steps="$steps" --set train.eval_every=0 --set train.eval_batch
   --set data.dir="\"$(realpath "$data")\"")
 for s in "${extra[@]}"; do sets+=(--set "$s"); done
 
-summary() { # summary NAME METRICS
-  python3 - "$1" "$2" <<'PY' | tee -a "$out/summary.txt"
-import json, statistics, sys
-name, path = sys.argv[1], sys.argv[2]
-try:
-    recs = [json.loads(l) for l in open(path)]
-except OSError:
-    print(f"{name}: no metrics"); sys.exit(0)
-st = [r for r in recs if "tokens_per_s" in r]
-if not st:
-    print(f"{name}: no steps"); sys.exit(0)
-steady = [r for r in st if r["step"] > 5] or st
-med = lambda k: statistics.median(r[k] for r in steady if k in r) if any(k in r for r in steady) else float("nan")
-print(f"{name}: {len(st)} steps, loss {st[0]['loss']:.4f} -> {st[-1]['loss']:.4f} | median tokens/s "
-      f"{med('tokens_per_s'):.0f} | mfu {100*med('mfu'):.2f}% | step {med('step_ms'):.1f} ms | peak "
-      f"{med('peak_bytes')/2**30:.2f} GiB | host reads/step {med('host_syncs'):.0f}")
-PY
-}
+summary() { metrics_summary "$1" "$2" | tee -a "$out/summary.txt"; }  # summary NAME METRICS
 
 # host: router statistics and expert counts read on the host (the previous path);
 # stats: the routers' statistics on the device, the counts on the host; device: both.

@@ -8,6 +8,7 @@
 # Token data: this repository's text through `train_moe prepare` (throughput does not
 # depend on the text). Logs go to $OUT (or ./gpu-out); the build to $BUILD (default build).
 set -uo pipefail
+source "$(cd "$(dirname "$0")" && pwd)/common.sh"
 steps=${1:-30}
 mbs2=${2:-16}
 opts=" ${*:3} "
@@ -47,23 +48,7 @@ fi
 sets=(--set train.steps="$steps" --set train.eval_every=0 --set train.eval_batches=1 --set train.log_every=5
       --set data.dir="\"$data\"")
 
-summary() {  # summary NAME METRICS
-  python3 - "$1" "$2" <<'PY' | tee -a "$out/summary.txt"
-import json, statistics, sys
-name, path = sys.argv[1], sys.argv[2]
-try:
-    recs = [json.loads(l) for l in open(path)]
-except OSError:
-    print(f"{name}: no metrics"); sys.exit(0)
-st = [r for r in recs if "tokens_per_s" in r]
-if not st:
-    print(f"{name}: no steps"); sys.exit(0)
-steady = [r for r in st if r["step"] > 5] or st
-med = lambda k: statistics.median(r[k] for r in steady if k in r) if any(k in r for r in steady) else float("nan")
-print(f"{name}: {len(st)} steps, loss {st[0]['loss']:.4f} -> {st[-1]['loss']:.4f} | median tokens/s {med('tokens_per_s'):.0f}"
-      f" | mfu {100*med('mfu'):.2f}% | step {med('step_ms'):.1f} ms | peak {med('peak_bytes')/2**30:.2f} GiB")
-PY
-}
+summary() { metrics_summary "$1" "$2" | tee -a "$out/summary.txt"; }  # summary NAME METRICS
 
 if [[ "$opts" != *" no1gpu "* ]]; then
 rm -rf /tmp/troupe-dist-1gpu

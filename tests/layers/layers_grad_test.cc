@@ -285,11 +285,15 @@ TEST(MoE, DispatchStepIsReplaceable) {
   moe.set_dispatch(nullptr);
 }
 
-// Two "ranks" each holding half of a micro-batch's tokens, the router statistics summed
-// through the group all-reduce: the aux loss, the tokens' gradients and the summed weight
-// gradients equal one process over the whole micro-batch.
-TEST(MoE, GroupAllReduceMatchesOneProcess) {
-  MoEConfig cfg = moe_config(kernels::RouterScore::kSoftmax);
+// Two "ranks" (threads) each holding half of a micro-batch's tokens, their routers' statistics
+// summed over the pair: the aux loss, the selections, the tokens' outputs and gradients and
+// the summed weight gradients must equal one process over the whole micro-batch. `setup`
+// connects a rank's layer to the pair before its forward; `stats` returns its aux loss and
+// selections after its backward.
+using HalfSetup = std::function<void(int rank, MoELayer&)>;
+using HalfStats =
+    std::function<std::pair<double, std::vector<int64_t>>(int rank, MoELayer&, const MoELayer::Stats&)>;
+void check_halves_match_one_process(const MoEConfig& cfg, const HalfSetup& setup, const HalfStats& stats) {
   Tensor x = random_tensor({10, 8}, 91), r = random_tensor({10, 8}, 92);
   MoELayer whole(8, cfg, false);
   whole.init(93, "moe", 0.5f, 0.5f);
@@ -298,45 +302,26 @@ TEST(MoE, GroupAllReduceMatchesOneProcess) {
   const auto y = whole.forward(kC, x, sv, &st).to_floats();
   const auto dx = whole.backward(kC, r, sv, 1.0f).to_floats();
 
-  std::mutex mu;
-  std::vector<double> sum;
-  std::barrier sync(2);
-  auto reducer = [&](int rank) {
-    return [&, rank](std::vector<double>& v) {
-      {
-        std::lock_guard<std::mutex> l(mu);
-        if (sum.empty()) sum.assign(v.size(), 0.0);
-        for (size_t i = 0; i < v.size(); ++i) sum[i] += v[i];
-      }
-      sync.arrive_and_wait();
-      v = sum;
-      sync.arrive_and_wait();
-      if (rank == 0) sum.clear();
-      sync.arrive_and_wait();
-    };
-  };
   std::unique_ptr<MoELayer> part[2];
   std::vector<float> yp[2], dxp[2];
-  double aux[2];
-  std::vector<int64_t> sel[2];
+  std::pair<double, std::vector<int64_t>> got[2];
   auto run = [&](int rank) {
     part[rank] = std::make_unique<MoELayer>(8, cfg, false);
     part[rank]->init(93, "moe", 0.5f, 0.5f);
-    part[rank]->router.set_group_all_reduce(reducer(rank));
+    setup(rank, *part[rank]);
     Tensor xr = x.narrow(0, 5 * rank, 5).contiguous(), rr = r.narrow(0, 5 * rank, 5).contiguous();
     MoELayer::Saved s2;
     MoELayer::Stats st2;
     yp[rank] = part[rank]->forward(kC, xr, s2, &st2).to_floats();
     dxp[rank] = part[rank]->backward(kC, rr, s2, 1.0f).to_floats();
-    aux[rank] = st2.aux_loss;
-    sel[rank] = st2.selected;
+    got[rank] = stats(rank, *part[rank], st2);
   };
   std::thread t1(run, 1);
   run(0);
   t1.join();
   for (int rank = 0; rank < 2; ++rank) {
-    EXPECT_NEAR(aux[rank], st.aux_loss, 1e-6 * st.aux_loss);
-    EXPECT_EQ(sel[rank], st.selected);
+    EXPECT_NEAR(got[rank].first, st.aux_loss, 1e-6 * st.aux_loss);
+    EXPECT_EQ(got[rank].second, st.selected);
     for (size_t i = 0; i < yp[rank].size(); ++i) {
       ASSERT_NEAR(yp[rank][i], y[40 * rank + i], 1e-6);
       ASSERT_NEAR(dxp[rank][i], dx[40 * rank + i], 1e-5);
@@ -355,10 +340,35 @@ TEST(MoE, GroupAllReduceMatchesOneProcess) {
   for (size_t i = 0; i < g1.size(); ++i) ASSERT_NEAR(g1[i], gw1[i], 1e-5 + 1e-4 * std::abs(gw1[i]));
 }
 
-// The same two "ranks" with the statistics on the device (Router::forward_device with the
-// device group all-reduce, MoELayer::set_device_stats): the summed counts, the aux loss
-// and the gradients equal one process over the whole micro-batch; ranks routing unequal
-// token counts are refused when the step's statistics are read.
+// The host statistics: GroupAllReduce over std::vector<double> (a thread barrier here).
+TEST(MoE, GroupAllReduceMatchesOneProcess) {
+  std::mutex mu;
+  std::vector<double> sum;
+  std::barrier sync(2);
+  auto reducer = [&](int rank) {
+    return [&, rank](std::vector<double>& v) {
+      {
+        std::lock_guard<std::mutex> l(mu);
+        if (sum.empty()) sum.assign(v.size(), 0.0);
+        for (size_t i = 0; i < v.size(); ++i) sum[i] += v[i];
+      }
+      sync.arrive_and_wait();
+      v = sum;
+      sync.arrive_and_wait();
+      if (rank == 0) sum.clear();
+      sync.arrive_and_wait();
+    };
+  };
+  check_halves_match_one_process(
+      moe_config(kernels::RouterScore::kSoftmax),
+      [&](int rank, MoELayer& m) { m.router.set_group_all_reduce(reducer(rank)); },
+      [](int, MoELayer&, const MoELayer::Stats& st) { return std::make_pair(st.aux_loss, st.selected); });
+}
+
+// The statistics on the device (Router::forward_device with the device group all-reduce,
+// MoELayer::set_device_stats; a CPU Ctx runs the same code): the counts, aux loss and
+// gradients arrive as with the host statistics; ranks routing unequal token counts are
+// refused when the step's statistics are read.
 struct DeviceStatsGroup {
   std::mutex mu;
   std::vector<float> sum;
@@ -384,55 +394,22 @@ struct DeviceStatsGroup {
 
 TEST(MoE, DeviceGroupStatsMatchOneProcess) {
   MoEConfig cfg = moe_config(kernels::RouterScore::kSoftmax);
-  cfg.z_loss_coef = 0.0;
-  Tensor x = random_tensor({10, 8}, 91), r = random_tensor({10, 8}, 92);
-  MoELayer whole(8, cfg, false);
-  whole.init(93, "moe", 0.5f, 0.5f);
-  MoELayer::Saved sv;
-  MoELayer::Stats st;
-  const auto y = whole.forward(kC, x, sv, &st).to_floats();
-  const auto dx = whole.backward(kC, r, sv, 1.0f).to_floats();
-
+  cfg.z_loss_coef = 0.0;  // the device form has no z-loss
   DeviceStatsGroup g;
-  std::unique_ptr<MoELayer> part[2];
-  std::vector<float> yp[2], dxp[2];
-  double aux[2];
-  std::vector<int64_t> load[2];
-  auto run = [&](int rank) {
-    part[rank] = std::make_unique<MoELayer>(8, cfg, false);
-    part[rank]->init(93, "moe", 0.5f, 0.5f);
-    part[rank]->router.set_group_all_reduce([](std::vector<double>&) { FAIL() << "host statistics used"; });
-    part[rank]->router.set_device_group_all_reduce(g.reducer(rank));
-    Tensor row = Tensor::zeros({cfg.num_experts + 1}, DType::kF32);
-    ASSERT_TRUE(part[rank]->set_device_stats(kC, row));
-    Tensor xr = x.narrow(0, 5 * rank, 5).contiguous(), rr = r.narrow(0, 5 * rank, 5).contiguous();
-    MoELayer::Saved s2;
-    MoELayer::Stats st2;
-    yp[rank] = part[rank]->forward(kC, xr, s2, &st2).to_floats();
-    dxp[rank] = part[rank]->backward(kC, rr, s2, 1.0f).to_floats();
-    EXPECT_EQ(st2.aux_loss, 0.0);  // deferred to the step's read
-    aux[rank] = part[rank]->absorb_device_stats(row.data<float>());
-    load[rank] = part[rank]->step_load();
-  };
-  std::thread t1(run, 1);
-  run(0);
-  t1.join();
-  for (int rank = 0; rank < 2; ++rank) {
-    EXPECT_NEAR(aux[rank], st.aux_loss, 1e-6 * st.aux_loss);
-    EXPECT_EQ(load[rank], st.selected);
-    for (size_t i = 0; i < yp[rank].size(); ++i) {
-      ASSERT_NEAR(yp[rank][i], y[40 * rank + i], 1e-6);
-      ASSERT_NEAR(dxp[rank][i], dx[40 * rank + i], 1e-5);
-    }
-  }
-  auto summed = [](const Tensor& a, const Tensor& b) {
-    auto va = a.to_floats(), vb = b.to_floats();
-    for (size_t i = 0; i < va.size(); ++i) va[i] += vb[i];
-    return va;
-  };
-  const auto gr = summed(part[0]->router.weight.grad, part[1]->router.weight.grad);
-  const auto gw = whole.router.weight.grad.to_floats();
-  for (size_t i = 0; i < gr.size(); ++i) ASSERT_NEAR(gr[i], gw[i], 1e-5 + 1e-4 * std::abs(gw[i]));
+  Tensor rows[2] = {Tensor::zeros({cfg.num_experts + 1}, DType::kF32),
+                    Tensor::zeros({cfg.num_experts + 1}, DType::kF32)};
+  check_halves_match_one_process(
+      cfg,
+      [&](int rank, MoELayer& m) {
+        m.router.set_group_all_reduce([](std::vector<double>&) { FAIL() << "host statistics used"; });
+        m.router.set_device_group_all_reduce(g.reducer(rank));
+        ASSERT_TRUE(m.set_device_stats(kC, rows[rank]));
+      },
+      [&](int rank, MoELayer& m, const MoELayer::Stats& st) {
+        EXPECT_EQ(st.aux_loss, 0.0);  // deferred to the step's read
+        const double aux = m.absorb_device_stats(rows[rank].data<float>());
+        return std::make_pair(aux, m.step_load());
+      });
 }
 
 TEST(MoE, DeviceGroupStatsRefuseUnequalTokenCounts) {
