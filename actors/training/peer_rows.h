@@ -67,6 +67,8 @@ class PeerRows {
   void* tables_[3] = {nullptr, nullptr, nullptr};
   Tensor flag_;  // the barrier's one value
   bool warned_ = false;
+  bool spans_hosts_ = false;       // the answer of same_host() ...
+  uint64_t hosts_generation_ = 0;  // ... in this ElasticComm generation
 };
 
 }  // namespace troupe::training
