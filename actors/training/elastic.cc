@@ -163,15 +163,19 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
     }
     f.phase = item.substr(c1 + 1, c2 - c1 - 1);
     if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
-        f.phase != "any") {
-      return invalid_argument("elastic.inject: unknown phase '{}' (forward, alltoall, sync, checkpoint, any)",
-                              f.phase);
+        f.phase != "any" && f.phase != "start") {
+      return invalid_argument(
+          "elastic.inject: unknown phase '{}' (forward, alltoall, sync, checkpoint, any, start)", f.phase);
     }
     char* end = nullptr;
     const std::string step_s = item.substr(at + 1, c1 - at - 1), slot_s = item.substr(c2 + 1);
     f.step = std::strtoll(step_s.c_str(), &end, 10);
-    if (step_s.empty() || *end != '\0' || f.step < 1)
-      return invalid_argument("elastic.inject: bad step in '{}'", item);
+    const bool start = f.phase == "start";
+    if (step_s.empty() || *end != '\0' || (start ? f.step != 0 : f.step < 1))
+      return invalid_argument("elastic.inject: bad step in '{}' (phase start: step 0, else >= 1)", item);
+    if (start && f.action != FaultSpec::Action::kSlow)
+      return invalid_argument("elastic.inject: '{}': phase start takes only slow (slow@0:start:<slot>)",
+                              item);
     f.slot = static_cast<int>(std::strtol(slot_s.c_str(), &end, 10));
     if (slot_s.empty() || *end != '\0' || f.slot < 0)
       return invalid_argument("elastic.inject: bad slot in '{}'", item);
@@ -773,6 +777,16 @@ Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& p
     faults->cut_control = std::move(cut_control);
     g_faults = faults.get();
     set_fault_hook(&fault_hook);
+  }
+  if (faults) {
+    for (const FaultSpec& f : faults->specs) {
+      if (f.phase != "start" || f.slot != slot) continue;
+      // A worker slow to start (exec, loading, a busy host): no beat until it is up.
+      const int64_t ms = 2 * tc.elastic.heartbeat_timeout_ms;
+      fmt::print(stderr, "elastic: slot {} injects a slow start ({} ms before its first beat)\n", slot, ms);
+      std::fflush(stderr);
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    }
   }
   ElasticWorker w(tc, program, store, job, slot, epoch, ctx);
   if (faults) faults->cut = [&w] { w.cut_connections(); };

@@ -92,8 +92,10 @@ bool keeps_state_in_memory(const layers::TrainConfig& tc, bool gpu);
 // it keeps computing but can neither beat nor take commands), phase forward (the first attention all-to-all
 // of the step), alltoall (the first MoE dispatch all-to-all), sync (gradient
 // reduce-scatter), checkpoint (while the elastic checkpoint of the step is being written
-// in the background) or any (the first data-plane wait of the step). Only processes started
-// in epoch 0 inject (a replacement never repeats its predecessor's fault).
+// in the background) or any (the first data-plane wait of the step); slow@0:start:<slot>
+// instead delays the worker's start by twice the heartbeat timeout before its first beat
+// (a slow start is not a silent worker). Only processes started in epoch 0 inject (a
+// replacement never repeats its predecessor's fault).
 struct FaultSpec {
   enum class Action { kKill, kStop, kSlow, kCut, kHang, kCutControl } action = Action::kKill;
   int64_t step = 0;

@@ -5,7 +5,9 @@
 // Detection, each an event in <run dir>/events.jsonl with its wall time (ts_ms):
 // - exit: a worker process ends (waitpid, polled every few ms: the launcher is the parent);
 // - heartbeat: a worker's heartbeat key stops changing for elastic.heartbeat_timeout_ms
-//   (default 2000; a SIGSTOPped or wedged process), the worker is then killed (last resort);
+//   (default 2000; a SIGSTOPped or wedged process), the worker is then killed (last resort).
+//   Before a new worker's first beat (exec, loading, connecting: seconds on a loaded
+//   machine) the bound is elastic.join_timeout_ms instead: it has not started yet;
 // - comm_error: a worker reports a data-plane failure and no process died or went silent
 //   within elastic.comm_error_grace_ms (default 300): the world is rebuilt, nobody replaced;
 // - watchdog: a command runs past elastic.step_watchdog_ms (default 60000) with every
@@ -84,6 +86,11 @@ struct Proc {
   int gpu = -1;  // standalone launcher, GPU workers: the device index it was given
   std::string last_hb;
   Clock::time_point hb_seen;
+  // What the trainer wrote into the worker's heartbeat key when it started it: until the
+  // key holds something else, the process has not beaten yet (a dead predecessor's last
+  // value would otherwise pass for a beat).
+  std::string start_mark;
+  bool started() const { return last_hb != start_mark; }
 };
 
 // Waits for the child `p` to exit, polling every 5 ms; past `deadline` it is SIGKILLed.
@@ -132,6 +139,9 @@ class Trainer {
   std::string key(const std::string& rest) const { return elastic_key(job_, rest); }
   void event(nlohmann::json e);
   Status spawn(int slot, uint64_t epoch);
+  // Writes the start mark into slot's heartbeat key (Proc::start_mark) and starts its
+  // silence clock.
+  void mark_start(int slot, uint64_t epoch);
   void kill_all();
   void terminate(int slot, const std::string& why);  // kill a worker (it is then gone)
   std::optional<Failure> check_processes();
@@ -247,6 +257,9 @@ void Trainer::event(nlohmann::json e) {
 }
 
 Status Trainer::spawn(int slot, uint64_t epoch) {
+  // Before the worker can beat (an epoch-0 worker of the scheduler may beat already: its
+  // next beat replaces the mark).
+  mark_start(slot, epoch);
   if (scheduled_) {
     // The scheduler started the workers of epoch 0; later ones on request.
     if (epoch > 0) {
@@ -257,8 +270,6 @@ Status Trainer::spawn(int slot, uint64_t epoch) {
     Proc& p = procs_[slot];
     p.pid = 0;
     p.alive = true;
-    p.last_hb.clear();
-    p.hb_seen = Clock::now();
     event({{"event", epoch > 0 ? "worker_requested" : "worker_started"}, {"slot", slot}, {"epoch", epoch}});
     return ok_status();
   }
@@ -307,8 +318,6 @@ Status Trainer::spawn(int slot, uint64_t epoch) {
   p.pid = pid;
   p.alive = true;
   p.gpu = gpu;
-  p.last_hb.clear();
-  p.hb_seen = Clock::now();
   nlohmann::json started{{"event", "worker_started"}, {"slot", slot}, {"pid", pid}, {"epoch", epoch}};
   if (gpu >= 0) started["gpu"] = gpu;
   event(std::move(started));
@@ -391,6 +400,16 @@ std::optional<Failure> Trainer::check_processes() {
   return f;
 }
 
+void Trainer::mark_start(int slot, uint64_t epoch) {
+  Proc& p = procs_[slot];
+  p.start_mark = fmt::format("starting in epoch {}", epoch);
+  // Best effort: if the store refuses it, a predecessor's stale value passes for a first
+  // beat and the heartbeat timeout applies from then on (as before the mark existed).
+  (void)store_->set(key(fmt::format("hb/{}", slot)), p.start_mark);
+  p.last_hb = p.start_mark;
+  p.hb_seen = Clock::now();
+}
+
 std::optional<Failure> Trainer::check_heartbeats() {
   std::optional<Failure> f;
   // While the store itself stalls (the scheduler restarting) silence proves nothing: the
@@ -416,11 +435,13 @@ std::optional<Failure> Trainer::check_heartbeats() {
         p.hb_seen = now;
       }
     }
-    if (now - p.hb_seen > hb_timeout_) {
+    const bool started = p.started();
+    if (now - p.hb_seen > (started ? hb_timeout_ : std::max(hb_timeout_, join_timeout_))) {
       if (!f) f = Failure{"heartbeat", {}, "", wall_ms()};
       f->slots.push_back(slot);
       f->detail +=
-          fmt::format("{}slot {} (pid {}) silent for {} ms", f->detail.empty() ? "" : "; ", slot, p.pid,
+          fmt::format("{}slot {} (pid {}) {} for {} ms", f->detail.empty() ? "" : "; ", slot, p.pid,
+                      started ? "silent" : "started but never beat",
                       std::chrono::duration_cast<std::chrono::milliseconds>(now - p.hb_seen).count());
     }
   }

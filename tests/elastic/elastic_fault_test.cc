@@ -40,6 +40,7 @@
 #include <zmq.hpp>
 
 #include "actors/actor_system.h"
+#include "actors/training/elastic.h"
 #include "actors/training/role_actors.h"
 #include "comm/rendezvous_store.h"
 #include "tests/common/train_moe_harness.h"
@@ -229,6 +230,38 @@ TEST_F(ElasticFault, SigstopHangIsDetectedByHeartbeat) {
   expect_same_losses("sigstop", r);
   expect_recoveries("sigstop", r, 1, "heartbeat", kHeartbeatTimeoutMs + 1000);
   EXPECT_EQ(events_named(*root_ / "sigstop" / "events.jsonl", "worker_killed").size(), 1u) << r.output;
+}
+
+// The fault grammar's start phase: only slow, only at step 0; the others keep step >= 1.
+TEST(ElasticInject, StartPhaseTakesOnlySlowAtStepZero) {
+  using troupe::training::FaultSpec;
+  using troupe::training::parse_faults;
+  const auto ok = parse_faults("slow@0:start:2,kill@3:forward:1");
+  ASSERT_TRUE(ok.ok()) << ok.status().to_string();
+  ASSERT_EQ(ok.value().size(), 2u);
+  EXPECT_EQ(ok.value()[0].phase, "start");
+  EXPECT_EQ(ok.value()[0].slot, 2);
+  EXPECT_TRUE(ok.value()[0].action == FaultSpec::Action::kSlow);
+  for (const char* bad : {"kill@0:start:1", "slow@1:start:1", "slow@0:forward:1", "slow@0:begin:1"}) {
+    const auto r = parse_faults(bad);
+    EXPECT_FALSE(r.ok()) << bad;
+    if (!r.ok()) {
+      EXPECT_NE(r.status().to_string().find("elastic.inject"), std::string::npos) << r.status().to_string();
+    }
+  }
+}
+
+// A worker that takes longer than the heartbeat timeout to start (here twice it, before
+// its first beat) is starting, not silent: the job runs through without a recovery. Its
+// first beat ends the grace: the heartbeat timeout applies from then on (the sigstop case).
+TEST_F(ElasticFault, SlowStartIsNotASilentWorker) {
+  const RunResult r = run_case("slow-start", "slow@0:start:2");
+  expect_clean_finish(r);
+  expect_same_losses("slow-start", r);
+  const fs::path ev = *root_ / "slow-start" / "events.jsonl";
+  EXPECT_EQ(events_named(ev, "failure_detected").size(), 0u) << r.output;
+  EXPECT_EQ(events_named(ev, "worker_killed").size(), 0u) << r.output;
+  EXPECT_NE(r.output.find("injects a slow start"), std::string::npos) << r.output;
 }
 
 TEST_F(ElasticFault, TwoFailuresInARow) {
