@@ -1,8 +1,9 @@
 // layers/moe.cc — Router, LocalExpertDispatch and MoELayer.
 //
-// Two ways to keep the router's balancing statistics. Router::forward (CPU, distributed
-// groups, z-loss): host loops over read-back topk_idx and score sums, one stream
-// synchronisation per MoE layer on a device (the z-loss also reads back the logits).
+// Two ways to keep the router's balancing statistics. Router::forward (CPU, a z-loss, or
+// train.device_stats = false; groups through the host all-reduce): host loops over
+// read-back topk_idx and score sums, three host waits per MoE layer on a device (the
+// z-loss also reads back the logits).
 // Router::forward_device (no z-loss; MoELayer::set_device_stats; on GPUs): counts
 // (expert_counts), score sums and the aux loss accumulate on the device (in a group,
 // summed over it by a device all-reduce) and are read once per step (Model::end_step, the

@@ -154,7 +154,8 @@ class MoELayer {
   void update_bias(const std::vector<int64_t>& load);  // host bias (CPU Exec)
   void update_bias(const Ctx& c, const std::vector<int64_t>& load);
 
-  // Device-resident statistics (one process on a GPU): `row` f32 [E+1] on the device,
+  // Device-resident statistics (GPUs; in a group with the router's device all-reduce):
+  // `row` f32 [E+1] on the device,
   // which forward with stats accumulates into (selection counts, then the aux loss; see
   // Router::forward_device), and the local dispatch stops reading the counts back. Returns
   // false (nothing changes) where the router cannot (Router::device_stats_ok).
