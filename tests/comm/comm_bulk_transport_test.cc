@@ -101,6 +101,10 @@ TEST(TcpTransport, WritesLandInPeersBuffersWithTags) {
           for (uint64_t i = 0; i < kChunk && ok; ++i) ok = dst[q * kChunk + i] == static_cast<uint8_t>((i * 31 + q * 7) & 0xFF);
           CHILD_CHECK(ok, "data from rank {}", q);
         }
+        // Every rank has read its first-phase completions before anyone writes again: a
+        // fast rank's next writes would otherwise arrive in a slow rank's first collect().
+        CHILD_CHECK_OK(store->set(fmt::format("phase1_{}", rank), "1"));
+        CHILD_CHECK_OK(store->wait({"phase1_0", "phase1_1", "phase1_2"}, deadline_in(20s)));
         // Out of range at the target: both sides hear about it, the connection stays usable.
         const int peer = (rank + 1) % kRanks;
         CHILD_CHECK_OK(t.write(peer, 0, 0, 1, dst.size() - 10, 100, 9));
