@@ -17,18 +17,26 @@ Result<std::unique_ptr<SchedulerStore>> SchedulerStore::connect(const std::strin
 }
 
 void SchedulerStore::disconnect() {
+  std::shared_ptr<ClientEndpoint> gone;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    gone = std::move(conn_);
+  }
+}
+
+std::shared_ptr<ClientEndpoint> SchedulerStore::connection() {
   std::lock_guard<std::mutex> lock(mu_);
-  conn_.reset();
+  return conn_;
 }
 
 Result<std::string> SchedulerStore::call(StoreOp op, std::vector<std::string> keys, std::string value, Deadline deadline) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!conn_) return unavailable("store of job {}: disconnected", job_id_);
+  const std::shared_ptr<ClientEndpoint> conn = connection();
+  if (!conn) return unavailable("store of job {}: disconnected", job_id_);
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   StoreRequest req{op, job_id_, epoch_, std::move(keys), std::move(value),
                    static_cast<int32_t>(std::clamp<int64_t>(left.count(), 0, INT32_MAX))};
   // The scheduler answers at its deadline; allow the round trip on top of it.
-  TROUPE_ASSIGN_OR_RETURN(Reply r, conn_->request(std::move(req), std::max(left, std::chrono::milliseconds(0)) +
+  TROUPE_ASSIGN_OR_RETURN(Reply r, conn->request(std::move(req), std::max(left, std::chrono::milliseconds(0)) +
                                                                       std::chrono::milliseconds(2000)));
   TROUPE_RETURN_IF_ERROR(r.status());
   return std::string(r.data);

@@ -7,7 +7,9 @@
 // Gloo and NCCL set-up meet their peers through the scheduler (the app wires it in; comm
 // never includes scheduler code). Keys live in the scheduler's SQLite state, namespaced
 // by (job, epoch): a new epoch after a restart never sees the failed epoch's keys.
-// Thread-safe: one connection guarded by a mutex.
+// Thread-safe, and calls from several threads run concurrently over the one connection
+// (each is its own ask): a blocking get or wait on one thread (a rendezvous waiting for a
+// late peer) never holds up another thread's set (the elastic worker's heartbeat).
 #pragma once
 
 #include <chrono>
@@ -50,10 +52,11 @@ class SchedulerStore final : public comm::RendezvousStore {
  private:
   SchedulerStore(std::unique_ptr<ClientEndpoint> c, std::string job, uint64_t epoch)
       : conn_(std::move(c)), job_id_(std::move(job)), epoch_(epoch) {}
+  std::shared_ptr<ClientEndpoint> connection();
   Result<std::string> call(StoreOp op, std::vector<std::string> keys, std::string value, Deadline deadline);
 
-  std::mutex mu_;
-  std::unique_ptr<ClientEndpoint> conn_;
+  std::mutex mu_;                         // guards conn_ only, never held across a request
+  std::shared_ptr<ClientEndpoint> conn_;  // a call in flight keeps it alive past disconnect()
   std::string job_id_;
   uint64_t epoch_;
 };

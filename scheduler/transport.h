@@ -16,6 +16,7 @@
 // the owner's thread. send()/request() may be called from the owner's thread.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -148,7 +149,8 @@ class ClientEndpoint {
   std::optional<Message> receive(std::chrono::milliseconds timeout);
   // Readable while receive() has something: for poll() loops.
   int wake_fd() const;
-  // Asks the scheduler and waits for its Reply. Errors: kPermissionDenied when the
+  // Asks the scheduler and waits for its Reply; thread-safe, concurrent requests each wait
+  // for their own answer. Errors: kPermissionDenied when the
   // scheduler refuses our CURVE key, kUnavailable when nothing answered in time.
   Result<Reply> request(Payload payload, std::chrono::milliseconds timeout);
 
@@ -163,7 +165,7 @@ class ClientEndpoint {
   std::string endpoint_;
   std::string node_;
   ClientSecurity sec_;
-  uint64_t next_request_ = 1;
+  std::atomic<uint64_t> next_request_{1};
 };
 
 // Opens a bare ZeroMQ connection with `sec` and watches the handshake: Ok when it

@@ -94,6 +94,35 @@ TEST_F(StoreTest, ImplementsTheRendezvousStoreContract) {
   EXPECT_EQ(*sb.get(job_ + "/e0/gloo/0", comm::deadline_in(milliseconds(1000))), "addr");
 }
 
+// One store, two threads: a get blocked on a key nobody sets (a rendezvous waiting for a
+// late peer) does not hold up the other thread's set and contains (the elastic worker's
+// heartbeat). Before the store's calls ran concurrently the set waited out the get, and a
+// worker waiting longer than the heartbeat timeout for a slow replacement looked silent.
+TEST_F(StoreTest, ABlockedGetDoesNotHoldUpAnotherThreadsSet) {
+  auto a = store(0);
+  auto b = store(0);
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point get_done{};
+  Result<std::string> blocked = std::string();
+  std::thread waiter([&] {
+    blocked = a->get("never-set", comm::deadline_in(milliseconds(3000)));
+    get_done = Clock::now();
+  });
+  std::this_thread::sleep_for(milliseconds(200));  // the get is (almost surely) in flight
+  for (int i = 0; i < 5; ++i) {
+    ASSERT_TRUE(a->set(fmt::format("hb{}", i), "beat").ok());
+    ASSERT_TRUE(*a->contains(fmt::format("hb{}", i)));
+  }
+  const Clock::time_point sets_done = Clock::now();
+  waiter.join();
+  EXPECT_EQ(blocked.status().code(), StatusCode::kDeadlineExceeded) << blocked.status().to_string();
+  EXPECT_LT(sets_done, get_done) << "the sets waited for the blocked get";
+  EXPECT_EQ(*b->get("hb4", comm::deadline_in(milliseconds(1000))), "beat");
+  // disconnect() while nothing is in flight: every later call fails, naming the job.
+  a->disconnect();
+  EXPECT_EQ(a->set("k", "v").code(), StatusCode::kUnavailable);
+}
+
 TEST_F(StoreTest, UnknownJobIsAnError) {
   auto s = store(0, "job-404");
   Status st = s->set("k", "v");
