@@ -36,8 +36,9 @@ Result<std::string> SchedulerStore::call(StoreOp op, std::vector<std::string> ke
   StoreRequest req{op, job_id_, epoch_, std::move(keys), std::move(value),
                    static_cast<int32_t>(std::clamp<int64_t>(left.count(), 0, INT32_MAX))};
   // The scheduler answers at its deadline; allow the round trip on top of it.
-  TROUPE_ASSIGN_OR_RETURN(Reply r, conn->request(std::move(req), std::max(left, std::chrono::milliseconds(0)) +
-                                                                      std::chrono::milliseconds(2000)));
+  TROUPE_ASSIGN_OR_RETURN(
+      Reply r, conn->request(std::move(req),
+                             std::max(left, std::chrono::milliseconds(0)) + std::chrono::milliseconds(2000)));
   TROUPE_RETURN_IF_ERROR(r.status());
   return std::string(r.data);
 }

@@ -576,8 +576,9 @@ TEST_F(ElasticFault, HangInsideAStepIsCaughtByTheWatchdog) {
   // The join timeout also bounds the replacement's start (exec to first beat): 3 s was
   // once too short on a loaded 2-core machine, and the replacement itself was replaced.
   constexpr int64_t kJoinMs = 5000;
-  const RunResult r = run_case("hang", "hang@3:alltoall:2",
-                               {"elastic.step_watchdog_ms=2000", fmt::format("elastic.join_timeout_ms={}", kJoinMs)});
+  const RunResult r =
+      run_case("hang", "hang@3:alltoall:2",
+               {"elastic.step_watchdog_ms=2000", fmt::format("elastic.join_timeout_ms={}", kJoinMs)});
   expect_clean_finish(r);
   expect_same_losses("hang", r);
   const fs::path ev = *root_ / "hang" / "events.jsonl";
@@ -594,10 +595,12 @@ TEST_F(ElasticFault, HangInsideAStepIsCaughtByTheWatchdog) {
   const double recovery_limit_s = static_cast<double>(kJoinMs) / 1000 + 7;
   EXPECT_LE(rec[0]["recovery_s"].get<double>(), recovery_limit_s);
   EXPECT_EQ(rec[0]["steps_lost"], 0);
-  std::printf("[elastic hang] detection %lld ms (target <= watchdog 2000 + 1000), the wedged worker replaced after the "
-              "%lld ms join timeout; recovery %.2f s (target <= join timeout + 7 s), steps lost %lld\n",
-              static_cast<long long>(d), static_cast<long long>(kJoinMs), rec[0]["recovery_s"].get<double>(),
-              static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
+  std::printf(
+      "[elastic hang] detection %lld ms (target <= watchdog 2000 + 1000), the wedged worker replaced after "
+      "the "
+      "%lld ms join timeout; recovery %.2f s (target <= join timeout + 7 s), steps lost %lld\n",
+      static_cast<long long>(d), static_cast<long long>(kJoinMs), rec[0]["recovery_s"].get<double>(),
+      static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
 }
 
 TEST_F(ElasticFault, TroupeRunReplacesWorkersThroughTheScheduler) {
@@ -660,8 +663,8 @@ TEST_F(ElasticFault, TroupeReplaceScaleAndStatusCommands) {
              std::chrono::steady_clock::now() < opened_by) {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
-      RunResult scaled = run({TROUPE_CLI_BIN, "scale", dir.string(), "--dp", "1"}, {}, *root_ / "cli-scale.log",
-                             std::chrono::seconds(60));
+      RunResult scaled = run({TROUPE_CLI_BIN, "scale", dir.string(), "--dp", "1"}, {},
+                             *root_ / "cli-scale.log", std::chrono::seconds(60));
       cmds.push_back(replaced.get());
       cmds.push_back(std::move(scaled));
       troupe({"status", dir.string()}, "cli-status2.log");
