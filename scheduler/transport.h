@@ -13,7 +13,8 @@
 // heartbeats on top (ProcBeat, AgentHeartbeat) because their timeouts are per job.
 //
 // Threads: messages arrive on actor threads and are queued; poll()/receive() hand them to
-// the owner's thread. send()/request() may be called from the owner's thread.
+// the owner's thread. send() may be called from the owner's thread; request() from any
+// thread (each is its own ask, answered on its own).
 #pragma once
 
 #include <atomic>
@@ -149,9 +150,9 @@ class ClientEndpoint {
   std::optional<Message> receive(std::chrono::milliseconds timeout);
   // Readable while receive() has something: for poll() loops.
   int wake_fd() const;
-  // Asks the scheduler and waits for its Reply; thread-safe, concurrent requests each wait
-  // for their own answer. Errors: kPermissionDenied when the
-  // scheduler refuses our CURVE key, kUnavailable when nothing answered in time.
+  // Asks the scheduler and waits for its Reply (thread-safe: concurrent requests each wait
+  // for their own answer). Errors: kPermissionDenied when the scheduler refuses our CURVE
+  // key, kUnavailable when nothing answered in time.
   Result<Reply> request(Payload payload, std::chrono::milliseconds timeout);
 
   const std::string& endpoint() const { return endpoint_; }
