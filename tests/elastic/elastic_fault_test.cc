@@ -597,8 +597,7 @@ TEST_F(ElasticFault, HangInsideAStepIsCaughtByTheWatchdog) {
   EXPECT_EQ(rec[0]["steps_lost"], 0);
   std::printf(
       "[elastic hang] detection %lld ms (target <= watchdog 2000 + 1000), the wedged worker replaced after "
-      "the "
-      "%lld ms join timeout; recovery %.2f s (target <= join timeout + 7 s), steps lost %lld\n",
+      "the %lld ms join timeout; recovery %.2f s (target <= join timeout + 7 s), steps lost %lld\n",
       static_cast<long long>(d), static_cast<long long>(kJoinMs), rec[0]["recovery_s"].get<double>(),
       static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
 }

@@ -109,9 +109,10 @@ TEST_F(StoreTest, ABlockedGetDoesNotHoldUpAnotherThreadsSet) {
     get_done = Clock::now();
   });
   std::this_thread::sleep_for(milliseconds(200));  // the get is (almost surely) in flight
-  for (int i = 0; i < 5; ++i) {
-    ASSERT_TRUE(a->set(fmt::format("hb{}", i), "beat").ok());
-    ASSERT_TRUE(*a->contains(fmt::format("hb{}", i)));
+  for (int i = 0; i < 5; ++i) {                    // EXPECT, not ASSERT: the waiter thread must be joined
+    EXPECT_TRUE(a->set(fmt::format("hb{}", i), "beat").ok());
+    const Result<bool> has = a->contains(fmt::format("hb{}", i));
+    EXPECT_TRUE(has.ok() && *has);
   }
   const Clock::time_point sets_done = Clock::now();
   waiter.join();
@@ -120,7 +121,9 @@ TEST_F(StoreTest, ABlockedGetDoesNotHoldUpAnotherThreadsSet) {
   EXPECT_EQ(*b->get("hb4", comm::deadline_in(milliseconds(1000))), "beat");
   // disconnect() while nothing is in flight: every later call fails, naming the job.
   a->disconnect();
-  EXPECT_EQ(a->set("k", "v").code(), StatusCode::kUnavailable);
+  const Status after = a->set("k", "v");
+  EXPECT_EQ(after.code(), StatusCode::kUnavailable);
+  EXPECT_NE(after.message().find(job_), std::string::npos) << after.to_string();
 }
 
 TEST_F(StoreTest, UnknownJobIsAnError) {
