@@ -6,6 +6,7 @@ namespace troupe::layers {
 SwiGLUMLP::SwiGLUMLP(int64_t d, int64_t f, bool rc) : recompute(rc) {
   w1.allocate({d, 2 * f});
   w2.allocate({f, d});
+  w1.overwrites_grad = w2.overwrites_grad = true;  // backward: accumulate_grad()
 }
 
 void SwiGLUMLP::init(uint64_t seed, const std::string& prefix, float std, float out_std) {
@@ -40,18 +41,21 @@ Tensor SwiGLUMLP::backward(const Ctx& c, const Tensor& dy, const Saved& s) {
   }
   Tensor da = c.empty({t, f});
   kernels::matmul_backward(c.ex, a, w2.w(), dy, &da, nullptr);
-  kernels::matmul_backward(c.ex, a, w2.w(), dy, nullptr, &w2.grad, false, false, true);
+  kernels::matmul_backward(c.ex, a, w2.w(), dy, nullptr, &w2.grad, false, false, w2.accumulate_grad());
   Tensor dh = c.empty(s.h.shape());
   kernels::swiglu_backward(c.ex, s.h, da, dh);
   Tensor dx = c.empty(s.x.shape());
   kernels::matmul_backward(c.ex, s.x, w1.w(), dh, &dx, nullptr);
-  kernels::matmul_backward(c.ex, s.x, w1.w(), dh, nullptr, &w1.grad, false, false, true);
+  kernels::matmul_backward(c.ex, s.x, w1.w(), dh, nullptr, &w1.grad, false, false, w1.accumulate_grad());
   return dx;
 }
 
 Experts::Experts(int64_t e, int64_t d, int64_t f, bool rc) : recompute(rc) {
   w1.allocate({e, d, 2 * f});
   w2.allocate({e, f, d});
+  // The dW products write every expert's gradient (zeros where an expert got no rows)
+  // when not accumulating: backward takes the flag from accumulate_grad().
+  w1.overwrites_grad = w2.overwrites_grad = true;
 }
 
 void Experts::init(uint64_t seed, const std::string& prefix, float std, float out_std) {
@@ -86,11 +90,11 @@ Tensor Experts::backward(const Ctx& c, const Tensor& dyp, const Saved& s) {
     kernels::swiglu_forward(c.ex, s.h, a);
   }
   Tensor da = c.empty({r, f});
-  kernels::grouped_matmul_backward(c.ex, a, w2.w(), s.offsets, dyp, &da, &w2.grad, false, true);
+  kernels::grouped_matmul_backward(c.ex, a, w2.w(), s.offsets, dyp, &da, &w2.grad, false, w2.accumulate_grad());
   Tensor dh = c.empty(s.h.shape());
   kernels::swiglu_backward(c.ex, s.h, da, dh);
   Tensor dxp = c.empty(s.xp.shape());
-  kernels::grouped_matmul_backward(c.ex, s.xp, w1.w(), s.offsets, dh, &dxp, &w1.grad, false, true);
+  kernels::grouped_matmul_backward(c.ex, s.xp, w1.w(), s.offsets, dh, &dxp, &w1.grad, false, w1.accumulate_grad());
   return dxp;
 }
 

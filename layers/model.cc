@@ -1,6 +1,9 @@
 // layers/model.cc — Model construction, naming, forward/backward, evaluation.
 #include "layers/model.h"
 
+#include <algorithm>
+#include <utility>
+
 #include <fmt/format.h>
 
 namespace troupe::layers {
@@ -84,6 +87,7 @@ Model::MicroBatchStats Model::forward_backward(const Ctx& c, const Tensor& ids_i
     saved[i] = Block::Saved();  // free activations as soon as they are used
   }
   embedding.backward(c, ids.view({ids.numel()}), dx);
+  settle_grads(c);
   if (stats_dev_.defined()) {  // summed on the device, read with the step's statistics
     Tensor lm = stats_dev_.narrow(0, 0, 1);
     kernels::sum_rows(c.ex, losses.view({losses.numel(), 1}), lm, /*accumulate=*/true);
@@ -115,11 +119,47 @@ std::vector<float> Model::last_logits(const Ctx& c, const Tensor& ids_in) {
 }
 
 void Model::zero_grad(const Ctx& c) {
-  if (flat_grads_.defined()) {
-    kernels::fill(c.ex, flat_grads_, 0.0f);
+  // Gradients that their backward overwrites (the experts' and MLPs' matrices: most of an
+  // MoE model's gradient bytes) are only marked stale; clearing them would cost a pass
+  // over memory and make the first micro-batch's products read zeros back to add to.
+  std::vector<NamedParameter> params = parameters();
+  for (auto& p : params) p.param->grad_stale = p.param->overwrites_grad;
+  if (!flat_grads_.defined()) {
+    for (auto& p : params)
+      if (!p.param->grad_stale) kernels::fill(c.ex, p.param->grad, 0.0f);
     return;
   }
-  for (auto& p : parameters()) kernels::fill(c.ex, p.param->grad, 0.0f);
+  // The flat buffer: one fill per run between stale gradients (padding included).
+  std::vector<std::pair<int64_t, int64_t>> skip;  // [begin, end) element ranges
+  const auto* base = static_cast<const char*>(flat_grads_.data_ptr());
+  for (auto& p : params) {
+    if (!p.param->grad_stale) continue;
+    const int64_t begin = (static_cast<const char*>(p.param->grad.data_ptr()) - base) / 4;
+    TROUPE_CHECK(begin >= 0 && begin + p.param->numel() <= flat_grads_.numel(),
+                 "Model::zero_grad: the gradient of {} is not in the flat buffer", p.name);
+    skip.emplace_back(begin, begin + p.param->numel());
+  }
+  std::sort(skip.begin(), skip.end());
+  int64_t at = 0;
+  for (const auto& [begin, end] : skip) {
+    if (begin > at) {
+      Tensor run = flat_grads_.narrow(0, at, begin - at);
+      kernels::fill(c.ex, run, 0.0f);
+    }
+    at = std::max(at, end);
+  }
+  if (at < flat_grads_.numel()) {
+    Tensor run = flat_grads_.narrow(0, at, flat_grads_.numel() - at);
+    kernels::fill(c.ex, run, 0.0f);
+  }
+}
+
+void Model::settle_grads(const Ctx& c) {
+  for (auto& p : parameters()) {
+    if (!p.param->grad_stale) continue;
+    kernels::fill(c.ex, p.param->grad, 0.0f);  // no backward wrote it: its gradient is zero
+    p.param->grad_stale = false;
+  }
 }
 
 std::vector<std::vector<int64_t>> Model::end_step() { return end_step(Ctx::cpu()); }

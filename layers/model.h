@@ -44,6 +44,10 @@ class Model {
   // Logits [V] of the last position of ids i32 [1, S].
   std::vector<float> last_logits(const Ctx& c, const Tensor& ids);
 
+  // Clears every gradient for a new step. Gradients whose backward can overwrite them
+  // (Parameter::overwrites_grad) are marked stale instead: the step's first
+  // forward_backward writes them, and at its end clears any that it did not write, so
+  // after every forward_backward all gradients are the step's sums.
   void zero_grad(const Ctx& c);
   // After the optimizer step: returns each MoE block's selections of the step (summed over
   // micro-batches) and applies the aux-loss-free bias update with them.
@@ -55,6 +59,9 @@ class Model {
   // one op each), and a working copy in c.act of every matrix (dim >= 2) that the
   // products read. Call once after construction (and loading), before the optimizer.
   void to_device(const Ctx& c);
+  // Zeroes the gradients still marked stale (no backward wrote them) and clears the marks;
+  // forward_backward ends with it.
+  void settle_grads(const Ctx& c);
   // Refreshes the working copies from the master values (after each optimizer step).
   void refresh_working_copies(const Ctx& c);
   // Copies values and buffers back to host tensors (before saving weights).

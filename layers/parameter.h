@@ -3,7 +3,11 @@
 // e.g. "blocks.3.moe.experts.w1") and the deterministic initialisers every layer uses.
 //
 // Contract: gradients accumulate. Every backward adds into Parameter::grad, so several
-// micro-batches can run before one optimizer step; Model::zero_grad() clears them.
+// micro-batches can run before one optimizer step; Model::zero_grad() clears them. A layer
+// whose backward can write its gradient instead of adding (overwrites_grad) lets
+// zero_grad skip clearing it: zero_grad marks it grad_stale, the first backward of the
+// step then writes the gradient (accumulate_grad() returns false and clears the mark), and
+// the later micro-batches add as usual.
 #pragma once
 
 #include <cstdint>
@@ -22,12 +26,25 @@ struct Parameter {
   Tensor work;
   // False for gains of norms (AdamW's decoupled weight decay is not applied to them).
   bool decay = true;
+  // Set by the owning layer when its backward takes the accumulate flag from
+  // accumulate_grad(): a gradient product that writes every element, empty expert
+  // segments included (zeros), when told not to accumulate.
+  bool overwrites_grad = false;
+  // grad holds stale values that count as zero (see the contract above).
+  bool grad_stale = false;
 
   // Allocates value and a zeroed grad of `shape` (host, f32).
   void allocate(const Shape& shape, bool with_decay = true);
   int64_t numel() const { return value.numel(); }
   // The tensor matrix products use: the working copy when there is one, else value.
   const Tensor& w() const { return work.defined() ? work : value; }
+  // For a backward about to produce this parameter's gradient: whether to add into grad
+  // (false while grad is stale: the product writes it). Clears the stale mark.
+  bool accumulate_grad() {
+    const bool add = !grad_stale;
+    grad_stale = false;
+    return add;
+  }
 };
 
 struct NamedParameter {

@@ -267,7 +267,14 @@ void run() {
         gpu::launch_grouped_matmul_dw(env, a.data_ptr(), y.data_ptr(), off_p, rows, kExperts, kFfn, kD, false,
                                       dw2.data_ptr(), DType::kF32, true, bf, tl);
       });
+      // Written instead of accumulated: a step's first micro-batch (Model::zero_grad).
+      b.flops(std::string("grouped_down_dw_write_") + name, f2, "2*rows*N*K", [&] {
+        gpu::launch_grouped_matmul_dw(env, a.data_ptr(), y.data_ptr(), off_p, rows, kExperts, kFfn, kD, false,
+                                      dw2.data_ptr(), DType::kF32, false, bf, tl);
+      });
     }
+    b.flops("grouped_down_dw_f32write", f2, "2*rows*N*K",
+            [&] { be.grouped_matmul_backward(b.ex, a, w2, offsets, y, nullptr, &dw2, false, false); });
     // The up projection's backward (dx: K-major B of 4096-deep k; dW: [1024, 4096] per expert).
     Tensor dxp = b.empty({rows, kD}, bf);
     Tensor dw1 = b.empty({kExperts, kD, 2 * kFfn}, DType::kF32);
@@ -275,6 +282,16 @@ void run() {
             [&] { be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, &dxp, nullptr, false, false); });
     b.flops("grouped_up_dw_f32acc", f1, "2*rows*N*K",
             [&] { be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, nullptr, &dw1, false, true); });
+    b.flops("grouped_up_dw_f32write", f1, "2*rows*N*K",
+            [&] { be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, nullptr, &dw1, false, false); });
+    for (const auto& [name, tiling] : variants) {
+      if (tiling == gpu::GemmTiling::kWarps2x2) continue;
+      const gpu::GemmTiling tl = tiling;
+      b.flops(std::string("grouped_up_dw_write_") + name, f1, "2*rows*N*K", [&] {
+        gpu::launch_grouped_matmul_dw(env, xp.data_ptr(), h.data_ptr(), off_p, rows, kExperts, kD, 2 * kFfn, false,
+                                      dw1.data_ptr(), DType::kF32, false, bf, tl);
+      });
+    }
     // The dense equivalent through cuBLASLt, for scale.
     Tensor wd = b.random({kD, 2 * kFfn}, bf, -0.05f, 0.05f);
     b.flops("dense_equiv_32768x4096x1024", f1, "2*M*N*K", [&] { be.matmul(b.ex, xp, wd, h, false, false, 1.0f, 0.0f); });

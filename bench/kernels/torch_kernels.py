@@ -75,11 +75,14 @@ def main():
         timed("grouped_down_dx", lambda: torch._grouped_mm(y, w2t, offs=offs))
         dw2 = torch.zeros(E, FF, D, device=dev, dtype=torch.float32)
         timed("grouped_down_dw_f32acc", lambda: dw2.add_(torch._grouped_mm(a.t(), y, offs=offs)))
+        # The written form (a step's first micro-batch): the product alone, in bf16.
+        timed("grouped_down_dw_f32write", lambda: torch._grouped_mm(a.t(), y, offs=offs))
         h = rnd(rows, 2 * FF)
         w1t = w1.transpose(1, 2)
         timed("grouped_up_dx", lambda: torch._grouped_mm(h, w1t, offs=offs))
         dw1 = torch.zeros(E, D, 2 * FF, device=dev, dtype=torch.float32)
         timed("grouped_up_dw_f32acc", lambda: dw1.add_(torch._grouped_mm(xp.t(), h, offs=offs)))
+        timed("grouped_up_dw_f32write", lambda: torch._grouped_mm(xp.t(), h, offs=offs))
         del h, dw1
     wd = rnd(D, 2 * FF, scale=0.05)
     timed("dense_equiv_32768x4096x1024", lambda: torch.matmul(xp, wd))

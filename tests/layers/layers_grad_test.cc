@@ -587,6 +587,58 @@ TEST(Model, FullModelGradientAndAccumulation) {
   }
 }
 
+// zero_grad leaves the gradients that backward overwrites (experts, MLPs) stale instead of
+// clearing them: stale values (NaN here) never reach a step's gradients, whether a
+// micro-batch writes them, a second one adds to them, or an expert gets no token at all.
+TEST(Model, StaleGradientsNeverLeakIntoTheStep) {
+  ModelConfig cfg = small_model();
+  cfg.moe.num_experts = 8;  // 3 tokens x top-2 over 8 experts: some experts get no token
+  Model fresh(cfg, 73), reused(cfg, 73);
+  std::mt19937 rng(74);
+  std::vector<int32_t> ids(3), tg(3);
+  for (auto& v : ids) v = static_cast<int32_t>(rng() % 23);
+  for (auto& v : tg) v = static_cast<int32_t>(rng() % 23);
+  const Tensor tids = Tensor::from_ints({1, 3}, ids), ttg = Tensor::from_ints({1, 3}, tg);
+  fresh.zero_grad(kC);
+  const Model::MicroBatchStats st = fresh.forward_backward(kC, tids, ttg, 1.0f);
+  bool empty_expert = false;
+  for (const auto& m : st.moe)
+    for (int64_t n : m.selected) empty_expert = empty_expert || n == 0;
+  ASSERT_TRUE(empty_expert) << "the case needs an expert without tokens";
+
+  auto poison = [](Model& m) {
+    for (auto& p : m.parameters())
+      for (int64_t i = 0; i < p.param->numel(); ++i) p.param->grad.data<float>()[i] = std::nanf("");
+  };
+  int64_t stale = 0;
+  poison(reused);
+  reused.zero_grad(kC);
+  for (auto& p : reused.parameters()) {
+    EXPECT_EQ(p.param->grad_stale, p.param->overwrites_grad) << p.name;
+    stale += p.param->grad_stale ? 1 : 0;
+    if (!p.param->grad_stale) {
+      EXPECT_EQ(p.param->grad.to_floats(), std::vector<float>(p.param->numel(), 0.0f)) << p.name;
+    }
+  }
+  EXPECT_EQ(stale, 6);  // w1 and w2 of block 0's MLP and of the experts of MoE blocks 1 and 2
+  reused.forward_backward(kC, tids, ttg, 1.0f);
+  auto pf = fresh.parameters(), pr = reused.parameters();
+  for (size_t i = 0; i < pf.size(); ++i) {
+    EXPECT_FALSE(pr[i].param->grad_stale) << pr[i].name;
+    EXPECT_EQ(pr[i].param->grad.to_floats(), pf[i].param->grad.to_floats()) << pr[i].name;
+  }
+  // Two half-weight micro-batches after stale values: the first writes, the second adds.
+  poison(reused);
+  reused.zero_grad(kC);
+  reused.forward_backward(kC, tids, ttg, 0.5f);
+  reused.forward_backward(kC, tids, ttg, 0.5f);
+  for (size_t i = 0; i < pf.size(); ++i) {
+    const auto want = pf[i].param->grad.to_floats(), got = pr[i].param->grad.to_floats();
+    for (size_t j = 0; j < want.size(); ++j)
+      ASSERT_NEAR(got[j], want[j], 1e-6 + 1e-5 * std::abs(want[j])) << pr[i].name << " element " << j;
+  }
+}
+
 TEST(AdamW, ClipsByTheGlobalNormAndSkipsDecayOnNorms) {
   auto make = [](float scale) {
     auto m = std::make_unique<Model>(small_model(), 81);
