@@ -10,7 +10,8 @@
 // - k segments (dW): C_e = A_e^T @ B_e summed over the rows of expert e (grid axis z = e).
 // On a Hopper GPU (sm_90a build) the default is a wgmma kernel instead (see "Hopper kernel"
 // below): 128 x 256 tiles, a persistent grid, operands in 128-byte-swizzled shared memory,
-// loaded by TMA from a producer warpgroup (forward, dx) or by cp.async (dW).
+// loaded by TMA from a producer warpgroup (forward, dx, and dW written) or by cp.async (dW
+// added to its output).
 // f32 operands (and shapes the tensor-core path cannot take: dims not multiples of 8,
 // misaligned pointers) use a plain one-thread-per-output kernel with fp32 accumulation.
 #include <algorithm>
@@ -87,6 +88,13 @@ __device__ __forceinline__ void tile_async(bf16* smem, const bf16* base, int64_t
     const bool valid = go < o_lim && gi < i_lim;  // dims are multiples of 8: whole vectors
     cp_async16(smem + o * (kInner + kPad) + i, valid ? base + go * ld + gi : base, valid);
   }
+}
+
+// The two output elements of an epilogue pair (8- or 4-byte aligned: ldc and the column
+// are even) in one load.
+__device__ __forceinline__ float2 load_pair(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ float2 load_pair(const bf16* p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
 }
 
 struct GemmArgs {
@@ -457,8 +465,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) grouped_gemm_wgmma_kernel(GemmA
             float v0 = acc[j * 4 + h * 2], v1 = acc[j * 4 + h * 2 + 1];
             OutT* p = c + gm * args.ldc + gn;
             if (args.accumulate) {
-              v0 += to_float(p[0]);
-              v1 += to_float(p[1]);
+              const float2 old = load_pair(p);
+              v0 += old.x;
+              v1 += old.y;
             }
             if constexpr (std::is_same_v<OutT, float>) {
               *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
@@ -623,8 +632,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
               float v0 = acc[j * 4 + h * 2], v1 = acc[j * 4 + h * 2 + 1];
               OutT* p = c + gm * args.ldc + gn;
               if (args.accumulate) {
-                v0 += to_float(p[0]);
-                v1 += to_float(p[1]);
+                const float2 old = load_pair(p);
+                v0 += old.x;
+                v1 += old.y;
               }
               if constexpr (std::is_same_v<OutT, float>) {
                 *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
@@ -701,11 +711,16 @@ void launch_gemm(const Env& env, int64_t rows_bound, int64_t tokens, const GemmA
       launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
       break;
     case GemmTiling::kAuto:
-      // Measured on an H200 (bench_1b shapes, bench/RESULTS.md 2026-11-22): TMA wins the
-      // row-segment problems (0.53 vs 0.75 ms forward), cp.async the dW problems (0.39 vs
-      // 0.50 ms), whose MN-major boxes of 64 token rows TMA fetches less well.
+      // Measured (bench_1b shapes, bench/RESULTS.md): TMA wins the row-segment problems
+      // (0.53 vs 0.75 ms forward, H200) and the dW problems that write their output (up
+      // 0.49 vs 0.67 ms, down 0.22 vs 0.32 ms, H100 2026-11-26); where dW adds to its output
+      // (a step's later micro-batches) the cp.async kernel was faster (0.39 vs 0.49 ms down).
       if constexpr (kSegK) {
-        launch_gemm_wgmma<kSegK, kBCol, OutT, 256, 4>(env, rows_bound * ceil_div(args.n, 256), args);
+        if (args.accumulate || tokens == 0) {  // (a tensor map needs rows; no token: zeros)
+          launch_gemm_wgmma<kSegK, kBCol, OutT, 256, 4>(env, rows_bound * ceil_div(args.n, 256), args);
+        } else {
+          launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
+        }
       } else {
         launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
       }

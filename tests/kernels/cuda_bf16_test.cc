@@ -158,6 +158,19 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
   }
 }
 
+// A rank whose experts got no token at all: the written dW is zeros (the Hopper default
+// writes through TMA, whose tensor maps need rows, so this case takes another kernel).
+TEST_F(CudaBf16, GroupedMatmulDwWithoutTokensWritesZeros) {
+  const int64_t experts = 3, k = 64, n = 128;
+  Tensor offsets = dev(Tensor::from_ints({experts + 1}, std::vector<int32_t>(experts + 1, 0)));
+  Tensor x = dev(host_random({0, k}, kBF)), dout = dev(host_random({0, n}, kBF));
+  Tensor w = dev(host_random({experts, k, n}, kBF));
+  Tensor dw = dev_poisoned({experts, k, n}, kF32);
+  grouped_matmul_backward(gpu.ex, x, w, offsets, dout, nullptr, &dw, false, false);
+  const std::vector<float> got = back(dw).to_floats();
+  EXPECT_EQ(got, std::vector<float>(got.size(), 0.0f));
+}
+
 TEST_F(CudaBf16, Attention) {
   const Exec cpu = Exec::cpu();
   // 77: one partial tile; 333: several tiles, the causal skip and a partial last tile.
