@@ -90,13 +90,6 @@ __device__ __forceinline__ void tile_async(bf16* smem, const bf16* base, int64_t
   }
 }
 
-// The two output elements of an epilogue pair (8- or 4-byte aligned: ldc and the column
-// are even) in one load.
-__device__ __forceinline__ float2 load_pair(const float* p) { return *reinterpret_cast<const float2*>(p); }
-__device__ __forceinline__ float2 load_pair(const bf16* p) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
-}
-
 struct GemmArgs {
   const bf16* a;
   const bf16* b;
@@ -465,9 +458,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) grouped_gemm_wgmma_kernel(GemmA
             float v0 = acc[j * 4 + h * 2], v1 = acc[j * 4 + h * 2 + 1];
             OutT* p = c + gm * args.ldc + gn;
             if (args.accumulate) {
-              const float2 old = load_pair(p);
-              v0 += old.x;
-              v1 += old.y;
+              v0 += to_float(p[0]);
+              v1 += to_float(p[1]);
             }
             if constexpr (std::is_same_v<OutT, float>) {
               *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
@@ -517,21 +509,53 @@ void launch_gemm_tiled(const Env& env, dim3 grid, const GemmArgs& args) {
 // see the whole [T, .] tensor): harmless for row segments (those output rows are not
 // stored); for k segments (dW) the consumers zero those k-rows of their A atom before the
 // wgmma. Past the tensor's end TMA fills zeros.
-constexpr int kTmaStages = 4, kTmaBN = 256, kTmaThreads = 384;
+//
+// Row segments with a bf16 output store full tiles through shared memory and TMA too: each
+// consumer writes its 64 x 256 half into a swizzled staging buffer, one thread issues the
+// bulk stores, and the warpgroup goes on with the next tile's products while they drain
+// (the buffer is reused one tile later, after the stores have read it). A tile that crosses
+// its segment's end keeps the direct stores (a box would write the next expert's rows).
+// The staging takes one pipeline stage's room: 3 stages instead of 4.
+constexpr int kTmaBN = 256, kTmaThreads = 384;
 constexpr int kTmaStageBytes = kWgBM * kWgBK * 2 + kWgBK * kTmaBN * 2;
-constexpr size_t kTmaSmemBytes = size_t{kTmaStages} * kTmaStageBytes + 1024 + 2 * kTmaStages * sizeof(uint64_t);
+constexpr int kStagingBytes = kWgBM * kTmaBN * 2;  // bf16 128 x 256: two 64-row halves of 4 boxes of 64 x 64
+template <bool kSegK, typename OutT>
+struct TmaConfig {
+  static constexpr bool kStore = !kSegK && std::is_same_v<OutT, bf16>;  // the staged TMA store
+  static constexpr int kStages = kStore ? 3 : 4;
+  static constexpr size_t kSmem =
+      size_t{kStages} * kTmaStageBytes + (kStore ? kStagingBytes : 0) + 1024 + 2 * kStages * sizeof(uint64_t);
+};
+
+#ifdef TROUPE_WGMMA_DEVICE
+// Bulk tensor store of one box from shared memory (completes in the thread's bulk group).
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until this thread's bulk stores have read their shared-memory source.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Until this thread's bulk stores have completed.
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+#endif
 
 template <bool kSegK, bool kBCol, typename OutT>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                            GemmArgs args) {
+                            const __grid_constant__ CUtensorMap map_c, GemmArgs args) {
 #ifdef TROUPE_WGMMA_DEVICE
   constexpr int kAStage = kWgBM * kWgBK * 2;
+  constexpr int kTmaStages = TmaConfig<kSegK, OutT>::kStages;
+  constexpr bool kStore = TmaConfig<kSegK, OutT>::kStore;
   extern __shared__ __align__(1024) unsigned char tma_smem_raw[];
   const uint32_t raw = smem_addr(tma_smem_raw);
   const uint32_t smem_s = (raw + 1023) & ~1023u;
   unsigned char* smem = tma_smem_raw + (smem_s - raw);
-  const uint32_t full0 = smem_s + kTmaStages * kTmaStageBytes;  // kTmaStages "full" then "empty" barriers
+  const uint32_t staging0 = smem_s + kTmaStages * kTmaStageBytes;  // kStore: 2 x 32 KB
+  const uint32_t full0 = staging0 + (kStore ? kStagingBytes : 0);  // kTmaStages "full" then "empty" barriers
   const uint32_t empty0 = full0 + kTmaStages * 8;
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t tiles_n = (args.n + kTmaBN - 1) / kTmaBN;
@@ -620,6 +644,39 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       fence_regs(acc);
       if (ctid == 0) mbar_arrive(empty0 + 8 * static_cast<int>((i - 1) % kTmaStages));
       const WgTile& tl = cs.tile;
+      if constexpr (kStore) {
+        if (tl.m0 + kWgBM <= tl.m_lim) {  // the whole tile inside its segment
+          const uint32_t stg_s = staging0 + cw * (kStagingBytes / 2);
+          unsigned char* stg = smem + (stg_s - smem_s);
+          if (ctid == 0) bulk_wait_read();  // the previous tile's stores have read the buffer
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+          // Row r of box b (64 columns, 128 bytes) holds its 16-byte chunk c at c ^ (r & 7):
+          // the TMA's 128-byte swizzle, and a warp's 8 rows land in 8 different chunks.
+          const int r0 = warp_in_wg * 16 + lane / 4;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = r0 + 8 * h;
+#pragma unroll
+            for (int j = 0; j < kTmaBN / 8; ++j) {
+              const int off = (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4) + 4 * (lane % 4);
+              *reinterpret_cast<__nv_bfloat162*>(stg + off) =
+                  __floats2bfloat162_rn(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1]);
+            }
+          }
+          fence_proxy_async();  // this thread's writes, visible to the bulk copies
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+          if (ctid == 0) {
+            const int row = static_cast<int>(tl.row0 + tl.m0) + cw * 64;
+            for (int b = 0; b < kTmaBN / 64; ++b) {
+              const int64_t col = tl.n0 + 64 * b;
+              if (col < args.n) tma_store_3d(&map_c, stg_s + b * 8192, static_cast<int>(col), row, 0);
+            }
+            bulk_commit();
+          }
+          cs.next_tile(args);
+          continue;
+        }
+      }
       OutT* c = static_cast<OutT*>(args.c) + (kSegK ? tl.e * args.c_expert_stride : tl.row0 * args.ldc);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -632,9 +689,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
               float v0 = acc[j * 4 + h * 2], v1 = acc[j * 4 + h * 2 + 1];
               OutT* p = c + gm * args.ldc + gn;
               if (args.accumulate) {
-                const float2 old = load_pair(p);
-                v0 += old.x;
-                v1 += old.y;
+                v0 += to_float(p[0]);
+                v1 += to_float(p[1]);
               }
               if constexpr (std::is_same_v<OutT, float>) {
                 *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
@@ -647,10 +703,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       }
       cs.next_tile(args);
     }
+    if constexpr (kStore) {
+      if (ctid == 0) bulk_wait();
+    }
   }
 #else
   (void)map_a;
   (void)map_b;
+  (void)map_c;
   (void)args;
   __trap();
 #endif
@@ -660,7 +720,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 // from b [E][k][n] (or [E][n][k] with kBCol); k segments read a [T, m] and b [T, n].
 template <bool kSegK, bool kBCol, typename OutT>
 void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const GemmArgs& args) {
-  CUtensorMap map_a, map_b;
+  CUtensorMap map_a, map_b, map_c{};
   if constexpr (kSegK) {
     map_a = make_tensor_map(args.a, args.m, tokens, 1, 64, 64);
     map_b = make_tensor_map(args.b, args.n, tokens, 1, 64, 64);
@@ -672,10 +732,13 @@ void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const 
       map_b = make_tensor_map(args.b, args.n, args.k, args.experts, 64, 64);
     }
   }
+  // The staged store writes C [tokens, n] (row segments: ldc == n) in boxes of 64 x 64.
+  if constexpr (TmaConfig<kSegK, OutT>::kStore) map_c = make_tensor_map(args.c, args.n, tokens, 1, 64, 64);
   auto kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT>;
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kTmaSmemBytes)));
+  constexpr size_t smem = TmaConfig<kSegK, OutT>::kSmem;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(tiles_bound, env.num_sms));
-  kernel<<<static_cast<unsigned>(grid), kTmaThreads, kTmaSmemBytes, env.stream>>>(map_a, map_b, args);
+  kernel<<<static_cast<unsigned>(grid), kTmaThreads, smem, env.stream>>>(map_a, map_b, map_c, args);
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
