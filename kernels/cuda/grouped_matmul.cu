@@ -10,7 +10,7 @@
 // - k segments (dW): C_e = A_e^T @ B_e summed over the rows of expert e (grid axis z = e).
 // On a Hopper GPU (sm_90a build) the default is a wgmma kernel instead (see "Hopper kernel"
 // below): 128 x 256 tiles, a persistent grid, operands in 128-byte-swizzled shared memory,
-// loaded by TMA from a producer warpgroup (forward, dx, and dW written) or by cp.async (dW
+// loaded by TMA from a producer warpgroup (forward, dx, f32 dW) or by cp.async (a bf16 dW
 // added to its output).
 // f32 operands (and shapes the tensor-core path cannot take: dims not multiples of 8,
 // misaligned pointers) use a plain one-thread-per-output kernel with fp32 accumulation.
@@ -516,12 +516,18 @@ void launch_gemm_tiled(const Env& env, dim3 grid, const GemmArgs& args) {
 // (the buffer is reused one tile later, after the stores have read it). A tile that crosses
 // its segment's end keeps the direct stores (a box would write the next expert's rows).
 // The staging takes one pipeline stage's room: 3 stages instead of 4.
+// dW with an f32 output (k segments) stages the same way, each warpgroup's 64 x 256 in two
+// rounds of 64 x 128 (4 boxes of 32 f32 columns), and reduces into the output with the
+// TMA's add where the product accumulates; every tile of dW is whole (the map's bounds clip
+// rows and columns past the expert's matrix).
 constexpr int kTmaBN = 256, kTmaThreads = 384;
 constexpr int kTmaStageBytes = kWgBM * kWgBK * 2 + kWgBK * kTmaBN * 2;
-constexpr int kStagingBytes = kWgBM * kTmaBN * 2;  // bf16 128 x 256: two 64-row halves of 4 boxes of 64 x 64
+constexpr int kStagingBytes = 65536;  // two warpgroups' 32 KB: bf16 64 x 256, or f32 64 x 128
 template <bool kSegK, typename OutT>
 struct TmaConfig {
-  static constexpr bool kStore = !kSegK && std::is_same_v<OutT, bf16>;  // the staged TMA store
+  static constexpr bool kStoreRows = !kSegK && std::is_same_v<OutT, bf16>;  // staged TMA stores
+  static constexpr bool kStoreDw = kSegK && std::is_same_v<OutT, float>;
+  static constexpr bool kStore = kStoreRows || kStoreDw;
   static constexpr int kStages = kStore ? 3 : 4;
   static constexpr size_t kSmem =
       size_t{kStages} * kTmaStageBytes + (kStore ? kStagingBytes : 0) + 1024 + 2 * kStages * sizeof(uint64_t);
@@ -536,6 +542,13 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t sr
                : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Bulk tensor reduction (add) of one box from shared memory into global memory.
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
 // Until this thread's bulk stores have read their shared-memory source.
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 // Until this thread's bulk stores have completed.
@@ -550,6 +563,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   constexpr int kAStage = kWgBM * kWgBK * 2;
   constexpr int kTmaStages = TmaConfig<kSegK, OutT>::kStages;
   constexpr bool kStore = TmaConfig<kSegK, OutT>::kStore;
+  constexpr bool kStoreDw = TmaConfig<kSegK, OutT>::kStoreDw;
   extern __shared__ __align__(1024) unsigned char tma_smem_raw[];
   const uint32_t raw = smem_addr(tma_smem_raw);
   const uint32_t smem_s = (raw + 1023) & ~1023u;
@@ -644,6 +658,43 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       fence_regs(acc);
       if (ctid == 0) mbar_arrive(empty0 + 8 * static_cast<int>((i - 1) % kTmaStages));
       const WgTile& tl = cs.tile;
+      if constexpr (kStoreDw) {
+        const uint32_t stg_s = staging0 + cw * (kStagingBytes / 2);
+        unsigned char* stg = smem + (stg_s - smem_s);
+        const int q = lane % 4;
+#pragma unroll
+        for (int round = 0; round < 2; ++round) {
+          if (ctid == 0) bulk_wait_read();  // the previous round's (or tile's) stores have read the buffer
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = warp_in_wg * 16 + lane / 4 + 8 * h;
+#pragma unroll
+            for (int jj = 0; jj < 16; ++jj) {
+              const int j = round * 16 + jj;  // columns 8j + 2q, +1 of the tile
+              const int off = (jj / 4) * 8192 + r * 128 + (((2 * (jj % 4) + q / 2) ^ (r & 7)) << 4) + (q % 2) * 8;
+              *reinterpret_cast<float2*>(stg + off) = make_float2(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1]);
+            }
+          }
+          fence_proxy_async();
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+          if (ctid == 0) {
+            const int row = static_cast<int>(tl.m0) + cw * 64, e = static_cast<int>(tl.e);
+            for (int b = 0; b < 4; ++b) {
+              const int64_t col = tl.n0 + round * 128 + 32 * b;
+              if (col >= args.n) break;
+              if (args.accumulate) {
+                tma_reduce_add_3d(&map_c, stg_s + b * 8192, static_cast<int>(col), row, e);
+              } else {
+                tma_store_3d(&map_c, stg_s + b * 8192, static_cast<int>(col), row, e);
+              }
+            }
+            bulk_commit();
+          }
+        }
+        cs.next_tile(args);
+        continue;
+      }
       if constexpr (kStore) {
         if (tl.m0 + kWgBM <= tl.m_lim) {  // the whole tile inside its segment
           const uint32_t stg_s = staging0 + cw * (kStagingBytes / 2);
@@ -732,8 +783,12 @@ void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const 
       map_b = make_tensor_map(args.b, args.n, args.k, args.experts, 64, 64);
     }
   }
-  // The staged store writes C [tokens, n] (row segments: ldc == n) in boxes of 64 x 64.
-  if constexpr (TmaConfig<kSegK, OutT>::kStore) map_c = make_tensor_map(args.c, args.n, tokens, 1, 64, 64);
+  // The staged stores write C [tokens, n] (row segments: ldc == n) in bf16 boxes of 64 x 64,
+  // or dW [E][m][n] (c_expert_stride == m * n) in f32 boxes of 32 x 64.
+  if constexpr (TmaConfig<kSegK, OutT>::kStoreRows) map_c = make_tensor_map(args.c, args.n, tokens, 1, 64, 64);
+  if constexpr (TmaConfig<kSegK, OutT>::kStoreDw) {
+    map_c = make_tensor_map(args.c, args.n, args.m, args.experts, 32, 64, /*f32=*/true);
+  }
   auto kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT>;
   constexpr size_t smem = TmaConfig<kSegK, OutT>::kSmem;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -775,11 +830,11 @@ void launch_gemm(const Env& env, int64_t rows_bound, int64_t tokens, const GemmA
       break;
     case GemmTiling::kAuto:
       // Measured (bench_1b shapes, bench/RESULTS.md): TMA wins the row-segment problems
-      // (0.53 vs 0.75 ms forward, H200) and the dW problems that write their output (up
-      // 0.49 vs 0.67 ms, down 0.22 vs 0.32 ms, H100 2026-11-26); where dW adds to its output
-      // (a step's later micro-batches) the cp.async kernel was faster (0.39 vs 0.49 ms down).
+      // (0.53 vs 0.75 ms forward, H200) and the f32 dW problems (down, written: 0.22 vs
+      // 0.32 ms, H100 2026-11-26), since its staged epilogue also adds to the output in the
+      // TMA's reduction; a bf16 dW that adds (scalar epilogue) keeps the cp.async kernel.
       if constexpr (kSegK) {
-        if (args.accumulate || tokens == 0) {  // (a tensor map needs rows; no token: zeros)
+        if (tokens == 0 || (args.accumulate && !std::is_same_v<OutT, float>)) {  // (a map needs rows)
           launch_gemm_wgmma<kSegK, kBCol, OutT, 256, 4>(env, rows_bound * ceil_div(args.n, 256), args);
         } else {
           launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);

@@ -280,14 +280,15 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// A bf16 tensor of `rank` dimensions (dims[0] contiguous; byte strides of dims 1.. in
-// strides) read in boxes of box[]; 128-byte swizzled; reads outside the tensor give zeros.
+// A bf16 (or, with f32, float) tensor of `rank` dimensions (dims[0] contiguous; byte
+// strides of dims 1.. in strides) read in boxes of box[]; 128-byte swizzled; reads outside
+// the tensor give zeros, writes outside it are dropped.
 inline CUtensorMap make_tensor_map(const void* base, int rank, const cuuint64_t* dims,
-                                   const cuuint64_t* strides, const cuuint32_t* box) {
+                                   const cuuint64_t* strides, const cuuint32_t* box, bool f32 = false) {
   CUtensorMap map;
   const cuuint32_t elem[5] = {1, 1, 1, 1, 1};
   const CUresult r = tensor_map_encoder()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(rank), const_cast<void*>(base), dims,
+      &map, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(rank), const_cast<void*>(base), dims,
       strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TROUPE_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed ({}) for a rank-{} tensor, dims[0] {}",
@@ -295,15 +296,16 @@ inline CUtensorMap make_tensor_map(const void* base, int rank, const cuuint64_t*
   return map;
 }
 
-// A bf16 tensor [outer][rows][inner] (contiguous) read in boxes of box_inner x box_rows.
+// A bf16 (or f32) tensor [outer][rows][inner] (contiguous) in boxes of box_inner x box_rows.
 inline CUtensorMap make_tensor_map(const void* base, int64_t inner, int64_t rows, int64_t outer,
-                                   int box_inner, int box_rows) {
+                                   int box_inner, int box_rows, bool f32 = false) {
+  const uint64_t elem = f32 ? 4 : 2;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(rows),
                               static_cast<cuuint64_t>(outer)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(inner) * 2,
-                                 static_cast<cuuint64_t>(inner * rows) * 2};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(inner) * elem,
+                                 static_cast<cuuint64_t>(inner * rows) * elem};
   const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_rows), 1};
-  return make_tensor_map(base, 3, dims, strides, box);
+  return make_tensor_map(base, 3, dims, strides, box, f32);
 }
 
 }  // namespace troupe::kernels::gpu::hopper

@@ -155,6 +155,19 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
     grouped_matmul_backward(gpu.ex, dev(x), dev(w), doff, dev(dout), &dx_got, &dw_got, trans, true);
     expect_close(dx_got, dx_want, kTol, trans ? "grouped_matmul dx trans_w" : "grouped_matmul dx");
     expect_close(dw_got, dw_want, 2e-3, trans ? "grouped_matmul dw f32 accumulate trans_w" : "grouped_matmul dw f32 acc");
+    // The adding dW of each Hopper kernel, also on 2 "SMs" (tiles walked in turn): the TMA
+    // kernel adds through the bulk tensor reduction.
+    for (const auto& [tiling, sms] : std::vector<std::pair<gpu::GemmTiling, int>>{
+             {gpu::GemmTiling::kWgmmaTma, 2}, {gpu::GemmTiling::kWgmma256, 2}, {gpu::GemmTiling::kWgmmaTma, 132}}) {
+      const gpu::Env env{gpu.ctx.stream, std::min(sms, gpu.ctx.num_sms)};
+      Tensor xd = dev(x), dd = dev(dout), dwg = dev(dw_init);
+      gpu::launch_grouped_matmul_dw(env, xd.data_ptr(), dd.data_ptr(), off_p, rows, experts, k, n, trans,
+                                    dwg.data_ptr(), kF32, true, kBF, tiling);
+      expect_close(dwg, dw_want, 2e-3,
+                   fmt::format("grouped_matmul dw f32 acc tiling {} sms {}{}", static_cast<int>(tiling), sms,
+                               trans ? " trans_w" : "")
+                       .c_str());
+    }
   }
 }
 
