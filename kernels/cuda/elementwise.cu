@@ -298,8 +298,13 @@ void launch_sum_rows(const Env& env, const void* x, DType xt, int64_t rows, int6
 }
 
 // ---- SwiGLU --------------------------------------------------------------------------
+// h [rows, 2f] holds the gate (columns [0, f)) and the up projection ([f, 2f)) of each row.
+// The packed kernels walk rows (a block per row at a time, its threads over the row's
+// kVec-element packs, two rows in flight per thread) so no index needs a division; other
+// layouts take the per-element functors.
 namespace {
-__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + __expf(-x)); }
+// x * sigmoid(x) and sigmoid(x) with a fast reciprocal (the exp dominates the error).
+__device__ __forceinline__ float sigmoidf(float x) { return __frcp_rn(1.0f + __expf(-x)); }
 
 template <typename T>
 struct SwigluForwardOp {
@@ -342,21 +347,94 @@ struct SwigluBackwardOp {
     store_floats<V>(dh + r * 2 * f + f + c, du);
   }
 };
+
+constexpr int kRowsInFlight = 2;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) swiglu_forward_rows_kernel(const T* h, T* out, int64_t rows, int64_t f) {
+  for (int64_t r0 = int64_t{blockIdx.x} * kRowsInFlight; r0 < rows; r0 += int64_t{gridDim.x} * kRowsInFlight) {
+    for (int64_t c = int64_t{threadIdx.x} * kVec; c < f; c += int64_t{kThreads} * kVec) {
+      float g[kRowsInFlight][kVec], u[kRowsInFlight][kVec];
+#pragma unroll
+      for (int k = 0; k < kRowsInFlight; ++k) {
+        if (r0 + k >= rows) break;
+        load_floats<kVec>(h + (r0 + k) * 2 * f + c, g[k]);
+        load_floats<kVec>(h + (r0 + k) * 2 * f + f + c, u[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < kRowsInFlight; ++k) {
+        if (r0 + k >= rows) break;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) g[k][j] = g[k][j] * sigmoidf(g[k][j]) * u[k][j];
+        store_floats<kVec>(out + (r0 + k) * f + c, g[k]);
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    swiglu_backward_rows_kernel(const T* h, const T* dout, T* dh, int64_t rows, int64_t f) {
+  for (int64_t r0 = int64_t{blockIdx.x} * kRowsInFlight; r0 < rows; r0 += int64_t{gridDim.x} * kRowsInFlight) {
+    for (int64_t c = int64_t{threadIdx.x} * kVec; c < f; c += int64_t{kThreads} * kVec) {
+      float g[kRowsInFlight][kVec], u[kRowsInFlight][kVec], d[kRowsInFlight][kVec];
+#pragma unroll
+      for (int k = 0; k < kRowsInFlight; ++k) {
+        if (r0 + k >= rows) break;
+        load_floats<kVec>(h + (r0 + k) * 2 * f + c, g[k]);
+        load_floats<kVec>(h + (r0 + k) * 2 * f + f + c, u[k]);
+        load_floats<kVec>(dout + (r0 + k) * f + c, d[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < kRowsInFlight; ++k) {
+        if (r0 + k >= rows) break;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const float sg = sigmoidf(g[k][j]);
+          const float dk = d[k][j];
+          const float du = dk * g[k][j] * sg;  // d * silu(g)
+          g[k][j] = dk * u[k][j] * sg * (1.0f + g[k][j] * (1.0f - sg));
+          u[k][j] = du;
+        }
+        store_floats<kVec>(dh + (r0 + k) * 2 * f + c, g[k]);
+        store_floats<kVec>(dh + (r0 + k) * 2 * f + f + c, u[k]);
+      }
+    }
+  }
+}
+
+unsigned swiglu_grid(const Env& env, int64_t rows) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(rows, kRowsInFlight), int64_t{env.num_sms} * 8)));
+}
 }  // namespace
 
 void launch_swiglu_forward(const Env& env, const void* h, void* out, DType t, int64_t rows, int64_t f) {
+  if (rows == 0 || f == 0) return;
   TROUPE_DISPATCH_FLOAT(t, T, "swiglu_forward", {
     const bool vec = f % kVec == 0 && pack_aligned<T>(h) && pack_aligned<T>(out);
-    run_elementwise(env, rows * f, vec, SwigluForwardOp<T>{static_cast<const T*>(h), static_cast<T*>(out), f});
+    if (vec) {
+      swiglu_forward_rows_kernel<T><<<swiglu_grid(env, rows), kThreads, 0, env.stream>>>(
+          static_cast<const T*>(h), static_cast<T*>(out), rows, f);
+      TROUPE_CUDA_LAUNCH_CHECK();
+    } else {
+      run_elementwise(env, rows * f, false, SwigluForwardOp<T>{static_cast<const T*>(h), static_cast<T*>(out), f});
+    }
   });
 }
 
 void launch_swiglu_backward(const Env& env, const void* h, const void* dout, void* dh, DType t, int64_t rows,
                             int64_t f) {
+  if (rows == 0 || f == 0) return;
   TROUPE_DISPATCH_FLOAT(t, T, "swiglu_backward", {
     const bool vec = f % kVec == 0 && pack_aligned<T>(h) && pack_aligned<T>(dout) && pack_aligned<T>(dh);
-    run_elementwise(env, rows * f, vec,
-                    SwigluBackwardOp<T>{static_cast<const T*>(h), static_cast<const T*>(dout), static_cast<T*>(dh), f});
+    if (vec) {
+      swiglu_backward_rows_kernel<T><<<swiglu_grid(env, rows), kThreads, 0, env.stream>>>(
+          static_cast<const T*>(h), static_cast<const T*>(dout), static_cast<T*>(dh), rows, f);
+      TROUPE_CUDA_LAUNCH_CHECK();
+    } else {
+      run_elementwise(env, rows * f, false,
+                      SwigluBackwardOp<T>{static_cast<const T*>(h), static_cast<const T*>(dout), static_cast<T*>(dh), f});
+    }
   });
 }
 
@@ -376,7 +454,6 @@ __global__ void softmax_forward_kernel(const T* x, T* y, int64_t cols) {
   const float inv = 1.0f / s;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) yr[c] = from_float<T>(__expf(to_float(xr[c]) - m) * inv);
 }
-
 template <typename T>
 __global__ void softmax_backward_kernel(const T* y, const T* dy, T* dx, int64_t cols) {
   __shared__ float shared[32];

@@ -271,6 +271,18 @@ TEST_F(CudaBf16, RowKernels) {
   swiglu_backward(cpu, h, dy, dh_w);
   swiglu_backward(gpu.ex, dev(h), dev(dy), dh_g);
   expect_close(dh_g, dh_w, kTol, "swiglu_backward");
+  {  // rows wider than one block's packs (256 threads x 8), an odd row count
+    const int64_t rows = 5, f = 2056;
+    Tensor hw = host_random({rows, 2 * f}, kBF, -3.0f, 3.0f), dyw = host_random({rows, f}, kBF);
+    Tensor ow = host_poisoned({rows, f}, kBF), og = dev_poisoned({rows, f}, kBF);
+    swiglu_forward(cpu, hw, ow);
+    swiglu_forward(gpu.ex, dev(hw), og);
+    expect_close(og, ow, kTol, "swiglu_forward wide rows");
+    Tensor dhw = host_poisoned({rows, 2 * f}, kBF), dhg = dev_poisoned({rows, 2 * f}, kBF);
+    swiglu_backward(cpu, hw, dyw, dhw);
+    swiglu_backward(gpu.ex, dev(hw), dev(dyw), dhg);
+    expect_close(dhg, dhw, kTol, "swiglu_backward wide rows");
+  }
 
   // Cross-entropy on bf16 logits (vocab a multiple of 8: packed loads), one ignored row.
   const int64_t vocab = 1000;
