@@ -90,11 +90,13 @@ Tensor Experts::backward(const Ctx& c, const Tensor& dyp, const Saved& s) {
     kernels::swiglu_forward(c.ex, s.h, a);
   }
   Tensor da = c.empty({r, f});
-  kernels::grouped_matmul_backward(c.ex, a, w2.w(), s.offsets, dyp, &da, &w2.grad, false, w2.accumulate_grad());
+  kernels::grouped_matmul_backward(c.ex, a, w2.w(), s.offsets, dyp, &da, &w2.grad, false,
+                                   w2.accumulate_grad());
   Tensor dh = c.empty(s.h.shape());
   kernels::swiglu_backward(c.ex, s.h, da, dh);
   Tensor dxp = c.empty(s.xp.shape());
-  kernels::grouped_matmul_backward(c.ex, s.xp, w1.w(), s.offsets, dh, &dxp, &w1.grad, false, w1.accumulate_grad());
+  kernels::grouped_matmul_backward(c.ex, s.xp, w1.w(), s.offsets, dh, &dxp, &w1.grad, false,
+                                   w1.accumulate_grad());
   return dxp;
 }
 

@@ -1,10 +1,10 @@
 // layers/model.cc — Model construction, naming, forward/backward, evaluation.
 #include "layers/model.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <utility>
-
-#include <fmt/format.h>
 
 namespace troupe::layers {
 

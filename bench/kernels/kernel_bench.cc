@@ -289,8 +289,8 @@ void run() {
       if (tiling == gpu::GemmTiling::kWarps2x2) continue;
       const gpu::GemmTiling tl = tiling;
       b.flops(std::string("grouped_up_dw_write_") + name, f1, "2*rows*N*K", [&] {
-        gpu::launch_grouped_matmul_dw(env, xp.data_ptr(), h.data_ptr(), off_p, rows, kExperts, kD, 2 * kFfn, false,
-                                      dw1.data_ptr(), DType::kF32, false, bf, tl);
+        gpu::launch_grouped_matmul_dw(env, xp.data_ptr(), h.data_ptr(), off_p, rows, kExperts, kD, 2 * kFfn,
+                                      false, dw1.data_ptr(), DType::kF32, false, bf, tl);
       });
     }
     // The dense equivalent through cuBLASLt, for scale.

@@ -541,23 +541,32 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t sr
                "r"(src), "r"(c0), "r"(c1), "r"(c2)
                : "memory");
 }
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
 // Bulk tensor reduction (add) of one box from shared memory into global memory.
-__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
-  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(src), "r"(c0), "r"(c1), "r"(c2)
-               : "memory");
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, uint32_t src, int c0, int c1,
+                                                  int c2) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::
+          "l"(reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
 }
 // Until this thread's bulk stores have read their shared-memory source.
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
 // Until this thread's bulk stores have completed.
-__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
 #endif
 
 template <bool kSegK, bool kBCol, typename OutT>
 __global__ void __launch_bounds__(kTmaThreads, 1)
-    grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+    grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a,
+                            const __grid_constant__ CUtensorMap map_b,
                             const __grid_constant__ CUtensorMap map_c, GemmArgs args) {
 #ifdef TROUPE_WGMMA_DEVICE
   constexpr int kAStage = kWgBM * kWgBK * 2;
@@ -672,7 +681,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 #pragma unroll
             for (int jj = 0; jj < 16; ++jj) {
               const int j = round * 16 + jj;  // columns 8j + 2q, +1 of the tile
-              const int off = (jj / 4) * 8192 + r * 128 + (((2 * (jj % 4) + q / 2) ^ (r & 7)) << 4) + (q % 2) * 8;
+              const int off =
+                  (jj / 4) * 8192 + r * 128 + (((2 * (jj % 4) + q / 2) ^ (r & 7)) << 4) + (q % 2) * 8;
               *reinterpret_cast<float2*>(stg + off) = make_float2(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1]);
             }
           }
@@ -785,13 +795,15 @@ void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const 
   }
   // The staged stores write C [tokens, n] (row segments: ldc == n) in bf16 boxes of 64 x 64,
   // or dW [E][m][n] (c_expert_stride == m * n) in f32 boxes of 32 x 64.
-  if constexpr (TmaConfig<kSegK, OutT>::kStoreRows) map_c = make_tensor_map(args.c, args.n, tokens, 1, 64, 64);
+  if constexpr (TmaConfig<kSegK, OutT>::kStoreRows)
+    map_c = make_tensor_map(args.c, args.n, tokens, 1, 64, 64);
   if constexpr (TmaConfig<kSegK, OutT>::kStoreDw) {
     map_c = make_tensor_map(args.c, args.n, args.m, args.experts, 32, 64, /*f32=*/true);
   }
   auto kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT>;
   constexpr size_t smem = TmaConfig<kSegK, OutT>::kSmem;
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(tiles_bound, env.num_sms));
   kernel<<<static_cast<unsigned>(grid), kTmaThreads, smem, env.stream>>>(map_a, map_b, map_c, args);
   TROUPE_CUDA_LAUNCH_CHECK();

@@ -287,10 +287,11 @@ inline CUtensorMap make_tensor_map(const void* base, int rank, const cuuint64_t*
                                    const cuuint64_t* strides, const cuuint32_t* box, bool f32 = false) {
   CUtensorMap map;
   const cuuint32_t elem[5] = {1, 1, 1, 1, 1};
-  const CUresult r = tensor_map_encoder()(
-      &map, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(rank), const_cast<void*>(base), dims,
-      strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r =
+      tensor_map_encoder()(&map, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                           static_cast<cuuint32_t>(rank), const_cast<void*>(base), dims, strides, box, elem,
+                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TROUPE_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed ({}) for a rank-{} tensor, dims[0] {}",
                static_cast<int>(r), rank, dims[0]);
   return map;

@@ -157,8 +157,10 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
     expect_close(dw_got, dw_want, 2e-3, trans ? "grouped_matmul dw f32 accumulate trans_w" : "grouped_matmul dw f32 acc");
     // The adding dW of each Hopper kernel, also on 2 "SMs" (tiles walked in turn): the TMA
     // kernel adds through the bulk tensor reduction.
-    for (const auto& [tiling, sms] : std::vector<std::pair<gpu::GemmTiling, int>>{
-             {gpu::GemmTiling::kWgmmaTma, 2}, {gpu::GemmTiling::kWgmma256, 2}, {gpu::GemmTiling::kWgmmaTma, 132}}) {
+    for (const auto& [tiling, sms] :
+         std::vector<std::pair<gpu::GemmTiling, int>>{{gpu::GemmTiling::kWgmmaTma, 2},
+                                                      {gpu::GemmTiling::kWgmma256, 2},
+                                                      {gpu::GemmTiling::kWgmmaTma, 132}}) {
       const gpu::Env env{gpu.ctx.stream, std::min(sms, gpu.ctx.num_sms)};
       Tensor xd = dev(x), dd = dev(dout), dwg = dev(dw_init);
       gpu::launch_grouped_matmul_dw(env, xd.data_ptr(), dd.data_ptr(), off_p, rows, experts, k, n, trans,
