@@ -152,6 +152,33 @@ __global__ void attention_rowdot_kernel(AttentionShape s, const T* out, const T*
   }
 }
 
+// The same with 16-byte packs (head_dim a multiple of 8, rows 16-byte aligned): kRowLanes
+// lanes per row, each a pack of out and dout at a time.
+constexpr int kRowLanes = 8;
+template <typename T>
+__global__ void attention_rowdot_packed_kernel(AttentionShape s, const T* out, const T* dout, float* dsum) {
+  const int64_t rows = s.batch * s.seq * s.q_heads;
+  const int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const int64_t r = t / kRowLanes;
+  const int part = static_cast<int>(t % kRowLanes);
+  float acc = 0.0f;
+  if (r < rows) {
+    for (int64_t d = part * 8; d < s.head_dim; d += kRowLanes * 8) {
+      float o[8], g[8];
+      load_floats<8>(out + r * s.head_dim + d, o);
+      load_floats<8>(dout + r * s.head_dim + d, g);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc += o[j] * g[j];
+    }
+  }
+#pragma unroll
+  for (int o = kRowLanes / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);  // whole warps
+  if (r < rows && part == 0) {
+    const int64_t h = r % s.q_heads, bi = r / s.q_heads, b = bi / s.seq, i = bi % s.seq;
+    dsum[(b * s.q_heads + h) * s.seq + i] = acc;
+  }
+}
+
 // grid (ceil(S/kTile), Hkv, B): dK, dV for one key tile, summed over the group's heads.
 template <typename T, int kPer>
 __global__ void __launch_bounds__(kAttnThreads) attention_dkdv_kernel(AttentionShape s, const T* q, const T* k,
@@ -279,8 +306,14 @@ void launch_attention_rowdot(const Env& env, const AttentionShape& s, const void
                              DType t) {
   const int64_t rows = s.batch * s.seq * s.q_heads;
   TROUPE_DISPATCH_FLOAT(t, T, "attention_backward", {
-    attention_rowdot_kernel<T><<<static_cast<unsigned>(ceil_div(rows * 32, 256)), 256, 0, env.stream>>>(
-        s, static_cast<const T*>(out), static_cast<const T*>(dout), dsum);
+    if (s.head_dim % 8 == 0 && aligned_to(out, 8 * sizeof(T)) && aligned_to(dout, 8 * sizeof(T))) {
+      attention_rowdot_packed_kernel<T><<<static_cast<unsigned>(ceil_div(rows * kRowLanes, 256)), 256, 0,
+                                          env.stream>>>(s, static_cast<const T*>(out), static_cast<const T*>(dout),
+                                                        dsum);
+    } else {
+      attention_rowdot_kernel<T><<<static_cast<unsigned>(ceil_div(rows * 32, 256)), 256, 0, env.stream>>>(
+          s, static_cast<const T*>(out), static_cast<const T*>(dout), dsum);
+    }
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }
