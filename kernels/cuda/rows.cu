@@ -161,28 +161,11 @@ __global__ void rope_kernel(const T* x, const int32_t* pos, double log_theta, in
     sincos(static_cast<double>(pos[t]) * inv_freq, &s, &c);
     const float sf = inverse ? -static_cast<float>(s) : static_cast<float>(s);
     const float cf = static_cast<float>(c);
-    // Heads in chunks whose loads all precede their stores (out may be x: the compiler
-    // cannot move a load above an earlier store, so a load-store loop keeps one load in
-    // flight per thread).
-    constexpr int kChunk = 8;
-    for (int64_t h0 = 0; h0 < heads; h0 += kChunk) {
-      float x1[kChunk], x2[kChunk];
-#pragma unroll
-      for (int k = 0; k < kChunk; ++k) {
-        if (h0 + k < heads) {
-          const int64_t base = (t * heads + h0 + k) * head_dim;
-          x1[k] = to_float(x[base + p]);
-          x2[k] = to_float(x[base + p + half]);
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kChunk; ++k) {
-        if (h0 + k < heads) {
-          const int64_t base = (t * heads + h0 + k) * head_dim;
-          out[base + p] = from_float<T>(x1[k] * cf - x2[k] * sf);
-          out[base + p + half] = from_float<T>(x2[k] * cf + x1[k] * sf);
-        }
-      }
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t base = (t * heads + h) * head_dim;
+      const float x1 = to_float(x[base + p]), x2 = to_float(x[base + p + half]);
+      out[base + p] = from_float<T>(x1 * cf - x2 * sf);
+      out[base + p + half] = from_float<T>(x2 * cf + x1 * sf);
     }
   }
 }
