@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -37,14 +38,19 @@ bool safe_name(const std::string& s) {
   return std::all_of(s.begin(), s.end(), [](char c) { return isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.'; });
 }
 
-// True when `dir` is a relay directory of this uid whose agent is gone: its socket exists
-// and nothing accepts on it (an agent killed with SIGKILL leaves its directory behind).
-// A directory whose agent is still starting (no socket yet) is not stale.
+// True when `dir` is a relay directory of this uid whose agent is gone: its socket exists,
+// is older than kRelayStaleAge and nothing accepts on it (an agent killed with SIGKILL
+// leaves its directory behind). A directory whose agent is still starting is not stale:
+// no socket yet, or a socket bound but not yet listening (connect is refused in that
+// window too: two agents starting together on one host once removed each other's relay).
+constexpr std::chrono::seconds kRelayStaleAge{10};
 bool stale_relay_dir(const std::filesystem::path& dir) {
   struct stat st {};
   if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::getuid()) return false;
   const std::string sock = (dir / "relay").string();
   if (::lstat(sock.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) return false;
+  const auto bound_at = std::chrono::system_clock::from_time_t(st.st_mtim.tv_sec);
+  if (std::chrono::system_clock::now() - bound_at < kRelayStaleAge) return false;
   sockaddr_un addr{};
   if (sock.size() >= sizeof(addr.sun_path)) return false;
   addr.sun_family = AF_UNIX;

@@ -8,10 +8,13 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -225,16 +228,30 @@ int unix_socket_at(const std::string& path, bool listen) {
   return -1;
 }
 
+// Sets the modification time of `path` (not following a link) `age` into the past.
+void age_file(const std::string& path, std::chrono::seconds age) {
+  timespec t[2];
+  t[0].tv_sec = t[1].tv_sec = ::time(nullptr) - age.count();
+  t[0].tv_nsec = t[1].tv_nsec = 0;
+  EXPECT_EQ(::utimensat(AT_FDCWD, path.c_str(), t, AT_SYMLINK_NOFOLLOW), 0) << path;
+}
+
 TEST(RelayDirs, AnAgentRemovesTheRelayDirectoriesOfDeadAgentsOnly) {
   const std::string base = test::make_temp_dir("relay-dirs");
   namespace fs = std::filesystem;
-  for (const char* d :
-       {"troupe-agent-dead01", "troupe-agent-live01", "troupe-agent-starting", "other-dead01"}) {
+  for (const char* d : {"troupe-agent-dead01", "troupe-agent-live01", "troupe-agent-starting", "troupe-agent-binding",
+                        "other-dead01"}) {
     fs::create_directories(base + "/" + d);
   }
   unix_socket_at(base + "/troupe-agent-dead01/relay", false);
+  age_file(base + "/troupe-agent-dead01/relay", std::chrono::minutes(5));  // killed 5 minutes ago
   const int live = unix_socket_at(base + "/troupe-agent-live01/relay", true);
+  age_file(base + "/troupe-agent-live01/relay", std::chrono::minutes(5));
+  // An agent starting at this moment: its socket is bound but not yet listening, so a
+  // connect is refused as on a dead one; only its age tells them apart.
+  unix_socket_at(base + "/troupe-agent-binding/relay", false);
   unix_socket_at(base + "/other-dead01/relay", false);  // not an agent's: left alone
+  age_file(base + "/other-dead01/relay", std::chrono::minutes(5));
   const char* old_tmpdir = std::getenv("TMPDIR");
   const std::string saved = old_tmpdir ? old_tmpdir : "";
   ::setenv("TMPDIR", base.c_str(), 1);
@@ -252,6 +269,7 @@ TEST(RelayDirs, AnAgentRemovesTheRelayDirectoriesOfDeadAgentsOnly) {
   EXPECT_FALSE(fs::exists(base + "/troupe-agent-dead01"));
   EXPECT_TRUE(fs::exists(base + "/troupe-agent-live01/relay"));
   EXPECT_TRUE(fs::exists(base + "/troupe-agent-starting"));
+  EXPECT_TRUE(fs::exists(base + "/troupe-agent-binding/relay"));
   EXPECT_TRUE(fs::exists(base + "/other-dead01/relay"));
   const std::string mine = (*a)->relay_endpoint().substr(6);
   EXPECT_EQ(mine.rfind(base + "/troupe-agent-", 0), 0u) << mine;
