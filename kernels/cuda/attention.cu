@@ -307,9 +307,9 @@ void launch_attention_rowdot(const Env& env, const AttentionShape& s, const void
   const int64_t rows = s.batch * s.seq * s.q_heads;
   TROUPE_DISPATCH_FLOAT(t, T, "attention_backward", {
     if (s.head_dim % 8 == 0 && aligned_to(out, 8 * sizeof(T)) && aligned_to(dout, 8 * sizeof(T))) {
-      attention_rowdot_packed_kernel<T><<<static_cast<unsigned>(ceil_div(rows * kRowLanes, 256)), 256, 0,
-                                          env.stream>>>(s, static_cast<const T*>(out), static_cast<const T*>(dout),
-                                                        dsum);
+      attention_rowdot_packed_kernel<T>
+          <<<static_cast<unsigned>(ceil_div(rows * kRowLanes, 256)), 256, 0, env.stream>>>(
+              s, static_cast<const T*>(out), static_cast<const T*>(dout), dsum);
     } else {
       attention_rowdot_kernel<T><<<static_cast<unsigned>(ceil_div(rows * 32, 256)), 256, 0, env.stream>>>(
           s, static_cast<const T*>(out), static_cast<const T*>(dout), dsum);

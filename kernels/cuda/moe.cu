@@ -242,8 +242,9 @@ __global__ void unpermute_backward_kernel(const T* dy, const T* yp, const int32_
 
 // The same with 16-byte packs (rows_packable): each thread a pack of the row at a time.
 template <typename T, typename G>
-__global__ void unpermute_backward_packed_kernel(const T* dy, const T* yp, const int32_t* row_map, const G* gates,
-                                                 int64_t top_k, int64_t d, T* dyp, G* dgates) {
+__global__ void unpermute_backward_packed_kernel(const T* dy, const T* yp, const int32_t* row_map,
+                                                 const G* gates, int64_t top_k, int64_t d, T* dyp,
+                                                 G* dgates) {
   __shared__ float shared[32];
   const int64_t t = blockIdx.x;
   for (int64_t j = 0; j < top_k; ++j) {
@@ -379,19 +380,20 @@ void launch_moe_unpermute_backward(const Env& env, const void* dy, const void* y
                                    const void* gates, DType gt, int64_t tokens, int64_t top_k, int64_t d, void* dyp,
                                    void* dgates, DType t) {
   if (tokens == 0) return;
-  TROUPE_DISPATCH_FLOAT(t, T, "moe_unpermute_backward", TROUPE_DISPATCH_FLOAT(gt, G, "moe_unpermute_backward", {
-    if (rows_packable<T>(d, {dy, yp, dyp})) {
-      const int64_t threads = std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(d / 8, 32) * 32));
-      unpermute_backward_packed_kernel<T, G><<<static_cast<unsigned>(tokens), static_cast<unsigned>(threads), 0,
-                                               env.stream>>>(static_cast<const T*>(dy), static_cast<const T*>(yp),
-                                                             row_map, static_cast<const G*>(gates), top_k, d,
-                                                             static_cast<T*>(dyp), static_cast<G*>(dgates));
-    } else {
-      unpermute_backward_kernel<T, G><<<static_cast<unsigned>(tokens), row_threads(d), 0, env.stream>>>(
-          static_cast<const T*>(dy), static_cast<const T*>(yp), row_map, static_cast<const G*>(gates), top_k, d,
-          static_cast<T*>(dyp), static_cast<G*>(dgates));
-    }
-  }));
+  TROUPE_DISPATCH_FLOAT(
+      t, T, "moe_unpermute_backward", TROUPE_DISPATCH_FLOAT(gt, G, "moe_unpermute_backward", {
+        if (rows_packable<T>(d, {dy, yp, dyp})) {
+          const int64_t threads = std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(d / 8, 32) * 32));
+          unpermute_backward_packed_kernel<T, G>
+              <<<static_cast<unsigned>(tokens), static_cast<unsigned>(threads), 0, env.stream>>>(
+                  static_cast<const T*>(dy), static_cast<const T*>(yp), row_map, static_cast<const G*>(gates),
+                  top_k, d, static_cast<T*>(dyp), static_cast<G*>(dgates));
+        } else {
+          unpermute_backward_kernel<T, G><<<static_cast<unsigned>(tokens), row_threads(d), 0, env.stream>>>(
+              static_cast<const T*>(dy), static_cast<const T*>(yp), row_map, static_cast<const G*>(gates),
+              top_k, d, static_cast<T*>(dyp), static_cast<G*>(dgates));
+        }
+      }));
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 

@@ -4,11 +4,11 @@
 // relay carries store, status and heartbeat traffic of a job process it started; malformed
 // and nested relays are dropped while the scheduler keeps serving; a peer of another uid is
 // refused by the relay's ZAP handler even when the directory would let it in.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
-#include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -239,8 +239,8 @@ void age_file(const std::string& path, std::chrono::seconds age) {
 TEST(RelayDirs, AnAgentRemovesTheRelayDirectoriesOfDeadAgentsOnly) {
   const std::string base = test::make_temp_dir("relay-dirs");
   namespace fs = std::filesystem;
-  for (const char* d : {"troupe-agent-dead01", "troupe-agent-live01", "troupe-agent-starting", "troupe-agent-binding",
-                        "other-dead01"}) {
+  for (const char* d : {"troupe-agent-dead01", "troupe-agent-live01", "troupe-agent-starting",
+                        "troupe-agent-binding", "other-dead01"}) {
     fs::create_directories(base + "/" + d);
   }
   unix_socket_at(base + "/troupe-agent-dead01/relay", false);
