@@ -216,12 +216,12 @@ __global__ void unpermute_kernel(const T* yp, const int32_t* row_map, const G* g
   }
 }
 
-template <typename T, typename G>
+// V = 8 where rows_packable (16-byte packs), else 1: each thread V elements of the row at a time.
+template <int V, typename T, typename G>
 __global__ void unpermute_backward_kernel(const T* dy, const T* yp, const int32_t* row_map, const G* gates,
                                           int64_t top_k, int64_t d, T* dyp, G* dgates) {
   __shared__ float shared[32];
   const int64_t t = blockIdx.x;
-  const T* dyr = dy + t * d;
   for (int64_t j = 0; j < top_k; ++j) {
     const int32_t row = row_map[t * top_k + j];
     if (row < 0) {  // uniform across the block
@@ -230,41 +230,16 @@ __global__ void unpermute_backward_kernel(const T* dy, const T* yp, const int32_
     }
     const float g = to_float(gates[t * top_k + j]);
     float dot = 0.0f;
-    for (int64_t c = threadIdx.x; c < d; c += blockDim.x) {
-      const float v = to_float(dyr[c]);
-      dot += v * to_float(yp[int64_t{row} * d + c]);
-      dyp[int64_t{row} * d + c] = from_float<T>(g * v);
-    }
-    dot = block_sum(dot, shared);
-    if (threadIdx.x == 0) dgates[t * top_k + j] = from_float<G>(dot);
-  }
-}
-
-// The same with 16-byte packs (rows_packable): each thread a pack of the row at a time.
-template <typename T, typename G>
-__global__ void unpermute_backward_packed_kernel(const T* dy, const T* yp, const int32_t* row_map,
-                                                 const G* gates, int64_t top_k, int64_t d, T* dyp,
-                                                 G* dgates) {
-  __shared__ float shared[32];
-  const int64_t t = blockIdx.x;
-  for (int64_t j = 0; j < top_k; ++j) {
-    const int32_t row = row_map[t * top_k + j];
-    if (row < 0) {  // uniform across the block
-      if (threadIdx.x == 0) dgates[t * top_k + j] = from_float<G>(0.0f);
-      continue;
-    }
-    const float g = to_float(gates[t * top_k + j]);
-    float dot = 0.0f;
-    for (int64_t c = int64_t{threadIdx.x} * 8; c < d; c += int64_t{blockDim.x} * 8) {
-      float v[8], y[8];
-      load_floats<8>(dy + t * d + c, v);
-      load_floats<8>(yp + int64_t{row} * d + c, y);
+    for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
+      float v[V], y[V];
+      load_floats<V>(dy + t * d + c, v);
+      load_floats<V>(yp + int64_t{row} * d + c, y);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < V; ++i) {
         dot += v[i] * y[i];
         v[i] *= g;
       }
-      store_floats<8>(dyp + int64_t{row} * d + c, v);
+      store_floats<V>(dyp + int64_t{row} * d + c, v);
     }
     dot = block_sum(dot, shared);
     if (threadIdx.x == 0) dgates[t * top_k + j] = from_float<G>(dot);
@@ -384,14 +359,15 @@ void launch_moe_unpermute_backward(const Env& env, const void* dy, const void* y
       t, T, "moe_unpermute_backward", TROUPE_DISPATCH_FLOAT(gt, G, "moe_unpermute_backward", {
         if (rows_packable<T>(d, {dy, yp, dyp})) {
           const int64_t threads = std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(d / 8, 32) * 32));
-          unpermute_backward_packed_kernel<T, G>
+          unpermute_backward_kernel<8, T, G>
               <<<static_cast<unsigned>(tokens), static_cast<unsigned>(threads), 0, env.stream>>>(
                   static_cast<const T*>(dy), static_cast<const T*>(yp), row_map, static_cast<const G*>(gates),
                   top_k, d, static_cast<T*>(dyp), static_cast<G*>(dgates));
         } else {
-          unpermute_backward_kernel<T, G><<<static_cast<unsigned>(tokens), row_threads(d), 0, env.stream>>>(
-              static_cast<const T*>(dy), static_cast<const T*>(yp), row_map, static_cast<const G*>(gates),
-              top_k, d, static_cast<T*>(dyp), static_cast<G*>(dgates));
+          unpermute_backward_kernel<1, T, G>
+              <<<static_cast<unsigned>(tokens), row_threads(d), 0, env.stream>>>(
+                  static_cast<const T*>(dy), static_cast<const T*>(yp), row_map, static_cast<const G*>(gates),
+                  top_k, d, static_cast<T*>(dyp), static_cast<G*>(dgates));
         }
       }));
   TROUPE_CUDA_LAUNCH_CHECK();

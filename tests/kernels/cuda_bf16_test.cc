@@ -264,26 +264,18 @@ TEST_F(CudaBf16, RowKernels) {
   expect_close(dx_g, dx_w, kTol, "rmsnorm_backward dx");
   expect_close(dw_g, dw_w, 1e-3, "rmsnorm_backward dw");
 
-  // SwiGLU.
-  Tensor h = host_random({t, 2 * d}, kBF, -3.0f, 3.0f), o_w = host_poisoned({t, d}, kBF), o_g = dev_poisoned({t, d}, kBF);
-  swiglu_forward(cpu, h, o_w);
-  swiglu_forward(gpu.ex, dev(h), o_g);
-  expect_close(o_g, o_w, kTol, "swiglu_forward");
-  Tensor dh_w = host_poisoned({t, 2 * d}, kBF), dh_g = dev_poisoned({t, 2 * d}, kBF);
-  swiglu_backward(cpu, h, dy, dh_w);
-  swiglu_backward(gpu.ex, dev(h), dev(dy), dh_g);
-  expect_close(dh_g, dh_w, kTol, "swiglu_backward");
-  {  // rows wider than one block's packs (256 threads x 8), an odd row count
-    const int64_t rows = 5, f = 2056;
-    Tensor hw = host_random({rows, 2 * f}, kBF, -3.0f, 3.0f), dyw = host_random({rows, f}, kBF);
-    Tensor ow = host_poisoned({rows, f}, kBF), og = dev_poisoned({rows, f}, kBF);
-    swiglu_forward(cpu, hw, ow);
-    swiglu_forward(gpu.ex, dev(hw), og);
-    expect_close(og, ow, kTol, "swiglu_forward wide rows");
-    Tensor dhw = host_poisoned({rows, 2 * f}, kBF), dhg = dev_poisoned({rows, 2 * f}, kBF);
-    swiglu_backward(cpu, hw, dyw, dhw);
-    swiglu_backward(gpu.ex, dev(hw), dev(dyw), dhg);
-    expect_close(dhg, dhw, kTol, "swiglu_backward wide rows");
+  // SwiGLU: t x d, and rows wider than one block's packs (256 threads x 8), an odd count.
+  for (const auto& [rows, f] : std::vector<std::pair<int64_t, int64_t>>{{t, d}, {5, 2056}}) {
+    const std::string at = fmt::format(" ({} x {})", rows, f);
+    Tensor h = host_random({rows, 2 * f}, kBF, -3.0f, 3.0f), dyh = host_random({rows, f}, kBF);
+    Tensor o_w = host_poisoned({rows, f}, kBF), o_g = dev_poisoned({rows, f}, kBF);
+    swiglu_forward(cpu, h, o_w);
+    swiglu_forward(gpu.ex, dev(h), o_g);
+    expect_close(o_g, o_w, kTol, ("swiglu_forward" + at).c_str());
+    Tensor dh_w = host_poisoned({rows, 2 * f}, kBF), dh_g = dev_poisoned({rows, 2 * f}, kBF);
+    swiglu_backward(cpu, h, dyh, dh_w);
+    swiglu_backward(gpu.ex, dev(h), dev(dyh), dh_g);
+    expect_close(dh_g, dh_w, kTol, ("swiglu_backward" + at).c_str());
   }
 
   // Cross-entropy on bf16 logits (vocab a multiple of 8: packed loads), one ignored row.
