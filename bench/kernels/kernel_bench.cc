@@ -233,8 +233,8 @@ void run() {
     const double f2 = 2.0 * rows * kFfn * kD;
     b.flops("grouped_down_32768x1024x2048", f2, "2*rows*N*K", [&] { be.grouped_matmul(b.ex, a, w2, offsets, y, false); });
     // The other configurations of the grouped kernel (the backend runs kAuto: on an sm_90a
-    // build on Hopper kWgmmaTma for forward, dx and dW written, kWgmma256 for dW added to its
-    // output, mma.sync 2 x 2 elsewhere).
+    // build on Hopper kWgmmaTma for forward, dx and f32 dW, kWgmma256 for a bf16 dW, mma.sync
+    // 2 x 2 elsewhere).
     const gpu::Env env{ctx.stream, ctx.num_sms};
     const auto* off_p = static_cast<const int32_t*>(offsets.data_ptr());
     const std::pair<const char*, gpu::GemmTiling> variants[] = {{"mma2x2", gpu::GemmTiling::kWarps2x2},

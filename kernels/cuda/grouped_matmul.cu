@@ -10,8 +10,7 @@
 // - k segments (dW): C_e = A_e^T @ B_e summed over the rows of expert e (grid axis z = e).
 // On a Hopper GPU (sm_90a build) the default is a wgmma kernel instead (see "Hopper kernel"
 // below): 128 x 256 tiles, a persistent grid, operands in 128-byte-swizzled shared memory,
-// loaded by TMA from a producer warpgroup (forward, dx, f32 dW) or by cp.async (a bf16 dW
-// added to its output).
+// loaded by TMA from a producer warpgroup (forward, dx, f32 dW) or by cp.async (bf16 dW).
 // f32 operands (and shapes the tensor-core path cannot take: dims not multiples of 8,
 // misaligned pointers) use a plain one-thread-per-output kernel with fp32 accumulation.
 #include <algorithm>
@@ -844,9 +843,10 @@ void launch_gemm(const Env& env, int64_t rows_bound, int64_t tokens, const GemmA
       // Measured (bench_1b shapes, bench/RESULTS.md): TMA wins the row-segment problems
       // (0.53 vs 0.75 ms forward, H200) and the f32 dW problems (down, written: 0.22 vs
       // 0.32 ms, H100 2026-11-26), since its staged epilogue also adds to the output in the
-      // TMA's reduction; a bf16 dW that adds (scalar epilogue) keeps the cp.async kernel.
+      // TMA's reduction; a bf16 dW (not measured: the model's gradients are f32) keeps the
+      // cp.async kernel, as does a dW without tokens (a tensor map needs rows).
       if constexpr (kSegK) {
-        if (tokens == 0 || (args.accumulate && !std::is_same_v<OutT, float>)) {  // (a map needs rows)
+        if (!std::is_same_v<OutT, float> || tokens == 0) {
           launch_gemm_wgmma<kSegK, kBCol, OutT, 256, 4>(env, rows_bound * ceil_div(args.n, 256), args);
         } else {
           launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
