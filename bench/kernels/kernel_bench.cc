@@ -7,10 +7,13 @@
 // Output: a human table, plus one machine line per kernel "RESULT <name> <ms>" that
 // bench/kernels/compare.py joins with torch_kernels.py's "TORCH <name> <ms>" lines.
 // Inputs are random (never zeros); each kernel gets 3 warm-up runs and 15 timed runs.
+// KERNEL_BENCH_ONLY=<substring> times only the kernels whose name contains it (the inputs
+// of the others are still made).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <functional>
 #include <random>
@@ -41,6 +44,9 @@ struct Bench {
   const Backend& be;
   double copy_gbs = 0.0;
   std::mt19937 gen{12345};
+  std::string only = std::getenv("KERNEL_BENCH_ONLY") ? std::getenv("KERNEL_BENCH_ONLY") : "";
+
+  bool skipped(const std::string& name) const { return !only.empty() && name.find(only) == std::string::npos; }
 
   Tensor random(const Shape& shape, DType dt, float lo = -1.0f, float hi = 1.0f) {
     Tensor host = Tensor::empty(shape, DType::kF32);
@@ -79,6 +85,7 @@ struct Bench {
   }
 
   void flops(const std::string& name, double flop, const std::string& formula, const std::function<void()>& fn) {
+    if (skipped(name)) return;
     const double ms = time_ms(fn);
     const double tflops = flop / (ms * 1e-3) / 1e12;
     std::printf("%-30s %9.3f ms %8.1f TFLOP/s %5.1f%% of %.0f   [%s]\n", name.c_str(), ms, tflops,
@@ -87,6 +94,7 @@ struct Bench {
   }
 
   void bytes(const std::string& name, double nbytes, const std::string& formula, const std::function<void()>& fn) {
+    if (skipped(name)) return;
     const double ms = time_ms(fn);
     const double gbs = nbytes / (ms * 1e-3) / 1e9;
     std::printf("%-30s %9.3f ms %8.1f GB/s    %5.1f%% of copy %.0f GB/s   [%s]\n", name.c_str(), ms, gbs,

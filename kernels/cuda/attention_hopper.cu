@@ -341,32 +341,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Tile i's S = Q K^T runs while tile i-1's O += P V does; the softmax of tile i overlaps
   // that product, and O is rescaled once it has landed. Every key tile starts at or
   // before the block's first query (kN == kBlockRows), so no warpgroup skips one.
+  // The first tile is peeled off the loop: inside it every iteration commits the same two
+  // groups, so ptxas can see that wait<1> retires S (with a commit under `if (i > 0)` it
+  // could not, and serialised every wgmma of the kernel: warning C7514).
   static_assert(kN == kBlockRows, "every streamed key tile overlaps both warpgroups' queries");
-  for (int i = 0; i < tiles; ++i) {
-    const int k0 = i * kN;
-    ring.wait_full(i);
-    const uint32_t st = stages + (i % C::kStages) * L::kStageBytes;
-    const uint32_t prev_v = stages + ((i + C::kStages - 1) % C::kStages) * L::kStageBytes + L::kTileBytes;
-    float sc[kN / 2];  // per tile: short live ranges (see the dQ kernel)
-#pragma unroll
-    for (int x = 0; x < kN / 2; ++x) sc[x] = 0.0f;
-    turns.take();
-    wgmma_fence();
-    mma_own<kD, kN>(sc, qa, sq, 64 * cw, st);
-    wgmma_commit();
-    if (i > 0) {
-      mma_rs<kD, kN>(o, pa, prev_v);
-      wgmma_commit();
-    }
-    turns.pass(i == tiles - 1);
-    if (i > 0) {
-      wgmma_wait<1>();
-    } else {
-      wgmma_wait<0>();
-    }
-    fence_regs(sc);
-    // The row maximum is taken on the raw scores (scale > 0), so each probability costs
-    // one FFMA and one EX2: exp2(s * scale_log2 - m).
+  // The online softmax of tile k0's scores sc (raw S) in place: P = exp2(S * scale_log2 -
+  // m); returns O's rescale factors in corr. The row maximum is taken on the raw scores
+  // (scale > 0), so each probability costs one FFMA and one EX2.
+  auto softmax = [&](float(&sc)[kN / 2], int k0, float(&corr)[2]) {
     const bool masked = k0 + kN - 1 > wg_first || k0 + kN > seq;
     if (masked) {
 #pragma unroll
@@ -384,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int r = 0; r < 4; ++r) mx[r >> 1] = fmaxf(mx[r >> 1], sc[4 * j + r]);
     }
-    float corr[2], base_m[2], sum[2] = {0.0f, 0.0f};
+    float base_m[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
       const float nm = fmaxf(m[x], quad_max(mx[x]) * scale_log2);
@@ -403,12 +385,44 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 #pragma unroll
     for (int x = 0; x < 2; ++x) l[x] = l[x] * corr[x] + quad_add(sum[x]);
-    if (i > 0) {
-      wgmma_wait<0>();
-      fence_regs(o);
-      fence_regs(pa);
-      ring.release(i - 1);
-    }
+  };
+  {
+    ring.wait_full(0);
+    float sc[kN / 2], corr[2];
+#pragma unroll
+    for (int x = 0; x < kN / 2; ++x) sc[x] = 0.0f;
+    turns.take();
+    wgmma_fence();
+    mma_own<kD, kN>(sc, qa, sq, 64 * cw, stages);
+    wgmma_commit();
+    turns.pass(tiles == 1);
+    wgmma_wait<0>();
+    fence_regs(sc);
+    softmax(sc, 0, corr);  // O is still zero: nothing to rescale
+    to_a_frags<kN>(pa, sc);
+  }
+  for (int i = 1; i < tiles; ++i) {
+    const int k0 = i * kN;
+    ring.wait_full(i);
+    const uint32_t st = stages + (i % C::kStages) * L::kStageBytes;
+    const uint32_t prev_v = stages + ((i + C::kStages - 1) % C::kStages) * L::kStageBytes + L::kTileBytes;
+    float sc[kN / 2], corr[2];  // per tile: short live ranges (see the dQ kernel)
+#pragma unroll
+    for (int x = 0; x < kN / 2; ++x) sc[x] = 0.0f;
+    turns.take();
+    wgmma_fence();
+    mma_own<kD, kN>(sc, qa, sq, 64 * cw, st);
+    wgmma_commit();
+    mma_rs<kD, kN>(o, pa, prev_v);
+    wgmma_commit();
+    turns.pass(i == tiles - 1);
+    wgmma_wait<1>();
+    fence_regs(sc);
+    softmax(sc, k0, corr);
+    wgmma_wait<0>();
+    fence_regs(o);
+    fence_regs(pa);
+    ring.release(i - 1);
 #pragma unroll
     for (int j = 0; j < kD / 8; ++j) {
       o[4 * j + 0] *= corr[0];
