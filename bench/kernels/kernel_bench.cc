@@ -13,8 +13,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <random>
 #include <string>
@@ -46,7 +46,9 @@ struct Bench {
   std::mt19937 gen{12345};
   std::string only = std::getenv("KERNEL_BENCH_ONLY") ? std::getenv("KERNEL_BENCH_ONLY") : "";
 
-  bool skipped(const std::string& name) const { return !only.empty() && name.find(only) == std::string::npos; }
+  bool skipped(const std::string& name) const {
+    return !only.empty() && name.find(only) == std::string::npos;
+  }
 
   Tensor random(const Shape& shape, DType dt, float lo = -1.0f, float hi = 1.0f) {
     Tensor host = Tensor::empty(shape, DType::kF32);
