@@ -25,12 +25,15 @@ struct Backend {
                                   Tensor*, Tensor*, bool, bool);
   void (*embedding_forward)(const Exec&, const Tensor&, const Tensor&, Tensor&);
   void (*embedding_backward)(const Exec&, const Tensor&, const Tensor&, Tensor&);
-  void (*rmsnorm_forward)(const Exec&, const Tensor&, const Tensor&, float, Tensor&, Tensor&);
+  // x, residual (null: plain rmsnorm), w, eps, h (the sum, with residual), y, rstd.
+  void (*rmsnorm_forward)(const Exec&, const Tensor&, const Tensor*, const Tensor&, float, Tensor*, Tensor&,
+                          Tensor&);
   void (*rmsnorm_backward)(const Exec&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&,
-                           Tensor&, bool);
+                           Tensor&, bool, const Tensor*);
   void (*rope_forward)(const Exec&, const Tensor&, const Tensor&, float, Tensor&);
   void (*rope_backward)(const Exec&, const Tensor&, const Tensor&, float, Tensor&);
-  void (*attention_forward)(const Exec&, const Tensor&, const Tensor&, const Tensor&, float, Tensor&, Tensor&);
+  void (*attention_forward)(const Exec&, const Tensor&, const Tensor&, const Tensor&, float, Tensor&,
+                            Tensor&);
   void (*attention_backward)(const Exec&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                              const Tensor&, const Tensor&, float, Tensor&, Tensor&, Tensor&);
   void (*softmax_forward)(const Exec&, const Tensor&, Tensor&);

@@ -265,8 +265,8 @@ void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Ten
 
 // Checks shared by grouped_matmul and its backward: x [T,K], w [E,K,N] (or [E,N,K] with
 // trans_w), offsets i32 [E+1], and `y` (out or dout) [T,N].
-static void check_grouped_matmul(OpCheck& c, const Tensor& x, const Tensor& w, const Tensor& offsets, const Tensor& y,
-                          bool trans_w) {
+static void check_grouped_matmul(OpCheck& c, const Tensor& x, const Tensor& w, const Tensor& offsets,
+                                 const Tensor& y, bool trans_w) {
   OP_FLOAT(c, x);
   OP_FLOAT(c, w);
   OP_FLOAT(c, y);
@@ -341,11 +341,31 @@ void rmsnorm_forward(const Exec& ex, const Tensor& x, const Tensor& w, float eps
   OP_SHAPE(c, y, x.shape());
   OP_SHAPE(c, rstd, {x.size(0)});
   OP_REQUIRE(c, eps >= 0.0f, "eps = {} is negative", eps);
-  c.call(&Backend::rmsnorm_forward, ex, x, w, eps, y, rstd);
+  c.call(&Backend::rmsnorm_forward, ex, x, nullptr, w, eps, nullptr, y, rstd);
+}
+
+void rmsnorm_add_forward(const Exec& ex, const Tensor& x, const Tensor& r, const Tensor& w, float eps,
+                         Tensor& h, Tensor& y, Tensor& rstd) {
+  OpCheck c("rmsnorm_add_forward", ex,
+            {{"x", &x}, {"r", &r}, {"w", &w}, {"h", &h}, {"y", &y}, {"rstd", &rstd}});
+  OP_FLOAT(c, x);
+  OP_DTYPE(c, r, x.dtype());
+  OP_DTYPE(c, h, x.dtype());
+  OP_FLOAT(c, w);
+  OP_FLOAT(c, y);
+  OP_DTYPE(c, rstd, DType::kF32);
+  OP_RANK(c, x, 2);
+  OP_SHAPE(c, r, x.shape());
+  OP_SHAPE(c, h, x.shape());
+  OP_SHAPE(c, w, {x.size(1)});
+  OP_SHAPE(c, y, x.shape());
+  OP_SHAPE(c, rstd, {x.size(0)});
+  OP_REQUIRE(c, eps >= 0.0f, "eps = {} is negative", eps);
+  c.call(&Backend::rmsnorm_forward, ex, x, &r, w, eps, &h, y, rstd);
 }
 
 void rmsnorm_backward(const Exec& ex, const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw, bool accumulate_dw) {
+                      Tensor& dx, Tensor& dw, bool accumulate_dw, const Tensor* dres) {
   OpCheck c("rmsnorm_backward", ex,
             {{"dy", &dy}, {"x", &x}, {"w", &w}, {"rstd", &rstd}, {"dx", &dx}, {"dw", &dw}});
   OP_FLOAT(c, dy);
@@ -360,7 +380,12 @@ void rmsnorm_backward(const Exec& ex, const Tensor& dy, const Tensor& x, const T
   OP_SHAPE(c, w, {x.size(1)});
   OP_SHAPE(c, dw, {x.size(1)});
   OP_SHAPE(c, rstd, {x.size(0)});
-  c.call(&Backend::rmsnorm_backward, ex, dy, x, w, rstd, dx, dw, accumulate_dw);
+  if (dres != nullptr) {
+    OpCheck cr("rmsnorm_backward", ex, {{"dres", dres}});
+    OP_DTYPE(cr, *dres, dx.dtype());
+    OP_SHAPE(cr, *dres, x.shape());
+  }
+  c.call(&Backend::rmsnorm_backward, ex, dy, x, w, rstd, dx, dw, accumulate_dw, dres);
 }
 
 // ---- rotary position embedding -------------------------------------------------------

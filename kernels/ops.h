@@ -77,8 +77,17 @@ void embedding_backward(const Exec& ex, const Tensor& ids, const Tensor& dout, T
 // ---- RMSNorm -------------------------------------------------------------------------
 // y = x * rstd * w, rstd[t] = 1 / sqrt(mean(x[t]^2) + eps). x, y [T,D]; w [D]; rstd f32 [T].
 void rmsnorm_forward(const Exec& ex, const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd);
+// The residual stream's add fused into the norm that follows it: h = x + r (written, and
+// rounded to h's dtype exactly as add rounds it), then y = rmsnorm(h) from that rounded h,
+// so the results equal add then rmsnorm_forward, in one pass over memory. x, r, h [T,D] of
+// one dtype; h may alias x or r.
+void rmsnorm_add_forward(const Exec& ex, const Tensor& x, const Tensor& r, const Tensor& w, float eps,
+                         Tensor& h, Tensor& y, Tensor& rstd);
+// dres (optional, the shape and dtype of dx; dx may alias it): dx = the norm's input
+// gradient + dres, summed in f32 and rounded once (add after the unfused backward rounds
+// twice in bf16), which is a pre-norm block's residual gradient.
 void rmsnorm_backward(const Exec& ex, const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw, bool accumulate_dw = false);
+                      Tensor& dx, Tensor& dw, bool accumulate_dw = false, const Tensor* dres = nullptr);
 
 // ---- rotary position embedding -------------------------------------------------------
 // x, out [T,H,Dh] (Dh even), pos i32 [T]. Rotates pairs (i, i + Dh/2) by angle
@@ -94,7 +103,8 @@ void rope_backward(const Exec& ex, const Tensor& dout, const Tensor& pos, float 
 void attention_forward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, float scale,
                        Tensor& out, Tensor& lse);
 void attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                        const Tensor& lse, const Tensor& dout, float scale, Tensor& dq, Tensor& dk, Tensor& dv);
+                        const Tensor& lse, const Tensor& dout, float scale, Tensor& dq, Tensor& dk,
+                        Tensor& dv);
 
 // ---- softmax -------------------------------------------------------------------------
 // Row softmax of x [R,C].
@@ -131,7 +141,8 @@ void moe_dispatch_plan(const Exec& ex, const Tensor& topk_idx, int64_t num_exper
 // xp[row_map[t*k+j]] = x[t] for kept copies. x [T,D]; xp [R,D], R = expert_offsets[E].
 void moe_permute(const Exec& ex, const Tensor& x, const Tensor& row_map, int64_t top_k, Tensor& xp);
 // dx[t] = sum over kept j of dxp[row_map[t*k+j]].
-void moe_permute_backward(const Exec& ex, const Tensor& dxp, const Tensor& row_map, int64_t top_k, Tensor& dx);
+void moe_permute_backward(const Exec& ex, const Tensor& dxp, const Tensor& row_map, int64_t top_k,
+                          Tensor& dx);
 // y[t] = sum over kept j of gates[t,j] * yp[row_map[t*k+j]]  (rows of dropped copies add 0).
 void moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, const Tensor& gates, Tensor& y);
 // dyp[row] = gates[t,j] * dy[t]; dgates[t,j] = dot(dy[t], yp[row]) (0 for dropped copies).
@@ -169,7 +180,8 @@ struct AdamWConfig {
   float clip_max_norm = 0.0f;
 };
 // In place on param, m, v (all f32, same shape as grad; grad f32 or bf16).
-void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWConfig& cfg);
+void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
+                const AdamWConfig& cfg);
 // One tensor of a multi-tensor step: as adamw_step's arguments, with its own weight decay.
 struct AdamWTensor {
   Tensor* param;

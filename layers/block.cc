@@ -43,9 +43,8 @@ void Block::collect_buffers(const std::string& prefix, std::vector<NamedBuffer>&
 Tensor Block::forward(const Ctx& c, const Tensor& x, int64_t batch, int64_t seq, Saved& s,
                       MoELayer::Stats* moe_stats) {
   Tensor a = attn.forward(c, norm1.forward(c, x, s.norm1), batch, seq, s.attn);
-  Tensor h = c.empty(x.shape());
-  kernels::add(c.ex, x, a, h);
-  Tensor n2 = norm2.forward(c, h, s.norm2);
+  Tensor h;  // x + a, from the norm's pass
+  Tensor n2 = norm2.forward_add(c, x, a, h, s.norm2);
   Tensor f;
   if (moe) {
     f = moe->forward(c, n2, s.moe, moe_stats);
@@ -58,12 +57,10 @@ Tensor Block::forward(const Ctx& c, const Tensor& x, int64_t batch, int64_t seq,
 
 Tensor Block::backward(const Ctx& c, const Tensor& dy, Saved& s, float loss_weight) {
   Tensor dn2 = moe ? moe->backward(c, dy, s.moe, loss_weight) : mlp->backward(c, dy, s.mlp);
-  Tensor dh = norm2.backward(c, dn2, s.norm2);
-  kernels::add(c.ex, dh, dy, dh);
+  // The residual branches' gradients join in the norms' passes.
+  Tensor dh = norm2.backward(c, dn2, s.norm2, &dy);
   Tensor dn1 = attn.backward(c, dh, s.attn);
-  Tensor dx = norm1.backward(c, dn1, s.norm1);
-  kernels::add(c.ex, dx, dh, dx);
-  return dx;
+  return norm1.backward(c, dn1, s.norm1, &dh);
 }
 
 }  // namespace troupe::layers

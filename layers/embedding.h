@@ -34,8 +34,12 @@ class RMSNorm {
   void collect(const std::string& prefix, std::vector<NamedParameter>& out);
 
   Tensor forward(const Ctx& c, const Tensor& x, Saved& s) const;  // x [T, D]
-  // Returns dx; accumulates weight.grad.
-  Tensor backward(const Ctx& c, const Tensor& dy, const Saved& s);
+  // The residual add before the norm in the same pass: h = x + r (returned in h), and the
+  // norm of h is returned.
+  Tensor forward_add(const Ctx& c, const Tensor& x, const Tensor& r, Tensor& h, Saved& s) const;
+  // Returns dx (+ dres when given: the residual branch's gradient, added in the same
+  // pass); accumulates weight.grad.
+  Tensor backward(const Ctx& c, const Tensor& dy, const Saved& s, const Tensor* dres = nullptr);
 
   Parameter weight;  // [D]
   float eps;

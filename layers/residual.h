@@ -24,9 +24,7 @@ Tensor residual_forward(const Ctx& c, const Tensor& x, const RMSNorm& norm, RMSN
 // `df` maps the gradient of the sublayer's output to that of its (normalised) input.
 template <class F>
 Tensor residual_backward(const Ctx& c, const Tensor& dy, RMSNorm& norm, const RMSNorm::Saved& s, F&& df) {
-  Tensor dx = norm.backward(c, std::forward<F>(df)(dy), s);
-  kernels::add(c.ex, dx, dy, dx);
-  return dx;
+  return norm.backward(c, std::forward<F>(df)(dy), s, &dy);  // + dy in the norm's pass
 }
 
 }  // namespace troupe::layers

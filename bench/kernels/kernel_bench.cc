@@ -86,7 +86,8 @@ struct Bench {
     return ms[ms.size() / 2];
   }
 
-  void flops(const std::string& name, double flop, const std::string& formula, const std::function<void()>& fn) {
+  void flops(const std::string& name, double flop, const std::string& formula,
+             const std::function<void()>& fn) {
     if (skipped(name)) return;
     const double ms = time_ms(fn);
     const double tflops = flop / (ms * 1e-3) / 1e12;
@@ -95,7 +96,8 @@ struct Bench {
     std::printf("RESULT %s %.4f\n", name.c_str(), ms);
   }
 
-  void bytes(const std::string& name, double nbytes, const std::string& formula, const std::function<void()>& fn) {
+  void bytes(const std::string& name, double nbytes, const std::string& formula,
+             const std::function<void()>& fn) {
     if (skipped(name)) return;
     const double ms = time_ms(fn);
     const double gbs = nbytes / (ms * 1e-3) / 1e9;
@@ -181,14 +183,17 @@ void run() {
   Bench b{ctx, alloc, Exec{Device::cuda(dev), &ctx}, be};
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  std::printf("device: %s, %d SMs, %.0f MB L2\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6);
+  std::printf("device: %s, %d SMs, %.0f MB L2\n", prop.name, prop.multiProcessorCount,
+              prop.l2CacheSize / 1e6);
 
   // Copy bandwidth (bytes read + written) of a 2 GiB device-to-device copy.
   {
     const size_t n = size_t{1} << 31;
     cuda::DeviceBuffer src(n, dev), dst(n, dev);
     CUDA_CHECK(cudaMemsetAsync(src.data(), 1, n, ctx.stream));
-    const double ms = b.time_ms([&] { CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), n, cudaMemcpyDeviceToDevice, ctx.stream)); });
+    const double ms = b.time_ms([&] {
+      CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), n, cudaMemcpyDeviceToDevice, ctx.stream));
+    });
     b.copy_gbs = 2.0 * n / (ms * 1e-3) / 1e9;
     std::printf("%-30s %9.3f ms %8.1f GB/s    (2 x 2 GiB / t)\n", "copy_d2d", ms, b.copy_gbs);
     std::printf("RESULT copy_d2d %.4f\n", ms);
@@ -237,11 +242,13 @@ void run() {
     Tensor xp = b.random({rows, kD}, bf), w1 = b.random({kExperts, kD, 2 * kFfn}, bf, -0.05f, 0.05f);
     Tensor h = b.empty({rows, 2 * kFfn}, bf);
     const double f1 = 2.0 * rows * kD * 2 * kFfn;
-    b.flops("grouped_up_32768x4096x1024", f1, "2*rows*N*K", [&] { be.grouped_matmul(b.ex, xp, w1, offsets, h, false); });
+    b.flops("grouped_up_32768x4096x1024", f1, "2*rows*N*K",
+            [&] { be.grouped_matmul(b.ex, xp, w1, offsets, h, false); });
     Tensor a = b.random({rows, kFfn}, bf), w2 = b.random({kExperts, kFfn, kD}, bf, -0.05f, 0.05f);
     Tensor y = b.empty({rows, kD}, bf);
     const double f2 = 2.0 * rows * kFfn * kD;
-    b.flops("grouped_down_32768x1024x2048", f2, "2*rows*N*K", [&] { be.grouped_matmul(b.ex, a, w2, offsets, y, false); });
+    b.flops("grouped_down_32768x1024x2048", f2, "2*rows*N*K",
+            [&] { be.grouped_matmul(b.ex, a, w2, offsets, y, false); });
     // The other configurations of the grouped kernel (the backend runs kAuto: on an sm_90a
     // build on Hopper kWgmmaTma for forward, dx and f32 dW, kWgmma256 for a bf16 dW, mma.sync
     // 2 x 2 elsewhere).
@@ -254,8 +261,8 @@ void run() {
     for (const auto& [name, tiling] : variants) {
       const gpu::GemmTiling tl = tiling;
       b.flops(std::string("grouped_up_") + name, f1, "2*rows*N*K", [&] {
-        gpu::launch_grouped_matmul(env, xp.data_ptr(), w1.data_ptr(), off_p, rows, kExperts, kD, 2 * kFfn, false,
-                                   h.data_ptr(), bf, tl);
+        gpu::launch_grouped_matmul(env, xp.data_ptr(), w1.data_ptr(), off_p, rows, kExperts, kD, 2 * kFfn,
+                                   false, h.data_ptr(), bf, tl);
       });
       b.flops(std::string("grouped_down_") + name, f2, "2*rows*N*K", [&] {
         gpu::launch_grouped_matmul(env, a.data_ptr(), w2.data_ptr(), off_p, rows, kExperts, kFfn, kD, false,
@@ -271,8 +278,8 @@ void run() {
     for (const auto& [name, tiling] : variants) {
       const gpu::GemmTiling tl = tiling;
       b.flops(std::string("grouped_down_dx_") + name, f2, "2*rows*N*K", [&] {
-        gpu::launch_grouped_matmul_dx(env, y.data_ptr(), w2.data_ptr(), off_p, rows, kExperts, kFfn, kD, false,
-                                      da.data_ptr(), bf, tl);
+        gpu::launch_grouped_matmul_dx(env, y.data_ptr(), w2.data_ptr(), off_p, rows, kExperts, kFfn, kD,
+                                      false, da.data_ptr(), bf, tl);
       });
       b.flops(std::string("grouped_down_dw_") + name, f2, "2*rows*N*K", [&] {
         gpu::launch_grouped_matmul_dw(env, a.data_ptr(), y.data_ptr(), off_p, rows, kExperts, kFfn, kD, false,
@@ -305,7 +312,8 @@ void run() {
     }
     // The dense equivalent through cuBLASLt, for scale.
     Tensor wd = b.random({kD, 2 * kFfn}, bf, -0.05f, 0.05f);
-    b.flops("dense_equiv_32768x4096x1024", f1, "2*M*N*K", [&] { be.matmul(b.ex, xp, wd, h, false, false, 1.0f, 0.0f); });
+    b.flops("dense_equiv_32768x4096x1024", f1, "2*M*N*K",
+            [&] { be.matmul(b.ex, xp, wd, h, false, false, 1.0f, 0.0f); });
   }
   // ---- grouped GEMMs on two more loads (issue 20): bench_1b's shapes with one expert
   // holding half the rows, and fine-grained experts (64 of hidden 256, top-8) ----
@@ -317,9 +325,11 @@ void run() {
   }
   // ---- attention ----
   {
-    Tensor q = b.random({kBatch, kSeq, kHeads, kHeadDim}, bf), k = b.random({kBatch, kSeq, kHeads, kHeadDim}, bf);
+    Tensor q = b.random({kBatch, kSeq, kHeads, kHeadDim}, bf),
+           k = b.random({kBatch, kSeq, kHeads, kHeadDim}, bf);
     Tensor v = b.random({kBatch, kSeq, kHeads, kHeadDim}, bf);
-    Tensor out = b.empty({kBatch, kSeq, kHeads, kHeadDim}, bf), lse = b.empty({kBatch, kHeads, kSeq}, DType::kF32);
+    Tensor out = b.empty({kBatch, kSeq, kHeads, kHeadDim}, bf),
+           lse = b.empty({kBatch, kHeads, kSeq}, DType::kF32);
     const float scale = 0.125f;
     // Causal: half of the 4*B*H*S^2*Dh of full attention (two matmuls of 2 flops per MAC).
     const double fwd = 4.0 * kBatch * kHeads * double(kSeq) * kSeq * kHeadDim / 2;
@@ -356,10 +366,17 @@ void run() {
     Tensor rstd = b.empty({kTokens}, DType::kF32);
     const double n = T * kD;
     b.bytes("rmsnorm_fwd_16384x1024", 2 * n * 2, "read x + write y (bf16)",
-            [&] { be.rmsnorm_forward(b.ex, x, w, 1e-5f, y, rstd); });
+            [&] { be.rmsnorm_forward(b.ex, x, nullptr, w, 1e-5f, nullptr, y, rstd); });
     Tensor dy = b.random({kTokens, kD}, bf), dx = b.empty({kTokens, kD}, bf), dw = b.empty({kD}, DType::kF32);
     b.bytes("rmsnorm_bwd_16384x1024", 3 * n * 2, "read x, dy + write dx (bf16)",
-            [&] { be.rmsnorm_backward(b.ex, dy, x, w, rstd, dx, dw, false); });
+            [&] { be.rmsnorm_backward(b.ex, dy, x, w, rstd, dx, dw, false, nullptr); });
+    // The block's residual adds fused in (against add + the unfused kernel: 3 + 2 and 3 + 3
+    // passes over a [T, D] bf16 tensor).
+    Tensor hsum = b.empty({kTokens, kD}, bf), dres = b.random({kTokens, kD}, bf);
+    b.bytes("rmsnorm_add_fwd_16384x1024", 4 * n * 2, "read x, r + write h, y (bf16)",
+            [&] { be.rmsnorm_forward(b.ex, x, &dy, w, 1e-5f, &hsum, y, rstd); });
+    b.bytes("rmsnorm_bwd_dres_16384x1024", 4 * n * 2, "read x, dy, dres + write dx (bf16)",
+            [&] { be.rmsnorm_backward(b.ex, dy, x, w, rstd, dx, dw, false, &dres); });
     Tensor s = b.empty({kTokens, kD}, bf);
     b.bytes("add_16384x1024", 3 * n * 2, "read a, b + write out (bf16)", [&] { be.add(b.ex, x, dy, s); });
     Tensor qh = b.random({kTokens, kHeads, kHeadDim}, bf), qr = b.empty({kTokens, kHeads, kHeadDim}, bf);
@@ -373,7 +390,8 @@ void run() {
     const int64_t rows = kTokens * kTopK;
     Tensor h = b.random({rows, 2 * kFfn}, bf), a = b.empty({rows, kFfn}, bf);
     const double n = double(rows) * kFfn;
-    b.bytes("swiglu_fwd_32768x2048", 3 * n * 2, "read 2F + write F (bf16)", [&] { be.swiglu_forward(b.ex, h, a); });
+    b.bytes("swiglu_fwd_32768x2048", 3 * n * 2, "read 2F + write F (bf16)",
+            [&] { be.swiglu_forward(b.ex, h, a); });
     Tensor da = b.random({rows, kFfn}, bf), dh = b.empty({rows, 2 * kFfn}, bf);
     b.bytes("swiglu_bwd_32768x2048", 5 * n * 2, "read 2F + F, write 2F (bf16)",
             [&] { be.swiglu_backward(b.ex, h, da, dh); });
@@ -383,7 +401,8 @@ void run() {
     Tensor logits = b.random({rows, kVocab}, bf, -4.0f, 4.0f);
     std::vector<int32_t> tg(rows);
     for (int64_t i = 0; i < rows; ++i) tg[i] = static_cast<int32_t>((i * 7919) % kVocab);
-    Tensor targets = b.ints({rows}, tg), losses = b.empty({rows}, DType::kF32), lse = b.empty({rows}, DType::kF32);
+    Tensor targets = b.ints({rows}, tg), losses = b.empty({rows}, DType::kF32),
+           lse = b.empty({rows}, DType::kF32);
     const double n = double(rows) * kVocab;
     b.bytes("xent_fwd_4096x32768", n * 2, "read logits (bf16)",
             [&] { be.cross_entropy_forward(b.ex, logits, targets, losses, lse); });
@@ -404,8 +423,13 @@ void run() {
   {
     std::vector<Shape> shapes;
     for (int l = 0; l < 12; ++l) {
-      for (const Shape& s : std::vector<Shape>{{kD}, {kD, 3 * kD}, {kD, kD}, {kD}, {kD, kExperts},
-                                               {kExperts, kD, 2 * kFfn}, {kExperts, kFfn, kD}}) {
+      for (const Shape& s : std::vector<Shape>{{kD},
+                                               {kD, 3 * kD},
+                                               {kD, kD},
+                                               {kD},
+                                               {kD, kExperts},
+                                               {kExperts, kD, 2 * kFfn},
+                                               {kExperts, kFfn, kD}}) {
         shapes.push_back(s);
       }
     }
@@ -482,7 +506,8 @@ void run() {
     Tensor gates = b.random({kTokens, kTopK}, DType::kF32, 0.0f, 1.0f), y = b.empty({kTokens, kD}, bf);
     b.bytes("moe_unpermute_16384x1024_k2", 3.0 * T * kD * 2, "read 2 copies + write y (bf16)",
             [&] { be.moe_unpermute(b.ex, xp, row_map, gates, y); });
-    Tensor logits = b.random({kTokens, kExperts}, DType::kF32), scores = b.empty({kTokens, kExperts}, DType::kF32);
+    Tensor logits = b.random({kTokens, kExperts}, DType::kF32),
+           scores = b.empty({kTokens, kExperts}, DType::kF32);
     Tensor ti = b.empty({kTokens, kTopK}, DType::kI32), gt = b.empty({kTokens, kTopK}, DType::kF32);
     RouterConfig rc;
     b.bytes("router_fwd_16384x16", T * kExperts * 4 * 2 + T * kTopK * 8,

@@ -74,9 +74,10 @@ void rope_forward(const Exec& ex, const Tensor& x, const Tensor& pos, float thet
 void rope_backward(const Exec& ex, const Tensor& dout, const Tensor& pos, float theta, Tensor& dx);
 
 // ---- norm.cc (RMSNorm and softmax) ----------------------------------------------------
-void rmsnorm_forward(const Exec& ex, const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd);
+void rmsnorm_forward(const Exec& ex, const Tensor& x, const Tensor* r, const Tensor& w, float eps, Tensor* h,
+                     Tensor& y, Tensor& rstd);
 void rmsnorm_backward(const Exec& ex, const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw, bool accumulate_dw);
+                      Tensor& dx, Tensor& dw, bool accumulate_dw, const Tensor* dres);
 void softmax_forward(const Exec& ex, const Tensor& x, Tensor& y);
 void softmax_backward(const Exec& ex, const Tensor& y, const Tensor& dy, Tensor& dx);
 

@@ -2,12 +2,21 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "kernels/cpu/cpu_ops.h"
 
 namespace troupe::kernels::cpu {
 
-void rmsnorm_forward(const Exec&, const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd) {
+void rmsnorm_forward(const Exec& ex, const Tensor& x, const Tensor* r, const Tensor& w, float eps, Tensor* h,
+                     Tensor& y, Tensor& rstd) {
+  if (r != nullptr) {
+    // The sum is stored (rounded to h's dtype) first and normalised from there: exactly
+    // add then rmsnorm.
+    cpu::add(ex, x, *r, *h);
+    rmsnorm_forward(ex, *h, nullptr, w, eps, nullptr, y, rstd);
+    return;
+  }
   const int64_t rows = x.size(0), dim = x.size(1);
   F32In px(x), pw(w);
   F32Out py(y), pr(rstd);
@@ -24,9 +33,12 @@ void rmsnorm_forward(const Exec&, const Tensor& x, const Tensor& w, float eps, T
 
 // With g = dy * w:  dx = rstd * g - x * rstd^3 * mean(g * x);  dw = sum_t dy * x * rstd.
 void rmsnorm_backward(const Exec&, const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw, bool accumulate_dw) {
+                      Tensor& dx, Tensor& dw, bool accumulate_dw, const Tensor* dres) {
   const int64_t rows = x.size(0), dim = x.size(1);
   F32In pdy(dy), px(x), pw(w), pr(rstd);
+  // dres is read whole before dx's view is written back (dx may alias it).
+  std::optional<F32In> pres;
+  if (dres != nullptr) pres.emplace(*dres);
   F32Out pdx(dx), pdw(dw, accumulate_dw);
   std::vector<double> dw_acc(static_cast<size_t>(dim), 0.0);
   for (int64_t t = 0; t < rows; ++t) {
@@ -38,7 +50,9 @@ void rmsnorm_backward(const Exec&, const Tensor& dy, const Tensor& x, const Tens
     const float c = static_cast<float>(gx / static_cast<double>(dim)) * r * r * r;
     float* dxr = pdx.get() + t * dim;
     for (int64_t d = 0; d < dim; ++d) {
-      dxr[d] = r * dyr[d] * pw[d] - xr[d] * c;
+      float v = r * dyr[d] * pw[d] - xr[d] * c;
+      if (pres) v += (*pres)[t * dim + d];
+      dxr[d] = v;
       dw_acc[d] += static_cast<double>(dyr[d]) * xr[d] * r;
     }
   }

@@ -49,7 +49,9 @@ CudaContext& context(const Exec& ex, const char* op) {
   return *ex.cuda;
 }
 
-Env env_of(const CudaContext& ctx) { return Env{ctx.stream, ctx.num_sms}; }
+Env env_of(const CudaContext& ctx) {
+  return Env{ctx.stream, ctx.num_sms};
+}
 
 void require(const Tensor& t, const char* op, const char* name) {
   TROUPE_CHECK(t.defined(), "{}: {} is undefined", op, name);
@@ -70,9 +72,15 @@ struct OpScope {
   Env env;
 };
 
-const int32_t* i32(const Tensor& t) { return static_cast<const int32_t*>(t.data_ptr()); }
-const float* f32(const Tensor& t) { return static_cast<const float*>(t.data_ptr()); }
-float* f32_mut(const Tensor& t) { return static_cast<float*>(t.data_ptr()); }
+const int32_t* i32(const Tensor& t) {
+  return static_cast<const int32_t*>(t.data_ptr());
+}
+const float* f32(const Tensor& t) {
+  return static_cast<const float*>(t.data_ptr());
+}
+float* f32_mut(const Tensor& t) {
+  return static_cast<float*>(t.data_ptr());
+}
 
 // ---- memory and elementwise ----------------------------------------------------------
 void cuda_fill(const Exec& ex, Tensor& out, float value) {
@@ -93,7 +101,8 @@ void cuda_add(const Exec& ex, const Tensor& a, const Tensor& b, Tensor& out) {
   require(a, "add", "a");
   require(b, "add", "b");
   require(out, "add", "out");
-  gpu::launch_add(s.env, a.data_ptr(), a.dtype(), b.data_ptr(), b.dtype(), out.data_ptr(), out.dtype(), out.numel());
+  gpu::launch_add(s.env, a.data_ptr(), a.dtype(), b.data_ptr(), b.dtype(), out.data_ptr(), out.dtype(),
+                  out.numel());
 }
 
 void cuda_axpby(const Exec& ex, float alpha, const Tensor& x, float beta, Tensor& y) {
@@ -116,8 +125,12 @@ double reduce(const Exec& ex, const Tensor& x, bool squares) {
   Scratch partials(s.ctx, gpu::reduce_scratch_bytes());
   return gpu::launch_sum(s.env, x.data_ptr(), x.dtype(), x.numel(), squares, partials.get());
 }
-double cuda_sum(const Exec& ex, const Tensor& x) { return reduce(ex, x, false); }
-double cuda_sum_squares(const Exec& ex, const Tensor& x) { return reduce(ex, x, true); }
+double cuda_sum(const Exec& ex, const Tensor& x) {
+  return reduce(ex, x, false);
+}
+double cuda_sum_squares(const Exec& ex, const Tensor& x) {
+  return reduce(ex, x, true);
+}
 
 void cuda_sum_rows(const Exec& ex, const Tensor& x, Tensor& out, bool accumulate) {
   OpScope s(ex, "sum_rows");
@@ -160,15 +173,17 @@ void cuda_grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const
   require(w, "grouped_matmul", "w");
   require(offsets, "grouped_matmul", "offsets");
   require(out, "grouped_matmul", "out");
-  TROUPE_CHECK(x.dtype() == w.dtype() && x.dtype() == out.dtype(), "grouped_matmul on cuda: x {}, w {}, out {}",
-               dtype_name(x.dtype()), dtype_name(w.dtype()), dtype_name(out.dtype()));
+  TROUPE_CHECK(x.dtype() == w.dtype() && x.dtype() == out.dtype(),
+               "grouped_matmul on cuda: x {}, w {}, out {}", dtype_name(x.dtype()), dtype_name(w.dtype()),
+               dtype_name(out.dtype()));
   const int64_t experts = w.size(0), k = x.size(1), n = trans_w ? w.size(1) : w.size(2);
-  gpu::launch_grouped_matmul(s.env, x.data_ptr(), w.data_ptr(), i32(offsets), x.size(0), experts, k, n, trans_w,
-                             out.data_ptr(), x.dtype());
+  gpu::launch_grouped_matmul(s.env, x.data_ptr(), w.data_ptr(), i32(offsets), x.size(0), experts, k, n,
+                             trans_w, out.data_ptr(), x.dtype());
 }
 
 void cuda_grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
-                                  const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w, bool accumulate_dw) {
+                                  const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w,
+                                  bool accumulate_dw) {
   const char* op = "grouped_matmul_backward";
   OpScope s(ex, op);
   require(x, op, "x");
@@ -181,13 +196,13 @@ void cuda_grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor&
   if (dx != nullptr) {
     require(*dx, op, "dx");
     require_dtype(*dx, x.dtype(), op, "dx");
-    gpu::launch_grouped_matmul_dx(s.env, dout.data_ptr(), w.data_ptr(), i32(offsets), tokens, experts, k, n, trans_w,
-                                  dx->data_ptr(), x.dtype());
+    gpu::launch_grouped_matmul_dx(s.env, dout.data_ptr(), w.data_ptr(), i32(offsets), tokens, experts, k, n,
+                                  trans_w, dx->data_ptr(), x.dtype());
   }
   if (dw != nullptr) {
     require(*dw, op, "dw");
-    gpu::launch_grouped_matmul_dw(s.env, x.data_ptr(), dout.data_ptr(), i32(offsets), tokens, experts, k, n, trans_w,
-                                  dw->data_ptr(), dw->dtype(), accumulate_dw, x.dtype());
+    gpu::launch_grouped_matmul_dw(s.env, x.data_ptr(), dout.data_ptr(), i32(offsets), tokens, experts, k, n,
+                                  trans_w, dw->data_ptr(), dw->dtype(), accumulate_dw, x.dtype());
   }
 }
 
@@ -211,21 +226,31 @@ void cuda_embedding_backward(const Exec& ex, const Tensor& ids, const Tensor& do
 }
 
 // ---- RMSNorm -------------------------------------------------------------------------
-void cuda_rmsnorm_forward(const Exec& ex, const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd) {
-  OpScope s(ex, "rmsnorm_forward");
-  require(x, "rmsnorm_forward", "x");
-  require(w, "rmsnorm_forward", "w");
-  require(y, "rmsnorm_forward", "y");
-  require(rstd, "rmsnorm_forward", "rstd");
-  require_dtype(y, x.dtype(), "rmsnorm_forward", "y");
-  require_dtype(rstd, DType::kF32, "rmsnorm_forward", "rstd");
+void cuda_rmsnorm_forward(const Exec& ex, const Tensor& x, const Tensor* r, const Tensor& w, float eps,
+                          Tensor* h, Tensor& y, Tensor& rstd) {
+  const char* op = r != nullptr ? "rmsnorm_add_forward" : "rmsnorm_forward";
+  OpScope s(ex, op);
+  require(x, op, "x");
+  require(w, op, "w");
+  require(y, op, "y");
+  require(rstd, op, "rstd");
+  require_dtype(y, x.dtype(), op, "y");
+  require_dtype(rstd, DType::kF32, op, "rstd");
+  if (r != nullptr) {
+    require(*r, op, "r");
+    require(*h, op, "h");
+    require_dtype(*r, x.dtype(), op, "r");
+    require_dtype(*h, x.dtype(), op, "h");
+  }
   const int64_t d = x.size(-1), rows = d == 0 ? 0 : x.numel() / d;
-  gpu::launch_rmsnorm_forward(s.env, x.data_ptr(), x.dtype(), w.data_ptr(), w.dtype(), eps, rows, d, y.data_ptr(),
-                              f32_mut(rstd));
+  gpu::launch_rmsnorm_forward(s.env, x.data_ptr(), r != nullptr ? r->data_ptr() : nullptr, x.dtype(),
+                              w.data_ptr(), w.dtype(), eps, rows, d, h != nullptr ? h->data_ptr() : nullptr,
+                              y.data_ptr(), f32_mut(rstd));
 }
 
-void cuda_rmsnorm_backward(const Exec& ex, const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                           Tensor& dx, Tensor& dw, bool accumulate_dw) {
+void cuda_rmsnorm_backward(const Exec& ex, const Tensor& dy, const Tensor& x, const Tensor& w,
+                           const Tensor& rstd, Tensor& dx, Tensor& dw, bool accumulate_dw,
+                           const Tensor* dres) {
   const char* op = "rmsnorm_backward";
   OpScope s(ex, op);
   require(dy, op, "dy");
@@ -237,10 +262,15 @@ void cuda_rmsnorm_backward(const Exec& ex, const Tensor& dy, const Tensor& x, co
   require_dtype(dy, x.dtype(), op, "dy");
   require_dtype(dx, x.dtype(), op, "dx");
   require_dtype(rstd, DType::kF32, op, "rstd");
+  if (dres != nullptr) {
+    require(*dres, op, "dres");
+    require_dtype(*dres, x.dtype(), op, "dres");
+  }
   const int64_t d = x.size(-1), rows = d == 0 ? 0 : x.numel() / d;
   Scratch scratch(s.ctx, gpu::rmsnorm_backward_scratch_bytes(s.env, rows, d));
-  gpu::launch_rmsnorm_backward(s.env, dy.data_ptr(), x.data_ptr(), x.dtype(), w.data_ptr(), w.dtype(), f32(rstd),
-                               rows, d, dx.data_ptr(), dw.data_ptr(), dw.dtype(), accumulate_dw, scratch.get());
+  gpu::launch_rmsnorm_backward(s.env, dy.data_ptr(), x.data_ptr(), x.dtype(), w.data_ptr(), w.dtype(),
+                               f32(rstd), rows, d, dres != nullptr ? dres->data_ptr() : nullptr,
+                               dx.data_ptr(), dw.data_ptr(), dw.dtype(), accumulate_dw, scratch.get());
 }
 
 // ---- RoPE ----------------------------------------------------------------------------
@@ -251,8 +281,8 @@ void rope(const Exec& ex, const Tensor& x, const Tensor& pos, float theta, Tenso
   require(pos, op, "pos");
   require(out, op, "out");
   require_dtype(out, x.dtype(), op, "out");
-  gpu::launch_rope(s.env, x.data_ptr(), i32(pos), theta, x.size(0), x.size(1), x.size(2), out.data_ptr(), x.dtype(),
-                   inverse);
+  gpu::launch_rope(s.env, x.data_ptr(), i32(pos), theta, x.size(0), x.size(1), x.size(2), out.data_ptr(),
+                   x.dtype(), inverse);
 }
 void cuda_rope_forward(const Exec& ex, const Tensor& x, const Tensor& pos, float theta, Tensor& out) {
   rope(ex, x, pos, theta, out, false);
@@ -280,12 +310,19 @@ void cuda_attention_forward(const Exec& ex, const Tensor& q, const Tensor& k, co
                                 out.data_ptr(), f32_mut(lse), q.dtype());
 }
 
-void cuda_attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                             const Tensor& lse, const Tensor& dout, float scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+void cuda_attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& out, const Tensor& lse, const Tensor& dout, float scale,
+                             Tensor& dq, Tensor& dk, Tensor& dv) {
   const char* op = "attention_backward";
   OpScope s(ex, op);
-  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&dout, "dout"}, {&dq, "dq"},
-                         {&dk, "dk"}, {&dv, "dv"}}) {
+  for (auto [t, name] : {std::pair{&q, "q"},
+                         {&k, "k"},
+                         {&v, "v"},
+                         {&out, "out"},
+                         {&dout, "dout"},
+                         {&dq, "dq"},
+                         {&dk, "dk"},
+                         {&dv, "dv"}}) {
     require(*t, op, name);
     require_dtype(*t, q.dtype(), op, name);
   }
@@ -293,9 +330,9 @@ void cuda_attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, c
   require_dtype(lse, DType::kF32, op, "lse");
   const gpu::AttentionShape shape = attention_shape(q, k);
   Scratch scratch(s.ctx, gpu::attention_backward_scratch_bytes(shape));
-  gpu::launch_attention_backward(s.env, shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), f32(lse),
-                                 dout.data_ptr(), scale, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), q.dtype(),
-                                 scratch.get());
+  gpu::launch_attention_backward(s.env, shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                 f32(lse), dout.data_ptr(), scale, dq.data_ptr(), dk.data_ptr(),
+                                 dv.data_ptr(), q.dtype(), scratch.get());
 }
 
 // ---- softmax -------------------------------------------------------------------------
@@ -352,8 +389,8 @@ void cuda_router_backward(const Exec& ex, const Tensor& scores, const Tensor& to
   }
   require(dlogits, op, "dlogits");
   gpu::launch_router_backward(s.env, f32(scores), i32(topk_idx), f32(dgates),
-                              dscores != nullptr ? f32(*dscores) : nullptr, scores.size(0), scores.size(1), cfg.top_k,
-                              cfg.score == RouterScore::kSigmoid, cfg.normalize, f32_mut(dlogits));
+                              dscores != nullptr ? f32(*dscores) : nullptr, scores.size(0), scores.size(1),
+                              cfg.top_k, cfg.score == RouterScore::kSigmoid, cfg.normalize, f32_mut(dlogits));
 }
 
 // ---- token permutation ---------------------------------------------------------------
@@ -379,20 +416,23 @@ void cuda_moe_permute(const Exec& ex, const Tensor& x, const Tensor& row_map, in
   require(row_map, "moe_permute", "row_map");
   require(xp, "moe_permute", "xp");
   require_dtype(xp, x.dtype(), "moe_permute", "xp");
-  gpu::launch_moe_permute(s.env, x.data_ptr(), x.size(0), x.size(1), i32(row_map), top_k, xp.data_ptr(), x.dtype());
+  gpu::launch_moe_permute(s.env, x.data_ptr(), x.size(0), x.size(1), i32(row_map), top_k, xp.data_ptr(),
+                          x.dtype());
 }
 
-void cuda_moe_permute_backward(const Exec& ex, const Tensor& dxp, const Tensor& row_map, int64_t top_k, Tensor& dx) {
+void cuda_moe_permute_backward(const Exec& ex, const Tensor& dxp, const Tensor& row_map, int64_t top_k,
+                               Tensor& dx) {
   OpScope s(ex, "moe_permute_backward");
   require(dxp, "moe_permute_backward", "dxp");
   require(row_map, "moe_permute_backward", "row_map");
   require(dx, "moe_permute_backward", "dx");
   require_dtype(dx, dxp.dtype(), "moe_permute_backward", "dx");
-  gpu::launch_moe_permute_backward(s.env, dxp.data_ptr(), i32(row_map), dx.size(0), top_k, dx.size(1), dx.data_ptr(),
-                                   dx.dtype());
+  gpu::launch_moe_permute_backward(s.env, dxp.data_ptr(), i32(row_map), dx.size(0), top_k, dx.size(1),
+                                   dx.data_ptr(), dx.dtype());
 }
 
-void cuda_moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, const Tensor& gates, Tensor& y) {
+void cuda_moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, const Tensor& gates,
+                        Tensor& y) {
   OpScope s(ex, "moe_unpermute");
   require(yp, "moe_unpermute", "yp");
   require(row_map, "moe_unpermute", "row_map");
@@ -457,8 +497,8 @@ void cuda_cross_entropy_forward(const Exec& ex, const Tensor& logits, const Tens
                                     logits.size(1), f32_mut(losses), f32_mut(lse));
 }
 
-void cuda_cross_entropy_backward(const Exec& ex, const Tensor& logits, const Tensor& targets, const Tensor& lse,
-                                 float grad_scale, Tensor& dlogits) {
+void cuda_cross_entropy_backward(const Exec& ex, const Tensor& logits, const Tensor& targets,
+                                 const Tensor& lse, float grad_scale, Tensor& dlogits) {
   const char* op = "cross_entropy_backward";
   OpScope s(ex, op);
   require(logits, op, "logits");
@@ -466,12 +506,14 @@ void cuda_cross_entropy_backward(const Exec& ex, const Tensor& logits, const Ten
   require(lse, op, "lse");
   require(dlogits, op, "dlogits");
   require_dtype(lse, DType::kF32, op, "lse");
-  gpu::launch_cross_entropy_backward(s.env, logits.data_ptr(), logits.dtype(), i32(targets), f32(lse), grad_scale,
-                                     logits.size(0), logits.size(1), dlogits.data_ptr(), dlogits.dtype());
+  gpu::launch_cross_entropy_backward(s.env, logits.data_ptr(), logits.dtype(), i32(targets), f32(lse),
+                                     grad_scale, logits.size(0), logits.size(1), dlogits.data_ptr(),
+                                     dlogits.dtype());
 }
 
 // ---- optimizer -----------------------------------------------------------------------
-void cuda_adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWConfig& cfg) {
+void cuda_adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
+                     const AdamWConfig& cfg) {
   const char* op = "adamw_step";
   OpScope s(ex, op);
   for (auto [t, name] : {std::pair{&param, "param"}, {&m, "m"}, {&v, "v"}}) {
@@ -489,7 +531,8 @@ void cuda_adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& 
   args.grad_scale = cfg.grad_scale;
   args.bias_correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(cfg.beta1), cfg.step));
   args.bias_correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(cfg.beta2), cfg.step));
-  gpu::launch_adamw(s.env, f32_mut(param), grad.data_ptr(), grad.dtype(), f32_mut(m), f32_mut(v), param.numel(), args);
+  gpu::launch_adamw(s.env, f32_mut(param), grad.data_ptr(), grad.dtype(), f32_mut(m), f32_mut(v),
+                    param.numel(), args);
 }
 
 gpu::AdamWArgs adamw_args(const AdamWConfig& cfg) {
@@ -604,11 +647,12 @@ void cuda_quantize_fp8(const Exec& ex, const Tensor& x, int64_t block_size, Tens
   require(q, op, "q");
   require(scales, op, "scales");
   require_dtype(scales, DType::kF32, op, "scales");
-  gpu::launch_quantize_fp8(s.env, x.data_ptr(), x.dtype(), x.size(0), x.size(1), block_size, q.data_ptr(), q.dtype(),
-                           f32_mut(scales));
+  gpu::launch_quantize_fp8(s.env, x.data_ptr(), x.dtype(), x.size(0), x.size(1), block_size, q.data_ptr(),
+                           q.dtype(), f32_mut(scales));
 }
 
-void cuda_dequantize_fp8(const Exec& ex, const Tensor& q, const Tensor& scales, int64_t block_size, Tensor& out) {
+void cuda_dequantize_fp8(const Exec& ex, const Tensor& q, const Tensor& scales, int64_t block_size,
+                         Tensor& out) {
   const char* op = "dequantize_fp8";
   OpScope s(ex, op);
   require(q, op, "q");
@@ -689,6 +733,8 @@ const Backend kCudaBackend = {
 
 }  // namespace
 
-const Backend* cuda_backend() { return &kCudaBackend; }
+const Backend* cuda_backend() {
+  return &kCudaBackend;
+}
 
 }  // namespace troupe::kernels

@@ -11,8 +11,8 @@
 namespace troupe::kernels::gpu {
 
 // elementwise.cu: out (+)= column sums of f32 partials [splits, cols].
-void launch_column_finish(const Env& env, const float* partial, int64_t splits, int64_t cols, void* out, DType ot,
-                          bool accumulate);
+void launch_column_finish(const Env& env, const float* partial, int64_t splits, int64_t cols, void* out,
+                          DType ot, bool accumulate);
 
 namespace {
 
@@ -24,16 +24,26 @@ bool pack_ok(const void* p, int64_t row_len) {
 }
 
 // ---- RMSNorm -------------------------------------------------------------------------
-template <int V, typename X, typename W>
-__global__ void rmsnorm_forward_kernel(const X* x, const W* w, float eps, int64_t d, X* y, float* rstd) {
+// With a residual res (kAdd): h = x + res is stored, rounded to X as add rounds it, and the
+// norm is taken of that rounded h (the second pass reads back this thread's own stores).
+template <int V, bool kAdd, typename X, typename W>
+__global__ void rmsnorm_forward_kernel(const X* x, const X* res, const W* w, float eps, int64_t d, X* h, X* y,
+                                       float* rstd) {
   __shared__ float shared[32];
   const int64_t row = blockIdx.x;
-  const X* xr = x + row * d;
+  const X* xr = (kAdd ? h : x) + row * d;
   X* yr = y + row * d;
   float ss = 0.0f;
   for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
     float v[V];
-    load_floats<V>(xr + c, v);
+    load_floats<V>(x + row * d + c, v);
+    if constexpr (kAdd) {
+      float rv[V];
+      load_floats<V>(res + row * d + c, rv);
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = to_float(from_float<X>(v[j] + rv[j]));
+      store_floats<V>(h + row * d + c, v);
+    }
 #pragma unroll
     for (int j = 0; j < V; ++j) ss += v[j] * v[j];
   }
@@ -53,9 +63,10 @@ __global__ void rmsnorm_forward_kernel(const X* x, const W* w, float eps, int64_
 // Block b handles rows b, b + grid, ...; its dw partial for every column is kept in
 // shared memory (each thread owns the same columns in every row) and written to
 // partial[b, :] at the end.
+// dres (optional; dx may alias it) is added to dx in f32 before its one rounding.
 template <int V, typename X, typename W>
 __global__ void rmsnorm_backward_kernel(const X* dy, const X* x, const W* w, const float* rstd, int64_t rows,
-                                        int64_t d, X* dx, float* partial) {
+                                        int64_t d, const X* dres, X* dx, float* partial) {
   extern __shared__ float dw_acc[];
   __shared__ float shared[32];
   for (int64_t c = threadIdx.x; c < d; c += blockDim.x) dw_acc[c] = 0.0f;
@@ -86,6 +97,12 @@ __global__ void rmsnorm_backward_kernel(const X* dy, const X* x, const W* w, con
       load_floats<V>(w + c, wv);
 #pragma unroll
       for (int j = 0; j < V; ++j) gv[j] = r * (gv[j] * wv[j] - xv[j] * k);
+      if (dres != nullptr) {
+        float rv[V];
+        load_floats<V>(dres + row * d + c, rv);
+#pragma unroll
+        for (int j = 0; j < V; ++j) gv[j] += rv[j];
+      }
       store_floats<V>(dx + row * d + c, gv);
     }
   }
@@ -95,24 +112,31 @@ __global__ void rmsnorm_backward_kernel(const X* dy, const X* x, const W* w, con
 
 // Enough blocks to keep every SM busy (the per-row reductions are latency-bound); each
 // block's dw partial is one row of the scratch that column_finish then sums.
-int64_t rmsnorm_backward_blocks(const Env& env, int64_t rows) { return min64(max64(rows, 1), int64_t{env.num_sms} * 8); }
+int64_t rmsnorm_backward_blocks(const Env& env, int64_t rows) {
+  return min64(max64(rows, 1), int64_t{env.num_sms} * 8);
+}
 
 }  // namespace
 
-void launch_rmsnorm_forward(const Env& env, const void* x, DType xt, const void* w, DType wt, float eps,
-                            int64_t rows, int64_t d, void* y, float* rstd) {
+void launch_rmsnorm_forward(const Env& env, const void* x, const void* r, DType xt, const void* w, DType wt,
+                            float eps, int64_t rows, int64_t d, void* h, void* y, float* rstd) {
   if (rows == 0) return;
-  TROUPE_DISPATCH_FLOAT(xt, X, "rmsnorm_forward", TROUPE_DISPATCH_FLOAT(wt, W, "rmsnorm_forward", {
-    const auto* xp = static_cast<const X*>(x);
-    const auto* wp = static_cast<const W*>(w);
-    auto* yp = static_cast<X*>(y);
-    const unsigned grid = static_cast<unsigned>(rows);
-    if (pack_ok<X>(x, d) && pack_ok<X>(y, d) && pack_ok<W>(w, d)) {
-      rmsnorm_forward_kernel<kVec, X, W><<<grid, 128, 0, env.stream>>>(xp, wp, eps, d, yp, rstd);
-    } else {
-      rmsnorm_forward_kernel<1, X, W><<<grid, 256, 0, env.stream>>>(xp, wp, eps, d, yp, rstd);
-    }
-  }));
+  TROUPE_DISPATCH_FLOAT(
+      xt, X, "rmsnorm_forward", TROUPE_DISPATCH_FLOAT(wt, W, "rmsnorm_forward", {
+        const auto* xp = static_cast<const X*>(x);
+        const auto* rp = static_cast<const X*>(r);
+        const auto* wp = static_cast<const W*>(w);
+        auto* hp = static_cast<X*>(h);
+        auto* yp = static_cast<X*>(y);
+        const unsigned grid = static_cast<unsigned>(rows);
+        const bool vec = pack_ok<X>(x, d) && pack_ok<X>(y, d) && pack_ok<W>(w, d) &&
+                         (r == nullptr || (pack_ok<X>(r, d) && pack_ok<X>(h, d)));
+        auto kernel =
+            r == nullptr
+                ? (vec ? rmsnorm_forward_kernel<kVec, false, X, W> : rmsnorm_forward_kernel<1, false, X, W>)
+                : (vec ? rmsnorm_forward_kernel<kVec, true, X, W> : rmsnorm_forward_kernel<1, true, X, W>);
+        kernel<<<grid, vec ? 128 : 256, 0, env.stream>>>(xp, rp, wp, eps, d, hp, yp, rstd);
+      }));
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
@@ -121,21 +145,25 @@ size_t rmsnorm_backward_scratch_bytes(const Env& env, int64_t rows, int64_t d) {
 }
 
 void launch_rmsnorm_backward(const Env& env, const void* dy, const void* x, DType xt, const void* w, DType wt,
-                             const float* rstd, int64_t rows, int64_t d, void* dx, void* dw, DType dwt,
-                             bool accumulate_dw, void* scratch) {
+                             const float* rstd, int64_t rows, int64_t d, const void* dres, void* dx, void* dw,
+                             DType dwt, bool accumulate_dw, void* scratch) {
   const size_t smem = static_cast<size_t>(d) * sizeof(float);
-  TROUPE_CHECK(smem <= 200 * 1024, "rmsnorm_backward on cuda supports rows of at most 51200 elements, got {}", d);
+  TROUPE_CHECK(smem <= 200 * 1024, "rmsnorm_backward on cuda supports rows of at most 51200 elements, got {}",
+               d);
   const int64_t blocks = rmsnorm_backward_blocks(env, rows);
   float* partial = static_cast<float*>(scratch);
   if (rows > 0) {
     TROUPE_DISPATCH_FLOAT(xt, X, "rmsnorm_backward", TROUPE_DISPATCH_FLOAT(wt, W, "rmsnorm_backward", {
-      const bool vec = pack_ok<X>(x, d) && pack_ok<X>(dy, d) && pack_ok<X>(dx, d) && pack_ok<W>(w, d);
-      auto kernel = vec ? rmsnorm_backward_kernel<kVec, X, W> : rmsnorm_backward_kernel<1, X, W>;
-      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      kernel<<<static_cast<unsigned>(blocks), vec ? 128 : 256, smem, env.stream>>>(
-          static_cast<const X*>(dy), static_cast<const X*>(x), static_cast<const W*>(w), rstd, rows, d,
-          static_cast<X*>(dx), partial);
-    }));
+                            const bool vec = pack_ok<X>(x, d) && pack_ok<X>(dy, d) && pack_ok<X>(dx, d) &&
+                                             pack_ok<W>(w, d) && (dres == nullptr || pack_ok<X>(dres, d));
+                            auto kernel =
+                                vec ? rmsnorm_backward_kernel<kVec, X, W> : rmsnorm_backward_kernel<1, X, W>;
+                            CUDA_CHECK(cudaFuncSetAttribute(
+                                kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+                            kernel<<<static_cast<unsigned>(blocks), vec ? 128 : 256, smem, env.stream>>>(
+                                static_cast<const X*>(dy), static_cast<const X*>(x), static_cast<const W*>(w),
+                                rstd, rows, d, static_cast<const X*>(dres), static_cast<X*>(dx), partial);
+                          }));
     TROUPE_CUDA_LAUNCH_CHECK();
     launch_column_finish(env, partial, blocks, d, dw, dwt, accumulate_dw);
   } else if (!accumulate_dw) {
@@ -171,8 +199,8 @@ __global__ void rope_kernel(const T* x, const int32_t* pos, double log_theta, in
 }
 }  // namespace
 
-void launch_rope(const Env& env, const void* x, const int32_t* pos, float theta, int64_t tokens, int64_t heads,
-                 int64_t head_dim, void* out, DType t, bool inverse) {
+void launch_rope(const Env& env, const void* x, const int32_t* pos, float theta, int64_t tokens,
+                 int64_t heads, int64_t head_dim, void* out, DType t, bool inverse) {
   const int64_t n = tokens * (head_dim / 2);
   if (n == 0 || heads == 0) return;
   TROUPE_DISPATCH_FLOAT(t, T, inverse ? "rope_backward" : "rope_forward", {
@@ -207,8 +235,12 @@ __global__ void embedding_forward_kernel(const int32_t* ids, int64_t tokens, con
   }
 }
 
-__device__ __forceinline__ void atomic_add_value(float* p, float v) { atomicAdd(p, v); }
-__device__ __forceinline__ void atomic_add_value(__nv_bfloat16* p, float v) { atomicAdd(p, __float2bfloat16_rn(v)); }
+__device__ __forceinline__ void atomic_add_value(float* p, float v) {
+  atomicAdd(p, v);
+}
+__device__ __forceinline__ void atomic_add_value(__nv_bfloat16* p, float v) {
+  atomicAdd(p, __float2bfloat16_rn(v));
+}
 
 template <typename G, typename D>
 __global__ void embedding_backward_kernel(const int32_t* ids, int64_t tokens, const G* dout, int64_t vocab,
@@ -229,16 +261,18 @@ void launch_embedding_forward(const Env& env, const int32_t* ids, int64_t tokens
   const int64_t n = tokens * d;
   if (n == 0) return;
   TROUPE_DISPATCH_FLOAT(tt, TT, "embedding_forward", TROUPE_DISPATCH_FLOAT(ot, O, "embedding_forward", {
-    const auto* tp = static_cast<const TT*>(table);
-    auto* op = static_cast<O*>(out);
-    if (pack_ok<TT>(table, d) && pack_ok<O>(out, d)) {
-      embedding_forward_kernel<kVec, TT, O>
-          <<<grid_for(ceil_div(n, kVec), 256, env.num_sms), 256, 0, env.stream>>>(ids, tokens, tp, vocab, d, op);
-    } else {
-      embedding_forward_kernel<1, TT, O><<<grid_for(n, 256, env.num_sms), 256, 0, env.stream>>>(ids, tokens, tp,
-                                                                                               vocab, d, op);
-    }
-  }));
+                          const auto* tp = static_cast<const TT*>(table);
+                          auto* op = static_cast<O*>(out);
+                          if (pack_ok<TT>(table, d) && pack_ok<O>(out, d)) {
+                            embedding_forward_kernel<kVec, TT, O>
+                                <<<grid_for(ceil_div(n, kVec), 256, env.num_sms), 256, 0, env.stream>>>(
+                                    ids, tokens, tp, vocab, d, op);
+                          } else {
+                            embedding_forward_kernel<1, TT, O>
+                                <<<grid_for(n, 256, env.num_sms), 256, 0, env.stream>>>(ids, tokens, tp,
+                                                                                        vocab, d, op);
+                          }
+                        }));
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
@@ -246,18 +280,19 @@ void launch_embedding_backward(const Env& env, const int32_t* ids, int64_t token
                                int64_t vocab, int64_t d, void* dtable, DType dtt) {
   const int64_t n = tokens * d;
   if (n == 0) return;
-  TROUPE_DISPATCH_FLOAT(gt, G, "embedding_backward", TROUPE_DISPATCH_FLOAT(dtt, D, "embedding_backward", {
-    embedding_backward_kernel<G, D><<<grid_for(n, 256, env.num_sms), 256, 0, env.stream>>>(
-        ids, tokens, static_cast<const G*>(dout), vocab, d, static_cast<D*>(dtable));
-  }));
+  TROUPE_DISPATCH_FLOAT(
+      gt, G, "embedding_backward", TROUPE_DISPATCH_FLOAT(dtt, D, "embedding_backward", {
+        embedding_backward_kernel<G, D><<<grid_for(n, 256, env.num_sms), 256, 0, env.stream>>>(
+            ids, tokens, static_cast<const G*>(dout), vocab, d, static_cast<D*>(dtable));
+      }));
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
 // ---- cross-entropy -------------------------------------------------------------------
 namespace {
 template <int V, typename L>
-__global__ void cross_entropy_forward_kernel(const L* logits, const int32_t* targets, int64_t vocab, float* losses,
-                                             float* lse_out) {
+__global__ void cross_entropy_forward_kernel(const L* logits, const int32_t* targets, int64_t vocab,
+                                             float* losses, float* lse_out) {
   __shared__ float shared[32];
   const int64_t row = blockIdx.x;
   const L* lr = logits + row * vocab;
@@ -320,7 +355,8 @@ struct CrossEntropyBackwardOp {
 template <int V, typename F>
 __global__ void rows_elementwise_kernel(int64_t n, F f) {
   const int64_t stride = int64_t{gridDim.x} * blockDim.x * V;
-  for (int64_t i = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) * V; i < n; i += stride) f.template apply<V>(i);
+  for (int64_t i = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) * V; i < n; i += stride)
+    f.template apply<V>(i);
 }
 }  // namespace
 
@@ -330,30 +366,32 @@ void launch_cross_entropy_forward(const Env& env, const void* logits, DType lt, 
   TROUPE_DISPATCH_FLOAT(lt, L, "cross_entropy_forward", {
     const auto* lp = static_cast<const L*>(logits);
     if (pack_ok<L>(logits, vocab)) {
-      cross_entropy_forward_kernel<kVec, L><<<static_cast<unsigned>(rows), 512, 0, env.stream>>>(lp, targets, vocab,
-                                                                                                 losses, lse);
+      cross_entropy_forward_kernel<kVec, L>
+          <<<static_cast<unsigned>(rows), 512, 0, env.stream>>>(lp, targets, vocab, losses, lse);
     } else {
-      cross_entropy_forward_kernel<1, L><<<static_cast<unsigned>(rows), 512, 0, env.stream>>>(lp, targets, vocab,
-                                                                                              losses, lse);
+      cross_entropy_forward_kernel<1, L>
+          <<<static_cast<unsigned>(rows), 512, 0, env.stream>>>(lp, targets, vocab, losses, lse);
     }
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
 void launch_cross_entropy_backward(const Env& env, const void* logits, DType lt, const int32_t* targets,
-                                   const float* lse, float grad_scale, int64_t rows, int64_t vocab, void* dlogits,
-                                   DType dt) {
+                                   const float* lse, float grad_scale, int64_t rows, int64_t vocab,
+                                   void* dlogits, DType dt) {
   const int64_t n = rows * vocab;
   if (n == 0) return;
-  TROUPE_DISPATCH_FLOAT(lt, L, "cross_entropy_backward", TROUPE_DISPATCH_FLOAT(dt, D, "cross_entropy_backward", {
-    CrossEntropyBackwardOp<L, D> op{static_cast<const L*>(logits), targets, lse, grad_scale, vocab,
-                                    static_cast<D*>(dlogits)};
-    if (pack_ok<L>(logits, vocab) && pack_ok<D>(dlogits, vocab)) {
-      rows_elementwise_kernel<kVec><<<grid_for(ceil_div(n, kVec), 256, env.num_sms), 256, 0, env.stream>>>(n, op);
-    } else {
-      rows_elementwise_kernel<1><<<grid_for(n, 256, env.num_sms), 256, 0, env.stream>>>(n, op);
-    }
-  }));
+  TROUPE_DISPATCH_FLOAT(
+      lt, L, "cross_entropy_backward", TROUPE_DISPATCH_FLOAT(dt, D, "cross_entropy_backward", {
+        CrossEntropyBackwardOp<L, D> op{static_cast<const L*>(logits), targets, lse, grad_scale, vocab,
+                                        static_cast<D*>(dlogits)};
+        if (pack_ok<L>(logits, vocab) && pack_ok<D>(dlogits, vocab)) {
+          rows_elementwise_kernel<kVec>
+              <<<grid_for(ceil_div(n, kVec), 256, env.num_sms), 256, 0, env.stream>>>(n, op);
+        } else {
+          rows_elementwise_kernel<1><<<grid_for(n, 256, env.num_sms), 256, 0, env.stream>>>(n, op);
+        }
+      }));
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 

@@ -263,6 +263,22 @@ TEST_F(CudaBf16, RowKernels) {
   rmsnorm_backward(gpu.ex, dev(dy), dev(x), dev(w), dev(r_w), dx_g, dw_g);
   expect_close(dx_g, dx_w, kTol, "rmsnorm_backward dx");
   expect_close(dw_g, dw_w, 1e-3, "rmsnorm_backward dw");
+  // The fused residual forms: h = x + r (the same bf16 rounding on both: exact), the norm of
+  // it, and the backward adding the residual gradient into dx in place.
+  {
+    Tensor rr = host_random({t, d}, kBF), h_w = host_poisoned({t, d}, kBF), h_g = dev_poisoned({t, d}, kBF);
+    rmsnorm_add_forward(cpu, x, rr, w, 1e-5f, h_w, y_w, r_w);
+    rmsnorm_add_forward(gpu.ex, dev(x), dev(rr), dev(w), 1e-5f, h_g, y_g, r_g);
+    EXPECT_EQ(back(h_g).to_floats(), h_w.to_floats()) << "rmsnorm_add_forward h";
+    expect_close(y_g, y_w, kTol, "rmsnorm_add_forward y");
+    expect_close(r_g, r_w, 1e-4, "rmsnorm_add_forward rstd");
+    Tensor dres = host_random({t, d}, kBF);
+    Tensor dx_res = dres.clone(), dx_resg = dev(dres);
+    rmsnorm_backward(cpu, dy, h_w, w, r_w, dx_res, dw_w, false, &dx_res);
+    rmsnorm_backward(gpu.ex, dev(dy), h_g, dev(w), dev(r_w), dx_resg, dw_g, false, &dx_resg);
+    expect_close(dx_resg, dx_res, kTol, "rmsnorm_backward dx + dres");
+    expect_close(dw_g, dw_w, 1e-3, "rmsnorm_backward dw (dres)");
+  }
 
   // SwiGLU: t x d, and rows wider than one block's packs (256 threads x 8), an odd count.
   for (const auto& [rows, f] : std::vector<std::pair<int64_t, int64_t>>{{t, d}, {5, 2056}}) {

@@ -688,6 +688,67 @@ void add_rmsnorm_cases(std::vector<OpCase>& cases, Rng& rng) {
   }
 }
 
+// The residual add fused into the norm (rmsnorm_add_forward) and the residual gradient
+// fused into its backward (rmsnorm_backward's dres): L = dot(dh, h) + dot(dy, y) with
+// h = x + r, y = rmsnorm(h), so dL/dx = dL/dr = dh + norm'(dy) and dL/dw = the norm's.
+// The vectorised CUDA path needs rows of a multiple of 8 (16, 32); 7 takes the scalar one.
+void add_rmsnorm_add_cases(std::vector<OpCase>& cases, Rng& rng) {
+  const float eps = 1e-5f;
+  for (auto [rows, dim, in_place] :
+       {std::tuple{6, 16, false}, std::tuple{3, 7, false}, std::tuple{4, 32, true}}) {
+    OpCase c;
+    c.name = fmt::format("rmsnorm_add/t{}d{}{}", rows, dim, in_place ? "/in_place" : "");
+    c.ops = {"rmsnorm_forward", "rmsnorm_backward"};
+    const int64_t t = rows, d = dim;
+    c.inputs = {rng.uniform({t, d}, -2.0, 2.0), rng.uniform({t, d}, -2.0, 2.0), rng.uniform({d}, 0.5, 1.5)};
+    const bool alias = in_place;
+    // h into x's own buffer when in place (the residual stream updated where it is).
+    auto run = [t, d, eps, alias](TestDevice& dev, const Tensors& in, Tensor& h, Tensor& y, Tensor& rstd) {
+      y = dev.poisoned({t, d});
+      rstd = dev.poisoned({t}, DType::kF32);
+      if (alias) {
+        h = dev.upload(dev.download(in[0]));
+      } else {
+        h = dev.poisoned({t, d});
+      }
+      rmsnorm_add_forward(dev.exec(), alias ? h : in[0], in[1], in[2], eps, h, y, rstd);
+    };
+    c.forward = [run](TestDevice& dev, const Tensors& in) {
+      Tensor h, y, rstd;
+      run(dev, in, h, y, rstd);
+      return HostTensors{dev.download(h), dev.download(y), dev.download(rstd)};
+    };
+    c.reference = [t, d, eps](const HostTensors& in) {
+      HostTensor h = HostTensor::zeros({t, d}), y = HostTensor::zeros({t, d}), rstd = HostTensor::zeros({t});
+      for (int64_t i = 0; i < t; ++i) {
+        double ss = 0.0;
+        for (int64_t j = 0; j < d; ++j) {
+          h[i * d + j] = in[0][i * d + j] + in[1][i * d + j];
+          ss += h[i * d + j] * h[i * d + j];
+        }
+        const double r = 1.0 / std::sqrt(ss / static_cast<double>(d) + static_cast<double>(eps));
+        rstd[i] = r;
+        for (int64_t j = 0; j < d; ++j) y[i * d + j] = h[i * d + j] * r * in[2][j];
+      }
+      return HostTensors{h, y, rstd};
+    };
+    c.grad_inputs = {0, 1, 2};
+    c.loss_outputs = {0, 1};
+    c.backward = [run, t, d, alias](TestDevice& dev, const Tensors& in, const Tensors& douts) {
+      Tensor h, y, rstd;
+      run(dev, in, h, y, rstd);
+      Tensor dw = dev.poisoned({d});
+      // In place: dx written over a copy of dres (the way a block passes its gradient on).
+      Tensor dx = alias ? dev.upload(dev.download(douts[0])) : dev.poisoned({t, d});
+      rmsnorm_backward(dev.exec(), douts[1], h, in[2], rstd, dx, dw, /*accumulate_dw=*/false,
+                       alias ? &dx : &douts[0]);
+      const HostTensor g = dev.download(dx);
+      return HostTensors{g, g, dev.download(dw)};
+    };
+    cases.push_back(std::move(c));
+  }
+}
+
 void add_rope_cases(std::vector<OpCase>& cases, Rng& rng) {
   const float theta = 10000.0f;
   for (auto [tokens, heads, dh, in_place] : {std::tuple{5, 3, 8, false}, std::tuple{4, 2, 2, true}}) {
@@ -1582,6 +1643,7 @@ std::vector<OpCase> all_op_cases(uint64_t seed) {
   add_grouped_matmul_cases(cases, rng);
   add_embedding_cases(cases, rng);
   add_rmsnorm_cases(cases, rng);
+  add_rmsnorm_add_cases(cases, rng);
   add_rope_cases(cases, rng);
   add_attention_cases(cases, rng);
   add_softmax_cases(cases, rng);
