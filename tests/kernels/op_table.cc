@@ -684,6 +684,7 @@ void add_rmsnorm_cases(std::vector<OpCase>& cases, Rng& rng) {
       rmsnorm_backward(dev.exec(), douts[0], in[0], in[1], rstd, dx, dw, accumulate);
       return HostTensors{dev.download(dx), dev.download(dw)};
     };
+    c.cuda_bf16_storage = true;
     cases.push_back(std::move(c));
   }
 }

@@ -74,6 +74,10 @@ struct OpCase {
   std::vector<int> f32_inputs;
   // Whether the case also runs with bf16 float storage (see TestDevice::float_storage).
   bool bf16_storage = true;
+  // Whether the CUDA test also runs it with bf16 storage on both backends (tolerances
+  // widened as for bf16 against the reference); other cases' bf16 kernels are compared with
+  // the CPU backend by kernels_cuda_bf16_test.
+  bool cuda_bf16_storage = false;
 
   // Runs the op on `dev` with `in` (uploads of `inputs`); returns host copies of outputs.
   std::function<HostTensors(TestDevice& dev, const Tensors& in)> forward;

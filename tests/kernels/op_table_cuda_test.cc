@@ -6,9 +6,11 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <cstring>
+#include <ostream>
 
 #include "kernels/backend.h"
 #include "tests/kernels/op_table.h"
@@ -104,27 +106,49 @@ Tensors upload_all(TestDevice& dev, const HostTensors& hs) {
   return ts;
 }
 
-// The table runs with f32 float storage here; the CUDA backend's bf16 paths are compared
-// with the CPU backend by kernels_cuda_bf16_test (or set_float_storage(kBF16) on both devices).
+// The table runs with f32 float storage here, and again with bf16 storage for the cases
+// that ask for it (cuda_bf16_storage); the CUDA backend's other bf16 paths are compared
+// with the CPU backend by kernels_cuda_bf16_test.
+struct Run {
+  size_t index;  // into cases()
+  DType storage;
+};
 
-void expect_same(const OpCase& c, const HostTensors& cuda, const HostTensors& cpu, const char* what) {
+// How gtest prints a parameter in failure messages.
+void PrintTo(const Run& r, std::ostream* os) {
+  *os << cases()[r.index].name << " with " << dtype_name(r.storage) << " storage";
+}
+
+std::vector<Run> runs(bool backward) {
+  std::vector<Run> r;
+  for (DType storage : {DType::kF32, DType::kBF16}) {
+    for (size_t i = 0; i < cases().size(); ++i) {
+      const OpCase& c = cases()[i];
+      if (backward && !c.backward) continue;
+      if (storage == DType::kBF16 && !(c.bf16_storage && c.cuda_bf16_storage)) continue;
+      r.push_back({i, storage});
+    }
+  }
+  return r;
+}
+
+void expect_same(const OpCase& c, DType storage, const HostTensors& cuda, const HostTensors& cpu,
+                 const char* what) {
   ASSERT_EQ(cuda.size(), cpu.size()) << c.name;
+  double atol = c.cross_atol, rtol = c.cross_rtol;
+  if (storage == DType::kBF16) {
+    atol = std::max(atol, kBf16Atol);
+    rtol = std::max(rtol, kBf16Rtol);
+  }
   for (size_t o = 0; o < cpu.size(); ++o) {
-    const std::string err = compare(cuda[o], cpu[o], c.cross_atol, c.cross_rtol,
-                                    fmt::format("{} {} {} (cuda vs cpu)", c.name, what, o));
+    const std::string err =
+        compare(cuda[o], cpu[o], atol, rtol, fmt::format("{} {} {} (cuda vs cpu)", c.name, what, o));
     EXPECT_TRUE(err.empty()) << err;
   }
 }
 
-std::vector<size_t> cases_with_backward() {
-  std::vector<size_t> r;
-  for (size_t i = 0; i < cases().size(); ++i)
-    if (cases()[i].backward) r.push_back(i);
-  return r;
-}
-
-class OpTableCuda : public ::testing::TestWithParam<size_t> {};
-class OpTableCudaBackward : public ::testing::TestWithParam<size_t> {};
+class OpTableCuda : public ::testing::TestWithParam<Run> {};
+class OpTableCudaBackward : public ::testing::TestWithParam<Run> {};
 
 // The first op of the case that the CUDA backend lacks ("" when it has them all). Every
 // op must exist on CUDA: a missing one fails its case (checked before calling it, which
@@ -136,35 +160,41 @@ std::string missing_op(const OpCase& c) {
 }
 
 TEST_P(OpTableCuda, ForwardMatchesCpu) {
-  const OpCase& c = cases()[GetParam()];
+  const OpCase& c = cases()[GetParam().index];
+  const DType storage = GetParam().storage;
   ASSERT_EQ(missing_op(c), "") << c.name << ": this op is missing from the CUDA backend";
   auto cpu = make_cpu_test_device();
+  cpu->set_float_storage(storage);
+  g_cuda->set_float_storage(storage);  // every run sets it: the device is shared
   const HostTensors want = c.forward(*cpu, upload_inputs(*cpu, c, c.inputs));
   const HostTensors got = c.forward(*g_cuda, upload_inputs(*g_cuda, c, c.inputs));
-  expect_same(c, got, want, "output");
+  expect_same(c, storage, got, want, "output");
 }
 
 TEST_P(OpTableCudaBackward, MatchesCpu) {
-  const OpCase& c = cases()[GetParam()];
+  const OpCase& c = cases()[GetParam().index];
+  const DType storage = GetParam().storage;
   ASSERT_EQ(missing_op(c), "") << c.name << ": this op is missing from the CUDA backend";
   auto cpu = make_cpu_test_device();
-  const HostTensors douts = make_douts(c, c.reference(c.inputs), kSeed + GetParam());
+  cpu->set_float_storage(storage);
+  g_cuda->set_float_storage(storage);  // every run sets it: the device is shared
+  const HostTensors douts = make_douts(c, c.reference(c.inputs), kSeed + GetParam().index, storage);
   const HostTensors want = c.backward(*cpu, upload_inputs(*cpu, c, c.inputs), upload_all(*cpu, douts));
   const HostTensors got =
       c.backward(*g_cuda, upload_inputs(*g_cuda, c, c.inputs), upload_all(*g_cuda, douts));
-  expect_same(c, got, want, "gradient");
+  expect_same(c, storage, got, want, "gradient");
 }
 
-std::string case_test_name(const ::testing::TestParamInfo<size_t>& info) {
-  std::string s = cases()[info.param].name;
+std::string run_name(const ::testing::TestParamInfo<Run>& info) {
+  std::string s = cases()[info.param.index].name;
+  if (info.param.storage != DType::kF32) s += "/" + std::string(dtype_name(info.param.storage));
   for (char& ch : s)
     if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
   return s;
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, OpTableCuda, ::testing::Range<size_t>(0, cases().size()), case_test_name);
-INSTANTIATE_TEST_SUITE_P(Cases, OpTableCudaBackward, ::testing::ValuesIn(cases_with_backward()),
-                         case_test_name);
+INSTANTIATE_TEST_SUITE_P(Cases, OpTableCuda, ::testing::ValuesIn(runs(false)), run_name);
+INSTANTIATE_TEST_SUITE_P(Cases, OpTableCudaBackward, ::testing::ValuesIn(runs(true)), run_name);
 
 }  // namespace
 }  // namespace troupe::kernels::testing
