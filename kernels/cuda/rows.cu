@@ -100,8 +100,10 @@ __global__ void rmsnorm_backward_kernel(const X* dy, const X* x, const W* w, con
       if (dres != nullptr) {
         float rv[V];
         load_floats<V>(dres + row * d + c, rv);
+        // __fadd_rn is never contracted with the product above into an fma, so with f32 dx
+        // the sum is the unfused add's of the stored gradient, bit for bit.
 #pragma unroll
-        for (int j = 0; j < V; ++j) gv[j] += rv[j];
+        for (int j = 0; j < V; ++j) gv[j] = __fadd_rn(gv[j], rv[j]);
       }
       store_floats<V>(dx + row * d + c, gv);
     }

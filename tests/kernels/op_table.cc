@@ -647,6 +647,20 @@ void add_embedding_cases(std::vector<OpCase>& cases, Rng& rng) {
   }
 }
 
+// y, rstd of rmsnorm_forward for x [t, d], w [d], in double.
+HostTensors rmsnorm_reference(const HostTensor& x, const HostTensor& w, double eps) {
+  const int64_t t = x.shape[0], d = x.shape[1];
+  HostTensor y = HostTensor::zeros({t, d}), rstd = HostTensor::zeros({t});
+  for (int64_t i = 0; i < t; ++i) {
+    double ss = 0.0;
+    for (int64_t j = 0; j < d; ++j) ss += x[i * d + j] * x[i * d + j];
+    const double r = 1.0 / std::sqrt(ss / static_cast<double>(d) + eps);
+    rstd[i] = r;
+    for (int64_t j = 0; j < d; ++j) y[i * d + j] = x[i * d + j] * r * w[j];
+  }
+  return {y, rstd};
+}
+
 void add_rmsnorm_cases(std::vector<OpCase>& cases, Rng& rng) {
   const float eps = 1e-5f;
   for (auto [rows, dim, accumulate] :
@@ -661,17 +675,7 @@ void add_rmsnorm_cases(std::vector<OpCase>& cases, Rng& rng) {
       rmsnorm_forward(dev.exec(), in[0], in[1], eps, y, rstd);
       return HostTensors{dev.download(y), dev.download(rstd)};
     };
-    c.reference = [t, d, eps](const HostTensors& in) {
-      HostTensor y = HostTensor::zeros({t, d}), rstd = HostTensor::zeros({t});
-      for (int64_t i = 0; i < t; ++i) {
-        double ss = 0.0;
-        for (int64_t j = 0; j < d; ++j) ss += in[0][i * d + j] * in[0][i * d + j];
-        const double r = 1.0 / std::sqrt(ss / static_cast<double>(d) + static_cast<double>(eps));
-        rstd[i] = r;
-        for (int64_t j = 0; j < d; ++j) y[i * d + j] = in[0][i * d + j] * r * in[1][j];
-      }
-      return HostTensors{y, rstd};
-    };
+    c.reference = [eps](const HostTensors& in) { return rmsnorm_reference(in[0], in[1], eps); };
     c.grad_inputs = {0, 1};
     c.loss_outputs = {0};
     c.grad_init = {HostTensor{}, accumulate ? rng.uniform({d}) : HostTensor{}};
@@ -689,64 +693,137 @@ void add_rmsnorm_cases(std::vector<OpCase>& cases, Rng& rng) {
   }
 }
 
-// The residual add fused into the norm (rmsnorm_add_forward) and the residual gradient
-// fused into its backward (rmsnorm_backward's dres): L = dot(dh, h) + dot(dy, y) with
-// h = x + r, y = rmsnorm(h), so dL/dx = dL/dr = dh + norm'(dy) and dL/dw = the norm's.
-// The vectorised CUDA path needs rows of a multiple of 8 (16, 32); 7 takes the scalar one.
+// The spacing of bf16 values around |x| (8 significant bits), the smallest normal's below it.
+double bf16_ulp(double x) {
+  int e = 0;
+  std::frexp(std::max(std::fabs(x), std::ldexp(1.0, -126)), &e);  // |x| in [2^(e-1), 2^e)
+  return std::ldexp(1.0, e - 8);
+}
+
+// 1 where got and want differ by more than tol (or either is NaN), else 0: i32, so that the
+// harnesses compare it exactly whatever the storage's tolerances.
+HostTensor flag_differences(const HostTensor& got, const HostTensor& want, const std::vector<double>& tol) {
+  HostTensor f = HostTensor::zeros(want.shape, DType::kI32);
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    const double bound = tol.empty() ? 0.0 : tol[static_cast<size_t>(i)];
+    f[i] = std::fabs(got[i] - want[i]) <= bound ? 0.0 : 1.0;  // NaN is flagged
+  }
+  return f;
+}
+
+// A pre-norm block's residual adds fused into its norms: rmsnorm_add_forward (h = x + r,
+// then the norm of h) and rmsnorm_backward's dres (the residual branch's gradient added to
+// dx). The loss L = dot(dh, h) + dot(dy, y) with h = x + r, y = rmsnorm(h) makes
+// dL/dx = dL/dr = dh + norm'(dy): a fusion that drops the residual, in either direction,
+// fails the reference or the finite differences. w stays f32 under bf16 storage, as the
+// model's master weights do. Shapes: rows of 16 and 1032 take the CUDA kernels' 8-wide packs
+// (1032 = 129 packs, more than a 128-thread block's one round), 7 and 263 the scalar path
+// (263 > 256 threads); in_place writes h over x and dx over dres.
+//
+// Each shape also has a "/vs_unfused" case comparing the fused ops with the pairs they
+// replace (add then rmsnorm_forward; rmsnorm_backward then add) on the same device: h, y
+// and rstd must be equal bit for bit. So must dx with f32 storage; with bf16 storage the
+// unfused pair rounds the norm's gradient g to bf16 before adding dres and rounds again,
+// the fused op rounds g + dres once, so they may differ by that first rounding (half a
+// bf16 ulp of g) plus half an ulp of each result (their own final roundings), plus f32
+// roundings of the sums (2^-22 of |g| + |dres| covers them). Where g + dres cancels, the
+// difference comes close to that bound: the fused result is the more accurate one.
 void add_rmsnorm_add_cases(std::vector<OpCase>& cases, Rng& rng) {
   const float eps = 1e-5f;
-  for (auto [rows, dim, in_place] :
-       {std::tuple{6, 16, false}, std::tuple{3, 7, false}, std::tuple{4, 32, true}}) {
-    OpCase c;
-    c.name = fmt::format("rmsnorm_add/t{}d{}{}", rows, dim, in_place ? "/in_place" : "");
-    c.ops = {"rmsnorm_forward", "rmsnorm_backward"};
+  for (auto [rows, dim, in_place] : {std::tuple{6, 16, false}, std::tuple{3, 7, false},
+                                     std::tuple{2, 1032, true}, std::tuple{2, 263, true}}) {
     const int64_t t = rows, d = dim;
-    c.inputs = {rng.uniform({t, d}, -2.0, 2.0), rng.uniform({t, d}, -2.0, 2.0), rng.uniform({d}, 0.5, 1.5)};
     const bool alias = in_place;
-    // h into x's own buffer when in place (the residual stream updated where it is).
-    auto run = [t, d, eps, alias](TestDevice& dev, const Tensors& in, Tensor& h, Tensor& y, Tensor& rstd) {
-      y = dev.poisoned({t, d});
-      rstd = dev.poisoned({t}, DType::kF32);
-      if (alias) {
-        h = dev.upload(dev.download(in[0]));
-      } else {
-        h = dev.poisoned({t, d});
-      }
+    const HostTensors inputs = {rng.uniform({t, d}, -2.0, 2.0), rng.uniform({t, d}, -2.0, 2.0),
+                                rng.uniform({d}, 0.5, 1.5)};
+    // The fused forward on `dev`: h, y, rstd (h written over a copy of x when in place).
+    auto fused_forward = [t, d, eps, alias](TestDevice& dev, const Tensors& in) {
+      Tensor h = alias ? dev.upload(dev.download(in[0])) : dev.poisoned({t, d});
+      Tensor y = dev.poisoned({t, d}), rstd = dev.poisoned({t}, DType::kF32);
       rmsnorm_add_forward(dev.exec(), alias ? h : in[0], in[1], in[2], eps, h, y, rstd);
+      return Tensors{h, y, rstd};
     };
-    c.forward = [run](TestDevice& dev, const Tensors& in) {
-      Tensor h, y, rstd;
-      run(dev, in, h, y, rstd);
-      return HostTensors{dev.download(h), dev.download(y), dev.download(rstd)};
+    // The fused backward: dx = norm'(dy) + dres, over a copy of dres when in place.
+    auto fused_backward = [t, d, alias](TestDevice& dev, const Tensor& dy, const Tensor& dres,
+                                        const Tensor& h, const Tensor& w, const Tensor& rstd, Tensor& dx,
+                                        Tensor& dw) {
+      dx = alias ? dev.upload(dev.download(dres)) : dev.poisoned({t, d});
+      dw = dev.poisoned({d}, DType::kF32);
+      rmsnorm_backward(dev.exec(), dy, h, w, rstd, dx, dw, false, alias ? &dx : &dres);
     };
-    c.reference = [t, d, eps](const HostTensors& in) {
-      HostTensor h = HostTensor::zeros({t, d}), y = HostTensor::zeros({t, d}), rstd = HostTensor::zeros({t});
-      for (int64_t i = 0; i < t; ++i) {
-        double ss = 0.0;
-        for (int64_t j = 0; j < d; ++j) {
-          h[i * d + j] = in[0][i * d + j] + in[1][i * d + j];
-          ss += h[i * d + j] * h[i * d + j];
+    const std::string tag = fmt::format("rmsnorm_add/t{}d{}{}", rows, dim, in_place ? "/in_place" : "");
+    {
+      OpCase c;
+      c.name = tag;
+      c.ops = {"rmsnorm_forward", "rmsnorm_backward"};  // rmsnorm_add_forward runs on the first
+      c.inputs = inputs;
+      c.f32_inputs = {2};
+      c.forward = [fused_forward](TestDevice& dev, const Tensors& in) {
+        const Tensors out = fused_forward(dev, in);
+        return HostTensors{dev.download(out[0]), dev.download(out[1]), dev.download(out[2])};
+      };
+      c.reference = [eps](const HostTensors& in) {
+        HostTensor h = in[0];
+        for (int64_t i = 0; i < h.numel(); ++i) h[i] += in[1][i];
+        HostTensors yr = rmsnorm_reference(h, in[2], eps);
+        return HostTensors{h, yr[0], yr[1]};
+      };
+      c.grad_inputs = {0, 1, 2};
+      c.loss_outputs = {0, 1};
+      c.backward = [fused_forward, fused_backward](TestDevice& dev, const Tensors& in, const Tensors& douts) {
+        const Tensors f = fused_forward(dev, in);
+        Tensor dx, dw;
+        fused_backward(dev, douts[1], douts[0], f[0], in[2], f[2], dx, dw);
+        const HostTensor dxh = dev.download(dx);
+        return HostTensors{dxh, dxh, dev.download(dw)};
+      };
+      c.cuda_bf16_storage = true;
+      cases.push_back(std::move(c));
+    }
+    {
+      OpCase c;
+      c.name = tag + "/vs_unfused";
+      c.ops = {"rmsnorm_forward", "rmsnorm_backward", "add"};
+      c.inputs = inputs;
+      c.inputs.push_back(rng.uniform({t, d}));  // dy (the norm's upstream gradient)
+      c.inputs.push_back(rng.uniform({t, d}));  // dres
+      c.f32_inputs = {2};
+      // Outputs: where the fused h, y, rstd, dx and dw differ from the unfused ones.
+      c.forward = [t, d, eps, fused_forward, fused_backward](TestDevice& dev, const Tensors& in) {
+        const Tensors f = fused_forward(dev, in);
+        Tensor h = dev.poisoned({t, d}), y = dev.poisoned({t, d}), rstd = dev.poisoned({t}, DType::kF32);
+        add(dev.exec(), in[0], in[1], h);
+        rmsnorm_forward(dev.exec(), h, in[2], eps, y, rstd);
+        Tensor dx, dw;
+        fused_backward(dev, in[3], in[4], h, in[2], rstd, dx, dw);
+        Tensor g = dev.poisoned({t, d}), dw_u = dev.poisoned({d}, DType::kF32);
+        rmsnorm_backward(dev.exec(), in[3], h, in[2], rstd, g, dw_u);
+        const HostTensor gh = dev.download(g);  // the norm's gradient as the unfused pair stores it
+        Tensor dx_u = dev.poisoned({t, d});
+        add(dev.exec(), g, in[4], dx_u);
+        const HostTensor fused = dev.download(dx), unfused = dev.download(dx_u), dres = dev.download(in[4]);
+        std::vector<double> tol(static_cast<size_t>(t * d), 0.0);
+        if (dev.float_storage() == DType::kBF16) {
+          for (int64_t i = 0; i < t * d; ++i) {
+            tol[static_cast<size_t>(i)] =
+                0.5 * (bf16_ulp(gh[i]) + bf16_ulp(fused[i]) + bf16_ulp(unfused[i])) +
+                std::ldexp(std::fabs(gh[i]) + std::fabs(dres[i]), -22);
+          }
         }
-        const double r = 1.0 / std::sqrt(ss / static_cast<double>(d) + static_cast<double>(eps));
-        rstd[i] = r;
-        for (int64_t j = 0; j < d; ++j) y[i * d + j] = h[i * d + j] * r * in[2][j];
-      }
-      return HostTensors{h, y, rstd};
-    };
-    c.grad_inputs = {0, 1, 2};
-    c.loss_outputs = {0, 1};
-    c.backward = [run, t, d, alias](TestDevice& dev, const Tensors& in, const Tensors& douts) {
-      Tensor h, y, rstd;
-      run(dev, in, h, y, rstd);
-      Tensor dw = dev.poisoned({d});
-      // In place: dx written over a copy of dres (the way a block passes its gradient on).
-      Tensor dx = alias ? dev.upload(dev.download(douts[0])) : dev.poisoned({t, d});
-      rmsnorm_backward(dev.exec(), douts[1], h, in[2], rstd, dx, dw, /*accumulate_dw=*/false,
-                       alias ? &dx : &douts[0]);
-      const HostTensor g = dev.download(dx);
-      return HostTensors{g, g, dev.download(dw)};
-    };
-    cases.push_back(std::move(c));
+        return HostTensors{flag_differences(dev.download(f[0]), dev.download(h), {}),
+                           flag_differences(dev.download(f[1]), dev.download(y), {}),
+                           flag_differences(dev.download(f[2]), dev.download(rstd), {}),
+                           flag_differences(fused, unfused, tol),
+                           flag_differences(dev.download(dw), dev.download(dw_u), {})};
+      };
+      c.reference = [t, d](const HostTensors&) {
+        const HostTensor same = HostTensor::zeros({t, d}, DType::kI32);
+        return HostTensors{same, same, HostTensor::zeros({t}, DType::kI32), same,
+                           HostTensor::zeros({d}, DType::kI32)};
+      };
+      c.cuda_bf16_storage = true;
+      cases.push_back(std::move(c));
+    }
   }
 }
 
