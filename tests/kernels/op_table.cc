@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -1735,6 +1736,32 @@ std::vector<OpCase> all_op_cases(uint64_t seed) {
   add_step_stats_cases(cases, rng);  // issue 20
   add_codec_cases(cases, rng);       // issue 17
   return cases;
+}
+
+void PrintTo(const OpRun& r, std::ostream* os) {
+  *os << r.case_name << " with " << dtype_name(r.storage) << " storage";
+}
+
+std::vector<OpRun> op_runs(const std::vector<OpCase>& table, bool backward,
+                           const std::function<bool(const OpCase&)>& with_bf16) {
+  std::vector<OpRun> r;
+  for (DType storage : {DType::kF32, DType::kBF16}) {
+    for (size_t i = 0; i < table.size(); ++i) {
+      const OpCase& c = table[i];
+      if (backward && !c.backward) continue;
+      if (storage == DType::kBF16 && !(c.bf16_storage && with_bf16(c))) continue;
+      r.push_back({i, storage, c.name});
+    }
+  }
+  return r;
+}
+
+std::string op_run_name(const OpRun& r) {
+  std::string s = r.case_name;
+  if (r.storage != DType::kF32) s += "/" + std::string(dtype_name(r.storage));
+  for (char& ch : s)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return s;
 }
 
 }  // namespace troupe::kernels::testing

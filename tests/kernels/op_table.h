@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -135,6 +136,23 @@ HostTensors inputs_for_storage(const OpCase& c, DType storage);
 // Uploads every input of a case (f32_inputs as f32, other float inputs in the device's
 // float storage, integer inputs as they are).
 Tensors upload_inputs(TestDevice& dev, const OpCase& c, const HostTensors& inputs);
+
+// One case of the table under one float storage: the parameter of the table's test suites.
+struct OpRun {
+  size_t index;  // into the table the runs were made from
+  DType storage;
+  std::string case_name;
+};
+// How gtest prints a run in failure messages.
+void PrintTo(const OpRun& r, std::ostream* os);
+// The runs of `table`: every case with f32 storage, then with bf16 storage the cases that
+// allow it (OpCase::bf16_storage) and pass `with_bf16`; only cases with a backward when
+// `backward` is set.
+std::vector<OpRun> op_runs(const std::vector<OpCase>& table, bool backward,
+                           const std::function<bool(const OpCase&)>& with_bf16);
+// A run's test name: the case's name ("/bf16" appended for bf16 storage), every other
+// character than a letter or digit replaced by '_'.
+std::string op_run_name(const OpRun& r);
 
 // Tolerances widened for bf16 storage (outputs rounded to 8 significant bits).
 inline constexpr double kBf16Atol = 2e-2;

@@ -109,27 +109,8 @@ Tensors upload_all(TestDevice& dev, const HostTensors& hs) {
 // The table runs with f32 float storage here, and again with bf16 storage for the cases
 // that ask for it (cuda_bf16_storage); the CUDA backend's other bf16 paths are compared
 // with the CPU backend by kernels_cuda_bf16_test.
-struct Run {
-  size_t index;  // into cases()
-  DType storage;
-};
-
-// How gtest prints a parameter in failure messages.
-void PrintTo(const Run& r, std::ostream* os) {
-  *os << cases()[r.index].name << " with " << dtype_name(r.storage) << " storage";
-}
-
-std::vector<Run> runs(bool backward) {
-  std::vector<Run> r;
-  for (DType storage : {DType::kF32, DType::kBF16}) {
-    for (size_t i = 0; i < cases().size(); ++i) {
-      const OpCase& c = cases()[i];
-      if (backward && !c.backward) continue;
-      if (storage == DType::kBF16 && !(c.bf16_storage && c.cuda_bf16_storage)) continue;
-      r.push_back({i, storage});
-    }
-  }
-  return r;
+std::vector<OpRun> runs(bool backward) {
+  return op_runs(cases(), backward, [](const OpCase& c) { return c.cuda_bf16_storage; });
 }
 
 void expect_same(const OpCase& c, DType storage, const HostTensors& cuda, const HostTensors& cpu,
@@ -147,8 +128,8 @@ void expect_same(const OpCase& c, DType storage, const HostTensors& cuda, const 
   }
 }
 
-class OpTableCuda : public ::testing::TestWithParam<Run> {};
-class OpTableCudaBackward : public ::testing::TestWithParam<Run> {};
+class OpTableCuda : public ::testing::TestWithParam<OpRun> {};
+class OpTableCudaBackward : public ::testing::TestWithParam<OpRun> {};
 
 // The first op of the case that the CUDA backend lacks ("" when it has them all). Every
 // op must exist on CUDA: a missing one fails its case (checked before calling it, which
@@ -185,12 +166,8 @@ TEST_P(OpTableCudaBackward, MatchesCpu) {
   expect_same(c, storage, got, want, "gradient");
 }
 
-std::string run_name(const ::testing::TestParamInfo<Run>& info) {
-  std::string s = cases()[info.param.index].name;
-  if (info.param.storage != DType::kF32) s += "/" + std::string(dtype_name(info.param.storage));
-  for (char& ch : s)
-    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-  return s;
+std::string run_name(const ::testing::TestParamInfo<OpRun>& info) {
+  return op_run_name(info.param);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, OpTableCuda, ::testing::ValuesIn(runs(false)), run_name);

@@ -25,35 +25,13 @@ const std::vector<OpCase>& cases() {
   return kCases;
 }
 
-struct Run {
-  size_t index;  // into cases()
-  DType storage;
-};
-
-// How gtest prints a parameter in failure messages.
-void PrintTo(const Run& r, std::ostream* os) {
-  *os << cases()[r.index].name << " with " << dtype_name(r.storage) << " storage";
+// Every case with f32 storage, and with bf16 storage where the case allows it.
+std::vector<OpRun> runs(bool backward) {
+  return op_runs(cases(), backward, [](const OpCase&) { return true; });
 }
 
-std::vector<Run> runs(bool backward) {
-  std::vector<Run> r;
-  for (DType storage : {DType::kF32, DType::kBF16}) {
-    for (size_t i = 0; i < cases().size(); ++i) {
-      const OpCase& c = cases()[i];
-      if (backward && !c.backward) continue;
-      if (storage == DType::kBF16 && !c.bf16_storage) continue;
-      r.push_back({i, storage});
-    }
-  }
-  return r;
-}
-
-std::string run_name(const ::testing::TestParamInfo<Run>& info) {
-  std::string s = cases()[info.param.index].name;
-  if (info.param.storage != DType::kF32) s += "/" + std::string(dtype_name(info.param.storage));
-  for (char& ch : s)
-    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-  return s;
+std::string run_name(const ::testing::TestParamInfo<OpRun>& info) {
+  return op_run_name(info.param);
 }
 
 std::pair<double, double> tolerances(double atol, double rtol, DType storage) {
@@ -70,8 +48,8 @@ double loss_of(const OpCase& c, const HostTensors& outputs, const HostTensors& d
   return l;
 }
 
-class OpTableCpu : public ::testing::TestWithParam<Run> {};
-class OpTableCpuBackward : public ::testing::TestWithParam<Run> {};
+class OpTableCpu : public ::testing::TestWithParam<OpRun> {};
+class OpTableCpuBackward : public ::testing::TestWithParam<OpRun> {};
 
 TEST_P(OpTableCpu, ForwardMatchesReference) {
   const OpCase& c = cases()[GetParam().index];
