@@ -330,8 +330,9 @@ void embedding_backward(const Exec& ex, const Tensor& ids, const Tensor& dout, T
 
 // ---- RMSNorm -------------------------------------------------------------------------
 
-void rmsnorm_forward(const Exec& ex, const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd) {
-  OpCheck c("rmsnorm_forward", ex, {{"x", &x}, {"w", &w}, {"y", &y}, {"rstd", &rstd}});
+// Checks shared by rmsnorm_forward and rmsnorm_add_forward (x being the normalised input).
+static void check_rmsnorm_forward(OpCheck& c, const Tensor& x, const Tensor& w, float eps, const Tensor& y,
+                                  const Tensor& rstd) {
   OP_FLOAT(c, x);
   OP_FLOAT(c, w);
   OP_FLOAT(c, y);
@@ -341,6 +342,11 @@ void rmsnorm_forward(const Exec& ex, const Tensor& x, const Tensor& w, float eps
   OP_SHAPE(c, y, x.shape());
   OP_SHAPE(c, rstd, {x.size(0)});
   OP_REQUIRE(c, eps >= 0.0f, "eps = {} is negative", eps);
+}
+
+void rmsnorm_forward(const Exec& ex, const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd) {
+  OpCheck c("rmsnorm_forward", ex, {{"x", &x}, {"w", &w}, {"y", &y}, {"rstd", &rstd}});
+  check_rmsnorm_forward(c, x, w, eps, y, rstd);
   c.call(&Backend::rmsnorm_forward, ex, x, nullptr, w, eps, nullptr, y, rstd);
 }
 
@@ -348,19 +354,11 @@ void rmsnorm_add_forward(const Exec& ex, const Tensor& x, const Tensor& r, const
                          Tensor& h, Tensor& y, Tensor& rstd) {
   OpCheck c("rmsnorm_add_forward", ex,
             {{"x", &x}, {"r", &r}, {"w", &w}, {"h", &h}, {"y", &y}, {"rstd", &rstd}});
-  OP_FLOAT(c, x);
+  check_rmsnorm_forward(c, x, w, eps, y, rstd);
   OP_DTYPE(c, r, x.dtype());
   OP_DTYPE(c, h, x.dtype());
-  OP_FLOAT(c, w);
-  OP_FLOAT(c, y);
-  OP_DTYPE(c, rstd, DType::kF32);
-  OP_RANK(c, x, 2);
   OP_SHAPE(c, r, x.shape());
   OP_SHAPE(c, h, x.shape());
-  OP_SHAPE(c, w, {x.size(1)});
-  OP_SHAPE(c, y, x.shape());
-  OP_SHAPE(c, rstd, {x.size(0)});
-  OP_REQUIRE(c, eps >= 0.0f, "eps = {} is negative", eps);
   c.call(&Backend::rmsnorm_forward, ex, x, &r, w, eps, &h, y, rstd);
 }
 
