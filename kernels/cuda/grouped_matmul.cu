@@ -522,7 +522,9 @@ void launch_gemm_tiled(const Env& env, dim3 grid, const GemmArgs& args) {
 // dW with an f32 output (k segments) stages the same way, each warpgroup's 64 x 256 in two
 // rounds of 64 x 128 (4 boxes of 32 f32 columns), and reduces into the output with the
 // TMA's add where the product accumulates; every tile of dW is whole (the map's bounds clip
-// rows and columns past the expert's matrix).
+// rows and columns past the expert's matrix). Where dW is written, that epilogue can also
+// leave each warp's sum of squares of its accumulators in a slot (GemmArgs::sum_squares):
+// the gradient norm folded into the product, a few FMAs per accumulator (issue 20).
 constexpr int kTmaBN = 256, kTmaThreads = 384;
 constexpr int kTmaStageBytes = kWgBM * kWgBK * 2 + kWgBK * kTmaBN * 2;
 constexpr int kStagingBytes = 65536;  // two warpgroups' 32 KB: bf16 64 x 256, or f32 64 x 128
