@@ -163,7 +163,10 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
   // reads only the other ~9% of the gradient (issue 20). Exact here: this loop all-reduces
   // no gradient (layout 1x1x1), and a step whose dW a later micro-batch adds to
   // (grad_accum > 1) reads those gradients as before (Parameter::grad_sum_squares_valid).
-  if (device_stats && tc.train.fold_grad_norm) model.enable_grad_norm_fold(c);
+  if (device_stats && tc.train.fold_grad_norm) {
+    const int64_t folded = model.enable_grad_norm_fold(c);
+    fmt::print("train_moe: gradient norm folded into the dW products of {} parameters\n", folded);
+  }
   layers::AdamW opt(model.parameters(), tc.optim, c);
   opt.write_working_copies(true);  // the bf16 working copies come out of the optimizer's pass
   int64_t first_step = 1, tokens_seen = 0;
