@@ -161,9 +161,9 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
   const bool device_stats = dev.is_cuda() && tc.train.device_stats && model.enable_device_stats(c);
   // The experts' dW products also leave their sums of squares for that norm, which then
   // reads only the other ~9% of the gradient (issue 20). Exact here: this loop all-reduces
-  // no gradient (layout 1x1x1), and a step whose dW a later micro-batch adds to
-  // (grad_accum > 1) reads those gradients as before (Parameter::grad_sum_squares_valid).
-  if (device_stats && tc.train.fold_grad_norm) {
+  // no gradient (layout 1x1x1). Only with one micro-batch per step: later ones add to the
+  // dW, and the norm would read those gradients anyway (Parameter::grad_sum_squares_valid).
+  if (device_stats && tc.train.fold_grad_norm && tc.train.grad_accum == 1) {
     const int64_t folded = model.enable_grad_norm_fold(c);
     fmt::print("train_moe: gradient norm folded into the dW products of {} parameters\n", folded);
   }
