@@ -285,12 +285,14 @@ void Model::to_device(const Ctx& c) {
     total += (p.param->numel() + kAlign - 1) / kAlign * kAlign;
   }
   flat_grads_ = c.zeros({total}, DType::kF32);
+  fold_slots_ = Tensor();
   size_t i = 0;
   for (auto& p : params) {
     Parameter& prm = *p.param;
     if (prm.value.device() == c.ex.device) continue;
     prm.value = c.to_device(prm.value);
     prm.grad = flat_grads_.narrow(0, offsets[i++], prm.numel()).view(prm.value.shape());
+    prm.grad_sum_squares = Tensor();  // host slots: enable_grad_norm_fold again after the move
     prm.work = Tensor();
     if (prm.value.dim() >= 2 && c.act != DType::kF32) prm.work = c.empty(prm.value.shape(), c.act);
   }
