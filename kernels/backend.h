@@ -21,8 +21,9 @@ struct Backend {
   void (*sum_rows)(const Exec&, const Tensor&, Tensor&, bool);
   void (*matmul)(const Exec&, const Tensor&, const Tensor&, Tensor&, bool, bool, float, float);
   void (*grouped_matmul)(const Exec&, const Tensor&, const Tensor&, const Tensor&, Tensor&, bool);
+  // ..., dx, dw, trans_w, accumulate_dw, dw_sum_squares (null: none).
   void (*grouped_matmul_backward)(const Exec&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                  Tensor*, Tensor*, bool, bool);
+                                  Tensor*, Tensor*, bool, bool, Tensor*);
   void (*embedding_forward)(const Exec&, const Tensor&, const Tensor&, Tensor&);
   void (*embedding_backward)(const Exec&, const Tensor&, const Tensor&, Tensor&);
   // x, residual (null: plain rmsnorm), w, eps, h (the sum, with residual), y, rstd.
@@ -59,7 +60,9 @@ struct Backend {
   double (*sum_squares_multi)(const Exec&, std::span<const Tensor* const>);
   // ---- device-resident step statistics (issue 20)
   void (*expert_counts)(const Exec&, const Tensor&, Tensor&, bool);
-  void (*sum_squares_into)(const Exec&, std::span<const Tensor* const>, Tensor&, bool);
+  // tensors (squared), sums (summed plainly), out, accumulate.
+  void (*sum_squares_into)(const Exec&, std::span<const Tensor* const>, std::span<const Tensor* const>,
+                           Tensor&, bool);
   // ---- communication codecs (issue 17) ----
   void (*moe_permute_fp8)(const Exec&, const Tensor&, const Tensor&, int64_t, Tensor&, Tensor&);
   void (*sum_chunks)(const Exec&, const Tensor&, Tensor&);

@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <initializer_list>
 #include <string>
@@ -289,9 +290,16 @@ void grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const Tens
 }
 
 void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
-                             const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w, bool accumulate_dw) {
+                             const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w, bool accumulate_dw,
+                             Tensor* dw_sum_squares) {
   OpCheck c("grouped_matmul_backward", ex,
-            {{"x", &x}, {"w", &w}, {"offsets", &offsets}, {"dout", &dout}, {"dx", dx}, {"dw", dw}});
+            {{"x", &x},
+             {"w", &w},
+             {"offsets", &offsets},
+             {"dout", &dout},
+             {"dx", dx},
+             {"dw", dw},
+             {"dw_sum_squares", dw_sum_squares}});
   check_grouped_matmul(c, x, w, offsets, dout, trans_w);
   if (dx != nullptr) {
     OP_FLOAT(c, *dx);
@@ -301,7 +309,27 @@ void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, c
     OP_FLOAT(c, *dw);
     c.is_shape("dw", *dw, w.shape(), __LINE__);
   }
-  c.call(&Backend::grouped_matmul_backward, ex, x, w, offsets, dout, dx, dw, trans_w, accumulate_dw);
+  if (dw_sum_squares != nullptr) {
+    OP_REQUIRE(c, dw != nullptr, "dw_sum_squares needs dw");
+    OP_REQUIRE(c, !accumulate_dw,
+               "dw_sum_squares needs a written dW (accumulate_dw = false): the sum of squares of an "
+               "accumulated dW is not that of the product");
+    c.is_dtype("dw_sum_squares", *dw_sum_squares, DType::kF32, __LINE__);
+    c.is_shape("dw_sum_squares", *dw_sum_squares,
+               {grouped_matmul_dw_sum_squares_slots(w.size(0), w.size(1), w.size(2))}, __LINE__);
+  }
+  c.call(&Backend::grouped_matmul_backward, ex, x, w, offsets, dout, dx, dw, trans_w, accumulate_dw,
+         dw_sum_squares);
+}
+
+int64_t grouped_matmul_dw_sum_squares_slots(int64_t experts, int64_t k, int64_t n) {
+  // The CUDA Hopper dW kernel's slots (kernels/cuda/grouped_matmul.cu, which checks that it
+  // gets enough): 128 x 256 output tiles of the [P, Q] matrix ([k, n], or [n, k] with
+  // trans_w), 2 consumer warpgroups of 4 warps each, one slot per warp and tile.
+  TROUPE_CHECK(experts >= 0 && k >= 0 && n >= 0, "grouped_matmul_dw_sum_squares_slots({}, {}, {})", experts,
+               k, n);
+  auto tiles = [](int64_t p, int64_t q) { return (p + 127) / 128 * ((q + 255) / 256); };
+  return std::max<int64_t>(1, 8 * experts * std::max(tiles(k, n), tiles(n, k)));
 }
 
 // ---- embedding -----------------------------------------------------------------------
@@ -757,7 +785,8 @@ void expert_counts(const Exec& ex, const Tensor& topk_idx, Tensor& counts, bool 
   c.call(&Backend::expert_counts, ex, topk_idx, counts, accumulate);
 }
 
-void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors, Tensor& out, bool accumulate) {
+void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors, Tensor& out, bool accumulate,
+                      std::span<const Tensor* const> sums) {
   OpCheck c("sum_squares_into", ex, {{"out", &out}});
   OP_DTYPE(c, out, DType::kF32);
   OP_SHAPE(c, out, {1});
@@ -766,7 +795,12 @@ void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors, Te
     OpCheck ct("sum_squares_into", ex, {{"x", tensors[i]}});
     OP_FLOAT(ct, *tensors[i]);
   }
-  c.call(&Backend::sum_squares_into, ex, tensors, out, accumulate);
+  for (size_t i = 0; i < sums.size(); ++i) {
+    OP_REQUIRE(c, sums[i] != nullptr, "tensor {} of the sums is null", i);
+    OpCheck ct("sum_squares_into", ex, {{"sums", sums[i]}});
+    OP_FLOAT(ct, *sums[i]);
+  }
+  c.call(&Backend::sum_squares_into, ex, tensors, sums, out, accumulate);
 }
 
 // ---- quantization --------------------------------------------------------------------

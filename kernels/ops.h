@@ -64,9 +64,20 @@ void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Ten
 // out [T,N]. On CUDA `offsets` lives on the device. One launch for all experts.
 void grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out,
                     bool trans_w = false);
+// dw_sum_squares (optional; only where dW is written, not with accumulate_dw): f32
+// [grouped_matmul_dw_sum_squares_slots(E, K, N)]; afterwards the SUM of its slots is the
+// sum of squares of the dW written (issue 20: the gradient norm folded into the product).
+// Each slot is written once, from a fixed-order f32 sum: repeated runs are bit-identical.
+// Which slot holds what is the backend's: the CUDA Hopper (TMA) kernel leaves one partial
+// sum per (output tile, consumer warp) from its epilogue; other paths sum dW in a second
+// pass into the first slots and zero the rest.
 void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
                              const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w = false,
-                             bool accumulate_dw = false);
+                             bool accumulate_dw = false, Tensor* dw_sum_squares = nullptr);
+// The slots of grouped_matmul_backward's dw_sum_squares for `experts` matrices of k x n
+// (either orientation: symmetric in k and n, so w's shape alone sizes it). Host-only
+// arithmetic, the same for every backend: 8 per 128 x 256 tile of the larger tiling.
+int64_t grouped_matmul_dw_sum_squares_slots(int64_t experts, int64_t k, int64_t n);
 
 // ---- embedding -----------------------------------------------------------------------
 // out[t] = table[ids[t]]; ids i32 [T] in [0, V), table [V,D], out [T,D].
@@ -216,8 +227,10 @@ void dequantize_fp8(const Exec& ex, const Tensor& q, const Tensor& scales, int64
 void expert_counts(const Exec& ex, const Tensor& topk_idx, Tensor& counts, bool accumulate = false);
 // out f32 [1] (+)= the sum of squares of every element of every tensor (f32 or bf16),
 // accumulated in double and left on the device (no host wait; compare sum_squares_multi).
+// `sums` (optional) adds the plain sum of every element of each of its tensors in the same
+// pass: partial sums of squares made elsewhere (grouped_matmul_backward's dw_sum_squares).
 void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors, Tensor& out,
-                      bool accumulate = false);
+                      bool accumulate = false, std::span<const Tensor* const> sums = {});
 // ---- communication codecs (issue 17: overlap/compression; CPU side is comm/compression.h) ----
 // moe_permute fused with fp8 e4m3 quantisation, one f32 scale per row: row r of q holds
 // the row moe_permute would write as e4m3 codes of x * (1 / scale), scale = amax / 448 (1

@@ -56,6 +56,9 @@ Experts::Experts(int64_t e, int64_t d, int64_t f, bool rc) : recompute(rc) {
   // The dW products write every expert's gradient (zeros where an expert got no rows)
   // when not accumulating: backward takes the flag from accumulate_grad().
   w1.overwrites_grad = w2.overwrites_grad = true;
+  // A written dW can leave its sum of squares for the gradient norm (Model::enable_grad_norm_fold).
+  w1.grad_sum_squares_slots = kernels::grouped_matmul_dw_sum_squares_slots(e, d, 2 * f);
+  w2.grad_sum_squares_slots = kernels::grouped_matmul_dw_sum_squares_slots(e, f, d);
 }
 
 void Experts::init(uint64_t seed, const std::string& prefix, float std, float out_std) {
@@ -90,13 +93,15 @@ Tensor Experts::backward(const Ctx& c, const Tensor& dyp, const Saved& s) {
     kernels::swiglu_forward(c.ex, s.h, a);
   }
   Tensor da = c.empty({r, f});
-  kernels::grouped_matmul_backward(c.ex, a, w2.w(), s.offsets, dyp, &da, &w2.grad, false,
-                                   w2.accumulate_grad());
+  const bool add2 = w2.accumulate_grad();
+  kernels::grouped_matmul_backward(c.ex, a, w2.w(), s.offsets, dyp, &da, &w2.grad, false, add2,
+                                   w2.grad_sum_squares_out(add2));
   Tensor dh = c.empty(s.h.shape());
   kernels::swiglu_backward(c.ex, s.h, da, dh);
   Tensor dxp = c.empty(s.xp.shape());
-  kernels::grouped_matmul_backward(c.ex, s.xp, w1.w(), s.offsets, dh, &dxp, &w1.grad, false,
-                                   w1.accumulate_grad());
+  const bool add1 = w1.accumulate_grad();
+  kernels::grouped_matmul_backward(c.ex, s.xp, w1.w(), s.offsets, dh, &dxp, &w1.grad, false, add1,
+                                   w1.grad_sum_squares_out(add1));
   return dxp;
 }
 

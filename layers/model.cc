@@ -123,35 +123,40 @@ void Model::zero_grad(const Ctx& c) {
   // MoE model's gradient bytes) are only marked stale; clearing them would cost a pass
   // over memory and make the first micro-batch's products read zeros back to add to.
   std::vector<NamedParameter> params = parameters();
-  for (auto& p : params) p.param->grad_stale = p.param->overwrites_grad;
+  for (auto& p : params) {
+    p.param->grad_stale = p.param->overwrites_grad;
+    p.param->reset_grad_products();
+  }
   if (!flat_grads_.defined()) {
     for (auto& p : params)
       if (!p.param->grad_stale) kernels::fill(c.ex, p.param->grad, 0.0f);
     return;
   }
   // The flat buffer: one fill per run between stale gradients (padding included).
-  std::vector<std::pair<int64_t, int64_t>> skip;  // [begin, end) element ranges
+  std::vector<NamedParameter> stale;
+  for (auto& p : params)
+    if (p.param->grad_stale) stale.push_back(p);
+  for (Tensor& run : flat_runs_outside(stale)) kernels::fill(c.ex, run, 0.0f);
+}
+
+std::vector<Tensor> Model::flat_runs_outside(const std::vector<NamedParameter>& skip) const {
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // [begin, end) element ranges
   const auto* base = static_cast<const char*>(flat_grads_.data_ptr());
-  for (auto& p : params) {
-    if (!p.param->grad_stale) continue;
+  for (const auto& p : skip) {
     const int64_t begin = (static_cast<const char*>(p.param->grad.data_ptr()) - base) / 4;
     TROUPE_CHECK(begin >= 0 && begin + p.param->numel() <= flat_grads_.numel(),
-                 "Model::zero_grad: the gradient of {} is not in the flat buffer", p.name);
-    skip.emplace_back(begin, begin + p.param->numel());
+                 "Model: the gradient of {} is not in the flat buffer", p.name);
+    ranges.emplace_back(begin, begin + p.param->numel());
   }
-  std::sort(skip.begin(), skip.end());
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<Tensor> runs;
   int64_t at = 0;
-  for (const auto& [begin, end] : skip) {
-    if (begin > at) {
-      Tensor run = flat_grads_.narrow(0, at, begin - at);
-      kernels::fill(c.ex, run, 0.0f);
-    }
+  for (const auto& [begin, end] : ranges) {
+    if (begin > at) runs.push_back(flat_grads_.narrow(0, at, begin - at));
     at = std::max(at, end);
   }
-  if (at < flat_grads_.numel()) {
-    Tensor run = flat_grads_.narrow(0, at, flat_grads_.numel() - at);
-    kernels::fill(c.ex, run, 0.0f);
-  }
+  if (at < flat_grads_.numel()) runs.push_back(flat_grads_.narrow(0, at, flat_grads_.numel() - at));
+  return runs;
 }
 
 void Model::settle_grads(const Ctx& c) {
@@ -185,15 +190,62 @@ bool Model::enable_device_stats(const Ctx& c) {
 Tensor Model::grad_norm_squared_on_device(const Ctx& c) {
   TROUPE_CHECK(stats_dev_.defined(), "Model::grad_norm_squared_on_device needs enable_device_stats");
   Tensor out = stats_dev_.narrow(0, 1, 1);
-  std::vector<const Tensor*> list;
-  if (flat_grads_.defined()) {
-    list.push_back(&flat_grads_);
-  } else {  // the CPU layout: one tensor per parameter
-    std::vector<NamedParameter> params = parameters();
-    for (const auto& p : params) list.push_back(&p.param->grad);
+  std::vector<NamedParameter> params = parameters();
+  // The gradients whose slots hold their sum of squares this step (enable_grad_norm_fold).
+  std::vector<NamedParameter> folded;
+  last_folded_elements_ = 0;
+  for (const auto& p : params) {
+    if (!p.param->grad_sum_squares_valid()) continue;
+    folded.push_back(p);
+    last_folded_elements_ += p.param->numel();
   }
-  kernels::sum_squares_into(c.ex, list, out);
+  std::vector<Tensor> read;  // squared: every other gradient element
+  if (flat_grads_.defined()) {
+    read = flat_runs_outside(folded);
+  } else {  // the CPU layout: one tensor per parameter
+    for (const auto& p : params)
+      if (!p.param->grad_sum_squares_valid()) read.push_back(p.param->grad);
+  }
+  // Summed: the folded slots, as few views of fold_slots_ as adjacency allows.
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (const auto& p : folded) {
+    const int64_t begin = (static_cast<const char*>(p.param->grad_sum_squares.data_ptr()) -
+                           static_cast<const char*>(fold_slots_.data_ptr())) /
+                          4;
+    ranges.emplace_back(begin, begin + p.param->grad_sum_squares.numel());
+  }
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<Tensor> slots;
+  for (size_t i = 0; i < ranges.size();) {
+    size_t j = i + 1;
+    while (j < ranges.size() && ranges[j].first == ranges[j - 1].second) ++j;
+    slots.push_back(fold_slots_.narrow(0, ranges[i].first, ranges[j - 1].second - ranges[i].first));
+    i = j;
+  }
+  std::vector<const Tensor*> squares, sums;
+  for (const Tensor& t : read) squares.push_back(&t);
+  for (const Tensor& t : slots) sums.push_back(&t);
+  kernels::sum_squares_into(c.ex, squares, out, /*accumulate=*/false, sums);
   return out;
+}
+
+int64_t Model::enable_grad_norm_fold(const Ctx& c) {
+  TROUPE_CHECK(!c.on_device() || flat_grads_.defined(), "Model::enable_grad_norm_fold: call to_device first");
+  std::vector<NamedParameter> params = parameters();
+  int64_t total = 0, count = 0;
+  for (const auto& p : params) total += p.param->grad_sum_squares_slots;
+  fold_slots_ = total > 0 ? c.zeros({total}, DType::kF32) : Tensor();
+  int64_t at = 0;
+  for (auto& p : params) {
+    Parameter& prm = *p.param;
+    prm.grad_sum_squares = Tensor();
+    prm.reset_grad_products();  // not valid before the next zero_grad
+    if (prm.grad_sum_squares_slots == 0) continue;
+    prm.grad_sum_squares = fold_slots_.narrow(0, at, prm.grad_sum_squares_slots);
+    at += prm.grad_sum_squares_slots;
+    ++count;
+  }
+  return count;
 }
 
 std::vector<std::vector<int64_t>> Model::end_step(const Ctx& c) {
@@ -233,12 +285,14 @@ void Model::to_device(const Ctx& c) {
     total += (p.param->numel() + kAlign - 1) / kAlign * kAlign;
   }
   flat_grads_ = c.zeros({total}, DType::kF32);
+  fold_slots_ = Tensor();
   size_t i = 0;
   for (auto& p : params) {
     Parameter& prm = *p.param;
     if (prm.value.device() == c.ex.device) continue;
     prm.value = c.to_device(prm.value);
     prm.grad = flat_grads_.narrow(0, offsets[i++], prm.numel()).view(prm.value.shape());
+    prm.grad_sum_squares = Tensor();  // host slots: enable_grad_norm_fold again after the move
     prm.work = Tensor();
     if (prm.value.dim() >= 2 && c.act != DType::kF32) prm.work = c.empty(prm.value.shape(), c.act);
   }
@@ -260,9 +314,11 @@ void Model::to_host(const Ctx& c) {
     prm.value = c.to_host(prm.value);
     prm.grad = c.to_host(prm.grad);
     prm.work = Tensor();
+    prm.grad_sum_squares = Tensor();  // folding ends with the device layout
   }
   for (auto& b : buffers()) *b.tensor = c.to_host(*b.tensor);
   flat_grads_ = Tensor();
+  fold_slots_ = Tensor();
 }
 
 }  // namespace troupe::layers

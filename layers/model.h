@@ -81,8 +81,23 @@ class Model {
   bool enable_device_stats(const Ctx& c);
   bool device_stats() const { return stats_dev_.defined(); }
   // Device mode: the squared global norm of flat_grads() into the buffer; returns that f32
-  // [1] view (for AdamW::step's device clip). No host wait.
+  // [1] view (for AdamW::step's device clip). No host wait. With enable_grad_norm_fold, the
+  // gradients folded this step contribute their slots instead of being read.
   Tensor grad_norm_squared_on_device(const Ctx& c);
+  // Issue 20: the gradient norm folded into the products that write the gradients. Gives
+  // every parameter whose product can fold (Parameter::grad_sum_squares_slots: the experts'
+  // dW, ~90% of a MoE model's gradient elements) its slots, on c's device (after
+  // to_device), so that grad_norm_squared_on_device sums those slots instead of reading the
+  // gradient, in each step where that is exact: the gradient was produced by one product,
+  // which wrote it (Parameter::grad_sum_squares_valid). Where it is not (grad_accum > 1:
+  // later micro-batches add; a dispatch that does not fold) the gradient is read as before,
+  // so the result never depends on the step's shape. The caller vouches that nothing
+  // changes the gradients between the backward and the norm: no all-reduce of them (data
+  // parallelism: the slots would hold this rank's pre-reduction sums), no rescaling; the
+  // single-process train loop qualifies. Returns the number of parameters with slots.
+  int64_t enable_grad_norm_fold(const Ctx& c);
+  // Gradient elements whose squares the last grad_norm_squared_on_device took from slots.
+  int64_t last_folded_elements() const { return last_folded_elements_; }
   struct StepStats {
     double lm_loss_sum = 0;        // over the step's micro-batches
     double grad_norm_squared = 0;  // as grad_norm_squared_on_device computed it
@@ -97,8 +112,13 @@ class Model {
  private:
   Tensor forward_blocks(const Ctx& c, const Tensor& ids, std::vector<Block::Saved>& saved,
                         MicroBatchStats* stats);
+  // Views of flat_grads_ that cover, in order, every element outside the gradients of
+  // `skip` (padding included): what zero_grad clears and what the folded norm reads.
+  std::vector<Tensor> flat_runs_outside(const std::vector<NamedParameter>& skip) const;
   ModelConfig cfg_;
   Tensor flat_grads_;
+  Tensor fold_slots_;  // enable_grad_norm_fold: every Parameter::grad_sum_squares, in order
+  int64_t last_folded_elements_ = 0;
   // Device mode: [lm loss sum, grad norm^2, 2 pad | per MoE block: E counts, aux, pad to 4].
   Tensor stats_dev_;
   int64_t stats_stride_ = 0;

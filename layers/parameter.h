@@ -8,6 +8,12 @@
 // zero_grad skip clearing it: zero_grad marks it grad_stale, the first backward of the
 // step then writes the gradient (accumulate_grad() returns false and clears the mark), and
 // the later micro-batches add as usual.
+//
+// Gradient-norm folding (issue 20): a product that writes a gradient can also leave its
+// sum of squares in slots (grad_sum_squares), so that the step's norm need not read that
+// gradient again. The slots hold the gradient's sum of squares only while exactly one
+// product produced the gradient since zero_grad and that product wrote it with the slots
+// (grad_sum_squares_valid()); every accumulate_grad() call counts as a product.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +38,16 @@ struct Parameter {
   bool overwrites_grad = false;
   // grad holds stale values that count as zero (see the contract above).
   bool grad_stale = false;
+  // Set by the owning layer when its gradient product can fold the sum of squares (see
+  // above): the size of grad_sum_squares (kernels::grouped_matmul_dw_sum_squares_slots).
+  int64_t grad_sum_squares_slots = 0;
+  // f32 [grad_sum_squares_slots] on grad's device when folding is on
+  // (Model::enable_grad_norm_fold), else undefined: the product's partial sums of squares.
+  Tensor grad_sum_squares;
+  // Since zero_grad: gradient products (accumulate_grad calls), and whether one of them
+  // wrote grad_sum_squares.
+  int64_t grad_products = 0;
+  bool grad_sum_squares_written = false;
 
   // Allocates value and a zeroed grad of `shape` (host, f32).
   void allocate(const Shape& shape, bool with_decay = true);
@@ -43,7 +59,25 @@ struct Parameter {
   bool accumulate_grad() {
     const bool add = !grad_stale;
     grad_stale = false;
+    ++grad_products;
     return add;
+  }
+  // For the product that accumulate_grad() just answered `add` for: the slots it fills with
+  // the sum of squares of what it writes, or null (it adds, or this gradient is not folded).
+  Tensor* grad_sum_squares_out(bool add) {
+    if (add || !grad_sum_squares.defined()) return nullptr;
+    grad_sum_squares_written = true;
+    return &grad_sum_squares;
+  }
+  // Whether the sum of grad_sum_squares is grad's sum of squares: one product since
+  // zero_grad, and it wrote grad together with the slots.
+  bool grad_sum_squares_valid() const {
+    return grad_sum_squares.defined() && grad_products == 1 && grad_sum_squares_written;
+  }
+  // zero_grad's part of the above: a new step has no products yet.
+  void reset_grad_products() {
+    grad_products = 0;
+    grad_sum_squares_written = false;
   }
 };
 

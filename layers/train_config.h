@@ -31,6 +31,11 @@ struct TrainOptions {
   // n > 1 summed over the n-group on the device; not with a z-loss); false: the host
   // statistics (per-layer read-backs), for comparison.
   bool device_stats = true;
+  // With device_stats and grad_accum 1 in the single-process loop: the experts' dW products
+  // leave their sums of squares for the clip's gradient norm, which then reads only the
+  // other gradients (Model::enable_grad_norm_fold); false: the norm reads every gradient,
+  // for comparison.
+  bool fold_grad_norm = true;
   // Non-empty: every rank writes, per step, its per-thread communication and compute
   // timings as JSON lines into this directory (bench/overlap/timeline.py draws them).
   std::string timeline_dir;

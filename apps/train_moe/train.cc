@@ -159,6 +159,14 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
   // On a GPU the step's statistics stay on the device until its one read (issue 20).
   // train.device_stats = false keeps the host statistics (per-layer read-backs), for comparison.
   const bool device_stats = dev.is_cuda() && tc.train.device_stats && model.enable_device_stats(c);
+  // The experts' dW products also leave their sums of squares for that norm, which then
+  // reads only the other ~9% of the gradient (issue 20). Exact here: this loop all-reduces
+  // no gradient (layout 1x1x1). Only with one micro-batch per step: later ones add to the
+  // dW, and the norm would read those gradients anyway (Parameter::grad_sum_squares_valid).
+  if (device_stats && tc.train.fold_grad_norm && tc.train.grad_accum == 1) {
+    const int64_t folded = model.enable_grad_norm_fold(c);
+    fmt::print("train_moe: gradient norm folded into the dW products of {} parameters\n", folded);
+  }
   layers::AdamW opt(model.parameters(), tc.optim, c);
   opt.write_working_copies(true);  // the bf16 working copies come out of the optimizer's pass
   int64_t first_step = 1, tokens_seen = 0;

@@ -136,15 +136,19 @@ void grouped_set(Bench& b, const std::string& tag, int64_t experts, int64_t ffn,
   Tensor y = b.empty({rows, kD}, bf);
   b.flops(g + "down", f2, "2*rows*N*K", [&] { b.be.grouped_matmul(b.ex, a, w2, offsets, y, false); });
   Tensor dxp = b.empty({rows, kD}, bf), dw1 = b.empty({experts, kD, 2 * ffn}, DType::kF32);
-  b.flops(g + "up_dx", f1, "2*rows*N*K",
-          [&] { b.be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, &dxp, nullptr, false, false); });
-  b.flops(g + "up_dw", f1, "2*rows*N*K",
-          [&] { b.be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, nullptr, &dw1, false, true); });
+  b.flops(g + "up_dx", f1, "2*rows*N*K", [&] {
+    b.be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, &dxp, nullptr, false, false, nullptr);
+  });
+  b.flops(g + "up_dw", f1, "2*rows*N*K", [&] {
+    b.be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, nullptr, &dw1, false, true, nullptr);
+  });
   Tensor da = b.empty({rows, ffn}, bf), dw2 = b.empty({experts, ffn, kD}, DType::kF32);
-  b.flops(g + "down_dx", f2, "2*rows*N*K",
-          [&] { b.be.grouped_matmul_backward(b.ex, a, w2, offsets, y, &da, nullptr, false, false); });
-  b.flops(g + "down_dw", f2, "2*rows*N*K",
-          [&] { b.be.grouped_matmul_backward(b.ex, a, w2, offsets, y, nullptr, &dw2, false, true); });
+  b.flops(g + "down_dx", f2, "2*rows*N*K", [&] {
+    b.be.grouped_matmul_backward(b.ex, a, w2, offsets, y, &da, nullptr, false, false, nullptr);
+  });
+  b.flops(g + "down_dw", f2, "2*rows*N*K", [&] {
+    b.be.grouped_matmul_backward(b.ex, a, w2, offsets, y, nullptr, &dw2, false, true, nullptr);
+  });
 }
 
 // Each tensor-core attention kernel by name on one shape: attention_{fwd,bwd}_mma4 and
@@ -270,11 +274,13 @@ void run() {
       });
     }
     Tensor da = b.empty({rows, kFfn}, bf);
-    b.flops("grouped_down_dx", f2, "2*rows*N*K",
-            [&] { be.grouped_matmul_backward(b.ex, a, w2, offsets, y, &da, nullptr, false, false); });
+    b.flops("grouped_down_dx", f2, "2*rows*N*K", [&] {
+      be.grouped_matmul_backward(b.ex, a, w2, offsets, y, &da, nullptr, false, false, nullptr);
+    });
     Tensor dw2 = b.empty({kExperts, kFfn, kD}, DType::kF32);
-    b.flops("grouped_down_dw_f32acc", f2, "2*rows*N*K",
-            [&] { be.grouped_matmul_backward(b.ex, a, w2, offsets, y, nullptr, &dw2, false, true); });
+    b.flops("grouped_down_dw_f32acc", f2, "2*rows*N*K", [&] {
+      be.grouped_matmul_backward(b.ex, a, w2, offsets, y, nullptr, &dw2, false, true, nullptr);
+    });
     for (const auto& [name, tiling] : variants) {
       const gpu::GemmTiling tl = tiling;
       b.flops(std::string("grouped_down_dx_") + name, f2, "2*rows*N*K", [&] {
@@ -291,17 +297,28 @@ void run() {
                                       dw2.data_ptr(), DType::kF32, false, bf, tl);
       });
     }
-    b.flops("grouped_down_dw_f32write", f2, "2*rows*N*K",
-            [&] { be.grouped_matmul_backward(b.ex, a, w2, offsets, y, nullptr, &dw2, false, false); });
+    b.flops("grouped_down_dw_f32write", f2, "2*rows*N*K", [&] {
+      be.grouped_matmul_backward(b.ex, a, w2, offsets, y, nullptr, &dw2, false, false, nullptr);
+    });
+    // The same with the gradient norm's sum of squares folded into the epilogue (issue 20).
+    Tensor ss2 = b.empty({grouped_matmul_dw_sum_squares_slots(kExperts, kFfn, kD)}, DType::kF32);
+    b.flops("grouped_down_dw_f32write_sumsq", f2, "2*rows*N*K",
+            [&] { be.grouped_matmul_backward(b.ex, a, w2, offsets, y, nullptr, &dw2, false, false, &ss2); });
     // The up projection's backward (dx: K-major B of 4096-deep k; dW: [1024, 4096] per expert).
     Tensor dxp = b.empty({rows, kD}, bf);
     Tensor dw1 = b.empty({kExperts, kD, 2 * kFfn}, DType::kF32);
-    b.flops("grouped_up_dx", f1, "2*rows*N*K",
-            [&] { be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, &dxp, nullptr, false, false); });
-    b.flops("grouped_up_dw_f32acc", f1, "2*rows*N*K",
-            [&] { be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, nullptr, &dw1, false, true); });
-    b.flops("grouped_up_dw_f32write", f1, "2*rows*N*K",
-            [&] { be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, nullptr, &dw1, false, false); });
+    b.flops("grouped_up_dx", f1, "2*rows*N*K", [&] {
+      be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, &dxp, nullptr, false, false, nullptr);
+    });
+    b.flops("grouped_up_dw_f32acc", f1, "2*rows*N*K", [&] {
+      be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, nullptr, &dw1, false, true, nullptr);
+    });
+    b.flops("grouped_up_dw_f32write", f1, "2*rows*N*K", [&] {
+      be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, nullptr, &dw1, false, false, nullptr);
+    });
+    Tensor ss1 = b.empty({grouped_matmul_dw_sum_squares_slots(kExperts, kD, 2 * kFfn)}, DType::kF32);
+    b.flops("grouped_up_dw_f32write_sumsq", f1, "2*rows*N*K",
+            [&] { be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, nullptr, &dw1, false, false, &ss1); });
     for (const auto& [name, tiling] : variants) {
       if (tiling == gpu::GemmTiling::kWarps2x2) continue;
       const gpu::GemmTiling tl = tiling;
@@ -484,7 +501,7 @@ void run() {
             [&] { sink += be.sum_squares_multi(b.ex, grads); });
     Tensor norm_sq = b.empty({1}, DType::kF32);
     b.bytes("grad_norm_device_bench1b", numel * 4, "sum_squares_into: one launch + a 1-block finish, no sync",
-            [&] { be.sum_squares_into(b.ex, grads, norm_sq, false); });
+            [&] { be.sum_squares_into(b.ex, grads, {}, norm_sq, false); });
     std::printf("(norm checksum %.3e)\n", sink);
   }
   {

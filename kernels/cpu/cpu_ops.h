@@ -64,8 +64,10 @@ void matmul(const Exec& ex, const Tensor& a, const Tensor& b, Tensor& out, bool 
             float alpha, float beta);
 void grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out,
                     bool trans_w);
+// dw_sum_squares (null: none): slot 0 = the sum of squares of the written dW, the rest 0.
 void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
-                             const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w, bool accumulate_dw);
+                             const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w, bool accumulate_dw,
+                             Tensor* dw_sum_squares);
 
 // ---- embedding.cc (token embedding and rotary position embedding) ----------------------
 void embedding_forward(const Exec& ex, const Tensor& ids, const Tensor& table, Tensor& out);
@@ -114,7 +116,8 @@ void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Te
                 const AdamWConfig& cfg);
 void adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, const AdamWConfig& cfg);
 double sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors);
-void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors, Tensor& out, bool accumulate);
+void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors,
+                      std::span<const Tensor* const> sums, Tensor& out, bool accumulate);
 
 // ---- quant.cc -------------------------------------------------------------------------
 void quantize_fp8(const Exec& ex, const Tensor& x, int64_t block_size, Tensor& q, Tensor& scales);

@@ -140,8 +140,9 @@ void grouped_matmul(const Exec&, const Tensor& x, const Tensor& w, const Tensor&
   }
 }
 
-void grouped_matmul_backward(const Exec&, const Tensor& x, const Tensor& w, const Tensor& offsets,
-                             const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w, bool accumulate_dw) {
+void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
+                             const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w, bool accumulate_dw,
+                             Tensor* dw_sum_squares) {
   const int64_t k = x.size(1), n = dout.size(1);
   const Segments seg = check_segments(offsets, x.size(0));
   F32In px(x), pw(w), pd(dout);
@@ -180,6 +181,12 @@ void grouped_matmul_backward(const Exec&, const Tensor& x, const Tensor& w, cons
         gemm_rows(n, k, rows, tmp_a.data(), px.get() + r0 * k, false, dwe, 1.0f, beta, acc);
       }
     }
+  }
+  if (dw_sum_squares != nullptr) {
+    // After pdw's scope: the values as stored (rounded, for a bf16 dW).
+    float* slots = dw_sum_squares->data<float>();
+    slots[0] = static_cast<float>(cpu::sum_squares(ex, *dw));
+    for (int64_t i = 1; i < dw_sum_squares->numel(); ++i) slots[i] = 0.0f;
   }
 }
 

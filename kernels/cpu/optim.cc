@@ -53,8 +53,10 @@ double sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors)
   return s;
 }
 
-void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors, Tensor& out, bool accumulate) {
-  const double s = cpu::sum_squares_multi(ex, tensors);
+void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors,
+                      std::span<const Tensor* const> sums, Tensor& out, bool accumulate) {
+  double s = cpu::sum_squares_multi(ex, tensors);
+  for (const Tensor* t : sums) s += cpu::sum(ex, *t);
   float* o = out.data<float>();
   o[0] = static_cast<float>(s + (accumulate ? static_cast<double>(o[0]) : 0.0));
 }

@@ -183,7 +183,7 @@ void cuda_grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const
 
 void cuda_grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
                                   const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w,
-                                  bool accumulate_dw) {
+                                  bool accumulate_dw, Tensor* dw_sum_squares) {
   const char* op = "grouped_matmul_backward";
   OpScope s(ex, op);
   require(x, op, "x");
@@ -201,8 +201,16 @@ void cuda_grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor&
   }
   if (dw != nullptr) {
     require(*dw, op, "dw");
+    float* slots = nullptr;
+    if (dw_sum_squares != nullptr) {
+      require(*dw_sum_squares, op, "dw_sum_squares");
+      require_dtype(*dw_sum_squares, DType::kF32, op, "dw_sum_squares");
+      slots = f32_mut(*dw_sum_squares);
+    }
     gpu::launch_grouped_matmul_dw(s.env, x.data_ptr(), dout.data_ptr(), i32(offsets), tokens, experts, k, n,
-                                  trans_w, dw->data_ptr(), dw->dtype(), accumulate_dw, x.dtype());
+                                  trans_w, dw->data_ptr(), dw->dtype(), accumulate_dw, x.dtype(),
+                                  gpu::GemmTiling::kAuto, slots,
+                                  slots != nullptr ? dw_sum_squares->numel() : 0);
   }
 }
 
@@ -618,25 +626,31 @@ void cuda_expert_counts(const Exec& ex, const Tensor& topk_idx, Tensor& counts, 
                             accumulate);
 }
 
-void cuda_sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors, Tensor& out,
-                           bool accumulate) {
+void cuda_sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors,
+                           std::span<const Tensor* const> sums, Tensor& out, bool accumulate) {
   const char* op = "sum_squares_into";
   OpScope s(ex, op);
   require(out, op, "out");
   require_dtype(out, DType::kF32, op, "out");
-  const size_t n = tensors.size();
+  // One list: the squared tensors, then the summed ones (plain[i] = 1).
+  const size_t n = tensors.size() + sums.size();
   std::vector<const void*> x(n);
   std::vector<DType> types(n);
   std::vector<int64_t> numel(n);
+  std::vector<uint8_t> plain(n, 0);
   for (size_t i = 0; i < n; ++i) {
-    require(*tensors[i], op, "x");
-    x[i] = tensors[i]->data_ptr();
-    types[i] = tensors[i]->dtype();
-    numel[i] = tensors[i]->numel();
+    const bool summed = i >= tensors.size();
+    const Tensor& t = summed ? *sums[i - tensors.size()] : *tensors[i];
+    require(t, op, summed ? "sums" : "x");
+    x[i] = t.data_ptr();
+    types[i] = t.dtype();
+    numel[i] = t.numel();
+    plain[i] = summed ? 1 : 0;
   }
   Scratch partials(s.ctx, gpu::multi_reduce_scratch_bytes());
   gpu::launch_sum_squares_into(s.env, static_cast<int>(n), x.data(), types.data(), numel.data(),
-                               partials.get(), f32_mut(out), accumulate);
+                               sums.empty() ? nullptr : plain.data(), partials.get(), f32_mut(out),
+                               accumulate);
 }
 
 // ---- quantization --------------------------------------------------------------------

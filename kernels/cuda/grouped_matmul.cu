@@ -99,6 +99,10 @@ struct GemmArgs {
   int64_t lda, ldb, ldc;
   int64_t b_expert_stride, c_expert_stride;
   bool accumulate;
+  // k segments with a written f32 dW on the TMA kernel (null elsewhere): slot
+  // 8 * tile + 4 * consumer warpgroup + warp receives that warp's sum of squares of its
+  // accumulators inside the matrix (launch_grouped_matmul_dw's sum_squares).
+  float* sum_squares;
 };
 
 // kSegK = false: row segments, A row-major (A(m,k) = a[m*lda+k]); B row-major
@@ -518,7 +522,9 @@ void launch_gemm_tiled(const Env& env, dim3 grid, const GemmArgs& args) {
 // dW with an f32 output (k segments) stages the same way, each warpgroup's 64 x 256 in two
 // rounds of 64 x 128 (4 boxes of 32 f32 columns), and reduces into the output with the
 // TMA's add where the product accumulates; every tile of dW is whole (the map's bounds clip
-// rows and columns past the expert's matrix).
+// rows and columns past the expert's matrix). Where dW is written, that epilogue can also
+// leave each warp's sum of squares of its accumulators in a slot (GemmArgs::sum_squares):
+// the gradient norm folded into the product, a few FMAs per accumulator (issue 20).
 constexpr int kTmaBN = 256, kTmaThreads = 384;
 constexpr int kTmaStageBytes = kWgBM * kWgBK * 2 + kWgBK * kTmaBN * 2;
 constexpr int kStagingBytes = 65536;  // two warpgroups' 32 KB: bf16 64 x 256, or f32 64 x 128
@@ -667,6 +673,30 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       if (ctid == 0) mbar_arrive(empty0 + 8 * static_cast<int>((i - 1) % kTmaStages));
       const WgTile& tl = cs.tile;
       if constexpr (kStoreDw) {
+        if (args.sum_squares != nullptr) {
+          // The norm folded into the product: this warp's sum of squares of its 16 x 256
+          // accumulators, in a fixed order (then a fixed butterfly), one slot per (tile,
+          // warp): no atomics, bit-identical runs. Accumulators of rows or columns past
+          // the matrix are zero (the TMA zero-fills A's columns >= m and B's >= n), but
+          // are masked anyway: 0 * inf in them would turn a norm of inf into NaN.
+          float ss = 0.0f;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if (tl.m0 + cw * 64 + warp_in_wg * 16 + lane / 4 + 8 * h < tl.m_lim) {
+#pragma unroll
+              for (int j = 0; j < kTmaBN / 8; ++j) {
+                if (tl.n0 + j * 8 + 2 * (lane % 4) < args.n) {  // n is a multiple of 8: pairs in or out
+                  const float v0 = acc[j * 4 + h * 2], v1 = acc[j * 4 + h * 2 + 1];
+                  ss = fmaf(v0, v0, ss);
+                  ss = fmaf(v1, v1, ss);
+                }
+              }
+            }
+          }
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+          if (lane == 0) args.sum_squares[cs.t * 8 + cw * 4 + warp_in_wg] = ss;
+        }
         const uint32_t stg_s = staging0 + cw * (kStagingBytes / 2);
         unsigned char* stg = smem + (stg_s - smem_s);
         const int q = lane % 4;
@@ -821,8 +851,12 @@ GemmTiling resolve_tiling(GemmTiling tiling) {
 
 // rows_bound: ceil(tokens / 128) + experts for row segments (an upper bound of the row
 // tiles, whatever the device offsets say); ceil(m / 128) * experts for k segments.
+// Returns whether the kernel that ran filled args.sum_squares (the TMA kernel on an f32
+// dW); the others ignore it.
 template <bool kSegK, bool kBCol, typename OutT>
-void launch_gemm(const Env& env, int64_t rows_bound, int64_t tokens, const GemmArgs& args, GemmTiling tiling) {
+bool launch_gemm(const Env& env, int64_t rows_bound, int64_t tokens, const GemmArgs& args,
+                 GemmTiling tiling) {
+  constexpr bool kTmaFolds = TmaConfig<kSegK, OutT>::kStoreDw;
   const dim3 grid(static_cast<unsigned>(ceil_div(args.n, kBN)),
                   static_cast<unsigned>(kSegK ? ceil_div(args.m, kBM) : rows_bound),
                   static_cast<unsigned>(kSegK ? args.experts : 1));
@@ -838,7 +872,7 @@ void launch_gemm(const Env& env, int64_t rows_bound, int64_t tokens, const GemmA
       break;
     case GemmTiling::kWgmmaTma:
       launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
-      break;
+      return kTmaFolds;
     case GemmTiling::kAuto:
       // Measured (bench_1b shapes, bench/RESULTS.md): TMA wins the row-segment problems
       // (0.53 vs 0.75 ms forward, H200) and the f32 dW problems (down, written: 0.22 vs
@@ -850,12 +884,14 @@ void launch_gemm(const Env& env, int64_t rows_bound, int64_t tokens, const GemmA
           launch_gemm_wgmma<kSegK, kBCol, OutT, 256, 4>(env, rows_bound * ceil_div(args.n, 256), args);
         } else {
           launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
+          return kTmaFolds;
         }
       } else {
         launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
       }
       break;
   }
+  return false;
 }
 
 // ---- plain fallback ------------------------------------------------------------------
@@ -899,6 +935,37 @@ __global__ void grouped_k_plain_kernel(const T* l, const T* r_, const int32_t* o
     for (int64_t row = offsets[e]; row < offsets[e + 1]; ++row) acc += to_float(l[row * p + pi]) * to_float(r_[row * q + qi]);
     dw[i] = from_float<O>(acc);
   }
+}
+
+// The second pass of a dW sum of squares where the product did not fold it: block b writes
+// slots[b] = the sum of squares of x[b * chunk, (b + 1) * chunk) (double inside the block,
+// a fixed order: deterministic); slots gridDim.x .. count - 1 get zeros.
+template <typename O>
+__global__ void __launch_bounds__(256)
+    sum_squares_slots_kernel(const O* x, int64_t n, int64_t chunk, float* slots, int64_t count) {
+  __shared__ double shared[32];
+  const int64_t lo = int64_t{blockIdx.x} * chunk, hi = lo + chunk < n ? lo + chunk : n;
+  double s = 0.0;
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const double v = to_float(x[i]);
+    s += v * v;
+  }
+  s = block_sum(s, shared);
+  if (threadIdx.x == 0) slots[blockIdx.x] = static_cast<float>(s);
+  for (int64_t i = gridDim.x + int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    slots[i] = 0.0f;
+  }
+}
+
+template <typename O>
+void launch_sum_squares_slots(const Env& env, const O* x, int64_t n, float* slots, int64_t count) {
+  const int64_t blocks =
+      std::max<int64_t>(1, std::min<int64_t>({count, int64_t{env.num_sms} * 4, ceil_div(n, 2048)}));
+  const int64_t chunk = ceil_div(n, blocks);
+  sum_squares_slots_kernel<O>
+      <<<static_cast<unsigned>(blocks), 256, 0, env.stream>>>(x, n, chunk, slots, count);
+  TROUPE_CUDA_LAUNCH_CHECK();
 }
 
 bool tensor_core_ok(DType t, std::initializer_list<const void*> ptrs, std::initializer_list<int64_t> dims) {
@@ -974,14 +1041,33 @@ void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, c
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
-void launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, const int32_t* offsets,
+bool grouped_matmul_hopper_available() {
+  return wgmma_available();
+}
+
+bool launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dw,
-                              DType dwt, bool accumulate, DType t, GemmTiling tiling) {
-  if (experts == 0 || k == 0 || n == 0) return;
+                              DType dwt, bool accumulate, DType t, GemmTiling tiling, float* sum_squares,
+                              int64_t slots) {
+  TROUPE_CHECK(sum_squares == nullptr || !accumulate,
+               "grouped_matmul_backward: a dW sum of squares needs a written dW, not an accumulated one");
+  TROUPE_CHECK(sum_squares == nullptr || slots >= 1,
+               "grouped_matmul_backward: no slot for the dW sum of squares");
   // dW_e [P,Q] = L_e^T @ R_e: (L, R) = (x, dout) for W [E,K,N], (dout, x) for [E,N,K].
   const void* l = trans_w ? dout : x;
   const void* r = trans_w ? x : dout;
   const int64_t p = trans_w ? n : k, q = trans_w ? k : n;
+  // Where the product does not fold the sum of squares: a second pass over the written dW.
+  auto second_pass = [&] {
+    if (sum_squares == nullptr) return;
+    TROUPE_DISPATCH_FLOAT(
+        dwt, O, "grouped_matmul_backward (dw sum of squares)",
+        launch_sum_squares_slots(env, static_cast<const O*>(dw), experts * p * q, sum_squares, slots));
+  };
+  if (experts == 0 || k == 0 || n == 0) {
+    second_pass();  // dW is empty: zeros
+    return false;
+  }
   if (tensor_core_ok(t, {x, dout, dw}, {k, n})) {
     GemmArgs args{};
     args.a = static_cast<const bf16*>(l);
@@ -996,16 +1082,35 @@ void launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, c
     args.ldc = q;
     args.c_expert_stride = p * q;
     args.accumulate = accumulate;
+    args.sum_squares = sum_squares;
     const int64_t rows_bound = ceil_div(p, kBM) * experts;
-    TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward (dw)",
-                          launch_gemm<true, false, O>(env, rows_bound, tokens, args, tiling));
-    return;
+    bool folded = false;
+    if (sum_squares != nullptr) {
+      // The TMA kernel's slots: 8 per 128 x 256 tile (grouped_matmul_dw_sum_squares_slots).
+      const int64_t used = 8 * experts * ceil_div(p, kWgBM) * ceil_div(q, kTmaBN);
+      TROUPE_CHECK(slots >= used,
+                   "grouped_matmul_backward: {} slots for the dW sum of squares, the kernel needs {}", slots,
+                   used);
+      TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward (dw)",
+                            folded = launch_gemm<true, false, O>(env, rows_bound, tokens, args, tiling));
+      if (folded && used < slots) {
+        CUDA_CHECK(cudaMemsetAsync(sum_squares + used, 0, static_cast<size_t>(slots - used) * sizeof(float),
+                                   env.stream));
+      }
+    } else {
+      TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward (dw)",
+                            launch_gemm<true, false, O>(env, rows_bound, tokens, args, tiling));
+    }
+    if (!folded) second_pass();
+    return folded;
   }
   TROUPE_DISPATCH_FLOAT(t, T, "grouped_matmul_backward", TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward", {
     grouped_k_plain_kernel<T, O><<<grid_for(experts * p * q, 256, env.num_sms), 256, 0, env.stream>>>(
         static_cast<const T*>(l), static_cast<const T*>(r), offsets, experts, p, q, static_cast<O*>(dw), accumulate);
   }));
   TROUPE_CUDA_LAUNCH_CHECK();
+  second_pass();
+  return false;
 }
 
 }  // namespace troupe::kernels::gpu

@@ -68,9 +68,11 @@ double launch_sum_squares_multi(const Env& env, int count, const void* const* x,
                                 const int64_t* numel, void* partials);
 // ---- device-resident step statistics (issue 20) ---------------------------------------
 // out[0] (+)= the multi-tensor sum of squares, reduced on the device in a fixed order
-// (deterministic); partials of multi_reduce_scratch_bytes(). No host wait.
+// (deterministic); partials of multi_reduce_scratch_bytes(). No host wait. plain (null:
+// none): tensors i with plain[i] != 0 add the plain sum of their elements instead.
 void launch_sum_squares_into(const Env& env, int count, const void* const* x, const DType* types,
-                             const int64_t* numel, void* partials, float* out, bool accumulate);
+                             const int64_t* numel, const uint8_t* plain, void* partials, float* out,
+                             bool accumulate);
 // counts[e] (+)= #{i < n : idx[i] == e} for e < experts (exact while the total < 2^24).
 void launch_expert_counts(const Env& env, const int32_t* idx, int64_t n, int64_t experts, float* counts,
                           bool accumulate);
@@ -135,14 +137,23 @@ enum class GemmTiling { kAuto, kWarps2x2, kWarps2x4, kWarps2x2K64, kWgmma128, kW
 void launch_grouped_matmul(const Env& env, const void* x, const void* w, const int32_t* offsets, int64_t tokens,
                            int64_t experts, int64_t k, int64_t n, bool trans_w, void* out, DType t,
                            GemmTiling tiling = GemmTiling::kAuto);
+// True where kAuto runs the Hopper kernels (sm_90a build, compute capability 9.0 device).
+bool grouped_matmul_hopper_available();
 // dx[T,K] = dout[T,N] @ op(W_e)^T per segment.
 void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dx,
                               DType t, GemmTiling tiling = GemmTiling::kAuto);
 // dW_e (+)= x_e^T @ dout_e ([K,N]), or dout_e^T @ x_e ([N,K]) with trans_w; dw has dtype dwt.
-void launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, const int32_t* offsets,
+// sum_squares (null: none; only without accumulate): f32 [slots], slots >=
+// grouped_matmul_dw_sum_squares_slots(experts, k, n) of ops.h; afterwards the sum of the
+// slots is the sum of squares of the written dW. The TMA kernel (f32 dW) fills them in its
+// epilogue, slot 8 * tile + 4 * consumer warpgroup + warp; every other path runs a second
+// pass over dW (sum_squares_slots_kernel) into the first slots; unused slots are zeroed.
+// Deterministic. Returns whether the product's epilogue filled them (no second pass).
+bool launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dw,
-                              DType dwt, bool accumulate, DType t, GemmTiling tiling = GemmTiling::kAuto);
+                              DType dwt, bool accumulate, DType t, GemmTiling tiling = GemmTiling::kAuto,
+                              float* sum_squares = nullptr, int64_t slots = 0);
 
 // ---- attention (attention.cu) --------------------------------------------------------
 struct AttentionShape {

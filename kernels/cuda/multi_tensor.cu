@@ -45,6 +45,7 @@ struct SumSquaresMultiParams {
   const void* x[kMultiTensorMax];
   uint8_t bf16[kMultiTensorMax];
   uint8_t vec_ok[kMultiTensorMax];  // base pointer aligned for 4-element vector access
+  uint8_t plain[kMultiTensorMax];   // sum the elements, not their squares
 };
 
 // The last tensor t with group_start[t] <= u (empty tensors are skipped: they share their
@@ -147,7 +148,8 @@ __global__ void __launch_bounds__(kThreads) adamw_multi_kernel(const __grid_cons
 
 // Each block sums a contiguous range of groups; a thread finds the tensor once per tensor
 // its range touches (not once per group), and reads whole groups with one vector load
-// where the tensor allows it, so many loads are in flight per thread.
+// where the tensor allows it, so many loads are in flight per thread. A tensor marked plain
+// adds its elements unsquared (partial sums of squares made elsewhere).
 __global__ void __launch_bounds__(kThreads) sum_squares_multi_kernel(const __grid_constant__ SumSquaresMultiParams p,
                                                                      double* partials) {
   __shared__ double shared[32];
@@ -161,6 +163,13 @@ __global__ void __launch_bounds__(kThreads) sum_squares_multi_kernel(const __gri
     const int64_t seg_end = min64(end, p.group_start[t + 1]), n = p.numel[t];
     const int64_t g0 = p.group_start[t];
     const bool bf16 = p.bf16[t] != 0, vec = p.vec_ok[t] != 0;
+    if (p.plain[t] != 0) {  // rare and short (slots of partial sums): in double
+      for (; u < seg_end; u += blockDim.x) {
+        const int64_t i0 = (u - g0) * 4;
+        for (int64_t i = i0; i < min64(n, i0 + 4); ++i) acc += grad_at(p.x[t], bf16, i);
+      }
+      continue;
+    }
     float s = 0.0f;  // per tensor segment in f32, then into the double accumulator
 #pragma unroll 4
     for (; u < seg_end; u += blockDim.x) {
@@ -292,7 +301,8 @@ double launch_sum_squares_multi(const Env& env, int count, const void* const* x,
 }
 
 void launch_sum_squares_into(const Env& env, int count, const void* const* x, const DType* types,
-                             const int64_t* numel, void* partials, float* out, bool accumulate) {
+                             const int64_t* numel, const uint8_t* plain, void* partials, float* out,
+                             bool accumulate) {
   bool acc = accumulate;
   for (int first = 0; first < count; first += kMultiTensorMax) {
     const int c = std::min(kMultiTensorMax, count - first);
@@ -307,6 +317,7 @@ void launch_sum_squares_into(const Env& env, int count, const void* const* x, co
       p.x[i] = x[j];
       p.bf16[i] = types[j] == DType::kBF16 ? 1 : 0;
       p.vec_ok[i] = reinterpret_cast<uintptr_t>(x[j]) % (types[j] == DType::kBF16 ? 8 : 16) == 0 ? 1 : 0;
+      p.plain[i] = plain != nullptr && plain[j] != 0 ? 1 : 0;
     }
     const int64_t groups = p.group_start[c];
     if (groups == 0) continue;

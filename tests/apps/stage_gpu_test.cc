@@ -7,6 +7,8 @@
 //     running the MoE stage program) against train_moe's single-process GPU loop.
 // Losses agree within bf16 tolerance (2e-2 relative) at every step (the MoE pair runs the
 // same kernels in the same order: measured bitwise equal), and dense_lm learns.
+// Also train_moe's single-process GPU loop with the gradient norm folded into the experts'
+// dW products (issue 20: train.fold_grad_norm, the default) against the full pass.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -104,6 +106,43 @@ TEST_F(StageGpu, TrainMoeThroughTheTrainerMatchesItsSingleProcessLoop) {
   ASSERT_EQ(tr.exit_code, 0) << tr.output;
   expect_close(*root_ / "moe-one", *root_ / "moe-trainer", "train_moe trainer vs single process (cuda)",
                false);
+}
+
+// The clip's gradient norm folded into the experts' dW epilogue (Hopper: the TMA kernel's)
+// equals the norm read from every gradient: the same gradients (the fold leaves dW as it
+// is), summed in another order. Without a z-loss, so that the step's statistics, and with
+// them the fold, stay on the device.
+TEST_F(StageGpu, TrainMoeFoldedGradNormMatchesTheFullPass) {
+  auto train = [](const std::string& name, bool fold) {
+    TrainMoeCommand c;
+    c.backend = "cuda";
+    c.sets = tiny_model_sets({.steps = 6, .data_dir = *root_ / "data"});
+    c.sets.push_back("model.moe.z_loss_coef=0.0");
+    c.sets.push_back(fmt::format("train.fold_grad_norm={}", fold));
+    c.run_dir = *root_ / name;
+    return run(c.argv(), *root_ / (name + ".log"), std::chrono::seconds(300));
+  };
+  const RunResult full = train("moe-full-norm", false);
+  ASSERT_EQ(full.exit_code, 0) << full.output;
+  EXPECT_EQ(full.output.find("gradient norm folded"), std::string::npos) << full.output;
+  const RunResult folded = train("moe-folded-norm", true);
+  ASSERT_EQ(folded.exit_code, 0) << folded.output;
+  EXPECT_NE(folded.output.find("gradient norm folded"), std::string::npos) << folded.output;
+  const auto ref = latest_step_records(*root_ / "moe-full-norm" / "metrics.jsonl");
+  const auto got = latest_step_records(*root_ / "moe-folded-norm" / "metrics.jsonl");
+  ASSERT_EQ(ref.size(), got.size());
+  ASSERT_GE(ref.size(), 6u);
+  // Step 1 starts from the same weights: only the summation order differs.
+  const double n0 = ref[0]["grad_norm"].get<double>(), g0 = got[0]["grad_norm"].get<double>();
+  EXPECT_GT(n0, 0.0);
+  EXPECT_LE(rel_diff(n0, g0), 1e-5) << n0 << " vs " << g0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    EXPECT_LE(rel_diff(ref[i]["grad_norm"].get<double>(), got[i]["grad_norm"].get<double>()), 1e-3)
+        << "step " << ref[i]["step"];
+    EXPECT_LE(rel_diff(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>()), 1e-3)
+        << "step " << ref[i]["step"];
+  }
+  std::printf("[stage-gpu folded norm] %zu steps, step 1 grad norm %.6g vs %.6g\n", got.size(), n0, g0);
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <utility>
@@ -58,6 +59,8 @@ class CudaBf16 : public ::testing::Test {
   }
   Tensor dev_poisoned(const Shape& shape, DType dt) { return dev(host_poisoned(shape, dt)); }
   Tensor back(const Tensor& d) { return cuda::to_host(d, gpu.stream.get()); }
+
+  static float* f32_mut(Tensor& t) { return static_cast<float*>(t.data_ptr()); }
 
   // ||got - want|| / ||want|| (NaN anywhere fails).
   static double rel_error(const Tensor& got_host, const Tensor& want_host) {
@@ -184,6 +187,109 @@ TEST_F(CudaBf16, GroupedMatmulDwWithoutTokensWritesZeros) {
   grouped_matmul_backward(gpu.ex, x, w, offsets, dout, nullptr, &dw, false, false);
   const std::vector<float> got = back(dw).to_floats();
   EXPECT_EQ(got, std::vector<float>(got.size(), 0.0f));
+  // With the dW sum of squares (issue 20): zero slots.
+  Tensor slots = dev_poisoned({grouped_matmul_dw_sum_squares_slots(experts, k, n)}, kF32);
+  grouped_matmul_backward(gpu.ex, x, w, offsets, dout, nullptr, &dw, false, false, &slots);
+  const std::vector<float> zeros = back(slots).to_floats();
+  EXPECT_EQ(zeros, std::vector<float>(zeros.size(), 0.0f));
+}
+
+// Issue 20: grouped_matmul_backward's dw_sum_squares on every CUDA path. The slots' sum is
+// the sum of squares of the dW written (taken on the host from the downloaded dW), dW is
+// bit-identical to the same call without slots, and a second run gives bit-identical
+// slots. Where the Hopper TMA kernel folds the sum into its epilogue, each slot must sit
+// where that kernel puts it (8 * tile + 4 * warpgroup + warp): exactly zero for warps whose
+// rows lie past the matrix or whose expert got no rows, positive elsewhere. Shapes: dW
+// matrices that are not multiples of the 128 x 256 tile, experts without rows.
+TEST_F(CudaBf16, GroupedMatmulDwSumSquares) {
+  struct Problem {
+    std::vector<int32_t> off;
+    int64_t k, n;
+  };
+  const std::vector<Problem> problems = {
+      {{0, 37, 37, 200, 331, 460}, 72, 136},  // one partial tile per expert (two with trans_w)
+      {{0, 0, 150, 150, 300}, 200, 264},      // 2 x 2 partial tiles; experts 0 and 2 empty
+  };
+  for (const Problem& pr : problems) {
+    const int64_t experts = static_cast<int64_t>(pr.off.size()) - 1, rows = pr.off.back(), k = pr.k, n = pr.n;
+    const int64_t count = grouped_matmul_dw_sum_squares_slots(experts, k, n);
+    Tensor doff = dev(Tensor::from_ints({experts + 1}, pr.off));
+    const auto* off_p = static_cast<const int32_t*>(doff.data_ptr());
+    for (bool trans : {false, true}) {
+      const Shape ws = trans ? Shape{experts, n, k} : Shape{experts, k, n};
+      const int64_t p = trans ? n : k, q = trans ? k : n;  // each expert's dW is [p, q]
+      Tensor x = dev(host_random({rows, k}, kBF)), dout = dev(host_random({rows, n}, kBF));
+      const std::vector<std::pair<gpu::GemmTiling, int>> configs = {
+          {gpu::GemmTiling::kAuto, gpu.ctx.num_sms},     {gpu::GemmTiling::kAuto, 2},
+          {gpu::GemmTiling::kWgmmaTma, gpu.ctx.num_sms}, {gpu::GemmTiling::kWgmmaTma, 2},
+          {gpu::GemmTiling::kWgmma256, gpu.ctx.num_sms}, {gpu::GemmTiling::kWarps2x2, gpu.ctx.num_sms}};
+      for (const auto& [tiling, sms] : configs) {
+        const std::string tag = fmt::format("dw sum of squares, k {} n {}{}, tiling {} sms {}", k, n,
+                                            trans ? " trans_w" : "", static_cast<int>(tiling), sms);
+        const gpu::Env env{gpu.ctx.stream, sms};
+        Tensor dw_plain = dev_poisoned(ws, kF32), dw = dev_poisoned(ws, kF32);
+        Tensor slots = dev_poisoned({count}, kF32), slots2 = dev_poisoned({count}, kF32);
+        gpu::launch_grouped_matmul_dw(env, x.data_ptr(), dout.data_ptr(), off_p, rows, experts, k, n, trans,
+                                      dw_plain.data_ptr(), kF32, false, kBF, tiling);
+        const bool folded = gpu::launch_grouped_matmul_dw(env, x.data_ptr(), dout.data_ptr(), off_p, rows,
+                                                          experts, k, n, trans, dw.data_ptr(), kF32, false,
+                                                          kBF, tiling, f32_mut(slots), count);
+        gpu::launch_grouped_matmul_dw(env, x.data_ptr(), dout.data_ptr(), off_p, rows, experts, k, n, trans,
+                                      dw.data_ptr(), kF32, false, kBF, tiling, f32_mut(slots2), count);
+        const bool tma = tiling == gpu::GemmTiling::kAuto || tiling == gpu::GemmTiling::kWgmmaTma;
+        EXPECT_EQ(folded, tma && gpu::grouped_matmul_hopper_available()) << tag;
+        const std::vector<float> dwh = back(dw).to_floats(), plain = back(dw_plain).to_floats();
+        const std::vector<float> got = back(slots).to_floats(), again = back(slots2).to_floats();
+        ASSERT_EQ(std::memcmp(dwh.data(), plain.data(), dwh.size() * sizeof(float)), 0) << tag;
+        ASSERT_EQ(std::memcmp(got.data(), again.data(), got.size() * sizeof(float)), 0)
+            << tag << ": not bit-equal";
+        double want = 0, sum = 0;
+        for (float v : dwh) want += static_cast<double>(v) * v;
+        for (float v : got) sum += v;  // NaN (a slot left unwritten) fails below
+        std::printf("  %-60s %s, rel err %.2e\n", tag.c_str(), folded ? "epilogue" : "second pass",
+                    std::abs(sum - want) / want);
+        EXPECT_NEAR(sum, want, 1e-5 * want) << tag;
+        if (!folded) continue;
+        const int64_t tiles_m = (p + 127) / 128, tiles_n = (q + 255) / 256;
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t t = i / 8, cw = (i % 8) / 4, warp = i % 4;
+          const int64_t e = t / (tiles_m * tiles_n), m0 = (t / tiles_n) % tiles_m * 128;
+          const bool zero = e >= experts || pr.off[e + 1] == pr.off[e] || m0 + cw * 64 + warp * 16 >= p;
+          if (zero) {
+            EXPECT_EQ(got[i], 0.0f) << tag << ": slot " << i;
+          } else {
+            EXPECT_GT(got[i], 0.0f) << tag << ": slot " << i;
+          }
+        }
+      }
+      // Through the op (the default path), against the CPU backend's slots.
+      Tensor w = dev(host_random(ws, kBF));
+      Tensor dw = dev_poisoned(ws, kF32), slots = dev_poisoned({count}, kF32);
+      grouped_matmul_backward(gpu.ex, x, w, doff, dout, nullptr, &dw, trans, false, &slots);
+      Tensor dw_cpu = host_poisoned(ws, kF32), slots_cpu = host_poisoned({count}, kF32);
+      grouped_matmul_backward(Exec::cpu(), back(x), back(w), back(doff), back(dout), nullptr, &dw_cpu, trans,
+                              false, &slots_cpu);
+      double got = 0, want = 0;
+      for (float v : back(slots).to_floats()) got += v;
+      for (float v : slots_cpu.to_floats()) want += v;
+      EXPECT_NEAR(got, want, 1e-4 * want) << "op, k " << k << " n " << n << (trans ? " trans_w" : "");
+    }
+  }
+  // f32 operands (the plain kernel) and a bf16 dW (the cp.async kernel), each with the
+  // second pass, through the op.
+  const std::vector<int32_t> off = {0, 30, 30, 77};
+  Tensor offsets = Tensor::from_ints({4}, off);
+  for (auto [xt, dwt] : {std::pair{kF32, kF32}, std::pair{kBF, kBF}}) {
+    Tensor x = host_random({77, 40}, xt), w = host_random({3, 40, 24}, xt), dout = host_random({77, 24}, xt);
+    Tensor dw = dev_poisoned({3, 40, 24}, dwt),
+           slots = dev_poisoned({grouped_matmul_dw_sum_squares_slots(3, 40, 24)}, kF32);
+    grouped_matmul_backward(gpu.ex, dev(x), dev(w), dev(offsets), dev(dout), nullptr, &dw, false, false,
+                            &slots);
+    double got = 0, want = 0;
+    for (float v : back(slots).to_floats()) got += v;
+    for (float v : back(dw).to_floats()) want += static_cast<double>(v) * v;
+    EXPECT_NEAR(got, want, 1e-5 * want) << dtype_name(xt) << " operands, " << dtype_name(dwt) << " dW";
+  }
 }
 
 TEST_F(CudaBf16, Attention) {

@@ -736,6 +736,47 @@ TEST(Model, DeviceStatsStepEqualsHostStatsSigmoidBias) {
   check_device_stats_step(moe);
 }
 
+// Issue 20: with Model::enable_grad_norm_fold the experts' dW products leave their sums of
+// squares in slots, and grad_norm_squared_on_device reads the other gradients and sums the
+// slots. It equals the full pass over every gradient; in a step of two micro-batches (the
+// second adds to the dW) it reads every gradient instead, and the next one-micro-batch
+// step folds again.
+TEST(Model, FoldedGradNormEqualsTheFullPass) {
+  ModelConfig cfg = small_model();
+  cfg.moe.z_loss_coef = 0.0;  // device statistics
+  Model m(cfg, 95);
+  ASSERT_TRUE(m.enable_device_stats(kC));
+  EXPECT_EQ(m.enable_grad_norm_fold(kC), 2 * m.num_moe_blocks());
+  int64_t expert_elements = 0;
+  std::vector<const Tensor*> grads;
+  for (const auto& p : m.parameters()) {
+    grads.push_back(&p.param->grad);
+    if (p.name.find(".experts.") != std::string::npos) expert_elements += p.param->numel();
+  }
+  ASSERT_GT(expert_elements, 0);
+  std::mt19937 rng(96);
+  for (int accum : {1, 2, 1}) {
+    m.zero_grad(kC);
+    for (int micro = 0; micro < accum; ++micro) {
+      std::vector<int32_t> ids(12), tg(12);
+      for (auto& v : ids) v = static_cast<int32_t>(rng() % 23);
+      for (auto& v : tg) v = static_cast<int32_t>(rng() % 23);
+      m.forward_backward(kC, Tensor::from_ints({2, 6}, ids), Tensor::from_ints({2, 6}, tg), 1.0f / accum);
+    }
+    const double got = m.grad_norm_squared_on_device(kC).to_floats().at(0);
+    const double want = kernels::sum_squares_multi(kC.ex, grads);
+    EXPECT_EQ(m.last_folded_elements(), accum == 1 ? expert_elements : 0) << "grad_accum " << accum;
+    EXPECT_NEAR(got, want, 1e-6 * want) << "grad_accum " << accum;
+    // The experts' share is large enough that leaving it out (or counting it twice) shows.
+    double experts_only = 0;
+    for (const auto& p : m.parameters())
+      if (p.name.find(".experts.") != std::string::npos)
+        experts_only += kernels::sum_squares(kC.ex, p.param->grad);
+    EXPECT_GT(experts_only, 1e-3 * want);
+    m.end_step(kC);
+  }
+}
+
 TEST(Model, DeviceStatsNeedNoZLoss) {
   Model m(small_model(), 93);  // moe_config has a z-loss
   EXPECT_FALSE(m.enable_device_stats(kC));
