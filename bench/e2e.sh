@@ -40,6 +40,8 @@ usage: bench/e2e.sh [options]
   --dp               on each GPU count > 1 also a Troupe row with --parallel dp=N (data parallelism,
                      ZeRO-1 and the in-memory state of the elastic workers, the config's micro-batch
                      per GPU) beside the n=N row
+  --troupe-set K=V   one more `--set K=V` for every Troupe run (repeatable; e.g. an A/B of a switch
+                     such as train.fold_grad_norm=false)
   --no-selfcheck     skip the peer's numerical self-check (a small model: dispatch path with
                      torch._grouped_mm and all-to-all against a naive per-expert reference)
 EOF
@@ -56,6 +58,7 @@ BUILD=build
 DATA=""
 PY=python3
 SKIP_TROUPE=0
+TROUPE_SETS=""
 SKIP_PEER=0
 DEVICE=cuda
 PEER_ARGS=""
@@ -80,6 +83,7 @@ while [ $# -gt 0 ]; do
     --timeout) TIMEOUT=$2; shift 2 ;;
     --quick) STEPS=5; WARMUP=2; shift ;;
     --dp) DP_ROWS=1; shift ;;
+    --troupe-set) TROUPE_SETS="${TROUPE_SETS:-} --set $2"; shift 2 ;;
     --no-selfcheck) SELFCHECK=0; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "e2e.sh: unknown option '$1'" >&2; usage >&2; exit 2 ;;
@@ -163,7 +167,7 @@ troupe_data() {
 MBS=$(sed -n 's/^[[:space:]]*micro_batch_size[[:space:]]*=[[:space:]]*\([0-9]*\).*/\1/p' "$CONFIG" | head -n 1)
 troupe_sets() {  # troupe_sets DATA NGPU
   local steps=$((STEPS + WARMUP))
-  local sets="--set train.steps=$steps --set train.eval_every=0 --set train.eval_batches=1 --set train.log_every=1 --set data.dir=$1"
+  local sets="--set train.steps=$steps --set train.eval_every=0 --set train.eval_batches=1 --set train.log_every=1 --set data.dir=$1${TROUPE_SETS:-}"
   if [ -n "$MBS" ] && [ "$2" -gt 1 ]; then sets="$sets --set train.micro_batch_size=$((MBS * $2))"; fi
   echo "$sets"
 }
