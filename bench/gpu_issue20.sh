@@ -50,6 +50,15 @@ for step in "$@"; do
         exit 1
       fi
       stamp "build ok ($targets)"
+      # ptxas 13.0 once reused the Dh-64 attention kernels' own-row A fragment registers
+      # (wrong gradients, no error; attention_hopper.cu kBranchFreeTiles): check the SASS.
+      obj="$B/kernels/CMakeFiles/troupe_kernels.dir/cuda/attention_hopper.cu.o"
+      if command -v cuobjdump >/dev/null && [ -f "$obj" ]; then
+        python3 scripts/sass-own-frags.py "$obj" >"$out/sass_own_frags.txt" 2>&1
+        rc=$?
+        stamp "sass-own-frags rc=$rc"
+        if [ "$rc" -ne 0 ]; then cat "$out/sass_own_frags.txt"; exit 1; fi
+      fi
       ;;
     tests)
       timeout 90 "$B"/tests/kernels/kernels_op_table_cuda_test >"$out/op_table_cuda.log" 2>&1
