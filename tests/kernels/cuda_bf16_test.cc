@@ -429,6 +429,11 @@ TEST_F(CudaBf16, RowKernels) {
   rope_forward(cpu, rx, p, 10000.0f, ro_w);
   rope_forward(gpu.ex, dev(rx), dev(p), 10000.0f, ro_g);
   expect_close(ro_g, ro_w, kTol, "rope_forward");
+  // The backward in place, as the attention layer runs it.
+  Tensor rb_w = host_poisoned({t, 4, 64}, kBF), rb_g = dev(rx);
+  rope_backward(cpu, rx, p, 10000.0f, rb_w);
+  rope_backward(gpu.ex, rb_g, dev(p), 10000.0f, rb_g);
+  expect_close(rb_g, rb_w, kTol, "rope_backward in place");
 }
 
 TEST_F(CudaBf16, MoeAndElementwise) {
