@@ -206,25 +206,9 @@ Tensor Model::grad_norm_squared_on_device(const Ctx& c) {
     for (const auto& p : params)
       if (!p.param->grad_sum_squares_valid()) read.push_back(p.param->grad);
   }
-  // Summed: the folded slots, as few views of fold_slots_ as adjacency allows.
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  for (const auto& p : folded) {
-    const int64_t begin = (static_cast<const char*>(p.param->grad_sum_squares.data_ptr()) -
-                           static_cast<const char*>(fold_slots_.data_ptr())) /
-                          4;
-    ranges.emplace_back(begin, begin + p.param->grad_sum_squares.numel());
-  }
-  std::sort(ranges.begin(), ranges.end());
-  std::vector<Tensor> slots;
-  for (size_t i = 0; i < ranges.size();) {
-    size_t j = i + 1;
-    while (j < ranges.size() && ranges[j].first == ranges[j - 1].second) ++j;
-    slots.push_back(fold_slots_.narrow(0, ranges[i].first, ranges[j - 1].second - ranges[i].first));
-    i = j;
-  }
   std::vector<const Tensor*> squares, sums;
   for (const Tensor& t : read) squares.push_back(&t);
-  for (const Tensor& t : slots) sums.push_back(&t);
+  for (const auto& p : folded) sums.push_back(&p.param->grad_sum_squares);  // summed, not squared
   kernels::sum_squares_into(c.ex, squares, out, /*accumulate=*/false, sums);
   return out;
 }
