@@ -6,6 +6,7 @@
 #   router   bench/router_load.sh on bench_1b (same weights and tokens in Troupe and the peer)
 #   e2e      bench/e2e.sh --gpus 1 on bench_1b (Troupe and both peer variants, same tokens)
 #   hoststats  Troupe on bench_1b with train.device_stats=false (per-layer read-backs), to compare
+#   graph    Troupe on bench_1b with train.cuda_graph=true and false, alternating, twice
 #   final    the final run, most important first, each part's failure reported and passed:
 #            build (train_moe + the CUDA tests) -> e2e -> tests -> train_moe_cuda_test ->
 #            kernels (builds kernel_bench) -> hoststats
@@ -84,6 +85,19 @@ for step in "$@"; do
       OUT=$out bash bench/e2e.sh --build "$B" --skip-troupe --skip-peer --gpus 1 >/dev/null 2>&1  # prepares the shared shards
       bash bench/router_load.sh "${TMPDIR:-/tmp}/troupe-e2e-runs/data" "$out/router" "${ROUTER_STEPS:-60}" "$B"
       stamp "router_load rc=$?"
+      ;;
+    graph)
+      # Troupe only, train.cuda_graph on and off alternating (same machine, same shards):
+      # the step replayed from one CUDA graph against its launches enqueued one by one.
+      for round in 1 2; do
+        for g in true false; do
+          rm -rf "$out/e2e-graph-$g"
+          OUT="$out/e2e-graph-$g" bash bench/e2e.sh --build "$B" --gpus 1 --quick --skip-peer --no-selfcheck \
+            --troupe-set "train.cuda_graph=$g" >"$out/graph-$g-$round.log" 2>&1
+          stamp "cuda_graph=$g round $round rc=$?: $(grep -h '| troupe |' "$out/e2e-graph-$g/e2e/e2e.md" 2>/dev/null)"
+          grep -h "captured as a CUDA graph\|^step 2/" "$out/e2e-graph-$g/e2e/troupe_1gpu.log" 2>/dev/null | cut -c1-200
+        done
+      done
       ;;
     hoststats)
       d=${TMPDIR:-/tmp}/troupe-e2e-runs

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -761,7 +762,19 @@ void adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, cons
     OP_DTYPE(cc, *cfg.clip_sum_squares, DType::kF32);
     OP_SHAPE(cc, *cfg.clip_sum_squares, {1});
   }
+  if (cfg.device_schedule != nullptr) {
+    OpCheck cs("adamw_step_multi", ex, {{"device_schedule", cfg.device_schedule}});
+    OP_DTYPE(cs, *cfg.device_schedule, DType::kF32);
+    OP_SHAPE(cs, *cfg.device_schedule, {3});
+  }
   c.call(&Backend::adamw_step_multi, ex, tensors, cfg);
+}
+
+std::array<float, 3> adamw_schedule(const AdamWConfig& cfg) {
+  TROUPE_CHECK(cfg.step >= 1, "adamw_schedule: step = {} must be 1-based", cfg.step);
+  const double step = static_cast<double>(cfg.step);
+  return {cfg.lr, static_cast<float>(1.0 - std::pow(static_cast<double>(cfg.beta1), step)),
+          static_cast<float>(1.0 - std::pow(static_cast<double>(cfg.beta2), step))};
 }
 
 double sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors) {

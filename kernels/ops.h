@@ -14,6 +14,7 @@
 //   the op and the shapes.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <span>
 
@@ -189,7 +190,15 @@ struct AdamWConfig {
   // multiplied by max_norm / n where n > clip_max_norm > 0, as the host clip does.
   const Tensor* clip_sum_squares = nullptr;
   float clip_max_norm = 0.0f;
+  // The step's schedule held on the device (adamw_step_multi only): when set, f32 [3] on
+  // the tensors' device holding lr, 1 - beta1^step and 1 - beta2^step (the bias
+  // corrections computed in double, then rounded), read by the kernel in place of lr and
+  // step, so that the launch's arguments are the same every step (a CUDA graph of the
+  // step replays it; AdamW::use_device_schedule).
+  const Tensor* device_schedule = nullptr;
 };
+// The device schedule's values for step (1-based): {lr, 1 - beta1^step, 1 - beta2^step}.
+std::array<float, 3> adamw_schedule(const AdamWConfig& cfg);
 // In place on param, m, v (all f32, same shape as grad; grad f32 or bf16).
 void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
                 const AdamWConfig& cfg);

@@ -59,21 +59,38 @@ Tensor Model::forward_blocks(const Ctx& c, const Tensor& ids, std::vector<Block:
   return x;
 }
 
-namespace {
-int64_t count_targets(const Ctx& c, const Tensor& targets) {
+int64_t Model::target_tokens(const Ctx& c, const Tensor& targets) {
   const Tensor t = c.to_host(targets);
   const int32_t* p = t.data<int32_t>();
   int64_t n = 0;
   for (int64_t i = 0; i < t.numel(); ++i) n += p[i] >= 0 ? 1 : 0;
   return n;
 }
-}  // namespace
+
+std::vector<int64_t> Model::pending_selections() const {
+  std::vector<int64_t> out;
+  for (const auto& b : blocks)
+    if (b->is_moe()) out.push_back(b->moe->pending_selections());
+  return out;
+}
+
+void Model::add_pending_selections(const std::vector<int64_t>& per_moe_block) {
+  size_t i = 0;
+  for (auto& b : blocks) {
+    if (!b->is_moe()) continue;
+    TROUPE_CHECK(i < per_moe_block.size(), "Model::add_pending_selections: {} values for more MoE blocks",
+                 per_moe_block.size());
+    b->moe->add_pending_selections(per_moe_block[i++]);
+  }
+  TROUPE_CHECK(i == per_moe_block.size(), "Model::add_pending_selections: {} values for {} MoE blocks",
+               per_moe_block.size(), i);
+}
 
 Model::MicroBatchStats Model::forward_backward(const Ctx& c, const Tensor& ids_in, const Tensor& targets_in,
-                                               float loss_weight) {
+                                               float loss_weight, int64_t tokens) {
   MicroBatchStats st;
   // Host batches go to the device here (and the target count is taken on the host copy).
-  st.tokens = count_targets(c, targets_in.view({targets_in.numel()}));
+  st.tokens = tokens >= 0 ? tokens : target_tokens(c, targets_in.view({targets_in.numel()}));
   const Tensor ids = ids_in.device() == c.ex.device ? ids_in : c.to_device(ids_in);
   const Tensor targets = targets_in.device() == c.ex.device ? targets_in : c.to_device(targets_in);
   std::vector<Block::Saved> saved;
@@ -105,7 +122,7 @@ double Model::eval_loss_sum(const Ctx& c, const Tensor& ids_in, const Tensor& ta
   Tensor x = forward_blocks(c, ids, saved, nullptr);
   saved.clear();
   const Tensor flat_targets = targets.view({targets.numel()});
-  tokens = count_targets(c, flat_targets);
+  tokens = target_tokens(c, flat_targets);
   return head->loss_sum(c, x, flat_targets);
 }
 

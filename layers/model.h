@@ -38,7 +38,13 @@ class Model {
 
   // ids, targets i32 [B, S] (targets -1 = ignored). Runs forward and backward, adding the
   // gradients of loss_weight * (mean CE + aux) to every Parameter::grad.
-  MicroBatchStats forward_backward(const Ctx& c, const Tensor& ids, const Tensor& targets, float loss_weight);
+  // tokens >= 0: the caller's count of targets that are not ignored (target_tokens of the
+  // host batch), so that device-resident targets need no read-back (a CUDA graph of the
+  // step: train_moe); -1 counts them here.
+  MicroBatchStats forward_backward(const Ctx& c, const Tensor& ids, const Tensor& targets, float loss_weight,
+                                   int64_t tokens = -1);
+  // The number of targets that are not ignored (>= 0); reads a device tensor back.
+  static int64_t target_tokens(const Ctx& c, const Tensor& targets);
   // Forward only: sum of token losses and the count of tokens with a target.
   double eval_loss_sum(const Ctx& c, const Tensor& ids, const Tensor& targets, int64_t& tokens);
   // Logits [V] of the last position of ids i32 [1, S].
@@ -104,6 +110,12 @@ class Model {
     double aux_loss = 0;           // over micro-batches and MoE blocks, unweighted
   };
   const StepStats& last_step_stats() const { return last_stats_; }
+  // CUDA graphs of the step (train_moe): a replay runs none of the host code of the step
+  // it recorded, so the host bookkeeping that end_step checks the device statistics
+  // against (each MoE block's expected expert selections, device mode) is taken after the
+  // captured step and added back for each replay.
+  std::vector<int64_t> pending_selections() const;
+  void add_pending_selections(const std::vector<int64_t>& per_moe_block);
 
   Embedding embedding;
   std::vector<std::unique_ptr<Block>> blocks;

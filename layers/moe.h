@@ -166,6 +166,10 @@ class MoELayer {
   // copies of the tokens the router assumed (a group whose members routed unequal token
   // counts: the aux loss and its gradient would have been scaled wrongly).
   double absorb_device_stats(const float* row);
+  // The selections absorb_device_stats will expect (device mode), and an addition to them
+  // for a replayed step (Model::add_pending_selections).
+  int64_t pending_selections() const { return device_selections_; }
+  void add_pending_selections(int64_t n) { device_selections_ += n; }
 
   Router router;
   Experts experts;

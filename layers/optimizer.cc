@@ -2,6 +2,7 @@
 #include "layers/optimizer.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 namespace troupe::layers {
@@ -41,19 +42,51 @@ void AdamW::step(const Ctx& c, double lr, const Tensor& grad_norm_squared) {
   step_impl(c, lr, 1.0, &grad_norm_squared);
 }
 
-void AdamW::step_impl(const Ctx& c, double lr, double grad_scale, const Tensor* norm_sq) {
-  ++step_;
+kernels::AdamWConfig AdamW::config(double lr) const {
   kernels::AdamWConfig cfg;
   cfg.lr = static_cast<float>(lr);
   cfg.beta1 = static_cast<float>(opts_.beta1);
   cfg.beta2 = static_cast<float>(opts_.beta2);
   cfg.eps = static_cast<float>(opts_.eps);
   cfg.step = step_;
+  return cfg;
+}
+
+void AdamW::use_device_schedule(const Ctx& c) {
+  schedule_ = c.on_device() ? c.zeros({3}, DType::kF32) : Tensor::zeros({3}, DType::kF32);
+}
+
+void AdamW::prepare_step(const Ctx& c, double lr) {
+  TROUPE_CHECK(schedule_.defined(), "AdamW::prepare_step needs use_device_schedule");
+  ++step_;
+  const std::array<float, 3> v = kernels::adamw_schedule(config(lr));
+  Tensor host = Tensor::zeros({3}, DType::kF32);
+  std::copy(v.begin(), v.end(), host.data<float>());
+  c.copy_to_device(host, schedule_);
+}
+
+void AdamW::enqueue_update(const Ctx& c, const Tensor& grad_norm_squared) {
+  TROUPE_CHECK(schedule_.defined() && step_ >= 1, "AdamW::enqueue_update needs prepare_step first");
+  // lr is a placeholder here: the kernel reads the schedule prepare_step uploaded.
+  launch(c, config(0.0), 1.0, &grad_norm_squared);
+}
+
+void AdamW::step_impl(const Ctx& c, double lr, double grad_scale, const Tensor* norm_sq) {
+  if (schedule_.defined()) {
+    prepare_step(c, lr);
+  } else {
+    ++step_;
+  }
+  launch(c, config(lr), grad_scale, norm_sq);
+}
+
+void AdamW::launch(const Ctx& c, kernels::AdamWConfig cfg, double grad_scale, const Tensor* norm_sq) {
   cfg.grad_scale = static_cast<float>(grad_scale);
   if (norm_sq != nullptr && opts_.grad_clip > 0) {
     cfg.clip_sum_squares = norm_sq;
     cfg.clip_max_norm = static_cast<float>(opts_.grad_clip);
   }
+  if (schedule_.defined()) cfg.device_schedule = &schedule_;
   // One multi-tensor step (one launch per 256 tensors on CUDA instead of one per tensor).
   std::vector<kernels::AdamWTensor> list;
   list.reserve(params_.size());

@@ -38,6 +38,15 @@ class AdamW {
   // defined) from its updated value in the same pass over memory, so the caller need not
   // refresh them (Model::refresh_working_copies) after the step.
   void write_working_copies(bool on) { write_work_ = on; }
+  // CUDA graphs of the step (train_moe): the learning rate and bias corrections come from
+  // a device tensor (f32 [3], allocated here) instead of the launch's arguments, so the
+  // launch enqueued by enqueue_update is the same every step. Then each step is
+  // prepare_step (advances step(), uploads its schedule: outside the graph) followed by
+  // enqueue_update (the update itself: inside); step(c, lr, norm) does both.
+  void use_device_schedule(const Ctx& c);
+  bool device_schedule() const { return schedule_.defined(); }
+  void prepare_step(const Ctx& c, double lr);
+  void enqueue_update(const Ctx& c, const Tensor& grad_norm_squared);
   int64_t steps_done() const { return step_; }
   void set_steps_done(int64_t s) { step_ = s; }
   // Moments as named tensors ("<param>.adam_m", "<param>.adam_v") for checkpoints.
@@ -46,11 +55,14 @@ class AdamW {
 
  private:
   void step_impl(const Ctx& c, double lr, double grad_scale, const Tensor* norm_sq);
+  kernels::AdamWConfig config(double lr) const;  // lr, betas, eps and step()
+  void launch(const Ctx& c, kernels::AdamWConfig cfg, double grad_scale, const Tensor* norm_sq);
   std::vector<NamedParameter> params_;
   std::vector<Tensor> m_, v_;
   AdamWOptions opts_;
   int64_t step_ = 0;
   bool write_work_ = false;
+  Tensor schedule_;  // device schedule (use_device_schedule), else undefined
 };
 
 // Clip multiplier for a gradient of global norm `norm`: min(1, max_norm / norm).

@@ -36,6 +36,12 @@ struct TrainOptions {
   // other gradients (Model::enable_grad_norm_fold); false: the norm reads every gradient,
   // for comparison.
   bool fold_grad_norm = true;
+  // With device_stats in the single-process loop on a GPU: from the second step on, each
+  // step is one replay of a CUDA graph captured once (its ~1,700 kernel launches cost
+  // one), its inputs copied into the graph's, its learning rate read from the device; a
+  // step whose batch has another count of targets runs without it. false: every launch
+  // enqueued one by one, for comparison (and for kernel profilers that want launches).
+  bool cuda_graph = true;
   // Non-empty: every rank writes, per step, its per-thread communication and compute
   // timings as JSON lines into this directory (bench/overlap/timeline.py draws them).
   std::string timeline_dir;

@@ -26,6 +26,12 @@ struct RunDevice::Cuda {
   cuda::CudaStream stream;
   std::unique_ptr<cuda::CudaCachingAllocator> alloc;
   std::unique_ptr<kernels::CudaContext> ctx;
+  cudaGraph_t graph = nullptr;  // a captured step (begin_capture / end_capture)
+  cudaGraphExec_t exec = nullptr;
+  ~Cuda() {
+    if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
+    if (graph != nullptr) (void)cudaGraphDestroy(graph);
+  }
 };
 #else
 struct RunDevice::Cuda {};
@@ -106,6 +112,69 @@ int64_t RunDevice::host_syncs() const {
 int64_t RunDevice::upload_waits() const {
 #if TROUPE_HAVE_CUDA
   return cuda_ ? cuda::host_wait_count(cuda::HostWait::kUpload) : 0;
+#else
+  return 0;
+#endif
+}
+
+Status RunDevice::begin_capture() {
+#if TROUPE_HAVE_CUDA
+  if (!cuda_) return failed_precondition("CUDA graphs need --backend cuda");
+  if (cuda_->exec != nullptr) return failed_precondition("a CUDA graph of the step was already captured");
+  if (cudaError_t e = cudaStreamBeginCapture(cuda_->stream.get(), cudaStreamCaptureModeRelaxed);
+      e != cudaSuccess) {
+    return internal_error("CUDA graph: cudaStreamBeginCapture: {}", cudaGetErrorString(e));
+  }
+  cuda_->alloc->begin_graph_pool();
+  return ok_status();
+#else
+  return failed_precondition("CUDA graphs need a build with CUDA");
+#endif
+}
+
+Status RunDevice::end_capture() {
+#if TROUPE_HAVE_CUDA
+  if (!cuda_ || !cuda_->alloc->capturing()) return failed_precondition("end_capture without begin_capture");
+  cuda_->alloc->end_graph_pool();
+  cudaGraph_t graph = nullptr;
+  if (cudaError_t e = cudaStreamEndCapture(cuda_->stream.get(), &graph); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return internal_error(
+        "CUDA graph: the step could not be captured ({}): something in it waited on the host or used "
+        "another stream; set train.cuda_graph = false",
+        cudaGetErrorString(e));
+  }
+  cuda_->graph = graph;
+  if (cudaError_t e = cudaGraphInstantiate(&cuda_->exec, graph, 0); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    cuda_->exec = nullptr;
+    return internal_error("CUDA graph: cudaGraphInstantiate: {}", cudaGetErrorString(e));
+  }
+  CUDA_CHECK(cudaGraphUpload(cuda_->exec, cuda_->stream.get()));
+  return ok_status();
+#else
+  return failed_precondition("CUDA graphs need a build with CUDA");
+#endif
+}
+
+void RunDevice::launch_graph() const {
+#if TROUPE_HAVE_CUDA
+  TROUPE_CHECK(has_graph(), "RunDevice::launch_graph: no captured graph");
+  CUDA_CHECK(cudaGraphLaunch(cuda_->exec, cuda_->stream.get()));
+#endif
+}
+
+bool RunDevice::has_graph() const {
+#if TROUPE_HAVE_CUDA
+  return cuda_ && cuda_->exec != nullptr;
+#else
+  return false;
+#endif
+}
+
+size_t RunDevice::graph_pool_bytes() const {
+#if TROUPE_HAVE_CUDA
+  return cuda_ ? cuda_->alloc->graph_pool_bytes() : 0;
 #else
   return 0;
 #endif

@@ -43,6 +43,19 @@ class RunDevice {
   void range_push(const char* name) const;
   void range_pop() const;
 
+  // A CUDA graph of a training step (train_moe's train.cuda_graph): begin_capture() starts
+  // recording this device's stream (the work enqueued until end_capture() is recorded,
+  // not run) with the allocator's graph pool (core/cuda/caching_allocator.h), so the
+  // addresses the graph replays stay its own; end_capture() instantiates it and
+  // launch_graph() enqueues one replay. The captured work must not wait on the host
+  // (no read-backs, no uploads); errors name the CUDA call that refused. CUDA only.
+  Status begin_capture();
+  Status end_capture();
+  void launch_graph() const;
+  bool has_graph() const;
+  // Bytes the graph owns (its activations and temporaries): reserved while it lives.
+  size_t graph_pool_bytes() const;
+
  private:
   RunDevice() = default;
   struct Cuda;  // stream, allocator, context (CUDA builds)

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <string>
 
 #include "actors/training/checkpointing.h"
@@ -169,6 +170,16 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
   }
   layers::AdamW opt(model.parameters(), tc.optim, c);
   opt.write_working_copies(true);  // the bf16 working copies come out of the optimizer's pass
+  // A CUDA graph of the step (train.cuda_graph): the first step runs launch by launch (it
+  // makes the lazily built plans and the allocator's blocks), the second is captured and
+  // replayed, every later one replayed. Needs the device statistics (nothing in the step
+  // may wait on the host); AdamW reads its learning rate from the device.
+  const bool use_graph = device_stats && tc.train.cuda_graph;
+  if (use_graph) opt.use_device_schedule(c);
+  std::vector<Tensor> graph_ids, graph_targets;  // the graph's inputs, at fixed addresses
+  std::vector<int64_t> graph_tokens, graph_selections;
+  size_t graph_peak = 0;
+  bool graph_mismatch_told = false;
   int64_t first_step = 1, tokens_seen = 0;
   if (resume) {
     TROUPE_RETURN_IF_ERROR(load_model_state(c, *resume, model, opt));
@@ -225,23 +236,73 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     dev.range_push("step");
     const size_t step_base_bytes = dev.bytes_in_use();
     const int64_t syncs_before = dev.host_syncs(), uploads_before = dev.upload_waits();
-    model.zero_grad(c);
     double lm_sum = 0, aux = 0;
     int64_t step_tokens = 0;
-    for (int64_t m = 0; m < tc.train.grad_accum; ++m) {
-      Tensor ids, targets;
-      loader.train_batch(step, /*dp_rank=*/0, m, tc.train.grad_accum, tc.train.micro_batch_size, ids, targets);
-      layers::Model::MicroBatchStats st = model.forward_backward(c, ids, targets, loss_weight);
-      // Each micro-batch has the same token count, so the mean of means is the mean.
-      lm_sum += st.lm_loss_sum / static_cast<double>(std::max<int64_t>(1, st.tokens)) * loss_weight;
-      aux += st.aux_loss * loss_weight;
-      step_tokens += st.tokens;
+    const double lr = tc.lr.at(step);
+    std::vector<Tensor> ids(static_cast<size_t>(tc.train.grad_accum)), targets(ids.size());
+    std::vector<int64_t> tokens(ids.size());
+    for (size_t m = 0; m < ids.size(); ++m) {
+      loader.train_batch(step, /*dp_rank=*/0, static_cast<int64_t>(m), tc.train.grad_accum,
+                         tc.train.micro_batch_size, ids[m], targets[m]);
+      tokens[m] = layers::Model::target_tokens(c, targets[m]);  // host batches: no device read
+      step_tokens += tokens[m];
+    }
+    // Replayed while the batch's target counts are the captured step's (its loss scale).
+    const bool graph_step =
+        use_graph && step > first_step && (graph_tokens.empty() || tokens == graph_tokens);
+    if (use_graph && !graph_step && !graph_tokens.empty() && !graph_mismatch_told) {
+      fmt::print(
+          "train_moe: step {} has another count of targets than the captured step ({} against {}): it "
+          "runs without the CUDA graph (so does any such step)\n",
+          step, step_tokens, std::accumulate(graph_tokens.begin(), graph_tokens.end(), int64_t{0}));
+      graph_mismatch_told = true;
+    }
+    if (graph_step && !dev.has_graph()) {
+      for (size_t m = 0; m < ids.size(); ++m) {  // allocated before the capture: the caller's
+        graph_ids.push_back(c.to_device(ids[m]));
+        graph_targets.push_back(c.to_device(targets[m]));
+      }
+      graph_tokens = tokens;
+      opt.prepare_step(c, lr);
+      const std::vector<int64_t> selections_before = model.pending_selections();
+      TROUPE_RETURN_IF_ERROR(dev.begin_capture());
+      model.zero_grad(c);
+      for (size_t m = 0; m < ids.size(); ++m)
+        model.forward_backward(c, graph_ids[m], graph_targets[m], loss_weight, tokens[m]);
+      opt.enqueue_update(c, model.grad_norm_squared_on_device(c));
+      TROUPE_RETURN_IF_ERROR(dev.end_capture());
+      graph_peak = dev.peak_bytes();
+      graph_selections = model.pending_selections();
+      for (size_t i = 0; i < graph_selections.size(); ++i) graph_selections[i] -= selections_before[i];
+      dev.launch_graph();
+      fmt::print(
+          "train_moe: step {} captured as a CUDA graph ({:.2f} GiB of activations and temporaries held "
+          "by it); later steps replay it\n",
+          step, static_cast<double>(dev.graph_pool_bytes()) / 1073741824.0);
+    } else if (graph_step) {
+      for (size_t m = 0; m < ids.size(); ++m) {
+        c.copy_to_device(ids[m], graph_ids[m]);
+        c.copy_to_device(targets[m], graph_targets[m]);
+      }
+      opt.prepare_step(c, lr);
+      model.add_pending_selections(graph_selections);
+      dev.launch_graph();
+    } else {
+      model.zero_grad(c);
+      for (size_t m = 0; m < ids.size(); ++m) {
+        layers::Model::MicroBatchStats st =
+            model.forward_backward(c, ids[m], targets[m], loss_weight, tokens[m]);
+        // Each micro-batch has the same token count, so the mean of means is the mean.
+        lm_sum += st.lm_loss_sum / static_cast<double>(std::max<int64_t>(1, st.tokens)) * loss_weight;
+        aux += st.aux_loss * loss_weight;
+      }
     }
     // The global norm: one reduction over the flat gradient buffer on a device (left there
     // in device-stats mode, where AdamW clips by it on the device).
-    const double lr = tc.lr.at(step);
     double grad_norm = 0;
-    if (device_stats) {
+    if (graph_step) {
+      // (the update is in the graph)
+    } else if (device_stats) {
       opt.step(c, lr, model.grad_norm_squared_on_device(c));
     } else {
       grad_norm = std::sqrt(model.flat_grads().defined() ? kernels::sum_squares(c.ex, model.flat_grads())
@@ -261,7 +322,8 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     dev.range_pop();
     dev.synchronize();  // the step's time includes its optimizer update
     const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
-    const size_t peak_bytes = dev.peak_bytes();
+    // A replay allocates nothing: its peak is the captured step's.
+    const size_t peak_bytes = graph_step ? std::max(graph_peak, dev.peak_bytes()) : dev.peak_bytes();
     tokens_seen += step_tokens;
     const double tps = static_cast<double>(step_tokens) / step_s;
     const double loss = lm_sum + aux;

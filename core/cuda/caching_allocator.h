@@ -10,12 +10,21 @@
 // kernels that touch the allocator's memory run on one stream (the kernels' stream):
 // later work on that stream runs after the earlier user. Code that uses a block on
 // another stream must make that stream's work finish (event/sync) before freeing it.
+// CUDA graphs: between begin_graph_pool() and end_graph_pool() (a stream capture, whose
+// kernels are recorded with the addresses they were given, and replayed later), every
+// block handed out or freed becomes the graph's: freed, it returns to the graph's own
+// free lists, which only later captures draw from, so nothing outside the graph ever
+// holds an address the graph replays into. Blocks live at the capture's start (weights,
+// optimizer state, the graph's inputs) stay the caller's. release_graph_pool() (the graph
+// destroyed) gives the graph's blocks back to the shared cache.
+//
 // Thread-safe (one mutex).
 #pragma once
 
 #include <cstddef>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "core/allocator.h"
@@ -47,18 +56,33 @@ class CudaCachingAllocator final : public Allocator {
 
   static size_t round_size(size_t bytes);
 
+  // The graph pool (see the file comment). begin/end bracket a capture; capturing twice
+  // without end is refused.
+  void begin_graph_pool();
+  void end_graph_pool();
+  void release_graph_pool();  // waits for the device first (a replay may still run)
+  bool capturing() const;
+  // Rounded bytes of the blocks the graph owns (live or in its free lists).
+  size_t graph_pool_bytes() const;
+
  private:
   void release_cached_locked();
+  using FreeLists = std::unordered_map<size_t, std::vector<void*>>;  // rounded size -> blocks
+  static void* pop(FreeLists& lists, size_t rounded);
 
   int device_;
   mutable std::mutex mu_;
-  std::unordered_map<size_t, std::vector<void*>> free_;  // rounded size -> free blocks
+  std::unordered_map<size_t, std::vector<void*>> free_;  // rounded size -> free blocks (shared)
   std::unordered_map<void*, size_t> live_;               // handed-out block -> rounded size
   size_t in_use_ = 0;
   size_t peak_ = 0;
   size_t reserved_ = 0;
   size_t peak_reserved_ = 0;
   size_t mallocs_ = 0;
+  bool capturing_ = false;
+  std::unordered_set<void*> graph_owned_;
+  FreeLists graph_free_;
+  size_t graph_bytes_ = 0;
 };
 
 }  // namespace troupe::cuda

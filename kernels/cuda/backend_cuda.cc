@@ -593,6 +593,10 @@ void cuda_adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors,
     args.clip_sum_squares = f32(*cfg.clip_sum_squares);
     args.clip_max_norm = cfg.clip_max_norm;
   }
+  if (cfg.device_schedule != nullptr) {
+    require(*cfg.device_schedule, op, "device_schedule");
+    args.schedule = f32(*cfg.device_schedule);
+  }
   gpu::launch_adamw_multi(s.env, static_cast<int>(n), param.data(), grad.data(), grad_type.data(), m.data(),
                           v.data(), numel.data(), wd.data(), work.data(), work_type.data(), args);
 }

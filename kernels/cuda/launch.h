@@ -50,6 +50,9 @@ struct AdamWArgs {
   // threshold; grad_scale *= clip_max_norm / n where n = sqrt(*clip_sum_squares) > max > 0.
   const float* clip_sum_squares;
   float clip_max_norm;
+  // Multi-tensor only: f32 [3] on the device (null: none) holding lr, bias_correction1 and
+  // bias_correction2, which replace the arguments' (AdamWConfig::device_schedule).
+  const float* schedule;
 };
 void launch_adamw(const Env& env, float* param, const void* grad, DType gt, float* m, float* v, int64_t n,
                   const AdamWArgs& args);

@@ -93,6 +93,11 @@ __device__ __forceinline__ void adamw_elem(const AdamWArgs& a, float wd, float g
 
 __global__ void __launch_bounds__(kThreads) adamw_multi_kernel(const __grid_constant__ AdamWMultiParams p) {
   AdamWArgs a = p.a;
+  if (a.schedule != nullptr) {  // the step's schedule from the device (CUDA graphs of the step)
+    a.lr = a.schedule[0];
+    a.bias_correction1 = a.schedule[1];
+    a.bias_correction2 = a.schedule[2];
+  }
   if (a.clip_sum_squares != nullptr) {  // clipping from a norm that never left the device
     const float n = sqrtf(*a.clip_sum_squares);
     if (a.clip_max_norm > 0.0f && n > a.clip_max_norm) a.grad_scale *= a.clip_max_norm / n;

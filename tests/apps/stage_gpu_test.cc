@@ -8,7 +8,8 @@
 // Losses agree within bf16 tolerance (2e-2 relative) at every step (the MoE pair runs the
 // same kernels in the same order: measured bitwise equal), and dense_lm learns.
 // Also train_moe's single-process GPU loop with the gradient norm folded into the experts'
-// dW products (issue 20: train.fold_grad_norm, the default) against the full pass.
+// dW products (issue 20: train.fold_grad_norm, the default) against the full pass, and
+// its steps replayed from a CUDA graph (train.cuda_graph, the default) against launches.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -143,6 +144,51 @@ TEST_F(StageGpu, TrainMoeFoldedGradNormMatchesTheFullPass) {
         << "step " << ref[i]["step"];
   }
   std::printf("[stage-gpu folded norm] %zu steps, step 1 grad norm %.6g vs %.6g\n", got.size(), n0, g0);
+}
+
+// A CUDA graph of the step (train.cuda_graph, the default): step 1 runs launch by launch,
+// step 2 is captured, the rest replay it, with evaluations (eager work and allocations)
+// between replays. The same kernels run in the same order on the same inputs, so every
+// step's loss and gradient norm equal the launch-by-launch run's.
+TEST_F(StageGpu, TrainMoeCudaGraphStepsMatchLaunchByLaunch) {
+  auto train = [](const std::string& name, bool graph) {
+    TrainMoeCommand c;
+    c.backend = "cuda";
+    c.sets = tiny_model_sets({.steps = 8, .data_dir = *root_ / "data"});
+    c.sets.push_back("model.moe.z_loss_coef=0.0");
+    c.sets.push_back("train.eval_every=3");
+    c.sets.push_back(fmt::format("train.cuda_graph={}", graph));
+    c.run_dir = *root_ / name;
+    return run(c.argv(), *root_ / (name + ".log"), std::chrono::seconds(300));
+  };
+  const RunResult eager = train("moe-launches", false);
+  ASSERT_EQ(eager.exit_code, 0) << eager.output;
+  EXPECT_EQ(eager.output.find("CUDA graph"), std::string::npos) << eager.output;
+  const RunResult graph = train("moe-graph", true);
+  ASSERT_EQ(graph.exit_code, 0) << graph.output;
+  EXPECT_NE(graph.output.find("step 2 captured as a CUDA graph"), std::string::npos) << graph.output;
+  const auto ref = latest_step_records(*root_ / "moe-launches" / "metrics.jsonl");
+  const auto got = latest_step_records(*root_ / "moe-graph" / "metrics.jsonl");
+  ASSERT_EQ(ref.size(), got.size());
+  ASSERT_EQ(ref.size(), 8u);
+  double worst = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    for (const char* key : {"loss", "grad_norm", "aux_loss"}) {
+      const double d = rel_diff(ref[i][key].get<double>(), got[i][key].get<double>());
+      EXPECT_LE(d, 1e-6) << key << " at step " << ref[i]["step"] << ": " << ref[i][key] << " vs "
+                         << got[i][key];
+      worst = std::max(worst, d);
+    }
+    EXPECT_EQ(ref[i]["expert_load"], got[i]["expert_load"]) << "step " << ref[i]["step"];
+    EXPECT_EQ(got[i]["host_syncs"].get<int64_t>(), 0) << "step " << got[i]["step"];
+    if (ref[i].contains("val_loss")) {
+      ASSERT_TRUE(got[i].contains("val_loss")) << "step " << got[i]["step"];
+      EXPECT_LE(rel_diff(ref[i]["val_loss"].get<double>(), got[i]["val_loss"].get<double>()), 1e-6);
+    }
+  }
+  EXPECT_GT(got.back()["peak_bytes"].get<int64_t>(), 0);
+  std::printf("[stage-gpu cuda graph] %zu steps, worst relative difference %.3g (loss %.4f -> %.4f)\n",
+              got.size(), worst, got.front()["loss"].get<double>(), got.back()["loss"].get<double>());
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -516,6 +517,67 @@ TEST(CudaCachingAllocator, ReusesBlocksAndCounts) {
   EXPECT_EQ(alloc.bytes_reserved(), 0u);
   alloc.reset_peak();
   EXPECT_EQ(alloc.peak_bytes_in_use(), 0u);
+}
+
+// The graph pool: a real stream capture allocates and frees a temporary, the graph replays
+// into its address, and no allocation outside the capture is handed that address until the
+// pool is released.
+TEST(CudaCachingAllocator, GraphPoolKeepsTheCapturedAddresses) {
+  cuda::CudaStream stream = cuda::CudaStream::create(0);
+  cuda::CudaCachingAllocator alloc(0);
+  CudaContext ctx(0, stream.get(), &alloc);
+  const Exec ex{Device::cuda(0), &ctx};
+  Tensor out = Tensor::empty({4096}, kF32, alloc);  // live before the capture: the caller's
+  Tensor before = Tensor::empty({4096}, kF32, alloc);
+  void* before_ptr = before.data_ptr();
+  fill(ex, out, 0.0f);
+  stream.synchronize();
+
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeRelaxed), cudaSuccess);
+  alloc.begin_graph_pool();
+  EXPECT_TRUE(alloc.capturing());
+  void* tmp_ptr = nullptr;
+  {
+    Tensor tmp = Tensor::empty({4096}, kF32, alloc);
+    tmp_ptr = tmp.data_ptr();
+    EXPECT_NE(tmp_ptr, before_ptr);
+    fill(ex, tmp, 3.0f);
+    add(ex, tmp, tmp, out);  // out = 6 on every replay
+  }
+  before = Tensor();  // freed during the capture: the graph's from now on
+  alloc.end_graph_pool();
+  ASSERT_EQ(cudaStreamEndCapture(stream.get(), &graph), cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  EXPECT_EQ(alloc.graph_pool_bytes(), 2 * cuda::CudaCachingAllocator::round_size(4096 * 4));
+  EXPECT_EQ(alloc.num_device_mallocs(), 3u);  // out, before, and the capture's tmp
+
+  // Outside the capture, the same size class gets neither graph block.
+  Tensor eager = Tensor::empty({4096}, kF32, alloc);
+  EXPECT_NE(eager.data_ptr(), tmp_ptr);
+  EXPECT_NE(eager.data_ptr(), before_ptr);
+  fill(ex, eager, -1.0f);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream.get()), cudaSuccess);
+  const Tensor got = cuda::to_host(out, stream.get());
+  for (int64_t i = 0; i < got.numel(); i += 511) ASSERT_EQ(got.data<float>()[i], 6.0f) << i;
+  EXPECT_EQ(cuda::to_host(eager, stream.get()).data<float>()[7], -1.0f);  // untouched by the replay
+  eager = Tensor();
+
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  alloc.release_graph_pool();
+  EXPECT_EQ(alloc.graph_pool_bytes(), 0u);
+  // Released: the shared cache hands the graph's blocks out again.
+  std::vector<Tensor> again;
+  std::vector<void*> ptrs;
+  for (int i = 0; i < 3; ++i) {
+    again.push_back(Tensor::empty({4096}, kF32, alloc));
+    ptrs.push_back(again.back().data_ptr());
+  }
+  EXPECT_NE(std::find(ptrs.begin(), ptrs.end(), tmp_ptr), ptrs.end());
+  EXPECT_NE(std::find(ptrs.begin(), ptrs.end(), before_ptr), ptrs.end());
+  EXPECT_EQ(alloc.num_device_mallocs(), 4u);  // and the eager one, nothing since
 }
 
 }  // namespace

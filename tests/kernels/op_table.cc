@@ -1483,14 +1483,17 @@ void add_step_stats_cases(std::vector<OpCase>& cases, Rng& rng) {
   }
   // AdamW clipped by the norm the device holds: max below the norm (clips) and above it.
   const double norm = std::sqrt(static_cast<double>(static_cast<float>(sumsq)));
-  for (double max_norm : {0.5 * norm, 2.0 * norm}) {
+  // The third: lr and the bias corrections from a device schedule (CUDA graphs of the step),
+  // the launch's own lr and step set to other values that must not be used.
+  for (auto [max_norm, schedule] : {std::pair{0.5 * norm, false}, {2.0 * norm, false}, {0.5 * norm, true}}) {
     AdamWConfig cfg;
     cfg.lr = 0.02f;
     cfg.step = 3;
     cfg.grad_scale = 0.8f;
     cfg.clip_max_norm = static_cast<float>(max_norm);
     OpCase c;
-    c.name = std::string("adamw_step_multi/device_clip_") + (max_norm < norm ? "clips" : "no_clip");
+    c.name = std::string("adamw_step_multi/device_clip_") + (max_norm < norm ? "clips" : "no_clip") +
+             (schedule ? "_device_schedule" : "");
     c.ops = {"adamw_step_multi", "sum_squares_into"};
     c.bf16_storage = false;
     for (size_t i = 0; i < n; ++i) {  // per tensor: param, grad, m, v
@@ -1499,7 +1502,7 @@ void add_step_stats_cases(std::vector<OpCase>& cases, Rng& rng) {
       c.inputs.push_back(rng.uniform(shapes[i], -0.1, 0.1));
       c.inputs.push_back(rng.uniform(shapes[i], 0.001, 0.01));
     }
-    c.forward = [cfg, types, n](TestDevice& dev, const Tensors& in) {
+    c.forward = [cfg, types, n, schedule](TestDevice& dev, const Tensors& in) {
       std::vector<Tensor> t;
       for (size_t i = 0; i < n; ++i) {
         t.push_back(dev.upload(dev.download(in[4 * i]), DType::kF32));
@@ -1517,6 +1520,15 @@ void add_step_stats_cases(std::vector<OpCase>& cases, Rng& rng) {
       sum_squares_into(dev.exec(), grads, sq);  // the norm stays on the device
       AdamWConfig dc = cfg;
       dc.clip_sum_squares = &sq;
+      Tensor sched;
+      if (schedule) {
+        const std::array<float, 3> v = adamw_schedule(cfg);
+        sched =
+            dev.upload(HostTensor{{3}, DType::kF32, std::vector<double>(v.begin(), v.end())}, DType::kF32);
+        dc.device_schedule = &sched;
+        dc.lr = 7.0f;  // neither may be read
+        dc.step = 1;
+      }
       adamw_step_multi(dev.exec(), list, dc);
       HostTensors out;
       for (size_t i = 0; i < n; ++i) {

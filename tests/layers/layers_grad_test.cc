@@ -668,6 +668,50 @@ TEST(AdamW, ClipsByTheGlobalNormAndSkipsDecayOnNorms) {
   for (auto& p : pa) EXPECT_EQ(p.param->decay, p.name.find("norm") == std::string::npos) << p.name;
 }
 
+// The schedule read from a tensor (AdamW::use_device_schedule, for CUDA graphs of the
+// step) gives the same parameters and moments as the launch's own lr and step, across
+// steps of a changing learning rate, whether split into prepare_step + enqueue_update or
+// taken by step(); the device-held clip applies the same.
+TEST(AdamW, DeviceScheduleEqualsTheLaunchArguments) {
+  auto make = [] {
+    auto m = std::make_unique<Model>(small_model(), 83);
+    for (auto& p : m->parameters()) {
+      const auto v = p.param->value.to_floats();
+      for (int64_t i = 0; i < p.param->numel(); ++i)
+        p.param->grad.data<float>()[i] = 0.3f * v[static_cast<size_t>(i)] - 0.01f;
+    }
+    return m;
+  };
+  auto a = make(), b = make();
+  AdamWOptions o;
+  o.grad_clip = 0.5;
+  AdamW oa(a->parameters(), o), ob(b->parameters(), o);
+  ob.use_device_schedule(kC);
+  EXPECT_TRUE(ob.device_schedule());
+  Tensor norm_sq = Tensor::zeros({1}, DType::kF32);
+  norm_sq.data<float>()[0] = static_cast<float>(oa.grad_norm_squared(kC));
+  const double lrs[] = {1e-3, 3e-3, 2e-3, 5e-4};
+  for (int s = 0; s < 4; ++s) {
+    oa.step(kC, lrs[s], norm_sq);
+    if (s % 2 == 0) {
+      ob.prepare_step(kC, lrs[s]);
+      ob.enqueue_update(kC, norm_sq);
+    } else {
+      ob.step(kC, lrs[s], norm_sq);
+    }
+  }
+  EXPECT_EQ(ob.steps_done(), 4);
+  auto pa = a->parameters(), pb = b->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_EQ(pa[i].param->value.to_floats(), pb[i].param->value.to_floats()) << pa[i].name;
+  }
+  auto sa = oa.state(), sb = ob.state();
+  for (size_t i = 0; i < sa.size(); ++i)
+    EXPECT_EQ(sa[i].tensor->to_floats(), sb[i].tensor->to_floats()) << sa[i].name;
+  AdamW oc(a->parameters(), o);
+  EXPECT_DEATH(oc.prepare_step(kC, 1e-3), "use_device_schedule");
+}
+
 // Issue 20: a step with the statistics kept on the device (Model::enable_device_stats:
 // expert_counts, sum_rows, the clip inside AdamW) equals the host-statistics step: the same
 // losses, aux loss, gradient norm, loads, router-bias update and parameters after AdamW.
