@@ -74,10 +74,11 @@ fi
 
 if has ncu; then
   # Every kernel of two training steps (inside the NVTX range "step"; evaluation and setup
-  # run unprofiled); the summary divides by the step count.
+  # run unprofiled; launch by launch, not replayed from a CUDA graph); the summary divides
+  # by the step count.
   timeout ${NCU_LIMIT:-200} ncu --clock-control none --metrics gpu__time_duration.sum --nvtx \
     --nvtx-include "step/" --launch-count ${NCU_COUNT:-6000} --csv --page raw \
-    "$build/apps/train_moe" --config apps/configs/bench_1b.toml --backend cuda --set train.steps=2 \
+    "$build/apps/train_moe" --config apps/configs/bench_1b.toml --backend cuda --set train.steps=2 --set train.cuda_graph=false \
     --set train.eval_every=0 --set train.eval_batches=1 --set data.dir="$data" --run-dir "$run" \
     >"$out/ncu_step.csv" 2>"$out/ncu_stderr.log"
   say "ncu rc=$? ($(grep -c '^"' "$out/ncu_step.csv") rows)"
