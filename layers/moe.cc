@@ -158,7 +158,7 @@ void Router::forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc
   }
 }
 
-Tensor Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight) {
+void Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight, Tensor& dx) {
   const int64_t t = s.x.size(0), e = cfg.num_experts, k = cfg.top_k;
   const double tg = static_cast<double>(std::max<int64_t>(1, s.group_tokens));
   Tensor dlogits = c.empty({t, e}, DType::kF32);
@@ -218,10 +218,8 @@ Tensor Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, floa
     dl = c.empty({t, e});
     kernels::cast(c.ex, dlogits, dl);
   }
-  Tensor dx = c.empty(s.x.shape());
-  kernels::matmul_backward(c.ex, s.x, weight.w(), dl, &dx, nullptr);
-  kernels::matmul_backward(c.ex, s.x, weight.w(), dl, nullptr, &weight.grad, false, false, true);
-  return dx;
+  TROUPE_CHECK(dx.shape() == s.x.shape(), "Router::backward: dx {} for x {}", dx.describe(), s.x.describe());
+  kernels::matmul_backward(c.ex, s.x, weight.w(), dl, &dx, &weight.grad, false, false, /*accumulate=*/true);
 }
 
 // ---- LocalExpertDispatch ---------------------------------------------------------------
@@ -348,8 +346,7 @@ Tensor MoELayer::forward(const Ctx& c, const Tensor& x, Saved& s, Stats* stats) 
 Tensor MoELayer::backward(const Ctx& c, const Tensor& dy, Saved& s, float loss_weight) {
   Tensor dgates;
   Tensor dx = dispatch_->backward(c, dy, *s.dispatch, dgates);
-  Tensor dxr = router.backward(c, dgates, s.router, loss_weight);
-  kernels::add(c.ex, dx, dxr, dx);
+  router.backward(c, dgates, s.router, loss_weight, dx);
   if (shared) {
     Tensor dxs = shared->backward(c, dy, s.shared);
     kernels::add(c.ex, dx, dxs, dx);

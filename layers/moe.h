@@ -67,8 +67,9 @@ class Router {
     return (!all_reduce_ || device_all_reduce_) && cfg.z_loss_coef <= 0;
   }
   // dgates [T,k] from the experts; loss_weight is the weight of this micro-batch's aux
-  // loss in the total loss. Returns dx; accumulates weight.grad.
-  Tensor backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight);
+  // loss in the total loss. Adds the router's dx into `dx` (the experts' dx: its product
+  // accumulates there, no separate add) and accumulates weight.grad.
+  void backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight, Tensor& dx);
 
   kernels::RouterConfig router_config() const;
   void set_group_all_reduce(GroupAllReduce f) { all_reduce_ = std::move(f); }
