@@ -53,6 +53,8 @@ struct Backend {
   void (*swiglu_backward)(const Exec&, const Tensor&, const Tensor&, Tensor&);
   void (*cross_entropy_forward)(const Exec&, const Tensor&, const Tensor&, Tensor&, Tensor&);
   void (*cross_entropy_backward)(const Exec&, const Tensor&, const Tensor&, const Tensor&, float, Tensor&);
+  void (*cross_entropy_forward_backward)(const Exec&, const Tensor&, const Tensor&, float, Tensor&, Tensor&,
+                                         Tensor&);
   void (*adamw_step)(const Exec&, Tensor&, const Tensor&, Tensor&, Tensor&, const AdamWConfig&);
   void (*quantize_fp8)(const Exec&, const Tensor&, int64_t, Tensor&, Tensor&);
   void (*dequantize_fp8)(const Exec&, const Tensor&, const Tensor&, int64_t, Tensor&);

@@ -713,6 +713,27 @@ void cross_entropy_backward(const Exec& ex, const Tensor& logits, const Tensor& 
   c.call(&Backend::cross_entropy_backward, ex, logits, targets, lse, grad_scale, dlogits);
 }
 
+void cross_entropy_forward_backward(const Exec& ex, const Tensor& logits, const Tensor& targets,
+                                    float grad_scale, Tensor& losses, Tensor& lse, Tensor& dlogits) {
+  OpCheck c("cross_entropy_forward_backward", ex,
+            {{"logits", &logits},
+             {"targets", &targets},
+             {"losses", &losses},
+             {"lse", &lse},
+             {"dlogits", &dlogits}});
+  OP_FLOAT(c, logits);
+  OP_FLOAT(c, dlogits);
+  OP_RANK(c, logits, 2);
+  OP_DTYPE(c, targets, DType::kI32);
+  OP_DTYPE(c, losses, DType::kF32);
+  OP_DTYPE(c, lse, DType::kF32);
+  OP_SHAPE(c, targets, {logits.size(0)});
+  OP_SHAPE(c, losses, {logits.size(0)});
+  OP_SHAPE(c, lse, {logits.size(0)});
+  OP_SHAPE(c, dlogits, logits.shape());
+  c.call(&Backend::cross_entropy_forward_backward, ex, logits, targets, grad_scale, losses, lse, dlogits);
+}
+
 // ---- optimizer -----------------------------------------------------------------------
 
 void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,

@@ -175,6 +175,12 @@ void cross_entropy_forward(const Exec& ex, const Tensor& logits, const Tensor& t
 // dlogits may alias logits (the backward then reuses the logits buffer).
 void cross_entropy_backward(const Exec& ex, const Tensor& logits, const Tensor& targets, const Tensor& lse,
                             float grad_scale, Tensor& dlogits);
+// Both in one pass over the logits (the LM head's chunks): losses and lse as the
+// forward's, dlogits as the backward's with the lse just computed (bitwise the same
+// results); dlogits may alias logits. On CUDA a block takes a row, reads it from memory
+// once and again from L2 for the gradient.
+void cross_entropy_forward_backward(const Exec& ex, const Tensor& logits, const Tensor& targets,
+                                    float grad_scale, Tensor& losses, Tensor& lse, Tensor& dlogits);
 
 // ---- optimizer -----------------------------------------------------------------------
 struct AdamWConfig {

@@ -42,8 +42,7 @@ Tensor LMHead::forward_backward_losses(const Ctx& c, const Tensor& x, const Tens
     Tensor logits = c.empty({n, v});
     kernels::matmul(c.ex, xc, weight->w(), logits, false, /*trans_b=*/true);
     Tensor lc = losses.narrow(0, r0, n), lse = c.empty({n}, DType::kF32);
-    kernels::cross_entropy_forward(c.ex, logits, tc, lc, lse);
-    kernels::cross_entropy_backward(c.ex, logits, tc, lse, grad_scale, logits);  // in place
+    kernels::cross_entropy_forward_backward(c.ex, logits, tc, grad_scale, lc, lse, logits);  // in place
     Tensor dxc = dxn.narrow(0, r0, n);
     // dxn starts at zero, so accumulating into it writes this chunk's gradient.
     kernels::matmul_backward(c.ex, xc, weight->w(), logits, &dxc, &weight->grad, false, true,

@@ -40,6 +40,7 @@ const Backend& cpu_backend() {
       .swiglu_backward = cpu::swiglu_backward,
       .cross_entropy_forward = cpu::cross_entropy_forward,
       .cross_entropy_backward = cpu::cross_entropy_backward,
+      .cross_entropy_forward_backward = cpu::cross_entropy_forward_backward,
       .adamw_step = cpu::adamw_step,
       .quantize_fp8 = cpu::quantize_fp8,
       .dequantize_fp8 = cpu::dequantize_fp8,

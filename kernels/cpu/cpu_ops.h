@@ -110,6 +110,8 @@ void cross_entropy_forward(const Exec& ex, const Tensor& logits, const Tensor& t
                            Tensor& lse);
 void cross_entropy_backward(const Exec& ex, const Tensor& logits, const Tensor& targets, const Tensor& lse,
                             float grad_scale, Tensor& dlogits);
+void cross_entropy_forward_backward(const Exec& ex, const Tensor& logits, const Tensor& targets,
+                                    float grad_scale, Tensor& losses, Tensor& lse, Tensor& dlogits);
 
 // ---- optim.cc -------------------------------------------------------------------------
 void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,

@@ -52,4 +52,12 @@ void cross_entropy_backward(const Exec&, const Tensor& logits, const Tensor& tar
   }
 }
 
+// The forward then the backward (per row each reads its logits before the backward
+// writes them, so dlogits may alias logits here too).
+void cross_entropy_forward_backward(const Exec& ex, const Tensor& logits, const Tensor& targets,
+                                    float grad_scale, Tensor& losses, Tensor& lse, Tensor& dlogits) {
+  cpu::cross_entropy_forward(ex, logits, targets, losses, lse);
+  cpu::cross_entropy_backward(ex, logits, targets, lse, grad_scale, dlogits);
+}
+
 }  // namespace troupe::kernels::cpu

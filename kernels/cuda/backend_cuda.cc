@@ -519,6 +519,22 @@ void cuda_cross_entropy_backward(const Exec& ex, const Tensor& logits, const Ten
                                      dlogits.dtype());
 }
 
+void cuda_cross_entropy_forward_backward(const Exec& ex, const Tensor& logits, const Tensor& targets,
+                                         float grad_scale, Tensor& losses, Tensor& lse, Tensor& dlogits) {
+  const char* op = "cross_entropy_forward_backward";
+  OpScope s(ex, op);
+  require(logits, op, "logits");
+  require(targets, op, "targets");
+  require(losses, op, "losses");
+  require(lse, op, "lse");
+  require(dlogits, op, "dlogits");
+  require_dtype(losses, DType::kF32, op, "losses");
+  require_dtype(lse, DType::kF32, op, "lse");
+  gpu::launch_cross_entropy_forward_backward(s.env, logits.data_ptr(), logits.dtype(), i32(targets),
+                                             grad_scale, logits.size(0), logits.size(1), f32_mut(losses),
+                                             f32_mut(lse), dlogits.data_ptr(), dlogits.dtype());
+}
+
 // ---- optimizer -----------------------------------------------------------------------
 void cuda_adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
                      const AdamWConfig& cfg) {
@@ -736,6 +752,7 @@ const Backend kCudaBackend = {
     .swiglu_backward = cuda_swiglu_backward,
     .cross_entropy_forward = cuda_cross_entropy_forward,
     .cross_entropy_backward = cuda_cross_entropy_backward,
+    .cross_entropy_forward_backward = cuda_cross_entropy_forward_backward,
     .adamw_step = cuda_adamw_step,
     .quantize_fp8 = cuda_quantize_fp8,
     .dequantize_fp8 = cuda_dequantize_fp8,

@@ -106,6 +106,10 @@ void launch_cross_entropy_forward(const Env& env, const void* logits, DType lt, 
 void launch_cross_entropy_backward(const Env& env, const void* logits, DType lt, const int32_t* targets,
                                    const float* lse, float grad_scale, int64_t rows, int64_t vocab, void* dlogits,
                                    DType dt);
+// Both in one kernel (a block per row; dlogits may alias logits).
+void launch_cross_entropy_forward_backward(const Env& env, const void* logits, DType lt,
+                                           const int32_t* targets, float grad_scale, int64_t rows,
+                                           int64_t vocab, float* losses, float* lse, void* dlogits, DType dt);
 
 // ---- MoE routing and permutation (moe.cu) --------------------------------------------
 void launch_router_forward(const Env& env, const float* logits, const float* bias, int64_t tokens, int64_t experts,

@@ -112,6 +112,61 @@ __global__ void rmsnorm_backward_kernel(const X* dy, const X* x, const W* w, con
   for (int64_t c = threadIdx.x; c < d; c += blockDim.x) partial[int64_t{blockIdx.x} * d + c] = dw_acc[c];
 }
 
+// The same for rows of d = C * blockDim.x * V (bench_1b's 1024 with 128 threads of 8):
+// a thread's C chunks of x, dy and w stay in registers between the dot's reduction and
+// dx (instead of being loaded again), w is loaded once per block, and the dw partial of
+// the thread's columns is kept in registers, not in shared memory.
+template <int V, int C, typename X, typename W>
+__global__ void rmsnorm_backward_regs_kernel(const X* dy, const X* x, const W* w, const float* rstd,
+                                             int64_t rows, int64_t d, const X* dres, X* dx, float* partial) {
+  __shared__ float shared[32];
+  float wv[C][V], acc[C][V];
+#pragma unroll
+  for (int k = 0; k < C; ++k) {
+    load_floats<V>(w + (int64_t{k} * blockDim.x + threadIdx.x) * V, wv[k]);
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[k][j] = 0.0f;
+  }
+  const float inv_d = 1.0f / static_cast<float>(d);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float r = rstd[row];
+    float xv[C][V], gv[C][V];
+    float dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+      const int64_t c = row * d + (int64_t{k} * blockDim.x + threadIdx.x) * V;
+      load_floats<V>(x + c, xv[k]);
+      load_floats<V>(dy + c, gv[k]);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        dot += gv[k][j] * wv[k][j] * xv[k][j];
+        acc[k][j] += gv[k][j] * xv[k][j] * r;
+      }
+    }
+    dot = block_sum(dot, shared);
+    const float kk = r * r * dot * inv_d;
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+      const int64_t c = row * d + (int64_t{k} * blockDim.x + threadIdx.x) * V;
+#pragma unroll
+      for (int j = 0; j < V; ++j) gv[k][j] = r * (gv[k][j] * wv[k][j] - xv[k][j] * kk);
+      if (dres != nullptr) {
+        float rv[V];
+        load_floats<V>(dres + c, rv);
+#pragma unroll
+        for (int j = 0; j < V; ++j) gv[k][j] = __fadd_rn(gv[k][j], rv[j]);
+      }
+      store_floats<V>(dx + c, gv[k]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < C; ++k) {
+    float* out = partial + int64_t{blockIdx.x} * d + (int64_t{k} * blockDim.x + threadIdx.x) * V;
+#pragma unroll
+    for (int j = 0; j < V; ++j) out[j] = acc[k][j];
+  }
+}
+
 // Enough blocks to keep every SM busy (the per-row reductions are latency-bound); each
 // block's dw partial is one row of the scratch that column_finish then sums.
 int64_t rmsnorm_backward_blocks(const Env& env, int64_t rows) {
@@ -155,17 +210,32 @@ void launch_rmsnorm_backward(const Env& env, const void* dy, const void* x, DTyp
   const int64_t blocks = rmsnorm_backward_blocks(env, rows);
   float* partial = static_cast<float*>(scratch);
   if (rows > 0) {
-    TROUPE_DISPATCH_FLOAT(xt, X, "rmsnorm_backward", TROUPE_DISPATCH_FLOAT(wt, W, "rmsnorm_backward", {
-                            const bool vec = pack_ok<X>(x, d) && pack_ok<X>(dy, d) && pack_ok<X>(dx, d) &&
-                                             pack_ok<W>(w, d) && (dres == nullptr || pack_ok<X>(dres, d));
-                            auto kernel =
-                                vec ? rmsnorm_backward_kernel<kVec, X, W> : rmsnorm_backward_kernel<1, X, W>;
-                            CUDA_CHECK(cudaFuncSetAttribute(
-                                kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-                            kernel<<<static_cast<unsigned>(blocks), vec ? 128 : 256, smem, env.stream>>>(
-                                static_cast<const X*>(dy), static_cast<const X*>(x), static_cast<const W*>(w),
-                                rstd, rows, d, static_cast<const X*>(dres), static_cast<X*>(dx), partial);
-                          }));
+    TROUPE_DISPATCH_FLOAT(
+        xt, X, "rmsnorm_backward", TROUPE_DISPATCH_FLOAT(wt, W, "rmsnorm_backward", {
+          const bool vec = pack_ok<X>(x, d) && pack_ok<X>(dy, d) && pack_ok<X>(dx, d) && pack_ok<W>(w, d) &&
+                           (dres == nullptr || pack_ok<X>(dres, d));
+          const auto* dyp = static_cast<const X*>(dy);
+          const auto* xp = static_cast<const X*>(x);
+          const auto* wp = static_cast<const W*>(w);
+          const auto* rp = static_cast<const X*>(dres);
+          auto* dxp = static_cast<X*>(dx);
+          constexpr int64_t kSweep = 128 * kVec;  // a block's elements per chunk
+          const int64_t chunks = vec && d % kSweep == 0 ? d / kSweep : 0;
+          if (chunks >= 1 && chunks <= 4) {
+            auto kernel = chunks == 1   ? rmsnorm_backward_regs_kernel<kVec, 1, X, W>
+                          : chunks == 2 ? rmsnorm_backward_regs_kernel<kVec, 2, X, W>
+                          : chunks == 3 ? rmsnorm_backward_regs_kernel<kVec, 3, X, W>
+                                        : rmsnorm_backward_regs_kernel<kVec, 4, X, W>;
+            kernel<<<static_cast<unsigned>(blocks), 128, 0, env.stream>>>(dyp, xp, wp, rstd, rows, d, rp, dxp,
+                                                                          partial);
+          } else {
+            auto kernel = vec ? rmsnorm_backward_kernel<kVec, X, W> : rmsnorm_backward_kernel<1, X, W>;
+            CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+            kernel<<<static_cast<unsigned>(blocks), vec ? 128 : 256, smem, env.stream>>>(
+                dyp, xp, wp, rstd, rows, d, rp, dxp, partial);
+          }
+        }));
     TROUPE_CUDA_LAUNCH_CHECK();
     launch_column_finish(env, partial, blocks, d, dw, dwt, accumulate_dw);
   } else if (!accumulate_dw) {
@@ -420,6 +490,61 @@ struct CrossEntropyBackwardOp {
   }
 };
 
+// cross_entropy_forward_kernel's pass, then the backward's gradient with the lse just
+// computed (the same float arithmetic as the two kernels: bitwise equal results). The
+// second read of the row comes mostly from L2 (a block's row is vocab * sizeof(L) bytes:
+// 64 KiB for bench_1b's bf16 32k vocabulary). With dlogits aliasing logits, the target's
+// logit is read before the first barrier and each thread rewrites only the elements it
+// reads, after every thread's first pass (the reductions' barriers).
+template <int V, typename L, typename D>
+__global__ void cross_entropy_fused_kernel(const L* logits, const int32_t* targets, int64_t vocab,
+                                           float grad_scale, float* losses, float* lse_out, D* dlogits) {
+  __shared__ float shared[32];
+  const int64_t row = blockIdx.x;
+  const L* lr = logits + row * vocab;
+  D* dr = dlogits + row * vocab;
+  const int32_t t = targets[row];
+  float target_logit = 0.0f;
+  if (threadIdx.x == 0 && t != -1) {
+    check_index(t, vocab, "cross_entropy_forward_backward (target)");
+    target_logit = to_float(lr[t]);
+  }
+  float m = -INFINITY, s = 0.0f;
+  for (int64_t c = int64_t{threadIdx.x} * V; c < vocab; c += int64_t{blockDim.x} * V) {
+    float v[V];
+    load_floats<V>(lr + c, v);
+    float vm = v[0];
+#pragma unroll
+    for (int j = 1; j < V; ++j) vm = fmaxf(vm, v[j]);
+    if (vm > m) {
+      s *= __expf(m - vm);
+      m = vm;
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) s += __expf(v[j] - m);
+  }
+  const float row_max = block_max(m, shared);
+  s = m == -INFINITY ? 0.0f : s * __expf(m - row_max);
+  s = block_sum(s, shared);
+  const float lse = row_max + logf(s);
+  if (threadIdx.x == 0) {
+    lse_out[row] = lse;
+    losses[row] = t == -1 ? 0.0f : lse - target_logit;
+  }
+  for (int64_t c = int64_t{threadIdx.x} * V; c < vocab; c += int64_t{blockDim.x} * V) {
+    float v[V];
+    if (t == -1) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = 0.0f;
+    } else {
+      load_floats<V>(lr + c, v);
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = (__expf(v[j] - lse) - (c + j == t ? 1.0f : 0.0f)) * grad_scale;
+    }
+    store_floats<V>(dr + c, v);
+  }
+}
+
 template <int V, typename F>
 __global__ void rows_elementwise_kernel(int64_t n, F f) {
   const int64_t stride = int64_t{gridDim.x} * blockDim.x * V;
@@ -458,6 +583,27 @@ void launch_cross_entropy_backward(const Env& env, const void* logits, DType lt,
               <<<grid_for(ceil_div(n, kVec), 256, env.num_sms), 256, 0, env.stream>>>(n, op);
         } else {
           rows_elementwise_kernel<1><<<grid_for(n, 256, env.num_sms), 256, 0, env.stream>>>(n, op);
+        }
+      }));
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+void launch_cross_entropy_forward_backward(const Env& env, const void* logits, DType lt,
+                                           const int32_t* targets, float grad_scale, int64_t rows,
+                                           int64_t vocab, float* losses, float* lse, void* dlogits,
+                                           DType dt) {
+  if (rows == 0) return;
+  TROUPE_DISPATCH_FLOAT(
+      lt, L, "cross_entropy_forward_backward",
+      TROUPE_DISPATCH_FLOAT(dt, D, "cross_entropy_forward_backward", {
+        const auto* lp = static_cast<const L*>(logits);
+        auto* dp = static_cast<D*>(dlogits);
+        if (pack_ok<L>(logits, vocab) && pack_ok<D>(dlogits, vocab)) {
+          cross_entropy_fused_kernel<kVec, L, D><<<static_cast<unsigned>(rows), 512, 0, env.stream>>>(
+              lp, targets, vocab, grad_scale, losses, lse, dp);
+        } else {
+          cross_entropy_fused_kernel<1, L, D><<<static_cast<unsigned>(rows), 512, 0, env.stream>>>(
+              lp, targets, vocab, grad_scale, losses, lse, dp);
         }
       }));
   TROUPE_CUDA_LAUNCH_CHECK();

@@ -152,8 +152,8 @@ const std::vector<std::string>& forward_op_names() {
       "fill", "cast", "add", "axpby", "scale", "sum", "sum_squares", "sum_rows", "matmul", "grouped_matmul",
       "embedding_forward", "rmsnorm_forward", "rope_forward", "attention_forward", "softmax_forward",
       "router_forward", "moe_dispatch_plan", "moe_permute", "moe_unpermute", "swiglu_forward",
-      "cross_entropy_forward", "adamw_step", "adamw_step_multi", "sum_squares_multi", "quantize_fp8",
-      "dequantize_fp8",
+      "cross_entropy_forward", "cross_entropy_forward_backward", "adamw_step", "adamw_step_multi",
+      "sum_squares_multi", "quantize_fp8", "dequantize_fp8",
       // device-resident step statistics (issue 20)
       "expert_counts", "sum_squares_into",
       // communication codecs (issue 17)
@@ -208,6 +208,7 @@ bool backend_implements(const Backend& b, const std::string& op) {
       TROUPE_OP_ENTRY(swiglu_backward),
       TROUPE_OP_ENTRY(cross_entropy_forward),
       TROUPE_OP_ENTRY(cross_entropy_backward),
+      TROUPE_OP_ENTRY(cross_entropy_forward_backward),
       TROUPE_OP_ENTRY(adamw_step),
       TROUPE_OP_ENTRY(adamw_step_multi),
       TROUPE_OP_ENTRY(sum_squares_multi),
@@ -665,7 +666,8 @@ HostTensors rmsnorm_reference(const HostTensor& x, const HostTensor& w, double e
 void add_rmsnorm_cases(std::vector<OpCase>& cases, Rng& rng) {
   const float eps = 1e-5f;
   for (auto [rows, dim, accumulate] :
-       {std::tuple{6, 16, false}, std::tuple{3, 7, true}, std::tuple{1, 1, false}}) {
+       {std::tuple{6, 16, false}, std::tuple{3, 7, true}, std::tuple{1, 1, false}, std::tuple{5, 1024, false},
+        std::tuple{3, 2048, true}}) {  // (the last two: CUDA's register kernel, one and two chunks)
     OpCase c;
     c.name = fmt::format("rmsnorm/t{}d{}{}", rows, dim, accumulate ? "/accumulate_dw" : "");
     c.ops = {"rmsnorm_forward", "rmsnorm_backward"};
@@ -1243,6 +1245,47 @@ void add_cross_entropy_cases(std::vector<OpCase>& cases, Rng& rng) {
   }
 }
 
+// The fused pass: losses, lse and dlogits = (softmax - onehot) * grad_scale (0 for ignored
+// rows) against the exact reference, in place and not; vocabularies below, at and above a
+// block's 512 x 8 elements per sweep, odd (the scalar path) and multiples of 8 (vectors).
+void add_cross_entropy_fused_cases(std::vector<OpCase>& cases, Rng& rng) {
+  for (auto [tokens, vocab, in_place] : {std::tuple{6, 11, false}, std::tuple{5, 32, true},
+                                         std::tuple{3, 4104, true}, std::tuple{4, 9001, false}}) {
+    const int64_t t = tokens, v = vocab;
+    HostTensor targets = rng.ints({t}, 0, v);
+    if (t > 2) targets[1] = -1;
+    if (t > 3) targets[3] = static_cast<double>(v - 1);  // the last column
+    OpCase c;
+    c.name = fmt::format("cross_entropy_forward_backward/t{}v{}{}", t, v, in_place ? "/dlogits=logits" : "");
+    c.ops = {"cross_entropy_forward_backward"};
+    c.inputs = {rng.uniform({t, v}, -3.0, 3.0), targets};
+    const bool alias = in_place;
+    c.forward = [t, v, alias](TestDevice& dev, const Tensors& in) {
+      Tensor logits = dev.upload(dev.download(in[0]));
+      Tensor losses = dev.poisoned({t}, DType::kF32), lse = dev.poisoned({t}, DType::kF32);
+      Tensor dlogits = alias ? logits : dev.poisoned({t, v});
+      cross_entropy_forward_backward(dev.exec(), logits, in[1], 0.25f, losses, lse, dlogits);
+      return HostTensors{dev.download(losses), dev.download(lse), dev.download(dlogits)};
+    };
+    c.reference = [t, v](const HostTensors& in) {
+      HostTensor losses = HostTensor::zeros({t}), lse = HostTensor::zeros({t}), d = HostTensor::zeros({t, v});
+      for (int64_t i = 0; i < t; ++i) {
+        double mx = -std::numeric_limits<double>::infinity(), z = 0.0;
+        for (int64_t j = 0; j < v; ++j) mx = std::max(mx, in[0][i * v + j]);
+        for (int64_t j = 0; j < v; ++j) z += std::exp(in[0][i * v + j] - mx);
+        lse[i] = mx + std::log(z);
+        const int64_t target = static_cast<int64_t>(in[1][i]);
+        losses[i] = target < 0 ? 0.0 : lse[i] - in[0][i * v + target];
+        if (target < 0) continue;
+        for (int64_t j = 0; j < v; ++j)
+          d[i * v + j] = (std::exp(in[0][i * v + j] - lse[i]) - (j == target ? 1.0 : 0.0)) * 0.25;
+      }
+      return HostTensors{losses, lse, d};
+    };
+    cases.push_back(std::move(c));
+  }
+}
+
 // ---- AdamW ---------------------------------------------------------------------------------
 
 void add_adamw_cases(std::vector<OpCase>& cases, Rng& rng) {
@@ -1746,6 +1789,7 @@ std::vector<OpCase> all_op_cases(uint64_t seed) {
   add_moe_cases(cases, rng);
   add_swiglu_cases(cases, rng);
   add_cross_entropy_cases(cases, rng);
+  add_cross_entropy_fused_cases(cases, rng);
   add_adamw_cases(cases, rng);
   add_multi_tensor_cases(cases, rng);
   add_quant_cases(cases, rng);
