@@ -426,6 +426,10 @@ void run() {
     Tensor dl = b.empty({rows, kVocab}, bf);
     b.bytes("xent_bwd_4096x32768", 2 * n * 2, "read logits + write dlogits (bf16)",
             [&] { be.cross_entropy_backward(b.ex, logits, targets, lse, 1.0f / rows, dl); });
+    // The LM head's one pass (dlogits into a separate buffer, so that every run reads the
+    // same logits): bytes as one read and one write; the second read comes from L2.
+    b.bytes("xent_fwd_bwd_4096x32768", 2 * n * 2, "read logits + write dlogits (bf16), one kernel",
+            [&] { be.cross_entropy_forward_backward(b.ex, logits, targets, 1.0f / rows, losses, lse, dl); });
   }
   {
     const int64_t n = 64 << 20;

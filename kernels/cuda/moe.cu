@@ -166,6 +166,55 @@ __global__ void plan_assign_kernel(const int32_t* idx, int64_t copies, int64_t e
   }
 }
 
+// The same numbering, parallel (up to kPlanRankExperts experts): the chunk is taken in
+// rounds of blockDim copies in order, thread i of a round taking its i-th copy, whose rank
+// among the chunk's copies of its expert is: the chunk's base, plus the copies of that
+// expert in earlier rounds (running), in earlier warps of this round (warp_counts) and in
+// earlier lanes of its warp (__match_any_sync). plan_assign_kernel walked the chunk once
+// per expert, one thread each: 34 us of serial loads per bench_1b layer on an H100.
+constexpr int kPlanRankExperts = 256;
+__global__ void __launch_bounds__(kPlanThreads)
+    plan_assign_ranked_kernel(const int32_t* idx, int64_t copies, int64_t experts, int64_t capacity,
+                              const int32_t* chunk_base, const int32_t* offsets, int32_t* row_map) {
+  constexpr int kWarps = kPlanThreads / 32;
+  __shared__ int32_t warp_counts[kWarps][kPlanRankExperts];
+  __shared__ int32_t running[kPlanRankExperts];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t c0 = int64_t{blockIdx.x} * kPlanChunk;
+  const int64_t n = min64(copies, c0 + kPlanChunk) - c0;
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+    running[e] = chunk_base[int64_t{blockIdx.x} * experts + e];
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) warp_counts[w][e] = 0;
+  }
+  __syncthreads();
+  for (int64_t r0 = 0; r0 < n; r0 += blockDim.x) {
+    const int64_t i = r0 + threadIdx.x;
+    const bool live = i < n;
+    const int32_t e = live ? idx[c0 + i] : -1;  // (-1: no expert's key)
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    const int below = __popc(peers & ((1u << lane) - 1u));
+    if (live && below == 0) warp_counts[warp][e] = __popc(peers);
+    __syncthreads();
+    if (live) {
+      int32_t rank = running[e] + below;
+      for (int w = 0; w < warp; ++w) rank += warp_counts[w][e];
+      row_map[c0 + i] = (capacity < 0 || rank < capacity) ? offsets[e] + rank : -1;
+    }
+    __syncthreads();
+    for (int64_t x = threadIdx.x; x < experts; x += blockDim.x) {
+      int32_t add = 0;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        add += warp_counts[w][x];
+        warp_counts[w][x] = 0;
+      }
+      running[x] += add;
+    }
+    __syncthreads();
+  }
+}
+
 // ---- permutation ----------------------------------------------------------------------
 // Rows move as V-element packs (V = 8 when the row length and pointers allow 16-byte
 // bf16 accesses, else 1).
@@ -295,7 +344,11 @@ void launch_moe_dispatch_plan(const Env& env, const int32_t* topk_idx, int64_t c
   }
   plan_scan_kernel<<<1, 1024, 0, env.stream>>>(chunk_counts, chunks, experts, capacity, counts, offsets);
   TROUPE_CUDA_LAUNCH_CHECK();
-  if (chunks > 0) {
+  if (chunks > 0 && experts <= kPlanRankExperts) {
+    plan_assign_ranked_kernel<<<static_cast<unsigned>(chunks), kPlanThreads, 0, env.stream>>>(
+        topk_idx, copies, experts, capacity, chunk_counts, offsets, row_map);
+    TROUPE_CUDA_LAUNCH_CHECK();
+  } else if (chunks > 0) {
     plan_assign_kernel<<<static_cast<unsigned>(chunks), kPlanThreads, kPlanChunk * sizeof(int32_t), env.stream>>>(
         topk_idx, copies, experts, capacity, chunk_counts, offsets, row_map);
     TROUPE_CUDA_LAUNCH_CHECK();

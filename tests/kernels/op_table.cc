@@ -1117,6 +1117,29 @@ void add_moe_cases(std::vector<OpCase>& cases, Rng& rng) {
   };
   // `used` < experts leaves the last experts empty; capacity >= 0 drops copies.
   const std::vector<Spec> specs = {{7, 2, 4, 4, -1}, {9, 2, 5, 3, 2}, {6, 3, 6, 6, 1}, {1, 1, 3, 1, -1}};
+  // Plans only (no permutation cases: their finite differences would take long): several
+  // 2048-copy chunks of the CUDA plan (and, within one, rounds and warps); the last with
+  // more experts than its parallel numbering takes.
+  const std::vector<Spec> plan_specs = {
+      {3000, 2, 16, 16, -1}, {1500, 4, 40, 33, 120}, {700, 3, 300, 290, -1}};
+  for (const Spec& sp : plan_specs) {
+    const int64_t k = sp.k, t = sp.tokens, experts = sp.experts, capacity = sp.capacity;
+    OpCase c;
+    c.name = fmt::format("moe_dispatch_plan/t{}k{}e{}used{}cap{}", sp.tokens, sp.k, sp.experts, sp.used,
+                         sp.capacity);
+    c.ops = {"moe_dispatch_plan"};
+    c.inputs = {random_topk(rng, sp.tokens, sp.k, sp.used)};
+    c.forward = [t, k, experts, capacity](TestDevice& dev, const Tensors& in) {
+      Tensor row_map = dev.poisoned({t * k}, DType::kI32), counts = dev.poisoned({experts}, DType::kI32),
+             offsets = dev.poisoned({experts + 1}, DType::kI32);
+      moe_dispatch_plan(dev.exec(), in[0], experts, capacity, row_map, counts, offsets);
+      return HostTensors{dev.download(row_map), dev.download(counts), dev.download(offsets)};
+    };
+    c.reference = [experts, capacity](const HostTensors& in) {
+      return reference_plan(in[0], experts, capacity);
+    };
+    cases.push_back(std::move(c));
+  }
   for (const Spec& sp : specs) {
     const HostTensor topk = random_topk(rng, sp.tokens, sp.k, sp.used);
     const HostTensors plan = reference_plan(topk, sp.experts, sp.capacity);
