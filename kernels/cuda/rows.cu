@@ -428,12 +428,10 @@ void launch_embedding_backward(const Env& env, const int32_t* ids, int64_t token
 
 // ---- cross-entropy -------------------------------------------------------------------
 namespace {
+// The log-sum-exp of row lr (the block's threads take V elements at a time): a running
+// maximum and rescaled sum per thread, then the block's reductions; every thread returns it.
 template <int V, typename L>
-__global__ void cross_entropy_forward_kernel(const L* logits, const int32_t* targets, int64_t vocab,
-                                             float* losses, float* lse_out) {
-  __shared__ float shared[32];
-  const int64_t row = blockIdx.x;
-  const L* lr = logits + row * vocab;
+__device__ __forceinline__ float row_lse(const L* lr, int64_t vocab, float* shared) {
   float m = -INFINITY, s = 0.0f;
   for (int64_t c = int64_t{threadIdx.x} * V; c < vocab; c += int64_t{blockDim.x} * V) {
     float v[V];
@@ -451,8 +449,24 @@ __global__ void cross_entropy_forward_kernel(const L* logits, const int32_t* tar
   const float row_max = block_max(m, shared);
   s = m == -INFINITY ? 0.0f : s * __expf(m - row_max);
   s = block_sum(s, shared);
+  return row_max + logf(s);
+}
+
+// The gradient of logits v[0..V) at columns c.. of a row with target t (not ignored).
+template <int V>
+__device__ __forceinline__ void xent_grad(float (&v)[V], int64_t c, int32_t t, float lse, float grad_scale) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) v[j] = (__expf(v[j] - lse) - (c + j == t ? 1.0f : 0.0f)) * grad_scale;
+}
+
+template <int V, typename L>
+__global__ void cross_entropy_forward_kernel(const L* logits, const int32_t* targets, int64_t vocab,
+                                             float* losses, float* lse_out) {
+  __shared__ float shared[32];
+  const int64_t row = blockIdx.x;
+  const L* lr = logits + row * vocab;
+  const float lse = row_lse<V>(lr, vocab, shared);
   if (threadIdx.x == 0) {
-    const float lse = row_max + logf(s);
     lse_out[row] = lse;
     const int32_t t = targets[row];
     if (t == -1) {
@@ -482,16 +496,14 @@ struct CrossEntropyBackwardOp {
       for (int j = 0; j < V; ++j) v[j] = 0.0f;
     } else {
       load_floats<V>(logits + i, v);
-      const float l = lse[row];
-#pragma unroll
-      for (int j = 0; j < V; ++j) v[j] = (__expf(v[j] - l) - (c + j == t ? 1.0f : 0.0f)) * grad_scale;
+      xent_grad<V>(v, c, t, lse[row], grad_scale);
     }
     store_floats<V>(dlogits + i, v);
   }
 };
 
 // cross_entropy_forward_kernel's pass, then the backward's gradient with the lse just
-// computed (the same float arithmetic as the two kernels: bitwise equal results). The
+// computed (row_lse and xent_grad, as the two kernels: bitwise equal results). The
 // second read of the row comes mostly from L2 (a block's row is vocab * sizeof(L) bytes:
 // 64 KiB for bench_1b's bf16 32k vocabulary). With dlogits aliasing logits, the target's
 // logit is read before the first barrier and each thread rewrites only the elements it
@@ -509,24 +521,7 @@ __global__ void cross_entropy_fused_kernel(const L* logits, const int32_t* targe
     check_index(t, vocab, "cross_entropy_forward_backward (target)");
     target_logit = to_float(lr[t]);
   }
-  float m = -INFINITY, s = 0.0f;
-  for (int64_t c = int64_t{threadIdx.x} * V; c < vocab; c += int64_t{blockDim.x} * V) {
-    float v[V];
-    load_floats<V>(lr + c, v);
-    float vm = v[0];
-#pragma unroll
-    for (int j = 1; j < V; ++j) vm = fmaxf(vm, v[j]);
-    if (vm > m) {
-      s *= __expf(m - vm);
-      m = vm;
-    }
-#pragma unroll
-    for (int j = 0; j < V; ++j) s += __expf(v[j] - m);
-  }
-  const float row_max = block_max(m, shared);
-  s = m == -INFINITY ? 0.0f : s * __expf(m - row_max);
-  s = block_sum(s, shared);
-  const float lse = row_max + logf(s);
+  const float lse = row_lse<V>(lr, vocab, shared);
   if (threadIdx.x == 0) {
     lse_out[row] = lse;
     losses[row] = t == -1 ? 0.0f : lse - target_logit;
@@ -538,8 +533,7 @@ __global__ void cross_entropy_fused_kernel(const L* logits, const int32_t* targe
       for (int j = 0; j < V; ++j) v[j] = 0.0f;
     } else {
       load_floats<V>(lr + c, v);
-#pragma unroll
-      for (int j = 0; j < V; ++j) v[j] = (__expf(v[j] - lse) - (c + j == t ? 1.0f : 0.0f)) * grad_scale;
+      xent_grad<V>(v, c, t, lse, grad_scale);
     }
     store_floats<V>(dr + c, v);
   }

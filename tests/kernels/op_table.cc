@@ -1122,13 +1122,14 @@ void add_moe_cases(std::vector<OpCase>& cases, Rng& rng) {
   // more experts than its parallel numbering takes.
   const std::vector<Spec> plan_specs = {
       {3000, 2, 16, 16, -1}, {1500, 4, 40, 33, 120}, {700, 3, 300, 290, -1}};
-  for (const Spec& sp : plan_specs) {
+  // The plan case of a spec and its top-k choices.
+  auto plan_case = [](const Spec& sp, const HostTensor& topk) {
     const int64_t k = sp.k, t = sp.tokens, experts = sp.experts, capacity = sp.capacity;
     OpCase c;
     c.name = fmt::format("moe_dispatch_plan/t{}k{}e{}used{}cap{}", sp.tokens, sp.k, sp.experts, sp.used,
                          sp.capacity);
     c.ops = {"moe_dispatch_plan"};
-    c.inputs = {random_topk(rng, sp.tokens, sp.k, sp.used)};
+    c.inputs = {topk};
     c.forward = [t, k, experts, capacity](TestDevice& dev, const Tensors& in) {
       Tensor row_map = dev.poisoned({t * k}, DType::kI32), counts = dev.poisoned({experts}, DType::kI32),
              offsets = dev.poisoned({experts + 1}, DType::kI32);
@@ -1138,31 +1139,18 @@ void add_moe_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.reference = [experts, capacity](const HostTensors& in) {
       return reference_plan(in[0], experts, capacity);
     };
-    cases.push_back(std::move(c));
-  }
+    return c;
+  };
+  for (const Spec& sp : plan_specs)
+    cases.push_back(plan_case(sp, random_topk(rng, sp.tokens, sp.k, sp.used)));
   for (const Spec& sp : specs) {
     const HostTensor topk = random_topk(rng, sp.tokens, sp.k, sp.used);
     const HostTensors plan = reference_plan(topk, sp.experts, sp.capacity);
     const int64_t rows = static_cast<int64_t>(plan[2][sp.experts]);
     const std::string tag =
         fmt::format("t{}k{}e{}used{}cap{}", sp.tokens, sp.k, sp.experts, sp.used, sp.capacity);
-    const int64_t dim = 5, k = sp.k, t = sp.tokens, experts = sp.experts, capacity = sp.capacity;
-    {
-      OpCase c;
-      c.name = "moe_dispatch_plan/" + tag;
-      c.ops = {"moe_dispatch_plan"};
-      c.inputs = {topk};
-      c.forward = [t, k, experts, capacity](TestDevice& dev, const Tensors& in) {
-        Tensor row_map = dev.poisoned({t * k}, DType::kI32), counts = dev.poisoned({experts}, DType::kI32),
-               offsets = dev.poisoned({experts + 1}, DType::kI32);
-        moe_dispatch_plan(dev.exec(), in[0], experts, capacity, row_map, counts, offsets);
-        return HostTensors{dev.download(row_map), dev.download(counts), dev.download(offsets)};
-      };
-      c.reference = [experts, capacity](const HostTensors& in) {
-        return reference_plan(in[0], experts, capacity);
-      };
-      cases.push_back(std::move(c));
-    }
+    const int64_t dim = 5, k = sp.k, t = sp.tokens;
+    cases.push_back(plan_case(sp, topk));
     {
       OpCase c;
       c.name = "moe_permute/" + tag;
