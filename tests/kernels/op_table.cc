@@ -1212,6 +1212,21 @@ void add_moe_cases(std::vector<OpCase>& cases, Rng& rng) {
 
 // ---- cross-entropy -----------------------------------------------------------------------
 
+// Per-row losses (0 for ignored targets) and log-sum-exps of logits [t, v], in double.
+HostTensors reference_cross_entropy(const HostTensor& logits, const HostTensor& targets, int64_t t,
+                                    int64_t v) {
+  HostTensor losses = HostTensor::zeros({t}), lse = HostTensor::zeros({t});
+  for (int64_t i = 0; i < t; ++i) {
+    double mx = -std::numeric_limits<double>::infinity(), z = 0.0;
+    for (int64_t j = 0; j < v; ++j) mx = std::max(mx, logits[i * v + j]);
+    for (int64_t j = 0; j < v; ++j) z += std::exp(logits[i * v + j] - mx);
+    lse[i] = mx + std::log(z);
+    const int64_t target = static_cast<int64_t>(targets[i]);
+    losses[i] = target < 0 ? 0.0 : lse[i] - logits[i * v + target];
+  }
+  return HostTensors{losses, lse};
+}
+
 void add_cross_entropy_cases(std::vector<OpCase>& cases, Rng& rng) {
   for (auto [tokens, vocab, in_place] :
        {std::tuple{6, 11, false}, std::tuple{5, 32, true}, std::tuple{1, 2, false}}) {
@@ -1228,18 +1243,7 @@ void add_cross_entropy_cases(std::vector<OpCase>& cases, Rng& rng) {
       cross_entropy_forward(dev.exec(), in[0], in[1], losses, lse);
       return HostTensors{dev.download(losses), dev.download(lse)};
     };
-    c.reference = [t, v](const HostTensors& in) {
-      HostTensor losses = HostTensor::zeros({t}), lse = HostTensor::zeros({t});
-      for (int64_t i = 0; i < t; ++i) {
-        double mx = -std::numeric_limits<double>::infinity(), z = 0.0;
-        for (int64_t j = 0; j < v; ++j) mx = std::max(mx, in[0][i * v + j]);
-        for (int64_t j = 0; j < v; ++j) z += std::exp(in[0][i * v + j] - mx);
-        lse[i] = mx + std::log(z);
-        const int64_t target = static_cast<int64_t>(in[1][i]);
-        losses[i] = target < 0 ? 0.0 : lse[i] - in[0][i * v + target];
-      }
-      return HostTensors{losses, lse};
-    };
+    c.reference = [t, v](const HostTensors& in) { return reference_cross_entropy(in[0], in[1], t, v); };
     c.grad_inputs = {0};
     c.loss_outputs = {0};
     c.uniform_dout = 0.5;  // the backward's grad_scale (e.g. 1 / number of tokens)
@@ -1279,19 +1283,16 @@ void add_cross_entropy_fused_cases(std::vector<OpCase>& cases, Rng& rng) {
       return HostTensors{dev.download(losses), dev.download(lse), dev.download(dlogits)};
     };
     c.reference = [t, v](const HostTensors& in) {
-      HostTensor losses = HostTensor::zeros({t}), lse = HostTensor::zeros({t}), d = HostTensor::zeros({t, v});
+      HostTensors out = reference_cross_entropy(in[0], in[1], t, v);  // losses, lse
+      HostTensor d = HostTensor::zeros({t, v});
       for (int64_t i = 0; i < t; ++i) {
-        double mx = -std::numeric_limits<double>::infinity(), z = 0.0;
-        for (int64_t j = 0; j < v; ++j) mx = std::max(mx, in[0][i * v + j]);
-        for (int64_t j = 0; j < v; ++j) z += std::exp(in[0][i * v + j] - mx);
-        lse[i] = mx + std::log(z);
         const int64_t target = static_cast<int64_t>(in[1][i]);
-        losses[i] = target < 0 ? 0.0 : lse[i] - in[0][i * v + target];
         if (target < 0) continue;
         for (int64_t j = 0; j < v; ++j)
-          d[i * v + j] = (std::exp(in[0][i * v + j] - lse[i]) - (j == target ? 1.0 : 0.0)) * 0.25;
+          d[i * v + j] = (std::exp(in[0][i * v + j] - out[1][i]) - (j == target ? 1.0 : 0.0)) * 0.25;
       }
-      return HostTensors{losses, lse, d};
+      out.push_back(d);
+      return out;
     };
     cases.push_back(std::move(c));
   }
