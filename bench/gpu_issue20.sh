@@ -7,6 +7,8 @@
 #   e2e      bench/e2e.sh --gpus 1 on bench_1b (Troupe and both peer variants, same tokens)
 #   hoststats  Troupe on bench_1b with train.device_stats=false (per-layer read-backs), to compare
 #   graph    Troupe on bench_1b with train.cuda_graph=true and false, alternating, twice
+#   pdl      Troupe on bench_1b with programmatic dependent launch on and off
+#            (TROUPE_CUDA_PDL=0), alternating, twice
 #   final    the final run, most important first, each part's failure reported and passed:
 #            build (train_moe + the CUDA tests) -> e2e -> tests -> train_moe_cuda_test ->
 #            kernels (builds kernel_bench) -> hoststats
@@ -96,6 +98,18 @@ for step in "$@"; do
             --troupe-set "train.cuda_graph=$g" >"$out/graph-$g-$round.log" 2>&1
           stamp "cuda_graph=$g round $round rc=$?: $(grep -h '| troupe |' "$out/e2e-graph-$g/e2e/e2e.md" 2>/dev/null)"
           grep -h "captured as a CUDA graph\|^step 2/" "$out/e2e-graph-$g/e2e/troupe_1gpu.log" 2>/dev/null | cut -c1-200
+        done
+      done
+      ;;
+    pdl)
+      # Troupe only, kernels launched with programmatic dependent launch (the default on
+      # sm_90) and without it (TROUPE_CUDA_PDL=0), alternating, same machine and shards.
+      for round in 1 2; do
+        for p in 1 0; do
+          rm -rf "$out/e2e-pdl-$p"
+          TROUPE_CUDA_PDL=$p OUT="$out/e2e-pdl-$p" bash bench/e2e.sh --build "$B" --gpus 1 --quick --skip-peer \
+            --no-selfcheck >"$out/pdl-$p-$round.log" 2>&1
+          stamp "TROUPE_CUDA_PDL=$p round $round rc=$?: $(grep -h '| troupe |' "$out/e2e-pdl-$p/e2e/e2e.md" 2>/dev/null)"
         done
       done
       ;;

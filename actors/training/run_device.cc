@@ -28,7 +28,10 @@ struct RunDevice::Cuda {
   std::unique_ptr<kernels::CudaContext> ctx;
   cudaGraph_t graph = nullptr;  // a captured step (begin_capture / end_capture)
   cudaGraphExec_t exec = nullptr;
+  cudaEvent_t begin = nullptr, end = nullptr;  // mark_begin / mark_end
   ~Cuda() {
+    if (begin != nullptr) (void)cudaEventDestroy(begin);
+    if (end != nullptr) (void)cudaEventDestroy(end);
     if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
     if (graph != nullptr) (void)cudaGraphDestroy(graph);
   }
@@ -154,6 +157,37 @@ Status RunDevice::end_capture() {
   return ok_status();
 #else
   return failed_precondition("CUDA graphs need a build with CUDA");
+#endif
+}
+
+void RunDevice::mark_begin() const {
+#if TROUPE_HAVE_CUDA
+  if (!cuda_) return;
+  if (cuda_->begin == nullptr) {
+    CUDA_CHECK(cudaEventCreate(&cuda_->begin));
+    CUDA_CHECK(cudaEventCreate(&cuda_->end));
+  }
+  CUDA_CHECK(cudaEventRecord(cuda_->begin, cuda_->stream.get()));
+#endif
+}
+
+void RunDevice::mark_end() const {
+#if TROUPE_HAVE_CUDA
+  if (!cuda_) return;
+  TROUPE_CHECK(cuda_->end != nullptr, "RunDevice::mark_end before mark_begin");
+  CUDA_CHECK(cudaEventRecord(cuda_->end, cuda_->stream.get()));
+#endif
+}
+
+double RunDevice::device_ms() const {
+#if TROUPE_HAVE_CUDA
+  if (!cuda_ || cuda_->end == nullptr) return 0.0;
+  float ms = 0.0f;
+  CUDA_CHECK(cudaEventSynchronize(cuda_->end));
+  CUDA_CHECK(cudaEventElapsedTime(&ms, cuda_->begin, cuda_->end));
+  return ms;
+#else
+  return 0.0;
 #endif
 }
 

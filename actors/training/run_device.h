@@ -42,6 +42,13 @@ class RunDevice {
   // steps (e.g. ncu --nvtx --nvtx-include step/). No-ops on the CPU.
   void range_push(const char* name) const;
   void range_pop() const;
+  // The device's time for a stretch of enqueued work: mark_begin() and mark_end() record
+  // events on the stream; after the end event has completed (e.g. after synchronize()),
+  // device_ms() is the GPU time between them, in ms. A step's wall time less this is what
+  // the device sat idle waiting for the host. 0 on the CPU (and before any pair).
+  void mark_begin() const;
+  void mark_end() const;
+  double device_ms() const;
 
   // A CUDA graph of a training step (train_moe's train.cuda_graph): begin_capture() starts
   // recording this device's stream (the work enqueued until end_capture() is recorded,

@@ -236,7 +236,7 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     dev.range_push("step");
     const size_t step_base_bytes = dev.bytes_in_use();
     const int64_t syncs_before = dev.host_syncs(), uploads_before = dev.upload_waits();
-    double lm_sum = 0, aux = 0;
+    double lm_sum = 0, aux = 0, host_s = 0;
     int64_t step_tokens = 0;
     const double lr = tc.lr.at(step);
     std::vector<Tensor> ids(static_cast<size_t>(tc.train.grad_accum)), targets(ids.size());
@@ -274,6 +274,8 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
       graph_peak = dev.peak_bytes();
       graph_selections = model.pending_selections();
       for (size_t i = 0; i < graph_selections.size(); ++i) graph_selections[i] -= selections_before[i];
+      host_s = std::chrono::duration<double>(Clock::now() - t0).count();
+      dev.mark_begin();
       dev.launch_graph();
       fmt::print(
           "train_moe: step {} captured as a CUDA graph ({:.2f} GiB of activations and temporaries held "
@@ -286,8 +288,12 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
       }
       opt.prepare_step(c, lr);
       model.add_pending_selections(graph_selections);
+      host_s = std::chrono::duration<double>(Clock::now() - t0).count();
+      dev.mark_begin();
       dev.launch_graph();
     } else {
+      host_s = std::chrono::duration<double>(Clock::now() - t0).count();
+      dev.mark_begin();
       model.zero_grad(c);
       for (size_t m = 0; m < ids.size(); ++m) {
         layers::Model::MicroBatchStats st =
@@ -309,6 +315,7 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
                                                          : opt.grad_norm_squared(c));
       opt.step(c, lr, grad_norm);
     }
+    dev.mark_end();
     // Host waits while the step's work was enqueued (before its metrics read below).
     const int64_t step_syncs = dev.host_syncs() - syncs_before,
                   step_uploads = dev.upload_waits() - uploads_before;
@@ -322,6 +329,7 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     dev.range_pop();
     dev.synchronize();  // the step's time includes its optimizer update
     const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double device_ms = dev.device_ms();
     // A replay allocates nothing: its peak is the captured step's.
     const size_t peak_bytes = graph_step ? std::max(graph_peak, dev.peak_bytes()) : dev.peak_bytes();
     tokens_seen += step_tokens;
@@ -346,6 +354,10 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
       rec["host_syncs"] = step_syncs;
       rec["upload_waits"] = step_uploads;
       rec["peak_gib"] = static_cast<double>(peak_bytes) / 1073741824.0;
+      // The step's device time (its first to its last enqueued op), and the host's time
+      // before its first op was enqueued (the batch, the uploads; the capture at step 2).
+      rec["device_ms"] = device_ms;
+      rec["host_before_ms"] = host_s * 1e3;
       rec["mfu"] = tps * flops_per_token / (kPeakFlopsPerGpu * dev.num_gpus());
       rec["peak_bytes"] = peak_bytes;  // caching allocator high-water mark in this step
       rec["activation_bytes"] = peak_bytes - std::min(peak_bytes, step_base_bytes);

@@ -95,6 +95,7 @@ __device__ void store_row_regs(T* dst, const float (&reg)[kPer], int64_t dh, int
 template <typename T, int kPer>
 __global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(AttentionShape s, const T* q, const T* k,
                                                                          const T* v, float scale, T* out, float* lse) {
+  pdl_wait();
   extern __shared__ float smem[];
   float* ks = smem;
   float* vs = smem + kTile * s.head_dim;
@@ -139,6 +140,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_forward_kernel(Attenti
 // D[b,h,i] = sum_d dO * O, one warp per row.
 template <typename T>
 __global__ void attention_rowdot_kernel(AttentionShape s, const T* out, const T* dout, float* dsum) {
+  pdl_wait();
   const int64_t rows = s.batch * s.seq * s.q_heads;
   const int64_t r = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
@@ -157,6 +159,7 @@ __global__ void attention_rowdot_kernel(AttentionShape s, const T* out, const T*
 constexpr int kRowLanes = 8;
 template <typename T>
 __global__ void attention_rowdot_packed_kernel(AttentionShape s, const T* out, const T* dout, float* dsum) {
+  pdl_wait();
   const int64_t rows = s.batch * s.seq * s.q_heads;
   const int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   const int64_t r = t / kRowLanes;
@@ -184,6 +187,7 @@ template <typename T, int kPer>
 __global__ void __launch_bounds__(kAttnThreads) attention_dkdv_kernel(AttentionShape s, const T* q, const T* k,
                                                                       const T* v, const float* lse, const T* dout,
                                                                       const float* dsum, float scale, T* dk, T* dv) {
+  pdl_wait();
   extern __shared__ float smem[];
   float* qs = smem;
   float* dos = smem + kTile * s.head_dim;
@@ -233,6 +237,7 @@ template <typename T, int kPer>
 __global__ void __launch_bounds__(kAttnThreads) attention_dq_kernel(AttentionShape s, const T* q, const T* k,
                                                                     const T* v, const float* lse, const T* dout,
                                                                     const float* dsum, float scale, T* dq) {
+  pdl_wait();
   extern __shared__ float smem[];
   float* ks = smem;
   float* vs = smem + kTile * s.head_dim;
@@ -294,9 +299,9 @@ void launch_attention_forward(const Env& env, const AttentionShape& s, const voi
   const size_t smem = 2 * kTile * s.head_dim * sizeof(float);
   dispatch_head_dim(s.head_dim, [&](auto per) {
     TROUPE_DISPATCH_FLOAT(t, T, "attention_forward", {
-      attention_forward_kernel<T, per()><<<attention_grid(s, s.q_heads), kAttnThreads, smem, env.stream>>>(
-          s, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), scale, static_cast<T*>(out),
-          lse);
+      launch(env, attention_forward_kernel<T, per()>, attention_grid(s, s.q_heads), kAttnThreads, smem, s,
+             static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), scale,
+             static_cast<T*>(out), lse);
     });
   });
   TROUPE_CUDA_LAUNCH_CHECK();
@@ -307,12 +312,11 @@ void launch_attention_rowdot(const Env& env, const AttentionShape& s, const void
   const int64_t rows = s.batch * s.seq * s.q_heads;
   TROUPE_DISPATCH_FLOAT(t, T, "attention_backward", {
     if (s.head_dim % 8 == 0 && aligned_to(out, 8 * sizeof(T)) && aligned_to(dout, 8 * sizeof(T))) {
-      attention_rowdot_packed_kernel<T>
-          <<<static_cast<unsigned>(ceil_div(rows * kRowLanes, 256)), 256, 0, env.stream>>>(
-              s, static_cast<const T*>(out), static_cast<const T*>(dout), dsum);
+      launch(env, attention_rowdot_packed_kernel<T>, static_cast<unsigned>(ceil_div(rows * kRowLanes, 256)),
+             256, 0, s, static_cast<const T*>(out), static_cast<const T*>(dout), dsum);
     } else {
-      attention_rowdot_kernel<T><<<static_cast<unsigned>(ceil_div(rows * 32, 256)), 256, 0, env.stream>>>(
-          s, static_cast<const T*>(out), static_cast<const T*>(dout), dsum);
+      launch(env, attention_rowdot_kernel<T>, static_cast<unsigned>(ceil_div(rows * 32, 256)), 256, 0, s,
+             static_cast<const T*>(out), static_cast<const T*>(dout), dsum);
     }
   });
   TROUPE_CUDA_LAUNCH_CHECK();
@@ -341,11 +345,11 @@ void launch_attention_backward(const Env& env, const AttentionShape& s, const vo
       const T* vp = static_cast<const T*>(v);
       const T* dop = static_cast<const T*>(dout);
       launch_attention_rowdot(env, s, out, dout, dsum, t);
-      attention_dkdv_kernel<T, per()><<<attention_grid(s, s.kv_heads), kAttnThreads, smem_q, env.stream>>>(
-          s, qp, kp, vp, lse, dop, dsum, scale, static_cast<T*>(dk), static_cast<T*>(dv));
+      launch(env, attention_dkdv_kernel<T, per()>, attention_grid(s, s.kv_heads), kAttnThreads, smem_q, s, qp,
+             kp, vp, lse, dop, dsum, scale, static_cast<T*>(dk), static_cast<T*>(dv));
       TROUPE_CUDA_LAUNCH_CHECK();
-      attention_dq_kernel<T, per()><<<attention_grid(s, s.q_heads), kAttnThreads, smem_kv, env.stream>>>(
-          s, qp, kp, vp, lse, dop, dsum, scale, static_cast<T*>(dq));
+      launch(env, attention_dq_kernel<T, per()>, attention_grid(s, s.q_heads), kAttnThreads, smem_kv, s, qp,
+             kp, vp, lse, dop, dsum, scale, static_cast<T*>(dq));
     });
   });
   TROUPE_CUDA_LAUNCH_CHECK();

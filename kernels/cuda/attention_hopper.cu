@@ -305,6 +305,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 const __grid_constant__ CUtensorMap map_k,
                                 const __grid_constant__ CUtensorMap map_v, AttentionShape s, float scale_log2,
                                 bf16* out, float* lse) {
+  pdl_wait();
 #ifdef TROUPE_WGMMA_DEVICE
   using C = FwdCfg<kD>;
   using L = typename C::S;
@@ -476,6 +477,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                const __grid_constant__ CUtensorMap map_k,
                                const __grid_constant__ CUtensorMap map_v, AttentionShape s, const float* lse,
                                const float* dsum, float scale, bf16* dq) {
+  pdl_wait();
 #ifdef TROUPE_WGMMA_DEVICE
   using C = BwdCfg<kD>;
   using L = typename C::S;
@@ -600,6 +602,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                  const __grid_constant__ CUtensorMap map_k,
                                  const __grid_constant__ CUtensorMap map_v, AttentionShape s,
                                  const float* lse, const float* dsum, float scale, bf16* dk, bf16* dv) {
+  pdl_wait();
 #ifdef TROUPE_WGMMA_DEVICE
   using C = BwdCfg<kD>;
   using L = typename C::S;
@@ -783,8 +786,8 @@ void launch_attention_forward_hopper(const Env& env, const AttentionShape& s, co
     const CUtensorMap mv = head_map(v, s, s.kv_heads, FwdCfg<d()>::kStream);
     auto kernel = attention_fwd_hopper_kernel<d()>;
     allow_smem(kernel, L::kBytes);
-    kernel<<<block_grid(s, s.q_heads), kThreads, L::kBytes, env.stream>>>(mq, mk, mv, s, scale * kLog2e,
-                                                                          static_cast<bf16*>(out), lse);
+    launch(env, kernel, block_grid(s, s.q_heads), kThreads, L::kBytes, mq, mk, mv, s, scale * kLog2e,
+           static_cast<bf16*>(out), lse);
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }
@@ -803,8 +806,8 @@ void launch_attention_backward_hopper(const Env& env, const AttentionShape& s, c
                         mv = head_map(v, s, s.kv_heads, kBlockRows);
       auto kernel = attention_dkdv_hopper_kernel<d()>;
       allow_smem(kernel, L::kBytes);
-      kernel<<<block_grid(s, s.kv_heads), kThreads, L::kBytes, env.stream>>>(
-          mq, mdo, mk, mv, s, lse, dsum, scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv));
+      launch(env, kernel, block_grid(s, s.kv_heads), kThreads, L::kBytes, mq, mdo, mk, mv, s, lse, dsum,
+             scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv));
       TROUPE_CUDA_LAUNCH_CHECK();
     }
     {
@@ -813,8 +816,8 @@ void launch_attention_backward_hopper(const Env& env, const AttentionShape& s, c
       const CUtensorMap mk = head_map(k, s, s.kv_heads, kN), mv = head_map(v, s, s.kv_heads, kN);
       auto kernel = attention_dq_hopper_kernel<d()>;
       allow_smem(kernel, L::kBytes);
-      kernel<<<block_grid(s, s.q_heads), kThreads, L::kBytes, env.stream>>>(mq, mdo, mk, mv, s, lse, dsum,
-                                                                            scale, static_cast<bf16*>(dq));
+      launch(env, kernel, block_grid(s, s.q_heads), kThreads, L::kBytes, mq, mdo, mk, mv, s, lse, dsum, scale,
+             static_cast<bf16*>(dq));
     }
   });
   TROUPE_CUDA_LAUNCH_CHECK();

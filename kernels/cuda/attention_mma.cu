@@ -187,6 +187,7 @@ template <int kD, int kWarps>
 __global__ void __launch_bounds__(32 * kWarps) attention_forward_mma_kernel(AttentionShape s, const bf16* q,
                                                                             const bf16* k, const bf16* v,
                                                                             float scale_log2, bf16* out, float* lse) {
+  pdl_wait();
   constexpr int kLd = kD + 8;
   __shared__ __align__(16) bf16 ks[kRows * kLd];
   __shared__ __align__(16) bf16 vs[kRows * kLd];
@@ -270,6 +271,7 @@ __global__ void __launch_bounds__(32 * kWarps) attention_dq_mma_kernel(Attention
                                                                        const bf16* v, const float* lse,
                                                                        const bf16* dout, const float* dsum,
                                                                        float scale, bf16* dq) {
+  pdl_wait();
   constexpr int kLd = kD + 8;
   __shared__ __align__(16) bf16 ks[kRows * kLd];
   __shared__ __align__(16) bf16 vs[kRows * kLd];
@@ -334,6 +336,7 @@ __global__ void __launch_bounds__(32 * kWarps) attention_dkdv_mma_kernel(Attenti
                                                                          const float* lse, const bf16* dout,
                                                                          const float* dsum, float scale, bf16* dk,
                                                                          bf16* dv) {
+  pdl_wait();
   constexpr int kLd = kD + 8;
   __shared__ __align__(16) bf16 qs[kRows * kLd];
   __shared__ __align__(16) bf16 dos[kRows * kLd];
@@ -468,9 +471,9 @@ void launch_attention_forward_mma(const Env& env, const AttentionShape& s, const
   const int warps = mma_warps(variant);
   dispatch_mma_head_dim(s.head_dim, [&](auto d) {
     dispatch_warps(warps, [&](auto w) {
-      attention_forward_mma_kernel<d(), w()><<<mma_grid(s, s.q_heads, w()), 32 * w(), 0, env.stream>>>(
-          s, static_cast<const bf16*>(q), static_cast<const bf16*>(k), static_cast<const bf16*>(v),
-          scale * kLog2eF, static_cast<bf16*>(out), lse);
+      launch(env, attention_forward_mma_kernel<d(), w()>, mma_grid(s, s.q_heads, w()), 32 * w(), 0, s,
+             static_cast<const bf16*>(q), static_cast<const bf16*>(k), static_cast<const bf16*>(v),
+             scale * kLog2eF, static_cast<bf16*>(out), lse);
     });
   });
   TROUPE_CUDA_LAUNCH_CHECK();
@@ -492,11 +495,11 @@ void launch_attention_backward_mma(const Env& env, const AttentionShape& s, cons
       const auto* kp = static_cast<const bf16*>(k);
       const auto* vp = static_cast<const bf16*>(v);
       const auto* dop = static_cast<const bf16*>(dout);
-      attention_dkdv_mma_kernel<d(), w()><<<mma_grid(s, s.kv_heads, w()), 32 * w(), 0, env.stream>>>(
-          s, qp, kp, vp, lse, dop, dsum, scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv));
+      launch(env, attention_dkdv_mma_kernel<d(), w()>, mma_grid(s, s.kv_heads, w()), 32 * w(), 0, s, qp, kp,
+             vp, lse, dop, dsum, scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv));
       TROUPE_CUDA_LAUNCH_CHECK();
-      attention_dq_mma_kernel<d(), w()><<<mma_grid(s, s.q_heads, w()), 32 * w(), 0, env.stream>>>(
-          s, qp, kp, vp, lse, dop, dsum, scale, static_cast<bf16*>(dq));
+      launch(env, attention_dq_mma_kernel<d(), w()>, mma_grid(s, s.q_heads, w()), 32 * w(), 0, s, qp, kp, vp,
+             lse, dop, dsum, scale, static_cast<bf16*>(dq));
     });
   });
   TROUPE_CUDA_LAUNCH_CHECK();

@@ -10,10 +10,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 #include "core/check.h"
 #include "core/dtype.h"
 #include "core/gpu_check.h"
+#include "kernels/cuda/launch.h"
 
 // Every launcher ends with this: a bad launch configuration surfaces here, not later.
 #define TROUPE_CUDA_LAUNCH_CHECK() CUDA_CHECK(cudaGetLastError())
@@ -151,6 +153,40 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline unsigned grid_for(int64_t work, int threads, int num_sms) {
   const int64_t blocks = std::max<int64_t>(1, ceil_div(work, threads));
   return static_cast<unsigned>(std::min<int64_t>(blocks, int64_t{num_sms} * 16));
+}
+
+// ---- programmatic dependent launch (Hopper) ----------------------------------------------
+// Every kernel in kernels/cuda calls pdl_wait() before its first access to global memory
+// (read or write), in every thread, before any early return. Launched through launch()
+// with Env::pdl set, a kernel may then be scheduled while its predecessor on the stream
+// still runs: its blocks do their set-up (shared memory, barriers) and wait there, and
+// the launch latency between the two kernels is hidden. griddepcontrol.wait returns
+// once the predecessor grid has completed and its memory is visible, so the order of
+// memory effects is the plain stream order's. After the wait, each block lets the next
+// kernel's launch begin (pdl_wait does both). Without the launch attribute, or before
+// sm_90, both instructions are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, smem, env.stream>>>(args...), with programmatic stream
+// serialisation allowed when env.pdl (the kernel must call pdl_wait() as above).
+template <typename... Params, typename... Args>
+void launch(const Env& env, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = env.stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = env.pdl ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
 }  // namespace troupe::kernels::gpu

@@ -29,6 +29,7 @@ constexpr int kThreads = 256;
 template <typename T>
 __global__ void permute_fp8_kernel(const T* __restrict__ x, int64_t d, const int32_t* __restrict__ row_map,
                                    int64_t top_k, uint8_t* __restrict__ q, float* __restrict__ scales) {
+  pdl_wait();
   const int64_t copy = blockIdx.x;
   const int32_t r = row_map[copy];
   if (r < 0) return;
@@ -54,6 +55,7 @@ __global__ void permute_fp8_kernel(const T* __restrict__ x, int64_t d, const int
 }
 
 __global__ void clear_kernel(int64_t rows, int64_t d, uint8_t* q, float* scales) {
+  pdl_wait();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < rows * d) q[i] = 0;
   if (i < rows) scales[i] = 1.0f;
@@ -61,6 +63,7 @@ __global__ void clear_kernel(int64_t rows, int64_t d, uint8_t* q, float* scales)
 
 template <typename T>
 __global__ void sum_chunks_kernel(const T* __restrict__ in, int64_t n, int64_t m, float* __restrict__ out) {
+  pdl_wait();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= m) return;
   float s = to_float(in[i]);
@@ -78,13 +81,13 @@ void launch_moe_permute_fp8(const Env& env, const void* x, DType xt, int64_t tok
                             const int32_t* row_map, int64_t top_k, int64_t rows, uint8_t* q, float* scales) {
   const int64_t total = std::max(rows * d, rows);
   if (total > 0) {
-    clear_kernel<<<blocks_for(total), kThreads, 0, env.stream>>>(rows, d, q, scales);
+    launch(env, clear_kernel, blocks_for(total), kThreads, 0, rows, d, q, scales);
     TROUPE_CUDA_LAUNCH_CHECK();
   }
   if (tokens * top_k == 0 || d == 0) return;
   TROUPE_DISPATCH_FLOAT(xt, T, "moe_permute_fp8", {
-    permute_fp8_kernel<T><<<static_cast<unsigned>(tokens * top_k), kThreads, 0, env.stream>>>(
-        static_cast<const T*>(x), d, row_map, top_k, q, scales);
+    launch(env, permute_fp8_kernel<T>, static_cast<unsigned>(tokens * top_k), kThreads, 0,
+           static_cast<const T*>(x), d, row_map, top_k, q, scales);
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }
@@ -92,7 +95,7 @@ void launch_moe_permute_fp8(const Env& env, const void* x, DType xt, int64_t tok
 void launch_sum_chunks(const Env& env, const void* in, DType it, int64_t n, int64_t m, float* out) {
   if (m == 0) return;
   TROUPE_DISPATCH_FLOAT(it, T, "sum_chunks", {
-    sum_chunks_kernel<T><<<blocks_for(m), kThreads, 0, env.stream>>>(static_cast<const T*>(in), n, m, out);
+    launch(env, sum_chunks_kernel<T>, blocks_for(m), kThreads, 0, static_cast<const T*>(in), n, m, out);
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }

@@ -1,6 +1,9 @@
 // kernels/cuda/context.cc — CudaContext.
 #include "kernels/cuda/context.h"
 
+#include <cstdlib>
+#include <string_view>
+
 #include "core/cuda/stream.h"
 #include "core/gpu_check.h"
 
@@ -17,6 +20,8 @@ CudaContext::CudaContext(int dev, cudaStream_t s, Allocator* scratch_alloc) : de
   CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
   num_sms = prop.multiProcessorCount;
   max_smem_per_block = prop.sharedMemPerBlockOptin;
+  const char* pdl_env = std::getenv("TROUPE_CUDA_PDL");
+  pdl = prop.major >= 9 && !(pdl_env != nullptr && std::string_view(pdl_env) == "0");
   CUBLAS_CHECK(cublasLtCreate(&lt));
   matmul_plans = std::make_unique<MatmulPlanCache>();
   workspace_buffer_ = cuda::DeviceBuffer(kWorkspaceBytes, dev);

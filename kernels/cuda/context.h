@@ -37,6 +37,9 @@ struct CudaContext {
   Allocator* scratch = nullptr;
   int num_sms = 0;
   size_t max_smem_per_block = 0;  // opt-in limit (bytes)
+  // Kernels launch with programmatic dependent launch (gpu::Env::pdl): compute
+  // capability 9.0 and up, unless the environment sets TROUPE_CUDA_PDL=0.
+  bool pdl = false;
   std::unique_ptr<MatmulPlanCache> matmul_plans;  // cuBLASLt algorithm per problem shape
 
  private:

@@ -16,6 +16,7 @@ constexpr int kThreads = 256;
 
 template <int V, typename F>
 __global__ void elementwise_kernel(int64_t n, F f) {
+  pdl_wait();
   const int64_t stride = int64_t{gridDim.x} * blockDim.x * V;
   for (int64_t i = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) * V; i < n; i += stride) {
     if (i + V <= n) {
@@ -32,9 +33,10 @@ template <typename F>
 void run_elementwise(const Env& env, int64_t n, bool vec_ok, const F& f) {
   if (n == 0) return;
   if (vec_ok) {
-    elementwise_kernel<kVec><<<grid_for(ceil_div(n, kVec), kThreads, env.num_sms), kThreads, 0, env.stream>>>(n, f);
+    launch(env, elementwise_kernel<kVec, F>, grid_for(ceil_div(n, kVec), kThreads, env.num_sms), kThreads, 0,
+           n, f);
   } else {
-    elementwise_kernel<1><<<grid_for(n, kThreads, env.num_sms), kThreads, 0, env.stream>>>(n, f);
+    launch(env, elementwise_kernel<1, F>, grid_for(n, kThreads, env.num_sms), kThreads, 0, n, f);
   }
   TROUPE_CUDA_LAUNCH_CHECK();
 }
@@ -190,6 +192,7 @@ constexpr int kReduceBlocks = 1024;
 
 template <typename T>
 __global__ void sum_kernel(const T* x, int64_t n, bool squares, double* partials) {
+  pdl_wait();
   __shared__ double shared[32];
   double acc = 0.0;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
@@ -208,8 +211,8 @@ double launch_sum(const Env& env, const void* x, DType t, int64_t n, bool square
   if (n == 0) return 0.0;
   const unsigned blocks = std::min<unsigned>(kReduceBlocks, grid_for(n, kThreads, env.num_sms));
   TROUPE_DISPATCH_FLOAT(t, T, squares ? "sum_squares" : "sum", {
-    sum_kernel<T><<<blocks, kThreads, 0, env.stream>>>(static_cast<const T*>(x), n, squares,
-                                                       static_cast<double*>(partials));
+    launch(env, sum_kernel<T>, blocks, kThreads, 0, static_cast<const T*>(x), n, squares,
+           static_cast<double*>(partials));
   });
   TROUPE_CUDA_LAUNCH_CHECK();
   double host[kReduceBlocks];
@@ -231,6 +234,7 @@ int64_t sum_rows_splits(int64_t rows) { return std::min<int64_t>(ceil_div(std::m
 // partial[split, c] = sum of x[r, c] over this split's rows.
 template <typename T>
 __global__ void column_partial_kernel(const T* x, int64_t rows, int64_t cols, int64_t rows_per_split, float* partial) {
+  pdl_wait();
   __shared__ float tile[kRowThreads][kColTile + 1];
   const int64_t c = int64_t{blockIdx.x} * kColTile + threadIdx.x;
   const int64_t r0 = int64_t{blockIdx.y} * rows_per_split;
@@ -252,6 +256,7 @@ __global__ void column_partial_kernel(const T* x, int64_t rows, int64_t cols, in
 // out[c] (+)= sum over splits of partial[split, c]; 8 threads per column share the splits.
 template <typename O>
 __global__ void column_finish_kernel(const float* partial, int64_t splits, int64_t cols, O* out, bool accumulate) {
+  pdl_wait();
   __shared__ float tile[kRowThreads][kColTile + 1];
   const int64_t c = int64_t{blockIdx.x} * kColTile + threadIdx.x;
   float s = 0.0f;
@@ -277,8 +282,8 @@ size_t sum_rows_scratch_bytes(int64_t rows, int64_t cols) {
 void launch_column_finish(const Env& env, const float* partial, int64_t splits, int64_t cols, void* out, DType ot,
                           bool accumulate) {
   TROUPE_DISPATCH_FLOAT(ot, O, "sum_rows", {
-    column_finish_kernel<O><<<static_cast<unsigned>(ceil_div(cols, kColTile)), dim3(kColTile, kRowThreads), 0,
-                              env.stream>>>(partial, splits, cols, static_cast<O*>(out), accumulate);
+    launch(env, column_finish_kernel<O>, static_cast<unsigned>(ceil_div(cols, kColTile)),
+           dim3(kColTile, kRowThreads), 0, partial, splits, cols, static_cast<O*>(out), accumulate);
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }
@@ -290,8 +295,8 @@ void launch_sum_rows(const Env& env, const void* x, DType xt, int64_t rows, int6
   float* partial = static_cast<float*>(scratch);
   dim3 grid(static_cast<unsigned>(ceil_div(cols, kColTile)), static_cast<unsigned>(splits));
   TROUPE_DISPATCH_FLOAT(xt, T, "sum_rows", {
-    column_partial_kernel<T><<<grid, dim3(kColTile, kRowThreads), 0, env.stream>>>(
-        static_cast<const T*>(x), rows, cols, kRowsPerSplit, partial);
+    launch(env, column_partial_kernel<T>, grid, dim3(kColTile, kRowThreads), 0, static_cast<const T*>(x),
+           rows, cols, kRowsPerSplit, partial);
   });
   TROUPE_CUDA_LAUNCH_CHECK();
   launch_column_finish(env, partial, splits, cols, out, ot, accumulate);
@@ -356,6 +361,7 @@ constexpr int kRowsInFlight = 2;
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     swiglu_backward_rows_kernel(const T* h, const T* dout, T* dh, int64_t rows, int64_t f) {
+  pdl_wait();
   for (int64_t r0 = int64_t{blockIdx.x} * kRowsInFlight; r0 < rows;
        r0 += int64_t{gridDim.x} * kRowsInFlight) {
     for (int64_t c = int64_t{threadIdx.x} * kVec; c < f; c += int64_t{kThreads} * kVec) {
@@ -404,8 +410,8 @@ void launch_swiglu_backward(const Env& env, const void* h, const void* dout, voi
   TROUPE_DISPATCH_FLOAT(t, T, "swiglu_backward", {
     const bool vec = f % kVec == 0 && pack_aligned<T>(h) && pack_aligned<T>(dout) && pack_aligned<T>(dh);
     if (vec) {
-      swiglu_backward_rows_kernel<T><<<swiglu_grid(env, rows), kThreads, 0, env.stream>>>(
-          static_cast<const T*>(h), static_cast<const T*>(dout), static_cast<T*>(dh), rows, f);
+      launch(env, swiglu_backward_rows_kernel<T>, swiglu_grid(env, rows), kThreads, 0,
+             static_cast<const T*>(h), static_cast<const T*>(dout), static_cast<T*>(dh), rows, f);
       TROUPE_CUDA_LAUNCH_CHECK();
     } else {
       run_elementwise(
@@ -419,6 +425,7 @@ void launch_swiglu_backward(const Env& env, const void* h, const void* dout, voi
 namespace {
 template <typename T>
 __global__ void softmax_forward_kernel(const T* x, T* y, int64_t cols) {
+  pdl_wait();
   __shared__ float shared[32];
   const T* xr = x + int64_t{blockIdx.x} * cols;
   T* yr = y + int64_t{blockIdx.x} * cols;
@@ -433,6 +440,7 @@ __global__ void softmax_forward_kernel(const T* x, T* y, int64_t cols) {
 }
 template <typename T>
 __global__ void softmax_backward_kernel(const T* y, const T* dy, T* dx, int64_t cols) {
+  pdl_wait();
   __shared__ float shared[32];
   const int64_t base = int64_t{blockIdx.x} * cols;
   float dot = 0.0f;
@@ -447,8 +455,8 @@ __global__ void softmax_backward_kernel(const T* y, const T* dy, T* dx, int64_t 
 void launch_softmax_forward(const Env& env, const void* x, void* y, DType t, int64_t rows, int64_t cols) {
   if (rows == 0) return;
   TROUPE_DISPATCH_FLOAT(t, T, "softmax_forward", {
-    softmax_forward_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, env.stream>>>(static_cast<const T*>(x),
-                                                                                          static_cast<T*>(y), cols);
+    launch(env, softmax_forward_kernel<T>, static_cast<unsigned>(rows), kThreads, 0, static_cast<const T*>(x),
+           static_cast<T*>(y), cols);
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }
@@ -457,8 +465,8 @@ void launch_softmax_backward(const Env& env, const void* y, const void* dy, void
                              int64_t cols) {
   if (rows == 0) return;
   TROUPE_DISPATCH_FLOAT(t, T, "softmax_backward", {
-    softmax_backward_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, env.stream>>>(
-        static_cast<const T*>(y), static_cast<const T*>(dy), static_cast<T*>(dx), cols);
+    launch(env, softmax_backward_kernel<T>, static_cast<unsigned>(rows), kThreads, 0,
+           static_cast<const T*>(y), static_cast<const T*>(dy), static_cast<T*>(dx), cols);
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }
@@ -510,6 +518,7 @@ namespace {
 template <typename X, typename Q>
 __global__ void quantize_fp8_kernel(const X* x, int64_t cols, int64_t block, int64_t nb, float fp8_max, Q* q,
                                     float* scales) {
+  pdl_wait();
   __shared__ float shared[32];
   const int64_t r = blockIdx.x / nb, b = blockIdx.x % nb;
   const int64_t c0 = b * block, c1 = min64(cols, c0 + block);
@@ -558,8 +567,8 @@ void launch_quantize_fp8(const Env& env, const void* x, DType xt, int64_t rows, 
   const float fp8_max = qt == DType::kF8E4M3 ? kFp8E4M3Max : kFp8E5M2Max;
   TROUPE_DISPATCH_FLOAT(xt, X, "quantize_fp8", dispatch_fp8(qt, "quantize_fp8", [&](auto tag) {
     using Q = decltype(tag);
-    quantize_fp8_kernel<X, Q><<<static_cast<unsigned>(rows * nb), 128, 0, env.stream>>>(
-        static_cast<const X*>(x), cols, block, nb, fp8_max, static_cast<Q*>(q), scales);
+    launch(env, quantize_fp8_kernel<X, Q>, static_cast<unsigned>(rows * nb), 128, 0, static_cast<const X*>(x),
+           cols, block, nb, fp8_max, static_cast<Q*>(q), scales);
   }));
   TROUPE_CUDA_LAUNCH_CHECK();
 }

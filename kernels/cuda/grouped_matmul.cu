@@ -113,6 +113,7 @@ struct GemmArgs {
 // is the transpose of the fragment's).
 template <bool kSegK, bool kBCol, typename OutT, int kWN, int kBK, int kStages>
 __global__ void __launch_bounds__(64 * kWN) grouped_gemm_mma_kernel(GemmArgs args) {
+  pdl_wait();
   constexpr bool kACol = kSegK;
   constexpr int kTileElems = TileSize<kBK>::kElems;
   constexpr int kGemmThreads = 64 * kWN, kWarpN = kBN / kWN, kNT = kWarpN / 8;
@@ -338,6 +339,7 @@ struct WgCursor {
 
 template <bool kSegK, bool kBCol, typename OutT, int kBN, int kStages>
 __global__ void __launch_bounds__(kWgThreads, 1) grouped_gemm_wgmma_kernel(GemmArgs args) {
+  pdl_wait();
 #ifdef TROUPE_WGMMA_DEVICE
   static_assert(kStages >= 3, "one wgmma group in flight needs kStages - 2 >= 1 steps of prefetch");
   constexpr int kAStage = kWgBM * kWgBK * 2, kBStage = kWgBK * kBN * 2;  // bytes
@@ -488,7 +490,7 @@ void launch_gemm_wgmma(const Env& env, int64_t tiles_bound, const GemmArgs& args
   constexpr size_t smem = wgmma_smem_bytes<kBN, kStages>();
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(tiles_bound, env.num_sms));
-  kernel<<<static_cast<unsigned>(grid), kWgThreads, smem, env.stream>>>(args);
+  launch(env, kernel, static_cast<unsigned>(grid), kWgThreads, smem, args);
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
@@ -497,7 +499,7 @@ void launch_gemm_tiled(const Env& env, dim3 grid, const GemmArgs& args) {
   auto kernel = grouped_gemm_mma_kernel<kSegK, kBCol, OutT, kWN, kBK, kStages>;
   constexpr size_t smem = gemm_smem_bytes<kBK, kStages>();
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  kernel<<<grid, 64 * kWN, smem, env.stream>>>(args);
+  launch(env, kernel, grid, 64 * kWN, smem, args);
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
@@ -573,6 +575,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_b,
                             const __grid_constant__ CUtensorMap map_c, GemmArgs args) {
+  pdl_wait();
 #ifdef TROUPE_WGMMA_DEVICE
   constexpr int kAStage = kWgBM * kWgBK * 2;
   constexpr int kTmaStages = TmaConfig<kSegK, OutT>::kStages;
@@ -834,7 +837,7 @@ void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const 
   CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(tiles_bound, env.num_sms));
-  kernel<<<static_cast<unsigned>(grid), kTmaThreads, smem, env.stream>>>(map_a, map_b, map_c, args);
+  launch(env, kernel, static_cast<unsigned>(grid), kTmaThreads, smem, map_a, map_b, map_c, args);
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
@@ -911,6 +914,7 @@ template <typename T>
 __global__ void grouped_rows_plain_kernel(const T* a, const T* b, const int32_t* offsets, int64_t experts,
                                           int64_t rows, int64_t n, int64_t k, int64_t bs, int64_t b_sk, int64_t b_sn,
                                           T* out) {
+  pdl_wait();
   const int64_t total = rows * n;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total; i += stride) {
@@ -927,6 +931,7 @@ __global__ void grouped_rows_plain_kernel(const T* a, const T* b, const int32_t*
 template <typename T, typename O>
 __global__ void grouped_k_plain_kernel(const T* l, const T* r_, const int32_t* offsets, int64_t experts, int64_t p,
                                        int64_t q, O* dw, bool accumulate) {
+  pdl_wait();
   const int64_t total = experts * p * q;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total; i += stride) {
@@ -943,6 +948,7 @@ __global__ void grouped_k_plain_kernel(const T* l, const T* r_, const int32_t* o
 template <typename O>
 __global__ void __launch_bounds__(256)
     sum_squares_slots_kernel(const O* x, int64_t n, int64_t chunk, float* slots, int64_t count) {
+  pdl_wait();
   __shared__ double shared[32];
   const int64_t lo = int64_t{blockIdx.x} * chunk, hi = lo + chunk < n ? lo + chunk : n;
   double s = 0.0;
@@ -963,8 +969,7 @@ void launch_sum_squares_slots(const Env& env, const O* x, int64_t n, float* slot
   const int64_t blocks =
       std::max<int64_t>(1, std::min<int64_t>({count, int64_t{env.num_sms} * 4, ceil_div(n, 2048)}));
   const int64_t chunk = ceil_div(n, blocks);
-  sum_squares_slots_kernel<O>
-      <<<static_cast<unsigned>(blocks), 256, 0, env.stream>>>(x, n, chunk, slots, count);
+  launch(env, sum_squares_slots_kernel<O>, static_cast<unsigned>(blocks), 256, 0, x, n, chunk, slots, count);
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
@@ -1015,9 +1020,9 @@ void launch_grouped_matmul(const Env& env, const void* x, const void* w, const i
     return;
   }
   TROUPE_DISPATCH_FLOAT(t, T, "grouped_matmul", {
-    grouped_rows_plain_kernel<T><<<grid_for(tokens * n, 256, env.num_sms), 256, 0, env.stream>>>(
-        static_cast<const T*>(x), static_cast<const T*>(w), offsets, experts, tokens, n, k, k * n,
-        trans_w ? 1 : n, trans_w ? k : 1, static_cast<T*>(out));
+    launch(env, grouped_rows_plain_kernel<T>, grid_for(tokens * n, 256, env.num_sms), 256, 0,
+           static_cast<const T*>(x), static_cast<const T*>(w), offsets, experts, tokens, n, k, k * n,
+           trans_w ? 1 : n, trans_w ? k : 1, static_cast<T*>(out));
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }
@@ -1034,9 +1039,9 @@ void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, c
     return;
   }
   TROUPE_DISPATCH_FLOAT(t, T, "grouped_matmul_backward", {
-    grouped_rows_plain_kernel<T><<<grid_for(tokens * k, 256, env.num_sms), 256, 0, env.stream>>>(
-        static_cast<const T*>(dout), static_cast<const T*>(w), offsets, experts, tokens, k, n, k * n,
-        trans_w ? k : 1, trans_w ? 1 : n, static_cast<T*>(dx));
+    launch(env, grouped_rows_plain_kernel<T>, grid_for(tokens * k, 256, env.num_sms), 256, 0,
+           static_cast<const T*>(dout), static_cast<const T*>(w), offsets, experts, tokens, k, n, k * n,
+           trans_w ? k : 1, trans_w ? 1 : n, static_cast<T*>(dx));
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }
@@ -1104,10 +1109,12 @@ bool launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, c
     if (!folded) second_pass();
     return folded;
   }
-  TROUPE_DISPATCH_FLOAT(t, T, "grouped_matmul_backward", TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward", {
-    grouped_k_plain_kernel<T, O><<<grid_for(experts * p * q, 256, env.num_sms), 256, 0, env.stream>>>(
-        static_cast<const T*>(l), static_cast<const T*>(r), offsets, experts, p, q, static_cast<O*>(dw), accumulate);
-  }));
+  TROUPE_DISPATCH_FLOAT(
+      t, T, "grouped_matmul_backward", TROUPE_DISPATCH_FLOAT(dwt, O, "grouped_matmul_backward", {
+        launch(env, grouped_k_plain_kernel<T, O>, grid_for(experts * p * q, 256, env.num_sms), 256, 0,
+               static_cast<const T*>(l), static_cast<const T*>(r), offsets, experts, p, q,
+               static_cast<O*>(dw), accumulate);
+      }));
   TROUPE_CUDA_LAUNCH_CHECK();
   second_pass();
   return false;

@@ -21,6 +21,9 @@ namespace troupe::kernels::gpu {
 struct Env {
   cudaStream_t stream = nullptr;
   int num_sms = 132;
+  // Launch with programmatic dependent launch (common.cuh, launch()): sm_90 and up,
+  // unless TROUPE_CUDA_PDL=0 (CudaContext::pdl).
+  bool pdl = false;
 };
 
 // ---- elementwise (elementwise.cu) ----------------------------------------------------

@@ -21,6 +21,7 @@ __device__ __forceinline__ float sigmoid_exact(float x) { return 1.0f / (1.0f + 
 __global__ void router_forward_kernel(const float* logits, const float* bias, int64_t tokens, int64_t experts,
                                       int top_k, bool sigmoid, bool normalize, float* scores, int32_t* topk_idx,
                                       float* gates) {
+  pdl_wait();
   const int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (t >= tokens) return;
   const float* l = logits + t * experts;
@@ -75,6 +76,7 @@ __device__ __forceinline__ float router_dscore(int64_t e, const float* s, const 
 __global__ void router_backward_kernel(const float* scores, const int32_t* topk_idx, const float* dgates,
                                        const float* dscores, int64_t tokens, int64_t experts, int top_k, bool sigmoid,
                                        bool normalize, float* dlogits) {
+  pdl_wait();
   const int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (t >= tokens) return;
   const float* s = scores + t * experts;
@@ -107,6 +109,7 @@ constexpr int kPlanThreads = 256;
 
 // chunk_counts[c, e] = copies of expert e in chunk c.
 __global__ void plan_count_kernel(const int32_t* idx, int64_t copies, int64_t experts, int32_t* chunk_counts) {
+  pdl_wait();
   extern __shared__ int32_t counts[];
   for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
   __syncthreads();
@@ -127,6 +130,7 @@ __global__ void plan_count_kernel(const int32_t* idx, int64_t copies, int64_t ex
 // One block: chunk_base[c, e] = copies of e before chunk c; counts and offsets.
 __global__ void plan_scan_kernel(int32_t* chunk_counts, int64_t chunks, int64_t experts, int64_t capacity,
                                  int32_t* counts, int32_t* offsets) {
+  pdl_wait();
   for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
     int32_t run = 0;
     for (int64_t c = 0; c < chunks; ++c) {
@@ -150,6 +154,7 @@ __global__ void plan_scan_kernel(int32_t* chunk_counts, int64_t chunks, int64_t 
 // Thread e of block c walks chunk c in order and numbers the copies of expert e.
 __global__ void plan_assign_kernel(const int32_t* idx, int64_t copies, int64_t experts, int64_t capacity,
                                    const int32_t* chunk_base, const int32_t* offsets, int32_t* row_map) {
+  pdl_wait();
   extern __shared__ int32_t chunk[];
   const int64_t c0 = int64_t{blockIdx.x} * kPlanChunk;
   const int64_t n = min64(copies, c0 + kPlanChunk) - c0;
@@ -176,6 +181,7 @@ constexpr int kPlanRankExperts = 256;
 __global__ void __launch_bounds__(kPlanThreads)
     plan_assign_ranked_kernel(const int32_t* idx, int64_t copies, int64_t experts, int64_t capacity,
                               const int32_t* chunk_base, const int32_t* offsets, int32_t* row_map) {
+  pdl_wait();
   constexpr int kWarps = kPlanThreads / 32;
   __shared__ int32_t warp_counts[kWarps][kPlanRankExperts];
   __shared__ int32_t running[kPlanRankExperts];
@@ -220,6 +226,7 @@ __global__ void __launch_bounds__(kPlanThreads)
 // bf16 accesses, else 1).
 template <int V, typename T>
 __global__ void permute_kernel(const T* x, int64_t d, const int32_t* row_map, int64_t top_k, T* xp) {
+  pdl_wait();
   const int64_t copy = blockIdx.x;
   const int32_t row = row_map[copy];
   if (row < 0) return;
@@ -232,6 +239,7 @@ __global__ void permute_kernel(const T* x, int64_t d, const int32_t* row_map, in
 
 template <int V, typename T>
 __global__ void permute_backward_kernel(const T* dxp, const int32_t* row_map, int64_t top_k, int64_t d, T* dx) {
+  pdl_wait();
   const int64_t t = blockIdx.x;
   for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
     float acc[V] = {};
@@ -249,6 +257,7 @@ __global__ void permute_backward_kernel(const T* dxp, const int32_t* row_map, in
 
 template <int V, typename T, typename G>
 __global__ void unpermute_kernel(const T* yp, const int32_t* row_map, const G* gates, int64_t top_k, int64_t d, T* y) {
+  pdl_wait();
   const int64_t t = blockIdx.x;
   for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
     float acc[V] = {};
@@ -269,6 +278,7 @@ __global__ void unpermute_kernel(const T* yp, const int32_t* row_map, const G* g
 template <int V, typename T, typename G>
 __global__ void unpermute_backward_kernel(const T* dy, const T* yp, const int32_t* row_map, const G* gates,
                                           int64_t top_k, int64_t d, T* dyp, G* dgates) {
+  pdl_wait();
   __shared__ float shared[32];
   const int64_t t = blockIdx.x;
   for (int64_t j = 0; j < top_k; ++j) {
@@ -313,8 +323,8 @@ void launch_router_forward(const Env& env, const float* logits, const float* bia
   TROUPE_CHECK(top_k >= 1 && top_k <= kMaxTopK && top_k <= experts, "router_forward on cuda: top_k {} with {} experts",
                top_k, experts);
   if (tokens == 0) return;
-  router_forward_kernel<<<static_cast<unsigned>(ceil_div(tokens, 128)), 128, 0, env.stream>>>(
-      logits, bias, tokens, experts, top_k, sigmoid, normalize, scores, topk_idx, gates);
+  launch(env, router_forward_kernel, static_cast<unsigned>(ceil_div(tokens, 128)), 128, 0, logits, bias,
+         tokens, experts, top_k, sigmoid, normalize, scores, topk_idx, gates);
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
@@ -322,8 +332,8 @@ void launch_router_backward(const Env& env, const float* scores, const int32_t* 
                             const float* dscores, int64_t tokens, int64_t experts, int top_k, bool sigmoid,
                             bool normalize, float* dlogits) {
   if (tokens == 0) return;
-  router_backward_kernel<<<static_cast<unsigned>(ceil_div(tokens, 128)), 128, 0, env.stream>>>(
-      scores, topk_idx, dgates, dscores, tokens, experts, top_k, sigmoid, normalize, dlogits);
+  launch(env, router_backward_kernel, static_cast<unsigned>(ceil_div(tokens, 128)), 128, 0, scores, topk_idx,
+         dgates, dscores, tokens, experts, top_k, sigmoid, normalize, dlogits);
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
@@ -338,19 +348,19 @@ void launch_moe_dispatch_plan(const Env& env, const int32_t* topk_idx, int64_t c
   const size_t count_smem = static_cast<size_t>(experts) * sizeof(int32_t);
   TROUPE_CHECK(count_smem <= 48 * 1024, "moe_dispatch_plan on cuda: at most 12288 experts, got {}", experts);
   if (chunks > 0) {
-    plan_count_kernel<<<static_cast<unsigned>(chunks), kPlanThreads, count_smem, env.stream>>>(topk_idx, copies,
-                                                                                              experts, chunk_counts);
+    launch(env, plan_count_kernel, static_cast<unsigned>(chunks), kPlanThreads, count_smem, topk_idx, copies,
+           experts, chunk_counts);
     TROUPE_CUDA_LAUNCH_CHECK();
   }
-  plan_scan_kernel<<<1, 1024, 0, env.stream>>>(chunk_counts, chunks, experts, capacity, counts, offsets);
+  launch(env, plan_scan_kernel, 1, 1024, 0, chunk_counts, chunks, experts, capacity, counts, offsets);
   TROUPE_CUDA_LAUNCH_CHECK();
   if (chunks > 0 && experts <= kPlanRankExperts) {
-    plan_assign_ranked_kernel<<<static_cast<unsigned>(chunks), kPlanThreads, 0, env.stream>>>(
-        topk_idx, copies, experts, capacity, chunk_counts, offsets, row_map);
+    launch(env, plan_assign_ranked_kernel, static_cast<unsigned>(chunks), kPlanThreads, 0, topk_idx, copies,
+           experts, capacity, chunk_counts, offsets, row_map);
     TROUPE_CUDA_LAUNCH_CHECK();
   } else if (chunks > 0) {
-    plan_assign_kernel<<<static_cast<unsigned>(chunks), kPlanThreads, kPlanChunk * sizeof(int32_t), env.stream>>>(
-        topk_idx, copies, experts, capacity, chunk_counts, offsets, row_map);
+    launch(env, plan_assign_kernel, static_cast<unsigned>(chunks), kPlanThreads, kPlanChunk * sizeof(int32_t),
+           topk_idx, copies, experts, capacity, chunk_counts, offsets, row_map);
     TROUPE_CUDA_LAUNCH_CHECK();
   }
 }
@@ -363,9 +373,9 @@ void launch_moe_permute(const Env& env, const void* x, int64_t tokens, int64_t d
     auto* xd = static_cast<T*>(xp);
     const auto grid = static_cast<unsigned>(tokens * top_k);
     if (rows_packable<T>(d, {x, xp})) {
-      permute_kernel<8, T><<<grid, 128, 0, env.stream>>>(xs, d, row_map, top_k, xd);
+      launch(env, permute_kernel<8, T>, grid, 128, 0, xs, d, row_map, top_k, xd);
     } else {
-      permute_kernel<1, T><<<grid, row_threads(d), 0, env.stream>>>(xs, d, row_map, top_k, xd);
+      launch(env, permute_kernel<1, T>, grid, row_threads(d), 0, xs, d, row_map, top_k, xd);
     }
   });
   TROUPE_CUDA_LAUNCH_CHECK();
@@ -378,10 +388,11 @@ void launch_moe_permute_backward(const Env& env, const void* dxp, const int32_t*
     const auto* src = static_cast<const T*>(dxp);
     auto* dst = static_cast<T*>(dx);
     if (rows_packable<T>(d, {dxp, dx})) {
-      permute_backward_kernel<8, T><<<static_cast<unsigned>(tokens), 128, 0, env.stream>>>(src, row_map, top_k, d, dst);
+      launch(env, permute_backward_kernel<8, T>, static_cast<unsigned>(tokens), 128, 0, src, row_map, top_k,
+             d, dst);
     } else {
-      permute_backward_kernel<1, T><<<static_cast<unsigned>(tokens), row_threads(d), 0, env.stream>>>(src, row_map,
-                                                                                                   top_k, d, dst);
+      launch(env, permute_backward_kernel<1, T>, static_cast<unsigned>(tokens), row_threads(d), 0, src,
+             row_map, top_k, d, dst);
     }
   });
   TROUPE_CUDA_LAUNCH_CHECK();
@@ -395,10 +406,11 @@ void launch_moe_unpermute(const Env& env, const void* yp, const int32_t* row_map
     const auto* gp = static_cast<const G*>(gates);
     auto* dst = static_cast<T*>(y);
     if (rows_packable<T>(d, {yp, y})) {
-      unpermute_kernel<8, T, G><<<static_cast<unsigned>(tokens), 128, 0, env.stream>>>(src, row_map, gp, top_k, d, dst);
+      launch(env, unpermute_kernel<8, T, G>, static_cast<unsigned>(tokens), 128, 0, src, row_map, gp, top_k,
+             d, dst);
     } else {
-      unpermute_kernel<1, T, G><<<static_cast<unsigned>(tokens), row_threads(d), 0, env.stream>>>(src, row_map, gp,
-                                                                                                top_k, d, dst);
+      launch(env, unpermute_kernel<1, T, G>, static_cast<unsigned>(tokens), row_threads(d), 0, src, row_map,
+             gp, top_k, d, dst);
     }
   }));
   TROUPE_CUDA_LAUNCH_CHECK();
@@ -412,15 +424,14 @@ void launch_moe_unpermute_backward(const Env& env, const void* dy, const void* y
       t, T, "moe_unpermute_backward", TROUPE_DISPATCH_FLOAT(gt, G, "moe_unpermute_backward", {
         if (rows_packable<T>(d, {dy, yp, dyp})) {
           const int64_t threads = std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(d / 8, 32) * 32));
-          unpermute_backward_kernel<8, T, G>
-              <<<static_cast<unsigned>(tokens), static_cast<unsigned>(threads), 0, env.stream>>>(
-                  static_cast<const T*>(dy), static_cast<const T*>(yp), row_map, static_cast<const G*>(gates),
-                  top_k, d, static_cast<T*>(dyp), static_cast<G*>(dgates));
+          launch(env, unpermute_backward_kernel<8, T, G>, static_cast<unsigned>(tokens),
+                 static_cast<unsigned>(threads), 0, static_cast<const T*>(dy), static_cast<const T*>(yp),
+                 row_map, static_cast<const G*>(gates), top_k, d, static_cast<T*>(dyp),
+                 static_cast<G*>(dgates));
         } else {
-          unpermute_backward_kernel<1, T, G>
-              <<<static_cast<unsigned>(tokens), row_threads(d), 0, env.stream>>>(
-                  static_cast<const T*>(dy), static_cast<const T*>(yp), row_map, static_cast<const G*>(gates),
-                  top_k, d, static_cast<T*>(dyp), static_cast<G*>(dgates));
+          launch(env, unpermute_backward_kernel<1, T, G>, static_cast<unsigned>(tokens), row_threads(d), 0,
+                 static_cast<const T*>(dy), static_cast<const T*>(yp), row_map, static_cast<const G*>(gates),
+                 top_k, d, static_cast<T*>(dyp), static_cast<G*>(dgates));
         }
       }));
   TROUPE_CUDA_LAUNCH_CHECK();

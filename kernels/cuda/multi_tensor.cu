@@ -92,6 +92,7 @@ __device__ __forceinline__ void adamw_elem(const AdamWArgs& a, float wd, float g
 }
 
 __global__ void __launch_bounds__(kThreads) adamw_multi_kernel(const __grid_constant__ AdamWMultiParams p) {
+  pdl_wait();
   AdamWArgs a = p.a;
   if (a.schedule != nullptr) {  // the step's schedule from the device (CUDA graphs of the step)
     a.lr = a.schedule[0];
@@ -157,6 +158,7 @@ __global__ void __launch_bounds__(kThreads) adamw_multi_kernel(const __grid_cons
 // adds its elements unsquared (partial sums of squares made elsewhere).
 __global__ void __launch_bounds__(kThreads) sum_squares_multi_kernel(const __grid_constant__ SumSquaresMultiParams p,
                                                                      double* partials) {
+  pdl_wait();
   __shared__ double shared[32];
   const int64_t total = p.group_start[p.count];
   const int64_t per_block = (total + gridDim.x - 1) / gridDim.x;
@@ -199,6 +201,7 @@ __global__ void __launch_bounds__(kThreads) sum_squares_multi_kernel(const __gri
 // out[0] (+)= the sum of partials[0..n), one block, in a fixed order.
 __global__ void __launch_bounds__(kThreads)
     finish_sum_kernel(const double* partials, int n, float* out, bool accumulate) {
+  pdl_wait();
   __shared__ double shared[32];
   double acc = 0.0;
   for (int i = threadIdx.x; i < n; i += blockDim.x) acc += partials[i];
@@ -210,6 +213,7 @@ __global__ void __launch_bounds__(kThreads)
 // one float atomic per expert and block (integers: exact and order-independent < 2^24).
 __global__ void __launch_bounds__(kThreads)
     expert_counts_kernel(const int32_t* idx, int64_t n, int64_t experts, float* counts) {
+  pdl_wait();
   extern __shared__ int hist[];
   for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) hist[e] = 0;
   __syncthreads();
@@ -267,7 +271,7 @@ void launch_adamw_multi(const Env& env, int count, float* const* param, const vo
     const int64_t groups = p.group_start[c];
     if (groups == 0) continue;
     const int64_t blocks = std::min<int64_t>(ceil_div(groups, kThreads), int64_t{env.num_sms} * 8);
-    adamw_multi_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, env.stream>>>(p);
+    launch(env, adamw_multi_kernel, static_cast<unsigned>(blocks), kThreads, 0, p);
     TROUPE_CUDA_LAUNCH_CHECK();
   }
 }
@@ -295,7 +299,7 @@ double launch_sum_squares_multi(const Env& env, int count, const void* const* x,
     if (groups == 0) continue;
     const unsigned blocks =
         static_cast<unsigned>(std::min<int64_t>(ceil_div(groups, kThreads), kMultiReduceBlocks));
-    sum_squares_multi_kernel<<<blocks, kThreads, 0, env.stream>>>(p, static_cast<double*>(partials));
+    launch(env, sum_squares_multi_kernel, blocks, kThreads, 0, p, static_cast<double*>(partials));
     TROUPE_CUDA_LAUNCH_CHECK();
     double host[kMultiReduceBlocks];
     CUDA_CHECK(cudaMemcpyAsync(host, partials, blocks * sizeof(double), cudaMemcpyDeviceToHost, env.stream));
@@ -328,10 +332,10 @@ void launch_sum_squares_into(const Env& env, int count, const void* const* x, co
     if (groups == 0) continue;
     const unsigned blocks =
         static_cast<unsigned>(std::min<int64_t>(ceil_div(groups, kThreads), kMultiReduceBlocks));
-    sum_squares_multi_kernel<<<blocks, kThreads, 0, env.stream>>>(p, static_cast<double*>(partials));
+    launch(env, sum_squares_multi_kernel, blocks, kThreads, 0, p, static_cast<double*>(partials));
     TROUPE_CUDA_LAUNCH_CHECK();
-    finish_sum_kernel<<<1, kThreads, 0, env.stream>>>(static_cast<const double*>(partials),
-                                                      static_cast<int>(blocks), out, acc);
+    launch(env, finish_sum_kernel, 1, kThreads, 0, static_cast<const double*>(partials),
+           static_cast<int>(blocks), out, acc);
     TROUPE_CUDA_LAUNCH_CHECK();
     acc = true;
   }
@@ -347,7 +351,7 @@ void launch_expert_counts(const Env& env, const int32_t* idx, int64_t n, int64_t
   TROUPE_CHECK(smem <= 48 * 1024, "expert_counts on cuda: at most 12288 experts, got {}", experts);
   const unsigned blocks =
       static_cast<unsigned>(std::min<int64_t>(ceil_div(n, kThreads), int64_t{env.num_sms} * 2));
-  expert_counts_kernel<<<blocks, kThreads, smem, env.stream>>>(idx, n, experts, counts);
+  launch(env, expert_counts_kernel, blocks, kThreads, smem, idx, n, experts, counts);
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 

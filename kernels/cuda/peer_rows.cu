@@ -16,6 +16,7 @@ constexpr int kWarps = 8;  // warps (rows) per block of the copy kernels
 __global__ void peer_plan_kernel(const int32_t* __restrict__ cnt, int n, int me, int64_t nc, int64_t tokens,
                                  int64_t e, int64_t el, int64_t top_k, int32_t* __restrict__ shift,
                                  int32_t* __restrict__ local) {
+  pdl_wait();
   const int64_t id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   auto at = [&](int64_t q, int64_t c, int64_t g) { return static_cast<int64_t>(cnt[(q * nc + c) * e + g]); };
   if (id < nc * e) {
@@ -57,6 +58,7 @@ __global__ void peer_push_kernel(const char* __restrict__ src, bool by_token,
                                  const int32_t* __restrict__ row_map, const int32_t* __restrict__ topk_idx,
                                  int64_t copies, int64_t top_k, int64_t el, const int32_t* __restrict__ shift,
                                  void* const* __restrict__ peers, float* const* __restrict__ peer_scales) {
+  pdl_wait();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = static_cast<int>(threadIdx.x % 32);
   if (i < copies) {
@@ -78,6 +80,7 @@ __global__ void peer_pull_kernel(char* __restrict__ dst, int64_t row_bytes,
                                  const int32_t* __restrict__ row_map, const int32_t* __restrict__ topk_idx,
                                  int64_t copies, int64_t el, const int32_t* __restrict__ shift,
                                  const void* const* __restrict__ peers) {
+  pdl_wait();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (i >= copies) return;
   const int32_t r = row_map[i];
@@ -91,6 +94,7 @@ __global__ void peer_pull_kernel(char* __restrict__ dst, int64_t row_bytes,
 template <bool kVec>
 __global__ void copy_rows_upto_kernel(const char* __restrict__ src, char* __restrict__ dst, int64_t row_bytes,
                                       int64_t cap, const int32_t* __restrict__ rows) {
+  pdl_wait();
   const int64_t n = min(cap, static_cast<int64_t>(*rows));
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; r < n;
        r += static_cast<int64_t>(gridDim.x) * kWarps)
@@ -111,8 +115,8 @@ void launch_peer_plan(const Env& env, const int32_t* counts_all, int n, int me, 
                       int64_t experts, int64_t local_experts, int64_t top_k, int32_t* shift, int32_t* local) {
   const int64_t total = nc * experts + nc * (local_experts + 1);
   constexpr int kThreads = 256;
-  peer_plan_kernel<<<static_cast<unsigned>((total + kThreads - 1) / kThreads), kThreads, 0, env.stream>>>(
-      counts_all, n, me, nc, tokens, experts, local_experts, top_k, shift, local);
+  launch(env, peer_plan_kernel, static_cast<unsigned>((total + kThreads - 1) / kThreads), kThreads, 0,
+         counts_all, n, me, nc, tokens, experts, local_experts, top_k, shift, local);
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
@@ -126,13 +130,11 @@ void launch_peer_push(const Env& env, const void* src, bool by_token, const floa
   const bool vec = row_bytes % 16 == 0 && aligned16(src);
   const auto* s = static_cast<const char*>(src);
   if (vec) {
-    peer_push_kernel<true><<<row_blocks(copies), kWarps * 32, 0, env.stream>>>(
-        s, by_token, src_scales, row_bytes, row_map, topk_idx, copies, top_k, local_experts, shift, peers,
-        peer_scales);
+    launch(env, peer_push_kernel<true>, row_blocks(copies), kWarps * 32, 0, s, by_token, src_scales,
+           row_bytes, row_map, topk_idx, copies, top_k, local_experts, shift, peers, peer_scales);
   } else {
-    peer_push_kernel<false><<<row_blocks(copies), kWarps * 32, 0, env.stream>>>(
-        s, by_token, src_scales, row_bytes, row_map, topk_idx, copies, top_k, local_experts, shift, peers,
-        peer_scales);
+    launch(env, peer_push_kernel<false>, row_blocks(copies), kWarps * 32, 0, s, by_token, src_scales,
+           row_bytes, row_map, topk_idx, copies, top_k, local_experts, shift, peers, peer_scales);
   }
   TROUPE_CUDA_LAUNCH_CHECK();
 }
@@ -143,11 +145,11 @@ void launch_peer_pull(const Env& env, void* dst, int64_t row_bytes, const int32_
   if (copies == 0) return;
   auto* d = static_cast<char*>(dst);
   if (row_bytes % 16 == 0 && aligned16(dst)) {
-    peer_pull_kernel<true><<<row_blocks(copies), kWarps * 32, 0, env.stream>>>(
-        d, row_bytes, row_map, topk_idx, copies, local_experts, shift, peers);
+    launch(env, peer_pull_kernel<true>, row_blocks(copies), kWarps * 32, 0, d, row_bytes, row_map, topk_idx,
+           copies, local_experts, shift, peers);
   } else {
-    peer_pull_kernel<false><<<row_blocks(copies), kWarps * 32, 0, env.stream>>>(
-        d, row_bytes, row_map, topk_idx, copies, local_experts, shift, peers);
+    launch(env, peer_pull_kernel<false>, row_blocks(copies), kWarps * 32, 0, d, row_bytes, row_map, topk_idx,
+           copies, local_experts, shift, peers);
   }
   TROUPE_CUDA_LAUNCH_CHECK();
 }
@@ -159,9 +161,9 @@ void launch_copy_rows_upto(const Env& env, const void* src, void* dst, int64_t r
   const auto* s = static_cast<const char*>(src);
   auto* d = static_cast<char*>(dst);
   if (row_bytes % 16 == 0 && aligned16(src) && aligned16(dst)) {
-    copy_rows_upto_kernel<true><<<blocks, kWarps * 32, 0, env.stream>>>(s, d, row_bytes, cap, rows);
+    launch(env, copy_rows_upto_kernel<true>, blocks, kWarps * 32, 0, s, d, row_bytes, cap, rows);
   } else {
-    copy_rows_upto_kernel<false><<<blocks, kWarps * 32, 0, env.stream>>>(s, d, row_bytes, cap, rows);
+    launch(env, copy_rows_upto_kernel<false>, blocks, kWarps * 32, 0, s, d, row_bytes, cap, rows);
   }
   TROUPE_CUDA_LAUNCH_CHECK();
 }

@@ -29,6 +29,7 @@ bool pack_ok(const void* p, int64_t row_len) {
 template <int V, bool kAdd, typename X, typename W>
 __global__ void rmsnorm_forward_kernel(const X* x, const X* res, const W* w, float eps, int64_t d, X* h, X* y,
                                        float* rstd) {
+  pdl_wait();
   __shared__ float shared[32];
   const int64_t row = blockIdx.x;
   const X* xr = (kAdd ? h : x) + row * d;
@@ -67,6 +68,7 @@ __global__ void rmsnorm_forward_kernel(const X* x, const X* res, const W* w, flo
 template <int V, typename X, typename W>
 __global__ void rmsnorm_backward_kernel(const X* dy, const X* x, const W* w, const float* rstd, int64_t rows,
                                         int64_t d, const X* dres, X* dx, float* partial) {
+  pdl_wait();
   extern __shared__ float dw_acc[];
   __shared__ float shared[32];
   for (int64_t c = threadIdx.x; c < d; c += blockDim.x) dw_acc[c] = 0.0f;
@@ -119,6 +121,7 @@ __global__ void rmsnorm_backward_kernel(const X* dy, const X* x, const W* w, con
 template <int V, int C, typename X, typename W>
 __global__ void rmsnorm_backward_regs_kernel(const X* dy, const X* x, const W* w, const float* rstd,
                                              int64_t rows, int64_t d, const X* dres, X* dx, float* partial) {
+  pdl_wait();
   __shared__ float shared[32];
   float wv[C][V], acc[C][V];
 #pragma unroll
@@ -192,7 +195,7 @@ void launch_rmsnorm_forward(const Env& env, const void* x, const void* r, DType 
             r == nullptr
                 ? (vec ? rmsnorm_forward_kernel<kVec, false, X, W> : rmsnorm_forward_kernel<1, false, X, W>)
                 : (vec ? rmsnorm_forward_kernel<kVec, true, X, W> : rmsnorm_forward_kernel<1, true, X, W>);
-        kernel<<<grid, vec ? 128 : 256, 0, env.stream>>>(xp, rp, wp, eps, d, hp, yp, rstd);
+        launch(env, kernel, grid, vec ? 128 : 256, 0, xp, rp, wp, eps, d, hp, yp, rstd);
       }));
   TROUPE_CUDA_LAUNCH_CHECK();
 }
@@ -226,14 +229,14 @@ void launch_rmsnorm_backward(const Env& env, const void* dy, const void* x, DTyp
                           : chunks == 2 ? rmsnorm_backward_regs_kernel<kVec, 2, X, W>
                           : chunks == 3 ? rmsnorm_backward_regs_kernel<kVec, 3, X, W>
                                         : rmsnorm_backward_regs_kernel<kVec, 4, X, W>;
-            kernel<<<static_cast<unsigned>(blocks), 128, 0, env.stream>>>(dyp, xp, wp, rstd, rows, d, rp, dxp,
-                                                                          partial);
+            launch(env, kernel, static_cast<unsigned>(blocks), 128, 0, dyp, xp, wp, rstd, rows, d, rp, dxp,
+                   partial);
           } else {
             auto kernel = vec ? rmsnorm_backward_kernel<kVec, X, W> : rmsnorm_backward_kernel<1, X, W>;
             CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem)));
-            kernel<<<static_cast<unsigned>(blocks), vec ? 128 : 256, smem, env.stream>>>(
-                dyp, xp, wp, rstd, rows, d, rp, dxp, partial);
+            launch(env, kernel, static_cast<unsigned>(blocks), vec ? 128 : 256, smem, dyp, xp, wp, rstd, rows,
+                   d, rp, dxp, partial);
           }
         }));
     TROUPE_CUDA_LAUNCH_CHECK();
@@ -251,6 +254,7 @@ namespace {
 template <typename T>
 __global__ void rope_kernel(const T* x, const int32_t* pos, double log_theta, int64_t tokens, int64_t heads,
                             int64_t head_dim, T* out, bool inverse) {
+  pdl_wait();
   const int64_t half = head_dim / 2;
   const int64_t n = tokens * half;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
@@ -300,6 +304,7 @@ template <typename T>
 __global__ void __launch_bounds__(256)
     rope_pairs_kernel(const T* x, const int32_t* pos, double log_theta, int64_t tokens, int heads,
                       int head_dim, T* out, bool inverse) {
+  pdl_wait();
   extern __shared__ float2 rope_cs[];  // [kRopeTokens][half]: (cos, sin)
   using P = Pair2<T>;
   using V = typename P::V;
@@ -337,13 +342,12 @@ void launch_rope(const Env& env, const void* x, const int32_t* pos, float theta,
     const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % (2 * sizeof(T)) == 0; };
     if (head_dim % 4 == 0 && aligned(x) && aligned(out) && heads * head_dim < (int64_t{1} << 24)) {
       const size_t smem = size_t{kRopeTokens} * static_cast<size_t>(head_dim / 2) * sizeof(float2);
-      rope_pairs_kernel<T>
-          <<<static_cast<unsigned>(ceil_div(tokens, int64_t{kRopeTokens})), 256, smem, env.stream>>>(
-              static_cast<const T*>(x), pos, log_theta, tokens, static_cast<int>(heads),
-              static_cast<int>(head_dim), static_cast<T*>(out), inverse);
+      launch(env, rope_pairs_kernel<T>, static_cast<unsigned>(ceil_div(tokens, int64_t{kRopeTokens})), 256,
+             smem, static_cast<const T*>(x), pos, log_theta, tokens, static_cast<int>(heads),
+             static_cast<int>(head_dim), static_cast<T*>(out), inverse);
     } else {
-      rope_kernel<T><<<grid_for(n, 256, env.num_sms), 256, 0, env.stream>>>(
-          static_cast<const T*>(x), pos, log_theta, tokens, heads, head_dim, static_cast<T*>(out), inverse);
+      launch(env, rope_kernel<T>, grid_for(n, 256, env.num_sms), 256, 0, static_cast<const T*>(x), pos,
+             log_theta, tokens, heads, head_dim, static_cast<T*>(out), inverse);
     }
   });
   TROUPE_CUDA_LAUNCH_CHECK();
@@ -361,6 +365,7 @@ __device__ __forceinline__ void check_index(int32_t id, int64_t limit, const cha
 template <int V, typename TT, typename O>
 __global__ void embedding_forward_kernel(const int32_t* ids, int64_t tokens, const TT* table, int64_t vocab,
                                          int64_t d, O* out) {
+  pdl_wait();
   const int64_t n = tokens * d;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x * V;
   for (int64_t i = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) * V; i < n; i += stride) {
@@ -383,6 +388,7 @@ __device__ __forceinline__ void atomic_add_value(__nv_bfloat16* p, float v) {
 template <typename G, typename D>
 __global__ void embedding_backward_kernel(const int32_t* ids, int64_t tokens, const G* dout, int64_t vocab,
                                           int64_t d, D* dtable) {
+  pdl_wait();
   const int64_t n = tokens * d;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
@@ -402,13 +408,12 @@ void launch_embedding_forward(const Env& env, const int32_t* ids, int64_t tokens
                           const auto* tp = static_cast<const TT*>(table);
                           auto* op = static_cast<O*>(out);
                           if (pack_ok<TT>(table, d) && pack_ok<O>(out, d)) {
-                            embedding_forward_kernel<kVec, TT, O>
-                                <<<grid_for(ceil_div(n, kVec), 256, env.num_sms), 256, 0, env.stream>>>(
-                                    ids, tokens, tp, vocab, d, op);
+                            launch(env, embedding_forward_kernel<kVec, TT, O>,
+                                   grid_for(ceil_div(n, kVec), 256, env.num_sms), 256, 0, ids, tokens, tp,
+                                   vocab, d, op);
                           } else {
-                            embedding_forward_kernel<1, TT, O>
-                                <<<grid_for(n, 256, env.num_sms), 256, 0, env.stream>>>(ids, tokens, tp,
-                                                                                        vocab, d, op);
+                            launch(env, embedding_forward_kernel<1, TT, O>, grid_for(n, 256, env.num_sms),
+                                   256, 0, ids, tokens, tp, vocab, d, op);
                           }
                         }));
   TROUPE_CUDA_LAUNCH_CHECK();
@@ -418,11 +423,10 @@ void launch_embedding_backward(const Env& env, const int32_t* ids, int64_t token
                                int64_t vocab, int64_t d, void* dtable, DType dtt) {
   const int64_t n = tokens * d;
   if (n == 0) return;
-  TROUPE_DISPATCH_FLOAT(
-      gt, G, "embedding_backward", TROUPE_DISPATCH_FLOAT(dtt, D, "embedding_backward", {
-        embedding_backward_kernel<G, D><<<grid_for(n, 256, env.num_sms), 256, 0, env.stream>>>(
-            ids, tokens, static_cast<const G*>(dout), vocab, d, static_cast<D*>(dtable));
-      }));
+  TROUPE_DISPATCH_FLOAT(gt, G, "embedding_backward", TROUPE_DISPATCH_FLOAT(dtt, D, "embedding_backward", {
+                          launch(env, embedding_backward_kernel<G, D>, grid_for(n, 256, env.num_sms), 256, 0,
+                                 ids, tokens, static_cast<const G*>(dout), vocab, d, static_cast<D*>(dtable));
+                        }));
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
@@ -462,6 +466,7 @@ __device__ __forceinline__ void xent_grad(float (&v)[V], int64_t c, int32_t t, f
 template <int V, typename L>
 __global__ void cross_entropy_forward_kernel(const L* logits, const int32_t* targets, int64_t vocab,
                                              float* losses, float* lse_out) {
+  pdl_wait();
   __shared__ float shared[32];
   const int64_t row = blockIdx.x;
   const L* lr = logits + row * vocab;
@@ -511,6 +516,7 @@ struct CrossEntropyBackwardOp {
 template <int V, typename L, typename D>
 __global__ void cross_entropy_fused_kernel(const L* logits, const int32_t* targets, int64_t vocab,
                                            float grad_scale, float* losses, float* lse_out, D* dlogits) {
+  pdl_wait();
   __shared__ float shared[32];
   const int64_t row = blockIdx.x;
   const L* lr = logits + row * vocab;
@@ -541,6 +547,7 @@ __global__ void cross_entropy_fused_kernel(const L* logits, const int32_t* targe
 
 template <int V, typename F>
 __global__ void rows_elementwise_kernel(int64_t n, F f) {
+  pdl_wait();
   const int64_t stride = int64_t{gridDim.x} * blockDim.x * V;
   for (int64_t i = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) * V; i < n; i += stride)
     f.template apply<V>(i);
@@ -553,11 +560,11 @@ void launch_cross_entropy_forward(const Env& env, const void* logits, DType lt, 
   TROUPE_DISPATCH_FLOAT(lt, L, "cross_entropy_forward", {
     const auto* lp = static_cast<const L*>(logits);
     if (pack_ok<L>(logits, vocab)) {
-      cross_entropy_forward_kernel<kVec, L>
-          <<<static_cast<unsigned>(rows), 512, 0, env.stream>>>(lp, targets, vocab, losses, lse);
+      launch(env, cross_entropy_forward_kernel<kVec, L>, static_cast<unsigned>(rows), 512, 0, lp, targets,
+             vocab, losses, lse);
     } else {
-      cross_entropy_forward_kernel<1, L>
-          <<<static_cast<unsigned>(rows), 512, 0, env.stream>>>(lp, targets, vocab, losses, lse);
+      launch(env, cross_entropy_forward_kernel<1, L>, static_cast<unsigned>(rows), 512, 0, lp, targets, vocab,
+             losses, lse);
     }
   });
   TROUPE_CUDA_LAUNCH_CHECK();
@@ -573,10 +580,11 @@ void launch_cross_entropy_backward(const Env& env, const void* logits, DType lt,
         CrossEntropyBackwardOp<L, D> op{static_cast<const L*>(logits), targets, lse, grad_scale, vocab,
                                         static_cast<D*>(dlogits)};
         if (pack_ok<L>(logits, vocab) && pack_ok<D>(dlogits, vocab)) {
-          rows_elementwise_kernel<kVec>
-              <<<grid_for(ceil_div(n, kVec), 256, env.num_sms), 256, 0, env.stream>>>(n, op);
+          launch(env, rows_elementwise_kernel<kVec, CrossEntropyBackwardOp<L, D>>,
+                 grid_for(ceil_div(n, kVec), 256, env.num_sms), 256, 0, n, op);
         } else {
-          rows_elementwise_kernel<1><<<grid_for(n, 256, env.num_sms), 256, 0, env.stream>>>(n, op);
+          launch(env, rows_elementwise_kernel<1, CrossEntropyBackwardOp<L, D>>, grid_for(n, 256, env.num_sms),
+                 256, 0, n, op);
         }
       }));
   TROUPE_CUDA_LAUNCH_CHECK();
@@ -587,19 +595,18 @@ void launch_cross_entropy_forward_backward(const Env& env, const void* logits, D
                                            int64_t vocab, float* losses, float* lse, void* dlogits,
                                            DType dt) {
   if (rows == 0) return;
-  TROUPE_DISPATCH_FLOAT(
-      lt, L, "cross_entropy_forward_backward",
-      TROUPE_DISPATCH_FLOAT(dt, D, "cross_entropy_forward_backward", {
-        const auto* lp = static_cast<const L*>(logits);
-        auto* dp = static_cast<D*>(dlogits);
-        if (pack_ok<L>(logits, vocab) && pack_ok<D>(dlogits, vocab)) {
-          cross_entropy_fused_kernel<kVec, L, D><<<static_cast<unsigned>(rows), 512, 0, env.stream>>>(
-              lp, targets, vocab, grad_scale, losses, lse, dp);
-        } else {
-          cross_entropy_fused_kernel<1, L, D><<<static_cast<unsigned>(rows), 512, 0, env.stream>>>(
-              lp, targets, vocab, grad_scale, losses, lse, dp);
-        }
-      }));
+  TROUPE_DISPATCH_FLOAT(lt, L, "cross_entropy_forward_backward",
+                        TROUPE_DISPATCH_FLOAT(dt, D, "cross_entropy_forward_backward", {
+                          const auto* lp = static_cast<const L*>(logits);
+                          auto* dp = static_cast<D*>(dlogits);
+                          if (pack_ok<L>(logits, vocab) && pack_ok<D>(dlogits, vocab)) {
+                            launch(env, cross_entropy_fused_kernel<kVec, L, D>, static_cast<unsigned>(rows),
+                                   512, 0, lp, targets, vocab, grad_scale, losses, lse, dp);
+                          } else {
+                            launch(env, cross_entropy_fused_kernel<1, L, D>, static_cast<unsigned>(rows), 512,
+                                   0, lp, targets, vocab, grad_scale, losses, lse, dp);
+                          }
+                        }));
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 

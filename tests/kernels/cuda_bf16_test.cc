@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -495,6 +496,30 @@ TEST_F(CudaBf16, MoeAndElementwise) {
   expect_close(q_g, q_w, 1e-6, "quantize_fp8 values");
   EXPECT_NEAR(sum(gpu.ex, dev(qx)), sum(cpu, qx), 1e-6 * std::abs(sum(cpu, qx)) + 1e-3);
   EXPECT_NEAR(sum_squares(gpu.ex, dev(qx)), sum_squares(cpu, qx), 1e-6 * sum_squares(cpu, qx));
+}
+
+// Kernels launch with programmatic dependent launch on sm_90 and up (common.cuh): each
+// waits for its predecessor before touching memory. A chain of dependent launches, each
+// reading what the one before wrote (a grid far larger than one wave, so the next grid's
+// first blocks start while this one's last run), must see every write in stream order.
+TEST_F(CudaBf16, ProgrammaticDependentLaunchKeepsStreamOrder) {
+  int major = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  const char* env = std::getenv("TROUPE_CUDA_PDL");
+  EXPECT_EQ(gpu.ctx.pdl, major >= 9 && !(env != nullptr && std::string(env) == "0"));
+  const int64_t n = int64_t{1} << 22;
+  Tensor a = dev(Tensor::from_floats({n}, std::vector<float>(static_cast<size_t>(n), 0.0f)));
+  Tensor b = dev_poisoned({n}, kF32);
+  Tensor one = dev(Tensor::from_floats({n}, std::vector<float>(static_cast<size_t>(n), 1.0f)));
+  constexpr int kRounds = 400;
+  for (int i = 0; i < kRounds; ++i) {
+    add(gpu.ex, a, one, b);  // b = a + 1
+    add(gpu.ex, b, one, a);  // a = b + 1
+  }
+  const std::vector<float> got = back(a).to_floats();
+  int64_t wrong = 0;
+  for (float v : got) wrong += v != 2.0f * kRounds;
+  EXPECT_EQ(wrong, 0) << "elements that missed a predecessor's write";
 }
 
 TEST(CudaCachingAllocator, ReusesBlocksAndCounts) {
