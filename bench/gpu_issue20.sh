@@ -9,8 +9,8 @@
 #   graph    Troupe on bench_1b with train.cuda_graph=true and false, alternating, twice
 #   pdl      Troupe on bench_1b with programmatic dependent launch on and off
 #            (TROUPE_CUDA_PDL=0), alternating, twice
-#   fused    Troupe on bench_1b with the experts' SwiGLU fused into the up projection's
-#            epilogue and without (TROUPE_CUDA_FUSED_EPILOGUES=0), alternating, twice
+#   fused    Troupe on bench_1b with the experts' SwiGLU fused into the grouped GEMMs'
+#            epilogues and without (TROUPE_CUDA_FUSED_EPILOGUES=0), alternating, twice
 #   final    the final run, most important first, each part's failure reported and passed:
 #            build (train_moe + the CUDA tests) -> e2e -> tests -> train_moe_cuda_test ->
 #            kernels (builds kernel_bench) -> hoststats

@@ -301,6 +301,22 @@ void grouped_matmul_swiglu(const Exec& ex, const Tensor& x, const Tensor& w, con
   c.call(&Backend::grouped_matmul_swiglu, ex, x, w, offsets, h, out);
 }
 
+void grouped_matmul_dx_swiglu(const Exec& ex, const Tensor& dout, const Tensor& w, const Tensor& offsets,
+                              const Tensor& h, Tensor& dh) {
+  OpCheck c("grouped_matmul_dx_swiglu", ex,
+            {{"dout", &dout}, {"w", &w}, {"offsets", &offsets}, {"h", &h}, {"dh", &dh}});
+  OP_FLOAT(c, h);
+  OP_FLOAT(c, dh);
+  OP_RANK(c, w, 3);
+  OP_RANK(c, h, 2);
+  OP_REQUIRE(c, h.size(1) == 2 * w.size(1), "h has {} columns but the experts' matrices take {} (2 x {})",
+             h.size(1), 2 * w.size(1), w.size(1));
+  Tensor probe = Tensor::empty({h.size(0), w.size(1)}, h.dtype());  // dout @ W_e^T's shape, for the checks
+  check_grouped_matmul(c, dout, w, offsets, probe, true);
+  OP_SHAPE(c, dh, h.shape());
+  c.call(&Backend::grouped_matmul_dx_swiglu, ex, dout, w, offsets, h, dh);
+}
+
 void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
                              const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w, bool accumulate_dw,
                              Tensor* dw_sum_squares) {

@@ -157,6 +157,14 @@ bool grouped_matmul_hopper_available();
 bool launch_grouped_matmul_swiglu(const Env& env, const void* x, const void* w, const int32_t* offsets,
                                   int64_t tokens, int64_t experts, int64_t k, int64_t f, void* h, void* act,
                                   DType t);
+// dh = swiglu_backward(h, dout @ W_e^T) per row segment (dout [T, n], W [E, f, n], h and dh
+// [T, 2f]) in one launch: the TMA kernel's dx with SwiGLU's backward in its epilogue (bf16,
+// f a multiple of 64, aligned pointers, sm_90a on sm_90). Returns false, launching
+// nothing, where it cannot run (or TROUPE_CUDA_FUSED_EPILOGUES=0); then
+// launch_grouped_matmul_dx and launch_swiglu_backward give the same result, bitwise.
+bool launch_grouped_matmul_dx_swiglu(const Env& env, const void* dout, const void* w, const int32_t* offsets,
+                                     int64_t tokens, int64_t experts, int64_t f, int64_t n, const void* h,
+                                     void* dh, DType t);
 // dx[T,K] = dout[T,N] @ op(W_e)^T per segment.
 void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dx,

@@ -209,6 +209,25 @@ TEST_F(CudaBf16, GroupedMatmulSwigluEqualsTheTwoLaunches) {
       EXPECT_EQ(differ, 0) << name << ": elements unlike the two launches' on " << sms << " SMs";
     }
   }
+  // The down-projection's dx with SwiGLU's backward in its epilogue (W [E, f, n], the
+  // product's k = n = 200 is not a multiple of the 64-deep steps) against its two launches.
+  const int64_t dn = 200;
+  Tensor dout = dev(host_random({rows, dn}, kBF)), w2 = dev(host_random({experts, f, dn}, kBF, -0.3f, 0.3f));
+  Tensor hin = dev(host_random({rows, 2 * f}, kBF, -3.0f, 3.0f));
+  for (int sms : {gpu.ctx.num_sms, 2}) {
+    const gpu::Env env{gpu.ctx.stream, sms, gpu.ctx.pdl};
+    Tensor da = dev_poisoned({rows, f}, kBF), dh0 = dev_poisoned({rows, 2 * f}, kBF);
+    Tensor dh1 = dev_poisoned({rows, 2 * f}, kBF);
+    gpu::launch_grouped_matmul_dx(env, dout.data_ptr(), w2.data_ptr(), off_p, rows, experts, f, dn, false,
+                                  da.data_ptr(), kBF);
+    gpu::launch_swiglu_backward(env, hin.data_ptr(), da.data_ptr(), dh0.data_ptr(), kBF, rows, f);
+    ASSERT_TRUE(gpu::launch_grouped_matmul_dx_swiglu(env, dout.data_ptr(), w2.data_ptr(), off_p, rows,
+                                                     experts, f, dn, hin.data_ptr(), dh1.data_ptr(), kBF));
+    const std::vector<float> wv = back(dh0).to_floats(), gv = back(dh1).to_floats();
+    int64_t differ = 0;
+    for (size_t i = 0; i < wv.size(); ++i) differ += !(std::isfinite(gv[i]) && gv[i] == wv[i]);
+    EXPECT_EQ(differ, 0) << "dh: elements unlike the two launches' on " << sms << " SMs";
+  }
   // Shapes the fused epilogue does not take: the launcher declines and launches nothing.
   Tensor h = dev_poisoned({rows, 2 * 192}, kBF), a = dev_poisoned({rows, 192}, kBF);
   Tensor w192 = dev(host_random({experts, k, 2 * 192}, kBF));
