@@ -9,8 +9,6 @@
 #   graph    Troupe on bench_1b with train.cuda_graph=true and false, alternating, twice
 #   pdl      Troupe on bench_1b with programmatic dependent launch on and off
 #            (TROUPE_CUDA_PDL=0), alternating, twice
-#   fused    Troupe on bench_1b with the experts' SwiGLU fused into the grouped GEMMs'
-#            epilogues and without (TROUPE_CUDA_FUSED_EPILOGUES=0), alternating, twice
 #   final    the final run, most important first, each part's failure reported and passed:
 #            build (train_moe + the CUDA tests) -> e2e -> tests -> train_moe_cuda_test ->
 #            kernels (builds kernel_bench) -> hoststats
@@ -112,16 +110,6 @@ for step in "$@"; do
           TROUPE_CUDA_PDL=$p OUT="$out/e2e-pdl-$p" bash bench/e2e.sh --build "$B" --gpus 1 --quick --skip-peer \
             --no-selfcheck >"$out/pdl-$p-$round.log" 2>&1
           stamp "TROUPE_CUDA_PDL=$p round $round rc=$?: $(grep -h '| troupe |' "$out/e2e-pdl-$p/e2e/e2e.md" 2>/dev/null)"
-        done
-      done
-      ;;
-    fused)
-      for round in 1 2; do
-        for p in 1 0; do
-          rm -rf "$out/e2e-fused-$p"
-          TROUPE_CUDA_FUSED_EPILOGUES=$p OUT="$out/e2e-fused-$p" bash bench/e2e.sh --build "$B" --gpus 1 --quick \
-            --skip-peer --no-selfcheck >"$out/fused-$p-$round.log" 2>&1
-          stamp "TROUPE_CUDA_FUSED_EPILOGUES=$p round $round rc=$?: $(grep -h '| troupe |' "$out/e2e-fused-$p/e2e/e2e.md" 2>/dev/null)"
         done
       done
       ;;

@@ -24,9 +24,6 @@ struct Backend {
   // ..., dx, dw, trans_w, accumulate_dw, dw_sum_squares (null: none).
   void (*grouped_matmul_backward)(const Exec&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                   Tensor*, Tensor*, bool, bool, Tensor*);
-  void (*grouped_matmul_swiglu)(const Exec&, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&);
-  void (*grouped_matmul_dx_swiglu)(const Exec&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                   Tensor&);
   void (*embedding_forward)(const Exec&, const Tensor&, const Tensor&, Tensor&);
   void (*embedding_backward)(const Exec&, const Tensor&, const Tensor&, Tensor&);
   // x, residual (null: plain rmsnorm), w, eps, h (the sum, with residual), y, rstd.

@@ -290,33 +290,6 @@ void grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const Tens
   c.call(&Backend::grouped_matmul, ex, x, w, offsets, out, trans_w);
 }
 
-void grouped_matmul_swiglu(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& h,
-                           Tensor& out) {
-  OpCheck c("grouped_matmul_swiglu", ex,
-            {{"x", &x}, {"w", &w}, {"offsets", &offsets}, {"h", &h}, {"out", &out}});
-  check_grouped_matmul(c, x, w, offsets, h, false);
-  OP_FLOAT(c, out);
-  OP_REQUIRE(c, h.size(1) % 2 == 0, "h has an odd number of columns ({})", h.size(1));
-  OP_SHAPE(c, out, {h.size(0), h.size(1) / 2});
-  c.call(&Backend::grouped_matmul_swiglu, ex, x, w, offsets, h, out);
-}
-
-void grouped_matmul_dx_swiglu(const Exec& ex, const Tensor& dout, const Tensor& w, const Tensor& offsets,
-                              const Tensor& h, Tensor& dh) {
-  OpCheck c("grouped_matmul_dx_swiglu", ex,
-            {{"dout", &dout}, {"w", &w}, {"offsets", &offsets}, {"h", &h}, {"dh", &dh}});
-  OP_FLOAT(c, h);
-  OP_FLOAT(c, dh);
-  OP_RANK(c, w, 3);
-  OP_RANK(c, h, 2);
-  OP_REQUIRE(c, h.size(1) == 2 * w.size(1), "h has {} columns but the experts' matrices take {} (2 x {})",
-             h.size(1), 2 * w.size(1), w.size(1));
-  Tensor probe = Tensor::empty({h.size(0), w.size(1)}, h.dtype());  // dout @ W_e^T's shape, for the checks
-  check_grouped_matmul(c, dout, w, offsets, probe, true);
-  OP_SHAPE(c, dh, h.shape());
-  c.call(&Backend::grouped_matmul_dx_swiglu, ex, dout, w, offsets, h, dh);
-}
-
 void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
                              const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w, bool accumulate_dw,
                              Tensor* dw_sum_squares) {

@@ -65,19 +65,6 @@ void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Ten
 // out [T,N]. On CUDA `offsets` lives on the device. One launch for all experts.
 void grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out,
                     bool trans_w = false);
-// The experts' up-projection with its SwiGLU: h = grouped_matmul(x, w, offsets) and
-// out = swiglu_forward(h) together. w [E,K,2F]; h [T,2F]; out [T,F]. On a Hopper GPU with
-// bf16 operands and F a multiple of 128, one kernel writes both (no second pass over h);
-// elsewhere the two ops run. The results are the two ops' either way, bitwise.
-void grouped_matmul_swiglu(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& h,
-                           Tensor& out);
-// The experts' down-projection dx with SwiGLU's backward: dh = swiglu_backward(h, dout @
-// W_e^T) for the rows of expert e. dout [T,N]; w [E,F,N] (the down-projection's weight);
-// h and dh [T,2F]. On a Hopper GPU with bf16 operands and F a multiple of 64, one kernel
-// (the product's epilogue computes dh; dout @ W_e^T never reaches memory); elsewhere
-// grouped_matmul (trans_w) then swiglu_backward. The results are those, bitwise.
-void grouped_matmul_dx_swiglu(const Exec& ex, const Tensor& dout, const Tensor& w, const Tensor& offsets,
-                              const Tensor& h, Tensor& dh);
 // dw_sum_squares (optional; only where dW is written, not with accumulate_dw): f32
 // [grouped_matmul_dw_sum_squares_slots(E, K, N)]; afterwards the SUM of its slots is the
 // sum of squares of the dW written (issue 20: the gradient norm folded into the product).

@@ -76,8 +76,9 @@ Tensor Experts::forward(const Ctx& c, const Tensor& xp, const Tensor& offsets, S
   s.xp = xp;
   s.offsets = offsets;
   s.h = c.empty({r, 2 * f});
+  kernels::grouped_matmul(c.ex, xp, w1.w(), offsets, s.h);
   Tensor a = c.empty({r, f});
-  kernels::grouped_matmul_swiglu(c.ex, xp, w1.w(), offsets, s.h, a);  // one kernel on Hopper
+  kernels::swiglu_forward(c.ex, s.h, a);
   Tensor yp = c.empty({r, w2.value.size(2)});
   kernels::grouped_matmul(c.ex, a, w2.w(), offsets, yp);
   s.a = recompute ? Tensor() : a;
@@ -91,12 +92,12 @@ Tensor Experts::backward(const Ctx& c, const Tensor& dyp, const Saved& s) {
     a = c.empty({r, f});
     kernels::swiglu_forward(c.ex, s.h, a);
   }
+  Tensor da = c.empty({r, f});
   const bool add2 = w2.accumulate_grad();
-  kernels::grouped_matmul_backward(c.ex, a, w2.w(), s.offsets, dyp, nullptr, &w2.grad, false, add2,
+  kernels::grouped_matmul_backward(c.ex, a, w2.w(), s.offsets, dyp, &da, &w2.grad, false, add2,
                                    w2.grad_sum_squares_out(add2));
   Tensor dh = c.empty(s.h.shape());
-  // dh = swiglu_backward(h, dyp @ W2_e^T): one kernel on Hopper (no da in memory).
-  kernels::grouped_matmul_dx_swiglu(c.ex, dyp, w2.w(), s.offsets, s.h, dh);
+  kernels::swiglu_backward(c.ex, s.h, da, dh);
   Tensor dxp = c.empty(s.xp.shape());
   const bool add1 = w1.accumulate_grad();
   kernels::grouped_matmul_backward(c.ex, s.xp, w1.w(), s.offsets, dh, &dxp, &w1.grad, false, add1,

@@ -277,13 +277,6 @@ void run() {
     b.flops("grouped_down_dx", f2, "2*rows*N*K", [&] {
       be.grouped_matmul_backward(b.ex, a, w2, offsets, y, &da, nullptr, false, false, nullptr);
     });
-    // The SwiGLU fused into the epilogues (what the MoE layer runs on Hopper): the up
-    // projection writing h and swiglu(h), the down projection's dx writing dh. Against
-    // grouped_up + swiglu_fwd and grouped_down_dx + swiglu_bwd.
-    Tensor dh_f = b.empty({rows, 2 * kFfn}, bf);
-    b.flops("grouped_up_swiglu_fused", f1, "2*rows*N*K", [&] { be.grouped_matmul_swiglu(b.ex, xp, w1, offsets, h, a); });
-    b.flops("grouped_down_dx_swiglu_fused", f2, "2*rows*N*K",
-            [&] { be.grouped_matmul_dx_swiglu(b.ex, y, w2, offsets, h, dh_f); });
     Tensor dw2 = b.empty({kExperts, kFfn, kD}, DType::kF32);
     b.flops("grouped_down_dw_f32acc", f2, "2*rows*N*K", [&] {
       be.grouped_matmul_backward(b.ex, a, w2, offsets, y, nullptr, &dw2, false, true, nullptr);

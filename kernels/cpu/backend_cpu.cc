@@ -19,8 +19,6 @@ const Backend& cpu_backend() {
       .matmul = cpu::matmul,
       .grouped_matmul = cpu::grouped_matmul,
       .grouped_matmul_backward = cpu::grouped_matmul_backward,
-      .grouped_matmul_swiglu = cpu::grouped_matmul_swiglu,
-      .grouped_matmul_dx_swiglu = cpu::grouped_matmul_dx_swiglu,
       .embedding_forward = cpu::embedding_forward,
       .embedding_backward = cpu::embedding_backward,
       .rmsnorm_forward = cpu::rmsnorm_forward,

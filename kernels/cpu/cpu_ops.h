@@ -65,12 +65,6 @@ void matmul(const Exec& ex, const Tensor& a, const Tensor& b, Tensor& out, bool 
 void grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out,
                     bool trans_w);
 // dw_sum_squares (null: none): slot 0 = the sum of squares of the written dW, the rest 0.
-// grouped_matmul (trans_w), then swiglu_backward.
-void grouped_matmul_dx_swiglu(const Exec& ex, const Tensor& dout, const Tensor& w, const Tensor& offsets,
-                              const Tensor& h, Tensor& dh);
-// grouped_matmul, then swiglu_forward.
-void grouped_matmul_swiglu(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& h,
-                           Tensor& out);
 void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
                              const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w, bool accumulate_dw,
                              Tensor* dw_sum_squares);

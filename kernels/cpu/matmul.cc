@@ -140,19 +140,6 @@ void grouped_matmul(const Exec&, const Tensor& x, const Tensor& w, const Tensor&
   }
 }
 
-void grouped_matmul_swiglu(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& h,
-                           Tensor& out) {
-  cpu::grouped_matmul(ex, x, w, offsets, h, false);
-  cpu::swiglu_forward(ex, h, out);
-}
-
-void grouped_matmul_dx_swiglu(const Exec& ex, const Tensor& dout, const Tensor& w, const Tensor& offsets,
-                              const Tensor& h, Tensor& dh) {
-  Tensor da = Tensor::empty({h.size(0), w.size(1)}, h.dtype());
-  cpu::grouped_matmul(ex, dout, w, offsets, da, true);
-  cpu::swiglu_backward(ex, h, da, dh);
-}
-
 void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
                              const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w, bool accumulate_dw,
                              Tensor* dw_sum_squares) {

@@ -181,52 +181,6 @@ void cuda_grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const
                              trans_w, out.data_ptr(), x.dtype());
 }
 
-void cuda_swiglu_forward(const Exec& ex, const Tensor& h, Tensor& out);
-
-void cuda_grouped_matmul_swiglu(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
-                                Tensor& h, Tensor& out) {
-  {
-    OpScope s(ex, "grouped_matmul_swiglu");
-    require(out, "grouped_matmul_swiglu", "out");
-    require_dtype(out, x.dtype(), "grouped_matmul_swiglu", "out");
-    require(h, "grouped_matmul_swiglu", "h");
-    require_dtype(h, x.dtype(), "grouped_matmul_swiglu", "h");
-    require(x, "grouped_matmul_swiglu", "x");
-    require(w, "grouped_matmul_swiglu", "w");
-    require(offsets, "grouped_matmul_swiglu", "offsets");
-    if (gpu::launch_grouped_matmul_swiglu(s.env, x.data_ptr(), w.data_ptr(), i32(offsets), x.size(0),
-                                          w.size(0), x.size(1), out.size(1), h.data_ptr(), out.data_ptr(),
-                                          x.dtype()))
-      return;
-  }
-  cuda_grouped_matmul(ex, x, w, offsets, h, false);
-  cuda_swiglu_forward(ex, h, out);
-}
-
-void cuda_swiglu_backward(const Exec& ex, const Tensor& h, const Tensor& dout, Tensor& dh);
-
-void cuda_grouped_matmul_dx_swiglu(const Exec& ex, const Tensor& dout, const Tensor& w, const Tensor& offsets,
-                                   const Tensor& h, Tensor& dh) {
-  const char* op = "grouped_matmul_dx_swiglu";
-  OpScope s(ex, op);
-  require(dout, op, "dout");
-  require(w, op, "w");
-  require(offsets, op, "offsets");
-  require(h, op, "h");
-  require(dh, op, "dh");
-  TROUPE_CHECK(dout.dtype() == w.dtype() && h.dtype() == dout.dtype() && dh.dtype() == dout.dtype(),
-               "{} on cuda: dout {}, w {}, h {}, dh {}", op, dtype_name(dout.dtype()), dtype_name(w.dtype()),
-               dtype_name(h.dtype()), dtype_name(dh.dtype()));
-  const int64_t tokens = dout.size(0), experts = w.size(0), f = w.size(1), n = w.size(2);
-  if (gpu::launch_grouped_matmul_dx_swiglu(s.env, dout.data_ptr(), w.data_ptr(), i32(offsets), tokens,
-                                           experts, f, n, h.data_ptr(), dh.data_ptr(), dout.dtype()))
-    return;
-  // The pair it replaces, dout @ W_e^T in the op's scratch (stream-ordered reuse).
-  Tensor da = Tensor::empty({tokens, f}, dout.dtype(), *s.ctx.scratch);
-  cuda_grouped_matmul(ex, dout, w, offsets, da, true);
-  cuda_swiglu_backward(ex, h, da, dh);
-}
-
 void cuda_grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
                                   const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w,
                                   bool accumulate_dw, Tensor* dw_sum_squares) {
@@ -777,8 +731,6 @@ const Backend kCudaBackend = {
     .matmul = cuda_matmul,
     .grouped_matmul = cuda_grouped_matmul,
     .grouped_matmul_backward = cuda_grouped_matmul_backward,
-    .grouped_matmul_swiglu = cuda_grouped_matmul_swiglu,
-    .grouped_matmul_dx_swiglu = cuda_grouped_matmul_dx_swiglu,
     .embedding_forward = cuda_embedding_forward,
     .embedding_backward = cuda_embedding_backward,
     .rmsnorm_forward = cuda_rmsnorm_forward,

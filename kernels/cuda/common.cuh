@@ -142,25 +142,6 @@ __device__ __forceinline__ float block_max(float x, float* shared) {
   return warp_max(x);
 }
 
-// sigmoid(x) with a fast reciprocal (the exp dominates the error), and SwiGLU's
-// silu(g) * u: swiglu_forward's elementwise kernel and the up-projection GEMM's fused
-// epilogue (grouped_matmul_swiglu) compute it alike, so their outputs are bitwise equal
-// (the same for the gradients below and grouped_matmul_dx_swiglu).
-__device__ __forceinline__ float sigmoidf(float x) {
-  return __frcp_rn(1.0f + __expf(-x));
-}
-__device__ __forceinline__ float swiglu_value(float g, float u) {
-  return g * sigmoidf(g) * u;
-}
-// SwiGLU's gradients for the gate (dg) and up (du) inputs given d = dL/d(silu(g) * u),
-// with every rounding explicit (no contraction can differ between its callers):
-// swiglu_backward's kernels and the down-projection GEMM's fused epilogue.
-__device__ __forceinline__ void swiglu_grads(float g, float u, float d, float& dg, float& du) {
-  const float s = sigmoidf(g);
-  du = __fmul_rn(__fmul_rn(d, g), s);
-  dg = __fmul_rn(__fmul_rn(__fmul_rn(d, u), s), __fmaf_rn(g, __fsub_rn(1.0f, s), 1.0f));
-}
-
 __host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 

@@ -308,8 +308,11 @@ void launch_sum_rows(const Env& env, const void* x, DType xt, int64_t rows, int6
 // rows' kVec-element packs) so no index needs a division: 0.351 -> 0.242 ms on bench_1b's
 // expert rows (H100, 92.5% of copy bandwidth); the same for the forward measured slower
 // than the flat elementwise kernel (0.154 vs 0.143 ms), which it keeps.
-// sigmoidf, swiglu_value and swiglu_grads are in common.cuh (the grouped GEMM's fused epilogues use them).
 namespace {
+// x * sigmoid(x) and sigmoid(x) with a fast reciprocal (the exp dominates the error).
+__device__ __forceinline__ float sigmoidf(float x) {
+  return __frcp_rn(1.0f + __expf(-x));
+}
 
 template <typename T>
 struct SwigluForwardOp {
@@ -323,7 +326,7 @@ struct SwigluForwardOp {
     load_floats<V>(h + r * 2 * f + c, g);
     load_floats<V>(h + r * 2 * f + f + c, u);
 #pragma unroll
-    for (int j = 0; j < V; ++j) g[j] = swiglu_value(g[j], u[j]);
+    for (int j = 0; j < V; ++j) g[j] = g[j] * sigmoidf(g[j]) * u[j];
     store_floats<V>(out + i, g);
   }
 };
@@ -342,7 +345,12 @@ struct SwigluBackwardOp {
     load_floats<V>(h + r * 2 * f + f + c, u);
     load_floats<V>(dout + i, d);
 #pragma unroll
-    for (int j = 0; j < V; ++j) swiglu_grads(g[j], u[j], d[j], dg[j], du[j]);
+    for (int j = 0; j < V; ++j) {
+      const float s = sigmoidf(g[j]);
+      const float silu = g[j] * s;
+      du[j] = d[j] * silu;
+      dg[j] = d[j] * u[j] * s * (1.0f + g[j] * (1.0f - s));
+    }
     store_floats<V>(dh + r * 2 * f + c, dg);
     store_floats<V>(dh + r * 2 * f + f + c, du);
   }
@@ -370,9 +378,10 @@ __global__ void __launch_bounds__(kThreads)
         if (r0 + k >= rows) break;
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          float dg, du;
-          swiglu_grads(g[k][j], u[k][j], d[k][j], dg, du);
-          g[k][j] = dg;
+          const float sg = sigmoidf(g[k][j]);
+          const float dk = d[k][j];
+          const float du = dk * g[k][j] * sg;  // d * silu(g)
+          g[k][j] = dk * u[k][j] * sg * (1.0f + g[k][j] * (1.0f - sg));
           u[k][j] = du;
         }
         store_floats<kVec>(dh + (r0 + k) * 2 * f + c, g[k]);

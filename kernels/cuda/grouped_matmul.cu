@@ -15,9 +15,7 @@
 // misaligned pointers) use a plain one-thread-per-output kernel with fp32 accumulation.
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <initializer_list>
-#include <string_view>
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
@@ -105,12 +103,6 @@ struct GemmArgs {
   // 8 * tile + 4 * consumer warpgroup + warp receives that warp's sum of squares of its
   // accumulators inside the matrix (launch_grouped_matmul_dw's sum_squares).
   float* sum_squares;
-  // Row segments on the TMA kernel, kEpiSwiGLU: act [T, act_f] receives
-  // swiglu(C) = silu(C[:, :f]) * C[:, f:] (f = act_f = n / 2) next to C itself.
-  // kEpiSwiGLUGrad: act is SwiGLU's input h [T, 2f] (f = act_f = n) and the product P is
-  // the gradient of swiglu(h); C [T, 2f] receives swiglu_backward(h, P) instead of P.
-  bf16* act;
-  int64_t act_f;
 };
 
 // kSegK = false: row segments, A row-major (A(m,k) = a[m*lda+k]); B row-major
@@ -578,54 +570,11 @@ __device__ __forceinline__ void bulk_wait() {
 }
 #endif
 
-// The TMA kernel's epilogues: C as computed; C and swiglu(C) (the experts' up-projection);
-// swiglu_backward(h, C) in place of C (the down-projection's dx).
-constexpr int kEpiPlain = 0, kEpiSwiGLU = 1, kEpiSwiGLUGrad = 2;
-
-// C's column of column `t` of the tile starting at n0: the same, or with kSwiGLU the gate
-// column (t < 128) or the up column (t >= 128) of the tile's 128 features.
-template <bool kSwiGLU>
-__device__ __forceinline__ int64_t tile_column(int64_t n0, int t, const GemmArgs& args) {
-  if constexpr (kSwiGLU) {
-    return n0 / 2 + (t % 128) + (t / 128) * args.act_f;
-  } else {
-    return n0 + t;
-  }
-}
-
-// silu(gate) * up of two adjacent columns, from the accumulators rounded to bf16 first.
-__device__ __forceinline__ __nv_bfloat162 swiglu_pair(float g0, float g1, float u0, float u1) {
-  const __nv_bfloat162 g = __floats2bfloat162_rn(g0, g1), u = __floats2bfloat162_rn(u0, u1);
-  return __floats2bfloat162_rn(swiglu_value(__low2float(g), __low2float(u)),
-                               swiglu_value(__high2float(g), __high2float(u)));
-}
-
-// SwiGLU's gradients of two adjacent columns: the gate's (part 0) or the up projection's
-// (part 1), from h's pairs at hp (gate) and hp + f (up) and the accumulators d0, d1 of
-// dL/dswiglu rounded to bf16 first (what swiglu_backward reads).
-__device__ __forceinline__ __nv_bfloat162 swiglu_grad_pair(const bf16* hp, int64_t f, float d0, float d1,
-                                                           int part) {
-  const __nv_bfloat162 g = *reinterpret_cast<const __nv_bfloat162*>(hp);
-  const __nv_bfloat162 u = *reinterpret_cast<const __nv_bfloat162*>(hp + f);
-  const __nv_bfloat162 d = __floats2bfloat162_rn(d0, d1);
-  float dg0, du0, dg1, du1;
-  swiglu_grads(__low2float(g), __low2float(u), __low2float(d), dg0, du0);
-  swiglu_grads(__high2float(g), __high2float(u), __high2float(d), dg1, du1);
-  return part == 0 ? __floats2bfloat162_rn(dg0, dg1) : __floats2bfloat162_rn(du0, du1);
-}
-
-// kEpiSwiGLU (row segments, W as [E][K][N], bf16 C of n = 2f columns, f a multiple of 128):
-// tile column block j computes the gate columns [128j, 128j + 128) in its first 128
-// columns and the matching up columns f + [128j, ...) in its last 128 (the B atoms are
-// loaded from those columns), so each thread holds both halves of its SwiGLU inputs. The
-// epilogue stores C's columns where they belong, then act = silu(gate) * up from the
-// bf16-rounded values (what swiglu_forward reads back), through the same staging.
-template <bool kSegK, bool kBCol, typename OutT, int kEpi = kEpiPlain>
+template <bool kSegK, bool kBCol, typename OutT>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_b,
-                            const __grid_constant__ CUtensorMap map_c,
-                            const __grid_constant__ CUtensorMap map_act, GemmArgs args) {
+                            const __grid_constant__ CUtensorMap map_c, GemmArgs args) {
   pdl_wait();
 #ifdef TROUPE_WGMMA_DEVICE
   constexpr int kAStage = kWgBM * kWgBK * 2;
@@ -674,8 +623,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             tma_load_3d(sb, &map_b, full, k0, static_cast<int>(tl.n0), static_cast<int>(tl.e));
           } else {  // W as [E][K][N]: atoms of 64 k-rows x 64 n
             for (int a = 0; a < kTmaBN / 64; ++a) {
-              tma_load_3d(sb + a * kAtomBytes, &map_b, full,
-                          static_cast<int>(tile_column<kEpi == kEpiSwiGLU>(tl.n0, 64 * a, args)), k0,
+              tma_load_3d(sb + a * kAtomBytes, &map_b, full, static_cast<int>(tl.n0) + 64 * a, k0,
                           static_cast<int>(tl.e));
             }
           }
@@ -789,70 +737,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         cs.next_tile(args);
         continue;
       }
-      if constexpr (kStore && kEpi == kEpiSwiGLUGrad) {
-        if (tl.m0 + kWgBM <= tl.m_lim) {
-          // Two rounds through the staging: the gate's gradients into C's columns n0.., then
-          // the up projection's into f + n0..; h's pairs are read straight from memory (a
-          // warp's 8 rows x 16 bytes per load; the next column block hits the same lines).
-          const uint32_t stg_s = staging0 + cw * (kStagingBytes / 2);
-          unsigned char* stg = smem + (stg_s - smem_s);
-          const int r0 = warp_in_wg * 16 + lane / 4;
-          const int row = static_cast<int>(tl.row0 + tl.m0) + cw * 64;
-          for (int part = 0; part < 2; ++part) {
-            if (ctid == 0) bulk_wait_read();
-            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int r = r0 + 8 * h;
-              const bf16* hp = args.act + (row + r) * 2 * args.act_f + tl.n0 + 2 * (lane % 4);
-#pragma unroll
-              for (int j = 0; j < kTmaBN / 8; ++j) {
-                const int off = (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4) + 4 * (lane % 4);
-                if (tl.n0 + j * 8 < args.n) {
-                  *reinterpret_cast<__nv_bfloat162*>(stg + off) = swiglu_grad_pair(
-                      hp + j * 8, args.act_f, acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1], part);
-                }
-              }
-            }
-            fence_proxy_async();
-            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
-            if (ctid == 0) {
-              for (int b = 0; b < kTmaBN / 64; ++b) {
-                const int64_t col = tl.n0 + 64 * b;
-                if (col < args.n)
-                  tma_store_3d(&map_c, stg_s + b * 8192, static_cast<int>(part * args.act_f + col), row, 0);
-              }
-              bulk_commit();
-            }
-          }
-          cs.next_tile(args);
-          continue;
-        }
-      }
-      if constexpr (kEpi == kEpiSwiGLUGrad) {  // a tile crossing its segment's end
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int64_t gm = tl.m0 + cw * 64 + warp_in_wg * 16 + lane / 4 + 8 * h;
-          if (gm < tl.m_lim) {
-            const int64_t off = (tl.row0 + gm) * 2 * args.act_f;
-            const bf16* hp = args.act + off;
-            bf16* dh = static_cast<bf16*>(args.c) + off;
-#pragma unroll
-            for (int j = 0; j < kTmaBN / 8; ++j) {
-              const int64_t gn = tl.n0 + j * 8 + 2 * (lane % 4);
-              if (gn < args.n) {
-#pragma unroll
-                for (int part = 0; part < 2; ++part) {
-                  *reinterpret_cast<__nv_bfloat162*>(dh + part * args.act_f + gn) =
-                      swiglu_grad_pair(hp + gn, args.act_f, acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1], part);
-                }
-              }
-            }
-          }
-        }
-        cs.next_tile(args);
-        continue;
-      }
       if constexpr (kStore) {
         if (tl.m0 + kWgBM <= tl.m_lim) {  // the whole tile inside its segment
           const uint32_t stg_s = staging0 + cw * (kStagingBytes / 2);
@@ -874,37 +758,13 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           }
           fence_proxy_async();  // this thread's writes, visible to the bulk copies
           asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
-          const int row = static_cast<int>(tl.row0 + tl.m0) + cw * 64;
           if (ctid == 0) {
+            const int row = static_cast<int>(tl.row0 + tl.m0) + cw * 64;
             for (int b = 0; b < kTmaBN / 64; ++b) {
-              const int64_t col = tile_column<kEpi == kEpiSwiGLU>(tl.n0, 64 * b, args);
+              const int64_t col = tl.n0 + 64 * b;
               if (col < args.n) tma_store_3d(&map_c, stg_s + b * 8192, static_cast<int>(col), row, 0);
             }
             bulk_commit();
-          }
-          if constexpr (kEpi == kEpiSwiGLU) {
-            // act's 64 x 128 half, through the staging once C's stores have read it.
-            if (ctid == 0) bulk_wait_read();
-            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int r = r0 + 8 * h;
-#pragma unroll
-              for (int j = 0; j < kTmaBN / 16; ++j) {
-                const int off = (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4) + 4 * (lane % 4);
-                *reinterpret_cast<__nv_bfloat162*>(stg + off) =
-                    swiglu_pair(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1],
-                                acc[(j + kTmaBN / 16) * 4 + h * 2], acc[(j + kTmaBN / 16) * 4 + h * 2 + 1]);
-              }
-            }
-            fence_proxy_async();
-            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
-            if (ctid == 0) {
-              for (int b = 0; b < kTmaBN / 128; ++b) {
-                tma_store_3d(&map_act, stg_s + b * 8192, static_cast<int>(tl.n0 / 2 + 64 * b), row, 0);
-              }
-              bulk_commit();
-            }
           }
           cs.next_tile(args);
           continue;
@@ -917,7 +777,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         if (gm < tl.m_lim) {
 #pragma unroll
           for (int j = 0; j < kTmaBN / 8; ++j) {
-            const int64_t gn = tile_column<kEpi == kEpiSwiGLU>(tl.n0, j * 8 + 2 * (lane % 4), args);
+            const int64_t gn = tl.n0 + j * 8 + 2 * (lane % 4);
             if (gn < args.n) {
               float v0 = acc[j * 4 + h * 2], v1 = acc[j * 4 + h * 2 + 1];
               OutT* p = c + gm * args.ldc + gn;
@@ -932,15 +792,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
               }
             }
           }
-          if constexpr (kEpi == kEpiSwiGLU) {
-            bf16* ap = args.act + (tl.row0 + gm) * args.act_f + tl.n0 / 2 + 2 * (lane % 4);
-#pragma unroll
-            for (int j = 0; j < kTmaBN / 16; ++j) {
-              *reinterpret_cast<__nv_bfloat162*>(ap + j * 8) =
-                  swiglu_pair(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1], acc[(j + kTmaBN / 16) * 4 + h * 2],
-                              acc[(j + kTmaBN / 16) * 4 + h * 2 + 1]);
-            }
-          }
         }
       }
       cs.next_tile(args);
@@ -953,7 +804,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   (void)map_a;
   (void)map_b;
   (void)map_c;
-  (void)map_act;
   (void)args;
   __trap();
 #endif
@@ -961,9 +811,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 
 // The tensor maps of one problem (see GemmArgs): row segments read A = a [T, k] and B_e
 // from b [E][k][n] (or [E][n][k] with kBCol); k segments read a [T, m] and b [T, n].
-template <bool kSegK, bool kBCol, typename OutT, int kEpi = kEpiPlain>
+template <bool kSegK, bool kBCol, typename OutT>
 void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const GemmArgs& args) {
-  CUtensorMap map_a, map_b, map_c{}, map_act{};
+  CUtensorMap map_a, map_b, map_c{};
   if constexpr (kSegK) {
     map_a = make_tensor_map(args.a, args.m, tokens, 1, 64, 64);
     map_b = make_tensor_map(args.b, args.n, tokens, 1, 64, 64);
@@ -978,17 +828,16 @@ void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const 
   // The staged stores write C [tokens, n] (row segments: ldc == n) in bf16 boxes of 64 x 64,
   // or dW [E][m][n] (c_expert_stride == m * n) in f32 boxes of 32 x 64.
   if constexpr (TmaConfig<kSegK, OutT>::kStoreRows)
-    map_c = make_tensor_map(args.c, kEpi == kEpiSwiGLUGrad ? 2 * args.act_f : args.n, tokens, 1, 64, 64);
+    map_c = make_tensor_map(args.c, args.n, tokens, 1, 64, 64);
   if constexpr (TmaConfig<kSegK, OutT>::kStoreDw) {
     map_c = make_tensor_map(args.c, args.n, args.m, args.experts, 32, 64, /*f32=*/true);
   }
-  if constexpr (kEpi == kEpiSwiGLU) map_act = make_tensor_map(args.act, args.act_f, tokens, 1, 64, 64);
-  auto kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT, kEpi>;
+  auto kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT>;
   constexpr size_t smem = TmaConfig<kSegK, OutT>::kSmem;
   CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(tiles_bound, env.num_sms));
-  launch(env, kernel, static_cast<unsigned>(grid), kTmaThreads, smem, map_a, map_b, map_c, map_act, args);
+  launch(env, kernel, static_cast<unsigned>(grid), kTmaThreads, smem, map_a, map_b, map_c, args);
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
@@ -1195,68 +1044,6 @@ void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, c
            trans_w ? k : 1, trans_w ? 1 : n, static_cast<T*>(dx));
   });
   TROUPE_CUDA_LAUNCH_CHECK();
-}
-
-namespace {
-// TROUPE_CUDA_FUSED_EPILOGUES=0 turns the SwiGLU epilogues off (the launchers decline), to
-// compare with the separate launches on one build.
-bool fused_epilogues_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("TROUPE_CUDA_FUSED_EPILOGUES");
-    return !(v != nullptr && std::string_view(v) == "0");
-  }();
-  return on;
-}
-}  // namespace
-
-bool launch_grouped_matmul_swiglu(const Env& env, const void* x, const void* w, const int32_t* offsets,
-                                  int64_t tokens, int64_t experts, int64_t k, int64_t f, void* h, void* act,
-                                  DType t) {
-  if (tokens == 0 || f == 0 || !fused_epilogues_enabled()) return false;
-  if (!wgmma_available() || f % 128 != 0 || !tensor_core_ok(t, {x, w, h, act}, {k, 2 * f})) return false;
-  GemmArgs args{};
-  args.a = static_cast<const bf16*>(x);
-  args.b = static_cast<const bf16*>(w);
-  args.c = h;
-  args.offsets = offsets;
-  args.experts = experts;
-  args.n = 2 * f;
-  args.k = k;
-  args.lda = k;
-  args.ldb = 2 * f;
-  args.ldc = 2 * f;
-  args.b_expert_stride = k * 2 * f;
-  args.act = static_cast<bf16*>(act);
-  args.act_f = f;
-  const int64_t rows_bound = ceil_div(tokens, kBM) + experts;
-  launch_gemm_tma<false, false, bf16, kEpiSwiGLU>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
-  return true;
-}
-
-bool launch_grouped_matmul_dx_swiglu(const Env& env, const void* dout, const void* w, const int32_t* offsets,
-                                     int64_t tokens, int64_t experts, int64_t f, int64_t n, const void* h,
-                                     void* dh, DType t) {
-  if (tokens == 0 || f == 0 || !fused_epilogues_enabled()) return false;
-  if (!wgmma_available() || f % 64 != 0 || !tensor_core_ok(t, {dout, w, h, dh}, {f, n})) return false;
-  // dP = dout [T, n] @ W_e^T with W_e [f, n]: B(k, j) = w[j * n + k] (column layout, ld n).
-  GemmArgs args{};
-  args.a = static_cast<const bf16*>(dout);
-  args.b = static_cast<const bf16*>(w);
-  args.c = dh;
-  args.offsets = offsets;
-  args.experts = experts;
-  args.n = f;
-  args.k = n;
-  args.lda = n;
-  args.ldb = n;
-  args.ldc = 2 * f;
-  args.b_expert_stride = f * n;
-  args.act = const_cast<bf16*>(static_cast<const bf16*>(h));
-  args.act_f = f;
-  const int64_t rows_bound = ceil_div(tokens, kBM) + experts;
-  launch_gemm_tma<false, true, bf16, kEpiSwiGLUGrad>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens,
-                                                     args);
-  return true;
 }
 
 bool grouped_matmul_hopper_available() {

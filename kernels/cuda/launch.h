@@ -149,22 +149,6 @@ void launch_grouped_matmul(const Env& env, const void* x, const void* w, const i
                            GemmTiling tiling = GemmTiling::kAuto);
 // True where kAuto runs the Hopper kernels (sm_90a build, compute capability 9.0 device).
 bool grouped_matmul_hopper_available();
-// h = x @ W_e per row segment ([T, 2f], W [E, K, 2f]) and act = swiglu(h) ([T, f]) in one
-// launch: the Hopper TMA kernel's fused epilogue (bf16, f a multiple of 128, aligned
-// pointers, an sm_90a build on sm_90). Returns false, launching nothing, where it cannot
-// run (or TROUPE_CUDA_FUSED_EPILOGUES=0 is set); then the caller runs
-// launch_grouped_matmul and launch_swiglu_forward (the same results, bitwise).
-bool launch_grouped_matmul_swiglu(const Env& env, const void* x, const void* w, const int32_t* offsets,
-                                  int64_t tokens, int64_t experts, int64_t k, int64_t f, void* h, void* act,
-                                  DType t);
-// dh = swiglu_backward(h, dout @ W_e^T) per row segment (dout [T, n], W [E, f, n], h and dh
-// [T, 2f]) in one launch: the TMA kernel's dx with SwiGLU's backward in its epilogue (bf16,
-// f a multiple of 64, aligned pointers, sm_90a on sm_90). Returns false, launching
-// nothing, where it cannot run (or TROUPE_CUDA_FUSED_EPILOGUES=0); then
-// launch_grouped_matmul_dx and launch_swiglu_backward give the same result, bitwise.
-bool launch_grouped_matmul_dx_swiglu(const Env& env, const void* dout, const void* w, const int32_t* offsets,
-                                     int64_t tokens, int64_t experts, int64_t f, int64_t n, const void* h,
-                                     void* dh, DType t);
 // dx[T,K] = dout[T,N] @ op(W_e)^T per segment.
 void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dx,

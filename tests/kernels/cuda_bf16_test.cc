@@ -16,7 +16,6 @@
 #include <cstring>
 #include <random>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -181,61 +180,6 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
 
 // A rank whose experts got no token at all: the written dW is zeros (the Hopper default
 // writes through TMA, whose tensor maps need rows, so this case takes another kernel).
-// The up-projection's SwiGLU fused into the Hopper TMA kernel's epilogue against the two
-// launches it replaces: h and act bitwise equal, on all SMs and on 2 "SMs" (persistent
-// blocks walking many tiles); segments cross tiles (direct stores) and fill whole tiles
-// (staged TMA stores), one expert is empty, k is not a multiple of the 64-deep steps.
-TEST_F(CudaBf16, GroupedMatmulSwigluEqualsTheTwoLaunches) {
-  if (!gpu::grouped_matmul_hopper_available())
-    GTEST_SKIP() << "needs the Hopper kernels (sm_90a build, sm_90 GPU)";
-  const std::vector<int32_t> off = {0, 37, 37, 300, 556, 700};
-  const int64_t experts = 5, rows = 700, k = 136, f = 256;
-  Tensor doff = dev(Tensor::from_ints({experts + 1}, off));
-  const auto* off_p = static_cast<const int32_t*>(doff.data_ptr());
-  Tensor x = dev(host_random({rows, k}, kBF)), w = dev(host_random({experts, k, 2 * f}, kBF, -0.3f, 0.3f));
-  for (int sms : {gpu.ctx.num_sms, 2}) {
-    const gpu::Env env{gpu.ctx.stream, sms, gpu.ctx.pdl};
-    Tensor h0 = dev_poisoned({rows, 2 * f}, kBF), a0 = dev_poisoned({rows, f}, kBF);
-    Tensor h1 = dev_poisoned({rows, 2 * f}, kBF), a1 = dev_poisoned({rows, f}, kBF);
-    gpu::launch_grouped_matmul(env, x.data_ptr(), w.data_ptr(), off_p, rows, experts, k, 2 * f, false,
-                               h0.data_ptr(), kBF);
-    gpu::launch_swiglu_forward(env, h0.data_ptr(), a0.data_ptr(), kBF, rows, f);
-    ASSERT_TRUE(gpu::launch_grouped_matmul_swiglu(env, x.data_ptr(), w.data_ptr(), off_p, rows, experts, k, f,
-                                                  h1.data_ptr(), a1.data_ptr(), kBF));
-    for (const auto& [name, want, got] : {std::tuple{"h", &h0, &h1}, std::tuple{"act", &a0, &a1}}) {
-      const std::vector<float> wv = back(*want).to_floats(), gv = back(*got).to_floats();
-      int64_t differ = 0;
-      for (size_t i = 0; i < wv.size(); ++i) differ += !(std::isfinite(gv[i]) && gv[i] == wv[i]);
-      EXPECT_EQ(differ, 0) << name << ": elements unlike the two launches' on " << sms << " SMs";
-    }
-  }
-  // The down-projection's dx with SwiGLU's backward in its epilogue (W [E, f, n], the
-  // product's k = n = 200 is not a multiple of the 64-deep steps) against its two launches.
-  const int64_t dn = 200;
-  Tensor dout = dev(host_random({rows, dn}, kBF)), w2 = dev(host_random({experts, f, dn}, kBF, -0.3f, 0.3f));
-  Tensor hin = dev(host_random({rows, 2 * f}, kBF, -3.0f, 3.0f));
-  for (int sms : {gpu.ctx.num_sms, 2}) {
-    const gpu::Env env{gpu.ctx.stream, sms, gpu.ctx.pdl};
-    Tensor da = dev_poisoned({rows, f}, kBF), dh0 = dev_poisoned({rows, 2 * f}, kBF);
-    Tensor dh1 = dev_poisoned({rows, 2 * f}, kBF);
-    gpu::launch_grouped_matmul_dx(env, dout.data_ptr(), w2.data_ptr(), off_p, rows, experts, f, dn, false,
-                                  da.data_ptr(), kBF);
-    gpu::launch_swiglu_backward(env, hin.data_ptr(), da.data_ptr(), dh0.data_ptr(), kBF, rows, f);
-    ASSERT_TRUE(gpu::launch_grouped_matmul_dx_swiglu(env, dout.data_ptr(), w2.data_ptr(), off_p, rows,
-                                                     experts, f, dn, hin.data_ptr(), dh1.data_ptr(), kBF));
-    const std::vector<float> wv = back(dh0).to_floats(), gv = back(dh1).to_floats();
-    int64_t differ = 0;
-    for (size_t i = 0; i < wv.size(); ++i) differ += !(std::isfinite(gv[i]) && gv[i] == wv[i]);
-    EXPECT_EQ(differ, 0) << "dh: elements unlike the two launches' on " << sms << " SMs";
-  }
-  // Shapes the fused epilogue does not take: the launcher declines and launches nothing.
-  Tensor h = dev_poisoned({rows, 2 * 192}, kBF), a = dev_poisoned({rows, 192}, kBF);
-  Tensor w192 = dev(host_random({experts, k, 2 * 192}, kBF));
-  EXPECT_FALSE(gpu::launch_grouped_matmul_swiglu(gpu::Env{gpu.ctx.stream, gpu.ctx.num_sms}, x.data_ptr(),
-                                                 w192.data_ptr(), off_p, rows, experts, k, 192, h.data_ptr(),
-                                                 a.data_ptr(), kBF));
-}
-
 TEST_F(CudaBf16, GroupedMatmulDwWithoutTokensWritesZeros) {
   const int64_t experts = 3, k = 64, n = 128;
   Tensor offsets = dev(Tensor::from_ints({experts + 1}, std::vector<int32_t>(experts + 1, 0)));

@@ -150,11 +150,10 @@ Tensors upload_inputs(TestDevice& dev, const OpCase& c, const HostTensors& input
 const std::vector<std::string>& forward_op_names() {
   static const std::vector<std::string> kNames = {
       "fill", "cast", "add", "axpby", "scale", "sum", "sum_squares", "sum_rows", "matmul", "grouped_matmul",
-      "grouped_matmul_swiglu", "grouped_matmul_dx_swiglu", "embedding_forward", "rmsnorm_forward",
-      "rope_forward", "attention_forward", "softmax_forward", "router_forward", "moe_dispatch_plan",
-      "moe_permute", "moe_unpermute", "swiglu_forward", "cross_entropy_forward",
-      "cross_entropy_forward_backward", "adamw_step", "adamw_step_multi", "sum_squares_multi", "quantize_fp8",
-      "dequantize_fp8",
+      "embedding_forward", "rmsnorm_forward", "rope_forward", "attention_forward", "softmax_forward",
+      "router_forward", "moe_dispatch_plan", "moe_permute", "moe_unpermute", "swiglu_forward",
+      "cross_entropy_forward", "cross_entropy_forward_backward", "adamw_step", "adamw_step_multi",
+      "sum_squares_multi", "quantize_fp8", "dequantize_fp8",
       // device-resident step statistics (issue 20)
       "expert_counts", "sum_squares_into",
       // communication codecs (issue 17)
@@ -188,8 +187,6 @@ bool backend_implements(const Backend& b, const std::string& op) {
       {"matmul_backward", [](const Backend& be) { return be.matmul != nullptr; }},
       TROUPE_OP_ENTRY(grouped_matmul),
       TROUPE_OP_ENTRY(grouped_matmul_backward),
-      TROUPE_OP_ENTRY(grouped_matmul_swiglu),
-      TROUPE_OP_ENTRY(grouped_matmul_dx_swiglu),
       TROUPE_OP_ENTRY(embedding_forward),
       TROUPE_OP_ENTRY(embedding_backward),
       TROUPE_OP_ENTRY(rmsnorm_forward),
@@ -614,96 +611,6 @@ void add_grouped_matmul_cases(std::vector<OpCase>& cases, Rng& rng) {
       grouped_matmul_backward(dev.exec(), in[0], in[1], in[2], douts[0], &dx, &dw, s.trans_w,
                               s.accumulate_dw);
       return HostTensors{dev.download(dx), dev.download(dw)};
-    };
-    cases.push_back(std::move(c));
-  }
-}
-
-// The experts' up-projection with its SwiGLU. F = 128 with bf16 storage on CUDA is the
-// Hopper kernel's fused epilogue: segments of 70, 0 and 200 rows give it tiles crossing a
-// segment's end (direct stores) and whole tiles (staged TMA stores); F = 3 runs the pair.
-void add_grouped_matmul_swiglu_cases(std::vector<OpCase>& cases, Rng& rng) {
-  struct Spec {
-    std::vector<int64_t> counts;
-    int64_t k, f;
-  };
-  for (const Spec& s : {Spec{{70, 0, 200}, 64, 128}, Spec{{3, 0, 6, 2}, 5, 3}}) {
-    int64_t tokens = 0;
-    for (int64_t n : s.counts) tokens += n;
-    const int64_t experts = static_cast<int64_t>(s.counts.size()), n = 2 * s.f;
-    OpCase c;
-    std::string counts;
-    for (int64_t m : s.counts) counts += (counts.empty() ? "" : "-") + std::to_string(m);
-    c.name = fmt::format("grouped_matmul_swiglu/counts{}/k{}f{}", counts, s.k, s.f);
-    c.ops = {"grouped_matmul_swiglu"};
-    c.cuda_bf16_storage = true;
-    c.inputs = {rng.uniform({tokens, s.k}), rng.uniform({experts, s.k, n}, -0.5, 0.5), offsets_of(s.counts)};
-    c.forward = [s, tokens, n](TestDevice& dev, const Tensors& in) {
-      Tensor h = dev.poisoned({tokens, n}), out = dev.poisoned({tokens, s.f});
-      grouped_matmul_swiglu(dev.exec(), in[0], in[1], in[2], h, out);
-      return HostTensors{dev.download(h), dev.download(out)};
-    };
-    c.reference = [s, tokens, n, experts](const HostTensors& in) {
-      HostTensor h = HostTensor::zeros({tokens, n}), out = HostTensor::zeros({tokens, s.f});
-      for (int64_t e = 0; e < experts; ++e) {
-        for (int64_t r = static_cast<int64_t>(in[2][e]); r < static_cast<int64_t>(in[2][e + 1]); ++r) {
-          for (int64_t j = 0; j < n; ++j) {
-            double acc = 0.0;
-            for (int64_t kk = 0; kk < s.k; ++kk) acc += in[0][r * s.k + kk] * in[1][(e * s.k + kk) * n + j];
-            h[r * n + j] = acc;
-          }
-          for (int64_t j = 0; j < s.f; ++j) {
-            const double g = h[r * n + j], u = h[r * n + s.f + j];
-            out[r * s.f + j] = g / (1.0 + std::exp(-g)) * u;
-          }
-        }
-      }
-      return HostTensors{h, out};
-    };
-    cases.push_back(std::move(c));
-  }
-}
-
-// The experts' down-projection dx with SwiGLU's backward: dh = swiglu_backward(h, dout @
-// W_e^T). F = 64 with bf16 storage on CUDA is the Hopper kernel's fused epilogue (tiles
-// crossing a segment's end and whole ones); F = 3 runs the pair.
-void add_grouped_matmul_dx_swiglu_cases(std::vector<OpCase>& cases, Rng& rng) {
-  struct Spec {
-    std::vector<int64_t> counts;
-    int64_t f, n;
-  };
-  for (const Spec& s : {Spec{{70, 0, 200}, 64, 72}, Spec{{3, 0, 6, 2}, 3, 5}}) {
-    int64_t tokens = 0;
-    for (int64_t m : s.counts) tokens += m;
-    const int64_t experts = static_cast<int64_t>(s.counts.size());
-    OpCase c;
-    std::string counts;
-    for (int64_t m : s.counts) counts += (counts.empty() ? "" : "-") + std::to_string(m);
-    c.name = fmt::format("grouped_matmul_dx_swiglu/counts{}/f{}n{}", counts, s.f, s.n);
-    c.ops = {"grouped_matmul_dx_swiglu"};
-    c.cuda_bf16_storage = true;
-    c.inputs = {rng.uniform({tokens, s.n}), rng.uniform({experts, s.f, s.n}, -0.5, 0.5), offsets_of(s.counts),
-                rng.uniform({tokens, 2 * s.f}, -3.0, 3.0)};
-    c.forward = [s, tokens](TestDevice& dev, const Tensors& in) {
-      Tensor dh = dev.poisoned({tokens, 2 * s.f});
-      grouped_matmul_dx_swiglu(dev.exec(), in[0], in[1], in[2], in[3], dh);
-      return HostTensors{dev.download(dh)};
-    };
-    c.reference = [s, tokens, experts](const HostTensors& in) {
-      HostTensor dh = HostTensor::zeros({tokens, 2 * s.f});
-      for (int64_t e = 0; e < experts; ++e) {
-        for (int64_t r = static_cast<int64_t>(in[2][e]); r < static_cast<int64_t>(in[2][e + 1]); ++r) {
-          for (int64_t j = 0; j < s.f; ++j) {
-            double d = 0.0;
-            for (int64_t kk = 0; kk < s.n; ++kk) d += in[0][r * s.n + kk] * in[1][(e * s.f + j) * s.n + kk];
-            const double g = in[3][r * 2 * s.f + j], u = in[3][r * 2 * s.f + s.f + j];
-            const double sg = 1.0 / (1.0 + std::exp(-g));
-            dh[r * 2 * s.f + j] = d * u * sg * (1.0 + g * (1.0 - sg));
-            dh[r * 2 * s.f + s.f + j] = d * g * sg;
-          }
-        }
-      }
-      return HostTensors{dh};
     };
     cases.push_back(std::move(c));
   }
@@ -1884,8 +1791,6 @@ std::vector<OpCase> all_op_cases(uint64_t seed) {
   add_elementwise_cases(cases, rng);
   add_matmul_cases(cases, rng);
   add_grouped_matmul_cases(cases, rng);
-  add_grouped_matmul_swiglu_cases(cases, rng);
-  add_grouped_matmul_dx_swiglu_cases(cases, rng);
   add_embedding_cases(cases, rng);
   add_rmsnorm_cases(cases, rng);
   add_rmsnorm_add_cases(cases, rng);
