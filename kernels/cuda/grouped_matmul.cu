@@ -560,19 +560,6 @@ __device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, uint32
       "r"(src), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
-// Four 8 x 8 b16 matrices into shared memory: lane t gives the address of row t % 8 of
-// matrix t / 8, and register i holds matrix i's elements in the mma accumulator layout
-// (row lane / 4, columns 2 (lane % 4) and + 1).
-__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
-                                            uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
-               "r"(r1), "r"(r2), "r"(r3)
-               : "memory");
-}
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 // Until this thread's bulk stores have read their shared-memory source.
 __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
@@ -753,21 +740,21 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       if constexpr (kStore) {
         if (tl.m0 + kWgBM <= tl.m_lim) {  // the whole tile inside its segment
           const uint32_t stg_s = staging0 + cw * (kStagingBytes / 2);
+          unsigned char* stg = smem + (stg_s - smem_s);
           if (ctid == 0) bulk_wait_read();  // the previous tile's stores have read the buffer
           asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
           // Row r of box b (64 columns, 128 bytes) holds its 16-byte chunk c at c ^ (r & 7):
           // the TMA's 128-byte swizzle, and a warp's 8 rows land in 8 different chunks.
-          // stmatrix writes a column block's two 8-row halves and the next block's in one
-          // instruction (16 per thread instead of 64 four-byte stores): lane t addresses
-          // row t % 8 of half (t / 8) % 2 of block j + t / 16.
-          const int r_st = warp_in_wg * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+          const int r0 = warp_in_wg * 16 + lane / 4;
 #pragma unroll
-          for (int j = 0; j < kTmaBN / 8; j += 2) {
-            const int jj = j + lane / 16;
-            const uint32_t addr = stg_s + (jj / 8) * 8192 + r_st * 128 + (((jj % 8) ^ (r_st & 7)) << 4);
-            stmatrix_x4(addr, pack_bf16(acc[j * 4], acc[j * 4 + 1]),
-                        pack_bf16(acc[j * 4 + 2], acc[j * 4 + 3]), pack_bf16(acc[j * 4 + 4], acc[j * 4 + 5]),
-                        pack_bf16(acc[j * 4 + 6], acc[j * 4 + 7]));
+          for (int h = 0; h < 2; ++h) {
+            const int r = r0 + 8 * h;
+#pragma unroll
+            for (int j = 0; j < kTmaBN / 8; ++j) {
+              const int off = (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4) + 4 * (lane % 4);
+              *reinterpret_cast<__nv_bfloat162*>(stg + off) =
+                  __floats2bfloat162_rn(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1]);
+            }
           }
           fence_proxy_async();  // this thread's writes, visible to the bulk copies
           asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
