@@ -334,11 +334,12 @@ __global__ void __launch_bounds__(256)
 
 // The same arithmetic with 16-byte accesses: kRopeVecTokens tokens a block, and each item
 // is a (token, head, V-element chunk of the first half) with its partner chunk in the
-// second half; a thread loads two items' four vectors before it stores any (in place is
-// safe: every element is read and written by the same thread). rope_pairs_kernel moved 4
-// bytes per access and reached 49% of copy bandwidth on bench_1b's q (H200). Needs
-// (head_dim / 2) % V == 0 and 16-byte-aligned x and out.
-constexpr int kRopeVecTokens = 16;
+// second half (in place is safe: every element is read and written by the same thread).
+// rope_pairs_kernel moved 4 bytes per access and reached 49% of copy bandwidth on
+// bench_1b's q (H200); 16-byte accesses alone did not change that: the block's wait for
+// its angles did, once the loads go out before them. Needs (head_dim / 2) % V == 0 and
+// 16-byte-aligned x and out.
+constexpr int kRopeVecTokens = 16, kRopePrefetch = 4;
 template <typename T, int V>
 __global__ void __launch_bounds__(256)
     rope_vec_kernel(const T* x, const int32_t* pos, double log_theta, int64_t tokens, int heads, int head_dim,
@@ -348,7 +349,37 @@ __global__ void __launch_bounds__(256)
   const int half = head_dim / 2, chunks = half / V;
   const int64_t t0 = int64_t{blockIdx.x} * kRopeVecTokens;
   const int n_tok = static_cast<int>(tokens - t0 < kRopeVecTokens ? tokens - t0 : kRopeVecTokens);
-  for (int i = threadIdx.x; i < n_tok * half; i += blockDim.x) {
+  const int per_token = heads * chunks, items = n_tok * per_token, bd = static_cast<int>(blockDim.x);
+  const auto locate = [&](int i, int64_t& base, int& cs0) {
+    const int tt = i / per_token, r = i % per_token, h = r / chunks, q = (r % chunks) * V;
+    base = ((t0 + tt) * heads + h) * head_dim + q;
+    cs0 = tt * half + q;
+  };
+  const auto rotate_store = [&](const float(&a)[V], const float(&b)[V], int64_t base, int cs0) {
+    float y1[V], y2[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const float2 c = rope_cs[cs0 + e];
+      y1[e] = a[e] * c.x - b[e] * c.y;
+      y2[e] = b[e] * c.x + a[e] * c.y;
+    }
+    store_floats<V>(out + base, y1);
+    store_floats<V>(out + base + half, y2);
+  };
+  // The thread's first kRopePrefetch items are loaded before the angles: their memory
+  // latency overlaps the double-precision exp and sincos, which the block waits for.
+  float a[kRopePrefetch][V], b[kRopePrefetch][V];
+  int64_t base[kRopePrefetch];
+  int cs0[kRopePrefetch];
+#pragma unroll
+  for (int u = 0; u < kRopePrefetch; ++u) {
+    const int i = static_cast<int>(threadIdx.x) + u * bd;
+    if (i >= items) break;
+    locate(i, base[u], cs0[u]);
+    load_floats<V>(x + base[u], a[u]);
+    load_floats<V>(x + base[u] + half, b[u]);
+  }
+  for (int i = threadIdx.x; i < n_tok * half; i += bd) {
     const int tt = i / half, p = i % half;
     const double inv_freq = exp(-(2.0 * static_cast<double>(p) / static_cast<double>(head_dim)) * log_theta);
     double sn, cs;
@@ -357,34 +388,19 @@ __global__ void __launch_bounds__(256)
         make_float2(static_cast<float>(cs), inverse ? -static_cast<float>(sn) : static_cast<float>(sn));
   }
   __syncthreads();
-  const int per_token = heads * chunks, items = n_tok * per_token;
-  for (int i0 = threadIdx.x; i0 < items; i0 += 2 * blockDim.x) {
-    float a[2][V], b[2][V];
-    int64_t base[2];
-    int cs0[2];
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int i = i0 + u * static_cast<int>(blockDim.x);
-      if (i >= items) break;
-      const int tt = i / per_token, r = i % per_token, h = r / chunks, q = (r % chunks) * V;
-      base[u] = ((t0 + tt) * heads + h) * head_dim + q;
-      cs0[u] = tt * half + q;
-      load_floats<V>(x + base[u], a[u]);
-      load_floats<V>(x + base[u] + half, b[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      if (i0 + u * static_cast<int>(blockDim.x) >= items) break;
-      float y1[V], y2[V];
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        const float2 c = rope_cs[cs0[u] + e];
-        y1[e] = a[u][e] * c.x - b[u][e] * c.y;
-        y2[e] = b[u][e] * c.x + a[u][e] * c.y;
-      }
-      store_floats<V>(out + base[u], y1);
-      store_floats<V>(out + base[u] + half, y2);
-    }
+  for (int u = 0; u < kRopePrefetch; ++u) {
+    if (static_cast<int>(threadIdx.x) + u * bd >= items) break;
+    rotate_store(a[u], b[u], base[u], cs0[u]);
+  }
+  for (int i = static_cast<int>(threadIdx.x) + kRopePrefetch * bd; i < items; i += bd) {  // more heads
+    int64_t bs;
+    int c0;
+    locate(i, bs, c0);
+    float a1[V], b1[V];
+    load_floats<V>(x + bs, a1);
+    load_floats<V>(x + bs + half, b1);
+    rotate_store(a1, b1, bs, c0);
   }
 }
 }  // namespace

@@ -1,0 +1,350 @@
+// actors/training/checkpointing.cc — RankCheckpointer, CheckpointCommitter and the resume
+// helpers (see checkpointing.h).
+#include "actors/training/checkpointing.h"
+
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace troupe::training {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+// ---- RankCheckpointer --------------------------------------------------------------------
+
+Result<std::unique_ptr<RankCheckpointer>> RankCheckpointer::create(const std::string& dir,
+                                                                   const ParallelLayout& layout, int rank,
+                                                                   uint64_t max_bytes_per_second) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return io_error("cannot create checkpoint directory {}: {}", dir, ec.message());
+  std::unique_ptr<RankCheckpointer> c(new RankCheckpointer());
+  c->dir_ = dir;
+  c->rank_ = rank;
+  checkpoint::WriterOptions wo;
+  wo.run_dir = dir;
+  wo.layout = layout;
+  wo.rank = rank;
+  wo.max_bytes_per_second = max_bytes_per_second;
+  TROUPE_ASSIGN_OR_RETURN(c->writer_, checkpoint::CheckpointWriter::create(wo));
+  return c;
+}
+
+std::string error_file_name(int rank) {
+  return fmt::format("rank_{:05d}.error", rank);
+}
+
+RankCheckpointer::~RankCheckpointer() {
+  (void)finish();
+}
+
+void RankCheckpointer::mark_failed(int64_t step, const Status& st) const {
+  std::error_code ec;
+  const fs::path tmp = fs::path(dir_) / checkpoint::tmp_dir_name(step);
+  fs::create_directories(tmp, ec);
+  std::FILE* f = std::fopen((tmp / error_file_name(rank_)).c_str(), "w");
+  if (f != nullptr) {
+    std::fprintf(f, "%s\n", st.to_string().c_str());
+    std::fclose(f);
+  }
+  fmt::print(stderr, "checkpoint: rank {} could not save step {}: {}\n", rank_, step, st.to_string());
+}
+
+Result<SaveFigures> RankCheckpointer::save(const StageState& state) {
+  const auto t0 = Clock::now();
+  Status previous = ok_status();
+  if (pending_) {
+    previous = last_.wait();
+    pending_ = false;
+    if (!previous.ok()) mark_failed(last_step_, previous);
+  }
+  Result<checkpoint::SaveHandle> h = writer_->save(state.step, state.slices, state.rank_state);
+  if (!h.ok()) {
+    mark_failed(state.step, h.status());
+    return h.status();
+  }
+  last_ = *h;
+  last_step_ = state.step;
+  pending_ = true;
+  if (!previous.ok())
+    return previous.with_context(fmt::format("the checkpoint save of step {} failed", last_step_));
+  SaveFigures f;
+  f.blocked_ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
+  f.bytes = last_.stats().bytes;
+  return f;
+}
+
+Status RankCheckpointer::finish() {
+  if (!pending_) return ok_status();
+  pending_ = false;
+  const Status st = last_.wait();
+  if (!st.ok()) mark_failed(last_step_, st);
+  return st;
+}
+
+Result<int64_t> RankCheckpointer::poll_durable(bool wait) {
+  if (!pending_ || (!wait && !last_.done())) return int64_t{-1};
+  pending_ = false;
+  const Status st = last_.wait();
+  if (!st.ok()) {
+    mark_failed(last_step_, st);
+    return st.with_context(fmt::format("the checkpoint save of step {} failed", last_step_));
+  }
+  return last_step_;
+}
+
+// ---- CheckpointCommitter -----------------------------------------------------------------
+
+CheckpointCommitter::~CheckpointCommitter() {
+  {
+    std::lock_guard lock(mu_);
+    cancel_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void CheckpointCommitter::commit(int64_t step, nlohmann::json data_position, nlohmann::json metadata) {
+  {
+    std::lock_guard lock(mu_);
+    queue_.push_back(Pending{step, std::move(data_position), std::move(metadata)});
+    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+  }
+  cv_.notify_all();
+}
+
+void CheckpointCommitter::loop() {
+  while (true) {
+    Pending p;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [this] { return cancel_ || !queue_.empty() || finishing_; });
+      if (cancel_) return;
+      if (queue_.empty()) {
+        if (finishing_) return;
+        continue;
+      }
+      p = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    Status st = commit_one(p);
+    std::lock_guard lock(mu_);
+    if (!st.ok() && first_error_.ok()) first_error_ = st;
+  }
+}
+
+Status CheckpointCommitter::commit_one(const Pending& p) {
+  const auto t0 = Clock::now();
+  const int64_t step = p.step;
+  const fs::path tmp = fs::path(o_.dir) / checkpoint::tmp_dir_name(step);
+  // Poll in short slices: a cancelled committer (the job failed) stops at once; once the
+  // workers have stopped (finish()), a missing part will never come.
+  Status st = ok_status();
+  while (true) {
+    st = checkpoint::wait_for_parts(o_.dir, step, o_.world_size, std::chrono::milliseconds(200));
+    if (st.ok() || st.code() != StatusCode::kDeadlineExceeded) break;
+    bool stop = false, done = false;
+    {
+      std::lock_guard lock(mu_);
+      stop = cancel_;
+      done = finishing_;
+    }
+    if (stop) return ok_status();
+    for (int r = 0; r < o_.world_size; ++r) {
+      std::error_code ec;
+      if (fs::exists(tmp / error_file_name(r), ec)) {
+        std::ifstream in(tmp / error_file_name(r));
+        std::string why;
+        std::getline(in, why);
+        st = aborted("rank {} failed to save: {}", r, why);
+      }
+    }
+    if (st.code() == StatusCode::kAborted) break;
+    if (done || Clock::now() - t0 > o_.part_timeout) {
+      st = checkpoint::wait_for_parts(o_.dir, step, o_.world_size, std::chrono::milliseconds(0));
+      if (done && !st.ok()) st = st.with_context("the workers have stopped");
+      break;
+    }
+  }
+  if (st.ok()) {
+    checkpoint::FinalizeOptions fo;
+    fo.world_size = o_.world_size;
+    fo.keep_last = o_.keep;
+    fo.info = o_.info;
+    fo.info.data_position = p.data_position;
+    for (const auto& [k, v] : p.metadata.items()) fo.info.metadata[k] = v;
+    Result<checkpoint::FinalizeResult> r = checkpoint::finalize_checkpoint(o_.dir, step, fo);
+    if (r.ok()) {
+      fmt::print("checkpoint: step {} committed to {} ({:.2f} MB, {} ranks, {:.0f} ms after the save){}\n",
+                 step, r->path, static_cast<double>(r->bytes) / 1e6, o_.world_size,
+                 std::chrono::duration<double>(Clock::now() - t0).count() * 1e3,
+                 r->removed.empty() ? "" : fmt::format("; removed {}", fmt::join(r->removed, ", ")));
+      std::fflush(stdout);
+      std::lock_guard lock(mu_);
+      committed_.push_back(step);
+      return ok_status();
+    }
+    st = r.status();
+  }
+  fmt::print(stderr, "checkpoint: step {} was not committed: {}\n", step, st.to_string());
+  return st.with_context(fmt::format("checkpoint step {}", step));
+}
+
+Status CheckpointCommitter::finish() {
+  {
+    std::lock_guard lock(mu_);
+    finishing_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  std::lock_guard lock(mu_);
+  return first_error_;
+}
+
+std::vector<int64_t> CheckpointCommitter::committed() const {
+  std::lock_guard lock(mu_);
+  return committed_;
+}
+
+// ---- resume ------------------------------------------------------------------------------
+
+Result<std::unique_ptr<checkpoint::CheckpointReader>> open_resume_checkpoint(const std::string& path,
+                                                                             const std::string& what) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return not_found("{}: {} does not exist", what, path);
+  std::string dir = path;
+  if (!fs::exists(fs::path(path) / checkpoint::kManifestFile, ec) &&
+      fs::is_directory(fs::path(path) / "checkpoints", ec)) {
+    dir = (fs::path(path) / "checkpoints").string();
+  }
+  const bool named =
+      checkpoint::parse_step_dir_name(fs::path(dir).lexically_normal().filename().string()).has_value() ||
+      fs::exists(fs::path(dir) / checkpoint::kManifestFile, ec);
+  Result<std::unique_ptr<checkpoint::CheckpointReader>> r =
+      named ? checkpoint::CheckpointReader::open(dir, checkpoint::VerifyMode::kStructure)
+            : checkpoint::CheckpointReader::open_latest_valid(dir, checkpoint::VerifyMode::kChecksums);
+  if (!r.ok()) return r.status().with_context(what);
+  if (named) TROUPE_RETURN_IF_ERROR((*r)->verify_checksums().with_context(what));
+  for (const std::string& s : (*r)->skipped())
+    fmt::print(stderr, "train_moe: {}: skipped checkpoint {}\n", what == "--resume" ? "resume" : what, s);
+  return r;
+}
+
+Status prepare_checkpoint_dir(const std::string& dir, int64_t start_step) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return ok_status();
+  const int64_t stamp = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            std::chrono::system_clock::now().time_since_epoch())
+                            .count();
+  for (const auto& de : fs::directory_iterator(dir, ec)) {
+    const std::string name = de.path().filename().string();
+    std::string base = name;
+    const bool tmp = base.size() > 4 && base.compare(base.size() - 4, 4, ".tmp") == 0;
+    if (tmp) base.resize(base.size() - 4);
+    const std::optional<int64_t> step = checkpoint::parse_step_dir_name(base);
+    if (!step || *step <= start_step || !de.is_directory(ec)) continue;
+    if (tmp) {
+      fs::remove_all(de.path(), ec);
+      if (ec) return io_error("cannot remove the stale {}: {}", de.path().string(), ec.message());
+      fmt::print("checkpoint: removed {} (an unfinished save of a step after {})\n", de.path().string(),
+                 start_step);
+    } else {
+      const fs::path to = de.path().string() + fmt::format(".superseded-{}", stamp);
+      fs::rename(de.path(), to, ec);
+      if (ec) return io_error("cannot rename {}: {}", de.path().string(), ec.message());
+      fmt::print("checkpoint: {} is after the starting step {}; moved aside to {}\n", de.path().string(),
+                 start_step, to.string());
+    }
+  }
+  return ok_status();
+}
+
+std::string checkpoint_dir_for(const layers::TrainConfig& tc, const std::string& run_dir) {
+  if (!tc.checkpoint.dir.empty()) return tc.checkpoint.dir;
+  const char* env = std::getenv("TROUPE_CHECKPOINT_DIR");
+  if (env != nullptr && *env != '\0') return env;
+  return (fs::path(run_dir) / "checkpoints").string();
+}
+
+nlohmann::json run_metadata(const layers::TrainConfig& tc, const std::vector<std::string>& overrides) {
+  const layers::ModelConfig& m = tc.model;
+  return nlohmann::json{
+      {"format", "troupe-train-state-1"},
+      {"overrides", overrides},
+      {"model",
+       {{"params", m.num_params()},
+        {"n_layers", m.n_layers},
+        {"d_model", m.d_model},
+        {"vocab_size", m.vocab_size},
+        {"num_experts", m.moe.num_experts},
+        {"tie_embeddings", m.tie_embeddings}}},
+      {"saved_layout", fmt::format("pp={},dp={},n={}", tc.parallel.pp, tc.parallel.dp, tc.parallel.n)},
+      {"global_batch", tc.global_batch()},
+      {"seq_len", tc.train.seq_len},
+      {"seed", tc.train.seed}};
+}
+
+Status check_resume_compatible(const checkpoint::Manifest& man, const layers::TrainConfig& tc) {
+  const nlohmann::json now = run_metadata(tc, {});
+  const nlohmann::json saved = man.metadata.value("model", nlohmann::json::object());
+  for (const auto& [k, v] : now["model"].items()) {
+    if (saved.contains(k) && saved[k] != v) {
+      return failed_precondition(
+          "--resume: the checkpoint's model has {} = {} but this config has {} (the model "
+          "config must match the saved run)",
+          k, saved[k].dump(), v.dump());
+    }
+  }
+  for (const char* k : {"seed", "global_batch", "seq_len"}) {
+    if (man.metadata.contains(k) && man.metadata[k] != now[k]) {
+      fmt::print(stderr,
+                 "train_moe: warning: resuming with {} = {} but the checkpoint was saved with {}: the data "
+                 "order differs from the saved run's\n",
+                 k, now[k].dump(), man.metadata[k].dump());
+    }
+  }
+  return ok_status();
+}
+
+Result<checkpoint::CheckpointInfo> run_checkpoint_info(const std::string& config_path,
+                                                       const std::vector<std::string>& overrides,
+                                                       const layers::TrainConfig& tc,
+                                                       const std::string& tokenizer_path) {
+  std::ifstream in(config_path);
+  if (!in) return io_error("cannot read the config {}", config_path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  checkpoint::CheckpointInfo info;
+  info.config_text = text.str();
+  info.tokenizer_path = tokenizer_path;
+  info.metadata = run_metadata(tc, overrides);
+  return info;
+}
+
+Status trim_metrics(const std::string& path, int64_t last_step) {
+  std::ifstream in(path);
+  if (!in) return ok_status();  // nothing recorded yet
+  std::vector<std::string> keep;
+  std::string line;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) continue;  // a torn last line of a killed run
+    if (j.value("step", int64_t{0}) <= last_step) keep.push_back(line);
+  }
+  in.close();
+  std::ofstream out(path, std::ios::trunc);
+  if (!out) return io_error("cannot rewrite {}", path);
+  for (const auto& l : keep) out << l << "\n";
+  return ok_status();
+}
+
+bool checkpoint_due(int64_t every, int64_t step, bool last) {
+  return every > 0 && (step % every == 0 || last);
+}
+
+}  // namespace troupe::training

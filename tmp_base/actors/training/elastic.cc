@@ -1,0 +1,822 @@
+// actors/training/elastic.cc — ElasticPlan, fault injection and the elastic worker loop
+// (elastic.h).
+#include "actors/training/elastic.h"
+
+#include <fmt/format.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "actors/training/checkpointing.h"
+#include "actors/training/control.h"
+#include "actors/training/role_actors.h"
+#include "actors/training/stage.h"
+#include "actors/training/trainer.h"
+#include "comm/control/host_addr.h"
+#include "layers/token_data.h"
+
+namespace troupe::training {
+
+using Clock = std::chrono::steady_clock;
+
+nlohmann::json ElasticPlan::to_json() const {
+  return nlohmann::json{{"epoch", epoch},
+                        {"dp", dp},
+                        {"grad_accum", grad_accum},
+                        {"slots", slots},
+                        {"has_state", has_state},
+                        {"step_done", step_done},
+                        {"seq", seq},
+                        {"reason", reason},
+                        {"checkpoint", checkpoint},
+                        {"ckpt_every", ckpt_every},
+                        {"ckpt_dir", ckpt_dir},
+                        {"replica_step", replica_step},
+                        {"replica_every", replica_every}};
+}
+
+Result<ElasticPlan> ElasticPlan::from_json(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object())
+    return data_loss("elastic: plan is not a JSON object: {}", text.substr(0, 200));
+  try {
+    ElasticPlan p;
+    p.epoch = j.at("epoch").get<uint64_t>();
+    p.dp = j.at("dp").get<int64_t>();
+    p.grad_accum = j.at("grad_accum").get<int64_t>();
+    p.slots = j.at("slots").get<std::vector<int>>();
+    p.has_state = j.at("has_state").get<std::vector<bool>>();
+    p.step_done = j.at("step_done").get<int64_t>();
+    p.seq = j.at("seq").get<int64_t>();
+    p.reason = j.value("reason", "");
+    p.checkpoint = j.value("checkpoint", "");
+    p.ckpt_every = j.value("ckpt_every", int64_t{0});
+    p.ckpt_dir = j.value("ckpt_dir", "");
+    p.replica_step = j.value("replica_step", int64_t{-1});
+    p.replica_every = j.value("replica_every", int64_t{0});
+    if (p.slots.size() != p.has_state.size() || p.dp < 1 || p.grad_accum < 1) {
+      return data_loss("elastic: inconsistent plan: {}", text.substr(0, 200));
+    }
+    return p;
+  } catch (const std::exception& e) {
+    return data_loss("elastic: malformed plan ({}): {}", e.what(), text.substr(0, 200));
+  }
+}
+
+int ElasticPlan::rank_of_slot(int slot) const {
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i] == slot) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+namespace {
+bool transient(const Status& st) {
+  return st.code() == StatusCode::kUnavailable || st.code() == StatusCode::kDeadlineExceeded;
+}
+constexpr std::chrono::milliseconds kRetryPause{50};
+}  // namespace
+
+Status TolerantStore::set(std::string_view key, std::string_view value) {
+  const auto give_up = Clock::now() + patience_;
+  while (true) {
+    Status st = base_.set(key, value);
+    if (st.ok() || !transient(st) || Clock::now() >= give_up) return st;
+    std::this_thread::sleep_for(kRetryPause);
+  }
+}
+
+Result<bool> TolerantStore::contains(std::string_view key) {
+  const auto give_up = Clock::now() + patience_;
+  while (true) {
+    Result<bool> r = base_.contains(key);
+    if (r.ok() || !transient(r.status()) || Clock::now() >= give_up) return r;
+    std::this_thread::sleep_for(kRetryPause);
+  }
+}
+
+Result<std::string> TolerantStore::get(std::string_view key, comm::Deadline deadline) {
+  while (true) {
+    Result<std::string> r = base_.get(key, deadline);
+    if (r.ok() || r.status().code() != StatusCode::kUnavailable) return r;
+    if (Clock::now() >= deadline)
+      return deadline_exceeded("store unavailable until the deadline: {}", r.status().to_string());
+    std::this_thread::sleep_for(kRetryPause);
+  }
+}
+
+Status TolerantStore::wait(const std::vector<std::string>& keys, comm::Deadline deadline) {
+  while (true) {
+    Status st = base_.wait(keys, deadline);
+    if (st.ok() || st.code() != StatusCode::kUnavailable) return st;
+    if (Clock::now() >= deadline)
+      return deadline_exceeded("store unavailable until the deadline: {}", st.to_string());
+    std::this_thread::sleep_for(kRetryPause);
+  }
+}
+
+std::string elastic_key(const std::string& job, const std::string& rest) {
+  return job + "/elastic/" + rest;
+}
+
+int64_t wall_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+bool keeps_state_in_memory(const layers::TrainConfig& tc, bool gpu) {
+  if (!gpu) return true;
+  return tc.elastic.gpu_state == "memory" && std::max(tc.parallel.dp, tc.elastic.max_dp) > 1;
+}
+
+Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
+  std::vector<FaultSpec> out;
+  size_t pos = 0;
+  while (pos < spec.size()) {
+    size_t comma = spec.find(',', pos);
+    if (comma == std::string::npos) comma = spec.size();
+    const std::string item = spec.substr(pos, comma - pos);
+    pos = comma + 1;
+    if (item.empty()) continue;
+    FaultSpec f;
+    const size_t at = item.find('@'), c1 = item.find(':'), c2 = item.rfind(':');
+    if (at == std::string::npos || c1 == std::string::npos || c2 == c1 || c1 < at) {
+      return invalid_argument("elastic.inject: '{}' is not <kill|stop>@<step>:<phase>:<slot>", item);
+    }
+    const std::string action = item.substr(0, at);
+    if (action == "kill") {
+      f.action = FaultSpec::Action::kKill;
+    } else if (action == "stop") {
+      f.action = FaultSpec::Action::kStop;
+    } else if (action == "slow") {
+      f.action = FaultSpec::Action::kSlow;
+    } else if (action == "cut") {
+      f.action = FaultSpec::Action::kCut;
+    } else if (action == "hang") {
+      f.action = FaultSpec::Action::kHang;
+    } else if (action == "cutctl") {
+      f.action = FaultSpec::Action::kCutControl;
+    } else {
+      return invalid_argument("elastic.inject: unknown action '{}' (kill, stop, slow, cut, hang or cutctl)",
+                              action);
+    }
+    f.phase = item.substr(c1 + 1, c2 - c1 - 1);
+    if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
+        f.phase != "any" && f.phase != "start") {
+      return invalid_argument(
+          "elastic.inject: unknown phase '{}' (forward, alltoall, sync, checkpoint, any, start)", f.phase);
+    }
+    char* end = nullptr;
+    const std::string step_s = item.substr(at + 1, c1 - at - 1), slot_s = item.substr(c2 + 1);
+    f.step = std::strtoll(step_s.c_str(), &end, 10);
+    const bool start = f.phase == "start";
+    if (step_s.empty() || *end != '\0' || (start ? f.step != 0 : f.step < 1))
+      return invalid_argument("elastic.inject: bad step in '{}' (phase start: step 0, else >= 1)", item);
+    if (start && f.action != FaultSpec::Action::kSlow)
+      return invalid_argument("elastic.inject: '{}': phase start takes only slow (slow@0:start:<slot>)",
+                              item);
+    f.slot = static_cast<int>(std::strtol(slot_s.c_str(), &end, 10));
+    if (slot_s.empty() || *end != '\0' || f.slot < 0)
+      return invalid_argument("elastic.inject: bad slot in '{}'", item);
+    out.push_back(f);
+  }
+  return out;
+}
+
+namespace {
+
+// Fault injection state (one worker process).
+struct FaultState {
+  std::vector<FaultSpec> specs;
+  std::vector<bool> fired;
+  std::vector<int64_t> slowed_step;  // kSlow: the last step it slept in
+  std::atomic<int64_t> step{0};
+  int slot = 0;
+  comm::RendezvousStore* store = nullptr;
+  std::string job;
+  std::function<void()> cut;          // aborts this worker's communicators
+  std::function<void()> cut_control;  // closes its control-plane connection (may be empty)
+};
+FaultState* g_faults = nullptr;
+
+bool phase_matches(const std::string& phase, std::string_view what) {
+  if (phase == "any") return true;
+  if (phase == "forward") return what.rfind("ulysses seq->head", 0) == 0;
+  if (phase == "alltoall") return what.rfind("expert dispatch", 0) == 0;
+  if (phase == "sync") return what.rfind("grads", 0) == 0 || what.rfind("bf16 grads", 0) == 0;
+  if (phase == "checkpoint") return what.rfind("checkpoint write", 0) == 0;
+  return false;
+}
+
+void fault_hook(std::string_view what) {
+  FaultState* fs = g_faults;
+  if (fs == nullptr) return;
+  for (size_t i = 0; i < fs->specs.size(); ++i) {
+    const FaultSpec& f = fs->specs[i];
+    if (f.action == FaultSpec::Action::kSlow) {
+      const int64_t step = fs->step.load();
+      if (f.slot == fs->slot && step >= f.step && fs->slowed_step[i] != step &&
+          phase_matches(f.phase, what)) {
+        fs->slowed_step[i] = step;
+        std::this_thread::sleep_for(std::chrono::milliseconds(150));
+      }
+      continue;
+    }
+    if (fs->fired[i] || f.slot != fs->slot || f.step != fs->step.load() || !phase_matches(f.phase, what))
+      continue;
+    fs->fired[i] = true;
+    (void)fs->store->set(
+        elastic_key(fs->job, fmt::format("fault/{}", fs->slot)),
+        nlohmann::json{{"ts_ms", wall_ms()}, {"what", std::string(what)}, {"step", f.step}}.dump());
+    const char* name = f.action == FaultSpec::Action::kKill   ? "SIGKILL"
+                       : f.action == FaultSpec::Action::kStop ? "SIGSTOP"
+                       : f.action == FaultSpec::Action::kCut  ? "a data-plane cut"
+                       : f.action == FaultSpec::Action::kHang ? "a hang"
+                                                              : "a control-connection cut";
+    fmt::print(stderr, "elastic: slot {} injects {} at step {} during '{}'\n", fs->slot, name, f.step, what);
+    std::fflush(stderr);
+    switch (f.action) {
+      case FaultSpec::Action::kKill:
+        raise(SIGKILL);
+        break;
+      case FaultSpec::Action::kStop:
+        raise(SIGSTOP);
+        break;
+      case FaultSpec::Action::kCut:
+        if (fs->cut) fs->cut();
+        break;
+      case FaultSpec::Action::kCutControl:
+        if (fs->cut_control) fs->cut_control();
+        break;
+      case FaultSpec::Action::kHang:
+        while (true) std::this_thread::sleep_for(std::chrono::seconds(1));  // until killed
+      case FaultSpec::Action::kSlow:
+        break;
+    }
+  }
+}
+
+layers::TrainConfig layout_config(const layers::TrainConfig& tc, const ElasticPlan& plan) {
+  layers::TrainConfig out = tc;
+  out.parallel.dp = plan.dp;
+  out.train.grad_accum = plan.grad_accum;
+  return out;
+}
+
+// The column's source: the lowest dp index of this rank's (pp, n) column holding state.
+Result<int> source_dp(const ElasticPlan& plan, const layers::TrainConfig& tc, int rank) {
+  TROUPE_ASSIGN_OR_RETURN(ParallelLayout layout,
+                          ParallelLayout::make(static_cast<int>(tc.parallel.pp), static_cast<int>(plan.dp),
+                                               static_cast<int>(tc.parallel.n)));
+  const ParallelCoord me = layout.coord(rank);
+  for (int d = 0; d < layout.dp(); ++d) {
+    ParallelCoord c = me;
+    c.dp = d;
+    if (plan.has_state[static_cast<size_t>(layout.rank_of(c))]) return d;
+  }
+  return unavailable(
+      "epoch {}: no survivor holds the state of column pp={} n={} (every dp replica was lost; a "
+      "checkpoint restore is needed)",
+      plan.epoch, me.pp, me.n);
+}
+
+// The store the Stage's communicators rendezvous through: waits are cut into short slices
+// and give up (kAborted) once `cancel` is set — a worker joining an epoch that failed
+// while it joined (a peer died during the rebuild) must not wait out the init timeout.
+class CancellableStore final : public comm::RendezvousStore {
+ public:
+  CancellableStore(comm::RendezvousStore& base, const std::atomic<bool>& cancel)
+      : base_(base), cancel_(cancel) {}
+  Status set(std::string_view key, std::string_view value) override { return base_.set(key, value); }
+  Result<std::string> get(std::string_view key, comm::Deadline deadline) override {
+    while (true) {
+      if (cancel_.load())
+        return aborted("rendezvous on '{}' cancelled: a newer membership epoch opened", key);
+      Result<std::string> r =
+          base_.get(key, std::min(deadline, Clock::now() + std::chrono::milliseconds(50)));
+      if (r.ok() || r.status().code() != StatusCode::kDeadlineExceeded || Clock::now() >= deadline) return r;
+    }
+  }
+  Status wait(const std::vector<std::string>& keys, comm::Deadline deadline) override {
+    while (true) {
+      if (cancel_.load()) return aborted("rendezvous cancelled: a newer membership epoch opened");
+      Status st = base_.wait(keys, std::min(deadline, Clock::now() + std::chrono::milliseconds(50)));
+      if (st.ok() || st.code() != StatusCode::kDeadlineExceeded || Clock::now() >= deadline) return st;
+    }
+  }
+  Result<bool> contains(std::string_view key) override { return base_.contains(key); }
+
+ private:
+  comm::RendezvousStore& base_;
+  const std::atomic<bool>& cancel_;
+};
+
+class ElasticWorker {
+ public:
+  ElasticWorker(const layers::TrainConfig& tc, ProgramFactory program, comm::RendezvousStore& store,
+                std::string job, int slot, uint64_t epoch, const layers::Ctx& ctx)
+      : tc_(tc),
+        program_(std::move(program)),
+        store_(store),
+        job_(std::move(job)),
+        slot_(slot),
+        epoch_(epoch),
+        ctx_(ctx),
+        keep_state_(keeps_state_in_memory(tc, ctx.on_device())),
+        comm_store_(store, cancel_) {}
+  ~ElasticWorker() {
+    stop_watcher_ = true;
+    if (watcher_.joinable()) watcher_.join();
+    actors_.reset();  // no plan handler runs on a half-destroyed worker
+  }
+
+  Status run();
+  // Fault injection (step thread): aborts this worker's communicators.
+  void cut_connections() {
+    if (stage_) stage_->abort_comms("fault injection: connections cut");
+  }
+
+ private:
+  std::string key(const std::string& rest) const { return elastic_key(job_, rest); }
+  Result<ElasticPlan> read_plan(uint64_t epoch, std::chrono::milliseconds timeout);
+  // The stage actor got the plan of a new epoch: remember it, and if it opens the next
+  // epoch, abort the communicators as the watcher would (a step in progress unwinds).
+  void on_plan(const ElasticPlan& plan);
+  // Aborts the communicators for the opening of epoch `next` (once; caller holds mu_).
+  void abort_for(uint64_t next, const char* how);
+  bool has_plan(uint64_t epoch);
+  Result<std::unique_ptr<Stage>> make_stage(const ElasticPlan& plan, int rank);
+  // Adopts `plan` (stage built or rebuilt, state synced), then places this worker's actors
+  // for its rank.
+  Status join(const ElasticPlan& plan);
+  Status join_epoch(const ElasticPlan& plan);
+  // After step `step`: starts this rank's checkpoint part when one is due, noting it in
+  // `reply` ("ckpt_started", "ckpt_blocked_ms"; a failure as "ckpt_errors").
+  // `force`: also off the every-K schedule.
+  Status save_checkpoint(int64_t step, StepReply& reply, bool force = false);
+  // Notes in `reply` ("durable": [step]) a part that became durable since the last
+  // reply, or its failure ("ckpt_errors"); `wait`: waits for the write in flight first.
+  Status report_durable(StepReply& reply, bool wait);
+  void watch();
+
+  layers::TrainConfig tc_;
+  ProgramFactory program_;  // the app's stage program
+  comm::RendezvousStore& store_;
+  std::string job_;
+  int slot_;
+  std::mutex mu_;    // guards stage_ swaps, epoch_/adopting_ against the watcher
+  uint64_t epoch_;   // current epoch (main thread writes under mu_)
+  layers::Ctx ctx_;  // where the Stage lives (the CPU, or this worker's GPU)
+  // The committed state in memory (rollback, restore from a dp peer): see
+  // keeps_state_in_memory (GPU workers of a job without data parallelism keep none).
+  bool keep_state_;
+  uint64_t adopting_ = 0;     // highest epoch whose plan the main thread took over
+  uint64_t aborted_for_ = 0;  // highest epoch whose opening aborted the communicators (under mu_)
+  // Plans the Trainer sent the stage actor (ElasticPlan messages), by epoch (under mu_);
+  // the store's record is the fallback.
+  std::map<uint64_t, ElasticPlan> sent_plans_;
+  bool plan_via_message_ = false;  // the last plan read came as a message
+  std::unique_ptr<Stage> stage_;
+  std::unique_ptr<WorkerActors> actors_;  // the actors placed on this worker (role_actors.h)
+  nlohmann::json ready_info_;             // what join_epoch tells the Trainer with "ready"
+  int rank_ = -1;
+  int64_t dp_ = 0;
+  // Elastic checkpoints: every ckpt_every_ steps into ckpt_dir_ (0: off); the writer is
+  // made for the current layout and rank.
+  int64_t ckpt_every_ = 0;
+  int64_t replica_every_ = 0;  // neighbour replicas (the plan's replica_every)
+  size_t plan_world_ = 0;      // ranks of the current epoch
+  std::string ckpt_dir_;
+  std::unique_ptr<RankCheckpointer> writer_;
+  std::thread watcher_;
+  std::atomic<bool> stop_watcher_{false};
+  std::atomic<bool> cancel_{false};  // set when epoch_+1 opened: in-progress rendezvous give up
+  CancellableStore comm_store_;
+};
+
+Result<ElasticPlan> ElasticWorker::read_plan(uint64_t epoch, std::chrono::milliseconds timeout) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = sent_plans_.find(epoch); it != sent_plans_.end()) {
+      plan_via_message_ = true;
+      return it->second;
+    }
+  }
+  TROUPE_ASSIGN_OR_RETURN(std::string text,
+                          store_.get(key(fmt::format("plan/{}", epoch)), comm::deadline_in(timeout)));
+  plan_via_message_ = false;
+  return ElasticPlan::from_json(text);
+}
+
+bool ElasticWorker::has_plan(uint64_t epoch) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (sent_plans_.count(epoch) != 0) return true;
+  }
+  Result<bool> has = store_.contains(key(fmt::format("plan/{}", epoch)));
+  return has.ok() && has.value();
+}
+
+void ElasticWorker::abort_for(uint64_t next, const char* how) {
+  if (aborted_for_ >= next) return;
+  if (epoch_ + 1 == next) cancel_ = true;
+  // Only while the main thread has not taken the plan over (it rebuilds the
+  // communicators, which must not be aborted).
+  if (adopting_ < next && stage_)
+    stage_->abort_comms(fmt::format("membership epoch {} opened ({})", next, how));
+  aborted_for_ = next;
+}
+
+void ElasticWorker::on_plan(const ElasticPlan& plan) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (plan.epoch <= epoch_) return;  // an old plan (taken over already)
+  sent_plans_.emplace(plan.epoch, plan);
+  if (plan.epoch == epoch_ + 1) abort_for(plan.epoch, "message");
+  // Wakes the idle loop: a command of a later epoch, dropped once it sees the plan.
+  actors_->wake();
+}
+
+Result<std::unique_ptr<Stage>> ElasticWorker::make_stage(const ElasticPlan& plan, int rank) {
+  const layers::TrainConfig tc = layout_config(tc_, plan);
+  TROUPE_ASSIGN_OR_RETURN(layers::TokenShards train, layers::TokenShards::open(tc.data.dir, "train"));
+  TROUPE_ASSIGN_OR_RETURN(layers::TokenShards val, layers::TokenShards::open(tc.data.dir, "val"));
+  comm::StoreNamespace ns;
+  ns.job = job_;
+  ns.epoch = plan.epoch;
+  return Stage::create(tc, rank, program_, comm_store_, ns, std::move(train), std::move(val), ctx_);
+}
+
+Status ElasticWorker::join(const ElasticPlan& plan) {
+  actors_->set_state(plan.epoch == 0 ? "joining" : "recovering");
+  TROUPE_RETURN_IF_ERROR(join_epoch(plan));
+  // The actors of this rank exist before the Trainer learns the worker is ready (its
+  // first command goes to stage.<rank>).
+  const std::map<std::string, int64_t> params = stage_->params_by_role();
+  TROUPE_RETURN_IF_ERROR(actors_->place(rank_, plan.epoch, params));
+  actors_->step_done(stage_->steps_done(), 0.0);
+  ready_info_["roles"] = hosted_roles(params);  // the actors the Trainer monitors
+  ready_info_["plan_via"] = plan.epoch == 0 ? "start" : plan_via_message_ ? "message" : "store";
+  return store_.set(key(fmt::format("ready/{}/{}", plan.epoch, slot_)), ready_info_.dump());
+}
+
+Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
+  // Tells the driver this worker took the plan over (a worker that never does is wedged).
+  TROUPE_RETURN_IF_ERROR(
+      store_.set(key(fmt::format("adopted/{}/{}", plan.epoch, slot_)), std::to_string(wall_ms())));
+  const int rank = plan.rank_of_slot(slot_);
+  plan_world_ = plan.slots.size();
+  const layers::TrainConfig tc = layout_config(tc_, plan);
+  comm::StoreNamespace ns;
+  ns.job = job_;
+  ns.epoch = plan.epoch;
+  if (plan.replica_step >= 0) {
+    // Every rank goes back to the neighbour replicas' step (no dp peer held a lost rank's
+    // state, but its successor keeps a copy).
+    if (stage_ && plan.dp == dp_ && rank == rank_) {
+      TROUPE_RETURN_IF_ERROR(stage_->rebuild_comms(ns));
+    } else {
+      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
+      std::lock_guard<std::mutex> lock(mu_);
+      stage_ = std::move(s);
+    }
+    TROUPE_RETURN_IF_ERROR(stage_->restore_from_replicas(plan.has_state, plan.replica_step));
+    if (rank != rank_ || plan.dp != dp_) writer_.reset();
+    rank_ = rank;
+    dp_ = plan.dp;
+    ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}, {"from", "replicas"}};
+    return ok_status();
+  }
+  if (!plan.checkpoint.empty()) {
+    // Every rank goes back to the checkpoint (a column lost every replica).
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::CheckpointReader> reader,
+                            checkpoint::CheckpointReader::open(plan.checkpoint));
+    if (reader->step() != plan.step_done) {
+      return failed_precondition("elastic: checkpoint {} is of step {}, the plan says {}", plan.checkpoint,
+                                 reader->step(), plan.step_done);
+    }
+    if (stage_ && plan.dp == dp_ && rank == rank_) {
+      TROUPE_RETURN_IF_ERROR(stage_->rebuild_comms(ns));
+    } else {
+      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
+      std::lock_guard<std::mutex> lock(mu_);
+      stage_ = std::move(s);
+    }
+    // Any saved layout (the job may have changed dp since the save): each rank reads its
+    // owned slices; the dp group then replicates the moments and commits the state.
+    TROUPE_RETURN_IF_ERROR(stage_->load_checkpoint(*reader));
+    if (keep_state_) stage_->commit_imported(plan.step_done);
+    if (rank != rank_ || plan.dp != dp_) writer_.reset();
+    rank_ = rank;
+    dp_ = plan.dp;
+    ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}, {"from", plan.checkpoint}};
+    return ok_status();
+  }
+  if (!stage_) {
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
+    std::lock_guard<std::mutex> lock(mu_);
+    stage_ = std::move(s);
+  } else {
+    TROUPE_RETURN_IF_ERROR(stage_->rollback(plan.step_done));
+    if (plan.dp == dp_ && rank == rank_) {
+      TROUPE_RETURN_IF_ERROR(stage_->rebuild_comms(ns));
+    } else {
+      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
+      TROUPE_RETURN_IF_ERROR(s->import_state(*stage_));
+      std::lock_guard<std::mutex> lock(mu_);
+      stage_ = std::move(s);
+    }
+  }
+  if (rank != rank_ || plan.dp != dp_) writer_.reset();
+  rank_ = rank;
+  dp_ = plan.dp;
+  if (plan.epoch > 0) {
+    TROUPE_ASSIGN_OR_RETURN(int src, source_dp(plan, tc, rank));
+    stage_->sync_state(src, plan.step_done);
+  } else if (keep_state_) {
+    stage_->commit(plan.step_done);
+  }
+  ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}};
+  return ok_status();
+}
+
+// A failed save is not a failed worker: it is reported (StepReply::ckpt_errors) and
+// training goes on; the Trainer abandons that checkpoint.
+namespace {
+
+void fill_step_reply(const StepReport& r, StepReply& m) {
+  m.step = r.step;
+  m.loss = r.loss;
+  m.lm_loss = r.lm_loss;
+  m.aux_loss = r.aux_loss;
+  m.grad_norm = r.grad_norm;
+  m.lr = r.lr;
+  m.step_tokens = r.tokens;
+  m.expert_load = r.expert_load;
+  m.step_ms = r.step_ms;
+  m.comm_ms = r.comm_ms;
+  m.compute_ms = r.compute_ms;
+  m.comm_ms_mean = r.comm_ms_mean;
+  m.comm_by_kind_ms = r.comm_by_kind_ms;
+  m.peak_bytes = r.peak_bytes;
+  m.host_syncs = r.host_syncs;
+}
+
+void note_ckpt_error(StepReply& reply, int64_t step, const Status& st) {
+  reply.ckpt_errors.emplace_back(step, st.to_string());
+  fmt::print(stderr, "checkpoint: this rank could not save step {}: {}\n", step, st.to_string());
+  std::fflush(stderr);
+}
+}  // namespace
+
+Status ElasticWorker::save_checkpoint(int64_t step, StepReply& reply, bool force) {
+  if (ckpt_every_ <= 0 || (!force && step % ckpt_every_ != 0)) return ok_status();
+  if (!writer_) {
+    Result<std::unique_ptr<RankCheckpointer>> w = RankCheckpointer::create(
+        ckpt_dir_, stage_->state_layout(), rank_, static_cast<uint64_t>(tc_.checkpoint.max_mb_per_s * 1e6));
+    if (!w.ok()) {
+      note_ckpt_error(reply, step, w.status());
+      return ok_status();
+    }
+    writer_ = std::move(w).value();
+  }
+  // The previous save first (blocked time): its outcome is reported in this reply.
+  TROUPE_RETURN_IF_ERROR(report_durable(reply, /*wait=*/true));
+  // Right after the step: the live state is the committed one. The same part as a normal
+  // training rank's, so the checkpoint is issue 8's format. Only the snapshot into the
+  // writer's host buffer blocks the step; the write goes on in the background and a later
+  // reply says when it is durable (report_durable).
+  TROUPE_ASSIGN_OR_RETURN(StageState st, stage_->export_state(StateScope::kSave, /*copy=*/false));
+  if (st.step != step) {
+    return failed_precondition("checkpoint: asked to save step {} but the stage has run {} steps", step,
+                               st.step);
+  }
+  const auto t0 = Clock::now();
+  Result<SaveFigures> f = writer_->save(st);
+  if (!f.ok()) {
+    note_ckpt_error(reply, step, f.status());
+    return ok_status();
+  }
+  reply.ckpt_started = step;
+  reply.ckpt_blocked_ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
+  reply.ckpt_bytes = static_cast<int64_t>(f->bytes);
+  fault_point(fmt::format("checkpoint write of step {}", step));
+  return ok_status();
+}
+
+Status ElasticWorker::report_durable(StepReply& reply, bool wait) {
+  if (!writer_) return ok_status();
+  const int64_t step = writer_->pending_step();
+  Result<int64_t> durable = writer_->poll_durable(wait);
+  if (!durable.ok()) {
+    note_ckpt_error(reply, step, durable.status());
+  } else if (*durable >= 0) {
+    reply.durable.push_back(*durable);
+  }
+  return ok_status();
+}
+
+void ElasticWorker::watch() {
+  int64_t beat = 0;
+  while (!stop_watcher_) {
+    (void)store_.set(key(fmt::format("hb/{}", slot_)), std::to_string(++beat));
+    uint64_t next = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      next = epoch_ + 1;
+    }
+    Result<bool> has = store_.contains(key(fmt::format("plan/{}", next)));
+    if (has.ok() && has.value()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      abort_for(next, "store");
+    }
+    std::this_thread::sleep_for(kHeartbeatInterval);
+  }
+}
+
+Status ElasticWorker::run() {
+  set_throw_on_comm_error(true);
+  std::string device = "cpu";
+  if (ctx_.on_device()) {
+    const char* vis = std::getenv("CUDA_VISIBLE_DEVICES");
+    device = fmt::format("cuda:{}", (vis != nullptr && *vis != '\0') ? vis : "0");
+  }
+  TROUPE_ASSIGN_OR_RETURN(
+      actors_, WorkerActors::start(slot_, control::host_addr(), store_, key(fmt::format("actors/{}", slot_)),
+                                   std::move(device)));
+  // Plans of new epochs the Trainer sends the stage actor (rebuild).
+  actors_->on_plan([this](const ElasticPlan& p) { on_plan(p); });
+  // Replies and failure reports go to the driver's trainer actor.
+  TROUPE_RETURN_IF_ERROR(
+      actors_->connect_driver(store_, key("actors/driver"), std::chrono::milliseconds(120000)));
+  TROUPE_ASSIGN_OR_RETURN(ElasticPlan plan, read_plan(epoch_, std::chrono::milliseconds(120000)));
+  if (plan.rank_of_slot(slot_) < 0)
+    return invalid_argument("elastic: slot {} is not in the plan of epoch {}", slot_, epoch_);
+  // The job's checkpoints (the driver's choice, the same in every plan).
+  ckpt_every_ = plan.ckpt_every;
+  replica_every_ = plan.replica_every;
+  ckpt_dir_ = plan.ckpt_dir;
+  if (ckpt_every_ > 0 && ckpt_dir_.empty()) {
+    return invalid_argument("elastic: the plan asks for checkpoints every {} steps but names no directory",
+                            ckpt_every_);
+  }
+  adopting_ = epoch_;
+  watcher_ = std::thread([this] { watch(); });
+  bool healthy = true;
+  Status st = ok_status();
+  try {
+    st = join(plan);
+  } catch (const CommFailure& e) {
+    st = unavailable("{}", e.what());
+  }
+  if (!st.ok()) healthy = false;
+  int64_t seq = plan.seq;
+  while (true) {
+    if (!healthy) {
+      (void)actors_->report(WorkerFailure{epoch_, slot_, rank_, static_cast<uint16_t>(st.code()),
+                                          actor_id("stage", rank_), st.to_string(), wall_ms()});
+      fmt::print(stderr, "elastic: slot {} (rank {}) failed in epoch {}: {}\n", slot_, rank_, epoch_,
+                 st.to_string());
+      std::fflush(stderr);
+    }
+    // Wait for a command of this epoch or for the next epoch's plan.
+    const auto idle_deadline = Clock::now() + std::chrono::milliseconds(600000);
+    std::optional<StepCommand> next;
+    bool new_epoch = false;
+    while (true) {
+      if (has_plan(epoch_ + 1)) {
+        new_epoch = true;
+        break;
+      }
+      // Commands come to this worker's stage actor; one of an older epoch, or one already
+      // served, is dropped.
+      next = actors_->next_command(std::chrono::milliseconds(healthy ? 50 : 20));
+      if (next && healthy && next->epoch == epoch_ && next->seq >= seq) break;
+      next.reset();
+      if (Clock::now() > idle_deadline)
+        return deadline_exceeded("elastic: slot {}: no command for 600 s", slot_);
+    }
+    if (new_epoch) {
+      TROUPE_ASSIGN_OR_RETURN(ElasticPlan p, read_plan(epoch_ + 1, std::chrono::milliseconds(10000)));
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        adopting_ = p.epoch;
+        if (stage_) stage_->abort_comms("adopting a new epoch");
+        epoch_ = p.epoch;
+        cancel_ = false;
+      }
+      if (p.rank_of_slot(slot_) < 0) {
+        fmt::print(stderr, "elastic: slot {} leaves the job in epoch {} ({})\n", slot_, p.epoch, p.reason);
+        return ok_status();
+      }
+      try {
+        st = join(p);
+      } catch (const CommFailure& e) {
+        st = unavailable("{}", e.what());
+      }
+      healthy = st.ok();
+      seq = p.seq;
+      continue;
+    }
+    seq = next->seq;
+    const Command cmd{next->seq, static_cast<Command::Kind>(next->kind), next->step};
+    StepReply reply;
+    reply.seq = cmd.seq;
+    reply.kind = next->kind;
+    try {
+      switch (cmd.kind) {
+        case Command::Kind::kStep: {
+          if (g_faults != nullptr) g_faults->step = cmd.step;
+          actors_->set_state("training");
+          const StepReport rep = stage_->run_step(cmd.step);
+          actors_->step_done(cmd.step, rep.step_ms);
+          fill_step_reply(rep, reply);
+          if (keep_state_) {
+            const auto c0 = Clock::now();
+            stage_->replicate_optimizer();
+            stage_->commit(cmd.step);
+            reply.commit_ms = std::chrono::duration<double>(Clock::now() - c0).count() * 1e3;
+            if (replica_every_ > 0 && cmd.step % replica_every_ == 0 && plan_world_ > 1) {
+              const auto r0 = Clock::now();
+              stage_->refresh_replica();
+              reply.replica = cmd.step;
+              reply.replica_ms = std::chrono::duration<double>(Clock::now() - r0).count() * 1e3;
+            }
+          }
+          TROUPE_RETURN_IF_ERROR(save_checkpoint(cmd.step, reply));
+          break;
+        }
+        case Command::Kind::kEval:
+          reply.val_loss = stage_->evaluate();
+          break;
+        case Command::Kind::kStop:
+          break;
+        case Command::Kind::kSave:  // a checkpoint off the every-K schedule (the job's last step)
+          if (stage_->steps_done() != cmd.step) {
+            return failed_precondition("save step {}: this rank has run {} steps", cmd.step,
+                                       stage_->steps_done());
+          }
+          TROUPE_RETURN_IF_ERROR(save_checkpoint(cmd.step, reply, /*force=*/true));
+          break;
+      }
+    } catch (const CommFailure& e) {
+      st = unavailable("{}", e.what());
+      healthy = false;
+      continue;
+    }
+    TROUPE_RETURN_IF_ERROR(report_durable(reply, cmd.kind == Command::Kind::kStop));
+    reply.rank = rank_;
+    reply.slot = slot_;
+    reply.epoch = epoch_;
+    TROUPE_RETURN_IF_ERROR(actors_->send(reply));
+    ++seq;
+    if (cmd.kind == Command::Kind::kStop) return ok_status();
+  }
+}
+
+}  // namespace
+
+Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& program,
+                          comm::RendezvousStore& base_store, const std::string& job, int slot, uint64_t epoch,
+                          std::function<void()> cut_control, const layers::Ctx& ctx) {
+  // A store outage (the scheduler restarting) must not end the worker.
+  TolerantStore store(base_store, std::chrono::milliseconds(30000));
+  std::unique_ptr<FaultState> faults;
+  if (!tc.elastic.inject.empty() && epoch == 0) {
+    TROUPE_ASSIGN_OR_RETURN(std::vector<FaultSpec> specs, parse_faults(tc.elastic.inject));
+    faults = std::make_unique<FaultState>();
+    faults->specs = std::move(specs);
+    faults->fired.assign(faults->specs.size(), false);
+    faults->slowed_step.assign(faults->specs.size(), -1);
+    faults->slot = slot;
+    faults->store = &store;
+    faults->job = job;
+    faults->cut_control = std::move(cut_control);
+    g_faults = faults.get();
+    set_fault_hook(&fault_hook);
+  }
+  if (faults) {
+    for (const FaultSpec& f : faults->specs) {
+      if (f.phase != "start" || f.slot != slot) continue;
+      // A worker slow to start (exec, loading, a busy host): no beat until it is up.
+      const int64_t ms = 2 * tc.elastic.heartbeat_timeout_ms;
+      fmt::print(stderr, "elastic: slot {} injects a slow start ({} ms before its first beat)\n", slot, ms);
+      std::fflush(stderr);
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    }
+  }
+  ElasticWorker w(tc, program, store, job, slot, epoch, ctx);
+  if (faults) faults->cut = [&w] { w.cut_connections(); };
+  Status st = w.run();
+  set_fault_hook(nullptr);
+  g_faults = nullptr;
+  return st;
+}
+
+}  // namespace troupe::training

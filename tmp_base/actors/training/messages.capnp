@@ -1,0 +1,118 @@
+# actors/training/messages.capnp — the wire schema of the training actors' messages
+# (actors/training/messages.h has the plain C++ structs; only messages_codec.cc includes
+# the generated header).
+#
+# Evolution rules (Cap'n Proto's, as scheduler/protocol.capnp): add fields only with the
+# next ordinal; never change an ordinal, a type or a default. Tensors never travel here.
+@0xb7e4a2c91d3f5a60;
+
+# Asks a training actor (stage, attention shard, expert group) for its status.
+struct ActorStatusQuery @0xb7e4a2c91d3f5a61 {
+  requester @0 :Text;     # who asks (for the actor's log), may be empty
+}
+
+# A training actor's status: what `troupe status --actors` prints.
+struct ActorStatus @0xb7e4a2c91d3f5a62 {
+  id @0 :Text;            # "stage.3", "attention.3", "experts.3"
+  role @1 :Text;          # "stage", "attention", "experts"
+  rank @2 :Int32;         # world rank of its worker in the current epoch
+  slot @3 :Int32;         # the worker process (stable across epochs)
+  epoch @4 :UInt64;       # membership epoch
+  state @5 :Text;         # "joining", "ready", "training", "recovering"
+  stepsDone @6 :Int64;    # optimizer steps of the state it owns
+  lastStepMs @7 :Float64; # wall time of its worker's last step (0: none yet)
+  params @8 :Int64;       # parameters it owns on this rank
+  device @9 :Text;        # "cpu" or "cuda:<visible device>"
+  host @10 :Text;         # host name of its worker
+  pid @11 :Int32;
+}
+
+# The Trainer's command to every stage actor of the epoch (actors/training/control.h).
+struct StepCommand @0xb7e4a2c91d3f5a63 {
+  seq @0 :Int64;          # 0, 1, 2, ... across epochs, in the order the Trainer sends them
+  kind @1 :UInt8;         # Command::Kind: 0 step, 1 evaluate, 2 stop, 3 save
+  step @2 :Int64;         # step: the 1-based optimizer step to run; save: the step just run
+  epoch @3 :UInt64;       # the membership epoch it belongs to
+}
+
+struct NamedValue @0xb7e4a2c91d3f5a64 {
+  name @0 :Text;
+  value @1 :Float64;
+}
+
+struct LoadRow @0xb7e4a2c91d3f5a65 {
+  counts @0 :List(Int64);  # tokens routed to each expert of one MoE block
+}
+
+struct CheckpointError @0xb7e4a2c91d3f5a66 {
+  step @0 :Int64;
+  text @1 :Text;
+}
+
+# A worker's reply to one command (rank 0's carries the step's metrics for the whole job).
+struct StepReply @0xb7e4a2c91d3f5a67 {
+  seq @0 :Int64;
+  epoch @1 :UInt64;
+  rank @2 :Int32;
+  slot @3 :Int32;
+  kind @4 :UInt8;
+  # kind step:
+  step @5 :Int64;
+  loss @6 :Float64;
+  lmLoss @7 :Float64;
+  auxLoss @8 :Float64;
+  gradNorm @9 :Float64;
+  lr @10 :Float64;
+  stepTokens @11 :Int64;
+  expertLoad @12 :List(LoadRow);
+  stepMs @13 :Float64;
+  commMs @14 :Float64;
+  computeMs @15 :Float64;
+  commMsMean @16 :Float64;
+  commByKindMs @17 :List(NamedValue);
+  peakBytes @18 :Int64 = -1;
+  # kind evaluate:
+  valLoss @19 :Float64;
+  # checkpoints and neighbour replicas (-1: none):
+  ckptStarted @20 :Int64 = -1;
+  ckptBlockedMs @21 :Float64;
+  ckptBytes @22 :Int64;
+  durable @23 :List(Int64);
+  ckptErrors @24 :List(CheckpointError);
+  replica @25 :Int64 = -1;
+  replicaMs @26 :Float64;
+  # the in-memory state's commit after the step (moment all-gather and copies; -1: none)
+  commitMs @27 :Float64 = -1;
+  # device runs: the rank's device->host reads in the step (-1: CPU)
+  hostSyncs @28 :Int64 = -1;
+}
+
+# A worker's failure in an epoch (a data-plane error, a failed join), reported to the
+# Trainer: a typed value, not a string in a store key.
+struct WorkerFailure @0xb7e4a2c91d3f5a68 {
+  epoch @0 :UInt64;
+  slot @1 :Int32;
+  rank @2 :Int32;
+  code @3 :UInt16;        # troupe::StatusCode
+  actor @4 :Text;         # the actor that failed ("stage.2")
+  text @5 :Text;
+  tsMs @6 :Int64;         # wall clock of the failure (ms since the epoch)
+}
+
+# The plan of a membership epoch (rebuild), sent by the Trainer to the stage actor of every
+# worker of the old epoch when it opens the new one (also recorded in the job's store).
+struct ElasticPlan @0xb7e4a2c91d3f5a69 {
+  epoch @0 :UInt64;
+  dp @1 :Int64;             # the layout's dp in the new epoch
+  gradAccum @2 :Int64;      # and the matching micro-batches per step
+  slots @3 :List(Int32);    # the worker slot of each world rank
+  hasState @4 :List(Bool);  # per rank: a survivor holding the committed state
+  stepDone @5 :Int64;       # every rank restores the state after this step
+  seq @6 :Int64;            # the first command seq of the epoch
+  reason @7 :Text;
+  checkpoint @8 :Text;      # non-empty: restore from this checkpoint directory
+  ckptEvery @9 :Int64;      # the job's periodic checkpoints
+  ckptDir @10 :Text;
+  replicaStep @11 :Int64 = -1;  # >= 0: restore from the neighbour replicas of this step
+  replicaEvery @12 :Int64;
+}

@@ -1,0 +1,132 @@
+// actors/training/messages.h — defines the typed messages of the training actors (each
+// worker's "stage.<rank>", "attention.<rank>" and "experts.<rank>", placed on its slot, and
+// the driver's "trainer"): ActorStatusQuery and its reply ActorStatus; StepCommand
+// and ElasticPlan (trainer -> stage actors), StepReply and WorkerFailure (worker -> trainer). They travel
+// as Cap'n Proto structs
+// (actors/training/messages.capnp, encoded in messages_codec.cc); decoding never throws —
+// malformed, truncated or oversized input is a DataLoss status naming the message.
+//
+// Type ids: the training layer's prefix 0x7A1E (actors/message.h).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/status.h"
+
+namespace troupe::training {
+
+struct ActorStatusQuery {
+  static constexpr uint64_t kTypeId = 0x7A1E'0000'0000'0101ull;
+  std::string requester;
+};
+
+struct ActorStatus {
+  static constexpr uint64_t kTypeId = 0x7A1E'0000'0000'0102ull;
+  std::string id, role;
+  int32_t rank = -1, slot = -1;
+  uint64_t epoch = 0;
+  std::string state;
+  int64_t steps_done = 0;
+  double last_step_ms = 0;
+  int64_t params = 0;
+  std::string device, host;
+  int32_t pid = 0;
+};
+
+struct StepCommand {
+  static constexpr uint64_t kTypeId = 0x7A1E'0000'0000'0103ull;
+  int64_t seq = 0;
+  uint8_t kind = 0;  // Command::Kind
+  int64_t step = 0;
+  uint64_t epoch = 0;
+};
+
+struct StepReply {
+  static constexpr uint64_t kTypeId = 0x7A1E'0000'0000'0104ull;
+  int64_t seq = 0;
+  uint64_t epoch = 0;
+  int32_t rank = -1, slot = -1;
+  uint8_t kind = 0;
+  // kind step: rank 0's metrics are the whole step's.
+  int64_t step = 0;
+  double loss = 0, lm_loss = 0, aux_loss = 0, grad_norm = 0, lr = 0;
+  int64_t step_tokens = 0;
+  std::vector<std::vector<int64_t>> expert_load;
+  double step_ms = 0, comm_ms = 0, compute_ms = 0, comm_ms_mean = 0;
+  std::map<std::string, double> comm_by_kind_ms;
+  int64_t peak_bytes = -1;
+  double val_loss = 0;  // kind evaluate
+  int64_t ckpt_started = -1;
+  double ckpt_blocked_ms = 0;
+  int64_t ckpt_bytes = 0;
+  std::vector<int64_t> durable;
+  std::vector<std::pair<int64_t, std::string>> ckpt_errors;  // step, text
+  int64_t replica = -1;
+  double replica_ms = 0;
+  double commit_ms = -1;    // the in-memory state's commit after the step (-1: none kept)
+  int64_t host_syncs = -1;  // device runs: this rank's device->host reads in the step
+};
+
+struct WorkerFailure {
+  static constexpr uint64_t kTypeId = 0x7A1E'0000'0000'0105ull;
+  uint64_t epoch = 0;
+  int32_t slot = -1, rank = -1;
+  uint16_t code = 0;
+  std::string actor, text;
+  int64_t ts_ms = 0;
+};
+
+// The plan of membership epoch `epoch` (rebuild: who is in it, which state every rank
+// restores). The Trainer records it in the job's store (<job>/elastic/plan/<e>, JSON:
+// where a new or restarted worker reads it, durable across a scheduler restart) and sends
+// it to the stage actor of every worker of the old epoch, which reacts at once (its
+// watcher thread would otherwise see the store record within a heartbeat interval).
+struct ElasticPlan {
+  static constexpr uint64_t kTypeId = 0x7A1E'0000'0000'0106ull;
+  uint64_t epoch = 0;
+  int64_t dp = 1, grad_accum = 1;  // the layout's dp and the matching grad_accum
+  std::vector<int> slots;          // slot of each world rank
+  std::vector<bool> has_state;     // per rank: a survivor holding the committed state
+  int64_t step_done = 0;           // the state every rank restores: after this step
+  int64_t seq = 0;                 // first command seq of the epoch
+  std::string reason;
+  // Non-empty: every rank restores the state after step_done from this checkpoint
+  // directory instead (a column lost all its dp replicas; or epoch 0 of a resumed job),
+  // through Stage::load_checkpoint (any saved layout) and Stage::commit_imported.
+  std::string checkpoint;
+  // The job's periodic checkpoints: after every ckpt_every-th step each rank writes its
+  // part into ckpt_dir (0: none).
+  int64_t ckpt_every = 0;
+  std::string ckpt_dir;
+  // >= 0: no dp peer holds some lost rank's state, but every lost rank's successor keeps
+  // a copy of it (Stage::refresh_replica): every rank restores the state after this step
+  // from the neighbour replicas (Stage::restore_from_replicas). step_done equals it.
+  int64_t replica_step = -1;
+  // Neighbour replicas are refreshed after every replica_every-th step (0: never).
+  int64_t replica_every = 0;
+
+  // The store record and the events' copy (actors/training/elastic.cc).
+  nlohmann::json to_json() const;
+  static Result<ElasticPlan> from_json(const std::string& text);
+  int rank_of_slot(int slot) const;  // -1: not in the plan
+};
+std::string encode_step_command(const StepCommand& m);
+Result<StepCommand> decode_step_command(std::string_view bytes);
+std::string encode_step_reply(const StepReply& m);
+Result<StepReply> decode_step_reply(std::string_view bytes);
+std::string encode_elastic_plan(const ElasticPlan& m);
+Result<ElasticPlan> decode_elastic_plan(std::string_view bytes);
+std::string encode_worker_failure(const WorkerFailure& m);
+Result<WorkerFailure> decode_worker_failure(std::string_view bytes);
+
+std::string encode_actor_status_query(const ActorStatusQuery& m);
+Result<ActorStatusQuery> decode_actor_status_query(std::string_view bytes);
+std::string encode_actor_status(const ActorStatus& m);
+Result<ActorStatus> decode_actor_status(std::string_view bytes);
+
+}  // namespace troupe::training

@@ -1,0 +1,282 @@
+// actors/training/messages_codec.cc — the Cap'n Proto codec of actors/training/messages.h.
+// Compiled as C++17: Cap'n Proto 0.9.2 headers fail under GCC 13 in C++20 mode.
+#include <capnp/message.h>
+#include <capnp/serialize.h>
+#include <kj/exception.h>
+
+#include <cstring>
+#include <memory>
+
+#include "actors/training/messages.capnp.h"
+#include "actors/training/messages.h"
+
+namespace troupe::training {
+namespace {
+
+constexpr size_t kMaxBytes = size_t{1} << 20;  // a status is a few hundred bytes
+
+std::string flat(capnp::MessageBuilder& mb) {
+  kj::Array<capnp::word> words = capnp::messageToFlatArray(mb);
+  auto b = words.asBytes();
+  return std::string(reinterpret_cast<const char*>(b.begin()), b.size());
+}
+
+// Runs `read` over `bytes` as a Cap'n Proto message with tight limits; any exception
+// (malformed, truncated, too deep) becomes DataLoss naming `what`.
+template <class Fn>
+auto read_message(std::string_view bytes, const char* what, Fn read)
+    -> decltype(read(std::declval<capnp::MessageReader&>())) {
+  if (bytes.size() > kMaxBytes)
+    return data_loss("{}: {} bytes is over the {} byte limit", what, bytes.size(), kMaxBytes);
+  if (bytes.empty() || bytes.size() % sizeof(capnp::word) != 0) {
+    return data_loss("{}: {} bytes is not a whole number of 8-byte words", what, bytes.size());
+  }
+  // An aligned copy: frames carry no alignment guarantee.
+  kj::Array<capnp::word> words = kj::heapArray<capnp::word>(bytes.size() / sizeof(capnp::word));
+  std::memcpy(words.begin(), bytes.data(), bytes.size());
+  capnp::ReaderOptions opt;
+  opt.traversalLimitInWords = 1 << 16;
+  opt.nestingLimit = 8;
+  try {
+    capnp::FlatArrayMessageReader reader(words.asPtr(), opt);
+    return read(reader);
+  } catch (const kj::Exception& e) {
+    return data_loss("{}: malformed message: {}", what, std::string(e.getDescription().cStr()));
+  }
+}
+
+}  // namespace
+
+std::string encode_actor_status_query(const ActorStatusQuery& m) {
+  capnp::MallocMessageBuilder mb;
+  auto b = mb.initRoot<::ActorStatusQuery>();
+  b.setRequester(m.requester);
+  return flat(mb);
+}
+
+Result<ActorStatusQuery> decode_actor_status_query(std::string_view bytes) {
+  return read_message(bytes, "ActorStatusQuery", [](capnp::MessageReader& r) -> Result<ActorStatusQuery> {
+    auto q = r.getRoot<::ActorStatusQuery>();
+    ActorStatusQuery m;
+    m.requester = q.getRequester();
+    return m;
+  });
+}
+
+std::string encode_actor_status(const ActorStatus& m) {
+  capnp::MallocMessageBuilder mb;
+  auto b = mb.initRoot<::ActorStatus>();
+  b.setId(m.id);
+  b.setRole(m.role);
+  b.setRank(m.rank);
+  b.setSlot(m.slot);
+  b.setEpoch(m.epoch);
+  b.setState(m.state);
+  b.setStepsDone(m.steps_done);
+  b.setLastStepMs(m.last_step_ms);
+  b.setParams(m.params);
+  b.setDevice(m.device);
+  b.setHost(m.host);
+  b.setPid(m.pid);
+  return flat(mb);
+}
+
+Result<ActorStatus> decode_actor_status(std::string_view bytes) {
+  return read_message(bytes, "ActorStatus", [](capnp::MessageReader& r) -> Result<ActorStatus> {
+    auto s = r.getRoot<::ActorStatus>();
+    ActorStatus m;
+    m.id = s.getId();
+    m.role = s.getRole();
+    m.rank = s.getRank();
+    m.slot = s.getSlot();
+    m.epoch = s.getEpoch();
+    m.state = s.getState();
+    m.steps_done = s.getStepsDone();
+    m.last_step_ms = s.getLastStepMs();
+    m.params = s.getParams();
+    m.device = s.getDevice();
+    m.host = s.getHost();
+    m.pid = s.getPid();
+    return m;
+  });
+}
+
+std::string encode_elastic_plan(const ElasticPlan& m) {
+  capnp::MallocMessageBuilder mb;
+  auto b = mb.initRoot<::ElasticPlan>();
+  b.setEpoch(m.epoch);
+  b.setDp(m.dp);
+  b.setGradAccum(m.grad_accum);
+  auto slots = b.initSlots(static_cast<unsigned>(m.slots.size()));
+  for (size_t i = 0; i < m.slots.size(); ++i) slots.set(static_cast<unsigned>(i), m.slots[i]);
+  auto has = b.initHasState(static_cast<unsigned>(m.has_state.size()));
+  for (size_t i = 0; i < m.has_state.size(); ++i) has.set(static_cast<unsigned>(i), m.has_state[i]);
+  b.setStepDone(m.step_done);
+  b.setSeq(m.seq);
+  b.setReason(m.reason);
+  b.setCheckpoint(m.checkpoint);
+  b.setCkptEvery(m.ckpt_every);
+  b.setCkptDir(m.ckpt_dir);
+  b.setReplicaStep(m.replica_step);
+  b.setReplicaEvery(m.replica_every);
+  return flat(mb);
+}
+
+Result<ElasticPlan> decode_elastic_plan(std::string_view bytes) {
+  return read_message(bytes, "ElasticPlan", [](capnp::MessageReader& r) -> Result<ElasticPlan> {
+    auto p = r.getRoot<::ElasticPlan>();
+    ElasticPlan m;
+    m.epoch = p.getEpoch();
+    m.dp = p.getDp();
+    m.grad_accum = p.getGradAccum();
+    for (int32_t s : p.getSlots()) m.slots.push_back(s);
+    for (bool h : p.getHasState()) m.has_state.push_back(h);
+    m.step_done = p.getStepDone();
+    m.seq = p.getSeq();
+    m.reason = p.getReason();
+    m.checkpoint = p.getCheckpoint();
+    m.ckpt_every = p.getCkptEvery();
+    m.ckpt_dir = p.getCkptDir();
+    m.replica_step = p.getReplicaStep();
+    m.replica_every = p.getReplicaEvery();
+    if (m.slots.size() != m.has_state.size() || m.dp < 1 || m.grad_accum < 1) {
+      return data_loss(
+          "ElasticPlan: inconsistent plan of epoch {} ({} slots, {} has_state, dp {}, grad_accum {})",
+          m.epoch, m.slots.size(), m.has_state.size(), m.dp, m.grad_accum);
+    }
+    return m;
+  });
+}
+
+std::string encode_step_command(const StepCommand& m) {
+  capnp::MallocMessageBuilder mb;
+  auto b = mb.initRoot<::StepCommand>();
+  b.setSeq(m.seq);
+  b.setKind(m.kind);
+  b.setStep(m.step);
+  b.setEpoch(m.epoch);
+  return flat(mb);
+}
+
+Result<StepCommand> decode_step_command(std::string_view bytes) {
+  return read_message(bytes, "StepCommand", [](capnp::MessageReader& r) -> Result<StepCommand> {
+    auto c = r.getRoot<::StepCommand>();
+    if (c.getKind() > 3) return data_loss("StepCommand: unknown kind {}", c.getKind());
+    return StepCommand{c.getSeq(), c.getKind(), c.getStep(), c.getEpoch()};
+  });
+}
+
+std::string encode_step_reply(const StepReply& m) {
+  capnp::MallocMessageBuilder mb;
+  auto b = mb.initRoot<::StepReply>();
+  b.setSeq(m.seq);
+  b.setEpoch(m.epoch);
+  b.setRank(m.rank);
+  b.setSlot(m.slot);
+  b.setKind(m.kind);
+  b.setStep(m.step);
+  b.setLoss(m.loss);
+  b.setLmLoss(m.lm_loss);
+  b.setAuxLoss(m.aux_loss);
+  b.setGradNorm(m.grad_norm);
+  b.setLr(m.lr);
+  b.setStepTokens(m.step_tokens);
+  auto rows = b.initExpertLoad(static_cast<unsigned>(m.expert_load.size()));
+  for (size_t i = 0; i < m.expert_load.size(); ++i) {
+    auto c = rows[static_cast<unsigned>(i)].initCounts(static_cast<unsigned>(m.expert_load[i].size()));
+    for (size_t j = 0; j < m.expert_load[i].size(); ++j) c.set(static_cast<unsigned>(j), m.expert_load[i][j]);
+  }
+  b.setStepMs(m.step_ms);
+  b.setCommMs(m.comm_ms);
+  b.setComputeMs(m.compute_ms);
+  b.setCommMsMean(m.comm_ms_mean);
+  auto kinds = b.initCommByKindMs(static_cast<unsigned>(m.comm_by_kind_ms.size()));
+  unsigned k = 0;
+  for (const auto& [name, v] : m.comm_by_kind_ms) {
+    kinds[k].setName(name);
+    kinds[k].setValue(v);
+    ++k;
+  }
+  b.setPeakBytes(m.peak_bytes);
+  b.setValLoss(m.val_loss);
+  b.setCkptStarted(m.ckpt_started);
+  b.setCkptBlockedMs(m.ckpt_blocked_ms);
+  b.setCkptBytes(m.ckpt_bytes);
+  auto durable = b.initDurable(static_cast<unsigned>(m.durable.size()));
+  for (size_t i = 0; i < m.durable.size(); ++i) durable.set(static_cast<unsigned>(i), m.durable[i]);
+  auto errs = b.initCkptErrors(static_cast<unsigned>(m.ckpt_errors.size()));
+  for (size_t i = 0; i < m.ckpt_errors.size(); ++i) {
+    errs[static_cast<unsigned>(i)].setStep(m.ckpt_errors[i].first);
+    errs[static_cast<unsigned>(i)].setText(m.ckpt_errors[i].second);
+  }
+  b.setReplica(m.replica);
+  b.setReplicaMs(m.replica_ms);
+  b.setCommitMs(m.commit_ms);
+  b.setHostSyncs(m.host_syncs);
+  return flat(mb);
+}
+
+Result<StepReply> decode_step_reply(std::string_view bytes) {
+  return read_message(bytes, "StepReply", [](capnp::MessageReader& r) -> Result<StepReply> {
+    auto s = r.getRoot<::StepReply>();
+    StepReply m;
+    m.seq = s.getSeq();
+    m.epoch = s.getEpoch();
+    m.rank = s.getRank();
+    m.slot = s.getSlot();
+    m.kind = s.getKind();
+    if (m.kind > 3) return data_loss("StepReply: unknown kind {}", m.kind);
+    m.step = s.getStep();
+    m.loss = s.getLoss();
+    m.lm_loss = s.getLmLoss();
+    m.aux_loss = s.getAuxLoss();
+    m.grad_norm = s.getGradNorm();
+    m.lr = s.getLr();
+    m.step_tokens = s.getStepTokens();
+    for (auto row : s.getExpertLoad()) {
+      std::vector<int64_t> counts;
+      for (int64_t c : row.getCounts()) counts.push_back(c);
+      m.expert_load.push_back(std::move(counts));
+    }
+    m.step_ms = s.getStepMs();
+    m.comm_ms = s.getCommMs();
+    m.compute_ms = s.getComputeMs();
+    m.comm_ms_mean = s.getCommMsMean();
+    for (auto kv : s.getCommByKindMs()) m.comm_by_kind_ms[kv.getName()] = kv.getValue();
+    m.peak_bytes = s.getPeakBytes();
+    m.val_loss = s.getValLoss();
+    m.ckpt_started = s.getCkptStarted();
+    m.ckpt_blocked_ms = s.getCkptBlockedMs();
+    m.ckpt_bytes = s.getCkptBytes();
+    for (int64_t d : s.getDurable()) m.durable.push_back(d);
+    for (auto e : s.getCkptErrors()) m.ckpt_errors.emplace_back(e.getStep(), std::string(e.getText()));
+    m.replica = s.getReplica();
+    m.replica_ms = s.getReplicaMs();
+    m.commit_ms = s.getCommitMs();
+    m.host_syncs = s.getHostSyncs();
+    return m;
+  });
+}
+
+std::string encode_worker_failure(const WorkerFailure& m) {
+  capnp::MallocMessageBuilder mb;
+  auto b = mb.initRoot<::WorkerFailure>();
+  b.setEpoch(m.epoch);
+  b.setSlot(m.slot);
+  b.setRank(m.rank);
+  b.setCode(m.code);
+  b.setActor(m.actor);
+  b.setText(m.text);
+  b.setTsMs(m.ts_ms);
+  return flat(mb);
+}
+
+Result<WorkerFailure> decode_worker_failure(std::string_view bytes) {
+  return read_message(bytes, "WorkerFailure", [](capnp::MessageReader& r) -> Result<WorkerFailure> {
+    auto f = r.getRoot<::WorkerFailure>();
+    return WorkerFailure{f.getEpoch(), f.getSlot(), f.getRank(), f.getCode(),
+                         f.getActor(), f.getText(), f.getTsMs()};
+  });
+}
+
+}  // namespace troupe::training

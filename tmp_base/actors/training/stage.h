@@ -1,0 +1,267 @@
+// actors/training/stage.h — defines Stage, the framework's side of one rank of a
+// pp x dp x n layout (DESIGN.md "Processes and actors"): it runs an app's StageProgram
+// (stage_program.h: the model part of this pipeline stage) one optimizer step at a time,
+// SPMD, when told to (run_step): no control message inside a step, only collectives and
+// pipeline send/recv. The worker's stage, attention and expert actors (role_actors.h)
+// front it.
+//
+// What a step does, and why the numbers equal one process running the whole model on
+// the dp * grad_accum micro-batches of the step (fp32):
+// - Data: replica d, micro-batch m reads the loader's samples (d*ga + m)*mb + i — the
+//   samples one process reads as its micro-batch d*ga + m; every micro-batch has weight
+//   1 / (dp * ga). Rank r of the n-group holds tokens [r*S/n, (r+1)*S/n) of each sequence.
+// - Pipeline: 1F1B over the ga micro-batches; activations [B*S/n, width] forward,
+//   gradients backward, by send/recv to the same n-rank of the neighbouring stage. The
+//   first stage embeds, the last applies the program's head (grad scale = weight / tokens
+//   of the whole micro-batch, counted from the full targets every rank loads).
+// - Inside the n-group the program does what its model needs (train_moe: Ulysses
+//   attention, experts split over the group, router statistics summed there).
+// - Gradients: every parameter's value and gradient live in two flat buffers, the
+//   n-replicated parameters first, then this rank's n-sharded ones. The replicated part is
+//   all-reduced over the n-group; a tied parameter is all-reduced between the first and
+//   last stage; then the whole buffer is reduce-scattered over dp (bf16 on the wire with
+//   parallel.compression) and each dp rank runs AdamW on its 1/dp shard (ZeRO-1), then
+//   the shards are all-gathered.
+// - Overlap (parallel.overlap_*; docs/parallelism.md "Overlap"): the dp reduce-scatter
+//   runs per bucket (one block's replicated or sharded parameters, the head, the
+//   embedding: ProgramParam::grad_ready), launched in backward as soon as the step's last
+//   micro-batch has finished a block; the n-group sum of the replicated part then runs on
+//   this rank's shard after the reduce-scatter (dp first, then n: the same order with or
+//   without overlap). The parameter all-gather after the optimizer is launched per
+//   bucket and each block waits for its own bucket in the next forward (state accessors
+//   wait for all of it first).
+// - Norm and metrics: one fp64 sum over the world of [grad sum of squares (each value
+//   counted once: replicated parts on n-rank 0 only, a tied copy on the first stage only),
+//   LM loss, tokens, ..., the program's step_stats()]; the program's end_step gets the sums.
+// - Device (create with a CUDA Ctx, e.g. one GPU per worker): NCCL communicators on the
+//   Ctx's device, parameters/gradients/moments in device memory from the Ctx's allocator,
+//   bf16 working copies of the matrices (refreshed after each update) and activations in
+//   the Ctx's dtype; collectives are ordered on the compute stream (group_ops.h "Device
+//   mode"), the overlapped ones on a communication stream ordered by events. With
+//   train.device_stats (default) the step's loss and gradient norm stay on the device
+//   until one read at its end (the program may keep its own statistics there too).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "actors/training/elastic_comm.h"
+#include "actors/training/group_ops.h"
+#include "actors/training/stage_program.h"
+#include "actors/training/stage_state.h"
+#include "checkpoint/reader.h"
+#include "checkpoint/writer.h"
+#include "comm/compression.h"
+#include "comm/process_groups.h"
+#include "layers/optimizer.h"
+#include "layers/token_data.h"
+#include "layers/train_config.h"
+
+namespace troupe::training {
+
+class Stage {
+ public:
+  // Collective over the world: every rank calls it with the same config, program, store
+  // and namespace. Builds the communicators (dp, n, pp groups, the world, the tied pair),
+  // the program (this rank's model part) and the optimizer shard. Takes the data splits.
+  // On `ctx`'s device (default: the CPU); its allocator and CudaContext must outlive the
+  // Stage.
+  static Result<std::unique_ptr<Stage>> create(const layers::TrainConfig& tc, int rank,
+                                               const ProgramFactory& program, comm::RendezvousStore& store,
+                                               const comm::StoreNamespace& ns, layers::TokenShards train,
+                                               layers::TokenShards val,
+                                               const layers::Ctx& ctx = layers::Ctx::cpu());
+  ~Stage();
+
+  StepReport run_step(int64_t step);
+  // Validation loss (every rank returns the same value); eval batches split over dp.
+  double evaluate();
+
+  const ParallelCoord& coord() const { return coord_; }
+  int rank() const { return rank_; }
+  int64_t num_params_local() const { return static_cast<int64_t>(flat_size_); }
+
+  // ---- state, for checkpoints and recovery (actors/training/stage_state.cc) ----------
+  // Call between steps. The layout in checkpoint's terms (same rank numbering).
+  ParallelLayout state_layout() const;
+  int64_t steps_done() const;  // optimizer steps applied
+  // This rank's parameters, router biases and ZeRO-1 moments as named global slices (see
+  // stage_state.h). copy = false: views of the live host buffers, valid until the next
+  // run_step (CheckpointWriter::save copies them); copy = true: host copies. A device
+  // Stage always returns host copies, and import_state copies up and refreshes the bf16
+  // working copies.
+  Result<StageState> export_state(StateScope scope, bool copy) const;
+  // Overwrites everything this rank holds from `source` (any saved layout: each slice is
+  // asked for by global name and box) and sets the optimizer's step count. The next
+  // run_step(steps_done + 1) then continues the saved run.
+  Status import_state(const SliceSource& source, int64_t steps_done);
+  // import_state from a checkpoint (its step; checksums verified on every slice read).
+  Status load_checkpoint(const checkpoint::CheckpointReader& reader);
+  // ---- elastic recovery (actors/training/stage_elastic.cc) ----------------------------
+  // Every communicator of the Stage is an ElasticComm (created in order: dp, n, pp groups,
+  // world, tied pair). The worker loop (elastic.h) calls these between steps.
+  // Aborts every communicator (any thread; pending operations fail at once).
+  void abort_comms(std::string_view reason);
+  // Recreates every communicator in namespace `ns` (collective with the ranks of the new
+  // epoch, which create theirs in the same order).
+  Status rebuild_comms(const comm::StoreNamespace& ns);
+  // After a completed step: all-gathers the optimizer moments over dp, so every rank holds
+  // the moments of its whole (pp, n) column (the replica a lost dp peer is restored from).
+  void replicate_optimizer();
+  // Records the state after `step_done` (values, replicated moments, router biases,
+  // optimizer step count). Two are kept: the latest and the one before.
+  void commit(int64_t step_done);
+  // Restores the state recorded after `step_done` (the latest or the one before) and
+  // clears what an interrupted step left behind. Fails if neither matches.
+  Status rollback(int64_t step_done);
+  // Copies the committed state of `old` (same pp and n coordinates, any dp): used when a
+  // survivor re-creates its Stage for a new dp size.
+  Status import_state(Stage& old);
+  // Collective over the dp group (new epoch): dp rank `source_dp` broadcasts its committed
+  // state to the others of its column; afterwards every rank holds it and commits it as
+  // the state after `step_done`.
+  void sync_state(int source_dp, int64_t step_done);
+  // After import_state (e.g. load_checkpoint: the last-resort restore when every dp
+  // replica of a column is lost, or a resumed elastic job): clears what an interrupted
+  // step left behind, all-gathers the imported moments over dp (collective over the dp
+  // group, like replicate_optimizer) and commits the state as the state after `step_done`.
+  void commit_imported(int64_t step_done);
+  // Parameters this rank owns, by the actor role that owns them (ProgramParam::role:
+  // "attention", "experts"), and "stage" (all it holds).
+  std::map<std::string, int64_t> params_by_role() const;
+  // ---- in-memory neighbour replicas (stage_elastic.cc) --------------------------------
+  // What restores a rank when no data-parallel peer holds its state (MegaScale keeps such
+  // copies in a neighbour's host memory). Collective over the world, right after
+  // commit(step): every rank keeps a copy of its committed state and sends one to world
+  // rank (r+1) % W, keeping the copy rank (r-1) % W sends; the two newest generations of
+  // both are kept (a refresh interrupted by a failure leaves the previous one usable).
+  void refresh_replica();
+  // New epoch with the same ranks (a lost rank's replacement holds nothing): every rank
+  // restores the state after `step` — its own copy, or, where has_state[r] is false, the
+  // copy its successor (r+1) % W holds, sent to it — and commits it. Collective over the
+  // world. Fails when a needed copy of `step` is missing.
+  Status restore_from_replicas(const std::vector<bool>& has_state, int64_t step);
+
+ private:
+  struct StateTensor;
+  Result<std::vector<StateTensor>> state_tensors() const;
+
+  struct Micro;
+  struct Entry {
+    std::string name;
+    layers::Parameter* param;
+    bool expert;                      // n-sharded (ProgramParam::sharded): not replicated over the n-group
+    bool in_norm;                     // counted in the gradient norm on this rank
+    int64_t ready = kGradReadyAtEnd;  // ProgramParam::grad_ready: its dp bucket
+    std::string role;
+    int64_t offset = 0;
+  };
+
+  Stage(const layers::TrainConfig& tc, int rank, layers::TokenShards train, layers::TokenShards val);
+  Status build(const ProgramFactory& program, comm::RendezvousStore& store, const comm::StoreNamespace& ns);
+  Status setup_params(const std::vector<ProgramParam>& params);
+  double grad_sum_squares() const;  // this rank's share of the gradient norm
+  void refresh_working_copies();
+  // ---- bucketed dp synchronisation ----
+  static constexpr int64_t kHeadBucket = kGradReadyAfterHead, kEndBucket = kGradReadyAtEnd;  // readiness keys
+  struct SyncBucket {
+    int64_t lo = 0, hi = 0;
+    int64_t ready = 0;  // role index whose backward completes it, kHeadBucket or kEndBucket
+    std::vector<size_t> entries;
+    Bucket grad, param;
+    bool grad_launched = false;
+  };
+  void setup_buckets();
+  void launch_grad_buckets(int64_t ready);
+  void await_params(int64_t ready);
+  // Waits for the parameter all-gather still in flight from the last step (call before
+  // reading or writing parameter values outside run_step).
+  void settle();
+  void synchronize() const;  // waits for ctx_'s stream (no-op on the CPU)
+  // Makes ctx_'s device current on the calling thread (steps run on an actor thread).
+  void bind_device() const;
+
+  void load(bool eval, int64_t step, int64_t index, Micro& m) const;
+  Tensor blocks_forward(const layers::Ctx& c, Tensor x, Micro& m, bool train);
+  Tensor blocks_backward(const layers::Ctx& c, Tensor dy, Micro& m);
+  void forward(int64_t step, int64_t index, Micro& m);
+  void backward(Micro& m);
+  // Pipeline p2p. Host: pp group, sends kept in pending_sends_. Device: activations on the
+  // pp group, gradients on pp_back_ (one communicator per direction, each on its own
+  // stream, so 1F1B's crossing send/recv pairs never queue behind each other).
+  Tensor recv_from(int peer_pp, bool grad);
+  void send_to(const Tensor& t, int peer_pp, bool grad);
+  void await_sends();
+
+  layers::TrainConfig tc_;
+  int rank_;
+  ParallelCoord coord_;
+  layers::TokenShards train_data_, val_data_;
+  std::unique_ptr<layers::DataLoader> loader_, val_loader_;
+  std::unique_ptr<ParallelLayout> layout_;
+  comm::ProcessGroups groups_;
+  std::unique_ptr<comm::Communicator> world_, tied_;
+  std::unique_ptr<comm::Communicator> pp_back_;  // device, pp > 1: gradients backward
+  void* p2p_streams_[2] = {nullptr, nullptr};    // device, pp > 1: activations, gradients (owned)
+  std::vector<CommOp> pending_send_ops_;         // device sends
+  CommTime time_;
+  std::vector<SyncBucket> buckets_;
+  std::vector<size_t> param_order_;  // bucket indices in forward order
+  bool last_micro_ = false;          // in the backward of the step's last micro-batch
+  bool params_pending_ = false;      // parameter all-gather in flight
+  void* comm_stream_ = nullptr;      // device: the communication stream (owned)
+
+  layers::Ctx ctx_;
+  // The app's model part (destroyed before the communicators and CommTime it uses).
+  std::unique_ptr<StageProgram> program_;
+  int64_t num_blocks_ = 0;
+  std::vector<layers::Parameter*> tied_params_;  // the tied parameter or copy (pp > 1)
+  bool first_ = false, last_ = false;
+  int64_t batch_ = 0, seq_local_ = 0;
+  float loss_weight_ = 1.0f;
+
+  std::vector<Entry> entries_;
+  int64_t flat_size_ = 0, rep_size_ = 0, shard_lo_ = 0, shard_len_ = 0;
+  Tensor flat_value_, flat_grad_, shard_grad_;
+  std::vector<layers::Parameter> pieces_;  // this dp rank's shard, one piece per parameter
+  // ---- elastic (stage_elastic.cc) ----
+  comm::CommFactory elastic_factory(comm::CommFactory inner);
+  std::vector<int64_t> piece_offsets() const;  // flat offset of each piece
+  std::vector<Tensor*> buffer_tensors();       // the program's buffers, in order
+  void moments_to_pieces(const Tensor& full_m, const Tensor& full_v);
+  void clear_interrupted_step();
+  // The committed state lives where the Stage computes: zeros, copies and clones on the
+  // host or on the GPU's stream (a copy's two sides are on the same device).
+  Tensor state_zeros(int64_t n, DType dtype = DType::kF32) const;
+  Tensor state_clone(const Tensor& t) const;
+  void state_copy(const Tensor& src, Tensor dst) const;
+  void after_restore();  // on a GPU: the bf16 working copies from the restored values
+  struct Committed {
+    int64_t step = -1;
+    Tensor value, m, v;
+    std::vector<Tensor> bias;  // the program's buffers
+    int64_t opt_steps = 0;
+  };
+  std::vector<ElasticComm*> elastic_comms_;  // creation order
+  Tensor full_m_, full_v_;                   // replicated moments of the column (padded flat)
+  Committed committed_[2];                   // [0] latest, [1] the one before
+  // Neighbour replicas: [0] newest, [1] the one before. own_: this rank's committed state;
+  // held_: the predecessor's (another (pp, n) coordinate: its own sizes).
+  Committed own_replica_[2], held_replica_[2];
+  void install(const Committed& c);  // makes `c` the live state and commits it
+  std::vector<bool> piece_in_norm_;
+  std::unique_ptr<layers::AdamW> opt_;
+
+  // Per-step accumulators.
+  std::vector<comm::WorkPtr> pending_sends_;
+  double lm_acc_ = 0, tokens_acc_ = 0;
+  // Device: the step's statistics stay on the device until one read at its end (no host
+  // wait per micro-batch): f32 [1 + grad_accum] = [gradient sum of squares | the token
+  // loss sum of each micro-batch]; the token counts and weights are the host's.
+  Tensor stats_dev_;
+  std::vector<int64_t> micro_tokens_;  // per micro-batch: tokens with a target (last stage)
+};
+
+}  // namespace troupe::training

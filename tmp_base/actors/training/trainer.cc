@@ -1,0 +1,1630 @@
+// actors/training/trainer.cc — the Trainer (trainer.h): the job's driver, the supervisor of
+// its workers and the driver's side of the membership protocol (actors/training/elastic.h).
+// Every distributed job runs under it; there is no non-elastic mode.
+//
+// Detection, each an event in <run dir>/events.jsonl with its wall time (ts_ms):
+// - exit: a worker process ends (waitpid, polled every few ms: the launcher is the parent);
+// - heartbeat: a worker's heartbeat key stops changing for elastic.heartbeat_timeout_ms
+//   (default 2000; a SIGSTOPped or wedged process), the worker is then killed (last resort).
+//   Before a new worker's first beat (exec, loading, connecting: seconds on a loaded
+//   machine) the bound is elastic.join_timeout_ms instead: it has not started yet;
+// - comm_error: a worker reports a data-plane failure and no process died or went silent
+//   within elastic.comm_error_grace_ms (default 300): the world is rebuilt, nobody replaced;
+// - watchdog: a command runs past elastic.step_watchdog_ms (default 60000) with every
+//   worker alive and beating (a hang inside the data plane): rebuilt likewise;
+// - join_timeout: a worker does not join the new epoch within elastic.join_timeout_ms
+//   (default 30000; e.g. its step thread is wedged): killed and replaced (last resort).
+// Recovery: a plan for epoch e+1 (a new slot per lost worker, or fewer dp replicas when no
+// spare is left and elastic.min_dp allows), the replacements are started, every
+// worker restores the state after the last step all ranks completed (from a dp peer), and
+// the interrupted command is issued again. Recorded: detection_ms (from the injected
+// fault's time where known), recovery_ms (detection to the next completed command) and
+// steps_lost.
+// Rescale: writing "N" to <run dir>/scale_request asks for dp=N at the next step boundary
+// (elastic.scale_at = "<step>:<dp>,..." writes it after the given steps)
+// (elastic.min_dp <= N <= elastic.max_dp, default 1 and the configured dp);
+// grad_accum is scaled by old/new dp so the global batch and the data order stay the same.
+// Replace: "<slot>" in <run dir>/replace_request replaces that worker at the next step
+// boundary (a planned recovery: no step lost). `troupe scale|replace|status <run dir>`
+// write and read these files (scheduler/cli_elastic.cc).
+// Stragglers: a rank whose compute time exceeds elastic.straggler_ratio (default 1.5) times
+// the median of its peers for elastic.straggler_window (default 5) consecutive steps is
+// flagged (event, console, <run dir>/status.json); elastic.straggler_policy = "replace"
+// replaces it like a failed worker.
+#include "actors/training/trainer.h"
+
+#include <fmt/format.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "actors/training/checkpointing.h"
+#include "actors/training/control.h"
+#include "actors/training/elastic.h"
+#include "actors/training/role_actors.h"
+#include "checkpoint/reader.h"
+#include "checkpoint/writer.h"
+#include "comm/control/host_addr.h"
+#include "core/parallel_layout.h"
+
+extern char** environ;
+
+namespace troupe::training {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr int kMaxFailuresWithoutProgress = 6;
+constexpr std::chrono::milliseconds kFailureBatchWindow{150};
+
+int64_t env_or(const char* name, int64_t dflt) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return dflt;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  return (end == v || *end != '\0') ? dflt : static_cast<int64_t>(x);
+}
+
+struct Proc {
+  pid_t pid = -1;
+  bool alive = false;
+  int gpu = -1;  // standalone launcher, GPU workers: the device index it was given
+  std::string last_hb;
+  Clock::time_point hb_seen;
+  // What the trainer wrote into the worker's heartbeat key when it started it: until the
+  // key holds something else, the process has not beaten yet (a dead predecessor's last
+  // value would otherwise pass for a beat).
+  std::string start_mark;
+  bool started() const { return last_hb != start_mark; }
+};
+
+// Waits for the child `p` to exit, polling every 5 ms; past `deadline` it is SIGKILLed.
+// Returns true when it had to be killed.
+bool reap_by(Proc& p, Clock::time_point deadline) {
+  while (p.alive) {
+    int status = 0;
+    if (waitpid(p.pid, &status, WNOHANG) == p.pid) {
+      p.alive = false;
+      return false;
+    }
+    if (Clock::now() > deadline) {
+      kill(p.pid, SIGKILL);
+      waitpid(p.pid, &status, 0);
+      p.alive = false;
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
+struct Failure {
+  std::string cause;       // exit, heartbeat, comm_error, watchdog, straggler
+  std::vector<int> slots;  // workers to replace (empty: rebuild only)
+  std::string detail;
+  int64_t ts_ms = 0;
+};
+
+class Trainer {
+ public:
+  // `scheduled`: the driver of a troupe-scheduler job (its workers are started, killed and
+  // watched by the scheduler through `store`); else the standalone launcher.
+  Trainer(const TrainerOptions& o, std::string run_dir, const layers::TrainConfig& tc,
+          std::unique_ptr<comm::RendezvousStore> store = nullptr)
+      : o_(o), run_dir_(std::move(run_dir)), tc_(tc), scheduled_(store != nullptr) {
+    // A store outage (the scheduler restarting) must not end the job.
+    if (store) store_ = std::make_unique<TolerantStore>(std::move(store), std::chrono::milliseconds(30000));
+  }
+  ~Trainer() { kill_all(); }
+
+  Status run();
+
+ private:
+  Status run_job();
+  std::string key(const std::string& rest) const { return elastic_key(job_, rest); }
+  void event(nlohmann::json e);
+  Status spawn(int slot, uint64_t epoch);
+  // Writes the start mark into slot's heartbeat key (Proc::start_mark) and starts its
+  // silence clock.
+  void mark_start(int slot, uint64_t epoch);
+  void kill_all();
+  void terminate(int slot, const std::string& why);  // kill a worker (it is then gone)
+  std::optional<Failure> check_processes();
+  std::optional<Failure> check_heartbeats();
+  Result<std::optional<Failure>> check_errors(Clock::time_point& first_err);
+  Status wait_ready(const ElasticPlan& plan, std::optional<Failure>& failure);
+  Status open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots, const std::vector<int>& leaving);
+  Status recover(Failure f, int64_t step_done, int64_t failed_step);
+  Result<std::vector<nlohmann::json>> wait_replies(int64_t seq, Command::Kind kind,
+                                                   std::optional<Failure>& failure);
+  // nullopt: the job went back to an older step (a checkpoint restore); rewound_to_ says which.
+  Result<std::optional<nlohmann::json>> call(Command::Kind kind, int64_t step);
+  // Checkpoints: notes the snapshots and durable parts the workers report in `replies`,
+  // and finalizes every checkpoint all of whose parts are durable.
+  Status note_checkpoints(Command::Kind kind, int64_t step, const std::vector<nlohmann::json>& replies);
+  struct PendingCheckpoint;
+  Status finalize_pending(int64_t step, const PendingCheckpoint& p);
+  Status maybe_rescale(int64_t step_done);
+  Status maybe_replace(int64_t step_done);
+  // Scheduler jobs: `troupe scale|replace <job id>` requests arrive as store keys
+  // "request/<k>" {op, dp|slot}; each is turned into the run directory's request file and
+  // answered at "answer/<k>" with the outcome.
+  Status take_store_request();
+  Status answer_store_request();
+  void track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step,
+                        std::optional<Failure>& failure);
+  void write_status(int64_t step);
+  // After an epoch every worker joined: they all hold the committed state in memory —
+  // unless keeps_state_in_memory says they keep none (GPU workers without data
+  // parallelism: their recovery is a checkpoint restore).
+  void mark_stateful() {
+    if (!keeps_state_in_memory(tc_, o_.gpu)) return;
+    stateful_ = std::set<int>(plan_.slots.begin(), plan_.slots.end());
+  }
+  Result<ElasticPlan> plan_for(int64_t dp, const std::vector<int>& keep_dp, int64_t step_done,
+                               const std::string& why, std::vector<int>& spawn_slots,
+                               std::vector<int>& leaving);
+
+  const TrainerOptions& o_;
+  std::string run_dir_;
+  layers::TrainConfig tc_;
+  std::string job_;
+  std::unique_ptr<comm::RendezvousStore> store_;
+  std::unique_ptr<ActorDirectory> actors_;                // the "trainer" actor and the workers' actors
+  nlohmann::json actor_table_ = nlohmann::json::array();  // their last answers (status.json)
+  int64_t actors_step_ = -2;                              // the step and epoch they were asked at
+  uint64_t actors_epoch_ = 0;
+  bool scheduled_ = false;
+  std::chrono::milliseconds poll_{2};  // scheduled: 20 (every probe is a round trip)
+  std::ofstream events_;
+  std::map<int, Proc> procs_;
+  ElasticPlan plan_;
+  int next_slot_ = 0;
+  int64_t seq_ = 0;
+  int64_t spares_left_ = -1;  // -1: unlimited
+  std::chrono::milliseconds hb_timeout_{2000}, err_grace_{300}, watchdog_{60000}, join_timeout_{30000};
+  // The recovery in progress: its detection time, reported at the next completed command.
+  std::optional<int64_t> recovering_since_ms_;
+  std::string recovering_cause_;
+  int64_t recovering_steps_lost_ = 0;
+  int epoch_plan_messages_ = 0;  // workers of the current epoch that took its plan as a message
+  // Straggler tracking: consecutive slow steps per slot, flagged slots.
+  std::map<int, int> slow_streak_;
+  std::set<int> flagged_;
+  double straggler_ratio_ = 1.5;
+  int straggler_window_ = 5;
+  bool straggler_replace_ = false;
+  int64_t recoveries_ = 0;
+  std::set<int> stateful_;  // slots holding the committed state (last ready epoch)
+  std::vector<nlohmann::json> last_replies_;
+  std::vector<nlohmann::json> last_step_replies_;  // of the last step command (status.json's times)
+  std::optional<int64_t> rewound_to_;
+  int64_t max_step_logged_ = 0;
+  int64_t last_step_ = 0;
+  int64_t next_request_ = 0;
+  std::optional<int64_t> pending_answer_;
+  nlohmann::json last_answer_;
+  std::string avoid_node_;  // a drained node replacements must not land on
+  Clock::time_point last_hb_check_ = Clock::now();
+  int64_t ckpt_every_ = 0;
+  std::string ckpt_dir_;
+  // Checkpoints whose snapshots were taken, waiting for every part to be durable. Those
+  // of an earlier epoch are abandoned when a new one opens (a part may never come).
+  struct PendingCheckpoint {
+    uint64_t epoch = 0;
+    int64_t dp = 1, grad_accum = 1, tokens = 0;
+    int world = 0;
+    std::set<int> durable;  // ranks whose part is durable
+  };
+  std::map<int64_t, PendingCheckpoint> pending_ckpts_;
+  int64_t last_ckpt_committed_ = -1, last_ckpt_failed_ = -1;
+  // Failures since the job last completed a step it had never completed before: a fault
+  // that comes back every time (a bad disk, a deterministic crash) must end the job, not
+  // loop through recoveries.
+  int failures_without_progress_ = 0;
+  // Neighbour replicas (elastic.replica_every; CPU workers only): the step every rank last
+  // refreshed them at, in which layout (-1: none usable).
+  int64_t replica_every_ = 0;
+  int64_t replica_step_ = -1, replica_dp_ = 0, replica_world_ = 0;
+  std::string epoch_failure_;  // the first failure a worker reported in the current epoch
+  int64_t max_step_completed_ = 0;
+  // What every checkpoint records besides the workers' parts (config text, tokenizer,
+  // run metadata: the same as a normal run's CheckpointCommitter), and the tokens seen
+  // up to the last completed step (its data position).
+  checkpoint::CheckpointInfo ckpt_info_;
+  int64_t tokens_seen_ = 0;
+};
+
+void Trainer::event(nlohmann::json e) {
+  e["ts_ms"] = wall_ms();
+  events_ << e.dump() << "\n";
+  events_.flush();
+}
+
+Status Trainer::spawn(int slot, uint64_t epoch) {
+  // Before the worker can beat (an epoch-0 worker of the scheduler may beat already: its
+  // next beat replaces the mark).
+  mark_start(slot, epoch);
+  if (scheduled_) {
+    // The scheduler started the workers of epoch 0; later ones on request.
+    if (epoch > 0) {
+      nlohmann::json req{{"epoch", epoch}};
+      if (!avoid_node_.empty()) req["avoid"] = avoid_node_;  // troupe drain
+      TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("spawn/{}", slot)), req.dump()));
+    }
+    Proc& p = procs_[slot];
+    p.pid = 0;
+    p.alive = true;
+    event({{"event", epoch > 0 ? "worker_requested" : "worker_started"}, {"slot", slot}, {"epoch", epoch}});
+    return ok_status();
+  }
+  std::vector<std::string> envs;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string v(*e);
+    bool ours = false;
+    for (const char* k :
+         {"TROUPE_ROLE=", "TROUPE_RANK=", "TROUPE_LOCAL_RANK=", "TROUPE_WORLD_SIZE=", "TROUPE_JOB_ID=",
+          "TROUPE_EPOCH=", "TROUPE_ELASTIC_SLOT=", "TROUPE_ELASTIC_EPOCH="}) {
+      ours |= v.rfind(k, 0) == 0;
+    }
+    if (!ours) envs.push_back(v);
+  }
+  envs.push_back("TROUPE_ROLE=worker");
+  envs.push_back(fmt::format("TROUPE_ELASTIC_SLOT={}", slot));
+  envs.push_back("TROUPE_JOB_ID=" + job_);
+  envs.push_back(fmt::format("TROUPE_ELASTIC_EPOCH={}", epoch));
+  // GPU workers of the standalone launcher see every GPU: each takes the lowest device
+  // index no live worker holds (a replacement takes its predecessor's, which was reaped).
+  int gpu = -1;
+  if (o_.gpu) {
+    std::set<int> held;
+    for (const auto& [s, q] : procs_) {
+      if (q.alive && q.gpu >= 0) held.insert(q.gpu);
+    }
+    gpu = 0;
+    while (held.count(gpu) != 0) ++gpu;
+    envs.push_back(fmt::format("TROUPE_LOCAL_RANK={}", gpu));
+  }
+  std::vector<char*> cargv, cenv;
+  for (const auto& a : o_.argv) cargv.push_back(const_cast<char*>(a.c_str()));
+  cargv.push_back(nullptr);
+  for (const auto& e : envs) cenv.push_back(const_cast<char*>(e.c_str()));
+  cenv.push_back(nullptr);
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) return io_error("cannot fork worker slot {}", slot);
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(125);
+    execve("/proc/self/exe", cargv.data(), cenv.data());
+    _exit(127);
+  }
+  Proc& p = procs_[slot];
+  p.pid = pid;
+  p.alive = true;
+  p.gpu = gpu;
+  nlohmann::json started{{"event", "worker_started"}, {"slot", slot}, {"pid", pid}, {"epoch", epoch}};
+  if (gpu >= 0) started["gpu"] = gpu;
+  event(std::move(started));
+  return ok_status();
+}
+
+void Trainer::terminate(int slot, const std::string& why) {
+  Proc& p = procs_[slot];
+  if (!p.alive) return;
+  if (scheduled_) {
+    (void)store_->set(key(fmt::format("kill/{}", slot)), why);
+  } else {
+    kill(p.pid, SIGKILL);
+    int status = 0;
+    waitpid(p.pid, &status, 0);
+  }
+  p.alive = false;
+  event({{"event", "worker_killed"}, {"slot", slot}, {"pid", p.pid}, {"why", why}});
+}
+
+void Trainer::kill_all() {
+  if (scheduled_) return;  // the scheduler owns the processes
+  for (auto& [slot, p] : procs_) {
+    if (!p.alive) continue;
+    kill(p.pid, SIGKILL);
+    int status = 0;
+    waitpid(p.pid, &status, 0);
+    p.alive = false;
+  }
+}
+
+std::optional<Failure> Trainer::check_processes() {
+  std::optional<Failure> f;
+  // Downs of the actors placed on the workers: a worker whose control-plane connection
+  // closed (its process died) or whose node stopped answering heartbeats.
+  for (const auto& [slot, down] : actors_->take_downs()) {
+    Proc& p = procs_[slot];
+    // Only an abrupt end is a failure signal here: the connection lost, heartbeats missed,
+    // a crashed handler. kExit (actors moved to another rank on a rescale) and kKilled
+    // (the worker's actor system shutting down as its process ends) are not; a process
+    // that ends is reported with its status by its exit.
+    const bool abrupt = down.reason == control::DownReason::kConnectionLost ||
+                        down.reason == control::DownReason::kHeartbeatTimeout ||
+                        down.reason == control::DownReason::kCrash;
+    if (!abrupt || !p.alive || plan_.rank_of_slot(slot) < 0) continue;
+    if (f && std::find(f->slots.begin(), f->slots.end(), slot) != f->slots.end()) continue;
+    if (!f)
+      f = Failure{
+          down.reason == control::DownReason::kHeartbeatTimeout ? "heartbeat" : "exit", {}, "", wall_ms()};
+    f->slots.push_back(slot);
+    f->detail += fmt::format("{}slot {}: actor {} down ({}{}{})", f->detail.empty() ? "" : "; ", slot,
+                             down.actor.to_string(), control::down_reason_name(down.reason),
+                             down.text.empty() ? "" : ": ", down.text);
+  }
+  for (auto& [slot, p] : procs_) {
+    if (!p.alive) continue;
+    if (scheduled_) {  // the scheduler reports every worker that ends
+      const std::string k = key(fmt::format("exit/{}", slot));
+      Result<bool> has = store_->contains(k);
+      if (!has.ok() || !has.value()) continue;
+      Result<std::string> v = store_->get(k, comm::deadline_in(std::chrono::milliseconds(1000)));
+      p.alive = false;
+      if (plan_.rank_of_slot(slot) < 0) continue;
+      if (!f) f = Failure{"exit", {}, "", wall_ms()};
+      f->slots.push_back(slot);
+      f->detail +=
+          fmt::format("{}slot {} {}", f->detail.empty() ? "" : "; ", slot, v.ok() ? v.value() : "ended");
+      continue;
+    }
+    int status = 0;
+    if (waitpid(p.pid, &status, WNOHANG) != p.pid) continue;
+    p.alive = false;
+    const std::string how = WIFEXITED(status) ? fmt::format("exited with status {}", WEXITSTATUS(status))
+                                              : fmt::format("was killed by signal {}", WTERMSIG(status));
+    if (plan_.rank_of_slot(slot) < 0) continue;  // a worker that left the job
+    if (!f) f = Failure{"exit", {}, "", wall_ms()};
+    f->slots.push_back(slot);
+    f->detail += fmt::format("{}slot {} (pid {}) {}", f->detail.empty() ? "" : "; ", slot, p.pid, how);
+  }
+  return f;
+}
+
+void Trainer::mark_start(int slot, uint64_t epoch) {
+  Proc& p = procs_[slot];
+  p.start_mark = fmt::format("starting in epoch {}", epoch);
+  // Best effort: if the store refuses it, a predecessor's stale value passes for a first
+  // beat and the heartbeat timeout applies from then on (as before the mark existed).
+  (void)store_->set(key(fmt::format("hb/{}", slot)), p.start_mark);
+  p.last_hb = p.start_mark;
+  p.hb_seen = Clock::now();
+}
+
+std::optional<Failure> Trainer::check_heartbeats() {
+  std::optional<Failure> f;
+  // While the store itself stalls (the scheduler restarting) silence proves nothing: the
+  // timers restart once it answers promptly again.
+  const auto t_probe = Clock::now();
+  (void)store_->contains(key("hb/probe"));
+  const bool store_stalled = Clock::now() - t_probe > std::chrono::milliseconds(500);
+  if (store_stalled || Clock::now() - last_hb_check_ > hb_timeout_ / 2) {
+    for (auto& [slot, p] : procs_) p.hb_seen = Clock::now();
+    if (store_stalled) event({{"event", "heartbeat_timers_reset"}, {"why", "the store stalled"}});
+  }
+  last_hb_check_ = Clock::now();
+  const auto now = Clock::now();
+  for (int slot : plan_.slots) {
+    Proc& p = procs_[slot];
+    if (!p.alive) continue;
+    Result<bool> has = store_->contains(key(fmt::format("hb/{}", slot)));
+    if (has.ok() && has.value()) {
+      Result<std::string> v =
+          store_->get(key(fmt::format("hb/{}", slot)), comm::deadline_in(std::chrono::milliseconds(100)));
+      if (v.ok() && v.value() != p.last_hb) {
+        p.last_hb = v.value();
+        p.hb_seen = now;
+      }
+    }
+    const bool started = p.started();
+    if (now - p.hb_seen > (started ? hb_timeout_ : std::max(hb_timeout_, join_timeout_))) {
+      if (!f) f = Failure{"heartbeat", {}, "", wall_ms()};
+      f->slots.push_back(slot);
+      f->detail +=
+          fmt::format("{}slot {} (pid {}) {} for {} ms", f->detail.empty() ? "" : "; ", slot, p.pid,
+                      started ? "silent" : "started but never beat",
+                      std::chrono::duration_cast<std::chrono::milliseconds>(now - p.hb_seen).count());
+    }
+  }
+  return f;
+}
+
+Result<std::optional<Failure>> Trainer::check_errors(Clock::time_point& first_err) {
+  // Failures the workers reported to the trainer actor (typed: code, actor, text).
+  for (const WorkerFailure& f : actors_->take_failures()) {
+    if (f.epoch != plan_.epoch || !epoch_failure_.empty()) continue;
+    epoch_failure_ = fmt::format("slot {} ({}): {}", f.slot, f.actor, f.text);
+    event({{"event", "worker_failure"},
+           {"epoch", f.epoch},
+           {"slot", f.slot},
+           {"rank", f.rank},
+           {"actor", f.actor},
+           {"code", f.code},
+           {"text", f.text},
+           {"failed_ms", f.ts_ms}});
+  }
+  const std::string what = epoch_failure_;
+  if (what.empty()) return std::optional<Failure>{};
+  if (first_err == Clock::time_point{}) first_err = Clock::now();
+  // A peer's death or silence explains most data-plane errors: give exit/heartbeat
+  // detection the grace period first.
+  if (Clock::now() - first_err < err_grace_) return std::optional<Failure>{};
+  return std::optional<Failure>(Failure{"comm_error", {}, what, wall_ms()});
+}
+
+Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& failure) {
+  const auto deadline = Clock::now() + join_timeout_;
+  std::set<int> pending(plan.slots.begin(), plan.slots.end());
+  Clock::time_point first_err{};
+  auto last_hb_check = Clock::now();
+  while (!pending.empty()) {
+    for (auto it = pending.begin(); it != pending.end();) {
+      TROUPE_ASSIGN_OR_RETURN(bool has, store_->contains(key(fmt::format("ready/{}/{}", plan.epoch, *it))));
+      it = has ? pending.erase(it) : std::next(it);
+    }
+    if (pending.empty()) break;
+    if ((failure = check_processes())) return ok_status();
+    if (Clock::now() - last_hb_check > std::chrono::milliseconds(100)) {
+      last_hb_check = Clock::now();
+      if ((failure = check_heartbeats())) return ok_status();
+      TROUPE_ASSIGN_OR_RETURN(failure, check_errors(first_err));
+      if (failure) return ok_status();
+    }
+    if (Clock::now() > deadline) {
+      // Wedged workers (e.g. a step thread that never returns): replaced (last resort).
+      // The ones that never took the plan over are the culprits; the others wait on them.
+      std::vector<int> wedged;
+      for (int s : pending) {
+        TROUPE_ASSIGN_OR_RETURN(bool adopted,
+                                store_->contains(key(fmt::format("adopted/{}/{}", plan.epoch, s))));
+        if (!adopted) wedged.push_back(s);
+      }
+      if (wedged.empty()) wedged.assign(pending.begin(), pending.end());
+      failure =
+          Failure{"join_timeout", wedged,
+                  fmt::format("{} worker(s) did not join epoch {} within {} ms, {} never took the plan over",
+                              pending.size(), plan.epoch, join_timeout_.count(), wedged.size()),
+                  wall_ms()};
+      return ok_status();
+    }
+    std::this_thread::sleep_for(std::max(poll_, std::chrono::milliseconds(5)));
+  }
+  // Every worker joined: monitor the actors placed on them for this epoch, and record
+  // the placement (actor id -> worker) with the scheduler.
+  // Each worker's ready record names the roles it hosts (its program's parameters) and
+  // how it learned the plan.
+  std::vector<std::vector<std::string>> roles(plan.slots.size());
+  epoch_plan_messages_ = 0;
+  for (size_t r = 0; r < plan.slots.size(); ++r) {
+    TROUPE_ASSIGN_OR_RETURN(std::string text,
+                            store_->get(key(fmt::format("ready/{}/{}", plan.epoch, plan.slots[r])),
+                                        comm::deadline_in(std::chrono::milliseconds(10000))));
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    if (j.is_object() && j.contains("roles") && j["roles"].is_array()) {
+      for (const auto& x : j["roles"]) {
+        if (x.is_string()) roles[r].push_back(x.get<std::string>());
+      }
+    }
+    if (j.is_object() && j.value("plan_via", "") == "message") ++epoch_plan_messages_;
+    if (roles[r].empty() || roles[r].front() != "stage") {
+      return data_loss("worker slot {}: its ready record for epoch {} names no stage actor: {}",
+                       plan.slots[r], plan.epoch, text.substr(0, 200));
+    }
+  }
+  TROUPE_RETURN_IF_ERROR(actors_->attach(
+      plan.slots, roles, *store_, [this](int s) { return key(fmt::format("actors/{}", s)); },
+      std::chrono::milliseconds(30000)));
+  if (o_.publish_placement) {
+    std::vector<std::pair<std::string, std::string>> placement{{"trainer", "driver"}};
+    for (size_t r = 0; r < plan.slots.size(); ++r) {
+      for (const std::string& role : roles[r]) {
+        placement.emplace_back(actor_id(role, static_cast<int>(r)), fmt::format("worker-{}", plan.slots[r]));
+      }
+    }
+    Status st = o_.publish_placement(placement);
+    if (!st.ok()) {
+      event({{"event", "placement_not_recorded"}, {"epoch", plan.epoch}, {"error", st.to_string()}});
+      fmt::print(stderr, "trainer: the scheduler did not record the actor placement of epoch {}: {}\n",
+                 plan.epoch, st.to_string());
+    }
+  }
+  return ok_status();
+}
+
+Result<ElasticPlan> Trainer::plan_for(int64_t dp, const std::vector<int>& keep_dp, int64_t step_done,
+                                      const std::string& why, std::vector<int>& spawn_slots,
+                                      std::vector<int>& leaving) {
+  const int pp = static_cast<int>(tc_.parallel.pp), n = static_cast<int>(tc_.parallel.n);
+  TROUPE_ASSIGN_OR_RETURN(ParallelLayout old_l, ParallelLayout::make(pp, static_cast<int>(plan_.dp), n));
+  TROUPE_ASSIGN_OR_RETURN(ParallelLayout new_l, ParallelLayout::make(pp, static_cast<int>(dp), n));
+  const int64_t global = plan_.dp * plan_.grad_accum;
+  if (global % dp != 0) {
+    return invalid_argument(
+        "dp={} does not divide the global batch of {} micro-batches (dp {} x grad_accum {})", dp, global,
+        plan_.dp, plan_.grad_accum);
+  }
+  ElasticPlan p;
+  p.epoch = plan_.epoch + 1;
+  p.dp = dp;
+  p.grad_accum = global / dp;
+  p.step_done = step_done;
+  p.seq = seq_;
+  p.reason = why;
+  std::set<int> kept_slots;
+  for (int r = 0; r < new_l.world_size(); ++r) {
+    const ParallelCoord c = new_l.coord(r);
+    if (static_cast<size_t>(c.dp) < keep_dp.size()) {
+      ParallelCoord oc = c;
+      oc.dp = keep_dp[static_cast<size_t>(c.dp)];
+      const int slot = plan_.slots[static_cast<size_t>(old_l.rank_of(oc))];
+      p.slots.push_back(slot);
+      p.has_state.push_back(stateful_.count(slot) > 0);
+      kept_slots.insert(slot);
+    } else {
+      p.slots.push_back(next_slot_);
+      p.has_state.push_back(false);
+      spawn_slots.push_back(next_slot_++);
+    }
+  }
+  for (int s : plan_.slots) {
+    if (!kept_slots.count(s)) leaving.push_back(s);
+  }
+  return p;
+}
+
+Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots,
+                           const std::vector<int>& leaving) {
+  plan.ckpt_every = ckpt_every_;
+  plan.ckpt_dir = ckpt_dir_;
+  plan.replica_every = replica_every_;
+  epoch_failure_.clear();  // failures reported in the old epoch are handled by this one
+  // The neighbour replicas describe the old membership: unusable until the next refresh.
+  replica_step_ = -1;
+  // Checkpoints still waiting for durable-part notes: one whose every part is on disk
+  // (each rank writes its part file after its shard) is finalized; the others are
+  // abandoned (a part will never come).
+  for (auto& [step, p] : pending_ckpts_) p.durable.clear();
+  for (const auto& [step, p] : pending_ckpts_) {
+    if (Status st = finalize_pending(step, p); !st.ok()) {
+      event({{"event", "checkpoint_abandoned"}, {"step", step}, {"parts", p.world}, {"why", st.to_string()}});
+    }
+  }
+  pending_ckpts_.clear();
+  TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("plan/{}", plan.epoch)), plan.to_json().dump()));
+  // The workers of the old epoch get the plan as a message too (they react at once; the
+  // store record is where new and restarted workers read it).
+  const int told = actors_->send_plan(plan);
+  event({{"event", "epoch_opened"}, {"plan", plan.to_json()}, {"plan_messages", told}});
+  const ElasticPlan old = plan_;
+  plan_ = plan;
+  for (int s : spawn_slots) TROUPE_RETURN_IF_ERROR(spawn(s, plan.epoch));
+  // Workers leaving on a scale-down exit by themselves once they see the plan.
+  for (int s : leaving) {
+    Proc& p = procs_[s];
+    const auto deadline = Clock::now() + std::chrono::milliseconds(10000);
+    if (scheduled_) {
+      while (p.alive) {
+        TROUPE_ASSIGN_OR_RETURN(bool gone, store_->contains(key(fmt::format("exit/{}", s))));
+        if (gone) p.alive = false;
+        if (p.alive && Clock::now() > deadline) terminate(s, "did not leave within 10 s");
+        if (p.alive) std::this_thread::sleep_for(poll_);
+      }
+      continue;
+    }
+    if (reap_by(p, deadline)) {
+      event({{"event", "worker_killed"}, {"slot", s}, {"why", "did not leave within 10 s"}});
+    }
+  }
+  (void)old;
+  return ok_status();
+}
+
+Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
+  if (++failures_without_progress_ > kMaxFailuresWithoutProgress) {
+    return aborted("elastic: giving up after {} failures without completing a new step (the last: {}: {})",
+                   failures_without_progress_ - 1, f.cause, f.detail);
+  }
+  for (int attempt = 0;; ++attempt) {
+    if (attempt >= 5) return aborted("elastic: giving up after {} failed recoveries: {}", attempt, f.detail);
+    ++recoveries_;
+    // Time of the injected fault, if the test injected one (detection latency).
+    std::optional<int64_t> fault_ms;
+    // A failure nobody is blamed for (comm_error, watchdog): any worker may have caused it.
+    const std::vector<int> suspects = f.slots.empty() ? plan_.slots : f.slots;
+    for (int s : suspects) {
+      Result<bool> has = store_->contains(key(fmt::format("fault/{}", s)));
+      if (has.ok() && has.value()) {
+        Result<std::string> v =
+            store_->get(key(fmt::format("fault/{}", s)), comm::deadline_in(std::chrono::milliseconds(100)));
+        if (v.ok()) {
+          const nlohmann::json j = nlohmann::json::parse(v.value(), nullptr, false);
+          if (j.is_object() && j.contains("ts_ms"))
+            fault_ms = std::max(fault_ms.value_or(0), j["ts_ms"].get<int64_t>());
+        }
+      }
+    }
+    nlohmann::json det{{"event", "failure_detected"}, {"cause", f.cause},     {"slots", f.slots},
+                       {"detail", f.detail},          {"epoch", plan_.epoch}, {"step", failed_step},
+                       {"detected_ms", f.ts_ms}};
+    if (fault_ms) det["detection_ms"] = f.ts_ms - *fault_ms;
+    event(det);
+    fmt::print("elastic: failure detected ({}): {}{}\n", f.cause, f.detail,
+               fault_ms ? fmt::format(" — {} ms after the fault", f.ts_ms - *fault_ms) : "");
+    std::fflush(stdout);
+    if (!recovering_since_ms_) {
+      recovering_since_ms_ = f.ts_ms;
+      recovering_cause_ = f.cause;
+    }
+    // Workers that die together (a node, one fault hitting several) die within a few ms
+    // of each other: the exits seen in a short window are handled by one recovery.
+    if (f.cause == "exit") {
+      const auto until = Clock::now() + kFailureBatchWindow;
+      while (Clock::now() < until) {
+        if (std::optional<Failure> more = check_processes()) {
+          for (int s : more->slots) {
+            if (std::find(f.slots.begin(), f.slots.end(), s) != f.slots.end()) continue;
+            f.slots.push_back(s);
+            f.detail += "; " + more->detail;
+            nlohmann::json e{{"event", "failure_detected"}, {"cause", more->cause}, {"slots", {s}},
+                             {"detail", more->detail},      {"epoch", plan_.epoch}, {"step", failed_step},
+                             {"detected_ms", more->ts_ms}};
+            Result<std::string> v = store_->get(key(fmt::format("fault/{}", s)),
+                                                comm::deadline_in(std::chrono::milliseconds(100)));
+            if (v.ok()) {
+              const nlohmann::json j = nlohmann::json::parse(v.value(), nullptr, false);
+              if (j.is_object() && j.contains("ts_ms"))
+                e["detection_ms"] = more->ts_ms - j["ts_ms"].get<int64_t>();
+            }
+            event(e);
+            fmt::print("elastic: failure detected ({}): {} (handled with the one before)\n", more->cause,
+                       more->detail);
+          }
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    }
+    // The lost workers: make sure they are gone (a hung one is killed: the last resort).
+    for (int s : f.slots) terminate(s, f.cause);
+    // Replace each lost worker, or shrink dp when no spare is left.
+    std::vector<int> spawn_slots, leaving;
+    Result<ElasticPlan> plan = [&]() -> Result<ElasticPlan> {
+      const int64_t need = static_cast<int64_t>(f.slots.size());
+      if (spares_left_ < 0 || spares_left_ >= need) {
+        if (spares_left_ > 0) spares_left_ -= need;
+        ElasticPlan p = plan_;
+        p.epoch = plan_.epoch + 1;
+        p.step_done = step_done;
+        p.seq = seq_;
+        p.reason = f.cause;
+        for (size_t r = 0; r < p.slots.size(); ++r) {
+          p.has_state[r] = stateful_.count(p.slots[r]) > 0;
+          if (std::find(f.slots.begin(), f.slots.end(), p.slots[r]) != f.slots.end()) {
+            p.slots[r] = next_slot_;
+            p.has_state[r] = false;
+            spawn_slots.push_back(next_slot_++);
+          }
+        }
+        return p;
+      }
+      // No spare: keep the dp replicas that lost nobody.
+      TROUPE_ASSIGN_OR_RETURN(ParallelLayout l, ParallelLayout::make(static_cast<int>(tc_.parallel.pp),
+                                                                     static_cast<int>(plan_.dp),
+                                                                     static_cast<int>(tc_.parallel.n)));
+      std::set<int> lost_dp;
+      for (int s : f.slots) lost_dp.insert(l.coord(plan_.rank_of_slot(s)).dp);
+      std::vector<int> keep;
+      for (int d = 0; d < l.dp(); ++d) {
+        if (!lost_dp.count(d)) keep.push_back(d);
+      }
+      const int64_t min_dp = tc_.elastic.min_dp;
+      int64_t dp = static_cast<int64_t>(keep.size());
+      while (dp >= min_dp && dp > 0 && (plan_.dp * plan_.grad_accum) % dp != 0) --dp;
+      if (dp < std::max<int64_t>(min_dp, 1)) {
+        return aborted("elastic: no spare worker left and shrinking below dp={} is not allowed ({})", min_dp,
+                       f.detail);
+      }
+      keep.resize(static_cast<size_t>(dp));
+      return plan_for(dp, keep, step_done, f.cause + " (no spare: shrink)", spawn_slots, leaving);
+    }();
+    if (!plan.ok()) return plan.status();
+    // A (pp, n) column with no survivor holding state: every rank goes back to the last
+    // checkpoint (steps after it are lost and run again).
+    {
+      ElasticPlan& p = plan.value();
+      TROUPE_ASSIGN_OR_RETURN(ParallelLayout l,
+                              ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(p.dp),
+                                                   static_cast<int>(tc_.parallel.n)));
+      bool column_lost = false;
+      for (int r = 0; r < l.world_size(); ++r) {
+        const ParallelCoord c = l.coord(r);
+        bool any = false;
+        for (int d = 0; d < l.dp(); ++d) {
+          ParallelCoord o = c;
+          o.dp = d;
+          any |= p.has_state[static_cast<size_t>(l.rank_of(o))];
+        }
+        column_lost |= !any;
+      }
+      // Next best: the neighbour replicas (each lost rank's successor keeps a copy of its
+      // state), when they were made in this layout and no lost rank's successor was lost.
+      bool replicas_cover = column_lost && replica_step_ >= 0 && p.dp == replica_dp_ &&
+                            static_cast<int64_t>(p.slots.size()) == replica_world_;
+      for (size_t r = 0; replicas_cover && r < p.slots.size(); ++r) {
+        if (!p.has_state[r] && !p.has_state[(r + 1) % p.slots.size()]) replicas_cover = false;
+      }
+      if (replicas_cover) {
+        p.replica_step = replica_step_;
+        p.step_done = replica_step_;
+        event(
+            {{"event", "restore_from_replica"}, {"step", p.step_done}, {"every", tc_.elastic.replica_every}});
+        fmt::print(
+            "elastic: no data-parallel peer holds the lost state; restoring step {} from the neighbours' "
+            "in-memory replicas\n",
+            p.step_done);
+        std::fflush(stdout);
+      } else if (column_lost) {
+        if (ckpt_dir_.empty()) {
+          return aborted(
+              "elastic: no data-parallel peer or neighbour replica holds the lost state and no checkpoint "
+              "is kept (checkpoint.every): {}",
+              f.detail);
+        }
+        Result<std::unique_ptr<checkpoint::CheckpointReader>> rd =
+            checkpoint::CheckpointReader::open_latest_valid(ckpt_dir_, checkpoint::VerifyMode::kChecksums);
+        if (!rd.ok()) {
+          return aborted("elastic: every dp replica of a column is lost and no valid checkpoint exists: {}",
+                         rd.status().to_string());
+        }
+        p.checkpoint = rd.value()->path();
+        p.step_done = rd.value()->step();
+        event({{"event", "restore_from_checkpoint"}, {"path", p.checkpoint}, {"step", p.step_done}});
+        fmt::print("elastic: a column lost every replica; restoring step {} from {}\n", p.step_done,
+                   p.checkpoint);
+        std::fflush(stdout);
+      }
+    }
+    // Slots leaving because their replica shrank away are stopped by the plan itself; the
+    // lost ones are already dead.
+    std::vector<int> leaving_alive;
+    for (int s : leaving) {
+      if (procs_[s].alive) leaving_alive.push_back(s);
+    }
+    TROUPE_RETURN_IF_ERROR(open_epoch(plan.value(), spawn_slots, leaving_alive));
+    std::optional<Failure> again;
+    TROUPE_RETURN_IF_ERROR(wait_ready(plan_, again));
+    if (!again) {
+      mark_stateful();
+      event({{"event", "epoch_ready"},
+             {"epoch", plan_.epoch},
+             {"ms_since_detection", wall_ms() - *recovering_since_ms_}});
+      recovering_steps_lost_ = failed_step - 1 - plan_.step_done;
+      if (plan_.step_done < step_done) rewound_to_ = plan_.step_done;
+      if (recovering_steps_lost_ < 0) recovering_steps_lost_ = 0;
+      return ok_status();
+    }
+    f = *again;  // a failure during the recovery: recover again from the same state
+  }
+}
+
+Result<std::vector<nlohmann::json>> Trainer::wait_replies(int64_t seq, Command::Kind kind,
+                                                          std::optional<Failure>& failure) {
+  const int world = static_cast<int>(plan_.slots.size());
+  std::vector<nlohmann::json> replies(static_cast<size_t>(world));
+  std::vector<bool> got(static_cast<size_t>(world), false);
+  int remaining = world;
+  const auto start = Clock::now();
+  auto last_slow_check = Clock::now();
+  Clock::time_point first_err{};
+  while (remaining > 0) {
+    // Replies of this command and epoch (the trainer actor queues them); anything else is
+    // a late reply of an abandoned command.
+    for (const StepReply& rep : actors_->take_replies()) {
+      if (rep.seq != seq || rep.epoch != plan_.epoch || rep.rank < 0 || rep.rank >= world) continue;
+      if (got[static_cast<size_t>(rep.rank)]) continue;
+      replies[static_cast<size_t>(rep.rank)] = step_reply_json(rep);
+      got[static_cast<size_t>(rep.rank)] = true;
+      --remaining;
+    }
+    if (remaining == 0) break;
+    if ((failure = check_processes())) {
+      // A worker that replied and then ended (after "stop") is not a failure: its reply
+      // may have been queued behind the news of its end.
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      for (const StepReply& rep : actors_->take_replies()) {
+        if (rep.seq != seq || rep.epoch != plan_.epoch || rep.rank < 0 || rep.rank >= world) continue;
+        if (got[static_cast<size_t>(rep.rank)]) continue;
+        replies[static_cast<size_t>(rep.rank)] = step_reply_json(rep);
+        got[static_cast<size_t>(rep.rank)] = true;
+        --remaining;
+      }
+      // After "stop" a worker that replied ends: only the others' ends are failures.
+      if (kind == Command::Kind::kStop) {
+        bool replied = !failure->slots.empty();
+        for (int s : failure->slots) {
+          const int r = plan_.rank_of_slot(s);
+          replied &= r >= 0 && got[static_cast<size_t>(r)];
+        }
+        if (replied) {
+          failure.reset();
+          continue;
+        }
+      }
+      return replies;
+    }
+    if (Clock::now() - last_slow_check > std::chrono::milliseconds(50)) {
+      last_slow_check = Clock::now();
+      if ((failure = check_heartbeats())) return replies;
+      TROUPE_ASSIGN_OR_RETURN(failure, check_errors(first_err));
+      if (failure) return replies;
+      if (Clock::now() - start > watchdog_) {
+        failure = Failure{"watchdog",
+                          {},
+                          fmt::format("command {} ran past the {} ms step watchdog", seq, watchdog_.count()),
+                          wall_ms()};
+        return replies;
+      }
+    }
+    std::this_thread::sleep_for(poll_);
+  }
+  return replies;
+}
+
+Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t step) {
+  // The state every rank can restore if this command fails: after the last step all of
+  // them completed.
+  const int64_t step_done = kind == Command::Kind::kStep ? step - 1 : step;
+  while (true) {
+    const int64_t seq = seq_++;
+    // To every stage actor of the epoch; a worker that cannot be reached is found by the
+    // failure detection below (its exit, its actors' Down, its heartbeat).
+    const Status sent =
+        actors_->send_command(plan_.slots, StepCommand{seq, static_cast<uint8_t>(kind), step, plan_.epoch});
+    if (!sent.ok())
+      fmt::print(stderr, "trainer: command {} not sent to every worker: {}\n", seq, sent.to_string());
+    std::optional<Failure> failure;
+    TROUPE_ASSIGN_OR_RETURN(std::vector<nlohmann::json> replies, wait_replies(seq, kind, failure));
+    bool complete = true;
+    for (const auto& r : replies) complete &= r.is_object();
+    // Workers end after "stop": an exit then is no failure.
+    if (failure && complete && kind == Command::Kind::kStop) failure.reset();
+    if (!failure && kind == Command::Kind::kStep) track_stragglers(replies, step, failure);
+    // Every rank completed the command and a worker was lost (or flagged) just after: the
+    // command counts, and the worker is replaced from the state after it.
+    std::optional<Failure> after;
+    if (failure && complete) after = std::exchange(failure, std::nullopt);
+    if (!failure) {
+      if (recovering_since_ms_) {
+        const int64_t now = wall_ms();
+        const double recovery_s = static_cast<double>(now - *recovering_since_ms_) / 1e3;
+        event({{"event", "recovered"},
+               {"cause", recovering_cause_},
+               {"step", step},
+               {"recovery_s", recovery_s},
+               {"steps_lost", recovering_steps_lost_},
+               {"epoch", plan_.epoch},
+               {"plan_by_message", epoch_plan_messages_}});
+        fmt::print("elastic: recovered ({}) — {} {} completed {:.2f} s after detection, steps lost {}\n",
+                   recovering_cause_, command_kind_name(kind), step, recovery_s, recovering_steps_lost_);
+        std::fflush(stdout);
+        recovering_since_ms_.reset();
+      }
+      last_replies_ = replies;
+      if (kind == Command::Kind::kStep) last_step_replies_ = replies;
+      if (kind == Command::Kind::kStep && replica_every_ > 0) {
+        bool all = true;
+        for (const auto& r : replies) all &= r.value("replica", int64_t{-1}) == step;
+        if (all) {
+          replica_step_ = step;
+          replica_dp_ = plan_.dp;
+          replica_world_ = static_cast<int64_t>(replies.size());
+        }
+      }
+      if (kind == Command::Kind::kStep && step > max_step_completed_) {
+        max_step_completed_ = step;
+        failures_without_progress_ = 0;
+      }
+      TROUPE_RETURN_IF_ERROR(note_checkpoints(kind, step, replies));
+      if (after) {
+        const int64_t done = kind == Command::Kind::kStep ? step : step_done;
+        TROUPE_RETURN_IF_ERROR(recover(*after, done, done + 1));
+        if (rewound_to_) return std::optional<nlohmann::json>{};
+      }
+      return std::optional<nlohmann::json>(replies[0]);
+    }
+    TROUPE_RETURN_IF_ERROR(recover(*failure, step_done, step));
+    if (rewound_to_) return std::optional<nlohmann::json>{};
+  }
+}
+
+Status Trainer::finalize_pending(int64_t step, const PendingCheckpoint& p) {
+  // Finalized as a normal run's committer does, so `train_moe train --resume` and
+  // `troupe checkpoints` read it like any other. The layout saved is that epoch's dp.
+  checkpoint::FinalizeOptions fo;
+  fo.world_size = p.world;
+  fo.keep_last = static_cast<int>(tc_.checkpoint.keep);
+  fo.info = ckpt_info_;
+  fo.info.data_position = data_position_json(tc_, step, p.tokens);
+  fo.info.metadata["adam_steps"] = step;
+  fo.info.metadata["saved_layout"] = fmt::format("pp={},dp={},n={}", tc_.parallel.pp, p.dp, tc_.parallel.n);
+  fo.info.metadata["elastic"] =
+      nlohmann::json{{"epoch", p.epoch}, {"dp", p.dp}, {"grad_accum", p.grad_accum}};
+  TROUPE_ASSIGN_OR_RETURN(checkpoint::FinalizeResult fr,
+                          checkpoint::finalize_checkpoint(ckpt_dir_, step, fo));
+  event({{"event", "checkpoint_committed"}, {"step", step}, {"path", fr.path}, {"bytes", fr.bytes}});
+  last_ckpt_committed_ = std::max(last_ckpt_committed_, step);
+  return ok_status();
+}
+
+Status Trainer::note_checkpoints(Command::Kind kind, int64_t step,
+                                 const std::vector<nlohmann::json>& replies) {
+  if (ckpt_every_ <= 0 || replies.empty()) return ok_status();
+  // Every rank took its snapshot of this step: the checkpoint is under way.
+  if (kind == Command::Kind::kStep || kind == Command::Kind::kSave) {
+    bool all = true;
+    for (const auto& r : replies) all &= r.value("ckpt_started", int64_t{-1}) == step;
+    if (all) {
+      PendingCheckpoint& p = pending_ckpts_[step];
+      p.epoch = plan_.epoch;
+      p.dp = plan_.dp;
+      p.grad_accum = plan_.grad_accum;
+      p.world = static_cast<int>(replies.size());
+      p.tokens = tokens_seen_ + replies[0].value("step_tokens", int64_t{0});
+      p.durable.clear();
+    }
+  }
+  // Parts that became durable (a rank says so in a later reply, or at "stop"), and saves
+  // that failed: that checkpoint is abandoned (training goes on).
+  for (const auto& r : replies) {
+    for (const auto& e : r.value("ckpt_errors", nlohmann::json::array())) {
+      const int64_t s = e.value("step", int64_t{-1});
+      const std::string why = e.value("error", "");
+      pending_ckpts_.erase(s);
+      if (s != last_ckpt_failed_) {  // reported once, not by every rank
+        event({{"event", "checkpoint_failed"}, {"step", s}, {"rank", r.value("rank", -1)}, {"error", why}});
+        fmt::print(stderr, "checkpoint: step {} was not committed: rank {} could not save it: {}\n", s,
+                   r.value("rank", -1), why);
+        std::fflush(stderr);
+      }
+      last_ckpt_failed_ = s;
+    }
+    for (const auto& d : r.value("durable", nlohmann::json::array())) {
+      auto it = pending_ckpts_.find(d.get<int64_t>());
+      if (it == pending_ckpts_.end() || it->second.epoch != plan_.epoch) continue;
+      it->second.durable.insert(r.value("rank", -1));
+    }
+  }
+  for (auto it = pending_ckpts_.begin(); it != pending_ckpts_.end();) {
+    const PendingCheckpoint& p = it->second;
+    if (static_cast<int>(p.durable.size()) < p.world) {
+      ++it;
+      continue;
+    }
+    TROUPE_RETURN_IF_ERROR(finalize_pending(it->first, p));
+    it = pending_ckpts_.erase(it);
+  }
+  return ok_status();
+}
+
+void Trainer::track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step,
+                               std::optional<Failure>& failure) {
+  std::vector<double> compute;
+  for (const auto& r : replies) compute.push_back(r.value("compute_ms", 0.0));
+  if (compute.size() < 2) return;
+  for (size_t i = 0; i < replies.size(); ++i) {
+    std::vector<double> peers;
+    for (size_t j = 0; j < compute.size(); ++j) {
+      if (j != i) peers.push_back(compute[j]);
+    }
+    std::sort(peers.begin(), peers.end());
+    const double median = peers[peers.size() / 2];
+    const int slot = plan_.slots[i];
+    const bool slow = median > 0 && compute[i] > straggler_ratio_ * median && compute[i] - median > 20.0;
+    int& streak = slow_streak_[slot];
+    streak = slow ? streak + 1 : 0;
+    if (streak >= straggler_window_ && !flagged_.count(slot)) {
+      flagged_.insert(slot);
+      event({{"event", "straggler"},
+             {"slot", slot},
+             {"rank", i},
+             {"step", step},
+             {"compute_ms", compute[i]},
+             {"peer_median_ms", median},
+             {"window", straggler_window_}});
+      fmt::print(
+          "elastic: straggler: slot {} (rank {}) compute {:.0f} ms vs peers' median {:.0f} ms for {} "
+          "steps{}\n",
+          slot, i, compute[i], median, streak, straggler_replace_ ? "; replacing it" : "");
+      std::fflush(stdout);
+      if (straggler_replace_ && !failure) {
+        failure = Failure{"straggler", {slot}, fmt::format("slot {} is a straggler", slot), wall_ms()};
+      }
+    }
+  }
+}
+
+void Trainer::write_status(int64_t step) {
+  nlohmann::json workers = nlohmann::json::array();
+  for (size_t r = 0; r < plan_.slots.size(); ++r) {
+    const int s = plan_.slots[r];
+    workers.push_back({{"slot", s},
+                       {"rank", r},
+                       {"pid", procs_[s].pid},
+                       {"alive", procs_[s].alive},
+                       {"straggler", flagged_.count(s) > 0}});
+    // The last step's wall, compute and comm time of this rank (troupe top).
+    if (last_step_replies_.size() == plan_.slots.size()) {
+      for (const char* k : {"step_ms", "compute_ms", "comm_ms"}) {
+        if (last_step_replies_[r].contains(k)) workers.back()[k] = last_step_replies_[r][k];
+      }
+    }
+  }
+  // The actors of the job, with their own answers (troupe status --actors): asked once per
+  // step boundary.
+  if (actors_ && (step < 0 || step != actors_step_ || plan_.epoch != actors_epoch_)) {
+    actors_->set_trainer_state(
+        step < 0 ? "failed" : "training", step < 0 ? last_step_ : step,
+        last_step_replies_.empty() ? 0.0 : last_step_replies_[0].value("step_ms", 0.0));
+    actor_table_ = nlohmann::json::array();
+    for (const ActorEntry& e : actors_->query(std::chrono::milliseconds(300))) {
+      const int slot = e.slot;
+      actor_table_.push_back({{"id", e.id},
+                              {"role", e.role},
+                              {"rank", e.rank},
+                              {"worker", slot < 0 ? std::string("driver") : fmt::format("worker-{}", slot)},
+                              {"node", e.node},
+                              {"host", e.last.host},
+                              {"device", e.last.device},
+                              {"state", e.last.state},
+                              {"steps_done", e.last.steps_done},
+                              {"last_step_ms", e.last.last_step_ms},
+                              {"params", e.last.params},
+                              {"pid", e.last.pid}});
+    }
+    actors_step_ = step;
+    actors_epoch_ = plan_.epoch;
+  }
+  nlohmann::json st{{"step", step < 0 ? last_step_ : step},
+                    {"epoch", plan_.epoch},
+                    {"failed", step < 0},
+                    {"dp", plan_.dp},
+                    {"grad_accum", plan_.grad_accum},
+                    {"recoveries", recoveries_},
+                    {"workers", workers},
+                    {"actors", actor_table_}};
+  if (step >= 0) last_step_ = step;
+  if (scheduled_) (void)store_->set(key("status"), st.dump());  // troupe status <job>
+  const std::string tmp = run_dir_ + "/status.json.tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << st.dump(1) << "\n";
+  }
+  std::error_code ec;
+  fs::rename(tmp, run_dir_ + "/status.json", ec);
+}
+
+Status Trainer::take_store_request() {
+  if (pending_answer_) return ok_status();
+  const std::string k = key(fmt::format("request/{}", next_request_));
+  TROUPE_ASSIGN_OR_RETURN(bool has, store_->contains(k));
+  if (!has) return ok_status();
+  TROUPE_ASSIGN_OR_RETURN(std::string text,
+                          store_->get(k, comm::deadline_in(std::chrono::milliseconds(5000))));
+  pending_answer_ = next_request_++;
+  last_answer_ =
+      nlohmann::json{{"event", "request_refused"}, {"why", "malformed request"}, {"request", text}};
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  if (!j.is_object()) return ok_status();
+  const std::string op = j.value("op", "");
+  if (op == "scale" && j.contains("dp") && j["dp"].is_number_integer()) {
+    std::ofstream(run_dir_ + "/scale_request") << j["dp"].get<int64_t>() << "\n";
+    last_answer_ = nlohmann::json{{"event", "scale_unchanged"}, {"dp", plan_.dp}};
+  } else if (op == "replace" && j.contains("slot") && j["slot"].is_number_integer()) {
+    std::ofstream(run_dir_ + "/replace_request") << j["slot"].get<int64_t>() << "\n";
+    avoid_node_ = j.value("avoid", "");
+  }
+  return ok_status();
+}
+
+Status Trainer::answer_store_request() {
+  avoid_node_.clear();
+  if (!pending_answer_) return ok_status();
+  TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("answer/{}", *pending_answer_)), last_answer_.dump()));
+  pending_answer_.reset();
+  return ok_status();
+}
+
+Status Trainer::maybe_replace(int64_t step_done) {
+  // "<slot>" in <run dir>/replace_request (troupe replace): a planned replacement at this
+  // step boundary, restored from a dp peer like a failure.
+  const std::string req = run_dir_ + "/replace_request";
+  std::error_code ec;
+  if (!fs::exists(req, ec)) return ok_status();
+  std::string text;
+  {
+    std::ifstream in(req);
+    std::getline(in, text);
+  }
+  fs::remove(req, ec);
+  char* end = nullptr;
+  const long slot = std::strtol(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || plan_.rank_of_slot(static_cast<int>(slot)) < 0) {
+    last_answer_ = {{"event", "replace_refused"}, {"request", text}, {"why", "not a worker slot of the job"}};
+    event(last_answer_);
+    fmt::print("elastic: replace request '{}' refused: not a worker slot of the job\n", text);
+    return ok_status();
+  }
+  // The worker's state must survive it: another dp replica of its column, or a checkpoint.
+  {
+    TROUPE_ASSIGN_OR_RETURN(
+        ParallelLayout l, ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(plan_.dp),
+                                               static_cast<int>(tc_.parallel.n)));
+    const ParallelCoord me = l.coord(plan_.rank_of_slot(static_cast<int>(slot)));
+    bool peer = false;
+    for (int d = 0; d < l.dp(); ++d) {
+      ParallelCoord c = me;
+      c.dp = d;
+      const int other = plan_.slots[static_cast<size_t>(l.rank_of(c))];
+      peer |= d != me.dp && stateful_.count(other) > 0;
+    }
+    if (!peer && ckpt_dir_.empty()) {
+      last_answer_ = {{"event", "replace_refused"},
+                      {"request", text},
+                      {"why", fmt::format("slot {} has no dp peer (dp={}) and no elastic checkpoint is kept",
+                                          slot, plan_.dp)}};
+      event(last_answer_);
+      fmt::print("elastic: replace request for slot {} refused: no dp peer holds its state (dp={})\n", slot,
+                 plan_.dp);
+      return ok_status();
+    }
+  }
+  fmt::print("elastic: replacing slot {} on request after step {}\n", slot, step_done);
+  std::fflush(stdout);
+  const int64_t t0 = wall_ms();
+  TROUPE_RETURN_IF_ERROR(recover(
+      Failure{
+          "replace", {static_cast<int>(slot)}, fmt::format("slot {} replaced on request", slot), wall_ms()},
+      step_done, step_done + 1));
+  last_answer_ = {{"event", "replaced"},
+                  {"slot", slot},
+                  {"after_step", step_done},
+                  {"epoch", plan_.epoch},
+                  {"ms", wall_ms() - t0}};
+  return ok_status();
+}
+
+Status Trainer::maybe_rescale(int64_t step_done) {
+  const std::string req = run_dir_ + "/scale_request";
+  std::error_code ec;
+  // elastic.scale_at = "<step>:<dp>[,...]": a scripted request after <step> (tests,
+  // demos), through the same file a user writes.
+  if (!tc_.elastic.scale_at.empty()) {
+    const std::string& all = tc_.elastic.scale_at;
+    size_t pos = 0;
+    while (pos < all.size()) {
+      size_t comma = all.find(',', pos);
+      if (comma == std::string::npos) comma = all.size();
+      const std::string item = all.substr(pos, comma - pos);
+      pos = comma + 1;
+      const size_t colon = item.find(':');
+      if (colon == std::string::npos) continue;
+      if (std::strtoll(item.substr(0, colon).c_str(), nullptr, 10) == step_done) {
+        std::ofstream(req) << item.substr(colon + 1) << "\n";
+      }
+    }
+  }
+  if (!fs::exists(req, ec)) return ok_status();
+  std::string text;
+  {
+    std::ifstream in(req);
+    std::getline(in, text);
+  }
+  fs::remove(req, ec);
+  if (text.rfind("dp=", 0) == 0) text = text.substr(3);
+  char* end = nullptr;
+  const long dp = std::strtol(text.c_str(), &end, 10);
+  const int64_t min_dp = tc_.elastic.min_dp,
+                max_dp = tc_.elastic.max_dp > 0 ? tc_.elastic.max_dp : tc_.parallel.dp;
+  if (text.empty() || *end != '\0' || dp < min_dp || dp > max_dp) {
+    last_answer_ = {{"event", "scale_refused"}, {"request", text}, {"min_dp", min_dp}, {"max_dp", max_dp}};
+    event(last_answer_);
+    fmt::print("elastic: scale request '{}' refused (dp must be in [{}, {}])\n", text, min_dp, max_dp);
+    return ok_status();
+  }
+  if (dp == plan_.dp) return ok_status();
+  if (!keeps_state_in_memory(tc_, o_.gpu)) {
+    last_answer_ = {{"event", "scale_refused"},
+                    {"request", text},
+                    {"why",
+                     "rescaling needs the workers' in-memory state, which these GPU workers do not keep "
+                     "(elastic.gpu_state = \"checkpoint\")"}};
+    event(last_answer_);
+    fmt::print(
+        "elastic: scale request '{}' refused: the GPU workers keep no in-memory state "
+        "(elastic.gpu_state = \"checkpoint\")\n",
+        text);
+    return ok_status();
+  }
+  std::vector<int> keep;
+  for (int d = 0; d < std::min<int>(static_cast<int>(dp), static_cast<int>(plan_.dp)); ++d) keep.push_back(d);
+  std::vector<int> spawn_slots, leaving;
+  Result<ElasticPlan> plan =
+      plan_for(dp, keep, step_done, fmt::format("scale dp {} -> {}", plan_.dp, dp), spawn_slots, leaving);
+  if (!plan.ok()) {
+    last_answer_ = {{"event", "scale_refused"}, {"request", text}, {"why", plan.status().to_string()}};
+    event(last_answer_);
+    fmt::print("elastic: scale request refused: {}\n", plan.status().to_string());
+    return ok_status();
+  }
+  const int64_t t0 = wall_ms();
+  const int64_t from = plan_.dp;
+  TROUPE_RETURN_IF_ERROR(open_epoch(plan.value(), spawn_slots, leaving));
+  std::optional<Failure> failure;
+  TROUPE_RETURN_IF_ERROR(wait_ready(plan_, failure));
+  if (!failure) mark_stateful();
+  if (failure) TROUPE_RETURN_IF_ERROR(recover(*failure, step_done, step_done + 1));
+  last_answer_ = {{"event", "scaled"},       {"from_dp", from},
+                  {"to_dp", plan_.dp},       {"grad_accum", plan_.grad_accum},
+                  {"after_step", step_done}, {"ms", wall_ms() - t0}};
+  event(last_answer_);
+  fmt::print("elastic: scaled dp {} -> {} (grad_accum {}) after step {} in {} ms\n", from, plan_.dp,
+             plan_.grad_accum, step_done, wall_ms() - t0);
+  std::fflush(stdout);
+  return ok_status();
+}
+
+Status Trainer::run() {
+  const Status st = run_job();
+  if (!st.ok() && events_.is_open()) {
+    event({{"event", "job_failed"}, {"error", st.to_string()}});
+    write_status(-1);
+  }
+  return st;
+}
+
+Status Trainer::run_job() {
+  if (scheduled_) {
+    const char* job = std::getenv("TROUPE_JOB_ID");
+    if (job == nullptr || *job == '\0') return invalid_argument("elastic driver: TROUPE_JOB_ID is not set");
+    job_ = job;
+    poll_ = std::chrono::milliseconds(20);
+  } else {
+    job_ =
+        fmt::format("elastic-{}-{}", getpid(), std::chrono::system_clock::now().time_since_epoch().count());
+  }
+  // Knobs: [elastic] of the config. The heartbeat timeout defaults to the job's own
+  // (handed over by the scheduler, `--heartbeat-timeout-ms`), else 2 s.
+  const layers::ElasticOptions& eo = tc_.elastic;
+  hb_timeout_ = std::chrono::milliseconds(
+      eo.heartbeat_timeout_ms > 0 ? eo.heartbeat_timeout_ms
+                                  : (scheduled_ ? env_or("TROUPE_HEARTBEAT_TIMEOUT_MS", 2000) : 2000));
+  err_grace_ = std::chrono::milliseconds(eo.comm_error_grace_ms);
+  watchdog_ = std::chrono::milliseconds(eo.step_watchdog_ms);
+  join_timeout_ = std::chrono::milliseconds(eo.join_timeout_ms);
+  spares_left_ = eo.spares;
+  straggler_ratio_ = eo.straggler_ratio;
+  straggler_window_ = static_cast<int>(eo.straggler_window);
+  straggler_replace_ = eo.straggler_policy == "replace";
+  replica_every_ = o_.gpu ? 0 : eo.replica_every;  // the neighbour replicas are host-side (CPU workers)
+  std::error_code ec;
+  // --resume: any checkpoint of issue 8's format (a normal run's or an elastic one's, any
+  // layout); epoch 0's plan names it and every worker loads it (ElasticWorker::join).
+  std::unique_ptr<checkpoint::CheckpointReader> resume;
+  std::string resume_from = o_.resume;
+  // A driver the scheduler restarted after its predecessor died (scheduler.cc,
+  // restart_driver): its workers were restarted with it, so it goes on from the job's
+  // newest valid checkpoint.
+  if (resume_from.empty() && scheduled_ && env_or("TROUPE_DRIVER_RESTARTS", 0) > 0) {
+    const std::string dir = checkpoint_dir_for(tc_, run_dir_);
+    if (!checkpoint::list_checkpoints(dir).empty()) {
+      resume_from = dir;
+    } else {
+      fmt::print("{}: restarted driver: no checkpoint in {}: the job starts over\n", o_.app, dir);
+    }
+  }
+  if (!resume_from.empty()) {
+    TROUPE_ASSIGN_OR_RETURN(resume, open_resume_checkpoint(resume_from));
+    TROUPE_RETURN_IF_ERROR(check_resume_compatible(resume->manifest(), tc_));
+    fmt::print("{}: resuming from {} (step {}, saved with layout {}) with elastic layout pp={} dp={} n={}\n",
+               o_.app, resume->path(), resume->step(), resume->layout().to_string(), tc_.parallel.pp,
+               tc_.parallel.dp, tc_.parallel.n);
+    TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", resume->step()));
+  }
+  const int64_t start_step = resume ? resume->step() : 0;
+  // The job's checkpoints: every checkpoint.every steps, in checkpoint.dir, else
+  // $TROUPE_CHECKPOINT_DIR (set by the scheduler), else <run dir>/checkpoints, so
+  // `troupe checkpoints` and `--resume <run dir>` find them. The plans carry both to the
+  // workers.
+  ckpt_every_ = tc_.checkpoint.every;
+  if (ckpt_every_ > 0) {
+    ckpt_dir_ = fs::absolute(checkpoint_dir_for(tc_, run_dir_)).string();
+    // Checkpoints of an earlier run here after the starting step are stale (a fresh job:
+    // all of them; the checkpoint resumed from is kept): moved aside, never deleted.
+    TROUPE_RETURN_IF_ERROR(prepare_checkpoint_dir(ckpt_dir_, start_step));
+    // The tokenizer copied into the run directory by the caller (app.cc, prepare_run_dir).
+    TROUPE_ASSIGN_OR_RETURN(ckpt_info_,
+                            run_checkpoint_info(o_.config, o_.overrides, tc_, run_dir_ + "/tokenizer.json"));
+  }
+  fs::remove(run_dir_ + "/scale_request", ec);
+  fs::remove(run_dir_ + "/replace_request", ec);
+  if (!scheduled_) {
+    fs::remove_all(run_dir_ + "/rendezvous", ec);
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> fstore,
+                            comm::FileStore::open(run_dir_ + "/rendezvous"));
+    store_ = std::move(fstore);
+  }
+  events_.open(run_dir_ + "/events.jsonl", std::ios::trunc);
+  if (!events_) return io_error("cannot write {}/events.jsonl", run_dir_);
+  std::ofstream metrics(run_dir_ + "/metrics.jsonl", resume ? std::ios::app : std::ios::trunc);
+  if (!metrics) return io_error("cannot write {}/metrics.jsonl", run_dir_);
+
+  const int world = static_cast<int>(tc_.parallel.world());
+  plan_.epoch = 0;
+  plan_.dp = tc_.parallel.dp;
+  plan_.grad_accum = tc_.train.grad_accum;
+  for (int r = 0; r < world; ++r) {
+    plan_.slots.push_back(r);
+    plan_.has_state.push_back(false);
+  }
+  next_slot_ = world;
+  plan_.reason = "start";
+  if (resume) {
+    plan_.checkpoint = fs::absolute(resume->path()).string();
+    plan_.step_done = start_step;
+    plan_.reason = "start (resumed)";
+  }
+  plan_.ckpt_every = ckpt_every_;
+  plan_.ckpt_dir = ckpt_dir_;
+  plan_.replica_every = replica_every_;
+  // Under the scheduler: from now on a lost worker is reported to this driver (a key of
+  // the job's store) instead of restarting every worker of the job.
+  if (scheduled_) TROUPE_RETURN_IF_ERROR(store_->set(key("claim"), std::to_string(getpid())));
+  TROUPE_RETURN_IF_ERROR(store_->set(key("plan/0"), plan_.to_json().dump()));
+  TROUPE_ASSIGN_OR_RETURN(actors_,
+                          ActorDirectory::start(control::host_addr(), *store_, key("actors/driver")));
+  event({{"event", "job_started"},
+         {"job", job_},
+         {"plan", plan_.to_json()},
+         {"heartbeat_timeout_ms", hb_timeout_.count()}});
+  fmt::print(
+      "trainer: layout pp={} dp={} n={} ({} workers, dispatch {}, compression {}), {} parameters, {} "
+      "tokens/step, "
+      "{} steps, heartbeat timeout {} ms, run dir {}\n",
+      tc_.parallel.pp, tc_.parallel.dp, tc_.parallel.n, world, tc_.parallel.dispatch,
+      tc_.parallel.compression ? "bf16" : "off", tc_.model.num_params(), tc_.tokens_per_step(),
+      tc_.train.steps, hb_timeout_.count(), run_dir_);
+  std::fflush(stdout);
+  for (int r = 0; r < world; ++r) TROUPE_RETURN_IF_ERROR(spawn(r, 0));
+  {
+    std::optional<Failure> failure;
+    TROUPE_RETURN_IF_ERROR(wait_ready(plan_, failure));
+    if (failure) return aborted("elastic: a worker failed while the job started: {}", failure->detail);
+    mark_stateful();
+  }
+
+  TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> v0o, call(Command::Kind::kEval, start_step));
+  if (!v0o) return aborted("elastic: rewound before the first step");
+  double last_val = v0o->value("val_loss", 0.0);
+  const double val0 = last_val;
+  int64_t tokens_seen = resume ? resume->manifest().data_position.value("tokens_seen", int64_t{0}) : 0;
+  fmt::print("{}step {} | val_loss {:.4f}\n", resume ? "resumed | " : "", start_step, val0);
+  nlohmann::json rec0{{"step", start_step}, {"val_loss", val0}, {"tokens", tokens_seen}};
+  if (resume) rec0["resumed"] = true;
+  metrics << rec0.dump() << "\n";
+  metrics.flush();
+  const auto t_start = Clock::now();
+  max_step_logged_ = start_step;
+  tokens_seen_ = tokens_seen;
+  // Tokens seen after each step: a rewind to a checkpoint goes back to its count (the
+  // data position of later checkpoints must not count replayed steps twice).
+  std::map<int64_t, int64_t> tokens_after{{start_step, tokens_seen}};
+  resume.reset();
+  int64_t final_step = start_step;
+  for (int64_t step = start_step + 1; step <= tc_.train.steps; ++step) {
+    const auto t0 = Clock::now();
+    TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> reco, call(Command::Kind::kStep, step));
+    if (!reco) {  // back to a checkpoint: run the steps after it again
+      fmt::print("elastic: rewound to step {}; steps {}..{} run again\n", *rewound_to_, *rewound_to_ + 1,
+                 step);
+      step = *rewound_to_;
+      rewound_to_.reset();
+      if (auto it = tokens_after.find(step); it != tokens_after.end())
+        tokens_seen = tokens_seen_ = it->second;
+      continue;
+    }
+    nlohmann::json rec = std::move(*reco);
+    const double wall_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double loss = rec.value("loss", NAN);
+    if (!std::isfinite(loss)) return aborted("step {}: the loss is {} (diverged)", step, loss);
+    const int64_t step_tokens = rec.value("step_tokens", int64_t{0});
+    tokens_seen += step_tokens;
+    tokens_seen_ = tokens_seen;
+    tokens_after[step] = tokens_seen;
+    for (const char* k : {"step_tokens", "rank", "slot", "ckpt_started", "durable", "ckpt_errors", "replica"})
+      rec.erase(k);
+    if (rec.contains("ckpt_bytes")) {
+      rec["ckpt_bytes_rank0"] = rec["ckpt_bytes"];
+      rec.erase("ckpt_bytes");
+    }
+    rec["tokens"] = tokens_seen;
+    rec["tokens_per_s"] = static_cast<double>(step_tokens) / wall_s;
+    rec["driver_step_ms"] = wall_s * 1e3;
+    rec["dp"] = plan_.dp;
+    if (o_.flops_per_token > 0) {
+      // Dense bf16 peak of one H100/H200 SXM: 989 TFLOP/s.
+      rec["mfu"] = static_cast<double>(step_tokens) / wall_s * o_.flops_per_token /
+                   (989e12 * static_cast<double>(plan_.slots.size()));
+    }
+    if (step <= max_step_logged_) rec["replayed"] = true;  // after a checkpoint restore
+    max_step_logged_ = std::max(max_step_logged_, step);
+    // train.time_limit_s: past it, this step is the last (final validation and checkpoint).
+    const double elapsed_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+    const bool out_of_time =
+        tc_.train.time_limit_s > 0 && elapsed_s > tc_.train.time_limit_s && step < tc_.train.steps;
+    const bool eval_now = (tc_.train.eval_every > 0 && step % tc_.train.eval_every == 0) ||
+                          step == tc_.train.steps || out_of_time;
+    if (eval_now) {
+      TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> ev, call(Command::Kind::kEval, step));
+      if (!ev) {
+        step = *rewound_to_;
+        rewound_to_.reset();
+        if (auto it = tokens_after.find(step); it != tokens_after.end())
+          tokens_seen = tokens_seen_ = it->second;
+        continue;
+      }
+      last_val = ev->value("val_loss", NAN);
+      rec["val_loss"] = last_val;
+    }
+    metrics << rec.dump() << "\n";
+    metrics.flush();
+    if (step % tc_.train.log_every == 0 || step == 1 || eval_now) {
+      fmt::print("step {}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | dp {} | {:.0f} ms{}\n", step,
+                 tc_.train.steps, loss, rec.value("lr", 0.0), rec.value("grad_norm", 0.0), plan_.dp,
+                 wall_s * 1e3, eval_now ? fmt::format(" | val_loss {:.4f}", last_val) : "");
+      std::fflush(stdout);
+    }
+    write_status(step);
+    final_step = step;
+    if (out_of_time) {
+      fmt::print("trainer: time limit of {:.0f}s reached after step {}; stopping\n", tc_.train.time_limit_s,
+                 step);
+      break;
+    }
+    if (step < tc_.train.steps) {
+      if (scheduled_) TROUPE_RETURN_IF_ERROR(take_store_request());
+      TROUPE_RETURN_IF_ERROR(maybe_replace(step));
+      TROUPE_RETURN_IF_ERROR(maybe_rescale(step));
+      write_status(step);  // the membership after this boundary's changes
+      if (scheduled_) TROUPE_RETURN_IF_ERROR(answer_store_request());
+    }
+  }
+  // The last step's checkpoint, when it is off the every-K schedule.
+  const bool final_ckpt = ckpt_every_ > 0 && final_step > start_step;
+  if (final_ckpt && final_step % ckpt_every_ != 0) {
+    TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> saved, call(Command::Kind::kSave, final_step));
+    if (!saved) {
+      return aborted(
+          "a failure during the final checkpoint sent the job back to step {}; continue it with --resume",
+          *rewound_to_);
+    }
+  }
+  TROUPE_RETURN_IF_ERROR(call(Command::Kind::kStop, 0).status());
+  if (final_ckpt && last_ckpt_committed_ < final_step) {
+    return data_loss(
+        "the final checkpoint (step {}) was not committed (events.jsonl: checkpoint_failed); the newest "
+        "one is {}",
+        final_step, last_ckpt_committed_ >= 0 ? fmt::format("step {}", last_ckpt_committed_) : "none");
+  }
+  // Every worker exits after "stop"; reap them (bounded). Under the scheduler it does.
+  const auto deadline = Clock::now() + std::chrono::milliseconds(30000);
+  for (auto& [slot, p] : procs_) {
+    if (scheduled_) break;
+    (void)reap_by(p, deadline);
+  }
+  if (!actor_table_.empty()) {  // the trainer's own row: the job is over
+    actor_table_[0]["state"] = "finished";
+    actors_step_ = final_step;
+    write_status(final_step);
+  }
+  const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
+  event({{"event", "job_finished"}, {"recoveries", recoveries_}, {"seconds", total_s}});
+  fmt::print("{}: done in {:.1f}s; val_loss {:.4f} -> {:.4f}; {} recoveries\n", o_.app, total_s, val0,
+             last_val, recoveries_);
+  return ok_status();
+}
+
+}  // namespace
+
+Status run_trainer(const TrainerOptions& o, const layers::TrainConfig& tc,
+                   std::unique_ptr<comm::RendezvousStore> scheduled_store) {
+  std::error_code ec;
+  fs::create_directories(o.run_dir, ec);
+  if (ec) return io_error("cannot create run directory {}: {}", o.run_dir, ec.message());
+  Trainer t(o, o.run_dir, tc, std::move(scheduled_store));
+  return t.run();
+}
+
+Status run_worker_process(const layers::TrainConfig& tc, const ProgramFactory& program,
+                          comm::RendezvousStore& store, std::function<void()> cut_control,
+                          const layers::Ctx& ctx) {
+  const char* job = std::getenv("TROUPE_JOB_ID");
+  if (job == nullptr || *job == '\0') return invalid_argument("worker: TROUPE_JOB_ID is not set");
+  // Started by the scheduler in epoch 0: the slot is the rank; later ones, and the
+  // standalone launcher's, are told their slot and epoch.
+  const int64_t slot = env_or("TROUPE_ELASTIC_SLOT", env_or("TROUPE_RANK", -1));
+  if (slot < 0) return invalid_argument("worker: neither TROUPE_ELASTIC_SLOT nor TROUPE_RANK is set");
+  const int64_t epoch = env_or("TROUPE_ELASTIC_EPOCH", 0);
+  return run_elastic_worker(tc, program, store, job, static_cast<int>(slot), static_cast<uint64_t>(epoch),
+                            std::move(cut_control), ctx);
+}
+
+nlohmann::json step_reply_json(const StepReply& r) {
+  nlohmann::json j{{"rank", r.rank}, {"slot", r.slot}, {"epoch", r.epoch}};
+  switch (static_cast<Command::Kind>(r.kind)) {
+    case Command::Kind::kStep:
+      j.update(nlohmann::json{{"step", r.step},
+                              {"loss", r.loss},
+                              {"lm_loss", r.lm_loss},
+                              {"aux_loss", r.aux_loss},
+                              {"grad_norm", r.grad_norm},
+                              {"lr", r.lr},
+                              {"step_tokens", r.step_tokens},
+                              {"expert_load", r.expert_load},
+                              {"step_ms", r.step_ms},
+                              {"comm_ms", r.comm_ms},
+                              {"compute_ms", r.compute_ms},
+                              {"comm_ms_mean", r.comm_ms_mean},
+                              {"comm_by_kind_ms", r.comm_by_kind_ms}});
+      if (r.peak_bytes >= 0) j["peak_bytes"] = r.peak_bytes;
+      if (r.host_syncs >= 0) j["host_syncs"] = r.host_syncs;
+      break;
+    case Command::Kind::kEval:
+      j["val_loss"] = r.val_loss;
+      break;
+    case Command::Kind::kStop:
+      j["stopped"] = true;
+      break;
+    case Command::Kind::kSave:
+      break;
+  }
+  if (r.ckpt_started >= 0) {
+    j["ckpt_started"] = r.ckpt_started;
+    j["ckpt_blocked_ms"] = r.ckpt_blocked_ms;
+    j["ckpt_bytes"] = r.ckpt_bytes;
+  }
+  if (!r.durable.empty()) j["durable"] = r.durable;
+  for (const auto& [step, text] : r.ckpt_errors)
+    j["ckpt_errors"].push_back({{"step", step}, {"error", text}});
+  if (r.replica >= 0) {
+    j["replica"] = r.replica;
+    j["replica_ms"] = r.replica_ms;
+  }
+  if (r.commit_ms >= 0) j["commit_ms"] = r.commit_ms;
+  return j;
+}
+
+nlohmann::json data_position_json(const layers::TrainConfig& tc, int64_t step, int64_t tokens_seen) {
+  return nlohmann::json{{"next_step", step + 1},       {"samples_consumed", step * tc.global_batch()},
+                        {"tokens_seen", tokens_seen},  {"global_batch", tc.global_batch()},
+                        {"seq_len", tc.train.seq_len}, {"seed", tc.train.seed}};
+}
+
+}  // namespace troupe::training

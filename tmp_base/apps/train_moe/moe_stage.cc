@@ -1,0 +1,327 @@
+// apps/train_moe/moe_stage.cc — train_moe's stage program: the blocks [lo, hi) of the MoE
+// model that pipeline stage coord.pp runs, each with an AttentionShard and, for MoE
+// blocks, an ExpertGroup when n > 1.
+//
+// Every rank initialises the whole model from the seed (by parameter name, so values do
+// not depend on the layout) and keeps its stage's blocks and its experts.
+#include "apps/train_moe/moe_stage.h"
+
+#include <fmt/format.h>
+
+#include "actors/training/attention_shard.h"
+#include "actors/training/expert_group.h"
+#include "layers/model.h"
+#include "layers/residual.h"
+
+namespace troupe::train_moe {
+namespace {
+
+using training::AttentionShard;
+using training::ExpertGroup;
+
+class MoeStage final : public training::StageProgram {
+ public:
+  explicit MoeStage(const training::StageEnv& env)
+      : tc_(env.tc),
+        ctx_(env.ctx),
+        first_(env.first),
+        last_(env.last),
+        n_rank_(env.coord.n),
+        batch_(env.batch),
+        seq_local_(env.seq_local),
+        loss_weight_(env.loss_weight) {
+    const auto& par = tc_.parallel;
+    model_ = std::make_unique<layers::Model>(tc_.model, tc_.train.seed);
+    const int64_t per_stage = tc_.model.n_layers / env.pp;
+    block_lo_ = env.coord.pp * per_stage;
+    const int64_t block_hi = block_lo_ + per_stage;
+    const training::DispatchMode mode =
+        par.dispatch == "allgather" ? training::DispatchMode::kAllGather : training::DispatchMode::kAllToAll;
+    int64_t moe_index = 0;
+    // One set of mapped row buffers for every MoE block of this stage (device dispatch).
+    std::shared_ptr<training::PeerRows> peer;
+    if (env.n_group != nullptr && ctx_.on_device() && par.device_dispatch) {
+      peer = std::make_shared<training::PeerRows>(*env.n_group);
+    }
+    for (int64_t i = 0; i < tc_.model.n_layers; ++i) {
+      layers::Block& b = *model_->blocks[static_cast<size_t>(i)];
+      const int64_t mi = b.is_moe() ? moe_index++ : -1;
+      if (i < block_lo_ || i >= block_hi) continue;
+      auto role = std::make_unique<Role>();
+      role->block = &b;
+      role->moe_index = mi;
+      if (env.n_group != nullptr) {
+        comm::Communicator& group = *env.n_group;
+        role->attn = std::make_unique<AttentionShard>(b.attn, group, env.time, par.overlap_a2a);
+        if (b.is_moe()) {
+          ExpertGroup::Options eo;
+          eo.chunks = par.chunks;
+          eo.overlap = par.overlap_a2a;
+          eo.fp8 = par.fp8_dispatch;
+          eo.peer = peer;
+          role->experts = std::make_unique<ExpertGroup>(
+              b.moe->experts, tc_.model.moe.top_k, tc_.model.recompute_swiglu, group, env.time, mode, eo);
+          b.moe->set_dispatch(role->experts.get());
+          b.moe->router.set_group_all_reduce([g = &group, time = &env.time](std::vector<double>& v) {
+            training::sum_doubles(*g, v, *time, "router statistics");
+          });
+          if (ctx_.on_device()) {
+            // The same sums on the device, for the statistics that never leave it.
+            b.moe->router.set_device_group_all_reduce([g = &group, time = &env.time](Tensor& v) {
+              training::all_reduce_sum(*g, v, *time, "router statistics");
+              return static_cast<int64_t>(g->size());
+            });
+          }
+        }
+      }
+      roles_.push_back(std::move(role));
+    }
+    if (ctx_.on_device()) {
+      for (const auto& r : roles_) {
+        if (r->block->is_moe()) r->block->moe->router.bias = ctx_.to_device(r->block->moe->router.bias);
+      }
+      enable_device_stats();
+    }
+  }
+
+  std::vector<training::ProgramParam> parameters() override {
+    std::vector<training::ProgramParam> out;
+    const bool tie = tc_.model.tie_embeddings;
+    if (first_) {
+      training::ProgramParam p{"embedding.weight", &model_->embedding.weight};
+      p.tied = tie;
+      out.push_back(p);
+    }
+    for (size_t ri = 0; ri < roles_.size(); ++ri) {
+      const Role& role = *roles_[ri];
+      const int64_t i = block_lo_ + static_cast<int64_t>(ri);
+      std::vector<layers::NamedParameter> ps;
+      role.block->collect(fmt::format("blocks.{}", i), ps);
+      for (auto& np : ps) {
+        const bool is_expert = np.name.find(".moe.experts.") != std::string::npos;
+        if (is_expert && role.experts) continue;  // replaced by this rank's slice below
+        training::ProgramParam p{np.name, np.param};
+        p.sharded = is_expert;
+        p.grad_ready = static_cast<int64_t>(ri);
+        p.role = is_expert ? "experts" : np.name.find(".attn.") != std::string::npos ? "attention" : "";
+        out.push_back(p);
+      }
+      if (role.experts) {
+        const std::string pre = fmt::format("blocks.{}.moe.experts", i);
+        for (auto [suffix, param] : {std::pair{".w1[local]", &role.experts->experts().w1},
+                                     std::pair{".w2[local]", &role.experts->experts().w2}}) {
+          training::ProgramParam p{pre + suffix, param};
+          p.sharded = true;
+          p.grad_ready = static_cast<int64_t>(ri);
+          p.role = "experts";
+          out.push_back(p);
+        }
+      }
+    }
+    if (last_) {
+      std::vector<layers::NamedParameter> ps;
+      model_->head->collect(ps);
+      for (auto& np : ps) {
+        training::ProgramParam p{np.name, np.param};
+        p.grad_ready = training::kGradReadyAfterHead;
+        out.push_back(p);
+      }
+      // A tied head on a later stage holds a copy of the embedding.
+      if (tie && !first_) {
+        training::ProgramParam p{"embedding.weight[tied copy]", &model_->embedding.weight};
+        p.tied_copy = true;
+        out.push_back(p);
+      }
+    }
+    return out;
+  }
+
+  std::vector<training::ProgramBuffer> buffers() override {
+    std::vector<training::ProgramBuffer> out;
+    for (size_t ri = 0; ri < roles_.size(); ++ri) {
+      layers::Block& b = *roles_[ri]->block;
+      if (!b.is_moe()) continue;
+      out.push_back({fmt::format("blocks.{}.moe.router.bias", block_lo_ + static_cast<int64_t>(ri)),
+                     &b.moe->router.bias});
+    }
+    return out;
+  }
+
+  int64_t activation_width() const override { return tc_.model.d_model; }
+
+  layers::Embedding* embedding() override { return first_ ? &model_->embedding : nullptr; }
+  layers::LMHead* head() override { return last_ ? model_->head.get() : nullptr; }
+
+  int64_t num_blocks() const override { return static_cast<int64_t>(roles_.size()); }
+  std::string block_name(int64_t i) const override { return fmt::format("block {}", block_lo_ + i); }
+
+  // x + attention(norm1(x)), then h + ffn(norm2(h)) with ffn the MoE layer or the MLP.
+  Tensor block_forward(const layers::Ctx& c, int64_t i, const Tensor& x, std::unique_ptr<Saved>& saved,
+                       bool train) override {
+    Role& r = *roles_[static_cast<size_t>(i)];
+    layers::Block& b = *r.block;
+    auto s = std::make_unique<BlockSaved>();
+    Tensor h = layers::residual_forward(c, x, b.norm1, s->norm1, [&](const Tensor& n) {
+      return r.attn ? r.attn->forward(c, n, batch_, seq_local_, s->attn_sp)
+                    : b.attn.forward(c, n, batch_, seq_local_, s->attn);
+    });
+    Tensor y = layers::residual_forward(c, h, b.norm2, s->norm2, [&](const Tensor& n) {
+      if (!b.is_moe()) return b.mlp->forward(c, n, s->mlp);
+      layers::MoELayer::Stats st;
+      Tensor f = b.moe->forward(c, n, s->moe, train ? &st : nullptr);
+      // The aux loss is the same on every rank of the n-group (its statistics are summed
+      // there): counted once.
+      if (train && n_rank_ == 0) aux_acc_ += st.aux_loss * static_cast<double>(loss_weight_);
+      return f;
+    });
+    saved = std::move(s);
+    return y;
+  }
+
+  Tensor block_backward(const layers::Ctx& c, int64_t i, const Tensor& dy, Saved& saved) override {
+    Role& r = *roles_[static_cast<size_t>(i)];
+    layers::Block& b = *r.block;
+    auto& s = static_cast<BlockSaved&>(saved);
+    Tensor dh = layers::residual_backward(c, dy, b.norm2, s.norm2, [&](const Tensor& d) {
+      return b.is_moe() ? b.moe->backward(c, d, s.moe, loss_weight_) : b.mlp->backward(c, d, s.mlp);
+    });
+    return layers::residual_backward(c, dh, b.norm1, s.norm1, [&](const Tensor& d) {
+      return r.attn ? r.attn->backward(c, d, s.attn_sp) : b.attn.backward(c, d, s.attn);
+    });
+  }
+
+  // [aux loss, then per MoE block of the whole model, per expert: its selections]. The
+  // loads are the same on every rank of the n-group: n-rank 0 counts them.
+  std::vector<double> step_stats() override {
+    const int64_t e = tc_.model.moe.num_experts;
+    std::vector<double> v(static_cast<size_t>(1 + model_->num_moe_blocks() * e), 0.0);
+    if (stats_rows_.defined()) {
+      // The step's one read of the routers' device statistics: each MoE block's
+      // selections (its step_load) and its aux loss summed over the micro-batches.
+      const Tensor h = ctx_.to_host(stats_rows_);
+      double aux = 0;
+      int64_t i = 0;
+      for (const auto& r : roles_) {
+        if (r->moe_index >= 0) aux += r->block->moe->absorb_device_stats(h.data<float>() + stride_ * i++);
+      }
+      // Every micro-batch weighs the same; the aux loss is the n-group's (the same on every
+      // member), counted once as on the host path: by n-rank 0.
+      aux_acc_ = n_rank_ == 0 ? aux * static_cast<double>(loss_weight_) : 0.0;
+      kernels::fill(ctx_.ex, stats_rows_, 0.0f);
+    }
+    v[0] = aux_acc_;
+    aux_acc_ = 0;
+    if (n_rank_ == 0) {
+      for (const auto& r : roles_) {
+        if (r->moe_index < 0) continue;
+        const auto& load = r->block->moe->step_load();
+        for (int64_t j = 0; j < e; ++j)
+          v[static_cast<size_t>(1 + r->moe_index * e + j)] +=
+              static_cast<double>(load[static_cast<size_t>(j)]);
+      }
+    }
+    return v;
+  }
+
+  void end_step(const layers::Ctx& c, const std::vector<double>& summed, training::StepReport& rep) override {
+    const int64_t e = tc_.model.moe.num_experts;
+    const int64_t nmoe = model_->num_moe_blocks();
+    rep.aux_loss = summed[0];
+    rep.expert_load.assign(static_cast<size_t>(nmoe), std::vector<int64_t>(static_cast<size_t>(e), 0));
+    for (int64_t i = 0; i < nmoe; ++i)
+      for (int64_t j = 0; j < e; ++j)
+        rep.expert_load[static_cast<size_t>(i)][static_cast<size_t>(j)] =
+            std::llround(summed[static_cast<size_t>(1 + i * e + j)]);
+    // The aux-loss-free balancing bias, from the loads summed over the world (as one
+    // process updates it); also clears each block's step_load.
+    for (const auto& r : roles_) {
+      if (r->moe_index < 0) continue;
+      const auto& load = rep.expert_load[static_cast<size_t>(r->moe_index)];
+      if (c.on_device()) {
+        r->block->moe->update_bias(c, load);
+      } else {
+        r->block->moe->update_bias(load);
+      }
+    }
+  }
+
+  void discard_step() override {
+    aux_acc_ = 0;
+    if (stats_rows_.defined()) kernels::fill(ctx_.ex, stats_rows_, 0.0f);
+    for (const auto& r : roles_) {
+      if (r->block->is_moe()) r->block->moe->update_bias(std::vector<int64_t>{});  // clears step_load only
+    }
+  }
+
+ private:
+  // On GPUs each MoE block's selections and aux loss accumulate on the device
+  // (MoELayer::set_device_stats; with n > 1 summed over the n-group by an all-reduce on the
+  // device) and step_stats reads them once, instead of a host read per block and
+  // micro-batch. Not where a router cannot (z-loss) or train.device_stats = false.
+  void enable_device_stats() {
+    if (!tc_.train.device_stats) return;
+    std::vector<layers::MoELayer*> moes;
+    for (const auto& r : roles_) {
+      if (!r->block->is_moe()) continue;
+      if (!r->block->moe->router.device_stats_ok(ctx_)) return;
+      moes.push_back(r->block->moe.get());
+    }
+    if (moes.empty()) return;
+    const int64_t e = tc_.model.moe.num_experts;
+    stride_ = (e + 1 + 3) / 4 * 4;  // 16-byte aligned rows
+    stats_rows_ = ctx_.zeros({static_cast<int64_t>(moes.size()) * stride_}, DType::kF32);
+    for (size_t i = 0; i < moes.size(); ++i) {
+      const bool ok =
+          moes[i]->set_device_stats(ctx_, stats_rows_.narrow(0, static_cast<int64_t>(i) * stride_, e + 1));
+      TROUPE_CHECK(ok, "moe stage: MoE block refused device statistics after device_stats_ok");
+    }
+  }
+
+  struct Role {
+    layers::Block* block = nullptr;
+    int64_t moe_index = -1;                // index among the model's MoE blocks, -1 for dense
+    std::unique_ptr<AttentionShard> attn;  // n > 1
+    std::unique_ptr<ExpertGroup> experts;  // MoE and n > 1
+  };
+  struct BlockSaved final : Saved {
+    layers::RMSNorm::Saved norm1, norm2;
+    layers::Attention::Saved attn;
+    AttentionShard::Saved attn_sp;
+    layers::SwiGLUMLP::Saved mlp;
+    layers::MoELayer::Saved moe;
+  };
+
+  const layers::TrainConfig tc_;
+  const layers::Ctx& ctx_;
+  bool first_, last_;
+  int n_rank_;
+  int64_t batch_, seq_local_;
+  float loss_weight_;
+  std::unique_ptr<layers::Model> model_;
+  std::vector<std::unique_ptr<Role>> roles_;  // this stage's blocks, in order
+  int64_t block_lo_ = 0;
+  double aux_acc_ = 0;
+  Tensor stats_rows_;  // device statistics: per MoE block of this stage, [E counts, aux] padded to stride_
+  int64_t stride_ = 0;
+};
+
+}  // namespace
+
+training::ProgramFactory moe_stage_program() {
+  return [](const training::StageEnv& env) -> Result<std::unique_ptr<training::StageProgram>> {
+    return std::unique_ptr<training::StageProgram>(std::make_unique<MoeStage>(env));
+  };
+}
+
+training::App moe_app() {
+  training::App app;
+  app.name = "train_moe";
+  app.program = moe_stage_program();
+  app.flops_per_token = [](const layers::TrainConfig& tc) {
+    return 6.0 * static_cast<double>(tc.model.num_active_params()) +
+           6.0 * static_cast<double>(tc.model.n_layers * tc.train.seq_len * tc.model.d_model);
+  };
+  return app;
+}
+
+}  // namespace troupe::train_moe

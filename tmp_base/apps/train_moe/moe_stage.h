@@ -1,0 +1,20 @@
+// apps/train_moe/moe_stage.h — defines train_moe's stage program (StageProgram,
+// actors/training/stage_program.h): the MoE language model of layers/ (embedding, dense
+// and MoE blocks, tied LM head) cut into pipeline stages, with Ulysses attention
+// (AttentionShard) and expert parallelism (ExpertGroup) over the n-group, the router's
+// auxiliary loss and per-expert loads as step statistics, and the routers' balancing
+// biases as state beyond the parameters.
+#pragma once
+
+#include "actors/training/app.h"
+#include "actors/training/stage_program.h"
+
+namespace troupe::train_moe {
+
+// The program factory every train_moe worker (and the tests building a Stage) uses.
+training::ProgramFactory moe_stage_program();
+// train_moe as a framework app: the program, and the model FLOPs per token for "mfu"
+// (6 * active parameters + 6 * L * s * d for causal attention).
+training::App moe_app();
+
+}  // namespace troupe::train_moe

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# bench/gpu_issue20.sh — the GPU-host steps of issue 20, one per argument, run in order:
+#   build    Release build (sm_90a) of train_moe, the CUDA op-table and bf16 tests, kernel_bench
+#   tests    kernels_op_table_cuda_test, kernels_cuda_bf16_test, then `ctest -L gpu`
+#   kernels  bench/kernels/gpu_check.sh's timing half: kernel_bench, torch_kernels.py, compare.py
+#   router   bench/router_load.sh on bench_1b (same weights and tokens in Troupe and the peer)
+#   e2e      bench/e2e.sh --gpus 1 on bench_1b (Troupe and both peer variants, same tokens)
+#   hoststats  Troupe on bench_1b with train.device_stats=false (per-layer read-backs), to compare
+#   graph    Troupe on bench_1b with train.cuda_graph=true and false, alternating, twice
+#   pdl      Troupe on bench_1b with programmatic dependent launch on and off
+#            (TROUPE_CUDA_PDL=0), alternating, twice
+#   final    the final run, most important first, each part's failure reported and passed:
+#            build (train_moe + the CUDA tests) -> e2e -> tests -> train_moe_cuda_test ->
+#            kernels (builds kernel_bench) -> hoststats
+# Logs and tables under $OUT (default ./gpu-out). Run from the repository root with the
+# dependency environment sourced (scripts/gpu-host/unpack-debs.sh; DEVELOPERS.md).
+set -u -o pipefail
+# Logs go to a work folder; at exit the tables come to $OUT with all logs in $OUT/logs.tgz
+# (the GPU host returns only a few files).
+final=${OUT:-gpu-out}
+export OUT=$final
+out=${TMPDIR:-/tmp}/gpu-issue20-out
+mkdir -p "$final"
+finish() {
+  find "$out" -name '*.md' -exec cp {} "$final"/ \;
+  cp "$out/summary.txt" "$final"/ 2>/dev/null
+  tar czf "$final/logs.tgz" -C "$out" . 2>/dev/null
+}
+trap finish EXIT
+# Outside the source folder: a carried source folder is replaced on every call, a build
+# folder elsewhere stays while the machine is held.
+B=${BUILD:-/tmp/troupe-build}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+stamp() { echo "== $(date -u +%T) $*" | tee -a "$out/summary.txt"; }
+
+for step in "$@"; do
+  case "$step" in
+    build)
+      # The host bundle has libsodium's runtime, not its -dev package (see gpu_check.sh).
+      if ! pkg-config --exists libsodium; then
+        lib=$(dirname "$(find / -name 'libsodium.so.23*' -path '*troupe-deps*' 2>/dev/null | head -1)")
+        mkdir -p /tmp/pc && printf 'Name: libsodium\nDescription: libsodium (runtime of the Debian bundle)\nVersion: 1.0.18\nLibs: -L%s -l:libsodium.so.23\nCflags:\n' "$lib" >/tmp/pc/libsodium.pc
+        export PKG_CONFIG_PATH=/tmp/pc:${PKG_CONFIG_PATH:-}
+      fi
+      nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv | tee "$out/gpu.txt"
+      cmake -S . -B "$B" -G Ninja -DTROUPE_WERROR=OFF -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release \
+        >"$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }
+      targets=${TARGETS:-"train_moe kernels_op_table_cuda_test kernels_cuda_bf16_test kernel_bench"}
+      # shellcheck disable=SC2086
+      if ! ninja -C "$B" -j16 $targets >"$out/build.log" 2>&1; then
+        grep -E "error|FAILED" -A3 "$out/build.log" | head -60
+        exit 1
+      fi
+      stamp "build ok ($targets)"
+      # ptxas 13.0 once reused the Dh-64 attention kernels' own-row A fragment registers
+      # (wrong gradients, no error; attention_hopper.cu kBranchFreeTiles): check the SASS.
+      obj="$B/kernels/CMakeFiles/troupe_kernels.dir/cuda/attention_hopper.cu.o"
+      if command -v cuobjdump >/dev/null && [ -f "$obj" ]; then
+        python3 scripts/sass-own-frags.py "$obj" >"$out/sass_own_frags.txt" 2>&1
+        rc=$?
+        stamp "sass-own-frags rc=$rc"
+        if [ "$rc" -ne 0 ]; then cat "$out/sass_own_frags.txt"; exit 1; fi
+      fi
+      ;;
+    tests)
+      timeout 90 "$B"/tests/kernels/kernels_op_table_cuda_test >"$out/op_table_cuda.log" 2>&1
+      stamp "kernels_op_table_cuda_test rc=$? ($(grep -c '^\[       OK' "$out/op_table_cuda.log") ok)"
+      grep -E "^\[  FAILED|differ" "$out/op_table_cuda.log" | head -20
+      timeout 90 "$B"/tests/kernels/kernels_cuda_bf16_test >"$out/bf16_test.log" 2>&1
+      stamp "kernels_cuda_bf16_test rc=$?"
+      grep -E "^\[  FAILED|Failure" "$out/bf16_test.log" | head -20
+      ;;
+    ctest)
+      (cd "$B" && timeout 500 ctest -L gpu --output-on-failure) >"$out/ctest_gpu.log" 2>&1
+      stamp "ctest -L gpu rc=$?"
+      grep -E "tests passed|tests failed|Failed|\*\*\*" "$out/ctest_gpu.log" | head -20
+      ;;
+    kernels)
+      timeout 100 "$B"/bench/kernels/kernel_bench >"$out/kernel_bench.log" 2>&1
+      stamp "kernel_bench rc=$?"
+      timeout 100 python3 bench/kernels/torch_kernels.py >"$out/torch.log" 2>&1
+      stamp "torch_kernels rc=$?"
+      python3 bench/kernels/compare.py "$out/kernel_bench.log" "$out/torch.log" | tee "$out/compare.md"
+      ;;
+    router)
+      OUT=$out bash bench/e2e.sh --build "$B" --skip-troupe --skip-peer --gpus 1 >/dev/null 2>&1  # prepares the shared shards
+      bash bench/router_load.sh "${TMPDIR:-/tmp}/troupe-e2e-runs/data" "$out/router" "${ROUTER_STEPS:-60}" "$B"
+      stamp "router_load rc=$?"
+      ;;
+    graph)
+      # Troupe only, train.cuda_graph on and off alternating (same machine, same shards):
+      # the step replayed from one CUDA graph against its launches enqueued one by one.
+      for round in 1 2; do
+        for g in true false; do
+          rm -rf "$out/e2e-graph-$g"
+          OUT="$out/e2e-graph-$g" bash bench/e2e.sh --build "$B" --gpus 1 --quick --skip-peer --no-selfcheck \
+            --troupe-set "train.cuda_graph=$g" >"$out/graph-$g-$round.log" 2>&1
+          stamp "cuda_graph=$g round $round rc=$?: $(grep -h '| troupe |' "$out/e2e-graph-$g/e2e/e2e.md" 2>/dev/null)"
+          grep -h "captured as a CUDA graph\|^step 2/" "$out/e2e-graph-$g/e2e/troupe_1gpu.log" 2>/dev/null | cut -c1-200
+        done
+      done
+      ;;
+    pdl)
+      # Troupe only, kernels launched with programmatic dependent launch (the default on
+      # sm_90) and without it (TROUPE_CUDA_PDL=0), alternating, same machine and shards.
+      for round in 1 2; do
+        for p in 1 0; do
+          rm -rf "$out/e2e-pdl-$p"
+          TROUPE_CUDA_PDL=$p OUT="$out/e2e-pdl-$p" bash bench/e2e.sh --build "$B" --gpus 1 --quick --skip-peer \
+            --no-selfcheck >"$out/pdl-$p-$round.log" 2>&1
+          stamp "TROUPE_CUDA_PDL=$p round $round rc=$?: $(grep -h '| troupe |' "$out/e2e-pdl-$p/e2e/e2e.md" 2>/dev/null)"
+        done
+      done
+      ;;
+    hoststats)
+      d=${TMPDIR:-/tmp}/troupe-e2e-runs
+      timeout 200 "$B"/apps/train_moe --config apps/configs/bench_1b.toml --backend cuda \
+        --set train.device_stats=false --set train.steps=7 --set train.eval_every=0 --set train.eval_batches=1 --set "data.dir=$d/data" \
+        --run-dir "$d/hoststats" >"$out/hoststats.log" 2>&1
+      stamp "hoststats rc=$?"
+      grep "^step [0-9]*/7" "$out/hoststats.log" | cut -c1-220
+      ;;
+    final)
+      TARGETS="train_moe kernels_op_table_cuda_test kernels_cuda_bf16_test train_moe_cuda_test" bash "$0" build || exit 1
+      bash "$0" e2e
+      bash "$0" tests
+      if ninja -C "$B" -j16 kernel_bench >"$out/build_bench.log" 2>&1; then bash "$0" kernels; else stamp "kernel_bench build FAILED"; fi
+      (cd "$B" && timeout 120 ctest -R train_moe_cuda_test --output-on-failure) >"$out/train_moe_cuda_test.log" 2>&1
+      stamp "train_moe_cuda_test rc=$?"
+      tail -3 "$out/train_moe_cuda_test.log"
+      finish
+      bash "$0" hoststats
+      ;;
+    e2e)
+      OUT=$out bash bench/e2e.sh --build "$B" --gpus 1 ${E2E_ARGS:---quick --no-selfcheck}
+      stamp "e2e rc=$?"
+      grep -h "^step [0-9]*/" "$out/e2e/troupe_1gpu.log" | cut -c1-230
+      ;;
+    *) echo "gpu_issue20.sh: unknown step '$step'" >&2; exit 2 ;;
+  esac
+  finish  # after every step, so a later kill loses only the step it interrupted
+done

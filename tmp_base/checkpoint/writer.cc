@@ -1,0 +1,379 @@
+// checkpoint/writer.cc — snapshot, background shard writes and the driver's commit.
+#include "checkpoint/writer.h"
+
+#include <fcntl.h>
+#include <fmt/ranges.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <set>
+#include <unordered_set>
+
+#include "checkpoint/file_io.h"
+#include "core/logging.h"
+
+namespace troupe::checkpoint {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+constexpr size_t kEntryAlignment = 64;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::shared_ptr<spdlog::logger> logger() {
+  static auto l = make_logger("ckpt");
+  return l;
+}
+}  // namespace
+
+// ---- SaveHandle ------------------------------------------------------------------------
+
+Status SaveHandle::wait() const {
+  if (!state_) return failed_precondition("wait() on an empty SaveHandle");
+  std::unique_lock lock(state_->mu);
+  state_->cv.wait(lock, [&] { return state_->done; });
+  return state_->status;
+}
+
+Status SaveHandle::wait_for(std::chrono::milliseconds timeout) const {
+  if (!state_) return failed_precondition("wait_for() on an empty SaveHandle");
+  std::unique_lock lock(state_->mu);
+  if (!state_->cv.wait_for(lock, timeout, [&] { return state_->done; })) {
+    return deadline_exceeded("checkpoint save of step {} still running after {} ms", state_->step,
+                             timeout.count());
+  }
+  return state_->status;
+}
+
+bool SaveHandle::done() const {
+  if (!state_) return false;
+  std::lock_guard lock(state_->mu);
+  return state_->done;
+}
+
+SaveStats SaveHandle::stats() const {
+  if (!state_) return {};
+  std::lock_guard lock(state_->mu);
+  return state_->stats;
+}
+
+int64_t SaveHandle::step() const {
+  return state_ ? state_->step : -1;
+}
+
+// ---- CheckpointWriter ------------------------------------------------------------------
+
+Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::create(WriterOptions options) {
+  if (options.run_dir.empty()) return invalid_argument("checkpoint writer: run_dir is empty");
+  TROUPE_RETURN_IF_ERROR(options.layout.check_rank(options.rank));
+  const ParallelCoord coords = options.layout.coord(options.rank);
+  if (options.write_chunk_bytes == 0) return invalid_argument("checkpoint writer: write_chunk_bytes is 0");
+  return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(options), coords));
+}
+
+CheckpointWriter::CheckpointWriter(WriterOptions options, ParallelCoord coords)
+    : options_(std::move(options)), coords_(coords) {}
+
+CheckpointWriter::~CheckpointWriter() {
+  if (thread_.joinable()) thread_.join();
+}
+
+Result<SaveHandle> CheckpointWriter::save(int64_t step, const std::vector<SaveEntry>& entries,
+                                          nlohmann::json rank_state) {
+  const auto t0 = Clock::now();
+  if (step < 0) return invalid_argument("checkpoint step {} is negative", step);
+  // Check every entry before touching the previous save or the buffer.
+  std::unordered_set<std::string> names;
+  std::vector<Slice> boxes;
+  std::vector<size_t> offsets;
+  size_t total = 0;
+  for (const SaveEntry& e : entries) {
+    if (e.name.empty()) return invalid_argument("checkpoint entry with an empty name");
+    if (!names.insert(e.name).second) return invalid_argument("tensor '{}' added twice to one save", e.name);
+    if (!e.tensor.defined()) return invalid_argument("tensor '{}' is undefined", e.name);
+    if (!e.tensor.device().is_cpu()) {
+      return invalid_argument("tensor '{}' is on {}: copy it to host memory before save()", e.name,
+                              e.tensor.device());
+    }
+    if (e.tensor.dim() != static_cast<int64_t>(e.global_shape.size())) {
+      return invalid_argument("tensor '{}': local tensor {} has {} dimensions, global shape {} has {}",
+                              e.name, e.tensor.describe(), e.tensor.dim(), shape_to_string(e.global_shape),
+                              e.global_shape.size());
+    }
+    if (!e.offsets.empty() && e.offsets.size() != e.global_shape.size()) {
+      return invalid_argument("tensor '{}': {} offsets for {} dimensions", e.name, e.offsets.size(),
+                              e.global_shape.size());
+    }
+    Slice box(e.global_shape.size());
+    for (size_t d = 0; d < box.size(); ++d)
+      box[d] = Range{e.offsets.empty() ? 0 : e.offsets[d], e.tensor.shape()[d]};
+    TROUPE_RETURN_IF_ERROR(check_slice_within(box, e.global_shape, fmt::format("tensor '{}'", e.name)));
+    total = (total + kEntryAlignment - 1) / kEntryAlignment * kEntryAlignment;
+    offsets.push_back(total);
+    total += e.tensor.nbytes();
+    boxes.push_back(std::move(box));
+  }
+
+  // One save in flight: wait for the previous one (its outcome stays in its handle).
+  if (thread_.joinable()) thread_.join();
+  // A part left by an earlier, crashed attempt at this step must not pass for this
+  // save's "done" marker while the new shard is being written.
+  {
+    std::error_code ec;
+    fs::remove(fs::path(options_.run_dir) / tmp_dir_name(step) / part_file_name(options_.rank), ec);
+  }
+
+  const auto t_snap = Clock::now();
+  std::shared_ptr<std::vector<std::byte>> buf;
+  {
+    std::lock_guard lock(mu_);
+    // Reuse the buffer (its pages are already mapped) unless a replica still holds it.
+    if (buffer_ && buffer_.use_count() == 1) {
+      buf = buffer_;
+    } else {
+      buf = std::make_shared<std::vector<std::byte>>();
+    }
+  }
+  buf->resize(total);
+  ManifestPart part;
+  part.step = step;
+  part.rank = options_.rank;
+  part.world_size = options_.layout.world_size();
+  part.layout = options_.layout;
+  part.coords = coords_;
+  part.state = std::move(rank_state);
+  size_t prev_end = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const SaveEntry& e = entries[i];
+    std::memset(buf->data() + prev_end, 0, offsets[i] - prev_end);  // alignment padding
+    Tensor dst = Tensor::wrap(buf->data() + offsets[i], e.tensor.shape(), e.tensor.dtype());
+    if (e.tensor.numel() > 0) dst.copy_from(e.tensor);
+    prev_end = offsets[i] + e.tensor.nbytes();
+    StoredSlice s;
+    s.file = shard_file_name(options_.rank);
+    s.offset = offsets[i];
+    s.length = e.tensor.nbytes();
+    s.box = boxes[i];
+    s.rank = options_.rank;
+    part.tensors.push_back(TensorRecord{e.name, e.tensor.dtype(), e.global_shape, {std::move(s)}});
+  }
+  const double snapshot_s = seconds_since(t_snap);
+  {
+    std::lock_guard lock(mu_);
+    buffer_ = buf;
+    have_snapshot_ = false;  // valid again only once this save is durable
+  }
+
+  auto st = std::make_shared<SaveHandle::State>();
+  st->step = step;
+  st->stats.bytes = total;
+  st->stats.snapshot_seconds = snapshot_s;
+  st->stats.blocked_seconds = seconds_since(t0);
+  SaveHandle h;
+  h.state_ = st;
+  thread_ = std::thread([this, step, part = std::move(part), t0, st]() mutable {
+    write_in_background(step, std::move(part), t0, st);
+  });
+  return h;
+}
+
+void CheckpointWriter::write_in_background(int64_t step, ManifestPart part, Clock::time_point t0,
+                                           std::shared_ptr<SaveHandle::State> st) {
+  const auto t_write = Clock::now();
+  std::shared_ptr<std::vector<std::byte>> buf;
+  {
+    std::lock_guard lock(mu_);
+    buf = buffer_;
+  }
+  auto run = [&]() -> Status {
+    const std::string tmp = (fs::path(options_.run_dir) / tmp_dir_name(step)).string();
+    TROUPE_RETURN_IF_ERROR(make_dirs(tmp));
+    for (TensorRecord& t : part.tensors) {
+      StoredSlice& s = t.slices[0];
+      s.xxh64 = XXH64(buf->data() + s.offset, s.length, 0);
+    }
+    const std::string path = (fs::path(tmp) / shard_file_name(options_.rank)).string();
+    TROUPE_ASSIGN_OR_RETURN(FileHandle f, open_file(path, O_WRONLY | O_CREAT | O_TRUNC));
+    const size_t total = buf->size();
+    const auto t_io = Clock::now();
+    for (size_t off = 0; off < total; off += options_.write_chunk_bytes) {
+      const size_t n = std::min(options_.write_chunk_bytes, total - off);
+      TROUPE_RETURN_IF_ERROR(pwrite_all(f.fd(), buf->data() + off, n, off, path));
+      if (options_.max_bytes_per_second > 0) {
+        const double due = static_cast<double>(off + n) / static_cast<double>(options_.max_bytes_per_second);
+        const double ahead = due - seconds_since(t_io);
+        if (ahead > 0) std::this_thread::sleep_for(std::chrono::duration<double>(ahead));
+      }
+    }
+    if (options_.fsync) TROUPE_RETURN_IF_ERROR(fsync_fd(f.fd(), path));
+    // The part is the rank's "done" marker: written only after its shard is durable.
+    const std::string part_path = (fs::path(tmp) / part_file_name(options_.rank)).string();
+    return write_file_durably(part_path, part_to_json(part).dump(1));
+  };
+  Status status = run();
+  if (!status.ok()) {
+    status = status.with_context(fmt::format("checkpoint step {} rank {}", step, options_.rank));
+    logger()->error("{}", status.to_string());
+  } else {
+    std::lock_guard lock(mu_);
+    if (buffer_ == buf) {
+      last_part_ = part;
+      have_snapshot_ = true;
+    }
+  }
+  std::lock_guard lock(st->mu);
+  st->stats.write_seconds = seconds_since(t_write);
+  st->stats.total_seconds = seconds_since(t0);
+  st->status = status;
+  st->done = true;
+  st->cv.notify_all();
+}
+
+Result<std::pair<std::shared_ptr<const std::vector<std::byte>>, ManifestPart>>
+CheckpointWriter::last_snapshot() const {
+  std::lock_guard lock(mu_);
+  if (!have_snapshot_)
+    return failed_precondition("rank {}: no completed checkpoint save to replicate", options_.rank);
+  return std::make_pair(std::shared_ptr<const std::vector<std::byte>>(buffer_), last_part_);
+}
+
+// ---- the driver's side -----------------------------------------------------------------
+
+Status wait_for_parts(const std::string& run_dir, int64_t step, int world_size,
+                      std::chrono::milliseconds timeout) {
+  const fs::path tmp = fs::path(run_dir) / tmp_dir_name(step);
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    std::vector<int> missing;
+    for (int r = 0; r < world_size; ++r) {
+      std::error_code ec;
+      if (!fs::exists(tmp / part_file_name(r), ec)) missing.push_back(r);
+    }
+    if (missing.empty()) return ok_status();
+    if (Clock::now() >= deadline) {
+      return deadline_exceeded(
+          "checkpoint step {}: after {} ms, ranks [{}] have not finished writing into {}", step,
+          timeout.count(), fmt::join(missing, ", "), tmp.string());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+namespace {
+
+// Moves a directory out of the way first (a rename is atomic), then deletes it, so a crash
+// mid-delete never leaves a half-deleted `step_<N>` that looks like a checkpoint.
+Status remove_dir(const fs::path& dir) {
+  const fs::path trash = dir.string() + ".deleting";
+  std::error_code ec;
+  fs::rename(dir, trash, ec);
+  if (ec) return io_error("rename {} to {}: {}", dir.string(), trash.string(), ec.message());
+  fs::remove_all(trash, ec);
+  if (ec) return io_error("remove {}: {}", trash.string(), ec.message());
+  return ok_status();
+}
+
+}  // namespace
+
+Result<FinalizeResult> finalize_checkpoint(const std::string& run_dir, int64_t step,
+                                           const FinalizeOptions& opt) {
+  if (opt.world_size < 1) return invalid_argument("finalize: world_size {} < 1", opt.world_size);
+  if (opt.keep_last < 1) return invalid_argument("finalize: keep_last {} < 1", opt.keep_last);
+  const fs::path run(run_dir);
+  const fs::path tmp = run / tmp_dir_name(step);
+  const fs::path final_dir = run / step_dir_name(step);
+  std::error_code ec;
+  if (fs::exists(final_dir, ec)) return already_exists("checkpoint {} already exists", final_dir.string());
+  if (!fs::is_directory(tmp, ec))
+    return not_found("checkpoint step {}: no temporary directory {}", step, tmp.string());
+
+  std::vector<ManifestPart> parts;
+  for (int r = 0; r < opt.world_size; ++r) {
+    const std::string path = (tmp / part_file_name(r)).string();
+    auto text = read_whole_file(path);
+    if (!text.ok()) {
+      return not_found("checkpoint step {}: rank {} has not completed its save ({} missing: {})", step, r,
+                       path, text.status().message());
+    }
+    nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) return data_loss("checkpoint step {}: {} is not valid JSON", step, path);
+    TROUPE_ASSIGN_OR_RETURN(ManifestPart p, part_from_json(j, path));
+    if (p.rank != r || p.step != step) {
+      return data_loss("{}: holds rank {} step {}, expected rank {} step {}", path, p.rank, p.step, r, step);
+    }
+    // The part is written after its shard, so a short shard here is real damage.
+    const std::string shard = (tmp / shard_file_name(r)).string();
+    uint64_t need = 0;
+    for (const TensorRecord& t : p.tensors)
+      for (const StoredSlice& s : t.slices) need = std::max(need, s.offset + s.length);
+    TROUPE_ASSIGN_OR_RETURN(uint64_t have, file_size(shard));
+    if (have < need)
+      return data_loss("checkpoint step {}: {} has {} bytes, its part needs {}", step, shard, have, need);
+    parts.push_back(std::move(p));
+  }
+  TROUPE_ASSIGN_OR_RETURN(Manifest m, merge_parts(parts, opt.info));
+  m.created_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
+  if (!opt.info.tokenizer_path.empty()) {
+    auto bytes = read_whole_file(opt.info.tokenizer_path);
+    if (!bytes.ok()) return bytes.status().with_context("checkpoint tokenizer");
+    const std::string name = fs::path(opt.info.tokenizer_path).filename().string();
+    if (name == kManifestFile || name == kLatestFile || name.starts_with("rank_")) {
+      return invalid_argument("tokenizer file name '{}' clashes with a checkpoint file", name);
+    }
+    TROUPE_RETURN_IF_ERROR(write_file_durably((tmp / name).string(), *bytes));
+    m.tokenizer = TokenizerRecord{name, bytes->size(), XXH64(bytes->data(), bytes->size(), 0)};
+  }
+  TROUPE_RETURN_IF_ERROR(write_file_durably((tmp / kManifestFile).string(), manifest_to_json(m).dump(1)));
+  // The commit point.
+  fs::rename(tmp, final_dir, ec);
+  if (ec) return io_error("rename {} to {}: {}", tmp.string(), final_dir.string(), ec.message());
+  if (opt.fsync) TROUPE_RETURN_IF_ERROR(fsync_dir(run.string()));
+  TROUPE_RETURN_IF_ERROR(write_file_durably((run / kLatestFile).string(), step_dir_name(step) + "\n"));
+
+  FinalizeResult out;
+  out.path = final_dir.string();
+  out.bytes = m.total_bytes();
+  // Retention, and temporary directories of older steps (crashed or abandoned saves).
+  std::set<int64_t> steps;
+  std::vector<fs::path> stale_tmp;
+  for (const auto& de : fs::directory_iterator(run, ec)) {
+    const std::string name = de.path().filename().string();
+    if (auto s = parse_step_dir_name(name)) {
+      steps.insert(*s);
+    } else if (name.ends_with(".tmp") && name.starts_with("step_")) {
+      auto s2 = parse_step_dir_name(name.substr(0, name.size() - 4));
+      if (s2 && *s2 < step) stale_tmp.push_back(de.path());
+    } else if (name.ends_with(".deleting") && name.starts_with("step_")) {
+      stale_tmp.push_back(de.path());  // a deletion interrupted by a crash
+    }
+  }
+  while (static_cast<int>(steps.size()) > opt.keep_last) {
+    const int64_t oldest = *steps.begin();
+    steps.erase(steps.begin());
+    const fs::path dir = run / step_dir_name(oldest);
+    Status st = remove_dir(dir);
+    if (!st.ok()) {
+      logger()->warn("retention: {}", st.to_string());
+    } else {
+      out.removed.push_back(dir.string());
+    }
+  }
+  for (const fs::path& p : stale_tmp) {
+    logger()->info("removing {} left by an unfinished save or deletion", p.string());
+    fs::remove_all(p, ec);
+    if (ec) logger()->warn("remove {}: {}", p.string(), ec.message());
+  }
+  logger()->info("checkpoint {} committed: {} tensors, {} bytes, {} ranks", out.path, m.tensors.size(),
+                 out.bytes, opt.world_size);
+  return out;
+}
+
+}  // namespace troupe::checkpoint

@@ -1,0 +1,826 @@
+// kernels/cuda/attention_hopper.cu — Hopper (sm_90a) causal attention for bf16 with head
+// dim 64 or 128: forward, dQ and dK/dV kernels in the FlashAttention-3 style.
+//
+// Every kernel is warp-specialised: warpgroup 0 is the producer (one thread issues TMA
+// bulk tensor copies into a ring of shared-memory stages, each completing on its "full"
+// mbarrier), warpgroups 1 and 2 are consumers of 64 rows each, running wgmma from the
+// swizzled tiles and releasing a stage on its "empty" mbarrier (one arrival per consumer
+// warp). A block owns 128 rows: queries (forward, dQ) or keys (dK/dV); the other operands
+// stream through the stages, and the tiles wholly past the causal diagonal are never
+// loaded (forward, dQ) or skipped per warpgroup.
+//
+// Products, per streamed tile (S = Q K^T in log2 units, P = exp2(S - lse)):
+// - forward: S (A = Q, B = K, K-major), online softmax in registers, then O += P V with P
+//   as the register A operand and V as an MN-major B; tile i's S is issued before tile
+//   i-1's P V, so the softmax of one overlaps the other, and the two warpgroups take turns
+//   issuing (Turns);
+// - dQ: S and dP = dO V^T, dS = P (dP - D) in registers, dQ += dS K;
+// - dK/dV (looping over the group's query heads): S^T = K Q^T and dP^T = V dO^T, then
+//   dV += P^T dO and dK += dS^T Q with P^T, dS^T as register A operands.
+// The block's own rows (Q, dO or K, V) are the A operand of the first products: read
+// from shared memory at head dim 128, held in registers at 64 (kOwnInRegs). The backward
+// recomputes S in both kernels (seven products instead of five) so that neither needs
+// atomics or a dS round trip through shared memory.
+//
+// Tensors: q [B,S,Hq,Dh], k/v [B,S,Hkv,Dh], lse f32 [B,Hq,S] (natural log), read through
+// 4-D tensor maps (Dh, H, S, B) with boxes of 64 x 1 x rows x 1: a tile is Dh/64 column
+// chunks of `rows` 128-byte rows. Rows past S arrive as zeros and are masked.
+#include <initializer_list>
+#include <type_traits>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/hopper.cuh"
+#include "kernels/cuda/launch.h"
+
+namespace troupe::kernels::gpu {
+
+// attention.cu: D = rowsum(dO * O) into dsum [B,Hq,S].
+void launch_attention_rowdot(const Env& env, const AttentionShape& s, const void* out, const void* dout,
+                             float* dsum, DType t);
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+using namespace hopper;  // NOLINT(build/namespaces): the Hopper building blocks
+
+constexpr int kThreads = 384;    // producer warpgroup + two consumer warpgroups
+constexpr int kBlockRows = 128;  // rows a block owns, 64 per consumer warpgroup
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Shared memory of one kernel: the block's own operand tiles (kOwnTiles of kBlockRows
+// rows), then kStages stages of two streamed tiles of kStreamRows rows, then barriers.
+template <int kD, int kOwnTiles, int kStreamRows, int kStages>
+struct Smem {
+  static constexpr int kOwnBytes = kBlockRows * kD * 2;    // one own tile
+  static constexpr int kTileBytes = kStreamRows * kD * 2;  // one streamed tile
+  static constexpr int kStageBytes = 2 * kTileBytes;
+  static constexpr int kStagesOffset = kOwnTiles * kOwnBytes;
+  static constexpr int kBarOffset = kStagesOffset + kStages * kStageBytes;
+  static constexpr size_t kBytes = size_t{kBarOffset} + (1 + 2 * kStages) * 8 + 1024;  // + alignment slack
+  static_assert(kBytes <= 227 * 1024, "shared memory of one block");
+};
+
+// Per-head-dim choices: forward streams 128-key tiles (fewer softmax rescales per flop);
+// the backward kernels keep four accumulator sets live and stream 64-row tiles.
+template <int kD>
+struct FwdCfg {
+  static constexpr int kStream = 128, kStages = 3;
+  using S = Smem<kD, 1, kStream, kStages>;
+};
+template <int kD>
+struct BwdCfg {
+  static constexpr int kStream = 64, kStages = kD == 64 ? 4 : 3;
+  using S = Smem<kD, 2, kStream, kStages>;
+};
+
+#ifdef TROUPE_WGMMA_DEVICE
+// Descriptor of the k16 step kk of a K-major operand: `rows` rows of the tile at `tile`,
+// starting at row `row0` (a multiple of 8).
+__device__ __forceinline__ uint64_t kmajor(uint32_t tile, int rows, int row0, int kk) {
+  return smem_desc(tile + (kk / 4) * rows * 128 + row0 * 128 + (kk % 4) * 32, 16, 1024);
+}
+// Descriptor of the k16 step kk of an MN-major operand whose k runs over the tile's rows.
+__device__ __forceinline__ uint64_t mnmajor(uint32_t tile, int rows, int kk) {
+  return smem_desc(tile + kk * 2048, rows * 128, 1024);
+}
+
+// Loads rows [row0, row0 + rows) of head h of batch b, all Dh/64 column chunks.
+template <int kD>
+__device__ __forceinline__ void load_tile(uint32_t dst, const CUtensorMap* map, uint32_t bar, int rows, int h,
+                                          int row0, int b) {
+#pragma unroll
+  for (int c = 0; c < kD / 64; ++c) tma_load_4d(dst + c * rows * 128, map, bar, c * 64, h, row0, b);
+}
+
+// O (64 x kD) += P (64 x kN, register A) V (kN x kD, MN-major in smem).
+template <int kD, int kN>
+__device__ __forceinline__ void mma_rs(float (&acc)[kD / 2], const uint32_t (&a)[kN / 16][4], uint32_t tile) {
+#pragma unroll
+  for (int c = 0; c < kN / 16; ++c) {
+    if constexpr (kD == 64) {
+      wgmma_rs_m64n64k16<1>(acc, a[c], mnmajor(tile, kN, c), 1);
+    } else {
+      wgmma_rs_m64n128k16<1>(acc, a[c], mnmajor(tile, kN, c), 1);
+    }
+  }
+}
+
+// acc (64 x kN) = A (64 rows from row0 of own tile) B^T (kN rows of a streamed tile), both
+// K-major over kD.
+template <int kD, int kN>
+__device__ __forceinline__ void mma_ss(float (&acc)[kN / 2], uint32_t a_tile, int a_row0, uint32_t b_tile) {
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    const uint64_t da = kmajor(a_tile, kBlockRows, a_row0, kk), db = kmajor(b_tile, kN, 0, kk);
+    if constexpr (kN == 64) {
+      wgmma_m64n64k16<0, 0>(acc, da, db, kk > 0 ? 1 : 0);
+    } else {
+      wgmma_m64n128k16<0, 0>(acc, da, db, kk > 0 ? 1 : 0);
+    }
+  }
+}
+
+// Whether a kernel keeps its own operand rows (Q, dO or K, V of its 64 rows) in registers
+// as wgmma A fragments instead of reading them from shared memory for every product:
+// with both operands in shared memory a 64 x 64 x 16 product reads 4 KB, which at 128
+// bytes per clock is as long as the tensor cores take for it. Head dim 64 only (at 128 the
+// fragments would not fit beside the accumulators).
+template <int kD>
+constexpr bool kOwnInRegs = kD == 64;
+
+// kBranchFreeTiles (a note, not a switch): the backward kernels' tiles that cannot hold a
+// masked score (wholly below the diagonal and inside the sequence) skip the mask's index
+// arithmetic, 0.785 -> 0.713 ms at head dim 64 (H200). They do so by running in a loop of
+// their own, never through a branch on the tile inside one loop: with such a branch
+// (`if (masked) ... else ...`, or a masking pass under `if`), ptxas of CUDA 13.0 gave the
+// register A fragments of the dS K / dS^T Q products the registers of the own rows' A
+// fragments (kOwnInRegs), which every later tile still reads: wrong dQ, dK and dV at head
+// dim 64 (caught by kernels_cuda_bf16_test; the SASS showed the fragments overwritten).
+
+// The A fragments (k16 steps over kD) of rows [row0 + 16 * warp, +16) of an own tile in
+// shared memory (TMA's 128-byte swizzle: the 16-byte unit u of row r sits at u ^ (r % 8)).
+template <int kD>
+__device__ __forceinline__ void load_own_frags(uint32_t (&a)[kD / 16][4], uint32_t tile, int row0) {
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int r = row0 + 16 * warp + g + 8 * (x & 1), unit = (kk % 4) * 2 + (x >> 1);
+      const uint32_t addr =
+          tile + (kk / 4) * kBlockRows * 128 + r * 128 + ((unit ^ (r % 8)) << 4) + 4 * t;  // + (2t) bf16
+      asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(a[kk][x]) : "r"(addr));
+    }
+  }
+}
+
+// acc (64 x kN) = A (registers, 64 x kD) B^T (kN rows of a streamed tile, K-major).
+template <int kD, int kN>
+__device__ __forceinline__ void mma_rs_kmajor(float (&acc)[kN / 2], const uint32_t (&a)[kD / 16][4],
+                                              uint32_t b_tile) {
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    const uint64_t db = kmajor(b_tile, kN, 0, kk);
+    if constexpr (kN == 64) {
+      wgmma_rs_m64n64k16<0>(acc, a[kk], db, kk > 0 ? 1 : 0);
+    } else {
+      wgmma_rs_m64n128k16<0>(acc, a[kk], db, kk > 0 ? 1 : 0);
+    }
+  }
+}
+
+// acc = own rows (registers when kOwnInRegs, else shared memory) x the streamed tile^T.
+template <int kD, int kN>
+__device__ __forceinline__ void mma_own(float (&acc)[kN / 2],
+                                        const uint32_t (&a)[kOwnInRegs<kD> ? kD / 16 : 1][4], uint32_t a_tile,
+                                        int a_row0, uint32_t b_tile) {
+  if constexpr (kOwnInRegs<kD>) {
+    mma_rs_kmajor<kD, kN>(acc, a, b_tile);
+  } else {
+    mma_ss<kD, kN>(acc, a_tile, a_row0, b_tile);
+  }
+}
+
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+// Accumulators (64 x kN per warpgroup) as register A fragments of k16 steps.
+template <int kN>
+__device__ __forceinline__ void to_a_frags(uint32_t (&a)[kN / 16][4], const float (&p)[kN / 2]) {
+#pragma unroll
+  for (int c = 0; c < kN / 16; ++c) {
+    a[c][0] = pack2(p[8 * c + 0], p[8 * c + 1]);
+    a[c][1] = pack2(p[8 * c + 2], p[8 * c + 3]);
+    a[c][2] = pack2(p[8 * c + 4], p[8 * c + 5]);
+    a[c][3] = pack2(p[8 * c + 6], p[8 * c + 7]);
+  }
+}
+
+// 2^x by the SFU in one instruction (flush-to-zero: results below 2^-126 become 0, which
+// for probabilities already scaled by the row maximum changes nothing measurable).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_add(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Rows (r) [row0, row0 + 16) of a warp's accumulator, as bf16 pairs into a [B,S,H,kD]
+// tensor at (b, h), times mul; rows past S are not stored.
+template <int kD>
+__device__ __forceinline__ void store_rows(bf16* base, const float (&acc)[kD / 2], float mul_lo, float mul_hi,
+                                           int64_t b, int64_t row0, int64_t h, int64_t seq, int64_t heads) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = row0 + g + 8 * half;
+    if (row >= seq) continue;
+    bf16* p = base + ((b * seq + row) * heads + h) * kD + 2 * t;
+    const float mul = half ? mul_hi : mul_lo;
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      *reinterpret_cast<uint32_t*>(p + j * 8) =
+          pack2(acc[4 * j + 2 * half] * mul, acc[4 * j + 2 * half + 1] * mul);
+    }
+  }
+}
+
+// The barriers of a kernel: [0] the own tiles' load, then kStages "full", kStages "empty".
+template <int kStages>
+struct Ring {
+  uint32_t own, full0, empty0;
+  __device__ __forceinline__ explicit Ring(uint32_t bars)
+      : own(bars), full0(bars + 8), empty0(bars + 8 + 8 * kStages) {}
+  __device__ __forceinline__ void init() const {
+    mbar_init(own, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 8);  // one arrival per consumer warp
+    }
+    mbar_init_fence();
+  }
+  __device__ __forceinline__ uint32_t full(int64_t i) const {
+    return full0 + 8 * static_cast<int>(i % kStages);
+  }
+  __device__ __forceinline__ uint32_t empty(int64_t i) const {
+    return empty0 + 8 * static_cast<int>(i % kStages);
+  }
+  __device__ __forceinline__ static uint32_t parity(int64_t i) {
+    return static_cast<uint32_t>((i / kStages) & 1);
+  }
+  // The producer's wait before refilling stage i % kStages.
+  __device__ __forceinline__ void wait_empty(int64_t i) const { mbar_wait(empty(i), parity(i) ^ 1); }
+  __device__ __forceinline__ void wait_full(int64_t i) const { mbar_wait(full(i), parity(i)); }
+  // Every consumer warp, once its reads of stage i are complete.
+  __device__ __forceinline__ void release(int64_t i) const {
+    if (threadIdx.x % 32 == 0) mbar_arrive(empty(i));
+  }
+};
+
+// The two consumer warpgroups take turns issuing their products (named barriers 1 and 2,
+// 256 threads each: one warpgroup waits, the other arrives), so one's softmax runs while
+// the other's products occupy the tensor cores instead of both doing each at once. Both
+// call take() and pass() once per streamed tile, the same number of times.
+struct Turns {
+  int cw;  // consumer warpgroup 0 or 1
+  __device__ __forceinline__ void start() const {
+    if (cw == 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");  // warpgroup 0 goes first
+  }
+  __device__ __forceinline__ void take() const {
+    if (cw == 0) {
+      asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    } else {
+      asm volatile("bar.sync 2, 256;\n" ::: "memory");
+    }
+  }
+  // last: the warpgroup's final tile (warpgroup 1's final turn is not taken by anyone).
+  __device__ __forceinline__ void pass(bool last) const {
+    if (cw == 0) {
+      asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+    } else if (!last) {
+      asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+    }
+  }
+};
+
+__device__ __forceinline__ uint32_t aligned_smem(unsigned char* raw) {
+  return (smem_addr(raw) + 1023) & ~1023u;
+}
+#endif  // TROUPE_WGMMA_DEVICE
+
+// grid (ceil(S/128), Hq, B); late (heavier) query blocks first.
+template <int kD>
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_fwd_hopper_kernel(const __grid_constant__ CUtensorMap map_q,
+                                const __grid_constant__ CUtensorMap map_k,
+                                const __grid_constant__ CUtensorMap map_v, AttentionShape s, float scale_log2,
+                                bf16* out, float* lse) {
+  pdl_wait();
+#ifdef TROUPE_WGMMA_DEVICE
+  using C = FwdCfg<kD>;
+  using L = typename C::S;
+  constexpr int kN = C::kStream;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t base = aligned_smem(smem_raw), sq = base, stages = base + L::kStagesOffset;
+  const Ring<C::kStages> ring(base + L::kBarOffset);
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int b = blockIdx.z, h = blockIdx.y, hk = h / static_cast<int>(s.q_heads / s.kv_heads);
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * kBlockRows;
+  const int seq = static_cast<int>(s.seq);
+  const int kv_end = min(seq, m0 + kBlockRows);
+  const int tiles = (kv_end + kN - 1) / kN;
+  if (tid == 0) ring.init();
+  __syncthreads();
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (tid == 0) {
+      mbar_expect_tx(ring.own, L::kOwnBytes);
+      load_tile<kD>(sq, &map_q, ring.own, kBlockRows, h, m0, b);
+      for (int i = 0; i < tiles; ++i) {
+        ring.wait_empty(i);
+        const uint32_t st = stages + (i % C::kStages) * L::kStageBytes;
+        mbar_expect_tx(ring.full(i), L::kStageBytes);
+        load_tile<kD>(st, &map_k, ring.full(i), kN, hk, i * kN, b);
+        load_tile<kD>(st + L::kTileBytes, &map_v, ring.full(i), kN, hk, i * kN, b);
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  const int cw = wg - 1, warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int wg_first = m0 + 64 * cw, row_lo = wg_first + warp * 16 + g, row_hi = row_lo + 8;
+  const Turns turns{cw};
+  turns.start();
+  float o[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
+  uint32_t pa[kN / 16][4];  // P of the previous tile, the A operand of its P V product
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  mbar_wait(ring.own, 0);
+  uint32_t qa[kOwnInRegs<kD> ? kD / 16 : 1][4];
+  if constexpr (kOwnInRegs<kD>) load_own_frags<kD>(qa, sq, 64 * cw);
+  // Tile i's S = Q K^T runs while tile i-1's O += P V does; the softmax of tile i overlaps
+  // that product, and O is rescaled once it has landed. Every key tile starts at or
+  // before the block's first query (kN == kBlockRows), so no warpgroup skips one.
+  // The first tile is peeled off the loop: inside it every iteration commits the same two
+  // groups, so ptxas can see that wait<1> retires S (with a commit under `if (i > 0)` it
+  // could not, and serialised every wgmma of the kernel: warning C7514).
+  static_assert(kN == kBlockRows, "every streamed key tile overlaps both warpgroups' queries");
+  // The online softmax of tile k0's scores sc (raw S) in place: P = exp2(S * scale_log2 -
+  // m); returns O's rescale factors in corr. The row maximum is taken on the raw scores
+  // (scale > 0), so each probability costs one FFMA and one EX2.
+  auto softmax = [&](float(&sc)[kN / 2], int k0, float(&corr)[2]) {
+    const bool masked = k0 + kN - 1 > wg_first || k0 + kN > seq;
+    if (masked) {
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int key = k0 + j * 8 + 2 * t + (r & 1), row = r < 2 ? row_lo : row_hi;
+          if (key > row || key >= seq) sc[4 * j + r] = -INFINITY;
+        }
+      }
+    }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) mx[r >> 1] = fmaxf(mx[r >> 1], sc[4 * j + r]);
+    }
+    float base_m[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const float nm = fmaxf(m[x], quad_max(mx[x]) * scale_log2);
+      base_m[x] = nm == -INFINITY ? 0.0f : nm;  // fully masked so far: keep exp2 finite
+      corr[x] = fast_exp2(m[x] - base_m[x]);
+      m[x] = nm;
+    }
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float p = fast_exp2(fmaf(sc[4 * j + r], scale_log2, -base_m[r >> 1]));
+        sc[4 * j + r] = p;
+        sum[r >> 1] += p;
+      }
+    }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) l[x] = l[x] * corr[x] + quad_add(sum[x]);
+  };
+  {
+    ring.wait_full(0);
+    float sc[kN / 2], corr[2];
+#pragma unroll
+    for (int x = 0; x < kN / 2; ++x) sc[x] = 0.0f;
+    turns.take();
+    wgmma_fence();
+    mma_own<kD, kN>(sc, qa, sq, 64 * cw, stages);
+    wgmma_commit();
+    turns.pass(tiles == 1);
+    wgmma_wait<0>();
+    fence_regs(sc);
+    softmax(sc, 0, corr);  // O is still zero: nothing to rescale
+    to_a_frags<kN>(pa, sc);
+  }
+  for (int i = 1; i < tiles; ++i) {
+    const int k0 = i * kN;
+    ring.wait_full(i);
+    const uint32_t st = stages + (i % C::kStages) * L::kStageBytes;
+    const uint32_t prev_v = stages + ((i + C::kStages - 1) % C::kStages) * L::kStageBytes + L::kTileBytes;
+    float sc[kN / 2], corr[2];  // per tile: short live ranges (see the dQ kernel)
+#pragma unroll
+    for (int x = 0; x < kN / 2; ++x) sc[x] = 0.0f;
+    turns.take();
+    wgmma_fence();
+    mma_own<kD, kN>(sc, qa, sq, 64 * cw, st);
+    wgmma_commit();
+    mma_rs<kD, kN>(o, pa, prev_v);
+    wgmma_commit();
+    turns.pass(i == tiles - 1);
+    wgmma_wait<1>();
+    fence_regs(sc);
+    softmax(sc, k0, corr);
+    wgmma_wait<0>();
+    fence_regs(o);
+    fence_regs(pa);
+    ring.release(i - 1);
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      o[4 * j + 0] *= corr[0];
+      o[4 * j + 1] *= corr[0];
+      o[4 * j + 2] *= corr[1];
+      o[4 * j + 3] *= corr[1];
+    }
+    to_a_frags<kN>(pa, sc);
+  }
+  wgmma_fence();
+  mma_rs<kD, kN>(o, pa, stages + ((tiles - 1) % C::kStages) * L::kStageBytes + L::kTileBytes);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(o);
+  fence_regs(pa);
+  ring.release(tiles - 1);
+  const float inv_lo = l[0] > 0.0f ? 1.0f / l[0] : 0.0f, inv_hi = l[1] > 0.0f ? 1.0f / l[1] : 0.0f;
+  store_rows<kD>(out, o, inv_lo, inv_hi, b, wg_first + warp * 16, h, seq, s.q_heads);
+  if (t == 0) {
+    float* lrow = lse + (static_cast<int64_t>(b) * s.q_heads + h) * seq;
+    if (row_lo < seq) lrow[row_lo] = (m[0] + log2f(l[0])) * kLn2;
+    if (row_hi < seq) lrow[row_hi] = (m[1] + log2f(l[1])) * kLn2;
+  }
+#else
+  (void)map_q;
+  (void)map_k;
+  (void)map_v;
+  (void)s;
+  (void)scale_log2;
+  (void)out;
+  (void)lse;
+  __trap();
+#endif
+}
+
+// grid (ceil(S/128), Hq, B): dQ of 128 queries; streams K and V tiles of 64 keys.
+template <int kD>
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_dq_hopper_kernel(const __grid_constant__ CUtensorMap map_q,
+                               const __grid_constant__ CUtensorMap map_do,
+                               const __grid_constant__ CUtensorMap map_k,
+                               const __grid_constant__ CUtensorMap map_v, AttentionShape s, const float* lse,
+                               const float* dsum, float scale, bf16* dq) {
+  pdl_wait();
+#ifdef TROUPE_WGMMA_DEVICE
+  using C = BwdCfg<kD>;
+  using L = typename C::S;
+  constexpr int kN = C::kStream;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t base = aligned_smem(smem_raw), sq = base, sdo = base + L::kOwnBytes;
+  const uint32_t stages = base + L::kStagesOffset;
+  const Ring<C::kStages> ring(base + L::kBarOffset);
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int b = blockIdx.z, h = blockIdx.y, hk = h / static_cast<int>(s.q_heads / s.kv_heads);
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * kBlockRows;
+  const int seq = static_cast<int>(s.seq);
+  const int tiles = (min(seq, m0 + kBlockRows) + kN - 1) / kN;
+  if (tid == 0) ring.init();
+  __syncthreads();
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (tid == 0) {
+      mbar_expect_tx(ring.own, 2 * L::kOwnBytes);
+      load_tile<kD>(sq, &map_q, ring.own, kBlockRows, h, m0, b);
+      load_tile<kD>(sdo, &map_do, ring.own, kBlockRows, h, m0, b);
+      for (int i = 0; i < tiles; ++i) {
+        ring.wait_empty(i);
+        const uint32_t st = stages + (i % C::kStages) * L::kStageBytes;
+        mbar_expect_tx(ring.full(i), L::kStageBytes);
+        load_tile<kD>(st, &map_k, ring.full(i), kN, hk, i * kN, b);
+        load_tile<kD>(st + L::kTileBytes, &map_v, ring.full(i), kN, hk, i * kN, b);
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  const int cw = wg - 1, warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int wg_first = m0 + 64 * cw, row_lo = wg_first + warp * 16 + g, row_hi = row_lo + 8;
+  const float scale_log2 = scale * kLog2e;
+  float lse2[2], dd[2];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int row = x ? row_hi : row_lo;
+    const int64_t idx = (static_cast<int64_t>(b) * s.q_heads + h) * seq + (row < seq ? row : 0);
+    lse2[x] = lse[idx] * kLog2e;
+    dd[x] = dsum[idx];
+  }
+  float acc[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) acc[i] = 0.0f;
+  mbar_wait(ring.own, 0);
+  uint32_t qa[kOwnInRegs<kD> ? kD / 16 : 1][4], doa[kOwnInRegs<kD> ? kD / 16 : 1][4];
+  if constexpr (kOwnInRegs<kD>) {
+    load_own_frags<kD>(qa, sq, 64 * cw);
+    load_own_frags<kD>(doa, sdo, 64 * cw);
+  }
+  // One streamed tile; `masked` (std::bool_constant) tells whether it can hold keys past
+  // the diagonal or the sequence's end.
+  auto tile = [&](int i, auto masked) {
+    const int k0 = i * kN;
+    ring.wait_full(i);
+    const uint32_t st = stages + (i % C::kStages) * L::kStageBytes;
+    if (k0 <= wg_first + 63) {
+      // Declared (and zeroed) per tile: their values die with the tile, which keeps the
+      // accumulators' live ranges short (measured: 30% faster than hoisting them).
+      float sc[kN / 2], dp[kN / 2];
+#pragma unroll
+      for (int x = 0; x < kN / 2; ++x) sc[x] = dp[x] = 0.0f;
+      wgmma_fence();
+      mma_own<kD, kN>(sc, qa, sq, 64 * cw, st);
+      mma_own<kD, kN>(dp, doa, sdo, 64 * cw, st + L::kTileBytes);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(sc);
+      fence_regs(dp);
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          float p = fast_exp2(fmaf(sc[4 * j + r], scale_log2, -lse2[r >> 1]));
+          if constexpr (decltype(masked)::value) {
+            const int key = k0 + j * 8 + 2 * t + (r & 1), row = r < 2 ? row_lo : row_hi;
+            if (key > row || key >= seq) p = 0.0f;
+          }
+          sc[4 * j + r] = p * (dp[4 * j + r] - dd[r >> 1]);  // dS
+        }
+      }
+      uint32_t da[kN / 16][4];
+      to_a_frags<kN>(da, sc);
+      wgmma_fence();
+      mma_rs<kD, kN>(acc, da, st);  // dQ += dS K
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(acc);
+      fence_regs(da);
+    }
+    ring.release(i);
+  };
+  // The tiles wholly below the diagonal and inside the sequence first, then the rest, in
+  // two loops with no branch on `masked` inside either (see kBranchFreeTiles).
+  const int unmasked = min(tiles, min(wg_first, seq) / kN);
+  for (int i = 0; i < unmasked; ++i) tile(i, std::false_type{});
+  for (int i = unmasked; i < tiles; ++i) tile(i, std::true_type{});
+  store_rows<kD>(dq, acc, scale, scale, b, wg_first + warp * 16, h, seq, s.q_heads);
+#else
+  (void)map_q;
+  (void)map_do;
+  (void)map_k;
+  (void)map_v;
+  (void)s;
+  (void)lse;
+  (void)dsum;
+  (void)scale;
+  (void)dq;
+  __trap();
+#endif
+}
+
+// grid (ceil(S/128), Hkv, B): dK and dV of 128 keys, summed over the group's query heads;
+// streams Q and dO tiles of 64 queries from the block's first key on. Early (heavier)
+// key blocks first.
+template <int kD>
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_dkdv_hopper_kernel(const __grid_constant__ CUtensorMap map_q,
+                                 const __grid_constant__ CUtensorMap map_do,
+                                 const __grid_constant__ CUtensorMap map_k,
+                                 const __grid_constant__ CUtensorMap map_v, AttentionShape s,
+                                 const float* lse, const float* dsum, float scale, bf16* dk, bf16* dv) {
+  pdl_wait();
+#ifdef TROUPE_WGMMA_DEVICE
+  using C = BwdCfg<kD>;
+  using L = typename C::S;
+  constexpr int kN = C::kStream;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t base = aligned_smem(smem_raw), sk = base, sv = base + L::kOwnBytes;
+  const uint32_t stages = base + L::kStagesOffset;
+  const Ring<C::kStages> ring(base + L::kBarOffset);
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int b = blockIdx.z, hk = blockIdx.y, group = static_cast<int>(s.q_heads / s.kv_heads);
+  const int n0 = blockIdx.x * kBlockRows;
+  const int seq = static_cast<int>(s.seq);
+  const int per_head = (seq - n0 + kN - 1) / kN;  // query tiles from n0 on (n0 is a multiple of kN)
+  const int tiles = group * per_head;
+  if (tid == 0) ring.init();
+  __syncthreads();
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (tid == 0) {
+      mbar_expect_tx(ring.own, 2 * L::kOwnBytes);
+      load_tile<kD>(sk, &map_k, ring.own, kBlockRows, hk, n0, b);
+      load_tile<kD>(sv, &map_v, ring.own, kBlockRows, hk, n0, b);
+      for (int i = 0; i < tiles; ++i) {
+        const int h = hk * group + i / per_head, q0 = n0 + (i % per_head) * kN;
+        ring.wait_empty(i);
+        const uint32_t st = stages + (i % C::kStages) * L::kStageBytes;
+        mbar_expect_tx(ring.full(i), L::kStageBytes);
+        load_tile<kD>(st, &map_q, ring.full(i), kN, h, q0, b);
+        load_tile<kD>(st + L::kTileBytes, &map_do, ring.full(i), kN, h, q0, b);
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  const int cw = wg - 1, warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int wg_first = n0 + 64 * cw, key_lo = wg_first + warp * 16 + g, key_hi = key_lo + 8;
+  const float scale_log2 = scale * kLog2e;
+  float dka[kD / 2], dva[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) dka[i] = dva[i] = 0.0f;
+  mbar_wait(ring.own, 0);
+  uint32_t ka[kOwnInRegs<kD> ? kD / 16 : 1][4], va[kOwnInRegs<kD> ? kD / 16 : 1][4];
+  if constexpr (kOwnInRegs<kD>) {
+    load_own_frags<kD>(ka, sk, 64 * cw);
+    load_own_frags<kD>(va, sv, 64 * cw);
+  }
+  auto tile = [&](int i, auto masked) {  // as in the dQ kernel
+    const int h = hk * group + i / per_head, q0 = n0 + (i % per_head) * kN;
+    ring.wait_full(i);
+    const uint32_t st = stages + (i % C::kStages) * L::kStageBytes;
+    if (q0 + kN - 1 >= wg_first) {
+      float sc[kN / 2], dp[kN / 2];  // per tile, as in the dQ kernel
+#pragma unroll
+      for (int x = 0; x < kN / 2; ++x) sc[x] = dp[x] = 0.0f;
+      wgmma_fence();
+      mma_own<kD, kN>(sc, ka, sk, 64 * cw, st);                  // S^T: keys x queries
+      mma_own<kD, kN>(dp, va, sv, 64 * cw, st + L::kTileBytes);  // dP^T
+      wgmma_commit();
+      // lse and D of this tile's queries (this thread's columns), loaded while the products run.
+      const float* lrow = lse + (static_cast<int64_t>(b) * s.q_heads + h) * seq;
+      const float* drow = dsum + (static_cast<int64_t>(b) * s.q_heads + h) * seq;
+      float l2[kN / 8][2], dq_[kN / 8][2];
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int query = q0 + j * 8 + 2 * t + e, qc = query < seq ? query : seq - 1;
+          l2[j][e] = __ldg(lrow + qc) * kLog2e;
+          dq_[j][e] = __ldg(drow + qc);
+        }
+      }
+      wgmma_wait<0>();
+      fence_regs(sc);
+      fence_regs(dp);
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int r = 2 * half + e;
+            float p = fast_exp2(fmaf(sc[4 * j + r], scale_log2, -l2[j][e]));
+            if constexpr (decltype(masked)::value) {
+              const int query = q0 + j * 8 + 2 * t + e, key = half ? key_hi : key_lo;
+              if (key > query || query >= seq) p = 0.0f;
+            }
+            sc[4 * j + r] = p;
+            dp[4 * j + r] = p * (dp[4 * j + r] - dq_[j][e]);  // dS^T
+          }
+        }
+      }
+      uint32_t pa[kN / 16][4], da[kN / 16][4];
+      to_a_frags<kN>(pa, sc);
+      to_a_frags<kN>(da, dp);
+      wgmma_fence();
+      mma_rs<kD, kN>(dva, pa, st + L::kTileBytes);  // dV += P^T dO
+      mma_rs<kD, kN>(dka, da, st);                  // dK += dS^T Q
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(dva);
+      fence_regs(dka);
+      fence_regs(pa);
+      fence_regs(da);
+    }
+    ring.release(i);
+  };
+  if constexpr (kD == 64) {
+    // Per query head: the diagonal tiles (one for warpgroup 0, two for warpgroup 1, whose
+    // first is skipped), the unmasked middle, then a partial last tile (kBranchFreeTiles).
+    for (int hh = 0; hh < group; ++hh) {
+      const int first = hh * per_head, lead = min(per_head, cw + 1);
+      const int tail = max(lead, per_head - (seq % kN != 0 ? 1 : 0));
+      for (int q = 0; q < lead; ++q) tile(first + q, std::true_type{});
+      for (int q = lead; q < tail; ++q) tile(first + q, std::false_type{});
+      for (int q = tail; q < per_head; ++q) tile(first + q, std::true_type{});
+    }
+  } else {
+    // Head dim 128: three inlined copies of the tile spill (508 bytes against 108), and
+    // the split measured slower (0.670 against 0.655 ms); every tile takes the masked copy.
+    for (int i = 0; i < tiles; ++i) tile(i, std::true_type{});
+  }
+  store_rows<kD>(dk, dka, scale, scale, b, wg_first + warp * 16, hk, seq, s.kv_heads);
+  store_rows<kD>(dv, dva, 1.0f, 1.0f, b, wg_first + warp * 16, hk, seq, s.kv_heads);
+#else
+  (void)map_q;
+  (void)map_do;
+  (void)map_k;
+  (void)map_v;
+  (void)s;
+  (void)lse;
+  (void)dsum;
+  (void)scale;
+  (void)dk;
+  (void)dv;
+  __trap();
+#endif
+}
+
+// The tensor map of a [B,S,H,Dh] bf16 tensor read in boxes of `rows` rows of one head.
+CUtensorMap head_map(const void* p, const AttentionShape& s, int64_t heads, int rows) {
+  const cuuint64_t dh = static_cast<cuuint64_t>(s.head_dim), h = static_cast<cuuint64_t>(heads);
+  const cuuint64_t dims[4] = {dh, h, static_cast<cuuint64_t>(s.seq), static_cast<cuuint64_t>(s.batch)};
+  const cuuint64_t strides[3] = {dh * 2, h * dh * 2, static_cast<cuuint64_t>(s.seq) * h * dh * 2};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(rows), 1};
+  return make_tensor_map(p, 4, dims, strides, box);
+}
+
+template <typename F>
+void dispatch_head_dim(int64_t dh, F&& f) {
+  if (dh == 64) {
+    f(std::integral_constant<int, 64>{});
+  } else {
+    f(std::integral_constant<int, 128>{});
+  }
+}
+
+template <typename K>
+void allow_smem(K kernel, size_t bytes) {
+  CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+dim3 block_grid(const AttentionShape& s, int64_t heads) {
+  return dim3(static_cast<unsigned>(ceil_div(s.seq, kBlockRows)), static_cast<unsigned>(heads),
+              static_cast<unsigned>(s.batch));
+}
+
+}  // namespace
+
+bool attention_hopper_available(const AttentionShape& s) {
+  // Rows are int coordinates of the tensor maps; 2^31 rows of one sequence are far away.
+  return hopper::wgmma_available() && (s.head_dim == 64 || s.head_dim == 128) && s.seq < (int64_t{1} << 30);
+}
+
+void launch_attention_forward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,
+                                     const void* v, float scale, void* out, float* lse) {
+  dispatch_head_dim(s.head_dim, [&](auto d) {
+    using L = typename FwdCfg<d()>::S;
+    const CUtensorMap mq = head_map(q, s, s.q_heads, kBlockRows);
+    const CUtensorMap mk = head_map(k, s, s.kv_heads, FwdCfg<d()>::kStream);
+    const CUtensorMap mv = head_map(v, s, s.kv_heads, FwdCfg<d()>::kStream);
+    auto kernel = attention_fwd_hopper_kernel<d()>;
+    allow_smem(kernel, L::kBytes);
+    launch(env, kernel, block_grid(s, s.q_heads), kThreads, L::kBytes, mq, mk, mv, s, scale * kLog2e,
+           static_cast<bf16*>(out), lse);
+  });
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+void launch_attention_backward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,
+                                      const void* v, const void* out, const float* lse, const void* dout,
+                                      float scale, void* dq, void* dk, void* dv, void* scratch) {
+  float* dsum = static_cast<float*>(scratch);
+  launch_attention_rowdot(env, s, out, dout, dsum, DType::kBF16);
+  dispatch_head_dim(s.head_dim, [&](auto d) {
+    using L = typename BwdCfg<d()>::S;
+    constexpr int kN = BwdCfg<d()>::kStream;
+    {
+      const CUtensorMap mq = head_map(q, s, s.q_heads, kN), mdo = head_map(dout, s, s.q_heads, kN);
+      const CUtensorMap mk = head_map(k, s, s.kv_heads, kBlockRows),
+                        mv = head_map(v, s, s.kv_heads, kBlockRows);
+      auto kernel = attention_dkdv_hopper_kernel<d()>;
+      allow_smem(kernel, L::kBytes);
+      launch(env, kernel, block_grid(s, s.kv_heads), kThreads, L::kBytes, mq, mdo, mk, mv, s, lse, dsum,
+             scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv));
+      TROUPE_CUDA_LAUNCH_CHECK();
+    }
+    {
+      const CUtensorMap mq = head_map(q, s, s.q_heads, kBlockRows),
+                        mdo = head_map(dout, s, s.q_heads, kBlockRows);
+      const CUtensorMap mk = head_map(k, s, s.kv_heads, kN), mv = head_map(v, s, s.kv_heads, kN);
+      auto kernel = attention_dq_hopper_kernel<d()>;
+      allow_smem(kernel, L::kBytes);
+      launch(env, kernel, block_grid(s, s.q_heads), kThreads, L::kBytes, mq, mdo, mk, mv, s, lse, dsum, scale,
+             static_cast<bf16*>(dq));
+    }
+  });
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace troupe::kernels::gpu

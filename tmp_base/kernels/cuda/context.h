@@ -1,0 +1,50 @@
+// kernels/cuda/context.h — defines CudaContext: what every CUDA op needs besides its
+// tensors: the device, the stream ops are enqueued on, a cuBLASLt handle with its
+// workspace, and an allocator for op-internal scratch memory.
+//
+// Ownership: the context owns the cuBLASLt handle, the workspace and (when none is given)
+// its scratch allocator; it borrows the stream. Create one per device per thread of
+// work; a context is not thread-safe (ops on it are serialised by its stream anyway).
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <memory>
+
+#include "core/allocator.h"
+#include "core/cuda/caching_allocator.h"
+#include "core/cuda/device_buffer.h"
+#include "kernels/cuda/matmul_lt.h"
+
+namespace troupe::kernels {
+
+struct CudaContext {
+  // stream: borrowed (nullptr = the legacy default stream). scratch: allocator for op
+  // temporaries (nullptr = a private CudaCachingAllocator); it must serve `device` and
+  // follow the caching allocator's one-stream contract with `stream`.
+  CudaContext(int device, cudaStream_t stream, Allocator* scratch = nullptr);
+  ~CudaContext();
+  CudaContext(const CudaContext&) = delete;
+  CudaContext& operator=(const CudaContext&) = delete;
+
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  cublasLtHandle_t lt = nullptr;
+  void* workspace = nullptr;  // cuBLASLt workspace
+  size_t workspace_bytes = 0;
+  Allocator* scratch = nullptr;
+  int num_sms = 0;
+  size_t max_smem_per_block = 0;  // opt-in limit (bytes)
+  // Kernels launch with programmatic dependent launch (gpu::Env::pdl): compute
+  // capability 9.0 and up, unless the environment sets TROUPE_CUDA_PDL=0.
+  bool pdl = false;
+  std::unique_ptr<MatmulPlanCache> matmul_plans;  // cuBLASLt algorithm per problem shape
+
+ private:
+  std::unique_ptr<cuda::CudaCachingAllocator> own_scratch_;
+  cuda::DeviceBuffer workspace_buffer_;
+};
+
+}  // namespace troupe::kernels

@@ -1,0 +1,453 @@
+// kernels/cuda/moe.cu — MoE routing kernels: the fused router (scores -> top-k -> gates)
+// and its backward, the dispatch plan (per-expert counts, offsets and each copy's row,
+// computed on the device in a deterministic order), and permute/unpermute with their
+// backwards.
+#include <cstdio>
+#include <initializer_list>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/launch.h"
+
+namespace troupe::kernels::gpu {
+
+namespace {
+
+constexpr int kMaxTopK = 16;
+
+__device__ __forceinline__ float sigmoid_exact(float x) {
+  return 1.0f / (1.0f + expf(-x));
+}
+
+// One thread per token: experts are few (tens to hundreds), so a serial scan per token is
+// cheap, and selection by repeated arg-max keeps the tie rule (lower index wins) exact.
+__global__ void router_forward_kernel(const float* logits, const float* bias, int64_t tokens, int64_t experts,
+                                      int top_k, bool sigmoid, bool normalize, float* scores,
+                                      int32_t* topk_idx, float* gates) {
+  pdl_wait();
+  const int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (t >= tokens) return;
+  const float* l = logits + t * experts;
+  float* s = scores + t * experts;
+  if (sigmoid) {
+    for (int64_t e = 0; e < experts; ++e) s[e] = sigmoid_exact(l[e]);
+  } else {
+    float m = -INFINITY;
+    for (int64_t e = 0; e < experts; ++e) m = fmaxf(m, l[e]);
+    float sum = 0.0f;
+    for (int64_t e = 0; e < experts; ++e) sum += expf(l[e] - m);
+    const float inv = 1.0f / sum;
+    for (int64_t e = 0; e < experts; ++e) s[e] = expf(l[e] - m) * inv;
+  }
+  int32_t chosen[kMaxTopK];
+  float picked[kMaxTopK];
+  float total = 0.0f;
+  for (int j = 0; j < top_k; ++j) {
+    int32_t best = -1;
+    float best_key = -INFINITY;
+    for (int64_t e = 0; e < experts; ++e) {
+      bool taken = false;
+      for (int i = 0; i < j; ++i) taken |= chosen[i] == e;
+      if (taken) continue;
+      const float key = s[e] + (bias != nullptr ? bias[e] : 0.0f);
+      if (best < 0 || key > best_key) {
+        best = static_cast<int32_t>(e);
+        best_key = key;
+      }
+    }
+    chosen[j] = best;
+    picked[j] = s[best];
+    total += picked[j];
+  }
+  const bool renorm = normalize || sigmoid;
+  for (int j = 0; j < top_k; ++j) {
+    topk_idx[t * top_k + j] = chosen[j];
+    gates[t * top_k + j] = renorm ? picked[j] / total : picked[j];
+  }
+}
+
+// Gradient with respect to the scores of expert e (selection held constant).
+__device__ __forceinline__ float router_dscore(int64_t e, const float* s, const int32_t* idx, const float* dg,
+                                               const float* ds, int top_k, bool renorm, float total,
+                                               float gdot) {
+  float d = ds != nullptr ? ds[e] : 0.0f;
+  for (int j = 0; j < top_k; ++j) {
+    if (idx[j] == e) d += renorm ? (dg[j] - gdot) / total : dg[j];
+  }
+  return d;
+}
+
+__global__ void router_backward_kernel(const float* scores, const int32_t* topk_idx, const float* dgates,
+                                       const float* dscores, int64_t tokens, int64_t experts, int top_k,
+                                       bool sigmoid, bool normalize, float* dlogits) {
+  pdl_wait();
+  const int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (t >= tokens) return;
+  const float* s = scores + t * experts;
+  const int32_t* idx = topk_idx + t * top_k;
+  const float* dg = dgates + t * top_k;
+  const float* ds = dscores != nullptr ? dscores + t * experts : nullptr;
+  const bool renorm = normalize || sigmoid;
+  // gate_j = s_j / total: d total-normalised gates give (dg_j - sum_l dg_l gate_l) / total.
+  float total = 0.0f;
+  for (int j = 0; j < top_k; ++j) total += s[idx[j]];
+  float gdot = 0.0f;
+  for (int j = 0; j < top_k; ++j) gdot += dg[j] * (s[idx[j]] / total);
+  float* dl = dlogits + t * experts;
+  if (sigmoid) {
+    for (int64_t e = 0; e < experts; ++e) {
+      dl[e] = router_dscore(e, s, idx, dg, ds, top_k, renorm, total, gdot) * s[e] * (1.0f - s[e]);
+    }
+  } else {
+    float dot = 0.0f;
+    for (int64_t e = 0; e < experts; ++e)
+      dot += router_dscore(e, s, idx, dg, ds, top_k, renorm, total, gdot) * s[e];
+    for (int64_t e = 0; e < experts; ++e) {
+      dl[e] = s[e] * (router_dscore(e, s, idx, dg, ds, top_k, renorm, total, gdot) - dot);
+    }
+  }
+}
+
+// ---- dispatch plan: three deterministic passes over chunks of copies -----------------
+constexpr int kPlanChunk = 2048;
+constexpr int kPlanThreads = 256;
+
+// chunk_counts[c, e] = copies of expert e in chunk c.
+__global__ void plan_count_kernel(const int32_t* idx, int64_t copies, int64_t experts,
+                                  int32_t* chunk_counts) {
+  pdl_wait();
+  extern __shared__ int32_t counts[];
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  const int64_t c0 = int64_t{blockIdx.x} * kPlanChunk;
+  const int64_t c1 = min64(copies, c0 + kPlanChunk);
+  for (int64_t i = c0 + threadIdx.x; i < c1; i += blockDim.x) {
+    const int32_t e = idx[i];
+    if (e < 0 || e >= experts) {
+      printf("moe_dispatch_plan: expert index %d out of range [0, %lld)\n", e,
+             static_cast<long long>(experts));
+      __trap();
+    }
+    atomicAdd(&counts[e], 1);
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x)
+    chunk_counts[int64_t{blockIdx.x} * experts + e] = counts[e];
+}
+
+// One block: chunk_base[c, e] = copies of e before chunk c; counts and offsets.
+__global__ void plan_scan_kernel(int32_t* chunk_counts, int64_t chunks, int64_t experts, int64_t capacity,
+                                 int32_t* counts, int32_t* offsets) {
+  pdl_wait();
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+    int32_t run = 0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int32_t n = chunk_counts[c * experts + e];
+      chunk_counts[c * experts + e] = run;  // now the base
+      run += n;
+    }
+    counts[e] = capacity < 0 ? run : static_cast<int32_t>(min64(run, capacity));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t off = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      offsets[e] = off;
+      off += counts[e];
+    }
+    offsets[experts] = off;
+  }
+}
+
+// Thread e of block c walks chunk c in order and numbers the copies of expert e.
+__global__ void plan_assign_kernel(const int32_t* idx, int64_t copies, int64_t experts, int64_t capacity,
+                                   const int32_t* chunk_base, const int32_t* offsets, int32_t* row_map) {
+  pdl_wait();
+  extern __shared__ int32_t chunk[];
+  const int64_t c0 = int64_t{blockIdx.x} * kPlanChunk;
+  const int64_t n = min64(copies, c0 + kPlanChunk) - c0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) chunk[i] = idx[c0 + i];
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+    int32_t rank = chunk_base[int64_t{blockIdx.x} * experts + e];
+    const int32_t base = offsets[e];
+    for (int64_t i = 0; i < n; ++i) {
+      if (chunk[i] != e) continue;
+      row_map[c0 + i] = (capacity < 0 || rank < capacity) ? base + rank : -1;
+      ++rank;
+    }
+  }
+}
+
+// The same numbering, parallel (up to kPlanRankExperts experts): the chunk is taken in
+// rounds of blockDim copies in order, thread i of a round taking its i-th copy, whose rank
+// among the chunk's copies of its expert is: the chunk's base, plus the copies of that
+// expert in earlier rounds (running), in earlier warps of this round (warp_counts) and in
+// earlier lanes of its warp (__match_any_sync). plan_assign_kernel walked the chunk once
+// per expert, one thread each: 34 us of serial loads per bench_1b layer on an H100.
+constexpr int kPlanRankExperts = 256;
+__global__ void __launch_bounds__(kPlanThreads)
+    plan_assign_ranked_kernel(const int32_t* idx, int64_t copies, int64_t experts, int64_t capacity,
+                              const int32_t* chunk_base, const int32_t* offsets, int32_t* row_map) {
+  pdl_wait();
+  constexpr int kWarps = kPlanThreads / 32;
+  __shared__ int32_t warp_counts[kWarps][kPlanRankExperts];
+  __shared__ int32_t running[kPlanRankExperts];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t c0 = int64_t{blockIdx.x} * kPlanChunk;
+  const int64_t n = min64(copies, c0 + kPlanChunk) - c0;
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+    running[e] = chunk_base[int64_t{blockIdx.x} * experts + e];
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) warp_counts[w][e] = 0;
+  }
+  __syncthreads();
+  for (int64_t r0 = 0; r0 < n; r0 += blockDim.x) {
+    const int64_t i = r0 + threadIdx.x;
+    const bool live = i < n;
+    const int32_t e = live ? idx[c0 + i] : -1;  // (-1: no expert's key)
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    const int below = __popc(peers & ((1u << lane) - 1u));
+    if (live && below == 0) warp_counts[warp][e] = __popc(peers);
+    __syncthreads();
+    if (live) {
+      int32_t rank = running[e] + below;
+      for (int w = 0; w < warp; ++w) rank += warp_counts[w][e];
+      row_map[c0 + i] = (capacity < 0 || rank < capacity) ? offsets[e] + rank : -1;
+    }
+    __syncthreads();
+    for (int64_t x = threadIdx.x; x < experts; x += blockDim.x) {
+      int32_t add = 0;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        add += warp_counts[w][x];
+        warp_counts[w][x] = 0;
+      }
+      running[x] += add;
+    }
+    __syncthreads();
+  }
+}
+
+// ---- permutation ----------------------------------------------------------------------
+// Rows move as V-element packs (V = 8 when the row length and pointers allow 16-byte
+// bf16 accesses, else 1).
+template <int V, typename T>
+__global__ void permute_kernel(const T* x, int64_t d, const int32_t* row_map, int64_t top_k, T* xp) {
+  pdl_wait();
+  const int64_t copy = blockIdx.x;
+  const int32_t row = row_map[copy];
+  if (row < 0) return;
+  const T* src = x + (copy / top_k) * d;
+  T* dst = xp + int64_t{row} * d;
+  for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
+    *reinterpret_cast<Pack<T, V>*>(dst + c) = *reinterpret_cast<const Pack<T, V>*>(src + c);
+  }
+}
+
+template <int V, typename T>
+__global__ void permute_backward_kernel(const T* dxp, const int32_t* row_map, int64_t top_k, int64_t d,
+                                        T* dx) {
+  pdl_wait();
+  const int64_t t = blockIdx.x;
+  for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
+    float acc[V] = {};
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int32_t row = row_map[t * top_k + j];
+      if (row < 0) continue;
+      float v[V];
+      load_floats<V>(dxp + int64_t{row} * d + c, v);
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] += v[i];
+    }
+    store_floats<V>(dx + t * d + c, acc);
+  }
+}
+
+template <int V, typename T, typename G>
+__global__ void unpermute_kernel(const T* yp, const int32_t* row_map, const G* gates, int64_t top_k,
+                                 int64_t d, T* y) {
+  pdl_wait();
+  const int64_t t = blockIdx.x;
+  for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
+    float acc[V] = {};
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int32_t row = row_map[t * top_k + j];
+      if (row < 0) continue;
+      const float g = to_float(gates[t * top_k + j]);
+      float v[V];
+      load_floats<V>(yp + int64_t{row} * d + c, v);
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] += g * v[i];
+    }
+    store_floats<V>(y + t * d + c, acc);
+  }
+}
+
+// V = 8 where rows_packable (16-byte packs), else 1: each thread V elements of the row at a time.
+template <int V, typename T, typename G>
+__global__ void unpermute_backward_kernel(const T* dy, const T* yp, const int32_t* row_map, const G* gates,
+                                          int64_t top_k, int64_t d, T* dyp, G* dgates) {
+  pdl_wait();
+  __shared__ float shared[32];
+  const int64_t t = blockIdx.x;
+  for (int64_t j = 0; j < top_k; ++j) {
+    const int32_t row = row_map[t * top_k + j];
+    if (row < 0) {  // uniform across the block
+      if (threadIdx.x == 0) dgates[t * top_k + j] = from_float<G>(0.0f);
+      continue;
+    }
+    const float g = to_float(gates[t * top_k + j]);
+    float dot = 0.0f;
+    for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
+      float v[V], y[V];
+      load_floats<V>(dy + t * d + c, v);
+      load_floats<V>(yp + int64_t{row} * d + c, y);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        dot += v[i] * y[i];
+        v[i] *= g;
+      }
+      store_floats<V>(dyp + int64_t{row} * d + c, v);
+    }
+    dot = block_sum(dot, shared);
+    if (threadIdx.x == 0) dgates[t * top_k + j] = from_float<G>(dot);
+  }
+}
+
+template <typename T>
+bool rows_packable(int64_t d, std::initializer_list<const void*> ptrs) {
+  if (d % 8 != 0) return false;
+  for (const void* p : ptrs) {
+    if (!aligned_to(p, 8 * sizeof(T))) return false;
+  }
+  return true;
+}
+
+unsigned row_threads(int64_t d) {
+  return d >= 1024 ? 256 : 128;
+}
+
+}  // namespace
+
+void launch_router_forward(const Env& env, const float* logits, const float* bias, int64_t tokens,
+                           int64_t experts, int top_k, bool sigmoid, bool normalize, float* scores,
+                           int32_t* topk_idx, float* gates) {
+  TROUPE_CHECK(top_k >= 1 && top_k <= kMaxTopK && top_k <= experts,
+               "router_forward on cuda: top_k {} with {} experts", top_k, experts);
+  if (tokens == 0) return;
+  launch(env, router_forward_kernel, static_cast<unsigned>(ceil_div(tokens, 128)), 128, 0, logits, bias,
+         tokens, experts, top_k, sigmoid, normalize, scores, topk_idx, gates);
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+void launch_router_backward(const Env& env, const float* scores, const int32_t* topk_idx, const float* dgates,
+                            const float* dscores, int64_t tokens, int64_t experts, int top_k, bool sigmoid,
+                            bool normalize, float* dlogits) {
+  if (tokens == 0) return;
+  launch(env, router_backward_kernel, static_cast<unsigned>(ceil_div(tokens, 128)), 128, 0, scores, topk_idx,
+         dgates, dscores, tokens, experts, top_k, sigmoid, normalize, dlogits);
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+size_t dispatch_plan_scratch_bytes(int64_t copies, int64_t experts) {
+  return static_cast<size_t>(max64(1, ceil_div(copies, kPlanChunk)) * experts) * sizeof(int32_t);
+}
+
+void launch_moe_dispatch_plan(const Env& env, const int32_t* topk_idx, int64_t copies, int64_t experts,
+                              int64_t capacity, int32_t* row_map, int32_t* counts, int32_t* offsets,
+                              void* scratch) {
+  const int64_t chunks = ceil_div(copies, kPlanChunk);
+  auto* chunk_counts = static_cast<int32_t*>(scratch);
+  const size_t count_smem = static_cast<size_t>(experts) * sizeof(int32_t);
+  TROUPE_CHECK(count_smem <= 48 * 1024, "moe_dispatch_plan on cuda: at most 12288 experts, got {}", experts);
+  if (chunks > 0) {
+    launch(env, plan_count_kernel, static_cast<unsigned>(chunks), kPlanThreads, count_smem, topk_idx, copies,
+           experts, chunk_counts);
+    TROUPE_CUDA_LAUNCH_CHECK();
+  }
+  launch(env, plan_scan_kernel, 1, 1024, 0, chunk_counts, chunks, experts, capacity, counts, offsets);
+  TROUPE_CUDA_LAUNCH_CHECK();
+  if (chunks > 0 && experts <= kPlanRankExperts) {
+    launch(env, plan_assign_ranked_kernel, static_cast<unsigned>(chunks), kPlanThreads, 0, topk_idx, copies,
+           experts, capacity, chunk_counts, offsets, row_map);
+    TROUPE_CUDA_LAUNCH_CHECK();
+  } else if (chunks > 0) {
+    launch(env, plan_assign_kernel, static_cast<unsigned>(chunks), kPlanThreads, kPlanChunk * sizeof(int32_t),
+           topk_idx, copies, experts, capacity, chunk_counts, offsets, row_map);
+    TROUPE_CUDA_LAUNCH_CHECK();
+  }
+}
+
+void launch_moe_permute(const Env& env, const void* x, int64_t tokens, int64_t d, const int32_t* row_map,
+                        int64_t top_k, void* xp, DType t) {
+  if (tokens * top_k == 0) return;
+  TROUPE_DISPATCH_FLOAT(t, T, "moe_permute", {
+    const auto* xs = static_cast<const T*>(x);
+    auto* xd = static_cast<T*>(xp);
+    const auto grid = static_cast<unsigned>(tokens * top_k);
+    if (rows_packable<T>(d, {x, xp})) {
+      launch(env, permute_kernel<8, T>, grid, 128, 0, xs, d, row_map, top_k, xd);
+    } else {
+      launch(env, permute_kernel<1, T>, grid, row_threads(d), 0, xs, d, row_map, top_k, xd);
+    }
+  });
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+void launch_moe_permute_backward(const Env& env, const void* dxp, const int32_t* row_map, int64_t tokens,
+                                 int64_t top_k, int64_t d, void* dx, DType t) {
+  if (tokens == 0) return;
+  TROUPE_DISPATCH_FLOAT(t, T, "moe_permute_backward", {
+    const auto* src = static_cast<const T*>(dxp);
+    auto* dst = static_cast<T*>(dx);
+    if (rows_packable<T>(d, {dxp, dx})) {
+      launch(env, permute_backward_kernel<8, T>, static_cast<unsigned>(tokens), 128, 0, src, row_map, top_k,
+             d, dst);
+    } else {
+      launch(env, permute_backward_kernel<1, T>, static_cast<unsigned>(tokens), row_threads(d), 0, src,
+             row_map, top_k, d, dst);
+    }
+  });
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+void launch_moe_unpermute(const Env& env, const void* yp, const int32_t* row_map, const void* gates, DType gt,
+                          int64_t tokens, int64_t top_k, int64_t d, void* y, DType t) {
+  if (tokens == 0) return;
+  TROUPE_DISPATCH_FLOAT(t, T, "moe_unpermute", TROUPE_DISPATCH_FLOAT(gt, G, "moe_unpermute", {
+                          const auto* src = static_cast<const T*>(yp);
+                          const auto* gp = static_cast<const G*>(gates);
+                          auto* dst = static_cast<T*>(y);
+                          if (rows_packable<T>(d, {yp, y})) {
+                            launch(env, unpermute_kernel<8, T, G>, static_cast<unsigned>(tokens), 128, 0, src,
+                                   row_map, gp, top_k, d, dst);
+                          } else {
+                            launch(env, unpermute_kernel<1, T, G>, static_cast<unsigned>(tokens),
+                                   row_threads(d), 0, src, row_map, gp, top_k, d, dst);
+                          }
+                        }));
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+void launch_moe_unpermute_backward(const Env& env, const void* dy, const void* yp, const int32_t* row_map,
+                                   const void* gates, DType gt, int64_t tokens, int64_t top_k, int64_t d,
+                                   void* dyp, void* dgates, DType t) {
+  if (tokens == 0) return;
+  TROUPE_DISPATCH_FLOAT(
+      t, T, "moe_unpermute_backward", TROUPE_DISPATCH_FLOAT(gt, G, "moe_unpermute_backward", {
+        if (rows_packable<T>(d, {dy, yp, dyp})) {
+          const int64_t threads = std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(d / 8, 32) * 32));
+          launch(env, unpermute_backward_kernel<8, T, G>, static_cast<unsigned>(tokens),
+                 static_cast<unsigned>(threads), 0, static_cast<const T*>(dy), static_cast<const T*>(yp),
+                 row_map, static_cast<const G*>(gates), top_k, d, static_cast<T*>(dyp),
+                 static_cast<G*>(dgates));
+        } else {
+          launch(env, unpermute_backward_kernel<1, T, G>, static_cast<unsigned>(tokens), row_threads(d), 0,
+                 static_cast<const T*>(dy), static_cast<const T*>(yp), row_map, static_cast<const G*>(gates),
+                 top_k, d, static_cast<T*>(dyp), static_cast<G*>(dgates));
+        }
+      }));
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace troupe::kernels::gpu

@@ -1,0 +1,134 @@
+// layers/attention.cc — Attention forward/backward over kernels::matmul, rope and attention.
+#include "layers/attention.h"
+
+#include <cmath>
+
+namespace troupe::layers {
+
+Attention::Attention(int64_t d_model, int64_t nh, int64_t nkv, int64_t dh, float theta)
+    : n_heads(nh), n_kv_heads(nkv), head_dim(dh), rope_theta(theta) {
+  wq.allocate({d_model, nh * dh});
+  wk.allocate({d_model, nkv * dh});
+  wv.allocate({d_model, nkv * dh});
+  wo.allocate({nh * dh, d_model});
+}
+
+void Attention::init(uint64_t seed, const std::string& prefix, float std, float out_std) {
+  init_normal(wq.value, seed, prefix + ".wq", std);
+  init_normal(wk.value, seed, prefix + ".wk", std);
+  init_normal(wv.value, seed, prefix + ".wv", std);
+  init_normal(wo.value, seed, prefix + ".wo", out_std);
+}
+
+void Attention::collect(const std::string& prefix, std::vector<NamedParameter>& out) {
+  out.push_back({prefix + ".wq", &wq});
+  out.push_back({prefix + ".wk", &wk});
+  out.push_back({prefix + ".wv", &wv});
+  out.push_back({prefix + ".wo", &wo});
+}
+
+Tensor Attention::positions(int64_t batch, int64_t seq) {
+  std::vector<int32_t> p(static_cast<size_t>(batch * seq));
+  for (int64_t i = 0; i < batch * seq; ++i) p[static_cast<size_t>(i)] = static_cast<int32_t>(i % seq);
+  return Tensor::from_ints({batch * seq}, p);
+}
+
+const Tensor& Attention::device_positions(const Ctx& c, int64_t batch, int64_t seq) const {
+  // Uploaded once per (batch, seq, device): the same positions serve every micro-batch.
+  if (!pos_cache_.defined() || pos_cache_.numel() != batch * seq || pos_seq_ != seq ||
+      pos_cache_.device() != c.ex.device) {
+    pos_cache_ = c.to_device(positions(batch, seq));
+    pos_seq_ = seq;
+  }
+  return pos_cache_;
+}
+
+void Attention::project_qkv(const Ctx& c, const Tensor& x, const Tensor& pos, int64_t batch, int64_t seq,
+                            Tensor& q, Tensor& k, Tensor& v) const {
+  const int64_t t = x.size(0);
+  q = c.empty({t, n_heads * head_dim});
+  k = c.empty({t, n_kv_heads * head_dim});
+  v = c.empty({t, n_kv_heads * head_dim});
+  kernels::matmul(c.ex, x, wq.w(), q);
+  kernels::matmul(c.ex, x, wk.w(), k);
+  kernels::matmul(c.ex, x, wv.w(), v);
+  q = q.view({t, n_heads, head_dim});
+  k = k.view({t, n_kv_heads, head_dim});
+  kernels::rope_forward(c.ex, q, pos, rope_theta, q);
+  kernels::rope_forward(c.ex, k, pos, rope_theta, k);
+  q = q.view({batch, seq, n_heads, head_dim});
+  k = k.view({batch, seq, n_kv_heads, head_dim});
+  v = v.view({batch, seq, n_kv_heads, head_dim});
+}
+
+void Attention::core_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                             Tensor& lse) const {
+  out = c.empty(q.shape());
+  lse = c.empty({q.size(0), q.size(2), q.size(1)}, DType::kF32);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(q.size(3)));
+  kernels::attention_forward(c.ex, q, k, v, scale, out, lse);
+}
+
+Tensor Attention::project_out(const Ctx& c, const Tensor& out) const {
+  const int64_t t = out.size(0) * out.size(1);
+  Tensor flat = out.view({t, out.size(2) * out.size(3)});
+  Tensor y = c.empty({t, wo.value.size(1)});
+  kernels::matmul(c.ex, flat, wo.w(), y);
+  return y;
+}
+
+Tensor Attention::forward(const Ctx& c, const Tensor& x, int64_t batch, int64_t seq, Saved& s) const {
+  s.x = x;
+  s.pos = device_positions(c, batch, seq);
+  project_qkv(c, x, s.pos, batch, seq, s.q, s.k, s.v);
+  core_forward(c, s.q, s.k, s.v, s.out, s.lse);
+  return project_out(c, s.out);
+}
+
+Tensor Attention::project_out_backward(const Ctx& c, const Tensor& dy, const Tensor& out) {
+  const int64_t t = out.size(0) * out.size(1);
+  Tensor flat = out.view({t, out.size(2) * out.size(3)});
+  Tensor dflat = c.empty(flat.shape());
+  kernels::matmul_backward(c.ex, flat, wo.w(), dy, &dflat, nullptr);
+  kernels::matmul_backward(c.ex, flat, wo.w(), dy, nullptr, &wo.grad, false, false, /*accumulate=*/true);
+  return dflat.view(out.shape());
+}
+
+void Attention::core_backward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq,
+                              Tensor& dk, Tensor& dv) const {
+  dq = c.empty(q.shape());
+  dk = c.empty(k.shape());
+  dv = c.empty(v.shape());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(q.size(3)));
+  kernels::attention_backward(c.ex, q, k, v, out, lse, dout, scale, dq, dk, dv);
+}
+
+Tensor Attention::project_qkv_backward(const Ctx& c, const Tensor& x, const Tensor& pos, Tensor& dq,
+                                       Tensor& dk, Tensor& dv) {
+  const int64_t t = x.size(0);
+  Tensor dq3 = dq.view({t, n_heads, head_dim});
+  Tensor dk3 = dk.view({t, n_kv_heads, head_dim});
+  kernels::rope_backward(c.ex, dq3, pos, rope_theta, dq3);
+  kernels::rope_backward(c.ex, dk3, pos, rope_theta, dk3);
+  Tensor dq2 = dq.view({t, n_heads * head_dim});
+  Tensor dk2 = dk.view({t, n_kv_heads * head_dim});
+  Tensor dv2 = dv.view({t, n_kv_heads * head_dim});
+  Tensor dx = c.empty(x.shape());
+  // dx is written by the first product and accumulated by the other two; the weight
+  // gradients always accumulate (micro-batches).
+  kernels::matmul_backward(c.ex, x, wq.w(), dq2, &dx, nullptr);
+  kernels::matmul_backward(c.ex, x, wq.w(), dq2, nullptr, &wq.grad, false, false, true);
+  kernels::matmul_backward(c.ex, x, wk.w(), dk2, &dx, &wk.grad, false, false, true);
+  kernels::matmul_backward(c.ex, x, wv.w(), dv2, &dx, &wv.grad, false, false, true);
+  return dx;
+}
+
+Tensor Attention::backward(const Ctx& c, const Tensor& dy, const Saved& s) {
+  Tensor dout = project_out_backward(c, dy, s.out);
+  Tensor dq, dk, dv;
+  core_backward(c, s.q, s.k, s.v, s.out, s.lse, dout, dq, dk, dv);
+  return project_qkv_backward(c, s.x, s.pos, dq, dk, dv);
+}
+
+}  // namespace troupe::layers

@@ -1,0 +1,61 @@
+// layers/attention.h — defines Attention: causal grouped-query self-attention with RoPE,
+// q/k/v/o projections without biases.
+//
+// The layer is three separable steps so sequence-parallel code (Ulysses) can put an
+// all-to-all between them: project_qkv (GEMMs + RoPE, per token) -> core (attention over
+// whole sequences, per head) -> project_out (GEMM, per token). forward/backward chain
+// the three for one process.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "layers/context.h"
+#include "layers/parameter.h"
+
+namespace troupe::layers {
+
+class Attention {
+ public:
+  struct Saved {
+    Tensor x;         // [T, D] input (the normed residual)
+    Tensor pos;       // i32 [T] positions inside each sequence
+    Tensor q, k, v;   // after RoPE: [B, S, Hq, Dh], [B, S, Hkv, Dh]
+    Tensor out, lse;  // core output [B, S, Hq, Dh], log-sum-exp f32 [B, Hq, S]
+  };
+  Attention(int64_t d_model, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, float rope_theta);
+  void init(uint64_t seed, const std::string& prefix, float std, float out_std);
+  void collect(const std::string& prefix, std::vector<NamedParameter>& out);
+
+  // x [B*S, D] -> [B*S, D].
+  Tensor forward(const Ctx& c, const Tensor& x, int64_t batch, int64_t seq, Saved& s) const;
+  // Returns dx; accumulates the weight gradients.
+  Tensor backward(const Ctx& c, const Tensor& dy, const Saved& s);
+
+  // The separable steps. positions: i32 [T] (position of each token in its sequence).
+  void project_qkv(const Ctx& c, const Tensor& x, const Tensor& positions, int64_t batch, int64_t seq,
+                   Tensor& q, Tensor& k, Tensor& v) const;
+  void core_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                    Tensor& lse) const;
+  Tensor project_out(const Ctx& c, const Tensor& out) const;
+  Tensor project_out_backward(const Ctx& c, const Tensor& dy, const Tensor& out);  // returns dout
+  void core_backward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                     const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) const;
+  // dq, dk, dv are consumed (RoPE is undone in place); returns dx.
+  Tensor project_qkv_backward(const Ctx& c, const Tensor& x, const Tensor& positions, Tensor& dq, Tensor& dk,
+                              Tensor& dv);
+
+  static Tensor positions(int64_t batch, int64_t seq);  // host i32 [B*S]: t % seq
+  // positions() on the Exec's device, cached (uploaded again only when the shape changes).
+  const Tensor& device_positions(const Ctx& c, int64_t batch, int64_t seq) const;
+
+  Parameter wq, wk, wv, wo;  // [D, Hq*Dh], [D, Hkv*Dh], [D, Hkv*Dh], [Hq*Dh, D]
+  int64_t n_heads, n_kv_heads, head_dim;
+  float rope_theta;
+
+ private:
+  mutable Tensor pos_cache_;
+  mutable int64_t pos_seq_ = 0;
+};
+
+}  // namespace troupe::layers

@@ -1,0 +1,140 @@
+// layers/model.h — defines Model, the MoE language model: token embedding -> blocks (dense
+// or MoE per ModelConfig) -> LM head with cross-entropy. It owns every parameter under a
+// stable name (parameters()), runs the forward and backward of a micro-batch, evaluates,
+// and returns logits for sampling.
+//
+// Loss of a training step = sum over its micro-batches m of loss_weight_m * (mean CE_m +
+// aux_m), with loss_weight = 1 / micro-batches: gradients accumulate over micro-batches.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "layers/block.h"
+#include "layers/lm_head.h"
+
+namespace troupe::layers {
+
+class Model {
+ public:
+  struct MicroBatchStats {
+    double lm_loss_sum = 0;            // sum of token losses
+    int64_t tokens = 0;                // tokens with a target
+    double aux_loss = 0;               // sum over MoE blocks of their aux losses
+    std::vector<MoELayer::Stats> moe;  // one per MoE block, in block order
+  };
+
+  // Builds the model and initialises it deterministically from `seed` (see init_normal).
+  Model(const ModelConfig& cfg, uint64_t seed);
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelConfig& config() const { return cfg_; }
+  // Every parameter, in a fixed order: embedding, blocks, final norm, LM head.
+  std::vector<NamedParameter> parameters();
+  std::vector<NamedBuffer> buffers();  // router biases
+  int64_t num_moe_blocks() const;
+
+  // ids, targets i32 [B, S] (targets -1 = ignored). Runs forward and backward, adding the
+  // gradients of loss_weight * (mean CE + aux) to every Parameter::grad.
+  // tokens >= 0: the caller's count of targets that are not ignored (target_tokens of the
+  // host batch), so that device-resident targets need no read-back (a CUDA graph of the
+  // step: train_moe); -1 counts them here.
+  MicroBatchStats forward_backward(const Ctx& c, const Tensor& ids, const Tensor& targets, float loss_weight,
+                                   int64_t tokens = -1);
+  // The number of targets that are not ignored (>= 0); reads a device tensor back.
+  static int64_t target_tokens(const Ctx& c, const Tensor& targets);
+  // Forward only: sum of token losses and the count of tokens with a target.
+  double eval_loss_sum(const Ctx& c, const Tensor& ids, const Tensor& targets, int64_t& tokens);
+  // Logits [V] of the last position of ids i32 [1, S].
+  std::vector<float> last_logits(const Ctx& c, const Tensor& ids);
+
+  // Clears every gradient for a new step. Gradients whose backward can overwrite them
+  // (Parameter::overwrites_grad) are marked stale instead: the step's first
+  // forward_backward writes them, and at its end clears any that it did not write, so
+  // after every forward_backward all gradients are the step's sums.
+  void zero_grad(const Ctx& c);
+  // After the optimizer step: returns each MoE block's selections of the step (summed over
+  // micro-batches) and applies the aux-loss-free bias update with them.
+  std::vector<std::vector<int64_t>> end_step();
+  std::vector<std::vector<int64_t>> end_step(const Ctx& c);
+
+  // Moves the model onto c's device (no-op for a CPU Ctx): f32 master values, f32
+  // gradients in one flat buffer (flat_grads(), so that zeroing and the global norm are
+  // one op each), and a working copy in c.act of every matrix (dim >= 2) that the
+  // products read. Call once after construction (and loading), before the optimizer.
+  void to_device(const Ctx& c);
+  // Zeroes the gradients still marked stale (no backward wrote them) and clears the marks;
+  // forward_backward ends with it.
+  void settle_grads(const Ctx& c);
+  // Refreshes the working copies from the master values (after each optimizer step).
+  void refresh_working_copies(const Ctx& c);
+  // Copies values and buffers back to host tensors (before saving weights).
+  void to_host(const Ctx& c);
+  // Every gradient as one f32 buffer (padding zero), or undefined on the CPU layout.
+  const Tensor& flat_grads() const { return flat_grads_; }
+
+  // Step statistics on the device (issue 20; one process, after to_device; the training
+  // loop uses it on GPUs, the CPU runs it too for tests): the
+  // LM loss sum, the squared gradient norm and every MoE block's selection counts and aux
+  // loss accumulate in one device buffer that end_step reads once, so a step enqueues its
+  // forward, backward and clipped optimizer update without a host wait. In this mode
+  // forward_backward returns lm_loss_sum = aux_loss = 0 and end_step fills
+  // last_step_stats(). Returns false (nothing changes) where a MoE block
+  // cannot keep its statistics on the device (z-loss, a group all-reduce, a replaced
+  // dispatch).
+  bool enable_device_stats(const Ctx& c);
+  bool device_stats() const { return stats_dev_.defined(); }
+  // Device mode: the squared global norm of flat_grads() into the buffer; returns that f32
+  // [1] view (for AdamW::step's device clip). No host wait. With enable_grad_norm_fold, the
+  // gradients folded this step contribute their slots instead of being read.
+  Tensor grad_norm_squared_on_device(const Ctx& c);
+  // Issue 20: the gradient norm folded into the products that write the gradients. Gives
+  // every parameter whose product can fold (Parameter::grad_sum_squares_slots: the experts'
+  // dW, ~90% of a MoE model's gradient elements) its slots, on c's device (after
+  // to_device), so that grad_norm_squared_on_device sums those slots instead of reading the
+  // gradient, in each step where that is exact: the gradient was produced by one product,
+  // which wrote it (Parameter::grad_sum_squares_valid). Where it is not (grad_accum > 1:
+  // later micro-batches add; a dispatch that does not fold) the gradient is read as before,
+  // so the result never depends on the step's shape. The caller vouches that nothing
+  // changes the gradients between the backward and the norm: no all-reduce of them (data
+  // parallelism: the slots would hold this rank's pre-reduction sums), no rescaling; the
+  // single-process train loop qualifies. Returns the number of parameters with slots.
+  int64_t enable_grad_norm_fold(const Ctx& c);
+  // Gradient elements whose squares the last grad_norm_squared_on_device took from slots.
+  int64_t last_folded_elements() const { return last_folded_elements_; }
+  struct StepStats {
+    double lm_loss_sum = 0;        // over the step's micro-batches
+    double grad_norm_squared = 0;  // as grad_norm_squared_on_device computed it
+    double aux_loss = 0;           // over micro-batches and MoE blocks, unweighted
+  };
+  const StepStats& last_step_stats() const { return last_stats_; }
+  // CUDA graphs of the step (train_moe): a replay runs none of the host code of the step
+  // it recorded, so the host bookkeeping that end_step checks the device statistics
+  // against (each MoE block's expected expert selections, device mode) is taken after the
+  // captured step and added back for each replay.
+  std::vector<int64_t> pending_selections() const;
+  void add_pending_selections(const std::vector<int64_t>& per_moe_block);
+
+  Embedding embedding;
+  std::vector<std::unique_ptr<Block>> blocks;
+  std::unique_ptr<LMHead> head;
+
+ private:
+  Tensor forward_blocks(const Ctx& c, const Tensor& ids, std::vector<Block::Saved>& saved,
+                        MicroBatchStats* stats);
+  // Views of flat_grads_ that cover, in order, every element outside the gradients of
+  // `skip` (padding included): what zero_grad clears and what the folded norm reads.
+  std::vector<Tensor> flat_runs_outside(const std::vector<NamedParameter>& skip) const;
+  ModelConfig cfg_;
+  Tensor flat_grads_;
+  Tensor fold_slots_;  // enable_grad_norm_fold: every Parameter::grad_sum_squares, in order
+  int64_t last_folded_elements_ = 0;
+  // Device mode: [lm loss sum, grad norm^2, 2 pad | per MoE block: E counts, aux, pad to 4].
+  Tensor stats_dev_;
+  int64_t stats_stride_ = 0;
+  StepStats last_stats_;
+};
+
+}  // namespace troupe::layers

@@ -1,0 +1,421 @@
+// layers/moe.cc — Router, LocalExpertDispatch and MoELayer.
+//
+// Two ways to keep the router's balancing statistics. Router::forward (CPU, a z-loss, or
+// train.device_stats = false; groups through the host all-reduce): host loops over
+// read-back topk_idx and score sums, three host waits per MoE layer on a device (the
+// z-loss also reads back the logits).
+// Router::forward_device (no z-loss; MoELayer::set_device_stats; on GPUs): counts
+// (expert_counts), score sums and the aux loss accumulate on the device (in a group,
+// summed over it by a device all-reduce) and are read once per step (Model::end_step, the
+// stage's step_stats); the local dispatch then sizes its rows as T*k without reading the
+// counts, so the MoE layer enqueues everything without a host wait.
+#include "layers/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+namespace troupe::layers {
+
+namespace {
+std::vector<float> host_floats(const Tensor& t) {
+  return t.to_floats();
+}
+}  // namespace
+
+Router::Router(int64_t d_model, const MoEConfig& c) : cfg(c) {
+  weight.allocate({d_model, c.num_experts});
+  bias = Tensor::zeros({c.num_experts}, DType::kF32);
+}
+
+void Router::init(uint64_t seed, const std::string& prefix, float std) {
+  init_normal(weight.value, seed, prefix + ".weight", std);
+  bias.fill(0.0f);
+}
+
+void Router::collect(const std::string& prefix, std::vector<NamedParameter>& out) {
+  out.push_back({prefix + ".weight", &weight});
+}
+
+kernels::RouterConfig Router::router_config() const {
+  kernels::RouterConfig rc;
+  rc.top_k = static_cast<int>(cfg.top_k);
+  rc.score = cfg.score;
+  rc.normalize = cfg.normalize_gates || cfg.score == kernels::RouterScore::kSigmoid;
+  return rc;
+}
+
+namespace {
+// Log-sum-exp of each row of a host [T, E] array.
+std::vector<double> row_lse(const std::vector<float>& lg, int64_t t, int64_t e) {
+  std::vector<double> out(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i) {
+    const float* row = &lg[static_cast<size_t>(i * e)];
+    const float mx = *std::max_element(row, row + e);
+    double se = 0;
+    for (int64_t j = 0; j < e; ++j) se += std::exp(static_cast<double>(row[j] - mx));
+    out[static_cast<size_t>(i)] = mx + std::log(se);
+  }
+  return out;
+}
+}  // namespace
+
+double Router::forward(const Ctx& c, const Tensor& x, Saved& s) const {
+  const int64_t t = x.size(0), e = cfg.num_experts, k = cfg.top_k;
+  s.x = x;
+  s.logits = c.empty({t, e}, DType::kF32);
+  kernels::matmul(c.ex, x, weight.w(), s.logits);
+  s.scores = c.empty({t, e}, DType::kF32);
+  s.topk_idx = c.empty({t, k}, DType::kI32);
+  s.gates = c.empty({t, k}, DType::kF32);
+  const bool use_bias = cfg.bias_update_rate > 0;
+  kernels::router_forward(c.ex, s.logits, use_bias ? &bias : nullptr, router_config(), s.scores, s.topk_idx,
+                          s.gates);
+
+  // Statistics of this rank's tokens: [selected_e (E) | sum_t scores[t,e] (E) | T | sum_t lse_t^2].
+  std::vector<double> stats(static_cast<size_t>(2 * e + 2), 0.0);
+  Tensor score_sums;
+  if (cfg.aux_loss_coef > 0 && c.on_device()) {
+    // Column sums on the device: E floats come back instead of the [T, E] scores.
+    score_sums = c.empty({e}, DType::kF32);
+    kernels::sum_rows(c.ex, s.scores, score_sums);
+  }
+  const Tensor idx = c.to_host(s.topk_idx);
+  const int32_t* ip = idx.data<int32_t>();
+  for (int64_t i = 0; i < t * k; ++i) stats[static_cast<size_t>(ip[i])] += 1.0;
+  if (cfg.aux_loss_coef > 0) {
+    if (score_sums.defined()) {
+      const std::vector<float> col = c.to_host(score_sums).to_floats();
+      for (int64_t j = 0; j < e; ++j) stats[static_cast<size_t>(e + j)] = col[static_cast<size_t>(j)];
+    } else {
+      const std::vector<float> sc = host_floats(s.scores);
+      for (int64_t i = 0; i < t; ++i)
+        for (int64_t j = 0; j < e; ++j)
+          stats[static_cast<size_t>(e + j)] += sc[static_cast<size_t>(i * e + j)];
+    }
+  }
+  stats[static_cast<size_t>(2 * e)] = static_cast<double>(t);
+  if (cfg.z_loss_coef > 0) {
+    for (double l : row_lse(host_floats(c.to_host(s.logits)), t, e))
+      stats[static_cast<size_t>(2 * e + 1)] += l * l;
+  }
+  if (all_reduce_) all_reduce_(stats);
+
+  s.selected.assign(static_cast<size_t>(e), 0);
+  for (int64_t j = 0; j < e; ++j)
+    s.selected[static_cast<size_t>(j)] = std::llround(stats[static_cast<size_t>(j)]);
+  s.group_tokens = std::llround(stats[static_cast<size_t>(2 * e)]);
+  const double tg = static_cast<double>(std::max<int64_t>(1, s.group_tokens));
+  double aux = 0;
+  if (cfg.aux_loss_coef > 0) {
+    double acc = 0;
+    for (int64_t j = 0; j < e; ++j) {
+      const double f = stats[static_cast<size_t>(j)] / (tg * static_cast<double>(k));
+      acc += f * stats[static_cast<size_t>(e + j)] / tg;
+    }
+    aux += cfg.aux_loss_coef * static_cast<double>(e) * acc;
+  }
+  if (cfg.z_loss_coef > 0) aux += cfg.z_loss_coef * stats[static_cast<size_t>(2 * e + 1)] / tg;
+  return aux;
+}
+
+void Router::forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc) const {
+  TROUPE_CHECK(device_stats_ok(c),
+               "Router::forward_device needs no z-loss, and in a group the device all-reduce");
+  const int64_t t = x.size(0), e = cfg.num_experts, k = cfg.top_k;
+  s.x = x;
+  s.logits = c.empty({t, e}, DType::kF32);
+  kernels::matmul(c.ex, x, weight.w(), s.logits);
+  s.scores = c.empty({t, e}, DType::kF32);
+  s.topk_idx = c.empty({t, k}, DType::kI32);
+  s.gates = c.empty({t, k}, DType::kF32);
+  kernels::router_forward(c.ex, s.logits, cfg.bias_update_rate > 0 ? &bias : nullptr, router_config(),
+                          s.scores, s.topk_idx, s.gates);
+  s.selected.clear();
+  s.group_tokens = t;
+  s.counts = Tensor();
+  s.score_sums = Tensor();
+  if (acc == nullptr) return;
+  TROUPE_CHECK(acc->dtype() == DType::kF32 && acc->numel() == e + 1,
+               "Router::forward_device: acc must be f32 [{}], got {}", e + 1, acc->describe());
+  // [counts (E) | score column sums (E)]: one buffer, so that a group sums both in one call.
+  const bool aux_on = cfg.aux_loss_coef > 0;
+  Tensor st = c.empty({aux_on ? 2 * e : e}, DType::kF32);
+  s.counts = st.narrow(0, 0, e);
+  kernels::expert_counts(c.ex, s.topk_idx, s.counts);
+  if (aux_on) {
+    s.score_sums = st.narrow(0, e, e);
+    kernels::sum_rows(c.ex, s.scores, s.score_sums);
+  }
+  if (device_all_reduce_) s.group_tokens = t * device_all_reduce_(st);
+  Tensor load = acc->narrow(0, 0, e);
+  kernels::axpby(c.ex, 1.0f, s.counts, 1.0f, load);
+  if (aux_on) {
+    // aux = coef * E * sum_e (counts_e / (T k)) * (score_sums_e / T): a [1,E] x [E,1] product.
+    Tensor dot = c.empty({1, 1}, DType::kF32);
+    kernels::matmul(c.ex, s.counts.view({1, e}), s.score_sums.view({e, 1}), dot);
+    const double td = static_cast<double>(std::max<int64_t>(1, s.group_tokens));
+    Tensor aux = acc->narrow(0, e, 1);
+    kernels::axpby(
+        c.ex,
+        static_cast<float>(cfg.aux_loss_coef * static_cast<double>(e) / (td * td * static_cast<double>(k))),
+        dot.view({1}), 1.0f, aux);
+  }
+}
+
+void Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight, Tensor& dx) {
+  const int64_t t = s.x.size(0), e = cfg.num_experts, k = cfg.top_k;
+  const double tg = static_cast<double>(std::max<int64_t>(1, s.group_tokens));
+  Tensor dlogits = c.empty({t, e}, DType::kF32);
+  Tensor dscores;
+  if (cfg.aux_loss_coef > 0 && s.counts.defined()) {
+    // forward_device: the same gradient from the counts on the device, g = scale * counts.
+    Tensor g = c.zeros({1, e}, DType::kF32);
+    kernels::axpby(c.ex,
+                   static_cast<float>(loss_weight * cfg.aux_loss_coef * static_cast<double>(e) /
+                                      (tg * static_cast<double>(k) * tg)),
+                   s.counts.view({1, e}), 1.0f, g);
+    Tensor ones = c.empty({t, 1}, DType::kF32);
+    kernels::fill(c.ex, ones, 1.0f);
+    dscores = c.empty({t, e}, DType::kF32);
+    kernels::matmul(c.ex, ones, g, dscores);
+  } else if (cfg.aux_loss_coef > 0) {
+    // d aux / d scores[t,e] = coef * E * f_e / T, the same for every token.
+    Tensor g_host = Tensor::empty({1, e}, DType::kF32);
+    for (int64_t j = 0; j < e; ++j) {
+      const double f =
+          static_cast<double>(s.selected[static_cast<size_t>(j)]) / (tg * static_cast<double>(k));
+      g_host.data<float>()[j] =
+          static_cast<float>(loss_weight * cfg.aux_loss_coef * static_cast<double>(e) * f / tg);
+    }
+    if (c.on_device()) {
+      // Broadcast over the rows on the device (ones [T,1] @ g [1,E]): E floats go up, not [T,E].
+      Tensor ones = c.empty({t, 1}, DType::kF32);
+      kernels::fill(c.ex, ones, 1.0f);
+      dscores = c.empty({t, e}, DType::kF32);
+      kernels::matmul(c.ex, ones, c.to_device(g_host), dscores);
+    } else {
+      dscores = Tensor::empty({t, e}, DType::kF32);
+      float* dp = dscores.data<float>();
+      const float* gp = g_host.data<float>();
+      for (int64_t j = 0; j < e; ++j)
+        for (int64_t i = 0; i < t; ++i) dp[i * e + j] = gp[j];
+    }
+  }
+  kernels::router_backward(c.ex, s.scores, s.topk_idx, dgates, dscores.defined() ? &dscores : nullptr,
+                           router_config(), dlogits);
+  if (cfg.z_loss_coef > 0) {
+    // d/dlogits of coef * mean_t lse_t^2 = coef * 2 * lse_t * softmax(logits_t) / T.
+    // Host loop over read-back copies on a device (slow path; bench_1b has no z-loss).
+    const std::vector<float> lg = host_floats(c.to_host(s.logits));
+    const std::vector<double> lse = row_lse(lg, t, e);
+    Tensor dl_host = c.to_host(dlogits);  // dlogits itself on the CPU
+    float* dl = dl_host.data<float>();
+    for (int64_t i = 0; i < t; ++i) {
+      for (int64_t j = 0; j < e; ++j) {
+        const double p =
+            std::exp(static_cast<double>(lg[static_cast<size_t>(i * e + j)]) - lse[static_cast<size_t>(i)]);
+        dl[i * e + j] +=
+            static_cast<float>(loss_weight * cfg.z_loss_coef * 2.0 * lse[static_cast<size_t>(i)] * p / tg);
+      }
+    }
+    c.copy_to_device(dl_host, dlogits);
+  }
+  // The product runs in the activation dtype (x and the working weight).
+  Tensor dl = dlogits;
+  if (c.act != DType::kF32) {
+    dl = c.empty({t, e});
+    kernels::cast(c.ex, dlogits, dl);
+  }
+  TROUPE_CHECK(dx.shape() == s.x.shape(), "Router::backward: dx {} for x {}", dx.describe(), s.x.describe());
+  kernels::matmul_backward(c.ex, s.x, weight.w(), dl, &dx, &weight.grad, false, false, /*accumulate=*/true);
+}
+
+// ---- LocalExpertDispatch ---------------------------------------------------------------
+
+namespace {
+struct LocalDispatchState final : DispatchState {
+  Tensor row_map, offsets, yp, gates;
+  Experts::Saved experts;
+  int64_t tokens = 0;
+};
+}  // namespace
+
+LocalExpertDispatch::LocalExpertDispatch(Experts& experts, int64_t top_k, double capacity_factor)
+    : experts_(experts), top_k_(top_k), capacity_factor_(capacity_factor) {}
+
+Tensor LocalExpertDispatch::forward(const Ctx& c, const Tensor& x, const Tensor& topk_idx,
+                                    const Tensor& gates, std::unique_ptr<DispatchState>& state,
+                                    std::vector<int64_t>& kept) {
+  auto st = std::make_unique<LocalDispatchState>();
+  const int64_t t = x.size(0), e = experts_.w1.value.size(0);
+  int64_t capacity = -1;
+  if (capacity_factor_ > 0) {
+    capacity = static_cast<int64_t>(
+        std::ceil(capacity_factor_ * static_cast<double>(t * top_k_) / static_cast<double>(e)));
+  }
+  st->row_map = c.empty({t * top_k_}, DType::kI32);
+  Tensor counts = c.empty({e}, DType::kI32);
+  st->offsets = c.empty({e + 1}, DType::kI32);
+  kernels::moe_dispatch_plan(c.ex, topk_idx, e, capacity, st->row_map, counts, st->offsets);
+  int64_t rows = 0;
+  if (defer_counts_ && capacity < 0) {
+    rows = t * top_k_;  // dropless: every copy is kept; the counts stay on the device
+    kept.clear();
+  } else {
+    const Tensor hc = c.to_host(counts);
+    kept.assign(static_cast<size_t>(e), 0);
+    for (int64_t j = 0; j < e; ++j) {
+      kept[static_cast<size_t>(j)] = hc.data<int32_t>()[j];
+      rows += kept[static_cast<size_t>(j)];  // offsets[E] = sum of the counts
+    }
+  }
+  Tensor xp = c.empty({rows, x.size(1)});
+  kernels::moe_permute(c.ex, x, st->row_map, top_k_, xp);
+  st->yp = experts_.forward(c, xp, st->offsets, st->experts);
+  Tensor y = c.empty(x.shape());
+  kernels::moe_unpermute(c.ex, st->yp, st->row_map, gates, y);
+  st->gates = gates;
+  st->tokens = t;
+  state = std::move(st);
+  return y;
+}
+
+Tensor LocalExpertDispatch::backward(const Ctx& c, const Tensor& dy, DispatchState& state, Tensor& dgates) {
+  auto& st = static_cast<LocalDispatchState&>(state);
+  Tensor dyp = c.empty(st.yp.shape());
+  dgates = c.empty(st.gates.shape(), st.gates.dtype());
+  kernels::moe_unpermute_backward(c.ex, dy, st.yp, st.row_map, st.gates, dyp, dgates);
+  Tensor dxp = experts_.backward(c, dyp, st.experts);
+  Tensor dx = c.empty({st.tokens, dy.size(1)});
+  kernels::moe_permute_backward(c.ex, dxp, st.row_map, top_k_, dx);
+  return dx;
+}
+
+// ---- MoELayer ----------------------------------------------------------------------------
+
+MoELayer::MoELayer(int64_t d_model, const MoEConfig& cfg, bool recompute)
+    : router(d_model, cfg), experts(cfg.num_experts, d_model, cfg.expert_hidden, recompute) {
+  if (cfg.shared_experts > 0) {
+    shared = std::make_unique<SwiGLUMLP>(d_model, cfg.shared_experts * cfg.expert_hidden, recompute);
+  }
+  local_ = std::make_unique<LocalExpertDispatch>(experts, cfg.top_k, cfg.capacity_factor);
+  dispatch_ = local_.get();
+  step_load_.assign(static_cast<size_t>(cfg.num_experts), 0);
+}
+
+void MoELayer::init(uint64_t seed, const std::string& prefix, float std, float out_std) {
+  router.init(seed, prefix + ".router", std);
+  experts.init(seed, prefix + ".experts", std, out_std);
+  if (shared) shared->init(seed, prefix + ".shared", std, out_std);
+}
+
+void MoELayer::collect(const std::string& prefix, std::vector<NamedParameter>& out) {
+  router.collect(prefix + ".router", out);
+  experts.collect(prefix + ".experts", out);
+  if (shared) shared->collect(prefix + ".shared", out);
+}
+
+void MoELayer::collect_buffers(const std::string& prefix, std::vector<NamedBuffer>& out) {
+  out.push_back({prefix + ".router.bias", &router.bias});
+}
+
+Tensor MoELayer::forward(const Ctx& c, const Tensor& x, Saved& s, Stats* stats) {
+  if (device_stats_.defined()) {
+    router.forward_device(c, x, s.router, stats ? &device_stats_ : nullptr);
+    if (stats) device_selections_ += s.router.group_tokens * router.cfg.top_k;
+    std::vector<int64_t> kept;
+    Tensor y = dispatch_->forward(c, x, s.router.topk_idx, s.router.gates, s.dispatch, kept);
+    if (stats) {  // the aux loss and counts arrive with the step's one read (Model::end_step)
+      stats->aux_loss = 0;
+      stats->selected.clear();
+      stats->kept = std::move(kept);
+    }
+    if (shared) {
+      Tensor ys = shared->forward(c, x, s.shared);
+      kernels::add(c.ex, y, ys, y);
+    }
+    return y;
+  }
+  const double aux = router.forward(c, x, s.router);
+  std::vector<int64_t> kept;
+  Tensor y = dispatch_->forward(c, x, s.router.topk_idx, s.router.gates, s.dispatch, kept);
+  if (stats) {
+    stats->aux_loss = aux;
+    stats->selected = s.router.selected;
+    stats->kept = std::move(kept);
+    for (size_t j = 0; j < step_load_.size(); ++j) step_load_[j] += stats->selected[j];
+  }
+  if (shared) {
+    Tensor ys = shared->forward(c, x, s.shared);
+    kernels::add(c.ex, y, ys, y);
+  }
+  return y;
+}
+
+Tensor MoELayer::backward(const Ctx& c, const Tensor& dy, Saved& s, float loss_weight) {
+  Tensor dgates;
+  Tensor dx = dispatch_->backward(c, dy, *s.dispatch, dgates);
+  router.backward(c, dgates, s.router, loss_weight, dx);
+  if (shared) {
+    Tensor dxs = shared->backward(c, dy, s.shared);
+    kernels::add(c.ex, dx, dxs, dx);
+  }
+  return dx;
+}
+
+bool MoELayer::set_device_stats(const Ctx& c, Tensor row) {
+  if (!router.device_stats_ok(c)) return false;
+  TROUPE_CHECK(
+      row.dtype() == DType::kF32 && row.numel() == router.cfg.num_experts + 1 && row.device() == c.ex.device,
+      "MoELayer::set_device_stats: row must be f32 [{}] on {}, got {}", router.cfg.num_experts + 1,
+      c.ex.device, row.describe());
+  device_stats_ = std::move(row);
+  device_selections_ = 0;
+  local_->set_defer_counts(true);
+  return true;
+}
+
+double MoELayer::absorb_device_stats(const float* row) {
+  const size_t e = step_load_.size();
+  int64_t total = 0;
+  for (size_t j = 0; j < e; ++j) {
+    step_load_[j] = std::llround(static_cast<double>(row[j]));
+    total += step_load_[j];
+  }
+  const int64_t expected = device_selections_;
+  device_selections_ = 0;
+  if (total != expected) {
+    // An app's input, not an invariant of this code: thrown, so the worker reports it.
+    throw std::runtime_error(fmt::format(
+        "MoE device statistics: the routers counted {} expert selections where group members routing equal "
+        "token counts would give {}; the members of a group must route the same number of tokens per "
+        "micro-batch (or set train.device_stats = false)",
+        total, expected));
+  }
+  return static_cast<double>(row[e]);
+}
+
+void MoELayer::update_bias(const std::vector<int64_t>& load) {
+  update_bias(Ctx::cpu(), load);
+}
+
+void MoELayer::update_bias(const Ctx& c, const std::vector<int64_t>& load) {
+  const double rate = router.cfg.bias_update_rate;
+  if (rate > 0 && !load.empty()) {
+    double mean = 0;
+    for (int64_t l : load) mean += static_cast<double>(l);
+    mean /= static_cast<double>(load.size());
+    Tensor hb = c.to_host(router.bias);  // the bias itself on the CPU
+    float* b = hb.data<float>();
+    for (size_t j = 0; j < load.size(); ++j) {
+      const double d = mean - static_cast<double>(load[j]);
+      b[j] += static_cast<float>(rate * (d > 0 ? 1.0 : (d < 0 ? -1.0 : 0.0)));
+    }
+    c.copy_to_device(hb, router.bias);
+  }
+  std::fill(step_load_.begin(), step_load_.end(), 0);
+  device_selections_ = 0;  // a discarded step's statistics are zeroed with it
+}
+
+}  // namespace troupe::layers

@@ -1,0 +1,256 @@
+// tests/apps/train_moe_cli_test.cc — the train_moe binary end to end, as a user runs it
+// (real processes, real files): prepare -> train -> sample -> plot on a small corpus, and
+// the errors for missing inputs, a missing data directory, a bad config key or value, and
+// a distributed layout given to the single-process app.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+extern char** environ;
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CliResult {
+  int code = -1;
+  std::string out;  // stdout and stderr together
+};
+
+// Runs train_moe with args (stdout+stderr to a file), killing it after timeout_s.
+CliResult train_moe(const std::vector<std::string>& args, int timeout_s = 120) {
+  static int counter = 0;
+  const std::string log =
+      ::testing::TempDir() + "/cli_" + std::to_string(getpid()) + "_" + std::to_string(counter++);
+  std::vector<std::string> all = {TRAIN_MOE_BIN};
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : all) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  pid_t pid = 0;
+  CliResult r;
+  const int rc = posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) return r;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
+  int status = 0;
+  while (waitpid(pid, &status, WNOHANG) != pid) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      r.out = "timed out";
+      return r;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::stringstream ss;
+  ss << std::ifstream(log).rdbuf();
+  r.out = ss.str();
+  fs::remove(log);
+  return r;
+}
+
+std::string temp_dir(const std::string& name) {
+  const std::string d = ::testing::TempDir() + "/train_moe_cli_" + std::to_string(getpid()) + "_" + name;
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+// A small corpus of varied text files.
+std::string make_corpus(const std::string& dir) {
+  fs::create_directories(dir + "/corpus/sub");
+  const char* words[] = {"alpha",  "beta", "gamma",  "delta", "value",
+                         "return", "self", "import", "class", "def"};
+  for (int f = 0; f < 12; ++f) {
+    std::ofstream o(dir + "/corpus/" + (f % 2 ? "sub/" : "") + "file" + std::to_string(f) + ".py");
+    for (int line = 0; line < 150; ++line) {
+      o << "def " << words[(line + f) % 10] << "_" << line % 7 << "(x):\n    return x + " << words[line % 10]
+        << " * " << (line * f) % 13 << "\n";
+    }
+  }
+  std::ofstream(dir + "/corpus/ignored.bin") << "not a text extension";
+  return dir + "/corpus";
+}
+
+std::string write_config(const std::string& dir, const std::string& data_dir, const std::string& extra = "") {
+  const std::string path = dir + "/tiny_test.toml";
+  std::ofstream(path)
+      << "[model]\nvocab_size = 320\nd_model = 32\nn_layers = 2\nn_heads = 4\nn_kv_heads = 2\n"
+         "ffn_hidden = 48\nmoe_every = 2\nmoe_first = 1\n"
+         "[model.moe]\nnum_experts = 4\ntop_k = 2\nexpert_hidden = 16\n"
+         "[train]\nsteps = 4\nseq_len = 16\nmicro_batch_size = 2\ngrad_accum = 2\neval_every = 2\n"
+         "eval_batches = 2\n[optim]\nlr = 1e-3\nwarmup_steps = 1\n[data]\ndir = \""
+      << data_dir << "\"\n"
+      << extra;
+  return path;
+}
+
+TEST(TrainMoeCli, PrepareTrainSamplePlot) {
+  const std::string dir = temp_dir("e2e");
+  const std::string corpus = make_corpus(dir);
+  CliResult p = train_moe(
+      {"prepare", "--input", corpus, "--out", dir + "/data", "--vocab", "320", "--val-fraction", "0.2"});
+  ASSERT_EQ(p.code, 0) << p.out;
+  EXPECT_NE(p.out.find("tokenizer: "), std::string::npos) << p.out;
+  EXPECT_NE(p.out.find("12 documents"), std::string::npos) << p.out;  // ignored.bin is not taken
+  for (const char* f : {"tokenizer.json", "train-00000.bin", "val-00000.bin", "meta.json"}) {
+    EXPECT_TRUE(fs::exists(dir + "/data/" + f)) << f;
+  }
+
+  const std::string cfg = write_config(dir, dir + "/data");
+  CliResult t = train_moe({"--config", cfg, "--run-dir", dir + "/run", "--set", "train.steps=4"});
+  ASSERT_EQ(t.code, 0) << t.out;
+  EXPECT_NE(t.out.find("step 4/4"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("tok/s"), std::string::npos);
+  std::ifstream mf(dir + "/run/metrics.jsonl");
+  std::string line;
+  int steps = 0, vals = 0;
+  while (std::getline(mf, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("val_loss")) ++vals;
+    if (!j.contains("loss")) continue;
+    ++steps;
+    for (const char* k : {"step", "loss", "lm_loss", "aux_loss", "lr", "grad_norm", "tokens", "tokens_per_s",
+                          "step_ms", "expert_load"}) {
+      EXPECT_TRUE(j.contains(k)) << k << " missing in " << line;
+    }
+    ASSERT_EQ(j["expert_load"].size(), 1u);  // one MoE block
+    int64_t load = 0;
+    for (auto& v : j["expert_load"][0]) load += v.get<int64_t>();
+    EXPECT_EQ(load, 2 * 2 * 16 * 2);  // micro-batches x rows x seq x top_k
+    EXPECT_EQ(j["tokens"].get<int64_t>(), steps * 64);
+  }
+  EXPECT_EQ(steps, 4);
+  EXPECT_EQ(vals, 3);  // step 0, 2 and 4
+  EXPECT_TRUE(fs::exists(dir + "/run/model.bin"));
+  EXPECT_TRUE(fs::exists(dir + "/run/tokenizer.json"));
+
+  // The time limit stops a run early, after a complete step, with validation and weights.
+  CliResult tl = train_moe({"--config", cfg, "--run-dir", dir + "/run_tl", "--set", "train.steps=500",
+                            "--set", "train.time_limit_s=0.001"});
+  ASSERT_EQ(tl.code, 0) << tl.out;
+  EXPECT_NE(tl.out.find("time limit of"), std::string::npos) << tl.out;
+  EXPECT_NE(tl.out.find("step 1/500"), std::string::npos) << tl.out;
+  EXPECT_EQ(tl.out.find("step 2/500"), std::string::npos) << tl.out;
+  EXPECT_TRUE(fs::exists(dir + "/run_tl/model.bin"));
+
+  CliResult s =
+      train_moe({"sample", "--run", dir + "/run", "--prompt", "def alpha", "--tokens", "20", "--seed", "3"});
+  ASSERT_EQ(s.code, 0) << s.out;
+  EXPECT_EQ(s.out.rfind("def alpha", 0), 0u) << s.out;
+  EXPECT_NE(s.out.find("[sample: "), std::string::npos);
+  CliResult s2 =
+      train_moe({"sample", "--run", dir + "/run", "--prompt", "def alpha", "--tokens", "20", "--seed", "3"});
+  EXPECT_EQ(s.out, s2.out);  // seeded sampling is reproducible
+
+  CliResult pl = train_moe({"plot", "--run", dir + "/run"}, 180);
+  ASSERT_EQ(pl.code, 0) << pl.out;
+  for (const char* f : {"loss.png", "throughput.png", "expert_load.png"})
+    EXPECT_TRUE(fs::exists(dir + "/run/" + f)) << f;
+  if (!HasFailure()) fs::remove_all(dir);
+}
+
+TEST(TrainMoeCli, ErrorsNameTheProblem) {
+  const std::string dir = temp_dir("errors");
+  CliResult none = train_moe({});
+  EXPECT_EQ(none.code, 2);
+  EXPECT_NE(none.out.find("--config"), std::string::npos);
+
+  CliResult missing_input = train_moe({"prepare", "--input", dir + "/nope", "--out", dir + "/data"});
+  EXPECT_EQ(missing_input.code, 1);
+  EXPECT_NE(missing_input.out.find(dir + "/nope does not exist"), std::string::npos) << missing_input.out;
+
+  CliResult no_data = train_moe({"--config", write_config(dir, dir + "/no_data"), "--run-dir", dir + "/run"});
+  EXPECT_EQ(no_data.code, 1);
+  EXPECT_NE(no_data.out.find(dir + "/no_data"), std::string::npos) << no_data.out;
+  EXPECT_NE(no_data.out.find("prepare"), std::string::npos) << no_data.out;
+
+  CliResult bad_key = train_moe({"--config", write_config(dir, dir + "/d"), "--set", "model.d_modle=64"});
+  EXPECT_EQ(bad_key.code, 1);
+  EXPECT_NE(bad_key.out.find("unknown key 'model.d_modle'"), std::string::npos) << bad_key.out;
+
+  CliResult bad_file_key = train_moe({"--config", write_config(dir, dir + "/d", "[optimizer]\nlr = 3\n")});
+  EXPECT_EQ(bad_file_key.code, 1);
+  EXPECT_NE(bad_file_key.out.find("optimizer.lr"), std::string::npos) << bad_file_key.out;
+
+  CliResult bad_value =
+      train_moe({"--config", write_config(dir, dir + "/d"), "--set", "model.moe.router=\"argmax\""});
+  EXPECT_EQ(bad_value.code, 1);
+  EXPECT_NE(bad_value.out.find("model.moe.router"), std::string::npos) << bad_value.out;
+
+  // A multi-rank layout is trained by the distributed mode (tests/training); one that
+  // does not fit the model is refused when the config is read.
+  CliResult layout = train_moe({"--config", write_config(dir, dir + "/d"), "--set", "parallel.n=4"});
+  EXPECT_EQ(layout.code, 1);
+  EXPECT_NE(layout.out.find("parallel.n=4 must divide model.n_heads=4 and model.n_kv_heads=2"),
+            std::string::npos)
+      << layout.out;
+
+  CliResult layout2 = train_moe({"--config", write_config(dir, dir + "/d"), "--parallel", "pp=4,n=2"});
+  EXPECT_EQ(layout2.code, 1);
+  EXPECT_NE(layout2.out.find("parallel.pp=4 does not divide model.n_layers=2"), std::string::npos)
+      << layout2.out;
+  CliResult bad_layout = train_moe({"--config", write_config(dir, dir + "/d"), "--parallel", "tp=2"});
+  EXPECT_EQ(bad_layout.code, 2);
+  EXPECT_NE(bad_layout.out.find("--parallel: unknown key 'tp'"), std::string::npos) << bad_layout.out;
+  // The flag is read by core's layout parser: the short form, and its errors.
+  CliResult short_form = train_moe({"--config", write_config(dir, dir + "/d"), "--parallel", "4x1x2"});
+  EXPECT_EQ(short_form.code, 1);
+  EXPECT_NE(short_form.out.find("parallel.pp=4 does not divide model.n_layers=2"), std::string::npos)
+      << short_form.out;
+  CliResult zero =
+      train_moe({"--config", write_config(dir, dir + "/d"), "--parallel", "n=0,dispatch=allgather"});
+  EXPECT_EQ(zero.code, 2);
+  EXPECT_NE(zero.out.find("--parallel: parallel layout 'n=0,dispatch=allgather': n must be >= 1, got 0"),
+            std::string::npos)
+      << zero.out;
+  CliResult twice = train_moe({"--config", write_config(dir, dir + "/d"), "--parallel", "pp=1,pp=2"});
+  EXPECT_EQ(twice.code, 2);
+  EXPECT_NE(twice.out.find("key 'pp' given twice"), std::string::npos) << twice.out;
+
+  CliResult no_config = train_moe({"--config", dir + "/missing.toml"});
+  EXPECT_EQ(no_config.code, 1);
+  EXPECT_NE(no_config.out.find("missing.toml"), std::string::npos) << no_config.out;
+
+  CliResult no_run = train_moe({"sample", "--run", dir + "/no_run"});
+  EXPECT_EQ(no_run.code, 1);
+  EXPECT_NE(no_run.out.find("does not exist"), std::string::npos) << no_run.out;
+  if (!HasFailure()) fs::remove_all(dir);
+}
+
+// --backend: an unknown name is refused; cuda on a host without a GPU (or a build without
+// CUDA) fails before any work with a message that says which.
+TEST(TrainMoeCli, BackendErrors) {
+  const std::string dir = temp_dir("backend");
+  CliResult unknown = train_moe({"--config", dir + "/missing.toml", "--backend", "tpu"});
+  EXPECT_EQ(unknown.code, 1);
+  EXPECT_NE(unknown.out.find("--backend must be cpu or cuda, not 'tpu'"), std::string::npos) << unknown.out;
+  CliResult cuda = train_moe({"--config", dir + "/missing.toml", "--backend", "cuda"});
+  EXPECT_EQ(cuda.code, 1);
+  if (!fs::exists("/dev/nvidia0")) {
+    const bool says_why = cuda.out.find("no CUDA device is visible") != std::string::npos ||
+                          cuda.out.find("has no CUDA support") != std::string::npos;
+    EXPECT_TRUE(says_why) << cuda.out;
+  } else {
+    EXPECT_NE(cuda.out.find("missing.toml"), std::string::npos) << cuda.out;  // got past the device
+  }
+  if (!HasFailure()) fs::remove_all(dir);
+}
+
+}  // namespace
