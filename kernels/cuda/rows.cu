@@ -331,78 +331,6 @@ __global__ void __launch_bounds__(256)
     *reinterpret_cast<V*>(out + base + half) = P::make(x2a * c0.x + x1a * c0.y, x2b * c1.x + x1b * c1.y);
   }
 }
-
-// The same arithmetic with 16-byte accesses: kRopeVecTokens tokens a block, and each item
-// is a (token, head, V-element chunk of the first half) with its partner chunk in the
-// second half (in place is safe: every element is read and written by the same thread).
-// rope_pairs_kernel moved 4 bytes per access and reached 49% of copy bandwidth on
-// bench_1b's q (H200); 16-byte accesses alone did not change that: the block's wait for
-// its angles did, once the loads go out before them. Needs (head_dim / 2) % V == 0 and
-// 16-byte-aligned x and out.
-constexpr int kRopeVecTokens = 16, kRopePrefetch = 4;
-template <typename T, int V>
-__global__ void __launch_bounds__(256)
-    rope_vec_kernel(const T* x, const int32_t* pos, double log_theta, int64_t tokens, int heads, int head_dim,
-                    T* out, bool inverse) {
-  pdl_wait();
-  extern __shared__ float2 rope_cs[];  // [kRopeVecTokens][half]: (cos, sin)
-  const int half = head_dim / 2, chunks = half / V;
-  const int64_t t0 = int64_t{blockIdx.x} * kRopeVecTokens;
-  const int n_tok = static_cast<int>(tokens - t0 < kRopeVecTokens ? tokens - t0 : kRopeVecTokens);
-  const int per_token = heads * chunks, items = n_tok * per_token, bd = static_cast<int>(blockDim.x);
-  const auto locate = [&](int i, int64_t& base, int& cs0) {
-    const int tt = i / per_token, r = i % per_token, h = r / chunks, q = (r % chunks) * V;
-    base = ((t0 + tt) * heads + h) * head_dim + q;
-    cs0 = tt * half + q;
-  };
-  const auto rotate_store = [&](const float(&a)[V], const float(&b)[V], int64_t base, int cs0) {
-    float y1[V], y2[V];
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const float2 c = rope_cs[cs0 + e];
-      y1[e] = a[e] * c.x - b[e] * c.y;
-      y2[e] = b[e] * c.x + a[e] * c.y;
-    }
-    store_floats<V>(out + base, y1);
-    store_floats<V>(out + base + half, y2);
-  };
-  // The thread's first kRopePrefetch items are loaded before the angles: their memory
-  // latency overlaps the double-precision exp and sincos, which the block waits for.
-  float a[kRopePrefetch][V], b[kRopePrefetch][V];
-  int64_t base[kRopePrefetch];
-  int cs0[kRopePrefetch];
-#pragma unroll
-  for (int u = 0; u < kRopePrefetch; ++u) {
-    const int i = static_cast<int>(threadIdx.x) + u * bd;
-    if (i >= items) break;
-    locate(i, base[u], cs0[u]);
-    load_floats<V>(x + base[u], a[u]);
-    load_floats<V>(x + base[u] + half, b[u]);
-  }
-  for (int i = threadIdx.x; i < n_tok * half; i += bd) {
-    const int tt = i / half, p = i % half;
-    const double inv_freq = exp(-(2.0 * static_cast<double>(p) / static_cast<double>(head_dim)) * log_theta);
-    double sn, cs;
-    sincos(static_cast<double>(pos[t0 + tt]) * inv_freq, &sn, &cs);
-    rope_cs[i] =
-        make_float2(static_cast<float>(cs), inverse ? -static_cast<float>(sn) : static_cast<float>(sn));
-  }
-  __syncthreads();
-#pragma unroll
-  for (int u = 0; u < kRopePrefetch; ++u) {
-    if (static_cast<int>(threadIdx.x) + u * bd >= items) break;
-    rotate_store(a[u], b[u], base[u], cs0[u]);
-  }
-  for (int i = static_cast<int>(threadIdx.x) + kRopePrefetch * bd; i < items; i += bd) {  // more heads
-    int64_t bs;
-    int c0;
-    locate(i, bs, c0);
-    float a1[V], b1[V];
-    load_floats<V>(x + bs, a1);
-    load_floats<V>(x + bs + half, b1);
-    rotate_store(a1, b1, bs, c0);
-  }
-}
 }  // namespace
 
 void launch_rope(const Env& env, const void* x, const int32_t* pos, float theta, int64_t tokens,
@@ -412,15 +340,7 @@ void launch_rope(const Env& env, const void* x, const int32_t* pos, float theta,
   const double log_theta = std::log(static_cast<double>(theta));
   TROUPE_DISPATCH_FLOAT(t, T, inverse ? "rope_backward" : "rope_forward", {
     const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % (2 * sizeof(T)) == 0; };
-    constexpr int kV = 16 / sizeof(T);
-    const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    if ((head_dim / 2) % kV == 0 && head_dim % 2 == 0 && aligned16(x) && aligned16(out) &&
-        heads * head_dim < (int64_t{1} << 24)) {
-      const size_t smem = size_t{kRopeVecTokens} * static_cast<size_t>(head_dim / 2) * sizeof(float2);
-      launch(env, rope_vec_kernel<T, kV>, static_cast<unsigned>(ceil_div(tokens, int64_t{kRopeVecTokens})),
-             256, smem, static_cast<const T*>(x), pos, log_theta, tokens, static_cast<int>(heads),
-             static_cast<int>(head_dim), static_cast<T*>(out), inverse);
-    } else if (head_dim % 4 == 0 && aligned(x) && aligned(out) && heads * head_dim < (int64_t{1} << 24)) {
+    if (head_dim % 4 == 0 && aligned(x) && aligned(out) && heads * head_dim < (int64_t{1} << 24)) {
       const size_t smem = size_t{kRopeTokens} * static_cast<size_t>(head_dim / 2) * sizeof(float2);
       launch(env, rope_pairs_kernel<T>, static_cast<unsigned>(ceil_div(tokens, int64_t{kRopeTokens})), 256,
              smem, static_cast<const T*>(x), pos, log_theta, tokens, static_cast<int>(heads),
