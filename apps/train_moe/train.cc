@@ -237,6 +237,11 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     const size_t step_base_bytes = dev.bytes_in_use();
     const int64_t syncs_before = dev.host_syncs(), uploads_before = dev.upload_waits();
     double lm_sum = 0, aux = 0, host_s = 0;
+    // Right before the step's first launch: the host's time so far, and the device's mark.
+    const auto begin_device_work = [&] {
+      host_s = std::chrono::duration<double>(Clock::now() - t0).count();
+      dev.mark_begin();
+    };
     int64_t step_tokens = 0;
     const double lr = tc.lr.at(step);
     std::vector<Tensor> ids(static_cast<size_t>(tc.train.grad_accum)), targets(ids.size());
@@ -274,8 +279,7 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
       graph_peak = dev.peak_bytes();
       graph_selections = model.pending_selections();
       for (size_t i = 0; i < graph_selections.size(); ++i) graph_selections[i] -= selections_before[i];
-      host_s = std::chrono::duration<double>(Clock::now() - t0).count();
-      dev.mark_begin();
+      begin_device_work();
       dev.launch_graph();
       fmt::print(
           "train_moe: step {} captured as a CUDA graph ({:.2f} GiB of activations and temporaries held "
@@ -288,12 +292,10 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
       }
       opt.prepare_step(c, lr);
       model.add_pending_selections(graph_selections);
-      host_s = std::chrono::duration<double>(Clock::now() - t0).count();
-      dev.mark_begin();
+      begin_device_work();
       dev.launch_graph();
     } else {
-      host_s = std::chrono::duration<double>(Clock::now() - t0).count();
-      dev.mark_begin();
+      begin_device_work();
       model.zero_grad(c);
       for (size_t m = 0; m < ids.size(); ++m) {
         layers::Model::MicroBatchStats st =
