@@ -9,6 +9,8 @@
 #   graph    Troupe on bench_1b with train.cuda_graph=true and false, alternating, twice
 #   pdl      Troupe on bench_1b with programmatic dependent launch on and off
 #            (TROUPE_CUDA_PDL=0), alternating, twice
+#   dq       Troupe on bench_1b with the attention's dQ inside the dK/dV kernel (the default
+#            at head dim 64 on Hopper) and in its own (TROUPE_ATTENTION_SPLIT_DQ=1), twice
 #   final    the final run, most important first, each part's failure reported and passed:
 #            build (train_moe + the CUDA tests) -> e2e -> tests -> train_moe_cuda_test ->
 #            kernels (builds kernel_bench) -> hoststats
@@ -110,6 +112,18 @@ for step in "$@"; do
           TROUPE_CUDA_PDL=$p OUT="$out/e2e-pdl-$p" bash bench/e2e.sh --build "$B" --gpus 1 --quick --skip-peer \
             --no-selfcheck >"$out/pdl-$p-$round.log" 2>&1
           stamp "TROUPE_CUDA_PDL=$p round $round rc=$?: $(grep -h '| troupe |' "$out/e2e-pdl-$p/e2e/e2e.md" 2>/dev/null)"
+        done
+      done
+      ;;
+    dq)
+      # Troupe only, the attention backward with dQ inside the dK/dV kernel (the default at
+      # head dim 64 on Hopper) and in its own kernel (TROUPE_ATTENTION_SPLIT_DQ=1), alternating.
+      for round in 1 2; do
+        for p in 0 1; do
+          rm -rf "$out/e2e-split-$p"
+          TROUPE_ATTENTION_SPLIT_DQ=$p OUT="$out/e2e-split-$p" bash bench/e2e.sh --build "$B" --gpus 1 --quick \
+            --skip-peer --no-selfcheck >"$out/split-$p-$round.log" 2>&1
+          stamp "TROUPE_ATTENTION_SPLIT_DQ=$p round $round rc=$?: $(grep -h '| troupe |' "$out/e2e-split-$p/e2e/e2e.md" 2>/dev/null)"
         done
       done
       ;;

@@ -162,7 +162,10 @@ void attention_variants(Bench& b, CudaContext& ctx, const gpu::AttentionShape& s
   Tensor scratch =
       b.empty({static_cast<int64_t>(gpu::attention_backward_scratch_bytes(shape) / 4) + 1}, DType::kF32);
   std::vector<std::pair<std::string, int>> variants = {{"mma4", 4}, {"mma8", 8}};
-  if (gpu::attention_hopper_available(shape)) variants.emplace_back("hopper", gpu::kAttentionHopper);
+  if (gpu::attention_hopper_available(shape)) {
+    variants.emplace_back("hopper", gpu::kAttentionHopper);
+    if (shape.head_dim == 64) variants.emplace_back("hopper_split_dq", gpu::kAttentionHopperSplitDq);
+  }
   for (const auto& [name, variant] : variants) {
     b.flops("attention_fwd_" + name + tag, fwd, "4*B*H*S^2*Dh/2", [&] {
       gpu::launch_attention_forward(env, shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), scale,

@@ -1,5 +1,6 @@
 // kernels/cuda/attention_hopper.cu — Hopper (sm_90a) causal attention for bf16 with head
-// dim 64 or 128: forward, dQ and dK/dV kernels in the FlashAttention-3 style.
+// dim 64 or 128: forward, dK/dV (with dQ at head dim 64) and dQ kernels in the
+// FlashAttention-3 style.
 //
 // Every kernel is warp-specialised: warpgroup 0 is the producer (one thread issues TMA
 // bulk tensor copies into a ring of shared-memory stages, each completing on its "full"
@@ -16,11 +17,15 @@
 //   issuing (Turns);
 // - dQ: S and dP = dO V^T, dS = P (dP - D) in registers, dQ += dS K;
 // - dK/dV (looping over the group's query heads): S^T = K Q^T and dP^T = V dO^T, then
-//   dV += P^T dO and dK += dS^T Q with P^T, dS^T as register A operands.
+//   dV += P^T dO and dK += dS^T Q with P^T, dS^T as register A operands; at head dim 64
+//   also dQ's partial sum dS K, through shared memory, bulk-reduced into an f32 buffer
+//   (kFusedDq: five products per tile instead of the seven of the two kernels).
 // The block's own rows (Q, dO or K, V) are the A operand of the first products: read
-// from shared memory at head dim 128, held in registers at 64 (kOwnInRegs). The backward
-// recomputes S in both kernels (seven products instead of five) so that neither needs
-// atomics or a dS round trip through shared memory.
+// from shared memory at head dim 128, held in registers at 64 (kOwnInRegs). At head dim
+// 128 the backward recomputes S in the dQ kernel (seven products instead of five), so
+// that it needs no atomics or dS round trip through shared memory; at 64 the fused dQ
+// measured 0.645 against 0.711 ms (rowdot, dK/dV, dQ) on an H100 (bench/RESULTS.md).
+// kAttentionHopperSplitDq runs the split kernels at head dim 64 too.
 //
 // Tensors: q [B,S,Hq,Dh], k/v [B,S,Hkv,Dh], lse f32 [B,Hq,S] (natural log), read through
 // 4-D tensor maps (Dh, H, S, B) with boxes of 64 x 1 x rows x 1: a tile is Dh/64 column
@@ -49,14 +54,16 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // Shared memory of one kernel: the block's own operand tiles (kOwnTiles of kBlockRows
-// rows), then kStages stages of two streamed tiles of kStreamRows rows, then barriers.
-template <int kD, int kOwnTiles, int kStreamRows, int kStages>
+// rows), then kStages stages of two streamed tiles of kStreamRows rows, then kExtra bytes
+// of the kernel's own (1024-byte aligned), then barriers.
+template <int kD, int kOwnTiles, int kStreamRows, int kStages, int kExtra = 0>
 struct Smem {
   static constexpr int kOwnBytes = kBlockRows * kD * 2;    // one own tile
   static constexpr int kTileBytes = kStreamRows * kD * 2;  // one streamed tile
   static constexpr int kStageBytes = 2 * kTileBytes;
   static constexpr int kStagesOffset = kOwnTiles * kOwnBytes;
-  static constexpr int kBarOffset = kStagesOffset + kStages * kStageBytes;
+  static constexpr int kExtraOffset = kStagesOffset + kStages * kStageBytes;
+  static constexpr int kBarOffset = kExtraOffset + kExtra;
   static constexpr size_t kBytes = size_t{kBarOffset} + (1 + 2 * kStages) * 8 + 1024;  // + alignment slack
   static_assert(kBytes <= 227 * 1024, "shared memory of one block");
 };
@@ -68,11 +75,21 @@ struct FwdCfg {
   static constexpr int kStream = 128, kStages = 3;
   using S = Smem<kD, 1, kStream, kStages>;
 };
-template <int kD>
+// kFusedDq (head dim 64): the dK/dV kernel also computes dQ (see attention_dkdv_hopper_kernel);
+// its extra shared memory holds the block's dS^T (kBlockRows x kStream bf16, swizzled like a
+// TMA tile) and two dQ staging buffers (kStream x kD f32) per consumer warpgroup.
+template <int kD, bool kFusedDq = false>
 struct BwdCfg {
   static constexpr int kStream = 64, kStages = kD == 64 ? 4 : 3;
-  using S = Smem<kD, 2, kStream, kStages>;
+  static constexpr int kDsBytes = kBlockRows * kStream * 2;
+  static constexpr int kDqBytes = kStream * kD * 4;
+  using S = Smem<kD, 2, kStream, kStages, kFusedDq ? kDsBytes + 4 * kDqBytes : 0>;
 };
+
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
 
 #ifdef TROUPE_WGMMA_DEVICE
 // Descriptor of the k16 step kk of a K-major operand: `rows` rows of the tile at `tile`,
@@ -182,10 +199,6 @@ __device__ __forceinline__ void mma_own(float (&acc)[kN / 2],
   }
 }
 
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
 // Accumulators (64 x kN per warpgroup) as register A fragments of k16 steps.
 template <int kN>
 __device__ __forceinline__ void to_a_frags(uint32_t (&a)[kN / 16][4], const float (&p)[kN / 2]) {
@@ -595,16 +608,33 @@ __global__ void __launch_bounds__(kThreads, 1)
 // grid (ceil(S/128), Hkv, B): dK and dV of 128 keys, summed over the group's query heads;
 // streams Q and dO tiles of 64 queries from the block's first key on. Early (heavier)
 // key blocks first.
-template <int kD>
+//
+// kFusedDq (head dim 64): the block also adds its share of dQ, so that S and dP are
+// computed once for all three gradients (five products per tile pair instead of the seven
+// of this kernel and the dQ kernel together). Each consumer warpgroup writes its dS^T
+// (its 64 keys x the tile's 64 queries, bf16) into shared memory, then computes dQ's
+// partial sum over its own keys, dS (MN-major A) x K (its own 64 rows, MN-major B), and
+// stages the 64 x kD f32 product in the order of its accumulator fragments (thread t's
+// values j*4..j*4+3 at float4 j*128 + t: conflict-free). One thread of the warpgroup then
+// issues a bulk reduce-add of the 16 KB into dq_acc, whose block of (b, h, query tile)
+// holds the same fragment order; attention_dq_convert_kernel turns it into dQ. The two
+// staging buffers alternate, and a buffer is rewritten only once its previous reduce has
+// read it (bulk_wait_read<1> before the warpgroup's barrier). Measured on an H100 and
+// dropped: float4 atomicAdd of the partial from registers instead of the staged bulk
+// reduce (0.693 against 0.645 ms for the backward), and issuing dS K in a group of its
+// own ahead of dV/dK so that its staging overlaps them (spills; 0.711 ms).
+template <int kD, bool kFusedDq>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_dkdv_hopper_kernel(const __grid_constant__ CUtensorMap map_q,
                                  const __grid_constant__ CUtensorMap map_do,
                                  const __grid_constant__ CUtensorMap map_k,
                                  const __grid_constant__ CUtensorMap map_v, AttentionShape s,
-                                 const float* lse, const float* dsum, float scale, bf16* dk, bf16* dv) {
+                                 const float* lse, const float* dsum, float scale, bf16* dk, bf16* dv,
+                                 float* dq_acc) {
   pdl_wait();
 #ifdef TROUPE_WGMMA_DEVICE
-  using C = BwdCfg<kD>;
+  static_assert(!kFusedDq || kD == 64, "the fused dQ is built for head dim 64");
+  using C = BwdCfg<kD, kFusedDq>;
   using L = typename C::S;
   constexpr int kN = C::kStream;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -640,6 +670,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int cw = wg - 1, warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int wg_first = n0 + 64 * cw, key_lo = wg_first + warp * 16 + g, key_hi = key_lo + 8;
   const float scale_log2 = scale * kLog2e;
+  // kFusedDq: this warpgroup's dS^T rows, its staging buffers, and its reduce count.
+  const uint32_t ds_rows = base + L::kExtraOffset + 64 * cw * 128;
+  const uint32_t dq_stage = base + L::kExtraOffset + C::kDsBytes + 2 * cw * C::kDqBytes;
+  const int wtid = tid % 128, q_tiles = (seq + kN - 1) / kN;
+  int reduces = 0;
+  (void)ds_rows;
+  (void)dq_stage;
+  (void)q_tiles;
   float dka[kD / 2], dva[kD / 2];
 #pragma unroll
   for (int i = 0; i < kD / 2; ++i) dka[i] = dva[i] = 0.0f;
@@ -697,15 +735,62 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t pa[kN / 16][4], da[kN / 16][4];
       to_a_frags<kN>(pa, sc);
       to_a_frags<kN>(da, dp);
+      if constexpr (kFusedDq) {
+        // dS^T (keys x queries) into the swizzled tile: fragment word x of k16 step c is
+        // key row 16 * warp + g (+ 8 for odd x), queries 8 * (2c + x / 2) + 2t, +1.
+        const uint32_t row = ds_rows + (16 * warp + g) * 128 + 4 * t;
+#pragma unroll
+        for (int c = 0; c < kN / 16; ++c) {
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            const int unit = 2 * c + (x >> 1);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(row + (x & 1) * 8 * 128 + ((unit ^ g) << 4)),
+                         "r"(da[c][x])
+                         : "memory");
+          }
+        }
+        fence_proxy_async();
+        if (wtid == 0) bulk_wait_read<1>();  // the staging buffer this tile writes is free
+        asm volatile("bar.sync %0, 128;\n" ::"r"(3 + cw) : "memory");
+      }
+      float dqa[kFusedDq ? kD / 2 : 1];
+      (void)dqa;
       wgmma_fence();
       mma_rs<kD, kN>(dva, pa, st + L::kTileBytes);  // dV += P^T dO
       mma_rs<kD, kN>(dka, da, st);                  // dK += dS^T Q
+      if constexpr (kFusedDq) {
+        // dQ partial (queries x kD) = dS (MN-major from the dS^T rows) x K (own rows, MN-major).
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          wgmma_m64n64k16<1, 1>(dqa, smem_desc(ds_rows + kk * 2048, 64 * 128, 1024),
+                                mnmajor(sk + 64 * cw * 128, kBlockRows, kk), kk > 0 ? 1 : 0);
+        }
+      }
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(dva);
       fence_regs(dka);
       fence_regs(pa);
       fence_regs(da);
+      if constexpr (kFusedDq) {
+        // The partial into this tile's staging buffer, then one bulk reduce-add into dq_acc.
+        fence_regs(dqa);
+        const uint32_t buf = dq_stage + (reduces & 1) * C::kDqBytes;
+#pragma unroll
+        for (int j = 0; j < kD / 8; ++j) {
+          asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(buf + j * 2048 + wtid * 16),
+                       "f"(dqa[4 * j]), "f"(dqa[4 * j + 1]), "f"(dqa[4 * j + 2]), "f"(dqa[4 * j + 3])
+                       : "memory");
+        }
+        fence_proxy_async();
+        asm volatile("bar.sync %0, 128;\n" ::"r"(3 + cw) : "memory");
+        if (wtid == 0) {
+          const int64_t block = (static_cast<int64_t>(b) * s.q_heads + h) * q_tiles + q0 / kN;
+          bulk_reduce_add_f32(dq_acc + block * (kN * kD), buf, C::kDqBytes);
+          bulk_commit();
+        }
+        ++reduces;
+      }
     }
     ring.release(i);
   };
@@ -726,6 +811,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   store_rows<kD>(dk, dka, scale, scale, b, wg_first + warp * 16, hk, seq, s.kv_heads);
   store_rows<kD>(dv, dva, 1.0f, 1.0f, b, wg_first + warp * 16, hk, seq, s.kv_heads);
+  if constexpr (kFusedDq) {
+    if (wtid == 0) bulk_wait<0>();  // the reduces have read their buffers and landed
+  }
 #else
   (void)map_q;
   (void)map_do;
@@ -737,8 +825,48 @@ __global__ void __launch_bounds__(kThreads, 1)
   (void)scale;
   (void)dk;
   (void)dv;
+  (void)dq_acc;
   __trap();
 #endif
+}
+
+// dq [B,S,Hq,kD] = scale * dq_acc, whose blocks [B][Hq][ceil(S/kN)] of kN queries x kD
+// hold the fused kernel's dQ fragments (float4 j * 128 + t: warp t / 32's rows g and g + 8,
+// columns 8j + 2(t % 4), +1, with g = t % 32 / 4). grid: one block of 256 threads per block
+// of dq_acc; the fragments go through shared memory so that dq is written in whole rows.
+template <int kD, int kN>
+__global__ void __launch_bounds__(256)
+    attention_dq_convert_kernel(AttentionShape s, const float* dq_acc, float scale, bf16* dq) {
+  pdl_wait();
+  constexpr int kPad = kD + 4;  // row stride in floats: 16-byte aligned, rows on different banks
+  __shared__ __align__(16) float tile[kN * kPad];
+  const int64_t block = blockIdx.x;
+  const int q_tiles = static_cast<int>((s.seq + kN - 1) / kN);
+  const int qt = static_cast<int>(block % q_tiles);
+  const int64_t bh = block / q_tiles, h = bh % s.q_heads, b = bh / s.q_heads;
+  const float4* src = reinterpret_cast<const float4*>(dq_acc + block * (kN * kD));
+  for (int f = threadIdx.x; f < kN * kD / 4; f += blockDim.x) {
+    const int j = f / 128, t = f % 128, g = t % 32 / 4, row = 16 * (t / 32) + g, col = 8 * j + 2 * (t % 4);
+    const float4 v = src[f];
+    tile[row * kPad + col] = v.x;
+    tile[row * kPad + col + 1] = v.y;
+    tile[(row + 8) * kPad + col] = v.z;
+    tile[(row + 8) * kPad + col + 1] = v.w;
+  }
+  __syncthreads();
+  for (int u = threadIdx.x; u < kN * kD / 8; u += blockDim.x) {
+    const int row = u / (kD / 8), col = 8 * (u % (kD / 8));
+    const int64_t q = int64_t{qt} * kN + row;
+    if (q >= s.seq) continue;
+    const float4 lo = *reinterpret_cast<const float4*>(&tile[row * kPad + col]);
+    const float4 hi = *reinterpret_cast<const float4*>(&tile[row * kPad + col + 4]);
+    uint4 out;
+    out.x = pack2(lo.x * scale, lo.y * scale);
+    out.y = pack2(lo.z * scale, lo.w * scale);
+    out.z = pack2(hi.x * scale, hi.y * scale);
+    out.w = pack2(hi.z * scale, hi.w * scale);
+    *reinterpret_cast<uint4*>(dq + ((b * s.seq + q) * s.q_heads + h) * kD + col) = out;
+  }
 }
 
 // The tensor map of a [B,S,H,Dh] bf16 tensor read in boxes of `rows` rows of one head.
@@ -792,32 +920,55 @@ void launch_attention_forward_hopper(const Env& env, const AttentionShape& s, co
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
+size_t attention_fused_dq_bytes(const AttentionShape& s) {
+  constexpr int kN = BwdCfg<64, true>::kStream;
+  return static_cast<size_t>(s.batch * s.q_heads * ceil_div(s.seq, kN) * kN * s.head_dim) * sizeof(float);
+}
+
 void launch_attention_backward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                       const void* v, const void* out, const float* lse, const void* dout,
-                                      float scale, void* dq, void* dk, void* dv, void* scratch) {
+                                      float scale, void* dq, void* dk, void* dv, void* scratch,
+                                      bool fused_dq) {
   float* dsum = static_cast<float*>(scratch);
   launch_attention_rowdot(env, s, out, dout, dsum, DType::kBF16);
   dispatch_head_dim(s.head_dim, [&](auto d) {
-    using L = typename BwdCfg<d()>::S;
     constexpr int kN = BwdCfg<d()>::kStream;
+    const CUtensorMap mq = head_map(q, s, s.q_heads, kN), mdo = head_map(dout, s, s.q_heads, kN);
+    const CUtensorMap mk = head_map(k, s, s.kv_heads, kBlockRows),
+                      mv = head_map(v, s, s.kv_heads, kBlockRows);
+    if constexpr (d() == 64) {
+      if (fused_dq) {
+        using L = typename BwdCfg<64, true>::S;
+        float* acc = dsum + attention_dsum_floats(s);
+        CUDA_CHECK(cudaMemsetAsync(acc, 0, attention_fused_dq_bytes(s), env.stream));
+        auto kernel = attention_dkdv_hopper_kernel<64, true>;
+        allow_smem(kernel, L::kBytes);
+        launch(env, kernel, block_grid(s, s.kv_heads), kThreads, L::kBytes, mq, mdo, mk, mv, s, lse, dsum,
+               scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv), acc);
+        TROUPE_CUDA_LAUNCH_CHECK();
+        const int64_t blocks = s.batch * s.q_heads * ceil_div(s.seq, kN);
+        launch(env, attention_dq_convert_kernel<64, kN>, dim3(static_cast<unsigned>(blocks)), 256, 0, s,
+               static_cast<const float*>(acc), scale, static_cast<bf16*>(dq));
+        return;
+      }
+    }
     {
-      const CUtensorMap mq = head_map(q, s, s.q_heads, kN), mdo = head_map(dout, s, s.q_heads, kN);
-      const CUtensorMap mk = head_map(k, s, s.kv_heads, kBlockRows),
-                        mv = head_map(v, s, s.kv_heads, kBlockRows);
-      auto kernel = attention_dkdv_hopper_kernel<d()>;
+      using L = typename BwdCfg<d()>::S;
+      auto kernel = attention_dkdv_hopper_kernel<d(), false>;
       allow_smem(kernel, L::kBytes);
       launch(env, kernel, block_grid(s, s.kv_heads), kThreads, L::kBytes, mq, mdo, mk, mv, s, lse, dsum,
-             scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv));
+             scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv), static_cast<float*>(nullptr));
       TROUPE_CUDA_LAUNCH_CHECK();
     }
     {
-      const CUtensorMap mq = head_map(q, s, s.q_heads, kBlockRows),
-                        mdo = head_map(dout, s, s.q_heads, kBlockRows);
-      const CUtensorMap mk = head_map(k, s, s.kv_heads, kN), mv = head_map(v, s, s.kv_heads, kN);
+      using L = typename BwdCfg<d()>::S;
+      const CUtensorMap mq_own = head_map(q, s, s.q_heads, kBlockRows),
+                        mdo_own = head_map(dout, s, s.q_heads, kBlockRows);
+      const CUtensorMap mk_s = head_map(k, s, s.kv_heads, kN), mv_s = head_map(v, s, s.kv_heads, kN);
       auto kernel = attention_dq_hopper_kernel<d()>;
       allow_smem(kernel, L::kBytes);
-      launch(env, kernel, block_grid(s, s.q_heads), kThreads, L::kBytes, mq, mdo, mk, mv, s, lse, dsum, scale,
-             static_cast<bf16*>(dq));
+      launch(env, kernel, block_grid(s, s.q_heads), kThreads, L::kBytes, mq_own, mdo_own, mk_s, mv_s, s, lse,
+             dsum, scale, static_cast<bf16*>(dq));
     }
   });
   TROUPE_CUDA_LAUNCH_CHECK();

@@ -10,7 +10,9 @@
 // registers; B fragments come from shared memory as 32-bit loads (row-major operand) or
 // ldmatrix.trans (when the product needs the tile transposed). Softmax is online in log2
 // units; lse is saved in natural-log units [B,Hq,S].
+#include <cstdlib>
 #include <initializer_list>
+#include <string>
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
@@ -26,7 +28,8 @@ void launch_attention_forward_hopper(const Env& env, const AttentionShape& s, co
                                      const void* v, float scale, void* out, float* lse);
 void launch_attention_backward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                       const void* v, const void* out, const float* lse, const void* dout,
-                                      float scale, void* dq, void* dk, void* dv, void* scratch);
+                                      float scale, void* dq, void* dk, void* dv, void* scratch,
+                                      bool fused_dq);
 
 namespace {
 
@@ -437,7 +440,7 @@ void dispatch_mma_head_dim(int64_t dh, F&& f) {
 // True for the Hopper kernels: asked for (kAttentionHopper, refused where they cannot run),
 // or kAttentionAuto where they can.
 bool use_hopper(const AttentionShape& s, int variant) {
-  if (variant == kAttentionHopper) {
+  if (variant == kAttentionHopper || variant == kAttentionHopperSplitDq) {
     TROUPE_CHECK(attention_hopper_available(s),
                  "attention: the Hopper kernels need an sm_90a build on a compute-capability 9.0 GPU");
     return true;
@@ -448,7 +451,9 @@ bool use_hopper(const AttentionShape& s, int variant) {
 int mma_warps(int variant) {
   const int warps = variant == kAttentionAuto ? kAttentionDefaultWarps : variant;
   TROUPE_CHECK(warps == 4 || warps == 8,
-               "attention: variant must be 0 (auto), 1 (Hopper), 4 or 8 (mma.sync warps), got {}", variant);
+               "attention: variant must be 0 (auto), 1 (Hopper), 2 (Hopper, dQ on its own), 4 or 8 (mma.sync "
+               "warps), got {}",
+               variant);
   return warps;
 }
 
@@ -483,7 +488,13 @@ void launch_attention_backward_mma(const Env& env, const AttentionShape& s, cons
                                    const void* v, const void* out, const float* lse, const void* dout,
                                    float scale, void* dq, void* dk, void* dv, void* scratch, int variant) {
   if (use_hopper(s, variant)) {
-    launch_attention_backward_hopper(env, s, q, k, v, out, lse, dout, scale, dq, dk, dv, scratch);
+    // TROUPE_ATTENTION_SPLIT_DQ=1 makes kAttentionAuto split too (for A/B runs of a job).
+    static const bool split_env = [] {
+      const char* e = std::getenv("TROUPE_ATTENTION_SPLIT_DQ");
+      return e != nullptr && std::string(e) == "1";
+    }();
+    const bool split = variant == kAttentionHopperSplitDq || (variant == kAttentionAuto && split_env);
+    launch_attention_backward_hopper(env, s, q, k, v, out, lse, dout, scale, dq, dk, dv, scratch, !split);
     return;
   }
   const int warps = mma_warps(variant);

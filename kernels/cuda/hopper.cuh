@@ -266,6 +266,28 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
+// Bulk (non-tensor) reduce-add of `bytes` (a multiple of 16; both addresses 16-byte aligned)
+// of f32 from shared memory into global memory, element-wise atomic, in the thread's
+// current bulk group. The shared source is read asynchronously: it must not be rewritten
+// before bulk_wait_read() says the group has read it.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Until at most N of the thread's bulk groups are still reading their shared source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// Until at most N of the thread's bulk groups are incomplete (their writes performed).
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
 #endif  // TROUPE_WGMMA_DEVICE
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda link).

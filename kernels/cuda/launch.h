@@ -174,16 +174,22 @@ struct AttentionShape {
 // (sm_90a build, compute capability 9.0), else the mma.sync kernels (attention_mma.cu) with
 // kAttentionDefaultWarps; 4 or 8 force the mma.sync kernels with that many warps of 16
 // rows per block; kAttentionHopper forces the Hopper kernels (an error where they cannot
-// run). kernel_bench times each; the bf16 test checks each.
-constexpr int kAttentionAuto = 0, kAttentionHopper = 1;
+// run): at head dim 64 their backward computes dQ inside the dK/dV kernel;
+// kAttentionHopperSplitDq runs the Hopper kernels with dQ in a kernel of its own (as head
+// dim 128 always does). kernel_bench times each; the bf16 test checks each.
+constexpr int kAttentionAuto = 0, kAttentionHopper = 1, kAttentionHopperSplitDq = 2;
 constexpr int kAttentionDefaultWarps = 4;  // H200 bench_1b: 4 warps 0.50 + 1.44 ms, 8 warps 0.56 + 1.47
 // True where kAttentionAuto runs the Hopper kernels for this shape (bf16, 16-byte aligned).
 bool attention_hopper_available(const AttentionShape& s);
 void launch_attention_forward(const Env& env, const AttentionShape& s, const void* q, const void* k,
                               const void* v, float scale, void* out, float* lse, DType t,
                               int variant = kAttentionAuto);
-// scratch: attention_backward_scratch_bytes(s) bytes.
+// scratch: attention_backward_scratch_bytes(s) bytes: D = rowsum(dO * O) (the first
+// attention_dsum_floats(s) floats), then, for the Hopper kernels at head dim 64, dQ's f32
+// accumulator (attention_fused_dq_bytes(s)).
 size_t attention_backward_scratch_bytes(const AttentionShape& s);
+size_t attention_dsum_floats(const AttentionShape& s);
+size_t attention_fused_dq_bytes(const AttentionShape& s);
 void launch_attention_backward(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                const void* v, const void* out, const float* lse, const void* dout,
                                float scale, void* dq, void* dk, void* dv, DType t, void* scratch,

@@ -327,7 +327,10 @@ TEST_F(CudaBf16, Attention) {
       const gpu::Env env{gpu.ctx.stream, gpu.ctx.num_sms};
       const gpu::AttentionShape shape{b, s, hq, hkv, dh};
       std::vector<int> variants = {4, 8};
-      if (gpu::attention_hopper_available(shape)) variants.push_back(gpu::kAttentionHopper);
+      if (gpu::attention_hopper_available(shape)) {
+        variants.push_back(gpu::kAttentionHopper);  // at dh 64 with dQ inside the dK/dV kernel
+        variants.push_back(gpu::kAttentionHopperSplitDq);
+      }
       for (int variant : variants) {
         const std::string tag = fmt::format(" (variant {}, dh {} s {})", variant, dh, s);
         Tensor out_v = dev_poisoned({b, s, hq, dh}, kBF), lse_v = dev_poisoned({b, hq, s}, kF32);
