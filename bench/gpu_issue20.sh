@@ -9,6 +9,7 @@
 #   graph    Troupe on bench_1b with train.cuda_graph=true and false, alternating, twice
 #   pdl      Troupe on bench_1b with programmatic dependent launch on and off
 #            (TROUPE_CUDA_PDL=0), alternating, twice
+#   attnprof Nsight Compute counters of the Dh-64 attention kernels (kernel_bench's shape)
 #   dq       Troupe on bench_1b with the attention's dQ inside the dK/dV kernel (the default
 #            at head dim 64 on Hopper) and in its own (TROUPE_ATTENTION_SPLIT_DQ=1), twice
 #   final    the final run, most important first, each part's failure reported and passed:
@@ -125,6 +126,40 @@ for step in "$@"; do
             --skip-peer --no-selfcheck >"$out/split-$p-$round.log" 2>&1
           stamp "TROUPE_ATTENTION_SPLIT_DQ=$p round $round rc=$?: $(grep -h '| troupe |' "$out/e2e-split-$p/e2e/e2e.md" 2>/dev/null)"
         done
+      done
+      ;;
+    attnprof)
+      # Nsight Compute counters of the Dh-64 attention kernels on kernel_bench's bench_1b
+      # shape: the forward, the fused backward (rowdot, dK/dV with dQ, convert) and the split
+      # backward (dK/dV, dQ): time, tensor-pipe use, L2 reduction sectors, stall reasons.
+      m=gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+      m=$m,lts__t_sectors_op_red.sum,lts__t_sectors_op_atom.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed
+      m=$m,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__inst_executed.sum
+      m=$m,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+      for r in barrier long_scoreboard short_scoreboard wait math_pipe_throttle mio_throttle lg_throttle \
+        membar sleeping dispatch_stall no_instruction selected not_selected branch_resolving; do
+        m=$m,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
+      done
+      for what in "attention_fwd_hopper attention_fwd_hopper 1" "attention_bwd_hopper attention_(dkdv|dq|rowdot) 3" \
+        "attention_bwd_hopper_split_dq attention_(dkdv|dq|rowdot) 3"; do
+        # shellcheck disable=SC2086
+        set -- $what
+        KERNEL_BENCH_ONLY=$1 timeout 200 ncu --clock-control none -k "regex:$2" --launch-count "$3" --metrics "$m" \
+          --csv --page raw "$B"/bench/kernels/kernel_bench >"$out/attnprof-$1.csv" 2>"$out/attnprof-$1.err"
+        stamp "attnprof $1 rc=$?"
+        python3 - "$out/attnprof-$1.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if r]
+head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+cols = rows[head]
+for r in rows[head + 2:]:
+    d = dict(zip(cols, r))
+    name = d["Kernel Name"].split("(")[0][-60:]
+    print(name)
+    for k in cols:
+        if k.startswith(("gpu__", "sm__", "lts__", "dram__", "l1tex__", "smsp__")):
+            print(f"  {k.replace('smsp__average_warps_issue_stalled_', 'stall_'):70s} {d[k]}")
+PY
       done
       ;;
     hoststats)

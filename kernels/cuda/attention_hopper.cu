@@ -622,7 +622,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 // read it (bulk_wait_read<1> before the warpgroup's barrier). Measured on an H100 and
 // dropped: float4 atomicAdd of the partial from registers instead of the staged bulk
 // reduce (0.693 against 0.645 ms for the backward), and issuing dS K in a group of its
-// own ahead of dV/dK so that its staging overlaps them (spills; 0.711 ms).
+// own ahead of dV/dK so that its staging overlaps them (spills; 0.711 ms). Also measured
+// and dropped: one reduce per tile for the block (warpgroup 1 adding warpgroup 0's staged
+// partial, handed over through mbarriers), which halves the L2 reduction traffic (this
+// kernel runs at ~70% of L2 throughput, Nsight Compute): 0.680-0.693 against 0.643-0.648
+// ms, bench_1b -0.5%; the coupling of the two warpgroups costs more than the traffic.
 template <int kD, bool kFusedDq>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_dkdv_hopper_kernel(const __grid_constant__ CUtensorMap map_q,
