@@ -98,6 +98,14 @@ Result<std::unique_ptr<RunDevice>> RunDevice::create(const std::string& backend)
 #endif
 }
 
+void RunDevice::set_deterministic(bool on) {
+#if TROUPE_HAVE_CUDA
+  if (cuda_) cuda_->ctx->deterministic = on;
+#else
+  (void)on;
+#endif
+}
+
 void RunDevice::synchronize() const {
 #if TROUPE_HAVE_CUDA
   if (cuda_) cuda_->stream.synchronize();

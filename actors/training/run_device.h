@@ -49,6 +49,9 @@ class RunDevice {
   void mark_begin() const;
   void mark_end() const;
   double device_ms() const;
+  // train.deterministic: ops in their fixed-order variants (kernels::CudaContext::
+  // deterministic). No-op on the CPU, whose ops always are.
+  void set_deterministic(bool on);
 
   // A CUDA graph of a training step (train_moe's train.cuda_graph): begin_capture() starts
   // recording this device's stream (the work enqueued until end_capture() is recorded,

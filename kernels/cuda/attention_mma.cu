@@ -10,9 +10,7 @@
 // registers; B fragments come from shared memory as 32-bit loads (row-major operand) or
 // ldmatrix.trans (when the product needs the tile transposed). Softmax is online in log2
 // units; lse is saved in natural-log units [B,Hq,S].
-#include <cstdlib>
 #include <initializer_list>
-#include <string>
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
@@ -488,12 +486,7 @@ void launch_attention_backward_mma(const Env& env, const AttentionShape& s, cons
                                    const void* v, const void* out, const float* lse, const void* dout,
                                    float scale, void* dq, void* dk, void* dv, void* scratch, int variant) {
   if (use_hopper(s, variant)) {
-    // TROUPE_ATTENTION_SPLIT_DQ=1 makes kAttentionAuto split too (for A/B runs of a job).
-    static const bool split_env = [] {
-      const char* e = std::getenv("TROUPE_ATTENTION_SPLIT_DQ");
-      return e != nullptr && std::string(e) == "1";
-    }();
-    const bool split = variant == kAttentionHopperSplitDq || (variant == kAttentionAuto && split_env);
+    const bool split = variant == kAttentionHopperSplitDq || (variant == kAttentionAuto && env.deterministic);
     launch_attention_backward_hopper(env, s, q, k, v, out, lse, dout, scale, dq, dk, dv, scratch, !split);
     return;
   }

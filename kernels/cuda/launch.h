@@ -24,6 +24,9 @@ struct Env {
   // Launch with programmatic dependent launch (common.cuh, launch()): sm_90 and up,
   // unless TROUPE_CUDA_PDL=0 (CudaContext::pdl).
   bool pdl = false;
+  // Kernels that would add floats in no fixed order take a fixed-order variant
+  // (CudaContext::deterministic): today the attention backward (kAttentionAuto).
+  bool deterministic = false;
 };
 
 // ---- elementwise (elementwise.cu) ----------------------------------------------------
@@ -174,9 +177,11 @@ struct AttentionShape {
 // (sm_90a build, compute capability 9.0), else the mma.sync kernels (attention_mma.cu) with
 // kAttentionDefaultWarps; 4 or 8 force the mma.sync kernels with that many warps of 16
 // rows per block; kAttentionHopper forces the Hopper kernels (an error where they cannot
-// run): at head dim 64 their backward computes dQ inside the dK/dV kernel;
-// kAttentionHopperSplitDq runs the Hopper kernels with dQ in a kernel of its own (as head
-// dim 128 always does). kernel_bench times each; the bf16 test checks each.
+// run): at head dim 64 their backward computes dQ inside the dK/dV kernel, each block
+// bulk-adding its partial dQ into an f32 buffer, in no fixed order (runs agree to
+// rounding); kAttentionHopperSplitDq runs the Hopper kernels with dQ in a kernel of its
+// own (as head dim 128 always does; fixed order, what kAttentionAuto takes when
+// env.deterministic). kernel_bench times each; the bf16 test checks each.
 constexpr int kAttentionAuto = 0, kAttentionHopper = 1, kAttentionHopperSplitDq = 2;
 constexpr int kAttentionDefaultWarps = 4;  // H200 bench_1b: 4 warps 0.50 + 1.44 ms, 8 warps 0.56 + 1.47
 // True where kAttentionAuto runs the Hopper kernels for this shape (bf16, 16-byte aligned).
