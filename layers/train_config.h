@@ -43,10 +43,9 @@ struct TrainOptions {
   // enqueued one by one, for comparison (and for kernel profilers that want launches).
   bool cuda_graph = true;
   // GPU runs: every op in its fixed-order variant, so that two runs (and a CUDA graph and
-  // its launches) give bitwise the same losses and norms (kernels::CudaContext::
-  // deterministic). false (default): the Hopper attention backward at head dim 64 adds dQ,
-  // and the embedding backward repeated ids' rows, in no fixed order (~1.5% faster on
-  // bench_1b); runs then agree to rounding. No effect on the CPU.
+  // its launches) give bitwise the same losses (kernels::CudaContext::deterministic).
+  // false (default): the Hopper attention backward at head dim 64 adds dQ in no fixed
+  // order, ~1.5% faster on bench_1b; runs then agree to rounding. No effect on the CPU.
   bool deterministic = false;
   // Non-empty: every rank writes, per step, its per-thread communication and compute
   // timings as JSON lines into this directory (bench/overlap/timeline.py draws them).

@@ -42,8 +42,7 @@ struct CudaContext {
   bool pdl = false;
   // Ops take their fixed-order variants, so that two runs give bitwise the same results
   // (gpu::Env::deterministic; train_moe's train.deterministic). Off: the Hopper attention
-  // backward at head dim 64 adds dQ from every key block, and the embedding backward the
-  // rows of repeated ids, in no fixed order (faster).
+  // backward at head dim 64 adds dQ from every key block in no fixed order (faster).
   bool deterministic = false;
   std::unique_ptr<MatmulPlanCache> matmul_plans;  // cuBLASLt algorithm per problem shape
 

@@ -25,8 +25,7 @@ struct Env {
   // unless TROUPE_CUDA_PDL=0 (CudaContext::pdl).
   bool pdl = false;
   // Kernels that would add floats in no fixed order take a fixed-order variant
-  // (CudaContext::deterministic): the attention backward (kAttentionAuto) and the
-  // embedding backward.
+  // (CudaContext::deterministic): today the attention backward (kAttentionAuto).
   bool deterministic = false;
 };
 
@@ -106,8 +105,6 @@ void launch_rope(const Env& env, const void* x, const int32_t* pos, float theta,
                  int64_t head_dim, void* out, DType t, bool inverse);
 void launch_embedding_forward(const Env& env, const int32_t* ids, int64_t tokens, const void* table, DType tt,
                               int64_t vocab, int64_t d, void* out, DType ot);
-// Atomic adds (repeated ids in no fixed order), or with env.deterministic each row's sum in
-// token order (rows of up to 11775 elements).
 void launch_embedding_backward(const Env& env, const int32_t* ids, int64_t tokens, const void* dout, DType gt,
                                int64_t vocab, int64_t d, void* dtable, DType dtt);
 void launch_cross_entropy_forward(const Env& env, const void* logits, DType lt, const int32_t* targets,

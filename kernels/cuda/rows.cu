@@ -3,7 +3,6 @@
 //
 // Cross-entropy reads each row of logits once (online max and sum in fp32) and keeps
 // only two floats per row (loss, lse): no fp32 copy of the logits is ever made.
-#include <algorithm>
 #include <cstdio>
 
 #include "kernels/cuda/common.cuh"
@@ -399,68 +398,6 @@ __global__ void embedding_backward_kernel(const int32_t* ids, int64_t tokens, co
     atomic_add_value(dtable + int64_t{id} * d + c, to_float(dout[i]));
   }
 }
-
-// The same sums in a fixed order (env.deterministic): block b owns vocabulary rows [b * R,
-// b * R + R) and sums their gradients in shared memory (R x d f32), scanning the token ids
-// in order, 256 at a time, and adding each of its tokens' rows after the previous one;
-// thread x always owns the columns c = x mod 256, so each column's sum has one order,
-// token order, every run. Then it adds each touched row into dtable (no other block
-// writes it).
-constexpr int kOrderedThreads = 256;
-// 46 KB of sums and flags a block: with its 1 KB of static shared memory, under 48 KB.
-constexpr int64_t kOrderedSmemFloats = 11776;
-template <typename G, typename D>
-__global__ void __launch_bounds__(kOrderedThreads)
-    embedding_backward_ordered_kernel(const int32_t* __restrict__ ids, int64_t tokens,
-                                      const G* __restrict__ dout, int64_t vocab, int64_t d,
-                                      int rows_per_block, D* dtable) {
-  pdl_wait();
-  extern __shared__ float sums[];  // rows_per_block x d, then rows_per_block touch flags
-  __shared__ int32_t mine_list[kOrderedThreads];
-  __shared__ int warp_counts[kOrderedThreads / 32];
-  int* touched = reinterpret_cast<int*>(sums + int64_t{rows_per_block} * d);
-  const int64_t r0 = int64_t{blockIdx.x} * rows_per_block;
-  const int rows = static_cast<int>(min(int64_t{rows_per_block}, vocab - r0));
-  for (int64_t i = threadIdx.x; i < int64_t{rows} * d; i += blockDim.x) sums[i] = 0.0f;
-  for (int r = threadIdx.x; r < rows; r += blockDim.x) touched[r] = 0;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t base = 0; base < tokens; base += kOrderedThreads) {
-    const int64_t t = base + threadIdx.x;
-    bool mine = false;
-    if (t < tokens) {
-      const int32_t id = ids[t];
-      check_index(id, vocab, "embedding_backward");
-      mine = id >= r0 && id < r0 + rows;
-    }
-    const unsigned ballot = __ballot_sync(0xffffffffu, mine);
-    if (lane == 0) warp_counts[warp] = __popc(ballot);
-    __syncthreads();  // also: the zeroed sums, and the previous chunk's list fully read
-    int offset = 0, total = 0;
-#pragma unroll
-    for (int w = 0; w < kOrderedThreads / 32; ++w) {
-      offset += w < warp ? warp_counts[w] : 0;
-      total += warp_counts[w];
-    }
-    if (mine) mine_list[offset + __popc(ballot & ((1u << lane) - 1u))] = static_cast<int32_t>(threadIdx.x);
-    __syncthreads();
-    for (int k = 0; k < total; ++k) {
-      const int64_t tk = base + mine_list[k];
-      const int r = static_cast<int>(ids[tk] - r0);
-      const G* src = dout + tk * d;
-      float* dst = sums + int64_t{r} * d;
-      for (int64_t c = threadIdx.x; c < d; c += blockDim.x) dst[c] += to_float(src[c]);
-      if (threadIdx.x == 0) touched[r] = 1;
-    }
-    __syncthreads();  // warp_counts and mine_list are rewritten by the next chunk
-  }
-  for (int r = 0; r < rows; ++r) {
-    if (!touched[r]) continue;
-    D* row = dtable + (r0 + r) * d;
-    for (int64_t c = threadIdx.x; c < d; c += blockDim.x) {
-      row[c] = from_float<D>(to_float(row[c]) + sums[int64_t{r} * d + c]);
-    }
-  }
-}
 }  // namespace
 
 void launch_embedding_forward(const Env& env, const int32_t* ids, int64_t tokens, const void* table, DType tt,
@@ -486,24 +423,6 @@ void launch_embedding_backward(const Env& env, const int32_t* ids, int64_t token
                                int64_t vocab, int64_t d, void* dtable, DType dtt) {
   const int64_t n = tokens * d;
   if (n == 0) return;
-  if (env.deterministic) {
-    TROUPE_CHECK(
-        d < kOrderedSmemFloats,
-        "embedding_backward: the fixed-order (deterministic) kernel takes rows of up to {} elements, "
-        "got {}",
-        kOrderedSmemFloats - 1, d);
-    const int rows =
-        static_cast<int>(std::min<int64_t>(std::max<int64_t>(1, kOrderedSmemFloats / (d + 1)), vocab));
-    const size_t smem = static_cast<size_t>(rows) * static_cast<size_t>(d + 1) * sizeof(float);
-    TROUPE_DISPATCH_FLOAT(gt, G, "embedding_backward", TROUPE_DISPATCH_FLOAT(dtt, D, "embedding_backward", {
-                            launch(env, embedding_backward_ordered_kernel<G, D>,
-                                   static_cast<unsigned>(ceil_div(vocab, int64_t{rows})), kOrderedThreads,
-                                   smem, ids, tokens, static_cast<const G*>(dout), vocab, d, rows,
-                                   static_cast<D*>(dtable));
-                          }));
-    TROUPE_CUDA_LAUNCH_CHECK();
-    return;
-  }
   TROUPE_DISPATCH_FLOAT(gt, G, "embedding_backward", TROUPE_DISPATCH_FLOAT(dtt, D, "embedding_backward", {
                           launch(env, embedding_backward_kernel<G, D>, grid_for(n, 256, env.num_sms), 256, 0,
                                  ids, tokens, static_cast<const G*>(dout), vocab, d, static_cast<D*>(dtable));

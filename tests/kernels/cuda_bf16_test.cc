@@ -356,43 +356,6 @@ TEST_F(CudaBf16, Attention) {
   }
 }
 
-// The fixed-order embedding backward (Env::deterministic, train.deterministic): the CPU's
-// sums, and bitwise the same table on every run. One id takes a third of the tokens, the
-// vocabulary is not a multiple of a block's rows, and rows of 1000 leave 11 to a block.
-TEST_F(CudaBf16, EmbeddingBackwardFixedOrder) {
-  const Exec cpu = Exec::cpu();
-  const gpu::Env env{gpu.ctx.stream, gpu.ctx.num_sms, gpu.ctx.pdl, true};
-  for (int64_t d : {64, 1000}) {
-    const int64_t tokens = 3000, vocab = 517;
-    std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(vocab) - 1);
-    std::vector<int32_t> idv(static_cast<size_t>(tokens));
-    for (size_t t = 0; t < idv.size(); ++t) idv[t] = t % 3 == 0 ? 7 : pick(gen);
-    const Tensor ids = Tensor::from_ints({tokens}, idv);
-    for (DType tt : {kF32, kBF}) {
-      const std::string what =
-          fmt::format("embedding_backward fixed order (d {}, {} table)", d, dtype_name(tt));
-      const Tensor dout = host_random({tokens, d}, kBF), base = host_random({vocab, d}, tt);
-      Tensor want = Tensor::from_floats(base.shape(), base.to_floats(), kF32);
-      embedding_backward(cpu, ids, dout, want);
-      const Tensor ids_d = dev(ids), dout_d = dev(dout);
-      std::vector<float> first;
-      for (int run = 0; run < 3; ++run) {
-        Tensor got = dev(base);
-        gpu::launch_embedding_backward(env, static_cast<const int32_t*>(ids_d.data_ptr()), tokens,
-                                       dout_d.data_ptr(), kBF, vocab, d, got.data_ptr(), tt);
-        const std::vector<float> g = back(got).to_floats();
-        if (run == 0) {
-          expect_close(got, want, tt == kBF ? kTol : 1e-5, what.c_str());
-          first = g;
-        } else {
-          EXPECT_EQ(std::memcmp(g.data(), first.data(), g.size() * sizeof(float)), 0)
-              << what << " run " << run;
-        }
-      }
-    }
-  }
-}
-
 TEST_F(CudaBf16, RowKernels) {
   const Exec cpu = Exec::cpu();
   const int64_t t = 33, d = 264;
