@@ -11,7 +11,7 @@
 #            (TROUPE_CUDA_PDL=0), alternating, twice
 #   attnprof Nsight Compute counters of the Dh-64 attention kernels (kernel_bench's shape)
 #   dq       Troupe on bench_1b with the attention's dQ inside the dK/dV kernel (the default
-#            at head dim 64 on Hopper) and in its own (train.deterministic=true), twice
+#            at head dim 64 on Hopper) and in its own (train.attention_fused_dq=false), twice
 #   final    the final run, most important first, each part's failure reported and passed:
 #            build (train_moe + the CUDA tests) -> e2e -> tests -> train_moe_cuda_test ->
 #            kernels (builds kernel_bench) -> hoststats
@@ -118,13 +118,13 @@ for step in "$@"; do
       ;;
     dq)
       # Troupe only, the attention backward with dQ inside the dK/dV kernel (the default at
-      # head dim 64 on Hopper) and in its own kernel (train.deterministic=true), alternating.
+      # head dim 64 on Hopper) and in its own kernel (train.attention_fused_dq=false), alternating.
       for round in 1 2; do
-        for p in false true; do
-          rm -rf "$out/e2e-det-$p"
-          OUT="$out/e2e-det-$p" bash bench/e2e.sh --build "$B" --gpus 1 --quick --skip-peer --no-selfcheck \
-            --troupe-set "train.deterministic=$p" >"$out/det-$p-$round.log" 2>&1
-          stamp "train.deterministic=$p round $round rc=$?: $(grep -h '| troupe |' "$out/e2e-det-$p/e2e/e2e.md" 2>/dev/null)"
+        for p in true false; do
+          rm -rf "$out/e2e-fused-$p"
+          OUT="$out/e2e-fused-$p" bash bench/e2e.sh --build "$B" --gpus 1 --quick --skip-peer --no-selfcheck \
+            --troupe-set "train.attention_fused_dq=$p" >"$out/fused-$p-$round.log" 2>&1
+          stamp "train.attention_fused_dq=$p round $round rc=$?: $(grep -h '| troupe |' "$out/e2e-fused-$p/e2e/e2e.md" 2>/dev/null)"
         done
       done
       ;;

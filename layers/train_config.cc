@@ -123,8 +123,8 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(tc.train.fold_grad_norm,
                           cfg.get_bool("train.fold_grad_norm", tc.train.fold_grad_norm));
   TROUPE_ASSIGN_OR_RETURN(tc.train.cuda_graph, cfg.get_bool("train.cuda_graph", tc.train.cuda_graph));
-  TROUPE_ASSIGN_OR_RETURN(tc.train.deterministic,
-                          cfg.get_bool("train.deterministic", tc.train.deterministic));
+  TROUPE_ASSIGN_OR_RETURN(tc.train.attention_fused_dq,
+                          cfg.get_bool("train.attention_fused_dq", tc.train.attention_fused_dq));
   TROUPE_ASSIGN_OR_RETURN(tc.train.timeline_dir, cfg.get_string("train.timeline_dir", tc.train.timeline_dir));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.every, cfg.get_int("checkpoint.every", tc.checkpoint.every));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.keep, cfg.get_int("checkpoint.keep", tc.checkpoint.keep));

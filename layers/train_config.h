@@ -42,11 +42,12 @@ struct TrainOptions {
   // step whose batch has another count of targets runs without it. false: every launch
   // enqueued one by one, for comparison (and for kernel profilers that want launches).
   bool cuda_graph = true;
-  // GPU runs: every op in its fixed-order variant, so that two runs (and a CUDA graph and
-  // its launches) give bitwise the same losses (kernels::CudaContext::deterministic).
-  // false (default): the Hopper attention backward at head dim 64 adds dQ in no fixed
-  // order, ~1.5% faster on bench_1b; runs then agree to rounding. No effect on the CPU.
-  bool deterministic = false;
+  // GPU runs with head dim 64 on Hopper: the attention backward computes dQ inside its
+  // dK/dV kernel, each key block adding its share in no fixed order (~1.5% faster on
+  // bench_1b; two runs agree to rounding). false: dQ in its own kernel, in a fixed order
+  // (kernels::CudaContext::attention_fused_dq). The embedding backward adds repeated ids
+  // in no fixed order either way, so gradient norms can differ in their last bits.
+  bool attention_fused_dq = true;
   // Non-empty: every rank writes, per step, its per-thread communication and compute
   // timings as JSON lines into this directory (bench/overlap/timeline.py draws them).
   std::string timeline_dir;

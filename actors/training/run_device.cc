@@ -98,9 +98,9 @@ Result<std::unique_ptr<RunDevice>> RunDevice::create(const std::string& backend)
 #endif
 }
 
-void RunDevice::set_deterministic(bool on) {
+void RunDevice::set_attention_fused_dq(bool on) {
 #if TROUPE_HAVE_CUDA
-  if (cuda_) cuda_->ctx->deterministic = on;
+  if (cuda_) cuda_->ctx->attention_fused_dq = on;
 #else
   (void)on;
 #endif

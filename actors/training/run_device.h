@@ -49,9 +49,8 @@ class RunDevice {
   void mark_begin() const;
   void mark_end() const;
   double device_ms() const;
-  // train.deterministic: ops in their fixed-order variants (kernels::CudaContext::
-  // deterministic). No-op on the CPU, whose ops always are.
-  void set_deterministic(bool on);
+  // train.attention_fused_dq (kernels::CudaContext::attention_fused_dq). No-op on the CPU.
+  void set_attention_fused_dq(bool on);
 
   // A CUDA graph of a training step (train_moe's train.cuda_graph): begin_capture() starts
   // recording this device's stream (the work enqueued until end_capture() is recorded,

@@ -128,7 +128,7 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "train_moe: error: {}\n", tc.status().to_string());
       return 1;
     }
-    (*dev)->set_deterministic(tc->train.deterministic);
+    (*dev)->set_attention_fused_dq(tc->train.attention_fused_dq);
     if (tc->parallel.world() == 1 && std::getenv("TROUPE_ROLE") == nullptr) {
       st = run_train(*resolved, **dev);  // one process: the loop in train.cc
     } else {

@@ -486,7 +486,8 @@ void launch_attention_backward_mma(const Env& env, const AttentionShape& s, cons
                                    const void* v, const void* out, const float* lse, const void* dout,
                                    float scale, void* dq, void* dk, void* dv, void* scratch, int variant) {
   if (use_hopper(s, variant)) {
-    const bool split = variant == kAttentionHopperSplitDq || (variant == kAttentionAuto && env.deterministic);
+    const bool split =
+        variant == kAttentionHopperSplitDq || (variant == kAttentionAuto && !env.attention_fused_dq);
     launch_attention_backward_hopper(env, s, q, k, v, out, lse, dout, scale, dq, dk, dv, scratch, !split);
     return;
   }

@@ -50,7 +50,7 @@ CudaContext& context(const Exec& ex, const char* op) {
 }
 
 Env env_of(const CudaContext& ctx) {
-  return Env{ctx.stream, ctx.num_sms, ctx.pdl, ctx.deterministic};
+  return Env{ctx.stream, ctx.num_sms, ctx.pdl, ctx.attention_fused_dq};
 }
 
 void require(const Tensor& t, const char* op, const char* name) {

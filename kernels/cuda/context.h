@@ -40,10 +40,11 @@ struct CudaContext {
   // Kernels launch with programmatic dependent launch (gpu::Env::pdl): compute
   // capability 9.0 and up, unless the environment sets TROUPE_CUDA_PDL=0.
   bool pdl = false;
-  // Ops take their fixed-order variants, so that two runs give bitwise the same results
-  // (gpu::Env::deterministic; train_moe's train.deterministic). Off: the Hopper attention
-  // backward at head dim 64 adds dQ from every key block in no fixed order (faster).
-  bool deterministic = false;
+  // The Hopper attention backward at head dim 64 computes dQ inside its dK/dV kernel, each
+  // key block adding its share in no fixed order (faster; runs agree to rounding); false:
+  // dQ in its own kernel, bitwise the same every run (gpu::Env::attention_fused_dq;
+  // train_moe's train.attention_fused_dq).
+  bool attention_fused_dq = true;
   std::unique_ptr<MatmulPlanCache> matmul_plans;  // cuBLASLt algorithm per problem shape
 
  private:

@@ -24,9 +24,10 @@ struct Env {
   // Launch with programmatic dependent launch (common.cuh, launch()): sm_90 and up,
   // unless TROUPE_CUDA_PDL=0 (CudaContext::pdl).
   bool pdl = false;
-  // Kernels that would add floats in no fixed order take a fixed-order variant
-  // (CudaContext::deterministic): today the attention backward (kAttentionAuto).
-  bool deterministic = false;
+  // kAttentionAuto's Hopper backward at head dim 64 computes dQ inside its dK/dV kernel
+  // (added in no fixed order); false: in its own kernel, reproducible run to run
+  // (CudaContext::attention_fused_dq).
+  bool attention_fused_dq = true;
 };
 
 // ---- elementwise (elementwise.cu) ----------------------------------------------------
@@ -181,7 +182,7 @@ struct AttentionShape {
 // bulk-adding its partial dQ into an f32 buffer, in no fixed order (runs agree to
 // rounding); kAttentionHopperSplitDq runs the Hopper kernels with dQ in a kernel of its
 // own (as head dim 128 always does; fixed order, what kAttentionAuto takes when
-// env.deterministic). kernel_bench times each; the bf16 test checks each.
+// !env.attention_fused_dq). kernel_bench times each; the bf16 test checks each.
 constexpr int kAttentionAuto = 0, kAttentionHopper = 1, kAttentionHopperSplitDq = 2;
 constexpr int kAttentionDefaultWarps = 4;  // H200 bench_1b: 4 warps 0.50 + 1.44 ms, 8 warps 0.56 + 1.47
 // True where kAttentionAuto runs the Hopper kernels for this shape (bf16, 16-byte aligned).

@@ -10,7 +10,7 @@
 // Also train_moe's single-process GPU loop with the gradient norm folded into the experts'
 // dW products (issue 20: train.fold_grad_norm, the default) against the full pass, and
 // its steps replayed from a CUDA graph (train.cuda_graph, the default) against launches,
-// and two runs with train.deterministic bitwise equal.
+// and two runs with the attention's dQ in its own kernel (train.attention_fused_dq=false).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -192,10 +192,12 @@ TEST_F(StageGpu, TrainMoeCudaGraphStepsMatchLaunchByLaunch) {
               got.size(), worst, got.front()["loss"].get<double>(), got.back()["loss"].get<double>());
 }
 
-// train.deterministic: two runs of a model with head dim 64 and sequences of two key
-// blocks (on Hopper the attention backward's default then adds dQ from both blocks in no
-// fixed order) give bitwise the same losses and gradient norms at every step.
-TEST_F(StageGpu, TrainMoeDeterministicRunsAreBitwiseEqual) {
+// train.attention_fused_dq = false: two runs of a model with head dim 64 and sequences of
+// two key blocks (on Hopper the default then adds dQ from both blocks in no fixed order)
+// give bitwise the same losses. The gradient norm only to rounding: the embedding
+// backward's atomic adds of repeated ids (measured on an H200: the losses and aux losses
+// of 6 steps bitwise equal, the norms in their last bits not).
+TEST_F(StageGpu, TrainMoeSplitAttentionDqRunsGiveTheSameLosses) {
   auto train = [](const std::string& name) {
     TrainMoeCommand c;
     c.backend = "cuda";
@@ -204,26 +206,28 @@ TEST_F(StageGpu, TrainMoeDeterministicRunsAreBitwiseEqual) {
       if (s == "model.d_model=32") s = "model.d_model=256";
       if (s == "train.seq_len=16") s = "train.seq_len=256";
     }
-    for (const char* s : {"model.n_heads=4", "model.n_kv_heads=2", "train.deterministic=true"}) {
+    for (const char* s : {"model.n_heads=4", "model.n_kv_heads=2", "train.attention_fused_dq=false"}) {
       c.sets.emplace_back(s);
     }
     c.run_dir = *root_ / name;
     return run(c.argv(), *root_ / (name + ".log"), std::chrono::seconds(300));
   };
-  const RunResult first = train("moe-det-1");
+  const RunResult first = train("moe-split-dq-1");
   ASSERT_EQ(first.exit_code, 0) << first.output;
-  const RunResult second = train("moe-det-2");
+  const RunResult second = train("moe-split-dq-2");
   ASSERT_EQ(second.exit_code, 0) << second.output;
-  const auto ref = latest_step_records(*root_ / "moe-det-1" / "metrics.jsonl");
-  const auto got = latest_step_records(*root_ / "moe-det-2" / "metrics.jsonl");
+  const auto ref = latest_step_records(*root_ / "moe-split-dq-1" / "metrics.jsonl");
+  const auto got = latest_step_records(*root_ / "moe-split-dq-2" / "metrics.jsonl");
   ASSERT_EQ(ref.size(), 6u);
   ASSERT_EQ(got.size(), ref.size());
   for (size_t i = 0; i < ref.size(); ++i) {
-    for (const char* key : {"loss", "grad_norm", "aux_loss"}) {
+    for (const char* key : {"loss", "aux_loss"}) {
       EXPECT_EQ(ref[i][key].get<double>(), got[i][key].get<double>()) << key << " at step " << ref[i]["step"];
     }
+    EXPECT_LE(rel_diff(ref[i]["grad_norm"].get<double>(), got[i]["grad_norm"].get<double>()), 1e-6)
+        << "step " << ref[i]["step"];
   }
-  std::printf("[stage-gpu deterministic] %zu steps bitwise equal (loss %.6f -> %.6f)\n", got.size(),
+  std::printf("[stage-gpu split dQ] %zu steps, losses bitwise equal (loss %.6f -> %.6f)\n", got.size(),
               got.front()["loss"].get<double>(), got.back()["loss"].get<double>());
 }
 

@@ -214,7 +214,7 @@ int main(int argc, char** argv) {
     TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, training::load_run_config(o));
     TROUPE_RETURN_IF_ERROR(dense_lm::check_dense(tc));
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<training::RunDevice> dev, training::RunDevice::create(o.backend));
-    dev->set_deterministic(tc.train.deterministic);
+    dev->set_attention_fused_dq(tc.train.attention_fused_dq);
     return training::run_app(dense_lm::app(), o, dev->ctx());
   }();
   if (!st.ok()) {
