@@ -36,6 +36,24 @@ B=${BUILD:-/tmp/troupe-build}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 stamp() { echo "== $(date -u +%T) $*" | tee -a "$out/summary.txt"; }
+# Troupe alone on bench_1b, alternating the values of one switch, two rounds (same machine,
+# same token shards): troupe_ab TAG KIND NAME VALUE..., KIND "set" (a config key, given
+# to every Troupe run with --troupe-set) or "env" (an environment variable).
+troupe_ab() {
+  local tag=$1 kind=$2 name=$3 round v dir
+  shift 3
+  for round in 1 2; do
+    for v in "$@"; do
+      local envs=() sets=()
+      if [ "$kind" = env ]; then envs=("$name=$v"); else sets=(--troupe-set "$name=$v"); fi
+      dir="$out/e2e-$tag-$v"
+      rm -rf "$dir"
+      env "${envs[@]}" OUT="$dir" bash bench/e2e.sh --build "$B" --gpus 1 --quick --skip-peer --no-selfcheck \
+        "${sets[@]}" >"$out/$tag-$v-$round.log" 2>&1
+      stamp "$name=$v round $round rc=$?: $(grep -h '| troupe |' "$dir/e2e/e2e.md" 2>/dev/null)"
+    done
+  done
+}
 
 for step in "$@"; do
   case "$step" in
@@ -92,41 +110,20 @@ for step in "$@"; do
       stamp "router_load rc=$?"
       ;;
     graph)
-      # Troupe only, train.cuda_graph on and off alternating (same machine, same shards):
-      # the step replayed from one CUDA graph against its launches enqueued one by one.
-      for round in 1 2; do
-        for g in true false; do
-          rm -rf "$out/e2e-graph-$g"
-          OUT="$out/e2e-graph-$g" bash bench/e2e.sh --build "$B" --gpus 1 --quick --skip-peer --no-selfcheck \
-            --troupe-set "train.cuda_graph=$g" >"$out/graph-$g-$round.log" 2>&1
-          stamp "cuda_graph=$g round $round rc=$?: $(grep -h '| troupe |' "$out/e2e-graph-$g/e2e/e2e.md" 2>/dev/null)"
-          grep -h "captured as a CUDA graph\|^step 2/" "$out/e2e-graph-$g/e2e/troupe_1gpu.log" 2>/dev/null | cut -c1-200
-        done
+      # The step replayed from one CUDA graph against its launches enqueued one by one.
+      troupe_ab graph set train.cuda_graph true false
+      for g in true false; do
+        grep -h "captured as a CUDA graph\|^step 2/" "$out/e2e-graph-$g/e2e/troupe_1gpu.log" 2>/dev/null | cut -c1-200
       done
       ;;
     pdl)
-      # Troupe only, kernels launched with programmatic dependent launch (the default on
-      # sm_90) and without it (TROUPE_CUDA_PDL=0), alternating, same machine and shards.
-      for round in 1 2; do
-        for p in 1 0; do
-          rm -rf "$out/e2e-pdl-$p"
-          TROUPE_CUDA_PDL=$p OUT="$out/e2e-pdl-$p" bash bench/e2e.sh --build "$B" --gpus 1 --quick --skip-peer \
-            --no-selfcheck >"$out/pdl-$p-$round.log" 2>&1
-          stamp "TROUPE_CUDA_PDL=$p round $round rc=$?: $(grep -h '| troupe |' "$out/e2e-pdl-$p/e2e/e2e.md" 2>/dev/null)"
-        done
-      done
+      # Kernels launched with programmatic dependent launch (the default on sm_90) and without.
+      troupe_ab pdl env TROUPE_CUDA_PDL 1 0
       ;;
     dq)
-      # Troupe only, the attention backward with dQ inside the dK/dV kernel (the default at
-      # head dim 64 on Hopper) and in its own kernel (train.attention_fused_dq=false), alternating.
-      for round in 1 2; do
-        for p in true false; do
-          rm -rf "$out/e2e-fused-$p"
-          OUT="$out/e2e-fused-$p" bash bench/e2e.sh --build "$B" --gpus 1 --quick --skip-peer --no-selfcheck \
-            --troupe-set "train.attention_fused_dq=$p" >"$out/fused-$p-$round.log" 2>&1
-          stamp "train.attention_fused_dq=$p round $round rc=$?: $(grep -h '| troupe |' "$out/e2e-fused-$p/e2e/e2e.md" 2>/dev/null)"
-        done
-      done
+      # The attention backward with dQ inside the dK/dV kernel (the default at head dim 64 on
+      # Hopper) and in its own kernel.
+      troupe_ab fused set train.attention_fused_dq true false
       ;;
     attnprof)
       # Nsight Compute counters of the Dh-64 attention kernels on kernel_bench's bench_1b
