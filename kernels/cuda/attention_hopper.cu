@@ -4,16 +4,17 @@
 //
 // Every kernel is warp-specialised: warpgroup 0 is the producer (one thread issues TMA
 // bulk tensor copies into a ring of shared-memory stages, each completing on its "full"
-// mbarrier), warpgroups 1 and 2 are consumers of 64 rows each, running wgmma from the
-// swizzled tiles and releasing a stage on its "empty" mbarrier (one arrival per consumer
-// warp). A block owns 128 rows: queries (forward, dQ) or keys (dK/dV); the other operands
-// stream through the stages, and the tiles wholly past the causal diagonal are never
-// loaded (forward, dQ) or skipped per warpgroup.
+// mbarrier), warpgroups 1 and 2 (and 3: the forward at head dim 64) are consumers of 64
+// rows each, running wgmma from the swizzled tiles and releasing a stage on its "empty"
+// mbarrier (one arrival per consumer warp). A block owns 128 rows (192 in that forward):
+// queries (forward, dQ) or keys (dK/dV); the other operands stream through the stages,
+// and the tiles wholly past the causal diagonal are never loaded (forward, dQ) or skipped
+// per warpgroup.
 //
 // Products, per streamed tile (S = Q K^T in log2 units, P = exp2(S - lse)):
 // - forward: S (A = Q, B = K, K-major), online softmax in registers, then O += P V with P
 //   as the register A operand and V as an MN-major B; tile i's S is issued before tile
-//   i-1's P V, so the softmax of one overlaps the other, and the two warpgroups take turns
+//   i-1's P V, so the softmax of one overlaps the other, and the warpgroups take turns
 //   issuing (Turns);
 // - dQ: S and dP = dO V^T, dS = P (dP - D) in registers, dQ += dS K;
 // - dK/dV (looping over the group's query heads): S^T = K Q^T and dP^T = V dO^T, then
@@ -56,9 +57,9 @@ constexpr float kLn2 = 0.6931471805599453f;
 // Shared memory of one kernel: the block's own operand tiles (kOwnTiles of kBlockRows
 // rows), then kStages stages of two streamed tiles of kStreamRows rows, then kExtra bytes
 // of the kernel's own (1024-byte aligned), then barriers.
-template <int kD, int kOwnTiles, int kStreamRows, int kStages, int kExtra = 0>
+template <int kD, int kOwnTiles, int kStreamRows, int kStages, int kExtra = 0, int kOwnRows = kBlockRows>
 struct Smem {
-  static constexpr int kOwnBytes = kBlockRows * kD * 2;    // one own tile
+  static constexpr int kOwnBytes = kOwnRows * kD * 2;      // one own tile
   static constexpr int kTileBytes = kStreamRows * kD * 2;  // one streamed tile
   static constexpr int kStageBytes = 2 * kTileBytes;
   static constexpr int kStagesOffset = kOwnTiles * kOwnBytes;
@@ -68,12 +69,29 @@ struct Smem {
   static_assert(kBytes <= 227 * 1024, "shared memory of one block");
 };
 
+// Whether a kernel keeps its own operand rows (Q, dO or K, V of its 64 rows) in registers
+// as wgmma A fragments instead of reading them from shared memory for every product:
+// with both operands in shared memory a 64 x 64 x 16 product reads 4 KB, which at 128
+// bytes per clock is as long as the tensor cores take for it. Head dim 64 only (at 128 the
+// fragments would not fit beside the accumulators).
+template <int kD>
+constexpr bool kOwnInRegs = kD == 64;
+
 // Per-head-dim choices: forward streams 128-key tiles (fewer softmax rescales per flop);
 // the backward kernels keep four accumulator sets live and stream 64-row tiles.
-template <int kD>
+// The forward's kCWs consumer warpgroups own 64 queries each: at head dim 64 three (192
+// queries a block, as FlashAttention-3 does there: a tile's products are short beside its
+// softmax, and a third warpgroup keeps the tensor cores fed while two run theirs), with
+// Q read from shared memory (160 registers a thread); kWarpgroups2 keeps two (the
+// kAttentionHopperFwd2 variant). At head dim 128 always two.
+template <int kD, bool kWarpgroups2 = false>
 struct FwdCfg {
-  static constexpr int kStream = 128, kStages = 3;
-  using S = Smem<kD, 1, kStream, kStages>;
+  static constexpr int kCWs = kD == 64 && !kWarpgroups2 ? 3 : 2;
+  static constexpr int kStream = 128, kStages = kCWs == 3 ? 4 : 3;
+  static constexpr int kRows = 64 * kCWs;
+  static constexpr int kThreads = 128 * (1 + kCWs);
+  static constexpr bool kQInRegs = kOwnInRegs<kD> && kCWs == 2;
+  using S = Smem<kD, 1, kStream, kStages, 0, kRows>;
 };
 // kFusedDq (head dim 64): the dK/dV kernel also computes dQ (see attention_dkdv_hopper_kernel);
 // its extra shared memory holds the block's dS^T (kBlockRows x kStream bf16, swizzled like a
@@ -125,11 +143,11 @@ __device__ __forceinline__ void mma_rs(float (&acc)[kD / 2], const uint32_t (&a)
 
 // acc (64 x kN) = A (64 rows from row0 of own tile) B^T (kN rows of a streamed tile), both
 // K-major over kD.
-template <int kD, int kN>
+template <int kD, int kN, int kOwnRows = kBlockRows>
 __device__ __forceinline__ void mma_ss(float (&acc)[kN / 2], uint32_t a_tile, int a_row0, uint32_t b_tile) {
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk) {
-    const uint64_t da = kmajor(a_tile, kBlockRows, a_row0, kk), db = kmajor(b_tile, kN, 0, kk);
+    const uint64_t da = kmajor(a_tile, kOwnRows, a_row0, kk), db = kmajor(b_tile, kN, 0, kk);
     if constexpr (kN == 64) {
       wgmma_m64n64k16<0, 0>(acc, da, db, kk > 0 ? 1 : 0);
     } else {
@@ -137,14 +155,6 @@ __device__ __forceinline__ void mma_ss(float (&acc)[kN / 2], uint32_t a_tile, in
     }
   }
 }
-
-// Whether a kernel keeps its own operand rows (Q, dO or K, V of its 64 rows) in registers
-// as wgmma A fragments instead of reading them from shared memory for every product:
-// with both operands in shared memory a 64 x 64 x 16 product reads 4 KB, which at 128
-// bytes per clock is as long as the tensor cores take for it. Head dim 64 only (at 128 the
-// fragments would not fit beside the accumulators).
-template <int kD>
-constexpr bool kOwnInRegs = kD == 64;
 
 // kBranchFreeTiles (a note, not a switch): the backward kernels' tiles that cannot hold a
 // masked score (wholly below the diagonal and inside the sequence) skip the mask's index
@@ -187,15 +197,15 @@ __device__ __forceinline__ void mma_rs_kmajor(float (&acc)[kN / 2], const uint32
   }
 }
 
-// acc = own rows (registers when kOwnInRegs, else shared memory) x the streamed tile^T.
-template <int kD, int kN>
-__device__ __forceinline__ void mma_own(float (&acc)[kN / 2],
-                                        const uint32_t (&a)[kOwnInRegs<kD> ? kD / 16 : 1][4], uint32_t a_tile,
-                                        int a_row0, uint32_t b_tile) {
-  if constexpr (kOwnInRegs<kD>) {
+// acc = own rows (registers when kInRegs, else shared memory: an own tile of kOwnRows
+// rows) x the streamed tile^T.
+template <int kD, int kN, bool kInRegs = kOwnInRegs<kD>, int kOwnRows = kBlockRows>
+__device__ __forceinline__ void mma_own(float (&acc)[kN / 2], const uint32_t (&a)[kInRegs ? kD / 16 : 1][4],
+                                        uint32_t a_tile, int a_row0, uint32_t b_tile) {
+  if constexpr (kInRegs) {
     mma_rs_kmajor<kD, kN>(acc, a, b_tile);
   } else {
-    mma_ss<kD, kN>(acc, a_tile, a_row0, b_tile);
+    mma_ss<kD, kN, kOwnRows>(acc, a_tile, a_row0, b_tile);
   }
 }
 
@@ -248,8 +258,9 @@ __device__ __forceinline__ void store_rows(bf16* base, const float (&acc)[kD / 2
   }
 }
 
-// The barriers of a kernel: [0] the own tiles' load, then kStages "full", kStages "empty".
-template <int kStages>
+// The barriers of a kernel: [0] the own tiles' load, then kStages "full", kStages "empty"
+// (kWarps arrivals each: one per consumer warp).
+template <int kStages, int kWarps = 8>
 struct Ring {
   uint32_t own, full0, empty0;
   __device__ __forceinline__ explicit Ring(uint32_t bars)
@@ -258,7 +269,7 @@ struct Ring {
     mbar_init(own, 1);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, 8);  // one arrival per consumer warp
+      mbar_init(empty0 + 8 * s, kWarps);
     }
     mbar_init_fence();
   }
@@ -280,26 +291,24 @@ struct Ring {
   }
 };
 
-// The two consumer warpgroups take turns issuing their products (named barriers 1 and 2,
-// 256 threads each: one warpgroup waits, the other arrives), so one's softmax runs while
-// the other's products occupy the tensor cores instead of both doing each at once. Both
-// call take() and pass() once per streamed tile, the same number of times.
+// The kCWs consumer warpgroups take turns issuing their products, in rotation 0, 1, ...
+// (named barrier 1 + c is warpgroup c's turn, 256 threads: it waits, the one before it
+// arrives), so one's softmax runs while another's products occupy the tensor cores
+// instead of all doing each at once. Every warpgroup calls take() and pass() once per
+// streamed tile, the same number of times.
+template <int kCWs>
 struct Turns {
-  int cw;  // consumer warpgroup 0 or 1
+  int cw;  // consumer warpgroup, 0 .. kCWs - 1
   __device__ __forceinline__ void start() const {
-    if (cw == 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");  // warpgroup 0 goes first
+    if (cw == kCWs - 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");  // warpgroup 0 goes first
   }
   __device__ __forceinline__ void take() const {
-    if (cw == 0) {
-      asm volatile("bar.sync 1, 256;\n" ::: "memory");
-    } else {
-      asm volatile("bar.sync 2, 256;\n" ::: "memory");
-    }
+    asm volatile("bar.sync %0, 256;\n" ::"r"(1 + cw) : "memory");
   }
-  // last: the warpgroup's final tile (warpgroup 1's final turn is not taken by anyone).
+  // last: the warpgroup's final tile (the last warpgroup's final turn is not taken by anyone).
   __device__ __forceinline__ void pass(bool last) const {
-    if (cw == 0) {
-      asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+    if (cw < kCWs - 1) {
+      asm volatile("bar.arrive %0, 256;\n" ::"r"(2 + cw) : "memory");
     } else if (!last) {
       asm volatile("bar.arrive 1, 256;\n" ::: "memory");
     }
@@ -311,26 +320,27 @@ __device__ __forceinline__ uint32_t aligned_smem(unsigned char* raw) {
 }
 #endif  // TROUPE_WGMMA_DEVICE
 
-// grid (ceil(S/128), Hq, B); late (heavier) query blocks first.
-template <int kD>
-__global__ void __launch_bounds__(kThreads, 1)
+// grid (ceil(S/kRows), Hq, B); late (heavier) query blocks first.
+template <int kD, bool kWarpgroups2>
+__global__ void __launch_bounds__(FwdCfg<kD, kWarpgroups2>::kThreads, 1)
     attention_fwd_hopper_kernel(const __grid_constant__ CUtensorMap map_q,
                                 const __grid_constant__ CUtensorMap map_k,
                                 const __grid_constant__ CUtensorMap map_v, AttentionShape s, float scale_log2,
                                 bf16* out, float* lse) {
   pdl_wait();
 #ifdef TROUPE_WGMMA_DEVICE
-  using C = FwdCfg<kD>;
+  using C = FwdCfg<kD, kWarpgroups2>;
   using L = typename C::S;
-  constexpr int kN = C::kStream;
+  constexpr int kN = C::kStream, kRows = C::kRows, kCWs = C::kCWs;
+  constexpr bool kQInRegs = C::kQInRegs;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t base = aligned_smem(smem_raw), sq = base, stages = base + L::kStagesOffset;
-  const Ring<C::kStages> ring(base + L::kBarOffset);
+  const Ring<C::kStages, 4 * kCWs> ring(base + L::kBarOffset);
   const int tid = threadIdx.x, wg = tid / 128;
   const int b = blockIdx.z, h = blockIdx.y, hk = h / static_cast<int>(s.q_heads / s.kv_heads);
-  const int m0 = (gridDim.x - 1 - blockIdx.x) * kBlockRows;
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * kRows;
   const int seq = static_cast<int>(s.seq);
-  const int kv_end = min(seq, m0 + kBlockRows);
+  const int kv_end = min(seq, m0 + kRows);
   const int tiles = (kv_end + kN - 1) / kN;
   if (tid == 0) ring.init();
   __syncthreads();
@@ -338,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (tid == 0) {
       mbar_expect_tx(ring.own, L::kOwnBytes);
-      load_tile<kD>(sq, &map_q, ring.own, kBlockRows, h, m0, b);
+      load_tile<kD>(sq, &map_q, ring.own, kRows, h, m0, b);
       for (int i = 0; i < tiles; ++i) {
         ring.wait_empty(i);
         const uint32_t st = stages + (i % C::kStages) * L::kStageBytes;
@@ -349,10 +359,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  if constexpr (kCWs == 3) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n");
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  }
   const int cw = wg - 1, warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int wg_first = m0 + 64 * cw, row_lo = wg_first + warp * 16 + g, row_hi = row_lo + 8;
-  const Turns turns{cw};
+  // The key tiles this warpgroup's queries see: with three warpgroups (192 queries, 128-key
+  // tiles) the block's last tile can lie wholly past the diagonal of the first one or two;
+  // they take their turns and release its stage without computing it (the tail loop).
+  const int own_tiles = min(tiles, (wg_first + 63) / kN + 1);
+  const Turns<kCWs> turns{cw};
   turns.start();
   float o[kD / 2];
 #pragma unroll
@@ -360,15 +378,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t pa[kN / 16][4];  // P of the previous tile, the A operand of its P V product
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   mbar_wait(ring.own, 0);
-  uint32_t qa[kOwnInRegs<kD> ? kD / 16 : 1][4];
-  if constexpr (kOwnInRegs<kD>) load_own_frags<kD>(qa, sq, 64 * cw);
+  uint32_t qa[kQInRegs ? kD / 16 : 1][4];
+  if constexpr (kQInRegs) load_own_frags<kD>(qa, sq, 64 * cw);
   // Tile i's S = Q K^T runs while tile i-1's O += P V does; the softmax of tile i overlaps
-  // that product, and O is rescaled once it has landed. Every key tile starts at or
-  // before the block's first query (kN == kBlockRows), so no warpgroup skips one.
+  // that product, and O is rescaled once it has landed.
   // The first tile is peeled off the loop: inside it every iteration commits the same two
   // groups, so ptxas can see that wait<1> retires S (with a commit under `if (i > 0)` it
   // could not, and serialised every wgmma of the kernel: warning C7514).
-  static_assert(kN == kBlockRows, "every streamed key tile overlaps both warpgroups' queries");
+  static_assert(kN <= 128 && kRows % 64 == 0, "a warpgroup skips at most the block's last tiles");
   // The online softmax of tile k0's scores sc (raw S) in place: P = exp2(S * scale_log2 -
   // m); returns O's rescale factors in corr. The row maximum is taken on the raw scores
   // (scale > 0), so each probability costs one FFMA and one EX2.
@@ -417,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int x = 0; x < kN / 2; ++x) sc[x] = 0.0f;
     turns.take();
     wgmma_fence();
-    mma_own<kD, kN>(sc, qa, sq, 64 * cw, stages);
+    mma_own<kD, kN, kQInRegs, kRows>(sc, qa, sq, 64 * cw, stages);
     wgmma_commit();
     turns.pass(tiles == 1);
     wgmma_wait<0>();
@@ -425,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     softmax(sc, 0, corr);  // O is still zero: nothing to rescale
     to_a_frags<kN>(pa, sc);
   }
-  for (int i = 1; i < tiles; ++i) {
+  for (int i = 1; i < own_tiles; ++i) {
     const int k0 = i * kN;
     ring.wait_full(i);
     const uint32_t st = stages + (i % C::kStages) * L::kStageBytes;
@@ -435,7 +452,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int x = 0; x < kN / 2; ++x) sc[x] = 0.0f;
     turns.take();
     wgmma_fence();
-    mma_own<kD, kN>(sc, qa, sq, 64 * cw, st);
+    mma_own<kD, kN, kQInRegs, kRows>(sc, qa, sq, 64 * cw, st);
     wgmma_commit();
     mma_rs<kD, kN>(o, pa, prev_v);
     wgmma_commit();
@@ -457,12 +474,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     to_a_frags<kN>(pa, sc);
   }
   wgmma_fence();
-  mma_rs<kD, kN>(o, pa, stages + ((tiles - 1) % C::kStages) * L::kStageBytes + L::kTileBytes);
+  mma_rs<kD, kN>(o, pa, stages + ((own_tiles - 1) % C::kStages) * L::kStageBytes + L::kTileBytes);
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs(o);
   fence_regs(pa);
-  ring.release(tiles - 1);
+  ring.release(own_tiles - 1);
+  for (int i = own_tiles; i < tiles; ++i) {  // tiles wholly past this warpgroup's diagonal
+    turns.take();
+    turns.pass(i == tiles - 1);
+    ring.wait_full(i);  // its "empty" phase is the current one only once it is full
+    ring.release(i);
+  }
   const float inv_lo = l[0] > 0.0f ? 1.0f / l[0] : 0.0f, inv_hi = l[1] > 0.0f ? 1.0f / l[1] : 0.0f;
   store_rows<kD>(out, o, inv_lo, inv_hi, b, wg_first + warp * 16, h, seq, s.q_heads);
   if (t == 0) {
@@ -897,8 +920,8 @@ void allow_smem(K kernel, size_t bytes) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
-dim3 block_grid(const AttentionShape& s, int64_t heads) {
-  return dim3(static_cast<unsigned>(ceil_div(s.seq, kBlockRows)), static_cast<unsigned>(heads),
+dim3 block_grid(const AttentionShape& s, int64_t heads, int rows = kBlockRows) {
+  return dim3(static_cast<unsigned>(ceil_div(s.seq, int64_t{rows})), static_cast<unsigned>(heads),
               static_cast<unsigned>(s.batch));
 }
 
@@ -910,16 +933,26 @@ bool attention_hopper_available(const AttentionShape& s) {
 }
 
 void launch_attention_forward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,
-                                     const void* v, float scale, void* out, float* lse) {
-  dispatch_head_dim(s.head_dim, [&](auto d) {
-    using L = typename FwdCfg<d()>::S;
-    const CUtensorMap mq = head_map(q, s, s.q_heads, kBlockRows);
-    const CUtensorMap mk = head_map(k, s, s.kv_heads, FwdCfg<d()>::kStream);
-    const CUtensorMap mv = head_map(v, s, s.kv_heads, FwdCfg<d()>::kStream);
-    auto kernel = attention_fwd_hopper_kernel<d()>;
+                                     const void* v, float scale, void* out, float* lse, bool two_warpgroups) {
+  auto run = [&](auto d, auto two) {
+    using C = FwdCfg<d(), two()>;
+    using L = typename C::S;
+    const CUtensorMap mq = head_map(q, s, s.q_heads, C::kRows);
+    const CUtensorMap mk = head_map(k, s, s.kv_heads, C::kStream);
+    const CUtensorMap mv = head_map(v, s, s.kv_heads, C::kStream);
+    auto kernel = attention_fwd_hopper_kernel<d(), two()>;
     allow_smem(kernel, L::kBytes);
-    launch(env, kernel, block_grid(s, s.q_heads), kThreads, L::kBytes, mq, mk, mv, s, scale * kLog2e,
-           static_cast<bf16*>(out), lse);
+    launch(env, kernel, block_grid(s, s.q_heads, C::kRows), C::kThreads, L::kBytes, mq, mk, mv, s,
+           scale * kLog2e, static_cast<bf16*>(out), lse);
+  };
+  dispatch_head_dim(s.head_dim, [&](auto d) {
+    if constexpr (d() == 64) {
+      if (!two_warpgroups) {
+        run(d, std::false_type{});
+        return;
+      }
+    }
+    run(d, std::true_type{});  // two consumer warpgroups
   });
   TROUPE_CUDA_LAUNCH_CHECK();
 }

@@ -23,7 +23,7 @@ void launch_attention_rowdot(const Env& env, const AttentionShape& s, const void
                              DType t);
 // attention_hopper.cu: the sm_90a kernels.
 void launch_attention_forward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,
-                                     const void* v, float scale, void* out, float* lse);
+                                     const void* v, float scale, void* out, float* lse, bool two_warpgroups);
 void launch_attention_backward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                       const void* v, const void* out, const float* lse, const void* dout,
                                       float scale, void* dq, void* dk, void* dv, void* scratch,
@@ -438,7 +438,7 @@ void dispatch_mma_head_dim(int64_t dh, F&& f) {
 // True for the Hopper kernels: asked for (kAttentionHopper, refused where they cannot run),
 // or kAttentionAuto where they can.
 bool use_hopper(const AttentionShape& s, int variant) {
-  if (variant == kAttentionHopper || variant == kAttentionHopperSplitDq) {
+  if (variant == kAttentionHopper || variant == kAttentionHopperSplitDq || variant == kAttentionHopperFwd2) {
     TROUPE_CHECK(attention_hopper_available(s),
                  "attention: the Hopper kernels need an sm_90a build on a compute-capability 9.0 GPU");
     return true;
@@ -449,8 +449,8 @@ bool use_hopper(const AttentionShape& s, int variant) {
 int mma_warps(int variant) {
   const int warps = variant == kAttentionAuto ? kAttentionDefaultWarps : variant;
   TROUPE_CHECK(warps == 4 || warps == 8,
-               "attention: variant must be 0 (auto), 1 (Hopper), 2 (Hopper, dQ on its own), 4 or 8 (mma.sync "
-               "warps), got {}",
+               "attention: variant must be 0 (auto), 1 (Hopper), 2 (Hopper, dQ on its own), 3 (Hopper, a "
+               "two-warpgroup forward), 4 or 8 (mma.sync warps), got {}",
                variant);
   return warps;
 }
@@ -468,7 +468,7 @@ bool attention_mma_supported(const AttentionShape& s, DType t, std::initializer_
 void launch_attention_forward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                   const void* v, float scale, void* out, float* lse, int variant) {
   if (use_hopper(s, variant)) {
-    launch_attention_forward_hopper(env, s, q, k, v, scale, out, lse);
+    launch_attention_forward_hopper(env, s, q, k, v, scale, out, lse, variant == kAttentionHopperFwd2);
     return;
   }
   const int warps = mma_warps(variant);

@@ -182,8 +182,10 @@ struct AttentionShape {
 // bulk-adding its partial dQ into an f32 buffer, in no fixed order (runs agree to
 // rounding); kAttentionHopperSplitDq runs the Hopper kernels with dQ in a kernel of its
 // own (as head dim 128 always does; fixed order, what kAttentionAuto takes when
-// !env.attention_fused_dq). kernel_bench times each; the bf16 test checks each.
-constexpr int kAttentionAuto = 0, kAttentionHopper = 1, kAttentionHopperSplitDq = 2;
+// !env.attention_fused_dq); kAttentionHopperFwd2 runs them with the head-dim-64 forward on
+// two consumer warpgroups (128 queries a block) instead of three (192; head dim 128 always
+// has two). kernel_bench times each; the bf16 test checks each.
+constexpr int kAttentionAuto = 0, kAttentionHopper = 1, kAttentionHopperSplitDq = 2, kAttentionHopperFwd2 = 3;
 constexpr int kAttentionDefaultWarps = 4;  // H200 bench_1b: 4 warps 0.50 + 1.44 ms, 8 warps 0.56 + 1.47
 // True where kAttentionAuto runs the Hopper kernels for this shape (bf16, 16-byte aligned).
 bool attention_hopper_available(const AttentionShape& s);

@@ -330,6 +330,7 @@ TEST_F(CudaBf16, Attention) {
       if (gpu::attention_hopper_available(shape)) {
         variants.push_back(gpu::kAttentionHopper);  // at dh 64 with dQ inside the dK/dV kernel
         variants.push_back(gpu::kAttentionHopperSplitDq);
+        variants.push_back(gpu::kAttentionHopperFwd2);  // at dh 64 a two-warpgroup forward
       }
       for (int variant : variants) {
         const std::string tag = fmt::format(" (variant {}, dh {} s {})", variant, dh, s);
