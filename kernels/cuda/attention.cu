@@ -326,9 +326,9 @@ size_t attention_dsum_floats(const AttentionShape& s) {
   return static_cast<size_t>(ceil_div(s.batch * s.q_heads * s.seq, 64) * 64);  // 256-byte multiple
 }
 
-size_t attention_backward_scratch_bytes(const AttentionShape& s) {
+size_t attention_backward_scratch_bytes(const AttentionShape& s, bool fused_dq) {
   // The Hopper backward at head dim 64 also adds dQ into an f32 buffer after D.
-  const bool fused = s.head_dim == 64 && attention_hopper_available(s);
+  const bool fused = fused_dq && s.head_dim == 64 && attention_hopper_available(s);
   return attention_dsum_floats(s) * sizeof(float) + (fused ? attention_fused_dq_bytes(s) : 0);
 }
 

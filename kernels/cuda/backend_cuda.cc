@@ -337,7 +337,7 @@ void cuda_attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, c
   require(lse, op, "lse");
   require_dtype(lse, DType::kF32, op, "lse");
   const gpu::AttentionShape shape = attention_shape(q, k);
-  Scratch scratch(s.ctx, gpu::attention_backward_scratch_bytes(shape));
+  Scratch scratch(s.ctx, gpu::attention_backward_scratch_bytes(shape, s.env.attention_fused_dq));
   gpu::launch_attention_backward(s.env, shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                  f32(lse), dout.data_ptr(), scale, dq.data_ptr(), dk.data_ptr(),
                                  dv.data_ptr(), q.dtype(), scratch.get());

@@ -195,7 +195,8 @@ void launch_attention_forward(const Env& env, const AttentionShape& s, const voi
 // scratch: attention_backward_scratch_bytes(s) bytes: D = rowsum(dO * O) (the first
 // attention_dsum_floats(s) floats), then, for the Hopper kernels at head dim 64, dQ's f32
 // accumulator (attention_fused_dq_bytes(s)).
-size_t attention_backward_scratch_bytes(const AttentionShape& s);
+// fused_dq = false: for the default variant with !env.attention_fused_dq only (no dQ buffer).
+size_t attention_backward_scratch_bytes(const AttentionShape& s, bool fused_dq = true);
 size_t attention_dsum_floats(const AttentionShape& s);
 size_t attention_fused_dq_bytes(const AttentionShape& s);
 void launch_attention_backward(const Env& env, const AttentionShape& s, const void* q, const void* k,

@@ -2,6 +2,7 @@
 // and its backward, the dispatch plan (per-expert counts, offsets and each copy's row,
 // computed on the device in a deterministic order), and permute/unpermute with their
 // backwards.
+#include <cstdint>
 #include <cstdio>
 #include <initializer_list>
 
@@ -16,8 +17,99 @@ constexpr int kMaxTopK = 16;
 
 __device__ __forceinline__ float sigmoid_exact(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// One thread per token: experts are few (tens to hundreds), so a serial scan per token is
-// cheap, and selection by repeated arg-max keeps the tie rule (lower index wins) exact.
+// One warp per token, for up to 32 * kPer experts: lane l holds experts l, l + 32, ... in
+// registers (coalesced loads and stores), the softmax's max and sum are warp reductions,
+// and each of the top_k picks is a warp arg-max over (key, index) that prefers the lower
+// index on equal keys (the tie rule of the serial kernel below). Lane j keeps pick j and
+// writes it. The gates' sum adds the picks in pick order, as the serial kernel does.
+constexpr int kRouterWarpTokens = 8;  // tokens (warps) a block
+template <int kPer>
+__global__ void __launch_bounds__(32 * kRouterWarpTokens)
+    router_forward_warp_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
+                               int64_t tokens, int64_t experts, int top_k, bool sigmoid, bool normalize,
+                               float* scores, int32_t* topk_idx, float* gates) {
+  pdl_wait();
+  const int64_t t = int64_t{blockIdx.x} * kRouterWarpTokens + threadIdx.x / 32;
+  if (t >= tokens) return;  // the whole warp: t is the warp's
+  const int lane = threadIdx.x % 32;
+  const float* l = logits + t * experts;
+  float v[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int64_t e = lane + 32 * i;
+    v[i] = e < experts ? l[e] : -INFINITY;
+  }
+  if (sigmoid) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) v[i] = sigmoid_exact(v[i]);  // sigmoid(-inf) = 0: never picked
+  } else {
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) m = fmaxf(m, v[i]);
+    m = warp_max(m);
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      v[i] = expf(v[i] - m);  // 0 past the experts
+      sum += v[i];
+    }
+    const float inv = 1.0f / warp_sum(sum);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) v[i] *= inv;
+  }
+  float key[kPer];
+  bool open[kPer];  // an expert of this token, not picked yet
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int64_t e = lane + 32 * i;
+    open[i] = e < experts;
+    if (open[i]) {
+      scores[t * experts + e] = v[i];
+      key[i] = v[i] + (bias != nullptr ? bias[e] : 0.0f);
+    }
+  }
+  int32_t mine_idx = 0;
+  float mine_val = 0.0f, total = 0.0f;
+  for (int j = 0; j < top_k; ++j) {
+    // This lane's best untaken expert (its experts ascend with i, so the strict > keeps the
+    // lowest index of equal keys), then the warp's.
+    float bk = -INFINITY, bv = 0.0f;
+    int32_t bi = INT32_MAX;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      if (open[i] && (bi == INT32_MAX || key[i] > bk)) {
+        bk = key[i];
+        bv = v[i];
+        bi = lane + 32 * i;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ok = __shfl_xor_sync(0xffffffffu, bk, o), ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (oi != INT32_MAX && (bi == INT32_MAX || ok > bk || (ok == bk && oi < bi))) {
+        bk = ok;
+        bv = ov;
+        bi = oi;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) open[i] = open[i] && lane + 32 * i != bi;
+    if (lane == j) {
+      mine_idx = bi;
+      mine_val = bv;
+    }
+    total += bv;
+  }
+  if (lane < top_k) {
+    const bool renorm = normalize || sigmoid;
+    topk_idx[t * top_k + lane] = mine_idx;
+    gates[t * top_k + lane] = renorm ? mine_val / total : mine_val;
+  }
+}
+
+// More experts than a warp holds: one thread per token, a serial scan per token, and
+// selection by repeated arg-max keeps the tie rule (lower index wins) exact.
 __global__ void router_forward_kernel(const float* logits, const float* bias, int64_t tokens, int64_t experts,
                                       int top_k, bool sigmoid, bool normalize, float* scores, int32_t* topk_idx,
                                       float* gates) {
@@ -327,8 +419,23 @@ void launch_router_forward(const Env& env, const float* logits, const float* bia
   TROUPE_CHECK(top_k >= 1 && top_k <= kMaxTopK && top_k <= experts, "router_forward on cuda: top_k {} with {} experts",
                top_k, experts);
   if (tokens == 0) return;
-  launch(env, router_forward_kernel, static_cast<unsigned>(ceil_div(tokens, 128)), 128, 0, logits, bias,
-         tokens, experts, top_k, sigmoid, normalize, scores, topk_idx, gates);
+  auto warp = [&](auto kernel) {
+    launch(env, kernel, static_cast<unsigned>(ceil_div(tokens, int64_t{kRouterWarpTokens})),
+           32 * kRouterWarpTokens, 0, logits, bias, tokens, experts, top_k, sigmoid, normalize, scores,
+           topk_idx, gates);
+  };
+  if (experts <= 32) {
+    warp(router_forward_warp_kernel<1>);
+  } else if (experts <= 64) {
+    warp(router_forward_warp_kernel<2>);
+  } else if (experts <= 128) {
+    warp(router_forward_warp_kernel<4>);
+  } else if (experts <= 256) {
+    warp(router_forward_warp_kernel<8>);
+  } else {
+    launch(env, router_forward_kernel, static_cast<unsigned>(ceil_div(tokens, 128)), 128, 0, logits, bias,
+           tokens, experts, top_k, sigmoid, normalize, scores, topk_idx, gates);
+  }
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 

@@ -1086,6 +1086,35 @@ void add_router_cases(std::vector<OpCase>& cases, Rng& rng) {
     };
     cases.push_back(std::move(c));
   }
+  // The CUDA router takes a warp per token up to 256 experts (1, 2, 4 or 8 a lane, the last
+  // lanes partly empty) and a thread per token beyond: forward cases on each.
+  const std::vector<Spec> wide = {
+      {"softmax/top8of40/norm/bias", 9, 40, {8, RouterScore::kSoftmax, true}, true, false},
+      {"sigmoid/top8of64/bias", 6, 64, {8, RouterScore::kSigmoid, true}, true, false},
+      {"softmax/top16of100/raw", 5, 100, {16, RouterScore::kSoftmax, false}, false, false},
+      {"softmax/top6of256/norm", 4, 256, {6, RouterScore::kSoftmax, true}, false, false},
+      {"softmax/top2of300/norm/bias", 4, 300, {2, RouterScore::kSoftmax, true}, true, false},
+  };
+  for (const Spec& sp : wide) {
+    OpCase c;
+    c.name = "router/" + sp.tag;
+    c.ops = {"router_forward"};
+    c.inputs = {rng.uniform({sp.tokens, sp.experts}, -2.0, 2.0), rng.uniform({sp.experts}, -0.3, 0.3)};
+    c.f32_inputs = {1};
+    const RouterConfig cfg = sp.cfg;
+    const bool use_bias = sp.bias;
+    const int64_t t = sp.tokens, e = sp.experts, k = cfg.top_k;
+    c.forward = [cfg, use_bias, t, e, k](TestDevice& dev, const Tensors& in) {
+      Tensor scores = dev.poisoned({t, e}, DType::kF32), idx = dev.poisoned({t, k}, DType::kI32),
+             gates = dev.poisoned({t, k}, DType::kF32);
+      router_forward(dev.exec(), in[0], use_bias ? &in[1] : nullptr, cfg, scores, idx, gates);
+      return HostTensors{dev.download(scores), dev.download(idx), dev.download(gates)};
+    };
+    c.reference = [cfg, use_bias](const HostTensors& in) {
+      return reference_router(in[0], use_bias ? &in[1] : nullptr, cfg);
+    };
+    cases.push_back(std::move(c));
+  }
   {
     // Exact ties (equal logits give equal scores) must go to the lower expert index.
     OpCase c;
