@@ -1038,39 +1038,49 @@ HostTensors reference_router(const HostTensor& logits, const HostTensor* bias, c
   return {scores, idx, gates};
 }
 
-void add_router_cases(std::vector<OpCase>& cases, Rng& rng) {
-  struct Spec {
-    std::string tag;
-    int64_t tokens, experts;
-    RouterConfig cfg;
-    bool bias, dscores;
+// The router's forward case for one shape: random logits, and a bias large enough to change
+// which experts win, so selection-only use of it shows.
+struct RouterSpec {
+  std::string tag;
+  int64_t tokens, experts;
+  RouterConfig cfg;
+  bool bias, dscores;
+};
+OpCase router_forward_case(const RouterSpec& sp, Rng& rng) {
+  OpCase c;
+  c.name = "router/" + sp.tag;
+  c.ops = {"router_forward"};
+  c.inputs = {rng.uniform({sp.tokens, sp.experts}, -2.0, 2.0), rng.uniform({sp.experts}, -0.3, 0.3)};
+  c.f32_inputs = {1};
+  const RouterConfig cfg = sp.cfg;
+  const bool use_bias = sp.bias;
+  const int64_t t = sp.tokens, e = sp.experts, k = cfg.top_k;
+  c.forward = [cfg, use_bias, t, e, k](TestDevice& dev, const Tensors& in) {
+    Tensor scores = dev.poisoned({t, e}, DType::kF32), idx = dev.poisoned({t, k}, DType::kI32),
+           gates = dev.poisoned({t, k}, DType::kF32);
+    router_forward(dev.exec(), in[0], use_bias ? &in[1] : nullptr, cfg, scores, idx, gates);
+    return HostTensors{dev.download(scores), dev.download(idx), dev.download(gates)};
   };
-  const std::vector<Spec> specs = {
+  c.reference = [cfg, use_bias](const HostTensors& in) {
+    return reference_router(in[0], use_bias ? &in[1] : nullptr, cfg);
+  };
+  return c;
+}
+
+void add_router_cases(std::vector<OpCase>& cases, Rng& rng) {
+  const std::vector<RouterSpec> specs = {
       {"softmax/top2/norm", 6, 8, {2, RouterScore::kSoftmax, true}, false, true},
       {"softmax/top1/raw", 5, 4, {1, RouterScore::kSoftmax, false}, false, false},
       {"softmax/top3/raw/bias", 4, 6, {3, RouterScore::kSoftmax, false}, true, true},
       {"sigmoid/top2/bias", 7, 8, {2, RouterScore::kSigmoid, true}, true, true},
       {"sigmoid/top4of4", 3, 4, {4, RouterScore::kSigmoid, true}, false, false},
   };
-  for (const Spec& sp : specs) {
-    OpCase c;
-    c.name = "router/" + sp.tag;
+  for (const RouterSpec& sp : specs) {
+    OpCase c = router_forward_case(sp, rng);
     c.ops = {"router_forward", "router_backward"};
-    // The bias is large enough to change which experts win, so selection-only use of it shows.
-    c.inputs = {rng.uniform({sp.tokens, sp.experts}, -2.0, 2.0), rng.uniform({sp.experts}, -0.3, 0.3)};
-    c.f32_inputs = {1};
     const RouterConfig cfg = sp.cfg;
     const bool use_bias = sp.bias;
     const int64_t t = sp.tokens, e = sp.experts, k = cfg.top_k;
-    c.forward = [cfg, use_bias, t, e, k](TestDevice& dev, const Tensors& in) {
-      Tensor scores = dev.poisoned({t, e}, DType::kF32), idx = dev.poisoned({t, k}, DType::kI32),
-             gates = dev.poisoned({t, k}, DType::kF32);
-      router_forward(dev.exec(), in[0], use_bias ? &in[1] : nullptr, cfg, scores, idx, gates);
-      return HostTensors{dev.download(scores), dev.download(idx), dev.download(gates)};
-    };
-    c.reference = [cfg, use_bias](const HostTensors& in) {
-      return reference_router(in[0], use_bias ? &in[1] : nullptr, cfg);
-    };
     c.grad_inputs = {0};
     c.loss_outputs = sp.dscores ? std::vector<int>{0, 2} : std::vector<int>{2};
     const bool with_dscores = sp.dscores;
@@ -1088,33 +1098,14 @@ void add_router_cases(std::vector<OpCase>& cases, Rng& rng) {
   }
   // The CUDA router takes a warp per token up to 256 experts (1, 2, 4 or 8 a lane, the last
   // lanes partly empty) and a thread per token beyond: forward cases on each.
-  const std::vector<Spec> wide = {
+  const std::vector<RouterSpec> wide = {
       {"softmax/top8of40/norm/bias", 9, 40, {8, RouterScore::kSoftmax, true}, true, false},
       {"sigmoid/top8of64/bias", 6, 64, {8, RouterScore::kSigmoid, true}, true, false},
       {"softmax/top16of100/raw", 5, 100, {16, RouterScore::kSoftmax, false}, false, false},
       {"softmax/top6of256/norm", 4, 256, {6, RouterScore::kSoftmax, true}, false, false},
       {"softmax/top2of300/norm/bias", 4, 300, {2, RouterScore::kSoftmax, true}, true, false},
   };
-  for (const Spec& sp : wide) {
-    OpCase c;
-    c.name = "router/" + sp.tag;
-    c.ops = {"router_forward"};
-    c.inputs = {rng.uniform({sp.tokens, sp.experts}, -2.0, 2.0), rng.uniform({sp.experts}, -0.3, 0.3)};
-    c.f32_inputs = {1};
-    const RouterConfig cfg = sp.cfg;
-    const bool use_bias = sp.bias;
-    const int64_t t = sp.tokens, e = sp.experts, k = cfg.top_k;
-    c.forward = [cfg, use_bias, t, e, k](TestDevice& dev, const Tensors& in) {
-      Tensor scores = dev.poisoned({t, e}, DType::kF32), idx = dev.poisoned({t, k}, DType::kI32),
-             gates = dev.poisoned({t, k}, DType::kF32);
-      router_forward(dev.exec(), in[0], use_bias ? &in[1] : nullptr, cfg, scores, idx, gates);
-      return HostTensors{dev.download(scores), dev.download(idx), dev.download(gates)};
-    };
-    c.reference = [cfg, use_bias](const HostTensors& in) {
-      return reference_router(in[0], use_bias ? &in[1] : nullptr, cfg);
-    };
-    cases.push_back(std::move(c));
-  }
+  for (const RouterSpec& sp : wide) cases.push_back(router_forward_case(sp, rng));
   {
     // Exact ties (equal logits give equal scores) must go to the lower expert index.
     OpCase c;
