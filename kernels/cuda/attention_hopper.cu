@@ -81,7 +81,8 @@ constexpr bool kOwnInRegs = kD == 64;
 // the backward kernels keep four accumulator sets live and stream 64-row tiles.
 // The forward's kCWs consumer warpgroups own 64 queries each: at head dim 64 three (192
 // queries a block, as FlashAttention-3 does there: a tile's products are short beside its
-// softmax, and a third warpgroup keeps the tensor cores fed while two run theirs), with
+// softmax, and a third warpgroup keeps the tensor cores fed while the other two run their
+// softmax), with
 // Q read from shared memory (160 registers a thread); kWarpgroups2 keeps two (the
 // kAttentionHopperFwd2 variant). At head dim 128 always two.
 template <int kD, bool kWarpgroups2 = false>
