@@ -178,6 +178,43 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
   }
 }
 
+// Many experts: the TMA kernel finds a row tile's expert in a table in shared memory up
+// to 1024 experts (its fill scans 32 experts a step, empty experts among them) and by a
+// scan of the offsets beyond; both against the CPU, forward and dx, on 2 "SMs" (each block
+// walks many tiles) and on all of them.
+TEST_F(CudaBf16, GroupedMatmulManyExperts) {
+  const Exec cpu = Exec::cpu();
+  for (int64_t experts : {40, 1030}) {
+    std::vector<int32_t> off(static_cast<size_t>(experts + 1), 0);
+    for (int64_t e = 0; e < experts; ++e) {
+      const int32_t rows_e =
+          e % 5 == 0 ? 0 : static_cast<int32_t>(experts > 1024 ? (e * 53) % 20 : (e * 53) % 150 + 1);
+      off[static_cast<size_t>(e + 1)] = off[static_cast<size_t>(e)] + rows_e;
+    }
+    const int64_t rows = off.back(), k = 64, n = 72;
+    Tensor offsets = Tensor::from_ints({experts + 1}, off);
+    Tensor doff = dev(offsets);
+    Tensor x = host_random({rows, k}, kBF), w = host_random({experts, k, n}, kBF);
+    Tensor dout = host_random({rows, n}, kBF);
+    Tensor want = host_poisoned({rows, n}, kBF), dx_want = host_poisoned({rows, k}, kBF);
+    grouped_matmul(cpu, x, w, offsets, want, false);
+    grouped_matmul_backward(cpu, x, w, offsets, dout, &dx_want, nullptr, false, false);
+    const auto* off_p = static_cast<const int32_t*>(doff.data_ptr());
+    for (int sms : {2, gpu.ctx.num_sms}) {
+      const gpu::Env env{gpu.ctx.stream, sms};
+      Tensor xd = dev(x), wd = dev(w), dd = dev(dout);
+      Tensor got = dev_poisoned({rows, n}, kBF), dx = dev_poisoned({rows, k}, kBF);
+      gpu::launch_grouped_matmul(env, xd.data_ptr(), wd.data_ptr(), off_p, rows, experts, k, n, false,
+                                 got.data_ptr(), kBF, gpu::GemmTiling::kAuto);
+      gpu::launch_grouped_matmul_dx(env, dd.data_ptr(), wd.data_ptr(), off_p, rows, experts, k, n, false,
+                                    dx.data_ptr(), kBF, gpu::GemmTiling::kAuto);
+      const std::string tag = fmt::format(" ({} experts, {} rows, sms {})", experts, rows, sms);
+      expect_close(got, want, kTol, ("grouped_matmul" + tag).c_str());
+      expect_close(dx, dx_want, kTol, ("grouped_matmul dx" + tag).c_str());
+    }
+  }
+}
+
 // A rank whose experts got no token at all: the written dW is zeros (the Hopper default
 // writes through TMA, whose tensor maps need rows, so this case takes another kernel).
 TEST_F(CudaBf16, GroupedMatmulDwWithoutTokensWritesZeros) {

@@ -833,10 +833,10 @@ void add_rmsnorm_add_cases(std::vector<OpCase>& cases, Rng& rng) {
 void add_rope_cases(std::vector<OpCase>& cases, Rng& rng) {
   const float theta = 10000.0f;
   // CUDA: head dims that are multiples of 4 take the paired kernel (kRopeTokens tokens a
-  // block: 9 leaves a partial block), 2 and 6 the per-element one.
+  // block: 9 and 70 leave a partial block), 2 and 6 the per-element one.
   for (auto [tokens, heads, dh, in_place] :
        {std::tuple{5, 3, 8, false}, std::tuple{4, 2, 2, true}, std::tuple{9, 3, 16, true},
-        std::tuple{9, 2, 12, false}, std::tuple{3, 2, 6, false}}) {
+        std::tuple{9, 2, 12, false}, std::tuple{3, 2, 6, false}, std::tuple{70, 2, 8, true}}) {
     const Shape s{tokens, heads, dh};
     OpCase c;
     c.name = fmt::format("rope/{}{}", shape_tag(s), in_place ? "/in_place" : "");
