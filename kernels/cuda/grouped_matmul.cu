@@ -280,14 +280,24 @@ struct WgTile {
   int64_t k_steps = 0;  // >= 1: an empty k range still runs one all-zero step (the epilogue writes 0)
 };
 
-// Row segments of at most kTableExperts experts: the TMA kernel keeps each expert's first
-// row tile and first row in shared memory (TileTable), so that finding a tile's expert is a
-// binary search there instead of a scan of the offsets in global memory, one dependent
-// load per expert before the tile's first product. With 64 experts of hidden 256 (H200,
+// Row segments of kTableMinExperts to kTableExperts experts: the TMA kernel keeps each
+// expert's first row tile and first row in shared memory (TileTable, 8 bytes an expert
+// past the kernel's other shared memory), so that finding a tile's expert is a binary
+// search there instead of a scan of the offsets in global memory, one dependent load per
+// expert before the tile's first product. With 64 experts of hidden 256 (H200,
 // kernel_bench, bench/RESULTS.md) the down projection went from 0.229-0.231 to 0.163-0.166
-// ms and the up projection's dx from 0.320-0.322 to 0.251-0.253; with bench_1b's 16
-// experts the forward moved within noise. More experts keep the scan.
-constexpr int kTableExperts = 1024;
+// ms and the up projection's dx from 0.320-0.322 to 0.251-0.253. Fewer experts keep the
+// scan (short there): with a table of 1025 experts for every launch, bench_1b's 16 experts
+// ran 2.5% slower end to end although its kernels alone did not (232k against 238k
+// tokens/s, H200, same call); more than kTableExperts keep it too.
+constexpr int kTableMinExperts = 32, kTableExperts = 1024;
+__host__ __device__ constexpr bool use_tile_table(int64_t experts) {
+  return experts >= kTableMinExperts && experts <= kTableExperts;
+}
+// The table's shared memory for `experts` experts (row segments; 0 where the scan runs).
+constexpr size_t tile_table_bytes(int64_t experts) {
+  return use_tile_table(experts) ? static_cast<size_t>(2 * (experts + 1)) * sizeof(int32_t) : 0;
+}
 struct TileTable {
   const int32_t* first_tile = nullptr;  // [E + 1]: row tiles of the experts before e
   const int32_t* first_row = nullptr;   // [E + 1]: the offsets
@@ -605,10 +615,10 @@ struct TmaConfig {
   static constexpr bool kStoreDw = kSegK && std::is_same_v<OutT, float>;
   static constexpr bool kStore = kStoreRows || kStoreDw;
   static constexpr int kStages = kStore ? 3 : 4;
-  static constexpr size_t kTableBytes = kSegK ? 0 : 2 * sizeof(int32_t) * (kTableExperts + 1);  // TileTable
-  static constexpr size_t kSmem = size_t{kStages} * kTmaStageBytes + (kStore ? kStagingBytes : 0) + 1024 +
-                                  2 * kStages * sizeof(uint64_t) + kTableBytes;
-  static_assert(kSmem <= 227 * 1024, "shared memory of one block");
+  // Without the TileTable, which row segments add at launch (tile_table_bytes).
+  static constexpr size_t kSmem =
+      size_t{kStages} * kTmaStageBytes + (kStore ? kStagingBytes : 0) + 1024 + 2 * kStages * sizeof(uint64_t);
+  static_assert(kSmem + tile_table_bytes(kTableExperts) <= 227 * 1024, "shared memory of one block");
 };
 
 #ifdef TROUPE_WGMMA_DEVICE
@@ -663,9 +673,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   const int64_t tiles_n = (args.n + kTmaBN - 1) / kTmaBN;
   TileTable table;
   if constexpr (!kSegK) {
-    if (args.experts <= kTableExperts) {
+    if (use_tile_table(args.experts)) {
       int32_t* first_tile = reinterpret_cast<int32_t*>(smem + (empty0 + kTmaStages * 8 - smem_s));
-      int32_t* first_row = first_tile + kTableExperts + 1;
+      int32_t* first_row = first_tile + args.experts + 1;
       if (tid >= 32 && tid < 64) fill_tile_table(args, first_tile, first_row, tid - 32);
       table = {first_tile, first_row};
     }
@@ -913,7 +923,7 @@ void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const 
     map_c = make_tensor_map(args.c, args.n, args.m, args.experts, 32, 64, /*f32=*/true);
   }
   auto kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT>;
-  constexpr size_t smem = TmaConfig<kSegK, OutT>::kSmem;
+  const size_t smem = TmaConfig<kSegK, OutT>::kSmem + (kSegK ? 0 : tile_table_bytes(args.experts));
   CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(tiles_bound, env.num_sms));
