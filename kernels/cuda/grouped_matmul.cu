@@ -286,10 +286,12 @@ struct WgTile {
 // search there instead of a scan of the offsets in global memory, one dependent load per
 // expert before the tile's first product. With 64 experts of hidden 256 (H200,
 // kernel_bench, bench/RESULTS.md) the down projection went from 0.229-0.231 to 0.163-0.166
-// ms and the up projection's dx from 0.320-0.322 to 0.251-0.253. Fewer experts keep the
-// scan (short there): with a table of 1025 experts for every launch, bench_1b's 16 experts
-// ran 2.5% slower end to end although its kernels alone did not (232k against 238k
-// tokens/s, H200, same call); more than kTableExperts keep it too.
+// ms and the up projection's dx from 0.320-0.322 to 0.251-0.253. The table is a kernel of
+// its own (grouped_gemm_tma_kernel's kTable): with it a runtime branch of the one kernel,
+// bench_1b (16 experts, which keep the scan) ran 2.3-2.9% slower end to end than before,
+// in two calls, though its kernels timed alone did not; the kernel without the table is
+// the earlier one, instruction for instruction (its PTX is). More than kTableExperts
+// experts keep the scan too.
 constexpr int kTableMinExperts = 32, kTableExperts = 1024;
 __host__ __device__ constexpr bool use_tile_table(int64_t experts) {
   return experts >= kTableMinExperts && experts <= kTableExperts;
@@ -334,33 +336,36 @@ __device__ __forceinline__ void fill_tile_table(const GemmArgs& args, int32_t* f
   }
 }
 
-template <bool kSegK, int kBN>
-__device__ __forceinline__ bool wg_decode(const GemmArgs& args, int64_t t, int64_t tiles_n, WgTile& tile,
-                                          const TileTable& table = {}) {
+// A row tile's expert from the TileTable (row segments): a binary search of the table.
+template <int kBN>
+__device__ __forceinline__ bool wg_decode_table(const GemmArgs& args, int64_t t, int64_t tiles_n,
+                                                WgTile& tile, const TileTable& table) {
   const int64_t nt = t % tiles_n, mt = t / tiles_n;
   tile.n0 = nt * kBN;
-  if constexpr (!kSegK) {
-    if (table.first_tile != nullptr) {
-      const int experts = static_cast<int>(args.experts);
-      if (mt >= table.first_tile[experts]) return false;
-      int lo = 0, hi = experts;  // first_tile[lo] <= mt < first_tile[hi]
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (table.first_tile[mid] <= mt) {
-          lo = mid;
-        } else {
-          hi = mid;
-        }
-      }
-      tile.e = lo;
-      tile.row0 = table.first_row[lo];
-      tile.m0 = (mt - table.first_tile[lo]) * kWgBM;
-      tile.m_lim = table.first_row[lo + 1] - tile.row0;
-      tile.k_lim = args.k;
-      tile.k_steps = (args.k + kWgBK - 1) / kWgBK;
-      return true;
+  const int experts = static_cast<int>(args.experts);
+  if (mt >= table.first_tile[experts]) return false;
+  int lo = 0, hi = experts;  // first_tile[lo] <= mt < first_tile[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (table.first_tile[mid] <= mt) {
+      lo = mid;
+    } else {
+      hi = mid;
     }
   }
+  tile.e = lo;
+  tile.row0 = table.first_row[lo];
+  tile.m0 = (mt - table.first_tile[lo]) * kWgBM;
+  tile.m_lim = table.first_row[lo + 1] - tile.row0;
+  tile.k_lim = args.k;
+  tile.k_steps = (args.k + kWgBK - 1) / kWgBK;
+  return true;
+}
+
+template <bool kSegK, int kBN>
+__device__ __forceinline__ bool wg_decode(const GemmArgs& args, int64_t t, int64_t tiles_n, WgTile& tile) {
+  const int64_t nt = t % tiles_n, mt = t / tiles_n;
+  tile.n0 = nt * kBN;
   if constexpr (kSegK) {
     const int64_t tiles_m = (args.m + kWgBM - 1) / kWgBM;
     tile.e = mt / tiles_m;
@@ -392,18 +397,26 @@ __device__ __forceinline__ bool wg_decode(const GemmArgs& args, int64_t t, int64
 }
 
 // Cursor over the (tile, k step) sequence of one persistent block.
-template <bool kSegK, int kBN>
+// kTable (row segments): tiles decoded from a TileTable, given to start().
+template <bool kSegK, int kBN, bool kTable = false>
 struct WgCursor {
   WgTile tile;
   int64_t t = 0, kt = 0, tiles_n = 0;
   bool live = false;
   TileTable table;
+  __device__ __forceinline__ bool decode(const GemmArgs& args) {
+    if constexpr (kTable) {
+      return wg_decode_table<kBN>(args, t, tiles_n, tile, table);
+    } else {
+      return wg_decode<kSegK, kBN>(args, t, tiles_n, tile);
+    }
+  }
   __device__ __forceinline__ void start(const GemmArgs& args, int64_t tn, const TileTable& tt = {}) {
     tiles_n = tn;
     t = blockIdx.x;
     kt = 0;
-    table = tt;
-    live = wg_decode<kSegK, kBN>(args, t, tiles_n, tile, table);
+    if constexpr (kTable) table = tt;
+    live = decode(args);
   }
   __device__ __forceinline__ void advance(const GemmArgs& args) {
     if (++kt < tile.k_steps) return;
@@ -412,7 +425,7 @@ struct WgCursor {
   __device__ __forceinline__ void next_tile(const GemmArgs& args) {
     kt = 0;
     t += gridDim.x;
-    live = wg_decode<kSegK, kBN>(args, t, tiles_n, tile, table);
+    live = decode(args);
   }
 };
 
@@ -651,7 +664,8 @@ __device__ __forceinline__ void bulk_wait() {
 }
 #endif
 
-template <bool kSegK, bool kBCol, typename OutT>
+// kTable (row segments, use_tile_table): tiles found through a TileTable in shared memory.
+template <bool kSegK, bool kBCol, typename OutT, bool kTable = false>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_b,
@@ -671,14 +685,13 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   const uint32_t empty0 = full0 + kTmaStages * 8;
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t tiles_n = (args.n + kTmaBN - 1) / kTmaBN;
+  static_assert(!kTable || !kSegK, "the tile table is for row segments");
   TileTable table;
-  if constexpr (!kSegK) {
-    if (use_tile_table(args.experts)) {
-      int32_t* first_tile = reinterpret_cast<int32_t*>(smem + (empty0 + kTmaStages * 8 - smem_s));
-      int32_t* first_row = first_tile + args.experts + 1;
-      if (tid >= 32 && tid < 64) fill_tile_table(args, first_tile, first_row, tid - 32);
-      table = {first_tile, first_row};
-    }
+  if constexpr (kTable) {
+    int32_t* first_tile = reinterpret_cast<int32_t*>(smem + (empty0 + kTmaStages * 8 - smem_s));
+    int32_t* first_row = first_tile + args.experts + 1;
+    if (tid >= 32 && tid < 64) fill_tile_table(args, first_tile, first_row, tid - 32);
+    table = {first_tile, first_row};
   }
   if (tid == 0) {
     for (int s = 0; s < kTmaStages; ++s) {
@@ -692,7 +705,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (tid == 0) {
-      WgCursor<kSegK, kTmaBN> ld;
+      WgCursor<kSegK, kTmaBN, kTable> ld;
       ld.start(args, tiles_n, table);
       for (int64_t i = 0; ld.live; ++i) {
         const int s = static_cast<int>(i % kTmaStages);
@@ -727,7 +740,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     float acc[kTmaBN / 2];
 #pragma unroll
     for (int i = 0; i < kTmaBN / 2; ++i) acc[i] = 0.0f;
-    WgCursor<kSegK, kTmaBN> cs;
+    WgCursor<kSegK, kTmaBN, kTable> cs;
     cs.start(args, tiles_n, table);
     int64_t i = 0;
     while (cs.live) {
@@ -923,6 +936,9 @@ void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const 
     map_c = make_tensor_map(args.c, args.n, args.m, args.experts, 32, 64, /*f32=*/true);
   }
   auto kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT>;
+  if constexpr (!kSegK) {
+    if (use_tile_table(args.experts)) kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT, true>;
+  }
   const size_t smem = TmaConfig<kSegK, OutT>::kSmem + (kSegK ? 0 : tile_table_bytes(args.experts));
   CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
