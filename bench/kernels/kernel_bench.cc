@@ -51,8 +51,8 @@ struct Bench {
     return !only.empty() && name.find(only) == std::string::npos;
   }
 
-  // Uniform in [lo, hi) from a splitmix64 stream seeded by gen: a few ns an element (the
-  // optimizer's 2.7 G values took most of a minute through uniform_real_distribution).
+  // Uniform in [lo, hi) from a splitmix64 stream seeded by gen, a few ns an element: with
+  // uniform_real_distribution a filtered run spent 30-40 s making its inputs.
   Tensor random(const Shape& shape, DType dt, float lo = -1.0f, float hi = 1.0f) {
     Tensor host = Tensor::empty(shape, DType::kF32);
     float* p = host.data<float>();
