@@ -667,7 +667,7 @@ TEST_F(ElasticFault, TroupeReplaceScaleAndStatusCommands) {
       cmds.push_back(replaced.get());
       cmds.push_back(std::move(scaled));
       troupe({"status", dir.string()}, "cli-status2.log");
-      troupe({"top", dir.string(), "--once"}, "cli-top.log");
+      troupe({"top", dir.string(), "--once", "--events", "1000"}, "cli-top.log");
     }
   };
   const RunResult r = run_case("cli", "slow@1:any:0", {}, tick);

@@ -37,8 +37,10 @@ bool exists(const std::string& p) { return std::filesystem::exists(p); }
 
 TEST(Cluster, FourWorkerJobRunsShowsInStatusAndCompletes) {
   Cluster c({});
+  // Each worker runs 4 s: long enough that status, status --json and top all find the job
+  // running on a loaded 2-core machine.
   std::string job = c.submit(4, {"--layout", "pp=1,dp=2,n=2", "--name", "smoke"},
-                             {{"TW_RUN_MS", "1500"}, {"TW_BEAT", "1"}, {"TW_RENDEZVOUS", "1"}});
+                             {{"TW_RUN_MS", "4000"}, {"TW_BEAT", "1"}, {"TW_RENDEZVOUS", "1"}});
   ASSERT_EQ(job, "job-1");
   ASSERT_TRUE(c.wait_running(job, kAll, 0, seconds(10))) << c.logs_of_daemons();
 
@@ -86,7 +88,7 @@ TEST(Cluster, FourWorkerJobRunsShowsInStatusAndCompletes) {
   }
   std::printf("[troupe top --once job-1]\n%s", top.output.c_str());
 
-  ASSERT_TRUE(c.wait_state(job, "succeeded", seconds(15))) << c.logs_of_daemons();
+  ASSERT_TRUE(c.wait_state(job, "succeeded", seconds(20))) << c.logs_of_daemons();
   for (const auto& n : kAll) EXPECT_TRUE(exists(c.out_dir() + "/" + n + ".e0.r0.done")) << n;
   auto ev = c.events(job);
   for (const char* type : {"submitted", "placed", "proc_started", "proc_hello", "proc_exited", "job_finished"}) {
