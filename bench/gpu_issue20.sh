@@ -12,6 +12,9 @@
 #   attnprof Nsight Compute counters of the Dh-64 attention kernels (kernel_bench's shape)
 #   dq       Troupe on bench_1b with the attention's dQ inside the dK/dV kernel (the default
 #            at head dim 64 on Hopper) and in its own (train.attention_fused_dq=false), twice
+#   ab       Troupe alone on bench_1b, this tree's build ($BUILD) against a copy of this tree
+#            with AB_PATCH applied (a `git diff` file; built into $BUILD-ab), alternating, two
+#            rounds: a kernel change's end-to-end cost measured with nothing else changed
 #   final    the final run, most important first, each part's failure reported and passed:
 #            build (train_moe + the CUDA tests) -> e2e -> tests -> train_moe_cuda_test ->
 #            kernels (builds kernel_bench) -> hoststats
@@ -55,6 +58,18 @@ troupe_ab() {
   done
 }
 
+# Configures and builds TARGETS of source folder $1 into build folder $2 (Release, sm_90a).
+build_tree() {
+  local src=$1 bld=$2 tag=$3
+  shift 3
+  cmake -S "$src" -B "$bld" -G Ninja -DTROUPE_WERROR=OFF -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release \
+    >"$out/cmake$tag.log" 2>&1 || { tail -30 "$out/cmake$tag.log"; return 1; }
+  if ! ninja -C "$bld" -j16 "$@" >"$out/build$tag.log" 2>&1; then
+    grep -E "error|FAILED" -A3 "$out/build$tag.log" | head -60
+    return 1
+  fi
+}
+
 for step in "$@"; do
   case "$step" in
     build)
@@ -65,14 +80,9 @@ for step in "$@"; do
         export PKG_CONFIG_PATH=/tmp/pc:${PKG_CONFIG_PATH:-}
       fi
       nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv | tee "$out/gpu.txt"
-      cmake -S . -B "$B" -G Ninja -DTROUPE_WERROR=OFF -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release \
-        >"$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }
       targets=${TARGETS:-"train_moe kernels_op_table_cuda_test kernels_cuda_bf16_test kernel_bench"}
       # shellcheck disable=SC2086
-      if ! ninja -C "$B" -j16 $targets >"$out/build.log" 2>&1; then
-        grep -E "error|FAILED" -A3 "$out/build.log" | head -60
-        exit 1
-      fi
+      build_tree . "$B" "" $targets || exit 1
       stamp "build ok ($targets)"
       # ptxas 13.0 once reused the Dh-64 attention kernels' own-row A fragment registers
       # (wrong gradients, no error; attention_hopper.cu kBranchFreeTiles): check the SASS.
@@ -166,6 +176,39 @@ PY
         --run-dir "$d/hoststats" >"$out/hoststats.log" 2>&1
       stamp "hoststats rc=$?"
       grep "^step [0-9]*/7" "$out/hoststats.log" | cut -c1-220
+      ;;
+    ab)
+      # The patched copy: every tracked and untracked source file of this tree (not the
+      # dependency bundle, not build or run outputs), then AB_PATCH on top.
+      if [ -z "${AB_PATCH:-}" ] || [ ! -f "$AB_PATCH" ]; then
+        echo "gpu_issue20.sh ab: set AB_PATCH to a patch file (git diff) of this tree" >&2
+        exit 2
+      fi
+      if [ ! -x "$B/apps/train_moe" ]; then
+        echo "gpu_issue20.sh ab: $B/apps/train_moe not built (run the build step first)" >&2
+        exit 2
+      fi
+      src=${TMPDIR:-/tmp}/troupe-ab-src
+      rm -rf "$src" && mkdir -p "$src"
+      tar -c --exclude=./.gpu-deps --exclude=./.git --exclude='./build*' --exclude=./gpu-out . | tar -x -C "$src"
+      if ! (cd "$src" && git apply --verbose "$(realpath "$AB_PATCH")") >"$out/ab-apply.log" 2>&1; then
+        cat "$out/ab-apply.log"
+        exit 1
+      fi
+      stamp "ab: $(grep -c '^Applied patch' "$out/ab-apply.log") file(s) patched from $AB_PATCH"
+      build_tree "$src" "$B-ab" "-ab" train_moe || exit 1
+      stamp "ab: build ok ($B-ab)"
+      for round in 1 2; do
+        for v in base patched; do
+          bld=$B
+          [ "$v" = patched ] && bld=$B-ab
+          dir="$out/e2e-ab-$v"
+          rm -rf "$dir"
+          OUT="$dir" bash bench/e2e.sh --build "$bld" --gpus 1 --quick --skip-peer --no-selfcheck \
+            >"$out/ab-$v-$round.log" 2>&1
+          stamp "ab $v round $round rc=$?: $(grep -h '| troupe |' "$dir/e2e/e2e.md" 2>/dev/null)"
+        done
+      done
       ;;
     final)
       TARGETS="train_moe kernels_op_table_cuda_test kernels_cuda_bf16_test train_moe_cuda_test" bash "$0" build || exit 1
