@@ -14,7 +14,9 @@
 #            at head dim 64 on Hopper) and in its own (train.attention_fused_dq=false), twice
 #   ab       Troupe alone on bench_1b, this tree's build ($BUILD) against a copy of this tree
 #            with AB_PATCH applied (a `git diff` file; built into $BUILD-ab), alternating, two
-#            rounds: a kernel change's end-to-end cost measured with nothing else changed
+#            rounds: a kernel change's end-to-end cost measured with nothing else changed.
+#            To land a change, make the tree the candidate and AB_PATCH the way back to the
+#            baseline: then build, tests, ctest and kernels run on the candidate in one call
 #   final    the final run, most important first, each part's failure reported and passed:
 #            build (train_moe + the CUDA tests) -> e2e -> tests -> train_moe_cuda_test ->
 #            kernels (builds kernel_bench) -> hoststats
@@ -199,7 +201,7 @@ PY
       build_tree "$src" "$B-ab" "-ab" train_moe || exit 1
       stamp "ab: build ok ($B-ab)"
       for round in 1 2; do
-        for v in base patched; do
+        for v in tree patched; do
           bld=$B
           [ "$v" = patched ] && bld=$B-ab
           dir="$out/e2e-ab-$v"
