@@ -9,6 +9,8 @@
 #   graph    Troupe on bench_1b with train.cuda_graph=true and false, alternating, twice
 #   pdl      Troupe on bench_1b with programmatic dependent launch on and off
 #            (TROUPE_CUDA_PDL=0), alternating, twice
+#   profile  every kernel of two bench_1b steps (Nsight Compute, launch by launch): time and
+#            launches per step by group and by kernel (bench/ncu_summary.py), all kernels
 #   attnprof Nsight Compute counters of the Dh-64 attention kernels (kernel_bench's shape)
 #   dq       Troupe on bench_1b with the attention's dQ inside the dK/dV kernel (the default
 #            at head dim 64 on Hopper) and in its own (train.attention_fused_dq=false), twice
@@ -170,6 +172,18 @@ for r in rows[head + 2:]:
             print(f"  {k.replace('smsp__average_warps_issue_stalled_', 'stall_'):70s} {d[k]}")
 PY
       done
+      ;;
+    profile)
+      d=${TMPDIR:-/tmp}/troupe-e2e-runs
+      [ -d "$d/data" ] || OUT=$out bash bench/e2e.sh --build "$B" --skip-troupe --skip-peer --gpus 1 >/dev/null 2>&1
+      rm -rf "$d/profile"
+      timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --nvtx --nvtx-include "step/" \
+        --launch-count 8000 --csv --page raw "$B"/apps/train_moe --config apps/configs/bench_1b.toml --backend cuda \
+        --set train.steps=2 --set train.cuda_graph=false --set train.eval_every=0 --set train.eval_batches=1 \
+        --set "data.dir=$d/data" --run-dir "$d/profile" >"$out/ncu_step.csv" 2>"$out/ncu_stderr.log"
+      stamp "profile rc=$? ($(grep -c '^"' "$out/ncu_step.csv") rows)"
+      python3 bench/ncu_summary.py "$out/ncu_step.csv" 2 0 >"$out/profile.md"
+      head -20 "$out/profile.md"
       ;;
     hoststats)
       d=${TMPDIR:-/tmp}/troupe-e2e-runs

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """bench/ncu_summary.py — per-kernel time table of an Nsight Compute CSV (--csv --page raw
 --metrics gpu__time_duration.sum), as bench/gpu_train.sh writes it for training steps.
-Usage: ncu_summary.py FILE.csv [STEPS]: prints ms per step by kernel (top 30) and by group."""
+Usage: ncu_summary.py FILE.csv [STEPS] [TOP]: prints ms per step by group and by kernel (the
+TOP kernels by time, 30 unless given; 0 for all), with each kernel's launches per step."""
 import csv
 import re
 import sys
@@ -65,7 +66,9 @@ def main():
     for g, t in sorted(groups.items(), key=lambda x: -x[1]):
         print(f"| {g} | {t / steps:.2f} | {100 * t / total:.1f}% |")
     print("\n| kernel | launches/step | ms/step | share |\n|---|---:|---:|---:|")
-    for k, (t, c) in sorted(by_kernel.items(), key=lambda x: -x[1][0])[:30]:
+    top = int(sys.argv[3]) if len(sys.argv) > 3 else 30
+    ranked = sorted(by_kernel.items(), key=lambda x: -x[1][0])
+    for k, (t, c) in ranked[:top] if top > 0 else ranked:
         print(f"| {k} | {c / steps:g} | {t / steps:.2f} | {100 * t / total:.1f}% |")
 
 

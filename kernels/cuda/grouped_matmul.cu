@@ -280,6 +280,88 @@ struct WgTile {
   int64_t k_steps = 0;  // >= 1: an empty k range still runs one all-zero step (the epilogue writes 0)
 };
 
+// Row segments of kTableMinExperts to kTableExperts experts: the TMA kernel keeps each
+// expert's first row tile and first row in shared memory (TileTable, 8 bytes an expert
+// past the kernel's other shared memory), so that finding a tile's expert is a binary
+// search there instead of a scan of the offsets in global memory, one dependent load per
+// expert before the tile's first product. With 64 experts of hidden 256 (H200,
+// kernel_bench, bench/RESULTS.md) the down projection went from 0.229-0.231 to 0.163-0.166
+// ms and the up projection's dx from 0.320-0.322 to 0.251-0.253. The table is a kernel of
+// its own (grouped_gemm_tma_kernel's kTable): with it a runtime branch of the one kernel,
+// bench_1b (16 experts, which keep the scan) ran 2.3-2.9% slower end to end than before,
+// in two calls, though its kernels timed alone did not; the kernel without the table is
+// the earlier one, instruction for instruction (its PTX is). More than kTableExperts
+// experts keep the scan too.
+constexpr int kTableMinExperts = 32, kTableExperts = 1024;
+__host__ __device__ constexpr bool use_tile_table(int64_t experts) {
+  return experts >= kTableMinExperts && experts <= kTableExperts;
+}
+// The table's shared memory for `experts` experts (row segments; 0 where the scan runs).
+constexpr size_t tile_table_bytes(int64_t experts) {
+  return use_tile_table(experts) ? static_cast<size_t>(2 * (experts + 1)) * sizeof(int32_t) : 0;
+}
+struct TileTable {
+  const int32_t* first_tile = nullptr;  // [E + 1]: row tiles of the experts before e
+  const int32_t* first_row = nullptr;   // [E + 1]: the offsets
+};
+
+// Fills the table from the offsets: one warp, 32 experts a step (a warp scan of the tile
+// counts).
+__device__ __forceinline__ void fill_tile_table(const GemmArgs& args, int32_t* first_tile, int32_t* first_row,
+                                                int lane) {
+  const int experts = static_cast<int>(args.experts);
+  int carry = 0;
+  for (int base = 0; base < experts; base += 32) {
+    const int x = base + lane;
+    int lo = 0, tiles = 0;
+    if (x < experts) {
+      lo = args.offsets[x];
+      tiles = (args.offsets[x + 1] - lo + kWgBM - 1) / kWgBM;
+    }
+    int incl = tiles;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    if (x < experts) {
+      first_tile[x] = carry + incl - tiles;
+      first_row[x] = lo;
+    }
+    carry += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  if (lane == 0) {
+    first_tile[experts] = carry;
+    first_row[experts] = args.offsets[experts];
+  }
+}
+
+// A row tile's expert from the TileTable (row segments): a binary search of the table.
+template <int kBN>
+__device__ __forceinline__ bool wg_decode_table(const GemmArgs& args, int64_t t, int64_t tiles_n,
+                                                WgTile& tile, const TileTable& table) {
+  const int64_t nt = t % tiles_n, mt = t / tiles_n;
+  tile.n0 = nt * kBN;
+  const int experts = static_cast<int>(args.experts);
+  if (mt >= table.first_tile[experts]) return false;
+  int lo = 0, hi = experts;  // first_tile[lo] <= mt < first_tile[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (table.first_tile[mid] <= mt) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  tile.e = lo;
+  tile.row0 = table.first_row[lo];
+  tile.m0 = (mt - table.first_tile[lo]) * kWgBM;
+  tile.m_lim = table.first_row[lo + 1] - tile.row0;
+  tile.k_lim = args.k;
+  tile.k_steps = (args.k + kWgBK - 1) / kWgBK;
+  return true;
+}
+
 template <bool kSegK, int kBN>
 __device__ __forceinline__ bool wg_decode(const GemmArgs& args, int64_t t, int64_t tiles_n, WgTile& tile) {
   const int64_t nt = t % tiles_n, mt = t / tiles_n;
@@ -315,16 +397,26 @@ __device__ __forceinline__ bool wg_decode(const GemmArgs& args, int64_t t, int64
 }
 
 // Cursor over the (tile, k step) sequence of one persistent block.
-template <bool kSegK, int kBN>
+// kTable (row segments): tiles decoded from a TileTable, given to start().
+template <bool kSegK, int kBN, bool kTable = false>
 struct WgCursor {
   WgTile tile;
   int64_t t = 0, kt = 0, tiles_n = 0;
   bool live = false;
-  __device__ __forceinline__ void start(const GemmArgs& args, int64_t tn) {
+  TileTable table;
+  __device__ __forceinline__ bool decode(const GemmArgs& args) {
+    if constexpr (kTable) {
+      return wg_decode_table<kBN>(args, t, tiles_n, tile, table);
+    } else {
+      return wg_decode<kSegK, kBN>(args, t, tiles_n, tile);
+    }
+  }
+  __device__ __forceinline__ void start(const GemmArgs& args, int64_t tn, const TileTable& tt = {}) {
     tiles_n = tn;
     t = blockIdx.x;
     kt = 0;
-    live = wg_decode<kSegK, kBN>(args, t, tiles_n, tile);
+    if constexpr (kTable) table = tt;
+    live = decode(args);
   }
   __device__ __forceinline__ void advance(const GemmArgs& args) {
     if (++kt < tile.k_steps) return;
@@ -333,7 +425,7 @@ struct WgCursor {
   __device__ __forceinline__ void next_tile(const GemmArgs& args) {
     kt = 0;
     t += gridDim.x;
-    live = wg_decode<kSegK, kBN>(args, t, tiles_n, tile);
+    live = decode(args);
   }
 };
 
@@ -536,8 +628,10 @@ struct TmaConfig {
   static constexpr bool kStoreDw = kSegK && std::is_same_v<OutT, float>;
   static constexpr bool kStore = kStoreRows || kStoreDw;
   static constexpr int kStages = kStore ? 3 : 4;
+  // Without the TileTable, which row segments add at launch (tile_table_bytes).
   static constexpr size_t kSmem =
       size_t{kStages} * kTmaStageBytes + (kStore ? kStagingBytes : 0) + 1024 + 2 * kStages * sizeof(uint64_t);
+  static_assert(kSmem + tile_table_bytes(kTableExperts) <= 227 * 1024, "shared memory of one block");
 };
 
 #ifdef TROUPE_WGMMA_DEVICE
@@ -570,7 +664,8 @@ __device__ __forceinline__ void bulk_wait() {
 }
 #endif
 
-template <bool kSegK, bool kBCol, typename OutT>
+// kTable (row segments, use_tile_table): tiles found through a TileTable in shared memory.
+template <bool kSegK, bool kBCol, typename OutT, bool kTable = false>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_b,
@@ -590,6 +685,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   const uint32_t empty0 = full0 + kTmaStages * 8;
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t tiles_n = (args.n + kTmaBN - 1) / kTmaBN;
+  static_assert(!kTable || !kSegK, "the tile table is for row segments");
+  TileTable table;
+  if constexpr (kTable) {
+    int32_t* first_tile = reinterpret_cast<int32_t*>(smem + (empty0 + kTmaStages * 8 - smem_s));
+    int32_t* first_row = first_tile + args.experts + 1;
+    if (tid >= 32 && tid < 64) fill_tile_table(args, first_tile, first_row, tid - 32);
+    table = {first_tile, first_row};
+  }
   if (tid == 0) {
     for (int s = 0; s < kTmaStages; ++s) {
       mbar_init(full0 + 8 * s, 1);
@@ -602,8 +705,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (tid == 0) {
-      WgCursor<kSegK, kTmaBN> ld;
-      ld.start(args, tiles_n);
+      WgCursor<kSegK, kTmaBN, kTable> ld;
+      ld.start(args, tiles_n, table);
       for (int64_t i = 0; ld.live; ++i) {
         const int s = static_cast<int>(i % kTmaStages);
         mbar_wait(empty0 + 8 * s, static_cast<uint32_t>(((i / kTmaStages) & 1) ^ 1));
@@ -637,8 +740,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     float acc[kTmaBN / 2];
 #pragma unroll
     for (int i = 0; i < kTmaBN / 2; ++i) acc[i] = 0.0f;
-    WgCursor<kSegK, kTmaBN> cs;
-    cs.start(args, tiles_n);
+    WgCursor<kSegK, kTmaBN, kTable> cs;
+    cs.start(args, tiles_n, table);
     int64_t i = 0;
     while (cs.live) {
       for (int64_t kt = 0; kt < cs.tile.k_steps; ++kt, ++i) {
@@ -833,7 +936,10 @@ void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const 
     map_c = make_tensor_map(args.c, args.n, args.m, args.experts, 32, 64, /*f32=*/true);
   }
   auto kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT>;
-  constexpr size_t smem = TmaConfig<kSegK, OutT>::kSmem;
+  if constexpr (!kSegK) {
+    if (use_tile_table(args.experts)) kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT, true>;
+  }
+  const size_t smem = TmaConfig<kSegK, OutT>::kSmem + (kSegK ? 0 : tile_table_bytes(args.experts));
   CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(tiles_bound, env.num_sms));

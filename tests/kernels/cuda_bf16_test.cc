@@ -178,9 +178,10 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
   }
 }
 
-// Many experts (40 and 1030, a fifth of them empty): forward and dx against the CPU on 2
-// "SMs" (each persistent block walks many tiles, finding each one's expert in the offsets)
-// and on all of them.
+// Many experts: the TMA kernel finds a row tile's expert in a table in shared memory up
+// to 1024 experts (its fill scans 32 experts a step, empty experts among them) and by a
+// scan of the offsets beyond; both against the CPU, forward and dx, on 2 "SMs" (each block
+// walks many tiles) and on all of them.
 TEST_F(CudaBf16, GroupedMatmulManyExperts) {
   const Exec cpu = Exec::cpu();
   for (int64_t experts : {40, 1030}) {
