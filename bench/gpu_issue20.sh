@@ -11,6 +11,11 @@
 #            (TROUPE_CUDA_PDL=0), alternating, twice
 #   profile  every kernel of two bench_1b steps (Nsight Compute, launch by launch): time and
 #            launches per step by group and by kernel (bench/ncu_summary.py), all kernels
+#   gaps     where the device idles between kernels in a bench_1b step (a CUPTI trace,
+#            bench/kernels/kernel_trace.cc; the step replayed from its CUDA graph and launch
+#            by launch; bench/kernel_gaps.py)
+#   clocks   SM clock, power and the clock-event reasons every 100 ms while Troupe trains
+#            bench_1b (does sustained load lower the clock below what an isolated kernel sees?)
 #   attnprof Nsight Compute counters of the Dh-64 attention kernels (kernel_bench's shape)
 #   dq       Troupe on bench_1b with the attention's dQ inside the dK/dV kernel (the default
 #            at head dim 64 on Hopper) and in its own (train.attention_fused_dq=false), twice
@@ -184,6 +189,55 @@ PY
       stamp "profile rc=$? ($(grep -c '^"' "$out/ncu_step.csv") rows)"
       python3 bench/ncu_summary.py "$out/ncu_step.csv" 2 0 >"$out/profile.md"
       head -20 "$out/profile.md"
+      ;;
+    gaps)
+      # bench/kernels/kernel_trace.cc (CUPTI through the driver's injection hook) records
+      # every kernel, memset and copy; bench/kernel_gaps.py finds the idle time in the last
+      # step, the graph replayed (true) and launched one by one (false).
+      d=${TMPDIR:-/tmp}/troupe-e2e-runs
+      [ -d "$d/data" ] || OUT=$out bash bench/e2e.sh --build "$B" --skip-troupe --skip-peer --gpus 1 >/dev/null 2>&1
+      ninja -C "$B" troupe_kernel_trace >"$out/build_trace.log" 2>&1 || { stamp "gaps: troupe_kernel_trace build FAILED"; tail "$out/build_trace.log"; continue; }
+      for g in true false; do
+        rm -rf "$d/gaps"
+        CUDA_INJECTION64_PATH="$B/bench/kernels/libtroupe_kernel_trace.so" TROUPE_KERNEL_TRACE="$out/gaps-$g.csv" \
+          timeout 200 "$B"/apps/train_moe --config apps/configs/bench_1b.toml --backend cuda --set train.steps=6 \
+          --set train.cuda_graph=$g --set train.eval_every=0 --set train.eval_batches=1 --set "data.dir=$d/data" \
+          --run-dir "$d/gaps" >"$out/gaps-$g.log" 2>&1
+        stamp "gaps cuda_graph=$g rc=$? ($(grep -h 'kernel_trace:' "$out/gaps-$g.log" | tail -1))"
+        grep -h "^step [56]/" "$out/gaps-$g.log" | cut -c1-200
+        python3 bench/kernel_gaps.py "$out/gaps-$g.csv" adamw_multi_kernel 40 >"$out/gaps-$g.md" 2>&1
+        head -100 "$out/gaps-$g.md"
+      done
+      ;;
+    clocks)
+      d=${TMPDIR:-/tmp}/troupe-e2e-runs
+      [ -d "$d/data" ] || OUT=$out bash bench/e2e.sh --build "$B" --skip-troupe --skip-peer --gpus 1 >/dev/null 2>&1
+      rm -rf "$d/clocks"
+      why=clocks_event_reasons.active  # clocks_throttle_reasons.active before driver 535
+      nvidia-smi --query-gpu=$why --format=csv >/dev/null 2>&1 || why=clocks_throttle_reasons.active
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,utilization.gpu,$why \
+        --format=csv,noheader -lms 100 >"$out/clocks.csv" 2>&1 &
+      smi=$!
+      timeout 200 "$B"/apps/train_moe --config apps/configs/bench_1b.toml --backend cuda --set train.steps=40 \
+        --set train.eval_every=0 --set train.eval_batches=1 --set "data.dir=$d/data" --run-dir "$d/clocks" >"$out/clocks.log" 2>&1
+      stamp "clocks: train_moe rc=$?"
+      kill $smi
+      grep -h "^step \(10\|20\|40\)/" "$out/clocks.log" | cut -c1-200
+      # Samples while a step ran (utilisation above 90%): SM clock and power, median and range.
+      python3 - "$out/clocks.csv" <<'PY' | tee "$out/clocks.md"
+import statistics, sys
+rows = [[c.strip() for c in l.split(",")] for l in open(sys.argv[1]) if l.count(",") >= 7]
+def num(s): return float(s.split()[0])
+busy = [r for r in rows if r[6].endswith("%") and num(r[6]) > 90]
+if not busy:
+    print("no busy samples"); sys.exit(0)
+sm = [num(r[1]) for r in busy]; pw = [num(r[3]) for r in busy]
+print(f"{len(busy)} busy samples of {len(rows)}: SM clock median {statistics.median(sm):.0f} MHz (min {min(sm):.0f}, max {max(sm):.0f});"
+      f" power median {statistics.median(pw):.0f} W of {busy[0][4]} (max {max(pw):.0f}); temperature max {max(num(r[5]) for r in busy):.0f} C")
+reasons = {}
+for r in busy: reasons[r[7]] = reasons.get(r[7], 0) + 1
+print("clock-event reasons (bitmask: 0x4 SW power cap, 0x20 SW thermal, 0x40 HW thermal, 0x80 HW power brake):", reasons)
+PY
       ;;
     hoststats)
       d=${TMPDIR:-/tmp}/troupe-e2e-runs
