@@ -230,6 +230,28 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
   int64_t steps_done = first_step - 1;
   double last_val = val0;
   const float loss_weight = 1.0f / static_cast<float>(tc.train.grad_accum);
+  // A step's host batch (its micro-batches and their target counts). On a GPU the next
+  // step's is read while this step runs on the device (`ahead`): the loader is a function
+  // of the step, so this changes only when the host does it.
+  struct HostBatch {
+    int64_t step = -1;
+    std::vector<Tensor> ids, targets;
+    std::vector<int64_t> tokens;
+  };
+  const auto read_batch = [&](int64_t s) {
+    HostBatch b;
+    b.step = s;
+    b.ids.resize(static_cast<size_t>(tc.train.grad_accum));
+    b.targets.resize(b.ids.size());
+    b.tokens.resize(b.ids.size());
+    for (size_t m = 0; m < b.ids.size(); ++m) {
+      loader.train_batch(s, /*dp_rank=*/0, static_cast<int64_t>(m), tc.train.grad_accum, tc.train.micro_batch_size,
+                         b.ids[m], b.targets[m]);
+      b.tokens[m] = layers::Model::target_tokens(c, b.targets[m]);  // host batches: no device read
+    }
+    return b;
+  };
+  HostBatch ahead;
   for (int64_t step = first_step; step <= tc.train.steps; ++step) {
     const auto t0 = Clock::now();
     dev.reset_peak();
@@ -244,14 +266,12 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     };
     int64_t step_tokens = 0;
     const double lr = tc.lr.at(step);
-    std::vector<Tensor> ids(static_cast<size_t>(tc.train.grad_accum)), targets(ids.size());
-    std::vector<int64_t> tokens(ids.size());
-    for (size_t m = 0; m < ids.size(); ++m) {
-      loader.train_batch(step, /*dp_rank=*/0, static_cast<int64_t>(m), tc.train.grad_accum,
-                         tc.train.micro_batch_size, ids[m], targets[m]);
-      tokens[m] = layers::Model::target_tokens(c, targets[m]);  // host batches: no device read
-      step_tokens += tokens[m];
-    }
+    HostBatch batch = ahead.step == step ? std::move(ahead) : read_batch(step);
+    ahead = HostBatch{};
+    std::vector<Tensor>& ids = batch.ids;
+    std::vector<Tensor>& targets = batch.targets;
+    const std::vector<int64_t>& tokens = batch.tokens;
+    for (int64_t n : tokens) step_tokens += n;
     // Replayed while the batch's target counts are the captured step's (its loss scale).
     const bool graph_step =
         use_graph && step > first_step && (graph_tokens.empty() || tokens == graph_tokens);
@@ -321,6 +341,7 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     // Host waits while the step's work was enqueued (before its metrics read below).
     const int64_t step_syncs = dev.host_syncs() - syncs_before,
                   step_uploads = dev.upload_waits() - uploads_before;
+    if (dev.is_cuda() && step < tc.train.steps) ahead = read_batch(step + 1);  // while the device works
     const std::vector<std::vector<int64_t>> load = model.end_step(c);
     if (device_stats) {
       const layers::Model::StepStats& ss = model.last_step_stats();

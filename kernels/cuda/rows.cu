@@ -331,6 +331,71 @@ __global__ void __launch_bounds__(256)
     *reinterpret_cast<V*>(out + base + half) = P::make(x2a * c0.x + x1a * c0.y, x2b * c1.x + x1b * c1.y);
   }
 }
+
+// Sixteen bytes a load: each thread takes a (token, head, chunk of kVec frequencies) and
+// loads its chunk of the first half and the matching chunk of the second half as one
+// uint4 each, all its items' loads issued before any store; kRopeVecTokens tokens a block
+// with their (cos, sin) in shared memory as above (same double-precision sincos, same
+// float arithmetic per element). rope_pairs_kernel's 4-byte accesses ran at ~50% of copy
+// bandwidth on bench_1b's q and k. Needs (head_dim / 2) % kVec == 0 and 16-byte aligned x
+// and out; in place is safe (each element is read and written by one thread).
+constexpr int kRopeVecTokens = 8, kRopeVecItems = 2;
+template <typename T>
+__global__ void __launch_bounds__(256)
+    rope_vec_kernel(const T* x, const int32_t* pos, double log_theta, int64_t tokens, int heads, int head_dim,
+                    T* out, bool inverse) {
+  pdl_wait();
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  extern __shared__ float2 rope_cs[];  // [kRopeVecTokens][half]: (cos, sin)
+  const int half = head_dim / 2, chunks = half / kVec;
+  const int64_t t0 = int64_t{blockIdx.x} * kRopeVecTokens;
+  const int n_tok = static_cast<int>(tokens - t0 < kRopeVecTokens ? tokens - t0 : kRopeVecTokens);
+  for (int i = threadIdx.x; i < n_tok * half; i += blockDim.x) {
+    const int tt = i / half, p = i % half;
+    const double inv_freq = exp(-(2.0 * static_cast<double>(p) / static_cast<double>(head_dim)) * log_theta);
+    double sn, cs;
+    sincos(static_cast<double>(pos[t0 + tt]) * inv_freq, &sn, &cs);
+    rope_cs[i] =
+        make_float2(static_cast<float>(cs), inverse ? -static_cast<float>(sn) : static_cast<float>(sn));
+  }
+  __syncthreads();
+  const int per_token = heads * chunks, items = n_tok * per_token;
+  for (int i0 = threadIdx.x; i0 < items; i0 += blockDim.x * kRopeVecItems) {
+    uint4 a[kRopeVecItems], b[kRopeVecItems];
+    int64_t base[kRopeVecItems];
+    int tt[kRopeVecItems], f0[kRopeVecItems];
+#pragma unroll
+    for (int u = 0; u < kRopeVecItems; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i < items) {
+        tt[u] = i / per_token;
+        const int r = i % per_token, h = r / chunks;
+        f0[u] = (r % chunks) * kVec;
+        base[u] = ((t0 + tt[u]) * heads + h) * head_dim + f0[u];
+        a[u] = *reinterpret_cast<const uint4*>(x + base[u]);
+        b[u] = *reinterpret_cast<const uint4*>(x + base[u] + half);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRopeVecItems; ++u) {
+      if (i0 + u * static_cast<int>(blockDim.x) >= items) break;
+      const T* av = reinterpret_cast<const T*>(&a[u]);
+      const T* bv = reinterpret_cast<const T*>(&b[u]);
+      uint4 oa, ob;
+      T* oav = reinterpret_cast<T*>(&oa);
+      T* obv = reinterpret_cast<T*>(&ob);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float2 c = rope_cs[tt[u] * half + f0[u] + j];
+        const float x1 = to_float(av[j]), x2 = to_float(bv[j]);
+        oav[j] = from_float<T>(x1 * c.x - x2 * c.y);
+        obv[j] = from_float<T>(x2 * c.x + x1 * c.y);
+      }
+      *reinterpret_cast<uint4*>(out + base[u]) = oa;
+      *reinterpret_cast<uint4*>(out + base[u] + half) = ob;
+    }
+  }
+}
 }  // namespace
 
 void launch_rope(const Env& env, const void* x, const int32_t* pos, float theta, int64_t tokens,
@@ -340,7 +405,14 @@ void launch_rope(const Env& env, const void* x, const int32_t* pos, float theta,
   const double log_theta = std::log(static_cast<double>(theta));
   TROUPE_DISPATCH_FLOAT(t, T, inverse ? "rope_backward" : "rope_forward", {
     const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % (2 * sizeof(T)) == 0; };
-    if (head_dim % 4 == 0 && aligned(x) && aligned(out) && heads * head_dim < (int64_t{1} << 24)) {
+    const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    constexpr int64_t kVec = 16 / static_cast<int64_t>(sizeof(T));
+    if ((head_dim / 2) % kVec == 0 && aligned16(x) && aligned16(out) && heads * head_dim < (int64_t{1} << 24)) {
+      const size_t smem = size_t{kRopeVecTokens} * static_cast<size_t>(head_dim / 2) * sizeof(float2);
+      launch(env, rope_vec_kernel<T>, static_cast<unsigned>(ceil_div(tokens, int64_t{kRopeVecTokens})), 256,
+             smem, static_cast<const T*>(x), pos, log_theta, tokens, static_cast<int>(heads),
+             static_cast<int>(head_dim), static_cast<T*>(out), inverse);
+    } else if (head_dim % 4 == 0 && aligned(x) && aligned(out) && heads * head_dim < (int64_t{1} << 24)) {
       const size_t smem = size_t{kRopeTokens} * static_cast<size_t>(head_dim / 2) * sizeof(float2);
       launch(env, rope_pairs_kernel<T>, static_cast<unsigned>(ceil_div(tokens, int64_t{kRopeTokens})), 256,
              smem, static_cast<const T*>(x), pos, log_theta, tokens, static_cast<int>(heads),

@@ -832,8 +832,9 @@ void add_rmsnorm_add_cases(std::vector<OpCase>& cases, Rng& rng) {
 
 void add_rope_cases(std::vector<OpCase>& cases, Rng& rng) {
   const float theta = 10000.0f;
-  // CUDA: head dims that are multiples of 4 take the paired kernel (kRopeTokens tokens a
-  // block: 9 and 70 leave a partial block), 2 and 6 the per-element one.
+  // CUDA, f32: head dims 8 and 16 take the 16-byte kernel (half a multiple of 4; 8 tokens a
+  // block: 9 and 70 leave a partial block), 12 the paired one (kRopeTokens tokens a block),
+  // 2 and 6 the per-element one. The bf16 test covers the 16-byte kernel at head dim 64.
   for (auto [tokens, heads, dh, in_place] :
        {std::tuple{5, 3, 8, false}, std::tuple{4, 2, 2, true}, std::tuple{9, 3, 16, true},
         std::tuple{9, 2, 12, false}, std::tuple{3, 2, 6, false}, std::tuple{70, 2, 8, true}}) {
