@@ -17,6 +17,8 @@
 #   clocks   SM clock, power and the clock-event reasons every 100 ms while Troupe trains
 #            bench_1b (does sustained load lower the clock below what an isolated kernel sees?)
 #   attnprof Nsight Compute counters of the Dh-64 attention kernels (kernel_bench's shape)
+#   envab    Troupe alone on bench_1b under each value of the environment variable AB_ENV
+#            (AB_VALUES, space-separated), alternating, two rounds: a run-time switch's cost
 #   dq       Troupe on bench_1b with the attention's dQ inside the dK/dV kernel (the default
 #            at head dim 64 on Hopper) and in its own (train.attention_fused_dq=false), twice
 #   ab       Troupe alone on bench_1b, this tree's build ($BUILD) against a copy of this tree
@@ -138,6 +140,14 @@ for step in "$@"; do
     pdl)
       # Kernels launched with programmatic dependent launch (the default on sm_90) and without.
       troupe_ab pdl env TROUPE_CUDA_PDL 1 0
+      ;;
+    envab)
+      if [ -z "${AB_ENV:-}" ] || [ -z "${AB_VALUES:-}" ]; then
+        echo "gpu_issue20.sh envab: set AB_ENV (a variable name) and AB_VALUES (its values)" >&2
+        exit 2
+      fi
+      # shellcheck disable=SC2086
+      troupe_ab "env-$AB_ENV" env "$AB_ENV" $AB_VALUES
       ;;
     dq)
       # The attention backward with dQ inside the dK/dV kernel (the default at head dim 64 on
