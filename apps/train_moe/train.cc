@@ -245,8 +245,8 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     b.targets.resize(b.ids.size());
     b.tokens.resize(b.ids.size());
     for (size_t m = 0; m < b.ids.size(); ++m) {
-      loader.train_batch(s, /*dp_rank=*/0, static_cast<int64_t>(m), tc.train.grad_accum, tc.train.micro_batch_size,
-                         b.ids[m], b.targets[m]);
+      loader.train_batch(s, /*dp_rank=*/0, static_cast<int64_t>(m), tc.train.grad_accum,
+                         tc.train.micro_batch_size, b.ids[m], b.targets[m]);
       b.tokens[m] = layers::Model::target_tokens(c, b.targets[m]);  // host batches: no device read
     }
     return b;

@@ -76,7 +76,8 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
         got.push_back({m->start, m->end, "[CUDA memcpy " + std::to_string(m->bytes) + " B]"});
         break;
       }
-      default: break;
+      default:
+        break;
     }
   }
   size_t dropped = 0;
@@ -113,7 +114,8 @@ void write_trace() {
 
 // Called by the CUDA driver when CUDA_INJECTION64_PATH names this library.
 extern "C" __attribute__((visibility("default"))) int InitializeInjection(void) {
-  report(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed), "cuptiActivityRegisterCallbacks");
+  report(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed),
+         "cuptiActivityRegisterCallbacks");
   report(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "enable kernels");
   report(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "enable memsets");
   report(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "enable memcpys");

@@ -407,7 +407,8 @@ void launch_rope(const Env& env, const void* x, const int32_t* pos, float theta,
     const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % (2 * sizeof(T)) == 0; };
     const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     constexpr int64_t kVec = 16 / static_cast<int64_t>(sizeof(T));
-    if ((head_dim / 2) % kVec == 0 && aligned16(x) && aligned16(out) && heads * head_dim < (int64_t{1} << 24)) {
+    if ((head_dim / 2) % kVec == 0 && aligned16(x) && aligned16(out) &&
+        heads * head_dim < (int64_t{1} << 24)) {
       const size_t smem = size_t{kRopeVecTokens} * static_cast<size_t>(head_dim / 2) * sizeof(float2);
       launch(env, rope_vec_kernel<T>, static_cast<unsigned>(ceil_div(tokens, int64_t{kRopeVecTokens})), 256,
              smem, static_cast<const T*>(x), pos, log_theta, tokens, static_cast<int>(heads),
