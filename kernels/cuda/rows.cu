@@ -292,6 +292,21 @@ struct Pair2<__nv_bfloat16> {
   __device__ static float hi(V v) { return __high2float(v); }
 };
 
+// The (cos, sin) of a block's n_tok tokens from t0 for every frequency, into cs[tt * half +
+// p], in double precision (the CPU reference's arithmetic); sin negated for the inverse.
+__device__ void rope_angles(const int32_t* pos, double log_theta, int64_t t0, int n_tok, int head_dim,
+                            bool inverse, float2* cs) {
+  const int half = head_dim / 2;
+  for (int i = threadIdx.x; i < n_tok * half; i += blockDim.x) {
+    const int tt = i / half, p = i % half;
+    const double inv_freq = exp(-(2.0 * static_cast<double>(p) / static_cast<double>(head_dim)) * log_theta);
+    double sn, c;
+    sincos(static_cast<double>(pos[t0 + tt]) * inv_freq, &sn, &c);
+    cs[i] = make_float2(static_cast<float>(c), inverse ? -static_cast<float>(sn) : static_cast<float>(sn));
+  }
+  __syncthreads();
+}
+
 // kRopeTokens tokens per block: their angles' (cos, sin) first, into shared memory (the
 // same double-precision sincos as rope_kernel, once per token and frequency), then every
 // (token, head, pair of frequencies) of the block by one thread: two loads and two stores
@@ -311,15 +326,7 @@ __global__ void __launch_bounds__(256)
   const int half = head_dim / 2, pairs = half / 2;
   const int64_t t0 = int64_t{blockIdx.x} * kRopeTokens;
   const int n_tok = static_cast<int>(tokens - t0 < kRopeTokens ? tokens - t0 : kRopeTokens);
-  for (int i = threadIdx.x; i < n_tok * half; i += blockDim.x) {
-    const int tt = i / half, p = i % half;
-    const double inv_freq = exp(-(2.0 * static_cast<double>(p) / static_cast<double>(head_dim)) * log_theta);
-    double sn, cs;
-    sincos(static_cast<double>(pos[t0 + tt]) * inv_freq, &sn, &cs);
-    rope_cs[i] =
-        make_float2(static_cast<float>(cs), inverse ? -static_cast<float>(sn) : static_cast<float>(sn));
-  }
-  __syncthreads();
+  rope_angles(pos, log_theta, t0, n_tok, head_dim, inverse, rope_cs);
   const int per_token = heads * pairs;
   for (int i = threadIdx.x; i < n_tok * per_token; i += blockDim.x) {
     const int tt = i / per_token, r = i % per_token, h = r / pairs, q = 2 * (r % pairs);
@@ -350,15 +357,7 @@ __global__ void __launch_bounds__(256)
   const int half = head_dim / 2, chunks = half / kVec;
   const int64_t t0 = int64_t{blockIdx.x} * kRopeVecTokens;
   const int n_tok = static_cast<int>(tokens - t0 < kRopeVecTokens ? tokens - t0 : kRopeVecTokens);
-  for (int i = threadIdx.x; i < n_tok * half; i += blockDim.x) {
-    const int tt = i / half, p = i % half;
-    const double inv_freq = exp(-(2.0 * static_cast<double>(p) / static_cast<double>(head_dim)) * log_theta);
-    double sn, cs;
-    sincos(static_cast<double>(pos[t0 + tt]) * inv_freq, &sn, &cs);
-    rope_cs[i] =
-        make_float2(static_cast<float>(cs), inverse ? -static_cast<float>(sn) : static_cast<float>(sn));
-  }
-  __syncthreads();
+  rope_angles(pos, log_theta, t0, n_tok, head_dim, inverse, rope_cs);
   const int per_token = heads * chunks, items = n_tok * per_token;
   for (int i0 = threadIdx.x; i0 < items; i0 += blockDim.x * kRopeVecItems) {
     uint4 a[kRopeVecItems], b[kRopeVecItems];
