@@ -17,6 +17,8 @@
 #   clocks   SM clock, power and the clock-event reasons every 100 ms while Troupe trains
 #            bench_1b (does sustained load lower the clock below what an isolated kernel sees?)
 #   attnprof Nsight Compute counters of the Dh-64 attention kernels (kernel_bench's shape)
+#   gemmprof Nsight Compute counters of the grouped GEMM's TMA kernel, pair (two-block
+#            clusters sharing B) and one-block, on kernel_bench's bench_1b load
 #   envab    Troupe alone on bench_1b under each value of the environment variable AB_ENV
 #            (AB_VALUES, space-separated), alternating, two rounds: a run-time switch's cost
 #   dq       Troupe on bench_1b with the attention's dQ inside the dK/dV kernel (the default
@@ -153,6 +155,40 @@ for step in "$@"; do
       # The attention backward with dQ inside the dK/dV kernel (the default at head dim 64 on
       # Hopper) and in its own kernel.
       troupe_ab fused set train.attention_fused_dq true false
+      ;;
+    gemmprof)
+      # Nsight Compute counters of the grouped GEMM's TMA kernel on kernel_bench's bench_1b
+      # load, pair kernel (two-block clusters sharing B by TMA multicast) against one-block:
+      # the up projection forward and dx, the down dW written. Per kernel and problem, the
+      # median over its launches: time, SM clock, tensor-pipe use, L2 and DRAM throughput,
+      # L2 bytes read.
+      m=gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second
+      m=$m,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+      m=$m,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum,lts__t_sectors_srcunit_tex_op_read.sum
+      m=$m,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum
+      for only in grouped_up_wgmmatma grouped_up_dx_wgmmatma grouped_down_dw_write_wgmmatma; do
+        KERNEL_BENCH_ONLY=$only timeout 200 ncu --clock-control none -k "regex:grouped_gemm_tma" --metrics "$m" \
+          --csv --page raw "$B"/bench/kernels/kernel_bench >"$out/gemmprof-$only.csv" 2>"$out/gemmprof-$only.err"
+        stamp "gemmprof $only rc=$?"
+        python3 - "$out/gemmprof-$only.csv" <<'PY' | tee -a "$out/summary.txt"
+import csv, statistics, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if r]
+head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+cols = rows[head]
+by = {}
+for r in rows[head + 2:]:
+    d = dict(zip(cols, r))
+    by.setdefault(d["Kernel Name"], []).append(d)
+for name, ds in by.items():
+    print(f"  {name.split('(')[0][-90:]} ({len(ds)} launches)")
+    for k in cols:
+        if k.startswith(("gpu__", "sm__", "lts__", "dram__")):
+            try:
+                print(f"    {k:70s} {statistics.median(float(d[k].replace(',', '')) for d in ds):.4g}")
+            except ValueError:
+                pass
+PY
+      done
       ;;
     attnprof)
       # Nsight Compute counters of the Dh-64 attention kernels on kernel_bench's bench_1b
