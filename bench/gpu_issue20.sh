@@ -17,8 +17,8 @@
 #   clocks   SM clock, power and the clock-event reasons every 100 ms while Troupe trains
 #            bench_1b (does sustained load lower the clock below what an isolated kernel sees?)
 #   attnprof Nsight Compute counters of the Dh-64 attention kernels (kernel_bench's shape)
-#   gemmprof Nsight Compute counters of the grouped GEMM's TMA kernel, pair (two-block
-#            clusters sharing B) and one-block, on kernel_bench's bench_1b load
+#   gemmprof Nsight Compute counters of the grouped GEMM's TMA kernel on kernel_bench's
+#            bench_1b load (up forward, up dx, down dW written)
 #   envab    Troupe alone on bench_1b under each value of the environment variable AB_ENV
 #            (AB_VALUES, space-separated), alternating, two rounds: a run-time switch's cost
 #   dq       Troupe on bench_1b with the attention's dQ inside the dK/dV kernel (the default
@@ -158,15 +158,14 @@ for step in "$@"; do
       ;;
     gemmprof)
       # Nsight Compute counters of the grouped GEMM's TMA kernel on kernel_bench's bench_1b
-      # load, pair kernel (two-block clusters sharing B by TMA multicast) against one-block:
-      # the up projection forward and dx, the down dW written. Per kernel and problem, the
-      # median over its launches: time, SM clock, tensor-pipe use, L2 and DRAM throughput,
-      # L2 bytes read.
+      # load: the up projection forward and dx, the down dW written. Per kernel, the median
+      # over its launches: time, SM clock, tensor-pipe use, L2 and DRAM throughput, L2 bytes
+      # read. (At 02dbb77, H200: the tensor pipe 81-92% busy, L2 at 56-67% of its peak.)
       m=gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second
       m=$m,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
       m=$m,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum,lts__t_sectors_srcunit_tex_op_read.sum
       m=$m,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum
-      for only in grouped_up_wgmmatma grouped_up_dx_wgmmatma grouped_down_dw_write_wgmmatma; do
+      for only in grouped_up_wgmmatma grouped_up_dx grouped_down_dw_write_wgmmatma; do
         KERNEL_BENCH_ONLY=$only timeout 200 ncu --clock-control none -k "regex:grouped_gemm_tma" --metrics "$m" \
           --csv --page raw "$B"/bench/kernels/kernel_bench >"$out/gemmprof-$only.csv" 2>"$out/gemmprof-$only.err"
         stamp "gemmprof $only rc=$?"

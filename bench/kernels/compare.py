@@ -38,7 +38,7 @@ def peer_name(name):
                 return "attention_fwd_b8_s2048_h16_d64" if kind == "fwd" else "attention_bwd"
             if name == f"attention_{kind}_{variant}_d128":
                 return "attention_fwd_b8_s2048_h8_d128" if kind == "fwd" else "attention_bwd_d128"
-    for suffix in ("_mma2x2", "_wgmma128", "_wgmma256", "_wgmmatma", "_wgmmatma_solo"):
+    for suffix in ("_mma2x2", "_wgmma128", "_wgmma256", "_wgmmatma"):
         if name.endswith(suffix):
             base = name[: -len(suffix)]
             return BASES.get(base, base if base in theirs else base + "_f32acc")

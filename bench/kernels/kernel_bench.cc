@@ -276,12 +276,10 @@ void run() {
     // 2 x 2 elsewhere).
     const gpu::Env env{ctx.stream, ctx.num_sms};
     const auto* off_p = static_cast<const int32_t*>(offsets.data_ptr());
-    const std::pair<const char*, gpu::GemmTiling> variants[] = {
-        {"mma2x2", gpu::GemmTiling::kWarps2x2},
-        {"wgmma128", gpu::GemmTiling::kWgmma128},
-        {"wgmma256", gpu::GemmTiling::kWgmma256},
-        {"wgmmatma", gpu::GemmTiling::kWgmmaTma},
-        {"wgmmatma_solo", gpu::GemmTiling::kWgmmaTmaSolo}};
+    const std::pair<const char*, gpu::GemmTiling> variants[] = {{"mma2x2", gpu::GemmTiling::kWarps2x2},
+                                                                {"wgmma128", gpu::GemmTiling::kWgmma128},
+                                                                {"wgmma256", gpu::GemmTiling::kWgmma256},
+                                                                {"wgmmatma", gpu::GemmTiling::kWgmmaTma}};
     for (const auto& [name, tiling] : variants) {
       const gpu::GemmTiling tl = tiling;
       b.flops(std::string("grouped_up_") + name, f1, "2*rows*N*K", [&] {
@@ -330,14 +328,6 @@ void run() {
     b.flops("grouped_up_dx", f1, "2*rows*N*K", [&] {
       be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, &dxp, nullptr, false, false, nullptr);
     });
-    for (const auto& [name, tiling] : variants) {  // the TMA kernel with and without its clusters
-      if (tiling != gpu::GemmTiling::kWgmmaTma && tiling != gpu::GemmTiling::kWgmmaTmaSolo) continue;
-      const gpu::GemmTiling tl = tiling;
-      b.flops(std::string("grouped_up_dx_") + name, f1, "2*rows*N*K", [&] {
-        gpu::launch_grouped_matmul_dx(env, h.data_ptr(), w1.data_ptr(), off_p, rows, kExperts, kD, 2 * kFfn,
-                                      false, dxp.data_ptr(), bf, tl);
-      });
-    }
     b.flops("grouped_up_dw_f32acc", f1, "2*rows*N*K", [&] {
       be.grouped_matmul_backward(b.ex, xp, w1, offsets, h, nullptr, &dw1, false, true, nullptr);
     });

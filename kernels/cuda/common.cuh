@@ -174,37 +174,19 @@ __device__ __forceinline__ void pdl_wait() {
 
 // kernel<<<grid, block, smem, env.stream>>>(args...), with programmatic stream
 // serialisation allowed when env.pdl (the kernel must call pdl_wait() as above).
-// cluster_x > 1 launches thread-block clusters of cluster_x blocks along x (the grid's x a
-// multiple of it; sm_90 and up).
 template <typename... Params, typename... Args>
-void launch_clustered(const Env& env, unsigned cluster_x, void (*kernel)(Params...), dim3 grid, dim3 block,
-                      size_t smem, Args&&... args) {
-  cudaLaunchAttribute attr[2];
-  unsigned n = 0;
-  if (env.pdl) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
-  if (cluster_x > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = cluster_x;
-    attr[n].val.clusterDim.y = 1;
-    attr[n].val.clusterDim.z = 1;
-    ++n;
-  }
+void launch(const Env& env, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = env.stream;
   cfg.attrs = attr;
-  cfg.numAttrs = n;
+  cfg.numAttrs = env.pdl ? 1 : 0;
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
-}
-template <typename... Params, typename... Args>
-void launch(const Env& env, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
-  launch_clustered(env, 1, kernel, grid, block, smem, std::forward<Args>(args)...);
 }
 
 }  // namespace troupe::kernels::gpu

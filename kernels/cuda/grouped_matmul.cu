@@ -278,7 +278,6 @@ constexpr size_t wgmma_smem_bytes() {
 struct WgTile {
   int64_t e = 0, row0 = 0, m0 = 0, n0 = 0, m_lim = 0, k_lim = 0;
   int64_t k_steps = 0;  // >= 1: an empty k range still runs one all-zero step (the epilogue writes 0)
-  int64_t slot = 0;     // k segments, pair kernel: the tile's index in the one-block order (its dW slots)
 };
 
 // Row segments of kTableMinExperts to kTableExperts experts: the TMA kernel keeps each
@@ -397,66 +396,16 @@ __device__ __forceinline__ bool wg_decode(const GemmArgs& args, int64_t t, int64
   return true;
 }
 
-// The pair kernel (grouped_gemm_tma_kernel's kPair): a cluster of two blocks computes the
-// two 128-row tiles of one 256-row "pair tile" with the same 256 columns, block `rank`
-// the rows 128 * rank.. of it, so that both read the same B tile (TMA-multicast, each
-// block loading half of it for both). Pair tile t: column tile t % tiles_n of pair row
-// t / tiles_n. Row segments: each expert's rows in pairs of row tiles (ceil(rows / 256));
-// the second tile of an expert's last pair may lie past its rows (m0 >= m_lim: it loads
-// no A, multiplies nothing, stores nothing, and only hands its half of B to the other).
-// k segments: the m tiles of each expert's dW in pairs (the launcher requires an even
-// count); slot is the tile's index in the one-block kernel's order (wg_decode).
-template <bool kSegK, int kBN>
-__device__ __forceinline__ bool wg_decode_pair(const GemmArgs& args, int64_t t, int64_t tiles_n, int64_t rank,
-                                               WgTile& tile) {
-  const int64_t nt = t % tiles_n, pm = t / tiles_n;
-  tile.n0 = nt * kBN;
-  if constexpr (kSegK) {
-    const int64_t tiles_m = (args.m + kWgBM - 1) / kWgBM, pairs_m = tiles_m / 2;
-    tile.e = pm / pairs_m;
-    if (tile.e >= args.experts) return false;
-    const int64_t mt = 2 * (pm % pairs_m) + rank;
-    tile.m0 = mt * kWgBM;
-    tile.row0 = args.offsets[tile.e];
-    tile.k_lim = args.offsets[tile.e + 1] - tile.row0;
-    tile.m_lim = args.m;
-    tile.k_steps = tile.k_lim > 0 ? (tile.k_lim + kWgBK - 1) / kWgBK : 1;
-    tile.slot = (tile.e * tiles_m + mt) * tiles_n + nt;
-    return true;
-  } else {
-    int64_t seen = 0;
-    for (int64_t x = 0; x < args.experts; ++x) {
-      const int64_t lo = args.offsets[x], rows = args.offsets[x + 1] - lo;
-      const int64_t pairs = (rows + 2 * kWgBM - 1) / (2 * kWgBM);
-      if (pm < seen + pairs) {
-        tile.e = x;
-        tile.row0 = lo;
-        tile.m0 = (pm - seen) * 2 * kWgBM + rank * kWgBM;
-        tile.m_lim = rows;
-        tile.k_lim = args.k;
-        tile.k_steps = (args.k + kWgBK - 1) / kWgBK;
-        return true;
-      }
-      seen += pairs;
-    }
-    return false;
-  }
-}
-
 // Cursor over the (tile, k step) sequence of one persistent block.
 // kTable (row segments): tiles decoded from a TileTable, given to start().
-// kPair: the pair tiles of this block's cluster (wg_decode_pair), the block's own half.
-template <bool kSegK, int kBN, bool kTable = false, bool kPair = false>
+template <bool kSegK, int kBN, bool kTable = false>
 struct WgCursor {
   WgTile tile;
   int64_t t = 0, kt = 0, tiles_n = 0;
   bool live = false;
   TileTable table;
-  int64_t rank = 0;  // kPair: this block's rank in its cluster
   __device__ __forceinline__ bool decode(const GemmArgs& args) {
-    if constexpr (kPair) {
-      return wg_decode_pair<kSegK, kBN>(args, t, tiles_n, rank, tile);
-    } else if constexpr (kTable) {
+    if constexpr (kTable) {
       return wg_decode_table<kBN>(args, t, tiles_n, tile, table);
     } else {
       return wg_decode<kSegK, kBN>(args, t, tiles_n, tile);
@@ -465,12 +414,6 @@ struct WgCursor {
   __device__ __forceinline__ void start(const GemmArgs& args, int64_t tn, const TileTable& tt = {}) {
     tiles_n = tn;
     t = blockIdx.x;
-#ifdef TROUPE_WGMMA_DEVICE
-    if constexpr (kPair) {
-      t = cluster_id_x();
-      rank = cluster_rank();
-    }
-#endif
     kt = 0;
     if constexpr (kTable) table = tt;
     live = decode(args);
@@ -481,11 +424,7 @@ struct WgCursor {
   }
   __device__ __forceinline__ void next_tile(const GemmArgs& args) {
     kt = 0;
-#ifdef TROUPE_WGMMA_DEVICE
-    t += kPair ? clusters_x() : gridDim.x;
-#else
     t += gridDim.x;
-#endif
     live = decode(args);
   }
 };
@@ -726,14 +665,7 @@ __device__ __forceinline__ void bulk_wait() {
 #endif
 
 // kTable (row segments, use_tile_table): tiles found through a TileTable in shared memory.
-// kPair: launched in clusters of two blocks that compute the two halves of a 256 x 256
-// pair tile (wg_decode_pair) and share its B tile: each block's producer loads half of B
-// for both (TMA multicast), so B is read from L2 once per pair; a stage is refilled only
-// after the consumers of both blocks have released it (the "empty" barriers count the
-// four consumer warpgroups of the cluster, each arriving on both blocks' barrier), and a
-// producer waits for its last stages' releases before its block exits (the other block
-// still arrives on its barriers).
-template <bool kSegK, bool kBCol, typename OutT, bool kTable = false, bool kPair = false>
+template <bool kSegK, bool kBCol, typename OutT, bool kTable = false>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_b,
@@ -754,7 +686,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t tiles_n = (args.n + kTmaBN - 1) / kTmaBN;
   static_assert(!kTable || !kSegK, "the tile table is for row segments");
-  static_assert(!kTable || !kPair, "the pair kernel scans the offsets");
   TileTable table;
   if constexpr (kTable) {
     int32_t* first_tile = reinterpret_cast<int32_t*>(smem + (empty0 + kTmaStages * 8 - smem_s));
@@ -765,59 +696,24 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   if (tid == 0) {
     for (int s = 0; s < kTmaStages; ++s) {
       mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, kPair ? 4 : 2);  // one arrival per consumer warpgroup (of the cluster)
+      mbar_init(empty0 + 8 * s, 2);  // one arrival per consumer warpgroup
     }
     mbar_init_fence();
   }
-  if constexpr (kPair) {
-    cluster_sync();  // both blocks' barriers initialised before either loads into or arrives on them
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (tid == 0) {
-      WgCursor<kSegK, kTmaBN, kTable, kPair> ld;
+      WgCursor<kSegK, kTmaBN, kTable> ld;
       ld.start(args, tiles_n, table);
-      int64_t i = 0;
-      for (; ld.live; ++i) {
+      for (int64_t i = 0; ld.live; ++i) {
         const int s = static_cast<int>(i % kTmaStages);
         mbar_wait(empty0 + 8 * s, static_cast<uint32_t>(((i / kTmaStages) & 1) ^ 1));
         const uint32_t full = full0 + 8 * s, sa = smem_s + s * kTmaStageBytes, sb = sa + kAStage;
+        mbar_expect_tx(full, kTmaStageBytes);
         const WgTile& tl = ld.tile;
         const int k0 = static_cast<int>(ld.kt * kWgBK);
-        if constexpr (kPair) {
-          // This block's A (none for a tile past its expert's rows), and its half of B for
-          // both blocks: B's 64-column atoms 2 * rank and 2 * rank + 1, or (K-major B) its
-          // rows 128 * rank.. (the map's box is 128 rows then).
-          const bool a_live = kSegK || tl.m0 < tl.m_lim;
-          mbar_expect_tx(full, a_live ? kTmaStageBytes : kTmaStageBytes - kAStage);
-          const int rank = static_cast<int>(ld.rank);
-          if constexpr (kSegK) {
-            const int kr = static_cast<int>(tl.row0) + k0;
-            for (int a = 0; a < 2; ++a)
-              tma_load_3d(sa + a * kAtomBytes, &map_a, full, static_cast<int>(tl.m0) + 64 * a, kr, 0);
-            for (int a = 2 * rank; a < 2 * rank + 2; ++a) {
-              tma_load_3d_multicast(sb + a * kAtomBytes, &map_b, full, static_cast<int>(tl.n0) + 64 * a, kr,
-                                    0, 3);
-            }
-          } else {
-            if (a_live) tma_load_3d(sa, &map_a, full, k0, static_cast<int>(tl.row0 + tl.m0), 0);
-            if constexpr (kBCol) {
-              tma_load_3d_multicast(sb + rank * (kTmaBN / 2) * 128, &map_b, full, k0,
-                                    static_cast<int>(tl.n0) + rank * (kTmaBN / 2), static_cast<int>(tl.e), 3);
-            } else {
-              for (int a = 2 * rank; a < 2 * rank + 2; ++a) {
-                tma_load_3d_multicast(sb + a * kAtomBytes, &map_b, full, static_cast<int>(tl.n0) + 64 * a, k0,
-                                      static_cast<int>(tl.e), 3);
-              }
-            }
-          }
-          ld.advance(args);
-          continue;
-        }
-        mbar_expect_tx(full, kTmaStageBytes);
         if constexpr (kSegK) {  // A = l [T, P] (MN-major atoms), B = r [T, Q] (MN-major atoms)
           const int kr = static_cast<int>(tl.row0) + k0;
           for (int a = 0; a < 2; ++a) tma_load_3d(sa + a * kAtomBytes, &map_a, full, static_cast<int>(tl.m0) + 64 * a, kr, 0);
@@ -837,14 +733,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         }
         ld.advance(args);
       }
-      if constexpr (kPair) {
-        // Until both blocks' consumers have released every stage this producer filled: the
-        // other block arrives on this block's barriers up to its own last stage.
-        for (int64_t j = i; j < i + kTmaStages; ++j) {
-          mbar_wait(empty0 + 8 * static_cast<int>(j % kTmaStages),
-                    static_cast<uint32_t>(((j / kTmaStages) & 1) ^ 1));
-        }
-      }
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
@@ -852,31 +740,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     float acc[kTmaBN / 2];
 #pragma unroll
     for (int i = 0; i < kTmaBN / 2; ++i) acc[i] = 0.0f;
-    WgCursor<kSegK, kTmaBN, kTable, kPair> cs;
+    WgCursor<kSegK, kTmaBN, kTable> cs;
     cs.start(args, tiles_n, table);
-    // Releases stage j's buffers: to this block's producer, and with kPair to both blocks'.
-    auto release = [&](int64_t j) {
-      const uint32_t bar = empty0 + 8 * static_cast<int>(j % kTmaStages);
-      if constexpr (kPair) {
-        mbar_arrive_cluster(bar, 0);
-        mbar_arrive_cluster(bar, 1);
-      } else {
-        mbar_arrive(bar);
-      }
-    };
     int64_t i = 0;
     while (cs.live) {
-      if constexpr (kPair && !kSegK) {
-        if (cs.tile.m0 >= cs.tile.m_lim) {  // a tile past its expert's rows only passes the stages on
-          for (int64_t kt = 0; kt < cs.tile.k_steps; ++kt, ++i) {
-            mbar_wait(full0 + 8 * static_cast<int>(i % kTmaStages),
-                      static_cast<uint32_t>((i / kTmaStages) & 1));
-            if (ctid == 0) release(i);
-          }
-          cs.next_tile(args);
-          continue;
-        }
-      }
       for (int64_t kt = 0; kt < cs.tile.k_steps; ++kt, ++i) {
         const int s = static_cast<int>(i % kTmaStages);
         mbar_wait(full0 + 8 * s, static_cast<uint32_t>((i / kTmaStages) & 1));
@@ -905,11 +772,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         wgmma_wait<1>();
         fence_regs(acc);
         // The previous step's wgmma (this warpgroup's) has completed: release its stage.
-        if (kt > 0 && ctid == 0) release(i - 1);
+        if (kt > 0 && ctid == 0) mbar_arrive(empty0 + 8 * static_cast<int>((i - 1) % kTmaStages));
       }
       wgmma_wait<0>();
       fence_regs(acc);
-      if (ctid == 0) release(i - 1);
+      if (ctid == 0) mbar_arrive(empty0 + 8 * static_cast<int>((i - 1) % kTmaStages));
       const WgTile& tl = cs.tile;
       if constexpr (kStoreDw) {
         if (args.sum_squares != nullptr) {
@@ -934,7 +801,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           }
 #pragma unroll
           for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-          if (lane == 0) args.sum_squares[(kPair ? tl.slot : cs.t) * 8 + cw * 4 + warp_in_wg] = ss;
+          if (lane == 0) args.sum_squares[cs.t * 8 + cw * 4 + warp_in_wg] = ss;
         }
         const uint32_t stg_s = staging0 + cw * (kStagingBytes / 2);
         unsigned char* stg = smem + (stg_s - smem_s);
@@ -1045,67 +912,18 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 #endif
 }
 
-// How many two-block clusters of the pair kernel can be resident at once (cached per
-// device and kernel): 0 where none can.
-template <typename Kernel>
-int pair_clusters_resident(Kernel kernel, size_t smem) {
-  static std::atomic<int> cached[64];  // 0 unknown, else clusters + 1
-  int dev = 0;
-  CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= 64) return 0;
-  if (cached[dev] == 0) {
-    CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(2);
-    cfg.blockDim = dim3(kTmaThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();  // clear it: the one-block kernel runs instead
-      clusters = 0;
-    }
-    cached[dev] = clusters + 1;
-  }
-  return cached[dev] - 1;
-}
-
 // The tensor maps of one problem (see GemmArgs): row segments read A = a [T, k] and B_e
 // from b [E][k][n] (or [E][n][k] with kBCol); k segments read a [T, m] and b [T, n].
-// allow_pair: run the pair kernel (clusters of two blocks sharing B) where it can: not with
-// the tile table, k segments only with an even number of m tiles, and only where the device
-// keeps at least as many blocks of it resident as the one-block kernel, less two.
 template <bool kSegK, bool kBCol, typename OutT>
-void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const GemmArgs& args,
-                     bool allow_pair) {
-  const bool table = !kSegK && use_tile_table(args.experts);
-  const int64_t tiles_n = ceil_div(args.n, kTmaBN), tiles_m = ceil_div(args.m, kWgBM);
-  const size_t smem = TmaConfig<kSegK, OutT>::kSmem + (kSegK ? 0 : tile_table_bytes(args.experts));
-  bool pair = allow_pair && !table && (!kSegK || tiles_m % 2 == 0) && env.num_sms >= 2;
-  auto pair_kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT, false, true>;
-  int64_t clusters = 0;
-  if (pair) {
-    const int64_t resident = pair_clusters_resident(pair_kernel, smem);
-    const int64_t pairs_bound = kSegK ? args.experts * (tiles_m / 2) * tiles_n
-                                      : (ceil_div(tokens, 2 * kWgBM) + args.experts) * tiles_n;
-    clusters = std::max<int64_t>(1, std::min<int64_t>({pairs_bound, resident, env.num_sms / 2}));
-    pair = 2 * resident >= std::min<int64_t>(env.num_sms, 2 * pairs_bound) - 2 && resident >= 1;
-  }
+void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const GemmArgs& args) {
   CUtensorMap map_a, map_b, map_c{};
   if constexpr (kSegK) {
     map_a = make_tensor_map(args.a, args.m, tokens, 1, 64, 64);
     map_b = make_tensor_map(args.b, args.n, tokens, 1, 64, 64);
   } else {
     map_a = make_tensor_map(args.a, args.k, tokens, 1, 64, kWgBM);
-    if constexpr (kBCol) {  // the pair kernel's blocks load half of the 256 rows each
-      map_b = make_tensor_map(args.b, args.k, args.n, args.experts, 64, pair ? kTmaBN / 2 : kTmaBN);
+    if constexpr (kBCol) {
+      map_b = make_tensor_map(args.b, args.k, args.n, args.experts, 64, kTmaBN);
     } else {
       map_b = make_tensor_map(args.b, args.n, args.k, args.experts, 64, 64);
     }
@@ -1117,18 +935,11 @@ void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const 
   if constexpr (TmaConfig<kSegK, OutT>::kStoreDw) {
     map_c = make_tensor_map(args.c, args.n, args.m, args.experts, 32, 64, /*f32=*/true);
   }
-  if (pair) {
-    CUDA_CHECK(cudaFuncSetAttribute(pair_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(smem)));
-    launch_clustered(env, 2, pair_kernel, static_cast<unsigned>(2 * clusters), kTmaThreads, smem, map_a,
-                     map_b, map_c, args);
-    TROUPE_CUDA_LAUNCH_CHECK();
-    return;
-  }
   auto kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT>;
   if constexpr (!kSegK) {
-    if (table) kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT, true>;
+    if (use_tile_table(args.experts)) kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT, true>;
   }
+  const size_t smem = TmaConfig<kSegK, OutT>::kSmem + (kSegK ? 0 : tile_table_bytes(args.experts));
   CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(tiles_bound, env.num_sms));
@@ -1141,8 +952,7 @@ void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const 
 // fall back to the mma.sync default.
 GemmTiling resolve_tiling(GemmTiling tiling) {
   const bool wants_hopper = tiling == GemmTiling::kAuto || tiling == GemmTiling::kWgmma128 ||
-                            tiling == GemmTiling::kWgmma256 || tiling == GemmTiling::kWgmmaTma ||
-                            tiling == GemmTiling::kWgmmaTmaSolo;
+                            tiling == GemmTiling::kWgmma256 || tiling == GemmTiling::kWgmmaTma;
   if (!wants_hopper) return tiling;
   if (!wgmma_available()) return GemmTiling::kWarps2x2;
   return tiling;  // kAuto stays: launch_gemm picks per problem
@@ -1170,9 +980,7 @@ bool launch_gemm(const Env& env, int64_t rows_bound, int64_t tokens, const GemmA
       launch_gemm_wgmma<kSegK, kBCol, OutT, 256, 4>(env, rows_bound * ceil_div(args.n, 256), args);
       break;
     case GemmTiling::kWgmmaTma:
-    case GemmTiling::kWgmmaTmaSolo:
-      launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args,
-                                          tiling == GemmTiling::kWgmmaTma);
+      launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
       return kTmaFolds;
     case GemmTiling::kAuto:
       // Measured (bench_1b shapes, bench/RESULTS.md): TMA wins the row-segment problems
@@ -1184,11 +992,11 @@ bool launch_gemm(const Env& env, int64_t rows_bound, int64_t tokens, const GemmA
         if (!std::is_same_v<OutT, float> || tokens == 0) {
           launch_gemm_wgmma<kSegK, kBCol, OutT, 256, 4>(env, rows_bound * ceil_div(args.n, 256), args);
         } else {
-          launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args, true);
+          launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
           return kTmaFolds;
         }
       } else {
-        launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args, true);
+        launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
       }
       break;
   }
@@ -1346,12 +1154,6 @@ void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, c
 
 bool grouped_matmul_hopper_available() {
   return wgmma_available();
-}
-
-int grouped_matmul_pair_clusters() {
-  if (!wgmma_available()) return 0;
-  return pair_clusters_resident(grouped_gemm_tma_kernel<false, false, bf16, false, true>,
-                                TmaConfig<false, bf16>::kSmem);
 }
 
 bool launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, const int32_t* offsets,

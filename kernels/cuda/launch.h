@@ -144,29 +144,15 @@ void launch_moe_unpermute_backward(const Env& env, const void* dy, const void* y
 // a compute-capability-9.0 GPU; elsewhere these fall back to kWarps2x2): 128 x 128 or
 // 128 x 256 tiles, persistent grid, operands by cp.async; kWgmmaTma: 128 x 256 tiles with
 // operands by TMA and a producer warpgroup. kAuto where these can run: kWgmmaTma for the
-// forward, dx and an f32 dW, kWgmma256 for a bf16 dW; elsewhere kWarps2x2.
-// kWgmmaTma runs, where it can, clusters of two blocks that share each B tile through TMA
-// multicast (the pair kernel); kWgmmaTmaSolo is the same kernel with one block a tile.
+// forward and dx, kWgmma256 for dW (faster there); elsewhere kWarps2x2.
 // kernel_bench times each; the bf16 test checks each.
-enum class GemmTiling {
-  kAuto,
-  kWarps2x2,
-  kWarps2x4,
-  kWarps2x2K64,
-  kWgmma128,
-  kWgmma256,
-  kWgmmaTma,
-  kWgmmaTmaSolo
-};
+enum class GemmTiling { kAuto, kWarps2x2, kWarps2x4, kWarps2x2K64, kWgmma128, kWgmma256, kWgmmaTma };
 // out[T,N] = x[T,K] @ W_e for the rows of expert e (W [E,K,N], or [E,N,K] with trans_w).
 void launch_grouped_matmul(const Env& env, const void* x, const void* w, const int32_t* offsets, int64_t tokens,
                            int64_t experts, int64_t k, int64_t n, bool trans_w, void* out, DType t,
                            GemmTiling tiling = GemmTiling::kAuto);
 // True where kAuto runs the Hopper kernels (sm_90a build, compute capability 9.0 device).
 bool grouped_matmul_hopper_available();
-// Two-block clusters of the pair kernel resident at once on this device (bf16 row
-// segments); 0 where it cannot run (the one-block kernel then runs for kWgmmaTma).
-int grouped_matmul_pair_clusters();
 // dx[T,K] = dout[T,N] @ op(W_e)^T per segment.
 void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dx,

@@ -131,18 +131,11 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
     // The Hopper configurations also run on 2 "SMs": each persistent block then walks many
     // tiles, so loads running ahead into the next tile are exercised too.
     const std::vector<std::pair<gpu::GemmTiling, int>> configs = {
-        {gpu::GemmTiling::kWarps2x2, gpu.ctx.num_sms},
-        {gpu::GemmTiling::kWarps2x4, gpu.ctx.num_sms},
-        {gpu::GemmTiling::kWarps2x2K64, gpu.ctx.num_sms},
-        {gpu::GemmTiling::kWgmma128, gpu.ctx.num_sms},
-        {gpu::GemmTiling::kWgmma256, gpu.ctx.num_sms},
-        {gpu::GemmTiling::kWgmma128, 2},
-        {gpu::GemmTiling::kWgmma256, 2},
-        {gpu::GemmTiling::kWgmmaTma, gpu.ctx.num_sms},
-        {gpu::GemmTiling::kWgmmaTma, 2},
-        {gpu::GemmTiling::kAuto, 3},
-        {gpu::GemmTiling::kWgmmaTmaSolo, gpu.ctx.num_sms},
-        {gpu::GemmTiling::kWgmmaTmaSolo, 2}};
+        {gpu::GemmTiling::kWarps2x2, gpu.ctx.num_sms},   {gpu::GemmTiling::kWarps2x4, gpu.ctx.num_sms},
+        {gpu::GemmTiling::kWarps2x2K64, gpu.ctx.num_sms}, {gpu::GemmTiling::kWgmma128, gpu.ctx.num_sms},
+        {gpu::GemmTiling::kWgmma256, gpu.ctx.num_sms},   {gpu::GemmTiling::kWgmma128, 2},
+        {gpu::GemmTiling::kWgmma256, 2},                 {gpu::GemmTiling::kWgmmaTma, gpu.ctx.num_sms},
+        {gpu::GemmTiling::kWgmmaTma, 2},                 {gpu::GemmTiling::kAuto, 3}};
     for (const auto& [tiling, sms] : configs) {
       const gpu::Env env{gpu.ctx.stream, sms};
       Tensor got2 = dev_poisoned({rows, n}, kBF), xd = dev(x), wd = dev(w), dd = dev(dout0);
@@ -172,9 +165,7 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
     for (const auto& [tiling, sms] :
          std::vector<std::pair<gpu::GemmTiling, int>>{{gpu::GemmTiling::kWgmmaTma, 2},
                                                       {gpu::GemmTiling::kWgmma256, 2},
-                                                      {gpu::GemmTiling::kWgmmaTma, 132},
-                                                      {gpu::GemmTiling::kWgmmaTmaSolo, 2},
-                                                      {gpu::GemmTiling::kWgmmaTmaSolo, 132}}) {
+                                                      {gpu::GemmTiling::kWgmmaTma, 132}}) {
       const gpu::Env env{gpu.ctx.stream, std::min(sms, gpu.ctx.num_sms)};
       Tensor xd = dev(x), dd = dev(dout), dwg = dev(dw_init);
       gpu::launch_grouped_matmul_dw(env, xd.data_ptr(), dd.data_ptr(), off_p, rows, experts, k, n, trans,
@@ -183,57 +174,6 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
                    fmt::format("grouped_matmul dw f32 acc tiling {} sms {}{}", static_cast<int>(tiling), sms,
                                trans ? " trans_w" : "")
                        .c_str());
-    }
-  }
-}
-
-// The pair kernel (kWgmmaTma: clusters of two blocks sharing each B tile through TMA
-// multicast) against the one-block kernel (kWgmmaTmaSolo) on a load of many tiles: each
-// tile's products run in the same order in both, so forward, dx and dW (written, with the
-// sum of squares, and added) must be bit-identical. Experts with an odd number of row
-// tiles (a pair's second tile past the expert's rows), an empty expert, partial tiles, k
-// ranges of many pipeline rounds; on 2 "SMs" (one cluster walking every pair tile) and on
-// all of them.
-TEST_F(CudaBf16, GroupedMatmulPairKernelMatchesOneBlockKernel) {
-  if (!gpu::grouped_matmul_hopper_available())
-    GTEST_SKIP() << "the TMA kernels need an sm_90a build on Hopper";
-  ASSERT_GT(gpu::grouped_matmul_pair_clusters(), 0) << "no two-block cluster of the pair kernel fits";
-  const std::vector<int32_t> off = {0, 300, 300, 1324, 1460, 2500, 2501, 3600};
-  const int64_t experts = static_cast<int64_t>(off.size()) - 1, rows = off.back(), k = 768, n = 1024;
-  Tensor doff = dev(Tensor::from_ints({experts + 1}, off));
-  const auto* off_p = static_cast<const int32_t*>(doff.data_ptr());
-  auto same = [this](const Tensor& a, const Tensor& b, const std::string& what) {
-    const std::vector<float> x = back(a).to_floats(), y = back(b).to_floats();
-    ASSERT_EQ(x.size(), y.size()) << what;
-    EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0) << what << ": not bit-identical";
-  };
-  for (bool trans : {false, true}) {
-    const Shape ws = trans ? Shape{experts, n, k} : Shape{experts, k, n};
-    Tensor x = dev(host_random({rows, k}, kBF)), w = dev(host_random(ws, kBF)),
-           dout = dev(host_random({rows, n}, kBF));
-    const Tensor dw_init = host_random(ws, kF32);
-    const int64_t slots = grouped_matmul_dw_sum_squares_slots(experts, k, n);
-    for (int sms : {2, gpu.ctx.num_sms}) {
-      const gpu::Env env{gpu.ctx.stream, sms};
-      const std::string tag = fmt::format("sms {}{}", sms, trans ? " trans_w" : "");
-      std::vector<Tensor> out;
-      for (gpu::GemmTiling tiling : {gpu::GemmTiling::kWgmmaTma, gpu::GemmTiling::kWgmmaTmaSolo}) {
-        Tensor y = dev_poisoned({rows, n}, kBF), dx = dev_poisoned({rows, k}, kBF);
-        Tensor dw = dev_poisoned(ws, kF32), ss = dev_poisoned({slots}, kF32), dwa = dev(dw_init);
-        gpu::launch_grouped_matmul(env, x.data_ptr(), w.data_ptr(), off_p, rows, experts, k, n, trans,
-                                   y.data_ptr(), kBF, tiling);
-        gpu::launch_grouped_matmul_dx(env, dout.data_ptr(), w.data_ptr(), off_p, rows, experts, k, n, trans,
-                                      dx.data_ptr(), kBF, tiling);
-        EXPECT_TRUE(gpu::launch_grouped_matmul_dw(env, x.data_ptr(), dout.data_ptr(), off_p, rows, experts, k,
-                                                  n, trans, dw.data_ptr(), kF32, false, kBF, tiling,
-                                                  f32_mut(ss), slots))
-            << tag;
-        gpu::launch_grouped_matmul_dw(env, x.data_ptr(), dout.data_ptr(), off_p, rows, experts, k, n, trans,
-                                      dwa.data_ptr(), kF32, true, kBF, tiling);
-        out.insert(out.end(), {y, dx, dw, ss, dwa});
-      }
-      const char* names[] = {"forward", "dx", "dW written", "dW sum-of-squares slots", "dW added"};
-      for (int i = 0; i < 5; ++i) same(out[i], out[i + 5], fmt::format("{} {}", names[i], tag));
     }
   }
 }
@@ -319,10 +259,9 @@ TEST_F(CudaBf16, GroupedMatmulDwSumSquares) {
       const int64_t p = trans ? n : k, q = trans ? k : n;  // each expert's dW is [p, q]
       Tensor x = dev(host_random({rows, k}, kBF)), dout = dev(host_random({rows, n}, kBF));
       const std::vector<std::pair<gpu::GemmTiling, int>> configs = {
-          {gpu::GemmTiling::kAuto, gpu.ctx.num_sms},         {gpu::GemmTiling::kAuto, 2},
-          {gpu::GemmTiling::kWgmmaTma, gpu.ctx.num_sms},     {gpu::GemmTiling::kWgmmaTma, 2},
-          {gpu::GemmTiling::kWgmma256, gpu.ctx.num_sms},     {gpu::GemmTiling::kWarps2x2, gpu.ctx.num_sms},
-          {gpu::GemmTiling::kWgmmaTmaSolo, gpu.ctx.num_sms}, {gpu::GemmTiling::kWgmmaTmaSolo, 2}};
+          {gpu::GemmTiling::kAuto, gpu.ctx.num_sms},     {gpu::GemmTiling::kAuto, 2},
+          {gpu::GemmTiling::kWgmmaTma, gpu.ctx.num_sms}, {gpu::GemmTiling::kWgmmaTma, 2},
+          {gpu::GemmTiling::kWgmma256, gpu.ctx.num_sms}, {gpu::GemmTiling::kWarps2x2, gpu.ctx.num_sms}};
       for (const auto& [tiling, sms] : configs) {
         const std::string tag = fmt::format("dw sum of squares, k {} n {}{}, tiling {} sms {}", k, n,
                                             trans ? " trans_w" : "", static_cast<int>(tiling), sms);
@@ -336,8 +275,7 @@ TEST_F(CudaBf16, GroupedMatmulDwSumSquares) {
                                                           kBF, tiling, f32_mut(slots), count);
         gpu::launch_grouped_matmul_dw(env, x.data_ptr(), dout.data_ptr(), off_p, rows, experts, k, n, trans,
                                       dw.data_ptr(), kF32, false, kBF, tiling, f32_mut(slots2), count);
-        const bool tma = tiling == gpu::GemmTiling::kAuto || tiling == gpu::GemmTiling::kWgmmaTma ||
-                         tiling == gpu::GemmTiling::kWgmmaTmaSolo;
+        const bool tma = tiling == gpu::GemmTiling::kAuto || tiling == gpu::GemmTiling::kWgmmaTma;
         EXPECT_EQ(folded, tma && gpu::grouped_matmul_hopper_available()) << tag;
         const std::vector<float> dwh = back(dw).to_floats(), plain = back(dw_plain).to_floats();
         const std::vector<float> got = back(slots).to_floats(), again = back(slots2).to_floats();
