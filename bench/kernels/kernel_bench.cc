@@ -525,6 +525,95 @@ void run() {
     b.bytes("grad_norm_device_bench1b", numel * 4, "sum_squares_into: one launch + a 1-block finish, no sync",
             [&] { be.sum_squares_into(b.ex, grads, {}, norm_sq, false); });
     std::printf("(norm checksum %.3e)\n", sink);
+
+    // ---- could the optimizer hide behind the products? (issue 20) A measurement, not a
+    // path the step takes: the expert products of a bench_1b forward (12 x up + down on the
+    // balanced load) on the main stream, limited to num_sms - r SMs (the TMA kernel's
+    // persistent grid), and the whole AdamW pass (with its bf16 working copies) on a second
+    // stream with a grid for `a` SMs (8 blocks an SM), started together; against the two
+    // one after the other on all SMs. The products' blocks fill an SM (shared memory and
+    // registers), so the two share the GPU by SMs, and the power cap decides the rest.
+    {
+      const int64_t rows = kTokens * kTopK;
+      std::vector<int32_t> off(kExperts + 1);
+      for (int64_t e = 0; e <= kExperts; ++e)
+        off[static_cast<size_t>(e)] = static_cast<int32_t>(rows * e / kExperts);
+      Tensor offsets = b.ints({kExperts + 1}, off);
+      Tensor xp = b.random({rows, kD}, bf), w1 = b.random({kExperts, kD, 2 * kFfn}, bf, -0.05f, 0.05f);
+      Tensor h = b.empty({rows, 2 * kFfn}, bf), act = b.random({rows, kFfn}, bf);
+      Tensor w2 = b.random({kExperts, kFfn, kD}, bf, -0.05f, 0.05f), y = b.empty({rows, kD}, bf);
+      const auto* off_p = static_cast<const int32_t*>(offsets.data_ptr());
+      std::vector<float*> pp, mp, vp;
+      std::vector<const void*> gp;
+      std::vector<void*> wp;
+      std::vector<DType> gt, wt;
+      std::vector<int64_t> ne;
+      std::vector<float> wd;
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        pp.push_back(static_cast<float*>(p[i].data_ptr()));
+        gp.push_back(g[i].data_ptr());
+        mp.push_back(static_cast<float*>(m[i].data_ptr()));
+        vp.push_back(static_cast<float*>(v[i].data_ptr()));
+        wp.push_back(work[i].data_ptr());
+        gt.push_back(DType::kF32);
+        wt.push_back(DType::kBF16);
+        ne.push_back(p[i].numel());
+        wd.push_back(list[i].weight_decay);
+      }
+      gpu::AdamWArgs args{};
+      args.lr = 1e-4f;
+      args.beta1 = 0.9f;
+      args.beta2 = 0.95f;
+      args.eps = 1e-8f;
+      args.weight_decay = 0.1f;
+      args.grad_scale = 0.5f;
+      args.bias_correction1 = 0.1f;
+      args.bias_correction2 = 0.05f;
+      cudaStream_t side = nullptr;
+      cudaEvent_t fork = nullptr, join = nullptr;
+      CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+      CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+      CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+      auto products = [&](int sms) {
+        const gpu::Env env{ctx.stream, sms};
+        for (int l = 0; l < 12; ++l) {
+          gpu::launch_grouped_matmul(env, xp.data_ptr(), w1.data_ptr(), off_p, rows, kExperts, kD, 2 * kFfn,
+                                     false, h.data_ptr(), bf);
+          gpu::launch_grouped_matmul(env, act.data_ptr(), w2.data_ptr(), off_p, rows, kExperts, kFfn, kD,
+                                     false, y.data_ptr(), bf);
+        }
+      };
+      auto adamw = [&](cudaStream_t st, int sms) {
+        const gpu::Env env{st, sms};
+        gpu::launch_adamw_multi(env, static_cast<int>(pp.size()), pp.data(), gp.data(), gt.data(), mp.data(),
+                                vp.data(), ne.data(), wd.data(), wp.data(), wt.data(), args);
+      };
+      const double flop =
+          12 * 2.0 * rows * kD * 2 * kFfn * 1.5;  // up (K 1024, N 4096) + down (K 2048, N 1024)
+      b.flops("overlap_products_alone", flop, "12 x (up + down)", [&] { products(ctx.num_sms); });
+      b.bytes("overlap_adamw_alone", numel * (4 * 7 + 2), "the AdamW pass with working copies",
+              [&] { adamw(ctx.stream, ctx.num_sms); });
+      b.flops("overlap_serial", flop, "products, then AdamW (all SMs)", [&] {
+        products(ctx.num_sms);
+        adamw(ctx.stream, ctx.num_sms);
+      });
+      for (const auto& [r, a] :
+           std::vector<std::pair<int, int>>{{0, 132}, {0, 16}, {16, 16}, {32, 32}, {24, 24}}) {
+        b.flops("overlap_products_sms" + std::to_string(ctx.num_sms - r) + "_adamw_sms" + std::to_string(a),
+                flop, "both at once, two streams", [&] {
+                  CUDA_CHECK(cudaEventRecord(fork, ctx.stream));
+                  CUDA_CHECK(cudaStreamWaitEvent(side, fork, 0));
+                  adamw(side, a);
+                  products(ctx.num_sms - r);
+                  CUDA_CHECK(cudaEventRecord(join, side));
+                  CUDA_CHECK(cudaStreamWaitEvent(ctx.stream, join, 0));
+                });
+      }
+      CUDA_CHECK(cudaStreamSynchronize(side));
+      CUDA_CHECK(cudaEventDestroy(fork));
+      CUDA_CHECK(cudaEventDestroy(join));
+      CUDA_CHECK(cudaStreamDestroy(side));
+    }
   }
   {
     const int64_t rows = kTokens * kTopK;
