@@ -21,8 +21,6 @@ struct Backend {
   void (*sum_rows)(const Exec&, const Tensor&, Tensor&, bool);
   void (*matmul)(const Exec&, const Tensor&, const Tensor&, Tensor&, bool, bool, float, float);
   void (*grouped_matmul)(const Exec&, const Tensor&, const Tensor&, const Tensor&, Tensor&, bool);
-  // x, w, offsets, h, act.
-  void (*grouped_matmul_swiglu)(const Exec&, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&);
   // ..., dx, dw, trans_w, accumulate_dw, dw_sum_squares (null: none).
   void (*grouped_matmul_backward)(const Exec&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                   Tensor*, Tensor*, bool, bool, Tensor*);

@@ -290,19 +290,6 @@ void grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const Tens
   c.call(&Backend::grouped_matmul, ex, x, w, offsets, out, trans_w);
 }
 
-void grouped_matmul_swiglu(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& h,
-                           Tensor& act) {
-  OpCheck c("grouped_matmul_swiglu", ex,
-            {{"x", &x}, {"w", &w}, {"offsets", &offsets}, {"h", &h}, {"act", &act}});
-  check_grouped_matmul(c, x, w, offsets, h, /*trans_w=*/false);
-  OP_FLOAT(c, act);
-  OP_REQUIRE(c, w.size(2) % 2 == 0, "the experts' matrices have {} columns: not a gate and an up half",
-             w.size(2));
-  OP_SHAPE(c, act, {x.size(0), w.size(2) / 2});
-  OP_DTYPE(c, act, h.dtype());
-  c.call(&Backend::grouped_matmul_swiglu, ex, x, w, offsets, h, act);
-}
-
 void grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
                              const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w, bool accumulate_dw,
                              Tensor* dw_sum_squares) {

@@ -65,13 +65,6 @@ void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Ten
 // out [T,N]. On CUDA `offsets` lives on the device. One launch for all experts.
 void grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out,
                     bool trans_w = false);
-// The experts' first projection and their SwiGLU in one op: h = grouped_matmul(x, w) [T,2F]
-// (w [E,K,2F], not transposed) and act = swiglu_forward(h) [T,F], both written, equal to
-// the two ops one after the other. The CUDA backend runs one kernel where it can (bf16 on
-// Hopper, F a multiple of 128: the grouped GEMM's epilogue computes act from the h it
-// writes); the CPU backend and every other case run the two ops.
-void grouped_matmul_swiglu(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& h,
-                           Tensor& act);
 // dw_sum_squares (optional; only where dW is written, not with accumulate_dw): f32
 // [grouped_matmul_dw_sum_squares_slots(E, K, N)]; afterwards the SUM of its slots is the
 // sum of squares of the dW written (issue 20: the gradient norm folded into the product).

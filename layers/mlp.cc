@@ -76,8 +76,9 @@ Tensor Experts::forward(const Ctx& c, const Tensor& xp, const Tensor& offsets, S
   s.xp = xp;
   s.offsets = offsets;
   s.h = c.empty({r, 2 * f});
+  kernels::grouped_matmul(c.ex, xp, w1.w(), offsets, s.h);
   Tensor a = c.empty({r, f});
-  kernels::grouped_matmul_swiglu(c.ex, xp, w1.w(), offsets, s.h, a);  // one kernel on Hopper
+  kernels::swiglu_forward(c.ex, s.h, a);
   Tensor yp = c.empty({r, w2.value.size(2)});
   kernels::grouped_matmul(c.ex, a, w2.w(), offsets, yp);
   s.a = recompute ? Tensor() : a;

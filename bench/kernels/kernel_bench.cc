@@ -291,18 +291,6 @@ void run() {
                                    y.data_ptr(), bf, tl);
       });
     }
-    // The up projection with SwiGLU in its epilogue (what the experts' forward runs on
-    // Hopper), against the product and swiglu_forward one after the other.
-    Tensor act = b.empty({rows, kFfn}, bf);
-    b.flops("grouped_up_swiglu_fused", f1, "2*rows*N*K (+ act = swiglu(h) in the epilogue)", [&] {
-      gpu::launch_grouped_matmul_swiglu(env, xp.data_ptr(), w1.data_ptr(), off_p, rows, kExperts, kD, kFfn,
-                                        h.data_ptr(), act.data_ptr(), bf);
-    });
-    b.flops("grouped_up_then_swiglu", f1, "2*rows*N*K, then swiglu_forward", [&] {
-      gpu::launch_grouped_matmul(env, xp.data_ptr(), w1.data_ptr(), off_p, rows, kExperts, kD, 2 * kFfn,
-                                 false, h.data_ptr(), bf);
-      gpu::launch_swiglu_forward(env, h.data_ptr(), act.data_ptr(), bf, rows, kFfn);
-    });
     Tensor da = b.empty({rows, kFfn}, bf);
     b.flops("grouped_down_dx", f2, "2*rows*N*K", [&] {
       be.grouped_matmul_backward(b.ex, a, w2, offsets, y, &da, nullptr, false, false, nullptr);

@@ -18,7 +18,6 @@ const Backend& cpu_backend() {
       .sum_rows = cpu::sum_rows,
       .matmul = cpu::matmul,
       .grouped_matmul = cpu::grouped_matmul,
-      .grouped_matmul_swiglu = cpu::grouped_matmul_swiglu,
       .grouped_matmul_backward = cpu::grouped_matmul_backward,
       .embedding_forward = cpu::embedding_forward,
       .embedding_backward = cpu::embedding_backward,

@@ -125,12 +125,6 @@ Segments check_segments(const Tensor& offsets, int64_t rows) {
 
 }  // namespace
 
-void grouped_matmul_swiglu(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& h,
-                           Tensor& act) {
-  cpu::grouped_matmul(ex, x, w, offsets, h, false);
-  cpu::swiglu_forward(ex, h, act);
-}
-
 void grouped_matmul(const Exec&, const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out,
                     bool trans_w) {
   const int64_t k = x.size(1), n = out.size(1);

@@ -181,28 +181,6 @@ void cuda_grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const
                              trans_w, out.data_ptr(), x.dtype());
 }
 
-void cuda_swiglu_forward(const Exec& ex, const Tensor& h, Tensor& out);
-
-void cuda_grouped_matmul_swiglu(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
-                                Tensor& h, Tensor& act) {
-  {
-    OpScope s(ex, "grouped_matmul_swiglu");
-    require(x, "grouped_matmul_swiglu", "x");
-    require(w, "grouped_matmul_swiglu", "w");
-    require(offsets, "grouped_matmul_swiglu", "offsets");
-    require(h, "grouped_matmul_swiglu", "h");
-    require(act, "grouped_matmul_swiglu", "act");
-    if (x.dtype() == w.dtype() && x.dtype() == h.dtype() && h.dtype() == act.dtype() &&
-        gpu::launch_grouped_matmul_swiglu(s.env, x.data_ptr(), w.data_ptr(), i32(offsets), x.size(0),
-                                          w.size(0), x.size(1), act.size(1), h.data_ptr(), act.data_ptr(),
-                                          x.dtype())) {
-      return;
-    }
-  }
-  cuda_grouped_matmul(ex, x, w, offsets, h, false);  // the two kernels
-  cuda_swiglu_forward(ex, h, act);
-}
-
 void cuda_grouped_matmul_backward(const Exec& ex, const Tensor& x, const Tensor& w, const Tensor& offsets,
                                   const Tensor& dout, Tensor* dx, Tensor* dw, bool trans_w,
                                   bool accumulate_dw, Tensor* dw_sum_squares) {
@@ -752,7 +730,6 @@ const Backend kCudaBackend = {
     .sum_rows = cuda_sum_rows,
     .matmul = cuda_matmul,
     .grouped_matmul = cuda_grouped_matmul,
-    .grouped_matmul_swiglu = cuda_grouped_matmul_swiglu,
     .grouped_matmul_backward = cuda_grouped_matmul_backward,
     .embedding_forward = cuda_embedding_forward,
     .embedding_backward = cuda_embedding_backward,

@@ -155,13 +155,6 @@ inline unsigned grid_for(int64_t work, int threads, int num_sms) {
   return static_cast<unsigned>(std::min<int64_t>(blocks, int64_t{num_sms} * 16));
 }
 
-// sigmoid(x) with a fast reciprocal (the exp dominates the error): SwiGLU's, in its own
-// kernels (elementwise.cu) and in the grouped GEMM's fused epilogue (grouped_matmul.cu),
-// which must agree bit for bit.
-__device__ __forceinline__ float sigmoidf(float x) {
-  return __frcp_rn(1.0f + __expf(-x));
-}
-
 // ---- programmatic dependent launch (Hopper) ----------------------------------------------
 // Every kernel in kernels/cuda calls pdl_wait() before its first access to global memory
 // (read or write), in every thread, before any early return. Launched through launch()

@@ -103,9 +103,6 @@ struct GemmArgs {
   // 8 * tile + 4 * consumer warpgroup + warp receives that warp's sum of squares of its
   // accumulators inside the matrix (launch_grouped_matmul_dw's sum_squares).
   float* sum_squares;
-  // The TMA kernel's kSwiGLU (row segments, C = h [T, n] with n = 2f): receives
-  // swiglu(h) [T, f] (launch_grouped_matmul_swiglu).
-  bf16* act;
 };
 
 // kSegK = false: row segments, A row-major (A(m,k) = a[m*lda+k]); B row-major
@@ -668,13 +665,7 @@ __device__ __forceinline__ void bulk_wait() {
 #endif
 
 // kTable (row segments, use_tile_table): tiles found through a TileTable in shared memory.
-// kSwiGLU (row segments, bf16, B row-major: the experts' first projection, C = h [T, 2f]
-// with the gate in columns [0, f) and the up projection in [f, 2f)): column tile nt holds
-// the gate's columns 128 nt.. (the accumulators' first 128 columns) and the up
-// projection's f + 128 nt.. (the last 128), so each thread holds both halves of its
-// outputs and the epilogue also writes act = silu(gate) * up (from the bf16-rounded h,
-// SwiGLU's formula: what swiglu_forward would compute from the h this kernel writes).
-template <bool kSegK, bool kBCol, typename OutT, bool kTable = false, bool kSwiGLU = false>
+template <bool kSegK, bool kBCol, typename OutT, bool kTable = false>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_gemm_tma_kernel(const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_b,
@@ -695,18 +686,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   const int tid = threadIdx.x, wg = tid / 128;
   const int64_t tiles_n = (args.n + kTmaBN - 1) / kTmaBN;
   static_assert(!kTable || !kSegK, "the tile table is for row segments");
-  static_assert(!kSwiGLU || (!kSegK && !kBCol && std::is_same_v<OutT, bf16>),
-                "SwiGLU: bf16 row segments, W [E][K][N]");
-  const int64_t half_n = args.n / 2;  // kSwiGLU: f
-  // Column of the tile's 64-wide chunk b (0..3): kSwiGLU maps chunks 0, 1 to the gate and
-  // 2, 3 to the up projection.
-  const auto chunk_col = [&](int64_t n0, int b) -> int64_t {
-    if constexpr (kSwiGLU) {
-      return (b < 2 ? 0 : half_n) + n0 / 2 + 64 * (b % 2);
-    } else {
-      return n0 + 64 * b;
-    }
-  };
   TileTable table;
   if constexpr (kTable) {
     int32_t* first_tile = reinterpret_cast<int32_t*>(smem + (empty0 + kTmaStages * 8 - smem_s));
@@ -747,7 +726,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             tma_load_3d(sb, &map_b, full, k0, static_cast<int>(tl.n0), static_cast<int>(tl.e));
           } else {  // W as [E][K][N]: atoms of 64 k-rows x 64 n
             for (int a = 0; a < kTmaBN / 64; ++a) {
-              tma_load_3d(sb + a * kAtomBytes, &map_b, full, static_cast<int>(chunk_col(tl.n0, a)), k0,
+              tma_load_3d(sb + a * kAtomBytes, &map_b, full, static_cast<int>(tl.n0) + 64 * a, k0,
                           static_cast<int>(tl.e));
             }
           }
@@ -763,29 +742,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     for (int i = 0; i < kTmaBN / 2; ++i) acc[i] = 0.0f;
     WgCursor<kSegK, kTmaBN, kTable> cs;
     cs.start(args, tiles_n, table);
-    // kSwiGLU: act [T, f] of this thread's outputs, straight from the accumulators (rows
-    // lane / 4 + 8 h of its warp's 16, column pairs 8 j + 2 (lane % 4) of the tile's 128).
-    const auto swiglu_store = [&](const WgTile& tl) {
-      bf16* act = args.act + tl.row0 * half_n + tl.n0 / 2;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int64_t gm = tl.m0 + cw * 64 + warp_in_wg * 16 + lane / 4 + 8 * h;
-        if (gm < tl.m_lim) {
-#pragma unroll
-          for (int j = 0; j < kTmaBN / 16; ++j) {
-            float v[2];
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const float g = __bfloat162float(__float2bfloat16_rn(acc[j * 4 + h * 2 + c]));
-              const float u = __bfloat162float(__float2bfloat16_rn(acc[(j + kTmaBN / 16) * 4 + h * 2 + c]));
-              v[c] = g * sigmoidf(g) * u;
-            }
-            *reinterpret_cast<__nv_bfloat162*>(act + gm * half_n + j * 8 + 2 * (lane % 4)) =
-                __floats2bfloat162_rn(v[0], v[1]);
-          }
-        }
-      }
-    };
     int64_t i = 0;
     while (cs.live) {
       for (int64_t kt = 0; kt < cs.tile.k_steps; ++kt, ++i) {
@@ -908,12 +864,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           if (ctid == 0) {
             const int row = static_cast<int>(tl.row0 + tl.m0) + cw * 64;
             for (int b = 0; b < kTmaBN / 64; ++b) {
-              const int64_t col = chunk_col(tl.n0, b);
+              const int64_t col = tl.n0 + 64 * b;
               if (col < args.n) tma_store_3d(&map_c, stg_s + b * 8192, static_cast<int>(col), row, 0);
             }
             bulk_commit();
           }
-          if constexpr (kSwiGLU) swiglu_store(tl);
           cs.next_tile(args);
           continue;
         }
@@ -925,7 +880,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         if (gm < tl.m_lim) {
 #pragma unroll
           for (int j = 0; j < kTmaBN / 8; ++j) {
-            const int64_t gn = chunk_col(tl.n0, j / 8) + (j % 8) * 8 + 2 * (lane % 4);
+            const int64_t gn = tl.n0 + j * 8 + 2 * (lane % 4);
             if (gn < args.n) {
               float v0 = acc[j * 4 + h * 2], v1 = acc[j * 4 + h * 2 + 1];
               OutT* p = c + gm * args.ldc + gn;
@@ -942,7 +897,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           }
         }
       }
-      if constexpr (kSwiGLU) swiglu_store(tl);
       cs.next_tile(args);
     }
     if constexpr (kStore) {
@@ -960,7 +914,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 
 // The tensor maps of one problem (see GemmArgs): row segments read A = a [T, k] and B_e
 // from b [E][k][n] (or [E][n][k] with kBCol); k segments read a [T, m] and b [T, n].
-template <bool kSegK, bool kBCol, typename OutT, bool kSwiGLU = false>
+template <bool kSegK, bool kBCol, typename OutT>
 void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const GemmArgs& args) {
   CUtensorMap map_a, map_b, map_c{};
   if constexpr (kSegK) {
@@ -981,8 +935,8 @@ void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const 
   if constexpr (TmaConfig<kSegK, OutT>::kStoreDw) {
     map_c = make_tensor_map(args.c, args.n, args.m, args.experts, 32, 64, /*f32=*/true);
   }
-  auto kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT, false, kSwiGLU>;
-  if constexpr (!kSegK && !kSwiGLU) {
+  auto kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT>;
+  if constexpr (!kSegK) {
     if (use_tile_table(args.experts)) kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT, true>;
   }
   const size_t smem = TmaConfig<kSegK, OutT>::kSmem + (kSegK ? 0 : tile_table_bytes(args.experts));
@@ -1200,34 +1154,6 @@ void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, c
 
 bool grouped_matmul_hopper_available() {
   return wgmma_available();
-}
-
-bool launch_grouped_matmul_swiglu(const Env& env, const void* x, const void* w, const int32_t* offsets,
-                                  int64_t tokens, int64_t experts, int64_t k, int64_t f, void* h, void* act,
-                                  DType t) {
-  if (tokens == 0 || f == 0) return true;
-  // The fused kernel: bf16 on an sm_90a build on Hopper, whole 128-column halves, and an
-  // expert count the tile table does not take (it has no table variant).
-  if (!wgmma_available() || !tensor_core_ok(t, {x, w, h, act}, {k, f}) || f % 128 != 0 ||
-      use_tile_table(experts)) {
-    return false;
-  }
-  GemmArgs args{};
-  args.a = static_cast<const bf16*>(x);
-  args.b = static_cast<const bf16*>(w);
-  args.c = h;
-  args.act = static_cast<bf16*>(act);
-  args.offsets = offsets;
-  args.experts = experts;
-  args.n = 2 * f;
-  args.k = k;
-  args.lda = k;
-  args.ldb = 2 * f;
-  args.ldc = 2 * f;
-  args.b_expert_stride = k * 2 * f;
-  const int64_t rows_bound = ceil_div(tokens, kBM) + experts;
-  launch_gemm_tma<false, false, bf16, true>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
-  return true;
 }
 
 bool launch_grouped_matmul_dw(const Env& env, const void* x, const void* dout, const int32_t* offsets,

@@ -153,14 +153,6 @@ void launch_grouped_matmul(const Env& env, const void* x, const void* w, const i
                            GemmTiling tiling = GemmTiling::kAuto);
 // True where kAuto runs the Hopper kernels (sm_90a build, compute capability 9.0 device).
 bool grouped_matmul_hopper_available();
-// h[T,2f] = x[T,K] @ W_e (W [E,K,2f]) per segment and act[T,f] = silu(h[:, :f]) * h[:, f:]
-// (launch_swiglu_forward's formula on the bf16 h) in one kernel: the Hopper TMA kernel's
-// kSwiGLU epilogue. Returns false, launching nothing, where that kernel cannot run (not
-// bf16, not an sm_90a build on Hopper, f not a multiple of 128, 32 to 1024 experts):
-// the caller then runs launch_grouped_matmul and launch_swiglu_forward.
-bool launch_grouped_matmul_swiglu(const Env& env, const void* x, const void* w, const int32_t* offsets,
-                                  int64_t tokens, int64_t experts, int64_t k, int64_t f, void* h, void* act,
-                                  DType t);
 // dx[T,K] = dout[T,N] @ op(W_e)^T per segment.
 void launch_grouped_matmul_dx(const Env& env, const void* dout, const void* w, const int32_t* offsets,
                               int64_t tokens, int64_t experts, int64_t k, int64_t n, bool trans_w, void* dx,

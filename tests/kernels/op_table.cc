@@ -150,10 +150,10 @@ Tensors upload_inputs(TestDevice& dev, const OpCase& c, const HostTensors& input
 const std::vector<std::string>& forward_op_names() {
   static const std::vector<std::string> kNames = {
       "fill", "cast", "add", "axpby", "scale", "sum", "sum_squares", "sum_rows", "matmul", "grouped_matmul",
-      "grouped_matmul_swiglu", "embedding_forward", "rmsnorm_forward", "rope_forward", "attention_forward",
-      "softmax_forward", "router_forward", "moe_dispatch_plan", "moe_permute", "moe_unpermute",
-      "swiglu_forward", "cross_entropy_forward", "cross_entropy_forward_backward", "adamw_step",
-      "adamw_step_multi", "sum_squares_multi", "quantize_fp8", "dequantize_fp8",
+      "embedding_forward", "rmsnorm_forward", "rope_forward", "attention_forward", "softmax_forward",
+      "router_forward", "moe_dispatch_plan", "moe_permute", "moe_unpermute", "swiglu_forward",
+      "cross_entropy_forward", "cross_entropy_forward_backward", "adamw_step", "adamw_step_multi",
+      "sum_squares_multi", "quantize_fp8", "dequantize_fp8",
       // device-resident step statistics (issue 20)
       "expert_counts", "sum_squares_into",
       // communication codecs (issue 17)
@@ -186,7 +186,6 @@ bool backend_implements(const Backend& b, const std::string& op) {
       TROUPE_OP_ENTRY(matmul),
       {"matmul_backward", [](const Backend& be) { return be.matmul != nullptr; }},
       TROUPE_OP_ENTRY(grouped_matmul),
-      TROUPE_OP_ENTRY(grouped_matmul_swiglu),
       TROUPE_OP_ENTRY(grouped_matmul_backward),
       TROUPE_OP_ENTRY(embedding_forward),
       TROUPE_OP_ENTRY(embedding_backward),
@@ -612,51 +611,6 @@ void add_grouped_matmul_cases(std::vector<OpCase>& cases, Rng& rng) {
       grouped_matmul_backward(dev.exec(), in[0], in[1], in[2], douts[0], &dx, &dw, s.trans_w,
                               s.accumulate_dw);
       return HostTensors{dev.download(dx), dev.download(dw)};
-    };
-    cases.push_back(std::move(c));
-  }
-}
-
-// The experts' first projection with its SwiGLU (h and act); the second shape is one the
-// CUDA backend runs as one kernel under bf16 storage on Hopper (F a multiple of 128): rows
-// past a tile's end in its expert, an empty expert, several column tiles.
-void add_grouped_matmul_swiglu_cases(std::vector<OpCase>& cases, Rng& rng) {
-  struct Spec {
-    std::vector<int64_t> counts;
-    int64_t k, f;
-  };
-  for (const Spec& s : {Spec{{3, 0, 5}, 4, 3}, Spec{{130, 0, 70, 257}, 64, 256}}) {
-    int64_t tokens = 0;
-    for (int64_t n : s.counts) tokens += n;
-    const int64_t experts = static_cast<int64_t>(s.counts.size()), n = 2 * s.f;
-    std::string counts;
-    for (int64_t v : s.counts) counts += (counts.empty() ? "" : "-") + std::to_string(v);
-    OpCase c;
-    c.name = fmt::format("grouped_matmul_swiglu/counts{}/k{}f{}", counts, s.k, s.f);
-    c.ops = {"grouped_matmul_swiglu"};
-    c.inputs = {rng.uniform({tokens, s.k}), rng.uniform({experts, s.k, n}, -0.3, 0.3), offsets_of(s.counts)};
-    c.cuda_bf16_storage = true;
-    c.forward = [s, tokens, n](TestDevice& dev, const Tensors& in) {
-      Tensor h = dev.poisoned({tokens, n}), act = dev.poisoned({tokens, s.f});
-      grouped_matmul_swiglu(dev.exec(), in[0], in[1], in[2], h, act);
-      return HostTensors{dev.download(h), dev.download(act)};
-    };
-    c.reference = [s, tokens, n, experts](const HostTensors& in) {
-      HostTensor h = HostTensor::zeros({tokens, n}), act = HostTensor::zeros({tokens, s.f});
-      for (int64_t e = 0; e < experts; ++e) {
-        for (int64_t r = static_cast<int64_t>(in[2][e]); r < static_cast<int64_t>(in[2][e + 1]); ++r) {
-          for (int64_t j = 0; j < n; ++j) {
-            double acc = 0.0;
-            for (int64_t kk = 0; kk < s.k; ++kk) acc += in[0][r * s.k + kk] * in[1][(e * s.k + kk) * n + j];
-            h[r * n + j] = acc;
-          }
-          for (int64_t j = 0; j < s.f; ++j) {
-            const double g = h[r * n + j], u = h[r * n + s.f + j];
-            act[r * s.f + j] = g / (1.0 + std::exp(-g)) * u;
-          }
-        }
-      }
-      return HostTensors{h, act};
     };
     cases.push_back(std::move(c));
   }
@@ -1858,7 +1812,6 @@ std::vector<OpCase> all_op_cases(uint64_t seed) {
   add_elementwise_cases(cases, rng);
   add_matmul_cases(cases, rng);
   add_grouped_matmul_cases(cases, rng);
-  add_grouped_matmul_swiglu_cases(cases, rng);
   add_embedding_cases(cases, rng);
   add_rmsnorm_cases(cases, rng);
   add_rmsnorm_add_cases(cases, rng);
