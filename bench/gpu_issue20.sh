@@ -15,7 +15,8 @@
 #            bench/kernels/kernel_trace.cc; the step replayed from its CUDA graph and launch
 #            by launch; bench/kernel_gaps.py)
 #   clocks   SM clock, power and the clock-event reasons every 100 ms while Troupe trains
-#            bench_1b (does sustained load lower the clock below what an isolated kernel sees?)
+#            bench_1b, then while the compiled PyTorch peer does (does sustained load lower
+#            the clock below what an isolated kernel sees, and for both?)
 #   attnprof Nsight Compute counters of the Dh-64 attention kernels (kernel_bench's shape)
 #   gemmprof Nsight Compute counters of the grouped GEMM's TMA kernel on kernel_bench's
 #            bench_1b load (up forward, up dx, down dW written)
@@ -255,34 +256,44 @@ PY
       done
       ;;
     clocks)
+      # Troupe, then the compiled PyTorch peer (the same model and token shards), each for
+      # 40 steps while nvidia-smi samples every 100 ms.
       d=${TMPDIR:-/tmp}/troupe-e2e-runs
       [ -d "$d/data" ] || OUT=$out bash bench/e2e.sh --build "$B" --skip-troupe --skip-peer --gpus 1 >/dev/null 2>&1
       rm -rf "$d/clocks"
       why=clocks_event_reasons.active  # clocks_throttle_reasons.active before driver 535
       nvidia-smi --query-gpu=$why --format=csv >/dev/null 2>&1 || why=clocks_throttle_reasons.active
-      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,utilization.gpu,$why \
-        --format=csv,noheader -lms 100 >"$out/clocks.csv" 2>&1 &
-      smi=$!
-      timeout 200 "$B"/apps/train_moe --config apps/configs/bench_1b.toml --backend cuda --set train.steps=40 \
-        --set train.eval_every=0 --set train.eval_batches=1 --set "data.dir=$d/data" --run-dir "$d/clocks" >"$out/clocks.log" 2>&1
-      stamp "clocks: train_moe rc=$?"
-      kill $smi
-      grep -h "^step \(10\|20\|40\)/" "$out/clocks.log" | cut -c1-200
-      # Samples while a step ran (utilisation above 90%): SM clock and power, median and range.
-      python3 - "$out/clocks.csv" <<'PY' | tee "$out/clocks.md"
+      for sys in troupe peer; do
+        nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,utilization.gpu,$why \
+          --format=csv,noheader -lms 100 >"$out/clocks-$sys.csv" 2>&1 &
+        smi=$!
+        if [ "$sys" = troupe ]; then
+          timeout 200 "$B"/apps/train_moe --config apps/configs/bench_1b.toml --backend cuda --set train.steps=40 \
+            --set train.eval_every=0 --set train.eval_batches=1 --set "data.dir=$d/data" --run-dir "$d/clocks" \
+            >"$out/clocks-$sys.log" 2>&1
+        else
+          timeout 300 python3 bench/peers/torch_moe.py --config apps/configs/bench_1b.toml --mode compile --steps 40 \
+            --warmup 2 --json-out "$out/clocks-peer.json" --data "$d/data" >"$out/clocks-$sys.log" 2>&1
+        fi
+        stamp "clocks: $sys rc=$?"
+        kill $smi
+        grep -h "^step \(10\|20\|40\)/\|result:" "$out/clocks-$sys.log" | cut -c1-200
+        # Samples while a step ran (utilisation above 90%): SM clock and power, median and range.
+        python3 - "$out/clocks-$sys.csv" "$sys" <<'PY' | tee -a "$out/clocks.md"
 import statistics, sys
 rows = [[c.strip() for c in l.split(",")] for l in open(sys.argv[1]) if l.count(",") >= 7]
 def num(s): return float(s.split()[0])
 busy = [r for r in rows if r[6].endswith("%") and num(r[6]) > 90]
 if not busy:
-    print("no busy samples"); sys.exit(0)
+    print(sys.argv[2], "no busy samples"); sys.exit(0)
 sm = [num(r[1]) for r in busy]; pw = [num(r[3]) for r in busy]
-print(f"{len(busy)} busy samples of {len(rows)}: SM clock median {statistics.median(sm):.0f} MHz (min {min(sm):.0f}, max {max(sm):.0f});"
+print(f"{sys.argv[2]}: {len(busy)} busy samples of {len(rows)}: SM clock median {statistics.median(sm):.0f} MHz (min {min(sm):.0f}, max {max(sm):.0f});"
       f" power median {statistics.median(pw):.0f} W of {busy[0][4]} (max {max(pw):.0f}); temperature max {max(num(r[5]) for r in busy):.0f} C")
 reasons = {}
 for r in busy: reasons[r[7]] = reasons.get(r[7], 0) + 1
-print("clock-event reasons (bitmask: 0x4 SW power cap, 0x20 SW thermal, 0x40 HW thermal, 0x80 HW power brake):", reasons)
+print("  clock-event reasons (bitmask: 0x4 SW power cap, 0x20 SW thermal, 0x40 HW thermal, 0x80 HW power brake):", reasons)
 PY
+      done
       ;;
     hoststats)
       d=${TMPDIR:-/tmp}/troupe-e2e-runs
