@@ -535,10 +535,7 @@ void run() {
     // registers), so the two share the GPU by SMs, and the power cap decides the rest.
     {
       const int64_t rows = kTokens * kTopK;
-      std::vector<int32_t> off(kExperts + 1);
-      for (int64_t e = 0; e <= kExperts; ++e)
-        off[static_cast<size_t>(e)] = static_cast<int32_t>(rows * e / kExperts);
-      Tensor offsets = b.ints({kExperts + 1}, off);
+      Tensor offsets = b.ints({kExperts + 1}, load_offsets(rows, kExperts, rows / kExperts));
       Tensor xp = b.random({rows, kD}, bf), w1 = b.random({kExperts, kD, 2 * kFfn}, bf, -0.05f, 0.05f);
       Tensor h = b.empty({rows, 2 * kFfn}, bf), act = b.random({rows, kFfn}, bf);
       Tensor w2 = b.random({kExperts, kFfn, kD}, bf, -0.05f, 0.05f), y = b.empty({rows, kD}, bf);
@@ -569,11 +566,9 @@ void run() {
       args.grad_scale = 0.5f;
       args.bias_correction1 = 0.1f;
       args.bias_correction2 = 0.05f;
-      cudaStream_t side = nullptr;
-      cudaEvent_t fork = nullptr, join = nullptr;
-      CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-      CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-      CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+      const cuda::CudaStream side = cuda::CudaStream::create(ctx.device);
+      const cuda::CudaEvent fork = cuda::CudaEvent::create(ctx.device, false),
+                            join = cuda::CudaEvent::create(ctx.device, false);
       auto products = [&](int sms) {
         const gpu::Env env{ctx.stream, sms};
         for (int l = 0; l < 12; ++l) {
@@ -598,21 +593,18 @@ void run() {
         adamw(ctx.stream, ctx.num_sms);
       });
       for (const auto& [r, a] :
-           std::vector<std::pair<int, int>>{{0, 132}, {0, 16}, {16, 16}, {32, 32}, {24, 24}}) {
+           std::vector<std::pair<int, int>>{{0, ctx.num_sms}, {0, 16}, {16, 16}, {32, 32}, {24, 24}}) {
         b.flops("overlap_products_sms" + std::to_string(ctx.num_sms - r) + "_adamw_sms" + std::to_string(a),
                 flop, "both at once, two streams", [&] {
-                  CUDA_CHECK(cudaEventRecord(fork, ctx.stream));
-                  CUDA_CHECK(cudaStreamWaitEvent(side, fork, 0));
-                  adamw(side, a);
+                  fork.record(ctx.stream);
+                  fork.wait_on(side.get());
+                  adamw(side.get(), a);
                   products(ctx.num_sms - r);
-                  CUDA_CHECK(cudaEventRecord(join, side));
-                  CUDA_CHECK(cudaStreamWaitEvent(ctx.stream, join, 0));
+                  join.record(side.get());
+                  join.wait_on(ctx.stream);
                 });
       }
-      CUDA_CHECK(cudaStreamSynchronize(side));
-      CUDA_CHECK(cudaEventDestroy(fork));
-      CUDA_CHECK(cudaEventDestroy(join));
-      CUDA_CHECK(cudaStreamDestroy(side));
+      side.synchronize();
     }
   }
   {
