@@ -159,9 +159,9 @@ for step in "$@"; do
       ;;
     gemmprof)
       # Nsight Compute counters of the grouped GEMM's TMA kernel on kernel_bench's bench_1b
-      # load: the up projection forward and dx, the down dW written. Per kernel, the median
-      # over its launches: time, SM clock, tensor-pipe use, L2 and DRAM throughput, L2 bytes
-      # read. (At 02dbb77, H200: the tensor pipe 81-92% busy, L2 at 56-67% of its peak.)
+      # load: the up projection forward and dx, the down dW written (bench/ncu_counters.py:
+      # per kernel, the median over its launches): time, SM clock, tensor-pipe use, L2 and
+      # DRAM throughput, L2 bytes read. (At 02dbb77, H200: the tensor pipe 81-92% busy, L2 at 56-67% of its peak.)
       m=gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second
       m=$m,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
       m=$m,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum,lts__t_sectors_srcunit_tex_op_read.sum
@@ -170,24 +170,7 @@ for step in "$@"; do
         KERNEL_BENCH_ONLY=$only timeout 200 ncu --clock-control none -k "regex:grouped_gemm_tma" --metrics "$m" \
           --csv --page raw "$B"/bench/kernels/kernel_bench >"$out/gemmprof-$only.csv" 2>"$out/gemmprof-$only.err"
         stamp "gemmprof $only rc=$?"
-        python3 - "$out/gemmprof-$only.csv" <<'PY' | tee -a "$out/summary.txt"
-import csv, statistics, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if r]
-head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
-cols = rows[head]
-by = {}
-for r in rows[head + 2:]:
-    d = dict(zip(cols, r))
-    by.setdefault(d["Kernel Name"], []).append(d)
-for name, ds in by.items():
-    print(f"  {name.split('(')[0][-90:]} ({len(ds)} launches)")
-    for k in cols:
-        if k.startswith(("gpu__", "sm__", "lts__", "dram__")):
-            try:
-                print(f"    {k:70s} {statistics.median(float(d[k].replace(',', '')) for d in ds):.4g}")
-            except ValueError:
-                pass
-PY
+        python3 bench/ncu_counters.py "$out/gemmprof-$only.csv" | tee -a "$out/summary.txt"
       done
       ;;
     attnprof)
@@ -209,19 +192,7 @@ PY
         KERNEL_BENCH_ONLY=$1 timeout 200 ncu --clock-control none -k "regex:$2" --launch-count "$3" --metrics "$m" \
           --csv --page raw "$B"/bench/kernels/kernel_bench >"$out/attnprof-$1.csv" 2>"$out/attnprof-$1.err"
         stamp "attnprof $1 rc=$?"
-        python3 - "$out/attnprof-$1.csv" <<'PY'
-import csv, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if r]
-head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
-cols = rows[head]
-for r in rows[head + 2:]:
-    d = dict(zip(cols, r))
-    name = d["Kernel Name"].split("(")[0][-60:]
-    print(name)
-    for k in cols:
-        if k.startswith(("gpu__", "sm__", "lts__", "dram__", "l1tex__", "smsp__")):
-            print(f"  {k.replace('smsp__average_warps_issue_stalled_', 'stall_'):70s} {d[k]}")
-PY
+        python3 bench/ncu_counters.py "$out/attnprof-$1.csv"
       done
       ;;
     profile)
