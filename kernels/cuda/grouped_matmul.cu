@@ -912,6 +912,244 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 #endif
 }
 
+// ---- pingpong kernel (row segments, bf16 output) -----------------------------------------
+// The TMA kernel's two consumer warpgroups share each 128 x 256 tile, so both stop for its
+// epilogue and the tensor cores idle there (8-12% of the time on bench_1b's shapes: its
+// epilogue skipped in a throwaway build, H100, bench/RESULTS.md). Here each consumer
+// warpgroup owns whole 128 x 128 tiles (two m64n128k16 products a k16 step, rows 0-63 and
+// 64-127 of the tile): warpgroup w takes the block's tiles 2j + w, the producer fills one
+// ring of stages in tile order, each stage read by one warpgroup. With a few stages of
+// lookahead the next tile's stages arrive only as the current tile's are released, so the
+// two warpgroups' mainloops alternate and each one's epilogue (staged through its own
+// shared memory, stored by TMA) runs under the other's products. kStaged = false stores
+// from the registers instead and spends the staging's room on two more stages.
+// Measured (H200, kernel_bench, 2026-11-27): correct and bit-identical to the TMA kernel,
+// but slower: up forward 0.522-0.544 ms (0.523 unstaged with 7 stages) against 0.406-0.410,
+// tensor pipe 59% busy against 80% (Nsight Compute); bench_1b -5%. Kept in history only.
+constexpr int kPpBN = 128;
+constexpr int kPpStageBytes = kWgBM * kWgBK * 2 + kWgBK * kPpBN * 2;  // 32 KB
+constexpr int kPpStagingBytes = kWgBM * kPpBN * 2;                    // one warpgroup's bf16 tile
+template <bool kTable, bool kStaged = true>
+struct PpConfig {
+  static constexpr int kStages = kStaged ? (kTable ? 4 : 5) : (kTable ? 6 : 7);
+  static constexpr size_t kSmem = size_t{kStages} * kPpStageBytes + (kStaged ? 2 * kPpStagingBytes : 0) +
+                                  1024 + 2 * kStages * sizeof(uint64_t);
+  static_assert(kSmem + (kTable ? tile_table_bytes(kTableExperts) : 0) <= 227 * 1024,
+                "shared memory of one block");
+};
+
+// Tiles blockIdx.x + (first + j * stride) * gridDim.x, j = 0, 1, ... (row segments).
+template <bool kTable>
+struct PpCursor {
+  WgTile tile;
+  int64_t t = 0, tiles_n = 0, step = 0;
+  bool live = false;
+  TileTable table;
+  __device__ __forceinline__ bool decode(const GemmArgs& args) {
+    if constexpr (kTable) {
+      return wg_decode_table<kPpBN>(args, t, tiles_n, tile, table);
+    } else {
+      return wg_decode<false, kPpBN>(args, t, tiles_n, tile);
+    }
+  }
+  __device__ __forceinline__ void start(const GemmArgs& args, int64_t tn, int first, int stride,
+                                        const TileTable& tt) {
+    tiles_n = tn;
+    step = static_cast<int64_t>(stride) * gridDim.x;
+    t = blockIdx.x + static_cast<int64_t>(first) * gridDim.x;
+    table = tt;
+    live = decode(args);
+  }
+  __device__ __forceinline__ void next(const GemmArgs& args) {
+    t += step;
+    live = decode(args);
+  }
+};
+
+template <bool kBCol, bool kTable, bool kStaged>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    grouped_gemm_pingpong_kernel(const __grid_constant__ CUtensorMap map_a,
+                                 const __grid_constant__ CUtensorMap map_b,
+                                 const __grid_constant__ CUtensorMap map_c, GemmArgs args) {
+  pdl_wait();
+#ifdef TROUPE_WGMMA_DEVICE
+  constexpr int kAStage = kWgBM * kWgBK * 2;
+  constexpr int kStages = PpConfig<kTable, kStaged>::kStages;
+  extern __shared__ __align__(1024) unsigned char pp_smem_raw[];
+  const uint32_t raw = smem_addr(pp_smem_raw);
+  const uint32_t smem_s = (raw + 1023) & ~1023u;
+  unsigned char* smem = pp_smem_raw + (smem_s - raw);
+  const uint32_t staging0 = smem_s + kStages * kPpStageBytes;  // 2 x 32 KB
+  const uint32_t full0 =
+      staging0 + (kStaged ? 2 * kPpStagingBytes : 0);  // kStages "full" then "empty" barriers
+  const uint32_t empty0 = full0 + kStages * 8;
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int64_t tiles_n = (args.n + kPpBN - 1) / kPpBN;
+  const int64_t k_steps = (args.k + kWgBK - 1) / kWgBK;  // the same for every tile
+  TileTable table;
+  if constexpr (kTable) {
+    int32_t* first_tile = reinterpret_cast<int32_t*>(smem + (empty0 + kStages * 8 - smem_s));
+    int32_t* first_row = first_tile + args.experts + 1;
+    if (tid >= 32 && tid < 64) fill_tile_table(args, first_tile, first_row, tid - 32);
+    table = {first_tile, first_row};
+  }
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 1);  // one consumer warpgroup reads each stage
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (tid == 0) {
+      PpCursor<kTable> ld;
+      ld.start(args, tiles_n, 0, 1, table);
+      for (int64_t i = 0; ld.live; ld.next(args)) {
+        const WgTile& tl = ld.tile;
+        for (int64_t kt = 0; kt < k_steps; ++kt, ++i) {
+          const int s = static_cast<int>(i % kStages);
+          mbar_wait(empty0 + 8 * s, static_cast<uint32_t>(((i / kStages) & 1) ^ 1));
+          const uint32_t full = full0 + 8 * s, sa = smem_s + s * kPpStageBytes, sb = sa + kAStage;
+          mbar_expect_tx(full, kPpStageBytes);
+          const int k0 = static_cast<int>(kt * kWgBK);
+          tma_load_3d(sa, &map_a, full, k0, static_cast<int>(tl.row0 + tl.m0), 0);
+          if constexpr (kBCol) {  // W as [E][N][K]: one box of 128 rows of 64 k
+            tma_load_3d(sb, &map_b, full, k0, static_cast<int>(tl.n0), static_cast<int>(tl.e));
+          } else {  // W as [E][K][N]: atoms of 64 k-rows x 64 n
+            for (int a = 0; a < kPpBN / 64; ++a) {
+              tma_load_3d(sb + a * kAtomBytes, &map_b, full, static_cast<int>(tl.n0) + 64 * a, k0,
+                          static_cast<int>(tl.e));
+            }
+          }
+        }
+      }
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int cw = wg - 1, ctid = tid - 128 * wg, warp_in_wg = ctid / 32, lane = tid % 32;
+    float acc0[kPpBN / 2], acc1[kPpBN / 2];  // rows 0-63 and 64-127 of the tile
+#pragma unroll
+    for (int x = 0; x < kPpBN / 2; ++x) {
+      acc0[x] = 0.0f;
+      acc1[x] = 0.0f;
+    }
+    const uint32_t stg_s = staging0 + cw * kPpStagingBytes;
+    unsigned char* stg = smem + (stg_s - smem_s);
+    PpCursor<kTable> cs;
+    cs.start(args, tiles_n, cw, 2, table);
+    // The block's tiles are blockIdx.x + j gridDim.x for j < `tiles` (tile indices are dense).
+    int64_t total = 0;
+    if constexpr (kTable) {
+      total = static_cast<int64_t>(table.first_tile[args.experts]) * tiles_n;
+    } else {
+      for (int64_t x = 0; x < args.experts; ++x)
+        total += (args.offsets[x + 1] - args.offsets[x] + kWgBM - 1) / kWgBM;
+      total *= tiles_n;
+    }
+    const int64_t tiles = total > blockIdx.x ? (total - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    for (int64_t j = cw; cs.live; j += 2, cs.next(args)) {
+      // The warpgroups' mainloops take turns: this one waits until the other has waited for
+      // the last stage of its tile j - 1. Besides keeping one warpgroup's products on the
+      // tensor cores at a time, the turn is what makes the parity waits below exact: a
+      // stage's "full" barrier is then at most one phase behind the one waited for.
+      if (j > 0) asm volatile("bar.sync %0, 256;\n" ::"r"(3 + cw) : "memory");
+      int64_t i = j * k_steps;  // this tile's first stage in the block's sequence
+      for (int64_t kt = 0; kt < k_steps; ++kt, ++i) {
+        const int s = static_cast<int>(i % kStages);
+        mbar_wait(full0 + 8 * s, static_cast<uint32_t>((i / kStages) & 1));
+        const uint32_t sa = smem_s + s * kPpStageBytes, sb = sa + kAStage;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kWgBK / 16; ++kk) {
+          const uint64_t db =
+              kBCol ? smem_desc(sb + kk * 32, 16, 1024) : smem_desc(sb + kk * 2048, kAtomBytes, 1024);
+          const int scale = (kk > 0 || kt > 0) ? 1 : 0;
+          wgmma_m64n128k16<0, kBCol ? 0 : 1>(acc0, smem_desc(sa + kk * 32, 16, 1024), db, scale);
+          wgmma_m64n128k16<0, kBCol ? 0 : 1>(acc1, smem_desc(sa + 64 * 128 + kk * 32, 16, 1024), db, scale);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_regs(acc0);
+        fence_regs(acc1);
+        // The previous step's products (this warpgroup's) have completed: release its stage.
+        if (kt > 0 && ctid == 0) mbar_arrive(empty0 + 8 * static_cast<int>((i - 1) % kStages));
+      }
+      // The other warpgroup's turn (if the block has a tile j + 1, which is the other's).
+      if (j + 1 < tiles) asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - cw) : "memory");
+      wgmma_wait<0>();
+      fence_regs(acc0);
+      fence_regs(acc1);
+      if (ctid == 0) mbar_arrive(empty0 + 8 * static_cast<int>((i - 1) % kStages));
+      const WgTile& tl = cs.tile;
+      if (kStaged && tl.m0 + kWgBM <= tl.m_lim) {  // the whole tile inside its segment: staged TMA stores
+        if (ctid == 0) bulk_wait_read();  // this warpgroup's previous tile's stores have read the buffer
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+        // Box (half, b) of 64 rows x 64 columns at (2 half + b) x 8 KB; row r holds its
+        // 16-byte chunk c at c ^ (r & 7), the TMA's 128-byte swizzle.
+        const int r0 = warp_in_wg * 16 + lane / 4;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = r0 + 8 * hh;
+#pragma unroll
+          for (int x = 0; x < kPpBN / 8; ++x) {
+            const int off = (x / 8) * 8192 + r * 128 + (((x % 8) ^ (r & 7)) << 4) + 4 * (lane % 4);
+            *reinterpret_cast<__nv_bfloat162*>(stg + off) =
+                __floats2bfloat162_rn(acc0[x * 4 + hh * 2], acc0[x * 4 + hh * 2 + 1]);
+            *reinterpret_cast<__nv_bfloat162*>(stg + 16384 + off) =
+                __floats2bfloat162_rn(acc1[x * 4 + hh * 2], acc1[x * 4 + hh * 2 + 1]);
+          }
+        }
+        fence_proxy_async();  // this thread's writes, visible to the bulk copies
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+        if (ctid == 0) {
+          const int row = static_cast<int>(tl.row0 + tl.m0);
+          for (int half = 0; half < 2; ++half) {
+            for (int b = 0; b < kPpBN / 64; ++b) {
+              const int64_t col = tl.n0 + 64 * b;
+              if (col < args.n) {
+                tma_store_3d(&map_c, stg_s + (2 * half + b) * 8192, static_cast<int>(col), row + 64 * half,
+                             0);
+              }
+            }
+          }
+          bulk_commit();
+        }
+        continue;
+      }
+      bf16* c = static_cast<bf16*>(args.c) + tl.row0 * args.ldc;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float* acc = half == 0 ? acc0 : acc1;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int64_t gm = tl.m0 + half * 64 + warp_in_wg * 16 + lane / 4 + 8 * hh;
+          if (gm < tl.m_lim) {
+#pragma unroll
+            for (int x = 0; x < kPpBN / 8; ++x) {
+              const int64_t gn = tl.n0 + x * 8 + 2 * (lane % 4);
+              if (gn < args.n) {
+                *reinterpret_cast<__nv_bfloat162*>(c + gm * args.ldc + gn) =
+                    __floats2bfloat162_rn(acc[x * 4 + hh * 2], acc[x * 4 + hh * 2 + 1]);
+              }
+            }
+          }
+        }
+      }
+    }
+    if (kStaged && ctid == 0) bulk_wait();
+  }
+#else
+  (void)map_a;
+  (void)map_b;
+  (void)map_c;
+  (void)args;
+  __trap();
+#endif
+}
+
 // The tensor maps of one problem (see GemmArgs): row segments read A = a [T, k] and B_e
 // from b [E][k][n] (or [E][n][k] with kBCol); k segments read a [T, m] and b [T, n].
 template <bool kSegK, bool kBCol, typename OutT>
@@ -947,12 +1185,33 @@ void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const 
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
+// The pingpong kernel on a row-segment problem with a bf16 output (W as [E][K][N] or, with
+// kBCol, [E][N][K]).
+template <bool kBCol, bool kStaged = true>
+void launch_gemm_pingpong(const Env& env, int64_t tiles_bound, int64_t tokens, const GemmArgs& args) {
+  const CUtensorMap map_a = make_tensor_map(args.a, args.k, tokens, 1, 64, kWgBM);
+  const CUtensorMap map_b = kBCol ? make_tensor_map(args.b, args.k, args.n, args.experts, 64, kPpBN)
+                                  : make_tensor_map(args.b, args.n, args.k, args.experts, 64, 64);
+  const CUtensorMap map_c = make_tensor_map(args.c, args.n, tokens, 1, 64, 64);
+  const bool table = use_tile_table(args.experts);
+  auto kernel = table ? grouped_gemm_pingpong_kernel<kBCol, true, kStaged>
+                      : grouped_gemm_pingpong_kernel<kBCol, false, kStaged>;
+  const size_t smem = table ? PpConfig<true, kStaged>::kSmem + tile_table_bytes(args.experts)
+                            : PpConfig<false, kStaged>::kSmem;
+  CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(tiles_bound, env.num_sms));
+  launch(env, kernel, static_cast<unsigned>(grid), kTmaThreads, smem, map_a, map_b, map_c, args);
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
 // The configuration a request runs with: kAuto stays kAuto where the Hopper kernels can run
 // (launch_gemm then picks one per problem); elsewhere it and every Hopper configuration
 // fall back to the mma.sync default.
 GemmTiling resolve_tiling(GemmTiling tiling) {
   const bool wants_hopper = tiling == GemmTiling::kAuto || tiling == GemmTiling::kWgmma128 ||
-                            tiling == GemmTiling::kWgmma256 || tiling == GemmTiling::kWgmmaTma;
+                            tiling == GemmTiling::kWgmma256 || tiling == GemmTiling::kWgmmaTma ||
+                            tiling == GemmTiling::kWgmmaPingpong;
   if (!wants_hopper) return tiling;
   if (!wgmma_available()) return GemmTiling::kWarps2x2;
   return tiling;  // kAuto stays: launch_gemm picks per problem
@@ -982,6 +1241,15 @@ bool launch_gemm(const Env& env, int64_t rows_bound, int64_t tokens, const GemmA
     case GemmTiling::kWgmmaTma:
       launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
       return kTmaFolds;
+    case GemmTiling::kWgmmaPingpong:
+      // Row segments with a bf16 output; other problems run the TMA kernel.
+      if constexpr (!kSegK && std::is_same_v<OutT, bf16>) {
+        launch_gemm_pingpong<kBCol>(env, rows_bound * ceil_div(args.n, kPpBN), tokens, args);
+        break;
+      } else {
+        launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
+        return kTmaFolds;
+      }
     case GemmTiling::kAuto:
       // Measured (bench_1b shapes, bench/RESULTS.md): TMA wins the row-segment problems
       // (0.53 vs 0.75 ms forward, H200) and the f32 dW problems (down, written: 0.22 vs
