@@ -279,8 +279,7 @@ void run() {
     const std::pair<const char*, gpu::GemmTiling> variants[] = {{"mma2x2", gpu::GemmTiling::kWarps2x2},
                                                                 {"wgmma128", gpu::GemmTiling::kWgmma128},
                                                                 {"wgmma256", gpu::GemmTiling::kWgmma256},
-                                                                {"wgmmatma", gpu::GemmTiling::kWgmmaTma},
-                                                                {"wgmmapp", gpu::GemmTiling::kWgmmaPingpong}};
+                                                                {"wgmmatma", gpu::GemmTiling::kWgmmaTma}};
     for (const auto& [name, tiling] : variants) {
       const gpu::GemmTiling tl = tiling;
       b.flops(std::string("grouped_up_") + name, f1, "2*rows*N*K", [&] {
@@ -341,10 +340,6 @@ void run() {
     for (const auto& [name, tiling] : variants) {
       if (tiling == gpu::GemmTiling::kWarps2x2) continue;
       const gpu::GemmTiling tl = tiling;
-      b.flops(std::string("grouped_up_dx_") + name, f1, "2*rows*N*K", [&] {
-        gpu::launch_grouped_matmul_dx(env, h.data_ptr(), w1.data_ptr(), off_p, rows, kExperts, kD, 2 * kFfn,
-                                      false, dxp.data_ptr(), bf, tl);
-      });
       b.flops(std::string("grouped_up_dw_write_") + name, f1, "2*rows*N*K", [&] {
         gpu::launch_grouped_matmul_dw(env, xp.data_ptr(), h.data_ptr(), off_p, rows, kExperts, kD, 2 * kFfn,
                                       false, dw1.data_ptr(), DType::kF32, false, bf, tl);

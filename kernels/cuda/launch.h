@@ -146,16 +146,7 @@ void launch_moe_unpermute_backward(const Env& env, const void* dy, const void* y
 // operands by TMA and a producer warpgroup. kAuto where these can run: kWgmmaTma for the
 // forward and dx, kWgmma256 for dW (faster there); elsewhere kWarps2x2.
 // kernel_bench times each; the bf16 test checks each.
-enum class GemmTiling {
-  kAuto,
-  kWarps2x2,
-  kWarps2x4,
-  kWarps2x2K64,
-  kWgmma128,
-  kWgmma256,
-  kWgmmaTma,
-  kWgmmaPingpong
-};
+enum class GemmTiling { kAuto, kWarps2x2, kWarps2x4, kWarps2x2K64, kWgmma128, kWgmma256, kWgmmaTma };
 // out[T,N] = x[T,K] @ W_e for the rows of expert e (W [E,K,N], or [E,N,K] with trans_w).
 void launch_grouped_matmul(const Env& env, const void* x, const void* w, const int32_t* offsets, int64_t tokens,
                            int64_t experts, int64_t k, int64_t n, bool trans_w, void* out, DType t,
