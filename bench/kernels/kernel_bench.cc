@@ -540,33 +540,12 @@ void run() {
       Tensor h = b.empty({rows, 2 * kFfn}, bf), act = b.random({rows, kFfn}, bf);
       Tensor w2 = b.random({kExperts, kFfn, kD}, bf, -0.05f, 0.05f), y = b.empty({rows, kD}, bf);
       const auto* off_p = static_cast<const int32_t*>(offsets.data_ptr());
-      std::vector<float*> pp, mp, vp;
-      std::vector<const void*> gp;
-      std::vector<void*> wp;
-      std::vector<DType> gt, wt;
-      std::vector<int64_t> ne;
-      std::vector<float> wd;
-      for (size_t i = 0; i < shapes.size(); ++i) {
-        pp.push_back(static_cast<float*>(p[i].data_ptr()));
-        gp.push_back(g[i].data_ptr());
-        mp.push_back(static_cast<float*>(m[i].data_ptr()));
-        vp.push_back(static_cast<float*>(v[i].data_ptr()));
-        wp.push_back(work[i].data_ptr());
-        gt.push_back(DType::kF32);
-        wt.push_back(DType::kBF16);
-        ne.push_back(p[i].numel());
-        wd.push_back(list[i].weight_decay);
-      }
-      gpu::AdamWArgs args{};
-      args.lr = 1e-4f;
-      args.beta1 = 0.9f;
-      args.beta2 = 0.95f;
-      args.eps = 1e-8f;
-      args.weight_decay = 0.1f;
-      args.grad_scale = 0.5f;
-      args.bias_correction1 = 0.1f;
-      args.bias_correction2 = 0.05f;
       const cuda::CudaStream side = cuda::CudaStream::create(ctx.device);
+      // The AdamW pass is adamw_multi_work_bench1b's backend op; beside the products it runs
+      // on a context of its own whose stream is the side stream and whose SM count bounds
+      // the pass's grid.
+      CudaContext side_ctx(ctx.device, side.get());
+      const Exec side_ex{Device::cuda(ctx.device), &side_ctx};
       const cuda::CudaEvent fork = cuda::CudaEvent::create(ctx.device, false),
                             join = cuda::CudaEvent::create(ctx.device, false);
       auto products = [&](int sms) {
@@ -578,19 +557,18 @@ void run() {
                                      false, y.data_ptr(), bf);
         }
       };
-      auto adamw = [&](cudaStream_t st, int sms) {
-        const gpu::Env env{st, sms};
-        gpu::launch_adamw_multi(env, static_cast<int>(pp.size()), pp.data(), gp.data(), gt.data(), mp.data(),
-                                vp.data(), ne.data(), wd.data(), wp.data(), wt.data(), args);
+      auto adamw_side = [&](int sms) {
+        side_ctx.num_sms = sms;
+        be.adamw_step_multi(side_ex, with_work, cfg);
       };
       const double flop =
           12 * 2.0 * rows * kD * 2 * kFfn * 1.5;  // up (K 1024, N 4096) + down (K 2048, N 1024)
       b.flops("overlap_products_alone", flop, "12 x (up + down)", [&] { products(ctx.num_sms); });
       b.bytes("overlap_adamw_alone", numel * (4 * 7 + 2), "the AdamW pass with working copies",
-              [&] { adamw(ctx.stream, ctx.num_sms); });
+              [&] { be.adamw_step_multi(b.ex, with_work, cfg); });
       b.flops("overlap_serial", flop, "products, then AdamW (all SMs)", [&] {
         products(ctx.num_sms);
-        adamw(ctx.stream, ctx.num_sms);
+        be.adamw_step_multi(b.ex, with_work, cfg);
       });
       for (const auto& [r, a] :
            std::vector<std::pair<int, int>>{{0, ctx.num_sms}, {0, 16}, {16, 16}, {32, 32}, {24, 24}}) {
@@ -598,7 +576,7 @@ void run() {
                 flop, "both at once, two streams", [&] {
                   fork.record(ctx.stream);
                   fork.wait_on(side.get());
-                  adamw(side.get(), a);
+                  adamw_side(a);
                   products(ctx.num_sms - r);
                   join.record(side.get());
                   join.wait_on(ctx.stream);
