@@ -18,15 +18,14 @@
 //   issuing (Turns);
 // - dQ: S and dP = dO V^T, dS = P (dP - D) in registers, dQ += dS K;
 // - dK/dV (looping over the group's query heads): S^T = K Q^T and dP^T = V dO^T, then
-//   dV += P^T dO and dK += dS^T Q with P^T, dS^T as register A operands; at head dim 64
-//   also dQ's partial sum dS K, through shared memory, bulk-reduced into an f32 buffer
-//   (kFusedDq: five products per tile instead of the seven of the two kernels).
-// The block's own rows (Q, dO or K, V) are the A operand of the first products: read
-// from shared memory at head dim 128, held in registers at 64 (kOwnInRegs). At head dim
-// 128 the backward recomputes S in the dQ kernel (seven products instead of five), so
-// that it needs no atomics or dS round trip through shared memory; at 64 the fused dQ
-// measured 0.645 against 0.711 ms (rowdot, dK/dV, dQ) on an H100 (bench/RESULTS.md).
-// kAttentionHopperSplitDq runs the split kernels at head dim 64 too.
+//   dV += P^T dO and dK += dS^T Q with P^T, dS^T as register A operands.
+// At head dim 64 one kernel computes all three gradients (attention_bwd_fused_hopper_kernel:
+// FlashAttention-3's 128 x 128 tiles, five products per tile, dQ bulk-reduced into an f32
+// buffer); at 128, and with kAttentionHopperSplitDq, dQ has a kernel of its own that
+// recomputes S and dP (seven products per tile pair instead of five, no atomics). The
+// block's own rows (Q, dO or K, V) are the A operand of the first products: read from
+// shared memory at head dim 128 and in the fused kernel, held in registers in the split
+// kernels at 64 (kOwnInRegs).
 //
 // Tensors: q [B,S,Hq,Dh], k/v [B,S,Hkv,Dh], lse f32 [B,Hq,S] (natural log), read through
 // 4-D tensor maps (Dh, H, S, B) with boxes of 64 x 1 x rows x 1: a tile is Dh/64 column
@@ -94,15 +93,25 @@ struct FwdCfg {
   static constexpr bool kQInRegs = kOwnInRegs<kD> && kCWs == 2;
   using S = Smem<kD, 1, kStream, kStages, 0, kRows>;
 };
-// kFusedDq (head dim 64): the dK/dV kernel also computes dQ (see attention_dkdv_hopper_kernel);
-// its extra shared memory holds the block's dS^T (kBlockRows x kStream bf16, swizzled like a
-// TMA tile) and two dQ staging buffers (kStream x kD f32) per consumer warpgroup.
-template <int kD, bool kFusedDq = false>
+// The split backward (head dim 128, and kAttentionHopperSplitDq): the dK/dV and dQ kernels
+// keep four accumulator sets live and stream 64-row tiles.
+template <int kD>
 struct BwdCfg {
   static constexpr int kStream = 64, kStages = kD == 64 ? 4 : 3;
+  using S = Smem<kD, 2, kStream, kStages>;
+};
+// The fused backward at head dim 64 (attention_bwd_fused_hopper_kernel): own K and V (128
+// keys), two stages of a 128-query Q and dO tile, then the kernel's own: two dS^T buffers
+// (128 keys x 128 queries bf16, as two 64-query chunks swizzled like a TMA tile), one dQ
+// staging buffer per consumer warpgroup (64 x 64 f32) and, per stage, the tile's lse and D
+// (128 f32 each).
+struct FusedBwd {
+  static constexpr int kD = 64, kStream = 128, kStages = 2;
   static constexpr int kDsBytes = kBlockRows * kStream * 2;
-  static constexpr int kDqBytes = kStream * kD * 4;
-  using S = Smem<kD, 2, kStream, kStages, kFusedDq ? kDsBytes + 4 * kDqBytes : 0>;
+  static constexpr int kDqBytes = 64 * kD * 4;
+  static constexpr int kStatBytes = kStream * 4;
+  static constexpr int kDsOffset = 0, kDqOffset = 2 * kDsBytes, kStatOffset = kDqOffset + 2 * kDqBytes;
+  using S = Smem<kD, 2, kStream, kStages, kStatOffset + kStages * 2 * kStatBytes>;
 };
 
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
@@ -266,10 +275,11 @@ struct Ring {
   uint32_t own, full0, empty0;
   __device__ __forceinline__ explicit Ring(uint32_t bars)
       : own(bars), full0(bars + 8), empty0(bars + 8 + 8 * kStages) {}
-  __device__ __forceinline__ void init() const {
+  // full_arrivals: the producer's expect_tx arrival, plus any other producer threads'.
+  __device__ __forceinline__ void init(int full_arrivals = 1) const {
     mbar_init(own, 1);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full0 + 8 * s, 1);
+      mbar_init(full0 + 8 * s, full_arrivals);
       mbar_init(empty0 + 8 * s, kWarps);
     }
     mbar_init_fence();
@@ -631,38 +641,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // grid (ceil(S/128), Hkv, B): dK and dV of 128 keys, summed over the group's query heads;
 // streams Q and dO tiles of 64 queries from the block's first key on. Early (heavier)
-// key blocks first.
-//
-// kFusedDq (head dim 64): the block also adds its share of dQ, so that S and dP are
-// computed once for all three gradients (five products per tile pair instead of the seven
-// of this kernel and the dQ kernel together). Each consumer warpgroup writes its dS^T
-// (its 64 keys x the tile's 64 queries, bf16) into shared memory, then computes dQ's
-// partial sum over its own keys, dS (MN-major A) x K (its own 64 rows, MN-major B), and
-// stages the 64 x kD f32 product in the order of its accumulator fragments (thread t's
-// values j*4..j*4+3 at float4 j*128 + t: conflict-free). One thread of the warpgroup then
-// issues a bulk reduce-add of the 16 KB into dq_acc, whose block of (b, h, query tile)
-// holds the same fragment order; attention_dq_convert_kernel turns it into dQ. The two
-// staging buffers alternate, and a buffer is rewritten only once its previous reduce has
-// read it (bulk_wait_read<1> before the warpgroup's barrier). Measured on an H100 and
-// dropped: float4 atomicAdd of the partial from registers instead of the staged bulk
-// reduce (0.693 against 0.645 ms for the backward), and issuing dS K in a group of its
-// own ahead of dV/dK so that its staging overlaps them (spills; 0.711 ms). Also measured
-// and dropped: one reduce per tile for the block (warpgroup 1 adding warpgroup 0's staged
-// partial, handed over through mbarriers), which halves the L2 reduction traffic (this
-// kernel runs at ~70% of L2 throughput, Nsight Compute): 0.680-0.693 against 0.643-0.648
-// ms, bench_1b -0.5%; the coupling of the two warpgroups costs more than the traffic.
-template <int kD, bool kFusedDq>
+// key blocks first. With attention_dq_hopper_kernel, the split backward: S and dP are
+// computed in both (seven products per tile pair), with no atomics.
+template <int kD>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_dkdv_hopper_kernel(const __grid_constant__ CUtensorMap map_q,
                                  const __grid_constant__ CUtensorMap map_do,
                                  const __grid_constant__ CUtensorMap map_k,
                                  const __grid_constant__ CUtensorMap map_v, AttentionShape s,
-                                 const float* lse, const float* dsum, float scale, bf16* dk, bf16* dv,
-                                 float* dq_acc) {
+                                 const float* lse, const float* dsum, float scale, bf16* dk, bf16* dv) {
   pdl_wait();
 #ifdef TROUPE_WGMMA_DEVICE
-  static_assert(!kFusedDq || kD == 64, "the fused dQ is built for head dim 64");
-  using C = BwdCfg<kD, kFusedDq>;
+  using C = BwdCfg<kD>;
   using L = typename C::S;
   constexpr int kN = C::kStream;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -698,14 +688,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int cw = wg - 1, warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int wg_first = n0 + 64 * cw, key_lo = wg_first + warp * 16 + g, key_hi = key_lo + 8;
   const float scale_log2 = scale * kLog2e;
-  // kFusedDq: this warpgroup's dS^T rows, its staging buffers, and its reduce count.
-  const uint32_t ds_rows = base + L::kExtraOffset + 64 * cw * 128;
-  const uint32_t dq_stage = base + L::kExtraOffset + C::kDsBytes + 2 * cw * C::kDqBytes;
-  const int wtid = tid % 128, q_tiles = (seq + kN - 1) / kN;
-  int reduces = 0;
-  (void)ds_rows;
-  (void)dq_stage;
-  (void)q_tiles;
   float dka[kD / 2], dva[kD / 2];
 #pragma unroll
   for (int i = 0; i < kD / 2; ++i) dka[i] = dva[i] = 0.0f;
@@ -763,62 +745,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t pa[kN / 16][4], da[kN / 16][4];
       to_a_frags<kN>(pa, sc);
       to_a_frags<kN>(da, dp);
-      if constexpr (kFusedDq) {
-        // dS^T (keys x queries) into the swizzled tile: fragment word x of k16 step c is
-        // key row 16 * warp + g (+ 8 for odd x), queries 8 * (2c + x / 2) + 2t, +1.
-        const uint32_t row = ds_rows + (16 * warp + g) * 128 + 4 * t;
-#pragma unroll
-        for (int c = 0; c < kN / 16; ++c) {
-#pragma unroll
-          for (int x = 0; x < 4; ++x) {
-            const int unit = 2 * c + (x >> 1);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(row + (x & 1) * 8 * 128 + ((unit ^ g) << 4)),
-                         "r"(da[c][x])
-                         : "memory");
-          }
-        }
-        fence_proxy_async();
-        if (wtid == 0) bulk_wait_read<1>();  // the staging buffer this tile writes is free
-        asm volatile("bar.sync %0, 128;\n" ::"r"(3 + cw) : "memory");
-      }
-      float dqa[kFusedDq ? kD / 2 : 1];
-      (void)dqa;
       wgmma_fence();
       mma_rs<kD, kN>(dva, pa, st + L::kTileBytes);  // dV += P^T dO
       mma_rs<kD, kN>(dka, da, st);                  // dK += dS^T Q
-      if constexpr (kFusedDq) {
-        // dQ partial (queries x kD) = dS (MN-major from the dS^T rows) x K (own rows, MN-major).
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          wgmma_m64n64k16<1, 1>(dqa, smem_desc(ds_rows + kk * 2048, 64 * 128, 1024),
-                                mnmajor(sk + 64 * cw * 128, kBlockRows, kk), kk > 0 ? 1 : 0);
-        }
-      }
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(dva);
       fence_regs(dka);
       fence_regs(pa);
       fence_regs(da);
-      if constexpr (kFusedDq) {
-        // The partial into this tile's staging buffer, then one bulk reduce-add into dq_acc.
-        fence_regs(dqa);
-        const uint32_t buf = dq_stage + (reduces & 1) * C::kDqBytes;
-#pragma unroll
-        for (int j = 0; j < kD / 8; ++j) {
-          asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(buf + j * 2048 + wtid * 16),
-                       "f"(dqa[4 * j]), "f"(dqa[4 * j + 1]), "f"(dqa[4 * j + 2]), "f"(dqa[4 * j + 3])
-                       : "memory");
-        }
-        fence_proxy_async();
-        asm volatile("bar.sync %0, 128;\n" ::"r"(3 + cw) : "memory");
-        if (wtid == 0) {
-          const int64_t block = (static_cast<int64_t>(b) * s.q_heads + h) * q_tiles + q0 / kN;
-          bulk_reduce_add_f32(dq_acc + block * (kN * kD), buf, C::kDqBytes);
-          bulk_commit();
-        }
-        ++reduces;
-      }
     }
     ring.release(i);
   };
@@ -839,9 +774,246 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   store_rows<kD>(dk, dka, scale, scale, b, wg_first + warp * 16, hk, seq, s.kv_heads);
   store_rows<kD>(dv, dva, 1.0f, 1.0f, b, wg_first + warp * 16, hk, seq, s.kv_heads);
-  if constexpr (kFusedDq) {
-    if (wtid == 0) bulk_wait<0>();  // the reduces have read their buffers and landed
+#else
+  (void)map_q;
+  (void)map_do;
+  (void)map_k;
+  (void)map_v;
+  (void)s;
+  (void)lse;
+  (void)dsum;
+  (void)scale;
+  (void)dk;
+  (void)dv;
+  __trap();
+#endif
+}
+
+// grid (ceil(S/128), Hkv, B), head dim 64: dK and dV of 128 keys and their share of dQ, in
+// FlashAttention-3's shape for this head dim (128 x 128 tiles). S and dP are computed once
+// for all three gradients: five products per tile instead of the split kernels' seven.
+//
+// Warpgroup 0: thread 0 loads K and V, then streams 128-query tiles of Q and dO into two
+// stages; warp 2 copies the tile's lse and D into the stage (a 1-D tensor map over [B,Hq,S]
+// measured "illegal instruction" on the H200); warp 1 bulk-reduces the consumers' staged
+// dQ into dq_acc. Consumer warpgroup c (keys n0 + 64c..) per tile:
+// - S^T = K_c Q^T and dP^T = V_c dO^T (64 x 128 each, both operands in shared memory);
+//   P = exp2(S * scale log2e - lse log2e) while dP^T is still running, dS^T = P (dP^T - D);
+// - its dS^T rows into the tile's dS buffer, then dV += P^T dO (P^T as register A);
+// - once both warpgroups' rows are in (named barrier 1), dQ of queries 64c.. = dS K summed
+//   over all 128 keys (dS as an MN-major A from the buffer, K as an MN-major B), and dK +=
+//   dS^T Q (register A); dQ (64 x 64 f32) is staged in fragment order (thread t's values
+//   4j..4j+3 at float4 j * 128 + t) for warp 1 (named barriers 2 + c "full", 4 + c "empty").
+// The two dS buffers alternate by tile, so a warpgroup writes tile i + 1's rows while the
+// other may still read tile i's for its dQ; it cannot reach tile i + 2's before the other
+// has passed barrier 1 of tile i + 1, after its dQ of tile i completed. One reduce of 16 KB
+// per warpgroup and tile: half the L2 reduction traffic of 64-query tiles.
+__global__ void __launch_bounds__(kThreads, 1) attention_bwd_fused_hopper_kernel(
+    const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_do,
+    const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v, AttentionShape s,
+    const float* lse, const float* dsum, float scale, bf16* dk, bf16* dv, float* dq_acc) {
+  pdl_wait();
+#ifdef TROUPE_WGMMA_DEVICE
+  using C = FusedBwd;
+  using L = C::S;
+  constexpr int kD = C::kD, kN = C::kStream;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t base = aligned_smem(smem_raw), sk = base, sv = base + L::kOwnBytes;
+  const uint32_t stages = base + L::kStagesOffset, extra = base + L::kExtraOffset;
+  const uint32_t ds0 = extra + C::kDsOffset, dq0 = extra + C::kDqOffset, stats = extra + C::kStatOffset;
+  const Ring<C::kStages> ring(base + L::kBarOffset);
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int b = blockIdx.z, hk = blockIdx.y, group = static_cast<int>(s.q_heads / s.kv_heads);
+  const int n0 = blockIdx.x * kBlockRows;
+  const int seq = static_cast<int>(s.seq);
+  const int per_head = (seq - n0 + kN - 1) / kN;  // query tiles from n0 on (n0 is a multiple of kN)
+  const int tiles = group * per_head, q_tiles = (seq + kN - 1) / kN;
+  if (tid == 0) ring.init(1 + 32);  // thread 0's expect_tx, then each lane of warp 2
+  __syncthreads();
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (tid == 0) {
+      mbar_expect_tx(ring.own, 2 * L::kOwnBytes);
+      load_tile<kD>(sk, &map_k, ring.own, kBlockRows, hk, n0, b);
+      load_tile<kD>(sv, &map_v, ring.own, kBlockRows, hk, n0, b);
+      for (int i = 0; i < tiles; ++i) {
+        const int h = hk * group + i / per_head, q0 = n0 + (i % per_head) * kN;
+        ring.wait_empty(i);
+        const uint32_t st = stages + (i % C::kStages) * L::kStageBytes;
+        mbar_expect_tx(ring.full(i), L::kStageBytes);
+        load_tile<kD>(st, &map_q, ring.full(i), kN, h, q0, b);
+        load_tile<kD>(st + L::kTileBytes, &map_do, ring.full(i), kN, h, q0, b);
+      }
+    } else if (tid / 32 == 2) {
+      // The tile's lse and D into its stage (0 past the sequence), then each lane's arrival.
+      const int lane = tid % 32;
+      for (int i = 0; i < tiles; ++i) {
+        const int h = hk * group + i / per_head, q0 = n0 + (i % per_head) * kN;
+        ring.wait_empty(i);
+        const uint32_t stat = stats + (i % C::kStages) * 2 * C::kStatBytes;
+        const int64_t row = (static_cast<int64_t>(b) * s.q_heads + h) * seq;
+#pragma unroll
+        for (int k = 0; k < kN / 32; ++k) {
+          const int q = q0 + 32 * k + lane;
+          const float l = q < seq ? __ldg(lse + row + q) : 0.0f, d = q < seq ? __ldg(dsum + row + q) : 0.0f;
+          asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(stat + (32 * k + lane) * 4), "f"(l) : "memory");
+          asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(stat + C::kStatBytes + (32 * k + lane) * 4), "f"(d)
+                       : "memory");
+        }
+        mbar_arrive(ring.full(i));  // release: the stores above are seen by whoever waits on it
+      }
+    } else if (tid / 32 == 1) {
+      // The dQ writer: each warpgroup's staged partial, reduced into its half of the tile's block.
+      const int lane = tid % 32;
+      asm volatile("bar.arrive 4, 160;\n" ::: "memory");  // both staging buffers start empty
+      asm volatile("bar.arrive 5, 160;\n" ::: "memory");
+      for (int i = 0; i < tiles; ++i) {
+        const int h = hk * group + i / per_head, q0 = n0 + (i % per_head) * kN;
+        float* dst = dq_acc + ((static_cast<int64_t>(b) * s.q_heads + h) * q_tiles + q0 / kN) * (kN * kD);
+        asm volatile("bar.sync 2, 160;\n" ::: "memory");
+        if (lane == 0) {
+          bulk_reduce_add_f32(dst, dq0, C::kDqBytes);
+          bulk_commit();
+        }
+        asm volatile("bar.sync 3, 160;\n" ::: "memory");
+        if (lane == 0) {
+          bulk_reduce_add_f32(dst + 64 * kD, dq0 + C::kDqBytes, C::kDqBytes);
+          bulk_commit();
+        }
+        if (i + 1 == tiles) break;  // no one waits for the last tile's buffers
+        if (lane == 0) bulk_wait_read<1>();
+        __syncwarp();
+        asm volatile("bar.arrive 4, 160;\n" ::: "memory");
+        if (lane == 0) bulk_wait_read<0>();
+        __syncwarp();
+        asm volatile("bar.arrive 5, 160;\n" ::: "memory");
+      }
+      if (lane == 0) bulk_wait<0>();  // the reduces have read their buffers and landed
+    }
+    return;
   }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  const int cw = wg - 1, warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int wg_first = n0 + 64 * cw, key_lo = wg_first + warp * 16 + g, key_hi = key_lo + 8;
+  const float scale_log2 = scale * kLog2e;
+  const uint32_t dq_stage = dq0 + cw * C::kDqBytes;
+  float dka[kD / 2], dva[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) dka[i] = dva[i] = 0.0f;
+  mbar_wait(ring.own, 0);
+  auto tile = [&](int i, auto masked) {
+    const int q0 = n0 + (i % per_head) * kN, slot = i % C::kStages;
+    ring.wait_full(i);
+    const uint32_t sq = stages + slot * L::kStageBytes, sdo = sq + L::kTileBytes;
+    const uint32_t slse = stats + slot * 2 * C::kStatBytes, sdd = slse + C::kStatBytes;
+    const uint32_t ds = ds0 + (i & 1) * C::kDsBytes;
+    float sc[kN / 2], dp[kN / 2];  // per tile (see the dQ kernel)
+#pragma unroll
+    for (int x = 0; x < kN / 2; ++x) sc[x] = dp[x] = 0.0f;
+    wgmma_fence();
+    mma_ss<kD, kN>(sc, sk, 64 * cw, sq);  // S^T: keys x queries
+    wgmma_commit();
+    mma_ss<kD, kN>(dp, sv, 64 * cw, sdo);  // dP^T
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_regs(sc);
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+      float l0, l1;  // lse of this thread's two queries of column group j
+      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                   : "=f"(l0), "=f"(l1)
+                   : "r"(slse + (8 * j + 2 * t) * 4));
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        float p = fast_exp2(fmaf(sc[4 * j + r], scale_log2, -(r & 1 ? l1 : l0) * kLog2e));
+        if constexpr (decltype(masked)::value) {
+          const int query = q0 + j * 8 + 2 * t + (r & 1), key = r < 2 ? key_lo : key_hi;
+          if (key > query || query >= seq) p = 0.0f;
+        }
+        sc[4 * j + r] = p;
+      }
+    }
+    // P as bf16 A fragments now, so that its f32 values die before dP^T lands; dS^T is
+    // computed from the bf16 P (the P that dV's product uses too), which keeps the peak at
+    // dP^T plus P's fragments (240 registers: with the f32 P kept, ptxas spilled).
+    uint32_t pa[kN / 16][4], da[kN / 16][4];
+    to_a_frags<kN>(pa, sc);
+    wgmma_wait<0>();
+    fence_regs(dp);
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+      float d0, d1;
+      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                   : "=f"(d0), "=f"(d1)
+                   : "r"(sdd + (8 * j + 2 * t) * 4));
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t w = pa[j / 2][2 * (j % 2) + half];  // P of rows g (+8), columns 8j + 2t, +1
+        const int r = 2 * half;
+        dp[4 * j + r] = __uint_as_float(w << 16) * (dp[4 * j + r] - d0);  // dS^T
+        dp[4 * j + r + 1] = __uint_as_float(w & 0xffff0000u) * (dp[4 * j + r + 1] - d1);
+      }
+    }
+    to_a_frags<kN>(da, dp);
+    // dS^T rows into the buffer: fragment word x of k16 step c is key row 16 * warp + g (+ 8
+    // for odd x) of this warpgroup, queries 16c + 8 (x / 2) + 2t, +1: chunk c / 4, 16-byte
+    // unit 2 (c % 4) + x / 2 of the row, swizzled by the row's g.
+    const uint32_t row = ds + (64 * cw + 16 * warp + g) * 128 + 4 * t;
+#pragma unroll
+    for (int c = 0; c < kN / 16; ++c) {
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int unit = 2 * (c % 4) + (x >> 1);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(row + (c / 4) * (kBlockRows * 128) +
+                                                       (x & 1) * 8 * 128 + ((unit ^ g) << 4)),
+                     "r"(da[c][x])
+                     : "memory");
+      }
+    }
+    fence_proxy_async();
+    wgmma_fence();
+    mma_rs<kD, kN>(dva, pa, sdo);  // dV += P^T dO
+    wgmma_commit();
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both warpgroups' dS^T rows are in
+    float dqa[kD / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockRows / 16; ++kk) {  // dQ (queries 64cw..) = dS K over all 128 keys
+      wgmma_m64n64k16<1, 1>(dqa, smem_desc(ds + cw * (kBlockRows * 128) + kk * 2048, 64 * 128, 1024),
+                            mnmajor(sk, kBlockRows, kk), kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    mma_rs<kD, kN>(dka, da, sq);  // dK += dS^T Q
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_regs(dva);
+    fence_regs(pa);
+    fence_regs(dqa);
+    asm volatile("bar.sync %0, 160;\n" ::"r"(4 + cw) : "memory");  // the staging buffer is free
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dq_stage + j * 2048 + (tid % 128) * 16),
+                   "f"(dqa[4 * j]), "f"(dqa[4 * j + 1]), "f"(dqa[4 * j + 2]), "f"(dqa[4 * j + 3])
+                   : "memory");
+    }
+    fence_proxy_async();
+    asm volatile("bar.arrive %0, 160;\n" ::"r"(2 + cw) : "memory");
+    wgmma_wait<0>();
+    fence_regs(dka);
+    fence_regs(da);
+    ring.release(i);
+  };
+  // Per query head: the diagonal tile, the unmasked middle, then a partial last tile, each
+  // in a loop of its own (kBranchFreeTiles).
+  for (int hh = 0; hh < group; ++hh) {
+    const int first = hh * per_head;
+    const int tail = max(1, per_head - (seq % kN != 0 ? 1 : 0));
+    tile(first, std::true_type{});
+    for (int q = 1; q < tail; ++q) tile(first + q, std::false_type{});
+    for (int q = tail; q < per_head; ++q) tile(first + q, std::true_type{});
+  }
+  store_rows<kD>(dk, dka, scale, scale, b, wg_first + warp * 16, hk, seq, s.kv_heads);
+  store_rows<kD>(dv, dva, 1.0f, 1.0f, b, wg_first + warp * 16, hk, seq, s.kv_heads);
 #else
   (void)map_q;
   (void)map_do;
@@ -859,14 +1031,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // dq [B,S,Hq,kD] = scale * dq_acc, whose blocks [B][Hq][ceil(S/kN)] of kN queries x kD
-// hold the fused kernel's dQ fragments (float4 j * 128 + t: warp t / 32's rows g and g + 8,
-// columns 8j + 2(t % 4), +1, with g = t % 32 / 4). grid: one block of 256 threads per block
-// of dq_acc; the fragments go through shared memory so that dq is written in whole rows.
+// hold the fused kernel's dQ fragments in halves of 64 queries (within a half, float4
+// j * 128 + t: warp t / 32's rows g and g + 8, columns 8j + 2(t % 4), +1, with g = t % 32 /
+// 4). grid: one block of 256 threads per block of dq_acc; the fragments go through shared
+// memory so that dq is written in whole rows.
 template <int kD, int kN>
 __global__ void __launch_bounds__(256)
     attention_dq_convert_kernel(AttentionShape s, const float* dq_acc, float scale, bf16* dq) {
   pdl_wait();
-  constexpr int kPad = kD + 4;  // row stride in floats: 16-byte aligned, rows on different banks
+  constexpr int kPad = kD + 4;        // row stride in floats: 16-byte aligned, rows on different banks
+  constexpr int kHalf = 64 * kD / 4;  // float4s of one 64-query half
   __shared__ __align__(16) float tile[kN * kPad];
   const int64_t block = blockIdx.x;
   const int q_tiles = static_cast<int>((s.seq + kN - 1) / kN);
@@ -874,7 +1048,8 @@ __global__ void __launch_bounds__(256)
   const int64_t bh = block / q_tiles, h = bh % s.q_heads, b = bh / s.q_heads;
   const float4* src = reinterpret_cast<const float4*>(dq_acc + block * (kN * kD));
   for (int f = threadIdx.x; f < kN * kD / 4; f += blockDim.x) {
-    const int j = f / 128, t = f % 128, g = t % 32 / 4, row = 16 * (t / 32) + g, col = 8 * j + 2 * (t % 4);
+    const int w = f % kHalf, j = w / 128, t = w % 128, g = t % 32 / 4;
+    const int row = 64 * (f / kHalf) + 16 * (t / 32) + g, col = 8 * j + 2 * (t % 4);
     const float4 v = src[f];
     tile[row * kPad + col] = v.x;
     tile[row * kPad + col + 1] = v.y;
@@ -959,7 +1134,7 @@ void launch_attention_forward_hopper(const Env& env, const AttentionShape& s, co
 }
 
 size_t attention_fused_dq_bytes(const AttentionShape& s) {
-  constexpr int kN = BwdCfg<64, true>::kStream;
+  constexpr int kN = FusedBwd::kStream;
   return static_cast<size_t>(s.batch * s.q_heads * ceil_div(s.seq, kN) * kN * s.head_dim) * sizeof(float);
 }
 
@@ -969,37 +1144,36 @@ void launch_attention_backward_hopper(const Env& env, const AttentionShape& s, c
                                       bool fused_dq) {
   float* dsum = static_cast<float*>(scratch);
   launch_attention_rowdot(env, s, out, dout, dsum, DType::kBF16);
-  dispatch_head_dim(s.head_dim, [&](auto d) {
-    constexpr int kN = BwdCfg<d()>::kStream;
+  const CUtensorMap mk = head_map(k, s, s.kv_heads, kBlockRows), mv = head_map(v, s, s.kv_heads, kBlockRows);
+  if (s.head_dim == 64 && fused_dq) {
+    using C = FusedBwd;
+    constexpr int kN = C::kStream;
     const CUtensorMap mq = head_map(q, s, s.q_heads, kN), mdo = head_map(dout, s, s.q_heads, kN);
-    const CUtensorMap mk = head_map(k, s, s.kv_heads, kBlockRows),
-                      mv = head_map(v, s, s.kv_heads, kBlockRows);
-    if constexpr (d() == 64) {
-      if (fused_dq) {
-        using L = typename BwdCfg<64, true>::S;
-        float* acc = dsum + attention_dsum_floats(s);
-        CUDA_CHECK(cudaMemsetAsync(acc, 0, attention_fused_dq_bytes(s), env.stream));
-        auto kernel = attention_dkdv_hopper_kernel<64, true>;
-        allow_smem(kernel, L::kBytes);
-        launch(env, kernel, block_grid(s, s.kv_heads), kThreads, L::kBytes, mq, mdo, mk, mv, s, lse, dsum,
-               scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv), acc);
-        TROUPE_CUDA_LAUNCH_CHECK();
-        const int64_t blocks = s.batch * s.q_heads * ceil_div(s.seq, kN);
-        launch(env, attention_dq_convert_kernel<64, kN>, dim3(static_cast<unsigned>(blocks)), 256, 0, s,
-               static_cast<const float*>(acc), scale, static_cast<bf16*>(dq));
-        return;
-      }
-    }
+    float* acc = dsum + attention_dsum_floats(s);
+    CUDA_CHECK(cudaMemsetAsync(acc, 0, attention_fused_dq_bytes(s), env.stream));
+    auto kernel = attention_bwd_fused_hopper_kernel;
+    allow_smem(kernel, C::S::kBytes);
+    launch(env, kernel, block_grid(s, s.kv_heads), kThreads, C::S::kBytes, mq, mdo, mk, mv, s, lse, dsum,
+           scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv), acc);
+    TROUPE_CUDA_LAUNCH_CHECK();
+    const int64_t blocks = s.batch * s.q_heads * ceil_div(s.seq, int64_t{kN});
+    launch(env, attention_dq_convert_kernel<64, kN>, dim3(static_cast<unsigned>(blocks)), 256, 0, s,
+           static_cast<const float*>(acc), scale, static_cast<bf16*>(dq));
+    TROUPE_CUDA_LAUNCH_CHECK();
+    return;
+  }
+  dispatch_head_dim(s.head_dim, [&](auto d) {
+    using L = typename BwdCfg<d()>::S;
+    constexpr int kN = BwdCfg<d()>::kStream;
     {
-      using L = typename BwdCfg<d()>::S;
-      auto kernel = attention_dkdv_hopper_kernel<d(), false>;
+      const CUtensorMap mq = head_map(q, s, s.q_heads, kN), mdo = head_map(dout, s, s.q_heads, kN);
+      auto kernel = attention_dkdv_hopper_kernel<d()>;
       allow_smem(kernel, L::kBytes);
       launch(env, kernel, block_grid(s, s.kv_heads), kThreads, L::kBytes, mq, mdo, mk, mv, s, lse, dsum,
-             scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv), static_cast<float*>(nullptr));
+             scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv));
       TROUPE_CUDA_LAUNCH_CHECK();
     }
     {
-      using L = typename BwdCfg<d()>::S;
       const CUtensorMap mq_own = head_map(q, s, s.q_heads, kBlockRows),
                         mdo_own = head_map(dout, s, s.q_heads, kBlockRows);
       const CUtensorMap mk_s = head_map(k, s, s.kv_heads, kN), mv_s = head_map(v, s, s.kv_heads, kN);
