@@ -29,6 +29,9 @@
 #            rounds: a kernel change's end-to-end cost measured with nothing else changed.
 #            To land a change, make the tree the candidate and AB_PATCH the way back to the
 #            baseline: then build, tests, ctest and kernels run on the candidate in one call
+#   kvar     kernel_bench's KERNEL_BENCH_ONLY rows for this tree and for copies of it patched
+#            with each of VAR_PATCHES (space-separated `git diff` files), alternating, two
+#            rounds: kernel variants compared on one machine in one call
 #   final    the final run, most important first, each part's failure reported and passed:
 #            build (train_moe + the CUDA tests) -> e2e -> tests -> train_moe_cuda_test ->
 #            kernels (builds kernel_bench) -> hoststats
@@ -185,7 +188,7 @@ for step in "$@"; do
         membar sleeping dispatch_stall no_instruction selected not_selected branch_resolving; do
         m=$m,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
       done
-      for what in "attention_fwd_hopper attention_fwd_hopper 1" "attention_bwd_hopper attention_(dkdv|dq|rowdot) 3" \
+      for what in "attention_fwd_hopper attention_fwd_hopper 1" "attention_bwd_hopper attention_(bwd_fused|dkdv|dq|rowdot) 3" \
         "attention_bwd_hopper_split_dq attention_(dkdv|dq|rowdot) 3"; do
         # shellcheck disable=SC2086
         set -- $what
@@ -304,6 +307,38 @@ PY
           OUT="$dir" bash bench/e2e.sh --build "$bld" --gpus 1 --quick --skip-peer --no-selfcheck \
             >"$out/ab-$v-$round.log" 2>&1
           stamp "ab $v round $round rc=$?: $(grep -h '| troupe |' "$dir/e2e/e2e.md" 2>/dev/null)"
+        done
+      done
+      ;;
+    kvar)
+      if [ -z "${VAR_PATCHES:-}" ] || [ ! -x "$B/bench/kernels/kernel_bench" ]; then
+        echo "gpu_issue20.sh kvar: set VAR_PATCHES (git diff files) and build kernel_bench first" >&2
+        exit 2
+      fi
+      n=0
+      builds=("$B")
+      for p in $VAR_PATCHES; do
+        n=$((n + 1))
+        src=${TMPDIR:-/tmp}/troupe-var$n-src
+        rm -rf "$src" && mkdir -p "$src"
+        tar -c --exclude=./.gpu-deps --exclude=./.git --exclude='./build*' --exclude=./gpu-out . | tar -x -C "$src"
+        if ! (cd "$src" && git apply "$(realpath "$p")") >"$out/var$n-apply.log" 2>&1; then
+          stamp "kvar: $p does not apply: $(head -3 "$out/var$n-apply.log")"
+          continue
+        fi
+        if build_tree "$src" "$B-var$n" "-var$n" kernel_bench; then
+          builds+=("$B-var$n")
+          stamp "kvar: var$n = $p built"
+        else
+          stamp "kvar: var$n = $p FAILED to build"
+        fi
+      done
+      for round in 1 2; do
+        for bld in "${builds[@]}"; do
+          tag=$(basename "$bld")
+          timeout 100 "$bld"/bench/kernels/kernel_bench >"$out/kvar-$tag-$round.log" 2>&1
+          stamp "kvar $tag round $round rc=$?"
+          grep -v "^RESULT" "$out/kvar-$tag-$round.log" | grep -E "${KVAR_ROWS:-ms}" | head -20 | tee -a "$out/summary.txt"
         done
       done
       ;;

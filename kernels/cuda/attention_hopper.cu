@@ -331,7 +331,7 @@ __device__ __forceinline__ uint32_t aligned_smem(unsigned char* raw) {
 }
 #endif  // TROUPE_WGMMA_DEVICE
 
-// grid (ceil(S/kRows), Hq, B); late (heavier) query blocks first.
+// grid (Hq, ceil(S/kRows), B) (block_grid); late (heavier) query blocks first.
 template <int kD, bool kWarpgroups2>
 __global__ void __launch_bounds__(FwdCfg<kD, kWarpgroups2>::kThreads, 1)
     attention_fwd_hopper_kernel(const __grid_constant__ CUtensorMap map_q,
@@ -348,8 +348,8 @@ __global__ void __launch_bounds__(FwdCfg<kD, kWarpgroups2>::kThreads, 1)
   const uint32_t base = aligned_smem(smem_raw), sq = base, stages = base + L::kStagesOffset;
   const Ring<C::kStages, 4 * kCWs> ring(base + L::kBarOffset);
   const int tid = threadIdx.x, wg = tid / 128;
-  const int b = blockIdx.z, h = blockIdx.y, hk = h / static_cast<int>(s.q_heads / s.kv_heads);
-  const int m0 = (gridDim.x - 1 - blockIdx.x) * kRows;
+  const int b = blockIdx.z, h = blockIdx.x, hk = h / static_cast<int>(s.q_heads / s.kv_heads);
+  const int m0 = (gridDim.y - 1 - blockIdx.y) * kRows;
   const int seq = static_cast<int>(s.seq);
   const int kv_end = min(seq, m0 + kRows);
   const int tiles = (kv_end + kN - 1) / kN;
@@ -516,7 +516,7 @@ __global__ void __launch_bounds__(FwdCfg<kD, kWarpgroups2>::kThreads, 1)
 #endif
 }
 
-// grid (ceil(S/128), Hq, B): dQ of 128 queries; streams K and V tiles of 64 keys.
+// grid (Hq, ceil(S/128), B): dQ of 128 queries; streams K and V tiles of 64 keys.
 template <int kD>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_dq_hopper_kernel(const __grid_constant__ CUtensorMap map_q,
@@ -534,8 +534,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t stages = base + L::kStagesOffset;
   const Ring<C::kStages> ring(base + L::kBarOffset);
   const int tid = threadIdx.x, wg = tid / 128;
-  const int b = blockIdx.z, h = blockIdx.y, hk = h / static_cast<int>(s.q_heads / s.kv_heads);
-  const int m0 = (gridDim.x - 1 - blockIdx.x) * kBlockRows;
+  const int b = blockIdx.z, h = blockIdx.x, hk = h / static_cast<int>(s.q_heads / s.kv_heads);
+  const int m0 = (gridDim.y - 1 - blockIdx.y) * kBlockRows;
   const int seq = static_cast<int>(s.seq);
   const int tiles = (min(seq, m0 + kBlockRows) + kN - 1) / kN;
   if (tid == 0) ring.init();
@@ -639,7 +639,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// grid (ceil(S/128), Hkv, B): dK and dV of 128 keys, summed over the group's query heads;
+// grid (Hkv, ceil(S/128), B): dK and dV of 128 keys, summed over the group's query heads;
 // streams Q and dO tiles of 64 queries from the block's first key on. Early (heavier)
 // key blocks first. With attention_dq_hopper_kernel, the split backward: S and dP are
 // computed in both (seven products per tile pair), with no atomics.
@@ -660,8 +660,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t stages = base + L::kStagesOffset;
   const Ring<C::kStages> ring(base + L::kBarOffset);
   const int tid = threadIdx.x, wg = tid / 128;
-  const int b = blockIdx.z, hk = blockIdx.y, group = static_cast<int>(s.q_heads / s.kv_heads);
-  const int n0 = blockIdx.x * kBlockRows;
+  const int b = blockIdx.z, hk = blockIdx.x, group = static_cast<int>(s.q_heads / s.kv_heads);
+  const int n0 = blockIdx.y * kBlockRows;
   const int seq = static_cast<int>(s.seq);
   const int per_head = (seq - n0 + kN - 1) / kN;  // query tiles from n0 on (n0 is a multiple of kN)
   const int tiles = group * per_head;
@@ -789,7 +789,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// grid (ceil(S/128), Hkv, B), head dim 64: dK and dV of 128 keys and their share of dQ, in
+// grid (Hkv, ceil(S/128), B), head dim 64: dK and dV of 128 keys and their share of dQ, in
 // FlashAttention-3's shape for this head dim (128 x 128 tiles). S and dP are computed once
 // for all three gradients: five products per tile instead of the split kernels' seven.
 //
@@ -823,8 +823,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_fused_hopper_kernel
   const uint32_t ds0 = extra + C::kDsOffset, dq0 = extra + C::kDqOffset, stats = extra + C::kStatOffset;
   const Ring<C::kStages> ring(base + L::kBarOffset);
   const int tid = threadIdx.x, wg = tid / 128;
-  const int b = blockIdx.z, hk = blockIdx.y, group = static_cast<int>(s.q_heads / s.kv_heads);
-  const int n0 = blockIdx.x * kBlockRows;
+  const int b = blockIdx.z, hk = blockIdx.x, group = static_cast<int>(s.q_heads / s.kv_heads);
+  const int n0 = blockIdx.y * kBlockRows;
   const int seq = static_cast<int>(s.seq);
   const int per_head = (seq - n0 + kN - 1) / kN;  // query tiles from n0 on (n0 is a multiple of kN)
   const int tiles = group * per_head, q_tiles = (seq + kN - 1) / kN;
@@ -1033,8 +1033,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_fused_hopper_kernel
 // dq [B,S,Hq,kD] = scale * dq_acc, whose blocks [B][Hq][ceil(S/kN)] of kN queries x kD
 // hold the fused kernel's dQ fragments in halves of 64 queries (within a half, float4
 // j * 128 + t: warp t / 32's rows g and g + 8, columns 8j + 2(t % 4), +1, with g = t % 32 /
-// 4). grid: one block of 256 threads per block of dq_acc; the fragments go through shared
-// memory so that dq is written in whole rows.
+// 4). grid: one block of 256 threads per block of dq_acc (blockDim must be 256); the
+// fragments go through shared memory so that dq is written in whole rows.
 template <int kD, int kN>
 __global__ void __launch_bounds__(256)
     attention_dq_convert_kernel(AttentionShape s, const float* dq_acc, float scale, bf16* dq) {
@@ -1047,14 +1047,20 @@ __global__ void __launch_bounds__(256)
   const int qt = static_cast<int>(block % q_tiles);
   const int64_t bh = block / q_tiles, h = bh % s.q_heads, b = bh / s.q_heads;
   const float4* src = reinterpret_cast<const float4*>(dq_acc + block * (kN * kD));
-  for (int f = threadIdx.x; f < kN * kD / 4; f += blockDim.x) {
+  constexpr int kLoads = kN * kD / 4 / 256;  // float4s per thread, all loaded before any store
+  static_assert(kN * kD % 1024 == 0, "whole float4s per thread");
+  float4 v[kLoads];
+#pragma unroll
+  for (int n = 0; n < kLoads; ++n) v[n] = src[threadIdx.x + 256 * n];
+#pragma unroll
+  for (int n = 0; n < kLoads; ++n) {
+    const int f = threadIdx.x + 256 * n;
     const int w = f % kHalf, j = w / 128, t = w % 128, g = t % 32 / 4;
     const int row = 64 * (f / kHalf) + 16 * (t / 32) + g, col = 8 * j + 2 * (t % 4);
-    const float4 v = src[f];
-    tile[row * kPad + col] = v.x;
-    tile[row * kPad + col + 1] = v.y;
-    tile[(row + 8) * kPad + col] = v.z;
-    tile[(row + 8) * kPad + col + 1] = v.w;
+    tile[row * kPad + col] = v[n].x;
+    tile[row * kPad + col + 1] = v[n].y;
+    tile[(row + 8) * kPad + col] = v[n].z;
+    tile[(row + 8) * kPad + col + 1] = v[n].w;
   }
   __syncthreads();
   for (int u = threadIdx.x; u < kN * kD / 8; u += blockDim.x) {
@@ -1096,16 +1102,22 @@ void allow_smem(K kernel, size_t bytes) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
+// grid (heads, row blocks, B): blocks start in x, then y order, so within a sequence the row
+// blocks of one weight (the heaviest first: late query blocks, early key blocks) run for all
+// heads before the next, and a sequence's last blocks are its lightest. (With the row block
+// in x, every head's heaviest block was among its first, and the last head's started near the
+// end of the grid: a tail of up to one heavy block.)
 dim3 block_grid(const AttentionShape& s, int64_t heads, int rows = kBlockRows) {
-  return dim3(static_cast<unsigned>(ceil_div(s.seq, int64_t{rows})), static_cast<unsigned>(heads),
+  return dim3(static_cast<unsigned>(heads), static_cast<unsigned>(ceil_div(s.seq, int64_t{rows})),
               static_cast<unsigned>(s.batch));
 }
 
 }  // namespace
 
 bool attention_hopper_available(const AttentionShape& s) {
-  // Rows are int coordinates of the tensor maps; 2^31 rows of one sequence are far away.
-  return hopper::wgmma_available() && (s.head_dim == 64 || s.head_dim == 128) && s.seq < (int64_t{1} << 30);
+  // Rows are int coordinates of the tensor maps, row blocks of 128 the grid's y (at most 65535).
+  return hopper::wgmma_available() && (s.head_dim == 64 || s.head_dim == 128) &&
+         ceil_div(s.seq, int64_t{kBlockRows}) <= 65535 && s.batch <= 65535;
 }
 
 void launch_attention_forward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,

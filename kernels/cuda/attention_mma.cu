@@ -440,7 +440,10 @@ void dispatch_mma_head_dim(int64_t dh, F&& f) {
 bool use_hopper(const AttentionShape& s, int variant) {
   if (variant == kAttentionHopper || variant == kAttentionHopperSplitDq || variant == kAttentionHopperFwd2) {
     TROUPE_CHECK(attention_hopper_available(s),
-                 "attention: the Hopper kernels need an sm_90a build on a compute-capability 9.0 GPU");
+                 "attention: the Hopper kernels need an sm_90a build on a compute-capability 9.0 GPU, head "
+                 "dim 64 or 128, at most 65535 x 128 positions and 65535 sequences (got head dim {}, {} "
+                 "positions, {} sequences)",
+                 s.head_dim, s.seq, s.batch);
     return true;
   }
   return variant == kAttentionAuto && attention_hopper_available(s);
