@@ -639,6 +639,30 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+#ifdef TROUPE_WGMMA_DEVICE
+// The producer thread of a key-block backward kernel (L: its Smem layout): the block's K and
+// V rows (kBlockRows from n0, on the ring's "own" barrier), then Q and dO tiles of kN queries
+// from n0 on, per query head of the group (per_head tiles each), into the ring's stages.
+template <int kD, int kN, class L, int kStages>
+__device__ __forceinline__ void load_key_block(const Ring<kStages>& ring, uint32_t sk, uint32_t sv,
+                                               uint32_t stages, const CUtensorMap* map_q,
+                                               const CUtensorMap* map_do, const CUtensorMap* map_k,
+                                               const CUtensorMap* map_v, int hk, int n0, int b, int group,
+                                               int per_head) {
+  mbar_expect_tx(ring.own, 2 * L::kOwnBytes);
+  load_tile<kD>(sk, map_k, ring.own, kBlockRows, hk, n0, b);
+  load_tile<kD>(sv, map_v, ring.own, kBlockRows, hk, n0, b);
+  for (int i = 0; i < group * per_head; ++i) {
+    const int h = hk * group + i / per_head, q0 = n0 + (i % per_head) * kN;
+    ring.wait_empty(i);
+    const uint32_t st = stages + (i % kStages) * L::kStageBytes;
+    mbar_expect_tx(ring.full(i), L::kStageBytes);
+    load_tile<kD>(st, map_q, ring.full(i), kN, h, q0, b);
+    load_tile<kD>(st + L::kTileBytes, map_do, ring.full(i), kN, h, q0, b);
+  }
+}
+#endif  // TROUPE_WGMMA_DEVICE
+
 // grid (Hkv, ceil(S/128), B): dK and dV of 128 keys, summed over the group's query heads;
 // streams Q and dO tiles of 64 queries from the block's first key on. Early (heavier)
 // key blocks first. With attention_dq_hopper_kernel, the split backward: S and dP are
@@ -670,17 +694,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (tid == 0) {
-      mbar_expect_tx(ring.own, 2 * L::kOwnBytes);
-      load_tile<kD>(sk, &map_k, ring.own, kBlockRows, hk, n0, b);
-      load_tile<kD>(sv, &map_v, ring.own, kBlockRows, hk, n0, b);
-      for (int i = 0; i < tiles; ++i) {
-        const int h = hk * group + i / per_head, q0 = n0 + (i % per_head) * kN;
-        ring.wait_empty(i);
-        const uint32_t st = stages + (i % C::kStages) * L::kStageBytes;
-        mbar_expect_tx(ring.full(i), L::kStageBytes);
-        load_tile<kD>(st, &map_q, ring.full(i), kN, h, q0, b);
-        load_tile<kD>(st + L::kTileBytes, &map_do, ring.full(i), kN, h, q0, b);
-      }
+      load_key_block<kD, kN, L>(ring, sk, sv, stages, &map_q, &map_do, &map_k, &map_v, hk, n0, b, group,
+                                per_head);
     }
     return;
   }
@@ -833,17 +848,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_fused_hopper_kernel
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (tid == 0) {
-      mbar_expect_tx(ring.own, 2 * L::kOwnBytes);
-      load_tile<kD>(sk, &map_k, ring.own, kBlockRows, hk, n0, b);
-      load_tile<kD>(sv, &map_v, ring.own, kBlockRows, hk, n0, b);
-      for (int i = 0; i < tiles; ++i) {
-        const int h = hk * group + i / per_head, q0 = n0 + (i % per_head) * kN;
-        ring.wait_empty(i);
-        const uint32_t st = stages + (i % C::kStages) * L::kStageBytes;
-        mbar_expect_tx(ring.full(i), L::kStageBytes);
-        load_tile<kD>(st, &map_q, ring.full(i), kN, h, q0, b);
-        load_tile<kD>(st + L::kTileBytes, &map_do, ring.full(i), kN, h, q0, b);
-      }
+      load_key_block<kD, kN, L>(ring, sk, sv, stages, &map_q, &map_do, &map_k, &map_v, hk, n0, b, group,
+                                per_head);
     } else if (tid / 32 == 2) {
       // The tile's lse and D into its stage (0 past the sequence), then each lane's arrival.
       const int lane = tid % 32;
