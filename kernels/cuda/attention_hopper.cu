@@ -813,7 +813,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // measured "illegal instruction" on the H200); warp 1 bulk-reduces the consumers' staged
 // dQ into dq_acc. Consumer warpgroup c (keys n0 + 64c..) per tile:
 // - S^T = K_c Q^T and dP^T = V_c dO^T (64 x 128 each, both operands in shared memory);
-//   P = exp2(S * scale log2e - lse log2e) while dP^T is still running, dS^T = P (dP^T - D);
+//   P = exp2(S * scale log2e - lse log2e) (warp 2 stages lse log2e) while dP^T is still running, dS^T = P
+//   (dP^T - D);
 // - its dS^T rows into the tile's dS buffer, then dV += P^T dO (P^T as register A);
 // - once both warpgroups' rows are in (named barrier 1), dQ of queries 64c.. = dS K summed
 //   over all 128 keys (dS as an MN-major A from the buffer, K as an MN-major B), and dK +=
@@ -851,7 +852,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_fused_hopper_kernel
       load_key_block<kD, kN, L>(ring, sk, sv, stages, &map_q, &map_do, &map_k, &map_v, hk, n0, b, group,
                                 per_head);
     } else if (tid / 32 == 2) {
-      // The tile's lse and D into its stage (0 past the sequence), then each lane's arrival.
+      // The tile's lse (in log2 units) and D into its stage (0 past the sequence), then each
+      // lane's arrival.
       const int lane = tid % 32;
       for (int i = 0; i < tiles; ++i) {
         const int h = hk * group + i / per_head, q0 = n0 + (i % per_head) * kN;
@@ -861,7 +863,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_fused_hopper_kernel
 #pragma unroll
         for (int k = 0; k < kN / 32; ++k) {
           const int q = q0 + 32 * k + lane;
-          const float l = q < seq ? __ldg(lse + row + q) : 0.0f, d = q < seq ? __ldg(dsum + row + q) : 0.0f;
+          const float l = q < seq ? __ldg(lse + row + q) * kLog2e : 0.0f;
+          const float d = q < seq ? __ldg(dsum + row + q) : 0.0f;
           asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(stat + (32 * k + lane) * 4), "f"(l) : "memory");
           asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(stat + C::kStatBytes + (32 * k + lane) * 4), "f"(d)
                        : "memory");
@@ -925,13 +928,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_fused_hopper_kernel
     fence_regs(sc);
 #pragma unroll
     for (int j = 0; j < kN / 8; ++j) {
-      float l0, l1;  // lse of this thread's two queries of column group j
+      float l0, l1;  // lse (log2 units) of this thread's two queries of column group j
       asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
                    : "=f"(l0), "=f"(l1)
                    : "r"(slse + (8 * j + 2 * t) * 4));
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        float p = fast_exp2(fmaf(sc[4 * j + r], scale_log2, -(r & 1 ? l1 : l0) * kLog2e));
+        float p = fast_exp2(fmaf(sc[4 * j + r], scale_log2, -(r & 1 ? l1 : l0)));
         if constexpr (decltype(masked)::value) {
           const int query = q0 + j * 8 + 2 * t + (r & 1), key = r < 2 ? key_lo : key_hi;
           if (key > query || query >= seq) p = 0.0f;
