@@ -35,8 +35,9 @@ struct Backend {
   void (*rope_backward)(const Exec&, const Tensor&, const Tensor&, float, Tensor&);
   void (*attention_forward)(const Exec&, const Tensor&, const Tensor&, const Tensor&, float, Tensor&,
                             Tensor&);
+  // ..., dq, dk, dv, rope (null: none).
   void (*attention_backward)(const Exec&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                             const Tensor&, const Tensor&, float, Tensor&, Tensor&, Tensor&);
+                             const Tensor&, const Tensor&, float, Tensor&, Tensor&, Tensor&, const RopeArgs*);
   void (*softmax_forward)(const Exec&, const Tensor&, Tensor&);
   void (*softmax_backward)(const Exec&, const Tensor&, const Tensor&, Tensor&);
   void (*router_forward)(const Exec&, const Tensor&, const Tensor*, const RouterConfig&, Tensor&, Tensor&,

@@ -473,7 +473,7 @@ void attention_forward(const Exec& ex, const Tensor& q, const Tensor& k, const T
 
 void attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                         const Tensor& lse, const Tensor& dout, float scale, Tensor& dq, Tensor& dk,
-                        Tensor& dv) {
+                        Tensor& dv, const RopeArgs* rope) {
   OpCheck c("attention_backward", ex,
             {{"q", &q},
              {"k", &k},
@@ -483,7 +483,8 @@ void attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const 
              {"dout", &dout},
              {"dq", &dq},
              {"dk", &dk},
-             {"dv", &dv}});
+             {"dv", &dv},
+             {"rope_pos", rope != nullptr ? rope->pos : nullptr}});
   check_attention(c, q, k, v, out, lse);
   OP_FLOAT(c, dout);
   OP_FLOAT(c, dq);
@@ -493,7 +494,15 @@ void attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const 
   OP_SHAPE(c, dq, q.shape());
   OP_SHAPE(c, dk, k.shape());
   OP_SHAPE(c, dv, k.shape());
-  c.call(&Backend::attention_backward, ex, q, k, v, out, lse, dout, scale, dq, dk, dv);
+  if (rope != nullptr) {
+    OP_REQUIRE(c, rope->pos != nullptr, "rope has no positions");
+    const Tensor& rope_pos = *rope->pos;
+    OP_DTYPE(c, rope_pos, DType::kI32);
+    OP_SHAPE(c, rope_pos, {q.size(0) * q.size(1)});
+    OP_REQUIRE(c, q.size(3) % 2 == 0, "rope needs an even head dim, not {}", q.size(3));
+    OP_REQUIRE(c, rope->theta > 0.0f, "rope theta must be positive, not {}", rope->theta);
+  }
+  c.call(&Backend::attention_backward, ex, q, k, v, out, lse, dout, scale, dq, dk, dv, rope);
 }
 
 // ---- softmax -------------------------------------------------------------------------

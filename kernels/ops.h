@@ -114,9 +114,18 @@ void rope_backward(const Exec& ex, const Tensor& dout, const Tensor& pos, float 
 // log-sum-exp of each row of scaled scores (saved for backward). scale usually 1/sqrt(Dh).
 void attention_forward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, float scale,
                        Tensor& out, Tensor& lse);
+// The rotary embedding that made q and k (rope_forward with pos i32 [B*S] and theta),
+// folded into attention_backward: dq and dk then come back as the gradients of the
+// unrotated q and k (rope_backward applied to each). The CUDA Hopper backward at head dim
+// 64 rotates them in its own stores (one rounding to the storage dtype instead of two);
+// every other path runs rope_backward after.
+struct RopeArgs {
+  const Tensor* pos = nullptr;
+  float theta = 10000.0f;
+};
 void attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                         const Tensor& lse, const Tensor& dout, float scale, Tensor& dq, Tensor& dk,
-                        Tensor& dv);
+                        Tensor& dv, const RopeArgs* rope = nullptr);
 
 // ---- softmax -------------------------------------------------------------------------
 // Row softmax of x [R,C].

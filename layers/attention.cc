@@ -94,22 +94,27 @@ Tensor Attention::project_out_backward(const Ctx& c, const Tensor& dy, const Ten
   return dflat.view(out.shape());
 }
 
-void Attention::core_backward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                              const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) const {
+void Attention::core_backward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq,
+                              Tensor& dk, Tensor& dv, const Tensor* positions) const {
   dq = c.empty(q.shape());
   dk = c.empty(k.shape());
   dv = c.empty(v.shape());
   const float scale = 1.0f / std::sqrt(static_cast<float>(q.size(3)));
-  kernels::attention_backward(c.ex, q, k, v, out, lse, dout, scale, dq, dk, dv);
+  const kernels::RopeArgs rope{positions, rope_theta};
+  kernels::attention_backward(c.ex, q, k, v, out, lse, dout, scale, dq, dk, dv,
+                              positions != nullptr ? &rope : nullptr);
 }
 
-Tensor Attention::project_qkv_backward(const Ctx& c, const Tensor& x, const Tensor& pos, Tensor& dq, Tensor& dk,
-                                       Tensor& dv) {
+Tensor Attention::project_qkv_backward(const Ctx& c, const Tensor& x, const Tensor& pos, Tensor& dq,
+                                       Tensor& dk, Tensor& dv, bool rope_undone) {
   const int64_t t = x.size(0);
   Tensor dq3 = dq.view({t, n_heads, head_dim});
   Tensor dk3 = dk.view({t, n_kv_heads, head_dim});
-  kernels::rope_backward(c.ex, dq3, pos, rope_theta, dq3);
-  kernels::rope_backward(c.ex, dk3, pos, rope_theta, dk3);
+  if (!rope_undone) {
+    kernels::rope_backward(c.ex, dq3, pos, rope_theta, dq3);
+    kernels::rope_backward(c.ex, dk3, pos, rope_theta, dk3);
+  }
   Tensor dq2 = dq.view({t, n_heads * head_dim});
   Tensor dk2 = dk.view({t, n_kv_heads * head_dim});
   Tensor dv2 = dv.view({t, n_kv_heads * head_dim});
@@ -126,8 +131,8 @@ Tensor Attention::project_qkv_backward(const Ctx& c, const Tensor& x, const Tens
 Tensor Attention::backward(const Ctx& c, const Tensor& dy, const Saved& s) {
   Tensor dout = project_out_backward(c, dy, s.out);
   Tensor dq, dk, dv;
-  core_backward(c, s.q, s.k, s.v, s.out, s.lse, dout, dq, dk, dv);
-  return project_qkv_backward(c, s.x, s.pos, dq, dk, dv);
+  core_backward(c, s.q, s.k, s.v, s.out, s.lse, dout, dq, dk, dv, &s.pos);  // RoPE undone in it
+  return project_qkv_backward(c, s.x, s.pos, dq, dk, dv, /*rope_undone=*/true);
 }
 
 }  // namespace troupe::layers

@@ -39,11 +39,15 @@ class Attention {
                     Tensor& lse) const;
   Tensor project_out(const Ctx& c, const Tensor& out) const;
   Tensor project_out_backward(const Ctx& c, const Tensor& dy, const Tensor& out);  // returns dout
+  // positions (optional; the q and k rows' positions, as project_qkv took them): dq and dk
+  // come back with RoPE undone (kernels::RopeArgs; on the Hopper backward in its stores).
   void core_backward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                     const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) const;
-  // dq, dk, dv are consumed (RoPE is undone in place); returns dx.
+                     const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                     const Tensor* positions = nullptr) const;
+  // dq, dk, dv are consumed (RoPE is undone in place unless rope_undone: core_backward did
+  // it); returns dx.
   Tensor project_qkv_backward(const Ctx& c, const Tensor& x, const Tensor& positions, Tensor& dq, Tensor& dk,
-                              Tensor& dv);
+                              Tensor& dv, bool rope_undone = false);
 
   static Tensor positions(int64_t batch, int64_t seq);  // host i32 [B*S]: t % seq
   // positions() on the Exec's device, cached (uploaded again only when the shape changes).

@@ -373,7 +373,7 @@ void run() {
     Tensor dout = b.random({kBatch, kSeq, kHeads, kHeadDim}, bf);
     Tensor dq = b.empty(q.shape(), bf), dk = b.empty(q.shape(), bf), dv = b.empty(q.shape(), bf);
     b.flops("attention_bwd", 2.5 * fwd, "2.5*fwd",
-            [&] { be.attention_backward(b.ex, q, k, v, out, lse, dout, scale, dq, dk, dv); });
+            [&] { be.attention_backward(b.ex, q, k, v, out, lse, dout, scale, dq, dk, dv, nullptr); });
     // Each tensor-core kernel by name (the rows above run the backend's choice).
     attention_variants(b, ctx, {kBatch, kSeq, kHeads, kHeads, kHeadDim}, fwd, q, k, v, out, lse, dout, dq, dk,
                        dv, "");
@@ -391,7 +391,7 @@ void run() {
     Tensor dout = b.random(q.shape(), bf);
     Tensor dq = b.empty(q.shape(), bf), dk = b.empty(q.shape(), bf), dv = b.empty(q.shape(), bf);
     b.flops("attention_bwd_d128", 2.5 * fwd, "2.5*fwd",
-            [&] { be.attention_backward(b.ex, q, k, v, out, lse, dout, scale, dq, dk, dv); });
+            [&] { be.attention_backward(b.ex, q, k, v, out, lse, dout, scale, dq, dk, dv, nullptr); });
     attention_variants(b, ctx, {kBatch, kSeq, heads, heads, dh}, fwd, q, k, v, out, lse, dout, dq, dk, dv,
                        "_d128");
   }

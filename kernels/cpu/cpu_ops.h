@@ -86,9 +86,10 @@ void softmax_backward(const Exec& ex, const Tensor& y, const Tensor& dy, Tensor&
 // ---- attention.cc ---------------------------------------------------------------------
 void attention_forward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, float scale,
                        Tensor& out, Tensor& lse);
+// rope (null: none): rope_backward applied to dq and dk after.
 void attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                         const Tensor& lse, const Tensor& dout, float scale, Tensor& dq, Tensor& dk,
-                        Tensor& dv);
+                        Tensor& dv, const RopeArgs* rope);
 
 // ---- moe.cc (router, dispatch plan, permutation) --------------------------------------
 void router_forward(const Exec& ex, const Tensor& logits, const Tensor* bias, const RouterConfig& cfg,

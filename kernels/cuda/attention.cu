@@ -23,9 +23,11 @@ namespace troupe::kernels::gpu {
 bool attention_mma_supported(const AttentionShape& s, DType t, std::initializer_list<const void*> ptrs);
 void launch_attention_forward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                   const void* v, float scale, void* out, float* lse, int variant);
-void launch_attention_backward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
+// Returns whether dq and dk were rotated back by the kernels (rope given, fused Hopper path).
+bool launch_attention_backward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                    const void* v, const void* out, const float* lse, const void* dout,
-                                   float scale, void* dq, void* dk, void* dv, void* scratch, int variant);
+                                   float scale, void* dq, void* dk, void* dv, void* scratch, int variant,
+                                   const AttentionRope* rope);
 
 namespace {
 
@@ -326,19 +328,43 @@ size_t attention_dsum_floats(const AttentionShape& s) {
   return static_cast<size_t>(ceil_div(s.batch * s.q_heads * s.seq, 64) * 64);  // 256-byte multiple
 }
 
-size_t attention_backward_scratch_bytes(const AttentionShape& s, bool fused_dq) {
-  // The Hopper backward at head dim 64 also adds dQ into an f32 buffer after D.
-  const bool fused = fused_dq && s.head_dim == 64 && attention_hopper_available(s);
-  return attention_dsum_floats(s) * sizeof(float) + (fused ? attention_fused_dq_bytes(s) : 0);
+namespace {
+bool fused_hopper_backward(const AttentionShape& s, bool fused_dq) {
+  return fused_dq && s.head_dim == 64 && attention_hopper_available(s);
+}
+}  // namespace
+
+size_t attention_rope_bytes(const AttentionShape& s, bool fused_dq) {
+  return fused_hopper_backward(s, fused_dq)
+             ? static_cast<size_t>(s.batch * s.seq * (s.head_dim / 2)) * sizeof(float2)
+             : 0;
+}
+
+size_t attention_backward_scratch_bytes(const AttentionShape& s, bool fused_dq, bool rope) {
+  // The Hopper backward at head dim 64 also adds dQ into an f32 buffer after D (and with
+  // rope reads its rotation table after that).
+  const bool fused = fused_hopper_backward(s, fused_dq);
+  return attention_dsum_floats(s) * sizeof(float) + (fused ? attention_fused_dq_bytes(s) : 0) +
+         (rope ? attention_rope_bytes(s, fused_dq) : 0);
 }
 
 void launch_attention_backward(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                const void* v, const void* out, const float* lse, const void* dout,
-                               float scale, void* dq, void* dk, void* dv, DType t, void* scratch,
-                               int variant) {
+                               float scale, void* dq, void* dk, void* dv, DType t, void* scratch, int variant,
+                               const AttentionRope* rope) {
   if (s.batch * s.seq * s.q_heads == 0) return;
+  // Where the kernels did not rotate dq and dk back themselves: launch_rope, inverse.
+  const auto rope_after = [&] {
+    if (rope == nullptr) return;
+    const int64_t tokens = s.batch * s.seq;
+    launch_rope(env, dq, rope->pos, rope->theta, tokens, s.q_heads, s.head_dim, dq, t, /*inverse=*/true);
+    launch_rope(env, dk, rope->pos, rope->theta, tokens, s.kv_heads, s.head_dim, dk, t, /*inverse=*/true);
+  };
   if (attention_mma_supported(s, t, {q, k, v, out, dout, dq, dk, dv})) {
-    launch_attention_backward_mma(env, s, q, k, v, out, lse, dout, scale, dq, dk, dv, scratch, variant);
+    if (!launch_attention_backward_mma(env, s, q, k, v, out, lse, dout, scale, dq, dk, dv, scratch, variant,
+                                       rope)) {
+      rope_after();
+    }
     return;
   }
   float* dsum = static_cast<float*>(scratch);
@@ -359,6 +385,7 @@ void launch_attention_backward(const Env& env, const AttentionShape& s, const vo
     });
   });
   TROUPE_CUDA_LAUNCH_CHECK();
+  rope_after();
 }
 
 }  // namespace troupe::kernels::gpu

@@ -268,6 +268,36 @@ __device__ __forceinline__ void store_rows(bf16* base, const float (&acc)[kD / 2
   }
 }
 
+// store_rows (one multiplier) with the inverse rotary embedding folded in: cs holds each
+// token's (cos, -sin) per frequency ([B*S][kD / 2], launch_rope_table), and the thread's
+// columns c < kD / 2 (j < kD / 16) pair with c + kD / 2 (j + kD / 16), as rope_backward
+// pairs them; the rotation runs on the f32 values, rounded once.
+template <int kD>
+__device__ __forceinline__ void store_rows_rope(bf16* base, const float (&acc)[kD / 2], float mul, int64_t b,
+                                                int64_t row0, int64_t h, int64_t seq, int64_t heads,
+                                                const float2* cs) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  constexpr int kHalfJ = kD / 16;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = row0 + g + 8 * half;
+    if (row >= seq) continue;
+    const int64_t token = b * seq + row;
+    bf16* p = base + (token * heads + h) * kD + 2 * t;
+    const float4* c4 = reinterpret_cast<const float4*>(cs + token * (kD / 2) + 2 * t);
+#pragma unroll
+    for (int j = 0; j < kHalfJ; ++j) {
+      const float4 c = __ldg(c4 + 4 * j);  // (cos, -sin) of frequencies 8j + 2t, + 1
+      const float x1a = acc[4 * j + 2 * half] * mul, x1b = acc[4 * j + 2 * half + 1] * mul;
+      const float x2a = acc[4 * (j + kHalfJ) + 2 * half] * mul,
+                  x2b = acc[4 * (j + kHalfJ) + 2 * half + 1] * mul;
+      *reinterpret_cast<uint32_t*>(p + j * 8) = pack2(x1a * c.x - x2a * c.y, x1b * c.z - x2b * c.w);
+      *reinterpret_cast<uint32_t*>(p + (j + kHalfJ) * 8) =
+          pack2(x2a * c.x + x1a * c.y, x2b * c.z + x1b * c.w);
+    }
+  }
+}
+
 // The barriers of a kernel: [0] the own tiles' load, then kStages "full", kStages "empty"
 // (kWarps arrivals each: one per consumer warp).
 template <int kStages, int kWarps = 8>
@@ -824,10 +854,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 // other may still read tile i's for its dQ; it cannot reach tile i + 2's before the other
 // has passed barrier 1 of tile i + 1, after its dQ of tile i completed. One reduce of 16 KB
 // per warpgroup and tile: half the L2 reduction traffic of 64-query tiles.
-__global__ void __launch_bounds__(kThreads, 1) attention_bwd_fused_hopper_kernel(
-    const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_do,
-    const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v, AttentionShape s,
-    const float* lse, const float* dsum, float scale, bf16* dk, bf16* dv, float* dq_acc) {
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_bwd_fused_hopper_kernel(const __grid_constant__ CUtensorMap map_q,
+                                      const __grid_constant__ CUtensorMap map_do,
+                                      const __grid_constant__ CUtensorMap map_k,
+                                      const __grid_constant__ CUtensorMap map_v, AttentionShape s,
+                                      const float* lse, const float* dsum, float scale, bf16* dk, bf16* dv,
+                                      float* dq_acc, const float2* rope_cs) {
   pdl_wait();
 #ifdef TROUPE_WGMMA_DEVICE
   using C = FusedBwd;
@@ -1021,7 +1054,11 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_fused_hopper_kernel
     for (int q = 1; q < tail; ++q) tile(first + q, std::false_type{});
     for (int q = tail; q < per_head; ++q) tile(first + q, std::true_type{});
   }
-  store_rows<kD>(dk, dka, scale, scale, b, wg_first + warp * 16, hk, seq, s.kv_heads);
+  if (rope_cs != nullptr) {
+    store_rows_rope<kD>(dk, dka, scale, b, wg_first + warp * 16, hk, seq, s.kv_heads, rope_cs);
+  } else {
+    store_rows<kD>(dk, dka, scale, scale, b, wg_first + warp * 16, hk, seq, s.kv_heads);
+  }
   store_rows<kD>(dv, dva, 1.0f, 1.0f, b, wg_first + warp * 16, hk, seq, s.kv_heads);
 #else
   (void)map_q;
@@ -1035,6 +1072,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_fused_hopper_kernel
   (void)dk;
   (void)dv;
   (void)dq_acc;
+  (void)rope_cs;
   __trap();
 #endif
 }
@@ -1043,10 +1081,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_bwd_fused_hopper_kernel
 // hold the fused kernel's dQ fragments in halves of 64 queries (within a half, float4
 // j * 128 + t: warp t / 32's rows g and g + 8, columns 8j + 2(t % 4), +1, with g = t % 32 /
 // 4). grid: one block of 256 threads per block of dq_acc (blockDim must be 256); the
-// fragments go through shared memory so that dq is written in whole rows.
+// fragments go through shared memory so that dq is written in whole rows. rope_cs (null:
+// none): each token's (cos, -sin) per frequency ([B*S][kD / 2]), the inverse rotary
+// embedding applied to the f32 values before their one rounding (columns c and c + kD / 2
+// by one thread).
 template <int kD, int kN>
 __global__ void __launch_bounds__(256)
-    attention_dq_convert_kernel(AttentionShape s, const float* dq_acc, float scale, bf16* dq) {
+    attention_dq_convert_kernel(AttentionShape s, const float* dq_acc, float scale, bf16* dq,
+                                const float2* rope_cs) {
   pdl_wait();
   constexpr int kPad = kD + 4;        // row stride in floats: 16-byte aligned, rows on different banks
   constexpr int kHalf = 64 * kD / 4;  // float4s of one 64-query half
@@ -1072,6 +1114,31 @@ __global__ void __launch_bounds__(256)
     tile[(row + 8) * kPad + col + 1] = v[n].w;
   }
   __syncthreads();
+  if (rope_cs != nullptr) {
+    constexpr int kChunks = kD / 16;  // 8-column chunks of the first half
+    for (int u = threadIdx.x; u < kN * kChunks; u += blockDim.x) {
+      const int row = u / kChunks, col = 8 * (u % kChunks);
+      const int64_t q = int64_t{qt} * kN + row;
+      if (q >= s.seq) continue;
+      const int64_t token = b * s.seq + q;
+      const float4* c4 = reinterpret_cast<const float4*>(rope_cs + token * (kD / 2) + col);
+      const float* x1 = &tile[row * kPad + col];
+      const float* x2 = x1 + kD / 2;
+      uint32_t o1[4], o2[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // frequencies col + 2i, + 1
+        const float4 c = __ldg(c4 + i);
+        const float a1 = x1[2 * i] * scale, b1 = x1[2 * i + 1] * scale;
+        const float a2 = x2[2 * i] * scale, b2 = x2[2 * i + 1] * scale;
+        o1[i] = pack2(a1 * c.x - a2 * c.y, b1 * c.z - b2 * c.w);
+        o2[i] = pack2(a2 * c.x + a1 * c.y, b2 * c.z + b1 * c.w);
+      }
+      bf16* out = dq + (token * s.q_heads + h) * kD + col;
+      *reinterpret_cast<uint4*>(out) = make_uint4(o1[0], o1[1], o1[2], o1[3]);
+      *reinterpret_cast<uint4*>(out + kD / 2) = make_uint4(o2[0], o2[1], o2[2], o2[3]);
+    }
+    return;
+  }
   for (int u = threadIdx.x; u < kN * kD / 8; u += blockDim.x) {
     const int row = u / (kD / 8), col = 8 * (u % (kD / 8));
     const int64_t q = int64_t{qt} * kN + row;
@@ -1159,10 +1226,10 @@ size_t attention_fused_dq_bytes(const AttentionShape& s) {
   return static_cast<size_t>(s.batch * s.q_heads * ceil_div(s.seq, kN) * kN * s.head_dim) * sizeof(float);
 }
 
-void launch_attention_backward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,
+bool launch_attention_backward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                       const void* v, const void* out, const float* lse, const void* dout,
-                                      float scale, void* dq, void* dk, void* dv, void* scratch,
-                                      bool fused_dq) {
+                                      float scale, void* dq, void* dk, void* dv, void* scratch, bool fused_dq,
+                                      const AttentionRope* rope) {
   float* dsum = static_cast<float*>(scratch);
   launch_attention_rowdot(env, s, out, dout, dsum, DType::kBF16);
   const CUtensorMap mk = head_map(k, s, s.kv_heads, kBlockRows), mv = head_map(v, s, s.kv_heads, kBlockRows);
@@ -1171,17 +1238,22 @@ void launch_attention_backward_hopper(const Env& env, const AttentionShape& s, c
     constexpr int kN = C::kStream;
     const CUtensorMap mq = head_map(q, s, s.q_heads, kN), mdo = head_map(dout, s, s.q_heads, kN);
     float* acc = dsum + attention_dsum_floats(s);
+    float2* cs = nullptr;
+    if (rope != nullptr) {  // the rotation table after dQ's accumulator (attention_rope_bytes)
+      cs = reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(acc) + attention_fused_dq_bytes(s));
+      launch_rope_table(env, rope->pos, rope->theta, s.batch * s.seq, s.head_dim, cs);
+    }
     CUDA_CHECK(cudaMemsetAsync(acc, 0, attention_fused_dq_bytes(s), env.stream));
     auto kernel = attention_bwd_fused_hopper_kernel;
     allow_smem(kernel, C::S::kBytes);
     launch(env, kernel, block_grid(s, s.kv_heads), kThreads, C::S::kBytes, mq, mdo, mk, mv, s, lse, dsum,
-           scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv), acc);
+           scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv), acc, static_cast<const float2*>(cs));
     TROUPE_CUDA_LAUNCH_CHECK();
     const int64_t blocks = s.batch * s.q_heads * ceil_div(s.seq, int64_t{kN});
     launch(env, attention_dq_convert_kernel<64, kN>, dim3(static_cast<unsigned>(blocks)), 256, 0, s,
-           static_cast<const float*>(acc), scale, static_cast<bf16*>(dq));
+           static_cast<const float*>(acc), scale, static_cast<bf16*>(dq), static_cast<const float2*>(cs));
     TROUPE_CUDA_LAUNCH_CHECK();
-    return;
+    return rope != nullptr;
   }
   dispatch_head_dim(s.head_dim, [&](auto d) {
     using L = typename BwdCfg<d()>::S;
@@ -1205,6 +1277,7 @@ void launch_attention_backward_hopper(const Env& env, const AttentionShape& s, c
     }
   });
   TROUPE_CUDA_LAUNCH_CHECK();
+  return false;
 }
 
 }  // namespace troupe::kernels::gpu

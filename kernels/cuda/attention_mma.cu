@@ -24,10 +24,11 @@ void launch_attention_rowdot(const Env& env, const AttentionShape& s, const void
 // attention_hopper.cu: the sm_90a kernels.
 void launch_attention_forward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                      const void* v, float scale, void* out, float* lse, bool two_warpgroups);
-void launch_attention_backward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,
+// Returns whether dq and dk were rotated back (rope given and the fused kernel ran).
+bool launch_attention_backward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                       const void* v, const void* out, const float* lse, const void* dout,
-                                      float scale, void* dq, void* dk, void* dv, void* scratch,
-                                      bool fused_dq);
+                                      float scale, void* dq, void* dk, void* dv, void* scratch, bool fused_dq,
+                                      const AttentionRope* rope);
 
 namespace {
 
@@ -485,14 +486,15 @@ void launch_attention_forward_mma(const Env& env, const AttentionShape& s, const
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
-void launch_attention_backward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
+bool launch_attention_backward_mma(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                    const void* v, const void* out, const float* lse, const void* dout,
-                                   float scale, void* dq, void* dk, void* dv, void* scratch, int variant) {
+                                   float scale, void* dq, void* dk, void* dv, void* scratch, int variant,
+                                   const AttentionRope* rope) {
   if (use_hopper(s, variant)) {
     const bool split =
         variant == kAttentionHopperSplitDq || (variant == kAttentionAuto && !env.attention_fused_dq);
-    launch_attention_backward_hopper(env, s, q, k, v, out, lse, dout, scale, dq, dk, dv, scratch, !split);
-    return;
+    return launch_attention_backward_hopper(env, s, q, k, v, out, lse, dout, scale, dq, dk, dv, scratch,
+                                            !split, rope);
   }
   const int warps = mma_warps(variant);
   float* dsum = static_cast<float*>(scratch);
@@ -511,6 +513,7 @@ void launch_attention_backward_mma(const Env& env, const AttentionShape& s, cons
     });
   });
   TROUPE_CUDA_LAUNCH_CHECK();
+  return false;
 }
 
 }  // namespace troupe::kernels::gpu

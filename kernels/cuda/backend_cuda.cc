@@ -320,7 +320,7 @@ void cuda_attention_forward(const Exec& ex, const Tensor& q, const Tensor& k, co
 
 void cuda_attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor& out, const Tensor& lse, const Tensor& dout, float scale,
-                             Tensor& dq, Tensor& dk, Tensor& dv) {
+                             Tensor& dq, Tensor& dk, Tensor& dv, const RopeArgs* rope) {
   const char* op = "attention_backward";
   OpScope s(ex, op);
   for (auto [t, name] : {std::pair{&q, "q"},
@@ -337,10 +337,17 @@ void cuda_attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, c
   require(lse, op, "lse");
   require_dtype(lse, DType::kF32, op, "lse");
   const gpu::AttentionShape shape = attention_shape(q, k);
-  Scratch scratch(s.ctx, gpu::attention_backward_scratch_bytes(shape, s.env.attention_fused_dq));
+  gpu::AttentionRope rope_args;
+  if (rope != nullptr) {
+    require(*rope->pos, op, "rope_pos");
+    rope_args = {i32(*rope->pos), rope->theta};
+  }
+  Scratch scratch(s.ctx,
+                  gpu::attention_backward_scratch_bytes(shape, s.env.attention_fused_dq, rope != nullptr));
   gpu::launch_attention_backward(s.env, shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                  f32(lse), dout.data_ptr(), scale, dq.data_ptr(), dk.data_ptr(),
-                                 dv.data_ptr(), q.dtype(), scratch.get());
+                                 dv.data_ptr(), q.dtype(), scratch.get(), gpu::kAttentionAuto,
+                                 rope != nullptr ? &rope_args : nullptr);
 }
 
 // ---- softmax -------------------------------------------------------------------------

@@ -196,12 +196,27 @@ void launch_attention_forward(const Env& env, const AttentionShape& s, const voi
 // attention_dsum_floats(s) floats), then, for the Hopper kernels at head dim 64, dQ's f32
 // accumulator (attention_fused_dq_bytes(s)).
 // fused_dq = false: for the default variant with !env.attention_fused_dq only (no dQ buffer).
-size_t attention_backward_scratch_bytes(const AttentionShape& s, bool fused_dq = true);
+// rope: room for the rotation table the fused Hopper backward reads (attention_rope_bytes).
+size_t attention_backward_scratch_bytes(const AttentionShape& s, bool fused_dq = true, bool rope = false);
 size_t attention_dsum_floats(const AttentionShape& s);
 size_t attention_fused_dq_bytes(const AttentionShape& s);
+// The rotary embedding of q and k (ops.h RopeArgs): pos i32 [B*S] on the device.
+struct AttentionRope {
+  const int32_t* pos = nullptr;
+  float theta = 10000.0f;
+};
+// The (cos, -sin) table of the inverse rotation, [B*S][head_dim / 2] float2, at the end of
+// the scratch of a backward with rope on the fused Hopper kernel (0 bytes elsewhere).
+size_t attention_rope_bytes(const AttentionShape& s, bool fused_dq);
+// rope (null: none): dq and dk come back rotated back (rope_backward applied): in the fused
+// Hopper kernel's dK stores and dQ conversion at head dim 64, by launch_rope elsewhere.
 void launch_attention_backward(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                const void* v, const void* out, const float* lse, const void* dout,
                                float scale, void* dq, void* dk, void* dv, DType t, void* scratch,
-                               int variant = kAttentionAuto);
+                               int variant = kAttentionAuto, const AttentionRope* rope = nullptr);
+// The inverse rotation's (cos, -sin) of each token and frequency, as rope_backward computes
+// them (double precision), into cs [tokens][head_dim / 2] (rows.cu).
+void launch_rope_table(const Env& env, const int32_t* pos, float theta, int64_t tokens, int64_t head_dim,
+                       float2* cs);
 
 }  // namespace troupe::kernels::gpu

@@ -395,7 +395,23 @@ __global__ void __launch_bounds__(256)
     }
   }
 }
+// The (cos, sin) table itself, kRopeVecTokens tokens a block (attention_backward's rope).
+__global__ void __launch_bounds__(256) rope_table_kernel(const int32_t* pos, double log_theta, int64_t tokens,
+                                                         int head_dim, bool inverse, float2* cs) {
+  pdl_wait();
+  const int64_t t0 = int64_t{blockIdx.x} * kRopeVecTokens;
+  const int n_tok = static_cast<int>(tokens - t0 < kRopeVecTokens ? tokens - t0 : kRopeVecTokens);
+  rope_angles(pos, log_theta, t0, n_tok, head_dim, inverse, cs + t0 * (head_dim / 2));
+}
 }  // namespace
+
+void launch_rope_table(const Env& env, const int32_t* pos, float theta, int64_t tokens, int64_t head_dim,
+                       float2* cs) {
+  if (tokens == 0 || head_dim < 2) return;
+  launch(env, rope_table_kernel, static_cast<unsigned>(ceil_div(tokens, int64_t{kRopeVecTokens})), 256, 0,
+         pos, std::log(static_cast<double>(theta)), tokens, static_cast<int>(head_dim), /*inverse=*/true, cs);
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
 
 void launch_rope(const Env& env, const void* x, const int32_t* pos, float theta, int64_t tokens,
                  int64_t heads, int64_t head_dim, void* out, DType t, bool inverse) {

@@ -390,6 +390,41 @@ TEST_F(CudaBf16, Attention) {
         expect_close(gkv, gk_w, 2e-2, ("attention_backward dk" + tag).c_str());
         expect_close(gvv, gv_w, 2e-2, ("attention_backward dv" + tag).c_str());
       }
+      // With the RoPE that made q and k undone in the backward (RopeArgs): the fused Hopper
+      // kernel at dh 64 rotates dK in its stores and dQ in its conversion (rotation table at
+      // the scratch's end), the other kernels run rope_backward after. Positions out of
+      // order, some past the sequence (a sequence shard's).
+      std::vector<int32_t> pos(static_cast<size_t>(b * s));
+      for (size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<int32_t>((i * 37) % 3001);
+      const Tensor pos_h = Tensor::from_ints({b * s}, pos), pos_d = dev(pos_h);
+      const RopeArgs rope_h{&pos_h, 500.0f}, rope_d{&pos_d, 500.0f};
+      Tensor rq_w = host_poisoned(q.shape(), kBF), rk_w = host_poisoned(k.shape(), kBF);
+      Tensor rv_w = host_poisoned(v.shape(), kBF);
+      attention_backward(cpu, q, k, v, out_w, lse_w, dout, scale, rq_w, rk_w, rv_w, &rope_h);
+      Tensor rq = dev_poisoned(q.shape(), kBF), rk = dev_poisoned(k.shape(), kBF),
+             rv = dev_poisoned(v.shape(), kBF);
+      attention_backward(gpu.ex, dq_, dk_, dv_, dev(out_w), dev(lse_w), dev(dout), scale, rq, rk, rv,
+                         &rope_d);
+      expect_close(rq, rq_w, 2e-2, ("attention_backward rope dq" + at).c_str());
+      expect_close(rk, rk_w, 2e-2, ("attention_backward rope dk" + at).c_str());
+      expect_close(rv, rv_w, 2e-2, ("attention_backward rope dv" + at).c_str());
+      const gpu::AttentionRope rope_g{static_cast<const int32_t*>(pos_d.data_ptr()), 500.0f};
+      for (int variant : variants) {
+        const std::string tag = fmt::format(" (rope, variant {}, dh {} s {})", variant, dh, s);
+        const int64_t scratch_floats =
+            static_cast<int64_t>(gpu::attention_backward_scratch_bytes(shape, true, true) / 4) + 1;
+        Tensor scratch = dev_poisoned({scratch_floats}, kF32);
+        Tensor gqv = dev_poisoned(q.shape(), kBF), gkv = dev_poisoned(k.shape(), kBF);
+        Tensor gvv = dev_poisoned(v.shape(), kBF);
+        Tensor lse_d = dev(lse_w), out_d = dev(out_w), dout_d = dev(dout);
+        gpu::launch_attention_backward(env, shape, dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(),
+                                       out_d.data_ptr(), static_cast<const float*>(lse_d.data_ptr()),
+                                       dout_d.data_ptr(), scale, gqv.data_ptr(), gkv.data_ptr(),
+                                       gvv.data_ptr(), kBF, scratch.data_ptr(), variant, &rope_g);
+        expect_close(gqv, rq_w, 2e-2, ("attention_backward dq" + tag).c_str());
+        expect_close(gkv, rk_w, 2e-2, ("attention_backward dk" + tag).c_str());
+        expect_close(gvv, rv_w, 2e-2, ("attention_backward dv" + tag).c_str());
+      }
     }
   }
 }

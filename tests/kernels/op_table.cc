@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cmath>
 #include <cstring>
@@ -948,10 +949,66 @@ void add_swiglu_cases(std::vector<OpCase>& cases, Rng& rng) {
 
 // ---- attention -------------------------------------------------------------------------
 
+struct AttentionSpec {
+  int64_t b, s, hq, hkv, dh;
+};
+
+// The double-precision causal attention of q [B,S,Hq,Dh], k, v [B,S,Hkv,Dh]: out and lse.
+HostTensors reference_attention(const AttentionSpec& sp, const Shape& qs, const Shape& ls, double scale,
+                                const std::array<const HostTensor*, 3>& qkv) {
+  const HostTensors in = {*qkv[0], *qkv[1], *qkv[2]};
+  HostTensor out = HostTensor::zeros(qs), lse = HostTensor::zeros(ls);
+  const int64_t group = sp.hq / sp.hkv;
+  std::vector<double> p(static_cast<size_t>(sp.s));
+  for (int64_t b = 0; b < sp.b; ++b) {
+    for (int64_t h = 0; h < sp.hq; ++h) {
+      const int64_t hk = h / group;
+      for (int64_t i = 0; i < sp.s; ++i) {
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j <= i; ++j) {
+          double dot = 0.0;
+          for (int64_t d = 0; d < sp.dh; ++d)
+            dot += in[0][((b * sp.s + i) * sp.hq + h) * sp.dh + d] *
+                   in[1][((b * sp.s + j) * sp.hkv + hk) * sp.dh + d];
+          p[j] = dot * scale;
+          mx = std::max(mx, p[j]);
+        }
+        double z = 0.0;
+        for (int64_t j = 0; j <= i; ++j) z += std::exp(p[j] - mx);
+        lse[(b * sp.hq + h) * sp.s + i] = mx + std::log(z);
+        for (int64_t d = 0; d < sp.dh; ++d) {
+          double acc = 0.0;
+          for (int64_t j = 0; j <= i; ++j)
+            acc += std::exp(p[j] - mx) / z * in[2][((b * sp.s + j) * sp.hkv + hk) * sp.dh + d];
+          out[((b * sp.s + i) * sp.hq + h) * sp.dh + d] = acc;
+        }
+      }
+    }
+  }
+  return HostTensors{out, lse};
+}
+
+// rope_forward of x [T, H, Dh] at positions pos [T], in double precision.
+HostTensor reference_rope(const HostTensor& x, const HostTensor& pos, double theta) {
+  HostTensor out = HostTensor::zeros(x.shape);
+  const int64_t heads = x.shape[1], dh = x.shape[2], half = dh / 2;
+  for (int64_t t = 0; t < x.shape[0]; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t base = (t * heads + h) * dh;
+      for (int64_t i = 0; i < half; ++i) {
+        const double angle =
+            pos[t] * std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(dh));
+        const double x0 = x[base + i], x1 = x[base + i + half];
+        out[base + i] = x0 * std::cos(angle) - x1 * std::sin(angle);
+        out[base + i + half] = x0 * std::sin(angle) + x1 * std::cos(angle);
+      }
+    }
+  }
+  return out;
+}
+
 void add_attention_cases(std::vector<OpCase>& cases, Rng& rng) {
-  struct Spec {
-    int64_t b, s, hq, hkv, dh;
-  };
+  using Spec = AttentionSpec;
   for (Spec sp : {Spec{2, 5, 4, 2, 8}, Spec{1, 7, 2, 2, 4}, Spec{1, 6, 3, 1, 4}, Spec{1, 1, 1, 1, 2}}) {
     const Shape qs{sp.b, sp.s, sp.hq, sp.dh}, ks{sp.b, sp.s, sp.hkv, sp.dh}, ls{sp.b, sp.hq, sp.s};
     const float scale = 1.0f / std::sqrt(static_cast<float>(sp.dh));
@@ -965,35 +1022,7 @@ void add_attention_cases(std::vector<OpCase>& cases, Rng& rng) {
       return HostTensors{dev.download(out), dev.download(lse)};
     };
     c.reference = [sp, qs, ls, scale](const HostTensors& in) {
-      HostTensor out = HostTensor::zeros(qs), lse = HostTensor::zeros(ls);
-      const int64_t group = sp.hq / sp.hkv;
-      std::vector<double> p(static_cast<size_t>(sp.s));
-      for (int64_t b = 0; b < sp.b; ++b) {
-        for (int64_t h = 0; h < sp.hq; ++h) {
-          const int64_t hk = h / group;
-          for (int64_t i = 0; i < sp.s; ++i) {
-            double mx = -std::numeric_limits<double>::infinity();
-            for (int64_t j = 0; j <= i; ++j) {
-              double dot = 0.0;
-              for (int64_t d = 0; d < sp.dh; ++d)
-                dot += in[0][((b * sp.s + i) * sp.hq + h) * sp.dh + d] *
-                       in[1][((b * sp.s + j) * sp.hkv + hk) * sp.dh + d];
-              p[j] = dot * scale;
-              mx = std::max(mx, p[j]);
-            }
-            double z = 0.0;
-            for (int64_t j = 0; j <= i; ++j) z += std::exp(p[j] - mx);
-            lse[(b * sp.hq + h) * sp.s + i] = mx + std::log(z);
-            for (int64_t d = 0; d < sp.dh; ++d) {
-              double acc = 0.0;
-              for (int64_t j = 0; j <= i; ++j)
-                acc += std::exp(p[j] - mx) / z * in[2][((b * sp.s + j) * sp.hkv + hk) * sp.dh + d];
-              out[((b * sp.s + i) * sp.hq + h) * sp.dh + d] = acc;
-            }
-          }
-        }
-      }
-      return HostTensors{out, lse};
+      return reference_attention(sp, qs, ls, scale, {&in[0], &in[1], &in[2]});
     };
     c.grad_inputs = {0, 1, 2};
     c.loss_outputs = {0};
@@ -1002,6 +1031,51 @@ void add_attention_cases(std::vector<OpCase>& cases, Rng& rng) {
       attention_forward(dev.exec(), in[0], in[1], in[2], scale, out, lse);
       Tensor dq = dev.poisoned(qs), dk = dev.poisoned(ks), dv = dev.poisoned(ks);
       attention_backward(dev.exec(), in[0], in[1], in[2], out, lse, douts[0], scale, dq, dk, dv);
+      return HostTensors{dev.download(dq), dev.download(dk), dev.download(dv)};
+    };
+    cases.push_back(std::move(c));
+  }  // attention_backward with the RoPE that made q and k (RopeArgs): the gradients of the
+  // unrotated q and k, against finite differences of rope_forward -> attention_forward.
+  // Positions not in order and past the sequence (a shard's), theta not the default.
+  for (Spec sp : {Spec{2, 5, 4, 2, 8}, Spec{1, 6, 3, 1, 4}}) {
+    const Shape qs{sp.b, sp.s, sp.hq, sp.dh}, ks{sp.b, sp.s, sp.hkv, sp.dh}, ls{sp.b, sp.hq, sp.s};
+    const float scale = 1.0f / std::sqrt(static_cast<float>(sp.dh)), theta = 500.0f;
+    const int64_t tokens = sp.b * sp.s;
+    OpCase c;
+    c.name = fmt::format("attention_rope/b{}s{}hq{}hkv{}dh{}", sp.b, sp.s, sp.hq, sp.hkv, sp.dh);
+    c.ops = {"attention_backward"};
+    c.inputs = {rng.uniform(qs, -2.0, 2.0), rng.uniform(ks, -2.0, 2.0), rng.uniform(ks),
+                rng.ints({tokens}, 0, 3000)};
+    const auto rotated = [sp, tokens, theta](TestDevice& dev, const Tensors& in, Tensor& q, Tensor& k) {
+      q = dev.poisoned({sp.b, sp.s, sp.hq, sp.dh});
+      k = dev.poisoned({sp.b, sp.s, sp.hkv, sp.dh});
+      Tensor q3 = q.view({tokens, sp.hq, sp.dh}), k3 = k.view({tokens, sp.hkv, sp.dh});
+      rope_forward(dev.exec(), in[0].view({tokens, sp.hq, sp.dh}), in[3], theta, q3);
+      rope_forward(dev.exec(), in[1].view({tokens, sp.hkv, sp.dh}), in[3], theta, k3);
+    };
+    c.forward = [qs, ls, scale, rotated](TestDevice& dev, const Tensors& in) {
+      Tensor q, k, out = dev.poisoned(qs), lse = dev.poisoned(ls, DType::kF32);
+      rotated(dev, in, q, k);
+      attention_forward(dev.exec(), q, k, in[2], scale, out, lse);
+      return HostTensors{dev.download(out), dev.download(lse)};
+    };
+    c.reference = [sp, qs, ls, scale, theta, tokens](const HostTensors& in) {
+      HostTensor q = in[0], k = in[1];
+      q.shape = {tokens, sp.hq, sp.dh};
+      k.shape = {tokens, sp.hkv, sp.dh};
+      HostTensor qr = reference_rope(q, in[3], theta), kr = reference_rope(k, in[3], theta);
+      return reference_attention(sp, qs, ls, scale, {&qr, &kr, &in[2]});
+    };
+    c.grad_inputs = {0, 1, 2};
+    c.loss_outputs = {0};
+    c.backward = [qs, ks, ls, scale, theta, rotated](TestDevice& dev, const Tensors& in,
+                                                     const Tensors& douts) {
+      Tensor q, k, out = dev.poisoned(qs), lse = dev.poisoned(ls, DType::kF32);
+      rotated(dev, in, q, k);
+      attention_forward(dev.exec(), q, k, in[2], scale, out, lse);
+      Tensor dq = dev.poisoned(qs), dk = dev.poisoned(ks), dv = dev.poisoned(ks);
+      const RopeArgs rope{&in[3], theta};
+      attention_backward(dev.exec(), q, k, in[2], out, lse, douts[0], scale, dq, dk, dv, &rope);
       return HostTensors{dev.download(dq), dev.download(dk), dev.download(dv)};
     };
     cases.push_back(std::move(c));
