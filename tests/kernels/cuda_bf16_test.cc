@@ -369,15 +369,12 @@ TEST_F(CudaBf16, Attention) {
         variants.push_back(gpu::kAttentionHopperSplitDq);
         variants.push_back(gpu::kAttentionHopperFwd2);  // at dh 64 a two-warpgroup forward
       }
-      for (int variant : variants) {
-        const std::string tag = fmt::format(" (variant {}, dh {} s {})", variant, dh, s);
-        Tensor out_v = dev_poisoned({b, s, hq, dh}, kBF), lse_v = dev_poisoned({b, hq, s}, kF32);
-        gpu::launch_attention_forward(env, shape, dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(), scale,
-                                      out_v.data_ptr(), static_cast<float*>(lse_v.data_ptr()), kBF, variant);
-        expect_close(out_v, out_w, kTol, ("attention_forward out" + tag).c_str());
-        expect_close(lse_v, lse_w, 1e-4, ("attention_forward lse" + tag).c_str());
+      // One variant's backward through its launcher (rope: null or undone in it) against the
+      // CPU's gradients.
+      const auto backward_variant = [&](int variant, const gpu::AttentionRope* rope, const Tensor& want_q,
+                                        const Tensor& want_k, const Tensor& want_v, const std::string& tag) {
         const int64_t scratch_floats =
-            static_cast<int64_t>(gpu::attention_backward_scratch_bytes(shape) / 4) + 1;
+            static_cast<int64_t>(gpu::attention_backward_scratch_bytes(shape, true, rope != nullptr) / 4) + 1;
         Tensor scratch = dev_poisoned({scratch_floats}, kF32);
         Tensor gqv = dev_poisoned(q.shape(), kBF), gkv = dev_poisoned(k.shape(), kBF);
         Tensor gvv = dev_poisoned(v.shape(), kBF);
@@ -385,10 +382,19 @@ TEST_F(CudaBf16, Attention) {
         gpu::launch_attention_backward(env, shape, dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(),
                                        out_d.data_ptr(), static_cast<const float*>(lse_d.data_ptr()),
                                        dout_d.data_ptr(), scale, gqv.data_ptr(), gkv.data_ptr(),
-                                       gvv.data_ptr(), kBF, scratch.data_ptr(), variant);
-        expect_close(gqv, gq_w, 2e-2, ("attention_backward dq" + tag).c_str());
-        expect_close(gkv, gk_w, 2e-2, ("attention_backward dk" + tag).c_str());
-        expect_close(gvv, gv_w, 2e-2, ("attention_backward dv" + tag).c_str());
+                                       gvv.data_ptr(), kBF, scratch.data_ptr(), variant, rope);
+        expect_close(gqv, want_q, 2e-2, ("attention_backward dq" + tag).c_str());
+        expect_close(gkv, want_k, 2e-2, ("attention_backward dk" + tag).c_str());
+        expect_close(gvv, want_v, 2e-2, ("attention_backward dv" + tag).c_str());
+      };
+      for (int variant : variants) {
+        const std::string tag = fmt::format(" (variant {}, dh {} s {})", variant, dh, s);
+        Tensor out_v = dev_poisoned({b, s, hq, dh}, kBF), lse_v = dev_poisoned({b, hq, s}, kF32);
+        gpu::launch_attention_forward(env, shape, dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(), scale,
+                                      out_v.data_ptr(), static_cast<float*>(lse_v.data_ptr()), kBF, variant);
+        expect_close(out_v, out_w, kTol, ("attention_forward out" + tag).c_str());
+        expect_close(lse_v, lse_w, 1e-4, ("attention_forward lse" + tag).c_str());
+        backward_variant(variant, nullptr, gq_w, gk_w, gv_w, tag);
       }
       // With the RoPE that made q and k undone in the backward (RopeArgs): the fused Hopper
       // kernel at dh 64 rotates dK in its stores and dQ in its conversion (rotation table at
@@ -410,20 +416,8 @@ TEST_F(CudaBf16, Attention) {
       expect_close(rv, rv_w, 2e-2, ("attention_backward rope dv" + at).c_str());
       const gpu::AttentionRope rope_g{static_cast<const int32_t*>(pos_d.data_ptr()), 500.0f};
       for (int variant : variants) {
-        const std::string tag = fmt::format(" (rope, variant {}, dh {} s {})", variant, dh, s);
-        const int64_t scratch_floats =
-            static_cast<int64_t>(gpu::attention_backward_scratch_bytes(shape, true, true) / 4) + 1;
-        Tensor scratch = dev_poisoned({scratch_floats}, kF32);
-        Tensor gqv = dev_poisoned(q.shape(), kBF), gkv = dev_poisoned(k.shape(), kBF);
-        Tensor gvv = dev_poisoned(v.shape(), kBF);
-        Tensor lse_d = dev(lse_w), out_d = dev(out_w), dout_d = dev(dout);
-        gpu::launch_attention_backward(env, shape, dq_.data_ptr(), dk_.data_ptr(), dv_.data_ptr(),
-                                       out_d.data_ptr(), static_cast<const float*>(lse_d.data_ptr()),
-                                       dout_d.data_ptr(), scale, gqv.data_ptr(), gkv.data_ptr(),
-                                       gvv.data_ptr(), kBF, scratch.data_ptr(), variant, &rope_g);
-        expect_close(gqv, rq_w, 2e-2, ("attention_backward dq" + tag).c_str());
-        expect_close(gkv, rk_w, 2e-2, ("attention_backward dk" + tag).c_str());
-        expect_close(gvv, rv_w, 2e-2, ("attention_backward dv" + tag).c_str());
+        backward_variant(variant, &rope_g, rq_w, rk_w, rv_w,
+                         fmt::format(" (rope, variant {}, dh {} s {})", variant, dh, s));
       }
     }
   }
