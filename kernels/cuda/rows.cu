@@ -395,7 +395,8 @@ __global__ void __launch_bounds__(256)
     }
   }
 }
-// The (cos, sin) table itself, kRopeVecTokens tokens a block (attention_backward's rope).
+// rope_angles into a table in global memory (cs [tokens][head_dim / 2]; (cos, -sin) with
+// inverse), kRopeVecTokens tokens a block: attention_backward's rope.
 __global__ void __launch_bounds__(256) rope_table_kernel(const int32_t* pos, double log_theta, int64_t tokens,
                                                          int head_dim, bool inverse, float2* cs) {
   pdl_wait();
