@@ -89,27 +89,10 @@ void attention_forward(const Exec&, const Tensor& q, const Tensor& k, const Tens
 }
 
 namespace {
-void attention_backward_core(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                             const Tensor& lse, const Tensor& dout, float scale, Tensor& dq, Tensor& dk,
-                             Tensor& dv);
-}  // namespace
-
 // With P = exp(scale * q k^T - lse) (causal), D_s = dout_s . out_s:
 //   dv_t += P_st dout_s;  dS_st = P_st (dout_s . v_t - D_s);
 //   dq_s += scale dS_st k_t;  dk_t += scale dS_st q_s.
 // Query heads of one group all add into their shared kv head's dk, dv.
-void attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                        const Tensor& lse, const Tensor& dout, float scale, Tensor& dq, Tensor& dk,
-                        Tensor& dv, const RopeArgs* rope) {
-  attention_backward_core(q, k, v, out, lse, dout, scale, dq, dk, dv);
-  if (rope == nullptr) return;
-  const int64_t tokens = q.size(0) * q.size(1);
-  Tensor dq3 = dq.view({tokens, q.size(2), q.size(3)}), dk3 = dk.view({tokens, k.size(2), k.size(3)});
-  cpu::rope_backward(ex, dq3, *rope->pos, rope->theta, dq3);
-  cpu::rope_backward(ex, dk3, *rope->pos, rope->theta, dk3);
-}
-
-namespace {
 void attention_backward_core(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                              const Tensor& lse, const Tensor& dout, float scale, Tensor& dq, Tensor& dk,
                              Tensor& dv) {
@@ -155,5 +138,17 @@ void attention_backward_core(const Tensor& q, const Tensor& k, const Tensor& v, 
   }
 }
 }  // namespace
+
+// The same, then rope_backward on dq and dk where the RoPE that made q and k is given.
+void attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                        const Tensor& lse, const Tensor& dout, float scale, Tensor& dq, Tensor& dk,
+                        Tensor& dv, const RopeArgs* rope) {
+  attention_backward_core(q, k, v, out, lse, dout, scale, dq, dk, dv);
+  if (rope == nullptr) return;
+  const int64_t tokens = q.size(0) * q.size(1);
+  Tensor dq3 = dq.view({tokens, q.size(2), q.size(3)}), dk3 = dk.view({tokens, k.size(2), k.size(3)});
+  cpu::rope_backward(ex, dq3, *rope->pos, rope->theta, dq3);
+  cpu::rope_backward(ex, dk3, *rope->pos, rope->theta, dk3);
+}
 
 }  // namespace troupe::kernels::cpu
