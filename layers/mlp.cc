@@ -56,6 +56,8 @@ Experts::Experts(int64_t e, int64_t d, int64_t f, bool rc) : recompute(rc) {
   // The dW products write every expert's gradient (zeros where an expert got no rows)
   // when not accumulating: backward takes the flag from accumulate_grad().
   w1.overwrites_grad = w2.overwrites_grad = true;
+  // The grouped dW writes (or adds to) a bf16 gradient as well (train.expert_grads).
+  w1.bf16_grad_ok = w2.bf16_grad_ok = true;
   // A written dW can leave its sum of squares for the gradient norm (Model::enable_grad_norm_fold).
   w1.grad_sum_squares_slots = kernels::grouped_matmul_dw_sum_squares_slots(e, d, 2 * f);
   w2.grad_sum_squares_slots = kernels::grouped_matmul_dw_sum_squares_slots(e, f, d);

@@ -149,17 +149,38 @@ void Model::zero_grad(const Ctx& c) {
       if (!p.param->grad_stale) kernels::fill(c.ex, p.param->grad, 0.0f);
     return;
   }
-  // The flat buffer: one fill per run between stale gradients (padding included).
+  // The flat buffer: one fill per run between stale gradients (padding included); a bf16
+  // gradient (to_device's expert_grads) on its own.
   std::vector<NamedParameter> stale;
-  for (auto& p : params)
-    if (p.param->grad_stale) stale.push_back(p);
+  for (auto& p : params) {
+    if (p.param->grad_stale) {
+      stale.push_back(p);
+    } else if (!in_flat_grads(*p.param)) {
+      kernels::fill(c.ex, p.param->grad, 0.0f);
+    }
+  }
   for (Tensor& run : flat_runs_outside(stale)) kernels::fill(c.ex, run, 0.0f);
+}
+
+bool Model::in_flat_grads(const Parameter& p) const {
+  if (!flat_grads_.defined() || p.grad.dtype() != DType::kF32) return false;
+  const auto* base = static_cast<const char*>(flat_grads_.data_ptr());
+  const auto* at = static_cast<const char*>(p.grad.data_ptr());
+  return at >= base && at < base + flat_grads_.nbytes();
+}
+
+double Model::grad_norm_squared(const Ctx& c) const {
+  TROUPE_CHECK(flat_grads_.defined(), "Model::grad_norm_squared needs the device layout (to_device)");
+  double s = kernels::sum_squares(c.ex, flat_grads_);
+  if (low_grads_.defined()) s += kernels::sum_squares(c.ex, low_grads_);
+  return s;
 }
 
 std::vector<Tensor> Model::flat_runs_outside(const std::vector<NamedParameter>& skip) const {
   std::vector<std::pair<int64_t, int64_t>> ranges;  // [begin, end) element ranges
   const auto* base = static_cast<const char*>(flat_grads_.data_ptr());
   for (const auto& p : skip) {
+    if (!in_flat_grads(*p.param)) continue;  // a bf16 gradient: not in this buffer
     const int64_t begin = (static_cast<const char*>(p.param->grad.data_ptr()) - base) / 4;
     TROUPE_CHECK(begin >= 0 && begin + p.param->numel() <= flat_grads_.numel(),
                  "Model: the gradient of {} is not in the flat buffer", p.name);
@@ -219,6 +240,8 @@ Tensor Model::grad_norm_squared_on_device(const Ctx& c) {
   std::vector<Tensor> read;  // squared: every other gradient element
   if (flat_grads_.defined()) {
     read = flat_runs_outside(folded);
+    for (const auto& p : params)  // bf16 gradients not folded this step
+      if (!in_flat_grads(*p.param) && !p.param->grad_sum_squares_valid()) read.push_back(p.param->grad);
   } else {  // the CPU layout: one tensor per parameter
     for (const auto& p : params)
       if (!p.param->grad_sum_squares_valid()) read.push_back(p.param->grad);
@@ -272,27 +295,37 @@ std::vector<std::vector<int64_t>> Model::end_step(const Ctx& c) {
   return out;
 }
 
-void Model::to_device(const Ctx& c) {
+void Model::to_device(const Ctx& c, DType expert_grads) {
   if (!c.on_device()) return;
+  TROUPE_CHECK(expert_grads == DType::kF32 || expert_grads == DType::kBF16,
+               "Model::to_device: expert gradients must be f32 or bf16, not {}", dtype_name(expert_grads));
   std::vector<NamedParameter> params = parameters();
   // Offsets rounded up to 64 elements (256 bytes) keep every gradient aligned for
-  // vectorised kernels; the gaps are zeroed with the rest by zero_grad.
+  // vectorised kernels; the gaps are zeroed with the rest by zero_grad (the bf16 buffer's
+  // are never written).
   constexpr int64_t kAlign = 64;
-  int64_t total = 0;
+  int64_t total = 0, low_total = 0;
   std::vector<int64_t> offsets;
+  std::vector<bool> low;
   for (const auto& p : params) {
     if (p.param->value.device() == c.ex.device) continue;  // tied: already moved
-    offsets.push_back(total);
-    total += (p.param->numel() + kAlign - 1) / kAlign * kAlign;
+    const bool lo = expert_grads == DType::kBF16 && p.param->bf16_grad_ok;
+    int64_t& at = lo ? low_total : total;
+    offsets.push_back(at);
+    low.push_back(lo);
+    at += (p.param->numel() + kAlign - 1) / kAlign * kAlign;
   }
   flat_grads_ = c.zeros({total}, DType::kF32);
+  low_grads_ = low_total > 0 ? c.zeros({low_total}, DType::kBF16) : Tensor();
   fold_slots_ = Tensor();
   size_t i = 0;
   for (auto& p : params) {
     Parameter& prm = *p.param;
     if (prm.value.device() == c.ex.device) continue;
     prm.value = c.to_device(prm.value);
-    prm.grad = flat_grads_.narrow(0, offsets[i++], prm.numel()).view(prm.value.shape());
+    const Tensor& buf = low[i] ? low_grads_ : flat_grads_;
+    prm.grad = buf.narrow(0, offsets[i], prm.numel()).view(prm.value.shape());
+    ++i;
     prm.grad_sum_squares = Tensor();  // host slots: enable_grad_norm_fold again after the move
     prm.work = Tensor();
     if (prm.value.dim() >= 2 && c.act != DType::kF32) prm.work = c.empty(prm.value.shape(), c.act);
@@ -314,11 +347,17 @@ void Model::to_host(const Ctx& c) {
     if (prm.value.device().is_cpu()) continue;  // tied: already copied
     prm.value = c.to_host(prm.value);
     prm.grad = c.to_host(prm.grad);
+    if (prm.grad.dtype() != DType::kF32) {  // a bf16 expert gradient: f32 on the host, as ever
+      Tensor f = Tensor::empty(prm.grad.shape(), DType::kF32);
+      kernels::cast(kernels::Exec::cpu(), prm.grad, f);
+      prm.grad = f;
+    }
     prm.work = Tensor();
     prm.grad_sum_squares = Tensor();  // folding ends with the device layout
   }
   for (auto& b : buffers()) *b.tensor = c.to_host(*b.tensor);
   flat_grads_ = Tensor();
+  low_grads_ = Tensor();
   fold_slots_ = Tensor();
 }
 

@@ -64,7 +64,13 @@ class Model {
   // gradients in one flat buffer (flat_grads(), so that zeroing and the global norm are
   // one op each), and a working copy in c.act of every matrix (dim >= 2) that the
   // products read. Call once after construction (and loading), before the optimizer.
-  void to_device(const Ctx& c);
+  // expert_grads kBF16 (train.expert_grads): the gradients of the parameters whose
+  // products can write bf16 (Parameter::bf16_grad_ok: the experts' grouped dW, ~90% of an
+  // MoE model's gradient) go in a second flat buffer, of bf16 (low_precision_grads()):
+  // half the bytes for the products to write and for the norm and AdamW to read. Meant for
+  // one micro-batch per step, where each such gradient is one rounded product (as in
+  // PyTorch autocast); the caller refuses more (later micro-batches would add in bf16).
+  void to_device(const Ctx& c, DType expert_grads = DType::kF32);
   // Zeroes the gradients still marked stale (no backward wrote them) and clears the marks;
   // forward_backward ends with it.
   void settle_grads(const Ctx& c);
@@ -72,8 +78,13 @@ class Model {
   void refresh_working_copies(const Ctx& c);
   // Copies values and buffers back to host tensors (before saving weights).
   void to_host(const Ctx& c);
-  // Every gradient as one f32 buffer (padding zero), or undefined on the CPU layout.
+  // Every f32 gradient as one buffer (padding zero), or undefined on the CPU layout.
   const Tensor& flat_grads() const { return flat_grads_; }
+  // The bf16 gradients of to_device's expert_grads = kBF16 as one buffer (padding zero),
+  // else undefined.
+  const Tensor& low_precision_grads() const { return low_grads_; }
+  // The squared global norm of every gradient, read back (host mode; one wait).
+  double grad_norm_squared(const Ctx& c) const;
 
   // Step statistics on the device (issue 20; one process, after to_device; the training
   // loop uses it on GPUs, the CPU runs it too for tests): the
@@ -129,6 +140,9 @@ class Model {
   std::vector<Tensor> flat_runs_outside(const std::vector<NamedParameter>& skip) const;
   ModelConfig cfg_;
   Tensor flat_grads_;
+  Tensor low_grads_;  // to_device's bf16 expert gradients (or undefined)
+  // Whether p's gradient is a view of flat_grads_ (not of low_grads_, not on the host).
+  bool in_flat_grads(const Parameter& p) const;
   Tensor fold_slots_;  // enable_grad_norm_fold: every Parameter::grad_sum_squares, in order
   int64_t last_folded_elements_ = 0;
   // Device mode: [lm loss sum, grad norm^2, 2 pad | per MoE block: E counts, aux, pad to 4].

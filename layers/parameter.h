@@ -38,6 +38,10 @@ struct Parameter {
   bool overwrites_grad = false;
   // grad holds stale values that count as zero (see the contract above).
   bool grad_stale = false;
+  // Set by the owning layer when every product that writes or adds grad can do so in bf16
+  // (the experts' grouped dW): Model::to_device then gives it a bf16 gradient when asked
+  // (train.expert_grads = "bf16").
+  bool bf16_grad_ok = false;
   // Set by the owning layer when its gradient product can fold the sum of squares (see
   // above): the size of grad_sum_squares (kernels::grouped_matmul_dw_sum_squares_slots).
   int64_t grad_sum_squares_slots = 0;

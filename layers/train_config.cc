@@ -125,6 +125,21 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(tc.train.cuda_graph, cfg.get_bool("train.cuda_graph", tc.train.cuda_graph));
   TROUPE_ASSIGN_OR_RETURN(tc.train.attention_fused_dq,
                           cfg.get_bool("train.attention_fused_dq", tc.train.attention_fused_dq));
+  TROUPE_ASSIGN_OR_RETURN(std::string expert_grads, cfg.get_string("train.expert_grads", "f32"));
+  if (expert_grads == "f32") {
+    tc.train.expert_grads = DType::kF32;
+  } else if (expert_grads == "bf16") {
+    tc.train.expert_grads = DType::kBF16;
+    if (tc.train.grad_accum != 1) {
+      return invalid_argument(
+          "{}: key 'train.expert_grads' = \"bf16\" needs train.grad_accum = 1 (got {}): later micro-batches "
+          "would add to the gradient in bf16; use \"f32\"",
+          cfg.source(), tc.train.grad_accum);
+    }
+  } else {
+    return invalid_argument("{}: key 'train.expert_grads' must be \"f32\" or \"bf16\" (got \"{}\")",
+                            cfg.source(), expert_grads);
+  }
   TROUPE_ASSIGN_OR_RETURN(tc.train.timeline_dir, cfg.get_string("train.timeline_dir", tc.train.timeline_dir));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.every, cfg.get_int("checkpoint.every", tc.checkpoint.every));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.keep, cfg.get_int("checkpoint.keep", tc.checkpoint.keep));

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/parallel_layout.h"
 #include "core/status.h"
 #include "layers/model_config.h"
@@ -48,6 +49,13 @@ struct TrainOptions {
   // (kernels::CudaContext::attention_fused_dq). The embedding backward adds repeated ids
   // in no fixed order either way, so gradient norms can differ in their last bits.
   bool attention_fused_dq = true;
+  // The experts' weight gradients on a GPU in the single-process loop: f32 (default), or
+  // bf16 ("bf16": each is its grouped dW product rounded once to bf16, as PyTorch autocast's
+  // gradients of bf16 weight copies are; the norm, clipping and AdamW then compute in f32
+  // from it). Half the bytes for the dW products to write and AdamW to read (bench_1b: ~2.4
+  // GB of each a step). Needs grad_accum = 1. The Trainer's stages keep f32 (their gradient
+  // buffers and reductions are f32) and CPU runs too, each saying so in a note.
+  DType expert_grads = DType::kF32;
   // Non-empty: every rank writes, per step, its per-thread communication and compute
   // timings as JSON lines into this directory (bench/overlap/timeline.py draws them).
   std::string timeline_dir;

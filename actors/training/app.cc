@@ -151,6 +151,13 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   if (!role.empty() && role != "driver" && role != "worker") {
     return invalid_argument("TROUPE_ROLE='{}' (expected driver or worker)", role);
   }
+  if (tc.train.expert_grads != DType::kF32 && role != "worker") {
+    fmt::print(
+        "note: train.expert_grads = \"{}\" applies to train_moe's single-process loop; the Trainer's stages "
+        "keep "
+        "f32 gradients (their reductions and buckets are f32)\n",
+        dtype_name(tc.train.expert_grads));
+  }
   if (role == "worker") {
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> store, open_store(run_dir));
     std::function<void()> cut_control;

@@ -156,7 +156,17 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
   // Built and initialised on the host (deterministic, identical on every backend), then
   // moved: f32 master weights and gradients, bf16 working copies on a GPU.
   layers::Model model(tc.model, tc.train.seed);
-  model.to_device(c);
+  // train.expert_grads = "bf16": the experts' gradients in bf16 on a GPU (Model::to_device).
+  const bool bf16_expert_grads = dev.is_cuda() && tc.train.expert_grads == DType::kBF16;
+  if (!dev.is_cuda() && tc.train.expert_grads != DType::kF32) {
+    fmt::print("train_moe: train.expert_grads = \"{}\" applies on GPUs; this CPU run keeps f32 gradients\n",
+               dtype_name(tc.train.expert_grads));
+  }
+  model.to_device(c, bf16_expert_grads ? DType::kBF16 : DType::kF32);
+  if (bf16_expert_grads) {
+    fmt::print("train_moe: the experts' weight gradients are bf16 ({:.2f} GiB; train.expert_grads)\n",
+               static_cast<double>(model.low_precision_grads().nbytes()) / 1073741824.0);
+  }
   // On a GPU the step's statistics stay on the device until its one read (issue 20).
   // train.device_stats = false keeps the host statistics (per-layer read-backs), for comparison.
   const bool device_stats = dev.is_cuda() && tc.train.device_stats && model.enable_device_stats(c);
@@ -333,8 +343,8 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     } else if (device_stats) {
       opt.step(c, lr, model.grad_norm_squared_on_device(c));
     } else {
-      grad_norm = std::sqrt(model.flat_grads().defined() ? kernels::sum_squares(c.ex, model.flat_grads())
-                                                         : opt.grad_norm_squared(c));
+      grad_norm =
+          std::sqrt(model.flat_grads().defined() ? model.grad_norm_squared(c) : opt.grad_norm_squared(c));
       opt.step(c, lr, grad_norm);
     }
     dev.mark_end();

@@ -76,8 +76,10 @@ DEFAULTS = {
     "model.moe": {"num_experts": 16, "top_k": 2, "expert_hidden": 2048, "router": "softmax",
                   "normalize_gates": True, "aux_loss_coef": 0.01, "z_loss_coef": 0.0, "capacity_factor": 0.0,
                   "bias_update_rate": 0.0, "shared_experts": 0},
+    # expert_grads is Troupe's switch; the peer's weight gradients on a GPU are always those of
+    # autocast's bf16 weight copies (rounded to bf16, then added into the f32 .grad).
     "train": {"seed": 1234, "steps": 200, "seq_len": 2048, "micro_batch_size": 8, "grad_accum": 1,
-              "eval_every": 50, "eval_batches": 2, "log_every": 1},
+              "eval_every": 50, "eval_batches": 2, "log_every": 1, "expert_grads": "bf16"},
     "optim": {"lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 20, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
               "eps": 1e-8, "grad_clip": 1.0},
 }
@@ -179,6 +181,9 @@ def validate_config(cfg):
             raise SystemExit(f"torch_moe: {key} is not supported ({why})")
     if cfg["train"]["grad_accum"] != 1:
         raise SystemExit("torch_moe: train.grad_accum must be 1 in the peer")
+    if cfg["train"]["expert_grads"] not in ("f32", "bf16"):
+        raise SystemExit(f"torch_moe: train.expert_grads must be \"f32\" or \"bf16\" "
+                         f"(got {cfg['train']['expert_grads']!r})")
     if cfg["train"]["seq_len"] <= 0 or cfg["train"]["micro_batch_size"] <= 0:
         raise SystemExit("torch_moe: train.seq_len and train.micro_batch_size must be positive")
 

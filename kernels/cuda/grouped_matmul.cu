@@ -619,13 +619,22 @@ void launch_gemm_tiled(const Env& env, dim3 grid, const GemmArgs& args) {
 // rows and columns past the expert's matrix). Where dW is written, that epilogue can also
 // leave each warp's sum of squares of its accumulators in a slot (GemmArgs::sum_squares):
 // the gradient norm folded into the product, a few FMAs per accumulator (issue 20).
+// A written bf16 dW takes the row outputs' staging instead (one round of 4 bf16 boxes),
+// and its sum of squares is that of the rounded values it stores.
 constexpr int kTmaBN = 256, kTmaThreads = 384;
+// v as an O holds it (the value a store of v into an O keeps), as a float.
+template <typename O>
+__device__ __forceinline__ float round_as(float v) {
+  return to_float(from_float<O>(v));
+}
 constexpr int kTmaStageBytes = kWgBM * kWgBK * 2 + kWgBK * kTmaBN * 2;
 constexpr int kStagingBytes = 65536;  // two warpgroups' 32 KB: bf16 64 x 256, or f32 64 x 128
 template <bool kSegK, typename OutT>
 struct TmaConfig {
   static constexpr bool kStoreRows = !kSegK && std::is_same_v<OutT, bf16>;  // staged TMA stores
-  static constexpr bool kStoreDw = kSegK && std::is_same_v<OutT, float>;
+  // A bf16 dW stages only where it is written (launch_gemm keeps an adding bf16 dW on the
+  // cp.async kernel, whose rounding of the sum it has always had).
+  static constexpr bool kStoreDw = kSegK;
   static constexpr bool kStore = kStoreRows || kStoreDw;
   static constexpr int kStages = kStore ? 3 : 4;
   // Without the TileTable, which row segments add at launch (tile_table_bytes).
@@ -792,7 +801,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 #pragma unroll
               for (int j = 0; j < kTmaBN / 8; ++j) {
                 if (tl.n0 + j * 8 + 2 * (lane % 4) < args.n) {  // n is a multiple of 8: pairs in or out
-                  const float v0 = acc[j * 4 + h * 2], v1 = acc[j * 4 + h * 2 + 1];
+                  // A bf16 dW: the squares of the values stored (rounded as the store rounds).
+                  const float v0 = round_as<OutT>(acc[j * 4 + h * 2]);
+                  const float v1 = round_as<OutT>(acc[j * 4 + h * 2 + 1]);
                   ss = fmaf(v0, v0, ss);
                   ss = fmaf(v1, v1, ss);
                 }
@@ -805,6 +816,35 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         }
         const uint32_t stg_s = staging0 + cw * (kStagingBytes / 2);
         unsigned char* stg = smem + (stg_s - smem_s);
+        if constexpr (std::is_same_v<OutT, bf16>) {
+          // A written bf16 dW: the row outputs' staging (one round, 4 boxes of 64 columns),
+          // stored into [E][m][n]; the map clips rows and columns past the expert's matrix.
+          if (ctid == 0) bulk_wait_read();  // the previous tile's stores have read the buffer
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = warp_in_wg * 16 + lane / 4 + 8 * h;
+#pragma unroll
+            for (int j = 0; j < kTmaBN / 8; ++j) {
+              const int off = (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4) + 4 * (lane % 4);
+              *reinterpret_cast<__nv_bfloat162*>(stg + off) =
+                  __floats2bfloat162_rn(acc[j * 4 + h * 2], acc[j * 4 + h * 2 + 1]);
+            }
+          }
+          fence_proxy_async();
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+          if (ctid == 0) {
+            const int row = static_cast<int>(tl.m0) + cw * 64, e = static_cast<int>(tl.e);
+            for (int b = 0; b < kTmaBN / 64; ++b) {
+              const int64_t col = tl.n0 + 64 * b;
+              if (col >= args.n) break;
+              tma_store_3d(&map_c, stg_s + b * 8192, static_cast<int>(col), row, e);
+            }
+            bulk_commit();
+          }
+          cs.next_tile(args);
+          continue;
+        }
         const int q = lane % 4;
 #pragma unroll
         for (int round = 0; round < 2; ++round) {
@@ -929,11 +969,14 @@ void launch_gemm_tma(const Env& env, int64_t tiles_bound, int64_t tokens, const 
     }
   }
   // The staged stores write C [tokens, n] (row segments: ldc == n) in bf16 boxes of 64 x 64,
-  // or dW [E][m][n] (c_expert_stride == m * n) in f32 boxes of 32 x 64.
+  // or dW [E][m][n] (c_expert_stride == m * n) in f32 boxes of 32 x 64 (bf16: 64 x 64).
   if constexpr (TmaConfig<kSegK, OutT>::kStoreRows)
     map_c = make_tensor_map(args.c, args.n, tokens, 1, 64, 64);
   if constexpr (TmaConfig<kSegK, OutT>::kStoreDw) {
-    map_c = make_tensor_map(args.c, args.n, args.m, args.experts, 32, 64, /*f32=*/true);
+    constexpr bool kF32 = std::is_same_v<OutT, float>;
+    TROUPE_CHECK(kF32 || !args.accumulate,
+                 "grouped GEMM: the TMA kernel writes a bf16 dW, it does not add to one");
+    map_c = make_tensor_map(args.c, args.n, args.m, args.experts, kF32 ? 32 : 64, 64, kF32);
   }
   auto kernel = grouped_gemm_tma_kernel<kSegK, kBCol, OutT>;
   if constexpr (!kSegK) {
@@ -960,8 +1003,8 @@ GemmTiling resolve_tiling(GemmTiling tiling) {
 
 // rows_bound: ceil(tokens / 128) + experts for row segments (an upper bound of the row
 // tiles, whatever the device offsets say); ceil(m / 128) * experts for k segments.
-// Returns whether the kernel that ran filled args.sum_squares (the TMA kernel on an f32
-// dW); the others ignore it.
+// Returns whether the kernel that ran filled args.sum_squares (the TMA kernel, in its dW
+// epilogue); the others ignore it.
 template <bool kSegK, bool kBCol, typename OutT>
 bool launch_gemm(const Env& env, int64_t rows_bound, int64_t tokens, const GemmArgs& args,
                  GemmTiling tiling) {
@@ -980,16 +1023,21 @@ bool launch_gemm(const Env& env, int64_t rows_bound, int64_t tokens, const GemmA
       launch_gemm_wgmma<kSegK, kBCol, OutT, 256, 4>(env, rows_bound * ceil_div(args.n, 256), args);
       break;
     case GemmTiling::kWgmmaTma:
+      if (kSegK && !std::is_same_v<OutT, float> && args.accumulate) {  // (see kAuto)
+        launch_gemm_wgmma<kSegK, kBCol, OutT, 256, 4>(env, rows_bound * ceil_div(args.n, 256), args);
+        break;
+      }
       launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);
       return kTmaFolds;
     case GemmTiling::kAuto:
       // Measured (bench_1b shapes, bench/RESULTS.md): TMA wins the row-segment problems
       // (0.53 vs 0.75 ms forward, H200) and the f32 dW problems (down, written: 0.22 vs
       // 0.32 ms, H100 2026-11-26), since its staged epilogue also adds to the output in the
-      // TMA's reduction; a bf16 dW (not measured: the model's gradients are f32) keeps the
-      // cp.async kernel, as does a dW without tokens (a tensor map needs rows).
+      // TMA's reduction. A written bf16 dW (train.expert_grads = "bf16") stages the same
+      // way; an added bf16 dW keeps the cp.async kernel, as does a dW without tokens (a
+      // tensor map needs rows).
       if constexpr (kSegK) {
-        if (!std::is_same_v<OutT, float> || tokens == 0) {
+        if ((!std::is_same_v<OutT, float> && args.accumulate) || tokens == 0) {
           launch_gemm_wgmma<kSegK, kBCol, OutT, 256, 4>(env, rows_bound * ceil_div(args.n, 256), args);
         } else {
           launch_gemm_tma<kSegK, kBCol, OutT>(env, rows_bound * ceil_div(args.n, kTmaBN), tokens, args);

@@ -10,7 +10,8 @@
 // Also train_moe's single-process GPU loop with the gradient norm folded into the experts'
 // dW products (issue 20: train.fold_grad_norm, the default) against the full pass, and
 // its steps replayed from a CUDA graph (train.cuda_graph, the default) against launches,
-// and two runs with the attention's dQ in its own kernel (train.attention_fused_dq=false).
+// and two runs with the attention's dQ in its own kernel (train.attention_fused_dq=false),
+// and bf16 expert gradients (train.expert_grads) against f32 ones.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -145,6 +146,57 @@ TEST_F(StageGpu, TrainMoeFoldedGradNormMatchesTheFullPass) {
         << "step " << ref[i]["step"];
   }
   std::printf("[stage-gpu folded norm] %zu steps, step 1 grad norm %.6g vs %.6g\n", got.size(), n0, g0);
+}
+
+// train.expert_grads = "bf16": the experts' dW products write bf16 gradients (on Hopper the
+// TMA kernel, folding their sums of squares of the rounded values). The folded norm equals
+// the norm read from those bf16 gradients (same values, another order), and the run
+// follows the f32-gradient run within bf16 tolerance: a gradient rounded once changes each
+// element by at most 2^-9 of itself.
+TEST_F(StageGpu, TrainMoeBf16ExpertGradsMatchF32) {
+  auto train = [](const std::string& name, const char* grads, bool fold) {
+    TrainMoeCommand c;
+    c.backend = "cuda";
+    c.sets = tiny_model_sets({.steps = 6, .data_dir = *root_ / "data"});
+    c.sets.push_back("model.moe.z_loss_coef=0.0");
+    c.sets.push_back(fmt::format("train.expert_grads={}", grads));
+    c.sets.push_back(fmt::format("train.fold_grad_norm={}", fold));
+    c.run_dir = *root_ / name;
+    return run(c.argv(), *root_ / (name + ".log"), std::chrono::seconds(300));
+  };
+  const RunResult f32 = train("moe-grads-f32", "f32", true);
+  ASSERT_EQ(f32.exit_code, 0) << f32.output;
+  EXPECT_EQ(f32.output.find("weight gradients are bf16"), std::string::npos) << f32.output;
+  const RunResult bf16 = train("moe-grads-bf16", "bf16", true);
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.output;
+  EXPECT_NE(bf16.output.find("the experts' weight gradients are bf16"), std::string::npos) << bf16.output;
+  EXPECT_NE(bf16.output.find("gradient norm folded"), std::string::npos) << bf16.output;
+  const RunResult full = train("moe-grads-bf16-full", "bf16", false);
+  ASSERT_EQ(full.exit_code, 0) << full.output;
+  const auto ref = latest_step_records(*root_ / "moe-grads-f32" / "metrics.jsonl");
+  const auto got = latest_step_records(*root_ / "moe-grads-bf16" / "metrics.jsonl");
+  const auto read = latest_step_records(*root_ / "moe-grads-bf16-full" / "metrics.jsonl");
+  ASSERT_EQ(ref.size(), 6u);
+  ASSERT_EQ(got.size(), ref.size());
+  ASSERT_EQ(read.size(), ref.size());
+  // Step 1: the same bf16 gradients, their squares summed in the epilogue or read back.
+  const double g0 = got[0]["grad_norm"].get<double>(), r0 = read[0]["grad_norm"].get<double>();
+  EXPECT_GT(g0, 0.0);
+  EXPECT_LE(rel_diff(g0, r0), 1e-5) << g0 << " vs " << r0;
+  // Against f32 gradients: the same forward at step 1, a norm within rounding.
+  EXPECT_EQ(ref[0]["loss"].get<double>(), got[0]["loss"].get<double>());
+  const double f0 = ref[0]["grad_norm"].get<double>();
+  EXPECT_LE(rel_diff(f0, g0), 1e-2) << f0 << " vs " << g0;
+  double worst = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = rel_diff(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>());
+    EXPECT_LE(d, 2e-2) << "step " << ref[i]["step"] << ": " << ref[i]["loss"] << " vs " << got[i]["loss"];
+    worst = std::max(worst, d);
+  }
+  std::printf(
+      "[stage-gpu bf16 expert grads] step 1 grad norm f32 %.6g, bf16 folded %.6g, bf16 read %.6g; "
+      "worst relative loss difference %.3g over %zu steps\n",
+      f0, g0, r0, worst, got.size());
 }
 
 // A CUDA graph of the step (train.cuda_graph, the default): step 1 runs launch by launch,

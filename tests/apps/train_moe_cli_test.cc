@@ -147,6 +147,15 @@ TEST(TrainMoeCli, PrepareTrainSamplePlot) {
   EXPECT_EQ(tl.out.find("step 2/500"), std::string::npos) << tl.out;
   EXPECT_TRUE(fs::exists(dir + "/run_tl/model.bin"));
 
+  // bf16 expert gradients are a GPU setting: a CPU run says it keeps f32, and trains.
+  CliResult bf = train_moe({"--config", cfg, "--run-dir", dir + "/run_bf16", "--set", "train.steps=1",
+                            "--set", "train.grad_accum=1", "--set", "train.expert_grads=bf16"});
+  ASSERT_EQ(bf.code, 0) << bf.out;
+  EXPECT_NE(bf.out.find("train.expert_grads = \"bf16\" applies on GPUs; this CPU run keeps f32 gradients"),
+            std::string::npos)
+      << bf.out;
+  EXPECT_NE(bf.out.find("step 1/1"), std::string::npos) << bf.out;
+
   CliResult s = train_moe({"sample", "--run", dir + "/run", "--prompt", "def alpha", "--tokens", "20", "--seed", "3"});
   ASSERT_EQ(s.code, 0) << s.out;
   EXPECT_EQ(s.out.rfind("def alpha", 0), 0u) << s.out;
@@ -214,6 +223,15 @@ TEST(TrainMoeCli, ErrorsNameTheProblem) {
   CliResult twice = train_moe({"--config", write_config(dir, dir + "/d"), "--parallel", "pp=1,pp=2"});
   EXPECT_EQ(twice.code, 2);
   EXPECT_NE(twice.out.find("key 'pp' given twice"), std::string::npos) << twice.out;
+
+  // bf16 expert gradients with several micro-batches a step (this config has 2): refused,
+  // since the later ones would add to them in bf16.
+  CliResult bf16_grads =
+      train_moe({"--config", write_config(dir, dir + "/d"), "--set", "train.expert_grads=bf16"});
+  EXPECT_EQ(bf16_grads.code, 1);
+  EXPECT_NE(bf16_grads.out.find("'train.expert_grads' = \"bf16\" needs train.grad_accum = 1 (got 2)"),
+            std::string::npos)
+      << bf16_grads.out;
 
   CliResult no_config = train_moe({"--config", dir + "/missing.toml"});
   EXPECT_EQ(no_config.code, 1);

@@ -150,6 +150,11 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
       expect_close(got2, want, kTol, ("grouped_matmul " + tag).c_str());
       expect_close(dxg, dx0, kTol, ("grouped_matmul dx " + tag).c_str());
       expect_close(dwg, dw0, 2e-3, ("grouped_matmul dw " + tag).c_str());
+      // A written bf16 dW (train.expert_grads = "bf16"): the f32 product rounded once.
+      Tensor dwb = dev_poisoned(w.shape(), kBF);
+      gpu::launch_grouped_matmul_dw(env, xd.data_ptr(), dd.data_ptr(), off_p, rows, experts, k, n, trans,
+                                    dwb.data_ptr(), kBF, false, kBF, tiling);
+      expect_close(dwb, dw0, kTol, ("grouped_matmul dw bf16 " + tag).c_str());
     }
 
     Tensor dout = host_random({rows, n}, kBF);
@@ -172,6 +177,16 @@ TEST_F(CudaBf16, GroupedMatmulTensorCores) {
                                     dwg.data_ptr(), kF32, true, kBF, tiling);
       expect_close(dwg, dw_want, 2e-3,
                    fmt::format("grouped_matmul dw f32 acc tiling {} sms {}{}", static_cast<int>(tiling), sms,
+                               trans ? " trans_w" : "")
+                       .c_str());
+      // An added bf16 dW: the TMA kernel only writes one, so that request takes the
+      // cp.async kernel (read, add in f32, round once), as the CPU does.
+      Tensor dwb_init = host_random(w.shape(), kBF), dwb_want = dwb_init.clone(), dwb = dev(dwb_init);
+      grouped_matmul_backward(cpu, x, w, offsets, dout, nullptr, &dwb_want, trans, true);
+      gpu::launch_grouped_matmul_dw(env, xd.data_ptr(), dd.data_ptr(), off_p, rows, experts, k, n, trans,
+                                    dwb.data_ptr(), kBF, true, kBF, tiling);
+      expect_close(dwb, dwb_want, kTol,
+                   fmt::format("grouped_matmul dw bf16 acc tiling {} sms {}{}", static_cast<int>(tiling), sms,
                                trans ? " trans_w" : "")
                        .c_str());
     }
@@ -262,45 +277,49 @@ TEST_F(CudaBf16, GroupedMatmulDwSumSquares) {
           {gpu::GemmTiling::kAuto, gpu.ctx.num_sms},     {gpu::GemmTiling::kAuto, 2},
           {gpu::GemmTiling::kWgmmaTma, gpu.ctx.num_sms}, {gpu::GemmTiling::kWgmmaTma, 2},
           {gpu::GemmTiling::kWgmma256, gpu.ctx.num_sms}, {gpu::GemmTiling::kWarps2x2, gpu.ctx.num_sms}};
-      for (const auto& [tiling, sms] : configs) {
-        const std::string tag = fmt::format("dw sum of squares, k {} n {}{}, tiling {} sms {}", k, n,
-                                            trans ? " trans_w" : "", static_cast<int>(tiling), sms);
-        const gpu::Env env{gpu.ctx.stream, sms};
-        Tensor dw_plain = dev_poisoned(ws, kF32), dw = dev_poisoned(ws, kF32);
-        Tensor slots = dev_poisoned({count}, kF32), slots2 = dev_poisoned({count}, kF32);
-        gpu::launch_grouped_matmul_dw(env, x.data_ptr(), dout.data_ptr(), off_p, rows, experts, k, n, trans,
-                                      dw_plain.data_ptr(), kF32, false, kBF, tiling);
-        const bool folded = gpu::launch_grouped_matmul_dw(env, x.data_ptr(), dout.data_ptr(), off_p, rows,
-                                                          experts, k, n, trans, dw.data_ptr(), kF32, false,
-                                                          kBF, tiling, f32_mut(slots), count);
-        gpu::launch_grouped_matmul_dw(env, x.data_ptr(), dout.data_ptr(), off_p, rows, experts, k, n, trans,
-                                      dw.data_ptr(), kF32, false, kBF, tiling, f32_mut(slots2), count);
-        const bool tma = tiling == gpu::GemmTiling::kAuto || tiling == gpu::GemmTiling::kWgmmaTma;
-        EXPECT_EQ(folded, tma && gpu::grouped_matmul_hopper_available()) << tag;
-        const std::vector<float> dwh = back(dw).to_floats(), plain = back(dw_plain).to_floats();
-        const std::vector<float> got = back(slots).to_floats(), again = back(slots2).to_floats();
-        ASSERT_EQ(std::memcmp(dwh.data(), plain.data(), dwh.size() * sizeof(float)), 0) << tag;
-        ASSERT_EQ(std::memcmp(got.data(), again.data(), got.size() * sizeof(float)), 0)
-            << tag << ": not bit-equal";
-        double want = 0, sum = 0;
-        for (float v : dwh) want += static_cast<double>(v) * v;
-        for (float v : got) sum += v;  // NaN (a slot left unwritten) fails below
-        std::printf("  %-60s %s, rel err %.2e\n", tag.c_str(), folded ? "epilogue" : "second pass",
-                    std::abs(sum - want) / want);
-        EXPECT_NEAR(sum, want, 1e-5 * want) << tag;
-        if (!folded) continue;
-        const int64_t tiles_m = (p + 127) / 128, tiles_n = (q + 255) / 256;
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t t = i / 8, cw = (i % 8) / 4, warp = i % 4;
-          const int64_t e = t / (tiles_m * tiles_n), m0 = (t / tiles_n) % tiles_m * 128;
-          const bool zero = e >= experts || pr.off[e + 1] == pr.off[e] || m0 + cw * 64 + warp * 16 >= p;
-          if (zero) {
-            EXPECT_EQ(got[i], 0.0f) << tag << ": slot " << i;
-          } else {
-            EXPECT_GT(got[i], 0.0f) << tag << ": slot " << i;
+      // Each configuration with an f32 dW and with a bf16 one (train.expert_grads): the
+      // bf16 slots hold the squares of the rounded values the kernel stores.
+      for (const auto& [tiling, sms] : configs)
+        for (DType dwt : {kF32, kBF}) {
+          const std::string tag =
+              fmt::format("dw {} sum of squares, k {} n {}{}, tiling {} sms {}", dtype_name(dwt), k, n,
+                          trans ? " trans_w" : "", static_cast<int>(tiling), sms);
+          const gpu::Env env{gpu.ctx.stream, sms};
+          Tensor dw_plain = dev_poisoned(ws, dwt), dw = dev_poisoned(ws, dwt);
+          Tensor slots = dev_poisoned({count}, kF32), slots2 = dev_poisoned({count}, kF32);
+          gpu::launch_grouped_matmul_dw(env, x.data_ptr(), dout.data_ptr(), off_p, rows, experts, k, n, trans,
+                                        dw_plain.data_ptr(), dwt, false, kBF, tiling);
+          const bool folded = gpu::launch_grouped_matmul_dw(env, x.data_ptr(), dout.data_ptr(), off_p, rows,
+                                                            experts, k, n, trans, dw.data_ptr(), dwt, false,
+                                                            kBF, tiling, f32_mut(slots), count);
+          gpu::launch_grouped_matmul_dw(env, x.data_ptr(), dout.data_ptr(), off_p, rows, experts, k, n, trans,
+                                        dw.data_ptr(), dwt, false, kBF, tiling, f32_mut(slots2), count);
+          const bool tma = tiling == gpu::GemmTiling::kAuto || tiling == gpu::GemmTiling::kWgmmaTma;
+          EXPECT_EQ(folded, tma && gpu::grouped_matmul_hopper_available()) << tag;
+          const std::vector<float> dwh = back(dw).to_floats(), plain = back(dw_plain).to_floats();
+          const std::vector<float> got = back(slots).to_floats(), again = back(slots2).to_floats();
+          ASSERT_EQ(std::memcmp(dwh.data(), plain.data(), dwh.size() * sizeof(float)), 0) << tag;
+          ASSERT_EQ(std::memcmp(got.data(), again.data(), got.size() * sizeof(float)), 0)
+              << tag << ": not bit-equal";
+          double want = 0, sum = 0;
+          for (float v : dwh) want += static_cast<double>(v) * v;
+          for (float v : got) sum += v;  // NaN (a slot left unwritten) fails below
+          std::printf("  %-60s %s, rel err %.2e\n", tag.c_str(), folded ? "epilogue" : "second pass",
+                      std::abs(sum - want) / want);
+          EXPECT_NEAR(sum, want, 1e-5 * want) << tag;
+          if (!folded) continue;
+          const int64_t tiles_m = (p + 127) / 128, tiles_n = (q + 255) / 256;
+          for (int64_t i = 0; i < count; ++i) {
+            const int64_t t = i / 8, cw = (i % 8) / 4, warp = i % 4;
+            const int64_t e = t / (tiles_m * tiles_n), m0 = (t / tiles_n) % tiles_m * 128;
+            const bool zero = e >= experts || pr.off[e + 1] == pr.off[e] || m0 + cw * 64 + warp * 16 >= p;
+            if (zero) {
+              EXPECT_EQ(got[i], 0.0f) << tag << ": slot " << i;
+            } else {
+              EXPECT_GT(got[i], 0.0f) << tag << ": slot " << i;
+            }
           }
         }
-      }
       // Through the op (the default path), against the CPU backend's slots.
       Tensor w = dev(host_random(ws, kBF));
       Tensor dw = dev_poisoned(ws, kF32), slots = dev_poisoned({count}, kF32);
@@ -314,8 +333,8 @@ TEST_F(CudaBf16, GroupedMatmulDwSumSquares) {
       EXPECT_NEAR(got, want, 1e-4 * want) << "op, k " << k << " n " << n << (trans ? " trans_w" : "");
     }
   }
-  // f32 operands (the plain kernel) and a bf16 dW (the cp.async kernel), each with the
-  // second pass, through the op.
+  // f32 operands (the plain kernel, with the second pass) and bf16 operands with a bf16 dW
+  // (the TMA kernel on Hopper, folded; the second pass elsewhere), through the op.
   const std::vector<int32_t> off = {0, 30, 30, 77};
   Tensor offsets = Tensor::from_ints({4}, off);
   for (auto [xt, dwt] : {std::pair{kF32, kF32}, std::pair{kBF, kBF}}) {

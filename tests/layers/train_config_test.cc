@@ -23,6 +23,7 @@ TEST(TrainConfig, TinyParses) {
   EXPECT_TRUE(tc->model.is_moe_block(1));
   EXPECT_TRUE(tc->model.is_moe_block(3));
   EXPECT_EQ(tc->parallel.world(), 1);
+  EXPECT_EQ(tc->train.expert_grads, DType::kF32);  // the default
   // The layouts of the distributed equivalence tests fit the tiny model.
   for (auto [pp, dp, n] : {std::tuple{2, 1, 1}, {1, 2, 1}, {1, 1, 2}, {1, 1, 4}, {2, 1, 2}, {1, 2, 2}}) {
     ParallelOptions p{pp, dp, n};
@@ -46,6 +47,7 @@ TEST(TrainConfig, Bench1bIsTheIssue10Model) {
   EXPECT_EQ(tc->train.seq_len, 2048);
   EXPECT_EQ(tc->train.micro_batch_size, 8);
   EXPECT_DOUBLE_EQ(tc->optim.grad_clip, 1.0);
+  EXPECT_EQ(tc->train.expert_grads, DType::kBF16);  // as the PyTorch peer's (autocast)
   for (int64_t i = 0; i < 12; ++i) EXPECT_TRUE(m.is_moe_block(i));
   EXPECT_NEAR(static_cast<double>(m.num_params()) / 1e9, 1.33, 0.005);
   EXPECT_NEAR(static_cast<double>(m.num_active_params()) / 1e6, 235, 1.0);
@@ -80,6 +82,8 @@ TEST(TrainConfig, BadValuesAreNamed) {
       {"[parallel]\ndp = 0\n", "[parallel]: parallel layout pp=1,dp=0,n=1: dp must be >= 1, got 0"},
       {"[elastic]\ngpu_state = \"disk\"\n", "elastic.gpu_state"},
       {"[elastic]\nstraggler_policy = \"kill\"\n", "elastic.straggler_policy"},
+      {"[train]\nexpert_grads = \"fp16\"\n", "train.expert_grads"},
+      {"[train]\ngrad_accum = 2\nexpert_grads = \"bf16\"\n", "needs train.grad_accum = 1 (got 2)"},
   };
   for (const auto& c : cases) {
     auto tc = parse(c.text);
