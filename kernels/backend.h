@@ -47,7 +47,7 @@ struct Backend {
   void (*moe_dispatch_plan)(const Exec&, const Tensor&, int64_t, int64_t, Tensor&, Tensor&, Tensor&);
   void (*moe_permute)(const Exec&, const Tensor&, const Tensor&, int64_t, Tensor&);
   void (*moe_permute_backward)(const Exec&, const Tensor&, const Tensor&, int64_t, Tensor&);
-  void (*moe_unpermute)(const Exec&, const Tensor&, const Tensor&, const Tensor&, Tensor&);
+  void (*moe_unpermute)(const Exec&, const Tensor&, const Tensor&, const Tensor&, Tensor&, const Tensor*);
   void (*moe_unpermute_backward)(const Exec&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                  Tensor&, Tensor&);
   void (*swiglu_forward)(const Exec&, const Tensor&, Tensor&);

@@ -625,8 +625,10 @@ void moe_permute_backward(const Exec& ex, const Tensor& dxp, const Tensor& row_m
   c.call(&Backend::moe_permute_backward, ex, dxp, row_map, top_k, dx);
 }
 
-void moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, const Tensor& gates, Tensor& y) {
-  OpCheck c("moe_unpermute", ex, {{"yp", &yp}, {"row_map", &row_map}, {"gates", &gates}, {"y", &y}});
+void moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, const Tensor& gates, Tensor& y,
+                   const Tensor* residual) {
+  OpCheck c("moe_unpermute", ex,
+            {{"yp", &yp}, {"row_map", &row_map}, {"gates", &gates}, {"y", &y}, {"residual", residual}});
   OP_FLOAT(c, yp);
   OP_FLOAT(c, gates);
   OP_FLOAT(c, y);
@@ -637,7 +639,12 @@ void moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, cons
   OP_REQUIRE(c, gates.size(0) == y.size(0), "gates has {} rows, y has {}", gates.size(0), y.size(0));
   OP_SHAPE(c, row_map, {gates.numel()});
   OP_REQUIRE(c, yp.size(1) == y.size(1), "yp has {} columns, y has {}", yp.size(1), y.size(1));
-  c.call(&Backend::moe_unpermute, ex, yp, row_map, gates, y);
+  if (residual != nullptr) {
+    c.is_dtype("residual", *residual, y.dtype(), __LINE__);
+    c.is_shape("residual", *residual, y.shape(), __LINE__);
+    OP_REQUIRE(c, residual->data_ptr() != y.data_ptr() || residual->numel() == 0, "residual must not be y");
+  }
+  c.call(&Backend::moe_unpermute, ex, yp, row_map, gates, y, residual);
 }
 
 void moe_unpermute_backward(const Exec& ex, const Tensor& dy, const Tensor& yp, const Tensor& row_map,

@@ -164,8 +164,11 @@ void moe_permute(const Exec& ex, const Tensor& x, const Tensor& row_map, int64_t
 // dx[t] = sum over kept j of dxp[row_map[t*k+j]].
 void moe_permute_backward(const Exec& ex, const Tensor& dxp, const Tensor& row_map, int64_t top_k,
                           Tensor& dx);
-// y[t] = sum over kept j of gates[t,j] * yp[row_map[t*k+j]]  (rows of dropped copies add 0).
-void moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, const Tensor& gates, Tensor& y);
+// y[t] = sum over kept j of gates[t,j] * yp[row_map[t*k+j]]  (rows of dropped copies add 0),
+// plus residual[t] when given ([T,D], y's dtype; the block's residual stream, added to the
+// sum before y's one rounding, as a separate add after an f32 unpermute would).
+void moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, const Tensor& gates, Tensor& y,
+                   const Tensor* residual = nullptr);
 // dyp[row] = gates[t,j] * dy[t]; dgates[t,j] = dot(dy[t], yp[row]) (0 for dropped copies).
 void moe_unpermute_backward(const Exec& ex, const Tensor& dy, const Tensor& yp, const Tensor& row_map,
                             const Tensor& gates, Tensor& dyp, Tensor& dgates);

@@ -45,12 +45,8 @@ Tensor Block::forward(const Ctx& c, const Tensor& x, int64_t batch, int64_t seq,
   Tensor a = attn.forward(c, norm1.forward(c, x, s.norm1), batch, seq, s.attn);
   Tensor h;  // x + a, from the norm's pass
   Tensor n2 = norm2.forward_add(c, x, a, h, s.norm2);
-  Tensor f;
-  if (moe) {
-    f = moe->forward(c, n2, s.moe, moe_stats);
-  } else {
-    f = mlp->forward(c, n2, s.mlp);
-  }
+  if (moe) return moe->forward(c, n2, s.moe, moe_stats, &h);  // h joins the experts' combine
+  Tensor f = mlp->forward(c, n2, s.mlp);
   kernels::add(c.ex, h, f, f);
   return f;
 }

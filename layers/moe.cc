@@ -264,10 +264,27 @@ Tensor LocalExpertDispatch::forward(const Ctx& c, const Tensor& x, const Tensor&
   kernels::moe_permute(c.ex, x, st->row_map, top_k_, xp);
   st->yp = experts_.forward(c, xp, st->offsets, st->experts);
   Tensor y = c.empty(x.shape());
-  kernels::moe_unpermute(c.ex, st->yp, st->row_map, gates, y);
+  kernels::moe_unpermute(c.ex, st->yp, st->row_map, gates, y, residual_);
   st->gates = gates;
   st->tokens = t;
   state = std::move(st);
+  return y;
+}
+
+Tensor ExpertDispatch::forward_add(const Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
+                                   std::unique_ptr<DispatchState>& state, std::vector<int64_t>& kept,
+                                   const Tensor& residual) {
+  Tensor y = forward(c, x, topk_idx, gates, state, kept);
+  kernels::add(c.ex, residual, y, y);
+  return y;
+}
+
+Tensor LocalExpertDispatch::forward_add(const Ctx& c, const Tensor& x, const Tensor& topk_idx,
+                                        const Tensor& gates, std::unique_ptr<DispatchState>& state,
+                                        std::vector<int64_t>& kept, const Tensor& residual) {
+  residual_ = &residual;
+  Tensor y = forward(c, x, topk_idx, gates, state, kept);
+  residual_ = nullptr;
   return y;
 }
 
@@ -310,35 +327,41 @@ void MoELayer::collect_buffers(const std::string& prefix, std::vector<NamedBuffe
   out.push_back({prefix + ".router.bias", &router.bias});
 }
 
-Tensor MoELayer::forward(const Ctx& c, const Tensor& x, Saved& s, Stats* stats) {
+Tensor MoELayer::forward(const Ctx& c, const Tensor& x, Saved& s, Stats* stats, const Tensor* residual) {
+  // The routed experts' output, with the residual folded into the combine unless a shared
+  // expert's output comes first (then (routed + shared) + residual, the order of before).
+  const auto routed = [&](std::vector<int64_t>& kept) {
+    if (residual != nullptr && !shared) {
+      return dispatch_->forward_add(c, x, s.router.topk_idx, s.router.gates, s.dispatch, kept, *residual);
+    }
+    Tensor y = dispatch_->forward(c, x, s.router.topk_idx, s.router.gates, s.dispatch, kept);
+    if (shared) {
+      Tensor ys = shared->forward(c, x, s.shared);
+      kernels::add(c.ex, y, ys, y);
+      if (residual != nullptr) kernels::add(c.ex, *residual, y, y);
+    }
+    return y;
+  };
   if (device_stats_.defined()) {
     router.forward_device(c, x, s.router, stats ? &device_stats_ : nullptr);
     if (stats) device_selections_ += s.router.group_tokens * router.cfg.top_k;
     std::vector<int64_t> kept;
-    Tensor y = dispatch_->forward(c, x, s.router.topk_idx, s.router.gates, s.dispatch, kept);
+    Tensor y = routed(kept);
     if (stats) {  // the aux loss and counts arrive with the step's one read (Model::end_step)
       stats->aux_loss = 0;
       stats->selected.clear();
       stats->kept = std::move(kept);
     }
-    if (shared) {
-      Tensor ys = shared->forward(c, x, s.shared);
-      kernels::add(c.ex, y, ys, y);
-    }
     return y;
   }
   const double aux = router.forward(c, x, s.router);
   std::vector<int64_t> kept;
-  Tensor y = dispatch_->forward(c, x, s.router.topk_idx, s.router.gates, s.dispatch, kept);
+  Tensor y = routed(kept);
   if (stats) {
     stats->aux_loss = aux;
     stats->selected = s.router.selected;
     stats->kept = std::move(kept);
     for (size_t j = 0; j < step_load_.size(); ++j) step_load_[j] += stats->selected[j];
-  }
-  if (shared) {
-    Tensor ys = shared->forward(c, x, s.shared);
-    kernels::add(c.ex, y, ys, y);
   }
   return y;
 }

@@ -99,6 +99,11 @@ class ExpertDispatch {
   // kept: copies each expert processed (host, size E).
   virtual Tensor forward(const Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
                          std::unique_ptr<DispatchState>& state, std::vector<int64_t>& kept) = 0;
+  // forward, then residual [T,D] added to y (the block's residual stream). An implementation
+  // may fold the add into its combine (LocalExpertDispatch: one pass over y instead of two).
+  virtual Tensor forward_add(const Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
+                             std::unique_ptr<DispatchState>& state, std::vector<int64_t>& kept,
+                             const Tensor& residual);
   // Returns dx; writes dgates [T,k]; accumulates the expert weight gradients.
   virtual Tensor backward(const Ctx& c, const Tensor& dy, DispatchState& state, Tensor& dgates) = 0;
 };
@@ -110,6 +115,10 @@ class LocalExpertDispatch final : public ExpertDispatch {
   LocalExpertDispatch(Experts& experts, int64_t top_k, double capacity_factor);
   Tensor forward(const Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
                  std::unique_ptr<DispatchState>& state, std::vector<int64_t>& kept) override;
+  // The residual joins moe_unpermute's sum (no pass of its own).
+  Tensor forward_add(const Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
+                     std::unique_ptr<DispatchState>& state, std::vector<int64_t>& kept,
+                     const Tensor& residual) override;
   Tensor backward(const Ctx& c, const Tensor& dy, DispatchState& state, Tensor& dgates) override;
   // Dropless only: size the permuted rows as T*k without reading the expert counts back
   // (the grouped GEMMs take the offsets on the device); `kept` is then left empty.
@@ -120,6 +129,7 @@ class LocalExpertDispatch final : public ExpertDispatch {
   int64_t top_k_;
   double capacity_factor_;
   bool defer_counts_ = false;
+  const Tensor* residual_ = nullptr;  // forward_add's, for the forward it runs
 };
 
 class MoELayer {
@@ -141,7 +151,9 @@ class MoELayer {
 
   // x [T,D] (normed) -> [T,D]. With stats (training), fills them and adds this
   // micro-batch's selections to step_load(); without (evaluation, sampling), counts nothing.
-  Tensor forward(const Ctx& c, const Tensor& x, Saved& s, Stats* stats);
+  // residual [T,D] (optional; the block's residual stream) is added to the output, inside
+  // the dispatch's combine where it can (ExpertDispatch::forward_add).
+  Tensor forward(const Ctx& c, const Tensor& x, Saved& s, Stats* stats, const Tensor* residual = nullptr);
   Tensor backward(const Ctx& c, const Tensor& dy, Saved& s, float loss_weight);
 
   // Replaces the dispatch step (not owned; must outlive the layer's use). nullptr restores

@@ -603,7 +603,7 @@ void run() {
             [&] { be.moe_permute(b.ex, x, row_map, kTopK, xp); });
     Tensor gates = b.random({kTokens, kTopK}, DType::kF32, 0.0f, 1.0f), y = b.empty({kTokens, kD}, bf);
     b.bytes("moe_unpermute_16384x1024_k2", 3.0 * T * kD * 2, "read 2 copies + write y (bf16)",
-            [&] { be.moe_unpermute(b.ex, xp, row_map, gates, y); });
+            [&] { be.moe_unpermute(b.ex, xp, row_map, gates, y, nullptr); });
     Tensor logits = b.random({kTokens, kExperts}, DType::kF32),
            scores = b.empty({kTokens, kExperts}, DType::kF32);
     Tensor ti = b.empty({kTokens, kTopK}, DType::kI32), gt = b.empty({kTokens, kTopK}, DType::kF32);

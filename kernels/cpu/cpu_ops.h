@@ -101,7 +101,8 @@ void moe_dispatch_plan(const Exec& ex, const Tensor& topk_idx, int64_t num_exper
 void moe_permute(const Exec& ex, const Tensor& x, const Tensor& row_map, int64_t top_k, Tensor& xp);
 void moe_permute_backward(const Exec& ex, const Tensor& dxp, const Tensor& row_map, int64_t top_k,
                           Tensor& dx);
-void moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, const Tensor& gates, Tensor& y);
+void moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, const Tensor& gates, Tensor& y,
+                   const Tensor* residual);
 void moe_unpermute_backward(const Exec& ex, const Tensor& dy, const Tensor& yp, const Tensor& row_map,
                             const Tensor& gates, Tensor& dyp, Tensor& dgates);
 void expert_counts(const Exec& ex, const Tensor& topk_idx, Tensor& counts, bool accumulate);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "kernels/cpu/cpu_ops.h"
@@ -172,10 +173,13 @@ void moe_permute_backward(const Exec&, const Tensor& dxp, const Tensor& row_map,
   }
 }
 
-void moe_unpermute(const Exec&, const Tensor& yp, const Tensor& row_map, const Tensor& gates, Tensor& y) {
+void moe_unpermute(const Exec&, const Tensor& yp, const Tensor& row_map, const Tensor& gates, Tensor& y,
+                   const Tensor* residual) {
   const int64_t tokens = y.size(0), dim = y.size(1), rows = yp.size(0), top_k = gates.size(1);
   const int32_t* pm = row_map.data<int32_t>();
   F32In pyp(yp), pg(gates);
+  std::optional<F32In> pres;
+  if (residual != nullptr) pres.emplace(*residual);
   F32Out py(y);
   for (int64_t t = 0; t < tokens; ++t) {
     float* dst = py.get() + t * dim;
@@ -187,6 +191,10 @@ void moe_unpermute(const Exec&, const Tensor& yp, const Tensor& row_map, const T
       const float g = pg[t * top_k + j];
       const float* src = pyp.get() + r * dim;
       for (int64_t d = 0; d < dim; ++d) dst[d] += g * src[d];
+    }
+    if (pres) {  // after the sum: what a separate add of the residual gives
+      const float* res = pres->get() + t * dim;
+      for (int64_t d = 0; d < dim; ++d) dst[d] += res[d];
     }
   }
 }

@@ -447,15 +447,17 @@ void cuda_moe_permute_backward(const Exec& ex, const Tensor& dxp, const Tensor& 
 }
 
 void cuda_moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, const Tensor& gates,
-                        Tensor& y) {
+                        Tensor& y, const Tensor* residual) {
   OpScope s(ex, "moe_unpermute");
   require(yp, "moe_unpermute", "yp");
   require(row_map, "moe_unpermute", "row_map");
   require(gates, "moe_unpermute", "gates");
   require(y, "moe_unpermute", "y");
   require_dtype(y, yp.dtype(), "moe_unpermute", "y");
+  if (residual != nullptr) require(*residual, "moe_unpermute", "residual");
   gpu::launch_moe_unpermute(s.env, yp.data_ptr(), i32(row_map), gates.data_ptr(), gates.dtype(), y.size(0),
-                            gates.size(1), y.size(1), y.data_ptr(), y.dtype());
+                            gates.size(1), y.size(1), y.data_ptr(), y.dtype(),
+                            residual != nullptr ? residual->data_ptr() : nullptr);
 }
 
 void cuda_moe_unpermute_backward(const Exec& ex, const Tensor& dy, const Tensor& yp, const Tensor& row_map,

@@ -131,8 +131,10 @@ void launch_moe_permute(const Env& env, const void* x, int64_t tokens, int64_t d
                         int64_t top_k, void* xp, DType t);
 void launch_moe_permute_backward(const Env& env, const void* dxp, const int32_t* row_map, int64_t tokens,
                                  int64_t top_k, int64_t d, void* dx, DType t);
+// residual (null: none): [tokens, d] of y's dtype, added to the sum before y's rounding.
 void launch_moe_unpermute(const Env& env, const void* yp, const int32_t* row_map, const void* gates, DType gt,
-                          int64_t tokens, int64_t top_k, int64_t d, void* y, DType t);
+                          int64_t tokens, int64_t top_k, int64_t d, void* y, DType t,
+                          const void* residual = nullptr);
 void launch_moe_unpermute_backward(const Env& env, const void* dy, const void* yp, const int32_t* row_map,
                                    const void* gates, DType gt, int64_t tokens, int64_t top_k, int64_t d, void* dyp,
                                    void* dgates, DType t);

@@ -351,8 +351,10 @@ __global__ void permute_backward_kernel(const T* dxp, const int32_t* row_map, in
   }
 }
 
+// residual (or null) is added after the sum, in f32, before the one rounding into y.
 template <int V, typename T, typename G>
-__global__ void unpermute_kernel(const T* yp, const int32_t* row_map, const G* gates, int64_t top_k, int64_t d, T* y) {
+__global__ void unpermute_kernel(const T* yp, const int32_t* row_map, const G* gates, int64_t top_k,
+                                 int64_t d, T* y, const T* residual) {
   pdl_wait();
   const int64_t t = blockIdx.x;
   for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
@@ -365,6 +367,12 @@ __global__ void unpermute_kernel(const T* yp, const int32_t* row_map, const G* g
       load_floats<V>(yp + int64_t{row} * d + c, v);
 #pragma unroll
       for (int i = 0; i < V; ++i) acc[i] += g * v[i];
+    }
+    if (residual != nullptr) {
+      float r[V];
+      load_floats<V>(residual + t * d + c, r);
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] += r[i];
     }
     store_floats<V>(y + t * d + c, acc);
   }
@@ -510,18 +518,19 @@ void launch_moe_permute_backward(const Env& env, const void* dxp, const int32_t*
 }
 
 void launch_moe_unpermute(const Env& env, const void* yp, const int32_t* row_map, const void* gates, DType gt,
-                          int64_t tokens, int64_t top_k, int64_t d, void* y, DType t) {
+                          int64_t tokens, int64_t top_k, int64_t d, void* y, DType t, const void* residual) {
   if (tokens == 0) return;
   TROUPE_DISPATCH_FLOAT(t, T, "moe_unpermute", TROUPE_DISPATCH_FLOAT(gt, G, "moe_unpermute", {
     const auto* src = static_cast<const T*>(yp);
     const auto* gp = static_cast<const G*>(gates);
+    const auto* res = static_cast<const T*>(residual);
     auto* dst = static_cast<T*>(y);
-    if (rows_packable<T>(d, {yp, y})) {
+    if (rows_packable<T>(d, {yp, y}) && rows_packable<T>(d, {residual != nullptr ? residual : y})) {
       launch(env, unpermute_kernel<8, T, G>, static_cast<unsigned>(tokens), 128, 0, src, row_map, gp, top_k,
-             d, dst);
+             d, dst, res);
     } else {
       launch(env, unpermute_kernel<1, T, G>, static_cast<unsigned>(tokens), row_threads(d), 0, src, row_map,
-             gp, top_k, d, dst);
+             gp, top_k, d, dst, res);
     }
   }));
   TROUPE_CUDA_LAUNCH_CHECK();

@@ -1302,6 +1302,30 @@ void add_moe_cases(std::vector<OpCase>& cases, Rng& rng) {
       };
       cases.push_back(std::move(c));
     }
+    // With the block's residual stream added in the combine (LocalExpertDispatch::forward_add);
+    // 16 columns take the CUDA kernel's 8-element packs, 5 its scalar path.
+    for (const int64_t rd : {int64_t{5}, int64_t{16}}) {
+      OpCase c;
+      c.name = fmt::format("moe_unpermute/residual/d{}/{}", rd, tag);
+      c.ops = {"moe_unpermute"};
+      c.inputs = {rng.uniform({rows, rd}), plan[0], rng.uniform({t, k}, 0.1, 1.0), rng.uniform({t, rd})};
+      c.forward = [t, rd](TestDevice& dev, const Tensors& in) {
+        Tensor y = dev.poisoned({t, rd});
+        moe_unpermute(dev.exec(), in[0], in[1], in[2], y, &in[3]);
+        return HostTensors{dev.download(y)};
+      };
+      c.reference = [t, k, rd](const HostTensors& in) {
+        HostTensor y = HostTensor::zeros({t, rd});
+        for (int64_t cp = 0; cp < t * k; ++cp) {
+          const int64_t r = static_cast<int64_t>(in[1][cp]);
+          if (r < 0) continue;
+          for (int64_t d = 0; d < rd; ++d) y[(cp / k) * rd + d] += in[2][cp] * in[0][r * rd + d];
+        }
+        for (int64_t i = 0; i < t * rd; ++i) y[i] += in[3][i];
+        return HostTensors{y};
+      };
+      cases.push_back(std::move(c));
+    }
   }
 }
 
