@@ -35,27 +35,46 @@ Tensor Attention::positions(int64_t batch, int64_t seq) {
 
 const Tensor& Attention::device_positions(const Ctx& c, int64_t batch, int64_t seq) const {
   // Uploaded once per (batch, seq, device): the same positions serve every micro-batch.
-  if (!pos_cache_.defined() || pos_cache_.numel() != batch * seq || pos_seq_ != seq ||
-      pos_cache_.device() != c.ex.device) {
-    pos_cache_ = c.to_device(positions(batch, seq));
-    pos_seq_ = seq;
-  }
-  return pos_cache_;
+  const auto hit = [&](const PosCache& e) {
+    return e.pos.defined() && e.pos.numel() == batch * seq && e.seq == seq && e.pos.device() == c.ex.device;
+  };
+  for (PosCache& e : pos_cache_)
+    if (hit(e)) return e.pos;
+  PosCache& slot = pos_cache_[pos_cache_[0].pos.defined() ? 1 : 0];  // else replace the second
+  slot.pos = c.to_device(positions(batch, seq));
+  slot.seq = seq;
+  return slot.pos;
 }
 
 void Attention::project_qkv(const Ctx& c, const Tensor& x, const Tensor& pos, int64_t batch, int64_t seq,
-                            Tensor& q, Tensor& k, Tensor& v) const {
+                            Tensor& q, Tensor& k, Tensor& v, const Tensor* qk_positions) const {
   const int64_t t = x.size(0);
-  q = c.empty({t, n_heads * head_dim});
-  k = c.empty({t, n_kv_heads * head_dim});
+  const bool one_rope = qk_positions != nullptr && n_kv_heads == n_heads;
+  Tensor qk;  // one_rope: q's rows, then k's
+  if (one_rope) {
+    TROUPE_CHECK(qk_positions->numel() == 2 * t, "Attention::project_qkv: qk_positions has {} rows, want {}",
+                 qk_positions->numel(), 2 * t);
+    qk = c.empty({2 * t, n_heads * head_dim});
+    q = qk.narrow(0, 0, t);
+    k = qk.narrow(0, t, t);
+  } else {
+    q = c.empty({t, n_heads * head_dim});
+    k = c.empty({t, n_kv_heads * head_dim});
+  }
   v = c.empty({t, n_kv_heads * head_dim});
   kernels::matmul(c.ex, x, wq.w(), q);
   kernels::matmul(c.ex, x, wk.w(), k);
   kernels::matmul(c.ex, x, wv.w(), v);
+  if (one_rope) {
+    Tensor qk3 = qk.view({2 * t, n_heads, head_dim});
+    kernels::rope_forward(c.ex, qk3, *qk_positions, rope_theta, qk3);
+  }
   q = q.view({t, n_heads, head_dim});
   k = k.view({t, n_kv_heads, head_dim});
-  kernels::rope_forward(c.ex, q, pos, rope_theta, q);
-  kernels::rope_forward(c.ex, k, pos, rope_theta, k);
+  if (!one_rope) {
+    kernels::rope_forward(c.ex, q, pos, rope_theta, q);
+    kernels::rope_forward(c.ex, k, pos, rope_theta, k);
+  }
   q = q.view({batch, seq, n_heads, head_dim});
   k = k.view({batch, seq, n_kv_heads, head_dim});
   v = v.view({batch, seq, n_kv_heads, head_dim});
@@ -80,7 +99,9 @@ Tensor Attention::project_out(const Ctx& c, const Tensor& out) const {
 Tensor Attention::forward(const Ctx& c, const Tensor& x, int64_t batch, int64_t seq, Saved& s) const {
   s.x = x;
   s.pos = device_positions(c, batch, seq);
-  project_qkv(c, x, s.pos, batch, seq, s.q, s.k, s.v);
+  // q's and k's rows rotated by one RoPE launch: their positions twice over.
+  const Tensor& qk_pos = device_positions(c, 2 * batch, seq);
+  project_qkv(c, x, s.pos, batch, seq, s.q, s.k, s.v, &qk_pos);
   core_forward(c, s.q, s.k, s.v, s.out, s.lse);
   return project_out(c, s.out);
 }

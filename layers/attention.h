@@ -33,8 +33,10 @@ class Attention {
   Tensor backward(const Ctx& c, const Tensor& dy, const Saved& s);
 
   // The separable steps. positions: i32 [T] (position of each token in its sequence).
+  // qk_positions (optional): i32 [2T], positions then positions again. Where q and k have
+  // the same heads, q and k are then rows of one buffer that one RoPE launch rotates.
   void project_qkv(const Ctx& c, const Tensor& x, const Tensor& positions, int64_t batch, int64_t seq,
-                   Tensor& q, Tensor& k, Tensor& v) const;
+                   Tensor& q, Tensor& k, Tensor& v, const Tensor* qk_positions = nullptr) const;
   void core_forward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                     Tensor& lse) const;
   Tensor project_out(const Ctx& c, const Tensor& out) const;
@@ -50,7 +52,8 @@ class Attention {
                               Tensor& dv, bool rope_undone = false);
 
   static Tensor positions(int64_t batch, int64_t seq);  // host i32 [B*S]: t % seq
-  // positions() on the Exec's device, cached (uploaded again only when the shape changes).
+  // positions() on the Exec's device, cached (uploaded again only when the shape changes;
+  // two shapes at a time: forward asks for batch and 2 * batch, see project_qkv).
   const Tensor& device_positions(const Ctx& c, int64_t batch, int64_t seq) const;
 
   Parameter wq, wk, wv, wo;  // [D, Hq*Dh], [D, Hkv*Dh], [D, Hkv*Dh], [Hq*Dh, D]
@@ -58,8 +61,11 @@ class Attention {
   float rope_theta;
 
  private:
-  mutable Tensor pos_cache_;
-  mutable int64_t pos_seq_ = 0;
+  struct PosCache {
+    Tensor pos;
+    int64_t seq = 0;
+  };
+  mutable PosCache pos_cache_[2];
 };
 
 }  // namespace troupe::layers
