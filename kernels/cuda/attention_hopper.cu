@@ -30,12 +30,14 @@
 // Tensors: q [B,S,Hq,Dh], k/v [B,S,Hkv,Dh], lse f32 [B,Hq,S] (natural log), read through
 // 4-D tensor maps (Dh, H, S, B) with boxes of 64 x 1 x rows x 1: a tile is Dh/64 column
 // chunks of `rows` 128-byte rows. Rows past S arrive as zeros and are masked.
+#include <cmath>
 #include <initializer_list>
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/hopper.cuh"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/rope_angle.cuh"
 
 namespace troupe::kernels::gpu {
 
@@ -1221,6 +1223,47 @@ void launch_attention_forward_hopper(const Env& env, const AttentionShape& s, co
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
+// The fused head-dim-64 backward's preparation in one pass (FlashAttention-3's preprocess
+// does the first two): D = rowsum(dO * O) of each (token, head) row, as
+// attention_rowdot_packed_kernel sums it (8 lanes of 8 columns, then a butterfly); dQ's
+// f32 accumulator cleared, each row clearing 64 floats at acc + 64 r (a clear does not
+// care about the buffer's tile layout; the caller clears what lies past rows * 64); and,
+// with RoPE, the token's (cos, -sin) table ([tokens][32], launch_rope_table's values),
+// written by its head-0 row. Three launches before (rowdot, table, memset): one now.
+__global__ void __launch_bounds__(256)
+    attention_bwd_prep_kernel(AttentionShape s, const bf16* out, const bf16* dout, float* dsum, float* acc,
+                              const int32_t* pos, double log_theta, float2* cs) {
+  pdl_wait();
+  constexpr int kLanes = 8;
+  const int64_t rows = s.batch * s.seq * s.q_heads;
+  const int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const int64_t r = t / kLanes;
+  const int part = static_cast<int>(t % kLanes);
+  float a = 0.0f;
+  if (r < rows) {
+    float o[8], g[8];
+    load_floats<8>(out + r * 64 + part * 8, o);
+    load_floats<8>(dout + r * 64 + part * 8, g);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) a += o[j] * g[j];
+    float4* z = reinterpret_cast<float4*>(acc + r * 64 + part * 8);
+    z[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    z[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (cs != nullptr && r % s.q_heads == 0) {
+      const int64_t token = r / s.q_heads;
+#pragma unroll
+      for (int p = part * 4; p < part * 4 + 4; ++p)
+        cs[token * 32 + p] = rope_cos_sin(pos[token], p, 64, log_theta, true);
+    }
+  }
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o /= 2) a += __shfl_xor_sync(0xffffffffu, a, o);  // whole warps
+  if (r < rows && part == 0) {
+    const int64_t h = r % s.q_heads, bi = r / s.q_heads, b = bi / s.seq, i = bi % s.seq;
+    dsum[(b * s.q_heads + h) * s.seq + i] = a;
+  }
+}
+
 size_t attention_fused_dq_bytes(const AttentionShape& s) {
   constexpr int kN = FusedBwd::kStream;
   return static_cast<size_t>(s.batch * s.q_heads * ceil_div(s.seq, kN) * kN * s.head_dim) * sizeof(float);
@@ -1231,7 +1274,6 @@ bool launch_attention_backward_hopper(const Env& env, const AttentionShape& s, c
                                       float scale, void* dq, void* dk, void* dv, void* scratch, bool fused_dq,
                                       const AttentionRope* rope) {
   float* dsum = static_cast<float*>(scratch);
-  launch_attention_rowdot(env, s, out, dout, dsum, DType::kBF16);
   const CUtensorMap mk = head_map(k, s, s.kv_heads, kBlockRows), mv = head_map(v, s, s.kv_heads, kBlockRows);
   if (s.head_dim == 64 && fused_dq) {
     using C = FusedBwd;
@@ -1241,9 +1283,24 @@ bool launch_attention_backward_hopper(const Env& env, const AttentionShape& s, c
     float2* cs = nullptr;
     if (rope != nullptr) {  // the rotation table after dQ's accumulator (attention_rope_bytes)
       cs = reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(acc) + attention_fused_dq_bytes(s));
-      launch_rope_table(env, rope->pos, rope->theta, s.batch * s.seq, s.head_dim, cs);
     }
-    CUDA_CHECK(cudaMemsetAsync(acc, 0, attention_fused_dq_bytes(s), env.stream));
+    const int64_t rows = s.batch * s.seq * s.q_heads;
+    if (aligned_to(out, 16) && aligned_to(dout, 16)) {  // D, the clear and the table in one pass
+      launch(env, attention_bwd_prep_kernel, static_cast<unsigned>(ceil_div(rows * 8, int64_t{256})), 256, 0,
+             s, static_cast<const bf16*>(out), static_cast<const bf16*>(dout), dsum, acc,
+             rope != nullptr ? rope->pos : nullptr,
+             rope != nullptr ? std::log(static_cast<double>(rope->theta)) : 0.0, cs);
+      TROUPE_CUDA_LAUNCH_CHECK();
+      const size_t cleared = static_cast<size_t>(rows) * 64 * sizeof(float);
+      if (attention_fused_dq_bytes(s) > cleared) {  // query tiles past the sequence's end
+        CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<unsigned char*>(acc) + cleared, 0,
+                                   attention_fused_dq_bytes(s) - cleared, env.stream));
+      }
+    } else {
+      launch_attention_rowdot(env, s, out, dout, dsum, DType::kBF16);
+      if (rope != nullptr) launch_rope_table(env, rope->pos, rope->theta, s.batch * s.seq, s.head_dim, cs);
+      CUDA_CHECK(cudaMemsetAsync(acc, 0, attention_fused_dq_bytes(s), env.stream));
+    }
     auto kernel = attention_bwd_fused_hopper_kernel;
     allow_smem(kernel, C::S::kBytes);
     launch(env, kernel, block_grid(s, s.kv_heads), kThreads, C::S::kBytes, mq, mdo, mk, mv, s, lse, dsum,
@@ -1255,6 +1312,7 @@ bool launch_attention_backward_hopper(const Env& env, const AttentionShape& s, c
     TROUPE_CUDA_LAUNCH_CHECK();
     return rope != nullptr;
   }
+  launch_attention_rowdot(env, s, out, dout, dsum, DType::kBF16);
   dispatch_head_dim(s.head_dim, [&](auto d) {
     using L = typename BwdCfg<d()>::S;
     constexpr int kN = BwdCfg<d()>::kStream;

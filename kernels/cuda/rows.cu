@@ -7,6 +7,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/rope_angle.cuh"
 
 namespace troupe::kernels::gpu {
 
@@ -260,11 +261,9 @@ __global__ void rope_kernel(const T* x, const int32_t* pos, double log_theta, in
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
     const int64_t p = i % half, t = i / half;
-    const double inv_freq = exp(-(2.0 * static_cast<double>(p) / static_cast<double>(head_dim)) * log_theta);
-    double s, c;
-    sincos(static_cast<double>(pos[t]) * inv_freq, &s, &c);
-    const float sf = inverse ? -static_cast<float>(s) : static_cast<float>(s);
-    const float cf = static_cast<float>(c);
+    const float2 cs =
+        rope_cos_sin(pos[t], static_cast<int>(p), static_cast<int>(head_dim), log_theta, inverse);
+    const float cf = cs.x, sf = cs.y;
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t base = (t * heads + h) * head_dim;
       const float x1 = to_float(x[base + p]), x2 = to_float(x[base + p + half]);
@@ -299,10 +298,7 @@ __device__ void rope_angles(const int32_t* pos, double log_theta, int64_t t0, in
   const int half = head_dim / 2;
   for (int i = threadIdx.x; i < n_tok * half; i += blockDim.x) {
     const int tt = i / half, p = i % half;
-    const double inv_freq = exp(-(2.0 * static_cast<double>(p) / static_cast<double>(head_dim)) * log_theta);
-    double sn, c;
-    sincos(static_cast<double>(pos[t0 + tt]) * inv_freq, &sn, &c);
-    cs[i] = make_float2(static_cast<float>(c), inverse ? -static_cast<float>(sn) : static_cast<float>(sn));
+    cs[i] = rope_cos_sin(pos[t0 + tt], p, head_dim, log_theta, inverse);
   }
   __syncthreads();
 }

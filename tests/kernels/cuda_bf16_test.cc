@@ -352,9 +352,10 @@ TEST_F(CudaBf16, GroupedMatmulDwSumSquares) {
 
 TEST_F(CudaBf16, Attention) {
   const Exec cpu = Exec::cpu();
-  // 77: one partial tile; 333: several tiles, the causal skip and a partial last tile.
+  // 77: one partial tile; 333: several tiles, the causal skip and a partial last tile; 256:
+  // whole 128-row tiles (the fused backward's preparation then clears dQ's accumulator alone).
   for (int64_t dh : {64, 128, 40}) {  // tensor-core paths (64, 128) and fp32 path (40)
-    for (int64_t s : {77, 333}) {
+    for (int64_t s : {77, 256, 333}) {
       const int64_t b = 2, hq = 4, hkv = 2;
       const std::string at = fmt::format(" (dh {} s {})", dh, s);
       Tensor q = host_random({b, s, hq, dh}, kBF), k = host_random({b, s, hkv, dh}, kBF);
