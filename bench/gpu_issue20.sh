@@ -23,6 +23,7 @@
 #   envab    Troupe alone on bench_1b under each value of the environment variable AB_ENV
 #            (AB_VALUES, space-separated), alternating, two rounds: a run-time switch's cost
 #   grads    Troupe on bench_1b with train.expert_grads "bf16" and "f32", alternating, twice
+#   ahead    Troupe on bench_1b with train.launch_ahead true and false, alternating, twice
 #   dq       Troupe on bench_1b with the attention's dQ inside the dK/dV kernel (the default
 #            at head dim 64 on Hopper) and in its own (train.attention_fused_dq=false), twice
 #   ab       Troupe alone on bench_1b, this tree's build ($BUILD) against a copy of this tree
@@ -155,6 +156,10 @@ for step in "$@"; do
       fi
       # shellcheck disable=SC2086
       troupe_ab "env-$AB_ENV" env "$AB_ENV" $AB_VALUES
+      ;;
+    ahead)
+      # A replayed step's successor enqueued before its statistics are read, and not.
+      troupe_ab ahead set train.launch_ahead true false
       ;;
     grads)
       # The experts' weight gradients in bf16 (bench_1b's setting, as the peer's autocast

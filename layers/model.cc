@@ -273,11 +273,31 @@ int64_t Model::enable_grad_norm_fold(const Ctx& c) {
 }
 
 std::vector<std::vector<int64_t>> Model::end_step(const Ctx& c) {
+  if (!stats_dev_.defined()) return end_step_with(c, nullptr);
+  // The step's one read: losses, norm, counts and aux losses together; then zeroed (after
+  // they are taken: on the CPU the read is the buffer itself).
+  const Tensor h = c.to_host(stats_dev_);
+  std::vector<std::vector<int64_t>> out = end_step_with(c, h.data<float>());
+  clear_device_stats(c);
+  return out;
+}
+
+void Model::clear_device_stats(const Ctx& c) {
+  TROUPE_CHECK(stats_dev_.defined(), "Model::clear_device_stats needs enable_device_stats");
+  kernels::fill(c.ex, stats_dev_, 0.0f);
+}
+
+bool Model::updates_between_steps() const {
+  for (const auto& b : blocks)
+    if (b->is_moe() && b->moe->router.cfg.bias_update_rate > 0) return true;
+  return false;
+}
+
+std::vector<std::vector<int64_t>> Model::end_step_with(const Ctx& c, const float* p) {
+  TROUPE_CHECK(p != nullptr || !stats_dev_.defined(),
+               "Model::end_step_with: device mode needs the statistics read");
   std::vector<std::vector<int64_t>> out;
   if (stats_dev_.defined()) {
-    // The step's one read: losses, norm, counts and aux losses together; then zeroed.
-    const Tensor h = c.to_host(stats_dev_);
-    const float* p = h.data<float>();
     last_stats_ = StepStats{p[0], p[1], 0.0};
     int64_t i = 0;
     for (auto& b : blocks) {
@@ -285,7 +305,6 @@ std::vector<std::vector<int64_t>> Model::end_step(const Ctx& c) {
       last_stats_.aux_loss += b->moe->absorb_device_stats(p + 4 + i * stats_stride_);
       ++i;
     }
-    kernels::fill(c.ex, stats_dev_, 0.0f);
   }
   for (auto& b : blocks) {
     if (!b->is_moe()) continue;

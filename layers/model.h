@@ -59,6 +59,16 @@ class Model {
   // micro-batches) and applies the aux-loss-free bias update with them.
   std::vector<std::vector<int64_t>> end_step();
   std::vector<std::vector<int64_t>> end_step(const Ctx& c);
+  // end_step in two halves, for a loop that enqueues the next step before reading this
+  // one's statistics (train_moe): the caller copies device_stats_buffer() to the host
+  // (asynchronously), then clear_device_stats() zeroes it for the next step, and
+  // end_step_with() takes the copy (device mode; nullptr otherwise).
+  const Tensor& device_stats_buffer() const { return stats_dev_; }
+  void clear_device_stats(const Ctx& c);
+  std::vector<std::vector<int64_t>> end_step_with(const Ctx& c, const float* stats);
+  // Whether end_step changes what the next step computes (an MoE block's aux-loss-free
+  // bias update, from this step's loads): then the next step must not be enqueued first.
+  bool updates_between_steps() const;
 
   // Moves the model onto c's device (no-op for a CPU Ctx): f32 master values, f32
   // gradients in one flat buffer (flat_grads(), so that zeroing and the global norm are

@@ -123,6 +123,7 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(tc.train.fold_grad_norm,
                           cfg.get_bool("train.fold_grad_norm", tc.train.fold_grad_norm));
   TROUPE_ASSIGN_OR_RETURN(tc.train.cuda_graph, cfg.get_bool("train.cuda_graph", tc.train.cuda_graph));
+  TROUPE_ASSIGN_OR_RETURN(tc.train.launch_ahead, cfg.get_bool("train.launch_ahead", tc.train.launch_ahead));
   TROUPE_ASSIGN_OR_RETURN(tc.train.attention_fused_dq,
                           cfg.get_bool("train.attention_fused_dq", tc.train.attention_fused_dq));
   TROUPE_ASSIGN_OR_RETURN(std::string expert_grads, cfg.get_string("train.expert_grads", "f32"));

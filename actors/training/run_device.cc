@@ -28,10 +28,17 @@ struct RunDevice::Cuda {
   std::unique_ptr<kernels::CudaContext> ctx;
   cudaGraph_t graph = nullptr;  // a captured step (begin_capture / end_capture)
   cudaGraphExec_t exec = nullptr;
-  cudaEvent_t begin = nullptr, end = nullptr;  // mark_begin / mark_end
+  cudaEvent_t begin[2] = {}, end[2] = {};  // mark_begin / mark_end, per slot
+  float* pinned = nullptr;                 // read_async's buffer
+  size_t pinned_bytes = 0;
+  cudaEvent_t read_done = nullptr;
   ~Cuda() {
-    if (begin != nullptr) (void)cudaEventDestroy(begin);
-    if (end != nullptr) (void)cudaEventDestroy(end);
+    for (int i = 0; i < 2; ++i) {
+      if (begin[i] != nullptr) (void)cudaEventDestroy(begin[i]);
+      if (end[i] != nullptr) (void)cudaEventDestroy(end[i]);
+    }
+    if (read_done != nullptr) (void)cudaEventDestroy(read_done);
+    if (pinned != nullptr) (void)cudaFreeHost(pinned);
     if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
     if (graph != nullptr) (void)cudaGraphDestroy(graph);
   }
@@ -168,35 +175,72 @@ Status RunDevice::end_capture() {
 #endif
 }
 
-void RunDevice::mark_begin() const {
+void RunDevice::mark_begin(int slot) const {
+  TROUPE_CHECK(slot == 0 || slot == 1, "RunDevice::mark_begin: slot {} (0 or 1)", slot);
 #if TROUPE_HAVE_CUDA
   if (!cuda_) return;
-  if (cuda_->begin == nullptr) {
-    CUDA_CHECK(cudaEventCreate(&cuda_->begin));
-    CUDA_CHECK(cudaEventCreate(&cuda_->end));
+  if (cuda_->begin[slot] == nullptr) {
+    CUDA_CHECK(cudaEventCreate(&cuda_->begin[slot]));
+    CUDA_CHECK(cudaEventCreate(&cuda_->end[slot]));
   }
-  CUDA_CHECK(cudaEventRecord(cuda_->begin, cuda_->stream.get()));
+  CUDA_CHECK(cudaEventRecord(cuda_->begin[slot], cuda_->stream.get()));
 #endif
 }
 
-void RunDevice::mark_end() const {
+void RunDevice::mark_end(int slot) const {
+  TROUPE_CHECK(slot == 0 || slot == 1, "RunDevice::mark_end: slot {} (0 or 1)", slot);
 #if TROUPE_HAVE_CUDA
   if (!cuda_) return;
-  TROUPE_CHECK(cuda_->end != nullptr, "RunDevice::mark_end before mark_begin");
-  CUDA_CHECK(cudaEventRecord(cuda_->end, cuda_->stream.get()));
+  TROUPE_CHECK(cuda_->end[slot] != nullptr, "RunDevice::mark_end before mark_begin");
+  CUDA_CHECK(cudaEventRecord(cuda_->end[slot], cuda_->stream.get()));
 #endif
 }
 
-double RunDevice::device_ms() const {
+double RunDevice::device_ms(int slot) const {
+  TROUPE_CHECK(slot == 0 || slot == 1, "RunDevice::device_ms: slot {} (0 or 1)", slot);
 #if TROUPE_HAVE_CUDA
-  if (!cuda_ || cuda_->end == nullptr) return 0.0;
+  if (!cuda_ || cuda_->end[slot] == nullptr) return 0.0;
   float ms = 0.0f;
-  CUDA_CHECK(cudaEventSynchronize(cuda_->end));
-  CUDA_CHECK(cudaEventElapsedTime(&ms, cuda_->begin, cuda_->end));
+  CUDA_CHECK(cudaEventSynchronize(cuda_->end[slot]));
+  CUDA_CHECK(cudaEventElapsedTime(&ms, cuda_->begin[slot], cuda_->end[slot]));
   return ms;
 #else
   return 0.0;
 #endif
+}
+
+void RunDevice::read_async(const Tensor& src) {
+  TROUPE_CHECK(src.dtype() == DType::kF32 && src.is_contiguous(),
+               "RunDevice::read_async: {} (f32, contiguous)", src.describe());
+#if TROUPE_HAVE_CUDA
+  if (cuda_) {
+    if (cuda_->pinned_bytes < src.nbytes()) {
+      if (cuda_->pinned != nullptr) CUDA_CHECK(cudaFreeHost(cuda_->pinned));
+      cuda_->pinned = nullptr;
+      CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&cuda_->pinned), src.nbytes()));
+      cuda_->pinned_bytes = src.nbytes();
+    }
+    if (cuda_->read_done == nullptr)
+      CUDA_CHECK(cudaEventCreateWithFlags(&cuda_->read_done, cudaEventDisableTiming));
+    CUDA_CHECK(cudaMemcpyAsync(cuda_->pinned, src.data_ptr(), src.nbytes(), cudaMemcpyDeviceToHost,
+                               cuda_->stream.get()));
+    CUDA_CHECK(cudaEventRecord(cuda_->read_done, cuda_->stream.get()));
+    return;
+  }
+#endif
+  host_read_ = src.clone();
+}
+
+const float* RunDevice::read_wait() {
+#if TROUPE_HAVE_CUDA
+  if (cuda_) {
+    TROUPE_CHECK(cuda_->read_done != nullptr, "RunDevice::read_wait before read_async");
+    CUDA_CHECK(cudaEventSynchronize(cuda_->read_done));
+    return cuda_->pinned;
+  }
+#endif
+  TROUPE_CHECK(host_read_.defined(), "RunDevice::read_wait before read_async");
+  return host_read_.data<float>();
 }
 
 void RunDevice::launch_graph() const {

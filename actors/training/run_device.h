@@ -46,9 +46,17 @@ class RunDevice {
   // events on the stream; after the end event has completed (e.g. after synchronize()),
   // device_ms() is the GPU time between them, in ms. A step's wall time less this is what
   // the device sat idle waiting for the host. 0 on the CPU (and before any pair).
-  void mark_begin() const;
-  void mark_end() const;
-  double device_ms() const;
+  // slot (0 or 1): two pairs, so that a step's pair can be read after the next step's
+  // work was enqueued (train_moe's steps launched ahead).
+  void mark_begin(int slot = 0) const;
+  void mark_end(int slot = 0) const;
+  double device_ms(int slot = 0) const;
+  // A read-back that does not stop the stream: read_async() enqueues a copy of the device
+  // tensor src (f32) into a pinned host buffer; read_wait() waits for that copy alone and
+  // returns the buffer (valid until the next read_async). Work enqueued between them runs
+  // on. On the CPU read_async copies at once.
+  void read_async(const Tensor& src);
+  const float* read_wait();
   // train.attention_fused_dq (kernels::CudaContext::attention_fused_dq). No-op on the CPU.
   void set_attention_fused_dq(bool on);
 
@@ -69,6 +77,7 @@ class RunDevice {
   RunDevice() = default;
   struct Cuda;  // stream, allocator, context (CUDA builds)
   std::unique_ptr<Cuda> cuda_;
+  Tensor host_read_;  // read_async on the CPU
   layers::Ctx ctx_;
   std::string name_ = "cpu";
 };

@@ -262,8 +262,30 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     return b;
   };
   HostBatch ahead;
+  // Steps launched ahead (train.launch_ahead): a replayed step's successor is enqueued
+  // before its statistics are read (they are copied out and the buffer cleared first), so
+  // the device goes on while the host reads, logs and prepares. Not across an evaluation,
+  // a checkpoint, a time limit or a host-side update between steps (the router's bias).
+  const bool launch_ahead =
+      use_graph && tc.train.launch_ahead && tc.train.time_limit_s <= 0 && !model.updates_between_steps();
+  // Uploads a replayed step's batch and learning rate and launches the graph.
+  const auto replay = [&](int64_t s, const HostBatch& b, int slot) {
+    for (size_t m = 0; m < b.ids.size(); ++m) {
+      c.copy_to_device(b.ids[m], graph_ids[m]);
+      c.copy_to_device(b.targets[m], graph_targets[m]);
+    }
+    opt.prepare_step(c, tc.lr.at(s));
+    dev.mark_begin(slot);
+    dev.launch_graph();
+  };
+  bool launched = false;  // this step was enqueued by the previous one (launch_ahead)
+  bool ahead_told = false;
+  auto ready_at = Clock::now();  // when the previous step's statistics were read
   for (int64_t step = first_step; step <= tc.train.steps; ++step) {
-    const auto t0 = Clock::now();
+    // A step launched ahead began when its predecessor's results were in: the time between
+    // two such reads is what each step costs.
+    const auto t0 = launched ? ready_at : Clock::now();
+    const int slot = static_cast<int>(step % 2);  // its device-time events
     dev.reset_peak();
     dev.range_push("step");
     const size_t step_base_bytes = dev.bytes_in_use();
@@ -272,7 +294,7 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     // Right before the step's first launch: the host's time so far, and the device's mark.
     const auto begin_device_work = [&] {
       host_s = std::chrono::duration<double>(Clock::now() - t0).count();
-      dev.mark_begin();
+      dev.mark_begin(slot);
     };
     int64_t step_tokens = 0;
     const double lr = tc.lr.at(step);
@@ -284,7 +306,7 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     for (int64_t n : tokens) step_tokens += n;
     // Replayed while the batch's target counts are the captured step's (its loss scale).
     const bool graph_step =
-        use_graph && step > first_step && (graph_tokens.empty() || tokens == graph_tokens);
+        launched || (use_graph && step > first_step && (graph_tokens.empty() || tokens == graph_tokens));
     if (use_graph && !graph_step && !graph_tokens.empty() && !graph_mismatch_told) {
       fmt::print(
           "train_moe: step {} has another count of targets than the captured step ({} against {}): it "
@@ -292,7 +314,9 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
           step, step_tokens, std::accumulate(graph_tokens.begin(), graph_tokens.end(), int64_t{0}));
       graph_mismatch_told = true;
     }
-    if (graph_step && !dev.has_graph()) {
+    if (launched) {
+      // (enqueued by the previous step)
+    } else if (graph_step && !dev.has_graph()) {
       for (size_t m = 0; m < ids.size(); ++m) {  // allocated before the capture: the caller's
         graph_ids.push_back(c.to_device(ids[m]));
         graph_targets.push_back(c.to_device(targets[m]));
@@ -316,14 +340,9 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
           "by it); later steps replay it\n",
           step, static_cast<double>(dev.graph_pool_bytes()) / 1073741824.0);
     } else if (graph_step) {
-      for (size_t m = 0; m < ids.size(); ++m) {
-        c.copy_to_device(ids[m], graph_ids[m]);
-        c.copy_to_device(targets[m], graph_targets[m]);
-      }
-      opt.prepare_step(c, lr);
       model.add_pending_selections(graph_selections);
-      begin_device_work();
-      dev.launch_graph();
+      host_s = std::chrono::duration<double>(Clock::now() - t0).count();
+      replay(step, batch, slot);
     } else {
       begin_device_work();
       model.zero_grad(c);
@@ -347,12 +366,30 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
           std::sqrt(model.flat_grads().defined() ? model.grad_norm_squared(c) : opt.grad_norm_squared(c));
       opt.step(c, lr, grad_norm);
     }
-    dev.mark_end();
+    dev.mark_end(slot);
     // Host waits while the step's work was enqueued (before its metrics read below).
     const int64_t step_syncs = dev.host_syncs() - syncs_before,
                   step_uploads = dev.upload_waits() - uploads_before;
     if (dev.is_cuda() && step < tc.train.steps) ahead = read_batch(step + 1);  // while the device works
-    const std::vector<std::vector<int64_t>> load = model.end_step(c);
+    // The next step enqueued now, behind this one, where nothing between them needs the host.
+    const bool eval_due =
+        (tc.train.eval_every > 0 && step % tc.train.eval_every == 0) || step == tc.train.steps;
+    const bool ckpt_due = ckpt && training::checkpoint_due(tc.checkpoint.every, step, step == tc.train.steps);
+    const bool launch_next = launch_ahead && graph_step && dev.has_graph() && step < tc.train.steps &&
+                             !eval_due && !ckpt_due && ahead.step == step + 1 && ahead.tokens == graph_tokens;
+    if (launch_next) {
+      dev.read_async(model.device_stats_buffer());  // this step's statistics, then a clear buffer
+      model.clear_device_stats(c);
+      replay(step + 1, ahead, 1 - slot);
+      if (!ahead_told) {
+        fmt::print("train_moe: step {} enqueued before step {}'s statistics were read (train.launch_ahead)\n",
+                   step + 1, step);
+        ahead_told = true;
+      }
+    }
+    const std::vector<std::vector<int64_t>> load =
+        launch_next ? model.end_step_with(c, dev.read_wait()) : model.end_step(c);
+    if (launch_next) model.add_pending_selections(graph_selections);  // the next step's, after this one's
     if (device_stats) {
       const layers::Model::StepStats& ss = model.last_step_stats();
       lm_sum = ss.lm_loss_sum / static_cast<double>(std::max<int64_t>(1, step_tokens));
@@ -360,9 +397,13 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
       grad_norm = std::sqrt(ss.grad_norm_squared);
     }
     dev.range_pop();
-    dev.synchronize();  // the step's time includes its optimizer update
-    const double step_s = std::chrono::duration<double>(Clock::now() - t0).count();
-    const double device_ms = dev.device_ms();
+    // The step's time includes its optimizer update (with the next step enqueued, the read
+    // above waited for this step's end alone).
+    if (!launch_next) dev.synchronize();
+    ready_at = Clock::now();
+    launched = launch_next;
+    const double step_s = std::chrono::duration<double>(ready_at - t0).count();
+    const double device_ms = dev.device_ms(slot);
     // A replay allocates nothing: its peak is the captured step's.
     const size_t peak_bytes = graph_step ? std::max(graph_peak, dev.peak_bytes()) : dev.peak_bytes();
     tokens_seen += step_tokens;

@@ -202,7 +202,9 @@ TEST_F(StageGpu, TrainMoeBf16ExpertGradsMatchF32) {
 // A CUDA graph of the step (train.cuda_graph, the default): step 1 runs launch by launch,
 // step 2 is captured, the rest replay it, with evaluations (eager work and allocations)
 // between replays. The same kernels run in the same order on the same inputs, so every
-// step's loss and gradient norm equal the launch-by-launch run's.
+// step's loss and gradient norm equal the launch-by-launch run's. Replays are launched
+// ahead (train.launch_ahead): steps 3, 5, 6 and 8 are enqueued before the statistics of
+// the step before them are read (not 4 and 7, which follow the evaluations at 3 and 6).
 TEST_F(StageGpu, TrainMoeCudaGraphStepsMatchLaunchByLaunch) {
   auto train = [](const std::string& name, bool graph) {
     TrainMoeCommand c;
@@ -220,6 +222,9 @@ TEST_F(StageGpu, TrainMoeCudaGraphStepsMatchLaunchByLaunch) {
   const RunResult graph = train("moe-graph", true);
   ASSERT_EQ(graph.exit_code, 0) << graph.output;
   EXPECT_NE(graph.output.find("step 2 captured as a CUDA graph"), std::string::npos) << graph.output;
+  // train.launch_ahead (the default): step 3 was enqueued behind step 2, before its read.
+  EXPECT_NE(graph.output.find("step 3 enqueued before step 2's statistics were read"), std::string::npos)
+      << graph.output;
   const auto ref = latest_step_records(*root_ / "moe-launches" / "metrics.jsonl");
   const auto got = latest_step_records(*root_ / "moe-graph" / "metrics.jsonl");
   ASSERT_EQ(ref.size(), got.size());
