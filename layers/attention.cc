@@ -68,12 +68,10 @@ void Attention::project_qkv(const Ctx& c, const Tensor& x, const Tensor& pos, in
   if (one_rope) {
     Tensor qk3 = qk.view({2 * t, n_heads, head_dim});
     kernels::rope_forward(c.ex, qk3, *qk_positions, rope_theta, qk3);
-  }
-  q = q.view({t, n_heads, head_dim});
-  k = k.view({t, n_kv_heads, head_dim});
-  if (!one_rope) {
-    kernels::rope_forward(c.ex, q, pos, rope_theta, q);
-    kernels::rope_forward(c.ex, k, pos, rope_theta, k);
+  } else {
+    Tensor q3 = q.view({t, n_heads, head_dim}), k3 = k.view({t, n_kv_heads, head_dim});
+    kernels::rope_forward(c.ex, q3, pos, rope_theta, q3);
+    kernels::rope_forward(c.ex, k3, pos, rope_theta, k3);
   }
   q = q.view({batch, seq, n_heads, head_dim});
   k = k.view({batch, seq, n_kv_heads, head_dim});

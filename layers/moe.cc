@@ -237,6 +237,18 @@ LocalExpertDispatch::LocalExpertDispatch(Experts& experts, int64_t top_k, double
 
 Tensor LocalExpertDispatch::forward(const Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
                                     std::unique_ptr<DispatchState>& state, std::vector<int64_t>& kept) {
+  return combine(c, x, topk_idx, gates, state, kept, nullptr);
+}
+
+Tensor LocalExpertDispatch::forward_add(const Ctx& c, const Tensor& x, const Tensor& topk_idx,
+                                        const Tensor& gates, std::unique_ptr<DispatchState>& state,
+                                        std::vector<int64_t>& kept, const Tensor& residual) {
+  return combine(c, x, topk_idx, gates, state, kept, &residual);
+}
+
+Tensor LocalExpertDispatch::combine(const Ctx& c, const Tensor& x, const Tensor& topk_idx,
+                                    const Tensor& gates, std::unique_ptr<DispatchState>& state,
+                                    std::vector<int64_t>& kept, const Tensor* residual) {
   auto st = std::make_unique<LocalDispatchState>();
   const int64_t t = x.size(0), e = experts_.w1.value.size(0);
   int64_t capacity = -1;
@@ -264,7 +276,7 @@ Tensor LocalExpertDispatch::forward(const Ctx& c, const Tensor& x, const Tensor&
   kernels::moe_permute(c.ex, x, st->row_map, top_k_, xp);
   st->yp = experts_.forward(c, xp, st->offsets, st->experts);
   Tensor y = c.empty(x.shape());
-  kernels::moe_unpermute(c.ex, st->yp, st->row_map, gates, y, residual_);
+  kernels::moe_unpermute(c.ex, st->yp, st->row_map, gates, y, residual);
   st->gates = gates;
   st->tokens = t;
   state = std::move(st);
@@ -276,15 +288,6 @@ Tensor ExpertDispatch::forward_add(const Ctx& c, const Tensor& x, const Tensor& 
                                    const Tensor& residual) {
   Tensor y = forward(c, x, topk_idx, gates, state, kept);
   kernels::add(c.ex, residual, y, y);
-  return y;
-}
-
-Tensor LocalExpertDispatch::forward_add(const Ctx& c, const Tensor& x, const Tensor& topk_idx,
-                                        const Tensor& gates, std::unique_ptr<DispatchState>& state,
-                                        std::vector<int64_t>& kept, const Tensor& residual) {
-  residual_ = &residual;
-  Tensor y = forward(c, x, topk_idx, gates, state, kept);
-  residual_ = nullptr;
   return y;
 }
 

@@ -129,7 +129,9 @@ class LocalExpertDispatch final : public ExpertDispatch {
   int64_t top_k_;
   double capacity_factor_;
   bool defer_counts_ = false;
-  const Tensor* residual_ = nullptr;  // forward_add's, for the forward it runs
+  // forward and forward_add: permute, experts, then the gated combine (+ residual).
+  Tensor combine(const Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
+                 std::unique_ptr<DispatchState>& state, std::vector<int64_t>& kept, const Tensor* residual);
 };
 
 class MoELayer {

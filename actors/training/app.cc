@@ -154,8 +154,7 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   if (tc.train.expert_grads != DType::kF32 && role != "worker") {
     fmt::print(
         "note: train.expert_grads = \"{}\" applies to train_moe's single-process loop; the Trainer's stages "
-        "keep "
-        "f32 gradients (their reductions and buckets are f32)\n",
+        "keep f32 gradients (their reductions and buckets are f32)\n",
         dtype_name(tc.train.expert_grads));
   }
   if (role == "worker") {
