@@ -13,7 +13,8 @@
 #            launches per step by group and by kernel (bench/ncu_summary.py), all kernels
 #   gaps     where the device idles between kernels in a bench_1b step (a CUPTI trace,
 #            bench/kernels/kernel_trace.cc; the step replayed from its CUDA graph and launch
-#            by launch; bench/kernel_gaps.py)
+#            by launch, or only GAPS_GRAPH's value; bench/kernel_gaps.py, which also gives
+#            each kernel's device time and launches in the step)
 #   clocks   SM clock, power and the clock-event reasons every 100 ms while Troupe trains
 #            bench_1b, then while the compiled PyTorch peer does (does sustained load lower
 #            the clock below what an isolated kernel sees, and for both?)
@@ -228,7 +229,7 @@ for step in "$@"; do
       d=${TMPDIR:-/tmp}/troupe-e2e-runs
       [ -d "$d/data" ] || OUT=$out bash bench/e2e.sh --build "$B" --skip-troupe --skip-peer --gpus 1 >/dev/null 2>&1
       ninja -C "$B" troupe_kernel_trace >"$out/build_trace.log" 2>&1 || { stamp "gaps: troupe_kernel_trace build FAILED"; tail "$out/build_trace.log"; continue; }
-      for g in true false; do
+      for g in ${GAPS_GRAPH:-true false}; do
         rm -rf "$d/gaps"
         CUDA_INJECTION64_PATH="$B/bench/kernels/libtroupe_kernel_trace.so" TROUPE_KERNEL_TRACE="$out/gaps-$g.csv" \
           timeout 200 "$B"/apps/train_moe --config apps/configs/bench_1b.toml --backend cuda --set train.steps=6 \

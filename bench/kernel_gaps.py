@@ -9,8 +9,9 @@ Usage: kernel_gaps.py TRACE.csv [MARKER] [TOP]
           step analysed is the last complete one: from the kernel after the second-to-last
           marker through the last marker.
   TOP     how many kernel transitions to list (default 25).
-Prints the step's span, its kernel time, the idle time between kernels, and the idle time
-grouped by the pair (previous kernel -> next kernel), largest first."""
+Prints the step's span, its kernel time, the idle time between kernels, the idle time
+grouped by the pair (previous kernel -> next kernel), largest first, and the device time
+and launches by kernel."""
 import csv
 import re
 import sys
@@ -79,6 +80,14 @@ def main():
     durs = sorted(d for _, d, _ in step)
     small = sum(1 for d in durs if d < 10_000)
     print(f"\nkernels under 10 us: {small} of {len(step)}; median kernel {durs[len(durs) // 2] / 1e3:.1f} us")
+    # Time on the device by kernel (under the step's load and clock, unlike an isolated run).
+    by_name = defaultdict(lambda: [0, 0])
+    for _, d, name in step:
+        by_name[short(name)][0] += d
+        by_name[short(name)][1] += 1
+    print(f"\n| kernel | launches | device ms | mean us |\n|---|---:|---:|---:|")
+    for name, (t, c) in sorted(by_name.items(), key=lambda x: -x[1][0])[:2 * top]:
+        print(f"| {name} | {c} | {t / 1e6:.3f} | {t / c / 1e3:.1f} |")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 // Cross-entropy reads each row of logits once (online max and sum in fp32) and keeps
 // only two floats per row (loss, lse): no fp32 copy of the logits is ever made.
 #include <cstdio>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
@@ -59,6 +60,70 @@ __global__ void rmsnorm_forward_kernel(const X* x, const X* res, const W* w, flo
 #pragma unroll
     for (int j = 0; j < V; ++j) v[j] = v[j] * r * g[j];
     store_floats<V>(yr + c, v);
+  }
+}
+
+// The same for rows of d = C * blockDim.x * V (bench_1b's 1024 with 128 threads of 8), R
+// rows a block: every row's loads are issued before the first reduction, the rows' sums
+// share one pair of barriers, and h and x stay in registers for y (no second read). Each
+// row's sum is taken in the order of the kernel above (a thread's chunks in order, then
+// block_sum's lanes and warps), so rstd, h and y are its values bit for bit.
+template <int V, int C, int R, bool kAdd, typename X, typename W>
+__global__ void __launch_bounds__(128, C == 1 ? 16 : 1)
+    rmsnorm_forward_regs_kernel(const X* x, const X* res, const W* w, float eps, int64_t rows, int64_t d,
+                                X* h, X* y, float* rstd) {
+  using P = Pack<X, V>;
+  pdl_wait();
+  __shared__ float shared[R][32];
+  P pv[R][C];  // x, or h = x + res rounded to X: what the sums and y read
+  const int64_t row0 = int64_t{blockIdx.x} * R;
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const bool live = row0 + i < rows;
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+      const int64_t c = (row0 + i) * d + (int64_t{k} * blockDim.x + threadIdx.x) * V;
+#pragma unroll
+      for (int j = 0; j < V; ++j) pv[i][k].v[j] = from_float<X>(0.0f);
+      if (live) pv[i][k] = *reinterpret_cast<const P*>(x + c);
+      if constexpr (kAdd) {
+        if (live) {
+          const P pr = *reinterpret_cast<const P*>(res + c);
+#pragma unroll
+          for (int j = 0; j < V; ++j)
+            pv[i][k].v[j] = from_float<X>(to_float(pv[i][k].v[j]) + to_float(pr.v[j]));
+          *reinterpret_cast<P*>(h + c) = pv[i][k];
+        }
+      }
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) ss += to_float(pv[i][k].v[j]) * to_float(pv[i][k].v[j]);
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) shared[i][warp] = ss;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    if (row0 + i >= rows) break;
+    const float r = rsqrtf(warp_sum(lane < warps ? shared[i][lane] : 0.0f) / static_cast<float>(d) + eps);
+    if (threadIdx.x == 0) rstd[row0 + i] = r;
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+      const int64_t c = int64_t{k} * blockDim.x + threadIdx.x;
+      float g[V], o[V];
+      load_floats<V>(w + c * V, g);
+#pragma unroll
+      for (int j = 0; j < V; ++j) o[j] = to_float(pv[i][k].v[j]) * r * g[j];
+      store_floats<V>(y + (row0 + i) * d + c * V, o);
+    }
   }
 }
 
@@ -118,10 +183,17 @@ __global__ void rmsnorm_backward_kernel(const X* dy, const X* x, const W* w, con
 // The same for rows of d = C * blockDim.x * V (bench_1b's 1024 with 128 threads of 8):
 // a thread's C chunks of x, dy and w stay in registers between the dot's reduction and
 // dx (instead of being loaded again), w is loaded once per block, and the dw partial of
-// the thread's columns is kept in registers, not in shared memory.
+// the thread's columns is kept in registers, not in shared memory. The next row's x and dy
+// (and this row's dres) are loaded before this row's reduction, so a block's loads are in
+// flight while it waits at the block sum's barriers (the row-at-a-time version reached 55%
+// of copy bandwidth on bench_1b's rows); the arithmetic is the same, in the same order.
+// For one chunk, eight blocks of 128 threads an SM (rmsnorm_backward_blocks' grid in one
+// wave) bound the registers to 64 a thread.
 template <int V, int C, typename X, typename W>
-__global__ void rmsnorm_backward_regs_kernel(const X* dy, const X* x, const W* w, const float* rstd,
-                                             int64_t rows, int64_t d, const X* dres, X* dx, float* partial) {
+__global__ void __launch_bounds__(128, C == 1 ? 8 : 1)
+    rmsnorm_backward_regs_kernel(const X* dy, const X* x, const W* w, const float* rstd, int64_t rows,
+                                 int64_t d, const X* dres, X* dx, float* partial) {
+  using P = Pack<X, V>;
   pdl_wait();
   __shared__ float shared[32];
   float wv[C][V], acc[C][V];
@@ -132,19 +204,41 @@ __global__ void rmsnorm_backward_regs_kernel(const X* dy, const X* x, const W* w
     for (int j = 0; j < V; ++j) acc[k][j] = 0.0f;
   }
   const float inv_d = 1.0f / static_cast<float>(d);
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const float r = rstd[row];
-    float xv[C][V], gv[C][V];
-    float dot = 0.0f;
+  P nx[C], ng[C];  // the next row's x and dy, as loaded
+  float nr = 0.0f;
+  const auto fetch = [&](int64_t row) {
 #pragma unroll
     for (int k = 0; k < C; ++k) {
       const int64_t c = row * d + (int64_t{k} * blockDim.x + threadIdx.x) * V;
-      load_floats<V>(x + c, xv[k]);
-      load_floats<V>(dy + c, gv[k]);
+      nx[k] = *reinterpret_cast<const P*>(x + c);
+      ng[k] = *reinterpret_cast<const P*>(dy + c);
+    }
+    nr = rstd[row];
+  };
+  if (blockIdx.x < rows) fetch(blockIdx.x);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float r = nr;
+    P xv[C], gv[C];  // this row's, as loaded (converted where used: fewer registers)
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
+      xv[k] = nx[k];
+      gv[k] = ng[k];
+    }
+    P rv[C];
+    if (dres != nullptr) {
+#pragma unroll
+      for (int k = 0; k < C; ++k)
+        rv[k] = *reinterpret_cast<const P*>(dres + row * d + (int64_t{k} * blockDim.x + threadIdx.x) * V);
+    }
+    if (row + gridDim.x < rows) fetch(row + gridDim.x);
+    float dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < C; ++k) {
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        dot += gv[k][j] * wv[k][j] * xv[k][j];
-        acc[k][j] += gv[k][j] * xv[k][j] * r;
+        const float g = to_float(gv[k].v[j]), xj = to_float(xv[k].v[j]);
+        dot += g * wv[k][j] * xj;
+        acc[k][j] += g * xj * r;
       }
     }
     dot = block_sum(dot, shared);
@@ -152,15 +246,16 @@ __global__ void rmsnorm_backward_regs_kernel(const X* dy, const X* x, const W* w
 #pragma unroll
     for (int k = 0; k < C; ++k) {
       const int64_t c = row * d + (int64_t{k} * blockDim.x + threadIdx.x) * V;
+      float o[V];
 #pragma unroll
-      for (int j = 0; j < V; ++j) gv[k][j] = r * (gv[k][j] * wv[k][j] - xv[k][j] * kk);
+      for (int j = 0; j < V; ++j) o[j] = r * (to_float(gv[k].v[j]) * wv[k][j] - to_float(xv[k].v[j]) * kk);
       if (dres != nullptr) {
-        float rv[V];
-        load_floats<V>(dres + c, rv);
+        // __fadd_rn is never contracted with the product above into an fma, so with f32 dx
+        // the sum is the unfused add's of the stored gradient, bit for bit.
 #pragma unroll
-        for (int j = 0; j < V; ++j) gv[k][j] = __fadd_rn(gv[k][j], rv[j]);
+        for (int j = 0; j < V; ++j) o[j] = __fadd_rn(o[j], to_float(rv[k].v[j]));
       }
-      store_floats<V>(dx + c, gv[k]);
+      store_floats<V>(dx + c, o);
     }
   }
 #pragma unroll
@@ -192,11 +287,25 @@ void launch_rmsnorm_forward(const Env& env, const void* x, const void* r, DType 
         const unsigned grid = static_cast<unsigned>(rows);
         const bool vec = pack_ok<X>(x, d) && pack_ok<X>(y, d) && pack_ok<W>(w, d) &&
                          (r == nullptr || (pack_ok<X>(r, d) && pack_ok<X>(h, d)));
-        auto kernel =
-            r == nullptr
-                ? (vec ? rmsnorm_forward_kernel<kVec, false, X, W> : rmsnorm_forward_kernel<1, false, X, W>)
-                : (vec ? rmsnorm_forward_kernel<kVec, true, X, W> : rmsnorm_forward_kernel<1, true, X, W>);
-        launch(env, kernel, grid, vec ? 128 : 256, 0, xp, rp, wp, eps, d, hp, yp, rstd);
+        constexpr int64_t kSweep = 128 * kVec;  // a block's elements per chunk
+        constexpr int kRows = 2;
+        const int64_t chunks = vec && d % kSweep == 0 ? d / kSweep : 0;
+        if (chunks >= 1 && chunks <= 2) {
+          auto regs = [&](auto add) {
+            constexpr bool kA = decltype(add)::value;
+            return chunks == 1 ? rmsnorm_forward_regs_kernel<kVec, 1, kRows, kA, X, W>
+                               : rmsnorm_forward_regs_kernel<kVec, 2, kRows, kA, X, W>;
+          };
+          auto kernel = r == nullptr ? regs(std::false_type{}) : regs(std::true_type{});
+          launch(env, kernel, static_cast<unsigned>(ceil_div(rows, kRows)), 128, 0, xp, rp, wp, eps, rows, d,
+                 hp, yp, rstd);
+        } else {
+          auto kernel =
+              r == nullptr
+                  ? (vec ? rmsnorm_forward_kernel<kVec, false, X, W> : rmsnorm_forward_kernel<1, false, X, W>)
+                  : (vec ? rmsnorm_forward_kernel<kVec, true, X, W> : rmsnorm_forward_kernel<1, true, X, W>);
+          launch(env, kernel, grid, vec ? 128 : 256, 0, xp, rp, wp, eps, d, hp, yp, rstd);
+        }
       }));
   TROUPE_CUDA_LAUNCH_CHECK();
 }
@@ -519,21 +628,44 @@ void launch_embedding_backward(const Env& env, const int32_t* ids, int64_t token
 namespace {
 // The log-sum-exp of row lr (the block's threads take V elements at a time): a running
 // maximum and rescaled sum per thread, then the block's reductions; every thread returns it.
+// A thread loads kXentGroup vectors before it uses the first (bench_1b's 64 KB rows gave a
+// 512-thread block only one load in flight per thread, 64% of copy bandwidth). Two keep the
+// kernels at 32 registers, four 512-thread blocks an SM; four vectors spilled there.
+constexpr int kXentGroup = 2;
+// Folds the N packs' values into the running maximum m and the sum s of exp(v - m).
+template <int N, typename L, int V>
+__device__ __forceinline__ void lse_absorb(const Pack<L, V> (&p)[N], float& m, float& s) {
+  float vm = to_float(p[0].v[0]);
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) vm = fmaxf(vm, to_float(p[u].v[j]));
+  }
+  if (vm > m) {
+    s *= __expf(m - vm);
+    m = vm;
+  }
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) s += __expf(to_float(p[u].v[j]) - m);
+  }
+}
 template <int V, typename L>
 __device__ __forceinline__ float row_lse(const L* lr, int64_t vocab, float* shared) {
+  using P = Pack<L, V>;
   float m = -INFINITY, s = 0.0f;
-  for (int64_t c = int64_t{threadIdx.x} * V; c < vocab; c += int64_t{blockDim.x} * V) {
-    float v[V];
-    load_floats<V>(lr + c, v);
-    float vm = v[0];
+  const int64_t step = int64_t{blockDim.x} * V;
+  int64_t c = int64_t{threadIdx.x} * V;
+  for (; c + (kXentGroup - 1) * step < vocab; c += kXentGroup * step) {
+    P p[kXentGroup];
 #pragma unroll
-    for (int j = 1; j < V; ++j) vm = fmaxf(vm, v[j]);
-    if (vm > m) {
-      s *= __expf(m - vm);
-      m = vm;
-    }
-#pragma unroll
-    for (int j = 0; j < V; ++j) s += __expf(v[j] - m);
+    for (int u = 0; u < kXentGroup; ++u) p[u] = *reinterpret_cast<const P*>(lr + c + u * step);
+    lse_absorb(p, m, s);
+  }
+  for (; c < vocab; c += step) {
+    P p[1] = {*reinterpret_cast<const P*>(lr + c)};
+    lse_absorb(p, m, s);
   }
   const float row_max = block_max(m, shared);
   s = m == -INFINITY ? 0.0f : s * __expf(m - row_max);
@@ -549,8 +681,9 @@ __device__ __forceinline__ void xent_grad(float (&v)[V], int64_t c, int32_t t, f
 }
 
 template <int V, typename L>
-__global__ void cross_entropy_forward_kernel(const L* logits, const int32_t* targets, int64_t vocab,
-                                             float* losses, float* lse_out) {
+__global__ void __launch_bounds__(512, 4)
+    cross_entropy_forward_kernel(const L* logits, const int32_t* targets, int64_t vocab, float* losses,
+                                 float* lse_out) {
   pdl_wait();
   __shared__ float shared[32];
   const int64_t row = blockIdx.x;
@@ -599,8 +732,9 @@ struct CrossEntropyBackwardOp {
 // logit is read before the first barrier and each thread rewrites only the elements it
 // reads, after every thread's first pass (the reductions' barriers).
 template <int V, typename L, typename D>
-__global__ void cross_entropy_fused_kernel(const L* logits, const int32_t* targets, int64_t vocab,
-                                           float grad_scale, float* losses, float* lse_out, D* dlogits) {
+__global__ void __launch_bounds__(512, 4)
+    cross_entropy_fused_kernel(const L* logits, const int32_t* targets, int64_t vocab, float grad_scale,
+                               float* losses, float* lse_out, D* dlogits) {
   pdl_wait();
   __shared__ float shared[32];
   const int64_t row = blockIdx.x;
@@ -617,15 +751,32 @@ __global__ void cross_entropy_fused_kernel(const L* logits, const int32_t* targe
     lse_out[row] = lse;
     losses[row] = t == -1 ? 0.0f : lse - target_logit;
   }
-  for (int64_t c = int64_t{threadIdx.x} * V; c < vocab; c += int64_t{blockDim.x} * V) {
+  const int64_t step = int64_t{blockDim.x} * V;
+  if (t == -1) {
     float v[V];
-    if (t == -1) {
 #pragma unroll
-      for (int j = 0; j < V; ++j) v[j] = 0.0f;
-    } else {
-      load_floats<V>(lr + c, v);
-      xent_grad<V>(v, c, t, lse, grad_scale);
+    for (int j = 0; j < V; ++j) v[j] = 0.0f;
+    for (int64_t c = int64_t{threadIdx.x} * V; c < vocab; c += step) store_floats<V>(dr + c, v);
+    return;
+  }
+  int64_t c = int64_t{threadIdx.x} * V;
+  for (; c + (kXentGroup - 1) * step < vocab; c += kXentGroup * step) {  // loads first, as row_lse
+    Pack<L, V> p[kXentGroup];
+#pragma unroll
+    for (int u = 0; u < kXentGroup; ++u) p[u] = *reinterpret_cast<const Pack<L, V>*>(lr + c + u * step);
+#pragma unroll
+    for (int u = 0; u < kXentGroup; ++u) {
+      float v[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = to_float(p[u].v[j]);
+      xent_grad<V>(v, c + u * step, t, lse, grad_scale);
+      store_floats<V>(dr + c + u * step, v);
     }
+  }
+  for (; c < vocab; c += step) {
+    float v[V];
+    load_floats<V>(lr + c, v);
+    xent_grad<V>(v, c, t, lse, grad_scale);
     store_floats<V>(dr + c, v);
   }
 }

@@ -668,7 +668,10 @@ void add_rmsnorm_cases(std::vector<OpCase>& cases, Rng& rng) {
   const float eps = 1e-5f;
   for (auto [rows, dim, accumulate] :
        {std::tuple{6, 16, false}, std::tuple{3, 7, true}, std::tuple{1, 1, false}, std::tuple{5, 1024, false},
-        std::tuple{3, 2048, true}}) {  // (the last two: CUDA's register kernel, one and two chunks)
+        std::tuple{3, 2048, true}, std::tuple{2501, 1024, true}}) {
+    // (the last three: CUDA's register kernels, one and two chunks; 2501 rows give a
+    // backward block more than one row, the next one loaded ahead, and the forward's
+    // two-row blocks an odd tail)
     OpCase c;
     c.name = fmt::format("rmsnorm/t{}d{}{}", rows, dim, accumulate ? "/accumulate_dw" : "");
     c.ops = {"rmsnorm_forward", "rmsnorm_backward"};
@@ -692,6 +695,7 @@ void add_rmsnorm_cases(std::vector<OpCase>& cases, Rng& rng) {
       rmsnorm_backward(dev.exec(), douts[0], in[0], in[1], rstd, dx, dw, accumulate);
       return HostTensors{dev.download(dx), dev.download(dw)};
     };
+    c.cpu_finite_differences = rows < 1000;
     c.cuda_bf16_storage = true;
     cases.push_back(std::move(c));
   }
@@ -734,8 +738,10 @@ HostTensor flag_differences(const HostTensor& got, const HostTensor& want, const
 // difference comes close to that bound: the fused result is the more accurate one.
 void add_rmsnorm_add_cases(std::vector<OpCase>& cases, Rng& rng) {
   const float eps = 1e-5f;
-  for (auto [rows, dim, in_place] : {std::tuple{6, 16, false}, std::tuple{3, 7, false},
-                                     std::tuple{2, 1032, true}, std::tuple{2, 263, true}}) {
+  // (1024 and 2048 columns: CUDA's register kernels; 1201 rows: more than one a backward block)
+  for (auto [rows, dim, in_place] :
+       {std::tuple{6, 16, false}, std::tuple{3, 7, false}, std::tuple{2, 1032, true},
+        std::tuple{2, 263, true}, std::tuple{1201, 1024, true}, std::tuple{3, 2048, false}}) {
     const int64_t t = rows, d = dim;
     const bool alias = in_place;
     const HostTensors inputs = {rng.uniform({t, d}, -2.0, 2.0), rng.uniform({t, d}, -2.0, 2.0),
@@ -781,6 +787,7 @@ void add_rmsnorm_add_cases(std::vector<OpCase>& cases, Rng& rng) {
         const HostTensor dxh = dev.download(dx);
         return HostTensors{dxh, dxh, dev.download(dw)};
       };
+      c.cpu_finite_differences = rows < 1000;
       c.cuda_bf16_storage = true;
       cases.push_back(std::move(c));
     }
@@ -1383,8 +1390,10 @@ void add_cross_entropy_cases(std::vector<OpCase>& cases, Rng& rng) {
 // rows) against the exact reference, in place and not; vocabularies below, at and above a
 // block's 512 x 8 elements per sweep, odd (the scalar path) and multiples of 8 (vectors).
 void add_cross_entropy_fused_cases(std::vector<OpCase>& cases, Rng& rng) {
-  for (auto [tokens, vocab, in_place] : {std::tuple{6, 11, false}, std::tuple{5, 32, true},
-                                         std::tuple{3, 4104, true}, std::tuple{4, 9001, false}}) {
+  // (20488 = 8 * 2561: CUDA's 512 threads take groups of two 8-wide vectors, then a tail)
+  for (auto [tokens, vocab, in_place] :
+       {std::tuple{6, 11, false}, std::tuple{5, 32, true}, std::tuple{3, 4104, true},
+        std::tuple{4, 9001, false}, std::tuple{3, 20488, false}}) {
     const int64_t t = tokens, v = vocab;
     HostTensor targets = rng.ints({t}, 0, v);
     if (t > 2) targets[1] = -1;
