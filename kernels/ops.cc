@@ -176,7 +176,7 @@ Shape check_matmul(const OpCheck& c, const Tensor& a, const Tensor& b, bool tran
   OP_FLOAT(c, a);
   OP_FLOAT(c, b);
   OP_REQUIRE(c, a.dim() == 2 || a.dim() == 3, "a must be 2-D or batched 3-D");
-  OP_REQUIRE(c, b.dim() == 2 || (a.dim() == 3 && b.dim() == 3), "b must be 2-D, or 3-D when a is 3-D");
+  OP_REQUIRE(c, b.dim() == 2 || b.dim() == 3, "b must be 2-D or batched 3-D");
   const int64_t m = trans_a ? a.size(-1) : a.size(-2);
   const int64_t ka = trans_a ? a.size(-2) : a.size(-1);
   const int64_t kb = trans_b ? b.size(-1) : b.size(-2);
@@ -188,6 +188,7 @@ Shape check_matmul(const OpCheck& c, const Tensor& a, const Tensor& b, bool tran
       OP_REQUIRE(c, a.size(0) == b.size(0), "batch sizes differ ({} vs {})", a.size(0), b.size(0));
     return {a.size(0), m, n};
   }
+  if (b.dim() == 3) return {b.size(0), m, n};  // a shared by every batch
   return {m, n};
 }
 
@@ -206,7 +207,8 @@ void matmul(const Exec& ex, const Tensor& a, const Tensor& b, Tensor& out, bool 
 //   d op(a) = dout @ op(b)^T  -> da = dout @ op(b)^T, or its transpose op(b) @ dout^T when trans_a;
 //   d op(b) = op(a)^T @ dout  -> db = op(a)^T @ dout, or its transpose dout^T @ op(a) when trans_b.
 // op(x)^T is x with the flag flipped, so each case is one matmul with the right flags.
-// A 2-D b shared by a batched a is handled batch by batch (its gradient sums over batches).
+// A 2-D b shared by a batched a is handled batch by batch (its gradient sums over batches);
+// a 2-D a shared by a batched b likewise for da, while db is one batched product.
 void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Tensor& dout, Tensor* da,
                      Tensor* db, bool trans_a, bool trans_b, bool accumulate) {
   OpCheck c("matmul_backward", ex, {{"a", &a}, {"b", &b}, {"dout", &dout}, {"da", da}, {"db", db}});
@@ -239,6 +241,14 @@ void matmul_backward(const Exec& ex, const Tensor& a, const Tensor& b, const Ten
   if (a.dim() == b.dim()) {
     if (da != nullptr) grad_a(b, dout, *da, beta);
     if (db != nullptr) grad_b(a, dout, *db, beta);
+    return;
+  }
+  if (a.dim() == 2) {  // shared 2-D a, batched b
+    if (db != nullptr) grad_b(a, dout, *db, beta);
+    if (da != nullptr) {
+      for (int64_t i = 0; i < b.size(0); ++i)
+        grad_a(b.select(0, i), dout.select(0, i), *da, i == 0 ? beta : 1.0f);
+    }
     return;
   }
   // Batched a, shared 2-D b.

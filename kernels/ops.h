@@ -51,7 +51,9 @@ void sum_rows(const Exec& ex, const Tensor& x, Tensor& out, bool accumulate = fa
 // ---- matrix products -----------------------------------------------------------------
 // out = alpha * op(a) @ op(b) + beta * out, op = transpose when the flag is set.
 // 2-D: a [M,K] (or [K,M]), b [K,N] (or [N,K]), out [M,N].
-// Batched: a [B,M,K], b [B,K,N] or 2-D b shared by every batch, out [B,M,N].
+// Batched: a [B,M,K], b [B,K,N] or 2-D b shared by every batch, or 2-D a shared by a
+// batched b [B,K,N] (one a, several right-hand matrices: e.g. Q, K and V of one input);
+// out [B,M,N].
 void matmul(const Exec& ex, const Tensor& a, const Tensor& b, Tensor& out, bool trans_a = false,
             bool trans_b = false, float alpha = 1.0f, float beta = 0.0f);
 // Gradients of out = op(a) @ op(b): da, db may be null (not wanted). With accumulate,

@@ -27,6 +27,26 @@ void Attention::collect(const std::string& prefix, std::vector<NamedParameter>& 
   out.push_back({prefix + ".wo", &wo});
 }
 
+namespace {
+// a, b and c as one [3, ...] tensor when they have one shape and dtype and lie side by side
+// in memory (Model::to_device allocates a layer's working copies and gradients in order),
+// else an undefined tensor: Q, K and V then take one batched product instead of three.
+Tensor stacked3(const Tensor& a, const Tensor& b, const Tensor& c) {
+  if (!a.defined() || !b.defined() || !c.defined()) return {};
+  if (a.shape() != b.shape() || a.shape() != c.shape() || a.dtype() != b.dtype() || a.dtype() != c.dtype() ||
+      a.device() != b.device() || a.device() != c.device())
+    return {};
+  if (!a.is_contiguous() || !b.is_contiguous() || !c.is_contiguous()) return {};
+  const auto* base = static_cast<const char*>(a.data_ptr());
+  if (static_cast<const char*>(b.data_ptr()) != base + a.nbytes() ||
+      static_cast<const char*>(c.data_ptr()) != base + 2 * a.nbytes())
+    return {};
+  Shape shape = a.shape();
+  shape.insert(shape.begin(), 3);
+  return Tensor::wrap(a.data_ptr(), shape, a.dtype(), a.device());
+}
+}  // namespace
+
 Tensor Attention::positions(int64_t batch, int64_t seq) {
   std::vector<int32_t> p(static_cast<size_t>(batch * seq));
   for (int64_t i = 0; i < batch * seq; ++i) p[static_cast<size_t>(i)] = static_cast<int32_t>(i % seq);
@@ -50,21 +70,34 @@ void Attention::project_qkv(const Ctx& c, const Tensor& x, const Tensor& pos, in
                             Tensor& q, Tensor& k, Tensor& v, const Tensor* qk_positions) const {
   const int64_t t = x.size(0);
   const bool one_rope = qk_positions != nullptr && n_kv_heads == n_heads;
-  Tensor qk;  // one_rope: q's rows, then k's
-  if (one_rope) {
+  const Tensor w3 = one_rope ? stacked3(wq.w(), wk.w(), wv.w()) : Tensor();
+  Tensor qk;           // one_rope: q's rows, then k's
+  if (w3.defined()) {  // q, k, v rows in one buffer, from one batched product
     TROUPE_CHECK(qk_positions->numel() == 2 * t, "Attention::project_qkv: qk_positions has {} rows, want {}",
                  qk_positions->numel(), 2 * t);
-    qk = c.empty({2 * t, n_heads * head_dim});
-    q = qk.narrow(0, 0, t);
-    k = qk.narrow(0, t, t);
+    Tensor qkv = c.empty({3 * t, n_heads * head_dim});
+    qk = qkv.narrow(0, 0, 2 * t);
+    q = qkv.narrow(0, 0, t);
+    k = qkv.narrow(0, t, t);
+    v = qkv.narrow(0, 2 * t, t);
+    Tensor out3 = qkv.view({3, t, n_heads * head_dim});
+    kernels::matmul(c.ex, x, w3, out3);
   } else {
-    q = c.empty({t, n_heads * head_dim});
-    k = c.empty({t, n_kv_heads * head_dim});
+    if (one_rope) {
+      TROUPE_CHECK(qk_positions->numel() == 2 * t,
+                   "Attention::project_qkv: qk_positions has {} rows, want {}", qk_positions->numel(), 2 * t);
+      qk = c.empty({2 * t, n_heads * head_dim});
+      q = qk.narrow(0, 0, t);
+      k = qk.narrow(0, t, t);
+    } else {
+      q = c.empty({t, n_heads * head_dim});
+      k = c.empty({t, n_kv_heads * head_dim});
+    }
+    v = c.empty({t, n_kv_heads * head_dim});
+    kernels::matmul(c.ex, x, wq.w(), q);
+    kernels::matmul(c.ex, x, wk.w(), k);
+    kernels::matmul(c.ex, x, wv.w(), v);
   }
-  v = c.empty({t, n_kv_heads * head_dim});
-  kernels::matmul(c.ex, x, wq.w(), q);
-  kernels::matmul(c.ex, x, wk.w(), k);
-  kernels::matmul(c.ex, x, wv.w(), v);
   if (one_rope) {
     Tensor qk3 = qk.view({2 * t, n_heads, head_dim});
     kernels::rope_forward(c.ex, qk3, *qk_positions, rope_theta, qk3);
@@ -116,9 +149,17 @@ Tensor Attention::project_out_backward(const Ctx& c, const Tensor& dy, const Ten
 void Attention::core_backward(const Ctx& c, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq,
                               Tensor& dk, Tensor& dv, const Tensor* positions) const {
-  dq = c.empty(q.shape());
-  dk = c.empty(k.shape());
-  dv = c.empty(v.shape());
+  if (q.shape() == k.shape() && q.shape() == v.shape()) {  // one buffer: one batched dW product
+    const int64_t n = q.numel();
+    Tensor d3 = c.empty({3 * n});
+    dq = d3.narrow(0, 0, n).view(q.shape());
+    dk = d3.narrow(0, n, n).view(k.shape());
+    dv = d3.narrow(0, 2 * n, n).view(v.shape());
+  } else {
+    dq = c.empty(q.shape());
+    dk = c.empty(k.shape());
+    dv = c.empty(v.shape());
+  }
   const float scale = 1.0f / std::sqrt(static_cast<float>(q.size(3)));
   const kernels::RopeArgs rope{positions, rope_theta};
   kernels::attention_backward(c.ex, q, k, v, out, lse, dout, scale, dq, dk, dv,
@@ -139,11 +180,20 @@ Tensor Attention::project_qkv_backward(const Ctx& c, const Tensor& x, const Tens
   Tensor dv2 = dv.view({t, n_kv_heads * head_dim});
   Tensor dx = c.empty(x.shape());
   // dx is written by the first product and accumulated by the other two; the weight
-  // gradients always accumulate (micro-batches).
+  // gradients always accumulate (micro-batches), in one batched product x^T @ [dq, dk, dv]
+  // where the gradients and dq, dk, dv lie side by side.
   kernels::matmul_backward(c.ex, x, wq.w(), dq2, &dx, nullptr);
-  kernels::matmul_backward(c.ex, x, wq.w(), dq2, nullptr, &wq.grad, false, false, true);
-  kernels::matmul_backward(c.ex, x, wk.w(), dk2, &dx, &wk.grad, false, false, true);
-  kernels::matmul_backward(c.ex, x, wv.w(), dv2, &dx, &wv.grad, false, false, true);
+  kernels::matmul_backward(c.ex, x, wk.w(), dk2, &dx, nullptr, false, false, true);
+  kernels::matmul_backward(c.ex, x, wv.w(), dv2, &dx, nullptr, false, false, true);
+  const Tensor d3 = stacked3(dq2, dk2, dv2);
+  Tensor dw3 = d3.defined() ? stacked3(wq.grad, wk.grad, wv.grad) : Tensor();
+  if (dw3.defined()) {
+    kernels::matmul(c.ex, x, d3, dw3, /*trans_a=*/true, false, 1.0f, 1.0f);
+  } else {
+    kernels::matmul_backward(c.ex, x, wq.w(), dq2, nullptr, &wq.grad, false, false, true);
+    kernels::matmul_backward(c.ex, x, wk.w(), dk2, nullptr, &wk.grad, false, false, true);
+    kernels::matmul_backward(c.ex, x, wv.w(), dv2, nullptr, &wv.grad, false, false, true);
+  }
   return dx;
 }
 

@@ -323,18 +323,26 @@ void Model::to_device(const Ctx& c, DType expert_grads) {
   // vectorised kernels; the gaps are zeroed with the rest by zero_grad (the bf16 buffer's
   // are never written).
   constexpr int64_t kAlign = 64;
-  int64_t total = 0, low_total = 0;
-  std::vector<int64_t> offsets;
+  // The matrices' working copies (bf16 where activations are) share one buffer too, in
+  // parameter order, so a layer's Q, K and V weights lie side by side (Attention's one
+  // batched product), as their gradients do.
+  int64_t total = 0, low_total = 0, work_total = 0;
+  std::vector<int64_t> offsets, work_offsets;
   std::vector<bool> low;
+  const auto has_work = [&](const Parameter& prm) { return prm.value.dim() >= 2 && c.act != DType::kF32; };
   for (const auto& p : params) {
     if (p.param->value.device() == c.ex.device) continue;  // tied: already moved
     const bool lo = expert_grads == DType::kBF16 && p.param->bf16_grad_ok;
     int64_t& at = lo ? low_total : total;
     offsets.push_back(at);
     low.push_back(lo);
-    at += (p.param->numel() + kAlign - 1) / kAlign * kAlign;
+    const int64_t padded = (p.param->numel() + kAlign - 1) / kAlign * kAlign;
+    at += padded;
+    work_offsets.push_back(work_total);
+    if (has_work(*p.param)) work_total += padded;
   }
   flat_grads_ = c.zeros({total}, DType::kF32);
+  const Tensor works = work_total > 0 ? c.empty({work_total}, c.act) : Tensor();
   low_grads_ = low_total > 0 ? c.zeros({low_total}, DType::kBF16) : Tensor();
   fold_slots_ = Tensor();
   size_t i = 0;
@@ -344,10 +352,10 @@ void Model::to_device(const Ctx& c, DType expert_grads) {
     prm.value = c.to_device(prm.value);
     const Tensor& buf = low[i] ? low_grads_ : flat_grads_;
     prm.grad = buf.narrow(0, offsets[i], prm.numel()).view(prm.value.shape());
+    prm.work =
+        has_work(prm) ? works.narrow(0, work_offsets[i], prm.numel()).view(prm.value.shape()) : Tensor();
     ++i;
     prm.grad_sum_squares = Tensor();  // host slots: enable_grad_norm_fold again after the move
-    prm.work = Tensor();
-    if (prm.value.dim() >= 2 && c.act != DType::kF32) prm.work = c.empty(prm.value.shape(), c.act);
   }
   for (auto& b : buffers()) *b.tensor = c.to_device(*b.tensor);
   refresh_working_copies(c);

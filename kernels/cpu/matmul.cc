@@ -84,15 +84,15 @@ void matmul(const Exec&, const Tensor& a, const Tensor& b, Tensor& out, bool tra
   const int64_t batches = out.dim() == 3 ? out.size(0) : 1;
   const int64_t m = out.size(-2), n = out.size(-1);
   const int64_t k = trans_a ? a.size(-2) : a.size(-1);
-  const bool b_shared = b.dim() == 2;
+  const bool b_shared = b.dim() == 2, a_shared = a.dim() == 2;
   F32In pa(a), pb(b);
   F32Out po(out, beta != 0.0f);
   std::vector<float> a_t, b_t;
   for (int64_t bi = 0; bi < batches; ++bi) {
-    const float* ab = pa.get() + bi * m * k;
+    const float* ab = pa.get() + (a_shared ? 0 : bi * m * k);
     const float* bb = pb.get() + (b_shared ? 0 : bi * k * n);
     if (trans_a) {
-      transpose_into(ab, k, m, a_t);
+      if (bi == 0 || !a_shared) transpose_into(ab, k, m, a_t);  // a shared a is transposed once
       ab = a_t.data();
     }
     if (trans_b) {

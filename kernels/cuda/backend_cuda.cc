@@ -153,13 +153,14 @@ void cuda_matmul(const Exec& ex, const Tensor& a, const Tensor& b, Tensor& out, 
   TROUPE_CHECK(a.dtype() == b.dtype(), "matmul on cuda: a is {} but b is {}", dtype_name(a.dtype()),
                dtype_name(b.dtype()));
   MatmulProblem p;
-  p.batch = a.dim() == 3 ? a.size(0) : 1;
+  p.batch = a.dim() == 3 ? a.size(0) : b.dim() == 3 ? b.size(0) : 1;
   p.m = trans_a ? a.size(-1) : a.size(-2);
   p.k = trans_a ? a.size(-2) : a.size(-1);
   p.n = trans_b ? b.size(-2) : b.size(-1);
   p.trans_a = trans_a;
   p.trans_b = trans_b;
   p.b_shared = a.dim() == 3 && b.dim() == 2;
+  p.a_shared = a.dim() == 2 && b.dim() == 3;
   p.ab_type = a.dtype();
   p.out_type = out.dtype();
   if (p.batch == 0) return;

@@ -84,7 +84,7 @@ void matmul_lt(CudaContext& ctx, const MatmulProblem& p0, const void* a, const v
   }
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, ot, n, m, n));
   set_batch(d.a, p.batch, p.b_shared ? 0 : p.k * p.n);
-  set_batch(d.b, p.batch, p.m * p.k);
+  set_batch(d.b, p.batch, p.a_shared ? 0 : p.m * p.k);
   set_batch(d.c, p.batch, p.m * p.n);
 
   auto& cache = ctx.matmul_plans->algos;

@@ -20,8 +20,11 @@ struct MatmulProblem {
   int64_t batch = 1;
   bool trans_a = false, trans_b = false;
   bool b_shared = false;  // one b for every batch entry
+  bool a_shared = false;  // one a for every batch entry
   DType ab_type = DType::kF32, out_type = DType::kF32;
-  auto key() const { return std::make_tuple(m, n, k, batch, trans_a, trans_b, b_shared, ab_type, out_type); }
+  auto key() const {
+    return std::make_tuple(m, n, k, batch, trans_a, trans_b, b_shared, a_shared, ab_type, out_type);
+  }
 };
 
 class MatmulPlanCache {

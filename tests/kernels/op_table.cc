@@ -471,6 +471,7 @@ struct MatmulSpec {
   bool ta, tb;
   float alpha, beta;
   bool accumulate_grads;
+  bool a_shared = false;  // a 2-D a with a batched b
 };
 
 HostTensor reference_matmul(const HostTensor& a, const HostTensor& b, const HostTensor* c0,
@@ -478,7 +479,8 @@ HostTensor reference_matmul(const HostTensor& a, const HostTensor& b, const Host
   const int64_t batches = std::max<int64_t>(s.batch, 1);
   HostTensor out = HostTensor::zeros(s.batch ? Shape{s.batch, s.m, s.n} : Shape{s.m, s.n});
   for (int64_t bi = 0; bi < batches; ++bi) {
-    const int64_t ao = bi * s.m * s.k, bo = s.b_shared ? 0 : bi * s.k * s.n, oo = bi * s.m * s.n;
+    const int64_t ao = s.a_shared ? 0 : bi * s.m * s.k, bo = s.b_shared ? 0 : bi * s.k * s.n;
+    const int64_t oo = bi * s.m * s.n;
     for (int64_t i = 0; i < s.m; ++i) {
       for (int64_t j = 0; j < s.n; ++j) {
         double acc = 0.0;
@@ -509,11 +511,18 @@ void add_matmul_cases(std::vector<OpCase>& cases, Rng& rng) {
   specs.push_back({3, true, 4, 5, 6, false, false, 1.0f, 0.0f, false});
   specs.push_back({2, true, 3, 4, 5, true, false, 1.0f, 0.0f, true});
   specs.push_back({2, true, 3, 4, 5, false, true, 1.5f, 1.0f, false});
+  // One a for several b (Q, K and V of one input; their weight gradients, a transposed and
+  // accumulated).
+  specs.push_back({3, false, 4, 5, 6, false, false, 1.0f, 0.0f, false, true});
+  specs.push_back({3, false, 4, 5, 6, true, false, 1.0f, 0.0f, true, true});
+  specs.push_back({2, false, 3, 4, 5, false, true, 1.0f, 0.0f, true, true});
+  specs.push_back({2, false, 7, 3, 260, true, true, 1.0f, 0.0f, false, true});
+  specs.push_back({2, false, 3, 4, 5, true, false, 0.5f, 1.0f, false, true});
   for (const MatmulSpec& s : specs) {
     OpCase c;
     c.name =
         fmt::format("matmul/{}{}{}/batch{}/m{}k{}n{}{}{}", s.ta ? 't' : 'n', s.tb ? 't' : 'n',
-                    s.b_shared ? "/shared_b" : "", s.batch, s.m, s.k, s.n,
+                    s.b_shared ? "/shared_b" : (s.a_shared ? "/shared_a" : ""), s.batch, s.m, s.k, s.n,
                     s.beta != 0.0f || s.alpha != 1.0f ? fmt::format("/alpha{}beta{}", s.alpha, s.beta) : "",
                     s.accumulate_grads ? "/accumulate" : "");
     c.ops = {"matmul"};
@@ -523,7 +532,8 @@ void add_matmul_cases(std::vector<OpCase>& cases, Rng& rng) {
       if (batch) sh.insert(sh.begin(), s.batch);
       return sh;
     };
-    const Shape as = batched(a_shape, s.batch > 0), bs = batched(b_shape, s.batch > 0 && !s.b_shared);
+    const Shape as = batched(a_shape, s.batch > 0 && !s.a_shared);
+    const Shape bs = batched(b_shape, s.batch > 0 && !s.b_shared);
     const Shape os = batched({s.m, s.n}, s.batch > 0);
     c.inputs = {rng.uniform(as), rng.uniform(bs), rng.uniform(os)};
     c.forward = [s, os](TestDevice& dev, const Tensors& in) {
