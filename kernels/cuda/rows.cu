@@ -65,9 +65,9 @@ __global__ void rmsnorm_forward_kernel(const X* x, const X* res, const W* w, flo
 
 // The same for rows of d = C * blockDim.x * V (bench_1b's 1024 with 128 threads of 8), R
 // rows a block: every row's loads are issued before the first reduction, the rows' sums
-// share one pair of barriers, and h and x stay in registers for y (no second read). Each
-// row's sum is taken in the order of the kernel above (a thread's chunks in order, then
-// block_sum's lanes and warps), so rstd, h and y are its values bit for bit.
+// share one pair of barriers, and h and x stay in registers for y (no second read). rstd,
+// h and y take the kernel above's operations in its order (a thread's chunks in order,
+// then block_sum's lanes and warps).
 template <int V, int C, int R, bool kAdd, typename X, typename W>
 __global__ void __launch_bounds__(128, C == 1 ? 16 : 1)
     rmsnorm_forward_regs_kernel(const X* x, const X* res, const W* w, float eps, int64_t rows, int64_t d,
