@@ -70,30 +70,26 @@ void Attention::project_qkv(const Ctx& c, const Tensor& x, const Tensor& pos, in
                             Tensor& q, Tensor& k, Tensor& v, const Tensor* qk_positions) const {
   const int64_t t = x.size(0);
   const bool one_rope = qk_positions != nullptr && n_kv_heads == n_heads;
+  // q, k (and v, where the weights allow one batched product) rows in one buffer.
   const Tensor w3 = one_rope ? stacked3(wq.w(), wk.w(), wv.w()) : Tensor();
-  Tensor qk;           // one_rope: q's rows, then k's
-  if (w3.defined()) {  // q, k, v rows in one buffer, from one batched product
+  Tensor rows, qk;  // one_rope: q's rows, then k's (then v's)
+  if (one_rope) {
     TROUPE_CHECK(qk_positions->numel() == 2 * t, "Attention::project_qkv: qk_positions has {} rows, want {}",
                  qk_positions->numel(), 2 * t);
-    Tensor qkv = c.empty({3 * t, n_heads * head_dim});
-    qk = qkv.narrow(0, 0, 2 * t);
-    q = qkv.narrow(0, 0, t);
-    k = qkv.narrow(0, t, t);
-    v = qkv.narrow(0, 2 * t, t);
-    Tensor out3 = qkv.view({3, t, n_heads * head_dim});
+    rows = c.empty({(w3.defined() ? 3 : 2) * t, n_heads * head_dim});
+    qk = rows.narrow(0, 0, 2 * t);
+    q = rows.narrow(0, 0, t);
+    k = rows.narrow(0, t, t);
+    v = w3.defined() ? rows.narrow(0, 2 * t, t) : c.empty({t, n_kv_heads * head_dim});
+  } else {
+    q = c.empty({t, n_heads * head_dim});
+    k = c.empty({t, n_kv_heads * head_dim});
+    v = c.empty({t, n_kv_heads * head_dim});
+  }
+  if (w3.defined()) {
+    Tensor out3 = rows.view({3, t, n_heads * head_dim});
     kernels::matmul(c.ex, x, w3, out3);
   } else {
-    if (one_rope) {
-      TROUPE_CHECK(qk_positions->numel() == 2 * t,
-                   "Attention::project_qkv: qk_positions has {} rows, want {}", qk_positions->numel(), 2 * t);
-      qk = c.empty({2 * t, n_heads * head_dim});
-      q = qk.narrow(0, 0, t);
-      k = qk.narrow(0, t, t);
-    } else {
-      q = c.empty({t, n_heads * head_dim});
-      k = c.empty({t, n_kv_heads * head_dim});
-    }
-    v = c.empty({t, n_kv_heads * head_dim});
     kernels::matmul(c.ex, x, wq.w(), q);
     kernels::matmul(c.ex, x, wk.w(), k);
     kernels::matmul(c.ex, x, wv.w(), v);
