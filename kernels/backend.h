@@ -41,9 +41,9 @@ struct Backend {
   void (*softmax_forward)(const Exec&, const Tensor&, Tensor&);
   void (*softmax_backward)(const Exec&, const Tensor&, const Tensor&, Tensor&);
   void (*router_forward)(const Exec&, const Tensor&, const Tensor*, const RouterConfig&, Tensor&, Tensor&,
-                         Tensor&);
+                         Tensor&, const RouterStats*);
   void (*router_backward)(const Exec&, const Tensor&, const Tensor&, const Tensor&, const Tensor*,
-                          const RouterConfig&, Tensor&);
+                          const RouterConfig&, Tensor&, float);
   void (*moe_dispatch_plan)(const Exec&, const Tensor&, int64_t, int64_t, Tensor&, Tensor&, Tensor&);
   void (*moe_permute)(const Exec&, const Tensor&, const Tensor&, int64_t, Tensor&);
   void (*moe_permute_backward)(const Exec&, const Tensor&, const Tensor&, int64_t, Tensor&);

@@ -540,7 +540,7 @@ void softmax_backward(const Exec& ex, const Tensor& y, const Tensor& dy, Tensor&
 // ---- MoE router ----------------------------------------------------------------------
 
 void router_forward(const Exec& ex, const Tensor& logits, const Tensor* bias, const RouterConfig& cfg,
-                    Tensor& scores, Tensor& topk_idx, Tensor& gates) {
+                    Tensor& scores, Tensor& topk_idx, Tensor& gates, const RouterStats* stats) {
   OpCheck c(
       "router_forward", ex,
       {{"logits", &logits}, {"bias", bias}, {"scores", &scores}, {"topk_idx", &topk_idx}, {"gates", &gates}});
@@ -558,11 +558,29 @@ void router_forward(const Exec& ex, const Tensor& logits, const Tensor* bias, co
   OP_SHAPE(c, scores, {tokens, experts});
   OP_SHAPE(c, topk_idx, {tokens, static_cast<int64_t>(cfg.top_k)});
   OP_SHAPE(c, gates, {tokens, static_cast<int64_t>(cfg.top_k)});
-  c.call(&Backend::router_forward, ex, logits, bias, cfg, scores, topk_idx, gates);
+  if (stats != nullptr) {
+    OpCheck cs("router_forward", ex,
+               {{"stats.counts", stats->counts},
+                {"stats.score_sums", stats->score_sums},
+                {"stats.acc", stats->acc}});
+    OP_REQUIRE(cs, stats->counts != nullptr, "stats without counts");
+    OP_DTYPE(cs, *stats->counts, DType::kF32);
+    cs.is_shape("stats.counts", *stats->counts, {experts}, __LINE__);
+    if (stats->score_sums != nullptr) {
+      OP_DTYPE(cs, *stats->score_sums, DType::kF32);
+      cs.is_shape("stats.score_sums", *stats->score_sums, {experts}, __LINE__);
+    }
+    if (stats->acc != nullptr) {
+      OP_DTYPE(cs, *stats->acc, DType::kF32);
+      cs.is_shape("stats.acc", *stats->acc, {experts + 1}, __LINE__);
+    }
+    OP_REQUIRE(cs, std::isfinite(stats->aux_scale), "stats.aux_scale = {} is not finite", stats->aux_scale);
+  }
+  c.call(&Backend::router_forward, ex, logits, bias, cfg, scores, topk_idx, gates, stats);
 }
 
 void router_backward(const Exec& ex, const Tensor& scores, const Tensor& topk_idx, const Tensor& dgates,
-                     const Tensor* dscores, const RouterConfig& cfg, Tensor& dlogits) {
+                     const Tensor* dscores, const RouterConfig& cfg, Tensor& dlogits, float dscores_scale) {
   OpCheck c("router_backward", ex,
             {{"scores", &scores},
              {"topk_idx", &topk_idx},
@@ -580,10 +598,15 @@ void router_backward(const Exec& ex, const Tensor& scores, const Tensor& topk_id
   OP_SHAPE(c, dgates, {tokens, static_cast<int64_t>(cfg.top_k)});
   if (dscores != nullptr) {
     OP_FLOAT(c, *dscores);
-    c.is_shape("dscores", *dscores, scores.shape(), __LINE__);
+    if (dscores->dim() == 1) {
+      c.is_shape("dscores", *dscores, {experts}, __LINE__);  // one row for every token
+    } else {
+      c.is_shape("dscores", *dscores, scores.shape(), __LINE__);
+    }
   }
+  OP_REQUIRE(c, std::isfinite(dscores_scale), "dscores_scale = {} is not finite", dscores_scale);
   OP_SHAPE(c, dlogits, scores.shape());
-  c.call(&Backend::router_backward, ex, scores, topk_idx, dgates, dscores, cfg, dlogits);
+  c.call(&Backend::router_backward, ex, scores, topk_idx, dgates, dscores, cfg, dlogits, dscores_scale);
 }
 
 // ---- token permutation by expert -----------------------------------------------------

@@ -146,12 +146,30 @@ struct RouterConfig {
 // [T,k] and gates f32 [T,k]. Selection ranks scores (+ bias[e] when bias is given: the
 // aux-loss-free balancing bias, used only to select, never in the gate value). Ties go to
 // the lower expert index. Gates are the selected scores, renormalised per config.
+//
+// stats (optional): the load statistics of the same pass, so that a step does not spend
+// separate passes (and launches) on them (issue 20):
+//   counts f32 [E]       the copies routed to each expert (top-k entries equal to e);
+//   score_sums f32 [E]   (optional) the column sums of the scores over the tokens;
+//   acc f32 [E+1]        (optional) acc[0:E] += counts and, with score_sums,
+//                        acc[E] += aux_scale * sum_e counts[e] * score_sums[e]
+//                        (the load-balancing loss of Switch/GShard, scaled by the caller).
+// The sums are taken in a fixed order: the same inputs give the same bits every run.
+struct RouterStats {
+  Tensor* counts = nullptr;
+  Tensor* score_sums = nullptr;
+  Tensor* acc = nullptr;
+  float aux_scale = 0.0f;
+};
 void router_forward(const Exec& ex, const Tensor& logits, const Tensor* bias, const RouterConfig& cfg,
-                    Tensor& scores, Tensor& topk_idx, Tensor& gates);
-// dlogits from dgates [T,k] plus, optionally, a direct gradient on the scores [T,E]
-// (from the load-balancing aux loss). Selection is treated as constant.
+                    Tensor& scores, Tensor& topk_idx, Tensor& gates, const RouterStats* stats = nullptr);
+// dlogits (f32 or bf16, rounded once) from dgates [T,k] plus, optionally, a direct
+// gradient on the scores (from the load-balancing aux loss): dscores [T,E], or [E] for
+// one row that every token shares; either way multiplied by dscores_scale. Selection is
+// treated as constant.
 void router_backward(const Exec& ex, const Tensor& scores, const Tensor& topk_idx, const Tensor& dgates,
-                     const Tensor* dscores, const RouterConfig& cfg, Tensor& dlogits);
+                     const Tensor* dscores, const RouterConfig& cfg, Tensor& dlogits,
+                     float dscores_scale = 1.0f);
 
 // ---- token permutation by expert -----------------------------------------------------
 // Plans the dispatch of T tokens' k expert choices (topk_idx i32 [T,k]). Copies are grouped

@@ -124,25 +124,36 @@ void Router::forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc
   s.scores = c.empty({t, e}, DType::kF32);
   s.topk_idx = c.empty({t, k}, DType::kI32);
   s.gates = c.empty({t, k}, DType::kF32);
-  kernels::router_forward(c.ex, s.logits, cfg.bias_update_rate > 0 ? &bias : nullptr, router_config(),
-                          s.scores, s.topk_idx, s.gates);
+  const Tensor* route_bias = cfg.bias_update_rate > 0 ? &bias : nullptr;
   s.selected.clear();
   s.group_tokens = t;
   s.counts = Tensor();
   s.score_sums = Tensor();
-  if (acc == nullptr) return;
+  if (acc == nullptr) {
+    kernels::router_forward(c.ex, s.logits, route_bias, router_config(), s.scores, s.topk_idx, s.gates);
+    return;
+  }
   TROUPE_CHECK(acc->dtype() == DType::kF32 && acc->numel() == e + 1,
                "Router::forward_device: acc must be f32 [{}], got {}", e + 1, acc->describe());
   // [counts (E) | score column sums (E)]: one buffer, so that a group sums both in one call.
   const bool aux_on = cfg.aux_loss_coef > 0;
   Tensor st = c.empty({aux_on ? 2 * e : e}, DType::kF32);
   s.counts = st.narrow(0, 0, e);
-  kernels::expert_counts(c.ex, s.topk_idx, s.counts);
-  if (aux_on) {
-    s.score_sums = st.narrow(0, e, e);
-    kernels::sum_rows(c.ex, s.scores, s.score_sums);
+  if (aux_on) s.score_sums = st.narrow(0, e, e);
+  // The statistics come from the router's own pass. Alone (no group to sum them over first)
+  // it also adds them to acc: the load, and the aux loss over these t tokens.
+  kernels::RouterStats rs;
+  rs.counts = &s.counts;
+  rs.score_sums = aux_on ? &s.score_sums : nullptr;
+  if (!device_all_reduce_) {
+    const double td = static_cast<double>(std::max<int64_t>(1, t));
+    rs.acc = acc;
+    rs.aux_scale =
+        static_cast<float>(cfg.aux_loss_coef * static_cast<double>(e) / (td * td * static_cast<double>(k)));
   }
-  if (device_all_reduce_) s.group_tokens = t * device_all_reduce_(st);
+  kernels::router_forward(c.ex, s.logits, route_bias, router_config(), s.scores, s.topk_idx, s.gates, &rs);
+  if (!device_all_reduce_) return;
+  s.group_tokens = t * device_all_reduce_(st);
   Tensor load = acc->narrow(0, 0, e);
   kernels::axpby(c.ex, 1.0f, s.counts, 1.0f, load);
   if (aux_on) {
@@ -161,6 +172,19 @@ void Router::forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc
 void Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight, Tensor& dx) {
   const int64_t t = s.x.size(0), e = cfg.num_experts, k = cfg.top_k;
   const double tg = static_cast<double>(std::max<int64_t>(1, s.group_tokens));
+  if (cfg.aux_loss_coef > 0 && s.counts.defined() && cfg.z_loss_coef == 0) {
+    // forward_device: d aux / d scores[t,e] = scale * counts[e], the same row for every
+    // token, read by the backward kernel itself, which writes dlogits in the activation
+    // dtype (no [T,E] broadcast, no cast).
+    Tensor dl = c.empty({t, e});
+    kernels::router_backward(c.ex, s.scores, s.topk_idx, dgates, &s.counts, router_config(), dl,
+                             static_cast<float>(loss_weight * cfg.aux_loss_coef * static_cast<double>(e) /
+                                                (tg * static_cast<double>(k) * tg)));
+    TROUPE_CHECK(dx.shape() == s.x.shape(), "Router::backward: dx {} for x {}", dx.describe(),
+                 s.x.describe());
+    kernels::matmul_backward(c.ex, s.x, weight.w(), dl, &dx, &weight.grad, false, false, /*accumulate=*/true);
+    return;
+  }
   Tensor dlogits = c.empty({t, e}, DType::kF32);
   Tensor dscores;
   if (cfg.aux_loss_coef > 0 && s.counts.defined()) {

@@ -93,9 +93,9 @@ void attention_backward(const Exec& ex, const Tensor& q, const Tensor& k, const 
 
 // ---- moe.cc (router, dispatch plan, permutation) --------------------------------------
 void router_forward(const Exec& ex, const Tensor& logits, const Tensor* bias, const RouterConfig& cfg,
-                    Tensor& scores, Tensor& topk_idx, Tensor& gates);
+                    Tensor& scores, Tensor& topk_idx, Tensor& gates, const RouterStats* stats);
 void router_backward(const Exec& ex, const Tensor& scores, const Tensor& topk_idx, const Tensor& dgates,
-                     const Tensor* dscores, const RouterConfig& cfg, Tensor& dlogits);
+                     const Tensor* dscores, const RouterConfig& cfg, Tensor& dlogits, float dscores_scale);
 void moe_dispatch_plan(const Exec& ex, const Tensor& topk_idx, int64_t num_experts, int64_t capacity,
                        Tensor& row_map, Tensor& expert_counts, Tensor& expert_offsets);
 void moe_permute(const Exec& ex, const Tensor& x, const Tensor& row_map, int64_t top_k, Tensor& xp);

@@ -12,7 +12,7 @@
 namespace troupe::kernels::cpu {
 
 void router_forward(const Exec&, const Tensor& logits, const Tensor* bias, const RouterConfig& cfg,
-                    Tensor& scores, Tensor& topk_idx, Tensor& gates) {
+                    Tensor& scores, Tensor& topk_idx, Tensor& gates, const RouterStats* stats) {
   const int64_t tokens = logits.size(0), experts = logits.size(1), k = cfg.top_k;
   F32In pl(logits);
   F32Out ps(scores), pg(gates);
@@ -58,21 +58,48 @@ void router_forward(const Exec&, const Tensor& logits, const Tensor* bias, const
       for (int64_t j = 0; j < k; ++j) pg[t * k + j] /= gsum;
     }
   }
+  if (stats == nullptr) return;
+  // Counts are exact; the score sums and the aux term are summed in double here (the CUDA
+  // kernels sum in f32 in a fixed order of their own).
+  std::vector<double> counts(static_cast<size_t>(experts), 0.0), sums(static_cast<size_t>(experts), 0.0);
+  for (int64_t i = 0; i < tokens * k; ++i) counts[static_cast<size_t>(pidx[i])] += 1.0;
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t e = 0; e < experts; ++e) sums[static_cast<size_t>(e)] += ps[t * experts + e];
+  F32Out pc(*stats->counts);
+  for (int64_t e = 0; e < experts; ++e) pc[e] = static_cast<float>(counts[static_cast<size_t>(e)]);
+  if (stats->score_sums != nullptr) {
+    F32Out pss(*stats->score_sums);
+    for (int64_t e = 0; e < experts; ++e) pss[e] = static_cast<float>(sums[static_cast<size_t>(e)]);
+  }
+  if (stats->acc != nullptr) {
+    F32Out pa(*stats->acc, /*load=*/true);
+    double dot = 0.0;
+    for (int64_t e = 0; e < experts; ++e) {
+      pa[e] = static_cast<float>(pa[e] + counts[static_cast<size_t>(e)]);
+      dot += counts[static_cast<size_t>(e)] *
+             static_cast<double>(static_cast<float>(sums[static_cast<size_t>(e)]));
+    }
+    if (stats->score_sums != nullptr) pa[experts] = static_cast<float>(pa[experts] + stats->aux_scale * dot);
+  }
 }
 
 // Gates g_j = s_j / S (S = sum of selected scores) when renormalised, else g_j = s_j.
 // ds_i = (dg_i - sum_j dg_j g_j) / S for selected i (or dg_i), plus dscores if given;
 // then through the score function: softmax  dl = s (ds - sum(ds s)), sigmoid  dl = ds s (1 - s).
 void router_backward(const Exec&, const Tensor& scores, const Tensor& topk_idx, const Tensor& dgates,
-                     const Tensor* dscores, const RouterConfig& cfg, Tensor& dlogits) {
+                     const Tensor* dscores, const RouterConfig& cfg, Tensor& dlogits, float dscores_scale) {
   const int64_t tokens = scores.size(0), experts = scores.size(1), k = cfg.top_k;
   F32In ps(scores), pdg(dgates);
   const int32_t* pidx = topk_idx.data<int32_t>();
   F32Out pdl(dlogits);
   std::vector<float> dscores_v;
   if (dscores != nullptr) {
+    // [E] (one row for every token) or [T,E], times the scale (rounded to f32 as the CUDA
+    // kernel rounds it).
     F32In pds(*dscores);
-    dscores_v.assign(pds.get(), pds.get() + dscores->numel());
+    const bool row = dscores->dim() == 1;
+    dscores_v.resize(static_cast<size_t>(tokens * experts));
+    for (int64_t i = 0; i < tokens * experts; ++i) dscores_v[i] = dscores_scale * pds[row ? i % experts : i];
   }
   const bool renorm = cfg.normalize || cfg.score == RouterScore::kSigmoid;
   std::vector<float> ds(static_cast<size_t>(experts));

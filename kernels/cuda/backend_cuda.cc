@@ -6,6 +6,7 @@
 // (This file is C++20 because it uses core/tensor.h; the kernels themselves are in the
 // .cu files, compiled as CUDA C++17.)
 #include <cmath>
+#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -374,7 +375,7 @@ void cuda_softmax_backward(const Exec& ex, const Tensor& y, const Tensor& dy, Te
 
 // ---- MoE router ----------------------------------------------------------------------
 void cuda_router_forward(const Exec& ex, const Tensor& logits, const Tensor* bias, const RouterConfig& cfg,
-                         Tensor& scores, Tensor& topk_idx, Tensor& gates) {
+                         Tensor& scores, Tensor& topk_idx, Tensor& gates, const RouterStats* stats) {
   const char* op = "router_forward";
   OpScope s(ex, op);
   require(logits, op, "logits");
@@ -386,13 +387,32 @@ void cuda_router_forward(const Exec& ex, const Tensor& logits, const Tensor* bia
   require(scores, op, "scores");
   require(topk_idx, op, "topk_idx");
   require(gates, op, "gates");
-  gpu::launch_router_forward(s.env, f32(logits), bias != nullptr ? f32(*bias) : nullptr, logits.size(0),
-                             logits.size(1), cfg.top_k, cfg.score == RouterScore::kSigmoid, cfg.normalize,
-                             f32_mut(scores), static_cast<int32_t*>(topk_idx.data_ptr()), f32_mut(gates));
+  const int64_t tokens = logits.size(0), experts = logits.size(1);
+  gpu::RouterStatsArgs args;
+  std::optional<Scratch> scratch;
+  if (stats != nullptr) {
+    require(*stats->counts, op, "stats.counts");
+    args.counts = f32_mut(*stats->counts);
+    if (stats->score_sums != nullptr) {
+      require(*stats->score_sums, op, "stats.score_sums");
+      args.score_sums = f32_mut(*stats->score_sums);
+    }
+    if (stats->acc != nullptr) {
+      require(*stats->acc, op, "stats.acc");
+      args.acc = f32_mut(*stats->acc);
+    }
+    args.aux_scale = stats->aux_scale;
+    scratch.emplace(s.ctx, gpu::router_stats_scratch_bytes(tokens, experts));
+  }
+  gpu::launch_router_forward(s.env, f32(logits), bias != nullptr ? f32(*bias) : nullptr, tokens, experts,
+                             cfg.top_k, cfg.score == RouterScore::kSigmoid, cfg.normalize, f32_mut(scores),
+                             static_cast<int32_t*>(topk_idx.data_ptr()), f32_mut(gates),
+                             stats != nullptr ? &args : nullptr, scratch ? scratch->get() : nullptr);
 }
 
 void cuda_router_backward(const Exec& ex, const Tensor& scores, const Tensor& topk_idx, const Tensor& dgates,
-                          const Tensor* dscores, const RouterConfig& cfg, Tensor& dlogits) {
+                          const Tensor* dscores, const RouterConfig& cfg, Tensor& dlogits,
+                          float dscores_scale) {
   const char* op = "router_backward";
   OpScope s(ex, op);
   require(scores, op, "scores");
@@ -404,12 +424,12 @@ void cuda_router_backward(const Exec& ex, const Tensor& scores, const Tensor& to
     require_dtype(*dscores, DType::kF32, op, "dscores");
   }
   require(dlogits, op, "dlogits");
-  gpu::launch_router_backward(s.env, f32(scores), i32(topk_idx), f32(dgates),
-                              dscores != nullptr ? f32(*dscores) : nullptr, scores.size(0), scores.size(1),
-                              cfg.top_k, cfg.score == RouterScore::kSigmoid, cfg.normalize, f32_mut(dlogits));
+  gpu::launch_router_backward(
+      s.env, f32(scores), i32(topk_idx), f32(dgates), dscores != nullptr ? f32(*dscores) : nullptr,
+      dscores != nullptr && dscores->dim() == 1, dscores_scale, scores.size(0), scores.size(1), cfg.top_k,
+      cfg.score == RouterScore::kSigmoid, cfg.normalize, dlogits.data_ptr(), dlogits.dtype());
 }
 
-// ---- token permutation ---------------------------------------------------------------
 void cuda_moe_dispatch_plan(const Exec& ex, const Tensor& topk_idx, int64_t num_experts, int64_t capacity,
                             Tensor& row_map, Tensor& expert_counts, Tensor& expert_offsets) {
   const char* op = "moe_dispatch_plan";

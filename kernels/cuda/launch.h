@@ -119,11 +119,25 @@ void launch_cross_entropy_forward_backward(const Env& env, const void* logits, D
                                            int64_t vocab, float* losses, float* lse, void* dlogits, DType dt);
 
 // ---- MoE routing and permutation (moe.cu) --------------------------------------------
-void launch_router_forward(const Env& env, const float* logits, const float* bias, int64_t tokens, int64_t experts,
-                           int top_k, bool sigmoid, bool normalize, float* scores, int32_t* topk_idx, float* gates);
+// router_forward's statistics (ops.h RouterStats) on the device; score_sums and acc may be
+// null. They take router_stats_scratch_bytes of scratch and a second, one-block kernel.
+struct RouterStatsArgs {
+  float* counts = nullptr;
+  float* score_sums = nullptr;
+  float* acc = nullptr;
+  float aux_scale = 0.0f;
+};
+size_t router_stats_scratch_bytes(int64_t tokens, int64_t experts);
+void launch_router_forward(const Env& env, const float* logits, const float* bias, int64_t tokens,
+                           int64_t experts, int top_k, bool sigmoid, bool normalize, float* scores,
+                           int32_t* topk_idx, float* gates, const RouterStatsArgs* stats = nullptr,
+                           void* scratch = nullptr);
+// dscores: [T,E], or with dscores_row one [E] row for every token; times dscores_scale.
+// dlogits f32 or bf16.
 void launch_router_backward(const Env& env, const float* scores, const int32_t* topk_idx, const float* dgates,
-                            const float* dscores, int64_t tokens, int64_t experts, int top_k, bool sigmoid,
-                            bool normalize, float* dlogits);
+                            const float* dscores, bool dscores_row, float dscores_scale, int64_t tokens,
+                            int64_t experts, int top_k, bool sigmoid, bool normalize, void* dlogits,
+                            DType dlogits_type);
 size_t dispatch_plan_scratch_bytes(int64_t copies, int64_t experts);
 void launch_moe_dispatch_plan(const Env& env, const int32_t* topk_idx, int64_t copies, int64_t experts,
                               int64_t capacity, int32_t* row_map, int32_t* counts, int32_t* offsets, void* scratch);

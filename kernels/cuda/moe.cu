@@ -23,88 +23,159 @@ __device__ __forceinline__ float sigmoid_exact(float x) { return 1.0f / (1.0f + 
 // index on equal keys (the tie rule of the serial kernel below). Lane j keeps pick j and
 // writes it. The gates' sum adds the picks in pick order, as the serial kernel does.
 constexpr int kRouterWarpTokens = 8;  // tokens (warps) a block
-template <int kPer>
+// With statistics each warp takes this many tokens (blocks of 32 tokens), so that the
+// finishing kernel sums fewer block partials.
+constexpr int kRouterStatsLoop = 4;
+constexpr int kRouterStatsMaxExperts = 256;  // the warp kernel's (8 a lane)
+template <int kPer, bool kStats>
 __global__ void __launch_bounds__(32 * kRouterWarpTokens)
     router_forward_warp_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
                                int64_t tokens, int64_t experts, int top_k, bool sigmoid, bool normalize,
-                               float* scores, int32_t* topk_idx, float* gates) {
+                               float* scores, int32_t* topk_idx, float* gates, float* partial) {
   pdl_wait();
-  const int64_t t = int64_t{blockIdx.x} * kRouterWarpTokens + threadIdx.x / 32;
-  if (t >= tokens) return;  // the whole warp: t is the warp's
-  const int lane = threadIdx.x % 32;
-  const float* l = logits + t * experts;
-  float v[kPer];
+  constexpr int kLoop = kStats ? kRouterStatsLoop : 1;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  // kStats: this block's copies per expert, and each warp's score sums per expert.
+  __shared__ int block_counts[kStats ? kRouterStatsMaxExperts : 1];
+  __shared__ float warp_sums[kStats ? kRouterWarpTokens : 1][kStats ? 32 * kPer : 1];
+  float ssum[kPer];
+  if constexpr (kStats) {
+    for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) block_counts[e] = 0;
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int64_t e = lane + 32 * i;
-    v[i] = e < experts ? l[e] : -INFINITY;
+    for (int i = 0; i < kPer; ++i) ssum[i] = 0.0f;
+    __syncthreads();
   }
-  if (sigmoid) {
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) v[i] = sigmoid_exact(v[i]);  // sigmoid(-inf) = 0: never picked
-  } else {
-    float m = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) m = fmaxf(m, v[i]);
-    m = warp_max(m);
-    float sum = 0.0f;
+  for (int r = 0; r < kLoop; ++r) {
+    const int64_t t = (int64_t{blockIdx.x} * kLoop + r) * kRouterWarpTokens + warp;
+    if (t >= tokens) break;  // the whole warp: t is the warp's
+    const float* l = logits + t * experts;
+    float v[kPer];
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
-      v[i] = expf(v[i] - m);  // 0 past the experts
-      sum += v[i];
+      const int64_t e = lane + 32 * i;
+      v[i] = e < experts ? l[e] : -INFINITY;
     }
-    const float inv = 1.0f / warp_sum(sum);
+    if (sigmoid) {
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) v[i] *= inv;
-  }
-  float key[kPer];
-  bool open[kPer];  // an expert of this token, not picked yet
+      for (int i = 0; i < kPer; ++i) v[i] = sigmoid_exact(v[i]);  // sigmoid(-inf) = 0: never picked
+    } else {
+      float m = -INFINITY;
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int64_t e = lane + 32 * i;
-    open[i] = e < experts;
-    if (open[i]) {
-      scores[t * experts + e] = v[i];
-      key[i] = v[i] + (bias != nullptr ? bias[e] : 0.0f);
+      for (int i = 0; i < kPer; ++i) m = fmaxf(m, v[i]);
+      m = warp_max(m);
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        v[i] = expf(v[i] - m);  // 0 past the experts
+        sum += v[i];
+      }
+      const float inv = 1.0f / warp_sum(sum);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) v[i] *= inv;
     }
-  }
-  int32_t mine_idx = 0;
-  float mine_val = 0.0f, total = 0.0f;
-  for (int j = 0; j < top_k; ++j) {
-    // This lane's best untaken expert (its experts ascend with i, so the strict > keeps the
-    // lowest index of equal keys), then the warp's.
-    float bk = -INFINITY, bv = 0.0f;
-    int32_t bi = INT32_MAX;
+    float key[kPer];
+    bool open[kPer];  // an expert of this token, not picked yet
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
-      if (open[i] && (bi == INT32_MAX || key[i] > bk)) {
-        bk = key[i];
-        bv = v[i];
-        bi = lane + 32 * i;
+      const int64_t e = lane + 32 * i;
+      open[i] = e < experts;
+      if (open[i]) {
+        scores[t * experts + e] = v[i];
+        key[i] = v[i] + (bias != nullptr ? bias[e] : 0.0f);
+        if constexpr (kStats) ssum[i] += v[i];
       }
     }
+    int32_t mine_idx = 0;
+    float mine_val = 0.0f, total = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+      // This lane's best untaken expert (its experts ascend with i, so the strict > keeps the
+      // lowest index of equal keys), then the warp's.
+      float bk = -INFINITY, bv = 0.0f;
+      int32_t bi = INT32_MAX;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ok = __shfl_xor_sync(0xffffffffu, bk, o), ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (oi != INT32_MAX && (bi == INT32_MAX || ok > bk || (ok == bk && oi < bi))) {
-        bk = ok;
-        bv = ov;
-        bi = oi;
+      for (int i = 0; i < kPer; ++i) {
+        if (open[i] && (bi == INT32_MAX || key[i] > bk)) {
+          bk = key[i];
+          bv = v[i];
+          bi = lane + 32 * i;
+        }
       }
-    }
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) open[i] = open[i] && lane + 32 * i != bi;
-    if (lane == j) {
-      mine_idx = bi;
-      mine_val = bv;
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ok = __shfl_xor_sync(0xffffffffu, bk, o), ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (oi != INT32_MAX && (bi == INT32_MAX || ok > bk || (ok == bk && oi < bi))) {
+          bk = ok;
+          bv = ov;
+          bi = oi;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) open[i] = open[i] && lane + 32 * i != bi;
+      if (lane == j) {
+        mine_idx = bi;
+        mine_val = bv;
+      }
+      total += bv;
     }
-    total += bv;
+    if (lane < top_k) {
+      const bool renorm = normalize || sigmoid;
+      topk_idx[t * top_k + lane] = mine_idx;
+      gates[t * top_k + lane] = renorm ? mine_val / total : mine_val;
+      if constexpr (kStats) atomicAdd(&block_counts[mine_idx], 1);  // integers: any order
+    }
   }
-  if (lane < top_k) {
-    const bool renorm = normalize || sigmoid;
-    topk_idx[t * top_k + lane] = mine_idx;
-    gates[t * top_k + lane] = renorm ? mine_val / total : mine_val;
+  if constexpr (kStats) {
+    // The block's partial [counts | score sums] (warps summed in order): one row of
+    // `partial`, which router_stats_finish_kernel sums in order.
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) warp_sums[warp][lane + 32 * i] = ssum[i];
+    __syncthreads();
+    float* row = partial + int64_t{blockIdx.x} * 2 * experts;
+    for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+      float s = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kRouterWarpTokens; ++w) s += warp_sums[w][e];
+      row[e] = static_cast<float>(block_counts[e]);
+      row[experts + e] = s;
+    }
+  }
+}
+
+// One block: the router's statistics from the warp kernel's block partials [rows, 2E],
+// summed in a fixed order (each thread a column's rows g, g + groups, ...; then the groups
+// in order), into counts, score_sums and acc (see RouterStats).
+constexpr int kRouterFinishThreads = 512;
+__global__ void __launch_bounds__(kRouterFinishThreads)
+    router_stats_finish_kernel(const float* partial, int64_t rows, int64_t experts, float* counts,
+                               float* score_sums, float* acc, float aux_scale) {
+  pdl_wait();
+  __shared__ float group_sums[kRouterFinishThreads];
+  __shared__ float totals[2 * kRouterStatsMaxExperts];
+  const int64_t cols = 2 * experts;  // <= kRouterFinishThreads
+  const int64_t groups = kRouterFinishThreads / cols, c = threadIdx.x % cols, g = threadIdx.x / cols;
+  float s = 0.0f;
+  if (g < groups) {
+#pragma unroll 8
+    for (int64_t r = g; r < rows; r += groups) s += partial[r * cols + c];
+  }
+  group_sums[threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.x < cols) {
+    float t = 0.0f;
+    for (int64_t gg = 0; gg < groups; ++gg) t += group_sums[gg * cols + threadIdx.x];
+    totals[threadIdx.x] = t;
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+    counts[e] = totals[e];
+    if (score_sums != nullptr) score_sums[e] = totals[experts + e];
+    if (acc != nullptr) acc[e] += totals[e];
+  }
+  if (threadIdx.x == 0 && acc != nullptr && score_sums != nullptr) {
+    float dot = 0.0f;
+    for (int64_t e = 0; e < experts; ++e) dot += totals[e] * totals[experts + e];
+    acc[experts] += aux_scale * dot;
   }
 }
 
@@ -155,42 +226,77 @@ __global__ void router_forward_kernel(const float* logits, const float* bias, in
   }
 }
 
+// The same statistics for more experts than the warp kernel takes, from the scores and
+// picks the serial router kernel wrote: one block, a shared histogram of the picks, each
+// thread a column's sum over the tokens in order (slow, but only for > 256 experts).
+__global__ void router_stats_serial_kernel(const float* scores, const int32_t* topk_idx, int64_t tokens,
+                                           int64_t experts, int top_k, float* counts, float* score_sums,
+                                           float* acc, float aux_scale) {
+  pdl_wait();
+  extern __shared__ int hist[];
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) hist[e] = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < tokens * top_k; i += blockDim.x) atomicAdd(&hist[topk_idx[i]], 1);
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+    float s = 0.0f;
+    for (int64_t t = 0; t < tokens; ++t) s += scores[t * experts + e];
+    counts[e] = static_cast<float>(hist[e]);
+    if (score_sums != nullptr) score_sums[e] = s;
+    if (acc != nullptr) acc[e] += static_cast<float>(hist[e]);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && acc != nullptr && score_sums != nullptr) {
+    float dot = 0.0f;
+    for (int64_t e = 0; e < experts; ++e) dot += counts[e] * score_sums[e];
+    acc[experts] += aux_scale * dot;
+  }
+}
+
 // Gradient with respect to the scores of expert e (selection held constant).
 __device__ __forceinline__ float router_dscore(int64_t e, const float* s, const int32_t* idx, const float* dg,
-                                               const float* ds, int top_k, bool renorm, float total, float gdot) {
-  float d = ds != nullptr ? ds[e] : 0.0f;
+                                               const float* ds, float ds_scale, int top_k, bool renorm,
+                                               float total, float gdot) {
+  float d = ds != nullptr ? ds_scale * ds[e] : 0.0f;
   for (int j = 0; j < top_k; ++j) {
     if (idx[j] == e) d += renorm ? (dg[j] - gdot) / total : dg[j];
   }
   return d;
 }
 
+// dscores: [T,E], or with ds_row one [E] row that every token shares; times ds_scale.
+template <typename OutT>
 __global__ void router_backward_kernel(const float* scores, const int32_t* topk_idx, const float* dgates,
-                                       const float* dscores, int64_t tokens, int64_t experts, int top_k, bool sigmoid,
-                                       bool normalize, float* dlogits) {
+                                       const float* dscores, bool ds_row, float ds_scale, int64_t tokens,
+                                       int64_t experts, int top_k, bool sigmoid, bool normalize,
+                                       OutT* dlogits) {
   pdl_wait();
   const int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (t >= tokens) return;
   const float* s = scores + t * experts;
   const int32_t* idx = topk_idx + t * top_k;
   const float* dg = dgates + t * top_k;
-  const float* ds = dscores != nullptr ? dscores + t * experts : nullptr;
+  const float* ds = dscores == nullptr ? nullptr : ds_row ? dscores : dscores + t * experts;
   const bool renorm = normalize || sigmoid;
   // gate_j = s_j / total: d total-normalised gates give (dg_j - sum_l dg_l gate_l) / total.
   float total = 0.0f;
   for (int j = 0; j < top_k; ++j) total += s[idx[j]];
   float gdot = 0.0f;
   for (int j = 0; j < top_k; ++j) gdot += dg[j] * (s[idx[j]] / total);
-  float* dl = dlogits + t * experts;
+  OutT* dl = dlogits + t * experts;
   if (sigmoid) {
     for (int64_t e = 0; e < experts; ++e) {
-      dl[e] = router_dscore(e, s, idx, dg, ds, top_k, renorm, total, gdot) * s[e] * (1.0f - s[e]);
+      dl[e] = from_float<OutT>(router_dscore(e, s, idx, dg, ds, ds_scale, top_k, renorm, total, gdot) * s[e] *
+                               (1.0f - s[e]));
     }
   } else {
     float dot = 0.0f;
-    for (int64_t e = 0; e < experts; ++e) dot += router_dscore(e, s, idx, dg, ds, top_k, renorm, total, gdot) * s[e];
     for (int64_t e = 0; e < experts; ++e) {
-      dl[e] = s[e] * (router_dscore(e, s, idx, dg, ds, top_k, renorm, total, gdot) - dot);
+      dot += router_dscore(e, s, idx, dg, ds, ds_scale, top_k, renorm, total, gdot) * s[e];
+    }
+    for (int64_t e = 0; e < experts; ++e) {
+      dl[e] = from_float<OutT>(
+          s[e] * (router_dscore(e, s, idx, dg, ds, ds_scale, top_k, renorm, total, gdot) - dot));
     }
   }
 }
@@ -422,24 +528,66 @@ unsigned row_threads(int64_t d) { return d >= 1024 ? 256 : 128; }
 
 }  // namespace
 
-void launch_router_forward(const Env& env, const float* logits, const float* bias, int64_t tokens, int64_t experts,
-                           int top_k, bool sigmoid, bool normalize, float* scores, int32_t* topk_idx, float* gates) {
+size_t router_stats_scratch_bytes(int64_t tokens, int64_t experts) {
+  const int64_t blocks = ceil_div(max64(tokens, 1), int64_t{kRouterWarpTokens} * kRouterStatsLoop);
+  return static_cast<size_t>(blocks * 2 * experts) * sizeof(float);
+}
+
+void launch_router_forward(const Env& env, const float* logits, const float* bias, int64_t tokens,
+                           int64_t experts, int top_k, bool sigmoid, bool normalize, float* scores,
+                           int32_t* topk_idx, float* gates, const RouterStatsArgs* stats, void* scratch) {
   TROUPE_CHECK(top_k >= 1 && top_k <= kMaxTopK && top_k <= experts, "router_forward on cuda: top_k {} with {} experts",
                top_k, experts);
+  if (stats != nullptr && experts > kRouterStatsMaxExperts) {
+    launch_router_forward(env, logits, bias, tokens, experts, top_k, sigmoid, normalize, scores, topk_idx,
+                          gates);
+    const size_t smem = static_cast<size_t>(experts) * sizeof(int);
+    TROUPE_CHECK(smem <= 48 * 1024, "router_forward on cuda: statistics for at most 12288 experts, got {}",
+                 experts);
+    launch(env, router_stats_serial_kernel, 1, 1024, smem, static_cast<const float*>(scores),
+           static_cast<const int32_t*>(topk_idx), tokens, experts, top_k, stats->counts, stats->score_sums,
+           stats->acc, stats->aux_scale);
+    TROUPE_CUDA_LAUNCH_CHECK();
+    return;
+  }
+  if (stats != nullptr) {
+    TROUPE_CHECK(scratch != nullptr && stats->counts != nullptr,
+                 "router_forward on cuda: statistics need scratch");
+    auto* partial = static_cast<float*>(scratch);
+    const int64_t blocks = ceil_div(max64(tokens, 1), int64_t{kRouterWarpTokens} * kRouterStatsLoop);
+    auto warp = [&](auto kernel) {
+      launch(env, kernel, static_cast<unsigned>(blocks), 32 * kRouterWarpTokens, 0, logits, bias, tokens,
+             experts, top_k, sigmoid, normalize, scores, topk_idx, gates, partial);
+    };
+    if (experts <= 32) {
+      warp(router_forward_warp_kernel<1, true>);
+    } else if (experts <= 64) {
+      warp(router_forward_warp_kernel<2, true>);
+    } else if (experts <= 128) {
+      warp(router_forward_warp_kernel<4, true>);
+    } else {
+      warp(router_forward_warp_kernel<8, true>);
+    }
+    TROUPE_CUDA_LAUNCH_CHECK();
+    launch(env, router_stats_finish_kernel, 1, kRouterFinishThreads, 0, static_cast<const float*>(partial),
+           blocks, experts, stats->counts, stats->score_sums, stats->acc, stats->aux_scale);
+    TROUPE_CUDA_LAUNCH_CHECK();
+    return;
+  }
   if (tokens == 0) return;
   auto warp = [&](auto kernel) {
     launch(env, kernel, static_cast<unsigned>(ceil_div(tokens, int64_t{kRouterWarpTokens})),
            32 * kRouterWarpTokens, 0, logits, bias, tokens, experts, top_k, sigmoid, normalize, scores,
-           topk_idx, gates);
+           topk_idx, gates, static_cast<float*>(nullptr));
   };
   if (experts <= 32) {
-    warp(router_forward_warp_kernel<1>);
+    warp(router_forward_warp_kernel<1, false>);
   } else if (experts <= 64) {
-    warp(router_forward_warp_kernel<2>);
+    warp(router_forward_warp_kernel<2, false>);
   } else if (experts <= 128) {
-    warp(router_forward_warp_kernel<4>);
+    warp(router_forward_warp_kernel<4, false>);
   } else if (experts <= 256) {
-    warp(router_forward_warp_kernel<8>);
+    warp(router_forward_warp_kernel<8, false>);
   } else {
     launch(env, router_forward_kernel, static_cast<unsigned>(ceil_div(tokens, 128)), 128, 0, logits, bias,
            tokens, experts, top_k, sigmoid, normalize, scores, topk_idx, gates);
@@ -448,11 +596,21 @@ void launch_router_forward(const Env& env, const float* logits, const float* bia
 }
 
 void launch_router_backward(const Env& env, const float* scores, const int32_t* topk_idx, const float* dgates,
-                            const float* dscores, int64_t tokens, int64_t experts, int top_k, bool sigmoid,
-                            bool normalize, float* dlogits) {
+                            const float* dscores, bool dscores_row, float dscores_scale, int64_t tokens,
+                            int64_t experts, int top_k, bool sigmoid, bool normalize, void* dlogits,
+                            DType dlogits_type) {
   if (tokens == 0) return;
-  launch(env, router_backward_kernel, static_cast<unsigned>(ceil_div(tokens, 128)), 128, 0, scores, topk_idx,
-         dgates, dscores, tokens, experts, top_k, sigmoid, normalize, dlogits);
+  const unsigned grid = static_cast<unsigned>(ceil_div(tokens, 128));
+  if (dlogits_type == DType::kBF16) {
+    launch(env, router_backward_kernel<__nv_bfloat16>, grid, 128, 0, scores, topk_idx, dgates, dscores,
+           dscores_row, dscores_scale, tokens, experts, top_k, sigmoid, normalize,
+           static_cast<__nv_bfloat16*>(dlogits));
+  } else {
+    TROUPE_CHECK(dlogits_type == DType::kF32, "router_backward on cuda: dlogits must be f32 or bf16, not {}",
+                 dtype_name(dlogits_type));
+    launch(env, router_backward_kernel<float>, grid, 128, 0, scores, topk_idx, dgates, dscores, dscores_row,
+           dscores_scale, tokens, experts, top_k, sigmoid, normalize, static_cast<float*>(dlogits));
+  }
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 

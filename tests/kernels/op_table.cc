@@ -1198,6 +1198,86 @@ void add_router_cases(std::vector<OpCase>& cases, Rng& rng) {
       {"softmax/top2of300/norm/bias", 4, 300, {2, RouterScore::kSoftmax, true}, true, false},
   };
   for (const RouterSpec& sp : wide) cases.push_back(router_forward_case(sp, rng));
+  // The load statistics of the same pass (RouterStats) and the backward that reads them:
+  // counts, score column sums, acc += [counts | aux_scale * counts . sums]; the aux term's
+  // gradient is aux_scale * counts[e] for every token, one [E] row scaled as the layer
+  // scales it (here by the upstream gradient of acc[E]). 300 experts take the CUDA
+  // backend's serial statistics kernel; 16 and 40 its warp kernel (with 700 tokens, 22
+  // blocks of partial sums).
+  struct StatsSpec {
+    std::string tag;
+    int64_t tokens, experts;
+    RouterConfig cfg;
+    bool bias, backward;
+  };
+  const std::vector<StatsSpec> stats_specs = {
+      {"softmax/top2of16", 700, 16, {2, RouterScore::kSoftmax, true}, false, false},
+      {"softmax/top2of16/small", 37, 16, {2, RouterScore::kSoftmax, true}, false, true},
+      {"sigmoid/top8of40/bias", 29, 40, {8, RouterScore::kSigmoid, true}, true, true},
+      {"softmax/top3of300", 21, 300, {3, RouterScore::kSoftmax, false}, false, false},
+  };
+  for (const StatsSpec& sp : stats_specs) {
+    OpCase c;
+    c.name = "router/stats/" + sp.tag;
+    c.ops = sp.backward ? std::vector<std::string>{"router_forward", "router_backward"}
+                        : std::vector<std::string>{"router_forward"};
+    const int64_t t = sp.tokens, e = sp.experts, k = sp.cfg.top_k;
+    c.inputs = {rng.uniform({t, e}, -2.0, 2.0), rng.uniform({e + 1}, 0.0, 3.0), rng.uniform({e}, -0.3, 0.3)};
+    c.f32_inputs = {1, 2};
+    const RouterConfig cfg = sp.cfg;
+    const bool use_bias = sp.bias;
+    const float aux_scale = 0.37f;
+    const HostTensor acc0 = c.inputs[1];
+    const auto run = [cfg, use_bias, t, e, k, aux_scale, acc0](TestDevice& dev, const Tensors& in,
+                                                               Tensor& scores, Tensor& idx, Tensor& gates,
+                                                               Tensor& counts, Tensor& sums, Tensor& acc) {
+      scores = dev.poisoned({t, e}, DType::kF32);
+      idx = dev.poisoned({t, k}, DType::kI32);
+      gates = dev.poisoned({t, k}, DType::kF32);
+      counts = dev.poisoned({e}, DType::kF32);
+      sums = dev.poisoned({e}, DType::kF32);
+      acc = dev.upload(acc0, DType::kF32);  // a fresh copy: the op adds into it
+      RouterStats st{&counts, &sums, &acc, aux_scale};
+      router_forward(dev.exec(), in[0], use_bias ? &in[2] : nullptr, cfg, scores, idx, gates, &st);
+    };
+    c.forward = [run](TestDevice& dev, const Tensors& in) {
+      Tensor scores, idx, gates, counts, sums, acc;
+      run(dev, in, scores, idx, gates, counts, sums, acc);
+      return HostTensors{dev.download(scores), dev.download(idx),  dev.download(gates),
+                         dev.download(counts), dev.download(sums), dev.download(acc)};
+    };
+    c.reference = [cfg, use_bias, t, e, k, aux_scale](const HostTensors& in) {
+      HostTensors out = reference_router(in[0], use_bias ? &in[2] : nullptr, cfg);
+      HostTensor counts = HostTensor::zeros({e}), sums = HostTensor::zeros({e}), acc = in[1];
+      for (int64_t i = 0; i < t * k; ++i) counts[static_cast<int64_t>(out[1][i])] += 1.0;
+      for (int64_t r = 0; r < t; ++r)
+        for (int64_t j = 0; j < e; ++j) sums[j] += out[0][r * e + j];
+      double dot = 0.0;
+      for (int64_t j = 0; j < e; ++j) {
+        acc[j] += counts[j];
+        dot += counts[j] * sums[j];
+      }
+      acc[e] += static_cast<double>(aux_scale) * dot;
+      out.push_back(counts);
+      out.push_back(sums);
+      out.push_back(acc);
+      return out;
+    };
+    if (sp.backward) {
+      c.grad_inputs = {0};
+      c.loss_outputs = {2, 5};  // gates, acc
+      c.backward = [run, cfg, t, e, aux_scale](TestDevice& dev, const Tensors& in, const Tensors& douts) {
+        Tensor scores, idx, gates, counts, sums, acc;
+        run(dev, in, scores, idx, gates, counts, sums, acc);
+        const double dacc = dev.download(douts[1])[e];  // upstream gradient of acc[E]
+        Tensor dlogits = dev.poisoned({t, e});
+        router_backward(dev.exec(), scores, idx, douts[0], &counts, cfg, dlogits,
+                        static_cast<float>(aux_scale * dacc));
+        return HostTensors{dev.download(dlogits)};
+      };
+    }
+    cases.push_back(std::move(c));
+  }
   {
     // Exact ties (equal logits give equal scores) must go to the lower expert index.
     OpCase c;
