@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <initializer_list>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
@@ -297,6 +298,65 @@ __global__ void router_backward_kernel(const float* scores, const int32_t* topk_
     for (int64_t e = 0; e < experts; ++e) {
       dl[e] = from_float<OutT>(
           s[e] * (router_dscore(e, s, idx, dg, ds, ds_scale, top_k, renorm, total, gdot) - dot));
+    }
+  }
+}
+
+// The same gradient with a warp per token for up to 32 * kPer experts (lane l holds experts
+// l, l + 32, ...): coalesced loads of the scores and stores of dlogits (the thread-per-token
+// kernel above stores each row in experts' strides: twice as slow with bf16 dlogits), the
+// softmax's dot a warp sum. Every lane computes the gates' total and dot over the top-k
+// picks in pick order, as the serial kernel does.
+template <int kPer, typename OutT>
+__global__ void __launch_bounds__(32 * kRouterWarpTokens)
+    router_backward_warp_kernel(const float* __restrict__ scores, const int32_t* __restrict__ topk_idx,
+                                const float* __restrict__ dgates, const float* __restrict__ dscores,
+                                bool ds_row, float ds_scale, int64_t tokens, int64_t experts, int top_k,
+                                bool sigmoid, bool normalize, OutT* dlogits) {
+  pdl_wait();
+  const int64_t t = int64_t{blockIdx.x} * kRouterWarpTokens + threadIdx.x / 32;
+  if (t >= tokens) return;  // the whole warp
+  const int lane = threadIdx.x % 32;
+  const float* s = scores + t * experts;
+  const int32_t* idx = topk_idx + t * top_k;
+  const float* dg = dgates + t * top_k;
+  const float* ds = dscores == nullptr ? nullptr : ds_row ? dscores : dscores + t * experts;
+  const bool renorm = normalize || sigmoid;
+  float total = 0.0f;
+  for (int j = 0; j < top_k; ++j) total += s[idx[j]];
+  float gdot = 0.0f;
+  for (int j = 0; j < top_k; ++j) gdot += dg[j] * (s[idx[j]] / total);
+  float sv[kPer], d[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int64_t e = lane + 32 * i;
+    sv[i] = e < experts ? s[e] : 0.0f;
+    d[i] = e < experts && ds != nullptr ? ds_scale * ds[e] : 0.0f;
+  }
+  for (int j = 0; j < top_k; ++j) {
+    const int32_t e = idx[j];
+    const float add = renorm ? (dg[j] - gdot) / total : dg[j];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      if (lane + 32 * i == e) d[i] += add;
+    }
+  }
+  OutT* dl = dlogits + t * experts;
+  if (sigmoid) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int64_t e = lane + 32 * i;
+      if (e < experts) dl[e] = from_float<OutT>(d[i] * sv[i] * (1.0f - sv[i]));
+    }
+  } else {
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) dot += d[i] * sv[i];  // 0 past the experts
+    dot = warp_sum(dot);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int64_t e = lane + 32 * i;
+      if (e < experts) dl[e] = from_float<OutT>(sv[i] * (d[i] - dot));
     }
   }
 }
@@ -600,16 +660,33 @@ void launch_router_backward(const Env& env, const float* scores, const int32_t* 
                             int64_t experts, int top_k, bool sigmoid, bool normalize, void* dlogits,
                             DType dlogits_type) {
   if (tokens == 0) return;
-  const unsigned grid = static_cast<unsigned>(ceil_div(tokens, 128));
+  TROUPE_CHECK(dlogits_type == DType::kF32 || dlogits_type == DType::kBF16,
+               "router_backward on cuda: dlogits must be f32 or bf16, not {}", dtype_name(dlogits_type));
+  auto run = [&](auto* out) {
+    using OutT = std::remove_pointer_t<decltype(out)>;
+    auto warp = [&](auto kernel) {
+      launch(env, kernel, static_cast<unsigned>(ceil_div(tokens, int64_t{kRouterWarpTokens})),
+             32 * kRouterWarpTokens, 0, scores, topk_idx, dgates, dscores, dscores_row, dscores_scale, tokens,
+             experts, top_k, sigmoid, normalize, out);
+    };
+    if (experts <= 32) {
+      warp(router_backward_warp_kernel<1, OutT>);
+    } else if (experts <= 64) {
+      warp(router_backward_warp_kernel<2, OutT>);
+    } else if (experts <= 128) {
+      warp(router_backward_warp_kernel<4, OutT>);
+    } else if (experts <= 256) {
+      warp(router_backward_warp_kernel<8, OutT>);
+    } else {
+      launch(env, router_backward_kernel<OutT>, static_cast<unsigned>(ceil_div(tokens, 128)), 128, 0, scores,
+             topk_idx, dgates, dscores, dscores_row, dscores_scale, tokens, experts, top_k, sigmoid,
+             normalize, out);
+    }
+  };
   if (dlogits_type == DType::kBF16) {
-    launch(env, router_backward_kernel<__nv_bfloat16>, grid, 128, 0, scores, topk_idx, dgates, dscores,
-           dscores_row, dscores_scale, tokens, experts, top_k, sigmoid, normalize,
-           static_cast<__nv_bfloat16*>(dlogits));
+    run(static_cast<__nv_bfloat16*>(dlogits));
   } else {
-    TROUPE_CHECK(dlogits_type == DType::kF32, "router_backward on cuda: dlogits must be f32 or bf16, not {}",
-                 dtype_name(dlogits_type));
-    launch(env, router_backward_kernel<float>, grid, 128, 0, scores, topk_idx, dgates, dscores, dscores_row,
-           dscores_scale, tokens, experts, top_k, sigmoid, normalize, static_cast<float*>(dlogits));
+    run(static_cast<float*>(dlogits));
   }
   TROUPE_CUDA_LAUNCH_CHECK();
 }
