@@ -128,6 +128,11 @@ for step in "$@"; do
       grep -E "tests passed|tests failed|Failed|\*\*\*" "$out/ctest_gpu.log" | head -20
       ;;
     kernels)
+      # TARGETS may have left it out: build it here rather than time nothing (rc 127).
+      if [ ! -x "$B"/bench/kernels/kernel_bench ]; then
+        ninja -C "$B" -j16 kernel_bench >"$out/build_kernel_bench.log" 2>&1 ||
+          { stamp "kernels: kernel_bench build FAILED"; tail "$out/build_kernel_bench.log"; continue; }
+      fi
       timeout 100 "$B"/bench/kernels/kernel_bench >"$out/kernel_bench.log" 2>&1
       stamp "kernel_bench rc=$?"
       timeout 100 python3 bench/kernels/torch_kernels.py >"$out/torch.log" 2>&1

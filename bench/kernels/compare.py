@@ -24,6 +24,16 @@ for d in (ours, again):
         d["attention_fwd_bwd"] = d["attention_fwd_b8_s2048_h16_d64"] + d["attention_bwd"]
     if "attention_fwd_b8_s2048_h8_d128" in d and "attention_bwd_d128" in d:
         d["attention_fwd_bwd_d128"] = d["attention_fwd_b8_s2048_h8_d128"] + d["attention_bwd_d128"]
+# PyTorch's backward alone (autograd.grad with retain_graph over one forward) has timed
+# slower than its forward + backward less its forward at head dim 128 (0.77 against 0.45 ms
+# on an H200, 2026-11-28): the second is what a training step pays, so both are compared.
+for fwd, bwd, both in (("attention_fwd_b8_s2048_h16_d64", "attention_bwd", "attention_fwd_bwd"),
+                       ("attention_fwd_b8_s2048_h8_d128", "attention_bwd_d128", "attention_fwd_bwd_d128")):
+    if both in theirs and fwd in theirs:
+        theirs[bwd + "_in_fwd_bwd"] = theirs[both] - theirs[fwd]
+    for d in (ours, again):
+        if bwd in d:
+            d[bwd + "_in_fwd_bwd"] = d[bwd]
 print("| kernel | Troupe ms | PyTorch ms | PyTorch/Troupe | Troupe repeat ms |")
 print("|---|---:|---:|---:|---:|")
 # Variant rows (other configurations of one Troupe kernel) compare with the base kernel's
