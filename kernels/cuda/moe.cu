@@ -265,6 +265,32 @@ __device__ __forceinline__ float router_dscore(int64_t e, const float* s, const 
   return d;
 }
 
+// One token's view of the router's gradient: its scores, picks, upstream gate gradients and
+// score gradient row ([T,E] dscores, or with ds_row the one [E] row every token shares),
+// and the picks' total and gate dot, summed in pick order. gate_j = s_j / total: the
+// renormalised gates give (dg_j - sum_l dg_l gate_l) / total.
+struct RouterGradToken {
+  const float* s;
+  const int32_t* idx;
+  const float* dg;
+  const float* ds;
+  bool renorm;
+  float total = 0.0f, gdot = 0.0f;
+  __device__ RouterGradToken(const float* scores, const int32_t* topk_idx, const float* dgates,
+                             const float* dscores, bool ds_row, int64_t t, int64_t experts, int top_k,
+                             bool renormalised)
+      : s(scores + t * experts),
+        idx(topk_idx + t * top_k),
+        dg(dgates + t * top_k),
+        ds(dscores == nullptr ? nullptr
+           : ds_row           ? dscores
+                              : dscores + t * experts),
+        renorm(renormalised) {
+    for (int j = 0; j < top_k; ++j) total += s[idx[j]];
+    for (int j = 0; j < top_k; ++j) gdot += dg[j] * (s[idx[j]] / total);
+  }
+};
+
 // dscores: [T,E], or with ds_row one [E] row that every token shares; times ds_scale.
 template <typename OutT>
 __global__ void router_backward_kernel(const float* scores, const int32_t* topk_idx, const float* dgates,
@@ -274,16 +300,11 @@ __global__ void router_backward_kernel(const float* scores, const int32_t* topk_
   pdl_wait();
   const int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (t >= tokens) return;
-  const float* s = scores + t * experts;
-  const int32_t* idx = topk_idx + t * top_k;
-  const float* dg = dgates + t * top_k;
-  const float* ds = dscores == nullptr ? nullptr : ds_row ? dscores : dscores + t * experts;
-  const bool renorm = normalize || sigmoid;
-  // gate_j = s_j / total: d total-normalised gates give (dg_j - sum_l dg_l gate_l) / total.
-  float total = 0.0f;
-  for (int j = 0; j < top_k; ++j) total += s[idx[j]];
-  float gdot = 0.0f;
-  for (int j = 0; j < top_k; ++j) gdot += dg[j] * (s[idx[j]] / total);
+  const RouterGradToken g(scores, topk_idx, dgates, dscores, ds_row, t, experts, top_k, sigmoid || normalize);
+  const float *s = g.s, *ds = g.ds, *dg = g.dg;
+  const int32_t* idx = g.idx;
+  const bool renorm = g.renorm;
+  const float total = g.total, gdot = g.gdot;
   OutT* dl = dlogits + t * experts;
   if (sigmoid) {
     for (int64_t e = 0; e < experts; ++e) {
@@ -317,15 +338,11 @@ __global__ void __launch_bounds__(32 * kRouterWarpTokens)
   const int64_t t = int64_t{blockIdx.x} * kRouterWarpTokens + threadIdx.x / 32;
   if (t >= tokens) return;  // the whole warp
   const int lane = threadIdx.x % 32;
-  const float* s = scores + t * experts;
-  const int32_t* idx = topk_idx + t * top_k;
-  const float* dg = dgates + t * top_k;
-  const float* ds = dscores == nullptr ? nullptr : ds_row ? dscores : dscores + t * experts;
-  const bool renorm = normalize || sigmoid;
-  float total = 0.0f;
-  for (int j = 0; j < top_k; ++j) total += s[idx[j]];
-  float gdot = 0.0f;
-  for (int j = 0; j < top_k; ++j) gdot += dg[j] * (s[idx[j]] / total);
+  const RouterGradToken g(scores, topk_idx, dgates, dscores, ds_row, t, experts, top_k, sigmoid || normalize);
+  const float *s = g.s, *ds = g.ds, *dg = g.dg;
+  const int32_t* idx = g.idx;
+  const bool renorm = g.renorm;
+  const float total = g.total, gdot = g.gdot;
   float sv[kPer], d[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
@@ -588,6 +605,26 @@ unsigned row_threads(int64_t d) { return d >= 1024 ? 256 : 128; }
 
 }  // namespace
 
+namespace {
+// Calls f with std::integral_constant<int, kPer>, the experts a lane holds in the router's
+// warp kernels (1, 2, 4 or 8: up to 256 experts); false (f not called) beyond.
+template <typename F>
+bool with_router_lanes(int64_t experts, F&& f) {
+  if (experts <= 32) {
+    f(std::integral_constant<int, 1>{});
+  } else if (experts <= 64) {
+    f(std::integral_constant<int, 2>{});
+  } else if (experts <= 128) {
+    f(std::integral_constant<int, 4>{});
+  } else if (experts <= 256) {
+    f(std::integral_constant<int, 8>{});
+  } else {
+    return false;
+  }
+  return true;
+}
+}  // namespace
+
 size_t router_stats_scratch_bytes(int64_t tokens, int64_t experts) {
   const int64_t blocks = ceil_div(max64(tokens, 1), int64_t{kRouterWarpTokens} * kRouterStatsLoop);
   return static_cast<size_t>(blocks * 2 * experts) * sizeof(float);
@@ -619,15 +656,8 @@ void launch_router_forward(const Env& env, const float* logits, const float* bia
       launch(env, kernel, static_cast<unsigned>(blocks), 32 * kRouterWarpTokens, 0, logits, bias, tokens,
              experts, top_k, sigmoid, normalize, scores, topk_idx, gates, partial);
     };
-    if (experts <= 32) {
-      warp(router_forward_warp_kernel<1, true>);
-    } else if (experts <= 64) {
-      warp(router_forward_warp_kernel<2, true>);
-    } else if (experts <= 128) {
-      warp(router_forward_warp_kernel<4, true>);
-    } else {
-      warp(router_forward_warp_kernel<8, true>);
-    }
+    with_router_lanes(experts,
+                      [&](auto per) { warp(router_forward_warp_kernel<decltype(per)::value, true>); });
     TROUPE_CUDA_LAUNCH_CHECK();
     launch(env, router_stats_finish_kernel, 1, kRouterFinishThreads, 0, static_cast<const float*>(partial),
            blocks, experts, stats->counts, stats->score_sums, stats->acc, stats->aux_scale);
@@ -640,15 +670,8 @@ void launch_router_forward(const Env& env, const float* logits, const float* bia
            32 * kRouterWarpTokens, 0, logits, bias, tokens, experts, top_k, sigmoid, normalize, scores,
            topk_idx, gates, static_cast<float*>(nullptr));
   };
-  if (experts <= 32) {
-    warp(router_forward_warp_kernel<1, false>);
-  } else if (experts <= 64) {
-    warp(router_forward_warp_kernel<2, false>);
-  } else if (experts <= 128) {
-    warp(router_forward_warp_kernel<4, false>);
-  } else if (experts <= 256) {
-    warp(router_forward_warp_kernel<8, false>);
-  } else {
+  if (!with_router_lanes(experts,
+                         [&](auto per) { warp(router_forward_warp_kernel<decltype(per)::value, false>); })) {
     launch(env, router_forward_kernel, static_cast<unsigned>(ceil_div(tokens, 128)), 128, 0, logits, bias,
            tokens, experts, top_k, sigmoid, normalize, scores, topk_idx, gates);
   }
@@ -669,15 +692,8 @@ void launch_router_backward(const Env& env, const float* scores, const int32_t* 
              32 * kRouterWarpTokens, 0, scores, topk_idx, dgates, dscores, dscores_row, dscores_scale, tokens,
              experts, top_k, sigmoid, normalize, out);
     };
-    if (experts <= 32) {
-      warp(router_backward_warp_kernel<1, OutT>);
-    } else if (experts <= 64) {
-      warp(router_backward_warp_kernel<2, OutT>);
-    } else if (experts <= 128) {
-      warp(router_backward_warp_kernel<4, OutT>);
-    } else if (experts <= 256) {
-      warp(router_backward_warp_kernel<8, OutT>);
-    } else {
+    if (!with_router_lanes(
+            experts, [&](auto per) { warp(router_backward_warp_kernel<decltype(per)::value, OutT>); })) {
       launch(env, router_backward_kernel<OutT>, static_cast<unsigned>(ceil_div(tokens, 128)), 128, 0, scores,
              topk_idx, dgates, dscores, dscores_row, dscores_scale, tokens, experts, top_k, sigmoid,
              normalize, out);
