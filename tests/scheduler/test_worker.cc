@@ -108,9 +108,14 @@ std::string env(const char* name, const std::string& fallback = "") {
   return v ? std::string(v) : fallback;
 }
 
+// Written whole, then renamed into place: a test that waits for the file to exist then
+// reads it must never see it empty (seen once in CI: the read came between the create and
+// the write).
 void marker(const std::string& dir, const std::string& file, const std::string& text) {
   if (dir.empty()) return;
-  std::ofstream(dir + "/" + file) << text << "\n";
+  const std::string path = dir + "/" + file, tmp = path + ".tmp";
+  { std::ofstream(tmp) << text << "\n"; }
+  std::rename(tmp.c_str(), path.c_str());
 }
 
 }  // namespace
