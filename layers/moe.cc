@@ -172,55 +172,29 @@ void Router::forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc
 void Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight, Tensor& dx) {
   const int64_t t = s.x.size(0), e = cfg.num_experts, k = cfg.top_k;
   const double tg = static_cast<double>(std::max<int64_t>(1, s.group_tokens));
-  if (cfg.aux_loss_coef > 0 && s.counts.defined() && cfg.z_loss_coef == 0) {
-    // forward_device: d aux / d scores[t,e] = scale * counts[e], the same row for every
-    // token, read by the backward kernel itself, which writes dlogits in the activation
-    // dtype (no [T,E] broadcast, no cast).
-    Tensor dl = c.empty({t, e});
-    kernels::router_backward(c.ex, s.scores, s.topk_idx, dgates, &s.counts, router_config(), dl,
-                             static_cast<float>(loss_weight * cfg.aux_loss_coef * static_cast<double>(e) /
-                                                (tg * static_cast<double>(k) * tg)));
-    TROUPE_CHECK(dx.shape() == s.x.shape(), "Router::backward: dx {} for x {}", dx.describe(),
-                 s.x.describe());
-    kernels::matmul_backward(c.ex, s.x, weight.w(), dl, &dx, &weight.grad, false, false, /*accumulate=*/true);
-    return;
-  }
-  Tensor dlogits = c.empty({t, e}, DType::kF32);
-  Tensor dscores;
+  // The aux loss's gradient on the scores is one [E] row for every token: d aux / d
+  // scores[t,e] = coef * E * f_e / T with f_e the share of copies routed to e. The kernel
+  // reads it as that row times a scale (no [T,E] broadcast).
+  Tensor row;
+  float row_scale = 1.0f;
   if (cfg.aux_loss_coef > 0 && s.counts.defined()) {
-    // forward_device: the same gradient from the counts on the device, g = scale * counts.
-    Tensor g = c.zeros({1, e}, DType::kF32);
-    kernels::axpby(c.ex,
-                   static_cast<float>(loss_weight * cfg.aux_loss_coef * static_cast<double>(e) /
-                                      (tg * static_cast<double>(k) * tg)),
-                   s.counts.view({1, e}), 1.0f, g);
-    Tensor ones = c.empty({t, 1}, DType::kF32);
-    kernels::fill(c.ex, ones, 1.0f);
-    dscores = c.empty({t, e}, DType::kF32);
-    kernels::matmul(c.ex, ones, g, dscores);
+    // forward_device: the counts stayed on the device; the row is scale * counts.
+    row = s.counts;
+    row_scale = static_cast<float>(loss_weight * cfg.aux_loss_coef * static_cast<double>(e) /
+                                   (tg * static_cast<double>(k) * tg));
   } else if (cfg.aux_loss_coef > 0) {
-    // d aux / d scores[t,e] = coef * E * f_e / T, the same for every token.
-    Tensor g_host = Tensor::empty({1, e}, DType::kF32);
+    Tensor g_host = Tensor::empty({e}, DType::kF32);
     for (int64_t j = 0; j < e; ++j) {
       const double f = static_cast<double>(s.selected[static_cast<size_t>(j)]) / (tg * static_cast<double>(k));
       g_host.data<float>()[j] = static_cast<float>(loss_weight * cfg.aux_loss_coef * static_cast<double>(e) * f / tg);
     }
-    if (c.on_device()) {
-      // Broadcast over the rows on the device (ones [T,1] @ g [1,E]): E floats go up, not [T,E].
-      Tensor ones = c.empty({t, 1}, DType::kF32);
-      kernels::fill(c.ex, ones, 1.0f);
-      dscores = c.empty({t, e}, DType::kF32);
-      kernels::matmul(c.ex, ones, c.to_device(g_host), dscores);
-    } else {
-      dscores = Tensor::empty({t, e}, DType::kF32);
-      float* dp = dscores.data<float>();
-      const float* gp = g_host.data<float>();
-      for (int64_t j = 0; j < e; ++j)
-        for (int64_t i = 0; i < t; ++i) dp[i * e + j] = gp[j];
-    }
+    row = c.on_device() ? c.to_device(g_host) : g_host;
   }
-  kernels::router_backward(c.ex, s.scores, s.topk_idx, dgates, dscores.defined() ? &dscores : nullptr,
-                           router_config(), dlogits);
+  // Without a z-loss the kernel writes dlogits in the activation dtype of the product below
+  // (one rounding, no cast); the z-loss adds to f32 dlogits on the host first.
+  Tensor dlogits = c.empty({t, e}, cfg.z_loss_coef > 0 ? DType::kF32 : c.act);
+  kernels::router_backward(c.ex, s.scores, s.topk_idx, dgates, row.defined() ? &row : nullptr,
+                           router_config(), dlogits, row_scale);
   if (cfg.z_loss_coef > 0) {
     // d/dlogits of coef * mean_t lse_t^2 = coef * 2 * lse_t * softmax(logits_t) / T.
     // Host loop over read-back copies on a device (slow path; bench_1b has no z-loss).
@@ -238,7 +212,7 @@ void Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, float 
   }
   // The product runs in the activation dtype (x and the working weight).
   Tensor dl = dlogits;
-  if (c.act != DType::kF32) {
+  if (dlogits.dtype() != c.act) {
     dl = c.empty({t, e});
     kernels::cast(c.ex, dlogits, dl);
   }
