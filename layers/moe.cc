@@ -35,6 +35,12 @@ void Router::collect(const std::string& prefix, std::vector<NamedParameter>& out
   out.push_back({prefix + ".weight", &weight});
 }
 
+double Router::aux_scale(int64_t tokens) const {
+  const double td = static_cast<double>(std::max<int64_t>(1, tokens));
+  return cfg.aux_loss_coef * static_cast<double>(cfg.num_experts) /
+         (td * td * static_cast<double>(cfg.top_k));
+}
+
 kernels::RouterConfig Router::router_config() const {
   kernels::RouterConfig rc;
   rc.top_k = static_cast<int>(cfg.top_k);
@@ -146,10 +152,8 @@ void Router::forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc
   rs.counts = &s.counts;
   rs.score_sums = aux_on ? &s.score_sums : nullptr;
   if (!device_all_reduce_) {
-    const double td = static_cast<double>(std::max<int64_t>(1, t));
     rs.acc = acc;
-    rs.aux_scale =
-        static_cast<float>(cfg.aux_loss_coef * static_cast<double>(e) / (td * td * static_cast<double>(k)));
+    rs.aux_scale = static_cast<float>(aux_scale(t));
   }
   kernels::router_forward(c.ex, s.logits, route_bias, router_config(), s.scores, s.topk_idx, s.gates, &rs);
   if (!device_all_reduce_) return;
@@ -160,12 +164,8 @@ void Router::forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc
     // aux = coef * E * sum_e (counts_e / (T k)) * (score_sums_e / T): a [1,E] x [E,1] product.
     Tensor dot = c.empty({1, 1}, DType::kF32);
     kernels::matmul(c.ex, s.counts.view({1, e}), s.score_sums.view({e, 1}), dot);
-    const double td = static_cast<double>(std::max<int64_t>(1, s.group_tokens));
     Tensor aux = acc->narrow(0, e, 1);
-    kernels::axpby(
-        c.ex,
-        static_cast<float>(cfg.aux_loss_coef * static_cast<double>(e) / (td * td * static_cast<double>(k))),
-        dot.view({1}), 1.0f, aux);
+    kernels::axpby(c.ex, static_cast<float>(aux_scale(s.group_tokens)), dot.view({1}), 1.0f, aux);
   }
 }
 
@@ -180,8 +180,7 @@ void Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, float 
   if (cfg.aux_loss_coef > 0 && s.counts.defined()) {
     // forward_device: the counts stayed on the device; the row is scale * counts.
     row = s.counts;
-    row_scale = static_cast<float>(loss_weight * cfg.aux_loss_coef * static_cast<double>(e) /
-                                   (tg * static_cast<double>(k) * tg));
+    row_scale = static_cast<float>(loss_weight * aux_scale(s.group_tokens));
   } else if (cfg.aux_loss_coef > 0) {
     Tensor g_host = Tensor::empty({e}, DType::kF32);
     for (int64_t j = 0; j < e; ++j) {

@@ -72,6 +72,9 @@ class Router {
   void backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight, Tensor& dx);
 
   kernels::RouterConfig router_config() const;
+  // coef * E / (T^2 k) for T tokens: the aux loss of T tokens is this times
+  // sum_e counts_e * score_sums_e, and its gradient on the scores this times counts.
+  double aux_scale(int64_t tokens) const;
   void set_group_all_reduce(GroupAllReduce f) { all_reduce_ = std::move(f); }
   // The device form of that sum for forward_device, over ranks that each route the same
   // number of tokens per micro-batch.
