@@ -49,7 +49,7 @@ struct TrainOptions {
   // Not before an evaluation or a checkpoint, nor with a time limit or the router's bias
   // update (host work the next step depends on). Losses and norms are the same either way.
   bool launch_ahead = true;
-  // GPU runs with head dim 64 on Hopper: the attention backward computes dQ inside its
+  // GPU runs on Hopper: the attention backward computes dQ inside its
   // dK/dV kernel, each key block adding its share in no fixed order (~1.5% faster on
   // bench_1b; two runs agree to rounding). false: dQ in its own kernel, in a fixed order
   // (kernels::CudaContext::attention_fused_dq). The embedding backward adds repeated ids

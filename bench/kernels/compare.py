@@ -42,12 +42,17 @@ BASES = {"grouped_up": "grouped_up_32768x4096x1024", "grouped_down": "grouped_do
 
 
 def peer_name(name):
-    for kind in ("fwd", "bwd"):  # attention_{fwd,bwd}_{mma4,mma8,hopper}[_d128]
-        for variant in ("mma4", "mma8", "hopper"):
+    # attention_{fwd,bwd}_{mma4,mma8,hopper,hopper_split_dq,hopper_fwd2}[_d128]: a backward
+    # compares with what PyTorch's backward costs inside its forward + backward, where timed.
+    def bwd_peer(bwd):
+        return bwd + "_in_fwd_bwd" if bwd + "_in_fwd_bwd" in theirs else bwd
+
+    for kind in ("fwd", "bwd"):
+        for variant in ("mma4", "mma8", "hopper", "hopper_split_dq", "hopper_fwd2"):
             if name == f"attention_{kind}_{variant}":
-                return "attention_fwd_b8_s2048_h16_d64" if kind == "fwd" else "attention_bwd"
+                return "attention_fwd_b8_s2048_h16_d64" if kind == "fwd" else bwd_peer("attention_bwd")
             if name == f"attention_{kind}_{variant}_d128":
-                return "attention_fwd_b8_s2048_h8_d128" if kind == "fwd" else "attention_bwd_d128"
+                return "attention_fwd_b8_s2048_h8_d128" if kind == "fwd" else bwd_peer("attention_bwd_d128")
     for suffix in ("_mma2x2", "_wgmma128", "_wgmma256", "_wgmmatma"):
         if name.endswith(suffix):
             base = name[: -len(suffix)]

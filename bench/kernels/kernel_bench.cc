@@ -176,10 +176,8 @@ void attention_variants(Bench& b, CudaContext& ctx, const gpu::AttentionShape& s
   std::vector<std::pair<std::string, int>> variants = {{"mma4", 4}, {"mma8", 8}};
   if (gpu::attention_hopper_available(shape)) {
     variants.emplace_back("hopper", gpu::kAttentionHopper);
-    if (shape.head_dim == 64) {
-      variants.emplace_back("hopper_split_dq", gpu::kAttentionHopperSplitDq);
-      variants.emplace_back("hopper_fwd2", gpu::kAttentionHopperFwd2);
-    }
+    variants.emplace_back("hopper_split_dq", gpu::kAttentionHopperSplitDq);
+    if (shape.head_dim == 64) variants.emplace_back("hopper_fwd2", gpu::kAttentionHopperFwd2);
   }
   for (const auto& [name, variant] : variants) {
     b.flops("attention_fwd_" + name + tag, fwd, "4*B*H*S^2*Dh/2", [&] {

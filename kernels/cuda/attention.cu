@@ -330,7 +330,7 @@ size_t attention_dsum_floats(const AttentionShape& s) {
 
 namespace {
 bool fused_hopper_backward(const AttentionShape& s, bool fused_dq) {
-  return fused_dq && s.head_dim == 64 && attention_hopper_available(s);
+  return fused_dq && attention_hopper_available(s);
 }
 }  // namespace
 
@@ -341,8 +341,8 @@ size_t attention_rope_bytes(const AttentionShape& s, bool fused_dq) {
 }
 
 size_t attention_backward_scratch_bytes(const AttentionShape& s, bool fused_dq, bool rope) {
-  // The Hopper backward at head dim 64 also adds dQ into an f32 buffer after D (and with
-  // rope reads its rotation table after that).
+  // The fused Hopper backward also adds dQ into an f32 buffer after D (and with rope reads
+  // its rotation table after that).
   const bool fused = fused_hopper_backward(s, fused_dq);
   return attention_dsum_floats(s) * sizeof(float) + (fused ? attention_fused_dq_bytes(s) : 0) +
          (rope ? attention_rope_bytes(s, fused_dq) : 0);

@@ -1,5 +1,5 @@
 // kernels/cuda/attention_hopper.cu — Hopper (sm_90a) causal attention for bf16 with head
-// dim 64 or 128: forward, dK/dV (with dQ at head dim 64) and dQ kernels in the
+// dim 64 or 128: forward, dK/dV (with dQ by default) and dQ kernels in the
 // FlashAttention-3 style.
 //
 // Every kernel is warp-specialised: warpgroup 0 is the producer (one thread issues TMA
@@ -19,10 +19,11 @@
 // - dQ: S and dP = dO V^T, dS = P (dP - D) in registers, dQ += dS K;
 // - dK/dV (looping over the group's query heads): S^T = K Q^T and dP^T = V dO^T, then
 //   dV += P^T dO and dK += dS^T Q with P^T, dS^T as register A operands.
-// At head dim 64 one kernel computes all three gradients (attention_bwd_fused_hopper_kernel:
-// FlashAttention-3's 128 x 128 tiles, five products per tile, dQ bulk-reduced into an f32
-// buffer); at 128, and with kAttentionHopperSplitDq, dQ has a kernel of its own that
-// recomputes S and dP (seven products per tile pair instead of five, no atomics). The
+// By default one kernel computes all three gradients (attention_bwd_fused_hopper_kernel:
+// FlashAttention-3's 128 x 128 tiles at head dim 64, 128 keys x 64 queries at 128, five
+// products per tile, dQ bulk-reduced into an f32 buffer); with kAttentionHopperSplitDq, dQ
+// has a kernel of its own that recomputes S and dP (seven products per tile pair instead
+// of five, no atomics). The
 // block's own rows (Q, dO or K, V) are the A operand of the first products: read from
 // shared memory at head dim 128 and in the fused kernel, held in registers in the split
 // kernels at 64 (kOwnInRegs).
@@ -95,22 +96,24 @@ struct FwdCfg {
   static constexpr bool kQInRegs = kOwnInRegs<kD> && kCWs == 2;
   using S = Smem<kD, 1, kStream, kStages, 0, kRows>;
 };
-// The split backward (head dim 128, and kAttentionHopperSplitDq): the dK/dV and dQ kernels
+// The split backward (kAttentionHopperSplitDq): the dK/dV and dQ kernels
 // keep four accumulator sets live and stream 64-row tiles.
 template <int kD>
 struct BwdCfg {
   static constexpr int kStream = 64, kStages = kD == 64 ? 4 : 3;
   using S = Smem<kD, 2, kStream, kStages>;
 };
-// The fused backward at head dim 64 (attention_bwd_fused_hopper_kernel): own K and V (128
-// keys), two stages of a 128-query Q and dO tile, then the kernel's own: two dS^T buffers
-// (128 keys x 128 queries bf16, as two 64-query chunks swizzled like a TMA tile), one dQ
-// staging buffer per consumer warpgroup (64 x 64 f32) and, per stage, the tile's lse and D
-// (128 f32 each).
+// The fused backward (attention_bwd_fused_hopper_kernel<kD>): own K and V (128 keys), two
+// stages of a Q and a dO tile of kStream queries (128 at head dim 64, 64 at 128: 16 KB
+// each either way), then the kernel's own: two dS^T buffers (128 keys x kStream queries
+// bf16, as 64-query chunks swizzled like a TMA tile), one dQ staging buffer per consumer
+// warpgroup (a 64 x 64 f32 quarter or half of the tile's dQ) and, per stage, the tile's
+// lse and D (kStream f32 each).
+template <int kD_>
 struct FusedBwd {
-  static constexpr int kD = 64, kStream = 128, kStages = 2;
+  static constexpr int kD = kD_, kStream = 8192 / kD, kStages = 2;
   static constexpr int kDsBytes = kBlockRows * kStream * 2;
-  static constexpr int kDqBytes = 64 * kD * 4;
+  static constexpr int kDqBytes = 64 * 64 * 4;
   static constexpr int kStatBytes = kStream * 4;
   static constexpr int kDsOffset = 0, kDqOffset = 2 * kDsBytes, kStatOffset = kDqOffset + 2 * kDqBytes;
   using S = Smem<kD, 2, kStream, kStages, kStatOffset + kStages * 2 * kStatBytes>;
@@ -836,26 +839,29 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// grid (Hkv, ceil(S/128), B), head dim 64: dK and dV of 128 keys and their share of dQ, in
-// FlashAttention-3's shape for this head dim (128 x 128 tiles). S and dP are computed once
-// for all three gradients: five products per tile instead of the split kernels' seven.
+// grid (Hkv, ceil(S/128), B): dK and dV of 128 keys and their share of dQ, in
+// FlashAttention-3's shapes (128 keys x kN = 128 queries at head dim 64, 128 x 64 at 128).
+// S and dP are computed once for all three gradients: five products per tile instead of
+// the split kernels' seven.
 //
-// Warpgroup 0: thread 0 loads K and V, then streams 128-query tiles of Q and dO into two
+// Warpgroup 0: thread 0 loads K and V, then streams kN-query tiles of Q and dO into two
 // stages; warp 2 copies the tile's lse and D into the stage (a 1-D tensor map over [B,Hq,S]
 // measured "illegal instruction" on the H200); warp 1 bulk-reduces the consumers' staged
 // dQ into dq_acc. Consumer warpgroup c (keys n0 + 64c..) per tile:
-// - S^T = K_c Q^T and dP^T = V_c dO^T (64 x 128 each, both operands in shared memory);
+// - S^T = K_c Q^T and dP^T = V_c dO^T (64 x kN each, both operands in shared memory);
 //   P = exp2(S * scale log2e - lse log2e) (warp 2 stages lse log2e) while dP^T is still running, dS^T = P
 //   (dP^T - D);
 // - its dS^T rows into the tile's dS buffer, then dV += P^T dO (P^T as register A);
-// - once both warpgroups' rows are in (named barrier 1), dQ of queries 64c.. = dS K summed
-//   over all 128 keys (dS as an MN-major A from the buffer, K as an MN-major B), and dK +=
-//   dS^T Q (register A); dQ (64 x 64 f32) is staged in fragment order (thread t's values
-//   4j..4j+3 at float4 j * 128 + t) for warp 1 (named barriers 2 + c "full", 4 + c "empty").
+// - once both warpgroups' rows are in (named barrier 1), its quarter (head dim 64: queries
+//   64c..) or half (128: columns 64c..) of the tile's dQ = dS K summed over all 128 keys (dS
+//   as an MN-major A from the buffer, K as an MN-major B), and dK += dS^T Q (register A);
+//   that dQ (64 x 64 f32) is staged in fragment order (thread t's values 4j..4j+3 at float4
+//   j * 128 + t) for warp 1 (named barriers 2 + c "full", 4 + c "empty").
 // The two dS buffers alternate by tile, so a warpgroup writes tile i + 1's rows while the
 // other may still read tile i's for its dQ; it cannot reach tile i + 2's before the other
 // has passed barrier 1 of tile i + 1, after its dQ of tile i completed. One reduce of 16 KB
-// per warpgroup and tile: half the L2 reduction traffic of 64-query tiles.
+// per warpgroup and tile: at head dim 64, half the L2 reduction traffic of 64-query tiles.
+template <int kD>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_bwd_fused_hopper_kernel(const __grid_constant__ CUtensorMap map_q,
                                       const __grid_constant__ CUtensorMap map_do,
@@ -865,9 +871,13 @@ __global__ void __launch_bounds__(kThreads, 1)
                                       float* dq_acc, const float2* rope_cs) {
   pdl_wait();
 #ifdef TROUPE_WGMMA_DEVICE
-  using C = FusedBwd;
-  using L = C::S;
-  constexpr int kD = C::kD, kN = C::kStream;
+  using C = FusedBwd<kD>;
+  using L = typename C::S;
+  constexpr int kN = C::kStream;
+  // Which 64 x 64 part of the tile's dQ (kN x kD) consumer warpgroup c computes: rows 64c..
+  // at head dim 64, columns 64c.. at 128.
+  constexpr bool kDqByRows = kN == kBlockRows;
+  static_assert(kN * kD == 8192 && (kDqByRows || kD == 128), "the fused backward's tile shapes");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t base = aligned_smem(smem_raw), sk = base, sv = base + L::kOwnBytes;
   const uint32_t stages = base + L::kStagesOffset, extra = base + L::kExtraOffset;
@@ -921,7 +931,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         asm volatile("bar.sync 3, 160;\n" ::: "memory");
         if (lane == 0) {
-          bulk_reduce_add_f32(dst + 64 * kD, dq0 + C::kDqBytes, C::kDqBytes);
+          bulk_reduce_add_f32(dst + C::kDqBytes / 4, dq0 + C::kDqBytes, C::kDqBytes);
           bulk_commit();
         }
         if (i + 1 == tiles) break;  // no one waits for the last tile's buffers
@@ -1019,12 +1029,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     mma_rs<kD, kN>(dva, pa, sdo);  // dV += P^T dO
     wgmma_commit();
     asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both warpgroups' dS^T rows are in
-    float dqa[kD / 2];
+    float dqa[32];
     wgmma_fence();
+    // dQ's part (queries 64cw.. or columns 64cw..) = dS K over all 128 keys: dS's 64-query
+    // chunk, K's 64-column chunk.
+    const uint32_t ds_chunk = ds + (kDqByRows ? cw : 0) * (kBlockRows * 128);
+    const uint32_t k_chunk = sk + (kDqByRows ? 0 : cw) * (kBlockRows * 128);
 #pragma unroll
-    for (int kk = 0; kk < kBlockRows / 16; ++kk) {  // dQ (queries 64cw..) = dS K over all 128 keys
-      wgmma_m64n64k16<1, 1>(dqa, smem_desc(ds + cw * (kBlockRows * 128) + kk * 2048, 64 * 128, 1024),
-                            mnmajor(sk, kBlockRows, kk), kk > 0 ? 1 : 0);
+    for (int kk = 0; kk < kBlockRows / 16; ++kk) {
+      wgmma_m64n64k16<1, 1>(dqa, smem_desc(ds_chunk + kk * 2048, 64 * 128, 1024),
+                            mnmajor(k_chunk, kBlockRows, kk), kk > 0 ? 1 : 0);
     }
     wgmma_commit();
     mma_rs<kD, kN>(dka, da, sq);  // dK += dS^T Q
@@ -1035,7 +1049,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_regs(dqa);
     asm volatile("bar.sync %0, 160;\n" ::"r"(4 + cw) : "memory");  // the staging buffer is free
 #pragma unroll
-    for (int j = 0; j < kD / 8; ++j) {
+    for (int j = 0; j < 8; ++j) {
       asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dq_stage + j * 2048 + (tid % 128) * 16),
                    "f"(dqa[4 * j]), "f"(dqa[4 * j + 1]), "f"(dqa[4 * j + 2]), "f"(dqa[4 * j + 3])
                    : "memory");
@@ -1047,14 +1061,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_regs(da);
     ring.release(i);
   };
-  // Per query head: the diagonal tile, the unmasked middle, then a partial last tile, each
-  // in a loop of its own (kBranchFreeTiles).
-  for (int hh = 0; hh < group; ++hh) {
-    const int first = hh * per_head;
-    const int tail = max(1, per_head - (seq % kN != 0 ? 1 : 0));
-    tile(first, std::true_type{});
-    for (int q = 1; q < tail; ++q) tile(first + q, std::false_type{});
-    for (int q = tail; q < per_head; ++q) tile(first + q, std::true_type{});
+  if constexpr (kD == 64) {
+    // Per query head: the diagonal tile, the unmasked middle, then a partial last tile,
+    // each in a loop of its own (kBranchFreeTiles).
+    for (int hh = 0; hh < group; ++hh) {
+      const int first = hh * per_head;
+      const int tail = max(1, per_head - (seq % kN != 0 ? 1 : 0));
+      tile(first, std::true_type{});
+      for (int q = 1; q < tail; ++q) tile(first + q, std::false_type{});
+      for (int q = tail; q < per_head; ++q) tile(first + q, std::true_type{});
+    }
+  } else {
+    // Head dim 128: every tile takes the masked copy. ptxas of CUDA 13.0 spilled 332 bytes
+    // with the three loops above, 272 with two (masked diagonal, unmasked rest), 68 with one.
+    for (int i = 0; i < tiles; ++i) tile(i, std::true_type{});
   }
   if (rope_cs != nullptr) {
     store_rows_rope<kD>(dk, dka, scale, b, wg_first + warp * 16, hk, seq, s.kv_heads, rope_cs);
@@ -1080,20 +1100,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // dq [B,S,Hq,kD] = scale * dq_acc, whose blocks [B][Hq][ceil(S/kN)] of kN queries x kD
-// hold the fused kernel's dQ fragments in halves of 64 queries (within a half, float4
-// j * 128 + t: warp t / 32's rows g and g + 8, columns 8j + 2(t % 4), +1, with g = t % 32 /
-// 4). grid: one block of 256 threads per block of dq_acc (blockDim must be 256); the
-// fragments go through shared memory so that dq is written in whole rows. rope_cs (null:
-// none): each token's (cos, -sin) per frequency ([B*S][kD / 2]), the inverse rotary
-// embedding applied to the f32 values before their one rounding (columns c and c + kD / 2
-// by one thread).
+// hold the fused kernel's dQ fragments in two 64 x 64 halves, of 64 queries each (kN = 128,
+// head dim 64) or of 64 columns (kN = 64, head dim 128); within a half, float4 j * 128 + t
+// holds warp t / 32's rows g and g + 8, columns 8j + 2(t % 4), +1, with g = t % 32 / 4.
+// grid: one block of 256 threads per block of dq_acc (blockDim must be 256); the fragments
+// go through shared memory so that dq is written in whole rows. rope_cs (null: none): each
+// token's (cos, -sin) per frequency ([B*S][kD / 2]), the inverse rotary embedding applied
+// to the f32 values before their one rounding (columns c and c + kD / 2 by one thread).
 template <int kD, int kN>
 __global__ void __launch_bounds__(256)
     attention_dq_convert_kernel(AttentionShape s, const float* dq_acc, float scale, bf16* dq,
                                 const float2* rope_cs) {
   pdl_wait();
   constexpr int kPad = kD + 4;        // row stride in floats: 16-byte aligned, rows on different banks
-  constexpr int kHalf = 64 * kD / 4;  // float4s of one 64-query half
+  constexpr int kHalf = 64 * 64 / 4;  // float4s of one half
+  constexpr bool kHalvesByRows = kN == 128;
+  static_assert(kN * kD == 8192, "two 64 x 64 halves a block");
   __shared__ __align__(16) float tile[kN * kPad];
   const int64_t block = blockIdx.x;
   const int q_tiles = static_cast<int>((s.seq + kN - 1) / kN);
@@ -1109,7 +1131,9 @@ __global__ void __launch_bounds__(256)
   for (int n = 0; n < kLoads; ++n) {
     const int f = threadIdx.x + 256 * n;
     const int w = f % kHalf, j = w / 128, t = w % 128, g = t % 32 / 4;
-    const int row = 64 * (f / kHalf) + 16 * (t / 32) + g, col = 8 * j + 2 * (t % 4);
+    const int half = f / kHalf;
+    const int row = (kHalvesByRows ? 64 * half : 0) + 16 * (t / 32) + g;
+    const int col = (kHalvesByRows ? 0 : 64 * half) + 8 * j + 2 * (t % 4);
     tile[row * kPad + col] = v[n].x;
     tile[row * kPad + col + 1] = v[n].y;
     tile[(row + 8) * kPad + col] = v[n].z;
@@ -1223,37 +1247,41 @@ void launch_attention_forward_hopper(const Env& env, const AttentionShape& s, co
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
-// The fused head-dim-64 backward's preparation in one pass (FlashAttention-3's preprocess
-// does the first two): D = rowsum(dO * O) of each (token, head) row, as
-// attention_rowdot_packed_kernel sums it (8 lanes of 8 columns, then a butterfly); dQ's
-// f32 accumulator cleared, each row clearing 64 floats at acc + 64 r (a clear does not
-// care about the buffer's tile layout; the caller clears what lies past rows * 64); and,
-// with RoPE, the token's (cos, -sin) table ([tokens][32], launch_rope_table's values),
+// The fused backward's preparation in one pass (FlashAttention-3's preprocess does the
+// first two): D = rowsum(dO * O) of each (token, head) row (8 lanes of kD / 8 columns, then
+// a butterfly; at head dim 64 as attention_rowdot_packed_kernel sums it); dQ's f32
+// accumulator cleared, each row clearing kD floats at acc + kD r (a clear does not care
+// about the buffer's tile layout; the caller clears what lies past rows * kD); and, with
+// RoPE, the token's (cos, -sin) table ([tokens][kD / 2], launch_rope_table's values),
 // written by its head-0 row. Three launches before (rowdot, table, memset): one now.
+template <int kD>
 __global__ void __launch_bounds__(256)
     attention_bwd_prep_kernel(AttentionShape s, const bf16* out, const bf16* dout, float* dsum, float* acc,
                               const int32_t* pos, double log_theta, float2* cs) {
   pdl_wait();
-  constexpr int kLanes = 8;
+  constexpr int kLanes = 8, kCols = kD / kLanes;
   const int64_t rows = s.batch * s.seq * s.q_heads;
   const int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   const int64_t r = t / kLanes;
   const int part = static_cast<int>(t % kLanes);
   float a = 0.0f;
   if (r < rows) {
-    float o[8], g[8];
-    load_floats<8>(out + r * 64 + part * 8, o);
-    load_floats<8>(dout + r * 64 + part * 8, g);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) a += o[j] * g[j];
-    float4* z = reinterpret_cast<float4*>(acc + r * 64 + part * 8);
-    z[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    z[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int c = 0; c < kCols; c += 8) {
+      float o[8], g[8];
+      load_floats<8>(out + r * kD + part * kCols + c, o);
+      load_floats<8>(dout + r * kD + part * kCols + c, g);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) a += o[j] * g[j];
+    }
+    float4* z = reinterpret_cast<float4*>(acc + r * kD + part * kCols);
+#pragma unroll
+    for (int c = 0; c < kCols / 4; ++c) z[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (cs != nullptr && r % s.q_heads == 0) {
       const int64_t token = r / s.q_heads;
 #pragma unroll
-      for (int p = part * 4; p < part * 4 + 4; ++p)
-        cs[token * 32 + p] = rope_cos_sin(pos[token], p, 64, log_theta, true);
+      for (int p = part * (kCols / 2); p < (part + 1) * (kCols / 2); ++p)
+        cs[token * (kD / 2) + p] = rope_cos_sin(pos[token], p, kD, log_theta, true);
     }
   }
 #pragma unroll
@@ -1265,8 +1293,8 @@ __global__ void __launch_bounds__(256)
 }
 
 size_t attention_fused_dq_bytes(const AttentionShape& s) {
-  constexpr int kN = FusedBwd::kStream;
-  return static_cast<size_t>(s.batch * s.q_heads * ceil_div(s.seq, kN) * kN * s.head_dim) * sizeof(float);
+  const int64_t n = 8192 / s.head_dim;  // FusedBwd<head dim>::kStream
+  return static_cast<size_t>(s.batch * s.q_heads * ceil_div(s.seq, n) * n * s.head_dim) * sizeof(float);
 }
 
 bool launch_attention_backward_hopper(const Env& env, const AttentionShape& s, const void* q, const void* k,
@@ -1275,41 +1303,43 @@ bool launch_attention_backward_hopper(const Env& env, const AttentionShape& s, c
                                       const AttentionRope* rope) {
   float* dsum = static_cast<float*>(scratch);
   const CUtensorMap mk = head_map(k, s, s.kv_heads, kBlockRows), mv = head_map(v, s, s.kv_heads, kBlockRows);
-  if (s.head_dim == 64 && fused_dq) {
-    using C = FusedBwd;
-    constexpr int kN = C::kStream;
-    const CUtensorMap mq = head_map(q, s, s.q_heads, kN), mdo = head_map(dout, s, s.q_heads, kN);
+  if (fused_dq) {
     float* acc = dsum + attention_dsum_floats(s);
     float2* cs = nullptr;
     if (rope != nullptr) {  // the rotation table after dQ's accumulator (attention_rope_bytes)
       cs = reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(acc) + attention_fused_dq_bytes(s));
     }
-    const int64_t rows = s.batch * s.seq * s.q_heads;
-    if (aligned_to(out, 16) && aligned_to(dout, 16)) {  // D, the clear and the table in one pass
-      launch(env, attention_bwd_prep_kernel, static_cast<unsigned>(ceil_div(rows * 8, int64_t{256})), 256, 0,
-             s, static_cast<const bf16*>(out), static_cast<const bf16*>(dout), dsum, acc,
-             rope != nullptr ? rope->pos : nullptr,
-             rope != nullptr ? std::log(static_cast<double>(rope->theta)) : 0.0, cs);
-      TROUPE_CUDA_LAUNCH_CHECK();
-      const size_t cleared = static_cast<size_t>(rows) * 64 * sizeof(float);
-      if (attention_fused_dq_bytes(s) > cleared) {  // query tiles past the sequence's end
-        CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<unsigned char*>(acc) + cleared, 0,
-                                   attention_fused_dq_bytes(s) - cleared, env.stream));
+    dispatch_head_dim(s.head_dim, [&](auto d) {
+      using C = FusedBwd<d()>;
+      constexpr int kN = C::kStream;
+      const CUtensorMap mq = head_map(q, s, s.q_heads, kN), mdo = head_map(dout, s, s.q_heads, kN);
+      const int64_t rows = s.batch * s.seq * s.q_heads;
+      if (aligned_to(out, 16) && aligned_to(dout, 16)) {  // D, the clear and the table in one pass
+        launch(env, attention_bwd_prep_kernel<d()>, static_cast<unsigned>(ceil_div(rows * 8, int64_t{256})),
+               256, 0, s, static_cast<const bf16*>(out), static_cast<const bf16*>(dout), dsum, acc,
+               rope != nullptr ? rope->pos : nullptr,
+               rope != nullptr ? std::log(static_cast<double>(rope->theta)) : 0.0, cs);
+        TROUPE_CUDA_LAUNCH_CHECK();
+        const size_t cleared = static_cast<size_t>(rows * d()) * sizeof(float);
+        if (attention_fused_dq_bytes(s) > cleared) {  // query tiles past the sequence's end
+          CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<unsigned char*>(acc) + cleared, 0,
+                                     attention_fused_dq_bytes(s) - cleared, env.stream));
+        }
+      } else {
+        launch_attention_rowdot(env, s, out, dout, dsum, DType::kBF16);
+        if (rope != nullptr) launch_rope_table(env, rope->pos, rope->theta, s.batch * s.seq, s.head_dim, cs);
+        CUDA_CHECK(cudaMemsetAsync(acc, 0, attention_fused_dq_bytes(s), env.stream));
       }
-    } else {
-      launch_attention_rowdot(env, s, out, dout, dsum, DType::kBF16);
-      if (rope != nullptr) launch_rope_table(env, rope->pos, rope->theta, s.batch * s.seq, s.head_dim, cs);
-      CUDA_CHECK(cudaMemsetAsync(acc, 0, attention_fused_dq_bytes(s), env.stream));
-    }
-    auto kernel = attention_bwd_fused_hopper_kernel;
-    allow_smem(kernel, C::S::kBytes);
-    launch(env, kernel, block_grid(s, s.kv_heads), kThreads, C::S::kBytes, mq, mdo, mk, mv, s, lse, dsum,
-           scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv), acc, static_cast<const float2*>(cs));
-    TROUPE_CUDA_LAUNCH_CHECK();
-    const int64_t blocks = s.batch * s.q_heads * ceil_div(s.seq, int64_t{kN});
-    launch(env, attention_dq_convert_kernel<64, kN>, dim3(static_cast<unsigned>(blocks)), 256, 0, s,
-           static_cast<const float*>(acc), scale, static_cast<bf16*>(dq), static_cast<const float2*>(cs));
-    TROUPE_CUDA_LAUNCH_CHECK();
+      auto kernel = attention_bwd_fused_hopper_kernel<d()>;
+      allow_smem(kernel, C::S::kBytes);
+      launch(env, kernel, block_grid(s, s.kv_heads), kThreads, C::S::kBytes, mq, mdo, mk, mv, s, lse, dsum,
+             scale, static_cast<bf16*>(dk), static_cast<bf16*>(dv), acc, static_cast<const float2*>(cs));
+      TROUPE_CUDA_LAUNCH_CHECK();
+      const int64_t blocks = s.batch * s.q_heads * ceil_div(s.seq, int64_t{kN});
+      launch(env, attention_dq_convert_kernel<d(), kN>, dim3(static_cast<unsigned>(blocks)), 256, 0, s,
+             static_cast<const float*>(acc), scale, static_cast<bf16*>(dq), static_cast<const float2*>(cs));
+      TROUPE_CUDA_LAUNCH_CHECK();
+    });
     return rope != nullptr;
   }
   launch_attention_rowdot(env, s, out, dout, dsum, DType::kBF16);

@@ -24,7 +24,7 @@ struct Env {
   // Launch with programmatic dependent launch (common.cuh, launch()): sm_90 and up,
   // unless TROUPE_CUDA_PDL=0 (CudaContext::pdl).
   bool pdl = false;
-  // kAttentionAuto's Hopper backward at head dim 64 computes dQ inside its dK/dV kernel
+  // kAttentionAuto's Hopper backward computes dQ inside its dK/dV kernel
   // (added in no fixed order); false: in its own kernel, reproducible run to run
   // (CudaContext::attention_fused_dq).
   bool attention_fused_dq = true;
@@ -83,9 +83,6 @@ double launch_sum_squares_multi(const Env& env, int count, const void* const* x,
 void launch_sum_squares_into(const Env& env, int count, const void* const* x, const DType* types,
                              const int64_t* numel, const uint8_t* plain, void* partials, float* out,
                              bool accumulate);
-// counts[e] (+)= #{i < n : idx[i] == e} for e < experts (exact while the total < 2^24).
-void launch_expert_counts(const Env& env, const int32_t* idx, int64_t n, int64_t experts, float* counts,
-                          bool accumulate);
 // x [R,C] f32/bf16 -> q fp8 (e4m3/e5m2), scales f32 [R, nb]; block_size 0 = per row.
 void launch_quantize_fp8(const Env& env, const void* x, DType xt, int64_t rows, int64_t cols, int64_t block_size,
                          void* q, DType qt, float* scales);
@@ -194,13 +191,13 @@ struct AttentionShape {
 // (sm_90a build, compute capability 9.0), else the mma.sync kernels (attention_mma.cu) with
 // kAttentionDefaultWarps; 4 or 8 force the mma.sync kernels with that many warps of 16
 // rows per block; kAttentionHopper forces the Hopper kernels (an error where they cannot
-// run): at head dim 64 their backward computes dQ inside the dK/dV kernel, each block
-// bulk-adding its partial dQ into an f32 buffer, in no fixed order (runs agree to
-// rounding); kAttentionHopperSplitDq runs the Hopper kernels with dQ in a kernel of its
-// own (as head dim 128 always does; fixed order, what kAttentionAuto takes when
-// !env.attention_fused_dq); kAttentionHopperFwd2 runs them with the head-dim-64 forward on
-// two consumer warpgroups (128 queries a block) instead of three (192; head dim 128 always
-// has two). kernel_bench times each; the bf16 test checks each.
+// run): their backward computes dQ inside the dK/dV kernel, each block bulk-adding its
+// partial dQ into an f32 buffer, in no fixed order (runs agree to rounding);
+// kAttentionHopperSplitDq runs the Hopper kernels with dQ in a kernel of its own (fixed
+// order, what kAttentionAuto takes when !env.attention_fused_dq); kAttentionHopperFwd2
+// runs them with the head-dim-64 forward on two consumer warpgroups (128 queries a block)
+// instead of three (192; head dim 128 always has two). kernel_bench times each; the bf16
+// test checks each.
 constexpr int kAttentionAuto = 0, kAttentionHopper = 1, kAttentionHopperSplitDq = 2, kAttentionHopperFwd2 = 3;
 constexpr int kAttentionDefaultWarps = 4;  // H200 bench_1b: 4 warps 0.50 + 1.44 ms, 8 warps 0.56 + 1.47
 // True where kAttentionAuto runs the Hopper kernels for this shape (bf16, 16-byte aligned).
@@ -209,7 +206,7 @@ void launch_attention_forward(const Env& env, const AttentionShape& s, const voi
                               const void* v, float scale, void* out, float* lse, DType t,
                               int variant = kAttentionAuto);
 // scratch: attention_backward_scratch_bytes(s) bytes: D = rowsum(dO * O) (the first
-// attention_dsum_floats(s) floats), then, for the Hopper kernels at head dim 64, dQ's f32
+// attention_dsum_floats(s) floats), then, for the fused Hopper backward, dQ's f32
 // accumulator (attention_fused_dq_bytes(s)).
 // fused_dq = false: for the default variant with !env.attention_fused_dq only (no dQ buffer).
 // rope: room for the rotation table the fused Hopper backward reads (attention_rope_bytes).
@@ -225,7 +222,7 @@ struct AttentionRope {
 // the scratch of a backward with rope on the fused Hopper kernel (0 bytes elsewhere).
 size_t attention_rope_bytes(const AttentionShape& s, bool fused_dq);
 // rope (null: none): dq and dk come back rotated back (rope_backward applied): in the fused
-// Hopper kernel's dK stores and dQ conversion at head dim 64, by launch_rope elsewhere.
+// Hopper kernel's dK stores and dQ conversion, by launch_rope elsewhere.
 void launch_attention_backward(const Env& env, const AttentionShape& s, const void* q, const void* k,
                                const void* v, const void* out, const float* lse, const void* dout,
                                float scale, void* dq, void* dk, void* dv, DType t, void* scratch,

@@ -353,9 +353,11 @@ TEST_F(CudaBf16, GroupedMatmulDwSumSquares) {
 TEST_F(CudaBf16, Attention) {
   const Exec cpu = Exec::cpu();
   // 77: one partial tile; 333: several tiles, the causal skip and a partial last tile; 256:
-  // whole 128-row tiles (the fused backward's preparation then clears dQ's accumulator alone).
+  // whole 128-row tiles (the fused backward's preparation then clears dQ's accumulator alone);
+  // 300: a last key block of 44 keys (one query tile; its second warpgroup's keys all past
+  // the sequence).
   for (int64_t dh : {64, 128, 40}) {  // tensor-core paths (64, 128) and fp32 path (40)
-    for (int64_t s : {77, 256, 333}) {
+    for (int64_t s : {77, 256, 300, 333}) {
       const int64_t b = 2, hq = 4, hkv = 2;
       const std::string at = fmt::format(" (dh {} s {})", dh, s);
       Tensor q = host_random({b, s, hq, dh}, kBF), k = host_random({b, s, hkv, dh}, kBF);
@@ -385,7 +387,7 @@ TEST_F(CudaBf16, Attention) {
       const gpu::AttentionShape shape{b, s, hq, hkv, dh};
       std::vector<int> variants = {4, 8};
       if (gpu::attention_hopper_available(shape)) {
-        variants.push_back(gpu::kAttentionHopper);  // at dh 64 with dQ inside the dK/dV kernel
+        variants.push_back(gpu::kAttentionHopper);  // dQ inside the dK/dV kernel
         variants.push_back(gpu::kAttentionHopperSplitDq);
         variants.push_back(gpu::kAttentionHopperFwd2);  // at dh 64 a two-warpgroup forward
       }
@@ -417,7 +419,7 @@ TEST_F(CudaBf16, Attention) {
         backward_variant(variant, nullptr, gq_w, gk_w, gv_w, tag);
       }
       // With the RoPE that made q and k undone in the backward (RopeArgs): the fused Hopper
-      // kernel at dh 64 rotates dK in its stores and dQ in its conversion (rotation table at
+      // kernel rotates dK in its stores and dQ in its conversion (rotation table at
       // the scratch's end), the other kernels run rope_backward after. Positions out of
       // order, some past the sequence (a sequence shard's).
       std::vector<int32_t> pos(static_cast<size_t>(b * s));
