@@ -62,7 +62,6 @@ struct Backend {
   void (*adamw_step_multi)(const Exec&, std::span<const AdamWTensor>, const AdamWConfig&);
   double (*sum_squares_multi)(const Exec&, std::span<const Tensor* const>);
   // ---- device-resident step statistics (issue 20)
-  void (*expert_counts)(const Exec&, const Tensor&, Tensor&, bool);
   // tensors (squared), sums (summed plainly), out, accumulate.
   void (*sum_squares_into)(const Exec&, std::span<const Tensor* const>, std::span<const Tensor* const>,
                            Tensor&, bool);

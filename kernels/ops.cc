@@ -859,15 +859,6 @@ double sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors)
 
 // ---- device-resident step statistics (issue 20) ------------------------------------------
 
-void expert_counts(const Exec& ex, const Tensor& topk_idx, Tensor& counts, bool accumulate) {
-  OpCheck c("expert_counts", ex, {{"topk_idx", &topk_idx}, {"counts", &counts}});
-  OP_DTYPE(c, topk_idx, DType::kI32);
-  OP_DTYPE(c, counts, DType::kF32);
-  OP_RANK(c, counts, 1);
-  OP_REQUIRE(c, counts.size(0) >= 1, "counts needs at least one expert");
-  c.call(&Backend::expert_counts, ex, topk_idx, counts, accumulate);
-}
-
 void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors, Tensor& out, bool accumulate,
                       std::span<const Tensor* const> sums) {
   OpCheck c("sum_squares_into", ex, {{"out", &out}});

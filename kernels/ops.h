@@ -269,9 +269,6 @@ void quantize_fp8(const Exec& ex, const Tensor& x, int64_t block_size, Tensor& q
 void dequantize_fp8(const Exec& ex, const Tensor& q, const Tensor& scales, int64_t block_size, Tensor& out);
 
 // ---- device-resident step statistics (issue 20: no host read inside a step) ------------
-// counts f32 [E] (+)= the number of entries of topk_idx (i32, any shape) equal to e, for
-// each expert e < E (entries outside [0, E) are not counted).
-void expert_counts(const Exec& ex, const Tensor& topk_idx, Tensor& counts, bool accumulate = false);
 // out f32 [1] (+)= the sum of squares of every element of every tensor (f32 or bf16),
 // accumulated in double and left on the device (no host wait; compare sum_squares_multi).
 // `sums` (optional) adds the plain sum of every element of each of its tensors in the same

@@ -4,8 +4,8 @@
 // train.device_stats = false; groups through the host all-reduce): host loops over
 // read-back topk_idx and score sums, three host waits per MoE layer on a device (the
 // z-loss also reads back the logits).
-// Router::forward_device (no z-loss; MoELayer::set_device_stats; on GPUs): counts
-// (expert_counts), score sums and the aux loss accumulate on the device (in a group,
+// Router::forward_device (no z-loss; MoELayer::set_device_stats; on GPUs): counts, score
+// sums and the aux loss (router_forward's RouterStats) accumulate on the device (in a group,
 // summed over it by a device all-reduce) and are read once per step (Model::end_step, the
 // stage's step_stats); the local dispatch then sizes its rows as T*k without reading the
 // counts, so the MoE layer enqueues everything without a host wait.

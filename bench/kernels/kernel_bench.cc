@@ -609,17 +609,16 @@ void run() {
     b.bytes("router_fwd_16384x16", T * kExperts * 4 * 2 + T * kTopK * 8,
             "read logits + write scores, ids, gates",
             [&] { be.router_forward(b.ex, logits, nullptr, rc, scores, ti, gt, nullptr); });
-    Tensor counts_f = b.empty({kExperts}, DType::kF32);
     {
       // What a bench_1b layer's router runs: the statistics in the same pass (and a one-block
-      // finish) instead of expert_counts, sum_rows and the aux loss's small kernels.
+      // finish).
+      Tensor counts_f = b.empty({kExperts}, DType::kF32);
       Tensor sums = b.empty({kExperts}, DType::kF32), acc = b.random({kExperts + 1}, DType::kF32);
       RouterStats st{&counts_f, &sums, &acc, 1e-9f};
       b.bytes("router_fwd_16384x16_stats", T * kExperts * 4 * 2 + T * kTopK * 8,
               "read logits + write scores, ids, gates; + counts, score sums, aux",
               [&] { be.router_forward(b.ex, logits, nullptr, rc, scores, ti, gt, &st); });
     }
-    b.flops("expert_counts_32768", 0, "(time only)", [&] { be.expert_counts(b.ex, ti, counts_f, false); });
     // Fine-grained routing: 64 experts, top-8.
     const int64_t fe = 64, fk = 8;
     Tensor lf = b.random({kTokens, fe}, DType::kF32), sf = b.empty({kTokens, fe}, DType::kF32);

@@ -47,7 +47,6 @@ const Backend& cpu_backend() {
       .adamw_step_multi = cpu::adamw_step_multi,
       .sum_squares_multi = cpu::sum_squares_multi,
       // ---- device-resident step statistics (issue 20)
-      .expert_counts = cpu::expert_counts,
       .sum_squares_into = cpu::sum_squares_into,
       // ---- communication codecs (issue 17) ----
       .moe_permute_fp8 = cpu::moe_permute_fp8,

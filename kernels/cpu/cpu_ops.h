@@ -105,7 +105,6 @@ void moe_unpermute(const Exec& ex, const Tensor& yp, const Tensor& row_map, cons
                    const Tensor* residual);
 void moe_unpermute_backward(const Exec& ex, const Tensor& dy, const Tensor& yp, const Tensor& row_map,
                             const Tensor& gates, Tensor& dyp, Tensor& dgates);
-void expert_counts(const Exec& ex, const Tensor& topk_idx, Tensor& counts, bool accumulate);
 
 // ---- loss.cc --------------------------------------------------------------------------
 void cross_entropy_forward(const Exec& ex, const Tensor& logits, const Tensor& targets, Tensor& losses,

@@ -256,18 +256,4 @@ void moe_unpermute_backward(const Exec&, const Tensor& dy, const Tensor& yp, con
   }
 }
 
-// Per-expert selection counts as floats (the router's balancing statistic, kept on the
-// device by the layers).
-void expert_counts(const Exec&, const Tensor& topk_idx, Tensor& counts, bool accumulate) {
-  const int64_t experts = counts.numel(), n = topk_idx.numel();
-  const Tensor idx = topk_idx.contiguous();
-  const int32_t* pi = idx.data<int32_t>();
-  std::vector<double> c(static_cast<size_t>(experts), 0.0);
-  for (int64_t i = 0; i < n; ++i)
-    if (pi[i] >= 0 && pi[i] < experts) c[static_cast<size_t>(pi[i])] += 1.0;
-  float* po = counts.data<float>();
-  for (int64_t e = 0; e < experts; ++e)
-    po[e] = static_cast<float>(c[static_cast<size_t>(e)] + (accumulate ? po[e] : 0.0));
-}
-
 }  // namespace troupe::kernels::cpu

@@ -666,16 +666,6 @@ double cuda_sum_squares_multi(const Exec& ex, std::span<const Tensor* const> ten
 }
 
 // ---- device-resident step statistics (issue 20) ------------------------------------------
-void cuda_expert_counts(const Exec& ex, const Tensor& topk_idx, Tensor& counts, bool accumulate) {
-  const char* op = "expert_counts";
-  OpScope s(ex, op);
-  require(topk_idx, op, "topk_idx");
-  require(counts, op, "counts");
-  require_dtype(counts, DType::kF32, op, "counts");
-  gpu::launch_expert_counts(s.env, i32(topk_idx), topk_idx.numel(), counts.numel(), f32_mut(counts),
-                            accumulate);
-}
-
 void cuda_sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors,
                            std::span<const Tensor* const> sums, Tensor& out, bool accumulate) {
   const char* op = "sum_squares_into";
@@ -789,7 +779,6 @@ const Backend kCudaBackend = {
     .adamw_step_multi = cuda_adamw_step_multi,
     .sum_squares_multi = cuda_sum_squares_multi,
     // ---- device-resident step statistics (issue 20)
-    .expert_counts = cuda_expert_counts,
     .sum_squares_into = cuda_sum_squares_into,
     // ---- communication codecs (issue 17) ----
     .moe_permute_fp8 = cuda_moe_permute_fp8,

@@ -209,24 +209,6 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) out[0] = static_cast<float>(acc + (accumulate ? static_cast<double>(out[0]) : 0.0));
 }
 
-// counts[e] += the occurrences of e in a range of idx: a shared histogram per block, then
-// one float atomic per expert and block (integers: exact and order-independent < 2^24).
-__global__ void __launch_bounds__(kThreads)
-    expert_counts_kernel(const int32_t* idx, int64_t n, int64_t experts, float* counts) {
-  pdl_wait();
-  extern __shared__ int hist[];
-  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) hist[e] = 0;
-  __syncthreads();
-  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int32_t e = idx[i];
-    if (e >= 0 && e < experts) atomicAdd(&hist[e], 1);
-  }
-  __syncthreads();
-  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x)
-    if (hist[e] != 0) atomicAdd(&counts[e], static_cast<float>(hist[e]));
-}
-
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 void check_float(DType t, const char* what) {
@@ -340,19 +322,6 @@ void launch_sum_squares_into(const Env& env, int count, const void* const* x, co
     acc = true;
   }
   if (!acc) CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(float), env.stream));  // no elements, not accumulating
-}
-
-void launch_expert_counts(const Env& env, const int32_t* idx, int64_t n, int64_t experts, float* counts,
-                          bool accumulate) {
-  if (!accumulate)
-    CUDA_CHECK(cudaMemsetAsync(counts, 0, static_cast<size_t>(experts) * sizeof(float), env.stream));
-  if (n == 0) return;
-  const size_t smem = static_cast<size_t>(experts) * sizeof(int);
-  TROUPE_CHECK(smem <= 48 * 1024, "expert_counts on cuda: at most 12288 experts, got {}", experts);
-  const unsigned blocks =
-      static_cast<unsigned>(std::min<int64_t>(ceil_div(n, kThreads), int64_t{env.num_sms} * 2));
-  launch(env, expert_counts_kernel, blocks, kThreads, smem, idx, n, experts, counts);
-  TROUPE_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace troupe::kernels::gpu

@@ -156,7 +156,7 @@ const std::vector<std::string>& forward_op_names() {
       "cross_entropy_forward", "cross_entropy_forward_backward", "adamw_step", "adamw_step_multi",
       "sum_squares_multi", "quantize_fp8", "dequantize_fp8",
       // device-resident step statistics (issue 20)
-      "expert_counts", "sum_squares_into",
+      "sum_squares_into",
       // communication codecs (issue 17)
       "moe_permute_fp8", "sum_chunks"};
   return kNames;
@@ -216,7 +216,6 @@ bool backend_implements(const Backend& b, const std::string& op) {
       TROUPE_OP_ENTRY(quantize_fp8),
       TROUPE_OP_ENTRY(dequantize_fp8),
       // device-resident step statistics (issue 20)
-      TROUPE_OP_ENTRY(expert_counts),
       TROUPE_OP_ENTRY(sum_squares_into),
       // ---- communication codecs (issue 17) ----
       TROUPE_OP_ENTRY(moe_permute_fp8),
@@ -1685,37 +1684,9 @@ void add_multi_tensor_cases(std::vector<OpCase>& cases, Rng& rng) {
 
 // ---- device-resident step statistics (issue 20) ---------------------------------------------
 
-// expert_counts (written and accumulated, with out-of-range entries), sum_squares_into
-// (written and accumulated) and adamw_step_multi clipped by a device-held norm (clipping
-// and not clipping).
+// sum_squares_into (written and accumulated) and adamw_step_multi clipped by a device-held
+// norm (clipping and not clipping).
 void add_step_stats_cases(std::vector<OpCase>& cases, Rng& rng) {
-  const int64_t experts = 6;
-  for (bool acc : {false, true}) {
-    OpCase c;
-    c.name = std::string("expert_counts/") + (acc ? "accumulate" : "write");
-    c.ops = {"expert_counts"};
-    c.inputs = {rng.ints({37, 3}, -1, experts + 1), rng.ints({experts}, 0, 50)};
-    for (double& x : c.inputs[1].v) x = static_cast<double>(static_cast<float>(x));
-    c.inputs[1].dtype = DType::kF32;
-    c.f32_inputs = {1};
-    c.forward = [acc](TestDevice& dev, const Tensors& in) {
-      Tensor counts =
-          acc ? dev.upload(dev.download(in[1]), DType::kF32) : dev.poisoned({experts}, DType::kF32);
-      expert_counts(dev.exec(), in[0], counts, acc);
-      return HostTensors{dev.download(counts)};
-    };
-    c.reference = [acc](const HostTensors& in) {
-      HostTensor out = acc ? in[1] : HostTensor::zeros({experts});
-      for (double v : in[0].v)
-        if (v >= 0 && v < experts) out[static_cast<int64_t>(v)] += 1.0;
-      return HostTensors{out};
-    };
-    c.atol = 0;
-    c.rtol = 0;
-    c.cross_atol = 0;
-    c.cross_rtol = 0;
-    cases.push_back(std::move(c));
-  }
   const std::vector<Shape> shapes = {{7, 9}, {130}, {4, 33}};
   const std::vector<DType> types = {DType::kF32, DType::kBF16, DType::kF32};
   const size_t n = shapes.size();

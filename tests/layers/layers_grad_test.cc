@@ -712,8 +712,8 @@ TEST(AdamW, DeviceScheduleEqualsTheLaunchArguments) {
   EXPECT_DEATH(oc.prepare_step(kC, 1e-3), "use_device_schedule");
 }
 
-// Issue 20: a step with the statistics kept on the device (Model::enable_device_stats:
-// expert_counts, sum_rows, the clip inside AdamW) equals the host-statistics step: the same
+// Issue 20: a step with the statistics kept on the device (Model::enable_device_stats: the
+// router's RouterStats, the clip inside AdamW) equals the host-statistics step: the same
 // losses, aux loss, gradient norm, loads, router-bias update and parameters after AdamW.
 void check_device_stats_step(MoEConfig moe) {
   ModelConfig cfg = small_model();
