@@ -1293,7 +1293,8 @@ __global__ void __launch_bounds__(256)
 }
 
 size_t attention_fused_dq_bytes(const AttentionShape& s) {
-  const int64_t n = 8192 / s.head_dim;  // FusedBwd<head dim>::kStream
+  int64_t n = 0;  // queries a tile
+  dispatch_head_dim(s.head_dim, [&](auto d) { n = FusedBwd<d()>::kStream; });
   return static_cast<size_t>(s.batch * s.q_heads * ceil_div(s.seq, n) * n * s.head_dim) * sizeof(float);
 }
 
