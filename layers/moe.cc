@@ -170,24 +170,22 @@ void Router::forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc
 }
 
 void Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, float loss_weight, Tensor& dx) {
-  const int64_t t = s.x.size(0), e = cfg.num_experts, k = cfg.top_k;
+  const int64_t t = s.x.size(0), e = cfg.num_experts;
   const double tg = static_cast<double>(std::max<int64_t>(1, s.group_tokens));
   // The aux loss's gradient on the scores is one [E] row for every token: d aux / d
   // scores[t,e] = coef * E * f_e / T with f_e the share of copies routed to e. The kernel
   // reads it as that row times a scale (no [T,E] broadcast).
+  // The row is the counts (on the device after forward_device, else the host's counts
+  // uploaded), its scale loss_weight * aux_scale.
   Tensor row;
-  float row_scale = 1.0f;
+  const float row_scale = static_cast<float>(loss_weight * aux_scale(s.group_tokens));
   if (cfg.aux_loss_coef > 0 && s.counts.defined()) {
-    // forward_device: the counts stayed on the device; the row is scale * counts.
     row = s.counts;
-    row_scale = static_cast<float>(loss_weight * aux_scale(s.group_tokens));
   } else if (cfg.aux_loss_coef > 0) {
-    Tensor g_host = Tensor::empty({e}, DType::kF32);
-    for (int64_t j = 0; j < e; ++j) {
-      const double f = static_cast<double>(s.selected[static_cast<size_t>(j)]) / (tg * static_cast<double>(k));
-      g_host.data<float>()[j] = static_cast<float>(loss_weight * cfg.aux_loss_coef * static_cast<double>(e) * f / tg);
-    }
-    row = c.on_device() ? c.to_device(g_host) : g_host;
+    Tensor counts = Tensor::empty({e}, DType::kF32);
+    for (int64_t j = 0; j < e; ++j)
+      counts.data<float>()[j] = static_cast<float>(s.selected[static_cast<size_t>(j)]);
+    row = c.on_device() ? c.to_device(counts) : counts;
   }
   // Without a z-loss the kernel writes dlogits in the activation dtype of the product below
   // (one rounding, no cast); the z-loss adds to f32 dlogits on the host first.
