@@ -288,6 +288,8 @@ PY
       ;;
     hoststats)
       d=${TMPDIR:-/tmp}/troupe-e2e-runs
+      # The token shards e2e makes (without it having run first, train_moe finds no tokenizer).
+      [ -d "$d/data" ] || OUT=$out bash bench/e2e.sh --build "$B" --skip-troupe --skip-peer --gpus 1 >/dev/null 2>&1
       timeout 200 "$B"/apps/train_moe --config apps/configs/bench_1b.toml --backend cuda \
         --set train.device_stats=false --set train.steps=7 --set train.eval_every=0 --set train.eval_batches=1 --set "data.dir=$d/data" \
         --run-dir "$d/hoststats" >"$out/hoststats.log" 2>&1
