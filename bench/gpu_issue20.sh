@@ -25,6 +25,7 @@
 #            (AB_VALUES, space-separated), alternating, two rounds: a run-time switch's cost
 #   grads    Troupe on bench_1b with train.expert_grads "bf16" and "f32", alternating, twice
 #   ahead    Troupe on bench_1b with train.launch_ahead true and false, alternating, twice
+#   master   Troupe on bench_1b with train.master_weights "split" and "f32", alternating, twice
 #   dq       Troupe on bench_1b with the attention's dQ inside the dK/dV kernel (the default
 #            at head dim 64 on Hopper) and in its own (train.attention_fused_dq=false), twice
 #   ab       Troupe alone on bench_1b, this tree's build ($BUILD) against a copy of this tree
@@ -171,6 +172,11 @@ for step in "$@"; do
       # The experts' weight gradients in bf16 (bench_1b's setting, as the peer's autocast
       # rounds its gradients) and in f32 (the default elsewhere).
       troupe_ab grads set train.expert_grads bf16 f32
+      ;;
+    master)
+      # The matrices' f32 masters split into their bf16 working copies and 16-bit low halves
+      # (bench_1b's setting) and kept as separate f32 values.
+      troupe_ab master set train.master_weights split f32
       ;;
     dq)
       # The attention backward with dQ inside the dK/dV kernel (the default at head dim 64 on

@@ -24,6 +24,10 @@ std::optional<ncclDataType_t> nccl_dtype(DType t) {
     case DType::kI32: return ncclInt32;
     case DType::kI64: return ncclInt64;
     case DType::kU8: return ncclUint8;
+    // NCCL has no 16-bit integer type: copies (gather, send, broadcast) move the bits as f16,
+    // and check_reduce_dtype refuses to reduce i16.
+    case DType::kI16:
+      return ncclFloat16;
   }
   return std::nullopt;
 }

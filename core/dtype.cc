@@ -19,6 +19,8 @@ size_t dtype_size(DType t) {
     case DType::kI32: return 4;
     case DType::kI64: return 8;
     case DType::kU8: return 1;
+    case DType::kI16:
+      return 2;
   }
   TROUPE_UNREACHABLE("bad dtype {}", static_cast<int>(t));
 }
@@ -33,13 +35,15 @@ std::string_view dtype_name(DType t) {
     case DType::kI32: return "i32";
     case DType::kI64: return "i64";
     case DType::kU8: return "u8";
+    case DType::kI16:
+      return "i16";
   }
   return "invalid";
 }
 
 std::optional<DType> dtype_from_name(std::string_view n) {
-  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kF8E4M3, DType::kF8E5M2,
-                  DType::kI32, DType::kI64, DType::kU8}) {
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kF8E4M3, DType::kF8E5M2, DType::kI32,
+                  DType::kI64, DType::kU8, DType::kI16}) {
     if (dtype_name(t) == n) return t;
   }
   if (n == "float32" || n == "fp32") return DType::kF32;
@@ -204,6 +208,9 @@ void visit_dtype(DType t, F&& f) {
     case DType::kI32: f(int32_t{}); return;
     case DType::kI64: f(int64_t{}); return;
     case DType::kU8: f(uint8_t{}); return;
+    case DType::kI16:
+      f(int16_t{});
+      return;
   }
   TROUPE_UNREACHABLE("bad dtype");
 }

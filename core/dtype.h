@@ -13,7 +13,7 @@
 
 namespace troupe {
 
-enum class DType : uint8_t { kF32 = 0, kF16, kBF16, kF8E4M3, kF8E5M2, kI32, kI64, kU8 };
+enum class DType : uint8_t { kF32 = 0, kF16, kBF16, kF8E4M3, kF8E5M2, kI32, kI64, kU8, kI16 };
 
 size_t dtype_size(DType t);
 std::string_view dtype_name(DType t);                       // "f32", "bf16", "fp8e4m3", ...
@@ -73,6 +73,10 @@ template <> struct dtype_of<fp8e5m2_t> { static constexpr DType value = DType::k
 template <> struct dtype_of<int32_t> { static constexpr DType value = DType::kI32; };
 template <> struct dtype_of<int64_t> { static constexpr DType value = DType::kI64; };
 template <> struct dtype_of<uint8_t> { static constexpr DType value = DType::kU8; };
+template <>
+struct dtype_of<int16_t> {
+  static constexpr DType value = DType::kI16;
+};
 template <typename T> inline constexpr DType dtype_of_v = dtype_of<T>::value;
 
 // Converts `n` elements between any two dtypes on the CPU (float formats round as above;

@@ -61,6 +61,8 @@ struct Backend {
   void (*dequantize_fp8)(const Exec&, const Tensor&, const Tensor&, int64_t, Tensor&);
   void (*adamw_step_multi)(const Exec&, std::span<const AdamWTensor>, const AdamWConfig&);
   double (*sum_squares_multi)(const Exec&, std::span<const Tensor* const>);
+  void (*master_split)(const Exec&, const Tensor&, Tensor&, Tensor&);
+  void (*master_join)(const Exec&, const Tensor&, const Tensor&, Tensor&);
   // ---- device-resident step statistics (issue 20)
   // tensors (squared), sums (summed plainly), out, accumulate.
   void (*sum_squares_into)(const Exec&, std::span<const Tensor* const>, std::span<const Tensor* const>,

@@ -826,6 +826,15 @@ void adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, cons
       OP_REQUIRE(cw, t.work->shape() == param.shape(), "tensor {}: work must have param's shape {}", i,
                  shape_to_string(param.shape()));
     }
+    if (t.work_lo != nullptr) {
+      OpCheck cl("adamw_step_multi", ex, {{"work_lo", t.work_lo}});
+      OP_REQUIRE(cl, t.work != nullptr && t.work->dtype() == DType::kBF16,
+                 "tensor {}: a split master (work_lo) needs a bf16 work", i);
+      OP_REQUIRE(cl, t.work_lo->dtype() == DType::kI16, "tensor {}: work_lo must be i16, got {}", i,
+                 dtype_name(t.work_lo->dtype()));
+      OP_REQUIRE(cl, t.work_lo->shape() == param.shape(), "tensor {}: work_lo must have param's shape {}", i,
+                 shape_to_string(param.shape()));
+    }
   }
   if (cfg.clip_sum_squares != nullptr) {
     OpCheck cc("adamw_step_multi", ex, {{"clip_sum_squares", cfg.clip_sum_squares}});
@@ -838,6 +847,26 @@ void adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, cons
     OP_SHAPE(cs, *cfg.device_schedule, {3});
   }
   c.call(&Backend::adamw_step_multi, ex, tensors, cfg);
+}
+
+void master_split(const Exec& ex, const Tensor& value, Tensor& hi, Tensor& lo) {
+  OpCheck c("master_split", ex, {{"value", &value}, {"hi", &hi}, {"lo", &lo}});
+  OP_DTYPE(c, value, DType::kF32);
+  OP_DTYPE(c, hi, DType::kBF16);
+  OP_DTYPE(c, lo, DType::kI16);
+  OP_SHAPE(c, hi, value.shape());
+  OP_SHAPE(c, lo, value.shape());
+  c.call(&Backend::master_split, ex, value, hi, lo);
+}
+
+void master_join(const Exec& ex, const Tensor& hi, const Tensor& lo, Tensor& value) {
+  OpCheck c("master_join", ex, {{"hi", &hi}, {"lo", &lo}, {"value", &value}});
+  OP_DTYPE(c, hi, DType::kBF16);
+  OP_DTYPE(c, lo, DType::kI16);
+  OP_DTYPE(c, value, DType::kF32);
+  OP_SHAPE(c, lo, hi.shape());
+  OP_SHAPE(c, value, hi.shape());
+  c.call(&Backend::master_join, ex, hi, lo, value);
 }
 
 std::array<float, 3> adamw_schedule(const AdamWConfig& cfg) {

@@ -250,11 +250,20 @@ struct AdamWTensor {
   // When set (bf16 or f32, param's shape): receives the updated param rounded to its dtype
   // in the same pass (the working copy the products read), instead of a cast afterwards.
   Tensor* work = nullptr;
+  // When set (i16, param's shape; work must be bf16): the f32 master is split
+  // (master_split): work holds its rounded upper half and work_lo its low 16 bits. The
+  // step then reads and writes the master there, and param is neither read nor written.
+  Tensor* work_lo = nullptr;
 };
 // adamw_step over every tensor of the list (cfg.weight_decay unused: each tensor has its
 // own); on CUDA one launch for up to 256 tensors. With gradient clipping, cfg.grad_scale
 // carries the clip factor from the global norm (sum_squares_multi, all-reduced if needed).
 void adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, const AdamWConfig& cfg);
+// The split f32 master (kernels/master_bits.h): value (f32) -> hi (bf16, rounded to nearest
+// with ties away from zero) and lo (i16, value's low 16 bits), and back. Exact both ways:
+// master_join(master_split(x)) has x's bits.
+void master_split(const Exec& ex, const Tensor& value, Tensor& hi, Tensor& lo);
+void master_join(const Exec& ex, const Tensor& hi, const Tensor& lo, Tensor& value);
 // Sum of squares of every element of every tensor (f32 or bf16), in double: the squared
 // global gradient norm; on CUDA one launch for up to 256 tensors. Synchronises like sum.
 double sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors);

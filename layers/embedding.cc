@@ -5,6 +5,7 @@ namespace troupe::layers {
 
 Embedding::Embedding(int64_t vocab, int64_t dim) {
   weight.allocate({vocab, dim});
+  weight.reads_value = true;  // the gather reads the f32 master, never a split one
 }
 
 void Embedding::init(uint64_t seed, const std::string& prefix, float std) {

@@ -363,12 +363,60 @@ void Model::to_device(const Ctx& c, DType expert_grads) {
 
 void Model::refresh_working_copies(const Ctx& c) {
   for (auto& p : parameters()) {
-    if (p.param->work.defined()) kernels::cast(c.ex, p.param->value, p.param->work);
+    Parameter& prm = *p.param;
+    if (prm.work_lo.defined()) {
+      // Splitting a value that is behind would undo the optimizer's steps since.
+      TROUPE_CHECK(!prm.value_stale,
+                   "Model::refresh_working_copies: {} is behind its split master (the optimizer wrote the "
+                   "working copy itself); call sync_master_values before reading or rewriting values",
+                   p.name);
+      kernels::master_split(c.ex, prm.value, prm.work, prm.work_lo);
+      prm.value_stale = false;
+    } else if (prm.work.defined()) {
+      kernels::cast(c.ex, prm.value, prm.work);
+    }
+  }
+}
+
+int64_t Model::split_masters(const Ctx& c) {
+  TROUPE_CHECK(c.on_device(),
+               "Model::split_masters: the split master is for a device layout (after to_device)");
+  const auto splits = [](const Parameter& prm) {
+    return prm.work.defined() && prm.work.dtype() == DType::kBF16 && !prm.reads_value &&
+           !prm.work_lo.defined();
+  };
+  constexpr int64_t kAlign = 64;  // as to_device's buffers: every half 128-byte aligned
+  int64_t total = 0;
+  std::vector<NamedParameter> params = parameters();
+  for (const auto& p : params)
+    if (splits(*p.param)) total += (p.param->numel() + kAlign - 1) / kAlign * kAlign;
+  if (total == 0) return 0;
+  master_lo_ = c.empty({total}, DType::kI16);
+  int64_t at = 0, n = 0;
+  for (auto& p : params) {
+    Parameter& prm = *p.param;
+    if (!splits(prm)) continue;
+    prm.work_lo = master_lo_.narrow(0, at, prm.numel()).view(prm.value.shape());
+    kernels::master_split(c.ex, prm.value, prm.work, prm.work_lo);
+    prm.value_stale = false;
+    at += (prm.numel() + kAlign - 1) / kAlign * kAlign;
+    ++n;
+  }
+  return n;
+}
+
+void Model::sync_master_values(const Ctx& c) {
+  for (auto& p : parameters()) {
+    Parameter& prm = *p.param;
+    if (!prm.value_stale) continue;
+    kernels::master_join(c.ex, prm.work, prm.work_lo, prm.value);
+    prm.value_stale = false;
   }
 }
 
 void Model::to_host(const Ctx& c) {
   if (!c.on_device()) return;
+  sync_master_values(c);
   for (auto& p : parameters()) {
     Parameter& prm = *p.param;
     if (prm.value.device().is_cpu()) continue;  // tied: already copied
@@ -380,11 +428,13 @@ void Model::to_host(const Ctx& c) {
       prm.grad = f;
     }
     prm.work = Tensor();
+    prm.work_lo = Tensor();
     prm.grad_sum_squares = Tensor();  // folding ends with the device layout
   }
   for (auto& b : buffers()) *b.tensor = c.to_host(*b.tensor);
   flat_grads_ = Tensor();
   low_grads_ = Tensor();
+  master_lo_ = Tensor();
   fold_slots_ = Tensor();
 }
 

@@ -84,9 +84,22 @@ class Model {
   // Zeroes the gradients still marked stale (no backward wrote them) and clears the marks;
   // forward_backward ends with it.
   void settle_grads(const Ctx& c);
-  // Refreshes the working copies from the master values (after each optimizer step).
+  // Refreshes the working copies from the master values (after each optimizer step, and
+  // after anything writes the values: loading a checkpoint); a split master's halves are
+  // made again from value, which must not be behind them (sync_master_values).
   void refresh_working_copies(const Ctx& c);
-  // Copies values and buffers back to host tensors (before saving weights).
+  // train.master_weights = "split" (on a device, after to_device): every master with a bf16
+  // working copy and no product reading value itself (Parameter::reads_value) is kept as
+  // that copy and a 16-bit low half (Parameter::work_lo, one i16 buffer), so that an
+  // optimizer step reads and writes 4 bytes a parameter for both instead of 4 + 2. Values
+  // are then behind after each step: whoever reads them (checkpoints, to_host) calls
+  // sync_master_values first. Returns the number of parameters split.
+  int64_t split_masters(const Ctx& c);
+  // Writes every stale value from its split master (exact: the f32 bits the optimizer
+  // holds). No-op where nothing is stale.
+  void sync_master_values(const Ctx& c);
+  // Copies values and buffers back to host tensors (before saving weights); syncs split
+  // masters first.
   void to_host(const Ctx& c);
   // Every f32 gradient as one buffer (padding zero), or undefined on the CPU layout.
   const Tensor& flat_grads() const { return flat_grads_; }
@@ -151,6 +164,7 @@ class Model {
   ModelConfig cfg_;
   Tensor flat_grads_;
   Tensor low_grads_;  // to_device's bf16 expert gradients (or undefined)
+  Tensor master_lo_;  // split_masters: every Parameter::work_lo, in order (or undefined)
   // Whether p's gradient is a view of flat_grads_ (not of low_grads_, not on the host).
   bool in_flat_grads(const Parameter& p) const;
   Tensor fold_slots_;  // enable_grad_norm_fold: every Parameter::grad_sum_squares, in order

@@ -56,9 +56,15 @@ void AdamW::use_device_schedule(const Ctx& c) {
   schedule_ = c.on_device() ? c.zeros({3}, DType::kF32) : Tensor::zeros({3}, DType::kF32);
 }
 
+void AdamW::mark_split_values_stale() {
+  for (auto& p : params_)
+    if (p.param->work_lo.defined()) p.param->value_stale = true;
+}
+
 void AdamW::prepare_step(const Ctx& c, double lr) {
   TROUPE_CHECK(schedule_.defined(), "AdamW::prepare_step needs use_device_schedule");
   ++step_;
+  mark_split_values_stale();  // a replayed graph's update runs none of launch()'s host code
   const std::array<float, 3> v = kernels::adamw_schedule(config(lr));
   Tensor host = Tensor::zeros({3}, DType::kF32);
   std::copy(v.begin(), v.end(), host.data<float>());
@@ -92,11 +98,15 @@ void AdamW::launch(const Ctx& c, kernels::AdamWConfig cfg, double grad_scale, co
   list.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     Parameter& p = *params_[i].param;
-    list.push_back({&p.value, &p.grad, &m_[i], &v_[i],
-                    p.decay ? static_cast<float>(opts_.weight_decay) : 0.0f,
-                    write_work_ && p.work.defined() ? &p.work : nullptr});
+    // A split master lives in the working copy and its low half: the step writes both.
+    TROUPE_CHECK(!p.work_lo.defined() || write_work_,
+                 "AdamW: {} has a split master, which needs write_working_copies(true)", params_[i].name);
+    list.push_back(
+        {&p.value, &p.grad, &m_[i], &v_[i], p.decay ? static_cast<float>(opts_.weight_decay) : 0.0f,
+         write_work_ && p.work.defined() ? &p.work : nullptr, p.work_lo.defined() ? &p.work_lo : nullptr});
   }
   kernels::adamw_step_multi(c.ex, list, cfg);
+  mark_split_values_stale();
 }
 
 std::vector<NamedBuffer> AdamW::state() {

@@ -36,7 +36,9 @@ class AdamW {
   void step(const Ctx& c, double lr, const Tensor& grad_norm_squared);
   // When on, each step also writes every parameter's working copy (Parameter::work, where
   // defined) from its updated value in the same pass over memory, so the caller need not
-  // refresh them (Model::refresh_working_copies) after the step.
+  // refresh them (Model::refresh_working_copies) after the step. Required for split masters
+  // (Parameter::work_lo), which the step reads from and writes to (work, work_lo) instead
+  // of value, marking value stale (Model::sync_master_values).
   void write_working_copies(bool on) { write_work_ = on; }
   // CUDA graphs of the step (train_moe): the learning rate and bias corrections come from
   // a device tensor (f32 [3], allocated here) instead of the launch's arguments, so the
@@ -57,6 +59,8 @@ class AdamW {
   void step_impl(const Ctx& c, double lr, double grad_scale, const Tensor* norm_sq);
   kernels::AdamWConfig config(double lr) const;  // lr, betas, eps and step()
   void launch(const Ctx& c, kernels::AdamWConfig cfg, double grad_scale, const Tensor* norm_sq);
+  // Split masters (Model::split_masters) are updated in their halves: values fall behind.
+  void mark_split_values_stale();
   std::vector<NamedParameter> params_;
   std::vector<Tensor> m_, v_;
   AdamWOptions opts_;

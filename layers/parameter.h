@@ -30,6 +30,16 @@ struct Parameter {
   // Compute-dtype copy of value (bf16 on CUDA) that matrix products read; undefined when
   // products read value itself (CPU). Refreshed from value after every optimizer step.
   Tensor work;
+  // The split master (train.master_weights = "split", Model::split_masters): i16 of
+  // value's shape beside a bf16 work, which then holds value's upper half rounded
+  // (kernels/master_bits.h); the f32 master is the pair, exactly. The optimizer updates the
+  // pair and leaves value behind (value_stale) until Model::sync_master_values. Undefined
+  // otherwise.
+  Tensor work_lo;
+  bool value_stale = false;
+  // Set by the owning layer when its products read value itself on a device (the
+  // embedding's gather): such a master is never split.
+  bool reads_value = false;
   // False for gains of norms (AdamW's decoupled weight decay is not applied to them).
   bool decay = true;
   // Set by the owning layer when its backward takes the accumulate flag from

@@ -141,6 +141,13 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
     return invalid_argument("{}: key 'train.expert_grads' must be \"f32\" or \"bf16\" (got \"{}\")",
                             cfg.source(), expert_grads);
   }
+  TROUPE_ASSIGN_OR_RETURN(std::string master, cfg.get_string("train.master_weights", "f32"));
+  if (master == "f32" || master == "split") {
+    tc.train.split_master = master == "split";
+  } else {
+    return invalid_argument("{}: key 'train.master_weights' must be \"f32\" or \"split\" (got \"{}\")",
+                            cfg.source(), master);
+  }
   TROUPE_ASSIGN_OR_RETURN(tc.train.timeline_dir, cfg.get_string("train.timeline_dir", tc.train.timeline_dir));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.every, cfg.get_int("checkpoint.every", tc.checkpoint.every));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.keep, cfg.get_int("checkpoint.keep", tc.checkpoint.keep));

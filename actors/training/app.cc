@@ -157,6 +157,11 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
         "keep f32 gradients (their reductions and buckets are f32)\n",
         dtype_name(tc.train.expert_grads));
   }
+  if (tc.train.split_master && role != "worker") {
+    fmt::print(
+        "note: train.master_weights = \"split\" applies to train_moe's single-process loop; the Trainer's "
+        "stages keep f32 master values (their buckets, checkpoints and copies read them)\n");
+  }
   if (role == "worker") {
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> store, open_store(run_dir));
     std::function<void()> cut_control;

@@ -36,6 +36,7 @@ std::vector<Item> items(layers::Model& model, layers::AdamW& opt) {
 
 training::StageState model_state(const layers::Ctx& c, layers::Model& model, layers::AdamW& opt,
                                  const layers::TrainConfig& tc) {
+  model.sync_master_values(c);  // split masters: values up to date before they are copied
   training::StageState st;
   st.step = opt.steps_done();
   for (const Item& it : items(model, opt)) {

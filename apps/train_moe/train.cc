@@ -178,6 +178,18 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     const int64_t folded = model.enable_grad_norm_fold(c);
     fmt::print("train_moe: gradient norm folded into the dW products of {} parameters\n", folded);
   }
+  // train.master_weights = "split": the matrices' f32 masters as their bf16 working copies
+  // and a 16-bit low half each (Model::split_masters), read and written by AdamW's pass.
+  if (tc.train.split_master && !dev.is_cuda()) {
+    fmt::print(
+        "train_moe: train.master_weights = \"split\" applies on GPUs; this CPU run keeps f32 masters\n");
+  } else if (tc.train.split_master) {
+    const int64_t split = model.split_masters(c);
+    fmt::print(
+        "train_moe: {} master weights split into their bf16 working copies and 16-bit low halves "
+        "(train.master_weights)\n",
+        split);
+  }
   layers::AdamW opt(model.parameters(), tc.optim, c);
   opt.write_working_copies(true);  // the bf16 working copies come out of the optimizer's pass
   // A CUDA graph of the step (train.cuda_graph): the first step runs launch by launch (it

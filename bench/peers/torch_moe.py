@@ -76,10 +76,13 @@ DEFAULTS = {
     "model.moe": {"num_experts": 16, "top_k": 2, "expert_hidden": 2048, "router": "softmax",
                   "normalize_gates": True, "aux_loss_coef": 0.01, "z_loss_coef": 0.0, "capacity_factor": 0.0,
                   "bias_update_rate": 0.0, "shared_experts": 0},
-    # expert_grads is Troupe's switch; the peer's weight gradients on a GPU are always those of
-    # autocast's bf16 weight copies (rounded to bf16, then added into the f32 .grad).
+    # expert_grads and master_weights are Troupe's switches; the peer's weight gradients on a
+    # GPU are always those of autocast's bf16 weight copies (rounded to bf16, then added into
+    # the f32 .grad), and its masters are f32 parameters (Troupe's "split" holds the same f32
+    # bits in two halves).
     "train": {"seed": 1234, "steps": 200, "seq_len": 2048, "micro_batch_size": 8, "grad_accum": 1,
-              "eval_every": 50, "eval_batches": 2, "log_every": 1, "expert_grads": "bf16"},
+              "eval_every": 50, "eval_batches": 2, "log_every": 1, "expert_grads": "bf16",
+              "master_weights": "f32"},
     "optim": {"lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 20, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
               "eps": 1e-8, "grad_clip": 1.0},
 }
@@ -184,6 +187,9 @@ def validate_config(cfg):
     if cfg["train"]["expert_grads"] not in ("f32", "bf16"):
         raise SystemExit(f"torch_moe: train.expert_grads must be \"f32\" or \"bf16\" "
                          f"(got {cfg['train']['expert_grads']!r})")
+    if cfg["train"]["master_weights"] not in ("f32", "split"):
+        raise SystemExit(f"torch_moe: train.master_weights must be \"f32\" or \"split\" "
+                         f"(got {cfg['train']['master_weights']!r})")
     if cfg["train"]["seq_len"] <= 0 or cfg["train"]["micro_batch_size"] <= 0:
         raise SystemExit("torch_moe: train.seq_len and train.micro_batch_size must be positive")
 

@@ -46,6 +46,8 @@ const Backend& cpu_backend() {
       .dequantize_fp8 = cpu::dequantize_fp8,
       .adamw_step_multi = cpu::adamw_step_multi,
       .sum_squares_multi = cpu::sum_squares_multi,
+      .master_split = cpu::master_split,
+      .master_join = cpu::master_join,
       // ---- device-resident step statistics (issue 20)
       .sum_squares_into = cpu::sum_squares_into,
       // ---- communication codecs (issue 17) ----

@@ -119,6 +119,8 @@ void adamw_step(const Exec& ex, Tensor& param, const Tensor& grad, Tensor& m, Te
                 const AdamWConfig& cfg);
 void adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, const AdamWConfig& cfg);
 double sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors);
+void master_split(const Exec& ex, const Tensor& value, Tensor& hi, Tensor& lo);
+void master_join(const Exec& ex, const Tensor& hi, const Tensor& lo, Tensor& value);
 void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors,
                       std::span<const Tensor* const> sums, Tensor& out, bool accumulate);
 

@@ -1,10 +1,12 @@
 // kernels/cpu/optim.cc — CPU reference of the AdamW step (decoupled weight decay, bias
 // correction, gradient multiplier), its multi-tensor form, and the multi-tensor sum of
-// squares (global gradient norm), to the host or into a device scalar.
+// squares (global gradient norm), to the host or into a device scalar; the split master's
+// halves (master_split / master_join).
 #include <array>
 #include <cmath>
 
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/master_bits.h"
 
 namespace troupe::kernels::cpu {
 
@@ -56,9 +58,30 @@ void adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors, cons
   }
   for (const AdamWTensor& t : tensors) {
     c.weight_decay = t.weight_decay;
+    if (t.work_lo != nullptr) {  // the split master: joined, updated, split again
+      Tensor master = Tensor::empty(t.work->shape(), DType::kF32);
+      cpu::master_join(ex, *t.work, *t.work_lo, master);
+      adamw_update(master, *t.grad, *t.m, *t.v, c, schedule);
+      cpu::master_split(ex, master, *t.work, *t.work_lo);
+      continue;
+    }
     adamw_update(*t.param, *t.grad, *t.m, *t.v, c, schedule);
     if (t.work != nullptr) cpu::cast(ex, *t.param, *t.work);
   }
+}
+
+void master_split(const Exec&, const Tensor& value, Tensor& hi, Tensor& lo) {
+  const uint32_t* b = reinterpret_cast<const uint32_t*>(value.data<float>());
+  uint16_t* h = reinterpret_cast<uint16_t*>(hi.data_ptr());
+  uint16_t* l = reinterpret_cast<uint16_t*>(lo.data_ptr());
+  for (int64_t i = 0, n = value.numel(); i < n; ++i) master_split_bits(b[i], h[i], l[i]);
+}
+
+void master_join(const Exec&, const Tensor& hi, const Tensor& lo, Tensor& value) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(hi.data_ptr());
+  const uint16_t* l = reinterpret_cast<const uint16_t*>(lo.data_ptr());
+  uint32_t* b = reinterpret_cast<uint32_t*>(value.data<float>());
+  for (int64_t i = 0, n = value.numel(); i < n; ++i) b[i] = master_join_bits(h[i], l[i]);
 }
 
 double sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors) {

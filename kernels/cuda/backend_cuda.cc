@@ -609,7 +609,7 @@ void cuda_adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors,
   const size_t n = tensors.size();
   std::vector<float*> param(n), m(n), v(n);
   std::vector<const void*> grad(n);
-  std::vector<void*> work(n, nullptr);
+  std::vector<void*> work(n, nullptr), work_lo(n, nullptr);
   std::vector<DType> grad_type(n), work_type(n, DType::kF32);
   std::vector<int64_t> numel(n);
   std::vector<float> wd(n);
@@ -632,6 +632,13 @@ void cuda_adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors,
       work[i] = t.work->data_ptr();
       work_type[i] = t.work->dtype();
     }
+    if (t.work_lo != nullptr) {
+      require(*t.work_lo, op, "work_lo");
+      require_dtype(*t.work_lo, DType::kI16, op, "work_lo");
+      TROUPE_CHECK(t.work != nullptr && t.work->dtype() == DType::kBF16,
+                   "adamw_step_multi: a split master (work_lo) needs a bf16 work");
+      work_lo[i] = t.work_lo->data_ptr();
+    }
   }
   gpu::AdamWArgs args = adamw_args(cfg);
   if (cfg.clip_sum_squares != nullptr) {
@@ -644,7 +651,26 @@ void cuda_adamw_step_multi(const Exec& ex, std::span<const AdamWTensor> tensors,
     args.schedule = f32(*cfg.device_schedule);
   }
   gpu::launch_adamw_multi(s.env, static_cast<int>(n), param.data(), grad.data(), grad_type.data(), m.data(),
-                          v.data(), numel.data(), wd.data(), work.data(), work_type.data(), args);
+                          v.data(), numel.data(), wd.data(), work.data(), work_type.data(), work_lo.data(),
+                          args);
+}
+
+void cuda_master_split(const Exec& ex, const Tensor& value, Tensor& hi, Tensor& lo) {
+  const char* op = "master_split";
+  OpScope s(ex, op);
+  require(value, op, "value");
+  require(hi, op, "hi");
+  require(lo, op, "lo");
+  gpu::launch_master_split(s.env, f32(value), hi.data_ptr(), lo.data_ptr(), value.numel());
+}
+
+void cuda_master_join(const Exec& ex, const Tensor& hi, const Tensor& lo, Tensor& value) {
+  const char* op = "master_join";
+  OpScope s(ex, op);
+  require(hi, op, "hi");
+  require(lo, op, "lo");
+  require(value, op, "value");
+  gpu::launch_master_join(s.env, hi.data_ptr(), lo.data_ptr(), f32_mut(value), value.numel());
 }
 
 double cuda_sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors) {
@@ -778,6 +804,8 @@ const Backend kCudaBackend = {
     .dequantize_fp8 = cuda_dequantize_fp8,
     .adamw_step_multi = cuda_adamw_step_multi,
     .sum_squares_multi = cuda_sum_squares_multi,
+    .master_split = cuda_master_split,
+    .master_join = cuda_master_join,
     // ---- device-resident step statistics (issue 20)
     .sum_squares_into = cuda_sum_squares_into,
     // ---- communication codecs (issue 17) ----

@@ -69,10 +69,16 @@ void launch_adamw(const Env& env, float* param, const void* grad, DType gt, floa
 // in double, with partials of multi_reduce_scratch_bytes(); synchronises the stream.
 constexpr int kMultiTensorMax = 256;
 // work[i] (nullptr: none): receives param i after its update, as work_type[i] (f32/bf16).
+// work_lo[i] (nullptr: none; work_lo itself may be null): param i's master is split
+// (kernels/master_bits.h): read from and written to work[i] (bf16) and work_lo[i] (16-bit),
+// and param[i] is not touched.
 void launch_adamw_multi(const Env& env, int count, float* const* param, const void* const* grad,
                         const DType* grad_type, float* const* m, float* const* v, const int64_t* numel,
                         const float* weight_decay, void* const* work, const DType* work_type,
-                        const AdamWArgs& args);
+                        void* const* work_lo, const AdamWArgs& args);
+// The split master's halves (multi_tensor.cu): value f32 [n] <-> hi bf16 [n], lo 16-bit [n].
+void launch_master_split(const Env& env, const float* value, void* hi, void* lo, int64_t n);
+void launch_master_join(const Env& env, const void* hi, const void* lo, float* value, int64_t n);
 size_t multi_reduce_scratch_bytes();
 double launch_sum_squares_multi(const Env& env, int count, const void* const* x, const DType* types,
                                 const int64_t* numel, void* partials);

@@ -14,6 +14,7 @@
 #include "core/cuda/host_wait.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
+#include "kernels/master_bits.h"
 
 namespace troupe::kernels::gpu {
 
@@ -36,6 +37,8 @@ struct AdamWMultiParams {
   uint8_t vec_ok[kMultiTensorMax];  // every base pointer aligned for 4-element vector access
   void* work[kMultiTensorMax];      // the working copy written after the update (or nullptr)
   uint8_t work_bf16[kMultiTensorMax];
+  // The split master's low halves (or nullptr): the master is (work, work_lo), not param.
+  uint16_t* work_lo[kMultiTensorMax];
 };
 
 struct SumSquaresMultiParams {
@@ -113,6 +116,42 @@ __global__ void __launch_bounds__(kThreads) adamw_multi_kernel(const __grid_cons
     float* pv = p.v[t];
     const float wd = p.weight_decay[t];
     const bool bf16 = p.grad_bf16[t] != 0;
+    if (uint16_t* lo = p.work_lo[t]; lo != nullptr) {  // the split master (work bf16, vec_ok: 8 B)
+      uint16_t* hi = static_cast<uint16_t*>(p.work[t]);
+      if (p.vec_ok[t] && i0 + 4 <= n) {
+        float g[4];
+        load4_grad(p.grad[t], bf16, i0, g);
+        const uint2 hw = *reinterpret_cast<const uint2*>(hi + i0),
+                    lw = *reinterpret_cast<const uint2*>(lo + i0);
+        const uint32_t hs[4] = {hw.x & 0xFFFFu, hw.x >> 16, hw.y & 0xFFFFu, hw.y >> 16};
+        const uint32_t ls[4] = {lw.x & 0xFFFFu, lw.x >> 16, lw.y & 0xFFFFu, lw.y >> 16};
+        float4 mw = *reinterpret_cast<float4*>(pm + i0);
+        float4 vw = *reinterpret_cast<float4*>(pv + i0);
+        float* mv[4] = {&mw.x, &mw.y, &mw.z, &mw.w};
+        float* vv[4] = {&vw.x, &vw.y, &vw.z, &vw.w};
+        uint16_t ho[4], lo4[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float x =
+              __uint_as_float(master_join_bits(static_cast<uint16_t>(hs[j]), static_cast<uint16_t>(ls[j])));
+          adamw_elem(a, wd, g[j], x, *mv[j], *vv[j]);
+          master_split_bits(__float_as_uint(x), ho[j], lo4[j]);
+        }
+        *reinterpret_cast<float4*>(pm + i0) = mw;
+        *reinterpret_cast<float4*>(pv + i0) = vw;
+        *reinterpret_cast<uint2*>(hi + i0) =
+            make_uint2(ho[0] | (uint32_t{ho[1]} << 16), ho[2] | (uint32_t{ho[3]} << 16));
+        *reinterpret_cast<uint2*>(lo + i0) =
+            make_uint2(lo4[0] | (uint32_t{lo4[1]} << 16), lo4[2] | (uint32_t{lo4[3]} << 16));
+      } else {
+        for (int64_t i = i0; i < min64(n, i0 + 4); ++i) {
+          float x = __uint_as_float(master_join_bits(hi[i], lo[i]));
+          adamw_elem(a, wd, grad_at(p.grad[t], bf16, i), x, pm[i], pv[i]);
+          master_split_bits(__float_as_uint(x), hi[i], lo[i]);
+        }
+      }
+      continue;
+    }
     if (p.vec_ok[t] && i0 + 4 <= n) {
       float g[4];
       load4_grad(p.grad[t], bf16, i0, g);
@@ -209,7 +248,61 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) out[0] = static_cast<float>(acc + (accumulate ? static_cast<double>(out[0]) : 0.0));
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+bool aligned16(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
+// The split master's halves, 4 elements a thread where the pointers allow (value 16 B,
+// hi and lo 8 B), else one.
+__global__ void __launch_bounds__(kThreads)
+    master_split_kernel(const float* value, uint16_t* hi, uint16_t* lo, int64_t n, bool vec) {
+  pdl_wait();
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t u = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; u * 4 < n; u += stride) {
+    const int64_t i0 = u * 4;
+    if (vec && i0 + 4 <= n) {
+      const uint4 b = *reinterpret_cast<const uint4*>(value + i0);
+      uint16_t h[4], l[4];
+      master_split_bits(b.x, h[0], l[0]);
+      master_split_bits(b.y, h[1], l[1]);
+      master_split_bits(b.z, h[2], l[2]);
+      master_split_bits(b.w, h[3], l[3]);
+      *reinterpret_cast<uint2*>(hi + i0) =
+          make_uint2(h[0] | (uint32_t{h[1]} << 16), h[2] | (uint32_t{h[3]} << 16));
+      *reinterpret_cast<uint2*>(lo + i0) =
+          make_uint2(l[0] | (uint32_t{l[1]} << 16), l[2] | (uint32_t{l[3]} << 16));
+    } else {
+      for (int64_t i = i0; i < min64(n, i0 + 4); ++i)
+        master_split_bits(__float_as_uint(value[i]), hi[i], lo[i]);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    master_join_kernel(const uint16_t* hi, const uint16_t* lo, float* value, int64_t n, bool vec) {
+  pdl_wait();
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t u = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; u * 4 < n; u += stride) {
+    const int64_t i0 = u * 4;
+    if (vec && i0 + 4 <= n) {
+      const uint2 h = *reinterpret_cast<const uint2*>(hi + i0), l = *reinterpret_cast<const uint2*>(lo + i0);
+      uint4 b;
+      b.x = master_join_bits(static_cast<uint16_t>(h.x & 0xFFFFu), static_cast<uint16_t>(l.x & 0xFFFFu));
+      b.y = master_join_bits(static_cast<uint16_t>(h.x >> 16), static_cast<uint16_t>(l.x >> 16));
+      b.z = master_join_bits(static_cast<uint16_t>(h.y & 0xFFFFu), static_cast<uint16_t>(l.y & 0xFFFFu));
+      b.w = master_join_bits(static_cast<uint16_t>(h.y >> 16), static_cast<uint16_t>(l.y >> 16));
+      *reinterpret_cast<uint4*>(value + i0) = b;
+    } else {
+      for (int64_t i = i0; i < min64(n, i0 + 4); ++i)
+        value[i] = __uint_as_float(master_join_bits(hi[i], lo[i]));
+    }
+  }
+}
+
+unsigned split_grid(const Env& env, int64_t n) {
+  return static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>(ceil_div(ceil_div(n, 4), kThreads), int64_t{env.num_sms} * 8)));
+}
 
 void check_float(DType t, const char* what) {
   TROUPE_CHECK(t == DType::kF32 || t == DType::kBF16, "{}: dtype {} is not supported (f32 or bf16)", what,
@@ -221,7 +314,7 @@ void check_float(DType t, const char* what) {
 void launch_adamw_multi(const Env& env, int count, float* const* param, const void* const* grad,
                         const DType* grad_type, float* const* m, float* const* v, const int64_t* numel,
                         const float* weight_decay, void* const* work, const DType* work_type,
-                        const AdamWArgs& args) {
+                        void* const* work_lo, const AdamWArgs& args) {
   for (int first = 0; first < count; first += kMultiTensorMax) {
     const int c = std::min(kMultiTensorMax, count - first);
     AdamWMultiParams p{};
@@ -248,6 +341,14 @@ void launch_adamw_multi(const Env& env, int count, float* const* param, const vo
         p.work_bf16[i] = work_type[j] == DType::kBF16 ? 1 : 0;
         work_ok = p.work_bf16[i] ? reinterpret_cast<uintptr_t>(work[j]) % 8 == 0 : aligned16(work[j]);
       }
+      p.work_lo[i] = work_lo != nullptr ? static_cast<uint16_t*>(work_lo[j]) : nullptr;
+      if (p.work_lo[i] != nullptr) {  // the split master: param unused, work bf16
+        TROUPE_CHECK(p.work[i] != nullptr && p.work_bf16[i],
+                     "adamw_step_multi: a split master needs a bf16 work");
+        const bool lo_ok = reinterpret_cast<uintptr_t>(work_lo[j]) % 8 == 0;
+        p.vec_ok[i] = aligned16(m[j]) && aligned16(v[j]) && grad_ok && work_ok && lo_ok ? 1 : 0;
+        continue;
+      }
       p.vec_ok[i] = aligned16(param[j]) && aligned16(m[j]) && aligned16(v[j]) && grad_ok && work_ok ? 1 : 0;
     }
     const int64_t groups = p.group_start[c];
@@ -256,6 +357,24 @@ void launch_adamw_multi(const Env& env, int count, float* const* param, const vo
     launch(env, adamw_multi_kernel, static_cast<unsigned>(blocks), kThreads, 0, p);
     TROUPE_CUDA_LAUNCH_CHECK();
   }
+}
+
+void launch_master_split(const Env& env, const float* value, void* hi, void* lo, int64_t n) {
+  if (n == 0) return;
+  const bool vec = aligned16(value) && reinterpret_cast<uintptr_t>(hi) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(lo) % 8 == 0;
+  launch(env, master_split_kernel, split_grid(env, n), kThreads, 0, value, static_cast<uint16_t*>(hi),
+         static_cast<uint16_t*>(lo), n, vec);
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+void launch_master_join(const Env& env, const void* hi, const void* lo, float* value, int64_t n) {
+  if (n == 0) return;
+  const bool vec = aligned16(value) && reinterpret_cast<uintptr_t>(hi) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(lo) % 8 == 0;
+  launch(env, master_join_kernel, split_grid(env, n), kThreads, 0, static_cast<const uint16_t*>(hi),
+         static_cast<const uint16_t*>(lo), value, n, vec);
+  TROUPE_CUDA_LAUNCH_CHECK();
 }
 
 size_t multi_reduce_scratch_bytes() { return kMultiReduceBlocks * sizeof(double); }

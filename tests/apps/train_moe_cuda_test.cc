@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <memory>
 #include <vector>
 
 #include "actors/training/run_device.h"
@@ -76,14 +77,24 @@ struct StepRecord {
 };
 
 // train_moe's step: zero, forward/backward, global norm, AdamW, working copies, bias.
-std::vector<StepRecord> train(RunDevice& dev, int64_t steps, std::vector<size_t>* mallocs = nullptr) {
+// split: the masters split (train.master_weights = "split"), AdamW writing the working
+// copies; after step `resplit_at` (0: never) the values are synced and split again, as a
+// checkpoint's save and load do. `model_out` (if given) receives the trained model.
+std::vector<StepRecord> train(RunDevice& dev, int64_t steps, std::vector<size_t>* mallocs = nullptr,
+                              bool split = false, std::unique_ptr<layers::Model>* model_out = nullptr,
+                              int64_t resplit_at = 0) {
   const layers::Ctx& c = dev.ctx();
-  layers::Model model(small_config(), /*seed=*/7);
+  auto owned = std::make_unique<layers::Model>(small_config(), /*seed=*/7);
+  layers::Model& model = *owned;
   model.to_device(c);
+  if (split) {
+    EXPECT_GT(model.split_masters(c), 0);
+  }
   layers::AdamWOptions ao;
   ao.weight_decay = 0.1;
   ao.grad_clip = 1.0;
   layers::AdamW opt(model.parameters(), ao, c);
+  opt.write_working_copies(split);
   std::vector<StepRecord> out;
   for (int64_t step = 1; step <= steps; ++step) {
     model.zero_grad(c);
@@ -93,7 +104,11 @@ std::vector<StepRecord> train(RunDevice& dev, int64_t steps, std::vector<size_t>
     const double gn = std::sqrt(model.flat_grads().defined() ? kernels::sum_squares(c.ex, model.flat_grads())
                                                              : opt.grad_norm_squared(c));
     opt.step(c, 3e-3, gn);
-    model.refresh_working_copies(c);
+    if (!split) model.refresh_working_copies(c);
+    if (step == resplit_at) {
+      model.sync_master_values(c);
+      model.refresh_working_copies(c);
+    }
     model.end_step(c);
     dev.synchronize();
     out.push_back({st.lm_loss_sum / static_cast<double>(st.tokens) + st.aux_loss, gn});
@@ -106,6 +121,7 @@ std::vector<StepRecord> train(RunDevice& dev, int64_t steps, std::vector<size_t>
     (void)mallocs;  // a build without CUDA counts no device allocations
 #endif
   }
+  if (model_out != nullptr) *model_out = std::move(owned);
   return out;
 }
 
@@ -146,6 +162,56 @@ TEST(TrainMoeCuda, MatchesCpuAndLearns) {
   // Steady state: the last steps reuse cached blocks (no cudaMalloc in the loop).
   ASSERT_EQ(mallocs.size(), static_cast<size_t>(kGpuSteps));
   EXPECT_EQ(mallocs[5], mallocs.back()) << "device mallocs grew after warm-up";
+}
+
+// train.master_weights = "split": the same f32 masters as the f32 run, kept as bf16
+// working copies and 16-bit low halves, synced and split again after step 5 (a
+// checkpoint's save and load). The losses follow the f32-master run's over 10 steps (the
+// working copies differ only where a value's low half is exactly 0x8000, and the attention
+// backward adds dQ in no fixed order; a step lost or undone would move the loss by far
+// more), every value is behind after a step, and after sync_master_values each value is the
+// master its working copy was rounded from.
+TEST(TrainMoeCuda, SplitMasterTrainsAsTheF32Master) {
+  auto gpu = RunDevice::create("cuda");
+  if (!gpu.ok()) {
+    std::printf("skipping: %s\n", gpu.status().to_string().c_str());
+    std::exit(77);
+  }
+  constexpr int64_t kSteps = 10;
+  const std::vector<StepRecord> f32 = train(**gpu, kSteps);
+  std::unique_ptr<layers::Model> model;
+  const std::vector<StepRecord> split =
+      train(**gpu, kSteps, nullptr, /*split=*/true, &model, /*resplit_at=*/5);
+  for (int64_t i = 0; i < kSteps; ++i) {
+    const size_t k = static_cast<size_t>(i);
+    std::printf("step %2lld  loss f32 master %.6f  split %.6f\n", static_cast<long long>(i + 1), f32[k].loss,
+                split[k].loss);
+    EXPECT_NEAR(split[k].loss, f32[k].loss, 5e-3 * f32[k].loss) << "step " << i + 1;
+  }
+  const layers::Ctx& c = (*gpu)->ctx();
+  int64_t stale = 0, split_params = 0;
+  for (auto& p : model->parameters()) {
+    if (p.param->work_lo.defined()) ++split_params;
+    if (p.param->value_stale) ++stale;
+  }
+  EXPECT_GT(split_params, 0);
+  EXPECT_EQ(stale, split_params) << "every split master's value is behind after a step";
+  model->sync_master_values(c);
+  for (auto& p : model->parameters()) {
+    const layers::Parameter& prm = *p.param;
+    EXPECT_FALSE(prm.value_stale) << p.name;
+    if (!prm.work_lo.defined()) continue;
+    const std::vector<float> value = c.to_host(prm.value).to_floats(), work = c.to_host(prm.work).to_floats();
+    int64_t bad = 0;
+    for (size_t i = 0; i < value.size(); ++i) {
+      // The working copy is the value rounded to 8 significant bits, ties away from zero.
+      const double a = std::fabs(static_cast<double>(value[i]));
+      const double ulp = a > 0 ? std::ldexp(1.0, std::ilogb(a) - 7) : 0.0;
+      const double r = a > 0 ? std::floor(a / ulp + 0.5) * ulp : 0.0;
+      if (std::fabs(static_cast<double>(work[i])) != r) ++bad;
+    }
+    EXPECT_EQ(bad, 0) << p.name << ": working copy and synced value disagree";
+  }
 }
 
 TEST(TrainMoeCuda, UnknownBackendIsRefused) {

@@ -91,7 +91,7 @@ std::string compare(const HostTensor& got, const HostTensor& want, double atol, 
     const double g = got[i], w = want[i];
     const double tol = exact ? 0.0 : atol + rtol * std::fabs(w);
     const double err = std::fabs(g - w);
-    if (!(err <= tol)) {  // NaN fails
+    if (!(err <= tol) && g != w) {  // NaN fails; equal infinities match
       if (bad < 5)
         msg += fmt::format("\n  {}[{}] = {:.9g}, expected {:.9g} (tol {:.3g})", what, i, g, w, tol);
       ++bad;
@@ -154,7 +154,7 @@ const std::vector<std::string>& forward_op_names() {
       "embedding_forward", "rmsnorm_forward", "rope_forward", "attention_forward", "softmax_forward",
       "router_forward", "moe_dispatch_plan", "moe_permute", "moe_unpermute", "swiglu_forward",
       "cross_entropy_forward", "cross_entropy_forward_backward", "adamw_step", "adamw_step_multi",
-      "sum_squares_multi", "quantize_fp8", "dequantize_fp8",
+      "sum_squares_multi", "master_split", "master_join", "quantize_fp8", "dequantize_fp8",
       // device-resident step statistics (issue 20)
       "sum_squares_into",
       // communication codecs (issue 17)
@@ -213,6 +213,8 @@ bool backend_implements(const Backend& b, const std::string& op) {
       TROUPE_OP_ENTRY(adamw_step),
       TROUPE_OP_ENTRY(adamw_step_multi),
       TROUPE_OP_ENTRY(sum_squares_multi),
+      TROUPE_OP_ENTRY(master_split),
+      TROUPE_OP_ENTRY(master_join),
       TROUPE_OP_ENTRY(quantize_fp8),
       TROUPE_OP_ENTRY(dequantize_fp8),
       // device-resident step statistics (issue 20)
@@ -1655,6 +1657,131 @@ void add_multi_tensor_cases(std::vector<OpCase>& cases, Rng& rng) {
     c.atol = 1e-6;
     c.rtol = with_work ? 8e-3 : 1e-5;  // bf16: one ulp (at most 2^-7 relative) where the f32 and
                                        // double updates round to neighbouring values
+    cases.push_back(std::move(c));
+  }
+  // master_split / master_join alone, bit for bit: values whose low 16 bits are exactly half
+  // (ties: away from zero), just under and over half, zeros of both signs, infinities, the
+  // largest float (rounds to infinity, as the bf16 cast does) and random values; 37 of
+  // them, so that the vector kernels' scalar tail runs too.
+  {
+    OpCase c;
+    c.name = "master_split_join/edges";
+    c.ops = {"master_split", "master_join"};
+    c.bf16_storage = false;
+    const auto from_bits = [](uint32_t b) {
+      float f;
+      std::memcpy(&f, &b, 4);
+      return static_cast<double>(f);
+    };
+    HostTensor x = rng.uniform({37}, -3.0, 3.0);
+    const uint32_t edges[] = {0x3F808000u, 0xBF808000u, 0x3F818000u, 0x3F807FFFu, 0x3F808001u,
+                              0xC2FF8000u, 0x00000000u, 0x80000000u, 0x7F800000u, 0xFF800000u,
+                              0x7F7FFFFFu, 0x3F7FFFFFu, 0x00800000u};
+    for (size_t i = 0; i < std::size(edges); ++i) x[static_cast<int64_t>(i)] = from_bits(edges[i]);
+    c.inputs = {x};
+    c.forward = [](TestDevice& dev, const Tensors& in) {
+      Tensor value = dev.upload(dev.download(in[0]), DType::kF32);
+      Tensor hi = dev.poisoned(value.shape(), DType::kBF16), lo = dev.poisoned(value.shape(), DType::kI16);
+      Tensor back = dev.poisoned(value.shape(), DType::kF32);
+      master_split(dev.exec(), value, hi, lo);
+      master_join(dev.exec(), hi, lo, back);
+      return HostTensors{dev.download(hi), dev.download(lo), dev.download(back)};
+    };
+    c.reference = [](const HostTensors& in) {
+      HostTensor hi = in[0], lo = in[0];
+      for (int64_t i = 0; i < hi.numel(); ++i) {
+        const float f = static_cast<float>(in[0][i]);
+        uint32_t b;
+        std::memcpy(&b, &f, 4);
+        lo[i] = static_cast<int16_t>(static_cast<uint16_t>(b & 0xFFFFu));
+        // Round to 8 significant bits, ties away from zero, in double (independent of the
+        // kernels' bit arithmetic); beyond the largest bf16 the cast gives infinity.
+        const double a = std::fabs(in[0][i]);
+        double r = a;
+        if (a != 0.0 && std::isfinite(a)) {
+          const double ulp = std::ldexp(1.0, std::ilogb(a) - 7);
+          r = std::floor(a / ulp + 0.5) * ulp;
+          if (r > 3.3895313892515355e38) r = HUGE_VAL;  // above bf16's largest finite value
+        }
+        hi[i] = std::signbit(in[0][i]) ? -r : r;
+      }
+      return HostTensors{hi, lo, in[0]};
+    };
+    c.atol = 0.0;
+    c.rtol = 0.0;
+    c.cross_atol = 0.0;
+    c.cross_rtol = 0.0;
+    cases.push_back(std::move(c));
+  }
+  // The split master (train.master_weights = "split"): every tensor's master as a bf16 work
+  // and an i16 low half, made by master_split, updated in place, read back by master_join.
+  // The master must match the f32 update's reference as closely as the unsplit step does,
+  // and param must be left alone (poisoned after the split).
+  {
+    OpCase c;
+    c.name = "adamw_step_multi/5_tensors_split_master";
+    c.ops = {"adamw_step_multi", "master_split", "master_join"};
+    c.bf16_storage = false;
+    for (size_t i = 0; i < n; ++i) {
+      c.inputs.push_back(rng.uniform(shapes[i]));
+      c.inputs.push_back(grads[i]);
+      c.inputs.push_back(rng.uniform(shapes[i], -0.1, 0.1));
+      c.inputs.push_back(rng.uniform(shapes[i], 0.001, 0.01));
+    }
+    c.forward = [cfg, grad_types, decays, n](TestDevice& dev, const Tensors& in) {
+      std::vector<Tensor> t, hi, lo;
+      for (size_t i = 0; i < n; ++i) {
+        t.push_back(dev.upload(dev.download(in[4 * i]), DType::kF32));
+        t.push_back(dev.upload(dev.download(in[4 * i + 1]), grad_types[i]));
+        t.push_back(dev.upload(dev.download(in[4 * i + 2]), DType::kF32));
+        t.push_back(dev.upload(dev.download(in[4 * i + 3]), DType::kF32));
+        hi.push_back(dev.poisoned(t[4 * i].shape(), DType::kBF16));
+        lo.push_back(dev.poisoned(t[4 * i].shape(), DType::kI16));
+        master_split(dev.exec(), t[4 * i], hi[i], lo[i]);
+        fill(dev.exec(), t[4 * i], 1e4f);  // the step must not read or write param
+      }
+      std::vector<AdamWTensor> list;
+      for (size_t i = 0; i < n; ++i) {
+        list.push_back({&t[4 * i], &t[4 * i + 1], &t[4 * i + 2], &t[4 * i + 3], decays[i], &hi[i], &lo[i]});
+      }
+      adamw_step_multi(dev.exec(), list, cfg);
+      HostTensors out;
+      for (size_t i = 0; i < n; ++i) {
+        Tensor master = dev.poisoned(t[4 * i].shape(), DType::kF32);
+        master_join(dev.exec(), hi[i], lo[i], master);
+        out.push_back(dev.download(master));
+        out.push_back(dev.download(t[4 * i + 2]));
+        out.push_back(dev.download(t[4 * i + 3]));
+        out.push_back(dev.download(hi[i]));
+        out.push_back(dev.download(t[4 * i]));
+      }
+      return out;
+    };
+    c.reference = [cfg, decays, n](const HostTensors& in) {
+      HostTensors out;
+      const double b1 = cfg.beta1, b2 = cfg.beta2, step = static_cast<double>(cfg.step);
+      for (size_t t = 0; t < n; ++t) {
+        HostTensor p = in[4 * t], m = in[4 * t + 2], v = in[4 * t + 3];
+        for (int64_t i = 0; i < p.numel(); ++i) {
+          const double g = in[4 * t + 1][i] * cfg.grad_scale;
+          m[i] = b1 * m[i] + (1 - b1) * g;
+          v[i] = b2 * v[i] + (1 - b2) * g * g;
+          const double mhat = m[i] / (1 - std::pow(b1, step)), vhat = v[i] / (1 - std::pow(b2, step));
+          p[i] = p[i] - cfg.lr * decays[t] * p[i] - cfg.lr * mhat / (std::sqrt(vhat) + cfg.eps);
+        }
+        HostTensor w = p, poison = p;
+        for (double& x : w.v) x = as_bf16(x);
+        for (double& x : poison.v) x = 1e4;
+        out.push_back(p);
+        out.push_back(m);
+        out.push_back(v);
+        out.push_back(w);
+        out.push_back(poison);
+      }
+      return out;
+    };
+    c.atol = 1e-6;
+    c.rtol = 8e-3;  // the work: one bf16 ulp, as above; the master itself as the f32 step's
     cases.push_back(std::move(c));
   }
   {

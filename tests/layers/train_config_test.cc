@@ -24,6 +24,7 @@ TEST(TrainConfig, TinyParses) {
   EXPECT_TRUE(tc->model.is_moe_block(3));
   EXPECT_EQ(tc->parallel.world(), 1);
   EXPECT_EQ(tc->train.expert_grads, DType::kF32);  // the default
+  EXPECT_FALSE(tc->train.split_master);            // "f32", the default
   // The layouts of the distributed equivalence tests fit the tiny model.
   for (auto [pp, dp, n] : {std::tuple{2, 1, 1}, {1, 2, 1}, {1, 1, 2}, {1, 1, 4}, {2, 1, 2}, {1, 2, 2}}) {
     ParallelOptions p{pp, dp, n};
@@ -48,6 +49,7 @@ TEST(TrainConfig, Bench1bIsTheIssue10Model) {
   EXPECT_EQ(tc->train.micro_batch_size, 8);
   EXPECT_DOUBLE_EQ(tc->optim.grad_clip, 1.0);
   EXPECT_EQ(tc->train.expert_grads, DType::kBF16);  // as the PyTorch peer's (autocast)
+  EXPECT_TRUE(tc->train.split_master);              // the same f32 masters, in two halves
   for (int64_t i = 0; i < 12; ++i) EXPECT_TRUE(m.is_moe_block(i));
   EXPECT_NEAR(static_cast<double>(m.num_params()) / 1e9, 1.33, 0.005);
   EXPECT_NEAR(static_cast<double>(m.num_active_params()) / 1e6, 235, 1.0);
@@ -84,6 +86,7 @@ TEST(TrainConfig, BadValuesAreNamed) {
       {"[elastic]\nstraggler_policy = \"kill\"\n", "elastic.straggler_policy"},
       {"[train]\nexpert_grads = \"fp16\"\n", "train.expert_grads"},
       {"[train]\ngrad_accum = 2\nexpert_grads = \"bf16\"\n", "needs train.grad_accum = 1 (got 2)"},
+      {"[train]\nmaster_weights = \"bf16\"\n", "train.master_weights"},
   };
   for (const auto& c : cases) {
     auto tc = parse(c.text);
