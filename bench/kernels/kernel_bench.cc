@@ -513,6 +513,22 @@ void run() {
     b.bytes("adamw_multi_work_bench1b", numel * (4 * 7 + 2),
             "one launch; read p,g,m,v + write p,m,v + bf16 p",
             [&] { be.adamw_step_multi(b.ex, with_work, cfg); });
+    // The matrices' masters split (train.master_weights = "split"): each is its bf16 working
+    // copy and a 16-bit low half, read and written in place of p and the copy (28 bytes an
+    // element instead of 30); the vectors as above.
+    std::vector<Tensor> low(shapes.size());
+    std::vector<AdamWTensor> split = with_work;
+    double split_numel = 0;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      if (shapes[i].size() < 2) continue;
+      low[i] = b.empty(shapes[i], DType::kI16);
+      be.master_split(b.ex, p[i], work[i], low[i]);
+      split[i].work_lo = &low[i];
+      split_numel += static_cast<double>(p[i].numel());
+    }
+    b.bytes("adamw_multi_split_bench1b", split_numel * 4 * 7 + (numel - split_numel) * (4 * 7 + 2),
+            "one launch; matrices: read bf16 p + lo, g, m, v + write them; vectors as adamw_multi_work",
+            [&] { be.adamw_step_multi(b.ex, split, cfg); });
     double sink = 0;
     b.bytes("grad_norm_loop_bench1b", numel * 4, "87 sum_squares (each syncs); read g (f32)", [&] {
       for (const Tensor* t : grads) sink += be.sum_squares(b.ex, *t);
