@@ -1522,6 +1522,20 @@ void add_cross_entropy_fused_cases(std::vector<OpCase>& cases, Rng& rng) {
 
 // ---- AdamW ---------------------------------------------------------------------------------
 
+// The double-precision AdamW update of one tensor (torch.optim.AdamW's arithmetic), in
+// place on p, m and v: the gradient times grad_scale, decoupled weight decay `decay`.
+void adamw_reference(const AdamWConfig& cfg, double grad_scale, double decay, const HostTensor& grad,
+                     HostTensor& p, HostTensor& m, HostTensor& v) {
+  const double b1 = cfg.beta1, b2 = cfg.beta2, step = static_cast<double>(cfg.step);
+  for (int64_t i = 0; i < p.numel(); ++i) {
+    const double g = grad[i] * grad_scale;
+    m[i] = b1 * m[i] + (1 - b1) * g;
+    v[i] = b2 * v[i] + (1 - b2) * g * g;
+    const double mhat = m[i] / (1 - std::pow(b1, step)), vhat = v[i] / (1 - std::pow(b2, step));
+    p[i] = p[i] - cfg.lr * decay * p[i] - cfg.lr * mhat / (std::sqrt(vhat) + cfg.eps);
+  }
+}
+
 void add_adamw_cases(std::vector<OpCase>& cases, Rng& rng) {
   for (DType grad_type : {DType::kF32, DType::kBF16}) {
     const Shape s{7, 9};
@@ -1551,14 +1565,7 @@ void add_adamw_cases(std::vector<OpCase>& cases, Rng& rng) {
     };
     c.reference = [cfg](const HostTensors& in) {
       HostTensor p = in[0], m = in[2], v = in[3];
-      const double b1 = cfg.beta1, b2 = cfg.beta2, step = static_cast<double>(cfg.step);
-      for (int64_t i = 0; i < p.numel(); ++i) {
-        const double g = in[1][i] * cfg.grad_scale;
-        m[i] = b1 * m[i] + (1 - b1) * g;
-        v[i] = b2 * v[i] + (1 - b2) * g * g;
-        const double mhat = m[i] / (1 - std::pow(b1, step)), vhat = v[i] / (1 - std::pow(b2, step));
-        p[i] = p[i] - cfg.lr * cfg.weight_decay * p[i] - cfg.lr * mhat / (std::sqrt(vhat) + cfg.eps);
-      }
+      adamw_reference(cfg, cfg.grad_scale, cfg.weight_decay, in[1], p, m, v);
       return HostTensors{p, m, v};
     };
     c.atol = 1e-6;
@@ -1632,16 +1639,9 @@ void add_multi_tensor_cases(std::vector<OpCase>& cases, Rng& rng) {
     };
     c.reference = [cfg, decays, n, with_work](const HostTensors& in) {
       HostTensors out;
-      const double b1 = cfg.beta1, b2 = cfg.beta2, step = static_cast<double>(cfg.step);
       for (size_t t = 0; t < n; ++t) {
         HostTensor p = in[4 * t], m = in[4 * t + 2], v = in[4 * t + 3];
-        for (int64_t i = 0; i < p.numel(); ++i) {
-          const double g = in[4 * t + 1][i] * cfg.grad_scale;
-          m[i] = b1 * m[i] + (1 - b1) * g;
-          v[i] = b2 * v[i] + (1 - b2) * g * g;
-          const double mhat = m[i] / (1 - std::pow(b1, step)), vhat = v[i] / (1 - std::pow(b2, step));
-          p[i] = p[i] - cfg.lr * decays[t] * p[i] - cfg.lr * mhat / (std::sqrt(vhat) + cfg.eps);
-        }
+        adamw_reference(cfg, cfg.grad_scale, decays[t], in[4 * t + 1], p, m, v);
         out.push_back(p);
         out.push_back(m);
         out.push_back(v);
@@ -1759,16 +1759,9 @@ void add_multi_tensor_cases(std::vector<OpCase>& cases, Rng& rng) {
     };
     c.reference = [cfg, decays, n](const HostTensors& in) {
       HostTensors out;
-      const double b1 = cfg.beta1, b2 = cfg.beta2, step = static_cast<double>(cfg.step);
       for (size_t t = 0; t < n; ++t) {
         HostTensor p = in[4 * t], m = in[4 * t + 2], v = in[4 * t + 3];
-        for (int64_t i = 0; i < p.numel(); ++i) {
-          const double g = in[4 * t + 1][i] * cfg.grad_scale;
-          m[i] = b1 * m[i] + (1 - b1) * g;
-          v[i] = b2 * v[i] + (1 - b2) * g * g;
-          const double mhat = m[i] / (1 - std::pow(b1, step)), vhat = v[i] / (1 - std::pow(b2, step));
-          p[i] = p[i] - cfg.lr * decays[t] * p[i] - cfg.lr * mhat / (std::sqrt(vhat) + cfg.eps);
-        }
+        adamw_reference(cfg, cfg.grad_scale, decays[t], in[4 * t + 1], p, m, v);
         HostTensor w = p, poison = p;
         for (double& x : w.v) x = as_bf16(x);
         for (double& x : poison.v) x = 1e4;
@@ -1914,17 +1907,10 @@ void add_step_stats_cases(std::vector<OpCase>& cases, Rng& rng) {
     };
     c.reference = [cfg, n, norm](const HostTensors& in) {
       HostTensors out;
-      const double b1 = cfg.beta1, b2 = cfg.beta2, step = static_cast<double>(cfg.step);
       const double clip = norm > cfg.clip_max_norm ? cfg.clip_max_norm / norm : 1.0;
       for (size_t t = 0; t < n; ++t) {
         HostTensor p = in[4 * t], m = in[4 * t + 2], v = in[4 * t + 3];
-        for (int64_t i = 0; i < p.numel(); ++i) {
-          const double g = in[4 * t + 1][i] * cfg.grad_scale * clip;
-          m[i] = b1 * m[i] + (1 - b1) * g;
-          v[i] = b2 * v[i] + (1 - b2) * g * g;
-          const double mhat = m[i] / (1 - std::pow(b1, step)), vhat = v[i] / (1 - std::pow(b2, step));
-          p[i] = p[i] - cfg.lr * 0.1 * p[i] - cfg.lr * mhat / (std::sqrt(vhat) + cfg.eps);
-        }
+        adamw_reference(cfg, cfg.grad_scale * clip, 0.1, in[4 * t + 1], p, m, v);
         out.push_back(p);
         out.push_back(m);
         out.push_back(v);
