@@ -314,15 +314,23 @@ std::vector<std::vector<int64_t>> Model::end_step_with(const Ctx& c, const float
   return out;
 }
 
+namespace {
+// A tensor's length in Model's flat device buffers (gradients, working copies, split
+// masters' low halves): rounded up to 64 elements, so that every tensor in them starts
+// aligned for vectorised kernels (256 bytes in f32, 128 in 16-bit).
+int64_t padded_numel(int64_t n) {
+  constexpr int64_t kAlign = 64;
+  return (n + kAlign - 1) / kAlign * kAlign;
+}
+}  // namespace
+
 void Model::to_device(const Ctx& c, DType expert_grads) {
   if (!c.on_device()) return;
   TROUPE_CHECK(expert_grads == DType::kF32 || expert_grads == DType::kBF16,
                "Model::to_device: expert gradients must be f32 or bf16, not {}", dtype_name(expert_grads));
   std::vector<NamedParameter> params = parameters();
-  // Offsets rounded up to 64 elements (256 bytes) keep every gradient aligned for
-  // vectorised kernels; the gaps are zeroed with the rest by zero_grad (the bf16 buffer's
-  // are never written).
-  constexpr int64_t kAlign = 64;
+  // Offsets rounded up (padded_numel) keep every gradient aligned for vectorised kernels;
+  // the gaps are zeroed with the rest by zero_grad (the bf16 buffer's are never written).
   // The matrices' working copies (bf16 where activations are) share one buffer too, in
   // parameter order, so a layer's Q, K and V weights lie side by side (Attention's one
   // batched product), as their gradients do.
@@ -336,7 +344,7 @@ void Model::to_device(const Ctx& c, DType expert_grads) {
     int64_t& at = lo ? low_total : total;
     offsets.push_back(at);
     low.push_back(lo);
-    const int64_t padded = (p.param->numel() + kAlign - 1) / kAlign * kAlign;
+    const int64_t padded = padded_numel(p.param->numel());
     at += padded;
     work_offsets.push_back(work_total);
     if (has_work(*p.param)) work_total += padded;
@@ -385,11 +393,10 @@ int64_t Model::split_masters(const Ctx& c) {
     return prm.work.defined() && prm.work.dtype() == DType::kBF16 && !prm.reads_value &&
            !prm.work_lo.defined();
   };
-  constexpr int64_t kAlign = 64;  // as to_device's buffers: every half 128-byte aligned
   int64_t total = 0;
   std::vector<NamedParameter> params = parameters();
   for (const auto& p : params)
-    if (splits(*p.param)) total += (p.param->numel() + kAlign - 1) / kAlign * kAlign;
+    if (splits(*p.param)) total += padded_numel(p.param->numel());
   if (total == 0) return 0;
   master_lo_ = c.empty({total}, DType::kI16);
   int64_t at = 0, n = 0;
@@ -399,7 +406,7 @@ int64_t Model::split_masters(const Ctx& c) {
     prm.work_lo = master_lo_.narrow(0, at, prm.numel()).view(prm.value.shape());
     kernels::master_split(c.ex, prm.value, prm.work, prm.work_lo);
     prm.value_stale = false;
-    at += (prm.numel() + kAlign - 1) / kAlign * kAlign;
+    at += padded_numel(prm.numel());
     ++n;
   }
   return n;
