@@ -11,6 +11,8 @@ Attention::Attention(int64_t d_model, int64_t nh, int64_t nkv, int64_t dh, float
   wk.allocate({d_model, nkv * dh});
   wv.allocate({d_model, nkv * dh});
   wo.allocate({nh * dh, d_model});
+  // The backward writes each weight gradient on a step's first micro-batch (accumulate_grad).
+  wq.overwrites_grad = wk.overwrites_grad = wv.overwrites_grad = wo.overwrites_grad = true;
 }
 
 void Attention::init(uint64_t seed, const std::string& prefix, float std, float out_std) {
@@ -138,7 +140,7 @@ Tensor Attention::project_out_backward(const Ctx& c, const Tensor& dy, const Ten
   Tensor flat = out.view({t, out.size(2) * out.size(3)});
   Tensor dflat = c.empty(flat.shape());
   kernels::matmul_backward(c.ex, flat, wo.w(), dy, &dflat, nullptr);
-  kernels::matmul_backward(c.ex, flat, wo.w(), dy, nullptr, &wo.grad, false, false, /*accumulate=*/true);
+  kernels::matmul_backward(c.ex, flat, wo.w(), dy, nullptr, &wo.grad, false, false, wo.accumulate_grad());
   return dflat.view(out.shape());
 }
 
@@ -175,20 +177,22 @@ Tensor Attention::project_qkv_backward(const Ctx& c, const Tensor& x, const Tens
   Tensor dk2 = dk.view({t, n_kv_heads * head_dim});
   Tensor dv2 = dv.view({t, n_kv_heads * head_dim});
   Tensor dx = c.empty(x.shape());
-  // dx is written by the first product and accumulated by the other two; the weight
-  // gradients always accumulate (micro-batches), in one batched product x^T @ [dq, dk, dv]
-  // where the gradients and dq, dk, dv lie side by side.
+  // dx is written by the first product and accumulated by the other two. The weight
+  // gradients are written on a step's first micro-batch and added to after
+  // (accumulate_grad), in one batched product x^T @ [dq, dk, dv] where the gradients and
+  // dq, dk, dv lie side by side and the three agree on adding.
   kernels::matmul_backward(c.ex, x, wq.w(), dq2, &dx, nullptr);
   kernels::matmul_backward(c.ex, x, wk.w(), dk2, &dx, nullptr, false, false, true);
   kernels::matmul_backward(c.ex, x, wv.w(), dv2, &dx, nullptr, false, false, true);
-  const Tensor d3 = stacked3(dq2, dk2, dv2);
+  const bool add_q = wq.accumulate_grad(), add_k = wk.accumulate_grad(), add_v = wv.accumulate_grad();
+  const Tensor d3 = add_q == add_k && add_q == add_v ? stacked3(dq2, dk2, dv2) : Tensor();
   Tensor dw3 = d3.defined() ? stacked3(wq.grad, wk.grad, wv.grad) : Tensor();
   if (dw3.defined()) {
-    kernels::matmul(c.ex, x, d3, dw3, /*trans_a=*/true, false, 1.0f, 1.0f);
+    kernels::matmul(c.ex, x, d3, dw3, /*trans_a=*/true, false, 1.0f, add_q ? 1.0f : 0.0f);
   } else {
-    kernels::matmul_backward(c.ex, x, wq.w(), dq2, nullptr, &wq.grad, false, false, true);
-    kernels::matmul_backward(c.ex, x, wk.w(), dk2, nullptr, &wk.grad, false, false, true);
-    kernels::matmul_backward(c.ex, x, wv.w(), dv2, nullptr, &wv.grad, false, false, true);
+    kernels::matmul_backward(c.ex, x, wq.w(), dq2, nullptr, &wq.grad, false, false, add_q);
+    kernels::matmul_backward(c.ex, x, wk.w(), dk2, nullptr, &wk.grad, false, false, add_k);
+    kernels::matmul_backward(c.ex, x, wv.w(), dv2, nullptr, &wv.grad, false, false, add_v);
   }
   return dx;
 }

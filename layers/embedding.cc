@@ -28,6 +28,7 @@ void Embedding::backward(const Ctx& c, const Tensor& ids, const Tensor& dout) {
 
 RMSNorm::RMSNorm(int64_t dim, float eps_) : eps(eps_) {
   weight.allocate({dim}, /*with_decay=*/false);
+  weight.overwrites_grad = true;  // backward: accumulate_grad()
 }
 
 void RMSNorm::init() {
@@ -57,7 +58,7 @@ Tensor RMSNorm::forward_add(const Ctx& c, const Tensor& x, const Tensor& r, Tens
 
 Tensor RMSNorm::backward(const Ctx& c, const Tensor& dy, const Saved& s, const Tensor* dres) {
   Tensor dx = c.empty(s.x.shape());
-  kernels::rmsnorm_backward(c.ex, dy, s.x, weight.value, s.rstd, dx, weight.grad, /*accumulate_dw=*/true,
+  kernels::rmsnorm_backward(c.ex, dy, s.x, weight.value, s.rstd, dx, weight.grad, weight.accumulate_grad(),
                             dres);
   return dx;
 }

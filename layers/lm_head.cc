@@ -9,6 +9,7 @@ LMHead::LMHead(int64_t vocab, int64_t d_model, float eps, Parameter* tied_to, in
     : norm(d_model, eps), weight(tied_to), tied(tied_to != nullptr), chunk_rows_(chunk_rows) {
   if (!tied) {
     own_.allocate({vocab, d_model});
+    own_.overwrites_grad = true;  // the first chunk of a step's first micro-batch writes it
     weight = &own_;
   }
 }
@@ -33,8 +34,11 @@ Tensor LMHead::forward_backward_losses(const Ctx& c, const Tensor& x, const Tens
   RMSNorm::Saved ns;
   Tensor xn = norm.forward(c, x, ns);
   const int64_t t = x.size(0), v = weight->value.size(0);
-  Tensor dxn = c.zeros(x.shape());
+  Tensor dxn = c.empty(x.shape());
   Tensor losses = c.empty({t}, DType::kF32);
+  // The weight gradient is written by the first chunk where accumulate_grad says so (a
+  // step's first micro-batch, untied), then added to; each chunk writes its rows of dxn.
+  bool add_w = weight->accumulate_grad();
   for (int64_t r0 = 0; r0 < t; r0 += chunk_rows_) {
     const int64_t n = std::min(chunk_rows_, t - r0);
     Tensor xc = xn.narrow(0, r0, n);
@@ -44,9 +48,9 @@ Tensor LMHead::forward_backward_losses(const Ctx& c, const Tensor& x, const Tens
     Tensor lc = losses.narrow(0, r0, n), lse = c.empty({n}, DType::kF32);
     kernels::cross_entropy_forward_backward(c.ex, logits, tc, grad_scale, lc, lse, logits);  // in place
     Tensor dxc = dxn.narrow(0, r0, n);
-    // dxn starts at zero, so accumulating into it writes this chunk's gradient.
-    kernels::matmul_backward(c.ex, xc, weight->w(), logits, &dxc, &weight->grad, false, true,
-                             /*accumulate=*/true);
+    kernels::matmul_backward(c.ex, xc, weight->w(), logits, &dxc, nullptr, false, true);
+    kernels::matmul_backward(c.ex, xc, weight->w(), logits, nullptr, &weight->grad, false, true, add_w);
+    add_w = true;
   }
   dx = norm.backward(c, dxn, ns);
   return losses;

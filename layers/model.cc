@@ -8,6 +8,16 @@
 
 namespace troupe::layers {
 
+namespace {
+// A tensor's length in Model's flat device buffers (gradients, working copies, split
+// masters' low halves): rounded up to 64 elements, so that every tensor in them starts
+// aligned for vectorised kernels (256 bytes in f32, 128 in 16-bit).
+int64_t padded_numel(int64_t n) {
+  constexpr int64_t kAlign = 64;
+  return (n + kAlign - 1) / kAlign * kAlign;
+}
+}  // namespace
+
 Model::Model(const ModelConfig& cfg, uint64_t seed) : embedding(cfg.vocab_size, cfg.d_model), cfg_(cfg) {
   const Status st = cfg.validate();
   TROUPE_CHECK(st.ok(), "invalid model config: {}", st.to_string());
@@ -136,9 +146,10 @@ std::vector<float> Model::last_logits(const Ctx& c, const Tensor& ids_in) {
 }
 
 void Model::zero_grad(const Ctx& c) {
-  // Gradients that their backward overwrites (the experts' and MLPs' matrices: most of an
-  // MoE model's gradient bytes) are only marked stale; clearing them would cost a pass
-  // over memory and make the first micro-batch's products read zeros back to add to.
+  // Gradients that their backward overwrites (every parameter but the embedding, whose
+  // backward adds rows by token) are only marked stale; clearing them
+  // would cost a pass over memory and make the first micro-batch's products read zeros
+  // back to add to.
   std::vector<NamedParameter> params = parameters();
   for (auto& p : params) {
     p.param->grad_stale = p.param->overwrites_grad;
@@ -149,17 +160,29 @@ void Model::zero_grad(const Ctx& c) {
       if (!p.param->grad_stale) kernels::fill(c.ex, p.param->grad, 0.0f);
     return;
   }
-  // The flat buffer: one fill per run between stale gradients (padding included); a bf16
-  // gradient (to_device's expert_grads) on its own.
-  std::vector<NamedParameter> stale;
+  // The flat buffer: one fill per run of gradients that their products add to (padding
+  // between them included; the padding elsewhere was zeroed at allocation and nothing
+  // writes it); a bf16 gradient (to_device's expert_grads) on its own.
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // [begin, padded end) element ranges
+  const auto* base = static_cast<const char*>(flat_grads_.data_ptr());
   for (auto& p : params) {
-    if (p.param->grad_stale) {
-      stale.push_back(p);
-    } else if (!in_flat_grads(*p.param)) {
+    if (p.param->grad_stale) continue;
+    if (!in_flat_grads(*p.param)) {
       kernels::fill(c.ex, p.param->grad, 0.0f);
+      continue;
     }
+    const int64_t begin = (static_cast<const char*>(p.param->grad.data_ptr()) - base) / 4;
+    ranges.emplace_back(begin, std::min(begin + padded_numel(p.param->numel()), flat_grads_.numel()));
   }
-  for (Tensor& run : flat_runs_outside(stale)) kernels::fill(c.ex, run, 0.0f);
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 0; i < ranges.size();) {
+    int64_t end = ranges[i].second;
+    size_t j = i + 1;
+    for (; j < ranges.size() && ranges[j].first <= end; ++j) end = std::max(end, ranges[j].second);
+    Tensor run = flat_grads_.narrow(0, ranges[i].first, end - ranges[i].first);
+    kernels::fill(c.ex, run, 0.0f);
+    i = j;
+  }
 }
 
 bool Model::in_flat_grads(const Parameter& p) const {
@@ -313,16 +336,6 @@ std::vector<std::vector<int64_t>> Model::end_step_with(const Ctx& c, const float
   }
   return out;
 }
-
-namespace {
-// A tensor's length in Model's flat device buffers (gradients, working copies, split
-// masters' low halves): rounded up to 64 elements, so that every tensor in them starts
-// aligned for vectorised kernels (256 bytes in f32, 128 in 16-bit).
-int64_t padded_numel(int64_t n) {
-  constexpr int64_t kAlign = 64;
-  return (n + kAlign - 1) / kAlign * kAlign;
-}
-}  // namespace
 
 void Model::to_device(const Ctx& c, DType expert_grads) {
   if (!c.on_device()) return;

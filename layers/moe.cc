@@ -23,6 +23,7 @@ std::vector<float> host_floats(const Tensor& t) { return t.to_floats(); }
 
 Router::Router(int64_t d_model, const MoEConfig& c) : cfg(c) {
   weight.allocate({d_model, c.num_experts});
+  weight.overwrites_grad = true;  // backward: accumulate_grad()
   bias = Tensor::zeros({c.num_experts}, DType::kF32);
 }
 
@@ -214,7 +215,16 @@ void Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, float 
     kernels::cast(c.ex, dlogits, dl);
   }
   TROUPE_CHECK(dx.shape() == s.x.shape(), "Router::backward: dx {} for x {}", dx.describe(), s.x.describe());
-  kernels::matmul_backward(c.ex, s.x, weight.w(), dl, &dx, &weight.grad, false, false, /*accumulate=*/true);
+  // dx adds to the experts' input gradient; the weight gradient is written on a step's
+  // first micro-batch (accumulate_grad).
+  const bool add_w = weight.accumulate_grad();
+  if (add_w) {
+    kernels::matmul_backward(c.ex, s.x, weight.w(), dl, &dx, &weight.grad, false, false, /*accumulate=*/true);
+  } else {
+    kernels::matmul_backward(c.ex, s.x, weight.w(), dl, &dx, nullptr, false, false, /*accumulate=*/true);
+    kernels::matmul_backward(c.ex, s.x, weight.w(), dl, nullptr, &weight.grad, false, false,
+                             /*accumulate=*/false);
+  }
 }
 
 // ---- LocalExpertDispatch ---------------------------------------------------------------

@@ -587,13 +587,17 @@ TEST(Model, FullModelGradientAndAccumulation) {
   }
 }
 
-// zero_grad leaves the gradients that backward overwrites (experts, MLPs) stale instead of
-// clearing them: stale values (NaN here) never reach a step's gradients, whether a
-// micro-batch writes them, a second one adds to them, or an expert gets no token at all.
-TEST(Model, StaleGradientsNeverLeakIntoTheStep) {
+// zero_grad leaves the gradients that backward overwrites (all but the embedding's) stale
+// instead of clearing them: stale values (NaN here) never reach a step's gradients,
+// whether a micro-batch writes them, a second one adds to them, or an expert gets no token
+// at all; and what the products write equals what they add to cleared gradients.
+void stale_gradients_case(bool tied) {
   ModelConfig cfg = small_model();
   cfg.moe.num_experts = 8;  // 3 tokens x top-2 over 8 experts: some experts get no token
-  Model fresh(cfg, 73), reused(cfg, 73);
+  cfg.tie_embeddings = tied;
+  Model fresh(cfg, 73), reused(cfg, 73), cleared(cfg, 73);
+  // `cleared` writes no gradient: zero_grad clears them all and every product adds.
+  for (auto& p : cleared.parameters()) p.param->overwrites_grad = false;
   std::mt19937 rng(74);
   std::vector<int32_t> ids(3), tg(3);
   for (auto& v : ids) v = static_cast<int32_t>(rng() % 23);
@@ -620,12 +624,21 @@ TEST(Model, StaleGradientsNeverLeakIntoTheStep) {
       EXPECT_EQ(p.param->grad.to_floats(), std::vector<float>(p.param->numel(), 0.0f)) << p.name;
     }
   }
-  EXPECT_EQ(stale, 6);  // w1 and w2 of block 0's MLP and of the experts of MoE blocks 1 and 2
+  // w1 and w2 of block 0's MLP and of the experts of MoE blocks 1 and 2 (6), the attention's
+  // four matrices (12) and two norms (6) of each of the 3 blocks, the 2 routers, the final
+  // norm, and the LM head's own matrix where it is untied.
+  EXPECT_EQ(stale, tied ? 27 : 28);
   reused.forward_backward(kC, tids, ttg, 1.0f);
-  auto pf = fresh.parameters(), pr = reused.parameters();
+  poison(cleared);
+  cleared.zero_grad(kC);
+  cleared.forward_backward(kC, tids, ttg, 1.0f);
+  auto pf = fresh.parameters(), pr = reused.parameters(), pc = cleared.parameters();
+  ASSERT_EQ(pf.size(), pc.size());
   for (size_t i = 0; i < pf.size(); ++i) {
     EXPECT_FALSE(pr[i].param->grad_stale) << pr[i].name;
     EXPECT_EQ(pr[i].param->grad.to_floats(), pf[i].param->grad.to_floats()) << pr[i].name;
+    // Written, or added to zeros: the same values.
+    EXPECT_EQ(pc[i].param->grad.to_floats(), pf[i].param->grad.to_floats()) << pc[i].name;
   }
   // Two half-weight micro-batches after stale values: the first writes, the second adds.
   poison(reused);
@@ -636,6 +649,13 @@ TEST(Model, StaleGradientsNeverLeakIntoTheStep) {
     const auto want = pf[i].param->grad.to_floats(), got = pr[i].param->grad.to_floats();
     for (size_t j = 0; j < want.size(); ++j)
       ASSERT_NEAR(got[j], want[j], 1e-6 + 1e-5 * std::abs(want[j])) << pr[i].name << " element " << j;
+  }
+}
+
+TEST(Model, StaleGradientsNeverLeakIntoTheStep) {
+  for (const bool tied : {true, false}) {
+    SCOPED_TRACE(tied ? "LM head tied to the embedding" : "LM head untied");
+    stale_gradients_case(tied);
   }
 }
 
