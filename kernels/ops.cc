@@ -412,13 +412,7 @@ void rmsnorm_backward(const Exec& ex, const Tensor& dy, const Tensor& x, const T
   OP_FLOAT(c, dw);
   OP_DTYPE(c, rstd, DType::kF32);
   OP_RANK(c, x, 2);
-  if (dy.dim() == 3) {  // parts of the gradient, summed
-    OP_SHAPE(c, dy, {dy.size(0), x.size(0), x.size(1)});
-    TROUPE_CHECK(dy.size(0) >= 1 && dy.size(0) <= 3, "rmsnorm_backward: dy {} has {} parts, want 1 to 3",
-                 dy.describe(), dy.size(0));
-  } else {
-    OP_SHAPE(c, dy, x.shape());
-  }
+  OP_SHAPE(c, dy, x.shape());
   OP_SHAPE(c, dx, x.shape());
   OP_SHAPE(c, w, {x.size(1)});
   OP_SHAPE(c, dw, {x.size(1)});

@@ -100,8 +100,6 @@ void rmsnorm_add_forward(const Exec& ex, const Tensor& x, const Tensor& r, const
 // dres (optional, the shape and dtype of dx; dx may alias it): dx = the norm's input
 // gradient + dres, summed in f32 and rounded once (add after the unfused backward rounds
 // twice in bf16), which is a pre-norm block's residual gradient.
-// dy [T,D], or [P,T,D] with P of 1 to 3: the output gradient is the parts' sum, in f32 and
-// in order (Attention's input gradient as its three products left it).
 void rmsnorm_backward(const Exec& ex, const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw, bool accumulate_dw = false, const Tensor* dres = nullptr);
 

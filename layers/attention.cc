@@ -165,7 +165,7 @@ void Attention::core_backward(const Ctx& c, const Tensor& q, const Tensor& k, co
 }
 
 Tensor Attention::project_qkv_backward(const Ctx& c, const Tensor& x, const Tensor& pos, Tensor& dq,
-                                       Tensor& dk, Tensor& dv, bool rope_undone, bool dx_parts) {
+                                       Tensor& dk, Tensor& dv, bool rope_undone) {
   const int64_t t = x.size(0);
   Tensor dq3 = dq.view({t, n_heads, head_dim});
   Tensor dk3 = dk.view({t, n_kv_heads, head_dim});
@@ -176,26 +176,16 @@ Tensor Attention::project_qkv_backward(const Ctx& c, const Tensor& x, const Tens
   Tensor dq2 = dq.view({t, n_heads * head_dim});
   Tensor dk2 = dk.view({t, n_kv_heads * head_dim});
   Tensor dv2 = dv.view({t, n_kv_heads * head_dim});
-  // dx: with dx_parts, and where the weights and dq, dk, dv lie side by side, the three
-  // parts [dq, dk, dv] @ [wq, wk, wv]^T of one batched product; else written by the first
-  // product and accumulated by the other two. The weight gradients are written on a
-  // step's first micro-batch and added to after (accumulate_grad), in one batched product
-  // x^T @ [dq, dk, dv] where the gradients and dq, dk, dv lie side by side and the three
-  // agree on adding.
-  const Tensor d3s = stacked3(dq2, dk2, dv2);
-  const Tensor w3 = dx_parts && d3s.defined() ? stacked3(wq.w(), wk.w(), wv.w()) : Tensor();
-  Tensor dx;
-  if (w3.defined()) {
-    dx = c.empty({3, t, x.size(1)});
-    kernels::matmul(c.ex, d3s, w3, dx, false, /*trans_b=*/true);
-  } else {
-    dx = c.empty(x.shape());
-    kernels::matmul_backward(c.ex, x, wq.w(), dq2, &dx, nullptr);
-    kernels::matmul_backward(c.ex, x, wk.w(), dk2, &dx, nullptr, false, false, true);
-    kernels::matmul_backward(c.ex, x, wv.w(), dv2, &dx, nullptr, false, false, true);
-  }
+  Tensor dx = c.empty(x.shape());
+  // dx is written by the first product and accumulated by the other two. The weight
+  // gradients are written on a step's first micro-batch and added to after
+  // (accumulate_grad), in one batched product x^T @ [dq, dk, dv] where the gradients and
+  // dq, dk, dv lie side by side and the three agree on adding.
+  kernels::matmul_backward(c.ex, x, wq.w(), dq2, &dx, nullptr);
+  kernels::matmul_backward(c.ex, x, wk.w(), dk2, &dx, nullptr, false, false, true);
+  kernels::matmul_backward(c.ex, x, wv.w(), dv2, &dx, nullptr, false, false, true);
   const bool add_q = wq.accumulate_grad(), add_k = wk.accumulate_grad(), add_v = wv.accumulate_grad();
-  const Tensor d3 = add_q == add_k && add_q == add_v ? d3s : Tensor();
+  const Tensor d3 = add_q == add_k && add_q == add_v ? stacked3(dq2, dk2, dv2) : Tensor();
   Tensor dw3 = d3.defined() ? stacked3(wq.grad, wk.grad, wv.grad) : Tensor();
   if (dw3.defined()) {
     kernels::matmul(c.ex, x, d3, dw3, /*trans_a=*/true, false, 1.0f, add_q ? 1.0f : 0.0f);
@@ -207,11 +197,11 @@ Tensor Attention::project_qkv_backward(const Ctx& c, const Tensor& x, const Tens
   return dx;
 }
 
-Tensor Attention::backward(const Ctx& c, const Tensor& dy, const Saved& s, bool dx_parts) {
+Tensor Attention::backward(const Ctx& c, const Tensor& dy, const Saved& s) {
   Tensor dout = project_out_backward(c, dy, s.out);
   Tensor dq, dk, dv;
   core_backward(c, s.q, s.k, s.v, s.out, s.lse, dout, dq, dk, dv, &s.pos);  // RoPE undone in it
-  return project_qkv_backward(c, s.x, s.pos, dq, dk, dv, /*rope_undone=*/true, dx_parts);
+  return project_qkv_backward(c, s.x, s.pos, dq, dk, dv, /*rope_undone=*/true);
 }
 
 }  // namespace troupe::layers

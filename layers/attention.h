@@ -29,10 +29,8 @@ class Attention {
 
   // x [B*S, D] -> [B*S, D].
   Tensor forward(const Ctx& c, const Tensor& x, int64_t batch, int64_t seq, Saved& s) const;
-  // Returns dx; writes or adds the weight gradients (Parameter::accumulate_grad). With
-  // dx_parts, dx may come back as [3, B*S, D]: the Q, K and V products' parts of it, for a
-  // caller that sums them in its own pass (RMSNorm::backward), two products fewer.
-  Tensor backward(const Ctx& c, const Tensor& dy, const Saved& s, bool dx_parts = false);
+  // Returns dx; accumulates the weight gradients.
+  Tensor backward(const Ctx& c, const Tensor& dy, const Saved& s);
 
   // The separable steps. positions: i32 [T] (position of each token in its sequence).
   // qk_positions (optional): i32 [2T], positions then positions again. Where q and k have
@@ -49,9 +47,9 @@ class Attention {
                      const Tensor& lse, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
                      const Tensor* positions = nullptr) const;
   // dq, dk, dv are consumed (RoPE is undone in place unless rope_undone: core_backward did
-  // it); returns dx, or with dx_parts possibly its three parts (see backward).
+  // it); returns dx.
   Tensor project_qkv_backward(const Ctx& c, const Tensor& x, const Tensor& positions, Tensor& dq, Tensor& dk,
-                              Tensor& dv, bool rope_undone = false, bool dx_parts = false);
+                              Tensor& dv, bool rope_undone = false);
 
   static Tensor positions(int64_t batch, int64_t seq);  // host i32 [B*S]: t % seq
   // positions() on the Exec's device, cached (uploaded again only when the shape changes;

@@ -55,8 +55,7 @@ Tensor Block::backward(const Ctx& c, const Tensor& dy, Saved& s, float loss_weig
   Tensor dn2 = moe ? moe->backward(c, dy, s.moe, loss_weight) : mlp->backward(c, dy, s.mlp);
   // The residual branches' gradients join in the norms' passes.
   Tensor dh = norm2.backward(c, dn2, s.norm2, &dy);
-  // dn1 possibly as the Q, K and V products' three parts, which the norm sums.
-  Tensor dn1 = attn.backward(c, dh, s.attn, /*dx_parts=*/true);
+  Tensor dn1 = attn.backward(c, dh, s.attn);
   return norm1.backward(c, dn1, s.norm1, &dh);
 }
 

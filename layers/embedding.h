@@ -39,7 +39,6 @@ class RMSNorm {
   Tensor forward_add(const Ctx& c, const Tensor& x, const Tensor& r, Tensor& h, Saved& s) const;
   // Returns dx (+ dres when given: the residual branch's gradient, added in the same
   // pass); accumulates weight.grad.
-  // dy [T, D], or [P, T, D]: parts that the gradient sums (kernels::rmsnorm_backward).
   Tensor backward(const Ctx& c, const Tensor& dy, const Saved& s, const Tensor* dres = nullptr);
 
   Parameter weight;  // [D]

@@ -3,7 +3,6 @@
 #include <cmath>
 #include <limits>
 #include <optional>
-#include <vector>
 
 #include "kernels/cpu/cpu_ops.h"
 
@@ -37,16 +36,6 @@ void rmsnorm_backward(const Exec&, const Tensor& dy, const Tensor& x, const Tens
                       Tensor& dx, Tensor& dw, bool accumulate_dw, const Tensor* dres) {
   const int64_t rows = x.size(0), dim = x.size(1);
   F32In pdy(dy), px(x), pw(w), pr(rstd);
-  // dy [P, rows, dim]: the parts summed in f32, in order.
-  const int64_t parts = dy.dim() == 3 ? dy.size(0) : 1;
-  std::vector<float> dy_sum;
-  if (parts > 1) {
-    dy_sum.assign(pdy.get(), pdy.get() + rows * dim);
-    for (int64_t p = 1; p < parts; ++p)
-      for (int64_t i = 0; i < rows * dim; ++i)
-        dy_sum[static_cast<size_t>(i)] += pdy.get()[p * rows * dim + i];
-  }
-  const float* dy0 = parts > 1 ? dy_sum.data() : pdy.get();
   // dres is read whole before dx's view is written back (dx may alias it).
   std::optional<F32In> pres;
   if (dres != nullptr) pres.emplace(*dres);
@@ -54,7 +43,7 @@ void rmsnorm_backward(const Exec&, const Tensor& dy, const Tensor& x, const Tens
   std::vector<double> dw_acc(static_cast<size_t>(dim), 0.0);
   for (int64_t t = 0; t < rows; ++t) {
     const float* xr = px.get() + t * dim;
-    const float* dyr = dy0 + t * dim;
+    const float* dyr = pdy.get() + t * dim;
     const float r = pr[t];
     double gx = 0.0;
     for (int64_t d = 0; d < dim; ++d) gx += static_cast<double>(dyr[d]) * pw[d] * xr[d];

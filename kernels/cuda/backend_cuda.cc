@@ -277,11 +277,9 @@ void cuda_rmsnorm_backward(const Exec& ex, const Tensor& dy, const Tensor& x, co
     require_dtype(*dres, x.dtype(), op, "dres");
   }
   const int64_t d = x.size(-1), rows = d == 0 ? 0 : x.numel() / d;
-  const int dy_parts =
-      dy.dim() == x.dim() + 1 ? static_cast<int>(dy.size(0)) : 1;  // ops.cc checked the shape
   Scratch scratch(s.ctx, gpu::rmsnorm_backward_scratch_bytes(s.env, rows, d));
-  gpu::launch_rmsnorm_backward(s.env, dy.data_ptr(), dy_parts, x.data_ptr(), x.dtype(), w.data_ptr(),
-                               w.dtype(), f32(rstd), rows, d, dres != nullptr ? dres->data_ptr() : nullptr,
+  gpu::launch_rmsnorm_backward(s.env, dy.data_ptr(), x.data_ptr(), x.dtype(), w.data_ptr(), w.dtype(),
+                               f32(rstd), rows, d, dres != nullptr ? dres->data_ptr() : nullptr,
                                dx.data_ptr(), dw.data_ptr(), dw.dtype(), accumulate_dw, scratch.get());
 }
 

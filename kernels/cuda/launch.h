@@ -100,12 +100,10 @@ void launch_dequantize_fp8(const Env& env, const void* q, DType qt, const float*
 void launch_rmsnorm_forward(const Env& env, const void* x, const void* r, DType xt, const void* w, DType wt,
                             float eps, int64_t rows, int64_t d, void* h, void* y, float* rstd);
 size_t rmsnorm_backward_scratch_bytes(const Env& env, int64_t rows, int64_t d);
-// dres (null: none) is added to dx (which may alias it). dy holds dy_parts (1-3) parts of
-// [rows, d] one after another, which the gradient sums.
-void launch_rmsnorm_backward(const Env& env, const void* dy, int dy_parts, const void* x, DType xt,
-                             const void* w, DType wt, const float* rstd, int64_t rows, int64_t d,
-                             const void* dres, void* dx, void* dw, DType dwt, bool accumulate_dw,
-                             void* scratch);
+// dres (null: none) is added to dx (which may alias it).
+void launch_rmsnorm_backward(const Env& env, const void* dy, const void* x, DType xt, const void* w, DType wt,
+                             const float* rstd, int64_t rows, int64_t d, const void* dres, void* dx, void* dw,
+                             DType dwt, bool accumulate_dw, void* scratch);
 // x, out [T,H,Dh] (dtype t); inverse = true applies the backward (inverse) rotation.
 void launch_rope(const Env& env, const void* x, const int32_t* pos, float theta, int64_t tokens, int64_t heads,
                  int64_t head_dim, void* out, DType t, bool inverse);

@@ -127,27 +127,13 @@ __global__ void __launch_bounds__(128, C == 1 ? 16 : 1)
   }
 }
 
-// dy's `parts` parts (part_stride elements apart) summed in f32, in order, as the
-// gradient of one row chunk.
-template <int V, typename X>
-__device__ __forceinline__ void load_dy_parts(const X* dy, int parts, int64_t part_stride, float (&g)[V]) {
-  load_floats<V>(dy, g);
-  for (int p = 1; p < parts; ++p) {
-    float q[V];
-    load_floats<V>(dy + p * part_stride, q);
-#pragma unroll
-    for (int j = 0; j < V; ++j) g[j] += q[j];
-  }
-}
-
 // Block b handles rows b, b + grid, ...; its dw partial for every column is kept in
 // shared memory (each thread owns the same columns in every row) and written to
 // partial[b, :] at the end.
 // dres (optional; dx may alias it) is added to dx in f32 before its one rounding.
 template <int V, typename X, typename W>
-__global__ void rmsnorm_backward_kernel(const X* dy, int parts, int64_t part_stride, const X* x, const W* w,
-                                        const float* rstd, int64_t rows, int64_t d, const X* dres, X* dx,
-                                        float* partial) {
+__global__ void rmsnorm_backward_kernel(const X* dy, const X* x, const W* w, const float* rstd, int64_t rows,
+                                        int64_t d, const X* dres, X* dx, float* partial) {
   pdl_wait();
   extern __shared__ float dw_acc[];
   __shared__ float shared[32];
@@ -162,7 +148,7 @@ __global__ void rmsnorm_backward_kernel(const X* dy, int parts, int64_t part_str
     for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
       float xv[V], gv[V], wv[V];
       load_floats<V>(xr + c, xv);
-      load_dy_parts<V>(dyr + c, parts, part_stride, gv);
+      load_floats<V>(dyr + c, gv);
       load_floats<V>(w + c, wv);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
@@ -175,7 +161,7 @@ __global__ void rmsnorm_backward_kernel(const X* dy, int parts, int64_t part_str
     for (int64_t c = int64_t{threadIdx.x} * V; c < d; c += int64_t{blockDim.x} * V) {
       float xv[V], gv[V], wv[V];
       load_floats<V>(xr + c, xv);
-      load_dy_parts<V>(dyr + c, parts, part_stride, gv);
+      load_floats<V>(dyr + c, gv);
       load_floats<V>(w + c, wv);
 #pragma unroll
       for (int j = 0; j < V; ++j) gv[j] = r * (gv[j] * wv[j] - xv[j] * k);
@@ -203,14 +189,11 @@ __global__ void rmsnorm_backward_kernel(const X* dy, int parts, int64_t part_str
 // of copy bandwidth on bench_1b's rows); the arithmetic is the same, in the same order.
 // For one chunk, eight blocks of 128 threads an SM (rmsnorm_backward_blocks' grid in one
 // wave) bound the registers to 64 a thread.
-// With NP > 1, dy has NP parts (part_stride elements apart) that the row's gradient sums,
-// in f32 and in order, as they are loaded (Attention's three input-gradient products).
-template <int V, int C, int NP, typename X, typename W>
+template <int V, int C, typename X, typename W>
 __global__ void __launch_bounds__(128, C == 1 ? 8 : 1)
-    rmsnorm_backward_regs_kernel(const X* dy, int64_t part_stride, const X* x, const W* w, const float* rstd,
-                                 int64_t rows, int64_t d, const X* dres, X* dx, float* partial) {
+    rmsnorm_backward_regs_kernel(const X* dy, const X* x, const W* w, const float* rstd, int64_t rows,
+                                 int64_t d, const X* dres, X* dx, float* partial) {
   using P = Pack<X, V>;
-  static_assert(NP >= 1 && NP <= 3, "one to three parts of dy");
   pdl_wait();
   __shared__ float shared[32];
   float wv[C][V], acc[C][V];
@@ -221,47 +204,26 @@ __global__ void __launch_bounds__(128, C == 1 ? 8 : 1)
     for (int j = 0; j < V; ++j) acc[k][j] = 0.0f;
   }
   const float inv_d = 1.0f / static_cast<float>(d);
-  P nx[C], ng[C][NP];  // the next row's x and dy (each part), as loaded
+  P nx[C], ng[C];  // the next row's x and dy, as loaded
   float nr = 0.0f;
   const auto fetch = [&](int64_t row) {
 #pragma unroll
     for (int k = 0; k < C; ++k) {
       const int64_t c = row * d + (int64_t{k} * blockDim.x + threadIdx.x) * V;
       nx[k] = *reinterpret_cast<const P*>(x + c);
-#pragma unroll
-      for (int p = 0; p < NP; ++p) ng[k][p] = *reinterpret_cast<const P*>(dy + p * part_stride + c);
+      ng[k] = *reinterpret_cast<const P*>(dy + c);
     }
     nr = rstd[row];
   };
   if (blockIdx.x < rows) fetch(blockIdx.x);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const float r = nr;
-    P xv[C];  // this row's x, as loaded (converted where used: fewer registers)
-    // dy: one part as loaded, or the parts' sum in f32
-    using G = std::conditional_t<NP == 1, P, float[V]>;
-    G gv[C];
+    P xv[C], gv[C];  // this row's, as loaded (converted where used: fewer registers)
 #pragma unroll
     for (int k = 0; k < C; ++k) {
       xv[k] = nx[k];
-      if constexpr (NP == 1) {
-        gv[k] = ng[k][0];
-      } else {
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          float g = to_float(ng[k][0].v[j]);
-#pragma unroll
-          for (int p = 1; p < NP; ++p) g += to_float(ng[k][p].v[j]);
-          gv[k][j] = g;
-        }
-      }
+      gv[k] = ng[k];
     }
-    const auto grad = [&](int k, int j) {
-      if constexpr (NP == 1) {
-        return to_float(gv[k].v[j]);
-      } else {
-        return gv[k][j];
-      }
-    };
     P rv[C];
     if (dres != nullptr) {
 #pragma unroll
@@ -274,7 +236,7 @@ __global__ void __launch_bounds__(128, C == 1 ? 8 : 1)
     for (int k = 0; k < C; ++k) {
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const float g = grad(k, j), xj = to_float(xv[k].v[j]);
+        const float g = to_float(gv[k].v[j]), xj = to_float(xv[k].v[j]);
         dot += g * wv[k][j] * xj;
         acc[k][j] += g * xj * r;
       }
@@ -286,7 +248,7 @@ __global__ void __launch_bounds__(128, C == 1 ? 8 : 1)
       const int64_t c = row * d + (int64_t{k} * blockDim.x + threadIdx.x) * V;
       float o[V];
 #pragma unroll
-      for (int j = 0; j < V; ++j) o[j] = r * (grad(k, j) * wv[k][j] - to_float(xv[k].v[j]) * kk);
+      for (int j = 0; j < V; ++j) o[j] = r * (to_float(gv[k].v[j]) * wv[k][j] - to_float(xv[k].v[j]) * kk);
       if (dres != nullptr) {
         // __fadd_rn is never contracted with the product above into an fma, so with f32 dx
         // the sum is the unfused add's of the stored gradient, bit for bit.
@@ -352,12 +314,9 @@ size_t rmsnorm_backward_scratch_bytes(const Env& env, int64_t rows, int64_t d) {
   return static_cast<size_t>(rmsnorm_backward_blocks(env, rows) * d) * sizeof(float);
 }
 
-void launch_rmsnorm_backward(const Env& env, const void* dy, int dy_parts, const void* x, DType xt,
-                             const void* w, DType wt, const float* rstd, int64_t rows, int64_t d,
-                             const void* dres, void* dx, void* dw, DType dwt, bool accumulate_dw,
-                             void* scratch) {
-  TROUPE_CHECK(dy_parts >= 1 && dy_parts <= 3,
-               "rmsnorm_backward on cuda sums one to three parts of dy, got {}", dy_parts);
+void launch_rmsnorm_backward(const Env& env, const void* dy, const void* x, DType xt, const void* w, DType wt,
+                             const float* rstd, int64_t rows, int64_t d, const void* dres, void* dx, void* dw,
+                             DType dwt, bool accumulate_dw, void* scratch) {
   const size_t smem = static_cast<size_t>(d) * sizeof(float);
   TROUPE_CHECK(smem <= 200 * 1024, "rmsnorm_backward on cuda supports rows of at most 51200 elements, got {}",
                d);
@@ -375,23 +334,19 @@ void launch_rmsnorm_backward(const Env& env, const void* dy, int dy_parts, const
           auto* dxp = static_cast<X*>(dx);
           constexpr int64_t kSweep = 128 * kVec;  // a block's elements per chunk
           const int64_t chunks = vec && d % kSweep == 0 ? d / kSweep : 0;
-          const int64_t part_stride = rows * d;
-          if (chunks >= 1 && chunks <= 4 && dy_parts == 1) {
-            auto kernel = chunks == 1   ? rmsnorm_backward_regs_kernel<kVec, 1, 1, X, W>
-                          : chunks == 2 ? rmsnorm_backward_regs_kernel<kVec, 2, 1, X, W>
-                          : chunks == 3 ? rmsnorm_backward_regs_kernel<kVec, 3, 1, X, W>
-                                        : rmsnorm_backward_regs_kernel<kVec, 4, 1, X, W>;
-            launch(env, kernel, static_cast<unsigned>(blocks), 128, 0, dyp, part_stride, xp, wp, rstd, rows,
-                   d, rp, dxp, partial);
-          } else if (chunks == 1 && dy_parts == 3) {  // Attention's three input-gradient products
-            launch(env, rmsnorm_backward_regs_kernel<kVec, 1, 3, X, W>, static_cast<unsigned>(blocks), 128, 0,
-                   dyp, part_stride, xp, wp, rstd, rows, d, rp, dxp, partial);
+          if (chunks >= 1 && chunks <= 4) {
+            auto kernel = chunks == 1   ? rmsnorm_backward_regs_kernel<kVec, 1, X, W>
+                          : chunks == 2 ? rmsnorm_backward_regs_kernel<kVec, 2, X, W>
+                          : chunks == 3 ? rmsnorm_backward_regs_kernel<kVec, 3, X, W>
+                                        : rmsnorm_backward_regs_kernel<kVec, 4, X, W>;
+            launch(env, kernel, static_cast<unsigned>(blocks), 128, 0, dyp, xp, wp, rstd, rows, d, rp, dxp,
+                   partial);
           } else {
             auto kernel = vec ? rmsnorm_backward_kernel<kVec, X, W> : rmsnorm_backward_kernel<1, X, W>;
             CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem)));
-            launch(env, kernel, static_cast<unsigned>(blocks), vec ? 128 : 256, smem, dyp, dy_parts,
-                   part_stride, xp, wp, rstd, rows, d, rp, dxp, partial);
+            launch(env, kernel, static_cast<unsigned>(blocks), vec ? 128 : 256, smem, dyp, xp, wp, rstd, rows,
+                   d, rp, dxp, partial);
           }
         }));
     TROUPE_CUDA_LAUNCH_CHECK();

@@ -712,48 +712,6 @@ void add_rmsnorm_cases(std::vector<OpCase>& cases, Rng& rng) {
   }
 }
 
-// rmsnorm_backward with dy in parts ([P, t, d], which the gradient sums): the forward
-// returns y P times, so the loss sum_p dot(dy_p, y) has dy = sum_p dy_p, and a part left
-// out or counted twice fails the reference and the finite differences. d = 1024 with 3
-// parts takes CUDA's register kernel (Attention's three input-gradient products; 2501 rows
-// give a block several rows, the next loaded ahead), the others its generic kernel.
-void add_rmsnorm_parts_cases(std::vector<OpCase>& cases, Rng& rng) {
-  const float eps = 1e-5f;
-  for (auto [rows, dim, parts] :
-       {std::tuple{5, 16, 2}, std::tuple{3, 7, 3}, std::tuple{4, 1024, 2}, std::tuple{2501, 1024, 3}}) {
-    OpCase c;
-    c.name = fmt::format("rmsnorm_dy_parts/t{}d{}p{}", rows, dim, parts);
-    c.ops = {"rmsnorm_forward", "rmsnorm_backward"};
-    const int64_t t = rows, d = dim, np = parts;
-    c.inputs = {rng.uniform({t, d}, -2.0, 2.0), rng.uniform({d}, 0.5, 1.5)};
-    c.forward = [t, d, np, eps](TestDevice& dev, const Tensors& in) {
-      Tensor y = dev.poisoned({t, d}), rstd = dev.poisoned({t}, DType::kF32);
-      rmsnorm_forward(dev.exec(), in[0], in[1], eps, y, rstd);
-      return HostTensors(static_cast<size_t>(np), dev.download(y));
-    };
-    c.reference = [np, eps](const HostTensors& in) {
-      return HostTensors(static_cast<size_t>(np), rmsnorm_reference(in[0], in[1], eps)[0]);
-    };
-    c.grad_inputs = {0, 1};
-    for (int64_t p = 0; p < np; ++p) c.loss_outputs.push_back(static_cast<int>(p));
-    c.backward = [t, d, np, eps](TestDevice& dev, const Tensors& in, const Tensors& douts) {
-      Tensor y = dev.poisoned({t, d}), rstd = dev.poisoned({t}, DType::kF32);
-      rmsnorm_forward(dev.exec(), in[0], in[1], eps, y, rstd);
-      HostTensor stacked = HostTensor::zeros({np, t, d});
-      for (int64_t p = 0; p < np; ++p) {
-        const HostTensor part = dev.download(douts[static_cast<size_t>(p)]);
-        for (int64_t i = 0; i < t * d; ++i) stacked[p * t * d + i] = part[i];
-      }
-      Tensor dx = dev.poisoned({t, d}), dw = dev.poisoned({d});
-      rmsnorm_backward(dev.exec(), dev.upload(stacked), in[0], in[1], rstd, dx, dw);
-      return HostTensors{dev.download(dx), dev.download(dw)};
-    };
-    c.cpu_finite_differences = rows < 1000;
-    c.cuda_bf16_storage = true;
-    cases.push_back(std::move(c));
-  }
-}
-
 // The spacing of bf16 values around |x| (8 significant bits), the smallest normal's below it.
 double bf16_ulp(double x) {
   int e = 0;
@@ -2154,8 +2112,6 @@ std::vector<OpCase> all_op_cases(uint64_t seed) {
   add_quant_cases(cases, rng);
   add_step_stats_cases(cases, rng);  // issue 20
   add_codec_cases(cases, rng);       // issue 17
-  // Added last, so that the cases above keep the inputs they have always drawn.
-  add_rmsnorm_parts_cases(cases, rng);
   return cases;
 }
 
