@@ -147,9 +147,8 @@ std::vector<float> Model::last_logits(const Ctx& c, const Tensor& ids_in) {
 
 void Model::zero_grad(const Ctx& c) {
   // Gradients that their backward overwrites (every parameter but the embedding, whose
-  // backward adds rows by token) are only marked stale; clearing them
-  // would cost a pass over memory and make the first micro-batch's products read zeros
-  // back to add to.
+  // backward adds rows by token) are only marked stale; clearing them would cost a pass
+  // over memory and make the first micro-batch's products read zeros back to add to.
   std::vector<NamedParameter> params = parameters();
   for (auto& p : params) {
     p.param->grad_stale = p.param->overwrites_grad;
@@ -343,7 +342,8 @@ void Model::to_device(const Ctx& c, DType expert_grads) {
                "Model::to_device: expert gradients must be f32 or bf16, not {}", dtype_name(expert_grads));
   std::vector<NamedParameter> params = parameters();
   // Offsets rounded up (padded_numel) keep every gradient aligned for vectorised kernels;
-  // the gaps are zeroed with the rest by zero_grad (the bf16 buffer's are never written).
+  // the gaps are zeroed at allocation and never written (zero_grad clears only gradients
+  // that products add to, and the gaps between them).
   // The matrices' working copies (bf16 where activations are) share one buffer too, in
   // parameter order, so a layer's Q, K and V weights lie side by side (Attention's one
   // batched product), as their gradients do.

@@ -159,7 +159,7 @@ class Model {
   Tensor forward_blocks(const Ctx& c, const Tensor& ids, std::vector<Block::Saved>& saved,
                         MicroBatchStats* stats);
   // Views of flat_grads_ that cover, in order, every element outside the gradients of
-  // `skip` (padding included): what zero_grad clears and what the folded norm reads.
+  // `skip` (padding included): what the folded norm reads.
   std::vector<Tensor> flat_runs_outside(const std::vector<NamedParameter>& skip) const;
   ModelConfig cfg_;
   Tensor flat_grads_;
