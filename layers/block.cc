@@ -5,12 +5,12 @@
 
 namespace troupe::layers {
 
-Block::Block(const ModelConfig& cfg, bool is_moe)
+Block::Block(const ModelConfig& cfg, bool is_moe, ExpertRange experts)
     : norm1(cfg.d_model, static_cast<float>(cfg.norm_eps)),
       norm2(cfg.d_model, static_cast<float>(cfg.norm_eps)),
       attn(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.dh(), static_cast<float>(cfg.rope_theta)) {
   if (is_moe) {
-    moe = std::make_unique<MoELayer>(cfg.d_model, cfg.moe, cfg.recompute_swiglu);
+    moe = std::make_unique<MoELayer>(cfg.d_model, cfg.moe, cfg.recompute_swiglu, experts);
   } else {
     mlp = std::make_unique<SwiGLUMLP>(cfg.d_model, cfg.ffn_hidden, cfg.recompute_swiglu);
   }

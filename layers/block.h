@@ -22,7 +22,8 @@ class Block {
     SwiGLUMLP::Saved mlp;
     MoELayer::Saved moe;
   };
-  Block(const ModelConfig& cfg, bool is_moe);
+  // experts: which of an MoE block's experts this block holds (MoELayer; default all).
+  Block(const ModelConfig& cfg, bool is_moe, ExpertRange experts = {});
   void init(uint64_t seed, const std::string& prefix, const ModelConfig& cfg);
   void collect(const std::string& prefix, std::vector<NamedParameter>& out);
   void collect_buffers(const std::string& prefix, std::vector<NamedBuffer>& out);

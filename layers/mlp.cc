@@ -63,9 +63,9 @@ Experts::Experts(int64_t e, int64_t d, int64_t f, bool rc) : recompute(rc) {
   w2.grad_sum_squares_slots = kernels::grouped_matmul_dw_sum_squares_slots(e, f, d);
 }
 
-void Experts::init(uint64_t seed, const std::string& prefix, float std, float out_std) {
-  init_normal(w1.value, seed, prefix + ".w1", std);
-  init_normal(w2.value, seed, prefix + ".w2", out_std);
+void Experts::init(uint64_t seed, const std::string& prefix, float std, float out_std, int64_t first_expert) {
+  init_normal_rows(w1.value, seed, prefix + ".w1", std, first_expert);
+  init_normal_rows(w2.value, seed, prefix + ".w2", out_std, first_expert);
 }
 
 void Experts::collect(const std::string& prefix, std::vector<NamedParameter>& out) {

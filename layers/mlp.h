@@ -35,8 +35,12 @@ class Experts {
   struct Saved {
     Tensor xp, offsets, h, a;  // permuted rows [R,D], i32 [E+1], [R,2F], [R,F] (or undefined)
   };
+  // num_experts: the experts this object holds (an expert-parallel rank: its share).
   Experts(int64_t num_experts, int64_t d_model, int64_t hidden, bool recompute);
-  void init(uint64_t seed, const std::string& prefix, float std, float out_std);
+  // Draws experts [first_expert, first_expert + num_experts) of the block's global
+  // [E, D, 2F] / [E, F, D] tensors (init_normal_rows), so a rank's share equals those
+  // experts of the whole tensors bitwise.
+  void init(uint64_t seed, const std::string& prefix, float std, float out_std, int64_t first_expert = 0);
   void collect(const std::string& prefix, std::vector<NamedParameter>& out);
 
   // xp [R, D] rows grouped by expert per offsets (i32 [E+1]) -> yp [R, D].

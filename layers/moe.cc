@@ -309,19 +309,33 @@ Tensor LocalExpertDispatch::backward(const Ctx& c, const Tensor& dy, DispatchSta
 
 // ---- MoELayer ----------------------------------------------------------------------------
 
-MoELayer::MoELayer(int64_t d_model, const MoEConfig& cfg, bool recompute)
-    : router(d_model, cfg), experts(cfg.num_experts, d_model, cfg.expert_hidden, recompute) {
+namespace {
+ExpertRange checked_range(const MoEConfig& cfg, ExpertRange r) {
+  if (r.count < 0) return ExpertRange{0, cfg.num_experts};
+  TROUPE_CHECK(r.first >= 0 && r.count > 0 && r.first + r.count <= cfg.num_experts,
+               "MoELayer: experts [{}, {}) are not a range of the block's {}", r.first, r.first + r.count,
+               cfg.num_experts);
+  return r;
+}
+}  // namespace
+
+MoELayer::MoELayer(int64_t d_model, const MoEConfig& cfg, bool recompute, ExpertRange held)
+    : router(d_model, cfg),
+      experts(checked_range(cfg, held).count, d_model, cfg.expert_hidden, recompute),
+      first_expert_(checked_range(cfg, held).first) {
   if (cfg.shared_experts > 0) {
     shared = std::make_unique<SwiGLUMLP>(d_model, cfg.shared_experts * cfg.expert_hidden, recompute);
   }
-  local_ = std::make_unique<LocalExpertDispatch>(experts, cfg.top_k, cfg.capacity_factor);
+  if (experts.w1.value.size(0) == cfg.num_experts) {
+    local_ = std::make_unique<LocalExpertDispatch>(experts, cfg.top_k, cfg.capacity_factor);
+  }
   dispatch_ = local_.get();
   step_load_.assign(static_cast<size_t>(cfg.num_experts), 0);
 }
 
 void MoELayer::init(uint64_t seed, const std::string& prefix, float std, float out_std) {
   router.init(seed, prefix + ".router", std);
-  experts.init(seed, prefix + ".experts", std, out_std);
+  experts.init(seed, prefix + ".experts", std, out_std, first_expert_);
   if (shared) shared->init(seed, prefix + ".shared", std, out_std);
 }
 
@@ -336,6 +350,10 @@ void MoELayer::collect_buffers(const std::string& prefix, std::vector<NamedBuffe
 }
 
 Tensor MoELayer::forward(const Ctx& c, const Tensor& x, Saved& s, Stats* stats, const Tensor* residual) {
+  TROUPE_CHECK(
+      dispatch_ != nullptr,
+      "MoELayer holds experts [{}, {}) of {}: it needs a dispatch that reaches the others (set_dispatch)",
+      first_expert_, first_expert_ + experts.w1.value.size(0), router.cfg.num_experts);
   // The routed experts' output, with the residual folded into the combine unless a shared
   // expert's output comes first (then (routed + shared) + residual, the order of before).
   const auto routed = [&](std::vector<int64_t>& kept) {
@@ -393,7 +411,7 @@ bool MoELayer::set_device_stats(const Ctx& c, Tensor row) {
       c.ex.device, row.describe());
   device_stats_ = std::move(row);
   device_selections_ = 0;
-  local_->set_defer_counts(true);
+  if (local_) local_->set_defer_counts(true);
   return true;
 }
 

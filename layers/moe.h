@@ -137,6 +137,14 @@ class LocalExpertDispatch final : public ExpertDispatch {
                  std::unique_ptr<DispatchState>& state, std::vector<int64_t>& kept, const Tensor* residual);
 };
 
+// The experts of a MoE block that one MoELayer holds: [first, first + count) of the
+// config's num_experts (rank r of an expert-parallel group of n: [r*E/n, (r+1)*E/n)).
+// count < 0, the default: all of them.
+struct ExpertRange {
+  int64_t first = 0;
+  int64_t count = -1;
+};
+
 class MoELayer {
  public:
   struct Saved {
@@ -149,7 +157,10 @@ class MoELayer {
     std::vector<int64_t> selected;  // per expert, before capacity drops
     std::vector<int64_t> kept;      // per expert, processed
   };
-  MoELayer(int64_t d_model, const MoEConfig& cfg, bool recompute);
+  // `held`: the experts this layer creates and initialises (the router always scores all
+  // cfg.num_experts). A layer holding only some runs only once a dispatch that reaches
+  // the others is set (set_dispatch); its forward refuses before that.
+  MoELayer(int64_t d_model, const MoEConfig& cfg, bool recompute, ExpertRange held = {});
   void init(uint64_t seed, const std::string& prefix, float std, float out_std);
   void collect(const std::string& prefix, std::vector<NamedParameter>& out);
   void collect_buffers(const std::string& prefix, std::vector<NamedBuffer>& out);
@@ -162,8 +173,10 @@ class MoELayer {
   Tensor backward(const Ctx& c, const Tensor& dy, Saved& s, float loss_weight);
 
   // Replaces the dispatch step (not owned; must outlive the layer's use). nullptr restores
-  // the local one.
+  // the local one (none when the layer holds only some experts).
   void set_dispatch(ExpertDispatch* d) { dispatch_ = d ? d : local_.get(); }
+  // The experts `experts` holds: [first_expert(), first_expert() + experts.w1 rows).
+  int64_t first_expert() const { return first_expert_; }
 
   // Selections per expert since the last update_bias (summed over micro-batches).
   const std::vector<int64_t>& step_load() const { return step_load_; }
@@ -194,7 +207,8 @@ class MoELayer {
   std::unique_ptr<SwiGLUMLP> shared;  // null without shared experts
 
  private:
-  std::unique_ptr<LocalExpertDispatch> local_;
+  int64_t first_expert_ = 0;
+  std::unique_ptr<LocalExpertDispatch> local_;  // null when the layer holds only some experts
   ExpertDispatch* dispatch_;
   std::vector<int64_t> step_load_;
   Tensor device_stats_;

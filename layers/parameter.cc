@@ -65,6 +65,13 @@ void init_normal(Tensor& t, uint64_t seed, const std::string& name, float std, i
   for (std::thread& th : pool) th.join();
 }
 
+void init_normal_rows(Tensor& t, uint64_t seed, const std::string& name, float std, int64_t first_row) {
+  TROUPE_CHECK(t.dim() >= 1, "init_normal_rows: '{}' needs a tensor with rows, got {}", name, t.describe());
+  TROUPE_CHECK_GE(first_row, 0);
+  const int64_t row = t.size(0) > 0 ? t.numel() / t.size(0) : 0;
+  init_normal(t, seed, name, std, first_row * row);
+}
+
 void init_constant(Tensor& t, float value) { t.fill(value); }
 
 }  // namespace troupe::layers

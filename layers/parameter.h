@@ -112,6 +112,12 @@ struct NamedBuffer {
 // and i), so a sharded run initialises its contiguous slice alone by passing the slice's
 // first element index in `first_element` and still equals one process.
 void init_normal(Tensor& t, uint64_t seed, const std::string& name, float std, int64_t first_element = 0);
+// The slice of the global tensor `name` that a rank holding some of its dim-0 rows owns:
+// t holds rows [first_row, first_row + t.size(0)) of a global tensor whose other dims are
+// t's (an expert-parallel rank's experts of [E, D, 2F]). Bitwise the rows that
+// init_normal of the whole tensor draws, without making the others: a rank's
+// initialisation costs time and memory for its part only.
+void init_normal_rows(Tensor& t, uint64_t seed, const std::string& name, float std, int64_t first_row);
 void init_constant(Tensor& t, float value);
 
 // splitmix64: the mixing function behind initialisation and the data loader.

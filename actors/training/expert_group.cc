@@ -76,10 +76,11 @@ void gather_rows_device(const layers::Ctx& c, const Tensor& src, const Tensor& i
 
 }  // namespace
 
-ExpertGroup::ExpertGroup(const layers::Experts& full, int64_t top_k, bool recompute,
-                         comm::Communicator& group, CommTime& time, DispatchMode mode, Options options)
-    : num_experts_(full.w1.value.size(0)),
-      top_k_(top_k),
+ExpertGroup::ExpertGroup(layers::MoELayer& moe, comm::Communicator& group, CommTime& time, DispatchMode mode,
+                         Options options)
+    : local_(moe.experts),
+      num_experts_(moe.router.cfg.num_experts),
+      top_k_(moe.router.cfg.top_k),
       group_(group),
       time_(time),
       mode_(mode),
@@ -88,10 +89,10 @@ ExpertGroup::ExpertGroup(const layers::Experts& full, int64_t top_k, bool recomp
   TROUPE_CHECK(num_experts_ % n == 0, "ExpertGroup: {} experts do not split over {} ranks", num_experts_, n);
   local_experts_ = num_experts_ / n;
   first_ = group.rank() * local_experts_;
-  const int64_t d = full.w1.value.size(1), f = full.w2.value.size(1);
-  local_ = std::make_unique<layers::Experts>(local_experts_, d, f, recompute);
-  local_->w1.value.copy_from(full.w1.value.narrow(0, first_, local_experts_));
-  local_->w2.value.copy_from(full.w2.value.narrow(0, first_, local_experts_));
+  TROUPE_CHECK(moe.first_expert() == first_ && moe.experts.w1.value.size(0) == local_experts_,
+               "ExpertGroup: rank {} of {} owns experts [{}, {}), but its MoE layer holds [{}, {})",
+               group.rank(), n, first_, first_ + local_experts_, moe.first_expert(),
+               moe.first_expert() + moe.experts.w1.value.size(0));
 }
 
 Tensor ExpertGroup::forward(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx,
@@ -300,7 +301,7 @@ Tensor ExpertGroup::forward_a2a(const layers::Ctx& c, const Tensor& x, const Ten
     } else {
       gather_rows(xr, ch.order, xe);
     }
-    Tensor ye = local_->forward(c, xe, ch.loc_off, ch.experts);
+    Tensor ye = local_.forward(c, xe, ch.loc_off, ch.experts);
     Tensor yr = c.empty({ch.rrows, dm});
     if (c.on_device()) {
       gather_rows_device(c, ye, ch.inverse_dev, yr);  // yr[order[i]] = ye[i]
@@ -357,7 +358,7 @@ Tensor ExpertGroup::backward_a2a(const layers::Ctx& c, const Tensor& dy_in, laye
     } else {
       gather_rows(dyr, ch.order, dye);
     }
-    Tensor dxe = local_->backward(c, dye, ch.experts);
+    Tensor dxe = local_.backward(c, dye, ch.experts);
     ch.experts = layers::Experts::Saved();
     Tensor dxr = c.empty({ch.rrows, dm});
     if (c.on_device()) {
@@ -502,7 +503,7 @@ Tensor ExpertGroup::forward_peer(const layers::Ctx& c, const Tensor& x_in, const
                                           static_cast<char*>(pr.recv()) + region(ch) * dm * act_bytes,
                                           xe.data_ptr(), dm * act_bytes, cap(ch), nrows);
     }
-    Tensor ye = local_->forward(c, xe, ch.local, ch.experts);
+    Tensor ye = local_.forward(c, xe, ch.local, ch.experts);
     kernels::gpu::launch_copy_rows_upto(env_on(c, nullptr), ye.data_ptr(),
                                         static_cast<char*>(pr.out()) + region(ch) * dm * act_bytes,
                                         dm * act_bytes, cap(ch), nrows);
@@ -570,7 +571,7 @@ Tensor ExpertGroup::backward_peer(const layers::Ctx& c, const Tensor& dy_in, lay
     kernels::gpu::launch_copy_rows_upto(env_on(c, nullptr),
                                         static_cast<char*>(pr.recv()) + region(ch) * row_bytes,
                                         dye.data_ptr(), row_bytes, cap(ch), nrows);
-    Tensor dxe = local_->backward(c, dye, ch.experts);
+    Tensor dxe = local_.backward(c, dye, ch.experts);
     ch.experts = layers::Experts::Saved();
     kernels::gpu::launch_copy_rows_upto(env_on(c, nullptr), dxe.data_ptr(),
                                         static_cast<char*>(pr.out()) + region(ch) * row_bytes, row_bytes,
@@ -636,7 +637,7 @@ Tensor ExpertGroup::forward_ag(const layers::Ctx& c, const Tensor& x, const Tens
   st->row_map = c.to_device(Tensor::from_ints({n * t * k}, row_map));
   Tensor xe = c.empty({static_cast<int64_t>(pos), dm}, x.dtype());
   kernels::moe_permute(c.ex, xg, st->row_map, k, xe);
-  st->ye = local_->forward(c, xe, c.to_device(Tensor::from_ints({local_experts_ + 1}, off)), st->experts);
+  st->ye = local_.forward(c, xe, c.to_device(Tensor::from_ints({local_experts_ + 1}, off)), st->experts);
   // Local gather, weighted by the gates: partial[g] = sum over the local copies of g.
   Tensor partial = c.empty({n * t, dm}, x.dtype());
   kernels::moe_unpermute(c.ex, st->ye, st->row_map, st->gates_all, partial);
@@ -655,7 +656,7 @@ Tensor ExpertGroup::backward_ag(const layers::Ctx& c, const Tensor& dy, layers::
   Tensor dye = c.empty(st.ye.shape(), dy.dtype());
   Tensor dg_partial = c.empty({n * t, k}, DType::kF32);
   kernels::moe_unpermute_backward(c.ex, dyg, st.ye, st.row_map, st.gates_all, dye, dg_partial);
-  Tensor dxe = local_->backward(c, dye, st.experts);
+  Tensor dxe = local_.backward(c, dye, st.experts);
   Tensor dx_partial = c.empty({n * t, dm}, dy.dtype());
   kernels::moe_permute_backward(c.ex, dxe, st.row_map, k, dx_partial);
   Tensor dx = c.empty({t, dm}, dy.dtype());

@@ -1,7 +1,8 @@
 // actors/training/expert_group.h — defines the expert-parallel role of one rank of an
-// n-group: ExpertGroup owns E/n whole experts of one MoE block (rank r: experts
-// [r*E/n, (r+1)*E/n), sliced from the full, deterministically initialised tensors) and
-// is plugged into layers::MoELayer as its ExpertDispatch, in one of two modes:
+// n-group: ExpertGroup runs E/n whole experts of one MoE block (rank r: experts
+// [r*E/n, (r+1)*E/n), which the rank's layers::MoELayer alone creates and initialises:
+// MoELayer's ExpertRange) and is plugged into that layer as its ExpertDispatch, in one
+// of two modes:
 //
 //   kAllToAll:  local dispatch plan -> permute -> all_to_all_v of the rows to the ranks
 //               owning their experts (counts exchanged first) -> regroup by local expert
@@ -40,8 +41,6 @@ enum class DispatchMode { kAllToAll, kAllGather };
 
 class ExpertGroup final : public layers::ExpertDispatch {
  public:
-  // Copies this rank's experts out of `full` (which keeps its values; it is not used
-  // afterwards). top_k as in the router.
   struct Options {
     int64_t chunks = 1;    // token chunks of the all-to-all path
     bool overlap = false;  // transfers in flight behind the expert GEMMs
@@ -51,15 +50,18 @@ class ExpertGroup final : public layers::ExpertDispatch {
     // computed on the device; no count reaches the host. Shared by the stage's blocks.
     std::shared_ptr<PeerRows> peer;
   };
-  ExpertGroup(const layers::Experts& full, int64_t top_k, bool recompute, comm::Communicator& group,
-              CommTime& time, DispatchMode mode, Options options);
+  // Runs `moe`'s experts, which must be this rank's [rank*E/n, (rank+1)*E/n) of the
+  // block's E (a MoELayer built with that ExpertRange); top_k as in its router. `moe`
+  // keeps owning them and must outlive the group.
+  ExpertGroup(layers::MoELayer& moe, comm::Communicator& group, CommTime& time, DispatchMode mode,
+              Options options);
 
   Tensor forward(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
                  std::unique_ptr<layers::DispatchState>& state, std::vector<int64_t>& kept) override;
   Tensor backward(const layers::Ctx& c, const Tensor& dy, layers::DispatchState& state,
                   Tensor& dgates) override;
 
-  layers::Experts& experts() { return *local_; }
+  layers::Experts& experts() { return local_; }
   int64_t first_expert() const { return first_; }
 
  private:
@@ -73,7 +75,7 @@ class ExpertGroup final : public layers::ExpertDispatch {
                     std::unique_ptr<layers::DispatchState>& state, std::vector<int64_t>& kept);
   Tensor backward_ag(const layers::Ctx& c, const Tensor& dy, layers::DispatchState& state, Tensor& dgates);
 
-  std::unique_ptr<layers::Experts> local_;
+  layers::Experts& local_;  // the MoE layer's: this rank's experts
   int64_t num_experts_, local_experts_, first_, top_k_;
   comm::Communicator& group_;
   CommTime& time_;

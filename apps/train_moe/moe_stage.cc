@@ -2,15 +2,19 @@
 // model that pipeline stage coord.pp runs, each with an AttentionShard and, for MoE
 // blocks, an ExpertGroup when n > 1.
 //
-// Every rank initialises the whole model from the seed (by parameter name, so values do
-// not depend on the layout) and keeps its stage's blocks and its experts.
+// A rank creates only its part of the model: the embedding where it is used (the first
+// stage, and the last one's copy when the head is tied), its stage's blocks, of each MoE
+// block only its experts of the n-group, and the head on the last stage. Every value is
+// drawn from (seed, global name, slice) (layers/parameter.h: init_normal_rows for the
+// experts), so each part equals that part of the whole model of one process bitwise, and
+// a rank's memory holds its part only.
 #include "apps/train_moe/moe_stage.h"
 
 #include <fmt/format.h>
 
 #include "actors/training/attention_shard.h"
 #include "actors/training/expert_group.h"
-#include "layers/model.h"
+#include "layers/block.h"
 #include "layers/residual.h"
 
 namespace troupe::train_moe {
@@ -31,10 +35,25 @@ class MoeStage final : public training::StageProgram {
         seq_local_(env.seq_local),
         loss_weight_(env.loss_weight) {
     const auto& par = tc_.parallel;
-    model_ = std::make_unique<layers::Model>(tc_.model, tc_.train.seed);
-    const int64_t per_stage = tc_.model.n_layers / env.pp;
+    const layers::ModelConfig& cfg = tc_.model;
+    const uint64_t seed = tc_.train.seed;
+    const float std = static_cast<float>(cfg.init_std);
+    // The embedding: the first stage's, and the last stage's copy under a tied head.
+    if (first_ || (last_ && cfg.tie_embeddings)) {
+      embedding_ = std::make_unique<layers::Embedding>(cfg.vocab_size, cfg.d_model);
+      embedding_->init(seed, "embedding", std);
+    }
+    const int64_t per_stage = cfg.n_layers / env.pp;
     block_lo_ = env.coord.pp * per_stage;
     const int64_t block_hi = block_lo_ + per_stage;
+    // This rank's experts of each MoE block: [r*E/n, (r+1)*E/n) for n-rank r.
+    layers::ExpertRange held;
+    if (env.n_group != nullptr) {
+      const int64_t n = env.n_group->size();
+      TROUPE_CHECK(cfg.moe.num_experts % n == 0, "moe stage: {} experts do not split over n = {}",
+                   cfg.moe.num_experts, n);
+      held = {env.n_group->rank() * (cfg.moe.num_experts / n), cfg.moe.num_experts / n};
+    }
     const training::DispatchMode mode =
         par.dispatch == "allgather" ? training::DispatchMode::kAllGather : training::DispatchMode::kAllToAll;
     int64_t moe_index = 0;
@@ -43,12 +62,14 @@ class MoeStage final : public training::StageProgram {
     if (env.n_group != nullptr && ctx_.on_device() && par.device_dispatch) {
       peer = std::make_shared<training::PeerRows>(*env.n_group);
     }
-    for (int64_t i = 0; i < tc_.model.n_layers; ++i) {
-      layers::Block& b = *model_->blocks[static_cast<size_t>(i)];
-      const int64_t mi = b.is_moe() ? moe_index++ : -1;
+    for (int64_t i = 0; i < cfg.n_layers; ++i) {
+      const bool is_moe = cfg.is_moe_block(i);
+      const int64_t mi = is_moe ? moe_index++ : -1;
       if (i < block_lo_ || i >= block_hi) continue;
       auto role = std::make_unique<Role>();
-      role->block = &b;
+      role->block = std::make_unique<layers::Block>(cfg, is_moe, held);
+      role->block->init(seed, fmt::format("blocks.{}", i), cfg);
+      layers::Block& b = *role->block;
       role->moe_index = mi;
       if (env.n_group != nullptr) {
         comm::Communicator& group = *env.n_group;
@@ -59,8 +80,7 @@ class MoeStage final : public training::StageProgram {
           eo.overlap = par.overlap_a2a;
           eo.fp8 = par.fp8_dispatch;
           eo.peer = peer;
-          role->experts = std::make_unique<ExpertGroup>(
-              b.moe->experts, tc_.model.moe.top_k, tc_.model.recompute_swiglu, group, env.time, mode, eo);
+          role->experts = std::make_unique<ExpertGroup>(*b.moe, group, env.time, mode, eo);
           b.moe->set_dispatch(role->experts.get());
           b.moe->router.set_group_all_reduce([g = &group, time = &env.time](std::vector<double>& v) {
             training::sum_doubles(*g, v, *time, "router statistics");
@@ -76,6 +96,12 @@ class MoeStage final : public training::StageProgram {
       }
       roles_.push_back(std::move(role));
     }
+    num_moe_blocks_ = moe_index;
+    if (last_) {
+      head_ = std::make_unique<layers::LMHead>(cfg.vocab_size, cfg.d_model, static_cast<float>(cfg.norm_eps),
+                                               cfg.tie_embeddings ? &embedding_->weight : nullptr);
+      head_->init(seed, std);
+    }
     if (ctx_.on_device()) {
       for (const auto& r : roles_) {
         if (r->block->is_moe()) r->block->moe->router.bias = ctx_.to_device(r->block->moe->router.bias);
@@ -88,7 +114,7 @@ class MoeStage final : public training::StageProgram {
     std::vector<training::ProgramParam> out;
     const bool tie = tc_.model.tie_embeddings;
     if (first_) {
-      training::ProgramParam p{"embedding.weight", &model_->embedding.weight};
+      training::ProgramParam p{"embedding.weight", &embedding_->weight};
       p.tied = tie;
       out.push_back(p);
     }
@@ -99,28 +125,18 @@ class MoeStage final : public training::StageProgram {
       role.block->collect(fmt::format("blocks.{}", i), ps);
       for (auto& np : ps) {
         const bool is_expert = np.name.find(".moe.experts.") != std::string::npos;
-        if (is_expert && role.experts) continue;  // replaced by this rank's slice below
-        training::ProgramParam p{np.name, np.param};
+        // With n > 1 the block holds this rank's experts: a "[local]" slice of the global
+        // tensor (the Stage's state names and checkpoints).
+        training::ProgramParam p{is_expert && role.experts ? np.name + "[local]" : np.name, np.param};
         p.sharded = is_expert;
         p.grad_ready = static_cast<int64_t>(ri);
         p.role = is_expert ? "experts" : np.name.find(".attn.") != std::string::npos ? "attention" : "";
         out.push_back(p);
       }
-      if (role.experts) {
-        const std::string pre = fmt::format("blocks.{}.moe.experts", i);
-        for (auto [suffix, param] : {std::pair{".w1[local]", &role.experts->experts().w1},
-                                     std::pair{".w2[local]", &role.experts->experts().w2}}) {
-          training::ProgramParam p{pre + suffix, param};
-          p.sharded = true;
-          p.grad_ready = static_cast<int64_t>(ri);
-          p.role = "experts";
-          out.push_back(p);
-        }
-      }
     }
     if (last_) {
       std::vector<layers::NamedParameter> ps;
-      model_->head->collect(ps);
+      head_->collect(ps);
       for (auto& np : ps) {
         training::ProgramParam p{np.name, np.param};
         p.grad_ready = training::kGradReadyAfterHead;
@@ -128,7 +144,7 @@ class MoeStage final : public training::StageProgram {
       }
       // A tied head on a later stage holds a copy of the embedding.
       if (tie && !first_) {
-        training::ProgramParam p{"embedding.weight[tied copy]", &model_->embedding.weight};
+        training::ProgramParam p{"embedding.weight[tied copy]", &embedding_->weight};
         p.tied_copy = true;
         out.push_back(p);
       }
@@ -149,8 +165,8 @@ class MoeStage final : public training::StageProgram {
 
   int64_t activation_width() const override { return tc_.model.d_model; }
 
-  layers::Embedding* embedding() override { return first_ ? &model_->embedding : nullptr; }
-  layers::LMHead* head() override { return last_ ? model_->head.get() : nullptr; }
+  layers::Embedding* embedding() override { return first_ ? embedding_.get() : nullptr; }
+  layers::LMHead* head() override { return head_.get(); }
 
   int64_t num_blocks() const override { return static_cast<int64_t>(roles_.size()); }
   std::string block_name(int64_t i) const override { return fmt::format("block {}", block_lo_ + i); }
@@ -194,7 +210,7 @@ class MoeStage final : public training::StageProgram {
   // loads are the same on every rank of the n-group: n-rank 0 counts them.
   std::vector<double> step_stats() override {
     const int64_t e = tc_.model.moe.num_experts;
-    std::vector<double> v(static_cast<size_t>(1 + model_->num_moe_blocks() * e), 0.0);
+    std::vector<double> v(static_cast<size_t>(1 + num_moe_blocks_ * e), 0.0);
     if (stats_rows_.defined()) {
       // The step's one read of the routers' device statistics: each MoE block's
       // selections (its step_load) and its aux loss summed over the micro-batches.
@@ -225,7 +241,7 @@ class MoeStage final : public training::StageProgram {
 
   void end_step(const layers::Ctx& c, const std::vector<double>& summed, training::StepReport& rep) override {
     const int64_t e = tc_.model.moe.num_experts;
-    const int64_t nmoe = model_->num_moe_blocks();
+    const int64_t nmoe = num_moe_blocks_;
     rep.aux_loss = summed[0];
     rep.expert_load.assign(static_cast<size_t>(nmoe), std::vector<int64_t>(static_cast<size_t>(e), 0));
     for (int64_t i = 0; i < nmoe; ++i)
@@ -278,7 +294,7 @@ class MoeStage final : public training::StageProgram {
   }
 
   struct Role {
-    layers::Block* block = nullptr;
+    std::unique_ptr<layers::Block> block;  // with this rank's experts only when n > 1
     int64_t moe_index = -1;                // index among the model's MoE blocks, -1 for dense
     std::unique_ptr<AttentionShard> attn;  // n > 1
     std::unique_ptr<ExpertGroup> experts;  // MoE and n > 1
@@ -297,9 +313,11 @@ class MoeStage final : public training::StageProgram {
   int n_rank_;
   int64_t batch_, seq_local_;
   float loss_weight_;
-  std::unique_ptr<layers::Model> model_;
-  std::vector<std::unique_ptr<Role>> roles_;  // this stage's blocks, in order
+  std::unique_ptr<layers::Embedding> embedding_;  // first stage; last stage's copy when tied
+  std::vector<std::unique_ptr<Role>> roles_;      // this stage's blocks, in order
+  std::unique_ptr<layers::LMHead> head_;          // last stage
   int64_t block_lo_ = 0;
+  int64_t num_moe_blocks_ = 0;  // of the whole model
   double aux_acc_ = 0;
   Tensor stats_rows_;  // device statistics: per MoE block of this stage, [E counts, aux] padded to stride_
   int64_t stride_ = 0;
@@ -309,6 +327,7 @@ class MoeStage final : public training::StageProgram {
 
 training::ProgramFactory moe_stage_program() {
   return [](const training::StageEnv& env) -> Result<std::unique_ptr<training::StageProgram>> {
+    TROUPE_RETURN_IF_ERROR(env.tc.model.validate());
     return std::unique_ptr<training::StageProgram>(std::make_unique<MoeStage>(env));
   };
 }

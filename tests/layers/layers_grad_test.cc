@@ -545,6 +545,47 @@ TEST(Init, SlicesEqualTheWholeTensor) {
   EXPECT_NEAR(std::sqrt(sq / 20000), 2.0, 0.05);
 }
 
+// A rank of an expert-parallel group of n builds its MoE blocks with its experts only
+// (ExpertRange): every value, its experts' included, equals the whole model's bitwise.
+TEST(Init, ABlockHoldingSomeExpertsEqualsThoseOfTheWholeModel) {
+  const ModelConfig cfg = small_model();
+  Model whole(cfg, 5);
+  std::vector<NamedParameter> ref;
+  whole.blocks[1]->collect("blocks.1", ref);
+  const int64_t e = cfg.moe.num_experts;
+  for (int64_t n : {int64_t{1}, int64_t{2}, int64_t{4}}) {
+    for (int64_t r = 0; r < n; ++r) {
+      Block part(cfg, true, ExpertRange{r * e / n, e / n});
+      part.init(5, "blocks.1", cfg);
+      EXPECT_EQ(part.moe->first_expert(), r * e / n);
+      std::vector<NamedParameter> got;
+      part.collect("blocks.1", got);
+      ASSERT_EQ(got.size(), ref.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_EQ(got[i].name, ref[i].name);
+        Tensor want = ref[i].param->value;
+        if (got[i].name.find(".moe.experts.") != std::string::npos) {
+          want = want.narrow(0, r * e / n, e / n).contiguous();
+        }
+        EXPECT_EQ(got[i].param->value.shape(), want.shape()) << got[i].name;
+        EXPECT_EQ(got[i].param->value.to_floats(), want.to_floats())
+            << got[i].name << " n " << n << " rank " << r;
+      }
+    }
+  }
+}
+
+// Without a dispatch that reaches the other experts, a layer holding some cannot run.
+TEST(InitDeathTest, ALayerHoldingSomeExpertsNeedsADispatch) {
+  const MoEConfig cfg = moe_config(kernels::RouterScore::kSoftmax);
+  MoELayer part(8, cfg, false, ExpertRange{2, 2});
+  part.init(3, "moe", 0.5f, 0.5f);
+  MoELayer::Saved s;
+  EXPECT_DEATH(part.forward(kC, random_tensor({4, 8}, 1), s, nullptr), "holds experts \\[2, 4\\) of 4");
+  EXPECT_DEATH(MoELayer(8, cfg, false, ExpertRange{3, 2}),
+               "experts \\[3, 5\\) are not a range of the block's 4");
+}
+
 TEST(Model, FullModelGradientAndAccumulation) {
   ModelConfig cfg = small_model();
   Model m(cfg, 71);
