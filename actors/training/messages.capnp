@@ -85,6 +85,8 @@ struct StepReply @0xb7e4a2c91d3f5a67 {
   commitMs @27 :Float64 = -1;
   # device runs: the rank's device->host reads in the step (-1: CPU)
   hostSyncs @28 :Int64 = -1;
+  # the rank's process: its peak resident host memory so far (-1: unknown)
+  rssPeakBytes @29 :Int64 = -1;
 }
 
 # A worker's failure in an epoch (a data-plane error, a failed join), reported to the

@@ -70,6 +70,7 @@ struct StepReply {
   double replica_ms = 0;
   double commit_ms = -1;    // the in-memory state's commit after the step (-1: none kept)
   int64_t host_syncs = -1;  // device runs: this rank's device->host reads in the step
+  int64_t rss_peak_bytes = -1;  // the rank's process: peak resident host memory (-1: unknown)
 };
 
 struct WorkerFailure {

@@ -213,6 +213,7 @@ std::string encode_step_reply(const StepReply& m) {
   b.setReplicaMs(m.replica_ms);
   b.setCommitMs(m.commit_ms);
   b.setHostSyncs(m.host_syncs);
+  b.setRssPeakBytes(m.rss_peak_bytes);
   return flat(mb);
 }
 
@@ -254,6 +255,7 @@ Result<StepReply> decode_step_reply(std::string_view bytes) {
     m.replica_ms = s.getReplicaMs();
     m.commit_ms = s.getCommitMs();
     m.host_syncs = s.getHostSyncs();
+    m.rss_peak_bytes = s.getRssPeakBytes();
     return m;
   });
 }

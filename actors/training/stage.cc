@@ -12,6 +12,7 @@
 
 #include "comm/gloo_communicator.h"
 #include "core/check.h"
+#include "core/process_memory.h"
 
 #if TROUPE_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -690,6 +691,7 @@ StepReport Stage::run_step(int64_t step) {
   }
   rep.step_ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
   if (ctx_.on_device()) rep.host_syncs = host_reads() - syncs0;
+  rep.rss_peak_bytes = peak_resident_bytes();
   rep.comm_ms = time_.seconds() * 1e3;
   rep.compute_ms = rep.step_ms - rep.comm_ms;
   for (const auto& [kind, sec] : time_.by_kind()) rep.comm_by_kind_ms[kind] = sec * 1e3;

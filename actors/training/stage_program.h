@@ -59,6 +59,10 @@ struct StepReport {
   // Device runs: this rank's device->host reads in the step (the step's metrics reads
   // included); -1 on the CPU.
   int64_t host_syncs = -1;
+  // This rank's process: its peak resident host memory so far (peak_resident_bytes; -1
+  // where unknown). What a layout costs a process's RAM (docs/parallelism.md, "Memory
+  // per rank").
+  int64_t rss_peak_bytes = -1;
 };
 
 // When a parameter's gradient is final within a step's backward, i.e. which bucket of

@@ -1070,9 +1070,10 @@ void Trainer::write_status(int64_t step) {
                        {"pid", procs_[s].pid},
                        {"alive", procs_[s].alive},
                        {"straggler", flagged_.count(s) > 0}});
-    // The last step's wall, compute and comm time of this rank (troupe top).
+    // The last step's wall, compute and comm time of this rank (troupe top), and its
+    // process's peak resident memory.
     if (last_step_replies_.size() == plan_.slots.size()) {
-      for (const char* k : {"step_ms", "compute_ms", "comm_ms"}) {
+      for (const char* k : {"step_ms", "compute_ms", "comm_ms", "rss_peak_bytes"}) {
         if (last_step_replies_[r].contains(k)) workers.back()[k] = last_step_replies_[r][k];
       }
     }
@@ -1595,6 +1596,7 @@ nlohmann::json step_reply_json(const StepReply& r) {
                               {"comm_by_kind_ms", r.comm_by_kind_ms}});
       if (r.peak_bytes >= 0) j["peak_bytes"] = r.peak_bytes;
       if (r.host_syncs >= 0) j["host_syncs"] = r.host_syncs;
+      if (r.rss_peak_bytes >= 0) j["rss_peak_bytes"] = r.rss_peak_bytes;
       break;
     case Command::Kind::kEval:
       j["val_loss"] = r.val_loss;
