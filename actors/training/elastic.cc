@@ -19,6 +19,7 @@
 #include "actors/training/stage.h"
 #include "actors/training/trainer.h"
 #include "comm/control/host_addr.h"
+#include "core/process_memory.h"
 #include "layers/token_data.h"
 
 namespace troupe::training {
@@ -726,6 +727,8 @@ Status ElasticWorker::run() {
               reply.replica = cmd.step;
               reply.replica_ms = std::chrono::duration<double>(Clock::now() - r0).count() * 1e3;
             }
+            // The peak with this step's committed copies in it.
+            reply.rss_peak_bytes = peak_resident_bytes();
           }
           TROUPE_RETURN_IF_ERROR(save_checkpoint(cmd.step, reply));
           break;

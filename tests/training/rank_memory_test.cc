@@ -1,16 +1,21 @@
 // tests/training/rank_memory_test.cc — each rank holds only its part of the model, so
 // its process's peak memory falls with the layout. The real binaries run: an MoE model of
-// 8 experts (4 blocks, every one MoE, the experts ~96% of the parameters, ~51 M
+// 8 experts (4 blocks, every one MoE, the experts 98% of the parameters, 51.2 M
 // parameters) trains 2 steps as one worker process holding the whole model (`troupe run
 // --nproc 1`, the Trainer's Stage), at n=4 and at pp=2 x n=2 (the standalone launcher:
 // 4 worker processes over Gloo). Every worker reports its process's peak resident memory
-// (VmHWM) in status.json (`rss_peak_bytes`); each rank of the 4-way layouts must stay under
-// 0.4 x the whole-model worker's. Expected: ~0.32 (a quarter of the experts plus the
-// replicated attention, and the process's fixed ~170 MB); a rank that built the whole
-// model and kept its part (values and gradients of every parameter) measures ~0.49.
+// (VmHWM) in status.json (`rss_peak_bytes`). What a process holds besides the model (code,
+// libraries, threads: ~175 MB) is measured by the same n=4 job on a model of 0.1 M
+// parameters and taken off; what is left of each rank of the 4-way layouts must stay
+// under 0.35 x what is left of the whole-model worker. A rank holds 0.26 of the parameters
+// (a quarter of the experts plus the replicated attention), so expect about 0.27; a rank
+// that built the whole model and kept its part next to it (values and gradients of every
+// parameter, 8 of the ~56 bytes a parameter costs a CPU worker with its elastic state)
+// lands at ~0.40, and at more if the per-parameter state shrinks.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -43,7 +48,9 @@ class RankMemory : public ::testing::Test {
 
   // d 256, 4 MoE blocks of 8 experts (hidden 2048, top-2), 8 heads / 4 kv heads; 2 steps of
   // one sequence of 16 tokens (the memory is the model's, not the activations').
-  static std::vector<std::string> args(const std::string& name, const std::string& parallel) {
+  // `small`: d 32 and experts of hidden 32 (0.1 M parameters), for the process's own memory.
+  static std::vector<std::string> args(const std::string& name, const std::string& parallel,
+                                       bool small = false) {
     troupe::test::TrainMoeCommand c;
     c.run_dir = *root_ / name;
     c.sets = {"model.vocab_size=320",
@@ -61,6 +68,7 @@ class RankMemory : public ::testing::Test {
               "train.eval_every=0",
               "train.eval_batches=1",
               fmt::format("data.dir=\"{}\"", (*root_ / "data").string())};
+    if (small) c.sets.insert(c.sets.end(), {"model.d_model=32", "model.moe.expert_hidden=32"});
     c.parallel = parallel;
     return c.argv();
   }
@@ -104,10 +112,19 @@ TEST_F(RankMemory, FourWayLayoutsHoldTheirShareOfTheModel) {
   ASSERT_EQ(one.size(), 1u);
   // It holds at least the f32 value, gradient and two AdamW moments of every parameter.
   EXPECT_GE(one[0], 16 * params) << "the whole-model worker's peak is below its training state";
+  // The process without the model: the n=4 job on 0.1 M parameters.
+  const RunResult b = run(args("base", "n=4", true), *root_ / "base.log", std::chrono::seconds(300));
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  const std::vector<int64_t> bp = rank_peaks("base");
+  ASSERT_EQ(bp.size(), 4u);
+  const int64_t base = *std::max_element(bp.begin(), bp.end());
+  ASSERT_GT(base, 0);
+  const double whole_share = static_cast<double>(one[0] - base);
   std::printf(
-      "[rank memory] %lld parameters (f32 %.0f MiB); one worker holding the whole model: peak %.0f MiB\n",
+      "[rank memory] %lld parameters (f32 %.0f MiB); one worker holding the whole model: peak %.0f MiB; a "
+      "process without the model: %.0f MiB\n",
       static_cast<long long>(params), 4.0 * static_cast<double>(params) / kMiB,
-      static_cast<double>(one[0]) / kMiB);
+      static_cast<double>(one[0]) / kMiB, static_cast<double>(base) / kMiB);
 
   for (const char* layout : {"n=4", "pp=2,n=2"}) {
     const std::string name = std::string("split-") + (layout[0] == 'n' ? "n4" : "pp2n2");
@@ -118,10 +135,13 @@ TEST_F(RankMemory, FourWayLayoutsHoldTheirShareOfTheModel) {
     std::string line;
     for (size_t rank = 0; rank < peaks.size(); ++rank) {
       ASSERT_GT(peaks[rank], 0) << layout << " rank " << rank << " reported no peak";
-      const double ratio = static_cast<double>(peaks[rank]) / static_cast<double>(one[0]);
-      EXPECT_LE(ratio, 0.4) << layout << " rank " << rank << ": peak " << peaks[rank] << " bytes against "
-                            << one[0] << " for the whole model";
-      line += fmt::format(" {:.0f} MiB ({:.2f}x)", static_cast<double>(peaks[rank]) / kMiB, ratio);
+      const double share = static_cast<double>(peaks[rank] - base) / whole_share;
+      EXPECT_LE(share, 0.35) << layout << " rank " << rank << ": peak " << peaks[rank] << " bytes, "
+                             << peaks[rank] - base << " beyond the process's own, against " << one[0] - base
+                             << " for the whole model";
+      line +=
+          fmt::format(" {:.0f} MiB ({:.2f}x; model part {:.2f}x)", static_cast<double>(peaks[rank]) / kMiB,
+                      static_cast<double>(peaks[rank]) / static_cast<double>(one[0]), share);
     }
     std::printf("[rank memory] %s, peak per rank:%s\n", layout, line.c_str());
   }
