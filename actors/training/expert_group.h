@@ -61,9 +61,6 @@ class ExpertGroup final : public layers::ExpertDispatch {
   Tensor backward(const layers::Ctx& c, const Tensor& dy, layers::DispatchState& state,
                   Tensor& dgates) override;
 
-  layers::Experts& experts() { return local_; }
-  int64_t first_expert() const { return first_; }
-
  private:
   Tensor forward_a2a(const layers::Ctx& c, const Tensor& x, const Tensor& topk_idx, const Tensor& gates,
                      std::unique_ptr<layers::DispatchState>& state, std::vector<int64_t>& kept);
