@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/fp8.h"
+
 namespace troupe::comm {
 
 void CodecStats::record_error(double rel) {
@@ -45,23 +47,6 @@ inline float from_bf16(uint16_t b) {
   float f;
   std::memcpy(&f, &u, sizeof(f));
   return f;
-}
-
-// e4m3 "fn": bias 7, 3 mantissa bits, largest finite 448 (code 0x7E), NaN 0x7F.
-uint8_t encode_one(float x) {
-  const uint32_t u = bits_of(x);
-  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
-  const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return sign | 0x7F;  // NaN
-  if (a >= 0x3C800000u) {                  // |x| >= 2^-6: normal in e4m3
-    // Round the 23-bit mantissa to 3 bits, ties to even, then rebias 127 -> 7.
-    const uint32_t rounded = (a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
-    const uint32_t code = rounded - ((127u - 7u) << 3);
-    return sign | static_cast<uint8_t>(std::min<uint32_t>(code, 0x7E));  // saturate (inf too)
-  }
-  // Subnormal: multiples of 2^-9; a result of 8 is the smallest normal's code.
-  const float q = std::nearbyint(std::fabs(x) * 512.0f);
-  return sign | static_cast<uint8_t>(q);
 }
 
 struct DecodeTable {
@@ -131,7 +116,7 @@ Status Bf16ReduceScatter::run(const Tensor& grad, const Tensor& out, const OpOpt
 }
 
 void encode_fp8e4m3(const float* src, uint8_t* dst, size_t n, float inv_scale) {
-  for (size_t i = 0; i < n; ++i) dst[i] = encode_one(src[i] * inv_scale);
+  for (size_t i = 0; i < n; ++i) dst[i] = fp8e4m3_encode(src[i] * inv_scale);
 }
 
 void decode_fp8e4m3(const uint8_t* src, float* dst, size_t n, float scale) {

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "core/fp8.h"
 
 namespace troupe {
 
@@ -167,7 +168,7 @@ uint16_t float_to_f16_bits(float f) { return static_cast<uint16_t>(mini_encode(k
 float f16_bits_to_float(uint16_t b) { return mini_decode(kF16, b); }
 uint8_t float_to_fp8e4m3_bits(float f) {
   static const RoundingModeCheck check;
-  return static_cast<uint8_t>(mini_encode(kE4M3, f));
+  return fp8e4m3_encode(f);
 }
 float fp8e4m3_bits_to_float(uint8_t b) { return mini_decode(kE4M3, b); }
 uint8_t float_to_fp8e5m2_bits(float f) { return static_cast<uint8_t>(mini_encode(kE5M2, f)); }

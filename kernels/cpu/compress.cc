@@ -1,33 +1,15 @@
-// kernels/cpu/compress.cc — CPU versions of the communication codec ops (issue 17):
-// moe_permute_fp8 (the expert permute fused with fp8 e4m3 per-row quantisation; bytes
+// kernels/cpu/compress.cc — CPU versions of the communication codec ops:
+// moe_permute_fp8 (the expert permute fused with fp8 e4m3 per-row quantisation, core/fp8.h; bytes
 // identical to comm::quantize_rows_fp8 of moe_permute's output, checked in
 // tests/comm/comm_compression_test.cc) and sum_chunks (fp32 sum of chunks in order).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
+#include "core/fp8.h"
 #include "kernels/cpu/cpu_ops.h"
 
 namespace troupe::kernels::cpu {
-namespace {
-
-uint8_t encode_e4m3(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
-  const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return sign | 0x7F;  // NaN
-  if (a >= 0x3C800000u) {                   // |x| >= 2^-6: normal in e4m3
-    const uint32_t rounded = (a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
-    const uint32_t code = rounded - ((127u - 7u) << 3);
-    return sign | static_cast<uint8_t>(std::min<uint32_t>(code, 0x7E));
-  }
-  const float q = std::nearbyint(std::fabs(x) * 512.0f);  // subnormal: multiples of 2^-9
-  return sign | static_cast<uint8_t>(q);
-}
-
-}  // namespace
-
 void moe_permute_fp8(const Exec&, const Tensor& x, const Tensor& row_map, int64_t top_k, Tensor& q,
                      Tensor& scales) {
   const int64_t tokens = x.size(0), d = x.size(1), rows = q.size(0);
@@ -47,7 +29,7 @@ void moe_permute_fp8(const Exec&, const Tensor& x, const Tensor& row_map, int64_
       const int32_t r = pm[t * top_k + j];
       TROUPE_CHECK(r < rows, "moe_permute_fp8: copy {} maps to row {} of {}", t * top_k + j, r, rows);
       if (r < 0) continue;
-      for (int64_t c = 0; c < d; ++c) pq[r * d + c] = encode_e4m3(src[c] * inv);
+      for (int64_t c = 0; c < d; ++c) pq[r * d + c] = fp8e4m3_encode(src[c] * inv);
       ps[r] = scale;
     }
   }

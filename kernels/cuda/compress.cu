@@ -1,27 +1,14 @@
-// kernels/cuda/compress.cu — the communication codec kernels (issue 17): the expert
-// permute fused with fp8 e4m3 quantisation, one fp32 scale per row (the rows MegaScale-MoE
-// dispatches in fp8), and the fp32 sum of the chunks a bf16 reduce-scatter receives. The
-// e4m3 encoding is the integer algorithm of comm/compression.cc's encode_fp8e4m3 (round
-// to nearest even, saturation to ±448, NaN kept), so both sides produce the same bytes.
+// kernels/cuda/compress.cu — the communication codec kernels: the expert permute fused
+// with fp8 e4m3 quantisation, one fp32 scale per row (the rows MegaScale-MoE dispatches in
+// fp8), and the fp32 sum of the chunks a bf16 reduce-scatter receives. The e4m3 encoding is
+// core/fp8.h's, the same as the CPU's and the communication codec's, so every side
+// produces the same bytes.
+#include "core/fp8.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/compress.h"
 
 namespace troupe::kernels::gpu {
 namespace {
-
-__device__ __forceinline__ uint8_t encode_e4m3(float x) {
-  const uint32_t u = __float_as_uint(x);
-  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
-  const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return sign | 0x7F;  // NaN
-  if (a >= 0x3C800000u) {                   // |x| >= 2^-6: normal in e4m3
-    const uint32_t rounded = (a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
-    const uint32_t code = rounded - ((127u - 7u) << 3);
-    return sign | static_cast<uint8_t>(min(code, 0x7Eu));
-  }
-  const float q = rintf(fabsf(x) * 512.0f);  // subnormal: multiples of 2^-9
-  return sign | static_cast<uint8_t>(q);
-}
 
 constexpr int kThreads = 256;
 
@@ -50,7 +37,7 @@ __global__ void permute_fp8_kernel(const T* __restrict__ x, int64_t d, const int
   const float scale = (m > 0.0f && isfinite(m)) ? m / 448.0f : 1.0f;
   const float inv = 1.0f / scale;
   uint8_t* dst = q + static_cast<int64_t>(r) * d;
-  for (int64_t c = threadIdx.x; c < d; c += blockDim.x) dst[c] = encode_e4m3(to_float(src[c]) * inv);
+  for (int64_t c = threadIdx.x; c < d; c += blockDim.x) dst[c] = fp8e4m3_encode(to_float(src[c]) * inv);
   if (threadIdx.x == 0) scales[r] = scale;
 }
 

@@ -39,7 +39,7 @@ std::unique_ptr<Communicator> connect(const std::filesystem::path& dir, std::uni
   return make_gloo_communicator(spec).value();
 }
 
-TEST(Fp8Codec, FastEncodeDecodeMatchCoreBitForBit) {
+TEST(Fp8Codec, EncodeDecodeMatchTheDTypeConversionBitForBit) {
   auto check = [](float x) {
     uint8_t fast;
     encode_fp8e4m3(&x, &fast, 1, 1.0f);
