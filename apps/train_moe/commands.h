@@ -15,12 +15,18 @@
 namespace troupe::train_moe {
 
 struct PrepareOptions {
-  std::vector<std::string> inputs;  // files or directories
+  std::vector<std::string> inputs;  // files or directories: text, or JSON lines (.jsonl[.gz|.zst])
   std::string out;                  // output directory
+  // A Hugging Face tokenizer.json to tokenize with; empty: train Troupe's own of `vocab`.
+  std::string tokenizer;
+  std::string eot_token;  // with `tokenizer`: the token ending each document (default: its eos)
   int64_t vocab = 1024;
-  int64_t max_bytes = 8'000'000;     // corpus cap (whole files, in path order)
+  int64_t max_bytes = 8'000'000;  // corpus cap (stop after the document passing it; 0: none)
   double val_fraction = 0.05;
-  std::vector<std::string> extensions = {".py", ".txt", ".md", ".rst"};  // for directory walks
+  // For directory walks (name endings).
+  std::vector<std::string> extensions = {".py", ".txt", ".md", ".rst", ".jsonl", ".jsonl.gz", ".jsonl.zst"};
+  std::string text_key = "text";  // JSON lines: the field holding a record's text
+  bool strict = false;            // JSON lines: a malformed record is an error (default: skipped, counted)
   int64_t shard_tokens = 16'000'000;
 };
 Status run_prepare(const PrepareOptions& o);

@@ -132,8 +132,9 @@ Status run_sample(const SampleOptions& o) {
   layers::Model& model = *sm.model;
   layers::Tokenizer& tok = sm.tok;
 
-  std::vector<int32_t> ids = tok.encode(o.prompt);
-  if (ids.empty()) ids.push_back(layers::Tokenizer::kEot);  // start of a document
+  // As prepare encoded documents: with the tokenizer's template (e.g. a BOS token).
+  std::vector<int32_t> ids = tok.encode(o.prompt, /*add_special_tokens=*/true);
+  if (ids.empty() && tok.eot()) ids.push_back(*tok.eot());  // the start of a document
   const size_t prompt_len = ids.size();
   std::mt19937_64 rng(o.seed);
   const layers::Ctx c = layers::Ctx::cpu();
@@ -158,7 +159,7 @@ Status run_sample(const SampleOptions& o) {
       std::discrete_distribution<size_t> pick(w.begin(), w.end());
       next = order[pick(rng)];
     }
-    if (next == layers::Tokenizer::kEot) break;
+    if (tok.eot() && next == *tok.eot()) break;
     ids.push_back(next);
   }
   fmt::print("{}\n", tok.decode(ids));
