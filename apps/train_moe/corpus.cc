@@ -287,9 +287,9 @@ void ProgressLine::update(uint64_t done, int64_t documents) {
   const double left = rate > 0 && total_ > done ? static_cast<double>(total_ - done) / rate : 0.0;
   const int width = 24, fill = static_cast<int>(frac * width);
   const std::string bar = std::string(static_cast<size_t>(fill), '#') + std::string(static_cast<size_t>(width - fill), ' ');
-  fmt::print("{}{}: [{}] {:5.1f}% {:.1f}/{:.1f} MB, {} documents, {:.1f} MB/s, {:.0f}s left{}", tty_ ? "\r" : "",
-             what_, bar, 100.0 * frac, static_cast<double>(done) / 1e6, static_cast<double>(total_) / 1e6, documents,
-             rate / 1e6, left, tty_ ? "   " : "\n");
+  fmt::print("{}{}: [{}] {:5.1f}% {:.1f}/{:.1f} MB{}, {:.1f} MB/s, {:.0f}s left{}", tty_ ? "\r" : "", what_, bar,
+             100.0 * frac, static_cast<double>(done) / 1e6, static_cast<double>(total_) / 1e6,
+             documents >= 0 ? fmt::format(", {} documents", documents) : "", rate / 1e6, left, tty_ ? "   " : "\n");
   std::fflush(stdout);
 }
 

@@ -66,6 +66,7 @@ class Corpus {
 class ProgressLine {
  public:
   ProgressLine(std::string what, uint64_t total);
+  // documents < 0: not shown (a pass that is not over documents).
   void update(uint64_t done, int64_t documents);
   void finish(uint64_t done, int64_t documents);
 

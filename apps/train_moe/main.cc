@@ -3,6 +3,8 @@
 //   train_moe train --resume <run dir> [--parallel ...]                             resume
 //   train_moe prepare --input <files|dirs> --out <dir> --vocab <n>                 data
 //   train_moe sample --run <dir> | --checkpoint <dir> --prompt "..."              generate
+//   train_moe eval --checkpoint <dir> | --init-from <hf dir> --tokens rows.npy     loss, logits
+//   train_moe export --run <dir> --format hf --family mixtral --out <dir>          Hugging Face
 //   train_moe plot --run <dir>                                                     PNGs
 // main() parses the command line and calls the subcommand (apps/train_moe/commands.h);
 // training runs in train.cc (one process) or under the framework (training::run_app,
@@ -95,6 +97,24 @@ int main(int argc, char** argv) {
   samp->add_option("--top-k", sample.top_k, "sample among the k most likely tokens (0 = all)");
   samp->add_option("--seed", sample.seed, "sampling seed");
 
+  EvalOptions eval;
+  CLI::App* evl = app.add_subcommand("eval", "loss and logits of token rows (.npy) under a checkpoint or a Hugging Face model");
+  evl->add_option("--checkpoint", eval.checkpoint, "run dir, checkpoints dir or step_<N> dir (newest valid checkpoint)");
+  evl->add_option("--init-from", eval.init_from, "or a Hugging Face model directory");
+  evl->add_option("--tokens", eval.tokens, "token rows: .npy of int32/int64 [rows, positions]")->required();
+  evl->add_option("--logits", eval.logits, "write every position's logits here (.npy, f32 [rows, positions, vocab])");
+
+  ExportOptions exp;
+  CLI::App* ex = app.add_subcommand("export", "write a run's checkpoint (any layout) as a Hugging Face model directory");
+  ex->add_option("--run", exp.run, "run directory: its newest valid checkpoint");
+  ex->add_option("--checkpoint", exp.checkpoint, "or a checkpoints dir / step_<N> dir");
+  ex->add_option("--format", exp.format, "hf (config.json + safetensors + tokenizer)");
+  ex->add_option("--family", exp.family, "mixtral or qwen3_moe")->required();
+  ex->add_option("--out", exp.out, "output directory")->required();
+  ex->add_option("--dtype", exp.dtype, "bf16 (default) or f32");
+  ex->add_option("--max-shard-size", exp.max_shard_size, "largest safetensors file (e.g. 5GB, 500MB)");
+  ex->add_option("--threads", exp.threads, "stored slices converted at a time (each holds one in memory)");
+
   PlotOptions plot;
   CLI::App* plt = app.add_subcommand("plot", "draw loss, throughput and expert load PNGs from metrics.jsonl");
   plt->add_option("--run", plot.run, "run directory")->required();
@@ -108,6 +128,10 @@ int main(int argc, char** argv) {
     st = run_prepare(prep);
   } else if (*samp) {
     st = run_sample(sample);
+  } else if (*evl) {
+    st = run_eval(eval);
+  } else if (*ex) {
+    st = run_export(exp);
   } else if (*plt) {
     st = run_plot(plot);
   } else {
@@ -138,7 +162,8 @@ int main(int argc, char** argv) {
       return 1;
     }
     (*dev)->set_attention_fused_dq(tc->train.attention_fused_dq);
-    if (tc->parallel.world() == 1 && std::getenv("TROUPE_ROLE") == nullptr) {
+    // --init-from is the Trainer's (its Stages import the weights), in every layout.
+    if (tc->parallel.world() == 1 && std::getenv("TROUPE_ROLE") == nullptr && tc->train.init_from.empty()) {
       st = run_train(*resolved, **dev);  // one process: the loop in train.cc
     } else {
       // Several ranks, or started by Troupe: the framework's Trainer and workers run

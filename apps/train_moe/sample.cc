@@ -62,12 +62,7 @@ Result<SampleModel> from_checkpoint(const std::string& path, const std::string& 
   TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::CheckpointReader> reader,
                           training::open_resume_checkpoint(path, "sample"));
   const checkpoint::Manifest& m = reader->manifest();
-  if (m.config_text.empty()) return failed_precondition("sample: checkpoint {} holds no config text", reader->path());
-  TROUPE_ASSIGN_OR_RETURN(ConfigTable cfg, ConfigTable::parse_string(m.config_text, reader->path() + "/manifest.json config"));
-  for (const auto& v : m.metadata.value("overrides", nlohmann::json::array())) {
-    TROUPE_RETURN_IF_ERROR(cfg.set_from_string(v.get<std::string>()));
-  }
-  TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, layers::parse_train_config(cfg));
+  TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, checkpoint_train_config(*reader));
   SampleModel s;
   if (m.tokenizer) {
     TROUPE_ASSIGN_OR_RETURN(s.tok, checkpoint_tokenizer(*reader));
