@@ -113,7 +113,8 @@ Status run_export(const ExportOptions& o) {
   eo.dtype = dtype;
   eo.max_shard_bytes = shard;
   eo.threads = o.threads;
-  eo.max_position_embeddings = tc.train.seq_len;
+  // At least the trained length (RoPE runs longer; a server reads this as its context limit).
+  eo.max_position_embeddings = std::max<int64_t>(tc.train.seq_len, 4096);
   eo.eos_token_id = eos;
   fmt::print("export: {} (step {}, saved with layout {}) -> {} as {} in {}\n", reader->path(), reader->step(),
              reader->layout().to_string(), o.out, interop::family_name(family), dtype_name(dtype));
