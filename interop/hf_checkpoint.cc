@@ -3,6 +3,7 @@
 #include "interop/hf_checkpoint.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,8 +11,6 @@
 #include <mutex>
 #include <set>
 #include <thread>
-
-#include <fmt/format.h>
 
 #include "checkpoint/file_io.h"
 
@@ -35,12 +34,15 @@ Result<json> read_json(const std::string& path) {
 
 // Tensors a checkpoint may hold that Troupe's model has no use for and transformers
 // itself ignores: precomputed RoPE frequencies of older saves.
-bool ignorable(const std::string& name) { return name.size() > 20 && name.ends_with("rotary_emb.inv_freq"); }
+bool ignorable(const std::string& name) {
+  return name.size() > 20 && name.ends_with("rotary_emb.inv_freq");
+}
 
 }  // namespace
 
 Result<std::unique_ptr<HfCheckpoint>> HfCheckpoint::open(const std::string& dir) {
-  if (!fs::is_directory(dir)) return not_found("{} is not a directory (a Hugging Face model directory was expected)", dir);
+  if (!fs::is_directory(dir))
+    return not_found("{} is not a directory (a Hugging Face model directory was expected)", dir);
   std::unique_ptr<HfCheckpoint> c(new HfCheckpoint());
   c->dir_ = dir;
   const std::string cfg_path = dir + "/config.json";
@@ -69,16 +71,20 @@ Result<std::unique_ptr<HfCheckpoint>> HfCheckpoint::open(const std::string& dir)
   } else {
     std::string found;
     for (const auto& e : fs::directory_iterator(dir)) {
-      if (e.path().extension() == ".bin" || e.path().extension() == ".pth") found = e.path().filename().string();
+      if (e.path().extension() == ".bin" || e.path().extension() == ".pth")
+        found = e.path().filename().string();
     }
     return not_found("{}: neither model.safetensors nor model.safetensors.index.json{}", dir,
-                     found.empty() ? "" : fmt::format(" (found {}: PyTorch pickles are not read; save with "
-                                                      "safe_serialization=True)", found));
+                     found.empty() ? ""
+                                   : fmt::format(" (found {}: PyTorch pickles are not read; save with "
+                                                 "safe_serialization=True)",
+                                                 found));
   }
   for (const std::string& f : files) {
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> sf, SafetensorsFile::open(dir + "/" + f));
     for (const auto& [name, info] : sf->tensors()) {
-      if (c->tensors_.count(name)) return data_loss("{}: tensor '{}' is stored twice (also in another file)", dir, name);
+      if (c->tensors_.count(name))
+        return data_loss("{}: tensor '{}' is stored twice (also in another file)", dir, name);
       c->tensors_[name] = Loc{sf.get(), &info};
       if (name.find(".experts.gate_up_proj") != std::string::npos) c->fused_ = true;
     }
@@ -153,9 +159,10 @@ Status HfCheckpoint::validate(const layers::ModelConfig& m) const {
                                    shape_to_string(info.shape), shape_to_string(p.hf_shape));
       }
       if (info.dtype != StDType::kF32 && info.dtype != StDType::kBF16 && info.dtype != StDType::kF16) {
-        return failed_precondition("{}: tensor '{}' is {}; weights must be F32, BF16 or F16 (quantized checkpoints are "
-                                   "not read: dequantize first)",
-                                   dir_, p.hf_name, info.dtype_name);
+        return failed_precondition(
+            "{}: tensor '{}' is {}; weights must be F32, BF16 or F16 (quantized checkpoints are "
+            "not read: dequantize first)",
+            dir_, p.hf_name, info.dtype_name);
       }
       used.insert(p.hf_name);
     }
@@ -170,7 +177,8 @@ Status HfCheckpoint::validate(const layers::ModelConfig& m) const {
   }
   if (!extra.empty()) {
     return failed_precondition(
-        "{}: {} tensor(s) have no place in Troupe's {} model, e.g. '{}'{}: the checkpoint holds a feature the import "
+        "{}: {} tensor(s) have no place in Troupe's {} model, e.g. '{}'{}: the checkpoint holds a feature "
+        "the import "
         "would drop",
         dir_, extra.size(), family_name(config_.family), extra.front(),
         extra.size() > 1 ? fmt::format(", '{}'", extra[1]) : "");
@@ -181,11 +189,13 @@ Status HfCheckpoint::validate(const layers::ModelConfig& m) const {
 Status HfCheckpoint::read(const std::string& name, const Shape& global, const Slice& box, Tensor& dst) const {
   if (!dst.defined() || !dst.device().is_cpu() || !dst.is_contiguous() || dst.dtype() != DType::kF32 ||
       dst.shape() != checkpoint::slice_shape(box)) {
-    return invalid_argument("HfCheckpoint::read('{}'): the destination must be a contiguous host f32 tensor of shape {}",
-                            name, shape_to_string(checkpoint::slice_shape(box)));
+    return invalid_argument(
+        "HfCheckpoint::read('{}'): the destination must be a contiguous host f32 tensor of shape {}", name,
+        shape_to_string(checkpoint::slice_shape(box)));
   }
   TROUPE_RETURN_IF_ERROR(checkpoint::check_slice_within(box, global, name));
-  TROUPE_ASSIGN_OR_RETURN(std::vector<HfPiece> pieces, hf_pieces(config_.model, config_.family, {name, global}, fused_));
+  TROUPE_ASSIGN_OR_RETURN(std::vector<HfPiece> pieces,
+                          hf_pieces(config_.model, config_.family, {name, global}, fused_));
   int64_t covered = 0;
   for (const HfPiece& p : pieces) {
     const std::optional<Slice> region = checkpoint::intersect(box, p.box);
@@ -195,7 +205,8 @@ Status HfCheckpoint::read(const std::string& name, const Shape& global, const Sl
       return failed_precondition("{}: tensor '{}' has shape {}, expected {}", dir_, p.hf_name,
                                  shape_to_string(loc.info->shape), shape_to_string(p.hf_shape));
     }
-    TROUPE_ASSIGN_OR_RETURN(DType dt, to_dtype(loc.info->dtype, fmt::format("{}: tensor '{}'", dir_, p.hf_name)));
+    TROUPE_ASSIGN_OR_RETURN(DType dt,
+                            to_dtype(loc.info->dtype, fmt::format("{}: tensor '{}'", dir_, p.hf_name)));
     if (dt != DType::kF32 && dt != DType::kBF16 && dt != DType::kF16) {
       return failed_precondition("{}: tensor '{}' is {}; weights must be F32, BF16 or F16", dir_, p.hf_name,
                                  loc.info->dtype_name);
@@ -251,7 +262,8 @@ Status write_region(int fd, const std::string& path, uint64_t base, const Shape&
     return checkpoint::pwrite_all(fd, buf, static_cast<size_t>(shape_numel(shape)) * esize, base, path);
   }
   std::vector<int64_t> stride(static_cast<size_t>(r), 1);
-  for (int d = r - 1; d > 0; --d) stride[static_cast<size_t>(d - 1)] = stride[static_cast<size_t>(d)] * shape[static_cast<size_t>(d)];
+  for (int d = r - 1; d > 0; --d)
+    stride[static_cast<size_t>(d - 1)] = stride[static_cast<size_t>(d)] * shape[static_cast<size_t>(d)];
   const Range& part = hf_box[static_cast<size_t>(k - 1)];
   const size_t run = static_cast<size_t>(part.length * stride[static_cast<size_t>(k - 1)]) * esize;
   std::vector<int64_t> idx;  // the odometer over dims [0, k - 1)
@@ -260,7 +272,8 @@ Status write_region(int fd, const std::string& path, uint64_t base, const Shape&
   while (true) {
     int64_t off = part.start * stride[static_cast<size_t>(k - 1)];
     for (int d = 0; d < k - 1; ++d) off += idx[static_cast<size_t>(d)] * stride[static_cast<size_t>(d)];
-    TROUPE_RETURN_IF_ERROR(checkpoint::pwrite_all(fd, src, run, base + static_cast<uint64_t>(off) * esize, path));
+    TROUPE_RETURN_IF_ERROR(
+        checkpoint::pwrite_all(fd, src, run, base + static_cast<uint64_t>(off) * esize, path));
     src += run;
     int d = k - 2;
     for (; d >= 0; --d) {
@@ -287,11 +300,13 @@ Result<ExportSummary> export_hf(const checkpoint::CheckpointReader& reader, cons
   std::vector<Target> targets;
   for (const TroupeTensor& t : tensors) {
     Result<const checkpoint::TensorRecord*> rec = reader.tensor(t.name);
-    if (!rec.ok()) return not_found("checkpoint {} holds no tensor '{}' (not a model of this config?)", reader.path(), t.name);
+    if (!rec.ok())
+      return not_found("checkpoint {} holds no tensor '{}' (not a model of this config?)", reader.path(),
+                       t.name);
     if ((*rec)->shape != t.shape || (*rec)->dtype != DType::kF32) {
-      return failed_precondition("checkpoint {}: tensor '{}' is {} {}, the model config implies f32 {}", reader.path(),
-                                 t.name, dtype_name((*rec)->dtype), shape_to_string((*rec)->shape),
-                                 shape_to_string(t.shape));
+      return failed_precondition("checkpoint {}: tensor '{}' is {} {}, the model config implies f32 {}",
+                                 reader.path(), t.name, dtype_name((*rec)->dtype),
+                                 shape_to_string((*rec)->shape), shape_to_string(t.shape));
     }
     TROUPE_ASSIGN_OR_RETURN(std::vector<HfPiece> pieces, hf_pieces(m, o.family, t));
     for (HfPiece& p : pieces) targets.push_back({std::move(p), t.name});
@@ -328,12 +343,14 @@ Result<ExportSummary> export_hf(const checkpoint::CheckpointReader& reader, cons
   std::vector<checkpoint::FileHandle> fds;
   for (int f = 0; f < nfiles; ++f) {
     paths.push_back(out_dir + "/" + names[static_cast<size_t>(f)] + ".tmp");
-    TROUPE_ASSIGN_OR_RETURN(checkpoint::FileHandle fh, checkpoint::open_file(paths.back(), O_WRONLY | O_CREAT | O_TRUNC));
+    TROUPE_ASSIGN_OR_RETURN(checkpoint::FileHandle fh,
+                            checkpoint::open_file(paths.back(), O_WRONLY | O_CREAT | O_TRUNC));
     const SafetensorsLayout& l = layouts[static_cast<size_t>(f)];
     if (ftruncate(fh.fd(), static_cast<off_t>(l.file_size)) != 0) {
       return checkpoint::errno_status("ftruncate", paths.back(), errno);
     }
-    TROUPE_RETURN_IF_ERROR(checkpoint::pwrite_all(fh.fd(), l.header.data(), l.header.size(), 0, paths.back()));
+    TROUPE_RETURN_IF_ERROR(
+        checkpoint::pwrite_all(fh.fd(), l.header.data(), l.header.size(), 0, paths.back()));
     fds.push_back(std::move(fh));
   }
 
@@ -380,8 +397,8 @@ Result<ExportSummary> export_hf(const checkpoint::CheckpointReader& reader, cons
         const int64_t n = checkpoint::slice_numel(*region);
         out.resize(static_cast<size_t>(n) * esize);
         troupe_to_hf(t->piece, src.data<float>(), job.box, *region, out.data(), o.dtype, hb);
-        st = write_region(fds[static_cast<size_t>(t->file)].fd(), paths[static_cast<size_t>(t->file)], t->offset,
-                          t->piece.hf_shape, hb, out.data(), esize);
+        st = write_region(fds[static_cast<size_t>(t->file)].fd(), paths[static_cast<size_t>(t->file)],
+                          t->offset, t->piece.hf_shape, hb, out.data(), esize);
         written += static_cast<uint64_t>(n) * esize;
         cover.emplace_back(t, n);
       }
@@ -403,18 +420,20 @@ Result<ExportSummary> export_hf(const checkpoint::CheckpointReader& reader, cons
   if (!failure.ok()) return failure;
   for (const auto& [t, n] : covered) {
     if (n != shape_numel(t->piece.hf_shape)) {
-      return data_loss("checkpoint {}: '{}' covers {} of the {} elements of {}", reader.path(), t->troupe_name, n,
-                       shape_numel(t->piece.hf_shape), t->piece.hf_name);
+      return data_loss("checkpoint {}: '{}' covers {} of the {} elements of {}", reader.path(),
+                       t->troupe_name, n, shape_numel(t->piece.hf_shape), t->piece.hf_name);
     }
   }
 
   // ---- commit: fsync, rename, index, config last ---------------------------------------
   for (int f = 0; f < nfiles; ++f) {
-    TROUPE_RETURN_IF_ERROR(checkpoint::fsync_fd(fds[static_cast<size_t>(f)].fd(), paths[static_cast<size_t>(f)]));
+    TROUPE_RETURN_IF_ERROR(
+        checkpoint::fsync_fd(fds[static_cast<size_t>(f)].fd(), paths[static_cast<size_t>(f)]));
     const std::string final_path = out_dir + "/" + names[static_cast<size_t>(f)];
     std::error_code ec;
     fs::rename(paths[static_cast<size_t>(f)], final_path, ec);
-    if (ec) return io_error("cannot rename {} to {}: {}", paths[static_cast<size_t>(f)], final_path, ec.message());
+    if (ec)
+      return io_error("cannot rename {} to {}: {}", paths[static_cast<size_t>(f)], final_path, ec.message());
   }
   // Files of an earlier export with more shards would make the directory ambiguous.
   for (const auto& e : fs::directory_iterator(out_dir)) {
@@ -429,11 +448,13 @@ Result<ExportSummary> export_hf(const checkpoint::CheckpointReader& reader, cons
   json wm = json::object();
   for (const Target& t : targets) wm[t.piece.hf_name] = names[static_cast<size_t>(t.file)];
   index["weight_map"] = wm;
-  TROUPE_RETURN_IF_ERROR(checkpoint::write_file_durably(out_dir + "/model.safetensors.index.json", index.dump(2) + "\n"));
+  TROUPE_RETURN_IF_ERROR(
+      checkpoint::write_file_durably(out_dir + "/model.safetensors.index.json", index.dump(2) + "\n"));
   json gen{{"_from_model_config", true}};
   if (o.bos_token_id) gen["bos_token_id"] = *o.bos_token_id;
   if (o.eos_token_id) gen["eos_token_id"] = *o.eos_token_id;
-  TROUPE_RETURN_IF_ERROR(checkpoint::write_file_durably(out_dir + "/generation_config.json", gen.dump(2) + "\n"));
+  TROUPE_RETURN_IF_ERROR(
+      checkpoint::write_file_durably(out_dir + "/generation_config.json", gen.dump(2) + "\n"));
   TROUPE_RETURN_IF_ERROR(checkpoint::write_file_durably(out_dir + "/config.json", config.dump(2) + "\n"));
   ExportSummary s;
   s.tensors = static_cast<int64_t>(targets.size());

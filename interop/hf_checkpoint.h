@@ -76,10 +76,10 @@ bool same_architecture(const layers::ModelConfig& a, const layers::ModelConfig& 
 
 struct ExportOptions {
   HfFamily family = HfFamily::kMixtral;
-  DType dtype = DType::kBF16;                   // of the weights written: bf16 or f32
+  DType dtype = DType::kBF16;                            // of the weights written: bf16 or f32
   uint64_t max_shard_bytes = 5ull * 1000 * 1000 * 1000;  // per model-0000k-of-0000n file
-  int threads = 2;                              // stored slices converted at a time
-  int64_t max_position_embeddings = 0;          // config.json's; 0: 4096
+  int threads = 2;                                       // stored slices converted at a time
+  int64_t max_position_embeddings = 0;                   // config.json's; 0: 4096
   std::optional<int64_t> bos_token_id, eos_token_id;
   // Called after each stored slice is written: bytes of weights written, of all.
   std::function<void(uint64_t done, uint64_t total)> progress;

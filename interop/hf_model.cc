@@ -2,11 +2,11 @@
 // correspondence (HfPiece) and the element moves between the two layouts.
 #include "interop/hf_model.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
 #include <set>
-
-#include <fmt/format.h>
 
 namespace troupe::interop {
 
@@ -14,7 +14,9 @@ using checkpoint::Range;
 using checkpoint::Slice;
 using nlohmann::json;
 
-std::string family_name(HfFamily f) { return f == HfFamily::kMixtral ? "mixtral" : "qwen3_moe"; }
+std::string family_name(HfFamily f) {
+  return f == HfFamily::kMixtral ? "mixtral" : "qwen3_moe";
+}
 
 Result<HfFamily> parse_family(const std::string& name) {
   if (name == "mixtral") return HfFamily::kMixtral;
@@ -22,13 +24,15 @@ Result<HfFamily> parse_family(const std::string& name) {
   if (name == "deepseek_v3" || name == "deepseek_v2") {
     return invalid_argument(
         "model family '{}' is not supported: its layout needs multi-head latent attention (MLA: low-rank "
-        "compressed keys and values with a decoupled RoPE part), which Troupe does not have (supported: mixtral, "
+        "compressed keys and values with a decoupled RoPE part), which Troupe does not have (supported: "
+        "mixtral, "
         "qwen3_moe)",
         name);
   }
   if (name == "qwen2_moe") {
     return invalid_argument(
-        "model family 'qwen2_moe' is not supported: its shared expert is scaled by a sigmoid gate of its own and "
+        "model family 'qwen2_moe' is not supported: its shared expert is scaled by a sigmoid gate of its own "
+        "and "
         "its attention has q/k/v biases, which Troupe's model does not have (supported: mixtral, qwen3_moe)");
   }
   return invalid_argument("model family '{}' is not supported (supported: mixtral, qwen3_moe)", name);
@@ -49,7 +53,8 @@ struct Keys {
       if (dflt) return *dflt;
       return invalid_argument("{}: key '{}' is missing", src, k);
     }
-    if (!c[k].is_number_integer()) return invalid_argument("{}: key '{}' must be an integer (got {})", src, k, c[k].dump());
+    if (!c[k].is_number_integer())
+      return invalid_argument("{}: key '{}' must be an integer (got {})", src, k, c[k].dump());
     return c[k].get<int64_t>();
   }
   Result<double> num(const char* k, std::optional<double> dflt = std::nullopt) const {
@@ -57,18 +62,21 @@ struct Keys {
       if (dflt) return *dflt;
       return invalid_argument("{}: key '{}' is missing", src, k);
     }
-    if (!c[k].is_number()) return invalid_argument("{}: key '{}' must be a number (got {})", src, k, c[k].dump());
+    if (!c[k].is_number())
+      return invalid_argument("{}: key '{}' must be a number (got {})", src, k, c[k].dump());
     return c[k].get<double>();
   }
   Result<bool> boolean(const char* k, bool dflt) const {
     if (!has(k)) return dflt;
-    if (!c[k].is_boolean()) return invalid_argument("{}: key '{}' must be true or false (got {})", src, k, c[k].dump());
+    if (!c[k].is_boolean())
+      return invalid_argument("{}: key '{}' must be true or false (got {})", src, k, c[k].dump());
     return c[k].get<bool>();
   }
 };
 
 Status refuse(const std::string& src, const std::string& what) {
-  return invalid_argument("{}: {}; Troupe's model cannot express it, so the import would not be exact", src, what);
+  return invalid_argument("{}: {}; Troupe's model cannot express it, so the import would not be exact", src,
+                          what);
 }
 
 // RoPE: theta from rope_parameters (transformers 5) or rope_theta, and no scaling.
@@ -80,10 +88,12 @@ Status read_rope(const Keys& k, double dflt_theta, layers::ModelConfig& m) {
   for (const char* key : {"rope_parameters", "rope_scaling"}) {
     if (!k.has(key)) continue;
     const json& r = k.c[key];
-    if (!r.is_object()) return invalid_argument("{}: key '{}' must be an object (got {})", k.src, key, r.dump());
+    if (!r.is_object())
+      return invalid_argument("{}: key '{}' must be an object (got {})", k.src, key, r.dump());
     const std::string type = r.value("rope_type", r.value("type", std::string("default")));
     if (type != "default") {
-      return refuse(k.src, fmt::format("RoPE scaling '{}' ({}.rope_type): Troupe's RoPE has no scaling", type, key));
+      return refuse(k.src,
+                    fmt::format("RoPE scaling '{}' ({}.rope_type): Troupe's RoPE has no scaling", type, key));
     }
     if (r.contains("partial_rotary_factor") && r["partial_rotary_factor"].is_number() &&
         r["partial_rotary_factor"].get<double>() != 1.0) {
@@ -91,7 +101,8 @@ Status read_rope(const Keys& k, double dflt_theta, layers::ModelConfig& m) {
                                        r["partial_rotary_factor"].dump()));
     }
     if (r.contains("rope_theta")) {
-      if (!r["rope_theta"].is_number()) return invalid_argument("{}: {}.rope_theta must be a number", k.src, key);
+      if (!r["rope_theta"].is_number())
+        return invalid_argument("{}: {}.rope_theta must be a number", k.src, key);
       m.rope_theta = r["rope_theta"].get<double>();
     }
   }
@@ -103,7 +114,8 @@ Status read_rope(const Keys& k, double dflt_theta, layers::ModelConfig& m) {
 Result<HfModelConfig> parse_hf_config(const json& c, const std::string& src) {
   if (!c.is_object()) return invalid_argument("{}: not a JSON object", src);
   const Keys k{c, src};
-  if (!k.has("model_type")) return invalid_argument("{}: key 'model_type' is missing (not a transformers config.json?)", src);
+  if (!k.has("model_type"))
+    return invalid_argument("{}: key 'model_type' is missing (not a transformers config.json?)", src);
   HfModelConfig out;
   out.json = c;
   {
@@ -114,11 +126,13 @@ Result<HfModelConfig> parse_hf_config(const json& c, const std::string& src) {
   const bool mixtral = out.family == HfFamily::kMixtral;
   layers::ModelConfig& m = out.model;
   if (k.has("quantization_config")) {
-    return refuse(src, fmt::format("quantized weights (quantization_config {}): dequantize to bf16 or f32 first",
-                                   c["quantization_config"].value("quant_method", std::string("?"))));
+    return refuse(src,
+                  fmt::format("quantized weights (quantization_config {}): dequantize to bf16 or f32 first",
+                              c["quantization_config"].value("quant_method", std::string("?"))));
   }
   const std::string act = c.value("hidden_act", std::string("silu"));
-  if (act != "silu" && act != "swish") return refuse(src, fmt::format("activation '{}' (hidden_act; Troupe's MLPs are SwiGLU)", act));
+  if (act != "silu" && act != "swish")
+    return refuse(src, fmt::format("activation '{}' (hidden_act; Troupe's MLPs are SwiGLU)", act));
   TROUPE_ASSIGN_OR_RETURN(m.vocab_size, k.int_("vocab_size"));
   TROUPE_ASSIGN_OR_RETURN(m.d_model, k.int_("hidden_size"));
   TROUPE_ASSIGN_OR_RETURN(m.n_layers, k.int_("num_hidden_layers"));
@@ -126,8 +140,9 @@ Result<HfModelConfig> parse_hf_config(const json& c, const std::string& src) {
   TROUPE_ASSIGN_OR_RETURN(m.n_kv_heads, k.int_("num_key_value_heads", m.n_heads));
   TROUPE_ASSIGN_OR_RETURN(m.head_dim, k.int_("head_dim", int64_t{0}));
   if (m.head_dim == 0 && m.n_heads > 0 && m.d_model % m.n_heads != 0) {
-    return invalid_argument("{}: hidden_size {} is not a multiple of num_attention_heads {} and head_dim is not given",
-                            src, m.d_model, m.n_heads);
+    return invalid_argument(
+        "{}: hidden_size {} is not a multiple of num_attention_heads {} and head_dim is not given", src,
+        m.d_model, m.n_heads);
   }
   if (m.head_dim == 0 && m.n_heads > 0) m.head_dim = m.d_model / m.n_heads;
   TROUPE_ASSIGN_OR_RETURN(m.norm_eps, k.num("rms_norm_eps", mixtral ? 1e-5 : 1e-6));
@@ -136,13 +151,16 @@ Result<HfModelConfig> parse_hf_config(const json& c, const std::string& src) {
   TROUPE_ASSIGN_OR_RETURN(m.init_std, k.num("initializer_range", 0.02));
   TROUPE_ASSIGN_OR_RETURN(out.max_position_embeddings, k.int_("max_position_embeddings", int64_t{0}));
   TROUPE_ASSIGN_OR_RETURN(double attn_dropout, k.num("attention_dropout", 0.0));
-  if (attn_dropout != 0.0) return refuse(src, fmt::format("attention dropout (attention_dropout = {})", attn_dropout));
+  if (attn_dropout != 0.0)
+    return refuse(src, fmt::format("attention dropout (attention_dropout = {})", attn_dropout));
   TROUPE_ASSIGN_OR_RETURN(bool attn_bias, k.boolean("attention_bias", false));
   if (attn_bias) return refuse(src, "biases in the attention projections (attention_bias = true)");
   if (k.has("layer_types")) {
     for (const auto& t : c["layer_types"]) {
       if (!t.is_string() || t.get<std::string>() != "full_attention") {
-        return refuse(src, fmt::format("layer type {} (layer_types; Troupe's attention is full causal attention)", t.dump()));
+        return refuse(src,
+                      fmt::format("layer type {} (layer_types; Troupe's attention is full causal attention)",
+                                  t.dump()));
       }
     }
   }
@@ -153,10 +171,12 @@ Result<HfModelConfig> parse_hf_config(const json& c, const std::string& src) {
   std::vector<int64_t> sparse;
   if (mixtral) {
     if (k.has("sliding_window")) {
-      return refuse(src, fmt::format("sliding-window attention (sliding_window = {})", c["sliding_window"].dump()));
+      return refuse(
+          src, fmt::format("sliding-window attention (sliding_window = {})", c["sliding_window"].dump()));
     }
     TROUPE_ASSIGN_OR_RETURN(double jitter, k.num("router_jitter_noise", 0.0));
-    if (jitter != 0.0) return refuse(src, fmt::format("router jitter noise (router_jitter_noise = {})", jitter));
+    if (jitter != 0.0)
+      return refuse(src, fmt::format("router jitter noise (router_jitter_noise = {})", jitter));
     TROUPE_ASSIGN_OR_RETURN(e.num_experts, k.int_("num_local_experts"));
     TROUPE_ASSIGN_OR_RETURN(e.top_k, k.int_("num_experts_per_tok"));
     TROUPE_ASSIGN_OR_RETURN(e.expert_hidden, k.int_("intermediate_size"));
@@ -180,9 +200,11 @@ Result<HfModelConfig> parse_hf_config(const json& c, const std::string& src) {
     if (step < 1) return invalid_argument("{}: decoder_sparse_step must be >= 1 (got {})", src, step);
     std::set<int64_t> dense;
     if (k.has("mlp_only_layers")) {
-      if (!c["mlp_only_layers"].is_array()) return invalid_argument("{}: mlp_only_layers must be a list", src);
+      if (!c["mlp_only_layers"].is_array())
+        return invalid_argument("{}: mlp_only_layers must be a list", src);
       for (const auto& v : c["mlp_only_layers"]) {
-        if (!v.is_number_integer()) return invalid_argument("{}: mlp_only_layers must hold layer indices", src);
+        if (!v.is_number_integer())
+          return invalid_argument("{}: mlp_only_layers must hold layer indices", src);
         dense.insert(v.get<int64_t>());
       }
     }
@@ -245,7 +267,8 @@ Result<json> hf_config_for(const layers::ModelConfig& m, HfFamily family, DType 
   const auto cannot = [&](const std::string& what) {
     return failed_precondition("cannot export as {}: {}", fam, what);
   };
-  if (dtype != DType::kBF16 && dtype != DType::kF32) return invalid_argument("export dtype must be bf16 or f32");
+  if (dtype != DType::kBF16 && dtype != DType::kF32)
+    return invalid_argument("export dtype must be bf16 or f32");
   std::vector<int64_t> dense;
   bool any_moe = false;
   for (int64_t i = 0; i < m.n_layers; ++i) {
@@ -257,13 +280,16 @@ Result<json> hf_config_for(const layers::ModelConfig& m, HfFamily family, DType 
   }
   if (any_moe) {
     if (m.moe.score != kernels::RouterScore::kSoftmax) {
-      return cannot("the router scores experts with a sigmoid (model.moe.router = \"sigmoid\", DeepSeek-V3's); "
-                    "the family's router is a softmax over all experts");
+      return cannot(
+          "the router scores experts with a sigmoid (model.moe.router = \"sigmoid\", DeepSeek-V3's); "
+          "the family's router is a softmax over all experts");
     }
-    if (m.moe.shared_experts > 0) return cannot("the model has shared experts (model.moe.shared_experts), the family has none");
+    if (m.moe.shared_experts > 0)
+      return cannot("the model has shared experts (model.moe.shared_experts), the family has none");
     if (m.moe.bias_update_rate > 0) {
-      return cannot("the aux-loss-free selection bias (model.moe.bias_update_rate > 0) changes which experts a token "
-                    "picks; the family routes by the scores alone");
+      return cannot(
+          "the aux-loss-free selection bias (model.moe.bias_update_rate > 0) changes which experts a token "
+          "picks; the family routes by the scores alone");
     }
   }
   const char* dt = dtype == DType::kBF16 ? "bfloat16" : "float32";
@@ -293,14 +319,17 @@ Result<json> hf_config_for(const layers::ModelConfig& m, HfFamily family, DType 
   c["torch_dtype"] = dt;  // the key transformers 4 reads
   if (family == HfFamily::kMixtral) {
     if (!dense.empty()) {
-      return cannot(fmt::format("Mixtral has an MoE feed-forward in every layer but block {} is dense (export as "
-                                "qwen3_moe: its dense layers are mlp_only_layers)",
-                                dense.front()));
+      return cannot(
+          fmt::format("Mixtral has an MoE feed-forward in every layer but block {} is dense (export as "
+                      "qwen3_moe: its dense layers are mlp_only_layers)",
+                      dense.front()));
     }
-    if (m.qk_norm) return cannot("Mixtral has no q/k norm but the model has one (model.qk_norm; export as qwen3_moe)");
+    if (m.qk_norm)
+      return cannot("Mixtral has no q/k norm but the model has one (model.qk_norm; export as qwen3_moe)");
     if (!m.moe.normalize_gates) {
-      return cannot("Mixtral renormalises the top-k gates but model.moe.normalize_gates = false (export as "
-                    "qwen3_moe: norm_topk_prob = false)");
+      return cannot(
+          "Mixtral renormalises the top-k gates but model.moe.normalize_gates = false (export as "
+          "qwen3_moe: norm_topk_prob = false)");
     }
     c["architectures"] = {"MixtralForCausalLM"};
     c["model_type"] = "mixtral";
@@ -308,8 +337,9 @@ Result<json> hf_config_for(const layers::ModelConfig& m, HfFamily family, DType 
     c["router_jitter_noise"] = 0.0;
   } else {
     if (!m.qk_norm) {
-      return cannot("Qwen3-MoE normalises q and k per head (q_norm, k_norm) but the model has no q/k norm "
-                    "(model.qk_norm = false)");
+      return cannot(
+          "Qwen3-MoE normalises q and k per head (q_norm, k_norm) but the model has no q/k norm "
+          "(model.qk_norm = false)");
     }
     c["architectures"] = {"Qwen3MoeForCausalLM"};
     c["model_type"] = "qwen3_moe";
@@ -386,7 +416,8 @@ Result<std::vector<HfPiece>> hf_pieces(const layers::ModelConfig& m, HfFamily fa
   }
   int64_t block = -1;
   char rest[128] = {0};
-  if (std::sscanf(t.name.c_str(), "blocks.%ld.%127s", &block, rest) != 2 || block < 0 || block >= m.n_layers) {
+  if (std::sscanf(t.name.c_str(), "blocks.%ld.%127s", &block, rest) != 2 || block < 0 ||
+      block >= m.n_layers) {
     return invalid_argument("tensor '{}' has no Hugging Face counterpart", t.name);
   }
   const std::string r = rest;
@@ -413,10 +444,12 @@ Result<std::vector<HfPiece>> hf_pieces(const layers::ModelConfig& m, HfFamily fa
     for (int64_t x = 0; x < e; ++x) {
       const std::string pre = fmt::format("{}experts.{}.", moe, x);
       if (w1) {
-        out.push_back({pre + (mix ? "w1.weight" : "gate_proj.weight"), {f, d}, {{x, 1}, {0, d}, {0, f}}, true});
+        out.push_back(
+            {pre + (mix ? "w1.weight" : "gate_proj.weight"), {f, d}, {{x, 1}, {0, d}, {0, f}}, true});
         out.push_back({pre + (mix ? "w3.weight" : "up_proj.weight"), {f, d}, {{x, 1}, {0, d}, {f, f}}, true});
       } else {
-        out.push_back({pre + (mix ? "w2.weight" : "down_proj.weight"), {d, f}, {{x, 1}, {0, f}, {0, d}}, true});
+        out.push_back(
+            {pre + (mix ? "w2.weight" : "down_proj.weight"), {d, f}, {{x, 1}, {0, f}, {0, d}}, true});
       }
     }
   } else if (r == "mlp.w1" && family == HfFamily::kQwen3Moe) {
@@ -426,7 +459,8 @@ Result<std::vector<HfPiece>> hf_pieces(const layers::ModelConfig& m, HfFamily fa
   } else if (r == "mlp.w2" && family == HfFamily::kQwen3Moe) {
     whole(L + "mlp.down_proj.weight", true);
   } else {
-    return failed_precondition("tensor '{}' has no counterpart in a {} checkpoint", t.name, family_name(family));
+    return failed_precondition("tensor '{}' has no counterpart in a {} checkpoint", t.name,
+                               family_name(family));
   }
   return out;
 }
@@ -469,7 +503,8 @@ Strides strides(const HfPiece& p, const Slice& troupe_box, const Slice& hf_box) 
     if (p.transpose && d == s.rank - 2) hd = h - 1;
     if (p.transpose && d == s.rank - 1) hd = h - 2;
     s.hs[static_cast<size_t>(d)] = hst[static_cast<size_t>(hd)];
-    s.h0[static_cast<size_t>(d)] = p.box[static_cast<size_t>(d)].start + hf_box[static_cast<size_t>(hd)].start;
+    s.h0[static_cast<size_t>(d)] =
+        p.box[static_cast<size_t>(d)].start + hf_box[static_cast<size_t>(hd)].start;
   }
   return s;
 }
@@ -508,7 +543,8 @@ void for_each(const Strides& s, const Slice& region, F&& f) {
       for (int64_t bt = 0; bt < bn; bt += kTile)
         for (int64_t at0 = 0; at0 < an; at0 += kTile)
           for (int64_t b = bt; b < std::min(bn, bt + kTile); ++b)
-            for (int64_t a = at0; a < std::min(an, at0 + kTile); ++a) f(tb + a * ta + b * tb1, hb + a * ha + b * hb1);
+            for (int64_t a = at0; a < std::min(an, at0 + kTile); ++a)
+              f(tb + a * ta + b * tb1, hb + a * ha + b * hb1);
     }
     // Next plane.
     int d = (pa >= 0 ? pa : pb) - 1;
@@ -537,7 +573,8 @@ float load(const std::byte* p, DType t, int64_t i) {
       std::memcpy(&b, p + i * 2, 2);
       return f16_bits_to_float(b);
     }
-    default: TROUPE_CHECK(false, "hf_to_troupe: dtype {} is not a weights dtype", dtype_name(t));
+    default:
+      TROUPE_CHECK(false, "hf_to_troupe: dtype {} is not a weights dtype", dtype_name(t));
   }
   return 0;
 }
@@ -547,7 +584,8 @@ float load(const std::byte* p, DType t, int64_t i) {
 Slice hf_box_of(const HfPiece& p, const Slice& region) {
   const size_t drop = p.box.size() - p.hf_shape.size();
   Slice out;
-  for (size_t d = drop; d < region.size(); ++d) out.push_back({region[d].start - p.box[d].start, region[d].length});
+  for (size_t d = drop; d < region.size(); ++d)
+    out.push_back({region[d].start - p.box[d].start, region[d].length});
   if (p.transpose && out.size() >= 2) std::swap(out[out.size() - 2], out[out.size() - 1]);
   return out;
 }

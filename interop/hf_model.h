@@ -24,11 +24,10 @@
 // [E, D, F], the module's own layout) are read too.
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "checkpoint/slice.h"
 #include "core/status.h"
@@ -102,7 +101,8 @@ void hf_to_troupe(const HfPiece& piece, const std::byte* hf, DType hf_dtype, con
 // holds hf_box (HF coordinates, row-major, dtype hf_dtype: F32 or BF16, rounded to
 // nearest even), the HF image of `region` or a box containing it.
 void troupe_to_hf(const HfPiece& piece, const float* src, const checkpoint::Slice& troupe_box,
-                  const checkpoint::Slice& region, std::byte* hf, DType hf_dtype, const checkpoint::Slice& hf_box);
+                  const checkpoint::Slice& region, std::byte* hf, DType hf_dtype,
+                  const checkpoint::Slice& hf_box);
 // The HF coordinates of a region of piece.box (Troupe coordinates).
 checkpoint::Slice hf_box_of(const HfPiece& piece, const checkpoint::Slice& region);
 

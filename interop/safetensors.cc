@@ -3,6 +3,7 @@
 #include "interop/safetensors.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -10,8 +11,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-
-#include <fmt/format.h>
 
 #include "checkpoint/file_io.h"
 
@@ -24,8 +23,8 @@ struct DTypeRow {
   size_t size;
 };
 constexpr DTypeRow kDTypes[] = {
-    {StDType::kF32, "F32", 4},         {StDType::kBF16, "BF16", 2},      {StDType::kF16, "F16", 2},
-    {StDType::kF64, "F64", 8},         {StDType::kI32, "I32", 4},        {StDType::kI64, "I64", 8},
+    {StDType::kF32, "F32", 4},        {StDType::kBF16, "BF16", 2},      {StDType::kF16, "F16", 2},
+    {StDType::kF64, "F64", 8},        {StDType::kI32, "I32", 4},        {StDType::kI64, "I64", 8},
     {StDType::kF8E4M3, "F8_E4M3", 1}, {StDType::kF8E5M2, "F8_E5M2", 1},
 };
 // A header larger than this is not a weights file (safetensors itself caps it at 100 MB).
@@ -52,27 +51,43 @@ size_t st_dtype_size(StDType t) {
 
 Result<DType> to_dtype(StDType t, const std::string& what) {
   switch (t) {
-    case StDType::kF32: return DType::kF32;
-    case StDType::kBF16: return DType::kBF16;
-    case StDType::kF16: return DType::kF16;
-    case StDType::kI32: return DType::kI32;
-    case StDType::kI64: return DType::kI64;
-    case StDType::kF8E4M3: return DType::kF8E4M3;
-    case StDType::kF8E5M2: return DType::kF8E5M2;
-    default: return invalid_argument("{}: dtype {} has no Troupe counterpart", what, st_dtype_name(t));
+    case StDType::kF32:
+      return DType::kF32;
+    case StDType::kBF16:
+      return DType::kBF16;
+    case StDType::kF16:
+      return DType::kF16;
+    case StDType::kI32:
+      return DType::kI32;
+    case StDType::kI64:
+      return DType::kI64;
+    case StDType::kF8E4M3:
+      return DType::kF8E4M3;
+    case StDType::kF8E5M2:
+      return DType::kF8E5M2;
+    default:
+      return invalid_argument("{}: dtype {} has no Troupe counterpart", what, st_dtype_name(t));
   }
 }
 
 Result<StDType> from_dtype(DType t) {
   switch (t) {
-    case DType::kF32: return StDType::kF32;
-    case DType::kBF16: return StDType::kBF16;
-    case DType::kF16: return StDType::kF16;
-    case DType::kI32: return StDType::kI32;
-    case DType::kI64: return StDType::kI64;
-    case DType::kF8E4M3: return StDType::kF8E4M3;
-    case DType::kF8E5M2: return StDType::kF8E5M2;
-    default: return invalid_argument("dtype {} cannot be stored in safetensors", dtype_name(t));
+    case DType::kF32:
+      return StDType::kF32;
+    case DType::kBF16:
+      return StDType::kBF16;
+    case DType::kF16:
+      return StDType::kF16;
+    case DType::kI32:
+      return StDType::kI32;
+    case DType::kI64:
+      return StDType::kI64;
+    case DType::kF8E4M3:
+      return StDType::kF8E4M3;
+    case DType::kF8E5M2:
+      return StDType::kF8E5M2;
+    default:
+      return invalid_argument("dtype {} cannot be stored in safetensors", dtype_name(t));
   }
 }
 
@@ -91,12 +106,14 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
   uint64_t n = 0;
   std::memcpy(&n, f->base_, 8);  // little-endian on every platform Troupe builds for
   if (n > kMaxHeader || n > size - 8) {
-    return data_loss("{}: header length {} does not fit the file ({} bytes): not a safetensors file", path, n, size);
+    return data_loss("{}: header length {} does not fit the file ({} bytes): not a safetensors file", path, n,
+                     size);
   }
   f->data_start_ = 8 + n;
   nlohmann::json h;
   try {
-    h = nlohmann::json::parse(reinterpret_cast<const char*>(f->base_ + 8), reinterpret_cast<const char*>(f->base_ + 8 + n));
+    h = nlohmann::json::parse(reinterpret_cast<const char*>(f->base_ + 8),
+                              reinterpret_cast<const char*>(f->base_ + 8 + n));
   } catch (const std::exception& e) {
     return data_loss("{}: the header is not valid JSON: {}", path, e.what());
   }
@@ -126,13 +143,15 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
     }
     t.dtype = st_dtype_from_name(t.dtype_name);
     if (t.begin > t.end || t.end > data_size) {
-      return data_loss("{}: tensor '{}': bytes [{}, {}) lie outside the {} data bytes of the file (truncated?)", path,
-                       it.key(), t.begin, t.end, data_size);
+      return data_loss(
+          "{}: tensor '{}': bytes [{}, {}) lie outside the {} data bytes of the file (truncated?)", path,
+          it.key(), t.begin, t.end, data_size);
     }
     const size_t es = st_dtype_size(t.dtype);
     if (es != 0 && t.end - t.begin != static_cast<uint64_t>(t.numel()) * es) {
       return data_loss("{}: tensor '{}': {} bytes for a {} tensor of shape {} ({} expected)", path, it.key(),
-                       t.end - t.begin, t.dtype_name, shape_to_string(t.shape), static_cast<uint64_t>(t.numel()) * es);
+                       t.end - t.begin, t.dtype_name, shape_to_string(t.shape),
+                       static_cast<uint64_t>(t.numel()) * es);
     }
     if (t.end > t.begin) ranges.emplace_back(t.begin, t.end);
     f->tensors_.emplace(it.key(), std::move(t));

@@ -78,9 +78,11 @@ const Tensor& Attention::device_positions(const Ctx& c, int64_t batch, int64_t s
 }
 
 void Attention::project_qkv(const Ctx& c, const Tensor& x, const Tensor& pos, int64_t batch, int64_t seq,
-                            Tensor& q, Tensor& k, Tensor& v, const Tensor* qk_positions, QkNormSaved* norm) const {
+                            Tensor& q, Tensor& k, Tensor& v, const Tensor* qk_positions,
+                            QkNormSaved* norm) const {
   const int64_t t = x.size(0);
-  TROUPE_CHECK(!q_norm || norm != nullptr, "Attention::project_qkv: the q/k norm needs somewhere to keep its state");
+  TROUPE_CHECK(!q_norm || norm != nullptr,
+               "Attention::project_qkv: the q/k norm needs somewhere to keep its state");
   // The norm writes new q and k rows, so it takes the separate RoPE launches.
   const bool one_rope = qk_positions != nullptr && n_kv_heads == n_heads && !q_norm;
   // q, k (and v, where the weights allow one batched product) rows in one buffer.

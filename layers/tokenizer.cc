@@ -4,6 +4,7 @@
 #include "layers/tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
+#include <fmt/format.h>
 #include <pcre2.h>
 #include <utf8proc.h>
 
@@ -11,11 +12,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <queue>
 #include <sstream>
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 namespace troupe::layers {
 
@@ -31,7 +30,8 @@ const char* const Tokenizer::kTroupePattern =
 namespace {
 
 // GPT-2's ByteLevel pre-tokenizer pattern (use_regex = true).
-constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+constexpr const char* kGpt2Pattern =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
 uint64_t pair_key(int32_t a, int32_t b) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
@@ -62,7 +62,8 @@ const std::vector<std::string>& byte_chars() {
     int n = 0;
     for (int b = 0; b < 256; ++b) {
       const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
-      append_utf8(t[static_cast<size_t>(b)], printable ? static_cast<uint32_t>(b) : static_cast<uint32_t>(256 + n++));
+      append_utf8(t[static_cast<size_t>(b)],
+                  printable ? static_cast<uint32_t>(b) : static_cast<uint32_t>(256 + n++));
     }
     return t;
   }();
@@ -100,7 +101,8 @@ size_t utf8_len(std::string_view s, size_t i) {
     if ((d & 0xC0) != 0x80) return 0;
     cp = (cp << 6) | (d & 0x3F);
   }
-  if ((n == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) || (n == 4 && (cp < 0x10000 || cp > 0x10FFFF))) {
+  if ((n == 3 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) ||
+      (n == 4 && (cp < 0x10000 || cp > 0x10FFFF))) {
     return 0;
   }
   return n;
@@ -129,7 +131,9 @@ std::string byte_level(std::string_view bytes) {
 
 }  // namespace
 
-std::string byte_level_char(uint8_t b) { return byte_chars()[b]; }
+std::string byte_level_char(uint8_t b) {
+  return byte_chars()[b];
+}
 
 std::string valid_utf8(std::string_view text, int64_t* replaced) {
   std::string out;
@@ -165,7 +169,8 @@ Result<TokenRegex> TokenRegex::compile(const std::string& pattern) {
   if (code == nullptr) {
     PCRE2_UCHAR msg[256];
     pcre2_get_error_message(err, msg, sizeof(msg));
-    return invalid_argument("pre-tokenizer regex /{}/: {} at offset {}", pattern, reinterpret_cast<const char*>(msg), at);
+    return invalid_argument("pre-tokenizer regex /{}/: {} at offset {}", pattern,
+                            reinterpret_cast<const char*>(msg), at);
   }
   pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // best effort: the interpreter runs otherwise
   auto c = std::make_shared<Code>();
@@ -203,12 +208,15 @@ std::vector<std::pair<size_t, size_t>> TokenRegex::find_all(std::string_view tex
 namespace {
 
 Status refuse(const std::string& source, const std::string& what) {
-  return failed_precondition("{}: {} is not supported (Troupe reads byte-level BPE tokenizers: GPT-2, Llama 3, "
-                             "Qwen and its own)",
-                             source, what);
+  return failed_precondition(
+      "{}: {} is not supported (Troupe reads byte-level BPE tokenizers: GPT-2, Llama 3, "
+      "Qwen and its own)",
+      source, what);
 }
 
-std::string json_type(const json& j) { return j.is_object() ? j.value("type", std::string("?")) : j.dump(); }
+std::string json_type(const json& j) {
+  return j.is_object() ? j.value("type", std::string("?")) : j.dump();
+}
 
 }  // namespace
 
@@ -225,9 +233,10 @@ Result<Tokenizer> Tokenizer::load(const std::string& path, const std::string& eo
     return data_loss("tokenizer {}: not valid JSON: {}", path, e.what());
   }
   if (j.is_object() && j.value("type", "") == "troupe-byte-bpe") {
-    return data_loss("tokenizer {} is in the format of earlier Troupe versions; run `train_moe prepare` again (it "
-                     "now writes the Hugging Face tokenizer.json format)",
-                     path);
+    return data_loss(
+        "tokenizer {} is in the format of earlier Troupe versions; run `train_moe prepare` again (it "
+        "now writes the Hugging Face tokenizer.json format)",
+        path);
   }
   TROUPE_ASSIGN_OR_RETURN(Tokenizer tok, from_json(j, path));
   tok.file_text_ = text;
@@ -242,7 +251,8 @@ Result<Tokenizer> Tokenizer::load(const std::string& path, const std::string& eo
       if (c.is_object() && c.contains("eos_token")) {
         const json& e = c["eos_token"];
         if (e.is_string()) want = e.get<std::string>();
-        if (e.is_object() && e.contains("content") && e["content"].is_string()) want = e["content"].get<std::string>();
+        if (e.is_object() && e.contains("content") && e["content"].is_string())
+          want = e["content"].get<std::string>();
       }
     }
   }
@@ -272,13 +282,17 @@ Result<Tokenizer> Tokenizer::from_json(const json& j, const std::string& src) {
   }
   Tokenizer t;
   const json& m = j["model"];
-  if (m.value("type", std::string("BPE")) != "BPE") return refuse(src, fmt::format("model type '{}'", json_type(m)));
+  if (m.value("type", std::string("BPE")) != "BPE")
+    return refuse(src, fmt::format("model type '{}'", json_type(m)));
   for (const char* key : {"dropout", "continuing_subword_prefix", "end_of_word_suffix"}) {
-    if (m.contains(key) && !m[key].is_null()) return refuse(src, fmt::format("model.{} = {}", key, m[key].dump()));
+    if (m.contains(key) && !m[key].is_null())
+      return refuse(src, fmt::format("model.{} = {}", key, m[key].dump()));
   }
-  if (m.value("byte_fallback", false)) return refuse(src, "model.byte_fallback (SentencePiece-style byte tokens)");
+  if (m.value("byte_fallback", false))
+    return refuse(src, "model.byte_fallback (SentencePiece-style byte tokens)");
   t.ignore_merges_ = m.value("ignore_merges", false);
-  if (!m.contains("vocab") || !m["vocab"].is_object()) return data_loss("tokenizer {}: model.vocab is missing", src);
+  if (!m.contains("vocab") || !m["vocab"].is_object())
+    return data_loss("tokenizer {}: model.vocab is missing", src);
   int64_t max_id = -1;
   for (const auto& [tok, id] : m["vocab"].items()) {
     if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= (int64_t{1} << 31)) {
@@ -299,7 +313,8 @@ Result<Tokenizer> Tokenizer::from_json(const json& j, const std::string& src) {
       x.special = a.value("special", false);
       x.normalized = a.value("normalized", !x.special);
       for (const char* key : {"single_word", "lstrip", "rstrip"}) {
-        if (a.value(key, false)) return refuse(src, fmt::format("added token '{}' with {} = true", x.content, key));
+        if (a.value(key, false))
+          return refuse(src, fmt::format("added token '{}' with {} = true", x.content, key));
       }
       if (x.id < 0 || x.content.empty()) return data_loss("tokenizer {}: bad added token {}", src, a.dump());
       max_id = std::max<int64_t>(max_id, x.id);
@@ -362,7 +377,8 @@ Result<Tokenizer> Tokenizer::from_json(const json& j, const std::string& src) {
     const std::string type = json_type(s);
     Step step;
     if (type == "Split") {
-      if (!s.contains("pattern") || !s["pattern"].is_object()) return data_loss("tokenizer {}: Split without a pattern", src);
+      if (!s.contains("pattern") || !s["pattern"].is_object())
+        return data_loss("tokenizer {}: Split without a pattern", src);
       std::string pat;
       if (s["pattern"].contains("Regex")) {
         pat = s["pattern"]["Regex"].get<std::string>();
@@ -412,8 +428,10 @@ Result<Tokenizer> Tokenizer::from_json(const json& j, const std::string& src) {
           continue;
         }
         const std::string name = item["SpecialToken"]["id"].get<std::string>();
-        if (!sp.contains(name)) return data_loss("tokenizer {}: template token '{}' is not defined", src, name);
-        for (const auto& id : sp[name]["ids"]) (before ? t.prefix_ids_ : t.suffix_ids_).push_back(id.get<int32_t>());
+        if (!sp.contains(name))
+          return data_loss("tokenizer {}: template token '{}' is not defined", src, name);
+        for (const auto& id : sp[name]["ids"])
+          (before ? t.prefix_ids_ : t.suffix_ids_).push_back(id.get<int32_t>());
       }
     }
   }
@@ -439,9 +457,10 @@ Status Tokenizer::build(const std::string& src) {
     } else if (auto r = raw_bytes(tokens_[i])) {
       token_raw_[i] = *r;
     } else if (!tokens_[i].empty()) {
-      return failed_precondition("{}: vocabulary entry '{}' (id {}) is not made of byte-level characters (not a "
-                                 "byte-level BPE: SentencePiece-style tokenizers are not supported)",
-                                 src, tokens_[i], i);
+      return failed_precondition(
+          "{}: vocabulary entry '{}' (id {}) is not made of byte-level characters (not a "
+          "byte-level BPE: SentencePiece-style tokenizers are not supported)",
+          src, tokens_[i], i);
     }
   }
   rank_.clear();
@@ -470,8 +489,13 @@ Status Tokenizer::save(const std::string& path) const {
     for (const auto& [a, b] : merge_strings_) merges.push_back({a, b});
     json added = json::array();
     for (const Added& a : added_) {
-      added.push_back({{"id", a.id}, {"content", a.content}, {"single_word", false}, {"lstrip", false},
-                       {"rstrip", false}, {"normalized", a.normalized}, {"special", a.special}});
+      added.push_back({{"id", a.id},
+                       {"content", a.content},
+                       {"single_word", false},
+                       {"lstrip", false},
+                       {"rstrip", false},
+                       {"normalized", a.normalized},
+                       {"special", a.special}});
     }
     json j = {
         {"version", "1.0"},
@@ -482,11 +506,18 @@ Status Tokenizer::save(const std::string& path) const {
         {"pre_tokenizer",
          {{"type", "Sequence"},
           {"pretokenizers",
-           {{{"type", "Split"}, {"pattern", {{"Regex", kTroupePattern}}}, {"behavior", "Isolated"}, {"invert", false}},
-            {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}}}}}},
+           {{{"type", "Split"},
+             {"pattern", {{"Regex", kTroupePattern}}},
+             {"behavior", "Isolated"},
+             {"invert", false}},
+            {{"type", "ByteLevel"},
+             {"add_prefix_space", false},
+             {"trim_offsets", true},
+             {"use_regex", false}}}}}},
         {"post_processor",
          {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", false}, {"use_regex", true}}},
-        {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
+        {"decoder",
+         {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
         {"model",
          {{"type", "BPE"},
           {"dropout", nullptr},
@@ -531,16 +562,25 @@ std::string Tokenizer::normalize(std::string_view text) const {
   if (normalizer_ == Normalizer::kNone || text.empty()) return std::string(text);
   int options = UTF8PROC_STABLE;
   switch (normalizer_) {
-    case Normalizer::kNFC: options |= UTF8PROC_COMPOSE; break;
-    case Normalizer::kNFD: options |= UTF8PROC_DECOMPOSE; break;
-    case Normalizer::kNFKC: options |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT; break;
-    case Normalizer::kNFKD: options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT; break;
-    case Normalizer::kNone: break;
+    case Normalizer::kNFC:
+      options |= UTF8PROC_COMPOSE;
+      break;
+    case Normalizer::kNFD:
+      options |= UTF8PROC_DECOMPOSE;
+      break;
+    case Normalizer::kNFKC:
+      options |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
+      break;
+    case Normalizer::kNFKD:
+      options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
+      break;
+    case Normalizer::kNone:
+      break;
   }
   utf8proc_uint8_t* out = nullptr;
-  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
-                                          static_cast<utf8proc_ssize_t>(text.size()), &out,
-                                          static_cast<utf8proc_option_t>(options));
+  const utf8proc_ssize_t n =
+      utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
+                   static_cast<utf8proc_ssize_t>(text.size()), &out, static_cast<utf8proc_option_t>(options));
   if (n < 0) return std::string(text);  // only for invalid UTF-8, which encode has replaced
   std::string s(reinterpret_cast<const char*>(out), static_cast<size_t>(n));
   std::free(out);
@@ -556,7 +596,8 @@ void Tokenizer::split_added(std::string_view text, bool normalized_pass,
     const Added* best = nullptr;
     for (const Added& a : added_) {
       if (a.normalized != normalized_pass || a.content[0] != text[i]) continue;
-      if (text.compare(i, a.content.size(), a.content) == 0 && (!best || a.content.size() > best->content.size())) {
+      if (text.compare(i, a.content.size(), a.content) == 0 &&
+          (!best || a.content.size() > best->content.size())) {
         best = &a;
       }
     }
@@ -725,7 +766,8 @@ void BpeTrainer::add_text(std::string_view text_in) {
 Result<Tokenizer> BpeTrainer::train(int64_t vocab_size, const std::function<void(int64_t, int64_t)>& progress) {
   constexpr int32_t kFirstMerge = 257;  // 256 bytes, then the end-of-text token
   if (vocab_size < kFirstMerge) {
-    return invalid_argument("vocab size {} is too small: a byte-level BPE needs at least {}", vocab_size, kFirstMerge);
+    return invalid_argument("vocab size {} is too small: a byte-level BPE needs at least {}", vocab_size,
+                            kFirstMerge);
   }
   const int64_t want = vocab_size - kFirstMerge;
 
@@ -831,10 +873,12 @@ Result<Tokenizer> BpeTrainer::train(int64_t vocab_size, const std::function<void
 
   // The Hugging Face form: the same ids, as byte-level strings.
   Tokenizer t;
-  for (size_t i = 0; i < bytes_of.size(); ++i) t.tokens_.push_back(i == 256 ? Tokenizer::kEndOfText : byte_level(bytes_of[i]));
+  for (size_t i = 0; i < bytes_of.size(); ++i)
+    t.tokens_.push_back(i == 256 ? Tokenizer::kEndOfText : byte_level(bytes_of[i]));
   t.added_.push_back({256, Tokenizer::kEndOfText, true, false});
   for (const auto& [a, b] : merges) {
-    t.merge_strings_.emplace_back(byte_level(bytes_of[static_cast<size_t>(a)]), byte_level(bytes_of[static_cast<size_t>(b)]));
+    t.merge_strings_.emplace_back(byte_level(bytes_of[static_cast<size_t>(a)]),
+                                  byte_level(bytes_of[static_cast<size_t>(b)]));
   }
   TROUPE_ASSIGN_OR_RETURN(TokenRegex re, TokenRegex::compile(Tokenizer::kTroupePattern));
   Tokenizer::Step split;

@@ -28,13 +28,12 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 #include "core/status.h"
 
@@ -103,7 +102,8 @@ class Tokenizer {
   enum class Normalizer { kNone, kNFC, kNFD, kNFKC, kNFKD };
 
   Status build(const std::string& source);  // the tables below from tokens_, merges
-  void split_added(std::string_view text, bool normalized_pass, std::vector<std::pair<std::string, int32_t>>& out) const;
+  void split_added(std::string_view text, bool normalized_pass,
+                   std::vector<std::pair<std::string, int32_t>>& out) const;
   std::vector<std::pair<std::string, int32_t>> segments(const std::string& text) const;
   void pieces(std::string segment, std::vector<std::string>& out) const;
   void encode_piece(const std::string& piece, std::vector<int32_t>& out);
@@ -115,8 +115,8 @@ class Tokenizer {
   std::vector<std::pair<std::string, std::string>> merge_strings_;
   std::vector<std::pair<int32_t, int32_t>> merge_pairs_;
   std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> rank_;  // pair -> (rank, merged id)
-  std::vector<int32_t> byte_id_;                                      // byte -> id (-1: absent)
-  std::vector<std::string> token_raw_;                                // id -> bytes
+  std::vector<int32_t> byte_id_;                                    // byte -> id (-1: absent)
+  std::vector<std::string> token_raw_;                              // id -> bytes
   std::vector<Step> steps_;
   Normalizer normalizer_ = Normalizer::kNone;
   bool ignore_merges_ = false;

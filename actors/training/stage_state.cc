@@ -3,9 +3,9 @@
 // checkpoint or exported states. See stage_state.h for the names and placements.
 #include "actors/training/stage_state.h"
 
-#include <cstring>
-
 #include <fmt/format.h>
+
+#include <cstring>
 
 #include "actors/training/stage.h"
 #include "checkpoint/reader.h"
@@ -193,11 +193,13 @@ SliceSource slice_source(const interop::HfCheckpoint& ckpt) {
 
 Status init_from_hf(Stage& stage, const layers::TrainConfig& tc) {
   if (tc.train.init_from.empty()) return ok_status();
-  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<interop::HfCheckpoint> ckpt, interop::HfCheckpoint::open(tc.train.init_from));
+  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<interop::HfCheckpoint> ckpt,
+                          interop::HfCheckpoint::open(tc.train.init_from));
   TROUPE_RETURN_IF_ERROR(ckpt->validate(tc.model).with_context("train.init_from"));
   TROUPE_RETURN_IF_ERROR(stage.import_state(slice_source(*ckpt), 0).with_context("train.init_from"));
-  fmt::print("rank {}: initialised from {} ({}): read {:.2f} MB of its slices\n", stage.rank(), tc.train.init_from,
-             interop::family_name(ckpt->config().family), static_cast<double>(ckpt->bytes_read()) / 1e6);
+  fmt::print("rank {}: initialised from {} ({}): read {:.2f} MB of its slices\n", stage.rank(),
+             tc.train.init_from, interop::family_name(ckpt->config().family),
+             static_cast<double>(ckpt->bytes_read()) / 1e6);
   std::fflush(stdout);
   return ok_status();
 }

@@ -62,7 +62,7 @@ struct ExportOptions {
   std::string run;         // run dir: its newest valid checkpoint
   std::string checkpoint;  // or a checkpoints dir / step_<N> dir
   std::string format = "hf";
-  std::string family;      // mixtral, qwen3_moe
+  std::string family;  // mixtral, qwen3_moe
   std::string out;
   std::string dtype = "bf16";  // bf16 or f32
   std::string max_shard_size = "5GB";

@@ -2,6 +2,7 @@
 // through zlib's gzread, Zstandard through ZSTD_decompressStream), and the progress line.
 #include "apps/train_moe/corpus.h"
 
+#include <fmt/format.h>
 #include <unistd.h>
 #include <zlib.h>
 #include <zstd.h>
@@ -11,8 +12,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 namespace troupe::train_moe {
@@ -85,7 +84,8 @@ class ZstdStream final : public Stream {
     while (out.pos == 0) {
       if (in_.pos == in_.size) {
         if (eof_) {
-          if (!frame_done_) return data_loss("{}: the Zstandard stream ends in the middle of a frame (truncated)", path_);
+          if (!frame_done_)
+            return data_loss("{}: the Zstandard stream ends in the middle of a frame (truncated)", path_);
           return size_t{0};
         }
         const size_t got = std::fread(inbuf_.data(), 1, inbuf_.size(), f_);
@@ -106,7 +106,8 @@ class ZstdStream final : public Stream {
   uint64_t consumed() override { return consumed_; }
 
  private:
-  ZstdStream(FILE* f, std::string path) : f_(f), path_(std::move(path)), d_(ZSTD_createDStream()), inbuf_(ZSTD_DStreamInSize()) {
+  ZstdStream(FILE* f, std::string path)
+      : f_(f), path_(std::move(path)), d_(ZSTD_createDStream()), inbuf_(ZSTD_DStreamInSize()) {
     ZSTD_initDStream(d_);
   }
   FILE* f_;
@@ -264,7 +265,8 @@ Result<CorpusStats> Corpus::for_each(const std::function<Status(std::string_view
           next_report = in.consumed() + (4 << 20);
         }
       }
-      if (!capped() && (!line.empty() || too_long)) TROUPE_RETURN_IF_ERROR(record());  // a last line without '\n'
+      if (!capped() && (!line.empty() || too_long))
+        TROUPE_RETURN_IF_ERROR(record());  // a last line without '\n'
     }
     std::error_code ec;
     const auto size = fs::file_size(path, ec);
@@ -281,15 +283,18 @@ void ProgressLine::update(uint64_t done, int64_t documents) {
   const double t = now_s();
   if (tty_ ? t - last_ < 0.2 : t - last_ < 10.0) return;
   last_ = t;
-  const double frac = total_ > 0 ? std::min(1.0, static_cast<double>(done) / static_cast<double>(total_)) : 0.0;
+  const double frac =
+      total_ > 0 ? std::min(1.0, static_cast<double>(done) / static_cast<double>(total_)) : 0.0;
   const double el = t - start_;
   const double rate = el > 0 ? static_cast<double>(done) / el : 0.0;
   const double left = rate > 0 && total_ > done ? static_cast<double>(total_ - done) / rate : 0.0;
   const int width = 24, fill = static_cast<int>(frac * width);
-  const std::string bar = std::string(static_cast<size_t>(fill), '#') + std::string(static_cast<size_t>(width - fill), ' ');
-  fmt::print("{}{}: [{}] {:5.1f}% {:.1f}/{:.1f} MB{}, {:.1f} MB/s, {:.0f}s left{}", tty_ ? "\r" : "", what_, bar,
-             100.0 * frac, static_cast<double>(done) / 1e6, static_cast<double>(total_) / 1e6,
-             documents >= 0 ? fmt::format(", {} documents", documents) : "", rate / 1e6, left, tty_ ? "   " : "\n");
+  const std::string bar =
+      std::string(static_cast<size_t>(fill), '#') + std::string(static_cast<size_t>(width - fill), ' ');
+  fmt::print("{}{}: [{}] {:5.1f}% {:.1f}/{:.1f} MB{}, {:.1f} MB/s, {:.0f}s left{}", tty_ ? "\r" : "", what_,
+             bar, 100.0 * frac, static_cast<double>(done) / 1e6, static_cast<double>(total_) / 1e6,
+             documents >= 0 ? fmt::format(", {} documents", documents) : "", rate / 1e6, left,
+             tty_ ? "   " : "\n");
   std::fflush(stdout);
 }
 

@@ -31,9 +31,9 @@ struct CorpusOptions {
 // What a pass over the corpus saw.
 struct CorpusStats {
   int64_t documents = 0;
-  int64_t bytes = 0;             // of document text
-  int64_t malformed = 0;         // JSON-lines records skipped
-  int64_t skipped_files = 0;     // unreadable or binary files
+  int64_t bytes = 0;                            // of document text
+  int64_t malformed = 0;                        // JSON-lines records skipped
+  int64_t skipped_files = 0;                    // unreadable or binary files
   std::vector<std::string> malformed_examples;  // "file:line: reason", the first few
 };
 

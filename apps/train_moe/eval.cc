@@ -3,11 +3,11 @@
 // loss of predicting each next token (transformers' labels = input_ids) and writes the
 // logits of every position. The rows and the logits are NumPy .npy files, so a script can
 // compare them with another implementation's (tests/interop/check_transformers.py).
+#include <fmt/format.h>
+
 #include <cstring>
 #include <fstream>
 #include <sstream>
-
-#include <fmt/format.h>
 
 #include "actors/training/checkpointing.h"
 #include "apps/train_moe/commands.h"
@@ -39,7 +39,8 @@ Result<std::vector<int32_t>> read_npy_ints(const std::string& path, int64_t& row
   if (!f) return data_loss("eval: {}: truncated header", path);
   const bool i8 = header.find("'<i8'") != std::string::npos, i4 = header.find("'<i4'") != std::string::npos;
   if ((!i8 && !i4) || header.find("'fortran_order': False") == std::string::npos) {
-    return invalid_argument("eval: {}: tokens must be a C-order int32 or int64 array (header {})", path, header);
+    return invalid_argument("eval: {}: tokens must be a C-order int32 or int64 array (header {})", path,
+                            header);
   }
   const size_t lp = header.find("'shape': (");
   if (lp == std::string::npos) return data_loss("eval: {}: no shape in the header", path);
@@ -62,7 +63,8 @@ Result<std::vector<int32_t>> read_npy_ints(const std::string& path, int64_t& row
 
 Status write_npy_f32(const std::string& path, const std::vector<int64_t>& shape, const float* data) {
   std::string dims;
-  for (size_t i = 0; i < shape.size(); ++i) dims += fmt::format("{}{}", shape[i], shape.size() == 1 || i + 1 < shape.size() ? ", " : "");
+  for (size_t i = 0; i < shape.size(); ++i)
+    dims += fmt::format("{}{}", shape[i], shape.size() == 1 || i + 1 < shape.size() ? ", " : "");
   std::string header = fmt::format("{{'descr': '<f4', 'fortran_order': False, 'shape': ({}), }}", dims);
   header.append(63 - (10 + header.size()) % 64, ' ');  // the data starts 64-byte aligned
   header += '\n';
@@ -84,7 +86,8 @@ Status write_npy_f32(const std::string& path, const std::vector<int64_t>& shape,
 Status run_eval(const EvalOptions& o) {
   if (o.tokens.empty()) return invalid_argument("eval: --tokens <rows.npy> is required");
   if (o.checkpoint.empty() == o.init_from.empty()) {
-    return invalid_argument("eval: give one of --checkpoint <run or checkpoint dir> and --init-from <HF directory>");
+    return invalid_argument(
+        "eval: give one of --checkpoint <run or checkpoint dir> and --init-from <HF directory>");
   }
   std::unique_ptr<layers::Model> model;
   std::string source;
@@ -94,9 +97,11 @@ Status run_eval(const EvalOptions& o) {
     TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, checkpoint_train_config(*reader));
     model = std::make_unique<layers::Model>(tc.model, 0);
     TROUPE_RETURN_IF_ERROR(load_model_weights(*reader, *model).with_context("eval"));
-    source = fmt::format("checkpoint {} (step {}, layout {})", reader->path(), reader->step(), reader->layout().to_string());
+    source = fmt::format("checkpoint {} (step {}, layout {})", reader->path(), reader->step(),
+                         reader->layout().to_string());
   } else {
-    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<interop::HfCheckpoint> hf, interop::HfCheckpoint::open(o.init_from));
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<interop::HfCheckpoint> hf,
+                            interop::HfCheckpoint::open(o.init_from));
     model = std::make_unique<layers::Model>(hf->config().model, 0);
     TROUPE_RETURN_IF_ERROR(interop::load_hf_weights(*hf, *model).with_context("eval"));
     source = fmt::format("{} ({})", o.init_from, interop::family_name(hf->config().family));
@@ -105,7 +110,8 @@ Status run_eval(const EvalOptions& o) {
   TROUPE_ASSIGN_OR_RETURN(std::vector<int32_t> tokens, read_npy_ints(o.tokens, rows, cols));
   const int64_t vocab = model->config().vocab_size;
   for (int32_t t : tokens) {
-    if (t < 0 || t >= vocab) return invalid_argument("eval: token {} is outside the model's vocabulary [0, {})", t, vocab);
+    if (t < 0 || t >= vocab)
+      return invalid_argument("eval: token {} is outside the model's vocabulary [0, {})", t, vocab);
   }
   const layers::Ctx c = layers::Ctx::cpu();
 

@@ -3,10 +3,10 @@
 // engines load: config.json, generation_config.json, model-0000k-of-0000n.safetensors,
 // model.safetensors.index.json, tokenizer.json and tokenizer_config.json. The weights are
 // streamed (interop::export_hf): one stored slice at a time per thread, never the model.
+#include <fmt/format.h>
+
 #include <filesystem>
 #include <fstream>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "actors/training/checkpointing.h"
@@ -49,7 +49,8 @@ Result<uint64_t> parse_size(const std::string& s) {
   } else if (unit == "GiB") {
     mult = 1024.0 * 1024 * 1024;
   } else {
-    return invalid_argument("export: --max-shard-size '{}': unknown unit '{}' (B, KB, MB, GB, KiB, MiB, GiB)", s, unit);
+    return invalid_argument("export: --max-shard-size '{}': unknown unit '{}' (B, KB, MB, GB, KiB, MiB, GiB)",
+                            s, unit);
   }
   if (!(v > 0)) return invalid_argument("export: --max-shard-size must be positive");
   return static_cast<uint64_t>(v * mult);
@@ -60,7 +61,8 @@ Result<uint64_t> parse_size(const std::string& s) {
 Status run_export(const ExportOptions& o) {
   if (o.format != "hf") return invalid_argument("export: --format '{}' is not supported (hf)", o.format);
   if (o.out.empty()) return invalid_argument("export: --out is required");
-  if (o.run.empty() && o.checkpoint.empty()) return invalid_argument("export: give --run <run dir> or --checkpoint <dir>");
+  if (o.run.empty() && o.checkpoint.empty())
+    return invalid_argument("export: give --run <run dir> or --checkpoint <dir>");
   TROUPE_ASSIGN_OR_RETURN(interop::HfFamily family, interop::parse_family(o.family));
   DType dtype = DType::kBF16;
   if (o.dtype == "f32" || o.dtype == "float32") {
@@ -81,7 +83,8 @@ Status run_export(const ExportOptions& o) {
     fmt::print("export: note: the run dropped tokens beyond capacity factor {}; {} routes without drops\n",
                tc.model.moe.capacity_factor, interop::family_name(family));
   }
-  if (fs::exists(o.out) && !fs::is_directory(o.out)) return invalid_argument("export: {} is not a directory", o.out);
+  if (fs::exists(o.out) && !fs::is_directory(o.out))
+    return invalid_argument("export: {} is not a directory", o.out);
   TROUPE_RETURN_IF_ERROR(checkpoint::make_dirs(o.out));
 
   // The tokenizer the run trained with (the checkpoint's checked copy, already in the
@@ -103,9 +106,11 @@ Status run_export(const ExportOptions& o) {
                            {"model_max_length", tc.train.seq_len},
                            {"clean_up_tokenization_spaces", false}};
     if (!eos_text.empty()) tc_json["eos_token"] = eos_text;
-    TROUPE_RETURN_IF_ERROR(checkpoint::write_file_durably(o.out + "/tokenizer_config.json", tc_json.dump(2) + "\n"));
+    TROUPE_RETURN_IF_ERROR(
+        checkpoint::write_file_durably(o.out + "/tokenizer_config.json", tc_json.dump(2) + "\n"));
   } else {
-    fmt::print("export: note: checkpoint {} holds no tokenizer; add tokenizer.json yourself\n", reader->path());
+    fmt::print("export: note: checkpoint {} holds no tokenizer; add tokenizer.json yourself\n",
+               reader->path());
   }
 
   interop::ExportOptions eo;
@@ -130,9 +135,10 @@ Status run_export(const ExportOptions& o) {
   };
   TROUPE_ASSIGN_OR_RETURN(interop::ExportSummary s, interop::export_hf(*reader, tc.model, o.out, eo));
   bar.finish(s.bytes, -1);
-  fmt::print("export: wrote {} tensors ({:.2f} MB of {}) in {} file(s), config.json ({}), tokenizer{} to {}\n",
-             s.tensors, static_cast<double>(s.bytes) / 1e6, dtype_name(dtype), s.files, interop::family_name(family),
-             reader->manifest().tokenizer ? "" : " (none)", o.out);
+  fmt::print(
+      "export: wrote {} tensors ({:.2f} MB of {}) in {} file(s), config.json ({}), tokenizer{} to {}\n",
+      s.tensors, static_cast<double>(s.bytes) / 1e6, dtype_name(dtype), s.files, interop::family_name(family),
+      reader->manifest().tokenizer ? "" : " (none)", o.out);
   return ok_status();
 }
 

@@ -67,22 +67,30 @@ int main(int argc, char** argv) {
   for (int i = 0; i < argc; ++i) train.argv.emplace_back(argv[i]);
 
   PrepareOptions prep;
-  CLI::App* prepare = app.add_subcommand(
-      "prepare", "tokenize a corpus (text files, JSON lines) into shards, with a Hugging Face tokenizer or one trained here");
-  prepare->add_option("--input", prep.inputs,
-                      "files or directories (repeatable): text files, or JSON lines (.jsonl, .jsonl.gz, .jsonl.zst)")
+  CLI::App* prepare = app.add_subcommand("prepare",
+                                         "tokenize a corpus (text files, JSON lines) into shards, with a "
+                                         "Hugging Face tokenizer or one trained here");
+  prepare
+      ->add_option(
+          "--input", prep.inputs,
+          "files or directories (repeatable): text files, or JSON lines (.jsonl, .jsonl.gz, .jsonl.zst)")
       ->required();
   prepare->add_option("--out", prep.out, "output directory")->required();
-  prepare->add_option("--tokenizer", prep.tokenizer,
-                      "a Hugging Face tokenizer.json (byte-level BPE: GPT-2, Llama 3, Qwen) instead of training one");
+  prepare->add_option(
+      "--tokenizer", prep.tokenizer,
+      "a Hugging Face tokenizer.json (byte-level BPE: GPT-2, Llama 3, Qwen) instead of training one");
   prepare->add_option("--eot-token", prep.eot_token,
                       "with --tokenizer: the token ending each document (default: its eos_token)");
-  prepare->add_option("--vocab", prep.vocab, "vocabulary size of a trained tokenizer (bytes + end-of-text + merges)");
+  prepare->add_option("--vocab", prep.vocab,
+                      "vocabulary size of a trained tokenizer (bytes + end-of-text + merges)");
   prepare->add_option("--text-key", prep.text_key, "JSON lines: the field holding each record's text");
-  prepare->add_flag("--strict", prep.strict, "JSON lines: stop at a malformed record (default: skip and count it)");
-  prepare->add_option("--max-bytes", prep.max_bytes, "stop after this many bytes of text (0: read everything)");
+  prepare->add_flag("--strict", prep.strict,
+                    "JSON lines: stop at a malformed record (default: skip and count it)");
+  prepare->add_option("--max-bytes", prep.max_bytes,
+                      "stop after this many bytes of text (0: read everything)");
   prepare->add_option("--val-fraction", prep.val_fraction, "fraction of documents for validation");
-  prepare->add_option("--ext", prep.extensions, "file name endings taken from directories (e.g. .py .txt .jsonl.zst)");
+  prepare->add_option("--ext", prep.extensions,
+                      "file name endings taken from directories (e.g. .py .txt .jsonl.zst)");
   prepare->add_option("--shard-tokens", prep.shard_tokens, "tokens per shard file");
 
   SampleOptions sample;
@@ -98,14 +106,18 @@ int main(int argc, char** argv) {
   samp->add_option("--seed", sample.seed, "sampling seed");
 
   EvalOptions eval;
-  CLI::App* evl = app.add_subcommand("eval", "loss and logits of token rows (.npy) under a checkpoint or a Hugging Face model");
-  evl->add_option("--checkpoint", eval.checkpoint, "run dir, checkpoints dir or step_<N> dir (newest valid checkpoint)");
+  CLI::App* evl = app.add_subcommand(
+      "eval", "loss and logits of token rows (.npy) under a checkpoint or a Hugging Face model");
+  evl->add_option("--checkpoint", eval.checkpoint,
+                  "run dir, checkpoints dir or step_<N> dir (newest valid checkpoint)");
   evl->add_option("--init-from", eval.init_from, "or a Hugging Face model directory");
   evl->add_option("--tokens", eval.tokens, "token rows: .npy of int32/int64 [rows, positions]")->required();
-  evl->add_option("--logits", eval.logits, "write every position's logits here (.npy, f32 [rows, positions, vocab])");
+  evl->add_option("--logits", eval.logits,
+                  "write every position's logits here (.npy, f32 [rows, positions, vocab])");
 
   ExportOptions exp;
-  CLI::App* ex = app.add_subcommand("export", "write a run's checkpoint (any layout) as a Hugging Face model directory");
+  CLI::App* ex =
+      app.add_subcommand("export", "write a run's checkpoint (any layout) as a Hugging Face model directory");
   ex->add_option("--run", exp.run, "run directory: its newest valid checkpoint");
   ex->add_option("--checkpoint", exp.checkpoint, "or a checkpoints dir / step_<N> dir");
   ex->add_option("--format", exp.format, "hf (config.json + safetensors + tokenizer)");

@@ -92,7 +92,8 @@ Status load_model_weights(const checkpoint::CheckpointReader& reader, layers::Mo
 Result<layers::TrainConfig> checkpoint_train_config(const checkpoint::CheckpointReader& reader) {
   const checkpoint::Manifest& m = reader.manifest();
   if (m.config_text.empty()) return failed_precondition("checkpoint {} holds no config text", reader.path());
-  TROUPE_ASSIGN_OR_RETURN(ConfigTable cfg, ConfigTable::parse_string(m.config_text, reader.path() + "/manifest.json config"));
+  TROUPE_ASSIGN_OR_RETURN(ConfigTable cfg,
+                          ConfigTable::parse_string(m.config_text, reader.path() + "/manifest.json config"));
   for (const auto& v : m.metadata.value("overrides", nlohmann::json::array())) {
     TROUPE_RETURN_IF_ERROR(cfg.set_from_string(v.get<std::string>()));
   }

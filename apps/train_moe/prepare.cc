@@ -4,13 +4,13 @@
 // here on the training documents (a first pass), and write tokenizer.json and meta.json
 // beside the shards. Memory stays constant in the corpus size: documents are read,
 // tokenized and appended one at a time.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "apps/train_moe/commands.h"
@@ -30,7 +30,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 void report_malformed(const CorpusStats& st) {
   if (st.malformed == 0) return;
-  fmt::print("prepare: skipped {} malformed JSON-lines record(s) (--strict makes them an error), e.g.:\n", st.malformed);
+  fmt::print("prepare: skipped {} malformed JSON-lines record(s) (--strict makes them an error), e.g.:\n",
+             st.malformed);
   for (const auto& e : st.malformed_examples) fmt::print("  {}\n", e);
 }
 
@@ -57,7 +58,9 @@ Status run_prepare(const PrepareOptions& o) {
   TROUPE_ASSIGN_OR_RETURN(Corpus corpus, Corpus::open(co));
   fmt::print("prepare: {} input file(s), {:.2f} MB stored{}\n", corpus.files().size(),
              static_cast<double>(corpus.stored_bytes()) / 1e6,
-             o.max_bytes > 0 ? fmt::format(" (reading at most {:.2f} MB of text: --max-bytes)", o.max_bytes / 1e6) : "");
+             o.max_bytes > 0
+                 ? fmt::format(" (reading at most {:.2f} MB of text: --max-bytes)", o.max_bytes / 1e6)
+                 : "");
 
   // Every k-th document goes to validation (with a single document, its tail).
   const int64_t k = o.val_fraction > 0 ? std::max<int64_t>(2, std::llround(1.0 / o.val_fraction)) : 0;
@@ -68,9 +71,10 @@ Status run_prepare(const PrepareOptions& o) {
   if (!o.tokenizer.empty()) {
     TROUPE_ASSIGN_OR_RETURN(tok, layers::Tokenizer::load(o.tokenizer, o.eot_token));
     if (!tok.eot()) {
-      return invalid_argument("prepare: {} names no end-of-text token to separate documents with; give --eot-token "
-                              "(e.g. \"<|endoftext|>\")",
-                              o.tokenizer);
+      return invalid_argument(
+          "prepare: {} names no end-of-text token to separate documents with; give --eot-token "
+          "(e.g. \"<|endoftext|>\")",
+          o.tokenizer);
     }
     fmt::print("tokenizer: {} ({} tokens; documents end with '{}', id {})\n", o.tokenizer, tok.vocab_size(),
                tok.token_bytes(*tok.eot()), *tok.eot());
@@ -79,17 +83,17 @@ Status run_prepare(const PrepareOptions& o) {
     layers::BpeTrainer trainer;
     ProgressLine bar("tokenizer: reading", corpus.stored_bytes());
     int64_t i = 0;
-    TROUPE_ASSIGN_OR_RETURN(
-        CorpusStats st, corpus.for_each(
-                            [&](std::string_view text) {
-                              if (!is_val(i++)) trainer.add_text(text);
-                              return ok_status();
-                            },
-                            [&](uint64_t done, int64_t docs) { bar.update(done, docs); }));
+    TROUPE_ASSIGN_OR_RETURN(CorpusStats st,
+                            corpus.for_each(
+                                [&](std::string_view text) {
+                                  if (!is_val(i++)) trainer.add_text(text);
+                                  return ok_status();
+                                },
+                                [&](uint64_t done, int64_t docs) { bar.update(done, docs); }));
     bar.finish(corpus.stored_bytes(), st.documents);
     if (st.documents == 0) return not_found("prepare: no documents in {}", fmt::join(o.inputs, ", "));
-    fmt::print("tokenizer: {} distinct pieces in {} documents; learning up to {} merges\n", trainer.unique_chunks(),
-               st.documents, o.vocab - 257);
+    fmt::print("tokenizer: {} distinct pieces in {} documents; learning up to {} merges\n",
+               trainer.unique_chunks(), st.documents, o.vocab - 257);
     std::fflush(stdout);
     int64_t last_print = 0;
     TROUPE_ASSIGN_OR_RETURN(tok, trainer.train(o.vocab, [&](int64_t done, int64_t total) {
@@ -117,7 +121,8 @@ Status run_prepare(const PrepareOptions& o) {
   if (!o.tokenizer.empty()) {
     // Its eos_token and chat template travel with it (an export hands them on).
     const fs::path cfg = fs::path(o.tokenizer).parent_path() / "tokenizer_config.json";
-    if (fs::exists(cfg)) fs::copy_file(cfg, o.out + "/tokenizer_config.json", fs::copy_options::overwrite_existing, ec);
+    if (fs::exists(cfg))
+      fs::copy_file(cfg, o.out + "/tokenizer_config.json", fs::copy_options::overwrite_existing, ec);
   }
 
   // ---- tokenize: one pass, one document at a time ------------------------------------
@@ -132,37 +137,41 @@ Status run_prepare(const PrepareOptions& o) {
   const auto append = [&](int64_t index, const std::vector<int32_t>& ids) {
     return (is_val(index) ? val : train).append(ids);
   };
-  TROUPE_ASSIGN_OR_RETURN(
-      CorpusStats st, corpus.for_each(
-                          [&](std::string_view text) -> Status {
-                            std::vector<int32_t> ids = tok.encode(text, /*add_special_tokens=*/true);
-                            if (ids.empty() || ids.back() != eot) ids.push_back(eot);
-                            const int64_t index = i++;
-                            if (index == 0) {
-                              first = std::move(ids);
-                              held = true;
-                              return ok_status();
-                            }
-                            if (held) {
-                              TROUPE_RETURN_IF_ERROR(append(0, first));
-                              held = false;
-                              first.clear();
-                            }
-                            return append(index, ids);
-                          },
-                          [&](uint64_t done, int64_t docs) { bar.update(done, docs); }));
+  TROUPE_ASSIGN_OR_RETURN(CorpusStats st, corpus.for_each(
+                                              [&](std::string_view text) -> Status {
+                                                std::vector<int32_t> ids =
+                                                    tok.encode(text, /*add_special_tokens=*/true);
+                                                if (ids.empty() || ids.back() != eot) ids.push_back(eot);
+                                                const int64_t index = i++;
+                                                if (index == 0) {
+                                                  first = std::move(ids);
+                                                  held = true;
+                                                  return ok_status();
+                                                }
+                                                if (held) {
+                                                  TROUPE_RETURN_IF_ERROR(append(0, first));
+                                                  held = false;
+                                                  first.clear();
+                                                }
+                                                return append(index, ids);
+                                              },
+                                              [&](uint64_t done, int64_t docs) { bar.update(done, docs); }));
   bar.finish(corpus.stored_bytes(), st.documents);
   if (held) {  // the whole corpus is one document: its tail is the validation split
-    const size_t cut = k > 0 ? first.size() - static_cast<size_t>(static_cast<double>(first.size()) * o.val_fraction)
-                             : first.size();
-    TROUPE_RETURN_IF_ERROR(train.append(std::vector<int32_t>(first.begin(), first.begin() + static_cast<long>(cut))));
-    TROUPE_RETURN_IF_ERROR(val.append(std::vector<int32_t>(first.begin() + static_cast<long>(cut), first.end())));
+    const size_t cut =
+        k > 0 ? first.size() - static_cast<size_t>(static_cast<double>(first.size()) * o.val_fraction)
+              : first.size();
+    TROUPE_RETURN_IF_ERROR(
+        train.append(std::vector<int32_t>(first.begin(), first.begin() + static_cast<long>(cut))));
+    TROUPE_RETURN_IF_ERROR(
+        val.append(std::vector<int32_t>(first.begin() + static_cast<long>(cut), first.end())));
   }
   if (st.documents == 0) return not_found("prepare: no documents in {}", fmt::join(o.inputs, ", "));
   TROUPE_RETURN_IF_ERROR(train.finish());
   TROUPE_RETURN_IF_ERROR(val.finish());
   report_malformed(st);
-  if (st.skipped_files > 0) fmt::print("prepare: skipped {} unreadable or binary file(s)\n", st.skipped_files);
+  if (st.skipped_files > 0)
+    fmt::print("prepare: skipped {} unreadable or binary file(s)\n", st.skipped_files);
   if (o.max_bytes > 0 && st.bytes >= o.max_bytes) {
     fmt::print("prepare: stopped at --max-bytes {} (0 reads everything)\n", o.max_bytes);
   }
@@ -180,11 +189,13 @@ Status run_prepare(const PrepareOptions& o) {
   meta["val_tokens"] = val.tokens();
   meta["inputs"] = o.inputs;
   std::ofstream(o.out + "/meta.json") << meta.dump(2) << "\n";
-  fmt::print("prepare: wrote {} (vocab {}, {} documents, {} train tokens in {} shard(s), {} val tokens, {:.2f} "
-             "bytes/token) [{:.1f}s]\n",
-             o.out, tok.vocab_size(), st.documents, train.tokens(), train.files().size(), val.tokens(),
-             static_cast<double>(st.bytes) / static_cast<double>(std::max<int64_t>(1, train.tokens() + val.tokens())),
-             seconds_since(t0));
+  fmt::print(
+      "prepare: wrote {} (vocab {}, {} documents, {} train tokens in {} shard(s), {} val tokens, {:.2f} "
+      "bytes/token) [{:.1f}s]\n",
+      o.out, tok.vocab_size(), st.documents, train.tokens(), train.files().size(), val.tokens(),
+      static_cast<double>(st.bytes) /
+          static_cast<double>(std::max<int64_t>(1, train.tokens() + val.tokens())),
+      seconds_since(t0));
   if (val.tokens() == 0) fmt::print("prepare: warning: no validation tokens (--val-fraction 0)\n");
   return ok_status();
 }

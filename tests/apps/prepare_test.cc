@@ -10,7 +10,6 @@
 
 #include <filesystem>
 #include <fstream>
-
 #include <nlohmann/json.hpp>
 
 #include "layers/token_data.h"
@@ -49,7 +48,9 @@ std::string zstd(const std::string& s) {
   return out;
 }
 
-std::string record(const std::string& key, const std::string& text) { return nlohmann::json{{key, text}}.dump() + "\n"; }
+std::string record(const std::string& key, const std::string& text) {
+  return nlohmann::json{{key, text}}.dump() + "\n";
+}
 
 std::vector<int32_t> shard_tokens(const fs::path& dir, const std::string& split) {
   auto s = layers::TokenShards::open(dir.string(), split);
@@ -76,11 +77,12 @@ TEST_F(PrepareJsonl, StreamsCompressedFilesSkipsAndNamesMalformedRecordsWithAnHf
   std::vector<std::string> docs;  // the valid records, in file order
   std::string a;                  // a.jsonl: valid records and four malformed ones
   for (int i = 0; i < 12; ++i) {
-    if (i == 4) a += "this is not json\n";                      // line 5
-    if (i == 7) a += "{\"txt\": \"the wrong key\"}\n";           // line 9
-    if (i == 9) a += "{\"text\": 5}\n";                          // line 12
-    if (i == 10) a += "[\"an\", \"array\"]\r\n";                 // line 14
-    const std::string t = i == 3 ? mixed : "record " + std::to_string(i) + ": the quick brown fox, ünïcödé 123";
+    if (i == 4) a += "this is not json\n";              // line 5
+    if (i == 7) a += "{\"txt\": \"the wrong key\"}\n";  // line 9
+    if (i == 9) a += "{\"text\": 5}\n";                 // line 12
+    if (i == 10) a += "[\"an\", \"array\"]\r\n";        // line 14
+    const std::string t =
+        i == 3 ? mixed : "record " + std::to_string(i) + ": the quick brown fox, ünïcödé 123";
     a += record("text", t);
     docs.push_back(t);
   }
@@ -102,10 +104,11 @@ TEST_F(PrepareJsonl, StreamsCompressedFilesSkipsAndNamesMalformedRecordsWithAnHf
   write_file(dir / "b.jsonl.gz", gzip(b));
   write_file(dir / "c.jsonl.zst", zstd(c));
   const fs::path out = dir / "data";
-  const RunResult r = run({train_moe_bin(), "prepare", "--input", (dir / "a.jsonl").string(),
-                           (dir / "b.jsonl.gz").string(), (dir / "c.jsonl.zst").string(), "--out", out.string(),
-                           "--tokenizer", kTokDir + "/qwen2.json", "--val-fraction", "0", "--max-bytes", "0"},
-                          dir / "prepare.log", std::chrono::seconds(60));
+  const RunResult r =
+      run({train_moe_bin(), "prepare", "--input", (dir / "a.jsonl").string(), (dir / "b.jsonl.gz").string(),
+           (dir / "c.jsonl.zst").string(), "--out", out.string(), "--tokenizer", kTokDir + "/qwen2.json",
+           "--val-fraction", "0", "--max-bytes", "0"},
+          dir / "prepare.log", std::chrono::seconds(60));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("skipped 4 malformed"), std::string::npos) << r.output;
   for (const char* where : {"a.jsonl:5: not valid JSON", "a.jsonl:9: no field \"text\"",
@@ -148,14 +151,15 @@ TEST_F(PrepareJsonl, TrainsItsOwnTokenizerOnAnotherKeyAndNamesATruncatedFile) {
   fs::create_directories(dir);
   std::string body;
   for (int i = 0; i < 300; ++i) {
-    body += record("content", "def function_" + std::to_string(i % 13) + "(self, value):\n    return value * " +
-                                  std::to_string(i) + "  # Grüße\n");
+    body += record("content", "def function_" + std::to_string(i % 13) +
+                                  "(self, value):\n    return value * " + std::to_string(i) + "  # Grüße\n");
   }
   write_file(dir / "code.jsonl.zst", zstd(body));
   const fs::path out = dir / "data";
-  const RunResult r = run({train_moe_bin(), "prepare", "--input", dir.string(), "--ext", ".jsonl.zst", "--out",
-                           out.string(), "--text-key", "content", "--vocab", "300", "--val-fraction", "0.1"},
-                          dir / "prepare.log", std::chrono::seconds(60));
+  const RunResult r =
+      run({train_moe_bin(), "prepare", "--input", dir.string(), "--ext", ".jsonl.zst", "--out", out.string(),
+           "--text-key", "content", "--vocab", "300", "--val-fraction", "0.1"},
+          dir / "prepare.log", std::chrono::seconds(60));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const nlohmann::json meta = nlohmann::json::parse(std::ifstream(out / "meta.json"));
   EXPECT_EQ(meta["documents"], 300);

@@ -31,7 +31,8 @@ void write_checkpoint(layers::Model& model, int n, const std::string& run_dir) {
     std::vector<checkpoint::SaveEntry> entries;
     for (auto& p : model.parameters()) {
       const bool expert = p.name.find(".moe.experts.") != std::string::npos;
-      const auto place = expert ? checkpoint::TensorPlacement::experts(0) : checkpoint::TensorPlacement::replicated(0);
+      const auto place =
+          expert ? checkpoint::TensorPlacement::experts(0) : checkpoint::TensorPlacement::replicated(0);
       auto box = checkpoint::save_slice(p.name, p.param->value.shape(), place, *layout, coords);
       ASSERT_TRUE(box.ok()) << box.status().to_string();
       if (!box->has_value()) continue;
@@ -121,7 +122,8 @@ TEST_P(HfExport, F32IsTransformersFileByteForByte) {
     EXPECT_EQ(mine.dtype_name, info.dtype_name) << name;
     EXPECT_EQ(mine.shape, info.shape) << name;
     ASSERT_EQ(mine.end - mine.begin, info.end - info.begin) << name;
-    EXPECT_EQ(std::memcmp(it->second.first->data(mine), (*theirs)->data(info), info.end - info.begin), 0) << name;
+    EXPECT_EQ(std::memcmp(it->second.first->data(mine), (*theirs)->data(info), info.end - info.begin), 0)
+        << name;
   }
   // config.json: the same family and architecture as transformers' own.
   const nlohmann::json mine = test::read_json_file(dir / "out/config.json");
@@ -135,7 +137,8 @@ TEST_P(HfExport, F32IsTransformersFileByteForByte) {
   std::string why;
   EXPECT_TRUE(same_architecture(a->model, b->model, &why)) << why;
   for (const auto& [k, v] : ref.items()) {
-    if (k == "transformers_version" || k == "pad_token_id" || k == "bos_token_id" || k == "eos_token_id") continue;
+    if (k == "transformers_version" || k == "pad_token_id" || k == "bos_token_id" || k == "eos_token_id")
+      continue;
     EXPECT_TRUE(mine.contains(k)) << "config.json lacks '" << k << "', which transformers writes";
   }
 
@@ -180,7 +183,8 @@ TEST_P(HfExport, Bf16HasTransformersNamesShapesDtypesAndRoundsToNearestEven) {
     const StTensorInfo& src = *(*(*f32)->info(name));
     const auto* x = reinterpret_cast<const float*>((*f32)->data(src));
     const auto* y = reinterpret_cast<const uint16_t*>(it->second.first->data(mine));
-    for (int64_t i = 0; i < src.numel(); ++i) ASSERT_EQ(y[i], float_to_bf16_bits(x[i])) << name << " [" << i << "]";
+    for (int64_t i = 0; i < src.numel(); ++i)
+      ASSERT_EQ(y[i], float_to_bf16_bits(x[i])) << name << " [" << i << "]";
   }
   const nlohmann::json cfg = test::read_json_file(dir / "out/config.json");
   EXPECT_EQ(cfg["dtype"], hdr["config"]["dtype"]);
@@ -214,7 +218,8 @@ TEST(HfExportRefusals, NameTheFeatureTheFamilyLacks) {
   layers::ModelConfig unnormalised = m;
   unnormalised.moe.normalize_gates = false;
   says(hf_config_for(unnormalised, HfFamily::kMixtral, DType::kBF16), "normalize_gates");
-  EXPECT_NE(parse_family("deepseek_v3").status().message().find("multi-head latent attention"), std::string::npos);
+  EXPECT_NE(parse_family("deepseek_v3").status().message().find("multi-head latent attention"),
+            std::string::npos);
 }
 
 }  // namespace

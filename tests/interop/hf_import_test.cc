@@ -45,7 +45,8 @@ TEST_P(HfImport, LogitsAndLossEqualTransformers) {
                                          Tensor::from_ints({ref.rows, s}, targets), tokens);
   const double loss = sum / static_cast<double>(tokens);
   const double rel = std::abs(loss - ref.loss) / ref.loss;
-  fmt::print("[{}] loss {:.7f}, transformers {:.7f}, relative difference {:.2e}\n", GetParam(), loss, ref.loss, rel);
+  fmt::print("[{}] loss {:.7f}, transformers {:.7f}, relative difference {:.2e}\n", GetParam(), loss,
+             ref.loss, rel);
   EXPECT_LT(rel, 1e-4);
 
   // The logits of every position: position t of a row is the last position of its prefix
@@ -63,8 +64,8 @@ TEST_P(HfImport, LogitsAndLossEqualTransformers) {
       }
     }
   }
-  fmt::print("[{}] logits of {} positions: max |diff| vs transformers {:.2e}\n", GetParam(), ref.rows * ref.positions,
-             max_diff);
+  fmt::print("[{}] logits of {} positions: max |diff| vs transformers {:.2e}\n", GetParam(),
+             ref.rows * ref.positions, max_diff);
   EXPECT_LT(max_diff, 2e-4);
 }
 
@@ -138,15 +139,24 @@ TEST(HfImportConfig, RefusesWhatTroupeCannotExpressByName) {
       {"mixtral", [](nlohmann::json& c) { c["sliding_window"] = 4096; }, "sliding_window"},
       {"mixtral", [](nlohmann::json& c) { c["router_jitter_noise"] = 0.01; }, "router_jitter_noise"},
       {"mixtral",
-       [](nlohmann::json& c) { c["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e6}, {"factor", 4.0}}; },
+       [](nlohmann::json& c) {
+         c["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e6}, {"factor", 4.0}};
+       },
        "RoPE scaling 'yarn'"},
       {"mixtral", [](nlohmann::json& c) { c["hidden_act"] = "gelu"; }, "activation 'gelu'"},
       {"mixtral", [](nlohmann::json& c) { c["model_type"] = "deepseek_v3"; }, "multi-head latent attention"},
       {"mixtral", [](nlohmann::json& c) { c["model_type"] = "llama"; }, "supported: mixtral, qwen3_moe"},
-      {"mixtral", [](nlohmann::json& c) { c["quantization_config"] = {{"quant_method", "fp8"}}; }, "quantized"},
+      {"mixtral",
+       [](nlohmann::json& c) {
+         c["quantization_config"] = {{"quant_method", "fp8"}};
+       },
+       "quantized"},
       {"qwen3_moe", [](nlohmann::json& c) { c["attention_bias"] = true; }, "attention_bias"},
       {"qwen3_moe", [](nlohmann::json& c) { c["use_sliding_window"] = true; }, "use_sliding_window"},
-      {"qwen3_moe", [](nlohmann::json& c) { c["layer_types"] = {"full_attention", "sliding_attention"}; },
+      {"qwen3_moe",
+       [](nlohmann::json& c) {
+         c["layer_types"] = {"full_attention", "sliding_attention"};
+       },
        "sliding_attention"},
       {"qwen3_moe", [](nlohmann::json& c) { c.erase("moe_intermediate_size"); }, "moe_intermediate_size"},
   };
@@ -176,7 +186,8 @@ TEST(HfImportFiles, RefusesMissingExtraAndMisshapenTensors) {
   // another shape: rewritten from the fixture with SafetensorsLayout.
   auto src = SafetensorsFile::open(fixture("qwen3_moe") + "/model.safetensors");
   ASSERT_TRUE(src.ok());
-  const auto rewrite = [&](const std::string& dir, const std::string& drop, const std::string& add, Shape add_shape) {
+  const auto rewrite = [&](const std::string& dir, const std::string& drop, const std::string& add,
+                           Shape add_shape) {
     std::filesystem::create_directories(dir);
     std::filesystem::copy_file(fixture("qwen3_moe") + "/config.json", dir + "/config.json");
     std::vector<SafetensorsLayout::Entry> es;
@@ -197,10 +208,10 @@ TEST(HfImportFiles, RefusesMissingExtraAndMisshapenTensors) {
   rewrite(dir / "extra", "", "model.layers.0.self_attn.q_proj.bias", {128});
   rewrite(dir / "missing", "model.layers.2.self_attn.k_norm.weight", "", {});
   rewrite(dir / "shape", "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.weight", {5, 64});
-  for (const auto& [sub, says] : std::vector<std::pair<std::string, std::string>>{
-           {"extra", "model.layers.0.self_attn.q_proj.bias"},
-           {"missing", "model.layers.2.self_attn.k_norm.weight"},
-           {"shape", "model.layers.1.mlp.gate.weight"}}) {
+  for (const auto& [sub, says] :
+       std::vector<std::pair<std::string, std::string>>{{"extra", "model.layers.0.self_attn.q_proj.bias"},
+                                                        {"missing", "model.layers.2.self_attn.k_norm.weight"},
+                                                        {"shape", "model.layers.1.mlp.gate.weight"}}) {
     auto c = HfCheckpoint::open(dir / sub);
     ASSERT_TRUE(c.ok()) << c.status().to_string();
     const Status v = (*c)->validate(base);

@@ -17,7 +17,9 @@ namespace {
 
 const std::string kDir = test::fixtures() + "/tokenizers";
 
-nlohmann::json reference() { return test::read_json_file(kDir + "/reference.json"); }
+nlohmann::json reference() {
+  return test::read_json_file(kDir + "/reference.json");
+}
 
 class HfTokenizer : public ::testing::TestWithParam<std::string> {};
 
@@ -33,8 +35,10 @@ TEST_P(HfTokenizer, IdsEqualTheLibrarysOnMixedScriptText) {
   size_t first_diff = 0;
   while (first_diff < std::min(want.size(), got.size()) && want[first_diff] == got[first_diff]) ++first_diff;
   EXPECT_EQ(got, want) << GetParam() << ": first difference at id " << first_diff << " (token '"
-                       << (first_diff < want.size() ? r["tokens"][first_diff].get<std::string>() : "<end>") << "')";
-  EXPECT_EQ(tok->encode(text, /*add_special_tokens=*/true), r.at("ids_with_special").get<std::vector<int32_t>>());
+                       << (first_diff < want.size() ? r["tokens"][first_diff].get<std::string>() : "<end>")
+                       << "')";
+  EXPECT_EQ(tok->encode(text, /*add_special_tokens=*/true),
+            r.at("ids_with_special").get<std::vector<int32_t>>());
   const auto edges = ref.at("edges").get<std::vector<std::string>>();
   for (size_t i = 0; i < edges.size(); ++i) {
     EXPECT_EQ(tok->encode(edges[i]), r.at("edges")[i].get<std::vector<int32_t>>())
@@ -42,8 +46,8 @@ TEST_P(HfTokenizer, IdsEqualTheLibrarysOnMixedScriptText) {
   }
   // Decoding gives the text back (NFC-normalised where the tokenizer normalises).
   EXPECT_EQ(tok->decode(got, /*skip_special=*/false), r.at("decoded").get<std::string>());
-  fmt::print("[{}] {} ids on {} bytes of mixed-script text equal the tokenizers library's\n", GetParam(), got.size(),
-             text.size());
+  fmt::print("[{}] {} ids on {} bytes of mixed-script text equal the tokenizers library's\n", GetParam(),
+             got.size(), text.size());
 }
 
 INSTANTIATE_TEST_SUITE_P(Tokenizers, HfTokenizer, ::testing::Values("gpt2", "llama3", "qwen2"));
@@ -76,15 +80,26 @@ TEST(HfTokenizerFile, RefusesWhatItCannotEncodeExactly) {
     std::string says;
   };
   const std::vector<Case> cases = {
-      {[](nlohmann::json& j) { j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "▁"}}; },
+      {[](nlohmann::json& j) {
+         j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "▁"}};
+       },
        "pre-tokenizer 'Metaspace'"},
       {[](nlohmann::json& j) { j["model"]["byte_fallback"] = true; }, "byte_fallback"},
       {[](nlohmann::json& j) { j["model"]["type"] = "WordPiece"; }, "model type 'WordPiece'"},
-      {[](nlohmann::json& j) { j["normalizer"] = {{"type", "Lowercase"}}; }, "normalizer 'Lowercase'"},
+      {[](nlohmann::json& j) {
+         j["normalizer"] = {{"type", "Lowercase"}};
+       },
+       "normalizer 'Lowercase'"},
       {[](nlohmann::json& j) { j["model"]["dropout"] = 0.1; }, "dropout"},
       {[](nlohmann::json& j) { j["added_tokens"][0]["lstrip"] = true; }, "lstrip"},
-      {[](nlohmann::json& j) { j["post_processor"] = {{"type", "BertProcessing"}}; }, "post-processor 'BertProcessing'"},
-      {[](nlohmann::json& j) { j["model"]["merges"].push_back({"Ġ", "zzzz"}); }, "not in the vocabulary"},
+      {[](nlohmann::json& j) {
+         j["post_processor"] = {{"type", "BertProcessing"}};
+       },
+       "post-processor 'BertProcessing'"},
+      {[](nlohmann::json& j) {
+         j["model"]["merges"].push_back({"Ġ", "zzzz"});
+       },
+       "not in the vocabulary"},
   };
   for (const Case& c : cases) {
     nlohmann::json j = base;

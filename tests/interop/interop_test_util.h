@@ -9,17 +9,20 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "interop/safetensors.h"
 
 namespace troupe::test {
 
-inline std::string fixtures() { return TROUPE_INTEROP_FIXTURES; }
-inline std::string fixture(const std::string& family) { return fixtures() + "/" + family; }
+inline std::string fixtures() {
+  return TROUPE_INTEROP_FIXTURES;
+}
+inline std::string fixture(const std::string& family) {
+  return fixtures() + "/" + family;
+}
 
 // mkdtemp under the test temp dir; removed with everything in it on destruction.
 class ScratchDir {

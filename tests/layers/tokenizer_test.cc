@@ -2,16 +2,15 @@
 // training, encode/decode round trips, the end-of-text token, the file format (Hugging
 // Face's tokenizer.json) and its errors. tests/interop/hf_tokenizer_test.cc checks the
 // encoding against the `tokenizers` library itself.
+#include "layers/tokenizer.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
-#include <random>
-
 #include <nlohmann/json.hpp>
-
-#include "layers/tokenizer.h"
+#include <random>
 
 namespace troupe::layers {
 namespace {
@@ -111,7 +110,7 @@ TEST(Bpe, TrainingIsDeterministicAndStopsWhenNothingRepeats) {
   tiny.add_text("abc");
   auto tt = tiny.train(1000);
   ASSERT_TRUE(tt.ok());
-  EXPECT_EQ(tt->vocab_size(), kFirstMerge);  // no pair occurs twice
+  EXPECT_EQ(tt->vocab_size(), kFirstMerge);               // no pair occurs twice
   EXPECT_FALSE(tiny.train(10).ok());                      // below bytes + eot
 }
 
@@ -182,7 +181,8 @@ TEST(Bpe, SaveLoadAndCorruptFiles) {
   std::ofstream(dir + "/bad.json") << broken.dump();
   auto bad = Tokenizer::load(dir + "/bad.json");
   EXPECT_EQ(bad.status().code(), StatusCode::kDataLoss);
-  EXPECT_NE(bad.status().message().find("not in the vocabulary"), std::string::npos) << bad.status().to_string();
+  EXPECT_NE(bad.status().message().find("not in the vocabulary"), std::string::npos)
+      << bad.status().to_string();
   std::ofstream(dir + "/old.json") << "{\"type\": \"troupe-byte-bpe\", \"version\": 1, \"merges\": []}";
   auto old = Tokenizer::load(dir + "/old.json");
   EXPECT_NE(old.status().message().find("prepare"), std::string::npos) << old.status().to_string();
