@@ -13,6 +13,10 @@ For each family (mixtral, qwen3_moe), with a random model of transformers' own m
 Prints every figure; exits 1 if any check fails.
 
 Usage: python3 check_transformers.py --train-moe BUILD/apps/train_moe [--work DIR] [--no-cuda]
+With Troupe's libraries unpacked into a prefix (scripts/gpu-host/unpack-debs.sh), start
+Python without that prefix's LD_LIBRARY_PATH (its older system libraries must not shadow
+the ones torch was built with) and hand it over for train_moe alone:
+  env -u LD_LIBRARY_PATH TROUPE_LD_LIBRARY_PATH="$LD_LIBRARY_PATH" python3 check_transformers.py ...
 """
 import argparse
 import json
@@ -40,7 +44,10 @@ def check(ok, what):
 
 def run(cmd, cwd=None):
     log("$ " + " ".join(cmd))
-    r = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = dict(os.environ)
+    if os.environ.get("TROUPE_LD_LIBRARY_PATH"):
+        env["LD_LIBRARY_PATH"] = os.environ["TROUPE_LD_LIBRARY_PATH"]
+    r = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail = "\n".join(r.stdout.strip().splitlines()[-12:])
     log(tail)
     if r.returncode != 0:
