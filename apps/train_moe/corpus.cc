@@ -283,6 +283,7 @@ void ProgressLine::update(uint64_t done, int64_t documents) {
   const double t = now_s();
   if (tty_ ? t - last_ < 0.2 : t - last_ < 10.0) return;
   last_ = t;
+  printed_ = done;
   const double frac =
       total_ > 0 ? std::min(1.0, static_cast<double>(done) / static_cast<double>(total_)) : 0.0;
   const double el = t - start_;
@@ -299,8 +300,10 @@ void ProgressLine::update(uint64_t done, int64_t documents) {
 }
 
 void ProgressLine::finish(uint64_t done, int64_t documents) {
-  last_ = -1e9;
-  update(done, documents);
+  if (printed_ != done) {  // else the last line already says so
+    last_ = -1e9;
+    update(done, documents);
+  }
   if (tty_) fmt::print("\n");
 }
 

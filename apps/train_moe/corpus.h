@@ -75,6 +75,7 @@ class ProgressLine {
   uint64_t total_;
   bool tty_;
   double start_, last_ = -1;
+  uint64_t printed_ = UINT64_MAX;  // `done` of the last line printed
 };
 
 }  // namespace troupe::train_moe
