@@ -12,6 +12,12 @@ find_package(CapnProto 0.9 REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
 pkg_check_modules(IBVERBS REQUIRED IMPORTED_TARGET libibverbs)
 pkg_check_modules(SODIUM REQUIRED IMPORTED_TARGET libsodium)
+# Hugging Face interop: tokenizers' pre-tokenizer regexes (\p{L}, lookahead), their NFC
+# normaliser, and compressed JSONL corpora.
+pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
+pkg_check_modules(UTF8PROC REQUIRED IMPORTED_TARGET libutf8proc)
+pkg_check_modules(ZSTD REQUIRED IMPORTED_TARGET libzstd)
+pkg_check_modules(ZLIB REQUIRED IMPORTED_TARGET zlib)
 
 # Gloo ships no CMake package on Debian: headers in /usr/include/gloo, libgloo.so.
 find_path(GLOO_INCLUDE_DIR gloo/context.h REQUIRED)

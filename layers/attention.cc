@@ -5,8 +5,13 @@
 
 namespace troupe::layers {
 
-Attention::Attention(int64_t d_model, int64_t nh, int64_t nkv, int64_t dh, float theta)
+Attention::Attention(int64_t d_model, int64_t nh, int64_t nkv, int64_t dh, float theta, bool qk_norm,
+                     float norm_eps)
     : n_heads(nh), n_kv_heads(nkv), head_dim(dh), rope_theta(theta) {
+  if (qk_norm) {
+    q_norm = std::make_unique<RMSNorm>(dh, norm_eps);
+    k_norm = std::make_unique<RMSNorm>(dh, norm_eps);
+  }
   wq.allocate({d_model, nh * dh});
   wk.allocate({d_model, nkv * dh});
   wv.allocate({d_model, nkv * dh});
@@ -20,6 +25,8 @@ void Attention::init(uint64_t seed, const std::string& prefix, float std, float 
   init_normal(wk.value, seed, prefix + ".wk", std);
   init_normal(wv.value, seed, prefix + ".wv", std);
   init_normal(wo.value, seed, prefix + ".wo", out_std);
+  if (q_norm) q_norm->init();
+  if (k_norm) k_norm->init();
 }
 
 void Attention::collect(const std::string& prefix, std::vector<NamedParameter>& out) {
@@ -27,6 +34,8 @@ void Attention::collect(const std::string& prefix, std::vector<NamedParameter>& 
   out.push_back({prefix + ".wk", &wk});
   out.push_back({prefix + ".wv", &wv});
   out.push_back({prefix + ".wo", &wo});
+  if (q_norm) q_norm->collect(prefix + ".q_norm", out);
+  if (k_norm) k_norm->collect(prefix + ".k_norm", out);
 }
 
 namespace {
@@ -69,9 +78,13 @@ const Tensor& Attention::device_positions(const Ctx& c, int64_t batch, int64_t s
 }
 
 void Attention::project_qkv(const Ctx& c, const Tensor& x, const Tensor& pos, int64_t batch, int64_t seq,
-                            Tensor& q, Tensor& k, Tensor& v, const Tensor* qk_positions) const {
+                            Tensor& q, Tensor& k, Tensor& v, const Tensor* qk_positions,
+                            QkNormSaved* norm) const {
   const int64_t t = x.size(0);
-  const bool one_rope = qk_positions != nullptr && n_kv_heads == n_heads;
+  TROUPE_CHECK(!q_norm || norm != nullptr,
+               "Attention::project_qkv: the q/k norm needs somewhere to keep its state");
+  // The norm writes new q and k rows, so it takes the separate RoPE launches.
+  const bool one_rope = qk_positions != nullptr && n_kv_heads == n_heads && !q_norm;
   // q, k (and v, where the weights allow one batched product) rows in one buffer.
   const Tensor w3 = one_rope ? stacked3(wq.w(), wk.w(), wv.w()) : Tensor();
   Tensor rows, qk;  // one_rope: q's rows, then k's (then v's)
@@ -95,6 +108,10 @@ void Attention::project_qkv(const Ctx& c, const Tensor& x, const Tensor& pos, in
     kernels::matmul(c.ex, x, wq.w(), q);
     kernels::matmul(c.ex, x, wk.w(), k);
     kernels::matmul(c.ex, x, wv.w(), v);
+  }
+  if (q_norm) {  // per head: rows of [T*H, Dh]
+    q = q_norm->forward(c, q.view({t * n_heads, head_dim}), norm->q).view({t, n_heads * head_dim});
+    k = k_norm->forward(c, k.view({t * n_kv_heads, head_dim}), norm->k).view({t, n_kv_heads * head_dim});
   }
   if (one_rope) {
     Tensor qk3 = qk.view({2 * t, n_heads, head_dim});
@@ -130,7 +147,7 @@ Tensor Attention::forward(const Ctx& c, const Tensor& x, int64_t batch, int64_t 
   s.pos = device_positions(c, batch, seq);
   // q's and k's rows rotated by one RoPE launch: their positions twice over.
   const Tensor& qk_pos = device_positions(c, 2 * batch, seq);
-  project_qkv(c, x, s.pos, batch, seq, s.q, s.k, s.v, &qk_pos);
+  project_qkv(c, x, s.pos, batch, seq, s.q, s.k, s.v, &qk_pos, &s.qk_norm);
   core_forward(c, s.q, s.k, s.v, s.out, s.lse);
   return project_out(c, s.out);
 }
@@ -165,13 +182,18 @@ void Attention::core_backward(const Ctx& c, const Tensor& q, const Tensor& k, co
 }
 
 Tensor Attention::project_qkv_backward(const Ctx& c, const Tensor& x, const Tensor& pos, Tensor& dq,
-                                       Tensor& dk, Tensor& dv, bool rope_undone) {
+                                       Tensor& dk, Tensor& dv, bool rope_undone, const QkNormSaved* norm) {
   const int64_t t = x.size(0);
   Tensor dq3 = dq.view({t, n_heads, head_dim});
   Tensor dk3 = dk.view({t, n_kv_heads, head_dim});
   if (!rope_undone) {
     kernels::rope_backward(c.ex, dq3, pos, rope_theta, dq3);
     kernels::rope_backward(c.ex, dk3, pos, rope_theta, dk3);
+  }
+  if (q_norm) {
+    TROUPE_CHECK(norm != nullptr, "Attention::project_qkv_backward: the q/k norm's state is missing");
+    dq = q_norm->backward(c, dq.view({t * n_heads, head_dim}), norm->q);
+    dk = k_norm->backward(c, dk.view({t * n_kv_heads, head_dim}), norm->k);
   }
   Tensor dq2 = dq.view({t, n_heads * head_dim});
   Tensor dk2 = dk.view({t, n_kv_heads * head_dim});
@@ -201,7 +223,7 @@ Tensor Attention::backward(const Ctx& c, const Tensor& dy, const Saved& s) {
   Tensor dout = project_out_backward(c, dy, s.out);
   Tensor dq, dk, dv;
   core_backward(c, s.q, s.k, s.v, s.out, s.lse, dout, dq, dk, dv, &s.pos);  // RoPE undone in it
-  return project_qkv_backward(c, s.x, s.pos, dq, dk, dv, /*rope_undone=*/true);
+  return project_qkv_backward(c, s.x, s.pos, dq, dk, dv, /*rope_undone=*/true, &s.qk_norm);
 }
 
 }  // namespace troupe::layers

@@ -8,7 +8,8 @@ namespace troupe::layers {
 Block::Block(const ModelConfig& cfg, bool is_moe, ExpertRange experts)
     : norm1(cfg.d_model, static_cast<float>(cfg.norm_eps)),
       norm2(cfg.d_model, static_cast<float>(cfg.norm_eps)),
-      attn(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.dh(), static_cast<float>(cfg.rope_theta)) {
+      attn(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.dh(), static_cast<float>(cfg.rope_theta),
+           cfg.qk_norm, static_cast<float>(cfg.norm_eps)) {
   if (is_moe) {
     moe = std::make_unique<MoELayer>(cfg.d_model, cfg.moe, cfg.recompute_swiglu, experts);
   } else {

@@ -59,7 +59,7 @@ Status ModelConfig::validate() const {
 }
 
 int64_t ModelConfig::num_params() const {
-  const int64_t d = d_model, attn = d * dh() * (2 * n_heads + 2 * n_kv_heads);
+  const int64_t d = d_model, attn = d * dh() * (2 * n_heads + 2 * n_kv_heads) + (qk_norm ? 2 * dh() : 0);
   int64_t total = vocab_size * d * (tie_embeddings ? 1 : 2) + d;  // embeddings + final norm
   for (int64_t i = 0; i < n_layers; ++i) {
     total += attn + 2 * d;
@@ -99,6 +99,7 @@ Result<ModelConfig> parse_model_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(m.tie_embeddings, cfg.get_bool("model.tie_embeddings", m.tie_embeddings));
   TROUPE_ASSIGN_OR_RETURN(m.rope_theta, cfg.get_double("model.rope_theta", m.rope_theta));
   TROUPE_ASSIGN_OR_RETURN(m.norm_eps, cfg.get_double("model.norm_eps", m.norm_eps));
+  TROUPE_ASSIGN_OR_RETURN(m.qk_norm, cfg.get_bool("model.qk_norm", m.qk_norm));
   TROUPE_ASSIGN_OR_RETURN(m.init_std, cfg.get_double("model.init_std", m.init_std));
   TROUPE_ASSIGN_OR_RETURN(m.moe_layers, cfg.get_int_list("model.moe_layers", std::vector<int64_t>{}));
   TROUPE_ASSIGN_OR_RETURN(m.moe_every, cfg.get_int("model.moe_every", m.moe_every));

@@ -40,6 +40,9 @@ struct ModelConfig {
   bool tie_embeddings = true;
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
+  // Per-head RMSNorm of q and k after their projections, before RoPE (Qwen3): weights
+  // blocks.<i>.attn.q_norm.weight and k_norm.weight of [head dim], with norm_eps.
+  bool qk_norm = false;
   double init_std = 0.02;
   // Which blocks are MoE: moe_layers (explicit indices) when given, else every block i
   // with i >= moe_first and (i - moe_first) % moe_every == 0. moe_every = 0: all dense.

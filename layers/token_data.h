@@ -4,7 +4,7 @@
 //
 // Shard file "<split>-NNNNN.bin": a 24-byte header — magic "TRPTOKS1", u32 version (1),
 // u32 bytes per token (2 or 4), u64 token count — then the tokens, little-endian.
-// Documents are separated by Tokenizer::kEot.
+// Documents are separated by the tokenizer's end-of-text token (Tokenizer::eot()).
 #pragma once
 
 #include <cstdint>

@@ -149,6 +149,7 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
                             cfg.source(), master);
   }
   TROUPE_ASSIGN_OR_RETURN(tc.train.timeline_dir, cfg.get_string("train.timeline_dir", tc.train.timeline_dir));
+  TROUPE_ASSIGN_OR_RETURN(tc.train.init_from, cfg.get_string("train.init_from", tc.train.init_from));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.every, cfg.get_int("checkpoint.every", tc.checkpoint.every));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.keep, cfg.get_int("checkpoint.keep", tc.checkpoint.keep));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.dir, cfg.get_string("checkpoint.dir", tc.checkpoint.dir));

@@ -70,6 +70,11 @@ struct TrainOptions {
   // weights. The working copy rounds ties away from zero instead of to even. The
   // Trainer's stages and CPU runs keep "f32", each saying so in a note.
   bool split_master = false;
+  // A Hugging Face model directory (config.json + safetensors of a Mixtral or Qwen3-MoE)
+  // whose weights start the run instead of the seed's initialisation: each rank reads its
+  // own slices of it (train_moe --init-from sets it, with the [model] keys its config.json
+  // gives). Empty: initialised from the seed.
+  std::string init_from;
   // Non-empty: every rank writes, per step, its per-thread communication and compute
   // timings as JSON lines into this directory (bench/overlap/timeline.py draws them).
   std::string timeline_dir;

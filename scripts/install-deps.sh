@@ -11,6 +11,7 @@ pkgs=(
   libgloo-dev libhiredis-dev
   libspdlog-dev libfmt-dev
   libtomlplusplus-dev libcli11-dev nlohmann-json3-dev
+  libpcre2-dev libutf8proc-dev libzstd-dev zlib1g-dev
   libsqlite3-dev libxxhash-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libibverbs-dev rdma-core

@@ -15,6 +15,7 @@
 #include "actors/training/trainer.h"
 #include "comm/rendezvous_store.h"
 #include "core/parallel_layout.h"
+#include "interop/hf_checkpoint.h"
 #include "layers/tokenizer.h"
 #include "scheduler/job_context.h"
 #include "scheduler/scheduler_store.h"
@@ -35,6 +36,10 @@ void add_run_options(CLI::App& cli, RunOptions& o) {
   cli.add_option("--resume", o.resume,
                  "continue from the newest valid checkpoint of a run directory (or a checkpoints "
                  "directory, or one step_<N> checkpoint), resharded to the current layout");
+  cli.add_option(
+      "--init-from", o.init_from,
+      "start from a Hugging Face model directory (config.json + safetensors of a Mixtral or Qwen3-MoE): "
+      "its architecture replaces [model]'s, its weights the initialisation; any layout");
 }
 
 Result<std::vector<std::string>> parallel_overrides(const std::string& spec) {
@@ -61,6 +66,28 @@ Result<std::vector<std::string>> all_overrides(const RunOptions& o) {
   std::vector<std::string> overrides = o.overrides;
   if (!o.parallel.empty()) {
     TROUPE_ASSIGN_OR_RETURN(std::vector<std::string> extra, parallel_overrides(o.parallel));
+    overrides.insert(overrides.end(), extra.begin(), extra.end());
+  }
+  if (!o.init_from.empty()) {
+    if (!o.resume.empty()) {
+      return invalid_argument(
+          "--init-from starts a run from a Hugging Face model; --resume continues a Troupe run "
+          "(give one of them)");
+    }
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<interop::HfCheckpoint> hf,
+                            interop::HfCheckpoint::open(o.init_from));
+    std::vector<std::string> extra = interop::model_overrides(hf->config().model);
+    for (const std::string& e : extra) {
+      const std::string key = e.substr(0, e.find('='));
+      for (const std::string& u : o.overrides) {
+        if (u.substr(0, u.find('=')) == key && u != e) {
+          return invalid_argument("--set {} conflicts with --init-from {}: its config.json gives {}", u,
+                                  o.init_from, e);
+        }
+      }
+    }
+    extra.push_back(
+        fmt::format("train.init_from=\"{}\"", fs::absolute(o.init_from).lexically_normal().string()));
     overrides.insert(overrides.end(), extra.begin(), extra.end());
   }
   return overrides;
@@ -182,6 +209,16 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
     }
   }
   TROUPE_RETURN_IF_ERROR(prepare_run_dir(tc, o.config, overrides, run_dir));
+  if (!tc.train.init_from.empty() && o.resume.empty()) {
+    // Checked here from the headers, before any worker starts; each worker then reads
+    // only its own slices (init_from_hf).
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<interop::HfCheckpoint> hf,
+                            interop::HfCheckpoint::open(tc.train.init_from));
+    TROUPE_RETURN_IF_ERROR(hf->validate(tc.model).with_context("train.init_from"));
+    fmt::print("{}: initialising from {} ({}, {} parameters, {} MoE blocks of {} experts)\n", app.name,
+               tc.train.init_from, interop::family_name(hf->config().family), tc.model.num_params(),
+               tc.model.moe_layers.size(), tc.model.moe.num_experts);
+  }
   TrainerOptions to;
   to.app = app.name;
   to.argv = o.argv;

@@ -47,10 +47,14 @@ struct RunOptions {
   // A run directory, its checkpoints directory or one step_<N> checkpoint: the newest
   // valid checkpoint is loaded into the current layout and training goes on.
   std::string resume;
+  // A Hugging Face model directory to start from (its config.json's model, its weights):
+  // becomes the [model] overrides and train.init_from (all_overrides).
+  std::string init_from;
   std::vector<std::string> argv;  // the whole command line (the standalone launcher re-runs it)
 };
 
-// Adds --config, --set, --parallel, --run-dir, --backend and --resume to `cli`, bound to `o`.
+// Adds --config, --set, --parallel, --run-dir, --backend, --resume and --init-from to
+// `cli`, bound to `o`.
 void add_run_options(CLI::App& cli, RunOptions& o);
 
 // "pp=2,n=2,dispatch=allgather" -> {"parallel.pp=2", "parallel.n=2", "parallel.dispatch=\"allgather\""}:
@@ -58,7 +62,10 @@ void add_run_options(CLI::App& cli, RunOptions& o);
 // and compression.
 Result<std::vector<std::string>> parallel_overrides(const std::string& spec);
 
-// o.overrides (--set), then o.parallel's (--parallel): the overrides a run applies and records.
+// o.overrides (--set), then o.parallel's (--parallel), then o.init_from's (every
+// architecture key of its config.json as model.*, and train.init_from, its absolute path;
+// a --set of one of those keys to another value is an error): the overrides a run applies
+// and records.
 Result<std::vector<std::string>> all_overrides(const RunOptions& o);
 
 // Loads the config (o.config with all_overrides(o)) — the result of add_run_options after

@@ -208,7 +208,7 @@ Tensor AttentionShard::forward(const layers::Ctx& c, const Tensor& x, int64_t ba
   s.x = x;
   s.pos = c.to_device(Tensor::from_ints({batch * seq_local}, pos));
   Tensor q, k, v;
-  attn_.project_qkv(c, x, s.pos, batch, seq_local, q, k, v);
+  attn_.project_qkv(c, x, s.pos, batch, seq_local, q, k, v, nullptr, &s.qk_norm);
   std::vector<Tensor> qkv = switch_all({q, k, v}, true);
   s.q = qkv[0];
   s.k = qkv[1];
@@ -224,7 +224,7 @@ Tensor AttentionShard::backward(const layers::Ctx& c, const Tensor& dy, const Sa
   Tensor dq, dk, dv;
   attn_.core_backward(c, s.q, s.k, s.v, s.out, s.lse, dout, dq, dk, dv);
   std::vector<Tensor> d = switch_all({dq, dk, dv}, false);
-  return attn_.project_qkv_backward(c, s.x, s.pos, d[0], d[1], d[2]);
+  return attn_.project_qkv_backward(c, s.x, s.pos, d[0], d[1], d[2], false, &s.qk_norm);
 }
 
 }  // namespace troupe::training

@@ -28,6 +28,7 @@ class AttentionShard {
     Tensor q, k, v;   // head-sharded [B, S, H/n, Dh]
     Tensor out, lse;  // head-sharded core output, lse [B, H/n, S]
     Tensor out_seq;   // sequence-sharded core output [B, Sl, H, Dh]
+    layers::Attention::QkNormSaved qk_norm;  // the q/k norm's state (local tokens)
   };
   // `attn` and `group` must outlive the shard.
   AttentionShard(layers::Attention& attn, comm::Communicator& group, CommTime& time, bool overlap = false);

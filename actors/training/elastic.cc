@@ -501,6 +501,9 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
   }
   if (!stage_) {
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
+    // A fresh Stage: a run started from a Hugging Face model (train.init_from) reads its
+    // slices of it; a later epoch then syncs from a data-parallel peer as ever.
+    if (plan.step_done == 0) TROUPE_RETURN_IF_ERROR(init_from_hf(*s, tc));
     std::lock_guard<std::mutex> lock(mu_);
     stage_ = std::move(s);
   } else {

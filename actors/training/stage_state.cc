@@ -3,12 +3,13 @@
 // checkpoint or exported states. See stage_state.h for the names and placements.
 #include "actors/training/stage_state.h"
 
-#include <cstring>
-
 #include <fmt/format.h>
+
+#include <cstring>
 
 #include "actors/training/stage.h"
 #include "checkpoint/reader.h"
+#include "interop/hf_checkpoint.h"
 
 namespace troupe::training {
 
@@ -176,6 +177,31 @@ SliceSource slice_source(const checkpoint::CheckpointReader& reader) {
     }
     return reader.read_into(name, box, dst);
   };
+}
+
+SliceSource slice_source(const interop::HfCheckpoint& ckpt) {
+  return [&ckpt](const std::string& name, const Shape& global, const Slice& box, Tensor& dst) -> Status {
+    const bool moment = name.rfind("opt.m.", 0) == 0 || name.rfind("opt.v.", 0) == 0;
+    const bool bias = name.size() > 12 && name.compare(name.size() - 12, 12, ".router.bias") == 0;
+    if (moment || bias) {  // a fresh run's: zero
+      std::memset(dst.data_ptr(), 0, dst.nbytes());
+      return ok_status();
+    }
+    return ckpt.read(name, global, box, dst);
+  };
+}
+
+Status init_from_hf(Stage& stage, const layers::TrainConfig& tc) {
+  if (tc.train.init_from.empty()) return ok_status();
+  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<interop::HfCheckpoint> ckpt,
+                          interop::HfCheckpoint::open(tc.train.init_from));
+  TROUPE_RETURN_IF_ERROR(ckpt->validate(tc.model).with_context("train.init_from"));
+  TROUPE_RETURN_IF_ERROR(stage.import_state(slice_source(*ckpt), 0).with_context("train.init_from"));
+  fmt::print("rank {}: initialised from {} ({}): read {:.2f} MB of its slices\n", stage.rank(),
+             tc.train.init_from, interop::family_name(ckpt->config().family),
+             static_cast<double>(ckpt->bytes_read()) / 1e6);
+  std::fflush(stdout);
+  return ok_status();
 }
 
 SliceSource slice_source(const std::vector<const StageState*>& states) {

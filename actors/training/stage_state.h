@@ -1,7 +1,8 @@
 // actors/training/stage_state.h — defines the training state of one rank as named slices
 // of global tensors (StageState), the names those tensors carry (shared by the
 // single-process app and every Stage, so any layout loads any other), and SliceSource,
-// where an import reads slices from (a checkpoint, or another rank's exported state).
+// where an import reads slices from (a checkpoint, another rank's exported state, or a
+// Hugging Face model directory).
 //
 // The global tensors of a training state:
 //   <parameter name>            the model parameters, full global shapes ("embedding.weight",
@@ -36,6 +37,12 @@
 namespace troupe::checkpoint {
 class CheckpointReader;
 }
+namespace troupe::interop {
+class HfCheckpoint;
+}
+namespace troupe::layers {
+struct TrainConfig;
+}
 
 namespace troupe::training {
 
@@ -68,6 +75,17 @@ using SliceSource =
 // A source reading a checkpoint (checksums of every stored slice used are verified; a
 // tensor missing or of another shape is an error naming it and the checkpoint).
 SliceSource slice_source(const checkpoint::CheckpointReader& reader);
+// A source reading a Hugging Face model directory (train.init_from): the parameters from
+// its safetensors files (each box reads only its own bytes of the mapped files), zeros for
+// the state a fresh run starts from (AdamW moments, router biases).
+SliceSource slice_source(const interop::HfCheckpoint& ckpt);
+
+class Stage;
+// train.init_from: a fresh Stage's parameters from that directory, checked against the
+// run's model first (each rank reads its own slices; steps done = 0). No-op without it.
+// Called wherever a Stage starts with no state to restore.
+Status init_from_hf(Stage& stage, const layers::TrainConfig& tc);
+
 // A source assembling boxes from exported states (e.g. of data-parallel peers, kHeld):
 // every element of the box must be covered by their slices, else NotFound.
 SliceSource slice_source(const std::vector<const StageState*>& states);

@@ -1,7 +1,8 @@
 // apps/train_moe/commands.h — the subcommands of train_moe, one function each, called by
 // main.cc after CLI parsing: run_prepare (corpus -> tokenizer + token shards), run_train
 // (training: one process here, several through the framework), run_sample (text from a
-// trained run), run_plot.
+// trained run), run_eval (loss and logits of token rows), run_export (a Hugging Face
+// model directory), run_plot.
 #pragma once
 
 #include <cstdint>
@@ -15,12 +16,18 @@
 namespace troupe::train_moe {
 
 struct PrepareOptions {
-  std::vector<std::string> inputs;  // files or directories
+  std::vector<std::string> inputs;  // files or directories: text, or JSON lines (.jsonl[.gz|.zst])
   std::string out;                  // output directory
+  // A Hugging Face tokenizer.json to tokenize with; empty: train Troupe's own of `vocab`.
+  std::string tokenizer;
+  std::string eot_token;  // with `tokenizer`: the token ending each document (default: its eos)
   int64_t vocab = 1024;
-  int64_t max_bytes = 8'000'000;     // corpus cap (whole files, in path order)
+  int64_t max_bytes = 8'000'000;  // corpus cap (stop after the document passing it; 0: none)
   double val_fraction = 0.05;
-  std::vector<std::string> extensions = {".py", ".txt", ".md", ".rst"};  // for directory walks
+  // For directory walks (name endings).
+  std::vector<std::string> extensions = {".py", ".txt", ".md", ".rst", ".jsonl", ".jsonl.gz", ".jsonl.zst"};
+  std::string text_key = "text";  // JSON lines: the field holding a record's text
+  bool strict = false;            // JSON lines: a malformed record is an error (default: skipped, counted)
   int64_t shard_tokens = 16'000'000;
 };
 Status run_prepare(const PrepareOptions& o);
@@ -48,6 +55,29 @@ struct SampleOptions {
   uint64_t seed = 0;
 };
 Status run_sample(const SampleOptions& o);
+
+// `train_moe export --format hf`: a checkpoint (any layout) as a Hugging Face model
+// directory (export.cc).
+struct ExportOptions {
+  std::string run;         // run dir: its newest valid checkpoint
+  std::string checkpoint;  // or a checkpoints dir / step_<N> dir
+  std::string format = "hf";
+  std::string family;  // mixtral, qwen3_moe
+  std::string out;
+  std::string dtype = "bf16";  // bf16 or f32
+  std::string max_shard_size = "5GB";
+  int threads = 2;  // stored slices converted at a time (each holds one slice in memory)
+};
+Status run_export(const ExportOptions& o);
+
+// `train_moe eval`: loss and logits of given token rows (eval.cc).
+struct EvalOptions {
+  std::string checkpoint;  // run dir, checkpoints dir or step_<N> dir
+  std::string init_from;   // or a Hugging Face model directory
+  std::string tokens;      // .npy, int32/int64 [rows, positions]
+  std::string logits;      // .npy to write, f32 [rows, positions, vocab] (optional)
+};
+Status run_eval(const EvalOptions& o);
 
 struct PlotOptions {
   std::string run;

@@ -3,6 +3,8 @@
 //   train_moe train --resume <run dir> [--parallel ...]                             resume
 //   train_moe prepare --input <files|dirs> --out <dir> --vocab <n>                 data
 //   train_moe sample --run <dir> | --checkpoint <dir> --prompt "..."              generate
+//   train_moe eval --checkpoint <dir> | --init-from <hf dir> --tokens rows.npy     loss, logits
+//   train_moe export --run <dir> --format hf --family mixtral --out <dir>          Hugging Face
 //   train_moe plot --run <dir>                                                     PNGs
 // main() parses the command line and calls the subcommand (apps/train_moe/commands.h);
 // training runs in train.cc (one process) or under the framework (training::run_app,
@@ -65,13 +67,30 @@ int main(int argc, char** argv) {
   for (int i = 0; i < argc; ++i) train.argv.emplace_back(argv[i]);
 
   PrepareOptions prep;
-  CLI::App* prepare = app.add_subcommand("prepare", "tokenize a text corpus into shards and train the tokenizer");
-  prepare->add_option("--input", prep.inputs, "files or directories (repeatable)")->required();
+  CLI::App* prepare = app.add_subcommand("prepare",
+                                         "tokenize a corpus (text files, JSON lines) into shards, with a "
+                                         "Hugging Face tokenizer or one trained here");
+  prepare
+      ->add_option(
+          "--input", prep.inputs,
+          "files or directories (repeatable): text files, or JSON lines (.jsonl, .jsonl.gz, .jsonl.zst)")
+      ->required();
   prepare->add_option("--out", prep.out, "output directory")->required();
-  prepare->add_option("--vocab", prep.vocab, "vocabulary size (bytes + end-of-text + merges)");
-  prepare->add_option("--max-bytes", prep.max_bytes, "stop reading files after this many bytes");
+  prepare->add_option(
+      "--tokenizer", prep.tokenizer,
+      "a Hugging Face tokenizer.json (byte-level BPE: GPT-2, Llama 3, Qwen) instead of training one");
+  prepare->add_option("--eot-token", prep.eot_token,
+                      "with --tokenizer: the token ending each document (default: its eos_token)");
+  prepare->add_option("--vocab", prep.vocab,
+                      "vocabulary size of a trained tokenizer (bytes + end-of-text + merges)");
+  prepare->add_option("--text-key", prep.text_key, "JSON lines: the field holding each record's text");
+  prepare->add_flag("--strict", prep.strict,
+                    "JSON lines: stop at a malformed record (default: skip and count it)");
+  prepare->add_option("--max-bytes", prep.max_bytes,
+                      "stop after this many bytes of text (0: read everything)");
   prepare->add_option("--val-fraction", prep.val_fraction, "fraction of documents for validation");
-  prepare->add_option("--ext", prep.extensions, "file extensions taken from directories (e.g. .py .txt)");
+  prepare->add_option("--ext", prep.extensions,
+                      "file name endings taken from directories (e.g. .py .txt .jsonl.zst)");
   prepare->add_option("--shard-tokens", prep.shard_tokens, "tokens per shard file");
 
   SampleOptions sample;
@@ -86,6 +105,28 @@ int main(int argc, char** argv) {
   samp->add_option("--top-k", sample.top_k, "sample among the k most likely tokens (0 = all)");
   samp->add_option("--seed", sample.seed, "sampling seed");
 
+  EvalOptions eval;
+  CLI::App* evl = app.add_subcommand(
+      "eval", "loss and logits of token rows (.npy) under a checkpoint or a Hugging Face model");
+  evl->add_option("--checkpoint", eval.checkpoint,
+                  "run dir, checkpoints dir or step_<N> dir (newest valid checkpoint)");
+  evl->add_option("--init-from", eval.init_from, "or a Hugging Face model directory");
+  evl->add_option("--tokens", eval.tokens, "token rows: .npy of int32/int64 [rows, positions]")->required();
+  evl->add_option("--logits", eval.logits,
+                  "write every position's logits here (.npy, f32 [rows, positions, vocab])");
+
+  ExportOptions exp;
+  CLI::App* ex =
+      app.add_subcommand("export", "write a run's checkpoint (any layout) as a Hugging Face model directory");
+  ex->add_option("--run", exp.run, "run directory: its newest valid checkpoint");
+  ex->add_option("--checkpoint", exp.checkpoint, "or a checkpoints dir / step_<N> dir");
+  ex->add_option("--format", exp.format, "hf (config.json + safetensors + tokenizer)");
+  ex->add_option("--family", exp.family, "mixtral or qwen3_moe")->required();
+  ex->add_option("--out", exp.out, "output directory")->required();
+  ex->add_option("--dtype", exp.dtype, "bf16 (default) or f32");
+  ex->add_option("--max-shard-size", exp.max_shard_size, "largest safetensors file (e.g. 5GB, 500MB)");
+  ex->add_option("--threads", exp.threads, "stored slices converted at a time (each holds one in memory)");
+
   PlotOptions plot;
   CLI::App* plt = app.add_subcommand("plot", "draw loss, throughput and expert load PNGs from metrics.jsonl");
   plt->add_option("--run", plot.run, "run directory")->required();
@@ -99,6 +140,10 @@ int main(int argc, char** argv) {
     st = run_prepare(prep);
   } else if (*samp) {
     st = run_sample(sample);
+  } else if (*evl) {
+    st = run_eval(eval);
+  } else if (*ex) {
+    st = run_export(exp);
   } else if (*plt) {
     st = run_plot(plot);
   } else {
@@ -129,7 +174,8 @@ int main(int argc, char** argv) {
       return 1;
     }
     (*dev)->set_attention_fused_dq(tc->train.attention_fused_dq);
-    if (tc->parallel.world() == 1 && std::getenv("TROUPE_ROLE") == nullptr) {
+    // --init-from is the Trainer's (its Stages import the weights), in every layout.
+    if (tc->parallel.world() == 1 && std::getenv("TROUPE_ROLE") == nullptr && tc->train.init_from.empty()) {
       st = run_train(*resolved, **dev);  // one process: the loop in train.cc
     } else {
       // Several ranks, or started by Troupe: the framework's Trainer and workers run

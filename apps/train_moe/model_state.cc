@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include "core/config.h"
+
 namespace troupe::train_moe {
 
 namespace {
@@ -85,6 +87,17 @@ Status load_model_weights(const checkpoint::CheckpointReader& reader, layers::Mo
     t->copy_from(host);
   }
   return ok_status();
+}
+
+Result<layers::TrainConfig> checkpoint_train_config(const checkpoint::CheckpointReader& reader) {
+  const checkpoint::Manifest& m = reader.manifest();
+  if (m.config_text.empty()) return failed_precondition("checkpoint {} holds no config text", reader.path());
+  TROUPE_ASSIGN_OR_RETURN(ConfigTable cfg,
+                          ConfigTable::parse_string(m.config_text, reader.path() + "/manifest.json config"));
+  for (const auto& v : m.metadata.value("overrides", nlohmann::json::array())) {
+    TROUPE_RETURN_IF_ERROR(cfg.set_from_string(v.get<std::string>()));
+  }
+  return layers::parse_train_config(cfg);
 }
 
 }  // namespace troupe::train_moe

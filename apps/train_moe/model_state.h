@@ -2,7 +2,8 @@
 // names of actors/training/stage_state.h (parameters, router biases, AdamW moments stored
 // 1-D), so a single-process checkpoint loads into any layout and any layout's checkpoint
 // loads here: model_state() for saving, load_model_state() for --resume,
-// load_model_weights() for `train_moe sample` from a checkpoint.
+// load_model_weights() and checkpoint_train_config() for `train_moe sample`, `eval` and
+// `export` from a checkpoint.
 #pragma once
 
 #include "actors/training/stage_state.h"
@@ -24,6 +25,10 @@ training::StageState model_state(const layers::Ctx& c, layers::Model& model, lay
 // optimizer's step count. Working copies (GPU) are refreshed.
 Status load_model_state(const layers::Ctx& c, const checkpoint::CheckpointReader& reader, layers::Model& model,
                         layers::AdamW& opt);
+
+// The training config a checkpoint was saved with (its config text and overrides): what
+// sample, eval and export rebuild the model from.
+Result<layers::TrainConfig> checkpoint_train_config(const checkpoint::CheckpointReader& reader);
 
 // Reads the parameters and router biases only (no optimizer moments) from `reader`,
 // resharded from whatever layout saved it, into a host (CPU) model: what sampling needs.

@@ -1,17 +1,20 @@
-// apps/train_moe/prepare.cc — `train_moe prepare`: walk the inputs, train the byte-level
-// BPE on the training documents, tokenize every document into train/validation shards,
-// and write tokenizer.json and meta.json beside them.
+// apps/train_moe/prepare.cc — `train_moe prepare`: stream the corpus (text files and
+// JSON-lines, plain or compressed; apps/train_moe/corpus.h), tokenize every document into
+// train/validation shards with a Hugging Face tokenizer.json (--tokenizer) or one trained
+// here on the training documents (a first pass), and write tokenizer.json and meta.json
+// beside the shards. Memory stays constant in the corpus size: documents are read,
+// tokenized and appended one at a time.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "apps/train_moe/commands.h"
+#include "apps/train_moe/corpus.h"
 #include "layers/token_data.h"
 #include "layers/tokenizer.h"
 
@@ -25,30 +28,11 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-Result<std::vector<std::string>> list_files(const PrepareOptions& o) {
-  std::vector<std::string> files;
-  for (const auto& in : o.inputs) {
-    std::error_code ec;
-    if (fs::is_regular_file(in, ec)) {
-      files.push_back(in);
-    } else if (fs::is_directory(in, ec)) {
-      std::vector<std::string> found;
-      for (auto it = fs::recursive_directory_iterator(in, fs::directory_options::skip_permission_denied, ec);
-           it != fs::recursive_directory_iterator(); it.increment(ec)) {
-        if (ec) break;
-        if (!it->is_regular_file(ec)) continue;
-        const std::string ext = it->path().extension().string();
-        if (std::find(o.extensions.begin(), o.extensions.end(), ext) != o.extensions.end()) {
-          found.push_back(it->path().string());
-        }
-      }
-      std::sort(found.begin(), found.end());
-      files.insert(files.end(), found.begin(), found.end());
-    } else {
-      return not_found("prepare: input {} does not exist", in);
-    }
-  }
-  return files;
+void report_malformed(const CorpusStats& st) {
+  if (st.malformed == 0) return;
+  fmt::print("prepare: skipped {} malformed JSON-lines record(s) (--strict makes them an error), e.g.:\n",
+             st.malformed);
+  for (const auto& e : st.malformed_examples) fmt::print("  {}\n", e);
 }
 
 }  // namespace
@@ -57,63 +41,71 @@ Status run_prepare(const PrepareOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
   if (o.inputs.empty()) return invalid_argument("prepare: give at least one --input");
   if (o.out.empty()) return invalid_argument("prepare: --out is required");
-  if (o.vocab < layers::Tokenizer::kFirstMerge || o.vocab > (1 << 24)) {
-    return invalid_argument("prepare: --vocab must be in [{}, {}] (got {})", layers::Tokenizer::kFirstMerge,
-                            1 << 24, o.vocab);
+  if (o.tokenizer.empty() && (o.vocab < 257 || o.vocab > (1 << 24))) {
+    return invalid_argument("prepare: --vocab must be in [257, {}] (got {})", 1 << 24, o.vocab);
   }
   if (o.val_fraction < 0 || o.val_fraction >= 1) {
     return invalid_argument("prepare: --val-fraction must be in [0, 1) (got {})", o.val_fraction);
   }
-  TROUPE_ASSIGN_OR_RETURN(std::vector<std::string> files, list_files(o));
+  if (o.max_bytes < 0) return invalid_argument("prepare: --max-bytes must be >= 0 (0: no cap)");
+  if (o.text_key.empty()) return invalid_argument("prepare: --text-key must not be empty");
+  CorpusOptions co;
+  co.inputs = o.inputs;
+  co.extensions = o.extensions;
+  co.text_key = o.text_key;
+  co.strict = o.strict;
+  co.max_bytes = o.max_bytes;
+  TROUPE_ASSIGN_OR_RETURN(Corpus corpus, Corpus::open(co));
+  fmt::print("prepare: {} input file(s), {:.2f} MB stored{}\n", corpus.files().size(),
+             static_cast<double>(corpus.stored_bytes()) / 1e6,
+             o.max_bytes > 0
+                 ? fmt::format(" (reading at most {:.2f} MB of text: --max-bytes)", o.max_bytes / 1e6)
+                 : "");
 
-  // Read whole files in path order up to the byte cap; skip binary files (NUL bytes).
-  std::vector<std::string> docs;
-  int64_t bytes = 0, skipped = 0;
-  for (const auto& path : files) {
-    if (bytes >= o.max_bytes) break;
-    std::ifstream f(path, std::ios::binary);
-    if (!f) {
-      ++skipped;
-      continue;
-    }
-    std::stringstream ss;
-    ss << f.rdbuf();
-    std::string text = ss.str();
-    if (text.empty() || text.find('\0') != std::string::npos) {
-      ++skipped;
-      continue;
-    }
-    bytes += static_cast<int64_t>(text.size());
-    docs.push_back(std::move(text));
-  }
-  if (docs.empty()) {
-    return not_found("prepare: no readable text files under {} (extensions {})", fmt::join(o.inputs, ", "),
-                     fmt::join(o.extensions, " "));
-  }
-  fmt::print("prepare: {} documents, {:.2f} MB ({} files listed, {} skipped) [{:.1f}s]\n", docs.size(),
-             static_cast<double>(bytes) / 1e6, files.size(), skipped, seconds_since(t0));
-
-  // Every k-th document goes to validation; with a single document its tail does.
+  // Every k-th document goes to validation (with a single document, its tail).
   const int64_t k = o.val_fraction > 0 ? std::max<int64_t>(2, std::llround(1.0 / o.val_fraction)) : 0;
-  auto is_val = [&](size_t i) { return k > 0 && docs.size() > 1 && static_cast<int64_t>(i % k) == k - 1; };
+  const auto is_val = [k](int64_t i) { return k > 0 && i % k == k - 1; };
 
-  layers::BpeTrainer trainer;
-  for (size_t i = 0; i < docs.size(); ++i)
-    if (!is_val(i)) trainer.add_text(docs[i]);
-  fmt::print("tokenizer: {} distinct chunks; learning {} merges\n", trainer.unique_chunks(),
-             o.vocab - layers::Tokenizer::kFirstMerge);
-  std::fflush(stdout);
-  int64_t last_print = 0;
-  TROUPE_ASSIGN_OR_RETURN(
-      layers::Tokenizer tok, trainer.train(o.vocab, [&](int64_t done, int64_t total) {
-        if (done - last_print >= 128 || done == total) {
-          fmt::print("tokenizer: {}/{} merges [{:.1f}s]\n", done, total, seconds_since(t0));
-          std::fflush(stdout);
-          last_print = done;
-        }
-      }));
-  if (tok.vocab_size() < o.vocab) {
-    fmt::print("tokenizer: the corpus supports only {} tokens (asked {})\n", tok.vocab_size(), o.vocab);
+  // ---- the tokenizer: given, or trained on the training documents (a first pass) --------
+  layers::Tokenizer tok;
+  if (!o.tokenizer.empty()) {
+    TROUPE_ASSIGN_OR_RETURN(tok, layers::Tokenizer::load(o.tokenizer, o.eot_token));
+    if (!tok.eot()) {
+      return invalid_argument(
+          "prepare: {} names no end-of-text token to separate documents with; give --eot-token "
+          "(e.g. \"<|endoftext|>\")",
+          o.tokenizer);
+    }
+    fmt::print("tokenizer: {} ({} tokens; documents end with '{}', id {})\n", o.tokenizer, tok.vocab_size(),
+               tok.token_bytes(*tok.eot()), *tok.eot());
+  } else {
+    if (!o.eot_token.empty()) return invalid_argument("prepare: --eot-token goes with --tokenizer");
+    layers::BpeTrainer trainer;
+    ProgressLine bar("tokenizer: reading", corpus.stored_bytes());
+    int64_t i = 0;
+    TROUPE_ASSIGN_OR_RETURN(CorpusStats st,
+                            corpus.for_each(
+                                [&](std::string_view text) {
+                                  if (!is_val(i++)) trainer.add_text(text);
+                                  return ok_status();
+                                },
+                                [&](uint64_t done, int64_t docs) { bar.update(done, docs); }));
+    bar.finish(corpus.stored_bytes(), st.documents);
+    if (st.documents == 0) return not_found("prepare: no documents in {}", fmt::join(o.inputs, ", "));
+    fmt::print("tokenizer: {} distinct pieces in {} documents; learning up to {} merges\n",
+               trainer.unique_chunks(), st.documents, o.vocab - 257);
+    std::fflush(stdout);
+    int64_t last_print = 0;
+    TROUPE_ASSIGN_OR_RETURN(tok, trainer.train(o.vocab, [&](int64_t done, int64_t total) {
+      if (done - last_print >= 256 || done == total) {
+        fmt::print("tokenizer: {}/{} tokens learned [{:.1f}s]\n", done, total, seconds_since(t0));
+        std::fflush(stdout);
+        last_print = done;
+      }
+    }));
+    if (tok.vocab_size() < o.vocab) {
+      fmt::print("tokenizer: the corpus supports only {} tokens (asked {})\n", tok.vocab_size(), o.vocab);
+    }
   }
 
   std::error_code ec;
@@ -126,43 +118,84 @@ Status run_prepare(const PrepareOptions& o) {
     }
   }
   TROUPE_RETURN_IF_ERROR(tok.save(o.out + "/tokenizer.json"));
+  if (!o.tokenizer.empty()) {
+    // Its eos_token and chat template travel with it (an export hands them on).
+    const fs::path cfg = fs::path(o.tokenizer).parent_path() / "tokenizer_config.json";
+    if (fs::exists(cfg))
+      fs::copy_file(cfg, o.out + "/tokenizer_config.json", fs::copy_options::overwrite_existing, ec);
+  }
 
+  // ---- tokenize: one pass, one document at a time ------------------------------------
+  const int32_t eot = *tok.eot();
   const int token_bytes = tok.vocab_size() <= 65536 ? 2 : 4;
   layers::ShardWriter train(o.out, "train", token_bytes, o.shard_tokens);
   layers::ShardWriter val(o.out, "val", token_bytes, o.shard_tokens);
-  for (size_t i = 0; i < docs.size(); ++i) {
-    std::vector<int32_t> ids = tok.encode(docs[i]);
-    ids.push_back(layers::Tokenizer::kEot);
-    if (docs.size() == 1 && k > 0) {
-      const size_t cut = ids.size() - static_cast<size_t>(static_cast<double>(ids.size()) * o.val_fraction);
-      TROUPE_RETURN_IF_ERROR(train.append(std::vector<int32_t>(ids.begin(), ids.begin() + static_cast<long>(cut))));
-      TROUPE_RETURN_IF_ERROR(val.append(std::vector<int32_t>(ids.begin() + static_cast<long>(cut), ids.end())));
-    } else {
-      TROUPE_RETURN_IF_ERROR((is_val(i) ? val : train).append(ids));
-    }
-    if ((i + 1) % 100 == 0 || i + 1 == docs.size()) {
-      fmt::print("tokenize: {}/{} documents, {} train + {} val tokens so far [{:.1f}s]\n", i + 1, docs.size(),
-                 train.tokens(), val.tokens(), seconds_since(t0));
-      std::fflush(stdout);
-    }
+  ProgressLine bar("tokenize", corpus.stored_bytes());
+  int64_t i = 0;
+  std::vector<int32_t> first;  // the first document's ids, held until a second one shows
+  bool held = false;
+  const auto append = [&](int64_t index, const std::vector<int32_t>& ids) {
+    return (is_val(index) ? val : train).append(ids);
+  };
+  TROUPE_ASSIGN_OR_RETURN(CorpusStats st, corpus.for_each(
+                                              [&](std::string_view text) -> Status {
+                                                std::vector<int32_t> ids =
+                                                    tok.encode(text, /*add_special_tokens=*/true);
+                                                if (ids.empty() || ids.back() != eot) ids.push_back(eot);
+                                                const int64_t index = i++;
+                                                if (index == 0) {
+                                                  first = std::move(ids);
+                                                  held = true;
+                                                  return ok_status();
+                                                }
+                                                if (held) {
+                                                  TROUPE_RETURN_IF_ERROR(append(0, first));
+                                                  held = false;
+                                                  first.clear();
+                                                }
+                                                return append(index, ids);
+                                              },
+                                              [&](uint64_t done, int64_t docs) { bar.update(done, docs); }));
+  bar.finish(corpus.stored_bytes(), st.documents);
+  if (held) {  // the whole corpus is one document: its tail is the validation split
+    const size_t cut =
+        k > 0 ? first.size() - static_cast<size_t>(static_cast<double>(first.size()) * o.val_fraction)
+              : first.size();
+    TROUPE_RETURN_IF_ERROR(
+        train.append(std::vector<int32_t>(first.begin(), first.begin() + static_cast<long>(cut))));
+    TROUPE_RETURN_IF_ERROR(
+        val.append(std::vector<int32_t>(first.begin() + static_cast<long>(cut), first.end())));
   }
+  if (st.documents == 0) return not_found("prepare: no documents in {}", fmt::join(o.inputs, ", "));
   TROUPE_RETURN_IF_ERROR(train.finish());
   TROUPE_RETURN_IF_ERROR(val.finish());
+  report_malformed(st);
+  if (st.skipped_files > 0)
+    fmt::print("prepare: skipped {} unreadable or binary file(s)\n", st.skipped_files);
+  if (o.max_bytes > 0 && st.bytes >= o.max_bytes) {
+    fmt::print("prepare: stopped at --max-bytes {} (0 reads everything)\n", o.max_bytes);
+  }
 
   nlohmann::json meta;
   meta["vocab_size"] = tok.vocab_size();
   meta["token_bytes"] = token_bytes;
-  meta["documents"] = docs.size();
-  meta["bytes"] = bytes;
+  meta["eot_id"] = eot;
+  meta["tokenizer"] = o.tokenizer.empty() ? "trained" : o.tokenizer;
+  meta["documents"] = st.documents;
+  meta["bytes"] = st.bytes;
+  meta["malformed_records"] = st.malformed;
+  meta["skipped_files"] = st.skipped_files;
   meta["train_tokens"] = train.tokens();
   meta["val_tokens"] = val.tokens();
   meta["inputs"] = o.inputs;
   std::ofstream(o.out + "/meta.json") << meta.dump(2) << "\n";
-  fmt::print("prepare: wrote {} (vocab {}, {} train tokens in {} shard(s), {} val tokens, {:.2f} bytes/token) "
-             "[{:.1f}s]\n",
-             o.out, tok.vocab_size(), train.tokens(), train.files().size(), val.tokens(),
-             static_cast<double>(bytes) / static_cast<double>(std::max<int64_t>(1, train.tokens() + val.tokens())),
-             seconds_since(t0));
+  fmt::print(
+      "prepare: wrote {} (vocab {}, {} documents, {} train tokens in {} shard(s), {} val tokens, {:.2f} "
+      "bytes/token) [{:.1f}s]\n",
+      o.out, tok.vocab_size(), st.documents, train.tokens(), train.files().size(), val.tokens(),
+      static_cast<double>(st.bytes) /
+          static_cast<double>(std::max<int64_t>(1, train.tokens() + val.tokens())),
+      seconds_since(t0));
   if (val.tokens() == 0) fmt::print("prepare: warning: no validation tokens (--val-fraction 0)\n");
   return ok_status();
 }

@@ -62,12 +62,7 @@ Result<SampleModel> from_checkpoint(const std::string& path, const std::string& 
   TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::CheckpointReader> reader,
                           training::open_resume_checkpoint(path, "sample"));
   const checkpoint::Manifest& m = reader->manifest();
-  if (m.config_text.empty()) return failed_precondition("sample: checkpoint {} holds no config text", reader->path());
-  TROUPE_ASSIGN_OR_RETURN(ConfigTable cfg, ConfigTable::parse_string(m.config_text, reader->path() + "/manifest.json config"));
-  for (const auto& v : m.metadata.value("overrides", nlohmann::json::array())) {
-    TROUPE_RETURN_IF_ERROR(cfg.set_from_string(v.get<std::string>()));
-  }
-  TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, layers::parse_train_config(cfg));
+  TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, checkpoint_train_config(*reader));
   SampleModel s;
   if (m.tokenizer) {
     TROUPE_ASSIGN_OR_RETURN(s.tok, checkpoint_tokenizer(*reader));
@@ -132,8 +127,9 @@ Status run_sample(const SampleOptions& o) {
   layers::Model& model = *sm.model;
   layers::Tokenizer& tok = sm.tok;
 
-  std::vector<int32_t> ids = tok.encode(o.prompt);
-  if (ids.empty()) ids.push_back(layers::Tokenizer::kEot);  // start of a document
+  // As prepare encoded documents: with the tokenizer's template (e.g. a BOS token).
+  std::vector<int32_t> ids = tok.encode(o.prompt, /*add_special_tokens=*/true);
+  if (ids.empty() && tok.eot()) ids.push_back(*tok.eot());  // the start of a document
   const size_t prompt_len = ids.size();
   std::mt19937_64 rng(o.seed);
   const layers::Ctx c = layers::Ctx::cpu();
@@ -158,7 +154,7 @@ Status run_sample(const SampleOptions& o) {
       std::discrete_distribution<size_t> pick(w.begin(), w.end());
       next = order[pick(rng)];
     }
-    if (next == layers::Tokenizer::kEot) break;
+    if (tok.eot() && next == *tok.eot()) break;
     ids.push_back(next);
   }
   fmt::print("{}\n", tok.decode(ids));

@@ -110,6 +110,7 @@ Result<TrainOptions> resolve_train_options(const TrainOptions& opts) {
   TrainOptions folded = opts;
   TROUPE_ASSIGN_OR_RETURN(folded.overrides, training::all_overrides(opts));
   folded.parallel.clear();
+  folded.init_from.clear();  // its overrides are in
   if (folded.config.empty() && !folded.resume.empty()) return with_checkpoint_config(folded);
   if (folded.config.empty()) return invalid_argument("train: --config is required");
   return folded;

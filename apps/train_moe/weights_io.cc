@@ -24,6 +24,7 @@ nlohmann::json model_to_json(const layers::ModelConfig& m) {
   j["tie_embeddings"] = m.tie_embeddings;
   j["rope_theta"] = m.rope_theta;
   j["norm_eps"] = m.norm_eps;
+  j["qk_norm"] = m.qk_norm;
   j["init_std"] = m.init_std;
   j["moe_layers"] = m.moe_layers;
   j["moe_every"] = m.moe_every;
@@ -55,6 +56,7 @@ layers::ModelConfig model_from_json(const nlohmann::json& j) {
   m.tie_embeddings = j.at("tie_embeddings");
   m.rope_theta = j.at("rope_theta");
   m.norm_eps = j.at("norm_eps");
+  m.qk_norm = j.value("qk_norm", false);  // absent in files written before it existed
   m.init_std = j.at("init_std");
   m.moe_layers = j.at("moe_layers").get<std::vector<int64_t>>();
   m.moe_every = j.at("moe_every");

@@ -106,6 +106,34 @@ TEST(LayerGrad, AttentionGqaRope) {
   check_grad("attn.wo", attn.wo.value, attn.wo.grad, loss);
 }
 
+TEST(LayerGrad, AttentionQkNormGqaRope) {
+  // Qwen3's per-head RMSNorm of q and k before RoPE: every weight, the two norms' too.
+  const int64_t b = 2, s = 5, d = 16;
+  Attention attn(d, 4, 2, 6, 10000.0f, /*qk_norm=*/true, 1e-6f);
+  attn.init(9, "attn", 0.4f, 0.4f);
+  attn.q_norm->weight.value = random_tensor({6}, 11, 1.0f);
+  attn.k_norm->weight.value = random_tensor({6}, 12, 1.0f);
+  Tensor x = random_tensor({b * s, d}, 5), r = random_tensor({b * s, d}, 6);
+  Attention::Saved sv;
+  attn.forward(kC, x, b, s, sv);
+  Tensor dx = attn.backward(kC, r, sv);
+  auto loss = [&] {
+    Attention::Saved t;
+    return dot(attn.forward(kC, x, b, s, t), r);
+  };
+  check_grad("qknorm.x", x, dx, loss);
+  check_grad("qknorm.wq", attn.wq.value, attn.wq.grad, loss);
+  check_grad("qknorm.wk", attn.wk.value, attn.wk.grad, loss);
+  check_grad("qknorm.wv", attn.wv.value, attn.wv.grad, loss);
+  check_grad("qknorm.q_norm", attn.q_norm->weight.value, attn.q_norm->weight.grad, loss);
+  check_grad("qknorm.k_norm", attn.k_norm->weight.value, attn.k_norm->weight.grad, loss);
+  std::vector<NamedParameter> ps;
+  attn.collect("attn", ps);
+  ASSERT_EQ(ps.size(), 6u);
+  EXPECT_EQ(ps[4].name, "attn.q_norm.weight");
+  EXPECT_EQ(ps[5].name, "attn.k_norm.weight");
+}
+
 TEST(LayerGrad, AttentionIsCausal) {
   const int64_t s = 6, d = 16;
   Attention attn(d, 4, 4, 4, 10000.0f);
