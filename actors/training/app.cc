@@ -191,6 +191,10 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   to.run_dir = run_dir;
   to.gpu = o.backend == "cuda";
   if (to.gpu && app.flops_per_token) to.flops_per_token = app.flops_per_token(tc);
+  // A one-process run (no launcher, layout 1x1x1): the worker is a thread here, on this
+  // process's device.
+  to.program = app.program;
+  to.worker_ctx = ctx;
   std::unique_ptr<comm::RendezvousStore> scheduled;
   std::shared_ptr<sched::SchedulerSession> session;
   if (role == "driver") {

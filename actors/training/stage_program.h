@@ -59,6 +59,10 @@ struct StepReport {
   // Device runs: this rank's device->host reads in the step (the step's metrics reads
   // included); -1 on the CPU.
   int64_t host_syncs = -1;
+  // Device runs: host->device uploads that waited for their copy, and the allocator's
+  // high-water mark above what was in use when the step began (activations and
+  // temporaries); -1 on the CPU.
+  int64_t upload_waits = -1, activation_bytes = -1;
 };
 
 // When a parameter's gradient is final within a step's backward, i.e. which bucket of
