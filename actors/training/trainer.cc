@@ -1499,17 +1499,7 @@ Status Trainer::run_job() {
   }
   one_process_ = runs_in_one_process(tc_, scheduled_);
   if (one_process_) {
-    // What needs worker processes, refused by name rather than half done.
-    const char* why = !tc_.elastic.inject.empty()    ? "elastic.inject (faults are injected into worker processes)"
-                      : tc_.elastic.max_dp > 1       ? "elastic.max_dp > 1 (growing the job starts worker processes)"
-                      : !tc_.elastic.scale_at.empty() ? "elastic.scale_at (rescaling starts or stops worker processes)"
-                                                      : nullptr;
-    if (why != nullptr) {
-      return invalid_argument(
-          "{}: {} needs the worker in a process of its own: set elastic.isolate_workers = true (this layout "
-          "1x1x1 otherwise runs the Trainer and its worker in one process)",
-          tc_.source, why);
-    }
+    TROUPE_RETURN_IF_ERROR(check_one_process(tc_));
     if (!o_.program) return invalid_argument("one-process run: the Trainer was given no stage program");
   }
   // Knobs: [elastic] of the config. The heartbeat timeout defaults to the job's own
@@ -1853,6 +1843,18 @@ Status Trainer::run_job() {
     const InFlight c = std::move(inflight_.front());
     inflight_.pop_front();
     oldest_since_ = Clock::now();
+    // train.time_limit_s: past it, the steps already sent are the last (then the final
+    // validation and checkpoint).
+    if (c.kind == Command::Kind::kStep && !out_of_time && tc_.train.time_limit_s > 0 &&
+        std::chrono::duration<double>(Clock::now() - t_start).count() > tc_.train.time_limit_s &&
+        c.step < tc_.train.steps) {
+      out_of_time = true;
+      last = next - 1;
+      if (eval_sent.count(last) == 0) {
+        TROUPE_RETURN_IF_ERROR(issue(Command::Kind::kEval, last));
+        eval_sent.insert(last);
+      }
+    }
     // The next step goes out before this one's bookkeeping (metrics, status): the workers
     // must not wait for the driver's own work. (Not past a scripted rescale after it.)
     if (!failure && c.kind == Command::Kind::kStep && scripted.count(c.step) == 0) {
@@ -1868,18 +1870,6 @@ Status Trainer::run_job() {
       done = c.step;
       for (auto it = seen_step_replies_.begin(); it != seen_step_replies_.end();) {
         it = it->first.second < done ? seen_step_replies_.erase(it) : std::next(it);
-      }
-      // train.time_limit_s: past it, the steps already sent are the last (then the final
-      // validation and checkpoint).
-      const double elapsed_s = std::chrono::duration<double>(Clock::now() - t_start).count();
-      if (!out_of_time && tc_.train.time_limit_s > 0 && elapsed_s > tc_.train.time_limit_s &&
-          done < tc_.train.steps) {
-        out_of_time = true;
-        last = next - 1;
-        if (eval_sent.count(last) == 0) {
-          TROUPE_RETURN_IF_ERROR(issue(Command::Kind::kEval, last));
-          eval_sent.insert(last);
-        }
       }
       if (eval_sent.count(done) != 0) {
         waiting = std::move(rec);
@@ -1902,9 +1892,14 @@ Status Trainer::run_job() {
     fmt::print("trainer: time limit of {:.0f}s reached after step {}; stopping\n", tc_.train.time_limit_s,
                final_step);
   }
-  // The last step's checkpoint (checkpoint.final), when it is off the every-K schedule.
-  const bool final_ckpt = !ckpt_dir_.empty() && final_step > start_step;
-  if (final_ckpt && (ckpt_every_ <= 0 || final_step % ckpt_every_ != 0)) {
+  // The last step's checkpoint (checkpoint.final), when it is off the every-K schedule. A
+  // job resumed with nothing left to train saves the state it loaded, in its own layout
+  // (unless that very checkpoint is in its checkpoint directory).
+  bool have_final = false;
+  for (const auto& [s, d] : checkpoint::list_checkpoints(ckpt_dir_)) have_final |= s == final_step;
+  const bool final_ckpt = !ckpt_dir_.empty() && (final_step > start_step || !have_final);
+  const bool on_schedule = ckpt_every_ > 0 && final_step % ckpt_every_ == 0 && final_step > start_step;
+  if (final_ckpt && !on_schedule) {
     TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> saved, call(Command::Kind::kSave, final_step));
     if (!saved) {
       return aborted(
@@ -1952,6 +1947,19 @@ Status Trainer::run_job() {
 
 bool runs_in_one_process(const layers::TrainConfig& tc, bool scheduled) {
   return !scheduled && tc.parallel.world() == 1 && !tc.elastic.isolate_workers;
+}
+
+Status check_one_process(const layers::TrainConfig& tc) {
+  // What needs worker processes, refused by name rather than half done.
+  const char* why = !tc.elastic.inject.empty()     ? "elastic.inject (faults are injected into worker processes)"
+                    : tc.elastic.max_dp > 1        ? "elastic.max_dp > 1 (growing the job starts worker processes)"
+                    : !tc.elastic.scale_at.empty() ? "elastic.scale_at (rescaling starts or stops worker processes)"
+                                                   : nullptr;
+  if (why == nullptr) return ok_status();
+  return invalid_argument(
+      "{}: {} needs the worker in a process of its own: set elastic.isolate_workers = true (this layout 1x1x1 "
+      "otherwise runs the Trainer and its worker in one process)",
+      tc.source, why);
 }
 
 Status run_trainer(const TrainerOptions& o, const layers::TrainConfig& tc,

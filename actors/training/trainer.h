@@ -63,6 +63,9 @@ struct TrainerOptions {
 // Whether run_trainer runs its worker in its own process (see above): no scheduler,
 // layout 1x1x1 and elastic.isolate_workers false.
 bool runs_in_one_process(const layers::TrainConfig& tc, bool scheduled);
+// For such a run: InvalidArgument naming a setting that needs worker processes
+// (elastic.inject, elastic.max_dp > 1, elastic.scale_at) and the key that gives them.
+Status check_one_process(const layers::TrainConfig& tc);
 
 // Runs the job to its end as its driver. `scheduled_store`: the job's store under
 // troupe-scheduler (TROUPE_ROLE=driver); null: the standalone launcher. `tc` is the loaded
