@@ -14,6 +14,7 @@ namespace troupe::training {
 
 #if TROUPE_HAVE_CUDA
 struct DeviceTimeline::Impl {
+  int device = 0;
   cudaStream_t stream = nullptr;
   cudaEvent_t origin = nullptr;  // the clock's zero: the first event recorded
   struct Pair {
@@ -36,6 +37,7 @@ struct DeviceTimeline::Impl {
     if (e != nullptr) free.push_back(e);
   }
   void record(cudaEvent_t& slot) {
+    CUDA_CHECK(cudaSetDevice(device));  // events belong to the stream's device
     if (slot == nullptr) slot = take();
     CUDA_CHECK(cudaEventRecord(slot, stream));
     if (origin == nullptr) {
@@ -61,6 +63,7 @@ struct DeviceTimeline::Impl {
 DeviceTimeline::DeviceTimeline(const layers::Ctx& ctx) {
   if (!ctx.on_device() || ctx.ex.cuda == nullptr) return;
   impl_ = std::make_unique<Impl>();
+  impl_->device = ctx.ex.device.index;
   impl_->stream = ctx.ex.cuda->stream;
 }
 
@@ -77,6 +80,7 @@ DeviceTimeline::Times DeviceTimeline::read(int64_t step) {
   if (!impl_) return t;
   auto it = impl_->steps.find(step);
   if (it == impl_->steps.end() || it->second.begin == nullptr || it->second.end == nullptr) return t;
+  CUDA_CHECK(cudaSetDevice(impl_->device));
   CUDA_CHECK(cudaEventSynchronize(it->second.end));
   t.device_ms = impl_->since(it->second.begin, it->second.end);
   t.begin_ms = impl_->since(impl_->origin, it->second.begin);
