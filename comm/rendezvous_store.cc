@@ -177,7 +177,8 @@ namespace {
 Status check_key(std::string_view key) {
   if (key.empty()) return invalid_argument("rendezvous key is empty");
   for (unsigned char c : key) {
-    if (c < 0x20 || c == 0x7f) return invalid_argument("rendezvous key has a control character: {}", std::string(key));
+    if (c < 0x20 || c == 0x7f)
+      return invalid_argument("rendezvous key has a control character: {}", std::string(key));
   }
   return ok_status();
 }
@@ -198,7 +199,8 @@ Result<std::string> MemoryStore::get(std::string_view key, Deadline deadline) {
   std::unique_lock lock(mu_);
   while (true) {
     if (auto it = values_.find(key); it != values_.end()) return it->second;
-    if (changed_.wait_until(lock, deadline) == std::cv_status::timeout && values_.find(key) == values_.end()) {
+    if (changed_.wait_until(lock, deadline) == std::cv_status::timeout &&
+        values_.find(key) == values_.end()) {
       return deadline_exceeded("rendezvous key '{}' not set before the deadline", key);
     }
   }

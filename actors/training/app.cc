@@ -155,8 +155,8 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   }
   if (tc.train.expert_grads != DType::kF32 && role != "worker") {
     fmt::print(
-        "note: train.expert_grads = \"{}\" is not applied by the Stage yet: this run keeps f32 gradients (its "
-        "reductions and buckets are f32)\n",
+        "note: train.expert_grads = \"{}\" is not applied by the Stage yet: this run keeps f32 gradients "
+        "(its reductions and buckets are f32)\n",
         dtype_name(tc.train.expert_grads));
   }
   if (tc.train.split_master && role != "worker") {

@@ -111,7 +111,9 @@ struct DeviceTimeline::Impl {};
 DeviceTimeline::DeviceTimeline(const layers::Ctx&) {}
 void DeviceTimeline::begin(int64_t) {}
 void DeviceTimeline::end(int64_t) {}
-DeviceTimeline::Times DeviceTimeline::read(int64_t) { return {}; }
+DeviceTimeline::Times DeviceTimeline::read(int64_t) {
+  return {};
+}
 void DeviceTimeline::reset() {}
 #endif
 

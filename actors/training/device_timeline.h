@@ -35,8 +35,8 @@ class DeviceTimeline {
   void begin(int64_t step);  // before the step's first op is enqueued
   void end(int64_t step);    // after its last op is enqueued
   struct Times {
-    double device_ms = -1;  // end(step) - begin(step)
-    double gap_ms = -1;     // begin(step) - end(step - 1); -1 without a previous step
+    double device_ms = -1;              // end(step) - begin(step)
+    double gap_ms = -1;                 // begin(step) - end(step - 1); -1 without a previous step
     double begin_ms = -1, end_ms = -1;  // on the timeline's own clock (its first event)
   };
   // Once step's end event has completed (after finish_step): its times; forgets the events

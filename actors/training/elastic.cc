@@ -516,8 +516,8 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
     if (rank != rank_ || plan.dp != dp_) writer_.reset();
     rank_ = rank;
     dp_ = plan.dp;
-    ready_info_ =
-        nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}, {"from", "replicas"}, {"step_done", plan.step_done}};
+    ready_info_ = nlohmann::json{
+        {"ts_ms", wall_ms()}, {"rank", rank}, {"from", "replicas"}, {"step_done", plan.step_done}};
     return ok_status();
   }
   if (!plan.checkpoint.empty()) {
@@ -594,8 +594,8 @@ Result<int64_t> ElasticWorker::agree_restore_step(const ElasticPlan& plan, int r
                                             comm::deadline_in(std::chrono::milliseconds(120000))));
     const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
     if (!j.is_array()) {
-      return data_loss("elastic: slot {}'s held steps for epoch {} are malformed: {}", plan.slots[r], plan.epoch,
-                       text.substr(0, 200));
+      return data_loss("elastic: slot {}'s held steps for epoch {} are malformed: {}", plan.slots[r],
+                       plan.epoch, text.substr(0, 200));
     }
     std::vector<int64_t> steps;
     for (const auto& x : j) {
@@ -773,11 +773,13 @@ Status ElasticWorker::run() {
     device = fmt::format("cuda:{}", (vis != nullptr && *vis != '\0') ? vis : "0");
   }
   if (driver_system_ != nullptr) {
-    TROUPE_ASSIGN_OR_RETURN(actors_, WorkerActors::start_in(*driver_system_, slot_, store_,
-                                                            key(fmt::format("actors/{}", slot_)), std::move(device)));
+    TROUPE_ASSIGN_OR_RETURN(
+        actors_, WorkerActors::start_in(*driver_system_, slot_, store_, key(fmt::format("actors/{}", slot_)),
+                                        std::move(device)));
   } else {
-    TROUPE_ASSIGN_OR_RETURN(actors_, WorkerActors::start(slot_, control::host_addr(), store_,
-                                                         key(fmt::format("actors/{}", slot_)), std::move(device)));
+    TROUPE_ASSIGN_OR_RETURN(actors_,
+                            WorkerActors::start(slot_, control::host_addr(), store_,
+                                                key(fmt::format("actors/{}", slot_)), std::move(device)));
   }
   // Plans of new epochs the Trainer sends the stage actor (rebuild).
   actors_->on_plan([this](const ElasticPlan& p) { on_plan(p); });

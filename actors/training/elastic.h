@@ -145,8 +145,7 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec);
 // over the control plane.
 Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& program,
                           comm::RendezvousStore& store, const std::string& job, int slot, uint64_t epoch,
-                          std::function<void()> cut_control = {},
-                          const layers::Ctx& ctx = layers::Ctx::cpu(),
+                          std::function<void()> cut_control = {}, const layers::Ctx& ctx = layers::Ctx::cpu(),
                           actors::ActorSystem* driver_system = nullptr);
 
 }  // namespace troupe::training

@@ -520,7 +520,9 @@ void Stage::launch_step(int64_t step) {
   launched_step_ = step;
 }
 
-bool Stage::can_launch_ahead() const { return false; }
+bool Stage::can_launch_ahead() const {
+  return false;
+}
 
 StepReport Stage::finish_step(int64_t step) {
   TROUPE_CHECK(launched_step_ == step, "finish_step({}) but the step launched is {}", step, launched_step_);

@@ -150,7 +150,9 @@ void Stage::commit(int64_t step_done) {
   c.opt_steps = opt_->steps_done();
 }
 
-std::vector<int64_t> Stage::committed_steps() const { return {committed_[0].step, committed_[1].step}; }
+std::vector<int64_t> Stage::committed_steps() const {
+  return {committed_[0].step, committed_[1].step};
+}
 
 void Stage::clear_interrupted_step() {
   // An interrupted step: its sends completed (aborted) when the communicators were

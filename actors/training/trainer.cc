@@ -230,7 +230,7 @@ class Trainer {
   nlohmann::json actor_table_ = nlohmann::json::array();  // their last answers (status.json)
   int64_t actors_step_ = -2;                              // the step and epoch they were asked at
   uint64_t actors_epoch_ = 0;
-  Clock::time_point actors_asked_{};                      // and when
+  Clock::time_point actors_asked_{};  // and when
   bool scheduled_ = false;
   std::chrono::milliseconds poll_{2};  // scheduled: 20 (every probe is a round trip)
   std::ofstream events_;
@@ -321,7 +321,11 @@ Status Trainer::spawn(int slot, uint64_t epoch) {
       w->result = st;
       w->done = true;
     });
-    event({{"event", "worker_started"}, {"slot", slot}, {"pid", p.pid}, {"epoch", epoch}, {"in_process", true}});
+    event({{"event", "worker_started"},
+           {"slot", slot},
+           {"pid", p.pid},
+           {"epoch", epoch},
+           {"in_process", true}});
     return ok_status();
   }
   if (scheduled_) {
@@ -421,7 +425,8 @@ void Trainer::kill_all() {
       (void)store_->set(key(fmt::format("plan/{}", leave.epoch)), leave.to_json().dump());
     }
     const auto deadline = Clock::now() + std::chrono::seconds(30);
-    while (!p.local->done && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    while (!p.local->done && Clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
     if (p.local->done) {
       p.local->thread.join();
     } else {
@@ -635,7 +640,8 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
     if (j.is_object() && j.contains("step_done") && j["step_done"].is_number_integer()) {
       const int64_t s = j["step_done"].get<int64_t>();
       if (agreed_step_ >= 0 && s != agreed_step_) {
-        return data_loss("epoch {}: the workers restored different steps ({} and {})", plan.epoch, agreed_step_, s);
+        return data_loss("epoch {}: the workers restored different steps ({} and {})", plan.epoch,
+                         agreed_step_, s);
       }
       agreed_step_ = s;
     }
@@ -976,7 +982,8 @@ Status Trainer::issue(Command::Kind kind, int64_t step) {
   // failure detection (its exit, its actors' Down, its heartbeat).
   const Status sent =
       actors_->send_command(plan_.slots, StepCommand{c.seq, static_cast<uint8_t>(kind), step, plan_.epoch});
-  if (!sent.ok()) fmt::print(stderr, "trainer: command {} not sent to every worker: {}\n", c.seq, sent.to_string());
+  if (!sent.ok())
+    fmt::print(stderr, "trainer: command {} not sent to every worker: {}\n", c.seq, sent.to_string());
   inflight_.push_back(std::move(c));
   return ok_status();
 }
@@ -1051,10 +1058,11 @@ Status Trainer::await_oldest(std::optional<Failure>& failure) {
       // The watchdog times the oldest command from when it became the oldest: the ones
       // queued behind it wait for it by design.
       if (Clock::now() - std::max(c.sent, oldest_since_) > watchdog_) {
-        failure = Failure{"watchdog",
-                          {},
-                          fmt::format("command {} ran past the {} ms step watchdog", c.seq, watchdog_.count()),
-                          wall_ms()};
+        failure =
+            Failure{"watchdog",
+                    {},
+                    fmt::format("command {} ran past the {} ms step watchdog", c.seq, watchdog_.count()),
+                    wall_ms()};
         return ok_status();
       }
     }
@@ -1098,7 +1106,8 @@ Status Trainer::on_completed(const InFlight& c) {
 }
 
 Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t step) {
-  TROUPE_CHECK(inflight_.empty(), "call({}) with {} commands in flight", command_kind_name(kind), inflight_.size());
+  TROUPE_CHECK(inflight_.empty(), "call({}) with {} commands in flight", command_kind_name(kind),
+               inflight_.size());
   // The state every rank can restore if this command fails: after the last step all of
   // them completed.
   const int64_t step_done = kind == Command::Kind::kStep ? step - 1 : step;
@@ -1521,7 +1530,8 @@ Status Trainer::run_job() {
   // one refresh may fall in those steps.
   if (replica_every_ > 0 && tc_.parallel.world() > 1 && replica_every_ < tc_.train.steps_in_flight) {
     return invalid_argument(
-        "{}: elastic.replica_every = {} is below train.steps_in_flight = {}: a failure with that many steps in "
+        "{}: elastic.replica_every = {} is below train.steps_in_flight = {}: a failure with that many steps "
+        "in "
         "flight could find the neighbour replica it restores already replaced (use 0 or >= {})",
         tc_.source, replica_every_, tc_.train.steps_in_flight, tc_.train.steps_in_flight);
   }
@@ -1617,7 +1627,8 @@ Status Trainer::run_job() {
       "trainer: layout pp={} dp={} n={} ({}, dispatch {}, compression {}), {} parameters, {} tokens/step, {} "
       "steps, {} step(s) in flight, heartbeat timeout {} ms, run dir {}\n",
       tc_.parallel.pp, tc_.parallel.dp, tc_.parallel.n,
-      one_process_ ? "one process: the worker is a thread of the Trainer's" : fmt::format("{} workers", world),
+      one_process_ ? "one process: the worker is a thread of the Trainer's"
+                   : fmt::format("{} workers", world),
       tc_.parallel.dispatch, tc_.parallel.compression ? "bf16" : "off", tc_.model.num_params(),
       tc_.tokens_per_step(), tc_.train.steps, tc_.train.steps_in_flight, hb_timeout_.count(), run_dir_);
   std::fflush(stdout);
@@ -1667,10 +1678,10 @@ Status Trainer::run_job() {
     scripted.insert(std::strtoll(tc_.elastic.scale_at.substr(pos, comma - pos).c_str(), nullptr, 10));
     pos = comma + 1;
   }
-  int64_t done = start_step;       // every rank reported this step and the ones before
-  int64_t next = start_step + 1;   // the next step to send
-  int64_t last = tc_.train.steps;  // the last step to send (the time limit lowers it)
-  std::set<int64_t> eval_sent;     // steps whose evaluation was sent after them
+  int64_t done = start_step;              // every rank reported this step and the ones before
+  int64_t next = start_step + 1;          // the next step to send
+  int64_t last = tc_.train.steps;         // the last step to send (the time limit lowers it)
+  std::set<int64_t> eval_sent;            // steps whose evaluation was sent after them
   std::optional<nlohmann::json> waiting;  // step `done`'s record, waiting for its evaluation
   bool hold = false;                      // a boundary action is due: send nothing new
   bool out_of_time = false;
@@ -1679,7 +1690,8 @@ Status Trainer::run_job() {
 
   // A step's record: its metrics (rank 0's reply; the loss and norms are the world's),
   // throughput since the step before, the GPU figures where measured.
-  const auto step_record = [&](int64_t step, nlohmann::json rec, Clock::time_point sent) -> Result<nlohmann::json> {
+  const auto step_record = [&](int64_t step, nlohmann::json rec,
+                               Clock::time_point sent) -> Result<nlohmann::json> {
     const auto now = Clock::now();
     const double wall_s = std::chrono::duration<double>(now - std::max(t_prev, sent)).count();
     t_prev = now;
@@ -1738,15 +1750,17 @@ Status Trainer::run_job() {
         gpu += fmt::format(" | act {:.2f} GiB", rec["activation_bytes"].get<double>() / 1073741824.0);
       if (rec.contains("peak_gib")) gpu += fmt::format(" | peak {:.2f} GiB", rec["peak_gib"].get<double>());
       if (rec.contains("host_syncs")) gpu += fmt::format(" | syncs {}", rec["host_syncs"].get<int64_t>());
-      fmt::print("step {}/{} | loss {:.4f} | lm {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:.0f} tok/s | "
-                 "{:.0f} ms{}{}{}{}\n",
-                 step, tc_.train.steps, rec.value("loss", 0.0), rec.value("lm_loss", 0.0), rec.value("aux_loss", 0.0),
-                 rec.value("lr", 0.0), rec.value("grad_norm", 0.0), rec.value("tokens_per_s", 0.0),
-                 rec.value("driver_step_ms", 0.0),
-                 rec.contains("load_imbalance") ? fmt::format(" | load max/mean {:.2f}", rec["load_imbalance"].get<double>())
-                                                : "",
-                 plan_.slots.size() > 1 ? fmt::format(" | dp {}", plan_.dp) : "", gpu,
-                 val ? fmt::format(" | val_loss {:.4f}", last_val) : "");
+      fmt::print(
+          "step {}/{} | loss {:.4f} | lm {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:.0f} tok/s | "
+          "{:.0f} ms{}{}{}{}\n",
+          step, tc_.train.steps, rec.value("loss", 0.0), rec.value("lm_loss", 0.0),
+          rec.value("aux_loss", 0.0), rec.value("lr", 0.0), rec.value("grad_norm", 0.0),
+          rec.value("tokens_per_s", 0.0), rec.value("driver_step_ms", 0.0),
+          rec.contains("load_imbalance")
+              ? fmt::format(" | load max/mean {:.2f}", rec["load_imbalance"].get<double>())
+              : "",
+          plan_.slots.size() > 1 ? fmt::format(" | dp {}", plan_.dp) : "", gpu,
+          val ? fmt::format(" | val_loss {:.4f}", last_val) : "");
       std::fflush(stdout);
     }
     write_status(step);
@@ -1755,8 +1769,10 @@ Status Trainer::run_job() {
   // (troupe scale|replace <run dir>) or a request in the job's store.
   const auto boundary_wanted = [&]() -> Result<bool> {
     if (scripted.count(done) != 0) return true;
-    if (fs::exists(run_dir_ + "/scale_request", ec) || fs::exists(run_dir_ + "/replace_request", ec)) return true;
-    if (scheduled_ && !pending_answer_) return store_->contains(key(fmt::format("request/{}", next_request_)));
+    if (fs::exists(run_dir_ + "/scale_request", ec) || fs::exists(run_dir_ + "/replace_request", ec))
+      return true;
+    if (scheduled_ && !pending_answer_)
+      return store_->contains(key(fmt::format("request/{}", next_request_)));
     return false;
   };
   // After a recovery: go on from the step the workers restored.
@@ -1767,7 +1783,8 @@ Status Trainer::run_job() {
       rewound_to_.reset();
       fmt::print("elastic: rewound to step {}; steps {}..{} run again\n", to, to + 1, done);
       done = to;
-      if (auto it = tokens_after.find(done); it != tokens_after.end()) tokens_seen = tokens_seen_ = it->second;
+      if (auto it = tokens_after.find(done); it != tokens_after.end())
+        tokens_seen = tokens_seen_ = it->second;
       waiting.reset();
     }
     // Steps every survivor completed with commands in flight, whose replies had not all
@@ -1919,7 +1936,8 @@ Status Trainer::run_job() {
   for (auto& [slot, p] : procs_) {
     if (scheduled_) break;
     if (p.local) {
-      while (!p.local->done && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      while (!p.local->done && Clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
       if (p.local->done) {
         p.local->thread.join();
         p.local.reset();
@@ -1936,10 +1954,10 @@ Status Trainer::run_job() {
   }
   const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
   event({{"event", "job_finished"}, {"recoveries", recoveries_}, {"seconds", total_s}});
-  fmt::print("{}: done in {:.1f}s ({:.0f} tokens/s); val_loss {:.4f} -> {:.4f}; {} recoveries{}\n", o_.app,
-             total_s, static_cast<double>(tokens_seen - tokens_before) / std::max(total_s, 1e-9), val0, last_val,
-             recoveries_,
-             final_ckpt ? fmt::format("; weights in the checkpoint of step {} in {}", final_step, ckpt_dir_) : "");
+  fmt::print(
+      "{}: done in {:.1f}s ({:.0f} tokens/s); val_loss {:.4f} -> {:.4f}; {} recoveries{}\n", o_.app, total_s,
+      static_cast<double>(tokens_seen - tokens_before) / std::max(total_s, 1e-9), val0, last_val, recoveries_,
+      final_ckpt ? fmt::format("; weights in the checkpoint of step {} in {}", final_step, ckpt_dir_) : "");
   return ok_status();
 }
 
@@ -1951,13 +1969,15 @@ bool runs_in_one_process(const layers::TrainConfig& tc, bool scheduled) {
 
 Status check_one_process(const layers::TrainConfig& tc) {
   // What needs worker processes, refused by name rather than half done.
-  const char* why = !tc.elastic.inject.empty()     ? "elastic.inject (faults are injected into worker processes)"
-                    : tc.elastic.max_dp > 1        ? "elastic.max_dp > 1 (growing the job starts worker processes)"
-                    : !tc.elastic.scale_at.empty() ? "elastic.scale_at (rescaling starts or stops worker processes)"
-                                                   : nullptr;
+  const char* why = !tc.elastic.inject.empty() ? "elastic.inject (faults are injected into worker processes)"
+                    : tc.elastic.max_dp > 1 ? "elastic.max_dp > 1 (growing the job starts worker processes)"
+                    : !tc.elastic.scale_at.empty()
+                        ? "elastic.scale_at (rescaling starts or stops worker processes)"
+                        : nullptr;
   if (why == nullptr) return ok_status();
   return invalid_argument(
-      "{}: {} needs the worker in a process of its own: set elastic.isolate_workers = true (this layout 1x1x1 "
+      "{}: {} needs the worker in a process of its own: set elastic.isolate_workers = true (this layout "
+      "1x1x1 "
       "otherwise runs the Trainer and its worker in one process)",
       tc.source, why);
 }

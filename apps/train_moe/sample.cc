@@ -8,6 +8,7 @@
 // one is named and skipped), resharded from its layout into the one-process model. The
 // model config comes from the checkpoint's manifest (config text + overrides); the
 // tokenizer from the checkpoint's verified copy, else <run>/tokenizer.json.
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,8 +17,6 @@
 #include <filesystem>
 #include <memory>
 #include <random>
-
-#include <fmt/format.h>
 
 #include "actors/training/checkpointing.h"
 #include "apps/train_moe/commands.h"
@@ -86,13 +85,15 @@ Result<SampleModel> load_sample_model(const SampleOptions& o) {
   if (!fs::is_directory(o.run)) return not_found("sample: run directory {} does not exist", o.run);
   std::error_code ec;
   const fs::path p(o.run);
-  const bool has_ckpt = fs::is_directory(p / "checkpoints", ec) || fs::exists(p / checkpoint::kManifestFile, ec) ||
+  const bool has_ckpt = fs::is_directory(p / "checkpoints", ec) ||
+                        fs::exists(p / checkpoint::kManifestFile, ec) ||
                         !checkpoint::list_checkpoints(o.run).empty();
   if (!has_ckpt) {
-    return not_found("sample: {} holds no checkpoint (looked for {}/checkpoints/step_<N> and {}/step_<N>; a run "
-                     "saves its last step unless checkpoint.final = false); give --checkpoint <dir> when the run "
-                     "saved its checkpoints elsewhere",
-                     o.run, o.run, o.run);
+    return not_found(
+        "sample: {} holds no checkpoint (looked for {}/checkpoints/step_<N> and {}/step_<N>; a run "
+        "saves its last step unless checkpoint.final = false); give --checkpoint <dir> when the run "
+        "saved its checkpoints elsewhere",
+        o.run, o.run, o.run);
   }
   Result<SampleModel> r = from_checkpoint(o.run, o.run);
   if (!r.ok()) return r.status().with_context(fmt::format("sample: {} has no usable checkpoint", o.run));

@@ -30,7 +30,8 @@ Result<TrainOptions> with_checkpoint_config(const TrainOptions& o) {
   if (fs::is_directory(p / "checkpoints", ec)) {
     run_dir = p;
     ckdir = p / "checkpoints";
-  } else if (fs::exists(p / checkpoint::kManifestFile, ec) || checkpoint::parse_step_dir_name(p.filename().string())) {
+  } else if (fs::exists(p / checkpoint::kManifestFile, ec) ||
+             checkpoint::parse_step_dir_name(p.filename().string())) {
     ckdir = p.parent_path();
   } else {
     ckdir = p;

@@ -15,10 +15,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
-
-#include <nlohmann/json.hpp>
 
 extern char** environ;
 
@@ -264,19 +263,22 @@ TEST(TrainMoeCli, ErrorsNameTheProblem) {
   EXPECT_NE(no_run.out.find("does not exist"), std::string::npos) << no_run.out;
 
   // What needs the worker in a process of its own is refused in one process, by name.
-  CliResult inject = train_moe({"--config", write_config(dir, dir + "/d"), "--set",
-                                "elastic.inject=\"kill@2:any:0\""});
+  CliResult inject =
+      train_moe({"--config", write_config(dir, dir + "/d"), "--set", "elastic.inject=\"kill@2:any:0\""});
   EXPECT_EQ(inject.code, 1);
-  EXPECT_NE(inject.out.find("elastic.inject (faults are injected into worker processes) needs the worker in a "
-                            "process of its own: set elastic.isolate_workers = true"),
-            std::string::npos)
+  EXPECT_NE(
+      inject.out.find("elastic.inject (faults are injected into worker processes) needs the worker in a "
+                      "process of its own: set elastic.isolate_workers = true"),
+      std::string::npos)
       << inject.out;
   CliResult grow = train_moe({"--config", write_config(dir, dir + "/d"), "--set", "elastic.max_dp=2"});
   EXPECT_EQ(grow.code, 1);
   EXPECT_NE(grow.out.find("elastic.max_dp > 1"), std::string::npos) << grow.out;
-  CliResult window = train_moe({"--config", write_config(dir, dir + "/d"), "--set", "train.steps_in_flight=0"});
+  CliResult window =
+      train_moe({"--config", write_config(dir, dir + "/d"), "--set", "train.steps_in_flight=0"});
   EXPECT_EQ(window.code, 1);
-  EXPECT_NE(window.out.find("'train.steps_in_flight' must be in [1, 8] (got 0)"), std::string::npos) << window.out;
+  EXPECT_NE(window.out.find("'train.steps_in_flight' must be in [1, 8] (got 0)"), std::string::npos)
+      << window.out;
   if (!HasFailure()) fs::remove_all(dir);
 }
 
@@ -289,7 +291,8 @@ TEST(TrainMoeCli, ErrorsNameTheProblem) {
 TEST(TrainMoeCli, CommandsInFlight) {
   const std::string dir = temp_dir("window");
   const std::string corpus = make_corpus(dir);
-  CliResult p = train_moe({"prepare", "--input", corpus, "--out", dir + "/data", "--vocab", "320", "--val-fraction", "0.2"});
+  CliResult p = train_moe(
+      {"prepare", "--input", corpus, "--out", dir + "/data", "--vocab", "320", "--val-fraction", "0.2"});
   ASSERT_EQ(p.code, 0) << p.out;
   const std::string cfg = write_config(dir, dir + "/data");
   const auto records = [](const std::string& run) {
@@ -302,14 +305,14 @@ TEST(TrainMoeCli, CommandsInFlight) {
     }
     return out;
   };
-  CliResult ahead = train_moe({"--config", cfg, "--run-dir", dir + "/ahead", "--set", "train.steps=6", "--set",
-                               "train.steps_in_flight=6"});
+  CliResult ahead = train_moe({"--config", cfg, "--run-dir", dir + "/ahead", "--set", "train.steps=6",
+                               "--set", "train.steps_in_flight=6"});
   ASSERT_EQ(ahead.code, 0) << ahead.out;
   CliResult one = train_moe({"--config", cfg, "--run-dir", dir + "/one", "--set", "train.steps=6", "--set",
                              "train.steps_in_flight=1"});
   ASSERT_EQ(one.code, 0) << one.out;
-  CliResult child = train_moe({"--config", cfg, "--run-dir", dir + "/child", "--set", "train.steps=6", "--set",
-                               "elastic.isolate_workers=true"});
+  CliResult child = train_moe({"--config", cfg, "--run-dir", dir + "/child", "--set", "train.steps=6",
+                               "--set", "elastic.isolate_workers=true"});
   ASSERT_EQ(child.code, 0) << child.out;
   const auto a = records(dir + "/ahead"), o = records(dir + "/one"), c = records(dir + "/child");
   ASSERT_EQ(a.size(), 6u);
@@ -330,9 +333,10 @@ TEST(TrainMoeCli, CommandsInFlight) {
       waits_one += fmt_ms(o[i]["command_wait_ms"].get<double>());
     }
   }
-  std::printf("[commands in flight] the worker's wait for the command of steps 2..6 (ms):%s with 6 in flight,%s "
-              "with 1\n",
-              waits_ahead.c_str(), waits_one.c_str());
+  std::printf(
+      "[commands in flight] the worker's wait for the command of steps 2..6 (ms):%s with 6 in flight,%s "
+      "with 1\n",
+      waits_ahead.c_str(), waits_one.c_str());
   // The isolated worker was a child process.
   std::ifstream ev(dir + "/child/events.jsonl");
   std::string line;

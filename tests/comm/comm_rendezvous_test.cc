@@ -2,9 +2,8 @@
 // replacement, key escaping, several processes), MemoryStore (the same contract between
 // threads: a waiter woken by set, deadlines), PrefixStore/StoreNamespace and the
 // GlooStore adapter's errors.
-#include <gtest/gtest.h>
-
 #include <gloo/common/error.h>
+#include <gtest/gtest.h>
 
 #include <thread>
 
