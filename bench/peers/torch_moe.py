@@ -623,7 +623,7 @@ class Model(nn.Module):
                 raise SystemExit(f"torch_moe: {d}: {name} is {e['dtype']}, not f32")
             out = np.zeros(e["shape"], dtype=np.float32)
             for sl in e["slices"]:
-                box = tuple(slice(lo, hi) for lo, hi in sl["box"])
+                box = tuple(slice(s0, s0 + ln) for s0, ln in sl["box"])  # [start, length] per dimension
                 n = sl["length"] // 4
                 mm = np.memmap(os.path.join(d, sl["file"]), dtype=np.float32, mode="r", offset=sl["offset"],
                                shape=(n,))
