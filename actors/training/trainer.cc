@@ -1636,10 +1636,7 @@ Status Trainer::run_job() {
   {
     std::optional<Failure> failure;
     TROUPE_RETURN_IF_ERROR(wait_ready(plan_, failure));
-    if (failure) {
-      if (one_process_) return one_process_failure(*failure);
-      return aborted("elastic: a worker failed while the job started: {}", failure->detail);
-    }
+    if (failure) return aborted("a worker failed while the job started: {}", failure->detail);
     mark_stateful();
   }
 
@@ -1767,8 +1764,8 @@ Status Trainer::run_job() {
   };
   // A membership change asked for at this boundary: a scripted rescale, a request file
   // (troupe scale|replace <run dir>) or a request in the job's store.
-  const auto boundary_wanted = [&]() -> Result<bool> {
-    if (scripted.count(done) != 0) return true;
+  const auto boundary_wanted = [&](int64_t after) -> Result<bool> {
+    if (scripted.count(after) != 0) return true;
     if (fs::exists(run_dir_ + "/scale_request", ec) || fs::exists(run_dir_ + "/replace_request", ec))
       return true;
     if (scheduled_ && !pending_answer_)
@@ -1872,6 +1869,12 @@ Status Trainer::run_job() {
         eval_sent.insert(last);
       }
     }
+    // A membership change asked for stops the sending first: it waits only for the steps
+    // already in flight.
+    if (c.kind == Command::Kind::kStep && c.step < last) {
+      TROUPE_ASSIGN_OR_RETURN(bool wanted, boundary_wanted(c.step));
+      hold |= wanted;
+    }
     // The next step goes out before this one's bookkeeping (metrics, status): the workers
     // must not wait for the driver's own work. (Not past a scripted rescale after it.)
     if (!failure && c.kind == Command::Kind::kStep && scripted.count(c.step) == 0) {
@@ -1892,10 +1895,6 @@ Status Trainer::run_job() {
         waiting = std::move(rec);
       } else {
         finish_record(rec);
-      }
-      if (done < last) {
-        TROUPE_ASSIGN_OR_RETURN(bool wanted, boundary_wanted());
-        hold |= wanted;
       }
     } else if (c.kind == Command::Kind::kEval && waiting && c.step == done) {
       (*waiting)["val_loss"] = c.replies[0].value("val_loss", NAN);
