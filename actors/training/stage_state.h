@@ -1,6 +1,6 @@
 // actors/training/stage_state.h — defines the training state of one rank as named slices
-// of global tensors (StageState), the names those tensors carry (shared by the
-// single-process app and every Stage, so any layout loads any other), and SliceSource,
+// of global tensors (StageState), the names those tensors carry (shared by every Stage
+// and `train_moe sample`, so any layout loads any other), and SliceSource,
 // where an import reads slices from (a checkpoint, or another rank's exported state).
 //
 // The global tensors of a training state:
