@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# bench/one_gpu_paths.sh — train_moe on one GPU two ways, back to back on the same token
-# shards: the single-process loop (`train_moe --backend cuda`, apps/train_moe/train.cc) and
-# the framework's path (`troupe run --nproc 1 -- train_moe --backend cuda`: the Trainer and
-# one worker whose Stage runs train_moe's stage program). Prints tokens/s of each (median
-# over the steps after the warm-up), MFU (6*N_active + 6*L*s*d FLOPs per token against
-# 989 TFLOP/s) and the ratio framework / single process — what it costs to run one GPU
-# through the Trainer (docs/architecture.md "One process").
+# bench/one_gpu_paths.sh — train_moe on one GPU by its two launch forms, back to back on the
+# same token shards, both the Trainer driving one Stage: `train_moe --backend cuda` (one
+# process: the worker is a thread of the Trainer's) and `troupe run --nproc 1 -- train_moe
+# --backend cuda` (the scheduler's driver process and one worker process). The regression
+# bench of the two forms: prints tokens/s of each (median over the steps after the
+# warm-up), MFU (6*N_active + 6*L*s*d FLOPs per token against 989 TFLOP/s), the ratio
+# troupe run / one process, and the driver's place on the critical path: the median
+# device_gap_ms (the GPU's idle time between a step's last op and the next step's first,
+# from CUDA events on the Stage's stream) and the share of steps whose next command was
+# already queued at the worker when it replied (next_queued; train.steps_in_flight).
 #
 #   bench/one_gpu_paths.sh [--build DIR] [--config FILE] [--steps N] [--warmup N] [--data DIR]
 set -u
@@ -34,10 +37,10 @@ if [ -z "$DATA" ]; then
   fi
 fi
 SETS=(--set "train.steps=$((STEPS + WARMUP))" --set train.eval_every=0 --set train.eval_batches=1
-      --set train.log_every=5 --set "data.dir=\"$DATA\"")
+      --set train.log_every=5 --set "data.dir=\"$DATA\"" --set checkpoint.final=false)
 rm -rf "$OUTDIR/single" "$OUTDIR/trainer"
 timeout 600 "$BUILD/apps/train_moe" --config "$CONFIG" --backend cuda "${SETS[@]}" --run-dir "$OUTDIR/single" \
-  >"$OUTDIR/single.log" 2>&1 || { echo "single process: FAILED ($OUTDIR/single.log)"; tail -5 "$OUTDIR/single.log"; }
+  >"$OUTDIR/single.log" 2>&1 || { echo "one process: FAILED ($OUTDIR/single.log)"; tail -5 "$OUTDIR/single.log"; }
 timeout 600 "$BUILD/scheduler/troupe" run --nproc 1 --backend cuda -- "$BUILD/apps/train_moe" --config "$CONFIG" \
   --backend cuda "${SETS[@]}" --run-dir "$OUTDIR/trainer" >"$OUTDIR/trainer.log" 2>&1 ||
   { echo "trainer: FAILED ($OUTDIR/trainer.log)"; tail -5 "$OUTDIR/trainer.log"; }
@@ -54,14 +57,18 @@ def figures(name):
         return None
     tps = statistics.median(r["tokens_per_s"] for r in recs)
     mfu = statistics.median(r.get("mfu", 0.0) for r in recs)
-    return tps, mfu, len(recs), recs[-1]["loss"]
+    gaps = [r["device_gap_ms"] for r in recs if "device_gap_ms" in r]
+    gap = statistics.median(gaps) if gaps else float("nan")
+    queued = sum(1 for r in recs if r.get("next_queued")) / len(recs)
+    return tps, mfu, len(recs), recs[-1]["loss"], gap, queued
 s, t = figures("single"), figures("trainer")
-print("path                         tokens/s   MFU (989 TFLOP/s)   steps   last loss")
-for name, f in (("single process (train.cc)", s), ("trainer + 1 worker (Stage)", t)):
+print("path                                tokens/s   MFU (989 TFLOP/s)   steps   last loss   device gap ms   next queued")
+for name, f in (("train_moe (one process)", s), ("troupe run --nproc 1 (2 processes)", t)):
     if f:
-        print(f"{name:28s} {f[0]:9.0f}   {100 * f[1]:6.1f}%             {f[2]:5d}   {f[3]:.5f}")
+        print(f"{name:35s} {f[0]:9.0f}   {100 * f[1]:6.1f}%             {f[2]:5d}   {f[3]:.5f}   "
+              f"{f[4]:13.3f}   {100 * f[5]:5.0f}%")
     else:
-        print(f"{name:28s} FAILED")
+        print(f"{name:35s} FAILED")
 if s and t:
-    print(f"ratio trainer / single process: {t[0] / s[0]:.3f}x (median tokens/s after {warm} warm-up steps)")
+    print(f"ratio troupe run / one process: {t[0] / s[0]:.3f}x (median tokens/s after {warm} warm-up steps)")
 PY

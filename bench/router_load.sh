@@ -4,8 +4,9 @@
 # of Troupe's GPU path or the model's dynamics?
 #
 # One GPU, the same weights and the same tokens in both systems:
-#   1. Troupe, 1 step with lr 1e-30 (no weight changes): its step-1 expert counts, and model.bin = the initial weights.
-#   2. The PyTorch peer (bench/peers/torch_moe.py) from that model.bin on the same token shards
+#   1. Troupe, 1 step with lr 1e-30 (no weight changes): its step-1 expert counts, and its final
+#      checkpoint = the initial weights.
+#   2. The PyTorch peer (bench/peers/torch_moe.py) from that checkpoint on the same token shards
 #      (Troupe's DataLoader sampling), 1 step with lr 0: its step-1 counts and loss.
 #   3. Troupe and the peer, STEPS steps each from the same initial weights with the config's
 #      optimizer: the per-step load of both.
@@ -37,7 +38,7 @@ troupe() {  # troupe NAME STEPS [--set ...]: metrics.jsonl copied to OUTDIR/NAME
   echo "== troupe $name ($steps steps) $*"
   timeout 400 "$BUILD/apps/train_moe" --config "$CONFIG" --backend cuda --set "train.steps=$steps" \
     --set train.eval_every=0 --set train.eval_batches=1 --set train.log_every=1 --set "data.dir=$DATA" \
-    "$@" --run-dir "$RUNS/$name" >"$OUTDIR/$name.log" 2>&1
+    --set checkpoint.final=false "$@" --run-dir "$RUNS/$name" >"$OUTDIR/$name.log" 2>&1
   local rc=$?
   tail -n 2 "$OUTDIR/$name.log" | sed 's/^/    /'
   cp "$RUNS/$name/metrics.jsonl" "$OUTDIR/$name.metrics.jsonl" 2>/dev/null
@@ -54,10 +55,11 @@ peer() {  # peer NAME STEPS [args...]
   return $rc
 }
 
-troupe troupe_lr0 1 --set optim.lr=1e-30 --set optim.min_lr=0  # updates far below an f32 ulp: model.bin = the init
-peer peer_lr0 1 --data "$DATA" --init-weights "$RUNS/troupe_lr0/model.bin" --set optim.lr=0 --set optim.min_lr=0
+# Updates far below an f32 ulp: the final checkpoint holds the initial weights.
+troupe troupe_lr0 1 --set optim.lr=1e-30 --set optim.min_lr=0 --set checkpoint.final=true
+peer peer_lr0 1 --data "$DATA" --init-weights "$RUNS/troupe_lr0" --set optim.lr=0 --set optim.min_lr=0
 troupe troupe "$STEPS"
-peer peer "$STEPS" --data "$DATA" --init-weights "$RUNS/troupe_lr0/model.bin"
+peer peer "$STEPS" --data "$DATA" --init-weights "$RUNS/troupe_lr0"
 peer peer_random "$STEPS"
 # The knobs (same weights, tokens and steps; the schedule's warm-up is the config's).
 troupe troupe_aux0.1 "$STEPS" --set model.moe.aux_loss_coef=0.1
@@ -67,7 +69,7 @@ for r in 0.001 0.01 0.05; do
   troupe "troupe_sigmoid_bias$r" "$STEPS" --set 'model.moe.router="sigmoid"' --set "model.moe.bias_update_rate=$r" \
     --set model.moe.aux_loss_coef=0.001
 done
-rm -f "$RUNS/troupe_lr0/model.bin" "$RUNS"/*/model.bin
+rm -rf "$RUNS/troupe_lr0/checkpoints"  # the weights and moments of bench_1b: ~12 GB
 
 "$PY" - "$OUTDIR" "$STEPS" <<'PYEOF'
 import json, os, sys

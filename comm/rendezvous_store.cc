@@ -1,4 +1,4 @@
-// comm/rendezvous_store.cc — StoreNamespace, PrefixStore and FileStore.
+// comm/rendezvous_store.cc — StoreNamespace, PrefixStore, FileStore and MemoryStore.
 #include "comm/rendezvous_store.h"
 
 #include <fcntl.h>
@@ -169,6 +169,66 @@ Status FileStore::wait(const std::vector<std::string>& keys, Deadline deadline) 
     }
     poll_sleep(interval, deadline);
   }
+}
+
+// ---- MemoryStore ----------------------------------------------------------------------
+
+namespace {
+Status check_key(std::string_view key) {
+  if (key.empty()) return invalid_argument("rendezvous key is empty");
+  for (unsigned char c : key) {
+    if (c < 0x20 || c == 0x7f)
+      return invalid_argument("rendezvous key has a control character: {}", std::string(key));
+  }
+  return ok_status();
+}
+}  // namespace
+
+Status MemoryStore::set(std::string_view key, std::string_view value) {
+  TROUPE_RETURN_IF_ERROR(check_key(key));
+  {
+    std::lock_guard lock(mu_);
+    values_.insert_or_assign(std::string(key), std::string(value));
+  }
+  changed_.notify_all();
+  return ok_status();
+}
+
+Result<std::string> MemoryStore::get(std::string_view key, Deadline deadline) {
+  TROUPE_RETURN_IF_ERROR(check_key(key));
+  std::unique_lock lock(mu_);
+  while (true) {
+    if (auto it = values_.find(key); it != values_.end()) return it->second;
+    if (changed_.wait_until(lock, deadline) == std::cv_status::timeout &&
+        values_.find(key) == values_.end()) {
+      return deadline_exceeded("rendezvous key '{}' not set before the deadline", key);
+    }
+  }
+}
+
+Status MemoryStore::wait(const std::vector<std::string>& keys, Deadline deadline) {
+  for (const auto& k : keys) TROUPE_RETURN_IF_ERROR(check_key(k));
+  std::unique_lock lock(mu_);
+  while (true) {
+    std::vector<std::string> missing;
+    for (const auto& k : keys) {
+      if (values_.find(k) == values_.end()) missing.push_back(k);
+    }
+    if (missing.empty()) return ok_status();
+    if (Clock::now() >= deadline) {
+      std::string names;
+      for (size_t i = 0; i < missing.size() && i < 4; ++i) names += (i ? ", " : "") + missing[i];
+      return deadline_exceeded("rendezvous keys not set before the deadline: {}{}", names,
+                               missing.size() > 4 ? ", ..." : "");
+    }
+    changed_.wait_until(lock, deadline);
+  }
+}
+
+Result<bool> MemoryStore::contains(std::string_view key) {
+  TROUPE_RETURN_IF_ERROR(check_key(key));
+  std::lock_guard lock(mu_);
+  return values_.find(key) != values_.end();
 }
 
 }  // namespace troupe::comm

@@ -1,11 +1,13 @@
 // comm/rendezvous_store.h — defines RendezvousStore (the key-value store every data-plane
 // backend meets its peers through), StoreNamespace (job/epoch key prefixes), PrefixStore
-// (a namespaced view of a store) and FileStore (a store in a directory).
+// (a namespaced view of a store), FileStore (a store in a directory) and MemoryStore (a
+// store in this process's memory).
 //
 // The scheduler implements RendezvousStore over its control plane; comm never includes
 // scheduler code. FileStore serves tests and single-host runs: a directory on a filesystem
 // every rank sees, one file per key, written to a temporary name and renamed so a reader
-// never sees a half-written value.
+// never sees a half-written value. MemoryStore serves a job whose driver and worker share
+// one process (a 1x1x1 training run): no file, no socket, waits woken at once by set().
 //
 // Contract for every implementation:
 // - set() overwrites; after it returns, get()/wait() on any rank eventually see the value.
@@ -16,8 +18,11 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <filesystem>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -93,6 +98,23 @@ class FileStore final : public RendezvousStore {
   Result<std::filesystem::path> path_of(std::string_view key) const;
 
   std::filesystem::path root_;
+};
+
+// Keys and values in this process's memory, for the threads of one process (the driver and
+// the worker of a one-process run). Keys are checked as FileStore checks them (non-empty,
+// no control characters), so a key that works here works on every store. get() and wait()
+// sleep on a condition variable that set() notifies: no polling.
+class MemoryStore final : public RendezvousStore {
+ public:
+  Status set(std::string_view key, std::string_view value) override;
+  Result<std::string> get(std::string_view key, Deadline deadline) override;
+  Status wait(const std::vector<std::string>& keys, Deadline deadline) override;
+  Result<bool> contains(std::string_view key) override;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable changed_;
+  std::map<std::string, std::string, std::less<>> values_;
 };
 
 }  // namespace troupe::comm

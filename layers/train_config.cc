@@ -68,6 +68,11 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(t.log_every, cfg.get_int("train.log_every", t.log_every));
   TROUPE_ASSIGN_OR_RETURN(t.time_limit_s, cfg.get_double("train.time_limit_s", t.time_limit_s));
   if (t.time_limit_s < 0) return invalid_argument("{}: key 'train.time_limit_s' must be >= 0", cfg.source());
+  TROUPE_ASSIGN_OR_RETURN(t.steps_in_flight, cfg.get_int("train.steps_in_flight", t.steps_in_flight));
+  if (t.steps_in_flight < 1 || t.steps_in_flight > kMaxStepsInFlight) {
+    return invalid_argument("{}: key 'train.steps_in_flight' must be in [1, {}] (got {})", cfg.source(),
+                            kMaxStepsInFlight, t.steps_in_flight);
+  }
   const std::pair<const char*, int64_t> positive[] = {{"train.steps", t.steps},
                                                       {"train.seq_len", t.seq_len},
                                                       {"train.micro_batch_size", t.micro_batch_size},
@@ -152,6 +157,7 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(tc.train.init_from, cfg.get_string("train.init_from", tc.train.init_from));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.every, cfg.get_int("checkpoint.every", tc.checkpoint.every));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.keep, cfg.get_int("checkpoint.keep", tc.checkpoint.keep));
+  TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.final, cfg.get_bool("checkpoint.final", tc.checkpoint.final));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.dir, cfg.get_string("checkpoint.dir", tc.checkpoint.dir));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.max_mb_per_s, cfg.get_double("checkpoint.max_mb_per_s", tc.checkpoint.max_mb_per_s));
   if (tc.checkpoint.max_mb_per_s < 0) return invalid_argument("{}: key 'checkpoint.max_mb_per_s' must be >= 0", cfg.source());
@@ -179,6 +185,7 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
                             cfg.source(), e.gpu_state);
   }
   TROUPE_ASSIGN_OR_RETURN(e.inject, cfg.get_string("elastic.inject", e.inject));
+  TROUPE_ASSIGN_OR_RETURN(e.isolate_workers, cfg.get_bool("elastic.isolate_workers", e.isolate_workers));
   const std::pair<const char*, int64_t> non_negative[] = {
       {"elastic.heartbeat_timeout_ms", e.heartbeat_timeout_ms},
       {"elastic.comm_error_grace_ms", e.comm_error_grace_ms},

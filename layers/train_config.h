@@ -16,6 +16,8 @@
 
 namespace troupe::layers {
 
+inline constexpr int64_t kMaxStepsInFlight = 8;
+
 struct TrainOptions {
   uint64_t seed = 1234;           // model initialisation and data order
   int64_t steps = 100;            // optimizer steps
@@ -26,8 +28,15 @@ struct TrainOptions {
   int64_t eval_batches = 4;       // micro-batches of validation data per evaluation
   int64_t log_every = 1;          // a console line every N steps
   // Wall-clock budget in seconds (0: none). When a step ends past it, training stops
-  // there (final validation and weights as usual): `make demo` uses it as a safety net.
+  // after the steps already in flight (at most steps_in_flight - 1 more), with the final
+  // validation and checkpoint as usual: `make demo` uses it as a safety net.
   double time_limit_s = 0;
+  // Step commands the Trainer keeps in flight: step k+1 is sent before step k's report
+  // arrives, so a worker finds its next command queued and never idles for a round trip
+  // to its driver (1: send each step after the last one's report, for comparison).
+  // Evaluations, checkpoints, stops and membership changes stay in order; a failure with
+  // several steps in flight restores a step every survivor holds (docs/elastic.md).
+  int64_t steps_in_flight = 2;
   // GPU runs: keep the step's statistics on the device until its one read (issue 20; with
   // n > 1 summed over the n-group on the device; not with a z-loss); false: the host
   // statistics (per-layer read-backs), for comparison.
@@ -126,8 +135,12 @@ struct ParallelOptions {
 
 // Periodic checkpoints of a training run ([checkpoint]; see checkpoint/README.md).
 struct CheckpointOptions {
-  int64_t every = 0;   // save after every N-th step and after the last one (0: never)
+  int64_t every = 0;   // save after every N-th step and after the last one (0: no periodic ones)
   int64_t keep = 3;    // complete checkpoints kept (older ones are deleted)
+  // Save the last step's state when training ends (even with every = 0): the run's final
+  // weights, which `train_moe sample --run` reads and `--resume` continues. false: only
+  // the periodic ones (benchmarks that do not want the write).
+  bool final = true;
   // Where step_<N> directories go; empty: $TROUPE_CHECKPOINT_DIR when the job sets it,
   // else <run dir>/checkpoints (filled in by the training app).
   std::string dir;
@@ -167,6 +180,13 @@ struct ElasticOptions {
   // Fault injection for tests and demos: "<kill|stop|slow|cut|hang|cutctl>@<step>:<phase>:<slot>,..."
   // (actors/training/elastic.h, FaultSpec).
   std::string inject;
+  // A job of one worker (layout 1x1x1) started without a launcher runs the Trainer and its
+  // worker in one process (no child, no socket): the fastest form, but a crash of the
+  // worker is a crash of the job, and nothing can replace or add workers. true: the
+  // worker is a child process the Trainer supervises, so a lost worker is replaced from
+  // the last checkpoint and `troupe scale` can add data-parallel replicas (elastic.max_dp).
+  // Fault injection (inject) needs it. Jobs of several workers always isolate them.
+  bool isolate_workers = false;
 };
 
 struct TrainConfig {

@@ -171,6 +171,8 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   if (tc.data.dir.empty()) {
     return invalid_argument("{}: data.dir is not set (the output of train_moe prepare)", tc.source);
   }
+  // A one-process run refuses what needs worker processes before it touches anything.
+  if (runs_in_one_process(tc, env("TROUPE_ROLE") != nullptr)) TROUPE_RETURN_IF_ERROR(check_one_process(tc));
   const std::string run_dir = o.run_dir.empty() ? "runs/" + fs::path(o.config).stem().string() : o.run_dir;
   TROUPE_ASSIGN_OR_RETURN(std::vector<std::string> overrides, all_overrides(o));
   const char* role_env = env("TROUPE_ROLE");
@@ -180,14 +182,14 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   }
   if (tc.train.expert_grads != DType::kF32 && role != "worker") {
     fmt::print(
-        "note: train.expert_grads = \"{}\" applies to train_moe's single-process loop; the Trainer's stages "
-        "keep f32 gradients (their reductions and buckets are f32)\n",
+        "note: train.expert_grads = \"{}\" is not applied by the Stage yet: this run keeps f32 gradients "
+        "(its reductions and buckets are f32)\n",
         dtype_name(tc.train.expert_grads));
   }
   if (tc.train.split_master && role != "worker") {
     fmt::print(
-        "note: train.master_weights = \"split\" applies to train_moe's single-process loop; the Trainer's "
-        "stages keep f32 master values (their buckets, checkpoints and copies read them)\n");
+        "note: train.master_weights = \"split\" is not applied by the Stage yet: this run keeps f32 master "
+        "values (its buckets, checkpoints and copies read them)\n");
   }
   if (role == "worker") {
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> store, open_store(run_dir));
@@ -228,6 +230,10 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   to.run_dir = run_dir;
   to.gpu = o.backend == "cuda";
   if (to.gpu && app.flops_per_token) to.flops_per_token = app.flops_per_token(tc);
+  // A one-process run (no launcher, layout 1x1x1): the worker is a thread here, on this
+  // process's device.
+  to.program = app.program;
+  to.worker_ctx = ctx;
   std::unique_ptr<comm::RendezvousStore> scheduled;
   std::shared_ptr<sched::SchedulerSession> session;
   if (role == "driver") {

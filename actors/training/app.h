@@ -10,9 +10,13 @@
 //   (run_worker_process, trainer.h);
 // - TROUPE_ROLE=driver (troupe run / submit): the Trainer, over the workers the scheduler
 //   started (run_trainer);
-// - no role: the standalone launcher — the Trainer in this process, pp*dp*n local worker
-//   processes forked from the same command line, rendezvous in <run dir>/rendezvous.
-// Every job survives a lost worker ([elastic] in the config tunes how; docs/elastic.md).
+// - no role: the standalone launcher — the Trainer in this process and, for layout 1x1x1,
+//   its worker too (a thread of this process: no child, no socket; it cannot survive its
+//   worker, elastic.isolate_workers = true makes the worker a child that can be replaced);
+//   otherwise pp*dp*n local worker processes forked from the same command line,
+//   rendezvous in <run dir>/rendezvous.
+// Every job of worker processes survives a lost worker ([elastic] in the config tunes
+// how; docs/elastic.md).
 #pragma once
 
 #include <functional>

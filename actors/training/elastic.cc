@@ -6,8 +6,10 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -15,6 +17,7 @@
 
 #include "actors/training/checkpointing.h"
 #include "actors/training/control.h"
+#include "actors/training/device_timeline.h"
 #include "actors/training/role_actors.h"
 #include "actors/training/stage.h"
 #include "actors/training/trainer.h"
@@ -129,6 +132,27 @@ int64_t wall_ms() {
 bool keeps_state_in_memory(const layers::TrainConfig& tc, bool gpu) {
   if (!gpu) return true;
   return tc.elastic.gpu_state == "memory" && std::max(tc.parallel.dp, tc.elastic.max_dp) > 1;
+}
+
+Result<int64_t> restore_step(int64_t step_done, const std::vector<std::vector<int64_t>>& held) {
+  if (held.empty()) return step_done;
+  // Candidates: the steps the first survivor holds, not older than step_done; the oldest
+  // one every survivor holds wins (the fewest completed steps the driver has not seen).
+  std::vector<int64_t> candidates;
+  for (int64_t s : held.front()) {
+    if (s >= step_done) candidates.push_back(s);
+  }
+  std::sort(candidates.begin(), candidates.end());
+  for (int64_t s : candidates) {
+    bool everyone = true;
+    for (const auto& h : held) everyone &= std::find(h.begin(), h.end(), s) != h.end();
+    if (everyone) return s;
+  }
+  std::string all;
+  for (const auto& h : held) all += fmt::format("{}[{}]", all.empty() ? "" : " ", fmt::join(h, ","));
+  return failed_precondition(
+      "elastic: the survivors hold no common state at or after step {} (committed steps per survivor: {})",
+      step_done, all);
 }
 
 Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
@@ -304,15 +328,19 @@ class CancellableStore final : public comm::RendezvousStore {
 class ElasticWorker {
  public:
   ElasticWorker(const layers::TrainConfig& tc, ProgramFactory program, comm::RendezvousStore& store,
-                std::string job, int slot, uint64_t epoch, const layers::Ctx& ctx)
-      : tc_(tc),
+                std::string job, int slot, uint64_t epoch, const layers::Ctx& ctx,
+                actors::ActorSystem* driver_system)
+      : driver_system_(driver_system),
+        tc_(tc),
         program_(std::move(program)),
         store_(store),
         job_(std::move(job)),
         slot_(slot),
         epoch_(epoch),
         ctx_(ctx),
-        keep_state_(keeps_state_in_memory(tc, ctx.on_device())),
+        // A worker in the driver's process keeps none: a failure there ends the job, so
+        // nothing would ever restore from it.
+        keep_state_(driver_system == nullptr && keeps_state_in_memory(tc, ctx.on_device())),
         comm_store_(store, cancel_) {}
   ~ElasticWorker() {
     stop_watcher_ = true;
@@ -348,7 +376,19 @@ class ElasticWorker {
   // reply, or its failure ("ckpt_errors"); `wait`: waits for the write in flight first.
   Status report_durable(StepReply& reply, bool wait);
   void watch();
+  // The step a new epoch's ranks restore (epoch > 0, survivors rolling back): each survivor
+  // holding state publishes the steps it holds (held/<e>/<slot>), and every rank reads
+  // them all and takes restore_step (elastic.h) of them.
+  Result<int64_t> agree_restore_step(const ElasticPlan& plan, int rank);
+  // Moves the commands the Trainer sent into queue_ (waiting at most `wait` for the
+  // first): those of the current epoch from `seq` on, in order; older ones are dropped.
+  void take_commands(std::chrono::milliseconds wait, int64_t seq);
+  // Runs step `cmd.step` into `reply`: launches it (unless it was launched ahead), launches
+  // the next queued step ahead of finishing it where the Stage and this step allow, then
+  // finishes it, commits it and starts its checkpoint.
+  Status run_step_command(const Command& cmd, StepReply& reply);
 
+  actors::ActorSystem* driver_system_;  // a worker in the driver's process: its system (else null)
   layers::TrainConfig tc_;
   ProgramFactory program_;  // the app's stage program
   comm::RendezvousStore& store_;
@@ -380,6 +420,12 @@ class ElasticWorker {
   std::unique_ptr<RankCheckpointer> writer_;
   std::thread watcher_;
   std::atomic<bool> stop_watcher_{false};
+  // Commands of the current epoch received and not yet served, in seq order (the Trainer
+  // keeps up to train.steps_in_flight steps in flight), and the step launched ahead of its
+  // command being served (-1: none).
+  std::deque<StepCommand> queue_;
+  int64_t launched_ahead_ = -1;
+  std::unique_ptr<DeviceTimeline> timeline_;  // the device's clock for the steps (GPU)
   std::atomic<bool> cancel_{false};  // set when epoch_+1 opened: in-progress rendezvous give up
   CancellableStore comm_store_;
 };
@@ -471,7 +517,8 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
     if (rank != rank_ || plan.dp != dp_) writer_.reset();
     rank_ = rank;
     dp_ = plan.dp;
-    ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}, {"from", "replicas"}};
+    ready_info_ = nlohmann::json{
+        {"ts_ms", wall_ms()}, {"rank", rank}, {"from", "replicas"}, {"step_done", plan.step_done}};
     return ok_status();
   }
   if (!plan.checkpoint.empty()) {
@@ -496,8 +543,15 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
     if (rank != rank_ || plan.dp != dp_) writer_.reset();
     rank_ = rank;
     dp_ = plan.dp;
-    ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}, {"from", plan.checkpoint}};
+    ready_info_ = nlohmann::json{
+        {"ts_ms", wall_ms()}, {"rank", rank}, {"from", plan.checkpoint}, {"step_done", plan.step_done}};
     return ok_status();
+  }
+  // The state every rank restores: after plan.step_done, or a later step every survivor
+  // completed (commands in flight: the driver had not seen all of them reported).
+  int64_t step_done = plan.step_done;
+  if (plan.epoch > 0) {
+    TROUPE_ASSIGN_OR_RETURN(step_done, agree_restore_step(plan, rank));
   }
   if (!stage_) {
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
@@ -507,7 +561,7 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
     std::lock_guard<std::mutex> lock(mu_);
     stage_ = std::move(s);
   } else {
-    TROUPE_RETURN_IF_ERROR(stage_->rollback(plan.step_done));
+    TROUPE_RETURN_IF_ERROR(stage_->rollback(step_done));
     if (plan.dp == dp_ && rank == rank_) {
       TROUPE_RETURN_IF_ERROR(stage_->rebuild_comms(ns));
     } else {
@@ -522,12 +576,38 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
   dp_ = plan.dp;
   if (plan.epoch > 0) {
     TROUPE_ASSIGN_OR_RETURN(int src, source_dp(plan, tc, rank));
-    stage_->sync_state(src, plan.step_done);
+    stage_->sync_state(src, step_done);
   } else if (keep_state_) {
-    stage_->commit(plan.step_done);
+    stage_->commit(step_done);
   }
-  ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}};
+  ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}, {"step_done", step_done}};
   return ok_status();
+}
+
+Result<int64_t> ElasticWorker::agree_restore_step(const ElasticPlan& plan, int rank) {
+  if (stage_ && plan.has_state[static_cast<size_t>(rank)]) {
+    TROUPE_RETURN_IF_ERROR(store_.set(key(fmt::format("held/{}/{}", plan.epoch, slot_)),
+                                      nlohmann::json(stage_->committed_steps()).dump()));
+  }
+  std::vector<std::vector<int64_t>> held;
+  for (size_t r = 0; r < plan.slots.size(); ++r) {
+    if (!plan.has_state[r]) continue;
+    // Cancelled when a newer epoch opens (a survivor died before publishing).
+    TROUPE_ASSIGN_OR_RETURN(std::string text,
+                            comm_store_.get(key(fmt::format("held/{}/{}", plan.epoch, plan.slots[r])),
+                                            comm::deadline_in(std::chrono::milliseconds(120000))));
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    if (!j.is_array()) {
+      return data_loss("elastic: slot {}'s held steps for epoch {} are malformed: {}", plan.slots[r],
+                       plan.epoch, text.substr(0, 200));
+    }
+    std::vector<int64_t> steps;
+    for (const auto& x : j) {
+      if (x.is_number_integer() && x.get<int64_t>() >= 0) steps.push_back(x.get<int64_t>());
+    }
+    held.push_back(std::move(steps));
+  }
+  return restore_step(plan.step_done, held);
 }
 
 // A failed save is not a failed worker: it is reported (StepReply::ckpt_errors) and
@@ -550,6 +630,8 @@ void fill_step_reply(const StepReport& r, StepReply& m) {
   m.comm_by_kind_ms = r.comm_by_kind_ms;
   m.peak_bytes = r.peak_bytes;
   m.host_syncs = r.host_syncs;
+  m.upload_waits = r.upload_waits;
+  m.activation_bytes = r.activation_bytes;
   m.rss_peak_bytes = r.rss_peak_bytes;
 }
 
@@ -561,7 +643,7 @@ void note_ckpt_error(StepReply& reply, int64_t step, const Status& st) {
 }  // namespace
 
 Status ElasticWorker::save_checkpoint(int64_t step, StepReply& reply, bool force) {
-  if (ckpt_every_ <= 0 || (!force && step % ckpt_every_ != 0)) return ok_status();
+  if (ckpt_dir_.empty() || (!force && (ckpt_every_ <= 0 || step % ckpt_every_ != 0))) return ok_status();
   if (!writer_) {
     Result<std::unique_ptr<RankCheckpointer>> w = RankCheckpointer::create(
         ckpt_dir_, stage_->state_layout(), rank_, static_cast<uint64_t>(tc_.checkpoint.max_mb_per_s * 1e6));
@@ -625,6 +707,71 @@ void ElasticWorker::watch() {
   }
 }
 
+void ElasticWorker::take_commands(std::chrono::milliseconds wait, int64_t seq) {
+  // Commands of an older epoch, or already served, are dropped; so is wake()'s marker.
+  const auto keep = [&](const StepCommand& c) {
+    const int64_t next = queue_.empty() ? seq : queue_.back().seq + 1;
+    return c.epoch == epoch_ && c.seq >= next;
+  };
+  std::optional<StepCommand> c = actors_->next_command(wait);
+  while (c) {
+    if (keep(*c)) queue_.push_back(*c);
+    c = actors_->next_command(std::chrono::milliseconds(0));
+  }
+}
+
+Status ElasticWorker::run_step_command(const Command& cmd, StepReply& reply) {
+  if (g_faults != nullptr) g_faults->step = cmd.step;
+  actors_->set_state("training");
+  // What must happen between this step and the next, on the state this step leaves: the
+  // in-memory commit (and its neighbour replica), a checkpoint part. Then the next step
+  // cannot be enqueued before this one is finished.
+  const bool ckpt_due = !ckpt_dir_.empty() && ckpt_every_ > 0 && cmd.step % ckpt_every_ == 0;
+  const bool ahead_ok = stage_->can_launch_ahead() && !keep_state_ && !ckpt_due;
+  if (launched_ahead_ == cmd.step) {
+    reply.launched_ahead = true;  // enqueued while the step before was finishing
+  } else {
+    timeline_->begin(cmd.step);
+    stage_->launch_step(cmd.step);
+  }
+  launched_ahead_ = -1;
+  if (ahead_ok) {
+    take_commands(std::chrono::milliseconds(0), cmd.seq + 1);
+    const bool next_is_step = !queue_.empty() && queue_.front().seq == cmd.seq + 1 &&
+                              static_cast<Command::Kind>(queue_.front().kind) == Command::Kind::kStep &&
+                              queue_.front().step == cmd.step + 1;
+    // The Stage enqueued the whole step in launch_step: its last op is behind us.
+    timeline_->end(cmd.step);
+    if (next_is_step) {
+      timeline_->begin(cmd.step + 1);
+      stage_->launch_step(cmd.step + 1);
+      launched_ahead_ = cmd.step + 1;
+    }
+  }
+  const StepReport rep = stage_->finish_step(cmd.step);
+  if (!ahead_ok) timeline_->end(cmd.step);  // the step's work may have been enqueued by finish_step
+  const DeviceTimeline::Times t = timeline_->read(cmd.step);
+  actors_->step_done(cmd.step, rep.step_ms);
+  fill_step_reply(rep, reply);
+  reply.device_ms = t.device_ms;
+  reply.device_gap_ms = t.gap_ms;
+  if (keep_state_) {
+    const auto c0 = Clock::now();
+    stage_->replicate_optimizer();
+    stage_->commit(cmd.step);
+    reply.commit_ms = std::chrono::duration<double>(Clock::now() - c0).count() * 1e3;
+    if (replica_every_ > 0 && cmd.step % replica_every_ == 0 && plan_world_ > 1) {
+      const auto r0 = Clock::now();
+      stage_->refresh_replica();
+      reply.replica = cmd.step;
+      reply.replica_ms = std::chrono::duration<double>(Clock::now() - r0).count() * 1e3;
+    }
+    // The peak with this step's committed copies in it.
+    reply.rss_peak_bytes = peak_resident_bytes();
+  }
+  return save_checkpoint(cmd.step, reply);
+}
+
 Status ElasticWorker::run() {
   set_throw_on_comm_error(true);
   std::string device = "cpu";
@@ -632,9 +779,15 @@ Status ElasticWorker::run() {
     const char* vis = std::getenv("CUDA_VISIBLE_DEVICES");
     device = fmt::format("cuda:{}", (vis != nullptr && *vis != '\0') ? vis : "0");
   }
-  TROUPE_ASSIGN_OR_RETURN(
-      actors_, WorkerActors::start(slot_, control::host_addr(), store_, key(fmt::format("actors/{}", slot_)),
-                                   std::move(device)));
+  if (driver_system_ != nullptr) {
+    TROUPE_ASSIGN_OR_RETURN(
+        actors_, WorkerActors::start_in(*driver_system_, slot_, store_, key(fmt::format("actors/{}", slot_)),
+                                        std::move(device)));
+  } else {
+    TROUPE_ASSIGN_OR_RETURN(actors_,
+                            WorkerActors::start(slot_, control::host_addr(), store_,
+                                                key(fmt::format("actors/{}", slot_)), std::move(device)));
+  }
   // Plans of new epochs the Trainer sends the stage actor (rebuild).
   actors_->on_plan([this](const ElasticPlan& p) { on_plan(p); });
   // Replies and failure reports go to the driver's trainer actor.
@@ -650,6 +803,8 @@ Status ElasticWorker::run() {
     return invalid_argument("elastic: the plan asks for checkpoints every {} steps but names no directory",
                             ckpt_every_);
   }
+  // On this thread: the device is current here (the step thread).
+  timeline_ = std::make_unique<DeviceTimeline>(ctx_);
   adopting_ = epoch_;
   watcher_ = std::thread([this] { watch(); });
   bool healthy = true;
@@ -661,27 +816,31 @@ Status ElasticWorker::run() {
   }
   if (!st.ok()) healthy = false;
   int64_t seq = plan.seq;
+  auto served_at = Clock::now();  // when the last command was served (its reply sent)
   while (true) {
     if (!healthy) {
       (void)actors_->report(WorkerFailure{epoch_, slot_, rank_, static_cast<uint16_t>(st.code()),
                                           actor_id("stage", rank_), st.to_string(), wall_ms()});
       fmt::print(stderr, "elastic: slot {} (rank {}) failed in epoch {}: {}\n", slot_, rank_, epoch_, st.to_string());
       std::fflush(stderr);
+      // What was queued or launched belongs to the failed epoch.
+      queue_.clear();
+      launched_ahead_ = -1;
+      timeline_->reset();
     }
     // Wait for a command of this epoch or for the next epoch's plan.
     const auto idle_deadline = Clock::now() + std::chrono::milliseconds(600000);
-    std::optional<StepCommand> next;
     bool new_epoch = false;
     while (true) {
       if (has_plan(epoch_ + 1)) {
         new_epoch = true;
         break;
       }
+      if (healthy && !queue_.empty()) break;
       // Commands come to this worker's stage actor; one of an older epoch, or one already
-      // served, is dropped.
-      next = actors_->next_command(std::chrono::milliseconds(healthy ? 50 : 20));
-      if (next && healthy && next->epoch == epoch_ && next->seq >= seq) break;
-      next.reset();
+      // served, is dropped (take_commands).
+      take_commands(std::chrono::milliseconds(healthy ? 50 : 20), seq);
+      if (!healthy) queue_.clear();
       if (Clock::now() > idle_deadline) return deadline_exceeded("elastic: slot {}: no command for 600 s", slot_);
     }
     if (new_epoch) {
@@ -693,6 +852,9 @@ Status ElasticWorker::run() {
         epoch_ = p.epoch;
         cancel_ = false;
       }
+      queue_.clear();
+      launched_ahead_ = -1;
+      timeline_->reset();
       if (p.rank_of_slot(slot_) < 0) {
         fmt::print(stderr, "elastic: slot {} leaves the job in epoch {} ({})\n", slot_, p.epoch, p.reason);
         return ok_status();
@@ -704,38 +866,24 @@ Status ElasticWorker::run() {
       }
       healthy = st.ok();
       seq = p.seq;
+      served_at = Clock::now();
       continue;
     }
-    seq = next->seq;
-    const Command cmd{next->seq, static_cast<Command::Kind>(next->kind), next->step};
+    const StepCommand next = queue_.front();
+    queue_.pop_front();
+    seq = next.seq;
+    const Command cmd{next.seq, static_cast<Command::Kind>(next.kind), next.step};
     StepReply reply;
     reply.seq = cmd.seq;
-    reply.kind = next->kind;
+    reply.kind = next.kind;
+    // Zero when the command was queued before the last one was served (the driver kept
+    // this worker ahead), else what the worker idled waiting for it.
+    reply.command_wait_ms = std::chrono::duration<double>(Clock::now() - served_at).count() * 1e3;
     try {
       switch (cmd.kind) {
-        case Command::Kind::kStep: {
-          if (g_faults != nullptr) g_faults->step = cmd.step;
-          actors_->set_state("training");
-          const StepReport rep = stage_->run_step(cmd.step);
-          actors_->step_done(cmd.step, rep.step_ms);
-          fill_step_reply(rep, reply);
-          if (keep_state_) {
-            const auto c0 = Clock::now();
-            stage_->replicate_optimizer();
-            stage_->commit(cmd.step);
-            reply.commit_ms = std::chrono::duration<double>(Clock::now() - c0).count() * 1e3;
-            if (replica_every_ > 0 && cmd.step % replica_every_ == 0 && plan_world_ > 1) {
-              const auto r0 = Clock::now();
-              stage_->refresh_replica();
-              reply.replica = cmd.step;
-              reply.replica_ms = std::chrono::duration<double>(Clock::now() - r0).count() * 1e3;
-            }
-            // The peak with this step's committed copies in it.
-            reply.rss_peak_bytes = peak_resident_bytes();
-          }
-          TROUPE_RETURN_IF_ERROR(save_checkpoint(cmd.step, reply));
+        case Command::Kind::kStep:
+          TROUPE_RETURN_IF_ERROR(run_step_command(cmd, reply));
           break;
-        }
         case Command::Kind::kEval:
           reply.val_loss = stage_->evaluate();
           break;
@@ -758,7 +906,10 @@ Status ElasticWorker::run() {
     reply.rank = rank_;
     reply.slot = slot_;
     reply.epoch = epoch_;
+    take_commands(std::chrono::milliseconds(0), seq + 1);
+    reply.next_queued = !queue_.empty();
     TROUPE_RETURN_IF_ERROR(actors_->send(reply));
+    served_at = Clock::now();
     ++seq;
     if (cmd.kind == Command::Kind::kStop) return ok_status();
   }
@@ -768,7 +919,8 @@ Status ElasticWorker::run() {
 
 Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& program,
                           comm::RendezvousStore& base_store, const std::string& job, int slot, uint64_t epoch,
-                          std::function<void()> cut_control, const layers::Ctx& ctx) {
+                          std::function<void()> cut_control, const layers::Ctx& ctx,
+                          actors::ActorSystem* driver_system) {
   // A store outage (the scheduler restarting) must not end the worker.
   TolerantStore store(base_store, std::chrono::milliseconds(30000));
   std::unique_ptr<FaultState> faults;
@@ -795,7 +947,7 @@ Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& p
       std::this_thread::sleep_for(std::chrono::milliseconds(ms));
     }
   }
-  ElasticWorker w(tc, program, store, job, slot, epoch, ctx);
+  ElasticWorker w(tc, program, store, job, slot, epoch, ctx, driver_system);
   if (faults) faults->cut = [&w] { w.cut_connections(); };
   Status st = w.run();
   set_fault_hook(nullptr);

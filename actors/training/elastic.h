@@ -14,6 +14,7 @@
 //   adopted/<e>/<slot>  the worker took plan e over (it is rebuilding)
 //   ready/<e>/<slot>    the worker joined epoch e (communicators built, state restored)
 //   hb/<slot>           heartbeat counter (rewritten every kHeartbeatInterval)
+//   held/<e>/<slot>     a survivor's committed steps when epoch e opened (JSON list)
 //   fault/<slot>        fault injection: wall time (ms) just before the injected fault
 // Checkpoints (checkpoint.every = K; the directory is in the plan): after
 // every K-th step each rank saves its part of issue 8's checkpoint format (the same
@@ -23,12 +24,26 @@
 // A slot names one worker process for its whole life; its rank may change when the job
 // is rescaled. A replacement is a new slot.
 //
-// Worker contract: between commands the worker is idle; when plan/<e+1> appears (its
-// watcher thread polls it) it aborts every communicator, so a step in progress unwinds
-// (CommFailure), rolls back to the committed state after plan.step_done, rebuilds its
-// communicators in epoch e+1 (or re-creates its Stage when dp changes), takes part in the
-// state broadcast from a survivor of its (pp, n) column, writes ready/<e+1>/<slot> and
-// serves commands from plan.seq on. A slot missing from the plan exits 0 (scale-down).
+// Commands in flight: the Trainer keeps up to train.steps_in_flight step commands in
+// flight (step k+1 is sent before step k's reply arrives), so a worker finds its next
+// command queued when it finishes a step and never idles for a driver round trip. The
+// worker serves them in order; where the Stage can (Stage::can_launch_ahead) and nothing
+// between two steps needs the state (no in-memory commit, no checkpoint part) it launches
+// step k+1 before finishing step k. Each reply says whether the next command was already
+// queued when it was sent (next_queued) and how long the worker waited for this one.
+//
+// Worker contract: between commands the worker serves its queue; when plan/<e+1> appears
+// (its watcher thread polls it) it aborts every communicator, so a step in progress
+// unwinds (CommFailure), drops what was queued or launched, rolls back to the committed
+// state the new epoch restores, rebuilds its communicators in epoch e+1 (or re-creates its
+// Stage when dp changes), takes part in the state broadcast from a survivor of its (pp, n)
+// column, writes ready/<e+1>/<slot> (with the step it restored) and serves commands from
+// plan.seq on. A slot missing from the plan exits 0 (scale-down).
+// Which state: the plan's step_done is the last step every rank reported to the Trainer;
+// with commands in flight a survivor may have completed (and committed) later steps whose
+// reports had not arrived, and no longer hold step_done among its two committed states. So
+// the ranks agree: each survivor holding state writes held/<e+1>/<slot> (its committed
+// steps) and every rank restores restore_step(step_done, all of them).
 #pragma once
 
 #include <chrono>
@@ -44,6 +59,10 @@
 #include "core/status.h"
 #include "layers/context.h"
 #include "layers/train_config.h"
+
+namespace troupe::actors {
+class ActorSystem;
+}
 
 namespace troupe::training {
 
@@ -83,6 +102,14 @@ int64_t wall_ms();  // system clock, ms since the epoch (events, fault times)
 // job restores the last checkpoint.
 bool keeps_state_in_memory(const layers::TrainConfig& tc, bool gpu);
 
+// The step a new epoch restores when its survivors roll back: the oldest step, not older
+// than `step_done` (the last one every rank reported), that every survivor holding state
+// still holds (`held`: each one's committed steps). The ranks of a job finish steps within
+// one step of each other (every step ends in a collective over the world), so with W
+// commands in flight such a step exists. FailedPrecondition naming every survivor's steps
+// when none does. No survivor: step_done.
+Result<int64_t> restore_step(int64_t step_done, const std::vector<std::vector<int64_t>>& held);
+
 // Fault injection (tests/elastic, the demo): elastic.inject = "<action>@<step>:<phase>:<slot>[,...]" with
 // action kill (SIGKILL), stop (SIGSTOP), slow (sleeps 150 ms there at that step and
 // every later one: a straggler), cut (aborts the worker's own communicators: its data-plane
@@ -113,9 +140,12 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec);
 // in-memory copy of the committed state is kept there yet, so a lost GPU worker is
 // restored from the last checkpoint).
 // `program`: the app's stage program (stage_program.h), built for each Stage.
+// `driver_system`: a worker in the driver's own process (a one-process run, trainer.h):
+// its actors join the driver's actor system (no socket); null: its own system, reached
+// over the control plane.
 Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& program,
                           comm::RendezvousStore& store, const std::string& job, int slot, uint64_t epoch,
-                          std::function<void()> cut_control = {},
-                          const layers::Ctx& ctx = layers::Ctx::cpu());
+                          std::function<void()> cut_control = {}, const layers::Ctx& ctx = layers::Ctx::cpu(),
+                          actors::ActorSystem* driver_system = nullptr);
 
 }  // namespace troupe::training

@@ -85,8 +85,20 @@ struct StepReply @0xb7e4a2c91d3f5a67 {
   commitMs @27 :Float64 = -1;
   # device runs: the rank's device->host reads in the step (-1: CPU)
   hostSyncs @28 :Int64 = -1;
+  # device runs (-1: CPU): uploads that waited, activation bytes, the step's device time
+  # and the device's idle time before its first op (since the previous step's last)
+  uploadWaits @29 :Int64 = -1;
+  activationBytes @30 :Int64 = -1;
+  deviceMs @31 :Float64 = -1;
+  deviceGapMs @32 :Float64 = -1;
+  # the worker's command queue: the step was launched before the previous one finished;
+  # the next command was already queued when this reply was sent; how long the worker
+  # waited for this command after serving the one before (ms)
+  launchedAhead @33 :Bool;
+  nextQueued @34 :Bool;
+  commandWaitMs @35 :Float64;
   # the rank's process: its peak resident host memory so far (-1: unknown)
-  rssPeakBytes @29 :Int64 = -1;
+  rssPeakBytes @36 :Int64 = -1;
 }
 
 # A worker's failure in an epoch (a data-plane error, a failed join), reported to the

@@ -71,6 +71,18 @@ struct StepReply {
   double commit_ms = -1;    // the in-memory state's commit after the step (-1: none kept)
   int64_t host_syncs = -1;  // device runs: this rank's device->host reads in the step
   int64_t rss_peak_bytes = -1;  // the rank's process: peak resident host memory (-1: unknown)
+  // Device runs (-1 on the CPU): uploads that waited for their copy, the allocator's
+  // high-water mark above the step's start, the step's device time (its first to its last
+  // enqueued op) and the device's idle time before its first op since the previous
+  // step's last (what the device waited for the host or the driver).
+  int64_t upload_waits = -1, activation_bytes = -1;
+  double device_ms = -1, device_gap_ms = -1;
+  // The worker's command queue (elastic.cc): this step was launched before the previous
+  // one was finished; the next command was already queued when this reply was sent (the
+  // driver kept the worker ahead); how long the worker waited for this command after
+  // serving the one before.
+  bool launched_ahead = false, next_queued = false;
+  double command_wait_ms = 0;
 };
 
 struct WorkerFailure {

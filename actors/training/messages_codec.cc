@@ -213,6 +213,13 @@ std::string encode_step_reply(const StepReply& m) {
   b.setReplicaMs(m.replica_ms);
   b.setCommitMs(m.commit_ms);
   b.setHostSyncs(m.host_syncs);
+  b.setUploadWaits(m.upload_waits);
+  b.setActivationBytes(m.activation_bytes);
+  b.setDeviceMs(m.device_ms);
+  b.setDeviceGapMs(m.device_gap_ms);
+  b.setLaunchedAhead(m.launched_ahead);
+  b.setNextQueued(m.next_queued);
+  b.setCommandWaitMs(m.command_wait_ms);
   b.setRssPeakBytes(m.rss_peak_bytes);
   return flat(mb);
 }
@@ -255,6 +262,13 @@ Result<StepReply> decode_step_reply(std::string_view bytes) {
     m.replica_ms = s.getReplicaMs();
     m.commit_ms = s.getCommitMs();
     m.host_syncs = s.getHostSyncs();
+    m.upload_waits = s.getUploadWaits();
+    m.activation_bytes = s.getActivationBytes();
+    m.device_ms = s.getDeviceMs();
+    m.device_gap_ms = s.getDeviceGapMs();
+    m.launched_ahead = s.getLaunchedAhead();
+    m.next_queued = s.getNextQueued();
+    m.command_wait_ms = s.getCommandWaitMs();
     m.rss_peak_bytes = s.getRssPeakBytes();
     return m;
   });

@@ -79,6 +79,7 @@ Result<std::unique_ptr<actors::ActorSystem>> make_system(const std::string& node
   actors::ActorSystemOptions o;
   o.node_id = node;
   o.threads = 1;
+  if (bind_host.empty()) return actors::ActorSystem::create(std::move(o));  // no network
   control::TransportOptions t;
   t.bind_endpoint = fmt::format("tcp://{}:*", bind_host);
   if (std::optional<control::CurveKeyPair> kp = control::job_curve_from_env()) {
@@ -122,7 +123,8 @@ Result<std::unique_ptr<WorkerActors>> WorkerActors::start(int slot, const std::s
                                                           std::string device) {
   std::unique_ptr<WorkerActors> w(new WorkerActors());
   w->node_ = fmt::format("w{}", slot);
-  TROUPE_ASSIGN_OR_RETURN(w->sys_, make_system(w->node_, bind_host));
+  TROUPE_ASSIGN_OR_RETURN(w->own_sys_, make_system(w->node_, bind_host));
+  w->sys_ = w->own_sys_.get();
   {
     std::lock_guard lock(w->view_->mu);
     w->view_->slot = slot;
@@ -134,8 +136,36 @@ Result<std::unique_ptr<WorkerActors>> WorkerActors::start(int slot, const std::s
   return w;
 }
 
+Result<std::unique_ptr<WorkerActors>> WorkerActors::start_in(actors::ActorSystem& driver_system, int slot,
+                                                             comm::RendezvousStore& store,
+                                                             const std::string& endpoint_key,
+                                                             std::string device) {
+  std::unique_ptr<WorkerActors> w(new WorkerActors());
+  w->node_ = driver_system.node_id();
+  w->sys_ = &driver_system;
+  {
+    std::lock_guard lock(w->view_->mu);
+    w->view_->slot = slot;
+    w->view_->device = std::move(device);
+    w->view_->host = host_name();
+  }
+  const nlohmann::json ep{{"node", w->node_}, {"endpoint", ""}, {"host", host_name()}};
+  TROUPE_RETURN_IF_ERROR(store.set(endpoint_key, ep.dump()));
+  return w;
+}
+
 WorkerActors::~WorkerActors() {
-  if (sys_) sys_->shutdown();
+  if (own_sys_) {
+    own_sys_->shutdown();
+    return;
+  }
+  // In the driver's system: only this worker's actors go (the system is the driver's).
+  for (const std::string& role : placed_roles_) {
+    if (placed_rank_ >= 0) {
+      (void)sys_->stop(actors::ActorRef(node_, actor_id(role, placed_rank_)), control::DownReason::kExit,
+                       "the worker ended");
+    }
+  }
 }
 
 Status WorkerActors::place(int rank, uint64_t epoch, std::map<std::string, int64_t> params) {
@@ -172,6 +202,7 @@ Status WorkerActors::place(int rank, uint64_t epoch, std::map<std::string, int64
 
 Status WorkerActors::connect_driver(comm::RendezvousStore& store, const std::string& key,
                                     std::chrono::milliseconds timeout) {
+  if (!own_sys_) return ok_status();  // the driver's own system
   TROUPE_ASSIGN_OR_RETURN(std::string text, store.get(key, comm::deadline_in(timeout)));
   const nlohmann::json ep = nlohmann::json::parse(text, nullptr, false);
   if (!ep.is_object() || !ep.contains("endpoint") || !ep["endpoint"].is_string()) {
@@ -224,6 +255,11 @@ Result<std::unique_ptr<ActorDirectory>> ActorDirectory::start(const std::string&
   return d;
 }
 
+Result<std::unique_ptr<ActorDirectory>> ActorDirectory::start_local(comm::RendezvousStore& store,
+                                                                    const std::string& endpoint_key) {
+  return start("", store, endpoint_key);
+}
+
 ActorDirectory::~ActorDirectory() {
   if (sys_) sys_->shutdown();
 }
@@ -241,6 +277,7 @@ Status ActorDirectory::attach(const std::vector<int>& slots,
     downs_.clear();
   }
   std::vector<ActorEntry> entries;
+  std::map<int, std::string> nodes;
   for (size_t r = 0; r < slots.size(); ++r) {
     const int slot = slots[r];
     TROUPE_ASSIGN_OR_RETURN(std::string text, store.get(endpoint_key(slot), comm::deadline_in(timeout)));
@@ -250,6 +287,7 @@ Status ActorDirectory::attach(const std::vector<int>& slots,
                        text.substr(0, 200));
     }
     const std::string node = ep["node"].get<std::string>();
+    nodes[slot] = node;
     if (!sys_->is_node_up(node)) {
       TROUPE_RETURN_IF_ERROR(sys_->connect(node, ep["endpoint"].get<std::string>(), job_server_key()));
     }
@@ -268,6 +306,7 @@ Status ActorDirectory::attach(const std::vector<int>& slots,
   {
     std::lock_guard lock(mu_);
     entries_ = entries;
+    node_of_slot_ = nodes;
   }
   // Monitored from now on: a Down of this generation is a failure of its slot.
   for (const ActorEntry& e : entries) {
@@ -335,9 +374,15 @@ std::vector<ActorEntry> ActorDirectory::query(std::chrono::milliseconds timeout)
 }
 
 Status ActorDirectory::send_command(const std::vector<int>& slots, const StepCommand& c) {
+  std::map<int, std::string> nodes;
+  {
+    std::lock_guard lock(mu_);
+    nodes = node_of_slot_;
+  }
   for (size_t r = 0; r < slots.size(); ++r) {
-    TROUPE_RETURN_IF_ERROR(sys_->tell(
-        actors::ActorRef(fmt::format("w{}", slots[r]), actor_id("stage", static_cast<int>(r))), c));
+    auto it = nodes.find(slots[r]);
+    const std::string node = it != nodes.end() ? it->second : fmt::format("w{}", slots[r]);
+    TROUPE_RETURN_IF_ERROR(sys_->tell(actors::ActorRef(node, actor_id("stage", static_cast<int>(r))), c));
   }
   return ok_status();
 }

@@ -92,6 +92,11 @@ class Inbox {
     q_.pop_front();
     return v;
   }
+  // Waits at most `wait` until an item is queued (true) without taking it.
+  bool wait_nonempty(std::chrono::milliseconds wait) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, wait, [this] { return !q_.empty(); });
+  }
   std::vector<T> take_all() {
     std::lock_guard lock(mu_);
     std::vector<T> out(std::make_move_iterator(q_.begin()), std::make_move_iterator(q_.end()));
@@ -124,6 +129,12 @@ class WorkerActors {
   static Result<std::unique_ptr<WorkerActors>> start(int slot, const std::string& bind_host,
                                                      comm::RendezvousStore& store,
                                                      const std::string& endpoint_key, std::string device);
+  // A worker in the driver's own process (a one-process run): its actors live in the
+  // driver's system `driver_system` (no socket: the Trainer's commands and the replies are
+  // local deliveries), which must outlive the WorkerActors; publishes {node, endpoint ""}.
+  static Result<std::unique_ptr<WorkerActors>> start_in(actors::ActorSystem& driver_system, int slot,
+                                                        comm::RendezvousStore& store,
+                                                        const std::string& endpoint_key, std::string device);
   ~WorkerActors();
 
   // (Re)places this worker's actors for `rank` in `epoch` (a new rank stops the old ones
@@ -134,10 +145,12 @@ class WorkerActors {
   void step_done(int64_t steps_done, double step_ms);
   const std::string& node() const { return node_; }
 
-  // Opens the route to the driver's "trainer" actor (its endpoint at `key` of `store`).
+  // Opens the route to the driver's "trainer" actor (its endpoint at `key` of `store`);
+  // nothing to open for a worker in the driver's process.
   Status connect_driver(comm::RendezvousStore& store, const std::string& key,
                         std::chrono::milliseconds timeout);
-  // The next command the Trainer sent this worker's stage actor (waiting at most `wait`).
+  // The next command the Trainer sent this worker's stage actor (waiting at most `wait`;
+  // 0: only one already queued). Commands are queued in the order they were sent.
   std::optional<StepCommand> next_command(std::chrono::milliseconds wait) { return commands_->pop(wait); }
   // Called on the stage actor's thread with each plan (rebuild) the Trainer sends it. Set
   // before place(); the handler must not block.
@@ -151,7 +164,8 @@ class WorkerActors {
 
  private:
   WorkerActors() = default;
-  std::unique_ptr<actors::ActorSystem> sys_;
+  std::unique_ptr<actors::ActorSystem> own_sys_;  // null in the driver's process
+  actors::ActorSystem* sys_ = nullptr;            // own_sys_, or the driver's system
   std::shared_ptr<WorkerView> view_ = std::make_shared<WorkerView>();
   std::shared_ptr<Inbox<StepCommand>> commands_ = std::make_shared<Inbox<StepCommand>>();
   std::shared_ptr<std::function<void(const ElasticPlan&)>> plan_handler_ =
@@ -176,7 +190,12 @@ class ActorDirectory {
   static Result<std::unique_ptr<ActorDirectory>> start(const std::string& bind_host,
                                                        comm::RendezvousStore& store,
                                                        const std::string& endpoint_key);
+  // The same without a network: for a one-process run, whose worker's actors join this
+  // system (WorkerActors::start_in).
+  static Result<std::unique_ptr<ActorDirectory>> start_local(comm::RendezvousStore& store,
+                                                             const std::string& endpoint_key);
   ~ActorDirectory();
+  actors::ActorSystem& system() { return *sys_; }
 
   // The workers of a new epoch: `slots[r]` is rank r's worker, hosting the actors of
   // `roles[r]` (hosted_roles). Reads each worker's endpoint from `endpoint_key(slot)`
@@ -201,6 +220,8 @@ class ActorDirectory {
   int send_plan(const ElasticPlan& plan);
   // What the workers sent the trainer actor since the last call.
   std::vector<StepReply> take_replies() { return replies_->take_all(); }
+  // Waits at most `wait` for a reply to arrive (true: one is queued).
+  bool wait_for_reply(std::chrono::milliseconds wait) { return replies_->wait_nonempty(wait); }
   std::vector<WorkerFailure> take_failures() { return failures_->take_all(); }
 
  private:
@@ -212,6 +233,7 @@ class ActorDirectory {
   std::mutex mu_;
   uint64_t generation_ = 0;  // bumped by attach(): Downs of older generations are ignored
   std::vector<ActorEntry> entries_;
+  std::map<int, std::string> node_of_slot_;  // the attached workers' nodes
   std::vector<std::pair<int, control::Down>> downs_;
 };
 

@@ -506,11 +506,32 @@ int64_t host_reads() {
   return 0;
 #endif
 }
+// Host->device uploads that waited for their copy, likewise.
+int64_t host_uploads() {
+#if TROUPE_HAVE_CUDA
+  return cuda::host_wait_count(cuda::HostWait::kUpload);
+#else
+  return 0;
+#endif
+}
 }  // namespace
 
-StepReport Stage::run_step(int64_t step) {
+void Stage::launch_step(int64_t step) {
+  TROUPE_CHECK(launched_step_ < 0, "launch_step({}) while step {} is not finished", step, launched_step_);
+  launched_step_ = step;
+}
+
+bool Stage::can_launch_ahead() const {
+  return false;
+}
+
+StepReport Stage::finish_step(int64_t step) {
+  TROUPE_CHECK(launched_step_ == step, "finish_step({}) but the step launched is {}", step, launched_step_);
+  launched_step_ = -1;
   const auto t0 = Clock::now();
   const int64_t syncs0 = host_reads();
+  const int64_t uploads0 = host_uploads();
+  const size_t bytes0 = ctx_.on_device() ? ctx_.alloc->bytes_in_use() : 0;
   bind_device();
   time_.reset();
   time_.set_tracing(!tc_.train.timeline_dir.empty());
@@ -690,7 +711,11 @@ StepReport Stage::run_step(int64_t step) {
     rep.peak_bytes = static_cast<int64_t>(ctx_.alloc->peak_bytes_in_use());
   }
   rep.step_ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
-  if (ctx_.on_device()) rep.host_syncs = host_reads() - syncs0;
+  if (ctx_.on_device()) {
+    rep.host_syncs = host_reads() - syncs0;
+    rep.upload_waits = host_uploads() - uploads0;
+    rep.activation_bytes = std::max<int64_t>(0, rep.peak_bytes - static_cast<int64_t>(bytes0));
+  }
   rep.rss_peak_bytes = peak_resident_bytes();
   rep.comm_ms = time_.seconds() * 1e3;
   rep.compute_ms = rep.step_ms - rep.comm_ms;

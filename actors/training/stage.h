@@ -75,7 +75,20 @@ class Stage {
                                                const layers::Ctx& ctx = layers::Ctx::cpu());
   ~Stage();
 
-  StepReport run_step(int64_t step);
+  // One optimizer step, in two halves so a caller can keep the device busy: launch_step
+  // enqueues the step's work, finish_step waits for it and returns its report (the only
+  // read of its statistics). Steps are launched and finished in order; with
+  // can_launch_ahead() true, step k+1 may be launched before step k is finished (the
+  // worker loop does so when the next command is already queued and nothing between the
+  // two needs the state, e.g. no commit or checkpoint of step k). Until the Stage can run
+  // ahead, launch_step only records the step and finish_step runs it whole.
+  void launch_step(int64_t step);
+  StepReport finish_step(int64_t step);
+  bool can_launch_ahead() const;
+  StepReport run_step(int64_t step) {
+    launch_step(step);
+    return finish_step(step);
+  }
   // Validation loss (every rank returns the same value); eval batches split over dp.
   double evaluate();
 
@@ -113,6 +126,8 @@ class Stage {
   // Records the state after `step_done` (values, replicated moments, router biases,
   // optimizer step count). Two are kept: the latest and the one before.
   void commit(int64_t step_done);
+  // The steps whose state is recorded (the latest first; -1: none), what rollback accepts.
+  std::vector<int64_t> committed_steps() const;
   // Restores the state recorded after `step_done` (the latest or the one before) and
   // clears what an interrupted step left behind. Fails if neither matches.
   Status rollback(int64_t step_done);
@@ -262,6 +277,7 @@ class Stage {
   // loss sum of each micro-batch]; the token counts and weights are the host's.
   Tensor stats_dev_;
   std::vector<int64_t> micro_tokens_;  // per micro-batch: tokens with a target (last stage)
+  int64_t launched_step_ = -1;         // launch_step's step, not finished yet (-1: none)
 };
 
 }  // namespace troupe::training

@@ -150,10 +150,15 @@ void Stage::commit(int64_t step_done) {
   c.opt_steps = opt_->steps_done();
 }
 
+std::vector<int64_t> Stage::committed_steps() const {
+  return {committed_[0].step, committed_[1].step};
+}
+
 void Stage::clear_interrupted_step() {
   // An interrupted step: its sends completed (aborted) when the communicators were
   // aborted; what the program accumulated (e.g. expert loads) must not reach the next step.
   pending_sends_.clear();
+  launched_step_ = -1;
   program_->discard_step();
 }
 

@@ -63,6 +63,10 @@ struct StepReport {
   // where unknown). What a layout costs a process's RAM (docs/parallelism.md, "Memory
   // per rank").
   int64_t rss_peak_bytes = -1;
+  // Device runs: host->device uploads that waited for their copy, and the allocator's
+  // high-water mark above what was in use when the step began (activations and
+  // temporaries); -1 on the CPU.
+  int64_t upload_waits = -1, activation_bytes = -1;
 };
 
 // When a parameter's gradient is final within a step's backward, i.e. which bucket of

@@ -1,8 +1,8 @@
 // actors/training/stage_state.h — defines the training state of one rank as named slices
-// of global tensors (StageState), the names those tensors carry (shared by the
-// single-process app and every Stage, so any layout loads any other), and SliceSource,
-// where an import reads slices from (a checkpoint, another rank's exported state, or a
-// Hugging Face model directory).
+// of global tensors (StageState), the names those tensors carry (shared by every Stage
+// and `train_moe sample`, so any layout loads any other), and SliceSource, where an
+// import reads slices from (a checkpoint, another rank's exported state, or a Hugging
+// Face model directory).
 //
 // The global tensors of a training state:
 //   <parameter name>            the model parameters, full global shapes ("embedding.weight",

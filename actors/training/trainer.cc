@@ -40,9 +40,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -80,9 +82,17 @@ int64_t env_or(const char* name, int64_t dflt) {
   return (end == v || *end != '\0') ? dflt : static_cast<int64_t>(x);
 }
 
+// A worker in the Trainer's own process (a one-process run): its thread and how it ended.
+struct LocalWorker {
+  std::thread thread;
+  std::atomic<bool> done{false};
+  Status result;  // written before done is set
+};
+
 struct Proc {
   pid_t pid = -1;
   bool alive = false;
+  std::shared_ptr<LocalWorker> local;  // a one-process run's worker thread (else null)
   int gpu = -1;  // standalone launcher, GPU workers: the device index it was given
   std::string last_hb;
   Clock::time_point hb_seen;
@@ -150,10 +160,34 @@ class Trainer {
   Status wait_ready(const ElasticPlan& plan, std::optional<Failure>& failure);
   Status open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots, const std::vector<int>& leaving);
   Status recover(Failure f, int64_t step_done, int64_t failed_step);
-  Result<std::vector<nlohmann::json>> wait_replies(int64_t seq, Command::Kind kind,
-                                                   std::optional<Failure>& failure);
-  // nullopt: the job went back to an older step (a checkpoint restore); rewound_to_ says which.
+  // ---- commands in flight (train.steps_in_flight) ----
+  // A command sent to every rank of the epoch, and the replies that came back.
+  struct InFlight {
+    int64_t seq = 0;
+    Command::Kind kind = Command::Kind::kStep;
+    int64_t step = 0;
+    std::vector<nlohmann::json> replies;  // by rank; null until that rank replied
+    int remaining = 0;
+    Clock::time_point sent;
+  };
+  Status issue(Command::Kind kind, int64_t step);
+  int64_t steps_in_flight() const;
+  // Files the replies that arrived under their commands; every step reply is also kept
+  // by (epoch, step) for a restore that moves past the last step recorded.
+  void collect_replies();
+  // Waits until the oldest command in flight has every rank's reply, or a failure is
+  // detected (both may hold: a worker lost just after it replied).
+  Status await_oldest(std::optional<Failure>& failure);
+  // The bookkeeping of a command every rank completed (recovery noted, replicas,
+  // checkpoints).
+  Status on_completed(const InFlight& c);
+  // One command after the window drained; nullopt: the job went back to an older step (a
+  // checkpoint restore); rewound_to_ says which.
   Result<std::optional<nlohmann::json>> call(Command::Kind kind, int64_t step);
+  // Some rank's reply to step `step` of epoch `epoch`, waiting up to `wait` for one.
+  std::optional<nlohmann::json> seen_step_reply(uint64_t epoch, int64_t step, std::chrono::milliseconds wait);
+  // A one-process run: what a failure means there (its worker cannot be replaced).
+  Status one_process_failure(const Failure& f) const;
   // Checkpoints: notes the snapshots and durable parts the workers report in `replies`,
   // and finalizes every checkpoint all of whose parts are durable.
   Status note_checkpoints(Command::Kind kind, int64_t step, const std::vector<nlohmann::json>& replies);
@@ -184,11 +218,19 @@ class Trainer {
   std::string run_dir_;
   layers::TrainConfig tc_;
   std::string job_;
+  bool one_process_ = false;  // the worker is a thread of this process (runs_in_one_process)
+  std::deque<InFlight> inflight_;
+  std::map<std::pair<uint64_t, int64_t>, nlohmann::json> seen_step_replies_;
+  Clock::time_point oldest_since_ = Clock::now();  // when the oldest command in flight became the oldest
+  // The step the workers of the last epoch that became ready restored (they agree on it:
+  // elastic.h, restore_step); -1 before any.
+  int64_t agreed_step_ = -1;
   std::unique_ptr<comm::RendezvousStore> store_;
   std::unique_ptr<ActorDirectory> actors_;                // the "trainer" actor and the workers' actors
   nlohmann::json actor_table_ = nlohmann::json::array();  // their last answers (status.json)
   int64_t actors_step_ = -2;                              // the step and epoch they were asked at
   uint64_t actors_epoch_ = 0;
+  Clock::time_point actors_asked_{};  // and when
   bool scheduled_ = false;
   std::chrono::milliseconds poll_{2};  // scheduled: 20 (every probe is a round trip)
   std::ofstream events_;
@@ -260,6 +302,32 @@ Status Trainer::spawn(int slot, uint64_t epoch) {
   // Before the worker can beat (an epoch-0 worker of the scheduler may beat already: its
   // next beat replaces the mark).
   mark_start(slot, epoch);
+  if (one_process_) {
+    // The worker's thread: its actors join this process's system, its store is ours.
+    auto w = std::make_shared<LocalWorker>();
+    Proc& p = procs_[slot];
+    p.pid = getpid();
+    p.alive = true;
+    p.local = w;
+    actors::ActorSystem* sys = &actors_->system();
+    comm::RendezvousStore* store = store_.get();
+    w->thread = std::thread([this, w, sys, store, slot, epoch] {
+      Status st = ok_status();
+      try {
+        st = run_elastic_worker(tc_, o_.program, *store, job_, slot, epoch, {}, o_.worker_ctx, sys);
+      } catch (const std::exception& e) {
+        st = internal_error("worker thread: {}", e.what());
+      }
+      w->result = st;
+      w->done = true;
+    });
+    event({{"event", "worker_started"},
+           {"slot", slot},
+           {"pid", p.pid},
+           {"epoch", epoch},
+           {"in_process", true}});
+    return ok_status();
+  }
   if (scheduled_) {
     // The scheduler started the workers of epoch 0; later ones on request.
     if (epoch > 0) {
@@ -327,6 +395,7 @@ Status Trainer::spawn(int slot, uint64_t epoch) {
 void Trainer::terminate(int slot, const std::string& why) {
   Proc& p = procs_[slot];
   if (!p.alive) return;
+  if (p.local) return;  // a thread cannot be killed: a one-process run ends instead (recover)
   if (scheduled_) {
     (void)store_->set(key(fmt::format("kill/{}", slot)), why);
   } else {
@@ -340,6 +409,37 @@ void Trainer::terminate(int slot, const std::string& why) {
 
 void Trainer::kill_all() {
   if (scheduled_) return;  // the scheduler owns the processes
+  // A worker thread still running (the job failed): a plan without it makes it leave
+  // (its communicators aborted, its step unwound). One wedged past the wait is left
+  // running, and what it uses (the store, the actor system) is kept alive with it: the
+  // process is about to end with the job's error.
+  bool wedged = false;
+  for (auto& [slot, p] : procs_) {
+    if (!p.local) continue;
+    if (!p.local->done && store_) {
+      ElasticPlan leave = plan_;
+      leave.epoch = plan_.epoch + 1;
+      leave.slots.clear();
+      leave.has_state.clear();
+      leave.reason = "the driver ended";
+      (void)store_->set(key(fmt::format("plan/{}", leave.epoch)), leave.to_json().dump());
+    }
+    const auto deadline = Clock::now() + std::chrono::seconds(30);
+    while (!p.local->done && Clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (p.local->done) {
+      p.local->thread.join();
+    } else {
+      p.local->thread.detach();
+      wedged = true;
+    }
+    p.alive = false;
+    p.local.reset();
+  }
+  if (wedged) {
+    (void)store_.release();
+    (void)actors_.release();
+  }
   for (auto& [slot, p] : procs_) {
     if (!p.alive) continue;
     kill(p.pid, SIGKILL);
@@ -374,6 +474,16 @@ std::optional<Failure> Trainer::check_processes() {
   }
   for (auto& [slot, p] : procs_) {
     if (!p.alive) continue;
+    if (p.local) {  // a worker thread ends after "stop", or with its error
+      if (!p.local->done) continue;
+      p.alive = false;
+      if (plan_.rank_of_slot(slot) < 0) continue;
+      if (!f) f = Failure{"exit", {}, "", wall_ms()};
+      f->slots.push_back(slot);
+      f->detail += fmt::format("{}slot {} (in this process) ended: {}", f->detail.empty() ? "" : "; ", slot,
+                               p.local->result.to_string());
+      continue;
+    }
     if (scheduled_) {  // the scheduler reports every worker that ends
       const std::string k = key(fmt::format("exit/{}", slot));
       Result<bool> has = store_->contains(k);
@@ -514,6 +624,7 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
   // how it learned the plan.
   std::vector<std::vector<std::string>> roles(plan.slots.size());
   epoch_plan_messages_ = 0;
+  agreed_step_ = -1;
   for (size_t r = 0; r < plan.slots.size(); ++r) {
     TROUPE_ASSIGN_OR_RETURN(std::string text,
                             store_->get(key(fmt::format("ready/{}/{}", plan.epoch, plan.slots[r])),
@@ -525,6 +636,15 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
       }
     }
     if (j.is_object() && j.value("plan_via", "") == "message") ++epoch_plan_messages_;
+    // Every rank restored the same step (they agree on it through the store).
+    if (j.is_object() && j.contains("step_done") && j["step_done"].is_number_integer()) {
+      const int64_t s = j["step_done"].get<int64_t>();
+      if (agreed_step_ >= 0 && s != agreed_step_) {
+        return data_loss("epoch {}: the workers restored different steps ({} and {})", plan.epoch,
+                         agreed_step_, s);
+      }
+      agreed_step_ = s;
+    }
     if (roles[r].empty() || roles[r].front() != "stage") {
       return data_loss("worker slot {}: its ready record for epoch {} names no stage actor: {}",
                        plan.slots[r], plan.epoch, text.substr(0, 200));
@@ -638,7 +758,25 @@ Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots
   return ok_status();
 }
 
+Status Trainer::one_process_failure(const Failure& f) const {
+  return aborted(
+      "{} failure ({}): the job runs in one process (layout 1x1x1, elastic.isolate_workers = false), so its "
+      "worker cannot be replaced; continue from the last checkpoint with --resume, or set "
+      "elastic.isolate_workers = true to run the worker as a child process that is replaced when it fails",
+      f.cause, f.detail);
+}
+
 Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
+  if (one_process_) {
+    event({{"event", "failure_detected"},
+           {"cause", f.cause},
+           {"slots", f.slots},
+           {"detail", f.detail},
+           {"epoch", plan_.epoch},
+           {"step", failed_step},
+           {"detected_ms", f.ts_ms}});
+    return one_process_failure(f);
+  }
   if (++failures_without_progress_ > kMaxFailuresWithoutProgress) {
     return aborted("elastic: giving up after {} failures without completing a new step (the last: {}: {})",
                    failures_without_progress_ - 1, f.cause, f.detail);
@@ -782,7 +920,7 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
             p.step_done);
         std::fflush(stdout);
       } else if (column_lost) {
-        if (ckpt_dir_.empty()) {
+        if (ckpt_every_ <= 0) {
           return aborted(
               "elastic: no data-parallel peer or neighbour replica holds the lost state and no checkpoint "
               "is kept (checkpoint.every): {}",
@@ -812,6 +950,12 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
     std::optional<Failure> again;
     TROUPE_RETURN_IF_ERROR(wait_ready(plan_, again));
     if (!again) {
+      // The step the ranks restored: the plan's, or a later one every survivor completed
+      // with commands in flight (elastic.h, restore_step).
+      if (agreed_step_ > plan_.step_done) {
+        event({{"event", "restore_step_agreed"}, {"planned", plan_.step_done}, {"step", agreed_step_}});
+        plan_.step_done = agreed_step_;
+      }
       mark_stateful();
       event({{"event", "epoch_ready"},
              {"epoch", plan_.epoch},
@@ -825,130 +969,169 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
   }
 }
 
-Result<std::vector<nlohmann::json>> Trainer::wait_replies(int64_t seq, Command::Kind kind,
-                                                          std::optional<Failure>& failure) {
+Status Trainer::issue(Command::Kind kind, int64_t step) {
+  InFlight c;
+  c.seq = seq_++;
+  c.kind = kind;
+  c.step = step;
+  c.replies.assign(plan_.slots.size(), nlohmann::json());
+  c.remaining = static_cast<int>(plan_.slots.size());
+  c.sent = Clock::now();
+  if (inflight_.empty()) oldest_since_ = c.sent;
+  // To every stage actor of the epoch; a worker that cannot be reached is found by the
+  // failure detection (its exit, its actors' Down, its heartbeat).
+  const Status sent =
+      actors_->send_command(plan_.slots, StepCommand{c.seq, static_cast<uint8_t>(kind), step, plan_.epoch});
+  if (!sent.ok())
+    fmt::print(stderr, "trainer: command {} not sent to every worker: {}\n", c.seq, sent.to_string());
+  inflight_.push_back(std::move(c));
+  return ok_status();
+}
+
+int64_t Trainer::steps_in_flight() const {
+  return std::count_if(inflight_.begin(), inflight_.end(),
+                       [](const InFlight& c) { return c.kind == Command::Kind::kStep; });
+}
+
+void Trainer::collect_replies() {
   const int world = static_cast<int>(plan_.slots.size());
-  std::vector<nlohmann::json> replies(static_cast<size_t>(world));
-  std::vector<bool> got(static_cast<size_t>(world), false);
-  int remaining = world;
-  const auto start = Clock::now();
+  for (const StepReply& rep : actors_->take_replies()) {
+    if (static_cast<Command::Kind>(rep.kind) == Command::Kind::kStep && rep.rank >= 0) {
+      seen_step_replies_.emplace(std::make_pair(rep.epoch, rep.step), step_reply_json(rep));
+    }
+    // Replies of this epoch's commands; anything else is a late reply of an abandoned one.
+    if (rep.epoch != plan_.epoch || rep.rank < 0 || rep.rank >= world) continue;
+    for (InFlight& c : inflight_) {
+      if (c.seq != rep.seq) continue;
+      nlohmann::json& slot = c.replies[static_cast<size_t>(rep.rank)];
+      if (slot.is_null()) {
+        slot = step_reply_json(rep);
+        --c.remaining;
+      }
+      break;
+    }
+  }
+}
+
+std::optional<nlohmann::json> Trainer::seen_step_reply(uint64_t epoch, int64_t step,
+                                                       std::chrono::milliseconds wait) {
+  const auto deadline = Clock::now() + wait;
+  while (true) {
+    collect_replies();
+    auto it = seen_step_replies_.find({epoch, step});
+    if (it != seen_step_replies_.end()) return it->second;
+    if (Clock::now() > deadline) return std::nullopt;
+    std::this_thread::sleep_for(std::max(poll_, std::chrono::milliseconds(5)));
+  }
+}
+
+Status Trainer::await_oldest(std::optional<Failure>& failure) {
+  InFlight& c = inflight_.front();
   auto last_slow_check = Clock::now();
   Clock::time_point first_err{};
-  while (remaining > 0) {
-    // Replies of this command and epoch (the trainer actor queues them); anything else is
-    // a late reply of an abandoned command.
-    for (const StepReply& rep : actors_->take_replies()) {
-      if (rep.seq != seq || rep.epoch != plan_.epoch || rep.rank < 0 || rep.rank >= world) continue;
-      if (got[static_cast<size_t>(rep.rank)]) continue;
-      replies[static_cast<size_t>(rep.rank)] = step_reply_json(rep);
-      got[static_cast<size_t>(rep.rank)] = true;
-      --remaining;
-    }
-    if (remaining == 0) break;
+  while (true) {
+    collect_replies();
+    if (c.remaining == 0) return ok_status();
     if ((failure = check_processes())) {
       // A worker that replied and then ended (after "stop") is not a failure: its reply
       // may have been queued behind the news of its end.
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      for (const StepReply& rep : actors_->take_replies()) {
-        if (rep.seq != seq || rep.epoch != plan_.epoch || rep.rank < 0 || rep.rank >= world) continue;
-        if (got[static_cast<size_t>(rep.rank)]) continue;
-        replies[static_cast<size_t>(rep.rank)] = step_reply_json(rep);
-        got[static_cast<size_t>(rep.rank)] = true;
-        --remaining;
-      }
-      // After "stop" a worker that replied ends: only the others' ends are failures.
-      if (kind == Command::Kind::kStop) {
+      collect_replies();
+      if (c.kind == Command::Kind::kStop) {
         bool replied = !failure->slots.empty();
         for (int s : failure->slots) {
           const int r = plan_.rank_of_slot(s);
-          replied &= r >= 0 && got[static_cast<size_t>(r)];
+          replied &= r >= 0 && c.replies[static_cast<size_t>(r)].is_object();
         }
         if (replied) {
           failure.reset();
           continue;
         }
       }
-      return replies;
+      return ok_status();
     }
     if (Clock::now() - last_slow_check > std::chrono::milliseconds(50)) {
       last_slow_check = Clock::now();
-      if ((failure = check_heartbeats())) return replies;
+      if ((failure = check_heartbeats())) return ok_status();
       TROUPE_ASSIGN_OR_RETURN(failure, check_errors(first_err));
-      if (failure) return replies;
-      if (Clock::now() - start > watchdog_) {
-        failure = Failure{"watchdog",
-                          {},
-                          fmt::format("command {} ran past the {} ms step watchdog", seq, watchdog_.count()),
-                          wall_ms()};
-        return replies;
+      if (failure) return ok_status();
+      // The watchdog times the oldest command from when it became the oldest: the ones
+      // queued behind it wait for it by design.
+      if (Clock::now() - std::max(c.sent, oldest_since_) > watchdog_) {
+        failure =
+            Failure{"watchdog",
+                    {},
+                    fmt::format("command {} ran past the {} ms step watchdog", c.seq, watchdog_.count()),
+                    wall_ms()};
+        return ok_status();
       }
     }
-    std::this_thread::sleep_for(poll_);
+    // Woken by the next reply at once; the failure checks above run at least every poll_.
+    actors_->wait_for_reply(poll_);
   }
-  return replies;
+}
+
+Status Trainer::on_completed(const InFlight& c) {
+  if (recovering_since_ms_) {
+    const int64_t now = wall_ms();
+    const double recovery_s = static_cast<double>(now - *recovering_since_ms_) / 1e3;
+    event({{"event", "recovered"},
+           {"cause", recovering_cause_},
+           {"step", c.step},
+           {"recovery_s", recovery_s},
+           {"steps_lost", recovering_steps_lost_},
+           {"epoch", plan_.epoch},
+           {"plan_by_message", epoch_plan_messages_}});
+    fmt::print("elastic: recovered ({}) — {} {} completed {:.2f} s after detection, steps lost {}\n",
+               recovering_cause_, command_kind_name(c.kind), c.step, recovery_s, recovering_steps_lost_);
+    std::fflush(stdout);
+    recovering_since_ms_.reset();
+  }
+  last_replies_ = c.replies;
+  if (c.kind == Command::Kind::kStep) last_step_replies_ = c.replies;
+  if (c.kind == Command::Kind::kStep && replica_every_ > 0) {
+    bool all = true;
+    for (const auto& r : c.replies) all &= r.value("replica", int64_t{-1}) == c.step;
+    if (all) {
+      replica_step_ = c.step;
+      replica_dp_ = plan_.dp;
+      replica_world_ = static_cast<int64_t>(c.replies.size());
+    }
+  }
+  if (c.kind == Command::Kind::kStep && c.step > max_step_completed_) {
+    max_step_completed_ = c.step;
+    failures_without_progress_ = 0;
+  }
+  return note_checkpoints(c.kind, c.step, c.replies);
 }
 
 Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t step) {
+  TROUPE_CHECK(inflight_.empty(), "call({}) with {} commands in flight", command_kind_name(kind),
+               inflight_.size());
   // The state every rank can restore if this command fails: after the last step all of
   // them completed.
   const int64_t step_done = kind == Command::Kind::kStep ? step - 1 : step;
   while (true) {
-    const int64_t seq = seq_++;
-    // To every stage actor of the epoch; a worker that cannot be reached is found by the
-    // failure detection below (its exit, its actors' Down, its heartbeat).
-    const Status sent =
-        actors_->send_command(plan_.slots, StepCommand{seq, static_cast<uint8_t>(kind), step, plan_.epoch});
-    if (!sent.ok())
-      fmt::print(stderr, "trainer: command {} not sent to every worker: {}\n", seq, sent.to_string());
+    TROUPE_RETURN_IF_ERROR(issue(kind, step));
     std::optional<Failure> failure;
-    TROUPE_ASSIGN_OR_RETURN(std::vector<nlohmann::json> replies, wait_replies(seq, kind, failure));
-    bool complete = true;
-    for (const auto& r : replies) complete &= r.is_object();
+    TROUPE_RETURN_IF_ERROR(await_oldest(failure));
+    const InFlight c = std::move(inflight_.front());
+    inflight_.pop_front();
+    const bool complete = c.remaining == 0;
     // Workers end after "stop": an exit then is no failure.
     if (failure && complete && kind == Command::Kind::kStop) failure.reset();
-    if (!failure && kind == Command::Kind::kStep) track_stragglers(replies, step, failure);
-    // Every rank completed the command and a worker was lost (or flagged) just after: the
-    // command counts, and the worker is replaced from the state after it.
+    // Every rank completed the command and a worker was lost just after: the command
+    // counts, and the worker is replaced from the state after it.
     std::optional<Failure> after;
     if (failure && complete) after = std::exchange(failure, std::nullopt);
     if (!failure) {
-      if (recovering_since_ms_) {
-        const int64_t now = wall_ms();
-        const double recovery_s = static_cast<double>(now - *recovering_since_ms_) / 1e3;
-        event({{"event", "recovered"},
-               {"cause", recovering_cause_},
-               {"step", step},
-               {"recovery_s", recovery_s},
-               {"steps_lost", recovering_steps_lost_},
-               {"epoch", plan_.epoch},
-               {"plan_by_message", epoch_plan_messages_}});
-        fmt::print("elastic: recovered ({}) — {} {} completed {:.2f} s after detection, steps lost {}\n",
-                   recovering_cause_, command_kind_name(kind), step, recovery_s, recovering_steps_lost_);
-        std::fflush(stdout);
-        recovering_since_ms_.reset();
-      }
-      last_replies_ = replies;
-      if (kind == Command::Kind::kStep) last_step_replies_ = replies;
-      if (kind == Command::Kind::kStep && replica_every_ > 0) {
-        bool all = true;
-        for (const auto& r : replies) all &= r.value("replica", int64_t{-1}) == step;
-        if (all) {
-          replica_step_ = step;
-          replica_dp_ = plan_.dp;
-          replica_world_ = static_cast<int64_t>(replies.size());
-        }
-      }
-      if (kind == Command::Kind::kStep && step > max_step_completed_) {
-        max_step_completed_ = step;
-        failures_without_progress_ = 0;
-      }
-      TROUPE_RETURN_IF_ERROR(note_checkpoints(kind, step, replies));
+      TROUPE_RETURN_IF_ERROR(on_completed(c));
       if (after) {
         const int64_t done = kind == Command::Kind::kStep ? step : step_done;
         TROUPE_RETURN_IF_ERROR(recover(*after, done, done + 1));
         if (rewound_to_) return std::optional<nlohmann::json>{};
       }
-      return std::optional<nlohmann::json>(replies[0]);
+      return std::optional<nlohmann::json>(c.replies[0]);
     }
     TROUPE_RETURN_IF_ERROR(recover(*failure, step_done, step));
     if (rewound_to_) return std::optional<nlohmann::json>{};
@@ -976,7 +1159,7 @@ Status Trainer::finalize_pending(int64_t step, const PendingCheckpoint& p) {
 
 Status Trainer::note_checkpoints(Command::Kind kind, int64_t step,
                                  const std::vector<nlohmann::json>& replies) {
-  if (ckpt_every_ <= 0 || replies.empty()) return ok_status();
+  if (ckpt_dir_.empty() || replies.empty()) return ok_status();
   // Every rank took its snapshot of this step: the checkpoint is under way.
   if (kind == Command::Kind::kStep || kind == Command::Kind::kSave) {
     bool all = true;
@@ -1080,7 +1263,12 @@ void Trainer::write_status(int64_t step) {
   }
   // The actors of the job, with their own answers (troupe status --actors): asked once per
   // step boundary.
-  if (actors_ && (step < 0 || step != actors_step_ || plan_.epoch != actors_epoch_)) {
+  // At most once a second (each answer is a round trip to every actor; status.json is
+  // for people and `troupe status`), and at every failure and new epoch.
+  const bool due = step < 0 || plan_.epoch != actors_epoch_ || actor_table_.empty() ||
+                   (step != actors_step_ && Clock::now() - actors_asked_ >= std::chrono::seconds(1));
+  if (actors_ && due) {
+    actors_asked_ = Clock::now();
     actors_->set_trainer_state(
         step < 0 ? "failed" : "training", step < 0 ? last_step_ : step,
         last_step_replies_.empty() ? 0.0 : last_step_replies_[0].value("step_ms", 0.0));
@@ -1165,6 +1353,14 @@ Status Trainer::maybe_replace(int64_t step_done) {
     std::getline(in, text);
   }
   fs::remove(req, ec);
+  if (one_process_) {
+    last_answer_ = {{"event", "replace_refused"},
+                    {"request", text},
+                    {"why", "the worker runs in the Trainer's process (set elastic.isolate_workers = true)"}};
+    event(last_answer_);
+    fmt::print("elastic: replace request '{}' refused: the worker runs in the Trainer's process\n", text);
+    return ok_status();
+  }
   char* end = nullptr;
   const long slot = std::strtol(text.c_str(), &end, 10);
   if (text.empty() || *end != '\0' || plan_.rank_of_slot(static_cast<int>(slot)) < 0) {
@@ -1186,7 +1382,7 @@ Status Trainer::maybe_replace(int64_t step_done) {
       const int other = plan_.slots[static_cast<size_t>(l.rank_of(c))];
       peer |= d != me.dp && stateful_.count(other) > 0;
     }
-    if (!peer && ckpt_dir_.empty()) {
+    if (!peer && ckpt_every_ <= 0) {
       last_answer_ = {{"event", "replace_refused"},
                       {"request", text},
                       {"why", fmt::format("slot {} has no dp peer (dp={}) and no elastic checkpoint is kept",
@@ -1311,6 +1507,11 @@ Status Trainer::run_job() {
     job_ =
         fmt::format("elastic-{}-{}", getpid(), std::chrono::system_clock::now().time_since_epoch().count());
   }
+  one_process_ = runs_in_one_process(tc_, scheduled_);
+  if (one_process_) {
+    TROUPE_RETURN_IF_ERROR(check_one_process(tc_));
+    if (!o_.program) return invalid_argument("one-process run: the Trainer was given no stage program");
+  }
   // Knobs: [elastic] of the config. The heartbeat timeout defaults to the job's own
   // (handed over by the scheduler, `--heartbeat-timeout-ms`), else 2 s.
   const layers::ElasticOptions& eo = tc_.elastic;
@@ -1325,6 +1526,16 @@ Status Trainer::run_job() {
   straggler_window_ = static_cast<int>(eo.straggler_window);
   straggler_replace_ = eo.straggler_policy == "replace";
   replica_every_ = o_.gpu ? 0 : eo.replica_every;  // the neighbour replicas are host-side (CPU workers)
+  // A survivor may be up to train.steps_in_flight steps past the last step this Trainer saw
+  // completed everywhere; of the neighbour replicas it keeps two generations, so at most
+  // one refresh may fall in those steps.
+  if (replica_every_ > 0 && tc_.parallel.world() > 1 && replica_every_ < tc_.train.steps_in_flight) {
+    return invalid_argument(
+        "{}: elastic.replica_every = {} is below train.steps_in_flight = {}: a failure with that many steps "
+        "in "
+        "flight could find the neighbour replica it restores already replaced (use 0 or >= {})",
+        tc_.source, replica_every_, tc_.train.steps_in_flight, tc_.train.steps_in_flight);
+  }
   std::error_code ec;
   // --resume: any checkpoint of issue 8's format (a normal run's or an elastic one's, any
   // layout); epoch 0's plan names it and every worker loads it (ElasticWorker::join).
@@ -1350,12 +1561,12 @@ Status Trainer::run_job() {
     TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", resume->step()));
   }
   const int64_t start_step = resume ? resume->step() : 0;
-  // The job's checkpoints: every checkpoint.every steps, in checkpoint.dir, else
-  // $TROUPE_CHECKPOINT_DIR (set by the scheduler), else <run dir>/checkpoints, so
-  // `troupe checkpoints` and `--resume <run dir>` find them. The plans carry both to the
-  // workers.
+  // The job's checkpoints: every checkpoint.every steps and (checkpoint.final) after the
+  // last one, in checkpoint.dir, else $TROUPE_CHECKPOINT_DIR (set by the scheduler), else
+  // <run dir>/checkpoints, so `troupe checkpoints`, `train_moe sample --run` and
+  // `--resume <run dir>` find them. The plans carry both to the workers.
   ckpt_every_ = tc_.checkpoint.every;
-  if (ckpt_every_ > 0) {
+  if (ckpt_every_ > 0 || tc_.checkpoint.final) {
     ckpt_dir_ = fs::absolute(checkpoint_dir_for(tc_, run_dir_)).string();
     // Checkpoints of an earlier run here after the starting step are stale (a fresh job:
     // all of them; the checkpoint resumed from is kept): moved aside, never deleted.
@@ -1366,7 +1577,9 @@ Status Trainer::run_job() {
   }
   fs::remove(run_dir_ + "/scale_request", ec);
   fs::remove(run_dir_ + "/replace_request", ec);
-  if (!scheduled_) {
+  if (one_process_) {
+    store_ = std::make_unique<comm::MemoryStore>();  // the worker is a thread of this process
+  } else if (!scheduled_) {
     fs::remove_all(run_dir_ + "/rendezvous", ec);
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> fstore,
                             comm::FileStore::open(run_dir_ + "/rendezvous"));
@@ -1399,25 +1612,32 @@ Status Trainer::run_job() {
   // the job's store) instead of restarting every worker of the job.
   if (scheduled_) TROUPE_RETURN_IF_ERROR(store_->set(key("claim"), std::to_string(getpid())));
   TROUPE_RETURN_IF_ERROR(store_->set(key("plan/0"), plan_.to_json().dump()));
-  TROUPE_ASSIGN_OR_RETURN(actors_,
-                          ActorDirectory::start(control::host_addr(), *store_, key("actors/driver")));
+  if (one_process_) {
+    TROUPE_ASSIGN_OR_RETURN(actors_, ActorDirectory::start_local(*store_, key("actors/driver")));
+  } else {
+    TROUPE_ASSIGN_OR_RETURN(actors_,
+                            ActorDirectory::start(control::host_addr(), *store_, key("actors/driver")));
+  }
   event({{"event", "job_started"},
          {"job", job_},
          {"plan", plan_.to_json()},
+         {"one_process", one_process_},
+         {"steps_in_flight", tc_.train.steps_in_flight},
          {"heartbeat_timeout_ms", hb_timeout_.count()}});
   fmt::print(
-      "trainer: layout pp={} dp={} n={} ({} workers, dispatch {}, compression {}), {} parameters, {} "
-      "tokens/step, "
-      "{} steps, heartbeat timeout {} ms, run dir {}\n",
-      tc_.parallel.pp, tc_.parallel.dp, tc_.parallel.n, world, tc_.parallel.dispatch,
-      tc_.parallel.compression ? "bf16" : "off", tc_.model.num_params(), tc_.tokens_per_step(),
-      tc_.train.steps, hb_timeout_.count(), run_dir_);
+      "trainer: layout pp={} dp={} n={} ({}, dispatch {}, compression {}), {} parameters, {} tokens/step, {} "
+      "steps, {} step(s) in flight, heartbeat timeout {} ms, run dir {}\n",
+      tc_.parallel.pp, tc_.parallel.dp, tc_.parallel.n,
+      one_process_ ? "one process: the worker is a thread of the Trainer's"
+                   : fmt::format("{} workers", world),
+      tc_.parallel.dispatch, tc_.parallel.compression ? "bf16" : "off", tc_.model.num_params(),
+      tc_.tokens_per_step(), tc_.train.steps, tc_.train.steps_in_flight, hb_timeout_.count(), run_dir_);
   std::fflush(stdout);
   for (int r = 0; r < world; ++r) TROUPE_RETURN_IF_ERROR(spawn(r, 0));
   {
     std::optional<Failure> failure;
     TROUPE_RETURN_IF_ERROR(wait_ready(plan_, failure));
-    if (failure) return aborted("elastic: a worker failed while the job started: {}", failure->detail);
+    if (failure) return aborted("a worker failed while the job started: {}", failure->detail);
     mark_stateful();
   }
 
@@ -1434,28 +1654,49 @@ Status Trainer::run_job() {
   const auto t_start = Clock::now();
   max_step_logged_ = start_step;
   tokens_seen_ = tokens_seen;
+  const int64_t tokens_before = tokens_seen;
   // Tokens seen after each step: a rewind to a checkpoint goes back to its count (the
   // data position of later checkpoints must not count replayed steps twice).
   std::map<int64_t, int64_t> tokens_after{{start_step, tokens_seen}};
   resume.reset();
-  int64_t final_step = start_step;
-  for (int64_t step = start_step + 1; step <= tc_.train.steps; ++step) {
-    const auto t0 = Clock::now();
-    TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> reco, call(Command::Kind::kStep, step));
-    if (!reco) {  // back to a checkpoint: run the steps after it again
-      fmt::print("elastic: rewound to step {}; steps {}..{} run again\n", *rewound_to_, *rewound_to_ + 1,
-                 step);
-      step = *rewound_to_;
-      rewound_to_.reset();
-      if (auto it = tokens_after.find(step); it != tokens_after.end())
-        tokens_seen = tokens_seen_ = it->second;
-      continue;
-    }
-    nlohmann::json rec = std::move(*reco);
-    const double wall_s = std::chrono::duration<double>(Clock::now() - t0).count();
+
+  // ---- the steps, up to train.steps_in_flight of them in flight ------------------------
+  // Commands go out in order: step k, then its evaluation where one is due, then step
+  // k+1 ... The window is refilled as each step's replies arrive, so the workers find
+  // their next command queued. What needs the workers at a step boundary with nothing in
+  // flight (a rescale or replacement) stops the sending until the window has drained.
+  const int64_t window = tc_.train.steps_in_flight;
+  const auto eval_due = [&](int64_t s) {
+    return (tc_.train.eval_every > 0 && s % tc_.train.eval_every == 0) || s == tc_.train.steps;
+  };
+  std::set<int64_t> scripted;  // steps after which elastic.scale_at rescales
+  for (size_t pos = 0; pos < tc_.elastic.scale_at.size();) {
+    size_t comma = tc_.elastic.scale_at.find(',', pos);
+    if (comma == std::string::npos) comma = tc_.elastic.scale_at.size();
+    scripted.insert(std::strtoll(tc_.elastic.scale_at.substr(pos, comma - pos).c_str(), nullptr, 10));
+    pos = comma + 1;
+  }
+  int64_t done = start_step;              // every rank reported this step and the ones before
+  int64_t next = start_step + 1;          // the next step to send
+  int64_t last = tc_.train.steps;         // the last step to send (the time limit lowers it)
+  std::set<int64_t> eval_sent;            // steps whose evaluation was sent after them
+  std::optional<nlohmann::json> waiting;  // step `done`'s record, waiting for its evaluation
+  bool hold = false;                      // a boundary action is due: send nothing new
+  bool out_of_time = false;
+  int64_t last_step_tokens = 0;
+  auto t_prev = Clock::now();  // when the last step completed (the next one's wall time starts)
+
+  // A step's record: its metrics (rank 0's reply; the loss and norms are the world's),
+  // throughput since the step before, the GPU figures where measured.
+  const auto step_record = [&](int64_t step, nlohmann::json rec,
+                               Clock::time_point sent) -> Result<nlohmann::json> {
+    const auto now = Clock::now();
+    const double wall_s = std::chrono::duration<double>(now - std::max(t_prev, sent)).count();
+    t_prev = now;
     const double loss = rec.value("loss", NAN);
     if (!std::isfinite(loss)) return aborted("step {}: the loss is {} (diverged)", step, loss);
     const int64_t step_tokens = rec.value("step_tokens", int64_t{0});
+    last_step_tokens = step_tokens;
     tokens_seen += step_tokens;
     tokens_seen_ = tokens_seen;
     tokens_after[step] = tokens_seen;
@@ -1469,6 +1710,21 @@ Status Trainer::run_job() {
     rec["tokens_per_s"] = static_cast<double>(step_tokens) / wall_s;
     rec["driver_step_ms"] = wall_s * 1e3;
     rec["dp"] = plan_.dp;
+    // Load imbalance: the busiest expert's count over the mean, worst MoE block.
+    double imbalance = 0;
+    for (const auto& block : rec.value("expert_load", nlohmann::json::array())) {
+      int64_t total = 0, mx = 0;
+      for (const auto& v : block) {
+        total += v.get<int64_t>();
+        mx = std::max(mx, v.get<int64_t>());
+      }
+      if (total > 0) {
+        imbalance = std::max(imbalance, static_cast<double>(mx) * static_cast<double>(block.size()) /
+                                            static_cast<double>(total));
+      }
+    }
+    if (!rec.value("expert_load", nlohmann::json::array()).empty()) rec["load_imbalance"] = imbalance;
+    if (rec.contains("peak_bytes")) rec["peak_gib"] = rec["peak_bytes"].get<double>() / 1073741824.0;
     if (o_.flops_per_token > 0) {
       // Dense bf16 peak of one H100/H200 SXM: 989 TFLOP/s.
       rec["mfu"] = static_cast<double>(step_tokens) / wall_s * o_.flops_per_token /
@@ -1476,50 +1732,191 @@ Status Trainer::run_job() {
     }
     if (step <= max_step_logged_) rec["replayed"] = true;  // after a checkpoint restore
     max_step_logged_ = std::max(max_step_logged_, step);
-    // train.time_limit_s: past it, this step is the last (final validation and checkpoint).
-    const double elapsed_s = std::chrono::duration<double>(Clock::now() - t_start).count();
-    const bool out_of_time =
-        tc_.train.time_limit_s > 0 && elapsed_s > tc_.train.time_limit_s && step < tc_.train.steps;
-    const bool eval_now =
-        (tc_.train.eval_every > 0 && step % tc_.train.eval_every == 0) || step == tc_.train.steps || out_of_time;
-    if (eval_now) {
-      TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> ev, call(Command::Kind::kEval, step));
-      if (!ev) {
-        step = *rewound_to_;
-        rewound_to_.reset();
-        if (auto it = tokens_after.find(step); it != tokens_after.end())
-          tokens_seen = tokens_seen_ = it->second;
-        continue;
-      }
-      last_val = ev->value("val_loss", NAN);
-      rec["val_loss"] = last_val;
-    }
+    return rec;
+  };
+  // Writes a step's record and its console line.
+  const auto finish_record = [&](const nlohmann::json& rec) {
+    const int64_t step = rec.value("step", int64_t{0});
     metrics << rec.dump() << "\n";
     metrics.flush();
-    if (step % tc_.train.log_every == 0 || step == 1 || eval_now) {
-      fmt::print("step {}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | dp {} | {:.0f} ms{}\n", step,
-                 tc_.train.steps, loss, rec.value("lr", 0.0), rec.value("grad_norm", 0.0), plan_.dp,
-                 wall_s * 1e3, eval_now ? fmt::format(" | val_loss {:.4f}", last_val) : "");
+    const bool val = rec.contains("val_loss");
+    if (val) last_val = rec["val_loss"].get<double>();
+    if (step % tc_.train.log_every == 0 || step == 1 || val) {
+      std::string gpu;
+      if (rec.contains("mfu")) gpu += fmt::format(" | mfu {:.1f}%", 100.0 * rec["mfu"].get<double>());
+      if (rec.contains("activation_bytes"))
+        gpu += fmt::format(" | act {:.2f} GiB", rec["activation_bytes"].get<double>() / 1073741824.0);
+      if (rec.contains("peak_gib")) gpu += fmt::format(" | peak {:.2f} GiB", rec["peak_gib"].get<double>());
+      if (rec.contains("host_syncs")) gpu += fmt::format(" | syncs {}", rec["host_syncs"].get<int64_t>());
+      fmt::print(
+          "step {}/{} | loss {:.4f} | lm {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:.0f} tok/s | "
+          "{:.0f} ms{}{}{}{}\n",
+          step, tc_.train.steps, rec.value("loss", 0.0), rec.value("lm_loss", 0.0),
+          rec.value("aux_loss", 0.0), rec.value("lr", 0.0), rec.value("grad_norm", 0.0),
+          rec.value("tokens_per_s", 0.0), rec.value("driver_step_ms", 0.0),
+          rec.contains("load_imbalance")
+              ? fmt::format(" | load max/mean {:.2f}", rec["load_imbalance"].get<double>())
+              : "",
+          plan_.slots.size() > 1 ? fmt::format(" | dp {}", plan_.dp) : "", gpu,
+          val ? fmt::format(" | val_loss {:.4f}", last_val) : "");
       std::fflush(stdout);
     }
     write_status(step);
-    final_step = step;
-    if (out_of_time) {
-      fmt::print("trainer: time limit of {:.0f}s reached after step {}; stopping\n", tc_.train.time_limit_s,
-                 step);
-      break;
+  };
+  // A membership change asked for at this boundary: a scripted rescale, a request file
+  // (troupe scale|replace <run dir>) or a request in the job's store.
+  const auto boundary_wanted = [&](int64_t after) -> Result<bool> {
+    if (scripted.count(after) != 0) return true;
+    if (fs::exists(run_dir_ + "/scale_request", ec) || fs::exists(run_dir_ + "/replace_request", ec))
+      return true;
+    if (scheduled_ && !pending_answer_)
+      return store_->contains(key(fmt::format("request/{}", next_request_)));
+    return false;
+  };
+  // After a recovery: go on from the step the workers restored.
+  const auto after_recovery = [&](uint64_t failed_epoch) -> Status {
+    inflight_.clear();
+    if (rewound_to_) {  // back to a checkpoint (or the neighbour replicas): run the steps after it again
+      const int64_t to = *rewound_to_;
+      rewound_to_.reset();
+      fmt::print("elastic: rewound to step {}; steps {}..{} run again\n", to, to + 1, done);
+      done = to;
+      if (auto it = tokens_after.find(done); it != tokens_after.end())
+        tokens_seen = tokens_seen_ = it->second;
+      waiting.reset();
     }
-    if (step < tc_.train.steps) {
+    // Steps every survivor completed with commands in flight, whose replies had not all
+    // arrived: recorded from a survivor's reply (they carry the world's metrics).
+    for (int64_t s = done + 1; s <= plan_.step_done; ++s) {
+      if (waiting) {  // its evaluation cannot run any more: the state moved on
+        finish_record(*waiting);
+        waiting.reset();
+      }
+      std::optional<nlohmann::json> r = seen_step_reply(failed_epoch, s, std::chrono::milliseconds(10000));
+      if (r) {
+        TROUPE_ASSIGN_OR_RETURN(nlohmann::json rec, step_record(s, *r, Clock::now()));
+        finish_record(rec);
+      } else {
+        tokens_seen += last_step_tokens;
+        tokens_seen_ = tokens_seen;
+        tokens_after[s] = tokens_seen;
+        finish_record(nlohmann::json{{"step", s}, {"tokens", tokens_seen}, {"metrics_lost", true}});
+        fmt::print(stderr, "trainer: step {} completed before the failure but no report of it arrived\n", s);
+      }
+      done = s;
+    }
+    next = done + 1;
+    eval_sent.erase(eval_sent.upper_bound(done - 1), eval_sent.end());
+    if (waiting) {  // the evaluation after `done` again
+      TROUPE_RETURN_IF_ERROR(issue(Command::Kind::kEval, done));
+      eval_sent.insert(done);
+    }
+    t_prev = Clock::now();
+    return ok_status();
+  };
+  const auto restore = [&](const Failure& f) -> Status {
+    const uint64_t failed_epoch = plan_.epoch;
+    TROUPE_RETURN_IF_ERROR(recover(f, done, done + 1));
+    return after_recovery(failed_epoch);
+  };
+
+  // Sends steps (each followed by its evaluation when one is due) until the window is
+  // full; never past a scripted rescale after a step later than `completed`.
+  const auto fill_window = [&](int64_t completed) -> Status {
+    while (!hold && next <= last && steps_in_flight() < window) {
+      if (next - 1 > completed && scripted.count(next - 1) != 0) break;
+      TROUPE_RETURN_IF_ERROR(issue(Command::Kind::kStep, next));
+      if (eval_due(next)) {
+        TROUPE_RETURN_IF_ERROR(issue(Command::Kind::kEval, next));
+        eval_sent.insert(next);
+      }
+      ++next;
+    }
+    return ok_status();
+  };
+
+  while (done < last || waiting || !inflight_.empty()) {
+    TROUPE_RETURN_IF_ERROR(fill_window(done));
+    if (inflight_.empty()) {
+      // The window drained at a step boundary: membership changes (each a new epoch).
       if (scheduled_) TROUPE_RETURN_IF_ERROR(take_store_request());
-      TROUPE_RETURN_IF_ERROR(maybe_replace(step));
-      TROUPE_RETURN_IF_ERROR(maybe_rescale(step));
-      write_status(step);  // the membership after this boundary's changes
+      TROUPE_RETURN_IF_ERROR(maybe_replace(done));
+      TROUPE_RETURN_IF_ERROR(maybe_rescale(done));
+      write_status(done);  // the membership after this boundary's changes
       if (scheduled_) TROUPE_RETURN_IF_ERROR(answer_store_request());
+      hold = false;
+      if (rewound_to_) TROUPE_RETURN_IF_ERROR(after_recovery(plan_.epoch));
+      if (done >= last && !waiting) break;
+      continue;
     }
+    std::optional<Failure> failure;
+    TROUPE_RETURN_IF_ERROR(await_oldest(failure));
+    if (inflight_.front().remaining > 0) {  // a failure before every rank completed it
+      TROUPE_RETURN_IF_ERROR(restore(*failure));
+      continue;
+    }
+    const InFlight c = std::move(inflight_.front());
+    inflight_.pop_front();
+    oldest_since_ = Clock::now();
+    // train.time_limit_s: past it, the steps already sent are the last (then the final
+    // validation and checkpoint).
+    if (c.kind == Command::Kind::kStep && !out_of_time && tc_.train.time_limit_s > 0 &&
+        std::chrono::duration<double>(Clock::now() - t_start).count() > tc_.train.time_limit_s &&
+        c.step < tc_.train.steps) {
+      out_of_time = true;
+      last = next - 1;
+      if (eval_sent.count(last) == 0) {
+        TROUPE_RETURN_IF_ERROR(issue(Command::Kind::kEval, last));
+        eval_sent.insert(last);
+      }
+    }
+    // A membership change asked for stops the sending first: it waits only for the steps
+    // already in flight.
+    if (c.kind == Command::Kind::kStep && c.step < last) {
+      TROUPE_ASSIGN_OR_RETURN(bool wanted, boundary_wanted(c.step));
+      hold |= wanted;
+    }
+    // The next step goes out before this one's bookkeeping (metrics, status): the workers
+    // must not wait for the driver's own work. (Not past a scripted rescale after it.)
+    if (!failure && c.kind == Command::Kind::kStep && scripted.count(c.step) == 0) {
+      TROUPE_RETURN_IF_ERROR(fill_window(c.step));
+    }
+    // Every rank completed the command and a worker was lost (or flagged) just after: the
+    // command counts, and the worker is replaced from the state after it.
+    std::optional<Failure> after = std::move(failure);
+    if (!after && c.kind == Command::Kind::kStep) track_stragglers(c.replies, c.step, after);
+    TROUPE_RETURN_IF_ERROR(on_completed(c));
+    if (c.kind == Command::Kind::kStep) {
+      TROUPE_ASSIGN_OR_RETURN(nlohmann::json rec, step_record(c.step, c.replies[0], c.sent));
+      done = c.step;
+      for (auto it = seen_step_replies_.begin(); it != seen_step_replies_.end();) {
+        it = it->first.second < done ? seen_step_replies_.erase(it) : std::next(it);
+      }
+      if (eval_sent.count(done) != 0) {
+        waiting = std::move(rec);
+      } else {
+        finish_record(rec);
+      }
+    } else if (c.kind == Command::Kind::kEval && waiting && c.step == done) {
+      (*waiting)["val_loss"] = c.replies[0].value("val_loss", NAN);
+      finish_record(*waiting);
+      waiting.reset();
+    }
+    if (after) TROUPE_RETURN_IF_ERROR(restore(*after));
   }
-  // The last step's checkpoint, when it is off the every-K schedule.
-  const bool final_ckpt = ckpt_every_ > 0 && final_step > start_step;
-  if (final_ckpt && final_step % ckpt_every_ != 0) {
+  const int64_t final_step = done;
+  if (out_of_time) {
+    fmt::print("trainer: time limit of {:.0f}s reached after step {}; stopping\n", tc_.train.time_limit_s,
+               final_step);
+  }
+  // The last step's checkpoint (checkpoint.final), when it is off the every-K schedule. A
+  // job resumed with nothing left to train saves the state it loaded, in its own layout
+  // (unless that very checkpoint is in its checkpoint directory).
+  bool have_final = false;
+  for (const auto& [s, d] : checkpoint::list_checkpoints(ckpt_dir_)) have_final |= s == final_step;
+  const bool final_ckpt = !ckpt_dir_.empty() && (final_step > start_step || !have_final);
+  const bool on_schedule = ckpt_every_ > 0 && final_step % ckpt_every_ == 0 && final_step > start_step;
+  if (final_ckpt && !on_schedule) {
     TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> saved, call(Command::Kind::kSave, final_step));
     if (!saved) {
       return aborted(
@@ -1538,6 +1935,16 @@ Status Trainer::run_job() {
   const auto deadline = Clock::now() + std::chrono::milliseconds(30000);
   for (auto& [slot, p] : procs_) {
     if (scheduled_) break;
+    if (p.local) {
+      while (!p.local->done && Clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      if (p.local->done) {
+        p.local->thread.join();
+        p.local.reset();
+        p.alive = false;
+      }
+      continue;
+    }
     (void)reap_by(p, deadline);
   }
   if (!actor_table_.empty()) {  // the trainer's own row: the job is over
@@ -1547,12 +1954,33 @@ Status Trainer::run_job() {
   }
   const double total_s = std::chrono::duration<double>(Clock::now() - t_start).count();
   event({{"event", "job_finished"}, {"recoveries", recoveries_}, {"seconds", total_s}});
-  fmt::print("{}: done in {:.1f}s; val_loss {:.4f} -> {:.4f}; {} recoveries\n", o_.app, total_s, val0,
-             last_val, recoveries_);
+  fmt::print(
+      "{}: done in {:.1f}s ({:.0f} tokens/s); val_loss {:.4f} -> {:.4f}; {} recoveries{}\n", o_.app, total_s,
+      static_cast<double>(tokens_seen - tokens_before) / std::max(total_s, 1e-9), val0, last_val, recoveries_,
+      final_ckpt ? fmt::format("; weights in the checkpoint of step {} in {}", final_step, ckpt_dir_) : "");
   return ok_status();
 }
 
 }  // namespace
+
+bool runs_in_one_process(const layers::TrainConfig& tc, bool scheduled) {
+  return !scheduled && tc.parallel.world() == 1 && !tc.elastic.isolate_workers;
+}
+
+Status check_one_process(const layers::TrainConfig& tc) {
+  // What needs worker processes, refused by name rather than half done.
+  const char* why = !tc.elastic.inject.empty() ? "elastic.inject (faults are injected into worker processes)"
+                    : tc.elastic.max_dp > 1 ? "elastic.max_dp > 1 (growing the job starts worker processes)"
+                    : !tc.elastic.scale_at.empty()
+                        ? "elastic.scale_at (rescaling starts or stops worker processes)"
+                        : nullptr;
+  if (why == nullptr) return ok_status();
+  return invalid_argument(
+      "{}: {} needs the worker in a process of its own: set elastic.isolate_workers = true (this layout "
+      "1x1x1 "
+      "otherwise runs the Trainer and its worker in one process)",
+      tc.source, why);
+}
 
 Status run_trainer(const TrainerOptions& o, const layers::TrainConfig& tc,
                    std::unique_ptr<comm::RendezvousStore> scheduled_store) {
@@ -1597,6 +2025,14 @@ nlohmann::json step_reply_json(const StepReply& r) {
       if (r.peak_bytes >= 0) j["peak_bytes"] = r.peak_bytes;
       if (r.host_syncs >= 0) j["host_syncs"] = r.host_syncs;
       if (r.rss_peak_bytes >= 0) j["rss_peak_bytes"] = r.rss_peak_bytes;
+      if (r.upload_waits >= 0) j["upload_waits"] = r.upload_waits;
+      if (r.activation_bytes >= 0) j["activation_bytes"] = r.activation_bytes;
+      if (r.device_ms >= 0) j["device_ms"] = r.device_ms;
+      if (r.device_gap_ms >= 0) j["device_gap_ms"] = r.device_gap_ms;
+      // The worker's queue: was it kept ahead of its driver?
+      j["launched_ahead"] = r.launched_ahead;
+      j["next_queued"] = r.next_queued;
+      j["command_wait_ms"] = r.command_wait_ms;
       break;
     case Command::Kind::kEval:
       j["val_loss"] = r.val_loss;

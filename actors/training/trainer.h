@@ -5,10 +5,15 @@
 // through the protocol of actors/training/elastic.h) and run_worker_process (a worker:
 // hosts its Stage and serves the Trainer until "stop").
 //
-// Every distributed job runs this way; failure handling needs no flag (docs/elastic.md).
-// Two ways to own the processes:
-// - standalone (no scheduler): the Trainer forks the workers itself (the same program and
-//   arguments, TROUPE_ROLE=worker) and rendezvous through a FileStore in
+// Every job runs this way, from one process to many; failure handling needs no flag
+// (docs/elastic.md). Three ways to own the workers:
+// - one process (no scheduler, layout 1x1x1, elastic.isolate_workers = false): the worker
+//   is a thread of the Trainer's process, its actors in the Trainer's actor system (the
+//   commands and replies are local deliveries), the store in memory (comm::MemoryStore):
+//   no child, no socket. It cannot survive its worker: a failure ends the job (with the
+//   checkpoints it wrote, for --resume);
+// - standalone (no scheduler, otherwise): the Trainer forks the workers itself (the same
+//   program and arguments, TROUPE_ROLE=worker) and rendezvous through a FileStore in
 //   <run dir>/rendezvous;
 // - under troupe-scheduler (`troupe run` / `troupe submit`): the scheduler starts, kills
 //   and reports the workers; the Trainer claims their supervision with the key
@@ -49,7 +54,18 @@ struct TrainerOptions {
   // Under the scheduler: records the actor placement of an epoch (actor id -> process
   // name, e.g. "stage.3" -> "worker-3") in the scheduler's durable state. May be empty.
   std::function<Status(const std::vector<std::pair<std::string, std::string>>&)> publish_placement;
+  // A one-process run's worker (it runs in this process): the app's stage program and the
+  // process's device, which must outlive run_trainer.
+  ProgramFactory program;
+  layers::Ctx worker_ctx = layers::Ctx::cpu();
 };
+
+// Whether run_trainer runs its worker in its own process (see above): no scheduler,
+// layout 1x1x1 and elastic.isolate_workers false.
+bool runs_in_one_process(const layers::TrainConfig& tc, bool scheduled);
+// For such a run: InvalidArgument naming a setting that needs worker processes
+// (elastic.inject, elastic.max_dp > 1, elastic.scale_at) and the key that gives them.
+Status check_one_process(const layers::TrainConfig& tc);
 
 // Runs the job to its end as its driver. `scheduled_store`: the job's store under
 // troupe-scheduler (TROUPE_ROLE=driver); null: the standalone launcher. `tc` is the loaded

@@ -1,8 +1,8 @@
 // apps/train_moe/commands.h — the subcommands of train_moe, one function each, called by
-// main.cc after CLI parsing: run_prepare (corpus -> tokenizer + token shards), run_train
-// (training: one process here, several through the framework), run_sample (text from a
-// trained run), run_eval (loss and logits of token rows), run_export (a Hugging Face
-// model directory), run_plot.
+// main.cc after CLI parsing: run_prepare (corpus -> tokenizer + token shards),
+// resolve_train_options (training's command line made whole; training itself is
+// training::run_app with moe_app()), run_sample (text from a trained run), run_eval (loss
+// and logits of token rows), run_export (a Hugging Face model directory), run_plot.
 #pragma once
 
 #include <cstdint>
@@ -39,15 +39,10 @@ using training::RunDevice;
 // The command line made whole: --parallel folded into the overrides; with --resume and no
 // --config, the saved run's config and overrides (then this command's) and its run dir.
 Result<TrainOptions> resolve_train_options(const TrainOptions& o);
-// One process, layout 1x1x1 (not started by Troupe): the single-process loop. (Any
-// other layout, or a process Troupe started, runs under the framework: main() calls
-// training::run_app with moe_app(), apps/train_moe/moe_stage.h.) `o` resolved;
-// o.backend must name dev's backend (main() makes dev from it).
-Status run_train(const TrainOptions& o, RunDevice& dev);
 
 struct SampleOptions {
-  std::string run;         // run directory: model.bin, else its checkpoints (sample.cc)
-  std::string checkpoint;  // run dir, checkpoints dir or step_<N> dir: always a checkpoint
+  std::string run;         // run directory: its newest valid checkpoint (sample.cc)
+  std::string checkpoint;  // run dir, checkpoints dir or step_<N> dir (checkpoints kept elsewhere)
   std::string prompt;
   int64_t tokens = 200;
   double temperature = 0.8;

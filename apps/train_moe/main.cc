@@ -7,8 +7,9 @@
 //   train_moe export --run <dir> --format hf --family mixtral --out <dir>          Hugging Face
 //   train_moe plot --run <dir>                                                     PNGs
 // main() parses the command line and calls the subcommand (apps/train_moe/commands.h);
-// training runs in train.cc (one process) or under the framework (training::run_app,
-// actors/training/app.cc -> the Trainer's step loop in actors/training/trainer.cc).
+// training runs under the framework (training::run_app, actors/training/app.cc): the
+// Trainer (actors/training/trainer.cc) drives the Stage (actors/training/stage.cc) of every
+// rank — in this one process for layout 1x1x1, in worker processes otherwise.
 #include <fmt/format.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -95,10 +96,9 @@ int main(int argc, char** argv) {
 
   SampleOptions sample;
   CLI::App* samp = app.add_subcommand("sample", "generate text from a trained run");
-  samp->add_option("--run", sample.run, "run directory: its model.bin, else its newest valid checkpoint");
+  samp->add_option("--run", sample.run, "run directory: its newest valid checkpoint");
   samp->add_option("--checkpoint", sample.checkpoint,
-                   "sample from the newest valid checkpoint of a run dir, checkpoints dir or step_<N> dir "
-                   "(even when model.bin exists)");
+                   "sample from the newest valid checkpoint of a run dir, checkpoints dir or step_<N> dir");
   samp->add_option("--prompt", sample.prompt, "text to continue");
   samp->add_option("--tokens", sample.tokens, "tokens to generate");
   samp->add_option("--temperature", sample.temperature, "0 = greedy");
@@ -174,14 +174,9 @@ int main(int argc, char** argv) {
       return 1;
     }
     (*dev)->set_attention_fused_dq(tc->train.attention_fused_dq);
-    // --init-from is the Trainer's (its Stages import the weights), in every layout.
-    if (tc->parallel.world() == 1 && std::getenv("TROUPE_ROLE") == nullptr && tc->train.init_from.empty()) {
-      st = run_train(*resolved, **dev);  // one process: the loop in train.cc
-    } else {
-      // Several ranks, or started by Troupe: the framework's Trainer and workers run
-      // train_moe's stage program (app.cc -> trainer.cc).
-      st = troupe::training::run_app(moe_app(), *resolved, (*dev)->ctx());
-    }
+    // The framework's Trainer and Stage run train_moe's stage program (app.cc): in this
+    // process for layout 1x1x1, else in the workers it (or troupe run) starts.
+    st = troupe::training::run_app(moe_app(), *resolved, (*dev)->ctx());
   }
   if (!st.ok()) {
     fmt::print(stderr, "train_moe: error: {}\n", st.to_string());

@@ -2,16 +2,13 @@
 // and tokenizer, then generate with temperature and top-k sampling (no KV cache: each new
 // token re-runs the window of the last seq_len tokens, fine at demo sizes).
 //
-// Where the weights come from (first match):
-//   1. --checkpoint <run dir | checkpoints dir | step_<N> dir>: the newest checkpoint
-//      whose checksums verify (as --resume picks it; a damaged one is named and skipped),
-//      resharded from its layout into the one-process model;
-//   2. --run <dir> holding model.bin (what a single-process run writes at its end; a
-//      checkpoint of a later step in <dir>/checkpoints is noted on stderr, not taken);
-//   3. --run <dir> without model.bin (a distributed run): its checkpoints, as in 1.
-// The model config comes from model.bin's header or from the checkpoint's manifest
-// (config text + overrides); the tokenizer from the checkpoint's verified copy, else
-// <run>/tokenizer.json.
+// The weights are a checkpoint's (every training run saves its last step:
+// checkpoint.final): --run <run dir> or --checkpoint <run dir | checkpoints dir | step_<N>
+// dir> takes the newest checkpoint whose checksums verify (as --resume picks it; a damaged
+// one is named and skipped), resharded from its layout into the one-process model. The
+// model config comes from the checkpoint's manifest (config text + overrides); the
+// tokenizer from the checkpoint's verified copy, else <run>/tokenizer.json.
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,12 +18,9 @@
 #include <memory>
 #include <random>
 
-#include <fmt/format.h>
-
 #include "actors/training/checkpointing.h"
 #include "apps/train_moe/commands.h"
 #include "apps/train_moe/model_state.h"
-#include "apps/train_moe/weights_io.h"
 #include "core/config.h"
 #include "layers/model.h"
 #include "layers/tokenizer.h"
@@ -42,7 +36,7 @@ struct SampleModel {
   std::unique_ptr<layers::Model> model;
   layers::Tokenizer tok;
   int64_t seq_len = 0;
-  std::string source;  // "model.bin <path> (step N)" or "checkpoint <dir> (step N, layout ...)"
+  std::string source;  // "checkpoint <dir> (step N, layout ...)"
 };
 
 // The tokenizer a checkpoint holds (checksum verified), through a temporary file.
@@ -84,38 +78,21 @@ Result<SampleModel> load_sample_model(const SampleOptions& o) {
   if (!o.checkpoint.empty()) return from_checkpoint(o.checkpoint, o.run);
   if (o.run.empty()) return invalid_argument("sample: give --run <run dir> or --checkpoint <dir>");
   if (!fs::is_directory(o.run)) return not_found("sample: run directory {} does not exist", o.run);
-  const std::string bin = o.run + "/model.bin";
-  if (!fs::exists(bin)) {
-    std::error_code ec;
-    const fs::path p(o.run);
-    const bool has_ckpt = fs::is_directory(p / "checkpoints", ec) || fs::exists(p / checkpoint::kManifestFile, ec) ||
-                          !checkpoint::list_checkpoints(o.run).empty();
-    if (!has_ckpt) {
-      return not_found("sample: {} holds neither model.bin (a single-process run's weights) nor checkpoints "
-                       "(looked for {}, {}/checkpoints/step_<N>, {}/step_<N>); give --checkpoint <dir> when the run "
-                       "saved its checkpoints elsewhere",
-                       o.run, bin, o.run, o.run);
-    }
-    Result<SampleModel> r = from_checkpoint(o.run, o.run);
-    if (!r.ok()) return r.status().with_context(fmt::format("sample: {} has no model.bin and no usable checkpoint", o.run));
-    return r;
+  std::error_code ec;
+  const fs::path p(o.run);
+  const bool has_ckpt = fs::is_directory(p / "checkpoints", ec) ||
+                        fs::exists(p / checkpoint::kManifestFile, ec) ||
+                        !checkpoint::list_checkpoints(o.run).empty();
+  if (!has_ckpt) {
+    return not_found(
+        "sample: {} holds no checkpoint (looked for {}/checkpoints/step_<N> and {}/step_<N>; a run "
+        "saves its last step unless checkpoint.final = false); give --checkpoint <dir> when the run "
+        "saved its checkpoints elsewhere",
+        o.run, o.run, o.run);
   }
-  SampleModel s;
-  TROUPE_ASSIGN_OR_RETURN(s.tok, layers::Tokenizer::load(o.run + "/tokenizer.json"));
-  TROUPE_ASSIGN_OR_RETURN(WeightsInfo info, read_weights_info(bin));
-  s.model = std::make_unique<layers::Model>(info.model, 0);
-  TROUPE_RETURN_IF_ERROR(load_weights(bin, *s.model));
-  s.seq_len = info.seq_len;
-  s.source = fmt::format("{} (step {})", bin, info.step);
-  // A run continued in another layout (train --resume <run dir> --parallel ...) checkpoints
-  // past the model.bin an earlier one-process run left: say so, model.bin stays the rule.
-  const auto ckpts = checkpoint::list_checkpoints(o.run + "/checkpoints");
-  if (!ckpts.empty() && ckpts.front().first > info.step) {
-    fmt::print(stderr, "train_moe: sample: note: {} is newer than model.bin (step {}); sampling model.bin — give "
-                       "--checkpoint {} for the checkpoint's weights\n",
-               ckpts.front().second, info.step, o.run);
-  }
-  return s;
+  Result<SampleModel> r = from_checkpoint(o.run, o.run);
+  if (!r.ok()) return r.status().with_context(fmt::format("sample: {} has no usable checkpoint", o.run));
+  return r;
 }
 
 }  // namespace

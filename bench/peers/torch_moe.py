@@ -28,8 +28,9 @@
 # wrote (DIR/train-*.bin), sampled exactly as Troupe's DataLoader does (layers/token_data.h:
 # sample j of step s starts at splitmix64-mix(seed, s, j) mod (N - seq_len); rank r of a
 # data-parallel layout reads samples r*B .. r*B+B-1), so that both systems train on the same
-# tokens and route the same distribution. --init-weights FILE loads Troupe's weights file
-# (train_moe's model.bin, apps/train_moe/weights_io.h) instead of the peer's own seeded init;
+# tokens and route the same distribution. --init-weights DIR loads Troupe's weights from a
+# train_moe checkpoint (a step_<N> directory, or a run directory: its newest; any layout,
+# checkpoint/README.md) instead of the peer's own seeded init;
 # --load-log records every MoE layer's expert counts per step (into --json-out).
 # --selfcheck compares the dispatch path (grouped or looped experts, all-to-all when N > 1)
 # with a naive per-expert masking reference on the same weights and batch, loss and gradients;
@@ -594,27 +595,40 @@ class Model(nn.Module):
                 self.lm_head.weight.copy_(normal(self.lm_head.weight.shape, std))
 
     def load_troupe_weights(self, path, ep):
-        """Troupe's weights file (apps/train_moe/weights_io.h: magic TRPWTS01, u64 header length,
-        JSON header with every tensor's name/shape/offset, then f32 data). Troupe stores
-        matrices as [in, out] (x @ W); nn.Linear holds [out, in]."""
+        """Troupe's weights from a train_moe checkpoint (checkpoint/README.md): manifest.json
+        names every tensor's global shape and the slices (file, byte offset, box) that hold
+        it, in f32; each tensor is assembled whole from its slices, whatever layout saved it.
+        `path` is a step_<N> directory, or a run directory (its newest checkpoint). Troupe
+        stores matrices as [in, out] (x @ W); nn.Linear holds [out, in]."""
         import numpy as np
-        with open(path, "rb") as f:
-            if f.read(8) != b"TRPWTS01":
-                raise SystemExit(f"torch_moe: {path} is not a train_moe weights file")
-            hlen = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(hlen))
-        start = 16 + hlen
-        entries = {e["name"]: e for e in header["tensors"]}
+        d = path
+        if not os.path.exists(os.path.join(d, "manifest.json")):
+            ck = os.path.join(d, "checkpoints") if os.path.isdir(os.path.join(d, "checkpoints")) else d
+            steps = sorted((int(n[5:]) for n in os.listdir(ck) if n.startswith("step_") and n[5:].isdigit()),
+                           reverse=True)
+            steps = [s for s in steps if os.path.exists(os.path.join(ck, f"step_{s}", "manifest.json"))]
+            if not steps:
+                raise SystemExit(f"torch_moe: {path} holds no train_moe checkpoint (step_<N>/manifest.json)")
+            d = os.path.join(ck, f"step_{steps[0]}")
+        with open(os.path.join(d, "manifest.json")) as f:
+            entries = json.load(f)["tensors"]
         used = set()
 
         def get(name):
             if name not in entries:
-                raise SystemExit(f"torch_moe: {path} has no tensor {name}")
+                raise SystemExit(f"torch_moe: {d} has no tensor {name}")
             e = entries[name]
             used.add(name)
-            n = int(np.prod(e["shape"])) if e["shape"] else 1
-            mm = np.memmap(path, dtype=np.float32, mode="r", offset=start + int(e["offset"]), shape=(n,))
-            return torch.from_numpy(np.array(mm).reshape(e["shape"]))
+            if e["dtype"] != "f32":
+                raise SystemExit(f"torch_moe: {d}: {name} is {e['dtype']}, not f32")
+            out = np.zeros(e["shape"], dtype=np.float32)
+            for sl in e["slices"]:
+                box = tuple(slice(s0, s0 + ln) for s0, ln in sl["box"])  # [start, length] per dimension
+                n = sl["length"] // 4
+                mm = np.memmap(os.path.join(d, sl["file"]), dtype=np.float32, mode="r", offset=sl["offset"],
+                               shape=(n,))
+                out[box] = np.array(mm).reshape(out[box].shape)
+            return torch.from_numpy(out)
 
         def put(dst, src):
             if tuple(dst.shape) != tuple(src.shape):
@@ -644,9 +658,10 @@ class Model(nn.Module):
             put(self.final_norm.weight, get("final_norm.weight"))
             if not self.tied:
                 put(self.lm_head.weight, get("lm_head.weight"))
-        missing = sorted(set(entries) - used)
+        # The optimizer's moments (opt.m.*, opt.v.*) are Troupe's training state, not weights.
+        missing = sorted(n for n in set(entries) - used if not n.startswith("opt."))
         if missing:
-            raise SystemExit(f"torch_moe: {path}: tensors the peer does not use: {missing[:5]}")
+            raise SystemExit(f"torch_moe: {d}: tensors the peer does not use: {missing[:5]}")
 
     def moe_layers(self):
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoE)]
@@ -1156,7 +1171,7 @@ def parse_args(argv=None):
     p.add_argument("--json-out", dest="json_out")
     p.add_argument("--data", help="train on Troupe's token shards in DIR (train_moe prepare's output), "
                    "sampled as Troupe's DataLoader does; default: uniform random tokens")
-    p.add_argument("--init-weights", dest="init_weights", help="start from Troupe's weights file (model.bin)")
+    p.add_argument("--init-weights", dest="init_weights", help="start from Troupe's weights: a train_moe checkpoint (step_<N> or run directory)")
     p.add_argument("--load-log", dest="load_log", action="store_true",
                    help="record each MoE layer's expert counts per step (printed; in --json-out)")
     p.add_argument("--print-flops", dest="print_flops", action="store_true",

@@ -4,7 +4,8 @@
 // rank), against a reference:
 //   - dense_lm --backend cuda against dense_lm on the CPU (the same Stage and program);
 //   - `troupe run --nproc 1 -- train_moe --backend cuda` (the Trainer and one worker
-//     running the MoE stage program) against train_moe's single-process GPU loop.
+//     process running the MoE stage program) against `train_moe --backend cuda` (the same
+//     Trainer and Stage in one process), with the device timeline of the worker's steps.
 // Losses agree within bf16 tolerance (2e-2 relative) at every step (the MoE pair runs the
 // same kernels in the same order: measured bitwise equal), and dense_lm learns.
 // Also train_moe's single-process GPU loop with the gradient norm folded into the experts'
@@ -95,7 +96,7 @@ TEST_F(StageGpu, DenseLmOnTheGpuMatchesTheCpu) {
   expect_close(*root_ / "dense-cpu", *root_ / "dense-gpu", "dense_lm cuda vs cpu", true);
 }
 
-TEST_F(StageGpu, TrainMoeThroughTheTrainerMatchesItsSingleProcessLoop) {
+TEST_F(StageGpu, TrainMoeTroupeRunMatchesOneProcess) {
   TrainMoeCommand c;
   c.backend = "cuda";
   c.sets = tiny_model_sets({.steps = 10, .data_dir = *root_ / "data"});
@@ -107,8 +108,20 @@ TEST_F(StageGpu, TrainMoeThroughTheTrainerMatchesItsSingleProcessLoop) {
   for (const std::string& s : c.argv()) a.push_back(s);
   const RunResult tr = run(a, *root_ / "moe-trainer.log", std::chrono::seconds(300));
   ASSERT_EQ(tr.exit_code, 0) << tr.output;
-  expect_close(*root_ / "moe-one", *root_ / "moe-trainer", "train_moe trainer vs single process (cuda)",
+  expect_close(*root_ / "moe-one", *root_ / "moe-trainer", "train_moe troupe run vs one process (cuda)",
                false);
+  // Both forms report the device's own clock for each step (CUDA events on the Stage's
+  // stream) and the worker's queue.
+  for (const char* run_dir : {"moe-one", "moe-trainer"}) {
+    const auto recs = latest_step_records(*root_ / run_dir / "metrics.jsonl");
+    for (const auto& r : recs) {
+      EXPECT_GT(r.value("device_ms", -1.0), 0.0) << run_dir << ": " << r.dump();
+      if (r["step"].get<int64_t>() > 1) {
+        EXPECT_GE(r.value("device_gap_ms", -1.0), 0.0) << run_dir << ": " << r.dump();
+      }
+      EXPECT_TRUE(r.contains("next_queued")) << run_dir << ": " << r.dump();
+    }
+  }
 }
 
 // The clip's gradient norm folded into the experts' dW epilogue (Hopper: the TMA kernel's)

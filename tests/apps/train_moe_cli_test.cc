@@ -1,7 +1,9 @@
 // tests/apps/train_moe_cli_test.cc — the train_moe binary end to end, as a user runs it
-// (real processes, real files): prepare -> train -> sample -> plot on a small corpus, and
-// the errors for missing inputs, a missing data directory, a bad config key or value, and
-// a distributed layout given to the single-process app.
+// (real processes, real files): prepare -> train (the Trainer and its worker in one
+// process) -> sample (from the run's final checkpoint) -> plot on a small corpus; the
+// commands kept in flight and the worker isolated in a child; and the errors for missing
+// inputs, a missing data directory, a bad config key or value, a layout that does not fit
+// the model, and what one process cannot do.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -10,12 +12,12 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
-
-#include <nlohmann/json.hpp>
 
 extern char** environ;
 
@@ -63,6 +65,12 @@ CliResult train_moe(const std::vector<std::string>& args, int timeout_s = 120) {
   r.out = ss.str();
   fs::remove(log);
   return r;
+}
+
+std::string fmt_ms(double ms) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), " %.2f", ms);
+  return buf;
 }
 
 std::string temp_dir(const std::string& name) {
@@ -135,24 +143,37 @@ TEST(TrainMoeCli, PrepareTrainSamplePlot) {
   }
   EXPECT_EQ(steps, 4);
   EXPECT_EQ(vals, 3);  // step 0, 2 and 4
-  EXPECT_TRUE(fs::exists(dir + "/run/model.bin"));
+  // The final weights: a checkpoint of the last step (what sample reads below).
+  EXPECT_TRUE(fs::exists(dir + "/run/checkpoints/step_4/manifest.json"));
   EXPECT_TRUE(fs::exists(dir + "/run/tokenizer.json"));
+  // One process: the worker was a thread of this process (no child, no rendezvous files).
+  {
+    std::ifstream ev(dir + "/run/events.jsonl");
+    bool in_process = false;
+    while (std::getline(ev, line)) {
+      auto j = nlohmann::json::parse(line);
+      if (j.value("event", "") == "worker_started") in_process = j.value("in_process", false);
+    }
+    EXPECT_TRUE(in_process);
+    EXPECT_FALSE(fs::exists(dir + "/run/rendezvous"));
+  }
 
-  // The time limit stops a run early, after a complete step, with validation and weights.
+  // The time limit stops a run early, after the steps in flight (train.steps_in_flight = 2:
+  // step 2 was sent before step 1 ended), with validation and the final checkpoint.
   CliResult tl = train_moe({"--config", cfg, "--run-dir", dir + "/run_tl", "--set", "train.steps=500", "--set",
                             "train.time_limit_s=0.001"});
   ASSERT_EQ(tl.code, 0) << tl.out;
   EXPECT_NE(tl.out.find("time limit of"), std::string::npos) << tl.out;
-  EXPECT_NE(tl.out.find("step 1/500"), std::string::npos) << tl.out;
-  EXPECT_EQ(tl.out.find("step 2/500"), std::string::npos) << tl.out;
-  EXPECT_TRUE(fs::exists(dir + "/run_tl/model.bin"));
+  EXPECT_NE(tl.out.find("step 2/500"), std::string::npos) << tl.out;
+  EXPECT_EQ(tl.out.find("step 3/500"), std::string::npos) << tl.out;
+  EXPECT_NE(tl.out.find("val_loss"), std::string::npos) << tl.out;
+  EXPECT_TRUE(fs::exists(dir + "/run_tl/checkpoints/step_2/manifest.json"));
 
-  // bf16 expert gradients are a GPU setting: a CPU run says it keeps f32, and trains.
+  // bf16 expert gradients: the Stage keeps f32 for now and says so; the run trains.
   CliResult bf = train_moe({"--config", cfg, "--run-dir", dir + "/run_bf16", "--set", "train.steps=1",
                             "--set", "train.grad_accum=1", "--set", "train.expert_grads=bf16"});
   ASSERT_EQ(bf.code, 0) << bf.out;
-  EXPECT_NE(bf.out.find("train.expert_grads = \"bf16\" applies on GPUs; this CPU run keeps f32 gradients"),
-            std::string::npos)
+  EXPECT_NE(bf.out.find("train.expert_grads = \"bf16\" is not applied by the Stage yet"), std::string::npos)
       << bf.out;
   EXPECT_NE(bf.out.find("step 1/1"), std::string::npos) << bf.out;
 
@@ -240,6 +261,91 @@ TEST(TrainMoeCli, ErrorsNameTheProblem) {
   CliResult no_run = train_moe({"sample", "--run", dir + "/no_run"});
   EXPECT_EQ(no_run.code, 1);
   EXPECT_NE(no_run.out.find("does not exist"), std::string::npos) << no_run.out;
+
+  // What needs the worker in a process of its own is refused in one process, by name.
+  CliResult inject =
+      train_moe({"--config", write_config(dir, dir + "/d"), "--set", "elastic.inject=\"kill@2:any:0\""});
+  EXPECT_EQ(inject.code, 1);
+  EXPECT_NE(
+      inject.out.find("elastic.inject (faults are injected into worker processes) needs the worker in a "
+                      "process of its own: set elastic.isolate_workers = true"),
+      std::string::npos)
+      << inject.out;
+  CliResult grow = train_moe({"--config", write_config(dir, dir + "/d"), "--set", "elastic.max_dp=2"});
+  EXPECT_EQ(grow.code, 1);
+  EXPECT_NE(grow.out.find("elastic.max_dp > 1"), std::string::npos) << grow.out;
+  CliResult window =
+      train_moe({"--config", write_config(dir, dir + "/d"), "--set", "train.steps_in_flight=0"});
+  EXPECT_EQ(window.code, 1);
+  EXPECT_NE(window.out.find("'train.steps_in_flight' must be in [1, 8] (got 0)"), std::string::npos)
+      << window.out;
+  if (!HasFailure()) fs::remove_all(dir);
+}
+
+// The worker's command queue: with every step in flight (train.steps_in_flight = steps)
+// each step's command is queued before the worker reports the step before it, so the
+// worker never waits for its driver between steps; with one in flight the next step's
+// command is only sent once the report has arrived (the queue holds at most the step's
+// evaluation). The losses are the same either way, and with the worker in a child process
+// (elastic.isolate_workers).
+TEST(TrainMoeCli, CommandsInFlight) {
+  const std::string dir = temp_dir("window");
+  const std::string corpus = make_corpus(dir);
+  CliResult p = train_moe(
+      {"prepare", "--input", corpus, "--out", dir + "/data", "--vocab", "320", "--val-fraction", "0.2"});
+  ASSERT_EQ(p.code, 0) << p.out;
+  const std::string cfg = write_config(dir, dir + "/data");
+  const auto records = [](const std::string& run) {
+    std::vector<nlohmann::json> out;
+    std::ifstream mf(run + "/metrics.jsonl");
+    std::string line;
+    while (std::getline(mf, line)) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("loss")) out.push_back(j);
+    }
+    return out;
+  };
+  CliResult ahead = train_moe({"--config", cfg, "--run-dir", dir + "/ahead", "--set", "train.steps=6",
+                               "--set", "train.steps_in_flight=6"});
+  ASSERT_EQ(ahead.code, 0) << ahead.out;
+  CliResult one = train_moe({"--config", cfg, "--run-dir", dir + "/one", "--set", "train.steps=6", "--set",
+                             "train.steps_in_flight=1"});
+  ASSERT_EQ(one.code, 0) << one.out;
+  CliResult child = train_moe({"--config", cfg, "--run-dir", dir + "/child", "--set", "train.steps=6",
+                               "--set", "elastic.isolate_workers=true"});
+  ASSERT_EQ(child.code, 0) << child.out;
+  const auto a = records(dir + "/ahead"), o = records(dir + "/one"), c = records(dir + "/child");
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(o.size(), 6u);
+  ASSERT_EQ(c.size(), 6u);
+  std::string waits_ahead, waits_one;
+  for (size_t i = 0; i < a.size(); ++i) {
+    // Every step's report was sent with the next command (the next step, or the final
+    // evaluation after step 6) already queued at the worker.
+    EXPECT_TRUE(a[i]["next_queued"].get<bool>()) << "steps_in_flight=6, step " << i + 1;
+    // With one in flight only an evaluation (train.eval_every = 2: after steps 2, 4, 6),
+    // sent together with its step, can be queued behind the step.
+    EXPECT_EQ(o[i]["next_queued"].get<bool>(), (i + 1) % 2 == 0) << "steps_in_flight=1, step " << i + 1;
+    EXPECT_EQ(a[i]["loss"].get<double>(), o[i]["loss"].get<double>()) << "step " << i + 1;
+    EXPECT_EQ(a[i]["loss"].get<double>(), c[i]["loss"].get<double>()) << "step " << i + 1;
+    if (i > 0) {
+      waits_ahead += fmt_ms(a[i]["command_wait_ms"].get<double>());
+      waits_one += fmt_ms(o[i]["command_wait_ms"].get<double>());
+    }
+  }
+  std::printf(
+      "[commands in flight] the worker's wait for the command of steps 2..6 (ms):%s with 6 in flight,%s "
+      "with 1\n",
+      waits_ahead.c_str(), waits_one.c_str());
+  // The isolated worker was a child process.
+  std::ifstream ev(dir + "/child/events.jsonl");
+  std::string line;
+  int children = 0;
+  while (std::getline(ev, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j.value("event", "") == "worker_started" && !j.value("in_process", false)) ++children;
+  }
+  EXPECT_EQ(children, 1);
   if (!HasFailure()) fs::remove_all(dir);
 }
 

@@ -1,9 +1,11 @@
 // tests/comm/comm_rendezvous_test.cc — FileStore (set/get/wait with deadlines, atomic
-// replacement, key escaping, several processes), PrefixStore/StoreNamespace and the
+// replacement, key escaping, several processes), MemoryStore (the same contract between
+// threads: a waiter woken by set, deadlines), PrefixStore/StoreNamespace and the
 // GlooStore adapter's errors.
+#include <gloo/common/error.h>
 #include <gtest/gtest.h>
 
-#include <gloo/common/error.h>
+#include <thread>
 
 #include "comm/gloo_store.h"
 #include "comm/rendezvous_store.h"
@@ -78,6 +80,48 @@ TEST(FileStore, ValuesCrossProcesses) {
       },
       20s);
   for (const auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << testing::describe(e);
+}
+
+TEST(MemoryStore, SetGetWaitAndKeys) {
+  MemoryStore store;
+  ASSERT_TRUE(store.set("a/b c", std::string("x\0y", 3)).ok());
+  EXPECT_EQ(store.get("a/b c", deadline_in(1s)).value(), std::string("x\0y", 3));
+  ASSERT_TRUE(store.set("a/b c", "second").ok());
+  EXPECT_EQ(store.get("a/b c", deadline_in(1s)).value(), "second");
+  EXPECT_TRUE(store.contains("a/b c").value());
+  EXPECT_FALSE(store.contains("a/b").value());
+  EXPECT_EQ(store.set("", "v").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(store.set("a\nb", "v").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(store.get("", deadline_in(1s)).status().code(), StatusCode::kInvalidArgument);
+  // Deadlines: a missing key is named, and the wait ends at the deadline.
+  const auto start = Clock::now();
+  Result<std::string> r = store.get("never", deadline_in(150ms));
+  EXPECT_EQ(r.status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_NE(r.status().message().find("never"), std::string::npos);
+  Status st = store.wait({"a/b c", "k2"}, deadline_in(150ms));
+  EXPECT_EQ(st.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_NE(st.message().find("k2"), std::string::npos);
+  EXPECT_GE(Clock::now() - start, 300ms);
+}
+
+// A waiter in another thread is woken by set(), long before its deadline.
+TEST(MemoryStore, SetWakesWaiters) {
+  MemoryStore store;
+  std::string got;
+  Status waited;
+  std::thread t([&] {
+    Result<std::string> v = store.get("late", deadline_in(30s));
+    if (v.ok()) got = *v;
+    waited = store.wait({"late", "later"}, deadline_in(30s));
+  });
+  std::this_thread::sleep_for(50ms);
+  const auto start = Clock::now();
+  ASSERT_TRUE(store.set("late", "v").ok());
+  ASSERT_TRUE(store.set("later", "w").ok());
+  t.join();
+  EXPECT_EQ(got, "v");
+  EXPECT_TRUE(waited.ok()) << waited.to_string();
+  EXPECT_LT(Clock::now() - start, 10s);  // woken, not timed out (generous: a loaded machine)
 }
 
 TEST(PrefixStore, NamespacesByJobAndEpoch) {

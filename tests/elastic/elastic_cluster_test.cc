@@ -64,21 +64,24 @@ class ElasticCluster : public ::testing::Test {
 
   // `fault`: elastic.inject (actors/training/elastic.h), empty for none.
   static std::vector<std::string> train_args(const std::string& name, const std::string& fault = "",
-                                             const std::string& parallel = "dp=2,n=2") {
+                                             const std::string& parallel = "dp=2,n=2",
+                                             const std::vector<std::string>& extra = {}) {
     troupe::test::TrainMoeCommand c;
     c.run_dir = *root_ / name;
     c.sets = troupe::test::tiny_model_sets({.steps = kSteps, .data_dir = *root_ / "data"});
     if (!fault.empty()) c.sets.push_back(fmt::format("elastic.inject=\"{}\"", fault));
+    c.sets.insert(c.sets.end(), extra.begin(), extra.end());
     c.parallel = parallel;
     return c.argv();
   }
 
   // `troupe submit` of the job (no --elastic: its driver claims the supervision); returns its id.
   static std::string submit(Cluster& c, const std::string& name, const std::vector<std::string>& flags,
-                            const std::string& fault = "", const std::string& parallel = "dp=2,n=2") {
+                            const std::string& fault = "", const std::string& parallel = "dp=2,n=2",
+                            const std::vector<std::string>& extra = {}) {
     std::vector<std::string> f{"--nproc", "4"};
     f.insert(f.end(), flags.begin(), flags.end());
-    return c.submit_command(f, train_args(name, fault, parallel));
+    return c.submit_command(f, train_args(name, fault, parallel, extra));
   }
 
   static void expect_same_losses(const std::string& name) {
@@ -253,7 +256,11 @@ TEST_F(ElasticCluster, DrainMovesWorkersToAnotherAgent) {
   Cluster::Options o;
   o.slots_per_agent = 4;
   Cluster c(o);
-  const std::string job = submit(c, "drain", {}, "slow@1:any:0");
+  // Four requests, one after the other, in a 10-step job: each is served at the next step
+  // boundary. With two steps in flight a request also waits for the step already sent
+  // (TroupeReplaceAndScaleByJobId serves requests so), and four of them would outlast the
+  // job; here one step is in flight.
+  const std::string job = submit(c, "drain", {}, "slow@1:any:0", "dp=2,n=2", {"train.steps_in_flight=1"});
   const fs::path dir = *root_ / "drain";
   ASSERT_TRUE(wait_until([&] { return latest_step_records(dir / "metrics.jsonl").size() >= 2; },
                          std::chrono::seconds(60)))

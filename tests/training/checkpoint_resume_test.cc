@@ -235,13 +235,12 @@ std::string sample_text(const std::string& out) {
 }
 
 TEST_F(CheckpointResume, SampleFromTheDistributedRunsCheckpoints) {
-  // The pp=2 x n=2 run wrote no model.bin: `train_moe sample --run` takes its newest valid
-  // checkpoint (step 10), resharded into one process. The reference is the model.bin of a
-  // one-process run resumed from that checkpoint with nothing left to train (the same
-  // weights through --resume's loader, which the resume tests above check against the
-  // uninterrupted run): the sampled tokens must be identical.
+  // `train_moe sample --run` takes the pp=2 x n=2 run's newest valid checkpoint (step 10),
+  // resharded into one process. The reference is the final checkpoint of a one-process run
+  // resumed from that checkpoint with nothing left to train (the same weights through
+  // --resume's loader, which the resume tests above check against the uninterrupted run,
+  // saved again by the one-process Stage): the sampled tokens must be identical.
   const fs::path saved = *root_ / "saved";
-  ASSERT_FALSE(fs::exists(saved / "model.bin"));
   const std::vector<std::string> opts{"--prompt", "int ", "--tokens", "40", "--seed", "11"};
   auto sample = [&](const std::vector<std::string>& where, const std::string& log) {
     std::vector<std::string> a{troupe::test::train_moe_bin(), "sample"};
@@ -263,37 +262,23 @@ TEST_F(CheckpointResume, SampleFromTheDistributedRunsCheckpoints) {
   ASSERT_EQ(s2.exit_code, 0) << s2.output;
   EXPECT_EQ(sample_text(s2.output), text);
 
-  // The one-process reference at step 10: model.bin, read by `sample --run` (model.bin
-  // first when the run directory has one).
+  // The one-process reference at step 10: its final checkpoint (layout 1x1x1), read by
+  // `sample --run`.
   const RunResult ref = run({troupe::test::train_moe_bin(), "train", "--resume", (saved / "checkpoints" / "step_10").string(),
                              "--run-dir", (*root_ / "one-at-10").string(), "--parallel", "pp=1,n=1"},
                             *root_ / "one-at-10.log", std::chrono::seconds(120));
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  ASSERT_TRUE(fs::exists(*root_ / "one-at-10" / "model.bin")) << ref.output;
+  ASSERT_TRUE(fs::exists(*root_ / "one-at-10" / "checkpoints" / "step_10" / "manifest.json")) << ref.output;
   const RunResult s3 = sample({"--run", (*root_ / "one-at-10").string()}, "sample-3.log");
   ASSERT_EQ(s3.exit_code, 0) << s3.output;
-  EXPECT_NE(s3.output.find("model.bin (step 10)"), std::string::npos) << s3.output;
-  EXPECT_EQ(sample_text(s3.output), text) << "checkpoint:\n" << s1.output << "\nmodel.bin:\n" << s3.output;
+  EXPECT_NE(s3.output.find("(step 10, saved with layout pp=1,dp=1,n=1)"), std::string::npos) << s3.output;
+  EXPECT_EQ(sample_text(s3.output), text) << "pp=2,n=2:\n" << s1.output << "\none process:\n" << s3.output;
 
   // --checkpoint picks one checkpoint explicitly; step 5's weights sample other text.
   const RunResult s5 = sample({"--checkpoint", (saved / "checkpoints" / "step_5").string()}, "sample-5.log");
   ASSERT_EQ(s5.exit_code, 0) << s5.output;
   EXPECT_NE(s5.output.find("(step 5, saved with layout pp=2,dp=1,n=2)"), std::string::npos) << s5.output;
   EXPECT_NE(sample_text(s5.output), text) << s5.output;
-
-  // model.bin (here of step 5) is the rule for --run, even beside a later checkpoint (a run
-  // continued in another layout): the later one is named in a note.
-  const RunResult ref5 = run({troupe::test::train_moe_bin(), "train", "--resume", (saved / "checkpoints" / "step_5").string(),
-                              "--run-dir", (*root_ / "one-at-5").string(), "--parallel", "pp=1,n=1", "--set",
-                              "train.steps=5", "--set", "checkpoint.every=0"},
-                             *root_ / "one-at-5.log", std::chrono::seconds(120));
-  ASSERT_EQ(ref5.exit_code, 0) << ref5.output;
-  fs::copy(saved / "checkpoints", *root_ / "one-at-5" / "checkpoints", fs::copy_options::recursive);
-  const RunResult sb = sample({"--run", (*root_ / "one-at-5").string()}, "sample-bin5.log");
-  ASSERT_EQ(sb.exit_code, 0) << sb.output;
-  EXPECT_NE(sb.output.find("model.bin (step 5)"), std::string::npos) << sb.output;
-  EXPECT_NE(sb.output.find("step_10 is newer than model.bin (step 5)"), std::string::npos) << sb.output;
-  EXPECT_EQ(sample_text(sb.output), sample_text(s5.output));
 
   // A damaged newest checkpoint is named and skipped; step 5 is sampled.
   const fs::path damaged = copy_checkpoints("sample-damaged");
@@ -314,18 +299,17 @@ TEST_F(CheckpointResume, SampleFromTheDistributedRunsCheckpoints) {
   EXPECT_NE(sd.output.find("checksum"), std::string::npos) << sd.output;
   EXPECT_EQ(sample_text(sd.output), sample_text(s5.output));
 
-  // Neither model.bin nor a checkpoint: a clear error naming what was looked for.
+  // No checkpoint: a clear error naming what was looked for.
   const fs::path empty = *root_ / "sample-empty";
   fs::create_directories(empty);
   const RunResult se = sample({"--run", empty.string()}, "sample-empty.log");
   EXPECT_EQ(se.exit_code, 1) << se.output;
-  EXPECT_NE(se.output.find("holds neither model.bin"), std::string::npos) << se.output;
-  EXPECT_NE(se.output.find((empty / "model.bin").string()), std::string::npos) << se.output;
-  EXPECT_NE(se.output.find("checkpoints/step_<N>"), std::string::npos) << se.output;
+  EXPECT_NE(se.output.find("holds no checkpoint"), std::string::npos) << se.output;
+  EXPECT_NE(se.output.find((empty / "checkpoints/step_<N>").string()), std::string::npos) << se.output;
   const RunResult sn = sample({"--checkpoint", (empty / "nowhere").string()}, "sample-nowhere.log");
   EXPECT_EQ(sn.exit_code, 1) << sn.output;
   EXPECT_NE(sn.output.find("does not exist"), std::string::npos) << sn.output;
-  std::printf("[sample from pp=2,n=2 checkpoint step 10 == one-process model.bin]\n%s", text.c_str());
+  std::printf("[sample from pp=2,n=2 checkpoint step 10 == its one-process checkpoint]\n%s", text.c_str());
 
   // `troupe top <run dir> --once` on the same (finished) distributed run.
   const RunResult top = run({TROUPE_CLI_BIN, "top", saved.string(), "--once"}, *root_ / "top.log", std::chrono::seconds(30));
