@@ -546,6 +546,8 @@ void fill_step_reply(const StepReport& r, StepReply& m) {
   m.comm_by_kind_ms = r.comm_by_kind_ms;
   m.peak_bytes = r.peak_bytes;
   m.host_syncs = r.host_syncs;
+  m.device_ms = r.device_ms;
+  m.device_gap_ms = r.device_gap_ms;
 }
 
 void note_ckpt_error(StepReply& reply, int64_t step, const Status& st) {

@@ -85,6 +85,10 @@ struct StepReply @0xb7e4a2c91d3f5a67 {
   commitMs @27 :Float64 = -1;
   # device runs: the rank's device->host reads in the step (-1: CPU)
   hostSyncs @28 :Int64 = -1;
+  # device runs: the step's device time (its first op to its last), and how long the device
+  # sat idle between the previous step's last op and this step's first (-1: not known)
+  deviceMs @29 :Float64 = -1;
+  deviceGapMs @30 :Float64 = -1;
 }
 
 # A worker's failure in an epoch (a data-plane error, a failed join), reported to the

@@ -70,6 +70,9 @@ struct StepReply {
   double replica_ms = 0;
   double commit_ms = -1;    // the in-memory state's commit after the step (-1: none kept)
   int64_t host_syncs = -1;  // device runs: this rank's device->host reads in the step
+  // Device runs: the step's device time, and the device's idle time before it since the
+  // previous step's last op (-1: not known).
+  double device_ms = -1, device_gap_ms = -1;
 };
 
 struct WorkerFailure {

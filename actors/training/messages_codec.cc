@@ -213,6 +213,8 @@ std::string encode_step_reply(const StepReply& m) {
   b.setReplicaMs(m.replica_ms);
   b.setCommitMs(m.commit_ms);
   b.setHostSyncs(m.host_syncs);
+  b.setDeviceMs(m.device_ms);
+  b.setDeviceGapMs(m.device_gap_ms);
   return flat(mb);
 }
 
@@ -254,6 +256,8 @@ Result<StepReply> decode_step_reply(std::string_view bytes) {
     m.replica_ms = s.getReplicaMs();
     m.commit_ms = s.getCommitMs();
     m.host_syncs = s.getHostSyncs();
+    m.device_ms = s.getDeviceMs();
+    m.device_gap_ms = s.getDeviceGapMs();
     return m;
   });
 }

@@ -1593,8 +1593,13 @@ nlohmann::json step_reply_json(const StepReply& r) {
                               {"compute_ms", r.compute_ms},
                               {"comm_ms_mean", r.comm_ms_mean},
                               {"comm_by_kind_ms", r.comm_by_kind_ms}});
-      if (r.peak_bytes >= 0) j["peak_bytes"] = r.peak_bytes;
+      if (r.peak_bytes >= 0) {
+        j["peak_bytes"] = r.peak_bytes;
+        j["peak_gib"] = static_cast<double>(r.peak_bytes) / 1073741824.0;
+      }
       if (r.host_syncs >= 0) j["host_syncs"] = r.host_syncs;
+      if (r.device_ms >= 0) j["device_ms"] = r.device_ms;
+      if (r.device_gap_ms >= 0) j["device_gap_ms"] = r.device_gap_ms;
       break;
     case Command::Kind::kEval:
       j["val_loss"] = r.val_loss;
