@@ -253,7 +253,9 @@ void Model::to_device(const Ctx& c, DType expert_grads) {
   for (auto& b : buffers()) *b.tensor = c.to_device(*b.tensor);
 }
 
-void Model::refresh_working_copies(const Ctx& c) { buf_.refresh_working_copies(c); }
+void Model::refresh_working_copies(const Ctx& c) {
+  buf_.refresh_working_copies(c);
+}
 
 int64_t Model::split_masters(const Ctx& c) {
   TROUPE_CHECK(c.on_device() && buf_.built(),
@@ -261,7 +263,9 @@ int64_t Model::split_masters(const Ctx& c) {
   return buf_.split_masters(c);
 }
 
-void Model::sync_master_values(const Ctx& c) { buf_.sync_master_values(c); }
+void Model::sync_master_values(const Ctx& c) {
+  buf_.sync_master_values(c);
+}
 
 void Model::to_host(const Ctx& c) {
   if (!buf_.built()) return;

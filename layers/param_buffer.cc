@@ -9,7 +9,9 @@
 namespace troupe::layers {
 
 namespace {
-bool has_work(const Ctx& c, const Parameter& p) { return p.value.dim() >= 2 && c.act != DType::kF32; }
+bool has_work(const Ctx& c, const Parameter& p) {
+  return p.value.dim() >= 2 && c.act != DType::kF32;
+}
 }  // namespace
 
 void ParamBuffer::build(const Ctx& c, const std::vector<NamedParameter>& params, const Options& o) {
@@ -88,8 +90,8 @@ int64_t ParamBuffer::slot_of(const Parameter* p) const {
 }
 
 Tensor ParamBuffer::grad_range(int64_t lo, int64_t hi) const {
-  TROUPE_CHECK(0 <= lo && lo <= hi && hi <= size_, "ParamBuffer: gradient range [{}, {}) outside [0, {})", lo, hi,
-               size_);
+  TROUPE_CHECK(0 <= lo && lo <= hi && hi <= size_, "ParamBuffer: gradient range [{}, {}) outside [0, {})", lo,
+               hi, size_);
   if (hi <= low_begin_) return grads_.narrow(0, lo, hi - lo);
   TROUPE_CHECK(lo >= low_begin_, "ParamBuffer: gradient range [{}, {}) straddles the bf16 part at {}", lo, hi,
                low_begin_);
@@ -99,7 +101,8 @@ Tensor ParamBuffer::grad_range(int64_t lo, int64_t hi) const {
 namespace {
 // Merges [begin, end) ranges of the flat index space into maximal runs that do not cross
 // `split` (the bf16 part's start).
-std::vector<std::pair<int64_t, int64_t>> merge_runs(std::vector<std::pair<int64_t, int64_t>> r, int64_t split) {
+std::vector<std::pair<int64_t, int64_t>> merge_runs(std::vector<std::pair<int64_t, int64_t>> r,
+                                                    int64_t split) {
   std::sort(r.begin(), r.end());
   std::vector<std::pair<int64_t, int64_t>> out;
   for (const auto& [b, e] : r) {
@@ -169,7 +172,8 @@ int64_t ParamBuffer::enable_grad_norm_fold(const Ctx& c, const std::vector<bool>
   return count;
 }
 
-int64_t ParamBuffer::grad_norm_squared_into(const Ctx& c, Tensor& out, const std::vector<bool>& counted) const {
+int64_t ParamBuffer::grad_norm_squared_into(const Ctx& c, Tensor& out,
+                                            const std::vector<bool>& counted) const {
   TROUPE_CHECK(counted.empty() || counted.size() == slots_.size(), "ParamBuffer: {} flags for {} slots",
                counted.size(), slots_.size());
   std::vector<std::pair<int64_t, int64_t>> read;

@@ -153,7 +153,8 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   }
   if (tc.train.split_master && o.backend != "cuda" && role != "worker") {
     fmt::print(
-        "note: train.master_weights = \"split\" keeps a matrix's f32 master as its bf16 working copy and a low "
+        "note: train.master_weights = \"split\" keeps a matrix's f32 master as its bf16 working copy and a "
+        "low "
         "half; CPU workers compute from the f32 masters themselves (no working copies) and keep them\n");
   }
   if (role == "worker") {

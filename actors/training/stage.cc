@@ -45,7 +45,6 @@ struct Stage::HostBatch {
   std::vector<int64_t> tokens;       // per micro-batch: tokens with a target in the whole micro-batch
 };
 
-
 Stage::Stage(const layers::TrainConfig& tc, int rank, layers::TokenShards train, layers::TokenShards val)
     : tc_(tc), rank_(rank), train_data_(std::move(train)), val_data_(std::move(val)) {}
 
@@ -209,7 +208,8 @@ Status Stage::setup_params(const std::vector<ProgramParam>& params) {
           p.name, ready, num_blocks_ - 1);
     }
     for (const Entry& e : all) {
-      if (e.param == p.param) return invalid_argument("stage program: parameter '{}' is listed twice", p.name);
+      if (e.param == p.param)
+        return invalid_argument("stage program: parameter '{}' is listed twice", p.name);
     }
     // n-sharded parameters count in the norm on every rank; replicated ones on n-rank 0;
     // a tied copy never (the first stage counts the parameter).
@@ -278,7 +278,8 @@ Status Stage::setup_params(const std::vector<ProgramParam>& params) {
   if (dp == 1) {
     for (auto& e : entries_) opt_params.push_back({e.name, e.param});
   } else {
-    for (size_t i = 0; i < pieces_.size(); ++i) opt_params.push_back({fmt::format("piece{}", i), &pieces_[i]});
+    for (size_t i = 0; i < pieces_.size(); ++i)
+      opt_params.push_back({fmt::format("piece{}", i), &pieces_[i]});
   }
   opt_ = std::make_unique<layers::AdamW>(opt_params, tc_.optim, ctx_);
   opt_->write_working_copies(true);
@@ -302,7 +303,8 @@ Status Stage::setup_engine() {
   if (device_stats_) {
     program_stats_ = program_size;
     stats_ = ctx_.zeros({kStatsOwn + t.grad_accum + program_size}, DType::kF32);
-    if (program_size > 0) program_->bind_device_stats(stats_.narrow(0, kStatsOwn + t.grad_accum, program_size));
+    if (program_size > 0)
+      program_->bind_device_stats(stats_.narrow(0, kStatsOwn + t.grad_accum, program_size));
     readback_ = std::make_unique<StatsReadback>(ctx_, 2);
   }
   if (ctx_.on_device()) marks_ = std::make_unique<DeviceMarks>(ctx_, 3);
@@ -316,9 +318,10 @@ Status Stage::setup_engine() {
       why = program_->graph_blocker();
     }
     if (!why.empty() && t.cuda_graph_asked) {
-      return failed_precondition("train.cuda_graph = true cannot capture this layout's step ({}): {}; set "
-                                 "train.cuda_graph = false",
-                                 layout_->to_string(), why);
+      return failed_precondition(
+          "train.cuda_graph = true cannot capture this layout's step ({}): {}; set "
+          "train.cuda_graph = false",
+          layout_->to_string(), why);
     }
     if (!why.empty()) {
       if (rank_ == 0) {
@@ -461,7 +464,8 @@ void Stage::upload(const HostBatch& b) {
   if (inputs_.size() != b.ids.size()) {
     inputs_.clear();
     for (size_t m = 0; m < b.ids.size(); ++m)
-      inputs_.push_back({ctx_.empty(b.ids[m].shape(), DType::kI32), ctx_.empty(b.targets[m].shape(), DType::kI32)});
+      inputs_.push_back(
+          {ctx_.empty(b.ids[m].shape(), DType::kI32), ctx_.empty(b.targets[m].shape(), DType::kI32)});
   }
   // Enqueued on the stream: a step still running keeps reading the previous batch.
   for (size_t m = 0; m < b.ids.size(); ++m) {
@@ -629,7 +633,8 @@ void Stage::sync_grads() {
   }
   const int64_t rep_in_shard = std::clamp<int64_t>(rep_size_ - shard_lo_, 0, shard_len_);
   if (layout_->n() > 1 && rep_in_shard > 0) {
-    all_reduce_sum(*groups_.n, shard_grad_.narrow(0, 0, rep_in_shard), time_, "replicated grads all_reduce (n)");
+    all_reduce_sum(*groups_.n, shard_grad_.narrow(0, 0, rep_in_shard), time_,
+                   "replicated grads all_reduce (n)");
   }
 }
 
@@ -792,9 +797,10 @@ void Stage::launch_step(int64_t step) {
   const bool replay = graph_ && graph_->captured() && b.tokens == graph_tokens_;
   const bool capture = graph_ && !graph_->captured() && steps_launched_ >= 1;
   if (graph_ && graph_->captured() && !replay && !graph_mismatch_told_ && rank_ == 0) {
-    fmt::print("stage: step {} has other counts of targets than the captured step: it runs op by op (so does "
-               "any such step)\n",
-               step);
+    fmt::print(
+        "stage: step {} has other counts of targets than the captured step: it runs op by op (so does "
+        "any such step)\n",
+        step);
     graph_mismatch_told_ = true;
   }
   // A step that runs its host code cannot interleave it with a step in flight.
@@ -838,9 +844,10 @@ void Stage::launch_step(int64_t step) {
       if (c->size() > 1) time_.issue(c->fence(time_.op_options()), "captured step");
     }
     if (rank_ == 0) {
-      fmt::print("stage: step {} captured as a CUDA graph ({:.2f} GiB of activations and temporaries held by "
-                 "it); later steps replay it\n",
-                 step, static_cast<double>(graph_->pool_bytes()) / 1073741824.0);
+      fmt::print(
+          "stage: step {} captured as a CUDA graph ({:.2f} GiB of activations and temporaries held by "
+          "it); later steps replay it\n",
+          step, static_cast<double>(graph_->pool_bytes()) / 1073741824.0);
     }
   } else {
     enqueue_step(step, /*capturing=*/false);
@@ -942,7 +949,8 @@ void Stage::write_trace(int64_t step, int64_t t0_ns) {
   if (FILE* fp = std::fopen(path.c_str(), "a")) {
     time_.span("main", "step", t0_ns, comm::Work::now_ns());
     for (const TraceEvent& e : time_.take_trace()) {
-      std::fprintf(fp, "{\"step\":%lld,\"rank\":%d,\"lane\":\"%s\",\"what\":\"%s\",\"t0\":%lld,\"t1\":%lld}\n",
+      std::fprintf(fp,
+                   "{\"step\":%lld,\"rank\":%d,\"lane\":\"%s\",\"what\":\"%s\",\"t0\":%lld,\"t1\":%lld}\n",
                    static_cast<long long>(step), rank_, e.lane.c_str(), e.what.c_str(),
                    static_cast<long long>(e.t0), static_cast<long long>(e.t1));
     }

@@ -133,10 +133,10 @@ class Stage {
 
   const ParallelCoord& coord() const { return coord_; }
   int rank() const { return rank_; }
-  int64_t num_params_local() const { return static_cast<int64_t>(flat_size_); }
 
   // ---- state, for checkpoints and recovery (actors/training/stage_state.cc) ----------
-  // Call between steps (no step launched and not finished). The layout in checkpoint's terms (same rank numbering).
+  // Call between steps (no step launched and not finished). The layout in checkpoint's terms (same rank
+  // numbering).
   ParallelLayout state_layout() const;
   int64_t steps_done() const;  // optimizer steps applied
   // This rank's parameters, router biases and ZeRO-1 moments as named global slices (see

@@ -141,7 +141,7 @@ void Stage::commit(int64_t step_done) {
     full_v_ = state_zeros(buf_.values().numel());
   }
   if (committed_[0].step == step_done) return;  // already recorded (e.g. after an evaluation)
-  settle();  // no step in flight; split masters' values joined
+  settle();                                     // no step in flight; split masters' values joined
   committed_[1] = std::move(committed_[0]);
   Committed& c = committed_[0];
   c.step = step_done;

@@ -60,7 +60,8 @@ StepGraph::~StepGraph() {
 
 Status StepGraph::begin_capture() {
 #if TROUPE_HAVE_CUDA
-  if (capturing_ || cuda_->exec != nullptr) return failed_precondition("StepGraph: a step was already captured");
+  if (capturing_ || cuda_->exec != nullptr)
+    return failed_precondition("StepGraph: a step was already captured");
   if (cudaError_t e = cudaStreamBeginCapture(cuda_->stream, cudaStreamCaptureModeRelaxed); e != cudaSuccess) {
     return internal_error("CUDA graph: cudaStreamBeginCapture: {}", cudaGetErrorString(e));
   }

@@ -310,7 +310,8 @@ class MoeStage final : public training::StageProgram {
   }
   void step_replayed() override {
     for (size_t i = 0; i < roles_.size(); ++i)
-      if (roles_[i]->moe_index >= 0) roles_[i]->block->moe->add_pending_selections(captured_selections_.at(i));
+      if (roles_[i]->moe_index >= 0)
+        roles_[i]->block->moe->add_pending_selections(captured_selections_.at(i));
   }
 
  private:

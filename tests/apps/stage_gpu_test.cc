@@ -285,7 +285,8 @@ TEST_F(StageGpu, StageCudaGraphStepsMatchOpByOpBitwise) {
   ASSERT_EQ(got.size(), ref.size());
   for (size_t i = 0; i < ref.size(); ++i) {
     EXPECT_EQ(ref[i]["loss"].get<double>(), got[i]["loss"].get<double>()) << "step " << ref[i]["step"];
-    EXPECT_EQ(ref[i]["aux_loss"].get<double>(), got[i]["aux_loss"].get<double>()) << "step " << ref[i]["step"];
+    EXPECT_EQ(ref[i]["aux_loss"].get<double>(), got[i]["aux_loss"].get<double>())
+        << "step " << ref[i]["step"];
     EXPECT_EQ(ref[i]["expert_load"], got[i]["expert_load"]) << "step " << ref[i]["step"];
     for (const auto* r : {&ref[i], &got[i]}) {
       ASSERT_TRUE(r->contains("host_syncs")) << r->dump();

@@ -3,13 +3,13 @@
 // gradients (zero_grad clears only what products add to, settle_grads the rest), the
 // folded norm against a full read, split masters through a bf16-activation Ctx (exact
 // join, stale values, refresh refusing a value that is behind), and to_host.
+#include "layers/param_buffer.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <random>
 #include <vector>
-
-#include "layers/param_buffer.h"
 
 namespace {
 
@@ -32,7 +32,9 @@ void fill_random(Tensor t, uint32_t seed) {
   }
 }
 
-double sum_squares(const Tensor& t) { return kernels::sum_squares(kC.ex, t); }
+double sum_squares(const Tensor& t) {
+  return kernels::sum_squares(kC.ex, t);
+}
 
 struct Params {
   Parameter a, b, e1, e2, g;  // a, b: matrices; e1, e2: "expert" matrices; g: a gain

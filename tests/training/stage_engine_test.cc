@@ -39,7 +39,8 @@ class StageEngine : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     std::random_device rd;
-    root_ = new fs::path(fs::temp_directory_path() / fmt::format("troupe-stage-engine-{}-{:x}", getpid(), rd()));
+    root_ =
+        new fs::path(fs::temp_directory_path() / fmt::format("troupe-stage-engine-{}-{:x}", getpid(), rd()));
     fs::create_directories(*root_);
     const std::string src = TROUPE_SOURCE_DIR;
     const pid_t pid = fork();
@@ -47,9 +48,9 @@ class StageEngine : public ::testing::Test {
       const std::string log = (*root_ / "prepare.log").string();
       FILE* f = std::fopen(log.c_str(), "w");
       if (f != nullptr) dup2(fileno(f), 1), dup2(fileno(f), 2);
-      execl(TROUPE_TRAIN_MOE_BIN, TROUPE_TRAIN_MOE_BIN, "prepare", "--input", (src + "/layers").c_str(), "--out",
-            (*root_ / "data").c_str(), "--vocab", "320", "--max-bytes", "200000", "--ext", ".cc", "--ext", ".h",
-            static_cast<char*>(nullptr));
+      execl(TROUPE_TRAIN_MOE_BIN, TROUPE_TRAIN_MOE_BIN, "prepare", "--input", (src + "/layers").c_str(),
+            "--out", (*root_ / "data").c_str(), "--vocab", "320", "--max-bytes", "200000", "--ext", ".cc",
+            "--ext", ".h", static_cast<char*>(nullptr));
       _exit(127);
     }
     int status = 0;
@@ -140,7 +141,8 @@ class StageEngine : public ::testing::Test {
 
 fs::path* StageEngine::root_ = nullptr;
 
-void expect_bitwise(const std::vector<StepReport>& a, const std::vector<StepReport>& b, const std::string& what) {
+void expect_bitwise(const std::vector<StepReport>& a, const std::vector<StepReport>& b,
+                    const std::string& what) {
   ASSERT_EQ(a.size(), b.size()) << what;
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_EQ(a[i].step, b[i].step) << what;
