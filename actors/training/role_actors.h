@@ -92,6 +92,11 @@ class Inbox {
     q_.pop_front();
     return v;
   }
+  // Waits at most `wait` for an item to be queued (it stays queued); whether one is.
+  bool wait(std::chrono::milliseconds wait) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, wait, [this] { return !q_.empty(); });
+  }
   std::vector<T> take_all() {
     std::lock_guard lock(mu_);
     std::vector<T> out(std::make_move_iterator(q_.begin()), std::make_move_iterator(q_.end()));
@@ -201,6 +206,8 @@ class ActorDirectory {
   int send_plan(const ElasticPlan& plan);
   // What the workers sent the trainer actor since the last call.
   std::vector<StepReply> take_replies() { return replies_->take_all(); }
+  // Waits at most `wait` for a reply to arrive (take_replies takes it).
+  bool wait_replies(std::chrono::milliseconds wait) { return replies_->wait(wait); }
   std::vector<WorkerFailure> take_failures() { return failures_->take_all(); }
 
  private:

@@ -883,7 +883,9 @@ Result<std::vector<nlohmann::json>> Trainer::wait_replies(int64_t seq, Command::
         return replies;
       }
     }
-    std::this_thread::sleep_for(poll_);
+    // Woken by the next reply at once (a poll's sleep here left the worker's GPU idle for
+    // up to poll_ between steps), else after poll_ for the failure checks above.
+    actors_->wait_replies(poll_);
   }
   return replies;
 }
