@@ -698,6 +698,8 @@ void Stage::enqueue_step(int64_t step, bool capturing) {
 
   // ---- gradient synchronisation ------------------------------------------------------
   sync_grads();
+  if (tc_.parallel.measure_compression && tc_.parallel.compression && layout_->dp() > 1 && !ctx_.on_device())
+    measure_compression(step);
 
   // ---- norm, statistics, optimizer ---------------------------------------------------
   if (device_stats_) {
@@ -728,52 +730,53 @@ void Stage::enqueue_step(int64_t step, bool capturing) {
 
 void Stage::host_metrics() {
   // Host statistics (train.device_stats = false, or a program keeping its own on the
-  // host): [sum of squares, LM loss, tokens, comm seconds, compression error, its
-  // reference | the program's statistics], read back and summed over the world in fp64.
+  // host): [sum of squares, LM loss, tokens, comm seconds | the program's statistics],
+  // read back and summed over the world in fp64.
   const std::vector<double> stats = program_->step_stats();
   std::vector<double> v(kHostOwn + stats.size(), 0.0);
   std::copy(stats.begin(), stats.end(), v.begin() + kHostOwn);
-  // parallel.measure_compression (tests, benches; host tensors): the relative L2 error of
-  // the compressed gradient against an extra fp32 exchange of the same gradients.
-  const bool measured =
-      tc_.parallel.measure_compression && tc_.parallel.compression && layout_->dp() > 1 && !ctx_.on_device();
-  if (measured) {
-    Tensor exact = Tensor::zeros({shard_len_}, DType::kF32);
-    for (const auto& bk : buckets_) {
-      Bucket x;
-      x.lo = bk.lo;
-      x.hi = bk.hi;
-      grad_bucket_launch(*groups_.dp, ctx_, buf_.grad_range(bk.lo, bk.hi), shard_len_, DType::kF32, x, time_,
-                         "measure grads reduce_scatter (dp)");
-      grad_bucket_finish(ctx_, x, exact, shard_len_, time_);
-    }
-    const int64_t rep_in_shard = std::clamp<int64_t>(rep_size_ - shard_lo_, 0, shard_len_);
-    if (layout_->n() > 1 && rep_in_shard > 0) {
-      all_reduce_sum(*groups_.n, exact.narrow(0, 0, rep_in_shard), time_, "measure grads all_reduce (n)");
-    }
-    const float* base = shard_grad_.data<float>();
-    for (size_t i = 0; i < pieces_.size(); ++i) {
-      if (!piece_in_norm_[i]) continue;
-      const float* g = pieces_[i].grad.data<float>();
-      const float* x = exact.data<float>() + (g - base);
-      for (int64_t j = 0; j < pieces_[i].grad.numel(); ++j) {
-        const double d = static_cast<double>(g[j]) - static_cast<double>(x[j]);
-        v[4] += d * d;
-        v[5] += static_cast<double>(x[j]) * static_cast<double>(x[j]);
-      }
-    }
-  }
   v[0] = grad_sum_squares();
   v[1] = lm_acc_;
   v[2] = tokens_acc_;
   v[3] = time_.seconds();
   sum_doubles(*world_, v, time_, "step metrics");
-  if (measured && rank_ == 0) {
-    fmt::print(stderr, "compression: relative gradient error {:.4e} (bf16 gradient exchange{})\n",
-               v[5] > 0 ? std::sqrt(v[4] / v[5]) : 0.0, tc_.parallel.fp8_dispatch ? ", fp8 dispatch" : "");
-  }
   host_sumsq_ = v[0];
   host_stats_ = std::move(v);
+}
+
+void Stage::measure_compression(int64_t step) {
+  // parallel.measure_compression (tests, benches; host tensors): the relative L2 error of
+  // the compressed gradient against an extra fp32 exchange of the same gradients.
+  Tensor exact = Tensor::zeros({shard_len_}, DType::kF32);
+  for (const auto& bk : buckets_) {
+    Bucket x;
+    x.lo = bk.lo;
+    x.hi = bk.hi;
+    grad_bucket_launch(*groups_.dp, ctx_, buf_.grad_range(bk.lo, bk.hi), shard_len_, DType::kF32, x, time_,
+                       "measure grads reduce_scatter (dp)");
+    grad_bucket_finish(ctx_, x, exact, shard_len_, time_);
+  }
+  const int64_t rep_in_shard = std::clamp<int64_t>(rep_size_ - shard_lo_, 0, shard_len_);
+  if (layout_->n() > 1 && rep_in_shard > 0) {
+    all_reduce_sum(*groups_.n, exact.narrow(0, 0, rep_in_shard), time_, "measure grads all_reduce (n)");
+  }
+  std::vector<double> v{0.0, 0.0};  // [squared error, squared reference]
+  const float* base = shard_grad_.data<float>();
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    if (!piece_in_norm_[i]) continue;
+    const float* g = pieces_[i].grad.data<float>();
+    const float* x = exact.data<float>() + (g - base);
+    for (int64_t j = 0; j < pieces_[i].grad.numel(); ++j) {
+      const double d = static_cast<double>(g[j]) - static_cast<double>(x[j]);
+      v[0] += d * d;
+      v[1] += static_cast<double>(x[j]) * static_cast<double>(x[j]);
+    }
+  }
+  sum_doubles(*world_, v, time_, "measure grads metrics");
+  if (rank_ == 0) {
+    fmt::print(stderr, "compression: step {} relative gradient error {:.4e} (bf16 gradient exchange{})\n", step,
+               v[1] > 0 ? std::sqrt(v[0] / v[1]) : 0.0, tc_.parallel.fp8_dispatch ? ", fp8 dispatch" : "");
+  }
 }
 
 bool Stage::can_launch_ahead() const {

@@ -254,6 +254,7 @@ class Stage {
   void enqueue_step(int64_t step, bool capturing);
   void sync_grads();
   void host_metrics();  // host statistics: read and summed over the world (fp64) into host_stats_
+  void measure_compression(int64_t step);  // parallel.measure_compression (CPU): prints the bf16 exchange's error
   void optimizer_step(double lr);
   StepReport complete(Launched& l);  // takes its statistics; the program's end_step
   void complete_in_flight();         // completes every launched step (reports kept)
@@ -342,9 +343,9 @@ class Stage {
   std::vector<comm::WorkPtr> pending_sends_;
   double lm_acc_ = 0, tokens_acc_ = 0;
   std::vector<int64_t> micro_tokens_;  // per micro-batch of the step enqueued: tokens with a target
-  // Host statistics: [sum of squares, LM loss, tokens, comm seconds, compression error,
-  // its reference | the program's], summed over the world.
-  static constexpr size_t kHostOwn = 6;
+  // Host statistics: [sum of squares, LM loss, tokens, comm seconds | the program's],
+  // summed over the world.
+  static constexpr size_t kHostOwn = 4;
   std::vector<double> host_stats_;
   double host_sumsq_ = 0;
 
