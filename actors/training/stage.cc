@@ -774,8 +774,9 @@ void Stage::measure_compression(int64_t step) {
   }
   sum_doubles(*world_, v, time_, "measure grads metrics");
   if (rank_ == 0) {
-    fmt::print(stderr, "compression: step {} relative gradient error {:.4e} (bf16 gradient exchange{})\n", step,
-               v[1] > 0 ? std::sqrt(v[0] / v[1]) : 0.0, tc_.parallel.fp8_dispatch ? ", fp8 dispatch" : "");
+    fmt::print(stderr, "compression: step {} relative gradient error {:.4e} (bf16 gradient exchange{})\n",
+               step, v[1] > 0 ? std::sqrt(v[0] / v[1]) : 0.0,
+               tc_.parallel.fp8_dispatch ? ", fp8 dispatch" : "");
   }
 }
 

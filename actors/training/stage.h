@@ -254,7 +254,8 @@ class Stage {
   void enqueue_step(int64_t step, bool capturing);
   void sync_grads();
   void host_metrics();  // host statistics: read and summed over the world (fp64) into host_stats_
-  void measure_compression(int64_t step);  // parallel.measure_compression (CPU): prints the bf16 exchange's error
+  void measure_compression(
+      int64_t step);  // parallel.measure_compression (CPU): prints the bf16 exchange's error
   void optimizer_step(double lr);
   StepReport complete(Launched& l);  // takes its statistics; the program's end_step
   void complete_in_flight();         // completes every launched step (reports kept)
