@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # bench/e2e.sh — Troupe against the PyTorch peer (bench/peers/torch_moe.py), back to back on
 # this host's GPUs (issue 10): one GPU, and two GPUs when `nvidia-smi -L` lists at least two.
-# For each GPU count: Troupe's train_moe (1 GPU directly, 2 GPUs under `troupe run`), then the
-# peer eager and compiled. Prints one table: config, GPUs, system, tokens/s, MFU (model FLOPs
-# per token = 6*N_active + 6*L*s*d, attention counted causal, against 989 TFLOP/s per GPU) and
-# the ratio to the faster peer variant at the same GPU count. A run that fails or times out
+# For each GPU count: Troupe's train_moe (1 GPU directly and under `troupe run --nproc 1`, 2
+# GPUs under `troupe run`), then the peer eager and compiled. Prints one table: config, GPUs,
+# system, tokens/s, MFU (model FLOPs per token = 6*N_active + 6*L*s*d, attention counted
+# causal, against 989 TFLOP/s per GPU) and the ratio to the faster peer variant at the same
+# GPU count. A run that fails or times out
 # becomes a FAILED row; the script goes on. Logs and JSON under ${OUT:-/tmp}/e2e/.
 #
 # Tokens: both systems train on the same tokens. Troupe reads the token shards of --data (or
@@ -32,6 +33,8 @@ usage: bench/e2e.sh [options]
   --python PY        python with torch (default python3)
   --skip-troupe      only the peer rows
   --skip-peer        only the Troupe rows
+  --no-run-row       on one GPU, skip the row launched as `troupe run --nproc 1` (the
+                     scheduler's driver and one worker) beside `train_moe --backend cuda`
   --peer-gpus LIST   GPU counts with peer rows (default: every count of --gpus)
   --device cpu       run the peer on CPU (a test of this script; --spawn for 2 ranks, f32)
   --peer-args "..."  extra arguments for every peer run (e.g. "--d-model 256 --layers 2")
@@ -58,6 +61,7 @@ BUILD=build
 DATA=""
 PY=python3
 SKIP_TROUPE=0
+RUN_ROW=1
 TROUPE_SETS=""
 SKIP_PEER=0
 DEVICE=cuda
@@ -76,6 +80,7 @@ while [ $# -gt 0 ]; do
     --data) DATA=$2; shift 2 ;;
     --python) PY=$2; shift 2 ;;
     --skip-troupe) SKIP_TROUPE=1; shift ;;
+    --no-run-row) RUN_ROW=0; shift ;;
     --skip-peer) SKIP_PEER=1; shift ;;
     --peer-gpus) PEER_GPUS=$2; shift 2 ;;
     --device) DEVICE=$2; shift 2 ;;
@@ -172,10 +177,12 @@ troupe_sets() {  # troupe_sets DATA NGPU
   echo "$sets"
 }
 
-run_troupe() {  # run_troupe NGPU [n|dp]: the GPUs form the n-group (default) or dp replicas
+run_troupe() {  # run_troupe NGPU [n|dp|run]: the GPUs form the n-group (default) or dp replicas;
+  # "run" (one GPU): launched as `troupe run --nproc 1` (the scheduler's driver and worker)
   local n=$1 kind=${2:-n}
   local tag=troupe_${n}gpu system=troupe
   if [ "$kind" = dp ]; then tag=troupe_dp${n}_${n}gpu; system=troupe-dp$n; fi
+  if [ "$kind" = run ]; then tag=troupe_run_${n}gpu; system=troupe-run; fi
   local dir=$RUNROOT/$tag logf=$LOG/$tag.log data sets
   local limit=${TIMEOUT:-150}
   rm -rf "$dir"
@@ -192,9 +199,14 @@ run_troupe() {  # run_troupe NGPU [n|dp]: the GPUs form the n-group (default) or
   fi
   echo "== $system, $n GPU(s)"
   local rc
-  if [ "$n" -eq 1 ]; then
+  if [ "$n" -eq 1 ] && [ "$kind" != run ]; then
     # shellcheck disable=SC2086
     run_limited "$limit" "$logf" "$BUILD/apps/train_moe" --config "$CONFIG" --backend cuda $sets --run-dir "$dir"
+    rc=$?
+  elif [ "$n" -eq 1 ]; then
+    # shellcheck disable=SC2086
+    run_limited "$limit" "$logf" "$BUILD/scheduler/troupe" run --nproc 1 --backend cuda -- \
+      "$BUILD/apps/train_moe" --config "$CONFIG" --backend cuda $sets --run-dir "$dir"
     rc=$?
   else
     if [ ! -x "$BUILD/scheduler/troupe" ]; then
@@ -289,6 +301,7 @@ for n in $GPUS; do
   if [ "$SKIP_TROUPE" -eq 0 ]; then
     if [ "$DEVICE" = cuda ]; then
       run_troupe "$n"
+      if [ "$n" -eq 1 ] && [ "$RUN_ROW" -eq 1 ]; then run_troupe 1 run; fi
       if [ "$DP_ROWS" -eq 1 ] && [ "$n" -gt 1 ]; then run_troupe "$n" dp; fi
     else
       add_row "$n" troupe "skipped (--device cpu)" ""

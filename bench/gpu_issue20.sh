@@ -5,6 +5,9 @@
 #   kernels  bench/kernels/gpu_check.sh's timing half: kernel_bench, torch_kernels.py, compare.py
 #   router   bench/router_load.sh on bench_1b (same weights and tokens in Troupe and the peer)
 #   e2e      bench/e2e.sh --gpus 1 on bench_1b (Troupe and both peer variants, same tokens)
+#   stage    the Stage's GPU tests: tests/apps/stage_gpu_test (its CUDA graph against op by
+#            op, the Trainer path) and train_moe_cuda_test (TARGETS must build them)
+#   paths    bench/one_gpu_paths.sh: the single-process loop against `troupe run --nproc 1`
 #   hoststats  Troupe on bench_1b with train.device_stats=false (per-layer read-backs), to compare
 #   graph    Troupe on bench_1b with train.cuda_graph=true and false, alternating, twice
 #   pdl      Troupe on bench_1b with programmatic dependent launch on and off
@@ -377,6 +380,26 @@ PY
       tail -3 "$out/train_moe_cuda_test.log"
       finish
       bash "$0" hoststats
+      ;;
+    stage)
+      # The Stage's step engine on one GPU (build with TARGETS including stage_gpu_test,
+      # train_moe_cuda_test, dense_lm and troupe): its CUDA graph against op by op, bitwise,
+      # host_syncs 0; the Trainer path against the single loop; Model's ParamBuffer on CUDA.
+      timeout 400 "$B"/tests/apps/stage_gpu_test --gtest_filter="${STAGE_FILTER:-*}" >"$out/stage_gpu_test.log" 2>&1
+      stamp "stage_gpu_test rc=$? ($(grep -c '^\[       OK' "$out/stage_gpu_test.log") ok)"
+      grep -E "^\[  FAILED|Failure|^\[stage-gpu" -A3 "$out/stage_gpu_test.log" | head -40
+      timeout 200 "$B"/tests/apps/train_moe_cuda_test >"$out/train_moe_cuda_test.log" 2>&1
+      stamp "train_moe_cuda_test rc=$? ($(grep -c '^\[       OK' "$out/train_moe_cuda_test.log") ok)"
+      grep -E "^\[  FAILED|Failure" -A3 "$out/train_moe_cuda_test.log" | head -20
+      ;;
+    paths)
+      # bench/one_gpu_paths.sh: the single-process loop against `troupe run --nproc 1`.
+      OUT=$out bash bench/one_gpu_paths.sh --build "$B" ${PATHS_ARGS:-} | tee "$out/paths.md"
+      stamp "paths done"
+      for f in single trainer; do
+        grep -h "^step [0-9]*/\|captured\|note:" "$out/one_gpu_paths/$f.log" | tail -4 | cut -c1-200
+        python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if '\"loss\"' in l]; print(sys.argv[2], [(x['step'], round(x.get('step_ms',0),1), x.get('device_ms'), x.get('device_gap_ms'), x.get('host_syncs'), round(x.get('peak_gib',0),2)) for x in r[-4:]])" "$out/one_gpu_paths/$f/metrics.jsonl" "$f" 2>&1 | cut -c1-400
+      done
       ;;
     e2e)
       OUT=$out bash bench/e2e.sh --build "$B" --gpus 1 ${E2E_ARGS:---quick --no-selfcheck}

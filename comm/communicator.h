@@ -154,6 +154,11 @@ class Communicator {
   // In place: every rank ends with root's tensor.
   virtual WorkPtr broadcast(Tensor tensor, int root, const OpOptions& opts = {}) = 0;
   virtual WorkPtr barrier(const OpOptions& opts = {}) = 0;
+  // Completes once every operation this rank enqueued before it (on opts.stream, for a
+  // device backend) has, under the same deadline and error checks as an operation: how
+  // the collectives of a replayed CUDA graph, which were enqueued once at capture, are
+  // tracked. Host backends complete each operation themselves: a completed Work.
+  virtual WorkPtr fence(const OpOptions& opts = {});
 
   // Completes every pending Work with kAborted, tears the connections down (peers see
   // errors rather than silence) and poisons the communicator. Never blocks on peers;

@@ -182,6 +182,12 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  // An event after the stream's work so far, tracked as an operation (deadline, async
+  // errors): the check of a replayed CUDA graph's captured collectives.
+  WorkPtr fence(const OpOptions& opts) override {
+    return enqueue("fence", opts, {}, [](ncclComm_t, cudaStream_t) { return ncclSuccess; });
+  }
+
   void abort(std::string_view reason) override {
     std::lock_guard<std::mutex> lock(mu_);
     fail_locked(aborted("communicator '{}' aborted: {}", spec_.name, reason));
@@ -263,6 +269,14 @@ class NcclCommunicator final : public Communicator {
                                       : nccl_status(r, work->what());
       fail_locked(st);
       work->complete(st);
+      return work;
+    }
+    // Enqueued into a CUDA graph being captured: it runs at each replay, tracked by the
+    // fence the replaying code enqueues after the graph (an event recorded now would
+    // belong to the capture, and querying it fails).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusActive) {
+      work->complete(ok_status());
       return work;
     }
     cudaEvent_t ev = nullptr;

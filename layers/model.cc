@@ -8,16 +8,6 @@
 
 namespace troupe::layers {
 
-namespace {
-// A tensor's length in Model's flat device buffers (gradients, working copies, split
-// masters' low halves): rounded up to 64 elements, so that every tensor in them starts
-// aligned for vectorised kernels (256 bytes in f32, 128 in 16-bit).
-int64_t padded_numel(int64_t n) {
-  constexpr int64_t kAlign = 64;
-  return (n + kAlign - 1) / kAlign * kAlign;
-}
-}  // namespace
-
 Model::Model(const ModelConfig& cfg, uint64_t seed) : embedding(cfg.vocab_size, cfg.d_model), cfg_(cfg) {
   const Status st = cfg.validate();
   TROUPE_CHECK(st.ok(), "invalid model config: {}", st.to_string());
@@ -146,80 +136,28 @@ std::vector<float> Model::last_logits(const Ctx& c, const Tensor& ids_in) {
 }
 
 void Model::zero_grad(const Ctx& c) {
-  // Gradients that their backward overwrites (every parameter but the embedding, whose
-  // backward adds rows by token) are only marked stale; clearing them would cost a pass
-  // over memory and make the first micro-batch's products read zeros back to add to.
-  std::vector<NamedParameter> params = parameters();
-  for (auto& p : params) {
-    p.param->grad_stale = p.param->overwrites_grad;
-    p.param->reset_grad_products();
-  }
-  if (!flat_grads_.defined()) {
-    for (auto& p : params)
-      if (!p.param->grad_stale) kernels::fill(c.ex, p.param->grad, 0.0f);
+  if (buf_.built()) {
+    buf_.zero_grad(c);
     return;
   }
-  // The flat buffer: one fill per run of gradients that their products add to (padding
-  // between them included; the padding elsewhere was zeroed at allocation and nothing
-  // writes it); a bf16 gradient (to_device's expert_grads) on its own.
-  std::vector<std::pair<int64_t, int64_t>> ranges;  // [begin, padded end) element ranges
-  const auto* base = static_cast<const char*>(flat_grads_.data_ptr());
-  for (auto& p : params) {
-    if (p.param->grad_stale) continue;
-    if (!in_flat_grads(*p.param)) {
-      kernels::fill(c.ex, p.param->grad, 0.0f);
-      continue;
-    }
-    const int64_t begin = (static_cast<const char*>(p.param->grad.data_ptr()) - base) / 4;
-    ranges.emplace_back(begin, std::min(begin + padded_numel(p.param->numel()), flat_grads_.numel()));
+  // Each Parameter holds its own tensors: the same marks, one fill per gradient.
+  for (auto& p : parameters()) {
+    p.param->grad_stale = p.param->overwrites_grad;
+    p.param->reset_grad_products();
+    if (!p.param->grad_stale) kernels::fill(c.ex, p.param->grad, 0.0f);
   }
-  std::sort(ranges.begin(), ranges.end());
-  for (size_t i = 0; i < ranges.size();) {
-    int64_t end = ranges[i].second;
-    size_t j = i + 1;
-    for (; j < ranges.size() && ranges[j].first <= end; ++j) end = std::max(end, ranges[j].second);
-    Tensor run = flat_grads_.narrow(0, ranges[i].first, end - ranges[i].first);
-    kernels::fill(c.ex, run, 0.0f);
-    i = j;
-  }
-}
-
-bool Model::in_flat_grads(const Parameter& p) const {
-  if (!flat_grads_.defined() || p.grad.dtype() != DType::kF32) return false;
-  const auto* base = static_cast<const char*>(flat_grads_.data_ptr());
-  const auto* at = static_cast<const char*>(p.grad.data_ptr());
-  return at >= base && at < base + flat_grads_.nbytes();
 }
 
 double Model::grad_norm_squared(const Ctx& c) const {
-  TROUPE_CHECK(flat_grads_.defined(), "Model::grad_norm_squared needs the device layout (to_device)");
-  double s = kernels::sum_squares(c.ex, flat_grads_);
-  if (low_grads_.defined()) s += kernels::sum_squares(c.ex, low_grads_);
-  return s;
-}
-
-std::vector<Tensor> Model::flat_runs_outside(const std::vector<NamedParameter>& skip) const {
-  std::vector<std::pair<int64_t, int64_t>> ranges;  // [begin, end) element ranges
-  const auto* base = static_cast<const char*>(flat_grads_.data_ptr());
-  for (const auto& p : skip) {
-    if (!in_flat_grads(*p.param)) continue;  // a bf16 gradient: not in this buffer
-    const int64_t begin = (static_cast<const char*>(p.param->grad.data_ptr()) - base) / 4;
-    TROUPE_CHECK(begin >= 0 && begin + p.param->numel() <= flat_grads_.numel(),
-                 "Model: the gradient of {} is not in the flat buffer", p.name);
-    ranges.emplace_back(begin, begin + p.param->numel());
-  }
-  std::sort(ranges.begin(), ranges.end());
-  std::vector<Tensor> runs;
-  int64_t at = 0;
-  for (const auto& [begin, end] : ranges) {
-    if (begin > at) runs.push_back(flat_grads_.narrow(0, at, begin - at));
-    at = std::max(at, end);
-  }
-  if (at < flat_grads_.numel()) runs.push_back(flat_grads_.narrow(0, at, flat_grads_.numel() - at));
-  return runs;
+  TROUPE_CHECK(buf_.built(), "Model::grad_norm_squared needs the flat layout (to_device)");
+  return buf_.grad_norm_squared(c);
 }
 
 void Model::settle_grads(const Ctx& c) {
+  if (buf_.built()) {
+    buf_.settle_grads(c);
+    return;
+  }
   for (auto& p : parameters()) {
     if (!p.param->grad_stale) continue;
     kernels::fill(c.ex, p.param->grad, 0.0f);  // no backward wrote it: its gradient is zero
@@ -250,48 +188,20 @@ bool Model::enable_device_stats(const Ctx& c) {
 Tensor Model::grad_norm_squared_on_device(const Ctx& c) {
   TROUPE_CHECK(stats_dev_.defined(), "Model::grad_norm_squared_on_device needs enable_device_stats");
   Tensor out = stats_dev_.narrow(0, 1, 1);
-  std::vector<NamedParameter> params = parameters();
-  // The gradients whose slots hold their sum of squares this step (enable_grad_norm_fold).
-  std::vector<NamedParameter> folded;
+  if (buf_.built()) {
+    last_folded_elements_ = buf_.grad_norm_squared_into(c, out);
+    return out;
+  }
+  std::vector<const Tensor*> squares;
+  for (const auto& p : parameters()) squares.push_back(&p.param->grad);
+  kernels::sum_squares_into(c.ex, squares, out, /*accumulate=*/false);
   last_folded_elements_ = 0;
-  for (const auto& p : params) {
-    if (!p.param->grad_sum_squares_valid()) continue;
-    folded.push_back(p);
-    last_folded_elements_ += p.param->numel();
-  }
-  std::vector<Tensor> read;  // squared: every other gradient element
-  if (flat_grads_.defined()) {
-    read = flat_runs_outside(folded);
-    for (const auto& p : params)  // bf16 gradients not folded this step
-      if (!in_flat_grads(*p.param) && !p.param->grad_sum_squares_valid()) read.push_back(p.param->grad);
-  } else {  // the CPU layout: one tensor per parameter
-    for (const auto& p : params)
-      if (!p.param->grad_sum_squares_valid()) read.push_back(p.param->grad);
-  }
-  std::vector<const Tensor*> squares, sums;
-  for (const Tensor& t : read) squares.push_back(&t);
-  for (const auto& p : folded) sums.push_back(&p.param->grad_sum_squares);  // summed, not squared
-  kernels::sum_squares_into(c.ex, squares, out, /*accumulate=*/false, sums);
   return out;
 }
 
 int64_t Model::enable_grad_norm_fold(const Ctx& c) {
-  TROUPE_CHECK(!c.on_device() || flat_grads_.defined(), "Model::enable_grad_norm_fold: call to_device first");
-  std::vector<NamedParameter> params = parameters();
-  int64_t total = 0, count = 0;
-  for (const auto& p : params) total += p.param->grad_sum_squares_slots;
-  fold_slots_ = total > 0 ? c.zeros({total}, DType::kF32) : Tensor();
-  int64_t at = 0;
-  for (auto& p : params) {
-    Parameter& prm = *p.param;
-    prm.grad_sum_squares = Tensor();
-    prm.reset_grad_products();  // not valid before the next zero_grad
-    if (prm.grad_sum_squares_slots == 0) continue;
-    prm.grad_sum_squares = fold_slots_.narrow(0, at, prm.grad_sum_squares_slots);
-    at += prm.grad_sum_squares_slots;
-    ++count;
-  }
-  return count;
+  if (!buf_.built()) to_device(c);
+  return buf_.enable_grad_norm_fold(c);
 }
 
 std::vector<std::vector<int64_t>> Model::end_step(const Ctx& c) {
@@ -337,125 +247,30 @@ std::vector<std::vector<int64_t>> Model::end_step_with(const Ctx& c, const float
 }
 
 void Model::to_device(const Ctx& c, DType expert_grads) {
-  if (!c.on_device()) return;
-  TROUPE_CHECK(expert_grads == DType::kF32 || expert_grads == DType::kBF16,
-               "Model::to_device: expert gradients must be f32 or bf16, not {}", dtype_name(expert_grads));
-  std::vector<NamedParameter> params = parameters();
-  // Offsets rounded up (padded_numel) keep every gradient aligned for vectorised kernels;
-  // the gaps are zeroed at allocation and never written (zero_grad clears only gradients
-  // that products add to, and the gaps between them).
-  // The matrices' working copies (bf16 where activations are) share one buffer too, in
-  // parameter order, so a layer's Q, K and V weights lie side by side (Attention's one
-  // batched product), as their gradients do.
-  int64_t total = 0, low_total = 0, work_total = 0;
-  std::vector<int64_t> offsets, work_offsets;
-  std::vector<bool> low;
-  const auto has_work = [&](const Parameter& prm) { return prm.value.dim() >= 2 && c.act != DType::kF32; };
-  for (const auto& p : params) {
-    if (p.param->value.device() == c.ex.device) continue;  // tied: already moved
-    const bool lo = expert_grads == DType::kBF16 && p.param->bf16_grad_ok;
-    int64_t& at = lo ? low_total : total;
-    offsets.push_back(at);
-    low.push_back(lo);
-    const int64_t padded = padded_numel(p.param->numel());
-    at += padded;
-    work_offsets.push_back(work_total);
-    if (has_work(*p.param)) work_total += padded;
-  }
-  flat_grads_ = c.zeros({total}, DType::kF32);
-  const Tensor works = work_total > 0 ? c.empty({work_total}, c.act) : Tensor();
-  low_grads_ = low_total > 0 ? c.zeros({low_total}, DType::kBF16) : Tensor();
-  fold_slots_ = Tensor();
-  size_t i = 0;
-  for (auto& p : params) {
-    Parameter& prm = *p.param;
-    if (prm.value.device() == c.ex.device) continue;
-    prm.value = c.to_device(prm.value);
-    const Tensor& buf = low[i] ? low_grads_ : flat_grads_;
-    prm.grad = buf.narrow(0, offsets[i], prm.numel()).view(prm.value.shape());
-    prm.work =
-        has_work(prm) ? works.narrow(0, work_offsets[i], prm.numel()).view(prm.value.shape()) : Tensor();
-    ++i;
-    prm.grad_sum_squares = Tensor();  // host slots: enable_grad_norm_fold again after the move
-  }
+  ParamBuffer::Options o;
+  o.expert_grads = expert_grads;
+  buf_.build(c, parameters(), o);
   for (auto& b : buffers()) *b.tensor = c.to_device(*b.tensor);
-  refresh_working_copies(c);
 }
 
 void Model::refresh_working_copies(const Ctx& c) {
-  for (auto& p : parameters()) {
-    Parameter& prm = *p.param;
-    if (prm.work_lo.defined()) {
-      // Splitting a value that is behind would undo the optimizer's steps since.
-      TROUPE_CHECK(!prm.value_stale,
-                   "Model::refresh_working_copies: {} is behind its split master (the optimizer wrote the "
-                   "working copy itself); call sync_master_values before reading or rewriting values",
-                   p.name);
-      kernels::master_split(c.ex, prm.value, prm.work, prm.work_lo);
-      prm.value_stale = false;
-    } else if (prm.work.defined()) {
-      kernels::cast(c.ex, prm.value, prm.work);
-    }
-  }
+  buf_.refresh_working_copies(c);
 }
 
 int64_t Model::split_masters(const Ctx& c) {
-  TROUPE_CHECK(c.on_device(),
+  TROUPE_CHECK(c.on_device() && buf_.built(),
                "Model::split_masters: the split master is for a device layout (after to_device)");
-  const auto splits = [](const Parameter& prm) {
-    return prm.work.defined() && prm.work.dtype() == DType::kBF16 && !prm.reads_value &&
-           !prm.work_lo.defined();
-  };
-  int64_t total = 0;
-  std::vector<NamedParameter> params = parameters();
-  for (const auto& p : params)
-    if (splits(*p.param)) total += padded_numel(p.param->numel());
-  if (total == 0) return 0;
-  master_lo_ = c.empty({total}, DType::kI16);
-  int64_t at = 0, n = 0;
-  for (auto& p : params) {
-    Parameter& prm = *p.param;
-    if (!splits(prm)) continue;
-    prm.work_lo = master_lo_.narrow(0, at, prm.numel()).view(prm.value.shape());
-    kernels::master_split(c.ex, prm.value, prm.work, prm.work_lo);
-    prm.value_stale = false;
-    at += padded_numel(prm.numel());
-    ++n;
-  }
-  return n;
+  return buf_.split_masters(c);
 }
 
 void Model::sync_master_values(const Ctx& c) {
-  for (auto& p : parameters()) {
-    Parameter& prm = *p.param;
-    if (!prm.value_stale) continue;
-    kernels::master_join(c.ex, prm.work, prm.work_lo, prm.value);
-    prm.value_stale = false;
-  }
+  buf_.sync_master_values(c);
 }
 
 void Model::to_host(const Ctx& c) {
-  if (!c.on_device()) return;
-  sync_master_values(c);
-  for (auto& p : parameters()) {
-    Parameter& prm = *p.param;
-    if (prm.value.device().is_cpu()) continue;  // tied: already copied
-    prm.value = c.to_host(prm.value);
-    prm.grad = c.to_host(prm.grad);
-    if (prm.grad.dtype() != DType::kF32) {  // a bf16 expert gradient: f32 on the host, as ever
-      Tensor f = Tensor::empty(prm.grad.shape(), DType::kF32);
-      kernels::cast(kernels::Exec::cpu(), prm.grad, f);
-      prm.grad = f;
-    }
-    prm.work = Tensor();
-    prm.work_lo = Tensor();
-    prm.grad_sum_squares = Tensor();  // folding ends with the device layout
-  }
+  if (!buf_.built()) return;
+  buf_.to_host(c);
   for (auto& b : buffers()) *b.tensor = c.to_host(*b.tensor);
-  flat_grads_ = Tensor();
-  low_grads_ = Tensor();
-  master_lo_ = Tensor();
-  fold_slots_ = Tensor();
 }
 
 }  // namespace troupe::layers

@@ -13,6 +13,7 @@
 
 #include "layers/block.h"
 #include "layers/lm_head.h"
+#include "layers/param_buffer.h"
 
 namespace troupe::layers {
 
@@ -70,42 +71,37 @@ class Model {
   // bias update, from this step's loads): then the next step must not be enqueued first.
   bool updates_between_steps() const;
 
-  // Moves the model onto c's device (no-op for a CPU Ctx): f32 master values, f32
-  // gradients in one flat buffer (flat_grads(), so that zeroing and the global norm are
-  // one op each), and a working copy in c.act of every matrix (dim >= 2) that the
-  // products read. Call once after construction (and loading), before the optimizer.
-  // expert_grads kBF16 (train.expert_grads): the gradients of the parameters whose
-  // products can write bf16 (Parameter::bf16_grad_ok: the experts' grouped dW, ~90% of an
-  // MoE model's gradient) go in a second flat buffer, of bf16 (low_precision_grads()):
-  // half the bytes for the products to write and for the norm and AdamW to read. Meant for
-  // one micro-batch per step, where each such gradient is one rounded product (as in
-  // PyTorch autocast); the caller refuses more (later micro-batches would add in bf16).
+  // Puts every parameter into one ParamBuffer (layers/param_buffer.h) on c's device (host
+  // memory for a CPU Ctx): f32 master values and gradients in flat buffers (so zeroing
+  // what products add to and the global norm are one op each), and a working copy in
+  // c.act of every matrix (dim >= 2) the products read. Call once after construction (and
+  // loading), before the optimizer. expert_grads kBF16 (train.expert_grads): the gradients
+  // of the parameters whose products can write bf16 (Parameter::bf16_grad_ok) are bf16
+  // (ParamBuffer's low_grads); meant for one micro-batch per step, where each such
+  // gradient is one rounded product (as in PyTorch autocast); the caller refuses more.
   void to_device(const Ctx& c, DType expert_grads = DType::kF32);
+  const ParamBuffer& param_buffer() const { return buf_; }
   // Zeroes the gradients still marked stale (no backward wrote them) and clears the marks;
   // forward_backward ends with it.
   void settle_grads(const Ctx& c);
-  // Refreshes the working copies from the master values (after each optimizer step, and
-  // after anything writes the values: loading a checkpoint); a split master's halves are
-  // made again from value, which must not be behind them (sync_master_values).
+  // Refreshes the working copies (and split halves) from the master values (after
+  // anything writes the values: loading a checkpoint).
   void refresh_working_copies(const Ctx& c);
-  // train.master_weights = "split" (on a device, after to_device): every master with a bf16
-  // working copy and no product reading value itself (Parameter::reads_value) is kept as
-  // that copy and a 16-bit low half (Parameter::work_lo, one i16 buffer), so that an
-  // optimizer step reads and writes 4 bytes a parameter for both instead of 4 + 2. Values
-  // are then behind after each step: whoever reads them (checkpoints, to_host) calls
-  // sync_master_values first. Returns the number of parameters split.
+  // train.master_weights = "split" (after to_device; ParamBuffer::split_masters): every
+  // master with a bf16 working copy and no product reading value itself is kept as that
+  // copy and a 16-bit low half, so that an optimizer step reads and writes 4 bytes a
+  // parameter for both instead of 4 + 2. Values are then behind after each step: whoever
+  // reads them (checkpoints, to_host) calls sync_master_values first. Returns the number
+  // of parameters split.
   int64_t split_masters(const Ctx& c);
-  // Writes every stale value from its split master (exact: the f32 bits the optimizer
-  // holds). No-op where nothing is stale.
   void sync_master_values(const Ctx& c);
   // Copies values and buffers back to host tensors (before saving weights); syncs split
   // masters first.
   void to_host(const Ctx& c);
-  // Every f32 gradient as one buffer (padding zero), or undefined on the CPU layout.
-  const Tensor& flat_grads() const { return flat_grads_; }
-  // The bf16 gradients of to_device's expert_grads = kBF16 as one buffer (padding zero),
-  // else undefined.
-  const Tensor& low_precision_grads() const { return low_grads_; }
+  // Every f32 gradient as one buffer (padding zero), or undefined before to_device.
+  const Tensor& flat_grads() const { return buf_.grads(); }
+  // The bf16 gradients of to_device's expert_grads = kBF16 as one buffer, else undefined.
+  const Tensor& low_precision_grads() const { return buf_.low_grads(); }
   // The squared global norm of every gradient, read back (host mode; one wait).
   double grad_norm_squared(const Ctx& c) const;
 
@@ -124,17 +120,12 @@ class Model {
   // [1] view (for AdamW::step's device clip). No host wait. With enable_grad_norm_fold, the
   // gradients folded this step contribute their slots instead of being read.
   Tensor grad_norm_squared_on_device(const Ctx& c);
-  // Issue 20: the gradient norm folded into the products that write the gradients. Gives
-  // every parameter whose product can fold (Parameter::grad_sum_squares_slots: the experts'
-  // dW, ~90% of a MoE model's gradient elements) its slots, on c's device (after
-  // to_device), so that grad_norm_squared_on_device sums those slots instead of reading the
-  // gradient, in each step where that is exact: the gradient was produced by one product,
-  // which wrote it (Parameter::grad_sum_squares_valid). Where it is not (grad_accum > 1:
-  // later micro-batches add; a dispatch that does not fold) the gradient is read as before,
-  // so the result never depends on the step's shape. The caller vouches that nothing
-  // changes the gradients between the backward and the norm: no all-reduce of them (data
-  // parallelism: the slots would hold this rank's pre-reduction sums), no rescaling; the
-  // single-process train loop qualifies. Returns the number of parameters with slots.
+  // The gradient norm folded into the products that write the gradients
+  // (ParamBuffer::enable_grad_norm_fold; puts the model into its ParamBuffer first if
+  // to_device was not called): grad_norm_squared_on_device then sums the experts' dW slots
+  // instead of reading those gradients in each step where that is exact. The caller
+  // vouches that nothing changes the gradients between the backward and the norm (no
+  // all-reduce, no rescaling). Returns the number of parameters with slots.
   int64_t enable_grad_norm_fold(const Ctx& c);
   // Gradient elements whose squares the last grad_norm_squared_on_device took from slots.
   int64_t last_folded_elements() const { return last_folded_elements_; }
@@ -158,16 +149,8 @@ class Model {
  private:
   Tensor forward_blocks(const Ctx& c, const Tensor& ids, std::vector<Block::Saved>& saved,
                         MicroBatchStats* stats);
-  // Views of flat_grads_ that cover, in order, every element outside the gradients of
-  // `skip` (padding included): what the folded norm reads.
-  std::vector<Tensor> flat_runs_outside(const std::vector<NamedParameter>& skip) const;
   ModelConfig cfg_;
-  Tensor flat_grads_;
-  Tensor low_grads_;  // to_device's bf16 expert gradients (or undefined)
-  Tensor master_lo_;  // split_masters: every Parameter::work_lo, in order (or undefined)
-  // Whether p's gradient is a view of flat_grads_ (not of low_grads_, not on the host).
-  bool in_flat_grads(const Parameter& p) const;
-  Tensor fold_slots_;  // enable_grad_norm_fold: every Parameter::grad_sum_squares, in order
+  ParamBuffer buf_;  // to_device's (unbuilt: each Parameter holds tensors of its own)
   int64_t last_folded_elements_ = 0;
   // Device mode: [lm loss sum, grad norm^2, 2 pad | per MoE block: E counts, aux, pad to 4].
   Tensor stats_dev_;

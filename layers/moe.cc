@@ -415,14 +415,14 @@ bool MoELayer::set_device_stats(const Ctx& c, Tensor row) {
   return true;
 }
 
-double MoELayer::absorb_device_stats(const float* row) {
+double MoELayer::absorb_device_stats(const float* row, int64_t replicas) {
   const size_t e = step_load_.size();
   int64_t total = 0;
   for (size_t j = 0; j < e; ++j) {
     step_load_[j] = std::llround(static_cast<double>(row[j]));
     total += step_load_[j];
   }
-  const int64_t expected = device_selections_;
+  const int64_t expected = device_selections_ * replicas;
   device_selections_ = 0;
   if (total != expected) {
     // An app's input, not an invariant of this code: thrown, so the worker reports it.

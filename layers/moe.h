@@ -195,8 +195,11 @@ class MoELayer {
   // Takes a host copy of that row after a step: step_load() := its counts; returns its aux
   // loss sum (over micro-batches, unweighted). Throws when the counts do not add up to top_k
   // copies of the tokens the router assumed (a group whose members routed unequal token
-  // counts: the aux loss and its gradient would have been scaled wrongly).
-  double absorb_device_stats(const float* row);
+  // counts: the aux loss and its gradient would have been scaled wrongly). `replicas`: the
+  // number of copies of this layer whose rows were summed into `row` (data-parallel
+  // replicas, each routing the same token count): the counts then add up to that many
+  // times this layer's own selections.
+  double absorb_device_stats(const float* row, int64_t replicas = 1);
   // The selections absorb_device_stats will expect (device mode), and an addition to them
   // for a replayed step (Model::add_pending_selections).
   int64_t pending_selections() const { return device_selections_; }

@@ -127,6 +127,7 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(tc.train.device_stats, cfg.get_bool("train.device_stats", tc.train.device_stats));
   TROUPE_ASSIGN_OR_RETURN(tc.train.fold_grad_norm,
                           cfg.get_bool("train.fold_grad_norm", tc.train.fold_grad_norm));
+  tc.train.cuda_graph_asked = cfg.has("train.cuda_graph");
   TROUPE_ASSIGN_OR_RETURN(tc.train.cuda_graph, cfg.get_bool("train.cuda_graph", tc.train.cuda_graph));
   TROUPE_ASSIGN_OR_RETURN(tc.train.launch_ahead, cfg.get_bool("train.launch_ahead", tc.train.launch_ahead));
   TROUPE_ASSIGN_OR_RETURN(tc.train.attention_fused_dq,

@@ -37,26 +37,36 @@ struct TrainOptions {
   // Evaluations, checkpoints, stops and membership changes stay in order; a failure with
   // several steps in flight restores a step every survivor holds (docs/elastic.md).
   int64_t steps_in_flight = 2;
-  // GPU runs: keep the step's statistics on the device until its one read (issue 20; with
-  // n > 1 summed over the n-group on the device; not with a z-loss); false: the host
-  // statistics (per-layer read-backs), for comparison.
+  // The step engine's switches (the Stage, every layout; actors/training/stage.h "Step
+  // engine"). Each defaults to the fast way; false keeps the plain one, for comparison.
+  // The step's statistics (loss, gradient norm, tokens, the program's: router loads and
+  // aux losses) accumulate in one device buffer, are summed over the world on the device
+  // and read once per step, asynchronously; false: read back inside the step and summed
+  // in fp64 on the host (per-layer read-backs with n > 1). A program that keeps its own
+  // on the host (a router with a z-loss) uses the host way. The CPU runs the same code.
   bool device_stats = true;
-  // With device_stats and grad_accum 1 in the single-process loop: the experts' dW products
-  // leave their sums of squares for the clip's gradient norm, which then reads only the
-  // other gradients (Model::enable_grad_norm_fold); false: the norm reads every gradient,
-  // for comparison.
+  // The experts' dW products leave their sums of squares for the clip's gradient norm,
+  // which then reads only the other gradients, where that is exact: dp = 1 (a dp
+  // reduction changes the gradients after the product) and one micro-batch a step (later
+  // ones add); elsewhere the norm reads every gradient. false: always read.
   bool fold_grad_norm = true;
-  // With device_stats in the single-process loop on a GPU: from the second step on, each
-  // step is one replay of a CUDA graph captured once (bench_1b's ~1,560 launches cost
-  // one), its inputs copied into the graph's, its learning rate read from the device; a
-  // step whose batch has another count of targets runs without it. false: every launch
-  // enqueued one by one, for comparison (and for kernel profilers that want launches).
+  // GPUs: from the second step on, each step is one replay of a CUDA graph captured once
+  // (bench_1b's ~1,560 launches cost one; the collectives of dp and pp inside it), its
+  // batch copied into the graph's inputs, its learning rate read from the device; a step
+  // whose batch has other counts of targets runs op by op. Needs device_stats. A step
+  // that cannot be captured (n > 1: the expert dispatch reads token counts on the host; a
+  // router with a z-loss keeps its statistics on the host) runs op by op with a note
+  // saying why, or, when the config sets cuda_graph = true itself, is refused at start.
+  // false: every launch enqueued one by one (for kernel profilers that want launches).
+  // CPU workers have no launches to capture: the switch does not apply to them.
   bool cuda_graph = true;
-  // With cuda_graph: a replayed step's successor is enqueued before the step's statistics
-  // are read (copied out asynchronously, the buffer cleared), so the device does not wait
-  // for the host's read, logging and uploads between steps (~0.35 ms a bench_1b step).
-  // Not before an evaluation or a checkpoint, nor with a time limit or the router's bias
-  // update (host work the next step depends on). Losses and norms are the same either way.
+  bool cuda_graph_asked = false;  // the config (or an override) set train.cuda_graph
+  // The next step may be enqueued before this step's statistics are read (the worker
+  // launches step k+1, then finishes step k), so the device does not wait for the host's
+  // read, logging, uploads and driver between steps. On GPUs from the captured step on,
+  // and not where the host changes the next step between steps (the router's bias
+  // update); losses and norms are the same either way. On the CPU a step runs whole when
+  // launched, so this only orders the work.
   bool launch_ahead = true;
   // GPU runs on Hopper: the attention backward computes dQ inside its
   // dK/dV kernel, each key block adding its share in no fixed order (~1.5% faster on
@@ -64,20 +74,21 @@ struct TrainOptions {
   // (kernels::CudaContext::attention_fused_dq). The embedding backward adds repeated ids
   // in no fixed order either way, so gradient norms can differ in their last bits.
   bool attention_fused_dq = true;
-  // The experts' weight gradients on a GPU in the single-process loop: f32 (default), or
-  // bf16 ("bf16": each is its grouped dW product rounded once to bf16, as PyTorch autocast's
-  // gradients of bf16 weight copies are; the norm, clipping and AdamW then compute in f32
-  // from it). Half the bytes for the dW products to write and AdamW to read (bench_1b: ~2.4
-  // GB of each a step). Needs grad_accum = 1. The Trainer's stages keep f32 (their gradient
-  // buffers and reductions are f32) and CPU runs too, each saying so in a note.
+  // The experts' weight gradients: f32 (default), or bf16 ("bf16": each is its grouped dW
+  // product rounded once to bf16, as PyTorch autocast's gradients of bf16 weight copies
+  // are; the norm, clipping and AdamW then compute in f32 from it; the dp reduce-scatter
+  // sends them as bf16 and sums them in f32). Half the bytes for the dW products to write
+  // and the norm, the reduction and AdamW to read (bench_1b: ~2.4 GB of each a step).
+  // Needs grad_accum = 1. Every layout and backend.
   DType expert_grads = DType::kF32;
-  // The f32 master weights on a GPU in the single-process loop: "f32" (default: a value
-  // tensor beside each bf16 working copy), or "split": each matrix's master kept as its
-  // bf16 working copy plus a 16-bit low half (Model::split_masters; exact, the same f32
-  // bits). AdamW then reads and writes 26 bytes a parameter instead of 28 (bench_1b: ~2.6
-  // GB less a step); the values are brought up to date for checkpoints and the final
-  // weights. The working copy rounds ties away from zero instead of to even. The
-  // Trainer's stages and CPU runs keep "f32", each saying so in a note.
+  // The f32 master weights on a GPU: "f32" (default: a value tensor beside each bf16
+  // working copy), or "split": each matrix's master kept as its bf16 working copy plus a
+  // 16-bit low half (layers::ParamBuffer::split_masters; exact, the same f32 bits). AdamW
+  // then reads and writes 26 bytes a parameter instead of 28 (bench_1b: ~2.6 GB less a
+  // step); the values are brought up to date for checkpoints and copies; with dp > 1 the
+  // shard's values are joined for the all-gather. The working copy rounds ties away from
+  // zero instead of to even. CPU workers compute from f32 masters (no working copies)
+  // and keep them, saying so in a note.
   bool split_master = false;
   // A Hugging Face model directory (config.json + safetensors of a Mixtral or Qwen3-MoE)
   // whose weights start the run instead of the seed's initialisation: each rank reads its

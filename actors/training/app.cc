@@ -180,16 +180,10 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   if (!role.empty() && role != "driver" && role != "worker") {
     return invalid_argument("TROUPE_ROLE='{}' (expected driver or worker)", role);
   }
-  if (tc.train.expert_grads != DType::kF32 && role != "worker") {
+  if (tc.train.split_master && o.backend != "cuda" && role != "worker") {
     fmt::print(
-        "note: train.expert_grads = \"{}\" is not applied by the Stage yet: this run keeps f32 gradients "
-        "(its reductions and buckets are f32)\n",
-        dtype_name(tc.train.expert_grads));
-  }
-  if (tc.train.split_master && role != "worker") {
-    fmt::print(
-        "note: train.master_weights = \"split\" is not applied by the Stage yet: this run keeps f32 master "
-        "values (its buckets, checkpoints and copies read them)\n");
+        "note: train.master_weights = \"split\" keeps a matrix's f32 master as its bf16 working copy and a "
+        "low half; CPU workers compute from the f32 masters themselves (no working copies) and keep them\n");
   }
   if (role == "worker") {
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> store, open_store(run_dir));

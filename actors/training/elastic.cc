@@ -17,7 +17,6 @@
 
 #include "actors/training/checkpointing.h"
 #include "actors/training/control.h"
-#include "actors/training/device_timeline.h"
 #include "actors/training/role_actors.h"
 #include "actors/training/stage.h"
 #include "actors/training/trainer.h"
@@ -425,7 +424,6 @@ class ElasticWorker {
   // command being served (-1: none).
   std::deque<StepCommand> queue_;
   int64_t launched_ahead_ = -1;
-  std::unique_ptr<DeviceTimeline> timeline_;  // the device's clock for the steps (GPU)
   std::atomic<bool> cancel_{false};  // set when epoch_+1 opened: in-progress rendezvous give up
   CancellableStore comm_store_;
 };
@@ -633,6 +631,8 @@ void fill_step_reply(const StepReport& r, StepReply& m) {
   m.upload_waits = r.upload_waits;
   m.activation_bytes = r.activation_bytes;
   m.rss_peak_bytes = r.rss_peak_bytes;
+  m.device_ms = r.device_ms;
+  m.device_gap_ms = r.device_gap_ms;
 }
 
 void note_ckpt_error(StepReply& reply, int64_t step, const Status& st) {
@@ -731,7 +731,6 @@ Status ElasticWorker::run_step_command(const Command& cmd, StepReply& reply) {
   if (launched_ahead_ == cmd.step) {
     reply.launched_ahead = true;  // enqueued while the step before was finishing
   } else {
-    timeline_->begin(cmd.step);
     stage_->launch_step(cmd.step);
   }
   launched_ahead_ = -1;
@@ -740,21 +739,14 @@ Status ElasticWorker::run_step_command(const Command& cmd, StepReply& reply) {
     const bool next_is_step = !queue_.empty() && queue_.front().seq == cmd.seq + 1 &&
                               static_cast<Command::Kind>(queue_.front().kind) == Command::Kind::kStep &&
                               queue_.front().step == cmd.step + 1;
-    // The Stage enqueued the whole step in launch_step: its last op is behind us.
-    timeline_->end(cmd.step);
     if (next_is_step) {
-      timeline_->begin(cmd.step + 1);
       stage_->launch_step(cmd.step + 1);
       launched_ahead_ = cmd.step + 1;
     }
   }
   const StepReport rep = stage_->finish_step(cmd.step);
-  if (!ahead_ok) timeline_->end(cmd.step);  // the step's work may have been enqueued by finish_step
-  const DeviceTimeline::Times t = timeline_->read(cmd.step);
   actors_->step_done(cmd.step, rep.step_ms);
   fill_step_reply(rep, reply);
-  reply.device_ms = t.device_ms;
-  reply.device_gap_ms = t.gap_ms;
   if (keep_state_) {
     const auto c0 = Clock::now();
     stage_->replicate_optimizer();
@@ -803,8 +795,6 @@ Status ElasticWorker::run() {
     return invalid_argument("elastic: the plan asks for checkpoints every {} steps but names no directory",
                             ckpt_every_);
   }
-  // On this thread: the device is current here (the step thread).
-  timeline_ = std::make_unique<DeviceTimeline>(ctx_);
   adopting_ = epoch_;
   watcher_ = std::thread([this] { watch(); });
   bool healthy = true;
@@ -826,7 +816,6 @@ Status ElasticWorker::run() {
       // What was queued or launched belongs to the failed epoch.
       queue_.clear();
       launched_ahead_ = -1;
-      timeline_->reset();
     }
     // Wait for a command of this epoch or for the next epoch's plan.
     const auto idle_deadline = Clock::now() + std::chrono::milliseconds(600000);
@@ -854,7 +843,6 @@ Status ElasticWorker::run() {
       }
       queue_.clear();
       launched_ahead_ = -1;
-      timeline_->reset();
       if (p.rank_of_slot(slot_) < 0) {
         fmt::print(stderr, "elastic: slot {} leaves the job in epoch {} ({})\n", slot_, p.epoch, p.reason);
         return ok_status();

@@ -62,6 +62,9 @@ comm::WorkPtr ElasticComm::broadcast(Tensor tensor, int root, const comm::OpOpti
   return inner()->broadcast(std::move(tensor), root, opts);
 }
 comm::WorkPtr ElasticComm::barrier(const comm::OpOptions& opts) { return inner()->barrier(opts); }
+comm::WorkPtr ElasticComm::fence(const comm::OpOptions& opts) {
+  return inner()->fence(opts);
+}
 
 void ElasticComm::abort(std::string_view reason) { inner()->abort(reason); }
 Status ElasticComm::health() const { return inner()->health(); }

@@ -64,6 +64,7 @@ class ElasticComm final : public comm::Communicator {
   comm::WorkPtr recv(Tensor tensor, int peer, const comm::OpOptions& opts = {}) override;
   comm::WorkPtr broadcast(Tensor tensor, int root, const comm::OpOptions& opts = {}) override;
   comm::WorkPtr barrier(const comm::OpOptions& opts = {}) override;
+  comm::WorkPtr fence(const comm::OpOptions& opts = {}) override;
   void abort(std::string_view reason) override;
   Status health() const override;
 

@@ -256,7 +256,7 @@ int64_t part_len(int64_t lo, int64_t hi, int64_t p, int64_t len) {
 }
 }  // namespace
 
-void grad_bucket_launch(comm::Communicator& dp, const layers::Ctx& c, const Tensor& flat, int64_t shard_len,
+void grad_bucket_launch(comm::Communicator& dp, const layers::Ctx& c, const Tensor& grads, int64_t shard_len,
                         DType wire, Bucket& b, CommTime& t, std::string_view what) {
   const int n = dp.size(), me = dp.rank();
   std::vector<int64_t> sc(static_cast<size_t>(n)), rc(static_cast<size_t>(n));
@@ -265,9 +265,11 @@ void grad_bucket_launch(comm::Communicator& dp, const layers::Ctx& c, const Tens
   b.mine_lo = std::max(b.lo, me * shard_len);
   b.mine_hi = b.mine_lo + mine;
   for (int q = 0; q < n; ++q) rc[static_cast<size_t>(q)] = mine;
-  const Tensor in = flat.narrow(0, b.lo, b.hi - b.lo);
-  if (wire == DType::kF32) {
-    b.send = in;
+  TROUPE_CHECK(grads.numel() == b.hi - b.lo, "grad_bucket_launch: {} gradients for the range [{}, {})",
+               grads.numel(), b.lo, b.hi);
+  const Tensor in = grads.view({grads.numel()});
+  if (in.dtype() == wire) {
+    b.send = in;  // already the wire's dtype (f32, or bf16 gradients)
   } else {
     b.send = c.empty({b.hi - b.lo}, wire);
     kernels::cast(c.ex, in, b.send);

@@ -113,8 +113,10 @@ class CommTime {
 // a flat buffer whose dp shards are contiguous and in rank order ([p*L, (p+1)*L) is rank
 // p's shard): the building blocks of the bucketed ZeRO-1 synchronisation. Both are one
 // all_to_all_v, so a bucket may straddle shards.
-//  - grad_bucket_launch: flat[a, b) -> every rank p receives the part of [a, b) in its
-//    shard from every rank (in `wire` dtype: f32, or bf16 for compression);
+//  - grad_bucket_launch: `grads` holds the gradient elements [a, b) = [b.lo, b.hi) (f32,
+//    or bf16 gradients); every rank p receives the part of [a, b) in its shard from every
+//    rank (in `wire` dtype: f32, or bf16 for compression and for bf16 gradients, which
+//    then travel without a cast);
 //    grad_bucket_finish adds them into shard[(a', b') - p*L] in rank order, in fp32 (the
 //    same order on every schedule, so the result does not depend on bucketing).
 //  - param_bucket_launch: every rank sends its part of [a, b) of `flat` to every rank,
@@ -125,7 +127,7 @@ struct Bucket {
   Tensor send, recv;                 // wire buffers
   int64_t mine_lo = 0, mine_hi = 0;  // the part of [lo, hi) in this rank's shard
 };
-void grad_bucket_launch(comm::Communicator& dp, const layers::Ctx& c, const Tensor& flat, int64_t shard_len,
+void grad_bucket_launch(comm::Communicator& dp, const layers::Ctx& c, const Tensor& grads, int64_t shard_len,
                         DType wire, Bucket& b, CommTime& t, std::string_view what);
 void grad_bucket_finish(const layers::Ctx& c, Bucket& b, const Tensor& shard, int64_t shard_len, CommTime& t);
 void param_bucket_launch(comm::Communicator& dp, const layers::Ctx& c, const Tensor& flat, int64_t shard_len,

@@ -30,18 +30,48 @@
 //   without overlap). The parameter all-gather after the optimizer is launched per
 //   bucket and each block waits for its own bucket in the next forward (state accessors
 //   wait for all of it first).
-// - Norm and metrics: one fp64 sum over the world of [grad sum of squares (each value
-//   counted once: replicated parts on n-rank 0 only, a tied copy on the first stage only),
-//   LM loss, tokens, ..., the program's step_stats()]; the program's end_step gets the sums.
+// - Norm and metrics: the world's sum of [grad sum of squares (each value counted once:
+//   replicated parts on n-rank 0 only, a tied copy on the first stage only), tokens, LM
+//   loss of each micro-batch, ..., the program's statistics]; the optimizer clips by that
+//   norm and the program's end_step gets the sums.
+// - Parameters (layers/param_buffer.h, the one flat buffer type of every path): every
+//   value in one flat f32 buffer, every gradient in one flat buffer (the experts' in a
+//   bf16 tail with train.expert_grads = "bf16"), working copies and split masters beside
+//   them; rank r's ZeRO-1 shard is [r*L, (r+1)*L) of it.
+//
+// Step engine (launch_step / finish_step): everything that makes one GPU fast is a
+// property of the Stage, in every layout:
+// - written gradients: a step clears only the gradients that products add to (the
+//   embedding's), the others are written by their first product (ParamBuffer::zero_grad);
+// - bf16 expert gradients (train.expert_grads): the dp reduce-scatter sends them as they
+//   are (bf16 on the wire) and sums them in f32 into the f32 shard;
+// - split masters (train.master_weights = "split"): AdamW updates the bf16 copy and low
+//   half of its shard; with dp > 1 the shard's values are joined for the f32 all-gather
+//   and each bucket's copies split again as it lands;
+// - folded gradient norm (train.fold_grad_norm) where exact: n-sharded gradients that no
+//   dp reduction changes (dp == 1); elsewhere the norm reads the gradient;
+// - statistics on the device (train.device_stats, the default): the step's statistics
+//   accumulate in one f32 buffer, are all-reduced over the world on the device, and leave
+//   it by one asynchronous copy per step into pinned memory, read in finish_step: no host
+//   read inside the step (StepReport::host_syncs counts any; the n-group's expert
+//   all-to-all reads its token counts unless parallel.device_dispatch);
+// - CUDA graph (train.cuda_graph, GPUs): the whole step — every micro-batch's forward and
+//   backward, the gradient synchronisation, the norm, the optimizer — captured at the
+//   second step and replayed after, the batch copied into fixed device buffers outside
+//   the graph; a step whose target counts differ from the captured step's runs op by op;
+//   layouts whose step cannot be captured refuse it at creation, naming why;
+// - launch-ahead (train.launch_ahead): step k+1 may be launched before step k is
+//   finished (can_launch_ahead), so the device runs on while the host reads, logs and
+//   drives.
 // - Device (create with a CUDA Ctx, e.g. one GPU per worker): NCCL communicators on the
-//   Ctx's device, parameters/gradients/moments in device memory from the Ctx's allocator,
-//   bf16 working copies of the matrices (refreshed after each update) and activations in
-//   the Ctx's dtype; collectives are ordered on the compute stream (group_ops.h "Device
-//   mode"), the overlapped ones on a communication stream ordered by events. With
-//   train.device_stats (default) the step's loss and gradient norm stay on the device
-//   until one read at its end (the program may keep its own statistics there too).
+//   Ctx's device, parameters, gradients and moments in device memory from the Ctx's
+//   allocator, activations in the Ctx's dtype; collectives are ordered on the compute
+//   stream (group_ops.h "Device mode"), the overlapped ones on a communication stream
+//   ordered by events.
 #pragma once
 
+#include <chrono>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -51,11 +81,13 @@
 #include "actors/training/group_ops.h"
 #include "actors/training/stage_program.h"
 #include "actors/training/stage_state.h"
+#include "actors/training/step_graph.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/writer.h"
 #include "comm/compression.h"
 #include "comm/process_groups.h"
 #include "layers/optimizer.h"
+#include "layers/param_buffer.h"
 #include "layers/token_data.h"
 #include "layers/train_config.h"
 
@@ -75,29 +107,36 @@ class Stage {
                                                const layers::Ctx& ctx = layers::Ctx::cpu());
   ~Stage();
 
-  // One optimizer step, in two halves so a caller can keep the device busy: launch_step
-  // enqueues the step's work, finish_step waits for it and returns its report (the only
-  // read of its statistics). Steps are launched and finished in order; with
-  // can_launch_ahead() true, step k+1 may be launched before step k is finished (the
-  // worker loop does so when the next command is already queued and nothing between the
-  // two needs the state, e.g. no commit or checkpoint of step k). Until the Stage can run
-  // ahead, launch_step only records the step and finish_step runs it whole.
+  // ---- steps --------------------------------------------------------------------------
+  // Enqueues step `step` (all its device work, its statistics copied out asynchronously)
+  // and returns at once on a device; on the CPU it runs the whole step. Steps are
+  // launched in order, at most two unfinished at a time. A step that cannot run behind the
+  // one in flight (it runs op by op: the host's bookkeeping of the two would interleave)
+  // first completes that one (its report is kept for its finish_step).
   void launch_step(int64_t step);
+  // Waits for the launched step's statistics and returns its report (finish_step is
+  // called in launch order). After it the step's device work is done.
   StepReport finish_step(int64_t step);
+  // Whether the next step may be launched before finish_step of the last launched one
+  // gains anything and keeps the step's meaning: false where something between two steps
+  // needs the host (the program's updates_between_steps, e.g. a host-side router bias
+  // update), before a step was captured as a graph on a device, or with
+  // train.launch_ahead = false. On the CPU a step runs whole in launch_step: true.
   bool can_launch_ahead() const;
   StepReport run_step(int64_t step) {
     launch_step(step);
     return finish_step(step);
   }
   // Validation loss (every rank returns the same value); eval batches split over dp.
+  // Needs no step in flight.
   double evaluate();
 
   const ParallelCoord& coord() const { return coord_; }
   int rank() const { return rank_; }
-  int64_t num_params_local() const { return static_cast<int64_t>(flat_size_); }
 
   // ---- state, for checkpoints and recovery (actors/training/stage_state.cc) ----------
-  // Call between steps. The layout in checkpoint's terms (same rank numbering).
+  // Call between steps (no step launched and not finished). The layout in checkpoint's terms (same rank
+  // numbering).
   ParallelLayout state_layout() const;
   int64_t steps_done() const;  // optimizer steps applied
   // This rank's parameters, router biases and ZeRO-1 moments as named global slices (see
@@ -195,13 +234,45 @@ class Stage {
   // reading or writing parameter values outside run_step).
   void settle();
   void synchronize() const;  // waits for ctx_'s stream (no-op on the CPU)
+  // ---- step engine (stage.cc) ----
+  struct HostBatch;  // a step's micro-batches as the loader gives them
+  // A launched step until its finish_step.
+  struct Launched {
+    int64_t step = 0;
+    double lr = 0;
+    bool replay = false;  // a replay of the captured step
+    bool done = false;    // completed: report holds its figures
+    StepReport report;
+    std::chrono::steady_clock::time_point launched_at;  // launch_step's start
+    int64_t t0_ns = 0;                                  // the same, for the timeline
+    int64_t host_syncs = 0;                             // device->host reads while it was enqueued
+    int64_t upload_waits = 0;                           // host->device uploads that waited, likewise
+    int64_t bytes0 = 0;                                 // the allocator's bytes in use at its launch
+    double comm_s = 0;                                  // data-plane waits while it was enqueued
+    std::map<std::string, double> comm_by_kind_s;
+  };
+  HostBatch read_batch(int64_t step) const;
+  void upload(const HostBatch& b);  // into the fixed device inputs (inputs_)
+  // All device work of a step (its batch uploaded first); `capturing`: recorded into the
+  // graph, so nothing may be taken from the host that a replay would need afresh.
+  void enqueue_step(int64_t step, bool capturing);
+  void sync_grads();
+  void host_metrics();  // host statistics: read and summed over the world (fp64) into host_stats_
+  void measure_compression(
+      int64_t step);  // parallel.measure_compression (CPU): prints the bf16 exchange's error
+  void optimizer_step(double lr);
+  StepReport complete(Launched& l);  // takes its statistics; the program's end_step
+  void complete_in_flight();         // completes every launched step (reports kept)
+  void write_trace(int64_t step, int64_t t0_ns);
+  Status setup_engine();
   // Makes ctx_'s device current on the calling thread (steps run on an actor thread).
   void bind_device() const;
 
-  void load(bool eval, int64_t step, int64_t index, Micro& m) const;
+  void load_eval(int64_t index, Micro& m) const;
+  void inputs_for(int64_t index, Micro& m) const;  // a training micro-batch from inputs_
   Tensor blocks_forward(const layers::Ctx& c, Tensor x, Micro& m, bool train);
   Tensor blocks_backward(const layers::Ctx& c, Tensor dy, Micro& m);
-  void forward(int64_t step, int64_t index, Micro& m);
+  void forward(int64_t index, Micro& m);
   void backward(Micro& m);
   // Pipeline p2p. Host: pp group, sends kept in pending_sends_. Device: activations on the
   // pp group, gradients on pp_back_ (one communicator per direction, each on its own
@@ -237,10 +308,14 @@ class Stage {
   int64_t batch_ = 0, seq_local_ = 0;
   float loss_weight_ = 1.0f;
 
-  std::vector<Entry> entries_;
+  std::vector<Entry> entries_;  // in the buffer's slot order
+  // Every parameter's value, gradient, working copy (entries_[i] is buf_'s slot i).
+  // flat_size_: the end of the last parameter's range (ZeRO-1 placements divide it).
+  layers::ParamBuffer buf_;
   int64_t flat_size_ = 0, rep_size_ = 0, shard_lo_ = 0, shard_len_ = 0;
-  Tensor flat_value_, flat_grad_, shard_grad_;
+  Tensor shard_grad_;                      // dp > 1: this rank's reduced f32 shard
   std::vector<layers::Parameter> pieces_;  // this dp rank's shard, one piece per parameter
+  std::vector<bool> in_norm_;              // per entry: Entry::in_norm
   // ---- elastic (stage_elastic.cc) ----
   comm::CommFactory elastic_factory(comm::CommFactory inner);
   std::vector<int64_t> piece_offsets() const;  // flat offset of each piece
@@ -272,12 +347,38 @@ class Stage {
   // Per-step accumulators.
   std::vector<comm::WorkPtr> pending_sends_;
   double lm_acc_ = 0, tokens_acc_ = 0;
-  // Device: the step's statistics stay on the device until one read at its end (no host
-  // wait per micro-batch): f32 [1 + grad_accum] = [gradient sum of squares | the token
-  // loss sum of each micro-batch]; the token counts and weights are the host's.
-  Tensor stats_dev_;
-  std::vector<int64_t> micro_tokens_;  // per micro-batch: tokens with a target (last stage)
-  int64_t launched_step_ = -1;         // launch_step's step, not finished yet (-1: none)
+  std::vector<int64_t> micro_tokens_;  // per micro-batch of the step enqueued: tokens with a target
+  // Host statistics: [sum of squares, LM loss, tokens, comm seconds | the program's],
+  // summed over the world.
+  static constexpr size_t kHostOwn = 4;
+  std::vector<double> host_stats_;
+  double host_sumsq_ = 0;
+
+  // ---- step engine ----
+  // train.device_stats: the step's statistics in stats_, f32 [kStatsOwn + grad_accum +
+  // the program's] = [gradient sum of squares, tokens with a target, seconds this rank
+  // waited on the data plane, 0 | each micro-batch's LM loss (already weighted by
+  // loss_weight / its tokens) | the program's rows], summed over the world on the device.
+  static constexpr int64_t kSumSq = 0, kTokens = 1, kCommSeconds = 2, kStatsOwn = 4;
+  bool device_stats_ = false;
+  Tensor stats_;
+  int64_t program_stats_ = 0;  // the program's values at the end of stats_
+  std::unique_ptr<StatsReadback> readback_;
+  std::unique_ptr<DeviceMarks> marks_;  // device: per step, slot step % 3
+  int64_t first_marked_step_ = -1;      // the first step this Stage marked
+  // train.cuda_graph on a device (graph_ null otherwise).
+  std::unique_ptr<StepGraph> graph_;
+  std::vector<int64_t> graph_tokens_;  // per micro-batch: the captured step's target counts
+  size_t graph_peak_ = 0;              // the captured step's allocator high-water mark
+  bool graph_mismatch_told_ = false;
+  // The training micro-batches' device inputs, at fixed addresses (what a graph replays).
+  struct Inputs {
+    Tensor ids, targets;
+  };
+  std::vector<Inputs> inputs_;
+  std::deque<std::unique_ptr<Launched>> launched_;
+  int64_t steps_launched_ = 0;
+  std::chrono::steady_clock::time_point last_finish_{};  // the last finish_step's return
 };
 
 }  // namespace troupe::training

@@ -50,7 +50,7 @@ void Stage::state_copy(const Tensor& src, Tensor dst) const {
 }
 
 void Stage::after_restore() {
-  if (ctx_.on_device()) refresh_working_copies();  // the bf16 copies the kernels read
+  refresh_working_copies();  // the copies the kernels read (and split halves) from the restored values
 }
 
 comm::CommFactory Stage::elastic_factory(comm::CommFactory inner) {
@@ -77,6 +77,8 @@ void Stage::abort_comms(std::string_view reason) {
 }
 
 Status Stage::rebuild_comms(const comm::StoreNamespace& ns) {
+  // A captured step holds the old communicators' handles: the next step captures anew.
+  if (graph_ && layout_->world_size() > 1) graph_->reset();
   for (ElasticComm* c : elastic_comms_) {
     TROUPE_RETURN_IF_ERROR(c->rebuild(ns).with_context(fmt::format("rebuilding communicator {}", c->spec().name)));
   }
@@ -113,7 +115,7 @@ void Stage::moments_to_pieces(const Tensor& full_m, const Tensor& full_v) {
 }
 
 void Stage::replicate_optimizer() {
-  const int64_t padded = flat_value_.numel();
+  const int64_t padded = buf_.values().numel();
   Tensor shard_m = state_zeros(shard_len_), shard_v = state_zeros(shard_len_);
   const std::vector<int64_t> offs = piece_offsets();
   std::vector<layers::NamedBuffer> st = opt_->state();
@@ -135,14 +137,15 @@ void Stage::replicate_optimizer() {
 
 void Stage::commit(int64_t step_done) {
   if (!full_m_.defined()) {
-    full_m_ = state_zeros(flat_value_.numel());
-    full_v_ = state_zeros(flat_value_.numel());
+    full_m_ = state_zeros(buf_.values().numel());
+    full_v_ = state_zeros(buf_.values().numel());
   }
   if (committed_[0].step == step_done) return;  // already recorded (e.g. after an evaluation)
+  settle();                                     // no step in flight; split masters' values joined
   committed_[1] = std::move(committed_[0]);
   Committed& c = committed_[0];
   c.step = step_done;
-  c.value = state_clone(flat_value_);
+  c.value = state_clone(buf_.values());
   c.m = full_m_;  // never written in place (replicate_optimizer makes new tensors)
   c.v = full_v_;
   c.bias.clear();
@@ -156,9 +159,15 @@ std::vector<int64_t> Stage::committed_steps() const {
 
 void Stage::clear_interrupted_step() {
   // An interrupted step: its sends completed (aborted) when the communicators were
-  // aborted; what the program accumulated (e.g. expert loads) must not reach the next step.
+  // aborted; what the program accumulated (e.g. expert loads) must not reach the next step,
+  // nor may a step launched behind it.
   pending_sends_.clear();
-  launched_step_ = -1;
+  launched_.clear();
+  first_marked_step_ = -1;  // the next step's gap to a step before the failure means nothing
+  if (graph_ && graph_->capturing()) {
+    (void)graph_->end_capture();  // a step interrupted while captured: nothing to keep
+    graph_->reset();
+  }
   program_->discard_step();
 }
 
@@ -172,7 +181,7 @@ Status Stage::rollback(int64_t step_done) {
                                committed_[0].step, committed_[1].step);
   }
   clear_interrupted_step();
-  state_copy(c->value, flat_value_);
+  state_copy(c->value, buf_.values());
   full_m_ = c->m;
   full_v_ = c->v;
   moments_to_pieces(full_m_, full_v_);
@@ -198,9 +207,9 @@ Status Stage::import_state(Stage& old) {
   }
   const Committed& c = old.committed_[0];
   if (c.step < 0) return failed_precondition("import_state: the old stage has no committed state");
-  state_copy(c.value.narrow(0, 0, flat_size_), flat_value_.narrow(0, 0, flat_size_));
-  full_m_ = state_zeros(flat_value_.numel());
-  full_v_ = state_zeros(flat_value_.numel());
+  state_copy(c.value.narrow(0, 0, flat_size_), buf_.values().narrow(0, 0, flat_size_));
+  full_m_ = state_zeros(buf_.values().numel());
+  full_v_ = state_zeros(buf_.values().numel());
   state_copy(c.m.narrow(0, 0, flat_size_), full_m_.narrow(0, 0, flat_size_));
   state_copy(c.v.narrow(0, 0, flat_size_), full_v_.narrow(0, 0, flat_size_));
   moments_to_pieces(full_m_, full_v_);
@@ -217,8 +226,8 @@ Status Stage::import_state(Stage& old) {
 
 void Stage::sync_state(int source_dp, int64_t step_done) {
   if (!full_m_.defined()) {
-    full_m_ = state_zeros(flat_value_.numel());
-    full_v_ = state_zeros(flat_value_.numel());
+    full_m_ = state_zeros(buf_.values().numel());
+    full_v_ = state_zeros(buf_.values().numel());
   }
   if (layout_->dp() > 1) {
     comm::Communicator& g = *groups_.dp;
@@ -226,7 +235,7 @@ void Stage::sync_state(int source_dp, int64_t step_done) {
     // On a GPU the broadcasts run on the compute stream (after the copies that fill them);
     // each is waited for, so the next restore step sees its data.
     const comm::OpOptions o = time_.op_options();
-    time_.wait(g.broadcast(flat_value_.narrow(0, 0, flat_size_), source_dp, o), what);
+    time_.wait(g.broadcast(buf_.values().narrow(0, 0, flat_size_), source_dp, o), what);
     // Fresh tensors: the committed copies share the old ones.
     Tensor fm = state_clone(full_m_), fv = state_clone(full_v_);
     time_.wait(g.broadcast(fm.narrow(0, 0, flat_size_), source_dp, o), what);
@@ -326,7 +335,7 @@ void Stage::refresh_replica() {
 
 void Stage::install(const Committed& c) {
   clear_interrupted_step();
-  state_copy(c.value, flat_value_);
+  state_copy(c.value, buf_.values());
   full_m_ = state_clone(c.m);
   full_v_ = state_clone(c.v);
   moments_to_pieces(full_m_, full_v_);
@@ -379,9 +388,9 @@ Status Stage::restore_from_replicas(const std::vector<bool>& has_state, int64_t 
   } else {
     // A replacement: the same (pp, n) coordinate as the lost rank, so the same sizes.
     mine.step = step;
-    mine.value = Tensor::zeros({flat_value_.numel()}, DType::kF32);
-    mine.m = Tensor::zeros({flat_value_.numel()}, DType::kF32);
-    mine.v = Tensor::zeros({flat_value_.numel()}, DType::kF32);
+    mine.value = Tensor::zeros({buf_.values().numel()}, DType::kF32);
+    mine.m = Tensor::zeros({buf_.values().numel()}, DType::kF32);
+    mine.v = Tensor::zeros({buf_.values().numel()}, DType::kF32);
     for (Tensor* b : buffer_tensors()) mine.bias.push_back(Tensor::zeros({b->numel()}, DType::kF32));
     std::vector<Tensor> in{opt_steps, mine.value, mine.m, mine.v};
     for (const Tensor& b : mine.bias) in.push_back(b);

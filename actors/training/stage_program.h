@@ -56,8 +56,8 @@ struct StepReport {
   std::map<std::string, double> comm_by_kind_ms;  // this rank's comm_ms split by kind
   // Device runs: this rank's allocator high-water mark in the step (bytes); -1 on the CPU.
   int64_t peak_bytes = -1;
-  // Device runs: this rank's device->host reads in the step (the step's metrics reads
-  // included); -1 on the CPU.
+  // Device runs: this rank's device->host reads while the step was enqueued (the one
+  // asynchronous read of its statistics is not one); -1 on the CPU.
   int64_t host_syncs = -1;
   // This rank's process: its peak resident host memory so far (peak_resident_bytes; -1
   // where unknown). What a layout costs a process's RAM (docs/parallelism.md, "Memory
@@ -67,6 +67,11 @@ struct StepReport {
   // high-water mark above what was in use when the step began (activations and
   // temporaries); -1 on the CPU.
   int64_t upload_waits = -1, activation_bytes = -1;
+  // Device runs: the step's device time (its first enqueued op to its last), and how long
+  // the device sat idle between the previous step's last op and this step's first: the
+  // host's and the driver's share between steps (~0 when the step was launched ahead).
+  // -1 where not known (the CPU; the first step).
+  double device_ms = -1, device_gap_ms = -1;
 };
 
 // When a parameter's gradient is final within a step's backward, i.e. which bucket of
@@ -172,15 +177,43 @@ class StageProgram {
   }
 
   // Step statistics of the program beyond the LM loss (e.g. an auxiliary loss, expert
-  // loads): this rank's contribution, summed over the world by the framework with its own
-  // metrics, then handed to end_step (after the optimizer update), which may fill
-  // `report` (aux_loss, expert_load) and update buffers. Default: none.
+  // loads), summed over the world by the framework with its own metrics and handed to
+  // end_step (after the optimizer update), which may fill `report` (aux_loss,
+  // expert_load) and update buffers. They live in one of two places, as the Stage's own:
+  // - on the device (train.device_stats, the default; device_stats_size() >= 0): the
+  //   Stage gives the program a zeroed f32 view of device_stats_size() values of its
+  //   statistics buffer (bind_device_stats, once) that the program's forward and backward
+  //   accumulate into — no host read inside a step; the Stage clears it at each step's
+  //   start, calls finish_device_stats() once the step's micro-batches are done (e.g. to
+  //   zero what another rank already counts), all-reduces the buffer over the world on the
+  //   device and reads it once, asynchronously; end_step gets those sums. The layout is the
+  //   program's and must be the same on every rank (e.g. indexed by global block).
+  // - on the host (device_stats_size() < 0, or train.device_stats = false): step_stats()
+  //   returns this rank's contribution, read after the step; end_step gets the fp64 sums.
+  // end_step knows which it gets from device_stats_bound(). Default: none (size 0).
+  virtual int64_t device_stats_size() const { return 0; }
+  virtual void bind_device_stats(const Tensor& rows) { (void)rows; }
+  virtual void finish_device_stats(const layers::Ctx& c) { (void)c; }
   virtual std::vector<double> step_stats() { return {}; }
   virtual void end_step(const layers::Ctx& c, const std::vector<double>& summed, StepReport& report) {
     (void)c, (void)summed, (void)report;
   }
+  // Whether end_step changes what the next step computes (e.g. a router's balancing bias
+  // updated on the host from the step's loads): then the Stage never launches a step
+  // before the previous one's end_step (Stage::can_launch_ahead).
+  virtual bool updates_between_steps() const { return false; }
   // A step was interrupted (a failure unwound it): drop what it accumulated.
   virtual void discard_step() {}
+
+  // CUDA graphs (train.cuda_graph): the Stage captures one whole step and replays it; a
+  // replay runs none of the program's host code. graph_blocker() names what in the
+  // program's step cannot be captured (e.g. token counts read on the host), or is empty.
+  // step_captured() is called right after the captured step was enqueued, step_replayed()
+  // before a replayed step's statistics reach end_step: the program redoes there the host
+  // bookkeeping the replay skipped.
+  virtual std::string graph_blocker() const { return ""; }
+  virtual void step_captured() {}
+  virtual void step_replayed() {}
 
  private:
   template <class T>

@@ -150,7 +150,7 @@ Status Stage::import_state(const SliceSource& source, int64_t steps_done) {
       synchronize();  // `host` is freed at the end of this iteration
     }
   }
-  if (ctx_.on_device()) refresh_working_copies();  // the bf16 copies the kernels read
+  refresh_working_copies();  // the copies the kernels read (and split halves) from the imported values
   opt_->set_steps_done(steps_done);
   return ok_status();
 }

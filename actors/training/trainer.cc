@@ -2022,7 +2022,10 @@ nlohmann::json step_reply_json(const StepReply& r) {
                               {"compute_ms", r.compute_ms},
                               {"comm_ms_mean", r.comm_ms_mean},
                               {"comm_by_kind_ms", r.comm_by_kind_ms}});
-      if (r.peak_bytes >= 0) j["peak_bytes"] = r.peak_bytes;
+      if (r.peak_bytes >= 0) {
+        j["peak_bytes"] = r.peak_bytes;
+        j["peak_gib"] = static_cast<double>(r.peak_bytes) / 1073741824.0;
+      }
       if (r.host_syncs >= 0) j["host_syncs"] = r.host_syncs;
       if (r.rss_peak_bytes >= 0) j["rss_peak_bytes"] = r.rss_peak_bytes;
       if (r.upload_waits >= 0) j["upload_waits"] = r.upload_waits;

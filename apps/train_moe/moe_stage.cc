@@ -85,13 +85,11 @@ class MoeStage final : public training::StageProgram {
           b.moe->router.set_group_all_reduce([g = &group, time = &env.time](std::vector<double>& v) {
             training::sum_doubles(*g, v, *time, "router statistics");
           });
-          if (ctx_.on_device()) {
-            // The same sums on the device, for the statistics that never leave it.
-            b.moe->router.set_device_group_all_reduce([g = &group, time = &env.time](Tensor& v) {
-              training::all_reduce_sum(*g, v, *time, "router statistics");
-              return static_cast<int64_t>(g->size());
-            });
-          }
+          // The same sums where the statistics stay in a tensor (train.device_stats).
+          b.moe->router.set_device_group_all_reduce([g = &group, time = &env.time](Tensor& v) {
+            training::all_reduce_sum(*g, v, *time, "router statistics");
+            return static_cast<int64_t>(g->size());
+          });
         }
       }
       roles_.push_back(std::move(role));
@@ -106,8 +104,10 @@ class MoeStage final : public training::StageProgram {
       for (const auto& r : roles_) {
         if (r->block->is_moe()) r->block->moe->router.bias = ctx_.to_device(r->block->moe->router.bias);
       }
-      enable_device_stats();
     }
+    n_group_ = env.n;
+    dp_ = env.dp;
+    device_dispatch_ = par.device_dispatch;
   }
 
   std::vector<training::ProgramParam> parameters() override {
@@ -206,25 +206,39 @@ class MoeStage final : public training::StageProgram {
     });
   }
 
-  // [aux loss, then per MoE block of the whole model, per expert: its selections]. The
-  // loads are the same on every rank of the n-group: n-rank 0 counts them.
+  // Device statistics (train.device_stats): one row per MoE block of the whole model,
+  // [E selections, aux loss] padded to stride_, so every rank's buffer has the same layout
+  // (a stage fills its own blocks' rows). Each block's router accumulates its row
+  // (MoELayer::set_device_stats; with n > 1 summed over the n-group on the device). -1
+  // where a router cannot (a z-loss): the step's statistics then stay on the host.
+  int64_t device_stats_size() const override {
+    for (const auto& r : roles_)
+      if (r->block->is_moe() && !r->block->moe->router.device_stats_ok(ctx_)) return -1;
+    const int64_t e = tc_.model.moe.num_experts;
+    return num_moe_blocks_ * ((e + 1 + 3) / 4 * 4);
+  }
+
+  void bind_device_stats(const Tensor& rows) override {
+    const int64_t e = tc_.model.moe.num_experts;
+    stride_ = (e + 1 + 3) / 4 * 4;  // 16-byte aligned rows
+    stats_rows_ = rows;
+    for (const auto& r : roles_) {
+      if (r->moe_index < 0) continue;
+      const bool ok = r->block->moe->set_device_stats(ctx_, rows.narrow(0, r->moe_index * stride_, e + 1));
+      TROUPE_CHECK(ok, "moe stage: MoE block refused device statistics after device_stats_size");
+    }
+  }
+
+  // The rows of the n-group's members are its sums, the same on each: n-rank 0 counts them.
+  void finish_device_stats(const layers::Ctx& c) override {
+    if (n_rank_ != 0 && stats_rows_.defined()) kernels::fill(c.ex, stats_rows_, 0.0f);
+  }
+
+  // Host statistics: [aux loss, then per MoE block of the whole model, per expert: its
+  // selections]. The loads are the same on every rank of the n-group: n-rank 0 counts them.
   std::vector<double> step_stats() override {
     const int64_t e = tc_.model.moe.num_experts;
     std::vector<double> v(static_cast<size_t>(1 + num_moe_blocks_ * e), 0.0);
-    if (stats_rows_.defined()) {
-      // The step's one read of the routers' device statistics: each MoE block's
-      // selections (its step_load) and its aux loss summed over the micro-batches.
-      const Tensor h = ctx_.to_host(stats_rows_);
-      double aux = 0;
-      int64_t i = 0;
-      for (const auto& r : roles_) {
-        if (r->moe_index >= 0) aux += r->block->moe->absorb_device_stats(h.data<float>() + stride_ * i++);
-      }
-      // Every micro-batch weighs the same; the aux loss is the n-group's (the same on every
-      // member), counted once as on the host path: by n-rank 0.
-      aux_acc_ = n_rank_ == 0 ? aux * static_cast<double>(loss_weight_) : 0.0;
-      kernels::fill(ctx_.ex, stats_rows_, 0.0f);
-    }
     v[0] = aux_acc_;
     aux_acc_ = 0;
     if (n_rank_ == 0) {
@@ -242,12 +256,33 @@ class MoeStage final : public training::StageProgram {
   void end_step(const layers::Ctx& c, const std::vector<double>& summed, training::StepReport& rep) override {
     const int64_t e = tc_.model.moe.num_experts;
     const int64_t nmoe = num_moe_blocks_;
-    rep.aux_loss = summed[0];
     rep.expert_load.assign(static_cast<size_t>(nmoe), std::vector<int64_t>(static_cast<size_t>(e), 0));
-    for (int64_t i = 0; i < nmoe; ++i)
-      for (int64_t j = 0; j < e; ++j)
-        rep.expert_load[static_cast<size_t>(i)][static_cast<size_t>(j)] =
-            std::llround(summed[static_cast<size_t>(1 + i * e + j)]);
+    if (stats_rows_.defined()) {
+      // The world's sums of every block's row: each of this stage's blocks checks its
+      // counts (summed over the dp replicas, each routing the same tokens) and takes its
+      // step_load; the aux loss is summed unweighted, every micro-batch weighing the same.
+      double aux = 0;
+      std::vector<float> row(static_cast<size_t>(e + 1));
+      for (int64_t i = 0; i < nmoe; ++i) {
+        const double* p = summed.data() + i * stride_;
+        for (int64_t j = 0; j < e; ++j)
+          rep.expert_load[static_cast<size_t>(i)][static_cast<size_t>(j)] = std::llround(p[j]);
+        aux += p[e];
+      }
+      for (const auto& r : roles_) {
+        if (r->moe_index < 0) continue;
+        const double* p = summed.data() + r->moe_index * stride_;
+        for (int64_t j = 0; j <= e; ++j) row[static_cast<size_t>(j)] = static_cast<float>(p[j]);
+        r->block->moe->absorb_device_stats(row.data(), dp_);
+      }
+      rep.aux_loss = aux * static_cast<double>(loss_weight_);
+    } else {
+      rep.aux_loss = summed[0];
+      for (int64_t i = 0; i < nmoe; ++i)
+        for (int64_t j = 0; j < e; ++j)
+          rep.expert_load[static_cast<size_t>(i)][static_cast<size_t>(j)] =
+              std::llround(summed[static_cast<size_t>(1 + i * e + j)]);
+    }
     // The aux-loss-free balancing bias, from the loads summed over the world (as one
     // process updates it); also clears each block's step_load.
     for (const auto& r : roles_) {
@@ -261,38 +296,41 @@ class MoeStage final : public training::StageProgram {
     }
   }
 
+  bool updates_between_steps() const override {
+    for (const auto& r : roles_)
+      if (r->block->is_moe() && r->block->moe->router.cfg.bias_update_rate > 0) return true;
+    return false;
+  }
+
   void discard_step() override {
     aux_acc_ = 0;
-    if (stats_rows_.defined()) kernels::fill(ctx_.ex, stats_rows_, 0.0f);
     for (const auto& r : roles_) {
       if (r->block->is_moe()) r->block->moe->update_bias(std::vector<int64_t>{});  // clears step_load only
     }
   }
 
- private:
-  // On GPUs each MoE block's selections and aux loss accumulate on the device
-  // (MoELayer::set_device_stats; with n > 1 summed over the n-group by an all-reduce on the
-  // device) and step_stats reads them once, instead of a host read per block and
-  // micro-batch. Not where a router cannot (z-loss) or train.device_stats = false.
-  void enable_device_stats() {
-    if (!tc_.train.device_stats) return;
-    std::vector<layers::MoELayer*> moes;
-    for (const auto& r : roles_) {
-      if (!r->block->is_moe()) continue;
-      if (!r->block->moe->router.device_stats_ok(ctx_)) return;
-      moes.push_back(r->block->moe.get());
-    }
-    if (moes.empty()) return;
-    const int64_t e = tc_.model.moe.num_experts;
-    stride_ = (e + 1 + 3) / 4 * 4;  // 16-byte aligned rows
-    stats_rows_ = ctx_.zeros({static_cast<int64_t>(moes.size()) * stride_}, DType::kF32);
-    for (size_t i = 0; i < moes.size(); ++i) {
-      const bool ok =
-          moes[i]->set_device_stats(ctx_, stats_rows_.narrow(0, static_cast<int64_t>(i) * stride_, e + 1));
-      TROUPE_CHECK(ok, "moe stage: MoE block refused device statistics after device_stats_ok");
-    }
+  std::string graph_blocker() const override {
+    if (n_group_ <= 1 || num_moe_blocks_ == 0) return "";
+    return device_dispatch_
+               ? "the expert dispatch over the n-group maps its peers' row buffers on the host as the rows "
+                 "grow (parallel.device_dispatch)"
+               : "the expert dispatch over the n-group reads its token counts on the host in every MoE block";
   }
 
+  // A replay skips forward's host bookkeeping: each block's expected selections
+  // (MoELayer::pending_selections), which the captured step added once.
+  void step_captured() override {
+    captured_selections_.clear();
+    for (const auto& r : roles_)
+      captured_selections_.push_back(r->moe_index >= 0 ? r->block->moe->pending_selections() : 0);
+  }
+  void step_replayed() override {
+    for (size_t i = 0; i < roles_.size(); ++i)
+      if (roles_[i]->moe_index >= 0)
+        roles_[i]->block->moe->add_pending_selections(captured_selections_.at(i));
+  }
+
+ private:
   struct Role {
     std::unique_ptr<layers::Block> block;  // with this rank's experts only when n > 1
     int64_t moe_index = -1;                // index among the model's MoE blocks, -1 for dense
@@ -319,8 +357,11 @@ class MoeStage final : public training::StageProgram {
   int64_t block_lo_ = 0;
   int64_t num_moe_blocks_ = 0;  // of the whole model
   double aux_acc_ = 0;
-  Tensor stats_rows_;  // device statistics: per MoE block of this stage, [E counts, aux] padded to stride_
+  Tensor stats_rows_;  // device statistics: per MoE block of the model, [E counts, aux] padded to stride_
   int64_t stride_ = 0;
+  int n_group_ = 1, dp_ = 1;
+  bool device_dispatch_ = false;
+  std::vector<int64_t> captured_selections_;  // per role: the captured step's expected selections
 };
 
 }  // namespace
