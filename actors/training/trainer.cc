@@ -23,7 +23,8 @@
 // Rescale: writing "N" to <run dir>/scale_request asks for dp=N at the next step boundary
 // (elastic.scale_at = "<step>:<dp>,..." writes it after the given steps)
 // (elastic.min_dp <= N <= elastic.max_dp, default 1 and the configured dp);
-// grad_accum is scaled by old/new dp so the global batch and the data order stay the same.
+// the global batch (train.global_batch) and so the data order stay the same: each replica
+// takes global_batch / (micro_batch_size * dp) micro-batches.
 // Replace: "<slot>" in <run dir>/replace_request replaces that worker at the next step
 // boundary (a planned recovery: no step lost). `troupe scale|replace|status <run dir>`
 // write and read these files (scheduler/cli_elastic.cc).
@@ -556,16 +557,12 @@ Result<ElasticPlan> Trainer::plan_for(int64_t dp, const std::vector<int>& keep_d
   const int pp = static_cast<int>(tc_.parallel.pp), n = static_cast<int>(tc_.parallel.n);
   TROUPE_ASSIGN_OR_RETURN(ParallelLayout old_l, ParallelLayout::make(pp, static_cast<int>(plan_.dp), n));
   TROUPE_ASSIGN_OR_RETURN(ParallelLayout new_l, ParallelLayout::make(pp, static_cast<int>(dp), n));
-  const int64_t global = plan_.dp * plan_.grad_accum;
-  if (global % dp != 0) {
-    return invalid_argument(
-        "dp={} does not divide the global batch of {} micro-batches (dp {} x grad_accum {})", dp, global,
-        plan_.dp, plan_.grad_accum);
-  }
+  // The global batch stays the config's: each replica takes more or fewer micro-batches.
+  TROUPE_ASSIGN_OR_RETURN(const int64_t micro, layers::micro_batches_per_replica(tc_.train, dp));
   ElasticPlan p;
   p.epoch = plan_.epoch + 1;
   p.dp = dp;
-  p.grad_accum = global / dp;
+  p.grad_accum = micro;
   p.step_done = step_done;
   p.seq = seq_;
   p.reason = why;
@@ -737,7 +734,7 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
       }
       const int64_t min_dp = tc_.elastic.min_dp;
       int64_t dp = static_cast<int64_t>(keep.size());
-      while (dp >= min_dp && dp > 0 && (plan_.dp * plan_.grad_accum) % dp != 0) --dp;
+      while (dp >= min_dp && dp > 0 && !layers::micro_batches_per_replica(tc_.train, dp).ok()) --dp;
       if (dp < std::max<int64_t>(min_dp, 1)) {
         return aborted("elastic: no spare worker left and shrinking below dp={} is not allowed ({})", min_dp,
                        f.detail);

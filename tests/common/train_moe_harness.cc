@@ -163,7 +163,7 @@ std::vector<std::string> tiny_model_sets(const TinyModel& m) {
           "model.moe.expert_hidden=32",
           "train.seq_len=16",
           "train.micro_batch_size=2",
-          fmt::format("train.grad_accum={}", m.grad_accum),
+          fmt::format("train.global_batch={}", m.global_batch),
           fmt::format("train.steps={}", m.steps),
           fmt::format("train.eval_batches={}", m.eval_batches),
           "train.eval_every=0",

@@ -126,8 +126,10 @@ struct TrainMoeCommand {
 // The tests' tiny MoE model on the tiny.toml config: 4 blocks (dense, MoE, dense, MoE),
 // d 32, ffn 64, 4 experts of hidden 32, vocab 320, sequences of 16, micro-batches of 2,
 // no periodic eval. The fields are what the suites vary (defaults: the elastic suites').
+// The global batch (sequences per step) is the same in every layout, so one set of keys
+// serves each layout a suite compares.
 struct TinyModel {
-  int64_t grad_accum = 1;
+  int64_t global_batch = 4;
   int64_t steps = 8;
   int64_t eval_batches = 2;
   int64_t log_every = 1;
