@@ -161,6 +161,12 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
     return invalid_argument("{}: key 'train.master_weights' must be \"f32\" or \"split\" (got \"{}\")",
                             cfg.source(), master);
   }
+  TROUPE_ASSIGN_OR_RETURN(std::string recompute, cfg.get_string("train.recompute", "none"));
+  if (recompute != "none" && recompute != "blocks") {
+    return invalid_argument("{}: key 'train.recompute' must be \"none\" or \"blocks\" (got \"{}\")",
+                            cfg.source(), recompute);
+  }
+  tc.train.recompute_blocks = recompute == "blocks";
   TROUPE_ASSIGN_OR_RETURN(tc.train.timeline_dir, cfg.get_string("train.timeline_dir", tc.train.timeline_dir));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.every, cfg.get_int("checkpoint.every", tc.checkpoint.every));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.keep, cfg.get_int("checkpoint.keep", tc.checkpoint.keep));

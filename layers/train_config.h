@@ -77,6 +77,11 @@ struct TrainOptions {
   // weights. The working copy rounds ties away from zero instead of to even. The
   // Trainer's stages and CPU runs keep "f32", each saying so in a note.
   bool split_master = false;
+  // train.recompute = "blocks": programs on the transformer program base keep only each
+  // block's input per micro-batch and run the block's forward again in its backward (less
+  // activation memory, one more forward of every block); "none" (default) keeps what the
+  // backward needs. Apps not on the base refuse it (train_moe: model.recompute_swiglu).
+  bool recompute_blocks = false;
   // Non-empty: every rank writes, per step, its per-thread communication and compute
   // timings as JSON lines into this directory (bench/overlap/timeline.py draws them).
   std::string timeline_dir;

@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 
+#include "actors/training/gradcheck.h"
 #include "actors/training/trainer.h"
 #include "comm/rendezvous_store.h"
 #include "core/parallel_layout.h"
@@ -35,6 +36,9 @@ void add_run_options(CLI::App& cli, RunOptions& o) {
   cli.add_option("--resume", o.resume,
                  "continue from the newest valid checkpoint of a run directory (or a checkpoints "
                  "directory, or one step_<N> checkpoint), resharded to the current layout");
+  cli.add_flag("--gradcheck", o.gradcheck,
+               "instead of training: check every parameter's gradient against finite differences of the "
+               "loss (on the CPU, layout 1x1x1, random tokens; no data needed)");
 }
 
 Result<std::vector<std::string>> parallel_overrides(const std::string& spec) {
@@ -141,6 +145,15 @@ Status prepare_run_dir(const layers::TrainConfig& tc, const std::string& config,
 Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   if (!app.program) return invalid_argument("{}: the app gives no stage program", app.name);
   TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, load_run_config(o));
+  if (app.check) TROUPE_RETURN_IF_ERROR(app.check(tc));
+  if (tc.train.recompute_blocks && !app.recomputes_blocks) {
+    return invalid_argument(
+        "{}: train.recompute = \"blocks\" needs an app built on the transformer program base (its blocks on "
+        "a "
+        "tape); {} does not recompute blocks (train_moe: model.recompute_swiglu)",
+        tc.source, app.name);
+  }
+  if (o.gradcheck) return run_gradcheck(app.name, app.program, tc);
   if (tc.data.dir.empty()) {
     return invalid_argument("{}: data.dir is not set (the output of train_moe prepare)", tc.source);
   }

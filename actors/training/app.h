@@ -35,6 +35,12 @@ struct App {
   ProgramFactory program;  // the model part of each pipeline stage
   // Optional: model FLOPs per token (GPU runs report "mfu" against 989 TFLOP/s per GPU).
   std::function<double(const layers::TrainConfig&)> flops_per_token;
+  // Optional: refuses a config the program cannot train (naming the key), before any
+  // worker starts.
+  std::function<Status(const layers::TrainConfig&)> check;
+  // Whether the program honours train.recompute = "blocks" (the transformer program base
+  // does); other apps refuse it.
+  bool recomputes_blocks = false;
 };
 
 // The command line of a training run, the same for every app (add_run_options).
@@ -48,9 +54,13 @@ struct RunOptions {
   // valid checkpoint is loaded into the current layout and training goes on.
   std::string resume;
   std::vector<std::string> argv;  // the whole command line (the standalone launcher re-runs it)
+  // --gradcheck: check the program's gradients by finite differences instead of training
+  // (gradcheck.h; on the CPU, layout 1x1x1).
+  bool gradcheck = false;
 };
 
-// Adds --config, --set, --parallel, --run-dir, --backend and --resume to `cli`, bound to `o`.
+// Adds --config, --set, --parallel, --run-dir, --backend, --resume and --gradcheck to
+// `cli`, bound to `o`.
 void add_run_options(CLI::App& cli, RunOptions& o);
 
 // "pp=2,n=2,dispatch=allgather" -> {"parallel.pp=2", "parallel.n=2", "parallel.dispatch=\"allgather\""}:
