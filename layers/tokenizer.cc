@@ -142,7 +142,7 @@ Status Tokenizer::save(const std::string& path) const {
 
 Result<Tokenizer> Tokenizer::load(const std::string& path) {
   std::ifstream f(path);
-  if (!f) return not_found("tokenizer file {} not found (run `train_moe prepare` first)", path);
+  if (!f) return not_found("tokenizer file {} not found (run `troupe-prepare` first)", path);
   nlohmann::json j;
   try {
     f >> j;

@@ -88,7 +88,7 @@ struct TrainOptions {
 };
 
 struct DataOptions {
-  std::string dir;  // output of `train_moe prepare` (tokenizer.json, train/val shards)
+  std::string dir;  // output of `troupe-prepare` (tokenizer.json, train/val shards)
 };
 
 // Layout pp x dp x n (see DESIGN.md "Parallel layout"): the [parallel] table's pp, dp, n;

@@ -155,7 +155,7 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   }
   if (o.gradcheck) return run_gradcheck(app.name, app.program, tc);
   if (tc.data.dir.empty()) {
-    return invalid_argument("{}: data.dir is not set (the output of train_moe prepare)", tc.source);
+    return invalid_argument("{}: data.dir is not set (the output of troupe-prepare)", tc.source);
   }
   const std::string run_dir = o.run_dir.empty() ? "runs/" + fs::path(o.config).stem().string() : o.run_dir;
   TROUPE_ASSIGN_OR_RETURN(std::vector<std::string> overrides, all_overrides(o));

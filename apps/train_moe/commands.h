@@ -10,20 +10,16 @@
 
 #include "actors/training/app.h"
 #include "actors/training/run_device.h"
+#include "apps/prepare/prepare.h"
 #include "core/status.h"
 
 namespace troupe::train_moe {
 
-struct PrepareOptions {
-  std::vector<std::string> inputs;  // files or directories
-  std::string out;                  // output directory
-  int64_t vocab = 1024;
-  int64_t max_bytes = 8'000'000;     // corpus cap (whole files, in path order)
-  double val_fraction = 0.05;
-  std::vector<std::string> extensions = {".py", ".txt", ".md", ".rst"};  // for directory walks
-  int64_t shard_tokens = 16'000'000;
-};
-Status run_prepare(const PrepareOptions& o);
+// `train_moe prepare`: apps/prepare/prepare.h, the troupe-prepare tool's function.
+using prepare::PrepareOptions;
+inline Status run_prepare(const PrepareOptions& o) {
+  return prepare::prepare_corpus(o);
+}
 
 // The training command line (actors/training/app.h: --config, --set, --parallel,
 // --run-dir, --backend, --resume), the same as every Troupe training app's.

@@ -66,13 +66,7 @@ int main(int argc, char** argv) {
 
   PrepareOptions prep;
   CLI::App* prepare = app.add_subcommand("prepare", "tokenize a text corpus into shards and train the tokenizer");
-  prepare->add_option("--input", prep.inputs, "files or directories (repeatable)")->required();
-  prepare->add_option("--out", prep.out, "output directory")->required();
-  prepare->add_option("--vocab", prep.vocab, "vocabulary size (bytes + end-of-text + merges)");
-  prepare->add_option("--max-bytes", prep.max_bytes, "stop reading files after this many bytes");
-  prepare->add_option("--val-fraction", prep.val_fraction, "fraction of documents for validation");
-  prepare->add_option("--ext", prep.extensions, "file extensions taken from directories (e.g. .py .txt)");
-  prepare->add_option("--shard-tokens", prep.shard_tokens, "tokens per shard file");
+  troupe::prepare::add_prepare_options(*prepare, prep);
 
   SampleOptions sample;
   CLI::App* samp = app.add_subcommand("sample", "generate text from a trained run");

@@ -118,7 +118,8 @@ Result<TrainOptions> resolve_train_options(const TrainOptions& opts) {
 Status run_train(const TrainOptions& o, RunDevice& dev) {
   // ---- configuration ------------------------------------------------------------------
   TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, layers::load_train_config(o.config, o.overrides));
-  if (tc.data.dir.empty()) return invalid_argument("{}: data.dir is not set (the output of train_moe prepare)", tc.source);
+  if (tc.data.dir.empty())
+    return invalid_argument("{}: data.dir is not set (the output of troupe-prepare)", tc.source);
   if (tc.parallel.world() != 1) {
     return invalid_argument(
         "{}: the single-process loop runs layout 1x1x1, not pp={} dp={} n={} (run_app does)", tc.source,

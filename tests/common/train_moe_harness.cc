@@ -137,7 +137,7 @@ void remove_run_root(const fs::path& root) {
 
 RunResult prepare_data(const fs::path& out_dir, const PrepareSpec& spec, const fs::path& log,
                        std::chrono::seconds timeout) {
-  std::vector<std::string> a{train_moe_bin(), "prepare"};
+  std::vector<std::string> a{TROUPE_PREPARE_BIN};
   for (const auto& in : spec.inputs) a.insert(a.end(), {"--input", source_dir() + "/" + in});
   a.insert(a.end(), {"--out", out_dir.string(), "--vocab", std::to_string(spec.vocab), "--max-bytes",
                      std::to_string(spec.max_bytes)});

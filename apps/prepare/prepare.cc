@@ -1,21 +1,23 @@
-// apps/train_moe/prepare.cc — `train_moe prepare`: walk the inputs, train the byte-level
-// BPE on the training documents, tokenize every document into train/validation shards,
-// and write tokenizer.json and meta.json beside them.
+// apps/prepare/prepare.cc — prepare_corpus (troupe-prepare, `train_moe prepare`): walk
+// the inputs, train the byte-level BPE on the training documents, tokenize every document
+// into train/validation shards, and write tokenizer.json and meta.json beside them.
+#include "apps/prepare/prepare.h"
+
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
-
-#include "apps/train_moe/commands.h"
 #include "layers/token_data.h"
 #include "layers/tokenizer.h"
 
-namespace troupe::train_moe {
+namespace troupe::prepare {
 
 namespace fs = std::filesystem;
 
@@ -53,7 +55,17 @@ Result<std::vector<std::string>> list_files(const PrepareOptions& o) {
 
 }  // namespace
 
-Status run_prepare(const PrepareOptions& o) {
+void add_prepare_options(CLI::App& cli, PrepareOptions& o) {
+  cli.add_option("--input", o.inputs, "files or directories (repeatable)")->required();
+  cli.add_option("--out", o.out, "output directory")->required();
+  cli.add_option("--vocab", o.vocab, "vocabulary size (bytes + end-of-text + merges)");
+  cli.add_option("--max-bytes", o.max_bytes, "stop reading files after this many bytes");
+  cli.add_option("--val-fraction", o.val_fraction, "fraction of documents for validation");
+  cli.add_option("--ext", o.extensions, "file extensions taken from directories (e.g. .py .txt)");
+  cli.add_option("--shard-tokens", o.shard_tokens, "tokens per shard file");
+}
+
+Status prepare_corpus(const PrepareOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
   if (o.inputs.empty()) return invalid_argument("prepare: give at least one --input");
   if (o.out.empty()) return invalid_argument("prepare: --out is required");
@@ -104,14 +116,13 @@ Status run_prepare(const PrepareOptions& o) {
              o.vocab - layers::Tokenizer::kFirstMerge);
   std::fflush(stdout);
   int64_t last_print = 0;
-  TROUPE_ASSIGN_OR_RETURN(
-      layers::Tokenizer tok, trainer.train(o.vocab, [&](int64_t done, int64_t total) {
-        if (done - last_print >= 128 || done == total) {
-          fmt::print("tokenizer: {}/{} merges [{:.1f}s]\n", done, total, seconds_since(t0));
-          std::fflush(stdout);
-          last_print = done;
-        }
-      }));
+  TROUPE_ASSIGN_OR_RETURN(layers::Tokenizer tok, trainer.train(o.vocab, [&](int64_t done, int64_t total) {
+    if (done - last_print >= 128 || done == total) {
+      fmt::print("tokenizer: {}/{} merges [{:.1f}s]\n", done, total, seconds_since(t0));
+      std::fflush(stdout);
+      last_print = done;
+    }
+  }));
   if (tok.vocab_size() < o.vocab) {
     fmt::print("tokenizer: the corpus supports only {} tokens (asked {})\n", tok.vocab_size(), o.vocab);
   }
@@ -135,8 +146,10 @@ Status run_prepare(const PrepareOptions& o) {
     ids.push_back(layers::Tokenizer::kEot);
     if (docs.size() == 1 && k > 0) {
       const size_t cut = ids.size() - static_cast<size_t>(static_cast<double>(ids.size()) * o.val_fraction);
-      TROUPE_RETURN_IF_ERROR(train.append(std::vector<int32_t>(ids.begin(), ids.begin() + static_cast<long>(cut))));
-      TROUPE_RETURN_IF_ERROR(val.append(std::vector<int32_t>(ids.begin() + static_cast<long>(cut), ids.end())));
+      TROUPE_RETURN_IF_ERROR(
+          train.append(std::vector<int32_t>(ids.begin(), ids.begin() + static_cast<long>(cut))));
+      TROUPE_RETURN_IF_ERROR(
+          val.append(std::vector<int32_t>(ids.begin() + static_cast<long>(cut), ids.end())));
     } else {
       TROUPE_RETURN_IF_ERROR((is_val(i) ? val : train).append(ids));
     }
@@ -158,13 +171,14 @@ Status run_prepare(const PrepareOptions& o) {
   meta["val_tokens"] = val.tokens();
   meta["inputs"] = o.inputs;
   std::ofstream(o.out + "/meta.json") << meta.dump(2) << "\n";
-  fmt::print("prepare: wrote {} (vocab {}, {} train tokens in {} shard(s), {} val tokens, {:.2f} bytes/token) "
-             "[{:.1f}s]\n",
-             o.out, tok.vocab_size(), train.tokens(), train.files().size(), val.tokens(),
-             static_cast<double>(bytes) / static_cast<double>(std::max<int64_t>(1, train.tokens() + val.tokens())),
-             seconds_since(t0));
+  fmt::print(
+      "prepare: wrote {} (vocab {}, {} train tokens in {} shard(s), {} val tokens, {:.2f} bytes/token) "
+      "[{:.1f}s]\n",
+      o.out, tok.vocab_size(), train.tokens(), train.files().size(), val.tokens(),
+      static_cast<double>(bytes) / static_cast<double>(std::max<int64_t>(1, train.tokens() + val.tokens())),
+      seconds_since(t0));
   if (val.tokens() == 0) fmt::print("prepare: warning: no validation tokens (--val-fraction 0)\n");
   return ok_status();
 }
 
-}  // namespace troupe::train_moe
+}  // namespace troupe::prepare
