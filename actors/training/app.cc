@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -124,6 +125,30 @@ Result<std::unique_ptr<comm::RendezvousStore>> open_store(const std::string& run
 
 }  // namespace
 
+Result<std::string> resolve_run_dir(const RunOptions& o) {
+  if (!o.run_dir.empty()) return o.run_dir;
+  const std::string dir = "runs/" + fs::path(o.config).stem().string();
+  const char* role = env("TROUPE_ROLE");
+  const char* restarts = env("TROUPE_DRIVER_RESTARTS");
+  if ((role != nullptr && std::string(role) == "worker") ||
+      (restarts != nullptr && std::strtoll(restarts, nullptr, 10) > 0)) {
+    return dir;
+  }
+  std::error_code ec;
+  if (!fs::exists(fs::path(dir) / "metrics.jsonl", ec)) return dir;
+  // Resuming from a checkpoint of that very directory continues its metrics.
+  if (!o.resume.empty()) {
+    const fs::path from = fs::weakly_canonical(o.resume, ec), here = fs::weakly_canonical(dir, ec);
+    const auto [mismatch, _] = std::mismatch(here.begin(), here.end(), from.begin(), from.end());
+    if (mismatch == here.end()) return dir;
+  }
+  return failed_precondition(
+      "the default run directory {} holds an earlier run ({}/metrics.jsonl) that this run would overwrite: "
+      "name "
+      "a new one with --run-dir <dir>, or continue that run with --resume {}",
+      dir, dir, dir);
+}
+
 Status prepare_run_dir(const layers::TrainConfig& tc, const std::string& config,
                        const std::vector<std::string>& overrides, const std::string& run_dir) {
   TROUPE_ASSIGN_OR_RETURN(layers::Tokenizer tok, layers::Tokenizer::load(tc.data.dir + "/tokenizer.json"));
@@ -157,7 +182,7 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   if (tc.data.dir.empty()) {
     return invalid_argument("{}: data.dir is not set (the output of troupe-prepare)", tc.source);
   }
-  const std::string run_dir = o.run_dir.empty() ? "runs/" + fs::path(o.config).stem().string() : o.run_dir;
+  TROUPE_ASSIGN_OR_RETURN(const std::string run_dir, resolve_run_dir(o));
   TROUPE_ASSIGN_OR_RETURN(std::vector<std::string> overrides, all_overrides(o));
   const char* role_env = env("TROUPE_ROLE");
   const std::string role = role_env ? role_env : "";
@@ -214,9 +239,11 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
       TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<sched::SchedulerSession> s,
                               sched::SchedulerSession::connect(*jc));
       session = std::move(s);
-      to.publish_placement = [session,
-                              epoch = jc->epoch](const std::vector<std::pair<std::string, std::string>>& p) {
-        return session->place_actors(epoch, p, std::chrono::milliseconds(10000)).status();
+      // With the layout the workers run as: the scheduler knows the job only as --nproc N.
+      to.publish_placement = [session, epoch = jc->epoch](
+                                 const std::vector<std::pair<std::string, std::string>>& p,
+                                 const std::string& layout) {
+        return session->place_actors(epoch, p, std::chrono::milliseconds(10000), layout).status();
       };
     }
   }

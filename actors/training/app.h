@@ -47,7 +47,7 @@ struct App {
 struct RunOptions {
   std::string config;                  // TOML config ([model], [train], [optim], [data], [parallel], ...)
   std::vector<std::string> overrides;  // "key=value", applied in order (--set, then --parallel's)
-  std::string run_dir;                 // default: runs/<config name>
+  std::string run_dir;                 // default: runs/<config name> (resolve_run_dir)
   std::string backend = "cpu";         // "cpu" or "cuda" (each worker: one GPU)
   std::string parallel;                // --parallel pp=2,dp=2,... (turned into overrides)
   // A run directory, its checkpoints directory or one step_<N> checkpoint: the newest
@@ -74,6 +74,13 @@ Result<std::vector<std::string>> all_overrides(const RunOptions& o);
 // Loads the config (o.config with all_overrides(o)) — the result of add_run_options after
 // parsing.
 Result<layers::TrainConfig> load_run_config(const RunOptions& o);
+
+// The run directory of a new run: --run-dir, else runs/<config file stem>, which is
+// refused (naming --run-dir and --resume) when it holds an earlier run's metrics.jsonl that
+// this run would overwrite — unless the run resumes from that directory, or it is a driver
+// the scheduler restarted (TROUPE_DRIVER_RESTARTS > 0: the same job). Workers take the
+// default as it is (they write no metrics).
+Result<std::string> resolve_run_dir(const RunOptions& o);
 
 // A new (or resumed) run directory: the tokenizer of tc.data.dir must fit
 // model.vocab_size; creates `run_dir` and copies the tokenizer and the config (`config`)

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <memory>
@@ -443,6 +444,12 @@ Status ElasticWorker::join(const ElasticPlan& plan) {
   TROUPE_RETURN_IF_ERROR(actors_->place(rank_, plan.epoch, params));
   actors_->step_done(stage_->steps_done(), 0.0);
   ready_info_["roles"] = hosted_roles(params);  // the actors the Trainer monitors
+  // Which process this is, where (troupe status lists them; under the scheduler the
+  // Trainer did not start it).
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "localhost");
+  ready_info_["pid"] = static_cast<int64_t>(getpid());
+  ready_info_["host"] = std::string(host);
   ready_info_["plan_via"] = plan.epoch == 0 ? "start" : plan_via_message_ ? "message" : "store";
   return store_.set(key(fmt::format("ready/{}/{}", plan.epoch, slot_)), ready_info_.dump());
 }
@@ -648,11 +655,15 @@ Status ElasticWorker::run() {
   adopting_ = epoch_;
   watcher_ = std::thread([this] { watch(); });
   bool healthy = true;
+  // The last failure was the data plane's (CommFailure: a peer's loss, an aborted
+  // communicator): this worker is sound and waits for the Trainer to re-form the job.
+  bool peer_failure = false;
   Status st = ok_status();
   try {
     st = join(plan);
   } catch (const CommFailure& e) {
     st = unavailable("{}", e.what());
+    peer_failure = true;
   }
   if (!st.ok()) healthy = false;
   int64_t seq = plan.seq;
@@ -660,8 +671,17 @@ Status ElasticWorker::run() {
     if (!healthy) {
       (void)actors_->report(WorkerFailure{epoch_, slot_, rank_, static_cast<uint16_t>(st.code()),
                                           actor_id("stage", rank_), st.to_string(), wall_ms()});
-      fmt::print(stderr, "elastic: slot {} (rank {}) failed in epoch {}: {}\n", slot_, rank_, epoch_, st.to_string());
-      std::fflush(stderr);
+      if (peer_failure) {
+        fmt::print(
+            "elastic: slot {} (rank {}): epoch {} lost a peer on the data plane ({}); waiting for the "
+            "trainer to re-form the job\n",
+            slot_, rank_, epoch_, st.message());
+        std::fflush(stdout);
+      } else {
+        fmt::print(stderr, "elastic: slot {} (rank {}) failed in epoch {}: {}\n", slot_, rank_, epoch_,
+                   st.to_string());
+        std::fflush(stderr);
+      }
     }
     // Wait for a command of this epoch or for the next epoch's plan.
     const auto idle_deadline = Clock::now() + std::chrono::milliseconds(600000);
@@ -692,10 +712,12 @@ Status ElasticWorker::run() {
         fmt::print(stderr, "elastic: slot {} leaves the job in epoch {} ({})\n", slot_, p.epoch, p.reason);
         return ok_status();
       }
+      peer_failure = false;
       try {
         st = join(p);
       } catch (const CommFailure& e) {
         st = unavailable("{}", e.what());
+        peer_failure = true;
       }
       healthy = st.ok();
       seq = p.seq;
@@ -745,6 +767,7 @@ Status ElasticWorker::run() {
     } catch (const CommFailure& e) {
       st = unavailable("{}", e.what());
       healthy = false;
+      peer_failure = true;
       continue;
     }
     TROUPE_RETURN_IF_ERROR(report_durable(reply, cmd.kind == Command::Kind::kStop));

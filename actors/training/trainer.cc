@@ -82,7 +82,10 @@ int64_t env_or(const char* name, int64_t dflt) {
 }
 
 struct Proc {
+  // Its process id (the launcher's child, or under the scheduler what the worker's ready
+  // record says) and host: troupe status shows them.
   pid_t pid = -1;
+  std::string host;
   bool alive = false;
   int gpu = -1;  // standalone launcher, GPU workers: the device index it was given
   std::string last_hb;
@@ -116,10 +119,15 @@ bool reap_by(Proc& p, Clock::time_point deadline) {
 
 struct Failure {
   std::string cause;       // exit, heartbeat, comm_error, watchdog, straggler
-  std::vector<int> slots;  // workers to replace (empty: rebuild only)
+  std::vector<int> slots;  // workers to replace (empty: rebuild only), each once
   std::string detail;
   int64_t ts_ms = 0;
 };
+
+// A worker seen failing twice (its actor's Down message and its exit) is one lost worker.
+void add_slot(Failure& f, int slot) {
+  if (std::find(f.slots.begin(), f.slots.end(), slot) == f.slots.end()) f.slots.push_back(slot);
+}
 
 class Trainer {
  public:
@@ -169,7 +177,10 @@ class Trainer {
   Status answer_store_request();
   void track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step,
                         std::optional<Failure>& failure);
-  void write_status(int64_t step);
+  // status.json (and the job's store key): the workers, their pids and hosts, the
+  // recovery in progress; with `ask_actors`, the actor table is refreshed when the step or
+  // epoch changed (a query of every actor, bounded at 300 ms).
+  void write_status(int64_t step, bool ask_actors = true);
   // After an epoch every worker joined: they all hold the committed state in memory —
   // unless keeps_state_in_memory says they keep none (GPU workers without data
   // parallelism: their recovery is a checkpoint restore).
@@ -202,6 +213,7 @@ class Trainer {
   // The recovery in progress: its detection time, reported at the next completed command.
   std::optional<int64_t> recovering_since_ms_;
   std::string recovering_cause_;
+  std::vector<int> recovering_slots_;  // the workers it replaces (status.json)
   int64_t recovering_steps_lost_ = 0;
   int epoch_plan_messages_ = 0;  // workers of the current epoch that took its plan as a message
   // Straggler tracking: consecutive slow steps per slot, flagged slots.
@@ -368,7 +380,7 @@ std::optional<Failure> Trainer::check_processes() {
     if (!f)
       f = Failure{
           down.reason == control::DownReason::kHeartbeatTimeout ? "heartbeat" : "exit", {}, "", wall_ms()};
-    f->slots.push_back(slot);
+    add_slot(*f, slot);
     f->detail += fmt::format("{}slot {}: actor {} down ({}{}{})", f->detail.empty() ? "" : "; ", slot,
                              down.actor.to_string(), control::down_reason_name(down.reason),
                              down.text.empty() ? "" : ": ", down.text);
@@ -383,7 +395,7 @@ std::optional<Failure> Trainer::check_processes() {
       p.alive = false;
       if (plan_.rank_of_slot(slot) < 0) continue;
       if (!f) f = Failure{"exit", {}, "", wall_ms()};
-      f->slots.push_back(slot);
+      add_slot(*f, slot);
       f->detail +=
           fmt::format("{}slot {} {}", f->detail.empty() ? "" : "; ", slot, v.ok() ? v.value() : "ended");
       continue;
@@ -395,7 +407,7 @@ std::optional<Failure> Trainer::check_processes() {
                                               : fmt::format("was killed by signal {}", WTERMSIG(status));
     if (plan_.rank_of_slot(slot) < 0) continue;  // a worker that left the job
     if (!f) f = Failure{"exit", {}, "", wall_ms()};
-    f->slots.push_back(slot);
+    add_slot(*f, slot);
     f->detail += fmt::format("{}slot {} (pid {}) {}", f->detail.empty() ? "" : "; ", slot, p.pid, how);
   }
   return f;
@@ -520,6 +532,12 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
                             store_->get(key(fmt::format("ready/{}/{}", plan.epoch, plan.slots[r])),
                                         comm::deadline_in(std::chrono::milliseconds(10000))));
     const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    if (j.is_object()) {
+      // The scheduler started the worker: its ready record says which process it is.
+      Proc& p = procs_[plan.slots[r]];
+      if (scheduled_ && j.contains("pid") && j["pid"].is_number_integer()) p.pid = j["pid"].get<pid_t>();
+      if (j.contains("host") && j["host"].is_string()) p.host = j["host"].get<std::string>();
+    }
     if (j.is_object() && j.contains("roles") && j["roles"].is_array()) {
       for (const auto& x : j["roles"]) {
         if (x.is_string()) roles[r].push_back(x.get<std::string>());
@@ -541,7 +559,8 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
         placement.emplace_back(actor_id(role, static_cast<int>(r)), fmt::format("worker-{}", plan.slots[r]));
       }
     }
-    Status st = o_.publish_placement(placement);
+    Status st = o_.publish_placement(
+        placement, fmt::format("pp={},dp={},n={}", tc_.parallel.pp, plan.dp, tc_.parallel.n));
     if (!st.ok()) {
       event({{"event", "placement_not_recorded"}, {"epoch", plan.epoch}, {"error", st.to_string()}});
       fmt::print(stderr, "trainer: the scheduler did not record the actor placement of epoch {}: {}\n",
@@ -670,7 +689,14 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
     if (!recovering_since_ms_) {
       recovering_since_ms_ = f.ts_ms;
       recovering_cause_ = f.cause;
+      recovering_slots_.clear();
     }
+    for (int s : f.slots) {
+      if (std::find(recovering_slots_.begin(), recovering_slots_.end(), s) == recovering_slots_.end())
+        recovering_slots_.push_back(s);
+    }
+    // The failure is visible at once (troupe status, troupe top), not at the next step.
+    write_status(last_step_, /*ask_actors=*/false);
     // Workers that die together (a node, one fault hitting several) die within a few ms
     // of each other: the exits seen in a short window are handled by one recovery.
     if (f.cause == "exit") {
@@ -680,6 +706,7 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
           for (int s : more->slots) {
             if (std::find(f.slots.begin(), f.slots.end(), s) != f.slots.end()) continue;
             f.slots.push_back(s);
+            recovering_slots_.push_back(s);
             f.detail += "; " + more->detail;
             nlohmann::json e{{"event", "failure_detected"}, {"cause", more->cause}, {"slots", {s}},
                              {"detail", more->detail},      {"epoch", plan_.epoch}, {"step", failed_step},
@@ -1058,14 +1085,17 @@ void Trainer::track_stragglers(const std::vector<nlohmann::json>& replies, int64
   }
 }
 
-void Trainer::write_status(int64_t step) {
+void Trainer::write_status(int64_t step, bool ask_actors) {
   nlohmann::json workers = nlohmann::json::array();
   for (size_t r = 0; r < plan_.slots.size(); ++r) {
     const int s = plan_.slots[r];
+    const bool lost = recovering_since_ms_ && std::find(recovering_slots_.begin(), recovering_slots_.end(),
+                                                        s) != recovering_slots_.end();
     workers.push_back({{"slot", s},
                        {"rank", r},
                        {"pid", procs_[s].pid},
-                       {"alive", procs_[s].alive},
+                       {"host", procs_[s].host},
+                       {"alive", procs_[s].alive && !lost},
                        {"straggler", flagged_.count(s) > 0}});
     // The last step's wall, compute and comm time of this rank (troupe top).
     if (last_step_replies_.size() == plan_.slots.size()) {
@@ -1076,7 +1106,7 @@ void Trainer::write_status(int64_t step) {
   }
   // The actors of the job, with their own answers (troupe status --actors): asked once per
   // step boundary.
-  if (actors_ && (step < 0 || step != actors_step_ || plan_.epoch != actors_epoch_)) {
+  if (ask_actors && actors_ && (step < 0 || step != actors_step_ || plan_.epoch != actors_epoch_)) {
     actors_->set_trainer_state(
         step < 0 ? "failed" : "training", step < 0 ? last_step_ : step,
         last_step_replies_.empty() ? 0.0 : last_step_replies_[0].value("step_ms", 0.0));
@@ -1107,6 +1137,10 @@ void Trainer::write_status(int64_t step) {
                     {"recoveries", recoveries_},
                     {"workers", workers},
                     {"actors", actor_table_}};
+  if (recovering_since_ms_) {
+    st["recovering"] = {
+        {"cause", recovering_cause_}, {"slots", recovering_slots_}, {"since_ms", *recovering_since_ms_}};
+  }
   if (step >= 0) last_step_ = step;
   if (scheduled_) (void)store_->set(key("status"), st.dump());  // troupe status <job>
   const std::string tmp = run_dir_ + "/status.json.tmp";

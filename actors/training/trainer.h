@@ -47,8 +47,10 @@ struct TrainerOptions {
   // (989 TFLOP/s x GPUs)); 0: none.
   double flops_per_token = 0;
   // Under the scheduler: records the actor placement of an epoch (actor id -> process
-  // name, e.g. "stage.3" -> "worker-3") in the scheduler's durable state. May be empty.
-  std::function<Status(const std::vector<std::pair<std::string, std::string>>&)> publish_placement;
+  // name, e.g. "stage.3" -> "worker-3") in the scheduler's durable state, with the layout the
+  // workers run as ("pp=2,dp=2,n=1"). May be empty.
+  std::function<Status(const std::vector<std::pair<std::string, std::string>>&, const std::string& layout)>
+      publish_placement;
 };
 
 // Runs the job to its end as its driver. `scheduled_store`: the job's store under

@@ -127,8 +127,7 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
   }
 
   // ---- data and tokenizer -------------------------------------------------------------
-  std::string run_dir = o.run_dir;
-  if (run_dir.empty()) run_dir = "runs/" + fs::path(o.config).stem().string();
+  TROUPE_ASSIGN_OR_RETURN(const std::string run_dir, training::resolve_run_dir(o));
   TROUPE_RETURN_IF_ERROR(training::prepare_run_dir(tc, o.config, o.overrides, run_dir));
   TROUPE_ASSIGN_OR_RETURN(layers::Tokenizer tok, layers::Tokenizer::load(tc.data.dir + "/tokenizer.json"));
   TROUPE_ASSIGN_OR_RETURN(layers::TokenShards train_data, layers::TokenShards::open(tc.data.dir, "train"));
