@@ -74,6 +74,14 @@ layers::Parameter& BlockBuilder::tensor(const std::string& name, const Shape& sh
   return p;
 }
 
+void BlockBuilder::add_parameter(const std::string& name, layers::Parameter& p, const std::string& role) {
+  const std::string full = fmt::format("blocks.{}.{}", index_, name);
+  for (const Made& m : made_) {
+    TROUPE_CHECK(m.name != full && m.param != &p, "BlockBuilder: block {} adds {} twice", index_, full);
+  }
+  made_.push_back({full, &p, role});
+}
+
 layers::Parameter& BlockBuilder::weight(const std::string& name, const Shape& shape) {
   return tensor(name, shape, static_cast<float>(model().init_std));
 }

@@ -92,6 +92,10 @@ class BlockBuilder {
   const layers::ModelConfig& model() const { return env_.tc.model; }
   const layers::TrainConfig& config() const { return env_.tc; }
   int64_t index() const { return index_; }  // the block's global index, 0 .. n_layers - 1
+  // The shape of the activations forward() gets: [batch() * seq_local(), d_model], each
+  // sequence's seq_local() = seq_len / n consecutive tokens on this rank.
+  int64_t batch() const { return env_.batch; }
+  int64_t seq_local() const { return env_.seq_local; }
 
   // A matrix (or any tensor) read by the block's products.
   layers::Parameter& weight(const std::string& name, const Shape& shape);
@@ -100,6 +104,10 @@ class BlockBuilder {
   // Parameters "<name>.weight"; "<name>.wq", ".wk", ".wv", ".wo" (role "attention").
   BlockNorm& rms_norm(const std::string& name);
   BlockAttention& attention(const std::string& name);
+  // A parameter of a hand-written layer the block owns (layers::SwiGLUMLP, ...), named
+  // "blocks.<index>.<name>" (the layer initialises it: from that name, for every layout to
+  // hold the same values). It must live as long as the block.
+  void add_parameter(const std::string& name, layers::Parameter& p, const std::string& role = "");
 
   // The parts made, in order (the base owns them; their addresses are stable).
   const std::vector<Made>& made() const { return made_; }
