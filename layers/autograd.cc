@@ -23,6 +23,8 @@ Var Tape::constant(const Tensor& x) {
   Var v;
   v.tape_ = this;
   v.value_ = x;
+  v.shape_ = x.shape();
+  v.dtype_ = x.dtype();
   return v;
 }
 

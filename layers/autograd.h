@@ -53,19 +53,27 @@ class Var {
  public:
   Var() = default;
   const Tensor& value() const { return value_; }
-  const Shape& shape() const { return value_.shape(); }
-  int64_t size(int64_t d) const { return value_.size(d); }
-  DType dtype() const { return value_.dtype(); }
+  const Shape& shape() const { return shape_; }
+  int64_t size(int64_t d) const {  // negative d counts from the end
+    return shape_[static_cast<size_t>(d < 0 ? d + static_cast<int64_t>(shape_.size()) : d)];
+  }
+  DType dtype() const { return dtype_; }
   bool defined() const { return tape_ != nullptr; }
   Tape& tape() const;
   // Whether a gradient flows to it (a recorded op's result, or an input of a recording tape).
   bool requires_grad() const { return id_ >= 0; }
+  // Lets go of the value (the ops that need it hold their own reference); the Var still
+  // names its gradient slot for Tape::backward. A program keeps a block's output Var for
+  // the backward without keeping the activation alive.
+  void release_value() { value_ = Tensor(); }
 
  private:
   friend class Tape;
   Tape* tape_ = nullptr;
   int id_ = -1;
   Tensor value_;
+  Shape shape_;
+  DType dtype_ = DType::kF32;
 };
 
 class Tape {

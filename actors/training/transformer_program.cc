@@ -200,6 +200,8 @@ class TransformerProgram final : public StageProgram {
         s->in = s->out = Var();  // keeps nothing but the input
         s->x = x;
       }
+      // The output goes on to the next block or the head; the tape needs only its slot.
+      s->out.release_value();
       saved = std::move(s);
     }
     return y;
