@@ -1,4 +1,6 @@
-# Every third-party dependency, all from Debian packages (scripts/install-deps.sh).
+# Every third-party dependency, all from Debian packages (scripts/install-deps.sh). Also
+# installed with Troupe's CMake package (TroupeConfig.cmake includes it): an app built
+# against an installed Troupe finds the same libraries.
 find_package(PkgConfig REQUIRED)
 find_package(Threads REQUIRED)
 find_package(fmt REQUIRED)
@@ -20,11 +22,13 @@ pkg_check_modules(ZSTD REQUIRED IMPORTED_TARGET libzstd)
 pkg_check_modules(ZLIB REQUIRED IMPORTED_TARGET zlib)
 
 # Gloo ships no CMake package on Debian: headers in /usr/include/gloo, libgloo.so.
-find_path(GLOO_INCLUDE_DIR gloo/context.h REQUIRED)
-find_library(GLOO_LIBRARY gloo REQUIRED)
-add_library(Gloo::gloo UNKNOWN IMPORTED)
-set_target_properties(Gloo::gloo PROPERTIES IMPORTED_LOCATION ${GLOO_LIBRARY}
-                      INTERFACE_INCLUDE_DIRECTORIES ${GLOO_INCLUDE_DIR})
+if(NOT TARGET Gloo::gloo)
+  find_path(GLOO_INCLUDE_DIR gloo/context.h REQUIRED)
+  find_library(GLOO_LIBRARY gloo REQUIRED)
+  add_library(Gloo::gloo UNKNOWN IMPORTED)
+  set_target_properties(Gloo::gloo PROPERTIES IMPORTED_LOCATION ${GLOO_LIBRARY}
+                        INTERFACE_INCLUDE_DIRECTORIES ${GLOO_INCLUDE_DIR})
+endif()
 
 # CLI11 on Debian is header-only and may lack a CMake package.
 if(NOT TARGET CLI11::CLI11)

@@ -83,7 +83,7 @@ Result<TokenShards> TokenShards::open(const std::string& dir, const std::string&
   namespace fs = std::filesystem;
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) {
-    return not_found("data directory {} does not exist (run `train_moe prepare --out {}` first)", dir, dir);
+    return not_found("data directory {} does not exist (run `troupe-prepare --out {}` first)", dir, dir);
   }
   std::vector<std::string> paths;
   for (const auto& e : fs::directory_iterator(dir, ec)) {

@@ -222,7 +222,7 @@ std::string json_type(const json& j) {
 
 Result<Tokenizer> Tokenizer::load(const std::string& path, const std::string& eot_token) {
   std::ifstream f(path, std::ios::binary);
-  if (!f) return not_found("tokenizer file {} not found (run `train_moe prepare` first)", path);
+  if (!f) return not_found("tokenizer file {} not found (run `troupe-prepare` first)", path);
   std::stringstream ss;
   ss << f.rdbuf();
   auto text = std::make_shared<const std::string>(ss.str());
@@ -234,7 +234,7 @@ Result<Tokenizer> Tokenizer::load(const std::string& path, const std::string& eo
   }
   if (j.is_object() && j.value("type", "") == "troupe-byte-bpe") {
     return data_loss(
-        "tokenizer {} is in the format of earlier Troupe versions; run `train_moe prepare` again (it "
+        "tokenizer {} is in the format of earlier Troupe versions; run `troupe-prepare` again (it "
         "now writes the Hugging Face tokenizer.json format)",
         path);
   }

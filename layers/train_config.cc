@@ -51,6 +51,18 @@ Status ParallelOptions::validate(const ModelConfig& m, const TrainOptions& t) co
   return ok_status();
 }
 
+Result<int64_t> micro_batches_per_replica(const TrainOptions& t, int64_t dp) {
+  const int64_t per_micro = t.micro_batch_size * dp;
+  if (dp < 1 || per_micro <= 0 || t.global_batch % per_micro != 0) {
+    return invalid_argument(
+        "train.global_batch = {} sequences cannot be split over dp = {} replicas of micro-batches of "
+        "train.micro_batch_size = {} ({} is not a multiple of {} x {} = {}): choose a global batch that "
+        "every layout you run divides, or another micro_batch_size",
+        t.global_batch, dp, t.micro_batch_size, t.global_batch, t.micro_batch_size, dp, per_micro);
+  }
+  return t.global_batch / per_micro;
+}
+
 Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TrainConfig tc;
   tc.source = cfg.source();
@@ -62,7 +74,14 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(t.steps, cfg.get_int("train.steps", t.steps));
   TROUPE_ASSIGN_OR_RETURN(t.seq_len, cfg.get_int("train.seq_len", t.seq_len));
   TROUPE_ASSIGN_OR_RETURN(t.micro_batch_size, cfg.get_int("train.micro_batch_size", t.micro_batch_size));
-  TROUPE_ASSIGN_OR_RETURN(t.grad_accum, cfg.get_int("train.grad_accum", t.grad_accum));
+  TROUPE_ASSIGN_OR_RETURN(t.global_batch, cfg.get_int("train.global_batch", t.micro_batch_size));
+  if (cfg.has("train.grad_accum")) {
+    return invalid_argument(
+        "{}: key 'train.grad_accum' is no longer read: state the batch of a step as train.global_batch "
+        "(sequences; the micro-batches per replica follow from the layout: global_batch / "
+        "(micro_batch_size x dp))",
+        cfg.source());
+  }
   TROUPE_ASSIGN_OR_RETURN(t.eval_every, cfg.get_int("train.eval_every", t.eval_every));
   TROUPE_ASSIGN_OR_RETURN(t.eval_batches, cfg.get_int("train.eval_batches", t.eval_batches));
   TROUPE_ASSIGN_OR_RETURN(t.log_every, cfg.get_int("train.log_every", t.log_every));
@@ -76,7 +95,7 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   const std::pair<const char*, int64_t> positive[] = {{"train.steps", t.steps},
                                                       {"train.seq_len", t.seq_len},
                                                       {"train.micro_batch_size", t.micro_batch_size},
-                                                      {"train.grad_accum", t.grad_accum},
+                                                      {"train.global_batch", t.global_batch},
                                                       {"train.eval_batches", t.eval_batches},
                                                       {"train.log_every", t.log_every}};
   for (const auto& [key, v] : positive) {
@@ -137,12 +156,6 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
     tc.train.expert_grads = DType::kF32;
   } else if (expert_grads == "bf16") {
     tc.train.expert_grads = DType::kBF16;
-    if (tc.train.grad_accum != 1) {
-      return invalid_argument(
-          "{}: key 'train.expert_grads' = \"bf16\" needs train.grad_accum = 1 (got {}): later micro-batches "
-          "would add to the gradient in bf16; use \"f32\"",
-          cfg.source(), tc.train.grad_accum);
-    }
   } else {
     return invalid_argument("{}: key 'train.expert_grads' must be \"f32\" or \"bf16\" (got \"{}\")",
                             cfg.source(), expert_grads);
@@ -154,6 +167,12 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
     return invalid_argument("{}: key 'train.master_weights' must be \"f32\" or \"split\" (got \"{}\")",
                             cfg.source(), master);
   }
+  TROUPE_ASSIGN_OR_RETURN(std::string recompute, cfg.get_string("train.recompute", "none"));
+  if (recompute != "none" && recompute != "blocks") {
+    return invalid_argument("{}: key 'train.recompute' must be \"none\" or \"blocks\" (got \"{}\")",
+                            cfg.source(), recompute);
+  }
+  tc.train.recompute_blocks = recompute == "blocks";
   TROUPE_ASSIGN_OR_RETURN(tc.train.timeline_dir, cfg.get_string("train.timeline_dir", tc.train.timeline_dir));
   TROUPE_ASSIGN_OR_RETURN(tc.train.init_from, cfg.get_string("train.init_from", tc.train.init_from));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.every, cfg.get_int("checkpoint.every", tc.checkpoint.every));
@@ -219,6 +238,16 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
 
   Status st = tc.parallel.validate(tc.model, tc.train);
   if (!st.ok()) return st.with_context(cfg.source());
+  Result<int64_t> micro = micro_batches_per_replica(tc.train, tc.parallel.dp);
+  if (!micro.ok()) return micro.status().with_context(cfg.source());
+  tc.train.grad_accum = *micro;
+  if (tc.train.expert_grads == DType::kBF16 && tc.train.grad_accum != 1) {
+    return invalid_argument(
+        "{}: key 'train.expert_grads' = \"bf16\" needs one micro-batch per step (train.global_batch = "
+        "micro_batch_size x dp = {}; got {}, {} micro-batches): later micro-batches would add to the "
+        "gradient in bf16; use \"f32\"",
+        cfg.source(), tc.train.micro_batch_size * tc.parallel.dp, tc.train.global_batch, tc.train.grad_accum);
+  }
 
   TROUPE_RETURN_IF_ERROR(cfg.check_all_keys_used());
   return tc;

@@ -22,8 +22,15 @@ struct TrainOptions {
   uint64_t seed = 1234;           // model initialisation and data order
   int64_t steps = 100;            // optimizer steps
   int64_t seq_len = 128;          // tokens per sequence
-  int64_t micro_batch_size = 8;   // sequences per micro-batch (per data-parallel rank)
-  int64_t grad_accum = 1;         // micro-batches per step (per data-parallel rank)
+  // The batch of one optimizer step, in sequences, the same in every layout: what the run
+  // trains on does not depend on how it is spread. 0: micro_batch_size (one micro-batch at
+  // layout 1x1x1).
+  int64_t global_batch = 0;
+  int64_t micro_batch_size = 8;  // sequences per micro-batch of one data-parallel replica
+  // Micro-batches per step of each data-parallel replica: derived, not a config key —
+  // global_batch / (micro_batch_size * parallel.dp) (micro_batches_per_replica), set by
+  // parse_train_config for the configured layout and again by every change of dp.
+  int64_t grad_accum = 1;
   int64_t eval_every = 50;        // validation loss every N steps (0: only at the start and end)
   int64_t eval_batches = 4;       // micro-batches of validation data per evaluation
   int64_t log_every = 1;          // a console line every N steps
@@ -95,13 +102,18 @@ struct TrainOptions {
   // own slices of it (train_moe --init-from sets it, with the [model] keys its config.json
   // gives). Empty: initialised from the seed.
   std::string init_from;
+  // train.recompute = "blocks": programs on the transformer program base keep only each
+  // block's input per micro-batch and run the block's forward again in its backward (less
+  // activation memory, one more forward of every block); "none" (default) keeps what the
+  // backward needs. Apps not on the base refuse it (train_moe: model.recompute_swiglu).
+  bool recompute_blocks = false;
   // Non-empty: every rank writes, per step, its per-thread communication and compute
   // timings as JSON lines into this directory (bench/overlap/timeline.py draws them).
   std::string timeline_dir;
 };
 
 struct DataOptions {
-  std::string dir;  // output of `train_moe prepare` (tokenizer.json, train/val shards)
+  std::string dir;  // output of `troupe-prepare` (tokenizer.json, train/val shards)
 };
 
 // Layout pp x dp x n (see DESIGN.md "Parallel layout"): the [parallel] table's pp, dp, n;
@@ -211,9 +223,14 @@ struct TrainConfig {
   ElasticOptions elastic;
   std::string source;  // the config file
 
-  int64_t global_batch() const { return train.micro_batch_size * train.grad_accum * parallel.dp; }
+  int64_t global_batch() const { return train.global_batch; }
   int64_t tokens_per_step() const { return global_batch() * train.seq_len; }
 };
+
+// Micro-batches per step of each of `dp` data-parallel replicas: t.global_batch /
+// (t.micro_batch_size * dp). InvalidArgument naming the three numbers when dp replicas of
+// micro-batches of that size cannot make the global batch.
+Result<int64_t> micro_batches_per_replica(const TrainOptions& t, int64_t dp);
 
 // Parses `path`, applies `overrides` ("key=value", TOML-typed), reads every section and
 // rejects unknown keys. Errors name the key and the file.

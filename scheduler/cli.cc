@@ -556,6 +556,15 @@ int cli_run(const RunOptions& opts) {
     std::string tmpl = (std::filesystem::temp_directory_path() / "troupe-run-XXXXXX").string();
     if (!mkdtemp(tmpl.data())) return fail(io_error("mkdtemp {}: {}", tmpl, std::strerror(errno)));
     state_dir = tmpl;
+  } else {
+    // A --state-dir that does not exist yet is made (as troupe-scheduler makes its own);
+    // one that cannot be is named with the reason, before anything starts.
+    std::error_code ec;
+    std::filesystem::create_directories(state_dir, ec);
+    if (ec || !std::filesystem::is_directory(state_dir)) {
+      return fail(io_error("--state-dir {}: cannot create the directory: {}", state_dir,
+                           ec ? ec.message() : "a file of that name exists"));
+    }
   }
   // The embedded scheduler accepts only this run's own key pair (written into the
   // state directory, mode 0600): other local users cannot submit to it or read its logs.

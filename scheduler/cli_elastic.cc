@@ -302,14 +302,15 @@ void print_actor_table(const nlohmann::json& st) {
     return;
   }
   fmt::print("{} actors\n", actors.size());
-  fmt::print("{:<14} {:<10} {:>5} {:<10} {:<8} {:<14} {:<8} {:<11} {:>6} {:>10} {:>9}\n", "ID", "ROLE",
-             "RANK", "WORKER", "NODE", "HOST", "DEVICE", "STATE", "STEPS", "STEP_MS", "PARAMS");
+  fmt::print("{:<14} {:<10} {:>5} {:<10} {:<8} {:<14} {:>8} {:<8} {:<11} {:>6} {:>10} {:>9}\n", "ID", "ROLE",
+             "RANK", "WORKER", "NODE", "HOST", "PID", "DEVICE", "STATE", "STEPS", "STEP_MS", "PARAMS");
   for (const auto& a : actors) {
-    fmt::print("{:<14} {:<10} {:>5} {:<10} {:<8} {:<14} {:<8} {:<11} {:>6} {:>10.1f} {:>9}\n",
+    const int64_t pid = a.value("pid", int64_t{0});
+    fmt::print("{:<14} {:<10} {:>5} {:<10} {:<8} {:<14} {:>8} {:<8} {:<11} {:>6} {:>10.1f} {:>9}\n",
                a.value("id", ""), a.value("role", ""), a.value("rank", -1), a.value("worker", ""),
-               a.value("node", ""), a.value("host", "").substr(0, 14), a.value("device", ""),
-               a.value("state", ""), a.value("steps_done", int64_t{0}), a.value("last_step_ms", 0.0),
-               a.value("params", int64_t{0}));
+               a.value("node", ""), a.value("host", "").substr(0, 14), pid > 0 ? std::to_string(pid) : "-",
+               a.value("device", ""), a.value("state", ""), a.value("steps_done", int64_t{0}),
+               a.value("last_step_ms", 0.0), a.value("params", int64_t{0}));
   }
 }
 
@@ -325,10 +326,18 @@ void print_elastic_table(const std::string& what, const nlohmann::json& st, bool
              st.value("step", int64_t{0}), st.value("epoch", int64_t{0}), st.value("dp", int64_t{0}),
              st.value("grad_accum", int64_t{0}), st.value("recoveries", int64_t{0}), finished ? ", finished" : "",
              st.value("failed", false) ? ", FAILED" : "");
-  fmt::print("{:>6} {:>6} {:>9} {:>7}  {}\n", "SLOT", "RANK", "PID", "ALIVE", "FLAGS");
+  // A recovery in progress (the Trainer writes it as it detects the failure).
+  if (st.contains("recovering") && st["recovering"].is_object()) {
+    const auto& r = st["recovering"];
+    fmt::print("recovering: {} (slots {})\n", r.value("cause", ""),
+               r.value("slots", nlohmann::json::array()).dump());
+  }
+  fmt::print("{:>6} {:>6} {:>9} {:<16} {:>7}  {}\n", "SLOT", "RANK", "PID", "HOST", "ALIVE", "FLAGS");
   for (const auto& w : st.value("workers", nlohmann::json::array())) {
-    fmt::print("{:>6} {:>6} {:>9} {:>7}  {}\n", w.value("slot", -1), w.value("rank", -1), w.value("pid", -1),
-               w.value("alive", false) ? "yes" : "no", w.value("straggler", false) ? "straggler" : "");
+    const int64_t pid = w.value("pid", int64_t{-1});
+    fmt::print("{:>6} {:>6} {:>9} {:<16} {:>7}  {}\n", w.value("slot", -1), w.value("rank", -1),
+               pid > 0 ? std::to_string(pid) : "-", w.value("host", "").substr(0, 16),
+               w.value("alive", false) ? "yes" : "NO", w.value("straggler", false) ? "straggler" : "");
   }
 }
 }  // namespace

@@ -134,6 +134,7 @@ struct Encoder {
       list[static_cast<unsigned>(i)].setActor(v.placements[i].first);
       list[static_cast<unsigned>(i)].setProc(v.placements[i].second);
     }
+    b.setLayout(v.layout);
   }
   void operator()(const StoreRequest& v) {
     auto b = m.initStore();
@@ -245,6 +246,11 @@ Result<Payload> decode_payload(::Msg::Reader m) {
       v.job_id = r.getJobId();
       v.epoch = r.getEpoch();
       for (auto p : r.getPlacements()) v.placements.emplace_back(p.getActor(), p.getProc());
+      v.layout = r.getLayout();
+      if (v.layout.size() > kMaxLayoutBytes) {
+        return invalid_argument("actor placement with a layout of {} bytes (at most {})", v.layout.size(),
+                                kMaxLayoutBytes);
+      }
       return Payload(std::move(v));
     }
     case ::Msg::RELAY: {

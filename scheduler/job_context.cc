@@ -87,10 +87,11 @@ void SchedulerSession::set_actor_address(std::string node, std::string endpoint)
   actor_endpoint_ = std::move(endpoint);
 }
 
-Result<nlohmann::json> SchedulerSession::place_actors(uint64_t epoch,
-                                                      const std::vector<std::pair<std::string, std::string>>& placements,
-                                                      std::chrono::milliseconds timeout) {
-  TROUPE_ASSIGN_OR_RETURN(Reply r, conn_->request(PlaceActors{ctx_.job_id, epoch, placements}, timeout));
+Result<nlohmann::json> SchedulerSession::place_actors(
+    uint64_t epoch, const std::vector<std::pair<std::string, std::string>>& placements,
+    std::chrono::milliseconds timeout, const std::string& layout) {
+  TROUPE_ASSIGN_OR_RETURN(Reply r,
+                          conn_->request(PlaceActors{ctx_.job_id, epoch, placements, layout}, timeout));
   TROUPE_RETURN_IF_ERROR(r.status());
   try {
     return nlohmann::json::parse(r.body);

@@ -85,9 +85,11 @@ class SchedulerSession {
   // Driver: places actors (name -> process name, e.g. "worker-3") for `epoch` (the job's
   // current one: a restarted job's workers are in a later epoch than the driver's own
   // TROUPE_EPOCH); the reply lists each actor's process, agent, actor-system node and
-  // endpoint.
-  Result<nlohmann::json> place_actors(uint64_t epoch, const std::vector<std::pair<std::string, std::string>>& placements,
-                                      std::chrono::milliseconds timeout);
+  // endpoint. `layout` (e.g. "pp=2,dp=2,n=1"; empty: not said): the layout the driver runs
+  // the workers as, recorded by the scheduler as the job's layout (its events, status).
+  Result<nlohmann::json> place_actors(uint64_t epoch,
+                                      const std::vector<std::pair<std::string, std::string>>& placements,
+                                      std::chrono::milliseconds timeout, const std::string& layout = "");
   // The status document of this job (the same as `troupe status <job> --json`).
   Result<nlohmann::json> job_status(std::chrono::milliseconds timeout);
   ClientEndpoint& endpoint() { return *conn_; }

@@ -124,6 +124,7 @@ struct PlaceActors @0xc1d1a1e7a0b2f010 {
   jobId @0 :Text;
   epoch @1 :UInt64;
   placements @2 :List(ActorPlacement);
+  layout @3 :Text;  # the layout the driver runs ("pp=2,dp=2,n=1"); empty: not said
 }
 
 # One message of a session relayed by a node's agent: the job processes of a host talk to

@@ -122,7 +122,12 @@ struct PlaceActors {
   std::string job_id;
   uint64_t epoch = 0;
   std::vector<std::pair<std::string, std::string>> placements;  // actor -> process name
+  // The parallel layout the driver runs the job's workers as (ParallelLayout::to_string();
+  // at most kMaxLayoutBytes), which only the app knows when the job was submitted without
+  // --layout; empty: not said.
+  std::string layout;
 };
+inline constexpr size_t kMaxLayoutBytes = 64;
 
 // A local session's message relayed by its node's agent (protocol.capnp, Relay). `msg` is
 // the encoded inner Message; decode_message checks that `session` is 1..kMaxRelaySessionBytes

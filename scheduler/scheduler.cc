@@ -517,7 +517,14 @@ void Scheduler::try_start(Job& job) {
     d.beating = false;
     placement["driver"] = d.rec.agent_id;
   }
-  event(job, "placed", {{"epoch", job.rec.epoch}, {"layout", layout.to_string()}, {"placement", placement}});
+  // The layout only where it is known (--layout, or reported by the job's driver in an
+  // earlier epoch): placing nproc workers does not make a job pp=1,dp=nproc,n=1.
+  const std::string known = job.known_layout();
+  event(job, "placed",
+        {{"epoch", job.rec.epoch},
+         {"workers", placed->size()},
+         {"layout", known.empty() ? json(nullptr) : json(known)},
+         {"placement", placement}});
   placing_ranks_.clear();
   for (const auto& [name, p] : job.procs) {
     if (p.rec.role == "worker" && p.rec.epoch == job.rec.epoch)
@@ -863,12 +870,24 @@ json Scheduler::job_json(const Job& job, bool with_procs) const {
     if (proc_live(p.rec)) ++running;
     if (p.rec.role == "worker" && p.rec.epoch == r.epoch && p.rec.state == ProcState::kRunning) ++running_workers;
   }
-  json j = {{"id", r.id}, {"name", r.spec.name}, {"state", job_state_name(r.state)}, {"epoch", r.epoch},
-            {"restarts", r.restarts}, {"driver_restarts", r.driver_restarts}, {"exit_code", r.exit_code},
-            {"message", r.message}, {"created_ms", r.created_ms}, {"updated_ms", r.updated_ms},
-            {"job_dir", r.job_dir}, {"nproc", r.spec.nproc}, {"layout", r.spec.parsed_layout().to_string()},
-            {"max_restarts", r.spec.max_restarts}, {"argv", r.spec.argv}, {"running_procs", running},
-            {"running_workers", running_workers}, {"elastic", r.spec.elastic}};
+  json j = {{"id", r.id},
+            {"name", r.spec.name},
+            {"state", job_state_name(r.state)},
+            {"epoch", r.epoch},
+            {"restarts", r.restarts},
+            {"driver_restarts", r.driver_restarts},
+            {"exit_code", r.exit_code},
+            {"message", r.message},
+            {"created_ms", r.created_ms},
+            {"updated_ms", r.updated_ms},
+            {"job_dir", r.job_dir},
+            {"nproc", r.spec.nproc},
+            {"layout", job.known_layout()},
+            {"max_restarts", r.spec.max_restarts},
+            {"argv", r.spec.argv},
+            {"running_procs", running},
+            {"running_workers", running_workers},
+            {"elastic", r.spec.elastic}};
   j["checkpoint_dir"] = r.spec.checkpoint_dir;
   j["work_dir"] = r.spec.work_dir;
   if (with_procs) {
@@ -996,10 +1015,25 @@ void Scheduler::on_place_actors(const std::string& peer, uint64_t rid, const Pla
                                                          job.rec.id, proc, job.rec.epoch)));
     }
   }
+  if (!m.layout.empty()) {
+    Result<ParallelLayout> l = ParallelLayout::parse(m.layout);
+    if (!l.ok()) return reply(peer, rid, Reply::of(l.status().with_context("actor placement")));
+    if (l->world_size() != job.rec.spec.nproc) {
+      return reply(
+          peer, rid,
+          Reply::of(invalid_argument("actor placement: layout {} has {} workers, job {} has {}",
+                                     l->to_string(), l->world_size(), job.rec.id, job.rec.spec.nproc)));
+    }
+    job.reported_layout = l->to_string();
+  }
   Status s = store_->put_placements(job.rec.id, job.rec.epoch, m.placements);
   if (!s.ok()) return reply(peer, rid, Reply::of(s));
   job.actors = m.placements;
-  event(job, "actors_placed", {{"epoch", job.rec.epoch}, {"actors", m.placements.size()}});
+  const std::string known = job.known_layout();
+  event(job, "actors_placed",
+        {{"epoch", job.rec.epoch},
+         {"actors", m.placements.size()},
+         {"layout", known.empty() ? json(nullptr) : json(known)}});
   json out = {{"epoch", job.rec.epoch}, {"actors", json::array()}};
   for (const auto& [actor, proc] : m.placements) {
     const auto& p = job.procs.at(proc).rec;

@@ -86,6 +86,14 @@ class Scheduler {
     std::vector<std::pair<std::string, std::string>> actors;  // this epoch's placement: actor -> proc
     std::optional<EventLog> log;
     std::set<std::string> retired;  // elastic: failed workers the driver replaced
+    // The layout the job's driver reported with its actor placement (PlaceActors): the
+    // job's real layout when it was submitted without --layout. Empty: none reported.
+    std::string reported_layout;
+    // The layout the job runs as far as the scheduler knows: the spec's --layout, else
+    // the driver's report, else empty (a job of nproc workers and no known layout).
+    std::string known_layout() const {
+      return !rec.spec.layout.empty() ? rec.spec.parsed_layout().to_string() : reported_layout;
+    }
   };
   // How long heartbeats (agents' and job processes') waited between arriving at the
   // scheduler's inbox and being handled by its loop: a cumulative histogram, reported by

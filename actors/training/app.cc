@@ -6,12 +6,14 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
 
+#include "actors/training/gradcheck.h"
 #include "actors/training/trainer.h"
 #include "comm/rendezvous_store.h"
 #include "core/parallel_layout.h"
@@ -40,6 +42,9 @@ void add_run_options(CLI::App& cli, RunOptions& o) {
       "--init-from", o.init_from,
       "start from a Hugging Face model directory (config.json + safetensors of a Mixtral or Qwen3-MoE): "
       "its architecture replaces [model]'s, its weights the initialisation; any layout");
+  cli.add_flag("--gradcheck", o.gradcheck,
+               "instead of training: check every parameter's gradient against finite differences of the "
+               "loss (on the CPU, layout 1x1x1, random tokens; no data needed)");
 }
 
 Result<std::vector<std::string>> parallel_overrides(const std::string& spec) {
@@ -147,6 +152,29 @@ Result<std::unique_ptr<comm::RendezvousStore>> open_store(const std::string& run
 
 }  // namespace
 
+Result<std::string> resolve_run_dir(const RunOptions& o) {
+  if (!o.run_dir.empty()) return o.run_dir;
+  const std::string dir = "runs/" + fs::path(o.config).stem().string();
+  const char* role = env("TROUPE_ROLE");
+  const char* restarts = env("TROUPE_DRIVER_RESTARTS");
+  if ((role != nullptr && std::string(role) == "worker") ||
+      (restarts != nullptr && std::strtoll(restarts, nullptr, 10) > 0)) {
+    return dir;
+  }
+  std::error_code ec;
+  if (!fs::exists(fs::path(dir) / "metrics.jsonl", ec)) return dir;
+  // Resuming from a checkpoint of that very directory continues its metrics.
+  if (!o.resume.empty()) {
+    const fs::path from = fs::weakly_canonical(o.resume, ec), here = fs::weakly_canonical(dir, ec);
+    const auto [mismatch, _] = std::mismatch(here.begin(), here.end(), from.begin(), from.end());
+    if (mismatch == here.end()) return dir;
+  }
+  return failed_precondition(
+      "the default run directory {} holds an earlier run ({}/metrics.jsonl) that this run would overwrite: "
+      "name a new one with --run-dir <dir>, or continue that run with --resume {}",
+      dir, dir, dir);
+}
+
 Status prepare_run_dir(const layers::TrainConfig& tc, const std::string& config,
                        const std::vector<std::string>& overrides, const std::string& run_dir) {
   TROUPE_ASSIGN_OR_RETURN(layers::Tokenizer tok, layers::Tokenizer::load(tc.data.dir + "/tokenizer.json"));
@@ -168,12 +196,20 @@ Status prepare_run_dir(const layers::TrainConfig& tc, const std::string& config,
 Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   if (!app.program) return invalid_argument("{}: the app gives no stage program", app.name);
   TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, load_run_config(o));
+  if (app.check) TROUPE_RETURN_IF_ERROR(app.check(tc));
+  if (tc.train.recompute_blocks && !app.recomputes_blocks) {
+    return invalid_argument(
+        "{}: train.recompute = \"blocks\" needs an app built on the transformer program base (its blocks on "
+        "a tape); {} does not recompute blocks (train_moe: model.recompute_swiglu)",
+        tc.source, app.name);
+  }
+  if (o.gradcheck) return run_gradcheck(app.name, app.program, tc);
   if (tc.data.dir.empty()) {
-    return invalid_argument("{}: data.dir is not set (the output of train_moe prepare)", tc.source);
+    return invalid_argument("{}: data.dir is not set (the output of troupe-prepare)", tc.source);
   }
   // A one-process run refuses what needs worker processes before it touches anything.
   if (runs_in_one_process(tc, env("TROUPE_ROLE") != nullptr)) TROUPE_RETURN_IF_ERROR(check_one_process(tc));
-  const std::string run_dir = o.run_dir.empty() ? "runs/" + fs::path(o.config).stem().string() : o.run_dir;
+  TROUPE_ASSIGN_OR_RETURN(const std::string run_dir, resolve_run_dir(o));
   TROUPE_ASSIGN_OR_RETURN(std::vector<std::string> overrides, all_overrides(o));
   const char* role_env = env("TROUPE_ROLE");
   const std::string role = role_env ? role_env : "";
@@ -238,9 +274,11 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
       TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<sched::SchedulerSession> s,
                               sched::SchedulerSession::connect(*jc));
       session = std::move(s);
-      to.publish_placement = [session,
-                              epoch = jc->epoch](const std::vector<std::pair<std::string, std::string>>& p) {
-        return session->place_actors(epoch, p, std::chrono::milliseconds(10000)).status();
+      // With the layout the workers run as: the scheduler knows the job only as --nproc N.
+      to.publish_placement = [session, epoch = jc->epoch](
+                                 const std::vector<std::pair<std::string, std::string>>& p,
+                                 const std::string& layout) {
+        return session->place_actors(epoch, p, std::chrono::milliseconds(10000), layout).status();
       };
     }
   }

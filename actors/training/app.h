@@ -39,13 +39,19 @@ struct App {
   ProgramFactory program;  // the model part of each pipeline stage
   // Optional: model FLOPs per token (GPU runs report "mfu" against 989 TFLOP/s per GPU).
   std::function<double(const layers::TrainConfig&)> flops_per_token;
+  // Optional: refuses a config the program cannot train (naming the key), before any
+  // worker starts.
+  std::function<Status(const layers::TrainConfig&)> check;
+  // Whether the program honours train.recompute = "blocks" (the transformer program base
+  // does); other apps refuse it.
+  bool recomputes_blocks = false;
 };
 
 // The command line of a training run, the same for every app (add_run_options).
 struct RunOptions {
   std::string config;                  // TOML config ([model], [train], [optim], [data], [parallel], ...)
   std::vector<std::string> overrides;  // "key=value", applied in order (--set, then --parallel's)
-  std::string run_dir;                 // default: runs/<config name>
+  std::string run_dir;                 // default: runs/<config name> (resolve_run_dir)
   std::string backend = "cpu";         // "cpu" or "cuda" (each worker: one GPU)
   std::string parallel;                // --parallel pp=2,dp=2,... (turned into overrides)
   // A run directory, its checkpoints directory or one step_<N> checkpoint: the newest
@@ -55,9 +61,12 @@ struct RunOptions {
   // becomes the [model] overrides and train.init_from (all_overrides).
   std::string init_from;
   std::vector<std::string> argv;  // the whole command line (the standalone launcher re-runs it)
+  // --gradcheck: check the program's gradients by finite differences instead of training
+  // (gradcheck.h; on the CPU, layout 1x1x1).
+  bool gradcheck = false;
 };
 
-// Adds --config, --set, --parallel, --run-dir, --backend, --resume and --init-from to
+// Adds --config, --set, --parallel, --run-dir, --backend, --resume, --init-from and --gradcheck to
 // `cli`, bound to `o`.
 void add_run_options(CLI::App& cli, RunOptions& o);
 
@@ -75,6 +84,13 @@ Result<std::vector<std::string>> all_overrides(const RunOptions& o);
 // Loads the config (o.config with all_overrides(o)) — the result of add_run_options after
 // parsing.
 Result<layers::TrainConfig> load_run_config(const RunOptions& o);
+
+// The run directory of a new run: --run-dir, else runs/<config file stem>, which is
+// refused (naming --run-dir and --resume) when it holds an earlier run's metrics.jsonl that
+// this run would overwrite — unless the run resumes from that directory, or it is a driver
+// the scheduler restarted (TROUPE_DRIVER_RESTARTS > 0: the same job). Workers take the
+// default as it is (they write no metrics).
+Result<std::string> resolve_run_dir(const RunOptions& o);
 
 // A new (or resumed) run directory: the tokenizer of tc.data.dir must fit
 // model.vocab_size; creates `run_dir` and copies the tokenizer and the config (`config`)

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <deque>
 #include <functional>
@@ -488,6 +489,12 @@ Status ElasticWorker::join(const ElasticPlan& plan) {
   TROUPE_RETURN_IF_ERROR(actors_->place(rank_, plan.epoch, params));
   actors_->step_done(stage_->steps_done(), 0.0);
   ready_info_["roles"] = hosted_roles(params);  // the actors the Trainer monitors
+  // Which process this is, where (troupe status lists them; under the scheduler the
+  // Trainer did not start it).
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "localhost");
+  ready_info_["pid"] = static_cast<int64_t>(getpid());
+  ready_info_["host"] = std::string(host);
   ready_info_["plan_via"] = plan.epoch == 0 ? "start" : plan_via_message_ ? "message" : "store";
   return store_.set(key(fmt::format("ready/{}/{}", plan.epoch, slot_)), ready_info_.dump());
 }
@@ -798,11 +805,15 @@ Status ElasticWorker::run() {
   adopting_ = epoch_;
   watcher_ = std::thread([this] { watch(); });
   bool healthy = true;
+  // The last failure was the data plane's (CommFailure: a peer's loss, an aborted
+  // communicator): this worker is sound and waits for the Trainer to re-form the job.
+  bool peer_failure = false;
   Status st = ok_status();
   try {
     st = join(plan);
   } catch (const CommFailure& e) {
     st = unavailable("{}", e.what());
+    peer_failure = true;
   }
   if (!st.ok()) healthy = false;
   int64_t seq = plan.seq;
@@ -811,8 +822,17 @@ Status ElasticWorker::run() {
     if (!healthy) {
       (void)actors_->report(WorkerFailure{epoch_, slot_, rank_, static_cast<uint16_t>(st.code()),
                                           actor_id("stage", rank_), st.to_string(), wall_ms()});
-      fmt::print(stderr, "elastic: slot {} (rank {}) failed in epoch {}: {}\n", slot_, rank_, epoch_, st.to_string());
-      std::fflush(stderr);
+      if (peer_failure) {
+        fmt::print(
+            "elastic: slot {} (rank {}): epoch {} lost a peer on the data plane ({}); waiting for the "
+            "trainer to re-form the job\n",
+            slot_, rank_, epoch_, st.message());
+        std::fflush(stdout);
+      } else {
+        fmt::print(stderr, "elastic: slot {} (rank {}) failed in epoch {}: {}\n", slot_, rank_, epoch_,
+                   st.to_string());
+        std::fflush(stderr);
+      }
       // What was queued or launched belongs to the failed epoch.
       queue_.clear();
       launched_ahead_ = -1;
@@ -847,10 +867,12 @@ Status ElasticWorker::run() {
         fmt::print(stderr, "elastic: slot {} leaves the job in epoch {} ({})\n", slot_, p.epoch, p.reason);
         return ok_status();
       }
+      peer_failure = false;
       try {
         st = join(p);
       } catch (const CommFailure& e) {
         st = unavailable("{}", e.what());
+        peer_failure = true;
       }
       healthy = st.ok();
       seq = p.seq;
@@ -888,6 +910,7 @@ Status ElasticWorker::run() {
     } catch (const CommFailure& e) {
       st = unavailable("{}", e.what());
       healthy = false;
+      peer_failure = true;
       continue;
     }
     TROUPE_RETURN_IF_ERROR(report_durable(reply, cmd.kind == Command::Kind::kStop));

@@ -23,7 +23,8 @@
 // Rescale: writing "N" to <run dir>/scale_request asks for dp=N at the next step boundary
 // (elastic.scale_at = "<step>:<dp>,..." writes it after the given steps)
 // (elastic.min_dp <= N <= elastic.max_dp, default 1 and the configured dp);
-// grad_accum is scaled by old/new dp so the global batch and the data order stay the same.
+// the global batch (train.global_batch) and so the data order stay the same: each replica
+// takes global_batch / (micro_batch_size * dp) micro-batches.
 // Replace: "<slot>" in <run dir>/replace_request replaces that worker at the next step
 // boundary (a planned recovery: no step lost). `troupe scale|replace|status <run dir>`
 // write and read these files (scheduler/cli_elastic.cc).
@@ -90,7 +91,10 @@ struct LocalWorker {
 };
 
 struct Proc {
+  // Its process id (the launcher's child, or under the scheduler what the worker's ready
+  // record says) and host: troupe status shows them.
   pid_t pid = -1;
+  std::string host;
   bool alive = false;
   std::shared_ptr<LocalWorker> local;  // a one-process run's worker thread (else null)
   int gpu = -1;  // standalone launcher, GPU workers: the device index it was given
@@ -125,10 +129,15 @@ bool reap_by(Proc& p, Clock::time_point deadline) {
 
 struct Failure {
   std::string cause;       // exit, heartbeat, comm_error, watchdog, straggler
-  std::vector<int> slots;  // workers to replace (empty: rebuild only)
+  std::vector<int> slots;  // workers to replace (empty: rebuild only), each once
   std::string detail;
   int64_t ts_ms = 0;
 };
+
+// A worker seen failing twice (its actor's Down message and its exit) is one lost worker.
+void add_slot(Failure& f, int slot) {
+  if (std::find(f.slots.begin(), f.slots.end(), slot) == f.slots.end()) f.slots.push_back(slot);
+}
 
 class Trainer {
  public:
@@ -202,7 +211,10 @@ class Trainer {
   Status answer_store_request();
   void track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step,
                         std::optional<Failure>& failure);
-  void write_status(int64_t step);
+  // status.json (and the job's store key): the workers, their pids and hosts, the
+  // recovery in progress; with `ask_actors`, the actor table is refreshed when the step or
+  // epoch changed (a query of every actor, bounded at 300 ms).
+  void write_status(int64_t step, bool ask_actors = true);
   // After an epoch every worker joined: they all hold the committed state in memory —
   // unless keeps_state_in_memory says they keep none (GPU workers without data
   // parallelism: their recovery is a checkpoint restore).
@@ -243,6 +255,7 @@ class Trainer {
   // The recovery in progress: its detection time, reported at the next completed command.
   std::optional<int64_t> recovering_since_ms_;
   std::string recovering_cause_;
+  std::vector<int> recovering_slots_;  // the workers it replaces (status.json)
   int64_t recovering_steps_lost_ = 0;
   int epoch_plan_messages_ = 0;  // workers of the current epoch that took its plan as a message
   // Straggler tracking: consecutive slow steps per slot, flagged slots.
@@ -467,7 +480,7 @@ std::optional<Failure> Trainer::check_processes() {
     if (!f)
       f = Failure{
           down.reason == control::DownReason::kHeartbeatTimeout ? "heartbeat" : "exit", {}, "", wall_ms()};
-    f->slots.push_back(slot);
+    add_slot(*f, slot);
     f->detail += fmt::format("{}slot {}: actor {} down ({}{}{})", f->detail.empty() ? "" : "; ", slot,
                              down.actor.to_string(), control::down_reason_name(down.reason),
                              down.text.empty() ? "" : ": ", down.text);
@@ -492,7 +505,7 @@ std::optional<Failure> Trainer::check_processes() {
       p.alive = false;
       if (plan_.rank_of_slot(slot) < 0) continue;
       if (!f) f = Failure{"exit", {}, "", wall_ms()};
-      f->slots.push_back(slot);
+      add_slot(*f, slot);
       f->detail +=
           fmt::format("{}slot {} {}", f->detail.empty() ? "" : "; ", slot, v.ok() ? v.value() : "ended");
       continue;
@@ -504,7 +517,7 @@ std::optional<Failure> Trainer::check_processes() {
                                               : fmt::format("was killed by signal {}", WTERMSIG(status));
     if (plan_.rank_of_slot(slot) < 0) continue;  // a worker that left the job
     if (!f) f = Failure{"exit", {}, "", wall_ms()};
-    f->slots.push_back(slot);
+    add_slot(*f, slot);
     f->detail += fmt::format("{}slot {} (pid {}) {}", f->detail.empty() ? "" : "; ", slot, p.pid, how);
   }
   return f;
@@ -630,6 +643,12 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
                             store_->get(key(fmt::format("ready/{}/{}", plan.epoch, plan.slots[r])),
                                         comm::deadline_in(std::chrono::milliseconds(10000))));
     const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    if (j.is_object()) {
+      // The scheduler started the worker: its ready record says which process it is.
+      Proc& p = procs_[plan.slots[r]];
+      if (scheduled_ && j.contains("pid") && j["pid"].is_number_integer()) p.pid = j["pid"].get<pid_t>();
+      if (j.contains("host") && j["host"].is_string()) p.host = j["host"].get<std::string>();
+    }
     if (j.is_object() && j.contains("roles") && j["roles"].is_array()) {
       for (const auto& x : j["roles"]) {
         if (x.is_string()) roles[r].push_back(x.get<std::string>());
@@ -660,7 +679,8 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
         placement.emplace_back(actor_id(role, static_cast<int>(r)), fmt::format("worker-{}", plan.slots[r]));
       }
     }
-    Status st = o_.publish_placement(placement);
+    Status st = o_.publish_placement(
+        placement, fmt::format("pp={},dp={},n={}", tc_.parallel.pp, plan.dp, tc_.parallel.n));
     if (!st.ok()) {
       event({{"event", "placement_not_recorded"}, {"epoch", plan.epoch}, {"error", st.to_string()}});
       fmt::print(stderr, "trainer: the scheduler did not record the actor placement of epoch {}: {}\n",
@@ -676,16 +696,12 @@ Result<ElasticPlan> Trainer::plan_for(int64_t dp, const std::vector<int>& keep_d
   const int pp = static_cast<int>(tc_.parallel.pp), n = static_cast<int>(tc_.parallel.n);
   TROUPE_ASSIGN_OR_RETURN(ParallelLayout old_l, ParallelLayout::make(pp, static_cast<int>(plan_.dp), n));
   TROUPE_ASSIGN_OR_RETURN(ParallelLayout new_l, ParallelLayout::make(pp, static_cast<int>(dp), n));
-  const int64_t global = plan_.dp * plan_.grad_accum;
-  if (global % dp != 0) {
-    return invalid_argument(
-        "dp={} does not divide the global batch of {} micro-batches (dp {} x grad_accum {})", dp, global,
-        plan_.dp, plan_.grad_accum);
-  }
+  // The global batch stays the config's: each replica takes more or fewer micro-batches.
+  TROUPE_ASSIGN_OR_RETURN(const int64_t micro, layers::micro_batches_per_replica(tc_.train, dp));
   ElasticPlan p;
   p.epoch = plan_.epoch + 1;
   p.dp = dp;
-  p.grad_accum = global / dp;
+  p.grad_accum = micro;
   p.step_done = step_done;
   p.seq = seq_;
   p.reason = why;
@@ -811,7 +827,14 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
     if (!recovering_since_ms_) {
       recovering_since_ms_ = f.ts_ms;
       recovering_cause_ = f.cause;
+      recovering_slots_.clear();
     }
+    for (int s : f.slots) {
+      if (std::find(recovering_slots_.begin(), recovering_slots_.end(), s) == recovering_slots_.end())
+        recovering_slots_.push_back(s);
+    }
+    // The failure is visible at once (troupe status, troupe top), not at the next step.
+    write_status(last_step_, /*ask_actors=*/false);
     // Workers that die together (a node, one fault hitting several) die within a few ms
     // of each other: the exits seen in a short window are handled by one recovery.
     if (f.cause == "exit") {
@@ -821,6 +844,7 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
           for (int s : more->slots) {
             if (std::find(f.slots.begin(), f.slots.end(), s) != f.slots.end()) continue;
             f.slots.push_back(s);
+            recovering_slots_.push_back(s);
             f.detail += "; " + more->detail;
             nlohmann::json e{{"event", "failure_detected"}, {"cause", more->cause}, {"slots", {s}},
                              {"detail", more->detail},      {"epoch", plan_.epoch}, {"step", failed_step},
@@ -875,7 +899,7 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
       }
       const int64_t min_dp = tc_.elastic.min_dp;
       int64_t dp = static_cast<int64_t>(keep.size());
-      while (dp >= min_dp && dp > 0 && (plan_.dp * plan_.grad_accum) % dp != 0) --dp;
+      while (dp >= min_dp && dp > 0 && !layers::micro_batches_per_replica(tc_.train, dp).ok()) --dp;
       if (dp < std::max<int64_t>(min_dp, 1)) {
         return aborted("elastic: no spare worker left and shrinking below dp={} is not allowed ({})", min_dp,
                        f.detail);
@@ -1244,14 +1268,17 @@ void Trainer::track_stragglers(const std::vector<nlohmann::json>& replies, int64
   }
 }
 
-void Trainer::write_status(int64_t step) {
+void Trainer::write_status(int64_t step, bool ask_actors) {
   nlohmann::json workers = nlohmann::json::array();
   for (size_t r = 0; r < plan_.slots.size(); ++r) {
     const int s = plan_.slots[r];
+    const bool lost = recovering_since_ms_ && std::find(recovering_slots_.begin(), recovering_slots_.end(),
+                                                        s) != recovering_slots_.end();
     workers.push_back({{"slot", s},
                        {"rank", r},
                        {"pid", procs_[s].pid},
-                       {"alive", procs_[s].alive},
+                       {"host", procs_[s].host},
+                       {"alive", procs_[s].alive && !lost},
                        {"straggler", flagged_.count(s) > 0}});
     // The last step's wall, compute and comm time of this rank (troupe top), and its
     // process's peak resident memory.
@@ -1267,7 +1294,7 @@ void Trainer::write_status(int64_t step) {
   // for people and `troupe status`), and at every failure and new epoch.
   const bool due = step < 0 || plan_.epoch != actors_epoch_ || actor_table_.empty() ||
                    (step != actors_step_ && Clock::now() - actors_asked_ >= std::chrono::seconds(1));
-  if (actors_ && due) {
+  if (ask_actors && actors_ && due) {
     actors_asked_ = Clock::now();
     actors_->set_trainer_state(
         step < 0 ? "failed" : "training", step < 0 ? last_step_ : step,
@@ -1299,6 +1326,10 @@ void Trainer::write_status(int64_t step) {
                     {"recoveries", recoveries_},
                     {"workers", workers},
                     {"actors", actor_table_}};
+  if (recovering_since_ms_) {
+    st["recovering"] = {
+        {"cause", recovering_cause_}, {"slots", recovering_slots_}, {"since_ms", *recovering_since_ms_}};
+  }
   if (step >= 0) last_step_ = step;
   if (scheduled_) (void)store_->set(key("status"), st.dump());  // troupe status <job>
   const std::string tmp = run_dir_ + "/status.json.tmp";

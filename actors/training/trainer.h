@@ -52,8 +52,10 @@ struct TrainerOptions {
   // (989 TFLOP/s x GPUs)); 0: none.
   double flops_per_token = 0;
   // Under the scheduler: records the actor placement of an epoch (actor id -> process
-  // name, e.g. "stage.3" -> "worker-3") in the scheduler's durable state. May be empty.
-  std::function<Status(const std::vector<std::pair<std::string, std::string>>&)> publish_placement;
+  // name, e.g. "stage.3" -> "worker-3") in the scheduler's durable state, with the layout the
+  // workers run as ("pp=2,dp=2,n=1"). May be empty.
+  std::function<Status(const std::vector<std::pair<std::string, std::string>>&, const std::string& layout)>
+      publish_placement;
   // A one-process run's worker (it runs in this process): the app's stage program and the
   // process's device, which must outlive run_trainer.
   ProgramFactory program;

@@ -11,26 +11,16 @@
 
 #include "actors/training/app.h"
 #include "actors/training/run_device.h"
+#include "apps/prepare/prepare.h"
 #include "core/status.h"
 
 namespace troupe::train_moe {
 
-struct PrepareOptions {
-  std::vector<std::string> inputs;  // files or directories: text, or JSON lines (.jsonl[.gz|.zst])
-  std::string out;                  // output directory
-  // A Hugging Face tokenizer.json to tokenize with; empty: train Troupe's own of `vocab`.
-  std::string tokenizer;
-  std::string eot_token;  // with `tokenizer`: the token ending each document (default: its eos)
-  int64_t vocab = 1024;
-  int64_t max_bytes = 8'000'000;  // corpus cap (stop after the document passing it; 0: none)
-  double val_fraction = 0.05;
-  // For directory walks (name endings).
-  std::vector<std::string> extensions = {".py", ".txt", ".md", ".rst", ".jsonl", ".jsonl.gz", ".jsonl.zst"};
-  std::string text_key = "text";  // JSON lines: the field holding a record's text
-  bool strict = false;            // JSON lines: a malformed record is an error (default: skipped, counted)
-  int64_t shard_tokens = 16'000'000;
-};
-Status run_prepare(const PrepareOptions& o);
+// `train_moe prepare`: apps/prepare/prepare.h, the troupe-prepare tool's function.
+using prepare::PrepareOptions;
+inline Status run_prepare(const PrepareOptions& o) {
+  return prepare::prepare_corpus(o);
+}
 
 // The training command line (actors/training/app.h: --config, --set, --parallel,
 // --run-dir, --backend, --resume), the same as every Troupe training app's.

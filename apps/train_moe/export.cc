@@ -11,7 +11,6 @@
 
 #include "actors/training/checkpointing.h"
 #include "apps/train_moe/commands.h"
-#include "apps/train_moe/corpus.h"
 #include "apps/train_moe/model_state.h"
 #include "checkpoint/file_io.h"
 #include "interop/hf_checkpoint.h"

@@ -70,29 +70,8 @@ int main(int argc, char** argv) {
   PrepareOptions prep;
   CLI::App* prepare = app.add_subcommand("prepare",
                                          "tokenize a corpus (text files, JSON lines) into shards, with a "
-                                         "Hugging Face tokenizer or one trained here");
-  prepare
-      ->add_option(
-          "--input", prep.inputs,
-          "files or directories (repeatable): text files, or JSON lines (.jsonl, .jsonl.gz, .jsonl.zst)")
-      ->required();
-  prepare->add_option("--out", prep.out, "output directory")->required();
-  prepare->add_option(
-      "--tokenizer", prep.tokenizer,
-      "a Hugging Face tokenizer.json (byte-level BPE: GPT-2, Llama 3, Qwen) instead of training one");
-  prepare->add_option("--eot-token", prep.eot_token,
-                      "with --tokenizer: the token ending each document (default: its eos_token)");
-  prepare->add_option("--vocab", prep.vocab,
-                      "vocabulary size of a trained tokenizer (bytes + end-of-text + merges)");
-  prepare->add_option("--text-key", prep.text_key, "JSON lines: the field holding each record's text");
-  prepare->add_flag("--strict", prep.strict,
-                    "JSON lines: stop at a malformed record (default: skip and count it)");
-  prepare->add_option("--max-bytes", prep.max_bytes,
-                      "stop after this many bytes of text (0: read everything)");
-  prepare->add_option("--val-fraction", prep.val_fraction, "fraction of documents for validation");
-  prepare->add_option("--ext", prep.extensions,
-                      "file name endings taken from directories (e.g. .py .txt .jsonl.zst)");
-  prepare->add_option("--shard-tokens", prep.shard_tokens, "tokens per shard file");
+                                         "Hugging Face tokenizer or one trained here (as troupe-prepare)");
+  troupe::prepare::add_prepare_options(*prepare, prep);
 
   SampleOptions sample;
   CLI::App* samp = app.add_subcommand("sample", "generate text from a trained run");

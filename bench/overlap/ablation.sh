@@ -79,7 +79,7 @@ print(d['pp']*d['dp']*d['n'])")
 BASE=()
 if [ "$CONFIG" = apps/configs/tiny.toml ]; then
   BASE=(model.vocab_size=320 model.d_model=64 model.ffn_hidden=128 model.moe.num_experts=8 model.moe.expert_hidden=64
-        train.seq_len=64 train.micro_batch_size=8 train.grad_accum=1 train.eval_every=0 train.log_every=1)
+        train.seq_len=64 train.micro_batch_size=8 train.global_batch=8 train.eval_every=0 train.log_every=1)
 fi
 BASE+=("train.steps=$((STEPS + WARMUP))" "data.dir=\"$DATA\"" "${SETS[@]}")
 

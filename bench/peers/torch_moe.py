@@ -81,7 +81,7 @@ DEFAULTS = {
     # GPU are always those of autocast's bf16 weight copies (rounded to bf16, then added into
     # the f32 .grad), and its masters are f32 parameters (Troupe's "split" holds the same f32
     # bits in two halves).
-    "train": {"seed": 1234, "steps": 200, "seq_len": 2048, "micro_batch_size": 8, "grad_accum": 1,
+    "train": {"seed": 1234, "steps": 200, "seq_len": 2048, "micro_batch_size": 8, "global_batch": 0,
               "eval_every": 50, "eval_batches": 2, "log_every": 1, "expert_grads": "bf16",
               "master_weights": "f32"},
     "optim": {"lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 20, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95,
@@ -183,8 +183,9 @@ def validate_config(cfg):
     for key, bad, why in unsupported:
         if bad:
             raise SystemExit(f"torch_moe: {key} is not supported ({why})")
-    if cfg["train"]["grad_accum"] != 1:
-        raise SystemExit("torch_moe: train.grad_accum must be 1 in the peer")
+    gb, mb = cfg["train"]["global_batch"], cfg["train"]["micro_batch_size"]
+    if gb < 0 or (gb and gb % mb != 0):
+        raise SystemExit(f"torch_moe: train.global_batch = {gb} is not a multiple of micro_batch_size = {mb}")
     if cfg["train"]["expert_grads"] not in ("f32", "bf16"):
         raise SystemExit(f"torch_moe: train.expert_grads must be \"f32\" or \"bf16\" "
                          f"(got {cfg['train']['expert_grads']!r})")
@@ -1043,6 +1044,9 @@ def run_inner(args, rank, world, local_rank):
     log(token_note, rank)
     load_log = []
     losses = []
+    if t["global_batch"] and t["global_batch"] != t["micro_batch_size"] * world:
+        raise SystemExit(f"torch_moe: the peer takes one micro-batch a rank: train.global_batch = {t['global_batch']} "
+                         f"must be micro_batch_size * ranks = {t['micro_batch_size'] * world} (or 0)")
     tokens_per_step = t["micro_batch_size"] * t["seq_len"] * world
     step_s = []
     compile_fallback = ""

@@ -5,6 +5,8 @@
 #include <sys/stat.h>
 
 #include <array>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -66,7 +68,7 @@ Status write_curve_key_files(const std::string& prefix, const CurveKeyPair& kp) 
     // Create with 0600 before writing the secret so it is never world-readable.
     std::ofstream(secret_path, std::ios::trunc).close();
     if (::chmod(secret_path.c_str(), 0600) != 0) {
-      return io_error("cannot create {} with mode 0600", secret_path);
+      return io_error("cannot create {} with mode 0600: {}", secret_path, std::strerror(errno));
     }
     std::ofstream f(secret_path, std::ios::trunc);
     f << "public = \"" << kp.public_key << "\"\nsecret = \"" << kp.secret_key << "\"\n";

@@ -73,7 +73,7 @@ TEST_F(StageGpu, DenseLmOnTheGpuMatchesTheCpu) {
     return std::vector<std::string>{
         DENSE_LM_BIN,
         "--config",
-        (fs::path(TROUPE_SOURCE_DIR) / "apps/examples/dense_lm/config.toml").string(),
+        (fs::path(TROUPE_SOURCE_DIR) / "apps/examples/dense_lm/dense_lm.toml").string(),
         "--backend",
         backend,
         "--run-dir",

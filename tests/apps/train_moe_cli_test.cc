@@ -97,13 +97,14 @@ std::string make_corpus(const std::string& dir) {
 
 std::string write_config(const std::string& dir, const std::string& data_dir, const std::string& extra = "") {
   const std::string path = dir + "/tiny_test.toml";
-  std::ofstream(path) << "[model]\nvocab_size = 320\nd_model = 32\nn_layers = 2\nn_heads = 4\nn_kv_heads = 2\n"
-                         "ffn_hidden = 48\nmoe_every = 2\nmoe_first = 1\n"
-                         "[model.moe]\nnum_experts = 4\ntop_k = 2\nexpert_hidden = 16\n"
-                         "[train]\nsteps = 4\nseq_len = 16\nmicro_batch_size = 2\ngrad_accum = 2\neval_every = 2\n"
-                         "eval_batches = 2\n[optim]\nlr = 1e-3\nwarmup_steps = 1\n[data]\ndir = \""
-                      << data_dir << "\"\n"
-                      << extra;
+  std::ofstream(path)
+      << "[model]\nvocab_size = 320\nd_model = 32\nn_layers = 2\nn_heads = 4\nn_kv_heads = 2\n"
+         "ffn_hidden = 48\nmoe_every = 2\nmoe_first = 1\n"
+         "[model.moe]\nnum_experts = 4\ntop_k = 2\nexpert_hidden = 16\n"
+         "[train]\nsteps = 4\nseq_len = 16\nglobal_batch = 4\nmicro_batch_size = 2\neval_every = 2\n"
+         "eval_batches = 2\n[optim]\nlr = 1e-3\nwarmup_steps = 1\n[data]\ndir = \""
+      << data_dir << "\"\n"
+      << extra;
   return path;
 }
 
@@ -171,7 +172,7 @@ TEST(TrainMoeCli, PrepareTrainSamplePlot) {
 
   // bf16 expert gradients: the Stage applies them on the CPU too (f32 sums of bf16 products).
   CliResult bf = train_moe({"--config", cfg, "--run-dir", dir + "/run_bf16", "--set", "train.steps=1",
-                            "--set", "train.grad_accum=1", "--set", "train.expert_grads=bf16"});
+                            "--set", "train.global_batch=2", "--set", "train.expert_grads=bf16"});
   ASSERT_EQ(bf.code, 0) << bf.out;
   EXPECT_EQ(bf.out.find("is not applied"), std::string::npos) << bf.out;
   EXPECT_NE(bf.out.find("step 1/1"), std::string::npos) << bf.out;
@@ -249,7 +250,7 @@ TEST(TrainMoeCli, ErrorsNameTheProblem) {
   CliResult bf16_grads =
       train_moe({"--config", write_config(dir, dir + "/d"), "--set", "train.expert_grads=bf16"});
   EXPECT_EQ(bf16_grads.code, 1);
-  EXPECT_NE(bf16_grads.out.find("'train.expert_grads' = \"bf16\" needs train.grad_accum = 1 (got 2)"),
+  EXPECT_NE(bf16_grads.out.find("'train.expert_grads' = \"bf16\" needs one micro-batch per step"),
             std::string::npos)
       << bf16_grads.out;
 

@@ -86,7 +86,7 @@ class Multihost : public ::testing::Test {
         troupe::test::prepare_data(*root_ / "data", {}, *root_ / "prepare.log", std::chrono::seconds(120));
     ASSERT_EQ(p.exit_code, 0) << p.output;
     // One process, the same global batch (2 micro-batches accumulated).
-    const RunResult ref = troupe::test::run(train_args("one-process", 2, ""), *root_ / "one-process.log",
+    const RunResult ref = troupe::test::run(train_args("one-process", ""), *root_ / "one-process.log",
                                             std::chrono::seconds(180));
     ASSERT_EQ(ref.exit_code, 0) << ref.output;
     reference_ =
@@ -100,12 +100,11 @@ class Multihost : public ::testing::Test {
   }
 
   // `inject`: elastic.inject (actors/training/elastic.h), empty for none.
-  static std::vector<std::string> train_args(const std::string& name, int64_t grad_accum,
-                                             const std::string& parallel, const std::string& inject = "") {
+  static std::vector<std::string> train_args(const std::string& name, const std::string& parallel,
+                                             const std::string& inject = "") {
     troupe::test::TrainMoeCommand c;
     c.run_dir = *root_ / name;
-    c.sets = troupe::test::tiny_model_sets(
-        {.grad_accum = grad_accum, .steps = kSteps, .data_dir = *root_ / "data"});
+    c.sets = troupe::test::tiny_model_sets({.steps = kSteps, .data_dir = *root_ / "data"});
     if (!inject.empty()) c.sets.push_back(fmt::format("elastic.inject=\"{}\"", inject));
     c.sets.push_back("checkpoint.every=2");
     c.parallel = parallel;
@@ -190,7 +189,7 @@ TEST_F(Multihost, JobOnTwoHostsBindsEachHostsAddressAndTrainsLikeOneProcess) {
   const fs::path dir = *root_ / "two-hosts";
   const auto t0 = Clock::now();
   const std::string job =
-      c.submit_command({"--nproc", "4", "--layout", "dp=2,n=2"}, train_args("two-hosts", 1, "dp=2,n=2"));
+      c.submit_command({"--nproc", "4", "--layout", "dp=2,n=2"}, train_args("two-hosts", "dp=2,n=2"));
   ASSERT_TRUE(wait_until([&] { return !latest_step_records(dir / "metrics.jsonl").empty(); },
                          std::chrono::seconds(90), std::chrono::milliseconds(10)))
       << c.logs_of_daemons();
@@ -235,7 +234,7 @@ TEST_F(Multihost, AgentKilledMidJobGetsItsWorkersReplacedOnTheOtherHost) {
   const auto t0 = Clock::now();
   // Slot 0 (on a1) runs 150 ms slower per step so that the kill lands mid-job.
   const std::string job = c.submit_command({"--nproc", "4", "--layout", "dp=2,n=2"},
-                                           train_args("agent-kill", 1, "dp=2,n=2", "slow@1:any:0"));
+                                           train_args("agent-kill", "dp=2,n=2", "slow@1:any:0"));
   ASSERT_TRUE(wait_until([&] { return !latest_step_records(dir / "metrics.jsonl").empty(); },
                          std::chrono::seconds(90), std::chrono::milliseconds(10)))
       << c.logs_of_daemons();
@@ -337,7 +336,7 @@ TEST_F(Multihost, DriverKilledMidJobIsRestartedAndResumesFromTheNewestCheckpoint
   Cluster c(hosts(2));
   const fs::path dir = *root_ / "driver-kill";
   const std::string job = c.submit_command({"--nproc", "4", "--layout", "dp=2,n=2"},
-                                           train_args("driver-kill", 1, "dp=2,n=2", "slow@1:any:0"));
+                                           train_args("driver-kill", "dp=2,n=2", "slow@1:any:0"));
   ASSERT_TRUE(wait_until([&] { return latest_step_records(dir / "metrics.jsonl").size() >= 5; },
                          std::chrono::seconds(90), std::chrono::milliseconds(10)))
       << c.logs_of_daemons();

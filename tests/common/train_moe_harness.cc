@@ -137,7 +137,7 @@ void remove_run_root(const fs::path& root) {
 
 RunResult prepare_data(const fs::path& out_dir, const PrepareSpec& spec, const fs::path& log,
                        std::chrono::seconds timeout) {
-  std::vector<std::string> a{train_moe_bin(), "prepare"};
+  std::vector<std::string> a{TROUPE_PREPARE_BIN};
   for (const auto& in : spec.inputs) a.insert(a.end(), {"--input", source_dir() + "/" + in});
   a.insert(a.end(), {"--out", out_dir.string(), "--vocab", std::to_string(spec.vocab), "--max-bytes",
                      std::to_string(spec.max_bytes)});
@@ -163,7 +163,7 @@ std::vector<std::string> tiny_model_sets(const TinyModel& m) {
           "model.moe.expert_hidden=32",
           "train.seq_len=16",
           "train.micro_batch_size=2",
-          fmt::format("train.grad_accum={}", m.grad_accum),
+          fmt::format("train.global_batch={}", m.global_batch),
           fmt::format("train.steps={}", m.steps),
           fmt::format("train.eval_batches={}", m.eval_batches),
           "train.eval_every=0",

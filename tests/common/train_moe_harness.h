@@ -1,7 +1,7 @@
 // tests/common/train_moe_harness.h — defines the shared harness of the tests that run
 // train_moe (and the troupe CLI) as real processes: running a child in its own process
 // group with a deadline and its output captured (spawn / finish / run), preparing token
-// data (`train_moe prepare`), the train_moe command line with `--set` overrides
+// data (troupe-prepare), the train_moe command line with `--set` overrides
 // (TrainMoeCommand, tiny_model_sets), reading metrics.jsonl and events.jsonl, the
 // relative difference the equivalence checks use, a job's worker processes from /proc,
 // and per-suite temporary run roots.
@@ -92,7 +92,7 @@ fs::path make_run_root(const std::string& prefix);
 // Removes `root` and everything under it; errors are ignored (a clean-up).
 void remove_run_root(const fs::path& root);
 
-// What `train_moe prepare` reads and makes: the source folders (relative to source_dir())
+// What troupe-prepare reads and makes: the source folders (relative to source_dir())
 // whose files with one of `extensions` form the corpus, the tokenizer's vocabulary size
 // and the corpus size cap. The defaults are the tiny model's corpus (TinyModel).
 struct PrepareSpec {
@@ -102,7 +102,7 @@ struct PrepareSpec {
   int64_t max_bytes = 300000;
 };
 
-// Runs `train_moe prepare --input <src>/<in>... --out <out_dir> --vocab V --max-bytes B
+// Runs `troupe-prepare --input <src>/<in>... --out <out_dir> --vocab V --max-bytes B
 // --ext E...`; the log goes to `log`.
 RunResult prepare_data(const fs::path& out_dir, const PrepareSpec& spec, const fs::path& log,
                        std::chrono::seconds timeout);
@@ -126,8 +126,10 @@ struct TrainMoeCommand {
 // The tests' tiny MoE model on the tiny.toml config: 4 blocks (dense, MoE, dense, MoE),
 // d 32, ffn 64, 4 experts of hidden 32, vocab 320, sequences of 16, micro-batches of 2,
 // no periodic eval. The fields are what the suites vary (defaults: the elastic suites').
+// The global batch (sequences per step) is the same in every layout, so one set of keys
+// serves each layout a suite compares.
 struct TinyModel {
-  int64_t grad_accum = 1;
+  int64_t global_batch = 4;
   int64_t steps = 8;
   int64_t eval_batches = 2;
   int64_t log_every = 1;

@@ -18,8 +18,8 @@
 //
 // Checked in every case: the job exits 0; every step's loss equals the fault-free elastic
 // run's within 1e-5 (relative; same data order: a replacement restores its dp peer's
-// state, so no step is lost, and a different dp keeps the global batch by scaling
-// grad_accum); events.jsonl
+// state, so no step is lost, and a different dp keeps the global batch: each replica
+// takes more micro-batches); events.jsonl
 // holds the detection and recovery with detection <= 1 s after an exit and <= the
 // heartbeat timeout + 1 s for a hang, recovery to the next completed step <= 10 s, steps
 // lost = 0; and no process of the job is left (its process group is empty).
@@ -370,7 +370,7 @@ TEST_F(ElasticFault, NoDataParallelPeerRestoresFromTheNeighbourReplica) {
   baseline();
   troupe::test::TrainMoeCommand c;
   c.run_dir = *root_ / "replica";
-  c.sets = troupe::test::tiny_model_sets({.grad_accum = 2, .steps = kSteps, .data_dir = *root_ / "data"});
+  c.sets = troupe::test::tiny_model_sets({.steps = kSteps, .data_dir = *root_ / "data"});
   c.sets.push_back(fmt::format("elastic.heartbeat_timeout_ms={}", kHeartbeatTimeoutMs));
   c.sets.push_back("elastic.inject=\"kill@7:alltoall:2\"");
   c.parallel = "n=4";
@@ -515,11 +515,11 @@ TEST_F(ElasticFault, CheckpointResumesInAnotherLayoutWithPlainTrainMoe) {
   ASSERT_EQ(static_cast<int64_t>(ref.size()), kSteps);
   const fs::path step4 = *root_ / "ckpt-format" / "checkpoints" / "step_4";
   ASSERT_TRUE(fs::exists(step4 / "manifest.json")) << saved.output;
-  // `grad_accum` keeps the global batch (and so the data order) of the saved run at dp=2.
-  auto resumed = [&](const std::string& name, const std::string& layout, int grad_accum) {
+  // The same config, so the same global batch (and data order) as the saved run at dp=2:
+  // the micro-batches per replica follow from the layout.
+  auto resumed = [&](const std::string& name, const std::string& layout) {
     std::vector<std::string> a = args(name);
     a.back() = layout;  // the value of --parallel
-    std::replace(a.begin(), a.end(), std::string("train.grad_accum=1"), fmt::format("train.grad_accum={}", grad_accum));
     a.push_back("--resume");
     a.push_back(step4.string());
     const RunResult r = run(a, {}, *root_ / (name + ".log"), std::chrono::seconds(180));
@@ -542,8 +542,8 @@ TEST_F(ElasticFault, CheckpointResumesInAnotherLayoutWithPlainTrainMoe) {
                 "difference vs the elastic run %.3g (%.1f s)\n",
                 name.c_str(), layout.c_str(), static_cast<long long>(kSteps), worst, r.seconds);
   };
-  resumed("ckpt-format-dp1", "dp=1,n=2", 2);
-  resumed("ckpt-format-n1", "dp=2,n=1", 1);
+  resumed("ckpt-format-dp1", "dp=1,n=2");
+  resumed("ckpt-format-n1", "dp=2,n=1");
   const RunResult ls = run({TROUPE_CLI_BIN, "checkpoints", "--dir", (*root_ / "ckpt-format" / "checkpoints").string(), "--json"},
                            {}, *root_ / "ckpt-format-ls.log", std::chrono::seconds(60));
   ASSERT_EQ(ls.exit_code, 0) << ls.output;

@@ -57,6 +57,30 @@ TEST(TrainConfig, Bench1bIsTheIssue10Model) {
   EXPECT_NEAR(flops / 1e9, 1.561, 0.002);
 }
 
+TEST(TrainConfig, GlobalBatchIsTheSameInEveryLayout) {
+  // One config, three layouts: the batch of a step stays 16 sequences; the micro-batches
+  // per replica follow from dp.
+  for (const auto& [parallel, micro] : std::vector<std::pair<std::string, int64_t>>{
+           {"parallel.dp=1", 4}, {"parallel.dp=2", 2}, {"parallel.dp=4", 1}}) {
+    auto tc = load_train_config(kConfigs + "tiny.toml",
+                                {"train.global_batch=16", "train.micro_batch_size=4", parallel});
+    ASSERT_TRUE(tc.ok()) << tc.status().to_string();
+    EXPECT_EQ(tc->global_batch(), 16) << parallel;
+    EXPECT_EQ(tc->train.grad_accum, micro) << parallel;
+    EXPECT_EQ(tc->tokens_per_step(), 16 * tc->train.seq_len) << parallel;
+  }
+  // Without the key: one micro-batch at 1x1x1.
+  auto dflt = parse("[train]\nmicro_batch_size = 3\n");
+  ASSERT_TRUE(dflt.ok()) << dflt.status().to_string();
+  EXPECT_EQ(dflt->global_batch(), 3);
+  EXPECT_EQ(dflt->train.grad_accum, 1);
+  TrainOptions t;
+  t.global_batch = 12;
+  t.micro_batch_size = 2;
+  EXPECT_EQ(micro_batches_per_replica(t, 3).value(), 2);
+  EXPECT_FALSE(micro_batches_per_replica(t, 4).ok());
+}
+
 TEST(TrainConfig, UnknownKeyIsNamed) {
   auto tc = parse("[model]\nd_model = 64\nn_layr = 3\n");
   ASSERT_FALSE(tc.ok());
@@ -85,7 +109,14 @@ TEST(TrainConfig, BadValuesAreNamed) {
       {"[elastic]\ngpu_state = \"disk\"\n", "elastic.gpu_state"},
       {"[elastic]\nstraggler_policy = \"kill\"\n", "elastic.straggler_policy"},
       {"[train]\nexpert_grads = \"fp16\"\n", "train.expert_grads"},
-      {"[train]\ngrad_accum = 2\nexpert_grads = \"bf16\"\n", "needs train.grad_accum = 1 (got 2)"},
+      {"[train]\nglobal_batch = 16\nexpert_grads = \"bf16\"\n", "needs one micro-batch per step"},
+      {"[train]\ngrad_accum = 2\n",
+       "key 'train.grad_accum' is no longer read: state the batch of a step as "
+       "train.global_batch"},
+      {"[train]\nglobal_batch = 12\n",
+       "train.global_batch = 12 sequences cannot be split over dp = 1 replicas "
+       "of micro-batches of train.micro_batch_size = 8"},
+      {"[train]\nglobal_batch = 8\n[parallel]\ndp = 2\n", "(8 is not a multiple of 8 x 2 = 16)"},
       {"[train]\nmaster_weights = \"bf16\"\n", "train.master_weights"},
   };
   for (const auto& c : cases) {

@@ -51,7 +51,7 @@ class CheckpointResume : public ::testing::Test {
                                                    *root_ / "prepare.log", std::chrono::seconds(120));
     ASSERT_EQ(p.exit_code, 0) << p.output;
     // The saved run: pp=2 x n=2, two micro-batches per step, a checkpoint every 5 steps.
-    const RunResult a = run(args("saved", "pp=2,n=2", 2, {"checkpoint.every=5"}), *root_ / "saved.log",
+    const RunResult a = run(args("saved", "pp=2,n=2", {"checkpoint.every=5"}), *root_ / "saved.log",
                             std::chrono::seconds(240));
     ASSERT_EQ(a.exit_code, 0) << a.output;
     std::printf("[saved run pp=2,n=2] %lld steps in %.1f s\n", static_cast<long long>(kSteps), a.seconds);
@@ -63,11 +63,13 @@ class CheckpointResume : public ::testing::Test {
 
   // The equivalence test's tiny model: 4 blocks (MoE 1 and 3), d 32, 8 heads / 4 kv
   // heads, 4 experts top-2, sequences of 16, micro-batches of 2.
-  static std::vector<std::string> args(const std::string& run_dir, const std::string& parallel, int64_t grad_accum,
-                                       const std::vector<std::string>& extra = {}, const std::string& resume = "") {
+  // One global batch (4 sequences) in every layout: the resumed run keeps the saved one's.
+  static std::vector<std::string> args(const std::string& run_dir, const std::string& parallel,
+                                       const std::vector<std::string>& extra = {},
+                                       const std::string& resume = "") {
     troupe::test::TrainMoeCommand c;
     c.run_dir = *root_ / run_dir;
-    c.sets = troupe::test::tiny_model_sets({.grad_accum = grad_accum,
+    c.sets = troupe::test::tiny_model_sets({.global_batch = 4,
                                             .steps = kSteps,
                                             .eval_batches = 1,
                                             .log_every = 10,
@@ -80,9 +82,9 @@ class CheckpointResume : public ::testing::Test {
 
   // Resumes the saved run's step 5 into `name` with `parallel` and checks steps 6..10
   // against the uninterrupted run; returns the max absolute loss difference.
-  static double check_resume(const std::string& name, const std::string& parallel, int64_t grad_accum,
-                             const std::string& from) {
-    const RunResult r = run(args(name, parallel, grad_accum, {}, from), *root_ / (name + ".log"), std::chrono::seconds(180));
+  static double check_resume(const std::string& name, const std::string& parallel, const std::string& from) {
+    const RunResult r =
+        run(args(name, parallel, {}, from), *root_ / (name + ".log"), std::chrono::seconds(180));
     EXPECT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("step 5, saved with layout pp=2,dp=1,n=2"), std::string::npos) << r.output;
     const auto ref = losses_by_step(*root_ / "saved" / "metrics.jsonl");
@@ -150,27 +152,28 @@ TEST_F(CheckpointResume, SavedRunCommittedItsCheckpoints) {
 }
 
 TEST_F(CheckpointResume, ResumeAtN4) {
-  check_resume("resume-n4", "n=4", 2, (*root_ / "saved" / "checkpoints" / "step_5").string());
+  check_resume("resume-n4", "n=4", (*root_ / "saved" / "checkpoints" / "step_5").string());
 }
 
 TEST_F(CheckpointResume, ResumeAtDp2) {
-  // Same global batch: one micro-batch per replica.
-  check_resume("resume-dp2", "dp=2", 1, (*root_ / "saved" / "checkpoints" / "step_5").string());
+  // The config's global batch of 4 sequences: one micro-batch of 2 per replica here, two
+  // in the saved run.
+  check_resume("resume-dp2", "dp=2", (*root_ / "saved" / "checkpoints" / "step_5").string());
 }
 
 TEST_F(CheckpointResume, ResumeInOneProcess) {
-  check_resume("resume-one", "", 2, (*root_ / "saved" / "checkpoints" / "step_5").string());
+  check_resume("resume-one", "", (*root_ / "saved" / "checkpoints" / "step_5").string());
 }
 
 TEST_F(CheckpointResume, SavedAtDp2N2ResumedAtPp2) {
   // The other direction: ZeRO-1 moment shards saved by two dp replicas (and experts by
   // two n ranks), loaded by a pipeline whose last stage holds a tied copy of the
   // embedding (its weights and moments come from the first stage's saved tensor).
-  const RunResult a = run(args("saved-dp2n2", "dp=2,n=2", 1, {"checkpoint.every=5"}), *root_ / "saved-dp2n2.log",
+  const RunResult a = run(args("saved-dp2n2", "dp=2,n=2", {"checkpoint.every=5"}), *root_ / "saved-dp2n2.log",
                           std::chrono::seconds(180));
   ASSERT_EQ(a.exit_code, 0) << a.output;
   const fs::path step5 = *root_ / "saved-dp2n2" / "checkpoints" / "step_5";
-  const RunResult r = run(args("resume-pp2", "pp=2", 2, {}, step5.string()), *root_ / "resume-pp2.log",
+  const RunResult r = run(args("resume-pp2", "pp=2", {}, step5.string()), *root_ / "resume-pp2.log",
                           std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("saved with layout pp=1,dp=2,n=2"), std::string::npos) << r.output;
@@ -205,7 +208,7 @@ TEST_F(CheckpointResume, TroupeRunResumesIntoTheJobsCheckpointDir) {
   // passed through the scheduler's store, new checkpoints into --checkpoint-dir
   // (TROUPE_CHECKPOINT_DIR).
   const fs::path ck = *root_ / "troupe-ck";
-  std::vector<std::string> a = args("troupe-resume", "pp=2,n=2", 2, {"checkpoint.every=5"},
+  std::vector<std::string> a = args("troupe-resume", "pp=2,n=2", {"checkpoint.every=5"},
                                     (*root_ / "saved" / "checkpoints" / "step_5").string());
   a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--checkpoint-dir", ck.string(), "--"});
   const RunResult r = run(a, *root_ / "troupe-resume.log", std::chrono::seconds(180));
@@ -354,8 +357,8 @@ TEST_F(CheckpointResume, CorruptNewestFallsBackToThePrevious) {
     const fs::path run_dir = copy_checkpoints("corrupt-" + c.name);
     c.damage(run_dir / "checkpoints" / "step_10");
     // Resume by run directory, in one process: step_10 is skipped by name, step_5 used.
-    const RunResult r = run(args("corrupt-" + c.name, "", 2, {"checkpoint.every=5"}, run_dir.string()), *root_ / ("corrupt-" + c.name + ".log"),
-                            std::chrono::seconds(120));
+    const RunResult r = run(args("corrupt-" + c.name, "", {"checkpoint.every=5"}, run_dir.string()),
+                            *root_ / ("corrupt-" + c.name + ".log"), std::chrono::seconds(120));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("skipped checkpoint " + (run_dir / "checkpoints" / "step_10").string()), std::string::npos)
         << c.name << "\n" << r.output;
@@ -375,7 +378,8 @@ TEST_F(CheckpointResume, CorruptNewestFallsBackToThePrevious) {
   const fs::path run_dir = copy_checkpoints("corrupt-all");
   fs::remove(run_dir / "checkpoints" / "step_10" / "manifest.json");
   fs::resize_file(run_dir / "checkpoints" / "step_5" / "rank_00000.bin", 10);
-  const RunResult r = run(args("corrupt-all", "", 2, {}, run_dir.string()), *root_ / "corrupt-all.log", std::chrono::seconds(120));
+  const RunResult r = run(args("corrupt-all", "", {}, run_dir.string()), *root_ / "corrupt-all.log",
+                          std::chrono::seconds(120));
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("no valid checkpoint"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("step_5"), std::string::npos) << r.output;
@@ -391,8 +395,8 @@ TEST_F(CheckpointResume, AFailedSaveIsReportedAndNeverCommitted) {
   const fs::path dir = *root_ / name / "checkpoints";
   fs::create_directories(dir);
   std::ofstream(dir / "step_4.tmp") << "in the way\n";
-  const RunResult r = run(args(name, "pp=2", 2, {"checkpoint.every=2", "train.steps=4"}), *root_ / (name + ".log"),
-                          std::chrono::seconds(120));
+  const RunResult r = run(args(name, "pp=2", {"checkpoint.every=2", "train.steps=4"}),
+                          *root_ / (name + ".log"), std::chrono::seconds(120));
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("checkpoint step 4"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("step 4 was not committed"), std::string::npos) << r.output;
@@ -409,7 +413,7 @@ TEST_F(CheckpointResume, KillWorkerInTheMiddleOfASave) {
   const fs::path log = *root_ / (name + ".log");
   const auto t0 = Clock::now();
   const pid_t launcher = troupe::test::spawn(
-      args(name, "pp=2,n=2", 2,
+      args(name, "pp=2,n=2",
            {"checkpoint.every=2", "checkpoint.max_mb_per_s=0.05", "elastic.replica_every=0"}),
       log);
   const fs::path dir = *root_ / name / "checkpoints";

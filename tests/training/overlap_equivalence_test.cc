@@ -46,11 +46,11 @@ class OverlapEquivalence : public ::testing::Test {
     delete root_;
   }
 
-  static std::vector<std::string> args(const std::string& name, int64_t steps, int64_t grad_accum,
+  static std::vector<std::string> args(const std::string& name, int64_t steps, int64_t global_batch,
                                        const std::string& parallel, const std::vector<std::string>& extra) {
     troupe::test::TrainMoeCommand c;
     c.run_dir = *root_ / name;
-    c.sets = troupe::test::tiny_model_sets({.grad_accum = grad_accum,
+    c.sets = troupe::test::tiny_model_sets({.global_batch = global_batch,
                                             .steps = steps,
                                             .log_every = 10,
                                             .warmup_steps = 5,
@@ -65,11 +65,11 @@ class OverlapEquivalence : public ::testing::Test {
     return s;
   }
 
-  static std::vector<nlohmann::json> train(const std::string& name, int64_t steps, int64_t ga,
+  static std::vector<nlohmann::json> train(const std::string& name, int64_t steps, int64_t global_batch,
                                            const std::string& parallel, const std::vector<std::string>& extra,
                                            const std::vector<std::string>& env = {},
                                            std::string* output = nullptr) {
-    std::vector<std::string> a = args(name, steps, ga, parallel, extra);
+    std::vector<std::string> a = args(name, steps, global_batch, parallel, extra);
     if (!env.empty()) {
       std::vector<std::string> pre{"/usr/bin/env"};
       pre.insert(pre.end(), env.begin(), env.end());
@@ -88,17 +88,18 @@ fs::path* OverlapEquivalence::root_ = nullptr;
 
 TEST_F(OverlapEquivalence, OverlappedScheduleIsBitwiseTheSequentialOne) {
   // Every layout of training_equivalence_test, plus dp x pp and dp = 4 (a rank-order sum
-  // of four), with 2 token chunks per expert dispatch.
+  // of four), with 2 token chunks per expert dispatch; each with its global batch
+  // (sequences).
   const std::vector<std::pair<std::string, int64_t>> layouts{
-      {"dp=2", 1}, {"n=2", 2},      {"n=4", 2},      {"n=2,dispatch=allgather", 2},
-      {"pp=2", 2}, {"pp=2,n=2", 2}, {"dp=2,n=2", 1}, {"pp=2,dp=2", 1},
-      {"dp=4", 1}};
-  for (const auto& [parallel, ga] : layouts) {
+      {"dp=2", 4}, {"n=2", 4},      {"n=4", 4},      {"n=2,dispatch=allgather", 4},
+      {"pp=2", 4}, {"pp=2,n=2", 4}, {"dp=2,n=2", 4}, {"pp=2,dp=2", 4},
+      {"dp=4", 8}};
+  for (const auto& [parallel, global_batch] : layouts) {
     const std::vector<std::string> chunks{"parallel.chunks=2"};
     std::vector<std::string> off = chunks;
     off.insert(off.end(), kSequential.begin(), kSequential.end());
-    const auto on_recs = train("on-" + slug(parallel), 5, ga, parallel, chunks);
-    const auto off_recs = train("off-" + slug(parallel), 5, ga, parallel, off);
+    const auto on_recs = train("on-" + slug(parallel), 5, global_batch, parallel, chunks);
+    const auto off_recs = train("off-" + slug(parallel), 5, global_batch, parallel, off);
     ASSERT_EQ(on_recs.size(), off_recs.size()) << parallel;
     size_t steps = 0, evals = 0;
     for (size_t i = 0; i < on_recs.size(); ++i) {
@@ -125,9 +126,9 @@ TEST_F(OverlapEquivalence, OverlappedScheduleIsBitwiseTheSequentialOne) {
 
 TEST_F(OverlapEquivalence, Bf16GradientsAndFp8DispatchTrainWithinOnePercent) {
   const std::string layout = "dp=2,n=2";
-  const auto exact = train("exact50", 50, 1, layout, {});
+  const auto exact = train("exact50", 50, 4, layout, {});
   std::string out;
-  const auto comp = train("compressed50", 50, 1, layout + ",compression=true",
+  const auto comp = train("compressed50", 50, 4, layout + ",compression=true",
                           {"parallel.fp8_dispatch=true", "parallel.measure_compression=true"}, {}, &out);
   const auto a = step_records(*root_ / "exact50" / "metrics.jsonl");
   const auto b = step_records(*root_ / "compressed50" / "metrics.jsonl");

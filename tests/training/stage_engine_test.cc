@@ -75,6 +75,14 @@ class StageEngine : public ::testing::Test {
                                fmt::format("train.steps={}", kSteps),
                                "optim.warmup_steps=2",
                                fmt::format("data.dir=\"{}\"", (*root_ / "data").string())};
+    // One micro-batch of 2 sequences per replica unless a layout asks for more.
+    int dp = 1;
+    bool batch_given = false;
+    for (const std::string& e : extra) {
+      if (e.rfind("parallel.dp=", 0) == 0) dp = std::stoi(e.substr(12));
+      if (e.rfind("train.global_batch=", 0) == 0) batch_given = true;
+    }
+    if (!batch_given) o.push_back(fmt::format("train.global_batch={}", 2 * dp));
     o.insert(o.end(), extra.begin(), extra.end());
     auto tc = layers::load_train_config(std::string(TROUPE_SOURCE_DIR) + "/apps/configs/tiny.toml", o);
     EXPECT_TRUE(tc.ok()) << tc.status().to_string();
@@ -170,7 +178,7 @@ TEST_F(StageEngine, LaunchAheadGivesTheSameStepsBitwise) {
 TEST_F(StageEngine, DeviceStatisticsEqualTheHostSums) {
   for (const std::vector<std::string>& layout :
        {std::vector<std::string>{"parallel.dp=2"},
-        std::vector<std::string>{"parallel.pp=2", "parallel.n=2", "train.grad_accum=2"}}) {
+        std::vector<std::string>{"parallel.pp=2", "parallel.n=2", "train.global_batch=4"}}) {
     std::vector<std::string> host = layout;
     host.push_back("train.device_stats=false");
     const auto dev = train(layout, false);

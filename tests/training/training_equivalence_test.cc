@@ -6,8 +6,9 @@
 // `train_moe --parallel ...` (the standalone launcher: a driver plus pp*dp*n worker
 // processes over Gloo on loopback). Compared per step from metrics.jsonl: loss and
 // gradient norm (relative difference <= 1e-5 over the first 5 steps), aux loss and the
-// per-expert loads (equal). Data-parallel layouts use grad_accum 1 against the
-// reference's 2 (same global batch: replica d takes the reference's micro-batch d).
+// per-expert loads (equal). Every run has the same keys (a global batch of 4 sequences):
+// the reference takes it in 2 micro-batches of 2, each dp replica in one (replica d takes
+// the reference's micro-batch d).
 // Every child runs in its own process group, is bounded by a timeout and is killed and
 // reaped on failure.
 #include <signal.h>
@@ -49,15 +50,12 @@ class TrainingEquivalence : public ::testing::Test {
 
   // The test model: 4 blocks (dense, MoE, dense, MoE), d 32, 8 heads / 4 kv heads,
   // 4 experts top-2 (dropless, aux and z losses on), sequences of 16, micro-batches of 2.
-  static std::vector<std::string> args(const std::string& name, int64_t steps, int64_t grad_accum,
-                                       const std::string& parallel, const std::vector<std::string>& extra = {}) {
+  static std::vector<std::string> args(const std::string& name, int64_t steps, const std::string& parallel,
+                                       const std::vector<std::string>& extra = {}) {
     troupe::test::TrainMoeCommand c;
     c.run_dir = *root_ / name;
-    c.sets = troupe::test::tiny_model_sets({.grad_accum = grad_accum,
-                                            .steps = steps,
-                                            .log_every = 10,
-                                            .warmup_steps = 5,
-                                            .data_dir = *root_ / "data"});
+    c.sets = troupe::test::tiny_model_sets(
+        {.global_batch = 4, .steps = steps, .log_every = 10, .warmup_steps = 5, .data_dir = *root_ / "data"});
     c.sets.insert(c.sets.end(), extra.begin(), extra.end());
     c.parallel = parallel;
     return c.argv();
@@ -68,7 +66,7 @@ class TrainingEquivalence : public ::testing::Test {
     auto& ref = steps == 5 ? ref5 : ref50;
     if (ref.empty()) {
       const std::string name = fmt::format("ref{}", steps);
-      const RunResult r = run(args(name, steps, 2, ""), *root_ / (name + ".log"), std::chrono::seconds(120));
+      const RunResult r = run(args(name, steps, ""), *root_ / (name + ".log"), std::chrono::seconds(120));
       EXPECT_EQ(r.exit_code, 0) << r.output;
       ref = step_records(*root_ / name / "metrics.jsonl");
     }
@@ -77,11 +75,12 @@ class TrainingEquivalence : public ::testing::Test {
 
   // Runs `parallel` for 5 steps and checks it against the reference; returns the max
   // relative difference of loss and grad norm.
-  static double check_layout(const std::string& parallel, int64_t grad_accum, const std::vector<std::string>& extra = {}) {
+  static double check_layout(const std::string& parallel, const std::vector<std::string>& extra = {}) {
     const auto& ref = reference(5);
     std::string name = "run-" + parallel;
     for (char& ch : name) ch = (ch == ',' || ch == '=') ? '_' : ch;
-    const RunResult r = run(args(name, 5, grad_accum, parallel, extra), *root_ / (name + ".log"), std::chrono::seconds(180));
+    const RunResult r =
+        run(args(name, 5, parallel, extra), *root_ / (name + ".log"), std::chrono::seconds(180));
     EXPECT_EQ(r.exit_code, 0) << r.output;
     const auto got = step_records(*root_ / name / "metrics.jsonl");
     EXPECT_EQ(got.size(), ref.size()) << r.output;
@@ -107,18 +106,32 @@ class TrainingEquivalence : public ::testing::Test {
 
 fs::path* TrainingEquivalence::root_ = nullptr;
 
-TEST_F(TrainingEquivalence, DataParallel) { check_layout("dp=2", 1); }
-TEST_F(TrainingEquivalence, ExpertAndSequenceParallelN2) { check_layout("n=2", 2); }
-TEST_F(TrainingEquivalence, ExpertAndSequenceParallelN4) { check_layout("n=4", 2); }
-TEST_F(TrainingEquivalence, AllGatherDispatch) { check_layout("n=2,dispatch=allgather", 2); }
-TEST_F(TrainingEquivalence, Pipeline) { check_layout("pp=2", 2); }
-TEST_F(TrainingEquivalence, PipelineTimesN) { check_layout("pp=2,n=2", 2); }
-TEST_F(TrainingEquivalence, DataParallelTimesN) { check_layout("dp=2,n=2", 1); }
+TEST_F(TrainingEquivalence, DataParallel) {
+  check_layout("dp=2");
+}
+TEST_F(TrainingEquivalence, ExpertAndSequenceParallelN2) {
+  check_layout("n=2");
+}
+TEST_F(TrainingEquivalence, ExpertAndSequenceParallelN4) {
+  check_layout("n=4");
+}
+TEST_F(TrainingEquivalence, AllGatherDispatch) {
+  check_layout("n=2,dispatch=allgather");
+}
+TEST_F(TrainingEquivalence, Pipeline) {
+  check_layout("pp=2");
+}
+TEST_F(TrainingEquivalence, PipelineTimesN) {
+  check_layout("pp=2,n=2");
+}
+TEST_F(TrainingEquivalence, DataParallelTimesN) {
+  check_layout("dp=2,n=2");
+}
 TEST_F(TrainingEquivalence, TroupeRunLaunchesTheSameRun) {
   // troupe run starts the driver and 4 workers (TROUPE_* variables, the scheduler's
   // rendezvous store); the result equals the standalone launcher's and one process's.
   const auto& ref = reference(5);
-  std::vector<std::string> a = args("troupe-run", 5, 2, "pp=2,n=2");
+  std::vector<std::string> a = args("troupe-run", 5, "pp=2,n=2");
   a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--"});
   const RunResult r = run(a, *root_ / "troupe-run.log", std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -129,7 +142,7 @@ TEST_F(TrainingEquivalence, TroupeRunLaunchesTheSameRun) {
     EXPECT_LE(rel_diff(ref[i]["grad_norm"].get<double>(), got[i]["grad_norm"].get<double>()), 1e-5);
   }
   // A job whose worker count does not match the layout is refused by every process.
-  std::vector<std::string> bad = args("troupe-run-bad", 5, 2, "pp=2,n=2");
+  std::vector<std::string> bad = args("troupe-run-bad", 5, "pp=2,n=2");
   bad.insert(bad.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "3", "--"});
   const RunResult rb = run(bad, *root_ / "troupe-run-bad.log", std::chrono::seconds(120));
   EXPECT_NE(rb.exit_code, 0);
@@ -140,9 +153,11 @@ TEST_F(TrainingEquivalence, UntiedHeadOverPipeline) {
   // The tied-embedding path is the default; an untied head exercises the other one. Both
   // sides of the comparison use the same override, so it gets its own reference.
   const std::vector<std::string> untied{"model.tie_embeddings=false"};
-  const RunResult ref = run(args("ref-untied", 5, 2, "", untied), *root_ / "ref-untied.log", std::chrono::seconds(120));
+  const RunResult ref =
+      run(args("ref-untied", 5, "", untied), *root_ / "ref-untied.log", std::chrono::seconds(120));
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  const RunResult r = run(args("pp-untied", 5, 2, "pp=2,n=2", untied), *root_ / "pp-untied.log", std::chrono::seconds(180));
+  const RunResult r =
+      run(args("pp-untied", 5, "pp=2,n=2", untied), *root_ / "pp-untied.log", std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto a = step_records(*root_ / "ref-untied" / "metrics.jsonl");
   const auto b = step_records(*root_ / "pp-untied" / "metrics.jsonl");
@@ -157,12 +172,12 @@ TEST_F(TrainingEquivalence, UntiedHeadOverPipeline) {
 TEST_F(TrainingEquivalence, FiftyStepsSameFinalLoss) {
   const auto& ref = reference(50);
   ASSERT_EQ(ref.size(), 50u);
-  // Every layout of issue 7 (dp and dp x n take the global batch in one micro-batch per rank).
-  for (const auto& [parallel, ga] : std::vector<std::pair<std::string, int64_t>>{
-           {"dp=2", 1}, {"n=2", 2}, {"n=4", 2}, {"pp=2", 2}, {"pp=2,n=2", 2}, {"dp=2,n=2", 1}}) {
+  // Every layout, from the same keys (dp and dp x n take the global batch of 4 sequences in
+  // one micro-batch of 2 per replica, the others in two).
+  for (const std::string parallel : {"dp=2", "n=2", "n=4", "pp=2", "pp=2,n=2", "dp=2,n=2"}) {
     std::string name = "fifty-" + parallel;
     for (char& ch : name) ch = (ch == ',' || ch == '=') ? '_' : ch;
-    const RunResult r = run(args(name, 50, ga, parallel), *root_ / (name + ".log"), std::chrono::seconds(300));
+    const RunResult r = run(args(name, 50, parallel), *root_ / (name + ".log"), std::chrono::seconds(300));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     const auto got = step_records(*root_ / name / "metrics.jsonl");
     ASSERT_EQ(got.size(), 50u);
@@ -177,7 +192,8 @@ TEST_F(TrainingEquivalence, FiftyStepsSameFinalLoss) {
 TEST_F(TrainingEquivalence, CompressionTrainsClose) {
   // bf16 gradient exchange is not exact; it must stay close to fp32.
   const auto& ref = reference(5);
-  const RunResult r = run(args("bf16", 5, 1, "dp=2,compression=true"), *root_ / "bf16.log", std::chrono::seconds(180));
+  const RunResult r =
+      run(args("bf16", 5, "dp=2,compression=true"), *root_ / "bf16.log", std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto got = step_records(*root_ / "bf16" / "metrics.jsonl");
   ASSERT_EQ(got.size(), ref.size());
@@ -200,11 +216,13 @@ TEST_F(TrainingEquivalence, LayoutThatDoesNotFitIsRefusedBeforeAnyWorker) {
       {"n=4", {"train.seq_len=18"}, "parallel.n=4 does not divide train.seq_len=18"},
       {"n=2,dispatch=ring", {}, "parallel.dispatch must be"},
       {"pp=2,tp=2", {}, "unknown key 'tp'"},
+      {"dp=3", {}, "train.global_batch = 4 sequences cannot be split over dp = 3 replicas"},
   };
   for (const auto& c : cases) {
     const fs::path dir = *root_ / "refused";
     fs::remove_all(dir);
-    const RunResult r = run(args("refused", 5, 2, c.parallel, c.extra), *root_ / "refused.log", std::chrono::seconds(30));
+    const RunResult r =
+        run(args("refused", 5, c.parallel, c.extra), *root_ / "refused.log", std::chrono::seconds(30));
     EXPECT_NE(r.exit_code, 0) << c.parallel;
     EXPECT_NE(r.output.find(c.message), std::string::npos) << c.parallel << ": " << r.output;
     // Nothing started: no rendezvous, no metrics, no launcher banner.
@@ -219,7 +237,7 @@ TEST_F(TrainingEquivalence, DeadWorkerWithNothingToRestoreFailsTheJobWithoutOrph
   // (elastic.replica_every=0) and no checkpoint: nothing holds its state, so the Trainer
   // fails the job naming the lost worker, and leaves no process behind.
   const fs::path log = *root_ / "killed.log";
-  const pid_t pid = troupe::test::spawn(args("killed", 400, 2, "n=2", {"elastic.replica_every=0"}), log);
+  const pid_t pid = troupe::test::spawn(args("killed", 400, "n=2", {"elastic.replica_every=0"}), log);
   // Wait for training to start (step 1 in metrics), then kill one worker of the group.
   const fs::path metrics = *root_ / "killed" / "metrics.jsonl";
   const auto t0 = Clock::now();

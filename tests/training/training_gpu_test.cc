@@ -6,9 +6,9 @@
 // CUDA paths: head dim 64, grouped-query attention, 8 experts top-2, dropless) trains for
 // a few steps with --backend cuda on one GPU (the reference), then with the standalone
 // launcher on two GPUs: --parallel n=2 (Ulysses attention and expert parallelism over
-// NCCL, bf16 activations on the wire) and --parallel dp=2 (ZeRO-1 over NCCL, grad_accum
-// 1 against the reference's 2). bf16 activations make the runs differ by rounding only:
-// the first steps' loss within 2% and gradient norm within 5% of the reference, the loss
+// NCCL, bf16 activations on the wire) and --parallel dp=2 (ZeRO-1 over NCCL; the same
+// global batch, one micro-batch per replica against the reference's 2). bf16 activations make the runs differ
+// by rounding only: the first steps' loss within 2% and gradient norm within 5% of the reference, the loss
 // falling, and mfu and peak_bytes in every step's metrics. Every child runs in its own
 // process group, bounded by a timeout, and is killed and reaped on failure.
 //
@@ -63,17 +63,17 @@ class TrainingGpu : public ::testing::Test {
   }
 
   // d 256, 2 blocks (dense, MoE), 4 heads / 2 kv heads (head dim 64), 8 experts top-2,
-  // sequences of 256, micro-batches of 4.
-  static std::vector<std::string> args(const std::string& name, int64_t grad_accum,
-                                       const std::string& parallel) {
+  // sequences of 256, micro-batches of 4, 8 sequences a step (2 micro-batches at 1x1x1,
+  // one per replica at dp=2).
+  static std::vector<std::string> args(const std::string& name, const std::string& parallel) {
     troupe::test::TrainMoeCommand c;
     c.backend = "cuda";
     c.run_dir = *root_ / name;
     c.sets = {"model.vocab_size=512", "model.d_model=256", "model.n_layers=2", "model.n_heads=4",
               "model.n_kv_heads=2", "model.ffn_hidden=512", "model.moe.num_experts=8",
               "model.moe.expert_hidden=256", "train.seq_len=256", "train.micro_batch_size=4",
-              fmt::format("train.grad_accum={}", grad_accum), fmt::format("train.steps={}", kSteps),
-              "train.eval_batches=2", "train.eval_every=0", "train.log_every=1", "optim.warmup_steps=2",
+              "train.global_batch=8", fmt::format("train.steps={}", kSteps), "train.eval_batches=2",
+              "train.eval_every=0", "train.log_every=1", "optim.warmup_steps=2",
               // The recoveries are checked against the fault-free run's losses (1e-6): the
               // Hopper attention's dQ in its own, fixed-order kernel.
               "train.attention_fused_dq=false", fmt::format("data.dir=\"{}\"", (*root_ / "data").string())};
@@ -81,10 +81,9 @@ class TrainingGpu : public ::testing::Test {
     return c.argv();
   }
 
-  static std::vector<nlohmann::json> train(const std::string& name, int64_t grad_accum,
-                                           const std::string& parallel,
+  static std::vector<nlohmann::json> train(const std::string& name, const std::string& parallel,
                                            const std::vector<std::string>& extra = {}) {
-    std::vector<std::string> a = args(name, grad_accum, parallel);
+    std::vector<std::string> a = args(name, parallel);
     a.insert(a.end(), extra.begin(), extra.end());
     const RunResult r = troupe::test::run(a, *root_ / (name + ".log"), std::chrono::seconds(240));
     EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
@@ -99,7 +98,7 @@ class TrainingGpu : public ::testing::Test {
   // under `troupe run --nproc 2` (the embedded scheduler places the workers).
   static std::vector<std::string> dp2_args(const std::string& name, const std::string& fault,
                                            std::vector<std::string> extra = {}, bool troupe_run = false) {
-    std::vector<std::string> a = args(name, 1, "dp=2");
+    std::vector<std::string> a = args(name, "dp=2");
     a.insert(a.end(), {"--set", fmt::format("elastic.heartbeat_timeout_ms={}", kHeartbeatTimeoutMs)});
     if (!fault.empty()) a.insert(a.end(), {"--set", fmt::format("elastic.inject=\"{}\"", fault)});
     for (auto& e : extra) a.insert(a.end(), {"--set", std::move(e)});
@@ -221,7 +220,7 @@ class TrainingGpu : public ::testing::Test {
 
   static const std::vector<nlohmann::json>& reference() {
     static std::vector<nlohmann::json> ref;
-    if (ref.empty()) ref = train("one_gpu", 2, "");
+    if (ref.empty()) ref = train("one_gpu", "");
     return ref;
   }
 
@@ -233,22 +232,22 @@ fs::path* TrainingGpu::root_ = nullptr;
 TEST_F(TrainingGpu, ExpertAndSequenceParallelOnTwoGpus) {
   // n=2 keeps the reference's micro-batches: the same tokens split over the sequence.
   const std::vector<nlohmann::json>& ref = reference();
-  compare(train("n2", 2, "n=2"), ref, true);
+  compare(train("n2", "n=2"), ref, true);
 }
 
 TEST_F(TrainingGpu, DataParallelOnTwoGpus) {
   const std::vector<nlohmann::json>& ref = reference();
-  compare(train("dp2", 1, "dp=2"), ref, true);
+  compare(train("dp2", "dp=2"), ref, true);
 }
 
 TEST_F(TrainingGpu, CheckpointOnTwoGpusResumesOnOne) {
   // n=2 saves after step 4 (device state copied to the host); one GPU resumes from it and
   // must continue the same run: steps 5..8 within bf16 tolerance of the saving run's.
-  const std::vector<nlohmann::json> saved = train("n2_saving", 2, "n=2", {"--set", "checkpoint.every=4"});
+  const std::vector<nlohmann::json> saved = train("n2_saving", "n=2", {"--set", "checkpoint.every=4"});
   ASSERT_EQ(saved.size(), static_cast<size_t>(kSteps));
   const fs::path ckpt = *root_ / "n2_saving" / "checkpoints" / "step_4";
   ASSERT_TRUE(fs::exists(ckpt / "manifest.json")) << ckpt;
-  const std::vector<nlohmann::json> resumed = train("resumed_one_gpu", 2, "", {"--resume", ckpt.string()});
+  const std::vector<nlohmann::json> resumed = train("resumed_one_gpu", "", {"--resume", ckpt.string()});
   ASSERT_EQ(resumed.size(), static_cast<size_t>(kSteps - 4));
   for (size_t i = 0; i < resumed.size(); ++i) {
     const auto& g = resumed[i];
@@ -263,12 +262,12 @@ TEST_F(TrainingGpu, CheckpointOnTwoGpusResumesOnOne) {
 TEST_F(TrainingGpu, PipelineOnTwoGpus) {
   // pp=2: one block per GPU, the reference's micro-batches through the 1F1B schedule.
   const std::vector<nlohmann::json>& ref = reference();
-  compare(train("pp2", 2, "pp=2"), ref, true);
+  compare(train("pp2", "pp=2"), ref, true);
 }
 
 TEST_F(TrainingGpu, AllGatherDispatchOnTwoGpus) {
   const std::vector<nlohmann::json>& ref = reference();
-  compare(train("n2_allgather", 2, "n=2", {"--set", "parallel.dispatch=\"allgather\""}), ref, true);
+  compare(train("n2_allgather", "n=2", {"--set", "parallel.dispatch=\"allgather\""}), ref, true);
 }
 
 // parallel.device_dispatch: the expert rows move through the n-group's mapped buffers with
@@ -300,8 +299,8 @@ TEST_F(TrainingGpu, DeviceDrivenExpertDispatchOnTwoGpus) {
     }
     dev_sets.insert(dev_sets.end(), {"--set", "parallel.device_dispatch=true"});
     const std::string base = fmt::format("n2_dispatch_{}", k.name);
-    const std::vector<nlohmann::json> host = train(base + "_host", 2, "n=2", host_sets);
-    const std::vector<nlohmann::json> dev = train(base + "_device", 2, "n=2", dev_sets);
+    const std::vector<nlohmann::json> host = train(base + "_host", "n=2", host_sets);
+    const std::vector<nlohmann::json> dev = train(base + "_device", "n=2", dev_sets);
     ASSERT_EQ(host.size(), static_cast<size_t>(kSteps));
     ASSERT_EQ(dev.size(), static_cast<size_t>(kSteps));
     int bitwise = 0;
@@ -326,7 +325,7 @@ TEST_F(TrainingGpu, DeviceDrivenExpertDispatchOnTwoGpus) {
       // One GPU without the z-loss, the same tokens: the n-group's aux loss is the whole
       // micro-batch's, counted once (not once per member).
       const std::vector<nlohmann::json> one =
-          train("one_gpu_no_zloss", 2, "", {"--set", "model.moe.z_loss_coef=0"});
+          train("one_gpu_no_zloss", "", {"--set", "model.moe.z_loss_coef=0"});
       compare(dev, one, true);
       for (size_t i = 0; i < 3; ++i) {
         EXPECT_LT(rel_diff(one[i]["aux_loss"].get<double>(), dev[i]["aux_loss"].get<double>()), 1e-2)
@@ -338,7 +337,7 @@ TEST_F(TrainingGpu, DeviceDrivenExpertDispatchOnTwoGpus) {
   }
   // Four blocks (two MoE) against two (one MoE): no host read scales with the MoE blocks.
   const std::vector<nlohmann::json> deeper =
-      train("n2_dispatch_4blocks", 2, "n=2",
+      train("n2_dispatch_4blocks", "n=2",
             {"--set", "model.moe.z_loss_coef=0", "--set", "parallel.device_dispatch=true", "--set",
              "model.n_layers=4"});
   ASSERT_EQ(deeper.size(), static_cast<size_t>(kSteps));

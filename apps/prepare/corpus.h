@@ -1,4 +1,4 @@
-// apps/train_moe/corpus.h — defines Corpus, the documents `train_moe prepare` reads, as a
+// apps/prepare/corpus.h — defines Corpus, the documents troupe-prepare (and `train_moe prepare`) reads, as a
 // stream: text files (each file one document) and JSON-lines files (each line a record
 // whose text is under a key, "text" by default), either kind plain, gzip (.gz) or
 // Zstandard (.zst) compressed. Memory stays constant whatever the corpus size: files are
@@ -18,7 +18,7 @@
 
 #include "core/status.h"
 
-namespace troupe::train_moe {
+namespace troupe::prepare {
 
 struct CorpusOptions {
   std::vector<std::string> inputs;      // files or directories
@@ -78,4 +78,4 @@ class ProgressLine {
   uint64_t printed_ = UINT64_MAX;  // `done` of the last line printed
 };
 
-}  // namespace troupe::train_moe
+}  // namespace troupe::prepare

@@ -1,10 +1,14 @@
-// apps/train_moe/prepare.cc — `train_moe prepare`: stream the corpus (text files and
-// JSON-lines, plain or compressed; apps/train_moe/corpus.h), tokenize every document into
+// apps/prepare/prepare.cc — prepare_corpus (troupe-prepare, `train_moe prepare`): stream
+// the corpus (text files and JSON-lines, plain or compressed; apps/prepare/corpus.h), tokenize every document into
 // train/validation shards with a Hugging Face tokenizer.json (--tokenizer) or one trained
 // here on the training documents (a first pass), and write tokenizer.json and meta.json
 // beside the shards. Memory stays constant in the corpus size: documents are read,
 // tokenized and appended one at a time.
+#include "apps/prepare/prepare.h"
+
 #include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -13,12 +17,11 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "apps/train_moe/commands.h"
-#include "apps/train_moe/corpus.h"
+#include "apps/prepare/corpus.h"
 #include "layers/token_data.h"
 #include "layers/tokenizer.h"
 
-namespace troupe::train_moe {
+namespace troupe::prepare {
 
 namespace fs = std::filesystem;
 
@@ -37,7 +40,25 @@ void report_malformed(const CorpusStats& st) {
 
 }  // namespace
 
-Status run_prepare(const PrepareOptions& o) {
+void add_prepare_options(CLI::App& cli, PrepareOptions& o) {
+  cli.add_option("--input", o.inputs,
+                 "files or directories (repeatable): text files, or JSON lines (.jsonl, .jsonl.gz, .jsonl.zst)")
+      ->required();
+  cli.add_option("--out", o.out, "output directory")->required();
+  cli.add_option("--tokenizer", o.tokenizer,
+                 "a Hugging Face tokenizer.json (byte-level BPE: GPT-2, Llama 3, Qwen) instead of training one");
+  cli.add_option("--eot-token", o.eot_token,
+                 "with --tokenizer: the token ending each document (default: its eos_token)");
+  cli.add_option("--vocab", o.vocab, "vocabulary size of a trained tokenizer (bytes + end-of-text + merges)");
+  cli.add_option("--text-key", o.text_key, "JSON lines: the field holding each record's text");
+  cli.add_flag("--strict", o.strict, "JSON lines: stop at a malformed record (default: skip and count it)");
+  cli.add_option("--max-bytes", o.max_bytes, "stop after this many bytes of text (0: read everything)");
+  cli.add_option("--val-fraction", o.val_fraction, "fraction of documents for validation");
+  cli.add_option("--ext", o.extensions, "file name endings taken from directories (e.g. .py .txt .jsonl.zst)");
+  cli.add_option("--shard-tokens", o.shard_tokens, "tokens per shard file");
+}
+
+Status prepare_corpus(const PrepareOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
   if (o.inputs.empty()) return invalid_argument("prepare: give at least one --input");
   if (o.out.empty()) return invalid_argument("prepare: --out is required");
@@ -200,4 +221,4 @@ Status run_prepare(const PrepareOptions& o) {
   return ok_status();
 }
 
-}  // namespace troupe::train_moe
+}  // namespace troupe::prepare

@@ -1,6 +1,6 @@
 // apps/train_moe/corpus.cc — streaming reads of text and JSON-lines corpora (plain, gzip
 // through zlib's gzread, Zstandard through ZSTD_decompressStream), and the progress line.
-#include "apps/train_moe/corpus.h"
+#include "apps/prepare/corpus.h"
 
 #include <fmt/format.h>
 #include <unistd.h>
@@ -14,7 +14,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
-namespace troupe::train_moe {
+namespace troupe::prepare {
 
 namespace fs = std::filesystem;
 
@@ -307,4 +307,4 @@ void ProgressLine::finish(uint64_t done, int64_t documents) {
   if (tty_) fmt::print("\n");
 }
 
-}  // namespace troupe::train_moe
+}  // namespace troupe::prepare
