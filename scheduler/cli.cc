@@ -568,8 +568,13 @@ int cli_run(const RunOptions& opts) {
   so.state_dir = state_dir;
   so.security.server_keys = *run_keys;
   so.security.allowed_client_keys = {run_keys->public_key};
+  so.metrics.listen = opts.metrics_listen;
+  for (const std::string& kv : opts.detector) {
+    if (Status ds = so.detector.set(kv); !ds.ok()) return fail(ds);
+  }
   auto sched = Scheduler::create(so);
   if (!sched.ok()) return fail(sched.status());
+  if (!(*sched)->metrics_url().empty()) fmt::print(stderr, "troupe run: Prometheus metrics at {}\n", (*sched)->metrics_url());
   if (spec.backend == "cuda") {
     int gpus = detect_gpus();
     if (gpus < spec.nproc) {

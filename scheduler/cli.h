@@ -30,6 +30,8 @@ struct RunOptions {
   bool prefix_output = true;    // "[worker-0] " before each line of a process's output
   int slots = 0;                // the embedded agent's slots; 0: as many as --nproc
   bool nproc_given = true;      // false: take it from the Slurm allocation (SlurmAllocation)
+  std::string metrics_listen;   // the embedded scheduler's /metrics (empty: none)
+  std::vector<std::string> detector;  // KEY=VALUE thresholds (observe/peer_detector.h)
 };
 
 // What `troupe run` reads from a Slurm allocation (salloc, sbatch, srun): SLURM_JOB_ID,

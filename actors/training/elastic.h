@@ -44,6 +44,7 @@
 #include "core/status.h"
 #include "layers/context.h"
 #include "layers/train_config.h"
+#include "observe/health.h"
 
 namespace troupe::training {
 
@@ -113,9 +114,11 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec);
 // in-memory copy of the committed state is kept there yet, so a lost GPU worker is
 // restored from the last checkpoint).
 // `program`: the app's stage program (stage_program.h), built for each Stage.
+// `steps` (may be null): fed each step's timings and each checkpoint's blocked time, for
+// the worker's health reports (scheduler/health_reporter.h).
 Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& program,
                           comm::RendezvousStore& store, const std::string& job, int slot, uint64_t epoch,
                           std::function<void()> cut_control = {},
-                          const layers::Ctx& ctx = layers::Ctx::cpu());
+                          const layers::Ctx& ctx = layers::Ctx::cpu(), observe::StepProbe* steps = nullptr);
 
 }  // namespace troupe::training

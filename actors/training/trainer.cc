@@ -1564,7 +1564,7 @@ Status run_trainer(const TrainerOptions& o, const layers::TrainConfig& tc,
 
 Status run_worker_process(const layers::TrainConfig& tc, const ProgramFactory& program,
                           comm::RendezvousStore& store, std::function<void()> cut_control,
-                          const layers::Ctx& ctx) {
+                          const layers::Ctx& ctx, observe::StepProbe* steps) {
   const char* job = std::getenv("TROUPE_JOB_ID");
   if (job == nullptr || *job == '\0') return invalid_argument("worker: TROUPE_JOB_ID is not set");
   // Started by the scheduler in epoch 0: the slot is the rank; later ones, and the
@@ -1573,7 +1573,7 @@ Status run_worker_process(const layers::TrainConfig& tc, const ProgramFactory& p
   if (slot < 0) return invalid_argument("worker: neither TROUPE_ELASTIC_SLOT nor TROUPE_RANK is set");
   const int64_t epoch = env_or("TROUPE_ELASTIC_EPOCH", 0);
   return run_elastic_worker(tc, program, store, job, static_cast<int>(slot), static_cast<uint64_t>(epoch),
-                            std::move(cut_control), ctx);
+                            std::move(cut_control), ctx, steps);
 }
 
 nlohmann::json step_reply_json(const StepReply& r) {
