@@ -55,7 +55,8 @@ Status check_process_limit(int needed);
 
 int cli_run(const RunOptions& opts);
 int cli_submit(const CliConnection& c, JobSpec spec, bool json);
-int cli_status(const CliConnection& c, const std::string& job_id, bool json);
+// `health`: with one job, the table of its workers' health reports (cli_health.h).
+int cli_status(const CliConnection& c, const std::string& job_id, bool json, bool health = false);
 int cli_logs(const CliConnection& c, const std::string& job_id, const std::string& proc, bool follow);
 int cli_cancel(const CliConnection& c, const std::string& job_id, bool json);
 int cli_keygen(const std::string& prefix);

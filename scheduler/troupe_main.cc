@@ -126,6 +126,7 @@ int main(int argc, char** argv) {
   std::string status_job;
   bool status_json = false;
   bool status_actors = false;
+  bool status_health = false;
   auto* status = app.add_subcommand("status", "Show jobs, their processes and the agents");
   status->add_option("job", status_job, "Only this job, with its processes");
   status->add_flag("--json", status_json, "Print JSON for scripts");
@@ -133,6 +134,9 @@ int main(int argc, char** argv) {
       "--actors", status_actors,
       "With a training job or run directory: every actor (trainer, stage, attention and expert actors) "
       "with its worker, node, device, state and last step time");
+  status->add_flag("--health", status_health,
+                    "With a job: each worker's last health report (host, process, GPU, step time) and the "
+                    "faulty-machine detector's flags");
   add_connection(status, status_conn);
 
   CliConnection logs_conn;
@@ -251,7 +255,11 @@ int main(int argc, char** argv) {
     if (!status_job.empty() && troupe::sched::is_elastic_run_dir(status_job)) {
       return troupe::sched::cli_elastic_status(status_job, status_json, status_actors);
     }
-    const int rc = troupe::sched::cli_status(status_conn, status_job, status_json);
+    if (status_health && status_job.empty()) {
+      fmt::print(stderr, "troupe status --health: give a job id\n");
+      return 2;
+    }
+    const int rc = troupe::sched::cli_status(status_conn, status_job, status_json, status_health);
     if (rc == 0 && !status_job.empty() && !status_json &&
         !troupe::sched::print_elastic_job_status(status_conn, status_job, status_actors) && status_actors) {
       fmt::print(
