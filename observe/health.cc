@@ -226,6 +226,19 @@ void StepProbe::record_io(double ms) {
   io_ms_ += ms;
 }
 
+void StepProbe::begin_io() {
+  std::lock_guard<std::mutex> lk(mu_);
+  io_since_ = std::chrono::steady_clock::now();
+}
+
+void StepProbe::end_io() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!io_since_) return;
+  ++ios_;
+  io_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *io_since_).count();
+  io_since_.reset();
+}
+
 std::vector<Metric> StepProbe::take(double elapsed_s) {
   std::lock_guard<std::mutex> lk(mu_);
   std::vector<Metric> out;
@@ -237,7 +250,12 @@ std::vector<Metric> StepProbe::take(double elapsed_s) {
   } else if (last_) {
     out = *last_;  // no step ended in this interval: the last figures still stand
   }
-  if (ios_ > 0) out.push_back({"step_io_ms", io_ms_ / ios_});
+  if (ios_ > 0) last_io_ms_ = io_ms_ / ios_;
+  double io = last_io_ms_.value_or(-1);
+  if (io_since_) {
+    io = std::max(io, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *io_since_).count());
+  }
+  if (io >= 0) out.push_back({"step_io_ms", io});
   if (steps_ > 0 || last_) out.push_back({"steps_per_s", elapsed_s > 0 ? steps_ / elapsed_s : 0.0});
   steps_ = ios_ = 0;
   step_ms_ = compute_ms_ = comm_ms_ = io_ms_ = 0;

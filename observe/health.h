@@ -49,7 +49,11 @@ class HostProbe {
 class StepProbe {
  public:
   void record_step(double step_ms, double compute_ms, double comm_ms);
-  void record_io(double ms);  // a checkpoint (or other storage) write
+  void record_io(double ms);  // a checkpoint (or other storage) write that took `ms`
+  // Or around the write: while one runs, its elapsed time counts (a write stuck on a slow
+  // disk shows before it ends).
+  void begin_io();
+  void end_io();
   // step_* metrics of the steps since the last call (none when no step ended), with
   // steps_per_s over `elapsed_s`.
   std::vector<Metric> take(double elapsed_s);
@@ -59,6 +63,8 @@ class StepProbe {
   int steps_ = 0, ios_ = 0;
   double step_ms_ = 0, compute_ms_ = 0, comm_ms_ = 0, io_ms_ = 0;
   std::optional<std::vector<Metric>> last_;  // repeated while a step runs longer than a report
+  std::optional<double> last_io_ms_;         // repeated until the next write
+  std::optional<std::chrono::steady_clock::time_point> io_since_;
 };
 
 struct HealthSamplerOptions {

@@ -46,7 +46,7 @@ std::map<std::string, MetricRule> DetectorOptions::default_rules() {
       {"proc_blkio_delay", {0.05, 0.50, +1}},      // s/s waiting for block I/O
       {"step_compute_ms", {5.0, 0.25, +1}},        // compute per step
       {"step_io_ms", {20.0, 0.50, +1}},            // checkpoint write time
-      {"host_tcp_retrans_per_s", {2.0, 0.50, +1}},
+      {"host_tcp_retrans_per_s", {0.5, 0.50, +1}},
       {"host_cpu_steal", {0.05, 0.50, +1}},
       {"gpu_sm_clock_mhz", {50.0, 0.05, -1}},
       {"gpu_temp_c", {5.0, 0.05, +1}},
@@ -122,6 +122,7 @@ void PeerDetector::report(const std::string& worker, const std::string& node, co
   Worker& w = workers_[worker];
   w.node = node;
   w.last_report = now;
+  ++w.seq;
   w.latest.clear();
   for (const Metric& m : metrics) {
     if (std::isfinite(m.value)) w.latest[m.name] = m.value;
@@ -177,6 +178,8 @@ void PeerDetector::evaluate_once(Clock::time_point now, int64_t wall_ms, std::ve
   if (fresh.size() * 2 > workers_.size()) {
     const double med_age = median_of(ages);
     for (auto& [name, w] : workers_) {
+      if (now - w.gap_counted < std::chrono::milliseconds(950)) continue;  // once a second
+      w.gap_counted = now;
       const double age = std::chrono::duration<double>(now - w.last_report).count();
       note(w, name, kReportGap, age >= o_.silence_s, age, med_age, age, wall_ms, out);
     }
@@ -216,7 +219,11 @@ void PeerDetector::evaluate_once(Clock::time_point now, int64_t wall_ms, std::ve
     // not one machine's: no verdict on this metric now.
     if (static_cast<double>(deviating) > o_.max_outlier_fraction * static_cast<double>(n)) continue;
     for (size_t i = 0; i < n; ++i) {
-      note(workers_[names[i]], names[i], metric, score[i] >= o_.z_threshold, xs[i], med, score[i], wall_ms, out);
+      Worker& w = workers_[names[i]];
+      uint64_t& counted = w.counted_seq[metric];
+      if (counted == w.seq) continue;  // this report was counted already
+      counted = w.seq;
+      note(w, names[i], metric, score[i] >= o_.z_threshold, xs[i], med, score[i], wall_ms, out);
     }
   }
 }

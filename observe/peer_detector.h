@@ -46,8 +46,8 @@ struct DetectorOptions {
   int persist = 3;                     // deviating evaluations in the window (the latest one included) to flag
   int min_workers = 4;                 // fewer workers reporting: no verdict
   double max_outlier_fraction = 0.25;  // more of the job deviating at once on a metric: no verdict on it
-  double silence_s = 2.0;              // reports missing this long while the peers' arrive: deviating
-  double eval_interval_s = 1.0;
+  double silence_s = 1.5;              // reports missing this long while the peers' arrive: deviating
+  double eval_interval_s = 0.5;        // evaluations (each report still counts once)
   // The metrics judged and their rules; others are reported but not judged.
   std::map<std::string, MetricRule> rules = default_rules();
 
@@ -92,6 +92,9 @@ class PeerDetector {
   struct Worker {
     std::string node;
     Clock::time_point last_report{};
+    uint64_t seq = 0;                              // reports received
+    std::map<std::string, uint64_t> counted_seq;   // per metric: the report last counted
+    Clock::time_point gap_counted{};               // report_gap_s: last counted
     std::map<std::string, double> latest;
     // per metric: the last `window` evaluations, deviating or not (front: the oldest)
     std::map<std::string, std::deque<bool>> history;

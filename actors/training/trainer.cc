@@ -55,6 +55,7 @@
 #include "actors/training/control.h"
 #include "actors/training/elastic.h"
 #include "actors/training/role_actors.h"
+#include "actors/training/run_metrics.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/writer.h"
 #include "comm/control/host_addr.h"
@@ -248,12 +249,14 @@ class Trainer {
   // up to the last completed step (its data position).
   checkpoint::CheckpointInfo ckpt_info_;
   int64_t tokens_seen_ = 0;
+  std::unique_ptr<RunMetrics> run_metrics_;  // TensorBoard and Prometheus ([observe])
 };
 
 void Trainer::event(nlohmann::json e) {
   e["ts_ms"] = wall_ms();
   events_ << e.dump() << "\n";
   events_.flush();
+  if (run_metrics_) run_metrics_->on_event(e);
 }
 
 Status Trainer::spawn(int slot, uint64_t epoch) {
@@ -1373,6 +1376,7 @@ Status Trainer::run_job() {
   }
   events_.open(run_dir_ + "/events.jsonl", std::ios::trunc);
   if (!events_) return io_error("cannot write {}/events.jsonl", run_dir_);
+  TROUPE_ASSIGN_OR_RETURN(run_metrics_, RunMetrics::open(tc_.observe, run_dir_));
   std::ofstream metrics(run_dir_ + "/metrics.jsonl", resume ? std::ios::app : std::ios::trunc);
   if (!metrics) return io_error("cannot write {}/metrics.jsonl", run_dir_);
 
@@ -1495,6 +1499,7 @@ Status Trainer::run_job() {
     }
     metrics << rec.dump() << "\n";
     metrics.flush();
+    run_metrics_->on_step(rec);
     if (step % tc_.train.log_every == 0 || step == 1 || eval_now) {
       fmt::print("step {}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | dp {} | {:.0f} ms{}\n", step,
                  tc_.train.steps, loss, rec.value("lr", 0.0), rec.value("grad_norm", 0.0), plan_.dp,

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "actors/training/checkpointing.h"
+#include "actors/training/run_metrics.h"
 #include "actors/training/trainer.h"
 #include "apps/train_moe/commands.h"
 #include "apps/train_moe/model_state.h"
@@ -150,6 +151,8 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
   }
   std::ofstream metrics(run_dir + "/metrics.jsonl", resume ? std::ios::app : std::ios::trunc);
   if (!metrics) return io_error("cannot write {}/metrics.jsonl", run_dir);
+  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<training::RunMetrics> run_metrics,
+                          training::RunMetrics::open(tc.observe, run_dir));
 
   // ---- model and optimizer ------------------------------------------------------------
   const layers::Ctx& c = dev.ctx();
@@ -470,6 +473,7 @@ Status run_train(const TrainOptions& o, RunDevice& dev) {
     }
     metrics << rec.dump() << "\n";
     metrics.flush();
+    run_metrics->on_step(rec);
     if (step % tc.train.log_every == 0 || step == 1 || eval_now) {
       fmt::print(
           "step {}/{} | loss {:.4f} | lm {:.4f} | aux {:.4f} | lr {:.2e} | gnorm {:.3f} | {:.0f} tok/s | "

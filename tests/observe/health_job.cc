@@ -106,7 +106,7 @@ int run() {
     const double comm_ms = std::chrono::duration<double, std::milli>(t2 - t1).count();
     steps->record_step(compute_ms + comm_ms, compute_ms, comm_ms);
     if (ckpt_every > 0 && !ckpt_dir.empty() && step % ckpt_every == 0) {
-      const auto c0 = Clock::now();
+      steps->begin_io();
       const std::string path = fmt::format("{}/{}.ckpt", ckpt_dir, jc.name);
       const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       if (fd >= 0) {
@@ -115,7 +115,7 @@ int run() {
         ::fsync(fd);
         ::close(fd);
       }
-      steps->record_io(std::chrono::duration<double, std::milli>(Clock::now() - c0).count());
+      steps->end_io();
     }
     if (jc.rank == 0 && !progress.empty() && step % 10 == 0) {
       std::ofstream(progress, std::ios::app)
