@@ -3,10 +3,19 @@
 
 #include <arpa/inet.h>
 #include <fmt/format.h>
-#include <prometheus/exposer.h>
+#include <netdb.h>
+#include <poll.h>
 #include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <fcntl.h>
+#include <unistd.h>
 
+#include <strings.h>
+
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 
 namespace troupe::observe {
@@ -55,6 +64,40 @@ bool same(const std::string& a, const std::string& b) {  // constant time in the
   return diff == 0;
 }
 
+std::string base64_decode(const std::string& in) {
+  static const std::string kAlphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  uint32_t buf = 0;
+  int bits = 0;
+  for (char c : in) {
+    if (c == '=') break;
+    const size_t v = kAlphabet.find(c);
+    if (v == std::string::npos) return "";
+    buf = (buf << 6) | static_cast<uint32_t>(v);
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      out.push_back(static_cast<char>((buf >> bits) & 0xff));
+    }
+  }
+  return out;
+}
+
+void send_all(int fd, const std::string& s) {
+  size_t off = 0;
+  while (off < s.size()) {
+    const ssize_t n = ::send(fd, s.data() + off, s.size() - off, MSG_NOSIGNAL);
+    if (n <= 0) return;
+    off += static_cast<size_t>(n);
+  }
+}
+
+std::string response(const char* status, const std::string& type, const std::string& body,
+                     const std::string& extra = "") {
+  return fmt::format("HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n{}\r\n{}", status,
+                     type, body.size(), extra, body);
+}
+
 }  // namespace
 
 bool is_loopback_host(const std::string& host) {
@@ -82,32 +125,115 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::start(const MetricsServerO
   }
   std::unique_ptr<MetricsServer> s(new MetricsServer());
   s->registry_ = std::move(registry);
-  const std::string bind = hp.host.find(':') != std::string::npos && hp.host.front() != '['
-                               ? fmt::format("[{}]:{}", hp.host, hp.port)
-                               : fmt::format("{}:{}", hp.host, hp.port);
-  try {
-    s->exposer_ = std::make_unique<prometheus::Exposer>(bind, 1);
-  } catch (const std::exception& e) {
-    return unavailable("metrics: cannot serve /metrics on {}: {}", bind, e.what());
+  s->auth_ = std::move(auth);
+  std::string host = hp.host;
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  if (int rc = getaddrinfo(host.c_str(), hp.port.c_str(), &hints, &res); rc != 0)
+    return invalid_argument("metrics: cannot resolve '{}': {}", host, gai_strerror(rc));
+  const int fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int one = 1;
+  if (fd >= 0) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  const bool bound = fd >= 0 && bind(fd, res->ai_addr, res->ai_addrlen) == 0 && listen(fd, 16) == 0;
+  const int err = errno;
+  freeaddrinfo(res);
+  if (!bound) {
+    if (fd >= 0) close(fd);
+    return unavailable("metrics: cannot serve /metrics on {}: {}", o.listen, std::strerror(err));
   }
-  if (auth) {
-    s->exposer_->RegisterAuth(
-        [user = auth->first, pass = auth->second](const std::string& u, const std::string& p) {
-          return same(u, user) && same(p, pass);
-        },
-        "troupe");
-  }
-  s->exposer_->RegisterCollectable(s->registry_);
-  const std::vector<int> ports = s->exposer_->GetListeningPorts();
-  if (ports.empty()) return unavailable("metrics: {} listens on no port", bind);
-  s->port_ = ports[0];
-  const std::string host = hp.host.find(':') != std::string::npos && hp.host.front() != '['
-                               ? "[" + hp.host + "]"
-                               : hp.host;
-  s->url_ = fmt::format("http://{}:{}/metrics", host, s->port_);
+  s->listen_fd_ = fd;
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+  s->port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                             : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  if (pipe2(s->wake_, O_CLOEXEC) != 0) return io_error("metrics: pipe: {}", std::strerror(errno));
+  s->url_ = fmt::format("http://{}:{}/metrics", host.find(':') != std::string::npos ? "[" + host + "]" : host, s->port_);
+  s->thread_ = std::thread([p = s.get()] { p->serve(); });
   return s;
 }
 
-MetricsServer::~MetricsServer() = default;
+MetricsServer::~MetricsServer() {
+  if (thread_.joinable()) {
+    const char b = 0;
+    if (write(wake_[1], &b, 1) < 0) {
+    }
+    thread_.join();
+  }
+  for (int fd : {listen_fd_, wake_[0], wake_[1]}) {
+    if (fd >= 0) close(fd);
+  }
+}
+
+void MetricsServer::serve() {
+  while (true) {
+    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
+    if (poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    if (fds[1].revents != 0) return;
+    if ((fds[0].revents & POLLIN) == 0) continue;
+    const int c = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (c < 0) continue;
+    // A client that sends nothing holds the (single) server for at most 2 s.
+    timeval tv{2, 0};
+    setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    answer(c);
+    close(c);
+  }
+}
+
+void MetricsServer::answer(int fd) {
+  std::string req;
+  char buf[2048];
+  while (req.find("\r\n\r\n") == std::string::npos && req.size() < 16384) {
+    const ssize_t n = recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) return;
+    req.append(buf, static_cast<size_t>(n));
+  }
+  const size_t eol = req.find("\r\n");
+  const std::string line = req.substr(0, eol);
+  const size_t sp1 = line.find(' '), sp2 = line.find(' ', sp1 + 1);
+  if (sp1 == std::string::npos || sp2 == std::string::npos) {
+    send_all(fd, response("400 Bad Request", "text/plain", "bad request\n"));
+    return;
+  }
+  const std::string method = line.substr(0, sp1);
+  std::string path = line.substr(sp1 + 1, sp2 - sp1 - 1);
+  path = path.substr(0, path.find('?'));
+  if (auth_) {
+    std::string given;
+    for (size_t at = eol; at != std::string::npos && at < req.size();) {
+      const size_t next = req.find("\r\n", at + 2);
+      const std::string h = req.substr(at + 2, next == std::string::npos ? std::string::npos : next - at - 2);
+      if (h.size() > 21 && strncasecmp(h.c_str(), "Authorization: Basic ", 21) == 0) given = base64_decode(h.substr(21));
+      at = next;
+    }
+    const size_t colon = given.find(':');
+    if (colon == std::string::npos || !same(given.substr(0, colon), auth_->first) ||
+        !same(given.substr(colon + 1), auth_->second)) {
+      send_all(fd, response("401 Unauthorized", "text/plain", "credentials required\n",
+                            "WWW-Authenticate: Basic realm=\"troupe\"\r\n"));
+      return;
+    }
+  }
+  if (method != "GET" && method != "HEAD") {
+    send_all(fd, response("405 Method Not Allowed", "text/plain", "GET only\n"));
+    return;
+  }
+  if (path != "/metrics") {
+    send_all(fd, response("404 Not Found", "text/plain", "only /metrics is served here\n"));
+    return;
+  }
+  const std::string body = prometheus::TextSerializer().Serialize(registry_->Collect());
+  send_all(fd, response("200 OK", "text/plain; version=0.0.4; charset=utf-8", method == "HEAD" ? "" : body));
+}
+
+
 
 }  // namespace troupe::observe

@@ -1,6 +1,12 @@
-// observe/metrics_server.h — defines MetricsServer: a Prometheus /metrics endpoint
-// (prometheus-cpp's pull Exposer, HTTP) serving one Registry, and the rule for where it
-// may listen.
+// observe/metrics_server.h — defines MetricsServer: a Prometheus /metrics endpoint (HTTP
+// GET, the text format of prometheus-cpp's TextSerializer) serving one prometheus-cpp
+// Registry, and the rule for where it may listen.
+//
+// Why not prometheus-cpp's pull Exposer: it runs Debian's civetweb, whose threads have a
+// stack fixed at build time (100 KiB), smaller than the static TLS of a process that
+// links cuBLASLt (94 KiB), so it cannot start a thread in the training driver
+// (pthread_create: EINVAL). This server is one std::thread that answers one scrape at a
+// time (a scrape is a few KiB; Prometheus scrapes every few seconds).
 //
 // Binding follows the control plane's rule: loopback by default; an address other than
 // loopback only with credentials — HTTP basic auth from a file holding one line
@@ -9,8 +15,8 @@
 // network, as the daemons' --insecure). Basic auth over plain HTTP sends the password in
 // clear: keep the network private or put a TLS proxy in front.
 //
-// Threading: the Exposer's own threads serve scrapes; the Registry's metrics are
-// thread-safe, so any thread may update them.
+// Threading: the server's thread serves scrapes; the Registry's metrics are thread-safe,
+// so any thread may update them.
 #pragma once
 
 #include <memory>
@@ -18,8 +24,12 @@
 
 #include "core/status.h"
 
+#include <atomic>
+#include <optional>
+#include <thread>
+#include <utility>
+
 namespace prometheus {
-class Exposer;
 class Registry;
 }  // namespace prometheus
 
@@ -46,8 +56,13 @@ class MetricsServer {
 
  private:
   MetricsServer() = default;
+  void serve();
+  void answer(int fd);
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::optional<std::pair<std::string, std::string>> auth_;  // user, password
+  int listen_fd_ = -1;
+  int wake_[2] = {-1, -1};  // a byte on wake_[1] stops serve()
+  std::thread thread_;
   std::string url_;
   int port_ = 0;
 };

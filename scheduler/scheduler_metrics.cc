@@ -64,7 +64,7 @@ void SchedulerMetrics::rendezvous_wait(double seconds) { rendezvous_->Observe(se
 
 void SchedulerMetrics::health_flag(const std::string& job, const std::string& worker, const std::string& node,
                                    const std::string& metric) {
-  flags_->Add({{"job", job}, {"worker", worker}, {"node", node}, {"metric", metric}}).Increment();
+  flags_->Add({{"troupe_job", job}, {"worker", worker}, {"node", node}, {"metric", metric}}).Increment();
 }
 
 void SchedulerMetrics::set_gauge(prometheus::Family<prometheus::Gauge>& f, const Labels& l, double v,
@@ -93,14 +93,14 @@ void SchedulerMetrics::refresh(int agents_alive, int agents_dead, int slots_tota
   set(slots_, {{"state", "used"}}, slots_used);
   for (const auto& [state, n] : jobs_by_state) set(jobs_, {{"state", state}}, n);
   for (const auto& [job, f] : jobs) {
-    set(job_workers_, {{"job", job}}, f.workers_running);
-    set(job_restarts_, {{"job", job}}, f.restarts);
-    set(job_driver_restarts_, {{"job", job}}, f.driver_restarts);
-    set(job_epoch_, {{"job", job}}, static_cast<double>(f.epoch));
+    set(job_workers_, {{"troupe_job", job}}, f.workers_running);
+    set(job_restarts_, {{"troupe_job", job}}, f.restarts);
+    set(job_driver_restarts_, {{"troupe_job", job}}, f.driver_restarts);
+    set(job_epoch_, {{"troupe_job", job}}, static_cast<double>(f.epoch));
   }
   for (const auto& [job, procs] : health.latest()) {
     for (const auto& [proc, l] : procs) {
-      const Labels labels{{"job", job}, {"worker", proc}, {"node", l.node}};
+      const Labels labels{{"troupe_job", job}, {"worker", proc}, {"node", l.node}};
       for (const auto& [name, value] : l.metrics) {
         auto it = worker_.find(name);
         if (it != worker_.end()) set(it->second, labels, value);
@@ -108,10 +108,10 @@ void SchedulerMetrics::refresh(int agents_alive, int agents_dead, int slots_tota
       for (const auto& [metric, rule] : health.options().rules) {
         (void)rule;
         if (health.flagged(job, proc, metric))
-          set(flagged_, {{"job", job}, {"worker", proc}, {"node", l.node}, {"metric", metric}}, 1);
+          set(flagged_, {{"troupe_job", job}, {"worker", proc}, {"node", l.node}, {"metric", metric}}, 1);
       }
       if (health.flagged(job, proc, "report_gap_s"))
-        set(flagged_, {{"job", job}, {"worker", proc}, {"node", l.node}, {"metric", "report_gap_s"}}, 1);
+        set(flagged_, {{"troupe_job", job}, {"worker", proc}, {"node", l.node}, {"metric", "report_gap_s"}}, 1);
     }
   }
   // Series not set this time (a finished job, a worker gone, a flag cleared) are removed.

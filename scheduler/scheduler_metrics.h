@@ -4,15 +4,15 @@
 //   troupe_agents{state="alive"|"dead"}            agents known
 //   troupe_slots{state="total"|"used"}             worker slots of live agents
 //   troupe_jobs{state="pending"|"running"|...}     jobs by state
-//   troupe_job_workers_running{job}                running workers of the job's epoch
-//   troupe_job_restarts{job}, troupe_job_driver_restarts{job}, troupe_job_epoch{job}
+//   troupe_job_workers_running{troupe_job}                running workers of the job's epoch
+//   troupe_job_restarts{troupe_job}, troupe_job_driver_restarts{troupe_job}, troupe_job_epoch{troupe_job}
 //   troupe_heartbeat_latency_seconds               histogram: a beat's wait from arrival to handling
 //   troupe_rendezvous_wait_seconds                 histogram: how long parked store get/wait requests
 //                                                  waited for their keys (rendezvous)
-//   troupe_health_flags_total{job,worker,node,metric}  the detector's flags
-//   troupe_worker_<metric>{job,worker,node}        each worker's latest health report
+//   troupe_health_flags_total{troupe_job,worker,node,metric}  the detector's flags
+//   troupe_worker_<metric>{troupe_job,worker,node}        each worker's latest health report
 //                                                  (observe/metric.h: troupe_worker_proc_run_delay, ...)
-//   troupe_worker_flagged{job,worker,node,metric}  1 while the detector flags it
+//   troupe_worker_flagged{troupe_job,worker,node,metric}  1 while the detector flags it
 //
 // Threading: the scheduler's loop updates; the Exposer's threads read (prometheus-cpp's
 // metrics are thread-safe).

@@ -83,7 +83,7 @@ prometheus::Gauge& RunMetrics::gauge(const std::string& name, const std::map<std
     it = families_.emplace(name, &f).first;
   }
   std::map<std::string, std::string> labels = extra;
-  labels["job"] = job_;
+  labels["troupe_job"] = job_;
   return it->second->Add(labels);
 }
 
@@ -149,8 +149,8 @@ void RunMetrics::on_event(const nlohmann::json& e) {
   tb_scalar(last_step_, "elastic/recovery_s", secs, wall);
   if (tb_) (void)tb_->flush();
   if (registry_) {
-    recoveries_->Add({{"job", job_}}).Increment();
-    steps_lost_->Add({{"job", job_}}).Increment(lost);
+    recoveries_->Add({{"troupe_job", job_}}).Increment();
+    steps_lost_->Add({{"troupe_job", job_}}).Increment(lost);
     gauge("troupe_train_last_recovery_seconds").Set(secs);
   }
 }

@@ -17,7 +17,7 @@
 //   troupe_train_expert_load_max{layer}, troupe_train_expert_load_mean{layer},
 //   troupe_train_expert_load_max_over_mean{layer}, troupe_train_recoveries_total,
 //   troupe_train_steps_lost_total, troupe_train_last_recovery_seconds, each labelled
-//   job="<TROUPE_JOB_ID or the run directory's name>". The bound URL is printed and
+//   troupe_job="<TROUPE_JOB_ID or the run directory's name>". The bound URL is printed and
 //   written to <run dir>/metrics_url (port 0 picks one).
 //
 // Threading: the driver's loop calls on_step/on_event; scrapes run on the Exposer's threads.
