@@ -12,6 +12,7 @@ pkgs=(
   libspdlog-dev libfmt-dev
   libtomlplusplus-dev libcli11-dev nlohmann-json3-dev
   libsqlite3-dev libxxhash-dev
+  prometheus-cpp-dev prometheus nftables
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libibverbs-dev rdma-core
   python3-torch python3-numpy python3-matplotlib
