@@ -210,7 +210,8 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
 
   ObserveOptions& ob = tc.observe;
   TROUPE_ASSIGN_OR_RETURN(ob.tensorboard, cfg.get_bool("observe.tensorboard", ob.tensorboard));
-  TROUPE_ASSIGN_OR_RETURN(ob.prometheus_listen, cfg.get_string("observe.prometheus_listen", ob.prometheus_listen));
+  TROUPE_ASSIGN_OR_RETURN(ob.prometheus_listen,
+                          cfg.get_string("observe.prometheus_listen", ob.prometheus_listen));
   TROUPE_ASSIGN_OR_RETURN(ob.prometheus_auth_file,
                           cfg.get_string("observe.prometheus_auth_file", ob.prometheus_auth_file));
 

@@ -167,9 +167,9 @@ struct ElasticOptions {
 // [observe]: what the run writes for dashboards besides metrics.jsonl
 // (actors/training/run_metrics.h).
 struct ObserveOptions {
-  bool tensorboard = true;          // event files in <run dir>/tensorboard
-  std::string prometheus_listen;    // the driver's /metrics on HOST:PORT ("": not served; port 0: any)
-  std::string prometheus_auth_file; // basic auth (user:password, mode 0600); needed off loopback
+  bool tensorboard = true;           // event files in <run dir>/tensorboard
+  std::string prometheus_listen;     // the driver's /metrics on HOST:PORT ("": not served; port 0: any)
+  std::string prometheus_auth_file;  // basic auth (user:password, mode 0600); needed off loopback
 };
 
 struct TrainConfig {

@@ -142,7 +142,8 @@ HostProbe::Counters HostProbe::read_counters() const {
       if (w.size() >= 40) {
         c["proc_cpu"] = (num(w[11]) + num(w[12])) / tick;
         c["g:rss"] = num(w[21]) * static_cast<double>(sysconf(_SC_PAGESIZE));
-        if (slurp(root_ + "/sys/kernel/task_delayacct").rfind('1', 0) == 0) c["blkio_delay"] = num(w[39]) / tick;
+        if (slurp(root_ + "/sys/kernel/task_delayacct").rfind('1', 0) == 0)
+          c["blkio_delay"] = num(w[39]) / tick;
       }
     }
   }
@@ -196,12 +197,15 @@ std::vector<Metric> HostProbe::sample() {
       out.push_back({"host_cpu_steal", *delta("cpu_steal") / *total});
       out.push_back({"host_cpu_iowait", *delta("cpu_iowait") / *total});
     }
-    const std::pair<const char*, const char*> rates[] = {
-        {"net_rx", "host_net_rx_bytes_per_s"},   {"net_tx", "host_net_tx_bytes_per_s"},
-        {"tcp_retrans", "host_tcp_retrans_per_s"}, {"tcp_out", "host_tcp_out_per_s"},
-        {"proc_cpu", "proc_cpu"},                 {"run_delay", "proc_run_delay"},
-        {"throttled", "proc_throttled"},          {"io_write", "proc_io_write_bytes_per_s"},
-        {"blkio_delay", "proc_blkio_delay"}};
+    const std::pair<const char*, const char*> rates[] = {{"net_rx", "host_net_rx_bytes_per_s"},
+                                                         {"net_tx", "host_net_tx_bytes_per_s"},
+                                                         {"tcp_retrans", "host_tcp_retrans_per_s"},
+                                                         {"tcp_out", "host_tcp_out_per_s"},
+                                                         {"proc_cpu", "proc_cpu"},
+                                                         {"run_delay", "proc_run_delay"},
+                                                         {"throttled", "proc_throttled"},
+                                                         {"io_write", "proc_io_write_bytes_per_s"},
+                                                         {"blkio_delay", "proc_blkio_delay"}};
     for (const auto& [k, name] : rates) {
       if (auto d = delta(k)) out.push_back({name, *d / dt});
     }
@@ -253,7 +257,8 @@ std::vector<Metric> StepProbe::take(double elapsed_s) {
   if (ios_ > 0) last_io_ms_ = io_ms_ / ios_;
   double io = last_io_ms_.value_or(-1);
   if (io_since_) {
-    io = std::max(io, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *io_since_).count());
+    io = std::max(
+        io, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - *io_since_).count());
   }
   if (io >= 0) out.push_back({"step_io_ms", io});
   if (steps_ > 0 || last_) out.push_back({"steps_per_s", elapsed_s > 0 ? steps_ / elapsed_s : 0.0});
@@ -284,7 +289,8 @@ std::vector<Metric> HealthSampler::sample() {
   std::vector<Metric> out = host_.sample();
   const auto now = std::chrono::steady_clock::now();
   if (steps_) {
-    for (auto& m : steps_->take(std::chrono::duration<double>(now - last_).count())) out.push_back(std::move(m));
+    for (auto& m : steps_->take(std::chrono::duration<double>(now - last_).count()))
+      out.push_back(std::move(m));
   }
   last_ = now;
   if (nvml_) {

@@ -68,8 +68,8 @@ class StepProbe {
 };
 
 struct HealthSamplerOptions {
-  pid_t pid = 0;                  // 0: this process
-  bool gpu = false;               // read NVML (a CUDA worker)
+  pid_t pid = 0;     // 0: this process
+  bool gpu = false;  // read NVML (a CUDA worker)
   // The worker's device for Nvml::open; empty: the first entry of CUDA_VISIBLE_DEVICES
   // (the scheduler sets it to the worker's GPU), else "0".
   std::string gpu_device;

@@ -2,17 +2,16 @@
 #include "observe/metrics_server.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <netdb.h>
 #include <poll.h>
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <fcntl.h>
 #include <unistd.h>
-
-#include <strings.h>
 
 #include <cerrno>
 #include <cstring>
@@ -94,8 +93,8 @@ void send_all(int fd, const std::string& s) {
 
 std::string response(const char* status, const std::string& type, const std::string& body,
                      const std::string& extra = "") {
-  return fmt::format("HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n{}\r\n{}", status,
-                     type, body.size(), extra, body);
+  return fmt::format("HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n{}\r\n{}",
+                     status, type, body.size(), extra, body);
 }
 
 }  // namespace
@@ -149,9 +148,10 @@ Result<std::unique_ptr<MetricsServer>> MetricsServer::start(const MetricsServerO
   socklen_t len = sizeof ss;
   getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
   s->port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
-                                             : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+                                            : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
   if (pipe2(s->wake_, O_CLOEXEC) != 0) return io_error("metrics: pipe: {}", std::strerror(errno));
-  s->url_ = fmt::format("http://{}:{}/metrics", host.find(':') != std::string::npos ? "[" + host + "]" : host, s->port_);
+  s->url_ = fmt::format("http://{}:{}/metrics", host.find(':') != std::string::npos ? "[" + host + "]" : host,
+                        s->port_);
   s->thread_ = std::thread([p = s.get()] { p->serve(); });
   return s;
 }
@@ -211,7 +211,8 @@ void MetricsServer::answer(int fd) {
     for (size_t at = eol; at != std::string::npos && at < req.size();) {
       const size_t next = req.find("\r\n", at + 2);
       const std::string h = req.substr(at + 2, next == std::string::npos ? std::string::npos : next - at - 2);
-      if (h.size() > 21 && strncasecmp(h.c_str(), "Authorization: Basic ", 21) == 0) given = base64_decode(h.substr(21));
+      if (h.size() > 21 && strncasecmp(h.c_str(), "Authorization: Basic ", 21) == 0)
+        given = base64_decode(h.substr(21));
       at = next;
     }
     const size_t colon = given.find(':');
@@ -233,7 +234,5 @@ void MetricsServer::answer(int fd) {
   const std::string body = prometheus::TextSerializer().Serialize(registry_->Collect());
   send_all(fd, response("200 OK", "text/plain; version=0.0.4; charset=utf-8", method == "HEAD" ? "" : body));
 }
-
-
 
 }  // namespace troupe::observe

@@ -19,15 +19,14 @@
 // so any thread may update them.
 #pragma once
 
-#include <memory>
-#include <string>
-
-#include "core/status.h"
-
 #include <atomic>
+#include <memory>
 #include <optional>
+#include <string>
 #include <thread>
 #include <utility>
+
+#include "core/status.h"
 
 namespace prometheus {
 class Registry;

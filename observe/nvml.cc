@@ -17,14 +17,15 @@ using nvmlReturn_t = int;
 using nvmlDevice_t = void*;
 using nvmlEventSet_t = void*;
 constexpr nvmlReturn_t kSuccess = 0;
-constexpr unsigned kClockSm = 1;               // NVML_CLOCK_SM
-constexpr unsigned kTemperatureGpu = 0;        // NVML_TEMPERATURE_GPU
-constexpr unsigned kEccCorrected = 0;          // NVML_MEMORY_ERROR_TYPE_CORRECTED
-constexpr unsigned kEccUncorrected = 1;        // NVML_MEMORY_ERROR_TYPE_UNCORRECTED
-constexpr unsigned kVolatileEcc = 0;           // NVML_VOLATILE_ECC
-constexpr unsigned kPcieTx = 0, kPcieRx = 1;   // NVML_PCIE_UTIL_TX_BYTES / RX_BYTES (KB/s)
+constexpr unsigned kClockSm = 1;                  // NVML_CLOCK_SM
+constexpr unsigned kTemperatureGpu = 0;           // NVML_TEMPERATURE_GPU
+constexpr unsigned kEccCorrected = 0;             // NVML_MEMORY_ERROR_TYPE_CORRECTED
+constexpr unsigned kEccUncorrected = 1;           // NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+constexpr unsigned kVolatileEcc = 0;              // NVML_VOLATILE_ECC
+constexpr unsigned kPcieTx = 0, kPcieRx = 1;      // NVML_PCIE_UTIL_TX_BYTES / RX_BYTES (KB/s)
 constexpr unsigned long long kXidCritical = 0x8;  // nvmlEventTypeXidCriticalError
-constexpr unsigned kFieldNvlinkTx = 138, kFieldNvlinkRx = 139;  // NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX (KiB)
+constexpr unsigned kFieldNvlinkTx = 138,
+                   kFieldNvlinkRx = 139;  // NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX (KiB)
 constexpr unsigned kAllLinks = 0xffffffffu;
 
 struct nvmlUtilization_t {
@@ -172,7 +173,8 @@ std::vector<Metric> Nvml::sample() {
   unsigned u = 0;
   if (a.clock && a.clock(d, kClockSm, &u) == kSuccess) out.push_back({"gpu_sm_clock_mhz", double(u)});
   if (a.power && a.power(d, &u) == kSuccess) out.push_back({"gpu_power_w", double(u) / 1e3});
-  if (a.temperature && a.temperature(d, kTemperatureGpu, &u) == kSuccess) out.push_back({"gpu_temp_c", double(u)});
+  if (a.temperature && a.temperature(d, kTemperatureGpu, &u) == kSuccess)
+    out.push_back({"gpu_temp_c", double(u)});
   nvmlUtilization_t ut{};
   if (a.utilization && a.utilization(d, &ut) == kSuccess) {
     out.push_back({"gpu_util", ut.gpu / 100.0});
@@ -181,7 +183,8 @@ std::vector<Metric> Nvml::sample() {
   nvmlMemory_t mem{};
   if (a.memory && a.memory(d, &mem) == kSuccess) out.push_back({"gpu_mem_used_bytes", double(mem.used)});
   unsigned long long ecc = 0;
-  if (a.ecc && a.ecc(d, kEccCorrected, kVolatileEcc, &ecc) == kSuccess) out.push_back({"gpu_ecc_corrected", double(ecc)});
+  if (a.ecc && a.ecc(d, kEccCorrected, kVolatileEcc, &ecc) == kSuccess)
+    out.push_back({"gpu_ecc_corrected", double(ecc)});
   if (a.ecc && a.ecc(d, kEccUncorrected, kVolatileEcc, &ecc) == kSuccess)
     out.push_back({"gpu_ecc_uncorrected", double(ecc)});
   if (events_) {
@@ -196,9 +199,12 @@ std::vector<Metric> Nvml::sample() {
     out.push_back({"gpu_last_xid", last_xid_});
   }
   unsigned long long reasons = 0;
-  if (a.throttle && a.throttle(d, &reasons) == kSuccess) out.push_back({"gpu_throttle_reasons", double(reasons)});
-  if (a.pcie && a.pcie(d, kPcieTx, &u) == kSuccess) out.push_back({"gpu_pcie_tx_bytes_per_s", double(u) * 1e3});
-  if (a.pcie && a.pcie(d, kPcieRx, &u) == kSuccess) out.push_back({"gpu_pcie_rx_bytes_per_s", double(u) * 1e3});
+  if (a.throttle && a.throttle(d, &reasons) == kSuccess)
+    out.push_back({"gpu_throttle_reasons", double(reasons)});
+  if (a.pcie && a.pcie(d, kPcieTx, &u) == kSuccess)
+    out.push_back({"gpu_pcie_tx_bytes_per_s", double(u) * 1e3});
+  if (a.pcie && a.pcie(d, kPcieRx, &u) == kSuccess)
+    out.push_back({"gpu_pcie_rx_bytes_per_s", double(u) * 1e3});
   if (a.fields) {
     nvmlFieldValue_t f[2] = {};
     f[0].fieldId = kFieldNvlinkTx;

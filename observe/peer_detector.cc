@@ -40,12 +40,12 @@ std::map<std::string, MetricRule> DetectorOptions::default_rules() {
   // Floors: the least spread a metric is judged with (its unit), and the least share of
   // the job's median; a worker must be z_threshold of these from its peers.
   return {
-      {"proc_run_delay", {0.05, 0.25, +1}},        // s/s waiting for a CPU
-      {"proc_throttled", {0.05, 0.25, +1}},        // s/s throttled by the cgroup's quota
-      {"proc_cpu", {0.10, 0.30, 0}},               // CPUs used
-      {"proc_blkio_delay", {0.05, 0.50, +1}},      // s/s waiting for block I/O
-      {"step_compute_ms", {5.0, 0.25, +1}},        // compute per step
-      {"step_io_ms", {20.0, 0.50, +1}},            // checkpoint write time
+      {"proc_run_delay", {0.05, 0.25, +1}},    // s/s waiting for a CPU
+      {"proc_throttled", {0.05, 0.25, +1}},    // s/s throttled by the cgroup's quota
+      {"proc_cpu", {0.10, 0.30, 0}},           // CPUs used
+      {"proc_blkio_delay", {0.05, 0.50, +1}},  // s/s waiting for block I/O
+      {"step_compute_ms", {5.0, 0.25, +1}},    // compute per step
+      {"step_io_ms", {20.0, 0.50, +1}},        // checkpoint write time
       {"host_tcp_retrans_per_s", {0.5, 0.50, +1}},
       {"host_cpu_steal", {0.05, 0.50, +1}},
       {"gpu_sm_clock_mhz", {50.0, 0.05, -1}},
@@ -63,13 +63,20 @@ Status DetectorOptions::set(const std::string& key_value) {
     return invalid_argument("detector: '{}' is not key=value (e.g. z_threshold=5)", key_value);
   const std::string key = key_value.substr(0, eq), val = key_value.substr(eq + 1);
   TROUPE_ASSIGN_OR_RETURN(double d, parse_double(key, val));
-  if (key == "z_threshold") z_threshold = d;
-  else if (key == "window") window = static_cast<int>(d);
-  else if (key == "persist") persist = static_cast<int>(d);
-  else if (key == "min_workers") min_workers = static_cast<int>(d);
-  else if (key == "max_outlier_fraction") max_outlier_fraction = d;
-  else if (key == "silence_s") silence_s = d;
-  else if (key == "eval_interval_s") eval_interval_s = d;
+  if (key == "z_threshold")
+    z_threshold = d;
+  else if (key == "window")
+    window = static_cast<int>(d);
+  else if (key == "persist")
+    persist = static_cast<int>(d);
+  else if (key == "min_workers")
+    min_workers = static_cast<int>(d);
+  else if (key == "max_outlier_fraction")
+    max_outlier_fraction = d;
+  else if (key == "silence_s")
+    silence_s = d;
+  else if (key == "eval_interval_s")
+    eval_interval_s = d;
   else {
     const size_t dot = key.rfind('.');
     const std::string metric = dot == std::string::npos ? "" : key.substr(0, dot);
@@ -81,13 +88,18 @@ Status DetectorOptions::set(const std::string& key_value) {
           key);
     }
     MetricRule& r = rules.try_emplace(metric, MetricRule{0, 0.25, +1}).first->second;
-    if (field == "abs_floor") r.abs_floor = d;
-    else if (field == "rel_floor") r.rel_floor = d;
-    else if (field == "direction") r.direction = static_cast<int>(d);
-    else if (field == "off" && d != 0) rules.erase(metric);
+    if (field == "abs_floor")
+      r.abs_floor = d;
+    else if (field == "rel_floor")
+      r.rel_floor = d;
+    else if (field == "direction")
+      r.direction = static_cast<int>(d);
+    else if (field == "off" && d != 0)
+      rules.erase(metric);
     else if (field == "on" || field == "off") {
     } else {
-      return invalid_argument("detector: '{}': a metric takes abs_floor, rel_floor, direction, on or off", key);
+      return invalid_argument("detector: '{}': a metric takes abs_floor, rel_floor, direction, on or off",
+                              key);
     }
   }
   return validate();
@@ -100,13 +112,16 @@ Status DetectorOptions::validate() const {
     return invalid_argument("detector: persist must be in 1..window ({}) (got {})", window, persist);
   if (min_workers < 3) return invalid_argument("detector: min_workers must be >= 3 (got {})", min_workers);
   if (!(max_outlier_fraction > 0 && max_outlier_fraction < 0.5))
-    return invalid_argument("detector: max_outlier_fraction must be in (0, 0.5) (got {})", max_outlier_fraction);
+    return invalid_argument("detector: max_outlier_fraction must be in (0, 0.5) (got {})",
+                            max_outlier_fraction);
   if (!(silence_s > 0)) return invalid_argument("detector: silence_s must be > 0 (got {})", silence_s);
-  if (!(eval_interval_s > 0)) return invalid_argument("detector: eval_interval_s must be > 0 (got {})", eval_interval_s);
+  if (!(eval_interval_s > 0))
+    return invalid_argument("detector: eval_interval_s must be > 0 (got {})", eval_interval_s);
   for (const auto& [m, r] : rules) {
     if (r.abs_floor < 0 || r.rel_floor < 0 || (r.abs_floor == 0 && r.rel_floor == 0))
       return invalid_argument("detector: {}: abs_floor and rel_floor must be >= 0 and not both 0", m);
-    if (r.direction < -1 || r.direction > 1) return invalid_argument("detector: {}.direction must be -1, 0 or 1", m);
+    if (r.direction < -1 || r.direction > 1)
+      return invalid_argument("detector: {}.direction must be -1, 0 or 1", m);
   }
   return ok_status();
 }
@@ -117,8 +132,8 @@ std::string DetectorOptions::describe() const {
       z_threshold, window, persist, min_workers, max_outlier_fraction, silence_s, rules.size());
 }
 
-void PeerDetector::report(const std::string& worker, const std::string& node, const std::vector<Metric>& metrics,
-                          Clock::time_point now) {
+void PeerDetector::report(const std::string& worker, const std::string& node,
+                          const std::vector<Metric>& metrics, Clock::time_point now) {
   Worker& w = workers_[worker];
   w.node = node;
   w.last_report = now;
@@ -131,12 +146,14 @@ void PeerDetector::report(const std::string& worker, const std::string& node, co
 
 void PeerDetector::forget(const std::string& worker) {
   workers_.erase(worker);
-  for (auto it = flagged_.begin(); it != flagged_.end();) it = it->first == worker ? flagged_.erase(it) : std::next(it);
+  for (auto it = flagged_.begin(); it != flagged_.end();)
+    it = it->first == worker ? flagged_.erase(it) : std::next(it);
 }
 
 std::vector<Verdict> PeerDetector::evaluate(Clock::time_point now, int64_t wall_ms) {
   std::vector<Verdict> out;
-  const auto interval = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.eval_interval_s));
+  const auto interval =
+      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.eval_interval_s));
   if (next_eval_ == Clock::time_point{}) next_eval_ = now + interval;
   if (now < next_eval_) return out;
   evaluate_once(now, wall_ms, out);
@@ -145,8 +162,9 @@ std::vector<Verdict> PeerDetector::evaluate(Clock::time_point now, int64_t wall_
   return out;
 }
 
-void PeerDetector::note(Worker& w, const std::string& name, const std::string& metric, bool deviating, double value,
-                        double median, double score, int64_t wall_ms, std::vector<Verdict>& out) {
+void PeerDetector::note(Worker& w, const std::string& name, const std::string& metric, bool deviating,
+                        double value, double median, double score, int64_t wall_ms,
+                        std::vector<Verdict>& out) {
   std::deque<bool>& h = w.history[metric];
   h.push_back(deviating);
   while (static_cast<int>(h.size()) > o_.window) h.pop_front();
@@ -197,7 +215,8 @@ void PeerDetector::evaluate_once(Clock::time_point now, int64_t wall_ms, std::ve
     const double med = median_of(xs);
     std::vector<double> dev(n);
     for (size_t i = 0; i < n; ++i) dev[i] = std::fabs(xs[i] - med);
-    const double spread = std::max({1.4826 * median_of(dev), rule.abs_floor, rule.rel_floor * std::fabs(med)});
+    const double spread =
+        std::max({1.4826 * median_of(dev), rule.abs_floor, rule.rel_floor * std::fabs(med)});
     std::vector<double> score(n, 0.0);
     for (size_t i = 0; i < n; ++i) {
       const double signed_dev = xs[i] - med;
@@ -213,8 +232,8 @@ void PeerDetector::evaluate_once(Clock::time_point now, int64_t wall_ms, std::ve
         score[i] = std::fabs(signed_dev) / spread;
       }
     }
-    const size_t deviating =
-        static_cast<size_t>(std::count_if(score.begin(), score.end(), [&](double s) { return s >= o_.z_threshold; }));
+    const size_t deviating = static_cast<size_t>(
+        std::count_if(score.begin(), score.end(), [&](double s) { return s >= o_.z_threshold; }));
     // A change shared by much of the job (a phase of training, the network as a whole) is
     // not one machine's: no verdict on this metric now.
     if (static_cast<double>(deviating) > o_.max_outlier_fraction * static_cast<double>(n)) continue;

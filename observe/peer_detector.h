@@ -41,10 +41,10 @@ struct MetricRule {
 };
 
 struct DetectorOptions {
-  double z_threshold = 4.0;            // distance to the peers, in spread units, that counts as deviating
-  int window = 5;                      // evaluations in the sliding window
-  int persist = 3;                     // deviating evaluations in the window (the latest one included) to flag
-  int min_workers = 4;                 // fewer workers reporting: no verdict
+  double z_threshold = 4.0;  // distance to the peers, in spread units, that counts as deviating
+  int window = 5;            // evaluations in the sliding window
+  int persist = 3;           // deviating evaluations in the window (the latest one included) to flag
+  int min_workers = 4;       // fewer workers reporting: no verdict
   double max_outlier_fraction = 0.25;  // more of the job deviating at once on a metric: no verdict on it
   double silence_s = 1.5;              // reports missing this long while the peers' arrive: deviating
   double eval_interval_s = 0.5;        // evaluations (each report still counts once)
@@ -65,10 +65,10 @@ struct Verdict {
   std::string worker;
   std::string node;
   std::string metric;
-  double value = 0;        // the worker's latest value
-  double peer_median = 0;  // the job's median
-  double score = 0;        // distance in spread units
-  bool cleared = false;    // true: the worker no longer deviates on the metric
+  double value = 0;                // the worker's latest value
+  double peer_median = 0;          // the job's median
+  double score = 0;                // distance in spread units
+  bool cleared = false;            // true: the worker no longer deviates on the metric
   int64_t first_deviation_ms = 0;  // wall time of the first deviating evaluation of this episode
 };
 
@@ -92,9 +92,9 @@ class PeerDetector {
   struct Worker {
     std::string node;
     Clock::time_point last_report{};
-    uint64_t seq = 0;                              // reports received
-    std::map<std::string, uint64_t> counted_seq;   // per metric: the report last counted
-    Clock::time_point gap_counted{};               // report_gap_s: last counted
+    uint64_t seq = 0;                             // reports received
+    std::map<std::string, uint64_t> counted_seq;  // per metric: the report last counted
+    Clock::time_point gap_counted{};              // report_gap_s: last counted
     std::map<std::string, double> latest;
     // per metric: the last `window` evaluations, deviating or not (front: the oldest)
     std::map<std::string, std::deque<bool>> history;

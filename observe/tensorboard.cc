@@ -8,11 +8,11 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <optional>
-#include <chrono>
 
 namespace troupe::observe {
 
@@ -45,7 +45,9 @@ void put_varint(std::string& out, uint64_t v) {
   }
   out.push_back(static_cast<char>(v));
 }
-void put_tag(std::string& out, uint32_t field, WireType wt) { put_varint(out, (uint64_t{field} << 3) | wt); }
+void put_tag(std::string& out, uint32_t field, WireType wt) {
+  put_varint(out, (uint64_t{field} << 3) | wt);
+}
 void put_double(std::string& out, uint32_t field, double v) {
   put_tag(out, field, kFixed64);
   char b[8];
@@ -75,7 +77,7 @@ void put_packed_doubles(std::string& out, uint32_t field, const std::vector<doub
 
 std::string event_header(double wall_time, int64_t step) {
   std::string e;
-  put_double(e, 1, wall_time);                                       // Event.wall_time
+  put_double(e, 1, wall_time);                                                        // Event.wall_time
   if (step != 0) put_tag(e, 2, kVarint), put_varint(e, static_cast<uint64_t>(step));  // Event.step
   return e;
 }
@@ -92,8 +94,8 @@ std::string summary_event(double wall_time, int64_t step, const std::string& val
 struct Field {
   uint32_t number = 0;
   WireType type = kVarint;
-  uint64_t varint = 0;    // kVarint
-  uint64_t fixed = 0;     // kFixed64 / kFixed32 bits
+  uint64_t varint = 0;     // kVarint
+  uint64_t fixed = 0;      // kFixed64 / kFixed32 bits
   std::string_view bytes;  // kLengthDelimited
 };
 
@@ -114,14 +116,16 @@ class Parser {
       case kFixed64:
       case kFixed32: {
         const size_t n = f.type == kFixed64 ? 8 : 4;
-        if (b_.size() - pos_ < n) return data_loss("protobuf: fixed field {} truncated at byte {}", f.number, pos_);
+        if (b_.size() - pos_ < n)
+          return data_loss("protobuf: fixed field {} truncated at byte {}", f.number, pos_);
         std::memcpy(&f.fixed, b_.data() + pos_, n);
         pos_ += n;
         break;
       }
       case kLengthDelimited: {
         TROUPE_ASSIGN_OR_RETURN(uint64_t n, varint());
-        if (n > b_.size() - pos_) return data_loss("protobuf: field {} of {} bytes overruns the message", f.number, n);
+        if (n > b_.size() - pos_)
+          return data_loss("protobuf: field {} of {} bytes overruns the message", f.number, n);
         f.bytes = b_.substr(pos_, n);
         pos_ += n;
         break;
@@ -176,18 +180,34 @@ Result<Histogram> decode_histogram(std::string_view b) {
     if (f.number >= 1 && f.number <= 5 && f.type != kFixed64)
       return data_loss("HistogramProto: field {} is not a double", f.number);
     switch (f.number) {
-      case 1: h.min = as_double(f); break;
-      case 2: h.max = as_double(f); break;
-      case 3: h.num = as_double(f); break;
-      case 4: h.sum = as_double(f); break;
-      case 5: h.sum_squares = as_double(f); break;
-      case 6: TROUPE_RETURN_IF_ERROR(packed(f, h.bucket_limit)); break;
-      case 7: TROUPE_RETURN_IF_ERROR(packed(f, h.bucket)); break;
-      default: break;
+      case 1:
+        h.min = as_double(f);
+        break;
+      case 2:
+        h.max = as_double(f);
+        break;
+      case 3:
+        h.num = as_double(f);
+        break;
+      case 4:
+        h.sum = as_double(f);
+        break;
+      case 5:
+        h.sum_squares = as_double(f);
+        break;
+      case 6:
+        TROUPE_RETURN_IF_ERROR(packed(f, h.bucket_limit));
+        break;
+      case 7:
+        TROUPE_RETURN_IF_ERROR(packed(f, h.bucket));
+        break;
+      default:
+        break;
     }
   }
   if (h.bucket.size() != h.bucket_limit.size())
-    return data_loss("HistogramProto: {} buckets but {} bucket limits", h.bucket.size(), h.bucket_limit.size());
+    return data_loss("HistogramProto: {} buckets but {} bucket limits", h.bucket.size(),
+                     h.bucket_limit.size());
   return h;
 }
 
@@ -236,7 +256,8 @@ Result<std::vector<std::string>> read_records(std::string_view bytes) {
     const std::string_view data = bytes.substr(pos + 12, n);
     uint32_t dc;
     std::memcpy(&dc, bytes.data() + pos + 12 + n, 4);
-    if (dc != masked_crc32c(data)) return data_loss("TFRecord: the data's CRC at byte {} does not match", pos);
+    if (dc != masked_crc32c(data))
+      return data_loss("TFRecord: the data's CRC at byte {} does not match", pos);
     out.emplace_back(data);
     pos += 12 + n + 4;
   }
@@ -274,7 +295,8 @@ std::string encode_scalar_event(double wall_time, int64_t step, const std::strin
   return summary_event(wall_time, step, v);
 }
 
-std::string encode_histogram_event(double wall_time, int64_t step, const std::string& tag, const Histogram& h) {
+std::string encode_histogram_event(double wall_time, int64_t step, const std::string& tag,
+                                   const Histogram& h) {
   std::string histo;
   put_double(histo, 1, h.min);
   put_double(histo, 2, h.max);
@@ -340,8 +362,8 @@ Result<std::unique_ptr<TensorBoardWriter>> TensorBoardWriter::open(const std::st
   if (gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "host");
   const auto now = std::chrono::system_clock::now().time_since_epoch();
   const double wall = std::chrono::duration<double>(now).count();
-  const std::string path = fmt::format("{}/events.out.tfevents.{}.{}.{}.troupe", dir,
-                                       static_cast<int64_t>(wall), host, getpid());
+  const std::string path =
+      fmt::format("{}/events.out.tfevents.{}.{}.{}.troupe", dir, static_cast<int64_t>(wall), host, getpid());
   std::FILE* f = std::fopen(path.c_str(), "wbx");  // x: never another writer's file
   if (f == nullptr) return io_error("tensorboard: cannot create {}: {}", path, std::strerror(errno));
   std::unique_ptr<TensorBoardWriter> w(new TensorBoardWriter(f, path));
@@ -365,7 +387,8 @@ Status TensorBoardWriter::scalar(int64_t step, const std::string& tag, double va
   return write(encode_scalar_event(wall_time, step, tag, static_cast<float>(value)));
 }
 
-Status TensorBoardWriter::histogram(int64_t step, const std::string& tag, const Histogram& h, double wall_time) {
+Status TensorBoardWriter::histogram(int64_t step, const std::string& tag, const Histogram& h,
+                                    double wall_time) {
   return write(encode_histogram_event(wall_time, step, tag, h));
 }
 

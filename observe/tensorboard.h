@@ -48,7 +48,8 @@ struct Histogram {
 
 std::string encode_file_version_event(double wall_time);
 std::string encode_scalar_event(double wall_time, int64_t step, const std::string& tag, float value);
-std::string encode_histogram_event(double wall_time, int64_t step, const std::string& tag, const Histogram& h);
+std::string encode_histogram_event(double wall_time, int64_t step, const std::string& tag,
+                                   const Histogram& h);
 
 // What decode_event understands of an Event (for tests and tools).
 struct DecodedEvent {

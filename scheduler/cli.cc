@@ -580,7 +580,8 @@ int cli_run(const RunOptions& opts) {
   }
   auto sched = Scheduler::create(so);
   if (!sched.ok()) return fail(sched.status());
-  if (!(*sched)->metrics_url().empty()) fmt::print(stderr, "troupe run: Prometheus metrics at {}\n", (*sched)->metrics_url());
+  if (!(*sched)->metrics_url().empty())
+    fmt::print(stderr, "troupe run: Prometheus metrics at {}\n", (*sched)->metrics_url());
   if (spec.backend == "cuda") {
     int gpus = detect_gpus();
     if (gpus < spec.nproc) {

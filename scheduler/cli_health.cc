@@ -34,10 +34,12 @@ std::string render_health_table(const json& health) {
   bool gpu = false;
   for (const auto& w : workers) gpu |= w.value("metrics", json::object()).contains("gpu_sm_clock_mhz");
   std::vector<std::vector<std::string>> rows;
-  std::vector<std::string> head = {"PROCESS", "AGENT", "AGE", "HOST CPU", "STEAL", "PROC CPU", "RUNQ",
-                                   "THROTTLED", "RSS", "NET RX/s", "NET TX/s", "RETRANS/s", "COMPUTE ms"};
+  std::vector<std::string> head = {"PROCESS",  "AGENT",     "AGE",       "HOST CPU", "STEAL",
+                                   "PROC CPU", "RUNQ",      "THROTTLED", "RSS",      "NET RX/s",
+                                   "NET TX/s", "RETRANS/s", "COMPUTE ms"};
   if (gpu) {
-    for (const char* h : {"SM MHz", "POWER W", "TEMP C", "GPU UTIL", "GPU MEM", "ECC UNC", "XID"}) head.push_back(h);
+    for (const char* h : {"SM MHz", "POWER W", "TEMP C", "GPU UTIL", "GPU MEM", "ECC UNC", "XID"})
+      head.push_back(h);
   }
   head.push_back("FLAGS");
   rows.push_back(head);
@@ -66,7 +68,8 @@ std::string render_health_table(const json& health) {
       r.push_back(cell(m, "gpu_xid_errors", "{:.0f}"));
     }
     std::string flags;
-    for (const auto& f : w.value("flags", json::array())) flags += (flags.empty() ? "" : ",") + f.get<std::string>();
+    for (const auto& f : w.value("flags", json::array()))
+      flags += (flags.empty() ? "" : ",") + f.get<std::string>();
     r.push_back(flags.empty() ? "-" : "! " + flags);
     rows.push_back(std::move(r));
   }
@@ -74,7 +77,8 @@ std::string render_health_table(const json& health) {
   for (const auto& r : rows) {
     for (size_t i = 0; i < r.size(); ++i) width[i] = std::max(width[i], r[i].size());
   }
-  std::string out = fmt::format("health (each worker's last report; detector: {}):\n", health.value("detector", ""));
+  std::string out =
+      fmt::format("health (each worker's last report; detector: {}):\n", health.value("detector", ""));
   for (const auto& r : rows) {
     std::string line = " ";
     for (size_t i = 0; i < r.size(); ++i) line += fmt::format(" {:<{}}", r[i], width[i]);

@@ -2,6 +2,7 @@
 // status and events (and a scheduler job's record) and draws one frame of text.
 #include "scheduler/cli_top.h"
 
+#include <fmt/format.h>
 #include <signal.h>
 #include <sys/stat.h>
 
@@ -13,8 +14,6 @@
 #include <fstream>
 #include <thread>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "scheduler/cli_elastic.h"
 #include "scheduler/cli_health.h"

@@ -3,8 +3,8 @@
 
 namespace troupe::sched {
 
-void HealthMonitor::on_report(const std::string& job, const std::string& proc, const std::string& node, bool judged,
-                              const HealthReport& r, Clock::time_point now) {
+void HealthMonitor::on_report(const std::string& job, const std::string& proc, const std::string& node,
+                              bool judged, const HealthReport& r, Clock::time_point now) {
   Latest& l = latest_[job][proc];
   l.node = node;
   l.pid = r.pid;
@@ -38,7 +38,8 @@ std::vector<HealthMonitor::JobVerdict> HealthMonitor::evaluate(Clock::time_point
   return out;
 }
 
-bool HealthMonitor::flagged(const std::string& job, const std::string& proc, const std::string& metric) const {
+bool HealthMonitor::flagged(const std::string& job, const std::string& proc,
+                            const std::string& metric) const {
   auto it = detectors_.find(job);
   return it != detectors_.end() && it->second.flagged().count({proc, metric}) > 0;
 }

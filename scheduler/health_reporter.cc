@@ -4,19 +4,20 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
-
 namespace troupe::sched {
 
 Result<std::unique_ptr<HealthReporter>> HealthReporter::start(const JobContext& ctx, HealthReporterOptions o,
                                                               std::shared_ptr<observe::StepProbe> steps) {
   const std::string id = fmt::format("health:{}:{}:{}:{}", ctx.job_id, ctx.name, ctx.epoch, getpid());
-  TROUPE_ASSIGN_OR_RETURN(auto conn, ClientEndpoint::connect(ctx.session_endpoint(), ctx.session_security(), id));
+  TROUPE_ASSIGN_OR_RETURN(auto conn,
+                          ClientEndpoint::connect(ctx.session_endpoint(), ctx.session_security(), id));
   std::unique_ptr<HealthReporter> r(new HealthReporter());
   r->thread_ = std::thread([stop = &r->stop_, conn = std::shared_ptr<ClientEndpoint>(std::move(conn)), ctx, o,
                             steps = std::move(steps)]() {
     observe::HealthSampler sampler(o.sampler, steps);
     if (!sampler.gpu_unavailable().empty()) {
-      fmt::print(stderr, "{}: health reports carry no GPU metrics: {}\n", ctx.name, sampler.gpu_unavailable());
+      fmt::print(stderr, "{}: health reports carry no GPU metrics: {}\n", ctx.name,
+                 sampler.gpu_unavailable());
       std::fflush(stderr);
     }
     auto next = std::chrono::steady_clock::now();

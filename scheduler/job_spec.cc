@@ -16,7 +16,8 @@ Status JobSpec::validate() {
     return invalid_argument("job spec: backend must be cpu or cuda, got '{}'", backend);
   }
   if (health_policy != "flag" && health_policy != "replace" && health_policy != "drain") {
-    return invalid_argument("job spec: health_policy must be flag, replace or drain, got '{}'", health_policy);
+    return invalid_argument("job spec: health_policy must be flag, replace or drain, got '{}'",
+                            health_policy);
   }
   if (heartbeat_timeout_ms < 100) {
     return invalid_argument("job spec: heartbeat_timeout_ms must be >= 100, got {}", heartbeat_timeout_ms);
@@ -83,9 +84,22 @@ Result<JobSpec> JobSpec::from_json(const std::string& text) {
   try {
     auto j = nlohmann::json::parse(text);
     if (!j.is_object()) return invalid_argument("job spec: not a JSON object");
-    static const char* const kKnown[] = {"name", "argv", "env", "nproc", "layout", "min_workers",
-                                         "max_workers", "max_restarts", "max_driver_restarts", "checkpoint_dir", "backend",
-                                         "work_dir", "driver", "heartbeat_timeout_ms", "elastic", "health_policy"};
+    static const char* const kKnown[] = {"name",
+                                         "argv",
+                                         "env",
+                                         "nproc",
+                                         "layout",
+                                         "min_workers",
+                                         "max_workers",
+                                         "max_restarts",
+                                         "max_driver_restarts",
+                                         "checkpoint_dir",
+                                         "backend",
+                                         "work_dir",
+                                         "driver",
+                                         "heartbeat_timeout_ms",
+                                         "elastic",
+                                         "health_policy"};
     for (auto it = j.begin(); it != j.end(); ++it) {
       bool known = false;
       for (const char* k : kKnown) known = known || it.key() == k;

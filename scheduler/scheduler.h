@@ -28,11 +28,11 @@
 #include "observe/peer_detector.h"
 #include "scheduler/event_log.h"
 #include "scheduler/health_monitor.h"
-#include "scheduler/scheduler_metrics.h"
 #include "scheduler/placement.h"
 #include "scheduler/protocol.h"
 #include "scheduler/receive_lag.h"
 #include "scheduler/rendezvous.h"
+#include "scheduler/scheduler_metrics.h"
 #include "scheduler/state_store.h"
 #include "scheduler/transport.h"
 
@@ -226,7 +226,7 @@ class Scheduler {
   std::unique_ptr<HealthMonitor> health_;
   std::unique_ptr<SchedulerMetrics> metrics_;
   Clock::time_point next_metrics_refresh_{};
-  std::map<uint64_t, Clock::time_point> parked_at_;     // rendezvous token -> when it parked (metrics)
+  std::map<uint64_t, Clock::time_point> parked_at_;  // rendezvous token -> when it parked (metrics)
   std::set<std::pair<std::string, std::string>> health_acted_;  // (job, worker) a policy acted on
 };
 

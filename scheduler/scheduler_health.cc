@@ -16,16 +16,21 @@ std::shared_ptr<spdlog::logger> log() {
   static auto l = make_logger("sched");
   return l;
 }
-bool proc_live(const ProcRecord& p) { return p.state == ProcState::kStarting || p.state == ProcState::kRunning; }
+bool proc_live(const ProcRecord& p) {
+  return p.state == ProcState::kStarting || p.state == ProcState::kRunning;
+}
 }  // namespace
 
-std::string Scheduler::metrics_url() const { return metrics_ ? metrics_->url() : std::string(); }
+std::string Scheduler::metrics_url() const {
+  return metrics_ ? metrics_->url() : std::string();
+}
 
 void Scheduler::on_health(const HealthReport& r) {
   auto jit = jobs_.find(r.job_id);
   if (jit == jobs_.end() || job_state_final(jit->second.rec.state)) return;
   auto pit = jit->second.procs.find(r.name);
-  if (pit == jit->second.procs.end() || pit->second.rec.epoch != r.epoch || !proc_live(pit->second.rec)) return;
+  if (pit == jit->second.procs.end() || pit->second.rec.epoch != r.epoch || !proc_live(pit->second.rec))
+    return;
   const Proc& proc = pit->second;
   // A worker retired by its driver (replaced) may report until it is gone: not judged.
   const bool judged = proc.rec.role == "worker" && !jit->second.retired.count(r.name);
@@ -34,8 +39,12 @@ void Scheduler::on_health(const HealthReport& r) {
 
 void Scheduler::on_health_verdict(Job& job, const observe::Verdict& v) {
   const std::string& policy = job.rec.spec.health_policy;
-  json ev = {{"proc", v.worker},   {"agent", v.node},          {"metric", v.metric},
-             {"value", v.value},   {"peer_median", v.peer_median}, {"score", v.score}};
+  json ev = {{"proc", v.worker},
+             {"agent", v.node},
+             {"metric", v.metric},
+             {"value", v.value},
+             {"peer_median", v.peer_median},
+             {"score", v.score}};
   if (v.cleared) {
     event(job, "health_clear", ev);
     log()->info("job {}: {} on {} no longer deviates on {}", job.rec.id, v.worker, v.node, v.metric);
@@ -44,13 +53,15 @@ void Scheduler::on_health_verdict(Job& job, const observe::Verdict& v) {
   ev["first_deviation_ms"] = v.first_deviation_ms;
   ev["policy"] = policy;
   event(job, "health_flag", ev);
-  log()->warn("job {}: {} on {} flagged: {} = {:.4g} against its peers' median {:.4g} ({:.1f} spreads; policy {})",
-              job.rec.id, v.worker, v.node, v.metric, v.value, v.peer_median, v.score, policy);
+  log()->warn(
+      "job {}: {} on {} flagged: {} = {:.4g} against its peers' median {:.4g} ({:.1f} spreads; policy {})",
+      job.rec.id, v.worker, v.node, v.metric, v.value, v.peer_median, v.score, policy);
   if (metrics_) metrics_->health_flag(job.rec.id, v.worker, v.node, v.metric);
   if (policy == "flag") return;
   if (!is_elastic(job)) {
-    event(job, "health_policy_skipped",
-          {{"proc", v.worker}, {"policy", policy}, {"why", "the job's driver does not supervise its workers"}});
+    event(
+        job, "health_policy_skipped",
+        {{"proc", v.worker}, {"policy", policy}, {"why", "the job's driver does not supervise its workers"}});
     return;
   }
   if (!health_acted_.insert({job.rec.id, policy == "drain" ? v.node : v.worker}).second) return;
@@ -63,7 +74,8 @@ void Scheduler::on_health_verdict(Job& job, const observe::Verdict& v) {
   }
   // drain: every live worker of the job's epoch on that agent, placed elsewhere.
   for (auto& [name, p] : job.procs) {
-    if (p.rec.role != "worker" || p.rec.agent_id != v.node || !proc_live(p.rec) || job.retired.count(name)) continue;
+    if (p.rec.role != "worker" || p.rec.agent_id != v.node || !proc_live(p.rec) || job.retired.count(name))
+      continue;
     elastic_request(job, json{{"op", "replace"}, {"slot", p.rec.rank}, {"avoid", v.node}});
     event(job, "health_drain_requested", {{"proc", name}, {"slot", p.rec.rank}, {"agent", v.node}});
   }
@@ -99,11 +111,13 @@ void Scheduler::refresh_metrics() {
     int running = 0;
     for (const auto& [n, p] : job.procs) {
       if (p.rec.role == "worker" && proc_live(p.rec)) ++used;
-      if (p.rec.role == "worker" && p.rec.epoch == job.rec.epoch && p.rec.state == ProcState::kRunning) ++running;
+      if (p.rec.role == "worker" && p.rec.epoch == job.rec.epoch && p.rec.state == ProcState::kRunning)
+        ++running;
     }
     // Finished jobs stay in the figures for 10 minutes (a last scrape sees how they ended).
     if (job_state_final(job.rec.state) && now_ms - job.rec.updated_ms > 600'000) continue;
-    figures[id] = {job_state_name(job.rec.state), running, job.rec.restarts, job.rec.driver_restarts, job.rec.epoch};
+    figures[id] = {job_state_name(job.rec.state), running, job.rec.restarts, job.rec.driver_restarts,
+                   job.rec.epoch};
   }
   metrics_->refresh(alive, dead, total, used, by_state, figures, *health_);
 }

@@ -33,7 +33,8 @@ Result<std::unique_ptr<SchedulerMetrics>> SchedulerMetrics::start(const observe:
   m->job_restarts_ = gauge("troupe_job_restarts", "times the job's workers were restarted");
   m->job_driver_restarts_ = gauge("troupe_job_driver_restarts", "times the job's driver was restarted");
   m->job_epoch_ = gauge("troupe_job_epoch", "the job's membership epoch");
-  m->flagged_ = gauge("troupe_worker_flagged", "1 while the faulty-machine detector flags the worker on a metric");
+  m->flagged_ =
+      gauge("troupe_worker_flagged", "1 while the faulty-machine detector flags the worker on a metric");
   m->flags_ = &prometheus::BuildCounter()
                    .Name("troupe_health_flags_total")
                    .Help("faulty-machine detector flags raised")
@@ -59,8 +60,12 @@ Result<std::unique_ptr<SchedulerMetrics>> SchedulerMetrics::start(const observe:
 
 SchedulerMetrics::~SchedulerMetrics() = default;
 
-void SchedulerMetrics::beat_latency(double seconds) { beat_latency_->Observe(seconds); }
-void SchedulerMetrics::rendezvous_wait(double seconds) { rendezvous_->Observe(seconds); }
+void SchedulerMetrics::beat_latency(double seconds) {
+  beat_latency_->Observe(seconds);
+}
+void SchedulerMetrics::rendezvous_wait(double seconds) {
+  rendezvous_->Observe(seconds);
+}
 
 void SchedulerMetrics::health_flag(const std::string& job, const std::string& worker, const std::string& node,
                                    const std::string& metric) {
@@ -111,7 +116,8 @@ void SchedulerMetrics::refresh(int agents_alive, int agents_dead, int slots_tota
           set(flagged_, {{"troupe_job", job}, {"worker", proc}, {"node", l.node}, {"metric", metric}}, 1);
       }
       if (health.flagged(job, proc, "report_gap_s"))
-        set(flagged_, {{"troupe_job", job}, {"worker", proc}, {"node", l.node}, {"metric", "report_gap_s"}}, 1);
+        set(flagged_, {{"troupe_job", job}, {"worker", proc}, {"node", l.node}, {"metric", "report_gap_s"}},
+            1);
     }
   }
   // Series not set this time (a finished job, a worker gone, a flag cleared) are removed.

@@ -765,7 +765,8 @@ Status ElasticWorker::run() {
 
 Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& program,
                           comm::RendezvousStore& base_store, const std::string& job, int slot, uint64_t epoch,
-                          std::function<void()> cut_control, const layers::Ctx& ctx, observe::StepProbe* steps) {
+                          std::function<void()> cut_control, const layers::Ctx& ctx,
+                          observe::StepProbe* steps) {
   // A store outage (the scheduler restarting) must not end the worker.
   TolerantStore store(base_store, std::chrono::milliseconds(30000));
   std::unique_ptr<FaultState> faults;

@@ -118,7 +118,7 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec);
 // the worker's health reports (scheduler/health_reporter.h).
 Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& program,
                           comm::RendezvousStore& store, const std::string& job, int slot, uint64_t epoch,
-                          std::function<void()> cut_control = {},
-                          const layers::Ctx& ctx = layers::Ctx::cpu(), observe::StepProbe* steps = nullptr);
+                          std::function<void()> cut_control = {}, const layers::Ctx& ctx = layers::Ctx::cpu(),
+                          observe::StepProbe* steps = nullptr);
 
 }  // namespace troupe::training

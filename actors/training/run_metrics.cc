@@ -45,7 +45,8 @@ const std::map<std::string, std::pair<std::string, double>>& prometheus_keys() {
 
 }  // namespace
 
-Result<std::unique_ptr<RunMetrics>> RunMetrics::open(const layers::ObserveOptions& o, const std::string& run_dir) {
+Result<std::unique_ptr<RunMetrics>> RunMetrics::open(const layers::ObserveOptions& o,
+                                                     const std::string& run_dir) {
   std::unique_ptr<RunMetrics> m(new RunMetrics());
   const char* job = std::getenv("TROUPE_JOB_ID");
   m->job_ = job != nullptr && *job != '\0' ? job : std::filesystem::path(run_dir).filename().string();
@@ -76,10 +77,14 @@ RunMetrics::~RunMetrics() {
   if (tb_) (void)tb_->flush();
 }
 
-prometheus::Gauge& RunMetrics::gauge(const std::string& name, const std::map<std::string, std::string>& extra) {
+prometheus::Gauge& RunMetrics::gauge(const std::string& name,
+                                     const std::map<std::string, std::string>& extra) {
   auto it = families_.find(name);
   if (it == families_.end()) {
-    auto& f = prometheus::BuildGauge().Name(name).Help("from the training run's metrics.jsonl").Register(*registry_);
+    auto& f = prometheus::BuildGauge()
+                  .Name(name)
+                  .Help("from the training run's metrics.jsonl")
+                  .Register(*registry_);
     it = families_.emplace(name, &f).first;
   }
   std::map<std::string, std::string> labels = extra;

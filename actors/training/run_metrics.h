@@ -47,7 +47,8 @@ class RunMetrics {
  public:
   // Off loopback without credentials only when the job's agent runs --insecure
   // (TROUPE_INSECURE=1), as for its control plane.
-  static Result<std::unique_ptr<RunMetrics>> open(const layers::ObserveOptions& o, const std::string& run_dir);
+  static Result<std::unique_ptr<RunMetrics>> open(const layers::ObserveOptions& o,
+                                                  const std::string& run_dir);
   ~RunMetrics();
 
   // A metrics.jsonl record (the step's, with "step"). A TensorBoard write that fails is

@@ -35,7 +35,8 @@ std::vector<Verdict> drive(PeerDetector& d, int n, int seconds, const std::funct
     }
     for (int half = 0; half < 2; ++half) {
       t += 500ms;
-      for (auto& v : d.evaluate(t, std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count()))
+      for (auto& v :
+           d.evaluate(t, std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count()))
         out.push_back(v);
     }
   }
@@ -47,12 +48,14 @@ TEST(PeerDetector, PersistentOutlierIsFlaggedNoiseIsNot) {
   Clock::time_point t{};
   std::mt19937 rng(7);
   std::normal_distribution<double> noise(0.05, 0.01);
-  auto v = drive(d, 8, 30, [&](int, int) { return std::max(0.0, noise(rng)); }, t);
+  auto v = drive(
+      d, 8, 30, [&](int, int) { return std::max(0.0, noise(rng)); }, t);
   EXPECT_TRUE(v.empty()) << v[0].worker << " " << v[0].metric;
   // worker-5 waits on a run queue 0.5 s/s from now on: flagged after `persist` reports.
   int at = -1, s = 0;
   for (; s < 10 && at < 0; ++s) {
-    auto vs = drive(d, 8, 1, [&](int w, int) { return w == 5 ? 0.5 : std::max(0.0, noise(rng)); }, t);
+    auto vs = drive(
+        d, 8, 1, [&](int w, int) { return w == 5 ? 0.5 : std::max(0.0, noise(rng)); }, t);
     for (auto& x : vs) {
       EXPECT_EQ(x.worker, "worker-5");
       EXPECT_EQ(x.metric, "proc_run_delay");
@@ -62,7 +65,8 @@ TEST(PeerDetector, PersistentOutlierIsFlaggedNoiseIsNot) {
   }
   EXPECT_EQ(at, DetectorOptions{}.persist - 1);
   // Back to normal: cleared after a window without deviation.
-  auto c = drive(d, 8, 8, [&](int, int) { return std::max(0.0, noise(rng)); }, t);
+  auto c = drive(
+      d, 8, 8, [&](int, int) { return std::max(0.0, noise(rng)); }, t);
   ASSERT_EQ(c.size(), 1u);
   EXPECT_TRUE(c[0].cleared);
 }
@@ -71,20 +75,24 @@ TEST(PeerDetector, ShortBlipsAndJobWideShiftsAreNotFlagged) {
   PeerDetector d(DetectorOptions{});
   Clock::time_point t{};
   // One worker deviates for 2 reports of every 5 (under persist = 3): never flagged.
-  auto v = drive(d, 8, 40, [](int w, int s) { return w == 2 && s % 5 < 2 ? 1.0 : 0.05; }, t);
+  auto v = drive(
+      d, 8, 40, [](int w, int s) { return w == 2 && s % 5 < 2 ? 1.0 : 0.05; }, t);
   EXPECT_TRUE(v.empty());
   // Half the job slows at once (a phase of training, the network): no one machine's fault.
-  v = drive(d, 8, 20, [](int w, int) { return w < 4 ? 1.0 : 0.05; }, t);
+  v = drive(
+      d, 8, 20, [](int w, int) { return w < 4 ? 1.0 : 0.05; }, t);
   EXPECT_TRUE(v.empty());
   // Every value equal, then one a hair above: within the metric's floor, not an outlier.
-  v = drive(d, 8, 20, [](int w, int) { return w == 1 ? 0.07 : 0.05; }, t);
+  v = drive(
+      d, 8, 20, [](int w, int) { return w == 1 ? 0.07 : 0.05; }, t);
   EXPECT_TRUE(v.empty());
 }
 
 TEST(PeerDetector, SilenceIsHeartbeatEvidence) {
   PeerDetector d(DetectorOptions{});
   Clock::time_point t{};
-  drive(d, 6, 5, [](int, int) { return 0.05; }, t);
+  drive(
+      d, 6, 5, [](int, int) { return 0.05; }, t);
   auto v = drive(d, 6, 6, [](int, int) { return 0.05; }, t, "proc_run_delay", {3});
   ASSERT_FALSE(v.empty());
   EXPECT_EQ(v[0].worker, "worker-3");
@@ -92,8 +100,10 @@ TEST(PeerDetector, SilenceIsHeartbeatEvidence) {
   // Every worker silent (the scheduler stalled): no verdict on anyone.
   PeerDetector d2(DetectorOptions{});
   Clock::time_point t2{};
-  drive(d2, 6, 5, [](int, int) { return 0.05; }, t2);
-  EXPECT_TRUE(drive(d2, 6, 8, [](int, int) { return 0.05; }, t2, "proc_run_delay", {0, 1, 2, 3, 4, 5}).empty());
+  drive(
+      d2, 6, 5, [](int, int) { return 0.05; }, t2);
+  EXPECT_TRUE(
+      drive(d2, 6, 8, [](int, int) { return 0.05; }, t2, "proc_run_delay", {0, 1, 2, 3, 4, 5}).empty());
 }
 
 TEST(DetectorOptions, KeysAreCheckedAndNamed) {
@@ -115,7 +125,9 @@ TEST(DetectorOptions, KeysAreCheckedAndNamed) {
 
 // ---- the real job ----------------------------------------------------------------------
 
-std::string health_job_bin() { return TROUPE_TEST_HEALTH_JOB_BIN; }
+std::string health_job_bin() {
+  return TROUPE_TEST_HEALTH_JOB_BIN;
+}
 
 // The victim's cgroup (v1 or v2 cpu controller) with a CPU quota of 0.2 CPU, or "" where
 // none can be made (not root): then the victim and the hog share one pinned CPU instead.
@@ -154,14 +166,15 @@ TEST(DetectorCluster, OneContendedWorkerAmongEightIsFlaggedWithinTenSeconds) {
   co.agent_hosts = {"127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"};
   Cluster c(co);
   const std::string stop = c.dir() + "/stop";
-  const std::string job = c.submit_command({"--nproc", "8", "--no-driver", "--heartbeat-timeout-ms", "60000", "--env",
-                                            "HJ_STOP_FILE=" + stop},
-                                           {health_job_bin()});
+  const std::string job = c.submit_command(
+      {"--nproc", "8", "--no-driver", "--heartbeat-timeout-ms", "60000", "--env", "HJ_STOP_FILE=" + stop},
+      {health_job_bin()});
   // Every worker reports before anything is injected.
   ASSERT_TRUE(wait_until(
       [&] {
         const nlohmann::json j = c.status(job)["jobs"][0];
-        return j.value("health", nlohmann::json::object()).value("workers", nlohmann::json::array()).size() == 8;
+        return j.value("health", nlohmann::json::object()).value("workers", nlohmann::json::array()).size() ==
+               8;
       },
       60s, 200ms))
       << c.logs_of_daemons();

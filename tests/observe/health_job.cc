@@ -118,11 +118,11 @@ int run() {
       steps->end_io();
     }
     if (jc.rank == 0 && !progress.empty() && step % 10 == 0) {
-      std::ofstream(progress, std::ios::app)
-          << step << " " << std::chrono::duration_cast<std::chrono::milliseconds>(
-                                std::chrono::system_clock::now().time_since_epoch())
-                                .count()
-          << "\n";
+      std::ofstream(progress, std::ios::app) << step << " "
+                                             << std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                    std::chrono::system_clock::now().time_since_epoch())
+                                                    .count()
+                                             << "\n";
     }
     if (g[0] > 0) break;  // rank 0 saw the stop file
     next += std::chrono::milliseconds(period_ms);
@@ -138,4 +138,6 @@ int run() {
 
 }  // namespace
 
-int main() { return run(); }
+int main() {
+  return run();
+}

@@ -49,10 +49,12 @@ TEST(HealthReadings, ProcCountersBecomeRates) {
     put(root / "stat", fmt::format("cpu  {} 0 {} {} {} 0 0 {} 0 0\ncpu0 1 1 1 1\n", 100 + 30 * k, 50 + 10 * k,
                                    1000 + 50 * k, 10 + 5 * k, 5 + 5 * k));
     put(root / "meminfo", "MemTotal:       1000 kB\nMemFree:         100 kB\nMemAvailable:    400 kB\n");
-    put(root / "7/net/dev", fmt::format("Inter-|   Receive\n face |bytes packets\n    lo: 999{} 0 0 0 0 0 0 0 999 0 0 0 0 0 0 0\n"
-                                        "  eth0: {} 0 0 0 0 0 0 0 {} 0 0 0 0 0 0 0\n",
-                                        k, 1000 + 2000 * k, 500 + 1000 * k));
-    put(root / "7/net/snmp", fmt::format("Tcp: RtoAlgorithm OutSegs RetransSegs\nTcp: 1 {} {}\n", 100 + 50 * k, 3 * k));
+    put(root / "7/net/dev",
+        fmt::format("Inter-|   Receive\n face |bytes packets\n    lo: 999{} 0 0 0 0 0 0 0 999 0 0 0 0 0 0 0\n"
+                    "  eth0: {} 0 0 0 0 0 0 0 {} 0 0 0 0 0 0 0\n",
+                    k, 1000 + 2000 * k, 500 + 1000 * k));
+    put(root / "7/net/snmp",
+        fmt::format("Tcp: RtoAlgorithm OutSegs RetransSegs\nTcp: 1 {} {}\n", 100 + 50 * k, 3 * k));
     std::string stat = "7 (a b) S";
     for (int f = 4; f <= 52; ++f) {
       long v = 0;
@@ -70,9 +72,10 @@ TEST(HealthReadings, ProcCountersBecomeRates) {
   HostProbe p(7, root.string());
   write_all(0);
   const auto first = p.sample();  // primes the counters: gauges only
-  for (const auto& m : first) EXPECT_TRUE(m.name == "host_mem_used_bytes" || m.name == "host_mem_available_bytes" ||
-                                          m.name == "proc_rss_bytes")
-      << m.name;
+  for (const auto& m : first)
+    EXPECT_TRUE(m.name == "host_mem_used_bytes" || m.name == "host_mem_available_bytes" ||
+                m.name == "proc_rss_bytes")
+        << m.name;
   std::this_thread::sleep_for(200ms);
   write_all(1);
   std::map<std::string, double> m;
@@ -87,8 +90,8 @@ TEST(HealthReadings, ProcCountersBecomeRates) {
   const double dt = 1.5 / m.at("proc_cpu");  // 1.5 CPU-seconds in the interval
   EXPECT_GT(dt, 0.15);
   EXPECT_LT(dt, 5.0);
-  EXPECT_NEAR(m.at("proc_run_delay") * dt, 0.3, 1e-6);             // two threads: 0.2 + 0.1 s
-  EXPECT_NEAR(m.at("host_net_rx_bytes_per_s") * dt, 2000, 1e-6);   // lo left out
+  EXPECT_NEAR(m.at("proc_run_delay") * dt, 0.3, 1e-6);            // two threads: 0.2 + 0.1 s
+  EXPECT_NEAR(m.at("host_net_rx_bytes_per_s") * dt, 2000, 1e-6);  // lo left out
   EXPECT_NEAR(m.at("host_net_tx_bytes_per_s") * dt, 1000, 1e-6);
   EXPECT_NEAR(m.at("host_tcp_retrans_per_s") * dt, 3, 1e-9);
   EXPECT_NEAR(m.at("proc_io_write_bytes_per_s") * dt, 4096, 1e-6);
@@ -111,11 +114,12 @@ TEST(HealthReadings, StepProbeAveragesAndKeepsTheLastFigures) {
   for (const auto& x : s.take(1.0)) m[x.name] = x.value;
   EXPECT_DOUBLE_EQ(m.at("step_compute_ms"), 100);  // no step ended: the last figures stand
   EXPECT_DOUBLE_EQ(m.at("steps_per_s"), 0);
-  EXPECT_GE(m.at("step_io_ms"), 45);               // a write in progress counts
+  EXPECT_GE(m.at("step_io_ms"), 45);  // a write in progress counts
 }
 
 TEST(HealthReadings, NoNvmlLibraryIsAnErrorNotACrash) {
-  if (access("/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1", F_OK) == 0 || access("/usr/lib64/libnvidia-ml.so.1", F_OK) == 0)
+  if (access("/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1", F_OK) == 0 ||
+      access("/usr/lib64/libnvidia-ml.so.1", F_OK) == 0)
     GTEST_SKIP() << "this host has NVML";
   auto n = Nvml::open("0");
   ASSERT_FALSE(n.ok());
@@ -175,8 +179,9 @@ class ObserveJob : public ::testing::Test {
     c.sets.push_back("observe.prometheus_listen=\"127.0.0.1:0\"");
     c.parallel = "dp=2";
     job_ = new std::string(cluster_->submit_command({"--nproc", "2"}, c.argv()));
-    ASSERT_TRUE(wait_until([] { return troupe::test::latest_step_records(*root_ / "run" / "metrics.jsonl").size() >= 3; },
-                           120s, 200ms))
+    ASSERT_TRUE(wait_until(
+        [] { return troupe::test::latest_step_records(*root_ / "run" / "metrics.jsonl").size() >= 3; }, 120s,
+        200ms))
         << cluster_->logs_of_daemons();
   }
   static void TearDownTestSuite() {
@@ -212,16 +217,17 @@ TEST_F(ObserveJob, EveryWorkersHealthReportReachesStatus) {
     EXPECT_LT(w.value("age_s", 99.0), 5.0) << w.dump();
     EXPECT_GE(m.value("host_cpu_util", -1.0), 0.0);
     EXPECT_LE(m.value("host_cpu_util", 2.0), 1.0);
-    EXPECT_GT(m.value("proc_cpu", 0.0), 0.0);        // it trains
+    EXPECT_GT(m.value("proc_cpu", 0.0), 0.0);  // it trains
     EXPECT_GT(m.value("proc_rss_bytes", 0.0), 1e6);
     EXPECT_GE(m.value("proc_run_delay", -1.0), 0.0);
     EXPECT_GT(m.value("step_compute_ms", 0.0), 0.0);
     EXPECT_GT(m.value("steps_per_s", 0.0), 0.0);
-    EXPECT_FALSE(m.contains("gpu_sm_clock_mhz"));    // CPU workers
+    EXPECT_FALSE(m.contains("gpu_sm_clock_mhz"));  // CPU workers
   }
   const auto r = cluster_->cli({"status", *job_, "--health"});
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  for (const char* s : {"health (each worker's last report", "PROC CPU", "RUNQ", "COMPUTE ms", "worker-0", "worker-1"})
+  for (const char* s :
+       {"health (each worker's last report", "PROC CPU", "RUNQ", "COMPUTE ms", "worker-0", "worker-1"})
     EXPECT_NE(r.output.find(s), std::string::npos) << s << "\n" << r.output;
   const auto bad = cluster_->cli({"status", "--health"});
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
@@ -236,7 +242,8 @@ TEST_F(ObserveJob, PrometheusServerScrapesTheDriverAndTheScheduler) {
   const std::string sched_url = cluster_->status("")["scheduler"].value("metrics_url", "");
   ASSERT_FALSE(sched_url.empty());
   // Our own endpoints first: the text format, with the training metric in it.
-  EXPECT_NE(http_get(port_of(driver_url), "/metrics").find("troupe_train_loss{troupe_job=\""), std::string::npos);
+  EXPECT_NE(http_get(port_of(driver_url), "/metrics").find("troupe_train_loss{troupe_job=\""),
+            std::string::npos);
   std::string sched_text;  // refreshed once a second
   EXPECT_TRUE(wait_until(
       [&] {
@@ -244,7 +251,8 @@ TEST_F(ObserveJob, PrometheusServerScrapesTheDriverAndTheScheduler) {
         return sched_text.find("troupe_agents{state=\"alive\"} 2") != std::string::npos;
       },
       10s, 200ms))
-      << sched_url << "\n" << sched_text.substr(0, 3000);
+      << sched_url << "\n"
+      << sched_text.substr(0, 3000);
   // The real server.
   const fs::path dir = *root_ / "prometheus";
   fs::create_directories(dir / "data");
@@ -256,12 +264,14 @@ TEST_F(ObserveJob, PrometheusServerScrapesTheDriverAndTheScheduler) {
       port_of(driver_url), port_of(sched_url));
   const std::string bin = "/usr/bin/prometheus";
   ASSERT_EQ(access(bin.c_str(), X_OK), 0) << "Debian's prometheus is not installed (scripts/install-deps.sh)";
-  const pid_t pid = troupe::test::spawn(
-      {bin, "--config.file=" + (dir / "prometheus.yml").string(), "--storage.tsdb.path=" + (dir / "data").string(),
-       fmt::format("--web.listen-address=127.0.0.1:{}", port), "--log.level=warn"},
-      dir / "prometheus.log");
+  const pid_t pid =
+      troupe::test::spawn({bin, "--config.file=" + (dir / "prometheus.yml").string(),
+                           "--storage.tsdb.path=" + (dir / "data").string(),
+                           fmt::format("--web.listen-address=127.0.0.1:{}", port), "--log.level=warn"},
+                          dir / "prometheus.log");
   auto query = [&](const std::string& q) {
-    const nlohmann::json j = nlohmann::json::parse(http_get(port, "/api/v1/query?query=" + q), nullptr, false);
+    const nlohmann::json j =
+        nlohmann::json::parse(http_get(port, "/api/v1/query?query=" + q), nullptr, false);
     if (!j.is_object() || j.value("status", "") != "success") return nlohmann::json::array();
     return j["data"].value("result", nlohmann::json::array());
   };

@@ -2,6 +2,8 @@
 // CRC-32C against known values, the TFRecord framing (length, masked CRCs of length and
 // data), the Event/Summary protobuf of scalars and histograms, corrupt and truncated files
 // refused, and a training run's records (RunMetrics) turned into the tags TensorBoard shows.
+#include "observe/tensorboard.h"
+
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -9,7 +11,6 @@
 #include <sstream>
 
 #include "actors/training/run_metrics.h"
-#include "observe/tensorboard.h"
 
 namespace troupe::observe {
 namespace {
@@ -31,8 +32,8 @@ fs::path temp_dir() {
 
 TEST(Crc32c, KnownValues) {
   EXPECT_EQ(crc32c(""), 0x00000000u);
-  EXPECT_EQ(crc32c("123456789"), 0xe3069283u);  // the Castagnoli check value
-  EXPECT_EQ(crc32c(std::string(32, '\0')), 0x8a9136aau);  // RFC 3720 B.4: 32 bytes of zeros
+  EXPECT_EQ(crc32c("123456789"), 0xe3069283u);              // the Castagnoli check value
+  EXPECT_EQ(crc32c(std::string(32, '\0')), 0x8a9136aau);    // RFC 3720 B.4: 32 bytes of zeros
   EXPECT_EQ(crc32c(std::string(32, '\xff')), 0x62a8ab43u);  // ... of ones
   // masked = rotate right by 15, plus 0xa282ead8
   const uint32_t c = crc32c("123456789");
