@@ -171,11 +171,12 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
     // scheduler's faulty-machine detector compares it with its peers).
     auto steps = std::make_shared<observe::StepProbe>();
     std::unique_ptr<sched::HealthReporter> health;
-    TROUPE_ASSIGN_OR_RETURN(std::optional<sched::JobContext> jc, sched::JobContext::from_env());
-    if (jc) {
+    // The standalone launcher's workers have a job id but no scheduler: no reports.
+    Result<std::optional<sched::JobContext>> jc = sched::JobContext::from_env();
+    if (jc.ok() && jc->has_value() && !(*jc)->scheduler.empty()) {
       sched::HealthReporterOptions ho;
       ho.sampler.gpu = o.backend == "cuda";
-      Result<std::unique_ptr<sched::HealthReporter>> h = sched::HealthReporter::start(*jc, ho, steps);
+      Result<std::unique_ptr<sched::HealthReporter>> h = sched::HealthReporter::start(**jc, ho, steps);
       if (h.ok()) {
         health = std::move(h).value();
       } else {
