@@ -236,6 +236,13 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
                             e.min_dp);
   }
 
+  ObserveOptions& ob = tc.observe;
+  TROUPE_ASSIGN_OR_RETURN(ob.tensorboard, cfg.get_bool("observe.tensorboard", ob.tensorboard));
+  TROUPE_ASSIGN_OR_RETURN(ob.prometheus_listen,
+                          cfg.get_string("observe.prometheus_listen", ob.prometheus_listen));
+  TROUPE_ASSIGN_OR_RETURN(ob.prometheus_auth_file,
+                          cfg.get_string("observe.prometheus_auth_file", ob.prometheus_auth_file));
+
   Status st = tc.parallel.validate(tc.model, tc.train);
   if (!st.ok()) return st.with_context(cfg.source());
   Result<int64_t> micro = micro_batches_per_replica(tc.train, tc.parallel.dp);

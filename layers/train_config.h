@@ -212,6 +212,14 @@ struct ElasticOptions {
   bool isolate_workers = false;
 };
 
+// [observe]: what the run writes for dashboards besides metrics.jsonl
+// (actors/training/run_metrics.h).
+struct ObserveOptions {
+  bool tensorboard = true;           // event files in <run dir>/tensorboard
+  std::string prometheus_listen;     // the driver's /metrics on HOST:PORT ("": not served; port 0: any)
+  std::string prometheus_auth_file;  // basic auth (user:password, mode 0600); needed off loopback
+};
+
 struct TrainConfig {
   ModelConfig model;
   TrainOptions train;
@@ -221,6 +229,7 @@ struct TrainConfig {
   ParallelOptions parallel;
   CheckpointOptions checkpoint;
   ElasticOptions elastic;
+  ObserveOptions observe;
   std::string source;  // the config file
 
   int64_t global_batch() const { return train.global_batch; }

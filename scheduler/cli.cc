@@ -19,6 +19,7 @@
 #include "checkpoint/reader.h"
 #include "core/logging.h"
 #include "scheduler/agent.h"
+#include "scheduler/cli_health.h"
 #include "scheduler/local_auth.h"
 #include "scheduler/scheduler.h"
 
@@ -297,7 +298,7 @@ int cli_submit(const CliConnection& c, JobSpec spec, bool as_json) {
   return 0;
 }
 
-int cli_status(const CliConnection& c, const std::string& job_id, bool as_json) {
+int cli_status(const CliConnection& c, const std::string& job_id, bool as_json, bool health) {
   auto client = open_client(c);
   if (!client.ok()) return fail(client.status());
   auto r = request_json(**client, StatusQuery{job_id}, c.timeout_ms);
@@ -306,6 +307,11 @@ int cli_status(const CliConnection& c, const std::string& job_id, bool as_json) 
     std::printf("%s\n", r->dump(2).c_str());
   } else {
     std::printf("%s", render_status_table(*r, !job_id.empty()).c_str());
+    const json hjobs = r->value("jobs", json::array());
+    if (health && hjobs.size() == 1) {
+      const std::string h = render_health_table(hjobs[0].value("health", json::object()));
+      std::printf("\n%s", h.empty() ? "health: no report from the job's processes yet\n" : h.c_str());
+    }
     // One job: its checkpoints too, when its checkpoint directory is readable from here.
     const json jobs = r->value("jobs", json::array());
     std::error_code ec;
@@ -577,8 +583,14 @@ int cli_run(const RunOptions& opts) {
   so.state_dir = state_dir;
   so.security.server_keys = *run_keys;
   so.security.allowed_client_keys = {run_keys->public_key};
+  so.metrics.listen = opts.metrics_listen;
+  for (const std::string& kv : opts.detector) {
+    if (Status ds = so.detector.set(kv); !ds.ok()) return fail(ds);
+  }
   auto sched = Scheduler::create(so);
   if (!sched.ok()) return fail(sched.status());
+  if (!(*sched)->metrics_url().empty())
+    fmt::print(stderr, "troupe run: Prometheus metrics at {}\n", (*sched)->metrics_url());
   if (spec.backend == "cuda") {
     int gpus = detect_gpus();
     if (gpus < spec.nproc) {

@@ -30,6 +30,8 @@ struct RunOptions {
   bool prefix_output = true;    // "[worker-0] " before each line of a process's output
   int slots = 0;                // the embedded agent's slots; 0: as many as --nproc
   bool nproc_given = true;      // false: take it from the Slurm allocation (SlurmAllocation)
+  std::string metrics_listen;   // the embedded scheduler's /metrics (empty: none)
+  std::vector<std::string> detector;  // KEY=VALUE thresholds (observe/peer_detector.h)
 };
 
 // What `troupe run` reads from a Slurm allocation (salloc, sbatch, srun): SLURM_JOB_ID,
@@ -53,7 +55,8 @@ Status check_process_limit(int needed);
 
 int cli_run(const RunOptions& opts);
 int cli_submit(const CliConnection& c, JobSpec spec, bool json);
-int cli_status(const CliConnection& c, const std::string& job_id, bool json);
+// `health`: with one job, the table of its workers' health reports (cli_health.h).
+int cli_status(const CliConnection& c, const std::string& job_id, bool json, bool health = false);
 int cli_logs(const CliConnection& c, const std::string& job_id, const std::string& proc, bool follow);
 int cli_cancel(const CliConnection& c, const std::string& job_id, bool json);
 int cli_keygen(const std::string& prefix);

@@ -2,6 +2,7 @@
 // status and events (and a scheduler job's record) and draws one frame of text.
 #include "scheduler/cli_top.h"
 
+#include <fmt/format.h>
 #include <signal.h>
 #include <sys/stat.h>
 
@@ -14,9 +15,8 @@
 #include <thread>
 #include <vector>
 
-#include <fmt/format.h>
-
 #include "scheduler/cli_elastic.h"
+#include "scheduler/cli_health.h"
 
 namespace troupe::sched {
 
@@ -195,7 +195,7 @@ std::string event_line(const json& e) {
 bool is_alert(const std::string& name) {
   return name.find("fail") != std::string::npos || name.find("killed") != std::string::npos ||
          name.find("timeout") != std::string::npos || name.find("lost") != std::string::npos ||
-         name == "straggler" || name.find("restarting") != std::string::npos;
+         name == "straggler" || name.find("restarting") != std::string::npos || name == "health_flag";
 }
 
 }  // namespace
@@ -236,6 +236,10 @@ std::string render_top_frame(const std::string& title, const std::string& run_di
                       p.value("state", ""), p.value("heartbeating", false) ? "yes" : "-"});
     }
     if (rows.size() > 1) out += table(rows);
+    if (j.contains("health")) {
+      const std::string h = render_health_table(j["health"]);
+      if (!h.empty()) out += h;
+    }
     const std::string jd = j.value("job_dir", "");
     if (!jd.empty()) {
       for (auto& e : tail_jsonl(jd + "/events.jsonl")) events.push_back(std::move(e));

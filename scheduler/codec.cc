@@ -125,6 +125,19 @@ struct Encoder {
     b.setEndpoint(v.endpoint);
     b.setSentAtMs(v.sent_at_ms);
   }
+  void operator()(const HealthReport& v) {
+    auto b = m.initHealth();
+    b.setJobId(v.job_id);
+    b.setName(v.name);
+    b.setEpoch(v.epoch);
+    b.setPid(v.pid);
+    b.setSentAtMs(v.sent_at_ms);
+    auto list = b.initMetrics(static_cast<unsigned>(v.metrics.size()));
+    for (size_t i = 0; i < v.metrics.size(); ++i) {
+      list[static_cast<unsigned>(i)].setName(v.metrics[i].first);
+      list[static_cast<unsigned>(i)].setValue(v.metrics[i].second);
+    }
+  }
   void operator()(const PlaceActors& v) {
     auto b = m.initPlaceActors();
     b.setJobId(v.job_id);
@@ -253,6 +266,21 @@ Result<Payload> decode_payload(::Msg::Reader m) {
       }
       return Payload(std::move(v));
     }
+    case ::Msg::HEALTH: {
+      auto r = m.getHealth();
+      HealthReport v;
+      v.job_id = r.getJobId();
+      v.name = r.getName();
+      v.epoch = r.getEpoch();
+      v.pid = r.getPid();
+      v.sent_at_ms = r.getSentAtMs();
+      if (r.getMetrics().size() > kMaxHealthMetrics) {
+        return invalid_argument("health report with {} metrics (at most {})", r.getMetrics().size(),
+                                kMaxHealthMetrics);
+      }
+      for (auto x : r.getMetrics()) v.metrics.emplace_back(x.getName(), x.getValue());
+      return Payload(std::move(v));
+    }
     case ::Msg::RELAY: {
       auto r = m.getRelay();
       RelayedMessage v;
@@ -293,7 +321,7 @@ const char* payload_name(const Payload& p) {
   static const char* const kNames[] = {
       "registerAgent", "registerAck", "agentHeartbeat", "reregister",  "spawn",  "kill",   "procStarted",
       "procExited",    "exitAck",     "procBeat",       "store",       "submit", "status", "cancel",
-      "logs",          "reply",       "logsForAgent",   "placeActors", "relay"};
+      "logs",          "reply",       "logsForAgent",   "placeActors", "relay",  "health"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == std::variant_size_v<Payload>);
   return kNames[p.index()];
 }

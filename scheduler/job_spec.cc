@@ -15,6 +15,10 @@ Status JobSpec::validate() {
   if (backend != "cpu" && backend != "cuda") {
     return invalid_argument("job spec: backend must be cpu or cuda, got '{}'", backend);
   }
+  if (health_policy != "flag" && health_policy != "replace" && health_policy != "drain") {
+    return invalid_argument("job spec: health_policy must be flag, replace or drain, got '{}'",
+                            health_policy);
+  }
   if (heartbeat_timeout_ms < 100) {
     return invalid_argument("job spec: heartbeat_timeout_ms must be >= 100, got {}", heartbeat_timeout_ms);
   }
@@ -71,6 +75,7 @@ std::string JobSpec::to_json() const {
   j["driver"] = driver;
   j["heartbeat_timeout_ms"] = heartbeat_timeout_ms;
   if (elastic) j["elastic"] = true;
+  if (health_policy != "flag") j["health_policy"] = health_policy;
   return j.dump();
 }
 
@@ -79,9 +84,22 @@ Result<JobSpec> JobSpec::from_json(const std::string& text) {
   try {
     auto j = nlohmann::json::parse(text);
     if (!j.is_object()) return invalid_argument("job spec: not a JSON object");
-    static const char* const kKnown[] = {"name", "argv", "env", "nproc", "layout", "min_workers",
-                                         "max_workers", "max_restarts", "max_driver_restarts", "checkpoint_dir", "backend",
-                                         "work_dir", "driver", "heartbeat_timeout_ms", "elastic"};
+    static const char* const kKnown[] = {"name",
+                                         "argv",
+                                         "env",
+                                         "nproc",
+                                         "layout",
+                                         "min_workers",
+                                         "max_workers",
+                                         "max_restarts",
+                                         "max_driver_restarts",
+                                         "checkpoint_dir",
+                                         "backend",
+                                         "work_dir",
+                                         "driver",
+                                         "heartbeat_timeout_ms",
+                                         "elastic",
+                                         "health_policy"};
     for (auto it = j.begin(); it != j.end(); ++it) {
       bool known = false;
       for (const char* k : kKnown) known = known || it.key() == k;
@@ -102,6 +120,7 @@ Result<JobSpec> JobSpec::from_json(const std::string& text) {
     s.driver = j.value("driver", true);
     s.heartbeat_timeout_ms = j.value("heartbeat_timeout_ms", 3000);
     s.elastic = j.value("elastic", false);
+    s.health_policy = j.value("health_policy", "flag");
   } catch (const std::exception& e) {
     return invalid_argument("job spec: {}", e.what());
   }

@@ -35,6 +35,12 @@ struct JobSpec {
   // does at start), or from the start by `--elastic`. Otherwise a lost worker restarts
   // every worker of the job (max_restarts).
   bool elastic = false;
+  // What the scheduler does when its faulty-machine detector flags one of the job's
+  // workers (scheduler/health_monitor.h): "flag" (an event, a log line, the Prometheus
+  // counter), "replace" (that worker, as `troupe replace`) or "drain" (every worker of
+  // the job on that worker's agent, as `troupe drain`). replace and drain need a driver
+  // that supervises its workers (elastic); otherwise the flag is all that happens.
+  std::string health_policy = "flag";
 
   // Checks every field and fills defaults (bounds, layout: rewritten in to_string() form);
   // errors name the field.

@@ -138,6 +138,25 @@ struct Relay @0xc1d1a1e7a0b2f011 {
   msg @1 :Data;
 }
 
+# One named reading of a worker's health report (observe/metric.h lists the names).
+struct HealthMetric @0xc1d1a1e7a0b2f012 {
+  name @0 :Text;
+  value @1 :Float64;
+}
+
+# A job process's machine health, sent every second by its reporter
+# (scheduler/health_reporter.h): host and process counters from /proc, GPU readings from
+# NVML, the last steps' timings. It is not a heartbeat (it starts no monitoring), but the
+# detector holds a worker whose reports stop against it.
+struct HealthReport @0xc1d1a1e7a0b2f013 {
+  jobId @0 :Text;
+  name @1 :Text;
+  epoch @2 :UInt64;
+  pid @3 :Int32;
+  sentAtMs @4 :Int64;
+  metrics @5 :List(HealthMetric);
+}
+
 struct Msg @0xc1d1a1e7a0b2f00e {
   version @0 :UInt16;
   requestId @1 :UInt64;
@@ -161,5 +180,6 @@ struct Msg @0xc1d1a1e7a0b2f00e {
     logsForAgent @18 :LogsRequest;   # scheduler -> agent, requestId maps back to the CLI
     placeActors @19 :PlaceActors;    # driver -> scheduler; the reply body lists addresses
     relay @20 :Relay;                # agent <-> scheduler: a local session's message
+    health @21 :HealthReport;        # job process -> scheduler, every second
   }
 }

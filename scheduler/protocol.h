@@ -139,6 +139,18 @@ struct RelayedMessage {
   std::string msg;
 };
 
+// A job process's health report (protocol.capnp, HealthReport); metric names are
+// observe/metric.h's. decode_message refuses more than kMaxHealthMetrics of them.
+inline constexpr size_t kMaxHealthMetrics = 256;
+struct HealthReport {
+  std::string job_id;
+  std::string name;
+  uint64_t epoch = 0;
+  int32_t pid = 0;
+  int64_t sent_at_ms = 0;
+  std::vector<std::pair<std::string, double>> metrics;
+};
+
 // Typed wrappers so the variant can tell apart payloads of the same C++ type.
 struct ProcStarted { ProcStatus proc; };
 struct ProcExited { ProcStatus proc; };
@@ -151,7 +163,7 @@ struct AgentLogsQuery { LogsRequest req; };
 using Payload =
     std::variant<RegisterAgent, RegisterAck, AgentHeartbeat, Reregister, SpawnRequest, KillRequest,
                  ProcStarted, ProcExited, ExitAck, ProcBeat, StoreRequest, SubmitJob, StatusQuery, CancelJob,
-                 LogsQuery, Reply, AgentLogsQuery, PlaceActors, RelayedMessage>;
+                 LogsQuery, Reply, AgentLogsQuery, PlaceActors, RelayedMessage, HealthReport>;
 
 struct Message {
   uint64_t request_id = 0;

@@ -10,6 +10,7 @@
 
 #include "core/logging.h"
 #include "scheduler/placement.h"
+#include "scheduler/scheduler_metrics.h"
 
 namespace troupe::sched {
 namespace {
@@ -55,6 +56,12 @@ Status Scheduler::init() {
     advertise_.replace(advertise_.find("0.0.0.0"), 7, host);
   }
   incarnation_ = rng_() | 1;
+  TROUPE_RETURN_IF_ERROR(opts_.detector.validate());
+  health_ = std::make_unique<HealthMonitor>(opts_.detector);
+  if (!opts_.metrics.listen.empty()) {
+    TROUPE_ASSIGN_OR_RETURN(metrics_, SchedulerMetrics::start(opts_.metrics));
+    log()->info("serving Prometheus metrics on {}", metrics_->url());
+  }
   TROUPE_RETURN_IF_ERROR(recover());
   log()->info("scheduler listening on {} (incarnation {:x}, state {})", endpoint_, incarnation_, opts_.state_dir);
   return ok_status();
@@ -202,7 +209,10 @@ void Scheduler::dispatch(const Incoming& in) {
   if (std::holds_alternative<ProcBeat>(m.payload) || std::holds_alternative<AgentHeartbeat>(m.payload)) {
     const auto now = Clock::now();
     const auto queued = in.received != Clock::time_point{} ? now - in.received : Clock::duration{};
-    if (in.received != Clock::time_point{}) beat_latency_.add(queued);
+    if (in.received != Clock::time_point{}) {
+      beat_latency_.add(queued);
+      if (metrics_) metrics_->beat_latency(std::chrono::duration<double>(queued).count());
+    }
     // Arrival at our inbox, by our wall clock: the loop's own wait is loop_lag_'s business.
     const int64_t arrived_ms =
         wall_ms() - std::chrono::duration_cast<std::chrono::milliseconds>(queued).count();
@@ -227,6 +237,8 @@ void Scheduler::dispatch(const Incoming& in) {
         else if constexpr (std::is_same_v<T, PlaceActors>) on_place_actors(in.peer, m.request_id, p);
         else if constexpr (std::is_same_v<T, RelayedMessage>)
           on_relay(in, p);
+        else if constexpr (std::is_same_v<T, HealthReport>)
+          on_health(p);
         else {
           log()->warn("unexpected {} message from a client: dropped", payload_name(m.payload));
           reply(in.peer, m.request_id, Reply::of(invalid_argument("the scheduler does not accept {} messages",
@@ -380,6 +392,7 @@ void Scheduler::on_proc_exited(const std::string& peer, const ProcStatus& p) {
   proc.rec.ended_ms = p.time_ms ? p.time_ms : wall_ms();
   if (p.pid) proc.rec.pid = p.pid;
   save(proc);
+  health_->forget(job.rec.id, p.name);
   int status = proc.rec.exit_status();
   json ev = {{"proc", p.name}, {"pid", proc.rec.pid}, {"epoch", p.epoch}, {"exit_code", p.exit_code},
              {"signal", p.term_signal}, {"exit_status", status}, {"exited_at_ms", proc.rec.ended_ms}};
@@ -426,6 +439,7 @@ void Scheduler::proc_failed(Job& job, Proc& proc, const std::string& reason) {
   proc.rec.state = ProcState::kLost;
   proc.rec.ended_ms = wall_ms();
   save(proc);
+  health_->forget(job.rec.id, proc.rec.name);
   kill_procs(job, proc.rec.name, SIGKILL, 0);
   event(job, "proc_lost", {{"proc", proc.rec.name}, {"pid", proc.rec.pid}, {"epoch", proc.rec.epoch}, {"reason", reason}});
   if (job_state_final(job.rec.state)) return;
@@ -717,6 +731,7 @@ void Scheduler::finish_job(Job& job, JobState state, const std::string& message)
   event(job, "job_finished", {{"state", job_state_name(state)}, {"exit_code", worst}, {"message", message}});
   log()->info("job {} {} (exit {}){}{}", job.rec.id, job_state_name(state), worst, message.empty() ? "" : ": ", message);
   rendezvous_->drop_job(job.rec.id);
+  health_->forget_job(job.rec.id);
 }
 
 void Scheduler::check_completion(Job& job) {
@@ -734,10 +749,26 @@ void Scheduler::check_completion(Job& job) {
 void Scheduler::timers() {
   auto now = Clock::now();
   for (auto& [token, r] : rendezvous_->take_ready(now)) {
+    if (auto pit = parked_at_.find(token); pit != parked_at_.end()) {
+      if (metrics_) metrics_->rendezvous_wait(std::chrono::duration<double>(now - pit->second).count());
+      parked_at_.erase(pit);
+    }
     auto it = store_waiters_.find(token);
     if (it == store_waiters_.end()) continue;
     reply(it->second.peer, it->second.request_id, std::move(r));
     store_waiters_.erase(it);
+  }
+  // The faulty-machine detector: its evaluations are due once a second. Reports waiting in
+  // the backlog are the scheduler's delay, not the workers': no verdict until they are in.
+  if (backlog_.empty() && loop_lag_ <= kMaxLoopLag) {
+    for (const auto& jv : health_->evaluate(now, wall_ms())) {
+      auto jit = jobs_.find(jv.job);
+      if (jit != jobs_.end() && !job_state_final(jit->second.rec.state)) on_health_verdict(jit->second, jv.v);
+    }
+  }
+  if (metrics_ && now >= next_metrics_refresh_) {
+    next_metrics_refresh_ = now + std::chrono::seconds(1);
+    refresh_metrics();
   }
   if (now >= next_ask_expiry_) {  // asks whose asker gave up (e.g. lost with an agent)
     server_->expire_asks();
@@ -916,6 +947,7 @@ void Scheduler::on_status(const std::string& peer, uint64_t rid, const StatusQue
     auto it = jobs_.find(m.job_id);
     if (it == jobs_.end()) return reply(peer, rid, Reply::of(not_found("unknown job '{}'", m.job_id)));
     out["jobs"] = json::array({job_json(it->second, true)});
+    out["jobs"][0]["health"] = health_->job_json(m.job_id, Clock::now());
   } else {
     out["jobs"] = json::array();
     for (const auto& [id, job] : jobs_) out["jobs"].push_back(job_json(job, true));
@@ -927,6 +959,7 @@ void Scheduler::on_status(const std::string& peer, uint64_t rid, const StatusQue
   }
   out["agents"] = std::move(agents);
   out["scheduler"] = {{"endpoint", endpoint_},
+                      {"metrics_url", metrics_url()},
                       {"incarnation", fmt::format("{:x}", incarnation_)},
                       {"beat_latency", beat_latency_.to_json()},
                       {"receive_lag_ms", receive_lag_now_.count()},
@@ -1065,6 +1098,7 @@ void Scheduler::on_store(const std::string& peer, uint64_t rid, const StoreReque
   }
   if (r) return reply(peer, rid, std::move(*r));
   store_waiters_[token] = PendingReply{peer, rid};
+  if (metrics_) parked_at_[token] = Clock::now();
 }
 
 // ------------------------------------------------------------------ persistence

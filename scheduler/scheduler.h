@@ -24,11 +24,15 @@
 #include <vector>
 
 #include "core/status.h"
+#include "observe/metrics_server.h"
+#include "observe/peer_detector.h"
 #include "scheduler/event_log.h"
+#include "scheduler/health_monitor.h"
 #include "scheduler/placement.h"
 #include "scheduler/protocol.h"
 #include "scheduler/receive_lag.h"
 #include "scheduler/rendezvous.h"
+#include "scheduler/scheduler_metrics.h"
 #include "scheduler/state_store.h"
 #include "scheduler/transport.h"
 
@@ -48,6 +52,10 @@ struct SchedulerOptions {
   // bench machine two made no difference with CURVE and made the restart without CURVE
   // miss (bench/RESULTS.md, 2026-11-24), hence one by default.
   int io_threads = 1;
+  // Prometheus /metrics (scheduler/scheduler_metrics.h); an empty `listen`: not served.
+  observe::MetricsServerOptions metrics;
+  // The faulty-machine detector's thresholds (observe/peer_detector.h; --detector k=v).
+  observe::DetectorOptions detector;
 };
 
 class Scheduler {
@@ -58,6 +66,8 @@ class Scheduler {
   ~Scheduler();
 
   const std::string& endpoint() const { return endpoint_; }
+  // The /metrics URL ("" when not served).
+  std::string metrics_url() const;
   void run();                                   // until stop()
   void run_once(std::chrono::milliseconds timeout);
   void stop() { stop_.store(true); }
@@ -131,6 +141,14 @@ class Scheduler {
   void on_store(const std::string& peer, uint64_t rid, const StoreRequest& m);
   void on_reply(const Message& m);
   void on_place_actors(const std::string& peer, uint64_t rid, const PlaceActors& m);
+  // Worker health (scheduler/health_reporter.h): kept for status, Prometheus and the
+  // detector; the detector's verdicts become events and the job's health_policy.
+  void on_health(const HealthReport& r);
+  void on_health_verdict(Job& job, const observe::Verdict& v);
+  // Elastic jobs: a request to the driver as `troupe replace` writes it (the first free
+  // "<job>/elastic/request/<k>" key of the job's store).
+  void elastic_request(Job& job, const nlohmann::json& req);
+  void refresh_metrics();
   // A job process's message relayed by its agent (protocol.h, RelayedMessage): handled as
   // from the virtual peer "relay:<agent peer>\n<session>", whose replies send() wraps
   // and hands to the agent. Malformed or nested relays are dropped with a logged error.
@@ -213,6 +231,11 @@ class Scheduler {
   bool procs_by_agent_built_ = false;
   std::atomic<bool> stop_{false};
   std::mt19937_64 rng_{std::random_device{}()};
+  std::unique_ptr<HealthMonitor> health_;
+  std::unique_ptr<SchedulerMetrics> metrics_;
+  Clock::time_point next_metrics_refresh_{};
+  std::map<uint64_t, Clock::time_point> parked_at_;  // rendezvous token -> when it parked (metrics)
+  std::set<std::pair<std::string, std::string>> health_acted_;  // (job, worker) a policy acted on
 };
 
 }  // namespace troupe::sched

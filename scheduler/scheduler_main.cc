@@ -43,6 +43,14 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 64));
   app.add_flag("--insecure", opts.security.allow_insecure_non_loopback,
                "Allow a non-loopback --listen address without CURVE (trusted networks only)");
+  std::vector<std::string> detector;
+  app.add_option("--metrics-listen", opts.metrics.listen,
+                 "Serve Prometheus /metrics on HOST:PORT (default: not served; off loopback it needs "
+                 "--metrics-auth-file or --insecure)");
+  app.add_option("--metrics-auth-file", opts.metrics.basic_auth_file,
+                 "HTTP basic auth for /metrics: a file with one line user:password, mode 0600");
+  app.add_option("--detector", detector,
+                 "A faulty-machine detector threshold KEY=VALUE (docs/elastic.md); repeatable");
   std::string endpoint_file;
   app.add_option("--endpoint-file", endpoint_file, "Write the bound address here once listening");
   try {
@@ -63,6 +71,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   opts.listen = *norm;
+  opts.metrics.insecure = opts.security.allow_insecure_non_loopback;
+  for (const std::string& kv : detector) {
+    if (auto ds = opts.detector.set(kv); !ds.ok()) {
+      std::fprintf(stderr, "troupe-scheduler: %s\n", ds.message().c_str());
+      return 2;
+    }
+  }
   if (!curve_key.empty()) {
     auto keys = troupe::sched::read_key_file(curve_key);
     auto allowed = troupe::sched::read_public_keys(allow_keys);

@@ -50,6 +50,10 @@ void add_spec_options(CLI::App* cmd, SpecFlags& f, bool nproc_required = true) {
   cmd->add_option("--work-dir", f.spec.work_dir, "Working directory of the processes");
   cmd->add_option("--heartbeat-timeout-ms", f.spec.heartbeat_timeout_ms,
                   "A process that said hello and is silent this long is declared dead");
+  cmd->add_option(
+         "--health-policy", f.spec.health_policy,
+         "When the faulty-machine detector flags a worker: flag (default), replace it, or drain its agent")
+      ->check(CLI::IsMember({"flag", "replace", "drain"}));
   cmd->add_option("--min-workers", f.spec.min_workers, "Elastic lower bound (default: nproc)");
   cmd->add_option("--max-workers", f.spec.max_workers, "Elastic upper bound (default: nproc)");
   cmd->add_flag("!--no-driver", f.spec.driver, "Run only the workers, no driver process");
@@ -103,6 +107,11 @@ int main(int argc, char** argv) {
   run->add_option("--state-dir", run_opts.state_dir, "Keep the scheduler state and logs here (default: a temporary dir)");
   run->add_flag("--verbose,-v", run_opts.verbose, "Log what the embedded scheduler and agent do");
   run->add_flag("!--no-prefix", run_opts.prefix_output, "Print process output without the [name] prefix");
+  run->add_option(
+      "--metrics-listen", run_opts.metrics_listen,
+      "Serve the embedded scheduler's Prometheus /metrics on HOST:PORT (loopback; port 0 picks one)");
+  run->add_option("--detector", run_opts.detector,
+                  "A faulty-machine detector threshold KEY=VALUE (docs/elastic.md); repeatable");
   run->add_option("--slots", run_opts.slots,
                   "Slots of the embedded agent (default: --nproc); more workers fail at once")
       ->check(CLI::Range(1, 1000000));
@@ -119,6 +128,7 @@ int main(int argc, char** argv) {
   std::string status_job;
   bool status_json = false;
   bool status_actors = false;
+  bool status_health = false;
   auto* status = app.add_subcommand("status", "Show jobs, their processes and the agents");
   status->add_option("job", status_job, "Only this job, with its processes");
   status->add_flag("--json", status_json, "Print JSON for scripts");
@@ -126,6 +136,9 @@ int main(int argc, char** argv) {
       "--actors", status_actors,
       "With a training job or run directory: every actor (trainer, stage, attention and expert actors) "
       "with its worker, node, device, state and last step time");
+  status->add_flag("--health", status_health,
+                   "With a job: each worker's last health report (host, process, GPU, step time) and the "
+                   "faulty-machine detector's flags");
   add_connection(status, status_conn);
 
   CliConnection logs_conn;
@@ -244,7 +257,11 @@ int main(int argc, char** argv) {
     if (!status_job.empty() && troupe::sched::is_elastic_run_dir(status_job)) {
       return troupe::sched::cli_elastic_status(status_job, status_json, status_actors);
     }
-    const int rc = troupe::sched::cli_status(status_conn, status_job, status_json);
+    if (status_health && status_job.empty()) {
+      fmt::print(stderr, "troupe status --health: give a job id\n");
+      return 2;
+    }
+    const int rc = troupe::sched::cli_status(status_conn, status_job, status_json, status_health);
     if (rc == 0 && !status_job.empty() && !status_json &&
         !troupe::sched::print_elastic_job_status(status_conn, status_job, status_actors) && status_actors) {
       fmt::print(

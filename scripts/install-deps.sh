@@ -13,6 +13,7 @@ pkgs=(
   libtomlplusplus-dev libcli11-dev nlohmann-json3-dev
   libpcre2-dev libutf8proc-dev libzstd-dev zlib1g-dev
   libsqlite3-dev libxxhash-dev
+  prometheus-cpp-dev prometheus nftables
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libibverbs-dev rdma-core
   python3-torch python3-numpy python3-matplotlib

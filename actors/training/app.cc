@@ -19,6 +19,7 @@
 #include "core/parallel_layout.h"
 #include "interop/hf_checkpoint.h"
 #include "layers/tokenizer.h"
+#include "scheduler/health_reporter.h"
 #include "scheduler/job_context.h"
 #include "scheduler/scheduler_store.h"
 
@@ -225,7 +226,23 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::RendezvousStore> store, open_store(run_dir));
     std::function<void()> cut_control;
     if (auto* sr = dynamic_cast<SchedulerRendezvous*>(store.get())) cut_control = [sr] { sr->disconnect(); };
-    return run_worker_process(tc, app.program, *store, std::move(cut_control), ctx);
+    // Under the scheduler a worker reports its machine's health every second (the
+    // scheduler's faulty-machine detector compares it with its peers).
+    auto steps = std::make_shared<observe::StepProbe>();
+    std::unique_ptr<sched::HealthReporter> health;
+    // The standalone launcher's workers have a job id but no scheduler: no reports.
+    Result<std::optional<sched::JobContext>> jc = sched::JobContext::from_env();
+    if (jc.ok() && jc->has_value() && !(*jc)->scheduler.empty()) {
+      sched::HealthReporterOptions ho;
+      ho.sampler.gpu = o.backend == "cuda";
+      Result<std::unique_ptr<sched::HealthReporter>> h = sched::HealthReporter::start(**jc, ho, steps);
+      if (h.ok()) {
+        health = std::move(h).value();
+      } else {
+        fmt::print(stderr, "worker: no health reports: {}\n", h.status().to_string());
+      }
+    }
+    return run_worker_process(tc, app.program, *store, std::move(cut_control), ctx, steps.get());
   }
 
   // ---- the driver (troupe run / submit) or the standalone launcher --------------------

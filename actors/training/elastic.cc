@@ -329,7 +329,7 @@ class ElasticWorker {
  public:
   ElasticWorker(const layers::TrainConfig& tc, ProgramFactory program, comm::RendezvousStore& store,
                 std::string job, int slot, uint64_t epoch, const layers::Ctx& ctx,
-                actors::ActorSystem* driver_system)
+                actors::ActorSystem* driver_system, observe::StepProbe* steps)
       : driver_system_(driver_system),
         tc_(tc),
         program_(std::move(program)),
@@ -338,6 +338,7 @@ class ElasticWorker {
         slot_(slot),
         epoch_(epoch),
         ctx_(ctx),
+        steps_(steps),
         // A worker in the driver's process keeps none: a failure there ends the job, so
         // nothing would ever restore from it.
         keep_state_(driver_system == nullptr && keeps_state_in_memory(tc, ctx.on_device())),
@@ -397,6 +398,7 @@ class ElasticWorker {
   std::mutex mu_;                 // guards stage_ swaps, epoch_/adopting_ against the watcher
   uint64_t epoch_;                // current epoch (main thread writes under mu_)
   layers::Ctx ctx_;               // where the Stage lives (the CPU, or this worker's GPU)
+  observe::StepProbe* steps_;     // step timings for the health reports (may be null)
   // The committed state in memory (rollback, restore from a dp peer): see
   // keeps_state_in_memory (GPU workers of a job without data parallelism keep none).
   bool keep_state_;
@@ -679,6 +681,7 @@ Status ElasticWorker::save_checkpoint(int64_t step, StepReply& reply, bool force
   }
   reply.ckpt_started = step;
   reply.ckpt_blocked_ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
+  if (steps_ != nullptr) steps_->record_io(reply.ckpt_blocked_ms);
   reply.ckpt_bytes = static_cast<int64_t>(f->bytes);
   fault_point(fmt::format("checkpoint write of step {}", step));
   return ok_status();
@@ -753,6 +756,7 @@ Status ElasticWorker::run_step_command(const Command& cmd, StepReply& reply) {
   }
   const StepReport rep = stage_->finish_step(cmd.step);
   actors_->step_done(cmd.step, rep.step_ms);
+  if (steps_ != nullptr) steps_->record_step(rep.step_ms, rep.compute_ms, rep.comm_ms);
   fill_step_reply(rep, reply);
   if (keep_state_) {
     const auto c0 = Clock::now();
@@ -931,7 +935,7 @@ Status ElasticWorker::run() {
 Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& program,
                           comm::RendezvousStore& base_store, const std::string& job, int slot, uint64_t epoch,
                           std::function<void()> cut_control, const layers::Ctx& ctx,
-                          actors::ActorSystem* driver_system) {
+                          actors::ActorSystem* driver_system, observe::StepProbe* steps) {
   // A store outage (the scheduler restarting) must not end the worker.
   TolerantStore store(base_store, std::chrono::milliseconds(30000));
   std::unique_ptr<FaultState> faults;
@@ -958,7 +962,7 @@ Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& p
       std::this_thread::sleep_for(std::chrono::milliseconds(ms));
     }
   }
-  ElasticWorker w(tc, program, store, job, slot, epoch, ctx, driver_system);
+  ElasticWorker w(tc, program, store, job, slot, epoch, ctx, driver_system, steps);
   if (faults) faults->cut = [&w] { w.cut_connections(); };
   Status st = w.run();
   set_fault_hook(nullptr);

@@ -59,6 +59,7 @@
 #include "core/status.h"
 #include "layers/context.h"
 #include "layers/train_config.h"
+#include "observe/health.h"
 
 namespace troupe::actors {
 class ActorSystem;
@@ -142,10 +143,11 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec);
 // `program`: the app's stage program (stage_program.h), built for each Stage.
 // `driver_system`: a worker in the driver's own process (a one-process run, trainer.h):
 // its actors join the driver's actor system (no socket); null: its own system, reached
-// over the control plane.
+// over the control plane. `steps` (may be null): fed each step's timings and each
+// checkpoint's blocked time, for the worker's health reports (scheduler/health_reporter.h).
 Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& program,
                           comm::RendezvousStore& store, const std::string& job, int slot, uint64_t epoch,
                           std::function<void()> cut_control = {}, const layers::Ctx& ctx = layers::Ctx::cpu(),
-                          actors::ActorSystem* driver_system = nullptr);
+                          actors::ActorSystem* driver_system = nullptr, observe::StepProbe* steps = nullptr);
 
 }  // namespace troupe::training

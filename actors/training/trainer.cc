@@ -58,6 +58,7 @@
 #include "actors/training/control.h"
 #include "actors/training/elastic.h"
 #include "actors/training/role_actors.h"
+#include "actors/training/run_metrics.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/writer.h"
 #include "comm/control/host_addr.h"
@@ -303,12 +304,14 @@ class Trainer {
   // up to the last completed step (its data position).
   checkpoint::CheckpointInfo ckpt_info_;
   int64_t tokens_seen_ = 0;
+  std::unique_ptr<RunMetrics> run_metrics_;  // TensorBoard and Prometheus ([observe])
 };
 
 void Trainer::event(nlohmann::json e) {
   e["ts_ms"] = wall_ms();
   events_ << e.dump() << "\n";
   events_.flush();
+  if (run_metrics_) run_metrics_->on_event(e);
 }
 
 Status Trainer::spawn(int slot, uint64_t epoch) {
@@ -1618,6 +1621,7 @@ Status Trainer::run_job() {
   }
   events_.open(run_dir_ + "/events.jsonl", std::ios::trunc);
   if (!events_) return io_error("cannot write {}/events.jsonl", run_dir_);
+  TROUPE_ASSIGN_OR_RETURN(run_metrics_, RunMetrics::open(tc_.observe, run_dir_));
   std::ofstream metrics(run_dir_ + "/metrics.jsonl", resume ? std::ios::app : std::ios::trunc);
   if (!metrics) return io_error("cannot write {}/metrics.jsonl", run_dir_);
 
@@ -1770,6 +1774,7 @@ Status Trainer::run_job() {
     const int64_t step = rec.value("step", int64_t{0});
     metrics << rec.dump() << "\n";
     metrics.flush();
+    run_metrics_->on_step(rec);
     const bool val = rec.contains("val_loss");
     if (val) last_val = rec["val_loss"].get<double>();
     if (step % tc_.train.log_every == 0 || step == 1 || val) {
@@ -2008,8 +2013,7 @@ Status check_one_process(const layers::TrainConfig& tc) {
   if (why == nullptr) return ok_status();
   return invalid_argument(
       "{}: {} needs the worker in a process of its own: set elastic.isolate_workers = true (this layout "
-      "1x1x1 "
-      "otherwise runs the Trainer and its worker in one process)",
+      "1x1x1 otherwise runs the Trainer and its worker in one process)",
       tc.source, why);
 }
 
@@ -2024,7 +2028,7 @@ Status run_trainer(const TrainerOptions& o, const layers::TrainConfig& tc,
 
 Status run_worker_process(const layers::TrainConfig& tc, const ProgramFactory& program,
                           comm::RendezvousStore& store, std::function<void()> cut_control,
-                          const layers::Ctx& ctx) {
+                          const layers::Ctx& ctx, observe::StepProbe* steps) {
   const char* job = std::getenv("TROUPE_JOB_ID");
   if (job == nullptr || *job == '\0') return invalid_argument("worker: TROUPE_JOB_ID is not set");
   // Started by the scheduler in epoch 0: the slot is the rank; later ones, and the
@@ -2033,7 +2037,7 @@ Status run_worker_process(const layers::TrainConfig& tc, const ProgramFactory& p
   if (slot < 0) return invalid_argument("worker: neither TROUPE_ELASTIC_SLOT nor TROUPE_RANK is set");
   const int64_t epoch = env_or("TROUPE_ELASTIC_EPOCH", 0);
   return run_elastic_worker(tc, program, store, job, static_cast<int>(slot), static_cast<uint64_t>(epoch),
-                            std::move(cut_control), ctx);
+                            std::move(cut_control), ctx, /*driver_system=*/nullptr, steps);
 }
 
 nlohmann::json step_reply_json(const StepReply& r) {

@@ -82,7 +82,7 @@ Status run_trainer(const TrainerOptions& o, const layers::TrainConfig& tc,
 // `program`: the app's stage program.
 Status run_worker_process(const layers::TrainConfig& tc, const ProgramFactory& program,
                           comm::RendezvousStore& store, std::function<void()> cut_control = {},
-                          const layers::Ctx& ctx = layers::Ctx::cpu());
+                          const layers::Ctx& ctx = layers::Ctx::cpu(), observe::StepProbe* steps = nullptr);
 
 // A worker's reply to a command (typed, messages.h) as the JSON the Trainer records:
 // the step report's keys, "val_loss", and the checkpoint/replica notes.

@@ -252,6 +252,7 @@ Cluster::Cluster(Options opts) : opts_(opts) {
 void Cluster::start_scheduler() {
   std::vector<std::string> argv = {scheduler_bin(), "--listen", address_, "--state-dir", dir_ + "/state",
                                    "--agent-timeout-ms", std::to_string(opts_.agent_timeout_ms)};
+  argv.insert(argv.end(), opts_.scheduler_args.begin(), opts_.scheduler_args.end());
   if (opts_.curve) {
     argv.insert(argv.end(), {"--curve-key", dir_ + "/keys/scheduler.key", "--allow-keys", dir_ + "/keys/allowed"});
   }

@@ -77,6 +77,7 @@ class Cluster {
     // --host-addr agent_hosts[i] when given (its processes bind and advertise it).
     std::string scheduler_host = "127.0.0.1";
     std::vector<std::string> agent_hosts;
+    std::vector<std::string> scheduler_args;  // added to troupe-scheduler's command line
   };
   explicit Cluster(Options opts);
   ~Cluster();
