@@ -73,6 +73,10 @@ struct TrainOptions {
   // Non-empty: every rank writes, per step, its per-thread communication and compute
   // timings as JSON lines into this directory (bench/overlap/timeline.py draws them).
   std::string timeline_dir;
+  // The file-mode mask (octal, as umask(1) takes it) of everything a training process
+  // creates: the run directory, metrics, events, logs and checkpoints. The default "077"
+  // keeps them readable by their owner only; "027" lets the owner's group read them.
+  std::string umask = "077";
 };
 
 struct DataOptions {
@@ -162,6 +166,10 @@ struct ElasticOptions {
   // Fault injection for tests and demos: "<kill|stop|slow|cut|hang|cutctl>@<step>:<phase>:<slot>,..."
   // (actors/training/elastic.h, FaultSpec).
   std::string inject;
+  // How long the job rides out an outage of its scheduler (troupe-scheduler restarting or
+  // unreachable): training goes on meanwhile and every process logs that it is waiting;
+  // past this limit each process ends with a permanent failure (docs/elastic.md).
+  int64_t scheduler_outage_limit_ms = 300000;
 };
 
 struct TrainConfig {

@@ -4,6 +4,7 @@
 #include "actors/training/app.h"
 
 #include <fmt/format.h>
+#include <sys/stat.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdlib>
@@ -12,6 +13,7 @@
 #include <memory>
 #include <optional>
 
+#include "actors/training/preflight.h"
 #include "actors/training/trainer.h"
 #include "comm/rendezvous_store.h"
 #include "core/parallel_layout.h"
@@ -78,10 +80,15 @@ const char* env(const char* name) {
   return std::getenv(name);
 }
 
-Status copy_file(const std::string& from, const std::string& to) {
+// The copy gets the mode of a new file of the run (0666 less train.umask), not the
+// source's: copy_file keeps the source's permission bits.
+Status copy_file(const std::string& from, const std::string& to, const layers::TrainConfig& tc) {
   std::error_code ec;
   fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
   if (ec) return io_error("cannot copy {} to {}: {}", from, to, ec.message());
+  const auto mask = static_cast<unsigned>(std::strtol(tc.train.umask.c_str(), nullptr, 8));
+  fs::permissions(to, static_cast<fs::perms>(0666u & ~mask), fs::perm_options::replace, ec);
+  if (ec) return io_error("cannot set the mode of {}: {}", to, ec.message());
   return ok_status();
 }
 
@@ -130,17 +137,22 @@ Status prepare_run_dir(const layers::TrainConfig& tc, const std::string& config,
   std::error_code ec;
   fs::create_directories(run_dir, ec);
   if (ec) return io_error("cannot create run directory {}: {}", run_dir, ec.message());
-  TROUPE_RETURN_IF_ERROR(copy_file(tc.data.dir + "/tokenizer.json", run_dir + "/tokenizer.json"));
-  TROUPE_RETURN_IF_ERROR(copy_file(config, run_dir + "/config.toml"));
+  TROUPE_RETURN_IF_ERROR(copy_file(tc.data.dir + "/tokenizer.json", run_dir + "/tokenizer.json", tc));
+  TROUPE_RETURN_IF_ERROR(copy_file(config, run_dir + "/config.toml", tc));
   std::ofstream ov(run_dir + "/overrides.txt");
   for (const auto& s : overrides) ov << s << "\n";
   if (!ov) return io_error("cannot write {}/overrides.txt", run_dir);
   return ok_status();
 }
 
+void apply_file_mask(const layers::TrainConfig& tc) {
+  ::umask(static_cast<mode_t>(std::strtol(tc.train.umask.c_str(), nullptr, 8) & 0777));
+}
+
 Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   if (!app.program) return invalid_argument("{}: the app gives no stage program", app.name);
   TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, load_run_config(o));
+  apply_file_mask(tc);
   if (tc.data.dir.empty()) {
     return invalid_argument("{}: data.dir is not set (the output of train_moe prepare)", tc.source);
   }
@@ -181,6 +193,9 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
           tc.parallel.world());
     }
   }
+  // Nothing is written and no worker is started before the data and the memory are known
+  // to fit (the layout was checked above).
+  TROUPE_RETURN_IF_ERROR(preflight_check(tc, ctx));
   TROUPE_RETURN_IF_ERROR(prepare_run_dir(tc, o.config, overrides, run_dir));
   TrainerOptions to;
   to.app = app.name;
@@ -193,6 +208,7 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   if (to.gpu && app.flops_per_token) to.flops_per_token = app.flops_per_token(tc);
   std::unique_ptr<comm::RendezvousStore> scheduled;
   std::shared_ptr<sched::SchedulerSession> session;
+  std::unique_ptr<sched::HeartbeatThread> beats;
   if (role == "driver") {
     TROUPE_ASSIGN_OR_RETURN(scheduled, open_store(run_dir));
     // The actor placement of each epoch goes into the scheduler's durable state.
@@ -201,6 +217,10 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
       TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<sched::SchedulerSession> s,
                               sched::SchedulerSession::connect(*jc));
       session = std::move(s);
+      // The driver is supervised like a worker: it beats to the scheduler, which replaces
+      // it (restart_driver) when it stays silent past the job's heartbeat timeout (e.g.
+      // SIGSTOPped). Its own thread: a driver busy in a long call is not silent.
+      beats = sched::HeartbeatThread::start(session, jc->heartbeat_ms);
       to.publish_placement = [session,
                               epoch = jc->epoch](const std::vector<std::pair<std::string, std::string>>& p) {
         return session->place_actors(epoch, p, std::chrono::milliseconds(10000)).status();
