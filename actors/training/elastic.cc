@@ -361,7 +361,7 @@ bool ElasticWorker::has_plan(uint64_t epoch) {
   // During a store outage the plan can only come as a message: the step thread does not
   // wait for the store to answer.
   if (store_.in_outage()) return false;
-  Result<bool> has = store_.contains(key(fmt::format("plan/{}", epoch)));
+  Result<bool> has = store_.try_contains(key(fmt::format("plan/{}", epoch)));
   return has.ok() && has.value();
 }
 

@@ -56,7 +56,7 @@ Status TolerantStore::limit_status() const {
       o_.where.empty() ? "" : " at " + o_.where, outage_for().count() / 1000, o_.outage_limit.count() / 1000);
 }
 
-void TolerantStore::note(const Status& st) {
+void TolerantStore::note(const Status& st, int64_t started_ns) {
   // Only "nothing answered" is evidence of an outage; any answer (a value, "not set by the
   // deadline", "no such job") is evidence of a store that is up.
   if (st.code() != StatusCode::kUnavailable) {
@@ -70,7 +70,7 @@ void TolerantStore::note(const Status& st) {
     return;
   }
   int64_t expected = 0;
-  if (!outage_since_ns_.compare_exchange_strong(expected, now_ns())) return;
+  if (!outage_since_ns_.compare_exchange_strong(expected, started_ns)) return;
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_ || watchman_running_) return;  // a running watchman sees the new outage
   if (watchman_.joinable()) watchman_.join();  // the watchman of an earlier outage: it has returned
@@ -103,7 +103,7 @@ void TolerantStore::watch() {
     }
     Result<std::string> r = base_.get(kProbeKey, comm::deadline_in(kProbeWait));
     if (r.status().code() != StatusCode::kUnavailable) {
-      note(r.ok() ? ok_status() : r.status());
+      note(r.ok() ? ok_status() : r.status(), 0);
       next_log = Clock::now();
       limit_logged = false;
     }
@@ -116,8 +116,9 @@ void TolerantStore::watch() {
 Status TolerantStore::set(std::string_view key, std::string_view value) {
   while (true) {
     if (past_limit()) return limit_status();
+    const int64_t t = now_ns();
     Status st = base_.set(key, value);
-    note(st);
+    note(st, t);
     if (st.ok() || !transient(st)) return st;
     std::this_thread::sleep_for(kRetryPause);
   }
@@ -126,8 +127,9 @@ Status TolerantStore::set(std::string_view key, std::string_view value) {
 Result<bool> TolerantStore::contains(std::string_view key) {
   while (true) {
     if (past_limit()) return limit_status();
+    const int64_t t = now_ns();
     Result<bool> r = base_.contains(key);
-    note(r.status());
+    note(r.status(), t);
     if (r.ok() || !transient(r.status())) return r;
     std::this_thread::sleep_for(kRetryPause);
   }
@@ -136,8 +138,9 @@ Result<bool> TolerantStore::contains(std::string_view key) {
 Result<std::string> TolerantStore::get(std::string_view key, comm::Deadline deadline) {
   while (true) {
     if (past_limit()) return limit_status();
+    const int64_t t = now_ns();
     Result<std::string> r = base_.get(key, deadline);
-    note(r.status());
+    note(r.status(), t);
     if (r.ok() || r.status().code() != StatusCode::kUnavailable) return r;
     if (Clock::now() >= deadline)
       return deadline_exceeded("store unavailable until the deadline: {}", r.status().to_string());
@@ -148,13 +151,38 @@ Result<std::string> TolerantStore::get(std::string_view key, comm::Deadline dead
 Status TolerantStore::wait(const std::vector<std::string>& keys, comm::Deadline deadline) {
   while (true) {
     if (past_limit()) return limit_status();
+    const int64_t t = now_ns();
     Status st = base_.wait(keys, deadline);
-    note(st);
+    note(st, t);
     if (st.ok() || st.code() != StatusCode::kUnavailable) return st;
     if (Clock::now() >= deadline)
       return deadline_exceeded("store unavailable until the deadline: {}", st.to_string());
     std::this_thread::sleep_for(kRetryPause);
   }
+}
+
+Status TolerantStore::try_set(std::string_view key, std::string_view value) {
+  if (past_limit()) return limit_status();
+  const int64_t t = now_ns();
+  Status st = base_.set(key, value);
+  note(st, t);
+  return st;
+}
+
+Result<bool> TolerantStore::try_contains(std::string_view key) {
+  if (past_limit()) return limit_status();
+  const int64_t t = now_ns();
+  Result<bool> r = base_.contains(key);
+  note(r.status(), t);
+  return r;
+}
+
+Result<std::string> TolerantStore::try_get(std::string_view key, comm::Deadline deadline) {
+  if (past_limit()) return limit_status();
+  const int64_t t = now_ns();
+  Result<std::string> r = base_.get(key, deadline);
+  note(r.status(), t);
+  return r;
 }
 
 }  // namespace troupe::training

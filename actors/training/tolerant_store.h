@@ -6,9 +6,11 @@
 //   as the outage lasts; get and wait retry kUnavailable until their own deadline. Past
 //   Options::outage_limit (counted from the first failure after the last answer) every call
 //   fails at once with limit_status().
-// - in_outage() says, without asking the store, that it is out: callers that merely poll
-//   (heartbeat keys, exit reports, requests) skip it instead of waiting, so training, which
-//   never needs the store between membership changes, goes on during an outage.
+// - in_outage() says, without asking the store, that it is out; try_set / try_contains /
+//   try_get make one attempt and never retry: callers that merely poll (heartbeat keys,
+//   exit reports, requests, status) use them and skip the store while it is out, so
+//   training, which never needs the store between membership changes, goes on during an
+//   outage (the one attempt under way when it begins waits for its own timeout, ~14 s).
 // - While it is out a watchman thread asks the store every second (a short get) and logs
 //   "<who>: waiting for the scheduler at <where> for N s (limit L s)" every
 //   Options::log_every; it logs the return ("answers again after N s") and counts it in
@@ -47,6 +49,10 @@ class TolerantStore final : public comm::RendezvousStore {
   Result<std::string> get(std::string_view key, comm::Deadline deadline) override;
   Status wait(const std::vector<std::string>& keys, comm::Deadline deadline) override;
   Result<bool> contains(std::string_view key) override;
+  // One attempt each, no retry (the outage is noted all the same).
+  Status try_set(std::string_view key, std::string_view value);
+  Result<bool> try_contains(std::string_view key);
+  Result<std::string> try_get(std::string_view key, comm::Deadline deadline);
 
   // The store failed (transiently) and has not answered since.
   bool in_outage() const { return outage_since_ns_.load() != 0; }
@@ -60,8 +66,9 @@ class TolerantStore final : public comm::RendezvousStore {
   uint64_t outages_ended() const { return outages_ended_.load(); }
 
  private:
-  // Notes the outcome of one call on the base store.
-  void note(const Status& st);
+  // Notes the outcome of one call on the base store, made at `started_ns` (steady clock):
+  // an outage begins when the first call that failed was made, not when it gave up.
+  void note(const Status& st, int64_t started_ns);
   void watch();  // the watchman (runs while an outage lasts)
 
   std::unique_ptr<comm::RendezvousStore> owned_;

@@ -206,6 +206,17 @@ class Trainer {
   // while the scheduler was out, to time out (12 s): until then nobody is judged silent.
   uint64_t outages_seen_ = 0;
   Clock::time_point liveness_grace_until_{};
+  // The store as polls use it: one attempt, no retry through an outage (tolerant_store.h).
+  Result<bool> poll_contains(const std::string& k) {
+    return tolerant_ != nullptr ? tolerant_->try_contains(k) : store_->contains(k);
+  }
+  Result<std::string> poll_get(const std::string& k, std::chrono::milliseconds wait) {
+    return tolerant_ != nullptr ? tolerant_->try_get(k, comm::deadline_in(wait))
+                                : store_->get(k, comm::deadline_in(wait));
+  }
+  Status poll_set(const std::string& k, const std::string& v) {
+    return tolerant_ != nullptr ? tolerant_->try_set(k, v) : store_->set(k, v);
+  }
   Status past_outage_limit() const {
     return tolerant_ != nullptr && tolerant_->past_limit() ? tolerant_->limit_status() : ok_status();
   }
@@ -405,9 +416,9 @@ std::optional<Failure> Trainer::check_processes() {
     if (scheduled_) {  // the scheduler reports every worker that ends
       if (store_out()) continue;  // no news while the scheduler is out (actor Downs still count)
       const std::string k = key(fmt::format("exit/{}", slot));
-      Result<bool> has = store_->contains(k);
+      Result<bool> has = poll_contains(k);
       if (!has.ok() || !has.value()) continue;
-      Result<std::string> v = store_->get(k, comm::deadline_in(std::chrono::milliseconds(1000)));
+      Result<std::string> v = poll_get(k, std::chrono::milliseconds(1000));
       p.alive = false;
       if (plan_.rank_of_slot(slot) < 0) continue;
       if (!f) f = Failure{"exit", {}, "", wall_ms()};
@@ -469,7 +480,7 @@ std::optional<Failure> Trainer::check_heartbeats() {
   }
   // A store that answers slowly (a loaded scheduler) is no proof of silence either.
   const auto t_probe = Clock::now();
-  (void)store_->contains(key("hb/probe"));
+  (void)poll_contains(key("hb/probe"));
   const bool store_stalled = Clock::now() - t_probe > std::chrono::milliseconds(500);
   if (store_stalled || Clock::now() - last_hb_check_ > hb_timeout_ / 2 ||
       Clock::now() < liveness_grace_until_) {
@@ -482,10 +493,9 @@ std::optional<Failure> Trainer::check_heartbeats() {
     Proc& p = procs_[slot];
     if (!p.alive) continue;
     if (store_out()) return std::nullopt;  // went out meanwhile: the next check resets the timers
-    Result<bool> has = store_->contains(key(fmt::format("hb/{}", slot)));
+    Result<bool> has = poll_contains(key(fmt::format("hb/{}", slot)));
     if (has.ok() && has.value()) {
-      Result<std::string> v =
-          store_->get(key(fmt::format("hb/{}", slot)), comm::deadline_in(std::chrono::milliseconds(100)));
+      Result<std::string> v = poll_get(key(fmt::format("hb/{}", slot)), std::chrono::milliseconds(100));
       if (v.ok() && v.value() != p.last_hb) {
         p.last_hb = v.value();
         p.hb_seen = now;
@@ -731,10 +741,9 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
     // A failure nobody is blamed for (comm_error, watchdog): any worker may have caused it.
     const std::vector<int> suspects = f.slots.empty() ? plan_.slots : f.slots;
     for (int s : store_out() ? std::vector<int>{} : suspects) {
-      Result<bool> has = store_->contains(key(fmt::format("fault/{}", s)));
+      Result<bool> has = poll_contains(key(fmt::format("fault/{}", s)));
       if (has.ok() && has.value()) {
-        Result<std::string> v =
-            store_->get(key(fmt::format("fault/{}", s)), comm::deadline_in(std::chrono::milliseconds(100)));
+        Result<std::string> v = poll_get(key(fmt::format("fault/{}", s)), std::chrono::milliseconds(100));
         if (v.ok()) {
           const nlohmann::json j = nlohmann::json::parse(v.value(), nullptr, false);
           if (j.is_object() && j.contains("ts_ms"))
@@ -767,10 +776,9 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
             nlohmann::json e{{"event", "failure_detected"}, {"cause", more->cause}, {"slots", {s}},
                              {"detail", more->detail},      {"epoch", plan_.epoch}, {"step", failed_step},
                              {"detected_ms", more->ts_ms}};
-            Result<std::string> v = store_out()
-                                        ? Result<std::string>(unavailable("store out"))
-                                        : store_->get(key(fmt::format("fault/{}", s)),
-                                                      comm::deadline_in(std::chrono::milliseconds(100)));
+            Result<std::string> v =
+                store_out() ? Result<std::string>(unavailable("store out"))
+                            : poll_get(key(fmt::format("fault/{}", s)), std::chrono::milliseconds(100));
             if (v.ok()) {
               const nlohmann::json j = nlohmann::json::parse(v.value(), nullptr, false);
               if (j.is_object() && j.contains("ts_ms"))
@@ -1208,7 +1216,7 @@ void Trainer::write_status(int64_t step) {
                     {"workers", workers},
                     {"actors", actor_table_}};
   if (step >= 0) last_step_ = step;
-  if (scheduled_ && !store_out()) (void)store_->set(key("status"), st.dump());  // troupe status <job>
+  if (scheduled_ && !store_out()) (void)poll_set(key("status"), st.dump());  // troupe status <job>
   const std::string tmp = run_dir_ + "/status.json.tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
@@ -1221,10 +1229,11 @@ void Trainer::write_status(int64_t step) {
 Status Trainer::take_store_request() {
   if (pending_answer_ || store_out()) return ok_status();
   const std::string k = key(fmt::format("request/{}", next_request_));
-  TROUPE_ASSIGN_OR_RETURN(bool has, store_->contains(k));
-  if (!has) return ok_status();
-  TROUPE_ASSIGN_OR_RETURN(std::string text,
-                          store_->get(k, comm::deadline_in(std::chrono::milliseconds(5000))));
+  Result<bool> has = poll_contains(k);
+  if (!has.ok() || !has.value()) return ok_status();  // none, or the scheduler is out: next boundary
+  Result<std::string> got = poll_get(k, std::chrono::milliseconds(5000));
+  if (!got.ok()) return ok_status();
+  const std::string text = std::move(got).value();
   pending_answer_ = next_request_++;
   last_answer_ =
       nlohmann::json{{"event", "request_refused"}, {"why", "malformed request"}, {"request", text}};
@@ -1244,7 +1253,9 @@ Status Trainer::take_store_request() {
 Status Trainer::answer_store_request() {
   avoid_node_.clear();
   if (!pending_answer_ || store_out()) return ok_status();
-  TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("answer/{}", *pending_answer_)), last_answer_.dump()));
+  // Kept for the next boundary when the scheduler does not take it now.
+  if (!poll_set(key(fmt::format("answer/{}", *pending_answer_)), last_answer_.dump()).ok())
+    return ok_status();
   pending_answer_.reset();
   return ok_status();
 }
