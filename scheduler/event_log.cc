@@ -23,9 +23,10 @@ std::string iso8601_utc(int64_t ms) {
 
 Result<EventLog> EventLog::open(const std::string& job_dir, const std::string& job_id) {
   std::error_code ec;
-  std::filesystem::create_directories(job_dir, ec);
+  // A job's events name its command and processes: a directory made here is its owner's only.
+  const bool created = std::filesystem::create_directories(job_dir, ec);
   if (ec) return io_error("cannot create job directory {}: {}", job_dir, ec.message());
-  ::chmod(job_dir.c_str(), 0700);  // a job's events name its command and processes
+  if (created) ::chmod(job_dir.c_str(), 0700);
   return EventLog(job_dir + "/events.jsonl", job_id);
 }
 

@@ -31,14 +31,21 @@ std::shared_ptr<spdlog::logger> log() {
 
 Status make_private_dir(const std::string& dir, const char* what) {
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
+  const bool created = std::filesystem::create_directories(dir, ec);
   if (ec) return io_error("cannot create {} {}: {}", what, dir, ec.message());
+  if (created && ::chmod(dir.c_str(), 0700) != 0)
+    return io_error("cannot make {} {} private (chmod 0700): {}", what, dir, std::strerror(errno));
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0)
     return io_error("cannot stat {} {}: {}", what, dir, std::strerror(errno));
   if (st.st_uid != ::geteuid()) {
     return failed_precondition("{} {} belongs to uid {}, not to this user (uid {})", what, dir, st.st_uid,
                                ::geteuid());
+  }
+  if ((st.st_mode & S_ISVTX) != 0) {
+    // A shared directory such as /tmp: tightening it would lock every other user out.
+    return failed_precondition("{} {} is a shared directory (mode {:o}, sticky): name a directory of its own", what,
+                               dir, st.st_mode & 07777);
   }
   if ((st.st_mode & 077) != 0) {
     if (::chmod(dir.c_str(), 0700) != 0) {

@@ -1,5 +1,6 @@
 // scheduler/secrets.h — defines what keeps a job's secrets off disk in the clear:
-//   make_private_dir: a directory only its owner may enter (0700), tightened when it exists;
+//   make_private_dir: a directory only its owner may enter (0700), tightened when it exists
+//     (a shared, sticky directory such as /tmp is refused, never tightened);
 //   EnvSealer: the values of a job's environment (`troupe submit --env K=V`: API tokens,
 //     passwords) as the scheduler stores them — sealed (XSalsa20-Poly1305, libsodium's
 //     crypto_secretbox) under a key derived from the scheduler's own secret key, or kept in
