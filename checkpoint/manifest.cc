@@ -2,6 +2,7 @@
 #include "checkpoint/manifest.h"
 
 #include <fmt/format.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <charconv>
@@ -128,8 +129,9 @@ Result<ManifestPart> part_from_json(const json& j, std::string_view where) {
       return data_loss("{}: not a checkpoint manifest part", where);
     }
     const int version = j.at("format_version").get<int>();
-    if (version != kFormatVersion) {
-      return data_loss("{}: format version {} (this build reads {})", where, version, kFormatVersion);
+    if (version < kOldestFormatVersion || version > kFormatVersion) {
+      return data_loss("{}: format version {} (this build reads {} to {})", where, version,
+                       kOldestFormatVersion, kFormatVersion);
     }
     ManifestPart p;
     p.step = j.at("step").get<int64_t>();
@@ -160,18 +162,27 @@ json manifest_to_json(const Manifest& m) {
   if (m.tokenizer) {
     tok = json{{"file", m.tokenizer->file}, {"bytes", m.tokenizer->bytes}, {"xxh64", xxh64_hex(m.tokenizer->xxh64)}};
   }
-  return json{{"format", "troupe-checkpoint"},
-              {"format_version", m.format_version},
-              {"step", m.step},
-              {"layout", layout_to_json(m.layout)},
-              {"world_size", m.world_size},
-              {"created_unix_ms", m.created_unix_ms},
-              {"data_position", m.data_position},
-              {"config_text", m.config_text},
-              {"tokenizer", tok},
-              {"metadata", m.metadata},
-              {"ranks", ranks},
-              {"tensors", tensors}};
+  json j{{"format", "troupe-checkpoint"},
+         {"format_version", kFormatVersion},
+         {"step", m.step},
+         {"layout", layout_to_json(m.layout)},
+         {"world_size", m.world_size},
+         {"created_unix_ms", m.created_unix_ms},
+         {"data_position", m.data_position},
+         {"config_text", m.config_text},
+         {"tokenizer", tok},
+         {"metadata", m.metadata},
+         {"ranks", ranks},
+         {"tensors", tensors}};
+  j["checksum"] = manifest_checksum(j);
+  return j;
+}
+
+std::string manifest_checksum(const json& j) {
+  json body = j;
+  if (body.is_object()) body.erase("checksum");
+  const std::string text = body.dump();  // objects dump with sorted keys: one spelling
+  return xxh64_hex(XXH64(text.data(), text.size(), 0));
 }
 
 Result<Manifest> manifest_from_json(const json& j, std::string_view where) {
@@ -181,8 +192,20 @@ Result<Manifest> manifest_from_json(const json& j, std::string_view where) {
     }
     Manifest m;
     m.format_version = j.at("format_version").get<int>();
-    if (m.format_version != kFormatVersion) {
-      return data_loss("{}: format version {} (this build reads {})", where, m.format_version, kFormatVersion);
+    if (m.format_version < kOldestFormatVersion || m.format_version > kFormatVersion) {
+      return data_loss("{}: format version {} (this build reads {} to {})", where, m.format_version,
+                       kOldestFormatVersion, kFormatVersion);
+    }
+    if (m.format_version >= 2) {
+      if (!j.contains("checksum") || !j["checksum"].is_string()) {
+        return data_loss("{}: the manifest carries no checksum (format version {} needs one)", where,
+                         m.format_version);
+      }
+      const std::string want = j["checksum"].get<std::string>(), got = manifest_checksum(j);
+      if (want != got) {
+        return data_loss("{}: the manifest was edited or damaged: its checksum is {}, its content's {}",
+                         where, want, got);
+      }
     }
     m.step = j.at("step").get<int64_t>();
     TROUPE_ASSIGN_OR_RETURN(m.layout, layout_from_json(j.at("layout"), where));

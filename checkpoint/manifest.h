@@ -27,7 +27,11 @@
 
 namespace troupe::checkpoint {
 
-inline constexpr int kFormatVersion = 1;
+// Version 2: the manifest carries "checksum", the xxHash64 of its own canonical JSON text
+// (every other field, the slices' checksums included), verified before any of it is used.
+// Version 1 (no checksum) is still read.
+inline constexpr int kFormatVersion = 2;
+inline constexpr int kOldestFormatVersion = 1;
 inline constexpr const char* kManifestFile = "manifest.json";
 inline constexpr const char* kLatestFile = "latest";
 
@@ -107,8 +111,13 @@ std::string xxh64_hex(uint64_t h);
 nlohmann::json part_to_json(const ManifestPart& p);
 // `where` names the source (a path) in errors.
 Result<ManifestPart> part_from_json(const nlohmann::json& j, std::string_view where);
+// Written with the current format version and its checksum.
 nlohmann::json manifest_to_json(const Manifest& m);
+// Verifies the checksum of a version-2 manifest first: DataLoss ("edited or damaged") when
+// it does not match, before anything in it is used.
 Result<Manifest> manifest_from_json(const nlohmann::json& j, std::string_view where);
+// The checksum a manifest's JSON carries ("checksum": every field but itself, as dumped).
+std::string manifest_checksum(const nlohmann::json& j);
 
 // Structural checks of one tensor record: dtype known, slices inside the shape, lengths
 // match the boxes, and (when require_coverage) the stored slices tile the whole tensor

@@ -62,6 +62,7 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::stri
   if (j.is_discarded()) return data_loss("checkpoint {}: {} is not valid JSON", dir, mpath);
   TROUPE_ASSIGN_OR_RETURN(Manifest m, manifest_from_json(j, mpath));
   std::unique_ptr<CheckpointReader> r(new CheckpointReader(dir, std::move(m)));
+  if (mode != VerifyMode::kManifestOnly) TROUPE_RETURN_IF_ERROR(r->check_records());
   if (mode != VerifyMode::kManifestOnly) TROUPE_RETURN_IF_ERROR(r->check_files());
   if (mode == VerifyMode::kChecksums) TROUPE_RETURN_IF_ERROR(r->verify_checksums());
   return r;
@@ -95,6 +96,63 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::open_latest_valid(co
   std::string why;
   for (const std::string& s : skipped) why += "\n  " + s;
   return not_found("run directory {} has no valid checkpoint ({} candidates){}", run_dir, candidates.size(), why);
+}
+
+Status CheckpointReader::check_records() const {
+  const nlohmann::json& md = manifest_.metadata;
+  const nlohmann::json& pos = manifest_.data_position;
+  for (const RankRecord& r : manifest_.ranks) {
+    if (md.is_object() && md.contains("adam_steps") && r.state.is_object() &&
+        r.state.contains("adam_steps") && md["adam_steps"] != r.state["adam_steps"]) {
+      return data_loss("checkpoint {}: the manifest says adam_steps {} but rank {} saved {}", dir_,
+                       md["adam_steps"].dump(), r.rank, r.state["adam_steps"].dump());
+    }
+    if (pos.is_object() && pos.contains("next_step") && r.state.is_object() && r.state.contains("data") &&
+        r.state["data"].is_object() && r.state["data"].contains("next_step") &&
+        pos["next_step"] != r.state["data"]["next_step"]) {
+      return data_loss("checkpoint {}: the manifest's data position is step {} but rank {} saved {}", dir_,
+                       pos["next_step"].dump(), r.rank, r.state["data"]["next_step"].dump());
+    }
+    if (r.state.is_object() && r.state.contains("step") &&
+        r.state["step"] != nlohmann::json(manifest_.step)) {
+      return data_loss("checkpoint {}: the manifest is of step {} but rank {} saved step {}", dir_,
+                       manifest_.step, r.rank, r.state["step"].dump());
+    }
+  }
+  // Each rank's own part, as it wrote it: the manifest must say the same.
+  std::error_code ec;
+  for (const RankRecord& r : manifest_.ranks) {
+    const std::string path = (fs::path(dir_) / part_file_name(r.rank)).string();
+    if (!fs::exists(path, ec)) continue;  // parts are kept for inspection, not required
+    TROUPE_ASSIGN_OR_RETURN(std::string text, read_whole_file(path));
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) return data_loss("checkpoint {}: {} is not valid JSON", dir_, path);
+    TROUPE_ASSIGN_OR_RETURN(ManifestPart p, part_from_json(j, path));
+    if (p.step != manifest_.step || p.rank != r.rank || p.state != r.state) {
+      return data_loss(
+          "checkpoint {}: the manifest's record of rank {} (step {}) differs from the rank's own {} "
+          "(step {})",
+          dir_, r.rank, manifest_.step, path, p.step);
+    }
+    for (const TensorRecord& t : p.tensors) {
+      auto it = manifest_.tensors.find(t.name);
+      for (const StoredSlice& s : t.slices) {
+        const bool listed =
+            it != manifest_.tensors.end() &&
+            std::any_of(it->second.slices.begin(), it->second.slices.end(), [&](const StoredSlice& m) {
+              return m.file == s.file && m.offset == s.offset && m.length == s.length && m.xxh64 == s.xxh64 &&
+                     m.box == s.box;
+            });
+        if (!listed) {
+          return data_loss(
+              "checkpoint {}: rank {} saved tensor '{}' slice {} ({} at {}), which the manifest does "
+              "not list as saved",
+              dir_, r.rank, t.name, slice_to_string(s.box), s.file, s.offset);
+        }
+      }
+    }
+  }
+  return ok_status();
 }
 
 Status CheckpointReader::check_files() const {

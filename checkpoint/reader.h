@@ -62,6 +62,12 @@ class CheckpointReader {
   Status verify_slice(const TensorRecord& t, const StoredSlice& s) const;
   // Checks that every shard file exists and is long enough.
   Status check_files() const;
+  // Cross-checks the manifest with the ranks' own records: the run-level step counts and
+  // data position (metadata "adam_steps", data_position "next_step") with each rank's
+  // state, and each rank's part file (rank_<R>.part.json, when kept) with the manifest's
+  // step, rank state and slices. DataLoss naming the first disagreement. open() runs it
+  // at kStructure and above, so a mismatch skips to the previous checkpoint like damage.
+  Status check_records() const;
   // Copies the tokenizer stored in the checkpoint to `dest` after checking it.
   Status extract_tokenizer(const std::string& dest) const;
 

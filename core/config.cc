@@ -45,15 +45,15 @@ const toml::node* find(const toml::table& t, const std::string& key) {
 }
 
 template <typename T>
-Result<T> read_value(ConfigTable& self, const toml::table& t, std::set<std::string>& used, const std::string& key,
-                     std::optional<T> dflt, const char* type_name, const std::string& source) {
+Result<T> read_value(ConfigTable& self, const toml::table& t, std::set<std::string>& used,
+                     const std::string& key, std::optional<T> dflt, const char* type_name) {
   used.insert(key);
+  const std::string source = self.origin(key);
   const toml::node* n = find(t, key);
   if (n == nullptr) {
     if (dflt) return *dflt;
     return invalid_argument("{}: missing required key '{}' ({})", source, key, type_name);
   }
-  (void)self;
   if constexpr (std::is_same_v<T, double>) {
     if (auto v = n->value<double>()) return *v;  // toml++ converts integers too
   } else if constexpr (std::is_same_v<T, int64_t>) {
@@ -80,16 +80,16 @@ void collect_keys(const toml::table& t, const std::string& prefix, std::vector<s
 }  // namespace
 
 Result<int64_t> ConfigTable::get_int(const std::string& key, std::optional<int64_t> dflt) {
-  return read_value<int64_t>(*this, *table_, used_, key, dflt, "an integer", source_);
+  return read_value<int64_t>(*this, *table_, used_, key, dflt, "an integer");
 }
 Result<double> ConfigTable::get_double(const std::string& key, std::optional<double> dflt) {
-  return read_value<double>(*this, *table_, used_, key, dflt, "a number", source_);
+  return read_value<double>(*this, *table_, used_, key, dflt, "a number");
 }
 Result<bool> ConfigTable::get_bool(const std::string& key, std::optional<bool> dflt) {
-  return read_value<bool>(*this, *table_, used_, key, dflt, "true or false", source_);
+  return read_value<bool>(*this, *table_, used_, key, dflt, "true or false");
 }
 Result<std::string> ConfigTable::get_string(const std::string& key, std::optional<std::string> dflt) {
-  return read_value<std::string>(*this, *table_, used_, key, dflt, "a string", source_);
+  return read_value<std::string>(*this, *table_, used_, key, dflt, "a string");
 }
 
 Result<std::vector<int64_t>> ConfigTable::get_int_list(const std::string& key,
@@ -101,10 +101,10 @@ Result<std::vector<int64_t>> ConfigTable::get_int_list(const std::string& key,
     return invalid_argument("{}: missing required key '{}' (a list of integers)", source_, key);
   }
   const toml::array* a = n->as_array();
-  if (a == nullptr) return invalid_argument("{}: key '{}' must be a list of integers", source_, key);
+  if (a == nullptr) return invalid_argument("{}: key '{}' must be a list of integers", origin(key), key);
   std::vector<int64_t> out;
   for (auto&& e : *a) {
-    if (!e.is_integer()) return invalid_argument("{}: key '{}' must be a list of integers", source_, key);
+    if (!e.is_integer()) return invalid_argument("{}: key '{}' must be a list of integers", origin(key), key);
     out.push_back(*e.value<int64_t>());
   }
   return out;
@@ -146,19 +146,38 @@ Status ConfigTable::set_from_string(const std::string& assignment) {
     start = dot + 1;
   }
   t->insert_or_assign(key.substr(start), *parsed.get("v"));
+  overrides_[key] = assignment;
   return ok_status();
 }
 
 Status ConfigTable::check_all_keys_used() const {
   std::vector<std::string> keys;
   collect_keys(*table_, "", keys);
-  std::vector<std::string> unknown;
+  // Unknown keys by where they came from: the file, or each override that named one.
+  std::vector<std::string> unknown_in_file;
+  std::vector<std::string> problems;
   for (const auto& k : keys) {
-    if (!used_.count(k)) unknown.push_back(k);
+    if (used_.count(k)) continue;
+    if (auto it = overrides_.find(k); it != overrides_.end()) {
+      problems.push_back(
+          fmt::format("override '{}': unknown key '{}' (not a key of the config)", it->second, k));
+    } else {
+      unknown_in_file.push_back(k);
+    }
   }
-  if (unknown.empty()) return ok_status();
-  return invalid_argument("{}: unknown key{} {}", source_, unknown.size() > 1 ? "s" : "",
-                          fmt::format("'{}'", fmt::join(unknown, "', '")));
+  if (!unknown_in_file.empty()) {
+    problems.insert(problems.begin(),
+                    fmt::format("{}: unknown key{} '{}'", source_, unknown_in_file.size() > 1 ? "s" : "",
+                                fmt::join(unknown_in_file, "', '")));
+  }
+  if (problems.empty()) return ok_status();
+  return invalid_argument("{}", fmt::join(problems, "; "));
+}
+
+std::string ConfigTable::origin(const std::string& key) const {
+  auto it = overrides_.find(key);
+  if (it == overrides_.end()) return source_;
+  return fmt::format("override '{}'", it->second);
 }
 
 }  // namespace troupe

@@ -3,6 +3,7 @@
 // check that rejects every key nobody read ("unknown key 'model.n_layr'").
 #pragma once
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -44,12 +45,16 @@ class ConfigTable {
   // InvalidArgument naming every key present in the file that no getter read.
   Status check_all_keys_used() const;
   const std::string& source() const { return source_; }
+  // Where `key`'s value comes from, for error messages: "override 'k=v'" when an
+  // override (set_from_string: --set, --parallel) gave it, else source().
+  std::string origin(const std::string& key) const;
 
  private:
   ConfigTable();
   std::unique_ptr<toml::table> table_;
   std::string source_;
   std::set<std::string> used_;
+  std::map<std::string, std::string> overrides_;  // key -> the override that set it
 };
 
 }  // namespace troupe

@@ -65,6 +65,7 @@ Status ShardWriter::flush() {
 Status ShardWriter::finish() { return flush(); }
 
 struct TokenShards::Shard {
+  std::string path;
   void* map = nullptr;
   size_t map_bytes = 0;
   const unsigned char* tokens = nullptr;
@@ -123,6 +124,7 @@ Result<TokenShards> TokenShards::open(const std::string& dir, const std::string&
     if (kHeaderBytes + n * tb != bytes) {
       return data_loss("shard {} holds {} bytes, header says {} tokens of {} bytes", p, bytes, n, tb);
     }
+    sh->path = p;
     sh->tokens = base + kHeaderBytes;
     sh->token_bytes = static_cast<int>(tb);
     sh->count = static_cast<int64_t>(n);
@@ -131,6 +133,52 @@ Result<TokenShards> TokenShards::open(const std::string& dir, const std::string&
     ts.shards_.push_back(std::move(sh));
   }
   return ts;
+}
+
+namespace {
+// The index of the first token of `n` at `p` (little-endian, T-sized) that is not below
+// `vocab`, or n.
+template <typename T>
+int64_t first_out_of_range(const unsigned char* p, int64_t n, int64_t vocab) {
+  constexpr int64_t kBlock = 4096;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t e = std::min(n, b + kBlock);
+    // A branch-free maximum per block (vectorised); the exact position only on a hit.
+    T worst = 0;
+    for (int64_t i = b; i < e; ++i) {
+      T v;
+      std::memcpy(&v, p + i * static_cast<int64_t>(sizeof(T)), sizeof(T));
+      worst = std::max(worst, v);
+    }
+    if (static_cast<int64_t>(worst) >= vocab) {
+      for (int64_t i = b; i < e; ++i) {
+        T v;
+        std::memcpy(&v, p + i * static_cast<int64_t>(sizeof(T)), sizeof(T));
+        if (static_cast<int64_t>(v) >= vocab) return i;
+      }
+    }
+  }
+  return n;
+}
+}  // namespace
+
+Status TokenShards::check_token_ids(int64_t vocab) const {
+  for (const auto& sh : shards_) {
+    const int64_t at = sh->token_bytes == 2 ? first_out_of_range<uint16_t>(sh->tokens, sh->count, vocab)
+                                            : first_out_of_range<uint32_t>(sh->tokens, sh->count, vocab);
+    if (at == sh->count) continue;
+    uint32_t id = 0;
+    if (sh->token_bytes == 2) {
+      uint16_t v;
+      std::memcpy(&v, sh->tokens + at * 2, 2);
+      id = v;
+    } else {
+      std::memcpy(&id, sh->tokens + at * 4, 4);
+    }
+    return data_loss("shard {}: token {} (of {}) is id {}, outside the vocabulary [0, {}) (model.vocab_size)",
+                     sh->path, at, sh->count, id, vocab);
+  }
+  return ok_status();
 }
 
 void TokenShards::read(int64_t start, int64_t n, int32_t* out) const {

@@ -175,6 +175,12 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   tc.train.recompute_blocks = recompute == "blocks";
   TROUPE_ASSIGN_OR_RETURN(tc.train.timeline_dir, cfg.get_string("train.timeline_dir", tc.train.timeline_dir));
   TROUPE_ASSIGN_OR_RETURN(tc.train.init_from, cfg.get_string("train.init_from", tc.train.init_from));
+  TROUPE_ASSIGN_OR_RETURN(tc.train.umask, cfg.get_string("train.umask", tc.train.umask));
+  if (tc.train.umask.empty() || tc.train.umask.size() > 4 ||
+      tc.train.umask.find_first_not_of("01234567") != std::string::npos) {
+    return invalid_argument("{}: key 'train.umask' must be an octal mask such as \"077\" (got \"{}\")",
+                            cfg.origin("train.umask"), tc.train.umask);
+  }
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.every, cfg.get_int("checkpoint.every", tc.checkpoint.every));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.keep, cfg.get_int("checkpoint.keep", tc.checkpoint.keep));
   TROUPE_ASSIGN_OR_RETURN(tc.checkpoint.final, cfg.get_bool("checkpoint.final", tc.checkpoint.final));
@@ -206,6 +212,8 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   }
   TROUPE_ASSIGN_OR_RETURN(e.inject, cfg.get_string("elastic.inject", e.inject));
   TROUPE_ASSIGN_OR_RETURN(e.isolate_workers, cfg.get_bool("elastic.isolate_workers", e.isolate_workers));
+  TROUPE_ASSIGN_OR_RETURN(e.scheduler_outage_limit_ms,
+                          cfg.get_int("elastic.scheduler_outage_limit_ms", e.scheduler_outage_limit_ms));
   const std::pair<const char*, int64_t> non_negative[] = {
       {"elastic.heartbeat_timeout_ms", e.heartbeat_timeout_ms},
       {"elastic.comm_error_grace_ms", e.comm_error_grace_ms},
@@ -214,10 +222,12 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   for (const auto& [key, v] : non_negative) {
     if (v < 0) return invalid_argument("{}: key '{}' must be >= 0 (got {})", cfg.source(), key, v);
   }
-  const std::pair<const char*, int64_t> positive_e[] = {{"elastic.step_watchdog_ms", e.step_watchdog_ms},
-                                                        {"elastic.join_timeout_ms", e.join_timeout_ms},
-                                                        {"elastic.min_dp", e.min_dp},
-                                                        {"elastic.straggler_window", e.straggler_window}};
+  const std::pair<const char*, int64_t> positive_e[] = {
+      {"elastic.step_watchdog_ms", e.step_watchdog_ms},
+      {"elastic.join_timeout_ms", e.join_timeout_ms},
+      {"elastic.min_dp", e.min_dp},
+      {"elastic.straggler_window", e.straggler_window},
+      {"elastic.scheduler_outage_limit_ms", e.scheduler_outage_limit_ms}};
   for (const auto& [key, v] : positive_e) {
     if (v <= 0) return invalid_argument("{}: key '{}' must be positive (got {})", cfg.source(), key, v);
   }

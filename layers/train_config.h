@@ -110,6 +110,10 @@ struct TrainOptions {
   // Non-empty: every rank writes, per step, its per-thread communication and compute
   // timings as JSON lines into this directory (bench/overlap/timeline.py draws them).
   std::string timeline_dir;
+  // The file-mode mask (octal, as umask(1) takes it) of everything a training process
+  // creates: the run directory, metrics, events, logs and checkpoints. The default "077"
+  // keeps them readable by their owner only; "027" lets the owner's group read them.
+  std::string umask = "077";
 };
 
 struct DataOptions {
@@ -210,6 +214,10 @@ struct ElasticOptions {
   // the last checkpoint and `troupe scale` can add data-parallel replicas (elastic.max_dp).
   // Fault injection (inject) needs it. Jobs of several workers always isolate them.
   bool isolate_workers = false;
+  // How long the job rides out an outage of its scheduler (troupe-scheduler restarting or
+  // unreachable): training goes on meanwhile and every process logs that it is waiting;
+  // past this limit each process ends with a permanent failure (docs/elastic.md).
+  int64_t scheduler_outage_limit_ms = 300000;
 };
 
 // [observe]: what the run writes for dashboards besides metrics.jsonl

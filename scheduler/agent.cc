@@ -20,7 +20,9 @@
 #include <fstream>
 #include <thread>
 
+#include "comm/control/host_addr.h"
 #include "core/logging.h"
+#include "scheduler/secrets.h"
 
 extern char** environ;
 
@@ -99,6 +101,8 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentOptions opts) {
   std::error_code ec;
   std::filesystem::create_directories(a->opts_.work_dir, ec);
   if (ec) return io_error("cannot create agent work directory {}: {}", a->opts_.work_dir, ec.message());
+  // Job logs and the keys handed to job processes live here: its owner's only.
+  TROUPE_RETURN_IF_ERROR(make_private_dir(a->opts_.work_dir, "agent work directory"));
   a->opts_.work_dir = std::filesystem::canonical(a->opts_.work_dir).string();
   TROUPE_ASSIGN_OR_RETURN(std::string ep, normalize_endpoint(a->opts_.scheduler));
   if (!a->opts_.host_addr.empty()) {
@@ -195,6 +199,10 @@ std::string Agent::log_path(const std::string& job, const std::string& name) con
   return fmt::format("{}/jobs/{}/logs/{}.log", opts_.work_dir, job, name);
 }
 
+std::string Agent::job_key_path(const std::string& job, const std::string& name, uint64_t epoch) const {
+  return fmt::format("{}/jobs/{}/keys/{}.{}.key", opts_.work_dir, job, name, epoch);
+}
+
 void Agent::send_register() {
   RegisterAgent r;
   r.agent_id = opts_.agent_id;
@@ -276,6 +284,8 @@ void Agent::reap() {
       live_pgids_.erase(it->first);
     }
     log()->info("{}/{} (pid {}) exited with status {}", s.job_id, s.name, s.pid, exit->exit_status());
+    std::error_code ec;
+    std::filesystem::remove(job_key_path(s.job_id, s.name, s.epoch), ec);  // its key file, if it had one
     conn_->send(Message{0, ProcExited{s}});
     unacked_exits_.push_back(std::move(s));
     it = children_.erase(it);
@@ -340,6 +350,25 @@ void Agent::on_spawn(const SpawnRequest& req) {
   if (opts_.insecure) env["TROUPE_INSECURE"] = "1";
   if (relay_) env["TROUPE_AGENT_RELAY"] = relay_->bound_endpoint();
   env["TROUPE_LOG_FILE"] = so.log_path;
+  // The job's CURVE secret key goes to the process as a 0600 file, not in its environment
+  // (which /proc/<pid>/environ, core dumps and child processes would carry).
+  if (auto it = env.find(control::kJobSecretKeyEnv); it != env.end()) {
+    const std::string dir = fmt::format("{}/jobs/{}/keys", opts_.work_dir, req.job_id);
+    const std::string path = job_key_path(req.job_id, req.name, req.epoch);
+    Status ks = make_private_dir(dir, "job key directory");
+    if (ks.ok()) ks = write_private_file(path, it->second);
+    if (!ks.ok()) {
+      st.exit_code = 127;
+      st.error = fmt::format("cannot start {} on {}: {}", req.name, opts_.agent_id, ks.message());
+      st.time_ms = wall_ms();
+      log()->warn("{}", st.error);
+      conn_->send(Message{0, ProcExited{st}});
+      unacked_exits_.push_back(st);
+      return;
+    }
+    env.erase(it);
+    env[control::kJobSecretKeyFileEnv] = path;
+  }
   for (const auto& [k, v] : env) so.env.push_back(k + "=" + v);
   auto child = spawn_process(so);
   st.time_ms = wall_ms();

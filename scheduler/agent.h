@@ -103,6 +103,8 @@ class Agent {
   void relay_down(const RelayedMessage& r);  // the scheduler -> a local session
   void reap();
   std::string log_path(const std::string& job, const std::string& name) const;
+  // Where the job's CURVE secret key is handed to a process (0600; removed when it ends).
+  std::string job_key_path(const std::string& job, const std::string& name, uint64_t epoch) const;
 
   AgentOptions opts_;
   std::unique_ptr<ClientEndpoint> conn_;

@@ -6,6 +6,7 @@
 //                [--host-addr ADDR | --iface NAME] [--insecure]
 // On SIGINT/SIGTERM it stops every process it started (SIGTERM, then SIGKILL).
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <CLI/CLI.hpp>
 #include <atomic>
@@ -22,6 +23,9 @@ void on_signal(int) { g_stop.store(true); }
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Job logs and key files, and what job processes create (they inherit the mask; a
+  // training job sets its own, train.umask), are their owner's only.
+  ::umask(077);
   troupe::sched::AgentOptions opts;
   std::string scheduler_key;
   CLI::App app{"troupe-agent: starts, watches and stops Troupe job processes on this node"};

@@ -24,6 +24,24 @@
 #include "scheduler/scheduler.h"
 
 namespace troupe::sched {
+
+int cli_exit_code(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kOk:
+      return 0;
+    case StatusCode::kInvalidArgument:
+      return 2;
+    case StatusCode::kNotFound:
+      return 3;
+    case StatusCode::kUnavailable:
+      return 4;
+    case StatusCode::kPermissionDenied:
+      return 5;
+    default:
+      return 1;
+  }
+}
+
 namespace {
 
 using nlohmann::json;
@@ -39,13 +57,7 @@ int fail(const Status& s) {
         "(local authentication: see docs/cluster.md)\n",
         credential_path().c_str());
   }
-  switch (s.code()) {
-    case StatusCode::kInvalidArgument: return 2;
-    case StatusCode::kNotFound: return 3;
-    case StatusCode::kUnavailable: return 4;
-    case StatusCode::kPermissionDenied: return 5;
-    default: return 1;
-  }
+  return cli_exit_code(s);
 }
 
 Result<std::unique_ptr<ClientEndpoint>> open_client(const CliConnection& c) {
@@ -507,7 +519,35 @@ int cli_keygen(const std::string& prefix) {
   return 0;
 }
 
+// The embedded scheduler's record of a `troupe run` job outlives its temporary state
+// directory: copied to <run dir>/scheduler_events.jsonl when the job's driver named its run
+// directory (the supervision claim of a training driver: actors/training/trainer.cc).
+void keep_scheduler_events(const std::string& events) {
+  std::string run_dir;
+  {
+    std::ifstream in(events);
+    std::string line;
+    while (std::getline(in, line)) {
+      const json j = json::parse(line, nullptr, false);
+      if (j.is_object() && j.value("type", "") == "supervision_claimed" && j.contains("run_dir") &&
+          j["run_dir"].is_string())
+        run_dir = j["run_dir"].get<std::string>();
+    }
+  }
+  if (run_dir.empty()) return;
+  std::error_code ec;
+  std::filesystem::copy_file(events, run_dir + "/scheduler_events.jsonl",
+                             std::filesystem::copy_options::overwrite_existing, ec);
+  if (ec) {
+    std::fprintf(stderr, "troupe: cannot keep the scheduler's events in %s: %s\n", run_dir.c_str(),
+                 ec.message().c_str());
+  }
+}
+
 int cli_run(const RunOptions& opts) {
+  // The embedded scheduler's and agent's files (state, logs, keys) and the job's, as the
+  // daemons' (scheduler_main.cc, agent_main.cc): their owner's only.
+  ::umask(077);
   // Signals first: an interrupt in any phase below ends the run (see kRunHardStop).
   struct sigaction sa {};
   sa.sa_handler = on_interrupt;
@@ -635,6 +675,7 @@ int cli_run(const RunOptions& opts) {
 
   int exit_code = 1;
   std::string summary;
+  std::string run_job_id;
   {
     CliConnection conn{(*sched)->endpoint(), key_prefix + ".key", key_prefix + ".pub", 5000};
     auto client = open_client(conn);
@@ -646,6 +687,7 @@ int cli_run(const RunOptions& opts) {
       if (r.ok()) {
         job_id = r->value("job_id", "");
         job_dir = r->value("job_dir", "");
+        run_job_id = job_id;
       } else {
         err = r.status();
       }
@@ -699,6 +741,7 @@ int cli_run(const RunOptions& opts) {
   agent->reset();
   sched->reset();
   if (g_interrupts.load() > 0 && exit_code != 130 && summary.empty()) exit_code = 130;
+  if (!run_job_id.empty()) keep_scheduler_events(state_dir + "/jobs/" + run_job_id + "/events.jsonl");
   if (!summary.empty() && (opts.verbose || exit_code != 0)) std::fprintf(stderr, "troupe: %s\n", summary.c_str());
   if (temp_dir && exit_code == 0) {
     std::error_code ec;

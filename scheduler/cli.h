@@ -53,6 +53,11 @@ std::optional<SlurmAllocation> slurm_allocation_from_env();
 // naming the limit and its value.
 Status check_process_limit(int needed);
 
+// The CLI's exit status for an error (docs/cluster.md): 2 bad arguments, 3 unknown job,
+// 4 scheduler unreachable, 5 refused credentials, 1 anything else; 0 for OK. Every
+// command maps its errors through this one table.
+int cli_exit_code(const Status& s);
+
 int cli_run(const RunOptions& opts);
 int cli_submit(const CliConnection& c, JobSpec spec, bool json);
 // `health`: with one job, the table of its workers' health reports (cli_health.h).

@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "scheduler/cli.h"
 #include "scheduler/local_auth.h"
 #include "scheduler/scheduler_store.h"
 
@@ -97,12 +98,12 @@ int store_request(const CliConnection& c, const std::string& job, const nlohmann
   auto conn = connection(c);
   if (!conn.ok()) {
     fmt::print(stderr, "troupe {}: {}\n", cmd, conn.status().message());
-    return 2;
+    return cli_exit_code(conn.status());
   }
   auto store = SchedulerStore::connect(conn->first, conn->second, job, 0);
   if (!store.ok()) {
     fmt::print(stderr, "troupe {}: {}\n", cmd, store.status().message());
-    return 4;
+    return cli_exit_code(store.status());
   }
   const std::string pre = job + "/elastic/";
   // The first free request number (the driver takes them in order).
@@ -111,7 +112,7 @@ int store_request(const CliConnection& c, const std::string& job, const nlohmann
     auto has = (*store)->contains(pre + fmt::format("request/{}", k));
     if (!has.ok()) {
       fmt::print(stderr, "troupe {}: job {}: {}\n", cmd, job, has.status().message());
-      return has.status().code() == StatusCode::kNotFound ? 3 : 4;
+      return cli_exit_code(has.status());
     }
     if (!*has) break;
     ++k;
@@ -235,23 +236,23 @@ int cli_elastic_drain(const CliConnection& c, const std::string& agent, int wait
   auto conn = connection(c);
   if (!conn.ok()) {
     fmt::print(stderr, "troupe drain: {}\n", conn.status().message());
-    return 2;
+    return cli_exit_code(conn.status());
   }
   auto ep = normalize_endpoint(conn->first);
   if (!ep.ok()) {
     fmt::print(stderr, "troupe drain: {}\n", ep.status().message());
-    return 2;
+    return cli_exit_code(ep.status());
   }
   auto client = ClientEndpoint::connect(*ep, conn->second, fmt::format("cli-drain:{:x}", std::random_device{}()));
   if (!client.ok()) {
     fmt::print(stderr, "troupe drain: {}\n", client.status().message());
-    return 4;
+    return cli_exit_code(client.status());
   }
   auto reply = (*client)->request(StatusQuery{""}, std::chrono::milliseconds(c.timeout_ms));
   if (!reply.ok() || !reply->status().ok()) {
-    fmt::print(stderr, "troupe drain: cannot read the scheduler's status: {}\n",
-               reply.ok() ? reply->status().message() : reply.status().message());
-    return 4;
+    const Status why = reply.ok() ? reply->status() : reply.status();
+    fmt::print(stderr, "troupe drain: cannot read the scheduler's status: {}\n", why.message());
+    return cli_exit_code(why);
   }
   const nlohmann::json st = nlohmann::json::parse(reply->body, nullptr, false);
   if (!st.is_object()) {

@@ -2,6 +2,7 @@
 #include "scheduler/event_log.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -22,8 +23,10 @@ std::string iso8601_utc(int64_t ms) {
 
 Result<EventLog> EventLog::open(const std::string& job_dir, const std::string& job_id) {
   std::error_code ec;
-  std::filesystem::create_directories(job_dir, ec);
+  // A job's events name its command and processes: a directory made here is its owner's only.
+  const bool created = std::filesystem::create_directories(job_dir, ec);
   if (ec) return io_error("cannot create job directory {}: {}", job_dir, ec.message());
+  if (created) ::chmod(job_dir.c_str(), 0700);
   return EventLog(job_dir + "/events.jsonl", job_id);
 }
 
@@ -37,7 +40,7 @@ Status EventLog::append(const std::string& type, const nlohmann::json& fields, i
     for (auto it = fields.begin(); it != fields.end(); ++it) j[it.key()] = it.value();
   }
   std::string line = j.dump() + "\n";
-  int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
   if (fd < 0) return io_error("cannot open {}: {}", path_, std::strerror(errno));
   ssize_t n = ::write(fd, line.data(), line.size());
   ::close(fd);

@@ -112,9 +112,14 @@ Result<nlohmann::json> SchedulerSession::job_status(std::chrono::milliseconds ti
 
 Result<std::unique_ptr<HeartbeatThread>> HeartbeatThread::start(const JobContext& ctx) {
   TROUPE_ASSIGN_OR_RETURN(auto session, SchedulerSession::connect(ctx));
+  return start(std::shared_ptr<SchedulerSession>(std::move(session)), ctx.heartbeat_ms);
+}
+
+std::unique_ptr<HeartbeatThread> HeartbeatThread::start(std::shared_ptr<SchedulerSession> session,
+                                                        int interval_ms) {
   std::unique_ptr<HeartbeatThread> t(new HeartbeatThread());
-  int interval = std::max(20, ctx.heartbeat_ms);
-  t->thread_ = std::thread([stop = &t->stop_, s = std::move(session), interval]() mutable {
+  const int interval = std::max(20, interval_ms);
+  t->thread_ = std::thread([stop = &t->stop_, s = std::move(session), interval]() {
     while (!stop->load()) {
       s->beat();
       std::this_thread::sleep_for(std::chrono::milliseconds(interval));

@@ -106,6 +106,9 @@ class SchedulerSession {
 class HeartbeatThread {
  public:
   static Result<std::unique_ptr<HeartbeatThread>> start(const JobContext& ctx);
+  // Beats over `session` (which the caller may go on using for requests from another
+  // thread: a process has one session, one node id) every `interval_ms`.
+  static std::unique_ptr<HeartbeatThread> start(std::shared_ptr<SchedulerSession> session, int interval_ms);
   ~HeartbeatThread();
 
  private:

@@ -2,12 +2,14 @@
 #include "scheduler/scheduler.h"
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
 
+#include "core/exit_status.h"
 #include "core/logging.h"
 #include "scheduler/placement.h"
 #include "scheduler/scheduler_metrics.h"
@@ -45,7 +47,12 @@ Status Scheduler::init() {
   std::error_code ec;
   std::filesystem::create_directories(opts_.state_dir + "/jobs", ec);
   if (ec) return io_error("cannot create state directory {}: {}", opts_.state_dir, ec.message());
+  // The state (jobs, their environment, events, keys of `troupe run`) is its owner's only.
+  TROUPE_RETURN_IF_ERROR(make_private_dir(opts_.state_dir, "state directory"));
+  TROUPE_RETURN_IF_ERROR(make_private_dir(opts_.state_dir + "/jobs", "state directory"));
   TROUPE_ASSIGN_OR_RETURN(store_, StateStore::open(opts_.state_dir + "/scheduler.db"));
+  TROUPE_ASSIGN_OR_RETURN(EnvSealer sealer, EnvSealer::create(opts_.security.server_keys, opts_.state_dir));
+  sealer_.emplace(sealer);
   rendezvous_ = std::make_unique<RendezvousTable>(store_.get());
   TROUPE_ASSIGN_OR_RETURN(server_, ServerEndpoint::bind(opts_.listen, opts_.security, opts_.io_threads));
   endpoint_ = server_->bound_endpoint();
@@ -408,7 +415,16 @@ void Scheduler::on_proc_exited(const std::string& peer, const ProcStatus& p) {
                     : p.term_signal ? fmt::format("{} killed by signal {} ({})", p.name, p.term_signal, strsignal(p.term_signal))
                                     : fmt::format("{} exited with status {}", p.name, p.exit_code);
   if (is_elastic(job) && proc.rec.role == "worker") {
+    // The driver decides (a worker's permanent failure ends the job there too).
     elastic_worker_gone(job, proc, why, true);
+    return;
+  }
+  if (status == kExitPermanentFailure) {
+    // The process says a restart would meet the same failure (core/exit_status.h).
+    finish_job(
+        job, JobState::kFailed,
+        fmt::format("{}: a permanent failure, not restarted (`troupe logs {}{}` says why)", why, job.rec.id,
+                    proc.rec.role == "driver" ? "" : fmt::format(" --worker {}", proc.rec.rank)));
     return;
   }
   if (proc.rec.role == "driver") restart_driver(job, why);
@@ -553,9 +569,27 @@ void Scheduler::try_start(Job& job) {
 
 Status Scheduler::spawn(Job& job, Proc& proc) {
   const auto& spec = job.rec.spec;
+  if (job_state_final(job.rec.state)) return failed_precondition("job {} has ended", job.rec.id);
   auto ait = agents_.find(proc.rec.agent_id);
   if (ait == agents_.end() || !ait->second.alive) {
     return unavailable("agent {} is not connected", proc.rec.agent_id);  // retried when it registers
+  }
+  // The job's environment is stored sealed (secrets.h); it is opened only for the spawn.
+  std::vector<std::pair<std::string, std::string>> job_env;
+  for (const auto& [k, v] : spec.env) {
+    if (!EnvSealer::is_sealed(v)) {  // a record written before values were sealed
+      job_env.emplace_back(k, v);
+      continue;
+    }
+    Result<std::string> open = sealer_->unseal(v);
+    if (!open.ok()) {
+      const std::string why = fmt::format("cannot open the environment value {} of job {}: {}", k, job.rec.id,
+                                          open.status().message());
+      log()->error("{}", why);
+      finish_job(job, JobState::kFailed, why);
+      return open.status();
+    }
+    job_env.emplace_back(k, std::move(open).value());
   }
   SpawnRequest req;
   req.job_id = job.rec.id;
@@ -563,7 +597,7 @@ Status Scheduler::spawn(Job& job, Proc& proc) {
   req.epoch = proc.rec.epoch;
   req.argv = spec.argv;
   req.work_dir = spec.work_dir;
-  for (const auto& [k, v] : spec.env) req.env.emplace_back(k, v);
+  for (auto& [k, v] : job_env) req.env.emplace_back(k, std::move(v));
   int local_rank = 0, local_size = 0;
   if (auto pr = placing_ranks_.find(proc.rec.agent_id);
       pr != placing_ranks_.end() && proc.rec.role == "worker") {
@@ -876,6 +910,8 @@ void Scheduler::on_submit(const std::string& peer, uint64_t rid, const SubmitJob
   Job job;
   job.rec.id = fmt::format("job-{}", *seq);
   job.rec.spec = std::move(spec).value();
+  // Never stored in the clear (the database, its WAL, the events): every value is sealed.
+  for (auto& [k, v] : job.rec.spec.env) v = sealer_->seal(v);
   job.rec.state = JobState::kPending;
   job.rec.created_ms = job.rec.updated_ms = wall_ms();
   job.rec.job_dir = opts_.state_dir + "/jobs/" + job.rec.id;
@@ -885,7 +921,9 @@ void Scheduler::on_submit(const std::string& peer, uint64_t rid, const SubmitJob
   std::string id = job.rec.id;
   Job& j = jobs_.emplace(id, std::move(job)).first->second;
   save(j);
-  event(j, "submitted", {{"spec", json::parse(j.rec.spec.to_json())}});
+  json submitted = json::parse(j.rec.spec.to_json());
+  for (auto& [k, v] : submitted["env"].items()) v = "(sealed)";
+  event(j, "submitted", {{"spec", std::move(submitted)}});
   log()->info("job {} submitted: {} workers{} of '{}'", id, j.rec.spec.nproc, j.rec.spec.driver ? " + driver" : "",
               j.rec.spec.argv[0]);
   try_start(j);
@@ -1091,7 +1129,12 @@ void Scheduler::on_store(const std::string& peer, uint64_t rid, const StoreReque
         !job_state_final(job.rec.state)) {
       job.rec.spec.elastic = true;
       save(job);
-      event(job, "supervision_claimed", {{"by", "driver"}});
+      // The claim may name the driver's run directory (where `troupe run` keeps this log).
+      json claimed{{"by", "driver"}};
+      const json claim = json::parse(m.value, nullptr, false);
+      if (claim.is_object() && claim.contains("run_dir") && claim["run_dir"].is_string())
+        claimed["run_dir"] = claim["run_dir"];
+      event(job, "supervision_claimed", claimed);
       log()->info("job {}: its driver supervises the workers (elastic)", job.rec.id);
     }
     if (is_elastic(job)) elastic_on_store(job, m);

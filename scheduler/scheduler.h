@@ -33,6 +33,7 @@
 #include "scheduler/receive_lag.h"
 #include "scheduler/rendezvous.h"
 #include "scheduler/scheduler_metrics.h"
+#include "scheduler/secrets.h"
 #include "scheduler/state_store.h"
 #include "scheduler/transport.h"
 
@@ -185,6 +186,8 @@ class Scheduler {
   std::unique_ptr<ServerEndpoint> server_;
   std::unique_ptr<StateStore> store_;
   std::unique_ptr<RendezvousTable> rendezvous_;
+  // Seals the values of a job's environment before they are stored (secrets.h).
+  std::optional<EnvSealer> sealer_;
   std::string endpoint_;
   std::string advertise_;
   uint64_t incarnation_ = 0;

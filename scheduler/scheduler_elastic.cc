@@ -42,7 +42,11 @@ void Scheduler::elastic_worker_gone(Job& job, Proc& proc, const std::string& why
   set.job_id = job.rec.id;
   set.epoch = job.rec.epoch;
   set.keys = {fmt::format("{}/elastic/exit/{}", job.rec.id, slot)};
-  set.value = json{{"ts_ms", wall_ms()}, {"why", why}, {"proc", proc.rec.name}}.dump();
+  set.value = json{{"ts_ms", wall_ms()},
+                   {"why", why},
+                   {"proc", proc.rec.name},
+                   {"exit_status", proc.rec.state == ProcState::kExited ? proc.rec.exit_status() : -1}}
+                  .dump();
   rendezvous_->handle(set, next_token_++, Clock::now());
   event(job, "elastic_worker_gone", {{"proc", proc.rec.name}, {"slot", slot}, {"why", why}, {"retired", retire}});
   elastic_place_pending(job);  // its slot may be what a requested replacement waits for

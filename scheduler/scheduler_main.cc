@@ -8,6 +8,7 @@
 // scheduler started again on the same state dir re-attaches to them.
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 
 #include <CLI/CLI.hpp>
 #include <atomic>
@@ -24,6 +25,8 @@ void on_signal(int) { g_stop.store(true); }
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Everything the scheduler writes (its database, events, keys) is its owner's only.
+  ::umask(077);
   troupe::sched::SchedulerOptions opts;
   opts.listen = troupe::sched::kDefaultSchedulerAddress;
   opts.state_dir = "troupe-state";

@@ -83,8 +83,11 @@ Result<ChildProcess> spawn_process(const SpawnOptions& opts) {
   int log_fd = -1;
   if (!opts.log_path.empty()) {
     std::error_code ec;
-    std::filesystem::create_directories(std::filesystem::path(opts.log_path).parent_path(), ec);
-    log_fd = open(opts.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    const std::filesystem::path dir = std::filesystem::path(opts.log_path).parent_path();
+    // A process's output may hold anything it printed (tokens, paths, data): a directory made
+    // here is its owner's only; one that existed keeps its mode (the file itself is 0600).
+    if (std::filesystem::create_directories(dir, ec)) ::chmod(dir.c_str(), 0700);
+    log_fd = open(opts.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
     if (log_fd < 0) return io_error("cannot open log file {}: {}", opts.log_path, std::strerror(errno));
   }
   int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);

@@ -1,6 +1,12 @@
 // scheduler/state_store.cc — StateStore over SQLite: schema, migrations, statements.
 #include "scheduler/state_store.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <utility>
 
 namespace troupe::sched {
@@ -137,6 +143,12 @@ Result<ProcState> parse_proc_state(const std::string& s) {
 }
 
 Result<std::unique_ptr<StateStore>> StateStore::open(const std::string& path) {
+  // Created 0600 before SQLite opens it: SQLite gives the -wal and -shm files the mode of
+  // the database file, so none of them is readable by anyone but its owner.
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) return io_error("cannot create state database {}: {}", path, std::strerror(errno));
+  ::fchmod(fd, 0600);
+  ::close(fd);
   sqlite3* db = nullptr;
   int rc = sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
                            nullptr);

@@ -4,6 +4,7 @@
 #include "actors/training/app.h"
 
 #include <fmt/format.h>
+#include <sys/stat.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <optional>
 
 #include "actors/training/gradcheck.h"
+#include "actors/training/preflight.h"
 #include "actors/training/trainer.h"
 #include "comm/rendezvous_store.h"
 #include "core/parallel_layout.h"
@@ -111,10 +113,15 @@ const char* env(const char* name) {
   return std::getenv(name);
 }
 
-Status copy_file(const std::string& from, const std::string& to) {
+// The copy gets the mode of a new file of the run (0666 less train.umask), not the
+// source's: copy_file keeps the source's permission bits.
+Status copy_file(const std::string& from, const std::string& to, const layers::TrainConfig& tc) {
   std::error_code ec;
   fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
   if (ec) return io_error("cannot copy {} to {}: {}", from, to, ec.message());
+  const auto mask = static_cast<unsigned>(std::strtol(tc.train.umask.c_str(), nullptr, 8));
+  fs::permissions(to, static_cast<fs::perms>(0666u & ~mask), fs::perm_options::replace, ec);
+  if (ec) return io_error("cannot set the mode of {}: {}", to, ec.message());
   return ok_status();
 }
 
@@ -186,17 +193,22 @@ Status prepare_run_dir(const layers::TrainConfig& tc, const std::string& config,
   std::error_code ec;
   fs::create_directories(run_dir, ec);
   if (ec) return io_error("cannot create run directory {}: {}", run_dir, ec.message());
-  TROUPE_RETURN_IF_ERROR(copy_file(tc.data.dir + "/tokenizer.json", run_dir + "/tokenizer.json"));
-  TROUPE_RETURN_IF_ERROR(copy_file(config, run_dir + "/config.toml"));
+  TROUPE_RETURN_IF_ERROR(copy_file(tc.data.dir + "/tokenizer.json", run_dir + "/tokenizer.json", tc));
+  TROUPE_RETURN_IF_ERROR(copy_file(config, run_dir + "/config.toml", tc));
   std::ofstream ov(run_dir + "/overrides.txt");
   for (const auto& s : overrides) ov << s << "\n";
   if (!ov) return io_error("cannot write {}/overrides.txt", run_dir);
   return ok_status();
 }
 
+void apply_file_mask(const layers::TrainConfig& tc) {
+  ::umask(static_cast<mode_t>(std::strtol(tc.train.umask.c_str(), nullptr, 8) & 0777));
+}
+
 Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   if (!app.program) return invalid_argument("{}: the app gives no stage program", app.name);
   TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, load_run_config(o));
+  apply_file_mask(tc);
   if (app.check) TROUPE_RETURN_IF_ERROR(app.check(tc));
   if (tc.train.recompute_blocks && !app.recomputes_blocks) {
     return invalid_argument(
@@ -257,6 +269,9 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
           tc.parallel.world());
     }
   }
+  // Nothing is written and no worker is started before the data and the memory are known
+  // to fit (the layout was checked above).
+  TROUPE_RETURN_IF_ERROR(preflight_check(tc, ctx));
   TROUPE_RETURN_IF_ERROR(prepare_run_dir(tc, o.config, overrides, run_dir));
   if (!tc.train.init_from.empty() && o.resume.empty()) {
     // Checked here from the headers, before any worker starts; each worker then reads
@@ -283,6 +298,7 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   to.worker_ctx = ctx;
   std::unique_ptr<comm::RendezvousStore> scheduled;
   std::shared_ptr<sched::SchedulerSession> session;
+  std::unique_ptr<sched::HeartbeatThread> beats;
   if (role == "driver") {
     TROUPE_ASSIGN_OR_RETURN(scheduled, open_store(run_dir));
     // The actor placement of each epoch goes into the scheduler's durable state.
@@ -291,6 +307,10 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
       TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<sched::SchedulerSession> s,
                               sched::SchedulerSession::connect(*jc));
       session = std::move(s);
+      // The driver is supervised like a worker: it beats to the scheduler, which replaces
+      // it (restart_driver) when it stays silent past the job's heartbeat timeout (e.g.
+      // SIGSTOPped). Its own thread: a driver busy in a long call is not silent.
+      beats = sched::HeartbeatThread::start(session, jc->heartbeat_ms);
       // With the layout the workers run as: the scheduler knows the job only as --nproc N.
       to.publish_placement = [session, epoch = jc->epoch](
                                  const std::vector<std::pair<std::string, std::string>>& p,

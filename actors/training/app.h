@@ -98,6 +98,10 @@ Result<std::string> resolve_run_dir(const RunOptions& o);
 Status prepare_run_dir(const layers::TrainConfig& tc, const std::string& config,
                        const std::vector<std::string>& overrides, const std::string& run_dir);
 
+// Sets this process's file-mode mask from train.umask (run directories, logs and
+// checkpoints owner-only by default). run_app calls it first.
+void apply_file_mask(const layers::TrainConfig& tc);
+
 // Trains `app` as this process's role (above). `ctx`: this process's device (a worker
 // builds its Stage on it; GPU workers use NCCL). o.resume needs o.config here (train_moe
 // finds the config of a checkpoint itself).

@@ -2,13 +2,14 @@
 // helpers (see checkpointing.h).
 #include "actors/training/checkpointing.h"
 
+#include <fmt/format.h>
+#include <sys/statvfs.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
-
-#include <fmt/format.h>
 
 namespace troupe::training {
 
@@ -252,6 +253,56 @@ Status prepare_checkpoint_dir(const std::string& dir, int64_t start_step) {
     }
   }
   return ok_status();
+}
+
+std::optional<std::pair<int64_t, std::string>> newest_committed_checkpoint(const std::string& dir) {
+  for (const auto& [step, path] : checkpoint::list_checkpoints(dir)) {
+    if (checkpoint::CheckpointReader::open(path, checkpoint::VerifyMode::kStructure).ok())
+      return std::make_pair(step, path);
+  }
+  return std::nullopt;
+}
+
+namespace {
+std::string human_bytes(uint64_t b) {
+  if (b >= (uint64_t{1} << 30)) return fmt::format("{:.1f} GiB", static_cast<double>(b) / (1 << 30));
+  if (b >= (uint64_t{1} << 20)) return fmt::format("{:.1f} MiB", static_cast<double>(b) / (1 << 20));
+  if (b >= (uint64_t{1} << 10)) return fmt::format("{:.1f} KiB", static_cast<double>(b) / (1 << 10));
+  return fmt::format("{} bytes", b);
+}
+}  // namespace
+
+FailedSave clean_failed_save(const std::string& dir, int64_t step, uint64_t needed_bytes) {
+  FailedSave out;
+  out.needed_bytes = needed_bytes;
+  std::string removed;
+  std::error_code ec;
+  const fs::path tmp = fs::path(dir) / checkpoint::tmp_dir_name(step);
+  if (fs::exists(tmp, ec)) {
+    fs::remove_all(tmp, ec);
+    removed = ec ? fmt::format("could not remove the unfinished {}: {}; ", tmp.string(), ec.message())
+                 : fmt::format("the unfinished {} was removed; ", tmp.string());
+  }
+  struct statvfs sv {};
+  const bool known = ::statvfs(dir.c_str(), &sv) == 0;
+  if (known) out.free_bytes = static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize;
+  out.disk_full = known && needed_bytes > 0 && out.free_bytes < needed_bytes;
+  std::string space;
+  if (!known) {
+    space = fmt::format("the free space of {} is unknown", dir);
+  } else if (needed_bytes == 0) {
+    space = fmt::format("{} has {} free", dir, human_bytes(out.free_bytes));
+  } else {
+    space = fmt::format(
+        "{} has {} free, a checkpoint of this job needs {}{}", dir, human_bytes(out.free_bytes),
+        human_bytes(needed_bytes),
+        out.disk_full ? fmt::format(" (free at least {} more)", human_bytes(needed_bytes - out.free_bytes))
+                      : "");
+  }
+  const auto newest = newest_committed_checkpoint(dir);
+  out.text = fmt::format("{}{}; the newest committed checkpoint is {}", removed, space,
+                         newest ? fmt::format("step {} ({})", newest->first, newest->second) : "none");
+  return out;
 }
 
 std::string checkpoint_dir_for(const layers::TrainConfig& tc, const std::string& run_dir) {

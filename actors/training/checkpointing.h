@@ -15,11 +15,11 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "actors/training/stage_state.h"
 #include "checkpoint/reader.h"
@@ -149,6 +149,22 @@ Result<checkpoint::CheckpointInfo> run_checkpoint_info(const std::string& config
 // metrics.jsonl of a resumed run: keeps the records up to `last_step` (those of the saved
 // run), drops later ones (steps run after the checkpoint, about to be run again).
 Status trim_metrics(const std::string& path, int64_t last_step);
+
+// After a save of step `step` into `dir` failed: removes its unfinished step_<N>.tmp (a
+// full disk must not stay full of it) and says in `text` what is true about the space:
+// how much `dir`'s file system has free against `needed_bytes` (the size of the job's last
+// committed checkpoint; 0: unknown) and which committed checkpoint is the newest.
+struct FailedSave {
+  bool disk_full = false;  // free_bytes < needed_bytes (after the removal)
+  uint64_t free_bytes = 0;
+  uint64_t needed_bytes = 0;
+  std::string text;
+};
+FailedSave clean_failed_save(const std::string& dir, int64_t step, uint64_t needed_bytes);
+
+// The newest checkpoint of `dir` whose manifest and files are in place (step, path), or
+// nullopt.
+std::optional<std::pair<int64_t, std::string>> newest_committed_checkpoint(const std::string& dir);
 
 // True when a run with checkpoint.every = `every` saves after `step` (`last`: the run's
 // final step, including a stop on the time limit).

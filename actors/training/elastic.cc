@@ -79,49 +79,6 @@ int ElasticPlan::rank_of_slot(int slot) const {
   return -1;
 }
 
-namespace {
-bool transient(const Status& st) {
-  return st.code() == StatusCode::kUnavailable || st.code() == StatusCode::kDeadlineExceeded;
-}
-constexpr std::chrono::milliseconds kRetryPause{50};
-}  // namespace
-
-Status TolerantStore::set(std::string_view key, std::string_view value) {
-  const auto give_up = Clock::now() + patience_;
-  while (true) {
-    Status st = base_.set(key, value);
-    if (st.ok() || !transient(st) || Clock::now() >= give_up) return st;
-    std::this_thread::sleep_for(kRetryPause);
-  }
-}
-
-Result<bool> TolerantStore::contains(std::string_view key) {
-  const auto give_up = Clock::now() + patience_;
-  while (true) {
-    Result<bool> r = base_.contains(key);
-    if (r.ok() || !transient(r.status()) || Clock::now() >= give_up) return r;
-    std::this_thread::sleep_for(kRetryPause);
-  }
-}
-
-Result<std::string> TolerantStore::get(std::string_view key, comm::Deadline deadline) {
-  while (true) {
-    Result<std::string> r = base_.get(key, deadline);
-    if (r.ok() || r.status().code() != StatusCode::kUnavailable) return r;
-    if (Clock::now() >= deadline) return deadline_exceeded("store unavailable until the deadline: {}", r.status().to_string());
-    std::this_thread::sleep_for(kRetryPause);
-  }
-}
-
-Status TolerantStore::wait(const std::vector<std::string>& keys, comm::Deadline deadline) {
-  while (true) {
-    Status st = base_.wait(keys, deadline);
-    if (st.ok() || st.code() != StatusCode::kUnavailable) return st;
-    if (Clock::now() >= deadline) return deadline_exceeded("store unavailable until the deadline: {}", st.to_string());
-    std::this_thread::sleep_for(kRetryPause);
-  }
-}
-
 std::string elastic_key(const std::string& job, const std::string& rest) { return job + "/elastic/" + rest; }
 
 int64_t wall_ms() {
@@ -327,9 +284,9 @@ class CancellableStore final : public comm::RendezvousStore {
 
 class ElasticWorker {
  public:
-  ElasticWorker(const layers::TrainConfig& tc, ProgramFactory program, comm::RendezvousStore& store,
-                std::string job, int slot, uint64_t epoch, const layers::Ctx& ctx,
-                actors::ActorSystem* driver_system, observe::StepProbe* steps)
+  ElasticWorker(const layers::TrainConfig& tc, ProgramFactory program, TolerantStore& store, std::string job,
+                int slot, uint64_t epoch, const layers::Ctx& ctx, actors::ActorSystem* driver_system,
+                observe::StepProbe* steps)
       : driver_system_(driver_system),
         tc_(tc),
         program_(std::move(program)),
@@ -392,7 +349,7 @@ class ElasticWorker {
   actors::ActorSystem* driver_system_;  // a worker in the driver's process: its system (else null)
   layers::TrainConfig tc_;
   ProgramFactory program_;  // the app's stage program
-  comm::RendezvousStore& store_;
+  TolerantStore& store_;
   std::string job_;
   int slot_;
   std::mutex mu_;                 // guards stage_ swaps, epoch_/adopting_ against the watcher
@@ -449,7 +406,10 @@ bool ElasticWorker::has_plan(uint64_t epoch) {
     std::lock_guard<std::mutex> lock(mu_);
     if (sent_plans_.count(epoch) != 0) return true;
   }
-  Result<bool> has = store_.contains(key(fmt::format("plan/{}", epoch)));
+  // During a store outage the plan can only come as a message: the step thread does not
+  // wait for the store to answer.
+  if (store_.in_outage()) return false;
+  Result<bool> has = store_.try_contains(key(fmt::format("plan/{}", epoch)));
   return has.ok() && has.value();
 }
 
@@ -854,6 +814,7 @@ Status ElasticWorker::run() {
       // served, is dropped (take_commands).
       take_commands(std::chrono::milliseconds(healthy ? 50 : 20), seq);
       if (!healthy) queue_.clear();
+      if (store_.past_limit()) return store_.limit_status();
       if (Clock::now() > idle_deadline) return deadline_exceeded("elastic: slot {}: no command for 600 s", slot_);
     }
     if (new_epoch) {
@@ -903,12 +864,17 @@ Status ElasticWorker::run() {
           break;
         case Command::Kind::kStop:
           break;
-        case Command::Kind::kSave:  // a checkpoint off the every-K schedule (the job's last step)
+        case Command::Kind::kSave:
+          // The job's last checkpoint, made durable before the reply: the one of this step
+          // when its save is still being written, else a new one (off the every-K schedule,
+          // or again after a failed attempt).
           if (stage_->steps_done() != cmd.step) {
             return failed_precondition("save step {}: this rank has run {} steps", cmd.step,
                                        stage_->steps_done());
           }
-          TROUPE_RETURN_IF_ERROR(save_checkpoint(cmd.step, reply, /*force=*/true));
+          if (!writer_ || writer_->pending_step() != cmd.step) {
+            TROUPE_RETURN_IF_ERROR(save_checkpoint(cmd.step, reply, /*force=*/true));
+          }
           break;
       }
     } catch (const CommFailure& e) {
@@ -917,7 +883,8 @@ Status ElasticWorker::run() {
       peer_failure = true;
       continue;
     }
-    TROUPE_RETURN_IF_ERROR(report_durable(reply, cmd.kind == Command::Kind::kStop));
+    TROUPE_RETURN_IF_ERROR(
+        report_durable(reply, cmd.kind == Command::Kind::kStop || cmd.kind == Command::Kind::kSave));
     reply.rank = rank_;
     reply.slot = slot_;
     reply.epoch = epoch_;
@@ -936,8 +903,12 @@ Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& p
                           comm::RendezvousStore& base_store, const std::string& job, int slot, uint64_t epoch,
                           std::function<void()> cut_control, const layers::Ctx& ctx,
                           actors::ActorSystem* driver_system, observe::StepProbe* steps) {
-  // A store outage (the scheduler restarting) must not end the worker.
-  TolerantStore store(base_store, std::chrono::milliseconds(30000));
+  // A store outage (the scheduler restarting) must not end the worker, up to the job's limit.
+  TolerantStore::Options so;
+  so.outage_limit = std::chrono::milliseconds(tc.elastic.scheduler_outage_limit_ms);
+  so.who = fmt::format("worker slot {}", slot);
+  if (const char* s = std::getenv("TROUPE_SCHEDULER"); s != nullptr) so.where = s;
+  TolerantStore store(base_store, so);
   std::unique_ptr<FaultState> faults;
   if (!tc.elastic.inject.empty() && epoch == 0) {
     TROUPE_ASSIGN_OR_RETURN(std::vector<FaultSpec> specs, parse_faults(tc.elastic.inject));

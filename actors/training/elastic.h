@@ -55,6 +55,7 @@
 
 #include "actors/training/messages.h"
 #include "actors/training/stage_program.h"
+#include "actors/training/tolerant_store.h"
 #include "comm/rendezvous_store.h"
 #include "core/status.h"
 #include "layers/context.h"
@@ -70,26 +71,6 @@ namespace troupe::training {
 inline constexpr std::chrono::milliseconds kHeartbeatInterval{100};
 
 // ElasticPlan (the plan of a membership epoch) is a typed message: messages.h.
-
-// The store as the elastic protocol uses it: it rides out an outage of the store (the
-// scheduler restarting): set and contains retry kUnavailable / kDeadlineExceeded for up to
-// `patience`; get and wait retry kUnavailable until their own deadline and then report
-// kDeadlineExceeded. Owns `base` when given a unique_ptr.
-class TolerantStore final : public comm::RendezvousStore {
- public:
-  TolerantStore(comm::RendezvousStore& base, std::chrono::milliseconds patience) : base_(base), patience_(patience) {}
-  TolerantStore(std::unique_ptr<comm::RendezvousStore> base, std::chrono::milliseconds patience)
-      : owned_(std::move(base)), base_(*owned_), patience_(patience) {}
-  Status set(std::string_view key, std::string_view value) override;
-  Result<std::string> get(std::string_view key, comm::Deadline deadline) override;
-  Status wait(const std::vector<std::string>& keys, comm::Deadline deadline) override;
-  Result<bool> contains(std::string_view key) override;
-
- private:
-  std::unique_ptr<comm::RendezvousStore> owned_;
-  comm::RendezvousStore& base_;
-  std::chrono::milliseconds patience_;
-};
 
 std::string elastic_key(const std::string& job, const std::string& rest);  // "<job>/elastic/<rest>"
 int64_t wall_ms();  // system clock, ms since the epoch (events, fault times)

@@ -62,6 +62,7 @@
 #include "checkpoint/reader.h"
 #include "checkpoint/writer.h"
 #include "comm/control/host_addr.h"
+#include "core/exit_status.h"
 #include "core/parallel_layout.h"
 
 extern char** environ;
@@ -133,6 +134,9 @@ struct Failure {
   std::vector<int> slots;  // workers to replace (empty: rebuild only), each once
   std::string detail;
   int64_t ts_ms = 0;
+  // A failure a replacement would meet again (a worker that exited with
+  // kExitPermanentFailure, or reported a permanent error): the job ends, nobody is replaced.
+  bool permanent = false;
 };
 
 // A worker seen failing twice (its actor's Down message and its exit) is one lost worker.
@@ -147,8 +151,16 @@ class Trainer {
   Trainer(const TrainerOptions& o, std::string run_dir, const layers::TrainConfig& tc,
           std::unique_ptr<comm::RendezvousStore> store = nullptr)
       : o_(o), run_dir_(std::move(run_dir)), tc_(tc), scheduled_(store != nullptr) {
-    // A store outage (the scheduler restarting) must not end the job.
-    if (store) store_ = std::make_unique<TolerantStore>(std::move(store), std::chrono::milliseconds(30000));
+    // A store outage (the scheduler restarting) must not end the job, up to its limit.
+    if (store) {
+      TolerantStore::Options so;
+      so.outage_limit = std::chrono::milliseconds(tc.elastic.scheduler_outage_limit_ms);
+      so.who = "driver";
+      if (const char* s = std::getenv("TROUPE_SCHEDULER"); s != nullptr) so.where = s;
+      auto t = std::make_unique<TolerantStore>(std::move(store), so);
+      tolerant_ = t.get();
+      store_ = std::move(t);
+    }
   }
   ~Trainer() { kill_all(); }
 
@@ -239,7 +251,31 @@ class Trainer {
   // elastic.h, restore_step); -1 before any.
   int64_t agreed_step_ = -1;
   std::unique_ptr<comm::RendezvousStore> store_;
-  std::unique_ptr<ActorDirectory> actors_;                // the "trainer" actor and the workers' actors
+  // Under the scheduler: store_ itself, which tells when the scheduler is out (polls skip
+  // the store then: training goes on; liveness verdicts wait for fresh evidence).
+  TolerantStore* tolerant_ = nullptr;
+  bool store_out() const { return tolerant_ != nullptr && tolerant_->in_outage(); }
+  // Outages seen to end (TolerantStore::outages_ended) and the end of the grace after the
+  // last one: a worker's first beat after an outage may wait for its own request, sent
+  // while the scheduler was out, to time out (12 s): until then nobody is judged silent.
+  uint64_t outages_seen_ = 0;
+  Clock::time_point liveness_grace_until_{};
+  // The store as polls use it: one attempt, no retry through an outage (tolerant_store.h).
+  Result<bool> poll_contains(const std::string& k) {
+    return tolerant_ != nullptr ? tolerant_->try_contains(k) : store_->contains(k);
+  }
+  Result<std::string> poll_get(const std::string& k, std::chrono::milliseconds wait) {
+    return tolerant_ != nullptr ? tolerant_->try_get(k, comm::deadline_in(wait))
+                                : store_->get(k, comm::deadline_in(wait));
+  }
+  Status poll_set(const std::string& k, const std::string& v) {
+    return tolerant_ != nullptr ? tolerant_->try_set(k, v) : store_->set(k, v);
+  }
+  Status past_outage_limit() const {
+    return tolerant_ != nullptr && tolerant_->past_limit() ? tolerant_->limit_status() : ok_status();
+  }
+  std::unique_ptr<ActorDirectory> actors_;  // the "trainer" actor and the workers' actors                //
+                                            // the "trainer" actor and the workers' actors
   nlohmann::json actor_table_ = nlohmann::json::array();  // their last answers (status.json)
   int64_t actors_step_ = -2;                              // the step and epoch they were asked at
   uint64_t actors_epoch_ = 0;
@@ -289,6 +325,8 @@ class Trainer {
   };
   std::map<int64_t, PendingCheckpoint> pending_ckpts_;
   int64_t last_ckpt_committed_ = -1, last_ckpt_failed_ = -1;
+  uint64_t last_ckpt_bytes_ = 0;         // the size of the last committed checkpoint
+  std::set<int64_t> failed_ckpt_steps_;  // saves that failed (their .tmp is removed)
   // Failures since the job last completed a step it had never completed before: a fault
   // that comes back every time (a bad disk, a deterministic crash) must end the job, not
   // loop through recoveries.
@@ -298,6 +336,7 @@ class Trainer {
   int64_t replica_every_ = 0;
   int64_t replica_step_ = -1, replica_dp_ = 0, replica_world_ = 0;
   std::string epoch_failure_;  // the first failure a worker reported in the current epoch
+  bool epoch_failure_permanent_ = false;  // ... and whether a retry would meet it again
   int64_t max_step_completed_ = 0;
   // What every checkpoint records besides the workers' parts (config text, tokenizer,
   // run metadata: the same as a normal run's CheckpointCommitter), and the tokens seen
@@ -501,25 +540,36 @@ std::optional<Failure> Trainer::check_processes() {
       continue;
     }
     if (scheduled_) {  // the scheduler reports every worker that ends
+      if (store_out()) continue;  // no news while the scheduler is out (actor Downs still count)
       const std::string k = key(fmt::format("exit/{}", slot));
-      Result<bool> has = store_->contains(k);
+      Result<bool> has = poll_contains(k);
       if (!has.ok() || !has.value()) continue;
-      Result<std::string> v = store_->get(k, comm::deadline_in(std::chrono::milliseconds(1000)));
+      Result<std::string> v = poll_get(k, std::chrono::milliseconds(1000));
       p.alive = false;
       if (plan_.rank_of_slot(slot) < 0) continue;
       if (!f) f = Failure{"exit", {}, "", wall_ms()};
       add_slot(*f, slot);
-      f->detail +=
-          fmt::format("{}slot {} {}", f->detail.empty() ? "" : "; ", slot, v.ok() ? v.value() : "ended");
+      const nlohmann::json why = v.ok() ? nlohmann::json::parse(v.value(), nullptr, false) : nlohmann::json();
+      const bool permanent = why.is_object() && why.value("exit_status", -1) == kExitPermanentFailure;
+      f->permanent |= permanent;
+      f->detail += fmt::format("{}slot {} {}{}", f->detail.empty() ? "" : "; ", slot,
+                               why.is_object() ? why.value("why", v.value())
+                               : v.ok()        ? v.value()
+                                               : "ended",
+                               permanent ? " (a permanent failure: its log says why)" : "");
       continue;
     }
     int status = 0;
     if (waitpid(p.pid, &status, WNOHANG) != p.pid) continue;
     p.alive = false;
-    const std::string how = WIFEXITED(status) ? fmt::format("exited with status {}", WEXITSTATUS(status))
-                                              : fmt::format("was killed by signal {}", WTERMSIG(status));
+    const bool permanent = WIFEXITED(status) && WEXITSTATUS(status) == kExitPermanentFailure;
+    const std::string how = WIFEXITED(status)
+                                ? fmt::format("exited with status {}{}", WEXITSTATUS(status),
+                                              permanent ? " (a permanent failure: its output says why)" : "")
+                                : fmt::format("was killed by signal {}", WTERMSIG(status));
     if (plan_.rank_of_slot(slot) < 0) continue;  // a worker that left the job
     if (!f) f = Failure{"exit", {}, "", wall_ms()};
+    f->permanent |= permanent;
     add_slot(*f, slot);
     f->detail += fmt::format("{}slot {} (pid {}) {}", f->detail.empty() ? "" : "; ", slot, p.pid, how);
   }
@@ -538,12 +588,28 @@ void Trainer::mark_start(int slot, uint64_t epoch) {
 
 std::optional<Failure> Trainer::check_heartbeats() {
   std::optional<Failure> f;
-  // While the store itself stalls (the scheduler restarting) silence proves nothing: the
-  // timers restart once it answers promptly again.
+  // While the store is out (the scheduler restarting or unreachable) silence proves
+  // nothing: the timers restart from fresh evidence once it answers again, after a grace.
+  if (tolerant_ != nullptr && (store_out() || tolerant_->outages_ended() != outages_seen_)) {
+    if (!store_out()) {
+      outages_seen_ = tolerant_->outages_ended();
+      liveness_grace_until_ = Clock::now() + std::max<Clock::duration>(hb_timeout_, std::chrono::seconds(15));
+      event({{"event", "heartbeat_timers_reset"},
+             {"why", "the scheduler answers again after an outage"},
+             {"grace_ms",
+              std::chrono::duration_cast<std::chrono::milliseconds>(liveness_grace_until_ - Clock::now())
+                  .count()}});
+    }
+    for (auto& [slot, p] : procs_) p.hb_seen = Clock::now();
+    last_hb_check_ = Clock::now();
+    return f;
+  }
+  // A store that answers slowly (a loaded scheduler) is no proof of silence either.
   const auto t_probe = Clock::now();
-  (void)store_->contains(key("hb/probe"));
+  (void)poll_contains(key("hb/probe"));
   const bool store_stalled = Clock::now() - t_probe > std::chrono::milliseconds(500);
-  if (store_stalled || Clock::now() - last_hb_check_ > hb_timeout_ / 2) {
+  if (store_stalled || Clock::now() - last_hb_check_ > hb_timeout_ / 2 ||
+      Clock::now() < liveness_grace_until_) {
     for (auto& [slot, p] : procs_) p.hb_seen = Clock::now();
     if (store_stalled) event({{"event", "heartbeat_timers_reset"}, {"why", "the store stalled"}});
   }
@@ -552,10 +618,10 @@ std::optional<Failure> Trainer::check_heartbeats() {
   for (int slot : plan_.slots) {
     Proc& p = procs_[slot];
     if (!p.alive) continue;
-    Result<bool> has = store_->contains(key(fmt::format("hb/{}", slot)));
+    if (store_out()) return std::nullopt;  // went out meanwhile: the next check resets the timers
+    Result<bool> has = poll_contains(key(fmt::format("hb/{}", slot)));
     if (has.ok() && has.value()) {
-      Result<std::string> v =
-          store_->get(key(fmt::format("hb/{}", slot)), comm::deadline_in(std::chrono::milliseconds(100)));
+      Result<std::string> v = poll_get(key(fmt::format("hb/{}", slot)), std::chrono::milliseconds(100));
       if (v.ok() && v.value() != p.last_hb) {
         p.last_hb = v.value();
         p.hb_seen = now;
@@ -579,6 +645,7 @@ Result<std::optional<Failure>> Trainer::check_errors(Clock::time_point& first_er
   for (const WorkerFailure& f : actors_->take_failures()) {
     if (f.epoch != plan_.epoch || !epoch_failure_.empty()) continue;
     epoch_failure_ = fmt::format("slot {} ({}): {}", f.slot, f.actor, f.text);
+    epoch_failure_permanent_ = is_permanent_failure(Status(static_cast<StatusCode>(f.code), f.text));
     event({{"event", "worker_failure"},
            {"epoch", f.epoch},
            {"slot", f.slot},
@@ -590,6 +657,11 @@ Result<std::optional<Failure>> Trainer::check_errors(Clock::time_point& first_er
   }
   const std::string what = epoch_failure_;
   if (what.empty()) return std::optional<Failure>{};
+  if (epoch_failure_permanent_) {
+    Failure f{"worker_failure", {}, what, wall_ms()};
+    f.permanent = true;
+    return std::optional<Failure>(f);
+  }
   if (first_err == Clock::time_point{}) first_err = Clock::now();
   // A peer's death or silence explains most data-plane errors: give exit/heartbeat
   // detection the grace period first.
@@ -611,6 +683,7 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
     if ((failure = check_processes())) return ok_status();
     if (Clock::now() - last_hb_check > std::chrono::milliseconds(100)) {
       last_hb_check = Clock::now();
+      TROUPE_RETURN_IF_ERROR(past_outage_limit());
       if ((failure = check_heartbeats())) return ok_status();
       TROUPE_ASSIGN_OR_RETURN(failure, check_errors(first_err));
       if (failure) return ok_status();
@@ -736,6 +809,7 @@ Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots
   plan.ckpt_dir = ckpt_dir_;
   plan.replica_every = replica_every_;
   epoch_failure_.clear();  // failures reported in the old epoch are handled by this one
+  epoch_failure_permanent_ = false;
   // The neighbour replicas describe the old membership: unusable until the next refresh.
   replica_step_ = -1;
   // Checkpoints still waiting for durable-part notes: one whose every part is on disk
@@ -786,19 +860,26 @@ Status Trainer::one_process_failure(const Failure& f) const {
 }
 
 Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
-  if (one_process_) {
+  if (f.permanent || one_process_) {
     event({{"event", "failure_detected"},
            {"cause", f.cause},
            {"slots", f.slots},
            {"detail", f.detail},
            {"epoch", plan_.epoch},
            {"step", failed_step},
-           {"detected_ms", f.ts_ms}});
-    return one_process_failure(f);
+           {"detected_ms", f.ts_ms},
+           {"permanent", f.permanent}});
+    if (!f.permanent) return one_process_failure(f);
+    return failed_precondition(
+        "elastic: {} ({}): a permanent failure, which a replacement would meet again: "
+        "the job ends without a restart",
+        f.detail, f.cause);
   }
   if (++failures_without_progress_ > kMaxFailuresWithoutProgress) {
-    return aborted("elastic: giving up after {} failures without completing a new step (the last: {}: {})",
-                   failures_without_progress_ - 1, f.cause, f.detail);
+    // The failure comes back every time: another driver would meet it too.
+    return failed_precondition(
+        "elastic: giving up after {} failures without completing a new step (the last: {}: {})",
+        failures_without_progress_ - 1, f.cause, f.detail);
   }
   for (int attempt = 0;; ++attempt) {
     if (attempt >= 5) return aborted("elastic: giving up after {} failed recoveries: {}", attempt, f.detail);
@@ -807,11 +888,10 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
     std::optional<int64_t> fault_ms;
     // A failure nobody is blamed for (comm_error, watchdog): any worker may have caused it.
     const std::vector<int> suspects = f.slots.empty() ? plan_.slots : f.slots;
-    for (int s : suspects) {
-      Result<bool> has = store_->contains(key(fmt::format("fault/{}", s)));
+    for (int s : store_out() ? std::vector<int>{} : suspects) {
+      Result<bool> has = poll_contains(key(fmt::format("fault/{}", s)));
       if (has.ok() && has.value()) {
-        Result<std::string> v =
-            store_->get(key(fmt::format("fault/{}", s)), comm::deadline_in(std::chrono::milliseconds(100)));
+        Result<std::string> v = poll_get(key(fmt::format("fault/{}", s)), std::chrono::milliseconds(100));
         if (v.ok()) {
           const nlohmann::json j = nlohmann::json::parse(v.value(), nullptr, false);
           if (j.is_object() && j.contains("ts_ms"))
@@ -852,8 +932,9 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
             nlohmann::json e{{"event", "failure_detected"}, {"cause", more->cause}, {"slots", {s}},
                              {"detail", more->detail},      {"epoch", plan_.epoch}, {"step", failed_step},
                              {"detected_ms", more->ts_ms}};
-            Result<std::string> v = store_->get(key(fmt::format("fault/{}", s)),
-                                                comm::deadline_in(std::chrono::milliseconds(100)));
+            Result<std::string> v =
+                store_out() ? Result<std::string>(unavailable("store out"))
+                            : poll_get(key(fmt::format("fault/{}", s)), std::chrono::milliseconds(100));
             if (v.ok()) {
               const nlohmann::json j = nlohmann::json::parse(v.value(), nullptr, false);
               if (j.is_object() && j.contains("ts_ms"))
@@ -993,6 +1074,7 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
       return ok_status();
     }
     f = *again;  // a failure during the recovery: recover again from the same state
+    if (f.permanent) return recover(f, step_done, failed_step);
   }
 }
 
@@ -1079,6 +1161,7 @@ Status Trainer::await_oldest(std::optional<Failure>& failure) {
     }
     if (Clock::now() - last_slow_check > std::chrono::milliseconds(50)) {
       last_slow_check = Clock::now();
+      TROUPE_RETURN_IF_ERROR(past_outage_limit());
       if ((failure = check_heartbeats())) return ok_status();
       TROUPE_ASSIGN_OR_RETURN(failure, check_errors(first_err));
       if (failure) return ok_status();
@@ -1181,6 +1264,7 @@ Status Trainer::finalize_pending(int64_t step, const PendingCheckpoint& p) {
                           checkpoint::finalize_checkpoint(ckpt_dir_, step, fo));
   event({{"event", "checkpoint_committed"}, {"step", step}, {"path", fr.path}, {"bytes", fr.bytes}});
   last_ckpt_committed_ = std::max(last_ckpt_committed_, step);
+  last_ckpt_bytes_ = fr.bytes;
   return ok_status();
 }
 
@@ -1199,6 +1283,9 @@ Status Trainer::note_checkpoints(Command::Kind kind, int64_t step,
       p.world = static_cast<int>(replies.size());
       p.tokens = tokens_seen_ + replies[0].value("step_tokens", int64_t{0});
       p.durable.clear();
+      uint64_t bytes = 0;
+      for (const auto& r : replies) bytes += r.value("ckpt_bytes", uint64_t{0});
+      last_ckpt_bytes_ = std::max(last_ckpt_bytes_, bytes);
     }
   }
   // Parts that became durable (a rank says so in a later reply, or at "stop"), and saves
@@ -1209,9 +1296,18 @@ Status Trainer::note_checkpoints(Command::Kind kind, int64_t step,
       const std::string why = e.value("error", "");
       pending_ckpts_.erase(s);
       if (s != last_ckpt_failed_) {  // reported once, not by every rank
-        event({{"event", "checkpoint_failed"}, {"step", s}, {"rank", r.value("rank", -1)}, {"error", why}});
-        fmt::print(stderr, "checkpoint: step {} was not committed: rank {} could not save it: {}\n", s,
-                   r.value("rank", -1), why);
+        // Its unfinished directory goes at once (a full disk must not stay full of it).
+        const FailedSave fs_note = clean_failed_save(ckpt_dir_, s, last_ckpt_bytes_);
+        failed_ckpt_steps_.insert(s);
+        event({{"event", "checkpoint_failed"},
+               {"step", s},
+               {"rank", r.value("rank", -1)},
+               {"error", why},
+               {"disk_full", fs_note.disk_full},
+               {"free_bytes", fs_note.free_bytes},
+               {"needed_bytes", fs_note.needed_bytes}});
+        fmt::print(stderr, "checkpoint: step {} was not committed: rank {} could not save it: {}; {}\n", s,
+                   r.value("rank", -1), why, fs_note.text);
         std::fflush(stderr);
       }
       last_ckpt_failed_ = s;
@@ -1334,7 +1430,7 @@ void Trainer::write_status(int64_t step, bool ask_actors) {
         {"cause", recovering_cause_}, {"slots", recovering_slots_}, {"since_ms", *recovering_since_ms_}};
   }
   if (step >= 0) last_step_ = step;
-  if (scheduled_) (void)store_->set(key("status"), st.dump());  // troupe status <job>
+  if (scheduled_ && !store_out()) (void)poll_set(key("status"), st.dump());  // troupe status <job>
   const std::string tmp = run_dir_ + "/status.json.tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
@@ -1345,12 +1441,13 @@ void Trainer::write_status(int64_t step, bool ask_actors) {
 }
 
 Status Trainer::take_store_request() {
-  if (pending_answer_) return ok_status();
+  if (pending_answer_ || store_out()) return ok_status();
   const std::string k = key(fmt::format("request/{}", next_request_));
-  TROUPE_ASSIGN_OR_RETURN(bool has, store_->contains(k));
-  if (!has) return ok_status();
-  TROUPE_ASSIGN_OR_RETURN(std::string text,
-                          store_->get(k, comm::deadline_in(std::chrono::milliseconds(5000))));
+  Result<bool> has = poll_contains(k);
+  if (!has.ok() || !has.value()) return ok_status();  // none, or the scheduler is out: next boundary
+  Result<std::string> got = poll_get(k, std::chrono::milliseconds(5000));
+  if (!got.ok()) return ok_status();
+  const std::string text = std::move(got).value();
   pending_answer_ = next_request_++;
   last_answer_ =
       nlohmann::json{{"event", "request_refused"}, {"why", "malformed request"}, {"request", text}};
@@ -1369,8 +1466,10 @@ Status Trainer::take_store_request() {
 
 Status Trainer::answer_store_request() {
   avoid_node_.clear();
-  if (!pending_answer_) return ok_status();
-  TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("answer/{}", *pending_answer_)), last_answer_.dump()));
+  if (!pending_answer_ || store_out()) return ok_status();
+  // Kept for the next boundary when the scheduler does not take it now.
+  if (!poll_set(key(fmt::format("answer/{}", *pending_answer_)), last_answer_.dump()).ok())
+    return ok_status();
   pending_answer_.reset();
   return ok_status();
 }
@@ -1575,10 +1674,11 @@ Status Trainer::run_job() {
   // layout); epoch 0's plan names it and every worker loads it (ElasticWorker::join).
   std::unique_ptr<checkpoint::CheckpointReader> resume;
   std::string resume_from = o_.resume;
-  // A driver the scheduler restarted after its predecessor died (scheduler.cc,
-  // restart_driver): its workers were restarted with it, so it goes on from the job's
-  // newest valid checkpoint.
-  if (resume_from.empty() && scheduled_ && env_or("TROUPE_DRIVER_RESTARTS", 0) > 0) {
+  // A driver the scheduler restarted after its predecessor died or went silent
+  // (scheduler.cc, restart_driver): its workers were restarted with it, so it goes on from
+  // the job's newest valid checkpoint.
+  const int64_t driver_restarts = scheduled_ ? env_or("TROUPE_DRIVER_RESTARTS", 0) : 0;
+  if (resume_from.empty() && driver_restarts > 0) {
     const std::string dir = checkpoint_dir_for(tc_, run_dir_);
     if (!checkpoint::list_checkpoints(dir).empty()) {
       resume_from = dir;
@@ -1609,6 +1709,7 @@ Status Trainer::run_job() {
     TROUPE_ASSIGN_OR_RETURN(ckpt_info_,
                             run_checkpoint_info(o_.config, o_.overrides, tc_, run_dir_ + "/tokenizer.json"));
   }
+  if (resume) last_ckpt_bytes_ = resume->manifest().total_bytes();
   fs::remove(run_dir_ + "/scale_request", ec);
   fs::remove(run_dir_ + "/replace_request", ec);
   if (one_process_) {
@@ -1619,9 +1720,17 @@ Status Trainer::run_job() {
                             comm::FileStore::open(run_dir_ + "/rendezvous"));
     store_ = std::move(fstore);
   }
-  events_.open(run_dir_ + "/events.jsonl", std::ios::trunc);
+  // The record of a run goes on across resumes and driver restarts: appended, never cut.
+  events_.open(run_dir_ + "/events.jsonl", resume || driver_restarts > 0 ? std::ios::app : std::ios::trunc);
   if (!events_) return io_error("cannot write {}/events.jsonl", run_dir_);
   TROUPE_ASSIGN_OR_RETURN(run_metrics_, RunMetrics::open(tc_.observe, run_dir_));
+  if (driver_restarts > 0) {
+    event({{"event", "driver_restarted"},
+           {"driver_restarts", driver_restarts},
+           {"pid", getpid()},
+           {"resumed_from", resume ? resume->path() : std::string()},
+           {"step", start_step}});
+  }
   std::ofstream metrics(run_dir_ + "/metrics.jsonl", resume ? std::ios::app : std::ios::trunc);
   if (!metrics) return io_error("cannot write {}/metrics.jsonl", run_dir_);
 
@@ -1645,7 +1754,12 @@ Status Trainer::run_job() {
   plan_.replica_every = replica_every_;
   // Under the scheduler: from now on a lost worker is reported to this driver (a key of
   // the job's store) instead of restarting every worker of the job.
-  if (scheduled_) TROUPE_RETURN_IF_ERROR(store_->set(key("claim"), std::to_string(getpid())));
+  // The run directory rides along, so the scheduler's record of the job names it
+  // (`troupe run` keeps the scheduler's event log there).
+  if (scheduled_) {
+    const nlohmann::json claim{{"pid", getpid()}, {"run_dir", fs::absolute(run_dir_).string()}};
+    TROUPE_RETURN_IF_ERROR(store_->set(key("claim"), claim.dump()));
+  }
   TROUPE_RETURN_IF_ERROR(store_->set(key("plan/0"), plan_.to_json().dump()));
   if (one_process_) {
     TROUPE_ASSIGN_OR_RETURN(actors_, ActorDirectory::start_local(*store_, key("actors/driver")));
@@ -1672,7 +1786,11 @@ Status Trainer::run_job() {
   {
     std::optional<Failure> failure;
     TROUPE_RETURN_IF_ERROR(wait_ready(plan_, failure));
-    if (failure) return aborted("a worker failed while the job started: {}", failure->detail);
+    if (failure && failure->permanent) {
+      return failed_precondition("elastic: a worker failed while the job started: {} (a permanent failure)",
+                                 failure->detail);
+    }
+    if (failure) return aborted("elastic: a worker failed while the job started: {}", failure->detail);
     mark_stateful();
   }
 
@@ -1945,28 +2063,43 @@ Status Trainer::run_job() {
     fmt::print("trainer: time limit of {:.0f}s reached after step {}; stopping\n", tc_.train.time_limit_s,
                final_step);
   }
-  // The last step's checkpoint (checkpoint.final), when it is off the every-K schedule. A
-  // job resumed with nothing left to train saves the state it loaded, in its own layout
-  // (unless that very checkpoint is in its checkpoint directory).
+  // The last step's checkpoint (checkpoint.final; taken after the step when it is on the
+  // every-K schedule, else now), made durable before the workers stop. A job resumed with
+  // nothing left to train saves the state it loaded, in its own layout (unless that very
+  // checkpoint is in its checkpoint directory). A save that fails is tried once more (a
+  // disk freed meanwhile); failing at the same point twice is permanent: a restarted
+  // driver would run the steps since the last checkpoint again only to meet it a third time.
   bool have_final = false;
   for (const auto& [s, d] : checkpoint::list_checkpoints(ckpt_dir_)) have_final |= s == final_step;
   const bool final_ckpt = !ckpt_dir_.empty() && (final_step > start_step || !have_final);
-  const bool on_schedule = ckpt_every_ > 0 && final_step % ckpt_every_ == 0 && final_step > start_step;
-  if (final_ckpt && !on_schedule) {
+  for (int attempt = 1; final_ckpt && last_ckpt_committed_ < final_step; ++attempt) {
     TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> saved, call(Command::Kind::kSave, final_step));
     if (!saved) {
       return aborted(
           "a failure during the final checkpoint sent the job back to step {}; continue it with --resume",
           *rewound_to_);
     }
+    if (last_ckpt_committed_ >= final_step) break;
+    const FailedSave why = clean_failed_save(ckpt_dir_, final_step, last_ckpt_bytes_);
+    event({{"event", "final_checkpoint_failed"},
+           {"step", final_step},
+           {"attempt", attempt},
+           {"disk_full", why.disk_full},
+           {"free_bytes", why.free_bytes},
+           {"needed_bytes", why.needed_bytes},
+           {"why", why.text}});
+    fmt::print(stderr, "checkpoint: the final checkpoint (step {}) failed (attempt {} of 2): {}\n",
+               final_step, attempt, why.text);
+    std::fflush(stderr);
+    if (attempt == 2) {
+      const std::string msg =
+          fmt::format("the final checkpoint (step {}) could not be written twice: {}", final_step, why.text);
+      return why.disk_full ? resource_exhausted("{}", msg) : data_loss("{}", msg);
+    }
   }
   TROUPE_RETURN_IF_ERROR(call(Command::Kind::kStop, 0).status());
-  if (final_ckpt && last_ckpt_committed_ < final_step) {
-    return data_loss(
-        "the final checkpoint (step {}) was not committed (events.jsonl: checkpoint_failed); the newest "
-        "one is {}",
-        final_step, last_ckpt_committed_ >= 0 ? fmt::format("step {}", last_ckpt_committed_) : "none");
-  }
+  // Saves that failed along the way leave nothing behind (every worker is done writing now).
+  for (int64_t step : failed_ckpt_steps_) (void)clean_failed_save(ckpt_dir_, step, last_ckpt_bytes_);
   // Every worker exits after "stop"; reap them (bounded). Under the scheduler it does.
   const auto deadline = Clock::now() + std::chrono::milliseconds(30000);
   for (auto& [slot, p] : procs_) {

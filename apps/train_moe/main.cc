@@ -18,8 +18,10 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "actors/training/preflight.h"
 #include "apps/train_moe/commands.h"
 #include "apps/train_moe/moe_stage.h"
+#include "core/exit_status.h"
 #include "layers/train_config.h"
 
 namespace troupe::train_moe {
@@ -115,6 +117,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   troupe::Status st;
+  bool training = false;  // prepare, sample and plot exit 1 on any error
   if (*prepare) {
     st = run_prepare(prep);
   } else if (*samp) {
@@ -139,8 +142,9 @@ int main(int argc, char** argv) {
     auto resolved = resolve_train_options(train);
     if (!resolved.ok()) {
       fmt::print(stderr, "train_moe: error: {}\n", resolved.status().to_string());
-      return 1;
+      return troupe::exit_status_for(resolved.status());
     }
+    training = true;
     // The device (CUDA stream, caching allocator, CudaContext) lives here, for the whole run.
     auto dev = RunDevice::create(train.backend);
     if (!dev.ok()) {
@@ -150,7 +154,7 @@ int main(int argc, char** argv) {
     auto tc = troupe::layers::load_train_config(resolved->config, resolved->overrides);
     if (!tc.ok()) {
       fmt::print(stderr, "train_moe: error: {}\n", tc.status().to_string());
-      return 1;
+      return troupe::exit_status_for(tc.status());
     }
     (*dev)->set_attention_fused_dq(tc->train.attention_fused_dq);
     // The framework's Trainer and Stage run train_moe's stage program (app.cc): in this
@@ -159,7 +163,9 @@ int main(int argc, char** argv) {
   }
   if (!st.ok()) {
     fmt::print(stderr, "train_moe: error: {}\n", st.to_string());
-    return 1;
+    // A permanent failure (bad config or data, a layout that cannot run, a model larger
+    // than the device...) exits 78: troupe-scheduler fails the job instead of restarting it.
+    return training ? troupe::exit_status_for(st) : 1;
   }
   return 0;
 }

@@ -19,6 +19,8 @@
 #include <sstream>
 #include <thread>
 
+#include "core/exit_status.h"
+
 extern char** environ;
 
 namespace {
@@ -190,6 +192,8 @@ TEST(TrainMoeCli, PrepareTrainSamplePlot) {
   if (!HasFailure()) fs::remove_all(dir);
 }
 
+// Training refusals are permanent failures (core/exit_status.h: exit 78, which
+// troupe-scheduler does not restart); prepare, sample and plot exit 1.
 TEST(TrainMoeCli, ErrorsNameTheProblem) {
   const std::string dir = temp_dir("errors");
   CliResult none = train_moe({});
@@ -201,38 +205,38 @@ TEST(TrainMoeCli, ErrorsNameTheProblem) {
   EXPECT_NE(missing_input.out.find(dir + "/nope does not exist"), std::string::npos) << missing_input.out;
 
   CliResult no_data = train_moe({"--config", write_config(dir, dir + "/no_data"), "--run-dir", dir + "/run"});
-  EXPECT_EQ(no_data.code, 1);
+  EXPECT_EQ(no_data.code, troupe::kExitPermanentFailure);
   EXPECT_NE(no_data.out.find(dir + "/no_data"), std::string::npos) << no_data.out;
   EXPECT_NE(no_data.out.find("prepare"), std::string::npos) << no_data.out;
 
   CliResult bad_key = train_moe({"--config", write_config(dir, dir + "/d"), "--set", "model.d_modle=64"});
-  EXPECT_EQ(bad_key.code, 1);
+  EXPECT_EQ(bad_key.code, troupe::kExitPermanentFailure);
   EXPECT_NE(bad_key.out.find("unknown key 'model.d_modle'"), std::string::npos) << bad_key.out;
 
   CliResult bad_file_key = train_moe({"--config", write_config(dir, dir + "/d", "[optimizer]\nlr = 3\n")});
-  EXPECT_EQ(bad_file_key.code, 1);
+  EXPECT_EQ(bad_file_key.code, troupe::kExitPermanentFailure);
   EXPECT_NE(bad_file_key.out.find("optimizer.lr"), std::string::npos) << bad_file_key.out;
 
   CliResult bad_value = train_moe({"--config", write_config(dir, dir + "/d"), "--set", "model.moe.router=\"argmax\""});
-  EXPECT_EQ(bad_value.code, 1);
+  EXPECT_EQ(bad_value.code, troupe::kExitPermanentFailure);
   EXPECT_NE(bad_value.out.find("model.moe.router"), std::string::npos) << bad_value.out;
 
   // A multi-rank layout is trained by the distributed mode (tests/training); one that
   // does not fit the model is refused when the config is read.
   CliResult layout = train_moe({"--config", write_config(dir, dir + "/d"), "--set", "parallel.n=4"});
-  EXPECT_EQ(layout.code, 1);
+  EXPECT_EQ(layout.code, troupe::kExitPermanentFailure);
   EXPECT_NE(layout.out.find("parallel.n=4 must divide model.n_heads=4 and model.n_kv_heads=2"), std::string::npos)
       << layout.out;
 
   CliResult layout2 = train_moe({"--config", write_config(dir, dir + "/d"), "--parallel", "pp=4,n=2"});
-  EXPECT_EQ(layout2.code, 1);
+  EXPECT_EQ(layout2.code, troupe::kExitPermanentFailure);
   EXPECT_NE(layout2.out.find("parallel.pp=4 does not divide model.n_layers=2"), std::string::npos) << layout2.out;
   CliResult bad_layout = train_moe({"--config", write_config(dir, dir + "/d"), "--parallel", "tp=2"});
   EXPECT_EQ(bad_layout.code, 2);
   EXPECT_NE(bad_layout.out.find("--parallel: unknown key 'tp'"), std::string::npos) << bad_layout.out;
   // The flag is read by core's layout parser: the short form, and its errors.
   CliResult short_form = train_moe({"--config", write_config(dir, dir + "/d"), "--parallel", "4x1x2"});
-  EXPECT_EQ(short_form.code, 1);
+  EXPECT_EQ(short_form.code, troupe::kExitPermanentFailure);
   EXPECT_NE(short_form.out.find("parallel.pp=4 does not divide model.n_layers=2"), std::string::npos)
       << short_form.out;
   CliResult zero =
@@ -249,13 +253,13 @@ TEST(TrainMoeCli, ErrorsNameTheProblem) {
   // since the later ones would add to them in bf16.
   CliResult bf16_grads =
       train_moe({"--config", write_config(dir, dir + "/d"), "--set", "train.expert_grads=bf16"});
-  EXPECT_EQ(bf16_grads.code, 1);
+  EXPECT_EQ(bf16_grads.code, troupe::kExitPermanentFailure);
   EXPECT_NE(bf16_grads.out.find("'train.expert_grads' = \"bf16\" needs one micro-batch per step"),
             std::string::npos)
       << bf16_grads.out;
 
   CliResult no_config = train_moe({"--config", dir + "/missing.toml"});
-  EXPECT_EQ(no_config.code, 1);
+  EXPECT_EQ(no_config.code, troupe::kExitPermanentFailure);
   EXPECT_NE(no_config.out.find("missing.toml"), std::string::npos) << no_config.out;
 
   CliResult no_run = train_moe({"sample", "--run", dir + "/no_run"});

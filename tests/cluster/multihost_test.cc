@@ -149,6 +149,9 @@ class Multihost : public ::testing::Test {
       const std::string host = kHostOf.at(p.value("agent", ""));
       EXPECT_EQ(environ_value(pid, "TROUPE_HOST_ADDR"), host) << p.dump();
       EXPECT_FALSE(environ_value(pid, "TROUPE_JOB_PUBLIC_KEY").empty()) << p.dump();
+      // The job's secret key comes as a 0600 file, never in the environment.
+      EXPECT_TRUE(environ_value(pid, "TROUPE_JOB_SECRET_KEY").empty()) << p.dump();
+      EXPECT_FALSE(environ_value(pid, "TROUPE_JOB_SECRET_KEY_FILE").empty()) << p.dump();
       EXPECT_EQ(environ_value(pid, "TROUPE_AGENT_RELAY").rfind("ipc://", 0), 0u) << p.dump();
       int listening = 0, to_scheduler = 0, peers = 0;
       for (const auto& s : tcp_sockets_of(pid)) {
@@ -313,8 +316,9 @@ TEST_F(Multihost, JobActorSystemsBindTheirHostsAndAcceptOnlyTheJob) {
     const pid_t pid = p.value("pid", 0);
     troupe::sched::ClientSecurity job_keys;
     job_keys.server_public_key = environ_value(pid, "TROUPE_JOB_PUBLIC_KEY");
-    job_keys.client_keys =
-        troupe::sched::CurveKeyPair{job_keys.server_public_key, environ_value(pid, "TROUPE_JOB_SECRET_KEY")};
+    std::string job_secret;
+    std::getline(std::ifstream(environ_value(pid, "TROUPE_JOB_SECRET_KEY_FILE")), job_secret);
+    job_keys.client_keys = troupe::sched::CurveKeyPair{job_keys.server_public_key, job_secret.substr(0, 40)};
     EXPECT_TRUE(troupe::sched::probe_connection(ep, job_keys, std::chrono::milliseconds(3000)).ok()) << ep;
     EXPECT_FALSE(troupe::sched::probe_connection(ep, {}, std::chrono::milliseconds(1500)).ok()) << ep;
     troupe::sched::ClientSecurity stranger;

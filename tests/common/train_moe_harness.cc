@@ -22,7 +22,9 @@
 namespace troupe::test {
 
 std::string train_moe_bin() {
-  return TROUPE_TRAIN_MOE_BIN;
+  // $TROUPE_TEST_BIN_DIR/train_moe when set (as tests/scheduler/harness.cc's daemons).
+  const char* dir = std::getenv("TROUPE_TEST_BIN_DIR");
+  return dir != nullptr && *dir != '\0' ? std::string(dir) + "/train_moe" : std::string(TROUPE_TRAIN_MOE_BIN);
 }
 std::string source_dir() {
   return TROUPE_SOURCE_DIR;

@@ -29,7 +29,8 @@ namespace troupe::test {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-// The executables and the source tree of this build (set by CMake for this library).
+// The executables and the source tree of this build (set by CMake for this library);
+// $TROUPE_TEST_BIN_DIR, when set, names another directory holding train_moe.
 std::string train_moe_bin();
 std::string source_dir();
 

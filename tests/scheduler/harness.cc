@@ -23,9 +23,24 @@ extern char** environ;
 
 namespace troupe::sched::test {
 
-std::string scheduler_bin() { return TROUPE_TEST_SCHEDULER_BIN; }
-std::string agent_bin() { return TROUPE_TEST_AGENT_BIN; }
-std::string cli_bin() { return TROUPE_TEST_CLI_BIN; }
+namespace {
+// $TROUPE_TEST_BIN_DIR/<name> when set (the same tests against another build's
+// executables, e.g. to show a fault suite fails before a fix), else this build's.
+std::string bin_or(const char* name, const char* built) {
+  const char* dir = std::getenv("TROUPE_TEST_BIN_DIR");
+  return dir != nullptr && *dir != '\0' ? std::string(dir) + "/" + name : std::string(built);
+}
+}  // namespace
+
+std::string scheduler_bin() {
+  return bin_or("troupe-scheduler", TROUPE_TEST_SCHEDULER_BIN);
+}
+std::string agent_bin() {
+  return bin_or("troupe-agent", TROUPE_TEST_AGENT_BIN);
+}
+std::string cli_bin() {
+  return bin_or("troupe", TROUPE_TEST_CLI_BIN);
+}
 std::string worker_bin() { return TROUPE_TEST_WORKER_BIN; }
 
 namespace {
@@ -257,6 +272,10 @@ void Cluster::start_scheduler() {
     argv.insert(argv.end(), {"--curve-key", dir_ + "/keys/scheduler.key", "--allow-keys", dir_ + "/keys/allowed"});
   }
   scheduler_ = Daemon(argv, dir_ + "/scheduler.log");
+}
+
+void Cluster::stop_scheduler(int sig) {
+  scheduler_.stop(sig);
 }
 
 void Cluster::restart_scheduler(int sig) {

@@ -84,6 +84,7 @@ class Cluster {
 
   void start_scheduler();
   void restart_scheduler(int sig);
+  void stop_scheduler(int sig);  // sends `sig` and waits for it to end (an outage until start_scheduler)
   const std::string& address() const { return address_; }
   const std::string& dir() const { return dir_; }
   std::vector<std::string> conn_args() const;  // --scheduler and, with CURVE, the key flags
