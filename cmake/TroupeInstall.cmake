@@ -16,7 +16,7 @@ set(TROUPE_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/Troupe)
 set(troupe_export_libs
     troupe_warnings troupe_core troupe_kernels troupe_comm_base troupe_comm troupe_control_codec
     troupe_control troupe_actors troupe_layers troupe_checkpoint troupe_interop troupe_training_codec troupe_training
-    troupe_sched_codec troupe_sched_client troupe_app)
+    troupe_observe troupe_sched_codec troupe_sched_client troupe_app)
 foreach(t troupe_core_cuda troupe_comm_nccl)
   if(TARGET ${t})
     list(APPEND troupe_export_libs ${t})
@@ -34,7 +34,7 @@ install(TARGETS ${troupe_export_libs} EXPORT TroupeTargets
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/troupe)
 install(EXPORT TroupeTargets NAMESPACE Troupe:: DESTINATION ${TROUPE_INSTALL_CMAKEDIR} COMPONENT Development)
 
-install(DIRECTORY core kernels comm layers actors checkpoint interop scheduler
+install(DIRECTORY core kernels comm layers actors checkpoint interop observe scheduler
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/troupe COMPONENT Development
         FILES_MATCHING PATTERN "*.h")
 
