@@ -21,6 +21,17 @@ pkg_check_modules(UTF8PROC REQUIRED IMPORTED_TARGET libutf8proc)
 pkg_check_modules(ZSTD REQUIRED IMPORTED_TARGET libzstd)
 pkg_check_modules(ZLIB REQUIRED IMPORTED_TARGET zlib)
 
+# prometheus-cpp's core (metric types, registry, text format) only: its CMake package
+# also demands the pull/push libraries and their civetweb/curl dependencies, which Troupe
+# does not use (observe/metrics_server.h says why), so the library is found directly.
+if(NOT TARGET Prometheus::core)
+  find_path(PROMETHEUS_CPP_INCLUDE_DIR prometheus/registry.h REQUIRED)
+  find_library(PROMETHEUS_CPP_CORE_LIBRARY prometheus-cpp-core REQUIRED)
+  add_library(Prometheus::core UNKNOWN IMPORTED)
+  set_target_properties(Prometheus::core PROPERTIES IMPORTED_LOCATION ${PROMETHEUS_CPP_CORE_LIBRARY}
+                        INTERFACE_INCLUDE_DIRECTORIES ${PROMETHEUS_CPP_INCLUDE_DIR})
+endif()
+
 # Gloo ships no CMake package on Debian: headers in /usr/include/gloo, libgloo.so.
 if(NOT TARGET Gloo::gloo)
   find_path(GLOO_INCLUDE_DIR gloo/context.h REQUIRED)
