@@ -10,7 +10,6 @@ find_package(SQLite3 REQUIRED)
 find_package(cppzmq 4.9 REQUIRED)
 find_package(CapnProto 0.9 REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
-pkg_check_modules(IBVERBS REQUIRED IMPORTED_TARGET libibverbs)
 pkg_check_modules(SODIUM REQUIRED IMPORTED_TARGET libsodium)
 
 # Gloo ships no CMake package on Debian: headers in /usr/include/gloo, libgloo.so.

@@ -1,0 +1,209 @@
+// actors/training/stage_snapshot.cc — the Stage's snapshot members (stage.h, "snapshots"):
+// which tensors a snapshot holds, the asynchronous copy of them into host memory after a
+// step, and the restore from a snapshot's parts.
+//
+// The copy never stalls the step that follows it, and never reads a tensor the step is
+// writing:
+// - GPU: the state is first copied on the device (one staging buffer, on the compute
+//   stream: stream-ordered after the step that made it, before the next one can change
+//   it; HBM-to-HBM, milliseconds), then device -> host from the staging buffer on a
+//   snapshot stream of its own while the next steps run. A new snapshot waits for the
+//   previous device -> host copy before it reuses the staging buffer.
+// - CPU: a copier thread copies the live buffers while the next step's forward and
+//   backward run (they only read them); the optimizer, the first thing that writes the
+//   state, waits for it (snapshot_fence).
+#include <fmt/format.h>
+
+#include <cstring>
+#include <thread>
+
+#include "actors/training/stage.h"
+#include "core/check.h"
+
+#if TROUPE_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "core/cuda/stream.h"
+#include "core/gpu_check.h"
+#include "kernels/cuda/context.h"
+#endif
+
+namespace troupe::training {
+
+struct Stage::SnapshotCopy {
+  // CPU: the copy in flight.
+  std::thread copier;
+  // GPU: the staging buffer, the stream and the event that ends the device -> host copy.
+  void* staging = nullptr;
+  size_t staging_bytes = 0;
+#if TROUPE_HAVE_CUDA
+  cuda::CudaStream stream;
+  cuda::CudaEvent staged, landed;
+#endif
+  bool in_flight = false;
+  std::map<void*, size_t> pinned;
+
+  ~SnapshotCopy() {
+    if (copier.joinable()) copier.join();
+#if TROUPE_HAVE_CUDA
+    if (in_flight) landed.synchronize();
+    if (staging != nullptr) cudaFree(staging);
+    for (const auto& [p, n] : pinned) cudaHostUnregister(p);
+#endif
+  }
+};
+
+void Stage::SnapshotCopyDeleter::operator()(SnapshotCopy* c) const { delete c; }
+
+Result<std::vector<Stage::SnapshotTensor>> Stage::snapshot_tensors() const {
+  const_cast<Stage*>(this)->settle();  // the parameter all-gather of the last step (overlap)
+  TROUPE_ASSIGN_OR_RETURN(std::vector<StateTensor> tensors, state_tensors());
+  const ParallelLayout layout = state_layout();
+  std::vector<SnapshotTensor> saved, held;
+  for (const StateTensor& t : tensors) {
+    TROUPE_ASSIGN_OR_RETURN(std::optional<checkpoint::Slice> own,
+                            checkpoint::owned_slice(t.name, t.global, t.placement, layout, coord_));
+    if (!own) continue;
+    std::optional<checkpoint::Slice> save;
+    if (t.savable) {
+      TROUPE_ASSIGN_OR_RETURN(save, checkpoint::save_slice(t.name, t.global, t.placement, layout, coord_));
+    }
+    // What a checkpoint saves from this rank is all of what it holds of a tensor, or none.
+    if (save && *save != *own) {
+      return internal_error("snapshot: '{}' saves {} of the {} this rank holds", t.name,
+                            checkpoint::slice_to_string(*save), checkpoint::slice_to_string(*own));
+    }
+    if (checkpoint::slice_numel(*own) != t.local.numel() || !t.local.is_contiguous()) {
+      return internal_error("snapshot: '{}' holds {} elements (contiguous: {}) but owns slice {}", t.name,
+                            t.local.numel(), t.local.is_contiguous(), checkpoint::slice_to_string(*own));
+    }
+    SnapshotTensor s;
+    s.entry.name = t.name;
+    s.entry.global_shape = t.global;
+    for (const auto& r : *own) s.entry.offsets.push_back(r.start);
+    s.entry.tensor = t.local.view(checkpoint::slice_shape(*own));
+    s.saved = save.has_value();
+    (s.saved ? saved : held).push_back(std::move(s));
+  }
+  saved.insert(saved.end(), std::make_move_iterator(held.begin()), std::make_move_iterator(held.end()));
+  return saved;
+}
+
+Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets) {
+  TROUPE_ASSIGN_OR_RETURN(std::vector<SnapshotTensor> ts, snapshot_tensors());
+  if (ts.size() != offsets.size()) {
+    return invalid_argument("snapshot_into: {} offsets for {} tensors", offsets.size(), ts.size());
+  }
+  TROUPE_RETURN_IF_ERROR(snapshot_wait());  // one copy at a time
+  if (!snap_) snap_.reset(new SnapshotCopy);
+  SnapshotCopy& c = *snap_;
+  uint64_t end = 0;
+  for (size_t i = 0; i < ts.size(); ++i) end = std::max<uint64_t>(end, offsets[i] + ts[i].entry.tensor.nbytes());
+  if (!ctx_.on_device()) {
+    // Views of the live host buffers: only the optimizer writes them (it waits).
+    c.copier = std::thread([ts = std::move(ts), dst, offsets] {
+      for (size_t i = 0; i < ts.size(); ++i) {
+        const Tensor& t = ts[i].entry.tensor;
+        if (t.numel() > 0) std::memcpy(dst + offsets[i], t.data_ptr(), t.nbytes());
+      }
+    });
+    c.in_flight = true;
+    return ok_status();
+  }
+#if TROUPE_HAVE_CUDA
+  bind_device();
+  const int dev = ctx_.ex.device.index;
+  if (c.staging_bytes < end) {
+    if (c.staging != nullptr) CUDA_CHECK(cudaFree(c.staging));
+    c.staging = nullptr;
+    if (cudaMalloc(&c.staging, end) != cudaSuccess) {
+      (void)cudaGetLastError();
+      c.staging_bytes = 0;
+      return resource_exhausted("snapshot: no device memory for the {} byte staging copy of rank {}'s state", end,
+                                rank_);
+    }
+    c.staging_bytes = end;
+  }
+  if (c.stream.get() == nullptr) {
+    c.stream = cuda::CudaStream::create(dev);
+    c.staged = cuda::CudaEvent::create(dev, /*timing=*/false);
+    c.landed = cuda::CudaEvent::create(dev, /*timing=*/false);
+  }
+  const cudaStream_t compute = ctx_.ex.cuda->stream;
+  auto* staging = static_cast<std::byte*>(c.staging);
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const Tensor& t = ts[i].entry.tensor;
+    if (t.numel() == 0) continue;
+    CUDA_CHECK(cudaMemcpyAsync(staging + offsets[i], t.data_ptr(), t.nbytes(), cudaMemcpyDeviceToDevice, compute));
+  }
+  c.staged.record(compute);
+  c.staged.wait_on(c.stream.get());
+  // The staging buffer mirrors the host layout: one copy (gaps between tensors are the
+  // alignment padding, zero in both).
+  CUDA_CHECK(cudaMemcpyAsync(dst, staging, end, cudaMemcpyDeviceToHost, c.stream.get()));
+  c.landed.record(c.stream.get());
+  c.in_flight = true;
+  return ok_status();
+#else
+  (void)dst;
+  return unimplemented("snapshot on {}: this build has no CUDA", ctx_.ex.device);
+#endif
+}
+
+Status Stage::snapshot_wait() {
+  if (!snap_ || !snap_->in_flight) return ok_status();
+  SnapshotCopy& c = *snap_;
+  if (c.copier.joinable()) c.copier.join();
+#if TROUPE_HAVE_CUDA
+  if (ctx_.on_device()) {
+    bind_device();
+    c.landed.synchronize();
+  }
+#endif
+  c.in_flight = false;
+  return ok_status();
+}
+
+void Stage::snapshot_fence() {
+  // The GPU's copy reads the staging buffer only: nothing to hold back.
+  if (!snap_ || ctx_.on_device()) return;
+  if (snap_->copier.joinable()) snap_->copier.join();
+}
+
+void Stage::pin_host(void* p, size_t bytes) {
+#if TROUPE_HAVE_CUDA
+  if (!ctx_.on_device() || p == nullptr || bytes == 0) return;
+  if (!snap_) snap_.reset(new SnapshotCopy);
+  if (snap_->pinned.count(p)) return;
+  bind_device();
+  // Page-locked, the device -> host copy runs at the link's speed and asynchronously.
+  if (cudaHostRegister(p, bytes, cudaHostRegisterPortable) == cudaSuccess) {
+    snap_->pinned[p] = bytes;
+  } else {
+    (void)cudaGetLastError();  // pageable still works, staged by the driver
+  }
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+void Stage::unpin_host(void* p) {
+#if TROUPE_HAVE_CUDA
+  if (!snap_ || !snap_->pinned.count(p)) return;
+  (void)snapshot_wait();
+  bind_device();
+  cudaHostUnregister(p);
+  snap_->pinned.erase(p);
+#else
+  (void)p;
+#endif
+}
+
+Status Stage::restore(const SliceSource& source, int64_t steps_done) {
+  TROUPE_RETURN_IF_ERROR(snapshot_wait());
+  clear_interrupted_step();
+  return import_state(source, steps_done);
+}
+
+}  // namespace troupe::training
