@@ -16,8 +16,11 @@
 #include "actors/training/checkpointing.h"
 #include "actors/training/control.h"
 #include "actors/training/role_actors.h"
+#include "actors/training/snapshots.h"
 #include "actors/training/stage.h"
 #include "actors/training/trainer.h"
+#include "checkpoint/snapshot_client.h"
+#include "checkpoint/snapshot_keeper.h"
 #include "comm/control/host_addr.h"
 #include "layers/token_data.h"
 
@@ -26,6 +29,8 @@ namespace troupe::training {
 using Clock = std::chrono::steady_clock;
 
 nlohmann::json ElasticPlan::to_json() const {
+  nlohmann::json parts = nlohmann::json::array();
+  for (const PartSource& s : snapshot_parts) parts.push_back({{"endpoints", s.endpoints}, {"xxh64", s.xxh64}});
   return nlohmann::json{{"epoch", epoch},
                         {"dp", dp},
                         {"grad_accum", grad_accum},
@@ -37,8 +42,10 @@ nlohmann::json ElasticPlan::to_json() const {
                         {"checkpoint", checkpoint},
                         {"ckpt_every", ckpt_every},
                         {"ckpt_dir", ckpt_dir},
-                        {"replica_step", replica_step},
-                        {"replica_every", replica_every}};
+                        {"snapshot_step", snapshot_step},
+                        {"snapshot_every", snapshot_every},
+                        {"snapshot_dp", snapshot_dp},
+                        {"snapshot_parts", parts}};
 }
 
 Result<ElasticPlan> ElasticPlan::from_json(const std::string& text) {
@@ -57,8 +64,13 @@ Result<ElasticPlan> ElasticPlan::from_json(const std::string& text) {
     p.checkpoint = j.value("checkpoint", "");
     p.ckpt_every = j.value("ckpt_every", int64_t{0});
     p.ckpt_dir = j.value("ckpt_dir", "");
-    p.replica_step = j.value("replica_step", int64_t{-1});
-    p.replica_every = j.value("replica_every", int64_t{0});
+    p.snapshot_step = j.value("snapshot_step", int64_t{-1});
+    p.snapshot_every = j.value("snapshot_every", int64_t{0});
+    p.snapshot_dp = j.value("snapshot_dp", int64_t{0});
+    for (const auto& s : j.value("snapshot_parts", nlohmann::json::array())) {
+      p.snapshot_parts.push_back(
+          PartSource{s.at("endpoints").get<std::vector<std::string>>(), s.at("xxh64").get<uint64_t>()});
+    }
     if (p.slots.size() != p.has_state.size() || p.dp < 1 || p.grad_accum < 1) {
       return data_loss("elastic: inconsistent plan: {}", text.substr(0, 200));
     }
@@ -125,11 +137,6 @@ int64_t wall_ms() {
       .count();
 }
 
-bool keeps_state_in_memory(const layers::TrainConfig& tc, bool gpu) {
-  if (!gpu) return true;
-  return tc.elastic.gpu_state == "memory" && std::max(tc.parallel.dp, tc.elastic.max_dp) > 1;
-}
-
 Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
   std::vector<FaultSpec> out;
   size_t pos = 0;
@@ -163,9 +170,9 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
     }
     f.phase = item.substr(c1 + 1, c2 - c1 - 1);
     if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
-        f.phase != "any" && f.phase != "start") {
+        f.phase != "snapshot" && f.phase != "any" && f.phase != "start") {
       return invalid_argument(
-          "elastic.inject: unknown phase '{}' (forward, alltoall, sync, checkpoint, any, start)", f.phase);
+          "elastic.inject: unknown phase '{}' (forward, alltoall, sync, snapshot, checkpoint, any, start)", f.phase);
     }
     char* end = nullptr;
     const std::string step_s = item.substr(at + 1, c1 - at - 1), slot_s = item.substr(c2 + 1);
@@ -206,6 +213,7 @@ bool phase_matches(const std::string& phase, std::string_view what) {
   if (phase == "alltoall") return what.rfind("expert dispatch", 0) == 0;
   if (phase == "sync") return what.rfind("grads", 0) == 0 || what.rfind("bf16 grads", 0) == 0;
   if (phase == "checkpoint") return what.rfind("checkpoint write", 0) == 0;
+  if (phase == "snapshot") return what.rfind("snapshot of step", 0) == 0;
   return false;
 }
 
@@ -222,7 +230,13 @@ void fault_hook(std::string_view what) {
       }
       continue;
     }
-    if (fs->fired[i] || f.slot != fs->slot || f.step != fs->step.load() || !phase_matches(f.phase, what)) continue;
+    // A checkpoint is written by the snapshot's writer thread while later steps run: its
+    // point names its own step.
+    int64_t at = fs->step.load();
+    if (constexpr std::string_view kCkpt = "checkpoint write of step "; what.rfind(kCkpt, 0) == 0) {
+      at = std::strtoll(std::string(what.substr(kCkpt.size())).c_str(), nullptr, 10);
+    }
+    if (fs->fired[i] || f.slot != fs->slot || f.step != at || !phase_matches(f.phase, what)) continue;
     fs->fired[i] = true;
     (void)fs->store->set(elastic_key(fs->job, fmt::format("fault/{}", fs->slot)),
                          nlohmann::json{{"ts_ms", wall_ms()}, {"what", std::string(what)}, {"step", f.step}}.dump());
@@ -254,22 +268,6 @@ layers::TrainConfig layout_config(const layers::TrainConfig& tc, const ElasticPl
   out.parallel.dp = plan.dp;
   out.train.grad_accum = plan.grad_accum;
   return out;
-}
-
-// The column's source: the lowest dp index of this rank's (pp, n) column holding state.
-Result<int> source_dp(const ElasticPlan& plan, const layers::TrainConfig& tc, int rank) {
-  TROUPE_ASSIGN_OR_RETURN(ParallelLayout layout,
-                          ParallelLayout::make(static_cast<int>(tc.parallel.pp), static_cast<int>(plan.dp),
-                                               static_cast<int>(tc.parallel.n)));
-  const ParallelCoord me = layout.coord(rank);
-  for (int d = 0; d < layout.dp(); ++d) {
-    ParallelCoord c = me;
-    c.dp = d;
-    if (plan.has_state[static_cast<size_t>(layout.rank_of(c))]) return d;
-  }
-  return unavailable("epoch {}: no survivor holds the state of column pp={} n={} (every dp replica was lost; a "
-                     "checkpoint restore is needed)",
-                     plan.epoch, me.pp, me.n);
 }
 
 // The store the Stage's communicators rendezvous through: waits are cut into short slices
@@ -311,12 +309,12 @@ class ElasticWorker {
         slot_(slot),
         epoch_(epoch),
         ctx_(ctx),
-        keep_state_(keeps_state_in_memory(tc, ctx.on_device())),
         comm_store_(store, cancel_) {}
   ~ElasticWorker() {
     stop_watcher_ = true;
     if (watcher_.joinable()) watcher_.join();
-    actors_.reset();  // no plan handler runs on a half-destroyed worker
+    actors_.reset();  // no plan or commit handler runs on a half-destroyed worker
+    snapshotter_.reset();  // before the Stage it copies
   }
 
   Status run();
@@ -339,13 +337,10 @@ class ElasticWorker {
   // for its rank.
   Status join(const ElasticPlan& plan);
   Status join_epoch(const ElasticPlan& plan);
-  // After step `step`: starts this rank's checkpoint part when one is due, noting it in
-  // `reply` ("ckpt_started", "ckpt_blocked_ms"; a failure as "ckpt_errors").
-  // `force`: also off the every-K schedule.
-  Status save_checkpoint(int64_t step, StepReply& reply, bool force = false);
-  // Notes in `reply` ("durable": [step]) a part that became durable since the last
-  // reply, or its failure ("ckpt_errors"); `wait`: waits for the write in flight first.
-  Status report_durable(StepReply& reply, bool wait);
+  // The keeper of this node's snapshots (TROUPE_SNAPSHOT_KEEPER, else one in this process).
+  Status connect_keeper();
+  // This epoch's snapshots of this rank (after a restore of `restored_step`, or -1).
+  Status start_snapshots(int64_t restored_step);
   void watch();
 
   layers::TrainConfig tc_;
@@ -356,9 +351,6 @@ class ElasticWorker {
   std::mutex mu_;                 // guards stage_ swaps, epoch_/adopting_ against the watcher
   uint64_t epoch_;                // current epoch (main thread writes under mu_)
   layers::Ctx ctx_;               // where the Stage lives (the CPU, or this worker's GPU)
-  // The committed state in memory (rollback, restore from a dp peer): see
-  // keeps_state_in_memory (GPU workers of a job without data parallelism keep none).
-  bool keep_state_;
   uint64_t adopting_ = 0;         // highest epoch whose plan the main thread took over
   uint64_t aborted_for_ = 0;      // highest epoch whose opening aborted the communicators (under mu_)
   // Plans the Trainer sent the stage actor (ElasticPlan messages), by epoch (under mu_);
@@ -370,13 +362,15 @@ class ElasticWorker {
   nlohmann::json ready_info_;             // what join_epoch tells the Trainer with "ready"
   int rank_ = -1;
   int64_t dp_ = 0;
-  // Elastic checkpoints: every ckpt_every_ steps into ckpt_dir_ (0: off); the writer is
-  // made for the current layout and rank.
+  // Checkpoints: every ckpt_every_ steps into ckpt_dir_ (0: off), written from the
+  // committed snapshot of that step; snapshots every snapshot_every_ steps.
   int64_t ckpt_every_ = 0;
-  int64_t replica_every_ = 0;  // neighbour replicas (the plan's replica_every)
-  size_t plan_world_ = 0;      // ranks of the current epoch
+  int64_t snapshot_every_ = 0;
   std::string ckpt_dir_;
-  std::unique_ptr<RankCheckpointer> writer_;
+  std::unique_ptr<checkpoint::SnapshotKeeper> own_keeper_;  // when no node keeper serves this worker
+  std::shared_ptr<checkpoint::SnapshotClient> keeper_;
+  std::unique_ptr<Snapshotter> snapshotter_;  // swapped under mu_ (the commit handler reads it)
+  int64_t failed_snapshot_ = -1;              // the snapshot a failed join could not restore
   std::thread watcher_;
   std::atomic<bool> stop_watcher_{false};
   std::atomic<bool> cancel_{false};  // set when epoch_+1 opened: in-progress rendezvous give up
@@ -451,83 +445,119 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
   // Tells the driver this worker took the plan over (a worker that never does is wedged).
   TROUPE_RETURN_IF_ERROR(store_.set(key(fmt::format("adopted/{}/{}", plan.epoch, slot_)), std::to_string(wall_ms())));
   const int rank = plan.rank_of_slot(slot_);
-  plan_world_ = plan.slots.size();
-  const layers::TrainConfig tc = layout_config(tc_, plan);
   comm::StoreNamespace ns;
   ns.job = job_;
   ns.epoch = plan.epoch;
-  if (plan.replica_step >= 0) {
-    // Every rank goes back to the neighbour replicas' step (no dp peer held a lost rank's
-    // state, but its successor keeps a copy).
-    if (stage_ && plan.dp == dp_ && rank == rank_) {
-      TROUPE_RETURN_IF_ERROR(stage_->rebuild_comms(ns));
-    } else {
-      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
-      std::lock_guard<std::mutex> lock(mu_);
-      stage_ = std::move(s);
-    }
-    TROUPE_RETURN_IF_ERROR(stage_->restore_from_replicas(plan.has_state, plan.replica_step));
-    if (rank != rank_ || plan.dp != dp_) writer_.reset();
-    rank_ = rank;
-    dp_ = plan.dp;
-    ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}, {"from", "replicas"}};
-    return ok_status();
+  // The snapshots of the old epoch end first (a copy in flight lands before the state
+  // changes; outside the lock: the watcher beats meanwhile).
+  std::unique_ptr<Snapshotter> old;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    old = std::move(snapshotter_);
   }
-  if (!plan.checkpoint.empty()) {
-    // Every rank goes back to the checkpoint (a column lost every replica).
+  old.reset();
+  // The Stage of this epoch: the same one with its communicators rebuilt when the rank
+  // and dp stay, else a new one.
+  const bool kept = stage_ && plan.epoch > 0 && plan.dp == dp_ && rank == rank_;
+  if (kept) {
+    TROUPE_RETURN_IF_ERROR(stage_->rebuild_comms(ns));
+  } else {
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
+    std::lock_guard<std::mutex> lock(mu_);
+    stage_ = std::move(s);
+  }
+  rank_ = rank;
+  dp_ = plan.dp;
+  ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}};
+  int64_t restored = -1;
+  if (plan.snapshot_step >= 0) {
+    // Every rank goes back to the snapshot, from its node's keeper (or through it from
+    // the keeper holding the part's copy).
+    const auto t0 = Clock::now();
+    if (!keeper_) return failed_precondition("elastic: the plan restores a snapshot but this worker has no keeper");
+    if (Status st = restore_snapshot(*keeper_, job_, plan, rank, *stage_); !st.ok()) {
+      failed_snapshot_ = plan.snapshot_step;
+      return Status(StatusCode::kDataLoss, st.message());
+    }
+    restored = plan.snapshot_step;
+    ready_info_["from"] = fmt::format("snapshot {}", plan.snapshot_step);
+    ready_info_["restore_ms"] = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
+  } else if (!plan.checkpoint.empty()) {
+    // Every rank goes back to the checkpoint (no usable snapshot; or a resumed job).
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::CheckpointReader> reader,
                             checkpoint::CheckpointReader::open(plan.checkpoint));
     if (reader->step() != plan.step_done) {
       return failed_precondition("elastic: checkpoint {} is of step {}, the plan says {}", plan.checkpoint,
                                  reader->step(), plan.step_done);
     }
-    if (stage_ && plan.dp == dp_ && rank == rank_) {
-      TROUPE_RETURN_IF_ERROR(stage_->rebuild_comms(ns));
-    } else {
-      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
-      std::lock_guard<std::mutex> lock(mu_);
-      stage_ = std::move(s);
-    }
     // Any saved layout (the job may have changed dp since the save): each rank reads its
-    // owned slices; the dp group then replicates the moments and commits the state.
-    TROUPE_RETURN_IF_ERROR(stage_->load_checkpoint(*reader));
-    if (keep_state_) stage_->commit_imported(plan.step_done);
-    if (rank != rank_ || plan.dp != dp_) writer_.reset();
-    rank_ = rank;
-    dp_ = plan.dp;
-    ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}, {"from", plan.checkpoint}};
+    // owned slices.
+    const int64_t adam = reader->manifest().metadata.value("adam_steps", reader->step());
+    TROUPE_RETURN_IF_ERROR(stage_->restore(slice_source(*reader), adam));
+    ready_info_["from"] = plan.checkpoint;
+  } else if (plan.epoch > 0) {
+    // Nobody was lost: a rank keeps its live state if the interrupted command left it
+    // after step_done (the optimizer, the first writer of the state, had not run).
+    if (!kept || stage_->steps_done() != plan.step_done) {
+      return failed_precondition(
+          "elastic: rank {} cannot keep its state for epoch {}: it {} (the plan goes back to step {})", rank,
+          plan.epoch, kept ? fmt::format("has run {} steps", stage_->steps_done()) : std::string("has a new stage"),
+          plan.step_done);
+    }
+    stage_->clear_interrupted_step();
+    ready_info_["from"] = "kept";
+  }
+  return start_snapshots(restored);
+}
+
+Status ElasticWorker::connect_keeper() {
+  if (snapshot_every_ <= 0 && ckpt_every_ <= 0) return ok_status();
+  const char* path = std::getenv(checkpoint::kSnapshotKeeperEnv);
+  if (path == nullptr || *path == '\0') {
+    // Nobody holds this node's snapshots (a launcher without a keeper): a keeper in this
+    // process still makes checkpoints, but its snapshots die with the worker.
+    char host[256] = {0};
+    ::gethostname(host, sizeof(host) - 1);
+    TROUPE_ASSIGN_OR_RETURN(own_keeper_, checkpoint::SnapshotKeeper::start(
+                                             {.node = fmt::format("{}-worker{}", host, slot_), .host_addr = ""}));
+    fmt::print(stderr,
+               "elastic: slot {}: no snapshot keeper serves this worker ({} is not set): its snapshots live in "
+               "its own process and do not survive it\n",
+               slot_, checkpoint::kSnapshotKeeperEnv);
+    std::fflush(stderr);
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::SnapshotClient> c,
+                            checkpoint::SnapshotClient::connect(own_keeper_->socket_path()));
+    keeper_ = std::move(c);
     return ok_status();
   }
-  if (!stage_) {
-    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
-    std::lock_guard<std::mutex> lock(mu_);
-    stage_ = std::move(s);
-  } else {
-    TROUPE_RETURN_IF_ERROR(stage_->rollback(plan.step_done));
-    if (plan.dp == dp_ && rank == rank_) {
-      TROUPE_RETURN_IF_ERROR(stage_->rebuild_comms(ns));
-    } else {
-      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
-      TROUPE_RETURN_IF_ERROR(s->import_state(*stage_));
-      std::lock_guard<std::mutex> lock(mu_);
-      stage_ = std::move(s);
-    }
-  }
-  if (rank != rank_ || plan.dp != dp_) writer_.reset();
-  rank_ = rank;
-  dp_ = plan.dp;
-  if (plan.epoch > 0) {
-    TROUPE_ASSIGN_OR_RETURN(int src, source_dp(plan, tc, rank));
-    stage_->sync_state(src, plan.step_done);
-  } else if (keep_state_) {
-    stage_->commit(plan.step_done);
-  }
-  ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}};
+  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::SnapshotClient> c, checkpoint::SnapshotClient::connect(path));
+  keeper_ = std::move(c);
   return ok_status();
 }
 
-// A failed save is not a failed worker: it is reported (StepReply::ckpt_errors) and
-// training goes on; the Trainer abandons that checkpoint.
+Status ElasticWorker::start_snapshots(int64_t restored_step) {
+  if (!keeper_) return ok_status();
+  SnapshotterOptions o;
+  o.job = job_;
+  o.rank = rank_;
+  o.slot = slot_;
+  o.epoch = epoch_;
+  o.every = snapshot_every_;
+  o.ckpt_every = ckpt_every_;
+  o.ckpt_dir = ckpt_dir_;
+  o.ckpt_bytes_per_s = static_cast<uint64_t>(tc_.checkpoint.max_mb_per_s * 1e6);
+  o.restored_step = restored_step;
+  o.send_landed = [this](const SnapshotLanded& l) {
+    if (!actors_->send(l).ok()) {
+      fmt::print(stderr, "snapshot: slot {} could not tell the driver that step {} landed\n", slot_, l.step);
+    }
+  };
+  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Snapshotter> s, Snapshotter::create(keeper_, *stage_, std::move(o)));
+  std::lock_guard<std::mutex> lock(mu_);
+  snapshotter_ = std::move(s);
+  return ok_status();
+}
+
 namespace {
 
 void fill_step_reply(const StepReport& r, StepReply& m) {
@@ -548,59 +578,7 @@ void fill_step_reply(const StepReport& r, StepReply& m) {
   m.host_syncs = r.host_syncs;
 }
 
-void note_ckpt_error(StepReply& reply, int64_t step, const Status& st) {
-  reply.ckpt_errors.emplace_back(step, st.to_string());
-  fmt::print(stderr, "checkpoint: this rank could not save step {}: {}\n", step, st.to_string());
-  std::fflush(stderr);
-}
 }  // namespace
-
-Status ElasticWorker::save_checkpoint(int64_t step, StepReply& reply, bool force) {
-  if (ckpt_every_ <= 0 || (!force && step % ckpt_every_ != 0)) return ok_status();
-  if (!writer_) {
-    Result<std::unique_ptr<RankCheckpointer>> w = RankCheckpointer::create(
-        ckpt_dir_, stage_->state_layout(), rank_, static_cast<uint64_t>(tc_.checkpoint.max_mb_per_s * 1e6));
-    if (!w.ok()) {
-      note_ckpt_error(reply, step, w.status());
-      return ok_status();
-    }
-    writer_ = std::move(w).value();
-  }
-  // The previous save first (blocked time): its outcome is reported in this reply.
-  TROUPE_RETURN_IF_ERROR(report_durable(reply, /*wait=*/true));
-  // Right after the step: the live state is the committed one. The same part as a normal
-  // training rank's, so the checkpoint is issue 8's format. Only the snapshot into the
-  // writer's host buffer blocks the step; the write goes on in the background and a later
-  // reply says when it is durable (report_durable).
-  TROUPE_ASSIGN_OR_RETURN(StageState st, stage_->export_state(StateScope::kSave, /*copy=*/false));
-  if (st.step != step) {
-    return failed_precondition("checkpoint: asked to save step {} but the stage has run {} steps", step,
-                               st.step);
-  }
-  const auto t0 = Clock::now();
-  Result<SaveFigures> f = writer_->save(st);
-  if (!f.ok()) {
-    note_ckpt_error(reply, step, f.status());
-    return ok_status();
-  }
-  reply.ckpt_started = step;
-  reply.ckpt_blocked_ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
-  reply.ckpt_bytes = static_cast<int64_t>(f->bytes);
-  fault_point(fmt::format("checkpoint write of step {}", step));
-  return ok_status();
-}
-
-Status ElasticWorker::report_durable(StepReply& reply, bool wait) {
-  if (!writer_) return ok_status();
-  const int64_t step = writer_->pending_step();
-  Result<int64_t> durable = writer_->poll_durable(wait);
-  if (!durable.ok()) {
-    note_ckpt_error(reply, step, durable.status());
-  } else if (*durable >= 0) {
-    reply.durable.push_back(*durable);
-  }
-  return ok_status();
-}
 
 void ElasticWorker::watch() {
   int64_t beat = 0;
@@ -630,21 +608,26 @@ Status ElasticWorker::run() {
   TROUPE_ASSIGN_OR_RETURN(
       actors_, WorkerActors::start(slot_, control::host_addr(), store_, key(fmt::format("actors/{}", slot_)),
                                    std::move(device)));
-  // Plans of new epochs the Trainer sends the stage actor (rebuild).
+  // Plans of new epochs the Trainer sends the stage actor (rebuild), and snapshot commits.
   actors_->on_plan([this](const ElasticPlan& p) { on_plan(p); });
+  actors_->on_commit([this](const SnapshotCommitted& c) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (snapshotter_) snapshotter_->on_commit(c);
+  });
   // Replies and failure reports go to the driver's trainer actor.
   TROUPE_RETURN_IF_ERROR(
       actors_->connect_driver(store_, key("actors/driver"), std::chrono::milliseconds(120000)));
   TROUPE_ASSIGN_OR_RETURN(ElasticPlan plan, read_plan(epoch_, std::chrono::milliseconds(120000)));
   if (plan.rank_of_slot(slot_) < 0) return invalid_argument("elastic: slot {} is not in the plan of epoch {}", slot_, epoch_);
-  // The job's checkpoints (the driver's choice, the same in every plan).
+  // The job's snapshots and checkpoints (the driver's choice, the same in every plan).
   ckpt_every_ = plan.ckpt_every;
-  replica_every_ = plan.replica_every;
+  snapshot_every_ = plan.snapshot_every;
   ckpt_dir_ = plan.ckpt_dir;
   if (ckpt_every_ > 0 && ckpt_dir_.empty()) {
     return invalid_argument("elastic: the plan asks for checkpoints every {} steps but names no directory",
                             ckpt_every_);
   }
+  TROUPE_RETURN_IF_ERROR(connect_keeper());
   adopting_ = epoch_;
   watcher_ = std::thread([this] { watch(); });
   bool healthy = true;
@@ -659,7 +642,8 @@ Status ElasticWorker::run() {
   while (true) {
     if (!healthy) {
       (void)actors_->report(WorkerFailure{epoch_, slot_, rank_, static_cast<uint16_t>(st.code()),
-                                          actor_id("stage", rank_), st.to_string(), wall_ms()});
+                                          actor_id("stage", rank_), st.to_string(), wall_ms(),
+                                          std::exchange(failed_snapshot_, -1)});
       fmt::print(stderr, "elastic: slot {} (rank {}) failed in epoch {}: {}\n", slot_, rank_, epoch_, st.to_string());
       std::fflush(stderr);
     }
@@ -714,19 +698,9 @@ Status ElasticWorker::run() {
           const StepReport rep = stage_->run_step(cmd.step);
           actors_->step_done(cmd.step, rep.step_ms);
           fill_step_reply(rep, reply);
-          if (keep_state_) {
-            const auto c0 = Clock::now();
-            stage_->replicate_optimizer();
-            stage_->commit(cmd.step);
-            reply.commit_ms = std::chrono::duration<double>(Clock::now() - c0).count() * 1e3;
-            if (replica_every_ > 0 && cmd.step % replica_every_ == 0 && plan_world_ > 1) {
-              const auto r0 = Clock::now();
-              stage_->refresh_replica();
-              reply.replica = cmd.step;
-              reply.replica_ms = std::chrono::duration<double>(Clock::now() - r0).count() * 1e3;
-            }
-          }
-          TROUPE_RETURN_IF_ERROR(save_checkpoint(cmd.step, reply));
+          // The snapshot's copy runs while the next step does.
+          if (snapshotter_) snapshotter_->after_step(cmd.step, SnapshotDue::kSchedule, reply);
+          fault_point(fmt::format("snapshot of step {}", cmd.step));
           break;
         }
         case Command::Kind::kEval:
@@ -734,12 +708,18 @@ Status ElasticWorker::run() {
           break;
         case Command::Kind::kStop:
           break;
-        case Command::Kind::kSave:  // a checkpoint off the every-K schedule (the job's last step)
+        case Command::Kind::kSave:      // a checkpoint off the every-K schedule (the job's last step)
+        case Command::Kind::kSnapshot:  // a snapshot off the schedule (a planned membership change)
           if (stage_->steps_done() != cmd.step) {
-            return failed_precondition("save step {}: this rank has run {} steps", cmd.step,
-                                       stage_->steps_done());
+            return failed_precondition("{} of step {}: this rank has run {} steps", command_kind_name(cmd.kind),
+                                       cmd.step, stage_->steps_done());
           }
-          TROUPE_RETURN_IF_ERROR(save_checkpoint(cmd.step, reply, /*force=*/true));
+          if (!snapshotter_) {
+            return failed_precondition("{} of step {}: this worker takes no snapshots", command_kind_name(cmd.kind),
+                                       cmd.step);
+          }
+          snapshotter_->after_step(
+              cmd.step, cmd.kind == Command::Kind::kSave ? SnapshotDue::kCheckpoint : SnapshotDue::kNow, reply);
           break;
       }
     } catch (const CommFailure& e) {
@@ -747,7 +727,11 @@ Status ElasticWorker::run() {
       healthy = false;
       continue;
     }
-    TROUPE_RETURN_IF_ERROR(report_durable(reply, cmd.kind == Command::Kind::kStop));
+    if (snapshotter_) snapshotter_->report(reply, cmd.kind == Command::Kind::kStop);
+    if (cmd.kind == Command::Kind::kStop && keeper_) {
+      // The job is over: this rank's snapshots (and their copies) can go.
+      (void)keeper_->release(job_, rank_);
+    }
     reply.rank = rank_;
     reply.slot = slot_;
     reply.epoch = epoch_;

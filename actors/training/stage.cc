@@ -662,6 +662,7 @@ StepReport Stage::run_step(int64_t step) {
   rep.comm_ms_mean = v[3] / layout_->world_size() * 1e3;
   rep.lr = tc_.lr.at(step);
 
+  snapshot_fence();  // a snapshot's copy still reading the state (CPU)
   const int64_t opt_t0 = comm::Work::now_ns();
   opt_->step(ctx_, rep.lr, rep.grad_norm);
   time_.span("main", "optimizer", opt_t0, comm::Work::now_ns());

@@ -1,6 +1,6 @@
 // actors/training/stage_snapshot.cc — the Stage's snapshot members (stage.h, "snapshots"):
-// which tensors a snapshot holds, the asynchronous copy of them into host memory after a
-// step, and the restore from a snapshot's parts.
+// the asynchronous copy of its state (Stage::snapshot_tensors, stage_state.cc) into host
+// memory after a step, and the restore from a snapshot's parts.
 //
 // The copy never stalls the step that follows it, and never reads a tensor the step is
 // writing:
@@ -15,6 +15,8 @@
 #include <fmt/format.h>
 
 #include <cstring>
+#include <future>
+#include <mutex>
 #include <thread>
 
 #include "actors/training/stage.h"
@@ -30,23 +32,27 @@
 
 namespace troupe::training {
 
+// Threads: snapshot_into, snapshot_fence and the destructor run on the step thread;
+// snapshot_wait may run on another (the worker's snapshot thread) at the same time.
 struct Stage::SnapshotCopy {
-  // CPU: the copy in flight.
+  std::mutex mu;
+  // CPU: the copier thread of the copy in flight and its completion (waitable by many).
   std::thread copier;
+  std::shared_future<void> copied;
   // GPU: the staging buffer, the stream and the event that ends the device -> host copy.
   void* staging = nullptr;
   size_t staging_bytes = 0;
+  bool gpu_pending = false;
 #if TROUPE_HAVE_CUDA
   cuda::CudaStream stream;
   cuda::CudaEvent staged, landed;
 #endif
-  bool in_flight = false;
   std::map<void*, size_t> pinned;
 
   ~SnapshotCopy() {
     if (copier.joinable()) copier.join();
 #if TROUPE_HAVE_CUDA
-    if (in_flight) landed.synchronize();
+    if (gpu_pending) landed.synchronize();
     if (staging != nullptr) cudaFree(staging);
     for (const auto& [p, n] : pinned) cudaHostUnregister(p);
 #endif
@@ -54,40 +60,6 @@ struct Stage::SnapshotCopy {
 };
 
 void Stage::SnapshotCopyDeleter::operator()(SnapshotCopy* c) const { delete c; }
-
-Result<std::vector<Stage::SnapshotTensor>> Stage::snapshot_tensors() const {
-  const_cast<Stage*>(this)->settle();  // the parameter all-gather of the last step (overlap)
-  TROUPE_ASSIGN_OR_RETURN(std::vector<StateTensor> tensors, state_tensors());
-  const ParallelLayout layout = state_layout();
-  std::vector<SnapshotTensor> saved, held;
-  for (const StateTensor& t : tensors) {
-    TROUPE_ASSIGN_OR_RETURN(std::optional<checkpoint::Slice> own,
-                            checkpoint::owned_slice(t.name, t.global, t.placement, layout, coord_));
-    if (!own) continue;
-    std::optional<checkpoint::Slice> save;
-    if (t.savable) {
-      TROUPE_ASSIGN_OR_RETURN(save, checkpoint::save_slice(t.name, t.global, t.placement, layout, coord_));
-    }
-    // What a checkpoint saves from this rank is all of what it holds of a tensor, or none.
-    if (save && *save != *own) {
-      return internal_error("snapshot: '{}' saves {} of the {} this rank holds", t.name,
-                            checkpoint::slice_to_string(*save), checkpoint::slice_to_string(*own));
-    }
-    if (checkpoint::slice_numel(*own) != t.local.numel() || !t.local.is_contiguous()) {
-      return internal_error("snapshot: '{}' holds {} elements (contiguous: {}) but owns slice {}", t.name,
-                            t.local.numel(), t.local.is_contiguous(), checkpoint::slice_to_string(*own));
-    }
-    SnapshotTensor s;
-    s.entry.name = t.name;
-    s.entry.global_shape = t.global;
-    for (const auto& r : *own) s.entry.offsets.push_back(r.start);
-    s.entry.tensor = t.local.view(checkpoint::slice_shape(*own));
-    s.saved = save.has_value();
-    (s.saved ? saved : held).push_back(std::move(s));
-  }
-  saved.insert(saved.end(), std::make_move_iterator(held.begin()), std::make_move_iterator(held.end()));
-  return saved;
-}
 
 Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets) {
   TROUPE_ASSIGN_OR_RETURN(std::vector<SnapshotTensor> ts, snapshot_tensors());
@@ -97,17 +69,23 @@ Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets
   TROUPE_RETURN_IF_ERROR(snapshot_wait());  // one copy at a time
   if (!snap_) snap_.reset(new SnapshotCopy);
   SnapshotCopy& c = *snap_;
+  if (c.copier.joinable()) c.copier.join();
   uint64_t end = 0;
   for (size_t i = 0; i < ts.size(); ++i) end = std::max<uint64_t>(end, offsets[i] + ts[i].entry.tensor.nbytes());
   if (!ctx_.on_device()) {
     // Views of the live host buffers: only the optimizer writes them (it waits).
-    c.copier = std::thread([ts = std::move(ts), dst, offsets] {
+    std::promise<void> done;
+    {
+      std::lock_guard lock(c.mu);
+      c.copied = done.get_future().share();
+    }
+    c.copier = std::thread([ts = std::move(ts), dst, offsets, done = std::move(done)]() mutable {
       for (size_t i = 0; i < ts.size(); ++i) {
         const Tensor& t = ts[i].entry.tensor;
         if (t.numel() > 0) std::memcpy(dst + offsets[i], t.data_ptr(), t.nbytes());
       }
+      done.set_value();
     });
-    c.in_flight = true;
     return ok_status();
   }
 #if TROUPE_HAVE_CUDA
@@ -142,7 +120,8 @@ Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets
   // alignment padding, zero in both).
   CUDA_CHECK(cudaMemcpyAsync(dst, staging, end, cudaMemcpyDeviceToHost, c.stream.get()));
   c.landed.record(c.stream.get());
-  c.in_flight = true;
+  std::lock_guard lock(c.mu);
+  c.gpu_pending = true;
   return ok_status();
 #else
   (void)dst;
@@ -151,23 +130,38 @@ Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets
 }
 
 Status Stage::snapshot_wait() {
-  if (!snap_ || !snap_->in_flight) return ok_status();
+  if (!snap_) return ok_status();
   SnapshotCopy& c = *snap_;
-  if (c.copier.joinable()) c.copier.join();
+  std::shared_future<void> copied;
+  bool gpu = false;
+  {
+    std::lock_guard lock(c.mu);
+    copied = c.copied;
+    gpu = c.gpu_pending;
+  }
+  if (copied.valid()) copied.wait();
 #if TROUPE_HAVE_CUDA
-  if (ctx_.on_device()) {
+  if (gpu) {
     bind_device();
     c.landed.synchronize();
+    std::lock_guard lock(c.mu);
+    c.gpu_pending = false;
   }
+#else
+  (void)gpu;
 #endif
-  c.in_flight = false;
   return ok_status();
 }
 
 void Stage::snapshot_fence() {
   // The GPU's copy reads the staging buffer only: nothing to hold back.
   if (!snap_ || ctx_.on_device()) return;
-  if (snap_->copier.joinable()) snap_->copier.join();
+  std::shared_future<void> copied;
+  {
+    std::lock_guard lock(snap_->mu);
+    copied = snap_->copied;
+  }
+  if (copied.valid()) copied.wait();
 }
 
 void Stage::pin_host(void* p, size_t bytes) {
@@ -175,6 +169,7 @@ void Stage::pin_host(void* p, size_t bytes) {
   if (!ctx_.on_device() || p == nullptr || bytes == 0) return;
   if (!snap_) snap_.reset(new SnapshotCopy);
   if (snap_->pinned.count(p)) return;
+  (void)snapshot_wait();
   bind_device();
   // Page-locked, the device -> host copy runs at the link's speed and asynchronously.
   if (cudaHostRegister(p, bytes, cudaHostRegisterPortable) == cudaSuccess) {

@@ -15,9 +15,9 @@
 // - join_timeout: a worker does not join the new epoch within elastic.join_timeout_ms
 //   (default 30000; e.g. its step thread is wedged): killed and replaced (last resort).
 // Recovery: a plan for epoch e+1 (a new slot per lost worker, or fewer dp replicas when no
-// spare is left and elastic.min_dp allows), the replacements are started, every
-// worker restores the state after the last step all ranks completed (from a dp peer), and
-// the interrupted command is issued again. Recorded: detection_ms (from the injected
+// spare is left and elastic.min_dp allows), the replacements are started, every worker
+// restores the newest complete in-memory snapshot (snapshot_ledger.h; else the last
+// checkpoint), and the steps after it run again. Recorded: detection_ms (from the injected
 // fault's time where known), recovery_ms (detection to the next completed command) and
 // steps_lost.
 // Rescale: writing "N" to <run dir>/scale_request asks for dp=N at the next step boundary
@@ -55,7 +55,9 @@
 #include "actors/training/control.h"
 #include "actors/training/elastic.h"
 #include "actors/training/role_actors.h"
+#include "actors/training/snapshot_ledger.h"
 #include "checkpoint/reader.h"
+#include "checkpoint/snapshot_keeper.h"
 #include "checkpoint/writer.h"
 #include "comm/control/host_addr.h"
 #include "core/parallel_layout.h"
@@ -169,13 +171,17 @@ class Trainer {
   void track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step,
                         std::optional<Failure>& failure);
   void write_status(int64_t step);
-  // After an epoch every worker joined: they all hold the committed state in memory —
-  // unless keeps_state_in_memory says they keep none (GPU workers without data
-  // parallelism: their recovery is a checkpoint restore).
-  void mark_stateful() {
-    if (!keeps_state_in_memory(tc_, o_.gpu)) return;
-    stateful_ = std::set<int>(plan_.slots.begin(), plan_.slots.end());
-  }
+  // Snapshots: takes the parts the workers reported landed, commits every complete
+  // snapshot of a step this driver has seen completed, and announces it.
+  Status poll_snapshots();
+  // Takes a snapshot of `step` (the step just completed) off the schedule and waits until
+  // it is committed (a planned membership change goes back to it: no step lost). False
+  // when it was not (a failure meanwhile was recovered from, or no snapshots are taken).
+  Result<bool> snapshot_now(int64_t step);
+  // What every rank of plan `p` restores (p.step_done is the newest step it may go back
+  // to): its live state when nobody was lost (`keep`), else the newest usable snapshot,
+  // else the newest valid checkpoint. Sets p.step_done to it.
+  Status choose_restore(ElasticPlan& p, bool keep, const std::string& why);
   Result<ElasticPlan> plan_for(int64_t dp, const std::vector<int>& keep_dp, int64_t step_done,
                                const std::string& why, std::vector<int>& spawn_slots,
                                std::vector<int>& leaving);
@@ -210,7 +216,6 @@ class Trainer {
   int straggler_window_ = 5;
   bool straggler_replace_ = false;
   int64_t recoveries_ = 0;
-  std::set<int> stateful_;  // slots holding the committed state (last ready epoch)
   std::vector<nlohmann::json> last_replies_;
   std::vector<nlohmann::json> last_step_replies_;  // of the last step command (status.json's times)
   std::optional<int64_t> rewound_to_;
@@ -237,10 +242,21 @@ class Trainer {
   // that comes back every time (a bad disk, a deterministic crash) must end the job, not
   // loop through recoveries.
   int failures_without_progress_ = 0;
-  // Neighbour replicas (elastic.replica_every; CPU workers only): the step every rank last
-  // refreshed them at, in which layout (-1: none usable).
-  int64_t replica_every_ = 0;
-  int64_t replica_step_ = -1, replica_dp_ = 0, replica_world_ = 0;
+  // In-memory snapshots (elastic.snapshot_every): what landed and what is committed; the
+  // standalone launcher's keeper (under the scheduler each node's agent runs one).
+  int64_t snapshot_every_ = 0;
+  SnapshotLedger snaps_;
+  std::set<int64_t> snaps_complete_;  // complete, waiting for their step's reply to commit
+  std::set<int64_t> forced_ckpts_;    // checkpoints asked for off the schedule (kSave)
+  std::unique_ptr<checkpoint::SnapshotKeeper> keeper_;
+  // The step every rank has completed in the current timeline (rewinds go back).
+  int64_t step_done_now_ = 0;
+  // Tokens seen after each step (a snapshot's and a checkpoint's data position).
+  std::map<int64_t, int64_t> tokens_after_;
+  // A rebuild with nobody lost lets every rank keep its live state; once such an epoch
+  // failed, recoveries restore a snapshot until one succeeds.
+  bool keep_failed_ = false;
+  int64_t last_snapshot_failed_ = -1;  // reported once, not by every rank
   std::string epoch_failure_;  // the first failure a worker reported in the current epoch
   int64_t max_step_completed_ = 0;
   // What every checkpoint records besides the workers' parts (config text, tokenizer,
@@ -451,7 +467,23 @@ std::optional<Failure> Trainer::check_heartbeats() {
 Result<std::optional<Failure>> Trainer::check_errors(Clock::time_point& first_err) {
   // Failures the workers reported to the trainer actor (typed: code, actor, text).
   for (const WorkerFailure& f : actors_->take_failures()) {
-    if (f.epoch != plan_.epoch || !epoch_failure_.empty()) continue;
+    if (f.epoch != plan_.epoch) continue;
+    if (f.snapshot_step >= 0 && f.snapshot_step == plan_.snapshot_step) {
+      // A part of the snapshot this epoch restores is lost or damaged: the next recovery
+      // goes back to an older one.
+      if (const SnapshotRecord* rec = snaps_.find(f.snapshot_step); rec && rec->unusable.empty()) {
+        snaps_.mark_unusable(f.snapshot_step, f.text);
+        event({{"event", "snapshot_unusable"},
+               {"step", f.snapshot_step},
+               {"slot", f.slot},
+               {"rank", f.rank},
+               {"error", f.text}});
+        fmt::print(stderr, "elastic: the snapshot of step {} cannot be restored (slot {}: {}); going back further\n",
+                   f.snapshot_step, f.slot, f.text);
+        std::fflush(stderr);
+      }
+    }
+    if (!epoch_failure_.empty()) continue;
     epoch_failure_ = fmt::format("slot {} ({}): {}", f.slot, f.actor, f.text);
     event({{"event", "worker_failure"},
            {"epoch", f.epoch},
@@ -577,7 +609,7 @@ Result<ElasticPlan> Trainer::plan_for(int64_t dp, const std::vector<int>& keep_d
       oc.dp = keep_dp[static_cast<size_t>(c.dp)];
       const int slot = plan_.slots[static_cast<size_t>(old_l.rank_of(oc))];
       p.slots.push_back(slot);
-      p.has_state.push_back(stateful_.count(slot) > 0);
+      p.has_state.push_back(false);
       kept_slots.insert(slot);
     } else {
       p.slots.push_back(next_slot_);
@@ -595,10 +627,11 @@ Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots
                            const std::vector<int>& leaving) {
   plan.ckpt_every = ckpt_every_;
   plan.ckpt_dir = ckpt_dir_;
-  plan.replica_every = replica_every_;
+  plan.snapshot_every = snapshot_every_;
   epoch_failure_.clear();  // failures reported in the old epoch are handled by this one
-  // The neighbour replicas describe the old membership: unusable until the next refresh.
-  replica_step_ = -1;
+  // Parts of the old epoch's snapshots still landing are of no use to the new one.
+  snaps_.drop_incomplete();
+  snaps_complete_.clear();
   // Checkpoints still waiting for durable-part notes: one whose every part is on disk
   // (each rank writes its part file after its shard) is finalized; the others are
   // abandoned (a part will never come).
@@ -716,7 +749,6 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
         p.seq = seq_;
         p.reason = f.cause;
         for (size_t r = 0; r < p.slots.size(); ++r) {
-          p.has_state[r] = stateful_.count(p.slots[r]) > 0;
           if (std::find(f.slots.begin(), f.slots.end(), p.slots[r]) != f.slots.end()) {
             p.slots[r] = next_slot_;
             p.has_state[r] = false;
@@ -746,61 +778,11 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
       return plan_for(dp, keep, step_done, f.cause + " (no spare: shrink)", spawn_slots, leaving);
     }();
     if (!plan.ok()) return plan.status();
-    // A (pp, n) column with no survivor holding state: every rank goes back to the last
-    // checkpoint (steps after it are lost and run again).
     {
+      // Nobody lost and the layout unchanged: every rank may keep its live state.
       ElasticPlan& p = plan.value();
-      TROUPE_ASSIGN_OR_RETURN(ParallelLayout l,
-                              ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(p.dp),
-                                                   static_cast<int>(tc_.parallel.n)));
-      bool column_lost = false;
-      for (int r = 0; r < l.world_size(); ++r) {
-        const ParallelCoord c = l.coord(r);
-        bool any = false;
-        for (int d = 0; d < l.dp(); ++d) {
-          ParallelCoord o = c;
-          o.dp = d;
-          any |= p.has_state[static_cast<size_t>(l.rank_of(o))];
-        }
-        column_lost |= !any;
-      }
-      // Next best: the neighbour replicas (each lost rank's successor keeps a copy of its
-      // state), when they were made in this layout and no lost rank's successor was lost.
-      bool replicas_cover = column_lost && replica_step_ >= 0 && p.dp == replica_dp_ &&
-                            static_cast<int64_t>(p.slots.size()) == replica_world_;
-      for (size_t r = 0; replicas_cover && r < p.slots.size(); ++r) {
-        if (!p.has_state[r] && !p.has_state[(r + 1) % p.slots.size()]) replicas_cover = false;
-      }
-      if (replicas_cover) {
-        p.replica_step = replica_step_;
-        p.step_done = replica_step_;
-        event(
-            {{"event", "restore_from_replica"}, {"step", p.step_done}, {"every", tc_.elastic.replica_every}});
-        fmt::print(
-            "elastic: no data-parallel peer holds the lost state; restoring step {} from the neighbours' "
-            "in-memory replicas\n",
-            p.step_done);
-        std::fflush(stdout);
-      } else if (column_lost) {
-        if (ckpt_dir_.empty()) {
-          return aborted(
-              "elastic: no data-parallel peer or neighbour replica holds the lost state and no checkpoint "
-              "is kept (checkpoint.every): {}",
-              f.detail);
-        }
-        Result<std::unique_ptr<checkpoint::CheckpointReader>> rd =
-            checkpoint::CheckpointReader::open_latest_valid(ckpt_dir_, checkpoint::VerifyMode::kChecksums);
-        if (!rd.ok()) {
-          return aborted("elastic: every dp replica of a column is lost and no valid checkpoint exists: {}",
-                         rd.status().to_string());
-        }
-        p.checkpoint = rd.value()->path();
-        p.step_done = rd.value()->step();
-        event({{"event", "restore_from_checkpoint"}, {"path", p.checkpoint}, {"step", p.step_done}});
-        fmt::print("elastic: a column lost every replica; restoring step {} from {}\n", p.step_done,
-                   p.checkpoint);
-        std::fflush(stdout);
-      }
+      const bool keep = f.slots.empty() && p.dp == plan_.dp && !keep_failed_;
+      TROUPE_RETURN_IF_ERROR(choose_restore(p, keep, f.detail));
     }
     // Slots leaving because their replica shrank away are stopped by the plan itself; the
     // lost ones are already dead.
@@ -808,16 +790,34 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
     for (int s : leaving) {
       if (procs_[s].alive) leaving_alive.push_back(s);
     }
+    const bool kept = plan->snapshot_step < 0 && plan->checkpoint.empty();
     TROUPE_RETURN_IF_ERROR(open_epoch(plan.value(), spawn_slots, leaving_alive));
     std::optional<Failure> again;
     TROUPE_RETURN_IF_ERROR(wait_ready(plan_, again));
+    if (again && kept) keep_failed_ = true;  // some rank could not keep its state: restore next
     if (!again) {
-      mark_stateful();
+      keep_failed_ = false;
       event({{"event", "epoch_ready"},
              {"epoch", plan_.epoch},
              {"ms_since_detection", wall_ms() - *recovering_since_ms_}});
       recovering_steps_lost_ = failed_step - 1 - plan_.step_done;
       if (plan_.step_done < step_done) rewound_to_ = plan_.step_done;
+      step_done_now_ = plan_.step_done;
+      // A checkpoint of the restored snapshot's step that the failure interrupted is
+      // written again, from that snapshot.
+      const int64_t s = plan_.snapshot_step;
+      if (s >= 0 && !ckpt_dir_.empty() && ((ckpt_every_ > 0 && s % ckpt_every_ == 0) || forced_ckpts_.count(s)) &&
+          last_ckpt_committed_ < s) {
+        if (Status st = actors_->send_committed(plan_.slots, snaps_.recommit(s, plan_.epoch, true)); st.ok()) {
+          PendingCheckpoint& p = pending_ckpts_[s];
+          p.epoch = plan_.epoch;
+          p.dp = plan_.dp;
+          p.grad_accum = plan_.grad_accum;
+          p.world = static_cast<int>(plan_.slots.size());
+          p.tokens = tokens_after_.count(s) ? tokens_after_[s] : 0;
+          p.durable.clear();
+        }
+      }
       if (recovering_steps_lost_ < 0) recovering_steps_lost_ = 0;
       return ok_status();
     }
@@ -835,6 +835,7 @@ Result<std::vector<nlohmann::json>> Trainer::wait_replies(int64_t seq, Command::
   auto last_slow_check = Clock::now();
   Clock::time_point first_err{};
   while (remaining > 0) {
+    TROUPE_RETURN_IF_ERROR(poll_snapshots());
     // Replies of this command and epoch (the trainer actor queues them); anything else is
     // a late reply of an abandoned command.
     for (const StepReply& rep : actors_->take_replies()) {
@@ -929,20 +930,25 @@ Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t 
       }
       last_replies_ = replies;
       if (kind == Command::Kind::kStep) last_step_replies_ = replies;
-      if (kind == Command::Kind::kStep && replica_every_ > 0) {
-        bool all = true;
-        for (const auto& r : replies) all &= r.value("replica", int64_t{-1}) == step;
-        if (all) {
-          replica_step_ = step;
-          replica_dp_ = plan_.dp;
-          replica_world_ = static_cast<int64_t>(replies.size());
-        }
+      // The step thread's longest time for this command's snapshot over the ranks (a
+      // checkpoint step's stall).
+      double snap_ms = -1;
+      for (const auto& r : replies) {
+        if (r.value("snapshot", int64_t{-1}) >= 0) snap_ms = std::max(snap_ms, r.value("snapshot_ms", 0.0));
+      }
+      if (snap_ms >= 0) replies[0]["snapshot_ms_max"] = snap_ms;
+      if (kind == Command::Kind::kStep) {
+        step_done_now_ = step;
+        auto prev = tokens_after_.find(step - 1);
+        tokens_after_[step] =
+            (prev != tokens_after_.end() ? prev->second : tokens_seen_) + replies[0].value("step_tokens", int64_t{0});
       }
       if (kind == Command::Kind::kStep && step > max_step_completed_) {
         max_step_completed_ = step;
         failures_without_progress_ = 0;
       }
       TROUPE_RETURN_IF_ERROR(note_checkpoints(kind, step, replies));
+      TROUPE_RETURN_IF_ERROR(poll_snapshots());
       if (after) {
         const int64_t done = kind == Command::Kind::kStep ? step : step_done;
         TROUPE_RETURN_IF_ERROR(recover(*after, done, done + 1));
@@ -953,6 +959,118 @@ Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t 
     TROUPE_RETURN_IF_ERROR(recover(*failure, step_done, step));
     if (rewound_to_) return std::optional<nlohmann::json>{};
   }
+}
+
+Status Trainer::poll_snapshots() {
+  const int world = static_cast<int>(plan_.slots.size());
+  for (const SnapshotLanded& l : actors_->take_landed()) {
+    if (!l.error.empty() && l.epoch == plan_.epoch && l.step != last_snapshot_failed_) {
+      last_snapshot_failed_ = l.step;
+      event({{"event", "snapshot_failed"}, {"step", l.step}, {"rank", l.rank}, {"error", l.error}});
+      fmt::print(stderr, "snapshot: rank {} could not make its part of step {}: {}\n", l.rank, l.step, l.error);
+      std::fflush(stderr);
+    }
+    if (std::optional<int64_t> s = snaps_.landed(l, plan_.epoch, world, plan_.dp, plan_.grad_accum)) {
+      snaps_complete_.insert(*s);
+    }
+  }
+  // Committed once the driver has seen the step complete (its data position is known).
+  while (!snaps_complete_.empty() && *snaps_complete_.begin() <= step_done_now_) {
+    const int64_t s = *snaps_complete_.begin();
+    snaps_complete_.erase(snaps_complete_.begin());
+    auto tok = tokens_after_.find(s);
+    if (tok == tokens_after_.end()) continue;
+    const bool ckpt = !ckpt_dir_.empty() && ((ckpt_every_ > 0 && s % ckpt_every_ == 0) || forced_ckpts_.count(s) > 0);
+    const SnapshotCommitted c = snaps_.commit(s, tok->second, ckpt);
+    // The manifest first (a restarted driver finds it), then the workers.
+    TROUPE_RETURN_IF_ERROR(store_->set(key("snapshots"), snaps_.committed_json().dump()));
+    if (Status st = actors_->send_committed(plan_.slots, c); !st.ok()) {
+      fmt::print(stderr, "trainer: the commit of snapshot {} did not reach every worker: {}\n", s, st.to_string());
+    }
+    if (ckpt) {
+      PendingCheckpoint& p = pending_ckpts_[s];
+      p.epoch = plan_.epoch;
+      p.dp = plan_.dp;
+      p.grad_accum = plan_.grad_accum;
+      p.world = world;
+      p.tokens = tok->second;
+      p.durable.clear();
+    }
+  }
+  return ok_status();
+}
+
+Result<bool> Trainer::snapshot_now(int64_t step) {
+  if (snapshot_every_ <= 0 && ckpt_every_ <= 0) return false;
+  if (snaps_.newest_committed() == step) return true;
+  const uint64_t epoch = plan_.epoch;
+  TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> r, call(Command::Kind::kSnapshot, step));
+  if (!r || plan_.epoch != epoch) return false;  // a failure was recovered from meanwhile
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  Clock::time_point first_err{};
+  while (snaps_.newest_committed() < step) {
+    TROUPE_RETURN_IF_ERROR(poll_snapshots());
+    if (const SnapshotRecord* rec = snaps_.find(step); rec && !rec->unusable.empty()) return false;
+    std::optional<Failure> failure = check_processes();
+    if (!failure) failure = check_heartbeats();
+    if (!failure) {
+      TROUPE_ASSIGN_OR_RETURN(failure, check_errors(first_err));
+    }
+    if (failure) {
+      TROUPE_RETURN_IF_ERROR(recover(*failure, step, step + 1));
+      return false;
+    }
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::max(poll_, std::chrono::milliseconds(5)));
+  }
+  return true;
+}
+
+Status Trainer::choose_restore(ElasticPlan& p, bool keep, const std::string& why) {
+  p.snapshot_step = -1;
+  p.snapshot_dp = 0;
+  p.snapshot_parts.clear();
+  p.checkpoint.clear();
+  p.has_state.assign(p.slots.size(), keep);
+  if (keep) return ok_status();
+  (void)poll_snapshots();
+  if (const SnapshotRecord* s = snaps_.newest_usable(p.step_done)) {
+    p.snapshot_step = s->step;
+    p.snapshot_dp = s->dp;
+    p.snapshot_parts = s->sources();
+    p.step_done = s->step;
+    std::set<std::string> nodes;
+    for (const SnapshotPartRecord& part : s->parts) nodes.insert(part.node);
+    event({{"event", "restore_from_snapshot"},
+           {"step", s->step},
+           {"bytes", s->bytes()},
+           {"parts", s->parts.size()},
+           {"nodes", std::vector<std::string>(nodes.begin(), nodes.end())},
+           {"every", snapshot_every_}});
+    fmt::print("elastic: every rank goes back to the in-memory snapshot of step {}\n", s->step);
+    std::fflush(stdout);
+    return ok_status();
+  }
+  if (ckpt_dir_.empty()) {
+    return aborted("elastic: no usable snapshot holds the state and no checkpoint is kept (checkpoint.every): {}",
+                   why);
+  }
+  Result<std::unique_ptr<checkpoint::CheckpointReader>> rd =
+      checkpoint::CheckpointReader::open_latest_valid(ckpt_dir_, checkpoint::VerifyMode::kChecksums);
+  if (!rd.ok()) {
+    return aborted("elastic: no usable snapshot holds the state and no valid checkpoint exists: {}",
+                   rd.status().to_string());
+  }
+  if (rd.value()->step() > p.step_done) {
+    return aborted("elastic: the newest checkpoint (step {}) is past the step every rank completed ({})",
+                   rd.value()->step(), p.step_done);
+  }
+  p.checkpoint = rd.value()->path();
+  p.step_done = rd.value()->step();
+  event({{"event", "restore_from_checkpoint"}, {"path", p.checkpoint}, {"step", p.step_done}});
+  fmt::print("elastic: no usable snapshot; restoring step {} from {}\n", p.step_done, p.checkpoint);
+  std::fflush(stdout);
+  return ok_status();
 }
 
 Status Trainer::finalize_pending(int64_t step, const PendingCheckpoint& p) {
@@ -976,22 +1094,20 @@ Status Trainer::finalize_pending(int64_t step, const PendingCheckpoint& p) {
 
 Status Trainer::note_checkpoints(Command::Kind kind, int64_t step,
                                  const std::vector<nlohmann::json>& replies) {
-  if (ckpt_every_ <= 0 || replies.empty()) return ok_status();
-  // Every rank took its snapshot of this step: the checkpoint is under way.
-  if (kind == Command::Kind::kStep || kind == Command::Kind::kSave) {
-    bool all = true;
-    for (const auto& r : replies) all &= r.value("ckpt_started", int64_t{-1}) == step;
-    if (all) {
-      PendingCheckpoint& p = pending_ckpts_[step];
-      p.epoch = plan_.epoch;
-      p.dp = plan_.dp;
-      p.grad_accum = plan_.grad_accum;
-      p.world = static_cast<int>(replies.size());
-      p.tokens = tokens_seen_ + replies[0].value("step_tokens", int64_t{0});
-      p.durable.clear();
+  (void)kind;
+  (void)step;
+  // Snapshot parts a rank could not make (or a snapshot it had to skip): that snapshot
+  // never commits; training goes on.
+  for (const auto& r : replies) {
+    for (const auto& e : r.value("snapshot_errors", nlohmann::json::array())) {
+      const int64_t s = e.value("step", int64_t{-1});
+      if (s == last_snapshot_failed_) continue;
+      last_snapshot_failed_ = s;
+      event({{"event", "snapshot_failed"}, {"step", s}, {"rank", r.value("rank", -1)}, {"error", e.value("error", "")}});
     }
   }
-  // Parts that became durable (a rank says so in a later reply, or at "stop"), and saves
+  if (ckpt_every_ <= 0 || replies.empty()) return ok_status();
+  // Parts that became durable (a rank says so in a later reply, or at "stop"), and writes
   // that failed: that checkpoint is abandoned (training goes on).
   for (const auto& r : replies) {
     for (const auto& e : r.value("ckpt_errors", nlohmann::json::array())) {
@@ -1172,29 +1288,18 @@ Status Trainer::maybe_replace(int64_t step_done) {
     fmt::print("elastic: replace request '{}' refused: not a worker slot of the job\n", text);
     return ok_status();
   }
-  // The worker's state must survive it: another dp replica of its column, or a checkpoint.
-  {
-    TROUPE_ASSIGN_OR_RETURN(
-        ParallelLayout l, ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(plan_.dp),
-                                               static_cast<int>(tc_.parallel.n)));
-    const ParallelCoord me = l.coord(plan_.rank_of_slot(static_cast<int>(slot)));
-    bool peer = false;
-    for (int d = 0; d < l.dp(); ++d) {
-      ParallelCoord c = me;
-      c.dp = d;
-      const int other = plan_.slots[static_cast<size_t>(l.rank_of(c))];
-      peer |= d != me.dp && stateful_.count(other) > 0;
-    }
-    if (!peer && ckpt_dir_.empty()) {
-      last_answer_ = {{"event", "replace_refused"},
-                      {"request", text},
-                      {"why", fmt::format("slot {} has no dp peer (dp={}) and no elastic checkpoint is kept",
-                                          slot, plan_.dp)}};
-      event(last_answer_);
-      fmt::print("elastic: replace request for slot {} refused: no dp peer holds its state (dp={})\n", slot,
-                 plan_.dp);
-      return ok_status();
-    }
+  // The worker's state must survive it: a snapshot of this step (taken now), or else the
+  // last checkpoint.
+  TROUPE_ASSIGN_OR_RETURN(const bool snapped, snapshot_now(step_done));
+  if (plan_.rank_of_slot(static_cast<int>(slot)) < 0) return ok_status();  // gone meanwhile (recovered)
+  if (!snapped && ckpt_dir_.empty()) {
+    last_answer_ = {{"event", "replace_refused"},
+                    {"request", text},
+                    {"why", fmt::format("no snapshot of step {} could be taken and no checkpoint is kept", step_done)}};
+    event(last_answer_);
+    fmt::print("elastic: replace request for slot {} refused: no snapshot of step {} and no checkpoint\n", slot,
+               step_done);
+    return ok_status();
   }
   fmt::print("elastic: replacing slot {} on request after step {}\n", slot, step_done);
   std::fflush(stdout);
@@ -1250,17 +1355,17 @@ Status Trainer::maybe_rescale(int64_t step_done) {
     return ok_status();
   }
   if (dp == plan_.dp) return ok_status();
-  if (!keeps_state_in_memory(tc_, o_.gpu)) {
+  // Every rank of the new layout restores a snapshot of this step (taken now).
+  TROUPE_ASSIGN_OR_RETURN(const bool snapped, snapshot_now(step_done));
+  if (step_done_now_ != step_done) return ok_status();  // a failure meanwhile sent the job back
+  if (!snapped) {
     last_answer_ = {{"event", "scale_refused"},
                     {"request", text},
-                    {"why",
-                     "rescaling needs the workers' in-memory state, which these GPU workers do not keep "
-                     "(elastic.gpu_state = \"checkpoint\")"}};
+                    {"why", fmt::format("no snapshot of step {} could be taken (elastic.snapshot_every and "
+                                        "checkpoint.every are 0, or a part failed)",
+                                        step_done)}};
     event(last_answer_);
-    fmt::print(
-        "elastic: scale request '{}' refused: the GPU workers keep no in-memory state "
-        "(elastic.gpu_state = \"checkpoint\")\n",
-        text);
+    fmt::print("elastic: scale request '{}' refused: no snapshot of step {} could be taken\n", text, step_done);
     return ok_status();
   }
   std::vector<int> keep;
@@ -1274,12 +1379,12 @@ Status Trainer::maybe_rescale(int64_t step_done) {
     fmt::print("elastic: scale request refused: {}\n", plan.status().to_string());
     return ok_status();
   }
+  TROUPE_RETURN_IF_ERROR(choose_restore(plan.value(), false, "rescale"));
   const int64_t t0 = wall_ms();
   const int64_t from = plan_.dp;
   TROUPE_RETURN_IF_ERROR(open_epoch(plan.value(), spawn_slots, leaving));
   std::optional<Failure> failure;
   TROUPE_RETURN_IF_ERROR(wait_ready(plan_, failure));
-  if (!failure) mark_stateful();
   if (failure) TROUPE_RETURN_IF_ERROR(recover(*failure, step_done, step_done + 1));
   last_answer_ = {{"event", "scaled"},       {"from_dp", from},
                   {"to_dp", plan_.dp},       {"grad_accum", plan_.grad_accum},
@@ -1323,21 +1428,37 @@ Status Trainer::run_job() {
   straggler_ratio_ = eo.straggler_ratio;
   straggler_window_ = static_cast<int>(eo.straggler_window);
   straggler_replace_ = eo.straggler_policy == "replace";
-  replica_every_ = o_.gpu ? 0 : eo.replica_every;  // the neighbour replicas are host-side (CPU workers)
+  snapshot_every_ = eo.snapshot_every;
   std::error_code ec;
   // --resume: any checkpoint of issue 8's format (a normal run's or an elastic one's, any
   // layout); epoch 0's plan names it and every worker loads it (ElasticWorker::join).
   std::unique_ptr<checkpoint::CheckpointReader> resume;
   std::string resume_from = o_.resume;
   // A driver the scheduler restarted after its predecessor died (scheduler.cc,
-  // restart_driver): its workers were restarted with it, so it goes on from the job's
-  // newest valid checkpoint.
+  // restart_driver): its workers were restarted with it, so it goes on from the newest
+  // snapshot the job's keepers still hold (recorded in the job's store by its
+  // predecessor), else from the job's newest valid checkpoint.
+  const SnapshotRecord* resume_snapshot = nullptr;
   if (resume_from.empty() && scheduled_ && env_or("TROUPE_DRIVER_RESTARTS", 0) > 0) {
+    if (Result<bool> has = store_->contains(key("snapshots")); has.ok() && *has) {
+      Result<std::string> text = store_->get(key("snapshots"), comm::deadline_in(std::chrono::milliseconds(10000)));
+      Result<SnapshotLedger> l = text.ok() ? SnapshotLedger::from_json(*text) : Result<SnapshotLedger>(text.status());
+      if (l.ok()) {
+        snaps_ = std::move(l).value();
+        resume_snapshot = snaps_.newest_usable(INT64_MAX);
+      } else {
+        fmt::print(stderr, "{}: restarted driver: the job's snapshot records are unreadable: {}\n", o_.app,
+                   l.status().to_string());
+      }
+    }
     const std::string dir = checkpoint_dir_for(tc_, run_dir_);
-    if (!checkpoint::list_checkpoints(dir).empty()) {
+    if (resume_snapshot != nullptr) {
+      fmt::print("{}: restarted driver: resuming from the in-memory snapshot of step {} its keepers hold\n", o_.app,
+                 resume_snapshot->step);
+    } else if (!checkpoint::list_checkpoints(dir).empty()) {
       resume_from = dir;
     } else {
-      fmt::print("{}: restarted driver: no checkpoint in {}: the job starts over\n", o_.app, dir);
+      fmt::print("{}: restarted driver: no snapshot and no checkpoint in {}: the job starts over\n", o_.app, dir);
     }
   }
   if (!resume_from.empty()) {
@@ -1348,7 +1469,8 @@ Status Trainer::run_job() {
                tc_.parallel.dp, tc_.parallel.n);
     TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", resume->step()));
   }
-  const int64_t start_step = resume ? resume->step() : 0;
+  int64_t start_step = resume ? resume->step() : resume_snapshot ? resume_snapshot->step : 0;
+  if (resume_snapshot != nullptr) TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", start_step));
   // The job's checkpoints: every checkpoint.every steps, in checkpoint.dir, else
   // $TROUPE_CHECKPOINT_DIR (set by the scheduler), else <run dir>/checkpoints, so
   // `troupe checkpoints` and `--resume <run dir>` find them. The plans carry both to the
@@ -1358,6 +1480,7 @@ Status Trainer::run_job() {
     ckpt_dir_ = fs::absolute(checkpoint_dir_for(tc_, run_dir_)).string();
     // Checkpoints of an earlier run here after the starting step are stale (a fresh job:
     // all of them; the checkpoint resumed from is kept): moved aside, never deleted.
+    // (A driver resuming from a snapshot keeps those at or before its step.)
     TROUPE_RETURN_IF_ERROR(prepare_checkpoint_dir(ckpt_dir_, start_step));
     // The tokenizer copied into the run directory by the caller (app.cc, prepare_run_dir).
     TROUPE_ASSIGN_OR_RETURN(ckpt_info_,
@@ -1370,10 +1493,20 @@ Status Trainer::run_job() {
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> fstore,
                             comm::FileStore::open(run_dir_ + "/rendezvous"));
     store_ = std::move(fstore);
+    // The standalone launcher holds its workers' snapshots itself: it outlives them as a
+    // node's agent does (one node: no copy elsewhere). The workers it forks find it in
+    // their environment.
+    if (snapshot_every_ > 0 || ckpt_every_ > 0) {
+      char host[256] = {0};
+      ::gethostname(host, sizeof(host) - 1);
+      TROUPE_ASSIGN_OR_RETURN(keeper_, checkpoint::SnapshotKeeper::start({.node = host, .host_addr = ""}));
+      ::setenv(checkpoint::kSnapshotKeeperEnv, keeper_->socket_path().c_str(), 1);
+    }
   }
   events_.open(run_dir_ + "/events.jsonl", std::ios::trunc);
   if (!events_) return io_error("cannot write {}/events.jsonl", run_dir_);
-  std::ofstream metrics(run_dir_ + "/metrics.jsonl", resume ? std::ios::app : std::ios::trunc);
+  std::ofstream metrics(run_dir_ + "/metrics.jsonl",
+                        resume || resume_snapshot != nullptr ? std::ios::app : std::ios::trunc);
   if (!metrics) return io_error("cannot write {}/metrics.jsonl", run_dir_);
 
   const int world = static_cast<int>(tc_.parallel.world());
@@ -1390,10 +1523,16 @@ Status Trainer::run_job() {
     plan_.checkpoint = fs::absolute(resume->path()).string();
     plan_.step_done = start_step;
     plan_.reason = "start (resumed)";
+  } else if (resume_snapshot != nullptr) {
+    plan_.snapshot_step = resume_snapshot->step;
+    plan_.snapshot_dp = resume_snapshot->dp;
+    plan_.snapshot_parts = resume_snapshot->sources();
+    plan_.step_done = start_step;
+    plan_.reason = "start (restarted driver, from a snapshot)";
   }
   plan_.ckpt_every = ckpt_every_;
   plan_.ckpt_dir = ckpt_dir_;
-  plan_.replica_every = replica_every_;
+  plan_.snapshot_every = snapshot_every_;
   // Under the scheduler: from now on a lost worker is reported to this driver (a key of
   // the job's store) instead of restarting every worker of the job.
   if (scheduled_) TROUPE_RETURN_IF_ERROR(store_->set(key("claim"), std::to_string(getpid())));
@@ -1413,41 +1552,55 @@ Status Trainer::run_job() {
       tc_.train.steps, hb_timeout_.count(), run_dir_);
   std::fflush(stdout);
   for (int r = 0; r < world; ++r) TROUPE_RETURN_IF_ERROR(spawn(r, 0));
+  int64_t tokens_seen = resume                        ? resume->manifest().data_position.value("tokens_seen", int64_t{0})
+                        : resume_snapshot != nullptr ? resume_snapshot->tokens
+                                                     : 0;
+  tokens_seen_ = tokens_seen;
+  tokens_after_[start_step] = tokens_seen;
+  step_done_now_ = start_step;
   {
     std::optional<Failure> failure;
     TROUPE_RETURN_IF_ERROR(wait_ready(plan_, failure));
-    if (failure) return aborted("elastic: a worker failed while the job started: {}", failure->detail);
-    mark_stateful();
+    if (failure && resume_snapshot == nullptr) {
+      return aborted("elastic: a worker failed while the job started: {}", failure->detail);
+    }
+    if (failure) {
+      // The snapshot a restarted driver went back to could not be restored everywhere (a
+      // keeper holding a part is gone): an older one, else the newest checkpoint.
+      TROUPE_RETURN_IF_ERROR(recover(*failure, start_step, start_step + 1));
+      if (rewound_to_) {
+        start_step = *rewound_to_;
+        rewound_to_.reset();
+        TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", start_step));
+        if (auto it = tokens_after_.find(start_step); it != tokens_after_.end()) tokens_seen = tokens_seen_ = it->second;
+      }
+    }
   }
 
   TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> v0o, call(Command::Kind::kEval, start_step));
   if (!v0o) return aborted("elastic: rewound before the first step");
   double last_val = v0o->value("val_loss", 0.0);
   const double val0 = last_val;
-  int64_t tokens_seen = resume ? resume->manifest().data_position.value("tokens_seen", int64_t{0}) : 0;
-  fmt::print("{}step {} | val_loss {:.4f}\n", resume ? "resumed | " : "", start_step, val0);
+  const bool resumed = resume || resume_snapshot != nullptr;
+  fmt::print("{}step {} | val_loss {:.4f}\n", resumed ? "resumed | " : "", start_step, val0);
   nlohmann::json rec0{{"step", start_step}, {"val_loss", val0}, {"tokens", tokens_seen}};
-  if (resume) rec0["resumed"] = true;
+  if (resumed) rec0["resumed"] = true;
   metrics << rec0.dump() << "\n";
   metrics.flush();
   const auto t_start = Clock::now();
   max_step_logged_ = start_step;
-  tokens_seen_ = tokens_seen;
-  // Tokens seen after each step: a rewind to a checkpoint goes back to its count (the
-  // data position of later checkpoints must not count replayed steps twice).
-  std::map<int64_t, int64_t> tokens_after{{start_step, tokens_seen}};
   resume.reset();
+  resume_snapshot = nullptr;
   int64_t final_step = start_step;
   for (int64_t step = start_step + 1; step <= tc_.train.steps; ++step) {
     const auto t0 = Clock::now();
     TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> reco, call(Command::Kind::kStep, step));
-    if (!reco) {  // back to a checkpoint: run the steps after it again
+    if (!reco) {  // back to a snapshot or a checkpoint: run the steps after it again
       fmt::print("elastic: rewound to step {}; steps {}..{} run again\n", *rewound_to_, *rewound_to_ + 1,
                  step);
       step = *rewound_to_;
       rewound_to_.reset();
-      if (auto it = tokens_after.find(step); it != tokens_after.end())
-        tokens_seen = tokens_seen_ = it->second;
+      if (auto it = tokens_after_.find(step); it != tokens_after_.end()) tokens_seen = tokens_seen_ = it->second;
       continue;
     }
     nlohmann::json rec = std::move(*reco);
@@ -1455,15 +1608,13 @@ Status Trainer::run_job() {
     const double loss = rec.value("loss", NAN);
     if (!std::isfinite(loss)) return aborted("step {}: the loss is {} (diverged)", step, loss);
     const int64_t step_tokens = rec.value("step_tokens", int64_t{0});
-    tokens_seen += step_tokens;
-    tokens_seen_ = tokens_seen;
-    tokens_after[step] = tokens_seen;
-    for (const char* k : {"step_tokens", "rank", "slot", "ckpt_started", "durable", "ckpt_errors", "replica"})
+    tokens_seen = tokens_seen_ = tokens_after_[step];
+    // A checkpoint step's stall: the longest time a rank's step thread spent on its snapshot.
+    if (ckpt_every_ > 0 && step % ckpt_every_ == 0 && rec.contains("snapshot_ms_max"))
+      rec["ckpt_stall_ms"] = rec["snapshot_ms_max"];
+    for (const char* k : {"step_tokens", "rank", "slot", "ckpt_started", "ckpt_blocked_ms", "ckpt_bytes", "durable",
+                          "ckpt_errors", "snapshot_errors", "snapshot_ms_max"})
       rec.erase(k);
-    if (rec.contains("ckpt_bytes")) {
-      rec["ckpt_bytes_rank0"] = rec["ckpt_bytes"];
-      rec.erase("ckpt_bytes");
-    }
     rec["tokens"] = tokens_seen;
     rec["tokens_per_s"] = static_cast<double>(step_tokens) / wall_s;
     rec["driver_step_ms"] = wall_s * 1e3;
@@ -1486,8 +1637,7 @@ Status Trainer::run_job() {
       if (!ev) {
         step = *rewound_to_;
         rewound_to_.reset();
-        if (auto it = tokens_after.find(step); it != tokens_after.end())
-          tokens_seen = tokens_seen_ = it->second;
+        if (auto it = tokens_after_.find(step); it != tokens_after_.end()) tokens_seen = tokens_seen_ = it->second;
         continue;
       }
       last_val = ev->value("val_loss", NAN);
@@ -1514,11 +1664,18 @@ Status Trainer::run_job() {
       TROUPE_RETURN_IF_ERROR(maybe_rescale(step));
       write_status(step);  // the membership after this boundary's changes
       if (scheduled_) TROUPE_RETURN_IF_ERROR(answer_store_request());
+      if (rewound_to_) {  // a failure during those changes sent the job back
+        fmt::print("elastic: rewound to step {}; steps {}..{} run again\n", *rewound_to_, *rewound_to_ + 1, step);
+        step = *rewound_to_;
+        rewound_to_.reset();
+        if (auto it = tokens_after_.find(step); it != tokens_after_.end()) tokens_seen = tokens_seen_ = it->second;
+      }
     }
   }
   // The last step's checkpoint, when it is off the every-K schedule.
   const bool final_ckpt = ckpt_every_ > 0 && final_step > start_step;
   if (final_ckpt && final_step % ckpt_every_ != 0) {
+    forced_ckpts_.insert(final_step);
     TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> saved, call(Command::Kind::kSave, final_step));
     if (!saved) {
       return aborted(
@@ -1603,6 +1760,7 @@ nlohmann::json step_reply_json(const StepReply& r) {
       j["stopped"] = true;
       break;
     case Command::Kind::kSave:
+    case Command::Kind::kSnapshot:
       break;
   }
   if (r.ckpt_started >= 0) {
@@ -1613,11 +1771,14 @@ nlohmann::json step_reply_json(const StepReply& r) {
   if (!r.durable.empty()) j["durable"] = r.durable;
   for (const auto& [step, text] : r.ckpt_errors)
     j["ckpt_errors"].push_back({{"step", step}, {"error", text}});
-  if (r.replica >= 0) {
-    j["replica"] = r.replica;
-    j["replica_ms"] = r.replica_ms;
+  if (r.snapshot >= 0) {
+    j["snapshot"] = r.snapshot;
+    j["snapshot_ms"] = r.snapshot_ms;
   }
-  if (r.commit_ms >= 0) j["commit_ms"] = r.commit_ms;
+  if (r.snapshot_wait_ms >= 0) j["snapshot_wait_ms"] = r.snapshot_wait_ms;
+  if (r.snapshot_replicated >= 0) j["snapshot_replicated"] = r.snapshot_replicated;
+  for (const auto& [step, text] : r.snapshot_errors)
+    j["snapshot_errors"].push_back({{"step", step}, {"error", text}});
   return j;
 }
 
