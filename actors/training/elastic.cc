@@ -455,6 +455,7 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
     std::lock_guard<std::mutex> lock(mu_);
     old = std::move(snapshotter_);
   }
+  const int64_t committed_before = old ? old->committed() : -1;
   old.reset();
   // The Stage of this epoch: the same one with its communicators rebuilt when the rank
   // and dp stay, else a new one.
@@ -506,8 +507,17 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
     }
     stage_->clear_interrupted_step();
     ready_info_["from"] = "kept";
+    restored = committed_before;  // the newest committed snapshot stays in this rank's memory
   }
-  return start_snapshots(restored);
+  TROUPE_RETURN_IF_ERROR(start_snapshots(restored));
+  // A state that no snapshot holds yet (a fresh start, a checkpoint) is snapshotted at
+  // once: a failure before the first scheduled snapshot then loses no more than K steps.
+  if (snapshotter_ && restored < 0) {
+    StepReply r;
+    snapshotter_->after_step(plan.step_done, SnapshotDue::kNow, r);
+    if (!r.snapshot_errors.empty()) fmt::print(stderr, "elastic: slot {}: no snapshot of the starting state\n", slot_);
+  }
+  return ok_status();
 }
 
 Status ElasticWorker::connect_keeper() {

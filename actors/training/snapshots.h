@@ -87,6 +87,11 @@ class Snapshotter {
   void report(StepReply& reply, bool wait_ckpt);
 
   const std::string& node() const { return node_; }
+  // The newest snapshot step this rank knows committed (-1: none).
+  int64_t committed() const {
+    std::lock_guard lock(mu_);
+    return committed_;
+  }
   const std::string& endpoint() const { return endpoint_; }
 
  private:
@@ -109,7 +114,7 @@ class Snapshotter {
   checkpoint::ManifestPart part_;
   std::shared_ptr<checkpoint::SegmentMap> maps_[2];
 
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   int64_t gen_step_[2] = {-1, -1};
   bool gen_uncommitted_[2] = {false, false};  // landed by this instance, commit not seen yet

@@ -249,8 +249,10 @@ class Trainer {
   std::set<int64_t> snaps_complete_;  // complete, waiting for their step's reply to commit
   std::set<int64_t> forced_ckpts_;    // checkpoints asked for off the schedule (kSave)
   std::unique_ptr<checkpoint::SnapshotKeeper> keeper_;
-  // The step every rank has completed in the current timeline (rewinds go back).
+  // The step every rank has completed in the current timeline (rewinds go back), and the
+  // step the job started from.
   int64_t step_done_now_ = 0;
+  int64_t start_step_ = 0;
   // Tokens seen after each step (a snapshot's and a checkpoint's data position).
   std::map<int64_t, int64_t> tokens_after_;
   // A rebuild with nobody lost lets every rank keep its live state; once such an epoch
@@ -951,6 +953,16 @@ Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t 
       TROUPE_RETURN_IF_ERROR(poll_snapshots());
       if (after) {
         const int64_t done = kind == Command::Kind::kStep ? step : step_done;
+        if (after->cause == "straggler") {
+          // Everyone is alive: a snapshot of this step first, so the replacement loses
+          // nothing (a failure meanwhile was recovered from: the straggler waits).
+          const uint64_t epoch = plan_.epoch;
+          TROUPE_ASSIGN_OR_RETURN(const bool snapped, snapshot_now(done));
+          if (!snapped && plan_.epoch != epoch) {
+            if (rewound_to_) return std::optional<nlohmann::json>{};
+            return std::optional<nlohmann::json>(replies[0]);
+          }
+        }
         TROUPE_RETURN_IF_ERROR(recover(*after, done, done + 1));
         if (rewound_to_) return std::optional<nlohmann::json>{};
       }
@@ -980,7 +992,10 @@ Status Trainer::poll_snapshots() {
     snaps_complete_.erase(snaps_complete_.begin());
     auto tok = tokens_after_.find(s);
     if (tok == tokens_after_.end()) continue;
-    const bool ckpt = !ckpt_dir_.empty() && ((ckpt_every_ > 0 && s % ckpt_every_ == 0) || forced_ckpts_.count(s) > 0);
+    // The starting state's snapshot is no new checkpoint (a fresh job's step 0, or the
+    // checkpoint it resumed from).
+    const bool ckpt = !ckpt_dir_.empty() && s > start_step_ &&
+                      ((ckpt_every_ > 0 && s % ckpt_every_ == 0) || forced_ckpts_.count(s) > 0);
     const SnapshotCommitted c = snaps_.commit(s, tok->second, ckpt);
     // The manifest first (a restarted driver finds it), then the workers.
     TROUPE_RETURN_IF_ERROR(store_->set(key("snapshots"), snaps_.committed_json().dump()));
@@ -1557,7 +1572,7 @@ Status Trainer::run_job() {
                                                      : 0;
   tokens_seen_ = tokens_seen;
   tokens_after_[start_step] = tokens_seen;
-  step_done_now_ = start_step;
+  step_done_now_ = start_step_ = start_step;
   {
     std::optional<Failure> failure;
     TROUPE_RETURN_IF_ERROR(wait_ready(plan_, failure));
@@ -1569,7 +1584,7 @@ Status Trainer::run_job() {
       // keeper holding a part is gone): an older one, else the newest checkpoint.
       TROUPE_RETURN_IF_ERROR(recover(*failure, start_step, start_step + 1));
       if (rewound_to_) {
-        start_step = *rewound_to_;
+        start_step = start_step_ = *rewound_to_;
         rewound_to_.reset();
         TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", start_step));
         if (auto it = tokens_after_.find(start_step); it != tokens_after_.end()) tokens_seen = tokens_seen_ = it->second;

@@ -82,6 +82,9 @@ using troupe::test::RunResult;
 
 constexpr int64_t kSteps = 8;
 constexpr int64_t kHeartbeatTimeoutMs = 1500;
+// Snapshots after every step (elastic.snapshot_every): a recovery runs at most this many
+// steps again.
+constexpr int64_t kSnapshotEvery = 1;
 
 // Runs argv with extra environment variables, bounded by `timeout`; `tick` is called every
 // 20 ms while it runs. After a clean exit the rest of the job's process group (workers die
@@ -114,6 +117,7 @@ class ElasticFault : public ::testing::Test {
     c.run_dir = *root_ / name;
     c.sets = troupe::test::tiny_model_sets({.steps = kSteps, .data_dir = *root_ / "data"});
     c.sets.push_back(fmt::format("elastic.heartbeat_timeout_ms={}", kHeartbeatTimeoutMs));
+    c.sets.push_back(fmt::format("elastic.snapshot_every={}", kSnapshotEvery));
     if (!fault.empty()) c.sets.push_back(fmt::format("elastic.inject=\"{}\"", fault));
     for (auto& e : extra) c.sets.push_back(std::move(e));
     c.parallel = "dp=2,n=2";
@@ -128,9 +132,10 @@ class ElasticFault : public ::testing::Test {
       EXPECT_EQ(r.exit_code, 0) << r.output;
       ref = latest_step_records(*root_ / "baseline" / "metrics.jsonl");
       EXPECT_EQ(static_cast<int64_t>(ref.size()), kSteps) << r.output;
-      // CPU workers keep their state in memory: every step reports what its commit took.
+      // Every step is snapshotted: rank 0 reports what starting the copy took.
       for (const auto& s : ref) {
-        EXPECT_TRUE(s.contains("commit_ms") && s["commit_ms"].get<double>() >= 0) << s.dump();
+        EXPECT_TRUE(s.contains("snapshot_ms") && s["snapshot_ms"].get<double>() >= 0) << s.dump();
+        EXPECT_EQ(s.value("snapshot", int64_t{-1}), s["step"].get<int64_t>()) << s.dump();
       }
       std::printf("[elastic] fault-free run: %.1f s\n", r.seconds);
     }
@@ -170,9 +175,9 @@ class ElasticFault : public ::testing::Test {
       EXPECT_GE(d, 0);
       EXPECT_LE(d, detect_limit_ms) << name;
       EXPECT_LE(rs, 10.0) << name;
-      EXPECT_EQ(lost, 0) << name;
+      EXPECT_LE(lost, kSnapshotEvery) << name;
       std::printf("[elastic %s] failure %zu (%s, step %lld): detection %lld ms (target <= %lld), recovery to the next "
-                  "completed step %.2f s (target <= 10), steps lost %lld (target 0)\n",
+                  "completed step %.2f s (target <= 10), steps lost %lld (target <= K = 1)\n",
                   name.c_str(), i + 1, cause.c_str(), static_cast<long long>(det[i]["step"].get<int64_t>()),
                   static_cast<long long>(d), static_cast<long long>(detect_limit_ms), rs, static_cast<long long>(lost));
     }
