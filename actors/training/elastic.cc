@@ -45,6 +45,7 @@ nlohmann::json ElasticPlan::to_json() const {
                         {"snapshot_step", snapshot_step},
                         {"snapshot_every", snapshot_every},
                         {"snapshot_dp", snapshot_dp},
+                        {"snapshot_committed", snapshot_committed},
                         {"snapshot_parts", parts}};
 }
 
@@ -67,6 +68,7 @@ Result<ElasticPlan> ElasticPlan::from_json(const std::string& text) {
     p.snapshot_step = j.value("snapshot_step", int64_t{-1});
     p.snapshot_every = j.value("snapshot_every", int64_t{0});
     p.snapshot_dp = j.value("snapshot_dp", int64_t{0});
+    p.snapshot_committed = j.value("snapshot_committed", int64_t{-1});
     for (const auto& s : j.value("snapshot_parts", nlohmann::json::array())) {
       p.snapshot_parts.push_back(
           PartSource{s.at("endpoints").get<std::vector<std::string>>(), s.at("xxh64").get<uint64_t>()});
@@ -164,9 +166,11 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
       f.action = FaultSpec::Action::kHang;
     } else if (action == "cutctl") {
       f.action = FaultSpec::Action::kCutControl;
+    } else if (action == "corrupt") {
+      f.action = FaultSpec::Action::kCorrupt;
     } else {
-      return invalid_argument("elastic.inject: unknown action '{}' (kill, stop, slow, cut, hang or cutctl)",
-                              action);
+      return invalid_argument(
+          "elastic.inject: unknown action '{}' (kill, stop, slow, cut, hang, cutctl or corrupt)", action);
     }
     f.phase = item.substr(c1 + 1, c2 - c1 - 1);
     if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
@@ -204,6 +208,7 @@ struct FaultState {
   std::string job;
   std::function<void()> cut;          // aborts this worker's communicators
   std::function<void()> cut_control;  // closes its control-plane connection (may be empty)
+  std::function<void()> corrupt;      // damages the newest intact snapshot part it holds
 };
 FaultState* g_faults = nullptr;
 
@@ -240,11 +245,12 @@ void fault_hook(std::string_view what) {
     fs->fired[i] = true;
     (void)fs->store->set(elastic_key(fs->job, fmt::format("fault/{}", fs->slot)),
                          nlohmann::json{{"ts_ms", wall_ms()}, {"what", std::string(what)}, {"step", f.step}}.dump());
-    const char* name = f.action == FaultSpec::Action::kKill   ? "SIGKILL"
-                       : f.action == FaultSpec::Action::kStop ? "SIGSTOP"
-                       : f.action == FaultSpec::Action::kCut  ? "a data-plane cut"
-                       : f.action == FaultSpec::Action::kHang ? "a hang"
-                                                              : "a control-connection cut";
+    const char* name = f.action == FaultSpec::Action::kKill      ? "SIGKILL"
+                       : f.action == FaultSpec::Action::kStop    ? "SIGSTOP"
+                       : f.action == FaultSpec::Action::kCut     ? "a data-plane cut"
+                       : f.action == FaultSpec::Action::kHang    ? "a hang"
+                       : f.action == FaultSpec::Action::kCorrupt ? "a damaged snapshot part"
+                                                                 : "a control-connection cut";
     fmt::print(stderr, "elastic: slot {} injects {} at step {} during '{}'\n", fs->slot, name, f.step, what);
     std::fflush(stderr);
     switch (f.action) {
@@ -255,6 +261,9 @@ void fault_hook(std::string_view what) {
         break;
       case FaultSpec::Action::kCutControl:
         if (fs->cut_control) fs->cut_control();
+        break;
+      case FaultSpec::Action::kCorrupt:
+        if (fs->corrupt) fs->corrupt();
         break;
       case FaultSpec::Action::kHang:
         while (true) std::this_thread::sleep_for(std::chrono::seconds(1));  // until killed
@@ -321,6 +330,11 @@ class ElasticWorker {
   // Fault injection (step thread): aborts this worker's communicators.
   void cut_connections() {
     if (stage_) stage_->abort_comms("fault injection: connections cut");
+  }
+  // Fault injection: damages the newest intact snapshot part this rank holds.
+  void corrupt_snapshot() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (snapshotter_) snapshotter_->corrupt_newest();
   }
 
  private:
@@ -455,7 +469,6 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
     std::lock_guard<std::mutex> lock(mu_);
     old = std::move(snapshotter_);
   }
-  const int64_t committed_before = old ? old->committed() : -1;
   old.reset();
   // The Stage of this epoch: the same one with its communicators rebuilt when the rank
   // and dp stay, else a new one.
@@ -507,7 +520,7 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
     }
     stage_->clear_interrupted_step();
     ready_info_["from"] = "kept";
-    restored = committed_before;  // the newest committed snapshot stays in this rank's memory
+    restored = plan.snapshot_committed;  // the newest committed snapshot stays in this rank's memory
   }
   TROUPE_RETURN_IF_ERROR(start_snapshots(restored));
   // A state that no snapshot holds yet (a fresh start, a checkpoint) is snapshotted at
@@ -783,7 +796,10 @@ Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& p
     }
   }
   ElasticWorker w(tc, program, store, job, slot, epoch, ctx);
-  if (faults) faults->cut = [&w] { w.cut_connections(); };
+  if (faults) {
+    faults->cut = [&w] { w.cut_connections(); };
+    faults->corrupt = [&w] { w.corrupt_snapshot(); };
+  }
   Status st = w.run();
   set_fault_hook(nullptr);
   g_faults = nullptr;

@@ -74,30 +74,24 @@ class TolerantStore final : public comm::RendezvousStore {
 std::string elastic_key(const std::string& job, const std::string& rest);  // "<job>/elastic/<rest>"
 int64_t wall_ms();  // system clock, ms since the epoch (events, fault times)
 
-// Whether the workers keep their committed state in memory (rollback of survivors, a
-// replacement restored from its dp peer, rescaling): always on the CPU; on GPUs when the
-// job is data-parallel (parallel.dp or elastic.max_dp > 1) and elastic.gpu_state is
-// "memory" (the default). Without a dp peer nobody could
-// restore from it on a GPU (the neighbour replicas are CPU-only), and the per-step device
-// copies (values and the column's moments, two generations) would be pure cost: such a
-// job restores the last checkpoint.
-bool keeps_state_in_memory(const layers::TrainConfig& tc, bool gpu);
-
 // Fault injection (tests/elastic, the demo): elastic.inject = "<action>@<step>:<phase>:<slot>[,...]" with
 // action kill (SIGKILL), stop (SIGSTOP), slow (sleeps 150 ms there at that step and
 // every later one: a straggler), cut (aborts the worker's own communicators: its data-plane
 // connections close, the process lives on) or hang (the step thread blocks forever while
 // the process keeps its heartbeat: only the step watchdog sees it) or cutctl (the worker's
 // connection to the control plane is closed: under troupe-scheduler its store session;
-// it keeps computing but can neither beat nor take commands), phase forward (the first attention all-to-all
+// it keeps computing but can neither beat nor take commands) or corrupt (flips a byte of
+// the newest intact snapshot part this rank holds in its keeper's memory: the slice
+// checksums catch it at a restore), phase forward (the first attention all-to-all
 // of the step), alltoall (the first MoE dispatch all-to-all), sync (gradient
-// reduce-scatter), checkpoint (while the elastic checkpoint of the step is being written
-// in the background) or any (the first data-plane wait of the step); slow@0:start:<slot>
+// reduce-scatter), snapshot (right after the step's snapshot copy started), checkpoint
+// (while the checkpoint of the step is being written from its snapshot, by the writer
+// thread, during a later step) or any (the first data-plane wait of the step); slow@0:start:<slot>
 // instead delays the worker's start by twice the heartbeat timeout before its first beat
 // (a slow start is not a silent worker). Only processes started in epoch 0 inject (a
 // replacement never repeats its predecessor's fault).
 struct FaultSpec {
-  enum class Action { kKill, kStop, kSlow, kCut, kHang, kCutControl } action = Action::kKill;
+  enum class Action { kKill, kStop, kSlow, kCut, kHang, kCutControl, kCorrupt } action = Action::kKill;
   int64_t step = 0;
   std::string phase;
   int slot = 0;
@@ -109,9 +103,7 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec);
 // grad_accum.
 // `cut_control` (may be empty) closes the worker's connection to its control plane, for
 // the cutctl fault.
-// `ctx`: where the Stage lives (the CPU, or this worker's GPU: NCCL communicators; no
-// in-memory copy of the committed state is kept there yet, so a lost GPU worker is
-// restored from the last checkpoint).
+// `ctx`: where the Stage lives (the CPU, or this worker's GPU: NCCL communicators).
 // `program`: the app's stage program (stage_program.h), built for each Stage.
 Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& program,
                           comm::RendezvousStore& store, const std::string& job, int slot, uint64_t epoch,

@@ -122,6 +122,7 @@ struct ElasticPlan @0xb7e4a2c91d3f5a69 {
   snapshotEvery @12 :Int64;       # snapshots after every this many steps (0: none)
   snapshotDp @13 :Int64;          # the snapshot's layout dp (its parts' layout)
   snapshotParts @14 :List(PartSource);  # per rank of the snapshot's layout
+  snapshotCommitted @15 :Int64 = -1;    # the newest committed snapshot (a rank keeps it)
 }
 
 # Where a snapshot's part can be fetched from, and what it is.
@@ -149,6 +150,7 @@ struct SnapshotCommitted @0xb7e4a2c91d3f5a6b {
   step @1 :Int64;
   copyTo @2 :List(NodeTarget);  # per node: the keeper that keeps its copy
   checkpoint @3 :Bool;          # also written to disk as a checkpoint
+  abandoned @4 :Bool;           # instead: `step` never commits (a part failed): its memory is free
 }
 
 struct NodeTarget @0xb7e4a2c91d3f5a6d {

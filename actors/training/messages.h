@@ -103,13 +103,15 @@ struct SnapshotLanded {
 
 // Every rank's part of `step` landed: the snapshot is committed. Each worker passes it to
 // its keeper with its node's copy target; `checkpoint`: its rank also writes the part to
-// disk as a checkpoint.
+// disk as a checkpoint. `abandoned` instead: the snapshot of `step` never commits (a rank
+// could not make its part), so the generation holding it is free again.
 struct SnapshotCommitted {
   static constexpr uint64_t kTypeId = 0x7A1E'0000'0000'0108ull;
   uint64_t epoch = 0;
   int64_t step = -1;
   std::vector<std::pair<std::string, std::string>> copy_to;  // node -> keeper endpoint
   bool checkpoint = false;
+  bool abandoned = false;
 };
 
 // Where a snapshot's part can be fetched from (keeper endpoints: its node's, then its
@@ -148,8 +150,10 @@ struct ElasticPlan {
   int64_t snapshot_step = -1;
   int64_t snapshot_dp = 0;
   std::vector<PartSource> snapshot_parts;
-  // Snapshots after every snapshot_every-th step (0: none).
+  // Snapshots after every snapshot_every-th step (0: none); the newest committed one, which
+  // a rank keeping its memory must not overwrite first (-1: none).
   int64_t snapshot_every = 0;
+  int64_t snapshot_committed = -1;
 
   // The store record and the events' copy (actors/training/elastic.cc).
   nlohmann::json to_json() const;

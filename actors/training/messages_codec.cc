@@ -120,6 +120,7 @@ std::string encode_elastic_plan(const ElasticPlan& m) {
   b.setSnapshotStep(m.snapshot_step);
   b.setSnapshotEvery(m.snapshot_every);
   b.setSnapshotDp(m.snapshot_dp);
+  b.setSnapshotCommitted(m.snapshot_committed);
   auto parts = b.initSnapshotParts(static_cast<unsigned>(m.snapshot_parts.size()));
   for (size_t i = 0; i < m.snapshot_parts.size(); ++i) {
     const PartSource& src = m.snapshot_parts[i];
@@ -149,6 +150,7 @@ Result<ElasticPlan> decode_elastic_plan(std::string_view bytes) {
     m.snapshot_step = p.getSnapshotStep();
     m.snapshot_every = p.getSnapshotEvery();
     m.snapshot_dp = p.getSnapshotDp();
+    m.snapshot_committed = p.getSnapshotCommitted();
     for (auto ps : p.getSnapshotParts()) {
       PartSource src;
       for (auto e : ps.getEndpoints()) src.endpoints.emplace_back(e);
@@ -338,6 +340,7 @@ std::string encode_snapshot_committed(const SnapshotCommitted& m) {
     to[static_cast<unsigned>(i)].setEndpoint(m.copy_to[i].second);
   }
   b.setCheckpoint(m.checkpoint);
+  b.setAbandoned(m.abandoned);
   return flat(mb);
 }
 
@@ -349,6 +352,7 @@ Result<SnapshotCommitted> decode_snapshot_committed(std::string_view bytes) {
     m.step = x.getStep();
     for (auto t : x.getCopyTo()) m.copy_to.emplace_back(std::string(t.getNode()), std::string(t.getEndpoint()));
     m.checkpoint = x.getCheckpoint();
+    m.abandoned = x.getAbandoned();
     return m;
   });
 }

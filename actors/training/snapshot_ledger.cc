@@ -80,8 +80,9 @@ std::optional<int64_t> SnapshotLedger::landed(const SnapshotLanded& l, uint64_t 
                                               int64_t grad_accum) {
   if (l.epoch != epoch || l.rank < 0 || l.rank >= world || l.step < 0) return std::nullopt;
   SnapshotRecord& r = records_[l.step];
-  if (r.committed) return std::nullopt;  // a late duplicate
-  if (r.parts.size() != static_cast<size_t>(world) || r.epoch != epoch) {
+  if (r.committed && r.epoch == epoch) return std::nullopt;  // a late duplicate
+  // A step run again after a rewind makes a new snapshot of it: the old record goes.
+  if (r.committed || r.parts.size() != static_cast<size_t>(world) || r.epoch != epoch) {
     r = SnapshotRecord{};
     r.step = l.step;
     r.epoch = epoch;

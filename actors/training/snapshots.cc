@@ -42,6 +42,9 @@ Result<std::unique_ptr<Snapshotter>> Snapshotter::create(std::shared_ptr<checkpo
     stage.pin_host(s->maps_[i]->base(), s->maps_[i]->size());
   }
   s->committed_ = s->o_.restored_step;
+  for (int i = 0; i < 2; ++i) {
+    if (s->committed_ >= 0 && s->gen_step_[i] == s->committed_ && s->committed_gen_ < 0) s->committed_gen_ = i;
+  }
   s->snapshot_thread_ = std::thread([p = s.get()] { p->snapshot_loop(); });
   s->writer_thread_ = std::thread([p = s.get()] { p->writer_loop(); });
   return s;
@@ -109,8 +112,7 @@ Status Snapshotter::layout() {
 }
 
 bool Snapshotter::free_locked(int g) const {
-  if (landing_ == g || gen_on_disk_[g] || gen_uncommitted_[g]) return false;
-  return !(gen_step_[g] >= 0 && gen_step_[g] == committed_);  // the newest committed snapshot
+  return landing_ != g && !gen_on_disk_[g] && !gen_uncommitted_[g] && g != committed_gen_;
 }
 
 void Snapshotter::after_step(int64_t step, SnapshotDue due, StepReply& reply) {
@@ -166,6 +168,15 @@ void Snapshotter::after_step(int64_t step, SnapshotDue due, StepReply& reply) {
 
 void Snapshotter::on_commit(const SnapshotCommitted& c) {
   if (c.epoch != o_.epoch) return;
+  if (c.abandoned) {
+    std::lock_guard lock(mu_);
+    for (int g = 0; g < 2; ++g) {
+      if (gen_step_[g] == c.step && g != committed_gen_) gen_uncommitted_[g] = false;
+    }
+    if (ckpt_expected_.erase(c.step) > 0) ckpt_errors_.emplace_back(c.step, "its snapshot was abandoned");
+    cv_.notify_all();
+    return;
+  }
   std::string to;
   for (const auto& [node, ep] : c.copy_to) {
     if (node == node_) to = ep;
@@ -177,12 +188,15 @@ void Snapshotter::on_commit(const SnapshotCommitted& c) {
     if (c.step < committed_ || (c.step == committed_ && !c.checkpoint)) return;
     const bool fresh = c.step > committed_;
     committed_ = c.step;
-    for (int g = 0; g < 2; ++g) {
-      if (gen_step_[g] <= c.step) gen_uncommitted_[g] = false;
-    }
+    // The generation committed: the one this rank landed for the step (else one holding it
+    // already: the restored snapshot).
     int gen = -1;
     for (int g = 0; g < 2; ++g) {
-      if (gen_step_[g] == c.step && landing_ != g) gen = g;
+      if (gen_step_[g] == c.step && landing_ != g && (gen < 0 || gen_uncommitted_[g])) gen = g;
+    }
+    if (fresh && gen >= 0) committed_gen_ = gen;
+    for (int g = 0; g < 2; ++g) {
+      if (gen_step_[g] <= c.step) gen_uncommitted_[g] = false;  // older ones never commit now
     }
     if (c.checkpoint && gen >= 0 && !o_.ckpt_dir.empty()) {
       if (!gen_on_disk_[gen]) {
@@ -250,7 +264,7 @@ void Snapshotter::snapshot_loop() {
       {
         std::lock_guard lock(mu_);
         if (st.ok()) {
-          gen_uncommitted_[t.gen] = t.step > committed_;
+          gen_uncommitted_[t.gen] = true;
           l.xxh64 = maps_[t.gen]->read_header().part_xxh64;
           l.bytes = maps_[t.gen]->size();
         } else {
@@ -318,6 +332,22 @@ void Snapshotter::writer_loop() {
     }
     cv_.notify_all();
   }
+}
+
+void Snapshotter::corrupt_newest() {
+  std::lock_guard lock(mu_);
+  int gen = -1;
+  for (int g = 0; g < 2; ++g) {
+    if (gen_step_[g] < 0 || landing_ == g || corrupted_.count(gen_step_[g])) continue;
+    if (gen < 0 || gen_step_[g] > gen_step_[gen]) gen = g;
+  }
+  if (gen < 0 || part_.tensors.empty()) return;
+  std::byte* b = maps_[gen]->data() + part_.tensors[0].slices[0].offset;
+  *b ^= std::byte{0x5a};
+  corrupted_.insert(gen_step_[gen]);
+  fmt::print(stderr, "snapshot: rank {}: fault injection damaged its part of step {} ('{}')\n", o_.rank,
+             gen_step_[gen], part_.tensors[0].name);
+  std::fflush(stderr);
 }
 
 void Snapshotter::report(StepReply& reply, bool wait_ckpt) {

@@ -15,8 +15,8 @@
 // rank's checkpoint shard (never on the step thread).
 //
 // Generations: a snapshot goes into the generation that holds neither the newest
-// committed snapshot nor a landed one still waiting for its commit, and that is not being
-// written to disk; when neither generation qualifies, the step thread waits for one (the
+// committed snapshot nor a landed one still waiting for its commit (or its abandonment),
+// and that is not being written to disk; when neither generation qualifies, the step thread waits for one (the
 // wait is reported as snapshot_wait_ms; a checkpoint's stall) up to a limit, then skips
 // the snapshot with an error note.
 //
@@ -58,8 +58,9 @@ struct SnapshotterOptions {
   uint64_t ckpt_bytes_per_s = 0;  // checkpoint.max_mb_per_s
   // The snapshot the rank restored (or -1): committed, so it is never overwritten first.
   int64_t restored_step = -1;
-  // How long a snapshot waits for a free generation before it is skipped.
-  std::chrono::milliseconds wait_limit{60000};
+  // How long a snapshot waits for a free generation before it is skipped (well inside the
+  // step watchdog's default 60 s: a wait this long means a commit is not coming).
+  std::chrono::milliseconds wait_limit{30000};
   // Sends a landed part (or its failure) to the Trainer; called on the snapshot thread.
   std::function<void(const SnapshotLanded&)> send_landed;
 };
@@ -87,6 +88,9 @@ class Snapshotter {
   void report(StepReply& reply, bool wait_ckpt);
 
   const std::string& node() const { return node_; }
+  // Fault injection: flips a byte of the newest landed part this rank holds that is not
+  // damaged yet (in its keeper's memory: a restore of it then fails its slice checksums).
+  void corrupt_newest();
   // The newest snapshot step this rank knows committed (-1: none).
   int64_t committed() const {
     std::lock_guard lock(mu_);
@@ -120,7 +124,8 @@ class Snapshotter {
   bool gen_uncommitted_[2] = {false, false};  // landed by this instance, commit not seen yet
   bool gen_on_disk_[2] = {false, false};      // being written as a checkpoint
   int landing_ = -1;                          // the generation being copied and sealed
-  int64_t committed_ = -1;
+  int64_t committed_ = -1;                    // the newest committed step, and its generation
+  int committed_gen_ = -1;
   struct Task {
     enum class Kind { kLand, kCommit } kind = Kind::kLand;
     int gen = -1;
@@ -135,6 +140,7 @@ class Snapshotter {
   std::vector<int64_t> durable_;
   std::vector<std::pair<int64_t, std::string>> ckpt_errors_, snap_errors_;
   bool stop_ = false;
+  std::set<int64_t> corrupted_;  // parts damaged by fault injection
   std::thread snapshot_thread_, writer_thread_;
 };
 

@@ -161,6 +161,10 @@ class Trainer {
   Status note_checkpoints(Command::Kind kind, int64_t step, const std::vector<nlohmann::json>& replies);
   struct PendingCheckpoint;
   Status finalize_pending(int64_t step, const PendingCheckpoint& p);
+  // Checkpoints still waiting for durable-part notes when the membership changes: one
+  // whose every part is on disk (each rank writes its part file after its shard) is
+  // finalized; the others are abandoned (a part will never come).
+  void finalize_written_or_abandon();
   Status maybe_rescale(int64_t step_done);
   Status maybe_replace(int64_t step_done);
   // Scheduler jobs: `troupe scale|replace <job id>` requests arrive as store keys
@@ -174,6 +178,9 @@ class Trainer {
   // Snapshots: takes the parts the workers reported landed, commits every complete
   // snapshot of a step this driver has seen completed, and announces it.
   Status poll_snapshots();
+  // The snapshot of `step` never commits (a rank could not make its part, or skipped
+  // it): every worker frees the generation holding it.
+  void abandon_snapshot(int64_t step);
   // Takes a snapshot of `step` (the step just completed) off the schedule and waits until
   // it is committed (a planned membership change goes back to it: no step lost). False
   // when it was not (a failure meanwhile was recovered from, or no snapshots are taken).
@@ -412,7 +419,7 @@ std::optional<Failure> Trainer::check_processes() {
                                               : fmt::format("was killed by signal {}", WTERMSIG(status));
     if (plan_.rank_of_slot(slot) < 0) continue;  // a worker that left the job
     if (!f) f = Failure{"exit", {}, "", wall_ms()};
-    f->slots.push_back(slot);
+    if (std::find(f->slots.begin(), f->slots.end(), slot) == f->slots.end()) f->slots.push_back(slot);
     f->detail += fmt::format("{}slot {} (pid {}) {}", f->detail.empty() ? "" : "; ", slot, p.pid, how);
   }
   return f;
@@ -630,6 +637,7 @@ Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots
   plan.ckpt_every = ckpt_every_;
   plan.ckpt_dir = ckpt_dir_;
   plan.snapshot_every = snapshot_every_;
+  plan.snapshot_committed = snaps_.newest_committed();
   epoch_failure_.clear();  // failures reported in the old epoch are handled by this one
   // Parts of the old epoch's snapshots still landing are of no use to the new one.
   snaps_.drop_incomplete();
@@ -637,13 +645,7 @@ Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots
   // Checkpoints still waiting for durable-part notes: one whose every part is on disk
   // (each rank writes its part file after its shard) is finalized; the others are
   // abandoned (a part will never come).
-  for (auto& [step, p] : pending_ckpts_) p.durable.clear();
-  for (const auto& [step, p] : pending_ckpts_) {
-    if (Status st = finalize_pending(step, p); !st.ok()) {
-      event({{"event", "checkpoint_abandoned"}, {"step", step}, {"parts", p.world}, {"why", st.to_string()}});
-    }
-  }
-  pending_ckpts_.clear();
+  finalize_written_or_abandon();
   TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("plan/{}", plan.epoch)), plan.to_json().dump()));
   // The workers of the old epoch get the plan as a message too (they react at once; the
   // store record is where new and restarted workers read it).
@@ -781,9 +783,10 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
     }();
     if (!plan.ok()) return plan.status();
     {
-      // Nobody lost and the layout unchanged: every rank may keep its live state.
+      // Nobody lost and the layout unchanged, in an epoch every rank had joined: every rank
+      // may keep its live state (never after a failed attempt: that one restored nothing).
       ElasticPlan& p = plan.value();
-      const bool keep = f.slots.empty() && p.dp == plan_.dp && !keep_failed_;
+      const bool keep = attempt == 0 && f.slots.empty() && p.dp == plan_.dp && !keep_failed_;
       TROUPE_RETURN_IF_ERROR(choose_restore(p, keep, f.detail));
     }
     // Slots leaving because their replica shrank away are stopped by the plan itself; the
@@ -808,8 +811,9 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
       // A checkpoint of the restored snapshot's step that the failure interrupted is
       // written again, from that snapshot.
       const int64_t s = plan_.snapshot_step;
+      std::error_code ec;
       if (s >= 0 && !ckpt_dir_.empty() && ((ckpt_every_ > 0 && s % ckpt_every_ == 0) || forced_ckpts_.count(s)) &&
-          last_ckpt_committed_ < s) {
+          !fs::exists(fs::path(ckpt_dir_) / checkpoint::step_dir_name(s), ec)) {
         if (Status st = actors_->send_committed(plan_.slots, snaps_.recommit(s, plan_.epoch, true)); st.ok()) {
           PendingCheckpoint& p = pending_ckpts_[s];
           p.epoch = plan_.epoch;
@@ -981,6 +985,7 @@ Status Trainer::poll_snapshots() {
       event({{"event", "snapshot_failed"}, {"step", l.step}, {"rank", l.rank}, {"error", l.error}});
       fmt::print(stderr, "snapshot: rank {} could not make its part of step {}: {}\n", l.rank, l.step, l.error);
       std::fflush(stderr);
+      abandon_snapshot(l.step);
     }
     if (std::optional<int64_t> s = snaps_.landed(l, plan_.epoch, world, plan_.dp, plan_.grad_accum)) {
       snaps_complete_.insert(*s);
@@ -994,8 +999,12 @@ Status Trainer::poll_snapshots() {
     if (tok == tokens_after_.end()) continue;
     // The starting state's snapshot is no new checkpoint (a fresh job's step 0, or the
     // checkpoint it resumed from).
+    // A step run again after a rewind whose checkpoint exists already (the same state: the
+    // run is deterministic) is not written twice.
+    std::error_code ec;
     const bool ckpt = !ckpt_dir_.empty() && s > start_step_ &&
-                      ((ckpt_every_ > 0 && s % ckpt_every_ == 0) || forced_ckpts_.count(s) > 0);
+                      ((ckpt_every_ > 0 && s % ckpt_every_ == 0) || forced_ckpts_.count(s) > 0) &&
+                      !fs::exists(fs::path(ckpt_dir_) / checkpoint::step_dir_name(s), ec);
     const SnapshotCommitted c = snaps_.commit(s, tok->second, ckpt);
     // The manifest first (a restarted driver finds it), then the workers.
     TROUPE_RETURN_IF_ERROR(store_->set(key("snapshots"), snaps_.committed_json().dump()));
@@ -1013,6 +1022,16 @@ Status Trainer::poll_snapshots() {
     }
   }
   return ok_status();
+}
+
+void Trainer::abandon_snapshot(int64_t step) {
+  if (snaps_.find(step) != nullptr && snaps_.find(step)->committed) return;
+  snaps_.mark_unusable(step, "a part could not be made");
+  SnapshotCommitted c;
+  c.epoch = plan_.epoch;
+  c.step = step;
+  c.abandoned = true;
+  (void)actors_->send_committed(plan_.slots, c);
 }
 
 Result<bool> Trainer::snapshot_now(int64_t step) {
@@ -1070,6 +1089,7 @@ Status Trainer::choose_restore(ElasticPlan& p, bool keep, const std::string& why
     return aborted("elastic: no usable snapshot holds the state and no checkpoint is kept (checkpoint.every): {}",
                    why);
   }
+  finalize_written_or_abandon();  // a checkpoint written but not yet committed counts
   Result<std::unique_ptr<checkpoint::CheckpointReader>> rd =
       checkpoint::CheckpointReader::open_latest_valid(ckpt_dir_, checkpoint::VerifyMode::kChecksums);
   if (!rd.ok()) {
@@ -1086,6 +1106,15 @@ Status Trainer::choose_restore(ElasticPlan& p, bool keep, const std::string& why
   fmt::print("elastic: no usable snapshot; restoring step {} from {}\n", p.step_done, p.checkpoint);
   std::fflush(stdout);
   return ok_status();
+}
+
+void Trainer::finalize_written_or_abandon() {
+  for (const auto& [step, p] : pending_ckpts_) {
+    if (Status st = finalize_pending(step, p); !st.ok()) {
+      event({{"event", "checkpoint_abandoned"}, {"step", step}, {"parts", p.world}, {"why", st.to_string()}});
+    }
+  }
+  pending_ckpts_.clear();
 }
 
 Status Trainer::finalize_pending(int64_t step, const PendingCheckpoint& p) {
@@ -1119,6 +1148,7 @@ Status Trainer::note_checkpoints(Command::Kind kind, int64_t step,
       if (s == last_snapshot_failed_) continue;
       last_snapshot_failed_ = s;
       event({{"event", "snapshot_failed"}, {"step", s}, {"rank", r.value("rank", -1)}, {"error", e.value("error", "")}});
+      abandon_snapshot(s);
     }
   }
   if (ckpt_every_ <= 0 || replies.empty()) return ok_status();
