@@ -29,10 +29,13 @@
 // group is empty).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/mount.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -48,6 +51,7 @@
 #include "actors/actor_system.h"
 #include "actors/training/elastic.h"
 #include "actors/training/role_actors.h"
+#include "checkpoint/reader.h"
 #include "comm/rendezvous_store.h"
 #include "tests/common/train_moe_harness.h"
 
@@ -393,6 +397,61 @@ TEST_F(ElasticFault, NoUsableSnapshotRestoresTheCheckpoint) {
   EXPECT_EQ(rec[0]["steps_lost"], 1);  // step 5 runs again
   std::printf("[elastic no-snapshot] snapshots 4 and 2 damaged: restored the step-4 checkpoint, recovery %.2f s\n",
               rec[0]["recovery_s"].get<double>());
+}
+
+// A full disk during a checkpoint write: the checkpoint directory is a 4 MiB tmpfs the
+// test mounts, mostly taken by a filler file (a checkpoint of this job is ~0.8 MB: the
+// step-2 one fits, the step-4 one does not). The write fails with an error event naming
+// the reason, the step-2 checkpoint stays whole and valid, training goes on; once space is
+// freed (the filler removed, as an operator would) the next checkpoints commit.
+TEST_F(ElasticFault, DiskFullDuringACheckpointKeepsThePreviousOneAndTheJob) {
+  if (::geteuid() != 0) GTEST_SKIP() << "mounting a tmpfs needs root";
+  const fs::path dir = *root_ / "disk-full-ckpt";
+  fs::create_directories(dir);
+  ASSERT_EQ(::mount("tmpfs", dir.c_str(), "tmpfs", 0, "size=4m,mode=0700"), 0) << std::strerror(errno);
+  struct Unmount {
+    fs::path d;
+    ~Unmount() { ::umount2(d.c_str(), MNT_DETACH); }
+  } unmount{dir};
+  const fs::path filler = dir / "filler";
+  {
+    std::ofstream f(filler, std::ios::binary);
+    const std::string block(64 * 1024, 'x');
+    for (int i = 0; i < (4096 - 1000) / 64; ++i) f << block;  // leaves ~1000 KiB
+    ASSERT_TRUE(f.good());
+  }
+  const fs::path run_dir = *root_ / "disk-full";
+  bool freed = false;
+  auto tick = [&] {
+    if (freed) return;
+    for (const auto& e : events_named(run_dir / "events.jsonl", "checkpoint_failed")) {
+      (void)e;
+      std::error_code ec;
+      fs::remove(filler, ec);
+      freed = true;
+    }
+  };
+  const RunResult r = run_case("disk-full", "", {"checkpoint.every=2", fmt::format("checkpoint.dir=\"{}\"", dir.string())}, tick);
+  expect_clean_finish(r);
+  expect_same_losses("disk-full", r);
+  const fs::path ev = run_dir / "events.jsonl";
+  const auto failed = events_named(ev, "checkpoint_failed");
+  ASSERT_GE(failed.size(), 1u) << r.output;
+  EXPECT_EQ(failed[0]["step"], 4) << failed[0].dump();
+  EXPECT_NE(failed[0]["error"].get<std::string>().find("No space left on device"), std::string::npos)
+      << failed[0].dump();
+  std::vector<int64_t> committed;
+  for (const auto& e : events_named(ev, "checkpoint_committed")) committed.push_back(e["step"].get<int64_t>());
+  EXPECT_EQ(committed, (std::vector<int64_t>{2, 6, 8})) << r.output;
+  // The checkpoint before the failure is whole: every slice's checksum holds.
+  auto rd = troupe::checkpoint::CheckpointReader::open((dir / "step_2").string(),
+                                                       troupe::checkpoint::VerifyMode::kChecksums);
+  ASSERT_TRUE(rd.ok()) << rd.status().to_string();
+  EXPECT_EQ(rd.value()->step(), 2);
+  EXPECT_TRUE(events_named(ev, "failure_detected").empty()) << r.output;
+  std::printf("[elastic disk-full] step 4's checkpoint failed ('%s'); step 2's stayed valid; the job went on and "
+              "committed steps 6 and 8 once space was freed\n",
+              failed[0]["error"].get<std::string>().c_str());
 }
 
 // The same job with and without a worker killed -9 (restored from the snapshot): every
