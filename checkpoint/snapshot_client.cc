@@ -59,13 +59,20 @@ Status SnapshotClient::commit(const std::string& job, int rank, int64_t step, co
   return call(SnapCommit{job, rank, step, replicate_to}, kCallTimeout).status();
 }
 
-Result<std::shared_ptr<const SegmentMap>> SnapshotClient::fetch(const std::string& job, int rank, int64_t step,
-                                                                const std::vector<std::string>& sources,
-                                                                std::chrono::milliseconds timeout) {
+Result<SnapshotClient::Fetched> SnapshotClient::fetch(const std::string& job, int rank, int64_t step,
+                                                      const std::vector<std::string>& sources,
+                                                      std::chrono::milliseconds timeout) {
   TROUPE_ASSIGN_OR_RETURN(Answer a, call(SnapFetch{job, rank, step, sources}, timeout));
   if (a.fds.size() != 1) return data_loss("snapshot keeper: fetch answered with {} descriptors", a.fds.size());
   TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<SegmentMap> m, SegmentMap::map(a.fds[0].fd(), /*writable=*/false));
-  return std::shared_ptr<const SegmentMap>(std::move(m));
+  Fetched f;
+  f.map = std::move(m);
+  f.served_by = a.reply.node;
+  if (!a.reply.held.empty()) {
+    f.copy = a.reply.held[0].replica;
+    f.from_node = a.reply.held[0].from_node;
+  }
+  return f;
 }
 
 Result<SnapReply> SnapshotClient::query(const std::string& job) {

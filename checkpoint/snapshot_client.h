@@ -38,9 +38,14 @@ class SnapshotClient {
   Status commit(const std::string& job, int rank, int64_t step, const std::string& replicate_to);
   // The segment holding the part of (job, rank) after `step`, mapped read-only: from this
   // keeper, or copied by it from the first of `sources` that holds it. Bounded by `timeout`.
-  Result<std::shared_ptr<const SegmentMap>> fetch(const std::string& job, int rank, int64_t step,
-                                                  const std::vector<std::string>& sources,
-                                                  std::chrono::milliseconds timeout);
+  struct Fetched {
+    std::shared_ptr<const SegmentMap> map;
+    std::string served_by;  // this node's keeper
+    bool copy = false;      // a copy of another node's part ...
+    std::string from_node;  // ... made there (or the node of the worker that wrote it)
+  };
+  Result<Fetched> fetch(const std::string& job, int rank, int64_t step, const std::vector<std::string>& sources,
+                        std::chrono::milliseconds timeout);
   Result<SnapReply> query(const std::string& job);
   Status release(const std::string& job, int rank);
 

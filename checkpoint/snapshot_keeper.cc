@@ -72,6 +72,7 @@ struct SnapshotKeeper::Impl {
     std::string from_node;
   };
   struct Entry {
+    Clock::time_point touched = Clock::now();
     Segment gens[2];
     int64_t committed = -1;
     std::string replicate_to;
@@ -141,6 +142,7 @@ struct SnapshotKeeper::Impl {
     // Nothing may read a generation while it is replaced (the lock is free while waiting).
     for (int g = 0; g < 2; ++g) wait_not_pushing(lock, k, g);
     Entry& e = entries[k];
+    e.touched = Clock::now();
     for (int g = 0; g < 2; ++g) {
       Segment& s = e.gens[g];
       if (s.fd.valid() && s.size >= a.bytes) continue;
@@ -206,6 +208,7 @@ struct SnapshotKeeper::Impl {
     auto it = entries.find(k);
     if (it == entries.end()) return SnapReply::of(not_found("commit: nothing held for {}", key_text(k)));
     Entry& e = it->second;
+    e.touched = Clock::now();
     int gen = -1;
     for (int g = 0; g < 2; ++g) {
       if (landed_step(e.gens[g]) == c.step) gen = g;
@@ -223,14 +226,18 @@ struct SnapshotKeeper::Impl {
   }
 
   // The segment holding (k, step): a landed generation or a copy; nullptr when none.
-  const Segment* find_locked(const Key& k, int64_t step) {
+  // `copy_from`: the node a copy came from (empty for a generation of a local worker).
+  const Segment* find_locked(const Key& k, int64_t step, std::string* copy_from = nullptr) {
     auto it = entries.find(k);
     if (it == entries.end()) return nullptr;
+    it->second.touched = Clock::now();
     for (const Segment& s : it->second.gens) {
       if (landed_step(s) == step) return &s;
     }
     for (const Copy& c : it->second.copies) {
-      if (c.step == step) return &c.seg;
+      if (c.step != step) continue;
+      if (copy_from != nullptr) *copy_from = c.from_node;
+      return &c.seg;
     }
     return nullptr;
   }
@@ -239,7 +246,8 @@ struct SnapshotKeeper::Impl {
     const Key k{f.job, f.rank};
     {
       std::lock_guard lock(mu);
-      if (const Segment* s = find_locked(k, f.step)) {
+      std::string copy_from;
+      if (const Segment* s = find_locked(k, f.step, &copy_from)) {
         Result<FileHandle> d = dup_fd(s->fd.fd());
         if (!d.ok()) return SnapReply::of(d.status());
         fds.push_back(std::move(d).value());
@@ -247,6 +255,8 @@ struct SnapshotKeeper::Impl {
         r.node = o.node;
         r.endpoint = endpoint;
         r.bytes = s->size;
+        r.held.push_back(SnapHeld{k.first, k.second, f.step, s->size, !copy_from.empty(),
+                                  copy_from.empty() ? o.node : copy_from, true, "", -1});
         return r;
       }
     }
@@ -262,9 +272,10 @@ struct SnapshotKeeper::Impl {
       Result<FileHandle> d = dup_fd(c->seg.fd.fd());
       if (!d.ok()) return SnapReply::of(d.status());
       SnapReply r;
-      r.node = c->from_node;
-      r.endpoint = src;
+      r.node = o.node;
+      r.endpoint = endpoint;
       r.bytes = c->seg.size;
+      r.held.push_back(SnapHeld{k.first, k.second, f.step, c->seg.size, true, c->from_node, true, src, -1});
       add_copy(entries[k], std::move(c).value());
       fds.push_back(std::move(d).value());
       return r;
@@ -329,7 +340,7 @@ struct SnapshotKeeper::Impl {
 
   // ---- the keeper protocol (client side) ----
   Result<Copy> get_remote(const std::string& src, const Key& k, int64_t step) {
-    TROUPE_ASSIGN_OR_RETURN(FileHandle fd, wire::connect_tcp(src, o.peer_timeout));
+    TROUPE_ASSIGN_OR_RETURN(FileHandle fd, wire::connect_tcp(src, o.connect_timeout));
     TROUPE_RETURN_IF_ERROR(wire::send_frame(fd.fd(), encode_snap_request(SnapGet{k.first, k.second, step})));
     TROUPE_ASSIGN_OR_RETURN(std::string rb, wire::recv_frame(fd.fd(), Clock::now() + o.peer_timeout));
     TROUPE_ASSIGN_OR_RETURN(SnapReply rep, decode_snap_reply(rb));
@@ -415,8 +426,21 @@ struct SnapshotKeeper::Impl {
     c.step = p.step;
     c.seg = std::move(seg);
     c.from_node = p.from_node;
-    add_copy(entries[{p.job, p.rank}], std::move(c));
+    Entry& e = entries[{p.job, p.rank}];
+    e.touched = Clock::now();
+    add_copy(e, std::move(c));
     return ok_status();
+  }
+
+  // Parts of a job nobody used for idle_release go (a job that ended without releasing).
+  void drop_idle_locked() {
+    const auto now = Clock::now();
+    std::erase_if(entries, [&](const auto& kv) {
+      const bool idle = now - kv.second.touched > o.idle_release && !(pushing && push_key == kv.first);
+      if (idle) logger()->info("dropped the snapshots of {}: unused for {} s", key_text(kv.first),
+                               std::chrono::duration_cast<std::chrono::seconds>(o.idle_release).count());
+      return idle;
+    });
   }
 
   // ---- the pusher ----
@@ -426,7 +450,10 @@ struct SnapshotKeeper::Impl {
       Push p;
       {
         std::unique_lock lock(mu);
-        cv.wait(lock, [&] { return stop || !pushes.empty(); });
+        while (!stop && pushes.empty()) {
+          cv.wait_for(lock, std::chrono::minutes(1));
+          drop_idle_locked();
+        }
         if (stop) return;
         p = std::move(pushes.front());
         pushes.pop_front();
@@ -451,7 +478,7 @@ struct SnapshotKeeper::Impl {
   Status push_one(std::map<std::string, FileHandle>& conns, const Push& p) {
     auto it = conns.find(p.to);
     if (it == conns.end()) {
-      TROUPE_ASSIGN_OR_RETURN(FileHandle fd, wire::connect_tcp(p.to, o.peer_timeout));
+      TROUPE_ASSIGN_OR_RETURN(FileHandle fd, wire::connect_tcp(p.to, o.connect_timeout));
       it = conns.emplace(p.to, std::move(fd)).first;
     }
     const int fd = it->second.fd();

@@ -20,7 +20,8 @@
 //     asked for), release. Unauthenticated, like Gloo's pairs: keep the data network private.
 // A commit with a replica target queues a push of that part to the target keeper (one
 // pusher thread, one part at a time, newest first); a worker's begin on a generation being
-// pushed cancels that push first (the neighbour keeps its previous complete copy).
+// pushed cancels that push first (the neighbour keeps its previous complete copy). Parts
+// of a (job, rank) left untouched for KeeperOptions::idle_release are dropped.
 //
 // Threads: one per worker session and per peer connection (a handful per node), an accept
 // thread per listener and the pusher; every public method may be called from any thread.
@@ -42,6 +43,11 @@ struct KeeperOptions {
   std::string host_addr;  // where other keepers reach it (IPv4); empty: no TCP listener
   std::string dir_base;   // the 0700 directory's parent; empty: $TMPDIR, else /tmp
   std::chrono::milliseconds peer_timeout{30000};  // one peer transfer's silence limit
+  std::chrono::milliseconds connect_timeout{3000};  // reaching another keeper
+  // The parts of a (job, rank) nobody attached, wrote, committed, fetched or copied for
+  // this long are dropped: the job is over (a finished job's workers release theirs at
+  // once; a failed job's would otherwise stay).
+  std::chrono::milliseconds idle_release{std::chrono::hours(1)};
 };
 
 // The environment variable that hands a keeper's socket to the processes it serves.

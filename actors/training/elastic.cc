@@ -489,12 +489,14 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
     // the keeper holding the part's copy).
     const auto t0 = Clock::now();
     if (!keeper_) return failed_precondition("elastic: the plan restores a snapshot but this worker has no keeper");
-    if (Status st = restore_snapshot(*keeper_, job_, plan, rank, *stage_); !st.ok()) {
+    std::vector<std::string> parts;
+    if (Status st = restore_snapshot(*keeper_, job_, plan, rank, *stage_, &parts); !st.ok()) {
       failed_snapshot_ = plan.snapshot_step;
       return Status(StatusCode::kDataLoss, st.message());
     }
     restored = plan.snapshot_step;
     ready_info_["from"] = fmt::format("snapshot {}", plan.snapshot_step);
+    ready_info_["parts"] = parts;
     ready_info_["restore_ms"] = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
   } else if (!plan.checkpoint.empty()) {
     // Every rank goes back to the checkpoint (no usable snapshot; or a resumed job).

@@ -378,7 +378,7 @@ void Snapshotter::report(StepReply& reply, bool wait_ckpt) {
 // ---- restore ---------------------------------------------------------------------------
 
 Status restore_snapshot(checkpoint::SnapshotClient& keeper, const std::string& job, const ElasticPlan& plan,
-                        int rank, Stage& stage) {
+                        int rank, Stage& stage, std::vector<std::string>* sources) {
   const int64_t step = plan.snapshot_step;
   const ParallelLayout now = stage.state_layout();
   TROUPE_ASSIGN_OR_RETURN(ParallelLayout then, ParallelLayout::make(now.pp(), static_cast<int>(plan.snapshot_dp), now.n()));
@@ -401,11 +401,16 @@ Status restore_snapshot(checkpoint::SnapshotClient& keeper, const std::string& j
   std::vector<checkpoint::SnapshotPart> parts;
   for (int r : need) {
     const PartSource& src = plan.snapshot_parts[static_cast<size_t>(r)];
-    Result<std::shared_ptr<const checkpoint::SegmentMap>> m =
+    Result<checkpoint::SnapshotClient::Fetched> m =
         keeper.fetch(job, r, step, src.endpoints, std::chrono::minutes(10));
     if (!m.ok()) return data_loss("the snapshot of step {}: rank {}'s part: {}", step, r, m.status().message());
+    if (sources != nullptr) {
+      sources->push_back(m->copy ? fmt::format("rank {}'s part: a copy on node {} of node {}'s", r, m->served_by,
+                                               m->from_node)
+                                 : fmt::format("rank {}'s part: on node {}", r, m->served_by));
+    }
     Result<checkpoint::SnapshotPart> p =
-        checkpoint::read_segment_part(*m, fmt::format("the snapshot of step {}, rank {}'s part", step, r));
+        checkpoint::read_segment_part(m->map, fmt::format("the snapshot of step {}, rank {}'s part", step, r));
     if (!p.ok()) return data_loss("{}", p.status().message());
     if (p->part_xxh64 != src.xxh64) {
       return data_loss("the snapshot of step {}: rank {}'s part is not the committed one (manifest checksum {} vs {})",

@@ -149,7 +149,9 @@ class Snapshotter {
 // snapshot's; else every rank of its (pp, n) column), checks each against the plan's
 // manifest checksum and every slice's checksum, and imports them (Stage::restore). A part
 // that cannot be had or is damaged is DataLoss naming the rank and the step.
+// `sources` (may be null) gets one line per part read: where it was held ("rank 2's part:
+// a copy on node a1 of node a2's").
 Status restore_snapshot(checkpoint::SnapshotClient& keeper, const std::string& job, const ElasticPlan& plan,
-                        int rank, Stage& stage);
+                        int rank, Stage& stage, std::vector<std::string>* sources = nullptr);
 
 }  // namespace troupe::training

@@ -56,6 +56,7 @@
 #include "actors/training/elastic.h"
 #include "actors/training/role_actors.h"
 #include "actors/training/snapshot_ledger.h"
+#include "checkpoint/file_io.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/snapshot_keeper.h"
 #include "checkpoint/writer.h"
@@ -265,6 +266,7 @@ class Trainer {
   // A rebuild with nobody lost lets every rank keep its live state; once such an epoch
   // failed, recoveries restore a snapshot until one succeeds.
   bool keep_failed_ = false;
+  nlohmann::json restored_parts_;  // the last epoch's snapshot parts, by slot: where they were read
   int64_t last_snapshot_failed_ = -1;  // reported once, not by every rank
   std::string epoch_failure_;  // the first failure a worker reported in the current epoch
   int64_t max_step_completed_ = 0;
@@ -515,6 +517,7 @@ Result<std::optional<Failure>> Trainer::check_errors(Clock::time_point& first_er
 Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& failure) {
   const auto deadline = Clock::now() + join_timeout_;
   std::set<int> pending(plan.slots.begin(), plan.slots.end());
+  restored_parts_ = nlohmann::json::object();
   Clock::time_point first_err{};
   auto last_hb_check = Clock::now();
   while (!pending.empty()) {
@@ -566,6 +569,7 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
       }
     }
     if (j.is_object() && j.value("plan_via", "") == "message") ++epoch_plan_messages_;
+    if (j.is_object() && j.contains("parts")) restored_parts_[std::to_string(plan.slots[r])] = j["parts"];
     if (roles[r].empty() || roles[r].front() != "stage") {
       return data_loss("worker slot {}: its ready record for epoch {} names no stage actor: {}",
                        plan.slots[r], plan.epoch, text.substr(0, 200));
@@ -802,9 +806,11 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
     if (again && kept) keep_failed_ = true;  // some rank could not keep its state: restore next
     if (!again) {
       keep_failed_ = false;
-      event({{"event", "epoch_ready"},
-             {"epoch", plan_.epoch},
-             {"ms_since_detection", wall_ms() - *recovering_since_ms_}});
+      nlohmann::json ready{{"event", "epoch_ready"},
+                           {"epoch", plan_.epoch},
+                           {"ms_since_detection", wall_ms() - *recovering_since_ms_}};
+      if (!restored_parts_.empty()) ready["restored_parts"] = restored_parts_;  // by slot: where each part was
+      event(std::move(ready));
       recovering_steps_lost_ = failed_step - 1 - plan_.step_done;
       if (plan_.step_done < step_done) rewound_to_ = plan_.step_done;
       step_done_now_ = plan_.step_done;
@@ -1006,8 +1012,15 @@ Status Trainer::poll_snapshots() {
                       ((ckpt_every_ > 0 && s % ckpt_every_ == 0) || forced_ckpts_.count(s) > 0) &&
                       !fs::exists(fs::path(ckpt_dir_) / checkpoint::step_dir_name(s), ec);
     const SnapshotCommitted c = snaps_.commit(s, tok->second, ckpt);
-    // The manifest first (a restarted driver finds it), then the workers.
-    TROUPE_RETURN_IF_ERROR(store_->set(key("snapshots"), snaps_.committed_json().dump()));
+    // The manifest first (a restarted driver finds it: the store's keys do not outlive the
+    // scheduler epoch a driver restart ends), then the workers.
+    {
+      const std::string path = run_dir_ + "/snapshots.json", tmp = path + ".tmp";
+      std::ofstream(tmp, std::ios::trunc) << snaps_.committed_json().dump(1) << "\n";
+      std::error_code ec;
+      fs::rename(tmp, path, ec);
+      if (ec) return io_error("cannot write {}: {}", path, ec.message());
+    }
     if (Status st = actors_->send_committed(plan_.slots, c); !st.ok()) {
       fmt::print(stderr, "trainer: the commit of snapshot {} did not reach every worker: {}\n", s, st.to_string());
     }
@@ -1485,9 +1498,9 @@ Status Trainer::run_job() {
   // predecessor), else from the job's newest valid checkpoint.
   const SnapshotRecord* resume_snapshot = nullptr;
   if (resume_from.empty() && scheduled_ && env_or("TROUPE_DRIVER_RESTARTS", 0) > 0) {
-    if (Result<bool> has = store_->contains(key("snapshots")); has.ok() && *has) {
-      Result<std::string> text = store_->get(key("snapshots"), comm::deadline_in(std::chrono::milliseconds(10000)));
-      Result<SnapshotLedger> l = text.ok() ? SnapshotLedger::from_json(*text) : Result<SnapshotLedger>(text.status());
+    // The snapshots its predecessor committed (<run dir>/snapshots.json).
+    if (Result<std::string> text = checkpoint::read_whole_file(run_dir_ + "/snapshots.json"); text.ok()) {
+      Result<SnapshotLedger> l = SnapshotLedger::from_json(*text);
       if (l.ok()) {
         snaps_ = std::move(l).value();
         resume_snapshot = snaps_.newest_usable(INT64_MAX);
@@ -1532,6 +1545,8 @@ Status Trainer::run_job() {
                             run_checkpoint_info(o_.config, o_.overrides, tc_, run_dir_ + "/tokenizer.json"));
   }
   fs::remove(run_dir_ + "/scale_request", ec);
+  // An earlier run's snapshots are not this one's (a restarted driver read them above).
+  if (resume_snapshot == nullptr) fs::remove(run_dir_ + "/snapshots.json", ec);
   fs::remove(run_dir_ + "/replace_request", ec);
   if (!scheduled_) {
     fs::remove_all(run_dir_ + "/rendezvous", ec);
@@ -1588,6 +1603,13 @@ Status Trainer::run_job() {
          {"job", job_},
          {"plan", plan_.to_json()},
          {"heartbeat_timeout_ms", hb_timeout_.count()}});
+  if (resume_snapshot != nullptr) {
+    event({{"event", "restore_from_snapshot"},
+           {"step", resume_snapshot->step},
+           {"bytes", resume_snapshot->bytes()},
+           {"parts", resume_snapshot->parts.size()},
+           {"why", "restarted driver"}});
+  }
   fmt::print(
       "trainer: layout pp={} dp={} n={} ({} workers, dispatch {}, compression {}), {} parameters, {} "
       "tokens/step, "

@@ -134,7 +134,9 @@ TEST_F(SnapshotKeeperTest, APartOutlivesItsWorkerAndIsCopiedToAnotherNode) {
   ASSERT_TRUE(c.ok()) << c.status().to_string();
   auto m = (*c)->fetch("job-1", 1, 4, {}, 10s);
   ASSERT_TRUE(m.ok()) << m.status().to_string();
-  expect_part(*m, 4);
+  expect_part(m->map, 4);
+  EXPECT_FALSE(m->copy);
+  EXPECT_EQ(m->served_by, "node-a");
   EXPECT_EQ(a_->totals().parts, 1);
   EXPECT_GE(a_->totals().bytes, 2 * segment_bytes());
   EXPECT_NE(keeper_totals_text(a_->totals()).find("1 part"), std::string::npos);
@@ -152,7 +154,10 @@ TEST_F(SnapshotKeeperTest, APartOutlivesItsWorkerAndIsCopiedToAnotherNode) {
   ASSERT_TRUE(cb.ok());
   auto mb = (*cb)->fetch("job-1", 1, 4, {a_->endpoint()}, 10s);
   ASSERT_TRUE(mb.ok()) << mb.status().to_string();
-  expect_part(*mb, 4);
+  expect_part(mb->map, 4);
+  EXPECT_TRUE(mb->copy);
+  EXPECT_EQ(mb->served_by, "node-b");
+  EXPECT_EQ(mb->from_node, "node-a");
   // ... and a third node's keeper copies it from b on demand.
   auto k3 = SnapshotKeeper::start({.node = "node-c", .host_addr = "127.0.0.1"});
   ASSERT_TRUE(k3.ok());
@@ -160,7 +165,8 @@ TEST_F(SnapshotKeeperTest, APartOutlivesItsWorkerAndIsCopiedToAnotherNode) {
   ASSERT_TRUE(c3.ok());
   auto m3 = (*c3)->fetch("job-1", 1, 4, {"127.0.0.1:1", b_->endpoint()}, 10s);
   ASSERT_TRUE(m3.ok()) << m3.status().to_string();
-  expect_part(*m3, 4);
+  expect_part(m3->map, 4);
+  EXPECT_TRUE(m3->copy);
   EXPECT_EQ((*k3)->totals().copies, 1);
   // Release drops the part here and the copy at b.
   ASSERT_TRUE((*c)->release("job-1", -1).ok());
@@ -193,7 +199,7 @@ TEST_F(SnapshotKeeperTest, AFlippedByteIsCaughtByTheSliceChecksum) {
   ::close(fd);
   auto m = (*c)->fetch("job-1", 1, 6, {}, 10s);
   ASSERT_TRUE(m.ok());
-  Result<SnapshotPart> p = read_segment_part(*m, "test");
+  Result<SnapshotPart> p = read_segment_part(m->map, "test");
   ASSERT_TRUE(p.ok());
   const Status st = verify_snapshot_part(*p, 2);
   EXPECT_EQ(st.code(), StatusCode::kDataLoss);
