@@ -317,6 +317,7 @@ void Snapshotter::writer_loop() {
       w.max_bytes_per_second = o_.ckpt_bytes_per_s;
       return checkpoint::write_rank_shard(w);
     }();
+    if (!st.ok()) st = st.with_context(fmt::format("checkpoint step {} rank {}", step, o_.rank));
     {
       std::lock_guard lock(mu_);
       if (st.ok()) {

@@ -1276,12 +1276,19 @@ void Trainer::write_status(int64_t step) {
     actors_step_ = step;
     actors_epoch_ = plan_.epoch;
   }
+  nlohmann::json snaps{{"every", snapshot_every_}, {"newest_committed", snaps_.newest_committed()}};
+  if (keeper_) {  // the standalone launcher's own keeper (under the scheduler: troupe status's agents)
+    const checkpoint::KeeperTotals t = keeper_->totals();
+    snaps["held"] = checkpoint::keeper_totals_text(t);
+    snaps["bytes"] = t.bytes;
+  }
   nlohmann::json st{{"step", step < 0 ? last_step_ : step},
                     {"epoch", plan_.epoch},
                     {"failed", step < 0},
                     {"dp", plan_.dp},
                     {"grad_accum", plan_.grad_accum},
                     {"recoveries", recoveries_},
+                    {"snapshots", snaps},
                     {"workers", workers},
                     {"actors", actor_table_}};
   if (step >= 0) last_step_ = step;

@@ -2,7 +2,8 @@
 // transformer whose only code is its stage program and main) trained by `troupe run
 // --nproc 4 ... --parallel pp=2,dp=2` gives the losses of its one-process run (layout
 // 1x1x1, the same global batch as one rank's 4 micro-batches) within 1e-5; a worker
-// killed mid-run is replaced with no step lost and the same losses; a config describing
+// killed mid-run is replaced, every rank going back to the newest in-memory snapshot (one
+// per step: at most one step runs again), with the same losses; a config describing
 // MoE blocks is refused with an error naming the key.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -100,18 +101,21 @@ TEST_F(DenseLm, TroupeRunPipelineTimesDataParallelEqualsOneProcess) {
       rv["val_loss"].get<double>(), gv["val_loss"].get<double>());
 }
 
-TEST_F(DenseLm, KilledWorkerIsReplacedWithNoStepLost) {
-  // The standalone launcher (no troupe run): rank 1 SIGKILLs itself in step 3; its
-  // data-parallel peer restores the replacement and the losses stay the reference's.
+TEST_F(DenseLm, KilledWorkerIsReplacedFromTheSnapshot) {
+  // The standalone launcher (no troupe run, it holds the snapshots): rank 1 SIGKILLs
+  // itself in step 3; every rank restores the newest snapshot and the losses stay the
+  // reference's.
   std::vector<std::string> a = command(*root_ / "kill", 2, "pp=2,dp=2");
-  a.push_back("--set");
-  a.push_back("elastic.inject=\"kill@3:any:1\"");
+  for (const char* s : {"elastic.inject=\"kill@3:any:1\"", "elastic.snapshot_every=1"}) {
+    a.push_back("--set");
+    a.push_back(s);
+  }
   const RunResult r = run(a, *root_ / "kill.log", std::chrono::seconds(300));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const double worst = worst_difference(*root_ / "kill", r.output);
   const auto rec = events_named(*root_ / "kill" / "events.jsonl", "recovered");
   ASSERT_EQ(rec.size(), 1u) << r.output;
-  EXPECT_EQ(rec[0]["steps_lost"], 0) << rec[0].dump();
+  EXPECT_LE(rec[0]["steps_lost"].get<int64_t>(), 1) << rec[0].dump();
   std::printf(
       "[dense_lm] rank 1 killed in step 3: recovered in %.2f s, steps lost %lld, worst relative difference "
       "%.3g\n",

@@ -794,6 +794,10 @@ TEST_F(ElasticFault, TroupeReplaceScaleAndStatusCommands) {
   ASSERT_EQ(cmds.size(), 6u) << r.output;
   EXPECT_EQ(cmds[0].exit_code, 0) << cmds[0].output;
   EXPECT_NE(cmds[0].output.find("dp 2"), std::string::npos) << cmds[0].output;
+  // The launcher's keeper: what it holds of the workers' snapshots.
+  EXPECT_NE(cmds[0].output.find("snapshots every 1 steps: newest committed step"), std::string::npos)
+      << cmds[0].output;
+  EXPECT_NE(cmds[0].output.find(" MiB"), std::string::npos) << cmds[0].output;
   EXPECT_EQ(cmds[1].exit_code, 1) << cmds[1].output;  // above the elastic bound (the configured dp=2)
   EXPECT_NE(cmds[1].output.find("refused"), std::string::npos) << cmds[1].output;
   EXPECT_EQ(cmds[2].exit_code, 0) << cmds[2].output;
