@@ -14,12 +14,13 @@ Result<std::unique_ptr<SnapshotClient>> SnapshotClient::connect(const std::strin
   return std::unique_ptr<SnapshotClient>(new SnapshotClient(std::move(fd)));
 }
 
-Result<SnapshotClient::Answer> SnapshotClient::call(const SnapRequest& req, std::chrono::milliseconds timeout) {
+Result<SnapshotClient::Answer> SnapshotClient::call(const SnapRequest& req,
+                                                    std::chrono::milliseconds timeout) {
   std::lock_guard lock(mu_);
   if (!fd_.valid()) return unavailable("the snapshot keeper session is closed");
   Status st = wire::send_datagram(fd_.fd(), encode_snap_request(req));
-  Result<wire::Datagram> d = st.ok() ? wire::recv_datagram(fd_.fd(), wire::Clock::now() + timeout)
-                                     : Result<wire::Datagram>(st);
+  Result<wire::Datagram> d =
+      st.ok() ? wire::recv_datagram(fd_.fd(), wire::Clock::now() + timeout) : Result<wire::Datagram>(st);
   if (!d.ok()) {
     fd_ = FileHandle();  // a lost or late answer leaves the session out of step
     return d.status().with_context("snapshot keeper");
@@ -41,7 +42,8 @@ Result<SnapshotClient::Generations> SnapshotClient::attach(const std::string& jo
   for (int i = 0; i < 2; ++i) {
     TROUPE_ASSIGN_OR_RETURN(g.maps[i], SegmentMap::map(a.fds[i].fd(), /*writable=*/true));
     if (g.maps[i]->size() < bytes)
-      return data_loss("snapshot keeper: generation {} has {} bytes, {} asked for", i, g.maps[i]->size(), bytes);
+      return data_loss("snapshot keeper: generation {} has {} bytes, {} asked for", i, g.maps[i]->size(),
+                       bytes);
     g.gens[i] = a.reply.gens[i];
   }
   return g;
@@ -55,7 +57,8 @@ Status SnapshotClient::landed(const std::string& job, int rank, uint32_t gen, in
   return call(SnapLanded{job, rank, gen, step}, kCallTimeout).status();
 }
 
-Status SnapshotClient::commit(const std::string& job, int rank, int64_t step, const std::string& replicate_to) {
+Status SnapshotClient::commit(const std::string& job, int rank, int64_t step,
+                              const std::string& replicate_to) {
   return call(SnapCommit{job, rank, step, replicate_to}, kCallTimeout).status();
 }
 
@@ -63,7 +66,8 @@ Result<SnapshotClient::Fetched> SnapshotClient::fetch(const std::string& job, in
                                                       const std::vector<std::string>& sources,
                                                       std::chrono::milliseconds timeout) {
   TROUPE_ASSIGN_OR_RETURN(Answer a, call(SnapFetch{job, rank, step, sources}, timeout));
-  if (a.fds.size() != 1) return data_loss("snapshot keeper: fetch answered with {} descriptors", a.fds.size());
+  if (a.fds.size() != 1)
+    return data_loss("snapshot keeper: fetch answered with {} descriptors", a.fds.size());
   TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<SegmentMap> m, SegmentMap::map(a.fds[0].fd(), /*writable=*/false));
   Fetched f;
   f.map = std::move(m);

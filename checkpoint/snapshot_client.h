@@ -26,7 +26,7 @@ class SnapshotClient {
   static Result<std::unique_ptr<SnapshotClient>> connect(const std::string& path);
 
   struct Generations {
-    std::string node, endpoint;  // the keeper's
+    std::string node, endpoint;           // the keeper's
     std::unique_ptr<SegmentMap> maps[2];  // writable
     SnapGen gens[2];                      // what each held when attached
   };
@@ -44,8 +44,8 @@ class SnapshotClient {
     bool copy = false;      // a copy of another node's part ...
     std::string from_node;  // ... made there (or the node of the worker that wrote it)
   };
-  Result<Fetched> fetch(const std::string& job, int rank, int64_t step, const std::vector<std::string>& sources,
-                        std::chrono::milliseconds timeout);
+  Result<Fetched> fetch(const std::string& job, int rank, int64_t step,
+                        const std::vector<std::string>& sources, std::chrono::milliseconds timeout);
   Result<SnapReply> query(const std::string& job);
   Status release(const std::string& job, int rank);
 

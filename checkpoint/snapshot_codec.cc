@@ -194,8 +194,9 @@ Result<SnapReply> decode_snap_reply(std::string_view bytes) {
     m.endpoint = q.getEndpoint();
     for (auto g : q.getGens()) m.gens.push_back(SnapGen{g.getStep(), g.getState()});
     for (auto h : q.getHeld()) {
-      m.held.push_back(SnapHeld{h.getJob(), h.getRank(), h.getStep(), h.getBytes(), h.getReplica(), h.getFromNode(),
-                                h.getCommitted(), h.getReplicatedTo(), h.getReplicatedStep()});
+      m.held.push_back(SnapHeld{h.getJob(), h.getRank(), h.getStep(), h.getBytes(), h.getReplica(),
+                                h.getFromNode(), h.getCommitted(), h.getReplicatedTo(),
+                                h.getReplicatedStep()});
     }
     m.bytes = q.getBytes();
     return m;

@@ -36,7 +36,7 @@ using Clock = std::chrono::steady_clock;
 using Key = std::pair<std::string, int>;  // (job, rank)
 
 constexpr uint64_t kMaxSegmentBytes = uint64_t{1} << 42;  // 4 TiB: a sanity bound on a peer's put
-constexpr uint64_t kChunk = 8u << 20;                      // push granularity (cancellation points)
+constexpr uint64_t kChunk = 8u << 20;                     // push granularity (cancellation points)
 constexpr size_t kCopiesKept = 2;
 
 std::shared_ptr<spdlog::logger> logger() {
@@ -44,12 +44,14 @@ std::shared_ptr<spdlog::logger> logger() {
   return l;
 }
 
-std::string key_text(const Key& k) { return fmt::format("{} rank {}", k.first, k.second); }
+std::string key_text(const Key& k) {
+  return fmt::format("{} rank {}", k.first, k.second);
+}
 
 bool safe_job(const std::string& s) {
   return !s.empty() && s.size() <= 128 && std::all_of(s.begin(), s.end(), [](char c) {
-           return isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
-         });
+    return isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
+  });
 }
 
 Result<FileHandle> dup_fd(int fd) {
@@ -134,7 +136,8 @@ struct SnapshotKeeper::Impl {
 
   // ---- the worker protocol ----
   SnapReply attach(const SnapAttach& a, std::vector<FileHandle>& fds) {
-    if (!safe_job(a.job) || a.rank < 0) return SnapReply::of(invalid_argument("attach: bad job '{}' or rank {}", a.job, a.rank));
+    if (!safe_job(a.job) || a.rank < 0)
+      return SnapReply::of(invalid_argument("attach: bad job '{}' or rank {}", a.job, a.rank));
     if (a.bytes < kSegmentDataOffset || a.bytes > kMaxSegmentBytes)
       return SnapReply::of(invalid_argument("attach: a segment of {} bytes", a.bytes));
     std::unique_lock lock(mu);
@@ -154,7 +157,8 @@ struct SnapshotKeeper::Impl {
         c.from_node = o.node;
         add_copy(e, std::move(c));
       }
-      Result<Segment> ns = new_segment(fmt::format("troupe-snap:{}:r{}:g{}", a.job, a.rank, g), a.bytes, false, nullptr);
+      Result<Segment> ns =
+          new_segment(fmt::format("troupe-snap:{}:r{}:g{}", a.job, a.rank, g), a.bytes, false, nullptr);
       if (!ns.ok()) return SnapReply::of(ns.status());
       s = std::move(ns).value();
     }
@@ -163,7 +167,8 @@ struct SnapshotKeeper::Impl {
     r.endpoint = endpoint;
     for (int g = 0; g < 2; ++g) {
       const SegmentHeader h = e.gens[g].map->read_header();
-      r.gens.push_back(SnapGen{h.state == static_cast<uint32_t>(SegmentState::kEmpty) ? -1 : h.step, h.state});
+      r.gens.push_back(
+          SnapGen{h.state == static_cast<uint32_t>(SegmentState::kEmpty) ? -1 : h.step, h.state});
       Result<FileHandle> d = dup_fd(e.gens[g].fd.fd());
       if (!d.ok()) return SnapReply::of(d.status());
       fds.push_back(std::move(d).value());
@@ -183,7 +188,8 @@ struct SnapshotKeeper::Impl {
     const Key k{b.job, b.rank};
     auto it = entries.find(k);
     if (it == entries.end() || b.gen > 1 || !it->second.gens[b.gen].fd.valid())
-      return SnapReply::of(failed_precondition("begin: {} has no generation {} (attach first)", key_text(k), b.gen));
+      return SnapReply::of(
+          failed_precondition("begin: {} has no generation {} (attach first)", key_text(k), b.gen));
     wait_not_pushing(lock, k, static_cast<int>(b.gen));
     return SnapReply{};
   }
@@ -196,8 +202,9 @@ struct SnapshotKeeper::Impl {
       return SnapReply::of(failed_precondition("landed: {} has no generation {}", key_text(k), l.gen));
     const std::optional<int64_t> st = landed_step(it->second.gens[l.gen]);
     if (st != l.step) {
-      return SnapReply::of(data_loss("landed: {} generation {} holds {}, not the landed part of step {}", key_text(k),
-                                     l.gen, st ? fmt::format("step {}", *st) : std::string("no landed part"), l.step));
+      return SnapReply::of(
+          data_loss("landed: {} generation {} holds {}, not the landed part of step {}", key_text(k), l.gen,
+                    st ? fmt::format("step {}", *st) : std::string("no landed part"), l.step));
     }
     return SnapReply{};
   }
@@ -213,7 +220,8 @@ struct SnapshotKeeper::Impl {
     for (int g = 0; g < 2; ++g) {
       if (landed_step(e.gens[g]) == c.step) gen = g;
     }
-    if (gen < 0) return SnapReply::of(not_found("commit: {} holds no landed part of step {}", key_text(k), c.step));
+    if (gen < 0)
+      return SnapReply::of(not_found("commit: {} holds no landed part of step {}", key_text(k), c.step));
     e.committed = std::max(e.committed, c.step);
     if (!c.replicate_to.empty() && c.replicate_to != endpoint) {
       e.replicate_to = c.replicate_to;
@@ -280,8 +288,8 @@ struct SnapshotKeeper::Impl {
       fds.push_back(std::move(d).value());
       return r;
     }
-    return SnapReply::of(not_found("no keeper holds the part of {} after step {} (this one: none{}{})", key_text(k),
-                                   f.step, tried.empty() ? "" : "; ", tried));
+    return SnapReply::of(not_found("no keeper holds the part of {} after step {} (this one: none{}{})",
+                                   key_text(k), f.step, tried.empty() ? "" : "; ", tried));
   }
 
   std::vector<SnapHeld> held(const std::string& job) const {
@@ -292,8 +300,8 @@ struct SnapshotKeeper::Impl {
       for (const Segment& s : e.gens) {
         const std::optional<int64_t> st = landed_step(s);
         if (!st) continue;
-        out.push_back(SnapHeld{k.first, k.second, *st, s.size, false, o.node, *st <= e.committed, e.replicate_to,
-                               e.replicated});
+        out.push_back(SnapHeld{k.first, k.second, *st, s.size, false, o.node, *st <= e.committed,
+                               e.replicate_to, e.replicated});
       }
       for (const Copy& c : e.copies) {
         out.push_back(SnapHeld{k.first, k.second, c.step, c.seg.size, true, c.from_node, true, "", -1});
@@ -348,9 +356,9 @@ struct SnapshotKeeper::Impl {
     if (rep.bytes < kSegmentDataOffset || rep.bytes > kMaxSegmentBytes)
       return data_loss("keeper {} answered with a segment of {} bytes", src, rep.bytes);
     std::shared_ptr<SegmentMap> w;
-    TROUPE_ASSIGN_OR_RETURN(
-        Segment seg,
-        new_segment(fmt::format("troupe-snap:{}:r{}:s{}:from-{}", k.first, k.second, step, rep.node), rep.bytes, true, &w));
+    TROUPE_ASSIGN_OR_RETURN(Segment seg, new_segment(fmt::format("troupe-snap:{}:r{}:s{}:from-{}", k.first,
+                                                                 k.second, step, rep.node),
+                                                     rep.bytes, true, &w));
     TROUPE_RETURN_IF_ERROR(receive_segment(fd.fd(), *w, rep.bytes));
     TROUPE_ASSIGN_OR_RETURN(SnapshotPart p, read_segment_part(seg.map, fmt::format("the copy from {}", src)));
     if (p.part.step != step) return data_loss("keeper {} sent step {} for step {}", src, p.part.step, step);
@@ -395,7 +403,9 @@ struct SnapshotKeeper::Impl {
           }
         }
         SnapReply r;
-        if (!m) r = SnapReply::of(not_found("keeper {} holds no part of {} after step {}", o.node, key_text({g->job, g->rank}), g->step));
+        if (!m)
+          r = SnapReply::of(not_found("keeper {} holds no part of {} after step {}", o.node,
+                                      key_text({g->job, g->rank}), g->step));
         r.node = o.node;
         r.bytes = size;
         if (!wire::send_frame(fd.fd(), encode_snap_reply(r)).ok()) return;
@@ -404,7 +414,8 @@ struct SnapshotKeeper::Impl {
         release(*rl);
         if (!wire::send_frame(fd.fd(), encode_snap_reply(SnapReply{})).ok()) return;
       } else {
-        (void)wire::send_frame(fd.fd(), encode_snap_reply(SnapReply::of(invalid_argument("not a keeper request"))));
+        (void)wire::send_frame(fd.fd(),
+                               encode_snap_reply(SnapReply::of(invalid_argument("not a keeper request"))));
         return;
       }
     }
@@ -414,13 +425,14 @@ struct SnapshotKeeper::Impl {
     if (!safe_job(p.job) || p.rank < 0 || p.bytes < kSegmentDataOffset || p.bytes > kMaxSegmentBytes)
       return invalid_argument("put: bad job '{}', rank {} or size {}", p.job, p.rank, p.bytes);
     std::shared_ptr<SegmentMap> w;
-    TROUPE_ASSIGN_OR_RETURN(Segment seg, new_segment(fmt::format("troupe-snap:{}:r{}:s{}:from-{}", p.job, p.rank, p.step,
-                                                                 p.from_node),
+    TROUPE_ASSIGN_OR_RETURN(Segment seg, new_segment(fmt::format("troupe-snap:{}:r{}:s{}:from-{}", p.job,
+                                                                 p.rank, p.step, p.from_node),
                                                      p.bytes, true, &w));
     TROUPE_RETURN_IF_ERROR(receive_segment(fd, *w, p.bytes));
     Result<SnapshotPart> part = read_segment_part(seg.map, fmt::format("the copy from {}", p.from_node));
     if (!part.ok()) return part.status();
-    if (part->part.step != p.step) return data_loss("put: the part is of step {}, not {}", part->part.step, p.step);
+    if (part->part.step != p.step)
+      return data_loss("put: the part is of step {}, not {}", part->part.step, p.step);
     std::lock_guard lock(mu);
     Copy c;
     c.step = p.step;
@@ -437,8 +449,9 @@ struct SnapshotKeeper::Impl {
     const auto now = Clock::now();
     std::erase_if(entries, [&](const auto& kv) {
       const bool idle = now - kv.second.touched > o.idle_release && !(pushing && push_key == kv.first);
-      if (idle) logger()->info("dropped the snapshots of {}: unused for {} s", key_text(kv.first),
-                               std::chrono::duration_cast<std::chrono::seconds>(o.idle_release).count());
+      if (idle)
+        logger()->info("dropped the snapshots of {}: unused for {} s", key_text(kv.first),
+                       std::chrono::duration_cast<std::chrono::seconds>(o.idle_release).count());
       return idle;
     });
   }
@@ -468,7 +481,8 @@ struct SnapshotKeeper::Impl {
         auto it = entries.find(p.key);
         if (it != entries.end()) it->second.replicated = std::max(it->second.replicated, p.step);
       } else if (!cancel_push) {
-        logger()->warn("the copy of {} step {} to {} failed: {}", key_text(p.key), p.step, p.to, st.to_string());
+        logger()->warn("the copy of {} step {} to {} failed: {}", key_text(p.key), p.step, p.to,
+                       st.to_string());
       }
       pushing = false;
       cv.notify_all();
@@ -483,7 +497,8 @@ struct SnapshotKeeper::Impl {
     }
     const int fd = it->second.fd();
     const uint64_t bytes = p.map->size();
-    Status st = wire::send_frame(fd, encode_snap_request(SnapPut{p.key.first, p.key.second, p.step, bytes, o.node}));
+    Status st =
+        wire::send_frame(fd, encode_snap_request(SnapPut{p.key.first, p.key.second, p.step, bytes, o.node}));
     for (uint64_t off = 0; st.ok() && off < bytes; off += kChunk) {
       if (cancel_push || stop) {
         st = aborted("cancelled");
@@ -578,7 +593,8 @@ struct SnapshotKeeper::Impl {
         ucred cred{};
         socklen_t len = sizeof(cred);
         if (::getsockopt(fd.fd(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.uid != ::getuid()) {
-          logger()->warn("refused a snapshot session from uid {} (this keeper serves uid {} only)", cred.uid, ::getuid());
+          logger()->warn("refused a snapshot session from uid {} (this keeper serves uid {} only)", cred.uid,
+                         ::getuid());
           continue;
         }
       }
@@ -617,7 +633,9 @@ struct SnapshotKeeper::Impl {
 
 SnapshotKeeper::SnapshotKeeper(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-SnapshotKeeper::~SnapshotKeeper() { impl_->shutdown(); }
+SnapshotKeeper::~SnapshotKeeper() {
+  impl_->shutdown();
+}
 
 Result<std::unique_ptr<SnapshotKeeper>> SnapshotKeeper::start(KeeperOptions options) {
   auto impl = std::make_unique<Impl>();
@@ -637,17 +655,20 @@ Result<std::unique_ptr<SnapshotKeeper>> SnapshotKeeper::start(KeeperOptions opti
   m.sock_path = m.dir + "/snap.sock";
   sockaddr_un addr{};
   if (m.sock_path.size() >= sizeof(addr.sun_path)) {
-    return invalid_argument("snapshot keeper socket path {} is longer than {} bytes: set TMPDIR to a shorter directory",
-                            m.sock_path, sizeof(addr.sun_path) - 1);
+    return invalid_argument(
+        "snapshot keeper socket path {} is longer than {} bytes: set TMPDIR to a shorter directory",
+        m.sock_path, sizeof(addr.sun_path) - 1);
   }
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, m.sock_path.c_str(), m.sock_path.size());
   m.unix_listen = FileHandle(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-  if (!m.unix_listen.valid() || ::bind(m.unix_listen.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+  if (!m.unix_listen.valid() ||
+      ::bind(m.unix_listen.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
       ::listen(m.unix_listen.fd(), 64) != 0) {
     return io_error("snapshot keeper: cannot listen on {}: {}", m.sock_path, std::strerror(errno));
   }
-  if (::pipe2(m.stop_pipe, O_CLOEXEC) != 0) return io_error("snapshot keeper: pipe: {}", std::strerror(errno));
+  if (::pipe2(m.stop_pipe, O_CLOEXEC) != 0)
+    return io_error("snapshot keeper: pipe: {}", std::strerror(errno));
   if (!m.o.host_addr.empty()) {
     int port = 0;
     TROUPE_ASSIGN_OR_RETURN(m.tcp_listen, wire::listen_tcp(m.o.host_addr, port));
@@ -661,12 +682,24 @@ Result<std::unique_ptr<SnapshotKeeper>> SnapshotKeeper::start(KeeperOptions opti
   return k;
 }
 
-const std::string& SnapshotKeeper::node() const { return impl_->o.node; }
-std::string SnapshotKeeper::socket_path() const { return impl_->sock_path; }
-std::string SnapshotKeeper::endpoint() const { return impl_->endpoint; }
-std::vector<SnapHeld> SnapshotKeeper::held(const std::string& job) const { return impl_->held(job); }
-KeeperTotals SnapshotKeeper::totals() const { return impl_->totals(); }
-void SnapshotKeeper::release(const std::string& job) { impl_->release(SnapRelease{job, -1}); }
+const std::string& SnapshotKeeper::node() const {
+  return impl_->o.node;
+}
+std::string SnapshotKeeper::socket_path() const {
+  return impl_->sock_path;
+}
+std::string SnapshotKeeper::endpoint() const {
+  return impl_->endpoint;
+}
+std::vector<SnapHeld> SnapshotKeeper::held(const std::string& job) const {
+  return impl_->held(job);
+}
+KeeperTotals SnapshotKeeper::totals() const {
+  return impl_->totals();
+}
+void SnapshotKeeper::release(const std::string& job) {
+  impl_->release(SnapRelease{job, -1});
+}
 
 std::string keeper_totals_text(const KeeperTotals& t) {
   if (t.bytes == 0) return "-";

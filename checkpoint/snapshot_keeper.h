@@ -42,7 +42,7 @@ struct KeeperOptions {
   std::string node;       // this keeper's node (the agent id; the launcher's host name)
   std::string host_addr;  // where other keepers reach it (IPv4); empty: no TCP listener
   std::string dir_base;   // the 0700 directory's parent; empty: $TMPDIR, else /tmp
-  std::chrono::milliseconds peer_timeout{30000};  // one peer transfer's silence limit
+  std::chrono::milliseconds peer_timeout{30000};    // one peer transfer's silence limit
   std::chrono::milliseconds connect_timeout{3000};  // reaching another keeper
   // The parts of a (job, rank) nobody attached, wrote, committed, fetched or copied for
   // this long are dropped: the job is over (a finished job's workers release theirs at

@@ -63,8 +63,8 @@ struct SnapGet {
   int32_t rank = 0;
   int64_t step = 0;
 };
-using SnapRequest =
-    std::variant<SnapAttach, SnapBegin, SnapLanded, SnapCommit, SnapFetch, SnapQuery, SnapRelease, SnapPut, SnapGet>;
+using SnapRequest = std::variant<SnapAttach, SnapBegin, SnapLanded, SnapCommit, SnapFetch, SnapQuery,
+                                 SnapRelease, SnapPut, SnapGet>;
 
 struct SnapGen {
   int64_t step = -1;
@@ -95,9 +95,7 @@ struct SnapReply {
     r.text = st.message();
     return r;
   }
-  Status status() const {
-    return code == 0 ? ok_status() : Status(static_cast<StatusCode>(code), text);
-  }
+  Status status() const { return code == 0 ? ok_status() : Status(static_cast<StatusCode>(code), text); }
 };
 
 std::string encode_snap_request(const SnapRequest& m);

@@ -22,7 +22,9 @@ namespace {
 constexpr char kMagic[8] = {'T', 'R', 'P', 'S', 'N', 'A', 'P', '1'};
 constexpr uint32_t kVersion = 1;
 constexpr uint64_t kPage = 4096;
-uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+uint64_t round_up(uint64_t x, uint64_t a) {
+  return (x + a - 1) / a * a;
+}
 }  // namespace
 
 const char* segment_state_name(uint32_t state) {
@@ -38,7 +40,8 @@ const char* segment_state_name(uint32_t state) {
 }
 
 uint64_t segment_size_for(uint64_t data_bytes, uint64_t part_capacity) {
-  return kSegmentDataOffset + round_up(data_bytes, kPage) + round_up(std::max<uint64_t>(part_capacity, 1), kPage);
+  return kSegmentDataOffset + round_up(data_bytes, kPage) +
+         round_up(std::max<uint64_t>(part_capacity, 1), kPage);
 }
 
 Result<FileHandle> create_segment(const std::string& name, uint64_t bytes) {
@@ -46,7 +49,8 @@ Result<FileHandle> create_segment(const std::string& name, uint64_t bytes) {
   if (fd < 0) return io_error("memfd_create {}: {}", name, std::strerror(errno));
   FileHandle h(fd);
   if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    return resource_exhausted("snapshot segment {} of {} bytes: ftruncate: {}", name, bytes, std::strerror(errno));
+    return resource_exhausted("snapshot segment {} of {} bytes: ftruncate: {}", name, bytes,
+                              std::strerror(errno));
   }
   return h;
 }
@@ -55,7 +59,8 @@ Result<std::unique_ptr<SegmentMap>> SegmentMap::map(int fd, bool writable) {
   struct stat st {};
   if (::fstat(fd, &st) != 0) return io_error("snapshot segment: fstat: {}", std::strerror(errno));
   const auto size = static_cast<uint64_t>(st.st_size);
-  if (size < kSegmentDataOffset) return data_loss("snapshot segment of {} bytes is smaller than its header", size);
+  if (size < kSegmentDataOffset)
+    return data_loss("snapshot segment of {} bytes is smaller than its header", size);
   void* p = ::mmap(nullptr, size, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) return io_error("snapshot segment: mmap of {} bytes: {}", size, std::strerror(errno));
   return std::unique_ptr<SegmentMap>(new SegmentMap(static_cast<std::byte*>(p), size));
@@ -65,7 +70,9 @@ SegmentMap::~SegmentMap() {
   if (base_ != nullptr) ::munmap(base_, size_);
 }
 
-uint64_t SegmentMap::data_capacity() const { return size_ - kSegmentDataOffset; }
+uint64_t SegmentMap::data_capacity() const {
+  return size_ - kSegmentDataOffset;
+}
 
 SegmentHeader SegmentMap::read_header() const {
   // The state is stored last by the writer (release): read it first (acquire), then the rest.
@@ -78,7 +85,8 @@ SegmentHeader SegmentMap::read_header() const {
 
 void begin_segment(SegmentMap& m, int64_t step) {
   SegmentHeader* h = m.header();
-  std::atomic_ref<uint32_t>(h->state).store(static_cast<uint32_t>(SegmentState::kWriting), std::memory_order_release);
+  std::atomic_ref<uint32_t>(h->state).store(static_cast<uint32_t>(SegmentState::kWriting),
+                                            std::memory_order_release);
   std::memcpy(h->magic, kMagic, sizeof(kMagic));
   h->version = kVersion;
   h->step = step;
@@ -86,13 +94,14 @@ void begin_segment(SegmentMap& m, int64_t step) {
 
 Status seal_segment(SegmentMap& m, const ManifestPart& part, uint64_t data_bytes, uint64_t saved_bytes) {
   if (data_bytes > m.data_capacity()) {
-    return out_of_range("snapshot part of {} bytes does not fit its segment of {}", data_bytes, m.data_capacity());
+    return out_of_range("snapshot part of {} bytes does not fit its segment of {}", data_bytes,
+                        m.data_capacity());
   }
   const std::string json = part_to_json(part).dump();
   const uint64_t part_offset = kSegmentDataOffset + round_up(data_bytes, kPage);
   if (part_offset + json.size() > m.size()) {
-    return out_of_range("snapshot part JSON of {} bytes does not fit its segment ({} of {} bytes free)", json.size(),
-                        m.size() - std::min(m.size(), part_offset), m.size());
+    return out_of_range("snapshot part JSON of {} bytes does not fit its segment ({} of {} bytes free)",
+                        json.size(), m.size() - std::min(m.size(), part_offset), m.size());
   }
   std::memcpy(m.base() + part_offset, json.data(), json.size());
   SegmentHeader* h = m.header();
@@ -104,30 +113,36 @@ Status seal_segment(SegmentMap& m, const ManifestPart& part, uint64_t data_bytes
   h->part_offset = part_offset;
   h->part_bytes = json.size();
   h->part_xxh64 = XXH64(json.data(), json.size(), 0);
-  std::atomic_ref<uint32_t>(h->state).store(static_cast<uint32_t>(SegmentState::kLanded), std::memory_order_release);
+  std::atomic_ref<uint32_t>(h->state).store(static_cast<uint32_t>(SegmentState::kLanded),
+                                            std::memory_order_release);
   return ok_status();
 }
 
 Result<SnapshotPart> read_segment_part(std::shared_ptr<const SegmentMap> m, const std::string& where) {
   const SegmentHeader h = m->read_header();
-  if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0) return data_loss("{}: not a snapshot segment", where);
-  if (h.version != kVersion) return data_loss("{}: segment version {} (this build reads {})", where, h.version, kVersion);
+  if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0)
+    return data_loss("{}: not a snapshot segment", where);
+  if (h.version != kVersion)
+    return data_loss("{}: segment version {} (this build reads {})", where, h.version, kVersion);
   if (h.state != static_cast<uint32_t>(SegmentState::kLanded)) {
     return data_loss("{}: the part of step {} is {}, not landed", where, h.step, segment_state_name(h.state));
   }
-  if (h.data_bytes > m->data_capacity() || h.saved_bytes > h.data_bytes || h.part_offset < kSegmentDataOffset ||
-      h.part_offset > m->size() || h.part_bytes > m->size() - h.part_offset) {
-    return data_loss("{}: header out of bounds (data {} bytes, part at {} +{}, segment {})", where, h.data_bytes,
-                     h.part_offset, h.part_bytes, m->size());
+  if (h.data_bytes > m->data_capacity() || h.saved_bytes > h.data_bytes ||
+      h.part_offset < kSegmentDataOffset || h.part_offset > m->size() ||
+      h.part_bytes > m->size() - h.part_offset) {
+    return data_loss("{}: header out of bounds (data {} bytes, part at {} +{}, segment {})", where,
+                     h.data_bytes, h.part_offset, h.part_bytes, m->size());
   }
   const char* json = reinterpret_cast<const char*>(m->base() + h.part_offset);
   if (XXH64(json, h.part_bytes, 0) != h.part_xxh64) {
     return data_loss("{}: the part of step {}: its manifest's checksum does not match", where, h.step);
   }
-  const nlohmann::json j = nlohmann::json::parse(json, json + h.part_bytes, nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json j =
+      nlohmann::json::parse(json, json + h.part_bytes, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return data_loss("{}: the part of step {}: its manifest is not JSON", where, h.step);
   TROUPE_ASSIGN_OR_RETURN(ManifestPart part, part_from_json(j, where));
-  if (part.step != h.step) return data_loss("{}: header says step {}, its manifest {}", where, h.step, part.step);
+  if (part.step != h.step)
+    return data_loss("{}: header says step {}, its manifest {}", where, h.step, part.step);
   for (const TensorRecord& t : part.tensors) {
     for (const StoredSlice& s : t.slices) {
       if (s.offset > h.data_bytes || s.length > h.data_bytes - s.offset) {
@@ -174,8 +189,8 @@ Status verify_snapshot_part(const SnapshotPart& p, int threads) {
   for (std::thread& t : pool) t.join();
   if (bad.load() < items.size()) {
     const Item& it = items[bad.load()];
-    return data_loss("snapshot part of rank {} (step {}): checksum mismatch in tensor '{}' slice {}", p.part.rank,
-                     p.part.step, it.t->name, slice_to_string(it.s->box));
+    return data_loss("snapshot part of rank {} (step {}): checksum mismatch in tensor '{}' slice {}",
+                     p.part.rank, p.part.step, it.t->name, slice_to_string(it.s->box));
   }
   return ok_status();
 }
@@ -186,8 +201,8 @@ Status read_part_region(const SnapshotPart& p, const std::string& name, const Sl
   for (const TensorRecord& t : p.part.tensors) {
     if (t.name != name) continue;
     if (t.dtype != dst.dtype()) {
-      return failed_precondition("snapshot tensor '{}' is {} but the destination is {}", name, dtype_name(t.dtype),
-                                 dtype_name(dst.dtype()));
+      return failed_precondition("snapshot tensor '{}' is {} but the destination is {}", name,
+                                 dtype_name(t.dtype), dtype_name(dst.dtype()));
     }
     for (const StoredSlice& s : t.slices) {
       const std::optional<Slice> region = intersect(s.box, box);

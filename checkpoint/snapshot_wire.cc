@@ -53,7 +53,8 @@ bool parse_endpoint(const std::string& ep, sockaddr_in& addr) {
 }  // namespace
 
 Status send_datagram(int fd, const std::string& bytes, const std::vector<int>& fds) {
-  if (fds.size() > kMaxFds) return invalid_argument("snapshot datagram: {} descriptors (at most {})", fds.size(), kMaxFds);
+  if (fds.size() > kMaxFds)
+    return invalid_argument("snapshot datagram: {} descriptors (at most {})", fds.size(), kMaxFds);
   iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
   msghdr msg{};
   msg.msg_iov = &iov;
@@ -129,7 +130,8 @@ Status recv_bytes(int fd, void* data, uint64_t n, Clock::time_point deadline) {
       if (errno == EINTR || errno == EAGAIN) continue;
       return unavailable("snapshot stream: receive: {}", std::strerror(errno));
     }
-    if (r == 0) return unavailable("snapshot stream: the peer closed the connection with {} bytes to come", n);
+    if (r == 0)
+      return unavailable("snapshot stream: the peer closed the connection with {} bytes to come", n);
     p += r;
     n -= static_cast<uint64_t>(r);
   }
@@ -156,11 +158,13 @@ Result<std::string> recv_frame(int fd, Clock::time_point deadline, uint64_t max_
 
 Result<FileHandle> connect_tcp(const std::string& endpoint, std::chrono::milliseconds timeout) {
   sockaddr_in addr{};
-  if (!parse_endpoint(endpoint, addr)) return invalid_argument("snapshot keeper endpoint '{}' is not addr:port", endpoint);
+  if (!parse_endpoint(endpoint, addr))
+    return invalid_argument("snapshot keeper endpoint '{}' is not addr:port", endpoint);
   FileHandle fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return io_error("snapshot keeper: socket: {}", std::strerror(errno));
   if (::connect(fd.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    if (errno != EINPROGRESS) return unavailable("snapshot keeper {}: connect: {}", endpoint, std::strerror(errno));
+    if (errno != EINPROGRESS)
+      return unavailable("snapshot keeper {}: connect: {}", endpoint, std::strerror(errno));
     TROUPE_RETURN_IF_ERROR(wait_fd(fd.fd(), POLLOUT, Clock::now() + timeout, "connect"));
     int err = 0;
     socklen_t len = sizeof(err);
@@ -176,7 +180,8 @@ Result<FileHandle> connect_tcp(const std::string& endpoint, std::chrono::millise
 
 Result<FileHandle> listen_tcp(const std::string& addr, int& port) {
   sockaddr_in a{};
-  if (!parse_endpoint(addr + ":1", a)) return invalid_argument("snapshot keeper: '{}' is not an IPv4 address", addr);
+  if (!parse_endpoint(addr + ":1", a))
+    return invalid_argument("snapshot keeper: '{}' is not an IPv4 address", addr);
   a.sin_port = 0;
   FileHandle fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return io_error("snapshot keeper: socket: {}", std::strerror(errno));
@@ -193,7 +198,8 @@ Result<FileHandle> listen_tcp(const std::string& addr, int& port) {
 
 Result<FileHandle> connect_unix(const std::string& path) {
   sockaddr_un addr{};
-  if (path.size() >= sizeof(addr.sun_path)) return invalid_argument("snapshot keeper socket path {} is too long", path);
+  if (path.size() >= sizeof(addr.sun_path))
+    return invalid_argument("snapshot keeper socket path {} is too long", path);
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path.c_str(), path.size());
   FileHandle fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));

@@ -215,12 +215,12 @@ Status write_rank_shard(const ShardWrite& w) {
     for (const TensorRecord& t : part.tensors) {
       for (const StoredSlice& s : t.slices) {
         if (s.offset > w.bytes || s.length > w.bytes - s.offset) {
-          return data_loss("rank {} step {}: tensor '{}' slice {} lies beyond its {} bytes", part.rank, part.step, t.name,
-                           slice_to_string(s.box), w.bytes);
+          return data_loss("rank {} step {}: tensor '{}' slice {} lies beyond its {} bytes", part.rank,
+                           part.step, t.name, slice_to_string(s.box), w.bytes);
         }
         if (XXH64(w.data + s.offset, s.length, 0) != s.xxh64) {
-          return data_loss("rank {} step {}: tensor '{}' slice {} does not match its checksum: not written", part.rank,
-                           part.step, t.name, slice_to_string(s.box));
+          return data_loss("rank {} step {}: tensor '{}' slice {} does not match its checksum: not written",
+                           part.rank, part.step, t.name, slice_to_string(s.box));
         }
       }
     }

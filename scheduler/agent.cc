@@ -122,7 +122,8 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentOptions opts) {
   if (a->opts_.snapshots) {
     // Other nodes' keepers reach this one on the node's address (loopback by default).
     auto k = checkpoint::SnapshotKeeper::start(
-        {.node = a->opts_.agent_id, .host_addr = a->opts_.host_addr.empty() ? "127.0.0.1" : a->opts_.host_addr});
+        {.node = a->opts_.agent_id,
+         .host_addr = a->opts_.host_addr.empty() ? "127.0.0.1" : a->opts_.host_addr});
     if (!k.ok()) return k.status().with_context("agent snapshot keeper");
     a->keeper_ = std::move(k).value();
   }

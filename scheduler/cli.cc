@@ -277,7 +277,8 @@ std::string render_status_table(const json& status, bool with_procs) {
       if (prow.size() > 1) out += "\n" + table(prow);
     }
   }
-  std::vector<std::vector<std::string>> arows = {{"AGENT", "HOST", "SLOTS", "GPUS", "ALIVE", "SNAPSHOTS HELD"}};
+  std::vector<std::vector<std::string>> arows = {
+      {"AGENT", "HOST", "SLOTS", "GPUS", "ALIVE", "SNAPSHOTS HELD"}};
   for (const auto& a : status.value("agents", json::array())) {
     const json s = a.value("snapshots", json::object());
     checkpoint::KeeperTotals t;

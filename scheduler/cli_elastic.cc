@@ -328,9 +328,10 @@ void print_elastic_table(const std::string& what, const nlohmann::json& st, bool
   if (st.contains("snapshots") && st["snapshots"].is_object()) {
     const nlohmann::json& s = st["snapshots"];
     const int64_t newest = s.value("newest_committed", int64_t{-1});
-    fmt::print("snapshots every {} steps: newest committed {}{}\n", s.value("every", int64_t{0}),
-               newest >= 0 ? fmt::format("step {}", newest) : std::string("none yet"),
-               s.contains("held") ? fmt::format("; held by the launcher: {}", s.value("held", "")) : std::string());
+    fmt::print(
+        "snapshots every {} steps: newest committed {}{}\n", s.value("every", int64_t{0}),
+        newest >= 0 ? fmt::format("step {}", newest) : std::string("none yet"),
+        s.contains("held") ? fmt::format("; held by the launcher: {}", s.value("held", "")) : std::string());
   }
   fmt::print("{:>6} {:>6} {:>9} {:>7}  {}\n", "SLOT", "RANK", "PID", "ALIVE", "FLAGS");
   for (const auto& w : st.value("workers", nlohmann::json::array())) {

@@ -30,7 +30,8 @@ using Clock = std::chrono::steady_clock;
 
 nlohmann::json ElasticPlan::to_json() const {
   nlohmann::json parts = nlohmann::json::array();
-  for (const PartSource& s : snapshot_parts) parts.push_back({{"endpoints", s.endpoints}, {"xxh64", s.xxh64}});
+  for (const PartSource& s : snapshot_parts)
+    parts.push_back({{"endpoints", s.endpoints}, {"xxh64", s.xxh64}});
   return nlohmann::json{{"epoch", epoch},
                         {"dp", dp},
                         {"grad_accum", grad_accum},
@@ -176,7 +177,8 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
     if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
         f.phase != "snapshot" && f.phase != "any" && f.phase != "start") {
       return invalid_argument(
-          "elastic.inject: unknown phase '{}' (forward, alltoall, sync, snapshot, checkpoint, any, start)", f.phase);
+          "elastic.inject: unknown phase '{}' (forward, alltoall, sync, snapshot, checkpoint, any, start)",
+          f.phase);
     }
     char* end = nullptr;
     const std::string step_s = item.substr(at + 1, c1 - at - 1), slot_s = item.substr(c2 + 1);
@@ -322,7 +324,7 @@ class ElasticWorker {
   ~ElasticWorker() {
     stop_watcher_ = true;
     if (watcher_.joinable()) watcher_.join();
-    actors_.reset();  // no plan or commit handler runs on a half-destroyed worker
+    actors_.reset();       // no plan or commit handler runs on a half-destroyed worker
     snapshotter_.reset();  // before the Stage it copies
   }
 
@@ -488,7 +490,8 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
     // Every rank goes back to the snapshot, from its node's keeper (or through it from
     // the keeper holding the part's copy).
     const auto t0 = Clock::now();
-    if (!keeper_) return failed_precondition("elastic: the plan restores a snapshot but this worker has no keeper");
+    if (!keeper_)
+      return failed_precondition("elastic: the plan restores a snapshot but this worker has no keeper");
     std::vector<std::string> parts;
     if (Status st = restore_snapshot(*keeper_, job_, plan, rank, *stage_, &parts); !st.ok()) {
       failed_snapshot_ = plan.snapshot_step;
@@ -517,7 +520,8 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
     if (!kept || stage_->steps_done() != plan.step_done) {
       return failed_precondition(
           "elastic: rank {} cannot keep its state for epoch {}: it {} (the plan goes back to step {})", rank,
-          plan.epoch, kept ? fmt::format("has run {} steps", stage_->steps_done()) : std::string("has a new stage"),
+          plan.epoch,
+          kept ? fmt::format("has run {} steps", stage_->steps_done()) : std::string("has a new stage"),
           plan.step_done);
     }
     stage_->clear_interrupted_step();
@@ -530,7 +534,8 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
   if (snapshotter_ && restored < 0) {
     StepReply r;
     snapshotter_->after_step(plan.step_done, SnapshotDue::kNow, r);
-    if (!r.snapshot_errors.empty()) fmt::print(stderr, "elastic: slot {}: no snapshot of the starting state\n", slot_);
+    if (!r.snapshot_errors.empty())
+      fmt::print(stderr, "elastic: slot {}: no snapshot of the starting state\n", slot_);
   }
   return ok_status();
 }
@@ -543,19 +548,22 @@ Status ElasticWorker::connect_keeper() {
     // process still makes checkpoints, but its snapshots die with the worker.
     char host[256] = {0};
     ::gethostname(host, sizeof(host) - 1);
-    TROUPE_ASSIGN_OR_RETURN(own_keeper_, checkpoint::SnapshotKeeper::start(
-                                             {.node = fmt::format("{}-worker{}", host, slot_), .host_addr = ""}));
-    fmt::print(stderr,
-               "elastic: slot {}: no snapshot keeper serves this worker ({} is not set): its snapshots live in "
-               "its own process and do not survive it\n",
-               slot_, checkpoint::kSnapshotKeeperEnv);
+    TROUPE_ASSIGN_OR_RETURN(own_keeper_,
+                            checkpoint::SnapshotKeeper::start(
+                                {.node = fmt::format("{}-worker{}", host, slot_), .host_addr = ""}));
+    fmt::print(
+        stderr,
+        "elastic: slot {}: no snapshot keeper serves this worker ({} is not set): its snapshots live in "
+        "its own process and do not survive it\n",
+        slot_, checkpoint::kSnapshotKeeperEnv);
     std::fflush(stderr);
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::SnapshotClient> c,
                             checkpoint::SnapshotClient::connect(own_keeper_->socket_path()));
     keeper_ = std::move(c);
     return ok_status();
   }
-  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::SnapshotClient> c, checkpoint::SnapshotClient::connect(path));
+  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::SnapshotClient> c,
+                          checkpoint::SnapshotClient::connect(path));
   keeper_ = std::move(c);
   return ok_status();
 }
@@ -577,7 +585,8 @@ Status ElasticWorker::start_snapshots(int64_t restored_step) {
       fmt::print(stderr, "snapshot: slot {} could not tell the driver that step {} landed\n", slot_, l.step);
     }
   };
-  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Snapshotter> s, Snapshotter::create(keeper_, *stage_, std::move(o)));
+  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Snapshotter> s,
+                          Snapshotter::create(keeper_, *stage_, std::move(o)));
   std::lock_guard<std::mutex> lock(mu_);
   snapshotter_ = std::move(s);
   return ok_status();
@@ -736,15 +745,16 @@ Status ElasticWorker::run() {
         case Command::Kind::kSave:      // a checkpoint off the every-K schedule (the job's last step)
         case Command::Kind::kSnapshot:  // a snapshot off the schedule (a planned membership change)
           if (stage_->steps_done() != cmd.step) {
-            return failed_precondition("{} of step {}: this rank has run {} steps", command_kind_name(cmd.kind),
-                                       cmd.step, stage_->steps_done());
+            return failed_precondition("{} of step {}: this rank has run {} steps",
+                                       command_kind_name(cmd.kind), cmd.step, stage_->steps_done());
           }
           if (!snapshotter_) {
-            return failed_precondition("{} of step {}: this worker takes no snapshots", command_kind_name(cmd.kind),
-                                       cmd.step);
+            return failed_precondition("{} of step {}: this worker takes no snapshots",
+                                       command_kind_name(cmd.kind), cmd.step);
           }
           snapshotter_->after_step(
-              cmd.step, cmd.kind == Command::Kind::kSave ? SnapshotDue::kCheckpoint : SnapshotDue::kNow, reply);
+              cmd.step, cmd.kind == Command::Kind::kSave ? SnapshotDue::kCheckpoint : SnapshotDue::kNow,
+              reply);
           break;
       }
     } catch (const CommFailure& e) {

@@ -4,8 +4,10 @@
 // Messages (typed, actors/training/messages.h) between the Trainer's "trainer" actor and
 // each worker's actors (role_actors.h): StepCommand {seq, kind, step, epoch} to every
 // "stage.<rank>" (seqs continue across epochs), StepReply from every rank (rank 0's
-// carries the step metrics; checkpoint and replica notes from all), WorkerFailure (a
-// data-plane or join failure in an epoch: code, actor, text, time).
+// carries the step metrics; snapshot and checkpoint notes from all), WorkerFailure (a
+// data-plane or join failure in an epoch: code, actor, text, time, the snapshot a restore
+// could not use), SnapshotLanded (a rank's snapshot part is in its keeper) and
+// SnapshotCommitted (every part landed; to every stage actor).
 // Keys, all under "<job>/elastic/" in the job's rendezvous store (not epoch-namespaced:
 // they span epochs; a worker blocked in a collective still sees them, and they survive a
 // scheduler restart):
@@ -15,20 +17,23 @@
 //   ready/<e>/<slot>    the worker joined epoch e (communicators built, state restored)
 //   hb/<slot>           heartbeat counter (rewritten every kHeartbeatInterval)
 //   fault/<slot>        fault injection: wall time (ms) just before the injected fault
-// Checkpoints (checkpoint.every = K; the directory is in the plan): after
-// every K-th step each rank saves its part of issue 8's checkpoint format (the same
-// Stage::export_state(kSave) + RankCheckpointer as normal training, stage_state.h) in the
-// background, and a later reply says so once the part is durable; the driver finalizes
-// the checkpoint once every rank's is. `train_moe train --resume` loads it into any layout.
+// Snapshots (elastic.snapshot_every; actors/training/snapshots.h): each rank copies its
+// state into memory its node's keeper holds, off the step; the driver commits a snapshot
+// once every rank's part landed (snapshot_ledger.h). Checkpoints (checkpoint.every; the
+// directory is in the plan) are written from the committed snapshot of the step by each
+// rank's writer thread, in the checkpoint format of normal training, and a later reply says
+// so once the part is durable; the driver finalizes the checkpoint once every rank's is.
+// `train_moe train --resume` loads it into any layout.
 // A slot names one worker process for its whole life; its rank may change when the job
 // is rescaled. A replacement is a new slot.
 //
 // Worker contract: between commands the worker is idle; when plan/<e+1> appears (its
 // watcher thread polls it) it aborts every communicator, so a step in progress unwinds
-// (CommFailure), rolls back to the committed state after plan.step_done, rebuilds its
-// communicators in epoch e+1 (or re-creates its Stage when dp changes), takes part in the
-// state broadcast from a survivor of its (pp, n) column, writes ready/<e+1>/<slot> and
-// serves commands from plan.seq on. A slot missing from the plan exits 0 (scale-down).
+// (CommFailure), rebuilds its communicators in epoch e+1 (or re-creates its Stage when its
+// rank or dp changes), restores what the plan names (a snapshot's parts through its node's
+// keeper, a checkpoint, or its own live state after plan.step_done), writes
+// ready/<e+1>/<slot> and serves commands from plan.seq on. A slot missing from the plan
+// exits 0 (scale-down).
 #pragma once
 
 #include <chrono>

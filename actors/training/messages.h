@@ -95,8 +95,8 @@ struct SnapshotLanded {
   uint64_t epoch = 0;
   int32_t rank = -1, slot = -1;
   int64_t step = -1;
-  uint64_t xxh64 = 0;  // of the part's manifest (which holds every slice's checksum)
-  uint64_t bytes = 0;  // the segment
+  uint64_t xxh64 = 0;          // of the part's manifest (which holds every slice's checksum)
+  uint64_t bytes = 0;          // the segment
   std::string node, endpoint;  // the keeper holding it, and where other keepers reach it
   std::string error;           // non-empty: the part could not be made
 };

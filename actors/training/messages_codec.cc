@@ -278,7 +278,8 @@ Result<StepReply> decode_step_reply(std::string_view bytes) {
     m.snapshot_ms = s.getSnapshotMs();
     m.snapshot_wait_ms = s.getSnapshotWaitMs();
     m.snapshot_replicated = s.getSnapshotReplicated();
-    for (auto e : s.getSnapshotErrors()) m.snapshot_errors.emplace_back(e.getStep(), std::string(e.getText()));
+    for (auto e : s.getSnapshotErrors())
+      m.snapshot_errors.emplace_back(e.getStep(), std::string(e.getText()));
     m.host_syncs = s.getHostSyncs();
     return m;
   });
@@ -301,8 +302,8 @@ std::string encode_worker_failure(const WorkerFailure& m) {
 Result<WorkerFailure> decode_worker_failure(std::string_view bytes) {
   return read_message(bytes, "WorkerFailure", [](capnp::MessageReader& r) -> Result<WorkerFailure> {
     auto f = r.getRoot<::WorkerFailure>();
-    return WorkerFailure{f.getEpoch(), f.getSlot(), f.getRank(), f.getCode(), f.getActor(),
-                         f.getText(),  f.getTsMs(), f.getSnapshotStep()};
+    return WorkerFailure{f.getEpoch(), f.getSlot(), f.getRank(), f.getCode(),
+                         f.getActor(), f.getText(), f.getTsMs(), f.getSnapshotStep()};
   });
 }
 
@@ -350,7 +351,8 @@ Result<SnapshotCommitted> decode_snapshot_committed(std::string_view bytes) {
     SnapshotCommitted m;
     m.epoch = x.getEpoch();
     m.step = x.getStep();
-    for (auto t : x.getCopyTo()) m.copy_to.emplace_back(std::string(t.getNode()), std::string(t.getEndpoint()));
+    for (auto t : x.getCopyTo())
+      m.copy_to.emplace_back(std::string(t.getNode()), std::string(t.getEndpoint()));
     m.checkpoint = x.getCheckpoint();
     m.abandoned = x.getAbandoned();
     return m;

@@ -39,7 +39,8 @@ class RoleActor final : public actors::Actor {
   RoleActor(std::string role, std::shared_ptr<const WorkerView> view, const RoleInputs& in = {})
       : role_(std::move(role)), view_(std::move(view)) {
     handle<ActorStatusQuery>([this](const ActorStatusQuery&) { return status(); });
-    if (auto commands = in.commands) handle<StepCommand>([commands](const StepCommand& c) { commands->push(c); });
+    if (auto commands = in.commands)
+      handle<StepCommand>([commands](const StepCommand& c) { commands->push(c); });
     if (auto plans = in.plans) {
       handle<ElasticPlan>([plans](const ElasticPlan& p) {
         if (*plans) (*plans)(p);
@@ -51,8 +52,10 @@ class RoleActor final : public actors::Actor {
       });
     }
     if (auto replies = in.replies) handle<StepReply>([replies](const StepReply& r) { replies->push(r); });
-    if (auto failures = in.failures) handle<WorkerFailure>([failures](const WorkerFailure& f) { failures->push(f); });
-    if (auto landed = in.landed) handle<SnapshotLanded>([landed](const SnapshotLanded& l) { landed->push(l); });
+    if (auto failures = in.failures)
+      handle<WorkerFailure>([failures](const WorkerFailure& f) { failures->push(f); });
+    if (auto landed = in.landed)
+      handle<SnapshotLanded>([landed](const SnapshotLanded& l) { landed->push(l); });
   }
 
  private:
@@ -239,10 +242,10 @@ Result<std::unique_ptr<ActorDirectory>> ActorDirectory::start(const std::string&
   }
   TROUPE_RETURN_IF_ERROR(
       d->sys_
-          ->spawn_actor("trainer", std::make_unique<RoleActor>(
-                                       "trainer", d->trainer_view_,
-                                       RoleInputs{.replies = d->replies_, .failures = d->failures_,
-                                                  .landed = d->landed_}))
+          ->spawn_actor("trainer", std::make_unique<RoleActor>("trainer", d->trainer_view_,
+                                                               RoleInputs{.replies = d->replies_,
+                                                                          .failures = d->failures_,
+                                                                          .landed = d->landed_}))
           .status());
   const nlohmann::json ep{{"node", "driver"}, {"endpoint", d->sys_->endpoint()}, {"host", host_name()}};
   TROUPE_RETURN_IF_ERROR(store.set(endpoint_key, ep.dump()));

@@ -145,7 +145,9 @@ class WorkerActors {
   // before place(); the handler must not block.
   void on_plan(std::function<void(const ElasticPlan&)> handler) { *plan_handler_ = std::move(handler); }
   // Likewise with each snapshot commit (SnapshotCommitted) the Trainer sends.
-  void on_commit(std::function<void(const SnapshotCommitted&)> handler) { *commit_handler_ = std::move(handler); }
+  void on_commit(std::function<void(const SnapshotCommitted&)> handler) {
+    *commit_handler_ = std::move(handler);
+  }
   // Ends a next_command() wait at once with a command no epoch serves (seq -1, epoch
   // UINT64_MAX), which the caller drops.
   void wake() { commands_->push(StepCommand{-1, 0, 0, UINT64_MAX}); }

@@ -22,9 +22,9 @@ nlohmann::json SnapshotRecord::to_json() const {
                        {"bytes", p.bytes},
                        {"copy", p.copy_endpoint}});
   }
-  nlohmann::json j{{"step", step},   {"epoch", epoch},           {"dp", dp},
-                   {"grad_accum", grad_accum}, {"tokens", tokens}, {"checkpoint", checkpoint},
-                   {"parts", parts_j}};
+  nlohmann::json j{
+      {"step", step},     {"epoch", epoch},           {"dp", dp},        {"grad_accum", grad_accum},
+      {"tokens", tokens}, {"checkpoint", checkpoint}, {"parts", parts_j}};
   if (!unusable.empty()) j["unusable"] = unusable;
   return j;
 }
@@ -100,7 +100,8 @@ std::optional<int64_t> SnapshotLedger::landed(const SnapshotLanded& l, uint64_t 
   p.endpoint = l.endpoint;
   p.xxh64 = l.xxh64;
   p.bytes = l.bytes;
-  const bool all = std::all_of(r.parts.begin(), r.parts.end(), [](const SnapshotPartRecord& x) { return x.landed; });
+  const bool all =
+      std::all_of(r.parts.begin(), r.parts.end(), [](const SnapshotPartRecord& x) { return x.landed; });
   if (!all || !r.unusable.empty()) return std::nullopt;
   return l.step;
 }
@@ -187,7 +188,8 @@ nlohmann::json SnapshotLedger::committed_json() const {
 
 Result<SnapshotLedger> SnapshotLedger::from_json(const std::string& text) {
   const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
-  if (!j.is_array()) return data_loss("the job's snapshot records are not a JSON array: {}", text.substr(0, 200));
+  if (!j.is_array())
+    return data_loss("the job's snapshot records are not a JSON array: {}", text.substr(0, 200));
   SnapshotLedger l;
   for (const auto& e : j) {
     TROUPE_ASSIGN_OR_RETURN(SnapshotRecord r, SnapshotRecord::from_json(e));

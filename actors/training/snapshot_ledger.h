@@ -33,14 +33,14 @@ struct SnapshotPartRecord {
   std::string node, endpoint;  // its keeper
   uint64_t xxh64 = 0;          // its manifest's checksum
   uint64_t bytes = 0;
-  std::string copy_endpoint;   // the keeper of another node its copy goes to ("": none)
+  std::string copy_endpoint;  // the keeper of another node its copy goes to ("": none)
 };
 
 struct SnapshotRecord {
   int64_t step = -1;
   uint64_t epoch = 0;
   int64_t dp = 1, grad_accum = 1;
-  int64_t tokens = 0;  // tokens seen after the step (its data position)
+  int64_t tokens = 0;                     // tokens seen after the step (its data position)
   std::vector<SnapshotPartRecord> parts;  // per rank of the epoch's layout
   bool committed = false;
   bool checkpoint = false;  // also written to disk

@@ -19,12 +19,18 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 constexpr uint64_t kAlign = 64;
-uint64_t align_up(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+uint64_t align_up(uint64_t x) {
+  return (x + kAlign - 1) / kAlign * kAlign;
+}
 
-double ms_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count() * 1e3; }
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
+}
 
 // Threads for the slice checksums of one part (xxHash64 runs at several GB/s a core).
-int checksum_threads() { return static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u)); }
+int checksum_threads() {
+  return static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u));
+}
 
 }  // namespace
 
@@ -38,12 +44,14 @@ Result<std::unique_ptr<Snapshotter>> Snapshotter::create(std::shared_ptr<checkpo
   s->endpoint_ = g.endpoint;
   for (int i = 0; i < 2; ++i) {
     s->maps_[i] = std::shared_ptr<checkpoint::SegmentMap>(std::move(g.maps[i]));
-    s->gen_step_[i] = g.gens[i].state == static_cast<uint32_t>(checkpoint::SegmentState::kLanded) ? g.gens[i].step : -1;
+    s->gen_step_[i] =
+        g.gens[i].state == static_cast<uint32_t>(checkpoint::SegmentState::kLanded) ? g.gens[i].step : -1;
     stage.pin_host(s->maps_[i]->base(), s->maps_[i]->size());
   }
   s->committed_ = s->o_.restored_step;
   for (int i = 0; i < 2; ++i) {
-    if (s->committed_ >= 0 && s->gen_step_[i] == s->committed_ && s->committed_gen_ < 0) s->committed_gen_ = i;
+    if (s->committed_ >= 0 && s->gen_step_[i] == s->committed_ && s->committed_gen_ < 0)
+      s->committed_gen_ = i;
   }
   s->snapshot_thread_ = std::thread([p = s.get()] { p->snapshot_loop(); });
   s->writer_thread_ = std::thread([p = s.get()] { p->writer_loop(); });
@@ -85,7 +93,8 @@ Status Snapshotter::layout() {
     s.offset = off;
     s.length = t.entry.tensor.nbytes();
     for (size_t d = 0; d < t.entry.global_shape.size(); ++d) {
-      s.box.push_back({t.entry.offsets.empty() ? 0 : t.entry.offsets[d], t.entry.tensor.shape()[static_cast<int64_t>(d)]});
+      s.box.push_back({t.entry.offsets.empty() ? 0 : t.entry.offsets[d],
+                       t.entry.tensor.shape()[static_cast<int64_t>(d)]});
     }
     s.rank = o_.rank;
     part_.tensors.push_back(
@@ -123,11 +132,13 @@ void Snapshotter::after_step(int64_t step, SnapshotDue due, StepReply& reply) {
   {
     std::unique_lock lock(mu_);
     // One snapshot in flight at a time, into a free generation.
-    const bool ok = cv_.wait_for(lock, o_.wait_limit, [&] { return landing_ < 0 && (free_locked(0) || free_locked(1)); });
+    const bool ok =
+        cv_.wait_for(lock, o_.wait_limit, [&] { return landing_ < 0 && (free_locked(0) || free_locked(1)); });
     reply.snapshot_wait_ms = ms_since(t0);
     if (!ok) {
       const std::string why = fmt::format(
-          "skipped: after {} ms no generation was free (newest committed step {}; generations hold steps {} and {}{})",
+          "skipped: after {} ms no generation was free (newest committed step {}; generations hold steps {} "
+          "and {}{})",
           o_.wait_limit.count(), committed_, gen_step_[0], gen_step_[1],
           gen_on_disk_[0] || gen_on_disk_[1] ? ", one being written to disk" : "");
       reply.snapshot_errors.emplace_back(step, why);
@@ -152,7 +163,8 @@ void Snapshotter::after_step(int64_t step, SnapshotDue due, StepReply& reply) {
     cv_.notify_all();
   };
   // A push of what this generation held to another node stops first.
-  if (Status st = keeper_->begin(o_.job, o_.rank, static_cast<uint32_t>(gen), step); !st.ok()) return fail(st);
+  if (Status st = keeper_->begin(o_.job, o_.rank, static_cast<uint32_t>(gen), step); !st.ok())
+    return fail(st);
   checkpoint::begin_segment(*maps_[gen], step);
   if (Status st = stage_.snapshot_into(maps_[gen]->data(), offsets_); !st.ok()) return fail(st);
   {
@@ -303,8 +315,9 @@ void Snapshotter::writer_loop() {
     }
     const auto [gen, step] = job;
     Status st = [&]() -> Status {
-      TROUPE_ASSIGN_OR_RETURN(checkpoint::SnapshotPart p,
-                              checkpoint::read_segment_part(maps_[gen], fmt::format("rank {}'s snapshot", o_.rank)));
+      TROUPE_ASSIGN_OR_RETURN(
+          checkpoint::SnapshotPart p,
+          checkpoint::read_segment_part(maps_[gen], fmt::format("rank {}'s snapshot", o_.rank)));
       if (p.part.step != step) return data_loss("the generation holds step {}, not {}", p.part.step, step);
       const checkpoint::ManifestPart saved = checkpoint::saved_subset(p.part);
       fault_point(fmt::format("checkpoint write of step {}", step));
@@ -324,7 +337,8 @@ void Snapshotter::writer_loop() {
         durable_.push_back(step);
       } else {
         ckpt_errors_.emplace_back(step, st.to_string());
-        fmt::print(stderr, "checkpoint: rank {} could not write step {}: {}\n", o_.rank, step, st.to_string());
+        fmt::print(stderr, "checkpoint: rank {} could not write step {}: {}\n", o_.rank, step,
+                   st.to_string());
         std::fflush(stderr);
       }
       ckpt_writing_.erase(step);
@@ -371,7 +385,8 @@ void Snapshotter::report(StepReply& reply, bool wait_ckpt) {
   lock.unlock();
   if (Result<checkpoint::SnapReply> q = keeper_->query(o_.job); q.ok()) {
     for (const checkpoint::SnapHeld& h : q->held) {
-      if (!h.replica && h.rank == o_.rank) reply.snapshot_replicated = std::max(reply.snapshot_replicated, h.replicated_step);
+      if (!h.replica && h.rank == o_.rank)
+        reply.snapshot_replicated = std::max(reply.snapshot_replicated, h.replicated_step);
     }
   }
 }
@@ -382,7 +397,8 @@ Status restore_snapshot(checkpoint::SnapshotClient& keeper, const std::string& j
                         int rank, Stage& stage, std::vector<std::string>* sources) {
   const int64_t step = plan.snapshot_step;
   const ParallelLayout now = stage.state_layout();
-  TROUPE_ASSIGN_OR_RETURN(ParallelLayout then, ParallelLayout::make(now.pp(), static_cast<int>(plan.snapshot_dp), now.n()));
+  TROUPE_ASSIGN_OR_RETURN(ParallelLayout then,
+                          ParallelLayout::make(now.pp(), static_cast<int>(plan.snapshot_dp), now.n()));
   if (static_cast<int>(plan.snapshot_parts.size()) != then.world_size()) {
     return invalid_argument("the plan names {} parts for the snapshot of step {} in layout {} ({} ranks)",
                             plan.snapshot_parts.size(), step, then.to_string(), then.world_size());
@@ -404,33 +420,35 @@ Status restore_snapshot(checkpoint::SnapshotClient& keeper, const std::string& j
     const PartSource& src = plan.snapshot_parts[static_cast<size_t>(r)];
     Result<checkpoint::SnapshotClient::Fetched> m =
         keeper.fetch(job, r, step, src.endpoints, std::chrono::minutes(10));
-    if (!m.ok()) return data_loss("the snapshot of step {}: rank {}'s part: {}", step, r, m.status().message());
+    if (!m.ok())
+      return data_loss("the snapshot of step {}: rank {}'s part: {}", step, r, m.status().message());
     if (sources != nullptr) {
-      sources->push_back(m->copy ? fmt::format("rank {}'s part: a copy on node {} of node {}'s", r, m->served_by,
-                                               m->from_node)
+      sources->push_back(m->copy ? fmt::format("rank {}'s part: a copy on node {} of node {}'s", r,
+                                               m->served_by, m->from_node)
                                  : fmt::format("rank {}'s part: on node {}", r, m->served_by));
     }
-    Result<checkpoint::SnapshotPart> p =
-        checkpoint::read_segment_part(m->map, fmt::format("the snapshot of step {}, rank {}'s part", step, r));
+    Result<checkpoint::SnapshotPart> p = checkpoint::read_segment_part(
+        m->map, fmt::format("the snapshot of step {}, rank {}'s part", step, r));
     if (!p.ok()) return data_loss("{}", p.status().message());
     if (p->part_xxh64 != src.xxh64) {
-      return data_loss("the snapshot of step {}: rank {}'s part is not the committed one (manifest checksum {} vs {})",
-                       step, r, checkpoint::xxh64_hex(p->part_xxh64), checkpoint::xxh64_hex(src.xxh64));
+      return data_loss(
+          "the snapshot of step {}: rank {}'s part is not the committed one (manifest checksum {} vs {})",
+          step, r, checkpoint::xxh64_hex(p->part_xxh64), checkpoint::xxh64_hex(src.xxh64));
     }
-    TROUPE_RETURN_IF_ERROR(checkpoint::verify_snapshot_part(*p, checksum_threads()).with_context(
-        fmt::format("the snapshot of step {}", step)));
+    TROUPE_RETURN_IF_ERROR(checkpoint::verify_snapshot_part(*p, checksum_threads())
+                               .with_context(fmt::format("the snapshot of step {}", step)));
     parts.push_back(std::move(p).value());
   }
   int64_t adam_steps = step;
   if (parts[0].part.state.is_object()) adam_steps = parts[0].part.state.value("adam_steps", step);
-  SliceSource source = [&parts, step](const std::string& name, const Shape& global, const checkpoint::Slice& box,
-                                      Tensor& dst) -> Status {
+  SliceSource source = [&parts, step](const std::string& name, const Shape& global,
+                                      const checkpoint::Slice& box, Tensor& dst) -> Status {
     int64_t covered = 0;
     for (const checkpoint::SnapshotPart& p : parts) {
       for (const checkpoint::TensorRecord& t : p.part.tensors) {
         if (t.name == name && t.shape != global) {
-          return failed_precondition("the snapshot of step {}: tensor '{}' has shape {}, this model's is {}", step, name,
-                                     shape_to_string(t.shape), shape_to_string(global));
+          return failed_precondition("the snapshot of step {}: tensor '{}' has shape {}, this model's is {}",
+                                     step, name, shape_to_string(t.shape), shape_to_string(global));
         }
       }
       int64_t c = 0;
@@ -439,8 +457,8 @@ Status restore_snapshot(checkpoint::SnapshotClient& keeper, const std::string& j
     }
     // Parts of one column hold the replicated tensors each: covered may count them twice.
     if (covered < checkpoint::slice_numel(box)) {
-      return data_loss("the snapshot of step {} holds {} of the {} elements of '{}' {} this rank needs", step, covered,
-                       checkpoint::slice_numel(box), name, checkpoint::slice_to_string(box));
+      return data_loss("the snapshot of step {} holds {} of the {} elements of '{}' {} this rank needs", step,
+                       covered, checkpoint::slice_numel(box), name, checkpoint::slice_to_string(box));
     }
     return ok_status();
   };

@@ -16,9 +16,9 @@
 //
 // Generations: a snapshot goes into the generation that holds neither the newest
 // committed snapshot nor a landed one still waiting for its commit (or its abandonment),
-// and that is not being written to disk; when neither generation qualifies, the step thread waits for one (the
-// wait is reported as snapshot_wait_ms; a checkpoint's stall) up to a limit, then skips
-// the snapshot with an error note.
+// and that is not being written to disk; when neither generation qualifies, the step thread waits for one
+// (the wait is reported as snapshot_wait_ms; a checkpoint's stall) up to a limit, then skips the snapshot
+// with an error note.
 //
 // Threads: after_step and report on the worker's step thread; on_commit on the stage
 // actor's thread; the snapshot thread and the writer thread inside.

@@ -59,7 +59,9 @@ struct Stage::SnapshotCopy {
   }
 };
 
-void Stage::SnapshotCopyDeleter::operator()(SnapshotCopy* c) const { delete c; }
+void Stage::SnapshotCopyDeleter::operator()(SnapshotCopy* c) const {
+  delete c;
+}
 
 Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets) {
   TROUPE_ASSIGN_OR_RETURN(std::vector<SnapshotTensor> ts, snapshot_tensors());
@@ -71,7 +73,8 @@ Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets
   SnapshotCopy& c = *snap_;
   if (c.copier.joinable()) c.copier.join();
   uint64_t end = 0;
-  for (size_t i = 0; i < ts.size(); ++i) end = std::max<uint64_t>(end, offsets[i] + ts[i].entry.tensor.nbytes());
+  for (size_t i = 0; i < ts.size(); ++i)
+    end = std::max<uint64_t>(end, offsets[i] + ts[i].entry.tensor.nbytes());
   if (!ctx_.on_device()) {
     // Views of the live host buffers: only the optimizer writes them (it waits).
     std::promise<void> done;
@@ -97,8 +100,8 @@ Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets
     if (cudaMalloc(&c.staging, end) != cudaSuccess) {
       (void)cudaGetLastError();
       c.staging_bytes = 0;
-      return resource_exhausted("snapshot: no device memory for the {} byte staging copy of rank {}'s state", end,
-                                rank_);
+      return resource_exhausted("snapshot: no device memory for the {} byte staging copy of rank {}'s state",
+                                end, rank_);
     }
     c.staging_bytes = end;
   }
@@ -112,7 +115,8 @@ Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets
   for (size_t i = 0; i < ts.size(); ++i) {
     const Tensor& t = ts[i].entry.tensor;
     if (t.numel() == 0) continue;
-    CUDA_CHECK(cudaMemcpyAsync(staging + offsets[i], t.data_ptr(), t.nbytes(), cudaMemcpyDeviceToDevice, compute));
+    CUDA_CHECK(
+        cudaMemcpyAsync(staging + offsets[i], t.data_ptr(), t.nbytes(), cudaMemcpyDeviceToDevice, compute));
   }
   c.staged.record(compute);
   c.staged.wait_on(c.stream.get());

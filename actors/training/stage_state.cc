@@ -122,8 +122,12 @@ nlohmann::json Stage::rank_state() const {
   return nlohmann::json{
       {"step", steps},
       {"adam_steps", steps},
-      {"data", {{"next_step", steps + 1}, {"seed", tc_.train.seed}, {"dp_rank", coord_.dp},
-                {"micro_batch_size", tc_.train.micro_batch_size}, {"grad_accum", tc_.train.grad_accum}}},
+      {"data",
+       {{"next_step", steps + 1},
+        {"seed", tc_.train.seed},
+        {"dp_rank", coord_.dp},
+        {"micro_batch_size", tc_.train.micro_batch_size},
+        {"grad_accum", tc_.train.grad_accum}}},
       // No stateful generator exists: initialisation and data order are counter-based
       // functions of the seed and the step.
       {"rng", {{"kind", "counter-based (splitmix64 of seed, name, index)"}, {"seed", tc_.train.seed}}}};

@@ -266,7 +266,7 @@ class Trainer {
   // A rebuild with nobody lost lets every rank keep its live state; once such an epoch
   // failed, recoveries restore a snapshot until one succeeds.
   bool keep_failed_ = false;
-  nlohmann::json restored_parts_;  // the last epoch's snapshot parts, by slot: where they were read
+  nlohmann::json restored_parts_;      // the last epoch's snapshot parts, by slot: where they were read
   int64_t last_snapshot_failed_ = -1;  // reported once, not by every rank
   std::string epoch_failure_;  // the first failure a worker reported in the current epoch
   int64_t max_step_completed_ = 0;
@@ -489,7 +489,8 @@ Result<std::optional<Failure>> Trainer::check_errors(Clock::time_point& first_er
                {"slot", f.slot},
                {"rank", f.rank},
                {"error", f.text}});
-        fmt::print(stderr, "elastic: the snapshot of step {} cannot be restored (slot {}: {}); going back further\n",
+        fmt::print(stderr,
+                   "elastic: the snapshot of step {} cannot be restored (slot {}: {}); going back further\n",
                    f.snapshot_step, f.slot, f.text);
         std::fflush(stderr);
       }
@@ -809,7 +810,8 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
       nlohmann::json ready{{"event", "epoch_ready"},
                            {"epoch", plan_.epoch},
                            {"ms_since_detection", wall_ms() - *recovering_since_ms_}};
-      if (!restored_parts_.empty()) ready["restored_parts"] = restored_parts_;  // by slot: where each part was
+      if (!restored_parts_.empty())
+        ready["restored_parts"] = restored_parts_;  // by slot: where each part was
       event(std::move(ready));
       recovering_steps_lost_ = failed_step - 1 - plan_.step_done;
       if (plan_.step_done < step_done) rewound_to_ = plan_.step_done;
@@ -818,9 +820,11 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
       // written again, from that snapshot.
       const int64_t s = plan_.snapshot_step;
       std::error_code ec;
-      if (s >= 0 && !ckpt_dir_.empty() && ((ckpt_every_ > 0 && s % ckpt_every_ == 0) || forced_ckpts_.count(s)) &&
+      if (s >= 0 && !ckpt_dir_.empty() &&
+          ((ckpt_every_ > 0 && s % ckpt_every_ == 0) || forced_ckpts_.count(s)) &&
           !fs::exists(fs::path(ckpt_dir_) / checkpoint::step_dir_name(s), ec)) {
-        if (Status st = actors_->send_committed(plan_.slots, snaps_.recommit(s, plan_.epoch, true)); st.ok()) {
+        if (Status st = actors_->send_committed(plan_.slots, snaps_.recommit(s, plan_.epoch, true));
+            st.ok()) {
           PendingCheckpoint& p = pending_ckpts_[s];
           p.epoch = plan_.epoch;
           p.dp = plan_.dp;
@@ -952,8 +956,8 @@ Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t 
       if (kind == Command::Kind::kStep) {
         step_done_now_ = step;
         auto prev = tokens_after_.find(step - 1);
-        tokens_after_[step] =
-            (prev != tokens_after_.end() ? prev->second : tokens_seen_) + replies[0].value("step_tokens", int64_t{0});
+        tokens_after_[step] = (prev != tokens_after_.end() ? prev->second : tokens_seen_) +
+                              replies[0].value("step_tokens", int64_t{0});
       }
       if (kind == Command::Kind::kStep && step > max_step_completed_) {
         max_step_completed_ = step;
@@ -989,7 +993,8 @@ Status Trainer::poll_snapshots() {
     if (!l.error.empty() && l.epoch == plan_.epoch && l.step != last_snapshot_failed_) {
       last_snapshot_failed_ = l.step;
       event({{"event", "snapshot_failed"}, {"step", l.step}, {"rank", l.rank}, {"error", l.error}});
-      fmt::print(stderr, "snapshot: rank {} could not make its part of step {}: {}\n", l.rank, l.step, l.error);
+      fmt::print(stderr, "snapshot: rank {} could not make its part of step {}: {}\n", l.rank, l.step,
+                 l.error);
       std::fflush(stderr);
       abandon_snapshot(l.step);
     }
@@ -1022,7 +1027,8 @@ Status Trainer::poll_snapshots() {
       if (ec) return io_error("cannot write {}: {}", path, ec.message());
     }
     if (Status st = actors_->send_committed(plan_.slots, c); !st.ok()) {
-      fmt::print(stderr, "trainer: the commit of snapshot {} did not reach every worker: {}\n", s, st.to_string());
+      fmt::print(stderr, "trainer: the commit of snapshot {} did not reach every worker: {}\n", s,
+                 st.to_string());
     }
     if (ckpt) {
       PendingCheckpoint& p = pending_ckpts_[s];
@@ -1099,8 +1105,8 @@ Status Trainer::choose_restore(ElasticPlan& p, bool keep, const std::string& why
     return ok_status();
   }
   if (ckpt_dir_.empty()) {
-    return aborted("elastic: no usable snapshot holds the state and no checkpoint is kept (checkpoint.every): {}",
-                   why);
+    return aborted(
+        "elastic: no usable snapshot holds the state and no checkpoint is kept (checkpoint.every): {}", why);
   }
   finalize_written_or_abandon();  // a checkpoint written but not yet committed counts
   Result<std::unique_ptr<checkpoint::CheckpointReader>> rd =
@@ -1160,7 +1166,10 @@ Status Trainer::note_checkpoints(Command::Kind kind, int64_t step,
       const int64_t s = e.value("step", int64_t{-1});
       if (s == last_snapshot_failed_) continue;
       last_snapshot_failed_ = s;
-      event({{"event", "snapshot_failed"}, {"step", s}, {"rank", r.value("rank", -1)}, {"error", e.value("error", "")}});
+      event({{"event", "snapshot_failed"},
+             {"step", s},
+             {"rank", r.value("rank", -1)},
+             {"error", e.value("error", "")}});
       abandon_snapshot(s);
     }
   }
@@ -1358,12 +1367,13 @@ Status Trainer::maybe_replace(int64_t step_done) {
   TROUPE_ASSIGN_OR_RETURN(const bool snapped, snapshot_now(step_done));
   if (plan_.rank_of_slot(static_cast<int>(slot)) < 0) return ok_status();  // gone meanwhile (recovered)
   if (!snapped && ckpt_dir_.empty()) {
-    last_answer_ = {{"event", "replace_refused"},
-                    {"request", text},
-                    {"why", fmt::format("no snapshot of step {} could be taken and no checkpoint is kept", step_done)}};
+    last_answer_ = {
+        {"event", "replace_refused"},
+        {"request", text},
+        {"why", fmt::format("no snapshot of step {} could be taken and no checkpoint is kept", step_done)}};
     event(last_answer_);
-    fmt::print("elastic: replace request for slot {} refused: no snapshot of step {} and no checkpoint\n", slot,
-               step_done);
+    fmt::print("elastic: replace request for slot {} refused: no snapshot of step {} and no checkpoint\n",
+               slot, step_done);
     return ok_status();
   }
   fmt::print("elastic: replacing slot {} on request after step {}\n", slot, step_done);
@@ -1430,7 +1440,8 @@ Status Trainer::maybe_rescale(int64_t step_done) {
                                         "checkpoint.every are 0, or a part failed)",
                                         step_done)}};
     event(last_answer_);
-    fmt::print("elastic: scale request '{}' refused: no snapshot of step {} could be taken\n", text, step_done);
+    fmt::print("elastic: scale request '{}' refused: no snapshot of step {} could be taken\n", text,
+               step_done);
     return ok_status();
   }
   std::vector<int> keep;
@@ -1518,12 +1529,13 @@ Status Trainer::run_job() {
     }
     const std::string dir = checkpoint_dir_for(tc_, run_dir_);
     if (resume_snapshot != nullptr) {
-      fmt::print("{}: restarted driver: resuming from the in-memory snapshot of step {} its keepers hold\n", o_.app,
-                 resume_snapshot->step);
+      fmt::print("{}: restarted driver: resuming from the in-memory snapshot of step {} its keepers hold\n",
+                 o_.app, resume_snapshot->step);
     } else if (!checkpoint::list_checkpoints(dir).empty()) {
       resume_from = dir;
     } else {
-      fmt::print("{}: restarted driver: no snapshot and no checkpoint in {}: the job starts over\n", o_.app, dir);
+      fmt::print("{}: restarted driver: no snapshot and no checkpoint in {}: the job starts over\n", o_.app,
+                 dir);
     }
   }
   if (!resume_from.empty()) {
@@ -1535,7 +1547,8 @@ Status Trainer::run_job() {
     TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", resume->step()));
   }
   int64_t start_step = resume ? resume->step() : resume_snapshot ? resume_snapshot->step : 0;
-  if (resume_snapshot != nullptr) TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", start_step));
+  if (resume_snapshot != nullptr)
+    TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", start_step));
   // The job's checkpoints: every checkpoint.every steps, in checkpoint.dir, else
   // $TROUPE_CHECKPOINT_DIR (set by the scheduler), else <run dir>/checkpoints, so
   // `troupe checkpoints` and `--resume <run dir>` find them. The plans carry both to the
@@ -1626,7 +1639,7 @@ Status Trainer::run_job() {
       tc_.train.steps, hb_timeout_.count(), run_dir_);
   std::fflush(stdout);
   for (int r = 0; r < world; ++r) TROUPE_RETURN_IF_ERROR(spawn(r, 0));
-  int64_t tokens_seen = resume                        ? resume->manifest().data_position.value("tokens_seen", int64_t{0})
+  int64_t tokens_seen = resume ? resume->manifest().data_position.value("tokens_seen", int64_t{0})
                         : resume_snapshot != nullptr ? resume_snapshot->tokens
                                                      : 0;
   tokens_seen_ = tokens_seen;
@@ -1646,7 +1659,8 @@ Status Trainer::run_job() {
         start_step = start_step_ = *rewound_to_;
         rewound_to_.reset();
         TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", start_step));
-        if (auto it = tokens_after_.find(start_step); it != tokens_after_.end()) tokens_seen = tokens_seen_ = it->second;
+        if (auto it = tokens_after_.find(start_step); it != tokens_after_.end())
+          tokens_seen = tokens_seen_ = it->second;
       }
     }
   }
@@ -1674,7 +1688,8 @@ Status Trainer::run_job() {
                  step);
       step = *rewound_to_;
       rewound_to_.reset();
-      if (auto it = tokens_after_.find(step); it != tokens_after_.end()) tokens_seen = tokens_seen_ = it->second;
+      if (auto it = tokens_after_.find(step); it != tokens_after_.end())
+        tokens_seen = tokens_seen_ = it->second;
       continue;
     }
     nlohmann::json rec = std::move(*reco);
@@ -1686,8 +1701,8 @@ Status Trainer::run_job() {
     // A checkpoint step's stall: the longest time a rank's step thread spent on its snapshot.
     if (ckpt_every_ > 0 && step % ckpt_every_ == 0 && rec.contains("snapshot_ms_max"))
       rec["ckpt_stall_ms"] = rec["snapshot_ms_max"];
-    for (const char* k : {"step_tokens", "rank", "slot", "ckpt_started", "ckpt_blocked_ms", "ckpt_bytes", "durable",
-                          "ckpt_errors", "snapshot_errors", "snapshot_ms_max"})
+    for (const char* k : {"step_tokens", "rank", "slot", "ckpt_started", "ckpt_blocked_ms", "ckpt_bytes",
+                          "durable", "ckpt_errors", "snapshot_errors", "snapshot_ms_max"})
       rec.erase(k);
     rec["tokens"] = tokens_seen;
     rec["tokens_per_s"] = static_cast<double>(step_tokens) / wall_s;
@@ -1711,7 +1726,8 @@ Status Trainer::run_job() {
       if (!ev) {
         step = *rewound_to_;
         rewound_to_.reset();
-        if (auto it = tokens_after_.find(step); it != tokens_after_.end()) tokens_seen = tokens_seen_ = it->second;
+        if (auto it = tokens_after_.find(step); it != tokens_after_.end())
+          tokens_seen = tokens_seen_ = it->second;
         continue;
       }
       last_val = ev->value("val_loss", NAN);
@@ -1739,10 +1755,12 @@ Status Trainer::run_job() {
       write_status(step);  // the membership after this boundary's changes
       if (scheduled_) TROUPE_RETURN_IF_ERROR(answer_store_request());
       if (rewound_to_) {  // a failure during those changes sent the job back
-        fmt::print("elastic: rewound to step {}; steps {}..{} run again\n", *rewound_to_, *rewound_to_ + 1, step);
+        fmt::print("elastic: rewound to step {}; steps {}..{} run again\n", *rewound_to_, *rewound_to_ + 1,
+                   step);
         step = *rewound_to_;
         rewound_to_.reset();
-        if (auto it = tokens_after_.find(step); it != tokens_after_.end()) tokens_seen = tokens_seen_ = it->second;
+        if (auto it = tokens_after_.find(step); it != tokens_after_.end())
+          tokens_seen = tokens_seen_ = it->second;
       }
     }
   }

@@ -35,7 +35,9 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double secs(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+double secs(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
 
 double hash_gbps(const std::byte* p, size_t n, int threads, int repeat) {
   double best = 1e30;
@@ -97,7 +99,8 @@ int main(int argc, char** argv) {
     }
     return best;
   };
-  const double d2d = timed([&] { cudaMemcpyAsync(staging, dev, n, cudaMemcpyDeviceToDevice, compute); }, compute);
+  const double d2d =
+      timed([&] { cudaMemcpyAsync(staging, dev, n, cudaMemcpyDeviceToDevice, compute); }, compute);
   // The keeper's segment: a memfd mapped shared, page-locked.
   const int fd = memfd_create("snapshot-copy-bench", MFD_CLOEXEC);
   if (fd < 0 || ftruncate(fd, static_cast<off_t>(n)) != 0) {
@@ -118,15 +121,19 @@ int main(int argc, char** argv) {
       timed([&] { cudaMemcpyAsync(pageable.data(), staging, n, cudaMemcpyDeviceToHost, side); }, side);
   const double h1 = hash_gbps(seg, n, 1, repeat), hn = hash_gbps(seg, n, threads, repeat);
   fmt::print("snapshot copies of a {:.2f} GB state (GB/s = bytes / seconds, best of {}):\n", n / 1e9, repeat);
-  fmt::print("  device -> device staging (critical path): {:8.3f} s {:8.1f} GB/s   (peak HBM3e 4800 GB/s, a copy <= 2400)\n",
-             d2d, n / d2d / 1e9);
-  fmt::print("  device -> pinned memfd segment (side):    {:8.3f} s {:8.1f} GB/s   (peak PCIe Gen5 x16 64 GB/s){}\n",
-             d2h_pinned, n / d2h_pinned / 1e9, pinned ? fmt::format("; cudaHostRegister {:.2f} s once", reg_s)
-                                                     : std::string("; cudaHostRegister FAILED: pageable"));
+  fmt::print(
+      "  device -> device staging (critical path): {:8.3f} s {:8.1f} GB/s   (peak HBM3e 4800 GB/s, a copy <= "
+      "2400)\n",
+      d2d, n / d2d / 1e9);
+  fmt::print(
+      "  device -> pinned memfd segment (side):    {:8.3f} s {:8.1f} GB/s   (peak PCIe Gen5 x16 64 GB/s){}\n",
+      d2h_pinned, n / d2h_pinned / 1e9,
+      pinned ? fmt::format("; cudaHostRegister {:.2f} s once", reg_s)
+             : std::string("; cudaHostRegister FAILED: pageable"));
   fmt::print("  device -> pageable memory:                {:8.3f} s {:8.1f} GB/s\n", d2h_pageable,
              n / d2h_pageable / 1e9);
-  fmt::print("  xxHash64 of the host copy: {:.1f} GB/s on 1 thread, {:.1f} GB/s on {} threads ({:.3f} s)\n", h1, hn,
-             threads, n / (hn * 1e9));
+  fmt::print("  xxHash64 of the host copy: {:.1f} GB/s on 1 thread, {:.1f} GB/s on {} threads ({:.3f} s)\n",
+             h1, hn, threads, n / (hn * 1e9));
   if (pinned) cudaHostUnregister(seg);
   munmap(seg, n);
   close(fd);

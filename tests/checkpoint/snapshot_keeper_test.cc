@@ -47,13 +47,21 @@ void write_part(SegmentMap& m, int64_t step) {
   p.coords = p.layout.coord(1);
   p.state = {{"step", step}, {"unsaved", {"b"}}};
   p.tensors.push_back(TensorRecord{
-      "w", DType::kF32, {2 * kElems}, {StoredSlice{shard_file_name(1), 0, kElems * 4, {{kElems, kElems}}, XXH64(w, kElems * 4, 0), 1}}});
-  p.tensors.push_back(TensorRecord{
-      "b", DType::kF32, {16}, {StoredSlice{shard_file_name(1), kElems * 4, 64, {{0, 16}}, XXH64(b, 64, 0), 1}}});
+      "w",
+      DType::kF32,
+      {2 * kElems},
+      {StoredSlice{shard_file_name(1), 0, kElems * 4, {{kElems, kElems}}, XXH64(w, kElems * 4, 0), 1}}});
+  p.tensors.push_back(
+      TensorRecord{"b",
+                   DType::kF32,
+                   {16},
+                   {StoredSlice{shard_file_name(1), kElems * 4, 64, {{0, 16}}, XXH64(b, 64, 0), 1}}});
   ASSERT_TRUE(seal_segment(m, p, kElems * 4 + 64, kElems * 4).ok());
 }
 
-uint64_t segment_bytes() { return segment_size_for(kElems * 4 + 64, 64 * 1024); }
+uint64_t segment_bytes() {
+  return segment_size_for(kElems * 4 + 64, 64 * 1024);
+}
 
 void expect_part(const std::shared_ptr<const SegmentMap>& m, int64_t step) {
   Result<SnapshotPart> p = read_segment_part(m, "test");
@@ -145,7 +153,8 @@ TEST_F(SnapshotKeeperTest, APartOutlivesItsWorkerAndIsCopiedToAnotherNode) {
   EXPECT_EQ((*c)->fetch("job-1", 1, 5, {}, 10s).status().code(), StatusCode::kNotFound);
   // A commit with a replica target copies it to node b.
   ASSERT_TRUE((*c)->commit("job-1", 1, 4, b_->endpoint()).ok());
-  ASSERT_TRUE(wait_held(*b_, [](const SnapHeld& h) { return h.replica && h.step == 4 && h.from_node == "node-a"; }));
+  ASSERT_TRUE(
+      wait_held(*b_, [](const SnapHeld& h) { return h.replica && h.step == 4 && h.from_node == "node-a"; }));
   ASSERT_TRUE(wait_held(*a_, [&](const SnapHeld& h) {
     return !h.replica && h.replicated_step == 4 && h.replicated_to == b_->endpoint();
   }));

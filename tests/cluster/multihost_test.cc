@@ -305,12 +305,14 @@ TEST_F(Multihost, AgentKilledMidJobGetsItsWorkersReplacedOnTheOtherHost) {
   EXPECT_EQ(local, 2) << parts.dump(1);
   std::printf(
       "[multihost agent-kill] submit -> first step %.2f s; agent on 127.0.0.4 SIGKILLed after step %zu: "
-      "detection %s ms (%s), recovery %.2f s (train_moe's recovered event), steps lost %lld, next step %.2f s "
+      "detection %s ms (%s), recovery %.2f s (train_moe's recovered event), steps lost %lld, next step %.2f "
+      "s "
       "after the kill; %d workers finished on 127.0.0.3; parts restored from:%s\n",
       first_step_s, steps_before,
       det.empty() ? "?" : det[0].value("detection_ms", nlohmann::json("-")).dump().c_str(),
       det.empty() ? "?" : det[0].value("cause", "?").c_str(), rec[0]["recovery_s"].get<double>(),
-      static_cast<long long>(rec.back()["steps_lost"].get<int64_t>()), resumed_s, replaced_on_a1, where.c_str());
+      static_cast<long long>(rec.back()["steps_lost"].get<int64_t>()), resumed_s, replaced_on_a1,
+      where.c_str());
 }
 
 // Job processes with their own actor systems (the scheduler's actor placement,
@@ -406,7 +408,8 @@ TEST_F(Multihost, DriverKilledMidJobIsRestartedAndResumesFromTheNewestSnapshot) 
     restarts += e.value("type", e.value("event", "")) == "driver_restarting";
   EXPECT_EQ(restarts, 1);
   std::printf(
-      "[multihost driver-kill] driver SIGKILLed after step %zu: restarted, resumed from the in-memory snapshot of "
+      "[multihost driver-kill] driver SIGKILLed after step %zu: restarted, resumed from the in-memory "
+      "snapshot of "
       "step %lld the agents held in %.2f s, next step %.2f s after the kill\n",
       steps_before, static_cast<long long>(from), resumed_s, next_step_s);
 }

@@ -184,10 +184,13 @@ class ElasticFault : public ::testing::Test {
       EXPECT_LE(d, detect_limit_ms) << name;
       EXPECT_LE(rs, 10.0) << name;
       EXPECT_LE(lost, kSnapshotEvery) << name;
-      std::printf("[elastic %s] failure %zu (%s, step %lld): detection %lld ms (target <= %lld), recovery to the next "
-                  "completed step %.2f s (target <= 10), steps lost %lld (target <= K = 1)\n",
-                  name.c_str(), i + 1, cause.c_str(), static_cast<long long>(det[i]["step"].get<int64_t>()),
-                  static_cast<long long>(d), static_cast<long long>(detect_limit_ms), rs, static_cast<long long>(lost));
+      std::printf(
+          "[elastic %s] failure %zu (%s, step %lld): detection %lld ms (target <= %lld), recovery to the "
+          "next "
+          "completed step %.2f s (target <= 10), steps lost %lld (target <= K = 1)\n",
+          name.c_str(), i + 1, cause.c_str(), static_cast<long long>(det[i]["step"].get<int64_t>()),
+          static_cast<long long>(d), static_cast<long long>(detect_limit_ms), rs,
+          static_cast<long long>(lost));
     }
   }
 
@@ -357,7 +360,8 @@ TEST_F(ElasticFault, KillDuringCheckpointWrite) {
 // event, and every rank goes back to the one before (K = 2: snapshots after steps 0, 2,
 // 4, ...; slot 2 damages its part of step 4 in step 6, slot 1 dies in step 6).
 TEST_F(ElasticFault, DamagedSnapshotIsSkippedForThePreviousOne) {
-  const RunResult r = run_case("damaged", "corrupt@6:forward:2,kill@6:alltoall:1", {"elastic.snapshot_every=2"});
+  const RunResult r =
+      run_case("damaged", "corrupt@6:forward:2,kill@6:alltoall:1", {"elastic.snapshot_every=2"});
   expect_clean_finish(r);
   expect_same_losses("damaged", r);
   const fs::path ev = *root_ / "damaged" / "events.jsonl";
@@ -365,17 +369,20 @@ TEST_F(ElasticFault, DamagedSnapshotIsSkippedForThePreviousOne) {
   ASSERT_EQ(unusable.size(), 1u) << r.output;
   EXPECT_EQ(unusable[0]["step"], 4);
   EXPECT_EQ(unusable[0]["slot"], 2);
-  EXPECT_NE(unusable[0]["error"].get<std::string>().find("checksum"), std::string::npos) << unusable[0].dump();
+  EXPECT_NE(unusable[0]["error"].get<std::string>().find("checksum"), std::string::npos)
+      << unusable[0].dump();
   std::vector<int64_t> restored;
-  for (const auto& e : events_named(ev, "restore_from_snapshot")) restored.push_back(e["step"].get<int64_t>());
+  for (const auto& e : events_named(ev, "restore_from_snapshot"))
+    restored.push_back(e["step"].get<int64_t>());
   EXPECT_EQ(restored, (std::vector<int64_t>{4, 2})) << r.output;
   const auto rec = events_named(ev, "recovered");
   ASSERT_EQ(rec.size(), 1u) << r.output;
   EXPECT_EQ(rec[0]["steps_lost"], 3);  // steps 3..5 run again
   EXPECT_LE(rec[0]["recovery_s"].get<double>(), 10.0);
-  std::printf("[elastic damaged] slot 2's part of snapshot 4 damaged: '%s'; restored snapshot 2, recovery %.2f s, "
-              "steps lost 3\n",
-              unusable[0]["error"].get<std::string>().c_str(), rec[0]["recovery_s"].get<double>());
+  std::printf(
+      "[elastic damaged] slot 2's part of snapshot 4 damaged: '%s'; restored snapshot 2, recovery %.2f s, "
+      "steps lost 3\n",
+      unusable[0]["error"].get<std::string>().c_str(), rec[0]["recovery_s"].get<double>());
 }
 
 // Every snapshot a rank still holds damaged: the job goes back to the newest checkpoint
@@ -395,8 +402,9 @@ TEST_F(ElasticFault, NoUsableSnapshotRestoresTheCheckpoint) {
   const auto rec = events_named(ev, "recovered");
   ASSERT_EQ(rec.size(), 1u) << r.output;
   EXPECT_EQ(rec[0]["steps_lost"], 1);  // step 5 runs again
-  std::printf("[elastic no-snapshot] snapshots 4 and 2 damaged: restored the step-4 checkpoint, recovery %.2f s\n",
-              rec[0]["recovery_s"].get<double>());
+  std::printf(
+      "[elastic no-snapshot] snapshots 4 and 2 damaged: restored the step-4 checkpoint, recovery %.2f s\n",
+      rec[0]["recovery_s"].get<double>());
 }
 
 // A full disk during a checkpoint write: the checkpoint directory is a 4 MiB tmpfs the
@@ -431,7 +439,8 @@ TEST_F(ElasticFault, DiskFullDuringACheckpointKeepsThePreviousOneAndTheJob) {
       freed = true;
     }
   };
-  const RunResult r = run_case("disk-full", "", {"checkpoint.every=2", fmt::format("checkpoint.dir=\"{}\"", dir.string())}, tick);
+  const RunResult r = run_case(
+      "disk-full", "", {"checkpoint.every=2", fmt::format("checkpoint.dir=\"{}\"", dir.string())}, tick);
   expect_clean_finish(r);
   expect_same_losses("disk-full", r);
   const fs::path ev = run_dir / "events.jsonl";
@@ -441,7 +450,8 @@ TEST_F(ElasticFault, DiskFullDuringACheckpointKeepsThePreviousOneAndTheJob) {
   EXPECT_NE(failed[0]["error"].get<std::string>().find("No space left on device"), std::string::npos)
       << failed[0].dump();
   std::vector<int64_t> committed;
-  for (const auto& e : events_named(ev, "checkpoint_committed")) committed.push_back(e["step"].get<int64_t>());
+  for (const auto& e : events_named(ev, "checkpoint_committed"))
+    committed.push_back(e["step"].get<int64_t>());
   EXPECT_EQ(committed, (std::vector<int64_t>{2, 6, 8})) << r.output;
   // The checkpoint before the failure is whole: every slice's checksum holds.
   auto rd = troupe::checkpoint::CheckpointReader::open((dir / "step_2").string(),
@@ -449,9 +459,10 @@ TEST_F(ElasticFault, DiskFullDuringACheckpointKeepsThePreviousOneAndTheJob) {
   ASSERT_TRUE(rd.ok()) << rd.status().to_string();
   EXPECT_EQ(rd.value()->step(), 2);
   EXPECT_TRUE(events_named(ev, "failure_detected").empty()) << r.output;
-  std::printf("[elastic disk-full] step 4's checkpoint failed ('%s'); step 2's stayed valid; the job went on and "
-              "committed steps 6 and 8 once space was freed\n",
-              failed[0]["error"].get<std::string>().c_str());
+  std::printf(
+      "[elastic disk-full] step 4's checkpoint failed ('%s'); step 2's stayed valid; the job went on and "
+      "committed steps 6 and 8 once space was freed\n",
+      failed[0]["error"].get<std::string>().c_str());
 }
 
 // The same job with and without a worker killed -9 (restored from the snapshot): every
@@ -472,10 +483,12 @@ void expect_bitwise_after_kill(const fs::path& root, const std::string& name, co
     if (troupe_run) a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--"});
     return a;
   };
-  const RunResult base = run(command(name + "-base", ""), {}, root / (name + "-base.log"), std::chrono::seconds(180));
+  const RunResult base =
+      run(command(name + "-base", ""), {}, root / (name + "-base.log"), std::chrono::seconds(180));
   ASSERT_EQ(base.exit_code, 0) << base.output;
   const RunResult r = run(command(name, fault), {}, root / (name + ".log"), std::chrono::seconds(180));
-  std::printf("[elastic %s] %s, %s: ran in %.1f s\n", name.c_str(), parallel.c_str(), fault.c_str(), r.seconds);
+  std::printf("[elastic %s] %s, %s: ran in %.1f s\n", name.c_str(), parallel.c_str(), fault.c_str(),
+              r.seconds);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(r.group_empty_after_exit) << "a process of the job outlived it";
   const auto ref = latest_step_records(root / (name + "-base") / "metrics.jsonl");
@@ -496,12 +509,13 @@ void expect_bitwise_after_kill(const fs::path& root, const std::string& name, co
   EXPECT_LE(det[0]["detection_ms"].get<int64_t>(), 1000);
   EXPECT_LE(rec[0]["recovery_s"].get<double>(), 10.0);
   EXPECT_LE(rec[0]["steps_lost"].get<int64_t>(), snapshot_every);
-  std::printf("[elastic %s] kill -9: detection %lld ms, restored the snapshot of step %lld, recovery %.2f s, steps "
-              "lost %lld (<= K %lld); the %zu losses bitwise equal to the fault-free run\n",
-              name.c_str(), static_cast<long long>(det[0]["detection_ms"].get<int64_t>()),
-              static_cast<long long>(restore[0]["step"].get<int64_t>()), rec[0]["recovery_s"].get<double>(),
-              static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()), static_cast<long long>(snapshot_every),
-              got.size());
+  std::printf(
+      "[elastic %s] kill -9: detection %lld ms, restored the snapshot of step %lld, recovery %.2f s, steps "
+      "lost %lld (<= K %lld); the %zu losses bitwise equal to the fault-free run\n",
+      name.c_str(), static_cast<long long>(det[0]["detection_ms"].get<int64_t>()),
+      static_cast<long long>(restore[0]["step"].get<int64_t>()), rec[0]["recovery_s"].get<double>(),
+      static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()), static_cast<long long>(snapshot_every),
+      got.size());
 }
 
 // `troupe run --nproc 4 ... --parallel n=4` (dp=1: no rank has a data-parallel peer),

@@ -427,7 +427,8 @@ TEST_F(CheckpointResume, KillWorkerInTheMiddleOfASave) {
   const fs::path log = *root_ / (name + ".log");
   const auto t0 = Clock::now();
   const pid_t launcher = troupe::test::spawn(
-      args(name, "pp=2,n=2", 2, {"checkpoint.every=2", "checkpoint.max_mb_per_s=0.05", "elastic.snapshot_every=0"}),
+      args(name, "pp=2,n=2", 2,
+           {"checkpoint.every=2", "checkpoint.max_mb_per_s=0.05", "elastic.snapshot_every=0"}),
       log);
   const fs::path dir = *root_ / name / "checkpoints";
   bool killed = false;
@@ -477,8 +478,10 @@ TEST_F(CheckpointResume, KillWorkerInTheMiddleOfASave) {
   ASSERT_EQ(got.size(), static_cast<size_t>(kSteps)) << r.output;
   for (const auto& [step, loss] : got) EXPECT_LE(std::fabs(loss - ref.at(step)), 1e-6) << "step " << step;
   std::vector<int64_t> committed, abandoned;
-  for (const auto& e : troupe::test::events_named(ev, "checkpoint_committed")) committed.push_back(e["step"].get<int64_t>());
-  for (const auto& e : troupe::test::events_named(ev, "checkpoint_abandoned")) abandoned.push_back(e["step"].get<int64_t>());
+  for (const auto& e : troupe::test::events_named(ev, "checkpoint_committed"))
+    committed.push_back(e["step"].get<int64_t>());
+  for (const auto& e : troupe::test::events_named(ev, "checkpoint_abandoned"))
+    abandoned.push_back(e["step"].get<int64_t>());
   EXPECT_NE(std::find(committed.begin(), committed.end(), 2), committed.end()) << r.output;
   if (restored == 4) {
     EXPECT_NE(std::find(committed.begin(), committed.end(), 4), committed.end()) << r.output;
@@ -492,7 +495,8 @@ TEST_F(CheckpointResume, KillWorkerInTheMiddleOfASave) {
                                                          troupe::checkpoint::VerifyMode::kChecksums)
                   .ok());
   std::printf(
-      "[kill -9 mid-save] rank %d killed while step 4 was written; restored the snapshot of step %lld (step 4's "
+      "[kill -9 mid-save] rank %d killed while step 4 was written; restored the snapshot of step %lld (step "
+      "4's "
       "checkpoint %s), %zu steps equal the uninterrupted run, newest checkpoint step %lld\n",
       victim_rank, static_cast<long long>(restored), restored == 4 ? "written again from it" : "abandoned",
       got.size(), static_cast<long long>(list.front().first));

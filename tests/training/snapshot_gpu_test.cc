@@ -83,8 +83,9 @@ class SnapshotGpu : public ::testing::Test {
   }
 
   static RunResult run_job(const std::string& name, const std::string& inject) {
-    const RunResult r = troupe::test::run(args(name, inject), *root_ / (name + ".log"), std::chrono::seconds(300),
-                                          {.group_exit_wait = std::chrono::milliseconds(3000)});
+    const RunResult r =
+        troupe::test::run(args(name, inject), *root_ / (name + ".log"), std::chrono::seconds(300),
+                          {.group_exit_wait = std::chrono::milliseconds(3000)});
     std::printf("[snapshot gpu %s] ran in %.1f s\n", name.c_str(), r.seconds);
     EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
     EXPECT_TRUE(r.group_empty_after_exit) << name << ": a process of the job outlived it";
@@ -129,8 +130,10 @@ TEST_F(SnapshotGpu, KilledWorkerWithoutAPeerRestoresTheSnapshotFromTheAgent) {
   EXPECT_LE(lost, kSnapshotEvery) << rec[0].dump();
   EXPECT_LE(rec[0]["recovery_s"].get<double>(), 10.0) << rec[0].dump();
   std::printf(
-      "[snapshot gpu] one GPU, no peer: the worker killed -9 after step 5; restored the snapshot of step %lld "
-      "(%lld bytes) from the agent's memory; next step %.2f s after detection (target <= 10); steps lost %lld "
+      "[snapshot gpu] one GPU, no peer: the worker killed -9 after step 5; restored the snapshot of step "
+      "%lld "
+      "(%lld bytes) from the agent's memory; next step %.2f s after detection (target <= 10); steps lost "
+      "%lld "
       "(target <= K = %lld); %zu losses, %d bitwise equal, max relative difference %.3g (target <= 1e-3)\n",
       static_cast<long long>(restore[0]["step"].get<int64_t>()),
       static_cast<long long>(restore[0]["bytes"].get<int64_t>()), rec[0]["recovery_s"].get<double>(),
