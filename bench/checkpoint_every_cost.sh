@@ -8,13 +8,15 @@
 # (ckpt_stall_ms in metrics.jsonl). Prints per run the median over the steps after WARMUP
 # of the driver's step time (driver_step_ms) and of ckpt_stall_ms, then
 #   cost = median step time with checkpoints / median step time without - 1   (target <= 5%)
+# --snapshots compares elastic.snapshot_every = 1 with 0 instead (no checkpoints): what a
+# snapshot after every step costs (target <= 2%).
 # usage: bench/checkpoint_every_cost.sh [--build DIR] [--data DIR] [--parallel P]
-#                                       [--steps N] [--warmup N] [--repeat R]
+#                                       [--steps N] [--warmup N] [--repeat R] [--snapshots]
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 # shellcheck source=bench/common.sh
 source bench/common.sh
-BUILD=build DATA="" PARALLEL=dp=2,n=2 STEPS=60 WARMUP=5 REPEAT=3
+BUILD=build DATA="" PARALLEL=dp=2,n=2 STEPS=60 WARMUP=5 REPEAT=3 KNOB=checkpoint.every TARGET=5
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) BUILD=$2; shift 2 ;;
@@ -23,7 +25,8 @@ while [ $# -gt 0 ]; do
     --steps) STEPS=$2; shift 2 ;;
     --warmup) WARMUP=$2; shift 2 ;;
     --repeat) REPEAT=$2; shift 2 ;;
-    -h|--help) sed -n 2,13p "$0"; exit 0 ;;
+    --snapshots) KNOB=elastic.snapshot_every TARGET=2; shift ;;
+    -h|--help) sed -n 2,15p "$0"; exit 0 ;;
     *) echo "checkpoint_every_cost.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -45,17 +48,18 @@ for ((rep = 0; rep < REPEAT; rep++)); do
     rm -rf "$dir"
     if ! timeout 900 "$BUILD/apps/train_moe" --config apps/configs/tiny.toml --parallel "$PARALLEL" \
       --set "train.steps=$STEPS" --set train.eval_every=0 --set train.eval_batches=1 --set train.log_every=10 \
-      --set "data.dir=\"$DATA\"" --set "checkpoint.every=$every" --run-dir "$dir" >"$OUT/run_${every}_$rep.log" 2>&1; then
-      echo "checkpoint.every=$every: FAILED ($OUT/run_${every}_$rep.log)"
+      --set "data.dir=\"$DATA\"" --set "$KNOB=$every" --run-dir "$dir" >"$OUT/run_${every}_$rep.log" 2>&1; then
+      echo "$KNOB=$every: FAILED ($OUT/run_${every}_$rep.log)"
       continue
     fi
-    python3 - "$every" "$WARMUP" "$dir" <<'PY' | tee -a "$OUT/summary"
+    python3 - "$KNOB=$every" "$WARMUP" "$dir" <<'PY' | tee -a "$OUT/summary"
 import json, os, statistics, sys
-every, warm, run = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+label, warm, run = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+every = label.split("=")[1]
 recs = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl")) if l.strip()]
 s = [x for x in recs if "step_ms" in x and x.get("step", 0) > warm]
 ms = statistics.median(x["driver_step_ms"] for x in s)
-line = f"checkpoint.every={every}: {len(s)} steps, driver step {ms:.1f} ms"
+line = f"{label}: {len(s)} steps, driver step {ms:.1f} ms"
 stall = [x["ckpt_stall_ms"] for x in s if "ckpt_stall_ms" in x]
 if stall:
     line += f", stall per checkpoint {statistics.median(stall):.2f} ms (max {max(stall):.1f})"
@@ -67,7 +71,7 @@ print(f"MS {every} {ms}")
 PY
   done
 done
-python3 - "$OUT/summary" <<'PY'
+python3 - "$OUT/summary" "$KNOB" "$TARGET" <<'PY'
 import statistics, sys
 ms = {"1": [], "0": []}
 for l in open(sys.argv[1]):
@@ -76,5 +80,6 @@ for l in open(sys.argv[1]):
         ms[every].append(float(v))
 if ms["1"] and ms["0"]:
     a, b = statistics.median(ms["1"]), statistics.median(ms["0"])
-    print(f"cost = median step time with checkpoint.every=1 / without - 1 = {a:.1f} / {b:.1f} - 1 = {100 * (a / b - 1):+.1f}% (target <= 5%)")
+    print(f"cost = median step time with {sys.argv[2]}=1 / with 0 - 1 = {a:.1f} / {b:.1f} - 1 = {100 * (a / b - 1):+.1f}% "
+          f"(target <= {sys.argv[3]}%)")
 PY

@@ -96,7 +96,11 @@ struct SnapshotKeeper::Impl {
   std::atomic<bool> stop{false};
   std::thread unix_accept, tcp_accept, pusher;
   std::mutex threads_mu;
-  std::vector<std::thread> sessions;
+  struct Session {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::vector<Session> sessions;
   std::set<int> session_fds;  // shut down on stop
 
   mutable std::mutex mu;
@@ -568,17 +572,27 @@ struct SnapshotKeeper::Impl {
   void spawn_session(FileHandle fd, bool peer) {
     std::lock_guard lock(threads_mu);
     if (stop) return;
+    // Sessions that ended (a worker gone, a peer's connection closed) are joined here: an
+    // agent lives through many jobs.
+    std::erase_if(sessions, [](Session& s) {
+      if (!s.done->load()) return false;
+      s.thread.join();
+      return true;
+    });
     const int raw = fd.fd();
     session_fds.insert(raw);
-    sessions.emplace_back([this, raw, peer, f = std::move(fd)]() mutable {
-      if (peer) {
-        serve_peer(std::move(f));
-      } else {
-        serve_worker(std::move(f));
-      }
-      std::lock_guard l(threads_mu);
-      session_fds.erase(raw);
-    });
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    sessions.push_back(Session{std::thread([this, raw, peer, done, f = std::move(fd)]() mutable {
+                                 if (peer) {
+                                   serve_peer(std::move(f));
+                                 } else {
+                                   serve_worker(std::move(f));
+                                 }
+                                 std::lock_guard l(threads_mu);
+                                 session_fds.erase(raw);
+                                 *done = true;
+                               }),
+                               done});
   }
 
   void accept_loop(int lfd, bool peer) {
@@ -615,13 +629,13 @@ struct SnapshotKeeper::Impl {
     if (unix_accept.joinable()) unix_accept.join();
     if (tcp_accept.joinable()) tcp_accept.join();
     if (pusher.joinable()) pusher.join();
-    std::vector<std::thread> ts;
+    std::vector<Session> ts;
     {
       std::lock_guard lock(threads_mu);
       for (int fd : session_fds) ::shutdown(fd, SHUT_RDWR);
       ts = std::move(sessions);
     }
-    for (std::thread& t : ts) t.join();
+    for (Session& t : ts) t.thread.join();
     for (int& fd : stop_pipe) {
       if (fd >= 0) ::close(fd);
       fd = -1;

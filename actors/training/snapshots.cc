@@ -46,8 +46,10 @@ Result<std::unique_ptr<Snapshotter>> Snapshotter::create(std::shared_ptr<checkpo
     s->maps_[i] = std::shared_ptr<checkpoint::SegmentMap>(std::move(g.maps[i]));
     s->gen_step_[i] =
         g.gens[i].state == static_cast<uint32_t>(checkpoint::SegmentState::kLanded) ? g.gens[i].step : -1;
-    stage.pin_host(s->maps_[i]->base(), s->maps_[i]->size());
   }
+  // Page-locking the generations (GPU) takes a while for a large state: the snapshot thread
+  // does it first, while training goes on; a snapshot waits for it.
+  s->tasks_.push_back(Task{Task::Kind::kPin, -1, -1, {}, ""});
   s->committed_ = s->o_.restored_step;
   for (int i = 0; i < 2; ++i) {
     if (s->committed_ >= 0 && s->gen_step_[i] == s->committed_ && s->committed_gen_ < 0)
@@ -132,8 +134,8 @@ void Snapshotter::after_step(int64_t step, SnapshotDue due, StepReply& reply) {
   {
     std::unique_lock lock(mu_);
     // One snapshot in flight at a time, into a free generation.
-    const bool ok =
-        cv_.wait_for(lock, o_.wait_limit, [&] { return landing_ < 0 && (free_locked(0) || free_locked(1)); });
+    const bool ok = cv_.wait_for(
+        lock, o_.wait_limit, [&] { return pinned_ && landing_ < 0 && (free_locked(0) || free_locked(1)); });
     reply.snapshot_wait_ms = ms_since(t0);
     if (!ok) {
       const std::string why = fmt::format(
@@ -264,7 +266,11 @@ void Snapshotter::snapshot_loop() {
       if (tasks_.empty()) return;
       t = std::move(tasks_.front());
     }
-    if (t.kind == Task::Kind::kLand) {
+    if (t.kind == Task::Kind::kPin) {
+      for (auto& m : maps_) stage_.pin_host(m->base(), m->size());
+      std::lock_guard lock(mu_);
+      pinned_ = true;
+    } else if (t.kind == Task::Kind::kLand) {
       const Status st = land(t.gen, t.step, t.rank_state);
       SnapshotLanded l;
       l.epoch = o_.epoch;
@@ -441,6 +447,8 @@ Status restore_snapshot(checkpoint::SnapshotClient& keeper, const std::string& j
   }
   int64_t adam_steps = step;
   if (parts[0].part.state.is_object()) adam_steps = parts[0].part.state.value("adam_steps", step);
+  // The same layout: the rank's own part, byte for byte into its buffers.
+  if (then.dp() == now.dp()) return stage.restore_own_part(parts[0], adam_steps);
   SliceSource source = [&parts, step](const std::string& name, const Shape& global,
                                       const checkpoint::Slice& box, Tensor& dst) -> Status {
     int64_t covered = 0;

@@ -123,11 +123,12 @@ class Snapshotter {
   int64_t gen_step_[2] = {-1, -1};
   bool gen_uncommitted_[2] = {false, false};  // landed by this instance, commit not seen yet
   bool gen_on_disk_[2] = {false, false};      // being written as a checkpoint
+  bool pinned_ = false;  // the generations are page-locked (GPU; the CPU needs nothing)
   int landing_ = -1;                          // the generation being copied and sealed
   int64_t committed_ = -1;                    // the newest committed step, and its generation
   int committed_gen_ = -1;
   struct Task {
-    enum class Kind { kLand, kCommit } kind = Kind::kLand;
+    enum class Kind { kPin, kLand, kCommit } kind = Kind::kLand;
     int gen = -1;
     int64_t step = -1;
     nlohmann::json rank_state;

@@ -68,6 +68,7 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
   if (!program) return invalid_argument("Stage: no stage program given");
   std::unique_ptr<Stage> s(new Stage(tc, rank, std::move(train), std::move(val)));
   s->ctx_ = ctx;
+  s->init_snapshot_copy();
   s->bind_device();
   if (ctx.on_device()) {
     const auto& par = tc.parallel;

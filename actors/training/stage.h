@@ -52,6 +52,7 @@
 #include "actors/training/stage_program.h"
 #include "actors/training/stage_state.h"
 #include "checkpoint/reader.h"
+#include "checkpoint/snapshot_segment.h"
 #include "checkpoint/writer.h"
 #include "comm/compression.h"
 #include "comm/process_groups.h"
@@ -122,12 +123,18 @@ class Stage {
   // Waits until that copy is in host memory (any thread).
   Status snapshot_wait();
   // Page-locks host memory device copies go to (no-ops on the CPU); unpin before unmapping.
+  // Any thread (a large region takes a while: the snapshot thread does it).
   void pin_host(void* p, size_t bytes);
   void unpin_host(void* p);
   // Clears what an interrupted step left behind and imports everything this rank holds
   // from `source` (a snapshot's parts or a checkpoint, any layout); the next
   // run_step(steps_done + 1) continues the run.
   Status restore(const SliceSource& source, int64_t steps_done);
+  // The same from this rank's own snapshot part (made in this layout): each tensor's bytes
+  // go straight from the part into the live buffer (host -> device on a GPU), no
+  // intermediate copy. Fails (nothing changed) when the part does not describe exactly
+  // what snapshot_tensors() holds.
+  Status restore_own_part(const checkpoint::SnapshotPart& part, int64_t steps_done);
   // ---- elastic recovery (actors/training/stage_elastic.cc) ----------------------------
   // Every communicator of the Stage is an ElasticComm (created in order: dp, n, pp groups,
   // world, tied pair). The worker loop (elastic.h) calls these between steps.
@@ -234,7 +241,8 @@ class Stage {
   struct SnapshotCopyDeleter {
     void operator()(SnapshotCopy* c) const;
   };
-  std::unique_ptr<SnapshotCopy, SnapshotCopyDeleter> snap_;
+  std::unique_ptr<SnapshotCopy, SnapshotCopyDeleter> snap_;  // made by create(): never null
+  void init_snapshot_copy();
   // Waits for a CPU snapshot copy still reading the state (run_step, before the optimizer).
   void snapshot_fence();
   std::vector<bool> piece_in_norm_;

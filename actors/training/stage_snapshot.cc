@@ -16,6 +16,7 @@
 
 #include <cstring>
 #include <future>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -63,13 +64,14 @@ void Stage::SnapshotCopyDeleter::operator()(SnapshotCopy* c) const {
   delete c;
 }
 
+void Stage::init_snapshot_copy() { snap_.reset(new SnapshotCopy); }
+
 Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets) {
   TROUPE_ASSIGN_OR_RETURN(std::vector<SnapshotTensor> ts, snapshot_tensors());
   if (ts.size() != offsets.size()) {
     return invalid_argument("snapshot_into: {} offsets for {} tensors", offsets.size(), ts.size());
   }
   TROUPE_RETURN_IF_ERROR(snapshot_wait());  // one copy at a time
-  if (!snap_) snap_.reset(new SnapshotCopy);
   SnapshotCopy& c = *snap_;
   if (c.copier.joinable()) c.copier.join();
   uint64_t end = 0;
@@ -134,7 +136,6 @@ Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets
 }
 
 Status Stage::snapshot_wait() {
-  if (!snap_) return ok_status();
   SnapshotCopy& c = *snap_;
   std::shared_future<void> copied;
   bool gpu = false;
@@ -159,7 +160,7 @@ Status Stage::snapshot_wait() {
 
 void Stage::snapshot_fence() {
   // The GPU's copy reads the staging buffer only: nothing to hold back.
-  if (!snap_ || ctx_.on_device()) return;
+  if (ctx_.on_device()) return;
   std::shared_future<void> copied;
   {
     std::lock_guard lock(snap_->mu);
@@ -171,12 +172,14 @@ void Stage::snapshot_fence() {
 void Stage::pin_host(void* p, size_t bytes) {
 #if TROUPE_HAVE_CUDA
   if (!ctx_.on_device() || p == nullptr || bytes == 0) return;
-  if (!snap_) snap_.reset(new SnapshotCopy);
-  if (snap_->pinned.count(p)) return;
-  (void)snapshot_wait();
+  {
+    std::lock_guard lock(snap_->mu);
+    if (snap_->pinned.count(p)) return;
+  }
   bind_device();
   // Page-locked, the device -> host copy runs at the link's speed and asynchronously.
   if (cudaHostRegister(p, bytes, cudaHostRegisterPortable) == cudaSuccess) {
+    std::lock_guard lock(snap_->mu);
     snap_->pinned[p] = bytes;
   } else {
     (void)cudaGetLastError();  // pageable still works, staged by the driver
@@ -189,14 +192,65 @@ void Stage::pin_host(void* p, size_t bytes) {
 
 void Stage::unpin_host(void* p) {
 #if TROUPE_HAVE_CUDA
-  if (!snap_ || !snap_->pinned.count(p)) return;
+  {
+    std::lock_guard lock(snap_->mu);
+    if (!snap_->pinned.count(p)) return;
+  }
   (void)snapshot_wait();
   bind_device();
   cudaHostUnregister(p);
+  std::lock_guard lock(snap_->mu);
   snap_->pinned.erase(p);
 #else
   (void)p;
 #endif
+}
+
+Status Stage::restore_own_part(const checkpoint::SnapshotPart& part, int64_t steps_done) {
+  TROUPE_RETURN_IF_ERROR(snapshot_wait());
+  TROUPE_ASSIGN_OR_RETURN(std::vector<SnapshotTensor> ts, snapshot_tensors());
+  std::map<std::string, const checkpoint::TensorRecord*> recs;
+  for (const checkpoint::TensorRecord& t : part.part.tensors) recs[t.name] = &t;
+  // Everything is checked before anything is written.
+  std::vector<const checkpoint::StoredSlice*> src(ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const checkpoint::SaveEntry& e = ts[i].entry;
+    auto it = recs.find(e.name);
+    if (it == recs.end()) return not_found("snapshot part of rank {}: no tensor '{}'", part.part.rank, e.name);
+    const checkpoint::TensorRecord& r = *it->second;
+    checkpoint::Slice box;
+    for (size_t d = 0; d < e.global_shape.size(); ++d) {
+      box.push_back({e.offsets.empty() ? 0 : e.offsets[d], e.tensor.shape()[static_cast<int64_t>(d)]});
+    }
+    if (r.dtype != e.tensor.dtype() || r.shape != e.global_shape || r.slices.size() != 1 || r.slices[0].box != box ||
+        r.slices[0].length != e.tensor.nbytes()) {
+      return failed_precondition("snapshot part of rank {}: tensor '{}' is not what this rank holds ({} {} vs {} {})",
+                                 part.part.rank, e.name, dtype_name(r.dtype),
+                                 r.slices.empty() ? std::string("-") : checkpoint::slice_to_string(r.slices[0].box),
+                                 dtype_name(e.tensor.dtype()), checkpoint::slice_to_string(box));
+    }
+    src[i] = &r.slices[0];
+  }
+  clear_interrupted_step();
+  settle();  // nothing may still write the parameters
+  bind_device();
+  for (size_t i = 0; i < ts.size(); ++i) {
+    Tensor dst = ts[i].entry.tensor;
+    if (dst.numel() == 0) continue;
+    const std::byte* from = part.data + src[i]->offset;
+    if (ctx_.on_device()) {
+      const Tensor host = Tensor::wrap(const_cast<std::byte*>(from), dst.shape(), dst.dtype());
+      ctx_.copy_to_device(host, dst);
+    } else {
+      std::memcpy(dst.data_ptr(), from, dst.nbytes());
+    }
+  }
+  if (ctx_.on_device()) {
+    synchronize();  // the part's memory may go once this returns
+    refresh_working_copies();
+  }
+  opt_->set_steps_done(steps_done);
+  return ok_status();
 }
 
 Status Stage::restore(const SliceSource& source, int64_t steps_done) {
