@@ -127,12 +127,8 @@ Result<SaveHandle> CheckpointWriter::save(int64_t step, const std::vector<SaveEn
   std::shared_ptr<std::vector<std::byte>> buf;
   {
     std::lock_guard lock(mu_);
-    // Reuse the buffer (its pages are already mapped) unless a replica still holds it.
-    if (buffer_ && buffer_.use_count() == 1) {
-      buf = buffer_;
-    } else {
-      buf = std::make_shared<std::vector<std::byte>>();
-    }
+    // Reuse the buffer: its pages are already mapped.
+    buf = buffer_ ? buffer_ : std::make_shared<std::vector<std::byte>>();
   }
   buf->resize(total);
   ManifestPart part;
@@ -161,7 +157,6 @@ Result<SaveHandle> CheckpointWriter::save(int64_t step, const std::vector<SaveEn
   {
     std::lock_guard lock(mu_);
     buffer_ = buf;
-    have_snapshot_ = false;  // valid again only once this save is durable
   }
 
   auto st = std::make_shared<SaveHandle::State>();
@@ -186,40 +181,24 @@ void CheckpointWriter::write_in_background(int64_t step, ManifestPart part, Cloc
     buf = buffer_;
   }
   auto run = [&]() -> Status {
-    const std::string tmp = (fs::path(options_.run_dir) / tmp_dir_name(step)).string();
-    TROUPE_RETURN_IF_ERROR(make_dirs(tmp));
     for (TensorRecord& t : part.tensors) {
       StoredSlice& s = t.slices[0];
       s.xxh64 = XXH64(buf->data() + s.offset, s.length, 0);
     }
-    const std::string path = (fs::path(tmp) / shard_file_name(options_.rank)).string();
-    TROUPE_ASSIGN_OR_RETURN(FileHandle f, open_file(path, O_WRONLY | O_CREAT | O_TRUNC));
-    const size_t total = buf->size();
-    const auto t_io = Clock::now();
-    for (size_t off = 0; off < total; off += options_.write_chunk_bytes) {
-      const size_t n = std::min(options_.write_chunk_bytes, total - off);
-      TROUPE_RETURN_IF_ERROR(pwrite_all(f.fd(), buf->data() + off, n, off, path));
-      if (options_.max_bytes_per_second > 0) {
-        const double due = static_cast<double>(off + n) / static_cast<double>(options_.max_bytes_per_second);
-        const double ahead = due - seconds_since(t_io);
-        if (ahead > 0) std::this_thread::sleep_for(std::chrono::duration<double>(ahead));
-      }
-    }
-    if (options_.fsync) TROUPE_RETURN_IF_ERROR(fsync_fd(f.fd(), path));
-    // The part is the rank's "done" marker: written only after its shard is durable.
-    const std::string part_path = (fs::path(tmp) / part_file_name(options_.rank)).string();
-    return write_file_durably(part_path, part_to_json(part).dump(1));
+    ShardWrite w;
+    w.run_dir = options_.run_dir;
+    w.part = &part;
+    w.data = buf->data();
+    w.bytes = buf->size();
+    w.fsync = options_.fsync;
+    w.max_bytes_per_second = options_.max_bytes_per_second;
+    w.chunk_bytes = options_.write_chunk_bytes;
+    return write_rank_shard(w);
   };
   Status status = run();
   if (!status.ok()) {
     status = status.with_context(fmt::format("checkpoint step {} rank {}", step, options_.rank));
     logger()->error("{}", status.to_string());
-  } else {
-    std::lock_guard lock(mu_);
-    if (buffer_ == buf) {
-      last_part_ = part;
-      have_snapshot_ = true;
-    }
   }
   std::lock_guard lock(st->mu);
   st->stats.write_seconds = seconds_since(t_write);
@@ -229,11 +208,44 @@ void CheckpointWriter::write_in_background(int64_t step, ManifestPart part, Cloc
   st->cv.notify_all();
 }
 
-Result<std::pair<std::shared_ptr<const std::vector<std::byte>>, ManifestPart>> CheckpointWriter::last_snapshot()
-    const {
-  std::lock_guard lock(mu_);
-  if (!have_snapshot_) return failed_precondition("rank {}: no completed checkpoint save to replicate", options_.rank);
-  return std::make_pair(std::shared_ptr<const std::vector<std::byte>>(buffer_), last_part_);
+Status write_rank_shard(const ShardWrite& w) {
+  const ManifestPart& part = *w.part;
+  if (w.chunk_bytes == 0) return invalid_argument("write_rank_shard: chunk size 0");
+  if (w.verify) {
+    for (const TensorRecord& t : part.tensors) {
+      for (const StoredSlice& s : t.slices) {
+        if (s.offset > w.bytes || s.length > w.bytes - s.offset) {
+          return data_loss("rank {} step {}: tensor '{}' slice {} lies beyond its {} bytes", part.rank,
+                           part.step, t.name, slice_to_string(s.box), w.bytes);
+        }
+        if (XXH64(w.data + s.offset, s.length, 0) != s.xxh64) {
+          return data_loss("rank {} step {}: tensor '{}' slice {} does not match its checksum: not written",
+                           part.rank, part.step, t.name, slice_to_string(s.box));
+        }
+      }
+    }
+  }
+  const std::string tmp = (fs::path(w.run_dir) / tmp_dir_name(part.step)).string();
+  TROUPE_RETURN_IF_ERROR(make_dirs(tmp));
+  // A part left by an earlier attempt at this step must not pass for this write's marker.
+  std::error_code ec;
+  fs::remove(fs::path(tmp) / part_file_name(part.rank), ec);
+  const std::string path = (fs::path(tmp) / shard_file_name(part.rank)).string();
+  TROUPE_ASSIGN_OR_RETURN(FileHandle f, open_file(path, O_WRONLY | O_CREAT | O_TRUNC));
+  const auto t_io = Clock::now();
+  for (uint64_t off = 0; off < w.bytes; off += w.chunk_bytes) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(w.chunk_bytes, w.bytes - off));
+    TROUPE_RETURN_IF_ERROR(pwrite_all(f.fd(), w.data + off, n, off, path));
+    if (w.max_bytes_per_second > 0) {
+      const double due = static_cast<double>(off + n) / static_cast<double>(w.max_bytes_per_second);
+      const double ahead = due - seconds_since(t_io);
+      if (ahead > 0) std::this_thread::sleep_for(std::chrono::duration<double>(ahead));
+    }
+  }
+  if (w.fsync) TROUPE_RETURN_IF_ERROR(fsync_fd(f.fd(), path));
+  // The part is the rank's "done" marker: written only after its shard is durable.
+  const std::string part_path = (fs::path(tmp) / part_file_name(part.rank)).string();
+  return write_file_durably(part_path, part_to_json(part).dump(1));
 }
 
 // ---- the driver's side -----------------------------------------------------------------

@@ -102,10 +102,6 @@ class CheckpointWriter {
   Result<SaveHandle> save(int64_t step, const std::vector<SaveEntry>& entries,
                           nlohmann::json rank_state = nlohmann::json::object());
 
-  // The snapshot of the last save in its on-disk form, for a peer replica: the shard
-  // bytes and the manifest part (valid once that save's handle is done and OK).
-  Result<std::pair<std::shared_ptr<const std::vector<std::byte>>, ManifestPart>> last_snapshot() const;
-
   const WriterOptions& options() const { return options_; }
   ParallelCoord coords() const { return coords_; }
 
@@ -117,13 +113,28 @@ class CheckpointWriter {
   WriterOptions options_;
   ParallelCoord coords_;
   std::thread thread_;
-  // The snapshot buffer: reused by the next save unless a replica still holds it (then a
-  // fresh one is allocated, so a held replica never changes under its holder).
+  // The snapshot buffer, reused by the next save.
   std::shared_ptr<std::vector<std::byte>> buffer_;
-  ManifestPart last_part_;
-  bool have_snapshot_ = false;
   mutable std::mutex mu_;
 };
+
+// One rank's shard of step `part->step`, already laid out in memory as its slices say
+// (rank_R.bin is data[0, bytes)): written into <run_dir>/step_<N>.tmp, fsynced, then the
+// rank's part (its "done" marker). `verify`: every slice's bytes are checked against its
+// xxHash64 first, and nothing is written when one does not match (DataLoss). What
+// CheckpointWriter's background thread does, and what a worker does with the committed
+// in-memory snapshot of its rank (actors/training/snapshots.h).
+struct ShardWrite {
+  std::string run_dir;
+  const ManifestPart* part = nullptr;
+  const std::byte* data = nullptr;
+  uint64_t bytes = 0;
+  bool verify = false;
+  bool fsync = true;
+  uint64_t max_bytes_per_second = 0;
+  size_t chunk_bytes = 8u << 20;
+};
+Status write_rank_shard(const ShardWrite& w);
 
 struct FinalizeOptions {
   int world_size = 1;

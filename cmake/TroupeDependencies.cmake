@@ -12,7 +12,6 @@ find_package(SQLite3 REQUIRED)
 find_package(cppzmq 4.9 REQUIRED)
 find_package(CapnProto 0.9 REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
-pkg_check_modules(IBVERBS REQUIRED IMPORTED_TARGET libibverbs)
 pkg_check_modules(SODIUM REQUIRED IMPORTED_TARGET libsodium)
 # Hugging Face interop: tokenizers' pre-tokenizer regexes (\p{L}, lookahead), their NFC
 # normaliser, and compressed JSONL corpora.

@@ -15,7 +15,8 @@ set(TROUPE_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/Troupe)
 # Every library Troupe::app needs, with the names the package gives them (Troupe::core, ...).
 set(troupe_export_libs
     troupe_warnings troupe_core troupe_kernels troupe_comm_base troupe_comm troupe_control_codec
-    troupe_control troupe_actors troupe_layers troupe_checkpoint troupe_interop troupe_training_codec troupe_training
+    troupe_control troupe_actors troupe_layers troupe_snapshot_codec troupe_checkpoint troupe_interop troupe_training_codec
+    troupe_training
     troupe_observe troupe_sched_codec troupe_sched_client troupe_app)
 foreach(t troupe_core_cuda troupe_comm_nccl)
   if(TARGET ${t})

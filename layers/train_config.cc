@@ -203,13 +203,16 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
   TROUPE_ASSIGN_OR_RETURN(e.straggler_ratio, cfg.get_double("elastic.straggler_ratio", e.straggler_ratio));
   TROUPE_ASSIGN_OR_RETURN(e.straggler_window, cfg.get_int("elastic.straggler_window", e.straggler_window));
   TROUPE_ASSIGN_OR_RETURN(e.straggler_policy, cfg.get_string("elastic.straggler_policy", e.straggler_policy));
-  TROUPE_ASSIGN_OR_RETURN(e.replica_every, cfg.get_int("elastic.replica_every", e.replica_every));
-  TROUPE_ASSIGN_OR_RETURN(e.scale_at, cfg.get_string("elastic.scale_at", e.scale_at));
-  TROUPE_ASSIGN_OR_RETURN(e.gpu_state, cfg.get_string("elastic.gpu_state", e.gpu_state));
-  if (e.gpu_state != "memory" && e.gpu_state != "checkpoint") {
-    return invalid_argument("{}: key 'elastic.gpu_state' must be \"memory\" or \"checkpoint\" (got \"{}\")",
-                            cfg.source(), e.gpu_state);
+  TROUPE_ASSIGN_OR_RETURN(e.snapshot_every, cfg.get_int("elastic.snapshot_every", e.snapshot_every));
+  for (const char* gone : {"elastic.replica_every", "elastic.gpu_state"}) {
+    if (cfg.has(gone)) {
+      return invalid_argument(
+          "{}: key '{}' is gone: every job's workers snapshot their state into memory held outside them "
+          "(elastic.snapshot_every, docs/elastic.md \"Snapshots\")",
+          cfg.source(), gone);
+    }
   }
+  TROUPE_ASSIGN_OR_RETURN(e.scale_at, cfg.get_string("elastic.scale_at", e.scale_at));
   TROUPE_ASSIGN_OR_RETURN(e.inject, cfg.get_string("elastic.inject", e.inject));
   TROUPE_ASSIGN_OR_RETURN(e.isolate_workers, cfg.get_bool("elastic.isolate_workers", e.isolate_workers));
   TROUPE_ASSIGN_OR_RETURN(e.scheduler_outage_limit_ms,
@@ -218,7 +221,7 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg) {
       {"elastic.heartbeat_timeout_ms", e.heartbeat_timeout_ms},
       {"elastic.comm_error_grace_ms", e.comm_error_grace_ms},
       {"elastic.max_dp", e.max_dp},
-      {"elastic.replica_every", e.replica_every}};
+      {"elastic.snapshot_every", e.snapshot_every}};
   for (const auto& [key, v] : non_negative) {
     if (v < 0) return invalid_argument("{}: key '{}' must be >= 0 (got {})", cfg.source(), key, v);
   }

@@ -192,16 +192,11 @@ struct ElasticOptions {
   double straggler_ratio = 1.5;           // compute time > ratio x the peers' median ...
   int64_t straggler_window = 5;           // ... for this many consecutive steps: flagged
   std::string straggler_policy = "flag";  // "flag" or "replace"
-  // Without a data-parallel peer, a worker's state is restored from the copy its
-  // neighbour keeps in host memory, refreshed every this many steps (0: never; then the
-  // last checkpoint is the only source).
-  int64_t replica_every = 5;
-  // Where GPU workers keep the state a lost data-parallel peer is restored from:
-  // "memory" (device memory: the committed values and the column's moments, all-gathered
-  // over dp after every step; 0 steps lost, but the gather costs step time) or
-  // "checkpoint" (nothing kept: every rank restores the last checkpoint). CPU workers
-  // always keep it in memory.
-  std::string gpu_state = "memory";
+  // In-memory snapshots (docs/elastic.md "Snapshots"): after every this many steps each
+  // rank copies its state into memory its node's keeper holds (outside the worker, with a
+  // copy on another node); a recovery goes back to the newest complete one, so at most
+  // this many steps run again. 0: none (a recovery needs a checkpoint).
+  int64_t snapshot_every = 10;
   // Planned rescales "<after step>:<dp>,..." (demos and tests; `troupe scale` at run time).
   std::string scale_at;
   // Fault injection for tests and demos: "<kill|stop|slow|cut|hang|cutctl>@<step>:<phase>:<slot>,..."

@@ -123,12 +123,21 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentOptions opts) {
   log()->info("agent {} on {}: {} slots, {} GPUs, scheduler {}, logs under {}", a->opts_.agent_id, a->host_,
               a->opts_.slots, a->gpus_, ep, a->opts_.work_dir);
   if (a->opts_.relay) TROUPE_RETURN_IF_ERROR(a->open_relay());
+  if (a->opts_.snapshots) {
+    // Other nodes' keepers reach this one on the node's address (loopback by default).
+    auto k = checkpoint::SnapshotKeeper::start(
+        {.node = a->opts_.agent_id,
+         .host_addr = a->opts_.host_addr.empty() ? "127.0.0.1" : a->opts_.host_addr});
+    if (!k.ok()) return k.status().with_context("agent snapshot keeper");
+    a->keeper_ = std::move(k).value();
+  }
   a->send_register();
   return a;
 }
 
 Agent::~Agent() {
   if (!children_.empty()) kill_all(std::chrono::milliseconds(1000));
+  keeper_.reset();
   relay_.reset();
   if (!relay_dir_.empty()) {
     std::error_code ec;
@@ -252,7 +261,14 @@ void Agent::run_once(std::chrono::milliseconds timeout) {
   }
   if (!registered_ && now - last_register_ > std::chrono::milliseconds(1000)) send_register();
   if (registered_ && now - last_beat_ >= std::chrono::milliseconds(opts_.heartbeat_ms)) {
-    conn_->send(Message{0, AgentHeartbeat{opts_.agent_id, incarnation_, wall_ms()}});
+    AgentHeartbeat hb{opts_.agent_id, incarnation_, wall_ms()};
+    if (keeper_) {
+      const checkpoint::KeeperTotals t = keeper_->totals();
+      hb.snapshot_bytes = t.bytes;
+      hb.snapshot_parts = t.parts;
+      hb.snapshot_copies = t.copies;
+    }
+    conn_->send(Message{0, hb});
     last_beat_ = now;
   }
   // Escalate SIGTERM to SIGKILL once the grace period is over.
@@ -349,6 +365,7 @@ void Agent::on_spawn(const SpawnRequest& req) {
   if (!opts_.host_addr.empty()) env["TROUPE_HOST_ADDR"] = opts_.host_addr;
   if (opts_.insecure) env["TROUPE_INSECURE"] = "1";
   if (relay_) env["TROUPE_AGENT_RELAY"] = relay_->bound_endpoint();
+  if (keeper_) env[checkpoint::kSnapshotKeeperEnv] = keeper_->socket_path();
   env["TROUPE_LOG_FILE"] = so.log_path;
   // The job's CURVE secret key goes to the process as a 0600 file, not in its environment
   // (which /proc/<pid>/environ, core dumps and child processes would carry).

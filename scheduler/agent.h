@@ -16,6 +16,12 @@
 // The local hop has no CURVE: only this agent's user can reach a socket in that directory,
 // and the relay's ZAP handler admits only peers of this process's uid (SO_PEERCRED).
 //
+// Snapshots (on by default): the agent runs its node's snapshot keeper
+// (checkpoint/snapshot_keeper.h): training workers write their in-memory snapshots into
+// memory it holds (TROUPE_SNAPSHOT_KEEPER names its socket), so they survive the worker,
+// and it copies them to another node's keeper (TCP on the host address), so they survive
+// the node. Its figures ride on the agent's heartbeats into `troupe status`.
+//
 // Threading: run()/run_once() on one thread; stop() from any thread. Children get
 // PR_SET_PDEATHSIG, so they die with the agent's thread: no orphans if the agent dies.
 #pragma once
@@ -30,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/snapshot_keeper.h"
 #include "core/status.h"
 #include "scheduler/protocol.h"
 #include "scheduler/spawner.h"
@@ -55,6 +62,9 @@ struct AgentOptions {
   // Relay the job processes' scheduler sessions (see above); false: each process opens
   // its own connection to the scheduler.
   bool relay = true;
+  // Run the node's snapshot keeper (see above); false: workers keep their snapshots in
+  // their own process (they do not survive it).
+  bool snapshots = true;
 };
 
 // The first IPv4 address of network interface `iface` (for --iface).
@@ -78,6 +88,8 @@ class Agent {
   bool registered() const { return registered_; }
   // The relay's endpoint (ipc://...), empty without a relay.
   std::string relay_endpoint() const { return relay_ ? relay_->bound_endpoint() : std::string(); }
+  // The node's snapshot keeper (null with snapshots off).
+  const checkpoint::SnapshotKeeper* keeper() const { return keeper_.get(); }
   size_t running() const { return children_.size(); }
   // Kills every child (SIGTERM, SIGKILL after `grace`) and reaps them; blocks.
   void kill_all(std::chrono::milliseconds grace);
@@ -110,6 +122,7 @@ class Agent {
   std::unique_ptr<ClientEndpoint> conn_;
   std::unique_ptr<ServerEndpoint> relay_;
   std::string relay_dir_;  // removed by the destructor
+  std::unique_ptr<checkpoint::SnapshotKeeper> keeper_;
   std::string host_;
   int gpus_ = 0;
   std::map<pid_t, Child> children_;

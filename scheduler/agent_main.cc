@@ -45,6 +45,10 @@ int main(int argc, char** argv) {
   app.add_flag("--insecure", opts.insecure,
                "Allow a non-loopback --host-addr without CURVE (trusted networks only)");
   bool no_relay = false;
+  bool no_snapshots = false;
+  app.add_flag("--no-snapshots", no_snapshots,
+               "do not hold the training workers' in-memory snapshots here (they then live in the workers "
+               "and die with them)");
   app.add_flag("--no-relay", no_relay,
                "Job processes connect to the scheduler themselves (default: their sessions go through "
                "this agent's local relay, one scheduler connection per host)");
@@ -56,6 +60,7 @@ int main(int argc, char** argv) {
   }
 
   opts.relay = !no_relay;
+  opts.snapshots = !no_snapshots;
   troupe::init_logging(troupe::LoggingOptions{"agent", "", spdlog::level::info});
   if (!iface.empty()) {
     auto addr = troupe::sched::interface_address(iface);

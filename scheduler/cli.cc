@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "checkpoint/reader.h"
+#include "checkpoint/snapshot_keeper.h"
 #include "core/logging.h"
 #include "scheduler/agent.h"
 #include "scheduler/cli_health.h"
@@ -289,10 +290,17 @@ std::string render_status_table(const json& status, bool with_procs) {
       if (prow.size() > 1) out += "\n" + table(prow);
     }
   }
-  std::vector<std::vector<std::string>> arows = {{"AGENT", "HOST", "SLOTS", "GPUS", "ALIVE"}};
+  std::vector<std::vector<std::string>> arows = {
+      {"AGENT", "HOST", "SLOTS", "GPUS", "ALIVE", "SNAPSHOTS HELD"}};
   for (const auto& a : status.value("agents", json::array())) {
+    const json s = a.value("snapshots", json::object());
+    checkpoint::KeeperTotals t;
+    t.bytes = s.value("bytes", uint64_t{0});
+    t.parts = s.value("parts", 0);
+    t.copies = s.value("copies", 0);
     arows.push_back({a.value("id", ""), a.value("host", ""), std::to_string(a.value("slots", 0)),
-                     std::to_string(a.value("gpus", 0)), a.value("alive", false) ? "yes" : "no"});
+                     std::to_string(a.value("gpus", 0)), a.value("alive", false) ? "yes" : "no",
+                     checkpoint::keeper_totals_text(t)});
   }
   out += "\n" + table(arows);
   return out;

@@ -333,6 +333,14 @@ void print_elastic_table(const std::string& what, const nlohmann::json& st, bool
     fmt::print("recovering: {} (slots {})\n", r.value("cause", ""),
                r.value("slots", nlohmann::json::array()).dump());
   }
+  if (st.contains("snapshots") && st["snapshots"].is_object()) {
+    const nlohmann::json& s = st["snapshots"];
+    const int64_t newest = s.value("newest_committed", int64_t{-1});
+    fmt::print(
+        "snapshots every {} steps: newest committed {}{}\n", s.value("every", int64_t{0}),
+        newest >= 0 ? fmt::format("step {}", newest) : std::string("none yet"),
+        s.contains("held") ? fmt::format("; held by the launcher: {}", s.value("held", "")) : std::string());
+  }
   fmt::print("{:>6} {:>6} {:>9} {:<16} {:>7}  {}\n", "SLOT", "RANK", "PID", "HOST", "ALIVE", "FLAGS");
   for (const auto& w : st.value("workers", nlohmann::json::array())) {
     const int64_t pid = w.value("pid", int64_t{-1});

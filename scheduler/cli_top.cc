@@ -140,11 +140,11 @@ std::string metrics_section(const std::string& run_dir) {
   if (val != nullptr) out += fmt::format("val_loss {} at step {}", fmt_num(*val, "val_loss", "{:.4f}"), val->value("step", int64_t{0}));
   const json* ck = nullptr;
   for (const auto& r : recs) {
-    if (r.contains("ckpt_blocked_ms")) ck = &r;
+    if (r.contains("ckpt_stall_ms")) ck = &r;
   }
   if (ck != nullptr) {
-    out += fmt::format("{}last checkpoint save at step {} (blocked {} ms)", val ? "  " : "", ck->value("step", int64_t{0}),
-                       fmt_num(*ck, "ckpt_blocked_ms", "{:.1f}"));
+    out += fmt::format("{}last checkpoint save at step {} (stall {} ms)", val ? "  " : "",
+                       ck->value("step", int64_t{0}), fmt_num(*ck, "ckpt_stall_ms", "{:.1f}"));
   }
   if (val != nullptr || ck != nullptr) out += "\n";
   out += fmt::format("metrics.jsonl updated {}\n", seconds_ago(mtime_ms(path)));

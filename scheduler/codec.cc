@@ -82,6 +82,9 @@ struct Encoder {
     b.setAgentId(v.agent_id);
     b.setIncarnation(v.incarnation);
     b.setSentAtMs(v.sent_at_ms);
+    b.setSnapshotBytes(v.snapshot_bytes);
+    b.setSnapshotParts(v.snapshot_parts);
+    b.setSnapshotCopies(v.snapshot_copies);
   }
   void operator()(const Reregister&) { m.setReregister(); }
   void operator()(const SpawnRequest& v) {
@@ -202,7 +205,8 @@ Result<Payload> decode_payload(::Msg::Reader m) {
     }
     case ::Msg::AGENT_HEARTBEAT: {
       auto r = m.getAgentHeartbeat();
-      return Payload(AgentHeartbeat{r.getAgentId(), r.getIncarnation(), r.getSentAtMs()});
+      return Payload(AgentHeartbeat{r.getAgentId(), r.getIncarnation(), r.getSentAtMs(), r.getSnapshotBytes(),
+                                    r.getSnapshotParts(), r.getSnapshotCopies()});
     }
     case ::Msg::REREGISTER: return Payload(Reregister{});
     case ::Msg::SPAWN: {

@@ -61,6 +61,9 @@ struct AgentHeartbeat @0xc1d1a1e7a0b2f007 {
   agentId @0 :Text;
   incarnation @1 :UInt64;       # the scheduler incarnation the agent registered with
   sentAtMs @2 :Int64;           # the agent's wall clock when sent (ms since the epoch; 0: unknown)
+  snapshotBytes @3 :UInt64;     # its snapshot keeper: segment bytes held
+  snapshotParts @4 :Int32;      #   landed parts of its workers
+  snapshotCopies @5 :Int32;     #   copies of other nodes' parts
 }
 
 # A job process telling the scheduler it is alive (hello on connect, then beats).

@@ -67,6 +67,10 @@ struct AgentHeartbeat {
   std::string agent_id;
   uint64_t incarnation = 0;
   int64_t sent_at_ms = 0;
+  // Its snapshot keeper (checkpoint/snapshot_keeper.h): bytes held, parts, copies.
+  uint64_t snapshot_bytes = 0;
+  int32_t snapshot_parts = 0;
+  int32_t snapshot_copies = 0;
 };
 
 struct Reregister {};

@@ -367,6 +367,7 @@ void Scheduler::on_agent_heartbeat(const std::string& peer, const AgentHeartbeat
   }
   it->second.last_seen = Clock::now();
   it->second.peer = peer;
+  it->second.last_beat = m;
 }
 
 // ------------------------------------------------------------------ processes
@@ -992,8 +993,15 @@ void Scheduler::on_status(const std::string& peer, uint64_t rid, const StatusQue
   }
   json agents = json::array();
   for (const auto& [id, a] : agents_) {
-    agents.push_back({{"id", id}, {"host", a.rec.host}, {"slots", a.rec.slots}, {"gpus", a.rec.gpus},
-                      {"alive", a.alive}});
+    agents.push_back({{"id", id},
+                      {"host", a.rec.host},
+                      {"slots", a.rec.slots},
+                      {"gpus", a.rec.gpus},
+                      {"alive", a.alive},
+                      {"snapshots",
+                       {{"bytes", a.last_beat.snapshot_bytes},
+                        {"parts", a.last_beat.snapshot_parts},
+                        {"copies", a.last_beat.snapshot_copies}}}});
   }
   out["agents"] = std::move(agents);
   out["scheduler"] = {{"endpoint", endpoint_},

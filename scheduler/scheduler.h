@@ -80,6 +80,7 @@ class Scheduler {
     std::string peer;
     Clock::time_point last_seen;
     bool alive = false;
+    AgentHeartbeat last_beat;  // its snapshot keeper's figures (troupe status)
   };
   struct Proc {
     ProcRecord rec;

@@ -11,6 +11,8 @@ const char* command_kind_name(Command::Kind k) {
     case Command::Kind::kEval: return "eval";
     case Command::Kind::kStop: return "stop";
     case Command::Kind::kSave: return "save";
+    case Command::Kind::kSnapshot:
+      return "snapshot";
   }
   return "?";
 }

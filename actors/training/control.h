@@ -19,7 +19,10 @@
 namespace troupe::training {
 
 struct Command {
-  enum class Kind : uint8_t { kStep = 0, kEval = 1, kStop = 2, kSave = 3 };
+  // kSave: a checkpoint of the step just run, off the every-K schedule (the job's last);
+  // kSnapshot: a snapshot of the step just run, off the schedule (before a planned
+  // membership change: a rescale, a replacement).
+  enum class Kind : uint8_t { kStep = 0, kEval = 1, kStop = 2, kSave = 3, kSnapshot = 4 };
   int64_t seq = 0;   // 0, 1, 2, ... in the order the driver sends them
   Kind kind = Kind::kStep;
   int64_t step = 0;  // kStep: the 1-based optimizer step to run; kSave: the step just run

@@ -19,8 +19,11 @@
 #include "actors/training/checkpointing.h"
 #include "actors/training/control.h"
 #include "actors/training/role_actors.h"
+#include "actors/training/snapshots.h"
 #include "actors/training/stage.h"
 #include "actors/training/trainer.h"
+#include "checkpoint/snapshot_client.h"
+#include "checkpoint/snapshot_keeper.h"
 #include "comm/control/host_addr.h"
 #include "core/process_memory.h"
 #include "layers/token_data.h"
@@ -30,6 +33,9 @@ namespace troupe::training {
 using Clock = std::chrono::steady_clock;
 
 nlohmann::json ElasticPlan::to_json() const {
+  nlohmann::json parts = nlohmann::json::array();
+  for (const PartSource& s : snapshot_parts)
+    parts.push_back({{"endpoints", s.endpoints}, {"xxh64", s.xxh64}});
   return nlohmann::json{{"epoch", epoch},
                         {"dp", dp},
                         {"grad_accum", grad_accum},
@@ -41,8 +47,11 @@ nlohmann::json ElasticPlan::to_json() const {
                         {"checkpoint", checkpoint},
                         {"ckpt_every", ckpt_every},
                         {"ckpt_dir", ckpt_dir},
-                        {"replica_step", replica_step},
-                        {"replica_every", replica_every}};
+                        {"snapshot_step", snapshot_step},
+                        {"snapshot_every", snapshot_every},
+                        {"snapshot_dp", snapshot_dp},
+                        {"snapshot_committed", snapshot_committed},
+                        {"snapshot_parts", parts}};
 }
 
 Result<ElasticPlan> ElasticPlan::from_json(const std::string& text) {
@@ -61,8 +70,14 @@ Result<ElasticPlan> ElasticPlan::from_json(const std::string& text) {
     p.checkpoint = j.value("checkpoint", "");
     p.ckpt_every = j.value("ckpt_every", int64_t{0});
     p.ckpt_dir = j.value("ckpt_dir", "");
-    p.replica_step = j.value("replica_step", int64_t{-1});
-    p.replica_every = j.value("replica_every", int64_t{0});
+    p.snapshot_step = j.value("snapshot_step", int64_t{-1});
+    p.snapshot_every = j.value("snapshot_every", int64_t{0});
+    p.snapshot_dp = j.value("snapshot_dp", int64_t{0});
+    p.snapshot_committed = j.value("snapshot_committed", int64_t{-1});
+    for (const auto& s : j.value("snapshot_parts", nlohmann::json::array())) {
+      p.snapshot_parts.push_back(
+          PartSource{s.at("endpoints").get<std::vector<std::string>>(), s.at("xxh64").get<uint64_t>()});
+    }
     if (p.slots.size() != p.has_state.size() || p.dp < 1 || p.grad_accum < 1) {
       return data_loss("elastic: inconsistent plan: {}", text.substr(0, 200));
     }
@@ -84,32 +99,6 @@ std::string elastic_key(const std::string& job, const std::string& rest) { retur
 int64_t wall_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-bool keeps_state_in_memory(const layers::TrainConfig& tc, bool gpu) {
-  if (!gpu) return true;
-  return tc.elastic.gpu_state == "memory" && std::max(tc.parallel.dp, tc.elastic.max_dp) > 1;
-}
-
-Result<int64_t> restore_step(int64_t step_done, const std::vector<std::vector<int64_t>>& held) {
-  if (held.empty()) return step_done;
-  // Candidates: the steps the first survivor holds, not older than step_done; the oldest
-  // one every survivor holds wins (the fewest completed steps the driver has not seen).
-  std::vector<int64_t> candidates;
-  for (int64_t s : held.front()) {
-    if (s >= step_done) candidates.push_back(s);
-  }
-  std::sort(candidates.begin(), candidates.end());
-  for (int64_t s : candidates) {
-    bool everyone = true;
-    for (const auto& h : held) everyone &= std::find(h.begin(), h.end(), s) != h.end();
-    if (everyone) return s;
-  }
-  std::string all;
-  for (const auto& h : held) all += fmt::format("{}[{}]", all.empty() ? "" : " ", fmt::join(h, ","));
-  return failed_precondition(
-      "elastic: the survivors hold no common state at or after step {} (committed steps per survivor: {})",
-      step_done, all);
 }
 
 Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
@@ -139,15 +128,18 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
       f.action = FaultSpec::Action::kHang;
     } else if (action == "cutctl") {
       f.action = FaultSpec::Action::kCutControl;
+    } else if (action == "corrupt") {
+      f.action = FaultSpec::Action::kCorrupt;
     } else {
-      return invalid_argument("elastic.inject: unknown action '{}' (kill, stop, slow, cut, hang or cutctl)",
-                              action);
+      return invalid_argument(
+          "elastic.inject: unknown action '{}' (kill, stop, slow, cut, hang, cutctl or corrupt)", action);
     }
     f.phase = item.substr(c1 + 1, c2 - c1 - 1);
     if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
-        f.phase != "any" && f.phase != "start") {
+        f.phase != "snapshot" && f.phase != "any" && f.phase != "start") {
       return invalid_argument(
-          "elastic.inject: unknown phase '{}' (forward, alltoall, sync, checkpoint, any, start)", f.phase);
+          "elastic.inject: unknown phase '{}' (forward, alltoall, sync, snapshot, checkpoint, any, start)",
+          f.phase);
     }
     char* end = nullptr;
     const std::string step_s = item.substr(at + 1, c1 - at - 1), slot_s = item.substr(c2 + 1);
@@ -179,6 +171,7 @@ struct FaultState {
   std::string job;
   std::function<void()> cut;          // aborts this worker's communicators
   std::function<void()> cut_control;  // closes its control-plane connection (may be empty)
+  std::function<void()> corrupt;      // damages the newest intact snapshot part it holds
 };
 FaultState* g_faults = nullptr;
 
@@ -188,6 +181,7 @@ bool phase_matches(const std::string& phase, std::string_view what) {
   if (phase == "alltoall") return what.rfind("expert dispatch", 0) == 0;
   if (phase == "sync") return what.rfind("grads", 0) == 0 || what.rfind("bf16 grads", 0) == 0;
   if (phase == "checkpoint") return what.rfind("checkpoint write", 0) == 0;
+  if (phase == "snapshot") return what.rfind("snapshot of step", 0) == 0;
   return false;
 }
 
@@ -204,15 +198,22 @@ void fault_hook(std::string_view what) {
       }
       continue;
     }
-    if (fs->fired[i] || f.slot != fs->slot || f.step != fs->step.load() || !phase_matches(f.phase, what)) continue;
+    // A checkpoint is written by the snapshot's writer thread while later steps run: its
+    // point names its own step.
+    int64_t at = fs->step.load();
+    if (constexpr std::string_view kCkpt = "checkpoint write of step "; what.rfind(kCkpt, 0) == 0) {
+      at = std::strtoll(std::string(what.substr(kCkpt.size())).c_str(), nullptr, 10);
+    }
+    if (fs->fired[i] || f.slot != fs->slot || f.step != at || !phase_matches(f.phase, what)) continue;
     fs->fired[i] = true;
     (void)fs->store->set(elastic_key(fs->job, fmt::format("fault/{}", fs->slot)),
                          nlohmann::json{{"ts_ms", wall_ms()}, {"what", std::string(what)}, {"step", f.step}}.dump());
-    const char* name = f.action == FaultSpec::Action::kKill   ? "SIGKILL"
-                       : f.action == FaultSpec::Action::kStop ? "SIGSTOP"
-                       : f.action == FaultSpec::Action::kCut  ? "a data-plane cut"
-                       : f.action == FaultSpec::Action::kHang ? "a hang"
-                                                              : "a control-connection cut";
+    const char* name = f.action == FaultSpec::Action::kKill      ? "SIGKILL"
+                       : f.action == FaultSpec::Action::kStop    ? "SIGSTOP"
+                       : f.action == FaultSpec::Action::kCut     ? "a data-plane cut"
+                       : f.action == FaultSpec::Action::kHang    ? "a hang"
+                       : f.action == FaultSpec::Action::kCorrupt ? "a damaged snapshot part"
+                                                                 : "a control-connection cut";
     fmt::print(stderr, "elastic: slot {} injects {} at step {} during '{}'\n", fs->slot, name, f.step, what);
     std::fflush(stderr);
     switch (f.action) {
@@ -223,6 +224,9 @@ void fault_hook(std::string_view what) {
         break;
       case FaultSpec::Action::kCutControl:
         if (fs->cut_control) fs->cut_control();
+        break;
+      case FaultSpec::Action::kCorrupt:
+        if (fs->corrupt) fs->corrupt();
         break;
       case FaultSpec::Action::kHang:
         while (true) std::this_thread::sleep_for(std::chrono::seconds(1));  // until killed
@@ -236,22 +240,6 @@ layers::TrainConfig layout_config(const layers::TrainConfig& tc, const ElasticPl
   out.parallel.dp = plan.dp;
   out.train.grad_accum = plan.grad_accum;
   return out;
-}
-
-// The column's source: the lowest dp index of this rank's (pp, n) column holding state.
-Result<int> source_dp(const ElasticPlan& plan, const layers::TrainConfig& tc, int rank) {
-  TROUPE_ASSIGN_OR_RETURN(ParallelLayout layout,
-                          ParallelLayout::make(static_cast<int>(tc.parallel.pp), static_cast<int>(plan.dp),
-                                               static_cast<int>(tc.parallel.n)));
-  const ParallelCoord me = layout.coord(rank);
-  for (int d = 0; d < layout.dp(); ++d) {
-    ParallelCoord c = me;
-    c.dp = d;
-    if (plan.has_state[static_cast<size_t>(layout.rank_of(c))]) return d;
-  }
-  return unavailable("epoch {}: no survivor holds the state of column pp={} n={} (every dp replica was lost; a "
-                     "checkpoint restore is needed)",
-                     plan.epoch, me.pp, me.n);
 }
 
 // The store the Stage's communicators rendezvous through: waits are cut into short slices
@@ -296,20 +284,23 @@ class ElasticWorker {
         epoch_(epoch),
         ctx_(ctx),
         steps_(steps),
-        // A worker in the driver's process keeps none: a failure there ends the job, so
-        // nothing would ever restore from it.
-        keep_state_(driver_system == nullptr && keeps_state_in_memory(tc, ctx.on_device())),
         comm_store_(store, cancel_) {}
   ~ElasticWorker() {
     stop_watcher_ = true;
     if (watcher_.joinable()) watcher_.join();
-    actors_.reset();  // no plan handler runs on a half-destroyed worker
+    actors_.reset();       // no plan or commit handler runs on a half-destroyed worker
+    snapshotter_.reset();  // before the Stage it copies
   }
 
   Status run();
   // Fault injection (step thread): aborts this worker's communicators.
   void cut_connections() {
     if (stage_) stage_->abort_comms("fault injection: connections cut");
+  }
+  // Fault injection: damages the newest intact snapshot part this rank holds.
+  void corrupt_snapshot() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (snapshotter_) snapshotter_->corrupt_newest();
   }
 
  private:
@@ -326,24 +317,19 @@ class ElasticWorker {
   // for its rank.
   Status join(const ElasticPlan& plan);
   Status join_epoch(const ElasticPlan& plan);
-  // After step `step`: starts this rank's checkpoint part when one is due, noting it in
-  // `reply` ("ckpt_started", "ckpt_blocked_ms"; a failure as "ckpt_errors").
-  // `force`: also off the every-K schedule.
-  Status save_checkpoint(int64_t step, StepReply& reply, bool force = false);
-  // Notes in `reply` ("durable": [step]) a part that became durable since the last
-  // reply, or its failure ("ckpt_errors"); `wait`: waits for the write in flight first.
-  Status report_durable(StepReply& reply, bool wait);
+  // The keeper of this node's snapshots (TROUPE_SNAPSHOT_KEEPER, else one in this process).
+  Status connect_keeper();
+  // This epoch's snapshots of this rank (after a restore of `restored_step`, or -1).
+  Status start_snapshots(int64_t restored_step);
   void watch();
-  // The step a new epoch's ranks restore (epoch > 0, survivors rolling back): each survivor
-  // holding state publishes the steps it holds (held/<e>/<slot>), and every rank reads
-  // them all and takes restore_step (elastic.h) of them.
-  Result<int64_t> agree_restore_step(const ElasticPlan& plan, int rank);
   // Moves the commands the Trainer sent into queue_ (waiting at most `wait` for the
   // first): those of the current epoch from `seq` on, in order; older ones are dropped.
   void take_commands(std::chrono::milliseconds wait, int64_t seq);
+  // Whether a snapshot (or a checkpoint's) is due after step `step`.
+  bool snapshot_due(int64_t step) const;
   // Runs step `cmd.step` into `reply`: launches it (unless it was launched ahead), launches
-  // the next queued step ahead of finishing it where the Stage and this step allow, then
-  // finishes it, commits it and starts its checkpoint.
+  // the next queued step ahead of finishing it where the Stage and this step allow (no
+  // snapshot due after it), then finishes it and starts its snapshot when one is due.
   Status run_step_command(const Command& cmd, StepReply& reply);
 
   actors::ActorSystem* driver_system_;  // a worker in the driver's process: its system (else null)
@@ -356,9 +342,6 @@ class ElasticWorker {
   uint64_t epoch_;                // current epoch (main thread writes under mu_)
   layers::Ctx ctx_;               // where the Stage lives (the CPU, or this worker's GPU)
   observe::StepProbe* steps_;     // step timings for the health reports (may be null)
-  // The committed state in memory (rollback, restore from a dp peer): see
-  // keeps_state_in_memory (GPU workers of a job without data parallelism keep none).
-  bool keep_state_;
   uint64_t adopting_ = 0;         // highest epoch whose plan the main thread took over
   uint64_t aborted_for_ = 0;      // highest epoch whose opening aborted the communicators (under mu_)
   // Plans the Trainer sent the stage actor (ElasticPlan messages), by epoch (under mu_);
@@ -370,13 +353,15 @@ class ElasticWorker {
   nlohmann::json ready_info_;             // what join_epoch tells the Trainer with "ready"
   int rank_ = -1;
   int64_t dp_ = 0;
-  // Elastic checkpoints: every ckpt_every_ steps into ckpt_dir_ (0: off); the writer is
-  // made for the current layout and rank.
+  // Checkpoints: every ckpt_every_ steps into ckpt_dir_ (0: off), written from the
+  // committed snapshot of that step; snapshots every snapshot_every_ steps.
   int64_t ckpt_every_ = 0;
-  int64_t replica_every_ = 0;  // neighbour replicas (the plan's replica_every)
-  size_t plan_world_ = 0;      // ranks of the current epoch
+  int64_t snapshot_every_ = 0;
   std::string ckpt_dir_;
-  std::unique_ptr<RankCheckpointer> writer_;
+  std::unique_ptr<checkpoint::SnapshotKeeper> own_keeper_;  // when no node keeper serves this worker
+  std::shared_ptr<checkpoint::SnapshotClient> keeper_;
+  std::unique_ptr<Snapshotter> snapshotter_;  // swapped under mu_ (the commit handler reads it)
+  int64_t failed_snapshot_ = -1;              // the snapshot a failed join could not restore
   std::thread watcher_;
   std::atomic<bool> stop_watcher_{false};
   // Commands of the current epoch received and not yet served, in seq order (the Trainer
@@ -465,120 +450,148 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
   // Tells the driver this worker took the plan over (a worker that never does is wedged).
   TROUPE_RETURN_IF_ERROR(store_.set(key(fmt::format("adopted/{}/{}", plan.epoch, slot_)), std::to_string(wall_ms())));
   const int rank = plan.rank_of_slot(slot_);
-  plan_world_ = plan.slots.size();
-  const layers::TrainConfig tc = layout_config(tc_, plan);
   comm::StoreNamespace ns;
   ns.job = job_;
   ns.epoch = plan.epoch;
-  if (plan.replica_step >= 0) {
-    // Every rank goes back to the neighbour replicas' step (no dp peer held a lost rank's
-    // state, but its successor keeps a copy).
-    if (stage_ && plan.dp == dp_ && rank == rank_) {
-      TROUPE_RETURN_IF_ERROR(stage_->rebuild_comms(ns));
-    } else {
-      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
-      std::lock_guard<std::mutex> lock(mu_);
-      stage_ = std::move(s);
-    }
-    TROUPE_RETURN_IF_ERROR(stage_->restore_from_replicas(plan.has_state, plan.replica_step));
-    if (rank != rank_ || plan.dp != dp_) writer_.reset();
-    rank_ = rank;
-    dp_ = plan.dp;
-    ready_info_ = nlohmann::json{
-        {"ts_ms", wall_ms()}, {"rank", rank}, {"from", "replicas"}, {"step_done", plan.step_done}};
-    return ok_status();
+  // The snapshots of the old epoch end first (a copy in flight lands before the state
+  // changes; outside the lock: the watcher beats meanwhile).
+  std::unique_ptr<Snapshotter> old;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    old = std::move(snapshotter_);
   }
-  if (!plan.checkpoint.empty()) {
-    // Every rank goes back to the checkpoint (a column lost every replica).
+  old.reset();
+  // The Stage of this epoch: the same one with its communicators rebuilt when the rank
+  // and dp stay, else a new one.
+  const bool kept = stage_ && plan.epoch > 0 && plan.dp == dp_ && rank == rank_;
+  if (kept) {
+    TROUPE_RETURN_IF_ERROR(stage_->rebuild_comms(ns));
+  } else {
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
+    std::lock_guard<std::mutex> lock(mu_);
+    stage_ = std::move(s);
+  }
+  rank_ = rank;
+  dp_ = plan.dp;
+  ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}};
+  int64_t restored = -1;
+  if (plan.snapshot_step >= 0) {
+    // Every rank goes back to the snapshot, from its node's keeper (or through it from
+    // the keeper holding the part's copy); a survivor ahead of it (steps in flight) too.
+    const auto t0 = Clock::now();
+    if (!keeper_)
+      return failed_precondition("elastic: the plan restores a snapshot but this worker has no keeper");
+    std::vector<std::string> parts;
+    if (Status st = restore_snapshot(*keeper_, job_, plan, rank, *stage_, &parts); !st.ok()) {
+      failed_snapshot_ = plan.snapshot_step;
+      return Status(StatusCode::kDataLoss, st.message());
+    }
+    restored = plan.snapshot_step;
+    ready_info_["from"] = fmt::format("snapshot {}", plan.snapshot_step);
+    ready_info_["parts"] = parts;
+    ready_info_["restore_ms"] = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
+  } else if (!plan.checkpoint.empty()) {
+    // Every rank goes back to the checkpoint (no usable snapshot; or a resumed job).
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::CheckpointReader> reader,
                             checkpoint::CheckpointReader::open(plan.checkpoint));
     if (reader->step() != plan.step_done) {
       return failed_precondition("elastic: checkpoint {} is of step {}, the plan says {}", plan.checkpoint,
                                  reader->step(), plan.step_done);
     }
-    if (stage_ && plan.dp == dp_ && rank == rank_) {
-      TROUPE_RETURN_IF_ERROR(stage_->rebuild_comms(ns));
-    } else {
-      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
-      std::lock_guard<std::mutex> lock(mu_);
-      stage_ = std::move(s);
-    }
     // Any saved layout (the job may have changed dp since the save): each rank reads its
-    // owned slices; the dp group then replicates the moments and commits the state.
-    TROUPE_RETURN_IF_ERROR(stage_->load_checkpoint(*reader));
-    if (keep_state_) stage_->commit_imported(plan.step_done);
-    if (rank != rank_ || plan.dp != dp_) writer_.reset();
-    rank_ = rank;
-    dp_ = plan.dp;
-    ready_info_ = nlohmann::json{
-        {"ts_ms", wall_ms()}, {"rank", rank}, {"from", plan.checkpoint}, {"step_done", plan.step_done}};
-    return ok_status();
-  }
-  // The state every rank restores: after plan.step_done, or a later step every survivor
-  // completed (commands in flight: the driver had not seen all of them reported).
-  int64_t step_done = plan.step_done;
-  if (plan.epoch > 0) {
-    TROUPE_ASSIGN_OR_RETURN(step_done, agree_restore_step(plan, rank));
-  }
-  if (!stage_) {
-    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
-    // A fresh Stage: a run started from a Hugging Face model (train.init_from) reads its
-    // slices of it; a later epoch then syncs from a data-parallel peer as ever.
-    if (plan.step_done == 0) TROUPE_RETURN_IF_ERROR(init_from_hf(*s, tc));
-    std::lock_guard<std::mutex> lock(mu_);
-    stage_ = std::move(s);
-  } else {
-    TROUPE_RETURN_IF_ERROR(stage_->rollback(step_done));
-    if (plan.dp == dp_ && rank == rank_) {
-      TROUPE_RETURN_IF_ERROR(stage_->rebuild_comms(ns));
-    } else {
-      TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Stage> s, make_stage(plan, rank));
-      TROUPE_RETURN_IF_ERROR(s->import_state(*stage_));
-      std::lock_guard<std::mutex> lock(mu_);
-      stage_ = std::move(s);
+    // owned slices.
+    const int64_t adam = reader->manifest().metadata.value("adam_steps", reader->step());
+    TROUPE_RETURN_IF_ERROR(stage_->restore(slice_source(*reader), adam));
+    ready_info_["from"] = plan.checkpoint;
+  } else if (plan.epoch > 0) {
+    // Nobody was lost: a rank keeps its live state if it is exactly after step_done (the
+    // interrupted command's optimizer, the first writer of the state, had not run; with
+    // steps in flight a rank may have completed a later step: then it refuses, and the
+    // Trainer restores a snapshot).
+    if (!kept || stage_->steps_done() != plan.step_done) {
+      return failed_precondition(
+          "elastic: rank {} cannot keep its state for epoch {}: it {} (the plan goes back to step {})", rank,
+          plan.epoch,
+          kept ? fmt::format("has run {} steps", stage_->steps_done()) : std::string("has a new stage"),
+          plan.step_done);
     }
+    stage_->clear_interrupted_step();
+    ready_info_["from"] = "kept";
+    restored = plan.snapshot_committed;  // the newest committed snapshot stays in this rank's memory
+  } else if (plan.step_done == 0) {
+    // A fresh start: a run started from a Hugging Face model (train.init_from) reads its
+    // slices of it.
+    TROUPE_RETURN_IF_ERROR(init_from_hf(*stage_, layout_config(tc_, plan)));
   }
-  if (rank != rank_ || plan.dp != dp_) writer_.reset();
-  rank_ = rank;
-  dp_ = plan.dp;
-  if (plan.epoch > 0) {
-    TROUPE_ASSIGN_OR_RETURN(int src, source_dp(plan, tc, rank));
-    stage_->sync_state(src, step_done);
-  } else if (keep_state_) {
-    stage_->commit(step_done);
+  ready_info_["step_done"] = stage_->steps_done();
+  TROUPE_RETURN_IF_ERROR(start_snapshots(restored));
+  // A state that no snapshot holds yet (a fresh start, a checkpoint) is snapshotted at
+  // once: a failure before the first scheduled snapshot then loses no more than K steps.
+  // (Not in a one-process run: nothing would restore from it.)
+  if (snapshotter_ && restored < 0 && snapshot_every_ > 0) {
+    StepReply r;
+    snapshotter_->after_step(plan.step_done, SnapshotDue::kNow, r);
+    if (!r.snapshot_errors.empty())
+      fmt::print(stderr, "elastic: slot {}: no snapshot of the starting state\n", slot_);
   }
-  ready_info_ = nlohmann::json{{"ts_ms", wall_ms()}, {"rank", rank}, {"step_done", step_done}};
   return ok_status();
 }
 
-Result<int64_t> ElasticWorker::agree_restore_step(const ElasticPlan& plan, int rank) {
-  if (stage_ && plan.has_state[static_cast<size_t>(rank)]) {
-    TROUPE_RETURN_IF_ERROR(store_.set(key(fmt::format("held/{}/{}", plan.epoch, slot_)),
-                                      nlohmann::json(stage_->committed_steps()).dump()));
-  }
-  std::vector<std::vector<int64_t>> held;
-  for (size_t r = 0; r < plan.slots.size(); ++r) {
-    if (!plan.has_state[r]) continue;
-    // Cancelled when a newer epoch opens (a survivor died before publishing).
-    TROUPE_ASSIGN_OR_RETURN(std::string text,
-                            comm_store_.get(key(fmt::format("held/{}/{}", plan.epoch, plan.slots[r])),
-                                            comm::deadline_in(std::chrono::milliseconds(120000))));
-    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
-    if (!j.is_array()) {
-      return data_loss("elastic: slot {}'s held steps for epoch {} are malformed: {}", plan.slots[r],
-                       plan.epoch, text.substr(0, 200));
+Status ElasticWorker::connect_keeper() {
+  if (snapshot_every_ <= 0 && ckpt_dir_.empty()) return ok_status();
+  const char* path = std::getenv(checkpoint::kSnapshotKeeperEnv);
+  if (driver_system_ != nullptr || path == nullptr || *path == '\0') {
+    // Nobody holds this node's snapshots (a one-process run, whose worker cannot fail alone;
+    // a launcher without a keeper): a keeper in this process still makes checkpoints, but
+    // its snapshots die with the worker.
+    char host[256] = {0};
+    ::gethostname(host, sizeof(host) - 1);
+    TROUPE_ASSIGN_OR_RETURN(own_keeper_,
+                            checkpoint::SnapshotKeeper::start(
+                                {.node = fmt::format("{}-worker{}", host, slot_), .host_addr = ""}));
+    if (driver_system_ == nullptr) {
+      fmt::print(
+          stderr,
+          "elastic: slot {}: no snapshot keeper serves this worker ({} is not set): its snapshots live "
+          "in its own process and do not survive it\n",
+          slot_, checkpoint::kSnapshotKeeperEnv);
+      std::fflush(stderr);
     }
-    std::vector<int64_t> steps;
-    for (const auto& x : j) {
-      if (x.is_number_integer() && x.get<int64_t>() >= 0) steps.push_back(x.get<int64_t>());
-    }
-    held.push_back(std::move(steps));
+    TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::SnapshotClient> c,
+                            checkpoint::SnapshotClient::connect(own_keeper_->socket_path()));
+    keeper_ = std::move(c);
+    return ok_status();
   }
-  return restore_step(plan.step_done, held);
+  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::SnapshotClient> c,
+                          checkpoint::SnapshotClient::connect(path));
+  keeper_ = std::move(c);
+  return ok_status();
 }
 
-// A failed save is not a failed worker: it is reported (StepReply::ckpt_errors) and
-// training goes on; the Trainer abandons that checkpoint.
+Status ElasticWorker::start_snapshots(int64_t restored_step) {
+  if (!keeper_) return ok_status();
+  SnapshotterOptions o;
+  o.job = job_;
+  o.rank = rank_;
+  o.slot = slot_;
+  o.epoch = epoch_;
+  o.every = snapshot_every_;
+  o.ckpt_every = ckpt_every_;
+  o.ckpt_dir = ckpt_dir_;
+  o.ckpt_bytes_per_s = static_cast<uint64_t>(tc_.checkpoint.max_mb_per_s * 1e6);
+  o.restored_step = restored_step;
+  o.send_landed = [this](const SnapshotLanded& l) {
+    if (!actors_->send(l).ok()) {
+      fmt::print(stderr, "snapshot: slot {} could not tell the driver that step {} landed\n", slot_, l.step);
+    }
+  };
+  TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<Snapshotter> s,
+                          Snapshotter::create(keeper_, *stage_, std::move(o)));
+  std::lock_guard<std::mutex> lock(mu_);
+  snapshotter_ = std::move(s);
+  return ok_status();
+}
+
 namespace {
 
 void fill_step_reply(const StepReport& r, StepReply& m) {
@@ -604,60 +617,7 @@ void fill_step_reply(const StepReport& r, StepReply& m) {
   m.device_gap_ms = r.device_gap_ms;
 }
 
-void note_ckpt_error(StepReply& reply, int64_t step, const Status& st) {
-  reply.ckpt_errors.emplace_back(step, st.to_string());
-  fmt::print(stderr, "checkpoint: this rank could not save step {}: {}\n", step, st.to_string());
-  std::fflush(stderr);
-}
 }  // namespace
-
-Status ElasticWorker::save_checkpoint(int64_t step, StepReply& reply, bool force) {
-  if (ckpt_dir_.empty() || (!force && (ckpt_every_ <= 0 || step % ckpt_every_ != 0))) return ok_status();
-  if (!writer_) {
-    Result<std::unique_ptr<RankCheckpointer>> w = RankCheckpointer::create(
-        ckpt_dir_, stage_->state_layout(), rank_, static_cast<uint64_t>(tc_.checkpoint.max_mb_per_s * 1e6));
-    if (!w.ok()) {
-      note_ckpt_error(reply, step, w.status());
-      return ok_status();
-    }
-    writer_ = std::move(w).value();
-  }
-  // The previous save first (blocked time): its outcome is reported in this reply.
-  TROUPE_RETURN_IF_ERROR(report_durable(reply, /*wait=*/true));
-  // Right after the step: the live state is the committed one. The same part as a normal
-  // training rank's, so the checkpoint is issue 8's format. Only the snapshot into the
-  // writer's host buffer blocks the step; the write goes on in the background and a later
-  // reply says when it is durable (report_durable).
-  TROUPE_ASSIGN_OR_RETURN(StageState st, stage_->export_state(StateScope::kSave, /*copy=*/false));
-  if (st.step != step) {
-    return failed_precondition("checkpoint: asked to save step {} but the stage has run {} steps", step,
-                               st.step);
-  }
-  const auto t0 = Clock::now();
-  Result<SaveFigures> f = writer_->save(st);
-  if (!f.ok()) {
-    note_ckpt_error(reply, step, f.status());
-    return ok_status();
-  }
-  reply.ckpt_started = step;
-  reply.ckpt_blocked_ms = std::chrono::duration<double>(Clock::now() - t0).count() * 1e3;
-  if (steps_ != nullptr) steps_->record_io(reply.ckpt_blocked_ms);
-  reply.ckpt_bytes = static_cast<int64_t>(f->bytes);
-  fault_point(fmt::format("checkpoint write of step {}", step));
-  return ok_status();
-}
-
-Status ElasticWorker::report_durable(StepReply& reply, bool wait) {
-  if (!writer_) return ok_status();
-  const int64_t step = writer_->pending_step();
-  Result<int64_t> durable = writer_->poll_durable(wait);
-  if (!durable.ok()) {
-    note_ckpt_error(reply, step, durable.status());
-  } else if (*durable >= 0) {
-    reply.durable.push_back(*durable);
-  }
-  return ok_status();
-}
 
 void ElasticWorker::watch() {
   int64_t beat = 0;
@@ -690,14 +650,18 @@ void ElasticWorker::take_commands(std::chrono::milliseconds wait, int64_t seq) {
   }
 }
 
+bool ElasticWorker::snapshot_due(int64_t step) const {
+  if (!snapshotter_) return false;
+  return (snapshot_every_ > 0 && step % snapshot_every_ == 0) || (ckpt_every_ > 0 && step % ckpt_every_ == 0);
+}
+
 Status ElasticWorker::run_step_command(const Command& cmd, StepReply& reply) {
   if (g_faults != nullptr) g_faults->step = cmd.step;
   actors_->set_state("training");
-  // What must happen between this step and the next, on the state this step leaves: the
-  // in-memory commit (and its neighbour replica), a checkpoint part. Then the next step
-  // cannot be enqueued before this one is finished.
-  const bool ckpt_due = !ckpt_dir_.empty() && ckpt_every_ > 0 && cmd.step % ckpt_every_ == 0;
-  const bool ahead_ok = stage_->can_launch_ahead() && !keep_state_ && !ckpt_due;
+  // A snapshot (and a checkpoint, written from it) after this step copies the state this
+  // step leaves: the next step cannot be enqueued before the copy is, so it is not
+  // launched ahead.
+  const bool ahead_ok = stage_->can_launch_ahead() && !snapshot_due(cmd.step);
   if (launched_ahead_ == cmd.step) {
     reply.launched_ahead = true;  // enqueued while the step before was finishing
   } else {
@@ -718,21 +682,16 @@ Status ElasticWorker::run_step_command(const Command& cmd, StepReply& reply) {
   actors_->step_done(cmd.step, rep.step_ms);
   if (steps_ != nullptr) steps_->record_step(rep.step_ms, rep.compute_ms, rep.comm_ms);
   fill_step_reply(rep, reply);
-  if (keep_state_) {
-    const auto c0 = Clock::now();
-    stage_->replicate_optimizer();
-    stage_->commit(cmd.step);
-    reply.commit_ms = std::chrono::duration<double>(Clock::now() - c0).count() * 1e3;
-    if (replica_every_ > 0 && cmd.step % replica_every_ == 0 && plan_world_ > 1) {
-      const auto r0 = Clock::now();
-      stage_->refresh_replica();
-      reply.replica = cmd.step;
-      reply.replica_ms = std::chrono::duration<double>(Clock::now() - r0).count() * 1e3;
-    }
-    // The peak with this step's committed copies in it.
-    reply.rss_peak_bytes = peak_resident_bytes();
+  if (snapshotter_) {
+    // The snapshot's copy runs while the next step does (nothing was launched ahead of it).
+    snapshotter_->after_step(cmd.step, SnapshotDue::kSchedule, reply);
+    // The step thread's time on it: what a checkpoint step stalls training by.
+    if (reply.snapshot >= 0 && steps_ != nullptr) steps_->record_io(reply.snapshot_ms);
+    fault_point(fmt::format("snapshot of step {}", cmd.step));
   }
-  return save_checkpoint(cmd.step, reply);
+  // The peak with this step's snapshot staging in it.
+  reply.rss_peak_bytes = peak_resident_bytes();
+  return ok_status();
 }
 
 Status ElasticWorker::run() {
@@ -751,21 +710,26 @@ Status ElasticWorker::run() {
                             WorkerActors::start(slot_, control::host_addr(), store_,
                                                 key(fmt::format("actors/{}", slot_)), std::move(device)));
   }
-  // Plans of new epochs the Trainer sends the stage actor (rebuild).
+  // Plans of new epochs the Trainer sends the stage actor (rebuild), and snapshot commits.
   actors_->on_plan([this](const ElasticPlan& p) { on_plan(p); });
+  actors_->on_commit([this](const SnapshotCommitted& c) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (snapshotter_) snapshotter_->on_commit(c);
+  });
   // Replies and failure reports go to the driver's trainer actor.
   TROUPE_RETURN_IF_ERROR(
       actors_->connect_driver(store_, key("actors/driver"), std::chrono::milliseconds(120000)));
   TROUPE_ASSIGN_OR_RETURN(ElasticPlan plan, read_plan(epoch_, std::chrono::milliseconds(120000)));
   if (plan.rank_of_slot(slot_) < 0) return invalid_argument("elastic: slot {} is not in the plan of epoch {}", slot_, epoch_);
-  // The job's checkpoints (the driver's choice, the same in every plan).
+  // The job's snapshots and checkpoints (the driver's choice, the same in every plan).
   ckpt_every_ = plan.ckpt_every;
-  replica_every_ = plan.replica_every;
+  snapshot_every_ = plan.snapshot_every;
   ckpt_dir_ = plan.ckpt_dir;
   if (ckpt_every_ > 0 && ckpt_dir_.empty()) {
     return invalid_argument("elastic: the plan asks for checkpoints every {} steps but names no directory",
                             ckpt_every_);
   }
+  TROUPE_RETURN_IF_ERROR(connect_keeper());
   adopting_ = epoch_;
   watcher_ = std::thread([this] { watch(); });
   bool healthy = true;
@@ -785,7 +749,8 @@ Status ElasticWorker::run() {
   while (true) {
     if (!healthy) {
       (void)actors_->report(WorkerFailure{epoch_, slot_, rank_, static_cast<uint16_t>(st.code()),
-                                          actor_id("stage", rank_), st.to_string(), wall_ms()});
+                                          actor_id("stage", rank_), st.to_string(), wall_ms(),
+                                          std::exchange(failed_snapshot_, -1)});
       if (peer_failure) {
         fmt::print(
             "elastic: slot {} (rank {}): epoch {} lost a peer on the data plane ({}); waiting for the "
@@ -864,16 +829,23 @@ Status ElasticWorker::run() {
           break;
         case Command::Kind::kStop:
           break;
-        case Command::Kind::kSave:
-          // The job's last checkpoint, made durable before the reply: the one of this step
-          // when its save is still being written, else a new one (off the every-K schedule,
-          // or again after a failed attempt).
+        case Command::Kind::kSave:      // the job's last checkpoint, made durable before the reply
+        case Command::Kind::kSnapshot:  // a snapshot off the schedule (a planned membership change)
           if (stage_->steps_done() != cmd.step) {
-            return failed_precondition("save step {}: this rank has run {} steps", cmd.step,
-                                       stage_->steps_done());
+            return failed_precondition("{} of step {}: this rank has run {} steps",
+                                       command_kind_name(cmd.kind), cmd.step, stage_->steps_done());
           }
-          if (!writer_ || writer_->pending_step() != cmd.step) {
-            TROUPE_RETURN_IF_ERROR(save_checkpoint(cmd.step, reply, /*force=*/true));
+          if (!snapshotter_) {
+            return failed_precondition("{} of step {}: this worker takes no snapshots",
+                                       command_kind_name(cmd.kind), cmd.step);
+          }
+          // A save whose checkpoint is under way already (a checkpoint step; or the
+          // committed snapshot of the step written again after a failed attempt) waits for
+          // it; else it takes the snapshot the checkpoint is written from.
+          if (cmd.kind == Command::Kind::kSnapshot || !snapshotter_->has_checkpoint(cmd.step)) {
+            snapshotter_->after_step(
+                cmd.step, cmd.kind == Command::Kind::kSave ? SnapshotDue::kCheckpoint : SnapshotDue::kNow,
+                reply);
           }
           break;
       }
@@ -883,8 +855,15 @@ Status ElasticWorker::run() {
       peer_failure = true;
       continue;
     }
-    TROUPE_RETURN_IF_ERROR(
-        report_durable(reply, cmd.kind == Command::Kind::kStop || cmd.kind == Command::Kind::kSave));
+    if (snapshotter_) {
+      if (cmd.kind != Command::Kind::kStep && reply.snapshot >= 0 && steps_ != nullptr)
+        steps_->record_io(reply.snapshot_ms);
+      snapshotter_->report(reply, cmd.kind == Command::Kind::kStop || cmd.kind == Command::Kind::kSave);
+    }
+    if (cmd.kind == Command::Kind::kStop && keeper_) {
+      // The job is over: this rank's snapshots (and their copies) can go.
+      (void)keeper_->release(job_, rank_);
+    }
     reply.rank = rank_;
     reply.slot = slot_;
     reply.epoch = epoch_;
@@ -934,7 +913,10 @@ Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& p
     }
   }
   ElasticWorker w(tc, program, store, job, slot, epoch, ctx, driver_system, steps);
-  if (faults) faults->cut = [&w] { w.cut_connections(); };
+  if (faults) {
+    faults->cut = [&w] { w.cut_connections(); };
+    faults->corrupt = [&w] { w.corrupt_snapshot(); };
+  }
   Status st = w.run();
   set_fault_hook(nullptr);
   g_faults = nullptr;

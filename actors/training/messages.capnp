@@ -30,7 +30,7 @@ struct ActorStatus @0xb7e4a2c91d3f5a62 {
 # The Trainer's command to every stage actor of the epoch (actors/training/control.h).
 struct StepCommand @0xb7e4a2c91d3f5a63 {
   seq @0 :Int64;          # 0, 1, 2, ... across epochs, in the order the Trainer sends them
-  kind @1 :UInt8;         # Command::Kind: 0 step, 1 evaluate, 2 stop, 3 save
+  kind @1 :UInt8;         # Command::Kind: 0 step, 1 evaluate, 2 stop, 3 save, 4 snapshot
   step @2 :Int64;         # step: the 1-based optimizer step to run; save: the step just run
   epoch @3 :UInt64;       # the membership epoch it belongs to
 }
@@ -73,16 +73,17 @@ struct StepReply @0xb7e4a2c91d3f5a67 {
   peakBytes @18 :Int64 = -1;
   # kind evaluate:
   valLoss @19 :Float64;
-  # checkpoints and neighbour replicas (-1: none):
+  # checkpoints (written from a committed snapshot; -1: none):
   ckptStarted @20 :Int64 = -1;
   ckptBlockedMs @21 :Float64;
   ckptBytes @22 :Int64;
   durable @23 :List(Int64);
   ckptErrors @24 :List(CheckpointError);
-  replica @25 :Int64 = -1;
-  replicaMs @26 :Float64;
-  # the in-memory state's commit after the step (moment all-gather and copies; -1: none)
-  commitMs @27 :Float64 = -1;
+  # retired (neighbour replicas and the in-memory commit, replaced by snapshots): never
+  # written; the ordinals stay taken so an old peer's message cannot be misread
+  retiredReplica @25 :Int64 = -1;
+  retiredReplicaMs @26 :Float64;
+  retiredCommitMs @27 :Float64 = -1;
   # device runs: the rank's device->host reads in the step (-1: CPU)
   hostSyncs @28 :Int64 = -1;
   # device runs (-1: CPU): uploads that waited, activation bytes, the step's device time
@@ -99,6 +100,14 @@ struct StepReply @0xb7e4a2c91d3f5a67 {
   commandWaitMs @35 :Float64;
   # the rank's process: its peak resident host memory so far (-1: unknown)
   rssPeakBytes @36 :Int64 = -1;
+  # snapshots: the step whose snapshot this rank started after the command (-1: none),
+  # the step thread's time to start it, and its wait for a free generation (-1: none)
+  snapshot @37 :Int64 = -1;
+  snapshotMs @38 :Float64;
+  snapshotWaitMs @39 :Float64 = -1;
+  # the newest step of this rank's snapshots whose copy landed on another node's keeper
+  snapshotReplicated @40 :Int64 = -1;
+  snapshotErrors @41 :List(CheckpointError);
 }
 
 # A worker's failure in an epoch (a data-plane error, a failed join), reported to the
@@ -111,6 +120,7 @@ struct WorkerFailure @0xb7e4a2c91d3f5a68 {
   actor @4 :Text;         # the actor that failed ("stage.2")
   text @5 :Text;
   tsMs @6 :Int64;         # wall clock of the failure (ms since the epoch)
+  snapshotStep @7 :Int64 = -1;  # a restore of this snapshot failed (its part is lost or damaged)
 }
 
 # The plan of a membership epoch (rebuild), sent by the Trainer to the stage actor of every
@@ -120,13 +130,51 @@ struct ElasticPlan @0xb7e4a2c91d3f5a69 {
   dp @1 :Int64;             # the layout's dp in the new epoch
   gradAccum @2 :Int64;      # and the matching micro-batches per step
   slots @3 :List(Int32);    # the worker slot of each world rank
-  hasState @4 :List(Bool);  # per rank: a survivor holding the committed state
+  hasState @4 :List(Bool);  # per rank: a survivor that keeps its live state (plans that restore nothing)
   stepDone @5 :Int64;       # every rank restores the state after this step
   seq @6 :Int64;            # the first command seq of the epoch
   reason @7 :Text;
   checkpoint @8 :Text;      # non-empty: restore from this checkpoint directory
   ckptEvery @9 :Int64;      # the job's periodic checkpoints
   ckptDir @10 :Text;
-  replicaStep @11 :Int64 = -1;  # >= 0: restore from the neighbour replicas of this step
-  replicaEvery @12 :Int64;
+  retiredReplicaStep @11 :Int64 = -1;  # retired (neighbour replicas): never written
+  retiredReplicaEvery @12 :Int64;
+  snapshotStep @13 :Int64 = -1;  # >= 0: every rank restores the snapshot of this step
+  snapshotEvery @14 :Int64;       # snapshots after every this many steps (0: none)
+  snapshotDp @15 :Int64;          # the snapshot's layout dp (its parts' layout)
+  snapshotParts @16 :List(PartSource);  # per rank of the snapshot's layout
+  snapshotCommitted @17 :Int64 = -1;    # the newest committed snapshot (a rank keeps it)
+}
+
+# Where a snapshot's part can be fetched from, and what it is.
+struct PartSource @0xb7e4a2c91d3f5a6c {
+  endpoints @0 :List(Text);  # keepers holding it (its node's, then its copy's)
+  xxh64 @1 :UInt64;          # the checksum of its manifest (which checksums every slice)
+}
+
+# A rank's snapshot part landed in its node's keeper (worker -> trainer, as soon as it did).
+struct SnapshotLanded @0xb7e4a2c91d3f5a6a {
+  epoch @0 :UInt64;
+  rank @1 :Int32;
+  slot @2 :Int32;
+  step @3 :Int64;
+  xxh64 @4 :UInt64;        # of the part's manifest
+  bytes @5 :UInt64;        # its segment
+  node @6 :Text;           # the keeper holding it
+  endpoint @7 :Text;       # that keeper's endpoint for other keepers ("": none)
+  error @8 :Text;          # non-empty: the part could not be made
+}
+
+# Every rank's part of `step` landed: the snapshot is committed (trainer -> every stage actor).
+struct SnapshotCommitted @0xb7e4a2c91d3f5a6b {
+  epoch @0 :UInt64;
+  step @1 :Int64;
+  copyTo @2 :List(NodeTarget);  # per node: the keeper that keeps its copy
+  checkpoint @3 :Bool;          # also written to disk as a checkpoint
+  abandoned @4 :Bool;           # instead: `step` never commits (a part failed): its memory is free
+}
+
+struct NodeTarget @0xb7e4a2c91d3f5a6d {
+  node @0 :Text;
+  endpoint @1 :Text;
 }

@@ -1,7 +1,8 @@
 // actors/training/messages.h — defines the typed messages of the training actors (each
 // worker's "stage.<rank>", "attention.<rank>" and "experts.<rank>", placed on its slot, and
-// the driver's "trainer"): ActorStatusQuery and its reply ActorStatus; StepCommand
-// and ElasticPlan (trainer -> stage actors), StepReply and WorkerFailure (worker -> trainer). They travel
+// the driver's "trainer"): ActorStatusQuery and its reply ActorStatus; StepCommand,
+// ElasticPlan and SnapshotCommitted (trainer -> stage actors), StepReply, WorkerFailure and
+// SnapshotLanded (worker -> trainer). They travel
 // as Cap'n Proto structs
 // (actors/training/messages.capnp, encoded in messages_codec.cc); decoding never throws —
 // malformed, truncated or oversized input is a DataLoss status naming the message.
@@ -66,9 +67,14 @@ struct StepReply {
   int64_t ckpt_bytes = 0;
   std::vector<int64_t> durable;
   std::vector<std::pair<int64_t, std::string>> ckpt_errors;  // step, text
-  int64_t replica = -1;
-  double replica_ms = 0;
-  double commit_ms = -1;    // the in-memory state's commit after the step (-1: none kept)
+  // Snapshots: the step whose snapshot this rank started after the command (-1: none), the
+  // step thread's time to start it, its wait for a free generation (-1: none), the newest
+  // step whose copy landed on another node, and parts that could not be made.
+  int64_t snapshot = -1;
+  double snapshot_ms = 0;
+  double snapshot_wait_ms = -1;
+  int64_t snapshot_replicated = -1;
+  std::vector<std::pair<int64_t, std::string>> snapshot_errors;  // step, text
   int64_t host_syncs = -1;  // device runs: this rank's device->host reads in the step
   int64_t rss_peak_bytes = -1;  // the rank's process: peak resident host memory (-1: unknown)
   // Device runs (-1 on the CPU): uploads that waited for their copy, the allocator's
@@ -92,6 +98,40 @@ struct WorkerFailure {
   uint16_t code = 0;
   std::string actor, text;
   int64_t ts_ms = 0;
+  int64_t snapshot_step = -1;  // a restore of this snapshot failed: its part is lost or damaged
+};
+
+// A rank's snapshot part landed in its node's keeper (checkpoint/snapshot_keeper.h); sent
+// as soon as it did, by the worker's snapshot thread.
+struct SnapshotLanded {
+  static constexpr uint64_t kTypeId = 0x7A1E'0000'0000'0107ull;
+  uint64_t epoch = 0;
+  int32_t rank = -1, slot = -1;
+  int64_t step = -1;
+  uint64_t xxh64 = 0;          // of the part's manifest (which holds every slice's checksum)
+  uint64_t bytes = 0;          // the segment
+  std::string node, endpoint;  // the keeper holding it, and where other keepers reach it
+  std::string error;           // non-empty: the part could not be made
+};
+
+// Every rank's part of `step` landed: the snapshot is committed. Each worker passes it to
+// its keeper with its node's copy target; `checkpoint`: its rank also writes the part to
+// disk as a checkpoint. `abandoned` instead: the snapshot of `step` never commits (a rank
+// could not make its part), so the generation holding it is free again.
+struct SnapshotCommitted {
+  static constexpr uint64_t kTypeId = 0x7A1E'0000'0000'0108ull;
+  uint64_t epoch = 0;
+  int64_t step = -1;
+  std::vector<std::pair<std::string, std::string>> copy_to;  // node -> keeper endpoint
+  bool checkpoint = false;
+  bool abandoned = false;
+};
+
+// Where a snapshot's part can be fetched from (keeper endpoints: its node's, then its
+// copy's) and the checksum of its manifest.
+struct PartSource {
+  std::vector<std::string> endpoints;
+  uint64_t xxh64 = 0;
 };
 
 // The plan of membership epoch `epoch` (rebuild: who is in it, which state every rank
@@ -104,24 +144,29 @@ struct ElasticPlan {
   uint64_t epoch = 0;
   int64_t dp = 1, grad_accum = 1;  // the layout's dp and the matching grad_accum
   std::vector<int> slots;          // slot of each world rank
-  std::vector<bool> has_state;     // per rank: a survivor holding the committed state
+  // Per rank: a survivor that keeps its live state. Only in a plan that restores nothing
+  // (nobody was lost): each such rank must still hold the state after step_done.
+  std::vector<bool> has_state;
   int64_t step_done = 0;           // the state every rank restores: after this step
   int64_t seq = 0;                 // first command seq of the epoch
   std::string reason;
   // Non-empty: every rank restores the state after step_done from this checkpoint
-  // directory instead (a column lost all its dp replicas; or epoch 0 of a resumed job),
-  // through Stage::load_checkpoint (any saved layout) and Stage::commit_imported.
+  // directory instead (no usable snapshot; or epoch 0 of a resumed job), through
+  // Stage::restore (any saved layout).
   std::string checkpoint;
   // The job's periodic checkpoints: after every ckpt_every-th step each rank writes its
   // part into ckpt_dir (0: none).
   int64_t ckpt_every = 0;
   std::string ckpt_dir;
-  // >= 0: no dp peer holds some lost rank's state, but every lost rank's successor keeps
-  // a copy of it (Stage::refresh_replica): every rank restores the state after this step
-  // from the neighbour replicas (Stage::restore_from_replicas). step_done equals it.
-  int64_t replica_step = -1;
-  // Neighbour replicas are refreshed after every replica_every-th step (0: never).
-  int64_t replica_every = 0;
+  // >= 0: every rank restores the snapshot of this step (step_done equals it), made in
+  // layout dp = snapshot_dp: the part of each rank of that layout is at snapshot_parts[r].
+  int64_t snapshot_step = -1;
+  int64_t snapshot_dp = 0;
+  std::vector<PartSource> snapshot_parts;
+  // Snapshots after every snapshot_every-th step (0: none); the newest committed one, which
+  // a rank keeping its memory must not overwrite first (-1: none).
+  int64_t snapshot_every = 0;
+  int64_t snapshot_committed = -1;
 
   // The store record and the events' copy (actors/training/elastic.cc).
   nlohmann::json to_json() const;
@@ -136,6 +181,10 @@ std::string encode_elastic_plan(const ElasticPlan& m);
 Result<ElasticPlan> decode_elastic_plan(std::string_view bytes);
 std::string encode_worker_failure(const WorkerFailure& m);
 Result<WorkerFailure> decode_worker_failure(std::string_view bytes);
+std::string encode_snapshot_landed(const SnapshotLanded& m);
+Result<SnapshotLanded> decode_snapshot_landed(std::string_view bytes);
+std::string encode_snapshot_committed(const SnapshotCommitted& m);
+Result<SnapshotCommitted> decode_snapshot_committed(std::string_view bytes);
 
 std::string encode_actor_status_query(const ActorStatusQuery& m);
 Result<ActorStatusQuery> decode_actor_status_query(std::string_view bytes);

@@ -117,8 +117,18 @@ std::string encode_elastic_plan(const ElasticPlan& m) {
   b.setCheckpoint(m.checkpoint);
   b.setCkptEvery(m.ckpt_every);
   b.setCkptDir(m.ckpt_dir);
-  b.setReplicaStep(m.replica_step);
-  b.setReplicaEvery(m.replica_every);
+  b.setSnapshotStep(m.snapshot_step);
+  b.setSnapshotEvery(m.snapshot_every);
+  b.setSnapshotDp(m.snapshot_dp);
+  b.setSnapshotCommitted(m.snapshot_committed);
+  auto parts = b.initSnapshotParts(static_cast<unsigned>(m.snapshot_parts.size()));
+  for (size_t i = 0; i < m.snapshot_parts.size(); ++i) {
+    const PartSource& src = m.snapshot_parts[i];
+    auto ps = parts[static_cast<unsigned>(i)];
+    auto eps = ps.initEndpoints(static_cast<unsigned>(src.endpoints.size()));
+    for (size_t j = 0; j < src.endpoints.size(); ++j) eps.set(static_cast<unsigned>(j), src.endpoints[j]);
+    ps.setXxh64(src.xxh64);
+  }
   return flat(mb);
 }
 
@@ -137,8 +147,16 @@ Result<ElasticPlan> decode_elastic_plan(std::string_view bytes) {
     m.checkpoint = p.getCheckpoint();
     m.ckpt_every = p.getCkptEvery();
     m.ckpt_dir = p.getCkptDir();
-    m.replica_step = p.getReplicaStep();
-    m.replica_every = p.getReplicaEvery();
+    m.snapshot_step = p.getSnapshotStep();
+    m.snapshot_every = p.getSnapshotEvery();
+    m.snapshot_dp = p.getSnapshotDp();
+    m.snapshot_committed = p.getSnapshotCommitted();
+    for (auto ps : p.getSnapshotParts()) {
+      PartSource src;
+      for (auto e : ps.getEndpoints()) src.endpoints.emplace_back(e);
+      src.xxh64 = ps.getXxh64();
+      m.snapshot_parts.push_back(std::move(src));
+    }
     if (m.slots.size() != m.has_state.size() || m.dp < 1 || m.grad_accum < 1) {
       return data_loss(
           "ElasticPlan: inconsistent plan of epoch {} ({} slots, {} has_state, dp {}, grad_accum {})",
@@ -161,7 +179,7 @@ std::string encode_step_command(const StepCommand& m) {
 Result<StepCommand> decode_step_command(std::string_view bytes) {
   return read_message(bytes, "StepCommand", [](capnp::MessageReader& r) -> Result<StepCommand> {
     auto c = r.getRoot<::StepCommand>();
-    if (c.getKind() > 3) return data_loss("StepCommand: unknown kind {}", c.getKind());
+    if (c.getKind() > 4) return data_loss("StepCommand: unknown kind {}", c.getKind());
     return StepCommand{c.getSeq(), c.getKind(), c.getStep(), c.getEpoch()};
   });
 }
@@ -209,9 +227,15 @@ std::string encode_step_reply(const StepReply& m) {
     errs[static_cast<unsigned>(i)].setStep(m.ckpt_errors[i].first);
     errs[static_cast<unsigned>(i)].setText(m.ckpt_errors[i].second);
   }
-  b.setReplica(m.replica);
-  b.setReplicaMs(m.replica_ms);
-  b.setCommitMs(m.commit_ms);
+  b.setSnapshot(m.snapshot);
+  b.setSnapshotMs(m.snapshot_ms);
+  b.setSnapshotWaitMs(m.snapshot_wait_ms);
+  b.setSnapshotReplicated(m.snapshot_replicated);
+  auto serrs = b.initSnapshotErrors(static_cast<unsigned>(m.snapshot_errors.size()));
+  for (size_t i = 0; i < m.snapshot_errors.size(); ++i) {
+    serrs[static_cast<unsigned>(i)].setStep(m.snapshot_errors[i].first);
+    serrs[static_cast<unsigned>(i)].setText(m.snapshot_errors[i].second);
+  }
   b.setHostSyncs(m.host_syncs);
   b.setUploadWaits(m.upload_waits);
   b.setActivationBytes(m.activation_bytes);
@@ -233,7 +257,7 @@ Result<StepReply> decode_step_reply(std::string_view bytes) {
     m.rank = s.getRank();
     m.slot = s.getSlot();
     m.kind = s.getKind();
-    if (m.kind > 3) return data_loss("StepReply: unknown kind {}", m.kind);
+    if (m.kind > 4) return data_loss("StepReply: unknown kind {}", m.kind);
     m.step = s.getStep();
     m.loss = s.getLoss();
     m.lm_loss = s.getLmLoss();
@@ -258,9 +282,12 @@ Result<StepReply> decode_step_reply(std::string_view bytes) {
     m.ckpt_bytes = s.getCkptBytes();
     for (int64_t d : s.getDurable()) m.durable.push_back(d);
     for (auto e : s.getCkptErrors()) m.ckpt_errors.emplace_back(e.getStep(), std::string(e.getText()));
-    m.replica = s.getReplica();
-    m.replica_ms = s.getReplicaMs();
-    m.commit_ms = s.getCommitMs();
+    m.snapshot = s.getSnapshot();
+    m.snapshot_ms = s.getSnapshotMs();
+    m.snapshot_wait_ms = s.getSnapshotWaitMs();
+    m.snapshot_replicated = s.getSnapshotReplicated();
+    for (auto e : s.getSnapshotErrors())
+      m.snapshot_errors.emplace_back(e.getStep(), std::string(e.getText()));
     m.host_syncs = s.getHostSyncs();
     m.upload_waits = s.getUploadWaits();
     m.activation_bytes = s.getActivationBytes();
@@ -284,6 +311,7 @@ std::string encode_worker_failure(const WorkerFailure& m) {
   b.setActor(m.actor);
   b.setText(m.text);
   b.setTsMs(m.ts_ms);
+  b.setSnapshotStep(m.snapshot_step);
   return flat(mb);
 }
 
@@ -291,7 +319,59 @@ Result<WorkerFailure> decode_worker_failure(std::string_view bytes) {
   return read_message(bytes, "WorkerFailure", [](capnp::MessageReader& r) -> Result<WorkerFailure> {
     auto f = r.getRoot<::WorkerFailure>();
     return WorkerFailure{f.getEpoch(), f.getSlot(), f.getRank(), f.getCode(),
-                         f.getActor(), f.getText(), f.getTsMs()};
+                         f.getActor(), f.getText(), f.getTsMs(), f.getSnapshotStep()};
+  });
+}
+
+std::string encode_snapshot_landed(const SnapshotLanded& m) {
+  capnp::MallocMessageBuilder mb;
+  auto b = mb.initRoot<::SnapshotLanded>();
+  b.setEpoch(m.epoch);
+  b.setRank(m.rank);
+  b.setSlot(m.slot);
+  b.setStep(m.step);
+  b.setXxh64(m.xxh64);
+  b.setBytes(m.bytes);
+  b.setNode(m.node);
+  b.setEndpoint(m.endpoint);
+  b.setError(m.error);
+  return flat(mb);
+}
+
+Result<SnapshotLanded> decode_snapshot_landed(std::string_view bytes) {
+  return read_message(bytes, "SnapshotLanded", [](capnp::MessageReader& r) -> Result<SnapshotLanded> {
+    auto x = r.getRoot<::SnapshotLanded>();
+    return SnapshotLanded{x.getEpoch(), x.getRank(), x.getSlot(),     x.getStep(), x.getXxh64(),
+                          x.getBytes(), x.getNode(), x.getEndpoint(), x.getError()};
+  });
+}
+
+std::string encode_snapshot_committed(const SnapshotCommitted& m) {
+  capnp::MallocMessageBuilder mb;
+  auto b = mb.initRoot<::SnapshotCommitted>();
+  b.setEpoch(m.epoch);
+  b.setStep(m.step);
+  auto to = b.initCopyTo(static_cast<unsigned>(m.copy_to.size()));
+  for (size_t i = 0; i < m.copy_to.size(); ++i) {
+    to[static_cast<unsigned>(i)].setNode(m.copy_to[i].first);
+    to[static_cast<unsigned>(i)].setEndpoint(m.copy_to[i].second);
+  }
+  b.setCheckpoint(m.checkpoint);
+  b.setAbandoned(m.abandoned);
+  return flat(mb);
+}
+
+Result<SnapshotCommitted> decode_snapshot_committed(std::string_view bytes) {
+  return read_message(bytes, "SnapshotCommitted", [](capnp::MessageReader& r) -> Result<SnapshotCommitted> {
+    auto x = r.getRoot<::SnapshotCommitted>();
+    SnapshotCommitted m;
+    m.epoch = x.getEpoch();
+    m.step = x.getStep();
+    for (auto t : x.getCopyTo())
+      m.copy_to.emplace_back(std::string(t.getNode()), std::string(t.getEndpoint()));
+    m.checkpoint = x.getCheckpoint();
+    m.abandoned = x.getAbandoned();
+    return m;
   });
 }
 

@@ -22,23 +22,40 @@ using Clock = std::chrono::steady_clock;
 // takes the Trainer's commands (into `commands`, which the worker's step thread serves),
 // the trainer actor the workers' replies and failures. Unknown or malformed messages are
 // dropped by the actor system with a logged error (an ask gets an error reply).
+// What an actor accepts besides status queries (null: not this one's).
+struct RoleInputs {
+  // A stage actor: the Trainer's commands, plans and snapshot commits.
+  std::shared_ptr<Inbox<StepCommand>> commands;
+  std::shared_ptr<std::function<void(const ElasticPlan&)>> plans;
+  std::shared_ptr<std::function<void(const SnapshotCommitted&)>> commits;
+  // The trainer actor: what the workers send.
+  std::shared_ptr<Inbox<StepReply>> replies;
+  std::shared_ptr<Inbox<WorkerFailure>> failures;
+  std::shared_ptr<Inbox<SnapshotLanded>> landed;
+};
+
 class RoleActor final : public actors::Actor {
  public:
-  RoleActor(std::string role, std::shared_ptr<const WorkerView> view,
-            std::shared_ptr<Inbox<StepCommand>> commands = nullptr,
-            std::shared_ptr<Inbox<StepReply>> replies = nullptr,
-            std::shared_ptr<Inbox<WorkerFailure>> failures = nullptr,
-            std::shared_ptr<std::function<void(const ElasticPlan&)>> plans = nullptr)
+  RoleActor(std::string role, std::shared_ptr<const WorkerView> view, const RoleInputs& in = {})
       : role_(std::move(role)), view_(std::move(view)) {
     handle<ActorStatusQuery>([this](const ActorStatusQuery&) { return status(); });
-    if (commands) handle<StepCommand>([commands](const StepCommand& c) { commands->push(c); });
-    if (plans) {
+    if (auto commands = in.commands)
+      handle<StepCommand>([commands](const StepCommand& c) { commands->push(c); });
+    if (auto plans = in.plans) {
       handle<ElasticPlan>([plans](const ElasticPlan& p) {
         if (*plans) (*plans)(p);
       });
     }
-    if (replies) handle<StepReply>([replies](const StepReply& r) { replies->push(r); });
-    if (failures) handle<WorkerFailure>([failures](const WorkerFailure& f) { failures->push(f); });
+    if (auto commits = in.commits) {
+      handle<SnapshotCommitted>([commits](const SnapshotCommitted& c) {
+        if (*commits) (*commits)(c);
+      });
+    }
+    if (auto replies = in.replies) handle<StepReply>([replies](const StepReply& r) { replies->push(r); });
+    if (auto failures = in.failures)
+      handle<WorkerFailure>([failures](const WorkerFailure& f) { failures->push(f); });
+    if (auto landed = in.landed)
+      handle<SnapshotLanded>([landed](const SnapshotLanded& l) { landed->push(l); });
   }
 
  private:
@@ -191,8 +208,13 @@ Status WorkerActors::place(int rank, uint64_t epoch, std::map<std::string, int64
   placed_roles_.clear();
   for (const std::string& role : roles) {
     const bool stage = role == "stage";
-    auto actor = std::make_unique<RoleActor>(role, view_, stage ? commands_ : nullptr, nullptr, nullptr,
-                                             stage ? plan_handler_ : nullptr);
+    RoleInputs in;
+    if (stage) {
+      in.commands = commands_;
+      in.plans = plan_handler_;
+      in.commits = commit_handler_;
+    }
+    auto actor = std::make_unique<RoleActor>(role, view_, in);
     TROUPE_RETURN_IF_ERROR(sys_->spawn_actor(actor_id(role, rank), std::move(actor)).status());
   }
   placed_rank_ = rank;
@@ -217,6 +239,10 @@ Status WorkerActors::send(const StepReply& r) {
 
 Status WorkerActors::report(const WorkerFailure& f) {
   return sys_->tell(actors::ActorRef("driver", "trainer"), f);
+}
+
+Status WorkerActors::send(const SnapshotLanded& l) {
+  return sys_->tell(actors::ActorRef("driver", "trainer"), l);
 }
 
 void WorkerActors::set_state(const std::string& state) {
@@ -247,8 +273,10 @@ Result<std::unique_ptr<ActorDirectory>> ActorDirectory::start(const std::string&
   }
   TROUPE_RETURN_IF_ERROR(
       d->sys_
-          ->spawn_actor("trainer", std::make_unique<RoleActor>("trainer", d->trainer_view_, nullptr,
-                                                               d->replies_, d->failures_))
+          ->spawn_actor("trainer", std::make_unique<RoleActor>("trainer", d->trainer_view_,
+                                                               RoleInputs{.replies = d->replies_,
+                                                                          .failures = d->failures_,
+                                                                          .landed = d->landed_}))
           .status());
   const nlohmann::json ep{{"node", "driver"}, {"endpoint", d->sys_->endpoint()}, {"host", host_name()}};
   TROUPE_RETURN_IF_ERROR(store.set(endpoint_key, ep.dump()));
@@ -383,6 +411,14 @@ Status ActorDirectory::send_command(const std::vector<int>& slots, const StepCom
     auto it = nodes.find(slots[r]);
     const std::string node = it != nodes.end() ? it->second : fmt::format("w{}", slots[r]);
     TROUPE_RETURN_IF_ERROR(sys_->tell(actors::ActorRef(node, actor_id("stage", static_cast<int>(r))), c));
+  }
+  return ok_status();
+}
+
+Status ActorDirectory::send_committed(const std::vector<int>& slots, const SnapshotCommitted& c) {
+  for (size_t r = 0; r < slots.size(); ++r) {
+    TROUPE_RETURN_IF_ERROR(sys_->tell(
+        actors::ActorRef(fmt::format("w{}", slots[r]), actor_id("stage", static_cast<int>(r))), c));
   }
   return ok_status();
 }

@@ -59,6 +59,8 @@ TROUPE_TRAINING_MESSAGE_TRAITS(StepCommand, encode_step_command, decode_step_com
 TROUPE_TRAINING_MESSAGE_TRAITS(StepReply, encode_step_reply, decode_step_reply)
 TROUPE_TRAINING_MESSAGE_TRAITS(WorkerFailure, encode_worker_failure, decode_worker_failure)
 TROUPE_TRAINING_MESSAGE_TRAITS(ElasticPlan, encode_elastic_plan, decode_elastic_plan)
+TROUPE_TRAINING_MESSAGE_TRAITS(SnapshotLanded, encode_snapshot_landed, decode_snapshot_landed)
+TROUPE_TRAINING_MESSAGE_TRAITS(SnapshotCommitted, encode_snapshot_committed, decode_snapshot_committed)
 #undef TROUPE_TRAINING_MESSAGE_TRAITS
 }  // namespace troupe::actors
 
@@ -155,12 +157,17 @@ class WorkerActors {
   // Called on the stage actor's thread with each plan (rebuild) the Trainer sends it. Set
   // before place(); the handler must not block.
   void on_plan(std::function<void(const ElasticPlan&)> handler) { *plan_handler_ = std::move(handler); }
+  // Likewise with each snapshot commit (SnapshotCommitted) the Trainer sends.
+  void on_commit(std::function<void(const SnapshotCommitted&)> handler) {
+    *commit_handler_ = std::move(handler);
+  }
   // Ends a next_command() wait at once with a command no epoch serves (seq -1, epoch
   // UINT64_MAX), which the caller drops.
   void wake() { commands_->push(StepCommand{-1, 0, 0, UINT64_MAX}); }
-  // To the Trainer: a command's reply, a failure.
+  // To the Trainer: a command's reply, a failure, a snapshot part that landed (any thread).
   Status send(const StepReply& r);
   Status report(const WorkerFailure& f);
+  Status send(const SnapshotLanded& l);
 
  private:
   WorkerActors() = default;
@@ -170,6 +177,8 @@ class WorkerActors {
   std::shared_ptr<Inbox<StepCommand>> commands_ = std::make_shared<Inbox<StepCommand>>();
   std::shared_ptr<std::function<void(const ElasticPlan&)>> plan_handler_ =
       std::make_shared<std::function<void(const ElasticPlan&)>>();
+  std::shared_ptr<std::function<void(const SnapshotCommitted&)>> commit_handler_ =
+      std::make_shared<std::function<void(const SnapshotCommitted&)>>();
   std::string node_;
   int placed_rank_ = -1;
   std::vector<std::string> placed_roles_;
@@ -218,17 +227,21 @@ class ActorDirectory {
   // the epoch it replaces) that the plan keeps and whose node is up. Returns how many
   // were sent.
   int send_plan(const ElasticPlan& plan);
+  // Sends a snapshot's commit to the stage actor of every rank (slots[r] hosts rank r).
+  Status send_committed(const std::vector<int>& slots, const SnapshotCommitted& c);
   // What the workers sent the trainer actor since the last call.
   std::vector<StepReply> take_replies() { return replies_->take_all(); }
   // Waits at most `wait` for a reply to arrive (true: one is queued).
   bool wait_for_reply(std::chrono::milliseconds wait) { return replies_->wait_nonempty(wait); }
   std::vector<WorkerFailure> take_failures() { return failures_->take_all(); }
+  std::vector<SnapshotLanded> take_landed() { return landed_->take_all(); }
 
  private:
   ActorDirectory() = default;
   std::unique_ptr<actors::ActorSystem> sys_;
   std::shared_ptr<Inbox<StepReply>> replies_ = std::make_shared<Inbox<StepReply>>();
   std::shared_ptr<Inbox<WorkerFailure>> failures_ = std::make_shared<Inbox<WorkerFailure>>();
+  std::shared_ptr<Inbox<SnapshotLanded>> landed_ = std::make_shared<Inbox<SnapshotLanded>>();
   std::shared_ptr<WorkerView> trainer_view_ = std::make_shared<WorkerView>();
   std::mutex mu_;
   uint64_t generation_ = 0;  // bumped by attach(): Downs of older generations are ignored

@@ -82,6 +82,7 @@ Result<std::unique_ptr<Stage>> Stage::create(const layers::TrainConfig& tc, int 
   if (!program) return invalid_argument("Stage: no stage program given");
   std::unique_ptr<Stage> s(new Stage(tc, rank, std::move(train), std::move(val)));
   s->ctx_ = ctx;
+  s->init_snapshot_copy();
   s->bind_device();
   if (ctx.on_device()) {
     const auto& par = tc.parallel;
@@ -648,6 +649,7 @@ void Stage::sync_grads() {
 }
 
 void Stage::optimizer_step(double lr) {
+  snapshot_fence();  // a snapshot's copy still reading the state (CPU)
   const int64_t t0 = time_.tracing() ? comm::Work::now_ns() : 0;
   if (device_stats_) {
     // Clipped by the world's norm, which never leaves the device.

@@ -83,6 +83,7 @@
 #include "actors/training/stage_state.h"
 #include "actors/training/step_graph.h"
 #include "checkpoint/reader.h"
+#include "checkpoint/snapshot_segment.h"
 #include "checkpoint/writer.h"
 #include "comm/compression.h"
 #include "comm/process_groups.h"
@@ -151,6 +152,41 @@ class Stage {
   Status import_state(const SliceSource& source, int64_t steps_done);
   // import_state from a checkpoint (its step; checksums verified on every slice read).
   Status load_checkpoint(const checkpoint::CheckpointReader& reader);
+  // The rank's scalar state after the last step, as a checkpoint records it: {"step",
+  // "adam_steps", "data": {...}, "rng": {...}} (the loader is a function of the step).
+  nlohmann::json rank_state() const;
+  // ---- snapshots (actors/training/stage_snapshot.cc) ----------------------------------
+  // A snapshot holds every tensor this rank holds (StateScope::kHeld), so a rank restores
+  // from its own part alone; `saved` marks those a checkpoint keeps from this rank
+  // (StateScope::kSave: each element once over the job), listed first. The tensors are
+  // live views on the Stage's device. Call between steps.
+  struct SnapshotTensor {
+    checkpoint::SaveEntry entry;
+    bool saved = false;
+  };
+  Result<std::vector<SnapshotTensor>> snapshot_tensors() const;
+  // Starts copying the state after the last completed step into host memory: tensor i of
+  // snapshot_tensors() to dst + offsets[i]. GPU: onto a device staging buffer on the
+  // compute stream (ordered after the step), then device -> host on a snapshot stream
+  // (dst should be pinned: pin_host); CPU: on a copier thread. Returns at once; the next
+  // run_step's optimizer waits for a CPU copy before it writes the state. One copy at a
+  // time: a second call waits for the first.
+  Status snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets);
+  // Waits until that copy is in host memory (any thread).
+  Status snapshot_wait();
+  // Page-locks host memory device copies go to (no-ops on the CPU); unpin before unmapping.
+  // Any thread (a large region takes a while: the snapshot thread does it).
+  void pin_host(void* p, size_t bytes);
+  void unpin_host(void* p);
+  // Clears what an interrupted step left behind and imports everything this rank holds
+  // from `source` (a snapshot's parts or a checkpoint, any layout); the next
+  // run_step(steps_done + 1) continues the run.
+  Status restore(const SliceSource& source, int64_t steps_done);
+  // The same from this rank's own snapshot part (made in this layout): each tensor's bytes
+  // go straight from the part into the live buffer (host -> device on a GPU), no
+  // intermediate copy. Fails (nothing changed) when the part does not describe exactly
+  // what snapshot_tensors() holds.
+  Status restore_own_part(const checkpoint::SnapshotPart& part, int64_t steps_done);
   // ---- elastic recovery (actors/training/stage_elastic.cc) ----------------------------
   // Every communicator of the Stage is an ElasticComm (created in order: dp, n, pp groups,
   // world, tied pair). The worker loop (elastic.h) calls these between steps.
@@ -159,44 +195,12 @@ class Stage {
   // Recreates every communicator in namespace `ns` (collective with the ranks of the new
   // epoch, which create theirs in the same order).
   Status rebuild_comms(const comm::StoreNamespace& ns);
-  // After a completed step: all-gathers the optimizer moments over dp, so every rank holds
-  // the moments of its whole (pp, n) column (the replica a lost dp peer is restored from).
-  void replicate_optimizer();
-  // Records the state after `step_done` (values, replicated moments, router biases,
-  // optimizer step count). Two are kept: the latest and the one before.
-  void commit(int64_t step_done);
-  // The steps whose state is recorded (the latest first; -1: none), what rollback accepts.
-  std::vector<int64_t> committed_steps() const;
-  // Restores the state recorded after `step_done` (the latest or the one before) and
-  // clears what an interrupted step left behind. Fails if neither matches.
-  Status rollback(int64_t step_done);
-  // Copies the committed state of `old` (same pp and n coordinates, any dp): used when a
-  // survivor re-creates its Stage for a new dp size.
-  Status import_state(Stage& old);
-  // Collective over the dp group (new epoch): dp rank `source_dp` broadcasts its committed
-  // state to the others of its column; afterwards every rank holds it and commits it as
-  // the state after `step_done`.
-  void sync_state(int source_dp, int64_t step_done);
-  // After import_state (e.g. load_checkpoint: the last-resort restore when every dp
-  // replica of a column is lost, or a resumed elastic job): clears what an interrupted
-  // step left behind, all-gathers the imported moments over dp (collective over the dp
-  // group, like replicate_optimizer) and commits the state as the state after `step_done`.
-  void commit_imported(int64_t step_done);
+  // Drops what an interrupted step left behind (sends, the program's accumulators), so a
+  // rank that keeps its state continues from the last completed step.
+  void clear_interrupted_step();
   // Parameters this rank owns, by the actor role that owns them (ProgramParam::role:
   // "attention", "experts"), and "stage" (all it holds).
   std::map<std::string, int64_t> params_by_role() const;
-  // ---- in-memory neighbour replicas (stage_elastic.cc) --------------------------------
-  // What restores a rank when no data-parallel peer holds its state (MegaScale keeps such
-  // copies in a neighbour's host memory). Collective over the world, right after
-  // commit(step): every rank keeps a copy of its committed state and sends one to world
-  // rank (r+1) % W, keeping the copy rank (r-1) % W sends; the two newest generations of
-  // both are kept (a refresh interrupted by a failure leaves the previous one usable).
-  void refresh_replica();
-  // New epoch with the same ranks (a lost rank's replacement holds nothing): every rank
-  // restores the state after `step` — its own copy, or, where has_state[r] is false, the
-  // copy its successor (r+1) % W holds, sent to it — and commits it. Collective over the
-  // world. Fails when a needed copy of `step` is missing.
-  Status restore_from_replicas(const std::vector<bool>& has_state, int64_t step);
 
  private:
   struct StateTensor;
@@ -318,29 +322,17 @@ class Stage {
   std::vector<bool> in_norm_;              // per entry: Entry::in_norm
   // ---- elastic (stage_elastic.cc) ----
   comm::CommFactory elastic_factory(comm::CommFactory inner);
-  std::vector<int64_t> piece_offsets() const;  // flat offset of each piece
-  std::vector<Tensor*> buffer_tensors();       // the program's buffers, in order
-  void moments_to_pieces(const Tensor& full_m, const Tensor& full_v);
-  void clear_interrupted_step();
-  // The committed state lives where the Stage computes: zeros, copies and clones on the
-  // host or on the GPU's stream (a copy's two sides are on the same device).
-  Tensor state_zeros(int64_t n, DType dtype = DType::kF32) const;
-  Tensor state_clone(const Tensor& t) const;
-  void state_copy(const Tensor& src, Tensor dst) const;
-  void after_restore();  // on a GPU: the bf16 working copies from the restored values
-  struct Committed {
-    int64_t step = -1;
-    Tensor value, m, v;
-    std::vector<Tensor> bias;  // the program's buffers
-    int64_t opt_steps = 0;
-  };
   std::vector<ElasticComm*> elastic_comms_;  // creation order
-  Tensor full_m_, full_v_;                   // replicated moments of the column (padded flat)
-  Committed committed_[2];                   // [0] latest, [1] the one before
-  // Neighbour replicas: [0] newest, [1] the one before. own_: this rank's committed state;
-  // held_: the predecessor's (another (pp, n) coordinate: its own sizes).
-  Committed own_replica_[2], held_replica_[2];
-  void install(const Committed& c);  // makes `c` the live state and commits it
+  // ---- snapshots (stage_snapshot.cc) ----
+  // What a snapshot's copy needs between calls (staging buffer, stream, copier thread).
+  struct SnapshotCopy;
+  struct SnapshotCopyDeleter {
+    void operator()(SnapshotCopy* c) const;
+  };
+  std::unique_ptr<SnapshotCopy, SnapshotCopyDeleter> snap_;  // made by create(): never null
+  void init_snapshot_copy();
+  // Waits for a CPU snapshot copy still reading the state (run_step, before the optimizer).
+  void snapshot_fence();
   std::vector<bool> piece_in_norm_;
   std::unique_ptr<layers::AdamW> opt_;
 

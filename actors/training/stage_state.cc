@@ -114,16 +114,58 @@ Result<StageState> Stage::export_state(StateScope scope, bool copy) const {
     e.tensor = ctx_.on_device() ? ctx_.to_host(view) : copy ? view.clone() : view;
     st.slices.push_back(std::move(e));
   }
-  const int64_t steps = st.step;
-  st.rank_state = nlohmann::json{
+  st.rank_state = rank_state();
+  return st;
+}
+
+nlohmann::json Stage::rank_state() const {
+  const int64_t steps = steps_done();
+  return nlohmann::json{
       {"step", steps},
       {"adam_steps", steps},
-      {"data", {{"next_step", steps + 1}, {"seed", tc_.train.seed}, {"dp_rank", coord_.dp},
-                {"micro_batch_size", tc_.train.micro_batch_size}, {"grad_accum", tc_.train.grad_accum}}},
+      {"data",
+       {{"next_step", steps + 1},
+        {"seed", tc_.train.seed},
+        {"dp_rank", coord_.dp},
+        {"micro_batch_size", tc_.train.micro_batch_size},
+        {"grad_accum", tc_.train.grad_accum}}},
       // No stateful generator exists: initialisation and data order are counter-based
       // functions of the seed and the step.
       {"rng", {{"kind", "counter-based (splitmix64 of seed, name, index)"}, {"seed", tc_.train.seed}}}};
-  return st;
+}
+
+Result<std::vector<Stage::SnapshotTensor>> Stage::snapshot_tensors() const {
+  const_cast<Stage*>(this)->settle();  // the parameter all-gather of the last step (overlap)
+  TROUPE_ASSIGN_OR_RETURN(std::vector<StateTensor> tensors, state_tensors());
+  const ParallelLayout layout = state_layout();
+  std::vector<SnapshotTensor> saved, held;
+  for (const StateTensor& t : tensors) {
+    TROUPE_ASSIGN_OR_RETURN(std::optional<checkpoint::Slice> own,
+                            checkpoint::owned_slice(t.name, t.global, t.placement, layout, coord_));
+    if (!own) continue;
+    std::optional<checkpoint::Slice> save;
+    if (t.savable) {
+      TROUPE_ASSIGN_OR_RETURN(save, checkpoint::save_slice(t.name, t.global, t.placement, layout, coord_));
+    }
+    // What a checkpoint saves from this rank is all of what it holds of a tensor, or none.
+    if (save && *save != *own) {
+      return internal_error("snapshot: '{}' saves {} of the {} this rank holds", t.name,
+                            checkpoint::slice_to_string(*save), checkpoint::slice_to_string(*own));
+    }
+    if (checkpoint::slice_numel(*own) != t.local.numel() || !t.local.is_contiguous()) {
+      return internal_error("snapshot: '{}' holds {} elements (contiguous: {}) but owns slice {}", t.name,
+                            t.local.numel(), t.local.is_contiguous(), checkpoint::slice_to_string(*own));
+    }
+    SnapshotTensor s;
+    s.entry.name = t.name;
+    s.entry.global_shape = t.global;
+    for (const auto& r : *own) s.entry.offsets.push_back(r.start);
+    s.entry.tensor = t.local.view(checkpoint::slice_shape(*own));
+    s.saved = save.has_value();
+    (s.saved ? saved : held).push_back(std::move(s));
+  }
+  saved.insert(saved.end(), std::make_move_iterator(held.begin()), std::make_move_iterator(held.end()));
+  return saved;
 }
 
 Status Stage::import_state(const SliceSource& source, int64_t steps_done) {

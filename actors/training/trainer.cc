@@ -15,9 +15,9 @@
 // - join_timeout: a worker does not join the new epoch within elastic.join_timeout_ms
 //   (default 30000; e.g. its step thread is wedged): killed and replaced (last resort).
 // Recovery: a plan for epoch e+1 (a new slot per lost worker, or fewer dp replicas when no
-// spare is left and elastic.min_dp allows), the replacements are started, every
-// worker restores the state after the last step all ranks completed (from a dp peer), and
-// the interrupted command is issued again. Recorded: detection_ms (from the injected
+// spare is left and elastic.min_dp allows), the replacements are started, every worker
+// restores the newest complete in-memory snapshot (snapshot_ledger.h; else the last
+// checkpoint), and the steps after it run again. Recorded: detection_ms (from the injected
 // fault's time where known), recovery_ms (detection to the next completed command) and
 // steps_lost.
 // Rescale: writing "N" to <run dir>/scale_request asks for dp=N at the next step boundary
@@ -59,7 +59,10 @@
 #include "actors/training/elastic.h"
 #include "actors/training/role_actors.h"
 #include "actors/training/run_metrics.h"
+#include "actors/training/snapshot_ledger.h"
+#include "checkpoint/file_io.h"
 #include "checkpoint/reader.h"
+#include "checkpoint/snapshot_keeper.h"
 #include "checkpoint/writer.h"
 #include "comm/control/host_addr.h"
 #include "core/exit_status.h"
@@ -202,12 +205,11 @@ class Trainer {
   Status await_oldest(std::optional<Failure>& failure);
   // The bookkeeping of a command every rank completed (recovery noted, replicas,
   // checkpoints).
-  Status on_completed(const InFlight& c);
+  Status on_completed(InFlight& c);
   // One command after the window drained; nullopt: the job went back to an older step (a
   // checkpoint restore); rewound_to_ says which.
   Result<std::optional<nlohmann::json>> call(Command::Kind kind, int64_t step);
   // Some rank's reply to step `step` of epoch `epoch`, waiting up to `wait` for one.
-  std::optional<nlohmann::json> seen_step_reply(uint64_t epoch, int64_t step, std::chrono::milliseconds wait);
   // A one-process run: what a failure means there (its worker cannot be replaced).
   Status one_process_failure(const Failure& f) const;
   // Checkpoints: notes the snapshots and durable parts the workers report in `replies`,
@@ -215,6 +217,10 @@ class Trainer {
   Status note_checkpoints(Command::Kind kind, int64_t step, const std::vector<nlohmann::json>& replies);
   struct PendingCheckpoint;
   Status finalize_pending(int64_t step, const PendingCheckpoint& p);
+  // Checkpoints still waiting for durable-part notes when the membership changes: one
+  // whose every part is on disk (each rank writes its part file after its shard) is
+  // finalized; the others are abandoned (a part will never come).
+  void finalize_written_or_abandon();
   Status maybe_rescale(int64_t step_done);
   Status maybe_replace(int64_t step_done);
   // Scheduler jobs: `troupe scale|replace <job id>` requests arrive as store keys
@@ -228,13 +234,20 @@ class Trainer {
   // recovery in progress; with `ask_actors`, the actor table is refreshed when the step or
   // epoch changed (a query of every actor, bounded at 300 ms).
   void write_status(int64_t step, bool ask_actors = true);
-  // After an epoch every worker joined: they all hold the committed state in memory —
-  // unless keeps_state_in_memory says they keep none (GPU workers without data
-  // parallelism: their recovery is a checkpoint restore).
-  void mark_stateful() {
-    if (!keeps_state_in_memory(tc_, o_.gpu)) return;
-    stateful_ = std::set<int>(plan_.slots.begin(), plan_.slots.end());
-  }
+  // Snapshots: takes the parts the workers reported landed, commits every complete
+  // snapshot of a step this driver has seen completed, and announces it.
+  Status poll_snapshots();
+  // The snapshot of `step` never commits (a rank could not make its part, or skipped
+  // it): every worker frees the generation holding it.
+  void abandon_snapshot(int64_t step);
+  // Takes a snapshot of `step` (the step just completed) off the schedule and waits until
+  // it is committed (a planned membership change goes back to it: no step lost). False
+  // when it was not (a failure meanwhile was recovered from, or no snapshots are taken).
+  Result<bool> snapshot_now(int64_t step);
+  // What every rank of plan `p` restores (p.step_done is the newest step it may go back
+  // to): its live state when nobody was lost (`keep`), else the newest usable snapshot,
+  // else the newest valid checkpoint. Sets p.step_done to it.
+  Status choose_restore(ElasticPlan& p, bool keep, const std::string& why);
   Result<ElasticPlan> plan_for(int64_t dp, const std::vector<int>& keep_dp, int64_t step_done,
                                const std::string& why, std::vector<int>& spawn_slots,
                                std::vector<int>& leaving);
@@ -245,11 +258,7 @@ class Trainer {
   std::string job_;
   bool one_process_ = false;  // the worker is a thread of this process (runs_in_one_process)
   std::deque<InFlight> inflight_;
-  std::map<std::pair<uint64_t, int64_t>, nlohmann::json> seen_step_replies_;
   Clock::time_point oldest_since_ = Clock::now();  // when the oldest command in flight became the oldest
-  // The step the workers of the last epoch that became ready restored (they agree on it:
-  // elastic.h, restore_step); -1 before any.
-  int64_t agreed_step_ = -1;
   std::unique_ptr<comm::RendezvousStore> store_;
   // Under the scheduler: store_ itself, which tells when the scheduler is out (polls skip
   // the store then: training goes on; liveness verdicts wait for fresh evidence).
@@ -302,7 +311,6 @@ class Trainer {
   int straggler_window_ = 5;
   bool straggler_replace_ = false;
   int64_t recoveries_ = 0;
-  std::set<int> stateful_;  // slots holding the committed state (last ready epoch)
   std::vector<nlohmann::json> last_replies_;
   std::vector<nlohmann::json> last_step_replies_;  // of the last step command (status.json's times)
   std::optional<int64_t> rewound_to_;
@@ -331,10 +339,24 @@ class Trainer {
   // that comes back every time (a bad disk, a deterministic crash) must end the job, not
   // loop through recoveries.
   int failures_without_progress_ = 0;
-  // Neighbour replicas (elastic.replica_every; CPU workers only): the step every rank last
-  // refreshed them at, in which layout (-1: none usable).
-  int64_t replica_every_ = 0;
-  int64_t replica_step_ = -1, replica_dp_ = 0, replica_world_ = 0;
+  // In-memory snapshots (elastic.snapshot_every): what landed and what is committed; the
+  // standalone launcher's keeper (under the scheduler each node's agent runs one).
+  int64_t snapshot_every_ = 0;
+  SnapshotLedger snaps_;
+  std::set<int64_t> snaps_complete_;  // complete, waiting for their step's reply to commit
+  std::set<int64_t> forced_ckpts_;    // checkpoints asked for off the schedule (kSave)
+  std::unique_ptr<checkpoint::SnapshotKeeper> keeper_;
+  // The step every rank has completed in the current timeline (rewinds go back), and the
+  // step the job started from.
+  int64_t step_done_now_ = 0;
+  int64_t start_step_ = 0;
+  // Tokens seen after each step (a snapshot's and a checkpoint's data position).
+  std::map<int64_t, int64_t> tokens_after_;
+  // A rebuild with nobody lost lets every rank keep its live state; once such an epoch
+  // failed, recoveries restore a snapshot until one succeeds.
+  bool keep_failed_ = false;
+  nlohmann::json restored_parts_;      // the last epoch's snapshot parts, by slot: where they were read
+  int64_t last_snapshot_failed_ = -1;  // reported once, not by every rank
   std::string epoch_failure_;  // the first failure a worker reported in the current epoch
   bool epoch_failure_permanent_ = false;  // ... and whether a retry would meet it again
   int64_t max_step_completed_ = 0;
@@ -643,7 +665,24 @@ std::optional<Failure> Trainer::check_heartbeats() {
 Result<std::optional<Failure>> Trainer::check_errors(Clock::time_point& first_err) {
   // Failures the workers reported to the trainer actor (typed: code, actor, text).
   for (const WorkerFailure& f : actors_->take_failures()) {
-    if (f.epoch != plan_.epoch || !epoch_failure_.empty()) continue;
+    if (f.epoch != plan_.epoch) continue;
+    if (f.snapshot_step >= 0 && f.snapshot_step == plan_.snapshot_step) {
+      // A part of the snapshot this epoch restores is lost or damaged: the next recovery
+      // goes back to an older one.
+      if (const SnapshotRecord* rec = snaps_.find(f.snapshot_step); rec && rec->unusable.empty()) {
+        snaps_.mark_unusable(f.snapshot_step, f.text);
+        event({{"event", "snapshot_unusable"},
+               {"step", f.snapshot_step},
+               {"slot", f.slot},
+               {"rank", f.rank},
+               {"error", f.text}});
+        fmt::print(stderr,
+                   "elastic: the snapshot of step {} cannot be restored (slot {}: {}); going back further\n",
+                   f.snapshot_step, f.slot, f.text);
+        std::fflush(stderr);
+      }
+    }
+    if (!epoch_failure_.empty()) continue;
     epoch_failure_ = fmt::format("slot {} ({}): {}", f.slot, f.actor, f.text);
     epoch_failure_permanent_ = is_permanent_failure(Status(static_cast<StatusCode>(f.code), f.text));
     event({{"event", "worker_failure"},
@@ -672,6 +711,7 @@ Result<std::optional<Failure>> Trainer::check_errors(Clock::time_point& first_er
 Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& failure) {
   const auto deadline = Clock::now() + join_timeout_;
   std::set<int> pending(plan.slots.begin(), plan.slots.end());
+  restored_parts_ = nlohmann::json::object();
   Clock::time_point first_err{};
   auto last_hb_check = Clock::now();
   while (!pending.empty()) {
@@ -713,7 +753,6 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
   // how it learned the plan.
   std::vector<std::vector<std::string>> roles(plan.slots.size());
   epoch_plan_messages_ = 0;
-  agreed_step_ = -1;
   for (size_t r = 0; r < plan.slots.size(); ++r) {
     TROUPE_ASSIGN_OR_RETURN(std::string text,
                             store_->get(key(fmt::format("ready/{}/{}", plan.epoch, plan.slots[r])),
@@ -731,15 +770,13 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
       }
     }
     if (j.is_object() && j.value("plan_via", "") == "message") ++epoch_plan_messages_;
-    // Every rank restored the same step (they agree on it through the store).
-    if (j.is_object() && j.contains("step_done") && j["step_done"].is_number_integer()) {
-      const int64_t s = j["step_done"].get<int64_t>();
-      if (agreed_step_ >= 0 && s != agreed_step_) {
-        return data_loss("epoch {}: the workers restored different steps ({} and {})", plan.epoch,
-                         agreed_step_, s);
-      }
-      agreed_step_ = s;
+    // Every rank restored the step the plan names.
+    if (j.is_object() && j.contains("step_done") && j["step_done"].is_number_integer() &&
+        j["step_done"].get<int64_t>() != plan.step_done) {
+      return data_loss("epoch {}: worker slot {} restored step {}, the plan says {}", plan.epoch,
+                       plan.slots[r], j["step_done"].get<int64_t>(), plan.step_done);
     }
+    if (j.is_object() && j.contains("parts")) restored_parts_[std::to_string(plan.slots[r])] = j["parts"];
     if (roles[r].empty() || roles[r].front() != "stage") {
       return data_loss("worker slot {}: its ready record for epoch {} names no stage actor: {}",
                        plan.slots[r], plan.epoch, text.substr(0, 200));
@@ -789,7 +826,7 @@ Result<ElasticPlan> Trainer::plan_for(int64_t dp, const std::vector<int>& keep_d
       oc.dp = keep_dp[static_cast<size_t>(c.dp)];
       const int slot = plan_.slots[static_cast<size_t>(old_l.rank_of(oc))];
       p.slots.push_back(slot);
-      p.has_state.push_back(stateful_.count(slot) > 0);
+      p.has_state.push_back(false);
       kept_slots.insert(slot);
     } else {
       p.slots.push_back(next_slot_);
@@ -807,21 +844,17 @@ Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots
                            const std::vector<int>& leaving) {
   plan.ckpt_every = ckpt_every_;
   plan.ckpt_dir = ckpt_dir_;
-  plan.replica_every = replica_every_;
+  plan.snapshot_every = snapshot_every_;
+  plan.snapshot_committed = snaps_.newest_committed();
   epoch_failure_.clear();  // failures reported in the old epoch are handled by this one
   epoch_failure_permanent_ = false;
-  // The neighbour replicas describe the old membership: unusable until the next refresh.
-  replica_step_ = -1;
+  // Parts of the old epoch's snapshots still landing are of no use to the new one.
+  snaps_.drop_incomplete();
+  snaps_complete_.clear();
   // Checkpoints still waiting for durable-part notes: one whose every part is on disk
   // (each rank writes its part file after its shard) is finalized; the others are
   // abandoned (a part will never come).
-  for (auto& [step, p] : pending_ckpts_) p.durable.clear();
-  for (const auto& [step, p] : pending_ckpts_) {
-    if (Status st = finalize_pending(step, p); !st.ok()) {
-      event({{"event", "checkpoint_abandoned"}, {"step", step}, {"parts", p.world}, {"why", st.to_string()}});
-    }
-  }
-  pending_ckpts_.clear();
+  finalize_written_or_abandon();
   TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("plan/{}", plan.epoch)), plan.to_json().dump()));
   // The workers of the old epoch get the plan as a message too (they react at once; the
   // store record is where new and restarted workers read it).
@@ -962,7 +995,6 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
         p.seq = seq_;
         p.reason = f.cause;
         for (size_t r = 0; r < p.slots.size(); ++r) {
-          p.has_state[r] = stateful_.count(p.slots[r]) > 0;
           if (std::find(f.slots.begin(), f.slots.end(), p.slots[r]) != f.slots.end()) {
             p.slots[r] = next_slot_;
             p.has_state[r] = false;
@@ -992,61 +1024,17 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
       return plan_for(dp, keep, step_done, f.cause + " (no spare: shrink)", spawn_slots, leaving);
     }();
     if (!plan.ok()) return plan.status();
-    // A (pp, n) column with no survivor holding state: every rank goes back to the last
-    // checkpoint (steps after it are lost and run again).
     {
+      // Nobody lost and the layout unchanged, in an epoch every rank had joined: every rank
+      // may keep its live state (never after a failed attempt: that one restored nothing).
       ElasticPlan& p = plan.value();
-      TROUPE_ASSIGN_OR_RETURN(ParallelLayout l,
-                              ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(p.dp),
-                                                   static_cast<int>(tc_.parallel.n)));
-      bool column_lost = false;
-      for (int r = 0; r < l.world_size(); ++r) {
-        const ParallelCoord c = l.coord(r);
-        bool any = false;
-        for (int d = 0; d < l.dp(); ++d) {
-          ParallelCoord o = c;
-          o.dp = d;
-          any |= p.has_state[static_cast<size_t>(l.rank_of(o))];
-        }
-        column_lost |= !any;
-      }
-      // Next best: the neighbour replicas (each lost rank's successor keeps a copy of its
-      // state), when they were made in this layout and no lost rank's successor was lost.
-      bool replicas_cover = column_lost && replica_step_ >= 0 && p.dp == replica_dp_ &&
-                            static_cast<int64_t>(p.slots.size()) == replica_world_;
-      for (size_t r = 0; replicas_cover && r < p.slots.size(); ++r) {
-        if (!p.has_state[r] && !p.has_state[(r + 1) % p.slots.size()]) replicas_cover = false;
-      }
-      if (replicas_cover) {
-        p.replica_step = replica_step_;
-        p.step_done = replica_step_;
-        event(
-            {{"event", "restore_from_replica"}, {"step", p.step_done}, {"every", tc_.elastic.replica_every}});
-        fmt::print(
-            "elastic: no data-parallel peer holds the lost state; restoring step {} from the neighbours' "
-            "in-memory replicas\n",
-            p.step_done);
-        std::fflush(stdout);
-      } else if (column_lost) {
-        if (ckpt_every_ <= 0) {
-          return aborted(
-              "elastic: no data-parallel peer or neighbour replica holds the lost state and no checkpoint "
-              "is kept (checkpoint.every): {}",
-              f.detail);
-        }
-        Result<std::unique_ptr<checkpoint::CheckpointReader>> rd =
-            checkpoint::CheckpointReader::open_latest_valid(ckpt_dir_, checkpoint::VerifyMode::kChecksums);
-        if (!rd.ok()) {
-          return aborted("elastic: every dp replica of a column is lost and no valid checkpoint exists: {}",
-                         rd.status().to_string());
-        }
-        p.checkpoint = rd.value()->path();
-        p.step_done = rd.value()->step();
-        event({{"event", "restore_from_checkpoint"}, {"path", p.checkpoint}, {"step", p.step_done}});
-        fmt::print("elastic: a column lost every replica; restoring step {} from {}\n", p.step_done,
-                   p.checkpoint);
-        std::fflush(stdout);
-      }
+      // With steps in flight a survivor may have completed a step after step_done (its
+      // report had not arrived): only with at most one step command out is every rank at
+      // step_done or in the interrupted step before its optimizer (a rank past it fails to
+      // keep its state, and the next attempt restores a snapshot).
+      const bool keep =
+          attempt == 0 && f.slots.empty() && p.dp == plan_.dp && !keep_failed_ && steps_in_flight() <= 1;
+      TROUPE_RETURN_IF_ERROR(choose_restore(p, keep, f.detail));
     }
     // Slots leaving because their replica shrank away are stopped by the plan itself; the
     // lost ones are already dead.
@@ -1054,22 +1042,40 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
     for (int s : leaving) {
       if (procs_[s].alive) leaving_alive.push_back(s);
     }
+    const bool kept = plan->snapshot_step < 0 && plan->checkpoint.empty();
     TROUPE_RETURN_IF_ERROR(open_epoch(plan.value(), spawn_slots, leaving_alive));
     std::optional<Failure> again;
     TROUPE_RETURN_IF_ERROR(wait_ready(plan_, again));
+    if (again && kept) keep_failed_ = true;  // some rank could not keep its state: restore next
     if (!again) {
-      // The step the ranks restored: the plan's, or a later one every survivor completed
-      // with commands in flight (elastic.h, restore_step).
-      if (agreed_step_ > plan_.step_done) {
-        event({{"event", "restore_step_agreed"}, {"planned", plan_.step_done}, {"step", agreed_step_}});
-        plan_.step_done = agreed_step_;
-      }
-      mark_stateful();
-      event({{"event", "epoch_ready"},
-             {"epoch", plan_.epoch},
-             {"ms_since_detection", wall_ms() - *recovering_since_ms_}});
+      keep_failed_ = false;
+      nlohmann::json ready{{"event", "epoch_ready"},
+                           {"epoch", plan_.epoch},
+                           {"ms_since_detection", wall_ms() - *recovering_since_ms_}};
+      if (!restored_parts_.empty())
+        ready["restored_parts"] = restored_parts_;  // by slot: where each part was
+      event(std::move(ready));
       recovering_steps_lost_ = failed_step - 1 - plan_.step_done;
       if (plan_.step_done < step_done) rewound_to_ = plan_.step_done;
+      step_done_now_ = plan_.step_done;
+      // A checkpoint of the restored snapshot's step that the failure interrupted is
+      // written again, from that snapshot.
+      const int64_t s = plan_.snapshot_step;
+      std::error_code ec;
+      if (s >= 0 && !ckpt_dir_.empty() &&
+          ((ckpt_every_ > 0 && s % ckpt_every_ == 0) || forced_ckpts_.count(s)) &&
+          !fs::exists(fs::path(ckpt_dir_) / checkpoint::step_dir_name(s), ec)) {
+        if (Status st = actors_->send_committed(plan_.slots, snaps_.recommit(s, plan_.epoch, true));
+            st.ok()) {
+          PendingCheckpoint& p = pending_ckpts_[s];
+          p.epoch = plan_.epoch;
+          p.dp = plan_.dp;
+          p.grad_accum = plan_.grad_accum;
+          p.world = static_cast<int>(plan_.slots.size());
+          p.tokens = tokens_after_.count(s) ? tokens_after_[s] : 0;
+          p.durable.clear();
+        }
+      }
       if (recovering_steps_lost_ < 0) recovering_steps_lost_ = 0;
       return ok_status();
     }
@@ -1105,9 +1111,6 @@ int64_t Trainer::steps_in_flight() const {
 void Trainer::collect_replies() {
   const int world = static_cast<int>(plan_.slots.size());
   for (const StepReply& rep : actors_->take_replies()) {
-    if (static_cast<Command::Kind>(rep.kind) == Command::Kind::kStep && rep.rank >= 0) {
-      seen_step_replies_.emplace(std::make_pair(rep.epoch, rep.step), step_reply_json(rep));
-    }
     // Replies of this epoch's commands; anything else is a late reply of an abandoned one.
     if (rep.epoch != plan_.epoch || rep.rank < 0 || rep.rank >= world) continue;
     for (InFlight& c : inflight_) {
@@ -1122,23 +1125,12 @@ void Trainer::collect_replies() {
   }
 }
 
-std::optional<nlohmann::json> Trainer::seen_step_reply(uint64_t epoch, int64_t step,
-                                                       std::chrono::milliseconds wait) {
-  const auto deadline = Clock::now() + wait;
-  while (true) {
-    collect_replies();
-    auto it = seen_step_replies_.find({epoch, step});
-    if (it != seen_step_replies_.end()) return it->second;
-    if (Clock::now() > deadline) return std::nullopt;
-    std::this_thread::sleep_for(std::max(poll_, std::chrono::milliseconds(5)));
-  }
-}
-
 Status Trainer::await_oldest(std::optional<Failure>& failure) {
   InFlight& c = inflight_.front();
   auto last_slow_check = Clock::now();
   Clock::time_point first_err{};
   while (true) {
+    TROUPE_RETURN_IF_ERROR(poll_snapshots());
     collect_replies();
     if (c.remaining == 0) return ok_status();
     if ((failure = check_processes())) {
@@ -1181,7 +1173,7 @@ Status Trainer::await_oldest(std::optional<Failure>& failure) {
   }
 }
 
-Status Trainer::on_completed(const InFlight& c) {
+Status Trainer::on_completed(InFlight& c) {
   if (recovering_since_ms_) {
     const int64_t now = wall_ms();
     const double recovery_s = static_cast<double>(now - *recovering_since_ms_) / 1e3;
@@ -1197,22 +1189,27 @@ Status Trainer::on_completed(const InFlight& c) {
     std::fflush(stdout);
     recovering_since_ms_.reset();
   }
+  // The step thread's longest time for this command's snapshot over the ranks (a
+  // checkpoint step's stall).
+  double snap_ms = -1;
+  for (const auto& r : c.replies) {
+    if (r.value("snapshot", int64_t{-1}) >= 0) snap_ms = std::max(snap_ms, r.value("snapshot_ms", 0.0));
+  }
+  if (snap_ms >= 0 && !c.replies.empty()) c.replies[0]["snapshot_ms_max"] = snap_ms;
   last_replies_ = c.replies;
-  if (c.kind == Command::Kind::kStep) last_step_replies_ = c.replies;
-  if (c.kind == Command::Kind::kStep && replica_every_ > 0) {
-    bool all = true;
-    for (const auto& r : c.replies) all &= r.value("replica", int64_t{-1}) == c.step;
-    if (all) {
-      replica_step_ = c.step;
-      replica_dp_ = plan_.dp;
-      replica_world_ = static_cast<int64_t>(c.replies.size());
-    }
+  if (c.kind == Command::Kind::kStep) {
+    last_step_replies_ = c.replies;
+    step_done_now_ = c.step;
+    auto prev = tokens_after_.find(c.step - 1);
+    tokens_after_[c.step] = (prev != tokens_after_.end() ? prev->second : tokens_seen_) +
+                            c.replies[0].value("step_tokens", int64_t{0});
   }
   if (c.kind == Command::Kind::kStep && c.step > max_step_completed_) {
     max_step_completed_ = c.step;
     failures_without_progress_ = 0;
   }
-  return note_checkpoints(c.kind, c.step, c.replies);
+  TROUPE_RETURN_IF_ERROR(note_checkpoints(c.kind, c.step, c.replies));
+  return poll_snapshots();
 }
 
 Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t step) {
@@ -1225,7 +1222,7 @@ Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t 
     TROUPE_RETURN_IF_ERROR(issue(kind, step));
     std::optional<Failure> failure;
     TROUPE_RETURN_IF_ERROR(await_oldest(failure));
-    const InFlight c = std::move(inflight_.front());
+    InFlight c = std::move(inflight_.front());
     inflight_.pop_front();
     const bool complete = c.remaining == 0;
     // Workers end after "stop": an exit then is no failure.
@@ -1238,6 +1235,16 @@ Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t 
       TROUPE_RETURN_IF_ERROR(on_completed(c));
       if (after) {
         const int64_t done = kind == Command::Kind::kStep ? step : step_done;
+        if (after->cause == "straggler") {
+          // Everyone is alive: a snapshot of this step first, so the replacement loses
+          // nothing (a failure meanwhile was recovered from: the straggler waits).
+          const uint64_t epoch = plan_.epoch;
+          TROUPE_ASSIGN_OR_RETURN(const bool snapped, snapshot_now(done));
+          if (!snapped && plan_.epoch != epoch) {
+            if (rewound_to_) return std::optional<nlohmann::json>{};
+            return std::optional<nlohmann::json>(c.replies[0]);
+          }
+        }
         TROUPE_RETURN_IF_ERROR(recover(*after, done, done + 1));
         if (rewound_to_) return std::optional<nlohmann::json>{};
       }
@@ -1246,6 +1253,157 @@ Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t 
     TROUPE_RETURN_IF_ERROR(recover(*failure, step_done, step));
     if (rewound_to_) return std::optional<nlohmann::json>{};
   }
+}
+
+Status Trainer::poll_snapshots() {
+  const int world = static_cast<int>(plan_.slots.size());
+  for (const SnapshotLanded& l : actors_->take_landed()) {
+    if (!l.error.empty() && l.epoch == plan_.epoch && l.step != last_snapshot_failed_) {
+      last_snapshot_failed_ = l.step;
+      event({{"event", "snapshot_failed"}, {"step", l.step}, {"rank", l.rank}, {"error", l.error}});
+      fmt::print(stderr, "snapshot: rank {} could not make its part of step {}: {}\n", l.rank, l.step,
+                 l.error);
+      std::fflush(stderr);
+      abandon_snapshot(l.step);
+    }
+    if (std::optional<int64_t> s = snaps_.landed(l, plan_.epoch, world, plan_.dp, plan_.grad_accum)) {
+      snaps_complete_.insert(*s);
+    }
+  }
+  // Committed once the driver has seen the step complete (its data position is known).
+  while (!snaps_complete_.empty() && *snaps_complete_.begin() <= step_done_now_) {
+    const int64_t s = *snaps_complete_.begin();
+    snaps_complete_.erase(snaps_complete_.begin());
+    auto tok = tokens_after_.find(s);
+    if (tok == tokens_after_.end()) continue;
+    // The starting state's snapshot is no new checkpoint (a fresh job's step 0, or the
+    // checkpoint it resumed from), unless a save asked for it (a resumed job with nothing
+    // left to train saves the state it loaded in its own layout).
+    // A step run again after a rewind whose checkpoint exists already (the same state: the
+    // run is deterministic) is not written twice.
+    std::error_code ec;
+    const bool ckpt =
+        !ckpt_dir_.empty() &&
+        ((s > start_step_ && ckpt_every_ > 0 && s % ckpt_every_ == 0) || forced_ckpts_.count(s) > 0) &&
+        !fs::exists(fs::path(ckpt_dir_) / checkpoint::step_dir_name(s), ec);
+    const SnapshotCommitted c = snaps_.commit(s, tok->second, ckpt);
+    // The manifest first (a restarted driver finds it: the store's keys do not outlive the
+    // scheduler epoch a driver restart ends), then the workers.
+    {
+      const std::string path = run_dir_ + "/snapshots.json", tmp = path + ".tmp";
+      std::ofstream(tmp, std::ios::trunc) << snaps_.committed_json().dump(1) << "\n";
+      std::error_code ec;
+      fs::rename(tmp, path, ec);
+      if (ec) return io_error("cannot write {}: {}", path, ec.message());
+    }
+    if (Status st = actors_->send_committed(plan_.slots, c); !st.ok()) {
+      fmt::print(stderr, "trainer: the commit of snapshot {} did not reach every worker: {}\n", s,
+                 st.to_string());
+    }
+    if (ckpt) {
+      PendingCheckpoint& p = pending_ckpts_[s];
+      p.epoch = plan_.epoch;
+      p.dp = plan_.dp;
+      p.grad_accum = plan_.grad_accum;
+      p.world = world;
+      p.tokens = tok->second;
+      p.durable.clear();
+    }
+  }
+  return ok_status();
+}
+
+void Trainer::abandon_snapshot(int64_t step) {
+  if (snaps_.find(step) != nullptr && snaps_.find(step)->committed) return;
+  snaps_.mark_unusable(step, "a part could not be made");
+  SnapshotCommitted c;
+  c.epoch = plan_.epoch;
+  c.step = step;
+  c.abandoned = true;
+  (void)actors_->send_committed(plan_.slots, c);
+}
+
+Result<bool> Trainer::snapshot_now(int64_t step) {
+  if (snapshot_every_ <= 0 && ckpt_every_ <= 0) return false;
+  if (snaps_.newest_committed() == step) return true;
+  const uint64_t epoch = plan_.epoch;
+  TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> r, call(Command::Kind::kSnapshot, step));
+  if (!r || plan_.epoch != epoch) return false;  // a failure was recovered from meanwhile
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  Clock::time_point first_err{};
+  while (snaps_.newest_committed() < step) {
+    TROUPE_RETURN_IF_ERROR(poll_snapshots());
+    if (const SnapshotRecord* rec = snaps_.find(step); rec && !rec->unusable.empty()) return false;
+    std::optional<Failure> failure = check_processes();
+    if (!failure) failure = check_heartbeats();
+    if (!failure) {
+      TROUPE_ASSIGN_OR_RETURN(failure, check_errors(first_err));
+    }
+    if (failure) {
+      TROUPE_RETURN_IF_ERROR(recover(*failure, step, step + 1));
+      return false;
+    }
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::max(poll_, std::chrono::milliseconds(5)));
+  }
+  return true;
+}
+
+Status Trainer::choose_restore(ElasticPlan& p, bool keep, const std::string& why) {
+  p.snapshot_step = -1;
+  p.snapshot_dp = 0;
+  p.snapshot_parts.clear();
+  p.checkpoint.clear();
+  p.has_state.assign(p.slots.size(), keep);
+  if (keep) return ok_status();
+  (void)poll_snapshots();
+  if (const SnapshotRecord* s = snaps_.newest_usable(p.step_done)) {
+    p.snapshot_step = s->step;
+    p.snapshot_dp = s->dp;
+    p.snapshot_parts = s->sources();
+    p.step_done = s->step;
+    std::set<std::string> nodes;
+    for (const SnapshotPartRecord& part : s->parts) nodes.insert(part.node);
+    event({{"event", "restore_from_snapshot"},
+           {"step", s->step},
+           {"bytes", s->bytes()},
+           {"parts", s->parts.size()},
+           {"nodes", std::vector<std::string>(nodes.begin(), nodes.end())},
+           {"every", snapshot_every_}});
+    fmt::print("elastic: every rank goes back to the in-memory snapshot of step {}\n", s->step);
+    std::fflush(stdout);
+    return ok_status();
+  }
+  if (ckpt_dir_.empty()) {
+    return aborted(
+        "elastic: no usable snapshot holds the state and no checkpoint is kept (checkpoint.every): {}", why);
+  }
+  finalize_written_or_abandon();  // a checkpoint written but not yet committed counts
+  Result<std::unique_ptr<checkpoint::CheckpointReader>> rd =
+      checkpoint::CheckpointReader::open_latest_valid(ckpt_dir_, checkpoint::VerifyMode::kChecksums);
+  if (!rd.ok()) {
+    return aborted("elastic: no usable snapshot holds the state and no valid checkpoint exists: {}",
+                   rd.status().to_string());
+  }
+  if (rd.value()->step() > p.step_done) {
+    return aborted("elastic: the newest checkpoint (step {}) is past the step every rank completed ({})",
+                   rd.value()->step(), p.step_done);
+  }
+  p.checkpoint = rd.value()->path();
+  p.step_done = rd.value()->step();
+  event({{"event", "restore_from_checkpoint"}, {"path", p.checkpoint}, {"step", p.step_done}});
+  fmt::print("elastic: no usable snapshot; restoring step {} from {}\n", p.step_done, p.checkpoint);
+  std::fflush(stdout);
+  return ok_status();
+}
+
+void Trainer::finalize_written_or_abandon() {
+  for (const auto& [step, p] : pending_ckpts_) {
+    if (Status st = finalize_pending(step, p); !st.ok()) {
+      event({{"event", "checkpoint_abandoned"}, {"step", step}, {"parts", p.world}, {"why", st.to_string()}});
+    }
+  }
+  pending_ckpts_.clear();
 }
 
 Status Trainer::finalize_pending(int64_t step, const PendingCheckpoint& p) {
@@ -1270,25 +1428,24 @@ Status Trainer::finalize_pending(int64_t step, const PendingCheckpoint& p) {
 
 Status Trainer::note_checkpoints(Command::Kind kind, int64_t step,
                                  const std::vector<nlohmann::json>& replies) {
-  if (ckpt_dir_.empty() || replies.empty()) return ok_status();
-  // Every rank took its snapshot of this step: the checkpoint is under way.
-  if (kind == Command::Kind::kStep || kind == Command::Kind::kSave) {
-    bool all = true;
-    for (const auto& r : replies) all &= r.value("ckpt_started", int64_t{-1}) == step;
-    if (all) {
-      PendingCheckpoint& p = pending_ckpts_[step];
-      p.epoch = plan_.epoch;
-      p.dp = plan_.dp;
-      p.grad_accum = plan_.grad_accum;
-      p.world = static_cast<int>(replies.size());
-      p.tokens = tokens_seen_ + replies[0].value("step_tokens", int64_t{0});
-      p.durable.clear();
-      uint64_t bytes = 0;
-      for (const auto& r : replies) bytes += r.value("ckpt_bytes", uint64_t{0});
-      last_ckpt_bytes_ = std::max(last_ckpt_bytes_, bytes);
+  (void)kind;
+  (void)step;
+  // Snapshot parts a rank could not make (or a snapshot it had to skip): that snapshot
+  // never commits; training goes on.
+  for (const auto& r : replies) {
+    for (const auto& e : r.value("snapshot_errors", nlohmann::json::array())) {
+      const int64_t s = e.value("step", int64_t{-1});
+      if (s == last_snapshot_failed_) continue;
+      last_snapshot_failed_ = s;
+      event({{"event", "snapshot_failed"},
+             {"step", s},
+             {"rank", r.value("rank", -1)},
+             {"error", e.value("error", "")}});
+      abandon_snapshot(s);
     }
   }
-  // Parts that became durable (a rank says so in a later reply, or at "stop"), and saves
+  if (ckpt_dir_.empty() || replies.empty()) return ok_status();
+  // Parts that became durable (a rank says so in a later reply, or at "stop"), and writes
   // that failed: that checkpoint is abandoned (training goes on).
   for (const auto& r : replies) {
     for (const auto& e : r.value("ckpt_errors", nlohmann::json::array())) {
@@ -1417,12 +1574,19 @@ void Trainer::write_status(int64_t step, bool ask_actors) {
     actors_step_ = step;
     actors_epoch_ = plan_.epoch;
   }
+  nlohmann::json snaps{{"every", snapshot_every_}, {"newest_committed", snaps_.newest_committed()}};
+  if (keeper_) {  // the standalone launcher's own keeper (under the scheduler: troupe status's agents)
+    const checkpoint::KeeperTotals t = keeper_->totals();
+    snaps["held"] = checkpoint::keeper_totals_text(t);
+    snaps["bytes"] = t.bytes;
+  }
   nlohmann::json st{{"step", step < 0 ? last_step_ : step},
                     {"epoch", plan_.epoch},
                     {"failed", step < 0},
                     {"dp", plan_.dp},
                     {"grad_accum", plan_.grad_accum},
                     {"recoveries", recoveries_},
+                    {"snapshots", snaps},
                     {"workers", workers},
                     {"actors", actor_table_}};
   if (recovering_since_ms_) {
@@ -1502,29 +1666,19 @@ Status Trainer::maybe_replace(int64_t step_done) {
     fmt::print("elastic: replace request '{}' refused: not a worker slot of the job\n", text);
     return ok_status();
   }
-  // The worker's state must survive it: another dp replica of its column, or a checkpoint.
-  {
-    TROUPE_ASSIGN_OR_RETURN(
-        ParallelLayout l, ParallelLayout::make(static_cast<int>(tc_.parallel.pp), static_cast<int>(plan_.dp),
-                                               static_cast<int>(tc_.parallel.n)));
-    const ParallelCoord me = l.coord(plan_.rank_of_slot(static_cast<int>(slot)));
-    bool peer = false;
-    for (int d = 0; d < l.dp(); ++d) {
-      ParallelCoord c = me;
-      c.dp = d;
-      const int other = plan_.slots[static_cast<size_t>(l.rank_of(c))];
-      peer |= d != me.dp && stateful_.count(other) > 0;
-    }
-    if (!peer && ckpt_every_ <= 0) {
-      last_answer_ = {{"event", "replace_refused"},
-                      {"request", text},
-                      {"why", fmt::format("slot {} has no dp peer (dp={}) and no elastic checkpoint is kept",
-                                          slot, plan_.dp)}};
-      event(last_answer_);
-      fmt::print("elastic: replace request for slot {} refused: no dp peer holds its state (dp={})\n", slot,
-                 plan_.dp);
-      return ok_status();
-    }
+  // The worker's state must survive it: a snapshot of this step (taken now), or else the
+  // last checkpoint.
+  TROUPE_ASSIGN_OR_RETURN(const bool snapped, snapshot_now(step_done));
+  if (plan_.rank_of_slot(static_cast<int>(slot)) < 0) return ok_status();  // gone meanwhile (recovered)
+  if (!snapped && ckpt_every_ <= 0) {
+    last_answer_ = {
+        {"event", "replace_refused"},
+        {"request", text},
+        {"why", fmt::format("no snapshot of step {} could be taken and no checkpoint is kept", step_done)}};
+    event(last_answer_);
+    fmt::print("elastic: replace request for slot {} refused: no snapshot of step {} and no checkpoint\n",
+               slot, step_done);
+    return ok_status();
   }
   fmt::print("elastic: replacing slot {} on request after step {}\n", slot, step_done);
   std::fflush(stdout);
@@ -1580,17 +1734,18 @@ Status Trainer::maybe_rescale(int64_t step_done) {
     return ok_status();
   }
   if (dp == plan_.dp) return ok_status();
-  if (!keeps_state_in_memory(tc_, o_.gpu)) {
+  // Every rank of the new layout restores a snapshot of this step (taken now).
+  TROUPE_ASSIGN_OR_RETURN(const bool snapped, snapshot_now(step_done));
+  if (step_done_now_ != step_done) return ok_status();  // a failure meanwhile sent the job back
+  if (!snapped) {
     last_answer_ = {{"event", "scale_refused"},
                     {"request", text},
-                    {"why",
-                     "rescaling needs the workers' in-memory state, which these GPU workers do not keep "
-                     "(elastic.gpu_state = \"checkpoint\")"}};
+                    {"why", fmt::format("no snapshot of step {} could be taken (elastic.snapshot_every and "
+                                        "checkpoint.every are 0, or a part failed)",
+                                        step_done)}};
     event(last_answer_);
-    fmt::print(
-        "elastic: scale request '{}' refused: the GPU workers keep no in-memory state "
-        "(elastic.gpu_state = \"checkpoint\")\n",
-        text);
+    fmt::print("elastic: scale request '{}' refused: no snapshot of step {} could be taken\n", text,
+               step_done);
     return ok_status();
   }
   std::vector<int> keep;
@@ -1604,12 +1759,12 @@ Status Trainer::maybe_rescale(int64_t step_done) {
     fmt::print("elastic: scale request refused: {}\n", plan.status().to_string());
     return ok_status();
   }
+  TROUPE_RETURN_IF_ERROR(choose_restore(plan.value(), false, "rescale"));
   const int64_t t0 = wall_ms();
   const int64_t from = plan_.dp;
   TROUPE_RETURN_IF_ERROR(open_epoch(plan.value(), spawn_slots, leaving));
   std::optional<Failure> failure;
   TROUPE_RETURN_IF_ERROR(wait_ready(plan_, failure));
-  if (!failure) mark_stateful();
   if (failure) TROUPE_RETURN_IF_ERROR(recover(*failure, step_done, step_done + 1));
   last_answer_ = {{"event", "scaled"},       {"from_dp", from},
                   {"to_dp", plan_.dp},       {"grad_accum", plan_.grad_accum},
@@ -1658,17 +1813,10 @@ Status Trainer::run_job() {
   straggler_ratio_ = eo.straggler_ratio;
   straggler_window_ = static_cast<int>(eo.straggler_window);
   straggler_replace_ = eo.straggler_policy == "replace";
-  replica_every_ = o_.gpu ? 0 : eo.replica_every;  // the neighbour replicas are host-side (CPU workers)
-  // A survivor may be up to train.steps_in_flight steps past the last step this Trainer saw
-  // completed everywhere; of the neighbour replicas it keeps two generations, so at most
-  // one refresh may fall in those steps.
-  if (replica_every_ > 0 && tc_.parallel.world() > 1 && replica_every_ < tc_.train.steps_in_flight) {
-    return invalid_argument(
-        "{}: elastic.replica_every = {} is below train.steps_in_flight = {}: a failure with that many steps "
-        "in "
-        "flight could find the neighbour replica it restores already replaced (use 0 or >= {})",
-        tc_.source, replica_every_, tc_.train.steps_in_flight, tc_.train.steps_in_flight);
-  }
+  // A one-process run cannot outlive its worker (a failure ends the job): no in-memory
+  // snapshots are taken there; checkpoints are still written from a snapshot the worker's
+  // own keeper holds (elastic.cc, connect_keeper).
+  snapshot_every_ = one_process_ ? 0 : eo.snapshot_every;
   std::error_code ec;
   // --resume: any checkpoint of issue 8's format (a normal run's or an elastic one's, any
   // layout); epoch 0's plan names it and every worker loads it (ElasticWorker::join).
@@ -1676,14 +1824,31 @@ Status Trainer::run_job() {
   std::string resume_from = o_.resume;
   // A driver the scheduler restarted after its predecessor died or went silent
   // (scheduler.cc, restart_driver): its workers were restarted with it, so it goes on from
-  // the job's newest valid checkpoint.
+  // the newest snapshot the job's keepers still hold (<run dir>/snapshots.json, written by
+  // its predecessor), else from the job's newest valid checkpoint.
   const int64_t driver_restarts = scheduled_ ? env_or("TROUPE_DRIVER_RESTARTS", 0) : 0;
+  const SnapshotRecord* resume_snapshot = nullptr;
   if (resume_from.empty() && driver_restarts > 0) {
+    // The snapshots its predecessor committed (<run dir>/snapshots.json).
+    if (Result<std::string> text = checkpoint::read_whole_file(run_dir_ + "/snapshots.json"); text.ok()) {
+      Result<SnapshotLedger> l = SnapshotLedger::from_json(*text);
+      if (l.ok()) {
+        snaps_ = std::move(l).value();
+        resume_snapshot = snaps_.newest_usable(INT64_MAX);
+      } else {
+        fmt::print(stderr, "{}: restarted driver: the job's snapshot records are unreadable: {}\n", o_.app,
+                   l.status().to_string());
+      }
+    }
     const std::string dir = checkpoint_dir_for(tc_, run_dir_);
-    if (!checkpoint::list_checkpoints(dir).empty()) {
+    if (resume_snapshot != nullptr) {
+      fmt::print("{}: restarted driver: resuming from the in-memory snapshot of step {} its keepers hold\n",
+                 o_.app, resume_snapshot->step);
+    } else if (!checkpoint::list_checkpoints(dir).empty()) {
       resume_from = dir;
     } else {
-      fmt::print("{}: restarted driver: no checkpoint in {}: the job starts over\n", o_.app, dir);
+      fmt::print("{}: restarted driver: no snapshot and no checkpoint in {}: the job starts over\n", o_.app,
+                 dir);
     }
   }
   if (!resume_from.empty()) {
@@ -1694,7 +1859,9 @@ Status Trainer::run_job() {
                tc_.parallel.dp, tc_.parallel.n);
     TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", resume->step()));
   }
-  const int64_t start_step = resume ? resume->step() : 0;
+  int64_t start_step = resume ? resume->step() : resume_snapshot ? resume_snapshot->step : 0;
+  if (resume_snapshot != nullptr)
+    TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", start_step));
   // The job's checkpoints: every checkpoint.every steps and (checkpoint.final) after the
   // last one, in checkpoint.dir, else $TROUPE_CHECKPOINT_DIR (set by the scheduler), else
   // <run dir>/checkpoints, so `troupe checkpoints`, `train_moe sample --run` and
@@ -1704,6 +1871,7 @@ Status Trainer::run_job() {
     ckpt_dir_ = fs::absolute(checkpoint_dir_for(tc_, run_dir_)).string();
     // Checkpoints of an earlier run here after the starting step are stale (a fresh job:
     // all of them; the checkpoint resumed from is kept): moved aside, never deleted.
+    // (A driver resuming from a snapshot keeps those at or before its step.)
     TROUPE_RETURN_IF_ERROR(prepare_checkpoint_dir(ckpt_dir_, start_step));
     // The tokenizer copied into the run directory by the caller (app.cc, prepare_run_dir).
     TROUPE_ASSIGN_OR_RETURN(ckpt_info_,
@@ -1711,6 +1879,8 @@ Status Trainer::run_job() {
   }
   if (resume) last_ckpt_bytes_ = resume->manifest().total_bytes();
   fs::remove(run_dir_ + "/scale_request", ec);
+  // An earlier run's snapshots are not this one's (a restarted driver read them above).
+  if (resume_snapshot == nullptr) fs::remove(run_dir_ + "/snapshots.json", ec);
   fs::remove(run_dir_ + "/replace_request", ec);
   if (one_process_) {
     store_ = std::make_unique<comm::MemoryStore>();  // the worker is a thread of this process
@@ -1719,6 +1889,15 @@ Status Trainer::run_job() {
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> fstore,
                             comm::FileStore::open(run_dir_ + "/rendezvous"));
     store_ = std::move(fstore);
+    // The standalone launcher holds its workers' snapshots itself: it outlives them as a
+    // node's agent does (one node: no copy elsewhere). The workers it forks find it in
+    // their environment.
+    if (snapshot_every_ > 0 || ckpt_every_ > 0) {
+      char host[256] = {0};
+      ::gethostname(host, sizeof(host) - 1);
+      TROUPE_ASSIGN_OR_RETURN(keeper_, checkpoint::SnapshotKeeper::start({.node = host, .host_addr = ""}));
+      ::setenv(checkpoint::kSnapshotKeeperEnv, keeper_->socket_path().c_str(), 1);
+    }
   }
   // The record of a run goes on across resumes and driver restarts: appended, never cut.
   events_.open(run_dir_ + "/events.jsonl", resume || driver_restarts > 0 ? std::ios::app : std::ios::trunc);
@@ -1729,9 +1908,11 @@ Status Trainer::run_job() {
            {"driver_restarts", driver_restarts},
            {"pid", getpid()},
            {"resumed_from", resume ? resume->path() : std::string()},
+           {"resumed_from_snapshot", resume_snapshot != nullptr ? resume_snapshot->step : int64_t{-1}},
            {"step", start_step}});
   }
-  std::ofstream metrics(run_dir_ + "/metrics.jsonl", resume ? std::ios::app : std::ios::trunc);
+  std::ofstream metrics(run_dir_ + "/metrics.jsonl",
+                        resume || resume_snapshot != nullptr ? std::ios::app : std::ios::trunc);
   if (!metrics) return io_error("cannot write {}/metrics.jsonl", run_dir_);
 
   const int world = static_cast<int>(tc_.parallel.world());
@@ -1748,10 +1929,16 @@ Status Trainer::run_job() {
     plan_.checkpoint = fs::absolute(resume->path()).string();
     plan_.step_done = start_step;
     plan_.reason = "start (resumed)";
+  } else if (resume_snapshot != nullptr) {
+    plan_.snapshot_step = resume_snapshot->step;
+    plan_.snapshot_dp = resume_snapshot->dp;
+    plan_.snapshot_parts = resume_snapshot->sources();
+    plan_.step_done = start_step;
+    plan_.reason = "start (restarted driver, from a snapshot)";
   }
   plan_.ckpt_every = ckpt_every_;
   plan_.ckpt_dir = ckpt_dir_;
-  plan_.replica_every = replica_every_;
+  plan_.snapshot_every = snapshot_every_;
   // Under the scheduler: from now on a lost worker is reported to this driver (a key of
   // the job's store) instead of restarting every worker of the job.
   // The run directory rides along, so the scheduler's record of the job names it
@@ -1773,6 +1960,13 @@ Status Trainer::run_job() {
          {"one_process", one_process_},
          {"steps_in_flight", tc_.train.steps_in_flight},
          {"heartbeat_timeout_ms", hb_timeout_.count()}});
+  if (resume_snapshot != nullptr) {
+    event({{"event", "restore_from_snapshot"},
+           {"step", resume_snapshot->step},
+           {"bytes", resume_snapshot->bytes()},
+           {"parts", resume_snapshot->parts.size()},
+           {"why", "restarted driver"}});
+  }
   fmt::print(
       "trainer: layout pp={} dp={} n={} ({}, dispatch {}, compression {}), {} parameters, {} tokens/step, {} "
       "steps, {} step(s) in flight, heartbeat timeout {} ms, run dir {}\n",
@@ -1783,6 +1977,12 @@ Status Trainer::run_job() {
       tc_.tokens_per_step(), tc_.train.steps, tc_.train.steps_in_flight, hb_timeout_.count(), run_dir_);
   std::fflush(stdout);
   for (int r = 0; r < world; ++r) TROUPE_RETURN_IF_ERROR(spawn(r, 0));
+  int64_t tokens_seen = resume ? resume->manifest().data_position.value("tokens_seen", int64_t{0})
+                        : resume_snapshot != nullptr ? resume_snapshot->tokens
+                                                     : 0;
+  tokens_seen_ = tokens_seen;
+  tokens_after_[start_step] = tokens_seen;
+  step_done_now_ = start_step_ = start_step;
   {
     std::optional<Failure> failure;
     TROUPE_RETURN_IF_ERROR(wait_ready(plan_, failure));
@@ -1790,28 +1990,38 @@ Status Trainer::run_job() {
       return failed_precondition("elastic: a worker failed while the job started: {} (a permanent failure)",
                                  failure->detail);
     }
-    if (failure) return aborted("elastic: a worker failed while the job started: {}", failure->detail);
-    mark_stateful();
+    if (failure && resume_snapshot == nullptr) {
+      return aborted("elastic: a worker failed while the job started: {}", failure->detail);
+    }
+    if (failure) {
+      // The snapshot a restarted driver went back to could not be restored everywhere (a
+      // keeper holding a part is gone): an older one, else the newest checkpoint.
+      TROUPE_RETURN_IF_ERROR(recover(*failure, start_step, start_step + 1));
+      if (rewound_to_) {
+        start_step = start_step_ = *rewound_to_;
+        rewound_to_.reset();
+        TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", start_step));
+        if (auto it = tokens_after_.find(start_step); it != tokens_after_.end())
+          tokens_seen = tokens_seen_ = it->second;
+      }
+    }
   }
 
   TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> v0o, call(Command::Kind::kEval, start_step));
   if (!v0o) return aborted("elastic: rewound before the first step");
   double last_val = v0o->value("val_loss", 0.0);
   const double val0 = last_val;
-  int64_t tokens_seen = resume ? resume->manifest().data_position.value("tokens_seen", int64_t{0}) : 0;
-  fmt::print("{}step {} | val_loss {:.4f}\n", resume ? "resumed | " : "", start_step, val0);
+  const bool resumed = resume || resume_snapshot != nullptr;
+  fmt::print("{}step {} | val_loss {:.4f}\n", resumed ? "resumed | " : "", start_step, val0);
   nlohmann::json rec0{{"step", start_step}, {"val_loss", val0}, {"tokens", tokens_seen}};
-  if (resume) rec0["resumed"] = true;
+  if (resumed) rec0["resumed"] = true;
   metrics << rec0.dump() << "\n";
   metrics.flush();
   const auto t_start = Clock::now();
   max_step_logged_ = start_step;
-  tokens_seen_ = tokens_seen;
   const int64_t tokens_before = tokens_seen;
-  // Tokens seen after each step: a rewind to a checkpoint goes back to its count (the
-  // data position of later checkpoints must not count replayed steps twice).
-  std::map<int64_t, int64_t> tokens_after{{start_step, tokens_seen}};
   resume.reset();
+  resume_snapshot = nullptr;  // snaps_ changes from here on
 
   // ---- the steps, up to train.steps_in_flight of them in flight ------------------------
   // Commands go out in order: step k, then its evaluation where one is due, then step
@@ -1835,6 +2045,7 @@ Status Trainer::run_job() {
   std::set<int64_t> eval_sent;            // steps whose evaluation was sent after them
   std::optional<nlohmann::json> waiting;  // step `done`'s record, waiting for its evaluation
   bool hold = false;                      // a boundary action is due: send nothing new
+  std::optional<Failure> straggler;       // to replace at the next boundary (policy "replace")
   bool out_of_time = false;
   int64_t last_step_tokens = 0;
   auto t_prev = Clock::now();  // when the last step completed (the next one's wall time starts)
@@ -1850,15 +2061,13 @@ Status Trainer::run_job() {
     if (!std::isfinite(loss)) return aborted("step {}: the loss is {} (diverged)", step, loss);
     const int64_t step_tokens = rec.value("step_tokens", int64_t{0});
     last_step_tokens = step_tokens;
-    tokens_seen += step_tokens;
-    tokens_seen_ = tokens_seen;
-    tokens_after[step] = tokens_seen;
-    for (const char* k : {"step_tokens", "rank", "slot", "ckpt_started", "durable", "ckpt_errors", "replica"})
+    tokens_seen = tokens_seen_ = tokens_after_[step];  // on_completed counted it
+    // A checkpoint step's stall: the longest time a rank's step thread spent on its snapshot.
+    if (ckpt_every_ > 0 && step % ckpt_every_ == 0 && rec.contains("snapshot_ms_max"))
+      rec["ckpt_stall_ms"] = rec["snapshot_ms_max"];
+    for (const char* k : {"step_tokens", "rank", "slot", "ckpt_started", "ckpt_blocked_ms", "ckpt_bytes",
+                          "durable", "ckpt_errors", "snapshot_errors", "snapshot_ms_max"})
       rec.erase(k);
-    if (rec.contains("ckpt_bytes")) {
-      rec["ckpt_bytes_rank0"] = rec["ckpt_bytes"];
-      rec.erase("ckpt_bytes");
-    }
     rec["tokens"] = tokens_seen;
     rec["tokens_per_s"] = static_cast<double>(step_tokens) / wall_s;
     rec["driver_step_ms"] = wall_s * 1e3;
@@ -1927,37 +2136,18 @@ Status Trainer::run_job() {
       return store_->contains(key(fmt::format("request/{}", next_request_)));
     return false;
   };
-  // After a recovery: go on from the step the workers restored.
-  const auto after_recovery = [&](uint64_t failed_epoch) -> Status {
+  // After a recovery: go on from the step the workers restored (at or before `done`: a
+  // snapshot or checkpoint of a step every rank reported, or the live state after `done`).
+  const auto after_recovery = [&]() -> Status {
     inflight_.clear();
-    if (rewound_to_) {  // back to a checkpoint (or the neighbour replicas): run the steps after it again
+    if (rewound_to_) {  // back to a snapshot or a checkpoint: run the steps after it again
       const int64_t to = *rewound_to_;
       rewound_to_.reset();
       fmt::print("elastic: rewound to step {}; steps {}..{} run again\n", to, to + 1, done);
       done = to;
-      if (auto it = tokens_after.find(done); it != tokens_after.end())
+      if (auto it = tokens_after_.find(done); it != tokens_after_.end())
         tokens_seen = tokens_seen_ = it->second;
       waiting.reset();
-    }
-    // Steps every survivor completed with commands in flight, whose replies had not all
-    // arrived: recorded from a survivor's reply (they carry the world's metrics).
-    for (int64_t s = done + 1; s <= plan_.step_done; ++s) {
-      if (waiting) {  // its evaluation cannot run any more: the state moved on
-        finish_record(*waiting);
-        waiting.reset();
-      }
-      std::optional<nlohmann::json> r = seen_step_reply(failed_epoch, s, std::chrono::milliseconds(10000));
-      if (r) {
-        TROUPE_ASSIGN_OR_RETURN(nlohmann::json rec, step_record(s, *r, Clock::now()));
-        finish_record(rec);
-      } else {
-        tokens_seen += last_step_tokens;
-        tokens_seen_ = tokens_seen;
-        tokens_after[s] = tokens_seen;
-        finish_record(nlohmann::json{{"step", s}, {"tokens", tokens_seen}, {"metrics_lost", true}});
-        fmt::print(stderr, "trainer: step {} completed before the failure but no report of it arrived\n", s);
-      }
-      done = s;
     }
     next = done + 1;
     eval_sent.erase(eval_sent.upper_bound(done - 1), eval_sent.end());
@@ -1969,9 +2159,8 @@ Status Trainer::run_job() {
     return ok_status();
   };
   const auto restore = [&](const Failure& f) -> Status {
-    const uint64_t failed_epoch = plan_.epoch;
     TROUPE_RETURN_IF_ERROR(recover(f, done, done + 1));
-    return after_recovery(failed_epoch);
+    return after_recovery();
   };
 
   // Sends steps (each followed by its evaluation when one is due) until the window is
@@ -1993,13 +2182,23 @@ Status Trainer::run_job() {
     TROUPE_RETURN_IF_ERROR(fill_window(done));
     if (inflight_.empty()) {
       // The window drained at a step boundary: membership changes (each a new epoch).
+      if (straggler) {
+        const Failure f = *std::exchange(straggler, std::nullopt);
+        const uint64_t epoch = plan_.epoch;
+        TROUPE_ASSIGN_OR_RETURN(const bool snapped, snapshot_now(done));
+        (void)snapped;  // without a snapshot the replacement restores the newest one there is
+        bool member = false;
+        for (int sl : f.slots) member |= plan_.rank_of_slot(sl) >= 0;
+        // A failure meanwhile was recovered from (the straggler may be gone with it).
+        if (plan_.epoch == epoch && member) TROUPE_RETURN_IF_ERROR(restore(f));
+      }
       if (scheduled_) TROUPE_RETURN_IF_ERROR(take_store_request());
       TROUPE_RETURN_IF_ERROR(maybe_replace(done));
       TROUPE_RETURN_IF_ERROR(maybe_rescale(done));
       write_status(done);  // the membership after this boundary's changes
       if (scheduled_) TROUPE_RETURN_IF_ERROR(answer_store_request());
       hold = false;
-      if (rewound_to_) TROUPE_RETURN_IF_ERROR(after_recovery(plan_.epoch));
+      if (rewound_to_) TROUPE_RETURN_IF_ERROR(after_recovery());
       if (done >= last && !waiting) break;
       continue;
     }
@@ -2009,7 +2208,7 @@ Status Trainer::run_job() {
       TROUPE_RETURN_IF_ERROR(restore(*failure));
       continue;
     }
-    const InFlight c = std::move(inflight_.front());
+    InFlight c = std::move(inflight_.front());
     inflight_.pop_front();
     oldest_since_ = Clock::now();
     // train.time_limit_s: past it, the steps already sent are the last (then the final
@@ -2039,13 +2238,17 @@ Status Trainer::run_job() {
     // command counts, and the worker is replaced from the state after it.
     std::optional<Failure> after = std::move(failure);
     if (!after && c.kind == Command::Kind::kStep) track_stragglers(c.replies, c.step, after);
+    if (after && after->cause == "straggler") {
+      // Everyone is alive: the straggler is replaced at the boundary after the steps in
+      // flight, from a snapshot of that step taken first (no step lost).
+      straggler = std::move(after);
+      after.reset();
+      hold = true;
+    }
     TROUPE_RETURN_IF_ERROR(on_completed(c));
     if (c.kind == Command::Kind::kStep) {
       TROUPE_ASSIGN_OR_RETURN(nlohmann::json rec, step_record(c.step, c.replies[0], c.sent));
       done = c.step;
-      for (auto it = seen_step_replies_.begin(); it != seen_step_replies_.end();) {
-        it = it->first.second < done ? seen_step_replies_.erase(it) : std::next(it);
-      }
       if (eval_sent.count(done) != 0) {
         waiting = std::move(rec);
       } else {
@@ -2073,6 +2276,23 @@ Status Trainer::run_job() {
   for (const auto& [s, d] : checkpoint::list_checkpoints(ckpt_dir_)) have_final |= s == final_step;
   const bool final_ckpt = !ckpt_dir_.empty() && (final_step > start_step || !have_final);
   for (int attempt = 1; final_ckpt && last_ckpt_committed_ < final_step; ++attempt) {
+    // Written from the snapshot of the final step: the one being written already (a
+    // checkpoint step), the committed snapshot of that step written again (a failed attempt,
+    // or a snapshot off the checkpoint schedule), else a new one the save takes.
+    if (snaps_.newest_committed() == final_step && pending_ckpts_.count(final_step) == 0) {
+      if (Status st = actors_->send_committed(plan_.slots, snaps_.recommit(final_step, plan_.epoch, true));
+          st.ok()) {
+        PendingCheckpoint& p = pending_ckpts_[final_step];
+        p.epoch = plan_.epoch;
+        p.dp = plan_.dp;
+        p.grad_accum = plan_.grad_accum;
+        p.world = static_cast<int>(plan_.slots.size());
+        p.tokens = tokens_after_.count(final_step) ? tokens_after_[final_step] : tokens_seen_;
+        p.durable.clear();
+      }
+    } else {
+      forced_ckpts_.insert(final_step);
+    }
     TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> saved, call(Command::Kind::kSave, final_step));
     if (!saved) {
       return aborted(
@@ -2212,6 +2432,7 @@ nlohmann::json step_reply_json(const StepReply& r) {
       j["stopped"] = true;
       break;
     case Command::Kind::kSave:
+    case Command::Kind::kSnapshot:
       break;
   }
   if (r.ckpt_started >= 0) {
@@ -2222,11 +2443,14 @@ nlohmann::json step_reply_json(const StepReply& r) {
   if (!r.durable.empty()) j["durable"] = r.durable;
   for (const auto& [step, text] : r.ckpt_errors)
     j["ckpt_errors"].push_back({{"step", step}, {"error", text}});
-  if (r.replica >= 0) {
-    j["replica"] = r.replica;
-    j["replica_ms"] = r.replica_ms;
+  if (r.snapshot >= 0) {
+    j["snapshot"] = r.snapshot;
+    j["snapshot_ms"] = r.snapshot_ms;
   }
-  if (r.commit_ms >= 0) j["commit_ms"] = r.commit_ms;
+  if (r.snapshot_wait_ms >= 0) j["snapshot_wait_ms"] = r.snapshot_wait_ms;
+  if (r.snapshot_replicated >= 0) j["snapshot_replicated"] = r.snapshot_replicated;
+  for (const auto& [step, text] : r.snapshot_errors)
+    j["snapshot_errors"].push_back({{"step", step}, {"error", text}});
   return j;
 }
 

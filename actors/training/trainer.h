@@ -45,8 +45,7 @@ struct TrainerOptions {
   std::vector<std::string> overrides;  // its "key=value" overrides, likewise
   std::string resume;                  // a checkpoint (any layout) to continue from; empty: a fresh job
   std::string run_dir;                 // metrics.jsonl, events.jsonl, status.json, checkpoints/
-  // Workers on GPUs: each gets its own device; they keep their state in device memory
-  // only in a data-parallel job (keeps_state_in_memory), and no neighbour replicas.
+  // Workers on GPUs: each gets its own device.
   bool gpu = false;
   // GPU runs: model FLOPs per token, for "mfu" in metrics.jsonl (tokens/s x flops /
   // (989 TFLOP/s x GPUs)); 0: none.

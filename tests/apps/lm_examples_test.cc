@@ -5,8 +5,9 @@
 // (the global batch is the config's: 8 sequences, 4 micro-batches of 2 in one process,
 // 2 per replica at dp=2); dense_lm's pp=2,dp=2 runs under `troupe run`, parallel_lm's
 // under the standalone launcher. `--gradcheck` passes for both. A worker killed mid-run is
-// replaced with no step lost and the same losses; a config describing MoE blocks is
-// refused with an error naming the key.
+// replaced, every rank going back to the newest in-memory snapshot (one per step: at most
+// one step runs again), with the same losses; a config describing MoE blocks is refused
+// with an error naming the key.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -153,19 +154,22 @@ TEST_F(LmExamples, GradcheckPasses) {
   check_gradcheck(kParallel);
 }
 
-TEST_F(LmExamples, KilledWorkerIsReplacedWithNoStepLost) {
-  // The standalone launcher (no troupe run): rank 1 SIGKILLs itself in step 3; its
-  // data-parallel peer restores the replacement and the losses stay the reference's.
+TEST_F(LmExamples, KilledWorkerIsReplacedFromTheSnapshot) {
+  // The standalone launcher (no troupe run, it holds the snapshots): rank 1 SIGKILLs
+  // itself in step 3; every rank restores the newest snapshot and the losses stay the
+  // reference's.
   const fs::path& ref = reference(kDense);
   std::vector<std::string> a = command(kDense, "kill", "pp=2,dp=2");
-  a.push_back("--set");
-  a.push_back("elastic.inject=\"kill@3:any:1\"");
+  for (const char* s : {"elastic.inject=\"kill@3:any:1\"", "elastic.snapshot_every=1"}) {
+    a.push_back("--set");
+    a.push_back(s);
+  }
   const RunResult r = run_cmd(a, "kill");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const double worst = worst_difference(ref, *root_ / "kill", r.output);
   const auto rec = events_named(*root_ / "kill" / "events.jsonl", "recovered");
   ASSERT_EQ(rec.size(), 1u) << r.output;
-  EXPECT_EQ(rec[0]["steps_lost"], 0) << rec[0].dump();
+  EXPECT_LE(rec[0]["steps_lost"].get<int64_t>(), 1) << rec[0].dump();
   std::printf(
       "[dense_lm] rank 1 killed in step 3: recovered in %.2f s, steps lost %lld, worst relative difference "
       "%.3g\n",

@@ -71,6 +71,7 @@ class ElasticCluster : public ::testing::Test {
     c.sets = troupe::test::tiny_model_sets({.steps = kSteps, .data_dir = *root_ / "data"});
     if (!fault.empty()) c.sets.push_back(fmt::format("elastic.inject=\"{}\"", fault));
     c.sets.insert(c.sets.end(), extra.begin(), extra.end());
+    c.sets.push_back("elastic.snapshot_every=1");  // a recovery runs at most one step again
     c.parallel = parallel;
     return c.argv();
   }
@@ -135,9 +136,9 @@ TEST_F(ElasticCluster, SchedulerRestartMidJobIsRiddenOut) {
   const double s = std::chrono::duration<double>(Clock::now() - t0).count();
   expect_same_losses("sched-restart");
   // Usually the outage needs no recovery. On a loaded machine a store heartbeat can miss
-  // the restart window: then a recovery is allowed, but it must lose no step.
+  // the restart window: then a recovery is allowed, losing at most one step (snapshot_every=1).
   for (const auto& rec : events_named(dir / "events.jsonl", "recovered")) {
-    EXPECT_EQ(rec["steps_lost"], 0) << rec.dump();
+    EXPECT_LE(rec["steps_lost"].get<int64_t>(), 1) << rec.dump();
   }
   std::printf(
       "[elastic-cluster sched-restart] scheduler SIGKILLed and restarted after step 3; job finished %.1f s "
@@ -160,10 +161,10 @@ TEST_F(ElasticCluster, CutControlConnectionGetsTheWorkerReplaced) {
   const int64_t d = det[0]["detection_ms"].get<int64_t>();
   EXPECT_LE(d, 1500 + 1000);
   EXPECT_LE(rec[0]["recovery_s"].get<double>(), 10.0);
-  EXPECT_EQ(rec[0]["steps_lost"], 0);
+  EXPECT_LE(rec[0]["steps_lost"].get<int64_t>(), 1);
   std::printf(
       "[elastic-cluster cutctl] detection %lld ms (target <= heartbeat 1500 + 1000), recovery %.2f s, steps "
-      "lost %lld\n",
+      "lost %lld (<= K = 1)\n",
       static_cast<long long>(d), rec[0]["recovery_s"].get<double>(),
       static_cast<long long>(rec[0]["steps_lost"].get<int64_t>()));
 }

@@ -139,13 +139,14 @@ TEST_F(CheckpointResume, SavedRunCommittedItsCheckpoints) {
   }
   ASSERT_EQ(m.ranks.size(), 4u);
   EXPECT_EQ(m.ranks[3].state.value("adam_steps", 0), 5);
-  // The blocked time per save is in the metrics of the saving steps only.
+  // The stall per checkpoint (the step thread's time for its snapshot) is in the metrics of
+  // the saving steps only.
   int saves = 0;
   for (const auto& j : troupe::test::read_jsonl(*root_ / "saved" / "metrics.jsonl")) {
-    if (j.contains("ckpt_blocked_ms")) {
+    if (j.contains("ckpt_stall_ms")) {
       ++saves;
       EXPECT_TRUE(j["step"] == 5 || j["step"] == 10) << j.dump();
-      EXPECT_GE(j["ckpt_blocked_ms"].get<double>(), 0.0);
+      EXPECT_GE(j["ckpt_stall_ms"].get<double>(), 0.0);
     }
   }
   EXPECT_EQ(saves, 2);
@@ -407,14 +408,15 @@ TEST_F(CheckpointResume, AFailedSaveIsReportedAndNeverCommitted) {
 }
 
 TEST_F(CheckpointResume, KillWorkerInTheMiddleOfASave) {
-  // Saves every 2 steps, written at 0.05 MB/s per rank (~4 s a save): the test waits for
-  // step 2 to be committed and step 4's shards to be half written, then kills a worker.
+  // Saves every 2 steps, written at 0.05 MB/s per rank (~4 s a save) from the committed
+  // snapshot of the step: the test waits for step 2 to be committed and step 4's shards to
+  // be half written, then kills a worker.
   const std::string name = "killed";
   const fs::path log = *root_ / (name + ".log");
   const auto t0 = Clock::now();
   const pid_t launcher = troupe::test::spawn(
       args(name, "pp=2,n=2",
-           {"checkpoint.every=2", "checkpoint.max_mb_per_s=0.05", "elastic.replica_every=0"}),
+           {"checkpoint.every=2", "checkpoint.max_mb_per_s=0.05", "elastic.snapshot_every=0"}),
       log);
   const fs::path dir = *root_ / name / "checkpoints";
   bool killed = false;
@@ -447,18 +449,33 @@ TEST_F(CheckpointResume, KillWorkerInTheMiddleOfASave) {
   }
   const RunResult r = finish(launcher, log, t0, std::chrono::seconds(120));
   ASSERT_TRUE(killed) << r.output;
-  // No dp peer holds the killed rank's state (dp=1): the Trainer replaces it and every rank
-  // goes back to the newest valid checkpoint (step 2; the interrupted step 4 was abandoned),
-  // runs steps 3.. again, and the job ends normally with the losses of the uninterrupted run.
+  // The Trainer replaces it and every rank goes back to the newest committed snapshot (the
+  // checkpoint steps are snapshotted: step 4's, whose disk write the kill interrupted, or a
+  // later one: training went on while step 4 was written), and the job ends normally with
+  // the losses of the uninterrupted run. The interrupted checkpoint is written again from
+  // the snapshot when that is the one restored; else it is abandoned (a newer one exists).
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto restores = troupe::test::events_named(*root_ / name / "events.jsonl", "restore_from_checkpoint");
+  const fs::path ev = *root_ / name / "events.jsonl";
+  const auto restores = troupe::test::events_named(ev, "restore_from_snapshot");
   ASSERT_EQ(restores.size(), 1u) << r.output;
-  EXPECT_EQ(restores[0]["step"], 2) << r.output;
+  const int64_t restored = restores[0]["step"].get<int64_t>();
+  EXPECT_GE(restored, 4) << r.output;
+  EXPECT_TRUE(troupe::test::events_named(ev, "restore_from_checkpoint").empty());
   const auto got = losses_by_step(*root_ / name / "metrics.jsonl");
   const auto ref = losses_by_step(*root_ / "saved" / "metrics.jsonl");
   ASSERT_EQ(got.size(), static_cast<size_t>(kSteps)) << r.output;
   for (const auto& [step, loss] : got) EXPECT_LE(std::fabs(loss - ref.at(step)), 1e-6) << "step " << step;
-  // Step 4 was saved again after the restore; the newest checkpoint is the last step's.
+  std::vector<int64_t> committed, abandoned;
+  for (const auto& e : troupe::test::events_named(ev, "checkpoint_committed"))
+    committed.push_back(e["step"].get<int64_t>());
+  for (const auto& e : troupe::test::events_named(ev, "checkpoint_abandoned"))
+    abandoned.push_back(e["step"].get<int64_t>());
+  EXPECT_NE(std::find(committed.begin(), committed.end(), 2), committed.end()) << r.output;
+  if (restored == 4) {
+    EXPECT_NE(std::find(committed.begin(), committed.end(), 4), committed.end()) << r.output;
+  } else {
+    EXPECT_NE(std::find(abandoned.begin(), abandoned.end(), 4), abandoned.end()) << r.output;
+  }
   const auto list = troupe::checkpoint::list_checkpoints(dir.string());
   ASSERT_FALSE(list.empty());
   EXPECT_EQ(list.front().first, 10);
@@ -466,9 +483,11 @@ TEST_F(CheckpointResume, KillWorkerInTheMiddleOfASave) {
                                                          troupe::checkpoint::VerifyMode::kChecksums)
                   .ok());
   std::printf(
-      "[kill -9 mid-save] rank %d killed while step 4 was written; restored step 2, %zu steps equal the "
-      "uninterrupted run, newest checkpoint step %lld\n",
-      victim_rank, got.size(), static_cast<long long>(list.front().first));
+      "[kill -9 mid-save] rank %d killed while step 4 was written; restored the snapshot of step %lld (step "
+      "4's "
+      "checkpoint %s), %zu steps equal the uninterrupted run, newest checkpoint step %lld\n",
+      victim_rank, static_cast<long long>(restored), restored == 4 ? "written again from it" : "abandoned",
+      got.size(), static_cast<long long>(list.front().first));
 }
 
 }  // namespace

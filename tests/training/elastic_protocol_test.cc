@@ -1,7 +1,6 @@
-// tests/training/elastic_protocol_test.cc — the pure parts of the elastic protocol with
-// steps in flight (actors/training/elastic.h): the step a new epoch restores when its
-// survivors had completed steps the Trainer had not seen reported (restore_step), and the
-// step reply's queue and device fields through the Cap'n Proto codec.
+// tests/training/elastic_protocol_test.cc — the pure parts of the elastic protocol
+// (actors/training/elastic.h) through the Cap'n Proto codec: the plan's snapshot fields,
+// the step reply's queue, device and snapshot fields.
 #include <gtest/gtest.h>
 
 #include "actors/training/elastic.h"
@@ -12,28 +11,34 @@ namespace {
 using namespace troupe;
 using namespace troupe::training;
 
-TEST(RestoreStep, TheDriversStepWhenEverySurvivorHoldsIt) {
-  // One step in flight, or the window drained: every survivor still holds step_done.
-  EXPECT_EQ(restore_step(7, {{8, 7}, {7, 6}}).value(), 7);
-  EXPECT_EQ(restore_step(7, {{7, 6}, {7, 6}, {7, 6}}).value(), 7);
-  EXPECT_EQ(restore_step(7, {}).value(), 7);  // no survivor with state (replacements only)
-}
-
-TEST(RestoreStep, ALaterStepEverySurvivorCompletedWithTwoInFlight) {
-  // The Trainer saw step 7 reported everywhere; steps 8 and 9 were in flight. One
-  // survivor finished both (it holds 9 and 8, no longer 7); the others finished 8. The
-  // ranks finish steps within one of each other, so 8 is held by all: restore 8.
-  EXPECT_EQ(restore_step(7, {{9, 8}, {8, 7}, {9, 8}}).value(), 8);
-  EXPECT_EQ(restore_step(7, {{9, 8}, {9, 8}}).value(), 8);  // the oldest common step
-}
-
-TEST(RestoreStep, NoCommonStepIsAnErrorNamingWhatEachHolds) {
-  const Result<int64_t> r = restore_step(7, {{10, 9}, {8, 7}});
-  ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_NE(r.status().message().find("[10,9] [8,7]"), std::string::npos) << r.status().message();
-  // Older than what the Trainer saw completed is never chosen.
-  EXPECT_FALSE(restore_step(7, {{6, 5}}).ok());
+TEST(ElasticPlanCodec, SnapshotFieldsRoundTrip) {
+  ElasticPlan p;
+  p.epoch = 3;
+  p.dp = 2;
+  p.grad_accum = 1;
+  p.slots = {0, 4};
+  p.has_state = {false, false};
+  p.step_done = 6;
+  p.seq = 17;
+  p.snapshot_step = 6;
+  p.snapshot_every = 2;
+  p.snapshot_dp = 2;
+  p.snapshot_committed = 6;
+  p.snapshot_parts = {PartSource{{"ipc:///a", "tcp://10.0.0.2:7"}, 0x1234}, PartSource{{"ipc:///b"}, 0x99}};
+  const Result<ElasticPlan> d = decode_elastic_plan(encode_elastic_plan(p));
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_EQ(d->snapshot_step, 6);
+  EXPECT_EQ(d->snapshot_every, 2);
+  EXPECT_EQ(d->snapshot_dp, 2);
+  EXPECT_EQ(d->snapshot_committed, 6);
+  ASSERT_EQ(d->snapshot_parts.size(), 2u);
+  EXPECT_EQ(d->snapshot_parts[0].endpoints[1], "tcp://10.0.0.2:7");
+  EXPECT_EQ(d->snapshot_parts[1].xxh64, 0x99u);
+  // A plan that restores no snapshot.
+  const Result<ElasticPlan> none = decode_elastic_plan(encode_elastic_plan(ElasticPlan{}));
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->snapshot_step, -1);
+  EXPECT_EQ(none->snapshot_committed, -1);
 }
 
 TEST(StepReplyCodec, QueueAndDeviceFieldsRoundTrip) {
@@ -59,12 +64,36 @@ TEST(StepReplyCodec, QueueAndDeviceFieldsRoundTrip) {
   EXPECT_TRUE(d->launched_ahead);
   EXPECT_TRUE(d->next_queued);
   EXPECT_EQ(d->command_wait_ms, 0.004);
+  EXPECT_EQ(d->snapshot, -1);
   // The CPU defaults: nothing measured on a device.
   const Result<StepReply> cpu = decode_step_reply(encode_step_reply(StepReply{}));
   ASSERT_TRUE(cpu.ok());
   EXPECT_EQ(cpu->upload_waits, -1);
   EXPECT_EQ(cpu->device_ms, -1);
   EXPECT_FALSE(cpu->next_queued);
+  EXPECT_EQ(cpu->snapshot, -1);
+  EXPECT_EQ(cpu->snapshot_wait_ms, -1);
+  EXPECT_EQ(cpu->snapshot_replicated, -1);
+}
+
+TEST(StepReplyCodec, SnapshotFieldsRoundTrip) {
+  StepReply m;
+  m.step = 8;
+  m.snapshot = 8;
+  m.snapshot_ms = 1.5;
+  m.snapshot_wait_ms = 0.25;
+  m.snapshot_replicated = 6;
+  m.snapshot_errors = {{4, "skipped: no generation was free"}};
+  m.rss_peak_bytes = 12345;
+  const Result<StepReply> d = decode_step_reply(encode_step_reply(m));
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_EQ(d->snapshot, 8);
+  EXPECT_EQ(d->snapshot_ms, 1.5);
+  EXPECT_EQ(d->snapshot_wait_ms, 0.25);
+  EXPECT_EQ(d->snapshot_replicated, 6);
+  ASSERT_EQ(d->snapshot_errors.size(), 1u);
+  EXPECT_EQ(d->snapshot_errors[0].first, 4);
+  EXPECT_EQ(d->rss_peak_bytes, 12345);
 }
 
 }  // namespace

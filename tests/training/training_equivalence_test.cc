@@ -233,11 +233,11 @@ TEST_F(TrainingEquivalence, LayoutThatDoesNotFitIsRefusedBeforeAnyWorker) {
 }
 
 TEST_F(TrainingEquivalence, DeadWorkerWithNothingToRestoreFailsTheJobWithoutOrphans) {
-  // A worker killed mid-run with no data-parallel peer, no neighbour replica
-  // (elastic.replica_every=0) and no checkpoint: nothing holds its state, so the Trainer
-  // fails the job naming the lost worker, and leaves no process behind.
+  // A worker killed mid-run with no snapshot (elastic.snapshot_every=0) and no checkpoint:
+  // nothing holds the state, so the Trainer fails the job naming the lost worker, and
+  // leaves no process behind.
   const fs::path log = *root_ / "killed.log";
-  const pid_t pid = troupe::test::spawn(args("killed", 400, "n=2", {"elastic.replica_every=0"}), log);
+  const pid_t pid = troupe::test::spawn(args("killed", 400, "n=2", {"elastic.snapshot_every=0"}), log);
   // Wait for training to start (step 1 in metrics), then kill one worker of the group.
   const fs::path metrics = *root_ / "killed" / "metrics.jsonl";
   const auto t0 = Clock::now();

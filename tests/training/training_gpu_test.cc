@@ -14,12 +14,13 @@
 //
 // Also on two GPUs: pp=2 (activations over NCCL send/recv on their own streams) and the
 // all-gather expert dispatch against the same reference; and the GPU fault suite of a
-// dp=2 job (each worker one GPU, state kept in device memory): a worker SIGKILLed while
-// its gradient reduce-scatter is issued is replaced from its data-parallel peer (NCCL
-// communicators aborted and rebuilt, the state broadcast over NCCL) with 0 steps lost and
-// every loss equal to the fault-free dp=2 run's; a SIGSTOPped worker is found by its
-// heartbeat, killed and replaced; dp 2 -> 1 -> 2 by scripted rescale requests; the same
-// kill under `troupe run` (the scheduler places the replacement on the freed GPU slot).
+// dp=2 job (each worker one GPU, an in-memory snapshot after every step): a worker
+// SIGKILLed while its gradient reduce-scatter is issued is replaced (NCCL communicators
+// aborted and rebuilt, every rank back to the newest snapshot, at most one step run
+// again) with every loss equal to the fault-free dp=2 run's; a SIGSTOPped worker is found
+// by its heartbeat, killed and replaced; dp 2 -> 1 -> 2 by scripted rescale requests (a
+// snapshot of the step, restored into the new layout); the same kill under `troupe run`
+// (the scheduler places the replacement on the freed GPU slot).
 // Each prints its detection and recovery times and checks that no process of the job is
 // left and no worker process still holds GPU memory.
 #include <fmt/format.h>
@@ -100,6 +101,7 @@ class TrainingGpu : public ::testing::Test {
                                            std::vector<std::string> extra = {}, bool troupe_run = false) {
     std::vector<std::string> a = args(name, "dp=2");
     a.insert(a.end(), {"--set", fmt::format("elastic.heartbeat_timeout_ms={}", kHeartbeatTimeoutMs)});
+    a.insert(a.end(), {"--set", "elastic.snapshot_every=1"});
     if (!fault.empty()) a.insert(a.end(), {"--set", fmt::format("elastic.inject=\"{}\"", fault)});
     for (auto& e : extra) a.insert(a.end(), {"--set", std::move(e)});
     if (troupe_run) {
@@ -146,8 +148,8 @@ class TrainingGpu : public ::testing::Test {
   }
 
   // One failure of `cause`, detected within `detect_limit_ms` of the fault, recovered
-  // within 30 s (issue 18's GPU target: kill to the next completed step, NCCL
-  // re-initialisation included) with no step lost.
+  // within 30 s (kill to the next completed step, NCCL re-initialisation included) with at
+  // most one step lost (a snapshot after every step).
   static void expect_recovery(const std::string& name, const std::string& cause, int64_t detect_limit_ms) {
     const fs::path ev = *root_ / name / "events.jsonl";
     const auto det = events_named(ev, "failure_detected");
@@ -161,7 +163,7 @@ class TrainingGpu : public ::testing::Test {
     EXPECT_GE(d, 0);
     EXPECT_LE(d, detect_limit_ms) << name;
     EXPECT_LE(rs, 30.0) << name;
-    EXPECT_EQ(rec[0]["steps_lost"], 0) << rec[0].dump();
+    EXPECT_LE(rec[0]["steps_lost"].get<int64_t>(), 1) << rec[0].dump();
     std::printf(
         "[gpu fault %s] %s in step %lld: detected %lld ms after the fault (target <= %lld), next step "
         "completed %.2f s after detection (target <= 30), steps lost %lld\n",
@@ -370,7 +372,7 @@ TEST_F(TrainingGpu, HungGpuWorkerIsDetectedAndReplaced) {
 
 TEST_F(TrainingGpu, RescaleDp2To1To2OnGpus) {
   // dp 2 -> 1 after step 2 (grad_accum doubles: the same global batch), back to 2 after
-  // step 5 (the new worker restored from the survivor's device memory over NCCL).
+  // step 5 (each time every rank restores the snapshot of the step into the new layout).
   const std::vector<nlohmann::json>& ref = dp2_baseline();
   const std::string name = "gpu_scale";
   run_job(name, dp2_args(name, "", {"elastic.scale_at=\"2:1,5:2\""}));
