@@ -621,14 +621,16 @@ void fill_step_reply(const StepReport& r, StepReply& m) {
 
 void ElasticWorker::watch() {
   int64_t beat = 0;
+  // Polls: one attempt each, skipped while the store is out (TolerantStore), so an outage
+  // never holds the worker, nor its exit, in a retry loop.
   while (!stop_watcher_) {
-    (void)store_.set(key(fmt::format("hb/{}", slot_)), std::to_string(++beat));
+    (void)store_.try_set(key(fmt::format("hb/{}", slot_)), std::to_string(++beat));
     uint64_t next = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
       next = epoch_ + 1;
     }
-    Result<bool> has = store_.contains(key(fmt::format("plan/{}", next)));
+    Result<bool> has = store_.try_contains(key(fmt::format("plan/{}", next)));
     if (has.ok() && has.value()) {
       std::lock_guard<std::mutex> lock(mu_);
       abort_for(next, "store");

@@ -2132,8 +2132,12 @@ Status Trainer::run_job() {
     if (scripted.count(after) != 0) return true;
     if (fs::exists(run_dir_ + "/scale_request", ec) || fs::exists(run_dir_ + "/replace_request", ec))
       return true;
-    if (scheduled_ && !pending_answer_)
-      return store_->contains(key(fmt::format("request/{}", next_request_)));
+    // A poll (one attempt, skipped while the scheduler is out): training goes on through
+    // an outage and a request waits for the next boundary.
+    if (scheduled_ && !pending_answer_ && !store_out()) {
+      Result<bool> has = poll_contains(key(fmt::format("request/{}", next_request_)));
+      return has.ok() && has.value();
+    }
     return false;
   };
   // After a recovery: go on from the step the workers restored (at or before `done`: a

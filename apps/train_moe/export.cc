@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "actors/training/checkpointing.h"
+#include "apps/prepare/corpus.h"
 #include "apps/train_moe/commands.h"
 #include "apps/train_moe/model_state.h"
 #include "checkpoint/file_io.h"
@@ -17,6 +18,8 @@
 #include "layers/tokenizer.h"
 
 namespace troupe::train_moe {
+
+using prepare::ProgressLine;  // the progress line troupe-prepare prints
 
 namespace fs = std::filesystem;
 

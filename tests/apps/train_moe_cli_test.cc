@@ -269,18 +269,18 @@ TEST(TrainMoeCli, ErrorsNameTheProblem) {
   // What needs the worker in a process of its own is refused in one process, by name.
   CliResult inject =
       train_moe({"--config", write_config(dir, dir + "/d"), "--set", "elastic.inject=\"kill@2:any:0\""});
-  EXPECT_EQ(inject.code, 1);
+  EXPECT_EQ(inject.code, troupe::kExitPermanentFailure);
   EXPECT_NE(
       inject.out.find("elastic.inject (faults are injected into worker processes) needs the worker in a "
                       "process of its own: set elastic.isolate_workers = true"),
       std::string::npos)
       << inject.out;
   CliResult grow = train_moe({"--config", write_config(dir, dir + "/d"), "--set", "elastic.max_dp=2"});
-  EXPECT_EQ(grow.code, 1);
+  EXPECT_EQ(grow.code, troupe::kExitPermanentFailure);
   EXPECT_NE(grow.out.find("elastic.max_dp > 1"), std::string::npos) << grow.out;
   CliResult window =
       train_moe({"--config", write_config(dir, dir + "/d"), "--set", "train.steps_in_flight=0"});
-  EXPECT_EQ(window.code, 1);
+  EXPECT_EQ(window.code, troupe::kExitPermanentFailure);
   EXPECT_NE(window.out.find("'train.steps_in_flight' must be in [1, 8] (got 0)"), std::string::npos)
       << window.out;
   if (!HasFailure()) fs::remove_all(dir);

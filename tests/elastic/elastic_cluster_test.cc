@@ -148,7 +148,10 @@ TEST_F(ElasticCluster, SchedulerRestartMidJobIsRiddenOut) {
 
 TEST_F(ElasticCluster, CutControlConnectionGetsTheWorkerReplaced) {
   Cluster c({});
-  const std::string job = submit(c, "cutctl", {"--heartbeat-timeout-ms", "1500"}, "cutctl@3:alltoall:1");
+  // Slot 0 sleeps 300 ms a step (two slow phases) so the job outlasts the heartbeat timeout
+  // after the cut: 10 steps of the tiny model otherwise end in about a second.
+  const std::string job = submit(c, "cutctl", {"--heartbeat-timeout-ms", "1500"},
+                                 "cutctl@1:alltoall:1,slow@1:any:0,slow@1:sync:0");
   const fs::path dir = *root_ / "cutctl";
   ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(120))) << c.logs_of_daemons();
   expect_same_losses("cutctl");
