@@ -509,7 +509,8 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
     // steps in flight a rank may have completed a later step: then it refuses, and the
     // Trainer restores a snapshot).
     if (!kept || stage_->steps_done() != plan.step_done) {
-      return failed_precondition(
+      // Aborted, not a permanent failure: the Trainer's next attempt restores a snapshot.
+      return aborted(
           "elastic: rank {} cannot keep its state for epoch {}: it {} (the plan goes back to step {})", rank,
           plan.epoch,
           kept ? fmt::format("has run {} steps", stage_->steps_done()) : std::string("has a new stage"),
@@ -662,8 +663,10 @@ Status ElasticWorker::run_step_command(const Command& cmd, StepReply& reply) {
   actors_->set_state("training");
   // A snapshot (and a checkpoint, written from it) after this step copies the state this
   // step leaves: the next step cannot be enqueued before the copy is, so it is not
-  // launched ahead.
-  const bool ahead_ok = stage_->can_launch_ahead() && !snapshot_due(cmd.step);
+  // launched ahead. Nor on the CPU, where launch_step runs the whole step: a step launched
+  // ahead there would only hold this step's report back by a step (and a failure in it
+  // would lose the report).
+  const bool ahead_ok = ctx_.on_device() && stage_->can_launch_ahead() && !snapshot_due(cmd.step);
   if (launched_ahead_ == cmd.step) {
     reply.launched_ahead = true;  // enqueued while the step before was finishing
   } else {
@@ -676,6 +679,8 @@ Status ElasticWorker::run_step_command(const Command& cmd, StepReply& reply) {
                               static_cast<Command::Kind>(queue_.front().kind) == Command::Kind::kStep &&
                               queue_.front().step == cmd.step + 1;
     if (next_is_step) {
+      // The fault points met while it is enqueued are that step's.
+      if (g_faults != nullptr) g_faults->step = cmd.step + 1;
       stage_->launch_step(cmd.step + 1);
       launched_ahead_ = cmd.step + 1;
     }
@@ -841,13 +846,13 @@ Status ElasticWorker::run() {
             return failed_precondition("{} of step {}: this worker takes no snapshots",
                                        command_kind_name(cmd.kind), cmd.step);
           }
-          // A save whose checkpoint is under way already (a checkpoint step; or the
-          // committed snapshot of the step written again after a failed attempt) waits for
-          // it; else it takes the snapshot the checkpoint is written from.
-          if (cmd.kind == Command::Kind::kSnapshot || !snapshotter_->has_checkpoint(cmd.step)) {
-            snapshotter_->after_step(
-                cmd.step, cmd.kind == Command::Kind::kSave ? SnapshotDue::kCheckpoint : SnapshotDue::kNow,
-                reply);
+          // A save waits for the checkpoint of the step under way already (a checkpoint
+          // step), else writes the committed snapshot of the step (the last step's, or a
+          // second attempt after a failed write), else takes a snapshot to write.
+          if (cmd.kind == Command::Kind::kSnapshot) {
+            snapshotter_->after_step(cmd.step, SnapshotDue::kNow, reply);
+          } else if (!snapshotter_->has_checkpoint(cmd.step) && !snapshotter_->write_committed(cmd.step)) {
+            snapshotter_->after_step(cmd.step, SnapshotDue::kCheckpoint, reply);
           }
           break;
       }

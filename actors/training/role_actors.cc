@@ -416,9 +416,16 @@ Status ActorDirectory::send_command(const std::vector<int>& slots, const StepCom
 }
 
 Status ActorDirectory::send_committed(const std::vector<int>& slots, const SnapshotCommitted& c) {
+  // The same nodes as the commands' (a worker in the driver's process is local).
+  std::map<int, std::string> nodes;
+  {
+    std::lock_guard lock(mu_);
+    nodes = node_of_slot_;
+  }
   for (size_t r = 0; r < slots.size(); ++r) {
-    TROUPE_RETURN_IF_ERROR(sys_->tell(
-        actors::ActorRef(fmt::format("w{}", slots[r]), actor_id("stage", static_cast<int>(r))), c));
+    auto it = nodes.find(slots[r]);
+    const std::string node = it != nodes.end() ? it->second : fmt::format("w{}", slots[r]);
+    TROUPE_RETURN_IF_ERROR(sys_->tell(actors::ActorRef(node, actor_id("stage", static_cast<int>(r))), c));
   }
   return ok_status();
 }

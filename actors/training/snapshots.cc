@@ -234,6 +234,21 @@ void Snapshotter::on_commit(const SnapshotCommitted& c) {
   cv_.notify_all();
 }
 
+bool Snapshotter::write_committed(int64_t step) {
+  {
+    std::lock_guard lock(mu_);
+    if (committed_ != step || committed_gen_ < 0 || gen_step_[committed_gen_] != step || o_.ckpt_dir.empty())
+      return false;
+    if (!gen_on_disk_[committed_gen_]) {
+      gen_on_disk_[committed_gen_] = true;
+      disk_.emplace_back(committed_gen_, step);
+      ckpt_writing_.insert(step);
+    }
+  }
+  cv_.notify_all();
+  return true;
+}
+
 Status Snapshotter::land(int gen, int64_t step, const nlohmann::json& rank_state) {
   TROUPE_RETURN_IF_ERROR(stage_.snapshot_wait());
   checkpoint::ManifestPart part = part_;
@@ -341,6 +356,7 @@ void Snapshotter::writer_loop() {
       std::lock_guard lock(mu_);
       if (st.ok()) {
         durable_.push_back(step);
+        written_.insert(step);
       } else {
         ckpt_errors_.emplace_back(step, st.to_string());
         fmt::print(stderr, "checkpoint: rank {} could not write step {}: {}\n", o_.rank, step,

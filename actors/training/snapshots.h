@@ -24,7 +24,6 @@
 // actor's thread; the snapshot thread and the writer thread inside.
 #pragma once
 
-#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -88,13 +87,16 @@ class Snapshotter {
   // for every checkpoint this rank snapshotted to be written — the job's end.
   void report(StepReply& reply, bool wait_ckpt);
 
-  // Whether the checkpoint of `step` is under way on this rank (snapshotted for it, or
-  // being written) or written and not reported yet.
+  // Whether this rank's part of the checkpoint of `step` is under way (snapshotted for it,
+  // or being written) or written (reported or not).
   bool has_checkpoint(int64_t step) const {
     std::lock_guard lock(mu_);
-    return ckpt_expected_.count(step) > 0 || ckpt_writing_.count(step) > 0 ||
-           std::find(durable_.begin(), durable_.end(), step) != durable_.end();
+    return ckpt_expected_.count(step) > 0 || ckpt_writing_.count(step) > 0 || written_.count(step) > 0;
   }
+  // Writes the committed snapshot of `step` this rank holds to disk as its checkpoint part
+  // (a save of a step whose snapshot is committed already: the job's last checkpoint, or its
+  // second attempt). False when this rank's committed snapshot is of another step.
+  bool write_committed(int64_t step);
   const std::string& node() const { return node_; }
   // Fault injection: flips a byte of the newest landed part this rank holds that is not
   // damaged yet (in its keeper's memory: a restore of it then fails its slice checksums).
@@ -147,6 +149,7 @@ class Snapshotter {
   std::set<int64_t> ckpt_expected_;           // checkpoint steps snapshotted, their commit not seen yet
   std::set<int64_t> ckpt_writing_;            // checkpoint steps committed, being written
   std::vector<int64_t> durable_;
+  std::set<int64_t> written_;  // checkpoint steps this rank wrote
   std::vector<std::pair<int64_t, std::string>> ckpt_errors_, snap_errors_;
   bool stop_ = false;
   std::set<int64_t> corrupted_;  // parts damaged by fault injection

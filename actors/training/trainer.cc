@@ -684,7 +684,10 @@ Result<std::optional<Failure>> Trainer::check_errors(Clock::time_point& first_er
     }
     if (!epoch_failure_.empty()) continue;
     epoch_failure_ = fmt::format("slot {} ({}): {}", f.slot, f.actor, f.text);
-    epoch_failure_permanent_ = is_permanent_failure(Status(static_cast<StatusCode>(f.code), f.text));
+    // A snapshot a restore could not use is not the job's end: the next recovery goes back
+    // to an older one, or to the checkpoint.
+    epoch_failure_permanent_ =
+        f.snapshot_step < 0 && is_permanent_failure(Status(static_cast<StatusCode>(f.code), f.text));
     event({{"event", "worker_failure"},
            {"epoch", f.epoch},
            {"slot", f.slot},
@@ -1381,6 +1384,11 @@ Status Trainer::choose_restore(ElasticPlan& p, bool keep, const std::string& why
   finalize_written_or_abandon();  // a checkpoint written but not yet committed counts
   Result<std::unique_ptr<checkpoint::CheckpointReader>> rd =
       checkpoint::CheckpointReader::open_latest_valid(ckpt_dir_, checkpoint::VerifyMode::kChecksums);
+  if (!rd.ok() && ckpt_every_ <= 0) {
+    // Only the final checkpoint is kept (checkpoint.final), and there is none yet.
+    return aborted(
+        "elastic: no usable snapshot holds the state and no checkpoint is kept (checkpoint.every): {}", why);
+  }
   if (!rd.ok()) {
     return aborted("elastic: no usable snapshot holds the state and no valid checkpoint exists: {}",
                    rd.status().to_string());
@@ -2280,12 +2288,11 @@ Status Trainer::run_job() {
   for (const auto& [s, d] : checkpoint::list_checkpoints(ckpt_dir_)) have_final |= s == final_step;
   const bool final_ckpt = !ckpt_dir_.empty() && (final_step > start_step || !have_final);
   for (int attempt = 1; final_ckpt && last_ckpt_committed_ < final_step; ++attempt) {
-    // Written from the snapshot of the final step: the one being written already (a
-    // checkpoint step), the committed snapshot of that step written again (a failed attempt,
-    // or a snapshot off the checkpoint schedule), else a new one the save takes.
-    if (snaps_.newest_committed() == final_step && pending_ckpts_.count(final_step) == 0) {
-      if (Status st = actors_->send_committed(plan_.slots, snaps_.recommit(final_step, plan_.epoch, true));
-          st.ok()) {
+    // Written from the snapshot of the final step (the save command): the one being written
+    // already (a checkpoint step), the committed snapshot of that step the workers hold (a
+    // snapshot off the checkpoint schedule, or the second attempt), else a new one.
+    if (snaps_.newest_committed() == final_step) {
+      if (pending_ckpts_.count(final_step) == 0) {
         PendingCheckpoint& p = pending_ckpts_[final_step];
         p.epoch = plan_.epoch;
         p.dp = plan_.dp;

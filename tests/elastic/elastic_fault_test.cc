@@ -758,7 +758,9 @@ TEST_F(ElasticFault, TroupeRunReplacesWorkersThroughTheScheduler) {
   EXPECT_LE(det[1]["detection_ms"].get<int64_t>(), 1000);
   for (size_t i = 0; i < 2; ++i) {
     EXPECT_LE(rec[i]["recovery_s"].get<double>(), 10.0);
-    EXPECT_EQ(rec[i]["steps_lost"], 0);
+    // At most the steps since the newest committed snapshot: with steps in flight the
+    // stopped worker may have started the next step before its part of the last one landed.
+    EXPECT_LE(rec[i]["steps_lost"].get<int64_t>(), kSnapshotEvery);
     std::printf("[elastic troupe-run] failure %zu (%s): detection %lld ms, recovery %.2f s, steps lost %lld\n", i + 1,
                 det[i]["cause"].get<std::string>().c_str(), static_cast<long long>(det[i]["detection_ms"].get<int64_t>()),
                 rec[i]["recovery_s"].get<double>(), static_cast<long long>(rec[i]["steps_lost"].get<int64_t>()));
