@@ -30,9 +30,10 @@
 // Commands in flight: the Trainer keeps up to train.steps_in_flight step commands in
 // flight (step k+1 is sent before step k's reply arrives), so a worker finds its next
 // command queued when it finishes a step and never idles for a driver round trip. The
-// worker serves them in order; where the Stage can (Stage::can_launch_ahead) and nothing
-// between two steps needs the state (no snapshot or checkpoint due after the step) it
-// launches step k+1 before finishing step k. Each reply says whether the next command was
+// worker serves them in order; on a device, where the Stage can (Stage::can_launch_ahead)
+// and nothing between two steps needs the state (no snapshot or checkpoint due after the
+// step), it launches step k+1 before finishing step k (on the CPU launch_step runs the
+// whole step: launching ahead would only hold the step's report back). Each reply says whether the next command was
 // already queued when it was sent (next_queued) and how long the worker waited for this one.
 //
 // Worker contract: between commands the worker serves its queue; when plan/<e+1> appears
