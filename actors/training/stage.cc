@@ -289,7 +289,11 @@ Status Stage::setup_params(const std::vector<ProgramParam>& params) {
   if (tc_.train.fold_grad_norm && dp == 1) {
     std::vector<bool> eligible;
     for (const Entry& e : entries_) eligible.push_back(e.expert);
-    buf_.enable_grad_norm_fold(ctx_, eligible);
+    const int64_t folded = buf_.enable_grad_norm_fold(ctx_, eligible);
+    if (folded > 0 && rank_ == 0) {
+      fmt::print("stage: gradient norm folded into the dW products of {} parameters (train.fold_grad_norm)\n",
+                 folded);
+    }
   }
   setup_buckets();
   return ok_status();
