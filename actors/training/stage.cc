@@ -244,6 +244,11 @@ Status Stage::setup_params(const std::vector<ProgramParam>& params) {
   }
   if (rep_size_ < 0) rep_size_ = buf_.used();
   flat_size_ = buf_.used();
+  int64_t low = 0;
+  for (const layers::ParamBuffer::Slot& s : buf_.slots()) low += s.low ? 1 : 0;
+  if (low > 0 && rank_ == 0) {
+    fmt::print("stage: the experts' weight gradients are bf16 ({} parameters, train.expert_grads)\n", low);
+  }
   in_norm_.clear();
   for (const Entry& e : entries_) in_norm_.push_back(e.in_norm);
   // train.master_weights = "split" where the products read bf16 working copies (GPUs); the

@@ -8,8 +8,8 @@
 //     Trainer and Stage in one process), with the device timeline of the worker's steps.
 // Losses agree within bf16 tolerance (2e-2 relative) at every step (the MoE pair runs the
 // same kernels in the same order: measured bitwise equal), and dense_lm learns.
-// Also train_moe's single-process GPU loop with the gradient norm folded into the experts'
-// dW products (issue 20: train.fold_grad_norm, the default) against the full pass, and
+// Also train_moe's GPU runs with the gradient norm folded into the experts'
+// dW products (train.fold_grad_norm, the default) against the full pass, and
 // its steps replayed from a CUDA graph (train.cuda_graph, the default) against launches,
 // and two runs with the attention's dQ in its own kernel (train.attention_fused_dq=false),
 // and bf16 expert gradients (train.expert_grads) against f32 ones. And the Stage's own
