@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# bench/gpu_state_cost.sh — what the elastic in-memory state costs a data-parallel GPU job
-# (issue 17/18): the same `troupe run --nproc 2 --backend cuda -- train_moe --parallel dp=2`
+# bench/gpu_state_cost.sh — what the elastic in-memory state costs a data-parallel GPU job:
+# the same `troupe run --nproc 2 --backend cuda -- train_moe --parallel dp=2`
 # job with elastic.gpu_state = "memory" (the default: the column's optimizer moments
 # all-gathered over dp and the values copied after every step, so a lost worker is restored
 # from its peer with no step lost) and "checkpoint" (nothing kept), interleaved REPEAT times.

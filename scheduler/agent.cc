@@ -349,7 +349,6 @@ void Agent::on_spawn(const SpawnRequest& req) {
   if (!opts_.host_addr.empty()) env["TROUPE_HOST_ADDR"] = opts_.host_addr;
   if (opts_.insecure) env["TROUPE_INSECURE"] = "1";
   if (relay_) env["TROUPE_AGENT_RELAY"] = relay_->bound_endpoint();
-  env["TROUPE_LOG_FILE"] = so.log_path;
   // The job's CURVE secret key goes to the process as a 0600 file, not in its environment
   // (which /proc/<pid>/environ, core dumps and child processes would carry).
   if (auto it = env.find(control::kJobSecretKeyEnv); it != env.end()) {
