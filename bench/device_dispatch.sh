@@ -1,5 +1,5 @@
 #!/bin/bash
-# bench/device_dispatch.sh — the device-driven expert dispatch (issue 17 item 5) on a host
+# bench/device_dispatch.sh — the device-driven expert dispatch on a host
 # with two GPUs: builds train_moe, troupe and training_gpu_test, runs the GPU tests that
 # FILTER selects (gtest filter; "none" skips them), then trains bench_1b at n=2 under
 # `troupe run` three ways: router statistics and expert counts read on the host (host),

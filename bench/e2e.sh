@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench/e2e.sh — Troupe against the PyTorch peer (bench/peers/torch_moe.py), back to back on
-# this host's GPUs (issue 10): one GPU, and two GPUs when `nvidia-smi -L` lists at least two.
+# this host's GPUs: one GPU, and two GPUs when `nvidia-smi -L` lists at least two.
 # For each GPU count: Troupe's train_moe (1 GPU directly and under `troupe run --nproc 1`, 2
 # GPUs under `troupe run`), then the peer eager and compiled. Prints one table: config, GPUs,
 # system, tokens/s, MFU (model FLOPs per token = 6*N_active + 6*L*s*d, attention counted

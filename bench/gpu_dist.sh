@@ -1,5 +1,5 @@
 #!/bin/bash
-# bench/gpu_dist.sh — one 2-GPU host run of distributed GPU training (issue 10): builds
+# bench/gpu_dist.sh — one 2-GPU host run of distributed GPU training: builds
 # train_moe, troupe and training_gpu_test, runs the test (n=2 and dp=2 on two GPUs against
 # one), then bench_1b for STEPS steps on one GPU and on two (`troupe run --nproc 2
 # --backend cuda -- train_moe ... --parallel n=2`, micro-batch MBS2 sequences split over the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/gpu_issue20.sh — the GPU-host steps of issue 20, one per argument, run in order:
+# bench/gpu_issue20.sh — the one-GPU host steps, one per argument, run in order:
 #   build    Release build (sm_90a) of train_moe, the CUDA op-table and bf16 tests, kernel_bench
 #   tests    kernels_op_table_cuda_test, kernels_cuda_bf16_test, then `ctest -L gpu`
 #   kernels  bench/kernels/gpu_check.sh's timing half: kernel_bench, torch_kernels.py, compare.py

@@ -1,5 +1,5 @@
 #!/bin/bash
-# bench/gpu_train.sh — one GPU-host run of train_moe on CUDA (issue 10, one GPU): build
+# bench/gpu_train.sh — one GPU-host run of train_moe on CUDA (one GPU): build
 # train_moe and its GPU test, run the test (CUDA vs CPU losses), then train bench_1b on real
 # text for STEPS steps (loss every 20 steps, metrics.jsonl with tokens/s, mfu and activation
 # memory), optionally followed by `bench/e2e.sh --quick` (Troupe vs the PyTorch peer).

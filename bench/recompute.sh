@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/recompute.sh — memory and speed of selective recomputation on one GPU (issue 20):
+# bench/recompute.sh — memory and speed of selective recomputation on one GPU:
 # bench_1b (or --config) at the same tokens per step with longer sequences — seq 2048 x
 # micro-batch 8, 8192 x 2, 16384 x 1 — each with model.recompute_swiglu off and on (the
 # SwiGLU outputs of the experts are recomputed in backward instead of kept). Per run: the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/router_load.sh — the router-load question of issue 20: is bench_1b's growing expert
+# bench/router_load.sh — the router-load question: is bench_1b's growing expert
 # imbalance on the GPU (per-layer max/mean load 2-4x at step 1, 7-8x by steps 5-10) a defect
 # of Troupe's GPU path or the model's dynamics?
 #

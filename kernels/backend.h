@@ -63,11 +63,11 @@ struct Backend {
   double (*sum_squares_multi)(const Exec&, std::span<const Tensor* const>);
   void (*master_split)(const Exec&, const Tensor&, Tensor&, Tensor&);
   void (*master_join)(const Exec&, const Tensor&, const Tensor&, Tensor&);
-  // ---- device-resident step statistics (issue 20)
+  // ---- device-resident step statistics
   // tensors (squared), sums (summed plainly), out, accumulate.
   void (*sum_squares_into)(const Exec&, std::span<const Tensor* const>, std::span<const Tensor* const>,
                            Tensor&, bool);
-  // ---- communication codecs (issue 17) ----
+  // ---- communication codecs ----
   void (*moe_permute_fp8)(const Exec&, const Tensor&, const Tensor&, int64_t, Tensor&, Tensor&);
   void (*sum_chunks)(const Exec&, const Tensor&, Tensor&);
 };

@@ -886,7 +886,7 @@ double sum_squares_multi(const Exec& ex, std::span<const Tensor* const> tensors)
   return c.call(&Backend::sum_squares_multi, ex, tensors);
 }
 
-// ---- device-resident step statistics (issue 20) ------------------------------------------
+// ---- device-resident step statistics ------------------------------------------
 
 void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors, Tensor& out, bool accumulate,
                       std::span<const Tensor* const> sums) {
@@ -934,7 +934,7 @@ void dequantize_fp8(const Exec& ex, const Tensor& q, const Tensor& scales, int64
   c.call(&Backend::dequantize_fp8, ex, q, scales, block_size, out);
 }
 
-// ---- communication codecs (issue 17) ----------------------------------------------------
+// ---- communication codecs ----------------------------------------------------
 void moe_permute_fp8(const Exec& ex, const Tensor& x, const Tensor& row_map, int64_t top_k, Tensor& q,
                      Tensor& scales) {
   OpCheck c("moe_permute_fp8", ex, {{"x", &x}, {"row_map", &row_map}, {"q", &q}, {"scales", &scales}});

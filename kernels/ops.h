@@ -69,7 +69,7 @@ void grouped_matmul(const Exec& ex, const Tensor& x, const Tensor& w, const Tens
                     bool trans_w = false);
 // dw_sum_squares (optional; only where dW is written, not with accumulate_dw): f32
 // [grouped_matmul_dw_sum_squares_slots(E, K, N)]; afterwards the SUM of its slots is the
-// sum of squares of the dW written (issue 20: the gradient norm folded into the product).
+// sum of squares of the dW written (the gradient norm folded into the product).
 // Each slot is written once, from a fixed-order f32 sum: repeated runs are bit-identical.
 // Which slot holds what is the backend's: the CUDA Hopper (TMA) kernel leaves one partial
 // sum per (output tile, consumer warp) from its epilogue; other paths sum dW in a second
@@ -148,7 +148,7 @@ struct RouterConfig {
 // the lower expert index. Gates are the selected scores, renormalised per config.
 //
 // stats (optional): the load statistics of the same pass, so that a step does not spend
-// separate passes (and launches) on them (issue 20):
+// separate passes (and launches) on them:
 //   counts f32 [E]       the copies routed to each expert (top-k entries equal to e);
 //   score_sums f32 [E]   (optional) the column sums of the scores over the tokens;
 //   acc f32 [E+1]        (optional) acc[0:E] += counts and, with score_sums,
@@ -277,14 +277,14 @@ void quantize_fp8(const Exec& ex, const Tensor& x, int64_t block_size, Tensor& q
 // out = q * scale (out f32 or bf16).
 void dequantize_fp8(const Exec& ex, const Tensor& q, const Tensor& scales, int64_t block_size, Tensor& out);
 
-// ---- device-resident step statistics (issue 20: no host read inside a step) ------------
+// ---- device-resident step statistics (no host read inside a step) ------------
 // out f32 [1] (+)= the sum of squares of every element of every tensor (f32 or bf16),
 // accumulated in double and left on the device (no host wait; compare sum_squares_multi).
 // `sums` (optional) adds the plain sum of every element of each of its tensors in the same
 // pass: partial sums of squares made elsewhere (grouped_matmul_backward's dw_sum_squares).
 void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors, Tensor& out,
                       bool accumulate = false, std::span<const Tensor* const> sums = {});
-// ---- communication codecs (issue 17: overlap/compression; CPU side is comm/compression.h) ----
+// ---- communication codecs (overlap/compression; CPU side is comm/compression.h) ----
 // moe_permute fused with fp8 e4m3 quantisation, one f32 scale per row: row r of q holds
 // the row moe_permute would write as e4m3 codes of x * (1 / scale), scale = amax / 448 (1
 // for an all-zero or non-finite amax), round to nearest even, saturated to ±448; scales

@@ -105,7 +105,7 @@ class Model {
   // The squared global norm of every gradient, read back (host mode; one wait).
   double grad_norm_squared(const Ctx& c) const;
 
-  // Step statistics on the device (issue 20; one process, after to_device; the training
+  // Step statistics on the device (one process, after to_device; the training
   // loop uses it on GPUs, the CPU runs it too for tests): the
   // LM loss sum, the squared gradient norm and every MoE block's selection counts and aux
   // loss accumulate in one device buffer that end_step reads once, so a step enqueues its

@@ -9,7 +9,7 @@
 // step then writes the gradient (accumulate_grad() returns false and clears the mark), and
 // the later micro-batches add as usual.
 //
-// Gradient-norm folding (issue 20): a product that writes a gradient can also leave its
+// Gradient-norm folding: a product that writes a gradient can also leave its
 // sum of squares in slots (grad_sum_squares), so that the step's norm need not read that
 // gradient again. The slots hold the gradient's sum of squares only while exactly one
 // product produced the gradient since zero_grad and that product wrote it with the slots

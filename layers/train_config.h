@@ -129,7 +129,7 @@ struct ParallelOptions {
   // when top_k is large).
   std::string dispatch = "alltoall";
   bool compression = false;  // data-parallel gradient reduce-scatter with bf16 on the wire
-  // ---- communication overlap and compression (issue 17; docs/parallelism.md) ----
+  // ---- communication overlap and compression (docs/parallelism.md) ----
   // Each switch changes only when the step waits, never the arithmetic: a run with a
   // switch off gives bitwise the same numbers as with it on.
   bool overlap_a2a = true;           // Ulysses and expert all-to-alls in flight behind compute

@@ -366,7 +366,6 @@ void Agent::on_spawn(const SpawnRequest& req) {
   if (opts_.insecure) env["TROUPE_INSECURE"] = "1";
   if (relay_) env["TROUPE_AGENT_RELAY"] = relay_->bound_endpoint();
   if (keeper_) env[checkpoint::kSnapshotKeeperEnv] = keeper_->socket_path();
-  env["TROUPE_LOG_FILE"] = so.log_path;
   // The job's CURVE secret key goes to the process as a 0600 file, not in its environment
   // (which /proc/<pid>/environ, core dumps and child processes would carry).
   if (auto it = env.find(control::kJobSecretKeyEnv); it != env.end()) {

@@ -32,12 +32,6 @@ Status JobSpec::validate() {
     }
     layout = l.to_string();
   }
-  if (min_workers == 0) min_workers = nproc;
-  if (max_workers == 0) max_workers = nproc;
-  if (min_workers < 1 || min_workers > nproc || max_workers < nproc) {
-    return invalid_argument("job spec: elastic bounds must satisfy 1 <= min ({}) <= nproc ({}) <= max ({})",
-                            min_workers, nproc, max_workers);
-  }
   for (const auto& [k, v] : env) {
     if (k.empty() || k.find('=') != std::string::npos) return invalid_argument("job spec: bad env name '{}'", k);
     if (k.rfind("TROUPE_", 0) == 0) {
@@ -65,8 +59,6 @@ std::string JobSpec::to_json() const {
   j["env"] = env;
   j["nproc"] = nproc;
   j["layout"] = layout;
-  j["min_workers"] = min_workers;
-  j["max_workers"] = max_workers;
   j["max_restarts"] = max_restarts;
   j["max_driver_restarts"] = max_driver_restarts;
   j["checkpoint_dir"] = checkpoint_dir;
@@ -89,8 +81,8 @@ Result<JobSpec> JobSpec::from_json(const std::string& text) {
                                          "env",
                                          "nproc",
                                          "layout",
-                                         "min_workers",
-                                         "max_workers",
+                                         "min_workers",  // written by earlier versions; ignored
+                                         "max_workers",  // (a job's bounds: elastic.min_dp, max_dp)
                                          "max_restarts",
                                          "max_driver_restarts",
                                          "checkpoint_dir",
@@ -110,8 +102,6 @@ Result<JobSpec> JobSpec::from_json(const std::string& text) {
     s.env = j.value("env", std::map<std::string, std::string>{});
     s.nproc = j.value("nproc", 1);
     s.layout = j.value("layout", "");
-    s.min_workers = j.value("min_workers", 0);
-    s.max_workers = j.value("max_workers", 0);
     s.max_restarts = j.value("max_restarts", 0);
     s.max_driver_restarts = j.value("max_driver_restarts", 3);
     s.checkpoint_dir = j.value("checkpoint_dir", "");

@@ -20,8 +20,6 @@ struct JobSpec {
   std::map<std::string, std::string> env;    // added to every process's environment
   int nproc = 1;                             // workers (the driver is extra)
   std::string layout;                        // ParallelLayout::parse() text; empty: pp=1,dp=nproc,n=1
-  int min_workers = 0;                       // elastic bounds; 0 = nproc
-  int max_workers = 0;
   int max_restarts = 0;                      // worker restarts of the whole job
   int max_driver_restarts = 3;               // restarts of a driver that died
   std::string checkpoint_dir;

@@ -44,8 +44,8 @@ Status make_private_dir(const std::string& dir, const char* what) {
   }
   if ((st.st_mode & S_ISVTX) != 0) {
     // A shared directory such as /tmp: tightening it would lock every other user out.
-    return failed_precondition("{} {} is a shared directory (mode {:o}, sticky): name a directory of its own", what,
-                               dir, st.st_mode & 07777);
+    return failed_precondition("{} {} is a shared directory (mode {:o}, sticky): name a directory of its own",
+                               what, dir, st.st_mode & 07777);
   }
   if ((st.st_mode & 077) != 0) {
     if (::chmod(dir.c_str(), 0700) != 0) {

@@ -54,8 +54,6 @@ void add_spec_options(CLI::App* cmd, SpecFlags& f, bool nproc_required = true) {
          "--health-policy", f.spec.health_policy,
          "When the faulty-machine detector flags a worker: flag (default), replace it, or drain its agent")
       ->check(CLI::IsMember({"flag", "replace", "drain"}));
-  cmd->add_option("--min-workers", f.spec.min_workers, "Elastic lower bound (default: nproc)");
-  cmd->add_option("--max-workers", f.spec.max_workers, "Elastic upper bound (default: nproc)");
   cmd->add_flag("!--no-driver", f.spec.driver, "Run only the workers, no driver process");
   cmd->add_flag(
       "--elastic", f.spec.elastic,

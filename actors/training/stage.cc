@@ -245,6 +245,11 @@ Status Stage::setup_params(const std::vector<ProgramParam>& params) {
   }
   if (rep_size_ < 0) rep_size_ = buf_.used();
   flat_size_ = buf_.used();
+  int64_t low = 0;
+  for (const layers::ParamBuffer::Slot& s : buf_.slots()) low += s.low ? 1 : 0;
+  if (low > 0 && rank_ == 0) {
+    fmt::print("stage: the experts' weight gradients are bf16 ({} parameters, train.expert_grads)\n", low);
+  }
   in_norm_.clear();
   for (const Entry& e : entries_) in_norm_.push_back(e.in_norm);
   // train.master_weights = "split" where the products read bf16 working copies (GPUs); the
@@ -290,7 +295,11 @@ Status Stage::setup_params(const std::vector<ProgramParam>& params) {
   if (tc_.train.fold_grad_norm && dp == 1) {
     std::vector<bool> eligible;
     for (const Entry& e : entries_) eligible.push_back(e.expert);
-    buf_.enable_grad_norm_fold(ctx_, eligible);
+    const int64_t folded = buf_.enable_grad_norm_fold(ctx_, eligible);
+    if (folded > 0 && rank_ == 0) {
+      fmt::print("stage: gradient norm folded into the dW products of {} parameters (train.fold_grad_norm)\n",
+                 folded);
+    }
   }
   setup_buckets();
   return ok_status();

@@ -1,15 +1,13 @@
 // apps/prepare/prepare.cc — prepare_corpus (troupe-prepare, `train_moe prepare`): stream
-// the corpus (text files and JSON-lines, plain or compressed; apps/prepare/corpus.h), tokenize every document into
-// train/validation shards with a Hugging Face tokenizer.json (--tokenizer) or one trained
-// here on the training documents (a first pass), and write tokenizer.json and meta.json
-// beside the shards. Memory stays constant in the corpus size: documents are read,
-// tokenized and appended one at a time.
+// the corpus (text files and JSON-lines, plain or compressed; apps/prepare/corpus.h), tokenize every document
+// into train/validation shards with a Hugging Face tokenizer.json (--tokenizer) or one trained here on the
+// training documents (a first pass), and write tokenizer.json and meta.json beside the shards. Memory stays
+// constant in the corpus size: documents are read, tokenized and appended one at a time.
 #include "apps/prepare/prepare.h"
 
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -41,12 +39,14 @@ void report_malformed(const CorpusStats& st) {
 }  // namespace
 
 void add_prepare_options(CLI::App& cli, PrepareOptions& o) {
-  cli.add_option("--input", o.inputs,
-                 "files or directories (repeatable): text files, or JSON lines (.jsonl, .jsonl.gz, .jsonl.zst)")
+  cli.add_option(
+         "--input", o.inputs,
+         "files or directories (repeatable): text files, or JSON lines (.jsonl, .jsonl.gz, .jsonl.zst)")
       ->required();
   cli.add_option("--out", o.out, "output directory")->required();
-  cli.add_option("--tokenizer", o.tokenizer,
-                 "a Hugging Face tokenizer.json (byte-level BPE: GPT-2, Llama 3, Qwen) instead of training one");
+  cli.add_option(
+      "--tokenizer", o.tokenizer,
+      "a Hugging Face tokenizer.json (byte-level BPE: GPT-2, Llama 3, Qwen) instead of training one");
   cli.add_option("--eot-token", o.eot_token,
                  "with --tokenizer: the token ending each document (default: its eos_token)");
   cli.add_option("--vocab", o.vocab, "vocabulary size of a trained tokenizer (bytes + end-of-text + merges)");
@@ -54,7 +54,8 @@ void add_prepare_options(CLI::App& cli, PrepareOptions& o) {
   cli.add_flag("--strict", o.strict, "JSON lines: stop at a malformed record (default: skip and count it)");
   cli.add_option("--max-bytes", o.max_bytes, "stop after this many bytes of text (0: read everything)");
   cli.add_option("--val-fraction", o.val_fraction, "fraction of documents for validation");
-  cli.add_option("--ext", o.extensions, "file name endings taken from directories (e.g. .py .txt .jsonl.zst)");
+  cli.add_option("--ext", o.extensions,
+                 "file name endings taken from directories (e.g. .py .txt .jsonl.zst)");
   cli.add_option("--shard-tokens", o.shard_tokens, "tokens per shard file");
 }
 

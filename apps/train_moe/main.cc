@@ -131,7 +131,7 @@ int main(int argc, char** argv) {
   } else {
     if (train.config.empty() && train.resume.empty()) {
       fmt::print(stderr, "train_moe: give --config <file> (or --resume <run dir>) to train, or a subcommand "
-                         "(prepare, sample, plot)\n{}",
+                         "(prepare, sample, eval, export, plot)\n{}",
                  app.help());
       return 2;
     }
@@ -147,9 +147,9 @@ int main(int argc, char** argv) {
     training = true;
     // The device (CUDA stream, caching allocator, CudaContext) lives here, for the whole run.
     auto dev = RunDevice::create(train.backend);
-    if (!dev.ok()) {
+    if (!dev.ok()) {  // no CUDA build, no visible GPU: exit_status.h says which are permanent
       fmt::print(stderr, "train_moe: error: {}\n", dev.status().to_string());
-      return 1;
+      return troupe::exit_status_for(dev.status());
     }
     auto tc = troupe::layers::load_train_config(resolved->config, resolved->overrides);
     if (!tc.ok()) {

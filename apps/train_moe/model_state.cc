@@ -2,7 +2,6 @@
 #include "apps/train_moe/model_state.h"
 
 #include "actors/training/stage_state.h"
-
 #include "core/config.h"
 
 namespace troupe::train_moe {

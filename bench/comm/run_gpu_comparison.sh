@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench/comm/run_gpu_comparison.sh — on the GPU host, in one run: the NCCL GPU tests,
 # comm_bench's NCCL all-to-all, PyTorch's all_to_all_single at the same sizes, and the
-# ratio at the largest size (issue 6 target: >= 95% of PyTorch at large sizes).
+# ratio at the largest size (target: >= 95% of PyTorch at large sizes).
 #   bench/comm/run_gpu_comparison.sh [build-dir] [python]
 set -euo pipefail
 BUILD=${1:-build}

@@ -316,7 +316,7 @@ void run() {
     b.flops("grouped_down_dw_f32write", f2, "2*rows*N*K", [&] {
       be.grouped_matmul_backward(b.ex, a, w2, offsets, y, nullptr, &dw2, false, false, nullptr);
     });
-    // The same with the gradient norm's sum of squares folded into the epilogue (issue 20).
+    // The same with the gradient norm's sum of squares folded into the epilogue.
     Tensor ss2 = b.empty({grouped_matmul_dw_sum_squares_slots(kExperts, kFfn, kD)}, DType::kF32);
     b.flops("grouped_down_dw_f32write_sumsq", f2, "2*rows*N*K",
             [&] { be.grouped_matmul_backward(b.ex, a, w2, offsets, y, nullptr, &dw2, false, false, &ss2); });
@@ -348,7 +348,7 @@ void run() {
     b.flops("dense_equiv_32768x4096x1024", f1, "2*M*N*K",
             [&] { be.matmul(b.ex, xp, wd, h, false, false, 1.0f, 0.0f); });
   }
-  // ---- grouped GEMMs on two more loads (issue 20): bench_1b's shapes with one expert
+  // ---- grouped GEMMs on two more loads: bench_1b's shapes with one expert
   // holding half the rows, and fine-grained experts (64 of hidden 256, top-8) ----
   {
     const int64_t rows = kTokens * kTopK;
@@ -540,7 +540,7 @@ void run() {
             [&] { be.sum_squares_into(b.ex, grads, {}, norm_sq, false); });
     std::printf("(norm checksum %.3e)\n", sink);
 
-    // ---- could the optimizer hide behind the products? (issue 20) A measurement, not a
+    // ---- could the optimizer hide behind the products? A measurement, not a
     // path the step takes: the expert products of a bench_1b forward (12 x up + down on the
     // balanced load) on the main stream, limited to num_sms - r SMs (the TMA kernel's
     // persistent grid), and the whole AdamW pass (with its bf16 working copies) on a second

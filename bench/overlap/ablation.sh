@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench/overlap/ablation.sh — MegaScale-MoE's ablation table for Troupe's communication
-# features (issue 17): the same job run with the overlap and compression switches of
+# features: the same job run with the overlap and compression switches of
 # [parallel] turned on one after the other, starting from the sequential schedule:
 #
 #   sequential      overlap_a2a, overlap_grad_sync, overlap_param_gather off, chunks = 1

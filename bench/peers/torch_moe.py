@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-# bench/peers/torch_moe.py — the PyTorch peer of Troupe's MoE transformer (issue 10).
+# bench/peers/torch_moe.py — the PyTorch peer of Troupe's MoE transformer.
 #
 # The same model train_moe trains (layers/ on branch model-app): pre-norm RMSNorm blocks,
 # grouped-query attention with RoPE "rotate half" pairs (i, i + Dh/2), a softmax (or sigmoid)

@@ -1,5 +1,5 @@
 // bench/scale/scale_sim.cc — scale_sim: the real troupe-scheduler process against a
-// simulated cluster (issue 19). 1,250 agents of 8 slots and 10,000 worker control
+// simulated cluster. 1,250 agents of 8 slots and 10,000 worker control
 // sessions by default, each a real ZeroMQ DEALER on loopback speaking the real wire
 // protocol (comm/control envelopes carrying scheduler/protocol.capnp messages, the
 // transport's 2 Hz application heartbeats, ZMTP heartbeats), owned by a few threads that

@@ -14,7 +14,7 @@ enum class HostWait { kReadBack, kUpload };
 
 // cudaStreamSynchronize(stream), counted by kind: every host wait of the framework on
 // device work goes through it, so a training step can report how often its host blocked
-// (issue 20's sync counter).
+// (the step's sync counter).
 void host_wait(cudaStream_t stream, HostWait kind = HostWait::kReadBack);
 // Calls of host_wait of that kind in this process so far (all threads).
 int64_t host_wait_count(HostWait kind = HostWait::kReadBack);

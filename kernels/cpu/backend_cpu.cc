@@ -48,9 +48,9 @@ const Backend& cpu_backend() {
       .sum_squares_multi = cpu::sum_squares_multi,
       .master_split = cpu::master_split,
       .master_join = cpu::master_join,
-      // ---- device-resident step statistics (issue 20)
+      // ---- device-resident step statistics
       .sum_squares_into = cpu::sum_squares_into,
-      // ---- communication codecs (issue 17) ----
+      // ---- communication codecs ----
       .moe_permute_fp8 = cpu::moe_permute_fp8,
       .sum_chunks = cpu::sum_chunks,
   };

@@ -128,7 +128,7 @@ void sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors,
 void quantize_fp8(const Exec& ex, const Tensor& x, int64_t block_size, Tensor& q, Tensor& scales);
 void dequantize_fp8(const Exec& ex, const Tensor& q, const Tensor& scales, int64_t block_size, Tensor& out);
 
-// ---- communication codecs (issue 17; compress.cc) ----
+// ---- communication codecs (compress.cc) ----
 void moe_permute_fp8(const Exec& ex, const Tensor& x, const Tensor& row_map, int64_t top_k, Tensor& q,
                      Tensor& scales);
 void sum_chunks(const Exec& ex, const Tensor& in, Tensor& out);

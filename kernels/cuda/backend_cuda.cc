@@ -691,7 +691,7 @@ double cuda_sum_squares_multi(const Exec& ex, std::span<const Tensor* const> ten
                                        partials.get());
 }
 
-// ---- device-resident step statistics (issue 20) ------------------------------------------
+// ---- device-resident step statistics ------------------------------------------
 void cuda_sum_squares_into(const Exec& ex, std::span<const Tensor* const> tensors,
                            std::span<const Tensor* const> sums, Tensor& out, bool accumulate) {
   const char* op = "sum_squares_into";
@@ -743,7 +743,7 @@ void cuda_dequantize_fp8(const Exec& ex, const Tensor& q, const Tensor& scales, 
                              out.data_ptr(), out.dtype());
 }
 
-// ---- communication codecs (issue 17; compress.cu) ---------------------------------------
+// ---- communication codecs (compress.cu) ---------------------------------------
 void cuda_moe_permute_fp8(const Exec& ex, const Tensor& x, const Tensor& row_map, int64_t top_k, Tensor& q,
                           Tensor& scales) {
   const char* op = "moe_permute_fp8";
@@ -806,9 +806,9 @@ const Backend kCudaBackend = {
     .sum_squares_multi = cuda_sum_squares_multi,
     .master_split = cuda_master_split,
     .master_join = cuda_master_join,
-    // ---- device-resident step statistics (issue 20)
+    // ---- device-resident step statistics
     .sum_squares_into = cuda_sum_squares_into,
-    // ---- communication codecs (issue 17) ----
+    // ---- communication codecs ----
     .moe_permute_fp8 = cuda_moe_permute_fp8,
     .sum_chunks = cuda_sum_chunks,
 };

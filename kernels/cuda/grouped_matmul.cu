@@ -618,7 +618,7 @@ void launch_gemm_tiled(const Env& env, dim3 grid, const GemmArgs& args) {
 // TMA's add where the product accumulates; every tile of dW is whole (the map's bounds clip
 // rows and columns past the expert's matrix). Where dW is written, that epilogue can also
 // leave each warp's sum of squares of its accumulators in a slot (GemmArgs::sum_squares):
-// the gradient norm folded into the product, a few FMAs per accumulator (issue 20).
+// the gradient norm folded into the product, a few FMAs per accumulator.
 // A written bf16 dW takes the row outputs' staging instead (one round of 4 bf16 boxes),
 // and its sum of squares is that of the rounded values it stores.
 constexpr int kTmaBN = 256, kTmaThreads = 384;

@@ -82,7 +82,7 @@ void launch_master_join(const Env& env, const void* hi, const void* lo, float* v
 size_t multi_reduce_scratch_bytes();
 double launch_sum_squares_multi(const Env& env, int count, const void* const* x, const DType* types,
                                 const int64_t* numel, void* partials);
-// ---- device-resident step statistics (issue 20) ---------------------------------------
+// ---- device-resident step statistics ---------------------------------------
 // out[0] (+)= the multi-tensor sum of squares, reduced on the device in a fixed order
 // (deterministic); partials of multi_reduce_scratch_bytes(). No host wait. plain (null:
 // none): tensors i with plain[i] != 0 add the plain sum of their elements instead.

@@ -1,5 +1,5 @@
-// kernels/cuda/peer_rows.h — launchers of the device-driven expert dispatch (issue 17,
-// item 5): the GPUs of one n-group on one host write the dispatched rows straight into
+// kernels/cuda/peer_rows.h — launchers of the device-driven expert dispatch
+// (parallel.device_dispatch): the GPUs of one n-group on one host write the dispatched rows straight into
 // each other's receive buffers (CUDA IPC mappings, NVLink or PCIe peer access) and read
 // the expert outputs back the same way, with every index computed on the device from the
 // all-gathered per-expert counts: no count reaches the host inside a step.

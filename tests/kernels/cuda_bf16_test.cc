@@ -241,14 +241,14 @@ TEST_F(CudaBf16, GroupedMatmulDwWithoutTokensWritesZeros) {
   grouped_matmul_backward(gpu.ex, x, w, offsets, dout, nullptr, &dw, false, false);
   const std::vector<float> got = back(dw).to_floats();
   EXPECT_EQ(got, std::vector<float>(got.size(), 0.0f));
-  // With the dW sum of squares (issue 20): zero slots.
+  // With the dW sum of squares: zero slots.
   Tensor slots = dev_poisoned({grouped_matmul_dw_sum_squares_slots(experts, k, n)}, kF32);
   grouped_matmul_backward(gpu.ex, x, w, offsets, dout, nullptr, &dw, false, false, &slots);
   const std::vector<float> zeros = back(slots).to_floats();
   EXPECT_EQ(zeros, std::vector<float>(zeros.size(), 0.0f));
 }
 
-// Issue 20: grouped_matmul_backward's dw_sum_squares on every CUDA path. The slots' sum is
+// grouped_matmul_backward's dw_sum_squares on every CUDA path. The slots' sum is
 // the sum of squares of the dW written (taken on the host from the downloaded dW), dW is
 // bit-identical to the same call without slots, and a second run gives bit-identical
 // slots. Where the Hopper TMA kernel folds the sum into its epilogue, each slot must sit

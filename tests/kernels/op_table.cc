@@ -155,9 +155,9 @@ const std::vector<std::string>& forward_op_names() {
       "router_forward", "moe_dispatch_plan", "moe_permute", "moe_unpermute", "swiglu_forward",
       "cross_entropy_forward", "cross_entropy_forward_backward", "adamw_step", "adamw_step_multi",
       "sum_squares_multi", "master_split", "master_join", "quantize_fp8", "dequantize_fp8",
-      // device-resident step statistics (issue 20)
+      // device-resident step statistics
       "sum_squares_into",
-      // communication codecs (issue 17)
+      // communication codecs
       "moe_permute_fp8", "sum_chunks"};
   return kNames;
 }
@@ -217,9 +217,9 @@ bool backend_implements(const Backend& b, const std::string& op) {
       TROUPE_OP_ENTRY(master_join),
       TROUPE_OP_ENTRY(quantize_fp8),
       TROUPE_OP_ENTRY(dequantize_fp8),
-      // device-resident step statistics (issue 20)
+      // device-resident step statistics
       TROUPE_OP_ENTRY(sum_squares_into),
-      // ---- communication codecs (issue 17) ----
+      // ---- communication codecs ----
       TROUPE_OP_ENTRY(moe_permute_fp8),
       TROUPE_OP_ENTRY(sum_chunks),
   };
@@ -1802,7 +1802,7 @@ void add_multi_tensor_cases(std::vector<OpCase>& cases, Rng& rng) {
   }
 }
 
-// ---- device-resident step statistics (issue 20) ---------------------------------------------
+// ---- device-resident step statistics ---------------------------------------------
 
 // sum_squares_into (written and accumulated) and adamw_step_multi clipped by a device-held
 // norm (clipping and not clipping).
@@ -2013,7 +2013,7 @@ void add_quant_cases(std::vector<OpCase>& cases, Rng& rng) {
   }
 }
 
-// ---- communication codecs (issue 17) -------------------------------------------------------
+// ---- communication codecs -------------------------------------------------------
 // moe_permute_fp8 (the fused permute + per-row e4m3 quantisation of the expert dispatch)
 // and sum_chunks (the fp32 local sum of a bf16 reduce-scatter). Their CPU versions equal
 // comm/compression.h's codecs bit for bit (tests/comm/comm_compression_test.cc); the
@@ -2110,8 +2110,8 @@ std::vector<OpCase> all_op_cases(uint64_t seed) {
   add_adamw_cases(cases, rng);
   add_multi_tensor_cases(cases, rng);
   add_quant_cases(cases, rng);
-  add_step_stats_cases(cases, rng);  // issue 20
-  add_codec_cases(cases, rng);       // issue 17
+  add_step_stats_cases(cases, rng);
+  add_codec_cases(cases, rng);     
   return cases;
 }
 

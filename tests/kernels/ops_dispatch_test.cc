@@ -1,6 +1,6 @@
 // tests/kernels/ops_dispatch_test.cc — the dispatcher of kernels/ops.h: bad shapes, dtypes
 // or devices abort with a message naming the op and its tensors, and an op a backend
-// lacks aborts saying so. Also the CPU contract of the folded gradient norm (issue 20):
+// lacks aborts saying so. Also the CPU contract of the folded gradient norm:
 // grouped_matmul_backward's dw_sum_squares slots and sum_squares_into's plain sums.
 #include <gtest/gtest.h>
 

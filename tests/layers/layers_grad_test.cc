@@ -801,7 +801,7 @@ TEST(AdamW, DeviceScheduleEqualsTheLaunchArguments) {
   EXPECT_DEATH(oc.prepare_step(kC, 1e-3), "use_device_schedule");
 }
 
-// Issue 20: a step with the statistics kept on the device (Model::enable_device_stats: the
+// a step with the statistics kept on the device (Model::enable_device_stats: the
 // router's RouterStats, the clip inside AdamW) equals the host-statistics step: the same
 // losses, aux loss, gradient norm, loads, router-bias update and parameters after AdamW.
 void check_device_stats_step(MoEConfig moe) {
@@ -869,7 +869,7 @@ TEST(Model, DeviceStatsStepEqualsHostStatsSigmoidBias) {
   check_device_stats_step(moe);
 }
 
-// Issue 20: with Model::enable_grad_norm_fold the experts' dW products leave their sums of
+// with Model::enable_grad_norm_fold the experts' dW products leave their sums of
 // squares in slots, and grad_norm_squared_on_device reads the other gradients and sums the
 // slots. It equals the full pass over every gradient; in a step of two micro-batches (the
 // second adds to the dW) it reads every gradient instead, and the next one-micro-batch

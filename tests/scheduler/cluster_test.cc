@@ -153,7 +153,7 @@ TEST(Cluster, StoppedWorkerIsDetectedWithinTheHeartbeatTimeout) {
               static_cast<long long>(detect_ms), timeout_ms);
   // Its last beat came at most one beat interval (timeout/6) before the stop.
   EXPECT_GE(detect_ms, timeout_ms - timeout_ms / 6 - 50);
-  EXPECT_LT(detect_ms, timeout_ms + 1000);  // issue 9's target: <= heartbeat timeout + 1 s
+  EXPECT_LT(detect_ms, timeout_ms + 1000);  // the target: <= heartbeat timeout + 1 s
   ASSERT_TRUE(c.wait_state(job, "succeeded", seconds(20))) << c.logs_of_daemons();
   EXPECT_FALSE(pid_alive(victim)) << "the stopped worker was not killed";
 }
