@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # bench/checkpoint_every_cost.sh — what a checkpoint after every step costs a CPU job: the tiny
 # config (apps/configs/tiny.toml) under the standalone launcher (--parallel, default
-# dp=2,n=2) with checkpoint.every = 1 and 0, interleaved REPEAT times (in-memory snapshots at
-# their default interval in both). A checkpoint is written from the step's committed
+# pp=2,n=2: a layout tiny.toml's global batch of 8 fits) with checkpoint.every = 1 and 0,
+# interleaved REPEAT times (in-memory snapshots at their default interval in both). A checkpoint is written from the step's committed
 # snapshot by each worker's writer thread, off the step; what the step pays is the
 # snapshot's start and, when the previous write still holds the generation, the wait
 # (ckpt_stall_ms in metrics.jsonl). Prints per run the median over the steps after WARMUP
@@ -16,7 +16,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 # shellcheck source=bench/common.sh
 source bench/common.sh
-BUILD=build DATA="" PARALLEL=dp=2,n=2 STEPS=60 WARMUP=5 REPEAT=3 KNOB=checkpoint.every TARGET=5
+BUILD=build DATA="" PARALLEL=pp=2,n=2 STEPS=60 WARMUP=5 REPEAT=3 KNOB=checkpoint.every TARGET=5
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) BUILD=$2; shift 2 ;;
