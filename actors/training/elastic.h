@@ -33,8 +33,9 @@
 // worker serves them in order; on a device, where the Stage can (Stage::can_launch_ahead)
 // and nothing between two steps needs the state (no snapshot or checkpoint due after the
 // step), it launches step k+1 before finishing step k (on the CPU launch_step runs the
-// whole step: launching ahead would only hold the step's report back). Each reply says whether the next command was
-// already queued when it was sent (next_queued) and how long the worker waited for this one.
+// whole step: launching ahead would only hold the step's report back). Each reply says
+// whether the next command was already queued when it was sent (next_queued) and how long
+// the worker waited for this one.
 //
 // Worker contract: between commands the worker serves its queue; when plan/<e+1> appears
 // (its watcher thread polls it) it aborts every communicator, so a step in progress unwinds
