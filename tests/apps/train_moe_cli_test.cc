@@ -357,11 +357,12 @@ TEST(TrainMoeCli, CommandsInFlight) {
 // CUDA) fails before any work with a message that says which.
 TEST(TrainMoeCli, BackendErrors) {
   const std::string dir = temp_dir("backend");
+  // Both are permanent: a restart would meet them again (core/exit_status.h).
   CliResult unknown = train_moe({"--config", dir + "/missing.toml", "--backend", "tpu"});
-  EXPECT_EQ(unknown.code, 1);
+  EXPECT_EQ(unknown.code, troupe::kExitPermanentFailure);
   EXPECT_NE(unknown.out.find("--backend must be cpu or cuda, not 'tpu'"), std::string::npos) << unknown.out;
   CliResult cuda = train_moe({"--config", dir + "/missing.toml", "--backend", "cuda"});
-  EXPECT_EQ(cuda.code, 1);
+  EXPECT_EQ(cuda.code, troupe::kExitPermanentFailure);
   if (!fs::exists("/dev/nvidia0")) {
     const bool says_why = cuda.out.find("no CUDA device is visible") != std::string::npos ||
                           cuda.out.find("has no CUDA support") != std::string::npos;
