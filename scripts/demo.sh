@@ -5,5 +5,5 @@ build=${1:-build}
 if [ -x "$build/apps/train_moe" ]; then
   exec bash scripts/run-demo.sh "$build"
 fi
-echo "make demo: the train_moe app is not built yet; see README 'Status'."
+echo "make demo: $build/apps/train_moe is not built (the build failed or was skipped: run make build)" >&2
 exit 1
