@@ -66,7 +66,7 @@ class SnapshotGpu : public ::testing::Test {
               "model.moe.expert_hidden=256",
               "train.seq_len=256",
               "train.micro_batch_size=4",
-              "train.grad_accum=2",
+              "train.global_batch=8",  // two micro-batches of 4
               fmt::format("train.steps={}", kSteps),
               "train.eval_batches=2",
               "train.eval_every=0",
