@@ -162,7 +162,9 @@ int cli_elastic_scale(const CliConnection& c, const std::string& run_dir, int dp
     return store_request(c, run_dir, nlohmann::json{{"op", "scale"}, {"dp", dp}}, wait_s, "scale");
   }
   if (!is_elastic_run_dir(run_dir)) {
-    fmt::print(stderr, "troupe scale: {} is not the run directory of a training job (no events.jsonl and status.json of its Trainer)\n",
+    fmt::print(stderr,
+               "troupe scale: {} is not the run directory of a training job (no events.jsonl and status.json "
+               "of its Trainer)\n",
                run_dir);
     return 2;
   }
@@ -200,7 +202,9 @@ int cli_elastic_replace(const CliConnection& c, const std::string& run_dir, int 
     return store_request(c, run_dir, nlohmann::json{{"op", "replace"}, {"slot", slot}}, wait_s, "replace");
   }
   if (!is_elastic_run_dir(run_dir)) {
-    fmt::print(stderr, "troupe replace: {} is not the run directory of a training job (no events.jsonl and status.json of its Trainer)\n",
+    fmt::print(stderr,
+               "troupe replace: {} is not the run directory of a training job (no events.jsonl and "
+               "status.json of its Trainer)\n",
                run_dir);
     return 2;
   }

@@ -130,8 +130,9 @@ int main(int argc, char** argv) {
     st = run_plot(plot);
   } else {
     if (train.config.empty() && train.resume.empty()) {
-      fmt::print(stderr, "train_moe: give --config <file> (or --resume <run dir>) to train, or a subcommand "
-                         "(prepare, sample, eval, export, plot)\n{}",
+      fmt::print(stderr,
+                 "train_moe: give --config <file> (or --resume <run dir>) to train, or a subcommand "
+                 "(prepare, sample, eval, export, plot)\n{}",
                  app.help());
       return 2;
     }

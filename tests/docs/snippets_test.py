@@ -52,6 +52,10 @@ def main():
     root = pathlib.Path(a.root)
     docs = [root / "README.md"] + sorted((root / "docs").glob("*.md")) + sorted(root.glob("*/README.md")) + \
         sorted(root.glob("*/*/README.md"))
+    # The project's own pages: not a build folder's, nor a hidden folder's (a copy of the
+    # tree kept beside it, a tool's cache).
+    docs = [d for d in docs if not any(part.startswith(".") or part.startswith("build")
+                                       for part in d.relative_to(root).parts[:-1])]
     # The system include directory stays the compiler's own (an -I for it reorders the
     # standard headers' #include_next chain).
     flags = [f for f in pathlib.Path(a.flags).read_text().split("\n") if f.strip() and f.strip() != "-I/usr/include"]

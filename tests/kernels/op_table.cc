@@ -2111,7 +2111,7 @@ std::vector<OpCase> all_op_cases(uint64_t seed) {
   add_multi_tensor_cases(cases, rng);
   add_quant_cases(cases, rng);
   add_step_stats_cases(cases, rng);
-  add_codec_cases(cases, rng);     
+  add_codec_cases(cases, rng);
   return cases;
 }
 
