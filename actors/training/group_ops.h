@@ -18,7 +18,7 @@
 // drain() checks them all at the end of a step. Host waits remain only where values must
 // reach the host (all_to_all_v counts, sum_doubles), through Ctx::to_host.
 //
-// Overlap (issue 17): launch() starts an operation on the communication side and await()
+// Overlap: launch() starts an operation on the communication side and await()
 // makes its result usable by the compute side, so the caller computes in between. Host:
 // Gloo runs the operation on its communicator's own thread; await() is the (timed) wait.
 // Device with a communication stream (set_comm_stream): the operation is enqueued on that

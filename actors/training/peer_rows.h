@@ -1,6 +1,6 @@
 // actors/training/peer_rows.h — defines PeerRows: row buffers of every GPU of an n-group on
 // one host, mapped into every member (CUDA IPC), for the device-driven expert dispatch
-// (parallel.device_dispatch, issue 17 item 5; kernels in kernels/cuda/peer_rows.h).
+// (parallel.device_dispatch; kernels in kernels/cuda/peer_rows.h).
 //
 // Each member owns three buffers: `recv` (dispatched rows land here, written by the
 // sources), `scales` (their f32 per-row scales when the rows are fp8) and `out` (the

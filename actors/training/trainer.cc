@@ -1826,7 +1826,7 @@ Status Trainer::run_job() {
   // own keeper holds (elastic.cc, connect_keeper).
   snapshot_every_ = one_process_ ? 0 : eo.snapshot_every;
   std::error_code ec;
-  // --resume: any checkpoint of issue 8's format (a normal run's or an elastic one's, any
+  // --resume: any checkpoint of Troupe's format (a normal run's or an elastic one's, any
   // layout); epoch 0's plan names it and every worker loads it (ElasticWorker::join).
   std::unique_ptr<checkpoint::CheckpointReader> resume;
   std::string resume_from = o_.resume;

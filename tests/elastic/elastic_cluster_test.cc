@@ -1,7 +1,7 @@
 // tests/elastic/elastic_cluster_test.cc — elastic train_moe jobs on a real cluster: a
 // troupe-scheduler daemon and two troupe-agent daemons (2 slots each) on loopback, the job
 // submitted with `troupe submit` (no flag: the train_moe driver claims the supervision of
-// its workers; tests/scheduler/harness.h). Cases of issue 9
+// its workers; tests/scheduler/harness.h). Cases of the elastic suite
 // that need the scheduler:
 //   - the scheduler is killed (SIGKILL) and restarted mid-job: the driver and workers ride
 //     out the outage (their store calls wait and retry, heartbeat timers pause) and the

@@ -635,7 +635,7 @@ TEST_F(ElasticFault, MalformedControlMessagesAreDroppedAndTheJobGoesOn) {
       actors_seen, refused, answered);
 }
 
-// An elastic job's checkpoint is issue 8's format: plain `train_moe train --resume` loads
+// An elastic job's checkpoint is Troupe's one format: plain `train_moe train --resume` loads
 // it into another layout (dp=1, n=2: the ZeRO-1 moments resharded from dp=2), and an
 // elastic job resumes from it too (--resume at dp=2, n=1); both continue
 // the elastic run's steps 5..8 within 1e-6. `troupe checkpoints --dir` lists it.

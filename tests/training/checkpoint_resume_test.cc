@@ -1,5 +1,5 @@
 // tests/training/checkpoint_resume_test.cc — checkpoints written by training and
-// `train_moe --resume`, with the real binary and real processes (issue 8):
+// `train_moe --resume`, with the real binary and real processes:
 //  - a pp=2 x n=2 run saves every 5 steps; resumed from its step 5 at n=4, at dp=2 and in
 //    one process, the next 5 steps' losses equal the uninterrupted run's (1e-6) — a
 //    permuted expert or a wrong optimizer shard would show here;

@@ -1,4 +1,4 @@
-// tests/training/overlap_equivalence_test.cc — issue 17's correctness checks of the
+// tests/training/overlap_equivalence_test.cc — the correctness checks of the
 // overlapped schedule and the compressed exchanges, on the real binary (train_moe's
 // standalone launcher, Gloo on loopback):
 // - For every layout of tests/training, the overlapped schedule (parallel.overlap_a2a,

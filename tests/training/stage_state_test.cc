@@ -1,5 +1,5 @@
 // tests/training/stage_state_test.cc — Stage::export_state / import_state, the API a
-// lost rank is rebuilt with (issue 9) and checkpoints are written from: two data-parallel
+// lost rank is rebuilt with and checkpoints are written from: two data-parallel
 // Stages (threads of this process, Gloo on loopback, a FileStore rendezvous) train two
 // steps and export what they hold; a fresh pair imports it from those exports and the
 // next step's loss and gradient norm equal the original pair's exactly. Also: what each
