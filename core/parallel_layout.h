@@ -1,5 +1,5 @@
-// core/parallel_layout.h — defines ParallelLayout (the pp × dp × n layout of DESIGN.md
-// "Parallel layout"), ParallelCoord (a rank's place in it), the one parser of layout
+// core/parallel_layout.h — defines ParallelLayout (the pp × dp × n layout, docs/parallelism.md),
+// ParallelCoord (a rank's place in it), the one parser of layout
 // strings (parse(), parse_layout_items()) and the rank arithmetic every layer shares:
 // comm builds its groups from it, checkpoint places tensors with it, the scheduler places
 // workers with it and train_moe reads its --parallel flag with it.

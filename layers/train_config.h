@@ -120,7 +120,7 @@ struct DataOptions {
   std::string dir;  // output of `troupe-prepare` (tokenizer.json, train/val shards)
 };
 
-// Layout pp x dp x n (see DESIGN.md "Parallel layout"): the [parallel] table's pp, dp, n;
+// Layout pp x dp x n (docs/parallelism.md): the [parallel] table's pp, dp, n;
 // layout() is the same as core's ParallelLayout.
 struct ParallelOptions {
   int64_t pp = 1, dp = 1, n = 1;

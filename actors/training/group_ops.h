@@ -8,8 +8,9 @@
 // Failure contract: inside a step a data-plane error cannot be handed back through the
 // layers' forward/backward (they return tensors), so these helpers abort the worker
 // process with the error; the driver sees the worker exit and fails the job. That is the
-// DESIGN.md "last resort" path. Elastic workers (actors/training/elastic.h) switch this to
-// throwing CommFailure (elastic_comm.h) so the survivors recover in place.
+// design's "last resort" path (docs/architecture.md). Elastic workers
+// (actors/training/elastic.h) switch this to throwing CommFailure (elastic_comm.h) so the
+// survivors recover in place.
 //
 // Device mode (CommTime::set_device with a CUDA Ctx): the communicators are NCCL ones on
 // the Ctx's device, every collective is enqueued on the Ctx's compute stream

@@ -1,5 +1,5 @@
 // actors/training/stage.h — defines Stage, the framework's side of one rank of a
-// pp x dp x n layout (DESIGN.md "Processes and actors"): it runs an app's StageProgram
+// pp x dp x n layout (docs/architecture.md): it runs an app's StageProgram
 // (stage_program.h: the model part of this pipeline stage) one optimizer step at a time,
 // SPMD, when told to (run_step): no control message inside a step, only collectives and
 // pipeline send/recv. The worker's stage, attention and expert actors (role_actors.h)

@@ -52,7 +52,7 @@ struct TransportOptions {
   // Where the ROUTER binds: "tcp://127.0.0.1:*" (OS-assigned port), "ipc:///path",
   // "inproc://name" (needs a shared context). Empty: do not bind (connect-only client).
   std::string bind_endpoint = "tcp://127.0.0.1:*";
-  // Binding to a non-loopback tcp address is refused unless this is set (DESIGN.md,
+  // Binding to a non-loopback tcp address is refused unless this is set (docs/cluster.md,
   // "Security"); set it only with CURVE enabled or on a trusted network.
   bool allow_non_loopback = false;
   std::chrono::milliseconds heartbeat_interval{1000};

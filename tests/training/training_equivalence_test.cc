@@ -1,5 +1,5 @@
 // tests/training/training_equivalence_test.cc — the central correctness test of
-// DESIGN.md: every parallel layout trains exactly like one process.
+// The design's promise: every parallel layout trains exactly like one process.
 //
 // The real binary runs: `train_moe prepare` makes a small corpus (this repository's own
 // sources), the single-process run is the reference, and each layout runs as
