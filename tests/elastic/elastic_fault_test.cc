@@ -377,12 +377,17 @@ TEST_F(ElasticFault, DamagedSnapshotIsSkippedForThePreviousOne) {
   EXPECT_EQ(restored, (std::vector<int64_t>{4, 2})) << r.output;
   const auto rec = events_named(ev, "recovered");
   ASSERT_EQ(rec.size(), 1u) << r.output;
-  EXPECT_EQ(rec[0]["steps_lost"], 3);  // steps 3..5 run again
+  // Steps 3..5 run again; the driver counts as lost those it had seen complete: with two
+  // step commands in flight, step 5's report may not have reached it when step 6 failed.
+  const int64_t lost = rec[0]["steps_lost"].get<int64_t>();
+  EXPECT_GE(lost, 2);
+  EXPECT_LE(lost, 3);
   EXPECT_LE(rec[0]["recovery_s"].get<double>(), 10.0);
   std::printf(
       "[elastic damaged] slot 2's part of snapshot 4 damaged: '%s'; restored snapshot 2, recovery %.2f s, "
-      "steps lost 3\n",
-      unusable[0]["error"].get<std::string>().c_str(), rec[0]["recovery_s"].get<double>());
+      "steps lost %lld\n",
+      unusable[0]["error"].get<std::string>().c_str(), rec[0]["recovery_s"].get<double>(),
+      static_cast<long long>(lost));
 }
 
 // Every snapshot a rank still holds damaged: the job goes back to the newest checkpoint
@@ -401,7 +406,9 @@ TEST_F(ElasticFault, NoUsableSnapshotRestoresTheCheckpoint) {
   EXPECT_EQ(restore[0]["step"], 4);
   const auto rec = events_named(ev, "recovered");
   ASSERT_EQ(rec.size(), 1u) << r.output;
-  EXPECT_EQ(rec[0]["steps_lost"], 1);  // step 5 runs again
+  // Step 5 runs again; it counts as lost when its report had reached the driver before
+  // step 6 failed (two step commands in flight).
+  EXPECT_LE(rec[0]["steps_lost"].get<int64_t>(), 1);
   std::printf(
       "[elastic no-snapshot] snapshots 4 and 2 damaged: restored the step-4 checkpoint, recovery %.2f s\n",
       rec[0]["recovery_s"].get<double>());
