@@ -1,46 +1,16 @@
 // checkpoint/snapshot_codec.cc — the Cap'n Proto codec of checkpoint/snapshot_protocol.h.
 // Compiled as C++17: Cap'n Proto 0.9.2 headers fail under GCC 13 in C++20 mode.
-#include <capnp/message.h>
-#include <capnp/serialize.h>
-#include <kj/exception.h>
 
-#include <cstring>
 #include <memory>
 
 #include "checkpoint/snapshot.capnp.h"
+#include "core/capnp_io.h"
 #include "checkpoint/snapshot_protocol.h"
 
 namespace troupe::checkpoint {
 namespace {
 
-constexpr size_t kMaxBytes = size_t{4} << 20;  // a query of many parts is a few hundred KB
-
-std::string flat(capnp::MessageBuilder& mb) {
-  kj::Array<capnp::word> words = capnp::messageToFlatArray(mb);
-  auto b = words.asBytes();
-  return std::string(reinterpret_cast<const char*>(b.begin()), b.size());
-}
-
-template <class Fn>
-auto read_message(std::string_view bytes, const char* what, Fn read)
-    -> decltype(read(std::declval<capnp::MessageReader&>())) {
-  if (bytes.size() > kMaxBytes)
-    return data_loss("{}: {} bytes is over the {} byte limit", what, bytes.size(), kMaxBytes);
-  if (bytes.empty() || bytes.size() % sizeof(capnp::word) != 0) {
-    return data_loss("{}: {} bytes is not a whole number of 8-byte words", what, bytes.size());
-  }
-  kj::Array<capnp::word> words = kj::heapArray<capnp::word>(bytes.size() / sizeof(capnp::word));
-  std::memcpy(words.begin(), bytes.data(), bytes.size());
-  capnp::ReaderOptions opt;
-  opt.traversalLimitInWords = 1 << 20;
-  opt.nestingLimit = 8;
-  try {
-    capnp::FlatArrayMessageReader reader(words.asPtr(), opt);
-    return read(reader);
-  } catch (const kj::Exception& e) {
-    return data_loss("{}: malformed message: {}", what, std::string(e.getDescription().cStr()));
-  }
-}
+constexpr CapnpLimits kLimits{size_t{4} << 20, uint64_t{1} << 20};  // a query of many parts is a few hundred KB
 
 struct RequestEncoder {
   ::SnapRequest::Builder b;
@@ -106,11 +76,11 @@ struct RequestEncoder {
 std::string encode_snap_request(const SnapRequest& m) {
   capnp::MallocMessageBuilder mb;
   std::visit(RequestEncoder{mb.initRoot<::SnapRequest>()}, m);
-  return flat(mb);
+  return to_flat_bytes(mb);
 }
 
 Result<SnapRequest> decode_snap_request(std::string_view bytes) {
-  return read_message(bytes, "SnapRequest", [](capnp::MessageReader& r) -> Result<SnapRequest> {
+  return read_flat_message(bytes, "SnapRequest", kLimits, [](capnp::MessageReader& r) -> Result<SnapRequest> {
     auto q = r.getRoot<::SnapRequest>();
     switch (q.which()) {
       case ::SnapRequest::ATTACH: {
@@ -181,11 +151,11 @@ std::string encode_snap_reply(const SnapReply& m) {
     x.setReplicatedStep(h.replicated_step);
   }
   b.setBytes(m.bytes);
-  return flat(mb);
+  return to_flat_bytes(mb);
 }
 
 Result<SnapReply> decode_snap_reply(std::string_view bytes) {
-  return read_message(bytes, "SnapReply", [](capnp::MessageReader& r) -> Result<SnapReply> {
+  return read_flat_message(bytes, "SnapReply", kLimits, [](capnp::MessageReader& r) -> Result<SnapReply> {
     auto q = r.getRoot<::SnapReply>();
     SnapReply m;
     m.code = q.getCode();

@@ -1,49 +1,16 @@
 // actors/training/messages_codec.cc — the Cap'n Proto codec of actors/training/messages.h.
 // Compiled as C++17: Cap'n Proto 0.9.2 headers fail under GCC 13 in C++20 mode.
-#include <capnp/message.h>
-#include <capnp/serialize.h>
-#include <kj/exception.h>
 
-#include <cstring>
 #include <memory>
 
 #include "actors/training/messages.capnp.h"
+#include "core/capnp_io.h"
 #include "actors/training/messages.h"
 
 namespace troupe::training {
 namespace {
 
-constexpr size_t kMaxBytes = size_t{1} << 20;  // a status is a few hundred bytes
-
-std::string flat(capnp::MessageBuilder& mb) {
-  kj::Array<capnp::word> words = capnp::messageToFlatArray(mb);
-  auto b = words.asBytes();
-  return std::string(reinterpret_cast<const char*>(b.begin()), b.size());
-}
-
-// Runs `read` over `bytes` as a Cap'n Proto message with tight limits; any exception
-// (malformed, truncated, too deep) becomes DataLoss naming `what`.
-template <class Fn>
-auto read_message(std::string_view bytes, const char* what, Fn read)
-    -> decltype(read(std::declval<capnp::MessageReader&>())) {
-  if (bytes.size() > kMaxBytes)
-    return data_loss("{}: {} bytes is over the {} byte limit", what, bytes.size(), kMaxBytes);
-  if (bytes.empty() || bytes.size() % sizeof(capnp::word) != 0) {
-    return data_loss("{}: {} bytes is not a whole number of 8-byte words", what, bytes.size());
-  }
-  // An aligned copy: frames carry no alignment guarantee.
-  kj::Array<capnp::word> words = kj::heapArray<capnp::word>(bytes.size() / sizeof(capnp::word));
-  std::memcpy(words.begin(), bytes.data(), bytes.size());
-  capnp::ReaderOptions opt;
-  opt.traversalLimitInWords = 1 << 16;
-  opt.nestingLimit = 8;
-  try {
-    capnp::FlatArrayMessageReader reader(words.asPtr(), opt);
-    return read(reader);
-  } catch (const kj::Exception& e) {
-    return data_loss("{}: malformed message: {}", what, std::string(e.getDescription().cStr()));
-  }
-}
+constexpr CapnpLimits kLimits{size_t{1} << 20, uint64_t{1} << 16};  // a status is a few hundred bytes
 
 }  // namespace
 
@@ -51,11 +18,11 @@ std::string encode_actor_status_query(const ActorStatusQuery& m) {
   capnp::MallocMessageBuilder mb;
   auto b = mb.initRoot<::ActorStatusQuery>();
   b.setRequester(m.requester);
-  return flat(mb);
+  return to_flat_bytes(mb);
 }
 
 Result<ActorStatusQuery> decode_actor_status_query(std::string_view bytes) {
-  return read_message(bytes, "ActorStatusQuery", [](capnp::MessageReader& r) -> Result<ActorStatusQuery> {
+  return read_flat_message(bytes, "ActorStatusQuery", kLimits, [](capnp::MessageReader& r) -> Result<ActorStatusQuery> {
     auto q = r.getRoot<::ActorStatusQuery>();
     ActorStatusQuery m;
     m.requester = q.getRequester();
@@ -78,11 +45,11 @@ std::string encode_actor_status(const ActorStatus& m) {
   b.setDevice(m.device);
   b.setHost(m.host);
   b.setPid(m.pid);
-  return flat(mb);
+  return to_flat_bytes(mb);
 }
 
 Result<ActorStatus> decode_actor_status(std::string_view bytes) {
-  return read_message(bytes, "ActorStatus", [](capnp::MessageReader& r) -> Result<ActorStatus> {
+  return read_flat_message(bytes, "ActorStatus", kLimits, [](capnp::MessageReader& r) -> Result<ActorStatus> {
     auto s = r.getRoot<::ActorStatus>();
     ActorStatus m;
     m.id = s.getId();
@@ -129,11 +96,11 @@ std::string encode_elastic_plan(const ElasticPlan& m) {
     for (size_t j = 0; j < src.endpoints.size(); ++j) eps.set(static_cast<unsigned>(j), src.endpoints[j]);
     ps.setXxh64(src.xxh64);
   }
-  return flat(mb);
+  return to_flat_bytes(mb);
 }
 
 Result<ElasticPlan> decode_elastic_plan(std::string_view bytes) {
-  return read_message(bytes, "ElasticPlan", [](capnp::MessageReader& r) -> Result<ElasticPlan> {
+  return read_flat_message(bytes, "ElasticPlan", kLimits, [](capnp::MessageReader& r) -> Result<ElasticPlan> {
     auto p = r.getRoot<::ElasticPlan>();
     ElasticPlan m;
     m.epoch = p.getEpoch();
@@ -173,11 +140,11 @@ std::string encode_step_command(const StepCommand& m) {
   b.setKind(m.kind);
   b.setStep(m.step);
   b.setEpoch(m.epoch);
-  return flat(mb);
+  return to_flat_bytes(mb);
 }
 
 Result<StepCommand> decode_step_command(std::string_view bytes) {
-  return read_message(bytes, "StepCommand", [](capnp::MessageReader& r) -> Result<StepCommand> {
+  return read_flat_message(bytes, "StepCommand", kLimits, [](capnp::MessageReader& r) -> Result<StepCommand> {
     auto c = r.getRoot<::StepCommand>();
     if (c.getKind() > 4) return data_loss("StepCommand: unknown kind {}", c.getKind());
     return StepCommand{c.getSeq(), c.getKind(), c.getStep(), c.getEpoch()};
@@ -245,11 +212,11 @@ std::string encode_step_reply(const StepReply& m) {
   b.setNextQueued(m.next_queued);
   b.setCommandWaitMs(m.command_wait_ms);
   b.setRssPeakBytes(m.rss_peak_bytes);
-  return flat(mb);
+  return to_flat_bytes(mb);
 }
 
 Result<StepReply> decode_step_reply(std::string_view bytes) {
-  return read_message(bytes, "StepReply", [](capnp::MessageReader& r) -> Result<StepReply> {
+  return read_flat_message(bytes, "StepReply", kLimits, [](capnp::MessageReader& r) -> Result<StepReply> {
     auto s = r.getRoot<::StepReply>();
     StepReply m;
     m.seq = s.getSeq();
@@ -312,11 +279,11 @@ std::string encode_worker_failure(const WorkerFailure& m) {
   b.setText(m.text);
   b.setTsMs(m.ts_ms);
   b.setSnapshotStep(m.snapshot_step);
-  return flat(mb);
+  return to_flat_bytes(mb);
 }
 
 Result<WorkerFailure> decode_worker_failure(std::string_view bytes) {
-  return read_message(bytes, "WorkerFailure", [](capnp::MessageReader& r) -> Result<WorkerFailure> {
+  return read_flat_message(bytes, "WorkerFailure", kLimits, [](capnp::MessageReader& r) -> Result<WorkerFailure> {
     auto f = r.getRoot<::WorkerFailure>();
     return WorkerFailure{f.getEpoch(), f.getSlot(), f.getRank(), f.getCode(),
                          f.getActor(), f.getText(), f.getTsMs(), f.getSnapshotStep()};
@@ -335,11 +302,11 @@ std::string encode_snapshot_landed(const SnapshotLanded& m) {
   b.setNode(m.node);
   b.setEndpoint(m.endpoint);
   b.setError(m.error);
-  return flat(mb);
+  return to_flat_bytes(mb);
 }
 
 Result<SnapshotLanded> decode_snapshot_landed(std::string_view bytes) {
-  return read_message(bytes, "SnapshotLanded", [](capnp::MessageReader& r) -> Result<SnapshotLanded> {
+  return read_flat_message(bytes, "SnapshotLanded", kLimits, [](capnp::MessageReader& r) -> Result<SnapshotLanded> {
     auto x = r.getRoot<::SnapshotLanded>();
     return SnapshotLanded{x.getEpoch(), x.getRank(), x.getSlot(),     x.getStep(), x.getXxh64(),
                           x.getBytes(), x.getNode(), x.getEndpoint(), x.getError()};
@@ -358,11 +325,11 @@ std::string encode_snapshot_committed(const SnapshotCommitted& m) {
   }
   b.setCheckpoint(m.checkpoint);
   b.setAbandoned(m.abandoned);
-  return flat(mb);
+  return to_flat_bytes(mb);
 }
 
 Result<SnapshotCommitted> decode_snapshot_committed(std::string_view bytes) {
-  return read_message(bytes, "SnapshotCommitted", [](capnp::MessageReader& r) -> Result<SnapshotCommitted> {
+  return read_flat_message(bytes, "SnapshotCommitted", kLimits, [](capnp::MessageReader& r) -> Result<SnapshotCommitted> {
     auto x = r.getRoot<::SnapshotCommitted>();
     SnapshotCommitted m;
     m.epoch = x.getEpoch();
