@@ -23,7 +23,7 @@ say() { echo "== [$(($(date +%s) - t0))s] $*" | tee -a "$out/summary.txt"; }
 
 if ! pkg-config --exists libsodium; then  # see bench/kernels/gpu_check.sh
   lib=$(dirname "$(find / -name 'libsodium.so.23*' -path '*troupe-deps*' 2>/dev/null | head -1)")
-  mkdir -p /tmp/pc && printf 'Name: libsodium\nDescription: stub\nVersion: 1.0.18\nLibs: -L%s -l:libsodium.so.23\nCflags:\n' "$lib" >/tmp/pc/libsodium.pc
+  mkdir -p /tmp/pc && printf 'Name: libsodium\nDescription: libsodium (runtime of the Debian bundle)\nVersion: 1.0.18\nLibs: -L%s -l:libsodium.so.23\nCflags:\n' "$lib" >/tmp/pc/libsodium.pc
   export PKG_CONFIG_PATH=/tmp/pc:${PKG_CONFIG_PATH:-}
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv | tee "$out/gpu.txt"
