@@ -19,55 +19,24 @@
 #include "layers/embedding.h"
 #include "layers/mlp.h"
 #include "layers/residual.h"
+#include "tests/layers/grad_check.h"
 
 namespace troupe::layers {
 namespace {
 
 const Ctx kC = Ctx::cpu();
 
-Tensor random_tensor(const Shape& shape, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> n(0.0f, scale);
-  std::vector<float> v(static_cast<size_t>(shape_numel(shape)));
-  for (auto& x : v) x = n(rng);
-  return Tensor::from_floats(shape, v);
-}
-
-double dot(const Tensor& a, const Tensor& b) {
-  const auto x = a.to_floats(), y = b.to_floats();
-  double s = 0;
-  for (size_t i = 0; i < x.size(); ++i) s += static_cast<double>(x[i]) * y[i];
-  return s;
-}
+using testing::dot;
+using testing::random_tensor;
 
 bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return a.shape() == b.shape() && a.dtype() == b.dtype() &&
          std::memcmp(a.contiguous().data_ptr(), b.contiguous().data_ptr(), a.nbytes()) == 0;
 }
 
-// Central differences at up to 12 entries of x against `analytic` (loss() re-runs the
-// forward from x's current values).
-void check_grad(const std::string& what, Tensor& x, const Tensor& analytic,
-                const std::function<double()>& loss, float h = 1e-2f) {
-  ASSERT_EQ(x.numel(), analytic.numel()) << what;
-  const std::vector<float> g = analytic.to_floats();
-  double gmax = 0;
-  for (float v : g) gmax = std::max(gmax, static_cast<double>(std::abs(v)));
-  ASSERT_GT(gmax, 0.0) << what << ": the analytic gradient is all zero";
-  std::mt19937 rng(static_cast<uint32_t>(std::hash<std::string>()(what)));
-  float* p = x.data<float>();
-  const int64_t n = x.numel();
-  for (int s = 0; s < 12 && s < n; ++s) {
-    const int64_t i = n <= 12 ? s : static_cast<int64_t>(rng() % static_cast<uint32_t>(n));
-    const float v = p[i];
-    p[i] = v + h;
-    const double lp = loss();
-    p[i] = v - h;
-    const double lm = loss();
-    p[i] = v;
-    EXPECT_NEAR((lp - lm) / (2.0 * h), g[static_cast<size_t>(i)], 1e-2 * gmax + 3e-4)
-        << what << "[" << i << "]";
-  }
+// Central differences at up to 12 entries of x against `analytic`.
+void check_grad(const std::string& what, Tensor& x, const Tensor& analytic, const std::function<double()>& loss) {
+  testing::check_grad(what, x, analytic, loss, /*samples=*/12);
 }
 
 // An op under test: builds its result from the tape's leaves (one per input tensor).
