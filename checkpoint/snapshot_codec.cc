@@ -4,13 +4,14 @@
 #include <memory>
 
 #include "checkpoint/snapshot.capnp.h"
-#include "core/capnp_io.h"
 #include "checkpoint/snapshot_protocol.h"
+#include "core/capnp_io.h"
 
 namespace troupe::checkpoint {
 namespace {
 
-constexpr CapnpLimits kLimits{size_t{4} << 20, uint64_t{1} << 20};  // a query of many parts is a few hundred KB
+constexpr CapnpLimits kLimits{size_t{4} << 20,
+                              uint64_t{1} << 20};  // a query of many parts is a few hundred KB
 
 struct RequestEncoder {
   ::SnapRequest::Builder b;

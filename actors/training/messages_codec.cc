@@ -4,8 +4,8 @@
 #include <memory>
 
 #include "actors/training/messages.capnp.h"
-#include "core/capnp_io.h"
 #include "actors/training/messages.h"
+#include "core/capnp_io.h"
 
 namespace troupe::training {
 namespace {
@@ -22,12 +22,13 @@ std::string encode_actor_status_query(const ActorStatusQuery& m) {
 }
 
 Result<ActorStatusQuery> decode_actor_status_query(std::string_view bytes) {
-  return read_flat_message(bytes, "ActorStatusQuery", kLimits, [](capnp::MessageReader& r) -> Result<ActorStatusQuery> {
-    auto q = r.getRoot<::ActorStatusQuery>();
-    ActorStatusQuery m;
-    m.requester = q.getRequester();
-    return m;
-  });
+  return read_flat_message(bytes, "ActorStatusQuery", kLimits,
+                           [](capnp::MessageReader& r) -> Result<ActorStatusQuery> {
+                             auto q = r.getRoot<::ActorStatusQuery>();
+                             ActorStatusQuery m;
+                             m.requester = q.getRequester();
+                             return m;
+                           });
 }
 
 std::string encode_actor_status(const ActorStatus& m) {
@@ -283,11 +284,12 @@ std::string encode_worker_failure(const WorkerFailure& m) {
 }
 
 Result<WorkerFailure> decode_worker_failure(std::string_view bytes) {
-  return read_flat_message(bytes, "WorkerFailure", kLimits, [](capnp::MessageReader& r) -> Result<WorkerFailure> {
-    auto f = r.getRoot<::WorkerFailure>();
-    return WorkerFailure{f.getEpoch(), f.getSlot(), f.getRank(), f.getCode(),
-                         f.getActor(), f.getText(), f.getTsMs(), f.getSnapshotStep()};
-  });
+  return read_flat_message(
+      bytes, "WorkerFailure", kLimits, [](capnp::MessageReader& r) -> Result<WorkerFailure> {
+        auto f = r.getRoot<::WorkerFailure>();
+        return WorkerFailure{f.getEpoch(), f.getSlot(), f.getRank(), f.getCode(),
+                             f.getActor(), f.getText(), f.getTsMs(), f.getSnapshotStep()};
+      });
 }
 
 std::string encode_snapshot_landed(const SnapshotLanded& m) {
@@ -306,11 +308,12 @@ std::string encode_snapshot_landed(const SnapshotLanded& m) {
 }
 
 Result<SnapshotLanded> decode_snapshot_landed(std::string_view bytes) {
-  return read_flat_message(bytes, "SnapshotLanded", kLimits, [](capnp::MessageReader& r) -> Result<SnapshotLanded> {
-    auto x = r.getRoot<::SnapshotLanded>();
-    return SnapshotLanded{x.getEpoch(), x.getRank(), x.getSlot(),     x.getStep(), x.getXxh64(),
-                          x.getBytes(), x.getNode(), x.getEndpoint(), x.getError()};
-  });
+  return read_flat_message(
+      bytes, "SnapshotLanded", kLimits, [](capnp::MessageReader& r) -> Result<SnapshotLanded> {
+        auto x = r.getRoot<::SnapshotLanded>();
+        return SnapshotLanded{x.getEpoch(), x.getRank(), x.getSlot(),     x.getStep(), x.getXxh64(),
+                              x.getBytes(), x.getNode(), x.getEndpoint(), x.getError()};
+      });
 }
 
 std::string encode_snapshot_committed(const SnapshotCommitted& m) {
@@ -329,17 +332,18 @@ std::string encode_snapshot_committed(const SnapshotCommitted& m) {
 }
 
 Result<SnapshotCommitted> decode_snapshot_committed(std::string_view bytes) {
-  return read_flat_message(bytes, "SnapshotCommitted", kLimits, [](capnp::MessageReader& r) -> Result<SnapshotCommitted> {
-    auto x = r.getRoot<::SnapshotCommitted>();
-    SnapshotCommitted m;
-    m.epoch = x.getEpoch();
-    m.step = x.getStep();
-    for (auto t : x.getCopyTo())
-      m.copy_to.emplace_back(std::string(t.getNode()), std::string(t.getEndpoint()));
-    m.checkpoint = x.getCheckpoint();
-    m.abandoned = x.getAbandoned();
-    return m;
-  });
+  return read_flat_message(bytes, "SnapshotCommitted", kLimits,
+                           [](capnp::MessageReader& r) -> Result<SnapshotCommitted> {
+                             auto x = r.getRoot<::SnapshotCommitted>();
+                             SnapshotCommitted m;
+                             m.epoch = x.getEpoch();
+                             m.step = x.getStep();
+                             for (auto t : x.getCopyTo())
+                               m.copy_to.emplace_back(std::string(t.getNode()), std::string(t.getEndpoint()));
+                             m.checkpoint = x.getCheckpoint();
+                             m.abandoned = x.getAbandoned();
+                             return m;
+                           });
 }
 
 }  // namespace troupe::training

@@ -35,7 +35,8 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
 }
 
 // Central differences at up to 12 entries of x against `analytic`.
-void check_grad(const std::string& what, Tensor& x, const Tensor& analytic, const std::function<double()>& loss) {
+void check_grad(const std::string& what, Tensor& x, const Tensor& analytic,
+                const std::function<double()>& loss) {
   testing::check_grad(what, x, analytic, loss, /*samples=*/12);
 }
 

@@ -15,8 +15,8 @@
 #include <thread>
 
 #include "layers/model.h"
-#include "tests/layers/grad_check.h"
 #include "layers/optimizer.h"
+#include "tests/layers/grad_check.h"
 
 namespace troupe::layers {
 namespace {
