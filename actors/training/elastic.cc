@@ -198,11 +198,13 @@ void fault_hook(std::string_view what) {
       }
       continue;
     }
-    // A checkpoint is written by the snapshot's writer thread while later steps run: its
-    // point names its own step.
+    // A checkpoint is written by the snapshot's writer thread while later steps run, and a
+    // snapshot's point is met after the next step may have been launched ahead: both points
+    // name their own step.
     int64_t at = fs->step.load();
-    if (constexpr std::string_view kCkpt = "checkpoint write of step "; what.rfind(kCkpt, 0) == 0) {
-      at = std::strtoll(std::string(what.substr(kCkpt.size())).c_str(), nullptr, 10);
+    for (const std::string_view own : {std::string_view("checkpoint write of step "),
+                                       std::string_view("snapshot of step ")}) {
+      if (what.rfind(own, 0) == 0) at = std::strtoll(std::string(what.substr(own.size())).c_str(), nullptr, 10);
     }
     if (fs->fired[i] || f.slot != fs->slot || f.step != at || !phase_matches(f.phase, what)) continue;
     fs->fired[i] = true;

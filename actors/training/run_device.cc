@@ -16,6 +16,7 @@
 #include "core/cuda/stream.h"
 #include "core/gpu_check.h"
 #include "kernels/cuda/context.h"
+#include "kernels/cuda/host_copy.h"
 #endif
 
 namespace troupe::training {
@@ -31,6 +32,7 @@ struct RunDevice::Cuda {
   cudaEvent_t begin[2] = {}, end[2] = {};  // mark_begin / mark_end, per slot
   float* pinned = nullptr;                 // read_async's buffer
   size_t pinned_bytes = 0;
+  void* pinned_alias = nullptr;            // its address on the device (mapped host memory)
   cudaEvent_t read_done = nullptr;
   ~Cuda() {
     for (int i = 0; i < 2; ++i) {
@@ -216,14 +218,14 @@ void RunDevice::read_async(const Tensor& src) {
   if (cuda_) {
     if (cuda_->pinned_bytes < src.nbytes()) {
       if (cuda_->pinned != nullptr) CUDA_CHECK(cudaFreeHost(cuda_->pinned));
-      cuda_->pinned = nullptr;
-      CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&cuda_->pinned), src.nbytes()));
+      cuda_->pinned = static_cast<float*>(kernels::gpu::alloc_mapped_host(src.nbytes(), &cuda_->pinned_alias));
+      TROUPE_CHECK(cuda_->pinned != nullptr, "RunDevice: no page-locked host memory for {} bytes", src.nbytes());
       cuda_->pinned_bytes = src.nbytes();
     }
     if (cuda_->read_done == nullptr)
       CUDA_CHECK(cudaEventCreateWithFlags(&cuda_->read_done, cudaEventDisableTiming));
-    CUDA_CHECK(cudaMemcpyAsync(cuda_->pinned, src.data_ptr(), src.nbytes(), cudaMemcpyDeviceToHost,
-                               cuda_->stream.get()));
+    // A kernel's stores, not a copy engine: never queued behind a snapshot's bulk copy.
+    kernels::gpu::copy_to_mapped_host(cuda_->stream.get(), cuda_->pinned_alias, src.data_ptr(), src.nbytes());
     CUDA_CHECK(cudaEventRecord(cuda_->read_done, cuda_->stream.get()));
     return;
   }

@@ -12,6 +12,7 @@
 #include "core/cuda/caching_allocator.h"
 #include "core/gpu_check.h"
 #include "kernels/cuda/context.h"
+#include "kernels/cuda/host_copy.h"
 #endif
 
 namespace troupe::training {
@@ -139,6 +140,7 @@ struct StatsReadback::Slot {
   std::vector<float> host;  // CPU Ctx
 #if TROUPE_HAVE_CUDA
   float* pinned = nullptr;
+  void* pinned_alias = nullptr;  // its address on the device (mapped host memory)
   size_t bytes = 0;
   cudaEvent_t done = nullptr;
 #endif
@@ -177,12 +179,13 @@ void StatsReadback::start(int slot, const Tensor& src) {
       if (s.done != nullptr) CUDA_CHECK(cudaEventSynchronize(s.done));
       CUDA_CHECK(cudaFreeHost(s.pinned));
     }
-    s.pinned = nullptr;
-    CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&s.pinned), src.nbytes()));
+    s.pinned = static_cast<float*>(kernels::gpu::alloc_mapped_host(src.nbytes(), &s.pinned_alias));
+    TROUPE_CHECK(s.pinned != nullptr, "StatsReadback: no page-locked host memory for {} bytes", src.nbytes());
     s.bytes = src.nbytes();
   }
   if (s.done == nullptr) CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
-  CUDA_CHECK(cudaMemcpyAsync(s.pinned, src.data_ptr(), src.nbytes(), cudaMemcpyDeviceToHost, stream));
+  // A kernel's stores, not a copy engine: never queued behind a snapshot's bulk copy.
+  kernels::gpu::copy_to_mapped_host(stream, s.pinned_alias, src.data_ptr(), src.nbytes());
   CUDA_CHECK(cudaEventRecord(s.done, stream));
 #endif
 }
