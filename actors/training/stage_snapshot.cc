@@ -14,6 +14,7 @@
 //   state, waits for it (snapshot_fence).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <future>
 #include <map>
@@ -124,9 +125,14 @@ Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets
   }
   c.staged.record(compute);
   c.staged.wait_on(c.stream.get());
-  // The staging buffer mirrors the host layout: one copy (gaps between tensors are the
-  // alignment padding, zero in both).
-  CUDA_CHECK(cudaMemcpyAsync(dst, staging, end, cudaMemcpyDeviceToHost, c.stream.get()));
+  // The staging buffer mirrors the host layout (gaps between tensors are the alignment
+  // padding, zero in both), copied in chunks: a copy engine serves its queue in order, and
+  // another stream's copy finds a turn between two chunks instead of after gigabytes.
+  constexpr uint64_t kChunk = uint64_t{256} << 20;
+  for (uint64_t at = 0; at < end; at += kChunk) {
+    CUDA_CHECK(cudaMemcpyAsync(dst + at, staging + at, std::min(kChunk, end - at), cudaMemcpyDeviceToHost,
+                               c.stream.get()));
+  }
   c.landed.record(c.stream.get());
   std::lock_guard lock(c.mu);
   c.gpu_pending = true;
