@@ -202,9 +202,10 @@ void fault_hook(std::string_view what) {
     // snapshot's point is met after the next step may have been launched ahead: both points
     // name their own step.
     int64_t at = fs->step.load();
-    for (const std::string_view own : {std::string_view("checkpoint write of step "),
-                                       std::string_view("snapshot of step ")}) {
-      if (what.rfind(own, 0) == 0) at = std::strtoll(std::string(what.substr(own.size())).c_str(), nullptr, 10);
+    for (const std::string_view own :
+         {std::string_view("checkpoint write of step "), std::string_view("snapshot of step ")}) {
+      if (what.rfind(own, 0) == 0)
+        at = std::strtoll(std::string(what.substr(own.size())).c_str(), nullptr, 10);
     }
     if (fs->fired[i] || f.slot != fs->slot || f.step != at || !phase_matches(f.phase, what)) continue;
     fs->fired[i] = true;

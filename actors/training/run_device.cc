@@ -32,7 +32,7 @@ struct RunDevice::Cuda {
   cudaEvent_t begin[2] = {}, end[2] = {};  // mark_begin / mark_end, per slot
   float* pinned = nullptr;                 // read_async's buffer
   size_t pinned_bytes = 0;
-  void* pinned_alias = nullptr;            // its address on the device (mapped host memory)
+  void* pinned_alias = nullptr;  // its address on the device (mapped host memory)
   cudaEvent_t read_done = nullptr;
   ~Cuda() {
     for (int i = 0; i < 2; ++i) {
@@ -218,8 +218,10 @@ void RunDevice::read_async(const Tensor& src) {
   if (cuda_) {
     if (cuda_->pinned_bytes < src.nbytes()) {
       if (cuda_->pinned != nullptr) CUDA_CHECK(cudaFreeHost(cuda_->pinned));
-      cuda_->pinned = static_cast<float*>(kernels::gpu::alloc_mapped_host(src.nbytes(), &cuda_->pinned_alias));
-      TROUPE_CHECK(cuda_->pinned != nullptr, "RunDevice: no page-locked host memory for {} bytes", src.nbytes());
+      cuda_->pinned =
+          static_cast<float*>(kernels::gpu::alloc_mapped_host(src.nbytes(), &cuda_->pinned_alias));
+      TROUPE_CHECK(cuda_->pinned != nullptr, "RunDevice: no page-locked host memory for {} bytes",
+                   src.nbytes());
       cuda_->pinned_bytes = src.nbytes();
     }
     if (cuda_->read_done == nullptr)

@@ -1,11 +1,10 @@
 // kernels/cuda/host_copy.cu — see host_copy.h.
-#include "kernels/cuda/host_copy.h"
-
 #include <algorithm>
 #include <cstdint>
 
 #include "core/check.h"
 #include "core/gpu_check.h"
+#include "kernels/cuda/host_copy.h"
 
 namespace troupe::kernels::gpu {
 namespace {
@@ -43,7 +42,8 @@ void copy_to_mapped_host(cudaStream_t stream, void* device_alias, const void* sr
   const size_t n = bytes / 4;
   constexpr int kThreads = 256;
   const int blocks = static_cast<int>(std::min<size_t>((n + kThreads - 1) / kThreads, 64));
-  copy_words_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<uint32_t*>(dst), static_cast<const uint32_t*>(src), n);
+  copy_words_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<uint32_t*>(dst),
+                                                     static_cast<const uint32_t*>(src), n);
   CUDA_CHECK(cudaGetLastError());
 }
 
