@@ -2,7 +2,7 @@
 """bench/ncu_counters.py — the counters of an Nsight Compute run (`ncu --csv --page raw
 --metrics ...`), one block per kernel: each counter's median over that kernel's launches.
 Stall ratios (smsp__average_warps_issue_stalled_X_per_issue_active) print as stall_X.
-Usage: ncu_counters.py RUN.csv (bench/gpu_issue20.sh's attnprof and gemmprof steps)."""
+Usage: ncu_counters.py RUN.csv (bench/gpu_host.sh's attnprof and gemmprof steps)."""
 import csv
 import statistics
 import sys

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/gpu_issue20.sh — the one-GPU host steps, one per argument, run in order:
+# bench/gpu_host.sh — the one-GPU host steps, one per argument, run in order:
 #   build    Release build (sm_90a) of train_moe, the CUDA op-table and bf16 tests, kernel_bench
 #   tests    kernels_op_table_cuda_test, kernels_cuda_bf16_test, then `ctest -L gpu`
 #   kernels  bench/kernels/gpu_check.sh's timing half: kernel_bench, torch_kernels.py, compare.py
@@ -161,7 +161,7 @@ for step in "$@"; do
       ;;
     envab)
       if [ -z "${AB_ENV:-}" ] || [ -z "${AB_VALUES:-}" ]; then
-        echo "gpu_issue20.sh envab: set AB_ENV (a variable name) and AB_VALUES (its values)" >&2
+        echo "gpu_host.sh envab: set AB_ENV (a variable name) and AB_VALUES (its values)" >&2
         exit 2
       fi
       # shellcheck disable=SC2086
@@ -309,11 +309,11 @@ PY
       # The patched copy: every tracked and untracked source file of this tree (not the
       # dependency bundle, not build or run outputs), then AB_PATCH on top.
       if [ -z "${AB_PATCH:-}" ] || [ ! -f "$AB_PATCH" ]; then
-        echo "gpu_issue20.sh ab: set AB_PATCH to a patch file (git diff) of this tree" >&2
+        echo "gpu_host.sh ab: set AB_PATCH to a patch file (git diff) of this tree" >&2
         exit 2
       fi
       if [ ! -x "$B/apps/train_moe" ]; then
-        echo "gpu_issue20.sh ab: $B/apps/train_moe not built (run the build step first)" >&2
+        echo "gpu_host.sh ab: $B/apps/train_moe not built (run the build step first)" >&2
         exit 2
       fi
       src=${TMPDIR:-/tmp}/troupe-ab-src
@@ -340,7 +340,7 @@ PY
       ;;
     kvar)
       if [ -z "${VAR_PATCHES:-}" ] || [ ! -x "$B/bench/kernels/kernel_bench" ]; then
-        echo "gpu_issue20.sh kvar: set VAR_PATCHES (git diff files) and build kernel_bench first" >&2
+        echo "gpu_host.sh kvar: set VAR_PATCHES (git diff files) and build kernel_bench first" >&2
         exit 2
       fi
       n=0
@@ -406,7 +406,7 @@ PY
       stamp "e2e rc=$?"
       grep -h "^step [0-9]*/" "$out/e2e/troupe_1gpu.log" | cut -c1-230
       ;;
-    *) echo "gpu_issue20.sh: unknown step '$step'" >&2; exit 2 ;;
+    *) echo "gpu_host.sh: unknown step '$step'" >&2; exit 2 ;;
   esac
   finish  # after every step, so a later kill loses only the step it interrupted
 done
