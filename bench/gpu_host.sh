@@ -49,7 +49,7 @@ set -u -o pipefail
 # (the GPU host returns only a few files).
 final=${OUT:-gpu-out}
 export OUT=$final
-out=${TMPDIR:-/tmp}/gpu-issue20-out
+out=${TMPDIR:-/tmp}/troupe-gpu-host-out
 mkdir -p "$final"
 finish() {
   find "$out" -name '*.md' -exec cp {} "$final"/ \;

@@ -33,7 +33,7 @@ TEST(TrainConfig, TinyParses) {
   }
 }
 
-TEST(TrainConfig, Bench1bIsTheIssue10Model) {
+TEST(TrainConfig, Bench1bIsTheOneBillionParameterBenchmarkModel) {
   auto tc = load_train_config(kConfigs + "bench_1b.toml", {});
   ASSERT_TRUE(tc.ok()) << tc.status().to_string();
   const ModelConfig& m = tc->model;
