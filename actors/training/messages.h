@@ -168,9 +168,11 @@ struct ElasticPlan {
   int64_t snapshot_every = 0;
   int64_t snapshot_committed = -1;
 
-  // The store record and the events' copy (actors/training/elastic.cc).
-  nlohmann::json to_json() const;
-  static Result<ElasticPlan> from_json(const std::string& text);
+  // What events.jsonl shows of the plan (elastic.cc): a rendering for people that
+  // nothing reads back. The plan's one serialisation is its Cap'n Proto message
+  // (encode_elastic_plan below): the store record `<job>/elastic/plan/<epoch>` and the
+  // message to the stage actors carry the same bytes.
+  nlohmann::json event_json() const;
   int rank_of_slot(int slot) const;  // -1: not in the plan
 };
 std::string encode_step_command(const StepCommand& m);

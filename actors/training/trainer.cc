@@ -499,7 +499,7 @@ void Trainer::kill_all() {
       leave.slots.clear();
       leave.has_state.clear();
       leave.reason = "the driver ended";
-      (void)store_->set(key(fmt::format("plan/{}", leave.epoch)), leave.to_json().dump());
+      (void)store_->set(key(fmt::format("plan/{}", leave.epoch)), encode_elastic_plan(leave));
     }
     const auto deadline = Clock::now() + std::chrono::seconds(30);
     while (!p.local->done && Clock::now() < deadline)
@@ -858,11 +858,11 @@ Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots
   // (each rank writes its part file after its shard) is finalized; the others are
   // abandoned (a part will never come).
   finalize_written_or_abandon();
-  TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("plan/{}", plan.epoch)), plan.to_json().dump()));
+  TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("plan/{}", plan.epoch)), encode_elastic_plan(plan)));
   // The workers of the old epoch get the plan as a message too (they react at once; the
   // store record is where new and restarted workers read it).
   const int told = actors_->send_plan(plan);
-  event({{"event", "epoch_opened"}, {"plan", plan.to_json()}, {"plan_messages", told}});
+  event({{"event", "epoch_opened"}, {"plan", plan.event_json()}, {"plan_messages", told}});
   const ElasticPlan old = plan_;
   plan_ = plan;
   for (int s : spawn_slots) TROUPE_RETURN_IF_ERROR(spawn(s, plan.epoch));
@@ -1955,7 +1955,7 @@ Status Trainer::run_job() {
     const nlohmann::json claim{{"pid", getpid()}, {"run_dir", fs::absolute(run_dir_).string()}};
     TROUPE_RETURN_IF_ERROR(store_->set(key("claim"), claim.dump()));
   }
-  TROUPE_RETURN_IF_ERROR(store_->set(key("plan/0"), plan_.to_json().dump()));
+  TROUPE_RETURN_IF_ERROR(store_->set(key("plan/0"), encode_elastic_plan(plan_)));
   if (one_process_) {
     TROUPE_ASSIGN_OR_RETURN(actors_, ActorDirectory::start_local(*store_, key("actors/driver")));
   } else {
@@ -1964,7 +1964,7 @@ Status Trainer::run_job() {
   }
   event({{"event", "job_started"},
          {"job", job_},
-         {"plan", plan_.to_json()},
+         {"plan", plan_.event_json()},
          {"one_process", one_process_},
          {"steps_in_flight", tc_.train.steps_in_flight},
          {"heartbeat_timeout_ms", hb_timeout_.count()}});
