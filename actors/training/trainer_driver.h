@@ -1,0 +1,393 @@
+// actors/training/trainer_driver.h — the Trainer: the driver of a job (trainer.h's
+// run_trainer). Private to the driver's files; nothing else includes it.
+//
+// The Trainer's parts, one file each, every one with its contract at its top:
+// - trainer.cc             the step driver: the command window, run_job's loop, the end;
+// - trainer_start.cc       starting a job: resume, run directory, store, epoch 0;
+// - trainer_procs.cc       process supervision and liveness: start, kill, reap the workers,
+//                          exits, heartbeats, reported failures (the failure detector);
+// - trainer_membership.cc  membership and recovery: plans, epochs, recover, rescale, replace;
+// - trainer_checkpoints.cc the checkpoint/snapshot coordinator: the only judge of whether a
+//                          snapshot or checkpoint is due (workers obey its orders), commits;
+// - trainer_requests.cc    operator requests (scale, replace, drain): their one channel;
+// - trainer_status.cc      reporting: events.jsonl, status.json, stragglers, reply records.
+//
+// Every distributed job runs under it; there is no non-elastic mode.
+//
+// Detection, each an event in <run dir>/events.jsonl with its wall time (ts_ms):
+// - exit: a worker process ends (waitpid, polled every few ms: the launcher is the parent);
+// - heartbeat: a worker's heartbeat key stops changing for elastic.heartbeat_timeout_ms
+//   (default 2000; a SIGSTOPped or wedged process), the worker is then killed (last resort).
+//   Before a new worker's first beat (exec, loading, connecting: seconds on a loaded
+//   machine) the bound is elastic.join_timeout_ms instead: it has not started yet;
+// - comm_error: a worker reports a data-plane failure and no process died or went silent
+//   within elastic.comm_error_grace_ms (default 300): the world is rebuilt, nobody replaced;
+// - watchdog: a command runs past elastic.step_watchdog_ms (default 60000) with every
+//   worker alive and beating (a hang inside the data plane): rebuilt likewise;
+// - join_timeout: a worker does not join the new epoch within elastic.join_timeout_ms
+//   (default 30000; e.g. its step thread is wedged): killed and replaced (last resort).
+// Recovery: a plan for epoch e+1 (a new slot per lost worker, or fewer dp replicas when no
+// spare is left and elastic.min_dp allows), the replacements are started, every worker
+// restores the newest complete in-memory snapshot (snapshot_ledger.h; else the last
+// checkpoint), and the steps after it run again. Recorded: detection_ms (from the injected
+// fault's time where known), recovery_ms (detection to the next completed command) and
+// steps_lost.
+// Rescale: writing "N" to <run dir>/scale_request asks for dp=N at the next step boundary
+// (elastic.scale_at = "<step>:<dp>,..." writes it after the given steps)
+// (elastic.min_dp <= N <= elastic.max_dp, default 1 and the configured dp);
+// the global batch (train.global_batch) and so the data order stay the same: each replica
+// takes global_batch / (micro_batch_size * dp) micro-batches.
+// Replace: "<slot>" in <run dir>/replace_request replaces that worker at the next step
+// boundary (a planned recovery: no step lost). `troupe scale|replace|status <run dir>`
+// write and read these files (scheduler/cli_elastic.cc).
+// Stragglers: a rank whose compute time exceeds elastic.straggler_ratio (default 1.5) times
+// the median of its peers for elastic.straggler_window (default 5) consecutive steps is
+// flagged (event, console, <run dir>/status.json); elastic.straggler_policy = "replace"
+// replaces it like a failed worker.
+#pragma once
+
+#include "actors/training/trainer.h"
+
+#include <fmt/format.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "actors/training/checkpointing.h"
+#include "actors/training/control.h"
+#include "actors/training/elastic.h"
+#include "actors/training/role_actors.h"
+#include "actors/training/run_metrics.h"
+#include "actors/training/snapshot_ledger.h"
+#include "checkpoint/file_io.h"
+#include "checkpoint/reader.h"
+#include "checkpoint/snapshot_keeper.h"
+#include "checkpoint/writer.h"
+#include "comm/control/host_addr.h"
+#include "core/exit_status.h"
+#include "core/parallel_layout.h"
+
+extern char** environ;
+
+namespace troupe::training {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+
+inline constexpr int kMaxFailuresWithoutProgress = 6;
+inline constexpr std::chrono::milliseconds kFailureBatchWindow{150};
+
+inline int64_t env_or(const char* name, int64_t dflt) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return dflt;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  return (end == v || *end != '\0') ? dflt : static_cast<int64_t>(x);
+}
+
+// A worker in the Trainer's own process (a one-process run): its thread and how it ended.
+struct LocalWorker {
+  std::thread thread;
+  std::atomic<bool> done{false};
+  Status result;  // written before done is set
+};
+
+struct Proc {
+  // Its process id (the launcher's child, or under the scheduler what the worker's ready
+  // record says) and host: troupe status shows them.
+  pid_t pid = -1;
+  std::string host;
+  bool alive = false;
+  std::shared_ptr<LocalWorker> local;  // a one-process run's worker thread (else null)
+  int gpu = -1;  // standalone launcher, GPU workers: the device index it was given
+  std::string last_hb;
+  Clock::time_point hb_seen;
+  // What the trainer wrote into the worker's heartbeat key when it started it: until the
+  // key holds something else, the process has not beaten yet (a dead predecessor's last
+  // value would otherwise pass for a beat).
+  std::string start_mark;
+  bool started() const { return last_hb != start_mark; }
+};
+
+// Waits for the child `p` to exit, polling every 5 ms; past `deadline` it is SIGKILLed.
+// Returns true when it had to be killed.
+inline bool reap_by(Proc& p, Clock::time_point deadline) {
+  while (p.alive) {
+    int status = 0;
+    if (waitpid(p.pid, &status, WNOHANG) == p.pid) {
+      p.alive = false;
+      return false;
+    }
+    if (Clock::now() > deadline) {
+      kill(p.pid, SIGKILL);
+      waitpid(p.pid, &status, 0);
+      p.alive = false;
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
+struct Failure {
+  std::string cause;       // exit, heartbeat, comm_error, watchdog, straggler
+  std::vector<int> slots;  // workers to replace (empty: rebuild only), each once
+  std::string detail;
+  int64_t ts_ms = 0;
+  // A failure a replacement would meet again (a worker that exited with
+  // kExitPermanentFailure, or reported a permanent error): the job ends, nobody is replaced.
+  bool permanent = false;
+};
+
+// A worker seen failing twice (its actor's Down message and its exit) is one lost worker.
+inline void add_slot(Failure& f, int slot) {
+  if (std::find(f.slots.begin(), f.slots.end(), slot) == f.slots.end()) f.slots.push_back(slot);
+}
+
+class Trainer {
+ public:
+  // `scheduled`: the driver of a troupe-scheduler job (its workers are started, killed and
+  // watched by the scheduler through `store`); else the standalone launcher.
+  Trainer(const TrainerOptions& o, std::string run_dir, const layers::TrainConfig& tc,
+          std::unique_ptr<comm::RendezvousStore> store = nullptr)
+      : o_(o), run_dir_(std::move(run_dir)), tc_(tc), scheduled_(store != nullptr) {
+    // A store outage (the scheduler restarting) must not end the job, up to its limit.
+    if (store) {
+      TolerantStore::Options so;
+      so.outage_limit = std::chrono::milliseconds(tc.elastic.scheduler_outage_limit_ms);
+      so.who = "driver";
+      if (const char* s = std::getenv("TROUPE_SCHEDULER"); s != nullptr) so.where = s;
+      auto t = std::make_unique<TolerantStore>(std::move(store), so);
+      tolerant_ = t.get();
+      store_ = std::move(t);
+    }
+  }
+  ~Trainer() { kill_all(); }
+
+  Status run();
+
+ private:
+  // What starting the job (start_job, trainer_start.cc) hands the step loop.
+  struct JobStart {
+    int64_t start_step = 0;   // the step the job starts after
+    int64_t tokens_seen = 0;  // tokens seen up to it (the data position)
+    bool resumed = false;     // from a checkpoint or a restarted driver's snapshot
+  };
+  // Resume source, run directory, store, actors and epoch 0 with every worker ready.
+  Result<JobStart> start_job();
+  Status run_job();
+  std::string key(const std::string& rest) const { return elastic_key(job_, rest); }
+  void event(nlohmann::json e);
+  Status spawn(int slot, uint64_t epoch);
+  // Writes the start mark into slot's heartbeat key (Proc::start_mark) and starts its
+  // silence clock.
+  void mark_start(int slot, uint64_t epoch);
+  void kill_all();
+  void terminate(int slot, const std::string& why);  // kill a worker (it is then gone)
+  std::optional<Failure> check_processes();
+  std::optional<Failure> check_heartbeats();
+  Result<std::optional<Failure>> check_errors(Clock::time_point& first_err);
+  Status wait_ready(const ElasticPlan& plan, std::optional<Failure>& failure);
+  Status open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots, const std::vector<int>& leaving);
+  Status recover(Failure f, int64_t step_done, int64_t failed_step);
+  // ---- commands in flight (train.steps_in_flight) ----
+  // A command sent to every rank of the epoch, and the replies that came back.
+  struct InFlight {
+    int64_t seq = 0;
+    Command::Kind kind = Command::Kind::kStep;
+    int64_t step = 0;
+    std::vector<nlohmann::json> replies;  // by rank; null until that rank replied
+    int remaining = 0;
+    Clock::time_point sent;
+  };
+  Status issue(Command::Kind kind, int64_t step);
+  int64_t steps_in_flight() const;
+  // Files the replies that arrived under their commands; every step reply is also kept
+  // by (epoch, step) for a restore that moves past the last step recorded.
+  void collect_replies();
+  // Waits until the oldest command in flight has every rank's reply, or a failure is
+  // detected (both may hold: a worker lost just after it replied).
+  Status await_oldest(std::optional<Failure>& failure);
+  // The bookkeeping of a command every rank completed (recovery noted, replicas,
+  // checkpoints).
+  Status on_completed(InFlight& c);
+  // One command after the window drained; nullopt: the job went back to an older step (a
+  // checkpoint restore); rewound_to_ says which.
+  Result<std::optional<nlohmann::json>> call(Command::Kind kind, int64_t step);
+  // Some rank's reply to step `step` of epoch `epoch`, waiting up to `wait` for one.
+  // A one-process run: what a failure means there (its worker cannot be replaced).
+  Status one_process_failure(const Failure& f) const;
+  // Checkpoints: notes the snapshots and durable parts the workers report in `replies`,
+  // and finalizes every checkpoint all of whose parts are durable.
+  Status note_checkpoints(Command::Kind kind, int64_t step, const std::vector<nlohmann::json>& replies);
+  struct PendingCheckpoint;
+  Status finalize_pending(int64_t step, const PendingCheckpoint& p);
+  // Checkpoints still waiting for durable-part notes when the membership changes: one
+  // whose every part is on disk (each rank writes its part file after its shard) is
+  // finalized; the others are abandoned (a part will never come).
+  void finalize_written_or_abandon();
+  Status maybe_rescale(int64_t step_done);
+  Status maybe_replace(int64_t step_done);
+  // Scheduler jobs: `troupe scale|replace <job id>` requests arrive as store keys
+  // "request/<k>" {op, dp|slot}; each is turned into the run directory's request file and
+  // answered at "answer/<k>" with the outcome.
+  Status take_store_request();
+  Status answer_store_request();
+  void track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step,
+                        std::optional<Failure>& failure);
+  // status.json (and the job's store key): the workers, their pids and hosts, the
+  // recovery in progress; with `ask_actors`, the actor table is refreshed when the step or
+  // epoch changed (a query of every actor, bounded at 300 ms).
+  void write_status(int64_t step, bool ask_actors = true);
+  // Snapshots: takes the parts the workers reported landed, commits every complete
+  // snapshot of a step this driver has seen completed, and announces it.
+  Status poll_snapshots();
+  // The snapshot of `step` never commits (a rank could not make its part, or skipped
+  // it): every worker frees the generation holding it.
+  void abandon_snapshot(int64_t step);
+  // Takes a snapshot of `step` (the step just completed) off the schedule and waits until
+  // it is committed (a planned membership change goes back to it: no step lost). False
+  // when it was not (a failure meanwhile was recovered from, or no snapshots are taken).
+  Result<bool> snapshot_now(int64_t step);
+  // What every rank of plan `p` restores (p.step_done is the newest step it may go back
+  // to): its live state when nobody was lost (`keep`), else the newest usable snapshot,
+  // else the newest valid checkpoint. Sets p.step_done to it.
+  Status choose_restore(ElasticPlan& p, bool keep, const std::string& why);
+  Result<ElasticPlan> plan_for(int64_t dp, const std::vector<int>& keep_dp, int64_t step_done,
+                               const std::string& why, std::vector<int>& spawn_slots,
+                               std::vector<int>& leaving);
+
+  const TrainerOptions& o_;
+  std::string run_dir_;
+  layers::TrainConfig tc_;
+  std::string job_;
+  bool one_process_ = false;  // the worker is a thread of this process (runs_in_one_process)
+  std::deque<InFlight> inflight_;
+  Clock::time_point oldest_since_ = Clock::now();  // when the oldest command in flight became the oldest
+  std::unique_ptr<comm::RendezvousStore> store_;
+  // Under the scheduler: store_ itself, which tells when the scheduler is out (polls skip
+  // the store then: training goes on; liveness verdicts wait for fresh evidence).
+  TolerantStore* tolerant_ = nullptr;
+  bool store_out() const { return tolerant_ != nullptr && tolerant_->in_outage(); }
+  // Outages seen to end (TolerantStore::outages_ended) and the end of the grace after the
+  // last one: a worker's first beat after an outage may wait for its own request, sent
+  // while the scheduler was out, to time out (12 s): until then nobody is judged silent.
+  uint64_t outages_seen_ = 0;
+  Clock::time_point liveness_grace_until_{};
+  // The store as polls use it: one attempt, no retry through an outage (tolerant_store.h).
+  Result<bool> poll_contains(const std::string& k) {
+    return tolerant_ != nullptr ? tolerant_->try_contains(k) : store_->contains(k);
+  }
+  Result<std::string> poll_get(const std::string& k, std::chrono::milliseconds wait) {
+    return tolerant_ != nullptr ? tolerant_->try_get(k, comm::deadline_in(wait))
+                                : store_->get(k, comm::deadline_in(wait));
+  }
+  Status poll_set(const std::string& k, const std::string& v) {
+    return tolerant_ != nullptr ? tolerant_->try_set(k, v) : store_->set(k, v);
+  }
+  Status past_outage_limit() const {
+    return tolerant_ != nullptr && tolerant_->past_limit() ? tolerant_->limit_status() : ok_status();
+  }
+  std::unique_ptr<ActorDirectory> actors_;  // the "trainer" actor and the workers' actors                //
+                                            // the "trainer" actor and the workers' actors
+  nlohmann::json actor_table_ = nlohmann::json::array();  // their last answers (status.json)
+  int64_t actors_step_ = -2;                              // the step and epoch they were asked at
+  uint64_t actors_epoch_ = 0;
+  Clock::time_point actors_asked_{};  // and when
+  bool scheduled_ = false;
+  std::chrono::milliseconds poll_{2};  // scheduled: 20 (every probe is a round trip)
+  std::ofstream events_;
+  std::map<int, Proc> procs_;
+  ElasticPlan plan_;
+  int next_slot_ = 0;
+  int64_t seq_ = 0;
+  int64_t spares_left_ = -1;  // -1: unlimited
+  std::chrono::milliseconds hb_timeout_{2000}, err_grace_{300}, watchdog_{60000}, join_timeout_{30000};
+  // The recovery in progress: its detection time, reported at the next completed command.
+  std::optional<int64_t> recovering_since_ms_;
+  std::string recovering_cause_;
+  std::vector<int> recovering_slots_;  // the workers it replaces (status.json)
+  int64_t recovering_steps_lost_ = 0;
+  int epoch_plan_messages_ = 0;  // workers of the current epoch that took its plan as a message
+  // Straggler tracking: consecutive slow steps per slot, flagged slots.
+  std::map<int, int> slow_streak_;
+  std::set<int> flagged_;
+  double straggler_ratio_ = 1.5;
+  int straggler_window_ = 5;
+  bool straggler_replace_ = false;
+  int64_t recoveries_ = 0;
+  std::vector<nlohmann::json> last_replies_;
+  std::vector<nlohmann::json> last_step_replies_;  // of the last step command (status.json's times)
+  std::optional<int64_t> rewound_to_;
+  int64_t max_step_logged_ = 0;
+  int64_t last_step_ = 0;
+  int64_t next_request_ = 0;
+  std::optional<int64_t> pending_answer_;
+  nlohmann::json last_answer_;
+  std::string avoid_node_;  // a drained node replacements must not land on
+  Clock::time_point last_hb_check_ = Clock::now();
+  int64_t ckpt_every_ = 0;
+  std::string ckpt_dir_;
+  // Checkpoints whose snapshots were taken, waiting for every part to be durable. Those
+  // of an earlier epoch are abandoned when a new one opens (a part may never come).
+  struct PendingCheckpoint {
+    uint64_t epoch = 0;
+    int64_t dp = 1, grad_accum = 1, tokens = 0;
+    int world = 0;
+    std::set<int> durable;  // ranks whose part is durable
+  };
+  std::map<int64_t, PendingCheckpoint> pending_ckpts_;
+  int64_t last_ckpt_committed_ = -1, last_ckpt_failed_ = -1;
+  uint64_t last_ckpt_bytes_ = 0;         // the size of the last committed checkpoint
+  std::set<int64_t> failed_ckpt_steps_;  // saves that failed (their .tmp is removed)
+  // Failures since the job last completed a step it had never completed before: a fault
+  // that comes back every time (a bad disk, a deterministic crash) must end the job, not
+  // loop through recoveries.
+  int failures_without_progress_ = 0;
+  // In-memory snapshots (elastic.snapshot_every): what landed and what is committed; the
+  // standalone launcher's keeper (under the scheduler each node's agent runs one).
+  int64_t snapshot_every_ = 0;
+  SnapshotLedger snaps_;
+  std::set<int64_t> snaps_complete_;  // complete, waiting for their step's reply to commit
+  std::set<int64_t> forced_ckpts_;    // checkpoints asked for off the schedule (kSave)
+  std::unique_ptr<checkpoint::SnapshotKeeper> keeper_;
+  // The step every rank has completed in the current timeline (rewinds go back), and the
+  // step the job started from.
+  int64_t step_done_now_ = 0;
+  int64_t start_step_ = 0;
+  // Tokens seen after each step (a snapshot's and a checkpoint's data position).
+  std::map<int64_t, int64_t> tokens_after_;
+  // A rebuild with nobody lost lets every rank keep its live state; once such an epoch
+  // failed, recoveries restore a snapshot until one succeeds.
+  bool keep_failed_ = false;
+  nlohmann::json restored_parts_;      // the last epoch's snapshot parts, by slot: where they were read
+  int64_t last_snapshot_failed_ = -1;  // reported once, not by every rank
+  std::string epoch_failure_;  // the first failure a worker reported in the current epoch
+  bool epoch_failure_permanent_ = false;  // ... and whether a retry would meet it again
+  int64_t max_step_completed_ = 0;
+  // What every checkpoint records besides the workers' parts (config text, tokenizer,
+  // run metadata: the same as a normal run's CheckpointCommitter), and the tokens seen
+  // up to the last completed step (its data position).
+  checkpoint::CheckpointInfo ckpt_info_;
+  int64_t tokens_seen_ = 0;
+  std::unique_ptr<RunMetrics> run_metrics_;  // TensorBoard and Prometheus ([observe])
+  std::ofstream metrics_;                    // <run dir>/metrics.jsonl
+};
+
+}  // namespace troupe::training
