@@ -105,9 +105,8 @@ void ElasticWorker::take_commands(std::chrono::milliseconds wait, int64_t seq) {
   }
 }
 
-bool ElasticWorker::snapshot_due(int64_t step) const {
-  if (!snapshotter_) return false;
-  return (snapshot_every_ > 0 && step % snapshot_every_ == 0) || (ckpt_every_ > 0 && step % ckpt_every_ == 0);
+bool ElasticWorker::snapshot_ordered(const Command& cmd) const {
+  return snapshotter_ && static_cast<SnapshotOrder>(cmd.snapshot) != SnapshotOrder::kNone;
 }
 
 Status ElasticWorker::run_step_command(const Command& cmd, StepReply& reply) {
@@ -118,7 +117,7 @@ Status ElasticWorker::run_step_command(const Command& cmd, StepReply& reply) {
   // launched ahead. Nor on the CPU, where launch_step runs the whole step: a step launched
   // ahead there would only hold this step's report back by a step (and a failure in it
   // would lose the report).
-  const bool ahead_ok = ctx_.on_device() && stage_->can_launch_ahead() && !snapshot_due(cmd.step);
+  const bool ahead_ok = ctx_.on_device() && stage_->can_launch_ahead() && !snapshot_ordered(cmd);
   if (launched_ahead_ == cmd.step) {
     reply.launched_ahead = true;  // enqueued while the step before was finishing
   } else {
@@ -143,7 +142,10 @@ Status ElasticWorker::run_step_command(const Command& cmd, StepReply& reply) {
   fill_step_reply(rep, reply);
   if (snapshotter_) {
     // The snapshot's copy runs while the next step does (nothing was launched ahead of it).
-    snapshotter_->after_step(cmd.step, SnapshotDue::kSchedule, reply);
+    if (snapshot_ordered(cmd)) {
+      snapshotter_->after_step(cmd.step, static_cast<SnapshotOrder>(cmd.snapshot) == SnapshotOrder::kCheckpoint,
+                               reply);
+    }
     // The step thread's time on it: what a checkpoint step stalls training by.
     if (reply.snapshot >= 0 && steps_ != nullptr) steps_->record_io(reply.snapshot_ms);
     fault_point(fmt::format("snapshot of step {}", cmd.step));
@@ -271,7 +273,7 @@ Status ElasticWorker::run() {
     const StepCommand next = queue_.front();
     queue_.pop_front();
     seq = next.seq;
-    const Command cmd{next.seq, static_cast<Command::Kind>(next.kind), next.step};
+    const Command cmd{next.seq, static_cast<Command::Kind>(next.kind), next.step, next.snapshot};
     StepReply reply;
     reply.seq = cmd.seq;
     reply.kind = next.kind;
@@ -302,9 +304,10 @@ Status ElasticWorker::run() {
           // step), else writes the committed snapshot of the step (the last step's, or a
           // second attempt after a failed write), else takes a snapshot to write.
           if (cmd.kind == Command::Kind::kSnapshot) {
-            snapshotter_->after_step(cmd.step, SnapshotDue::kNow, reply);
+            snapshotter_->after_step(
+                cmd.step, static_cast<SnapshotOrder>(cmd.snapshot) == SnapshotOrder::kCheckpoint, reply);
           } else if (!snapshotter_->has_checkpoint(cmd.step) && !snapshotter_->write_committed(cmd.step)) {
-            snapshotter_->after_step(cmd.step, SnapshotDue::kCheckpoint, reply);
+            snapshotter_->after_step(cmd.step, /*checkpoint=*/true, reply);
           }
           break;
       }

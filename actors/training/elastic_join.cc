@@ -167,11 +167,12 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
   ready_info_["step_done"] = stage_->steps_done();
   TROUPE_RETURN_IF_ERROR(start_snapshots(restored));
   // A state that no snapshot holds yet (a fresh start, a checkpoint) is snapshotted at
-  // once: a failure before the first scheduled snapshot then loses no more than K steps.
-  // (Not in a one-process run: nothing would restore from it.)
-  if (snapshotter_ && restored < 0 && snapshot_every_ > 0) {
+  // once when the Trainer orders it (plan.snapshot_start): a failure before the first
+  // ordered snapshot then loses no more than the steps since.
+  const auto start = static_cast<SnapshotOrder>(plan.snapshot_start);
+  if (snapshotter_ && restored < 0 && start != SnapshotOrder::kNone) {
     StepReply r;
-    snapshotter_->after_step(plan.step_done, SnapshotDue::kNow, r);
+    snapshotter_->after_step(plan.step_done, start == SnapshotOrder::kCheckpoint, r);
     if (!r.snapshot_errors.empty())
       fmt::print(stderr, "elastic: slot {}: no snapshot of the starting state\n", slot_);
   }
@@ -216,8 +217,6 @@ Status ElasticWorker::start_snapshots(int64_t restored_step) {
   o.rank = rank_;
   o.slot = slot_;
   o.epoch = epoch_;
-  o.every = snapshot_every_;
-  o.ckpt_every = ckpt_every_;
   o.ckpt_dir = ckpt_dir_;
   o.ckpt_bytes_per_s = static_cast<uint64_t>(tc_.checkpoint.max_mb_per_s * 1e6);
   o.restored_step = restored_step;

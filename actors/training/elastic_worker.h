@@ -122,8 +122,8 @@ class ElasticWorker {
   // Moves the commands the Trainer sent into queue_ (waiting at most `wait` for the
   // first): those of the current epoch from `seq` on, in order; older ones are dropped.
   void take_commands(std::chrono::milliseconds wait, int64_t seq);
-  // Whether a snapshot (or a checkpoint's) is due after step `step`.
-  bool snapshot_due(int64_t step) const;
+  // Whether the Trainer ordered a snapshot after cmd's step (and this worker takes them).
+  bool snapshot_ordered(const Command& cmd) const;
   // Runs step `cmd.step` into `reply`: launches it (unless it was launched ahead), launches
   // the next queued step ahead of finishing it where the Stage and this step allow (no
   // snapshot due after it), then finishes it and starts its snapshot when one is due.
@@ -150,8 +150,8 @@ class ElasticWorker {
   nlohmann::json ready_info_;             // what join_epoch tells the Trainer with "ready"
   int rank_ = -1;
   int64_t dp_ = 0;
-  // Checkpoints: every ckpt_every_ steps into ckpt_dir_ (0: off), written from the
-  // committed snapshot of that step; snapshots every snapshot_every_ steps.
+  // Whether the job takes checkpoints (into ckpt_dir_, from committed snapshots) and
+  // in-memory snapshots: a keeper is connected then. Which steps is the Trainer's order.
   int64_t ckpt_every_ = 0;
   int64_t snapshot_every_ = 0;
   std::string ckpt_dir_;

@@ -22,7 +22,8 @@ Status Trainer::issue(Command::Kind kind, int64_t step) {
   // To every stage actor of the epoch; a worker that cannot be reached is found by the
   // failure detection (its exit, its actors' Down, its heartbeat).
   const Status sent =
-      actors_->send_command(plan_.slots, StepCommand{c.seq, static_cast<uint8_t>(kind), step, plan_.epoch});
+      actors_->send_command(plan_.slots, StepCommand{c.seq, static_cast<uint8_t>(kind), step, plan_.epoch,
+                                                     static_cast<uint8_t>(snapshot_order(kind, step))});
   if (!sent.ok())
     fmt::print(stderr, "trainer: command {} not sent to every worker: {}\n", c.seq, sent.to_string());
   inflight_.push_back(std::move(c));
@@ -186,7 +187,6 @@ Status Trainer::run_job() {
   int64_t start_step = js.start_step;
   int64_t tokens_seen = js.tokens_seen;
   std::ofstream& metrics = metrics_;
-  std::error_code ec;
   TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> v0o, call(Command::Kind::kEval, start_step));
   if (!v0o) return aborted("elastic: rewound before the first step");
   double last_val = v0o->value("val_loss", 0.0);
@@ -210,13 +210,6 @@ Status Trainer::run_job() {
   const auto eval_due = [&](int64_t s) {
     return (tc_.train.eval_every > 0 && s % tc_.train.eval_every == 0) || s == tc_.train.steps;
   };
-  std::set<int64_t> scripted;  // steps after which elastic.scale_at rescales
-  for (size_t pos = 0; pos < tc_.elastic.scale_at.size();) {
-    size_t comma = tc_.elastic.scale_at.find(',', pos);
-    if (comma == std::string::npos) comma = tc_.elastic.scale_at.size();
-    scripted.insert(std::strtoll(tc_.elastic.scale_at.substr(pos, comma - pos).c_str(), nullptr, 10));
-    pos = comma + 1;
-  }
   int64_t done = start_step;              // every rank reported this step and the ones before
   int64_t next = start_step + 1;          // the next step to send
   int64_t last = tc_.train.steps;         // the last step to send (the time limit lowers it)
@@ -241,7 +234,7 @@ Status Trainer::run_job() {
     last_step_tokens = step_tokens;
     tokens_seen = tokens_seen_ = tokens_after_[step];  // on_completed counted it
     // A checkpoint step's stall: the longest time a rank's step thread spent on its snapshot.
-    if (ckpt_every_ > 0 && step % ckpt_every_ == 0 && rec.contains("snapshot_ms_max"))
+    if (on_checkpoint_schedule(step) && rec.contains("snapshot_ms_max"))
       rec["ckpt_stall_ms"] = rec["snapshot_ms_max"];
     for (const char* k : {"step_tokens", "rank", "slot", "ckpt_started", "ckpt_blocked_ms", "ckpt_bytes",
                           "durable", "ckpt_errors", "snapshot_errors", "snapshot_ms_max"})
@@ -304,20 +297,6 @@ Status Trainer::run_job() {
     }
     write_status(step);
   };
-  // A membership change asked for at this boundary: a scripted rescale, a request file
-  // (troupe scale|replace <run dir>) or a request in the job's store.
-  const auto boundary_wanted = [&](int64_t after) -> Result<bool> {
-    if (scripted.count(after) != 0) return true;
-    if (fs::exists(run_dir_ + "/scale_request", ec) || fs::exists(run_dir_ + "/replace_request", ec))
-      return true;
-    // A poll (one attempt, skipped while the scheduler is out): training goes on through
-    // an outage and a request waits for the next boundary.
-    if (scheduled_ && !pending_answer_ && !store_out()) {
-      Result<bool> has = poll_contains(key(fmt::format("request/{}", next_request_)));
-      return has.ok() && has.value();
-    }
-    return false;
-  };
   // After a recovery: go on from the step the workers restored (at or before `done`: a
   // snapshot or checkpoint of a step every rank reported, or the live state after `done`).
   const auto after_recovery = [&]() -> Status {
@@ -349,7 +328,7 @@ Status Trainer::run_job() {
   // full; never past a scripted rescale after a step later than `completed`.
   const auto fill_window = [&](int64_t completed) -> Status {
     while (!hold && next <= last && steps_in_flight() < window) {
-      if (next - 1 > completed && scripted.count(next - 1) != 0) break;
+      if (next - 1 > completed && requests_->scripted_after(next - 1)) break;
       TROUPE_RETURN_IF_ERROR(issue(Command::Kind::kStep, next));
       if (eval_due(next)) {
         TROUPE_RETURN_IF_ERROR(issue(Command::Kind::kEval, next));
@@ -374,11 +353,9 @@ Status Trainer::run_job() {
         // A failure meanwhile was recovered from (the straggler may be gone with it).
         if (plan_.epoch == epoch && member) TROUPE_RETURN_IF_ERROR(restore(f));
       }
-      if (scheduled_) TROUPE_RETURN_IF_ERROR(take_store_request());
-      TROUPE_RETURN_IF_ERROR(maybe_replace(done));
-      TROUPE_RETURN_IF_ERROR(maybe_rescale(done));
+      TROUPE_RETURN_IF_ERROR(serve_requests(done));
       write_status(done);  // the membership after this boundary's changes
-      if (scheduled_) TROUPE_RETURN_IF_ERROR(answer_store_request());
+      requests_->send_answer();
       hold = false;
       if (rewound_to_) TROUPE_RETURN_IF_ERROR(after_recovery());
       if (done >= last && !waiting) break;
@@ -408,12 +385,11 @@ Status Trainer::run_job() {
     // A membership change asked for stops the sending first: it waits only for the steps
     // already in flight.
     if (c.kind == Command::Kind::kStep && c.step < last) {
-      TROUPE_ASSIGN_OR_RETURN(bool wanted, boundary_wanted(c.step));
-      hold |= wanted;
+      hold |= requests_->waiting(c.step);
     }
     // The next step goes out before this one's bookkeeping (metrics, status): the workers
     // must not wait for the driver's own work. (Not past a scripted rescale after it.)
-    if (!failure && c.kind == Command::Kind::kStep && scripted.count(c.step) == 0) {
+    if (!failure && c.kind == Command::Kind::kStep && !requests_->scripted_after(c.step)) {
       TROUPE_RETURN_IF_ERROR(fill_window(c.step));
     }
     // Every rank completed the command and a worker was lost (or flagged) just after: the
@@ -462,15 +438,8 @@ Status Trainer::run_job() {
     // already (a checkpoint step), the committed snapshot of that step the workers hold (a
     // snapshot off the checkpoint schedule, or the second attempt), else a new one.
     if (snaps_.newest_committed() == final_step) {
-      if (pending_ckpts_.count(final_step) == 0) {
-        PendingCheckpoint& p = pending_ckpts_[final_step];
-        p.epoch = plan_.epoch;
-        p.dp = plan_.dp;
-        p.grad_accum = plan_.grad_accum;
-        p.world = static_cast<int>(plan_.slots.size());
-        p.tokens = tokens_after_.count(final_step) ? tokens_after_[final_step] : tokens_seen_;
-        p.durable.clear();
-      }
+      if (pending_ckpts_.count(final_step) == 0)
+        expect_checkpoint(final_step, tokens_after_.count(final_step) ? tokens_after_[final_step] : tokens_seen_);
     } else {
       forced_ckpts_.insert(final_step);
     }

@@ -14,6 +14,54 @@
 
 namespace troupe::training {
 
+bool Trainer::on_checkpoint_schedule(int64_t step) const { return ckpt_every_ > 0 && step % ckpt_every_ == 0; }
+
+bool Trainer::checkpoint_wanted(int64_t step) const {
+  // A step run again after a rewind whose checkpoint exists already (the same state: the
+  // run is deterministic) is not written twice.
+  std::error_code ec;
+  return !ckpt_dir_.empty() && (on_checkpoint_schedule(step) || forced_ckpts_.count(step) > 0) &&
+         !fs::exists(fs::path(ckpt_dir_) / checkpoint::step_dir_name(step), ec);
+}
+
+SnapshotOrder Trainer::snapshot_order(Command::Kind kind, int64_t step) const {
+  switch (kind) {
+    case Command::Kind::kStep:  // the schedule: checkpoint.every, elastic.snapshot_every
+      if (on_checkpoint_schedule(step)) return SnapshotOrder::kCheckpoint;
+      if (snapshot_every_ > 0 && step % snapshot_every_ == 0) return SnapshotOrder::kSnapshot;
+      return SnapshotOrder::kNone;
+    case Command::Kind::kSnapshot:  // off the schedule (a planned membership change)
+      return on_checkpoint_schedule(step) ? SnapshotOrder::kCheckpoint : SnapshotOrder::kSnapshot;
+    case Command::Kind::kSave:  // the job's last checkpoint
+      return SnapshotOrder::kCheckpoint;
+    case Command::Kind::kEval:
+    case Command::Kind::kStop:
+      return SnapshotOrder::kNone;
+  }
+  return SnapshotOrder::kNone;
+}
+
+void Trainer::set_snapshot_policy(ElasticPlan& p) const {
+  p.ckpt_every = ckpt_every_;
+  p.ckpt_dir = ckpt_dir_;
+  p.snapshot_every = snapshot_every_;
+  // A starting state no snapshot holds is snapshotted at once (not in a one-process run,
+  // whose snapshot_every_ is 0: nothing would restore from it).
+  p.snapshot_start = static_cast<uint8_t>(snapshot_every_ <= 0                ? SnapshotOrder::kNone
+                                          : on_checkpoint_schedule(p.step_done) ? SnapshotOrder::kCheckpoint
+                                                                                : SnapshotOrder::kSnapshot);
+}
+
+void Trainer::expect_checkpoint(int64_t step, int64_t tokens) {
+  PendingCheckpoint& p = pending_ckpts_[step];
+  p.epoch = plan_.epoch;
+  p.dp = plan_.dp;
+  p.grad_accum = plan_.grad_accum;
+  p.world = static_cast<int>(plan_.slots.size());
+  p.tokens = tokens;
+  p.durable.clear();
+}
+
 Status Trainer::poll_snapshots() {
   const int world = static_cast<int>(plan_.slots.size());
   for (const SnapshotLanded& l : actors_->take_landed()) {
@@ -40,11 +88,7 @@ Status Trainer::poll_snapshots() {
     // left to train saves the state it loaded in its own layout).
     // A step run again after a rewind whose checkpoint exists already (the same state: the
     // run is deterministic) is not written twice.
-    std::error_code ec;
-    const bool ckpt =
-        !ckpt_dir_.empty() &&
-        ((s > start_step_ && ckpt_every_ > 0 && s % ckpt_every_ == 0) || forced_ckpts_.count(s) > 0) &&
-        !fs::exists(fs::path(ckpt_dir_) / checkpoint::step_dir_name(s), ec);
+    const bool ckpt = checkpoint_wanted(s) && (s > start_step_ || forced_ckpts_.count(s) > 0);
     const SnapshotCommitted c = snaps_.commit(s, tok->second, ckpt);
     // The manifest first (a restarted driver finds it: the store's keys do not outlive the
     // scheduler epoch a driver restart ends), then the workers.
@@ -59,15 +103,7 @@ Status Trainer::poll_snapshots() {
       fmt::print(stderr, "trainer: the commit of snapshot {} did not reach every worker: {}\n", s,
                  st.to_string());
     }
-    if (ckpt) {
-      PendingCheckpoint& p = pending_ckpts_[s];
-      p.epoch = plan_.epoch;
-      p.dp = plan_.dp;
-      p.grad_accum = plan_.grad_accum;
-      p.world = world;
-      p.tokens = tok->second;
-      p.durable.clear();
-    }
+    if (ckpt) expect_checkpoint(s, tok->second);
   }
   return ok_status();
 }

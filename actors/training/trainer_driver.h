@@ -32,14 +32,14 @@
 // checkpoint), and the steps after it run again. Recorded: detection_ms (from the injected
 // fault's time where known), recovery_ms (detection to the next completed command) and
 // steps_lost.
-// Rescale: writing "N" to <run dir>/scale_request asks for dp=N at the next step boundary
-// (elastic.scale_at = "<step>:<dp>,..." writes it after the given steps)
-// (elastic.min_dp <= N <= elastic.max_dp, default 1 and the configured dp);
+// Operator requests (trainer_requests.h: the job store's request keys, written by
+// `troupe scale|replace|drain` and the scheduler's health policy; elastic.scale_at for
+// scripted ones) are served at the next step boundary:
+// Rescale: dp=N (elastic.min_dp <= N <= elastic.max_dp, default 1 and the configured dp);
 // the global batch (train.global_batch) and so the data order stay the same: each replica
 // takes global_batch / (micro_batch_size * dp) micro-batches.
-// Replace: "<slot>" in <run dir>/replace_request replaces that worker at the next step
-// boundary (a planned recovery: no step lost). `troupe scale|replace|status <run dir>`
-// write and read these files (scheduler/cli_elastic.cc).
+// Replace: a slot's worker is replaced (a planned recovery from a snapshot of that step:
+// no step lost); with "avoid" (troupe drain) its replacement lands on another agent.
 // Stragglers: a rank whose compute time exceeds elastic.straggler_ratio (default 1.5) times
 // the median of its peers for elastic.straggler_window (default 5) consecutive steps is
 // flagged (event, console, <run dir>/status.json); elastic.straggler_policy = "replace"
@@ -74,6 +74,7 @@
 #include "actors/training/role_actors.h"
 #include "actors/training/run_metrics.h"
 #include "actors/training/snapshot_ledger.h"
+#include "actors/training/trainer_requests.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/snapshot_keeper.h"
@@ -235,6 +236,19 @@ class Trainer {
   Status one_process_failure(const Failure& f) const;
   // Checkpoints: notes the snapshots and durable parts the workers report in `replies`,
   // and finalizes every checkpoint all of whose parts are durable.
+  // ---- the only judge of "due" (trainer_checkpoints.cc) ----
+  // What a command orders after its step (StepCommand::snapshot): the schedule for kStep,
+  // a snapshot off it for kSnapshot, the checkpoint for kSave.
+  SnapshotOrder snapshot_order(Command::Kind kind, int64_t step) const;
+  bool on_checkpoint_schedule(int64_t step) const;  // checkpoint.every
+  // Whether the commit of step's snapshot writes its checkpoint: on the schedule or asked
+  // for (kSave), and not on disk already.
+  bool checkpoint_wanted(int64_t step) const;
+  // The plan's snapshot and checkpoint policy (what the workers need to take the orders,
+  // and the order for a starting state no snapshot holds). p.step_done must be final.
+  void set_snapshot_policy(ElasticPlan& p) const;
+  // Waits for every rank's durable part of step's checkpoint (this epoch's layout).
+  void expect_checkpoint(int64_t step, int64_t tokens);
   Status note_checkpoints(Command::Kind kind, int64_t step, const std::vector<nlohmann::json>& replies);
   struct PendingCheckpoint;
   Status finalize_pending(int64_t step, const PendingCheckpoint& p);
@@ -242,13 +256,12 @@ class Trainer {
   // whose every part is on disk (each rank writes its part file after its shard) is
   // finalized; the others are abandoned (a part will never come).
   void finalize_written_or_abandon();
-  Status maybe_rescale(int64_t step_done);
-  Status maybe_replace(int64_t step_done);
-  // Scheduler jobs: `troupe scale|replace <job id>` requests arrive as store keys
-  // "request/<k>" {op, dp|slot}; each is turned into the run directory's request file and
-  // answered at "answer/<k>" with the outcome.
-  Status take_store_request();
-  Status answer_store_request();
+  // Operator requests at the boundary after step_done (nothing in flight): takes each
+  // from requests_, acts on it and records its outcome (answered after write_status).
+  Status serve_requests(int64_t step_done);
+  // A request's outcome: the event logged for it (scaled, replaced, or a refusal).
+  Result<nlohmann::json> replace_on_request(const std::string& text, int64_t step_done);
+  Result<nlohmann::json> rescale_on_request(std::string text, int64_t step_done);
   void track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step,
                         std::optional<Failure>& failure);
   // status.json (and the job's store key): the workers, their pids and hosts, the
@@ -337,9 +350,7 @@ class Trainer {
   std::optional<int64_t> rewound_to_;
   int64_t max_step_logged_ = 0;
   int64_t last_step_ = 0;
-  int64_t next_request_ = 0;
-  std::optional<int64_t> pending_answer_;
-  nlohmann::json last_answer_;
+  std::unique_ptr<OperatorRequests> requests_;  // scale, replace, drain (trainer_requests.h)
   std::string avoid_node_;  // a drained node replacements must not land on
   Clock::time_point last_hb_check_ = Clock::now();
   int64_t ckpt_every_ = 0;

@@ -146,9 +146,7 @@ Result<ElasticPlan> Trainer::plan_for(int64_t dp, const std::vector<int>& keep_d
 
 Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots,
                            const std::vector<int>& leaving) {
-  plan.ckpt_every = ckpt_every_;
-  plan.ckpt_dir = ckpt_dir_;
-  plan.snapshot_every = snapshot_every_;
+  set_snapshot_policy(plan);
   plan.snapshot_committed = snaps_.newest_committed();
   epoch_failure_.clear();  // failures reported in the old epoch are handled by this one
   epoch_failure_permanent_ = false;
@@ -365,20 +363,9 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
       // A checkpoint of the restored snapshot's step that the failure interrupted is
       // written again, from that snapshot.
       const int64_t s = plan_.snapshot_step;
-      std::error_code ec;
-      if (s >= 0 && !ckpt_dir_.empty() &&
-          ((ckpt_every_ > 0 && s % ckpt_every_ == 0) || forced_ckpts_.count(s)) &&
-          !fs::exists(fs::path(ckpt_dir_) / checkpoint::step_dir_name(s), ec)) {
-        if (Status st = actors_->send_committed(plan_.slots, snaps_.recommit(s, plan_.epoch, true));
-            st.ok()) {
-          PendingCheckpoint& p = pending_ckpts_[s];
-          p.epoch = plan_.epoch;
-          p.dp = plan_.dp;
-          p.grad_accum = plan_.grad_accum;
-          p.world = static_cast<int>(plan_.slots.size());
-          p.tokens = tokens_after_.count(s) ? tokens_after_[s] : 0;
-          p.durable.clear();
-        }
+      if (s >= 0 && checkpoint_wanted(s)) {
+        if (Status st = actors_->send_committed(plan_.slots, snaps_.recommit(s, plan_.epoch, true)); st.ok())
+          expect_checkpoint(s, tokens_after_.count(s) ? tokens_after_[s] : 0);
       }
       if (recovering_steps_lost_ < 0) recovering_steps_lost_ = 0;
       return ok_status();
@@ -388,48 +375,41 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
   }
 }
 
-Status Trainer::maybe_replace(int64_t step_done) {
-  // "<slot>" in <run dir>/replace_request (troupe replace): a planned replacement at this
-  // step boundary, restored from a dp peer like a failure.
-  const std::string req = run_dir_ + "/replace_request";
-  std::error_code ec;
-  if (!fs::exists(req, ec)) return ok_status();
-  std::string text;
-  {
-    std::ifstream in(req);
-    std::getline(in, text);
+Status Trainer::serve_requests(int64_t step_done) {
+  while (std::optional<OperatorRequest> r = requests_->take(step_done)) {
+    nlohmann::json outcome;
+    if (r->op == OperatorRequest::Op::kReplace) {
+      avoid_node_ = r->avoid;  // troupe drain: the replacement lands elsewhere
+      Result<nlohmann::json> o = replace_on_request(r->text, step_done);
+      avoid_node_.clear();
+      TROUPE_ASSIGN_OR_RETURN(outcome, std::move(o));
+    } else {
+      TROUPE_ASSIGN_OR_RETURN(outcome, rescale_on_request(r->text, step_done));
+    }
+    requests_->answer(std::move(outcome));
   }
-  fs::remove(req, ec);
-  if (one_process_) {
-    last_answer_ = {{"event", "replace_refused"},
-                    {"request", text},
-                    {"why", "the worker runs in the Trainer's process (set elastic.isolate_workers = true)"}};
-    event(last_answer_);
-    fmt::print("elastic: replace request '{}' refused: the worker runs in the Trainer's process\n", text);
-    return ok_status();
-  }
+  return ok_status();
+}
+
+Result<nlohmann::json> Trainer::replace_on_request(const std::string& text, int64_t step_done) {
+  // A planned replacement at this step boundary, restored from a snapshot of this step.
+  const auto refuse = [&](const std::string& why) {
+    nlohmann::json a{{"event", "replace_refused"}, {"request", text}, {"why", why}};
+    event(a);
+    fmt::print("elastic: replace request '{}' refused: {}\n", text, why);
+    return a;
+  };
   char* end = nullptr;
   const long slot = std::strtol(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || plan_.rank_of_slot(static_cast<int>(slot)) < 0) {
-    last_answer_ = {{"event", "replace_refused"}, {"request", text}, {"why", "not a worker slot of the job"}};
-    event(last_answer_);
-    fmt::print("elastic: replace request '{}' refused: not a worker slot of the job\n", text);
-    return ok_status();
-  }
+  if (text.empty() || *end != '\0' || plan_.rank_of_slot(static_cast<int>(slot)) < 0)
+    return refuse("not a worker slot of the job");
   // The worker's state must survive it: a snapshot of this step (taken now), or else the
   // last checkpoint.
   TROUPE_ASSIGN_OR_RETURN(const bool snapped, snapshot_now(step_done));
-  if (plan_.rank_of_slot(static_cast<int>(slot)) < 0) return ok_status();  // gone meanwhile (recovered)
-  if (!snapped && ckpt_every_ <= 0) {
-    last_answer_ = {
-        {"event", "replace_refused"},
-        {"request", text},
-        {"why", fmt::format("no snapshot of step {} could be taken and no checkpoint is kept", step_done)}};
-    event(last_answer_);
-    fmt::print("elastic: replace request for slot {} refused: no snapshot of step {} and no checkpoint\n",
-               slot, step_done);
-    return ok_status();
-  }
+  if (plan_.rank_of_slot(static_cast<int>(slot)) < 0)
+    return refuse("the worker was lost meanwhile and replaced by the recovery");
+  if (!snapped && ckpt_every_ <= 0)
+    return refuse(fmt::format("no snapshot of step {} could be taken and no checkpoint is kept", step_done));
   fmt::print("elastic: replacing slot {} on request after step {}\n", slot, step_done);
   std::fflush(stdout);
   const int64_t t0 = wall_ms();
@@ -437,78 +417,44 @@ Status Trainer::maybe_replace(int64_t step_done) {
       Failure{
           "replace", {static_cast<int>(slot)}, fmt::format("slot {} replaced on request", slot), wall_ms()},
       step_done, step_done + 1));
-  last_answer_ = {{"event", "replaced"},
-                  {"slot", slot},
-                  {"after_step", step_done},
-                  {"epoch", plan_.epoch},
-                  {"ms", wall_ms() - t0}};
-  return ok_status();
+  return nlohmann::json{{"event", "replaced"},   {"slot", slot},
+                        {"after_step", step_done}, {"epoch", plan_.epoch},
+                        {"ms", wall_ms() - t0},    {"steps_lost", recovering_steps_lost_}};
 }
 
-Status Trainer::maybe_rescale(int64_t step_done) {
-  const std::string req = run_dir_ + "/scale_request";
-  std::error_code ec;
-  // elastic.scale_at = "<step>:<dp>[,...]": a scripted request after <step> (tests,
-  // demos), through the same file a user writes.
-  if (!tc_.elastic.scale_at.empty()) {
-    const std::string& all = tc_.elastic.scale_at;
-    size_t pos = 0;
-    while (pos < all.size()) {
-      size_t comma = all.find(',', pos);
-      if (comma == std::string::npos) comma = all.size();
-      const std::string item = all.substr(pos, comma - pos);
-      pos = comma + 1;
-      const size_t colon = item.find(':');
-      if (colon == std::string::npos) continue;
-      if (std::strtoll(item.substr(0, colon).c_str(), nullptr, 10) == step_done) {
-        std::ofstream(req) << item.substr(colon + 1) << "\n";
-      }
-    }
-  }
-  if (!fs::exists(req, ec)) return ok_status();
-  std::string text;
-  {
-    std::ifstream in(req);
-    std::getline(in, text);
-  }
-  fs::remove(req, ec);
+Result<nlohmann::json> Trainer::rescale_on_request(std::string text, int64_t step_done) {
+  const auto refuse = [&](nlohmann::json a, const std::string& why) {
+    a["event"] = "scale_refused";
+    a["request"] = text;
+    if (!why.empty()) a["why"] = why;
+    event(a);
+    fmt::print("elastic: scale request '{}' refused: {}\n", text, why);
+    return a;
+  };
   if (text.rfind("dp=", 0) == 0) text = text.substr(3);
   char* end = nullptr;
   const long dp = std::strtol(text.c_str(), &end, 10);
   const int64_t min_dp = tc_.elastic.min_dp,
                 max_dp = tc_.elastic.max_dp > 0 ? tc_.elastic.max_dp : tc_.parallel.dp;
   if (text.empty() || *end != '\0' || dp < min_dp || dp > max_dp) {
-    last_answer_ = {{"event", "scale_refused"}, {"request", text}, {"min_dp", min_dp}, {"max_dp", max_dp}};
-    event(last_answer_);
-    fmt::print("elastic: scale request '{}' refused (dp must be in [{}, {}])\n", text, min_dp, max_dp);
-    return ok_status();
+    return refuse({{"min_dp", min_dp}, {"max_dp", max_dp}}, fmt::format("dp must be in [{}, {}]", min_dp, max_dp));
   }
-  if (dp == plan_.dp) return ok_status();
+  if (dp == plan_.dp) return nlohmann::json{{"event", "scale_unchanged"}, {"dp", plan_.dp}};
   // Every rank of the new layout restores a snapshot of this step (taken now).
   TROUPE_ASSIGN_OR_RETURN(const bool snapped, snapshot_now(step_done));
-  if (step_done_now_ != step_done) return ok_status();  // a failure meanwhile sent the job back
+  if (step_done_now_ != step_done)
+    return refuse({}, fmt::format("a failure meanwhile sent the job back to step {}", step_done_now_));
   if (!snapped) {
-    last_answer_ = {{"event", "scale_refused"},
-                    {"request", text},
-                    {"why", fmt::format("no snapshot of step {} could be taken (elastic.snapshot_every and "
-                                        "checkpoint.every are 0, or a part failed)",
-                                        step_done)}};
-    event(last_answer_);
-    fmt::print("elastic: scale request '{}' refused: no snapshot of step {} could be taken\n", text,
-               step_done);
-    return ok_status();
+    return refuse({}, fmt::format("no snapshot of step {} could be taken (elastic.snapshot_every and "
+                                  "checkpoint.every are 0, or a part failed)",
+                                  step_done));
   }
   std::vector<int> keep;
   for (int d = 0; d < std::min<int>(static_cast<int>(dp), static_cast<int>(plan_.dp)); ++d) keep.push_back(d);
   std::vector<int> spawn_slots, leaving;
   Result<ElasticPlan> plan =
       plan_for(dp, keep, step_done, fmt::format("scale dp {} -> {}", plan_.dp, dp), spawn_slots, leaving);
-  if (!plan.ok()) {
-    last_answer_ = {{"event", "scale_refused"}, {"request", text}, {"why", plan.status().to_string()}};
-    event(last_answer_);
-    fmt::print("elastic: scale request refused: {}\n", plan.status().to_string());
-    return ok_status();
-  }
+  if (!plan.ok()) return refuse({}, plan.status().to_string());
   TROUPE_RETURN_IF_ERROR(choose_restore(plan.value(), false, "rescale"));
   const int64_t t0 = wall_ms();
   const int64_t from = plan_.dp;
@@ -516,14 +462,14 @@ Status Trainer::maybe_rescale(int64_t step_done) {
   std::optional<Failure> failure;
   TROUPE_RETURN_IF_ERROR(wait_ready(plan_, failure));
   if (failure) TROUPE_RETURN_IF_ERROR(recover(*failure, step_done, step_done + 1));
-  last_answer_ = {{"event", "scaled"},       {"from_dp", from},
-                  {"to_dp", plan_.dp},       {"grad_accum", plan_.grad_accum},
-                  {"after_step", step_done}, {"ms", wall_ms() - t0}};
-  event(last_answer_);
+  nlohmann::json a{{"event", "scaled"},       {"from_dp", from},
+                   {"to_dp", plan_.dp},       {"grad_accum", plan_.grad_accum},
+                   {"after_step", step_done}, {"ms", wall_ms() - t0}};
+  event(a);
   fmt::print("elastic: scaled dp {} -> {} (grad_accum {}) after step {} in {} ms\n", from, plan_.dp,
              plan_.grad_accum, step_done, wall_ms() - t0);
   std::fflush(stdout);
-  return ok_status();
+  return a;
 }
 
 }  // namespace troupe::training

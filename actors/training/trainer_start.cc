@@ -111,10 +111,8 @@ Result<Trainer::JobStart> Trainer::start_job() {
                             run_checkpoint_info(o_.config, o_.overrides, tc_, run_dir_ + "/tokenizer.json"));
   }
   if (resume) last_ckpt_bytes_ = resume->manifest().total_bytes();
-  fs::remove(run_dir_ + "/scale_request", ec);
   // An earlier run's snapshots are not this one's (a restarted driver read them above).
   if (resume_snapshot == nullptr) fs::remove(run_dir_ + "/snapshots.json", ec);
-  fs::remove(run_dir_ + "/replace_request", ec);
   if (one_process_) {
     store_ = std::make_unique<comm::MemoryStore>();  // the worker is a thread of this process
   } else if (!scheduled_) {
@@ -132,6 +130,16 @@ Result<Trainer::JobStart> Trainer::start_job() {
       ::setenv(checkpoint::kSnapshotKeeperEnv, keeper_->socket_path().c_str(), 1);
     }
   }
+  // Operator requests arrive through the job's store, whoever owns it (a fresh standalone
+  // store, or the scheduler's for this job: no request of an earlier run is seen).
+  requests_ = std::make_unique<OperatorRequests>(
+      OperatorRequests::Store{
+          .key = [this](const std::string& rest) { return key(rest); },
+          .contains = [this](const std::string& k) { return poll_contains(k); },
+          .get = [this](const std::string& k) { return poll_get(k, std::chrono::milliseconds(5000)); },
+          .set = [this](const std::string& k, const std::string& v) { return poll_set(k, v); },
+          .out = [this] { return store_out(); }},
+      tc_.elastic.scale_at);
   // The record of a run goes on across resumes and driver restarts: appended, never cut.
   events_.open(run_dir_ + "/events.jsonl", resume || driver_restarts > 0 ? std::ios::app : std::ios::trunc);
   if (!events_) return io_error("cannot write {}/events.jsonl", run_dir_);
@@ -169,9 +177,7 @@ Result<Trainer::JobStart> Trainer::start_job() {
     plan_.step_done = start_step;
     plan_.reason = "start (restarted driver, from a snapshot)";
   }
-  plan_.ckpt_every = ckpt_every_;
-  plan_.ckpt_dir = ckpt_dir_;
-  plan_.snapshot_every = snapshot_every_;
+  set_snapshot_policy(plan_);
   // Under the scheduler: from now on a lost worker is reported to this driver (a key of
   // the job's store) instead of restarting every worker of the job.
   // The run directory rides along, so the scheduler's record of the job names it
