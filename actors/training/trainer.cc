@@ -23,7 +23,7 @@ Status Trainer::issue(Command::Kind kind, int64_t step) {
   // failure detection (its exit, its actors' Down, its heartbeat).
   const Status sent =
       actors_->send_command(plan_.slots, StepCommand{c.seq, static_cast<uint8_t>(kind), step, plan_.epoch,
-                                                     static_cast<uint8_t>(snapshot_order(kind, step))});
+                                                     static_cast<uint8_t>(ckpt_.snapshot_order(kind, step))});
   if (!sent.ok())
     fmt::print(stderr, "trainer: command {} not sent to every worker: {}\n", c.seq, sent.to_string());
   inflight_.push_back(std::move(c));
@@ -57,7 +57,7 @@ Status Trainer::await_oldest(std::optional<Failure>& failure) {
   auto last_slow_check = Clock::now();
   Clock::time_point first_err{};
   while (true) {
-    TROUPE_RETURN_IF_ERROR(poll_snapshots());
+    TROUPE_RETURN_IF_ERROR(ckpt_.poll());
     collect_replies();
     if (c.remaining == 0) return ok_status();
     if ((failure = check_processes())) {
@@ -127,16 +127,14 @@ Status Trainer::on_completed(InFlight& c) {
   if (c.kind == Command::Kind::kStep) {
     last_step_replies_ = c.replies;
     step_done_now_ = c.step;
-    auto prev = tokens_after_.find(c.step - 1);
-    tokens_after_[c.step] = (prev != tokens_after_.end() ? prev->second : tokens_seen_) +
-                            c.replies[0].value("step_tokens", int64_t{0});
+    ckpt_.note_step(c.step, c.replies[0].value("step_tokens", int64_t{0}), tokens_seen_);
   }
   if (c.kind == Command::Kind::kStep && c.step > max_step_completed_) {
     max_step_completed_ = c.step;
     failures_without_progress_ = 0;
   }
-  TROUPE_RETURN_IF_ERROR(note_checkpoints(c.kind, c.step, c.replies));
-  return poll_snapshots();
+  TROUPE_RETURN_IF_ERROR(ckpt_.note_replies(c.replies));
+  return ckpt_.poll();
 }
 
 Result<std::optional<nlohmann::json>> Trainer::call(Command::Kind kind, int64_t step) {
@@ -232,9 +230,9 @@ Status Trainer::run_job() {
     if (!std::isfinite(loss)) return aborted("step {}: the loss is {} (diverged)", step, loss);
     const int64_t step_tokens = rec.value("step_tokens", int64_t{0});
     last_step_tokens = step_tokens;
-    tokens_seen = tokens_seen_ = tokens_after_[step];  // on_completed counted it
+    tokens_seen = tokens_seen_ = ckpt_.tokens_after(step).value_or(0);  // on_completed counted it
     // A checkpoint step's stall: the longest time a rank's step thread spent on its snapshot.
-    if (on_checkpoint_schedule(step) && rec.contains("snapshot_ms_max"))
+    if (ckpt_.on_checkpoint_schedule(step) && rec.contains("snapshot_ms_max"))
       rec["ckpt_stall_ms"] = rec["snapshot_ms_max"];
     for (const char* k : {"step_tokens", "rank", "slot", "ckpt_started", "ckpt_blocked_ms", "ckpt_bytes",
                           "durable", "ckpt_errors", "snapshot_errors", "snapshot_ms_max"})
@@ -306,8 +304,7 @@ Status Trainer::run_job() {
       rewound_to_.reset();
       fmt::print("elastic: rewound to step {}; steps {}..{} run again\n", to, to + 1, done);
       done = to;
-      if (auto it = tokens_after_.find(done); it != tokens_after_.end())
-        tokens_seen = tokens_seen_ = it->second;
+      if (std::optional<int64_t> t = ckpt_.tokens_after(done)) tokens_seen = tokens_seen_ = *t;
       waiting.reset();
     }
     next = done + 1;
@@ -430,27 +427,17 @@ Status Trainer::run_job() {
   // checkpoint is in its checkpoint directory). A save that fails is tried once more (a
   // disk freed meanwhile); failing at the same point twice is permanent: a restarted
   // driver would run the steps since the last checkpoint again only to meet it a third time.
-  bool have_final = false;
-  for (const auto& [s, d] : checkpoint::list_checkpoints(ckpt_dir_)) have_final |= s == final_step;
-  const bool final_ckpt = !ckpt_dir_.empty() && (final_step > start_step || !have_final);
-  for (int attempt = 1; final_ckpt && last_ckpt_committed_ < final_step; ++attempt) {
-    // Written from the snapshot of the final step (the save command): the one being written
-    // already (a checkpoint step), the committed snapshot of that step the workers hold (a
-    // snapshot off the checkpoint schedule, or the second attempt), else a new one.
-    if (snaps_.newest_committed() == final_step) {
-      if (pending_ckpts_.count(final_step) == 0)
-        expect_checkpoint(final_step, tokens_after_.count(final_step) ? tokens_after_[final_step] : tokens_seen_);
-    } else {
-      forced_ckpts_.insert(final_step);
-    }
+  const bool final_ckpt = ckpt_.want_final(final_step, start_step);
+  for (int attempt = 1; final_ckpt && !ckpt_.committed(final_step); ++attempt) {
+    ckpt_.ask_final(final_step, tokens_seen_);
     TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> saved, call(Command::Kind::kSave, final_step));
     if (!saved) {
       return aborted(
           "a failure during the final checkpoint sent the job back to step {}; continue it with --resume",
           *rewound_to_);
     }
-    if (last_ckpt_committed_ >= final_step) break;
-    const FailedSave why = clean_failed_save(ckpt_dir_, final_step, last_ckpt_bytes_);
+    if (ckpt_.committed(final_step)) break;
+    const FailedSave why = ckpt_.clean_failed(final_step);
     event({{"event", "final_checkpoint_failed"},
            {"step", final_step},
            {"attempt", attempt},
@@ -469,7 +456,7 @@ Status Trainer::run_job() {
   }
   TROUPE_RETURN_IF_ERROR(call(Command::Kind::kStop, 0).status());
   // Saves that failed along the way leave nothing behind (every worker is done writing now).
-  for (int64_t step : failed_ckpt_steps_) (void)clean_failed_save(ckpt_dir_, step, last_ckpt_bytes_);
+  ckpt_.clean_all_failed();
   // Every worker exits after "stop"; reap them (bounded). Under the scheduler it does.
   const auto deadline = Clock::now() + std::chrono::milliseconds(30000);
   for (auto& [slot, p] : procs_) {
@@ -496,7 +483,7 @@ Status Trainer::run_job() {
   fmt::print(
       "{}: done in {:.1f}s ({:.0f} tokens/s); val_loss {:.4f} -> {:.4f}; {} recoveries{}\n", o_.app, total_s,
       static_cast<double>(tokens_seen - tokens_before) / std::max(total_s, 1e-9), val0, last_val, recoveries_,
-      final_ckpt ? fmt::format("; weights in the checkpoint of step {} in {}", final_step, ckpt_dir_) : "");
+      final_ckpt ? fmt::format("; weights in the checkpoint of step {} in {}", final_step, ckpt_.dir()) : "");
   return ok_status();
 }
 

@@ -10,13 +10,38 @@
 // Invariants: a snapshot commits only after the driver saw its step complete (its data
 // position is known); a checkpoint is finalized only once every rank of its epoch reported
 // its part durable, or at a membership change when every part is on disk.
-#include "actors/training/trainer_driver.h"
+#include "actors/training/trainer_checkpoints.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+
+#include "actors/training/role_actors.h"
+#include "actors/training/run_metrics.h"
+#include "actors/training/trainer.h"
+#include "checkpoint/reader.h"
 
 namespace troupe::training {
 
-bool Trainer::on_checkpoint_schedule(int64_t step) const { return ckpt_every_ > 0 && step % ckpt_every_ == 0; }
+namespace fs = std::filesystem;
 
-bool Trainer::checkpoint_wanted(int64_t step) const {
+Status EventLog::open(const std::string& path, bool append) {
+  out_.open(path, append ? std::ios::app : std::ios::trunc);
+  if (!out_) return io_error("cannot write {}", path);
+  return ok_status();
+}
+
+void EventLog::event(nlohmann::json e) {
+  e["ts_ms"] = wall_ms();
+  out_ << e.dump() << "\n";
+  out_.flush();
+  if (metrics_ != nullptr) metrics_->on_event(e);
+}
+
+bool CheckpointCoordinator::checkpoint_wanted(int64_t step) const {
   // A step run again after a rewind whose checkpoint exists already (the same state: the
   // run is deterministic) is not written twice.
   std::error_code ec;
@@ -24,7 +49,7 @@ bool Trainer::checkpoint_wanted(int64_t step) const {
          !fs::exists(fs::path(ckpt_dir_) / checkpoint::step_dir_name(step), ec);
 }
 
-SnapshotOrder Trainer::snapshot_order(Command::Kind kind, int64_t step) const {
+SnapshotOrder CheckpointCoordinator::snapshot_order(Command::Kind kind, int64_t step) const {
   switch (kind) {
     case Command::Kind::kStep:  // the schedule: checkpoint.every, elastic.snapshot_every
       if (on_checkpoint_schedule(step)) return SnapshotOrder::kCheckpoint;
@@ -41,7 +66,7 @@ SnapshotOrder Trainer::snapshot_order(Command::Kind kind, int64_t step) const {
   return SnapshotOrder::kNone;
 }
 
-void Trainer::set_snapshot_policy(ElasticPlan& p) const {
+void CheckpointCoordinator::set_policy(ElasticPlan& p) const {
   p.ckpt_every = ckpt_every_;
   p.ckpt_dir = ckpt_dir_;
   p.snapshot_every = snapshot_every_;
@@ -52,7 +77,7 @@ void Trainer::set_snapshot_policy(ElasticPlan& p) const {
                                                                                 : SnapshotOrder::kSnapshot);
 }
 
-void Trainer::expect_checkpoint(int64_t step, int64_t tokens) {
+void CheckpointCoordinator::expect_checkpoint(int64_t step, int64_t tokens) {
   PendingCheckpoint& p = pending_ckpts_[step];
   p.epoch = plan_.epoch;
   p.dp = plan_.dp;
@@ -62,7 +87,7 @@ void Trainer::expect_checkpoint(int64_t step, int64_t tokens) {
   p.durable.clear();
 }
 
-Status Trainer::poll_snapshots() {
+Status CheckpointCoordinator::poll() {
   const int world = static_cast<int>(plan_.slots.size());
   for (const SnapshotLanded& l : actors_->take_landed()) {
     if (!l.error.empty() && l.epoch == plan_.epoch && l.step != last_snapshot_failed_) {
@@ -71,7 +96,7 @@ Status Trainer::poll_snapshots() {
       fmt::print(stderr, "snapshot: rank {} could not make its part of step {}: {}\n", l.rank, l.step,
                  l.error);
       std::fflush(stderr);
-      abandon_snapshot(l.step);
+      abandon(l.step);
     }
     if (std::optional<int64_t> s = snaps_.landed(l, plan_.epoch, world, plan_.dp, plan_.grad_accum)) {
       snaps_complete_.insert(*s);
@@ -108,7 +133,7 @@ Status Trainer::poll_snapshots() {
   return ok_status();
 }
 
-void Trainer::abandon_snapshot(int64_t step) {
+void CheckpointCoordinator::abandon(int64_t step) {
   if (snaps_.find(step) != nullptr && snaps_.find(step)->committed) return;
   snaps_.mark_unusable(step, "a part could not be made");
   SnapshotCommitted c;
@@ -118,40 +143,15 @@ void Trainer::abandon_snapshot(int64_t step) {
   (void)actors_->send_committed(plan_.slots, c);
 }
 
-Result<bool> Trainer::snapshot_now(int64_t step) {
-  if (snapshot_every_ <= 0 && ckpt_every_ <= 0) return false;
-  if (snaps_.newest_committed() == step) return true;
-  const uint64_t epoch = plan_.epoch;
-  TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> r, call(Command::Kind::kSnapshot, step));
-  if (!r || plan_.epoch != epoch) return false;  // a failure was recovered from meanwhile
-  const auto deadline = Clock::now() + std::chrono::seconds(60);
-  Clock::time_point first_err{};
-  while (snaps_.newest_committed() < step) {
-    TROUPE_RETURN_IF_ERROR(poll_snapshots());
-    if (const SnapshotRecord* rec = snaps_.find(step); rec && !rec->unusable.empty()) return false;
-    std::optional<Failure> failure = check_processes();
-    if (!failure) failure = check_heartbeats();
-    if (!failure) {
-      TROUPE_ASSIGN_OR_RETURN(failure, check_errors(first_err));
-    }
-    if (failure) {
-      TROUPE_RETURN_IF_ERROR(recover(*failure, step, step + 1));
-      return false;
-    }
-    if (Clock::now() > deadline) return false;
-    std::this_thread::sleep_for(std::max(poll_, std::chrono::milliseconds(5)));
-  }
-  return true;
-}
 
-Status Trainer::choose_restore(ElasticPlan& p, bool keep, const std::string& why) {
+Status CheckpointCoordinator::choose_restore(ElasticPlan& p, bool keep, const std::string& why) {
   p.snapshot_step = -1;
   p.snapshot_dp = 0;
   p.snapshot_parts.clear();
   p.checkpoint.clear();
   p.has_state.assign(p.slots.size(), keep);
   if (keep) return ok_status();
-  (void)poll_snapshots();
+  (void)poll();
   if (const SnapshotRecord* s = snaps_.newest_usable(p.step_done)) {
     p.snapshot_step = s->step;
     p.snapshot_dp = s->dp;
@@ -197,7 +197,7 @@ Status Trainer::choose_restore(ElasticPlan& p, bool keep, const std::string& why
   return ok_status();
 }
 
-void Trainer::finalize_written_or_abandon() {
+void CheckpointCoordinator::finalize_written_or_abandon() {
   for (const auto& [step, p] : pending_ckpts_) {
     if (Status st = finalize_pending(step, p); !st.ok()) {
       event({{"event", "checkpoint_abandoned"}, {"step", step}, {"parts", p.world}, {"why", st.to_string()}});
@@ -206,7 +206,7 @@ void Trainer::finalize_written_or_abandon() {
   pending_ckpts_.clear();
 }
 
-Status Trainer::finalize_pending(int64_t step, const PendingCheckpoint& p) {
+Status CheckpointCoordinator::finalize_pending(int64_t step, const PendingCheckpoint& p) {
   // Finalized as a normal run's committer does, so `train_moe train --resume` and
   // `troupe checkpoints` read it like any other. The layout saved is that epoch's dp.
   checkpoint::FinalizeOptions fo;
@@ -226,10 +226,7 @@ Status Trainer::finalize_pending(int64_t step, const PendingCheckpoint& p) {
   return ok_status();
 }
 
-Status Trainer::note_checkpoints(Command::Kind kind, int64_t step,
-                                 const std::vector<nlohmann::json>& replies) {
-  (void)kind;
-  (void)step;
+Status CheckpointCoordinator::note_replies(const std::vector<nlohmann::json>& replies) {
   // Snapshot parts a rank could not make (or a snapshot it had to skip): that snapshot
   // never commits; training goes on.
   for (const auto& r : replies) {
@@ -241,7 +238,7 @@ Status Trainer::note_checkpoints(Command::Kind kind, int64_t step,
              {"step", s},
              {"rank", r.value("rank", -1)},
              {"error", e.value("error", "")}});
-      abandon_snapshot(s);
+      abandon(s);
     }
   }
   if (ckpt_dir_.empty() || replies.empty()) return ok_status();
@@ -285,6 +282,123 @@ Status Trainer::note_checkpoints(Command::Kind kind, int64_t step,
     it = pending_ckpts_.erase(it);
   }
   return ok_status();
+}
+
+const SnapshotRecord* CheckpointCoordinator::load_committed(SnapshotLedger ledger) {
+  snaps_ = std::move(ledger);
+  return snaps_.newest_usable(INT64_MAX);
+}
+
+Status CheckpointCoordinator::open_checkpoint_dir(const TrainerOptions& o, int64_t start_step,
+                                                  uint64_t resumed_bytes) {
+  // The job's checkpoints: every checkpoint.every steps and (checkpoint.final) after the
+  // last one, in checkpoint.dir, else $TROUPE_CHECKPOINT_DIR (set by the scheduler), else
+  // <run dir>/checkpoints, so `troupe checkpoints`, `train_moe sample --run` and
+  // `--resume <run dir>` find them. The plans carry both to the workers.
+  if (ckpt_every_ > 0 || tc_.checkpoint.final) {
+    ckpt_dir_ = fs::absolute(checkpoint_dir_for(tc_, run_dir_)).string();
+    // Checkpoints of an earlier run here after the starting step are stale (a fresh job:
+    // all of them; the checkpoint resumed from is kept): moved aside, never deleted.
+    // (A driver resuming from a snapshot keeps those at or before its step.)
+    TROUPE_RETURN_IF_ERROR(prepare_checkpoint_dir(ckpt_dir_, start_step));
+    // The tokenizer copied into the run directory by the caller (app.cc, prepare_run_dir).
+    TROUPE_ASSIGN_OR_RETURN(ckpt_info_,
+                            run_checkpoint_info(o.config, o.overrides, tc_, run_dir_ + "/tokenizer.json"));
+  }
+  last_ckpt_bytes_ = resumed_bytes;
+  return ok_status();
+}
+
+void CheckpointCoordinator::forget_earlier_snapshots() {
+  std::error_code ec;
+  fs::remove(run_dir_ + "/snapshots.json", ec);
+}
+
+Status CheckpointCoordinator::start_keeper() {
+  if (!takes_snapshots()) return ok_status();
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  TROUPE_ASSIGN_OR_RETURN(keeper_, checkpoint::SnapshotKeeper::start({.node = host, .host_addr = ""}));
+  ::setenv(checkpoint::kSnapshotKeeperEnv, keeper_->socket_path().c_str(), 1);
+  return ok_status();
+}
+
+void CheckpointCoordinator::start_at(int64_t step, int64_t tokens) {
+  start_step_ = step;
+  tokens_after_[step] = tokens;
+}
+
+void CheckpointCoordinator::note_step(int64_t step, int64_t step_tokens, int64_t tokens_before_start) {
+  auto prev = tokens_after_.find(step - 1);
+  tokens_after_[step] = (prev != tokens_after_.end() ? prev->second : tokens_before_start) + step_tokens;
+}
+
+std::optional<int64_t> CheckpointCoordinator::tokens_after(int64_t step) const {
+  auto it = tokens_after_.find(step);
+  if (it == tokens_after_.end()) return std::nullopt;
+  return it->second;
+}
+
+bool CheckpointCoordinator::unusable(int64_t step) const {
+  const SnapshotRecord* rec = snaps_.find(step);
+  return rec != nullptr && !rec->unusable.empty();
+}
+
+bool CheckpointCoordinator::mark_unrestorable(int64_t step, const std::string& why) {
+  const SnapshotRecord* rec = snaps_.find(step);
+  if (rec == nullptr || !rec->unusable.empty()) return false;
+  snaps_.mark_unusable(step, why);
+  return true;
+}
+
+void CheckpointCoordinator::open_epoch() {
+  // Parts of the old epoch's snapshots still landing are of no use to the new one.
+  snaps_.drop_incomplete();
+  snaps_complete_.clear();
+  finalize_written_or_abandon();
+}
+
+void CheckpointCoordinator::recommit_restored() {
+  const int64_t s = plan_.snapshot_step;
+  if (s < 0 || !checkpoint_wanted(s)) return;
+  if (Status st = actors_->send_committed(plan_.slots, snaps_.recommit(s, plan_.epoch, true)); st.ok())
+    expect_checkpoint(s, tokens_after(s).value_or(0));
+}
+
+bool CheckpointCoordinator::want_final(int64_t final_step, int64_t start_step) const {
+  bool have_final = false;
+  for (const auto& [s, d] : checkpoint::list_checkpoints(ckpt_dir_)) have_final |= s == final_step;
+  return !ckpt_dir_.empty() && (final_step > start_step || !have_final);
+}
+
+void CheckpointCoordinator::ask_final(int64_t final_step, int64_t tokens_fallback) {
+  // Written from the snapshot of the final step (the save command): the one being written
+  // already (a checkpoint step), the committed snapshot of that step the workers hold (a
+  // snapshot off the checkpoint schedule, or the second attempt), else a new one.
+  if (snaps_.newest_committed() == final_step) {
+    if (pending_ckpts_.count(final_step) == 0)
+      expect_checkpoint(final_step, tokens_after(final_step).value_or(tokens_fallback));
+  } else {
+    forced_ckpts_.insert(final_step);
+  }
+}
+
+FailedSave CheckpointCoordinator::clean_failed(int64_t step) const {
+  return clean_failed_save(ckpt_dir_, step, last_ckpt_bytes_);
+}
+
+void CheckpointCoordinator::clean_all_failed() const {
+  for (int64_t step : failed_ckpt_steps_) (void)clean_failed_save(ckpt_dir_, step, last_ckpt_bytes_);
+}
+
+nlohmann::json CheckpointCoordinator::status_json() const {
+  nlohmann::json snaps{{"every", snapshot_every_}, {"newest_committed", snaps_.newest_committed()}};
+  if (keeper_) {  // the standalone launcher's own keeper (under the scheduler: troupe status's agents)
+    const checkpoint::KeeperTotals t = keeper_->totals();
+    snaps["held"] = checkpoint::keeper_totals_text(t);
+    snaps["bytes"] = t.bytes;
+  }
+  return snaps;
 }
 
 }  // namespace troupe::training

@@ -74,6 +74,7 @@
 #include "actors/training/role_actors.h"
 #include "actors/training/run_metrics.h"
 #include "actors/training/snapshot_ledger.h"
+#include "actors/training/trainer_checkpoints.h"
 #include "actors/training/trainer_requests.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/reader.h"
@@ -194,7 +195,7 @@ class Trainer {
   Result<JobStart> start_job();
   Status run_job();
   std::string key(const std::string& rest) const { return elastic_key(job_, rest); }
-  void event(nlohmann::json e);
+  void event(nlohmann::json e) { log_.event(std::move(e)); }
   Status spawn(int slot, uint64_t epoch);
   // Writes the start mark into slot's heartbeat key (Proc::start_mark) and starts its
   // silence clock.
@@ -231,31 +232,8 @@ class Trainer {
   // One command after the window drained; nullopt: the job went back to an older step (a
   // checkpoint restore); rewound_to_ says which.
   Result<std::optional<nlohmann::json>> call(Command::Kind kind, int64_t step);
-  // Some rank's reply to step `step` of epoch `epoch`, waiting up to `wait` for one.
   // A one-process run: what a failure means there (its worker cannot be replaced).
   Status one_process_failure(const Failure& f) const;
-  // Checkpoints: notes the snapshots and durable parts the workers report in `replies`,
-  // and finalizes every checkpoint all of whose parts are durable.
-  // ---- the only judge of "due" (trainer_checkpoints.cc) ----
-  // What a command orders after its step (StepCommand::snapshot): the schedule for kStep,
-  // a snapshot off it for kSnapshot, the checkpoint for kSave.
-  SnapshotOrder snapshot_order(Command::Kind kind, int64_t step) const;
-  bool on_checkpoint_schedule(int64_t step) const;  // checkpoint.every
-  // Whether the commit of step's snapshot writes its checkpoint: on the schedule or asked
-  // for (kSave), and not on disk already.
-  bool checkpoint_wanted(int64_t step) const;
-  // The plan's snapshot and checkpoint policy (what the workers need to take the orders,
-  // and the order for a starting state no snapshot holds). p.step_done must be final.
-  void set_snapshot_policy(ElasticPlan& p) const;
-  // Waits for every rank's durable part of step's checkpoint (this epoch's layout).
-  void expect_checkpoint(int64_t step, int64_t tokens);
-  Status note_checkpoints(Command::Kind kind, int64_t step, const std::vector<nlohmann::json>& replies);
-  struct PendingCheckpoint;
-  Status finalize_pending(int64_t step, const PendingCheckpoint& p);
-  // Checkpoints still waiting for durable-part notes when the membership changes: one
-  // whose every part is on disk (each rank writes its part file after its shard) is
-  // finalized; the others are abandoned (a part will never come).
-  void finalize_written_or_abandon();
   // Operator requests at the boundary after step_done (nothing in flight): takes each
   // from requests_, acts on it and records its outcome (answered after write_status).
   Status serve_requests(int64_t step_done);
@@ -268,20 +246,10 @@ class Trainer {
   // recovery in progress; with `ask_actors`, the actor table is refreshed when the step or
   // epoch changed (a query of every actor, bounded at 300 ms).
   void write_status(int64_t step, bool ask_actors = true);
-  // Snapshots: takes the parts the workers reported landed, commits every complete
-  // snapshot of a step this driver has seen completed, and announces it.
-  Status poll_snapshots();
-  // The snapshot of `step` never commits (a rank could not make its part, or skipped
-  // it): every worker frees the generation holding it.
-  void abandon_snapshot(int64_t step);
   // Takes a snapshot of `step` (the step just completed) off the schedule and waits until
   // it is committed (a planned membership change goes back to it: no step lost). False
   // when it was not (a failure meanwhile was recovered from, or no snapshots are taken).
   Result<bool> snapshot_now(int64_t step);
-  // What every rank of plan `p` restores (p.step_done is the newest step it may go back
-  // to): its live state when nobody was lost (`keep`), else the newest usable snapshot,
-  // else the newest valid checkpoint. Sets p.step_done to it.
-  Status choose_restore(ElasticPlan& p, bool keep, const std::string& why);
   Result<ElasticPlan> plan_for(int64_t dp, const std::vector<int>& keep_dp, int64_t step_done,
                                const std::string& why, std::vector<int>& spawn_slots,
                                std::vector<int>& leaving);
@@ -325,7 +293,6 @@ class Trainer {
   Clock::time_point actors_asked_{};  // and when
   bool scheduled_ = false;
   std::chrono::milliseconds poll_{2};  // scheduled: 20 (every probe is a round trip)
-  std::ofstream events_;
   std::map<int, Proc> procs_;
   ElasticPlan plan_;
   int next_slot_ = 0;
@@ -353,52 +320,27 @@ class Trainer {
   std::unique_ptr<OperatorRequests> requests_;  // scale, replace, drain (trainer_requests.h)
   std::string avoid_node_;  // a drained node replacements must not land on
   Clock::time_point last_hb_check_ = Clock::now();
-  int64_t ckpt_every_ = 0;
-  std::string ckpt_dir_;
-  // Checkpoints whose snapshots were taken, waiting for every part to be durable. Those
-  // of an earlier epoch are abandoned when a new one opens (a part may never come).
-  struct PendingCheckpoint {
-    uint64_t epoch = 0;
-    int64_t dp = 1, grad_accum = 1, tokens = 0;
-    int world = 0;
-    std::set<int> durable;  // ranks whose part is durable
-  };
-  std::map<int64_t, PendingCheckpoint> pending_ckpts_;
-  int64_t last_ckpt_committed_ = -1, last_ckpt_failed_ = -1;
-  uint64_t last_ckpt_bytes_ = 0;         // the size of the last committed checkpoint
-  std::set<int64_t> failed_ckpt_steps_;  // saves that failed (their .tmp is removed)
   // Failures since the job last completed a step it had never completed before: a fault
   // that comes back every time (a bad disk, a deterministic crash) must end the job, not
   // loop through recoveries.
   int failures_without_progress_ = 0;
-  // In-memory snapshots (elastic.snapshot_every): what landed and what is committed; the
-  // standalone launcher's keeper (under the scheduler each node's agent runs one).
-  int64_t snapshot_every_ = 0;
-  SnapshotLedger snaps_;
-  std::set<int64_t> snaps_complete_;  // complete, waiting for their step's reply to commit
-  std::set<int64_t> forced_ckpts_;    // checkpoints asked for off the schedule (kSave)
-  std::unique_ptr<checkpoint::SnapshotKeeper> keeper_;
-  // The step every rank has completed in the current timeline (rewinds go back), and the
-  // step the job started from.
+  // The step every rank has completed in the current timeline (rewinds go back).
   int64_t step_done_now_ = 0;
-  int64_t start_step_ = 0;
-  // Tokens seen after each step (a snapshot's and a checkpoint's data position).
-  std::map<int64_t, int64_t> tokens_after_;
   // A rebuild with nobody lost lets every rank keep its live state; once such an epoch
   // failed, recoveries restore a snapshot until one succeeds.
   bool keep_failed_ = false;
   nlohmann::json restored_parts_;      // the last epoch's snapshot parts, by slot: where they were read
-  int64_t last_snapshot_failed_ = -1;  // reported once, not by every rank
   std::string epoch_failure_;  // the first failure a worker reported in the current epoch
   bool epoch_failure_permanent_ = false;  // ... and whether a retry would meet it again
   int64_t max_step_completed_ = 0;
-  // What every checkpoint records besides the workers' parts (config text, tokenizer,
-  // run metadata: the same as a normal run's CheckpointCommitter), and the tokens seen
-  // up to the last completed step (its data position).
-  checkpoint::CheckpointInfo ckpt_info_;
+  // The tokens seen up to the last completed step (its data position).
   int64_t tokens_seen_ = 0;
   std::unique_ptr<RunMetrics> run_metrics_;  // TensorBoard and Prometheus ([observe])
   std::ofstream metrics_;                    // <run dir>/metrics.jsonl
+  EventLog log_;                             // <run dir>/events.jsonl
+  // The checkpoint and snapshot coordinator (trainer_checkpoints.h): reads plan_ and
+  // step_done_now_, declared above it.
+  CheckpointCoordinator ckpt_{tc_, run_dir_, plan_, step_done_now_, log_};
 };
 
 }  // namespace troupe::training

@@ -146,17 +146,12 @@ Result<ElasticPlan> Trainer::plan_for(int64_t dp, const std::vector<int>& keep_d
 
 Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots,
                            const std::vector<int>& leaving) {
-  set_snapshot_policy(plan);
-  plan.snapshot_committed = snaps_.newest_committed();
+  ckpt_.set_policy(plan);
+  plan.snapshot_committed = ckpt_.newest_committed();
   epoch_failure_.clear();  // failures reported in the old epoch are handled by this one
   epoch_failure_permanent_ = false;
-  // Parts of the old epoch's snapshots still landing are of no use to the new one.
-  snaps_.drop_incomplete();
-  snaps_complete_.clear();
-  // Checkpoints still waiting for durable-part notes: one whose every part is on disk
-  // (each rank writes its part file after its shard) is finalized; the others are
-  // abandoned (a part will never come).
-  finalize_written_or_abandon();
+  // The old epoch's snapshots still landing and checkpoints still waiting for parts.
+  ckpt_.open_epoch();
   TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("plan/{}", plan.epoch)), encode_elastic_plan(plan)));
   // The workers of the old epoch get the plan as a message too (they react at once; the
   // store record is where new and restarted workers read it).
@@ -336,7 +331,7 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
       // keep its state, and the next attempt restores a snapshot).
       const bool keep =
           attempt == 0 && f.slots.empty() && p.dp == plan_.dp && !keep_failed_ && steps_in_flight() <= 1;
-      TROUPE_RETURN_IF_ERROR(choose_restore(p, keep, f.detail));
+      TROUPE_RETURN_IF_ERROR(ckpt_.choose_restore(p, keep, f.detail));
     }
     // Slots leaving because their replica shrank away are stopped by the plan itself; the
     // lost ones are already dead.
@@ -362,11 +357,7 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
       step_done_now_ = plan_.step_done;
       // A checkpoint of the restored snapshot's step that the failure interrupted is
       // written again, from that snapshot.
-      const int64_t s = plan_.snapshot_step;
-      if (s >= 0 && checkpoint_wanted(s)) {
-        if (Status st = actors_->send_committed(plan_.slots, snaps_.recommit(s, plan_.epoch, true)); st.ok())
-          expect_checkpoint(s, tokens_after_.count(s) ? tokens_after_[s] : 0);
-      }
+      ckpt_.recommit_restored();
       if (recovering_steps_lost_ < 0) recovering_steps_lost_ = 0;
       return ok_status();
     }
@@ -408,7 +399,7 @@ Result<nlohmann::json> Trainer::replace_on_request(const std::string& text, int6
   TROUPE_ASSIGN_OR_RETURN(const bool snapped, snapshot_now(step_done));
   if (plan_.rank_of_slot(static_cast<int>(slot)) < 0)
     return refuse("the worker was lost meanwhile and replaced by the recovery");
-  if (!snapped && ckpt_every_ <= 0)
+  if (!snapped && !ckpt_.checkpoints_on_schedule())
     return refuse(fmt::format("no snapshot of step {} could be taken and no checkpoint is kept", step_done));
   fmt::print("elastic: replacing slot {} on request after step {}\n", slot, step_done);
   std::fflush(stdout);
@@ -455,7 +446,7 @@ Result<nlohmann::json> Trainer::rescale_on_request(std::string text, int64_t ste
   Result<ElasticPlan> plan =
       plan_for(dp, keep, step_done, fmt::format("scale dp {} -> {}", plan_.dp, dp), spawn_slots, leaving);
   if (!plan.ok()) return refuse({}, plan.status().to_string());
-  TROUPE_RETURN_IF_ERROR(choose_restore(plan.value(), false, "rescale"));
+  TROUPE_RETURN_IF_ERROR(ckpt_.choose_restore(plan.value(), false, "rescale"));
   const int64_t t0 = wall_ms();
   const int64_t from = plan_.dp;
   TROUPE_RETURN_IF_ERROR(open_epoch(plan.value(), spawn_slots, leaving));
@@ -470,6 +461,32 @@ Result<nlohmann::json> Trainer::rescale_on_request(std::string text, int64_t ste
              plan_.grad_accum, step_done, wall_ms() - t0);
   std::fflush(stdout);
   return a;
+}
+
+Result<bool> Trainer::snapshot_now(int64_t step) {
+  if (!ckpt_.takes_snapshots()) return false;
+  if (ckpt_.newest_committed() == step) return true;
+  const uint64_t epoch = plan_.epoch;
+  TROUPE_ASSIGN_OR_RETURN(std::optional<nlohmann::json> r, call(Command::Kind::kSnapshot, step));
+  if (!r || plan_.epoch != epoch) return false;  // a failure was recovered from meanwhile
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  Clock::time_point first_err{};
+  while (ckpt_.newest_committed() < step) {
+    TROUPE_RETURN_IF_ERROR(ckpt_.poll());
+    if (ckpt_.unusable(step)) return false;
+    std::optional<Failure> failure = check_processes();
+    if (!failure) failure = check_heartbeats();
+    if (!failure) {
+      TROUPE_ASSIGN_OR_RETURN(failure, check_errors(first_err));
+    }
+    if (failure) {
+      TROUPE_RETURN_IF_ERROR(recover(*failure, step, step + 1));
+      return false;
+    }
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::max(poll_, std::chrono::milliseconds(5)));
+  }
+  return true;
 }
 
 }  // namespace troupe::training

@@ -305,8 +305,7 @@ Result<std::optional<Failure>> Trainer::check_errors(Clock::time_point& first_er
     if (f.snapshot_step >= 0 && f.snapshot_step == plan_.snapshot_step) {
       // A part of the snapshot this epoch restores is lost or damaged: the next recovery
       // goes back to an older one.
-      if (const SnapshotRecord* rec = snaps_.find(f.snapshot_step); rec && rec->unusable.empty()) {
-        snaps_.mark_unusable(f.snapshot_step, f.text);
+      if (ckpt_.mark_unrestorable(f.snapshot_step, f.text)) {
         event({{"event", "snapshot_unusable"},
                {"step", f.snapshot_step},
                {"slot", f.slot},

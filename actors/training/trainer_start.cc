@@ -12,7 +12,7 @@ namespace troupe::training {
 
 Status Trainer::run() {
   const Status st = run_job();
-  if (!st.ok() && events_.is_open()) {
+  if (!st.ok() && log_.is_open()) {
     event({{"event", "job_failed"}, {"error", st.to_string()}});
     write_status(-1);
   }
@@ -49,7 +49,7 @@ Result<Trainer::JobStart> Trainer::start_job() {
   // A one-process run cannot outlive its worker (a failure ends the job): no in-memory
   // snapshots are taken there; checkpoints are still written from a snapshot the worker's
   // own keeper holds (elastic.cc, connect_keeper).
-  snapshot_every_ = one_process_ ? 0 : eo.snapshot_every;
+  ckpt_.set_schedule(one_process_ ? 0 : eo.snapshot_every);
   std::error_code ec;
   // --resume: any checkpoint of Troupe's format (a normal run's or an elastic one's, any
   // layout); epoch 0's plan names it and every worker loads it (ElasticWorker::join).
@@ -66,8 +66,7 @@ Result<Trainer::JobStart> Trainer::start_job() {
     if (Result<std::string> text = checkpoint::read_whole_file(run_dir_ + "/snapshots.json"); text.ok()) {
       Result<SnapshotLedger> l = SnapshotLedger::from_json(*text);
       if (l.ok()) {
-        snaps_ = std::move(l).value();
-        resume_snapshot = snaps_.newest_usable(INT64_MAX);
+        resume_snapshot = ckpt_.load_committed(std::move(l).value());
       } else {
         fmt::print(stderr, "{}: restarted driver: the job's snapshot records are unreadable: {}\n", o_.app,
                    l.status().to_string());
@@ -95,24 +94,9 @@ Result<Trainer::JobStart> Trainer::start_job() {
   int64_t start_step = resume ? resume->step() : resume_snapshot ? resume_snapshot->step : 0;
   if (resume_snapshot != nullptr)
     TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", start_step));
-  // The job's checkpoints: every checkpoint.every steps and (checkpoint.final) after the
-  // last one, in checkpoint.dir, else $TROUPE_CHECKPOINT_DIR (set by the scheduler), else
-  // <run dir>/checkpoints, so `troupe checkpoints`, `train_moe sample --run` and
-  // `--resume <run dir>` find them. The plans carry both to the workers.
-  ckpt_every_ = tc_.checkpoint.every;
-  if (ckpt_every_ > 0 || tc_.checkpoint.final) {
-    ckpt_dir_ = fs::absolute(checkpoint_dir_for(tc_, run_dir_)).string();
-    // Checkpoints of an earlier run here after the starting step are stale (a fresh job:
-    // all of them; the checkpoint resumed from is kept): moved aside, never deleted.
-    // (A driver resuming from a snapshot keeps those at or before its step.)
-    TROUPE_RETURN_IF_ERROR(prepare_checkpoint_dir(ckpt_dir_, start_step));
-    // The tokenizer copied into the run directory by the caller (app.cc, prepare_run_dir).
-    TROUPE_ASSIGN_OR_RETURN(ckpt_info_,
-                            run_checkpoint_info(o_.config, o_.overrides, tc_, run_dir_ + "/tokenizer.json"));
-  }
-  if (resume) last_ckpt_bytes_ = resume->manifest().total_bytes();
+  TROUPE_RETURN_IF_ERROR(ckpt_.open_checkpoint_dir(o_, start_step, resume ? resume->manifest().total_bytes() : 0));
   // An earlier run's snapshots are not this one's (a restarted driver read them above).
-  if (resume_snapshot == nullptr) fs::remove(run_dir_ + "/snapshots.json", ec);
+  if (resume_snapshot == nullptr) ckpt_.forget_earlier_snapshots();
   if (one_process_) {
     store_ = std::make_unique<comm::MemoryStore>();  // the worker is a thread of this process
   } else if (!scheduled_) {
@@ -121,14 +105,8 @@ Result<Trainer::JobStart> Trainer::start_job() {
                             comm::FileStore::open(run_dir_ + "/rendezvous"));
     store_ = std::move(fstore);
     // The standalone launcher holds its workers' snapshots itself: it outlives them as a
-    // node's agent does (one node: no copy elsewhere). The workers it forks find it in
-    // their environment.
-    if (snapshot_every_ > 0 || ckpt_every_ > 0) {
-      char host[256] = {0};
-      ::gethostname(host, sizeof(host) - 1);
-      TROUPE_ASSIGN_OR_RETURN(keeper_, checkpoint::SnapshotKeeper::start({.node = host, .host_addr = ""}));
-      ::setenv(checkpoint::kSnapshotKeeperEnv, keeper_->socket_path().c_str(), 1);
-    }
+    // node's agent does.
+    TROUPE_RETURN_IF_ERROR(ckpt_.start_keeper());
   }
   // Operator requests arrive through the job's store, whoever owns it (a fresh standalone
   // store, or the scheduler's for this job: no request of an earlier run is seen).
@@ -141,9 +119,9 @@ Result<Trainer::JobStart> Trainer::start_job() {
           .out = [this] { return store_out(); }},
       tc_.elastic.scale_at);
   // The record of a run goes on across resumes and driver restarts: appended, never cut.
-  events_.open(run_dir_ + "/events.jsonl", resume || driver_restarts > 0 ? std::ios::app : std::ios::trunc);
-  if (!events_) return io_error("cannot write {}/events.jsonl", run_dir_);
+  TROUPE_RETURN_IF_ERROR(log_.open(run_dir_ + "/events.jsonl", resume || driver_restarts > 0));
   TROUPE_ASSIGN_OR_RETURN(run_metrics_, RunMetrics::open(tc_.observe, run_dir_));
+  log_.set_metrics(run_metrics_.get());
   if (driver_restarts > 0) {
     event({{"event", "driver_restarted"},
            {"driver_restarts", driver_restarts},
@@ -177,7 +155,7 @@ Result<Trainer::JobStart> Trainer::start_job() {
     plan_.step_done = start_step;
     plan_.reason = "start (restarted driver, from a snapshot)";
   }
-  set_snapshot_policy(plan_);
+  ckpt_.set_policy(plan_);
   // Under the scheduler: from now on a lost worker is reported to this driver (a key of
   // the job's store) instead of restarting every worker of the job.
   // The run directory rides along, so the scheduler's record of the job names it
@@ -193,6 +171,7 @@ Result<Trainer::JobStart> Trainer::start_job() {
     TROUPE_ASSIGN_OR_RETURN(actors_,
                             ActorDirectory::start(control::host_addr(), *store_, key("actors/driver")));
   }
+  ckpt_.set_actors(actors_.get());
   event({{"event", "job_started"},
          {"job", job_},
          {"plan", plan_.event_json()},
@@ -220,8 +199,8 @@ Result<Trainer::JobStart> Trainer::start_job() {
                         : resume_snapshot != nullptr ? resume_snapshot->tokens
                                                      : 0;
   tokens_seen_ = tokens_seen;
-  tokens_after_[start_step] = tokens_seen;
-  step_done_now_ = start_step_ = start_step;
+  ckpt_.start_at(start_step, tokens_seen);
+  step_done_now_ = start_step;
   {
     std::optional<Failure> failure;
     TROUPE_RETURN_IF_ERROR(wait_ready(plan_, failure));
@@ -237,11 +216,11 @@ Result<Trainer::JobStart> Trainer::start_job() {
       // keeper holding a part is gone): an older one, else the newest checkpoint.
       TROUPE_RETURN_IF_ERROR(recover(*failure, start_step, start_step + 1));
       if (rewound_to_) {
-        start_step = start_step_ = *rewound_to_;
+        start_step = *rewound_to_;
         rewound_to_.reset();
         TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", start_step));
-        if (auto it = tokens_after_.find(start_step); it != tokens_after_.end())
-          tokens_seen = tokens_seen_ = it->second;
+        if (std::optional<int64_t> t = ckpt_.tokens_after(start_step)) tokens_seen = tokens_seen_ = *t;
+        ckpt_.start_at(start_step, tokens_seen);
       }
     }
   }

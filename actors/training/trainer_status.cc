@@ -9,12 +9,6 @@
 
 namespace troupe::training {
 
-void Trainer::event(nlohmann::json e) {
-  e["ts_ms"] = wall_ms();
-  events_ << e.dump() << "\n";
-  events_.flush();
-  if (run_metrics_) run_metrics_->on_event(e);
-}
 
 void Trainer::track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step,
                                std::optional<Failure>& failure) {
@@ -103,12 +97,7 @@ void Trainer::write_status(int64_t step, bool ask_actors) {
     actors_step_ = step;
     actors_epoch_ = plan_.epoch;
   }
-  nlohmann::json snaps{{"every", snapshot_every_}, {"newest_committed", snaps_.newest_committed()}};
-  if (keeper_) {  // the standalone launcher's own keeper (under the scheduler: troupe status's agents)
-    const checkpoint::KeeperTotals t = keeper_->totals();
-    snaps["held"] = checkpoint::keeper_totals_text(t);
-    snaps["bytes"] = t.bytes;
-  }
+  const nlohmann::json snaps = ckpt_.status_json();
   nlohmann::json st{{"step", step < 0 ? last_step_ : step},
                     {"epoch", plan_.epoch},
                     {"failed", step < 0},
