@@ -60,7 +60,7 @@ Status Trainer::await_oldest(std::optional<Failure>& failure) {
     TROUPE_RETURN_IF_ERROR(ckpt_.poll());
     collect_replies();
     if (c.remaining == 0) return ok_status();
-    if ((failure = check_processes())) {
+    if ((failure = procs_.check_processes())) {
       // A worker that replied and then ended (after "stop") is not a failure: its reply
       // may have been queued behind the news of its end.
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -81,7 +81,7 @@ Status Trainer::await_oldest(std::optional<Failure>& failure) {
     if (Clock::now() - last_slow_check > std::chrono::milliseconds(50)) {
       last_slow_check = Clock::now();
       TROUPE_RETURN_IF_ERROR(past_outage_limit());
-      if ((failure = check_heartbeats())) return ok_status();
+      if ((failure = procs_.check_heartbeats())) return ok_status();
       TROUPE_ASSIGN_OR_RETURN(failure, check_errors(first_err));
       if (failure) return ok_status();
       // The watchdog times the oldest command from when it became the oldest: the ones
@@ -392,7 +392,10 @@ Status Trainer::run_job() {
     // Every rank completed the command and a worker was lost (or flagged) just after: the
     // command counts, and the worker is replaced from the state after it.
     std::optional<Failure> after = std::move(failure);
-    if (!after && c.kind == Command::Kind::kStep) track_stragglers(c.replies, c.step, after);
+    if (!after && c.kind == Command::Kind::kStep) {
+      if (std::optional<int> slot = stragglers_.track(c.replies, plan_.slots, c.step))
+        after = Failure{"straggler", {*slot}, fmt::format("slot {} is a straggler", *slot), wall_ms()};
+    }
     if (after && after->cause == "straggler") {
       // Everyone is alive: the straggler is replaced at the boundary after the steps in
       // flight, from a snapshot of that step taken first (no step lost).
@@ -459,20 +462,7 @@ Status Trainer::run_job() {
   ckpt_.clean_all_failed();
   // Every worker exits after "stop"; reap them (bounded). Under the scheduler it does.
   const auto deadline = Clock::now() + std::chrono::milliseconds(30000);
-  for (auto& [slot, p] : procs_) {
-    if (scheduled_) break;
-    if (p.local) {
-      while (!p.local->done && Clock::now() < deadline)
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
-      if (p.local->done) {
-        p.local->thread.join();
-        p.local.reset();
-        p.alive = false;
-      }
-      continue;
-    }
-    (void)reap_by(p, deadline);
-  }
+  procs_.reap_all(deadline);
   if (!actor_table_.empty()) {  // the trainer's own row: the job is over
     actor_table_[0]["state"] = "finished";
     actors_step_ = final_step;

@@ -1,15 +1,6 @@
-// actors/training/trainer_checkpoints.cc — the checkpoint and snapshot coordinator.
-// Owns: the schedule (checkpoint.every, elastic.snapshot_every), the snapshot ledger
-// (snaps_), the checkpoints waiting for durable parts, the commits (snapshots.json and the
-// finalized checkpoint directories).
-// It is the only judge of "due": snapshot_order() decides what each step command orders
-// (nothing, a snapshot, or a snapshot a checkpoint is written from) and checkpoint_due()
-// whether a committed snapshot becomes a checkpoint; workers obey the order the command
-// carries (StepCommand::snapshot) and never read the schedule themselves.
-// May call: the ActorDirectory (commits, abandons), checkpoint:: (finalize, open), event().
-// Invariants: a snapshot commits only after the driver saw its step complete (its data
-// position is known); a checkpoint is finalized only once every rank of its epoch reported
-// its part durable, or at a membership change when every part is on disk.
+// actors/training/trainer_checkpoints.cc — CheckpointCoordinator (trainer_checkpoints.h,
+// where its contract is): the only judge of "due", snapshot commits, checkpoint
+// finalization, restores.
 #include "actors/training/trainer_checkpoints.h"
 
 #include <fmt/format.h>
@@ -20,26 +11,12 @@
 #include <filesystem>
 
 #include "actors/training/role_actors.h"
-#include "actors/training/run_metrics.h"
 #include "actors/training/trainer.h"
 #include "checkpoint/reader.h"
 
 namespace troupe::training {
 
 namespace fs = std::filesystem;
-
-Status EventLog::open(const std::string& path, bool append) {
-  out_.open(path, append ? std::ios::app : std::ios::trunc);
-  if (!out_) return io_error("cannot write {}", path);
-  return ok_status();
-}
-
-void EventLog::event(nlohmann::json e) {
-  e["ts_ms"] = wall_ms();
-  out_ << e.dump() << "\n";
-  out_.flush();
-  if (metrics_ != nullptr) metrics_->on_event(e);
-}
 
 bool CheckpointCoordinator::checkpoint_wanted(int64_t step) const {
   // A step run again after a rewind whose checkpoint exists already (the same state: the

@@ -1,5 +1,5 @@
 // actors/training/trainer_checkpoints.h — CheckpointCoordinator: the Trainer's checkpoint
-// and snapshot coordinator, and EventLog, the job's events.jsonl that every part writes.
+// and snapshot coordinator.
 //
 // Owns: the schedule (checkpoint.every, elastic.snapshot_every), the snapshot ledger (what
 // landed, what is committed: <run dir>/snapshots.json), the checkpoints waiting for their
@@ -32,6 +32,7 @@
 #include "actors/training/control.h"
 #include "actors/training/messages.h"
 #include "actors/training/snapshot_ledger.h"
+#include "actors/training/trainer_status.h"
 #include "checkpoint/snapshot_keeper.h"
 #include "checkpoint/writer.h"
 #include "core/status.h"
@@ -40,23 +41,7 @@
 namespace troupe::training {
 
 class ActorDirectory;
-class RunMetrics;
 struct TrainerOptions;
-
-// <run dir>/events.jsonl: one JSON object a line, each with its wall time (ts_ms), also
-// handed to the run's TensorBoard/Prometheus exporters. The driver's thread only.
-class EventLog {
- public:
-  // Appends (a resumed run's record goes on) or starts the file anew.
-  Status open(const std::string& path, bool append);
-  bool is_open() const { return out_.is_open(); }
-  void set_metrics(RunMetrics* m) { metrics_ = m; }
-  void event(nlohmann::json e);
-
- private:
-  std::ofstream out_;
-  RunMetrics* metrics_ = nullptr;
-};
 
 class CheckpointCoordinator {
  public:

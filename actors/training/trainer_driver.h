@@ -4,13 +4,16 @@
 // The Trainer's parts, one file each, every one with its contract at its top:
 // - trainer.cc             the step driver: the command window, run_job's loop, the end;
 // - trainer_start.cc       starting a job: resume, run directory, store, epoch 0;
-// - trainer_procs.cc       process supervision and liveness: start, kill, reap the workers,
-//                          exits, heartbeats, reported failures (the failure detector);
-// - trainer_membership.cc  membership and recovery: plans, epochs, recover, rescale, replace;
-// - trainer_checkpoints.cc the checkpoint/snapshot coordinator: the only judge of whether a
-//                          snapshot or checkpoint is due (workers obey its orders), commits;
-// - trainer_requests.cc    operator requests (scale, replace, drain): their one channel;
-// - trainer_status.cc      reporting: events.jsonl, status.json, stragglers, reply records.
+// - trainer_procs.h        JobStore, ProcessSupervisor: start, kill, reap the workers; exits,
+//                          Downs and heartbeats (the failure detector);
+// - trainer_membership.cc  membership and recovery: failures the workers report, plans,
+//                          epochs, recover, rescale, replace;
+// - trainer_checkpoints.h  CheckpointCoordinator: the only judge of whether a snapshot or
+//                          checkpoint is due (workers obey its orders), commits, restores;
+// - trainer_requests.h     OperatorRequests: the one channel of scale, replace and drain;
+// - trainer_status.h       EventLog, StragglerTracker; status.json in trainer_status.cc.
+// The classes of the .h parts hold their own state; the .cc parts are the Trainer's
+// member functions grouped by role (they share its plan, processes and store).
 //
 // Every distributed job runs under it; there is no non-elastic mode.
 //
@@ -75,6 +78,7 @@
 #include "actors/training/run_metrics.h"
 #include "actors/training/snapshot_ledger.h"
 #include "actors/training/trainer_checkpoints.h"
+#include "actors/training/trainer_procs.h"
 #include "actors/training/trainer_requests.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/reader.h"
@@ -91,76 +95,8 @@ namespace troupe::training {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-
 inline constexpr int kMaxFailuresWithoutProgress = 6;
 inline constexpr std::chrono::milliseconds kFailureBatchWindow{150};
-
-inline int64_t env_or(const char* name, int64_t dflt) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return dflt;
-  char* end = nullptr;
-  const long long x = std::strtoll(v, &end, 10);
-  return (end == v || *end != '\0') ? dflt : static_cast<int64_t>(x);
-}
-
-// A worker in the Trainer's own process (a one-process run): its thread and how it ended.
-struct LocalWorker {
-  std::thread thread;
-  std::atomic<bool> done{false};
-  Status result;  // written before done is set
-};
-
-struct Proc {
-  // Its process id (the launcher's child, or under the scheduler what the worker's ready
-  // record says) and host: troupe status shows them.
-  pid_t pid = -1;
-  std::string host;
-  bool alive = false;
-  std::shared_ptr<LocalWorker> local;  // a one-process run's worker thread (else null)
-  int gpu = -1;  // standalone launcher, GPU workers: the device index it was given
-  std::string last_hb;
-  Clock::time_point hb_seen;
-  // What the trainer wrote into the worker's heartbeat key when it started it: until the
-  // key holds something else, the process has not beaten yet (a dead predecessor's last
-  // value would otherwise pass for a beat).
-  std::string start_mark;
-  bool started() const { return last_hb != start_mark; }
-};
-
-// Waits for the child `p` to exit, polling every 5 ms; past `deadline` it is SIGKILLed.
-// Returns true when it had to be killed.
-inline bool reap_by(Proc& p, Clock::time_point deadline) {
-  while (p.alive) {
-    int status = 0;
-    if (waitpid(p.pid, &status, WNOHANG) == p.pid) {
-      p.alive = false;
-      return false;
-    }
-    if (Clock::now() > deadline) {
-      kill(p.pid, SIGKILL);
-      waitpid(p.pid, &status, 0);
-      p.alive = false;
-      return true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return false;
-}
-
-struct Failure {
-  std::string cause;       // exit, heartbeat, comm_error, watchdog, straggler
-  std::vector<int> slots;  // workers to replace (empty: rebuild only), each once
-  std::string detail;
-  int64_t ts_ms = 0;
-  // A failure a replacement would meet again (a worker that exited with
-  // kExitPermanentFailure, or reported a permanent error): the job ends, nobody is replaced.
-  bool permanent = false;
-};
-
-// A worker seen failing twice (its actor's Down message and its exit) is one lost worker.
-inline void add_slot(Failure& f, int slot) {
-  if (std::find(f.slots.begin(), f.slots.end(), slot) == f.slots.end()) f.slots.push_back(slot);
-}
 
 class Trainer {
  public:
@@ -176,11 +112,14 @@ class Trainer {
       so.who = "driver";
       if (const char* s = std::getenv("TROUPE_SCHEDULER"); s != nullptr) so.where = s;
       auto t = std::make_unique<TolerantStore>(std::move(store), so);
-      tolerant_ = t.get();
-      store_ = std::move(t);
+      TolerantStore* tolerant = t.get();
+      store_.own(std::move(t), tolerant);
     }
   }
-  ~Trainer() { kill_all(); }
+  ~Trainer() {
+    // A worker thread wedged past the wait still uses the actor system: it is left alive.
+    if (procs_.kill_all()) (void)actors_.release();
+  }
 
   Status run();
 
@@ -194,16 +133,8 @@ class Trainer {
   // Resume source, run directory, store, actors and epoch 0 with every worker ready.
   Result<JobStart> start_job();
   Status run_job();
-  std::string key(const std::string& rest) const { return elastic_key(job_, rest); }
+  std::string key(const std::string& rest) const { return store_.key(rest); }
   void event(nlohmann::json e) { log_.event(std::move(e)); }
-  Status spawn(int slot, uint64_t epoch);
-  // Writes the start mark into slot's heartbeat key (Proc::start_mark) and starts its
-  // silence clock.
-  void mark_start(int slot, uint64_t epoch);
-  void kill_all();
-  void terminate(int slot, const std::string& why);  // kill a worker (it is then gone)
-  std::optional<Failure> check_processes();
-  std::optional<Failure> check_heartbeats();
   Result<std::optional<Failure>> check_errors(Clock::time_point& first_err);
   Status wait_ready(const ElasticPlan& plan, std::optional<Failure>& failure);
   Status open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots, const std::vector<int>& leaving);
@@ -240,8 +171,6 @@ class Trainer {
   // A request's outcome: the event logged for it (scaled, replaced, or a refusal).
   Result<nlohmann::json> replace_on_request(const std::string& text, int64_t step_done);
   Result<nlohmann::json> rescale_on_request(std::string text, int64_t step_done);
-  void track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step,
-                        std::optional<Failure>& failure);
   // status.json (and the job's store key): the workers, their pids and hosts, the
   // recovery in progress; with `ask_actors`, the actor table is refreshed when the step or
   // epoch changed (a query of every actor, bounded at 300 ms).
@@ -257,60 +186,35 @@ class Trainer {
   const TrainerOptions& o_;
   std::string run_dir_;
   layers::TrainConfig tc_;
-  std::string job_;
   bool one_process_ = false;  // the worker is a thread of this process (runs_in_one_process)
   std::deque<InFlight> inflight_;
   Clock::time_point oldest_since_ = Clock::now();  // when the oldest command in flight became the oldest
-  std::unique_ptr<comm::RendezvousStore> store_;
-  // Under the scheduler: store_ itself, which tells when the scheduler is out (polls skip
-  // the store then: training goes on; liveness verdicts wait for fresh evidence).
-  TolerantStore* tolerant_ = nullptr;
-  bool store_out() const { return tolerant_ != nullptr && tolerant_->in_outage(); }
-  // Outages seen to end (TolerantStore::outages_ended) and the end of the grace after the
-  // last one: a worker's first beat after an outage may wait for its own request, sent
-  // while the scheduler was out, to time out (12 s): until then nobody is judged silent.
-  uint64_t outages_seen_ = 0;
-  Clock::time_point liveness_grace_until_{};
-  // The store as polls use it: one attempt, no retry through an outage (tolerant_store.h).
-  Result<bool> poll_contains(const std::string& k) {
-    return tolerant_ != nullptr ? tolerant_->try_contains(k) : store_->contains(k);
-  }
+  JobStore store_;  // the job's store (trainer_procs.h)
+  bool store_out() const { return store_.out(); }
+  Result<bool> poll_contains(const std::string& k) { return store_.poll_contains(k); }
   Result<std::string> poll_get(const std::string& k, std::chrono::milliseconds wait) {
-    return tolerant_ != nullptr ? tolerant_->try_get(k, comm::deadline_in(wait))
-                                : store_->get(k, comm::deadline_in(wait));
+    return store_.poll_get(k, wait);
   }
-  Status poll_set(const std::string& k, const std::string& v) {
-    return tolerant_ != nullptr ? tolerant_->try_set(k, v) : store_->set(k, v);
-  }
-  Status past_outage_limit() const {
-    return tolerant_ != nullptr && tolerant_->past_limit() ? tolerant_->limit_status() : ok_status();
-  }
-  std::unique_ptr<ActorDirectory> actors_;  // the "trainer" actor and the workers' actors                //
-                                            // the "trainer" actor and the workers' actors
+  Status poll_set(const std::string& k, const std::string& v) { return store_.poll_set(k, v); }
+  Status past_outage_limit() const { return store_.past_outage_limit(); }
+  std::unique_ptr<ActorDirectory> actors_;  // the "trainer" actor and the workers' actors
   nlohmann::json actor_table_ = nlohmann::json::array();  // their last answers (status.json)
   int64_t actors_step_ = -2;                              // the step and epoch they were asked at
   uint64_t actors_epoch_ = 0;
   Clock::time_point actors_asked_{};  // and when
   bool scheduled_ = false;
   std::chrono::milliseconds poll_{2};  // scheduled: 20 (every probe is a round trip)
-  std::map<int, Proc> procs_;
   ElasticPlan plan_;
   int next_slot_ = 0;
   int64_t seq_ = 0;
   int64_t spares_left_ = -1;  // -1: unlimited
-  std::chrono::milliseconds hb_timeout_{2000}, err_grace_{300}, watchdog_{60000}, join_timeout_{30000};
+  std::chrono::milliseconds err_grace_{300}, watchdog_{60000};
   // The recovery in progress: its detection time, reported at the next completed command.
   std::optional<int64_t> recovering_since_ms_;
   std::string recovering_cause_;
   std::vector<int> recovering_slots_;  // the workers it replaces (status.json)
   int64_t recovering_steps_lost_ = 0;
   int epoch_plan_messages_ = 0;  // workers of the current epoch that took its plan as a message
-  // Straggler tracking: consecutive slow steps per slot, flagged slots.
-  std::map<int, int> slow_streak_;
-  std::set<int> flagged_;
-  double straggler_ratio_ = 1.5;
-  int straggler_window_ = 5;
-  bool straggler_replace_ = false;
   int64_t recoveries_ = 0;
   std::vector<nlohmann::json> last_replies_;
   std::vector<nlohmann::json> last_step_replies_;  // of the last step command (status.json's times)
@@ -319,7 +223,6 @@ class Trainer {
   int64_t last_step_ = 0;
   std::unique_ptr<OperatorRequests> requests_;  // scale, replace, drain (trainer_requests.h)
   std::string avoid_node_;  // a drained node replacements must not land on
-  Clock::time_point last_hb_check_ = Clock::now();
   // Failures since the job last completed a step it had never completed before: a fault
   // that comes back every time (a bad disk, a deterministic crash) must end the job, not
   // loop through recoveries.
@@ -338,6 +241,9 @@ class Trainer {
   std::unique_ptr<RunMetrics> run_metrics_;  // TensorBoard and Prometheus ([observe])
   std::ofstream metrics_;                    // <run dir>/metrics.jsonl
   EventLog log_;                             // <run dir>/events.jsonl
+  StragglerTracker stragglers_{tc_.elastic, log_};
+  // The workers' processes and liveness (trainer_procs.h): reads plan_.
+  ProcessSupervisor procs_{o_, tc_, store_, plan_, log_};
   // The checkpoint and snapshot coordinator (trainer_checkpoints.h): reads plan_ and
   // step_done_now_, declared above it.
   CheckpointCoordinator ckpt_{tc_, run_dir_, plan_, step_done_now_, log_};

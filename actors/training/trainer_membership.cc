@@ -1,9 +1,10 @@
 // actors/training/trainer_membership.cc — membership and recovery.
 // Owns: plan_ (the current epoch's ElasticPlan), slot numbering, spares, the recovery in
-// progress (recovering_*), the give-up counters.
-// May call: process supervision (spawn, terminate, check_*), the checkpoint coordinator
-// (choose_restore, snapshot_now, finalize_written_or_abandon), the store (plan and ready
-// keys), the ActorDirectory (plans, attach), event(), write_status().
+// progress (recovering_*), the give-up counters, the failures workers report (check_errors).
+// May call: process supervision (procs_: spawn, terminate, check_*), the checkpoint coordinator
+// (ckpt_: the plan's snapshot policy, open_epoch, choose_restore, recommit_restored), the
+// command window (call: a snapshot off the schedule before a planned change), the store
+// (plan and ready keys), the ActorDirectory (plans, attach), event(), write_status().
 // Invariants: epochs only grow; every plan is published in the store before any worker of
 // it is started; a recovery restores what choose_restore chose (a live state only when
 // nobody was lost and the layout is unchanged); a rescale or replacement happens only at a
@@ -12,23 +13,71 @@
 
 namespace troupe::training {
 
+Result<std::optional<Failure>> Trainer::check_errors(Clock::time_point& first_err) {
+  // Failures the workers reported to the trainer actor (typed: code, actor, text).
+  for (const WorkerFailure& f : actors_->take_failures()) {
+    if (f.epoch != plan_.epoch) continue;
+    if (f.snapshot_step >= 0 && f.snapshot_step == plan_.snapshot_step) {
+      // A part of the snapshot this epoch restores is lost or damaged: the next recovery
+      // goes back to an older one.
+      if (ckpt_.mark_unrestorable(f.snapshot_step, f.text)) {
+        event({{"event", "snapshot_unusable"},
+               {"step", f.snapshot_step},
+               {"slot", f.slot},
+               {"rank", f.rank},
+               {"error", f.text}});
+        fmt::print(stderr,
+                   "elastic: the snapshot of step {} cannot be restored (slot {}: {}); going back further\n",
+                   f.snapshot_step, f.slot, f.text);
+        std::fflush(stderr);
+      }
+    }
+    if (!epoch_failure_.empty()) continue;
+    epoch_failure_ = fmt::format("slot {} ({}): {}", f.slot, f.actor, f.text);
+    // A snapshot a restore could not use is not the job's end: the next recovery goes back
+    // to an older one, or to the checkpoint.
+    epoch_failure_permanent_ =
+        f.snapshot_step < 0 && is_permanent_failure(Status(static_cast<StatusCode>(f.code), f.text));
+    event({{"event", "worker_failure"},
+           {"epoch", f.epoch},
+           {"slot", f.slot},
+           {"rank", f.rank},
+           {"actor", f.actor},
+           {"code", f.code},
+           {"text", f.text},
+           {"failed_ms", f.ts_ms}});
+  }
+  const std::string what = epoch_failure_;
+  if (what.empty()) return std::optional<Failure>{};
+  if (epoch_failure_permanent_) {
+    Failure f{"worker_failure", {}, what, wall_ms()};
+    f.permanent = true;
+    return std::optional<Failure>(f);
+  }
+  if (first_err == Clock::time_point{}) first_err = Clock::now();
+  // A peer's death or silence explains most data-plane errors: give exit/heartbeat
+  // detection the grace period first.
+  if (Clock::now() - first_err < err_grace_) return std::optional<Failure>{};
+  return std::optional<Failure>(Failure{"comm_error", {}, what, wall_ms()});
+}
+
 Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& failure) {
-  const auto deadline = Clock::now() + join_timeout_;
+  const auto deadline = Clock::now() + procs_.join_timeout();
   std::set<int> pending(plan.slots.begin(), plan.slots.end());
   restored_parts_ = nlohmann::json::object();
   Clock::time_point first_err{};
   auto last_hb_check = Clock::now();
   while (!pending.empty()) {
     for (auto it = pending.begin(); it != pending.end();) {
-      TROUPE_ASSIGN_OR_RETURN(bool has, store_->contains(key(fmt::format("ready/{}/{}", plan.epoch, *it))));
+      TROUPE_ASSIGN_OR_RETURN(bool has, store_.raw().contains(key(fmt::format("ready/{}/{}", plan.epoch, *it))));
       it = has ? pending.erase(it) : std::next(it);
     }
     if (pending.empty()) break;
-    if ((failure = check_processes())) return ok_status();
+    if ((failure = procs_.check_processes())) return ok_status();
     if (Clock::now() - last_hb_check > std::chrono::milliseconds(100)) {
       last_hb_check = Clock::now();
       TROUPE_RETURN_IF_ERROR(past_outage_limit());
-      if ((failure = check_heartbeats())) return ok_status();
+      if ((failure = procs_.check_heartbeats())) return ok_status();
       TROUPE_ASSIGN_OR_RETURN(failure, check_errors(first_err));
       if (failure) return ok_status();
     }
@@ -38,14 +87,14 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
       std::vector<int> wedged;
       for (int s : pending) {
         TROUPE_ASSIGN_OR_RETURN(bool adopted,
-                                store_->contains(key(fmt::format("adopted/{}/{}", plan.epoch, s))));
+                                store_.raw().contains(key(fmt::format("adopted/{}/{}", plan.epoch, s))));
         if (!adopted) wedged.push_back(s);
       }
       if (wedged.empty()) wedged.assign(pending.begin(), pending.end());
       failure =
           Failure{"join_timeout", wedged,
                   fmt::format("{} worker(s) did not join epoch {} within {} ms, {} never took the plan over",
-                              pending.size(), plan.epoch, join_timeout_.count(), wedged.size()),
+                              pending.size(), plan.epoch, procs_.join_timeout().count(), wedged.size()),
                   wall_ms()};
       return ok_status();
     }
@@ -59,12 +108,12 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
   epoch_plan_messages_ = 0;
   for (size_t r = 0; r < plan.slots.size(); ++r) {
     TROUPE_ASSIGN_OR_RETURN(std::string text,
-                            store_->get(key(fmt::format("ready/{}/{}", plan.epoch, plan.slots[r])),
+                            store_.raw().get(key(fmt::format("ready/{}/{}", plan.epoch, plan.slots[r])),
                                         comm::deadline_in(std::chrono::milliseconds(10000))));
     const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
     if (j.is_object()) {
       // The scheduler started the worker: its ready record says which process it is.
-      Proc& p = procs_[plan.slots[r]];
+      ProcessSupervisor::Proc& p = procs_.proc(plan.slots[r]);
       if (scheduled_ && j.contains("pid") && j["pid"].is_number_integer()) p.pid = j["pid"].get<pid_t>();
       if (j.contains("host") && j["host"].is_string()) p.host = j["host"].get<std::string>();
     }
@@ -87,7 +136,7 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
     }
   }
   TROUPE_RETURN_IF_ERROR(actors_->attach(
-      plan.slots, roles, *store_, [this](int s) { return key(fmt::format("actors/{}", s)); },
+      plan.slots, roles, store_.raw(), [this](int s) { return key(fmt::format("actors/{}", s)); },
       std::chrono::milliseconds(30000)));
   if (o_.publish_placement) {
     std::vector<std::pair<std::string, std::string>> placement{{"trainer", "driver"}};
@@ -152,32 +201,15 @@ Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots
   epoch_failure_permanent_ = false;
   // The old epoch's snapshots still landing and checkpoints still waiting for parts.
   ckpt_.open_epoch();
-  TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("plan/{}", plan.epoch)), encode_elastic_plan(plan)));
+  TROUPE_RETURN_IF_ERROR(store_.raw().set(key(fmt::format("plan/{}", plan.epoch)), encode_elastic_plan(plan)));
   // The workers of the old epoch get the plan as a message too (they react at once; the
   // store record is where new and restarted workers read it).
   const int told = actors_->send_plan(plan);
   event({{"event", "epoch_opened"}, {"plan", plan.event_json()}, {"plan_messages", told}});
-  const ElasticPlan old = plan_;
   plan_ = plan;
-  for (int s : spawn_slots) TROUPE_RETURN_IF_ERROR(spawn(s, plan.epoch));
+  for (int s : spawn_slots) TROUPE_RETURN_IF_ERROR(procs_.spawn(s, plan.epoch, avoid_node_));
   // Workers leaving on a scale-down exit by themselves once they see the plan.
-  for (int s : leaving) {
-    Proc& p = procs_[s];
-    const auto deadline = Clock::now() + std::chrono::milliseconds(10000);
-    if (scheduled_) {
-      while (p.alive) {
-        TROUPE_ASSIGN_OR_RETURN(bool gone, store_->contains(key(fmt::format("exit/{}", s))));
-        if (gone) p.alive = false;
-        if (p.alive && Clock::now() > deadline) terminate(s, "did not leave within 10 s");
-        if (p.alive) std::this_thread::sleep_for(poll_);
-      }
-      continue;
-    }
-    if (reap_by(p, deadline)) {
-      event({{"event", "worker_killed"}, {"slot", s}, {"why", "did not leave within 10 s"}});
-    }
-  }
-  (void)old;
+  TROUPE_RETURN_IF_ERROR(procs_.await_leaving(leaving));
   return ok_status();
 }
 
@@ -253,7 +285,7 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
     if (f.cause == "exit") {
       const auto until = Clock::now() + kFailureBatchWindow;
       while (Clock::now() < until) {
-        if (std::optional<Failure> more = check_processes()) {
+        if (std::optional<Failure> more = procs_.check_processes()) {
           for (int s : more->slots) {
             if (std::find(f.slots.begin(), f.slots.end(), s) != f.slots.end()) continue;
             f.slots.push_back(s);
@@ -279,7 +311,7 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
       }
     }
     // The lost workers: make sure they are gone (a hung one is killed: the last resort).
-    for (int s : f.slots) terminate(s, f.cause);
+    for (int s : f.slots) procs_.terminate(s, f.cause);
     // Replace each lost worker, or shrink dp when no spare is left.
     std::vector<int> spawn_slots, leaving;
     Result<ElasticPlan> plan = [&]() -> Result<ElasticPlan> {
@@ -337,7 +369,7 @@ Status Trainer::recover(Failure f, int64_t step_done, int64_t failed_step) {
     // lost ones are already dead.
     std::vector<int> leaving_alive;
     for (int s : leaving) {
-      if (procs_[s].alive) leaving_alive.push_back(s);
+      if (procs_.alive(s)) leaving_alive.push_back(s);
     }
     const bool kept = plan->snapshot_step < 0 && plan->checkpoint.empty();
     TROUPE_RETURN_IF_ERROR(open_epoch(plan.value(), spawn_slots, leaving_alive));
@@ -474,8 +506,8 @@ Result<bool> Trainer::snapshot_now(int64_t step) {
   while (ckpt_.newest_committed() < step) {
     TROUPE_RETURN_IF_ERROR(ckpt_.poll());
     if (ckpt_.unusable(step)) return false;
-    std::optional<Failure> failure = check_processes();
-    if (!failure) failure = check_heartbeats();
+    std::optional<Failure> failure = procs_.check_processes();
+    if (!failure) failure = procs_.check_heartbeats();
     if (!failure) {
       TROUPE_ASSIGN_OR_RETURN(failure, check_errors(first_err));
     }

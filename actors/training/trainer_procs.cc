@@ -1,17 +1,102 @@
-// actors/training/trainer_procs.cc — process supervision and liveness (the failure detector).
-// Owns: procs_ (each worker's process or thread, pid, host, GPU, heartbeat), the
-// heartbeat timers and the store-outage grace; the per-epoch failure a worker reported.
-// May call: the store (heartbeat, exit, kill and spawn keys), fork/exec/waitpid, the
-// ActorDirectory's Downs and reported failures, event(). Never plans an epoch or
-// sends a command: it returns a Failure and membership (trainer_membership.cc) acts.
-// Invariants: a worker is judged silent only on fresh evidence (never while the store is
-// out, nor within the grace after an outage or a stalled probe); a slot appears at most
-// once in a Failure; a worker that left the plan is never a failure.
-#include "actors/training/trainer_driver.h"
+// actors/training/trainer_procs.cc — JobStore and ProcessSupervisor (trainer_procs.h,
+// where the contract is): starting, killing and reaping the workers; exits, Downs and
+// heartbeats.
+#include "actors/training/trainer_procs.h"
+
+#include <fmt/format.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "actors/training/elastic.h"
+#include "actors/training/role_actors.h"
+#include "actors/training/trainer.h"
+#include "core/exit_status.h"
+
+extern char** environ;
 
 namespace troupe::training {
 
-Status Trainer::spawn(int slot, uint64_t epoch) {
+namespace {
+
+// Waits for the child `p` to exit, polling every 5 ms; past `deadline` it is SIGKILLed.
+// Returns true when it had to be killed.
+bool reap_by(ProcessSupervisor::Proc& p, ProcessSupervisor::Clock::time_point deadline) {
+  while (p.alive) {
+    int status = 0;
+    if (waitpid(p.pid, &status, WNOHANG) == p.pid) {
+      p.alive = false;
+      return false;
+    }
+    if (ProcessSupervisor::Clock::now() > deadline) {
+      kill(p.pid, SIGKILL);
+      waitpid(p.pid, &status, 0);
+      p.alive = false;
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
+}  // namespace
+
+void ProcessSupervisor::configure(bool one_process, bool scheduled, std::chrono::milliseconds poll) {
+  one_process_ = one_process;
+  scheduled_ = scheduled;
+  poll_ = poll;
+  // The heartbeat timeout defaults to the job's own (handed over by the scheduler,
+  // `--heartbeat-timeout-ms`), else 2 s.
+  const layers::ElasticOptions& eo = tc_.elastic;
+  hb_timeout_ = std::chrono::milliseconds(
+      eo.heartbeat_timeout_ms > 0 ? eo.heartbeat_timeout_ms
+                                  : (scheduled_ ? env_or("TROUPE_HEARTBEAT_TIMEOUT_MS", 2000) : 2000));
+  join_timeout_ = std::chrono::milliseconds(eo.join_timeout_ms);
+}
+
+Status ProcessSupervisor::await_leaving(const std::vector<int>& slots) {
+  for (int s : slots) {
+    Proc& p = procs_[s];
+    const auto deadline = Clock::now() + std::chrono::milliseconds(10000);
+    if (scheduled_) {
+      while (p.alive) {
+        TROUPE_ASSIGN_OR_RETURN(bool gone, store_.raw().contains(store_.key(fmt::format("exit/{}", s))));
+        if (gone) p.alive = false;
+        if (p.alive && Clock::now() > deadline) terminate(s, "did not leave within 10 s");
+        if (p.alive) std::this_thread::sleep_for(poll_);
+      }
+      continue;
+    }
+    if (reap_by(p, deadline)) {
+      event({{"event", "worker_killed"}, {"slot", s}, {"why", "did not leave within 10 s"}});
+    }
+  }
+  return ok_status();
+}
+
+void ProcessSupervisor::reap_all(Clock::time_point deadline) {
+  for (auto& [slot, p] : procs_) {
+    if (scheduled_) break;  // the scheduler does
+    if (p.local) {
+      while (!p.local->done && Clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      if (p.local->done) {
+        p.local->thread.join();
+        p.local.reset();
+        p.alive = false;
+      }
+      continue;
+    }
+    (void)reap_by(p, deadline);
+  }
+}
+
+Status ProcessSupervisor::spawn(int slot, uint64_t epoch, const std::string& avoid) {
   // Before the worker can beat (an epoch-0 worker of the scheduler may beat already: its
   // next beat replaces the mark).
   mark_start(slot, epoch);
@@ -23,11 +108,11 @@ Status Trainer::spawn(int slot, uint64_t epoch) {
     p.alive = true;
     p.local = w;
     actors::ActorSystem* sys = &actors_->system();
-    comm::RendezvousStore* store = store_.get();
+    comm::RendezvousStore* store = &store_.raw();
     w->thread = std::thread([this, w, sys, store, slot, epoch] {
       Status st = ok_status();
       try {
-        st = run_elastic_worker(tc_, o_.program, *store, job_, slot, epoch, {}, o_.worker_ctx, sys);
+        st = run_elastic_worker(tc_, o_.program, *store, store_.job(), slot, epoch, {}, o_.worker_ctx, sys);
       } catch (const std::exception& e) {
         st = internal_error("worker thread: {}", e.what());
       }
@@ -45,8 +130,8 @@ Status Trainer::spawn(int slot, uint64_t epoch) {
     // The scheduler started the workers of epoch 0; later ones on request.
     if (epoch > 0) {
       nlohmann::json req{{"epoch", epoch}};
-      if (!avoid_node_.empty()) req["avoid"] = avoid_node_;  // troupe drain
-      TROUPE_RETURN_IF_ERROR(store_->set(key(fmt::format("spawn/{}", slot)), req.dump()));
+      if (!avoid.empty()) req["avoid"] = avoid;  // troupe drain
+      TROUPE_RETURN_IF_ERROR(store_.raw().set(store_.key(fmt::format("spawn/{}", slot)), req.dump()));
     }
     Proc& p = procs_[slot];
     p.pid = 0;
@@ -67,7 +152,7 @@ Status Trainer::spawn(int slot, uint64_t epoch) {
   }
   envs.push_back("TROUPE_ROLE=worker");
   envs.push_back(fmt::format("TROUPE_ELASTIC_SLOT={}", slot));
-  envs.push_back("TROUPE_JOB_ID=" + job_);
+  envs.push_back("TROUPE_JOB_ID=" + store_.job());
   envs.push_back(fmt::format("TROUPE_ELASTIC_EPOCH={}", epoch));
   // GPU workers of the standalone launcher see every GPU: each takes the lowest device
   // index no live worker holds (a replacement takes its predecessor's, which was reaped).
@@ -105,12 +190,12 @@ Status Trainer::spawn(int slot, uint64_t epoch) {
   return ok_status();
 }
 
-void Trainer::terminate(int slot, const std::string& why) {
+void ProcessSupervisor::terminate(int slot, const std::string& why) {
   Proc& p = procs_[slot];
   if (!p.alive) return;
   if (p.local) return;  // a thread cannot be killed: a one-process run ends instead (recover)
   if (scheduled_) {
-    (void)store_->set(key(fmt::format("kill/{}", slot)), why);
+    (void)store_.raw().set(store_.key(fmt::format("kill/{}", slot)), why);
   } else {
     kill(p.pid, SIGKILL);
     int status = 0;
@@ -120,8 +205,8 @@ void Trainer::terminate(int slot, const std::string& why) {
   event({{"event", "worker_killed"}, {"slot", slot}, {"pid", p.pid}, {"why", why}});
 }
 
-void Trainer::kill_all() {
-  if (scheduled_) return;  // the scheduler owns the processes
+bool ProcessSupervisor::kill_all() {
+  if (scheduled_) return false;  // the scheduler owns the processes
   // A worker thread still running (the job failed): a plan without it makes it leave
   // (its communicators aborted, its step unwound). One wedged past the wait is left
   // running, and what it uses (the store, the actor system) is kept alive with it: the
@@ -129,13 +214,13 @@ void Trainer::kill_all() {
   bool wedged = false;
   for (auto& [slot, p] : procs_) {
     if (!p.local) continue;
-    if (!p.local->done && store_) {
+    if (!p.local->done && store_.has()) {
       ElasticPlan leave = plan_;
       leave.epoch = plan_.epoch + 1;
       leave.slots.clear();
       leave.has_state.clear();
       leave.reason = "the driver ended";
-      (void)store_->set(key(fmt::format("plan/{}", leave.epoch)), encode_elastic_plan(leave));
+      (void)store_.raw().set(store_.key(fmt::format("plan/{}", leave.epoch)), encode_elastic_plan(leave));
     }
     const auto deadline = Clock::now() + std::chrono::seconds(30);
     while (!p.local->done && Clock::now() < deadline)
@@ -149,10 +234,7 @@ void Trainer::kill_all() {
     p.alive = false;
     p.local.reset();
   }
-  if (wedged) {
-    (void)store_.release();
-    (void)actors_.release();
-  }
+  if (wedged) store_.leak();
   for (auto& [slot, p] : procs_) {
     if (!p.alive) continue;
     kill(p.pid, SIGKILL);
@@ -160,9 +242,10 @@ void Trainer::kill_all() {
     waitpid(p.pid, &status, 0);
     p.alive = false;
   }
+  return wedged;
 }
 
-std::optional<Failure> Trainer::check_processes() {
+std::optional<Failure> ProcessSupervisor::check_processes() {
   std::optional<Failure> f;
   // Downs of the actors placed on the workers: a worker whose control-plane connection
   // closed (its process died) or whose node stopped answering heartbeats.
@@ -198,11 +281,11 @@ std::optional<Failure> Trainer::check_processes() {
       continue;
     }
     if (scheduled_) {  // the scheduler reports every worker that ends
-      if (store_out()) continue;  // no news while the scheduler is out (actor Downs still count)
-      const std::string k = key(fmt::format("exit/{}", slot));
-      Result<bool> has = poll_contains(k);
+      if (store_.out()) continue;  // no news while the scheduler is out (actor Downs still count)
+      const std::string k = store_.key(fmt::format("exit/{}", slot));
+      Result<bool> has = store_.poll_contains(k);
       if (!has.ok() || !has.value()) continue;
-      Result<std::string> v = poll_get(k, std::chrono::milliseconds(1000));
+      Result<std::string> v = store_.poll_get(k, std::chrono::milliseconds(1000));
       p.alive = false;
       if (plan_.rank_of_slot(slot) < 0) continue;
       if (!f) f = Failure{"exit", {}, "", wall_ms()};
@@ -234,23 +317,23 @@ std::optional<Failure> Trainer::check_processes() {
   return f;
 }
 
-void Trainer::mark_start(int slot, uint64_t epoch) {
+void ProcessSupervisor::mark_start(int slot, uint64_t epoch) {
   Proc& p = procs_[slot];
   p.start_mark = fmt::format("starting in epoch {}", epoch);
   // Best effort: if the store refuses it, a predecessor's stale value passes for a first
   // beat and the heartbeat timeout applies from then on (as before the mark existed).
-  (void)store_->set(key(fmt::format("hb/{}", slot)), p.start_mark);
+  (void)store_.raw().set(store_.key(fmt::format("hb/{}", slot)), p.start_mark);
   p.last_hb = p.start_mark;
   p.hb_seen = Clock::now();
 }
 
-std::optional<Failure> Trainer::check_heartbeats() {
+std::optional<Failure> ProcessSupervisor::check_heartbeats() {
   std::optional<Failure> f;
   // While the store is out (the scheduler restarting or unreachable) silence proves
   // nothing: the timers restart from fresh evidence once it answers again, after a grace.
-  if (tolerant_ != nullptr && (store_out() || tolerant_->outages_ended() != outages_seen_)) {
-    if (!store_out()) {
-      outages_seen_ = tolerant_->outages_ended();
+  if (store_.tolerant() != nullptr && (store_.out() || store_.tolerant()->outages_ended() != outages_seen_)) {
+    if (!store_.out()) {
+      outages_seen_ = store_.tolerant()->outages_ended();
       liveness_grace_until_ = Clock::now() + std::max<Clock::duration>(hb_timeout_, std::chrono::seconds(15));
       event({{"event", "heartbeat_timers_reset"},
              {"why", "the scheduler answers again after an outage"},
@@ -264,7 +347,7 @@ std::optional<Failure> Trainer::check_heartbeats() {
   }
   // A store that answers slowly (a loaded scheduler) is no proof of silence either.
   const auto t_probe = Clock::now();
-  (void)poll_contains(key("hb/probe"));
+  (void)store_.poll_contains(store_.key("hb/probe"));
   const bool store_stalled = Clock::now() - t_probe > std::chrono::milliseconds(500);
   if (store_stalled || Clock::now() - last_hb_check_ > hb_timeout_ / 2 ||
       Clock::now() < liveness_grace_until_) {
@@ -276,10 +359,10 @@ std::optional<Failure> Trainer::check_heartbeats() {
   for (int slot : plan_.slots) {
     Proc& p = procs_[slot];
     if (!p.alive) continue;
-    if (store_out()) return std::nullopt;  // went out meanwhile: the next check resets the timers
-    Result<bool> has = poll_contains(key(fmt::format("hb/{}", slot)));
+    if (store_.out()) return std::nullopt;  // went out meanwhile: the next check resets the timers
+    Result<bool> has = store_.poll_contains(store_.key(fmt::format("hb/{}", slot)));
     if (has.ok() && has.value()) {
-      Result<std::string> v = poll_get(key(fmt::format("hb/{}", slot)), std::chrono::milliseconds(100));
+      Result<std::string> v = store_.poll_get(store_.key(fmt::format("hb/{}", slot)), std::chrono::milliseconds(100));
       if (v.ok() && v.value() != p.last_hb) {
         p.last_hb = v.value();
         p.hb_seen = now;
@@ -298,52 +381,5 @@ std::optional<Failure> Trainer::check_heartbeats() {
   return f;
 }
 
-Result<std::optional<Failure>> Trainer::check_errors(Clock::time_point& first_err) {
-  // Failures the workers reported to the trainer actor (typed: code, actor, text).
-  for (const WorkerFailure& f : actors_->take_failures()) {
-    if (f.epoch != plan_.epoch) continue;
-    if (f.snapshot_step >= 0 && f.snapshot_step == plan_.snapshot_step) {
-      // A part of the snapshot this epoch restores is lost or damaged: the next recovery
-      // goes back to an older one.
-      if (ckpt_.mark_unrestorable(f.snapshot_step, f.text)) {
-        event({{"event", "snapshot_unusable"},
-               {"step", f.snapshot_step},
-               {"slot", f.slot},
-               {"rank", f.rank},
-               {"error", f.text}});
-        fmt::print(stderr,
-                   "elastic: the snapshot of step {} cannot be restored (slot {}: {}); going back further\n",
-                   f.snapshot_step, f.slot, f.text);
-        std::fflush(stderr);
-      }
-    }
-    if (!epoch_failure_.empty()) continue;
-    epoch_failure_ = fmt::format("slot {} ({}): {}", f.slot, f.actor, f.text);
-    // A snapshot a restore could not use is not the job's end: the next recovery goes back
-    // to an older one, or to the checkpoint.
-    epoch_failure_permanent_ =
-        f.snapshot_step < 0 && is_permanent_failure(Status(static_cast<StatusCode>(f.code), f.text));
-    event({{"event", "worker_failure"},
-           {"epoch", f.epoch},
-           {"slot", f.slot},
-           {"rank", f.rank},
-           {"actor", f.actor},
-           {"code", f.code},
-           {"text", f.text},
-           {"failed_ms", f.ts_ms}});
-  }
-  const std::string what = epoch_failure_;
-  if (what.empty()) return std::optional<Failure>{};
-  if (epoch_failure_permanent_) {
-    Failure f{"worker_failure", {}, what, wall_ms()};
-    f.permanent = true;
-    return std::optional<Failure>(f);
-  }
-  if (first_err == Clock::time_point{}) first_err = Clock::now();
-  // A peer's death or silence explains most data-plane errors: give exit/heartbeat
-  // detection the grace period first.
-  if (Clock::now() - first_err < err_grace_) return std::optional<Failure>{};
-  return std::optional<Failure>(Failure{"comm_error", {}, what, wall_ms()});
-}
 
 }  // namespace troupe::training

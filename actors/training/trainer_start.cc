@@ -22,30 +22,23 @@ Result<Trainer::JobStart> Trainer::start_job() {
   if (scheduled_) {
     const char* job = std::getenv("TROUPE_JOB_ID");
     if (job == nullptr || *job == '\0') return invalid_argument("elastic driver: TROUPE_JOB_ID is not set");
-    job_ = job;
+    store_.set_job(job);
     poll_ = std::chrono::milliseconds(20);
   } else {
-    job_ =
-        fmt::format("elastic-{}-{}", getpid(), std::chrono::system_clock::now().time_since_epoch().count());
+    store_.set_job(
+        fmt::format("elastic-{}-{}", getpid(), std::chrono::system_clock::now().time_since_epoch().count()));
   }
   one_process_ = runs_in_one_process(tc_, scheduled_);
   if (one_process_) {
     TROUPE_RETURN_IF_ERROR(check_one_process(tc_));
     if (!o_.program) return invalid_argument("one-process run: the Trainer was given no stage program");
   }
-  // Knobs: [elastic] of the config. The heartbeat timeout defaults to the job's own
-  // (handed over by the scheduler, `--heartbeat-timeout-ms`), else 2 s.
+  // Knobs: [elastic] of the config.
   const layers::ElasticOptions& eo = tc_.elastic;
-  hb_timeout_ = std::chrono::milliseconds(
-      eo.heartbeat_timeout_ms > 0 ? eo.heartbeat_timeout_ms
-                                  : (scheduled_ ? env_or("TROUPE_HEARTBEAT_TIMEOUT_MS", 2000) : 2000));
+  procs_.configure(one_process_, scheduled_, poll_);
   err_grace_ = std::chrono::milliseconds(eo.comm_error_grace_ms);
   watchdog_ = std::chrono::milliseconds(eo.step_watchdog_ms);
-  join_timeout_ = std::chrono::milliseconds(eo.join_timeout_ms);
   spares_left_ = eo.spares;
-  straggler_ratio_ = eo.straggler_ratio;
-  straggler_window_ = static_cast<int>(eo.straggler_window);
-  straggler_replace_ = eo.straggler_policy == "replace";
   // A one-process run cannot outlive its worker (a failure ends the job): no in-memory
   // snapshots are taken there; checkpoints are still written from a snapshot the worker's
   // own keeper holds (elastic.cc, connect_keeper).
@@ -98,12 +91,12 @@ Result<Trainer::JobStart> Trainer::start_job() {
   // An earlier run's snapshots are not this one's (a restarted driver read them above).
   if (resume_snapshot == nullptr) ckpt_.forget_earlier_snapshots();
   if (one_process_) {
-    store_ = std::make_unique<comm::MemoryStore>();  // the worker is a thread of this process
+    store_.own(std::make_unique<comm::MemoryStore>());  // the worker is a thread of this process
   } else if (!scheduled_) {
     fs::remove_all(run_dir_ + "/rendezvous", ec);
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<comm::FileStore> fstore,
                             comm::FileStore::open(run_dir_ + "/rendezvous"));
-    store_ = std::move(fstore);
+    store_.own(std::move(fstore));
     // The standalone launcher holds its workers' snapshots itself: it outlives them as a
     // node's agent does.
     TROUPE_RETURN_IF_ERROR(ckpt_.start_keeper());
@@ -162,22 +155,23 @@ Result<Trainer::JobStart> Trainer::start_job() {
   // (`troupe run` keeps the scheduler's event log there).
   if (scheduled_) {
     const nlohmann::json claim{{"pid", getpid()}, {"run_dir", fs::absolute(run_dir_).string()}};
-    TROUPE_RETURN_IF_ERROR(store_->set(key("claim"), claim.dump()));
+    TROUPE_RETURN_IF_ERROR(store_.raw().set(key("claim"), claim.dump()));
   }
-  TROUPE_RETURN_IF_ERROR(store_->set(key("plan/0"), encode_elastic_plan(plan_)));
+  TROUPE_RETURN_IF_ERROR(store_.raw().set(key("plan/0"), encode_elastic_plan(plan_)));
   if (one_process_) {
-    TROUPE_ASSIGN_OR_RETURN(actors_, ActorDirectory::start_local(*store_, key("actors/driver")));
+    TROUPE_ASSIGN_OR_RETURN(actors_, ActorDirectory::start_local(store_.raw(), key("actors/driver")));
   } else {
     TROUPE_ASSIGN_OR_RETURN(actors_,
-                            ActorDirectory::start(control::host_addr(), *store_, key("actors/driver")));
+                            ActorDirectory::start(control::host_addr(), store_.raw(), key("actors/driver")));
   }
   ckpt_.set_actors(actors_.get());
+  procs_.set_actors(actors_.get());
   event({{"event", "job_started"},
-         {"job", job_},
+         {"job", store_.job()},
          {"plan", plan_.event_json()},
          {"one_process", one_process_},
          {"steps_in_flight", tc_.train.steps_in_flight},
-         {"heartbeat_timeout_ms", hb_timeout_.count()}});
+         {"heartbeat_timeout_ms", procs_.heartbeat_timeout().count()}});
   if (resume_snapshot != nullptr) {
     event({{"event", "restore_from_snapshot"},
            {"step", resume_snapshot->step},
@@ -192,9 +186,9 @@ Result<Trainer::JobStart> Trainer::start_job() {
       one_process_ ? "one process: the worker is a thread of the Trainer's"
                    : fmt::format("{} workers", world),
       tc_.parallel.dispatch, tc_.parallel.compression ? "bf16" : "off", tc_.model.num_params(),
-      tc_.tokens_per_step(), tc_.train.steps, tc_.train.steps_in_flight, hb_timeout_.count(), run_dir_);
+      tc_.tokens_per_step(), tc_.train.steps, tc_.train.steps_in_flight, procs_.heartbeat_timeout().count(), run_dir_);
   std::fflush(stdout);
-  for (int r = 0; r < world; ++r) TROUPE_RETURN_IF_ERROR(spawn(r, 0));
+  for (int r = 0; r < world; ++r) TROUPE_RETURN_IF_ERROR(procs_.spawn(r, 0));
   int64_t tokens_seen = resume ? resume->manifest().data_position.value("tokens_seen", int64_t{0})
                         : resume_snapshot != nullptr ? resume_snapshot->tokens
                                                      : 0;

@@ -1,20 +1,35 @@
-// actors/training/trainer_status.cc — reporting.
-// Owns: events.jsonl (event()), status.json and the job's status key, the actor table,
-// straggler tracking, and the JSON forms of replies and data positions.
-// May call: the ActorDirectory's status query, the store's status key (one attempt).
-// Never changes membership: a straggler comes back as a Failure the step driver acts on.
+// actors/training/trainer_status.cc — reporting: EventLog and StragglerTracker
+// (trainer_status.h; their contract is there), and the Trainer's status.json.
+// Trainer::write_status owns status.json and the job's status key (one attempt, skipped
+// while the scheduler is out) and the actor table; it never changes membership.
 // Invariants: status.json is replaced atomically (written aside, then renamed); the actor
 // table is asked at most once a second, and at every failure and new epoch.
+#include "actors/training/trainer_status.h"
+
+#include "actors/training/run_metrics.h"
 #include "actors/training/trainer_driver.h"
 
 namespace troupe::training {
 
+Status EventLog::open(const std::string& path, bool append) {
+  out_.open(path, append ? std::ios::app : std::ios::trunc);
+  if (!out_) return io_error("cannot write {}", path);
+  return ok_status();
+}
 
-void Trainer::track_stragglers(const std::vector<nlohmann::json>& replies, int64_t step,
-                               std::optional<Failure>& failure) {
+void EventLog::event(nlohmann::json e) {
+  e["ts_ms"] = wall_ms();
+  out_ << e.dump() << "\n";
+  out_.flush();
+  if (metrics_ != nullptr) metrics_->on_event(e);
+}
+
+std::optional<int> StragglerTracker::track(const std::vector<nlohmann::json>& replies,
+                                           const std::vector<int>& slots, int64_t step) {
+  std::optional<int> replace;
   std::vector<double> compute;
   for (const auto& r : replies) compute.push_back(r.value("compute_ms", 0.0));
-  if (compute.size() < 2) return;
+  if (compute.size() < 2) return replace;
   for (size_t i = 0; i < replies.size(); ++i) {
     std::vector<double> peers;
     for (size_t j = 0; j < compute.size(); ++j) {
@@ -22,29 +37,28 @@ void Trainer::track_stragglers(const std::vector<nlohmann::json>& replies, int64
     }
     std::sort(peers.begin(), peers.end());
     const double median = peers[peers.size() / 2];
-    const int slot = plan_.slots[i];
-    const bool slow = median > 0 && compute[i] > straggler_ratio_ * median && compute[i] - median > 20.0;
+    const int slot = slots[i];
+    const bool slow = median > 0 && compute[i] > ratio_ * median && compute[i] - median > 20.0;
     int& streak = slow_streak_[slot];
     streak = slow ? streak + 1 : 0;
-    if (streak >= straggler_window_ && !flagged_.count(slot)) {
+    if (streak >= window_ && !flagged_.count(slot)) {
       flagged_.insert(slot);
-      event({{"event", "straggler"},
+      log_.event({{"event", "straggler"},
              {"slot", slot},
              {"rank", i},
              {"step", step},
              {"compute_ms", compute[i]},
              {"peer_median_ms", median},
-             {"window", straggler_window_}});
+             {"window", window_}});
       fmt::print(
           "elastic: straggler: slot {} (rank {}) compute {:.0f} ms vs peers' median {:.0f} ms for {} "
           "steps{}\n",
-          slot, i, compute[i], median, streak, straggler_replace_ ? "; replacing it" : "");
+          slot, i, compute[i], median, streak, replace_ ? "; replacing it" : "");
       std::fflush(stdout);
-      if (straggler_replace_ && !failure) {
-        failure = Failure{"straggler", {slot}, fmt::format("slot {} is a straggler", slot), wall_ms()};
-      }
+      if (replace_ && !replace) replace = slot;
     }
   }
+  return replace;
 }
 
 void Trainer::write_status(int64_t step, bool ask_actors) {
@@ -55,10 +69,10 @@ void Trainer::write_status(int64_t step, bool ask_actors) {
                                                         s) != recovering_slots_.end();
     workers.push_back({{"slot", s},
                        {"rank", r},
-                       {"pid", procs_[s].pid},
-                       {"host", procs_[s].host},
-                       {"alive", procs_[s].alive && !lost},
-                       {"straggler", flagged_.count(s) > 0}});
+                       {"pid", procs_.proc(s).pid},
+                       {"host", procs_.proc(s).host},
+                       {"alive", procs_.alive(s) && !lost},
+                       {"straggler", stragglers_.flagged(s)}});
     // The last step's wall, compute and comm time of this rank (troupe top), and its
     // process's peak resident memory.
     if (last_step_replies_.size() == plan_.slots.size()) {
