@@ -8,17 +8,17 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <thread>
 #include <vector>
 
+#include "comm/rendezvous_store.h"
 #include "scheduler/cli.h"
 #include "scheduler/local_auth.h"
-#include "comm/rendezvous_store.h"
 #include "scheduler/scheduler_store.h"
 
 namespace troupe::sched {
@@ -86,7 +86,8 @@ int send_request(comm::RendezvousStore& store, const std::string& job, const nlo
   Result<std::string> ans = unavailable("no answer yet");
   while (true) {
     // In slices, so a job that ended without answering is noticed.
-    ans = store.get(pre + fmt::format("answer/{}", k), std::min(deadline, Clock::now() + std::chrono::milliseconds(500)));
+    ans = store.get(pre + fmt::format("answer/{}", k),
+                    std::min(deadline, Clock::now() + std::chrono::milliseconds(500)));
     if (ans.ok() || Clock::now() >= deadline) break;
     if (ended) {
       if (std::optional<std::string> why = ended()) {
@@ -96,7 +97,8 @@ int send_request(comm::RendezvousStore& store, const std::string& job, const nlo
     }
   }
   if (!ans.ok()) {
-    fmt::print(stderr, "troupe {}: no answer from the job's driver within {} s (the request stays queued): {}\n", cmd,
+    fmt::print(stderr,
+               "troupe {}: no answer from the job's driver within {} s (the request stays queued): {}\n", cmd,
                wait_s, ans.status().message());
     return 1;
   }
@@ -108,9 +110,9 @@ int send_request(comm::RendezvousStore& store, const std::string& job, const nlo
     return 0;
   }
   if (ev == "replaced") {
-    fmt::print("replaced worker slot {} after step {} in {} ms (epoch {}), steps lost {}\n", a["slot"].get<int>(),
-               a["after_step"].get<int64_t>(), a["ms"].get<int64_t>(), a["epoch"].get<int64_t>(),
-               a.value("steps_lost", int64_t{0}));
+    fmt::print("replaced worker slot {} after step {} in {} ms (epoch {}), steps lost {}\n",
+               a["slot"].get<int>(), a["after_step"].get<int64_t>(), a["ms"].get<int64_t>(),
+               a["epoch"].get<int64_t>(), a.value("steps_lost", int64_t{0}));
     return 0;
   }
   if (ev == "scale_unchanged") {
@@ -142,10 +144,11 @@ int store_request(const CliConnection& c, const std::string& job, const nlohmann
 // in <run dir>/rendezvous); the job's id is in its job_started event.
 int run_dir_request(const std::string& run_dir, const nlohmann::json& req, int wait_s, const char* cmd) {
   if (!is_elastic_run_dir(run_dir)) {
-    fmt::print(stderr,
-               "troupe {}: {} is not the run directory of a training job (no events.jsonl and status.json of its "
-               "Trainer)\n",
-               cmd, run_dir);
+    fmt::print(
+        stderr,
+        "troupe {}: {} is not the run directory of a training job (no events.jsonl and status.json of its "
+        "Trainer)\n",
+        cmd, run_dir);
     return 2;
   }
   if (job_finished(run_dir)) {
@@ -163,8 +166,8 @@ int run_dir_request(const std::string& run_dir, const nlohmann::json& req, int w
     }
   }
   if (!started.is_object() || !started.contains("job")) {
-    fmt::print(stderr, "troupe {}: the job in {} has not started yet (no job_started in its events.jsonl)\n", cmd,
-               run_dir);
+    fmt::print(stderr, "troupe {}: the job in {} has not started yet (no job_started in its events.jsonl)\n",
+               cmd, run_dir);
     return 1;
   }
   if (started.value("one_process", false)) {
@@ -183,7 +186,8 @@ int run_dir_request(const std::string& run_dir, const nlohmann::json& req, int w
     std::ifstream in(run_dir + "/events.jsonl");
     std::string line;
     while (std::getline(in, line)) {
-      if (line.find("\"job_failed\"") == std::string::npos && line.find("\"job_finished\"") == std::string::npos)
+      if (line.find("\"job_failed\"") == std::string::npos &&
+          line.find("\"job_finished\"") == std::string::npos)
         continue;
       const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
       if (j.is_object() && j.value("ts_ms", int64_t{0}) >= started.value("ts_ms", int64_t{0}))

@@ -183,5 +183,4 @@ Status trim_metrics(const std::string& path, int64_t last_step) {
   return ok_status();
 }
 
-
 }  // namespace troupe::training

@@ -71,5 +71,4 @@ FailedSave clean_failed_save(const std::string& dir, int64_t step, uint64_t need
 // nullopt.
 std::optional<std::pair<int64_t, std::string>> newest_committed_checkpoint(const std::string& dir);
 
-
 }  // namespace troupe::training

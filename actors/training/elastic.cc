@@ -143,8 +143,8 @@ Status ElasticWorker::run_step_command(const Command& cmd, StepReply& reply) {
   if (snapshotter_) {
     // The snapshot's copy runs while the next step does (nothing was launched ahead of it).
     if (snapshot_ordered(cmd)) {
-      snapshotter_->after_step(cmd.step, static_cast<SnapshotOrder>(cmd.snapshot) == SnapshotOrder::kCheckpoint,
-                               reply);
+      snapshotter_->after_step(cmd.step,
+                               static_cast<SnapshotOrder>(cmd.snapshot) == SnapshotOrder::kCheckpoint, reply);
     }
     // The step thread's time on it: what a checkpoint step stalls training by.
     if (reply.snapshot >= 0 && steps_ != nullptr) steps_->record_io(reply.snapshot_ms);
@@ -337,7 +337,6 @@ Status ElasticWorker::run() {
     if (cmd.kind == Command::Kind::kStop) return ok_status();
   }
 }
-
 
 Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& program,
                           comm::RendezvousStore& base_store, const std::string& job, int slot, uint64_t epoch,

@@ -93,7 +93,8 @@ void fault_hook(std::string_view what) {
     const FaultSpec& f = fs->specs[i];
     if (f.action == FaultSpec::Action::kSlow) {
       const int64_t step = fs->step.load();
-      if (f.slot == fs->slot && step >= f.step && fs->slowed_step[i] != step && phase_matches(f.phase, what)) {
+      if (f.slot == fs->slot && step >= f.step && fs->slowed_step[i] != step &&
+          phase_matches(f.phase, what)) {
         fs->slowed_step[i] = step;
         std::this_thread::sleep_for(std::chrono::milliseconds(150));
       }
@@ -107,8 +108,9 @@ void fault_hook(std::string_view what) {
     }
     if (fs->fired[i] || f.slot != fs->slot || f.step != at || !phase_matches(f.phase, what)) continue;
     fs->fired[i] = true;
-    (void)fs->store->set(elastic_key(fs->job, fmt::format("fault/{}", fs->slot)),
-                         nlohmann::json{{"ts_ms", wall_ms()}, {"what", std::string(what)}, {"step", f.step}}.dump());
+    (void)fs->store->set(
+        elastic_key(fs->job, fmt::format("fault/{}", fs->slot)),
+        nlohmann::json{{"ts_ms", wall_ms()}, {"what", std::string(what)}, {"step", f.step}}.dump());
     const char* name = f.action == FaultSpec::Action::kKill      ? "SIGKILL"
                        : f.action == FaultSpec::Action::kStop    ? "SIGSTOP"
                        : f.action == FaultSpec::Action::kCut     ? "a data-plane cut"
@@ -118,8 +120,12 @@ void fault_hook(std::string_view what) {
     fmt::print(stderr, "elastic: slot {} injects {} at step {} during '{}'\n", fs->slot, name, f.step, what);
     std::fflush(stderr);
     switch (f.action) {
-      case FaultSpec::Action::kKill: raise(SIGKILL); break;
-      case FaultSpec::Action::kStop: raise(SIGSTOP); break;
+      case FaultSpec::Action::kKill:
+        raise(SIGKILL);
+        break;
+      case FaultSpec::Action::kStop:
+        raise(SIGSTOP);
+        break;
       case FaultSpec::Action::kCut:
         if (fs->cut) fs->cut();
         break;
@@ -131,7 +137,8 @@ void fault_hook(std::string_view what) {
         break;
       case FaultSpec::Action::kHang:
         while (true) std::this_thread::sleep_for(std::chrono::seconds(1));  // until killed
-      case FaultSpec::Action::kSlow: break;
+      case FaultSpec::Action::kSlow:
+        break;
     }
   }
 }

@@ -21,7 +21,8 @@ Result<ElasticPlan> ElasticWorker::read_plan(uint64_t epoch, std::chrono::millis
       return it->second;
     }
   }
-  TROUPE_ASSIGN_OR_RETURN(std::string text, store_.get(key(fmt::format("plan/{}", epoch)), comm::deadline_in(timeout)));
+  TROUPE_ASSIGN_OR_RETURN(std::string text,
+                          store_.get(key(fmt::format("plan/{}", epoch)), comm::deadline_in(timeout)));
   plan_via_message_ = false;
   return decode_elastic_plan(text);
 }
@@ -88,7 +89,8 @@ Status ElasticWorker::join(const ElasticPlan& plan) {
 
 Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
   // Tells the driver this worker took the plan over (a worker that never does is wedged).
-  TROUPE_RETURN_IF_ERROR(store_.set(key(fmt::format("adopted/{}/{}", plan.epoch, slot_)), std::to_string(wall_ms())));
+  TROUPE_RETURN_IF_ERROR(
+      store_.set(key(fmt::format("adopted/{}/{}", plan.epoch, slot_)), std::to_string(wall_ms())));
   const int rank = plan.rank_of_slot(slot_);
   comm::StoreNamespace ns;
   ns.job = job_;

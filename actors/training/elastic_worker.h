@@ -21,6 +21,7 @@
 
 #include "actors/training/checkpointing.h"
 #include "actors/training/control.h"
+#include "actors/training/elastic_faults.h"
 #include "actors/training/role_actors.h"
 #include "actors/training/snapshots.h"
 #include "actors/training/stage.h"
@@ -30,7 +31,6 @@
 #include "comm/control/host_addr.h"
 #include "core/process_memory.h"
 #include "layers/token_data.h"
-#include "actors/training/elastic_faults.h"
 
 namespace troupe::training {
 
@@ -44,12 +44,15 @@ layers::TrainConfig layout_config(const layers::TrainConfig& tc, const ElasticPl
 // while it joined (a peer died during the rebuild) must not wait out the init timeout.
 class CancellableStore final : public comm::RendezvousStore {
  public:
-  CancellableStore(comm::RendezvousStore& base, const std::atomic<bool>& cancel) : base_(base), cancel_(cancel) {}
+  CancellableStore(comm::RendezvousStore& base, const std::atomic<bool>& cancel)
+      : base_(base), cancel_(cancel) {}
   Status set(std::string_view key, std::string_view value) override { return base_.set(key, value); }
   Result<std::string> get(std::string_view key, comm::Deadline deadline) override {
     while (true) {
-      if (cancel_.load()) return aborted("rendezvous on '{}' cancelled: a newer membership epoch opened", key);
-      Result<std::string> r = base_.get(key, std::min(deadline, Clock::now() + std::chrono::milliseconds(50)));
+      if (cancel_.load())
+        return aborted("rendezvous on '{}' cancelled: a newer membership epoch opened", key);
+      Result<std::string> r =
+          base_.get(key, std::min(deadline, Clock::now() + std::chrono::milliseconds(50)));
       if (r.ok() || r.status().code() != StatusCode::kDeadlineExceeded || Clock::now() >= deadline) return r;
     }
   }
@@ -135,12 +138,12 @@ class ElasticWorker {
   TolerantStore& store_;
   std::string job_;
   int slot_;
-  std::mutex mu_;                 // guards stage_ swaps, epoch_/adopting_ against the watcher
-  uint64_t epoch_;                // current epoch (main thread writes under mu_)
-  layers::Ctx ctx_;               // where the Stage lives (the CPU, or this worker's GPU)
-  observe::StepProbe* steps_;     // step timings for the health reports (may be null)
-  uint64_t adopting_ = 0;         // highest epoch whose plan the main thread took over
-  uint64_t aborted_for_ = 0;      // highest epoch whose opening aborted the communicators (under mu_)
+  std::mutex mu_;              // guards stage_ swaps, epoch_/adopting_ against the watcher
+  uint64_t epoch_;             // current epoch (main thread writes under mu_)
+  layers::Ctx ctx_;            // where the Stage lives (the CPU, or this worker's GPU)
+  observe::StepProbe* steps_;  // step timings for the health reports (may be null)
+  uint64_t adopting_ = 0;      // highest epoch whose plan the main thread took over
+  uint64_t aborted_for_ = 0;   // highest epoch whose opening aborted the communicators (under mu_)
   // Plans the Trainer sent the stage actor (ElasticPlan messages), by epoch (under mu_);
   // the store's record is the fallback.
   std::map<uint64_t, ElasticPlan> sent_plans_;

@@ -3,11 +3,11 @@
 // to one.
 //
 // On the Trainer's order (the command's SnapshotOrder: every elastic.snapshot_every steps
-// and at each checkpoint step, or off the schedule), right after the step, the rank's state (Stage::snapshot_tensors: parameters, optimizer moments, router
-// biases; with its rank state: step, data position, RNG seed) is copied into one of the
-// two generation segments its node's keeper handed it (checkpoint/snapshot_keeper.h) —
-// on a GPU device -> pinned host on a side stream, on the CPU by a copier thread — while
-// the next step runs. The snapshot thread then checksums every slice, seals the part
+// and at each checkpoint step, or off the schedule), right after the step, the rank's state
+// (Stage::snapshot_tensors: parameters, optimizer moments, router biases; with its rank state: step, data
+// position, RNG seed) is copied into one of the two generation segments its node's keeper handed it
+// (checkpoint/snapshot_keeper.h) — on a GPU device -> pinned host on a side stream, on the CPU by a copier
+// thread — while the next step runs. The snapshot thread then checksums every slice, seals the part
 // (checkpoint/snapshot_segment.h), tells the keeper and the Trainer (SnapshotLanded).
 // Once every rank's part landed the Trainer commits the snapshot (SnapshotCommitted, the
 // second phase): the keeper copies the part to its node's copy target, and at a

@@ -1,8 +1,6 @@
 // actors/training/stage_pipeline.cc — Stage (stage.h): a step's micro-batches (read,
 // upload, per-micro-batch inputs) and the pipeline's sends, receives, forward and backward
 // of one micro-batch. The schedule that orders them is the step's (stage_step.cc).
-#include "actors/training/stage.h"
-
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -12,6 +10,7 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include "actors/training/stage.h"
 #include "comm/gloo_communicator.h"
 #include "core/check.h"
 #include "core/process_memory.h"
@@ -26,7 +25,6 @@
 #if TROUPE_HAVE_NCCL
 #include "comm/nccl_communicator.h"
 #endif
-
 
 #include "actors/training/stage_micro.h"
 

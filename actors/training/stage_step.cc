@@ -2,8 +2,6 @@
 // the ZeRO-1 optimizer shard, the step engine (launch_step / finish_step: statistics on
 // the device, CUDA graph, launch-ahead; stage.h "Step engine"), the step metrics and
 // evaluation. Their order is the step's numerics: GPU bitwise tests depend on it.
-#include "actors/training/stage.h"
-
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -13,6 +11,7 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include "actors/training/stage.h"
 #include "comm/gloo_communicator.h"
 #include "core/check.h"
 #include "core/process_memory.h"
@@ -27,7 +26,6 @@
 #if TROUPE_HAVE_NCCL
 #include "comm/nccl_communicator.h"
 #endif
-
 
 #include "actors/training/stage_micro.h"
 

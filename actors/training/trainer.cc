@@ -477,7 +477,6 @@ Status Trainer::run_job() {
   return ok_status();
 }
 
-
 bool runs_in_one_process(const layers::TrainConfig& tc, bool scheduled) {
   return !scheduled && tc.parallel.world() == 1 && !tc.elastic.isolate_workers;
 }
@@ -518,6 +517,5 @@ Status run_worker_process(const layers::TrainConfig& tc, const ProgramFactory& p
   return run_elastic_worker(tc, program, store, job, static_cast<int>(slot), static_cast<uint64_t>(epoch),
                             std::move(cut_control), ctx, /*driver_system=*/nullptr, steps);
 }
-
 
 }  // namespace troupe::training

@@ -49,7 +49,7 @@ void CheckpointCoordinator::set_policy(ElasticPlan& p) const {
   p.snapshot_every = snapshot_every_;
   // A starting state no snapshot holds is snapshotted at once (not in a one-process run,
   // whose snapshot_every_ is 0: nothing would restore from it).
-  p.snapshot_start = static_cast<uint8_t>(snapshot_every_ <= 0                ? SnapshotOrder::kNone
+  p.snapshot_start = static_cast<uint8_t>(snapshot_every_ <= 0                  ? SnapshotOrder::kNone
                                           : on_checkpoint_schedule(p.step_done) ? SnapshotOrder::kCheckpoint
                                                                                 : SnapshotOrder::kSnapshot);
 }
@@ -119,7 +119,6 @@ void CheckpointCoordinator::abandon(int64_t step) {
   c.abandoned = true;
   (void)actors_->send_committed(plan_.slots, c);
 }
-
 
 Status CheckpointCoordinator::choose_restore(ElasticPlan& p, bool keep, const std::string& why) {
   p.snapshot_step = -1;

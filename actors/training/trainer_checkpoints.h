@@ -164,8 +164,8 @@ class CheckpointCoordinator {
   uint64_t last_ckpt_bytes_ = 0;         // the size of the last committed checkpoint
   std::set<int64_t> failed_ckpt_steps_;  // saves that failed (their .tmp is removed)
   SnapshotLedger snaps_;
-  std::set<int64_t> snaps_complete_;  // complete, waiting for their step's reply to commit
-  std::set<int64_t> forced_ckpts_;    // checkpoints asked for off the schedule (kSave)
+  std::set<int64_t> snaps_complete_;   // complete, waiting for their step's reply to commit
+  std::set<int64_t> forced_ckpts_;     // checkpoints asked for off the schedule (kSave)
   int64_t last_snapshot_failed_ = -1;  // reported once, not by every rank
   std::unique_ptr<checkpoint::SnapshotKeeper> keeper_;
   // Tokens seen after each step (a snapshot's and a checkpoint's data position).

@@ -49,8 +49,6 @@
 // replaces it like a failed worker.
 #pragma once
 
-#include "actors/training/trainer.h"
-
 #include <fmt/format.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -77,6 +75,7 @@
 #include "actors/training/role_actors.h"
 #include "actors/training/run_metrics.h"
 #include "actors/training/snapshot_ledger.h"
+#include "actors/training/trainer.h"
 #include "actors/training/trainer_checkpoints.h"
 #include "actors/training/trainer_procs.h"
 #include "actors/training/trainer_requests.h"
@@ -189,7 +188,7 @@ class Trainer {
   bool one_process_ = false;  // the worker is a thread of this process (runs_in_one_process)
   std::deque<InFlight> inflight_;
   Clock::time_point oldest_since_ = Clock::now();  // when the oldest command in flight became the oldest
-  JobStore store_;  // the job's store (trainer_procs.h)
+  JobStore store_;                                 // the job's store (trainer_procs.h)
   bool store_out() const { return store_.out(); }
   Result<bool> poll_contains(const std::string& k) { return store_.poll_contains(k); }
   Result<std::string> poll_get(const std::string& k, std::chrono::milliseconds wait) {
@@ -197,7 +196,7 @@ class Trainer {
   }
   Status poll_set(const std::string& k, const std::string& v) { return store_.poll_set(k, v); }
   Status past_outage_limit() const { return store_.past_outage_limit(); }
-  std::unique_ptr<ActorDirectory> actors_;  // the "trainer" actor and the workers' actors
+  std::unique_ptr<ActorDirectory> actors_;                // the "trainer" actor and the workers' actors
   nlohmann::json actor_table_ = nlohmann::json::array();  // their last answers (status.json)
   int64_t actors_step_ = -2;                              // the step and epoch they were asked at
   uint64_t actors_epoch_ = 0;
@@ -222,7 +221,7 @@ class Trainer {
   int64_t max_step_logged_ = 0;
   int64_t last_step_ = 0;
   std::unique_ptr<OperatorRequests> requests_;  // scale, replace, drain (trainer_requests.h)
-  std::string avoid_node_;  // a drained node replacements must not land on
+  std::string avoid_node_;                      // a drained node replacements must not land on
   // Failures since the job last completed a step it had never completed before: a fault
   // that comes back every time (a bad disk, a deterministic crash) must end the job, not
   // loop through recoveries.
@@ -232,8 +231,8 @@ class Trainer {
   // A rebuild with nobody lost lets every rank keep its live state; once such an epoch
   // failed, recoveries restore a snapshot until one succeeds.
   bool keep_failed_ = false;
-  nlohmann::json restored_parts_;      // the last epoch's snapshot parts, by slot: where they were read
-  std::string epoch_failure_;  // the first failure a worker reported in the current epoch
+  nlohmann::json restored_parts_;         // the last epoch's snapshot parts, by slot: where they were read
+  std::string epoch_failure_;             // the first failure a worker reported in the current epoch
   bool epoch_failure_permanent_ = false;  // ... and whether a retry would meet it again
   int64_t max_step_completed_ = 0;
   // The tokens seen up to the last completed step (its data position).

@@ -69,7 +69,8 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
   auto last_hb_check = Clock::now();
   while (!pending.empty()) {
     for (auto it = pending.begin(); it != pending.end();) {
-      TROUPE_ASSIGN_OR_RETURN(bool has, store_.raw().contains(key(fmt::format("ready/{}/{}", plan.epoch, *it))));
+      TROUPE_ASSIGN_OR_RETURN(bool has,
+                              store_.raw().contains(key(fmt::format("ready/{}/{}", plan.epoch, *it))));
       it = has ? pending.erase(it) : std::next(it);
     }
     if (pending.empty()) break;
@@ -109,7 +110,7 @@ Status Trainer::wait_ready(const ElasticPlan& plan, std::optional<Failure>& fail
   for (size_t r = 0; r < plan.slots.size(); ++r) {
     TROUPE_ASSIGN_OR_RETURN(std::string text,
                             store_.raw().get(key(fmt::format("ready/{}/{}", plan.epoch, plan.slots[r])),
-                                        comm::deadline_in(std::chrono::milliseconds(10000))));
+                                             comm::deadline_in(std::chrono::milliseconds(10000))));
     const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
     if (j.is_object()) {
       // The scheduler started the worker: its ready record says which process it is.
@@ -201,7 +202,8 @@ Status Trainer::open_epoch(ElasticPlan plan, const std::vector<int>& spawn_slots
   epoch_failure_permanent_ = false;
   // The old epoch's snapshots still landing and checkpoints still waiting for parts.
   ckpt_.open_epoch();
-  TROUPE_RETURN_IF_ERROR(store_.raw().set(key(fmt::format("plan/{}", plan.epoch)), encode_elastic_plan(plan)));
+  TROUPE_RETURN_IF_ERROR(
+      store_.raw().set(key(fmt::format("plan/{}", plan.epoch)), encode_elastic_plan(plan)));
   // The workers of the old epoch get the plan as a message too (they react at once; the
   // store record is where new and restarted workers read it).
   const int told = actors_->send_plan(plan);
@@ -440,7 +442,7 @@ Result<nlohmann::json> Trainer::replace_on_request(const std::string& text, int6
       Failure{
           "replace", {static_cast<int>(slot)}, fmt::format("slot {} replaced on request", slot), wall_ms()},
       step_done, step_done + 1));
-  return nlohmann::json{{"event", "replaced"},   {"slot", slot},
+  return nlohmann::json{{"event", "replaced"},     {"slot", slot},
                         {"after_step", step_done}, {"epoch", plan_.epoch},
                         {"ms", wall_ms() - t0},    {"steps_lost", recovering_steps_lost_}};
 }
@@ -460,7 +462,8 @@ Result<nlohmann::json> Trainer::rescale_on_request(std::string text, int64_t ste
   const int64_t min_dp = tc_.elastic.min_dp,
                 max_dp = tc_.elastic.max_dp > 0 ? tc_.elastic.max_dp : tc_.parallel.dp;
   if (text.empty() || *end != '\0' || dp < min_dp || dp > max_dp) {
-    return refuse({{"min_dp", min_dp}, {"max_dp", max_dp}}, fmt::format("dp must be in [{}, {}]", min_dp, max_dp));
+    return refuse({{"min_dp", min_dp}, {"max_dp", max_dp}},
+                  fmt::format("dp must be in [{}, {}]", min_dp, max_dp));
   }
   if (dp == plan_.dp) return nlohmann::json{{"event", "scale_unchanged"}, {"dp", plan_.dp}};
   // Every rank of the new layout restores a snapshot of this step (taken now).

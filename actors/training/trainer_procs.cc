@@ -280,7 +280,7 @@ std::optional<Failure> ProcessSupervisor::check_processes() {
                                p.local->result.to_string());
       continue;
     }
-    if (scheduled_) {  // the scheduler reports every worker that ends
+    if (scheduled_) {              // the scheduler reports every worker that ends
       if (store_.out()) continue;  // no news while the scheduler is out (actor Downs still count)
       const std::string k = store_.key(fmt::format("exit/{}", slot));
       Result<bool> has = store_.poll_contains(k);
@@ -362,7 +362,8 @@ std::optional<Failure> ProcessSupervisor::check_heartbeats() {
     if (store_.out()) return std::nullopt;  // went out meanwhile: the next check resets the timers
     Result<bool> has = store_.poll_contains(store_.key(fmt::format("hb/{}", slot)));
     if (has.ok() && has.value()) {
-      Result<std::string> v = store_.poll_get(store_.key(fmt::format("hb/{}", slot)), std::chrono::milliseconds(100));
+      Result<std::string> v =
+          store_.poll_get(store_.key(fmt::format("hb/{}", slot)), std::chrono::milliseconds(100));
       if (v.ok() && v.value() != p.last_hb) {
         p.last_hb = v.value();
         p.hb_seen = now;
@@ -380,6 +381,5 @@ std::optional<Failure> ProcessSupervisor::check_heartbeats() {
   }
   return f;
 }
-
 
 }  // namespace troupe::training

@@ -16,9 +16,9 @@
 #include <sys/types.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <optional>
@@ -118,7 +118,7 @@ class ProcessSupervisor {
     std::string host;
     bool alive = false;
     std::shared_ptr<LocalWorker> local;  // a one-process run's worker thread (else null)
-    int gpu = -1;  // standalone launcher, GPU workers: the device index it was given
+    int gpu = -1;                        // standalone launcher, GPU workers: the device index it was given
     std::string last_hb;
     Clock::time_point hb_seen;
     // What the trainer wrote into the worker's heartbeat key when it started it: until the

@@ -36,7 +36,8 @@ std::optional<OperatorRequest> OperatorRequests::take(int64_t step) {
   if (!unanswered_ && !store_.out()) {
     const std::string k = store_.key(fmt::format("request/{}", next_));
     Result<bool> has = store_.contains(k);
-    Result<std::string> got = has.ok() && has.value() ? store_.get(k) : Result<std::string>(not_found("none"));
+    Result<std::string> got =
+        has.ok() && has.value() ? store_.get(k) : Result<std::string>(not_found("none"));
     if (got.ok()) {
       const std::string text = std::move(got).value();
       unanswered_ = next_++;

@@ -87,7 +87,8 @@ Result<Trainer::JobStart> Trainer::start_job() {
   int64_t start_step = resume ? resume->step() : resume_snapshot ? resume_snapshot->step : 0;
   if (resume_snapshot != nullptr)
     TROUPE_RETURN_IF_ERROR(trim_metrics(run_dir_ + "/metrics.jsonl", start_step));
-  TROUPE_RETURN_IF_ERROR(ckpt_.open_checkpoint_dir(o_, start_step, resume ? resume->manifest().total_bytes() : 0));
+  TROUPE_RETURN_IF_ERROR(
+      ckpt_.open_checkpoint_dir(o_, start_step, resume ? resume->manifest().total_bytes() : 0));
   // An earlier run's snapshots are not this one's (a restarted driver read them above).
   if (resume_snapshot == nullptr) ckpt_.forget_earlier_snapshots();
   if (one_process_) {
@@ -124,7 +125,7 @@ Result<Trainer::JobStart> Trainer::start_job() {
            {"step", start_step}});
   }
   metrics_.open(run_dir_ + "/metrics.jsonl",
-                        resume || resume_snapshot != nullptr ? std::ios::app : std::ios::trunc);
+                resume || resume_snapshot != nullptr ? std::ios::app : std::ios::trunc);
   if (!metrics_) return io_error("cannot write {}/metrics.jsonl", run_dir_);
 
   const int world = static_cast<int>(tc_.parallel.world());
@@ -186,7 +187,8 @@ Result<Trainer::JobStart> Trainer::start_job() {
       one_process_ ? "one process: the worker is a thread of the Trainer's"
                    : fmt::format("{} workers", world),
       tc_.parallel.dispatch, tc_.parallel.compression ? "bf16" : "off", tc_.model.num_params(),
-      tc_.tokens_per_step(), tc_.train.steps, tc_.train.steps_in_flight, procs_.heartbeat_timeout().count(), run_dir_);
+      tc_.tokens_per_step(), tc_.train.steps, tc_.train.steps_in_flight, procs_.heartbeat_timeout().count(),
+      run_dir_);
   std::fflush(stdout);
   for (int r = 0; r < world; ++r) TROUPE_RETURN_IF_ERROR(procs_.spawn(r, 0));
   int64_t tokens_seen = resume ? resume->manifest().data_position.value("tokens_seen", int64_t{0})

@@ -44,12 +44,12 @@ std::optional<int> StragglerTracker::track(const std::vector<nlohmann::json>& re
     if (streak >= window_ && !flagged_.count(slot)) {
       flagged_.insert(slot);
       log_.event({{"event", "straggler"},
-             {"slot", slot},
-             {"rank", i},
-             {"step", step},
-             {"compute_ms", compute[i]},
-             {"peer_median_ms", median},
-             {"window", window_}});
+                  {"slot", slot},
+                  {"rank", i},
+                  {"step", step},
+                  {"compute_ms", compute[i]},
+                  {"peer_median_ms", median},
+                  {"window", window_}});
       fmt::print(
           "elastic: straggler: slot {} (rank {}) compute {:.0f} ms vs peers' median {:.0f} ms for {} "
           "steps{}\n",
@@ -202,6 +202,5 @@ nlohmann::json data_position_json(const layers::TrainConfig& tc, int64_t step, i
                         {"tokens_seen", tokens_seen},  {"global_batch", tc.global_batch()},
                         {"seq_len", tc.train.seq_len}, {"seed", tc.train.seed}};
 }
-
 
 }  // namespace troupe::training
