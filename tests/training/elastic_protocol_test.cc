@@ -1,13 +1,13 @@
 // tests/training/elastic_protocol_test.cc — the pure parts of the elastic protocol
-// (actors/training/elastic.h) through the Cap'n Proto codec: the plan's snapshot fields,
+// (training/worker/elastic.h) through the Cap'n Proto codec: the plan's snapshot fields,
 // the step command's snapshot order, the step reply's queue, device and snapshot fields;
 // and the Trainer's one channel of operator requests (trainer_requests.h) over a store.
 #include <gtest/gtest.h>
 
-#include "actors/training/control.h"
-#include "actors/training/elastic.h"
-#include "actors/training/messages.h"
-#include "actors/training/trainer_requests.h"
+#include "training/control.h"
+#include "training/worker/elastic.h"
+#include "training/messages.h"
+#include "training/driver/trainer_requests.h"
 #include "comm/rendezvous_store.h"
 
 namespace {
