@@ -4,11 +4,11 @@
 // and the Trainer's one channel of operator requests (trainer_requests.h) over a store.
 #include <gtest/gtest.h>
 
-#include "training/control.h"
-#include "training/worker/elastic.h"
-#include "training/messages.h"
-#include "training/driver/trainer_requests.h"
 #include "comm/rendezvous_store.h"
+#include "training/control.h"
+#include "training/driver/trainer_requests.h"
+#include "training/messages.h"
+#include "training/worker/elastic.h"
 
 namespace {
 
@@ -84,7 +84,10 @@ OperatorRequests requests_of(comm::RendezvousStore& store, bool& out, const std:
       OperatorRequests::Store{
           .key = [](const std::string& rest) { return elastic_key("j", rest); },
           .contains = [&store](const std::string& k) { return store.contains(k); },
-          .get = [&store](const std::string& k) { return store.get(k, comm::deadline_in(std::chrono::seconds(1))); },
+          .get =
+              [&store](const std::string& k) {
+                return store.get(k, comm::deadline_in(std::chrono::seconds(1)));
+              },
           .set = [&store](const std::string& k, const std::string& v) { return store.set(k, v); },
           .out = [&out] { return out; }},
       scale_at);
@@ -125,7 +128,8 @@ TEST(OperatorRequests, OneChannelInOrderEachAnsweredOnce) {
   r.answer({{"event", "scaled"}});  // scripted: answered to nobody
   EXPECT_FALSE(r.take(4).has_value());
   r.send_answer();
-  const std::string malformed = store.get("j/elastic/answer/1", comm::deadline_in(std::chrono::seconds(1))).value();
+  const std::string malformed =
+      store.get("j/elastic/answer/1", comm::deadline_in(std::chrono::seconds(1))).value();
   EXPECT_NE(malformed.find("request_refused"), std::string::npos) << malformed;
   EXPECT_NE(malformed.find("malformed request"), std::string::npos) << malformed;
   EXPECT_FALSE(store.contains("j/elastic/answer/2").value());

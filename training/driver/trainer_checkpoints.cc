@@ -10,9 +10,9 @@
 #include <cstdlib>
 #include <filesystem>
 
-#include "training/role_actors.h"
-#include "training/driver/trainer.h"
 #include "checkpoint/reader.h"
+#include "training/driver/trainer.h"
+#include "training/role_actors.h"
 
 namespace troupe::training {
 

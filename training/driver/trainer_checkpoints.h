@@ -28,14 +28,14 @@
 #include <string>
 #include <vector>
 
-#include "training/checkpointing/checkpointing.h"
-#include "training/control.h"
-#include "training/messages.h"
-#include "training/checkpointing/snapshot_ledger.h"
-#include "training/driver/trainer_status.h"
 #include "checkpoint/snapshot_keeper.h"
 #include "checkpoint/writer.h"
 #include "core/status.h"
+#include "training/checkpointing/checkpointing.h"
+#include "training/checkpointing/snapshot_ledger.h"
+#include "training/control.h"
+#include "training/driver/trainer_status.h"
+#include "training/messages.h"
 #include "training/run_config.h"
 
 namespace troupe::training {

@@ -69,16 +69,6 @@
 #include <set>
 #include <thread>
 
-#include "training/checkpointing/checkpointing.h"
-#include "training/control.h"
-#include "training/worker/elastic.h"
-#include "training/role_actors.h"
-#include "training/driver/run_metrics.h"
-#include "training/checkpointing/snapshot_ledger.h"
-#include "training/driver/trainer.h"
-#include "training/driver/trainer_checkpoints.h"
-#include "training/driver/trainer_procs.h"
-#include "training/driver/trainer_requests.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/snapshot_keeper.h"
@@ -86,6 +76,16 @@
 #include "comm/control/host_addr.h"
 #include "core/exit_status.h"
 #include "core/parallel_layout.h"
+#include "training/checkpointing/checkpointing.h"
+#include "training/checkpointing/snapshot_ledger.h"
+#include "training/control.h"
+#include "training/driver/run_metrics.h"
+#include "training/driver/trainer.h"
+#include "training/driver/trainer_checkpoints.h"
+#include "training/driver/trainer_procs.h"
+#include "training/driver/trainer_requests.h"
+#include "training/role_actors.h"
+#include "training/worker/elastic.h"
 
 extern char** environ;
 

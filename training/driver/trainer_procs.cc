@@ -13,10 +13,10 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "training/worker/elastic.h"
-#include "training/role_actors.h"
-#include "training/driver/trainer.h"
 #include "core/exit_status.h"
+#include "training/driver/trainer.h"
+#include "training/role_actors.h"
+#include "training/worker/elastic.h"
 
 extern char** environ;
 

@@ -26,13 +26,13 @@
 #include <thread>
 #include <vector>
 
-#include "training/worker/elastic.h"
-#include "training/messages.h"
-#include "training/tolerant_store.h"
-#include "training/driver/trainer_status.h"
 #include "comm/rendezvous_store.h"
 #include "core/status.h"
+#include "training/driver/trainer_status.h"
+#include "training/messages.h"
 #include "training/run_config.h"
+#include "training/tolerant_store.h"
+#include "training/worker/elastic.h"
 
 namespace troupe::training {
 

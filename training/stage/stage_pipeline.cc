@@ -10,10 +10,10 @@
 #include <cstdlib>
 #include <stdexcept>
 
-#include "training/stage/stage.h"
 #include "comm/gloo_communicator.h"
 #include "core/check.h"
 #include "core/process_memory.h"
+#include "training/stage/stage.h"
 
 #if TROUPE_HAVE_CUDA
 #include <cuda_runtime.h>

@@ -19,18 +19,18 @@
 #include <mutex>
 #include <thread>
 
-#include "training/checkpointing/checkpointing.h"
-#include "training/control.h"
-#include "training/worker/elastic_faults.h"
-#include "training/role_actors.h"
-#include "training/checkpointing/snapshots.h"
-#include "training/stage/stage.h"
-#include "training/driver/trainer.h"
 #include "checkpoint/snapshot_client.h"
 #include "checkpoint/snapshot_keeper.h"
 #include "comm/control/host_addr.h"
 #include "core/process_memory.h"
 #include "data/token_data.h"
+#include "training/checkpointing/checkpointing.h"
+#include "training/checkpointing/snapshots.h"
+#include "training/control.h"
+#include "training/driver/trainer.h"
+#include "training/role_actors.h"
+#include "training/stage/stage.h"
+#include "training/worker/elastic_faults.h"
 
 namespace troupe::training {
 
