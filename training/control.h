@@ -26,6 +26,9 @@ struct Command {
   int64_t seq = 0;   // 0, 1, 2, ... in the order the driver sends them
   Kind kind = Kind::kStep;
   int64_t step = 0;  // kStep: the 1-based optimizer step to run; kSave: the step just run
+  // What the Trainer orders after the step (SnapshotOrder, messages.h): the worker takes
+  // that snapshot and no other.
+  uint8_t snapshot = 0;
 };
 const char* command_kind_name(Command::Kind k);
 

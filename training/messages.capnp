@@ -33,6 +33,7 @@ struct StepCommand @0xb7e4a2c91d3f5a63 {
   kind @1 :UInt8;         # Command::Kind: 0 step, 1 evaluate, 2 stop, 3 save, 4 snapshot
   step @2 :Int64;         # step: the 1-based optimizer step to run; save: the step just run
   epoch @3 :UInt64;       # the membership epoch it belongs to
+  snapshot @4 :UInt8;     # SnapshotOrder after the step: 0 none, 1 a snapshot, 2 a snapshot for a checkpoint
 }
 
 struct NamedValue @0xb7e4a2c91d3f5a64 {
@@ -144,6 +145,7 @@ struct ElasticPlan @0xb7e4a2c91d3f5a69 {
   snapshotDp @15 :Int64;          # the snapshot's layout dp (its parts' layout)
   snapshotParts @16 :List(PartSource);  # per rank of the snapshot's layout
   snapshotCommitted @17 :Int64 = -1;    # the newest committed snapshot (a rank keeps it)
+  snapshotStart @18 :UInt8;       # SnapshotOrder for a rank whose starting state no snapshot holds
 }
 
 # Where a snapshot's part can be fetched from, and what it is.

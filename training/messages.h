@@ -39,12 +39,24 @@ struct ActorStatus {
   int32_t pid = 0;
 };
 
+// What the Trainer orders after a command's step: its checkpoint coordinator
+// (trainer_checkpoints.cc) is the only judge of whether a snapshot or a checkpoint is due;
+// a worker takes the snapshot a command orders and no other.
+enum class SnapshotOrder : uint8_t {
+  kNone = 0,        // nothing
+  kSnapshot = 1,    // an in-memory snapshot of the state after the step
+  kCheckpoint = 2,  // a snapshot that the step's checkpoint is written from once committed
+};
+
 struct StepCommand {
   static constexpr uint64_t kTypeId = 0x7A1E'0000'0000'0103ull;
   int64_t seq = 0;
   uint8_t kind = 0;  // Command::Kind
   int64_t step = 0;
   uint64_t epoch = 0;
+  // SnapshotOrder after a step (kStep), for a snapshot off the schedule (kSnapshot:
+  // kSnapshot or kCheckpoint) or for the job's last checkpoint (kSave: kCheckpoint).
+  uint8_t snapshot = 0;
 };
 
 struct StepReply {
@@ -167,10 +179,16 @@ struct ElasticPlan {
   // a rank keeping its memory must not overwrite first (-1: none).
   int64_t snapshot_every = 0;
   int64_t snapshot_committed = -1;
+  // The Trainer's order (SnapshotOrder) for a rank whose starting state no snapshot holds
+  // (a fresh start, a checkpoint restore): a snapshot of it before the first step, so a
+  // failure before the first ordered snapshot loses no more than the steps since.
+  uint8_t snapshot_start = 0;
 
-  // The store record and the events' copy (training/worker/elastic.cc).
-  nlohmann::json to_json() const;
-  static Result<ElasticPlan> from_json(const std::string& text);
+  // What events.jsonl shows of the plan (elastic.cc): a rendering for people that
+  // nothing reads back. The plan's one serialisation is its Cap'n Proto message
+  // (encode_elastic_plan below): the store record `<job>/elastic/plan/<epoch>` and the
+  // message to the stage actors carry the same bytes.
+  nlohmann::json event_json() const;
   int rank_of_slot(int slot) const;  // -1: not in the plan
 };
 std::string encode_step_command(const StepCommand& m);

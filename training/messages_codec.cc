@@ -87,6 +87,7 @@ std::string encode_elastic_plan(const ElasticPlan& m) {
   b.setCkptDir(m.ckpt_dir);
   b.setSnapshotStep(m.snapshot_step);
   b.setSnapshotEvery(m.snapshot_every);
+  b.setSnapshotStart(m.snapshot_start);
   b.setSnapshotDp(m.snapshot_dp);
   b.setSnapshotCommitted(m.snapshot_committed);
   auto parts = b.initSnapshotParts(static_cast<unsigned>(m.snapshot_parts.size()));
@@ -117,6 +118,9 @@ Result<ElasticPlan> decode_elastic_plan(std::string_view bytes) {
     m.ckpt_dir = p.getCkptDir();
     m.snapshot_step = p.getSnapshotStep();
     m.snapshot_every = p.getSnapshotEvery();
+    m.snapshot_start = p.getSnapshotStart();
+    if (m.snapshot_start > static_cast<uint8_t>(SnapshotOrder::kCheckpoint))
+      return data_loss("ElasticPlan: unknown snapshot order {} of epoch {}", m.snapshot_start, m.epoch);
     m.snapshot_dp = p.getSnapshotDp();
     m.snapshot_committed = p.getSnapshotCommitted();
     for (auto ps : p.getSnapshotParts()) {
@@ -141,6 +145,7 @@ std::string encode_step_command(const StepCommand& m) {
   b.setKind(m.kind);
   b.setStep(m.step);
   b.setEpoch(m.epoch);
+  b.setSnapshot(m.snapshot);
   return to_flat_bytes(mb);
 }
 
@@ -148,7 +153,9 @@ Result<StepCommand> decode_step_command(std::string_view bytes) {
   return read_flat_message(bytes, "StepCommand", kLimits, [](capnp::MessageReader& r) -> Result<StepCommand> {
     auto c = r.getRoot<::StepCommand>();
     if (c.getKind() > 4) return data_loss("StepCommand: unknown kind {}", c.getKind());
-    return StepCommand{c.getSeq(), c.getKind(), c.getStep(), c.getEpoch()};
+    if (c.getSnapshot() > static_cast<uint8_t>(SnapshotOrder::kCheckpoint))
+      return data_loss("StepCommand: unknown snapshot order {}", c.getSnapshot());
+    return StepCommand{c.getSeq(), c.getKind(), c.getStep(), c.getEpoch(), c.getSnapshot()};
   });
 }
 

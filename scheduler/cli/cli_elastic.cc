@@ -1,5 +1,6 @@
-// scheduler/cli/cli_elastic.cc — `troupe scale|replace|status <run dir>` for elastic
-// train_moe jobs (cli_elastic.h).
+// scheduler/cli/cli_elastic.cc — `troupe scale|replace <job id | run dir>` and `troupe drain`
+// (cli_elastic.h): requests to a job's driver through the job's store, the one channel
+// the Trainer takes operator requests from.
 #include "scheduler/cli/cli_elastic.h"
 
 #include <fmt/format.h>
@@ -8,12 +9,14 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <thread>
 #include <vector>
 
+#include "comm/rendezvous_store.h"
 #include "scheduler/cli/cli.h"
 #include "scheduler/client/local_auth.h"
 #include "scheduler/client/scheduler_store.h"
@@ -24,44 +27,6 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-int64_t now_ms() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
-// Writes `text` to <dir>/<name> through a temporary file and a rename (the launcher never
-// reads half a request).
-bool write_request(const std::string& dir, const std::string& name, const std::string& text) {
-  const std::string tmp = fmt::format("{}/.{}.tmp", dir, name);
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    if (!out) return false;
-    out << text << "\n";
-  }
-  std::error_code ec;
-  fs::rename(tmp, dir + "/" + name, ec);
-  return !ec;
-}
-
-// Waits up to wait_s for an event named in `names` written at or after `since_ms`.
-std::optional<nlohmann::json> wait_event(const std::string& dir, const std::vector<std::string>& names, int64_t since_ms,
-                                         int wait_s) {
-  const auto deadline = Clock::now() + std::chrono::seconds(wait_s);
-  while (Clock::now() < deadline) {
-    std::ifstream in(dir + "/events.jsonl");
-    std::string line;
-    while (std::getline(in, line)) {
-      const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-      if (!j.is_object() || j.value("ts_ms", int64_t{0}) < since_ms) continue;
-      for (const auto& n : names) {
-        if (j.value("event", "") == n) return j;
-      }
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  return std::nullopt;
-}
 
 bool job_finished(const std::string& dir) {
   std::ifstream in(dir + "/events.jsonl");
@@ -93,6 +58,73 @@ Result<std::pair<std::string, ClientSecurity>> connection(const CliConnection& c
   return std::make_pair(addr, sec);
 }
 
+// Sends `req` to the job's driver through the one channel it takes operator requests
+// from (training/driver/trainer_requests.h): the key "<job>/elastic/request/<k>" of the
+// job's store, k the first free number; waits up to wait_s for "<job>/elastic/answer/<k>"
+// and prints it. `ended` (may be empty) says the job is over: no answer will come.
+int send_request(comm::RendezvousStore& store, const std::string& job, const nlohmann::json& req, int wait_s,
+                 const char* cmd, const std::function<std::optional<std::string>()>& ended) {
+  const std::string pre = job + "/elastic/";
+  // The first free request number (the driver takes them in order).
+  int64_t k = 0;
+  while (true) {
+    auto has = store.contains(pre + fmt::format("request/{}", k));
+    if (!has.ok()) {
+      fmt::print(stderr, "troupe {}: job {}: {}\n", cmd, job, has.status().message());
+      return cli_exit_code(has.status());
+    }
+    if (!*has) break;
+    ++k;
+  }
+  Status st = store.set(pre + fmt::format("request/{}", k), req.dump());
+  if (!st.ok()) {
+    fmt::print(stderr, "troupe {}: {}\n", cmd, st.message());
+    return 1;
+  }
+  if (wait_s <= 0) return 0;
+  const auto deadline = Clock::now() + std::chrono::seconds(wait_s);
+  Result<std::string> ans = unavailable("no answer yet");
+  while (true) {
+    // In slices, so a job that ended without answering is noticed.
+    ans = store.get(pre + fmt::format("answer/{}", k),
+                    std::min(deadline, Clock::now() + std::chrono::milliseconds(500)));
+    if (ans.ok() || Clock::now() >= deadline) break;
+    if (ended) {
+      if (std::optional<std::string> why = ended()) {
+        fmt::print(stderr, "troupe {}: the job ended before answering: {}\n", cmd, *why);
+        return 1;
+      }
+    }
+  }
+  if (!ans.ok()) {
+    fmt::print(stderr,
+               "troupe {}: no answer from the job's driver within {} s (the request stays queued): {}\n", cmd,
+               wait_s, ans.status().message());
+    return 1;
+  }
+  const nlohmann::json a = nlohmann::json::parse(*ans, nullptr, false);
+  const std::string ev = a.is_object() ? a.value("event", "") : "";
+  if (ev == "scaled") {
+    fmt::print("scaled dp {} -> {} (grad_accum {}) after step {} in {} ms\n", a["from_dp"].get<int>(),
+               a["to_dp"].get<int>(), a["grad_accum"].get<int>(), a["after_step"].get<int64_t>(), a["ms"].get<int64_t>());
+    return 0;
+  }
+  if (ev == "replaced") {
+    fmt::print("replaced worker slot {} after step {} in {} ms (epoch {}), steps lost {}\n",
+               a["slot"].get<int>(), a["after_step"].get<int64_t>(), a["ms"].get<int64_t>(),
+               a["epoch"].get<int64_t>(), a.value("steps_lost", int64_t{0}));
+    return 0;
+  }
+  if (ev == "scale_unchanged") {
+    fmt::print("dp is already {}\n", a["dp"].get<int>());
+    return 0;
+  }
+  fmt::print(stderr, "troupe {}: refused: {}\n", cmd, *ans);
+  return 1;
+}
+
+// A request to scheduler job `job`, through the job's store at the scheduler (epoch 0: an
+// elastic job never restarts its workers).
 int store_request(const CliConnection& c, const std::string& job, const nlohmann::json& req, int wait_s,
                   const char* cmd) {
   auto conn = connection(c);
@@ -105,48 +137,65 @@ int store_request(const CliConnection& c, const std::string& job, const nlohmann
     fmt::print(stderr, "troupe {}: {}\n", cmd, store.status().message());
     return cli_exit_code(store.status());
   }
-  const std::string pre = job + "/elastic/";
-  // The first free request number (the driver takes them in order).
-  int64_t k = 0;
-  while (true) {
-    auto has = (*store)->contains(pre + fmt::format("request/{}", k));
-    if (!has.ok()) {
-      fmt::print(stderr, "troupe {}: job {}: {}\n", cmd, job, has.status().message());
-      return cli_exit_code(has.status());
+  return send_request(**store, job, req, wait_s, cmd, {});
+}
+
+// A request to the standalone launcher's job in `run_dir`, through its store (a FileStore
+// in <run dir>/rendezvous); the job's id is in its job_started event.
+int run_dir_request(const std::string& run_dir, const nlohmann::json& req, int wait_s, const char* cmd) {
+  if (!is_elastic_run_dir(run_dir)) {
+    fmt::print(
+        stderr,
+        "troupe {}: {} is not the run directory of a training job (no events.jsonl and status.json of its "
+        "Trainer)\n",
+        cmd, run_dir);
+    return 2;
+  }
+  if (job_finished(run_dir)) {
+    fmt::print(stderr, "troupe {}: the job in {} has finished\n", cmd, run_dir);
+    return 1;
+  }
+  nlohmann::json started;
+  {
+    std::ifstream in(run_dir + "/events.jsonl");
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.find("\"job_started\"") == std::string::npos) continue;
+      const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_object() && j.value("event", "") == "job_started") started = j;
     }
-    if (!*has) break;
-    ++k;
   }
-  Status st = (*store)->set(pre + fmt::format("request/{}", k), req.dump());
-  if (!st.ok()) {
-    fmt::print(stderr, "troupe {}: {}\n", cmd, st.message());
+  if (!started.is_object() || !started.contains("job")) {
+    fmt::print(stderr, "troupe {}: the job in {} has not started yet (no job_started in its events.jsonl)\n",
+               cmd, run_dir);
     return 1;
   }
-  if (wait_s <= 0) return 0;
-  auto ans = (*store)->get(pre + fmt::format("answer/{}", k), Clock::now() + std::chrono::seconds(wait_s));
-  if (!ans.ok()) {
-    fmt::print(stderr, "troupe {}: no answer from the job's driver within {} s ({})\n", cmd, wait_s,
-               ans.status().message());
+  if (started.value("one_process", false)) {
+    fmt::print(stderr,
+               "troupe {}: the job in {} runs in one process (its worker is a thread of the Trainer), which "
+               "cannot be rescaled or have its worker replaced; run it with elastic.isolate_workers = true\n",
+               cmd, run_dir);
     return 1;
   }
-  const nlohmann::json a = nlohmann::json::parse(*ans, nullptr, false);
-  const std::string ev = a.is_object() ? a.value("event", "") : "";
-  if (ev == "scaled") {
-    fmt::print("scaled dp {} -> {} (grad_accum {}) after step {} in {} ms\n", a["from_dp"].get<int>(),
-               a["to_dp"].get<int>(), a["grad_accum"].get<int>(), a["after_step"].get<int64_t>(), a["ms"].get<int64_t>());
-    return 0;
+  auto store = comm::FileStore::open(run_dir + "/rendezvous");
+  if (!store.ok()) {
+    fmt::print(stderr, "troupe {}: {}\n", cmd, store.status().message());
+    return 1;
   }
-  if (ev == "replaced") {
-    fmt::print("replaced worker slot {} after step {} in {} ms (epoch {})\n", a["slot"].get<int>(),
-               a["after_step"].get<int64_t>(), a["ms"].get<int64_t>(), a["epoch"].get<int64_t>());
-    return 0;
-  }
-  if (ev == "scale_unchanged") {
-    fmt::print("dp is already {}\n", a["dp"].get<int>());
-    return 0;
-  }
-  fmt::print(stderr, "troupe {}: refused: {}\n", cmd, *ans);
-  return 1;
+  const auto ended = [&]() -> std::optional<std::string> {
+    std::ifstream in(run_dir + "/events.jsonl");
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.find("\"job_failed\"") == std::string::npos &&
+          line.find("\"job_finished\"") == std::string::npos)
+        continue;
+      const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_object() && j.value("ts_ms", int64_t{0}) >= started.value("ts_ms", int64_t{0}))
+        return j.value("error", "finished");
+    }
+    return std::nullopt;
+  };
+  return send_request(**store, started["job"].get<std::string>(), req, wait_s, cmd, ended);
 }
 
 }  // namespace
@@ -157,83 +206,16 @@ bool is_elastic_run_dir(const std::string& path) {
          (fs::exists(path + "/status.json", ec) || fs::is_directory(path + "/rendezvous", ec));
 }
 
-int cli_elastic_scale(const CliConnection& c, const std::string& run_dir, int dp, int wait_s) {
-  if (!std::filesystem::is_directory(run_dir)) {
-    return store_request(c, run_dir, nlohmann::json{{"op", "scale"}, {"dp", dp}}, wait_s, "scale");
-  }
-  if (!is_elastic_run_dir(run_dir)) {
-    fmt::print(stderr,
-               "troupe scale: {} is not the run directory of a training job (no events.jsonl and status.json "
-               "of its Trainer)\n",
-               run_dir);
-    return 2;
-  }
-  if (job_finished(run_dir)) {
-    fmt::print(stderr, "troupe scale: the job in {} has finished\n", run_dir);
-    return 1;
-  }
-  const int64_t t0 = now_ms();
-  if (!write_request(run_dir, "scale_request", std::to_string(dp))) {
-    fmt::print(stderr, "troupe scale: cannot write {}/scale_request\n", run_dir);
-    return 1;
-  }
-  if (wait_s <= 0) return 0;
-  const auto ev = wait_event(run_dir, {"scaled", "scale_refused", "job_failed", "job_finished"}, t0, wait_s);
-  if (!ev) {
-    fmt::print(stderr, "troupe scale: no answer from the job within {} s (the request stays queued)\n", wait_s);
-    return 1;
-  }
-  if ((*ev)["event"] == "job_failed" || (*ev)["event"] == "job_finished") {
-    fmt::print(stderr, "troupe scale: the job ended before answering: {}\n", ev->value("error", "finished"));
-    return 1;
-  }
-  if ((*ev)["event"] == "scale_refused") {
-    fmt::print(stderr, "troupe scale: refused: {}\n", ev->dump());
-    return 1;
-  }
-  fmt::print("scaled dp {} -> {} (grad_accum {}) after step {} in {} ms\n", (*ev)["from_dp"].get<int>(),
-             (*ev)["to_dp"].get<int>(), (*ev)["grad_accum"].get<int>(), (*ev)["after_step"].get<int64_t>(),
-             (*ev)["ms"].get<int64_t>());
-  return 0;
+int cli_elastic_scale(const CliConnection& c, const std::string& target, int dp, int wait_s) {
+  const nlohmann::json req{{"op", "scale"}, {"dp", dp}};
+  if (std::filesystem::is_directory(target)) return run_dir_request(target, req, wait_s, "scale");
+  return store_request(c, target, req, wait_s, "scale");
 }
 
-int cli_elastic_replace(const CliConnection& c, const std::string& run_dir, int slot, int wait_s) {
-  if (!std::filesystem::is_directory(run_dir)) {
-    return store_request(c, run_dir, nlohmann::json{{"op", "replace"}, {"slot", slot}}, wait_s, "replace");
-  }
-  if (!is_elastic_run_dir(run_dir)) {
-    fmt::print(stderr,
-               "troupe replace: {} is not the run directory of a training job (no events.jsonl and "
-               "status.json of its Trainer)\n",
-               run_dir);
-    return 2;
-  }
-  if (job_finished(run_dir)) {
-    fmt::print(stderr, "troupe replace: the job in {} has finished\n", run_dir);
-    return 1;
-  }
-  const int64_t t0 = now_ms();
-  if (!write_request(run_dir, "replace_request", std::to_string(slot))) {
-    fmt::print(stderr, "troupe replace: cannot write {}/replace_request\n", run_dir);
-    return 1;
-  }
-  if (wait_s <= 0) return 0;
-  const auto ev = wait_event(run_dir, {"recovered", "replace_refused", "job_failed", "job_finished"}, t0, wait_s);
-  if (!ev) {
-    fmt::print(stderr, "troupe replace: no answer from the job within {} s (the request stays queued)\n", wait_s);
-    return 1;
-  }
-  if ((*ev)["event"] == "job_failed" || (*ev)["event"] == "job_finished") {
-    fmt::print(stderr, "troupe replace: the job ended before answering: {}\n", ev->value("error", "finished"));
-    return 1;
-  }
-  if ((*ev)["event"] == "replace_refused") {
-    fmt::print(stderr, "troupe replace: refused: {}\n", ev->value("why", ""));
-    return 1;
-  }
-  fmt::print("replaced worker slot {}: step {} completed {:.2f} s later, steps lost {}\n", slot,
-             (*ev)["step"].get<int64_t>(), (*ev)["recovery_s"].get<double>(), (*ev)["steps_lost"].get<int64_t>());
-  return 0;
+int cli_elastic_replace(const CliConnection& c, const std::string& target, int slot, int wait_s) {
+  const nlohmann::json req{{"op", "replace"}, {"slot", slot}};
+  if (std::filesystem::is_directory(target)) return run_dir_request(target, req, wait_s, "replace");
+  return store_request(c, target, req, wait_s, "replace");
 }
 
 int cli_elastic_drain(const CliConnection& c, const std::string& agent, int wait_s) {

@@ -4,10 +4,10 @@
 //   troupe replace <run dir> <slot>   replace one worker (restored from a dp peer)
 //   troupe status <run dir>           the job's workers, epoch, dp, recoveries, stragglers
 //   troupe drain <agent>              move the workers of driver-supervised jobs off that agent
-// Requests are files the launcher polls at step boundaries (<run dir>/scale_request,
-// replace_request); the commands wait (bounded) for the launcher's answer in events.jsonl.
-// For a troupe-scheduler job (its driver supervises its workers) the requests are store keys of the job
-// ("<job>/elastic/request/<k>", answered at "answer/<k>").
+// Requests go where the Trainer takes every operator request from: the key
+// "<job>/elastic/request/<k>" of the job's store (the launcher's FileStore in
+// <run dir>/rendezvous, or the scheduler's); the commands wait (bounded) for the driver's
+// answer at "<job>/elastic/answer/<k>".
 #pragma once
 
 #include <nlohmann/json.hpp>

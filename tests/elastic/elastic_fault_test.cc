@@ -9,7 +9,7 @@
 //   snapshot part (skipped for the snapshot before it; every one damaged: the checkpoint),
 //   a killed worker of an n=4 job under `troupe run` and of a pp=2 dp=2 job (losses
 //   bitwise those of the fault-free run), a full disk during a checkpoint write,
-//   a rescale dp=2 -> dp=1 -> dp=2 asked through <run dir>/scale_request, and a
+//   a rescale dp=2 -> dp=1 -> dp=2 asked through elastic.scale_at, and a
 //   persistent straggler (150 ms slower every step) flagged from its step timings and
 //   replaced by policy; the same protocol under `troupe run --elastic` (the scheduler
 //   places, kills and reports the workers; no --elastic flag: the driver claims the
@@ -300,7 +300,7 @@ TEST_F(ElasticFault, LostWorkerWithoutSpareShrinksDp) {
 }
 
 TEST_F(ElasticFault, ScaleDp2To1To2) {
-  // dp 2 -> 1 after step 2, back to 2 after step 5 (requests through <run dir>/scale_request).
+  // dp 2 -> 1 after step 2, back to 2 after step 5 (scripted requests: elastic.scale_at).
   const fs::path dir = *root_ / "scale";
   const RunResult r = run_case("scale", "", {"elastic.scale_at=\"2:1,5:2\""});
   expect_clean_finish(r);

@@ -1,8 +1,12 @@
 // tests/training/elastic_protocol_test.cc — the pure parts of the elastic protocol
 // (training/worker/elastic.h) through the Cap'n Proto codec: the plan's snapshot fields,
-// the step reply's queue, device and snapshot fields.
+// the step command's snapshot order, the step reply's queue, device and snapshot fields;
+// and the Trainer's one channel of operator requests (trainer_requests.h) over a store.
 #include <gtest/gtest.h>
 
+#include "comm/rendezvous_store.h"
+#include "training/control.h"
+#include "training/driver/trainer_requests.h"
 #include "training/messages.h"
 #include "training/worker/elastic.h"
 
@@ -39,6 +43,102 @@ TEST(ElasticPlanCodec, SnapshotFieldsRoundTrip) {
   ASSERT_TRUE(none.ok());
   EXPECT_EQ(none->snapshot_step, -1);
   EXPECT_EQ(none->snapshot_committed, -1);
+}
+
+TEST(ElasticPlanCodec, IsTheStoreRecordAndRefusesGarbage) {
+  ElasticPlan p;
+  p.slots = {0};
+  p.has_state = {false};
+  p.snapshot_start = static_cast<uint8_t>(SnapshotOrder::kCheckpoint);
+  const Result<ElasticPlan> d = decode_elastic_plan(encode_elastic_plan(p));
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_EQ(d->snapshot_start, static_cast<uint8_t>(SnapshotOrder::kCheckpoint));
+  // What an older driver wrote as the store record (JSON) is not a plan: a clear error.
+  const Result<ElasticPlan> text = decode_elastic_plan(R"({"epoch": 1, "dp": 1})");
+  ASSERT_FALSE(text.ok());
+  EXPECT_NE(text.status().to_string().find("ElasticPlan"), std::string::npos) << text.status().to_string();
+  // A plan with an order no worker knows.
+  p.snapshot_start = 9;
+  const Result<ElasticPlan> bad = decode_elastic_plan(encode_elastic_plan(p));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().to_string().find("snapshot order"), std::string::npos) << bad.status().to_string();
+}
+
+TEST(StepCommandCodec, CarriesTheDriversSnapshotOrder) {
+  for (const SnapshotOrder o : {SnapshotOrder::kNone, SnapshotOrder::kSnapshot, SnapshotOrder::kCheckpoint}) {
+    const StepCommand c{7, static_cast<uint8_t>(Command::Kind::kStep), 12, 3, static_cast<uint8_t>(o)};
+    const Result<StepCommand> d = decode_step_command(encode_step_command(c));
+    ASSERT_TRUE(d.ok()) << d.status().to_string();
+    EXPECT_EQ(d->seq, 7);
+    EXPECT_EQ(d->step, 12);
+    EXPECT_EQ(d->snapshot, static_cast<uint8_t>(o));
+  }
+  const Result<StepCommand> bad = decode_step_command(encode_step_command(StepCommand{0, 0, 1, 0, 3}));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().to_string().find("snapshot order 3"), std::string::npos) << bad.status().to_string();
+}
+
+// The requests of `store` under job "j", as the Trainer polls them.
+OperatorRequests requests_of(comm::RendezvousStore& store, bool& out, const std::string& scale_at) {
+  return OperatorRequests(
+      OperatorRequests::Store{
+          .key = [](const std::string& rest) { return elastic_key("j", rest); },
+          .contains = [&store](const std::string& k) { return store.contains(k); },
+          .get =
+              [&store](const std::string& k) {
+                return store.get(k, comm::deadline_in(std::chrono::seconds(1)));
+              },
+          .set = [&store](const std::string& k, const std::string& v) { return store.set(k, v); },
+          .out = [&out] { return out; }},
+      scale_at);
+}
+
+TEST(OperatorRequests, OneChannelInOrderEachAnsweredOnce) {
+  comm::MemoryStore store;
+  bool out = false;
+  OperatorRequests r = requests_of(store, out, "4:1");
+  EXPECT_FALSE(r.waiting(3));
+  EXPECT_TRUE(r.waiting(4));  // scripted (elastic.scale_at)
+  EXPECT_TRUE(r.scripted_after(4));
+  ASSERT_TRUE(store.set("j/elastic/request/0", R"({"op": "replace", "slot": 2, "avoid": "node1"})").ok());
+  ASSERT_TRUE(store.set("j/elastic/request/1", "not json").ok());
+  EXPECT_TRUE(r.waiting(3));
+  // The store's first request, then (this boundary's) nothing more: its answer is not sent.
+  std::optional<OperatorRequest> q = r.take(3);
+  ASSERT_TRUE(q.has_value());
+  EXPECT_EQ(q->op, OperatorRequest::Op::kReplace);
+  EXPECT_EQ(q->text, "2");
+  EXPECT_EQ(q->avoid, "node1");
+  r.answer({{"event", "replaced"}, {"slot", 2}});
+  EXPECT_FALSE(r.take(3).has_value());
+  // While the store is out the answer waits for the next boundary.
+  out = true;
+  r.send_answer();
+  EXPECT_FALSE(store.contains("j/elastic/answer/0").value());
+  out = false;
+  r.send_answer();
+  EXPECT_EQ(store.get("j/elastic/answer/0", comm::deadline_in(std::chrono::seconds(1))).value(),
+            R"({"event":"replaced","slot":2})");
+  // A malformed request is answered as such; the scripted request of the boundary still
+  // comes, once.
+  q = r.take(4);
+  ASSERT_TRUE(q.has_value());
+  EXPECT_EQ(q->op, OperatorRequest::Op::kScale);
+  EXPECT_EQ(q->text, "1");
+  r.answer({{"event", "scaled"}});  // scripted: answered to nobody
+  EXPECT_FALSE(r.take(4).has_value());
+  r.send_answer();
+  const std::string malformed =
+      store.get("j/elastic/answer/1", comm::deadline_in(std::chrono::seconds(1))).value();
+  EXPECT_NE(malformed.find("request_refused"), std::string::npos) << malformed;
+  EXPECT_NE(malformed.find("malformed request"), std::string::npos) << malformed;
+  EXPECT_FALSE(store.contains("j/elastic/answer/2").value());
+  // The next request number.
+  ASSERT_TRUE(store.set("j/elastic/request/2", R"({"op": "scale", "dp": 3})").ok());
+  q = r.take(5);
+  ASSERT_TRUE(q.has_value());
+  EXPECT_EQ(q->op, OperatorRequest::Op::kScale);
+  EXPECT_EQ(q->text, "3");
 }
 
 TEST(StepReplyCodec, QueueAndDeviceFieldsRoundTrip) {

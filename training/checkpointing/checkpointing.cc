@@ -183,6 +183,4 @@ Status trim_metrics(const std::string& path, int64_t last_step) {
   return ok_status();
 }
 
-bool checkpoint_due(int64_t every, int64_t step, bool last) { return every > 0 && (step % every == 0 || last); }
-
 }  // namespace troupe::training

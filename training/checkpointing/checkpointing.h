@@ -71,8 +71,4 @@ FailedSave clean_failed_save(const std::string& dir, int64_t step, uint64_t need
 // nullopt.
 std::optional<std::pair<int64_t, std::string>> newest_committed_checkpoint(const std::string& dir);
 
-// True when a run with checkpoint.every = `every` saves after `step` (`last`: the run's
-// final step, including a stop on the time limit).
-bool checkpoint_due(int64_t every, int64_t step, bool last);
-
 }  // namespace troupe::training

@@ -126,9 +126,7 @@ bool Snapshotter::free_locked(int g) const {
   return landing_ != g && !gen_on_disk_[g] && !gen_uncommitted_[g] && g != committed_gen_;
 }
 
-void Snapshotter::after_step(int64_t step, SnapshotDue due, StepReply& reply) {
-  const bool ckpt = due == SnapshotDue::kCheckpoint || (o_.ckpt_every > 0 && step % o_.ckpt_every == 0);
-  if (due == SnapshotDue::kSchedule && !ckpt && !(o_.every > 0 && step % o_.every == 0)) return;
+void Snapshotter::after_step(int64_t step, bool ckpt, StepReply& reply) {
   const auto t0 = Clock::now();
   int gen = -1;
   {

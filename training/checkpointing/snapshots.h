@@ -2,12 +2,12 @@
 // worker's side of docs/elastic.md "Snapshots"), and restore_snapshot, a rank's way back
 // to one.
 //
-// Every K steps (elastic.snapshot_every) and at each checkpoint step, right after the
-// step, the rank's state (Stage::snapshot_tensors: parameters, optimizer moments, router
-// biases; with its rank state: step, data position, RNG seed) is copied into one of the
-// two generation segments its node's keeper handed it (checkpoint/snapshot_keeper.h) —
-// on a GPU device -> pinned host on a side stream, on the CPU by a copier thread — while
-// the next step runs. The snapshot thread then checksums every slice, seals the part
+// On the Trainer's order (the command's SnapshotOrder: every elastic.snapshot_every steps
+// and at each checkpoint step, or off the schedule), right after the step, the rank's state
+// (Stage::snapshot_tensors: parameters, optimizer moments, router biases; with its rank state: step, data
+// position, RNG seed) is copied into one of the two generation segments its node's keeper handed it
+// (checkpoint/snapshot_keeper.h) — on a GPU device -> pinned host on a side stream, on the CPU by a copier
+// thread — while the next step runs. The snapshot thread then checksums every slice, seals the part
 // (checkpoint/snapshot_segment.h), tells the keeper and the Trainer (SnapshotLanded).
 // Once every rank's part landed the Trainer commits the snapshot (SnapshotCommitted, the
 // second phase): the keeper copies the part to its node's copy target, and at a
@@ -43,17 +43,10 @@
 
 namespace troupe::training {
 
-// Why a snapshot is taken after a step: the every-K schedule (or a checkpoint step of
-// checkpoint.every), now (a planned membership change), or for a checkpoint off the
-// schedule (the job's last step).
-enum class SnapshotDue { kSchedule, kNow, kCheckpoint };
-
 struct SnapshotterOptions {
   std::string job;
   int rank = 0, slot = 0;
   uint64_t epoch = 0;
-  int64_t every = 0;       // elastic.snapshot_every (0: only checkpoint steps)
-  int64_t ckpt_every = 0;  // checkpoint.every: those steps are snapshotted too
   std::string ckpt_dir;
   uint64_t ckpt_bytes_per_s = 0;  // checkpoint.max_mb_per_s
   // The snapshot the rank restored (or -1): committed, so it is never overwritten first.
@@ -75,10 +68,11 @@ class Snapshotter {
   Snapshotter(const Snapshotter&) = delete;
   Snapshotter& operator=(const Snapshotter&) = delete;
 
-  // After step `step` completed on this rank (right after Stage::run_step): starts its
-  // snapshot when `due` says so. Notes snapshot, snapshot_ms and snapshot_wait_ms (or an
-  // error) in `reply`.
-  void after_step(int64_t step, SnapshotDue due, StepReply& reply);
+  // After step `step` completed on this rank (right after Stage::run_step), on the
+  // Trainer's order: starts its snapshot; `checkpoint`: the step's checkpoint will be
+  // written from it once committed. Notes snapshot, snapshot_ms and snapshot_wait_ms (or
+  // an error) in `reply`.
+  void after_step(int64_t step, bool checkpoint, StepReply& reply);
   // The Trainer committed the snapshot of c.step (any thread).
   void on_commit(const SnapshotCommitted& c);
   // Notes what finished since the last call: checkpoint parts now durable (durable), their

@@ -4,6 +4,9 @@
 // kernels::embedding_forward over i32 row indices; host code gathers with memcpy); only the
 // per-expert counts (a2a) or the gathered routing (all-gather) reach the host, once per
 // MoE block.
+// Why one file of ~670 lines: the three dispatch paths (all-to-all, device-driven peer
+// all-to-all, all-gather) share the per-block dispatch state types and row helpers defined
+// privately at its top, and each path's forward sits next to its backward.
 #include "training/moe/expert_group.h"
 
 #include <chrono>

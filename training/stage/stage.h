@@ -238,7 +238,7 @@ class Stage {
   // reading or writing parameter values outside run_step).
   void settle();
   void synchronize() const;  // waits for ctx_'s stream (no-op on the CPU)
-  // ---- step engine (stage.cc) ----
+  // ---- step engine (stage_step.cc) ----
   struct HostBatch;  // a step's micro-batches as the loader gives them
   // A launched step until its finish_step.
   struct Launched {

@@ -1,0 +1,148 @@
+// training/worker/elastic_faults.cc — elastic.inject: parsing the fault specs and the
+// hook that fires them at the comm layer's fault points (elastic_faults.h).
+#include "training/worker/elastic_faults.h"
+
+#include <fmt/format.h>
+#include <signal.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+namespace troupe::training {
+
+Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
+  std::vector<FaultSpec> out;
+  size_t pos = 0;
+  while (pos < spec.size()) {
+    size_t comma = spec.find(',', pos);
+    if (comma == std::string::npos) comma = spec.size();
+    const std::string item = spec.substr(pos, comma - pos);
+    pos = comma + 1;
+    if (item.empty()) continue;
+    FaultSpec f;
+    const size_t at = item.find('@'), c1 = item.find(':'), c2 = item.rfind(':');
+    if (at == std::string::npos || c1 == std::string::npos || c2 == c1 || c1 < at) {
+      return invalid_argument("elastic.inject: '{}' is not <kill|stop>@<step>:<phase>:<slot>", item);
+    }
+    const std::string action = item.substr(0, at);
+    if (action == "kill") {
+      f.action = FaultSpec::Action::kKill;
+    } else if (action == "stop") {
+      f.action = FaultSpec::Action::kStop;
+    } else if (action == "slow") {
+      f.action = FaultSpec::Action::kSlow;
+    } else if (action == "cut") {
+      f.action = FaultSpec::Action::kCut;
+    } else if (action == "hang") {
+      f.action = FaultSpec::Action::kHang;
+    } else if (action == "cutctl") {
+      f.action = FaultSpec::Action::kCutControl;
+    } else if (action == "corrupt") {
+      f.action = FaultSpec::Action::kCorrupt;
+    } else {
+      return invalid_argument(
+          "elastic.inject: unknown action '{}' (kill, stop, slow, cut, hang, cutctl or corrupt)", action);
+    }
+    f.phase = item.substr(c1 + 1, c2 - c1 - 1);
+    if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
+        f.phase != "snapshot" && f.phase != "any" && f.phase != "start") {
+      return invalid_argument(
+          "elastic.inject: unknown phase '{}' (forward, alltoall, sync, snapshot, checkpoint, any, start)",
+          f.phase);
+    }
+    char* end = nullptr;
+    const std::string step_s = item.substr(at + 1, c1 - at - 1), slot_s = item.substr(c2 + 1);
+    f.step = std::strtoll(step_s.c_str(), &end, 10);
+    const bool start = f.phase == "start";
+    if (step_s.empty() || *end != '\0' || (start ? f.step != 0 : f.step < 1))
+      return invalid_argument("elastic.inject: bad step in '{}' (phase start: step 0, else >= 1)", item);
+    if (start && f.action != FaultSpec::Action::kSlow)
+      return invalid_argument("elastic.inject: '{}': phase start takes only slow (slow@0:start:<slot>)",
+                              item);
+    f.slot = static_cast<int>(std::strtol(slot_s.c_str(), &end, 10));
+    if (slot_s.empty() || *end != '\0' || f.slot < 0)
+      return invalid_argument("elastic.inject: bad slot in '{}'", item);
+    out.push_back(f);
+  }
+  return out;
+}
+
+FaultState* g_faults = nullptr;
+
+namespace {
+
+bool phase_matches(const std::string& phase, std::string_view what) {
+  if (phase == "any") return true;
+  if (phase == "forward") return what.rfind("ulysses seq->head", 0) == 0;
+  if (phase == "alltoall") return what.rfind("expert dispatch", 0) == 0;
+  if (phase == "sync") return what.rfind("grads", 0) == 0 || what.rfind("bf16 grads", 0) == 0;
+  if (phase == "checkpoint") return what.rfind("checkpoint write", 0) == 0;
+  if (phase == "snapshot") return what.rfind("snapshot of step", 0) == 0;
+  return false;
+}
+
+}  // namespace
+
+void fault_hook(std::string_view what) {
+  FaultState* fs = g_faults;
+  if (fs == nullptr) return;
+  for (size_t i = 0; i < fs->specs.size(); ++i) {
+    const FaultSpec& f = fs->specs[i];
+    if (f.action == FaultSpec::Action::kSlow) {
+      const int64_t step = fs->step.load();
+      if (f.slot == fs->slot && step >= f.step && fs->slowed_step[i] != step &&
+          phase_matches(f.phase, what)) {
+        fs->slowed_step[i] = step;
+        std::this_thread::sleep_for(std::chrono::milliseconds(150));
+      }
+      continue;
+    }
+    // A checkpoint is written by the snapshot's writer thread while later steps run, and a
+    // snapshot's point is met after the next step may have been launched ahead: both points
+    // name their own step.
+    int64_t at = fs->step.load();
+    for (const std::string_view own :
+         {std::string_view("checkpoint write of step "), std::string_view("snapshot of step ")}) {
+      if (what.rfind(own, 0) == 0)
+        at = std::strtoll(std::string(what.substr(own.size())).c_str(), nullptr, 10);
+    }
+    if (fs->fired[i] || f.slot != fs->slot || f.step != at || !phase_matches(f.phase, what)) continue;
+    fs->fired[i] = true;
+    (void)fs->store->set(
+        elastic_key(fs->job, fmt::format("fault/{}", fs->slot)),
+        nlohmann::json{{"ts_ms", wall_ms()}, {"what", std::string(what)}, {"step", f.step}}.dump());
+    const char* name = f.action == FaultSpec::Action::kKill      ? "SIGKILL"
+                       : f.action == FaultSpec::Action::kStop    ? "SIGSTOP"
+                       : f.action == FaultSpec::Action::kCut     ? "a data-plane cut"
+                       : f.action == FaultSpec::Action::kHang    ? "a hang"
+                       : f.action == FaultSpec::Action::kCorrupt ? "a damaged snapshot part"
+                                                                 : "a control-connection cut";
+    fmt::print(stderr, "elastic: slot {} injects {} at step {} during '{}'\n", fs->slot, name, f.step, what);
+    std::fflush(stderr);
+    switch (f.action) {
+      case FaultSpec::Action::kKill:
+        raise(SIGKILL);
+        break;
+      case FaultSpec::Action::kStop:
+        raise(SIGSTOP);
+        break;
+      case FaultSpec::Action::kCut:
+        if (fs->cut) fs->cut();
+        break;
+      case FaultSpec::Action::kCutControl:
+        if (fs->cut_control) fs->cut_control();
+        break;
+      case FaultSpec::Action::kCorrupt:
+        if (fs->corrupt) fs->corrupt();
+        break;
+      case FaultSpec::Action::kHang:
+        while (true) std::this_thread::sleep_for(std::chrono::seconds(1));  // until killed
+      case FaultSpec::Action::kSlow:
+        break;
+    }
+  }
+}
+}  // namespace troupe::training
