@@ -14,6 +14,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/env.h"
+#include "core/job_env.h"
 #include "scheduler/cli.h"
 #include "scheduler/local_auth.h"
 #include "scheduler/scheduler_store.h"
@@ -74,28 +76,9 @@ bool job_finished(const std::string& dir) {
 
 // Sends `req` to the driver of scheduler job `job` through the job's store (epoch 0: an
 // elastic job never restarts its workers) and prints its answer.
-// The scheduler's address and this client's security, as the other commands take them.
-Result<std::pair<std::string, ClientSecurity>> connection(const CliConnection& c) {
-  std::string addr = c.scheduler;
-  if (addr.empty()) {
-    const char* env = std::getenv("TROUPE_SCHEDULER");
-    addr = env && *env ? env : kDefaultSchedulerAddress;
-  }
-  ClientSecurity sec;
-  if (!c.scheduler_key.empty()) {
-    TROUPE_ASSIGN_OR_RETURN(auto server, read_key_file(c.scheduler_key));
-    TROUPE_ASSIGN_OR_RETURN(auto mine, read_key_file(c.curve_key));
-    sec.server_public_key = server.public_key;
-    sec.client_keys = mine;
-  } else if (auto ep = normalize_endpoint(addr); ep.ok() && is_local_endpoint(*ep)) {
-    TROUPE_ASSIGN_OR_RETURN(sec, local_client_security());  // local authentication (local_auth.h)
-  }
-  return std::make_pair(addr, sec);
-}
-
 int store_request(const CliConnection& c, const std::string& job, const nlohmann::json& req, int wait_s,
                   const char* cmd) {
-  auto conn = connection(c);
+  auto conn = client_connection(c);
   if (!conn.ok()) {
     fmt::print(stderr, "troupe {}: {}\n", cmd, conn.status().message());
     return cli_exit_code(conn.status());
@@ -237,7 +220,7 @@ int cli_elastic_replace(const CliConnection& c, const std::string& run_dir, int 
 }
 
 int cli_elastic_drain(const CliConnection& c, const std::string& agent, int wait_s) {
-  auto conn = connection(c);
+  auto conn = client_connection(c);
   if (!conn.ok()) {
     fmt::print(stderr, "troupe drain: {}\n", conn.status().message());
     return cli_exit_code(conn.status());
@@ -371,7 +354,7 @@ int cli_elastic_status(const std::string& run_dir, bool json, bool actors) {
 }
 
 std::optional<nlohmann::json> elastic_job_status(const CliConnection& c, const std::string& job) {
-  auto conn = connection(c);
+  auto conn = client_connection(c);
   if (!conn.ok()) return std::nullopt;
   auto store = SchedulerStore::connect(conn->first, conn->second, job, 0);
   if (!store.ok()) return std::nullopt;

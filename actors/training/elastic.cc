@@ -25,6 +25,8 @@
 #include "checkpoint/snapshot_client.h"
 #include "checkpoint/snapshot_keeper.h"
 #include "comm/control/host_addr.h"
+#include "core/env.h"
+#include "core/job_env.h"
 #include "core/process_memory.h"
 #include "layers/token_data.h"
 
@@ -113,7 +115,7 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
     FaultSpec f;
     const size_t at = item.find('@'), c1 = item.find(':'), c2 = item.rfind(':');
     if (at == std::string::npos || c1 == std::string::npos || c2 == c1 || c1 < at) {
-      return invalid_argument("elastic.inject: '{}' is not <kill|stop>@<step>:<phase>:<slot>", item);
+      return invalid_argument("test.inject: '{}' is not <kill|stop>@<step>:<phase>:<slot>", item);
     }
     const std::string action = item.substr(0, at);
     if (action == "kill") {
@@ -132,13 +134,13 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
       f.action = FaultSpec::Action::kCorrupt;
     } else {
       return invalid_argument(
-          "elastic.inject: unknown action '{}' (kill, stop, slow, cut, hang, cutctl or corrupt)", action);
+          "test.inject: unknown action '{}' (kill, stop, slow, cut, hang, cutctl or corrupt)", action);
     }
     f.phase = item.substr(c1 + 1, c2 - c1 - 1);
     if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
         f.phase != "snapshot" && f.phase != "any" && f.phase != "start") {
       return invalid_argument(
-          "elastic.inject: unknown phase '{}' (forward, alltoall, sync, snapshot, checkpoint, any, start)",
+          "test.inject: unknown phase '{}' (forward, alltoall, sync, snapshot, checkpoint, any, start)",
           f.phase);
     }
     char* end = nullptr;
@@ -146,13 +148,12 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
     f.step = std::strtoll(step_s.c_str(), &end, 10);
     const bool start = f.phase == "start";
     if (step_s.empty() || *end != '\0' || (start ? f.step != 0 : f.step < 1))
-      return invalid_argument("elastic.inject: bad step in '{}' (phase start: step 0, else >= 1)", item);
+      return invalid_argument("test.inject: bad step in '{}' (phase start: step 0, else >= 1)", item);
     if (start && f.action != FaultSpec::Action::kSlow)
-      return invalid_argument("elastic.inject: '{}': phase start takes only slow (slow@0:start:<slot>)",
-                              item);
+      return invalid_argument("test.inject: '{}': phase start takes only slow (slow@0:start:<slot>)", item);
     f.slot = static_cast<int>(std::strtol(slot_s.c_str(), &end, 10));
     if (slot_s.empty() || *end != '\0' || f.slot < 0)
-      return invalid_argument("elastic.inject: bad slot in '{}'", item);
+      return invalid_argument("test.inject: bad slot in '{}'", item);
     out.push_back(f);
   }
   return out;
@@ -540,8 +541,8 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
 
 Status ElasticWorker::connect_keeper() {
   if (snapshot_every_ <= 0 && ckpt_dir_.empty()) return ok_status();
-  const char* path = std::getenv(checkpoint::kSnapshotKeeperEnv);
-  if (driver_system_ != nullptr || path == nullptr || *path == '\0') {
+  const std::optional<std::string> path = env::get(job_env::kSnapshotKeeper);
+  if (driver_system_ != nullptr || !path) {
     // Nobody holds this node's snapshots (a one-process run, whose worker cannot fail alone;
     // a launcher without a keeper): a keeper in this process still makes checkpoints, but
     // its snapshots die with the worker.
@@ -555,7 +556,7 @@ Status ElasticWorker::connect_keeper() {
           stderr,
           "elastic: slot {}: no snapshot keeper serves this worker ({} is not set): its snapshots live "
           "in its own process and do not survive it\n",
-          slot_, checkpoint::kSnapshotKeeperEnv);
+          slot_, job_env::kSnapshotKeeper);
       std::fflush(stderr);
     }
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::SnapshotClient> c,
@@ -564,7 +565,7 @@ Status ElasticWorker::connect_keeper() {
     return ok_status();
   }
   TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::SnapshotClient> c,
-                          checkpoint::SnapshotClient::connect(path));
+                          checkpoint::SnapshotClient::connect(*path));
   keeper_ = std::move(c);
   return ok_status();
 }
@@ -705,8 +706,7 @@ Status ElasticWorker::run() {
   set_throw_on_comm_error(true);
   std::string device = "cpu";
   if (ctx_.on_device()) {
-    const char* vis = std::getenv("CUDA_VISIBLE_DEVICES");
-    device = fmt::format("cuda:{}", (vis != nullptr && *vis != '\0') ? vis : "0");
+    device = fmt::format("cuda:{}", env::get_or("CUDA_VISIBLE_DEVICES", "0"));
   }
   if (driver_system_ != nullptr) {
     TROUPE_ASSIGN_OR_RETURN(
@@ -893,7 +893,7 @@ Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& p
   TolerantStore::Options so;
   so.outage_limit = std::chrono::milliseconds(tc.elastic.scheduler_outage_limit_ms);
   so.who = fmt::format("worker slot {}", slot);
-  if (const char* s = std::getenv("TROUPE_SCHEDULER"); s != nullptr) so.where = s;
+  so.where = env::get_or(job_env::kScheduler);
   TolerantStore store(base_store, so);
   std::unique_ptr<FaultState> faults;
   if (!tc.elastic.inject.empty() && epoch == 0) {

@@ -297,7 +297,7 @@ Status Stage::setup_params(const std::vector<ProgramParam>& params) {
     for (const Entry& e : entries_) eligible.push_back(e.expert);
     const int64_t folded = buf_.enable_grad_norm_fold(ctx_, eligible);
     if (folded > 0 && rank_ == 0) {
-      fmt::print("stage: gradient norm folded into the dW products of {} parameters (train.fold_grad_norm)\n",
+      fmt::print("stage: gradient norm folded into the dW products of {} parameters (bench.fold_grad_norm)\n",
                  folded);
     }
   }
@@ -322,7 +322,7 @@ Status Stage::setup_engine() {
   if (ctx_.on_device() && t.cuda_graph) {
     std::string why;
     if (!t.device_stats) {
-      why = "train.device_stats = false reads the step's statistics on the host inside the step";
+      why = "bench.device_stats = false reads the step's statistics on the host inside the step";
     } else if (!device_stats_) {
       why = "the stage program keeps its step statistics on the host (e.g. a router with a z-loss)";
     } else {
@@ -330,13 +330,13 @@ Status Stage::setup_engine() {
     }
     if (!why.empty() && t.cuda_graph_asked) {
       return failed_precondition(
-          "train.cuda_graph = true cannot capture this layout's step ({}): {}; set "
-          "train.cuda_graph = false",
+          "bench.cuda_graph = true cannot capture this layout's step ({}): {}; set "
+          "bench.cuda_graph = false",
           layout_->to_string(), why);
     }
     if (!why.empty()) {
       if (rank_ == 0) {
-        fmt::print("note: the step runs op by op, not as a CUDA graph (train.cuda_graph), in layout {}: {}\n",
+        fmt::print("note: the step runs op by op, not as a CUDA graph (bench.cuda_graph), in layout {}: {}\n",
                    layout_->to_string(), why);
       }
     } else {
@@ -749,7 +749,7 @@ void Stage::enqueue_step(int64_t step, bool capturing) {
 }
 
 void Stage::host_metrics() {
-  // Host statistics (train.device_stats = false, or a program keeping its own on the
+  // Host statistics (bench.device_stats = false, or a program keeping its own on the
   // host): [sum of squares, LM loss, tokens, comm seconds | the program's statistics],
   // read back and summed over the world in fp64.
   const std::vector<double> stats = program_->step_stats();
@@ -765,7 +765,7 @@ void Stage::host_metrics() {
 }
 
 void Stage::measure_compression(int64_t step) {
-  // parallel.measure_compression (tests, benches; host tensors): the relative L2 error of
+  // bench.measure_compression (tests, benches; host tensors): the relative L2 error of
   // the compressed gradient against an extra fp32 exchange of the same gradients.
   Tensor exact = Tensor::zeros({shard_len_}, DType::kF32);
   for (const auto& bk : buckets_) {

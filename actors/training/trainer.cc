@@ -21,7 +21,7 @@
 // fault's time where known), recovery_ms (detection to the next completed command) and
 // steps_lost.
 // Rescale: writing "N" to <run dir>/scale_request asks for dp=N at the next step boundary
-// (elastic.scale_at = "<step>:<dp>,..." writes it after the given steps)
+// (test.scale_at = "<step>:<dp>,..." writes it after the given steps)
 // (elastic.min_dp <= N <= elastic.max_dp, default 1 and the configured dp);
 // the global batch (train.global_batch) and so the data order stay the same: each replica
 // takes global_batch / (micro_batch_size * dp) micro-batches.
@@ -65,8 +65,11 @@
 #include "checkpoint/snapshot_keeper.h"
 #include "checkpoint/writer.h"
 #include "comm/control/host_addr.h"
+#include "core/env.h"
 #include "core/exit_status.h"
+#include "core/job_env.h"
 #include "core/parallel_layout.h"
+#include "core/peak_flops.h"
 
 extern char** environ;
 
@@ -79,14 +82,6 @@ namespace {
 
 constexpr int kMaxFailuresWithoutProgress = 6;
 constexpr std::chrono::milliseconds kFailureBatchWindow{150};
-
-int64_t env_or(const char* name, int64_t dflt) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return dflt;
-  char* end = nullptr;
-  const long long x = std::strtoll(v, &end, 10);
-  return (end == v || *end != '\0') ? dflt : static_cast<int64_t>(x);
-}
 
 // A worker in the Trainer's own process (a one-process run): its thread and how it ended.
 struct LocalWorker {
@@ -159,7 +154,7 @@ class Trainer {
       TolerantStore::Options so;
       so.outage_limit = std::chrono::milliseconds(tc.elastic.scheduler_outage_limit_ms);
       so.who = "driver";
-      if (const char* s = std::getenv("TROUPE_SCHEDULER"); s != nullptr) so.where = s;
+      so.where = env::get_or(job_env::kScheduler);
       auto t = std::make_unique<TolerantStore>(std::move(store), so);
       tolerant_ = t.get();
       store_ = std::move(t);
@@ -422,17 +417,17 @@ Status Trainer::spawn(int slot, uint64_t epoch) {
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string v(*e);
     bool ours = false;
-    for (const char* k :
-         {"TROUPE_ROLE=", "TROUPE_RANK=", "TROUPE_LOCAL_RANK=", "TROUPE_WORLD_SIZE=", "TROUPE_JOB_ID=",
-          "TROUPE_EPOCH=", "TROUPE_ELASTIC_SLOT=", "TROUPE_ELASTIC_EPOCH="}) {
-      ours |= v.rfind(k, 0) == 0;
+    for (const char* k : {job_env::kRole, job_env::kRank, job_env::kLocalRank, job_env::kWorldSize,
+                          job_env::kJobId, job_env::kEpoch, job_env::kMembershipEpoch}) {
+      ours |= v.rfind(std::string(k) + "=", 0) == 0;
     }
     if (!ours) envs.push_back(v);
   }
-  envs.push_back("TROUPE_ROLE=worker");
-  envs.push_back(fmt::format("TROUPE_ELASTIC_SLOT={}", slot));
-  envs.push_back("TROUPE_JOB_ID=" + job_);
-  envs.push_back(fmt::format("TROUPE_ELASTIC_EPOCH={}", epoch));
+  // The same variables the scheduler hands its workers (core/job_env.h): the rank is the slot.
+  envs.push_back(fmt::format("{}=worker", job_env::kRole));
+  envs.push_back(fmt::format("{}={}", job_env::kRank, slot));
+  envs.push_back(fmt::format("{}={}", job_env::kJobId, job_));
+  envs.push_back(fmt::format("{}={}", job_env::kMembershipEpoch, epoch));
   // GPU workers of the standalone launcher see every GPU: each takes the lowest device
   // index no live worker holds (a replacement takes its predecessor's, which was reaped).
   int gpu = -1;
@@ -443,7 +438,7 @@ Status Trainer::spawn(int slot, uint64_t epoch) {
     }
     gpu = 0;
     while (held.count(gpu) != 0) ++gpu;
-    envs.push_back(fmt::format("TROUPE_LOCAL_RANK={}", gpu));
+    envs.push_back(fmt::format("{}={}", job_env::kLocalRank, gpu));
   }
   std::vector<char*> cargv, cenv;
   for (const auto& a : o_.argv) cargv.push_back(const_cast<char*>(a.c_str()));
@@ -1706,7 +1701,7 @@ Status Trainer::maybe_replace(int64_t step_done) {
 Status Trainer::maybe_rescale(int64_t step_done) {
   const std::string req = run_dir_ + "/scale_request";
   std::error_code ec;
-  // elastic.scale_at = "<step>:<dp>[,...]": a scripted request after <step> (tests,
+  // test.scale_at = "<step>:<dp>[,...]": a scripted request after <step> (tests,
   // demos), through the same file a user writes.
   if (!tc_.elastic.scale_at.empty()) {
     const std::string& all = tc_.elastic.scale_at;
@@ -1795,9 +1790,9 @@ Status Trainer::run() {
 
 Status Trainer::run_job() {
   if (scheduled_) {
-    const char* job = std::getenv("TROUPE_JOB_ID");
-    if (job == nullptr || *job == '\0') return invalid_argument("elastic driver: TROUPE_JOB_ID is not set");
-    job_ = job;
+    std::optional<std::string> job = env::get(job_env::kJobId);
+    if (!job) return invalid_argument("elastic driver: {} is not set", job_env::kJobId);
+    job_ = *job;
     poll_ = std::chrono::milliseconds(20);
   } else {
     job_ =
@@ -1811,9 +1806,11 @@ Status Trainer::run_job() {
   // Knobs: [elastic] of the config. The heartbeat timeout defaults to the job's own
   // (handed over by the scheduler, `--heartbeat-timeout-ms`), else 2 s.
   const layers::ElasticOptions& eo = tc_.elastic;
-  hb_timeout_ = std::chrono::milliseconds(
-      eo.heartbeat_timeout_ms > 0 ? eo.heartbeat_timeout_ms
-                                  : (scheduled_ ? env_or("TROUPE_HEARTBEAT_TIMEOUT_MS", 2000) : 2000));
+  TROUPE_ASSIGN_OR_RETURN(
+      const int64_t job_hb_timeout,
+      scheduled_ ? env::get_int(job_env::kHeartbeatTimeoutMs, 2000, 1) : Result<int64_t>(2000));
+  hb_timeout_ =
+      std::chrono::milliseconds(eo.heartbeat_timeout_ms > 0 ? eo.heartbeat_timeout_ms : job_hb_timeout);
   err_grace_ = std::chrono::milliseconds(eo.comm_error_grace_ms);
   watchdog_ = std::chrono::milliseconds(eo.step_watchdog_ms);
   join_timeout_ = std::chrono::milliseconds(eo.join_timeout_ms);
@@ -1834,7 +1831,8 @@ Status Trainer::run_job() {
   // (scheduler.cc, restart_driver): its workers were restarted with it, so it goes on from
   // the newest snapshot the job's keepers still hold (<run dir>/snapshots.json, written by
   // its predecessor), else from the job's newest valid checkpoint.
-  const int64_t driver_restarts = scheduled_ ? env_or("TROUPE_DRIVER_RESTARTS", 0) : 0;
+  TROUPE_ASSIGN_OR_RETURN(const int64_t driver_restarts,
+                          scheduled_ ? env::get_int(job_env::kDriverRestarts, 0, 0) : Result<int64_t>(0));
   const SnapshotRecord* resume_snapshot = nullptr;
   if (resume_from.empty() && driver_restarts > 0) {
     // The snapshots its predecessor committed (<run dir>/snapshots.json).
@@ -1904,7 +1902,7 @@ Status Trainer::run_job() {
       char host[256] = {0};
       ::gethostname(host, sizeof(host) - 1);
       TROUPE_ASSIGN_OR_RETURN(keeper_, checkpoint::SnapshotKeeper::start({.node = host, .host_addr = ""}));
-      ::setenv(checkpoint::kSnapshotKeeperEnv, keeper_->socket_path().c_str(), 1);
+      ::setenv(job_env::kSnapshotKeeper, keeper_->socket_path().c_str(), 1);
     }
   }
   // The record of a run goes on across resumes and driver restarts: appended, never cut.
@@ -2040,7 +2038,7 @@ Status Trainer::run_job() {
   const auto eval_due = [&](int64_t s) {
     return (tc_.train.eval_every > 0 && s % tc_.train.eval_every == 0) || s == tc_.train.steps;
   };
-  std::set<int64_t> scripted;  // steps after which elastic.scale_at rescales
+  std::set<int64_t> scripted;  // steps after which test.scale_at rescales
   for (size_t pos = 0; pos < tc_.elastic.scale_at.size();) {
     size_t comma = tc_.elastic.scale_at.find(',', pos);
     if (comma == std::string::npos) comma = tc_.elastic.scale_at.size();
@@ -2096,9 +2094,8 @@ Status Trainer::run_job() {
     if (!rec.value("expert_load", nlohmann::json::array()).empty()) rec["load_imbalance"] = imbalance;
     if (rec.contains("peak_bytes")) rec["peak_gib"] = rec["peak_bytes"].get<double>() / 1073741824.0;
     if (o_.flops_per_token > 0) {
-      // Dense bf16 peak of one H100/H200 SXM: 989 TFLOP/s.
       rec["mfu"] = static_cast<double>(step_tokens) / wall_s * o_.flops_per_token /
-                   (989e12 * static_cast<double>(plan_.slots.size()));
+                   (kPeakBf16FlopsPerGpu * static_cast<double>(plan_.slots.size()));
     }
     if (step <= max_step_logged_) rec["replayed"] = true;  // after a checkpoint restore
     max_step_logged_ = std::max(max_step_logged_, step);
@@ -2369,10 +2366,10 @@ bool runs_in_one_process(const layers::TrainConfig& tc, bool scheduled) {
 
 Status check_one_process(const layers::TrainConfig& tc) {
   // What needs worker processes, refused by name rather than half done.
-  const char* why = !tc.elastic.inject.empty() ? "elastic.inject (faults are injected into worker processes)"
+  const char* why = !tc.elastic.inject.empty() ? "test.inject (faults are injected into worker processes)"
                     : tc.elastic.max_dp > 1 ? "elastic.max_dp > 1 (growing the job starts worker processes)"
                     : !tc.elastic.scale_at.empty()
-                        ? "elastic.scale_at (rescaling starts or stops worker processes)"
+                        ? "test.scale_at (rescaling starts or stops worker processes)"
                         : nullptr;
   if (why == nullptr) return ok_status();
   return invalid_argument(
@@ -2393,14 +2390,14 @@ Status run_trainer(const TrainerOptions& o, const layers::TrainConfig& tc,
 Status run_worker_process(const layers::TrainConfig& tc, const ProgramFactory& program,
                           comm::RendezvousStore& store, std::function<void()> cut_control,
                           const layers::Ctx& ctx, observe::StepProbe* steps) {
-  const char* job = std::getenv("TROUPE_JOB_ID");
-  if (job == nullptr || *job == '\0') return invalid_argument("worker: TROUPE_JOB_ID is not set");
-  // Started by the scheduler in epoch 0: the slot is the rank; later ones, and the
-  // standalone launcher's, are told their slot and epoch.
-  const int64_t slot = env_or("TROUPE_ELASTIC_SLOT", env_or("TROUPE_RANK", -1));
-  if (slot < 0) return invalid_argument("worker: neither TROUPE_ELASTIC_SLOT nor TROUPE_RANK is set");
-  const int64_t epoch = env_or("TROUPE_ELASTIC_EPOCH", 0);
-  return run_elastic_worker(tc, program, store, job, static_cast<int>(slot), static_cast<uint64_t>(epoch),
+  std::optional<std::string> job = env::get(job_env::kJobId);
+  if (!job) return invalid_argument("worker: {} is not set", job_env::kJobId);
+  // A worker's rank is its slot (the scheduler's and the standalone launcher's alike); a
+  // worker the driver asked for later is also told the membership epoch it joins.
+  TROUPE_ASSIGN_OR_RETURN(const int64_t slot, env::get_int(job_env::kRank, -1, -1, INT32_MAX));
+  if (slot < 0) return invalid_argument("worker: {} is not set", job_env::kRank);
+  TROUPE_ASSIGN_OR_RETURN(const int64_t epoch, env::get_int(job_env::kMembershipEpoch, 0, 0));
+  return run_elastic_worker(tc, program, store, *job, static_cast<int>(slot), static_cast<uint64_t>(epoch),
                             std::move(cut_control), ctx, /*driver_system=*/nullptr, steps);
 }
 
