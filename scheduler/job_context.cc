@@ -3,7 +3,9 @@
 
 #include <unistd.h>
 
+#include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "comm/control/host_addr.h"
 #include "core/env.h"
@@ -14,9 +16,12 @@ namespace {
 
 template <typename T>
 Status env_int(const char* name, T* out) {
-  TROUPE_ASSIGN_OR_RETURN(int64_t v,
-                          env::get_int(name, static_cast<int64_t>(*out), std::numeric_limits<T>::min(),
-                                       std::numeric_limits<T>::max()));
+  constexpr int64_t lo = std::is_signed_v<T> ? static_cast<int64_t>(std::numeric_limits<T>::min()) : 0;
+  constexpr int64_t hi =
+      static_cast<uint64_t>(std::numeric_limits<T>::max()) > static_cast<uint64_t>(INT64_MAX)
+          ? INT64_MAX
+          : static_cast<int64_t>(std::numeric_limits<T>::max());
+  TROUPE_ASSIGN_OR_RETURN(int64_t v, env::get_int(name, static_cast<int64_t>(*out), lo, hi));
   *out = static_cast<T>(v);
   return ok_status();
 }

@@ -136,7 +136,8 @@ int main(int argc, char** argv) {
                  app.help());
       return 2;
     }
-    if (troupe::Status j = troupe::training::adopt_job_flags(train); !j.ok()) {  // troupe run's --backend/--layout
+    if (troupe::Status j = troupe::training::adopt_job_flags(train);
+        !j.ok()) {  // troupe run's --backend/--layout
       fmt::print(stderr, "train_moe: error: {}\n", j.to_string());
       return troupe::exit_status_for(j);
     }
