@@ -3,11 +3,12 @@
 # `troupe run --nproc 1 --backend cuda` (one worker: its state lives only in the snapshots
 # its agent holds) with snapshots every K steps (elastic.snapshot_every, the default unless
 # --every is given) and with none (elastic.snapshot_every = 0), interleaved REPEAT times.
-# Prints per run the median over the steps after WARMUP of tokens/s (the driver's wall time
-# per step), the bytes of one snapshot (<run dir>/snapshots.json) and the step thread's
+# Prints per run the throughput over the steps after WARMUP, the bytes of one snapshot
+# (<run dir>/snapshots.json), the slowest steps and the step thread's
 # median time per snapshot (snapshot_ms: the device-side staging copy is issued, the
 # device -> host copy and the checksums run off the step), then
-#   ratio = median tokens/s with snapshots / median tokens/s without   (target >= 0.98)
+#   tokens/s = tokens of the steps after WARMUP / the driver's wall time of those steps
+#   ratio = median over repeats of tokens/s with snapshots / the same without  (target >= 0.98)
 # Needs 1 GPU. usage: bench/snapshot_cost.sh [--build DIR] [--config FILE] [--data DIR]
 #                       [--steps N] [--warmup N] [--repeat R] [--every K]
 set -u -o pipefail
@@ -58,8 +59,13 @@ import json, os, statistics, sys
 mode, warm, run = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 recs = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl")) if l.strip()]
 s = [x for x in recs if "step_ms" in x and x.get("step", 0) > warm]
-tps = statistics.median(x["tokens_per_s"] for x in s)
-line = f"snapshots {mode}: {len(s)} steps, tokens/s {tps:,.0f}, step_ms {statistics.median(x['step_ms'] for x in s):.1f}"
+# Throughput over the whole window (tokens / the driver's wall time): a snapshot step's extra
+# time counts in full (a median over steps would hide it).
+tps = sum(x["tokens_per_s"] * x["driver_step_ms"] for x in s) / sum(x["driver_step_ms"] for x in s)
+line = (f"snapshots {mode}: {len(s)} steps, tokens/s {tps:,.0f} (window), median step {statistics.median(x['tokens_per_s'] for x in s):,.0f}, "
+        f"device step_ms {statistics.median(x['step_ms'] for x in s):.1f}")
+slow = sorted(((x["driver_step_ms"], x["step"]) for x in s), reverse=True)[:4]
+line += ", slowest steps " + " ".join(f"{st}:{ms:.0f}ms" for ms, st in slow)
 snap = [x["snapshot_ms"] for x in s if "snapshot_ms" in x]
 if snap:
     line += f", {len(snap)} snapshots, step thread per snapshot {statistics.median(snap):.1f} ms"
@@ -85,7 +91,7 @@ def tps(p):
 on, off = tps(sys.argv[1]), tps(sys.argv[2])
 if on and off:
     r = statistics.median(on) / statistics.median(off)
-    print(f"ratio = median tokens/s with snapshots / without = {statistics.median(on):,.0f} / {statistics.median(off):,.0f} "
+    print(f"ratio = tokens/s with snapshots / without = {statistics.median(on):,.0f} / {statistics.median(off):,.0f} "
           f"= {r:.4f} (target >= 0.98)")
 PY
 rm -f "$OUT/summary_on" "$OUT/summary_off"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # bench/step_gaps.py — the driver's place on the critical path, from a run's metrics.jsonl:
 # per step, the device's own timeline of the worker's Stage (CUDA events on its stream,
-# actors/training/device_timeline.h): device_ms (the step's first enqueued op to its last)
+# training/stage/step_graph.h): device_ms (the step's first enqueued op to its last)
 # and device_gap_ms (the GPU's idle time from the previous step's last op to this step's
 # first: what it waited for the host or the driver), with the worker's queue
 # (next_queued: the next command was already queued when the worker replied;

@@ -123,7 +123,7 @@ class CheckpointWriter {
 // rank's part (its "done" marker). `verify`: every slice's bytes are checked against its
 // xxHash64 first, and nothing is written when one does not match (DataLoss). What
 // CheckpointWriter's background thread does, and what a worker does with the committed
-// in-memory snapshot of its rank (actors/training/snapshots.h).
+// in-memory snapshot of its rank (training/checkpointing/snapshots.h).
 struct ShardWrite {
   std::string run_dir;
   const ManifestPart* part = nullptr;

@@ -15,7 +15,7 @@ set(TROUPE_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/Troupe)
 # Every library Troupe::app needs, with the names the package gives them (Troupe::core, ...).
 set(troupe_export_libs
     troupe_warnings troupe_core troupe_kernels troupe_comm_base troupe_comm troupe_control_codec
-    troupe_control troupe_actors troupe_layers troupe_snapshot_codec troupe_checkpoint troupe_interop troupe_training_codec
+    troupe_control troupe_actors troupe_layers troupe_data troupe_snapshot_codec troupe_checkpoint troupe_interop troupe_training_codec
     troupe_training
     troupe_observe troupe_sched_codec troupe_sched_client troupe_app)
 foreach(t troupe_core_cuda troupe_comm_nccl)
@@ -35,9 +35,12 @@ install(TARGETS ${troupe_export_libs} EXPORT TroupeTargets
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/troupe)
 install(EXPORT TroupeTargets NAMESPACE Troupe:: DESTINATION ${TROUPE_INSTALL_CMAKEDIR} COMPONENT Development)
 
-install(DIRECTORY core kernels comm layers actors checkpoint interop observe scheduler
+install(DIRECTORY core kernels comm layers actors checkpoint interop observe scheduler training
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/troupe COMPONENT Development
         FILES_MATCHING PATTERN "*.h")
+# data/ also holds the data troupe-prepare makes (data/demo, ...): only its own headers.
+file(GLOB troupe_data_headers ${PROJECT_SOURCE_DIR}/data/*.h)
+install(FILES ${troupe_data_headers} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/troupe/data COMPONENT Development)
 
 set(troupe_tools troupe troupe-scheduler troupe-agent troupe-ckpt troupe-prepare train_moe dense_lm
                  parallel_lm)

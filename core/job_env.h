@@ -1,8 +1,8 @@
 // core/job_env.h — every environment variable a Troupe launcher hands the processes it
 // starts (troupe-scheduler and its agents, the standalone launcher of a training app),
-// named once: the spawner side (scheduler/scheduler.cc, scheduler/agent.cc,
-// actors/training/trainer.cc) sets them and the reader side (scheduler/job_context.cc,
-// comm/control/host_addr.h, actors/training/...) reads them through core/env.h with these
+// named once: the spawner side (scheduler/daemons/scheduler.cc, scheduler/daemons/agent.cc,
+// training/driver/trainer.cc) sets them and the reader side (scheduler/client/job_context.cc,
+// comm/control/host_addr.h, training/...) reads them through core/env.h with these
 // constants. docs/cluster.md ("What each process gets") lists them for users. No secret
 // travels here: the job's CURVE secret key is a 0600 file whose path is kJobSecretKeyFile.
 #pragma once

@@ -1,5 +1,5 @@
 // core/peak_flops.h — the one peak that Troupe's utilisation figures divide by: MFU in a
-// run's metrics (actors/training/trainer.cc) and the kernel benchmarks' "% of peak"
+// run's metrics (training/driver/trainer.cc) and the kernel benchmarks' "% of peak"
 // (bench/kernels). The model FLOPs they divide are layers::ModelConfig::
 // train_flops_per_token (the one formula).
 #pragma once

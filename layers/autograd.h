@@ -1,6 +1,6 @@
 // layers/autograd.h — defines Tape and Var: reverse-mode differentiation over Troupe's ops
 // (kernels/ops.h) and layers, so that a model part is written as its forward alone (the
-// transformer program base, actors/training/transformer_program.h, runs each block of an
+// transformer program base, training/app/transformer_program.h, runs each block of an
 // app through one Tape per micro-batch).
 //
 //   layers::Tape t(ctx);

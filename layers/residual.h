@@ -2,7 +2,7 @@
 //   forward   y  = x + f(norm(x))
 //   backward  dx = dy + norm'(f'(dy))   (norm' accumulates the norm's weight gradient)
 // A block is two of them (attention, then the MLP or MoE layer); stage programs
-// (actors/training/stage_program.h) build theirs from it with their own f.
+// (training/stage/stage_program.h) build theirs from it with their own f.
 #pragma once
 
 #include <utility>

@@ -16,8 +16,8 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/prepare/corpus.h"
-#include "layers/token_data.h"
-#include "layers/tokenizer.h"
+#include "data/token_data.h"
+#include "data/tokenizer.h"
 
 namespace troupe::prepare {
 

@@ -1,6 +1,6 @@
 // apps/prepare/prepare.h — defines prepare_corpus: a corpus (text files, JSON lines, plain
 // or compressed; apps/prepare/corpus.h) -> its tokens in train and validation shards
-// (layers/token_data.h) with a Hugging Face tokenizer.json or a byte-level BPE trained on
+// (data/token_data.h) with a Hugging Face tokenizer.json or a byte-level BPE trained on
 // it, and that tokenizer.json beside them: the data.dir every training app reads. The
 // troupe-prepare tool (main.cc) and `train_moe prepare` are this function.
 #pragma once

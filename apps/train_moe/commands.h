@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "actors/training/app.h"
-#include "actors/training/run_device.h"
 #include "apps/prepare/prepare.h"
 #include "core/status.h"
+#include "training/app/app.h"
+#include "training/app/run_device.h"
 
 namespace troupe::train_moe {
 
@@ -22,7 +22,7 @@ inline Status run_prepare(const PrepareOptions& o) {
   return prepare::prepare_corpus(o);
 }
 
-// The training command line (actors/training/app.h: --config, --set, --parallel,
+// The training command line (training/app/app.h: --config, --set, --parallel,
 // --run-dir, --backend, --resume), the same as every Troupe training app's.
 using TrainOptions = training::RunOptions;
 using training::RunDevice;

@@ -9,11 +9,11 @@
 #include <fstream>
 #include <sstream>
 
-#include "actors/training/checkpointing.h"
 #include "apps/train_moe/commands.h"
 #include "apps/train_moe/model_state.h"
 #include "interop/hf_checkpoint.h"
 #include "layers/model.h"
+#include "training/checkpointing/checkpointing.h"
 
 namespace troupe::train_moe {
 

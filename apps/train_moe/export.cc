@@ -9,13 +9,13 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "actors/training/checkpointing.h"
 #include "apps/prepare/corpus.h"
 #include "apps/train_moe/commands.h"
 #include "apps/train_moe/model_state.h"
 #include "checkpoint/file_io.h"
+#include "data/tokenizer.h"
 #include "interop/hf_checkpoint.h"
-#include "layers/tokenizer.h"
+#include "training/checkpointing/checkpointing.h"
 
 namespace troupe::train_moe {
 

@@ -7,8 +7,8 @@
 //   train_moe export --run <dir> --format hf --family mixtral --out <dir>          Hugging Face
 //   train_moe plot --run <dir>                                                     PNGs
 // main() parses the command line and calls the subcommand (apps/train_moe/commands.h);
-// training runs under the framework (training::run_app, actors/training/app.cc): the
-// Trainer (actors/training/trainer.cc) drives the Stage (actors/training/stage.cc) of every
+// training runs under the framework (training::run_app, training/app/app.cc): the
+// Trainer (training/driver/trainer.cc) drives the Stage (training/stage/stage.cc) of every
 // rank — in this one process for layout 1x1x1, in worker processes otherwise.
 #include <fmt/format.h>
 #include <sys/wait.h>
@@ -18,11 +18,11 @@
 #include <cstdlib>
 #include <filesystem>
 
-#include "actors/training/preflight.h"
 #include "apps/train_moe/commands.h"
 #include "apps/train_moe/moe_stage.h"
 #include "core/exit_status.h"
-#include "layers/train_config.h"
+#include "training/app/preflight.h"
+#include "training/run_config.h"
 
 namespace troupe::train_moe {
 

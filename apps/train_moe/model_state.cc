@@ -1,8 +1,8 @@
 // apps/train_moe/model_state.cc — load_model_weights (see model_state.h).
 #include "apps/train_moe/model_state.h"
 
-#include "actors/training/stage_state.h"
 #include "core/config.h"
+#include "training/stage/stage_state.h"
 
 namespace troupe::train_moe {
 

@@ -1,12 +1,12 @@
 // apps/train_moe/model_state.h — reads a training state (the global names of
-// actors/training/stage_state.h, saved by any layout's Stages) into one host Model:
+// training/stage/stage_state.h, saved by any layout's Stages) into one host Model:
 // load_model_weights(), what `train_moe sample`, `eval` and `export` run on, and
 // checkpoint_train_config(), the config a checkpoint was saved with.
 #pragma once
 
 #include "checkpoint/reader.h"
 #include "layers/model.h"
-#include "layers/train_config.h"
+#include "training/run_config.h"
 
 namespace troupe::train_moe {
 

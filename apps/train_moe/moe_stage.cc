@@ -12,10 +12,10 @@
 
 #include <fmt/format.h>
 
-#include "actors/training/attention_shard.h"
-#include "actors/training/expert_group.h"
 #include "layers/block.h"
 #include "layers/residual.h"
+#include "training/moe/expert_group.h"
+#include "training/parallel/attention_shard.h"
 
 namespace troupe::train_moe {
 namespace {

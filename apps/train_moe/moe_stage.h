@@ -1,13 +1,13 @@
 // apps/train_moe/moe_stage.h — defines train_moe's stage program (StageProgram,
-// actors/training/stage_program.h): the MoE language model of layers/ (embedding, dense
+// training/stage/stage_program.h): the MoE language model of layers/ (embedding, dense
 // and MoE blocks, tied LM head) cut into pipeline stages, with Ulysses attention
 // (AttentionShard) and expert parallelism (ExpertGroup) over the n-group, the router's
 // auxiliary loss and per-expert loads as step statistics, and the routers' balancing
 // biases as state beyond the parameters.
 #pragma once
 
-#include "actors/training/app.h"
-#include "actors/training/stage_program.h"
+#include "training/app/app.h"
+#include "training/stage/stage_program.h"
 
 namespace troupe::train_moe {
 

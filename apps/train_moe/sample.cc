@@ -18,13 +18,13 @@
 #include <memory>
 #include <random>
 
-#include "actors/training/checkpointing.h"
 #include "apps/train_moe/commands.h"
 #include "apps/train_moe/model_state.h"
 #include "core/config.h"
+#include "data/tokenizer.h"
 #include "layers/model.h"
-#include "layers/tokenizer.h"
-#include "layers/train_config.h"
+#include "training/checkpointing/checkpointing.h"
+#include "training/run_config.h"
 
 namespace troupe::train_moe {
 

@@ -11,8 +11,8 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "actors/training/checkpointing.h"
 #include "apps/train_moe/commands.h"
+#include "training/checkpointing/checkpointing.h"
 
 namespace troupe::train_moe {
 

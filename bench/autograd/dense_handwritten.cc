@@ -13,14 +13,14 @@
 #include <memory>
 #include <vector>
 
-#include "actors/training/app.h"
-#include "actors/training/attention_shard.h"
-#include "actors/training/run_device.h"
 #include "layers/attention.h"
 #include "layers/embedding.h"
 #include "layers/lm_head.h"
 #include "layers/mlp.h"
 #include "layers/residual.h"
+#include "training/app/app.h"
+#include "training/app/run_device.h"
+#include "training/parallel/attention_shard.h"
 
 namespace dense_handwritten {
 

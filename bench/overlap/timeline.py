@@ -3,7 +3,7 @@
 one step as a timeline (docs/parallelism.md's overlap picture).
 
 Recording: train_moe with train.timeline_dir set writes, per rank and step, one JSON line per
-interval (actors/training/stage.cc, group_ops.h TraceEvent): lane "main" (the step thread:
+interval (training/stage/stage.cc, group_ops.h TraceEvent): lane "main" (the step thread:
 forward/backward spans of each block, the optimizer, and "wait: ..." intervals where it waited
 on the data plane, i.e. exposed communication) and lanes "comm n" / "comm dp" / "comm pp"
 (when the communicator's Gloo thread executed each operation: from the backend's start mark to

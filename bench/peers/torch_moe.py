@@ -25,7 +25,7 @@
 #         python3 torch_moe.py --spawn N ...                N processes via torch.multiprocessing
 # It runs on Debian's CPU torch 1.13 too (--device cpu --dtype f32; no torch.compile there).
 # Tokens: uniform random ids by default; with --data DIR, the token shards that `train_moe prepare`
-# wrote (DIR/train-*.bin), sampled exactly as Troupe's DataLoader does (layers/token_data.h:
+# wrote (DIR/train-*.bin), sampled exactly as Troupe's DataLoader does (data/token_data.h:
 # sample j of step s starts at splitmix64-mix(seed, s, j) mod (N - seq_len); rank r of a
 # data-parallel layout reads samples r*B .. r*B+B-1), so that both systems train on the same
 # tokens and route the same distribution. --init-weights DIR loads Troupe's weights from a

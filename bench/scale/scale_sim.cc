@@ -1,14 +1,14 @@
 // bench/scale/scale_sim.cc — scale_sim: the real troupe-scheduler process against a
 // simulated cluster. 1,250 agents of 8 slots and 10,000 worker control
 // sessions by default, each a real ZeroMQ DEALER on loopback speaking the real wire
-// protocol (comm/control envelopes carrying scheduler/protocol.capnp messages, the
+// protocol (comm/control envelopes carrying scheduler/client/protocol.capnp messages, the
 // transport's 2 Hz application heartbeats, ZMTP heartbeats), owned by a few threads that
 // each poll hundreds to thousands of sockets through one epoll set.
 //
 // Sessions, as troupe-agent runs them: each simulated agent binds an ipc:// ROUTER (its
 // relay; peers admitted by uid through ZAP), its processes' DEALERs connect there, and the
 // agent carries their messages over its own CURVE connection to the scheduler in Relay
-// messages (scheduler/agent.h), decoding and encoding each as the real agent does; the
+// messages (scheduler/daemons/agent.h), decoding and encoding each as the real agent does; the
 // scheduler's answers come back the same way. So the scheduler sees 1,250 CURVE peers and
 // 10,000 relayed sessions. --direct instead connects every process's DEALER to the
 // scheduler (with CURVE: 11,250 handshakes), as troupe-agent --no-relay does.
@@ -77,9 +77,9 @@
 #include "comm/control/curve.h"
 #include "comm/control/envelope.h"
 #include "core/status.h"
-#include "scheduler/local_auth.h"
-#include "scheduler/protocol.h"
-#include "scheduler/transport.h"
+#include "scheduler/client/local_auth.h"
+#include "scheduler/client/protocol.h"
+#include "scheduler/client/transport.h"
 
 namespace troupe::sched::scale {
 namespace {
@@ -118,7 +118,7 @@ struct Options {
   bool keep_state = false;
   int io_threads = 0;  // the scheduler's --io-threads; 0: its default
   // The scheduler serves loopback clients with local authentication (CURVE with the
-  // user's credential, scheduler/local_auth.h): every simulated peer holds it, as real
+  // user's credential, scheduler/client/local_auth.h): every simulated peer holds it, as real
   // agents and job processes do. --insecure measures the scheduler without it.
   bool insecure = false;
   control::CurveKeyPair credential;
@@ -336,7 +336,7 @@ struct SimThread {
   }
 
   // A simulated agent's relay: an ipc:// ROUTER whose peers the thread's ZAP handler admits
-  // by uid, like troupe-agent's (scheduler/agent.h).
+  // by uid, like troupe-agent's (scheduler/daemons/agent.h).
   void open_relay(Peer& a) {
     auto r = std::make_unique<Peer>();
     r->kind = Kind::kRelay;

@@ -17,7 +17,7 @@ t0=$(now)
 cmake --install "$build" --prefix "$work/prefix" --component Development >"$work/install.log"
 echo "[install] cmake --install --component Development: $(du -sh "$work/prefix" | cut -f1) in $(took "$t0") s"
 test -f "$work/prefix/lib/cmake/Troupe/TroupeConfig.cmake"
-test -f "$work/prefix/include/troupe/actors/training/transformer_program.h"
+test -f "$work/prefix/include/troupe/training/app/transformer_program.h"
 if grep -rlE "$src|$build" "$work/prefix/lib/cmake/Troupe" >/dev/null; then
   echo "the installed package names the source or build tree:" >&2
   grep -rnE "$src|$build" "$work/prefix/lib/cmake/Troupe" | head -5 >&2

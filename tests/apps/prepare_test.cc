@@ -12,8 +12,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "layers/token_data.h"
-#include "layers/tokenizer.h"
+#include "data/token_data.h"
+#include "data/tokenizer.h"
 #include "tests/common/train_moe_harness.h"
 
 namespace troupe::test {

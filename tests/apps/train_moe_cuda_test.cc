@@ -13,9 +13,9 @@
 #include <memory>
 #include <vector>
 
-#include "actors/training/run_device.h"
 #include "layers/model.h"
 #include "layers/optimizer.h"
+#include "training/app/run_device.h"
 
 #if TROUPE_HAVE_CUDA
 #include "core/cuda/caching_allocator.h"

@@ -1,4 +1,4 @@
-// tests/cluster/local_auth_test.cc — local authentication (scheduler/local_auth.h) with a
+// tests/cluster/local_auth_test.cc — local authentication (scheduler/client/local_auth.h) with a
 // real second Unix user: a troupe-scheduler and troupe-agent started on loopback without
 // key flags serve the starting user's credential (created on first use, mode 0600 in a
 // 0700 directory). That user submits, reads status and logs. A second user, created by
@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "scheduler/spawner.h"
+#include "scheduler/daemons/spawner.h"
 #include "tests/scheduler/harness.h"
 
 namespace troupe::sched::test {

@@ -104,7 +104,7 @@ class Multihost : public ::testing::Test {
     delete reference_;
   }
 
-  // `inject`: test.inject (actors/training/elastic.h), empty for none.
+  // `inject`: test.inject (training/worker/elastic.h), empty for none.
   static std::vector<std::string> train_args(const std::string& name, const std::string& parallel,
                                              const std::string& inject = "") {
     troupe::test::TrainMoeCommand c;

@@ -62,7 +62,7 @@ class ElasticCluster : public ::testing::Test {
     delete reference_;
   }
 
-  // `fault`: test.inject (actors/training/elastic.h), empty for none.
+  // `fault`: test.inject (training/worker/elastic.h), empty for none.
   static std::vector<std::string> train_args(const std::string& name, const std::string& fault = "",
                                              const std::string& parallel = "dp=2,n=2",
                                              const std::vector<std::string>& extra = {}) {

@@ -16,7 +16,7 @@
 //   supervision); `troupe scale|replace|status`; a data-plane connection cut with no process lost (rebuilt in
 //   place) and a hang inside a step with the heartbeat alive (step watchdog, then the wedged worker is killed
 //   and replaced).
-// Faults come from the config key test.inject (actors/training/elastic.h): the worker
+// Faults come from the config key test.inject (training/worker/elastic.h): the worker
 // raises SIGKILL or SIGSTOP on itself at the named point, after recording the time.
 //
 // Checked in every case: the job exits 0; every step's loss equals the fault-free elastic
@@ -49,11 +49,11 @@
 #include <zmq.hpp>
 
 #include "actors/actor_system.h"
-#include "actors/training/elastic.h"
-#include "actors/training/role_actors.h"
 #include "checkpoint/reader.h"
 #include "comm/rendezvous_store.h"
 #include "tests/common/train_moe_harness.h"
+#include "training/role_actors.h"
+#include "training/worker/elastic.h"
 
 namespace {
 

@@ -9,8 +9,8 @@
 
 #include <filesystem>
 
+#include "data/tokenizer.h"
 #include "interop_test_util.h"
-#include "layers/tokenizer.h"
 
 namespace troupe::layers {
 namespace {

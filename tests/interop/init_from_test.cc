@@ -11,9 +11,9 @@
 #include <map>
 
 #include "checkpoint/reader.h"
+#include "data/token_data.h"
+#include "data/tokenizer.h"
 #include "interop_test_util.h"
-#include "layers/token_data.h"
-#include "layers/tokenizer.h"
 #include "tests/common/train_moe_harness.h"
 
 namespace troupe::test {

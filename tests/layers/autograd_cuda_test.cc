@@ -13,12 +13,12 @@
 #include <cstring>
 #include <random>
 
-#include "actors/training/run_device.h"
 #include "layers/attention.h"
 #include "layers/autograd.h"
 #include "layers/embedding.h"
 #include "layers/mlp.h"
 #include "layers/residual.h"
+#include "training/app/run_device.h"
 
 namespace troupe::layers {
 namespace {

@@ -5,7 +5,7 @@
 // worker (so a slow worker slows everyone, as in training), and waits for the next
 // HJ_PERIOD_MS tick; every HJ_CKPT_EVERY steps it writes HJ_CKPT_BYTES to HJ_CKPT_DIR and
 // fsyncs (a checkpoint). Every second it reports its machine's health to the scheduler
-// with its step timings (scheduler/health_reporter.h), as a train_moe worker does.
+// with its step timings (scheduler/client/health_reporter.h), as a train_moe worker does.
 //
 // It stops when the file HJ_STOP_FILE exists (rank 0 sees it; the flag travels in the
 // all-reduce, so every rank stops after the same step) or after HJ_STEPS steps. Rank 0
@@ -23,9 +23,9 @@
 
 #include "comm/gloo_communicator.h"
 #include "observe/health.h"
-#include "scheduler/health_reporter.h"
-#include "scheduler/job_context.h"
-#include "scheduler/scheduler_store.h"
+#include "scheduler/client/health_reporter.h"
+#include "scheduler/client/job_context.h"
+#include "scheduler/client/scheduler_store.h"
 
 namespace {
 

@@ -10,7 +10,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "actors/training/run_metrics.h"
+#include "training/driver/run_metrics.h"
 
 namespace troupe::observe {
 namespace {

@@ -14,7 +14,7 @@
 #include <random>
 #include <thread>
 
-#include "scheduler/spawner.h"
+#include "scheduler/daemons/spawner.h"
 #include "tests/scheduler/harness.h"
 
 namespace troupe::sched::test {

@@ -9,7 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "scheduler/transport.h"
+#include "scheduler/client/transport.h"
 #include "tests/scheduler/harness.h"
 
 namespace troupe::sched::test {

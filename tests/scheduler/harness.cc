@@ -16,8 +16,8 @@
 #include <sstream>
 #include <thread>
 
-#include "scheduler/local_auth.h"
-#include "scheduler/spawner.h"
+#include "scheduler/client/local_auth.h"
+#include "scheduler/daemons/spawner.h"
 
 extern char** environ;
 

@@ -6,16 +6,16 @@
 #pragma once
 
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 #include <sys/types.h>
 
 #include <chrono>
 #include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
-#include "scheduler/transport.h"
+#include "scheduler/client/transport.h"
 
 namespace troupe::sched::test {
 

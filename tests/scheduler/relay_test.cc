@@ -1,5 +1,5 @@
 // tests/scheduler/relay_test.cc — job processes' sessions relayed by their agent
-// (scheduler/agent.h, "Relay"): the Relay message's codec bounds, the ZAP handler's reading
+// (scheduler/daemons/agent.h, "Relay"): the Relay message's codec bounds, the ZAP handler's reading
 // of an ipc peer's uid, and an in-process scheduler with a real Agent (real sockets) whose
 // relay carries store, status and heartbeat traffic of a job process it started; malformed
 // and nested relays are dropped while the scheduler keeps serving; a peer of another uid is
@@ -20,10 +20,10 @@
 #include <thread>
 
 #include "comm/control/curve.h"
-#include "scheduler/agent.h"
-#include "scheduler/job_spec.h"
-#include "scheduler/scheduler.h"
-#include "scheduler/scheduler_store.h"
+#include "scheduler/client/job_spec.h"
+#include "scheduler/client/scheduler_store.h"
+#include "scheduler/daemons/agent.h"
+#include "scheduler/daemons/scheduler.h"
 #include "tests/scheduler/harness.h"
 
 namespace troupe::sched {

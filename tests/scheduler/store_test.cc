@@ -7,8 +7,8 @@
 #include <thread>
 
 #include "comm/rendezvous_store.h"
-#include "scheduler/scheduler.h"
-#include "scheduler/scheduler_store.h"
+#include "scheduler/client/scheduler_store.h"
+#include "scheduler/daemons/scheduler.h"
 #include "tests/scheduler/harness.h"
 
 namespace troupe::sched {

@@ -29,8 +29,8 @@
 
 #include "actors/actor.h"
 #include "actors/actor_system.h"
-#include "scheduler/job_context.h"
-#include "scheduler/scheduler_store.h"
+#include "scheduler/client/job_context.h"
+#include "scheduler/client/scheduler_store.h"
 
 using troupe::sched::JobContext;
 

@@ -12,14 +12,14 @@
 #include <random>
 #include <thread>
 
-#include "scheduler/event_log.h"
-#include "scheduler/job_spec.h"
-#include "scheduler/placement.h"
-#include "scheduler/protocol.h"
-#include "scheduler/receive_lag.h"
-#include "scheduler/rendezvous.h"
-#include "scheduler/spawner.h"
-#include "scheduler/state_store.h"
+#include "scheduler/client/job_spec.h"
+#include "scheduler/client/protocol.h"
+#include "scheduler/daemons/event_log.h"
+#include "scheduler/daemons/placement.h"
+#include "scheduler/daemons/receive_lag.h"
+#include "scheduler/daemons/rendezvous.h"
+#include "scheduler/daemons/spawner.h"
+#include "scheduler/daemons/state_store.h"
 #include "tests/scheduler/harness.h"
 
 namespace troupe::sched {

@@ -1,10 +1,10 @@
 // tests/training/elastic_protocol_test.cc — the pure parts of the elastic protocol
-// (actors/training/elastic.h) through the Cap'n Proto codec: the plan's snapshot fields,
+// (training/worker/elastic.h) through the Cap'n Proto codec: the plan's snapshot fields,
 // the step reply's queue, device and snapshot fields.
 #include <gtest/gtest.h>
 
-#include "actors/training/elastic.h"
-#include "actors/training/messages.h"
+#include "training/messages.h"
+#include "training/worker/elastic.h"
 
 namespace {
 

@@ -21,11 +21,11 @@
 #include <random>
 #include <thread>
 
-#include "actors/training/stage.h"
 #include "apps/train_moe/moe_stage.h"
 #include "comm/rendezvous_store.h"
-#include "layers/token_data.h"
-#include "layers/train_config.h"
+#include "data/token_data.h"
+#include "training/run_config.h"
+#include "training/stage/stage.h"
 
 namespace {
 

@@ -5,14 +5,14 @@
 // gradients of the recorded tape; gradcheck passes a block whose forward and backward
 // agree, and fails — naming the parameter — a hand-written layer whose backward is off
 // by 10%, or leaves a parameter's gradient out.
-#include "actors/training/transformer_program.h"
+#include "training/app/transformer_program.h"
 
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <map>
 
-#include "actors/training/gradcheck.h"
+#include "training/app/gradcheck.h"
 
 namespace troupe::training {
 namespace {

@@ -4,13 +4,13 @@
 // layers/autograd.h), and main(). The embedding, the stage split, tying, the LM head,
 // parameter names, the n > 1 attention (training::BlockAttention), the Trainer, the
 // workers, the schedule, gradient synchronisation, checkpoints, recovery, launch and
-// metrics are Troupe's (actors/training/transformer_program.h). docs/writing-an-app.md
+// metrics are Troupe's (training/app/transformer_program.h). docs/writing-an-app.md
 // walks through this file.
 //
 //   dense_lm --config apps/examples/dense_lm/dense_lm.toml [--parallel pp=2,dp=2] [--set k=v]
 //   dense_lm --config apps/examples/dense_lm/dense_lm.toml --gradcheck
 //   troupe run --nproc 4 -- dense_lm --config apps/examples/dense_lm/dense_lm.toml --parallel pp=2,dp=2
-#include "actors/training/transformer_program.h"
+#include "training/app/transformer_program.h"
 
 using namespace troupe;
 using layers::Var;

@@ -7,7 +7,7 @@
 //
 //   parallel_lm --config apps/examples/parallel_lm/parallel_lm.toml [--parallel pp=2,dp=2]
 //   parallel_lm --config apps/examples/parallel_lm/parallel_lm.toml --gradcheck
-#include "actors/training/transformer_program.h"
+#include "training/app/transformer_program.h"
 
 using namespace troupe;
 using layers::Var;
