@@ -3,7 +3,7 @@
 # with two GPUs: builds train_moe, troupe and training_gpu_test, runs the GPU tests that
 # FILTER selects (gtest filter; "none" skips them), then trains bench_1b at n=2 under
 # `troupe run` three ways: router statistics and expert counts read on the host (host),
-# the statistics on the device (stats: train.device_stats), both on the device (device:
+# the statistics on the device (stats: bench.device_stats), both on the device (device:
 # parallel.device_dispatch too), ROUNDS interleaved rounds of STEPS steps each, and prints
 # per run the median tokens/s, step time, peak device memory and host reads per step
 # (steps > 5). Usage (repository root, deps environment sourced):
@@ -48,16 +48,16 @@ summary() { metrics_summary "$1" "$2" | tee -a "$out/summary.txt"; }  # summary 
 
 # host: router statistics and expert counts read on the host (the previous path);
 # stats: the routers' statistics on the device, the counts on the host; device: both.
-variants=("host:parallel.device_dispatch=false:train.device_stats=false"
-  "stats:parallel.device_dispatch=false:train.device_stats=true"
-  "device:parallel.device_dispatch=true:train.device_stats=true")
+variants=("host:parallel.device_dispatch=false:bench.device_stats=false"
+  "stats:parallel.device_dispatch=false:bench.device_stats=true"
+  "device:parallel.device_dispatch=true:bench.device_stats=true")
 for r in $(seq 1 "$rounds"); do
   for v in "${variants[@]}"; do
     IFS=: read -r name dd ds <<<"$v"
     dir=/tmp/troupe-dd-$name
     rm -rf "$dir"
     timeout -s KILL 200 "$build/scheduler/troupe" run --nproc 2 --backend cuda -- \
-      "$PWD/$build/apps/train_moe" --config "$PWD/apps/configs/bench_1b.toml" --backend cuda --parallel n=2 \
+      "$PWD/$build/apps/train_moe" --config "$PWD/apps/configs/bench_1b.toml" --backend cuda --parallel n=2 --allow-test-config \
       "${sets[@]}" --set train.micro_batch_size=16 --set "$dd" --set "$ds" \
       --run-dir "$dir" >"$out/bench_n2_$name.$r.log" 2>&1
     say "bench_1b n=2 $name ($dd, $ds) round $r rc=$?"

@@ -44,7 +44,7 @@ usage: bench/e2e.sh [options]
                      ZeRO-1 and the in-memory state of the elastic workers, the config's micro-batch
                      per GPU) beside the n=N row
   --troupe-set K=V   one more `--set K=V` for every Troupe run (repeatable; e.g. an A/B of a switch
-                     such as train.fold_grad_norm=false)
+                     such as bench.fold_grad_norm=false)
   --no-selfcheck     skip the peer's numerical self-check (a small model: dispatch path with
                      torch._grouped_mm and all-to-all against a naive per-expert reference)
 EOF
@@ -88,7 +88,7 @@ while [ $# -gt 0 ]; do
     --timeout) TIMEOUT=$2; shift 2 ;;
     --quick) STEPS=5; WARMUP=2; shift ;;
     --dp) DP_ROWS=1; shift ;;
-    --troupe-set) TROUPE_SETS="${TROUPE_SETS:-} --set $2"; shift 2 ;;
+    --troupe-set) TROUPE_SETS="${TROUPE_SETS:-} --allow-test-config --set $2"; shift 2 ;;
     --no-selfcheck) SELFCHECK=0; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "e2e.sh: unknown option '$1'" >&2; usage >&2; exit 2 ;;

@@ -8,10 +8,10 @@
 #   stage    the Stage's GPU tests: tests/apps/stage_gpu_test (its CUDA graph against op by
 #            op, the Trainer path) and train_moe_cuda_test (TARGETS must build them)
 #   paths    bench/one_gpu_paths.sh: the single-process loop against `troupe run --nproc 1`
-#   hoststats  Troupe on bench_1b with train.device_stats=false (per-layer read-backs), to compare
-#   graph    Troupe on bench_1b with train.cuda_graph=true and false, alternating, twice
+#   hoststats  Troupe on bench_1b with bench.device_stats=false (per-layer read-backs), to compare
+#   graph    Troupe on bench_1b with bench.cuda_graph=true and false, alternating, twice
 #   pdl      Troupe on bench_1b with programmatic dependent launch on and off
-#            (TROUPE_CUDA_PDL=0), alternating, twice
+#            (bench.pdl=false), alternating, twice
 #   profile  every kernel of two bench_1b steps (Nsight Compute, launch by launch): time and
 #            launches per step by group and by kernel (bench/ncu_summary.py), all kernels
 #   gaps     where the device idles between kernels in a bench_1b step (a CUPTI trace,
@@ -27,7 +27,7 @@
 #   envab    Troupe alone on bench_1b under each value of the environment variable AB_ENV
 #            (AB_VALUES, space-separated), alternating, two rounds: a run-time switch's cost
 #   grads    Troupe on bench_1b with train.expert_grads "bf16" and "f32", alternating, twice
-#   ahead    Troupe on bench_1b with train.launch_ahead true and false, alternating, twice
+#   ahead    Troupe on bench_1b with bench.launch_ahead true and false, alternating, twice
 #   master   Troupe on bench_1b with train.master_weights "split" and "f32", alternating, twice
 #   dq       Troupe on bench_1b with the attention's dQ inside the dK/dV kernel (the default
 #            at head dim 64 on Hopper) and in its own (train.attention_fused_dq=false), twice
@@ -150,14 +150,14 @@ for step in "$@"; do
       ;;
     graph)
       # The step replayed from one CUDA graph against its launches enqueued one by one.
-      troupe_ab graph set train.cuda_graph true false
+      troupe_ab graph set bench.cuda_graph true false
       for g in true false; do
         grep -h "captured as a CUDA graph\|^step 2/" "$out/e2e-graph-$g/e2e/troupe_1gpu.log" 2>/dev/null | cut -c1-200
       done
       ;;
     pdl)
       # Kernels launched with programmatic dependent launch (the default on sm_90) and without.
-      troupe_ab pdl env TROUPE_CUDA_PDL 1 0
+      troupe_ab pdl set bench.pdl true false
       ;;
     envab)
       if [ -z "${AB_ENV:-}" ] || [ -z "${AB_VALUES:-}" ]; then
@@ -169,7 +169,7 @@ for step in "$@"; do
       ;;
     ahead)
       # A replayed step's successor enqueued before its statistics are read, and not.
-      troupe_ab ahead set train.launch_ahead true false
+      troupe_ab ahead set bench.launch_ahead true false
       ;;
     grads)
       # The experts' weight gradients in bf16 (bench_1b's setting, as the peer's autocast
@@ -230,7 +230,7 @@ for step in "$@"; do
       rm -rf "$d/profile"
       timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --nvtx --nvtx-include "step/" \
         --launch-count 8000 --csv --page raw "$B"/apps/train_moe --config apps/configs/bench_1b.toml --backend cuda \
-        --set train.steps=2 --set train.cuda_graph=false --set train.eval_every=0 --set train.eval_batches=1 \
+        --set train.steps=2 --allow-test-config --set bench.cuda_graph=false --set train.eval_every=0 --set train.eval_batches=1 \
         --set "data.dir=$d/data" --run-dir "$d/profile" >"$out/ncu_step.csv" 2>"$out/ncu_stderr.log"
       stamp "profile rc=$? ($(grep -c '^"' "$out/ncu_step.csv") rows)"
       python3 bench/ncu_summary.py "$out/ncu_step.csv" 2 0 >"$out/profile.md"
@@ -247,7 +247,7 @@ for step in "$@"; do
         rm -rf "$d/gaps"
         CUDA_INJECTION64_PATH="$B/bench/kernels/libtroupe_kernel_trace.so" TROUPE_KERNEL_TRACE="$out/gaps-$g.csv" \
           timeout 200 "$B"/apps/train_moe --config apps/configs/bench_1b.toml --backend cuda --set train.steps=6 \
-          --set train.cuda_graph=$g --set train.eval_every=0 --set train.eval_batches=1 --set "data.dir=$d/data" \
+          --allow-test-config --set bench.cuda_graph=$g --set train.eval_every=0 --set train.eval_batches=1 --set "data.dir=$d/data" \
           --run-dir "$d/gaps" >"$out/gaps-$g.log" 2>&1
         stamp "gaps cuda_graph=$g rc=$? ($(grep -h 'kernel_trace:' "$out/gaps-$g.log" | tail -1))"
         grep -h "^step [56]/" "$out/gaps-$g.log" | cut -c1-200
@@ -300,7 +300,7 @@ PY
       # The token shards e2e makes (without it having run first, train_moe finds no tokenizer).
       [ -d "$d/data" ] || OUT=$out bash bench/e2e.sh --build "$B" --skip-troupe --skip-peer --gpus 1 >/dev/null 2>&1
       timeout 200 "$B"/apps/train_moe --config apps/configs/bench_1b.toml --backend cuda \
-        --set train.device_stats=false --set train.steps=7 --set train.eval_every=0 --set train.eval_batches=1 --set "data.dir=$d/data" \
+        --allow-test-config --set bench.device_stats=false --set train.steps=7 --set train.eval_every=0 --set train.eval_batches=1 --set "data.dir=$d/data" \
         --run-dir "$d/hoststats" >"$out/hoststats.log" 2>&1
       stamp "hoststats rc=$?"
       grep "^step [0-9]*/7" "$out/hoststats.log" | cut -c1-220

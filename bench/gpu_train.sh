@@ -78,7 +78,7 @@ if has ncu; then
   # by the step count.
   timeout ${NCU_LIMIT:-200} ncu --clock-control none --metrics gpu__time_duration.sum --nvtx \
     --nvtx-include "step/" --launch-count ${NCU_COUNT:-6000} --csv --page raw \
-    "$build/apps/train_moe" --config apps/configs/bench_1b.toml --backend cuda --set train.steps=2 --set train.cuda_graph=false \
+    "$build/apps/train_moe" --config apps/configs/bench_1b.toml --backend cuda --set train.steps=2 --allow-test-config --set bench.cuda_graph=false \
     --set train.eval_every=0 --set train.eval_batches=1 --set data.dir="$data" --run-dir "$run" \
     >"$out/ncu_step.csv" 2>"$out/ncu_stderr.log"
   say "ncu rc=$? ($(grep -c '^"' "$out/ncu_step.csv") rows)"

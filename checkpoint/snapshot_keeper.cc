@@ -26,6 +26,7 @@
 
 #include "checkpoint/snapshot_segment.h"
 #include "checkpoint/snapshot_wire.h"
+#include "core/env.h"
 #include "core/logging.h"
 
 namespace troupe::checkpoint {
@@ -657,8 +658,7 @@ Result<std::unique_ptr<SnapshotKeeper>> SnapshotKeeper::start(KeeperOptions opti
   if (impl->o.node.empty()) return invalid_argument("snapshot keeper: no node name");
   std::string base = impl->o.dir_base;
   if (base.empty()) {
-    const char* t = std::getenv("TMPDIR");
-    base = (t != nullptr && *t != '\0') ? t : "/tmp";
+    base = env::get_or("TMPDIR", "/tmp");
   }
   std::string tmpl = base + "/troupe-snap-XXXXXX";
   if (::mkdtemp(tmpl.data()) == nullptr)

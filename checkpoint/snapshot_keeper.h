@@ -50,8 +50,7 @@ struct KeeperOptions {
   std::chrono::milliseconds idle_release{std::chrono::hours(1)};
 };
 
-// The environment variable that hands a keeper's socket to the processes it serves.
-inline constexpr const char* kSnapshotKeeperEnv = "TROUPE_SNAPSHOT_KEEPER";
+// The processes a keeper serves find its socket in job_env::kSnapshotKeeper (core/job_env.h).
 
 struct KeeperTotals {
   uint64_t bytes = 0;  // segment bytes held (generations and copies)

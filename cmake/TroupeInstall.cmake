@@ -4,7 +4,7 @@
 #   include/troupe/<folder>/*.h     their headers, at the paths the sources include
 #   lib/cmake/Troupe/               the CMake package: find_package(Troupe) -> Troupe::app
 #   bin/                            troupe, troupe-scheduler, troupe-agent, troupe-ckpt,
-#                                   troupe-keygen, troupe-prepare, train_moe and the examples
+#                                   troupe-prepare, train_moe and the examples
 # An app's CMakeLists.txt: find_package(Troupe REQUIRED) and
 # target_link_libraries(my_app PRIVATE Troupe::app) (apps/examples/parallel_lm).
 include(GNUInstallDirs)
@@ -42,7 +42,7 @@ install(DIRECTORY core kernels comm layers actors checkpoint interop observe sch
 file(GLOB troupe_data_headers ${PROJECT_SOURCE_DIR}/data/*.h)
 install(FILES ${troupe_data_headers} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/troupe/data COMPONENT Development)
 
-set(troupe_tools troupe troupe-scheduler troupe-agent troupe-ckpt troupe-keygen troupe-prepare train_moe dense_lm
+set(troupe_tools troupe troupe-scheduler troupe-agent troupe-ckpt troupe-prepare train_moe dense_lm
                  parallel_lm)
 install(TARGETS ${troupe_tools} RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT Runtime)
 install(FILES apps/train_moe/plot.py DESTINATION ${CMAKE_INSTALL_BINDIR} RENAME train_moe_plot.py

@@ -1,11 +1,12 @@
 // core/config.cc — ConfigTable over toml++.
 #include "core/config.h"
 
-#include <toml++/toml.h>
-
 #include <fmt/format.h>
 #include <fmt/ostream.h>
 #include <fmt/ranges.h>
+#include <toml++/toml.h>
+
+#include <algorithm>
 
 namespace troupe {
 
@@ -67,6 +68,28 @@ Result<T> read_value(ConfigTable& self, const toml::table& t, std::set<std::stri
                           fmt::format("{}", fmt::streamed(n->type())));
 }
 
+// A default as TOML writes it.
+std::string toml_text(int64_t v) {
+  return std::to_string(v);
+}
+std::string toml_text(double v) {
+  return fmt::format("{}", v);
+}
+std::string toml_text(bool v) {
+  return v ? "true" : "false";
+}
+std::string toml_text(const std::string& v) {
+  return fmt::format("\"{}\"", v);
+}
+std::string toml_text(const std::vector<int64_t>& v) {
+  return fmt::format("[{}]", fmt::join(v, ", "));
+}
+
+template <typename T>
+std::string default_text(const std::optional<T>& d) {
+  return d ? toml_text(*d) : std::string("(required)");
+}
+
 void collect_keys(const toml::table& t, const std::string& prefix, std::vector<std::string>& out) {
   for (auto&& [k, v] : t) {
     std::string name = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
@@ -79,21 +102,41 @@ void collect_keys(const toml::table& t, const std::string& prefix, std::vector<s
 }
 }  // namespace
 
-Result<int64_t> ConfigTable::get_int(const std::string& key, std::optional<int64_t> dflt) {
+void ConfigTable::document(const std::string& key, const char* type, std::string default_text,
+                           std::string_view doc, std::string_view shown_default) {
+  for (const ConfigKeyDoc& d : docs_) {
+    if (d.key == key) return;  // the first read declares it
+  }
+  docs_.push_back(ConfigKeyDoc{key, type,
+                               shown_default.empty() ? std::move(default_text) : std::string(shown_default),
+                               std::string(doc)});
+}
+
+Result<int64_t> ConfigTable::get_int(const std::string& key, std::optional<int64_t> dflt,
+                                     std::string_view doc, std::string_view shown_default) {
+  document(key, "integer", default_text(dflt), doc, shown_default);
   return read_value<int64_t>(*this, *table_, used_, key, dflt, "an integer");
 }
-Result<double> ConfigTable::get_double(const std::string& key, std::optional<double> dflt) {
+Result<double> ConfigTable::get_double(const std::string& key, std::optional<double> dflt,
+                                       std::string_view doc, std::string_view shown_default) {
+  document(key, "number", default_text(dflt), doc, shown_default);
   return read_value<double>(*this, *table_, used_, key, dflt, "a number");
 }
-Result<bool> ConfigTable::get_bool(const std::string& key, std::optional<bool> dflt) {
+Result<bool> ConfigTable::get_bool(const std::string& key, std::optional<bool> dflt, std::string_view doc,
+                                   std::string_view shown_default) {
+  document(key, "boolean", default_text(dflt), doc, shown_default);
   return read_value<bool>(*this, *table_, used_, key, dflt, "true or false");
 }
-Result<std::string> ConfigTable::get_string(const std::string& key, std::optional<std::string> dflt) {
+Result<std::string> ConfigTable::get_string(const std::string& key, std::optional<std::string> dflt,
+                                            std::string_view doc, std::string_view shown_default) {
+  document(key, "string", default_text(dflt), doc, shown_default);
   return read_value<std::string>(*this, *table_, used_, key, dflt, "a string");
 }
 
 Result<std::vector<int64_t>> ConfigTable::get_int_list(const std::string& key,
-                                                        std::optional<std::vector<int64_t>> dflt) {
+                                                       std::optional<std::vector<int64_t>> dflt,
+                                                       std::string_view doc, std::string_view shown_default) {
+  document(key, "list of integers", default_text(dflt), doc, shown_default);
   used_.insert(key);
   const toml::node* n = find(*table_, key);
   if (n == nullptr) {
@@ -111,6 +154,13 @@ Result<std::vector<int64_t>> ConfigTable::get_int_list(const std::string& key,
 }
 
 bool ConfigTable::has(const std::string& key) const { return find(*table_, key) != nullptr; }
+
+std::vector<std::string> ConfigTable::keys_under(const std::string& table) const {
+  std::vector<std::string> out;
+  if (const toml::table* t = table_->at_path(table).as_table()) collect_keys(*t, table, out);
+  std::sort(out.begin(), out.end());
+  return out;
+}
 
 Status ConfigTable::set_from_string(const std::string& assignment) {
   auto eq = assignment.find('=');

@@ -87,29 +87,61 @@ int64_t ModelConfig::num_active_params() const {
   return total;
 }
 
+double ModelConfig::train_flops_per_token(int64_t seq_len) const {
+  return 6.0 * static_cast<double>(num_active_params()) +
+         6.0 * static_cast<double>(n_layers * seq_len * d_model);
+}
+
 Result<ModelConfig> parse_model_config(ConfigTable& cfg) {
   ModelConfig m;
-  TROUPE_ASSIGN_OR_RETURN(m.vocab_size, cfg.get_int("model.vocab_size", m.vocab_size));
-  TROUPE_ASSIGN_OR_RETURN(m.d_model, cfg.get_int("model.d_model", m.d_model));
-  TROUPE_ASSIGN_OR_RETURN(m.n_layers, cfg.get_int("model.n_layers", m.n_layers));
-  TROUPE_ASSIGN_OR_RETURN(m.n_heads, cfg.get_int("model.n_heads", m.n_heads));
-  TROUPE_ASSIGN_OR_RETURN(m.n_kv_heads, cfg.get_int("model.n_kv_heads", m.n_heads));
-  TROUPE_ASSIGN_OR_RETURN(m.head_dim, cfg.get_int("model.head_dim", m.head_dim));
-  TROUPE_ASSIGN_OR_RETURN(m.ffn_hidden, cfg.get_int("model.ffn_hidden", m.ffn_hidden));
-  TROUPE_ASSIGN_OR_RETURN(m.tie_embeddings, cfg.get_bool("model.tie_embeddings", m.tie_embeddings));
-  TROUPE_ASSIGN_OR_RETURN(m.rope_theta, cfg.get_double("model.rope_theta", m.rope_theta));
-  TROUPE_ASSIGN_OR_RETURN(m.norm_eps, cfg.get_double("model.norm_eps", m.norm_eps));
-  TROUPE_ASSIGN_OR_RETURN(m.qk_norm, cfg.get_bool("model.qk_norm", m.qk_norm));
-  TROUPE_ASSIGN_OR_RETURN(m.init_std, cfg.get_double("model.init_std", m.init_std));
-  TROUPE_ASSIGN_OR_RETURN(m.moe_layers, cfg.get_int_list("model.moe_layers", std::vector<int64_t>{}));
-  TROUPE_ASSIGN_OR_RETURN(m.moe_every, cfg.get_int("model.moe_every", m.moe_every));
-  TROUPE_ASSIGN_OR_RETURN(m.moe_first, cfg.get_int("model.moe_first", m.moe_first));
-  TROUPE_ASSIGN_OR_RETURN(m.recompute_swiglu, cfg.get_bool("model.recompute_swiglu", m.recompute_swiglu));
+  TROUPE_ASSIGN_OR_RETURN(
+      m.vocab_size, cfg.get_int("model.vocab_size", m.vocab_size,
+                                "embedding rows; must be >= the tokenizer's vocabulary (checked at start)"));
+  TROUPE_ASSIGN_OR_RETURN(m.d_model, cfg.get_int("model.d_model", m.d_model, "width of the residual stream"));
+  TROUPE_ASSIGN_OR_RETURN(m.n_layers, cfg.get_int("model.n_layers", m.n_layers,
+                                                  "transformer blocks; parallel.pp must divide it"));
+  TROUPE_ASSIGN_OR_RETURN(m.n_heads,
+                          cfg.get_int("model.n_heads", m.n_heads, "query heads; parallel.n must divide it"));
+  TROUPE_ASSIGN_OR_RETURN(
+      m.n_kv_heads,
+      cfg.get_int("model.n_kv_heads", m.n_heads,
+                  "key/value heads (grouped-query attention); divides n_heads; parallel.n must divide it",
+                  "model.n_heads"));
+  TROUPE_ASSIGN_OR_RETURN(m.head_dim,
+                          cfg.get_int("model.head_dim", m.head_dim, "per-head width; 0: d_model / n_heads"));
+  TROUPE_ASSIGN_OR_RETURN(m.ffn_hidden, cfg.get_int("model.ffn_hidden", m.ffn_hidden,
+                                                    "hidden size of a dense block's SwiGLU MLP"));
+  TROUPE_ASSIGN_OR_RETURN(m.tie_embeddings, cfg.get_bool("model.tie_embeddings", m.tie_embeddings,
+                                                         "the LM head reads the embedding's weight"));
+  TROUPE_ASSIGN_OR_RETURN(m.rope_theta, cfg.get_double("model.rope_theta", m.rope_theta, "RoPE base"));
+  TROUPE_ASSIGN_OR_RETURN(m.norm_eps, cfg.get_double("model.norm_eps", m.norm_eps, "RMSNorm epsilon"));
+  TROUPE_ASSIGN_OR_RETURN(
+      m.qk_norm, cfg.get_bool("model.qk_norm", m.qk_norm, "per-head RMSNorm of q and k before RoPE (Qwen3)"));
+  TROUPE_ASSIGN_OR_RETURN(m.init_std, cfg.get_double("model.init_std", m.init_std,
+                                                     "std of the normal initialisation (projections into the "
+                                                     "residual stream: init_std / sqrt(2 n_layers))"));
+  TROUPE_ASSIGN_OR_RETURN(m.moe_layers,
+                          cfg.get_int_list("model.moe_layers", std::vector<int64_t>{},
+                                           "the MoE blocks by index; empty: moe_every and moe_first decide"));
+  TROUPE_ASSIGN_OR_RETURN(m.moe_every,
+                          cfg.get_int("model.moe_every", m.moe_every,
+                                      "every block i >= moe_first with (i - moe_first) % moe_every == 0 is "
+                                      "MoE; 0: all dense (dense_lm and parallel_lm refuse MoE blocks)"));
+  TROUPE_ASSIGN_OR_RETURN(
+      m.moe_first, cfg.get_int("model.moe_first", m.moe_first, "the first MoE block (with moe_every)"));
+  TROUPE_ASSIGN_OR_RETURN(m.recompute_swiglu,
+                          cfg.get_bool("model.recompute_swiglu", m.recompute_swiglu,
+                                       "train_moe: recompute SwiGLU outputs in backward (apps on the "
+                                       "transformer program base use train.recompute)"));
   MoEConfig& e = m.moe;
-  TROUPE_ASSIGN_OR_RETURN(e.num_experts, cfg.get_int("model.moe.num_experts", e.num_experts));
-  TROUPE_ASSIGN_OR_RETURN(e.top_k, cfg.get_int("model.moe.top_k", e.top_k));
-  TROUPE_ASSIGN_OR_RETURN(e.expert_hidden, cfg.get_int("model.moe.expert_hidden", e.expert_hidden));
-  TROUPE_ASSIGN_OR_RETURN(std::string router, cfg.get_string("model.moe.router", "softmax"));
+  TROUPE_ASSIGN_OR_RETURN(e.num_experts, cfg.get_int("model.moe.num_experts", e.num_experts,
+                                                     "experts of an MoE block; parallel.n must divide it"));
+  TROUPE_ASSIGN_OR_RETURN(e.top_k,
+                          cfg.get_int("model.moe.top_k", e.top_k, "experts each token is routed to"));
+  TROUPE_ASSIGN_OR_RETURN(e.expert_hidden, cfg.get_int("model.moe.expert_hidden", e.expert_hidden,
+                                                       "SwiGLU hidden size of one expert"));
+  TROUPE_ASSIGN_OR_RETURN(std::string router, cfg.get_string("model.moe.router", "softmax",
+                                                             "router scores: \"softmax\" or \"sigmoid\""));
   if (router == "softmax") {
     e.score = kernels::RouterScore::kSoftmax;
   } else if (router == "sigmoid") {
@@ -118,12 +150,26 @@ Result<ModelConfig> parse_model_config(ConfigTable& cfg) {
     return invalid_argument("{}: key 'model.moe.router' must be \"softmax\" or \"sigmoid\" (got \"{}\")",
                             cfg.source(), router);
   }
-  TROUPE_ASSIGN_OR_RETURN(e.normalize_gates, cfg.get_bool("model.moe.normalize_gates", e.normalize_gates));
-  TROUPE_ASSIGN_OR_RETURN(e.aux_loss_coef, cfg.get_double("model.moe.aux_loss_coef", e.aux_loss_coef));
-  TROUPE_ASSIGN_OR_RETURN(e.z_loss_coef, cfg.get_double("model.moe.z_loss_coef", e.z_loss_coef));
-  TROUPE_ASSIGN_OR_RETURN(e.bias_update_rate, cfg.get_double("model.moe.bias_update_rate", e.bias_update_rate));
-  TROUPE_ASSIGN_OR_RETURN(e.capacity_factor, cfg.get_double("model.moe.capacity_factor", e.capacity_factor));
-  TROUPE_ASSIGN_OR_RETURN(e.shared_experts, cfg.get_int("model.moe.shared_experts", e.shared_experts));
+  TROUPE_ASSIGN_OR_RETURN(e.normalize_gates,
+                          cfg.get_bool("model.moe.normalize_gates", e.normalize_gates,
+                                       "renormalise the selected scores (always with sigmoid)"));
+  TROUPE_ASSIGN_OR_RETURN(e.aux_loss_coef,
+                          cfg.get_double("model.moe.aux_loss_coef", e.aux_loss_coef,
+                                         "Switch load-balancing loss: coef * E * sum_e f_e * P_e"));
+  TROUPE_ASSIGN_OR_RETURN(e.z_loss_coef, cfg.get_double("model.moe.z_loss_coef", e.z_loss_coef,
+                                                        "router z-loss: coef * mean logsumexp(logits)^2"));
+  TROUPE_ASSIGN_OR_RETURN(e.bias_update_rate,
+                          cfg.get_double("model.moe.bias_update_rate", e.bias_update_rate,
+                                         "aux-loss-free balancing (DeepSeek-V3): bias_e += rate * sign(mean "
+                                         "- load_e) after each step; 0: off"));
+  TROUPE_ASSIGN_OR_RETURN(e.capacity_factor,
+                          cfg.get_double("model.moe.capacity_factor", e.capacity_factor,
+                                         "<= 0: dropless; else each expert keeps ceil(factor * tokens * "
+                                         "top_k / E) copies (layouts with n = 1; n > 1 is refused)"));
+  TROUPE_ASSIGN_OR_RETURN(
+      e.shared_experts,
+      cfg.get_int("model.moe.shared_experts", e.shared_experts,
+                  "shared experts: one SwiGLU of hidden shared_experts * expert_hidden every token passes"));
   Status st = m.validate();
   if (!st.ok()) return st.with_context(cfg.source());
   return m;

@@ -60,6 +60,10 @@ struct ModelConfig {
   // as in the usual 6*N FLOP estimate).
   int64_t num_params() const;
   int64_t num_active_params() const;
+  // Model FLOPs of one trained token (forward and backward) at sequence length `seq_len`:
+  // 6 x num_active_params() + causal attention's 6 x n_layers x seq_len x d_model. The one
+  // formula behind every MFU figure (core/peak_flops.h has the peak it is divided by).
+  double train_flops_per_token(int64_t seq_len) const;
 };
 
 // Reads every key of the [model] table (and [model.moe]) from `cfg`; unknown keys are left

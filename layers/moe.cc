@@ -1,7 +1,7 @@
 // layers/moe.cc — Router, LocalExpertDispatch and MoELayer.
 //
 // Two ways to keep the router's balancing statistics. Router::forward (CPU, a z-loss, or
-// train.device_stats = false; groups through the host all-reduce): host loops over
+// bench.device_stats = false; groups through the host all-reduce): host loops over
 // read-back topk_idx and score sums, three host waits per MoE layer on a device (the
 // z-loss also reads back the logits).
 // Router::forward_device (no z-loss; MoELayer::set_device_stats; on GPUs): counts, score
@@ -429,7 +429,7 @@ double MoELayer::absorb_device_stats(const float* row, int64_t replicas) {
     throw std::runtime_error(fmt::format(
         "MoE device statistics: the routers counted {} expert selections where group members routing equal "
         "token counts would give {}; the members of a group must route the same number of tokens per "
-        "micro-batch (or set train.device_stats = false)",
+        "micro-batch (or set bench.device_stats = false)",
         total, expected));
   }
   return static_cast<double>(row[e]);

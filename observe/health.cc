@@ -9,6 +9,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/env.h"
+
 namespace troupe::observe {
 
 namespace fs = std::filesystem;
@@ -272,8 +274,8 @@ HealthSampler::HealthSampler(HealthSamplerOptions o, std::shared_ptr<StepProbe> 
   if (o.gpu) {
     std::string device = o.gpu_device;
     if (device.empty()) {
-      const char* vis = std::getenv("CUDA_VISIBLE_DEVICES");
-      device = vis != nullptr && *vis != '\0' ? std::string(vis).substr(0, std::string(vis).find(',')) : "0";
+      const std::string vis = env::get_or("CUDA_VISIBLE_DEVICES", "0");
+      device = vis.substr(0, vis.find(','));
     }
     auto n = Nvml::open(device);
     if (n.ok()) {

@@ -97,25 +97,11 @@ Result<std::unique_ptr<actors::ActorSystem>> make_system(const std::string& node
   o.node_id = node;
   o.threads = 1;
   if (bind_host.empty()) return actors::ActorSystem::create(std::move(o));  // no network
-  control::TransportOptions t;
-  t.bind_endpoint = fmt::format("tcp://{}:*", bind_host);
-  if (std::optional<control::CurveKeyPair> kp = control::job_curve_from_env()) {
-    t.curve.own = *kp;
-    t.curve.allowed_client_keys = {kp->public_key};
-    t.allow_non_loopback = true;
-  } else if (const char* insecure = std::getenv("TROUPE_INSECURE");
-             insecure != nullptr && std::string(insecure) == "1") {
-    t.allow_non_loopback = true;
-  }
-  o.network = t;
+  o.network = control::job_transport("", fmt::format("tcp://{}:*", bind_host));
   return actors::ActorSystem::create(std::move(o));
 }
 
-// The server key to connect to another process of the job ("" without CURVE).
-std::string job_server_key() {
-  std::optional<control::CurveKeyPair> kp = control::job_curve_from_env();
-  return kp ? kp->public_key : std::string();
-}
+using control::job_server_key;
 
 }  // namespace
 

@@ -1,6 +1,6 @@
 // training/run_config.h — defines TrainConfig, everything a training run reads from its
-// TOML file: [model] (ModelConfig), [train], [optim], [data], [parallel], [checkpoint]
-// and [elastic], with
+// TOML file: [model] (ModelConfig), [train], [optim], [data], [parallel], [checkpoint],
+// [elastic], [observe], and the fenced [bench] and [test] sections, with
 // strict parsing (an unknown key or a bad value is an error naming the key) and
 // command-line overrides ("--set train.steps=10").
 #pragma once
@@ -45,7 +45,8 @@ struct TrainOptions {
   // several steps in flight restores a step every survivor holds (docs/elastic.md).
   int64_t steps_in_flight = 2;
   // The step engine's switches (the Stage, every layout; training/stage/stage.h "Step
-  // engine"). Each defaults to the fast way; false keeps the plain one, for comparison.
+  // engine"). Each defaults to the fast way; false keeps the plain one, for comparison:
+  // keys of the fenced [bench] section (bench.device_stats, ...; parse_test_sections).
   // The step's statistics (loss, gradient norm, tokens, the program's: router loads and
   // aux losses) accumulate in one device buffer, are summed over the world on the device
   // and read once per step, asynchronously; false: read back inside the step and summed
@@ -67,7 +68,7 @@ struct TrainOptions {
   // false: every launch enqueued one by one (for kernel profilers that want launches).
   // CPU workers have no launches to capture: the switch does not apply to them.
   bool cuda_graph = true;
-  bool cuda_graph_asked = false;  // the config (or an override) set train.cuda_graph
+  bool cuda_graph_asked = false;  // the config (or an override) set bench.cuda_graph
   // The next step may be enqueued before this step's statistics are read (the worker
   // launches step k+1, then finishes step k), so the device does not wait for the host's
   // read, logging, uploads and driver between steps. On GPUs from the captured step on,
@@ -81,6 +82,9 @@ struct TrainOptions {
   // (kernels::CudaContext::attention_fused_dq). The embedding backward adds repeated ids
   // in no fixed order either way, so gradient norms can differ in their last bits.
   bool attention_fused_dq = true;
+  // GPUs of compute capability 9.0 and up: kernels launch with programmatic dependent
+  // launch (kernels::CudaContext::pdl). bench.pdl = false turns it off, for comparison.
+  bool pdl = true;
   // The experts' weight gradients: f32 (default), or bf16 ("bf16": each is its grouped dW
   // product rounded once to bf16, as PyTorch autocast's gradients of bf16 weight copies
   // are; the norm, clipping and AdamW then compute in f32 from it; the dp reduce-scatter
@@ -129,7 +133,7 @@ struct ParallelOptions {
   // when top_k is large).
   std::string dispatch = "alltoall";
   bool compression = false;  // data-parallel gradient reduce-scatter with bf16 on the wire
-  // ---- communication overlap and compression (docs/parallelism.md) ----
+  // ---- communication overlap (docs/parallelism.md): keys of the fenced [bench] section ----
   // Each switch changes only when the step waits, never the arithmetic: a run with a
   // switch off gives bitwise the same numbers as with it on.
   bool overlap_a2a = true;           // Ulysses and expert all-to-alls in flight behind compute
@@ -146,8 +150,9 @@ struct ParallelOptions {
   // activations are sized for the worst case, n times the routed rows
   // (docs/parallelism.md "Expert counts on the device").
   bool device_dispatch = false;
-  // Print each step's relative error of the compressed gradient exchange against an extra
-  // fp32 exchange of the same gradients (tests, benches; CPU ranks; costs that exchange).
+  // bench.measure_compression: print each step's relative error of the compressed
+  // gradient exchange against an extra fp32 exchange of the same gradients (tests,
+  // benches; CPU ranks; costs that exchange).
   bool measure_compression = false;
   int64_t world() const { return pp * dp * n; }
   // InvalidArgument naming the part of pp, dp, n that is not >= 1 (ParallelLayout::make).
@@ -199,10 +204,12 @@ struct ElasticOptions {
   // copy on another node); a recovery goes back to the newest complete one, so at most
   // this many steps run again. 0: none (a recovery needs a checkpoint).
   int64_t snapshot_every = 10;
-  // Planned rescales "<after step>:<dp>,..." (demos and tests; `troupe scale` at run time).
+  // Planned rescales "<after step>:<dp>,..." (test.scale_at, in the fenced [test] section;
+  // `troupe scale` at run time).
   std::string scale_at;
-  // Fault injection for tests and demos: "<kill|stop|slow|cut|hang|cutctl>@<step>:<phase>:<slot>,..."
-  // (training/worker/elastic.h, FaultSpec).
+  // Fault injection for tests and demos (test.inject, in the fenced [test] section):
+  // "<kill|stop|slow|cut|hang|cutctl>@<step>:<phase>:<slot>,..." (training/worker/elastic.h,
+  // FaultSpec).
   std::string inject;
   // A job of one worker (layout 1x1x1) started without a launcher runs the Trainer and its
   // worker in one process (no child, no socket): the fastest form, but a crash of the
@@ -236,6 +243,8 @@ struct TrainConfig {
   ElasticOptions elastic;
   ObserveOptions observe;
   std::string source;  // the config file
+  // The [bench] and [test] keys the config sets (admitted: TestSections::kAdmit).
+  std::vector<std::string> test_keys;
 
   int64_t global_batch() const { return train.global_batch; }
   int64_t tokens_per_step() const { return global_batch() * train.seq_len; }
@@ -246,9 +255,16 @@ struct TrainConfig {
 // micro-batches of that size cannot make the global batch.
 Result<int64_t> micro_batches_per_replica(const TrainOptions& t, int64_t dp);
 
+// Whether a config may set the [bench] and [test] sections (A/B switches for comparison,
+// fault injection, planned rescales: train_config.cc, parse_test_sections). kRefuse: a
+// config that sets one is an error naming the keys (a production run); kAdmit: benchmarks
+// and tests (apps: --allow-test-config), and a checkpoint's own recorded config.
+enum class TestSections { kRefuse, kAdmit };
+
 // Parses `path`, applies `overrides` ("key=value", TOML-typed), reads every section and
 // rejects unknown keys. Errors name the key and the file.
-Result<TrainConfig> load_train_config(const std::string& path, const std::vector<std::string>& overrides);
-Result<TrainConfig> parse_train_config(ConfigTable& cfg);
+Result<TrainConfig> load_train_config(const std::string& path, const std::vector<std::string>& overrides,
+                                      TestSections test_sections = TestSections::kRefuse);
+Result<TrainConfig> parse_train_config(ConfigTable& cfg, TestSections test_sections = TestSections::kRefuse);
 
 }  // namespace troupe::layers

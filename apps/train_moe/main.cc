@@ -136,6 +136,11 @@ int main(int argc, char** argv) {
                  app.help());
       return 2;
     }
+    if (troupe::Status j = troupe::training::adopt_job_flags(train);
+        !j.ok()) {  // troupe run's --backend/--layout
+      fmt::print(stderr, "train_moe: error: {}\n", j.to_string());
+      return troupe::exit_status_for(j);
+    }
     if (auto p = troupe::training::all_overrides(train); !p.ok()) {  // a bad --parallel: usage error
       fmt::print(stderr, "train_moe: error: {}\n", p.status().to_string());
       return 2;
@@ -152,12 +157,13 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "train_moe: error: {}\n", dev.status().to_string());
       return troupe::exit_status_for(dev.status());
     }
-    auto tc = troupe::layers::load_train_config(resolved->config, resolved->overrides);
+    auto tc = troupe::training::load_run_config(*resolved);
     if (!tc.ok()) {
       fmt::print(stderr, "train_moe: error: {}\n", tc.status().to_string());
       return troupe::exit_status_for(tc.status());
     }
     (*dev)->set_attention_fused_dq(tc->train.attention_fused_dq);
+    (*dev)->set_pdl(tc->train.pdl);
     // The framework's Trainer and Stage run train_moe's stage program (app.cc): in this
     // process for layout 1x1x1, else in the workers it (or troupe run) starts.
     st = troupe::training::run_app(moe_app(), *resolved, (*dev)->ctx());

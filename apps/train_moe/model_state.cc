@@ -28,7 +28,8 @@ Result<layers::TrainConfig> checkpoint_train_config(const checkpoint::Checkpoint
   for (const auto& v : m.metadata.value("overrides", nlohmann::json::array())) {
     TROUPE_RETURN_IF_ERROR(cfg.set_from_string(v.get<std::string>()));
   }
-  return layers::parse_train_config(cfg);
+  // The config the run was started with, already admitted then ([bench]/[test] included).
+  return layers::parse_train_config(cfg, layers::TestSections::kAdmit);
 }
 
 }  // namespace troupe::train_moe

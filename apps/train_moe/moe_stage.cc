@@ -85,7 +85,7 @@ class MoeStage final : public training::StageProgram {
           b.moe->router.set_group_all_reduce([g = &group, time = &env.time](std::vector<double>& v) {
             training::sum_doubles(*g, v, *time, "router statistics");
           });
-          // The same sums where the statistics stay in a tensor (train.device_stats).
+          // The same sums where the statistics stay in a tensor (bench.device_stats).
           b.moe->router.set_device_group_all_reduce([g = &group, time = &env.time](Tensor& v) {
             training::all_reduce_sum(*g, v, *time, "router statistics");
             return static_cast<int64_t>(g->size());
@@ -206,7 +206,7 @@ class MoeStage final : public training::StageProgram {
     });
   }
 
-  // Device statistics (train.device_stats): one row per MoE block of the whole model,
+  // Device statistics (bench.device_stats): one row per MoE block of the whole model,
   // [E selections, aux loss] padded to stride_, so every rank's buffer has the same layout
   // (a stage fills its own blocks' rows). Each block's router accumulates its row
   // (MoELayer::set_device_stats; with n > 1 summed over the n-group on the device). -1
@@ -377,10 +377,6 @@ training::App moe_app() {
   training::App app;
   app.name = "train_moe";
   app.program = moe_stage_program();
-  app.flops_per_token = [](const layers::TrainConfig& tc) {
-    return 6.0 * static_cast<double>(tc.model.num_active_params()) +
-           6.0 * static_cast<double>(tc.model.n_layers * tc.train.seq_len * tc.model.d_model);
-  };
   return app;
 }
 

@@ -13,8 +13,8 @@ namespace troupe::train_moe {
 
 // The program factory every train_moe worker (and the tests building a Stage) uses.
 training::ProgramFactory moe_stage_program();
-// train_moe as a framework app: the program, and the model FLOPs per token for "mfu"
-// (6 * active parameters + 6 * L * s * d for causal attention).
+// train_moe as a framework app: its program (MFU comes from the framework's one FLOPs
+// formula, layers::ModelConfig::train_flops_per_token).
 training::App moe_app();
 
 }  // namespace troupe::train_moe

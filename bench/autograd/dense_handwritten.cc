@@ -186,11 +186,6 @@ training::App app() {
     TROUPE_RETURN_IF_ERROR(check_dense(env.tc));
     return std::unique_ptr<training::StageProgram>(std::make_unique<DenseStage>(env));
   };
-  // 6 x parameters (the embedding's lookup excluded) + causal attention's 6 * L * s * d.
-  a.flops_per_token = [](const layers::TrainConfig& tc) {
-    return 6.0 * static_cast<double>(tc.model.num_active_params()) +
-           6.0 * static_cast<double>(tc.model.n_layers * tc.train.seq_len * tc.model.d_model);
-  };
   return a;
 }
 
@@ -214,6 +209,7 @@ int main(int argc, char** argv) {
     TROUPE_RETURN_IF_ERROR(dense_handwritten::check_dense(tc));
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<training::RunDevice> dev, training::RunDevice::create(o.backend));
     dev->set_attention_fused_dq(tc.train.attention_fused_dq);
+    dev->set_pdl(tc.train.pdl);
     return training::run_app(dense_handwritten::app(), o, dev->ctx());
   }();
   if (!st.ok()) {

@@ -26,6 +26,7 @@
 #include "core/cuda/device_buffer.h"
 #include "core/cuda/stream.h"
 #include "core/gpu_check.h"
+#include "core/peak_flops.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/launch.h"
@@ -33,7 +34,7 @@
 namespace troupe::kernels {
 namespace {
 
-constexpr double kPeakBf16Tflops = 989.0;
+constexpr double kPeakBf16Tflops = kPeakBf16FlopsPerGpu / 1e12;
 constexpr int64_t kD = 1024, kHeads = 16, kHeadDim = 64, kExperts = 16, kTopK = 2, kFfn = 2048, kSeq = 2048,
                   kBatch = 8, kVocab = 32768;
 constexpr int64_t kTokens = kSeq * kBatch;

@@ -85,11 +85,11 @@ BASE+=("train.steps=$((STEPS + WARMUP))" "data.dir=\"$DATA\"" "${SETS[@]}")
 
 declare -a NAMES=("sequential" "+a2a overlap" "+grad overlap" "+param overlap" "+compression")
 declare -a VARIANTS=(
-  "parallel.overlap_a2a=false parallel.overlap_grad_sync=false parallel.overlap_param_gather=false parallel.chunks=1"
-  "parallel.overlap_a2a=true parallel.overlap_grad_sync=false parallel.overlap_param_gather=false parallel.chunks=$CHUNKS"
-  "parallel.overlap_a2a=true parallel.overlap_grad_sync=true parallel.overlap_param_gather=false parallel.chunks=$CHUNKS"
-  "parallel.overlap_a2a=true parallel.overlap_grad_sync=true parallel.overlap_param_gather=true parallel.chunks=$CHUNKS"
-  "parallel.overlap_a2a=true parallel.overlap_grad_sync=true parallel.overlap_param_gather=true parallel.chunks=$CHUNKS parallel.compression=true parallel.fp8_dispatch=true"
+  "bench.overlap_a2a=false bench.overlap_grad_sync=false bench.overlap_param_gather=false parallel.chunks=1"
+  "bench.overlap_a2a=true bench.overlap_grad_sync=false bench.overlap_param_gather=false parallel.chunks=$CHUNKS"
+  "bench.overlap_a2a=true bench.overlap_grad_sync=true bench.overlap_param_gather=false parallel.chunks=$CHUNKS"
+  "bench.overlap_a2a=true bench.overlap_grad_sync=true bench.overlap_param_gather=true parallel.chunks=$CHUNKS"
+  "bench.overlap_a2a=true bench.overlap_grad_sync=true bench.overlap_param_gather=true parallel.chunks=$CHUNKS parallel.compression=true parallel.fp8_dispatch=true"
 )
 
 echo "# overlap ablation: backend $BACKEND, --parallel $PARALLEL ($WORLD ranks), config $CONFIG, $STEPS timed steps after $WARMUP, $REPEAT repetition(s)"
@@ -98,7 +98,7 @@ for ((rep = 0; rep < REPEAT; rep++)); do
 for i in "${!NAMES[@]}"; do
   dir=$OUT/run$i.$rep
   rm -rf "$dir"
-  args=(--config "$CONFIG" --backend "$BACKEND" --run-dir "$dir" --parallel "$PARALLEL")
+  args=(--config "$CONFIG" --backend "$BACKEND" --run-dir "$dir" --parallel "$PARALLEL" --allow-test-config)
   for s in "${BASE[@]}" ${VARIANTS[$i]}; do args+=(--set "$s"); done
   if [ "$BACKEND" = cuda ] && [ "$WORLD" -gt 1 ]; then
     cmd=("$TROUPE" run --nproc "$WORLD" --backend cuda -- "$TRAIN" "${args[@]}")

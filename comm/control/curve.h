@@ -1,6 +1,6 @@
 // comm/control/curve.h — defines CURVE key handling for the control plane: CurveKeyPair
 // (Z85 text, 40 characters each), generate_curve_keypair, key-file reading and writing
-// (the format troupe-keygen writes), CurveConfig (what a Transport needs to encrypt and
+// (the format `troupe keygen` writes), CurveConfig (what a Transport needs to encrypt and
 // authenticate), serve_zap_request (the ZAP handler enforcing the client allow-list) and
 // serve_zap_request_same_uid (the one admitting local ipc peers of one user).
 #pragma once

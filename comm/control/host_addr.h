@@ -1,33 +1,27 @@
 // comm/control/host_addr.h — defines host_addr(): the address this process binds its
 // endpoints to and advertises to peers (actor control plane, Gloo, bulk transport). A
-// troupe-agent started with --host-addr/--iface hands it to the processes it spawns as
-// TROUPE_HOST_ADDR; without it everything stays on 127.0.0.1 (one machine).
+// troupe-agent started with --host-addr/--iface hands it to the processes it spawns
+// (job_env::kHostAddr); without it everything stays on 127.0.0.1 (one machine).
 // Also job_curve_from_env(): the job's CURVE key pair the scheduler hands to each of a
-// job's processes (TROUPE_JOB_PUBLIC_KEY, and TROUPE_JOB_SECRET_KEY_FILE: a 0600 file the
+// job's processes (job_env::kJobPublicKey, and job_env::kJobSecretKeyFile: a 0600 file the
 // agent writes, so the secret is never in the environment), which its processes use for
 // their own control planes (server: that pair, allow-list: its public key).
 #pragma once
 
-#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <string>
 
 #include "comm/control/curve.h"
+#include "comm/control/transport.h"
+#include "core/env.h"
+#include "core/job_env.h"
 
 namespace troupe::control {
 
-inline constexpr const char* kHostAddrEnv = "TROUPE_HOST_ADDR";
-inline constexpr const char* kJobPublicKeyEnv = "TROUPE_JOB_PUBLIC_KEY";
-// The secret key as the scheduler sends it in a spawn request; the agent turns it into
-// the file kJobSecretKeyFileEnv names before the process starts.
-inline constexpr const char* kJobSecretKeyEnv = "TROUPE_JOB_SECRET_KEY";
-inline constexpr const char* kJobSecretKeyFileEnv = "TROUPE_JOB_SECRET_KEY_FILE";
-
 // $TROUPE_HOST_ADDR, else "127.0.0.1".
 inline std::string host_addr() {
-  const char* v = std::getenv(kHostAddrEnv);
-  return v && *v ? std::string(v) : std::string("127.0.0.1");
+  return env::get_or(job_env::kHostAddr, "127.0.0.1");
 }
 
 // "tcp://<host_addr()>:*": a free port on this process's address.
@@ -38,13 +32,38 @@ inline std::string host_bind_endpoint() {
 // The job's key pair when the scheduler gave one (the public key and a readable key file,
 // whose first 40 characters are the Z85 secret key), else nullopt.
 inline std::optional<CurveKeyPair> job_curve_from_env() {
-  const char* pub = std::getenv(kJobPublicKeyEnv);
-  const char* file = std::getenv(kJobSecretKeyFileEnv);
-  if (!pub || !*pub || !file || !*file) return std::nullopt;
-  std::ifstream in(file);
+  const std::optional<std::string> pub = env::get(job_env::kJobPublicKey);
+  const std::optional<std::string> file = env::get(job_env::kJobSecretKeyFile);
+  if (!pub || !file) return std::nullopt;
+  std::ifstream in(*file);
   std::string sec;
   if (!std::getline(in, sec) || sec.size() < 40) return std::nullopt;
-  return CurveKeyPair{pub, sec.substr(0, 40)};
+  return CurveKeyPair{*pub, sec.substr(0, 40)};
+}
+
+// The control-plane options of a job process's own actor system, bound at
+// `bind_endpoint` ("": connect-only): with the job's key pair, CURVE accepting only the
+// job's own processes (which also permits a non-loopback address); without keys, a
+// non-loopback address only when the agent runs --insecure (job_env::kInsecure = "1").
+inline TransportOptions job_transport(std::string node_id, std::string bind_endpoint) {
+  TransportOptions t;
+  t.node_id = std::move(node_id);
+  t.bind_endpoint = std::move(bind_endpoint);
+  if (std::optional<CurveKeyPair> kp = job_curve_from_env()) {
+    t.curve.own = *kp;
+    t.curve.allowed_client_keys = {kp->public_key};
+    t.allow_non_loopback = true;
+  } else if (env::get_or(job_env::kInsecure) == "1") {
+    t.allow_non_loopback = true;
+  }
+  return t;
+}
+
+// The public key a job process's actor system serves with ("" without CURVE): what a peer
+// passes to ActorSystem::connect.
+inline std::string job_server_key() {
+  std::optional<CurveKeyPair> kp = job_curve_from_env();
+  return kp ? kp->public_key : std::string();
 }
 
 }  // namespace troupe::control

@@ -20,8 +20,8 @@ CudaContext::CudaContext(int dev, cudaStream_t s, Allocator* scratch_alloc) : de
   CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
   num_sms = prop.multiProcessorCount;
   max_smem_per_block = prop.sharedMemPerBlockOptin;
-  const char* pdl_env = std::getenv("TROUPE_CUDA_PDL");
-  pdl = prop.major >= 9 && !(pdl_env != nullptr && std::string_view(pdl_env) == "0");
+  pdl_supported = prop.major >= 9;
+  pdl = pdl_supported;
   CUBLAS_CHECK(cublasLtCreate(&lt));
   matmul_plans = std::make_unique<MatmulPlanCache>();
   workspace_buffer_ = cuda::DeviceBuffer(kWorkspaceBytes, dev);

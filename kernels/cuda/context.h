@@ -37,8 +37,10 @@ struct CudaContext {
   Allocator* scratch = nullptr;
   int num_sms = 0;
   size_t max_smem_per_block = 0;  // opt-in limit (bytes)
-  // Kernels launch with programmatic dependent launch (gpu::Env::pdl): compute
-  // capability 9.0 and up, unless the environment sets TROUPE_CUDA_PDL=0.
+  // Kernels launch with programmatic dependent launch (gpu::Env::pdl) where the device
+  // has it (pdl_supported: compute capability 9.0 and up), unless the run turns it off
+  // (the config's bench.pdl = false, handed down by RunDevice::set_pdl, for comparison).
+  bool pdl_supported = false;
   bool pdl = false;
   // The Hopper attention backward at head dim 64 computes dQ inside its dK/dV kernel, each
   // key block adding its share in no fixed order (faster; runs agree to rounding); false:

@@ -22,7 +22,7 @@ struct Env {
   cudaStream_t stream = nullptr;
   int num_sms = 132;
   // Launch with programmatic dependent launch (common.cuh, launch()): sm_90 and up,
-  // unless TROUPE_CUDA_PDL=0 (CudaContext::pdl).
+  // unless the run turned it off (bench.pdl = false; CudaContext::pdl).
   bool pdl = false;
   // kAttentionAuto's Hopper backward computes dQ inside its dK/dV kernel
   // (added in no fixed order); false: in its own kernel, reproducible run to run

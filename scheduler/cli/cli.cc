@@ -18,6 +18,8 @@
 
 #include "checkpoint/reader.h"
 #include "checkpoint/snapshot_keeper.h"
+#include "core/env.h"
+#include "core/job_env.h"
 #include "core/logging.h"
 #include "scheduler/cli/cli_health.h"
 #include "scheduler/client/local_auth.h"
@@ -61,12 +63,11 @@ int fail(const Status& s) {
   return cli_exit_code(s);
 }
 
-Result<std::unique_ptr<ClientEndpoint>> open_client(const CliConnection& c) {
-  std::string addr = c.scheduler;
-  if (addr.empty()) {
-    const char* env = std::getenv("TROUPE_SCHEDULER");
-    addr = env && *env ? env : kDefaultSchedulerAddress;
-  }
+}  // namespace
+
+Result<std::pair<std::string, ClientSecurity>> client_connection(const CliConnection& c) {
+  const std::string addr =
+      c.scheduler.empty() ? env::get_or(job_env::kScheduler, kDefaultSchedulerAddress) : c.scheduler;
   TROUPE_ASSIGN_OR_RETURN(std::string ep, normalize_endpoint(addr));
   ClientSecurity sec;
   if (!c.scheduler_key.empty()) {
@@ -83,10 +84,17 @@ Result<std::unique_ptr<ClientEndpoint>> open_client(const CliConnection& c) {
   if (c.scheduler_key.empty() && c.curve_key.empty() && is_local_endpoint(ep)) {
     // A loopback scheduler without key flags: local authentication with our credential.
     TROUPE_ASSIGN_OR_RETURN(sec, local_client_security());
-    g_local_auth = true;
   }
+  return std::make_pair(ep, sec);
+}
+
+namespace {
+
+Result<std::unique_ptr<ClientEndpoint>> open_client(const CliConnection& c) {
+  TROUPE_ASSIGN_OR_RETURN(auto conn, client_connection(c));
+  if (conn.second.client_keys && c.curve_key.empty()) g_local_auth = true;  // for the refusal's message
   std::string id = fmt::format("cli:{}:{:x}", getpid(), std::random_device{}());
-  return ClientEndpoint::connect(ep, sec, id);
+  return ClientEndpoint::connect(conn.first, conn.second, id);
 }
 
 Result<json> request_json(ClientEndpoint& client, Payload p, int timeout_ms) {
@@ -148,21 +156,16 @@ int64_t read_long_file(const char* path) {
 }  // namespace
 
 std::optional<SlurmAllocation> slurm_allocation_from_env() {
-  const char* id = std::getenv("SLURM_JOB_ID");
-  if (!id || !*id) return std::nullopt;
+  const std::optional<std::string> id = env::get("SLURM_JOB_ID");
+  if (!id) return std::nullopt;
+  // Slurm's counts; one that is not a count (a value Slurm never writes) reads as unset.
   auto num = [](const char* name, int dflt) {
-    const char* v = std::getenv(name);
-    if (!v || !*v) return dflt;
-    char* end = nullptr;
-    const long n = std::strtol(v, &end, 10);
-    return end && end != v && n >= 0 && n < 1000000 ? static_cast<int>(n) : dflt;
+    return static_cast<int>(env::get_int(name, dflt, 0, 999999).value_or(dflt));
   };
   SlurmAllocation a;
-  a.job_id = id;
+  a.job_id = *id;
   // Inside an srun step its own nodes count (srun -N1 in a larger allocation is one node).
-  const char* nl = std::getenv("SLURM_STEP_NODELIST");
-  if (!nl || !*nl) nl = std::getenv("SLURM_JOB_NODELIST");
-  a.nodelist = nl ? nl : "";
+  a.nodelist = env::get_or("SLURM_STEP_NODELIST", env::get_or("SLURM_JOB_NODELIST"));
   a.nodes = num("SLURM_STEP_NUM_NODES", num("SLURM_JOB_NUM_NODES", num("SLURM_NNODES", 1)));
   a.ntasks = num("SLURM_NTASKS", num("SLURM_NPROCS", 0));
   a.gpus_on_node = num("SLURM_GPUS_ON_NODE", -1);
@@ -527,6 +530,13 @@ int cli_keygen(const std::string& prefix) {
   return 0;
 }
 
+int cli_keygen_check(const std::string& file) {
+  auto keys = read_key_file(file);
+  if (!keys.ok()) return fail(keys.status());
+  std::printf("public = \"%s\"\n", keys->public_key.c_str());
+  return 0;
+}
+
 // The embedded scheduler's record of a `troupe run` job outlives its temporary state
 // directory: copied to <run dir>/scheduler_events.jsonl when the job's driver named its run
 // directory (the supervision claim of a training driver: training/driver/trainer.cc).
@@ -602,7 +612,7 @@ int cli_run(const RunOptions& opts) {
   }
   if (Status lim = check_process_limit(needed); !lim.ok()) return fail(lim);
   init_logging(LoggingOptions{"troupe run", "", opts.verbose ? spdlog::level::info : spdlog::level::warn});
-  if (!opts.verbose && !std::getenv("SPDLOG_LEVEL")) make_logger("control")->set_level(spdlog::level::err);
+  if (!opts.verbose && !env::get("SPDLOG_LEVEL")) make_logger("control")->set_level(spdlog::level::err);
 
   std::string state_dir = opts.state_dir;
   bool temp_dir = state_dir.empty();

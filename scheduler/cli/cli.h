@@ -21,6 +21,12 @@ struct CliConnection {
   int timeout_ms = 3000;
 };
 
+// Where a CLI command's requests go and with what credentials: the scheduler's endpoint
+// (--scheduler, else $TROUPE_SCHEDULER, else kDefaultSchedulerAddress; normalized) and
+// this client's security (--curve-key with --scheduler-key: CURVE; neither, to a loopback
+// scheduler: local authentication). Errors name the flag that is missing or wrong.
+Result<std::pair<std::string, ClientSecurity>> client_connection(const CliConnection& c);
+
 struct RunOptions {
   JobSpec spec;
   std::string state_dir;        // empty: a temporary directory, removed after success
@@ -63,6 +69,9 @@ int cli_status(const CliConnection& c, const std::string& job_id, bool json, boo
 int cli_logs(const CliConnection& c, const std::string& job_id, const std::string& proc, bool follow);
 int cli_cancel(const CliConnection& c, const std::string& job_id, bool json);
 int cli_keygen(const std::string& prefix);
+// Validates a key file (a .key pair whose halves match, or a .pub) and prints its public
+// key; 1 with the reason when it is not one.
+int cli_keygen_check(const std::string& file);
 // Waits until the job has ended and every process of it is gone; returns its exit status
 // (130 when it was cancelled), so scripts (scripts/slurm/troupe.sbatch) can exit with it.
 int cli_wait(const CliConnection& c, const std::string& job_id, bool quiet);

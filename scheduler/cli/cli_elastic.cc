@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "comm/rendezvous_store.h"
+#include "core/env.h"
+#include "core/job_env.h"
 #include "scheduler/cli/cli.h"
 #include "scheduler/client/local_auth.h"
 #include "scheduler/client/scheduler_store.h"
@@ -39,25 +41,6 @@ bool job_finished(const std::string& dir) {
 
 // Sends `req` to the driver of scheduler job `job` through the job's store (epoch 0: an
 // elastic job never restarts its workers) and prints its answer.
-// The scheduler's address and this client's security, as the other commands take them.
-Result<std::pair<std::string, ClientSecurity>> connection(const CliConnection& c) {
-  std::string addr = c.scheduler;
-  if (addr.empty()) {
-    const char* env = std::getenv("TROUPE_SCHEDULER");
-    addr = env && *env ? env : kDefaultSchedulerAddress;
-  }
-  ClientSecurity sec;
-  if (!c.scheduler_key.empty()) {
-    TROUPE_ASSIGN_OR_RETURN(auto server, read_key_file(c.scheduler_key));
-    TROUPE_ASSIGN_OR_RETURN(auto mine, read_key_file(c.curve_key));
-    sec.server_public_key = server.public_key;
-    sec.client_keys = mine;
-  } else if (auto ep = normalize_endpoint(addr); ep.ok() && is_local_endpoint(*ep)) {
-    TROUPE_ASSIGN_OR_RETURN(sec, local_client_security());  // local authentication (local_auth.h)
-  }
-  return std::make_pair(addr, sec);
-}
-
 // Sends `req` to the job's driver through the one channel it takes operator requests
 // from (training/driver/trainer_requests.h): the key "<job>/elastic/request/<k>" of the
 // job's store, k the first free number; waits up to wait_s for "<job>/elastic/answer/<k>"
@@ -127,7 +110,7 @@ int send_request(comm::RendezvousStore& store, const std::string& job, const nlo
 // elastic job never restarts its workers).
 int store_request(const CliConnection& c, const std::string& job, const nlohmann::json& req, int wait_s,
                   const char* cmd) {
-  auto conn = connection(c);
+  auto conn = client_connection(c);
   if (!conn.ok()) {
     fmt::print(stderr, "troupe {}: {}\n", cmd, conn.status().message());
     return cli_exit_code(conn.status());
@@ -219,7 +202,7 @@ int cli_elastic_replace(const CliConnection& c, const std::string& target, int s
 }
 
 int cli_elastic_drain(const CliConnection& c, const std::string& agent, int wait_s) {
-  auto conn = connection(c);
+  auto conn = client_connection(c);
   if (!conn.ok()) {
     fmt::print(stderr, "troupe drain: {}\n", conn.status().message());
     return cli_exit_code(conn.status());
@@ -353,7 +336,7 @@ int cli_elastic_status(const std::string& run_dir, bool json, bool actors) {
 }
 
 std::optional<nlohmann::json> elastic_job_status(const CliConnection& c, const std::string& job) {
-  auto conn = connection(c);
+  auto conn = client_connection(c);
   if (!conn.ok()) return std::nullopt;
   auto store = SchedulerStore::connect(conn->first, conn->second, job, 0);
   if (!store.ok()) return std::nullopt;

@@ -4,7 +4,7 @@
 //   troupe run --nproc N [--backend cpu|cuda] [--max-restarts K] -- <app> [args]
 //   troupe submit --nproc N [...] -- <app> [args]
 //   troupe status [JOB] [--json]      troupe logs JOB [--worker W] [--follow]
-//   troupe cancel JOB                 troupe keygen PREFIX
+//   troupe cancel JOB                 troupe keygen PREFIX | --check FILE
 //   troupe wait JOB                   (exits with the job's exit status)
 //   troupe top JOB|RUN_DIR [--once] [--interval S]
 // Every command that talks to a scheduler takes --scheduler ADDR (default
@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "core/env.h"
 #include "core/logging.h"
 #include "scheduler/cli/cli.h"
 #include "scheduler/cli/cli_elastic.h"
@@ -93,7 +94,7 @@ int main(int argc, char** argv) {
   troupe::init_logging(troupe::LoggingOptions{"troupe", "", spdlog::level::warn});
   // The CLI reports connection problems itself, in one line; the transport's own
   // warnings (peer down, reconnecting) would only repeat them.
-  if (!std::getenv("SPDLOG_LEVEL")) troupe::make_logger("control")->set_level(spdlog::level::err);
+  if (!troupe::env::get("SPDLOG_LEVEL")) troupe::make_logger("control")->set_level(spdlog::level::err);
   CLI::App app{"troupe: run and manage Troupe jobs"};
   app.require_subcommand(1);
 
@@ -218,9 +219,13 @@ int main(int argc, char** argv) {
   top->add_option("--events", top_opts.events, "Recent events shown")->check(CLI::Range(0, 10000));
   add_connection(top, top_conn);
 
-  std::string keygen_prefix;
-  auto* keygen = app.add_subcommand("keygen", "Write a CURVE key pair: PREFIX.key (private) and PREFIX.pub");
-  keygen->add_option("prefix", keygen_prefix, "Path prefix of the two files")->required();
+  std::string keygen_prefix, keygen_check;
+  auto* keygen = app.add_subcommand(
+      "keygen",
+      "Write a CURVE key pair: PREFIX.key (private, mode 0600) and PREFIX.pub; or --check a key file");
+  auto* keygen_prefix_opt = keygen->add_option("prefix", keygen_prefix, "Path prefix of the two files");
+  keygen->add_option("--check", keygen_check, "Validate a key file (.key or .pub) and print its public key")
+      ->excludes(keygen_prefix_opt);
 
   // Everything after the first "--" is the job's command, untouched by CLI11 (so the
   // command's own options, like "-n", are never taken for ours).
@@ -280,7 +285,14 @@ int main(int argc, char** argv) {
     return troupe::sched::cli_logs(logs_conn, logs_job, logs_proc, logs_follow);
   }
   if (cancel->parsed()) return troupe::sched::cli_cancel(cancel_conn, cancel_job, cancel_json);
-  if (keygen->parsed()) return troupe::sched::cli_keygen(keygen_prefix);
+  if (keygen->parsed()) {
+    if (!keygen_check.empty()) return troupe::sched::cli_keygen_check(keygen_check);
+    if (keygen_prefix.empty()) {
+      std::fprintf(stderr, "troupe keygen: give a PREFIX (or --check FILE)\n");
+      return 2;
+    }
+    return troupe::sched::cli_keygen(keygen_prefix);
+  }
   if (waitc->parsed()) return troupe::sched::cli_wait(wait_conn, wait_job, wait_quiet);
   if (top->parsed()) return troupe::sched::cli_top(top_conn, top_opts);
   if (ckpts->parsed()) {

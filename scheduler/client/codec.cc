@@ -91,6 +91,7 @@ struct Encoder {
     auto b = m.initSpawn();
     b.setJobId(v.job_id);
     b.setName(v.name);
+    b.setJobSecretKey(v.job_secret_key);
     b.setEpoch(v.epoch);
     auto argv = b.initArgv(static_cast<unsigned>(v.argv.size()));
     for (size_t i = 0; i < v.argv.size(); ++i) argv.set(static_cast<unsigned>(i), v.argv[i]);
@@ -218,6 +219,7 @@ Result<Payload> decode_payload(::Msg::Reader m) {
       for (auto a : r.getArgv()) v.argv.emplace_back(a);
       for (auto kv : r.getEnv()) v.env.emplace_back(kv.getKey(), kv.getValue());
       v.work_dir = r.getWorkDir();
+      v.job_secret_key = r.getJobSecretKey();
       return Payload(std::move(v));
     }
     case ::Msg::KILL: {

@@ -3,65 +3,67 @@
 
 #include <unistd.h>
 
-#include <charconv>
-#include <cstdlib>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
 
 #include "comm/control/host_addr.h"
+#include "core/env.h"
+#include "core/job_env.h"
 
 namespace troupe::sched {
 namespace {
 
-std::string env_or(const char* name, const std::string& fallback = "") {
-  const char* v = std::getenv(name);
-  return v ? std::string(v) : fallback;
-}
-
 template <typename T>
 Status env_int(const char* name, T* out) {
-  const char* v = std::getenv(name);
-  if (!v) return ok_status();
-  std::string s(v);
-  T x{};
-  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), x);
-  if (ec != std::errc() || p != s.data() + s.size()) return invalid_argument("{}='{}' is not an integer", name, s);
-  *out = x;
+  constexpr int64_t lo = std::is_signed_v<T> ? static_cast<int64_t>(std::numeric_limits<T>::min()) : 0;
+  constexpr int64_t hi =
+      static_cast<uint64_t>(std::numeric_limits<T>::max()) > static_cast<uint64_t>(INT64_MAX)
+          ? INT64_MAX
+          : static_cast<int64_t>(std::numeric_limits<T>::max());
+  TROUPE_ASSIGN_OR_RETURN(int64_t v, env::get_int(name, static_cast<int64_t>(*out), lo, hi));
+  *out = static_cast<T>(v);
   return ok_status();
 }
 
 }  // namespace
 
 Result<std::optional<JobContext>> JobContext::from_env() {
-  if (!std::getenv("TROUPE_JOB_ID")) return std::optional<JobContext>();
+  namespace je = job_env;
+  if (!env::get(je::kJobId)) return std::optional<JobContext>();
   JobContext c;
-  c.role = env_or("TROUPE_ROLE", "worker");
-  c.job_id = env_or("TROUPE_JOB_ID");
-  c.name = env_or("TROUPE_PROC_NAME");
-  c.scheduler = env_or("TROUPE_SCHEDULER");
-  c.layout = env_or("TROUPE_LAYOUT");
-  c.backend = env_or("TROUPE_BACKEND", "cpu");
-  c.node = env_or("TROUPE_NODE");
-  c.checkpoint_dir = env_or("TROUPE_CHECKPOINT_DIR");
-  c.relay = env_or("TROUPE_AGENT_RELAY");
+  c.role = env::get_or(je::kRole, "worker");
+  c.job_id = env::get_or(je::kJobId);
+  c.name = env::get_or(je::kProcName);
+  c.scheduler = env::get_or(je::kScheduler);
+  c.layout = env::get_or(je::kLayout);
+  c.backend = env::get_or(je::kBackend, "cpu");
+  c.node = env::get_or(je::kNode);
+  c.checkpoint_dir = env::get_or(je::kCheckpointDir);
+  c.relay = env::get_or(je::kAgentRelay);
   if (!c.relay.empty() && c.relay.rfind("ipc://", 0) != 0) {
-    return invalid_argument("TROUPE_AGENT_RELAY='{}' is not an ipc:// endpoint", c.relay);
+    return invalid_argument("{}='{}' is not an ipc:// endpoint", je::kAgentRelay, c.relay);
   }
-  TROUPE_RETURN_IF_ERROR(env_int("TROUPE_RANK", &c.rank));
-  TROUPE_RETURN_IF_ERROR(env_int("TROUPE_WORLD_SIZE", &c.world_size));
-  TROUPE_RETURN_IF_ERROR(env_int("TROUPE_LOCAL_RANK", &c.local_rank));
-  TROUPE_RETURN_IF_ERROR(env_int("TROUPE_LOCAL_WORLD_SIZE", &c.local_world_size));
-  TROUPE_RETURN_IF_ERROR(env_int("TROUPE_SLOT", &c.slot));
-  TROUPE_RETURN_IF_ERROR(env_int("TROUPE_EPOCH", &c.epoch));
-  TROUPE_RETURN_IF_ERROR(env_int("TROUPE_RESTARTS", &c.restarts));
-  TROUPE_RETURN_IF_ERROR(env_int("TROUPE_DRIVER_RESTARTS", &c.driver_restarts));
-  TROUPE_RETURN_IF_ERROR(env_int("TROUPE_HEARTBEAT_MS", &c.heartbeat_ms));
-  TROUPE_RETURN_IF_ERROR(env_int("TROUPE_HEARTBEAT_TIMEOUT_MS", &c.heartbeat_timeout_ms));
-  if (c.role != "driver" && c.role != "worker") return invalid_argument("TROUPE_ROLE='{}' (driver or worker)", c.role);
-  if (c.scheduler.empty()) return invalid_argument("TROUPE_JOB_ID is set but TROUPE_SCHEDULER is not");
-  std::string server_key = env_or("TROUPE_SCHEDULER_PUBLIC_KEY");
+  TROUPE_RETURN_IF_ERROR(env_int(je::kRank, &c.rank));
+  TROUPE_RETURN_IF_ERROR(env_int(je::kWorldSize, &c.world_size));
+  TROUPE_RETURN_IF_ERROR(env_int(je::kLocalRank, &c.local_rank));
+  TROUPE_RETURN_IF_ERROR(env_int(je::kLocalWorldSize, &c.local_world_size));
+  TROUPE_RETURN_IF_ERROR(env_int(je::kDeviceSlot, &c.slot));
+  TROUPE_RETURN_IF_ERROR(env_int(je::kEpoch, &c.epoch));
+  TROUPE_RETURN_IF_ERROR(env_int(je::kRestarts, &c.restarts));
+  TROUPE_RETURN_IF_ERROR(env_int(je::kDriverRestarts, &c.driver_restarts));
+  TROUPE_RETURN_IF_ERROR(env_int(je::kHeartbeatMs, &c.heartbeat_ms));
+  TROUPE_RETURN_IF_ERROR(env_int(je::kHeartbeatTimeoutMs, &c.heartbeat_timeout_ms));
+  if (c.role != "driver" && c.role != "worker") {
+    return invalid_argument("{}='{}' (driver or worker)", je::kRole, c.role);
+  }
+  if (c.scheduler.empty()) return invalid_argument("{} is set but {} is not", je::kJobId, je::kScheduler);
+  std::string server_key = env::get_or(je::kSchedulerPublicKey);
   if (!server_key.empty()) {
     c.security.server_public_key = server_key;
-    std::string key_file = env_or("TROUPE_CURVE_KEY");
-    if (key_file.empty()) return invalid_argument("TROUPE_SCHEDULER_PUBLIC_KEY is set but TROUPE_CURVE_KEY is not");
+    std::string key_file = env::get_or(je::kCurveKey);
+    if (key_file.empty())
+      return invalid_argument("{} is set but {} is not", je::kSchedulerPublicKey, je::kCurveKey);
     TROUPE_ASSIGN_OR_RETURN(auto keys, read_key_file(key_file));
     c.security.client_keys = keys;
   }
@@ -134,23 +136,11 @@ HeartbeatThread::~HeartbeatThread() {
 }
 
 control::TransportOptions job_actor_network(const std::string& node_id, bool bind) {
-  control::TransportOptions t;
-  t.node_id = node_id;
-  t.bind_endpoint = bind ? control::host_bind_endpoint() : "";
-  if (auto kp = control::job_curve_from_env()) {
-    t.curve.own = *kp;
-    t.curve.allowed_client_keys = {kp->public_key};
-    t.allow_non_loopback = true;
-  } else if (const char* insecure = std::getenv("TROUPE_INSECURE");
-             insecure && std::string(insecure) == "1") {
-    t.allow_non_loopback = true;
-  }
-  return t;
+  return control::job_transport(node_id, bind ? control::host_bind_endpoint() : "");
 }
 
 std::string job_actor_server_key() {
-  auto kp = control::job_curve_from_env();
-  return kp ? kp->public_key : std::string();
+  return control::job_server_key();
 }
 
 }  // namespace troupe::sched

@@ -5,13 +5,8 @@
 // from; note that a hung main thread then still looks alive — beat from the main loop
 // when hangs must be detected).
 //
-// TROUPE_* variables set for every process: TROUPE_ROLE (driver|worker), TROUPE_RANK
-// (-1 for the driver), TROUPE_WORLD_SIZE, TROUPE_LOCAL_RANK, TROUPE_LOCAL_WORLD_SIZE,
-// TROUPE_JOB_ID, TROUPE_PROC_NAME, TROUPE_EPOCH, TROUPE_RESTARTS, TROUPE_DRIVER_RESTARTS,
-// TROUPE_SCHEDULER, TROUPE_LAYOUT, TROUPE_BACKEND, TROUPE_NODE, TROUPE_SLOT,
-// TROUPE_HEARTBEAT_MS, TROUPE_HEARTBEAT_TIMEOUT_MS, and when set
-// TROUPE_CHECKPOINT_DIR, TROUPE_SCHEDULER_PUBLIC_KEY + TROUPE_CURVE_KEY (CURVE),
-// TROUPE_AGENT_RELAY (set by an agent that relays its processes' sessions).
+// The variables themselves, each with what it means, are named in core/job_env.h (the
+// scheduler and its agents set them through the same constants).
 #pragma once
 
 #include <atomic>
@@ -66,7 +61,7 @@ struct JobContext {
 // The control-plane options for a job process's own actor system (actors/actor_system.h):
 // it binds this process's host address (TROUPE_HOST_ADDR, from an agent's --host-addr;
 // else loopback) unless `bind` is false (connect-only), and when the scheduler runs CURVE
-// it uses the job's key pair (TROUPE_JOB_PUBLIC_KEY / TROUPE_JOB_SECRET_KEY), accepting
+// it uses the job's key pair (TROUPE_JOB_PUBLIC_KEY / TROUPE_JOB_SECRET_KEY_FILE), accepting
 // only the job's own processes; that also permits a non-loopback address.
 // TROUPE_INSECURE=1 (an agent's --insecure) permits one without keys.
 control::TransportOptions job_actor_network(const std::string& node_id, bool bind);

@@ -37,7 +37,7 @@ Status JobSpec::validate() {
     if (k.rfind("TROUPE_", 0) == 0) {
       return invalid_argument(
           "job spec: env {} is reserved for the scheduler (an app's own settings go in its "
-          "config, e.g. train_moe's [elastic] section: --set elastic.inject=...)",
+          "config, e.g. train_moe's [test] section: --allow-test-config --set test.inject=...)",
           k);
     }
   }

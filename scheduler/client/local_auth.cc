@@ -13,14 +13,14 @@
 #include <random>
 
 #include "comm/control/transport.h"
+#include "core/env.h"
 
 namespace troupe::sched {
 
 std::string troupe_config_dir() {
-  if (const char* d = std::getenv("TROUPE_CONFIG_DIR"); d && *d) return d;
-  if (const char* x = std::getenv("XDG_CONFIG_HOME"); x && *x) return std::string(x) + "/troupe";
-  std::string home;
-  if (const char* h = std::getenv("HOME"); h && *h) home = h;
+  if (std::optional<std::string> d = env::get("TROUPE_CONFIG_DIR")) return *d;
+  if (std::optional<std::string> x = env::get("XDG_CONFIG_HOME")) return *x + "/troupe";
+  std::string home = env::get_or("HOME");
   if (home.empty()) {
     if (const passwd* pw = getpwuid(getuid()); pw && pw->pw_dir) home = pw->pw_dir;
   }

@@ -35,6 +35,7 @@ struct SpawnRequest @0xc1d1a1e7a0b2f003 {
   argv @3 :List(Text);
   env @4 :List(KeyValue);
   workDir @5 :Text;       # empty: the agent's working directory
+  jobSecretKey @6 :Text;  # CURVE: the job's secret key; the agent hands it to the process as a 0600 file
 }
 
 struct KillRequest @0xc1d1a1e7a0b2f004 {

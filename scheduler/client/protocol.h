@@ -39,6 +39,9 @@ struct SpawnRequest {
   std::vector<std::string> argv;
   std::vector<std::pair<std::string, std::string>> env;
   std::string work_dir;
+  // With CURVE: the job's secret key (Z85). Never an environment entry: the agent writes
+  // it to a 0600 file and hands the process that file's path (job_env::kJobSecretKeyFile).
+  std::string job_secret_key;
 };
 
 struct KillRequest {

@@ -16,6 +16,8 @@
 #include "actors/actor.h"
 #include "actors/actor_system.h"
 #include "comm/control/host_addr.h"
+#include "core/env.h"
+#include "core/job_env.h"
 #include "core/logging.h"
 
 namespace troupe::sched {
@@ -386,9 +388,9 @@ Result<std::unique_ptr<ClientEndpoint>> ClientEndpoint::connect(const std::strin
   // With TROUPE_HOST_ADDR set (an agent's --host-addr, and its job processes) the
   // connection leaves from that address (ZeroMQ's "tcp://source:0;dest:port").
   std::string via = endpoint;
-  if (const char* src = std::getenv(control::kHostAddrEnv);
-      src && *src && via.rfind("tcp://", 0) == 0 && via.find(';') == std::string::npos) {
-    via = fmt::format("tcp://{}:0;{}", src, via.substr(6));
+  if (std::optional<std::string> src = env::get(job_env::kHostAddr);
+      src && via.rfind("tcp://", 0) == 0 && via.find(';') == std::string::npos) {
+    via = fmt::format("tcp://{}:0;{}", *src, via.substr(6));
   }
   Status st = c->system_->connect(kSchedulerNode, via, sec.server_public_key);
   if (!st.ok()) return invalid_argument("cannot connect to '{}': {}", endpoint, st.message());

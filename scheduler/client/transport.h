@@ -2,7 +2,7 @@
 // actor runtime (actors/actor_system.h over comm/control): ServerEndpoint (the
 // scheduler's node "scheduler" with its inbox actor "scheduler") and ClientEndpoint (a
 // node per agent, job process or CLI, with an inbox actor), CURVE key files (the
-// comm/control format that troupe-keygen and `troupe keygen` write), and
+// comm/control format that `troupe keygen` writes), and
 // normalize_endpoint ("host:port" -> "tcp://host:port").
 //
 // Every scheduler message (scheduler/client/protocol.h, Cap'n Proto encoded) travels as one
@@ -58,7 +58,7 @@ Result<std::vector<std::string>> read_public_keys(const std::vector<std::string>
 
 // The CURVE key pair of one job, derived from the scheduler's secret key and the job id
 // (keyed BLAKE2b): the same after a scheduler restart, unknowable without the scheduler's
-// secret. Handed to the job's processes (TROUPE_JOB_PUBLIC_KEY / TROUPE_JOB_SECRET_KEY)
+// secret. Handed to the job's processes (TROUPE_JOB_PUBLIC_KEY / TROUPE_JOB_SECRET_KEY_FILE)
 // for their own control planes (comm/control/host_addr.h).
 Result<CurveKeyPair> derive_job_keypair(const CurveKeyPair& scheduler_keys, const std::string& job_id);
 

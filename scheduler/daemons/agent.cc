@@ -21,6 +21,8 @@
 #include <thread>
 
 #include "comm/control/host_addr.h"
+#include "core/env.h"
+#include "core/job_env.h"
 #include "core/logging.h"
 #include "scheduler/daemons/secrets.h"
 
@@ -146,8 +148,7 @@ Agent::~Agent() {
 }
 
 Status Agent::open_relay() {
-  std::string base = "/tmp";
-  if (const char* t = std::getenv("TMPDIR"); t && *t) base = t;
+  const std::string base = env::get_or("TMPDIR", "/tmp");
   std::error_code ec;
   std::vector<std::filesystem::path> stale;
   for (auto it = std::filesystem::directory_iterator(base, ec);
@@ -361,18 +362,18 @@ void Agent::on_spawn(const SpawnRequest& req) {
     if (eq != std::string::npos && kv.rfind("TROUPE_", 0) != 0) env[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
   for (const auto& [k, v] : req.env) env[k] = v;
-  if (!opts_.key_file.empty()) env["TROUPE_CURVE_KEY"] = opts_.key_file;
-  if (!opts_.host_addr.empty()) env["TROUPE_HOST_ADDR"] = opts_.host_addr;
-  if (opts_.insecure) env["TROUPE_INSECURE"] = "1";
-  if (relay_) env["TROUPE_AGENT_RELAY"] = relay_->bound_endpoint();
-  if (keeper_) env[checkpoint::kSnapshotKeeperEnv] = keeper_->socket_path();
+  if (!opts_.key_file.empty()) env[job_env::kCurveKey] = opts_.key_file;
+  if (!opts_.host_addr.empty()) env[job_env::kHostAddr] = opts_.host_addr;
+  if (opts_.insecure) env[job_env::kInsecure] = "1";
+  if (relay_) env[job_env::kAgentRelay] = relay_->bound_endpoint();
+  if (keeper_) env[job_env::kSnapshotKeeper] = keeper_->socket_path();
   // The job's CURVE secret key goes to the process as a 0600 file, not in its environment
   // (which /proc/<pid>/environ, core dumps and child processes would carry).
-  if (auto it = env.find(control::kJobSecretKeyEnv); it != env.end()) {
+  if (!req.job_secret_key.empty()) {
     const std::string dir = fmt::format("{}/jobs/{}/keys", opts_.work_dir, req.job_id);
     const std::string path = job_key_path(req.job_id, req.name, req.epoch);
     Status ks = make_private_dir(dir, "job key directory");
-    if (ks.ok()) ks = write_private_file(path, it->second);
+    if (ks.ok()) ks = write_private_file(path, req.job_secret_key);
     if (!ks.ok()) {
       st.exit_code = 127;
       st.error = fmt::format("cannot start {} on {}: {}", req.name, opts_.agent_id, ks.message());
@@ -382,8 +383,7 @@ void Agent::on_spawn(const SpawnRequest& req) {
       unacked_exits_.push_back(st);
       return;
     }
-    env.erase(it);
-    env[control::kJobSecretKeyFileEnv] = path;
+    env[job_env::kJobSecretKeyFile] = path;
   }
   for (const auto& [k, v] : env) so.env.push_back(k + "=" + v);
   auto child = spawn_process(so);

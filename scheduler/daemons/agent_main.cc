@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "core/job_env.h"
 #include "core/logging.h"
 #include "scheduler/client/local_auth.h"
 #include "scheduler/daemons/agent.h"
@@ -71,7 +72,7 @@ int main(int argc, char** argv) {
     opts.host_addr = *addr;
   }
   // Our own connection to the scheduler leaves from this address too (transport.cc).
-  if (!opts.host_addr.empty()) setenv("TROUPE_HOST_ADDR", opts.host_addr.c_str(), 1);
+  if (!opts.host_addr.empty()) setenv(troupe::job_env::kHostAddr, opts.host_addr.c_str(), 1);
   if (!scheduler_key.empty() || !opts.key_file.empty()) {
     if (scheduler_key.empty() || opts.key_file.empty()) {
       std::fprintf(stderr, "troupe-agent: CURVE needs both --curve-key and --scheduler-key\n");

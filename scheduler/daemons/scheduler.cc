@@ -10,6 +10,7 @@
 #include <filesystem>
 
 #include "core/exit_status.h"
+#include "core/job_env.h"
 #include "core/logging.h"
 #include "scheduler/daemons/placement.h"
 #include "scheduler/daemons/scheduler_metrics.h"
@@ -615,30 +616,34 @@ Status Scheduler::spawn(Job& job, Proc& proc) {
     }
   }
   auto add = [&](const char* k, std::string v) { req.env.emplace_back(k, std::move(v)); };
-  add("TROUPE_ROLE", proc.rec.role);
-  add("TROUPE_RANK", std::to_string(proc.rec.rank));
-  add("TROUPE_WORLD_SIZE", std::to_string(spec.nproc));
-  add("TROUPE_LOCAL_RANK", std::to_string(proc.rec.role == "worker" ? local_rank : -1));
-  add("TROUPE_LOCAL_WORLD_SIZE", std::to_string(local_size));
-  add("TROUPE_JOB_ID", job.rec.id);
-  add("TROUPE_PROC_NAME", proc.rec.name);
-  add("TROUPE_EPOCH", std::to_string(proc.rec.epoch));
-  add("TROUPE_RESTARTS", std::to_string(job.rec.restarts));
-  add("TROUPE_DRIVER_RESTARTS", std::to_string(job.rec.driver_restarts));
-  add("TROUPE_SCHEDULER", advertise_);
-  add("TROUPE_LAYOUT", spec.parsed_layout().to_string());
-  add("TROUPE_BACKEND", spec.backend);
-  add("TROUPE_NODE", proc.rec.agent_id);
-  add("TROUPE_SLOT", std::to_string(proc.rec.slot));
-  add("TROUPE_HEARTBEAT_MS", std::to_string(std::max(50, spec.heartbeat_timeout_ms / 6)));
-  add("TROUPE_HEARTBEAT_TIMEOUT_MS", std::to_string(spec.heartbeat_timeout_ms));
-  if (!spec.checkpoint_dir.empty()) add("TROUPE_CHECKPOINT_DIR", spec.checkpoint_dir);
+  namespace je = job_env;
+  add(je::kRole, proc.rec.role);
+  add(je::kRank, std::to_string(proc.rec.rank));
+  add(je::kWorldSize, std::to_string(spec.nproc));
+  add(je::kLocalRank, std::to_string(proc.rec.role == "worker" ? local_rank : -1));
+  add(je::kLocalWorldSize, std::to_string(local_size));
+  add(je::kJobId, job.rec.id);
+  add(je::kProcName, proc.rec.name);
+  add(je::kEpoch, std::to_string(proc.rec.epoch));
+  add(je::kRestarts, std::to_string(job.rec.restarts));
+  add(je::kDriverRestarts, std::to_string(job.rec.driver_restarts));
+  add(je::kScheduler, advertise_);
+  // The layout only when the job was submitted with one: the app then runs it (or refuses
+  // a different one of its own); without, the app's config decides.
+  if (!spec.layout.empty()) add(je::kLayout, spec.parsed_layout().to_string());
+  add(je::kBackend, spec.backend);
+  add(je::kNode, proc.rec.agent_id);
+  add(je::kDeviceSlot, std::to_string(proc.rec.slot));
+  add(je::kHeartbeatMs, std::to_string(std::max(50, spec.heartbeat_timeout_ms / 6)));
+  add(je::kHeartbeatTimeoutMs, std::to_string(spec.heartbeat_timeout_ms));
+  if (!spec.checkpoint_dir.empty()) add(je::kCheckpointDir, spec.checkpoint_dir);
   if (opts_.security.server_keys) {
-    add("TROUPE_SCHEDULER_PUBLIC_KEY", opts_.security.server_keys->public_key);
-    // The job's own key pair: its processes' control planes accept only each other.
+    add(je::kSchedulerPublicKey, opts_.security.server_keys->public_key);
+    // The job's own key pair: its processes' control planes accept only each other. The
+    // secret travels in its own field; the agent writes it to a 0600 file.
     if (auto jk = derive_job_keypair(*opts_.security.server_keys, job.rec.id); jk.ok()) {
-      add("TROUPE_JOB_PUBLIC_KEY", jk->public_key);
-      add("TROUPE_JOB_SECRET_KEY", jk->secret_key);
+      add(je::kJobPublicKey, jk->public_key);
+      req.job_secret_key = jk->secret_key;
     } else {
       log()->error("job {}: {}", job.rec.id, jk.status().to_string());
     }

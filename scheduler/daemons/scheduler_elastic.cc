@@ -5,7 +5,7 @@
 //   driver sets "<job>/elastic/spawn/<slot>" {epoch, avoid?} -> a worker "worker-<slot>" on
 //                                          a free slot, not on agent `avoid` (troupe drain),
 //                                          waiting for one if needed,
-//                                          TROUPE_ELASTIC_SLOT/EPOCH set
+//                                          rank = slot, TROUPE_ELASTIC_EPOCH set
 //   driver sets "<job>/elastic/kill/<slot>" -> that worker is killed (then reported as above)
 // A failed worker is "retired": it no longer keeps the job from completing.
 #include <fmt/format.h>
@@ -13,6 +13,7 @@
 
 #include <cstdlib>
 
+#include "core/job_env.h"
 #include "scheduler/daemons/scheduler.h"
 
 namespace troupe::sched {
@@ -93,7 +94,8 @@ void Scheduler::elastic_on_store(Job& job, const StoreRequest& m) {
     p.rec.epoch = job.rec.epoch;
     p.beating = false;
     p.peer.clear();
-    p.extra_env = {{"TROUPE_ELASTIC_SLOT", std::to_string(slot)}, {"TROUPE_ELASTIC_EPOCH", std::to_string(epoch)}};
+    // Its rank is the slot (job_env::kRank); the epoch it joins is the driver's.
+    p.extra_env = {{job_env::kMembershipEpoch, std::to_string(epoch)}};
     p.avoid_agent = v.is_object() ? v.value("avoid", "") : "";
     // Placed on a free slot now, or as soon as one frees (a killed worker's slot is free
     // once its agent reports the exit).

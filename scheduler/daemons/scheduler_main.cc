@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdlib>
 
+#include "core/env.h"
 #include "core/logging.h"
 #include "scheduler/client/local_auth.h"
 #include "scheduler/client/transport.h"
@@ -67,7 +68,7 @@ int main(int argc, char** argv) {
   // Every `troupe` command is a short-lived control-plane peer; the transport's
   // "peer up" lines for them would drown the scheduler's own log. Warnings (a peer gone,
   // a refused CURVE key) still show; SPDLOG_LEVEL=control=info brings the rest back.
-  if (!std::getenv("SPDLOG_LEVEL")) troupe::make_logger("control")->set_level(spdlog::level::warn);
+  if (!troupe::env::get("SPDLOG_LEVEL")) troupe::make_logger("control")->set_level(spdlog::level::warn);
   auto norm = troupe::sched::normalize_endpoint(opts.listen);
   if (!norm.ok()) {
     std::fprintf(stderr, "troupe-scheduler: %s\n", norm.status().message().c_str());

@@ -160,10 +160,11 @@ TEST_F(LmExamples, KilledWorkerIsReplacedFromTheSnapshot) {
   // reference's.
   const fs::path& ref = reference(kDense);
   std::vector<std::string> a = command(kDense, "kill", "pp=2,dp=2");
-  for (const char* s : {"elastic.inject=\"kill@3:any:1\"", "elastic.snapshot_every=1"}) {
+  for (const char* s : {"test.inject=\"kill@3:any:1\"", "elastic.snapshot_every=1"}) {
     a.push_back("--set");
     a.push_back(s);
   }
+  a.push_back("--allow-test-config");
   const RunResult r = run_cmd(a, "kill");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const double worst = worst_difference(ref, *root_ / "kill", r.output);

@@ -92,7 +92,7 @@ TEST_F(Operating, StatusShowsRealPidsAndAKilledWorkerWithinASecond) {
                                 state.string(), "--",         DENSE_LM_BIN, "--config", kConfig.string(),
                                 "--run-dir",    run.string(), "--parallel", "pp=2,dp=2"};
   a = with_sets(a, sets(40));
-  a.insert(a.end(), {"--set", "elastic.inject=\"slow@1:any:3\""});
+  a.insert(a.end(), {"--set", "test.inject=\"slow@1:any:3\"", "--allow-test-config"});
 
   enum class Phase { kWaitStart, kWaitFailure, kWaitRecovery, kDone } phase = Phase::kWaitStart;
   pid_t victim = -1;

@@ -9,8 +9,8 @@
 // Losses agree within bf16 tolerance (2e-2 relative) at every step (the MoE pair runs the
 // same kernels in the same order: measured bitwise equal), and dense_lm learns.
 // Also train_moe's GPU runs with the gradient norm folded into the experts'
-// dW products (train.fold_grad_norm, the default) against the full pass, and
-// its steps replayed from a CUDA graph (train.cuda_graph, the default) against launches,
+// dW products (bench.fold_grad_norm, the default) against the full pass, and
+// its steps replayed from a CUDA graph (bench.cuda_graph, the default) against launches,
 // and two runs with the attention's dQ in its own kernel (train.attention_fused_dq=false),
 // and bf16 expert gradients (train.expert_grads) against f32 ones. And the Stage's own
 // step captured as a CUDA graph against its op-by-op steps, bitwise, with no host read in
@@ -136,7 +136,7 @@ TEST_F(StageGpu, TrainMoeFoldedGradNormMatchesTheFullPass) {
     c.backend = "cuda";
     c.sets = tiny_model_sets({.global_batch = 2, .steps = 6, .data_dir = *root_ / "data"});
     c.sets.push_back("model.moe.z_loss_coef=0.0");
-    c.sets.push_back(fmt::format("train.fold_grad_norm={}", fold));
+    c.sets.push_back(fmt::format("bench.fold_grad_norm={}", fold));
     c.run_dir = *root_ / name;
     return run(c.argv(), *root_ / (name + ".log"), std::chrono::seconds(300));
   };
@@ -175,7 +175,7 @@ TEST_F(StageGpu, TrainMoeBf16ExpertGradsMatchF32) {
     c.sets = tiny_model_sets({.global_batch = 2, .steps = 6, .data_dir = *root_ / "data"});
     c.sets.push_back("model.moe.z_loss_coef=0.0");
     c.sets.push_back(fmt::format("train.expert_grads={}", grads));
-    c.sets.push_back(fmt::format("train.fold_grad_norm={}", fold));
+    c.sets.push_back(fmt::format("bench.fold_grad_norm={}", fold));
     c.run_dir = *root_ / name;
     return run(c.argv(), *root_ / (name + ".log"), std::chrono::seconds(300));
   };
@@ -214,11 +214,11 @@ TEST_F(StageGpu, TrainMoeBf16ExpertGradsMatchF32) {
       f0, g0, r0, worst, got.size());
 }
 
-// A CUDA graph of the step (train.cuda_graph, the default): step 1 runs launch by launch,
+// A CUDA graph of the step (bench.cuda_graph, the default): step 1 runs launch by launch,
 // step 2 is captured, the rest replay it, with evaluations (eager work and allocations)
 // between replays. The same kernels run in the same order on the same inputs, so every
 // step's loss and gradient norm equal the launch-by-launch run's. Replays are launched
-// ahead (train.launch_ahead): steps 3, 5, 6 and 8 are enqueued before the statistics of
+// ahead (bench.launch_ahead): steps 3, 5, 6 and 8 are enqueued before the statistics of
 // the step before them are read (not 4 and 7, which follow the evaluations at 3 and 6).
 TEST_F(StageGpu, TrainMoeCudaGraphStepsMatchLaunchByLaunch) {
   auto train = [](const std::string& name, bool graph) {
@@ -227,7 +227,7 @@ TEST_F(StageGpu, TrainMoeCudaGraphStepsMatchLaunchByLaunch) {
     c.sets = tiny_model_sets({.steps = 8, .data_dir = *root_ / "data"});
     c.sets.push_back("model.moe.z_loss_coef=0.0");
     c.sets.push_back("train.eval_every=3");
-    c.sets.push_back(fmt::format("train.cuda_graph={}", graph));
+    c.sets.push_back(fmt::format("bench.cuda_graph={}", graph));
     c.run_dir = *root_ / name;
     return run(c.argv(), *root_ / (name + ".log"), std::chrono::seconds(300));
   };
@@ -237,7 +237,7 @@ TEST_F(StageGpu, TrainMoeCudaGraphStepsMatchLaunchByLaunch) {
   const RunResult graph = train("moe-graph", true);
   ASSERT_EQ(graph.exit_code, 0) << graph.output;
   EXPECT_NE(graph.output.find("step 2 captured as a CUDA graph"), std::string::npos) << graph.output;
-  // train.launch_ahead (the default): a replayed step between two evaluations was enqueued
+  // bench.launch_ahead (the default): a replayed step between two evaluations was enqueued
   // before the one before it was finished (the worker's launched_ahead).
   bool ahead = false;
   for (const auto& r : latest_step_records(*root_ / "moe-graph" / "metrics.jsonl"))
@@ -283,7 +283,7 @@ TEST_F(StageGpu, StageCudaGraphStepsMatchOpByOpBitwise) {
     c.sets.push_back("train.attention_fused_dq=false");
     c.sets.push_back("train.expert_grads=\"bf16\"");
     c.sets.push_back("train.master_weights=\"split\"");
-    c.sets.push_back(fmt::format("train.cuda_graph={}", graph));
+    c.sets.push_back(fmt::format("bench.cuda_graph={}", graph));
     c.run_dir = *root_ / name;
     std::vector<std::string> a = {TROUPE_CLI_BIN, "run", "--nproc", "1", "--"};
     for (const std::string& s : c.argv()) a.push_back(s);

@@ -266,14 +266,25 @@ TEST(TrainMoeCli, ErrorsNameTheProblem) {
   EXPECT_EQ(no_run.code, 1);
   EXPECT_NE(no_run.out.find("does not exist"), std::string::npos) << no_run.out;
 
-  // What needs the worker in a process of its own is refused in one process, by name.
-  CliResult inject =
+  // Fault injection is a [test] key: a run without --allow-test-config refuses it by name.
+  CliResult fenced =
+      train_moe({"--config", write_config(dir, dir + "/d"), "--set", "test.inject=\"kill@2:any:0\""});
+  EXPECT_EQ(fenced.code, troupe::kExitPermanentFailure);
+  EXPECT_NE(fenced.out.find("sets 'test.inject' of the [bench]/[test] sections"), std::string::npos)
+      << fenced.out;
+  EXPECT_NE(fenced.out.find("--allow-test-config"), std::string::npos) << fenced.out;
+  // Its old name says where it went.
+  CliResult moved =
       train_moe({"--config", write_config(dir, dir + "/d"), "--set", "elastic.inject=\"kill@2:any:0\""});
+  EXPECT_EQ(moved.code, troupe::kExitPermanentFailure);
+  EXPECT_NE(moved.out.find("key 'elastic.inject' is now 'test.inject'"), std::string::npos) << moved.out;
+  // What needs the worker in a process of its own is refused in one process, by name.
+  CliResult inject = train_moe({"--config", write_config(dir, dir + "/d"), "--set",
+                                "test.inject=\"kill@2:any:0\"", "--allow-test-config"});
   EXPECT_EQ(inject.code, troupe::kExitPermanentFailure);
-  EXPECT_NE(
-      inject.out.find("elastic.inject (faults are injected into worker processes) needs the worker in a "
-                      "process of its own: set elastic.isolate_workers = true"),
-      std::string::npos)
+  EXPECT_NE(inject.out.find("test.inject (faults are injected into worker processes) needs the worker in a "
+                            "process of its own: set elastic.isolate_workers = true"),
+            std::string::npos)
       << inject.out;
   CliResult grow = train_moe({"--config", write_config(dir, dir + "/d"), "--set", "elastic.max_dp=2"});
   EXPECT_EQ(grow.code, troupe::kExitPermanentFailure);

@@ -104,13 +104,13 @@ class Multihost : public ::testing::Test {
     delete reference_;
   }
 
-  // `inject`: elastic.inject (training/worker/elastic.h), empty for none.
+  // `inject`: test.inject (training/worker/elastic.h), empty for none.
   static std::vector<std::string> train_args(const std::string& name, const std::string& parallel,
                                              const std::string& inject = "") {
     troupe::test::TrainMoeCommand c;
     c.run_dir = *root_ / name;
     c.sets = troupe::test::tiny_model_sets({.steps = kSteps, .data_dir = *root_ / "data"});
-    if (!inject.empty()) c.sets.push_back(fmt::format("elastic.inject=\"{}\"", inject));
+    if (!inject.empty()) c.sets.push_back(fmt::format("test.inject=\"{}\"", inject));
     c.sets.push_back("checkpoint.every=4");
     c.sets.push_back(fmt::format("elastic.snapshot_every={}", kSnapshotEvery));
     c.parallel = parallel;

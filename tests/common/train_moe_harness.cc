@@ -117,10 +117,9 @@ int worker_rank_of(pid_t pid) {
   std::ifstream in(fmt::format("/proc/{}/environ", pid), std::ios::binary);
   std::string var;
   while (std::getline(in, var, '\0')) {
-    // Under the scheduler the rank; under the standalone launcher the slot (the rank of
-    // the workers of epoch 0).
+    // The rank, which is the worker's slot (the scheduler's and the standalone
+    // launcher's workers alike; core/job_env.h).
     if (var.rfind("TROUPE_RANK=", 0) == 0) return std::atoi(var.c_str() + 12);
-    if (var.rfind("TROUPE_ELASTIC_SLOT=", 0) == 0) return std::atoi(var.c_str() + 20);
   }
   return -1;
 }
@@ -151,7 +150,15 @@ std::vector<std::string> TrainMoeCommand::argv() const {
   std::vector<std::string> a{train_moe_bin(), "--config", config.string()};
   if (!backend.empty()) a.insert(a.end(), {"--backend", backend});
   a.insert(a.end(), {"--run-dir", run_dir.string()});
-  for (const auto& s : sets) a.insert(a.end(), {"--set", s});
+  for (const auto& s : sets) {
+    a.insert(a.end(), {"--set", s});
+    // The fenced [bench]/[test] keys (switches for comparison, fault injection) need the
+    // opt-in a production run never gives.
+    if ((s.rfind("bench.", 0) == 0 || s.rfind("test.", 0) == 0) &&
+        std::find(a.begin(), a.end(), "--allow-test-config") == a.end()) {
+      a.push_back("--allow-test-config");
+    }
+  }
   if (!parallel.empty()) a.insert(a.end(), {"--parallel", parallel});
   if (!resume.empty()) a.insert(a.end(), {"--resume", resume});
   return a;

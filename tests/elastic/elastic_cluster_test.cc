@@ -62,14 +62,14 @@ class ElasticCluster : public ::testing::Test {
     delete reference_;
   }
 
-  // `fault`: elastic.inject (training/worker/elastic.h), empty for none.
+  // `fault`: test.inject (training/worker/elastic.h), empty for none.
   static std::vector<std::string> train_args(const std::string& name, const std::string& fault = "",
                                              const std::string& parallel = "dp=2,n=2",
                                              const std::vector<std::string>& extra = {}) {
     troupe::test::TrainMoeCommand c;
     c.run_dir = *root_ / name;
     c.sets = troupe::test::tiny_model_sets({.steps = kSteps, .data_dir = *root_ / "data"});
-    if (!fault.empty()) c.sets.push_back(fmt::format("elastic.inject=\"{}\"", fault));
+    if (!fault.empty()) c.sets.push_back(fmt::format("test.inject=\"{}\"", fault));
     c.sets.insert(c.sets.end(), extra.begin(), extra.end());
     c.sets.push_back("elastic.snapshot_every=1");  // a recovery runs at most one step again
     c.parallel = parallel;

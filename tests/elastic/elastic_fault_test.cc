@@ -9,14 +9,14 @@
 //   snapshot part (skipped for the snapshot before it; every one damaged: the checkpoint),
 //   a killed worker of an n=4 job under `troupe run` and of a pp=2 dp=2 job (losses
 //   bitwise those of the fault-free run), a full disk during a checkpoint write,
-//   a rescale dp=2 -> dp=1 -> dp=2 asked through elastic.scale_at, and a
+//   a rescale dp=2 -> dp=1 -> dp=2 asked through test.scale_at, and a
 //   persistent straggler (150 ms slower every step) flagged from its step timings and
 //   replaced by policy; the same protocol under `troupe run --elastic` (the scheduler
 //   places, kills and reports the workers; no --elastic flag: the driver claims the
 //   supervision); `troupe scale|replace|status`; a data-plane connection cut with no process lost (rebuilt in
 //   place) and a hang inside a step with the heartbeat alive (step watchdog, then the wedged worker is killed
 //   and replaced).
-// Faults come from the config key elastic.inject (training/worker/elastic.h): the worker
+// Faults come from the config key test.inject (training/worker/elastic.h): the worker
 // raises SIGKILL or SIGSTOP on itself at the named point, after recording the time.
 //
 // Checked in every case: the job exits 0; every step's loss equals the fault-free elastic
@@ -118,7 +118,7 @@ class ElasticFault : public ::testing::Test {
   }
 
   // The job's command line: the tiny model at dp=2, n=2, a 1.5 s heartbeat timeout, the
-  // fault to inject (elastic.inject) and further `key=value` settings ([elastic], ...).
+  // fault to inject (test.inject) and further `key=value` settings ([elastic], ...).
   static std::vector<std::string> args(const std::string& name, const std::string& fault = "",
                                        std::vector<std::string> extra = {}) {
     troupe::test::TrainMoeCommand c;
@@ -126,7 +126,7 @@ class ElasticFault : public ::testing::Test {
     c.sets = troupe::test::tiny_model_sets({.steps = kSteps, .data_dir = *root_ / "data"});
     c.sets.push_back(fmt::format("elastic.heartbeat_timeout_ms={}", kHeartbeatTimeoutMs));
     c.sets.push_back(fmt::format("elastic.snapshot_every={}", kSnapshotEvery));
-    if (!fault.empty()) c.sets.push_back(fmt::format("elastic.inject=\"{}\"", fault));
+    if (!fault.empty()) c.sets.push_back(fmt::format("test.inject=\"{}\"", fault));
     for (auto& e : extra) c.sets.push_back(std::move(e));
     c.parallel = "dp=2,n=2";
     return c.argv();
@@ -264,7 +264,7 @@ TEST(ElasticInject, StartPhaseTakesOnlySlowAtStepZero) {
     const auto r = parse_faults(bad);
     EXPECT_FALSE(r.ok()) << bad;
     if (!r.ok()) {
-      EXPECT_NE(r.status().to_string().find("elastic.inject"), std::string::npos) << r.status().to_string();
+      EXPECT_NE(r.status().to_string().find("test.inject"), std::string::npos) << r.status().to_string();
     }
   }
 }
@@ -300,9 +300,9 @@ TEST_F(ElasticFault, LostWorkerWithoutSpareShrinksDp) {
 }
 
 TEST_F(ElasticFault, ScaleDp2To1To2) {
-  // dp 2 -> 1 after step 2, back to 2 after step 5 (scripted requests: elastic.scale_at).
+  // dp 2 -> 1 after step 2, back to 2 after step 5 (scripted requests: test.scale_at).
   const fs::path dir = *root_ / "scale";
-  const RunResult r = run_case("scale", "", {"elastic.scale_at=\"2:1,5:2\""});
+  const RunResult r = run_case("scale", "", {"test.scale_at=\"2:1,5:2\""});
   expect_clean_finish(r);
   expect_same_losses("scale", r);
   const auto scaled = events_named(dir / "events.jsonl", "scaled");
@@ -484,7 +484,7 @@ void expect_bitwise_after_kill(const fs::path& root, const std::string& name, co
     c.sets = troupe::test::tiny_model_sets({.steps = kSteps, .data_dir = root / "data"});
     c.sets.push_back(fmt::format("elastic.heartbeat_timeout_ms={}", kHeartbeatTimeoutMs));
     c.sets.push_back(fmt::format("elastic.snapshot_every={}", snapshot_every));
-    if (!inject.empty()) c.sets.push_back(fmt::format("elastic.inject=\"{}\"", inject));
+    if (!inject.empty()) c.sets.push_back(fmt::format("test.inject=\"{}\"", inject));
     c.parallel = parallel;
     std::vector<std::string> a = c.argv();
     if (troupe_run) a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--"});

@@ -49,7 +49,7 @@ class DriverFaults : public ::testing::Test {
   // lands mid-job; the numbers are the same); returns the troupe run process.
   static pid_t start(const std::string& name, const std::string& tag) {
     const auto job = tiny_job(*data_, *root_ / name, kSteps, kLayout,
-                              {"checkpoint.every=4", "elastic.inject=\"slow@1:any:0\""});
+                              {"checkpoint.every=4", "test.inject=\"slow@1:any:0\""});
     return test::spawn(
         troupe_run_argv(4, tag, {"--heartbeat-timeout-ms", std::to_string(kHeartbeatTimeoutMs)}, job.argv()),
         *root_ / (name + ".log"));

@@ -28,7 +28,7 @@ using sched::test::Cluster;
 
 // Slot 0 sleeps 150 ms at each of four points of every step (600 ms a step), so that the
 // job outlives the outage; the arithmetic is the same as without.
-const std::string kSlow = "elastic.inject=\"slow@1:forward:0,slow@1:alltoall:0,slow@1:sync:0,slow@1:any:0\"";
+const std::string kSlow = "test.inject=\"slow@1:forward:0,slow@1:alltoall:0,slow@1:sync:0,slow@1:any:0\"";
 
 std::string read_all(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);

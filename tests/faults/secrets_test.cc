@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <iterator>
 #include <random>
 
 #include "tests/faults/faults_harness.h"
@@ -48,6 +49,12 @@ TEST(SecretsAtRest, SchedulerStateHoldsNoPlaintextSecret) {
     std::string key;
     std::getline(std::ifstream(file), key);
     EXPECT_EQ(key.size(), 40u) << file;
+    // The key itself is in no variable of the process's environment, under any name.
+    std::ifstream env_in(fmt::format("/proc/{}/environ", p), std::ios::binary);
+    const std::string whole_env((std::istreambuf_iterator<char>(env_in)), std::istreambuf_iterator<char>());
+    EXPECT_FALSE(whole_env.empty()) << "pid " << p;
+    EXPECT_EQ(whole_env.find(key), std::string::npos)
+        << "pid " << p << ": the secret key is in its environment";
     key_files.push_back(file);
   }
   ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(60))) << c.logs_of_daemons();

@@ -597,8 +597,8 @@ TEST_F(CudaBf16, MoeAndElementwise) {
 TEST_F(CudaBf16, ProgrammaticDependentLaunchKeepsStreamOrder) {
   int major = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
-  const char* env = std::getenv("TROUPE_CUDA_PDL");
-  EXPECT_EQ(gpu.ctx.pdl, major >= 9 && !(env != nullptr && std::string(env) == "0"));
+  EXPECT_EQ(gpu.ctx.pdl, major >= 9);
+  EXPECT_EQ(gpu.ctx.pdl_supported, major >= 9);
   const int64_t n = int64_t{1} << 22;
   Tensor a = dev(Tensor::from_floats({n}, std::vector<float>(static_cast<size_t>(n), 0.0f)));
   Tensor b = dev_poisoned({n}, kF32);

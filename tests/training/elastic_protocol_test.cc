@@ -98,7 +98,7 @@ TEST(OperatorRequests, OneChannelInOrderEachAnsweredOnce) {
   bool out = false;
   OperatorRequests r = requests_of(store, out, "4:1");
   EXPECT_FALSE(r.waiting(3));
-  EXPECT_TRUE(r.waiting(4));  // scripted (elastic.scale_at)
+  EXPECT_TRUE(r.waiting(4));  // scripted (test.scale_at)
   EXPECT_TRUE(r.scripted_after(4));
   ASSERT_TRUE(store.set("j/elastic/request/0", R"({"op": "replace", "slot": 2, "avoid": "node1"})").ok());
   ASSERT_TRUE(store.set("j/elastic/request/1", "not json").ok());

@@ -1,13 +1,13 @@
 // tests/training/overlap_equivalence_test.cc — the correctness checks of the
 // overlapped schedule and the compressed exchanges, on the real binary (train_moe's
 // standalone launcher, Gloo on loopback):
-// - For every layout of tests/training, the overlapped schedule (parallel.overlap_a2a,
+// - For every layout of tests/training, the overlapped schedule (bench.overlap_a2a,
 //   overlap_grad_sync, overlap_param_gather on: the defaults) gives bitwise the same
 //   losses, gradient norms, aux losses, expert loads and final validation loss over 5
 //   steps as the sequential one (all three off), compression off. Same parallel.chunks on
 //   both sides (chunking is part of the arithmetic; the switches only move the waits).
 // - bf16 gradient exchange plus fp8 token dispatch: the loss after 50 steps is within 1%
-//   of the uncompressed run; the per-step relative gradient error (parallel.measure_compression)
+//   of the uncompressed run; the per-step relative gradient error (bench.measure_compression)
 //   is printed and bounded.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -30,8 +30,8 @@ using troupe::test::run;
 using troupe::test::RunResult;
 using troupe::test::step_records;
 
-const std::vector<std::string> kSequential{"parallel.overlap_a2a=false", "parallel.overlap_grad_sync=false",
-                                           "parallel.overlap_param_gather=false"};
+const std::vector<std::string> kSequential{"bench.overlap_a2a=false", "bench.overlap_grad_sync=false",
+                                           "bench.overlap_param_gather=false"};
 
 class OverlapEquivalence : public ::testing::Test {
  protected:
@@ -129,7 +129,7 @@ TEST_F(OverlapEquivalence, Bf16GradientsAndFp8DispatchTrainWithinOnePercent) {
   const auto exact = train("exact50", 50, 4, layout, {});
   std::string out;
   const auto comp = train("compressed50", 50, 4, layout + ",compression=true",
-                          {"parallel.fp8_dispatch=true", "parallel.measure_compression=true"}, {}, &out);
+                          {"parallel.fp8_dispatch=true", "bench.measure_compression=true"}, {}, &out);
   const auto a = step_records(*root_ / "exact50" / "metrics.jsonl");
   const auto b = step_records(*root_ / "compressed50" / "metrics.jsonl");
   ASSERT_EQ(a.size(), 50u);

@@ -140,6 +140,48 @@ TEST(TrainConfig, OverridesApplyAndAreChecked) {
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
 }
 
+// The [bench] and [test] sections (switches for comparison, fault injection) are read only
+// when the caller admits them; their keys' old names say where they went.
+TEST(TrainConfig, BenchAndTestSectionsAreFenced) {
+  auto refused =
+      load_train_config(kConfigs + "tiny.toml", {"bench.overlap_a2a=false", "test.inject=\"kill@2:any:0\""});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find(
+                "sets 'bench.overlap_a2a', 'test.inject' of the [bench]/[test] sections"),
+            std::string::npos)
+      << refused.status().to_string();
+  EXPECT_NE(refused.status().message().find("--allow-test-config"), std::string::npos);
+  auto admitted =
+      load_train_config(kConfigs + "tiny.toml",
+                        {"bench.overlap_a2a=false", "bench.cuda_graph=false", "test.inject=\"kill@2:any:0\""},
+                        TestSections::kAdmit);
+  ASSERT_TRUE(admitted.ok()) << admitted.status().to_string();
+  EXPECT_FALSE(admitted->parallel.overlap_a2a);
+  EXPECT_FALSE(admitted->train.cuda_graph);
+  EXPECT_TRUE(admitted->train.cuda_graph_asked);
+  EXPECT_EQ(admitted->elastic.inject, "kill@2:any:0");
+  EXPECT_EQ(admitted->test_keys.size(), 3u);
+  auto plain = load_train_config(kConfigs + "tiny.toml", {});
+  ASSERT_TRUE(plain.ok());
+  EXPECT_TRUE(plain->parallel.overlap_a2a);
+  EXPECT_FALSE(plain->train.cuda_graph_asked);
+  EXPECT_TRUE(plain->test_keys.empty());
+  for (const auto& [old_key, new_key] :
+       std::vector<std::pair<std::string, std::string>>{{"parallel.overlap_a2a", "bench.overlap_a2a"},
+                                                        {"train.cuda_graph", "bench.cuda_graph"},
+                                                        {"elastic.inject", "test.inject"}}) {
+    auto moved = load_train_config(kConfigs + "tiny.toml", {old_key + "=false"}, TestSections::kAdmit);
+    ASSERT_FALSE(moved.ok()) << old_key;
+    EXPECT_NE(moved.status().message().find("key '" + old_key + "' is now '" + new_key + "'"),
+              std::string::npos)
+        << moved.status().to_string();
+  }
+  auto unknown =
+      load_train_config(kConfigs + "tiny.toml", {"bench.no_such_switch=true"}, TestSections::kAdmit);
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.status().message().find("bench.no_such_switch"), std::string::npos);
+}
+
 TEST(LrSchedule, WarmupThenCosine) {
   LrSchedule s{1.0, 0.1, 10, 110};
   EXPECT_DOUBLE_EQ(s.at(1), 0.1);

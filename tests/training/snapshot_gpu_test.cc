@@ -76,7 +76,7 @@ class SnapshotGpu : public ::testing::Test {
               fmt::format("elastic.snapshot_every={}", kSnapshotEvery),
               "elastic.heartbeat_timeout_ms=3000",
               fmt::format("data.dir=\"{}\"", (*root_ / "data").string())};
-    if (!inject.empty()) c.sets.push_back(fmt::format("elastic.inject=\"{}\"", inject));
+    if (!inject.empty()) c.sets.push_back(fmt::format("test.inject=\"{}\"", inject));
     std::vector<std::string> a = c.argv();
     a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "1", "--backend", "cuda", "--"});
     return a;

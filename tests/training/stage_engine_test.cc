@@ -84,7 +84,8 @@ class StageEngine : public ::testing::Test {
     }
     if (!batch_given) o.push_back(fmt::format("train.global_batch={}", 2 * dp));
     o.insert(o.end(), extra.begin(), extra.end());
-    auto tc = layers::load_train_config(std::string(TROUPE_SOURCE_DIR) + "/apps/configs/tiny.toml", o);
+    auto tc = layers::load_train_config(std::string(TROUPE_SOURCE_DIR) + "/apps/configs/tiny.toml", o,
+                                        layers::TestSections::kAdmit);
     EXPECT_TRUE(tc.ok()) << tc.status().to_string();
     return *tc;
   }
@@ -180,7 +181,7 @@ TEST_F(StageEngine, DeviceStatisticsEqualTheHostSums) {
        {std::vector<std::string>{"parallel.dp=2"},
         std::vector<std::string>{"parallel.pp=2", "parallel.n=2", "train.global_batch=4"}}) {
     std::vector<std::string> host = layout;
-    host.push_back("train.device_stats=false");
+    host.push_back("bench.device_stats=false");
     const auto dev = train(layout, false);
     const auto ref = train(host, false);
     ASSERT_EQ(dev.size(), ref.size());
@@ -196,7 +197,7 @@ TEST_F(StageEngine, DeviceStatisticsEqualTheHostSums) {
 
 TEST_F(StageEngine, FoldedNormEqualsTheReadNorm) {
   const auto fold = train({"parallel.n=2"}, false);
-  const auto read = train({"parallel.n=2", "train.fold_grad_norm=false"}, false);
+  const auto read = train({"parallel.n=2", "bench.fold_grad_norm=false"}, false);
   ASSERT_EQ(fold.size(), read.size());
   for (size_t i = 0; i < fold.size(); ++i) {
     EXPECT_LE(rel(fold[i].grad_norm, read[i].grad_norm), 1e-5) << "step " << i + 1;

@@ -102,8 +102,9 @@ class TrainingGpu : public ::testing::Test {
     std::vector<std::string> a = args(name, "dp=2");
     a.insert(a.end(), {"--set", fmt::format("elastic.heartbeat_timeout_ms={}", kHeartbeatTimeoutMs)});
     a.insert(a.end(), {"--set", "elastic.snapshot_every=1"});
-    if (!fault.empty()) a.insert(a.end(), {"--set", fmt::format("elastic.inject=\"{}\"", fault)});
+    if (!fault.empty()) a.insert(a.end(), {"--set", fmt::format("test.inject=\"{}\"", fault)});
     for (auto& e : extra) a.insert(a.end(), {"--set", std::move(e)});
+    a.push_back("--allow-test-config");
     if (troupe_run) {
       a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "2", "--backend", "cuda",
                            "--heartbeat-timeout-ms", std::to_string(kHeartbeatTimeoutMs), "--"});
@@ -278,7 +279,7 @@ TEST_F(TrainingGpu, AllGatherDispatchOnTwoGpus) {
 // reads nothing per MoE block on the host: the host-count path reads two tables per MoE
 // block forward (the plan's counts, then the received counts), 4 per step here (1 MoE
 // block, grad_accum 2); the device path none of them, and with the routers' statistics on
-// the device too (train.device_stats without a z-loss, summed over the n-group by an
+// the device too (bench.device_stats without a z-loss, summed over the n-group by an
 // all-reduce on the device) a model with twice the MoE blocks makes as many host reads per
 // step.
 TEST_F(TrainingGpu, DeviceDrivenExpertDispatchOnTwoGpus) {
@@ -288,13 +289,14 @@ TEST_F(TrainingGpu, DeviceDrivenExpertDispatchOnTwoGpus) {
   };
   const std::vector<Case> cases = {
       {"overlapped", {}},
-      {"sequential", {"parallel.overlap_a2a=false", "parallel.chunks=1"}},
+      {"sequential", {"bench.overlap_a2a=false", "parallel.chunks=1"}},
       {"fp8", {"parallel.fp8_dispatch=true"}},
   };
   int64_t dev_reads = -1;  // the overlapped device path's host reads per step
   for (const Case& k : cases) {
     // No z-loss (tiny.toml has one): the routers' statistics then stay on the device too.
-    std::vector<std::string> host_sets = {"--set", "model.moe.z_loss_coef=0"}, dev_sets = host_sets;
+    std::vector<std::string> host_sets = {"--set", "model.moe.z_loss_coef=0", "--allow-test-config"},
+                             dev_sets = host_sets;
     for (const auto& v : k.sets) {
       host_sets.insert(host_sets.end(), {"--set", v});
       dev_sets.insert(dev_sets.end(), {"--set", v});
@@ -375,7 +377,7 @@ TEST_F(TrainingGpu, RescaleDp2To1To2OnGpus) {
   // step 5 (each time every rank restores the snapshot of the step into the new layout).
   const std::vector<nlohmann::json>& ref = dp2_baseline();
   const std::string name = "gpu_scale";
-  run_job(name, dp2_args(name, "", {"elastic.scale_at=\"2:1,5:2\""}));
+  run_job(name, dp2_args(name, "", {"test.scale_at=\"2:1,5:2\""}));
   const auto scaled = events_named(*root_ / name / "events.jsonl", "scaled");
   ASSERT_EQ(scaled.size(), 2u);
   EXPECT_EQ(scaled[0]["to_dp"], 1);

@@ -15,6 +15,8 @@
 #include <optional>
 
 #include "comm/rendezvous_store.h"
+#include "core/env.h"
+#include "core/job_env.h"
 #include "core/parallel_layout.h"
 #include "data/tokenizer.h"
 #include "interop/hf_checkpoint.h"
@@ -34,7 +36,8 @@ void add_run_options(CLI::App& cli, RunOptions& o) {
   cli.add_option("--set", o.overrides, "override a config key: --set train.steps=10 (repeatable)");
   cli.add_option("--run-dir", o.run_dir,
                  "where metrics.jsonl, events.jsonl and checkpoints go (default runs/<config>)");
-  cli.add_option("--backend", o.backend, "cpu (default) or cuda (one GPU per worker)");
+  cli.add_option("--backend", o.backend, "cpu (default) or cuda (one GPU per worker)")
+      ->each([&o](const std::string&) { o.backend_given = true; });
   cli.add_option("--parallel", o.parallel,
                  "parallel layout overriding [parallel]: e.g. pp=2,dp=2 or dp=2,n=2,dispatch=allgather "
                  "(several ranks: started locally, or by `troupe run --nproc N`)");
@@ -48,6 +51,9 @@ void add_run_options(CLI::App& cli, RunOptions& o) {
   cli.add_flag("--gradcheck", o.gradcheck,
                "instead of training: check every parameter's gradient against finite differences of the "
                "loss (on the CPU, layout 1x1x1, random tokens; no data needed)");
+  cli.add_flag("--allow-test-config", o.allow_test_config,
+               "accept the config's [bench] and [test] sections (switches for comparison, fault "
+               "injection): benchmarks and tests only (docs/config.md)");
 }
 
 Result<std::vector<std::string>> parallel_overrides(const std::string& spec) {
@@ -101,17 +107,32 @@ Result<std::vector<std::string>> all_overrides(const RunOptions& o) {
   return overrides;
 }
 
+Status adopt_job_flags(RunOptions& o) {
+  if (std::optional<std::string> job_backend = env::get(job_env::kBackend)) {
+    if (!o.backend_given) {
+      o.backend = *job_backend;
+    } else if (o.backend != *job_backend) {
+      return invalid_argument(
+          "the job was submitted with --backend {} (troupe run/submit; it decides the GPU placement) but the "
+          "app was given --backend {}: give both the same",
+          *job_backend, o.backend);
+    }
+  }
+  if (std::optional<std::string> job_layout = env::get(job_env::kLayout); job_layout && o.parallel.empty()) {
+    o.parallel = *job_layout;  // run_app checks a config's own [parallel] against it
+  }
+  return ok_status();
+}
+
 Result<layers::TrainConfig> load_run_config(const RunOptions& o) {
   if (o.config.empty()) return invalid_argument("--config is required");
   TROUPE_ASSIGN_OR_RETURN(std::vector<std::string> overrides, all_overrides(o));
-  return layers::load_train_config(o.config, overrides);
+  return layers::load_train_config(
+      o.config, overrides,
+      o.allow_test_config ? layers::TestSections::kAdmit : layers::TestSections::kRefuse);
 }
 
 namespace {
-
-const char* env(const char* name) {
-  return std::getenv(name);
-}
 
 // The copy gets the mode of a new file of the run (0666 less train.umask), not the
 // source's: copy_file keeps the source's permission bits.
@@ -145,8 +166,7 @@ class SchedulerRendezvous final : public comm::RendezvousStore {
 };
 
 Result<std::unique_ptr<comm::RendezvousStore>> open_store(const std::string& run_dir) {
-  const char* sched_addr = env("TROUPE_SCHEDULER");
-  if (sched_addr != nullptr && *sched_addr != '\0' && env("TROUPE_ROLE") != nullptr) {
+  if (env::get(job_env::kScheduler) && env::get(job_env::kRole)) {
     TROUPE_ASSIGN_OR_RETURN(std::optional<sched::JobContext> ctx, sched::JobContext::from_env());
     if (ctx) {
       TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<sched::SchedulerStore> s, sched::SchedulerStore::connect(*ctx));
@@ -163,12 +183,8 @@ Result<std::unique_ptr<comm::RendezvousStore>> open_store(const std::string& run
 Result<std::string> resolve_run_dir(const RunOptions& o) {
   if (!o.run_dir.empty()) return o.run_dir;
   const std::string dir = "runs/" + fs::path(o.config).stem().string();
-  const char* role = env("TROUPE_ROLE");
-  const char* restarts = env("TROUPE_DRIVER_RESTARTS");
-  if ((role != nullptr && std::string(role) == "worker") ||
-      (restarts != nullptr && std::strtoll(restarts, nullptr, 10) > 0)) {
-    return dir;
-  }
+  TROUPE_ASSIGN_OR_RETURN(const int64_t driver_restarts, env::get_int(job_env::kDriverRestarts, 0, 0));
+  if (env::get_or(job_env::kRole) == "worker" || driver_restarts > 0) return dir;
   std::error_code ec;
   if (!fs::exists(fs::path(dir) / "metrics.jsonl", ec)) return dir;
   // Resuming from a checkpoint of that very directory continues its metrics.
@@ -221,13 +237,12 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
     return invalid_argument("{}: data.dir is not set (the output of troupe-prepare)", tc.source);
   }
   // A one-process run refuses what needs worker processes before it touches anything.
-  if (runs_in_one_process(tc, env("TROUPE_ROLE") != nullptr)) TROUPE_RETURN_IF_ERROR(check_one_process(tc));
+  const std::string role = env::get_or(job_env::kRole);
+  if (runs_in_one_process(tc, !role.empty())) TROUPE_RETURN_IF_ERROR(check_one_process(tc));
   TROUPE_ASSIGN_OR_RETURN(const std::string run_dir, resolve_run_dir(o));
   TROUPE_ASSIGN_OR_RETURN(std::vector<std::string> overrides, all_overrides(o));
-  const char* role_env = env("TROUPE_ROLE");
-  const std::string role = role_env ? role_env : "";
   if (!role.empty() && role != "driver" && role != "worker") {
-    return invalid_argument("TROUPE_ROLE='{}' (expected driver or worker)", role);
+    return invalid_argument("{}='{}' (expected driver or worker)", job_env::kRole, role);
   }
   if (tc.train.split_master && o.backend != "cuda" && role != "worker") {
     fmt::print(
@@ -260,13 +275,24 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   // ---- the driver (troupe run / submit) or the standalone launcher --------------------
   if (!role.empty()) {
     // The scheduler starts as many workers as --nproc asked for: they must fill the layout.
-    const char* ws = env("TROUPE_WORLD_SIZE");
-    if (ws != nullptr && *ws != '\0' && std::strtoll(ws, nullptr, 10) != tc.parallel.world()) {
+    TROUPE_ASSIGN_OR_RETURN(const int64_t ws, env::get_int(job_env::kWorldSize, tc.parallel.world(), 1));
+    if (ws != tc.parallel.world()) {
       return invalid_argument(
           "{}: layout pp={} dp={} n={} needs {} workers but the job has {} "
           "(troupe run --nproc {})",
           tc.source, tc.parallel.pp, tc.parallel.dp, tc.parallel.n, tc.parallel.world(), ws,
           tc.parallel.world());
+    }
+    // A job submitted with --layout runs that layout (adopt_job_flags made it the app's
+    // --parallel when the app gave none); a config or --parallel saying otherwise is refused.
+    if (std::optional<std::string> job_layout = env::get(job_env::kLayout)) {
+      TROUPE_ASSIGN_OR_RETURN(const ParallelLayout l, ParallelLayout::parse(*job_layout));
+      if (l.pp() != tc.parallel.pp || l.dp() != tc.parallel.dp || l.n() != tc.parallel.n) {
+        return invalid_argument(
+            "{}: the job was submitted with --layout {} but the app runs pp={} dp={} n={} (its config and "
+            "--parallel): give the same layout to both, or only one of them",
+            tc.source, l.to_string(), tc.parallel.pp, tc.parallel.dp, tc.parallel.n);
+      }
     }
   }
   // Nothing is written and no worker is started before the data and the memory are known
@@ -291,7 +317,7 @@ Status run_app(const App& app, const RunOptions& o, const layers::Ctx& ctx) {
   to.resume = o.resume;
   to.run_dir = run_dir;
   to.gpu = o.backend == "cuda";
-  if (to.gpu && app.flops_per_token) to.flops_per_token = app.flops_per_token(tc);
+  if (to.gpu) to.flops_per_token = tc.model.train_flops_per_token(tc.train.seq_len);
   // A one-process run (no launcher, layout 1x1x1): the worker is a thread here, on this
   // process's device.
   to.program = app.program;

@@ -37,8 +37,6 @@ namespace troupe::training {
 struct App {
   std::string name;        // "train_moe", "dense_lm": log prefixes and the default run dir
   ProgramFactory program;  // the model part of each pipeline stage
-  // Optional: model FLOPs per token (GPU runs report "mfu" against 989 TFLOP/s per GPU).
-  std::function<double(const layers::TrainConfig&)> flops_per_token;
   // Optional: refuses a config the program cannot train (naming the key), before any
   // worker starts.
   std::function<Status(const layers::TrainConfig&)> check;
@@ -53,6 +51,7 @@ struct RunOptions {
   std::vector<std::string> overrides;  // "key=value", applied in order (--set, then --parallel's)
   std::string run_dir;                 // default: runs/<config name> (resolve_run_dir)
   std::string backend = "cpu";         // "cpu" or "cuda" (each worker: one GPU)
+  bool backend_given = false;          // --backend was on the command line
   std::string parallel;                // --parallel pp=2,dp=2,... (turned into overrides)
   // A run directory, its checkpoints directory or one step_<N> checkpoint: the newest
   // valid checkpoint is loaded into the current layout and training goes on.
@@ -64,9 +63,14 @@ struct RunOptions {
   // --gradcheck: check the program's gradients by finite differences instead of training
   // (gradcheck.h; on the CPU, layout 1x1x1).
   bool gradcheck = false;
+  // --allow-test-config: the config may set the [bench] and [test] sections (switches for
+  // comparison, fault injection; layers::TestSections). Off, a config that sets one is
+  // refused, so a benchmark's config copied into production fails at start.
+  bool allow_test_config = false;
 };
 
-// Adds --config, --set, --parallel, --run-dir, --backend, --resume, --init-from and --gradcheck to
+// Adds --config, --set, --parallel, --run-dir, --backend, --resume, --init-from, --gradcheck and
+// --allow-test-config to
 // `cli`, bound to `o`.
 void add_run_options(CLI::App& cli, RunOptions& o);
 
@@ -80,6 +84,13 @@ Result<std::vector<std::string>> parallel_overrides(const std::string& spec);
 // a --set of one of those keys to another value is an error): the overrides a run applies
 // and records.
 Result<std::vector<std::string>> all_overrides(const RunOptions& o);
+
+// Under troupe run/submit, the job's --backend and --layout (core/job_env.h: kBackend,
+// kLayout) and the app's own --backend and --parallel are one choice: an app flag not given
+// takes the job's; a --backend that differs is an error naming both (run_app refuses a
+// config layout that differs from the job's). Call after parsing the command line, before
+// the device is made.
+Status adopt_job_flags(RunOptions& o);
 
 // Loads the config (o.config with all_overrides(o)) — the result of add_run_options after
 // parsing.

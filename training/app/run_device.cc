@@ -14,7 +14,9 @@
 #include "core/cuda/caching_allocator.h"
 #include "core/cuda/host_wait.h"
 #include "core/cuda/stream.h"
+#include "core/env.h"
 #include "core/gpu_check.h"
+#include "core/job_env.h"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/host_copy.h"
 #endif
@@ -69,12 +71,11 @@ Result<std::unique_ptr<RunDevice>> RunDevice::create(const std::string& backend)
   // standalone launcher's workers see every GPU and take TROUPE_LOCAL_RANK's (the launcher
   // gives each the lowest index no live worker holds).
   int kDevice = 0;
-  const char* role = std::getenv("TROUPE_ROLE");
-  if (role != nullptr && std::string(role) == "worker") {
-    const char* lr = std::getenv("TROUPE_LOCAL_RANK");
-    const char* r = std::getenv("TROUPE_RANK");
-    long local = lr != nullptr && *lr != '\0' ? std::strtol(lr, nullptr, 10) : -1;
-    if (local < 0 && r != nullptr) local = std::strtol(r, nullptr, 10);
+  if (env::get_or(job_env::kRole) == "worker") {
+    TROUPE_ASSIGN_OR_RETURN(int64_t local, env::get_int(job_env::kLocalRank, -1));
+    if (local < 0) {
+      TROUPE_ASSIGN_OR_RETURN(local, env::get_int(job_env::kRank, -1));
+    }
     // With several GPUs visible, a worker past the last one would share a GPU with
     // another rank (NCCL refuses that); one visible GPU is the scheduler's per-slot view.
     if (n > 1 && local >= n) {
@@ -110,6 +111,14 @@ Result<std::unique_ptr<RunDevice>> RunDevice::create(const std::string& backend)
 void RunDevice::set_attention_fused_dq(bool on) {
 #if TROUPE_HAVE_CUDA
   if (cuda_) cuda_->ctx->attention_fused_dq = on;
+#else
+  (void)on;
+#endif
+}
+
+void RunDevice::set_pdl(bool on) {
+#if TROUPE_HAVE_CUDA
+  if (cuda_) cuda_->ctx->pdl = on && cuda_->ctx->pdl_supported;
 #else
   (void)on;
 #endif
@@ -161,7 +170,7 @@ Status RunDevice::end_capture() {
     (void)cudaGetLastError();
     return internal_error(
         "CUDA graph: the step could not be captured ({}): something in it waited on the host or used "
-        "another stream; set train.cuda_graph = false",
+        "another stream; set bench.cuda_graph = false",
         cudaGetErrorString(e));
   }
   cuda_->graph = graph;

@@ -59,8 +59,11 @@ class RunDevice {
   const float* read_wait();
   // train.attention_fused_dq (kernels::CudaContext::attention_fused_dq). No-op on the CPU.
   void set_attention_fused_dq(bool on);
+  // bench.pdl: kernels launch with programmatic dependent launch where the GPU has it
+  // (kernels::CudaContext::pdl); false turns it off, for comparison. No-op on the CPU.
+  void set_pdl(bool on);
 
-  // A CUDA graph of a training step (train_moe's train.cuda_graph): begin_capture() starts
+  // A CUDA graph of a training step (train_moe's bench.cuda_graph): begin_capture() starts
   // recording this device's stream (the work enqueued until end_capture() is recorded,
   // not run) with the allocator's graph pool (core/cuda/caching_allocator.h), so the
   // addresses the graph replays stay its own; end_capture() instantiates it and

@@ -260,11 +260,6 @@ App transformer_app(const TransformerApp& a) {
     return check_dense_model(tc, name);
   };
   app.recomputes_blocks = true;
-  // 6 x parameters (the embedding's lookup excluded) + causal attention's 6 * L * s * d.
-  app.flops_per_token = [](const layers::TrainConfig& tc) {
-    return 6.0 * static_cast<double>(tc.model.num_active_params()) +
-           6.0 * static_cast<double>(tc.model.n_layers * tc.train.seq_len * tc.model.d_model);
-  };
   return app;
 }
 
@@ -279,11 +274,13 @@ int transformer_main(int argc, char** argv, const TransformerApp& a) {
     return 2;
   }
   const Status st = [&]() -> Status {
+    TROUPE_RETURN_IF_ERROR(adopt_job_flags(o));  // troupe run's --backend and --layout
     // The device for training; --gradcheck runs on the CPU whatever --backend says.
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<RunDevice> dev,
                             RunDevice::create(o.gradcheck ? "cpu" : o.backend));
     TROUPE_ASSIGN_OR_RETURN(layers::TrainConfig tc, load_run_config(o));
     dev->set_attention_fused_dq(tc.train.attention_fused_dq);
+    dev->set_pdl(tc.train.pdl);
     return run_app(transformer_app(a), o, dev->ctx());
   }();
   if (!st.ok()) {

@@ -11,6 +11,9 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/env.h"
+#include "core/job_env.h"
+
 namespace troupe::training {
 
 namespace fs = std::filesystem;
@@ -115,8 +118,7 @@ FailedSave clean_failed_save(const std::string& dir, int64_t step, uint64_t need
 
 std::string checkpoint_dir_for(const layers::TrainConfig& tc, const std::string& run_dir) {
   if (!tc.checkpoint.dir.empty()) return tc.checkpoint.dir;
-  const char* env = std::getenv("TROUPE_CHECKPOINT_DIR");
-  if (env != nullptr && *env != '\0') return env;
+  if (std::optional<std::string> job_dir = env::get(job_env::kCheckpointDir)) return *job_dir;
   return (fs::path(run_dir) / "checkpoints").string();
 }
 

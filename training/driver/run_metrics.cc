@@ -12,6 +12,9 @@
 #include <filesystem>
 #include <fstream>
 
+#include "core/env.h"
+#include "core/job_env.h"
+
 namespace troupe::training {
 
 namespace {
@@ -48,8 +51,7 @@ const std::map<std::string, std::pair<std::string, double>>& prometheus_keys() {
 Result<std::unique_ptr<RunMetrics>> RunMetrics::open(const layers::ObserveOptions& o,
                                                      const std::string& run_dir) {
   std::unique_ptr<RunMetrics> m(new RunMetrics());
-  const char* job = std::getenv("TROUPE_JOB_ID");
-  m->job_ = job != nullptr && *job != '\0' ? job : std::filesystem::path(run_dir).filename().string();
+  m->job_ = env::get_or(job_env::kJobId, std::filesystem::path(run_dir).filename().string());
   if (o.tensorboard) {
     TROUPE_ASSIGN_OR_RETURN(m->tb_, observe::TensorBoardWriter::open(run_dir + "/tensorboard"));
   }
@@ -63,9 +65,8 @@ Result<std::unique_ptr<RunMetrics>> RunMetrics::open(const layers::ObserveOption
                           .Name("troupe_train_steps_lost_total")
                           .Help("completed steps run again after recoveries")
                           .Register(*m->registry_);
-    const char* insecure = std::getenv("TROUPE_INSECURE");
     observe::MetricsServerOptions so{o.prometheus_listen, o.prometheus_auth_file,
-                                     insecure != nullptr && std::string(insecure) == "1"};
+                                     env::get_or(job_env::kInsecure) == "1"};
     TROUPE_ASSIGN_OR_RETURN(m->server_, observe::MetricsServer::start(so, m->registry_));
     std::ofstream(run_dir + "/metrics_url") << m->server_->url() << "\n";
     fmt::print("metrics: Prometheus /metrics at {}\n", m->server_->url());

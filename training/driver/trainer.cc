@@ -7,6 +7,9 @@
 // command counts as complete only with every rank's reply; after a recovery the window
 // restarts from the step every rank restored.
 #include "training/driver/trainer_driver.h"
+#include "core/env.h"
+#include "core/job_env.h"
+#include "core/peak_flops.h"
 
 namespace troupe::training {
 
@@ -257,9 +260,8 @@ Status Trainer::run_job() {
     if (!rec.value("expert_load", nlohmann::json::array()).empty()) rec["load_imbalance"] = imbalance;
     if (rec.contains("peak_bytes")) rec["peak_gib"] = rec["peak_bytes"].get<double>() / 1073741824.0;
     if (o_.flops_per_token > 0) {
-      // Dense bf16 peak of one H100/H200 SXM: 989 TFLOP/s.
       rec["mfu"] = static_cast<double>(step_tokens) / wall_s * o_.flops_per_token /
-                   (989e12 * static_cast<double>(plan_.slots.size()));
+                   (kPeakBf16FlopsPerGpu * static_cast<double>(plan_.slots.size()));
     }
     if (step <= max_step_logged_) rec["replayed"] = true;  // after a checkpoint restore
     max_step_logged_ = std::max(max_step_logged_, step);
@@ -483,10 +485,10 @@ bool runs_in_one_process(const layers::TrainConfig& tc, bool scheduled) {
 
 Status check_one_process(const layers::TrainConfig& tc) {
   // What needs worker processes, refused by name rather than half done.
-  const char* why = !tc.elastic.inject.empty() ? "elastic.inject (faults are injected into worker processes)"
+  const char* why = !tc.elastic.inject.empty() ? "test.inject (faults are injected into worker processes)"
                     : tc.elastic.max_dp > 1 ? "elastic.max_dp > 1 (growing the job starts worker processes)"
                     : !tc.elastic.scale_at.empty()
-                        ? "elastic.scale_at (rescaling starts or stops worker processes)"
+                        ? "test.scale_at (rescaling starts or stops worker processes)"
                         : nullptr;
   if (why == nullptr) return ok_status();
   return invalid_argument(
@@ -507,14 +509,14 @@ Status run_trainer(const TrainerOptions& o, const layers::TrainConfig& tc,
 Status run_worker_process(const layers::TrainConfig& tc, const ProgramFactory& program,
                           comm::RendezvousStore& store, std::function<void()> cut_control,
                           const layers::Ctx& ctx, observe::StepProbe* steps) {
-  const char* job = std::getenv("TROUPE_JOB_ID");
-  if (job == nullptr || *job == '\0') return invalid_argument("worker: TROUPE_JOB_ID is not set");
-  // Started by the scheduler in epoch 0: the slot is the rank; later ones, and the
-  // standalone launcher's, are told their slot and epoch.
-  const int64_t slot = env_or("TROUPE_ELASTIC_SLOT", env_or("TROUPE_RANK", -1));
-  if (slot < 0) return invalid_argument("worker: neither TROUPE_ELASTIC_SLOT nor TROUPE_RANK is set");
-  const int64_t epoch = env_or("TROUPE_ELASTIC_EPOCH", 0);
-  return run_elastic_worker(tc, program, store, job, static_cast<int>(slot), static_cast<uint64_t>(epoch),
+  std::optional<std::string> job = env::get(job_env::kJobId);
+  if (!job) return invalid_argument("worker: {} is not set", job_env::kJobId);
+  // A worker's rank is its slot (the scheduler's and the standalone launcher's alike); a
+  // worker the driver asked for later is also told the membership epoch it joins.
+  TROUPE_ASSIGN_OR_RETURN(const int64_t slot, env::get_int(job_env::kRank, -1, -1, INT32_MAX));
+  if (slot < 0) return invalid_argument("worker: {} is not set", job_env::kRank);
+  TROUPE_ASSIGN_OR_RETURN(const int64_t epoch, env::get_int(job_env::kMembershipEpoch, 0, 0));
+  return run_elastic_worker(tc, program, store, *job, static_cast<int>(slot), static_cast<uint64_t>(epoch),
                             std::move(cut_control), ctx, /*driver_system=*/nullptr, steps);
 }
 

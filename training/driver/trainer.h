@@ -47,8 +47,8 @@ struct TrainerOptions {
   std::string run_dir;                 // metrics.jsonl, events.jsonl, status.json, checkpoints/
   // Workers on GPUs: each gets its own device.
   bool gpu = false;
-  // GPU runs: model FLOPs per token, for "mfu" in metrics.jsonl (tokens/s x flops /
-  // (989 TFLOP/s x GPUs)); 0: none.
+  // GPU runs: model FLOPs per token (ModelConfig::train_flops_per_token), for "mfu" in
+  // metrics.jsonl (tokens/s x flops / (kPeakBf16FlopsPerGpu x GPUs)); 0: none.
   double flops_per_token = 0;
   // Under the scheduler: records the actor placement of an epoch (actor id -> process
   // name, e.g. "stage.3" -> "worker-3") in the scheduler's durable state, with the layout the
@@ -65,7 +65,7 @@ struct TrainerOptions {
 // layout 1x1x1 and elastic.isolate_workers false.
 bool runs_in_one_process(const layers::TrainConfig& tc, bool scheduled);
 // For such a run: InvalidArgument naming a setting that needs worker processes
-// (elastic.inject, elastic.max_dp > 1, elastic.scale_at) and the key that gives them.
+// (test.inject, elastic.max_dp > 1, test.scale_at) and the key that gives them.
 Status check_one_process(const layers::TrainConfig& tc);
 
 // Runs the job to its end as its driver. `scheduled_store`: the job's store under
@@ -74,8 +74,8 @@ Status check_one_process(const layers::TrainConfig& tc);
 Status run_trainer(const TrainerOptions& o, const layers::TrainConfig& tc,
                    std::unique_ptr<comm::RendezvousStore> scheduled_store);
 
-// A worker process (TROUPE_ROLE=worker; TROUPE_JOB_ID, and TROUPE_ELASTIC_SLOT or
-// TROUPE_RANK, TROUPE_ELASTIC_EPOCH, handed over by whoever started it). `cut_control`
+// A worker process (TROUPE_ROLE=worker; TROUPE_JOB_ID, TROUPE_RANK (its slot) and
+// TROUPE_ELASTIC_EPOCH, handed over by whoever started it: core/job_env.h). `cut_control`
 // closes its control-plane connection (the cutctl fault; may be empty).
 // `ctx`: the CPU, or the worker's GPU.
 // `program`: the app's stage program.

@@ -13,6 +13,8 @@
 #include "checkpoint/reader.h"
 #include "training/driver/trainer.h"
 #include "training/role_actors.h"
+#include "core/env.h"
+#include "core/job_env.h"
 
 namespace troupe::training {
 
@@ -295,7 +297,7 @@ Status CheckpointCoordinator::start_keeper() {
   char host[256] = {0};
   ::gethostname(host, sizeof(host) - 1);
   TROUPE_ASSIGN_OR_RETURN(keeper_, checkpoint::SnapshotKeeper::start({.node = host, .host_addr = ""}));
-  ::setenv(checkpoint::kSnapshotKeeperEnv, keeper_->socket_path().c_str(), 1);
+  ::setenv(job_env::kSnapshotKeeper, keeper_->socket_path().c_str(), 1);
   return ok_status();
 }
 

@@ -36,7 +36,7 @@
 // fault's time where known), recovery_ms (detection to the next completed command) and
 // steps_lost.
 // Operator requests (trainer_requests.h: the job store's request keys, written by
-// `troupe scale|replace|drain` and the scheduler's health policy; elastic.scale_at for
+// `troupe scale|replace|drain` and the scheduler's health policy; test.scale_at for
 // scripted ones) are served at the next step boundary:
 // Rescale: dp=N (elastic.min_dp <= N <= elastic.max_dp, default 1 and the configured dp);
 // the global batch (train.global_batch) and so the data order stay the same: each replica
@@ -86,6 +86,8 @@
 #include "training/driver/trainer_requests.h"
 #include "training/role_actors.h"
 #include "training/worker/elastic.h"
+#include "core/env.h"
+#include "core/job_env.h"
 
 extern char** environ;
 
@@ -109,7 +111,7 @@ class Trainer {
       TolerantStore::Options so;
       so.outage_limit = std::chrono::milliseconds(tc.elastic.scheduler_outage_limit_ms);
       so.who = "driver";
-      if (const char* s = std::getenv("TROUPE_SCHEDULER"); s != nullptr) so.where = s;
+      so.where = env::get_or(job_env::kScheduler);
       auto t = std::make_unique<TolerantStore>(std::move(store), so);
       TolerantStore* tolerant = t.get();
       store_.own(std::move(t), tolerant);

@@ -17,6 +17,8 @@
 #include "training/driver/trainer.h"
 #include "training/role_actors.h"
 #include "training/worker/elastic.h"
+#include "core/env.h"
+#include "core/job_env.h"
 
 extern char** environ;
 
@@ -53,9 +55,11 @@ void ProcessSupervisor::configure(bool one_process, bool scheduled, std::chrono:
   // The heartbeat timeout defaults to the job's own (handed over by the scheduler,
   // `--heartbeat-timeout-ms`), else 2 s.
   const layers::ElasticOptions& eo = tc_.elastic;
-  hb_timeout_ = std::chrono::milliseconds(
-      eo.heartbeat_timeout_ms > 0 ? eo.heartbeat_timeout_ms
-                                  : (scheduled_ ? env_or("TROUPE_HEARTBEAT_TIMEOUT_MS", 2000) : 2000));
+  // A malformed value is the scheduler's bug: named, and the default kept.
+  Result<int64_t> job_hb = scheduled_ ? env::get_int(job_env::kHeartbeatTimeoutMs, 2000, 1) : Result<int64_t>(2000);
+  if (!job_hb.ok()) fmt::print(stderr, "trainer: {}; heartbeat timeout 2000 ms\n", job_hb.status().message());
+  hb_timeout_ = std::chrono::milliseconds(eo.heartbeat_timeout_ms > 0 ? eo.heartbeat_timeout_ms
+                                                                      : (job_hb.ok() ? *job_hb : 2000));
   join_timeout_ = std::chrono::milliseconds(eo.join_timeout_ms);
 }
 
@@ -143,17 +147,17 @@ Status ProcessSupervisor::spawn(int slot, uint64_t epoch, const std::string& avo
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string v(*e);
     bool ours = false;
-    for (const char* k :
-         {"TROUPE_ROLE=", "TROUPE_RANK=", "TROUPE_LOCAL_RANK=", "TROUPE_WORLD_SIZE=", "TROUPE_JOB_ID=",
-          "TROUPE_EPOCH=", "TROUPE_ELASTIC_SLOT=", "TROUPE_ELASTIC_EPOCH="}) {
-      ours |= v.rfind(k, 0) == 0;
+    for (const char* k : {job_env::kRole, job_env::kRank, job_env::kLocalRank, job_env::kWorldSize,
+                          job_env::kJobId, job_env::kEpoch, job_env::kMembershipEpoch}) {
+      ours |= v.rfind(std::string(k) + "=", 0) == 0;
     }
     if (!ours) envs.push_back(v);
   }
-  envs.push_back("TROUPE_ROLE=worker");
-  envs.push_back(fmt::format("TROUPE_ELASTIC_SLOT={}", slot));
-  envs.push_back("TROUPE_JOB_ID=" + store_.job());
-  envs.push_back(fmt::format("TROUPE_ELASTIC_EPOCH={}", epoch));
+  // The same variables the scheduler hands its workers (core/job_env.h): the rank is the slot.
+  envs.push_back(fmt::format("{}=worker", job_env::kRole));
+  envs.push_back(fmt::format("{}={}", job_env::kRank, slot));
+  envs.push_back(fmt::format("{}={}", job_env::kJobId, store_.job()));
+  envs.push_back(fmt::format("{}={}", job_env::kMembershipEpoch, epoch));
   // GPU workers of the standalone launcher see every GPU: each takes the lowest device
   // index no live worker holds (a replacement takes its predecessor's, which was reaped).
   int gpu = -1;
@@ -164,7 +168,7 @@ Status ProcessSupervisor::spawn(int slot, uint64_t epoch, const std::string& avo
     }
     gpu = 0;
     while (held.count(gpu) != 0) ++gpu;
-    envs.push_back(fmt::format("TROUPE_LOCAL_RANK={}", gpu));
+    envs.push_back(fmt::format("{}={}", job_env::kLocalRank, gpu));
   }
   std::vector<char*> cargv, cenv;
   for (const auto& a : o_.argv) cargv.push_back(const_cast<char*>(a.c_str()));

@@ -39,15 +39,6 @@ namespace troupe::training {
 class ActorDirectory;
 struct TrainerOptions;
 
-// An integer from the environment (dflt when unset or not an integer).
-inline int64_t env_or(const char* name, int64_t dflt) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return dflt;
-  char* end = nullptr;
-  const long long x = std::strtoll(v, &end, 10);
-  return (end == v || *end != '\0') ? dflt : static_cast<int64_t>(x);
-}
-
 // A failure the driver acts on (trainer_membership.cc, recover).
 struct Failure {
   std::string cause;       // exit, heartbeat, comm_error, watchdog, straggler, replace, join_timeout

@@ -1,5 +1,5 @@
 // training/driver/trainer_requests.cc — OperatorRequests (trainer_requests.h): the one
-// channel of operator requests (scale, replace, drain; elastic.scale_at) to the Trainer.
+// channel of operator requests (scale, replace, drain; test.scale_at) to the Trainer.
 #include "training/driver/trainer_requests.h"
 
 #include <fmt/format.h>

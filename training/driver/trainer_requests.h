@@ -9,7 +9,7 @@
 // Every writer uses it: `troupe scale|replace <job id>` and `troupe drain` through the
 // scheduler's store, `troupe scale|replace <run dir>` through the standalone launcher's
 // store (a FileStore in <run dir>/rendezvous), the scheduler's health policy, and
-// elastic.scale_at ("<step>:<dp>,...": scripted requests after given steps, answered to
+// test.scale_at ("<step>:<dp>,...": scripted requests after given steps, answered to
 // nobody).
 // May call: the store through the polls it was given (one attempt each; nothing while the
 // scheduler is out: the request waits for the next boundary). Acting on a request is
@@ -48,10 +48,10 @@ class OperatorRequests {
     std::function<Status(const std::string&, const std::string&)> set;
     std::function<bool()> out;
   };
-  // `scale_at`: elastic.scale_at (validated by the config loader).
+  // `scale_at`: test.scale_at (validated by the config loader).
   OperatorRequests(Store store, const std::string& scale_at);
 
-  // Whether elastic.scale_at asks for a rescale after `step` (the step window never
+  // Whether test.scale_at asks for a rescale after `step` (the step window never
   // runs past it).
   bool scripted_after(int64_t step) const { return scripted_.count(step) != 0; }
   // Whether a request waits at the boundary after `step` (scripted, or in the store).

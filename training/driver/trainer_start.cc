@@ -7,6 +7,8 @@
 // published before its workers start; an earlier run's request files, snapshot records and
 // stale checkpoints never leak into this one.
 #include "training/driver/trainer_driver.h"
+#include "core/env.h"
+#include "core/job_env.h"
 
 namespace troupe::training {
 
@@ -20,9 +22,9 @@ Status Trainer::run() {
 }
 Result<Trainer::JobStart> Trainer::start_job() {
   if (scheduled_) {
-    const char* job = std::getenv("TROUPE_JOB_ID");
-    if (job == nullptr || *job == '\0') return invalid_argument("elastic driver: TROUPE_JOB_ID is not set");
-    store_.set_job(job);
+    std::optional<std::string> job = env::get(job_env::kJobId);
+    if (!job) return invalid_argument("elastic driver: {} is not set", job_env::kJobId);
+    store_.set_job(*job);
     poll_ = std::chrono::milliseconds(20);
   } else {
     store_.set_job(
@@ -52,7 +54,8 @@ Result<Trainer::JobStart> Trainer::start_job() {
   // (scheduler.cc, restart_driver): its workers were restarted with it, so it goes on from
   // the newest snapshot the job's keepers still hold (<run dir>/snapshots.json, written by
   // its predecessor), else from the job's newest valid checkpoint.
-  const int64_t driver_restarts = scheduled_ ? env_or("TROUPE_DRIVER_RESTARTS", 0) : 0;
+  TROUPE_ASSIGN_OR_RETURN(const int64_t driver_restarts,
+                          scheduled_ ? env::get_int(job_env::kDriverRestarts, 0, 0) : Result<int64_t>(0));
   const SnapshotRecord* resume_snapshot = nullptr;
   if (resume_from.empty() && driver_restarts > 0) {
     // The snapshots its predecessor committed (<run dir>/snapshots.json).

@@ -282,7 +282,7 @@ Status Stage::setup_params(const std::vector<ProgramParam>& params) {
     for (const Entry& e : entries_) eligible.push_back(e.expert);
     const int64_t folded = buf_.enable_grad_norm_fold(ctx_, eligible);
     if (folded > 0 && rank_ == 0) {
-      fmt::print("stage: gradient norm folded into the dW products of {} parameters (train.fold_grad_norm)\n",
+      fmt::print("stage: gradient norm folded into the dW products of {} parameters (bench.fold_grad_norm)\n",
                  folded);
     }
   }
@@ -307,7 +307,7 @@ Status Stage::setup_engine() {
   if (ctx_.on_device() && t.cuda_graph) {
     std::string why;
     if (!t.device_stats) {
-      why = "train.device_stats = false reads the step's statistics on the host inside the step";
+      why = "bench.device_stats = false reads the step's statistics on the host inside the step";
     } else if (!device_stats_) {
       why = "the stage program keeps its step statistics on the host (e.g. a router with a z-loss)";
     } else {
@@ -315,13 +315,13 @@ Status Stage::setup_engine() {
     }
     if (!why.empty() && t.cuda_graph_asked) {
       return failed_precondition(
-          "train.cuda_graph = true cannot capture this layout's step ({}): {}; set "
-          "train.cuda_graph = false",
+          "bench.cuda_graph = true cannot capture this layout's step ({}): {}; set "
+          "bench.cuda_graph = false",
           layout_->to_string(), why);
     }
     if (!why.empty()) {
       if (rank_ == 0) {
-        fmt::print("note: the step runs op by op, not as a CUDA graph (train.cuda_graph), in layout {}: {}\n",
+        fmt::print("note: the step runs op by op, not as a CUDA graph (bench.cuda_graph), in layout {}: {}\n",
                    layout_->to_string(), why);
       }
     } else {

@@ -22,7 +22,7 @@
 //   last stage; then the whole buffer is reduce-scattered over dp (bf16 on the wire with
 //   parallel.compression) and each dp rank runs AdamW on its 1/dp shard (ZeRO-1), then
 //   the shards are all-gathered.
-// - Overlap (parallel.overlap_*; docs/parallelism.md "Overlap"): the dp reduce-scatter
+// - Overlap (bench.overlap_*; docs/parallelism.md "Overlap"): the dp reduce-scatter
 //   runs per bucket (one block's replicated or sharded parameters, the head, the
 //   embedding: ProgramParam::grad_ready), launched in backward as soon as the step's last
 //   micro-batch has finished a block; the n-group sum of the replicated part then runs on
@@ -48,19 +48,19 @@
 // - split masters (train.master_weights = "split"): AdamW updates the bf16 copy and low
 //   half of its shard; with dp > 1 the shard's values are joined for the f32 all-gather
 //   and each bucket's copies split again as it lands;
-// - folded gradient norm (train.fold_grad_norm) where exact: n-sharded gradients that no
+// - folded gradient norm (bench.fold_grad_norm) where exact: n-sharded gradients that no
 //   dp reduction changes (dp == 1); elsewhere the norm reads the gradient;
-// - statistics on the device (train.device_stats, the default): the step's statistics
+// - statistics on the device (bench.device_stats, the default): the step's statistics
 //   accumulate in one f32 buffer, are all-reduced over the world on the device, and leave
 //   it by one asynchronous copy per step into pinned memory, read in finish_step: no host
 //   read inside the step (StepReport::host_syncs counts any; the n-group's expert
 //   all-to-all reads its token counts unless parallel.device_dispatch);
-// - CUDA graph (train.cuda_graph, GPUs): the whole step — every micro-batch's forward and
+// - CUDA graph (bench.cuda_graph, GPUs): the whole step — every micro-batch's forward and
 //   backward, the gradient synchronisation, the norm, the optimizer — captured at the
 //   second step and replayed after, the batch copied into fixed device buffers outside
 //   the graph; a step whose target counts differ from the captured step's runs op by op;
 //   layouts whose step cannot be captured refuse it at creation, naming why;
-// - launch-ahead (train.launch_ahead): step k+1 may be launched before step k is
+// - launch-ahead (bench.launch_ahead): step k+1 may be launched before step k is
 //   finished (can_launch_ahead), so the device runs on while the host reads, logs and
 //   drives.
 // - Device (create with a CUDA Ctx, e.g. one GPU per worker): NCCL communicators on the
@@ -122,7 +122,7 @@ class Stage {
   // gains anything and keeps the step's meaning: false where something between two steps
   // needs the host (the program's updates_between_steps, e.g. a host-side router bias
   // update), before a step was captured as a graph on a device, or with
-  // train.launch_ahead = false. On the CPU a step runs whole in launch_step: true.
+  // bench.launch_ahead = false. On the CPU a step runs whole in launch_step: true.
   bool can_launch_ahead() const;
   StepReport run_step(int64_t step) {
     launch_step(step);
@@ -263,7 +263,7 @@ class Stage {
   void sync_grads();
   void host_metrics();  // host statistics: read and summed over the world (fp64) into host_stats_
   void measure_compression(
-      int64_t step);  // parallel.measure_compression (CPU): prints the bf16 exchange's error
+      int64_t step);  // bench.measure_compression (CPU): prints the bf16 exchange's error
   void optimizer_step(double lr);
   StepReport complete(Launched& l);  // takes its statistics; the program's end_step
   void complete_in_flight();         // completes every launched step (reports kept)
@@ -347,7 +347,7 @@ class Stage {
   double host_sumsq_ = 0;
 
   // ---- step engine ----
-  // train.device_stats: the step's statistics in stats_, f32 [kStatsOwn + grad_accum +
+  // bench.device_stats: the step's statistics in stats_, f32 [kStatsOwn + grad_accum +
   // the program's] = [gradient sum of squares, tokens with a target, seconds this rank
   // waited on the data plane, 0 | each micro-batch's LM loss (already weighted by
   // loss_weight / its tokens) | the program's rows], summed over the world on the device.
@@ -358,7 +358,7 @@ class Stage {
   std::unique_ptr<StatsReadback> readback_;
   std::unique_ptr<DeviceMarks> marks_;  // device: per step, slot step % 3
   int64_t first_marked_step_ = -1;      // the first step this Stage marked
-  // train.cuda_graph on a device (graph_ null otherwise).
+  // bench.cuda_graph on a device (graph_ null otherwise).
   std::unique_ptr<StepGraph> graph_;
   std::vector<int64_t> graph_tokens_;  // per micro-batch: the captured step's target counts
   size_t graph_peak_ = 0;              // the captured step's allocator high-water mark

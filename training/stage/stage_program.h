@@ -180,7 +180,7 @@ class StageProgram {
   // loads), summed over the world by the framework with its own metrics and handed to
   // end_step (after the optimizer update), which may fill `report` (aux_loss,
   // expert_load) and update buffers. They live in one of two places, as the Stage's own:
-  // - on the device (train.device_stats, the default; device_stats_size() >= 0): the
+  // - on the device (bench.device_stats, the default; device_stats_size() >= 0): the
   //   Stage gives the program a zeroed f32 view of device_stats_size() values of its
   //   statistics buffer (bind_device_stats, once) that the program's forward and backward
   //   accumulate into — no host read inside a step; the Stage clears it at each step's
@@ -188,7 +188,7 @@ class StageProgram {
   //   zero what another rank already counts), all-reduces the buffer over the world on the
   //   device and reads it once, asynchronously; end_step gets those sums. The layout is the
   //   program's and must be the same on every rank (e.g. indexed by global block).
-  // - on the host (device_stats_size() < 0, or train.device_stats = false): step_stats()
+  // - on the host (device_stats_size() < 0, or bench.device_stats = false): step_stats()
   //   returns this rank's contribution, read after the step; end_step gets the fp64 sums.
   // end_step knows which it gets from device_stats_bound(). Default: none (size 0).
   virtual int64_t device_stats_size() const { return 0; }
@@ -205,7 +205,7 @@ class StageProgram {
   // A step was interrupted (a failure unwound it): drop what it accumulated.
   virtual void discard_step() {}
 
-  // CUDA graphs (train.cuda_graph): the Stage captures one whole step and replays it; a
+  // CUDA graphs (bench.cuda_graph): the Stage captures one whole step and replays it; a
   // replay runs none of the program's host code. graph_blocker() names what in the
   // program's step cannot be captured (e.g. token counts read on the host), or is empty.
   // step_captured() is called right after the captured step was enqueued, step_replayed()

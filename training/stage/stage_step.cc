@@ -181,7 +181,7 @@ void Stage::enqueue_step(int64_t step, bool capturing) {
 }
 
 void Stage::host_metrics() {
-  // Host statistics (train.device_stats = false, or a program keeping its own on the
+  // Host statistics (bench.device_stats = false, or a program keeping its own on the
   // host): [sum of squares, LM loss, tokens, comm seconds | the program's statistics],
   // read back and summed over the world in fp64.
   const std::vector<double> stats = program_->step_stats();
@@ -197,7 +197,7 @@ void Stage::host_metrics() {
 }
 
 void Stage::measure_compression(int64_t step) {
-  // parallel.measure_compression (tests, benches; host tensors): the relative L2 error of
+  // bench.measure_compression (tests, benches; host tensors): the relative L2 error of
   // the compressed gradient against an extra fp32 exchange of the same gradients.
   Tensor exact = Tensor::zeros({shard_len_}, DType::kF32);
   for (const auto& bk : buckets_) {

@@ -85,7 +85,7 @@ Status StepGraph::end_capture() {
     if (graph != nullptr) (void)cudaGraphDestroy(graph);
     return internal_error(
         "CUDA graph: the step could not be captured ({}): something in it waited on the host or used "
-        "another stream without joining it; set train.cuda_graph = false",
+        "another stream without joining it; set bench.cuda_graph = false",
         cudaGetErrorString(e));
   }
   cuda_->graph = graph;

@@ -4,6 +4,8 @@
 #include "training/worker/elastic.h"
 
 #include "training/worker/elastic_worker.h"
+#include "core/env.h"
+#include "core/job_env.h"
 
 namespace troupe::training {
 
@@ -159,8 +161,7 @@ Status ElasticWorker::run() {
   set_throw_on_comm_error(true);
   std::string device = "cpu";
   if (ctx_.on_device()) {
-    const char* vis = std::getenv("CUDA_VISIBLE_DEVICES");
-    device = fmt::format("cuda:{}", (vis != nullptr && *vis != '\0') ? vis : "0");
+    device = fmt::format("cuda:{}", env::get_or("CUDA_VISIBLE_DEVICES", "0"));
   }
   if (driver_system_ != nullptr) {
     TROUPE_ASSIGN_OR_RETURN(
@@ -346,7 +347,7 @@ Status run_elastic_worker(const layers::TrainConfig& tc, const ProgramFactory& p
   TolerantStore::Options so;
   so.outage_limit = std::chrono::milliseconds(tc.elastic.scheduler_outage_limit_ms);
   so.who = fmt::format("worker slot {}", slot);
-  if (const char* s = std::getenv("TROUPE_SCHEDULER"); s != nullptr) so.where = s;
+  so.where = env::get_or(job_env::kScheduler);
   TolerantStore store(base_store, so);
   std::unique_ptr<FaultState> faults;
   if (!tc.elastic.inject.empty() && epoch == 0) {

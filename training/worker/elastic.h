@@ -80,7 +80,7 @@ inline constexpr std::chrono::milliseconds kHeartbeatInterval{100};
 std::string elastic_key(const std::string& job, const std::string& rest);  // "<job>/elastic/<rest>"
 int64_t wall_ms();  // system clock, ms since the epoch (events, fault times)
 
-// Fault injection (tests/elastic, the demo): elastic.inject = "<action>@<step>:<phase>:<slot>[,...]" with
+// Fault injection (tests/elastic, the demo): test.inject = "<action>@<step>:<phase>:<slot>[,...]" with
 // action kill (SIGKILL), stop (SIGSTOP), slow (sleeps 150 ms there at that step and
 // every later one: a straggler), cut (aborts the worker's own communicators: its data-plane
 // connections close, the process lives on) or hang (the step thread blocks forever while

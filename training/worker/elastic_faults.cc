@@ -1,4 +1,4 @@
-// training/worker/elastic_faults.cc — elastic.inject: parsing the fault specs and the
+// training/worker/elastic_faults.cc — test.inject: parsing the fault specs and the
 // hook that fires them at the comm layer's fault points (elastic_faults.h).
 #include "training/worker/elastic_faults.h"
 
@@ -25,7 +25,7 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
     FaultSpec f;
     const size_t at = item.find('@'), c1 = item.find(':'), c2 = item.rfind(':');
     if (at == std::string::npos || c1 == std::string::npos || c2 == c1 || c1 < at) {
-      return invalid_argument("elastic.inject: '{}' is not <kill|stop>@<step>:<phase>:<slot>", item);
+      return invalid_argument("test.inject: '{}' is not <kill|stop>@<step>:<phase>:<slot>", item);
     }
     const std::string action = item.substr(0, at);
     if (action == "kill") {
@@ -44,13 +44,13 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
       f.action = FaultSpec::Action::kCorrupt;
     } else {
       return invalid_argument(
-          "elastic.inject: unknown action '{}' (kill, stop, slow, cut, hang, cutctl or corrupt)", action);
+          "test.inject: unknown action '{}' (kill, stop, slow, cut, hang, cutctl or corrupt)", action);
     }
     f.phase = item.substr(c1 + 1, c2 - c1 - 1);
     if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
         f.phase != "snapshot" && f.phase != "any" && f.phase != "start") {
       return invalid_argument(
-          "elastic.inject: unknown phase '{}' (forward, alltoall, sync, snapshot, checkpoint, any, start)",
+          "test.inject: unknown phase '{}' (forward, alltoall, sync, snapshot, checkpoint, any, start)",
           f.phase);
     }
     char* end = nullptr;
@@ -58,13 +58,13 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
     f.step = std::strtoll(step_s.c_str(), &end, 10);
     const bool start = f.phase == "start";
     if (step_s.empty() || *end != '\0' || (start ? f.step != 0 : f.step < 1))
-      return invalid_argument("elastic.inject: bad step in '{}' (phase start: step 0, else >= 1)", item);
+      return invalid_argument("test.inject: bad step in '{}' (phase start: step 0, else >= 1)", item);
     if (start && f.action != FaultSpec::Action::kSlow)
-      return invalid_argument("elastic.inject: '{}': phase start takes only slow (slow@0:start:<slot>)",
+      return invalid_argument("test.inject: '{}': phase start takes only slow (slow@0:start:<slot>)",
                               item);
     f.slot = static_cast<int>(std::strtol(slot_s.c_str(), &end, 10));
     if (slot_s.empty() || *end != '\0' || f.slot < 0)
-      return invalid_argument("elastic.inject: bad slot in '{}'", item);
+      return invalid_argument("test.inject: bad slot in '{}'", item);
     out.push_back(f);
   }
   return out;

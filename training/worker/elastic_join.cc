@@ -3,6 +3,8 @@
 // from a peer, a snapshot or a checkpoint), the node's snapshot keeper and this rank's
 // Snapshotter.
 #include "training/worker/elastic_worker.h"
+#include "core/env.h"
+#include "core/job_env.h"
 
 namespace troupe::training {
 
@@ -183,8 +185,8 @@ Status ElasticWorker::join_epoch(const ElasticPlan& plan) {
 
 Status ElasticWorker::connect_keeper() {
   if (snapshot_every_ <= 0 && ckpt_dir_.empty()) return ok_status();
-  const char* path = std::getenv(checkpoint::kSnapshotKeeperEnv);
-  if (driver_system_ != nullptr || path == nullptr || *path == '\0') {
+  const std::optional<std::string> path = env::get(job_env::kSnapshotKeeper);
+  if (driver_system_ != nullptr || !path) {
     // Nobody holds this node's snapshots (a one-process run, whose worker cannot fail alone;
     // a launcher without a keeper): a keeper in this process still makes checkpoints, but
     // its snapshots die with the worker.
@@ -198,7 +200,7 @@ Status ElasticWorker::connect_keeper() {
           stderr,
           "elastic: slot {}: no snapshot keeper serves this worker ({} is not set): its snapshots live "
           "in its own process and do not survive it\n",
-          slot_, checkpoint::kSnapshotKeeperEnv);
+          slot_, job_env::kSnapshotKeeper);
       std::fflush(stderr);
     }
     TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::SnapshotClient> c,
@@ -207,7 +209,7 @@ Status ElasticWorker::connect_keeper() {
     return ok_status();
   }
   TROUPE_ASSIGN_OR_RETURN(std::unique_ptr<checkpoint::SnapshotClient> c,
-                          checkpoint::SnapshotClient::connect(path));
+                          checkpoint::SnapshotClient::connect(*path));
   keeper_ = std::move(c);
   return ok_status();
 }
