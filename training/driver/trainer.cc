@@ -6,10 +6,10 @@
 // Invariants: commands go out in seq order and every rank answers them in that order; a
 // command counts as complete only with every rank's reply; after a recovery the window
 // restarts from the step every rank restored.
-#include "training/driver/trainer_driver.h"
 #include "core/env.h"
 #include "core/job_env.h"
 #include "core/peak_flops.h"
+#include "training/driver/trainer_driver.h"
 
 namespace troupe::training {
 

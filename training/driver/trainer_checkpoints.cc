@@ -11,10 +11,10 @@
 #include <filesystem>
 
 #include "checkpoint/reader.h"
-#include "training/driver/trainer.h"
-#include "training/role_actors.h"
 #include "core/env.h"
 #include "core/job_env.h"
+#include "training/driver/trainer.h"
+#include "training/role_actors.h"
 
 namespace troupe::training {
 

@@ -74,7 +74,9 @@
 #include "checkpoint/snapshot_keeper.h"
 #include "checkpoint/writer.h"
 #include "comm/control/host_addr.h"
+#include "core/env.h"
 #include "core/exit_status.h"
+#include "core/job_env.h"
 #include "core/parallel_layout.h"
 #include "training/checkpointing/checkpointing.h"
 #include "training/checkpointing/snapshot_ledger.h"
@@ -86,8 +88,6 @@
 #include "training/driver/trainer_requests.h"
 #include "training/role_actors.h"
 #include "training/worker/elastic.h"
-#include "core/env.h"
-#include "core/job_env.h"
 
 extern char** environ;
 

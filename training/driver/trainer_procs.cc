@@ -13,12 +13,12 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "core/env.h"
 #include "core/exit_status.h"
+#include "core/job_env.h"
 #include "training/driver/trainer.h"
 #include "training/role_actors.h"
 #include "training/worker/elastic.h"
-#include "core/env.h"
-#include "core/job_env.h"
 
 extern char** environ;
 
@@ -56,7 +56,8 @@ void ProcessSupervisor::configure(bool one_process, bool scheduled, std::chrono:
   // `--heartbeat-timeout-ms`), else 2 s.
   const layers::ElasticOptions& eo = tc_.elastic;
   // A malformed value is the scheduler's bug: named, and the default kept.
-  Result<int64_t> job_hb = scheduled_ ? env::get_int(job_env::kHeartbeatTimeoutMs, 2000, 1) : Result<int64_t>(2000);
+  Result<int64_t> job_hb =
+      scheduled_ ? env::get_int(job_env::kHeartbeatTimeoutMs, 2000, 1) : Result<int64_t>(2000);
   if (!job_hb.ok()) fmt::print(stderr, "trainer: {}; heartbeat timeout 2000 ms\n", job_hb.status().message());
   hb_timeout_ = std::chrono::milliseconds(eo.heartbeat_timeout_ms > 0 ? eo.heartbeat_timeout_ms
                                                                       : (job_hb.ok() ? *job_hb : 2000));

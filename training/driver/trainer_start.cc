@@ -6,9 +6,9 @@
 // Invariants: the store and actors exist before any worker is started; epoch 0's plan is
 // published before its workers start; an earlier run's request files, snapshot records and
 // stale checkpoints never leak into this one.
-#include "training/driver/trainer_driver.h"
 #include "core/env.h"
 #include "core/job_env.h"
+#include "training/driver/trainer_driver.h"
 
 namespace troupe::training {
 

@@ -3,9 +3,9 @@
 // Joining an epoch is in elastic_join.cc; fault injection in elastic_faults.cc.
 #include "training/worker/elastic.h"
 
-#include "training/worker/elastic_worker.h"
 #include "core/env.h"
 #include "core/job_env.h"
+#include "training/worker/elastic_worker.h"
 
 namespace troupe::training {
 

@@ -60,8 +60,7 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
     if (step_s.empty() || *end != '\0' || (start ? f.step != 0 : f.step < 1))
       return invalid_argument("test.inject: bad step in '{}' (phase start: step 0, else >= 1)", item);
     if (start && f.action != FaultSpec::Action::kSlow)
-      return invalid_argument("test.inject: '{}': phase start takes only slow (slow@0:start:<slot>)",
-                              item);
+      return invalid_argument("test.inject: '{}': phase start takes only slow (slow@0:start:<slot>)", item);
     f.slot = static_cast<int>(std::strtol(slot_s.c_str(), &end, 10));
     if (slot_s.empty() || *end != '\0' || f.slot < 0)
       return invalid_argument("test.inject: bad slot in '{}'", item);

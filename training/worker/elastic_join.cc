@@ -2,9 +2,9 @@
 // taking over a plan, joining an epoch (the Stage built or rebuilt, its state restored
 // from a peer, a snapshot or a checkpoint), the node's snapshot keeper and this rank's
 // Snapshotter.
-#include "training/worker/elastic_worker.h"
 #include "core/env.h"
 #include "core/job_env.h"
+#include "training/worker/elastic_worker.h"
 
 namespace troupe::training {
 
