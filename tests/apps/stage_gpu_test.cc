@@ -19,7 +19,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-
 #include <string>
 #include <vector>
 
@@ -358,9 +357,11 @@ TEST_F(StageGpu, TrainMoeSplitAttentionDqRunsGiveTheSameLosses) {
         << "step " << ref[i]["step"];
   }
   std::printf(
-      "[stage-gpu split dQ] %zu steps: %d of %zu losses and aux losses bitwise equal, worst relative difference "
+      "[stage-gpu split dQ] %zu steps: %d of %zu losses and aux losses bitwise equal, worst relative "
+      "difference "
       "%.3g (target <= 1e-6; loss %.6f -> %.6f)\n",
-      got.size(), bitwise, 2 * got.size(), worst, got.front()["loss"].get<double>(), got.back()["loss"].get<double>());
+      got.size(), bitwise, 2 * got.size(), worst, got.front()["loss"].get<double>(),
+      got.back()["loss"].get<double>());
 }
 
 }  // namespace
