@@ -814,7 +814,8 @@ TEST_F(ElasticFault, TroupeReplaceScaleAndStatusCommands) {
   // Slot 0 sleeps at four points of every step (~0.6 s a step): the job still runs when
   // the scale, asked after the replacement's epoch opened, is taken, even when the CLI's
   // processes start slowly on a loaded machine.
-  const RunResult r = run_case("cli", "slow@1:any:0,slow@1:forward:0,slow@1:alltoall:0,slow@1:sync:0", {}, tick);
+  const RunResult r =
+      run_case("cli", "slow@1:any:0,slow@1:forward:0,slow@1:alltoall:0,slow@1:sync:0", {}, tick);
   expect_clean_finish(r);
   expect_same_losses("cli", r);
   ASSERT_EQ(cmds.size(), 6u) << r.output;
