@@ -748,8 +748,10 @@ TEST_F(ElasticFault, TroupeRunReplacesWorkersThroughTheScheduler) {
   // store) are replaced by processes the scheduler places.
   baseline();
   std::vector<std::string> a = args("troupe-run", "stop@3:forward:2,kill@5:alltoall:0");
-  a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--heartbeat-timeout-ms",
-                       std::to_string(kHeartbeatTimeoutMs), "--"});
+  // The scheduler's own silence verdicts (the driver's beats included) get 5 s: the stopped
+  // worker is the driver's to find (elastic.heartbeat_timeout_ms, 1.5 s), and on a loaded
+  // machine a driver starved for 1.5 s must not be restarted.
+  a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--heartbeat-timeout-ms", "5000", "--"});
   const RunResult r = run(a, {}, *root_ / "troupe-run.log", std::chrono::seconds(180));
   std::printf("[elastic troupe-run] ran in %.1f s\n", r.seconds);
   expect_clean_finish(r);
