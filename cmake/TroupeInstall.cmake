@@ -35,12 +35,9 @@ install(TARGETS ${troupe_export_libs} EXPORT TroupeTargets
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/troupe)
 install(EXPORT TroupeTargets NAMESPACE Troupe:: DESTINATION ${TROUPE_INSTALL_CMAKEDIR} COMPONENT Development)
 
-install(DIRECTORY core kernels comm layers actors checkpoint interop observe scheduler training
+install(DIRECTORY core kernels comm layers data actors checkpoint interop observe scheduler training
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/troupe COMPONENT Development
         FILES_MATCHING PATTERN "*.h")
-# data/ also holds the data troupe-prepare makes (data/demo, ...): only its own headers.
-file(GLOB troupe_data_headers ${PROJECT_SOURCE_DIR}/data/*.h)
-install(FILES ${troupe_data_headers} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/troupe/data COMPONENT Development)
 
 set(troupe_tools troupe troupe-scheduler troupe-agent troupe-ckpt troupe-prepare train_moe dense_lm
                  parallel_lm)

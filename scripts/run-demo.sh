@@ -11,7 +11,7 @@ set -euo pipefail
 build=${1:-build}
 bin=$build/apps/train_moe
 troupe=$build/scheduler/troupe
-data=${DEMO_DATA:-data/demo}
+data=${DEMO_DATA:-runs/data/demo}
 run=${DEMO_RUN:-runs/demo}
 limit=${DEMO_TIME_LIMIT:-420}   # training stops after this many seconds whatever the step
 kill_at=${DEMO_KILL_AT:-100}    # the worker is killed once this step is done

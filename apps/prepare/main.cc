@@ -1,6 +1,6 @@
 // apps/prepare/main.cc — troupe-prepare: makes the token data a training app reads
 // (data.dir) from text files, without building any app:
-//   troupe-prepare --input corpus/ --ext .txt .md --out data/demo --vocab 1024
+//   troupe-prepare --input corpus/ --ext .txt .md --out runs/data/demo --vocab 1024
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
