@@ -38,11 +38,10 @@ void copy_to_mapped_host(cudaStream_t stream, void* device_alias, const void* sr
                    reinterpret_cast<uintptr_t>(src) % 4 == 0,
                "copy_to_mapped_host: {} bytes at {} -> {} (4-byte words, aligned)", bytes, src, device_alias);
   if (bytes == 0) return;
-  void* dst = device_alias;
   const size_t n = bytes / 4;
   constexpr int kThreads = 256;
   const int blocks = static_cast<int>(std::min<size_t>((n + kThreads - 1) / kThreads, 64));
-  copy_words_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<uint32_t*>(dst),
+  copy_words_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<uint32_t*>(device_alias),
                                                      static_cast<const uint32_t*>(src), n);
   CUDA_CHECK(cudaGetLastError());
 }

@@ -19,6 +19,7 @@
 #include "layers/mlp.h"
 #include "layers/residual.h"
 #include "training/app/run_device.h"
+#include "training/stage/step_graph.h"
 
 namespace troupe::layers {
 namespace {
@@ -131,7 +132,8 @@ TEST(AutogradCuda, TapeEqualsTheHandWrittenBlockAndReplaysAsACudaGraph) {
   // The same forward and backward recorded into a CUDA graph, then replayed.
   tape.zero_grads(c);
   Tensor y_graph, dx_graph;
-  ASSERT_TRUE(d.begin_capture().ok());
+  training::StepGraph graph(c);  // the Stage's step graph
+  ASSERT_TRUE(graph.begin_capture().ok());
   {
     Tape t(c);
     const Var in = t.input(x);
@@ -139,8 +141,8 @@ TEST(AutogradCuda, TapeEqualsTheHandWrittenBlockAndReplaysAsACudaGraph) {
     dx_graph = t.backward(y, dy, in);
     y_graph = y.value();
   }
-  ASSERT_TRUE(d.end_capture().ok());
-  d.launch_graph();
+  ASSERT_TRUE(graph.end_capture().ok());
+  graph.replay();
   d.synchronize();
   EXPECT_TRUE(same_bits(c, y_graph, y_eager));
   EXPECT_TRUE(same_bits(c, dx_graph, dx_eager));
@@ -152,7 +154,7 @@ TEST(AutogradCuda, TapeEqualsTheHandWrittenBlockAndReplaysAsACudaGraph) {
   // A new input written into the graph's input buffer: the replay equals a fresh eager run.
   kernels::cast(c.ex, c.to_device(random_host({kB * kS, kD}, 3)), x);
   tape.zero_grads(c);
-  d.launch_graph();
+  graph.replay();
   hand.zero_grads(c);
   Tensor y2;
   const Tensor dx2 = by_hand(hand, c, x, dy, y2);

@@ -9,16 +9,13 @@
 
 #if TROUPE_HAVE_CUDA
 #include <cuda_runtime.h>
-#include <nvtx3/nvToolsExt.h>
 
 #include "core/cuda/caching_allocator.h"
-#include "core/cuda/host_wait.h"
 #include "core/cuda/stream.h"
 #include "core/env.h"
 #include "core/gpu_check.h"
 #include "core/job_env.h"
 #include "kernels/cuda/context.h"
-#include "kernels/cuda/host_copy.h"
 #endif
 
 namespace troupe::training {
@@ -29,23 +26,6 @@ struct RunDevice::Cuda {
   cuda::CudaStream stream;
   std::unique_ptr<cuda::CudaCachingAllocator> alloc;
   std::unique_ptr<kernels::CudaContext> ctx;
-  cudaGraph_t graph = nullptr;  // a captured step (begin_capture / end_capture)
-  cudaGraphExec_t exec = nullptr;
-  cudaEvent_t begin[2] = {}, end[2] = {};  // mark_begin / mark_end, per slot
-  float* pinned = nullptr;                 // read_async's buffer
-  size_t pinned_bytes = 0;
-  void* pinned_alias = nullptr;  // its address on the device (mapped host memory)
-  cudaEvent_t read_done = nullptr;
-  ~Cuda() {
-    for (int i = 0; i < 2; ++i) {
-      if (begin[i] != nullptr) (void)cudaEventDestroy(begin[i]);
-      if (end[i] != nullptr) (void)cudaEventDestroy(end[i]);
-    }
-    if (read_done != nullptr) (void)cudaEventDestroy(read_done);
-    if (pinned != nullptr) (void)cudaFreeHost(pinned);
-    if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
-    if (graph != nullptr) (void)cudaGraphDestroy(graph);
-  }
 };
 #else
 struct RunDevice::Cuda {};
@@ -127,169 +107,6 @@ void RunDevice::set_pdl(bool on) {
 void RunDevice::synchronize() const {
 #if TROUPE_HAVE_CUDA
   if (cuda_) cuda_->stream.synchronize();
-#endif
-}
-
-int64_t RunDevice::host_syncs() const {
-#if TROUPE_HAVE_CUDA
-  return cuda_ ? cuda::host_wait_count(cuda::HostWait::kReadBack) : 0;
-#else
-  return 0;
-#endif
-}
-
-int64_t RunDevice::upload_waits() const {
-#if TROUPE_HAVE_CUDA
-  return cuda_ ? cuda::host_wait_count(cuda::HostWait::kUpload) : 0;
-#else
-  return 0;
-#endif
-}
-
-Status RunDevice::begin_capture() {
-#if TROUPE_HAVE_CUDA
-  if (!cuda_) return failed_precondition("CUDA graphs need --backend cuda");
-  if (cuda_->exec != nullptr) return failed_precondition("a CUDA graph of the step was already captured");
-  if (cudaError_t e = cudaStreamBeginCapture(cuda_->stream.get(), cudaStreamCaptureModeRelaxed);
-      e != cudaSuccess) {
-    return internal_error("CUDA graph: cudaStreamBeginCapture: {}", cudaGetErrorString(e));
-  }
-  cuda_->alloc->begin_graph_pool();
-  return ok_status();
-#else
-  return failed_precondition("CUDA graphs need a build with CUDA");
-#endif
-}
-
-Status RunDevice::end_capture() {
-#if TROUPE_HAVE_CUDA
-  if (!cuda_ || !cuda_->alloc->capturing()) return failed_precondition("end_capture without begin_capture");
-  cuda_->alloc->end_graph_pool();
-  cudaGraph_t graph = nullptr;
-  if (cudaError_t e = cudaStreamEndCapture(cuda_->stream.get(), &graph); e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return internal_error(
-        "CUDA graph: the step could not be captured ({}): something in it waited on the host or used "
-        "another stream; set bench.cuda_graph = false",
-        cudaGetErrorString(e));
-  }
-  cuda_->graph = graph;
-  if (cudaError_t e = cudaGraphInstantiate(&cuda_->exec, graph, 0); e != cudaSuccess) {
-    (void)cudaGetLastError();
-    cuda_->exec = nullptr;
-    return internal_error("CUDA graph: cudaGraphInstantiate: {}", cudaGetErrorString(e));
-  }
-  CUDA_CHECK(cudaGraphUpload(cuda_->exec, cuda_->stream.get()));
-  return ok_status();
-#else
-  return failed_precondition("CUDA graphs need a build with CUDA");
-#endif
-}
-
-void RunDevice::mark_begin(int slot) const {
-  TROUPE_CHECK(slot == 0 || slot == 1, "RunDevice::mark_begin: slot {} (0 or 1)", slot);
-#if TROUPE_HAVE_CUDA
-  if (!cuda_) return;
-  if (cuda_->begin[slot] == nullptr) {
-    CUDA_CHECK(cudaEventCreate(&cuda_->begin[slot]));
-    CUDA_CHECK(cudaEventCreate(&cuda_->end[slot]));
-  }
-  CUDA_CHECK(cudaEventRecord(cuda_->begin[slot], cuda_->stream.get()));
-#endif
-}
-
-void RunDevice::mark_end(int slot) const {
-  TROUPE_CHECK(slot == 0 || slot == 1, "RunDevice::mark_end: slot {} (0 or 1)", slot);
-#if TROUPE_HAVE_CUDA
-  if (!cuda_) return;
-  TROUPE_CHECK(cuda_->end[slot] != nullptr, "RunDevice::mark_end before mark_begin");
-  CUDA_CHECK(cudaEventRecord(cuda_->end[slot], cuda_->stream.get()));
-#endif
-}
-
-double RunDevice::device_ms(int slot) const {
-  TROUPE_CHECK(slot == 0 || slot == 1, "RunDevice::device_ms: slot {} (0 or 1)", slot);
-#if TROUPE_HAVE_CUDA
-  if (!cuda_ || cuda_->end[slot] == nullptr) return 0.0;
-  float ms = 0.0f;
-  CUDA_CHECK(cudaEventSynchronize(cuda_->end[slot]));
-  CUDA_CHECK(cudaEventElapsedTime(&ms, cuda_->begin[slot], cuda_->end[slot]));
-  return ms;
-#else
-  return 0.0;
-#endif
-}
-
-void RunDevice::read_async(const Tensor& src) {
-  TROUPE_CHECK(src.dtype() == DType::kF32 && src.is_contiguous(),
-               "RunDevice::read_async: {} (f32, contiguous)", src.describe());
-#if TROUPE_HAVE_CUDA
-  if (cuda_) {
-    if (cuda_->pinned_bytes < src.nbytes()) {
-      if (cuda_->pinned != nullptr) CUDA_CHECK(cudaFreeHost(cuda_->pinned));
-      cuda_->pinned =
-          static_cast<float*>(kernels::gpu::alloc_mapped_host(src.nbytes(), &cuda_->pinned_alias));
-      TROUPE_CHECK(cuda_->pinned != nullptr, "RunDevice: no page-locked host memory for {} bytes",
-                   src.nbytes());
-      cuda_->pinned_bytes = src.nbytes();
-    }
-    if (cuda_->read_done == nullptr)
-      CUDA_CHECK(cudaEventCreateWithFlags(&cuda_->read_done, cudaEventDisableTiming));
-    // A kernel's stores, not a copy engine: never queued behind a snapshot's bulk copy.
-    kernels::gpu::copy_to_mapped_host(cuda_->stream.get(), cuda_->pinned_alias, src.data_ptr(), src.nbytes());
-    CUDA_CHECK(cudaEventRecord(cuda_->read_done, cuda_->stream.get()));
-    return;
-  }
-#endif
-  host_read_ = src.clone();
-}
-
-const float* RunDevice::read_wait() {
-#if TROUPE_HAVE_CUDA
-  if (cuda_) {
-    TROUPE_CHECK(cuda_->read_done != nullptr, "RunDevice::read_wait before read_async");
-    CUDA_CHECK(cudaEventSynchronize(cuda_->read_done));
-    return cuda_->pinned;
-  }
-#endif
-  TROUPE_CHECK(host_read_.defined(), "RunDevice::read_wait before read_async");
-  return host_read_.data<float>();
-}
-
-void RunDevice::launch_graph() const {
-#if TROUPE_HAVE_CUDA
-  TROUPE_CHECK(has_graph(), "RunDevice::launch_graph: no captured graph");
-  CUDA_CHECK(cudaGraphLaunch(cuda_->exec, cuda_->stream.get()));
-#endif
-}
-
-bool RunDevice::has_graph() const {
-#if TROUPE_HAVE_CUDA
-  return cuda_ && cuda_->exec != nullptr;
-#else
-  return false;
-#endif
-}
-
-size_t RunDevice::graph_pool_bytes() const {
-#if TROUPE_HAVE_CUDA
-  return cuda_ ? cuda_->alloc->graph_pool_bytes() : 0;
-#else
-  return 0;
-#endif
-}
-
-void RunDevice::range_push(const char* name) const {
-#if TROUPE_HAVE_CUDA
-  if (cuda_) nvtxRangePushA(name);
-#else
-  (void)name;
-#endif
-}
-
-void RunDevice::range_pop() const {
-#if TROUPE_HAVE_CUDA
-  if (cuda_) nvtxRangePop();
 #endif
 }
 
