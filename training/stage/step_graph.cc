@@ -8,6 +8,7 @@
 
 #if TROUPE_HAVE_CUDA
 #include <cuda_runtime.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include "core/cuda/caching_allocator.h"
 #include "core/gpu_check.h"
@@ -237,6 +238,9 @@ void DeviceMarks::begin(int slot) {
     CUDA_CHECK(cudaEventCreate(&e.end));
   }
   CUDA_CHECK(cudaEventRecord(e.begin, ctx_.ex.cuda->stream));
+  // An NVTX range "step" around the step's enqueue, so profilers select its kernels
+  // (`ncu --nvtx --nvtx-include step/`, bench/gpu_host.sh profile).
+  nvtxRangePushA("step");
 #endif
 }
 
@@ -245,7 +249,10 @@ void DeviceMarks::end(int slot) {
   TROUPE_CHECK(e.begun, "DeviceMarks::end({}) before begin", slot);
   e.ended = true;
 #if TROUPE_HAVE_CUDA
-  if (ctx_.on_device()) CUDA_CHECK(cudaEventRecord(e.end, ctx_.ex.cuda->stream));
+  if (ctx_.on_device()) {
+    CUDA_CHECK(cudaEventRecord(e.end, ctx_.ex.cuda->stream));
+    nvtxRangePop();
+  }
 #endif
 }
 

@@ -22,7 +22,8 @@
 // first op, end(slot) after its last; once end(slot) has completed, ms(slot) is the device
 // time between them and gap_ms(prev, slot) the time from prev's end to slot's begin (what
 // the device spent between two steps: idle, or on work enqueued between them such as an
-// evaluation). No-ops on a CPU Ctx (the times are then -1).
+// evaluation). Between begin and end the host thread is inside an NVTX range "step" (what
+// profilers select a step's kernels by). No-ops on a CPU Ctx (the times are then -1).
 #pragma once
 
 #include <cstddef>
