@@ -51,6 +51,12 @@ void Stage::clear_interrupted_step() {
   // aborted; what the program accumulated (e.g. expert loads) must not reach the next step,
   // nor may a step launched behind it.
   pending_sends_.clear();
+  pending_send_ops_.clear();
+  // A parameter all-gather still pending is the interrupted step's (elastic workers await
+  // theirs inside the step): its communicator was aborted and the state it would gather is
+  // rolled back; awaited now, it would raise the old epoch's error in the new one.
+  for (auto& bk : buckets_) bk.param = Bucket();
+  params_pending_ = false;
   launched_.clear();
   first_marked_step_ = -1;  // the next step's gap to a step before the failure means nothing
   if (graph_ && graph_->capturing()) {

@@ -262,12 +262,6 @@ void Stage::launch_step(int64_t step) {
   // A step that runs its host code cannot interleave it with a step in flight.
   if (!replay) complete_in_flight();
   if (launched_.empty() && ctx_.on_device()) ctx_.alloc->reset_peak();
-  if (params_pending_ && throw_on_comm_error()) {
-    // Elastic workers await the gather inside the step; one still pending here belongs to
-    // an interrupted step whose state was rolled back.
-    for (auto& bk : buckets_) bk.param = Bucket();
-    params_pending_ = false;
-  }
   time_.reset();
   time_.set_tracing(!tc_.train.timeline_dir.empty());
   l->t0_ns = comm::Work::now_ns();
