@@ -212,8 +212,12 @@ class MoeStage final : public training::StageProgram {
   // (MoELayer::set_device_stats; with n > 1 summed over the n-group on the device). -1
   // where a router cannot (a z-loss): the step's statistics then stay on the host.
   int64_t device_stats_size() const override {
+    // Decided from the model's config, the same on every stage (also one holding no MoE
+    // block): a router with a z-loss keeps the statistics on the host.
+    if (num_moe_blocks_ > 0 && tc_.model.moe.z_loss_coef > 0) return -1;
     for (const auto& r : roles_)
-      if (r->block->is_moe() && !r->block->moe->router.device_stats_ok(ctx_)) return -1;
+      TROUPE_CHECK(!r->block->is_moe() || r->block->moe->router.device_stats_ok(ctx_),
+                   "moe stage: a router cannot keep its statistics on the device although the config allows it");
     const int64_t e = tc_.model.moe.num_experts;
     return num_moe_blocks_ * ((e + 1 + 3) / 4 * 4);
   }

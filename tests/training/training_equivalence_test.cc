@@ -169,6 +169,31 @@ TEST_F(TrainingEquivalence, UntiedHeadOverPipeline) {
   }
 }
 
+// Two blocks over two stages: the first stage holds only the dense block (its statistics
+// could stay on the device), the second the MoE block with the z-loss (its router keeps
+// them on the host). The step's statistics are one collective over the world, so every
+// stage must keep them in the same place: once they did not, and the first step waited
+// for its all-reduce until the deadline in every epoch.
+TEST_F(TrainingEquivalence, PipelineWhoseStagesHoldDifferentRouters) {
+  const std::vector<std::string> two{"model.n_layers=2"};
+  const RunResult ref =
+      run(args("ref-2blocks", 3, "", two), *root_ / "ref-2blocks.log", std::chrono::seconds(120));
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const RunResult r =
+      run(args("pp-2blocks", 3, "pp=2", two), *root_ / "pp-2blocks.log", std::chrono::seconds(120));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("lost a peer"), std::string::npos) << r.output;
+  const auto a = step_records(*root_ / "ref-2blocks" / "metrics.jsonl");
+  const auto b = step_records(*root_ / "pp-2blocks" / "metrics.jsonl");
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_LE(rel_diff(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()), 1e-5) << "step " << i + 1;
+    EXPECT_LE(rel_diff(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()), 1e-5)
+        << "step " << i + 1;
+  }
+}
+
 TEST_F(TrainingEquivalence, FiftyStepsSameFinalLoss) {
   const auto& ref = reference(50);
   ASSERT_EQ(ref.size(), 50u);

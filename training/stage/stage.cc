@@ -295,7 +295,11 @@ Status Stage::setup_engine() {
   const int64_t program_size = program_->device_stats_size();
   // The step's statistics stay on the device unless asked not to, or the program keeps its
   // own on the host (e.g. a z-loss router), or its head reports the loss as a host value.
-  device_stats_ = t.device_stats && program_size >= 0 && (!last_ || program_->head() != nullptr);
+  // Every rank decides the same from the config alone (device_stats_size()'s contract):
+  // the step's statistics are one collective over the world (an all-reduce on the device,
+  // or an fp64 all-gather on the host), and no exchange may decide it at setup (a
+  // replacement worker sets up alone while the survivors keep their Stage).
+  device_stats_ = t.device_stats && program_size >= 0;
   if (device_stats_) {
     program_stats_ = program_size;
     stats_ = ctx_.zeros({kStatsOwn + t.grad_accum + program_size}, DType::kF32);
@@ -310,6 +314,8 @@ Status Stage::setup_engine() {
       why = "bench.device_stats = false reads the step's statistics on the host inside the step";
     } else if (!device_stats_) {
       why = "the stage program keeps its step statistics on the host (e.g. a router with a z-loss)";
+    } else if (last_ && program_->head() == nullptr) {
+      why = "the stage program's loss (no head()) is a host value";
     } else {
       why = program_->graph_blocker();
     }

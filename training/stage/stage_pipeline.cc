@@ -158,10 +158,16 @@ void Stage::forward(int64_t index, Micro& m) {
       // the step's loss counts them (the token count is the host's: a replayed step has
       // the captured step's counts).
       Tensor losses = program_->head_losses(c, x, m.targets, scale, m.head_dx);
-      TROUPE_CHECK(losses.defined(), "stage program: head_losses gave no token losses on the device");
       Tensor slot = stats_.narrow(0, kStatsOwn + index, 1);
-      kernels::sum_rows(c.ex, losses.view({losses.numel(), 1}), slot, /*accumulate=*/false);
-      kernels::scale(c.ex, slot, scale);
+      if (losses.defined()) {
+        kernels::sum_rows(c.ex, losses.view({losses.numel(), 1}), slot, /*accumulate=*/false);
+        kernels::scale(c.ex, slot, scale);
+      } else {
+        // A program whose loss is a host value (no head()): written into the slot (one
+        // host read; such a step is never captured as a CUDA graph, setup_engine).
+        const double lm = program_->head_forward_backward(c, x, m.targets, scale, m.head_dx);
+        kernels::fill(c.ex, slot, static_cast<float>(lm * static_cast<double>(scale)));
+      }
     } else {
       const double lm = program_->head_forward_backward(c, x, m.targets, scale, m.head_dx);
       lm_acc_ += lm * static_cast<double>(scale);

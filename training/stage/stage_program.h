@@ -191,6 +191,8 @@ class StageProgram {
   // - on the host (device_stats_size() < 0, or bench.device_stats = false): step_stats()
   //   returns this rank's contribution, read after the step; end_step gets the fp64 sums.
   // end_step knows which it gets from device_stats_bound(). Default: none (size 0).
+  // Whether the size is >= 0 must be the same on every rank of the world, decided from the
+  // model's config rather than this stage's part: the statistics are one collective.
   virtual int64_t device_stats_size() const { return 0; }
   virtual void bind_device_stats(const Tensor& rows) { (void)rows; }
   virtual void finish_device_stats(const layers::Ctx& c) { (void)c; }
