@@ -68,6 +68,9 @@ class CommTime {
   void issue(const comm::WorkPtr& w, std::string_view what);
   // Waits for every Work issue() kept (device mode; a no-op otherwise).
   void drain(std::string_view what);
+  // Forgets every Work issue() kept, unchecked: an interrupted step's, on communicators
+  // aborted since (an elastic recovery); waited on, they would raise the old failure.
+  void drop_in_flight() { in_flight_.clear(); }
   // Starts fn(options) on the communication side (see the file comment).
   // `stream` (device mode): enqueue there instead of the communication stream.
   CommOp launch(const std::function<comm::WorkPtr(const comm::OpOptions&)>& fn, std::string_view what,

@@ -57,6 +57,8 @@ void Stage::clear_interrupted_step() {
   // rolled back; awaited now, it would raise the old epoch's error in the new one.
   for (auto& bk : buckets_) bk.param = Bucket();
   params_pending_ = false;
+  // The same for what the device-mode timer kept in flight (issued on those communicators).
+  time_.drop_in_flight();
   launched_.clear();
   first_marked_step_ = -1;  // the next step's gap to a step before the failure means nothing
   if (graph_ && graph_->capturing()) {

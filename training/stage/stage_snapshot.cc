@@ -215,6 +215,10 @@ void Stage::unpin_host(void* p) {
 }
 
 Status Stage::restore_own_part(const checkpoint::SnapshotPart& part, int64_t steps_done) {
+  // First: what the interrupted step left (a launched step, parameter all-gathers on the
+  // aborted communicators) must not be awaited by snapshot_tensors()'s settle(), which
+  // would raise the old epoch's error (or find the step launched) in every new epoch.
+  clear_interrupted_step();
   TROUPE_RETURN_IF_ERROR(snapshot_wait());
   TROUPE_ASSIGN_OR_RETURN(std::vector<SnapshotTensor> ts, snapshot_tensors());
   std::map<std::string, const checkpoint::TensorRecord*> recs;
@@ -241,7 +245,6 @@ Status Stage::restore_own_part(const checkpoint::SnapshotPart& part, int64_t ste
     }
     src[i] = &r.slices[0];
   }
-  clear_interrupted_step();
   settle();  // nothing may still write the parameters
   bind_device();
   for (size_t i = 0; i < ts.size(); ++i) {
@@ -262,8 +265,8 @@ Status Stage::restore_own_part(const checkpoint::SnapshotPart& part, int64_t ste
 }
 
 Status Stage::restore(const SliceSource& source, int64_t steps_done) {
-  TROUPE_RETURN_IF_ERROR(snapshot_wait());
   clear_interrupted_step();
+  TROUPE_RETURN_IF_ERROR(snapshot_wait());
   return import_state(source, steps_done);
 }
 
