@@ -604,7 +604,7 @@ void launch_gemm_tiled(const Env& env, dim3 grid, const GemmArgs& args) {
 // kTmaStages steps ahead across tile boundaries, so the consumers' epilogue overlaps the
 // next tile's loads. Rows past a segment's end come from the next expert (the tensor maps
 // see the whole [T, .] tensor): harmless for row segments (those output rows are not
-// stored); for k segments (dW) the consumers zero those k-rows of their A atom before the
+// stored); for k segments (dW) the consumers zero those k-rows of A and B before the
 // wgmma. Past the tensor's end TMA fills zeros.
 //
 // Row segments with a bf16 output store full tiles through shared memory and TMA too: each
@@ -760,13 +760,21 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         if constexpr (kSegK) {
           const int64_t valid = cs.tile.k_lim - kt * kWgBK;  // k-rows of this step inside the segment
           if (valid < kWgBK) {
-            unsigned char* atom = smem + s * kTmaStageBytes + cw * kAtomBytes;
+            // The k-rows past the segment's end are zeroed in A (this warpgroup's atom) and
+            // in B (shared: each warpgroup zeroes half of its atoms, then both wait for
+            // both): a zero in A alone leaves 0 * NaN where B's rows are not data (a buffer
+            // of capacity rows filled up to a count on the device: parallel.device_dispatch).
+            // Both consumers take the same tiles, so both come here at the same step.
+            unsigned char* stage = smem + s * kTmaStageBytes;
             const int first = valid > 0 ? static_cast<int>(valid) : 0;
             for (int c = first * 8 + ctid; c < kWgBK * 8; c += 128) {
-              *reinterpret_cast<uint4*>(atom + c * 16) = make_uint4(0, 0, 0, 0);  // whole 128-byte rows
+              const uint4 zero = make_uint4(0, 0, 0, 0);  // whole 128-byte rows of each atom
+              *reinterpret_cast<uint4*>(stage + cw * kAtomBytes + c * 16) = zero;
+              for (int a = cw * (kTmaBN / 128); a < (cw + 1) * (kTmaBN / 128); ++a)
+                *reinterpret_cast<uint4*>(stage + kAStage + a * kAtomBytes + c * 16) = zero;
             }
             fence_proxy_async();
-            asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+            asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both consumer warpgroups
           }
         }
         wgmma_fence();

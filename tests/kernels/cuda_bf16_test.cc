@@ -248,6 +248,41 @@ TEST_F(CudaBf16, GroupedMatmulDwWithoutTokensWritesZeros) {
   EXPECT_EQ(zeros, std::vector<float>(zeros.size(), 0.0f));
 }
 
+// parallel.device_dispatch hands the experts a buffer of capacity rows filled up to a count
+// known only on the device: the rows past the last expert's end are not data (here NaN).
+// The dW (written in f32 and in bf16, with its sum of squares and without) must not see
+// them: every kernel zeroes both operands' k-rows past a segment's end (0 * NaN is NaN).
+TEST_F(CudaBf16, GroupedMatmulDwIgnoresRowsPastTheLastExpert) {
+  const Exec cpu = Exec::cpu();
+  const std::vector<int32_t> off = {0, 70, 70, 203};  // 203 rows of data in 320
+  const int64_t experts = 3, data = off.back(), cap = 320, k = 256, n = 512;
+  Tensor offsets = Tensor::from_ints({experts + 1}, off);
+  Tensor x = host_random({data, k}, kBF), dout = host_random({data, n}, kBF);
+  Tensor w = host_random({experts, k, n}, kBF);
+  Tensor dw_want = host_poisoned({experts, k, n}, kF32);
+  grouped_matmul_backward(cpu, x, w, offsets, dout, nullptr, &dw_want, false, false);
+  // The same rows, then capacity rows of NaN.
+  Tensor xc = host_poisoned({cap, k}, kBF), dc = host_poisoned({cap, n}, kBF);
+  std::memcpy(xc.data_ptr(), x.data_ptr(), x.nbytes());
+  std::memcpy(dc.data_ptr(), dout.data_ptr(), dout.nbytes());
+  for (DType dwt : {kF32, kBF}) {
+    for (bool fold : {false, true}) {
+      Tensor dw = dev_poisoned({experts, k, n}, dwt);
+      Tensor slots = dev_poisoned({grouped_matmul_dw_sum_squares_slots(experts, k, n)}, kF32);
+      grouped_matmul_backward(gpu.ex, dev(xc), dev(w), dev(offsets), dev(dc), nullptr, &dw, false, false,
+                              fold ? &slots : nullptr);
+      const std::string what =
+          fmt::format("dW past the data ({}, {})", dtype_name(dwt), fold ? "sum of squares" : "plain");
+      expect_close(dw, dw_want, kTol, what.c_str());
+      if (fold) {
+        double sum = 0;
+        for (float v : back(slots).to_floats()) sum += v;
+        EXPECT_TRUE(std::isfinite(sum)) << what;
+      }
+    }
+  }
+}
+
 // grouped_matmul_backward's dw_sum_squares on every CUDA path. The slots' sum is
 // the sum of squares of the dW written (taken on the host from the downloaded dW), dW is
 // bit-identical to the same call without slots, and a second run gives bit-identical
