@@ -216,8 +216,9 @@ class MoeStage final : public training::StageProgram {
     // block): a router with a z-loss keeps the statistics on the host.
     if (num_moe_blocks_ > 0 && tc_.model.moe.z_loss_coef > 0) return -1;
     for (const auto& r : roles_)
-      TROUPE_CHECK(!r->block->is_moe() || r->block->moe->router.device_stats_ok(ctx_),
-                   "moe stage: a router cannot keep its statistics on the device although the config allows it");
+      TROUPE_CHECK(
+          !r->block->is_moe() || r->block->moe->router.device_stats_ok(ctx_),
+          "moe stage: a router cannot keep its statistics on the device although the config allows it");
     const int64_t e = tc_.model.moe.num_experts;
     return num_moe_blocks_ * ((e + 1 + 3) / 4 * 4);
   }

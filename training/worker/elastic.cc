@@ -127,7 +127,15 @@ Status ElasticWorker::run_step_command(const Command& cmd, StepReply& reply) {
   }
   launched_ahead_ = -1;
   if (ahead_ok) {
-    take_commands(std::chrono::milliseconds(0), cmd.seq + 1);
+    // The device is busy with this step (about last_device_ms_), and the host would only
+    // wait for it in finish_step: the next command may take that long to arrive without
+    // costing anything. It usually comes within a round trip: with two commands in flight
+    // the driver sends step k+2 on step k's report, sent just before this step began — a
+    // look without waiting missed it, and every other step then ran without a step
+    // launched behind it (a gap on the device between them).
+    const auto wait =
+        std::chrono::milliseconds(queue_.empty() ? static_cast<int64_t>(last_device_ms_ / 2) : 0);
+    take_commands(wait, cmd.seq + 1);
     const bool next_is_step = !queue_.empty() && queue_.front().seq == cmd.seq + 1 &&
                               static_cast<Command::Kind>(queue_.front().kind) == Command::Kind::kStep &&
                               queue_.front().step == cmd.step + 1;
@@ -139,6 +147,7 @@ Status ElasticWorker::run_step_command(const Command& cmd, StepReply& reply) {
     }
   }
   const StepReport rep = stage_->finish_step(cmd.step);
+  last_device_ms_ = rep.device_ms;
   actors_->step_done(cmd.step, rep.step_ms);
   if (steps_ != nullptr) steps_->record_step(rep.step_ms, rep.compute_ms, rep.comm_ms);
   fill_step_reply(rep, reply);

@@ -169,6 +169,9 @@ class ElasticWorker {
   // command being served (-1: none).
   std::deque<StepCommand> queue_;
   int64_t launched_ahead_ = -1;
+  // The device time of the last step (ms): how long the next command may be waited for
+  // while the device is busy with a step (run_step_command).
+  double last_device_ms_ = 0;
   std::atomic<bool> cancel_{false};  // set when epoch_+1 opened: in-progress rendezvous give up
   CancellableStore comm_store_;
 };
