@@ -3,7 +3,7 @@
 // string read back under bounds: its size, the traversal and nesting limits; an aligned
 // copy first, since frames carry no alignment guarantee; any exception — malformed,
 // truncated, too deep — becomes DataLoss naming `what`). Header-only: for the codecs that
-// link CapnProto (training/messages_codec.cc, checkpoint/snapshot_codec.cc).
+// link CapnProto (core/capnp_fields.h frames its messages with it).
 #pragma once
 
 #include <capnp/message.h>
