@@ -415,7 +415,13 @@ void Snapshotter::writer_loop() {
 }
 
 void Snapshotter::corrupt_newest() {
-  std::lock_guard lock(mu_);
+  std::unique_lock lock(mu_);
+  // The fault is a part damaged in memory after its checkpoint was written: a checkpoint
+  // this rank still has to write (its commit not seen yet, or its write under way: on a
+  // loaded machine both can lag a step or two) is written first. Damaged before, the write
+  // would fail its checksums — another fault than the one injected.
+  cv_.wait_for(lock, std::chrono::seconds(30),
+               [&] { return ckpt_expected_.empty() && ckpt_writing_.empty(); });
   int gen = -1;
   for (int g = 0; g < 2; ++g) {
     if (gen_step_[g] < 0 || landing_ == g || corrupted_.count(gen_step_[g])) continue;

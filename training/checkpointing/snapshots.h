@@ -103,7 +103,8 @@ class Snapshotter {
   void snapshot_off_schedule(int64_t step, bool checkpoint, StepReply& reply);
   const std::string& node() const { return node_; }
   // Fault injection: flips a byte of the newest landed part this rank holds that is not
-  // damaged yet (in its keeper's memory: a restore of it then fails its slice checksums).
+  // damaged yet (in its keeper's memory: a restore of it then fails its slice checksums),
+  // once the checkpoints this rank has to write are written (bounded).
   void corrupt_newest();
   // The newest snapshot step this rank knows committed (-1: none).
   int64_t committed() const {
