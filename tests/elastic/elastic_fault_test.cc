@@ -8,7 +8,8 @@
 //   dp=1), kill -9 while a checkpoint is being written from its snapshot, a damaged
 //   snapshot part (skipped for the snapshot before it; every one damaged: the checkpoint),
 //   a killed worker of an n=4 job under `troupe run` and of a pp=2 dp=2 job (losses
-//   bitwise those of the fault-free run), a full disk during a checkpoint write,
+//   bitwise those of the fault-free run), a full disk during a checkpoint write, the final
+//   save overtaking the commit of the last step's snapshot (a part landing late),
 //   a rescale dp=2 -> dp=1 -> dp=2 asked through test.scale_at, and a
 //   persistent straggler (150 ms slower every step) flagged from its step timings and
 //   replaced by policy; the same protocol under `troupe run --elastic` (the scheduler
@@ -353,6 +354,27 @@ TEST_F(ElasticFault, KillDuringCheckpointWrite) {
   EXPECT_EQ(committed, (std::vector<int64_t>{2, 4, 6, 8})) << r.output;
   EXPECT_TRUE(fs::exists(*root_ / "kill-ckpt" / "checkpoints" / "step_8" / "manifest.json"));
   EXPECT_FALSE(fs::exists(*root_ / "kill-ckpt" / "checkpoints" / "step_4.tmp"));
+}
+
+// The final save reaches the workers while the last step's snapshot is still landing
+// (slot 1's part of step 8 lands 150 ms late, so its commit comes after the save command):
+// the save writes that snapshot once it commits, it does not take a second snapshot of the
+// step (which, a duplicate to the Trainer, would never commit: the save then waited past the
+// step watchdog and the job went through a needless recovery).
+TEST_F(ElasticFault, FinalSaveWhileTheLastSnapshotLands) {
+  const RunResult r =
+      run_case("late-landing", fmt::format("slow@{}:landing:1", kSteps), {"elastic.step_watchdog_ms=20000"});
+  expect_clean_finish(r);
+  expect_same_losses("late-landing", r);
+  const fs::path ev = *root_ / "late-landing" / "events.jsonl";
+  EXPECT_EQ(events_named(ev, "failure_detected").size(), 0u) << r.output;
+  EXPECT_EQ(events_named(ev, "final_checkpoint_failed").size(), 0u) << r.output;
+  std::vector<int64_t> committed;
+  for (const auto& e : events_named(ev, "checkpoint_committed"))
+    committed.push_back(e["step"].get<int64_t>());
+  EXPECT_EQ(committed, (std::vector<int64_t>{kSteps})) << r.output;
+  EXPECT_TRUE(
+      fs::exists(*root_ / "late-landing" / "checkpoints" / fmt::format("step_{}", kSteps) / "manifest.json"));
 }
 
 // A part of the newest snapshot damaged in the keeper's memory (a flipped byte): the

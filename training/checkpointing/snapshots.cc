@@ -132,15 +132,19 @@ void Snapshotter::after_step(int64_t step, bool ckpt, StepReply& reply) {
   {
     std::unique_lock lock(mu_);
     // One snapshot in flight at a time, into a free generation.
-    const bool ok = cv_.wait_for(
-        lock, o_.wait_limit, [&] { return pinned_ && landing_ < 0 && (free_locked(0) || free_locked(1)); });
+    const bool ok = cv_.wait_for(lock, o_.wait_limit, [&] {
+      return cancelled_ || (pinned_ && landing_ < 0 && (free_locked(0) || free_locked(1)));
+    });
     reply.snapshot_wait_ms = ms_since(t0);
-    if (!ok) {
-      const std::string why = fmt::format(
-          "skipped: after {} ms no generation was free (newest committed step {}; generations hold steps {} "
-          "and {}{})",
-          o_.wait_limit.count(), committed_, gen_step_[0], gen_step_[1],
-          gen_on_disk_[0] || gen_on_disk_[1] ? ", one being written to disk" : "");
+    if (!ok || cancelled_) {
+      const std::string why =
+          cancelled_
+              ? std::string("skipped: a newer membership epoch opened")
+              : fmt::format(
+                    "skipped: after {} ms no generation was free (newest committed step {}; generations "
+                    "hold steps {} and {}{})",
+                    o_.wait_limit.count(), committed_, gen_step_[0], gen_step_[1],
+                    gen_on_disk_[0] || gen_on_disk_[1] ? ", one being written to disk" : "");
       reply.snapshot_errors.emplace_back(step, why);
       fmt::print(stderr, "snapshot: rank {} step {}: {}\n", o_.rank, step, why);
       std::fflush(stderr);
@@ -185,6 +189,7 @@ void Snapshotter::on_commit(const SnapshotCommitted& c) {
     for (int g = 0; g < 2; ++g) {
       if (gen_step_[g] == c.step && g != committed_gen_) gen_uncommitted_[g] = false;
     }
+    save_on_commit_.erase(c.step);
     if (ckpt_expected_.erase(c.step) > 0) ckpt_errors_.emplace_back(c.step, "its snapshot was abandoned");
     cv_.notify_all();
     return;
@@ -196,8 +201,12 @@ void Snapshotter::on_commit(const SnapshotCommitted& c) {
   {
     std::lock_guard lock(mu_);
     // The snapshot this rank restored may come again, asking for its checkpoint (the one
-    // the failure interrupted): only that is done then.
-    if (c.step < committed_ || (c.step == committed_ && !c.checkpoint)) return;
+    // the failure interrupted): only that is done then. A save that came while this
+    // snapshot was landing writes it, whatever the commit says (the Trainer may have decided
+    // it before the save).
+    const bool ckpt = c.checkpoint || save_on_commit_.count(c.step) > 0;
+    if (c.step < committed_ || (c.step == committed_ && !ckpt)) return;
+    save_on_commit_.erase(save_on_commit_.begin(), save_on_commit_.upper_bound(c.step));
     const bool fresh = c.step > committed_;
     committed_ = c.step;
     // The generation committed: the one this rank landed for the step (else one holding it
@@ -210,14 +219,14 @@ void Snapshotter::on_commit(const SnapshotCommitted& c) {
     for (int g = 0; g < 2; ++g) {
       if (gen_step_[g] <= c.step) gen_uncommitted_[g] = false;  // older ones never commit now
     }
-    if (c.checkpoint && gen >= 0 && !o_.ckpt_dir.empty()) {
+    if (ckpt && gen >= 0 && !o_.ckpt_dir.empty()) {
       if (!gen_on_disk_[gen]) {
         gen_on_disk_[gen] = true;  // before anything can pick it once a newer snapshot commits
         disk_.emplace_back(gen, c.step);
         ckpt_expected_.erase(c.step);
         ckpt_writing_.insert(c.step);
       }
-    } else if (c.checkpoint) {
+    } else if (ckpt) {
       ckpt_errors_.emplace_back(c.step, "this rank holds no landed part of that step to write");
       ckpt_expected_.erase(c.step);
     }
@@ -226,25 +235,58 @@ void Snapshotter::on_commit(const SnapshotCommitted& c) {
       ckpt_errors_.emplace_back(*it, "its snapshot was superseded before it was committed");
       it = ckpt_expected_.erase(it);
     }
-    if (!c.checkpoint) ckpt_expected_.erase(c.step);
+    if (!ckpt) ckpt_expected_.erase(c.step);
     if (fresh) tasks_.push_back(Task{Task::Kind::kCommit, gen, c.step, {}, to});
   }
   cv_.notify_all();
 }
 
-bool Snapshotter::write_committed(int64_t step) {
+int Snapshotter::pending_gen_locked(int64_t step) const {
+  for (int g = 0; g < 2; ++g) {
+    if (gen_step_[g] == step && (landing_ == g || gen_uncommitted_[g])) return g;
+  }
+  return -1;
+}
+
+bool Snapshotter::write_committed_locked(int64_t step) {
+  if (committed_ != step || committed_gen_ < 0 || gen_step_[committed_gen_] != step || o_.ckpt_dir.empty())
+    return false;
+  if (!gen_on_disk_[committed_gen_]) {
+    gen_on_disk_[committed_gen_] = true;
+    disk_.emplace_back(committed_gen_, step);
+    ckpt_writing_.insert(step);
+  }
+  return true;
+}
+
+void Snapshotter::save(int64_t step, StepReply& reply) {
   {
     std::lock_guard lock(mu_);
-    if (committed_ != step || committed_gen_ < 0 || gen_step_[committed_gen_] != step || o_.ckpt_dir.empty())
-      return false;
-    if (!gen_on_disk_[committed_gen_]) {
-      gen_on_disk_[committed_gen_] = true;
-      disk_.emplace_back(committed_gen_, step);
-      ckpt_writing_.insert(step);
+    // Under way or written: a checkpoint step's own snapshot, or a save tried before.
+    if (ckpt_expected_.count(step) > 0 || ckpt_writing_.count(step) > 0 || written_.count(step) > 0) return;
+    if (write_committed_locked(step)) {
+      cv_.notify_all();
+      return;
+    }
+    // The step's snapshot is landing or waits for its commit: the Trainer commits it (with
+    // its checkpoint when the save came first) or abandons it; report(wait_ckpt) waits for
+    // that, and on_commit writes it.
+    if (pending_gen_locked(step) >= 0 && !o_.ckpt_dir.empty()) {
+      ckpt_expected_.insert(step);
+      save_on_commit_.insert(step);
+      return;
     }
   }
-  cv_.notify_all();
-  return true;
+  after_step(step, /*checkpoint=*/true, reply);
+}
+
+void Snapshotter::snapshot_off_schedule(int64_t step, bool checkpoint, StepReply& reply) {
+  {
+    std::lock_guard lock(mu_);
+    const bool committed = committed_ == step && committed_gen_ >= 0 && gen_step_[committed_gen_] == step;
+    if (committed || pending_gen_locked(step) >= 0) return;
+  }
+  after_step(step, checkpoint, reply);
 }
 
 Status Snapshotter::land(int gen, int64_t step, const nlohmann::json& rank_state) {
@@ -284,6 +326,7 @@ void Snapshotter::snapshot_loop() {
       std::lock_guard lock(mu_);
       pinned_ = true;
     } else if (t.kind == Task::Kind::kLand) {
+      fault_point(fmt::format("landing of step {}", t.step));  // test.inject's phase "landing"
       const Status st = land(t.gen, t.step, t.rank_state);
       SnapshotLanded l;
       l.epoch = o_.epoch;
@@ -302,7 +345,9 @@ void Snapshotter::snapshot_loop() {
           gen_step_[t.gen] = -1;
           snap_errors_.emplace_back(t.step, st.to_string());
           l.error = st.to_string();
-          ckpt_expected_.erase(t.step);
+          save_on_commit_.erase(t.step);
+          if (ckpt_expected_.erase(t.step) > 0)
+            ckpt_errors_.emplace_back(t.step, fmt::format("its snapshot could not be made: {}", l.error));
         }
         landing_ = -1;
       }
@@ -370,7 +415,13 @@ void Snapshotter::writer_loop() {
 }
 
 void Snapshotter::corrupt_newest() {
-  std::lock_guard lock(mu_);
+  std::unique_lock lock(mu_);
+  // The fault is a part damaged in memory after its checkpoint was written: a checkpoint
+  // this rank still has to write (its commit not seen yet, or its write under way: on a
+  // loaded machine both can lag a step or two) is written first. Damaged before, the write
+  // would fail its checksums — another fault than the one injected.
+  cv_.wait_for(lock, std::chrono::seconds(30),
+               [&] { return ckpt_expected_.empty() && ckpt_writing_.empty(); });
   int gen = -1;
   for (int g = 0; g < 2; ++g) {
     if (gen_step_[g] < 0 || landing_ == g || corrupted_.count(gen_step_[g])) continue;
@@ -385,14 +436,24 @@ void Snapshotter::corrupt_newest() {
   std::fflush(stderr);
 }
 
+void Snapshotter::cancel() {
+  {
+    std::lock_guard lock(mu_);
+    cancelled_ = true;
+  }
+  cv_.notify_all();
+}
+
 void Snapshotter::report(StepReply& reply, bool wait_ckpt) {
   std::unique_lock lock(mu_);
   if (wait_ckpt) {
-    const bool done = cv_.wait_for(lock, std::chrono::seconds(300),
-                                   [&] { return ckpt_expected_.empty() && ckpt_writing_.empty(); });
-    if (!done) {
-      for (int64_t s : ckpt_expected_) ckpt_errors_.emplace_back(s, "not committed within 300 s");
-      for (int64_t s : ckpt_writing_) ckpt_errors_.emplace_back(s, "not written within 300 s");
+    const bool done = cv_.wait_for(lock, std::chrono::seconds(300), [&] {
+      return cancelled_ || (ckpt_expected_.empty() && ckpt_writing_.empty());
+    });
+    if (!done || !ckpt_expected_.empty() || !ckpt_writing_.empty()) {
+      const char* why = cancelled_ ? "a newer membership epoch opened first" : "not within 300 s";
+      for (int64_t s : ckpt_expected_) ckpt_errors_.emplace_back(s, fmt::format("not committed: {}", why));
+      for (int64_t s : ckpt_writing_) ckpt_errors_.emplace_back(s, fmt::format("not written: {}", why));
       ckpt_expected_.clear();
     }
   }

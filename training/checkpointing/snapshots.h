@@ -20,8 +20,9 @@
 // (the wait is reported as snapshot_wait_ms; a checkpoint's stall) up to a limit, then skips the snapshot
 // with an error note.
 //
-// Threads: after_step and report on the worker's step thread; on_commit on the stage
-// actor's thread; the snapshot thread and the writer thread inside.
+// Threads: after_step, save, snapshot_off_schedule and report on the worker's step thread;
+// on_commit on the stage actor's thread; cancel on any; the snapshot thread and the writer
+// thread inside.
 #pragma once
 
 #include <chrono>
@@ -81,19 +82,29 @@ class Snapshotter {
   // for every checkpoint this rank snapshotted to be written — the job's end.
   void report(StepReply& reply, bool wait_ckpt);
 
-  // Whether this rank's part of the checkpoint of `step` is under way (snapshotted for it,
-  // or being written) or written (reported or not).
-  bool has_checkpoint(int64_t step) const {
-    std::lock_guard lock(mu_);
-    return ckpt_expected_.count(step) > 0 || ckpt_writing_.count(step) > 0 || written_.count(step) > 0;
-  }
-  // Writes the committed snapshot of `step` this rank holds to disk as its checkpoint part
-  // (a save of a step whose snapshot is committed already: the job's last checkpoint, or its
-  // second attempt). False when this rank's committed snapshot is of another step.
-  bool write_committed(int64_t step);
+  // The save command (the job's last checkpoint) of `step`, the step this rank completed
+  // last: this rank's checkpoint part of it, from the one snapshot of the step the Trainer
+  // commits. Nothing more when the part is under way or written (a checkpoint step); the
+  // committed snapshot of the step is written now; a snapshot of the step still landing, or
+  // landed with its commit not seen yet (the save overtook it), is written once that commit
+  // comes; else a snapshot of the step is taken to write (noted in `reply` as after_step
+  // does). Never a second snapshot of a step whose snapshot is on its way to a commit: the
+  // Trainer takes parts of a committed step as late duplicates, so that one would never
+  // commit and the save would wait for it (past the step watchdog).
+  void save(int64_t step, StepReply& reply);
+  // A newer membership epoch opened (any thread): nothing of this epoch commits now, so the
+  // step thread's waits on commits (a free generation in after_step, report's checkpoints)
+  // end at once instead of holding the rank out of the new epoch (the Trainer's join
+  // timeout would replace it).
+  void cancel();
+  // The snapshot command (off the schedule, before a planned membership change) of `step`:
+  // a snapshot of the step unless this rank holds one already (landing, landed or
+  // committed: the step's scheduled snapshot; a second one would never commit).
+  void snapshot_off_schedule(int64_t step, bool checkpoint, StepReply& reply);
   const std::string& node() const { return node_; }
   // Fault injection: flips a byte of the newest landed part this rank holds that is not
-  // damaged yet (in its keeper's memory: a restore of it then fails its slice checksums).
+  // damaged yet (in its keeper's memory: a restore of it then fails its slice checksums),
+  // once the checkpoints this rank has to write are written (bounded).
   void corrupt_newest();
   // The newest snapshot step this rank knows committed (-1: none).
   int64_t committed() const {
@@ -110,6 +121,12 @@ class Snapshotter {
   void writer_loop();
   Status land(int gen, int64_t step, const nlohmann::json& rank_state);
   bool free_locked(int g) const;
+  // The generation holding this rank's snapshot of `step` that is landing or landed and not
+  // yet committed (its commit or abandonment is still to come), or -1.
+  int pending_gen_locked(int64_t step) const;
+  // Queues the committed snapshot of `step` for the writer (false: this rank's committed
+  // snapshot is of another step).
+  bool write_committed_locked(int64_t step);
 
   std::shared_ptr<checkpoint::SnapshotClient> keeper_;
   Stage& stage_;
@@ -144,8 +161,13 @@ class Snapshotter {
   std::set<int64_t> ckpt_writing_;            // checkpoint steps committed, being written
   std::vector<int64_t> durable_;
   std::set<int64_t> written_;  // checkpoint steps this rank wrote
+  // Steps whose save came while their snapshot was on its way to a commit: written once it
+  // commits, whether or not that commit asks for a checkpoint (it may have been decided
+  // before the save was).
+  std::set<int64_t> save_on_commit_;
   std::vector<std::pair<int64_t, std::string>> ckpt_errors_, snap_errors_;
   bool stop_ = false;
+  bool cancelled_ = false;       // cancel(): a newer epoch opened
   std::set<int64_t> corrupted_;  // parts damaged by fault injection
   std::thread snapshot_thread_, writer_thread_;
 };

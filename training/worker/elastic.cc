@@ -310,14 +310,13 @@ Status ElasticWorker::run() {
             return failed_precondition("{} of step {}: this worker takes no snapshots",
                                        command_kind_name(cmd.kind), cmd.step);
           }
-          // A save waits for the checkpoint of the step under way already (a checkpoint
-          // step), else writes the committed snapshot of the step (the last step's, or a
-          // second attempt after a failed write), else takes a snapshot to write.
+          // Either writes (or takes) the one snapshot of the step the Trainer commits: the
+          // step's scheduled snapshot may still be landing when the command comes.
           if (cmd.kind == Command::Kind::kSnapshot) {
-            snapshotter_->after_step(
+            snapshotter_->snapshot_off_schedule(
                 cmd.step, static_cast<SnapshotOrder>(cmd.snapshot) == SnapshotOrder::kCheckpoint, reply);
-          } else if (!snapshotter_->has_checkpoint(cmd.step) && !snapshotter_->write_committed(cmd.step)) {
-            snapshotter_->after_step(cmd.step, /*checkpoint=*/true, reply);
+          } else {
+            snapshotter_->save(cmd.step, reply);
           }
           break;
       }

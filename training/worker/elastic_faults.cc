@@ -48,9 +48,10 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
     }
     f.phase = item.substr(c1 + 1, c2 - c1 - 1);
     if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
-        f.phase != "snapshot" && f.phase != "any" && f.phase != "start") {
+        f.phase != "snapshot" && f.phase != "landing" && f.phase != "any" && f.phase != "start") {
       return invalid_argument(
-          "test.inject: unknown phase '{}' (forward, alltoall, sync, snapshot, checkpoint, any, start)",
+          "test.inject: unknown phase '{}' (forward, alltoall, sync, snapshot, landing, checkpoint, any, "
+          "start)",
           f.phase);
     }
     char* end = nullptr;
@@ -74,13 +75,30 @@ FaultState* g_faults = nullptr;
 namespace {
 
 bool phase_matches(const std::string& phase, std::string_view what) {
-  if (phase == "any") return true;
+  // "any" is the points a step meets; a snapshot's landing (on its own thread, while the
+  // next step runs) is named only by its own phase.
+  if (phase == "any") return what.rfind("landing of step", 0) != 0;
   if (phase == "forward") return what.rfind("ulysses seq->head", 0) == 0;
   if (phase == "alltoall") return what.rfind("expert dispatch", 0) == 0;
   if (phase == "sync") return what.rfind("grads", 0) == 0 || what.rfind("bf16 grads", 0) == 0;
   if (phase == "checkpoint") return what.rfind("checkpoint write", 0) == 0;
   if (phase == "snapshot") return what.rfind("snapshot of step", 0) == 0;
+  if (phase == "landing") return what.rfind("landing of step", 0) == 0;
   return false;
+}
+
+// The step a fault point belongs to: the step thread's, except for the points of the
+// snapshot and writer threads (a snapshot's landing, a checkpoint's write run while later
+// steps do, and a snapshot's point is met after the next step may have been launched
+// ahead), which name their own step.
+int64_t point_step(const FaultState& fs, std::string_view what) {
+  for (const std::string_view own :
+       {std::string_view("checkpoint write of step "), std::string_view("snapshot of step "),
+        std::string_view("landing of step ")}) {
+    if (what.rfind(own, 0) == 0)
+      return std::strtoll(std::string(what.substr(own.size())).c_str(), nullptr, 10);
+  }
+  return fs.step.load();
 }
 
 }  // namespace
@@ -90,23 +108,13 @@ void fault_hook(std::string_view what) {
   if (fs == nullptr) return;
   for (size_t i = 0; i < fs->specs.size(); ++i) {
     const FaultSpec& f = fs->specs[i];
+    const int64_t at = point_step(*fs, what);
     if (f.action == FaultSpec::Action::kSlow) {
-      const int64_t step = fs->step.load();
-      if (f.slot == fs->slot && step >= f.step && fs->slowed_step[i] != step &&
-          phase_matches(f.phase, what)) {
-        fs->slowed_step[i] = step;
+      if (f.slot == fs->slot && at >= f.step && fs->slowed_step[i] != at && phase_matches(f.phase, what)) {
+        fs->slowed_step[i] = at;
         std::this_thread::sleep_for(std::chrono::milliseconds(150));
       }
       continue;
-    }
-    // A checkpoint is written by the snapshot's writer thread while later steps run, and a
-    // snapshot's point is met after the next step may have been launched ahead: both points
-    // name their own step.
-    int64_t at = fs->step.load();
-    for (const std::string_view own :
-         {std::string_view("checkpoint write of step "), std::string_view("snapshot of step ")}) {
-      if (what.rfind(own, 0) == 0)
-        at = std::strtoll(std::string(what.substr(own.size())).c_str(), nullptr, 10);
     }
     if (fs->fired[i] || f.slot != fs->slot || f.step != at || !phase_matches(f.phase, what)) continue;
     fs->fired[i] = true;

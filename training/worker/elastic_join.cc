@@ -44,6 +44,9 @@ bool ElasticWorker::has_plan(uint64_t epoch) {
 void ElasticWorker::abort_for(uint64_t next, const char* how) {
   if (aborted_for_ >= next) return;
   if (epoch_ + 1 == next) cancel_ = true;
+  // The step thread may wait on this epoch's snapshot commits (a save's checkpoint): they
+  // will not come.
+  if (snapshotter_) snapshotter_->cancel();
   // Only while the main thread has not taken the plan over (it rebuilds the
   // communicators, which must not be aborted).
   if (adopting_ < next && stage_)
