@@ -166,11 +166,18 @@ void Snapshotter::after_step(int64_t step, bool ckpt, StepReply& reply) {
     std::fflush(stderr);
     cv_.notify_all();
   };
-  // A push of what this generation held to another node stops first.
-  if (Status st = keeper_->begin(o_.job, o_.rank, static_cast<uint32_t>(gen), step); !st.ok())
-    return fail(st);
-  checkpoint::begin_segment(*maps_[gen], step);
-  if (Status st = stage_.snapshot_into(maps_[gen]->data(), offsets_); !st.ok()) return fail(st);
+  // A push of what this generation held to another node stops before the copy overwrites
+  // it: the keeper's leave is asked for where the copy runs (on the CPU the copier thread:
+  // a round trip to the keeper costs the step thread nothing). A refusal leaves the
+  // generation untouched and fails the landing (land()).
+  const auto before_copy = [this, gen, step]() -> bool {
+    Status st = keeper_->begin(o_.job, o_.rank, static_cast<uint32_t>(gen), step);
+    if (st.ok()) checkpoint::begin_segment(*maps_[gen], step);
+    std::lock_guard lock(mu_);
+    begin_status_ = st;
+    return st.ok();
+  };
+  if (Status st = stage_.snapshot_into(maps_[gen]->data(), offsets_, before_copy); !st.ok()) return fail(st);
   {
     std::lock_guard lock(mu_);
     gen_step_[gen] = step;
@@ -291,6 +298,10 @@ void Snapshotter::snapshot_off_schedule(int64_t step, bool checkpoint, StepReply
 
 Status Snapshotter::land(int gen, int64_t step, const nlohmann::json& rank_state) {
   TROUPE_RETURN_IF_ERROR(stage_.snapshot_wait());
+  {
+    std::lock_guard lock(mu_);
+    TROUPE_RETURN_IF_ERROR(begin_status_);  // the keeper's leave to overwrite the generation
+  }
   checkpoint::ManifestPart part = part_;
   part.step = step;
   part.state = rank_state;

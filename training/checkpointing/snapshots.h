@@ -7,10 +7,10 @@
 // (Stage::snapshot_tensors: parameters, optimizer moments, router biases; with its rank state: step, data
 // position, RNG seed) is copied into one of the two generation segments its node's keeper handed it
 // (checkpoint/snapshot_keeper.h) — on a GPU device -> pinned host on a side stream, on the CPU by a copier
-// thread — while the next step runs. The snapshot thread then checksums every slice, seals the part
-// (checkpoint/snapshot_segment.h), tells the keeper and the Trainer (SnapshotLanded).
-// Once every rank's part landed the Trainer commits the snapshot (SnapshotCommitted, the
-// second phase): the keeper copies the part to its node's copy target, and at a
+// thread, which first asks the keeper's leave to overwrite the generation — while the next step runs. The
+// snapshot thread then checksums every slice, seals the part (checkpoint/snapshot_segment.h), tells the
+// keeper and the Trainer (SnapshotLanded). Once every rank's part landed the Trainer commits the snapshot
+// (SnapshotCommitted, the second phase): the keeper copies the part to its node's copy target, and at a
 // checkpoint step the writer thread writes the part's saved tensors to disk as this
 // rank's checkpoint shard (never on the step thread).
 //
@@ -146,6 +146,7 @@ class Snapshotter {
   bool gen_on_disk_[2] = {false, false};      // being written as a checkpoint
   bool pinned_ = false;                       // the generations are page-locked (GPU; the CPU needs nothing)
   int landing_ = -1;                          // the generation being copied and sealed
+  Status begin_status_;                       // the keeper's answer to the landing copy's begin
   int64_t committed_ = -1;                    // the newest committed step, and its generation
   int committed_gen_ = -1;
   struct Task {

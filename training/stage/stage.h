@@ -72,6 +72,7 @@
 
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -170,8 +171,12 @@ class Stage {
   // compute stream (ordered after the step), then device -> host on a snapshot stream
   // (dst should be pinned: pin_host); CPU: on a copier thread. Returns at once; the next
   // run_step's optimizer waits for a CPU copy before it writes the state. One copy at a
-  // time: a second call waits for the first.
-  Status snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets);
+  // time: a second call waits for the first. `before_copy` (may be empty) runs first, where
+  // the copy into dst starts: on the copier thread (CPU), so that what must precede the
+  // copy (the keeper's leave to overwrite dst) is off the step thread too; at once on a
+  // GPU. It returns false to leave dst untouched (its caller then knows the snapshot failed).
+  Status snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets,
+                       std::function<bool()> before_copy = {});
   // Waits until that copy is in host memory (any thread).
   Status snapshot_wait();
   // Page-locks host memory device copies go to (no-ops on the CPU); unpin before unmapping.

@@ -10,12 +10,14 @@
 //   snapshot stream of its own while the next steps run. A new snapshot waits for the
 //   previous device -> host copy before it reuses the staging buffer.
 // - CPU: a copier thread copies the live buffers while the next step's forward and
-//   backward run (they only read them); the optimizer, the first thing that writes the
+//   backward run (they only read them), after its caller's before_copy (the keeper's
+//   leave to overwrite the destination); the optimizer, the first thing that writes the
 //   state, waits for it (snapshot_fence).
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
@@ -69,7 +71,8 @@ void Stage::init_snapshot_copy() {
   snap_.reset(new SnapshotCopy);
 }
 
-Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets) {
+Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets,
+                            std::function<bool()> before_copy) {
   TROUPE_ASSIGN_OR_RETURN(std::vector<SnapshotTensor> ts, snapshot_tensors());
   if (ts.size() != offsets.size()) {
     return invalid_argument("snapshot_into: {} offsets for {} tensors", offsets.size(), ts.size());
@@ -87,7 +90,12 @@ Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets
       std::lock_guard lock(c.mu);
       c.copied = done.get_future().share();
     }
-    c.copier = std::thread([ts = std::move(ts), dst, offsets, done = std::move(done)]() mutable {
+    c.copier = std::thread([ts = std::move(ts), dst, offsets, done = std::move(done),
+                            before_copy = std::move(before_copy)]() mutable {
+      if (before_copy && !before_copy()) {
+        done.set_value();
+        return;
+      }
       for (size_t i = 0; i < ts.size(); ++i) {
         const Tensor& t = ts[i].entry.tensor;
         if (t.numel() > 0) std::memcpy(dst + offsets[i], t.data_ptr(), t.nbytes());
@@ -97,6 +105,7 @@ Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets
     return ok_status();
   }
 #if TROUPE_HAVE_CUDA
+  if (before_copy && !before_copy()) return ok_status();
   bind_device();
   const int dev = ctx_.ex.device.index;
   if (c.staging_bytes < end) {
@@ -139,6 +148,7 @@ Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets
   return ok_status();
 #else
   (void)dst;
+  (void)before_copy;
   return unimplemented("snapshot on {}: this build has no CUDA", ctx_.ex.device);
 #endif
 }
