@@ -15,6 +15,7 @@
 #include <unordered_set>
 
 #include "checkpoint/file_io.h"
+#include "checkpoint/reader.h"
 #include "core/logging.h"
 
 namespace troupe::checkpoint {
@@ -287,9 +288,21 @@ Status write_rank_shard(const ShardWrite& w) {
     }
   }
   if (w.fsync) TROUPE_RETURN_IF_ERROR(fsync_fd(f.fd(), path));
-  // The part is the rank's "done" marker: written only after its shard is durable.
+  // The part is the rank's "done" marker: written only after its shard is durable, and
+  // renamed into place (whoever polls for it sees all of it or nothing). The directory's
+  // entries (the shard's and the part's) are not fsynced here, once a rank: the commit
+  // (finalize_checkpoint) fsyncs step_<N>.tmp once, before its rename.
   const std::string part_path = (fs::path(tmp) / part_file_name(part.rank)).string();
-  return write_file_durably(part_path, part_to_json(part).dump(1));
+  const std::string part_tmp = part_path + ".tmp";
+  {
+    const std::string text = part_to_json(part).dump(1);
+    TROUPE_ASSIGN_OR_RETURN(FileHandle pf, open_file(part_tmp, O_WRONLY | O_CREAT | O_TRUNC));
+    TROUPE_RETURN_IF_ERROR(pwrite_all(pf.fd(), text.data(), text.size(), 0, part_tmp));
+    if (w.fsync) TROUPE_RETURN_IF_ERROR(fsync_fd(pf.fd(), part_tmp));
+  }
+  if (::rename(part_tmp.c_str(), part_path.c_str()) != 0)
+    return errno_status("rename to " + part_path, part_tmp, errno);
+  return ok_status();
 }
 
 // ---- the driver's side -----------------------------------------------------------------
@@ -324,6 +337,24 @@ Status remove_dir(const fs::path& dir) {
   fs::remove_all(trash, ec);
   if (ec) return io_error("remove {}: {}", trash.string(), ec.message());
   return ok_status();
+}
+
+// The tokenizer is the same file in every checkpoint of a run: a hard link to the newest
+// committed checkpoint's copy when that holds the same bytes (committed checkpoints are
+// never written again, and its data was fsynced when it was first written), else a copy,
+// fsynced; finalize_checkpoint fsyncs the directory entry.
+Status place_tokenizer(const fs::path& run, int64_t step, const fs::path& to, const std::string& bytes,
+                       bool fsync) {
+  for (const auto& [s, dir] : list_checkpoints(run.string())) {
+    if (s >= step) continue;
+    const fs::path from = fs::path(dir) / to.filename();
+    Result<std::string> prev = read_whole_file(from.string());
+    if (prev.ok() && *prev == bytes && ::link(from.c_str(), to.c_str()) == 0) return ok_status();
+    break;  // only the newest one is tried: a cross-device or refused link copies
+  }
+  TROUPE_ASSIGN_OR_RETURN(FileHandle h, open_file(to.string(), O_WRONLY | O_CREAT | O_TRUNC));
+  TROUPE_RETURN_IF_ERROR(pwrite_all(h.fd(), bytes.data(), bytes.size(), 0, to.string()));
+  return fsync ? fsync_fd(h.fd(), to.string()) : ok_status();
 }
 
 }  // namespace
@@ -372,14 +403,26 @@ Result<FinalizeResult> finalize_checkpoint(const std::string& run_dir, int64_t s
     if (name == kManifestFile || name == kLatestFile || name.starts_with("rank_")) {
       return invalid_argument("tokenizer file name '{}' clashes with a checkpoint file", name);
     }
-    TROUPE_RETURN_IF_ERROR(write_file_durably((tmp / name).string(), *bytes));
+    TROUPE_RETURN_IF_ERROR(place_tokenizer(run, step, tmp / name, *bytes, opt.fsync));
     m.tokenizer = TokenizerRecord{name, bytes->size(), XXH64(bytes->data(), bytes->size(), 0)};
   }
-  TROUPE_RETURN_IF_ERROR(write_file_durably((tmp / kManifestFile).string(), manifest_to_json(m).dump(1)));
+  // Inside step_<N>.tmp, which is no checkpoint until its rename, the manifest needs no
+  // write-and-rename of its own: the file is fsynced, then the directory once (the entries
+  // of every rank's shard and part, the tokenizer's and the manifest's), then renamed.
+  const std::string manifest_path = (tmp / kManifestFile).string();
+  {
+    const std::string text = manifest_to_json(m).dump(1);
+    TROUPE_ASSIGN_OR_RETURN(FileHandle h, open_file(manifest_path, O_WRONLY | O_CREAT | O_TRUNC));
+    TROUPE_RETURN_IF_ERROR(pwrite_all(h.fd(), text.data(), text.size(), 0, manifest_path));
+    if (opt.fsync) TROUPE_RETURN_IF_ERROR(fsync_fd(h.fd(), manifest_path));
+  }
+  if (opt.fsync) TROUPE_RETURN_IF_ERROR(fsync_dir(tmp.string()));
   // The commit point.
   fs::rename(tmp, final_dir, ec);
   if (ec) return io_error("rename {} to {}: {}", tmp.string(), final_dir.string(), ec.message());
-  if (opt.fsync) TROUPE_RETURN_IF_ERROR(fsync_dir(run.string()));
+  // `latest` (a hint: readers take the newest committed directory whatever it says) is
+  // renamed into the run directory too; its write's one fsync of the run directory makes
+  // both renames durable: the checkpoint is committed when this returns.
   TROUPE_RETURN_IF_ERROR(write_file_durably((run / kLatestFile).string(), step_dir_name(step) + "\n"));
 
   FinalizeResult out;

@@ -120,8 +120,9 @@ class CheckpointWriter {
 
 // One rank's shard of step `part->step`, already laid out in memory as its slices say
 // (rank_R.bin is data[0, bytes)): written into <run_dir>/step_<N>.tmp, fsynced, then the
-// rank's part (its "done" marker). `verify`: every slice's bytes are checked against its
-// xxHash64 first, and nothing is written when one does not match (DataLoss). What
+// rank's part (its "done" marker: fsynced, renamed into place; the directory's entries are
+// fsynced once for every rank by finalize_checkpoint, before the commit). `verify`: every slice's bytes are
+// checked against its xxHash64 first, and nothing is written when one does not match (DataLoss). What
 // CheckpointWriter's background thread does, and what a worker does with the committed
 // in-memory snapshot of its rank (training/checkpointing/snapshots.h).
 struct ShardWrite {
@@ -140,7 +141,7 @@ struct FinalizeOptions {
   int world_size = 1;
   int keep_last = 3;            // retention: complete checkpoints to keep (>= 1)
   CheckpointInfo info;
-  bool fsync = true;
+  bool fsync = true;  // false only for benchmarks of the page cache (`latest` is fsynced always)
 };
 
 struct FinalizeResult {
@@ -154,7 +155,8 @@ struct FinalizeResult {
 Status wait_for_parts(const std::string& run_dir, int64_t step, int world_size, std::chrono::milliseconds timeout);
 
 // The commit of step `step` (call once every rank's save is done): merges and validates
-// the parts, copies the tokenizer, writes manifest.json, renames, updates `latest`,
+// the parts, places the tokenizer (a hard link to the previous checkpoint's identical copy,
+// else a copy), writes manifest.json, renames, updates `latest`,
 // deletes checkpoints beyond `keep_last` and stale temporary directories of older steps.
 // A missing part fails with NotFound naming the rank and file; nothing is committed then.
 Result<FinalizeResult> finalize_checkpoint(const std::string& run_dir, int64_t step, const FinalizeOptions& options);

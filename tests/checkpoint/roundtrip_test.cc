@@ -180,6 +180,34 @@ TEST(Checkpoint, BadEntriesAreRefusedBeforeWriting) {
             StatusCode::kOutOfRange);
 }
 
+// Every checkpoint of a run holds the tokenizer; while its bytes stay the same it is one
+// file (hard links), which outlives the retention of the checkpoint that first wrote it.
+// Changed bytes are copied, and each checkpoint still extracts its own.
+TEST(Checkpoint, UnchangedTokenizerIsLinkedNotCopied) {
+  TempDir dir;
+  const std::string run = dir.sub("run"), tok = dir.sub("tokenizer.json");
+  std::ofstream(tok) << R"({"vocab": ["a", "b"]})";
+  CheckpointInfo info;
+  info.tokenizer_path = tok;
+  for (int step : {1, 2, 3}) save_step(run, step, sample_tensors(1.0f), 2, info);
+  EXPECT_FALSE(fs::exists(run + "/step_1"));  // retention
+  EXPECT_EQ(fs::hard_link_count(run + "/step_3/tokenizer.json"), 2u);
+  EXPECT_TRUE(fs::equivalent(run + "/step_2/tokenizer.json", run + "/step_3/tokenizer.json"));
+  std::ofstream(tok, std::ios::trunc) << R"({"vocab": ["a", "b", "c"]})";
+  save_step(run, 4, sample_tensors(1.0f), 2, info);
+  EXPECT_EQ(fs::hard_link_count(run + "/step_4/tokenizer.json"), 1u);
+  for (const auto& [step, want] : {std::pair<int, std::string>{3, R"({"vocab": ["a", "b"]})"},
+                                   std::pair<int, std::string>{4, R"({"vocab": ["a", "b", "c"]})"}}) {
+    auto r = CheckpointReader::open(run + "/step_" + std::to_string(step), VerifyMode::kChecksums);
+    ASSERT_TRUE(r.ok()) << r.status();
+    const std::string out = dir.sub("tok_" + std::to_string(step) + ".json");
+    ASSERT_TRUE((*r)->extract_tokenizer(out).ok());
+    std::ifstream in(out);
+    EXPECT_EQ(std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()), want)
+        << step;
+  }
+}
+
 TEST(Checkpoint, RetentionKeepsTheLastK) {
   TempDir dir;
   const std::string run = dir.sub("run");
