@@ -177,7 +177,8 @@ void Snapshotter::after_step(int64_t step, bool ckpt, StepReply& reply) {
     begin_status_ = st;
     return st.ok();
   };
-  if (Status st = stage_.snapshot_into(maps_[gen]->data(), offsets_, before_copy); !st.ok()) return fail(st);
+  if (Status st = stage_.snapshot_into(maps_[gen]->data(), offsets_, before_copy, &copy_sums_[gen]); !st.ok())
+    return fail(st);
   {
     std::lock_guard lock(mu_);
     gen_step_[gen] = step;
@@ -306,19 +307,25 @@ Status Snapshotter::land(int gen, int64_t step, const nlohmann::json& rank_state
   part.step = step;
   part.state = rank_state;
   part.state["unsaved"] = part_.state["unsaved"];
-  // Every slice's checksum (the checkpoint format's xxHash64), on a few threads.
-  const std::byte* data = maps_[gen]->data();
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i = next++; i < part.tensors.size(); i = next++) {
-      checkpoint::StoredSlice& s = part.tensors[i].slices[0];
-      s.xxh64 = XXH64(data + s.offset, s.length, 0);
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int i = 1; i < checksum_threads(); ++i) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
+  // Every slice's checksum (the checkpoint format's xxHash64): the CPU copier's, made
+  // while it copied; else (a GPU's device -> host copy) a pass over the part, on a few threads.
+  const std::vector<uint64_t>& sums = copy_sums_[gen];
+  if (sums.size() == part.tensors.size()) {
+    for (size_t i = 0; i < sums.size(); ++i) part.tensors[i].slices[0].xxh64 = sums[i];
+  } else {
+    const std::byte* data = maps_[gen]->data();
+    std::atomic<size_t> next{0};
+    auto work = [&] {
+      for (size_t i = next++; i < part.tensors.size(); i = next++) {
+        checkpoint::StoredSlice& s = part.tensors[i].slices[0];
+        s.xxh64 = XXH64(data + s.offset, s.length, 0);
+      }
+    };
+    std::vector<std::thread> pool;
+    for (int i = 1; i < checksum_threads(); ++i) pool.emplace_back(work);
+    work();
+    for (std::thread& t : pool) t.join();
+  }
   TROUPE_RETURN_IF_ERROR(checkpoint::seal_segment(*maps_[gen], part, data_bytes_, saved_bytes_));
   return keeper_->landed(o_.job, o_.rank, static_cast<uint32_t>(gen), step);
 }

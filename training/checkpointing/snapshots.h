@@ -138,6 +138,9 @@ class Snapshotter {
   uint64_t data_bytes_ = 0, saved_bytes_ = 0, segment_bytes_ = 0;
   checkpoint::ManifestPart part_;
   std::shared_ptr<checkpoint::SegmentMap> maps_[2];
+  // Each generation's slice checksums as the CPU copier made them (Stage::snapshot_into):
+  // written by the copier, read by land() after snapshot_wait(); empty on a GPU.
+  std::vector<uint64_t> copy_sums_[2];
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

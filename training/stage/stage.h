@@ -175,8 +175,13 @@ class Stage {
   // the copy into dst starts: on the copier thread (CPU), so that what must precede the
   // copy (the keeper's leave to overwrite dst) is off the step thread too; at once on a
   // GPU. It returns false to leave dst untouched (its caller then knows the snapshot failed).
+  // `checksums` (may be null; its owner leaves it alone until snapshot_wait returns): on
+  // the CPU, the copier leaves there the xxHash64 of each tensor's bytes in dst, hashed
+  // chunk by chunk right after each chunk's copy while it is in cache (one pass over the
+  // state instead of a copy and a second read to checksum it); left empty on a GPU, whose
+  // caller hashes the host copy itself.
   Status snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets,
-                       std::function<bool()> before_copy = {});
+                       std::function<bool()> before_copy = {}, std::vector<uint64_t>* checksums = nullptr);
   // Waits until that copy is in host memory (any thread).
   Status snapshot_wait();
   // Page-locks host memory device copies go to (no-ops on the CPU); unpin before unmapping.

@@ -26,6 +26,10 @@
 #include "core/check.h"
 #include "training/stage/stage.h"
 
+// The streaming state on the copier's stack (XXH64_state_t's definition).
+#define XXH_STATIC_LINKING_ONLY
+#include <xxhash.h>
+
 #if TROUPE_HAVE_CUDA
 #include <cuda_runtime.h>
 
@@ -35,6 +39,12 @@
 #endif
 
 namespace troupe::training {
+
+namespace {
+// The copier copies and hashes this much at a time: well inside a core's L2, so the hash
+// reads what the copy just wrote from cache, not from memory.
+constexpr size_t kCopyHashChunk = 64 * 1024;
+}  // namespace
 
 // Threads: snapshot_into, snapshot_fence and the destructor run on the step thread;
 // snapshot_wait may run on another (the worker's snapshot thread) at the same time.
@@ -72,7 +82,8 @@ void Stage::init_snapshot_copy() {
 }
 
 Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets,
-                            std::function<bool()> before_copy) {
+                            std::function<bool()> before_copy, std::vector<uint64_t>* checksums) {
+  if (checksums != nullptr) checksums->clear();
   TROUPE_ASSIGN_OR_RETURN(std::vector<SnapshotTensor> ts, snapshot_tensors());
   if (ts.size() != offsets.size()) {
     return invalid_argument("snapshot_into: {} offsets for {} tensors", offsets.size(), ts.size());
@@ -91,15 +102,32 @@ Status Stage::snapshot_into(std::byte* dst, const std::vector<uint64_t>& offsets
       c.copied = done.get_future().share();
     }
     c.copier = std::thread([ts = std::move(ts), dst, offsets, done = std::move(done),
-                            before_copy = std::move(before_copy)]() mutable {
+                            before_copy = std::move(before_copy), checksums]() mutable {
       if (before_copy && !before_copy()) {
         done.set_value();
         return;
       }
+      std::vector<uint64_t> sums;
+      if (checksums != nullptr) sums.reserve(ts.size());
+      XXH64_state_t hash;
       for (size_t i = 0; i < ts.size(); ++i) {
         const Tensor& t = ts[i].entry.tensor;
-        if (t.numel() > 0) std::memcpy(dst + offsets[i], t.data_ptr(), t.nbytes());
+        const size_t n = t.numel() > 0 ? t.nbytes() : 0;
+        const auto* from = static_cast<const std::byte*>(t.data_ptr());
+        std::byte* to = dst + offsets[i];
+        if (checksums == nullptr) {
+          if (n > 0) std::memcpy(to, from, n);
+          continue;
+        }
+        XXH64_reset(&hash, 0);
+        for (size_t off = 0; off < n; off += kCopyHashChunk) {
+          const size_t len = std::min(kCopyHashChunk, n - off);
+          std::memcpy(to + off, from + off, len);
+          XXH64_update(&hash, to + off, len);  // the bytes just written, still in cache
+        }
+        sums.push_back(XXH64_digest(&hash));
       }
+      if (checksums != nullptr) *checksums = std::move(sums);
       done.set_value();
     });
     return ok_status();
