@@ -101,6 +101,29 @@ class TrainingEquivalence : public ::testing::Test {
     return worst;
   }
 
+  // `parallel` and one process, both with the same `extra` settings (their own reference,
+  // "ref-<tag>" and "pp-<tag>"), for `steps` steps: loss and gradient norm within 1e-5 at
+  // every step. Returns the parallel run.
+  static RunResult same_as_one_process(const std::string& tag, int64_t steps, const std::string& parallel,
+                                       const std::vector<std::string>& extra) {
+    const RunResult ref =
+        run(args("ref-" + tag, steps, "", extra), *root_ / ("ref-" + tag + ".log"), std::chrono::seconds(120));
+    EXPECT_EQ(ref.exit_code, 0) << ref.output;
+    const RunResult r =
+        run(args("pp-" + tag, steps, parallel, extra), *root_ / ("pp-" + tag + ".log"), std::chrono::seconds(180));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    const auto a = step_records(*root_ / ("ref-" + tag) / "metrics.jsonl");
+    const auto b = step_records(*root_ / ("pp-" + tag) / "metrics.jsonl");
+    EXPECT_EQ(a.size(), static_cast<size_t>(steps)) << ref.output;
+    EXPECT_EQ(b.size(), static_cast<size_t>(steps)) << r.output;
+    for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+      EXPECT_LE(rel_diff(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()), 1e-5) << tag << " step " << i + 1;
+      EXPECT_LE(rel_diff(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()), 1e-5)
+          << tag << " step " << i + 1;
+    }
+    return r;
+  }
+
   static fs::path* root_;
 };
 
@@ -152,21 +175,7 @@ TEST_F(TrainingEquivalence, TroupeRunLaunchesTheSameRun) {
 TEST_F(TrainingEquivalence, UntiedHeadOverPipeline) {
   // The tied-embedding path is the default; an untied head exercises the other one. Both
   // sides of the comparison use the same override, so it gets its own reference.
-  const std::vector<std::string> untied{"model.tie_embeddings=false"};
-  const RunResult ref =
-      run(args("ref-untied", 5, "", untied), *root_ / "ref-untied.log", std::chrono::seconds(120));
-  ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  const RunResult r =
-      run(args("pp-untied", 5, "pp=2,n=2", untied), *root_ / "pp-untied.log", std::chrono::seconds(180));
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto a = step_records(*root_ / "ref-untied" / "metrics.jsonl");
-  const auto b = step_records(*root_ / "pp-untied" / "metrics.jsonl");
-  ASSERT_EQ(a.size(), 5u);
-  ASSERT_EQ(b.size(), 5u);
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_LE(rel_diff(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()), 1e-5);
-    EXPECT_LE(rel_diff(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()), 1e-5);
-  }
+  same_as_one_process("untied", 5, "pp=2,n=2", {"model.tie_embeddings=false"});
 }
 
 // Two blocks over two stages: the first stage holds only the dense block (its statistics
@@ -175,23 +184,8 @@ TEST_F(TrainingEquivalence, UntiedHeadOverPipeline) {
 // stage must keep them in the same place: once they did not, and the first step waited
 // for its all-reduce until the deadline in every epoch.
 TEST_F(TrainingEquivalence, PipelineWhoseStagesHoldDifferentRouters) {
-  const std::vector<std::string> two{"model.n_layers=2"};
-  const RunResult ref =
-      run(args("ref-2blocks", 3, "", two), *root_ / "ref-2blocks.log", std::chrono::seconds(120));
-  ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  const RunResult r =
-      run(args("pp-2blocks", 3, "pp=2", two), *root_ / "pp-2blocks.log", std::chrono::seconds(120));
-  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const RunResult r = same_as_one_process("2blocks", 3, "pp=2", {"model.n_layers=2"});
   EXPECT_EQ(r.output.find("lost a peer"), std::string::npos) << r.output;
-  const auto a = step_records(*root_ / "ref-2blocks" / "metrics.jsonl");
-  const auto b = step_records(*root_ / "pp-2blocks" / "metrics.jsonl");
-  ASSERT_EQ(a.size(), 3u);
-  ASSERT_EQ(b.size(), 3u);
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_LE(rel_diff(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()), 1e-5) << "step " << i + 1;
-    EXPECT_LE(rel_diff(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()), 1e-5)
-        << "step " << i + 1;
-  }
 }
 
 TEST_F(TrainingEquivalence, FiftyStepsSameFinalLoss) {
