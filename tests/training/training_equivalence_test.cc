@@ -106,18 +106,19 @@ class TrainingEquivalence : public ::testing::Test {
   // every step. Returns the parallel run.
   static RunResult same_as_one_process(const std::string& tag, int64_t steps, const std::string& parallel,
                                        const std::vector<std::string>& extra) {
-    const RunResult ref =
-        run(args("ref-" + tag, steps, "", extra), *root_ / ("ref-" + tag + ".log"), std::chrono::seconds(120));
+    const RunResult ref = run(args("ref-" + tag, steps, "", extra), *root_ / ("ref-" + tag + ".log"),
+                              std::chrono::seconds(120));
     EXPECT_EQ(ref.exit_code, 0) << ref.output;
-    const RunResult r =
-        run(args("pp-" + tag, steps, parallel, extra), *root_ / ("pp-" + tag + ".log"), std::chrono::seconds(180));
+    const RunResult r = run(args("pp-" + tag, steps, parallel, extra), *root_ / ("pp-" + tag + ".log"),
+                            std::chrono::seconds(180));
     EXPECT_EQ(r.exit_code, 0) << r.output;
     const auto a = step_records(*root_ / ("ref-" + tag) / "metrics.jsonl");
     const auto b = step_records(*root_ / ("pp-" + tag) / "metrics.jsonl");
     EXPECT_EQ(a.size(), static_cast<size_t>(steps)) << ref.output;
     EXPECT_EQ(b.size(), static_cast<size_t>(steps)) << r.output;
     for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-      EXPECT_LE(rel_diff(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()), 1e-5) << tag << " step " << i + 1;
+      EXPECT_LE(rel_diff(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()), 1e-5)
+          << tag << " step " << i + 1;
       EXPECT_LE(rel_diff(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()), 1e-5)
           << tag << " step " << i + 1;
     }
