@@ -35,8 +35,8 @@ Result<std::string> encode_envelope(const Envelope& e,
 
 // Parses bytes produced by encode_envelope (by any peer with the same protocol major).
 // Errors: ResourceExhausted (too large), DataLoss (truncated, misframed, malformed,
-// traversal or nesting limit hit), InvalidArgument (unknown union member or enumerant,
-// bad version, name too long, type id mismatch).
+// traversal or nesting limit hit, unknown union member or enumerant), InvalidArgument
+// (bad version, name too long, reserved user type id, type id mismatch).
 Result<Envelope> decode_envelope(const void* data, size_t size, const DecodeLimits& limits = {});
 
 }  // namespace troupe::control
