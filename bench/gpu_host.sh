@@ -75,7 +75,7 @@ troupe_ab() {
       if [ "$kind" = env ]; then envs=("$name=$v"); else sets=(--troupe-set "$name=$v"); fi
       dir="$out/e2e-$tag-$v"
       rm -rf "$dir"
-      env "${envs[@]}" OUT="$dir" bash bench/e2e.sh --build "$B" --gpus 1 --quick --skip-peer --no-selfcheck \
+      env "${envs[@]}" OUT="$dir" bash bench/e2e.sh --build "$B" --gpus 1 --quick --skip-peer --no-run-row --no-selfcheck \
         "${sets[@]}" >"$out/$tag-$v-$round.log" 2>&1
       stamp "$name=$v round $round rc=$?: $(grep -h '| troupe |' "$dir/e2e/e2e.md" 2>/dev/null)"
     done
@@ -332,7 +332,7 @@ PY
           [ "$v" = patched ] && bld=$B-ab
           dir="$out/e2e-ab-$v"
           rm -rf "$dir"
-          OUT="$dir" bash bench/e2e.sh --build "$bld" --gpus 1 --quick --skip-peer --no-selfcheck \
+          OUT="$dir" bash bench/e2e.sh --build "$bld" --gpus 1 --quick --skip-peer --no-run-row --no-selfcheck \
             >"$out/ab-$v-$round.log" 2>&1
           stamp "ab $v round $round rc=$?: $(grep -h '| troupe |' "$dir/e2e/e2e.md" 2>/dev/null)"
         done

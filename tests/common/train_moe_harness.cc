@@ -132,6 +132,11 @@ fs::path make_run_root(const std::string& prefix) {
 }
 
 void remove_run_root(const fs::path& root) {
+  // A failed case's runs (logs, metrics, events) stay for whoever reads the failure.
+  if (::testing::UnitTest::GetInstance()->failed_test_count() > 0) {
+    std::printf("kept the run folder %s: a case failed\n", root.string().c_str());
+    return;
+  }
   std::error_code ec;
   fs::remove_all(root, ec);
 }

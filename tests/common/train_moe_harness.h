@@ -90,7 +90,8 @@ int worker_rank_of(pid_t pid);
 // A new empty directory <tmp>/<prefix>-<pid>-<random hex>; the caller removes it
 // (remove_run_root) when the suite ends.
 fs::path make_run_root(const std::string& prefix);
-// Removes `root` and everything under it; errors are ignored (a clean-up).
+// Removes `root` and everything under it (errors are ignored: a clean-up), unless a case of
+// this test program failed: then it stays, and a line says where.
 void remove_run_root(const fs::path& root);
 
 // What troupe-prepare reads and makes: the source folders (relative to source_dir())
