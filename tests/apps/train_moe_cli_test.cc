@@ -338,9 +338,14 @@ TEST(TrainMoeCli, CommandsInFlight) {
     // Every step's report was sent with the next command (the next step, or the final
     // evaluation after step 6) already queued at the worker.
     EXPECT_TRUE(a[i]["next_queued"].get<bool>()) << "steps_in_flight=6, step " << i + 1;
-    // With one in flight only an evaluation (train.eval_every = 2: after steps 2, 4, 6),
-    // sent together with its step, can be queued behind the step.
-    EXPECT_EQ(o[i]["next_queued"].get<bool>(), (i + 1) % 2 == 0) << "steps_in_flight=1, step " << i + 1;
+    // With one in flight nothing but an evaluation (train.eval_every = 2: after steps 2, 4,
+    // 6) can be queued behind a step: the next step is sent only on its report. The
+    // evaluation is sent right after its step, in a message of its own; on a loaded machine
+    // the step can be done before it arrives (a fresh clone's run saw that once at step 4),
+    // so after an even step either is right.
+    if ((i + 1) % 2 != 0) {
+      EXPECT_FALSE(o[i]["next_queued"].get<bool>()) << "steps_in_flight=1, step " << i + 1;
+    }
     EXPECT_EQ(a[i]["loss"].get<double>(), o[i]["loss"].get<double>()) << "step " << i + 1;
     EXPECT_EQ(a[i]["loss"].get<double>(), c[i]["loss"].get<double>()) << "step " << i + 1;
     if (i > 0) {
