@@ -45,7 +45,21 @@ std::string read_text(const fs::path& file) {
 
 }  // namespace
 
-pid_t spawn(const std::vector<std::string>& argv, const fs::path& log, const std::vector<std::string>& env) {
+pid_t spawn(const std::vector<std::string>& argv, const fs::path& log,
+            const std::vector<std::string>& env_in) {
+  // The child's temporary folders (troupe run's state directory, snapshot keepers' and
+  // agents' sockets) go under the folder of its log, the test's run root: they go with it,
+  // or stay beside the logs when a case fails. Not where a test sets TMPDIR itself, nor where
+  // the path would be too long for a Unix socket under it (108 bytes).
+  std::vector<std::string> env = env_in;
+  const bool own_tmp =
+      std::any_of(env.begin(), env.end(), [](const std::string& e) { return e.rfind("TMPDIR=", 0) == 0; });
+  const fs::path tmp = log.parent_path() / "tmp";
+  if (!own_tmp && !log.parent_path().empty() && tmp.string().size() <= 64) {
+    std::error_code ec;
+    fs::create_directories(tmp, ec);
+    if (fs::is_directory(tmp, ec)) env.push_back("TMPDIR=" + tmp.string());
+  }
   const pid_t pid = fork();
   if (pid == 0) {
     setpgid(0, 0);

@@ -61,8 +61,9 @@ struct RunOptions {
 
 // Starts argv (argv[0] is a path, not looked up in PATH) in a new process group whose id
 // is the child's pid, stdout and stderr written to `log` (truncated), `env` added to its
-// environment. The caller owns the child: finish() must reap it. Exit code 126 from the
-// child: `log` could not be opened; 127: exec failed.
+// environment, TMPDIR set to `log`'s folder/tmp unless `env` sets it (the child's temporary
+// folders go with the test's run root). The caller owns the child: finish() must reap it.
+// Exit code 126 from the child: `log` could not be opened; 127: exec failed.
 pid_t spawn(const std::vector<std::string>& argv, const fs::path& log,
             const std::vector<std::string>& env = {});
 

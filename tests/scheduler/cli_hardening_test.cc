@@ -60,6 +60,7 @@ TEST(CliHardening, NprocBeyondRlimitNprocNamesIt) {
   so.argv = {"/bin/bash", "-c", cmd};
   for (char** e = environ; *e; ++e) so.env.emplace_back(*e);
   const std::string dir = make_temp_dir("rlimit");
+  set_tmpdir(so.env, dir);
   so.log_path = dir + "/out.log";
   auto child = spawn_process(so);
   ASSERT_TRUE(child.ok()) << child.status().to_string();
@@ -105,6 +106,7 @@ void expect_signal_ends_run(const std::vector<std::string>& args, const std::str
   so.argv.insert(so.argv.end(), args.begin(), args.end());
   for (char** e = environ; *e; ++e) so.env.emplace_back(*e);
   const std::string dir = make_temp_dir("sig");
+  set_tmpdir(so.env, dir);
   so.log_path = dir + "/run.log";
   auto child = spawn_process(so);
   ASSERT_TRUE(child.ok()) << child.status().to_string();

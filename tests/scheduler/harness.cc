@@ -86,6 +86,11 @@ std::string make_temp_dir(const std::string& what) {
   return tmpl;
 }
 
+void set_tmpdir(std::vector<std::string>& env, const std::string& dir) {
+  std::erase_if(env, [](const std::string& e) { return e.rfind("TMPDIR=", 0) == 0; });
+  env.push_back("TMPDIR=" + dir);
+}
+
 bool wait_until(const std::function<bool()>& pred, std::chrono::milliseconds timeout, std::chrono::milliseconds step) {
   auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
@@ -151,15 +156,22 @@ CliResult run_cli(const std::vector<std::string>& args, std::chrono::millisecond
   static int counter = 0;
   std::string log = (std::filesystem::temp_directory_path() /
                      fmt::format("troupe-cli-{}-{}.out", getpid(), counter++)).string();
+  // What the command leaves in its temporary folder (the state directory of a failed
+  // `troupe run`) goes with the call.
+  const std::string tmp = log + ".tmp";
+  std::filesystem::create_directories(tmp);
   SpawnOptions so;
   so.argv = {cli_bin()};
   so.argv.insert(so.argv.end(), args.begin(), args.end());
   so.env = my_env({});
+  set_tmpdir(so.env, tmp);
   so.log_path = log;
   CliResult r;
   auto child = spawn_process(so);
   if (!child.ok()) {
     r.output = child.status().to_string();
+    std::error_code ec;
+    std::filesystem::remove_all(tmp, ec);
     return r;
   }
   auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -177,6 +189,8 @@ CliResult run_cli(const std::vector<std::string>& args, std::chrono::millisecond
   r.exit_code = ex->exit_status();
   r.output += slurp(log);
   std::filesystem::remove(log);
+  std::error_code ec;
+  std::filesystem::remove_all(tmp, ec);
   return r;
 }
 

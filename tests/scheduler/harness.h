@@ -27,6 +27,9 @@ std::string worker_bin();
 
 int free_port();
 std::string make_temp_dir(const std::string& what);
+// Points `env`'s TMPDIR at `dir` (replacing any): the temporary folders of the processes it
+// starts (a `troupe run`'s state directory) go with the test's own folder.
+void set_tmpdir(std::vector<std::string>& env, const std::string& dir);
 bool wait_until(const std::function<bool()>& pred, std::chrono::milliseconds timeout,
                 std::chrono::milliseconds step = std::chrono::milliseconds(20));
 // Pids of live processes whose environment holds TW_TAG=<tag>.

@@ -80,6 +80,7 @@ TEST(TroupeRun, CtrlCCancelsCleanlyWithNoOrphans) {
   so.argv = {cli_bin(), "run", "--nproc", "2", "--env", "TW_TAG=" + tag, "--env", "TW_RUN_MS=60000", "--env",
              "TW_CHILD=1", "--env", "TW_BEAT=1", "--", worker_bin()};
   for (char** e = environ; *e; ++e) so.env.emplace_back(*e);
+  set_tmpdir(so.env, out);
   so.log_path = out + "/run.log";
   auto child = spawn_process(so);
   ASSERT_TRUE(child.ok()) << child.status().to_string();
