@@ -98,13 +98,15 @@ Result<std::string> read_whole_file(const std::string& path) {
   return out;
 }
 
+Status write_file(const std::string& path, std::string_view bytes, bool fsync) {
+  TROUPE_ASSIGN_OR_RETURN(FileHandle h, open_file(path, O_WRONLY | O_CREAT | O_TRUNC));
+  TROUPE_RETURN_IF_ERROR(pwrite_all(h.fd(), bytes.data(), bytes.size(), 0, path));
+  return fsync ? fsync_fd(h.fd(), path) : ok_status();
+}
+
 Status write_file_durably(const std::string& path, std::string_view bytes) {
   const std::string tmp = path + ".tmp";
-  {
-    TROUPE_ASSIGN_OR_RETURN(FileHandle h, open_file(tmp, O_WRONLY | O_CREAT | O_TRUNC));
-    TROUPE_RETURN_IF_ERROR(pwrite_all(h.fd(), bytes.data(), bytes.size(), 0, tmp));
-    TROUPE_RETURN_IF_ERROR(fsync_fd(h.fd(), tmp));
-  }
+  TROUPE_RETURN_IF_ERROR(write_file(tmp, bytes, /*fsync=*/true));
   if (::rename(tmp.c_str(), path.c_str()) != 0) return errno_status("rename to " + path, tmp, errno);
   const std::string dir = std::filesystem::path(path).parent_path().string();
   return fsync_dir(dir.empty() ? "." : dir);

@@ -41,6 +41,9 @@ Status fsync_fd(int fd, const std::string& path);
 Status fsync_dir(const std::string& dir);
 Result<uint64_t> file_size(const std::string& path);
 Result<std::string> read_whole_file(const std::string& path);
+// Writes `bytes` as the whole of `path` (created or truncated), fsynced when `fsync`. No
+// rename: for a file inside a directory that is itself renamed into place afterwards.
+Status write_file(const std::string& path, std::string_view bytes, bool fsync);
 // Writes `bytes` to `path.tmp`, fsyncs it, renames it to `path` and fsyncs the directory:
 // readers see the old file or the whole new one, never a part.
 Status write_file_durably(const std::string& path, std::string_view bytes);

@@ -294,12 +294,7 @@ Status write_rank_shard(const ShardWrite& w) {
   // (finalize_checkpoint) fsyncs step_<N>.tmp once, before its rename.
   const std::string part_path = (fs::path(tmp) / part_file_name(part.rank)).string();
   const std::string part_tmp = part_path + ".tmp";
-  {
-    const std::string text = part_to_json(part).dump(1);
-    TROUPE_ASSIGN_OR_RETURN(FileHandle pf, open_file(part_tmp, O_WRONLY | O_CREAT | O_TRUNC));
-    TROUPE_RETURN_IF_ERROR(pwrite_all(pf.fd(), text.data(), text.size(), 0, part_tmp));
-    if (w.fsync) TROUPE_RETURN_IF_ERROR(fsync_fd(pf.fd(), part_tmp));
-  }
+  TROUPE_RETURN_IF_ERROR(write_file(part_tmp, part_to_json(part).dump(1), w.fsync));
   if (::rename(part_tmp.c_str(), part_path.c_str()) != 0)
     return errno_status("rename to " + part_path, part_tmp, errno);
   return ok_status();
@@ -352,9 +347,7 @@ Status place_tokenizer(const fs::path& run, int64_t step, const fs::path& to, co
     if (prev.ok() && *prev == bytes && ::link(from.c_str(), to.c_str()) == 0) return ok_status();
     break;  // only the newest one is tried: a cross-device or refused link copies
   }
-  TROUPE_ASSIGN_OR_RETURN(FileHandle h, open_file(to.string(), O_WRONLY | O_CREAT | O_TRUNC));
-  TROUPE_RETURN_IF_ERROR(pwrite_all(h.fd(), bytes.data(), bytes.size(), 0, to.string()));
-  return fsync ? fsync_fd(h.fd(), to.string()) : ok_status();
+  return write_file(to.string(), bytes, fsync);
 }
 
 }  // namespace
@@ -409,13 +402,7 @@ Result<FinalizeResult> finalize_checkpoint(const std::string& run_dir, int64_t s
   // Inside step_<N>.tmp, which is no checkpoint until its rename, the manifest needs no
   // write-and-rename of its own: the file is fsynced, then the directory once (the entries
   // of every rank's shard and part, the tokenizer's and the manifest's), then renamed.
-  const std::string manifest_path = (tmp / kManifestFile).string();
-  {
-    const std::string text = manifest_to_json(m).dump(1);
-    TROUPE_ASSIGN_OR_RETURN(FileHandle h, open_file(manifest_path, O_WRONLY | O_CREAT | O_TRUNC));
-    TROUPE_RETURN_IF_ERROR(pwrite_all(h.fd(), text.data(), text.size(), 0, manifest_path));
-    if (opt.fsync) TROUPE_RETURN_IF_ERROR(fsync_fd(h.fd(), manifest_path));
-  }
+  TROUPE_RETURN_IF_ERROR(write_file((tmp / kManifestFile).string(), manifest_to_json(m).dump(1), opt.fsync));
   if (opt.fsync) TROUPE_RETURN_IF_ERROR(fsync_dir(tmp.string()));
   // The commit point.
   fs::rename(tmp, final_dir, ec);

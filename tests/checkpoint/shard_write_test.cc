@@ -112,7 +112,7 @@ TEST(ShardWrite, AlignedMemoryGoesAroundThePageCacheAndReadsBackWhole) {
 // by a filler file. The write fails naming the reason, and the rank's part (its "done"
 // marker) is not there; with the filler gone the same write succeeds.
 TEST(ShardWrite, FullDiskFailsByNameWithoutAPartAndSucceedsOnceFreed) {
-  if (::geteuid() != 0) GTEST_SKIP() << "mounting a file system needs root";
+  if (::geteuid() != 0) GTEST_SKIP() << "mounting a file system needs root (euid " << ::geteuid() << ")";
   TempDir dir;
   const std::string img = dir.sub("fs.img"), mnt = dir.sub("mnt");
   fs::create_directories(mnt);
@@ -122,9 +122,11 @@ TEST(ShardWrite, FullDiskFailsByNameWithoutAPartAndSucceedsOnceFreed) {
     f.put('\0');
   }
   const std::string mkfs = "mkfs.ext4 -q -F '" + img + "' >/dev/null 2>&1";
-  if (std::system(mkfs.c_str()) != 0) GTEST_SKIP() << "no mkfs.ext4 here";
+  if (std::system(mkfs.c_str()) != 0)
+    GTEST_SKIP() << "`" << mkfs << "` failed (mkfs.ext4 is Debian's e2fsprogs)";
   const std::string mount = "mount -o loop '" + img + "' '" + mnt + "' >/dev/null 2>&1";
-  if (std::system(mount.c_str()) != 0) GTEST_SKIP() << "cannot mount a loop device here";
+  if (std::system(mount.c_str()) != 0)
+    GTEST_SKIP() << "`" << mount << "` failed (no free loop device, or a container without mount rights)";
   struct Unmount {
     std::string d;
     ~Unmount() { ::umount2(d.c_str(), MNT_DETACH); }
