@@ -1,8 +1,9 @@
 // core/capnp_io.h — defines the framing Troupe's message codecs share around Cap'n Proto:
 // to_flat_bytes (a built message as one flat byte string) and read_flat_message (such a
-// string read back under bounds: its size, the traversal and nesting limits; an aligned
-// copy first, since frames carry no alignment guarantee; any exception — malformed,
-// truncated, too deep — becomes DataLoss naming `what`). Header-only: for the codecs that
+// string read back under bounds: its size, the traversal and nesting limits, no bytes after
+// the message; an aligned copy first where the bytes are not 8-byte aligned, since frames
+// carry no alignment guarantee; any exception — malformed, truncated, too deep — becomes
+// DataLoss naming `what`). Header-only: for the codecs that
 // link CapnProto (core/capnp_fields.h frames its messages with it).
 #pragma once
 
@@ -12,6 +13,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -41,16 +43,28 @@ auto read_flat_message(std::string_view bytes, const char* what, const CapnpLimi
   if (bytes.empty() || bytes.size() % sizeof(capnp::word) != 0) {
     return data_loss("{}: {} bytes is not a whole number of 8-byte words", what, bytes.size());
   }
-  kj::Array<capnp::word> words = kj::heapArray<capnp::word>(bytes.size() / sizeof(capnp::word));
-  std::memcpy(words.begin(), bytes.data(), bytes.size());
+  const size_t n_words = bytes.size() / sizeof(capnp::word);
+  kj::Array<capnp::word> aligned;
+  const auto* words = reinterpret_cast<const capnp::word*>(bytes.data());
+  if (reinterpret_cast<uintptr_t>(bytes.data()) % alignof(capnp::word) != 0) {
+    aligned = kj::heapArray<capnp::word>(n_words);
+    std::memcpy(aligned.begin(), bytes.data(), bytes.size());
+    words = aligned.begin();
+  }
   capnp::ReaderOptions opt;
   opt.traversalLimitInWords = limits.traversal_words;
   opt.nestingLimit = limits.nesting;
   try {
-    capnp::FlatArrayMessageReader reader(words.asPtr(), opt);
+    capnp::FlatArrayMessageReader reader(kj::arrayPtr(words, n_words), opt);
+    if (reader.getEnd() != words + n_words) {
+      return data_loss("{}: {} trailing bytes after the message", what,
+                       (words + n_words - reader.getEnd()) * sizeof(capnp::word));
+    }
     return read(reader);
   } catch (const kj::Exception& e) {
     return data_loss("{}: malformed message: {}", what, std::string(e.getDescription().cStr()));
+  } catch (const std::exception& e) {
+    return data_loss("{}: malformed message: {}", what, e.what());
   }
 }
 

@@ -1,17 +1,13 @@
 // comm/control/codec.cc — implements encode_envelope / decode_envelope over the
 // generated Cap'n Proto classes (schema/envelope.capnp): one field table per payload
-// (core/capnp_fields.h copies both ways by it), the framing checks of a control frame,
-// and the checks a decoded envelope must pass beyond its wire types. Compiled as C++17.
+// (core/capnp_fields.h copies both ways by it; core/capnp_io.h frames and bounds it), and
+// the checks a decoded envelope must pass beyond its wire types. Compiled as C++17.
 #include "comm/control/codec.h"
 
 #include <capnp/message.h>
 #include <capnp/serialize.h>
-#include <kj/exception.h>
 
-#include <cstring>
-#include <exception>
-#include <memory>
-#include <type_traits>
+#include <string_view>
 
 #include "comm/control/schema/envelope.capnp.h"
 #include "core/capnp_fields.h"
@@ -119,49 +115,29 @@ Result<std::string> encode_envelope(const Envelope& e, size_t max_message_bytes)
 
 Result<Envelope> decode_envelope(const void* data, size_t size, const DecodeLimits& limits) {
   if (size > limits.max_message_bytes) {
-    return resource_exhausted("frame of {} bytes is over the limit of {}", size,
-                              limits.max_message_bytes);
-  }
-  if (size == 0 || size % sizeof(capnp::word) != 0) {
-    return data_loss("frame of {} bytes is not a whole number of 8-byte words", size);
+    return resource_exhausted("frame of {} bytes is over the limit of {}", size, limits.max_message_bytes);
   }
   const size_t n_words = size / sizeof(capnp::word);
-  // zmq frames carry no alignment guarantee; FlatArrayMessageReader requires 8 bytes.
-  kj::Array<capnp::word> aligned_copy;
-  const capnp::word* words = static_cast<const capnp::word*>(data);
-  if (reinterpret_cast<uintptr_t>(data) % alignof(capnp::word) != 0) {
-    aligned_copy = kj::heapArray<capnp::word>(n_words);
-    std::memcpy(aligned_copy.begin(), data, size);
-    words = aligned_copy.begin();
-  }
-  capnp::ReaderOptions opts;
-  opts.traversalLimitInWords =
-      limits.traversal_limit_words != 0 ? limits.traversal_limit_words : n_words + 64;
-  opts.nestingLimit = static_cast<int>(limits.nesting_limit);
-  try {
-    capnp::FlatArrayMessageReader reader(kj::arrayPtr(words, n_words), opts);
-    if (reader.getEnd() != words + n_words) {
-      return data_loss("{} trailing bytes after the message",
-                       (words + n_words - reader.getEnd()) * sizeof(capnp::word));
-    }
-    auto root = reader.getRoot<wire::Envelope>();
-    if (root.getProtocolVersion() != kProtocolVersion) {
-      return invalid_argument("protocol version {} (this build speaks {})", root.getProtocolVersion(),
-                              kProtocolVersion);
-    }
-    Envelope e;
-    TROUPE_RETURN_IF_ERROR(cc::read_into(root, kEnvelope, e, "envelope"));
-    TROUPE_RETURN_IF_ERROR(check_envelope(e));
-    if (e.message_type_id != system_type_id(e.payload)) {
-      return invalid_argument("message type id {:#x} does not match its payload ({:#x})", e.message_type_id,
-                              system_type_id(e.payload));
-    }
-    return e;
-  } catch (const kj::Exception& ex) {
-    return data_loss("malformed envelope: {}", ex.getDescription().cStr());
-  } catch (const std::exception& ex) {
-    return data_loss("malformed envelope: {}", ex.what());
-  }
+  const CapnpLimits bounds{limits.max_message_bytes,
+                           limits.traversal_limit_words != 0 ? limits.traversal_limit_words : n_words + 64,
+                           static_cast<int>(limits.nesting_limit)};
+  return read_flat_message(std::string_view(static_cast<const char*>(data), size), "envelope", bounds,
+                           [](capnp::MessageReader& reader) -> Result<Envelope> {
+                             auto root = reader.getRoot<wire::Envelope>();
+                             if (root.getProtocolVersion() != kProtocolVersion) {
+                               return invalid_argument("protocol version {} (this build speaks {})",
+                                                       root.getProtocolVersion(), kProtocolVersion);
+                             }
+                             Envelope e;
+                             TROUPE_RETURN_IF_ERROR(cc::read_into(root, kEnvelope, e, "envelope"));
+                             TROUPE_RETURN_IF_ERROR(check_envelope(e));
+                             if (e.message_type_id != system_type_id(e.payload)) {
+                               return invalid_argument(
+                                   "message type id {:#x} does not match its payload ({:#x})",
+                                   e.message_type_id, system_type_id(e.payload));
+                             }
+                             return e;
+                           });
 }
 
 }  // namespace troupe::control
