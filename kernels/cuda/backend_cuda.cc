@@ -231,8 +231,9 @@ void cuda_embedding_backward(const Exec& ex, const Tensor& ids, const Tensor& do
   require(ids, "embedding_backward", "ids");
   require(dout, "embedding_backward", "dout");
   require(dtable, "embedding_backward", "dtable");
+  Scratch scratch(s.ctx, gpu::embedding_backward_scratch_bytes(ids.numel(), dtable.size(0)));
   gpu::launch_embedding_backward(s.env, i32(ids), ids.numel(), dout.data_ptr(), dout.dtype(), dtable.size(0),
-                                 dtable.size(1), dtable.data_ptr(), dtable.dtype());
+                                 dtable.size(1), dtable.data_ptr(), dtable.dtype(), scratch.get());
 }
 
 // ---- RMSNorm -------------------------------------------------------------------------

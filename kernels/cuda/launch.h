@@ -109,8 +109,11 @@ void launch_rope(const Env& env, const void* x, const int32_t* pos, float theta,
                  int64_t head_dim, void* out, DType t, bool inverse);
 void launch_embedding_forward(const Env& env, const int32_t* ids, int64_t tokens, const void* table, DType tt,
                               int64_t vocab, int64_t d, void* out, DType ot);
+// dtable[ids[t]] += dout[t], deterministic: a stable sort by id, then one f32 sum per row
+// in token order (scratch: embedding_backward_scratch_bytes).
+size_t embedding_backward_scratch_bytes(int64_t tokens, int64_t vocab);
 void launch_embedding_backward(const Env& env, const int32_t* ids, int64_t tokens, const void* dout, DType gt,
-                               int64_t vocab, int64_t d, void* dtable, DType dtt);
+                               int64_t vocab, int64_t d, void* dtable, DType dtt, void* scratch);
 void launch_cross_entropy_forward(const Env& env, const void* logits, DType lt, const int32_t* targets,
                                   int64_t rows, int64_t vocab, float* losses, float* lse);
 void launch_cross_entropy_backward(const Env& env, const void* logits, DType lt, const int32_t* targets,

@@ -4,6 +4,8 @@
 // Cross-entropy reads each row of logits once (online max and sum in fp32) and keeps
 // only two floats per row (loss, lse): no fp32 copy of the logits is ever made.
 #include <cstdio>
+#include <cub/device/device_radix_sort.cuh>
+#include <limits>
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
@@ -572,25 +574,67 @@ __global__ void embedding_forward_kernel(const int32_t* ids, int64_t tokens, con
   }
 }
 
-__device__ __forceinline__ void atomic_add_value(float* p, float v) {
-  atomicAdd(p, v);
-}
-__device__ __forceinline__ void atomic_add_value(__nv_bfloat16* p, float v) {
-  atomicAdd(p, __float2bfloat16_rn(v));
+// The backward is a stable sort of (id, token) pairs by id, then one owner per table row:
+// the thread of a run's first pair sums its tokens' rows in token order in f32 and adds
+// the sum to dtable once. No atomics, so the gradient is bit-identical from run to run
+// (the atomic adds it replaces summed a repeated token's rows in whatever order they
+// landed, and a bf16 table rounded after every add).
+__global__ void embedding_ids_kernel(const int32_t* ids, int64_t tokens, int64_t vocab, int32_t* rows) {
+  pdl_wait();
+  for (int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; t < tokens;
+       t += int64_t{gridDim.x} * blockDim.x) {
+    check_index(ids[t], vocab, "embedding_backward");
+    rows[t] = static_cast<int32_t>(t);
+  }
 }
 
-template <typename G, typename D>
-__global__ void embedding_backward_kernel(const int32_t* ids, int64_t tokens, const G* dout, int64_t vocab,
-                                          int64_t d, D* dtable) {
+template <int V, typename G, typename D>
+__global__ void embedding_segment_sum_kernel(const int32_t* keys, const int32_t* rows, int64_t tokens,
+                                             const G* dout, int64_t d, D* dtable) {
   pdl_wait();
-  const int64_t n = tokens * d;
+  const int64_t packs = d / V;
+  const int64_t n = tokens * packs;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const int64_t t = i / d, c = i - t * d;
-    const int32_t id = ids[t];
-    check_index(id, vocab, "embedding_backward");
-    atomic_add_value(dtable + int64_t{id} * d + c, to_float(dout[i]));
+    const int64_t p = i / packs, c = (i - p * packs) * V;
+    const int32_t key = keys[p];
+    if (p > 0 && keys[p - 1] == key) continue;  // not the first of its run
+    float acc[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v) acc[v] = 0.f;
+    for (int64_t j = p; j < tokens && keys[j] == key; ++j) {
+      float g[V];
+      load_floats<V>(dout + int64_t{rows[j]} * d + c, g);
+#pragma unroll
+      for (int v = 0; v < V; ++v) acc[v] += g[v];
+    }
+    D* dst = dtable + int64_t{key} * d + c;
+    float cur[V];
+    load_floats<V>(dst, cur);
+#pragma unroll
+    for (int v = 0; v < V; ++v) cur[v] += acc[v];
+    store_floats<V>(dst, cur);
   }
+}
+
+// Bits of the largest id, so the radix sort makes only the passes the vocabulary needs.
+int id_bits(int64_t vocab) {
+  int bits = 1;
+  while (bits < 31 && (int64_t{1} << bits) < vocab) ++bits;
+  return bits;
+}
+
+size_t sort_temp_bytes(int64_t tokens, int64_t vocab) {
+  size_t bytes = 0;
+  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      nullptr, bytes, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), static_cast<int>(tokens), 0,
+      id_bits(vocab)));
+  return bytes;
+}
+
+size_t align_up(size_t n) {
+  return (n + 255) / 256 * 256;
 }
 }  // namespace
 
@@ -613,14 +657,39 @@ void launch_embedding_forward(const Env& env, const int32_t* ids, int64_t tokens
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 
+size_t embedding_backward_scratch_bytes(int64_t tokens, int64_t vocab) {
+  if (tokens == 0) return 0;
+  return 3 * align_up(static_cast<size_t>(tokens) * sizeof(int32_t)) + sort_temp_bytes(tokens, vocab);
+}
+
 void launch_embedding_backward(const Env& env, const int32_t* ids, int64_t tokens, const void* dout, DType gt,
-                               int64_t vocab, int64_t d, void* dtable, DType dtt) {
-  const int64_t n = tokens * d;
-  if (n == 0) return;
-  TROUPE_DISPATCH_FLOAT(gt, G, "embedding_backward", TROUPE_DISPATCH_FLOAT(dtt, D, "embedding_backward", {
-                          launch(env, embedding_backward_kernel<G, D>, grid_for(n, 256, env.num_sms), 256, 0,
-                                 ids, tokens, static_cast<const G*>(dout), vocab, d, static_cast<D*>(dtable));
-                        }));
+                               int64_t vocab, int64_t d, void* dtable, DType dtt, void* scratch) {
+  if (tokens * d == 0) return;
+  TROUPE_CHECK(tokens <= std::numeric_limits<int32_t>::max(),
+               "embedding_backward on cuda: at most 2^31-1 tokens, got {}", tokens);
+  auto* base = static_cast<char*>(scratch);
+  const size_t ids_bytes = align_up(static_cast<size_t>(tokens) * sizeof(int32_t));
+  auto* rows_in = reinterpret_cast<int32_t*>(base);
+  auto* keys = reinterpret_cast<int32_t*>(base + ids_bytes);
+  auto* rows = reinterpret_cast<int32_t*>(base + 2 * ids_bytes);
+  void* temp = base + 3 * ids_bytes;
+  size_t temp_bytes = sort_temp_bytes(tokens, vocab);
+  launch(env, embedding_ids_kernel, grid_for(tokens, 256, env.num_sms), 256, 0, ids, tokens, vocab, rows_in);
+  TROUPE_CUDA_LAUNCH_CHECK();
+  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, ids, keys, rows_in, rows,
+                                             static_cast<int>(tokens), 0, id_bits(vocab), env.stream));
+  TROUPE_DISPATCH_FLOAT(
+      gt, G, "embedding_backward", TROUPE_DISPATCH_FLOAT(dtt, D, "embedding_backward", {
+        const auto* g = static_cast<const G*>(dout);
+        auto* dt = static_cast<D*>(dtable);
+        if (pack_ok<G>(dout, d) && pack_ok<D>(dtable, d)) {
+          launch(env, embedding_segment_sum_kernel<kVec, G, D>,
+                 grid_for(tokens * (d / kVec), 256, env.num_sms), 256, 0, keys, rows, tokens, g, d, dt);
+        } else {
+          launch(env, embedding_segment_sum_kernel<1, G, D>, grid_for(tokens * d, 256, env.num_sms), 256, 0,
+                 keys, rows, tokens, g, d, dt);
+        }
+      }));
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 

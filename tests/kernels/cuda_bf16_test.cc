@@ -565,6 +565,35 @@ TEST_F(CudaBf16, RowKernels) {
   expect_close(rb_g, rb_w, kTol, "rope_backward in place");
 }
 
+// The embedding gradient sums a repeated token's rows in token order (a stable sort by id,
+// one writer per table row): two runs are bit-identical, and both agree with the CPU's
+// in-order sum. Half the tokens share one id, so atomics in any order would show.
+TEST_F(CudaBf16, EmbeddingBackwardIsDeterministic) {
+  const Exec cpu = Exec::cpu();
+  const int64_t tokens = 8192, vocab = 50000;
+  std::vector<int32_t> id(tokens);
+  std::uniform_int_distribution<int32_t> pick(0, 99);
+  for (int64_t t = 0; t < tokens; ++t) id[t] = t % 2 == 0 ? 7 : pick(gen) * 499;
+  const Tensor ids = Tensor::from_ints({tokens}, id);
+  const Tensor ids_g = dev(ids);
+  for (const auto& [d, tt] : std::vector<std::pair<int64_t, DType>>{{1024, kF32}, {1024, kBF}, {36, kF32}}) {
+    const std::string at = fmt::format(" (d {}, table {})", d, tt == kF32 ? "f32" : "bf16");
+    const Tensor dout = host_random({tokens, d}, kBF);
+    const Tensor init = host_random({vocab, d}, tt);
+    Tensor want = init.to_dtype(kF32);
+    embedding_backward(cpu, ids, dout, want);
+    const Tensor dout_g = dev(dout);
+    Tensor a = dev(init), b = dev(init);
+    embedding_backward(gpu.ex, ids_g, dout_g, a);
+    embedding_backward(gpu.ex, ids_g, dout_g, b);
+    const Tensor ha = back(a), hb = back(b);
+    EXPECT_EQ(std::memcmp(ha.data_ptr(), hb.data_ptr(), ha.nbytes()), 0) << "two runs differ" << at;
+    const double err = rel_error(ha, want);
+    std::printf("  embedding_backward%-22s rel err %.2e\n", at.c_str(), err);
+    EXPECT_LT(err, tt == kF32 ? 1e-6 : 4e-3) << at;
+  }
+}
+
 TEST_F(CudaBf16, MoeAndElementwise) {
   const Exec cpu = Exec::cpu();
   const int64_t t = 300, e = 8, k = 2, d = 136;
