@@ -33,7 +33,7 @@ Status ParallelOptions::validate(const ModelConfig& m) const {
   if (fp8_dispatch && dispatch != "alltoall") {
     return invalid_argument("parallel.fp8_dispatch needs parallel.dispatch = \"alltoall\"");
   }
-  if (device_dispatch && dispatch != "alltoall") {
+  if (device_dispatch_required && dispatch != "alltoall") {
     return invalid_argument("parallel.device_dispatch needs parallel.dispatch = \"alltoall\"");
   }
   return ok_status();
@@ -276,7 +276,10 @@ Result<TrainConfig> parse_train_config(ConfigTable& cfg, TestSections test_secti
   TROUPE_ASSIGN_OR_RETURN(tc.parallel.device_dispatch,
                           cfg.get_bool("parallel.device_dispatch", tc.parallel.device_dispatch,
                                        "GPUs of one host: the expert all-to-all driven by counts that stay "
-                                       "on the device (costs memory: docs/parallelism.md)"));
+                                       "on the device; the default takes it wherever it can work, true "
+                                       "requires it (costs memory: docs/parallelism.md)",
+                                       "on where it can work"));
+  tc.parallel.device_dispatch_required = tc.parallel.device_dispatch && cfg.has("parallel.device_dispatch");
   TROUPE_ASSIGN_OR_RETURN(tc.train.attention_fused_dq,
                           cfg.get_bool("train.attention_fused_dq", tc.train.attention_fused_dq,
                                        "Hopper attention backward: dQ inside the dK/dV kernel (not bitwise "

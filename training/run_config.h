@@ -145,11 +145,15 @@ struct ParallelOptions {
   int64_t chunks = 2;
   bool fp8_dispatch = false;  // expert token dispatch in fp8 e4m3 with per-token scales
   // GPUs: the expert all-to-all driven by counts that stay on the device (the n-group's
-  // GPUs write into and read from each other's mapped buffers; needs one host, else the
-  // counts go through the host as without it). Costs memory: each rank's expert
-  // activations are sized for the worst case, n times the routed rows
-  // (docs/parallelism.md "Expert counts on the device").
-  bool device_dispatch = false;
+  // GPUs write into and read from each other's mapped buffers), so no MoE block waits on
+  // the host. On by default wherever it can work (n > 1 on GPUs, dispatch = "alltoall",
+  // the n-group's GPUs on one host and able to map each other's memory); elsewhere the
+  // counts go through the host, with a note. Costs memory: each rank's expert rows are
+  // sized for the worst case, n times the routed rows (docs/parallelism.md "Expert counts
+  // on the device"); false gives it back. Set true in a config, it is required: refused
+  // with dispatch = "allgather", and a group whose GPUs cannot map each other fails.
+  bool device_dispatch = true;
+  bool device_dispatch_required = false;  // device_dispatch = true was set explicitly
   // bench.measure_compression: print each step's relative error of the compressed
   // gradient exchange against an extra fp32 exchange of the same gradients (tests,
   // benches; CPU ranks; costs that exchange).

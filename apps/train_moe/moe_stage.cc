@@ -59,8 +59,9 @@ class MoeStage final : public training::StageProgram {
     int64_t moe_index = 0;
     // One set of mapped row buffers for every MoE block of this stage (device dispatch).
     std::shared_ptr<training::PeerRows> peer;
-    if (env.n_group != nullptr && ctx_.on_device() && par.device_dispatch) {
-      peer = std::make_shared<training::PeerRows>(*env.n_group);
+    if (env.n_group != nullptr && ctx_.on_device() && par.device_dispatch &&
+        mode == training::DispatchMode::kAllToAll) {
+      peer = std::make_shared<training::PeerRows>(*env.n_group, par.device_dispatch_required);
     }
     for (int64_t i = 0; i < cfg.n_layers; ++i) {
       const bool is_moe = cfg.is_moe_block(i);
@@ -107,7 +108,7 @@ class MoeStage final : public training::StageProgram {
     }
     n_group_ = env.n;
     dp_ = env.dp;
-    device_dispatch_ = par.device_dispatch;
+    device_dispatch_ = peer != nullptr;
   }
 
   std::vector<training::ProgramParam> parameters() override {

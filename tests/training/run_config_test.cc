@@ -120,12 +120,32 @@ TEST(TrainConfig, BadValuesAreNamed) {
        "of micro-batches of train.micro_batch_size = 8"},
       {"[train]\nglobal_batch = 8\n[parallel]\ndp = 2\n", "(8 is not a multiple of 8 x 2 = 16)"},
       {"[train]\nmaster_weights = \"bf16\"\n", "train.master_weights"},
+      {"[parallel]\ndispatch = \"allgather\"\ndevice_dispatch = true\n",
+       "parallel.device_dispatch needs parallel.dispatch = \"alltoall\""},
   };
   for (const auto& c : cases) {
     auto tc = parse(c.text);
     ASSERT_FALSE(tc.ok()) << c.text;
     EXPECT_NE(tc.status().message().find(c.key), std::string::npos) << tc.status().to_string();
   }
+}
+
+// parallel.device_dispatch is on by default where it can work, so the all-gather dispatch
+// leaves it off without an error; set true it is required.
+TEST(TrainConfig, DeviceDispatchDefaultsOnAndIsRequiredWhenSet) {
+  auto dflt = parse("[parallel]\nn = 2\n");
+  ASSERT_TRUE(dflt.ok()) << dflt.status().to_string();
+  EXPECT_TRUE(dflt->parallel.device_dispatch);
+  EXPECT_FALSE(dflt->parallel.device_dispatch_required);
+  auto gather = parse("[parallel]\nn = 2\ndispatch = \"allgather\"\n");
+  ASSERT_TRUE(gather.ok()) << gather.status().to_string();
+  auto set = parse("[parallel]\nn = 2\ndevice_dispatch = true\n");
+  ASSERT_TRUE(set.ok()) << set.status().to_string();
+  EXPECT_TRUE(set->parallel.device_dispatch_required);
+  auto off = parse("[parallel]\nn = 2\ndevice_dispatch = false\n");
+  ASSERT_TRUE(off.ok()) << off.status().to_string();
+  EXPECT_FALSE(off->parallel.device_dispatch);
+  EXPECT_FALSE(off->parallel.device_dispatch_required);
 }
 
 TEST(TrainConfig, OverridesApplyAndAreChecked) {

@@ -273,15 +273,15 @@ TEST_F(TrainingGpu, AllGatherDispatchOnTwoGpus) {
   compare(train("n2_allgather", "n=2", {"--set", "parallel.dispatch=\"allgather\""}), ref, true);
 }
 
-// parallel.device_dispatch: the expert rows move through the n-group's mapped buffers with
-// every index computed on the device. The same rows meet the same GEMMs in the same order
-// as on the host-count path, so the losses agree (printed bitwise or not), and each step
-// reads nothing per MoE block on the host: the host-count path reads two tables per MoE
-// block forward (the plan's counts, then the received counts), 4 per step here (1 MoE
-// block, grad_accum 2); the device path none of them, and with the routers' statistics on
-// the device too (bench.device_stats without a z-loss, summed over the n-group by an
-// all-reduce on the device) a model with twice the MoE blocks makes as many host reads per
-// step.
+// parallel.device_dispatch (the default on one host): the expert rows move through the
+// n-group's mapped buffers with every index computed on the device. The same rows meet the
+// same GEMMs in the same order as on the host-count path (device_dispatch = false), so the
+// losses agree (printed bitwise or not), and each step reads nothing per MoE block on the
+// host: the host-count path reads two tables per MoE block forward (the plan's counts,
+// then the received counts), 4 per step here (1 MoE block, grad_accum 2); the device path
+// none of them, and with the routers' statistics on the device too (bench.device_stats
+// without a z-loss, summed over the n-group by an all-reduce on the device) the default
+// n=2 step reads nothing at all (host_syncs 0), with one MoE block or two.
 TEST_F(TrainingGpu, DeviceDrivenExpertDispatchOnTwoGpus) {
   struct Case {
     const char* name;
@@ -301,7 +301,8 @@ TEST_F(TrainingGpu, DeviceDrivenExpertDispatchOnTwoGpus) {
       host_sets.insert(host_sets.end(), {"--set", v});
       dev_sets.insert(dev_sets.end(), {"--set", v});
     }
-    dev_sets.insert(dev_sets.end(), {"--set", "parallel.device_dispatch=true"});
+    // The device path is the default on one host; the host-count path is asked for.
+    host_sets.insert(host_sets.end(), {"--set", "parallel.device_dispatch=false"});
     const std::string base = fmt::format("n2_dispatch_{}", k.name);
     const std::vector<nlohmann::json> host = train(base + "_host", "n=2", host_sets);
     const std::vector<nlohmann::json> dev = train(base + "_device", "n=2", dev_sets);
@@ -337,13 +338,16 @@ TEST_F(TrainingGpu, DeviceDrivenExpertDispatchOnTwoGpus) {
             << one[i]["aux_loss"];
       }
       dev_reads = dev.back()["host_syncs"].get<int64_t>();
+      for (size_t i = 0; i < dev.size(); ++i) {
+        EXPECT_EQ(dev[i]["host_syncs"].get<int64_t>(), 0)
+            << "step " << i + 1 << ": the default n=2 step reads "
+            << "nothing on the host";
+      }
     }
   }
   // Four blocks (two MoE) against two (one MoE): no host read scales with the MoE blocks.
   const std::vector<nlohmann::json> deeper =
-      train("n2_dispatch_4blocks", "n=2",
-            {"--set", "model.moe.z_loss_coef=0", "--set", "parallel.device_dispatch=true", "--set",
-             "model.n_layers=4"});
+      train("n2_dispatch_4blocks", "n=2", {"--set", "model.moe.z_loss_coef=0", "--set", "model.n_layers=4"});
   ASSERT_EQ(deeper.size(), static_cast<size_t>(kSteps));
   for (size_t i = 0; i < deeper.size(); ++i) {
     EXPECT_EQ(deeper[i]["host_syncs"].get<int64_t>(), dev_reads) << "step " << i + 1 << ": 4 blocks";

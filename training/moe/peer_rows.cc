@@ -179,6 +179,7 @@ bool PeerRows::reserve(const layers::Ctx& c, CommTime& t, int64_t rows, int64_t 
     return true;
   // Known to span hosts in this epoch: no collective (reserve is asked per MoE block).
   if (spans_hosts_ && generation() == hosts_generation_) return false;
+  if (unmappable_ && generation() == unmappable_generation_) return false;
   TROUPE_CHECK(c.on_device() && c.ex.cuda != nullptr, "PeerRows needs a CUDA Ctx");
   if (!flag_.defined()) flag_ = c.zeros({1}, DType::kF32);
   // The same answer on every member (they compare the same table), so every member takes
@@ -194,11 +195,16 @@ bool PeerRows::reserve(const layers::Ctx& c, CommTime& t, int64_t rows, int64_t 
   }
   const int64_t want_rows = std::max(rows, generation() == mapped_generation_ ? rows_ : 0);
   const int64_t want_bytes = std::max(row_bytes, generation() == mapped_generation_ ? row_bytes_ : 0);
-  TROUPE_CHECK(
-      map(c, t, want_rows, want_bytes),
+  if (map(c, t, want_rows, want_bytes)) return true;
+  TROUPE_CHECK(!required_,
+               "parallel.device_dispatch: the GPUs of this n-group cannot map each other's memory (CUDA IPC, "
+               "peer access); set parallel.device_dispatch = false");
+  make_logger("train")->warn(
       "parallel.device_dispatch: the GPUs of this n-group cannot map each other's memory (CUDA IPC, peer "
-      "access); set parallel.device_dispatch = false");
-  return true;
+      "access); expert counts go through the host");
+  unmappable_ = true;
+  unmappable_generation_ = generation();
+  return false;
 }
 
 #else  // no CUDA: nothing is ever mapped

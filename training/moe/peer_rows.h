@@ -29,15 +29,18 @@ namespace troupe::training {
 
 class PeerRows {
  public:
-  explicit PeerRows(comm::Communicator& group) : group_(group) {}
+  // required: parallel.device_dispatch was set true in the config (a group whose GPUs
+  // cannot map each other then fails; by default it falls back to the host counts).
+  PeerRows(comm::Communicator& group, bool required) : group_(group), required_(required) {}
   ~PeerRows();
   PeerRows(const PeerRows&) = delete;
   PeerRows& operator=(const PeerRows&) = delete;
 
   // Every member's buffers hold at least `rows` rows of `row_bytes` bytes (recv and out)
-  // and `rows` scales: true. False on every member when the group spans hosts (or in a
-  // build without CUDA): the caller moves the rows another way. Fails the process, naming
-  // parallel.device_dispatch, when GPUs of one host cannot map each other's memory.
+  // and `rows` scales: true. False on every member when the group spans hosts, when its
+  // GPUs cannot map each other's memory and the switch was not required (or in a build
+  // without CUDA): the caller moves the rows another way. Fails the process, naming
+  // parallel.device_dispatch, when the mapping fails and the switch was required.
   // Waits (and failures) of its collectives are counted in `t`.
   bool reserve(const layers::Ctx& c, CommTime& t, int64_t rows, int64_t row_bytes);
 
@@ -66,9 +69,12 @@ class PeerRows {
   std::vector<void*> opened_;                   // peers' buffers opened here (cudaIpcOpenMemHandle)
   void* tables_[3] = {nullptr, nullptr, nullptr};
   Tensor flag_;  // the barrier's one value
+  bool required_ = false;
   bool warned_ = false;
   bool spans_hosts_ = false;       // the answer of same_host() ...
   uint64_t hosts_generation_ = 0;  // ... in this ElasticComm generation
+  bool unmappable_ = false;        // a mapping failed (not required) in this generation
+  uint64_t unmappable_generation_ = 0;
 };
 
 }  // namespace troupe::training
