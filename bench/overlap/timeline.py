@@ -11,9 +11,16 @@ its completion). Drawing: one row per lane, compute in blue, exposed waits in re
 communication in green (n-group) / orange (dp group) / purple (pipeline); several runs (e.g.
 the sequential and the overlapped schedule) as panels on one time axis.
 
+On GPUs (--gpus N: `troupe run --nproc N --backend cuda`, a config such as bench_1b) the host
+lanes show when the step thread enqueued work, not when the device ran it; the Stage then also
+records CUDA timing events (lanes "gpu ...": the compute stream's block spans and optimizer,
+and each communication stream's operations), and `draw --device` draws those: the device's own
+timeline, with the idle time between the compute stream's spans.
+
 usage:
   timeline.py record [--build build] [--parallel dp=2,n=2] [--steps 6] [--out DIR] [--set k=v]...
-  timeline.py draw PNG DIR [DIR...] [--step N] [--rank R] [--title "T1|T2"]  (one panel per run)
+                     [--gpus N --config apps/configs/bench_1b.toml [--data DIR]]
+  timeline.py draw PNG DIR [DIR...] [--step N] [--rank R] [--title "T1|T2"] [--device]  (one panel per run)
   timeline.py both DIR PNG ...   (record into DIR, then draw it)
 """
 import argparse
@@ -35,30 +42,47 @@ def record(a):
     for f in os.listdir(trace):
         os.remove(os.path.join(trace, f))
     train = os.path.join(a.build, "apps", "train_moe")
-    data = os.path.join(out, "data")
+    data = a.data or os.path.join(out, "data")
     if not os.path.exists(os.path.join(data, "tokenizer.json")):
-        subprocess.run([train, "prepare", "--input", "layers", "--input", "kernels", "--out", data, "--vocab", "320",
-                        "--max-bytes", "300000", "--ext", ".cc", ".h"], cwd=ROOT, check=True,
+        vocab, max_bytes = ("2048", "8000000") if a.gpus else ("320", "300000")
+        subprocess.run([train, "prepare", "--input", "layers", "--input", "kernels", "--out", data, "--vocab", vocab,
+                        "--max-bytes", max_bytes, "--ext", ".cc", ".h"], cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL)
-    sets = TINY + [f"train.steps={a.steps}", f'data.dir="{data}"', f'train.timeline_dir="{trace}"'] + (a.set or [])
-    cmd = [train, "--config", "apps/configs/tiny.toml", "--run-dir", os.path.join(out, "run"), "--parallel", a.parallel]
+    tiny = a.config is None
+    sets = (TINY if tiny else ["train.eval_every=0", "train.eval_batches=1", "train.log_every=1"]) + [
+        f"train.steps={a.steps}", f'data.dir="{data}"', f'train.timeline_dir="{trace}"'] + (a.set or [])
+    config = "apps/configs/tiny.toml" if tiny else a.config
+    run_dir = os.path.join(out, "run")
+    cmd = [train, "--config", config, "--run-dir", run_dir, "--parallel", a.parallel]
+    if a.gpus:
+        cmd = [os.path.join(a.build, "scheduler", "troupe"), "run", "--nproc", str(a.gpus), "--backend", "cuda",
+               "--"] + cmd + ["--backend", "cuda"]
     for s in sets:
         cmd += ["--set", s]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    if a.gpus:
+        subprocess.run(["rm", "-rf", run_dir])  # weights: GBs
     return out
 
 
-LANE_ORDER = ["compute", "waits", "comm n", "comm dp", "comm pp", "comm world"]
+LANE_ORDER = ["compute", "waits", "comm n", "comm dp", "comm pp", "comm world", "gpu", "gpu comm n", "gpu comm dp",
+              "gpu comm pp", "gpu comm world"]
 LABEL = {"compute": "step thread: layer spans", "waits": "step thread: waiting", "comm n": "Gloo thread, n-group",
-         "comm dp": "Gloo thread, dp group", "comm pp": "Gloo thread, pipeline", "comm world": "Gloo thread, world"}
+         "comm dp": "Gloo thread, dp group", "comm pp": "Gloo thread, pipeline", "comm world": "Gloo thread, world",
+         "gpu": "GPU compute stream", "gpu comm n": "GPU stream, n-group", "gpu comm dp": "GPU stream, dp group",
+         "gpu comm pp": "GPU stream, pipeline", "gpu comm world": "GPU stream, world"}
 COLOR = {"compute": "#1f77b4", "waits": "#d62728", "comm n": "#2ca02c", "comm dp": "#ff7f0e", "comm pp": "#9467bd",
-         "comm world": "#7f7f7f"}
+         "comm world": "#7f7f7f", "gpu": "#1f77b4", "gpu comm n": "#2ca02c", "gpu comm dp": "#ff7f0e",
+         "gpu comm pp": "#9467bd", "gpu comm world": "#7f7f7f"}
 
 
-def load(directory, rank, step):
+def load(directory, rank, step, device=False):
     path = os.path.join(directory, "trace", f"rank{rank}.jsonl")
     ev = [json.loads(l) for l in open(path) if l.strip()]
+    ev = [e for e in ev if e["lane"].startswith("gpu") == device]
     steps = sorted({e["step"] for e in ev})
+    if not steps:
+        sys.exit(f"{path}: no {'device' if device else 'host'} spans")
     step = step if step else steps[len(steps) // 2]
     ev = [e for e in ev if e["step"] == step]
     for e in ev:
@@ -79,17 +103,34 @@ def draw_one(ax, title, step, ev, t0, t_end, xmax):
         x0, w = ms(e["t0"]), ms(e["t1"]) - ms(e["t0"])
         ax.broken_barh([(x0, w)], (y - 0.35, 0.7), facecolors=COLOR.get(e["lane"], "#7f7f7f"), edgecolors="black",
                        linewidth=0.3)
-        if e["lane"] == "compute" and w > 0.05 * xmax:
+        if e["lane"] in ("compute", "gpu") and w > 0.05 * xmax:
             ax.text(x0 + w / 2, y, e["what"].replace("forward block ", "fwd ").replace("backward block ", "bwd "),
                     ha="center", va="center", fontsize=7, color="white")
     ax.axvline(ms(t_end), color="black", linestyle="--", linewidth=0.8)
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels(list(reversed([LABEL[l] for l in lanes])), fontsize=8)
     ax.set_xlim(0, xmax)
-    waits = sum(e["t1"] - e["t0"] for e in ev if e["lane"] == "waits") / 1e6
-    ax.set_title(f"{title}: step {step} takes {ms(t_end):.1f} ms, {waits:.1f} ms of it waiting on communication",
-                 fontsize=9)
+    if any(e["lane"] == "gpu" for e in ev):
+        waits = device_idle_ms(ev, t0, t_end)
+        ax.set_title(f"{title}: step {step} takes {ms(t_end):.1f} ms on the device, {waits:.1f} ms of it "
+                     "with the compute stream between spans", fontsize=9)
+    else:
+        waits = sum(e["t1"] - e["t0"] for e in ev if e["lane"] == "waits") / 1e6
+        ax.set_title(f"{title}: step {step} takes {ms(t_end):.1f} ms, {waits:.1f} ms of it waiting on "
+                     "communication", fontsize=9)
     return ms(t_end), waits
+
+
+def device_idle_ms(ev, t0, t_end):
+    """The step's time on the compute stream outside every block and optimizer span (the
+    embedding, the head and the loss run there too, so this bounds the idle time from above)."""
+    spans = sorted((e["t0"], e["t1"]) for e in ev if e["lane"] == "gpu")
+    idle, at = 0, t0
+    for s0, s1 in spans:
+        if s0 > at:
+            idle += s0 - at
+        at = max(at, s1)
+    return (idle + max(0, t_end - at)) / 1e6
 
 
 def draw(a, directories):
@@ -98,14 +139,20 @@ def draw(a, directories):
     import matplotlib.pyplot as plt
 
     titles = a.title.split("|") if a.title else [os.path.basename(d) for d in directories]
-    loaded = [load(d, a.rank, a.step) for d in directories]
+    loaded = [load(d, a.rank, a.step, a.device) for d in directories]
     xmax = max((t_end - t0) / 1e6 for _, _, t0, t_end in loaded) * 1.02
     heights = [len({e["lane"] for e in ev}) for _, ev, _, _ in loaded]
     fig, axes = plt.subplots(len(loaded), 1, figsize=(13, 1.2 + 0.55 * sum(heights) + 0.6 * len(loaded)),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
     for ax, title, (step, ev, t0, t_end) in zip(axes[:, 0], titles, loaded):
         total, waits = draw_one(ax, title, step, ev, t0, t_end, xmax)
-        print(f"{title}: rank {a.rank} step {step}: {total:.1f} ms, exposed waits {waits:.1f} ms")
+        what = "compute stream outside the spans" if a.device else "exposed waits"
+        print(f"{title}: rank {a.rank} step {step}: {total:.1f} ms, {what} {waits:.1f} ms")
+        if a.device:
+            for lane in LANE_ORDER:
+                busy = sum(e["t1"] - e["t0"] for e in ev if e["lane"] == lane) / 1e6
+                if busy:
+                    print(f"  {lane}: {busy:.1f} ms busy")
     axes[-1, 0].set_xlabel(f"ms since the start of the step (rank {a.rank}; dashed: end of the step)")
     fig.tight_layout()
     fig.savefig(a.png, dpi=110)
@@ -124,6 +171,10 @@ def main():
     p.add_argument("--step", type=int, default=0)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--title", default="")
+    p.add_argument("--gpus", type=int, default=0, help="record on this many GPUs under troupe run")
+    p.add_argument("--config", default=None, help="model config (default: tiny.toml shrunk further)")
+    p.add_argument("--data", default=None, help="token shards (default: prepared into the output folder)")
+    p.add_argument("--device", action="store_true", help="draw the device lanes (GPU runs)")
     a = p.parse_args()
     if a.mode == "record":
         if a.paths:

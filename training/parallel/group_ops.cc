@@ -40,6 +40,116 @@ std::string lane_of(std::string_view what) {
 }
 }  // namespace
 
+#if TROUPE_HAVE_CUDA
+class DeviceTimeline {
+ public:
+  struct Span {
+    int64_t step;
+    std::string lane, what;
+    cudaEvent_t ev0, ev1;
+  };
+  ~DeviceTimeline() {
+    for (const Span& s : spans_) {
+      cudaEventDestroy(s.ev0);
+      cudaEventDestroy(s.ev1);
+    }
+    for (const auto& [step, ev] : origin_) cudaEventDestroy(ev);
+  }
+  cudaEvent_t mark(int64_t step, cudaStream_t stream) {
+    cudaEvent_t ev = nullptr;
+    CUDA_CHECK(cudaEventCreate(&ev));
+    CUDA_CHECK(cudaEventRecord(ev, stream));
+    if (!origin_.contains(step)) {  // the step's origin: a second event at the same point
+      cudaEvent_t o = nullptr;
+      CUDA_CHECK(cudaEventCreate(&o));
+      CUDA_CHECK(cudaEventRecord(o, stream));
+      origin_[step] = o;
+    }
+    return ev;
+  }
+  void add(int64_t step, std::string_view lane, std::string_view what, cudaEvent_t ev0, cudaEvent_t ev1) {
+    spans_.push_back({step, std::string(lane), std::string(what), ev0, ev1});
+  }
+  std::vector<std::pair<int64_t, TraceEvent>> take() {
+    std::vector<std::pair<int64_t, TraceEvent>> out;
+    std::vector<Span> left;
+    const auto ns = [](cudaEvent_t from, cudaEvent_t to) {
+      float ms = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, from, to));
+      return static_cast<int64_t>(static_cast<double>(ms) * 1e6);
+    };
+    for (Span& s : spans_) {
+      const cudaEvent_t origin = origin_.at(s.step);
+      if (cudaEventQuery(s.ev1) != cudaSuccess || cudaEventQuery(origin) != cudaSuccess) {
+        (void)cudaGetLastError();  // cudaErrorNotReady is not an error
+        left.push_back(std::move(s));
+        continue;
+      }
+      out.push_back({s.step, TraceEvent{s.lane, s.what, ns(origin, s.ev0), ns(origin, s.ev1)}});
+      CUDA_CHECK(cudaEventDestroy(s.ev0));
+      CUDA_CHECK(cudaEventDestroy(s.ev1));
+    }
+    spans_ = std::move(left);
+    for (auto it = origin_.begin(); it != origin_.end();) {
+      const bool used =
+          std::any_of(spans_.begin(), spans_.end(), [&](const Span& s) { return s.step == it->first; });
+      if (!used && cudaEventQuery(it->second) == cudaSuccess) {
+        CUDA_CHECK(cudaEventDestroy(it->second));
+        it = origin_.erase(it);
+      } else {
+        (void)cudaGetLastError();
+        ++it;
+      }
+    }
+    return out;
+  }
+
+ private:
+  std::vector<Span> spans_;
+  std::map<int64_t, cudaEvent_t> origin_;
+};
+#else
+class DeviceTimeline {};
+#endif
+
+CommTime::CommTime() = default;
+CommTime::~CommTime() = default;
+
+void* CommTime::device_mark(void* stream) {
+#if TROUPE_HAVE_CUDA
+  if (!tracing_ || ctx_ == nullptr || ctx_->ex.cuda == nullptr) return nullptr;
+  auto s = static_cast<cudaStream_t>(stream != nullptr ? stream : ctx_->ex.cuda->stream);
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
+  if (capturing != cudaStreamCaptureStatusNone) return nullptr;
+  if (device_trace_ == nullptr) device_trace_ = std::make_unique<DeviceTimeline>();
+  return device_trace_->mark(trace_step_, s);
+#else
+  (void)stream;
+  return nullptr;
+#endif
+}
+
+void CommTime::device_span(std::string_view lane, std::string_view what, void* ev0, void* ev1) {
+#if TROUPE_HAVE_CUDA
+  if (ev0 == nullptr || ev1 == nullptr) {
+    if (ev0 != nullptr) CUDA_CHECK(cudaEventDestroy(static_cast<cudaEvent_t>(ev0)));
+    if (ev1 != nullptr) CUDA_CHECK(cudaEventDestroy(static_cast<cudaEvent_t>(ev1)));
+    return;
+  }
+  device_trace_->add(trace_step_, lane, what, static_cast<cudaEvent_t>(ev0), static_cast<cudaEvent_t>(ev1));
+#else
+  (void)lane, (void)what, (void)ev0, (void)ev1;
+#endif
+}
+
+std::vector<std::pair<int64_t, TraceEvent>> CommTime::take_device_trace() {
+#if TROUPE_HAVE_CUDA
+  if (device_trace_ != nullptr) return device_trace_->take();
+#endif
+  return {};
+}
+
 void CommTime::span(std::string_view lane, std::string_view what, int64_t t0, int64_t t1) {
   if (tracing_) trace_.push_back({std::string(lane), std::string(what), t0, t1});
 }
@@ -73,7 +183,9 @@ CommOp CommTime::launch(const std::function<comm::WorkPtr(const comm::OpOptions&
     CUDA_CHECK(cudaStreamWaitEvent(comm, before, 0));
     CUDA_CHECK(cudaEventDestroy(before));  // released once recorded and waited on
     o.stream = target;
+    void* mark0 = device_mark(comm);
     op.work = fn(o);
+    if (mark0 != nullptr) device_span("gpu " + lane_of(what), what, mark0, device_mark(comm));
     CUDA_CHECK(cudaEventCreateWithFlags(&after, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventRecord(after, comm));
     op.event = after;

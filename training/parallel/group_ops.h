@@ -32,6 +32,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -57,8 +58,16 @@ struct CommOp {
   bool pending() const { return work != nullptr; }
 };
 
+// The device side of a timeline: CUDA timing events recorded on the streams as the step
+// is enqueued, turned into spans once they have completed (group_ops.cc).
+class DeviceTimeline;
+
 class CommTime {
  public:
+  CommTime();
+  ~CommTime();
+  CommTime(const CommTime&) = delete;
+  CommTime& operator=(const CommTime&) = delete;
   // Waits for `w` (aborting the process on error, naming `what`) and counts the wait.
   void wait(const comm::WorkPtr& w, std::string_view what);
   void wait_all(const std::vector<comm::WorkPtr>& ws, std::string_view what);
@@ -86,6 +95,17 @@ class CommTime {
   bool tracing() const { return tracing_; }
   void span(std::string_view lane, std::string_view what, int64_t t0, int64_t t1);
   std::vector<TraceEvent> take_trace() { return std::move(trace_); }
+  // The device timeline (tracing in device mode, the stream not being captured into a
+  // graph; else these do nothing and device_mark returns null): device_mark records a
+  // timing event on `stream` (null: the compute stream); device_span puts the interval
+  // between two marks on `lane` ("gpu", "gpu comm n", ...) of the step set by
+  // set_trace_step. The first mark of a step is that step's origin.
+  void* device_mark(void* stream = nullptr);
+  void device_span(std::string_view lane, std::string_view what, void* ev0, void* ev1);
+  void set_trace_step(int64_t step) { trace_step_ = step; }
+  // The device spans whose events have completed, as (step, span) with t0/t1 in ns since
+  // their step's origin; spans still in flight stay for a later call. No host wait.
+  std::vector<std::pair<int64_t, TraceEvent>> take_device_trace();
   // Device mode from now on when `c` is a device Ctx (not owned; must outlive its use).
   void set_device(const layers::Ctx* c) { ctx_ = c != nullptr && c->on_device() ? c : nullptr; }
   bool device_mode() const { return ctx_ != nullptr; }
@@ -110,6 +130,8 @@ class CommTime {
   void* comm_stream_ = nullptr;
   bool tracing_ = false;
   std::vector<TraceEvent> trace_;
+  int64_t trace_step_ = 0;
+  std::unique_ptr<DeviceTimeline> device_trace_;
   std::vector<std::pair<comm::WorkPtr, std::string>> in_flight_;
 };
 

@@ -123,8 +123,12 @@ Tensor Stage::blocks_forward(const layers::Ctx& c, Tensor x, Micro& m, bool trai
   for (int64_t i = 0; i < num_blocks_; ++i) {
     if (train) await_params(i);
     const int64_t ts0 = time_.tracing() ? comm::Work::now_ns() : 0;
+    void* mark0 = time_.device_mark();
     x = program_->block_forward(c, i, x, m.saved[static_cast<size_t>(i)], train);
-    if (time_.tracing()) time_.span("main", "forward " + program_->block_name(i), ts0, comm::Work::now_ns());
+    if (time_.tracing()) {
+      time_.span("main", "forward " + program_->block_name(i), ts0, comm::Work::now_ns());
+      time_.device_span("gpu", "forward " + program_->block_name(i), mark0, time_.device_mark());
+    }
   }
   return x;
 }
@@ -132,11 +136,15 @@ Tensor Stage::blocks_forward(const layers::Ctx& c, Tensor x, Micro& m, bool trai
 Tensor Stage::blocks_backward(const layers::Ctx& c, Tensor dy, Micro& m) {
   for (int64_t i = num_blocks_; i-- > 0;) {
     const int64_t ts0 = time_.tracing() ? comm::Work::now_ns() : 0;
+    void* mark0 = time_.device_mark();
     std::unique_ptr<StageProgram::Saved>& saved = m.saved[static_cast<size_t>(i)];
     TROUPE_CHECK(saved != nullptr);  // block_forward must leave what its backward needs
     dy = program_->block_backward(c, i, dy, *saved);
     saved.reset();  // free activations as soon as they are used
-    if (time_.tracing()) time_.span("main", "backward " + program_->block_name(i), ts0, comm::Work::now_ns());
+    if (time_.tracing()) {
+      time_.span("main", "backward " + program_->block_name(i), ts0, comm::Work::now_ns());
+      time_.device_span("gpu", "backward " + program_->block_name(i), mark0, time_.device_mark());
+    }
     // The step's last micro-batch has finished this block: its gradients are final.
     if (last_micro_ && tc_.parallel.overlap_grad_sync) launch_grad_buckets(i);
   }

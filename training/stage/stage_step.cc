@@ -92,6 +92,7 @@ void Stage::sync_grads() {
 void Stage::optimizer_step(double lr) {
   snapshot_fence();  // a snapshot's copy still reading the state (CPU)
   const int64_t t0 = time_.tracing() ? comm::Work::now_ns() : 0;
+  void* mark0 = time_.device_mark();
   if (device_stats_) {
     // Clipped by the world's norm, which never leaves the device.
     const Tensor norm = stats_.narrow(0, kSumSq, 1);
@@ -104,6 +105,7 @@ void Stage::optimizer_step(double lr) {
     opt_->step(ctx_, lr, std::sqrt(host_sumsq_));
   }
   if (time_.tracing()) time_.span("main", "optimizer", t0, comm::Work::now_ns());
+  time_.device_span("gpu", "optimizer", mark0, time_.device_mark());
   if (layout_->dp() == 1) return;  // AdamW wrote the working copies in its pass
   // A split master's shard is its halves: its f32 values for the all-gather.
   for (layers::Parameter& p : pieces_) {
@@ -264,6 +266,8 @@ void Stage::launch_step(int64_t step) {
   if (launched_.empty() && ctx_.on_device()) ctx_.alloc->reset_peak();
   time_.reset();
   time_.set_tracing(!tc_.train.timeline_dir.empty());
+  time_.set_trace_step(step);
+  void* step_mark = time_.device_mark();
   l->t0_ns = comm::Work::now_ns();
   const int64_t syncs0 = host_reads();
   const int64_t uploads0 = host_uploads();
@@ -304,6 +308,7 @@ void Stage::launch_step(int64_t step) {
   } else {
     enqueue_step(step, /*capturing=*/false);
   }
+  time_.device_span("gpu", "step", step_mark, time_.device_mark());
   if (marks_) marks_->end(static_cast<int>(step % 3));
   if (device_stats_) readback_->start(static_cast<int>(step % 2), stats_);
   l->host_syncs = host_reads() - syncs0;
@@ -404,12 +409,16 @@ void Stage::write_trace(int64_t step, int64_t t0_ns) {
   const std::string path = fmt::format("{}/rank{}.jsonl", tc_.train.timeline_dir, rank_);
   if (FILE* fp = std::fopen(path.c_str(), "a")) {
     time_.span("main", "step", t0_ns, comm::Work::now_ns());
-    for (const TraceEvent& e : time_.take_trace()) {
+    const auto line = [&](int64_t s, const TraceEvent& e) {
       std::fprintf(fp,
                    "{\"step\":%lld,\"rank\":%d,\"lane\":\"%s\",\"what\":\"%s\",\"t0\":%lld,\"t1\":%lld}\n",
-                   static_cast<long long>(step), rank_, e.lane.c_str(), e.what.c_str(),
+                   static_cast<long long>(s), rank_, e.lane.c_str(), e.what.c_str(),
                    static_cast<long long>(e.t0), static_cast<long long>(e.t1));
-    }
+    };
+    for (const TraceEvent& e : time_.take_trace()) line(step, e);
+    // Device spans (lanes "gpu ..."): ns since their step's first mark on the device, written
+    // once their events have completed (an earlier step's, with launch-ahead).
+    for (const auto& [s, e] : time_.take_device_trace()) line(s, e);
     std::fclose(fp);
   }
 }
