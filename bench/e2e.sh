@@ -170,10 +170,15 @@ troupe_data() {
 # sequence over the n GPUs (Ulysses), while each peer rank trains its own micro-batch, so
 # Troupe's micro-batch is n times the config's: the same tokens per GPU per step.
 MBS=$(sed -n 's/^[[:space:]]*micro_batch_size[[:space:]]*=[[:space:]]*\([0-9]*\).*/\1/p' "$CONFIG" | head -n 1)
-troupe_sets() {  # troupe_sets DATA NGPU
+# A step of n GPUs takes n micro-batches' worth of sequences (train.global_batch = MBS * n):
+# one micro-batch of MBS * n sequences in the n-group, or MBS per replica with --dp.
+troupe_sets() {  # troupe_sets DATA NGPU [n|dp]
   local steps=$((STEPS + WARMUP))
   local sets="--set train.steps=$steps --set train.eval_every=0 --set train.eval_batches=1 --set train.log_every=1 --set data.dir=$1${TROUPE_SETS:-}"
-  if [ -n "$MBS" ] && [ "$2" -gt 1 ]; then sets="$sets --set train.micro_batch_size=$((MBS * $2))"; fi
+  if [ -n "$MBS" ] && [ "$2" -gt 1 ]; then
+    sets="$sets --set train.global_batch=$((MBS * $2))"
+    if [ "${3:-n}" = n ]; then sets="$sets --set train.micro_batch_size=$((MBS * $2))"; fi
+  fi
   echo "$sets"
 }
 
@@ -193,7 +198,7 @@ run_troupe() {  # run_troupe NGPU [n|dp|run]: the GPUs form the n-group (default
   fi
   data=$(troupe_data)
   if [ "$kind" = dp ]; then
-    sets=$(troupe_sets "$data" 1)  # each dp rank its own micro-batch of the config's size
+    sets=$(troupe_sets "$data" "$n" dp)  # each dp rank its own micro-batch of the config's size
   else
     sets=$(troupe_sets "$data" "$n")
   fi
@@ -240,6 +245,8 @@ run_peer() {  # run_peer NGPU MODE
   local args=(bench/peers/torch_moe.py --config "$CONFIG" --mode "$mode" --steps "$STEPS" --warmup "$WARMUP"
               --json-out "$json")
   if [ -n "$PEER_DATA" ]; then args+=(--data "$PEER_DATA"); fi
+  # One micro-batch a rank: a step of n ranks is n micro-batches.
+  if [ -n "$MBS" ] && [ "$n" -gt 1 ]; then args+=(--set "train.global_batch=$((MBS * n))"); fi
   if [ "$DEVICE" = cpu ]; then args+=(--device cpu --dtype f32); fi
   # shellcheck disable=SC2206
   args+=($PEER_ARGS)

@@ -57,6 +57,8 @@ def record(a):
     if a.gpus:
         cmd = [os.path.join(a.build, "scheduler", "troupe"), "run", "--nproc", str(a.gpus), "--backend", "cuda",
                "--"] + cmd + ["--backend", "cuda"]
+    if any(s.startswith(("bench.", "test.")) for s in sets):
+        cmd.append("--allow-test-config")  # the comparison switches of the [bench] section
     for s in sets:
         cmd += ["--set", s]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
