@@ -44,6 +44,8 @@ struct Backend {
                          Tensor&, const RouterStats*);
   void (*router_backward)(const Exec&, const Tensor&, const Tensor&, const Tensor&, const Tensor*,
                           const RouterConfig&, Tensor&, float);
+  void (*logsumexp_forward)(const Exec&, const Tensor&, Tensor&);
+  void (*logsumexp_backward)(const Exec&, const Tensor&, const Tensor&, const Tensor&, float, Tensor&);
   void (*moe_dispatch_plan)(const Exec&, const Tensor&, int64_t, int64_t, Tensor&, Tensor&, Tensor&);
   void (*moe_permute)(const Exec&, const Tensor&, const Tensor&, int64_t, Tensor&);
   void (*moe_permute_backward)(const Exec&, const Tensor&, const Tensor&, int64_t, Tensor&);

@@ -609,6 +609,30 @@ void router_backward(const Exec& ex, const Tensor& scores, const Tensor& topk_id
   c.call(&Backend::router_backward, ex, scores, topk_idx, dgates, dscores, cfg, dlogits, dscores_scale);
 }
 
+void logsumexp_forward(const Exec& ex, const Tensor& x, Tensor& lse) {
+  OpCheck c("logsumexp_forward", ex, {{"x", &x}, {"lse", &lse}});
+  OP_DTYPE(c, x, DType::kF32);
+  OP_RANK(c, x, 2);
+  OP_DTYPE(c, lse, DType::kF32);
+  OP_SHAPE(c, lse, {x.size(0)});
+  c.call(&Backend::logsumexp_forward, ex, x, lse);
+}
+
+void logsumexp_backward(const Exec& ex, const Tensor& x, const Tensor& lse, const Tensor& dlse, float scale,
+                        Tensor& dx) {
+  OpCheck c("logsumexp_backward", ex, {{"x", &x}, {"lse", &lse}, {"dlse", &dlse}, {"dx", &dx}});
+  OP_DTYPE(c, x, DType::kF32);
+  OP_RANK(c, x, 2);
+  OP_DTYPE(c, lse, DType::kF32);
+  OP_SHAPE(c, lse, {x.size(0)});
+  OP_DTYPE(c, dlse, DType::kF32);
+  OP_SHAPE(c, dlse, {x.size(0)});
+  OP_DTYPE(c, dx, DType::kF32);
+  OP_SHAPE(c, dx, x.shape());
+  OP_REQUIRE(c, std::isfinite(scale), "scale = {} is not finite", scale);
+  c.call(&Backend::logsumexp_backward, ex, x, lse, dlse, scale, dx);
+}
+
 // ---- token permutation by expert -----------------------------------------------------
 
 void moe_dispatch_plan(const Exec& ex, const Tensor& topk_idx, int64_t num_experts, int64_t capacity,

@@ -170,6 +170,13 @@ void router_forward(const Exec& ex, const Tensor& logits, const Tensor* bias, co
 void router_backward(const Exec& ex, const Tensor& scores, const Tensor& topk_idx, const Tensor& dgates,
                      const Tensor* dscores, const RouterConfig& cfg, Tensor& dlogits,
                      float dscores_scale = 1.0f);
+// Row log-sum-exp (the router z-loss, coef * mean_t lse_t^2, on the device): lse [T] =
+// log sum_j exp(x[t,j]) of x [T,E] (f32 both).
+void logsumexp_forward(const Exec& ex, const Tensor& x, Tensor& lse);
+// dx [T,E] (f32) += scale * dlse[t] * exp(x[t,j] - lse[t]): the gradient of
+// scale * sum_t dlse[t] * lse[t] (lse from logsumexp_forward; dlse [T] f32).
+void logsumexp_backward(const Exec& ex, const Tensor& x, const Tensor& lse, const Tensor& dlse, float scale,
+                        Tensor& dx);
 
 // ---- token permutation by expert -----------------------------------------------------
 // Plans the dispatch of T tokens' k expert choices (topk_idx i32 [T,k]). Copies are grouped

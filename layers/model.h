@@ -112,8 +112,8 @@ class Model {
   // forward, backward and clipped optimizer update without a host wait. In this mode
   // forward_backward returns lm_loss_sum = aux_loss = 0 and end_step fills
   // last_step_stats(). Returns false (nothing changes) where a MoE block
-  // cannot keep its statistics on the device (z-loss, a group all-reduce, a replaced
-  // dispatch).
+  // cannot keep its statistics on the device (a group all-reduce without its device form, a
+  // replaced dispatch).
   bool enable_device_stats(const Ctx& c);
   bool device_stats() const { return stats_dev_.defined(); }
   // Device mode: the squared global norm of flat_grads() into the buffer; returns that f32

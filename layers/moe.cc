@@ -1,14 +1,15 @@
 // layers/moe.cc — Router, LocalExpertDispatch and MoELayer.
 //
-// Two ways to keep the router's balancing statistics. Router::forward (CPU, a z-loss, or
+// Two ways to keep the router's balancing statistics. Router::forward (CPU, or
 // bench.device_stats = false; groups through the host all-reduce): host loops over
 // read-back topk_idx and score sums, three host waits per MoE layer on a device (the
 // z-loss also reads back the logits).
-// Router::forward_device (no z-loss; MoELayer::set_device_stats; on GPUs): counts, score
-// sums and the aux loss (router_forward's RouterStats) accumulate on the device (in a group,
-// summed over it by a device all-reduce) and are read once per step (Model::end_step, the
-// stage's step_stats); the local dispatch then sizes its rows as T*k without reading the
-// counts, so the MoE layer enqueues everything without a host wait.
+// Router::forward_device (MoELayer::set_device_stats; on GPUs): counts, score sums, the
+// z-loss's log-sum-exps and the aux loss (router_forward's RouterStats, logsumexp_forward)
+// accumulate on the device (in a group, summed over it by a device all-reduce) and are
+// read once per step (Model::end_step, the stage's step_stats); the local dispatch then
+// sizes its rows as T*k without reading the counts, so the MoE layer enqueues everything
+// without a host wait.
 #include "layers/moe.h"
 
 #include <algorithm>
@@ -122,8 +123,7 @@ double Router::forward(const Ctx& c, const Tensor& x, Saved& s) const {
 }
 
 void Router::forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc) const {
-  TROUPE_CHECK(device_stats_ok(c),
-               "Router::forward_device needs no z-loss, and in a group the device all-reduce");
+  TROUPE_CHECK(device_stats_ok(c), "Router::forward_device needs, in a group, the device all-reduce");
   const int64_t t = x.size(0), e = cfg.num_experts, k = cfg.top_k;
   s.x = x;
   s.logits = c.empty({t, e}, DType::kF32);
@@ -136,15 +136,18 @@ void Router::forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc
   s.group_tokens = t;
   s.counts = Tensor();
   s.score_sums = Tensor();
+  s.lse = Tensor();
   if (acc == nullptr) {
     kernels::router_forward(c.ex, s.logits, route_bias, router_config(), s.scores, s.topk_idx, s.gates);
     return;
   }
   TROUPE_CHECK(acc->dtype() == DType::kF32 && acc->numel() == e + 1,
                "Router::forward_device: acc must be f32 [{}], got {}", e + 1, acc->describe());
-  // [counts (E) | score column sums (E)]: one buffer, so that a group sums both in one call.
-  const bool aux_on = cfg.aux_loss_coef > 0;
-  Tensor st = c.empty({aux_on ? 2 * e : e}, DType::kF32);
+  // [counts (E) | score column sums (E) | sum of lse^2 (1)]: one buffer, so that a group
+  // sums them in one call.
+  const bool aux_on = cfg.aux_loss_coef > 0, z_on = cfg.z_loss_coef > 0;
+  const int64_t z_at = aux_on ? 2 * e : e;
+  Tensor st = c.empty({z_at + (z_on ? 1 : 0)}, DType::kF32);
   s.counts = st.narrow(0, 0, e);
   if (aux_on) s.score_sums = st.narrow(0, e, e);
   // The statistics come from the router's own pass. Alone (no group to sum them over first)
@@ -157,8 +160,27 @@ void Router::forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc
     rs.aux_scale = static_cast<float>(aux_scale(t));
   }
   kernels::router_forward(c.ex, s.logits, route_bias, router_config(), s.scores, s.topk_idx, s.gates, &rs);
-  if (!device_all_reduce_) return;
+  Tensor zsum;
+  if (z_on) {
+    // z-loss = coef * sum_t lse_t^2 / T: the sum of squares stays on the device.
+    s.lse = c.empty({t}, DType::kF32);
+    kernels::logsumexp_forward(c.ex, s.logits, s.lse);
+    zsum = st.narrow(0, z_at, 1);
+    const Tensor* lse_p = &s.lse;
+    kernels::sum_squares_into(c.ex, std::span<const Tensor* const>(&lse_p, 1), zsum);
+  }
+  Tensor aux_slot = acc->narrow(0, e, 1);
+  if (!device_all_reduce_) {
+    if (z_on)
+      kernels::axpby(c.ex, static_cast<float>(cfg.z_loss_coef / static_cast<double>(t)), zsum, 1.0f,
+                     aux_slot);
+    return;
+  }
   s.group_tokens = t * device_all_reduce_(st);
+  if (z_on) {
+    kernels::axpby(c.ex, static_cast<float>(cfg.z_loss_coef / static_cast<double>(s.group_tokens)), zsum,
+                   1.0f, aux_slot);
+  }
   Tensor load = acc->narrow(0, 0, e);
   kernels::axpby(c.ex, 1.0f, s.counts, 1.0f, load);
   if (aux_on) {
@@ -189,11 +211,16 @@ void Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, float 
     row = c.on_device() ? c.to_device(counts) : counts;
   }
   // Without a z-loss the kernel writes dlogits in the activation dtype of the product below
-  // (one rounding, no cast); the z-loss adds to f32 dlogits on the host first.
+  // (one rounding, no cast); the z-loss adds to f32 dlogits first (on the device after
+  // forward_device, else on the host).
   Tensor dlogits = c.empty({t, e}, cfg.z_loss_coef > 0 ? DType::kF32 : c.act);
   kernels::router_backward(c.ex, s.scores, s.topk_idx, dgates, row.defined() ? &row : nullptr,
                            router_config(), dlogits, row_scale);
-  if (cfg.z_loss_coef > 0) {
+  if (cfg.z_loss_coef > 0 && s.lse.defined()) {
+    // d/dlogits of coef * sum_t lse_t^2 / T = coef * 2 * lse_t * softmax(logits_t) / T, on the device.
+    kernels::logsumexp_backward(c.ex, s.logits, s.lse, s.lse,
+                                static_cast<float>(loss_weight * cfg.z_loss_coef * 2.0 / tg), dlogits);
+  } else if (cfg.z_loss_coef > 0) {
     // d/dlogits of coef * mean_t lse_t^2 = coef * 2 * lse_t * softmax(logits_t) / T.
     // Host loop over read-back copies on a device (slow path; bench_1b has no z-loss).
     const std::vector<float> lg = host_floats(c.to_host(s.logits));

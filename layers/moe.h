@@ -41,8 +41,9 @@ class Router {
     std::vector<int64_t> selected;
     int64_t group_tokens = 0;
     // forward_device: the selection counts and score column sums (f32 [E] each) that stay
-    // on the device for the aux-loss gradient (undefined in evaluation).
-    Tensor counts, score_sums;
+    // on the device for the aux-loss gradient (undefined in evaluation), and with a z-loss
+    // each token's log-sum-exp of its logits (f32 [T]) for the z-loss gradient.
+    Tensor counts, score_sums, lse;
   };
   Router(int64_t d_model, const MoEConfig& cfg);
   void init(uint64_t seed, const std::string& prefix, float std);
@@ -53,8 +54,8 @@ class Router {
   // f_e = selected_e / (T*k) and P_e = mean_t scores[t,e], T and the sums taken over the
   // whole micro-batch (through the group all-reduce; every rank returns the same value).
   double forward(const Ctx& c, const Tensor& x, Saved& s) const;
-  // The same routing with the statistics left on the device (no z-loss: see device_stats_ok;
-  // the same routing as forward, and its gradients up to the rounding of the f32 sums): with acc (training),
+  // The same routing with the statistics left on the device (the same routing as forward, and
+  // its gradients up to the rounding of the f32 sums; the z-loss's log-sum-exps too): with acc (training),
   // f32 [E+1] on the device, acc[0:E] += the selection counts and acc[E] += this micro-batch's aux loss;
   // s.selected stays empty. In a group (set_device_group_all_reduce) the counts and score sums are summed
   // over the group on the device, and the group's token count is taken as the group's size times this
@@ -63,9 +64,7 @@ class Router {
   void forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc) const;
   // Any Ctx (the CPU runs it too, which is how tests compare the two ways); the training
   // loop enables it on GPUs. A group needs the device all-reduce as well as the host one.
-  bool device_stats_ok(const Ctx&) const {
-    return (!all_reduce_ || device_all_reduce_) && cfg.z_loss_coef <= 0;
-  }
+  bool device_stats_ok(const Ctx&) const { return !all_reduce_ || device_all_reduce_; }
   // dgates [T,k] from the experts; loss_weight is the weight of this micro-batch's aux
   // loss in the total loss. Adds the router's dx into `dx` (the experts' dx: its product
   // accumulates there, no separate add) and accumulates weight.grad.

@@ -51,7 +51,7 @@ struct TrainOptions {
   // aux losses) accumulate in one device buffer, are summed over the world on the device
   // and read once per step, asynchronously; false: read back inside the step and summed
   // in fp64 on the host (per-layer read-backs with n > 1). A program that keeps its own
-  // on the host (a router with a z-loss) uses the host way. The CPU runs the same code.
+  // on the host uses the host way. The CPU runs the same code.
   bool device_stats = true;
   // The experts' dW products leave their sums of squares for the clip's gradient norm,
   // which then reads only the other gradients, where that is exact: dp = 1 (a dp
@@ -62,8 +62,8 @@ struct TrainOptions {
   // (bench_1b's ~1,560 launches cost one; the collectives of dp and pp inside it), its
   // batch copied into the graph's inputs, its learning rate read from the device; a step
   // whose batch has other counts of targets runs op by op. Needs device_stats. A step
-  // that cannot be captured (n > 1: the expert dispatch reads token counts on the host; a
-  // router with a z-loss keeps its statistics on the host) runs op by op with a note
+  // that cannot be captured (n > 1: the expert dispatch maps its peers' buffers, or reads
+  // token counts, on the host) runs op by op with a note
   // saying why, or, when the config sets cuda_graph = true itself, is refused at start.
   // false: every launch enqueued one by one (for kernel profilers that want launches).
   // CPU workers have no launches to capture: the switch does not apply to them.

@@ -210,12 +210,9 @@ class MoeStage final : public training::StageProgram {
   // Device statistics (bench.device_stats): one row per MoE block of the whole model,
   // [E selections, aux loss] padded to stride_, so every rank's buffer has the same layout
   // (a stage fills its own blocks' rows). Each block's router accumulates its row
-  // (MoELayer::set_device_stats; with n > 1 summed over the n-group on the device). -1
-  // where a router cannot (a z-loss): the step's statistics then stay on the host.
+  // (MoELayer::set_device_stats; with n > 1 summed over the n-group on the device; a
+  // z-loss is added to the aux loss there too).
   int64_t device_stats_size() const override {
-    // Decided from the model's config, the same on every stage (also one holding no MoE
-    // block): a router with a z-loss keeps the statistics on the host.
-    if (num_moe_blocks_ > 0 && tc_.model.moe.z_loss_coef > 0) return -1;
     for (const auto& r : roles_)
       TROUPE_CHECK(
           !r->block->is_moe() || r->block->moe->router.device_stats_ok(ctx_),

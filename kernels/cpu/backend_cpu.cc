@@ -31,6 +31,8 @@ const Backend& cpu_backend() {
       .softmax_backward = cpu::softmax_backward,
       .router_forward = cpu::router_forward,
       .router_backward = cpu::router_backward,
+      .logsumexp_forward = cpu::logsumexp_forward,
+      .logsumexp_backward = cpu::logsumexp_backward,
       .moe_dispatch_plan = cpu::moe_dispatch_plan,
       .moe_permute = cpu::moe_permute,
       .moe_permute_backward = cpu::moe_permute_backward,

@@ -96,6 +96,9 @@ void router_forward(const Exec& ex, const Tensor& logits, const Tensor* bias, co
                     Tensor& scores, Tensor& topk_idx, Tensor& gates, const RouterStats* stats);
 void router_backward(const Exec& ex, const Tensor& scores, const Tensor& topk_idx, const Tensor& dgates,
                      const Tensor* dscores, const RouterConfig& cfg, Tensor& dlogits, float dscores_scale);
+void logsumexp_forward(const Exec& ex, const Tensor& x, Tensor& lse);
+void logsumexp_backward(const Exec& ex, const Tensor& x, const Tensor& lse, const Tensor& dlse, float scale,
+                        Tensor& dx);
 void moe_dispatch_plan(const Exec& ex, const Tensor& topk_idx, int64_t num_experts, int64_t capacity,
                        Tensor& row_map, Tensor& expert_counts, Tensor& expert_offsets);
 void moe_permute(const Exec& ex, const Tensor& x, const Tensor& row_map, int64_t top_k, Tensor& xp);

@@ -132,6 +132,33 @@ void router_backward(const Exec&, const Tensor& scores, const Tensor& topk_idx, 
   }
 }
 
+void logsumexp_forward(const Exec&, const Tensor& x, Tensor& lse) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const float* px = x.data<float>();
+  float* pl = lse.data<float>();
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* r = px + t * cols;
+    double m = -std::numeric_limits<double>::infinity();
+    for (int64_t j = 0; j < cols; ++j) m = std::max(m, static_cast<double>(r[j]));
+    double s = 0.0;
+    for (int64_t j = 0; j < cols; ++j) s += std::exp(static_cast<double>(r[j]) - m);
+    pl[t] = static_cast<float>(m + std::log(s));
+  }
+}
+
+void logsumexp_backward(const Exec&, const Tensor& x, const Tensor& lse, const Tensor& dlse, float scale,
+                        Tensor& dx) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const float *px = x.data<float>(), *pl = lse.data<float>(), *pg = dlse.data<float>();
+  float* pd = dx.data<float>();
+  for (int64_t t = 0; t < rows; ++t) {
+    const double w = static_cast<double>(scale) * pg[t];
+    for (int64_t j = 0; j < cols; ++j) {
+      pd[t * cols + j] += static_cast<float>(w * std::exp(static_cast<double>(px[t * cols + j]) - pl[t]));
+    }
+  }
+}
+
 void moe_dispatch_plan(const Exec&, const Tensor& topk_idx, int64_t num_experts, int64_t capacity,
                        Tensor& row_map, Tensor& expert_counts, Tensor& expert_offsets) {
   const int64_t copies = topk_idx.numel();

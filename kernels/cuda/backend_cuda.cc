@@ -411,6 +411,26 @@ void cuda_router_forward(const Exec& ex, const Tensor& logits, const Tensor* bia
                              stats != nullptr ? &args : nullptr, scratch ? scratch->get() : nullptr);
 }
 
+void cuda_logsumexp_forward(const Exec& ex, const Tensor& x, Tensor& lse) {
+  OpScope s(ex, "logsumexp_forward");
+  require(x, "logsumexp_forward", "x");
+  require(lse, "logsumexp_forward", "lse");
+  gpu::launch_logsumexp_forward(s.env, static_cast<const float*>(x.data_ptr()), x.size(0), x.size(1),
+                                f32_mut(lse));
+}
+
+void cuda_logsumexp_backward(const Exec& ex, const Tensor& x, const Tensor& lse, const Tensor& dlse,
+                             float scale, Tensor& dx) {
+  OpScope s(ex, "logsumexp_backward");
+  for (const auto& [t, name] : {std::pair{&x, "x"}, {&lse, "lse"}, {&dlse, "dlse"}}) {
+    require(*t, "logsumexp_backward", name);
+  }
+  require(dx, "logsumexp_backward", "dx");
+  gpu::launch_logsumexp_backward(
+      s.env, static_cast<const float*>(x.data_ptr()), static_cast<const float*>(lse.data_ptr()),
+      static_cast<const float*>(dlse.data_ptr()), scale, x.size(0), x.size(1), f32_mut(dx));
+}
+
 void cuda_router_backward(const Exec& ex, const Tensor& scores, const Tensor& topk_idx, const Tensor& dgates,
                           const Tensor* dscores, const RouterConfig& cfg, Tensor& dlogits,
                           float dscores_scale) {
@@ -790,6 +810,8 @@ const Backend kCudaBackend = {
     .softmax_backward = cuda_softmax_backward,
     .router_forward = cuda_router_forward,
     .router_backward = cuda_router_backward,
+    .logsumexp_forward = cuda_logsumexp_forward,
+    .logsumexp_backward = cuda_logsumexp_backward,
     .moe_dispatch_plan = cuda_moe_dispatch_plan,
     .moe_permute = cuda_moe_permute,
     .moe_permute_backward = cuda_moe_permute_backward,

@@ -140,6 +140,10 @@ void launch_router_forward(const Env& env, const float* logits, const float* bia
                            void* scratch = nullptr);
 // dscores: [T,E], or with dscores_row one [E] row for every token; times dscores_scale.
 // dlogits f32 or bf16.
+// lse[t] = log sum_j exp(x[t,j]); dx[t,j] += scale * dlse[t] * exp(x[t,j] - lse[t]) (moe.cu).
+void launch_logsumexp_forward(const Env& env, const float* x, int64_t rows, int64_t cols, float* lse);
+void launch_logsumexp_backward(const Env& env, const float* x, const float* lse, const float* dlse,
+                               float scale, int64_t rows, int64_t cols, float* dx);
 void launch_router_backward(const Env& env, const float* scores, const int32_t* topk_idx, const float* dgates,
                             const float* dscores, bool dscores_row, float dscores_scale, int64_t tokens,
                             int64_t experts, int top_k, bool sigmoid, bool normalize, void* dlogits,

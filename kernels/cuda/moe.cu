@@ -378,6 +378,49 @@ __global__ void __launch_bounds__(32 * kRouterWarpTokens)
   }
 }
 
+// ---- row log-sum-exp (the router z-loss) ---------------------------------------------
+// One warp per row: the running maximum and rescaled sum over the row's columns, then the
+// warp's reductions (a fixed order: runs are bit-identical).
+constexpr int kLseWarps = 8;
+
+__device__ __forceinline__ float row_lse_warp(const float* r, int64_t cols, int lane) {
+  float m = -INFINITY, s = 0.f;
+  for (int64_t j = lane; j < cols; j += 32) {
+    const float v = r[j];
+    if (v > m) {
+      s = s * expf(m - v) + 1.f;
+      m = v;
+    } else {
+      s += expf(v - m);
+    }
+  }
+  const float wm = warp_max(m);
+  s = m == -INFINITY ? 0.f : s * expf(m - wm);
+  s = warp_sum(s);
+  return wm + logf(s);
+}
+
+__global__ void __launch_bounds__(32 * kLseWarps)
+    logsumexp_forward_kernel(const float* x, int64_t rows, int64_t cols, float* lse) {
+  pdl_wait();
+  const int lane = threadIdx.x % 32;
+  const int64_t t = int64_t{blockIdx.x} * kLseWarps + threadIdx.x / 32;
+  if (t >= rows) return;
+  const float l = row_lse_warp(x + t * cols, cols, lane);
+  if (lane == 0) lse[t] = l;
+}
+
+__global__ void logsumexp_backward_kernel(const float* x, const float* lse, const float* dlse, float scale,
+                                          int64_t rows, int64_t cols, float* dx) {
+  pdl_wait();
+  const int64_t n = rows * cols;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t t = i / cols;
+    dx[i] += scale * dlse[t] * expf(x[i] - lse[t]);
+  }
+}
+
 // ---- dispatch plan: three deterministic passes over chunks of copies -----------------
 constexpr int kPlanChunk = 2048;
 constexpr int kPlanThreads = 256;
@@ -704,6 +747,21 @@ void launch_router_backward(const Env& env, const float* scores, const int32_t* 
   } else {
     run(static_cast<float*>(dlogits));
   }
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+void launch_logsumexp_forward(const Env& env, const float* x, int64_t rows, int64_t cols, float* lse) {
+  if (rows == 0) return;
+  launch(env, logsumexp_forward_kernel, static_cast<unsigned>(ceil_div(rows, kLseWarps)), 32 * kLseWarps, 0,
+         x, rows, cols, lse);
+  TROUPE_CUDA_LAUNCH_CHECK();
+}
+
+void launch_logsumexp_backward(const Env& env, const float* x, const float* lse, const float* dlse,
+                               float scale, int64_t rows, int64_t cols, float* dx) {
+  if (rows * cols == 0) return;
+  launch(env, logsumexp_backward_kernel, grid_for(rows * cols, 256, env.num_sms), 256, 0, x, lse, dlse, scale,
+         rows, cols, dx);
   TROUPE_CUDA_LAUNCH_CHECK();
 }
 

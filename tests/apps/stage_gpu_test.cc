@@ -129,14 +129,12 @@ TEST_F(StageGpu, TrainMoeTroupeRunMatchesOneProcess) {
 
 // The clip's gradient norm folded into the experts' dW epilogue (Hopper: the TMA kernel's)
 // equals the norm read from every gradient: the same gradients (the fold leaves dW as it
-// is), summed in another order. Without a z-loss, so that the step's statistics, and with
-// them the fold, stay on the device.
+// is), summed in another order.
 TEST_F(StageGpu, TrainMoeFoldedGradNormMatchesTheFullPass) {
   auto train = [](const std::string& name, bool fold) {
     TrainMoeCommand c;
     c.backend = "cuda";
     c.sets = tiny_model_sets({.global_batch = 2, .steps = 6, .data_dir = *root_ / "data"});
-    c.sets.push_back("model.moe.z_loss_coef=0.0");
     c.sets.push_back(fmt::format("bench.fold_grad_norm={}", fold));
     c.run_dir = *root_ / name;
     return run(c.argv(), *root_ / (name + ".log"), std::chrono::seconds(300));
@@ -273,13 +271,13 @@ TEST_F(StageGpu, TrainMoeCudaGraphStepsMatchLaunchByLaunch) {
 // replays) gives bitwise the losses of the op-by-op Stage (the attention's dQ in a fixed
 // order, train.attention_fused_dq = false, so that two runs can be bitwise equal), no
 // step of either reads the device from the host (host_syncs 0: the statistics leave the
-// device by one asynchronous copy per step), and every step reports its peak memory.
+// device by one asynchronous copy per step; tiny.toml's routers have a z-loss, kept on
+// the device too), and every step reports its peak memory.
 TEST_F(StageGpu, StageCudaGraphStepsMatchOpByOpBitwise) {
   auto train = [](const std::string& name, bool graph) {
     TrainMoeCommand c;
     c.backend = "cuda";
     c.sets = tiny_model_sets({.global_batch = 2, .steps = 8, .data_dir = *root_ / "data"});
-    c.sets.push_back("model.moe.z_loss_coef=0.0");
     c.sets.push_back("train.eval_every=3");
     c.sets.push_back("train.attention_fused_dq=false");
     c.sets.push_back("train.expert_grads=\"bf16\"");

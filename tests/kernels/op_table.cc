@@ -152,9 +152,10 @@ const std::vector<std::string>& forward_op_names() {
   static const std::vector<std::string> kNames = {
       "fill", "cast", "add", "axpby", "scale", "sum", "sum_squares", "sum_rows", "matmul", "grouped_matmul",
       "embedding_forward", "rmsnorm_forward", "rope_forward", "attention_forward", "softmax_forward",
-      "router_forward", "moe_dispatch_plan", "moe_permute", "moe_unpermute", "swiglu_forward",
-      "cross_entropy_forward", "cross_entropy_forward_backward", "adamw_step", "adamw_step_multi",
-      "sum_squares_multi", "master_split", "master_join", "quantize_fp8", "dequantize_fp8",
+      "router_forward", "logsumexp_forward", "moe_dispatch_plan", "moe_permute", "moe_unpermute",
+      "swiglu_forward", "cross_entropy_forward", "cross_entropy_forward_backward", "adamw_step",
+      "adamw_step_multi", "sum_squares_multi", "master_split", "master_join", "quantize_fp8",
+      "dequantize_fp8",
       // device-resident step statistics
       "sum_squares_into",
       // communication codecs
@@ -164,9 +165,10 @@ const std::vector<std::string>& forward_op_names() {
 
 const std::vector<std::string>& backward_op_names() {
   static const std::vector<std::string> kNames = {
-      "matmul_backward",      "grouped_matmul_backward", "embedding_backward", "rmsnorm_backward",
-      "rope_backward",        "attention_backward",      "softmax_backward",   "router_backward",
-      "moe_permute_backward", "moe_unpermute_backward",  "swiglu_backward",    "cross_entropy_backward"};
+      "matmul_backward",       "grouped_matmul_backward", "embedding_backward",     "rmsnorm_backward",
+      "rope_backward",         "attention_backward",      "softmax_backward",       "router_backward",
+      "logsumexp_backward",    "moe_permute_backward",    "moe_unpermute_backward", "swiglu_backward",
+      "cross_entropy_backward"};
   return kNames;
 }
 
@@ -200,6 +202,8 @@ bool backend_implements(const Backend& b, const std::string& op) {
       TROUPE_OP_ENTRY(softmax_backward),
       TROUPE_OP_ENTRY(router_forward),
       TROUPE_OP_ENTRY(router_backward),
+      TROUPE_OP_ENTRY(logsumexp_forward),
+      TROUPE_OP_ENTRY(logsumexp_backward),
       TROUPE_OP_ENTRY(moe_dispatch_plan),
       TROUPE_OP_ENTRY(moe_permute),
       TROUPE_OP_ENTRY(moe_permute_backward),
@@ -1160,6 +1164,46 @@ OpCase router_forward_case(const RouterSpec& sp, Rng& rng) {
   return c;
 }
 
+// Row log-sum-exp (the router z-loss): 16 experts (a warp's lanes half empty), 40, and
+// 300 (several columns a lane); the backward accumulates.
+void add_logsumexp_cases(std::vector<OpCase>& cases, Rng& rng) {
+  for (const auto& [t, e] : std::vector<std::pair<int64_t, int64_t>>{{6, 16}, {9, 40}, {3, 300}}) {
+    OpCase c;
+    c.name = fmt::format("logsumexp/t{}e{}", t, e);
+    c.ops = {"logsumexp_forward", "logsumexp_backward"};
+    c.inputs = {rng.uniform({t, e}, -4.0, 4.0)};
+    c.f32_inputs = {0};
+    c.bf16_storage = false;
+    c.forward = [t](TestDevice& dev, const Tensors& in) {
+      Tensor lse = dev.poisoned({t}, DType::kF32);
+      logsumexp_forward(dev.exec(), in[0], lse);
+      return HostTensors{dev.download(lse)};
+    };
+    c.reference = [t, e](const HostTensors& in) {
+      HostTensor lse = HostTensor::zeros({t});
+      for (int64_t i = 0; i < t; ++i) {
+        double m = -1e300, s = 0;
+        for (int64_t j = 0; j < e; ++j) m = std::max(m, in[0][i * e + j]);
+        for (int64_t j = 0; j < e; ++j) s += std::exp(in[0][i * e + j] - m);
+        lse[i] = m + std::log(s);
+      }
+      return HostTensors{lse};
+    };
+    c.grad_inputs = {0};
+    c.loss_outputs = {0};
+    c.grad_init = {rng.uniform({t, e})};
+    const HostTensor init = c.grad_init[0];
+    c.backward = [t, init](TestDevice& dev, const Tensors& in, const Tensors& douts) {
+      Tensor lse = dev.poisoned({t}, DType::kF32);
+      logsumexp_forward(dev.exec(), in[0], lse);
+      Tensor dx = dev.upload(init);
+      logsumexp_backward(dev.exec(), in[0], lse, douts[0], 1.0f, dx);
+      return HostTensors{dev.download(dx)};
+    };
+    cases.push_back(std::move(c));
+  }
+}
+
 void add_router_cases(std::vector<OpCase>& cases, Rng& rng) {
   const std::vector<RouterSpec> specs = {
       {"softmax/top2/norm", 6, 8, {2, RouterScore::kSoftmax, true}, false, true},
@@ -2103,6 +2147,7 @@ std::vector<OpCase> all_op_cases(uint64_t seed) {
   add_attention_cases(cases, rng);
   add_softmax_cases(cases, rng);
   add_router_cases(cases, rng);
+  add_logsumexp_cases(cases, rng);
   add_moe_cases(cases, rng);
   add_swiglu_cases(cases, rng);
   add_cross_entropy_cases(cases, rng);

@@ -294,7 +294,7 @@ TEST_F(TrainingGpu, DeviceDrivenExpertDispatchOnTwoGpus) {
   };
   int64_t dev_reads = -1;  // the overlapped device path's host reads per step
   for (const Case& k : cases) {
-    // No z-loss (tiny.toml has one): the routers' statistics then stay on the device too.
+    // No z-loss (tiny.toml has one), as in the one-GPU run the aux losses are compared with.
     std::vector<std::string> host_sets = {"--set", "model.moe.z_loss_coef=0", "--allow-test-config"},
                              dev_sets = host_sets;
     for (const auto& v : k.sets) {

@@ -294,7 +294,7 @@ Status Stage::setup_engine() {
   const auto& t = tc_.train;
   const int64_t program_size = program_->device_stats_size();
   // The step's statistics stay on the device unless asked not to, or the program keeps its
-  // own on the host (e.g. a z-loss router), or its head reports the loss as a host value.
+  // own on the host, or its head reports the loss as a host value.
   // Every rank decides the same from the config alone (device_stats_size()'s contract):
   // the step's statistics are one collective over the world (an all-reduce on the device,
   // or an fp64 all-gather on the host), and no exchange may decide it at setup (a
@@ -313,7 +313,7 @@ Status Stage::setup_engine() {
     if (!t.device_stats) {
       why = "bench.device_stats = false reads the step's statistics on the host inside the step";
     } else if (!device_stats_) {
-      why = "the stage program keeps its step statistics on the host (e.g. a router with a z-loss)";
+      why = "the stage program keeps its step statistics on the host";
     } else if (last_ && program_->head() == nullptr) {
       why = "the stage program's loss (no head()) is a host value";
     } else {
