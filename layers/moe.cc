@@ -3,7 +3,7 @@
 // Two ways to keep the router's balancing statistics. Router::forward (CPU, or
 // bench.device_stats = false; groups through the host all-reduce): host loops over
 // read-back topk_idx and score sums, three host waits per MoE layer on a device (the
-// z-loss also reads back the logits).
+// z-loss also reads back each token's log-sum-exp).
 // Router::forward_device (MoELayer::set_device_stats; on GPUs): counts, score sums, the
 // z-loss's log-sum-exps and the aux loss (router_forward's RouterStats, logsumexp_forward)
 // accumulate on the device (in a group, summed over it by a device all-reduce) and are
@@ -51,21 +51,6 @@ kernels::RouterConfig Router::router_config() const {
   return rc;
 }
 
-namespace {
-// Log-sum-exp of each row of a host [T, E] array.
-std::vector<double> row_lse(const std::vector<float>& lg, int64_t t, int64_t e) {
-  std::vector<double> out(static_cast<size_t>(t));
-  for (int64_t i = 0; i < t; ++i) {
-    const float* row = &lg[static_cast<size_t>(i * e)];
-    const float mx = *std::max_element(row, row + e);
-    double se = 0;
-    for (int64_t j = 0; j < e; ++j) se += std::exp(static_cast<double>(row[j] - mx));
-    out[static_cast<size_t>(i)] = mx + std::log(se);
-  }
-  return out;
-}
-}  // namespace
-
 double Router::forward(const Ctx& c, const Tensor& x, Saved& s) const {
   const int64_t t = x.size(0), e = cfg.num_experts, k = cfg.top_k;
   s.x = x;
@@ -100,8 +85,13 @@ double Router::forward(const Ctx& c, const Tensor& x, Saved& s) const {
     }
   }
   stats[static_cast<size_t>(2 * e)] = static_cast<double>(t);
+  s.lse = Tensor();
   if (cfg.z_loss_coef > 0) {
-    for (double l : row_lse(host_floats(c.to_host(s.logits)), t, e)) stats[static_cast<size_t>(2 * e + 1)] += l * l;
+    // Each token's log-sum-exp stays for the z-loss gradient; T of them come back.
+    s.lse = c.empty({t}, DType::kF32);
+    kernels::logsumexp_forward(c.ex, s.logits, s.lse);
+    for (float l : c.to_host(s.lse).to_floats())
+      stats[static_cast<size_t>(2 * e + 1)] += static_cast<double>(l) * l;
   }
   if (all_reduce_) all_reduce_(stats);
 
@@ -169,18 +159,13 @@ void Router::forward_device(const Ctx& c, const Tensor& x, Saved& s, Tensor* acc
     const Tensor* lse_p = &s.lse;
     kernels::sum_squares_into(c.ex, std::span<const Tensor* const>(&lse_p, 1), zsum);
   }
+  if (device_all_reduce_) s.group_tokens = t * device_all_reduce_(st);
   Tensor aux_slot = acc->narrow(0, e, 1);
-  if (!device_all_reduce_) {
-    if (z_on)
-      kernels::axpby(c.ex, static_cast<float>(cfg.z_loss_coef / static_cast<double>(t)), zsum, 1.0f,
-                     aux_slot);
-    return;
-  }
-  s.group_tokens = t * device_all_reduce_(st);
   if (z_on) {
     kernels::axpby(c.ex, static_cast<float>(cfg.z_loss_coef / static_cast<double>(s.group_tokens)), zsum,
                    1.0f, aux_slot);
   }
+  if (!device_all_reduce_) return;
   Tensor load = acc->narrow(0, 0, e);
   kernels::axpby(c.ex, 1.0f, s.counts, 1.0f, load);
   if (aux_on) {
@@ -211,29 +196,15 @@ void Router::backward(const Ctx& c, const Tensor& dgates, const Saved& s, float 
     row = c.on_device() ? c.to_device(counts) : counts;
   }
   // Without a z-loss the kernel writes dlogits in the activation dtype of the product below
-  // (one rounding, no cast); the z-loss adds to f32 dlogits first (on the device after
-  // forward_device, else on the host).
+  // (one rounding, no cast); the z-loss adds to f32 dlogits first.
   Tensor dlogits = c.empty({t, e}, cfg.z_loss_coef > 0 ? DType::kF32 : c.act);
   kernels::router_backward(c.ex, s.scores, s.topk_idx, dgates, row.defined() ? &row : nullptr,
                            router_config(), dlogits, row_scale);
-  if (cfg.z_loss_coef > 0 && s.lse.defined()) {
-    // d/dlogits of coef * sum_t lse_t^2 / T = coef * 2 * lse_t * softmax(logits_t) / T, on the device.
+  if (cfg.z_loss_coef > 0) {
+    // d/dlogits of coef * sum_t lse_t^2 / T = coef * 2 * lse_t * softmax(logits_t) / T.
+    TROUPE_CHECK(s.lse.defined(), "Router::backward: the z-loss needs the forward's log-sum-exps");
     kernels::logsumexp_backward(c.ex, s.logits, s.lse, s.lse,
                                 static_cast<float>(loss_weight * cfg.z_loss_coef * 2.0 / tg), dlogits);
-  } else if (cfg.z_loss_coef > 0) {
-    // d/dlogits of coef * mean_t lse_t^2 = coef * 2 * lse_t * softmax(logits_t) / T.
-    // Host loop over read-back copies on a device (slow path; bench_1b has no z-loss).
-    const std::vector<float> lg = host_floats(c.to_host(s.logits));
-    const std::vector<double> lse = row_lse(lg, t, e);
-    Tensor dl_host = c.to_host(dlogits);  // dlogits itself on the CPU
-    float* dl = dl_host.data<float>();
-    for (int64_t i = 0; i < t; ++i) {
-      for (int64_t j = 0; j < e; ++j) {
-        const double p = std::exp(static_cast<double>(lg[static_cast<size_t>(i * e + j)]) - lse[static_cast<size_t>(i)]);
-        dl[i * e + j] += static_cast<float>(loss_weight * cfg.z_loss_coef * 2.0 * lse[static_cast<size_t>(i)] * p / tg);
-      }
-    }
-    c.copy_to_device(dl_host, dlogits);
   }
   // The product runs in the activation dtype (x and the working weight).
   Tensor dl = dlogits;
