@@ -177,16 +177,15 @@ bool PeerRows::same_host(const layers::Ctx& c, CommTime& t) {
 bool PeerRows::reserve(const layers::Ctx& c, CommTime& t, int64_t rows, int64_t row_bytes) {
   if (own_[0] != nullptr && rows <= rows_ && row_bytes <= row_bytes_ && generation() == mapped_generation_)
     return true;
-  // Known to span hosts in this epoch: no collective (reserve is asked per MoE block).
-  if (spans_hosts_ && generation() == hosts_generation_) return false;
-  if (unmappable_ && generation() == unmappable_generation_) return false;
+  // Known to take the host counts in this epoch: no collective (reserve is asked per MoE block).
+  if (host_counts_ && generation() == hosts_generation_) return false;
   TROUPE_CHECK(c.on_device() && c.ex.cuda != nullptr, "PeerRows needs a CUDA Ctx");
   if (!flag_.defined()) flag_ = c.zeros({1}, DType::kF32);
   // The same answer on every member (they compare the same table), so every member takes
   // the same path; asked again in every epoch, since a replacement may sit elsewhere.
   hosts_generation_ = generation();
-  spans_hosts_ = !same_host(c, t);
-  if (spans_hosts_) {
+  host_counts_ = !same_host(c, t);
+  if (host_counts_) {
     if (!warned_)
       make_logger("train")->warn(
           "parallel.device_dispatch: the n-group spans hosts; expert counts go through the host");
@@ -202,8 +201,7 @@ bool PeerRows::reserve(const layers::Ctx& c, CommTime& t, int64_t rows, int64_t 
   make_logger("train")->warn(
       "parallel.device_dispatch: the GPUs of this n-group cannot map each other's memory (CUDA IPC, peer "
       "access); expert counts go through the host");
-  unmappable_ = true;
-  unmappable_generation_ = generation();
+  host_counts_ = true;
   return false;
 }
 

@@ -71,10 +71,10 @@ class PeerRows {
   Tensor flag_;  // the barrier's one value
   bool required_ = false;
   bool warned_ = false;
-  bool spans_hosts_ = false;       // the answer of same_host() ...
-  uint64_t hosts_generation_ = 0;  // ... in this ElasticComm generation
-  bool unmappable_ = false;        // a mapping failed (not required) in this generation
-  uint64_t unmappable_generation_ = 0;
+  // The rows go through the host counts in this ElasticComm generation: the group spans
+  // hosts, or (not required) its GPUs could not map each other.
+  bool host_counts_ = false;
+  uint64_t hosts_generation_ = 0;  // the generation host_counts_ was decided in
 };
 
 }  // namespace troupe::training
