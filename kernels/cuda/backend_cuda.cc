@@ -231,9 +231,10 @@ void cuda_embedding_backward(const Exec& ex, const Tensor& ids, const Tensor& do
   require(ids, "embedding_backward", "ids");
   require(dout, "embedding_backward", "dout");
   require(dtable, "embedding_backward", "dtable");
-  Scratch scratch(s.ctx, gpu::embedding_backward_scratch_bytes(ids.numel(), dtable.size(0)));
+  const size_t bytes = gpu::embedding_backward_scratch_bytes(ids.numel(), dtable.size(0));
+  Scratch scratch(s.ctx, bytes);
   gpu::launch_embedding_backward(s.env, i32(ids), ids.numel(), dout.data_ptr(), dout.dtype(), dtable.size(0),
-                                 dtable.size(1), dtable.data_ptr(), dtable.dtype(), scratch.get());
+                                 dtable.size(1), dtable.data_ptr(), dtable.dtype(), scratch.get(), bytes);
 }
 
 // ---- RMSNorm -------------------------------------------------------------------------

@@ -113,7 +113,8 @@ void launch_embedding_forward(const Env& env, const int32_t* ids, int64_t tokens
 // in token order (scratch: embedding_backward_scratch_bytes).
 size_t embedding_backward_scratch_bytes(int64_t tokens, int64_t vocab);
 void launch_embedding_backward(const Env& env, const int32_t* ids, int64_t tokens, const void* dout, DType gt,
-                               int64_t vocab, int64_t d, void* dtable, DType dtt, void* scratch);
+                               int64_t vocab, int64_t d, void* dtable, DType dtt, void* scratch,
+                               size_t scratch_bytes);
 void launch_cross_entropy_forward(const Env& env, const void* logits, DType lt, const int32_t* targets,
                                   int64_t rows, int64_t vocab, float* losses, float* lse);
 void launch_cross_entropy_backward(const Env& env, const void* logits, DType lt, const int32_t* targets,

@@ -663,7 +663,8 @@ size_t embedding_backward_scratch_bytes(int64_t tokens, int64_t vocab) {
 }
 
 void launch_embedding_backward(const Env& env, const int32_t* ids, int64_t tokens, const void* dout, DType gt,
-                               int64_t vocab, int64_t d, void* dtable, DType dtt, void* scratch) {
+                               int64_t vocab, int64_t d, void* dtable, DType dtt, void* scratch,
+                               size_t scratch_bytes) {
   if (tokens * d == 0) return;
   TROUPE_CHECK(tokens <= std::numeric_limits<int32_t>::max(),
                "embedding_backward on cuda: at most 2^31-1 tokens, got {}", tokens);
@@ -673,7 +674,9 @@ void launch_embedding_backward(const Env& env, const int32_t* ids, int64_t token
   auto* keys = reinterpret_cast<int32_t*>(base + ids_bytes);
   auto* rows = reinterpret_cast<int32_t*>(base + 2 * ids_bytes);
   void* temp = base + 3 * ids_bytes;
-  size_t temp_bytes = sort_temp_bytes(tokens, vocab);
+  TROUPE_CHECK(scratch_bytes >= 3 * ids_bytes,
+               "embedding_backward on cuda: scratch of {} bytes for {} tokens", scratch_bytes, tokens);
+  size_t temp_bytes = scratch_bytes - 3 * ids_bytes;  // the sort's share (embedding_backward_scratch_bytes)
   launch(env, embedding_ids_kernel, grid_for(tokens, 256, env.num_sms), 256, 0, ids, tokens, vocab, rows_in);
   TROUPE_CUDA_LAUNCH_CHECK();
   CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, ids, keys, rows_in, rows,
