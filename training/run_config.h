@@ -79,8 +79,9 @@ struct TrainOptions {
   // GPU runs on Hopper: the attention backward computes dQ inside its
   // dK/dV kernel, each key block adding its share in no fixed order (~1.5% faster on
   // bench_1b; two runs agree to rounding). false: dQ in its own kernel, in a fixed order
-  // (kernels::CudaContext::attention_fused_dq): with it, every other GPU kernel sums in a
-  // fixed order too, so two runs of a config give the same losses bit for bit.
+  // (kernels::CudaContext::attention_fused_dq). With it off no kernel we know of adds in
+  // no fixed order (the embedding backward's atomics are gone): the two-GPU tests' runs
+  // give the same losses bit for bit (bench/RESULTS.md).
   bool attention_fused_dq = true;
   // GPUs of compute capability 9.0 and up: kernels launch with programmatic dependent
   // launch (kernels::CudaContext::pdl). bench.pdl = false turns it off, for comparison.
