@@ -1,8 +1,10 @@
 // training/parallel/elastic_comm.cc — ElasticComm (a communicator with a replaceable
-// backend) and the process-wide "throw on data-plane error" switch.
+// backend), the process-wide "throw on data-plane error" switch, and the fault points
+// with test.inject's parser (parse_faults).
 #include "training/parallel/elastic_comm.h"
 
 #include <atomic>
+#include <cstdlib>
 
 namespace troupe::training {
 
@@ -14,6 +16,63 @@ std::atomic<FaultHook> g_fault_hook{nullptr};
 void set_fault_hook(FaultHook hook) { g_fault_hook.store(hook); }
 void fault_point(std::string_view what) {
   if (FaultHook h = g_fault_hook.load()) h(what);
+}
+
+Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
+  std::vector<FaultSpec> out;
+  size_t pos = 0;
+  while (pos < spec.size()) {
+    size_t comma = spec.find(',', pos);
+    if (comma == std::string::npos) comma = spec.size();
+    const std::string item = spec.substr(pos, comma - pos);
+    pos = comma + 1;
+    if (item.empty()) continue;
+    FaultSpec f;
+    const size_t at = item.find('@'), c1 = item.find(':'), c2 = item.rfind(':');
+    if (at == std::string::npos || c1 == std::string::npos || c2 == c1 || c1 < at) {
+      return invalid_argument("test.inject: '{}' is not <kill|stop>@<step>:<phase>:<slot>", item);
+    }
+    const std::string action = item.substr(0, at);
+    if (action == "kill") {
+      f.action = FaultSpec::Action::kKill;
+    } else if (action == "stop") {
+      f.action = FaultSpec::Action::kStop;
+    } else if (action == "slow") {
+      f.action = FaultSpec::Action::kSlow;
+    } else if (action == "cut") {
+      f.action = FaultSpec::Action::kCut;
+    } else if (action == "hang") {
+      f.action = FaultSpec::Action::kHang;
+    } else if (action == "cutctl") {
+      f.action = FaultSpec::Action::kCutControl;
+    } else if (action == "corrupt") {
+      f.action = FaultSpec::Action::kCorrupt;
+    } else {
+      return invalid_argument(
+          "test.inject: unknown action '{}' (kill, stop, slow, cut, hang, cutctl or corrupt)", action);
+    }
+    f.phase = item.substr(c1 + 1, c2 - c1 - 1);
+    if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
+        f.phase != "snapshot" && f.phase != "landing" && f.phase != "any" && f.phase != "start") {
+      return invalid_argument(
+          "test.inject: unknown phase '{}' (forward, alltoall, sync, snapshot, landing, checkpoint, any, "
+          "start)",
+          f.phase);
+    }
+    char* end = nullptr;
+    const std::string step_s = item.substr(at + 1, c1 - at - 1), slot_s = item.substr(c2 + 1);
+    f.step = std::strtoll(step_s.c_str(), &end, 10);
+    const bool start = f.phase == "start";
+    if (step_s.empty() || *end != '\0' || (start ? f.step != 0 : f.step < 1))
+      return invalid_argument("test.inject: bad step in '{}' (phase start: step 0, else >= 1)", item);
+    if (start && f.action != FaultSpec::Action::kSlow)
+      return invalid_argument("test.inject: '{}': phase start takes only slow (slow@0:start:<slot>)", item);
+    f.slot = static_cast<int>(std::strtol(slot_s.c_str(), &end, 10));
+    if (slot_s.empty() || *end != '\0' || f.slot < 0)
+      return invalid_argument("test.inject: bad slot in '{}'", item);
+    out.push_back(f);
+  }
+  return out;
 }
 
 void set_throw_on_comm_error(bool on) { g_throw.store(on); }

@@ -20,6 +20,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "comm/process_groups.h"
@@ -42,6 +43,35 @@ bool throw_on_comm_error();
 using FaultHook = void (*)(std::string_view what);
 void set_fault_hook(FaultHook hook);
 void fault_point(std::string_view what);
+
+// Fault injection (tests/elastic, the demo): test.inject = "<action>@<step>:<phase>:<slot>[,...]" with
+// action kill (SIGKILL), stop (SIGSTOP), slow (sleeps 150 ms there at that step and
+// every later one: a straggler), cut (aborts the worker's own communicators: its data-plane
+// connections close, the process lives on) or hang (the step thread blocks forever while
+// the process keeps its heartbeat: only the step watchdog sees it) or cutctl (the worker's
+// connection to the control plane is closed: under troupe-scheduler its store session;
+// it keeps computing but can neither beat nor take commands) or corrupt (flips a byte of
+// the newest intact snapshot part this rank holds in its keeper's memory: the slice
+// checksums catch it at a restore), phase forward (the first attention all-to-all
+// of the step), alltoall (the first MoE dispatch all-to-all), sync (gradient
+// reduce-scatter), snapshot (right after the step's snapshot copy started), checkpoint
+// (while the checkpoint of the step is being written from its snapshot, by the writer
+// thread, during a later step) or any (the first data-plane wait of the step); slow@0:start:<slot>
+// instead delays the worker's start by twice the heartbeat timeout before its first beat
+// (a slow start is not a silent worker). Only processes started in epoch 0 inject (a
+// replacement never repeats its predecessor's fault).
+struct FaultSpec {
+  enum class Action { kKill, kStop, kSlow, kCut, kHang, kCutControl, kCorrupt } action = Action::kKill;
+  int64_t step = 0;
+  std::string phase;
+  int slot = 0;
+  // Whether the phase is a point the step's own host code passes (forward, alltoall,
+  // sync, any): a step replayed as a CUDA graph passes none of them.
+  bool inside_step() const {
+    return phase == "forward" || phase == "alltoall" || phase == "sync" || phase == "any";
+  }
+};
+Result<std::vector<FaultSpec>> parse_faults(const std::string& spec);
 
 class ElasticComm final : public comm::Communicator {
  public:

@@ -290,25 +290,6 @@ Status Stage::setup_params(const std::vector<ProgramParam>& params) {
   return ok_status();
 }
 
-namespace {
-// Whether test.inject ("<kind>@<step>:<phase>:<slot>,...", training/worker/elastic_faults)
-// names a phase met inside a step (forward, alltoall, sync, any): a replayed graph runs
-// none of the step's host code, so such a fault would never fire.
-bool injects_inside_step(const std::string& inject) {
-  size_t at = 0;
-  while ((at = inject.find('@', at)) != std::string::npos) {
-    const size_t p0 = inject.find(':', at);
-    if (p0 == std::string::npos) break;
-    const size_t p1 = inject.find(':', p0 + 1);
-    const std::string phase =
-        inject.substr(p0 + 1, p1 == std::string::npos ? std::string::npos : p1 - p0 - 1);
-    if (phase == "forward" || phase == "alltoall" || phase == "sync" || phase == "any") return true;
-    at = p0;
-  }
-  return false;
-}
-}  // namespace
-
 Status Stage::setup_engine() {
   const auto& t = tc_.train;
   const int64_t program_size = program_->device_stats_size();
@@ -340,7 +321,9 @@ Status Stage::setup_engine() {
       // hundreds of times against the op-by-op step (the pipeline's sends and receives in
       // a graph); until that is found, a pipeline runs op by op.
       why = "a pipeline's step (pp > 1) gave wrong gradients as a CUDA graph on two GPUs; not yet fixed";
-    } else if (injects_inside_step(tc_.elastic.inject)) {
+    } else if (const auto faults = parse_faults(tc_.elastic.inject);
+               faults.ok() && std::any_of(faults->begin(), faults->end(),
+                                          [](const FaultSpec& f) { return f.inside_step(); })) {
       why = "test.inject has faults at points inside a step, which a replayed graph does not pass";
     } else {
       why = program_->graph_blocker();

@@ -63,6 +63,7 @@
 #include "layers/context.h"
 #include "observe/health.h"
 #include "training/messages.h"
+#include "training/parallel/elastic_comm.h"
 #include "training/run_config.h"
 #include "training/stage/stage_program.h"
 #include "training/tolerant_store.h"
@@ -80,29 +81,8 @@ inline constexpr std::chrono::milliseconds kHeartbeatInterval{100};
 std::string elastic_key(const std::string& job, const std::string& rest);  // "<job>/elastic/<rest>"
 int64_t wall_ms();  // system clock, ms since the epoch (events, fault times)
 
-// Fault injection (tests/elastic, the demo): test.inject = "<action>@<step>:<phase>:<slot>[,...]" with
-// action kill (SIGKILL), stop (SIGSTOP), slow (sleeps 150 ms there at that step and
-// every later one: a straggler), cut (aborts the worker's own communicators: its data-plane
-// connections close, the process lives on) or hang (the step thread blocks forever while
-// the process keeps its heartbeat: only the step watchdog sees it) or cutctl (the worker's
-// connection to the control plane is closed: under troupe-scheduler its store session;
-// it keeps computing but can neither beat nor take commands) or corrupt (flips a byte of
-// the newest intact snapshot part this rank holds in its keeper's memory: the slice
-// checksums catch it at a restore), phase forward (the first attention all-to-all
-// of the step), alltoall (the first MoE dispatch all-to-all), sync (gradient
-// reduce-scatter), snapshot (right after the step's snapshot copy started), checkpoint
-// (while the checkpoint of the step is being written from its snapshot, by the writer
-// thread, during a later step) or any (the first data-plane wait of the step); slow@0:start:<slot>
-// instead delays the worker's start by twice the heartbeat timeout before its first beat
-// (a slow start is not a silent worker). Only processes started in epoch 0 inject (a
-// replacement never repeats its predecessor's fault).
-struct FaultSpec {
-  enum class Action { kKill, kStop, kSlow, kCut, kHang, kCutControl, kCorrupt } action = Action::kKill;
-  int64_t step = 0;
-  std::string phase;
-  int slot = 0;
-};
-Result<std::vector<FaultSpec>> parse_faults(const std::string& spec);
+// Fault injection (test.inject): FaultSpec and parse_faults are in
+// training/parallel/elastic_comm.h, next to the fault points they fire at.
 
 // The worker process: serves the job under the elastic protocol until "stop" (or until
 // the plan leaves it out). `tc` is the job's configuration; the plan overrides dp and

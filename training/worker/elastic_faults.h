@@ -1,5 +1,5 @@
 // training/worker/elastic_faults.h — fault injection in an elastic worker process
-// (test.inject; the parser parse_faults is declared in elastic.h): the per-process state
+// (test.inject; the parser parse_faults is in training/parallel/elastic_comm.h): the per-process state
 // the worker loop updates and the hook the comm layer calls at its fault points.
 // Included by the elastic worker's files only.
 #pragma once
