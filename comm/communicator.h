@@ -76,6 +76,12 @@ class Work {
 
   // Backend side: returns false if already completed.
   bool complete(Status status);
+  // Backend side: keeps `tensors` referenced for as long as this Work lives. An operation
+  // enqueued into a CUDA graph being captured completes at once (it runs at each replay),
+  // yet the capture's later nodes on other streams are ordered after it only once the
+  // caller has waited for it (CommTime::await): until then its buffers must not return
+  // to the allocator, which would hand them to such a node.
+  void hold(std::vector<Tensor> tensors) { held_ = std::move(tensors); }
 
   // Timings for timelines (bench/overlap): when the backend began executing the operation
   // (mark_started; backends that do not mark it leave the creation time) and when it
@@ -98,6 +104,7 @@ class Work {
   Status status_;
   int64_t created_ns_ = now_ns();
   std::atomic<int64_t> started_ns_{0}, completed_ns_{0};
+  std::vector<Tensor> held_;
 };
 
 using WorkPtr = std::shared_ptr<Work>;

@@ -273,9 +273,14 @@ class NcclCommunicator final : public Communicator {
     }
     // Enqueued into a CUDA graph being captured: it runs at each replay, tracked by the
     // fence the replaying code enqueues after the graph (an event recorded now would
-    // belong to the capture, and querying it fails).
+    // belong to the capture, and querying it fails). Its tensors stay with the Work
+    // (Work::hold): the caller keeps it until its stream has waited for the operation, so
+    // the capture's allocator cannot give a buffer still being sent or received on
+    // another stream to a later node (a pipeline's send of activations its stage has
+    // dropped, as captured on two GPUs: the peer received what overwrote them).
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusActive) {
+      work->hold(std::move(keep));
       work->complete(ok_status());
       return work;
     }

@@ -108,7 +108,7 @@ class MoeStage final : public training::StageProgram {
     }
     n_group_ = env.n;
     dp_ = env.dp;
-    device_dispatch_ = peer != nullptr;
+    peer_ = peer;
   }
 
   std::vector<training::ProgramParam> parameters() override {
@@ -314,10 +314,18 @@ class MoeStage final : public training::StageProgram {
 
   std::string graph_blocker() const override {
     if (n_group_ <= 1 || num_moe_blocks_ == 0) return "";
-    return device_dispatch_
-               ? "the expert dispatch over the n-group maps its peers' row buffers on the host as the rows "
-                 "grow (parallel.device_dispatch)"
-               : "the expert dispatch over the n-group reads its token counts on the host in every MoE block";
+    if (peer_ == nullptr) {
+      return "the expert dispatch over the n-group reads its token counts on the host in every MoE block "
+             "(parallel.device_dispatch = false, or dispatch = \"allgather\")";
+    }
+    // The device dispatch maps its peers' row buffers (worst-case sized) in the first step,
+    // which runs op by op, and again only in a new membership epoch (the graph is then
+    // captured anew after another step op by op): a captured step maps nothing.
+    if (peer_->host_counts()) {
+      return "the expert dispatch over the n-group went through the host counts (the group spans hosts, "
+             "or its GPUs cannot map each other's memory)";
+    }
+    return "";
   }
 
   // A replay skips forward's host bookkeeping: each block's expected selections
@@ -363,7 +371,7 @@ class MoeStage final : public training::StageProgram {
   Tensor stats_rows_;  // device statistics: per MoE block of the model, [E counts, aux] padded to stride_
   int64_t stride_ = 0;
   int n_group_ = 1, dp_ = 1;
-  bool device_dispatch_ = false;
+  std::shared_ptr<training::PeerRows> peer_;  // device dispatch over the n-group (null: host counts)
   std::vector<int64_t> captured_selections_;  // per role: the captured step's expected selections
 };
 

@@ -30,6 +30,8 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -263,9 +265,13 @@ TEST_F(TrainingGpu, CheckpointOnTwoGpusResumesOnOne) {
 }
 
 TEST_F(TrainingGpu, PipelineOnTwoGpus) {
-  // pp=2: one block per GPU, the reference's micro-batches through the 1F1B schedule.
+  // pp=2: one block per GPU, the reference's micro-batches through the 1F1B schedule, its
+  // step captured as a CUDA graph (the sends' buffers held by their Works until awaited).
   const std::vector<nlohmann::json>& ref = reference();
   compare(train("pp2", "pp=2"), ref, true);
+  std::ifstream log(*root_ / "pp2.log");
+  const std::string out((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  EXPECT_NE(out.find("captured as a CUDA graph"), std::string::npos) << "pp=2 ran op by op:\n" << out;
 }
 
 TEST_F(TrainingGpu, AllGatherDispatchOnTwoGpus) {

@@ -56,6 +56,10 @@ class PeerRows {
   // member enqueued before it on that stream is complete on every member once it is.
   comm::WorkPtr barrier(const comm::OpOptions& o);
 
+  // Whether reserve() decided, in the group's current generation, that the rows go
+  // through the host counts (false before its first call: not decided yet).
+  bool host_counts() const { return host_counts_ && generation() == hosts_generation_; }
+
  private:
   bool map(const layers::Ctx& c, CommTime& t, int64_t rows, int64_t row_bytes);
   bool same_host(const layers::Ctx& c, CommTime& t);

@@ -316,11 +316,6 @@ Status Stage::setup_engine() {
       why = "the stage program keeps its step statistics on the host";
     } else if (last_ && program_->head() == nullptr) {
       why = "the stage program's loss (no head()) is a host value";
-    } else if (layout_->pp() > 1) {
-      // Seen on two H200s: from the captured step on, pp=2's gradient norm was off by
-      // hundreds of times against the op-by-op step (the pipeline's sends and receives in
-      // a graph); until that is found, a pipeline runs op by op.
-      why = "a pipeline's step (pp > 1) gave wrong gradients as a CUDA graph on two GPUs; not yet fixed";
     } else if (const auto faults = parse_faults(tc_.elastic.inject);
                faults.ok() && std::any_of(faults->begin(), faults->end(),
                                           [](const FaultSpec& f) { return f.inside_step(); })) {

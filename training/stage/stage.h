@@ -373,6 +373,9 @@ class Stage {
   std::vector<int64_t> graph_tokens_;  // per micro-batch: the captured step's target counts
   size_t graph_peak_ = 0;              // the captured step's allocator high-water mark
   bool graph_mismatch_told_ = false;
+  // A step ran op by op since graph_ was made or reset: what a program sets up in its
+  // first step (buffers mapped, sizes learnt) is in place, so the next step may be captured.
+  bool graph_warm_ = false;
   // The training micro-batches' device inputs, at fixed addresses (what a graph replays).
   struct Inputs {
     Tensor ids, targets;

@@ -39,7 +39,10 @@ void Stage::abort_comms(std::string_view reason) {
 
 Status Stage::rebuild_comms(const comm::StoreNamespace& ns) {
   // A captured step holds the old communicators' handles: the next step captures anew.
-  if (graph_ && layout_->world_size() > 1) graph_->reset();
+  if (graph_ && layout_->world_size() > 1) {
+    graph_->reset();
+    graph_warm_ = false;  // the new epoch's first step runs op by op (the program set-up anew)
+  }
   for (ElasticComm* c : elastic_comms_) {
     TROUPE_RETURN_IF_ERROR(c->rebuild(ns).with_context(fmt::format("rebuilding communicator {}", c->spec().name)));
   }
@@ -64,6 +67,7 @@ void Stage::clear_interrupted_step() {
   if (graph_ && graph_->capturing()) {
     (void)graph_->end_capture();  // a step interrupted while captured: nothing to keep
     graph_->reset();
+    graph_warm_ = false;
   }
   program_->discard_step();
 }

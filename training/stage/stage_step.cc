@@ -253,7 +253,28 @@ void Stage::launch_step(int64_t step) {
   const HostBatch b = read_batch(step);
   // Replayed while the batch's target counts are the captured step's (its loss scale).
   const bool replay = graph_ && graph_->captured() && b.tokens == graph_tokens_;
-  const bool capture = graph_ && !graph_->captured() && steps_launched_ >= 1;
+  bool capture = graph_ && !graph_->captured() && graph_warm_;
+  if (capture) {
+    // What the program decided in its op-by-op step may keep it op by op (e.g. an expert
+    // dispatch that fell back to the host counts).
+    const std::string why = program_->graph_blocker();
+    if (!why.empty()) {
+      if (tc_.train.cuda_graph_asked) {
+        throw std::runtime_error(
+            fmt::format("bench.cuda_graph = true cannot capture this layout's step ({}): {}; set "
+                        "bench.cuda_graph = false",
+                        layout_->to_string(), why));
+      }
+      if (rank_ == 0) {
+        fmt::print(
+            "note: the step runs op by op from now on, not as a CUDA graph (bench.cuda_graph), in layout "
+            "{}: {}\n",
+            layout_->to_string(), why);
+      }
+      graph_.reset();
+      capture = false;
+    }
+  }
   if (graph_ && graph_->captured() && !replay && !graph_mismatch_told_ && rank_ == 0) {
     fmt::print(
         "stage: step {} has other counts of targets than the captured step: it runs op by op (so does "
@@ -307,6 +328,7 @@ void Stage::launch_step(int64_t step) {
     }
   } else {
     enqueue_step(step, /*capturing=*/false);
+    graph_warm_ = graph_ != nullptr;
   }
   time_.device_span("gpu", "step", step_mark, time_.device_mark());
   if (marks_) marks_->end(static_cast<int>(step % 3));
