@@ -9,8 +9,9 @@
 // - Every rank of the communicator issues the same collectives in the same order.
 //   send/recv between two ranks match in the order they are issued.
 // - Tensors are contiguous, on the communicator's device, and stay referenced by the Work
-//   until it completes; the caller must not touch an output (or modify an input) before
-//   the Work completes.
+//   until it completes (NCCL, an operation captured into a CUDA graph: for as long as the
+//   Work lives, see Work::hold); the caller must not touch an output (or modify an input)
+//   before the Work completes.
 // - Every operation has a deadline: OpOptions::timeout, or CommOptions::op_timeout, counted
 //   from the moment the backend starts executing it. A dead or stuck peer makes the Work
 //   complete with an error (kUnavailable, kDeadlineExceeded), never hang.
