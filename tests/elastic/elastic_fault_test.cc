@@ -870,7 +870,10 @@ TEST_F(ElasticFault, TroupeReplaceScaleAndStatusCommands) {
   // the CLI's processes start slowly on a loaded machine (at ~0.6 s a step, a fresh-clone
   // run once saw the job finish first).
   const std::string slow = "slow@1:any:0,slow@1:forward:0,slow@1:alltoall:0,slow@1:sync:0";
-  const RunResult r = run_case("cli", slow + "," + slow, {}, tick);
+  // A 3 s heartbeat timeout, not the suite's 1.5 s: in one run with both cores busy (two
+  // spin loops and another test) slot 0 went 1.55 s without a beat, the heartbeat
+  // failure replaced every slot, and `troupe replace 1` then named no slot of the job.
+  const RunResult r = run_case("cli", slow + "," + slow, {"elastic.heartbeat_timeout_ms=3000"}, tick);
   expect_clean_finish(r);
   expect_same_losses("cli", r);
   ASSERT_EQ(cmds.size(), 6u) << r.output;
