@@ -58,22 +58,25 @@ Tensor stacked3(const Tensor& a, const Tensor& b, const Tensor& c) {
 }
 }  // namespace
 
-Tensor Attention::positions(int64_t batch, int64_t seq) {
+Tensor Attention::positions(int64_t batch, int64_t seq, int64_t offset) {
   std::vector<int32_t> p(static_cast<size_t>(batch * seq));
-  for (int64_t i = 0; i < batch * seq; ++i) p[static_cast<size_t>(i)] = static_cast<int32_t>(i % seq);
+  for (int64_t i = 0; i < batch * seq; ++i)
+    p[static_cast<size_t>(i)] = static_cast<int32_t>(offset + i % seq);
   return Tensor::from_ints({batch * seq}, p);
 }
 
-const Tensor& Attention::device_positions(const Ctx& c, int64_t batch, int64_t seq) const {
-  // Uploaded once per (batch, seq, device): the same positions serve every micro-batch.
+const Tensor& Attention::device_positions(const Ctx& c, int64_t batch, int64_t seq, int64_t offset) const {
+  // Uploaded once per (batch, seq, offset, device): the same positions serve every micro-batch.
   const auto hit = [&](const PosCache& e) {
-    return e.pos.defined() && e.pos.numel() == batch * seq && e.seq == seq && e.pos.device() == c.ex.device;
+    return e.pos.defined() && e.pos.numel() == batch * seq && e.seq == seq && e.offset == offset &&
+           e.pos.device() == c.ex.device;
   };
   for (PosCache& e : pos_cache_)
     if (hit(e)) return e.pos;
   PosCache& slot = pos_cache_[pos_cache_[0].pos.defined() ? 1 : 0];  // else replace the second
-  slot.pos = c.to_device(positions(batch, seq));
+  slot.pos = c.to_device(positions(batch, seq, offset));
   slot.seq = seq;
+  slot.offset = offset;
   return slot.pos;
 }
 

@@ -64,10 +64,12 @@ class Attention {
   Tensor project_qkv_backward(const Ctx& c, const Tensor& x, const Tensor& positions, Tensor& dq, Tensor& dk,
                               Tensor& dv, bool rope_undone = false, const QkNormSaved* norm = nullptr);
 
-  static Tensor positions(int64_t batch, int64_t seq);  // host i32 [B*S]: t % seq
-  // positions() on the Exec's device, cached (uploaded again only when the shape changes;
-  // two shapes at a time: forward asks for batch and 2 * batch, see project_qkv).
-  const Tensor& device_positions(const Ctx& c, int64_t batch, int64_t seq) const;
+  // Host i32 [B*S]: offset + t % seq (offset: where a sequence shard starts, Ulysses).
+  static Tensor positions(int64_t batch, int64_t seq, int64_t offset = 0);
+  // positions() on the Exec's device, cached (uploaded again only when the shape or offset
+  // changes; two at a time: forward asks for batch and 2 * batch, see project_qkv). A step
+  // captured as a CUDA graph replays their address, and an upload inside it would wait.
+  const Tensor& device_positions(const Ctx& c, int64_t batch, int64_t seq, int64_t offset = 0) const;
 
   Parameter wq, wk, wv, wo;  // [D, Hq*Dh], [D, Hkv*Dh], [D, Hkv*Dh], [Hq*Dh, D]
   std::unique_ptr<RMSNorm> q_norm, k_norm;  // weights [Dh]; null without the q/k norm
@@ -77,7 +79,7 @@ class Attention {
  private:
   struct PosCache {
     Tensor pos;
-    int64_t seq = 0;
+    int64_t seq = 0, offset = 0;
   };
   mutable PosCache pos_cache_[2];
 };

@@ -198,30 +198,12 @@ std::vector<Tensor> AttentionShard::switch_all(const std::vector<Tensor>& xs, bo
   return out;
 }
 
-const Tensor& AttentionShard::positions(const layers::Ctx& c, int64_t batch, int64_t seq_local) {
-  const int64_t r = group_.rank();
-  for (size_t i = 0; i < 2; ++i) {
-    // Rank r's positions of this shape: r * seq_local + (token % seq_local).
-    if (pos_[i].defined() && pos_[i].numel() == batch * seq_local && seq_local_of_[i] == seq_local &&
-        rank_of_[i] == r && pos_[i].device() == c.ex.device)
-      return pos_[i];
-  }
-  const size_t slot = pos_[0].defined() ? 1 : 0;
-  std::vector<int32_t> pos(static_cast<size_t>(batch * seq_local));
-  for (int64_t i = 0; i < batch * seq_local; ++i) {
-    pos[static_cast<size_t>(i)] = static_cast<int32_t>(r * seq_local + i % seq_local);
-  }
-  const Tensor host = Tensor::from_ints({batch * seq_local}, pos);
-  pos_[slot] = c.to_device(host);
-  seq_local_of_[slot] = seq_local;
-  rank_of_[slot] = r;
-  return pos_[slot];
-}
-
 Tensor AttentionShard::forward(const layers::Ctx& c, const Tensor& x, int64_t batch, int64_t seq_local,
                                Saved& s) {
   s.x = x;
-  s.pos = positions(c, batch, seq_local);
+  // This rank's positions (it holds tokens [r * seq_local, (r + 1) * seq_local) of each
+  // sequence), uploaded once.
+  s.pos = attn_.device_positions(c, batch, seq_local, group_.rank() * seq_local);
   Tensor q, k, v;
   attn_.project_qkv(c, x, s.pos, batch, seq_local, q, k, v, nullptr, &s.qk_norm);
   std::vector<Tensor> qkv = switch_all({q, k, v}, true);

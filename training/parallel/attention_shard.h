@@ -55,18 +55,11 @@ class AttentionShard {
  private:
   // Several switches: launched together with overlap, else one after the other.
   std::vector<Tensor> switch_all(const std::vector<Tensor>& xs, bool to_head);
-  // This rank's token positions [batch * seq_local], uploaded once per shape and kept: a
-  // step captured as a CUDA graph replays their address (and an upload inside it would
-  // wait on the host). The first shape (training's) stays; a second one (e.g. an
-  // evaluation's) takes the other slot.
-  const Tensor& positions(const layers::Ctx& c, int64_t batch, int64_t seq_local);
 
   layers::Attention& attn_;
   comm::Communicator& group_;
   CommTime& time_;
   bool overlap_;
-  Tensor pos_[2];
-  int64_t seq_local_of_[2] = {0, 0}, rank_of_[2] = {-1, -1};
 };
 
 }  // namespace troupe::training
