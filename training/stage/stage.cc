@@ -290,6 +290,19 @@ Status Stage::setup_params(const std::vector<ProgramParam>& params) {
   return ok_status();
 }
 
+Status Stage::graph_blocked(std::string_view why, std::string_view when) const {
+  if (tc_.train.cuda_graph_asked) {
+    return failed_precondition(
+        "bench.cuda_graph = true cannot capture this layout's step ({}): {}; set bench.cuda_graph = false",
+        layout_->to_string(), why);
+  }
+  if (rank_ == 0) {
+    fmt::print("note: the step runs op by op{}, not as a CUDA graph (bench.cuda_graph), in layout {}: {}\n",
+               when, layout_->to_string(), why);
+  }
+  return ok_status();
+}
+
 Status Stage::setup_engine() {
   const auto& t = tc_.train;
   const int64_t program_size = program_->device_stats_size();
@@ -323,17 +336,8 @@ Status Stage::setup_engine() {
     } else {
       why = program_->graph_blocker();
     }
-    if (!why.empty() && t.cuda_graph_asked) {
-      return failed_precondition(
-          "bench.cuda_graph = true cannot capture this layout's step ({}): {}; set "
-          "bench.cuda_graph = false",
-          layout_->to_string(), why);
-    }
     if (!why.empty()) {
-      if (rank_ == 0) {
-        fmt::print("note: the step runs op by op, not as a CUDA graph (bench.cuda_graph), in layout {}: {}\n",
-                   layout_->to_string(), why);
-      }
+      TROUPE_RETURN_IF_ERROR(graph_blocked(why, ""));
     } else {
       graph_ = std::make_unique<StepGraph>(ctx_);
       opt_->use_device_schedule(ctx_);  // the update's launch the same every step

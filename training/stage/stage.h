@@ -279,6 +279,9 @@ class Stage {
   void complete_in_flight();         // completes every launched step (reports kept)
   void write_trace(int64_t step, int64_t t0_ns);
   Status setup_engine();
+  // A step that cannot be captured (`why`): refused when the config set bench.cuda_graph =
+  // true itself, else a note (rank 0) that it runs op by op (`when`: "" or " from now on").
+  Status graph_blocked(std::string_view why, std::string_view when) const;
   // Makes ctx_'s device current on the calling thread (steps run on an actor thread).
   void bind_device() const;
 

@@ -259,18 +259,7 @@ void Stage::launch_step(int64_t step) {
     // dispatch that fell back to the host counts).
     const std::string why = program_->graph_blocker();
     if (!why.empty()) {
-      if (tc_.train.cuda_graph_asked) {
-        throw std::runtime_error(
-            fmt::format("bench.cuda_graph = true cannot capture this layout's step ({}): {}; set "
-                        "bench.cuda_graph = false",
-                        layout_->to_string(), why));
-      }
-      if (rank_ == 0) {
-        fmt::print(
-            "note: the step runs op by op from now on, not as a CUDA graph (bench.cuda_graph), in layout "
-            "{}: {}\n",
-            layout_->to_string(), why);
-      }
+      if (Status st = graph_blocked(why, " from now on"); !st.ok()) throw std::runtime_error(st.to_string());
       graph_.reset();
       capture = false;
     }
