@@ -142,8 +142,10 @@ struct ParallelOptions {
   bool overlap_param_gather = true;  // dp parameter all-gather behind the next forward
   // Token chunks of each expert dispatch (the expert GEMMs of chunk c run while chunk c+1
   // is dispatched and chunk c-1 combined). Part of the arithmetic (expert weight gradients
-  // are summed per chunk), so compare runs at equal chunks.
-  int64_t chunks = 2;
+  // are summed per chunk), so compare runs at equal chunks. 1 by default: with the step a
+  // CUDA graph and the counts on the device, one chunk ran 6-8% faster at n=2 on two
+  // H200s than two (each chunk's expert GEMMs run on a part of the rows; docs/parallelism.md).
+  int64_t chunks = 1;
   bool fp8_dispatch = false;  // expert token dispatch in fp8 e4m3 with per-token scales
   // GPUs: the expert all-to-all driven by counts that stay on the device (the n-group's
   // GPUs write into and read from each other's mapped buffers), so no MoE block waits on

@@ -294,7 +294,7 @@ TEST_F(TrainingGpu, DeviceDrivenExpertDispatchOnTwoGpus) {
     std::vector<std::string> sets;
   };
   const std::vector<Case> cases = {
-      {"overlapped", {}},
+      {"overlapped", {"parallel.chunks=2"}},  // the chunked dispatch (the default is 1 chunk)
       {"sequential", {"bench.overlap_a2a=false", "parallel.chunks=1"}},
       {"fp8", {"parallel.fp8_dispatch=true"}},
   };
