@@ -197,8 +197,10 @@ class TrainingGpu : public ::testing::Test {
   }
 
   // Per step: loss and gradient norm against the one-GPU reference; every step reports mfu.
-  static void compare(const std::vector<nlohmann::json>& got, const std::vector<nlohmann::json>& ref,
-                      bool per_gpu_peak) {
+  // `no_host_reads`: every step of the layout reads nothing back to the host before its
+  // metrics (host_syncs 0), as every layout whose step is a graph must.
+  static void compare(const std::string& name, const std::vector<nlohmann::json>& got,
+                      const std::vector<nlohmann::json>& ref, bool per_gpu_peak, bool no_host_reads) {
     ASSERT_EQ(got.size(), static_cast<size_t>(kSteps));
     ASSERT_EQ(ref.size(), static_cast<size_t>(kSteps));
     for (int64_t i = 0; i < 3; ++i) {
@@ -213,6 +215,7 @@ class TrainingGpu : public ::testing::Test {
     }
     EXPECT_LT(got.back()["loss"].get<double>(), got.front()["loss"].get<double>())
         << "the loss does not fall";
+    int64_t most_reads = 0;
     for (const auto& g : got) {
       ASSERT_TRUE(g.contains("mfu")) << g.dump();
       EXPECT_GT(g["mfu"].get<double>(), 0.0);
@@ -220,7 +223,13 @@ class TrainingGpu : public ::testing::Test {
         ASSERT_TRUE(g.contains("peak_bytes")) << g.dump();
         EXPECT_GT(g["peak_bytes"].get<double>(), 0.0);
       }
+      ASSERT_TRUE(g.contains("host_syncs")) << g.dump();
+      most_reads = std::max(most_reads, g["host_syncs"].get<int64_t>());
+      if (no_host_reads) {
+        EXPECT_EQ(g["host_syncs"].get<int64_t>(), 0) << name << " step " << g["step"];
+      }
     }
+    std::printf("[%s] host reads per step: at most %lld\n", name.c_str(), static_cast<long long>(most_reads));
   }
 
   static const std::vector<nlohmann::json>& reference() {
@@ -237,12 +246,12 @@ fs::path* TrainingGpu::root_ = nullptr;
 TEST_F(TrainingGpu, ExpertAndSequenceParallelOnTwoGpus) {
   // n=2 keeps the reference's micro-batches: the same tokens split over the sequence.
   const std::vector<nlohmann::json>& ref = reference();
-  compare(train("n2", "n=2"), ref, true);
+  compare("n=2", train("n2", "n=2"), ref, true, true);
 }
 
 TEST_F(TrainingGpu, DataParallelOnTwoGpus) {
   const std::vector<nlohmann::json>& ref = reference();
-  compare(train("dp2", "dp=2"), ref, true);
+  compare("dp=2", train("dp2", "dp=2"), ref, true, true);
 }
 
 TEST_F(TrainingGpu, CheckpointOnTwoGpusResumesOnOne) {
@@ -268,7 +277,7 @@ TEST_F(TrainingGpu, PipelineOnTwoGpus) {
   // pp=2: one block per GPU, the reference's micro-batches through the 1F1B schedule, its
   // step captured as a CUDA graph (the sends' buffers held by their Works until awaited).
   const std::vector<nlohmann::json>& ref = reference();
-  compare(train("pp2", "pp=2"), ref, true);
+  compare("pp=2", train("pp2", "pp=2"), ref, true, true);
   std::ifstream log(*root_ / "pp2.log");
   const std::string out((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
   EXPECT_NE(out.find("captured as a CUDA graph"), std::string::npos) << "pp=2 ran op by op:\n" << out;
@@ -276,7 +285,9 @@ TEST_F(TrainingGpu, PipelineOnTwoGpus) {
 
 TEST_F(TrainingGpu, AllGatherDispatchOnTwoGpus) {
   const std::vector<nlohmann::json>& ref = reference();
-  compare(train("n2_allgather", "n=2", {"--set", "parallel.dispatch=\"allgather\""}), ref, true);
+  compare("n=2 allgather", train("n2_allgather", "n=2", {"--set", "parallel.dispatch=\"allgather\""}), ref,
+          true,
+          false);  // op by op: the counts go through the host
 }
 
 // parallel.device_dispatch (the default on one host): the expert rows move through the
@@ -337,7 +348,7 @@ TEST_F(TrainingGpu, DeviceDrivenExpertDispatchOnTwoGpus) {
       // micro-batch's, counted once (not once per member).
       const std::vector<nlohmann::json> one =
           train("one_gpu_no_zloss", "", {"--set", "model.moe.z_loss_coef=0"});
-      compare(dev, one, true);
+      compare("n=2 device dispatch", dev, one, true, true);
       for (size_t i = 0; i < 3; ++i) {
         EXPECT_LT(rel_diff(one[i]["aux_loss"].get<double>(), dev[i]["aux_loss"].get<double>()), 1e-2)
             << "step " << i + 1 << ": aux loss " << dev[i]["aux_loss"] << " against one GPU's "
