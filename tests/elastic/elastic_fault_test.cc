@@ -254,6 +254,28 @@ TEST_F(ElasticFault, SigstopHangIsDetectedByHeartbeat) {
   EXPECT_EQ(events_named(*root_ / "sigstop" / "events.jsonl", "worker_killed").size(), 1u) << r.output;
 }
 
+// A bad action or phase is refused naming it and the words test.inject takes.
+TEST(ElasticInject, UnknownActionOrPhaseNamesTheChoices) {
+  using troupe::training::parse_faults;
+  const auto act = parse_faults("kill@2:sync:0,explode@3:sync:1");
+  ASSERT_FALSE(act.ok());
+  EXPECT_NE(act.status().to_string().find(
+                "unknown action 'explode' (kill, stop, slow, cut, hang, cutctl, corrupt)"),
+            std::string::npos)
+      << act.status().to_string();
+  const auto ph = parse_faults("stop@2:backward:0");
+  ASSERT_FALSE(ph.ok());
+  EXPECT_NE(
+      ph.status().to_string().find(
+          "unknown phase 'backward' (forward, alltoall, sync, snapshot, landing, checkpoint, any, start)"),
+      std::string::npos)
+      << ph.status().to_string();
+  const auto ok = parse_faults("corrupt@4:landing:1,cutctl@2:any:0");
+  ASSERT_TRUE(ok.ok()) << ok.status().to_string();
+  EXPECT_TRUE(ok.value()[0].action == troupe::training::FaultSpec::Action::kCorrupt);
+  EXPECT_TRUE(ok.value()[1].action == troupe::training::FaultSpec::Action::kCutControl);
+}
+
 // The fault grammar's start phase: only slow, only at step 0; the others keep step >= 1.
 TEST(ElasticInject, StartPhaseTakesOnlySlowAtStepZero) {
   using troupe::training::FaultSpec;

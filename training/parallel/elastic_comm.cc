@@ -3,8 +3,12 @@
 // with test.inject's parser (parse_faults).
 #include "training/parallel/elastic_comm.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <iterator>
+#include <string>
+#include <utility>
 
 namespace troupe::training {
 
@@ -18,6 +22,24 @@ void fault_point(std::string_view what) {
   if (FaultHook h = g_fault_hook.load()) h(what);
 }
 
+namespace {
+// test.inject's words: the actions and the phases (FaultSpec, elastic_comm.h).
+constexpr std::pair<std::string_view, FaultSpec::Action> kFaultActions[] = {
+    {"kill", FaultSpec::Action::kKill},      {"stop", FaultSpec::Action::kStop},
+    {"slow", FaultSpec::Action::kSlow},      {"cut", FaultSpec::Action::kCut},
+    {"hang", FaultSpec::Action::kHang},      {"cutctl", FaultSpec::Action::kCutControl},
+    {"corrupt", FaultSpec::Action::kCorrupt}};
+constexpr std::string_view kFaultPhases[] = {"forward", "alltoall",   "sync", "snapshot",
+                                             "landing", "checkpoint", "any",  "start"};
+
+template <typename Range, typename Name>
+std::string word_list(const Range& r, Name name) {
+  std::string out;
+  for (const auto& w : r) out += (out.empty() ? "" : ", ") + std::string(name(w));
+  return out;
+}
+}  // namespace
+
 Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
   std::vector<FaultSpec> out;
   size_t pos = 0;
@@ -30,34 +52,20 @@ Result<std::vector<FaultSpec>> parse_faults(const std::string& spec) {
     FaultSpec f;
     const size_t at = item.find('@'), c1 = item.find(':'), c2 = item.rfind(':');
     if (at == std::string::npos || c1 == std::string::npos || c2 == c1 || c1 < at) {
-      return invalid_argument("test.inject: '{}' is not <kill|stop>@<step>:<phase>:<slot>", item);
+      return invalid_argument("test.inject: '{}' is not <action>@<step>:<phase>:<slot>", item);
     }
     const std::string action = item.substr(0, at);
-    if (action == "kill") {
-      f.action = FaultSpec::Action::kKill;
-    } else if (action == "stop") {
-      f.action = FaultSpec::Action::kStop;
-    } else if (action == "slow") {
-      f.action = FaultSpec::Action::kSlow;
-    } else if (action == "cut") {
-      f.action = FaultSpec::Action::kCut;
-    } else if (action == "hang") {
-      f.action = FaultSpec::Action::kHang;
-    } else if (action == "cutctl") {
-      f.action = FaultSpec::Action::kCutControl;
-    } else if (action == "corrupt") {
-      f.action = FaultSpec::Action::kCorrupt;
-    } else {
-      return invalid_argument(
-          "test.inject: unknown action '{}' (kill, stop, slow, cut, hang, cutctl or corrupt)", action);
+    const auto a = std::find_if(std::begin(kFaultActions), std::end(kFaultActions),
+                                [&](const auto& e) { return e.first == action; });
+    if (a == std::end(kFaultActions)) {
+      return invalid_argument("test.inject: unknown action '{}' ({})", action,
+                              word_list(kFaultActions, [](const auto& e) { return e.first; }));
     }
+    f.action = a->second;
     f.phase = item.substr(c1 + 1, c2 - c1 - 1);
-    if (f.phase != "forward" && f.phase != "alltoall" && f.phase != "sync" && f.phase != "checkpoint" &&
-        f.phase != "snapshot" && f.phase != "landing" && f.phase != "any" && f.phase != "start") {
-      return invalid_argument(
-          "test.inject: unknown phase '{}' (forward, alltoall, sync, snapshot, landing, checkpoint, any, "
-          "start)",
-          f.phase);
+    if (std::find(std::begin(kFaultPhases), std::end(kFaultPhases), f.phase) == std::end(kFaultPhases)) {
+      return invalid_argument("test.inject: unknown phase '{}' ({})", f.phase,
+                              word_list(kFaultPhases, [](std::string_view w) { return w; }));
     }
     char* end = nullptr;
     const std::string step_s = item.substr(at + 1, c1 - at - 1), slot_s = item.substr(c2 + 1);
