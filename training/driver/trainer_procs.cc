@@ -350,9 +350,16 @@ std::optional<Failure> ProcessSupervisor::check_heartbeats() {
     last_hb_check_ = Clock::now();
     return f;
   }
-  // A store that answers slowly (a loaded scheduler) is no proof of silence either.
+  // A store that answers slowly (a loaded scheduler) is no proof of silence either. The
+  // workers' beats are writes: with a file store the probe writes too, since a busy disk
+  // stalls file creation and renames (its journal) while reads still answer at once. Under
+  // the scheduler one thread answers both, and a read costs it no disk.
   const auto t_probe = Clock::now();
-  (void)store_.poll_contains(store_.key("hb/probe"));
+  if (scheduled_) {
+    (void)store_.poll_contains(store_.key("hb/probe"));
+  } else {
+    (void)store_.poll_set(store_.key("hb/probe"), std::to_string(++probe_seq_));
+  }
   const bool store_stalled = Clock::now() - t_probe > std::chrono::milliseconds(500);
   if (store_stalled || Clock::now() - last_hb_check_ > hb_timeout_ / 2 ||
       Clock::now() < liveness_grace_until_) {

@@ -173,6 +173,7 @@ class ProcessSupervisor {
   uint64_t outages_seen_ = 0;
   Clock::time_point liveness_grace_until_{};
   Clock::time_point last_hb_check_ = Clock::now();
+  uint64_t probe_seq_ = 0;  // the value of the stall probe's write (file stores)
 };
 
 }  // namespace troupe::training

@@ -61,20 +61,21 @@ void fault_hook(std::string_view what) {
     }
     if (fs->fired[i] || f.slot != fs->slot || f.step != at || !phase_matches(f.phase, what)) continue;
     fs->fired[i] = true;
-    const int64_t fault_ms = wall_ms();
-    (void)fs->store->set(
-        elastic_key(fs->job, fmt::format("fault/{}", fs->slot)),
-        nlohmann::json{{"ts_ms", fault_ms}, {"what", std::string(what)}, {"step", f.step}}.dump());
-    const int64_t stored_ms = wall_ms() - fault_ms;
     const char* name = f.action == FaultSpec::Action::kKill      ? "SIGKILL"
                        : f.action == FaultSpec::Action::kStop    ? "SIGSTOP"
                        : f.action == FaultSpec::Action::kCut     ? "a data-plane cut"
                        : f.action == FaultSpec::Action::kHang    ? "a hang"
                        : f.action == FaultSpec::Action::kCorrupt ? "a damaged snapshot part"
                                                                  : "a control-connection cut";
-    fmt::print(stderr, "elastic: slot {} injects {} at step {} during '{}' (its record stored in {} ms)\n",
-               fs->slot, name, f.step, what, stored_ms);
+    // The line first, then the fault's time: the driver measures detection from the record's
+    // time, and a write to the log (a file on a busy disk) may block for seconds; that is not
+    // the fault's to count. Only the record's own store write lies between it and the fault.
+    fmt::print(stderr, "elastic: slot {} injects {} at step {} during '{}'\n", fs->slot, name, f.step, what);
     std::fflush(stderr);
+    const int64_t fault_ms = wall_ms();
+    (void)fs->store->set(
+        elastic_key(fs->job, fmt::format("fault/{}", fs->slot)),
+        nlohmann::json{{"ts_ms", fault_ms}, {"what", std::string(what)}, {"step", f.step}}.dump());
     switch (f.action) {
       case FaultSpec::Action::kKill:
         raise(SIGKILL);
