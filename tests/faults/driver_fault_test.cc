@@ -137,6 +137,18 @@ TEST_F(DriverFaults, RestartedDriverKeepsTheRecord) {
   const pid_t run = start(name, tag);
   ASSERT_TRUE(wait_for_steps(*root_ / name, 6, std::chrono::seconds(90)));
   const fs::path dir = *root_ / name;
+  // The first driver commits the checkpoint of step 4 off the steps: on a loaded machine (a
+  // busy disk) that may land after step 6. The kill waits for it, until step 9 of 12 at most.
+  auto ready_to_kill = [&] {
+    try {
+      return !records(dir / "events.jsonl", "checkpoint_committed").empty() ||
+             test::step_records(dir / "metrics.jsonl").size() >= 9;
+    } catch (const std::exception&) {
+      return false;  // a line being written
+    }
+  };
+  const auto until = Clock::now() + std::chrono::seconds(60);
+  while (!ready_to_kill() && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   const size_t events_before = test::read_jsonl(dir / "events.jsonl").size();
   const pid_t driver = driver_of(tag);
   ASSERT_GT(driver, 0);
