@@ -1,4 +1,5 @@
-// scheduler/daemons/agent.cc — the Agent's loop: registration, spawning, exits, kills, logs.
+// scheduler/daemons/agent.cc — the Agent's loop (registration, exits, kills, logs) and its
+// starter thread (process starts).
 #include "scheduler/daemons/agent.h"
 
 #include <arpa/inet.h>
@@ -7,6 +8,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -133,12 +135,27 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentOptions opts) {
     if (!k.ok()) return k.status().with_context("agent snapshot keeper");
     a->keeper_ = std::move(k).value();
   }
+  a->start_wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (a->start_wake_fd_ < 0) return io_error("agent: eventfd: {}", std::strerror(errno));
+  Agent* self = a.get();
+  a->starter_ = std::thread([self] { self->starter_loop(); });
   a->send_register();
   return a;
 }
 
 Agent::~Agent() {
-  if (!children_.empty()) kill_all(std::chrono::milliseconds(1000));
+  if (!children_.empty() || starts_pending()) kill_all(std::chrono::milliseconds(1000));
+  if (starter_.joinable()) {
+    {
+      std::lock_guard lock(start_mu_);
+      start_stop_ = true;
+    }
+    start_cv_.notify_all();
+    starter_.join();  // a start it finished after kill_all's bound: its child got PDEATHSIG
+    collect_starts();
+    if (!children_.empty()) kill_all(std::chrono::milliseconds(0));
+  }
+  if (start_wake_fd_ >= 0) ::close(start_wake_fd_);
   keeper_.reset();
   relay_.reset();
   if (!relay_dir_.empty()) {
@@ -239,10 +256,12 @@ void Agent::run_once(std::chrono::milliseconds timeout) {
   std::vector<pollfd> fds;
   fds.push_back({conn_->wake_fd(), POLLIN, 0});
   if (relay_) fds.push_back({relay_->wake_fd(), POLLIN, 0});
+  if (start_wake_fd_ >= 0) fds.push_back({start_wake_fd_, POLLIN, 0});
   for (const auto& [pid, c] : children_) {
     if (c.proc.pidfd >= 0) fds.push_back({c.proc.pidfd, POLLIN, 0});
   }
   ::poll(fds.data(), fds.size(), static_cast<int>(timeout.count()));
+  collect_starts();
   reap();
   // A stopping agent handles nothing more (a job of many processes must not delay it).
   while (!stop_.load()) {
@@ -347,11 +366,15 @@ void Agent::on_spawn(const SpawnRequest& req) {
     conn_->send(Message{0, ProcExited{st}});
     return;
   }
-  // One process per (job, name): a leftover of an older epoch is killed first.
+  // One process per (job, name): a leftover of an older epoch is killed first, and so is
+  // one of this (job, name) still being started.
   for (auto& [pid, c] : children_) {
     if (c.status.job_id == req.job_id && c.status.name == req.name) kill_process_group(pid, SIGKILL).ignore();
   }
-  SpawnOptions so;
+  kill_pending(req.job_id, req.name, SIGKILL, 0);
+  auto p = std::make_shared<PendingStart>();
+  p->status = st;
+  SpawnOptions& so = p->options;
   so.argv = req.argv;
   so.work_dir = req.work_dir;
   so.log_path = log_path(req.job_id, req.name);
@@ -370,41 +393,137 @@ void Agent::on_spawn(const SpawnRequest& req) {
   // The job's CURVE secret key goes to the process as a 0600 file, not in its environment
   // (which /proc/<pid>/environ, core dumps and child processes would carry).
   if (!req.job_secret_key.empty()) {
-    const std::string dir = fmt::format("{}/jobs/{}/keys", opts_.work_dir, req.job_id);
-    const std::string path = job_key_path(req.job_id, req.name, req.epoch);
-    Status ks = make_private_dir(dir, "job key directory");
-    if (ks.ok()) ks = write_private_file(path, req.job_secret_key);
+    p->key_dir = fmt::format("{}/jobs/{}/keys", opts_.work_dir, req.job_id);
+    p->key_path = job_key_path(req.job_id, req.name, req.epoch);
+    p->key = req.job_secret_key;
+    env[job_env::kJobSecretKeyFile] = p->key_path;
+  }
+  for (const auto& [k, v] : env) so.env.push_back(k + "=" + v);
+  {
+    std::lock_guard lock(start_mu_);
+    start_queue_.push_back(std::move(p));
+  }
+  start_cv_.notify_all();
+}
+
+// The starter thread: one start at a time, in the order the loop queued them.
+void Agent::starter_loop() {
+  for (;;) {
+    std::shared_ptr<PendingStart> p;
+    {
+      std::unique_lock lock(start_mu_);
+      start_cv_.wait(lock, [&] { return start_stop_ || !start_queue_.empty(); });
+      if (start_stop_) return;
+      p = std::move(start_queue_.front());
+      start_queue_.pop_front();
+      starting_ = p;
+    }
+    start_one(*p);
+    if (p->child) {
+      std::lock_guard lock(live_mu_);
+      live_pgids_.insert(p->child->pid);
+    }
+    {
+      std::lock_guard lock(start_mu_);
+      starting_.reset();
+      started_.push_back(std::move(p));
+    }
+    start_cv_.notify_all();
+    const uint64_t one = 1;
+    ssize_t n = ::write(start_wake_fd_, &one, sizeof(one));
+    (void)n;
+  }
+}
+
+void Agent::start_one(PendingStart& p) {
+  if (!p.key.empty()) {
+    Status ks = make_private_dir(p.key_dir, "job key directory");
+    if (ks.ok()) ks = write_private_file(p.key_path, p.key);
     if (!ks.ok()) {
+      p.error = fmt::format("cannot start {} on {}: {}", p.status.name, opts_.agent_id, ks.message());
+      return;
+    }
+  }
+  auto child = spawn_process(p.options);
+  if (!child.ok()) {
+    p.error =
+        fmt::format("cannot start {} on {}: {}", p.status.name, opts_.agent_id, child.status().message());
+    return;
+  }
+  p.child = *child;
+}
+
+void Agent::kill_pending(const std::string& job, const std::string& name, int sig, int grace_ms) {
+  std::lock_guard lock(start_mu_);
+  const auto mark = [&](PendingStart& p) {
+    if (p.status.job_id != job || (!name.empty() && p.status.name != name)) return;
+    // The strongest signal asked for wins (a SIGKILL is never softened by a later SIGTERM).
+    if (p.kill_signal != SIGKILL) {
+      p.kill_signal = sig;
+      p.kill_grace_ms = grace_ms;
+    }
+  };
+  for (auto& p : start_queue_) mark(*p);
+  if (starting_) mark(*starting_);
+  for (auto& p : started_) mark(*p);
+}
+
+bool Agent::starts_pending() {
+  std::lock_guard lock(start_mu_);
+  return !start_queue_.empty() || starting_ || !started_.empty();
+}
+
+void Agent::quiesce_starts(std::chrono::milliseconds bound) {
+  std::unique_lock lock(start_mu_);
+  for (auto& p : start_queue_) {
+    p->dropped = true;
+    started_.push_back(std::move(p));
+  }
+  start_queue_.clear();
+  if (starting_) starting_->kill_signal = SIGKILL;
+  if (!start_cv_.wait_for(lock, bound, [&] { return !starting_; })) {
+    log()->warn("a process start still under way after {} ms; going on without it", bound.count());
+  }
+}
+
+void Agent::collect_starts() {
+  if (start_wake_fd_ >= 0) {
+    uint64_t n = 0;
+    ssize_t r = ::read(start_wake_fd_, &n, sizeof(n));
+    (void)r;
+  }
+  std::vector<std::shared_ptr<PendingStart>> done;
+  {
+    std::lock_guard lock(start_mu_);
+    done.swap(started_);
+  }
+  for (auto& p : done) {
+    ProcStatus st = p->status;
+    st.time_ms = wall_ms();
+    if (p->dropped || !p->child) {
       st.exit_code = 127;
-      st.error = fmt::format("cannot start {} on {}: {}", req.name, opts_.agent_id, ks.message());
-      st.time_ms = wall_ms();
+      st.error = p->dropped
+                     ? fmt::format("{} was not started: agent {} stopped first", st.name, opts_.agent_id)
+                     : p->error;
       log()->warn("{}", st.error);
       conn_->send(Message{0, ProcExited{st}});
       unacked_exits_.push_back(st);
-      return;
+      continue;
     }
-    env[job_env::kJobSecretKeyFile] = path;
+    st.pid = p->child->pid;
+    st.running = true;
+    log()->info("started {}/{} epoch {} as pid {}", st.job_id, st.name, st.epoch, st.pid);
+    Child& c = children_[st.pid] = Child{st, *p->child, std::nullopt};
+    conn_->send(Message{0, ProcStarted{st}});
+    if (p->kill_signal != 0) {  // killed while it was being started: now
+      log()->info("{}/{} epoch {} was to be killed while it was being started: signal {} now", st.job_id,
+                  st.name, st.epoch, p->kill_signal);
+      kill_process_group(st.pid, p->kill_signal).ignore();
+      if (p->kill_signal == SIGTERM) kill_process_group(st.pid, SIGCONT).ignore();
+      if (p->kill_signal != SIGKILL)
+        c.kill_at = Clock::now() + std::chrono::milliseconds(std::max(0, p->kill_grace_ms));
+    }
   }
-  for (const auto& [k, v] : env) so.env.push_back(k + "=" + v);
-  auto child = spawn_process(so);
-  st.time_ms = wall_ms();
-  if (!child.ok()) {
-    st.exit_code = 127;
-    st.error = fmt::format("cannot start {} on {}: {}", req.name, opts_.agent_id, child.status().message());
-    log()->warn("{}", st.error);
-    conn_->send(Message{0, ProcExited{st}});
-    unacked_exits_.push_back(st);
-    return;
-  }
-  st.pid = child->pid;
-  st.running = true;
-  log()->info("started {}/{} epoch {} as pid {}", req.job_id, req.name, req.epoch, child->pid);
-  children_[child->pid] = Child{st, *child, std::nullopt};
-  {
-    std::lock_guard lock(live_mu_);
-    live_pgids_.insert(child->pid);
-  }
-  conn_->send(Message{0, ProcStarted{st}});
 }
 
 void Agent::on_kill(const KillRequest& req) {
@@ -415,6 +534,8 @@ void Agent::on_kill(const KillRequest& req) {
     if (sig == SIGTERM) kill_process_group(pid, SIGCONT).ignore();  // a stopped process cannot act on SIGTERM
     if (sig != SIGKILL) c.kill_at = Clock::now() + std::chrono::milliseconds(std::max(0, req.grace_ms));
   }
+  kill_pending(req.job_id, req.name, req.signal > 0 && req.signal < NSIG ? req.signal : SIGKILL,
+               req.grace_ms);
 }
 
 void Agent::on_logs(uint64_t rid, const LogsRequest& req) {
@@ -447,6 +568,11 @@ void Agent::kill_all_now() {
 }
 
 void Agent::kill_all(std::chrono::milliseconds grace) {
+  // Starts not yet begun are dropped; the one under way is adopted (and killed) when it ends.
+  if (starter_.joinable()) {
+    quiesce_starts(std::max(grace, std::chrono::milliseconds(2000)));
+    collect_starts();
+  }
   for (auto& [pid, c] : children_) {
     kill_process_group(pid, SIGTERM).ignore();
     kill_process_group(pid, SIGCONT).ignore();

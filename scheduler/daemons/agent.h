@@ -22,18 +22,28 @@
 // and it copies them to another node's keeper (TCP on the host address), so they survive
 // the node. Its figures ride on the agent's heartbeats into `troupe status`.
 //
-// Threading: run()/run_once() on one thread; stop() from any thread. Children get
-// PR_SET_PDEATHSIG, so they die with the agent's thread: no orphans if the agent dies.
+// Threading: run()/run_once() on one thread (the loop); stop() from any thread. Process
+// starts run on a thread of their own (the starter): the job key file, the log file's
+// directory and open, fork and the wait for the exec can each stall on a busy disk or a
+// loaded machine, and the loop must go on beating, relaying and killing meanwhile. The loop
+// prepares a start, queues it, and adopts its outcome when the starter wakes it (an
+// eventfd in the poll set): it then reports ProcStarted (or ProcExited with the error), as
+// before. A kill for a process still being started is applied the moment it is adopted.
+// Children get PR_SET_PDEATHSIG, so they die with the starter thread, which lives as long
+// as the agent: no orphans if the agent dies.
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "checkpoint/snapshot_keeper.h"
@@ -104,10 +114,31 @@ class Agent {
     std::optional<Clock::time_point> kill_at;  // SIGKILL deadline after a SIGTERM
   };
 
+  // A process start handed to the starter thread: what the loop prepared, then the outcome.
+  struct PendingStart {
+    ProcStatus status;  // job, name, epoch
+    SpawnOptions options;
+    std::string key_dir, key_path, key;  // the job's secret key, written first (key empty: none)
+    int kill_signal = 0;                 // a kill asked for while it was being started (0: none)
+    int kill_grace_ms = 0;
+    bool dropped = false;               // the agent stopped before starting it
+    std::optional<ChildProcess> child;  // started
+    std::string error;                  // why it could not start
+  };
+
   explicit Agent(AgentOptions opts) : opts_(std::move(opts)) {}
   void handle(const Message& m);
   void send_register();
   void on_spawn(const SpawnRequest& req);
+  void starter_loop();
+  void start_one(PendingStart& p);
+  // Marks the starts of `job` (and `name`, unless empty) not yet adopted with a kill.
+  void kill_pending(const std::string& job, const std::string& name, int sig, int grace_ms);
+  // On the loop: reports and adopts the starts the starter finished.
+  void collect_starts();
+  bool starts_pending();
+  // Drops the queued starts and waits (at most `bound`) for the one under way.
+  void quiesce_starts(std::chrono::milliseconds bound);
   void on_kill(const KillRequest& req);
   void on_logs(uint64_t rid, const LogsRequest& req);
   Status open_relay();
@@ -135,6 +166,15 @@ class Agent {
   std::atomic<bool> stop_{false};
   std::mutex live_mu_;
   std::set<pid_t> live_pgids_;  // children not yet reaped, for kill_all_now()
+  // The starter thread and what it shares with the loop (under start_mu_).
+  std::mutex start_mu_;
+  std::condition_variable start_cv_;
+  std::deque<std::shared_ptr<PendingStart>> start_queue_;
+  std::shared_ptr<PendingStart> starting_;              // under way
+  std::vector<std::shared_ptr<PendingStart>> started_;  // finished, not yet adopted
+  bool start_stop_ = false;
+  int start_wake_fd_ = -1;  // eventfd: the starter finished a start
+  std::thread starter_;
 };
 
 }  // namespace troupe::sched

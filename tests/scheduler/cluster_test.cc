@@ -2,12 +2,19 @@
 // troupe-scheduler, two troupe-agents (2 slots each) and 4-worker jobs with a driver,
 // driven through the troupe CLI. Covers status, kill -9 of a worker (detection time),
 // SIGSTOP (heartbeat timeout), a scheduler restart mid-job, a killed driver, CURVE with a
-// wrong key, and that no process is left behind (Cluster's destructor checks /proc).
+// wrong key, process starts that stall (the agent keeps beating; a kill meanwhile is
+// applied once the start ends), and that no process is left behind (Cluster's destructor
+// checks /proc).
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "scheduler/client/transport.h"
 #include "tests/scheduler/harness.h"
@@ -292,6 +299,86 @@ TEST(Cluster, ClearErrorsForUnknownJobWrongAddressAndBadArguments) {
   EXPECT_EQ(cancelled.exit_code, 0) << cancelled.output;
   EXPECT_TRUE(wait_until([&] { return procs_with_tag(c.tag()).empty(); }, seconds(5)));
   EXPECT_EQ(c.job_state(job), "cancelled");
+}
+
+// A start that stalls, as an open of its log file on a stalled disk would: the log file is
+// a FIFO that nothing reads yet, so the agent's open of it blocks until the test opens the
+// other end. Opens the FIFO `path` for reading and drains it to its end on a thread.
+class FifoReader {
+ public:
+  explicit FifoReader(std::string path) : path_(std::move(path)) {}
+  ~FifoReader() { join(); }
+  void start() {
+    thread_ = std::thread([this] {
+      const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) return;
+      char buf[4096];
+      while (::read(fd, buf, sizeof(buf)) > 0) {
+      }
+      ::close(fd);
+    });
+  }
+  void join() {
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::string path_;
+  std::thread thread_;
+};
+
+// The FIFO in place of job-1's worker-0 log on the cluster's only agent.
+std::string stall_worker0_log(const Cluster& c) {
+  const std::string logs = c.dir() + "/a1/jobs/job-1/logs";
+  std::filesystem::create_directories(logs);
+  const std::string fifo = logs + "/worker-0.log";
+  EXPECT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  return fifo;
+}
+
+TEST(Cluster, AStalledProcessStartDoesNotSilenceTheAgent) {
+  Cluster::Options o;
+  o.agents = 1;
+  Cluster c(o);
+  FifoReader reader(stall_worker0_log(c));
+  std::string job = c.submit(2, {}, {{"TW_RUN_MS", "300"}});
+  ASSERT_EQ(job, "job-1");
+  // Past the scheduler's agent timeout (3 s) with worker-0's start blocked in the agent.
+  std::this_thread::sleep_for(milliseconds(4500));
+  const json st = c.status("");
+  ASSERT_EQ(st["agents"].size(), 1u);
+  EXPECT_TRUE(st["agents"][0].value("alive", false)) << st.dump();
+  EXPECT_FALSE(find_event(c.events(job), "agent_lost", "")) << c.logs_of_daemons();
+  EXPECT_EQ(c.logs_of_daemons().find("declared dead"), std::string::npos) << c.logs_of_daemons();
+  // The open returns: the start goes on and the job runs to its end.
+  reader.start();
+  ASSERT_TRUE(c.wait_state(job, "succeeded", seconds(20))) << c.logs_of_daemons();
+  EXPECT_TRUE(exists(c.out_dir() + "/worker-0.e0.r0.done"));
+  EXPECT_TRUE(exists(c.out_dir() + "/worker-1.e0.r0.done"));
+}
+
+TEST(Cluster, ACancelDuringAStalledStartKillsTheProcessOnceStarted) {
+  Cluster::Options o;
+  o.agents = 1;
+  Cluster c(o);
+  FifoReader reader(stall_worker0_log(c));
+  std::string job = c.submit(2, {}, {{"TW_RUN_MS", "60000"}});
+  ASSERT_EQ(job, "job-1");
+  // The driver starts; worker-0's start blocks (and worker-1's waits behind it).
+  ASSERT_TRUE(wait_until([&] { return !procs_with_tag(c.tag()).empty(); }, seconds(10)))
+      << c.logs_of_daemons();
+  auto cancelled = c.cli({"cancel", job});
+  EXPECT_EQ(cancelled.exit_code, 0) << cancelled.output;
+  reader.start();
+  // worker-0 and worker-1 start after the cancel and are killed as they are adopted.
+  EXPECT_TRUE(wait_until([&] { return procs_with_tag(c.tag()).empty(); }, seconds(10)))
+      << c.logs_of_daemons();
+  EXPECT_TRUE(wait_until([&] { return c.job_state(job) == "cancelled"; }, seconds(5))) << c.job_state(job);
+  EXPECT_FALSE(exists(c.out_dir() + "/worker-0.e0.r0.done"));
+  const std::string agent_log = c.agent(0).log_text();
+  EXPECT_NE(agent_log.find("job-1/worker-0 epoch 0 was to be killed while it was being started"),
+            std::string::npos)
+      << agent_log;
 }
 
 }  // namespace
