@@ -154,6 +154,10 @@ Agent::~Agent() {
     starter_.join();  // a start it finished after kill_all's bound: its child got PDEATHSIG
     collect_starts();
     if (!children_.empty()) kill_all(std::chrono::milliseconds(0));
+    for (const std::string& path : removals_) {  // key files of processes reaped since
+      std::error_code ec;
+      std::filesystem::remove(path, ec);
+    }
   }
   if (start_wake_fd_ >= 0) ::close(start_wake_fd_);
   keeper_.reset();
@@ -320,8 +324,11 @@ void Agent::reap() {
       live_pgids_.erase(it->first);
     }
     log()->info("{}/{} (pid {}) exited with status {}", s.job_id, s.name, s.pid, exit->exit_status());
-    std::error_code ec;
-    std::filesystem::remove(job_key_path(s.job_id, s.name, s.epoch), ec);  // its key file, if it had one
+    {  // its key file, if it had one (by the starter: an unlink may wait on the disk)
+      std::lock_guard lock(start_mu_);
+      removals_.push_back(job_key_path(s.job_id, s.name, s.epoch));
+    }
+    start_cv_.notify_all();
     conn_->send(Message{0, ProcExited{s}});
     unacked_exits_.push_back(std::move(s));
     it = children_.erase(it);
@@ -410,10 +417,20 @@ void Agent::on_spawn(const SpawnRequest& req) {
 void Agent::starter_loop() {
   for (;;) {
     std::shared_ptr<PendingStart> p;
+    std::vector<std::string> removals;
     {
       std::unique_lock lock(start_mu_);
-      start_cv_.wait(lock, [&] { return start_stop_ || !start_queue_.empty(); });
+      start_cv_.wait(lock, [&] { return start_stop_ || !start_queue_.empty() || !removals_.empty(); });
+      removals.swap(removals_);
+    }
+    for (const std::string& path : removals) {
+      std::error_code ec;
+      std::filesystem::remove(path, ec);
+    }
+    {
+      std::unique_lock lock(start_mu_);
       if (start_stop_) return;
+      if (start_queue_.empty()) continue;
       p = std::move(start_queue_.front());
       start_queue_.pop_front();
       starting_ = p;

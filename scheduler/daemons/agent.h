@@ -29,6 +29,8 @@
 // prepares a start, queues it, and adopts its outcome when the starter wakes it (an
 // eventfd in the poll set): it then reports ProcStarted (or ProcExited with the error), as
 // before. A kill for a process still being started is applied the moment it is adopted.
+// The starter also removes the key files of processes that ended (an unlink waits for a
+// busy disk's journal too).
 // Children get PR_SET_PDEATHSIG, so they die with the starter thread, which lives as long
 // as the agent: no orphans if the agent dies.
 #pragma once
@@ -172,6 +174,7 @@ class Agent {
   std::deque<std::shared_ptr<PendingStart>> start_queue_;
   std::shared_ptr<PendingStart> starting_;              // under way
   std::vector<std::shared_ptr<PendingStart>> started_;  // finished, not yet adopted
+  std::vector<std::string> removals_;  // key files of ended processes, removed by the starter
   bool start_stop_ = false;
   int start_wake_fd_ = -1;  // eventfd: the starter finished a start
   std::thread starter_;

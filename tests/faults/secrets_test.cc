@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 #include <iterator>
 #include <random>
@@ -60,6 +61,12 @@ TEST(SecretsAtRest, SchedulerStateHoldsNoPlaintextSecret) {
   ASSERT_TRUE(c.wait_state(job, "succeeded", std::chrono::seconds(60))) << c.logs_of_daemons();
   ASSERT_TRUE(sched::test::wait_until([&] { return sched::test::procs_with_tag(c.tag()).empty(); },
                                       std::chrono::seconds(10)));
+  // The agent's starter thread removes each key file once its process is reaped.
+  EXPECT_TRUE(sched::test::wait_until(
+      [&] {
+        return std::none_of(key_files.begin(), key_files.end(), [](const auto& f) { return fs::exists(f); });
+      },
+      std::chrono::seconds(5)));
   for (const auto& f : key_files) EXPECT_FALSE(fs::exists(f)) << f << " outlived its process";
 
   const fs::path state = fs::path(c.dir()) / "state";
