@@ -538,10 +538,9 @@ void expect_bitwise_after_kill(const fs::path& root, const std::string& name, co
     if (!inject.empty()) c.sets.push_back(fmt::format("test.inject=\"{}\"", inject));
     c.parallel = parallel;
     std::vector<std::string> a = c.argv();
-    // The scheduler's own silence verdicts get 5 s, as in
-    // TroupeRunReplacesWorkersThroughTheScheduler: a loaded machine can starve the driver or
-    // the agent for seconds. (One load run lost 3 s of the agent's beats while its loop
-    // started the replacement; starts now run on the agent's starter thread.)
+    // The scheduler's silence verdicts on the job's processes get 5 s, as in
+    // TroupeRunReplacesWorkersThroughTheScheduler: a loaded machine can starve the driver
+    // for seconds. (The agent's own timeout is the scheduler's, 3 s.)
     if (troupe_run) {
       a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--heartbeat-timeout-ms", "5000", "--"});
     }
