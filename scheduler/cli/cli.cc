@@ -642,6 +642,7 @@ int cli_run(const RunOptions& opts) {
   so.security.server_keys = *run_keys;
   so.security.allowed_client_keys = {run_keys->public_key};
   so.metrics.listen = opts.metrics_listen;
+  so.agent_timeout_ms = opts.agent_timeout_ms;
   for (const std::string& kv : opts.detector) {
     if (Status ds = so.detector.set(kv); !ds.ok()) return fail(ds);
   }

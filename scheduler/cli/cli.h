@@ -36,6 +36,7 @@ struct RunOptions {
   bool nproc_given = true;      // false: take it from the Slurm allocation (SlurmAllocation)
   std::string metrics_listen;   // the embedded scheduler's /metrics (empty: none)
   std::vector<std::string> detector;  // KEY=VALUE thresholds (observe/peer_detector.h)
+  int agent_timeout_ms = 3000;        // the embedded agent silent this long is declared dead
 };
 
 // What `troupe run` reads from a Slurm allocation (salloc, sbatch, srun): SLURM_JOB_ID,

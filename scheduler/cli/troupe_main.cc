@@ -113,6 +113,9 @@ int main(int argc, char** argv) {
   run->add_option("--slots", run_opts.slots,
                   "Slots of the embedded agent (default: --nproc); more workers fail at once")
       ->check(CLI::Range(1, 1000000));
+  run->add_option("--agent-timeout-ms", run_opts.agent_timeout_ms,
+                  "The embedded agent silent this long is declared dead and the job restarted (default 3000)")
+      ->check(CLI::Range(1, 1000000));
 
   SpecFlags submit_flags;
   CliConnection submit_conn;

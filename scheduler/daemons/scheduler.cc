@@ -71,7 +71,8 @@ Status Scheduler::init() {
     log()->info("serving Prometheus metrics on {}", metrics_->url());
   }
   TROUPE_RETURN_IF_ERROR(recover());
-  log()->info("scheduler listening on {} (incarnation {:x}, state {})", endpoint_, incarnation_, opts_.state_dir);
+  log()->info("scheduler listening on {} (incarnation {:x}, state {}, agent timeout {} ms)", endpoint_,
+              incarnation_, opts_.state_dir, opts_.agent_timeout_ms);
   return ok_status();
 }
 

@@ -538,11 +538,12 @@ void expect_bitwise_after_kill(const fs::path& root, const std::string& name, co
     if (!inject.empty()) c.sets.push_back(fmt::format("test.inject=\"{}\"", inject));
     c.parallel = parallel;
     std::vector<std::string> a = c.argv();
-    // The scheduler's silence verdicts on the job's processes get 5 s, as in
-    // TroupeRunReplacesWorkersThroughTheScheduler: a loaded machine can starve the driver
-    // for seconds. (The agent's own timeout is the scheduler's, 3 s.)
+    // The scheduler's silence verdicts get 5 s, on the job's processes as in
+    // TroupeRunReplacesWorkersThroughTheScheduler and on the embedded agent: a loaded
+    // machine can starve either for seconds, and what is checked here is the restore.
     if (troupe_run) {
-      a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--heartbeat-timeout-ms", "5000", "--"});
+      a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--heartbeat-timeout-ms", "5000",
+                           "--agent-timeout-ms", "5000", "--"});
     }
     return a;
   };
@@ -827,10 +828,12 @@ TEST_F(ElasticFault, TroupeRunReplacesWorkersThroughTheScheduler) {
   // store) are replaced by processes the scheduler places.
   baseline();
   std::vector<std::string> a = args("troupe-run", "stop@3:forward:2,kill@5:alltoall:0");
-  // The scheduler's own silence verdicts (the driver's beats included) get 5 s: the stopped
-  // worker is the driver's to find (elastic.heartbeat_timeout_ms, 3 s), and on a loaded
-  // machine a starved driver must not be restarted.
-  a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--heartbeat-timeout-ms", "5000", "--"});
+  // The scheduler's own silence verdicts (the driver's beats and the embedded agent's
+  // included) get 5 s: the stopped worker is the driver's to find
+  // (elastic.heartbeat_timeout_ms, 3 s), and on a loaded machine a starved driver or agent
+  // must not restart the job.
+  a.insert(a.begin(), {TROUPE_CLI_BIN, "run", "--nproc", "4", "--heartbeat-timeout-ms", "5000",
+                       "--agent-timeout-ms", "5000", "--"});
   const RunResult r = run(a, {}, *root_ / "troupe-run.log", std::chrono::seconds(180));
   std::printf("[elastic troupe-run] ran in %.1f s\n", r.seconds);
   expect_clean_finish(r);

@@ -65,6 +65,15 @@ TEST(TroupeRun, RestartsFailingWorkersUpToMaxRestarts) {
   EXPECT_NE(never.output.find("no restarts left (max_restarts=2)"), std::string::npos) << never.output;
 }
 
+TEST(TroupeRun, AgentTimeoutReachesTheEmbeddedScheduler) {
+  auto r = run_cli({"run", "-v", "--agent-timeout-ms", "7000", "--nproc", "1", "--", "/bin/true"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("agent timeout 7000 ms"), std::string::npos) << r.output;
+  auto zero = run_cli({"run", "--agent-timeout-ms", "0", "--nproc", "1", "--", "/bin/true"});
+  EXPECT_EQ(zero.exit_code, 2) << zero.output;
+  EXPECT_NE(zero.output.find("--agent-timeout-ms"), std::string::npos) << zero.output;
+}
+
 TEST(TroupeRun, MissingProgramIsAClearError) {
   auto r = run_cli({"run", "--nproc", "1", "--", "/no/such/program"});
   EXPECT_EQ(r.exit_code, 127) << r.output;
