@@ -895,12 +895,13 @@ TEST_F(ElasticFault, TroupeReplaceScaleAndStatusCommands) {
       troupe({"top", dir.string(), "--once", "--events", "1000"}, "cli-top.log");
     }
   };
-  // Slot 0 sleeps eight times in every step (150 ms each: ~1.2 s a step): the job still
+  // Slot 0 sleeps twelve times in every step (150 ms each: ~1.8 s a step): the job still
   // runs when the scale, asked after the replacement's epoch opened, is taken, even when
   // the CLI's processes start slowly on a loaded machine (at ~0.6 s a step, a fresh-clone
-  // run once saw the job finish first).
+  // run once saw the job finish first; at ~1.2 s, a load run whose replacement took 1.5 s
+  // to recover).
   const std::string slow = "slow@1:any:0,slow@1:forward:0,slow@1:alltoall:0,slow@1:sync:0";
-  const RunResult r = run_case("cli", slow + "," + slow, {}, tick);
+  const RunResult r = run_case("cli", slow + "," + slow + "," + slow, {}, tick);
   expect_clean_finish(r);
   expect_same_losses("cli", r);
   ASSERT_EQ(cmds.size(), 6u) << r.output;
