@@ -211,6 +211,7 @@ void ProcessSupervisor::terminate(int slot, const std::string& why) {
 }
 
 bool ProcessSupervisor::kill_all() {
+  stop_probe();                  // before the store may be leaked below
   if (scheduled_) return false;  // the scheduler owns the processes
   // A worker thread still running (the job failed): a plan without it makes it leave
   // (its communicators aborted, its step unwound). One wedged past the wait is left
@@ -322,6 +323,34 @@ std::optional<Failure> ProcessSupervisor::check_processes() {
   return f;
 }
 
+void ProcessSupervisor::start_probe() {
+  if (probe_.joinable()) return;
+  probe_ = std::thread([this, key = store_.key("hb/probe")] {
+    uint64_t seq = 0;
+    std::unique_lock lock(probe_mu_);
+    while (!probe_stop_) {
+      lock.unlock();
+      const auto t0 = Clock::now();
+      probe_since_ns_.store(t0.time_since_epoch().count());
+      (void)store_.poll_set(key, std::to_string(++seq));
+      if (Clock::now() - t0 > std::chrono::milliseconds(500)) probe_slow_.store(true);
+      probe_since_ns_.store(0);
+      lock.lock();
+      probe_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return probe_stop_; });
+    }
+  });
+}
+
+void ProcessSupervisor::stop_probe() {
+  if (!probe_.joinable()) return;
+  {
+    std::lock_guard lock(probe_mu_);
+    probe_stop_ = true;
+  }
+  probe_cv_.notify_all();
+  probe_.join();
+}
+
 void ProcessSupervisor::mark_start(int slot, uint64_t epoch) {
   Proc& p = procs_[slot];
   p.start_mark = fmt::format("starting in epoch {}", epoch);
@@ -352,15 +381,23 @@ std::optional<Failure> ProcessSupervisor::check_heartbeats() {
   }
   // A store that answers slowly (a loaded scheduler) is no proof of silence either. The
   // workers' beats are writes: with a file store the probe writes too, since a busy disk
-  // stalls file creation and renames (its journal) while reads still answer at once. Under
-  // the scheduler one thread answers both, and a read costs it no disk.
-  const auto t_probe = Clock::now();
+  // stalls file creation and renames (its journal) while reads still answer at once; it
+  // writes on a thread of its own (start_probe), and a write under way or finished past
+  // kProbeStall since the last check counts. Under the scheduler one thread answers reads
+  // and writes, and a read costs it no disk.
+  constexpr auto kProbeStall = std::chrono::milliseconds(500);
+  bool store_stalled = false;
   if (scheduled_) {
+    const auto t_probe = Clock::now();
     (void)store_.poll_contains(store_.key("hb/probe"));
+    store_stalled = Clock::now() - t_probe > kProbeStall;
   } else {
-    (void)store_.poll_set(store_.key("hb/probe"), std::to_string(++probe_seq_));
+    start_probe();
+    const int64_t since = probe_since_ns_.load();
+    const int64_t now_ns = Clock::now().time_since_epoch().count();
+    store_stalled = probe_slow_.exchange(false) ||
+                    (since != 0 && now_ns - since > std::chrono::nanoseconds(kProbeStall).count());
   }
-  const bool store_stalled = Clock::now() - t_probe > std::chrono::milliseconds(500);
   if (store_stalled || Clock::now() - last_hb_check_ > hb_timeout_ / 2 ||
       Clock::now() < liveness_grace_until_) {
     for (auto& [slot, p] : procs_) p.hb_seen = Clock::now();

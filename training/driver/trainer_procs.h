@@ -18,9 +18,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -122,6 +124,9 @@ class ProcessSupervisor {
   ProcessSupervisor(const TrainerOptions& o, const layers::TrainConfig& tc, JobStore& store,
                     const ElasticPlan& plan, EventLog& log)
       : o_(o), tc_(tc), store_(store), plan_(plan), log_(log) {}
+  ~ProcessSupervisor() { stop_probe(); }
+  ProcessSupervisor(const ProcessSupervisor&) = delete;
+  ProcessSupervisor& operator=(const ProcessSupervisor&) = delete;
   // How the workers are owned (trainer.h): a thread of this process, the scheduler's, or
   // this launcher's children; `poll`: the interval of store probes. Sets the timeouts.
   void configure(bool one_process, bool scheduled, std::chrono::milliseconds poll);
@@ -156,6 +161,12 @@ class ProcessSupervisor {
   // Writes the start mark into slot's heartbeat key (Proc::start_mark) and starts its
   // silence clock.
   void mark_start(int slot, uint64_t epoch);
+  // The stall probe of a store that is not the scheduler's: a thread that writes
+  // "hb/probe" every 100 ms, as the workers' beats write, so that check_heartbeats learns
+  // a write stalled (a busy disk's journal) without ever waiting for one itself: a probe
+  // on the checking thread held a worker's failure report back for the stall's length.
+  void start_probe();
+  void stop_probe();  // joins it (before the store can be leaked or go)
 
   const TrainerOptions& o_;
   const layers::TrainConfig& tc_;
@@ -173,7 +184,12 @@ class ProcessSupervisor {
   uint64_t outages_seen_ = 0;
   Clock::time_point liveness_grace_until_{};
   Clock::time_point last_hb_check_ = Clock::now();
-  uint64_t probe_seq_ = 0;  // the value of the stall probe's write (file stores)
+  std::thread probe_;
+  std::mutex probe_mu_;
+  std::condition_variable probe_cv_;
+  bool probe_stop_ = false;
+  std::atomic<int64_t> probe_since_ns_{0};  // steady clock when the write under way began (0: none)
+  std::atomic<bool> probe_slow_{false};     // a write took over 500 ms since the last check
 };
 
 }  // namespace troupe::training
