@@ -846,7 +846,23 @@ TEST_F(ElasticFault, TroupeRunReplacesWorkersThroughTheScheduler) {
   EXPECT_EQ(det[0]["cause"], "heartbeat");
   EXPECT_EQ(det[1]["cause"], "exit");
   EXPECT_LE(det[0]["detection_ms"].get<int64_t>(), kHeartbeatTimeoutMs + 1000);
-  EXPECT_LE(det[1]["detection_ms"].get<int64_t>(), 1000);
+  // The kill: the agent reports the exit at once (DESIGN "Detection"), so from its record
+  // of the process's end (scheduler_events.jsonl) to the driver's detection is bounded at
+  // 1 s. From the worker's own fault record it also holds the injector's store of that
+  // record, a durable write through the scheduler that once took 3.6 s in a load run
+  // (the process died only after it): a looser bound there.
+  std::optional<int64_t> exited_ms;
+  for (const auto& e : troupe::test::read_jsonl(*root_ / "troupe-run" / "scheduler_events.jsonl")) {
+    if (!exited_ms && e.value("type", "") == "proc_exited" && e.value("proc", "") == "worker-0" &&
+        e.value("signal", 0) == 9)
+      exited_ms = e.value("exited_at_ms", int64_t{0});
+  }
+  ASSERT_TRUE(exited_ms.has_value()) << "no proc_exited event of worker-0 in scheduler_events.jsonl";
+  const int64_t since_exit = det[1]["detected_ms"].get<int64_t>() - *exited_ms;
+  EXPECT_LE(since_exit, 1000) << r.output;
+  EXPECT_LE(det[1]["detection_ms"].get<int64_t>(), 5000);
+  std::printf("[elastic troupe-run] the kill detected %lld ms after the agent saw worker-0 end\n",
+              static_cast<long long>(since_exit));
   for (size_t i = 0; i < 2; ++i) {
     EXPECT_LE(rec[i]["recovery_s"].get<double>(), 10.0);
     // At most the steps since the newest committed snapshot: with steps in flight the
