@@ -323,6 +323,14 @@ std::optional<Failure> ProcessSupervisor::check_processes() {
   return f;
 }
 
+namespace {
+// A store write that takes longer than this stalled (check_heartbeats, start_probe).
+constexpr auto kProbeStall = std::chrono::milliseconds(500);
+int64_t steady_ns(ProcessSupervisor::Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+}  // namespace
+
 void ProcessSupervisor::start_probe() {
   if (probe_.joinable()) return;
   probe_ = std::thread([this, key = store_.key("hb/probe")] {
@@ -331,9 +339,9 @@ void ProcessSupervisor::start_probe() {
     while (!probe_stop_) {
       lock.unlock();
       const auto t0 = Clock::now();
-      probe_since_ns_.store(t0.time_since_epoch().count());
+      probe_since_ns_.store(steady_ns(t0));
       (void)store_.poll_set(key, std::to_string(++seq));
-      if (Clock::now() - t0 > std::chrono::milliseconds(500)) probe_slow_.store(true);
+      if (Clock::now() - t0 > kProbeStall) probe_slow_.store(true);
       probe_since_ns_.store(0);
       lock.lock();
       probe_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return probe_stop_; });
@@ -385,7 +393,6 @@ std::optional<Failure> ProcessSupervisor::check_heartbeats() {
   // writes on a thread of its own (start_probe), and a write under way or finished past
   // kProbeStall since the last check counts. Under the scheduler one thread answers reads
   // and writes, and a read costs it no disk.
-  constexpr auto kProbeStall = std::chrono::milliseconds(500);
   bool store_stalled = false;
   if (scheduled_) {
     const auto t_probe = Clock::now();
@@ -394,9 +401,9 @@ std::optional<Failure> ProcessSupervisor::check_heartbeats() {
   } else {
     start_probe();
     const int64_t since = probe_since_ns_.load();
-    const int64_t now_ns = Clock::now().time_since_epoch().count();
-    store_stalled = probe_slow_.exchange(false) ||
-                    (since != 0 && now_ns - since > std::chrono::nanoseconds(kProbeStall).count());
+    store_stalled =
+        probe_slow_.exchange(false) ||
+        (since != 0 && steady_ns(Clock::now()) - since > std::chrono::nanoseconds(kProbeStall).count());
   }
   if (store_stalled || Clock::now() - last_hb_check_ > hb_timeout_ / 2 ||
       Clock::now() < liveness_grace_until_) {
