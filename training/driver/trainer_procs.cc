@@ -408,8 +408,11 @@ std::optional<Failure> ProcessSupervisor::check_heartbeats() {
   if (store_stalled || Clock::now() - last_hb_check_ > hb_timeout_ / 2 ||
       Clock::now() < liveness_grace_until_) {
     for (auto& [slot, p] : procs_) p.hb_seen = Clock::now();
-    if (store_stalled) event({{"event", "heartbeat_timers_reset"}, {"why", "the store stalled"}});
+    // One event a stall (the checks come every poll while it lasts).
+    if (store_stalled && !stall_reported_)
+      event({{"event", "heartbeat_timers_reset"}, {"why", "the store stalled"}});
   }
+  stall_reported_ = store_stalled;
   last_hb_check_ = Clock::now();
   const auto now = Clock::now();
   for (int slot : plan_.slots) {

@@ -190,6 +190,7 @@ class ProcessSupervisor {
   bool probe_stop_ = false;
   std::atomic<int64_t> probe_since_ns_{0};  // steady clock when the write under way began (0: none)
   std::atomic<bool> probe_slow_{false};     // a write took over 500 ms since the last check
+  bool stall_reported_ = false;             // the last check found the store stalled (and said so)
 };
 
 }  // namespace troupe::training
