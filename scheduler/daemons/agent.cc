@@ -38,6 +38,14 @@ std::shared_ptr<spdlog::logger> log() {
   return l;
 }
 
+// Best effort: a key file already gone (or never written) is no error.
+void remove_files(const std::vector<std::string>& paths) {
+  for (const std::string& path : paths) {
+    std::error_code ec;
+    std::filesystem::remove(path, ec);
+  }
+}
+
 // Job ids and process names become path parts: keep them to a safe alphabet.
 bool safe_name(const std::string& s) {
   if (s.empty() || s.size() > 128 || s == "." || s == "..") return false;
@@ -154,10 +162,7 @@ Agent::~Agent() {
     starter_.join();  // a start it finished after kill_all's bound: its child got PDEATHSIG
     collect_starts();
     if (!children_.empty()) kill_all(std::chrono::milliseconds(0));
-    for (const std::string& path : removals_) {  // key files of processes reaped since
-      std::error_code ec;
-      std::filesystem::remove(path, ec);
-    }
+    remove_files(removals_);  // key files of processes reaped since
   }
   if (start_wake_fd_ >= 0) ::close(start_wake_fd_);
   keeper_.reset();
@@ -423,10 +428,7 @@ void Agent::starter_loop() {
       start_cv_.wait(lock, [&] { return start_stop_ || !start_queue_.empty() || !removals_.empty(); });
       removals.swap(removals_);
     }
-    for (const std::string& path : removals) {
-      std::error_code ec;
-      std::filesystem::remove(path, ec);
-    }
+    remove_files(removals);
     {
       std::unique_lock lock(start_mu_);
       if (start_stop_) return;

@@ -332,7 +332,7 @@ int64_t steady_ns(ProcessSupervisor::Clock::time_point t) {
 }  // namespace
 
 void ProcessSupervisor::start_probe() {
-  if (probe_.joinable()) return;
+  if (probe_.joinable() || probe_stop_) return;  // running, or stopped for good (kill_all)
   probe_ = std::thread([this, key = store_.key("hb/probe")] {
     uint64_t seq = 0;
     std::unique_lock lock(probe_mu_);
