@@ -568,6 +568,54 @@ TEST_F(CudaBf16, RowKernels) {
 // The embedding gradient sums a repeated token's rows in token order (a stable sort by id,
 // one writer per table row): two runs are bit-identical, and both agree with the CPU's
 // in-order sum. Half the tokens share one id, so atomics in any order would show.
+// The LM head's fused cross-entropy pass on bf16 logits: vocabularies of 1 to 14 sweeps of
+// 512 x 8 elements stage a row in shared memory (2, 5 (an odd count: two groups of two
+// packs, then one), 8 (bench_1b's 32768) and 14 here); 16 sweeps and 20488 take the kernel
+// that reads a row twice. Every one must equal the forward kernel then the
+// backward kernel bit for bit (losses, lse, dlogits; in place and into another buffer),
+// with an ignored row and a target in the last column, and agree with the CPU.
+TEST_F(CudaBf16, CrossEntropyFusedEqualsForwardThenBackward) {
+  Exec cpu = Exec::cpu();
+  const int64_t t = 7;
+  for (const int64_t vocab :
+       {int64_t{8192}, int64_t{20480}, int64_t{32768}, int64_t{57344}, int64_t{65536}, int64_t{20488}}) {
+    for (const bool in_place : {false, true}) {
+      const std::string at = fmt::format(" (vocab {}{})", vocab, in_place ? ", in place" : "");
+      Tensor logits = host_random({t, vocab}, kBF, -6.0f, 6.0f);
+      std::vector<int32_t> tg(t);
+      for (int64_t i = 0; i < t; ++i) tg[i] = static_cast<int32_t>((i * 7919) % vocab);
+      tg[2] = -1;
+      tg[5] = static_cast<int32_t>(vocab - 1);
+      Tensor targets = Tensor::from_ints({t}, tg), dtargets = dev(targets);
+
+      Tensor l_two = dev_poisoned({t}, kF32), s_two = dev_poisoned({t}, kF32);
+      Tensor d_two = dev(logits);
+      cross_entropy_forward(gpu.ex, d_two, dtargets, l_two, s_two);
+      cross_entropy_backward(gpu.ex, d_two, dtargets, s_two, 0.25f, d_two);
+
+      Tensor l_one = dev_poisoned({t}, kF32), s_one = dev_poisoned({t}, kF32);
+      Tensor in = dev(logits);
+      Tensor d_one = in_place ? in : dev_poisoned({t, vocab}, kBF);
+      cross_entropy_forward_backward(gpu.ex, in, dtargets, 0.25f, l_one, s_one, d_one);
+
+      for (const auto& [got, want, what] :
+           {std::tuple{&l_one, &l_two, "losses"}, std::tuple{&s_one, &s_two, "lse"},
+            std::tuple{&d_one, &d_two, "dlogits"}}) {
+        const Tensor a = back(*got), b = back(*want);
+        ASSERT_EQ(a.nbytes(), b.nbytes());
+        EXPECT_EQ(std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()), 0) << what << at;
+      }
+      Tensor l_w = host_poisoned({t}, kF32), s_w = host_poisoned({t}, kF32);
+      cross_entropy_forward(cpu, logits, targets, l_w, s_w);
+      Tensor g_w = host_poisoned({t, vocab}, kBF);
+      cross_entropy_backward(cpu, logits, targets, s_w, 0.25f, g_w);
+      expect_close(l_one, l_w, 1e-4, ("fused losses" + at).c_str());
+      expect_close(s_one, s_w, 1e-5, ("fused lse" + at).c_str());
+      expect_close(d_one, g_w, kTol, ("fused dlogits" + at).c_str());
+    }
+  }
+}
+
 TEST_F(CudaBf16, EmbeddingBackwardIsDeterministic) {
   const Exec cpu = Exec::cpu();
   const int64_t tokens = 8192, vocab = 50000;
